@@ -1,0 +1,1 @@
+//! The compute engine: fused CPU kernels, a persistent thread pool, optimizers.

@@ -1,0 +1,1 @@
+//! The mini-GPT model: config, flat parameters, forward/backward, checkpoints, sampling.

@@ -1,1 +1,3 @@
 //! The compute engine: fused CPU kernels, a persistent thread pool, optimizers.
+
+pub mod optim;

@@ -40,4 +40,38 @@ pub enum StoreError {
         /// What was wrong.
         detail: String,
     },
+    /// A client could not reach the store server before its deadline.
+    #[error("store: could not connect to {addr} within {timeout:?}: {source}")]
+    Connect {
+        /// The address the client tried.
+        addr: String,
+        /// How long it kept trying.
+        timeout: Duration,
+        /// The last failure seen.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A store server could not listen on its address (for example, the port
+    /// is already in use).
+    #[error("store: cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: String,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A key or a value is larger than the stores accept
+    /// ([`MAX_KEY_LEN`](crate::MAX_KEY_LEN), [`MAX_VALUE_LEN`](crate::MAX_VALUE_LEN)).
+    #[error("store: {what} of key {key:?} is {size} bytes, over the limit of {limit}")]
+    TooLarge {
+        /// `"key"` or `"value"`.
+        what: &'static str,
+        /// The key (its first 64 characters when the key itself is too long).
+        key: String,
+        /// The size given.
+        size: usize,
+        /// The largest size accepted.
+        limit: usize,
+    },
 }

@@ -4,7 +4,10 @@ use std::collections::HashMap;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::{parse_counter, Store, StoreError, DEFAULT_TIMEOUT};
+use crate::{
+    check_entry, check_key, compare_matches, counter_after_add, deadline_after, Store, StoreError,
+    DEFAULT_TIMEOUT,
+};
 
 /// An in-memory [`Store`]; clone an `Arc<HashStore>` to share it between threads.
 #[derive(Debug)]
@@ -40,10 +43,64 @@ impl HashStore {
         // (every update is one insert or remove), so poisoning is ignored.
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// [`Store::wait`], but also stops early, returning `Ok(false)`, once
+    /// `give_up()` says so. `give_up` runs with the map locked, after every
+    /// change and at least every `poll`; whoever makes it true must then call
+    /// [`HashStore::wake_waiters`] so that no waiter sleeps through it.
+    pub(crate) fn wait_or_give_up(
+        &self,
+        keys: &[&str],
+        timeout: Duration,
+        poll: Duration,
+        mut give_up: impl FnMut() -> bool,
+    ) -> Result<bool, StoreError> {
+        let deadline = deadline_after(timeout);
+        let mut map = self.lock();
+        loop {
+            if give_up() {
+                return Ok(false);
+            }
+            let missing: Vec<String> = keys
+                .iter()
+                .filter(|k| !map.contains_key(**k))
+                .map(|k| k.to_string())
+                .collect();
+            if missing.is_empty() {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(StoreError::Timeout {
+                    keys: missing,
+                    timeout,
+                });
+            }
+            map = self
+                .changed
+                .wait_timeout(map, (deadline - now).min(poll))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// The value of `key` now, without waiting.
+    pub(crate) fn value(&self, key: &str) -> Option<Vec<u8>> {
+        self.lock().get(key).cloned()
+    }
+
+    /// Wakes every waiter so that it runs its `give_up` check again.
+    pub(crate) fn wake_waiters(&self) {
+        // Taking the lock orders this after any waiter's check that is
+        // about to sleep, so the notification cannot fall between the two.
+        let _map = self.lock();
+        self.changed.notify_all();
+    }
 }
 
 impl Store for HashStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        check_entry(key, value)?;
         self.lock().insert(key.to_string(), value.to_vec());
         self.changed.notify_all();
         Ok(())
@@ -55,12 +112,9 @@ impl Store for HashStore {
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        check_key(key)?;
         let mut map = self.lock();
-        let current = match map.get(key) {
-            Some(v) => parse_counter(key, v)?,
-            None => 0,
-        };
-        let new = current.wrapping_add(delta);
+        let new = counter_after_add(key, map.get(key).map(Vec::as_slice), delta)?;
         map.insert(key.to_string(), new.to_string().into_bytes());
         drop(map);
         self.changed.notify_all();
@@ -73,12 +127,9 @@ impl Store for HashStore {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, StoreError> {
+        check_entry(key, desired)?;
         let mut map = self.lock();
-        let swap = match map.get(key) {
-            None => expected.is_empty(),
-            Some(current) => current == expected,
-        };
-        if swap {
+        if compare_matches(map.get(key).map(Vec::as_slice), expected) {
             map.insert(key.to_string(), desired.to_vec());
             drop(map);
             self.changed.notify_all();
@@ -88,30 +139,8 @@ impl Store for HashStore {
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
-        let deadline = Instant::now() + timeout;
-        let mut map = self.lock();
-        loop {
-            let missing: Vec<String> = keys
-                .iter()
-                .filter(|k| !map.contains_key(**k))
-                .map(|k| k.to_string())
-                .collect();
-            if missing.is_empty() {
-                return Ok(());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(StoreError::Timeout {
-                    keys: missing,
-                    timeout,
-                });
-            }
-            map = self
-                .changed
-                .wait_timeout(map, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        self.wait_or_give_up(keys, timeout, timeout, || false)
+            .map(|_| ())
     }
 
     fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
@@ -135,7 +164,14 @@ impl Store for HashStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contract::check_store;
     use std::sync::Arc;
+
+    #[test]
+    fn meets_the_store_contract() {
+        let store = HashStore::with_timeout(Duration::from_millis(100));
+        check_store(&store, &store);
+    }
 
     #[test]
     fn get_waits_for_a_later_set() {

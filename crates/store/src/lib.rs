@@ -11,13 +11,25 @@
 //!   every rank.
 //! - [`PrefixStore`]: a namespace inside another store (one per process group).
 //!
+//! The stores that cross process boundaries: [`FileStore::new`] opens (or
+//! creates) a log file shared through the filesystem, locked with `flock` for
+//! each operation, and removed when the last `FileStore` on it is dropped, as
+//! in c10d. [`TcpStoreServer::bind`] serves a table to any number of clients
+//! from background threads of the hosting process until it is dropped;
+//! [`TcpStore::connect`] is a client (retrying until the server is up) whose
+//! `get` and `wait` block on the server, not by polling; and
+//! [`TcpStore::new_master_or_client`] is PyTorch's
+//! `TCPStore(host, port, is_master=...)`: rank 0 hosts the server in-process
+//! and every rank, rank 0 included, talks to it as a client. Keys are at most
+//! [`MAX_KEY_LEN`] bytes and values at most [`MAX_VALUE_LEN`] in every store.
+//!
 //! Every call that waits has a deadline and fails with [`StoreError::Timeout`],
 //! naming the keys and the timeout, instead of hanging. This crate knows
 //! nothing of tensors, collectives or models.
 //!
 //! ```
 //! use cohort_store::{HashStore, Store};
-//! use std::time::Duration;
+//! use std::time::{Duration, Instant};
 //!
 //! let store = HashStore::new();
 //! store.set("addr/0", b"127.0.0.1:4000").unwrap();
@@ -27,6 +39,9 @@
 //! ```
 #![deny(missing_docs)]
 
+mod codec;
+#[cfg(test)]
+mod contract;
 mod error;
 mod file;
 mod hash;
@@ -39,10 +54,18 @@ pub use hash::HashStore;
 pub use prefix::PrefixStore;
 pub use tcp::{TcpStore, TcpStoreServer};
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Timeout of a store's blocking calls unless set otherwise (PyTorch's default).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Largest key, in bytes, that any store accepts.
+pub const MAX_KEY_LEN: usize = 64 << 10;
+
+/// Largest value, in bytes, that any store accepts; it bounds what a
+/// [`TcpStoreServer`] buffers for one request and what a [`FileStore`] reads
+/// for one record.
+pub const MAX_VALUE_LEN: usize = 64 << 20;
 
 /// A key-value store shared by the processes of a job.
 ///
@@ -97,4 +120,60 @@ pub(crate) fn parse_counter(key: &str, value: &[u8]) -> Result<i64, StoreError> 
             key: key.to_string(),
             value: String::from_utf8_lossy(value).into_owned(),
         })
+}
+
+/// The counter that `add(key, delta)` leaves, given the key's current value.
+pub(crate) fn counter_after_add(
+    key: &str,
+    current: Option<&[u8]>,
+    delta: i64,
+) -> Result<i64, StoreError> {
+    let current = match current {
+        Some(v) => parse_counter(key, v)?,
+        None => 0,
+    };
+    Ok(current.wrapping_add(delta))
+}
+
+/// Whether `compare_set` replaces a key holding `current` (`None`: missing).
+pub(crate) fn compare_matches(current: Option<&[u8]>, expected: &[u8]) -> bool {
+    match current {
+        None => expected.is_empty(),
+        Some(current) => current == expected,
+    }
+}
+
+/// Rejects a key that no store may hold.
+pub(crate) fn check_key(key: &str) -> Result<(), StoreError> {
+    if key.len() > MAX_KEY_LEN {
+        return Err(StoreError::TooLarge {
+            what: "key",
+            key: key.chars().take(64).collect(),
+            size: key.len(),
+            limit: MAX_KEY_LEN,
+        });
+    }
+    Ok(())
+}
+
+/// Rejects a key or value that no store may hold.
+pub(crate) fn check_entry(key: &str, value: &[u8]) -> Result<(), StoreError> {
+    check_key(key)?;
+    if value.len() > MAX_VALUE_LEN {
+        return Err(StoreError::TooLarge {
+            what: "value",
+            key: key.to_string(),
+            size: value.len(),
+            limit: MAX_VALUE_LEN,
+        });
+    }
+    Ok(())
+}
+
+/// The instant `timeout` from now; a timeout too large to represent (such as
+/// `Duration::MAX`, meaning "forever") saturates instead of panicking.
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
 }

@@ -32,12 +32,27 @@ impl PrefixStore {
             .unwrap_or(key)
     }
 
-    /// Maps a timeout error back to the caller's key names.
+    /// Maps the keys an error names back to the caller's key names.
     fn unprefix(&self, err: StoreError) -> StoreError {
         match err {
             StoreError::Timeout { keys, timeout } => StoreError::Timeout {
                 keys: keys.iter().map(|k| self.strip(k).to_string()).collect(),
                 timeout,
+            },
+            StoreError::NotACounter { key, value } => StoreError::NotACounter {
+                key: self.strip(&key).to_string(),
+                value,
+            },
+            StoreError::TooLarge {
+                what,
+                key,
+                size,
+                limit,
+            } => StoreError::TooLarge {
+                what,
+                key: self.strip(&key).to_string(),
+                size,
+                limit,
             },
             other => other,
         }
@@ -46,7 +61,9 @@ impl PrefixStore {
 
 impl Store for PrefixStore {
     fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
-        self.inner.set(&self.key(key), value)
+        self.inner
+            .set(&self.key(key), value)
+            .map_err(|e| self.unprefix(e))
     }
 
     fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
@@ -54,7 +71,9 @@ impl Store for PrefixStore {
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
-        self.inner.add(&self.key(key), delta)
+        self.inner
+            .add(&self.key(key), delta)
+            .map_err(|e| self.unprefix(e))
     }
 
     fn compare_set(
@@ -63,7 +82,9 @@ impl Store for PrefixStore {
         expected: &[u8],
         desired: &[u8],
     ) -> Result<Vec<u8>, StoreError> {
-        self.inner.compare_set(&self.key(key), expected, desired)
+        self.inner
+            .compare_set(&self.key(key), expected, desired)
+            .map_err(|e| self.unprefix(e))
     }
 
     fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
@@ -97,7 +118,16 @@ impl Store for PrefixStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::contract::check_store;
     use crate::HashStore;
+
+    #[test]
+    fn meets_the_store_contract() {
+        let base: Arc<dyn Store> = Arc::new(HashStore::with_timeout(Duration::from_millis(100)));
+        let a = PrefixStore::new("group/0", base.clone());
+        let b = PrefixStore::new("group/0", base);
+        check_store(&a, &b);
+    }
 
     #[test]
     fn prefixes_do_not_collide() {

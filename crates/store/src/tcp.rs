@@ -1,8 +1,644 @@
-//! `TcpStore`: a store served over TCP by one process to all the others.
-//! (Being written: see the store helper's task.)
+//! `TcpStore`: a store served over TCP by one process (the launcher or rank
+//! 0) to every rank, like c10d's TCPStore.
+//!
+//! The client keeps a small pool of connections: each call takes an idle
+//! connection (or opens one), makes one round trip on it and puts it back,
+//! so a thread blocked in `get` or `wait` never holds up other threads'
+//! calls. Blocking is done by the server, which answers when the keys exist
+//! or when the client's deadline passes; the client never polls.
+//!
+//! The client must never wait without a bound (every socket read has a
+//! timeout derived from the call's) and never reuse a connection after an
+//! error, since its stream may be out of step.
 
-/// Client of a [`TcpStoreServer`].
-pub struct TcpStore;
+mod server;
+mod wire;
 
-/// The server side of a [`TcpStore`].
-pub struct TcpStoreServer;
+pub use server::TcpStoreServer;
+
+use std::fmt::{self, Display};
+use std::io::{self, BufReader, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use crate::{check_entry, check_key, deadline_after, Store, StoreError};
+use wire::{read_frame, Request, Response, MAGIC, MAX_FRAME_LEN, VERSION};
+
+/// How long a `get`/`wait` reply may lag behind the deadline the server
+/// enforces before the client gives up on the server itself.
+const REPLY_GRACE: Duration = Duration::from_secs(10);
+/// Idle connections kept for reuse; more are closed after their call.
+const MAX_IDLE: usize = 8;
+/// Longest pause between two connection attempts while the server is not up.
+const RETRY_MAX: Duration = Duration::from_millis(50);
+
+/// Client of a [`TcpStoreServer`]; `Send + Sync`, share it with an `Arc`.
+///
+/// ```
+/// use cohort_store::{Store, TcpStore};
+/// use std::time::Duration;
+///
+/// // Rank 0 hosts the server in-process; other ranks pass `false`.
+/// let rank0 = TcpStore::new_master_or_client("127.0.0.1:0", true, Duration::from_secs(5)).unwrap();
+/// let rank1 = TcpStore::connect(rank0.server_addr(), Duration::from_secs(5)).unwrap();
+/// rank1.set("addr/1", b"127.0.0.1:4001").unwrap();
+/// assert_eq!(rank0.get("addr/1").unwrap(), b"127.0.0.1:4001");
+/// ```
+pub struct TcpStore {
+    /// The address as the caller gave it, for error messages.
+    addr: String,
+    /// Where the first connection got through; later ones go there too.
+    server_addr: SocketAddr,
+    timeout: Duration,
+    idle: Mutex<Vec<Connection>>,
+    /// The server, when this client hosts it; dropped after `idle`.
+    server: Option<TcpStoreServer>,
+}
+
+impl fmt::Debug for TcpStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpStore")
+            .field("addr", &self.addr)
+            .field("server_addr", &self.server_addr)
+            .field("timeout", &self.timeout)
+            .field("hosts_server", &self.server.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpStore {
+    /// Connects to the server at `addr` (`"host:port"` or a `SocketAddr`),
+    /// retrying until `timeout` since ranks may start before the server is
+    /// up. `timeout` is also the store's [`Store::timeout`]. Fails with
+    /// [`StoreError::Connect`], naming the address and the timeout, when no
+    /// server answered in time, and with [`StoreError::Protocol`] at once
+    /// when something other than a store server answered.
+    pub fn connect<A: ToSocketAddrs + Display>(
+        addr: A,
+        timeout: Duration,
+    ) -> Result<TcpStore, StoreError> {
+        let name = addr.to_string();
+        let deadline = deadline_after(timeout);
+        let mut pause = Duration::from_millis(1);
+        let mut last_err = io::Error::new(io::ErrorKind::TimedOut, "no attempt finished");
+        loop {
+            match addr.to_socket_addrs() {
+                Ok(candidates) => {
+                    for server_addr in candidates {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        let attempt = left.clamp(Duration::from_millis(1), Duration::from_secs(1));
+                        match Connection::open(&server_addr, attempt, timeout) {
+                            Ok(conn) => {
+                                return Ok(TcpStore {
+                                    addr: name,
+                                    server_addr,
+                                    timeout,
+                                    idle: Mutex::new(vec![conn]),
+                                    server: None,
+                                })
+                            }
+                            Err(OpenError::Protocol(detail)) => {
+                                return Err(StoreError::Protocol {
+                                    location: name,
+                                    detail,
+                                })
+                            }
+                            Err(OpenError::Io(e)) => last_err = e,
+                        }
+                    }
+                }
+                Err(e) => last_err = e,
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(StoreError::Connect {
+                    addr: name,
+                    timeout,
+                    source: last_err,
+                });
+            }
+            thread::sleep(pause.min(deadline - now));
+            pause = (pause * 2).min(RETRY_MAX);
+        }
+    }
+
+    /// PyTorch's `TCPStore(host, port, is_master=...)`: the master binds a
+    /// [`TcpStoreServer`] on `addr` in this process and connects to it; the
+    /// others [`connect`](Self::connect) to `addr`. The master's server lives
+    /// as long as this `TcpStore`, so rank 0 must keep it until the other
+    /// ranks are done with the store.
+    pub fn new_master_or_client<A: ToSocketAddrs + Display>(
+        addr: A,
+        is_master: bool,
+        timeout: Duration,
+    ) -> Result<TcpStore, StoreError> {
+        if !is_master {
+            return TcpStore::connect(addr, timeout);
+        }
+        let server = TcpStoreServer::bind(addr)?;
+        let mut store = TcpStore::connect(server.reachable_addr(), timeout)?;
+        store.server = Some(server);
+        Ok(store)
+    }
+
+    /// The server's address as this client reaches it (for a master bound to
+    /// port 0, the real port, to hand to the other ranks).
+    pub fn server_addr(&self) -> SocketAddr {
+        self.server_addr
+    }
+
+    fn idle(&self) -> MutexGuard<'_, Vec<Connection>> {
+        // The pool is only pushed to and popped from; poisoning is harmless.
+        self.idle.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn io_err(&self, source: io::Error) -> StoreError {
+        let source = if source.kind() == io::ErrorKind::UnexpectedEof {
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the store server closed the connection",
+            )
+        } else {
+            source
+        };
+        StoreError::Io {
+            location: self.addr.clone(),
+            source,
+        }
+    }
+
+    fn protocol_err(&self, detail: String) -> StoreError {
+        StoreError::Protocol {
+            location: self.addr.clone(),
+            detail,
+        }
+    }
+
+    /// One round trip; `blocks_for` is how long the server may hold the
+    /// answer (a `get` or `wait` timeout).
+    fn call(
+        &self,
+        request: &Request<'_>,
+        blocks_for: Option<Duration>,
+    ) -> Result<Response, StoreError> {
+        let frame = request.encode();
+        if frame.len() - 4 > MAX_FRAME_LEN {
+            return Err(self.protocol_err(format!(
+                "a request of {} bytes is over the frame limit of {MAX_FRAME_LEN}",
+                frame.len() - 4
+            )));
+        }
+        let reply_within = match blocks_for {
+            Some(t) => t.saturating_add(REPLY_GRACE),
+            None => self.timeout,
+        };
+        let popped = self.idle().pop();
+        let mut conn = match popped {
+            Some(conn) => conn,
+            None => Connection::open(&self.server_addr, self.timeout, self.timeout).map_err(
+                |e| match e {
+                    OpenError::Io(e) => self.io_err(e),
+                    OpenError::Protocol(detail) => self.protocol_err(detail),
+                },
+            )?,
+        };
+        let response = conn.round_trip(&frame, reply_within).map_err(|e| {
+            if e.kind() == io::ErrorKind::InvalidData {
+                self.protocol_err(e.to_string())
+            } else {
+                self.io_err(e)
+            }
+        })?;
+        if let Response::Error(detail) = response {
+            return Err(self.protocol_err(format!("the server refused the request: {detail}")));
+        }
+        let mut idle = self.idle();
+        if idle.len() < MAX_IDLE {
+            idle.push(conn);
+        }
+        Ok(response)
+    }
+
+    fn unexpected(&self, op: &str, response: Response) -> StoreError {
+        self.protocol_err(format!("unexpected answer to {op}: {response:?}"))
+    }
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        check_entry(key, value)?;
+        match self.call(&Request::Set { key, value }, None)? {
+            Response::Done => Ok(()),
+            other => Err(self.unexpected("set", other)),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<Vec<u8>, StoreError> {
+        let timeout = self.timeout;
+        match self.call(&Request::Get { key, timeout }, Some(timeout))? {
+            Response::Value(v) => Ok(v),
+            Response::Timeout(keys) => Err(StoreError::Timeout { keys, timeout }),
+            other => Err(self.unexpected("get", other)),
+        }
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        check_key(key)?;
+        match self.call(&Request::Add { key, delta }, None)? {
+            Response::Int(n) => Ok(n),
+            Response::NotACounter(value) => Err(StoreError::NotACounter {
+                key: key.to_string(),
+                value: String::from_utf8_lossy(&value).into_owned(),
+            }),
+            other => Err(self.unexpected("add", other)),
+        }
+    }
+
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, StoreError> {
+        check_entry(key, desired)?;
+        check_entry(key, expected)?;
+        let request = Request::CompareSet {
+            key,
+            expected,
+            desired,
+        };
+        match self.call(&request, None)? {
+            Response::Value(v) => Ok(v),
+            other => Err(self.unexpected("compare_set", other)),
+        }
+    }
+
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError> {
+        let request = Request::Wait {
+            keys: keys.to_vec(),
+            timeout,
+        };
+        match self.call(&request, Some(timeout))? {
+            Response::Done => Ok(()),
+            Response::Timeout(keys) => Err(StoreError::Timeout { keys, timeout }),
+            other => Err(self.unexpected("wait", other)),
+        }
+    }
+
+    fn check(&self, keys: &[&str]) -> Result<bool, StoreError> {
+        let request = Request::Check {
+            keys: keys.to_vec(),
+        };
+        match self.call(&request, None)? {
+            Response::Bool(b) => Ok(b),
+            other => Err(self.unexpected("check", other)),
+        }
+    }
+
+    fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        match self.call(&Request::Delete { key }, None)? {
+            Response::Bool(b) => Ok(b),
+            other => Err(self.unexpected("delete", other)),
+        }
+    }
+
+    fn num_keys(&self) -> Result<usize, StoreError> {
+        match self.call(&Request::NumKeys, None)? {
+            Response::Count(n) => Ok(usize::try_from(n).unwrap_or(usize::MAX)),
+            other => Err(self.unexpected("num_keys", other)),
+        }
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+/// One greeted connection to the server.
+struct Connection {
+    reader: BufReader<TcpStream>,
+}
+
+enum OpenError {
+    /// Worth retrying: nothing listens yet, or the connection broke.
+    Io(io::Error),
+    /// Something other than a store server answered.
+    Protocol(String),
+}
+
+impl Connection {
+    /// Connects within `connect_within` and greets the server; writes may
+    /// block at most `io_timeout`.
+    fn open(
+        addr: &SocketAddr,
+        connect_within: Duration,
+        io_timeout: Duration,
+    ) -> Result<Connection, OpenError> {
+        let stream = TcpStream::connect_timeout(addr, connect_within).map_err(OpenError::Io)?;
+        stream.set_nodelay(true).map_err(OpenError::Io)?;
+        stream
+            .set_write_timeout(Some(io_timeout.max(Duration::from_millis(1))))
+            .map_err(OpenError::Io)?;
+        let mut conn = Connection {
+            reader: BufReader::new(stream),
+        };
+        let hello = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+        }
+        .encode();
+        match conn.round_trip(&hello, connect_within.max(Duration::from_secs(1))) {
+            Ok(Response::Hello(VERSION)) => Ok(conn),
+            Ok(Response::Error(detail)) => Err(OpenError::Protocol(format!(
+                "the server refused this client: {detail}"
+            ))),
+            Ok(other) => Err(OpenError::Protocol(format!(
+                "not a cohort-store server (it answered hello with {other:?})"
+            ))),
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => Err(OpenError::Protocol(format!(
+                "not a cohort-store server ({e})"
+            ))),
+            Err(e) => Err(OpenError::Io(e)),
+        }
+    }
+
+    /// Sends `frame` and reads the response, waiting at most `reply_within`.
+    fn round_trip(&mut self, frame: &[u8], reply_within: Duration) -> io::Result<Response> {
+        let stream = self.reader.get_ref();
+        stream.set_read_timeout(Some(reply_within.max(Duration::from_millis(1))))?;
+        (&*stream).write_all(frame)?;
+        let body = read_frame(&mut self.reader)?
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed"))?;
+        Response::decode(&body).map_err(|detail| io::Error::new(io::ErrorKind::InvalidData, detail))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::check_store;
+    use std::io::Read;
+    use std::sync::Arc;
+
+    const SHORT: Duration = Duration::from_millis(150);
+
+    fn server() -> TcpStoreServer {
+        TcpStoreServer::bind("127.0.0.1:0").unwrap()
+    }
+
+    #[test]
+    fn meets_the_store_contract() {
+        let server = server();
+        let a = TcpStore::connect(server.local_addr(), SHORT).unwrap();
+        let b = TcpStore::connect(server.local_addr(), SHORT).unwrap();
+        check_store(&a, &b);
+    }
+
+    #[test]
+    fn master_hosts_the_server_for_the_others() {
+        let master = TcpStore::new_master_or_client("127.0.0.1:0", true, SHORT).unwrap();
+        let addr = master.server_addr();
+        assert_ne!(addr.port(), 0);
+        let client =
+            TcpStore::new_master_or_client(addr.to_string(), false, Duration::from_secs(5))
+                .unwrap();
+        client.set("k", b"v").unwrap();
+        assert_eq!(master.get("k").unwrap(), b"v");
+        drop(master);
+        // The server went with the master.
+        assert!(matches!(client.num_keys(), Err(StoreError::Io { .. })));
+    }
+
+    #[test]
+    fn a_taken_port_is_a_bind_error_naming_it() {
+        let first = server();
+        let addr = first.local_addr().to_string();
+        let err = TcpStoreServer::bind(addr.as_str()).unwrap_err();
+        assert!(matches!(err, StoreError::Bind { .. }), "{err:?}");
+        assert!(err.to_string().contains(&addr), "{err}");
+    }
+
+    /// A port on which nothing listens (free a moment ago).
+    fn dead_addr() -> SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_server_that_never_appears_is_a_timeout_naming_the_address() {
+        let addr = dead_addr();
+        let started = Instant::now();
+        let err = TcpStore::connect(addr, Duration::from_millis(300)).unwrap_err();
+        let waited = started.elapsed();
+        assert!(matches!(err, StoreError::Connect { .. }), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&addr.to_string()) && msg.contains("300ms"),
+            "{msg}"
+        );
+        assert!(
+            waited >= Duration::from_millis(300),
+            "gave up after {waited:?}"
+        );
+        assert!(waited < Duration::from_secs(2), "took {waited:?}");
+    }
+
+    #[test]
+    fn a_client_started_before_its_server_waits_for_it() {
+        let addr = dead_addr();
+        let late = thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            let server = TcpStoreServer::bind(addr).unwrap();
+            let store = TcpStore::connect(addr, SHORT).unwrap();
+            store.wait(&["done"], Duration::from_secs(10)).unwrap();
+            drop(server);
+        });
+        let store = TcpStore::connect(addr, Duration::from_secs(10)).unwrap();
+        store.set("done", b"").unwrap();
+        late.join().unwrap();
+    }
+
+    #[test]
+    fn a_blocked_get_does_not_block_other_threads() {
+        let server = server();
+        let store =
+            Arc::new(TcpStore::connect(server.local_addr(), Duration::from_secs(10)).unwrap());
+        let getter = {
+            let store = store.clone();
+            thread::spawn(move || store.get("later").unwrap())
+        };
+        thread::sleep(Duration::from_millis(50));
+        // Same client, other thread: not queued behind the blocked get.
+        let started = Instant::now();
+        store.set("other", b"x").unwrap();
+        assert_eq!(store.get("other").unwrap(), b"x");
+        assert!(started.elapsed() < Duration::from_millis(500));
+        store.set("later", b"now").unwrap();
+        assert_eq!(getter.join().unwrap(), b"now");
+    }
+
+    #[test]
+    fn dropping_the_server_wakes_waiting_clients_and_returns_promptly() {
+        let server = server();
+        let store =
+            Arc::new(TcpStore::connect(server.local_addr(), Duration::from_secs(60)).unwrap());
+        let waiter = {
+            let store = store.clone();
+            thread::spawn(move || {
+                let started = Instant::now();
+                let result = store.wait(&["never"], Duration::from_secs(60));
+                (result, started.elapsed())
+            })
+        };
+        thread::sleep(Duration::from_millis(100));
+        let started = Instant::now();
+        drop(server);
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "drop took {:?}",
+            started.elapsed()
+        );
+        let (result, waited) = waiter.join().unwrap();
+        let err = result.unwrap_err();
+        assert!(matches!(err, StoreError::Io { .. }), "{err:?}");
+        assert!(err.to_string().contains("closed the connection"), "{err}");
+        assert!(waited < Duration::from_secs(2), "woke after {waited:?}");
+    }
+
+    /// Sends raw bytes to the server; returns what it answered before closing.
+    fn raw_exchange(addr: SocketAddr, bytes: &[u8]) -> Vec<u8> {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(bytes).unwrap();
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).unwrap();
+        answer
+    }
+
+    fn refusal(answer: &[u8]) -> String {
+        match read_frame(&mut &answer[..]) {
+            Ok(Some(body)) => match Response::decode(&body) {
+                Ok(Response::Error(detail)) => detail,
+                other => panic!("expected a refusal, got {other:?}"),
+            },
+            other => panic!("expected a frame, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn garbage_and_oversized_frames_are_refused_and_the_server_keeps_serving() {
+        let server = server();
+        let addr = server.local_addr();
+        let store = TcpStore::connect(addr, Duration::from_secs(5)).unwrap();
+        store.set("k", b"v").unwrap();
+
+        let http = raw_exchange(addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(
+            refusal(&http).contains("frame length"),
+            "{}",
+            refusal(&http)
+        );
+
+        let oversized = raw_exchange(addr, &u32::MAX.to_le_bytes());
+        assert!(refusal(&oversized).contains("frame length 4294967295"));
+
+        let mut unknown_op = 1u32.to_le_bytes().to_vec();
+        unknown_op.push(200);
+        assert!(refusal(&raw_exchange(addr, &unknown_op)).contains("unknown op 200"));
+
+        // A well-formed request without the hello first.
+        assert!(refusal(&raw_exchange(addr, &Request::NumKeys.encode())).contains("hello"));
+
+        // A hello, then a set whose value length runs past its frame.
+        let mut lying = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+        }
+        .encode();
+        let mut set = Request::Set {
+            key: "x",
+            value: b"abc",
+        }
+        .encode();
+        let value_len_at = 4 + 1 + 4 + 1;
+        set[value_len_at..value_len_at + 4].copy_from_slice(&1_000_000u32.to_le_bytes());
+        lying.extend(set);
+        let answer = raw_exchange(addr, &lying);
+        let mut r = &answer[..];
+        let hello = read_frame(&mut r).unwrap().unwrap();
+        assert_eq!(Response::decode(&hello).unwrap(), Response::Hello(VERSION));
+        assert!(refusal(r).contains("remain"), "{}", refusal(r));
+
+        // Disconnecting mid-frame and mid-wait.
+        drop(raw_exchange_partial(addr, &[10, 0, 0]));
+        let mut waiting = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+        }
+        .encode();
+        waiting.extend(
+            Request::Wait {
+                keys: vec!["never"],
+                timeout: Duration::from_secs(600),
+            }
+            .encode(),
+        );
+        drop(raw_exchange_partial(addr, &waiting));
+        // The thread that waited for the vanished client is freed well
+        // before the wait's 600 s deadline; only `store`'s connection stays.
+        let started = Instant::now();
+        while server.connections() > 1 {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{} connections still open",
+                server.connections()
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+
+        // A client from another version is told so.
+        let old = Request::Hello {
+            magic: MAGIC,
+            version: VERSION + 1,
+        }
+        .encode();
+        assert!(refusal(&raw_exchange(addr, &old)).contains("protocol version"));
+
+        // Through all of that, the server kept serving.
+        assert_eq!(store.get("k").unwrap(), b"v");
+        let fresh = TcpStore::connect(addr, Duration::from_secs(5)).unwrap();
+        assert_eq!(fresh.add("n", 2).unwrap(), 2);
+        assert_eq!(fresh.num_keys().unwrap(), 2);
+    }
+
+    /// Sends `bytes` and hangs up without reading the answer.
+    fn raw_exchange_partial(addr: SocketAddr, bytes: &[u8]) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(bytes).unwrap();
+        thread::sleep(Duration::from_millis(20));
+        s
+    }
+
+    #[test]
+    fn a_server_that_is_not_a_store_is_a_protocol_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let impostor = thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut hello = [0u8; 64];
+            let _ = s.read(&mut hello);
+            s.write_all(b"SSH-2.0-OpenSSH_9.6\r\n").unwrap();
+        });
+        let err = TcpStore::connect(addr, Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(err, StoreError::Protocol { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains("not a cohort-store server"),
+            "{err}"
+        );
+        impostor.join().unwrap();
+    }
+}

@@ -1,0 +1,389 @@
+//! `TcpStoreServer`: the table behind every `TcpStore`, served from
+//! background threads of the process that hosts it (the launcher or rank 0).
+//!
+//! One thread accepts; each connection gets a thread that reads a request,
+//! answers it, and repeats. A `get` or `wait` blocks that thread on the
+//! table's condition variable until the keys exist or the client's deadline
+//! passes, so waiting costs no traffic and wakes at once; while it blocks,
+//! the thread checks now and then that its client is still there, so a
+//! client that vanished does not pin a thread until a 30-minute deadline.
+//!
+//! The server must never panic or allocate on a client's say-so: a
+//! malformed or oversized frame, or a client that disconnects mid-request,
+//! costs that connection only (logged on stderr), never the server. Dropping
+//! the server stops accepting, closes every connection and joins every
+//! thread.
+
+use std::collections::HashMap;
+use std::fmt::{self, Display};
+use std::io::{self, BufReader, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::wire::{read_frame, Request, Response, MAGIC, VERSION};
+use crate::{HashStore, Store, StoreError};
+
+/// How often a thread blocked in `get`/`wait` checks that its client is
+/// still connected.
+const PEER_CHECK_EVERY: Duration = Duration::from_millis(500);
+/// Connection threads only parse and copy; a small stack lets a server
+/// hold thousands of clients.
+const CONNECTION_STACK: usize = 256 << 10;
+
+/// A store server running in background threads of this process.
+///
+/// Clients connect with [`TcpStore::connect`](crate::TcpStore::connect).
+/// The table lives as long as the server: dropping it stops accepting,
+/// closes every connection (clients then get an error) and joins its
+/// threads, all within milliseconds.
+///
+/// ```
+/// use cohort_store::{Store, TcpStore, TcpStoreServer};
+/// use std::time::Duration;
+///
+/// let server = TcpStoreServer::bind("127.0.0.1:0").unwrap(); // port 0: any free port
+/// let store = TcpStore::connect(server.local_addr(), Duration::from_secs(5)).unwrap();
+/// store.set("k", b"v").unwrap();
+/// assert_eq!(store.get("k").unwrap(), b"v");
+/// ```
+pub struct TcpStoreServer {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    table: HashStore,
+    /// Set first when the server shuts down; checked by every thread.
+    closed: AtomicBool,
+    conns: Mutex<Connections>,
+    local_addr: SocketAddr,
+}
+
+#[derive(Default)]
+struct Connections {
+    next_id: u64,
+    /// A handle on each open connection, to shut it down from `Drop`.
+    streams: HashMap<u64, TcpStream>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl fmt::Debug for TcpStoreServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TcpStoreServer")
+            .field("local_addr", &self.local_addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpStoreServer {
+    /// Listens on `addr` (port 0 picks a free port; see
+    /// [`local_addr`](Self::local_addr)) and serves clients in background
+    /// threads until dropped. Fails with [`StoreError::Bind`], naming the
+    /// address, when it cannot listen (for example, the port is in use).
+    pub fn bind<A: ToSocketAddrs + Display>(addr: A) -> Result<TcpStoreServer, StoreError> {
+        let bind_err = |source| StoreError::Bind {
+            addr: addr.to_string(),
+            source,
+        };
+        let listener = TcpListener::bind(&addr).map_err(bind_err)?;
+        let local_addr = listener.local_addr().map_err(bind_err)?;
+        let shared = Arc::new(Shared {
+            // Waits come with the client's own timeout; this one is unused.
+            table: HashStore::new(),
+            closed: AtomicBool::new(false),
+            conns: Mutex::new(Connections::default()),
+            local_addr,
+        });
+        let accept = {
+            let shared = shared.clone();
+            thread::Builder::new()
+                .name("cohort-store-accept".into())
+                .spawn(move || accept_loop(&shared, listener))
+                .map_err(bind_err)?
+        };
+        Ok(TcpStoreServer {
+            local_addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on (with the real port when bound to
+    /// port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Connections being served now.
+    #[cfg(test)]
+    pub(crate) fn connections(&self) -> usize {
+        self.shared.conns().streams.len()
+    }
+
+    /// An address at which this host reaches the server: the listening
+    /// address, or loopback when listening on every interface.
+    pub(crate) fn reachable_addr(&self) -> SocketAddr {
+        reachable(self.local_addr)
+    }
+}
+
+fn reachable(addr: SocketAddr) -> SocketAddr {
+    let ip = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    SocketAddr::new(ip, addr.port())
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        let shared = &self.shared;
+        shared.closed.store(true, Ordering::SeqCst);
+        shared.table.wake_waiters();
+        let threads = {
+            let mut conns = shared.conns();
+            for stream in conns.streams.values() {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            std::mem::take(&mut conns.threads)
+        };
+        // Wake the accept thread with a connection of our own; if even that
+        // fails, leave it detached rather than hang here (it exits on the
+        // next connection it accepts).
+        let woke =
+            TcpStream::connect_timeout(&self.reachable_addr(), Duration::from_secs(1)).is_ok();
+        if let Some(accept) = self.accept.take() {
+            if woke {
+                let _ = accept.join();
+            }
+        }
+        for thread in threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Shared {
+    fn conns(&self) -> MutexGuard<'_, Connections> {
+        // Updates of `Connections` cannot panic half-way; ignore poisoning.
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    fn log(&self, peer: &str, what: &dyn Display) {
+        if !self.is_closed() {
+            eprintln!(
+                "cohort-store server {}: dropping client {peer}: {what}",
+                self.local_addr
+            );
+        }
+    }
+}
+
+fn accept_loop(shared: &Arc<Shared>, listener: TcpListener) {
+    for incoming in listener.incoming() {
+        if shared.is_closed() {
+            return;
+        }
+        match incoming {
+            Ok(stream) => start_connection(shared, stream),
+            Err(e) => {
+                // Typically out of file descriptors: back off, keep serving
+                // the clients already connected.
+                eprintln!("cohort-store server {}: accept: {e}", shared.local_addr);
+                thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
+    let peer = stream
+        .peer_addr()
+        .map_or_else(|_| "?".to_string(), |a| a.to_string());
+    let handle = match stream.set_nodelay(true).and_then(|()| stream.try_clone()) {
+        Ok(handle) => handle,
+        Err(e) => return shared.log(&peer, &e),
+    };
+    let mut conns = shared.conns();
+    // Checked under the lock that `Drop` takes to shut connections down, so
+    // a connection is either shut down there or never started.
+    if shared.is_closed() {
+        return;
+    }
+    conns.threads.retain(|t| !t.is_finished());
+    let id = conns.next_id;
+    conns.next_id += 1;
+    let thread = {
+        let shared = shared.clone();
+        let peer = peer.clone();
+        thread::Builder::new()
+            .name("cohort-store-conn".into())
+            .stack_size(CONNECTION_STACK)
+            .spawn(move || {
+                if let Err(reason) = serve(&shared, &stream) {
+                    shared.log(&peer, &reason);
+                }
+                shared.conns().streams.remove(&id);
+            })
+    };
+    match thread {
+        Ok(thread) => {
+            conns.streams.insert(id, handle);
+            conns.threads.push(thread);
+        }
+        Err(e) => shared.log(&peer, &e),
+    }
+}
+
+/// Why a connection was dropped.
+enum Dropped {
+    /// The client broke the protocol; it was told why.
+    Protocol(String),
+    /// The connection failed or closed inside a request.
+    Io(io::Error),
+}
+
+impl Display for Dropped {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Dropped::Protocol(detail) => write!(f, "protocol error: {detail}"),
+            Dropped::Io(e) => write!(f, "connection lost mid-request: {e}"),
+        }
+    }
+}
+
+/// Serves one connection until the client leaves (`Ok`) or misbehaves.
+fn serve(shared: &Shared, stream: &TcpStream) -> Result<(), Dropped> {
+    let mut reader = BufReader::new(stream);
+    let mut greeted = false;
+    loop {
+        let body = match read_frame(&mut reader) {
+            Ok(Some(body)) => body,
+            Ok(None) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+                return Err(refuse(stream, e.to_string()))
+            }
+            Err(e) => return Err(Dropped::Io(e)),
+        };
+        let request = Request::decode(&body).map_err(|detail| refuse(stream, detail))?;
+        let response = match request {
+            Request::Hello { .. } if greeted => {
+                return Err(refuse(stream, "a second hello".into()))
+            }
+            Request::Hello { magic, .. } if magic != MAGIC => {
+                return Err(refuse(stream, "not a cohort-store hello".into()))
+            }
+            Request::Hello { version, .. } if version != VERSION => {
+                return Err(refuse(
+                    stream,
+                    format!("protocol version {version}, this server speaks {VERSION}"),
+                ))
+            }
+            Request::Hello { .. } => {
+                greeted = true;
+                Response::Hello(VERSION)
+            }
+            _ if !greeted => {
+                return Err(refuse(stream, "expected a cohort-store hello first".into()))
+            }
+            request => match answer(shared, request, stream) {
+                Some(response) => response,
+                // Shutting down, or the client left while we waited.
+                None => return Ok(()),
+            },
+        };
+        (&*stream)
+            .write_all(&response.encode())
+            .map_err(Dropped::Io)?;
+    }
+}
+
+/// Tells the client why it is being dropped, as far as it still listens.
+fn refuse(mut stream: &TcpStream, detail: String) -> Dropped {
+    let _ = stream.write_all(&Response::Error(detail.clone()).encode());
+    Dropped::Protocol(detail)
+}
+
+/// The response to one request; `None` when the connection should close
+/// without one (the server is shutting down, or the client left).
+fn answer(shared: &Shared, request: Request<'_>, stream: &TcpStream) -> Option<Response> {
+    let table = &shared.table;
+    let result = match request {
+        // `serve` answers hellos itself and never passes one here.
+        Request::Hello { .. } => return None,
+        Request::Set { key, value } => table.set(key, value).map(|()| Response::Done),
+        Request::Get { key, timeout } => match wait(shared, &[key], timeout, stream) {
+            Ok(true) => Ok(Response::Value(table.value(key).unwrap_or_default())),
+            Ok(false) => return None,
+            Err(e) => Err(e),
+        },
+        Request::Add { key, delta } => table.add(key, delta).map(Response::Int),
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => table
+            .compare_set(key, expected, desired)
+            .map(Response::Value),
+        Request::Wait { keys, timeout } => match wait(shared, &keys, timeout, stream) {
+            Ok(true) => Ok(Response::Done),
+            Ok(false) => return None,
+            Err(e) => Err(e),
+        },
+        Request::Check { keys } => table.check(&keys).map(Response::Bool),
+        Request::Delete { key } => table.delete(key).map(Response::Bool),
+        Request::NumKeys => table.num_keys().map(|n| Response::Count(n as u64)),
+    };
+    Some(match result {
+        Ok(response) => response,
+        Err(StoreError::Timeout { keys, .. }) => Response::Timeout(keys),
+        Err(StoreError::NotACounter { value, .. }) => Response::NotACounter(value.into_bytes()),
+        Err(other) => Response::Error(other.to_string()),
+    })
+}
+
+/// Waits for `keys` on behalf of a client; `Ok(false)` when the server shuts
+/// down or the client disconnects first.
+fn wait(
+    shared: &Shared,
+    keys: &[&str],
+    timeout: Duration,
+    stream: &TcpStream,
+) -> Result<bool, StoreError> {
+    let mut last_check = Instant::now();
+    shared
+        .table
+        .wait_or_give_up(keys, timeout, PEER_CHECK_EVERY, || {
+            if shared.is_closed() {
+                return true;
+            }
+            if last_check.elapsed() < PEER_CHECK_EVERY {
+                return false;
+            }
+            last_check = Instant::now();
+            peer_gone(stream)
+        })
+}
+
+/// Whether the client closed its end. It sends nothing while it waits for
+/// an answer, so readable data means only that it is alive.
+fn peer_gone(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let gone = match stream.peek(&mut [0u8; 1]) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+    };
+    gone || stream.set_nonblocking(false).is_err()
+}

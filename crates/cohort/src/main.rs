@@ -3,14 +3,24 @@
 
 use clap::Parser;
 
+mod demo;
+mod run;
+
 #[derive(Parser)]
 #[command(
     name = "cohort",
     version,
     about = "Distributed data-parallel training on CPU"
 )]
-enum Cli {}
+enum Cli {
+    Run(run::RunArgs),
+    #[command(hide = true)]
+    Demo(demo::DemoArgs),
+}
 
 fn main() -> anyhow::Result<()> {
-    match Cli::parse() {}
+    match Cli::parse() {
+        Cli::Run(args) => run::main(args),
+        Cli::Demo(args) => demo::main(args),
+    }
 }

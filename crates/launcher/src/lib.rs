@@ -1,1 +1,60 @@
-//! The cohort run launcher (torchrun's role): starts, watches and restarts the workers of a job.
+//! The `cohort run` launcher (torchrun's role): starts the workers of a job on
+//! each node, watches them, stops them all when one fails, and restarts the
+//! whole group up to `max_restarts` times.
+//!
+//! - [`LaunchConfig`]: what to run, how many per node, on how many nodes
+//!   (torchrun's flags as a plain struct);
+//! - [`launch`]: runs one node agent to the end and returns a
+//!   [`LaunchOutcome`] (how the workers ended) or a [`LaunchError`] (why they
+//!   could not run: a port in use, a node that never joined, ...);
+//! - [`WorkerEnv`]: the worker's side of the contract, the variables each
+//!   worker gets (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...; the
+//!   names are the constants in [`vars`]).
+//!
+//! Node 0's agent hosts the job's `TcpStoreServer` on `MASTER_PORT` before it
+//! starts any worker and sets `COHORT_STORE_HOSTED=1`, so the workers' rank 0
+//! connects as a client instead of binding the port. The node agents meet in
+//! that store to agree on each restart round. Each worker leads its own
+//! process group and is SIGKILLed by the kernel if the launcher dies, so no
+//! worker outlives the launcher; SIGINT and SIGTERM to the launcher are
+//! forwarded to the workers. Worker output is forwarded line by line behind a
+//! `[rank<N>]: ` prefix. Linux is the target (the parent-death signal is
+//! Linux-only). This crate knows nothing of collectives or models.
+//!
+//! ```no_run
+//! use cohort_launcher::{launch, LaunchConfig};
+//!
+//! let mut config = LaunchConfig::new("python3", vec!["train.py".into()]);
+//! config.nproc_per_node = 2;
+//! config.standalone = true;
+//! let outcome = launch(&config)?;
+//! std::process::exit(outcome.exit_code());
+//! # Ok::<(), cohort_launcher::LaunchError>(())
+//! ```
+#![deny(missing_docs)]
+
+mod config;
+mod env;
+mod error;
+mod events;
+mod group;
+mod launch;
+mod output;
+mod process;
+mod rendezvous;
+
+pub use config::{LaunchConfig, DEFAULT_JOIN_TIMEOUT, DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE};
+pub use env::{EnvError, WorkerEnv};
+pub use error::LaunchError;
+pub use group::WorkerFailure;
+pub use launch::{launch, LaunchOutcome};
+pub use process::{signal_name, ExitReason};
+
+/// Names of the environment variables the launcher sets for each worker.
+pub mod vars {
+    pub use crate::env::{
+        GROUP_RANK, GROUP_WORLD_SIZE, LAUNCH_TIME_US, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+        MASTER_PORT, MAX_RESTARTS, NUM_THREADS, OMP_NUM_THREADS, RANK, RESTART_COUNT, ROLE_RANK,
+        ROLE_WORLD_SIZE, RUN_ID, STORE_HOSTED, WORLD_SIZE,
+    };
+}

@@ -1,0 +1,170 @@
+//! `cohort run`: torchrun's command line turned into a `LaunchConfig`, the
+//! launch, and its outcome turned into an exit code. It only wires; the
+//! launcher itself is `cohort-launcher`.
+
+use std::ffi::{OsStr, OsString};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::CommandFactory;
+use cohort_launcher::{launch, LaunchConfig, DEFAULT_MASTER_PORT};
+
+/// Start the workers of a job on this node, watch them, restart them (torchrun).
+///
+/// Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+/// GROUP_RANK, MASTER_ADDR, MASTER_PORT, COHORT_RESTART_COUNT and
+/// COHORT_NUM_THREADS / OMP_NUM_THREADS (the cores divided among the local
+/// workers, unless already set). Examples:
+///
+///   cohort run -n 2 train --steps 100        (cohort's own subcommand)
+///
+///   cohort run --standalone -n 4 -- python3 train.py
+///
+///   cohort run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -n 2 train
+#[derive(clap::Args, Debug)]
+#[command(verbatim_doc_comment)]
+pub struct RunArgs {
+    /// Workers on this node.
+    #[arg(short = 'n', long, alias = "nproc_per_node", default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Nodes in the job; run `cohort run` once per node.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's rank, 0..nnodes; node 0 hosts the rendezvous store.
+    #[arg(long, alias = "node_rank", default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0, as the other nodes and the workers reach it.
+    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store on node 0.
+    #[arg(long, alias = "master_port", default_value_t = DEFAULT_MASTER_PORT)]
+    master_port: u16,
+    /// Single node on a free port (--master-port is ignored).
+    #[arg(long)]
+    standalone: bool,
+    /// Restart the whole group up to this many times after a failure.
+    #[arg(long, alias = "max_restarts", default_value_t = 0)]
+    max_restarts: u32,
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long, value_name = "SECONDS", default_value_t = 5.0)]
+    grace_period: f64,
+    /// Seconds to wait for every node to join.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
+    join_timeout: f64,
+    /// The worker: a cohort subcommand and its arguments (`train --steps 3`),
+    /// or `-- PROGRAM ARGS...` for any program.
+    #[arg(trailing_var_arg = true, required = true, value_name = "COMMAND")]
+    command: Vec<OsString>,
+}
+
+/// Runs the launch and exits with its outcome's code (0 on success, 1 when a
+/// worker failed, 128+N after signal N).
+pub fn main(args: RunArgs) -> anyhow::Result<()> {
+    let after_dashes = command_follows_dashes(std::env::args_os(), args.command.len());
+    let config = args.into_config(after_dashes)?;
+    let outcome = launch(&config).context("cohort run")?;
+    let code = outcome.exit_code();
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
+}
+
+impl RunArgs {
+    fn into_config(self, after_dashes: bool) -> anyhow::Result<LaunchConfig> {
+        let mut command = self.command.into_iter();
+        let first = command.next().context("no worker command given")?;
+        let rest: Vec<OsString> = command.collect();
+        let (program, args) = if after_dashes {
+            (PathBuf::from(first), rest)
+        } else {
+            let exe = std::env::current_exe().context("cannot find the cohort executable")?;
+            (
+                exe,
+                std::iter::once(check_subcommand(&first)?)
+                    .chain(rest)
+                    .collect(),
+            )
+        };
+        let mut config = LaunchConfig::new(program, args);
+        config.nproc_per_node = self.nproc_per_node;
+        config.nnodes = self.nnodes;
+        config.node_rank = self.node_rank;
+        config.master_addr = self.master_addr;
+        config.master_port = self.master_port;
+        config.standalone = self.standalone;
+        config.max_restarts = self.max_restarts;
+        config.stop_grace = seconds("--grace-period", self.grace_period)?;
+        config.join_timeout = seconds("--join-timeout", self.join_timeout)?;
+        Ok(config)
+    }
+}
+
+/// Whether the worker command was written after `--`. clap drops the `--`,
+/// but the command is always the tail of the command line, so the word
+/// before that tail tells.
+fn command_follows_dashes(argv: impl Iterator<Item = OsString>, command_len: usize) -> bool {
+    let argv: Vec<OsString> = argv.collect();
+    argv.len() > command_len && argv[argv.len() - command_len - 1] == "--"
+}
+
+/// `name` if it is one of cohort's own subcommands that can run as a worker.
+fn check_subcommand(name: &OsStr) -> anyhow::Result<OsString> {
+    let cli = crate::Cli::command();
+    let known: Vec<&str> = cli
+        .get_subcommands()
+        .map(|s| s.get_name())
+        .filter(|&s| s != "run")
+        .collect();
+    let text = name.to_string_lossy();
+    if text == "run" {
+        bail!("`cohort run` cannot launch `run` as its worker");
+    }
+    if !known.contains(&text.as_ref()) {
+        bail!(
+            "`{text}` is not a cohort subcommand ({}); to run another program, put it after `--`: \
+             cohort run -n 2 -- {text} ...",
+            known.join(", ")
+        );
+    }
+    Ok(name.to_owned())
+}
+
+fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .with_context(|| format!("{flag} {value} is not a number of seconds"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(words: &str) -> impl Iterator<Item = OsString> + '_ {
+        words.split(' ').map(OsString::from)
+    }
+
+    #[test]
+    fn dashes_are_detected_only_right_before_the_command() {
+        assert!(command_follows_dashes(
+            argv("cohort run -n 2 -- sh -c x"),
+            3
+        ));
+        assert!(command_follows_dashes(argv("cohort run -- train"), 1));
+        assert!(!command_follows_dashes(
+            argv("cohort run -n 2 train -- x"),
+            3
+        ));
+        assert!(!command_follows_dashes(argv("cohort run train"), 1));
+    }
+
+    #[test]
+    fn only_cohort_subcommands_run_without_dashes() {
+        let err = check_subcommand(OsStr::new("python3"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("-- python3"), "{err}");
+        assert!(check_subcommand(OsStr::new("run")).is_err());
+        assert!(check_subcommand(OsStr::new("demo")).is_ok());
+    }
+}

@@ -1,0 +1,158 @@
+//! `LaunchConfig`: what to run and how many of it, torchrun's flags as a
+//! plain struct. It never parses command lines (the `cohort` binary does).
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::LaunchError;
+
+/// torchrun's default `--master-port`.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// How long stopped workers get between SIGTERM and SIGKILL, unless set.
+pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a node agent waits for the others to join (torchrun's
+/// rendezvous `join_timeout`), unless set.
+pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Everything [`launch`](crate::launch) needs to run one node's share of a job.
+///
+/// Field names follow torchrun's flags (`--nproc-per-node` is
+/// `nproc_per_node`).
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// The worker program; a bare name is looked up in `PATH`.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Workers on this node.
+    pub nproc_per_node: usize,
+    /// Nodes in the job.
+    pub nnodes: usize,
+    /// This node's rank, `0..nnodes`; node 0 hosts the rendezvous store.
+    pub node_rank: usize,
+    /// Address of node 0, as the workers and the other nodes reach it.
+    pub master_addr: String,
+    /// Port of the rendezvous store on node 0.
+    pub master_port: u16,
+    /// Single node on a free port: `master_port` is ignored and the port the
+    /// store gets is passed to the workers.
+    pub standalone: bool,
+    /// How many times the whole group may be restarted after a failure.
+    pub max_restarts: u32,
+    /// Time between SIGTERM and SIGKILL when the launcher stops workers.
+    pub stop_grace: Duration,
+    /// How long a node agent waits for all nodes to join a round.
+    pub join_timeout: Duration,
+}
+
+impl LaunchConfig {
+    /// One worker of `program args` on a single node, with torchrun's defaults.
+    pub fn new(program: impl Into<PathBuf>, args: Vec<OsString>) -> Self {
+        LaunchConfig {
+            program: program.into(),
+            args,
+            nproc_per_node: 1,
+            nnodes: 1,
+            node_rank: 0,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: DEFAULT_MASTER_PORT,
+            standalone: false,
+            max_restarts: 0,
+            stop_grace: DEFAULT_STOP_GRACE,
+            join_timeout: DEFAULT_JOIN_TIMEOUT,
+        }
+    }
+
+    /// Number of workers in the whole job.
+    pub fn world_size(&self) -> usize {
+        self.nnodes * self.nproc_per_node
+    }
+
+    /// Checks what can be checked before binding or spawning anything.
+    pub fn validate(&self) -> Result<(), LaunchError> {
+        let bad = |msg: String| Err(LaunchError::Config(msg));
+        if self.nproc_per_node == 0 {
+            return bad("nproc_per_node must be at least 1".into());
+        }
+        if self.nnodes == 0 {
+            return bad("nnodes must be at least 1".into());
+        }
+        if self.node_rank >= self.nnodes {
+            return bad(format!(
+                "node_rank {} is out of range for nnodes {} (node ranks are 0..{})",
+                self.node_rank, self.nnodes, self.nnodes
+            ));
+        }
+        if self.standalone && self.nnodes != 1 {
+            return bad(format!(
+                "standalone is a single-node mode, but nnodes is {}",
+                self.nnodes
+            ));
+        }
+        if self.program.as_os_str().is_empty() {
+            return bad("no worker program given".into());
+        }
+        if self.master_addr.is_empty() {
+            return bad("master_addr is empty".into());
+        }
+        if !self.standalone && self.master_port == 0 {
+            return bad("master_port 0 is only allowed with standalone".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> LaunchConfig {
+        LaunchConfig::new("true", vec![])
+    }
+
+    #[test]
+    fn defaults_are_torchruns() {
+        let c = config();
+        assert_eq!((c.nproc_per_node, c.nnodes, c.node_rank), (1, 1, 0));
+        assert_eq!(
+            (c.master_addr.as_str(), c.master_port),
+            ("127.0.0.1", 29500)
+        );
+        assert_eq!(c.world_size(), 1);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn contradictions_are_rejected_with_the_values() {
+        let mut c = config();
+        c.nnodes = 2;
+        c.node_rank = 2;
+        let err = c.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("node_rank 2") && err.contains("nnodes 2"),
+            "{err}"
+        );
+
+        let mut c = config();
+        c.standalone = true;
+        c.nnodes = 2;
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("nnodes is 2"));
+
+        let mut c = config();
+        c.nproc_per_node = 0;
+        assert!(c.validate().is_err());
+
+        let mut c = config();
+        c.master_port = 0;
+        assert!(c.validate().is_err());
+        c.standalone = true;
+        c.validate().unwrap();
+    }
+}

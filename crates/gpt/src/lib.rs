@@ -1,1 +1,86 @@
-//! The mini-GPT model: config, flat parameters, forward/backward, checkpoints, sampling.
+//! The mini-GPT that cohort trains: GPT-2's architecture on the `cohort-engine` kernels.
+//!
+//! [`GPTConfig`] holds seed 000's hyper-parameters. [`GPT`] owns one flat parameter buffer, one
+//! gradient buffer with the same layout (named by [`ParamView`]s, Hugging Face GPT-2 names and
+//! Conv1D `[in, out]` weights, see GPT_LAYOUT.md) and an activation arena allocated at the first
+//! forward. `forward(input_ids, attention_mask, labels)` follows Hugging Face's
+//! `GPT2LMHeadModel`; `backward` runs top-down and hands each finished range of gradients to a
+//! hook, which is how data-parallel training overlaps communication with backward.
+//! This crate never talks to the network or the file system except through checkpoints.
+//!
+//! ```
+//! use cohort_gpt::{GPTConfig, GPT};
+//!
+//! let cfg = GPTConfig { vocab_size: 11, max_position_embeddings: 8, n_layers: 1, n_heads: 2,
+//!     d_model: 8, d_ff: 16, dropout: 0.0, ..GPTConfig::default() };
+//! let mut model = GPT::new(cfg, 42).unwrap();
+//! let ids = [1u32, 2, 3, 4];
+//! let labels = [1i32, 2, 3, 4];
+//! let loss = model.forward(&ids, None, Some(&labels), 1, 4).unwrap().unwrap();
+//! assert!((loss - (11f32).ln()).abs() < 0.1);
+//! model.zero_grad();
+//! let mut finished = 0;
+//! model.backward(|range, grads| { assert_eq!(range.len(), grads.len()); finished += range.len(); }).unwrap();
+//! assert_eq!(finished, model.num_params());
+//! ```
+
+#![deny(missing_docs)]
+
+mod config;
+mod layout;
+mod model;
+
+pub use config::GPTConfig;
+pub use layout::ParamView;
+pub use model::GPT;
+
+/// What went wrong building or running the model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GptError {
+    /// A configuration field has an unusable value.
+    #[error("invalid GPTConfig.{field}: {reason}")]
+    Config {
+        /// The field at fault.
+        field: &'static str,
+        /// Why it is unusable.
+        reason: String,
+    },
+    /// An input tensor has the wrong length for (batch, seq).
+    #[error("{what} has {found} elements, expected batch {batch} x seq {seq} = {}", batch * seq)]
+    InputShape {
+        /// `input_ids`, `attention_mask` or `labels`.
+        what: &'static str,
+        /// Elements given.
+        found: usize,
+        /// Batch size asked for.
+        batch: usize,
+        /// Sequence length asked for.
+        seq: usize,
+    },
+    /// The sequence is longer than the position embedding.
+    #[error("sequence length {seq} exceeds max_position_embeddings {max}")]
+    SequenceTooLong {
+        /// Sequence length asked for.
+        seq: usize,
+        /// The config's max_position_embeddings.
+        max: usize,
+    },
+    /// A token id or label is outside the vocabulary.
+    #[error(
+        "{what}[{index}] = {value} is outside the vocabulary 0..{vocab} (labels may also be -100)"
+    )]
+    TokenOutOfRange {
+        /// `input_ids` or `labels`.
+        what: &'static str,
+        /// Flat index of the offending element.
+        index: usize,
+        /// Its value.
+        value: i64,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// `backward` was called without a forward that computed a loss.
+    #[error("backward needs a forward with labels first")]
+    NoLoss,
+}

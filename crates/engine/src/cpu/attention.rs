@@ -1,0 +1,599 @@
+//! Causal multi-head self-attention with a key padding mask, fused softmax and dropout on the
+//! attention probabilities, in the flash-attention spirit: the (T, T) probabilities are never
+//! stored. Forward keeps one log-sum-exp per query; backward recomputes the probabilities block
+//! by block (and, for free, the attention output the projection's weight gradient needs).
+//!
+//! Work is split by (batch, head); each task walks its queries in blocks of `RB` rows, and a
+//! block only looks at the keys the causal mask lets it see, in per-thread scratch that stays
+//! in L1/L2. Products go through `matrixmultiply`'s sgemm on strided views of the qkv buffer
+//! (no transposes are copied). A query with no visible key (a padding position at the start of
+//! a left-padded row) gets a zero output and zero gradients.
+
+use rayon::prelude::*;
+
+use super::math::{exp, max, sum};
+use super::{simd_fn, SendPtr};
+use crate::Dropout;
+
+/// Query rows per block.
+const RB: usize = 64;
+
+/// Scratch floats [`attention_forward`] and [`attention_backward`] need for `threads` threads.
+pub fn attention_scratch_len(t: usize, threads: usize) -> usize {
+    threads * per_thread(t)
+}
+
+fn per_thread(t: usize) -> usize {
+    3 * RB.min(t) * t + t
+}
+
+/// Dimensions of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDims {
+    /// Batch size.
+    pub b: usize,
+    /// Sequence length.
+    pub t: usize,
+    /// Model width (all heads).
+    pub c: usize,
+    /// Number of heads.
+    pub nh: usize,
+}
+
+/// Raw strided product on one thread: c = alpha * a·b + beta * c.
+///
+/// # Safety
+/// As `matrixmultiply::sgemm`.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+unsafe fn mm(
+    m: usize,
+    k: usize,
+    n: usize,
+    alpha: f32,
+    a: *const f32,
+    rsa: usize,
+    csa: usize,
+    b: *const f32,
+    rsb: usize,
+    csb: usize,
+    beta: f32,
+    c: *mut f32,
+    rsc: usize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            alpha,
+            a,
+            rsa as isize,
+            csa as isize,
+            b,
+            rsb as isize,
+            csb as isize,
+            beta,
+            c,
+            rsc as isize,
+            1,
+        )
+    }
+}
+
+/// out (B, T, C) = softmax(mask(q kᵀ / sqrt(hd))) v per head, with q, k, v read from qkv
+/// (B, T, 3C) in GPT-2's order; `lse` (B, NH, T) receives the log-sum-exp of each query.
+/// `mask` (B, T) is 1 for tokens and 0 for padding (padding keys are never attended to).
+pub fn attention_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
+    let AttnDims { b, t, c, nh } = dims;
+    assert!(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t);
+    assert!(mask.is_none_or(|m| m.len() >= b * t));
+    let out_p = SendPtr(out.as_mut_ptr());
+    let lse_p = SendPtr(lse.as_mut_ptr());
+    for_each_head(dims, scratch, |bh, scr| {
+        // safety: task bh writes only its own head's columns of out and its own lse row.
+        unsafe { head_forward(out_p, lse_p, qkv, mask, dims, dropout, bh, scr) }
+    });
+}
+
+/// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads.
+fn for_each_head(dims: AttnDims, scratch: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+    let n = dims.b * dims.nh;
+    let per = per_thread(dims.t);
+    let threads = (scratch.len() / per).min(n).max(1);
+    assert!(scratch.len() >= per, "attention scratch too small");
+    let chunk = n.div_ceil(threads);
+    scratch[..threads * per]
+        .par_chunks_mut(per)
+        .enumerate()
+        .for_each(|(p, scr)| {
+            for bh in p * chunk..((p + 1) * chunk).min(n) {
+                f(bh, scr);
+            }
+        });
+}
+
+/// The mask row of batch `bi` as 1.0 / 0.0 floats.
+fn mask_row(mf: &mut [f32], mask: Option<&[u8]>, bi: usize, t: usize) {
+    match mask {
+        Some(m) => {
+            for (f, &v) in mf.iter_mut().zip(&m[bi * t..(bi + 1) * t]) {
+                *f = (v != 0) as u8 as f32;
+            }
+        }
+        None => mf.fill(1.0),
+    }
+}
+
+/// # Safety
+/// `out` and `lse` point at buffers of the sizes `attention_forward` checked, and no other task
+/// touches head `bh`'s part of them.
+#[allow(clippy::too_many_arguments)]
+unsafe fn head_forward(
+    out: SendPtr,
+    lse: SendPtr,
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    bh: usize,
+    scr: &mut [f32],
+) {
+    let AttnDims { t, c, nh, .. } = dims;
+    let (bi, h) = (bh / nh, bh % nh);
+    let hd = c / nh;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (mf, rest) = scr.split_at_mut(t);
+    let s = &mut rest[..RB.min(t) * t];
+    mask_row(mf, mask, bi, t);
+    let q = qkv[bi * t * 3 * c + h * hd..].as_ptr();
+    let (k, v) = (q.wrapping_add(c), q.wrapping_add(2 * c));
+    for r0 in (0..t).step_by(RB) {
+        let r1 = (r0 + RB).min(t);
+        let (rows, keys) = (r1 - r0, r1);
+        unsafe {
+            mm(
+                rows,
+                hd,
+                keys,
+                scale,
+                q.add(r0 * 3 * c),
+                3 * c,
+                1,
+                k,
+                1,
+                3 * c,
+                0.0,
+                s.as_mut_ptr(),
+                keys,
+            );
+        }
+        for i in 0..rows {
+            let tq = r0 + i;
+            let row = &mut s[i * keys..(i + 1) * keys];
+            let l = softmax_row(row, &mf[..keys], tq);
+            unsafe { *lse.0.add(bh * t + tq) = l };
+            if let Some(d) = dropout {
+                let base = ((bh * t + tq) * t) as u64;
+                d.apply(&mut row[..=tq], base);
+            }
+        }
+        unsafe {
+            let o = out.0.add((bi * t + r0) * c + h * hd);
+            mm(
+                rows,
+                keys,
+                hd,
+                1.0,
+                s.as_ptr(),
+                keys,
+                1,
+                v,
+                3 * c,
+                1,
+                0.0,
+                o,
+                c,
+            );
+        }
+    }
+}
+
+simd_fn! {
+    /// Masked softmax of `row` in place over keys 0..=tq with `mf[j]` = 1 for real keys; zeros
+    /// elsewhere. Returns the log-sum-exp, or -inf when no key is visible (row all zeros).
+    fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize) -> f32 {
+        let (vis, after) = row.split_at_mut(tq + 1);
+        after.fill(0.0);
+        let mf = &mf[..=tq];
+        for (x, &m) in vis.iter_mut().zip(mf) {
+            *x = if m > 0.0 { *x } else { f32::NEG_INFINITY };
+        }
+        let mx = max(vis);
+        if mx == f32::NEG_INFINITY {
+            vis.fill(0.0);
+            return f32::NEG_INFINITY;
+        }
+        for (x, &m) in vis.iter_mut().zip(mf) {
+            *x = exp(*x - mx) * m;
+        }
+        let total = sum(vis);
+        let inv = 1.0 / total;
+        for x in vis.iter_mut() {
+            *x *= inv;
+        }
+        mx + total.ln()
+    }
+}
+
+simd_fn! {
+    /// Probabilities from scores and a stored log-sum-exp (the forward's softmax, recomputed).
+    fn probs_row(row: &mut [f32], mf: &[f32], tq: usize, lse: f32) {
+        let (vis, after) = row.split_at_mut(tq + 1);
+        after.fill(0.0);
+        if lse == f32::NEG_INFINITY {
+            vis.fill(0.0);
+            return;
+        }
+        for (x, &m) in vis.iter_mut().zip(&mf[..=tq]) {
+            *x = exp(*x - lse) * m;
+        }
+    }
+}
+
+simd_fn! {
+    /// dS = P * (dP - Σ_j P dP) * scale, written over dP.
+    fn softmax_back_row(dp: &mut [f32], p: &[f32], scale: f32) {
+        let mut acc = [0f32; 16];
+        for (j, (&d, &p)) in dp.iter().zip(p).enumerate() {
+            acc[j % 16] += d * p;
+        }
+        let dsum = sum(&acc);
+        for (d, &p) in dp.iter_mut().zip(p) {
+            *d = p * (*d - dsum) * scale;
+        }
+    }
+}
+
+/// Backward of [`attention_forward`]: `dqkv` (B, T, 3C) is overwritten with the gradients of q,
+/// k and v; `dout` is the gradient of the attention output. When `recompute_out` is given it
+/// receives the forward's output again (the caller did not keep it).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dqkv: &mut [f32],
+    recompute_out: Option<&mut [f32]>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
+    let AttnDims { b, t, c, nh } = dims;
+    assert!(dqkv.len() >= b * t * 3 * c && qkv.len() >= b * t * 3 * c && dout.len() >= b * t * c);
+    assert!(lse.len() >= b * nh * t && mask.is_none_or(|m| m.len() >= b * t));
+    let dqkv_p = SendPtr(dqkv.as_mut_ptr());
+    let out_p = recompute_out.map(|o| {
+        assert!(o.len() >= b * t * c);
+        SendPtr(o.as_mut_ptr())
+    });
+    for_each_head(dims, scratch, |bh, scr| {
+        // safety: task bh writes only its own head's columns of dqkv and of the output.
+        unsafe { head_backward(dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh, scr) }
+    });
+}
+
+/// # Safety
+/// As `head_forward`, for `dqkv` and `out`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn head_backward(
+    dqkv: SendPtr,
+    out: Option<SendPtr>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    bh: usize,
+    scr: &mut [f32],
+) {
+    let AttnDims { t, c, nh, .. } = dims;
+    let (bi, h) = (bh / nh, bh % nh);
+    let hd = c / nh;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let blk = RB.min(t) * t;
+    let (mf, rest) = scr.split_at_mut(t);
+    let (p, rest) = rest.split_at_mut(blk);
+    let (dp, rest) = rest.split_at_mut(blk);
+    let pd = &mut rest[..blk];
+    mask_row(mf, mask, bi, t);
+    let base = bi * t * 3 * c + h * hd;
+    let q = qkv[base..].as_ptr();
+    let (k, v) = (q.wrapping_add(c), q.wrapping_add(2 * c));
+    let dq = dqkv.0.wrapping_add(base);
+    let (dk, dv) = (dq.wrapping_add(c), dq.wrapping_add(2 * c));
+    let dy = dout[bi * t * c + h * hd..].as_ptr();
+    for r0 in (0..t).step_by(RB) {
+        let r1 = (r0 + RB).min(t);
+        let (rows, keys) = (r1 - r0, r1);
+        unsafe {
+            mm(
+                rows,
+                hd,
+                keys,
+                scale,
+                q.add(r0 * 3 * c),
+                3 * c,
+                1,
+                k,
+                1,
+                3 * c,
+                0.0,
+                p.as_mut_ptr(),
+                keys,
+            );
+            // dPd = dY · Vᵀ
+            mm(
+                rows,
+                hd,
+                keys,
+                1.0,
+                dy.add(r0 * c),
+                c,
+                1,
+                v,
+                1,
+                3 * c,
+                0.0,
+                dp.as_mut_ptr(),
+                keys,
+            );
+        }
+        for i in 0..rows {
+            let tq = r0 + i;
+            probs_row(
+                &mut p[i * keys..(i + 1) * keys],
+                &mf[..keys],
+                tq,
+                lse[bh * t + tq],
+            );
+        }
+        // The probabilities as used in the forward product (after dropout), and dP from dPd.
+        let used: &[f32] = match dropout {
+            Some(d) => {
+                pd[..rows * keys].copy_from_slice(&p[..rows * keys]);
+                for i in 0..rows {
+                    let off = ((bh * t + r0 + i) * t) as u64;
+                    d.apply(&mut pd[i * keys..(i + 1) * keys], off);
+                    d.apply(&mut dp[i * keys..(i + 1) * keys], off);
+                }
+                &pd[..rows * keys]
+            }
+            None => &p[..rows * keys],
+        };
+        unsafe {
+            // dV[0..keys] += usedᵀ · dY; keys r0..r1 are touched for the first time here.
+            mm(
+                r0,
+                rows,
+                hd,
+                1.0,
+                used.as_ptr(),
+                1,
+                keys,
+                dy.add(r0 * c),
+                c,
+                1,
+                1.0,
+                dv,
+                3 * c,
+            );
+            mm(
+                rows,
+                rows,
+                hd,
+                1.0,
+                used.as_ptr().add(r0),
+                1,
+                keys,
+                dy.add(r0 * c),
+                c,
+                1,
+                0.0,
+                dv.add(r0 * 3 * c),
+                3 * c,
+            );
+            if let Some(o) = out {
+                let o = o.0.add((bi * t + r0) * c + h * hd);
+                mm(
+                    rows,
+                    keys,
+                    hd,
+                    1.0,
+                    used.as_ptr(),
+                    keys,
+                    1,
+                    v,
+                    3 * c,
+                    1,
+                    0.0,
+                    o,
+                    c,
+                );
+            }
+        }
+        for i in 0..rows {
+            softmax_back_row(
+                &mut dp[i * keys..(i + 1) * keys],
+                &p[i * keys..(i + 1) * keys],
+                scale,
+            );
+        }
+        unsafe {
+            // dQ[r0..r1] = dS · K; dK[0..keys] += dSᵀ · Q[r0..r1]
+            mm(
+                rows,
+                keys,
+                hd,
+                1.0,
+                dp.as_ptr(),
+                keys,
+                1,
+                k,
+                3 * c,
+                1,
+                0.0,
+                dq.add(r0 * 3 * c),
+                3 * c,
+            );
+            mm(
+                r0,
+                rows,
+                hd,
+                1.0,
+                dp.as_ptr(),
+                1,
+                keys,
+                q.add(r0 * 3 * c),
+                3 * c,
+                1,
+                1.0,
+                dk,
+                3 * c,
+            );
+            mm(
+                rows,
+                rows,
+                hd,
+                1.0,
+                dp.as_ptr().add(r0),
+                1,
+                keys,
+                q.add(r0 * 3 * c),
+                3 * c,
+                1,
+                0.0,
+                dk.add(r0 * 3 * c),
+                3 * c,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
+
+    /// f64 reference: plain softmax attention per head, dropout mask from the same keys.
+    fn reference(qkv: &[f64], mask: &[u8], d: AttnDims, drop: Option<Dropout>) -> Vec<f64> {
+        let AttnDims { b, t, c, nh } = d;
+        let hd = c / nh;
+        let mut out = vec![0.0; b * t * c];
+        for bi in 0..b {
+            for h in 0..nh {
+                let bh = bi * nh + h;
+                for tq in 0..t {
+                    let qv = |i: usize, o: usize| {
+                        qkv[(bi * t + i) * 3 * c + o + h * hd..][..hd].to_vec()
+                    };
+                    let q = qv(tq, 0);
+                    let vis: Vec<usize> = (0..=tq).filter(|&j| mask[bi * t + j] != 0).collect();
+                    if vis.is_empty() {
+                        continue;
+                    }
+                    let sc: Vec<f64> = vis
+                        .iter()
+                        .map(|&j| {
+                            q.iter().zip(qv(j, c)).map(|(a, b)| a * b).sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
+                    for (&j, s) in vis.iter().zip(&sc) {
+                        let mut pr = (s - m).exp() / z;
+                        if let Some(dr) = drop {
+                            pr = if dr.keep(((bh * t + tq) * t + j) as u64) {
+                                pr / (1.0 - dr.p as f64)
+                            } else {
+                                0.0
+                            };
+                        }
+                        let vv = qv(j, 2 * c);
+                        for e in 0..hd {
+                            out[(bi * t + tq) * c + h * hd + e] += pr * vv[e];
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn attention_matches_f64_and_finite_differences() {
+        // t = 70 spans two query blocks; batch 1 is left-padded, batch 0 has a hole.
+        let dims = AttnDims {
+            b: 2,
+            t: 70,
+            c: 12,
+            nh: 2,
+        };
+        let AttnDims { b, t, c, nh } = dims;
+        let mut mask = vec![1u8; b * t];
+        mask[5] = 0;
+        mask[9] = 0;
+        for m in &mut mask[t..t + 3] {
+            *m = 0;
+        }
+        let qkv: Vec<f32> = rand_vec(b * t * 3 * c, 1).iter().map(|x| x * 2.0).collect();
+        let dout = rand_vec(b * t * c, 2);
+        for (drop, threads) in [(None, 1), (None, 2), (Some(Dropout { p: 0.2, key: 7 }), 2)] {
+            let mut out = vec![0.0; b * t * c];
+            let mut again = vec![0.0; b * t * c];
+            let mut lse = vec![0.0; b * nh * t];
+            let mut dqkv = vec![f32::NAN; b * t * 3 * c];
+            let mut scratch = vec![0.0; attention_scratch_len(t, threads)];
+            within_pool(threads, || {
+                attention_forward(
+                    &mut out,
+                    &mut lse,
+                    &qkv,
+                    Some(&mask),
+                    dims,
+                    drop,
+                    &mut scratch,
+                );
+                attention_backward(
+                    &mut dqkv,
+                    Some(&mut again),
+                    &dout,
+                    &qkv,
+                    &lse,
+                    Some(&mask),
+                    dims,
+                    drop,
+                    &mut scratch,
+                );
+            });
+            let f = |x: &[f64]| reference(x, &mask, dims, drop);
+            assert_close(&out, &f(&f64s(&qkv)), 1e-5, "out");
+            assert_close(&again, &f(&f64s(&qkv)), 1e-5, "recomputed out");
+            check_grad("dqkv", &dqkv, 0.0, &f64s(&qkv), &dout, f);
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Elementwise passes: bias + GELU after the MLP's first matmul, residual add with the branch's
+//! bias and dropout fused, and their backward passes.
+//!
+//! Every function is a single pass over its buffers; none allocates or keeps state.
+
+use rayon::prelude::*;
+
+use super::math::{gelu, gelu_grad};
+use super::simd_fn;
+use crate::Dropout;
+
+/// Elements per parallel task: big enough to hide the fork, small enough to balance.
+const CHUNK: usize = 1 << 14;
+
+/// `out = gelu(inp)` (GPT-2's tanh form), elementwise.
+pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
+    out.par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .for_each(|(o, x)| gelu_block(o, x));
+}
+
+simd_fn! {
+    fn gelu_block(out: &mut [f32], inp: &[f32]) {
+        for (o, &x) in out.iter_mut().zip(inp) {
+            *o = gelu(x);
+        }
+    }
+}
+
+/// `dinout *= gelu'(inp)`: turns d gelu(x) into d x in place.
+pub fn gelu_backward(dinout: &mut [f32], inp: &[f32]) {
+    dinout
+        .par_chunks_mut(CHUNK)
+        .zip(inp.par_chunks(CHUNK))
+        .for_each(|(d, x)| gelu_back_block(d, x));
+}
+
+simd_fn! {
+    fn gelu_back_block(d: &mut [f32], inp: &[f32]) {
+        for (d, &x) in d.iter_mut().zip(inp) {
+            *d *= gelu_grad(x);
+        }
+    }
+}
+
+/// `out = residual + dropout(out + bias)`, rows of `bias.len()` (or of `c` without bias):
+/// finishes a residual branch whose matmul wrote `out` without bias. Dropout element `i` is
+/// the flat index in `out`.
+pub fn residual_forward(
+    out: &mut [f32],
+    residual: &[f32],
+    bias: Option<&[f32]>,
+    c: usize,
+    dropout: Option<Dropout>,
+) {
+    let rows_per = CHUNK.div_ceil(c).max(1);
+    out.par_chunks_mut(rows_per * c)
+        .zip(residual.par_chunks(rows_per * c))
+        .enumerate()
+        .for_each(|(k, (o, r))| {
+            let base = (k * rows_per * c) as u64;
+            residual_block(o, r, bias, c, dropout, base)
+        });
+}
+
+simd_fn! {
+    fn residual_block(out: &mut [f32], residual: &[f32], bias: Option<&[f32]>, c: usize, dropout: Option<Dropout>, base: u64) {
+        for (row, (o, r)) in out.chunks_exact_mut(c).zip(residual.chunks_exact(c)).enumerate() {
+            if let Some(b) = bias {
+                for (o, &b) in o.iter_mut().zip(b) {
+                    *o += b;
+                }
+            }
+            if let Some(d) = dropout {
+                d.apply(o, base + (row * c) as u64);
+            }
+            for (o, &r) in o.iter_mut().zip(r) {
+                *o += r;
+            }
+        }
+    }
+}
+
+/// `x = dropout(x)` in place, element `i` keyed by `offset + i`.
+pub fn dropout_forward(x: &mut [f32], d: Dropout, offset: u64) {
+    x.par_chunks_mut(CHUNK).enumerate().for_each(|(k, ch)| {
+        d.apply(ch, offset + (k * CHUNK) as u64);
+    });
+}
+
+/// Backward of dropout: `dx = dropout_mask(dy)`, i.e. the same mask and scale again.
+pub fn dropout_backward(dx: &mut [f32], dy: &[f32], d: Dropout, offset: u64) {
+    dx.par_chunks_mut(CHUNK)
+        .zip(dy.par_chunks(CHUNK))
+        .enumerate()
+        .for_each(|(k, (dx, dy))| {
+            dx.copy_from_slice(dy);
+            d.apply(dx, offset + (k * CHUNK) as u64);
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
+
+    #[test]
+    fn gelu_backward_matches_finite_differences() {
+        let n = 3000;
+        let x: Vec<f32> = rand_vec(n, 1).iter().map(|v| v * 4.0).collect();
+        let dout = rand_vec(n, 2);
+        let mut y = vec![0.0; n];
+        let mut d = dout.clone();
+        within_pool(2, || {
+            gelu_forward(&mut y, &x);
+            gelu_backward(&mut d, &x);
+        });
+        let f = |x: &[f64]| -> Vec<f64> {
+            x.iter()
+                .map(|&x| {
+                    0.5 * x
+                        * (1.0
+                            + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x))
+                                .tanh())
+                })
+                .collect()
+        };
+        assert_close(&y, &f(&f64s(&x)), 1e-5, "gelu");
+        check_grad("dgelu", &d, 0.0, &f64s(&x), &dout, f);
+    }
+
+    #[test]
+    fn residual_with_dropout_matches_reference_and_backward_reuses_the_mask() {
+        let (n, c) = (300, 24);
+        let d = Dropout { p: 0.25, key: 99 };
+        let branch = rand_vec(n * c, 1);
+        let res = rand_vec(n * c, 2);
+        let b = rand_vec(c, 3);
+        for threads in [1, 2] {
+            let mut out = branch.clone();
+            within_pool(threads, || {
+                residual_forward(&mut out, &res, Some(&b), c, Some(d))
+            });
+            let mut dropped = 0;
+            for i in 0..n * c {
+                let keep = d.keep(i as u64);
+                dropped += !keep as usize;
+                let want = res[i]
+                    + if keep {
+                        (branch[i] + b[i % c]) / 0.75
+                    } else {
+                        0.0
+                    };
+                assert!((out[i] - want).abs() < 1e-6, "{i}");
+            }
+            assert!(dropped > n * c / 5 && dropped < n * c * 3 / 10, "{dropped}");
+            let dy = rand_vec(n * c, 4);
+            let mut dx = vec![0.0; n * c];
+            within_pool(threads, || dropout_backward(&mut dx, &dy, d, 0));
+            for i in 0..n * c {
+                let want = if d.keep(i as u64) { dy[i] / 0.75 } else { 0.0 };
+                assert!((dx[i] - want).abs() < 1e-6);
+            }
+        }
+    }
+}

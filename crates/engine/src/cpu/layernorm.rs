@@ -1,0 +1,218 @@
+//! LayerNorm over the last dimension (eps 1e-5, as PyTorch and GPT-2) and its backward.
+//!
+//! Forward caches mean and 1/std per row; backward takes them instead of recomputing. Rows are
+//! independent, so they split over threads; the weight and bias gradients are column sums,
+//! computed in a second pass split by columns so the result never depends on the thread count.
+
+use rayon::prelude::*;
+
+use super::math::{dot, sum};
+use super::simd_fn;
+
+const EPS: f32 = 1e-5;
+const ROWS_PER_TASK: usize = 32;
+
+/// out (N, C) = (inp - mean) / sqrt(var + eps) * w + b; mean, rstd (N) are written for backward.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_forward(
+    out: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    n: usize,
+    c: usize,
+) {
+    let (out, mean, rstd, inp) = (
+        &mut out[..n * c],
+        &mut mean[..n],
+        &mut rstd[..n],
+        &inp[..n * c],
+    );
+    let (w, b) = (&w[..c], b.map(|b| &b[..c]));
+    out.par_chunks_mut(ROWS_PER_TASK * c)
+        .zip(mean.par_chunks_mut(ROWS_PER_TASK))
+        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
+        .zip(inp.par_chunks(ROWS_PER_TASK * c))
+        .for_each(|(((o, m), r), x)| rows_forward(o, m, r, x, w, b));
+}
+
+simd_fn! {
+    fn rows_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>) {
+        let c = w.len();
+        for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
+            let m = sum(x) / c as f32;
+            for (o, &v) in o.iter_mut().zip(x) {
+                *o = v - m;
+            }
+            let var = dot(o, o) / c as f32;
+            let s = 1.0 / (var + EPS).sqrt();
+            match b {
+                Some(b) => {
+                    for ((o, &w), &b) in o.iter_mut().zip(w).zip(b) {
+                        *o = *o * s * w + b;
+                    }
+                }
+                None => {
+                    for (o, &w) in o.iter_mut().zip(w) {
+                        *o = *o * s * w;
+                    }
+                }
+            }
+            mean[i] = m;
+            rstd[i] = s;
+        }
+    }
+}
+
+/// Backward of [`layernorm_forward`]: `dinp += ...`, `dw += Σ norm * dout`, `db += Σ dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_backward(
+    dinp: &mut [f32],
+    dw: &mut [f32],
+    db: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    w: &[f32],
+    n: usize,
+    c: usize,
+) {
+    let (dinp, dout, inp) = (&mut dinp[..n * c], &dout[..n * c], &inp[..n * c]);
+    let (mean, rstd, w) = (&mean[..n], &rstd[..n], &w[..c]);
+    dinp.par_chunks_mut(ROWS_PER_TASK * c)
+        .zip(dout.par_chunks(ROWS_PER_TASK * c))
+        .zip(inp.par_chunks(ROWS_PER_TASK * c))
+        .zip(mean.par_chunks(ROWS_PER_TASK))
+        .zip(rstd.par_chunks(ROWS_PER_TASK))
+        .for_each(|((((di, d), x), m), r)| rows_backward(di, d, x, m, r, w));
+    let parts = if n * c < 1 << 15 {
+        1
+    } else {
+        rayon::current_num_threads()
+    };
+    let block = c.div_ceil(parts).div_ceil(16) * 16;
+    match db {
+        Some(db) => dw[..c]
+            .par_chunks_mut(block)
+            .zip(db[..c].par_chunks_mut(block))
+            .enumerate()
+            .for_each(|(p, (dw, db))| {
+                params_backward(dw, Some(db), p * block, c, dout, inp, mean, rstd)
+            }),
+        None => dw[..c]
+            .par_chunks_mut(block)
+            .enumerate()
+            .for_each(|(p, dw)| params_backward(dw, None, p * block, c, dout, inp, mean, rstd)),
+    }
+}
+
+simd_fn! {
+    fn rows_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32], w: &[f32]) {
+        let c = w.len();
+        for (i, ((di, d), x)) in dinp
+            .chunks_exact_mut(c)
+            .zip(dout.chunks_exact(c))
+            .zip(inp.chunks_exact(c))
+            .enumerate()
+        {
+            let (m, s) = (mean[i], rstd[i]);
+            // dnorm = w * dout; dinp += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd
+            let mut acc_d = [0f32; 16];
+            let mut acc_dn = [0f32; 16];
+            for (j, ((&d, &x), &w)) in d.iter().zip(x).zip(w).enumerate() {
+                let dn = w * d;
+                acc_d[j % 16] += dn;
+                acc_dn[j % 16] += dn * ((x - m) * s);
+            }
+            let dnorm_mean = acc_d.iter().sum::<f32>() / c as f32;
+            let dnorm_norm_mean = acc_dn.iter().sum::<f32>() / c as f32;
+            for (((di, &d), &x), &w) in di.iter_mut().zip(d).zip(x).zip(w) {
+                let norm = (x - m) * s;
+                *di += (w * d - dnorm_mean - norm * dnorm_norm_mean) * s;
+            }
+        }
+    }
+}
+
+simd_fn! {
+    #[allow(clippy::too_many_arguments)]
+    fn params_backward(dw: &mut [f32], db: Option<&mut [f32]>, c0: usize, c: usize, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32]) {
+        let wlen = dw.len();
+        for (i, (&m, &s)) in mean.iter().zip(rstd).enumerate() {
+            let d = &dout[i * c + c0..i * c + c0 + wlen];
+            let x = &inp[i * c + c0..i * c + c0 + wlen];
+            for ((dw, &d), &x) in dw.iter_mut().zip(d).zip(x) {
+                *dw += (x - m) * s * d;
+            }
+        }
+        if let Some(db) = db {
+            for i in 0..mean.len() {
+                for (db, &d) in db.iter_mut().zip(&dout[i * c + c0..i * c + c0 + wlen]) {
+                    *db += d;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testing::{assert_close, check_grad, rand_vec, within_pool};
+
+    fn reference(x: &[f64], w: &[f64], b: &[f64], n: usize, c: usize) -> Vec<f64> {
+        let mut out = vec![0.0; n * c];
+        for i in 0..n {
+            let row = &x[i * c..(i + 1) * c];
+            let m = row.iter().sum::<f64>() / c as f64;
+            let var = row.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / c as f64;
+            let s = 1.0 / (var + EPS as f64).sqrt();
+            for j in 0..c {
+                out[i * c + j] = (row[j] - m) * s * w[j] + b[j];
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn layernorm_matches_f64_and_finite_differences() {
+        for threads in [1, 2] {
+            let (n, c) = (67, 40);
+            let x = rand_vec(n * c, 1);
+            let w = rand_vec(c, 2);
+            let b = rand_vec(c, 3);
+            let dout = rand_vec(n * c, 4);
+            let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            let mut dx = vec![0.5; n * c];
+            let (mut dw, mut db) = (vec![0.25; c], vec![0.0; c]);
+            within_pool(threads, || {
+                layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, Some(&b), n, c);
+                layernorm_backward(
+                    &mut dx,
+                    &mut dw,
+                    Some(&mut db),
+                    &dout,
+                    &x,
+                    &mean,
+                    &rstd,
+                    &w,
+                    n,
+                    c,
+                );
+            });
+            let f = |x: &[f64], w: &[f64], b: &[f64]| reference(x, w, b, n, c);
+            let (x64, w64, b64) = (
+                crate::cpu::testing::f64s(&x),
+                crate::cpu::testing::f64s(&w),
+                crate::cpu::testing::f64s(&b),
+            );
+            assert_close(&out, &f(&x64, &w64, &b64), 1e-5, "out");
+            check_grad("dx", &dx, 0.5, &x64, &dout, |x| f(x, &w64, &b64));
+            check_grad("dw", &dw, 0.25, &w64, &dout, |w| f(&x64, w, &b64));
+            check_grad("db", &db, 0.0, &b64, &dout, |b| f(&x64, &w64, b));
+        }
+    }
+}

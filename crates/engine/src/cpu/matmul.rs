@@ -1,0 +1,423 @@
+//! Matrix products: the Conv1D layers (weights `[in, out]`), the LM head (weights `[out, in]`,
+//! nn.Linear / tied embedding) and their backward passes, on `matrixmultiply`'s AVX-512 sgemm.
+//!
+//! Threads split the output into disjoint row or column blocks; each output element is always
+//! computed by one sequential sgemm call over the full K, so results do not depend on the thread
+//! count. Transposes are strides, never copies. Nothing here allocates.
+
+use rayon::prelude::*;
+
+use super::{simd_fn, SendPtr};
+
+/// A matrix operand: pointer plus row and column strides (in elements).
+#[derive(Clone, Copy)]
+struct Mat {
+    ptr: SendPtr,
+    rs: isize,
+    cs: isize,
+}
+
+impl Mat {
+    fn rm(ptr: *const f32, cols: usize) -> Mat {
+        Mat {
+            ptr: SendPtr(ptr as *mut f32),
+            rs: cols as isize,
+            cs: 1,
+        }
+    }
+    fn t(self) -> Mat {
+        Mat {
+            ptr: self.ptr,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+    fn at(self, r: usize, c: usize) -> *mut f32 {
+        // safety of the offset is the caller's: r and c stay inside the matrix it describes.
+        self.ptr
+            .0
+            .wrapping_offset(r as isize * self.rs + c as isize * self.cs)
+    }
+}
+
+/// Below this many multiply-adds a product runs on one thread (a fork costs a few µs).
+const PAR_MIN_MACS: usize = 1 << 17;
+
+/// c (m, n) = alpha * a (m, k) · b (k, n) + beta * c, split over the current rayon pool.
+///
+/// # Safety
+/// The three descriptors must describe valid matrices of the given sizes, `c` must not overlap
+/// `a` or `b`, and `c` must be writable.
+unsafe fn gemm(m: usize, k: usize, n: usize, alpha: f32, a: Mat, b: Mat, beta: f32, c: Mat) {
+    let threads = rayon::current_num_threads();
+    let parts = if m * n * k < PAR_MIN_MACS {
+        1
+    } else {
+        threads.min(m.max(n) / 16).max(1)
+    };
+    let call = |r0: usize, r1: usize, c0: usize, c1: usize| {
+        // safety: sub-blocks of the caller's valid matrices; distinct calls write disjoint
+        // blocks of c.
+        unsafe {
+            matrixmultiply::sgemm(
+                r1 - r0,
+                k,
+                c1 - c0,
+                alpha,
+                a.at(r0, 0),
+                a.rs,
+                a.cs,
+                b.at(0, c0),
+                b.rs,
+                b.cs,
+                beta,
+                c.at(r0, c0),
+                c.rs,
+                c.cs,
+            )
+        }
+    };
+    if parts == 1 {
+        call(0, m, 0, n);
+        return;
+    }
+    // Split the longer output side, in multiples of 16 (the kernel's register tile).
+    let split = |len: usize, p: usize| {
+        let step = len.div_ceil(parts).div_ceil(16) * 16;
+        ((p * step).min(len), ((p + 1) * step).min(len))
+    };
+    (0..parts).into_par_iter().for_each(|p| {
+        if m >= n {
+            let (r0, r1) = split(m, p);
+            if r0 < r1 {
+                call(r0, r1, 0, n);
+            }
+        } else {
+            let (c0, c1) = split(n, p);
+            if c0 < c1 {
+                call(0, m, c0, c1);
+            }
+        }
+    });
+}
+
+fn check(what: &str, len: usize, want: usize) {
+    assert!(len >= want, "{what}: {len} elements, need {want}");
+}
+
+/// out (N, OC) = inp (N, C) · w (C, OC) + bias (OC). `w` is in Conv1D layout `[in, out]`.
+pub fn matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul out", out.len(), n * oc);
+    check("matmul inp", inp.len(), n * c);
+    check("matmul w", w.len(), c * oc);
+    let beta = match bias {
+        Some(b) => {
+            check("matmul bias", b.len(), oc);
+            fill_rows(&mut out[..n * oc], &b[..oc]);
+            1.0
+        }
+        None => 0.0,
+    };
+    // safety: sizes checked above; out is a distinct &mut.
+    unsafe {
+        gemm(
+            n,
+            c,
+            oc,
+            1.0,
+            Mat::rm(inp.as_ptr(), c),
+            Mat::rm(w.as_ptr(), oc),
+            beta,
+            Mat::rm(out.as_mut_ptr(), oc),
+        )
+    }
+}
+
+/// Every row of `out` (rows of `b.len()`) becomes `b`.
+fn fill_rows(out: &mut [f32], b: &[f32]) {
+    let oc = b.len();
+    let rows = out.len() / oc;
+    let chunk = rows.div_ceil(rayon::current_num_threads()).max(64) * oc;
+    out.par_chunks_mut(chunk).for_each(|ch| {
+        for row in ch.chunks_exact_mut(oc) {
+            row.copy_from_slice(b);
+        }
+    });
+}
+
+/// Backward of [`matmul_forward`]: `dinp = dout · wᵀ` (overwritten, skipped if None),
+/// `dw += inpᵀ · dout`, `dbias += column sums of dout`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_backward(
+    dinp: Option<&mut [f32]>,
+    dw: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    w: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul dout", dout.len(), n * oc);
+    check("matmul inp", inp.len(), n * c);
+    check("matmul w", w.len(), c * oc);
+    check("matmul dw", dw.len(), c * oc);
+    let dout_m = Mat::rm(dout.as_ptr(), oc);
+    // safety: sizes checked; outputs are distinct &mut slices.
+    unsafe {
+        if let Some(dinp) = dinp {
+            check("matmul dinp", dinp.len(), n * c);
+            gemm(
+                n,
+                oc,
+                c,
+                1.0,
+                dout_m,
+                Mat::rm(w.as_ptr(), oc).t(),
+                0.0,
+                Mat::rm(dinp.as_mut_ptr(), c),
+            );
+        }
+        gemm(
+            c,
+            n,
+            oc,
+            1.0,
+            Mat::rm(inp.as_ptr(), c).t(),
+            dout_m,
+            1.0,
+            Mat::rm(dw.as_mut_ptr(), oc),
+        );
+    }
+    if let Some(db) = dbias {
+        check("matmul dbias", db.len(), oc);
+        column_sums(&mut db[..oc], &dout[..n * oc]);
+    }
+}
+
+/// `dinp = dout · wᵀ` (overwritten): the input half of [`matmul_backward`], for callers whose
+/// `dinp` buffer still holds the forward input the weight gradient needs (call it after).
+pub fn matmul_backward_input(
+    dinp: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul dout", dout.len(), n * oc);
+    check("matmul w", w.len(), c * oc);
+    check("matmul dinp", dinp.len(), n * c);
+    // safety: sizes checked; dinp is a distinct &mut.
+    unsafe {
+        gemm(
+            n,
+            oc,
+            c,
+            1.0,
+            Mat::rm(dout.as_ptr(), oc),
+            Mat::rm(w.as_ptr(), oc).t(),
+            0.0,
+            Mat::rm(dinp.as_mut_ptr(), c),
+        );
+    }
+}
+
+/// logits (N, V) = inp (N, C) · wᵀ with `w` (V, C): the LM head, nn.Linear layout, no bias.
+pub fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) {
+    check("head out", out.len(), n * v);
+    check("head inp", inp.len(), n * c);
+    check("head w", w.len(), v * c);
+    // safety: sizes checked.
+    unsafe {
+        gemm(
+            n,
+            c,
+            v,
+            1.0,
+            Mat::rm(inp.as_ptr(), c),
+            Mat::rm(w.as_ptr(), c).t(),
+            0.0,
+            Mat::rm(out.as_mut_ptr(), v),
+        )
+    }
+}
+
+/// Backward of [`head_forward`]: `dinp = dout · w` (overwritten), `dw += doutᵀ · inp`.
+#[allow(clippy::too_many_arguments)]
+pub fn head_backward(
+    dinp: &mut [f32],
+    dw: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    w: &[f32],
+    n: usize,
+    c: usize,
+    v: usize,
+) {
+    check("head dout", dout.len(), n * v);
+    check("head inp", inp.len(), n * c);
+    check("head w", w.len(), v * c);
+    check("head dw", dw.len(), v * c);
+    check("head dinp", dinp.len(), n * c);
+    let dout_m = Mat::rm(dout.as_ptr(), v);
+    // safety: sizes checked; outputs are distinct &mut slices.
+    unsafe {
+        gemm(
+            n,
+            v,
+            c,
+            1.0,
+            dout_m,
+            Mat::rm(w.as_ptr(), c),
+            0.0,
+            Mat::rm(dinp.as_mut_ptr(), c),
+        );
+        gemm(
+            v,
+            n,
+            c,
+            1.0,
+            dout_m.t(),
+            Mat::rm(inp.as_ptr(), c),
+            1.0,
+            Mat::rm(dw.as_mut_ptr(), c),
+        );
+    }
+}
+
+/// `acc[j] += Σ_i x[i, j]` over the rows of `x` (row length `acc.len()`). Threads take column
+/// blocks and each sums its rows in order, so the result is independent of the thread count.
+pub fn column_sums(acc: &mut [f32], x: &[f32]) {
+    let cols = acc.len();
+    let rows = x.len() / cols;
+    let parts = if rows * cols < 1 << 15 {
+        1
+    } else {
+        rayon::current_num_threads()
+    };
+    let block = cols.div_ceil(parts).div_ceil(16) * 16;
+    acc.par_chunks_mut(block).enumerate().for_each(|(p, a)| {
+        column_sums_block(a, x, p * block, cols, rows);
+    });
+}
+
+simd_fn! {
+    fn column_sums_block(a: &mut [f32], x: &[f32], c0: usize, cols: usize, rows: usize) {
+        let w = a.len();
+        for r in 0..rows {
+            let row = &x[r * cols + c0..r * cols + c0 + w];
+            for (s, v) in a.iter_mut().zip(row) {
+                *s += v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testing::{assert_close, rand_vec, within_pool};
+
+    fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for p in 0..k {
+                for j in 0..n {
+                    c[i * n + j] += a[i * k + p] * b[p * n + j];
+                }
+            }
+        }
+        c
+    }
+
+    fn transpose(a: &[f64], r: usize, c: usize) -> Vec<f64> {
+        (0..r * c).map(|i| a[(i % r) * c + i / r]).collect()
+    }
+
+    fn f64s(x: &[f32]) -> Vec<f64> {
+        x.iter().map(|&v| v as f64).collect()
+    }
+
+    #[test]
+    fn matmul_forward_and_backward_match_f64() {
+        for threads in [1, 2] {
+            for &(n, c, oc) in &[(5, 3, 7), (70, 33, 65), (130, 64, 96)] {
+                let inp = rand_vec(n * c, 1);
+                let w = rand_vec(c * oc, 2);
+                let b = rand_vec(oc, 3);
+                let dout = rand_vec(n * oc, 4);
+                let mut out = vec![0.0; n * oc];
+                let mut dinp = vec![0.0; n * c];
+                let mut dw = rand_vec(c * oc, 5);
+                let dw0 = dw.clone();
+                let mut db = vec![1.0; oc];
+                within_pool(threads, || {
+                    matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc);
+                    matmul_backward(
+                        Some(&mut dinp),
+                        &mut dw,
+                        Some(&mut db),
+                        &dout,
+                        &inp,
+                        &w,
+                        n,
+                        c,
+                        oc,
+                    );
+                });
+                let mut want = naive(&f64s(&inp), &f64s(&w), n, c, oc);
+                for (i, v) in want.iter_mut().enumerate() {
+                    *v += b[i % oc] as f64;
+                }
+                assert_close(&out, &want, 1e-5, "out");
+                let wt = transpose(&f64s(&w), c, oc);
+                assert_close(&dinp, &naive(&f64s(&dout), &wt, n, oc, c), 1e-5, "dinp");
+                let it = transpose(&f64s(&inp), n, c);
+                let mut want_dw = naive(&it, &f64s(&dout), c, n, oc);
+                for (d, v) in want_dw.iter_mut().zip(&dw0) {
+                    *d += *v as f64;
+                }
+                assert_close(&dw, &want_dw, 1e-5, "dw");
+                let want_db: Vec<f64> = (0..oc)
+                    .map(|j| 1.0 + (0..n).map(|i| dout[i * oc + j] as f64).sum::<f64>())
+                    .collect();
+                assert_close(&db, &want_db, 1e-5, "db");
+            }
+        }
+    }
+
+    #[test]
+    fn head_forward_and_backward_match_f64() {
+        let (n, c, v) = (50, 24, 13);
+        let inp = rand_vec(n * c, 1);
+        let w = rand_vec(v * c, 2);
+        let dout = rand_vec(n * v, 3);
+        let mut out = vec![0.0; n * v];
+        let mut dinp = vec![0.0; n * c];
+        let mut dw = vec![0.0; v * c];
+        within_pool(2, || {
+            head_forward(&mut out, &inp, &w, n, c, v);
+            head_backward(&mut dinp, &mut dw, &dout, &inp, &w, n, c, v);
+        });
+        let wt = transpose(&f64s(&w), v, c);
+        assert_close(&out, &naive(&f64s(&inp), &wt, n, c, v), 1e-5, "logits");
+        assert_close(
+            &dinp,
+            &naive(&f64s(&dout), &f64s(&w), n, v, c),
+            1e-5,
+            "dinp",
+        );
+        let dt = transpose(&f64s(&dout), n, v);
+        assert_close(&dw, &naive(&dt, &f64s(&inp), v, n, c), 1e-5, "dw");
+    }
+}

@@ -1,0 +1,201 @@
+//! Where each parameter tensor lives in the flat parameter (and gradient) buffer.
+//!
+//! The order is the contract in GPT_LAYOUT.md: wte, wpe, then one contiguous range per block,
+//! then ln_f and (untied only) lm_head. Names and shapes are Hugging Face GPT-2's, weights in
+//! Conv1D layout [in, out]. This module only computes offsets; it never touches the buffers.
+
+use std::ops::Range;
+
+use crate::GPTConfig;
+
+/// One named tensor inside the flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamView {
+    /// Hugging Face GPT-2 name, e.g. `h.0.attn.c_attn.weight`.
+    pub name: String,
+    /// Row-major shape.
+    pub shape: Vec<usize>,
+    /// Offsets in the flat parameter / gradient buffer.
+    pub range: Range<usize>,
+}
+
+/// Offsets of one block's tensors; bias ranges are empty when the config has no biases.
+#[derive(Clone, Debug)]
+pub(crate) struct BlockLayout {
+    pub ln_1_w: Range<usize>,
+    pub ln_1_b: Range<usize>,
+    pub attn_w: Range<usize>,
+    pub attn_b: Range<usize>,
+    pub proj_w: Range<usize>,
+    pub proj_b: Range<usize>,
+    pub ln_2_w: Range<usize>,
+    pub ln_2_b: Range<usize>,
+    pub fc_w: Range<usize>,
+    pub fc_b: Range<usize>,
+    pub fcproj_w: Range<usize>,
+    pub fcproj_b: Range<usize>,
+    /// The whole block: what the readiness hook reports.
+    pub all: Range<usize>,
+}
+
+/// The complete layout: named views plus typed offsets for the kernels.
+#[derive(Clone, Debug)]
+pub(crate) struct Layout {
+    pub views: Vec<ParamView>,
+    pub wte: Range<usize>,
+    pub wpe: Range<usize>,
+    pub blocks: Vec<BlockLayout>,
+    pub ln_f_w: Range<usize>,
+    pub ln_f_b: Range<usize>,
+    /// The head's weight (V, C): wte's range when tied.
+    pub lm_head: Range<usize>,
+    pub total: usize,
+}
+
+struct Carver {
+    views: Vec<ParamView>,
+    next: usize,
+}
+
+impl Carver {
+    fn take(&mut self, name: String, shape: &[usize]) -> Range<usize> {
+        let range = self.next..self.next + shape.iter().product::<usize>();
+        self.next = range.end;
+        self.views.push(ParamView {
+            name,
+            shape: shape.to_vec(),
+            range: range.clone(),
+        });
+        range
+    }
+
+    fn bias(&mut self, on: bool, name: String, len: usize) -> Range<usize> {
+        if on {
+            self.take(name, &[len])
+        } else {
+            self.next..self.next
+        }
+    }
+}
+
+impl Layout {
+    pub(crate) fn new(cfg: &GPTConfig) -> Layout {
+        let (v, t, c, f) = (
+            cfg.vocab_size,
+            cfg.max_position_embeddings,
+            cfg.d_model,
+            cfg.d_ff,
+        );
+        let bias = cfg.bias;
+        let mut cv = Carver {
+            views: Vec::new(),
+            next: 0,
+        };
+        let wte = cv.take("wte.weight".into(), &[v, c]);
+        let wpe = cv.take("wpe.weight".into(), &[t, c]);
+        let blocks = (0..cfg.n_layers)
+            .map(|l| {
+                let start = cv.next;
+                let p = |s: &str| format!("h.{l}.{s}");
+                let ln_1_w = cv.take(p("ln_1.weight"), &[c]);
+                let ln_1_b = cv.bias(bias, p("ln_1.bias"), c);
+                let attn_w = cv.take(p("attn.c_attn.weight"), &[c, 3 * c]);
+                let attn_b = cv.bias(bias, p("attn.c_attn.bias"), 3 * c);
+                let proj_w = cv.take(p("attn.c_proj.weight"), &[c, c]);
+                let proj_b = cv.bias(bias, p("attn.c_proj.bias"), c);
+                let ln_2_w = cv.take(p("ln_2.weight"), &[c]);
+                let ln_2_b = cv.bias(bias, p("ln_2.bias"), c);
+                let fc_w = cv.take(p("mlp.c_fc.weight"), &[c, f]);
+                let fc_b = cv.bias(bias, p("mlp.c_fc.bias"), f);
+                let fcproj_w = cv.take(p("mlp.c_proj.weight"), &[f, c]);
+                let fcproj_b = cv.bias(bias, p("mlp.c_proj.bias"), c);
+                BlockLayout {
+                    ln_1_w,
+                    ln_1_b,
+                    attn_w,
+                    attn_b,
+                    proj_w,
+                    proj_b,
+                    ln_2_w,
+                    ln_2_b,
+                    fc_w,
+                    fc_b,
+                    fcproj_w,
+                    fcproj_b,
+                    all: start..cv.next,
+                }
+            })
+            .collect();
+        let ln_f_w = cv.take("ln_f.weight".into(), &[c]);
+        let ln_f_b = cv.bias(bias, "ln_f.bias".into(), c);
+        let lm_head = if cfg.tie_word_embeddings {
+            wte.clone()
+        } else {
+            cv.take("lm_head.weight".into(), &[v, c])
+        };
+        Layout {
+            total: cv.next,
+            views: cv.views,
+            wte,
+            wpe,
+            blocks,
+            ln_f_w,
+            ln_f_b,
+            lm_head,
+        }
+    }
+
+    /// The ranges the readiness hook reports, in backward order; they partition `0..total`.
+    pub(crate) fn ready_order(&self) -> Vec<Range<usize>> {
+        let head_start = self.ln_f_w.start;
+        let mut order = vec![head_start..self.total];
+        order.extend(self.blocks.iter().rev().map(|b| b.all.clone()));
+        order.push(self.wte.start..self.wpe.end);
+        order
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_a_has_the_agreed_parameter_count() {
+        let layout = Layout::new(&GPTConfig::config_a());
+        assert_eq!(layout.total, 809_856);
+        let b = Layout::new(&GPTConfig::config_b());
+        assert_eq!(b.total, 10_770_816);
+    }
+
+    #[test]
+    fn views_are_contiguous_and_ready_ranges_partition_the_buffer() {
+        for (bias, tied) in [(true, true), (false, false), (true, false), (false, true)] {
+            let cfg = GPTConfig {
+                bias,
+                tie_word_embeddings: tied,
+                ..GPTConfig::config_a()
+            };
+            let layout = Layout::new(&cfg);
+            let mut next = 0;
+            for v in &layout.views {
+                assert_eq!(v.range.start, next, "{}", v.name);
+                assert_eq!(v.range.len(), v.shape.iter().product::<usize>());
+                next = v.range.end;
+            }
+            assert_eq!(next, layout.total);
+            assert_eq!(
+                layout.views.iter().any(|v| v.name == "lm_head.weight"),
+                !tied
+            );
+            assert_eq!(layout.views.iter().any(|v| v.name.ends_with("bias")), bias);
+            let mut covered: Vec<Range<usize>> = layout.ready_order();
+            covered.sort_by_key(|r| r.start);
+            let mut next = 0;
+            for r in covered {
+                assert_eq!(r.start, next);
+                next = r.end;
+            }
+            assert_eq!(next, layout.total);
+        }
+    }
+}

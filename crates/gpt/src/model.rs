@@ -1,0 +1,1085 @@
+//! The GPT-2 model: flat parameters and gradients, the activation arena, forward and the
+//! layer-wise backward with its readiness hook.
+//!
+//! Dims, named once: B batch, T sequence, C d_model, F d_ff, V vocab, L layers, NH heads,
+//! N = B*T tokens. All compute goes through the engine's `Backend`; this file decides only what
+//! is computed, in which order, and into which buffer. It never allocates after the first
+//! forward for a given token count (a larger B*T reallocates the arena once).
+//!
+//! Memory: per layer the arena keeps the block input, the residual after attention, qkv, the MLP
+//! pre-activation and the LayerNorm / softmax statistics. LayerNorm outputs, the attention
+//! output and GELU output are recomputed in backward (cheap passes), and the (T, T) attention
+//! probabilities are never stored, which is what keeps config B far below PyTorch's footprint.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use cohort_engine::cpu::{AttnDims, Cpu};
+use cohort_engine::{Backend, Dropout};
+
+use crate::layout::{BlockLayout, Layout};
+use crate::{GPTConfig, GptError, ParamView};
+
+/// Kernels timed by the built-in profiler, in report order.
+const KERNELS: [&str; 16] = [
+    "encoder_fwd",
+    "layernorm_fwd",
+    "matmul_fwd",
+    "attention_fwd",
+    "gelu_fwd",
+    "residual_fwd",
+    "head_fwd",
+    "crossentropy_fwd",
+    "crossentropy_bwd",
+    "head_bwd",
+    "layernorm_bwd",
+    "matmul_bwd",
+    "attention_bwd",
+    "gelu_bwd",
+    "dropout_bwd",
+    "encoder_bwd",
+];
+
+#[derive(Clone, Copy)]
+enum K {
+    EncoderFwd,
+    LnFwd,
+    MatmulFwd,
+    AttnFwd,
+    GeluFwd,
+    ResidualFwd,
+    HeadFwd,
+    CeFwd,
+    CeBwd,
+    HeadBwd,
+    LnBwd,
+    MatmulBwd,
+    AttnBwd,
+    GeluBwd,
+    DropoutBwd,
+    EncoderBwd,
+}
+
+/// Accumulated wall time per kernel (always on: one `Instant` pair per kernel call).
+#[derive(Default)]
+struct Profile([Duration; KERNELS.len()]);
+
+impl Profile {
+    #[inline]
+    fn time<R>(&mut self, k: K, f: impl FnOnce() -> R) -> R {
+        let t0 = Instant::now();
+        let r = f();
+        self.0[k as usize] += t0.elapsed();
+        r
+    }
+}
+
+/// Offsets of every activation inside the arena; all sized for `n` tokens.
+struct ActLayout {
+    n: usize,
+    ranges: [Range<usize>; ACT_BUFFERS],
+    total: usize,
+}
+
+/// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
+const ACT_BUFFERS: usize = 22;
+
+/// The arena split into its buffers; per-layer buffers hold all L layers back to back.
+struct Acts<'a> {
+    res: &'a mut [f32],      // (L+1, N, C) block inputs; res[L] feeds ln_f
+    res_mid: &'a mut [f32],  // (L, N, C) residual after attention
+    qkv: &'a mut [f32],      // (L, N, 3C)
+    fch: &'a mut [f32],      // (L, N, F) MLP pre-activation
+    ln1_mean: &'a mut [f32], // (L, N)
+    ln1_rstd: &'a mut [f32], // (L, N)
+    ln2_mean: &'a mut [f32], // (L, N)
+    ln2_rstd: &'a mut [f32], // (L, N)
+    att_lse: &'a mut [f32],  // (L, B, NH, T)
+    lnf_out: &'a mut [f32],  // (N, C)
+    lnf_mean: &'a mut [f32], // (N)
+    lnf_rstd: &'a mut [f32], // (N)
+    logits: &'a mut [f32],   // (N, V)
+    losses: &'a mut [f32],   // (N)
+    ce_lse: &'a mut [f32],   // (N)
+    s_ln: &'a mut [f32],     // (N, C) scratch: a LayerNorm output
+    s_atty: &'a mut [f32],   // (N, C) scratch: attention output
+    s_big: &'a mut [f32],    // (N, max(F, 3C)) scratch: GELU output, dG, dqkv
+    s_dl: &'a mut [f32],     // (N, C) scratch: gradient of a LayerNorm output / attention out
+    s_drop: &'a mut [f32],   // (N, C) scratch: dropout backward (empty without dropout)
+    dres: &'a mut [f32],     // (N, C) gradient of the residual stream
+    dlogits: &'a mut [f32],  // (N, V)
+}
+
+impl ActLayout {
+    fn new(cfg: &GPTConfig, n: usize) -> ActLayout {
+        let (l, c, f, v, nh) = (
+            cfg.n_layers,
+            cfg.d_model,
+            cfg.d_ff,
+            cfg.vocab_size,
+            cfg.n_heads,
+        );
+        let drop = if cfg.dropout > 0.0 { n * c } else { 0 };
+        let sizes = [
+            (l + 1) * n * c,
+            l * n * c,
+            l * n * 3 * c,
+            l * n * f,
+            l * n,
+            l * n,
+            l * n,
+            l * n,
+            l * n * nh,
+            n * c,
+            n,
+            n,
+            n * v,
+            n,
+            n,
+            n * c,
+            n * c,
+            n * f.max(3 * c),
+            n * c,
+            drop,
+            n * c,
+            n * v,
+        ];
+        let mut next = 0;
+        let ranges = sizes.map(|s| {
+            let r = next..next + s;
+            next += s;
+            r
+        });
+        ActLayout {
+            n,
+            ranges,
+            total: next,
+        }
+    }
+
+    fn carve<'a>(&self, arena: &'a mut [f32]) -> Acts<'a> {
+        let mut rest = arena;
+        let mut parts: [&'a mut [f32]; ACT_BUFFERS] = Default::default();
+        for (p, r) in parts.iter_mut().zip(&self.ranges) {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
+            *p = head;
+            rest = tail;
+        }
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits] =
+            parts;
+        Acts {
+            res,
+            res_mid,
+            qkv,
+            fch,
+            ln1_mean,
+            ln1_rstd,
+            ln2_mean,
+            ln2_rstd,
+            att_lse,
+            lnf_out,
+            lnf_mean,
+            lnf_rstd,
+            logits,
+            losses,
+            ce_lse,
+            s_ln,
+            s_atty,
+            s_big,
+            s_dl,
+            s_drop,
+            dres,
+            dlogits,
+        }
+    }
+}
+
+/// What the last forward saw, kept for backward (buffers reused across steps).
+#[derive(Default)]
+struct Batch {
+    b: usize,
+    t: usize,
+    ids: Vec<u32>,
+    mask: Vec<u8>,
+    has_mask: bool,
+    /// Per position: the id it must predict, or -1 when not counted.
+    targets: Vec<i32>,
+    /// Counted positions; None when the forward had no labels.
+    counted: Option<usize>,
+}
+
+/// The model: config, flat parameters and gradients, activation arena, backend.
+pub struct GPT {
+    config: GPTConfig,
+    layout: Layout,
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    dev: Box<dyn Backend>,
+    act_layout: Option<ActLayout>,
+    arena: Vec<f32>,
+    attn_scratch: Vec<f32>,
+    batch: Batch,
+    training: bool,
+    dropout_seed: u64,
+    rank: u64,
+    step: u64,
+    profile: Profile,
+}
+
+impl std::fmt::Debug for GPT {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GPT")
+            .field("config", &self.config)
+            .field("params", &self.params.len())
+            .field("backend", &self.dev)
+            .finish()
+    }
+}
+
+/// Deterministic N(0, 1) draws: splitmix64 feeding Box-Muller.
+struct Normal(u64);
+
+impl Normal {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn fill(&mut self, x: &mut [f32], std: f64) {
+        for pair in x.chunks_mut(2) {
+            let (u1, u2) = (self.uniform(), self.uniform());
+            let r = (-2.0 * u1.ln()).sqrt() * std;
+            let th = 2.0 * std::f64::consts::PI * u2;
+            pair[0] = (r * th.cos()) as f32;
+            if pair.len() > 1 {
+                pair[1] = (r * th.sin()) as f32;
+            }
+        }
+    }
+}
+
+/// `g[w]` and the bias right after it (empty range: None), as two disjoint slices.
+fn wb<'a>(
+    g: &'a mut [f32],
+    off: usize,
+    w: &Range<usize>,
+    b: &Range<usize>,
+) -> (&'a mut [f32], Option<&'a mut [f32]>) {
+    let (wg, rest) = g[w.start - off..].split_at_mut(w.len());
+    let bg = if b.is_empty() {
+        None
+    } else {
+        Some(&mut rest[..b.len()])
+    };
+    (wg, bg)
+}
+
+fn opt<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
+    if r.is_empty() {
+        None
+    } else {
+        Some(&p[r.clone()])
+    }
+}
+
+impl GPT {
+    /// A model with GPT-2's initialisation drawn from `seed`, on a CPU backend sized by
+    /// `COHORT_NUM_THREADS`.
+    pub fn new(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {
+        let cpu = Cpu::from_env().map_err(|e| GptError::Config {
+            field: "threads",
+            reason: e.to_string(),
+        })?;
+        GPT::with_backend(config, seed, Box::new(cpu))
+    }
+
+    /// A model on the given backend.
+    pub fn with_backend(
+        config: GPTConfig,
+        seed: u64,
+        dev: Box<dyn Backend>,
+    ) -> Result<GPT, GptError> {
+        config.validate()?;
+        let layout = Layout::new(&config);
+        let mut model = GPT {
+            params: vec![0.0; layout.total],
+            grads: vec![0.0; layout.total],
+            layout,
+            config,
+            dev,
+            act_layout: None,
+            arena: Vec::new(),
+            attn_scratch: Vec::new(),
+            batch: Batch::default(),
+            training: true,
+            dropout_seed: seed,
+            rank: 0,
+            step: 0,
+            profile: Profile::default(),
+        };
+        model.init_weights(seed);
+        Ok(model)
+    }
+
+    /// GPT-2 / nanoGPT init: weights N(0, 0.02), the two residual projections
+    /// N(0, 0.02 / sqrt(2 L)), LayerNorm weights 1, biases 0; drawn in layout order.
+    pub fn init_weights(&mut self, seed: u64) {
+        let mut rng = Normal(seed);
+        let resid_std = 0.02 / (2.0 * self.config.n_layers as f64).sqrt();
+        for v in &self.layout.views {
+            let p = &mut self.params[v.range.clone()];
+            if v.name.ends_with(".bias") {
+                p.fill(0.0);
+            } else if v.name.contains("ln_") {
+                p.fill(1.0);
+            } else if v.name.ends_with("c_proj.weight") {
+                rng.fill(p, resid_std);
+            } else {
+                rng.fill(p, 0.02);
+            }
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GPTConfig {
+        &self.config
+    }
+    /// Named views of the flat buffers, in buffer order.
+    pub fn param_views(&self) -> &[ParamView] {
+        &self.layout.views
+    }
+    /// Number of parameters (length of `params()` and `grads()`).
+    pub fn num_params(&self) -> usize {
+        self.layout.total
+    }
+    /// The flat parameter buffer.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+    /// The flat parameter buffer, writable (optimizers, checkpoint loading).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        &mut self.params
+    }
+    /// The flat gradient buffer.
+    pub fn grads(&self) -> &[f32] {
+        &self.grads
+    }
+    /// The flat gradient buffer, writable (all-reduce, clipping).
+    pub fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+    /// Parameters and gradients at once (an optimizer step needs both).
+    pub fn params_and_grads_mut(&mut self) -> (&mut [f32], &[f32]) {
+        (&mut self.params, &self.grads)
+    }
+    /// The ranges the backward hook reports, in the order it reports them.
+    pub fn ready_ranges(&self) -> Vec<Range<usize>> {
+        self.layout.ready_order()
+    }
+    /// The compute backend.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.dev
+    }
+    /// Logits (B, T, V) of the last forward.
+    pub fn logits(&self) -> &[f32] {
+        let n = self.batch.b * self.batch.t;
+        match &self.act_layout {
+            Some(al) => {
+                &self.arena[al.ranges[12].start..al.ranges[12].start + n * self.config.vocab_size]
+            }
+            None => &[],
+        }
+    }
+
+    /// Training mode applies dropout (when the config's dropout is above 0); eval mode never.
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+    /// Keys the dropout masks: every mask is a function of (seed, rank, step, site, index).
+    /// Call with the global step before each training forward.
+    pub fn set_dropout_key(&mut self, seed: u64, rank: u64, step: u64) {
+        self.dropout_seed = seed;
+        self.rank = rank;
+        self.step = step;
+    }
+
+    /// Wall time spent per kernel since the last reset, in a fixed order.
+    pub fn kernel_times(&self) -> Vec<(&'static str, Duration)> {
+        KERNELS.iter().copied().zip(self.profile.0).collect()
+    }
+    /// Clears the per-kernel times.
+    pub fn reset_kernel_times(&mut self) {
+        self.profile = Profile::default();
+    }
+
+    /// Sets every gradient to zero (backward accumulates).
+    pub fn zero_grad(&mut self) {
+        self.grads.fill(0.0);
+    }
+
+    fn validate_batch(
+        &self,
+        ids: &[u32],
+        mask: Option<&[u8]>,
+        labels: Option<&[i32]>,
+        b: usize,
+        t: usize,
+    ) -> Result<(), GptError> {
+        let shape = |what, found: usize| {
+            if found != b * t {
+                Err(GptError::InputShape {
+                    what,
+                    found,
+                    batch: b,
+                    seq: t,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        shape("input_ids", ids.len())?;
+        if b * t == 0 {
+            return Err(GptError::InputShape {
+                what: "input_ids",
+                found: 0,
+                batch: b,
+                seq: t,
+            });
+        }
+        if let Some(m) = mask {
+            shape("attention_mask", m.len())?;
+        }
+        if let Some(l) = labels {
+            shape("labels", l.len())?;
+        }
+        if t > self.config.max_position_embeddings {
+            return Err(GptError::SequenceTooLong {
+                seq: t,
+                max: self.config.max_position_embeddings,
+            });
+        }
+        let vocab = self.config.vocab_size;
+        if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(GptError::TokenOutOfRange {
+                what: "input_ids",
+                index,
+                value: id as i64,
+                vocab,
+            });
+        }
+        if let Some(l) = labels {
+            if let Some((index, &y)) = l
+                .iter()
+                .enumerate()
+                .find(|(_, &y)| y != -100 && (y < 0 || y as usize >= vocab))
+            {
+                return Err(GptError::TokenOutOfRange {
+                    what: "labels",
+                    index,
+                    value: y as i64,
+                    vocab,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward pass, as Hugging Face's `GPT2LMHeadModel`. `input_ids`, `attention_mask` (1 token,
+    /// 0 padding) and `labels` are (B, T) row-major. Labels are aligned with the inputs: position
+    /// t is scored on `labels[t + 1]`; -100 is ignored, and so is any position where the input
+    /// or the target is padding. Returns the mean loss over counted positions when labels are
+    /// given (0 when none is counted). Logits are readable afterwards with [`GPT::logits`].
+    pub fn forward(
+        &mut self,
+        input_ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<&[i32]>,
+        b: usize,
+        t: usize,
+    ) -> Result<Option<f32>, GptError> {
+        self.validate_batch(input_ids, attention_mask, labels, b, t)?;
+        let n = b * t;
+        if self.act_layout.as_ref().is_none_or(|al| al.n < n) {
+            // Free the old arena first so peak memory is one arena, not two.
+            self.arena = Vec::new();
+            let al = ActLayout::new(&self.config, n);
+            self.arena = vec![0.0; al.total];
+            self.attn_scratch = vec![
+                0.0;
+                self.dev
+                    .attention_scratch_len(self.config.max_position_embeddings)
+            ];
+            self.act_layout = Some(al);
+        }
+        let bt = &mut self.batch;
+        bt.b = b;
+        bt.t = t;
+        bt.ids.clear();
+        bt.ids.extend_from_slice(input_ids);
+        bt.has_mask = attention_mask.is_some();
+        bt.mask.clear();
+        if let Some(m) = attention_mask {
+            bt.mask.extend(m.iter().map(|&v| (v != 0) as u8));
+        }
+        bt.targets.clear();
+        bt.counted = None;
+        if let Some(labels) = labels {
+            let mask = attention_mask;
+            let real = |i: usize| mask.is_none_or(|m| m[i] != 0);
+            bt.targets.extend((0..n).map(|i| {
+                let next = i + 1;
+                if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
+                    labels[next]
+                } else {
+                    -1
+                }
+            }));
+            bt.counted = Some(bt.targets.iter().filter(|&&y| y >= 0).count());
+        }
+
+        let drop = self.drop_key();
+        let GPT {
+            config,
+            layout,
+            params,
+            dev,
+            act_layout,
+            arena,
+            attn_scratch,
+            batch,
+            profile,
+            ..
+        } = self;
+        let al = act_layout.as_ref().expect("arena allocated above");
+        let mut acts = al.carve(arena);
+        let mut run = || {
+            forward_pass(
+                config,
+                layout,
+                params,
+                &**dev,
+                &mut acts,
+                attn_scratch,
+                batch,
+                drop,
+                profile,
+            )
+        };
+        let mut loss = None;
+        dev.install(&mut || loss = run());
+        Ok(loss)
+    }
+
+    fn drop_key(&self) -> DropKey {
+        DropKey {
+            on: self.training && self.config.dropout > 0.0,
+            p: self.config.dropout,
+            seed: self.dropout_seed,
+            rank: self.rank,
+            step: self.step,
+        }
+    }
+
+    /// Backward pass for the last forward (which must have had labels), accumulating into the
+    /// gradient buffer. Runs from the top block down; as soon as a range of gradients is final
+    /// it calls `hook(range, grads)` with exactly that part of the gradient buffer, which this
+    /// backward will not touch again. Order: [ln_f (+ lm_head if untied)], block L-1, ...,
+    /// block 0, then [wte, wpe] (wte also holds the tied head's gradient). The ranges
+    /// partition the buffer. The hook runs on an engine thread, hence `Send`.
+    pub fn backward<'g, F>(&'g mut self, hook: F) -> Result<(), GptError>
+    where
+        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
+    {
+        let counted = self.batch.counted.ok_or(GptError::NoLoss)?;
+        let drop = self.drop_key();
+        let GPT {
+            config,
+            layout,
+            params,
+            grads,
+            dev,
+            act_layout,
+            arena,
+            attn_scratch,
+            batch,
+            profile,
+            ..
+        } = self;
+        let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
+        let mut acts = al.carve(arena);
+        let mut grads = Some(grads.as_mut_slice());
+        let mut hook = Some(hook);
+        let dev: &dyn Backend = &**dev;
+        let mut run = || {
+            let (grads, hook) = (
+                grads.take().expect("runs once"),
+                hook.take().expect("runs once"),
+            );
+            backward_pass(
+                config,
+                layout,
+                params,
+                grads,
+                dev,
+                &mut acts,
+                attn_scratch,
+                batch,
+                counted,
+                drop,
+                profile,
+                hook,
+            )
+        };
+        dev.install(&mut run);
+        Ok(())
+    }
+}
+
+/// The dropout settings of one step; `site` hands out the key of each dropout location.
+#[derive(Clone, Copy)]
+struct DropKey {
+    on: bool,
+    p: f32,
+    seed: u64,
+    rank: u64,
+    step: u64,
+}
+
+impl DropKey {
+    /// Sites: 0 embeddings; per layer l: 1+3l attention probabilities, 2+3l attention
+    /// output, 3+3l MLP output.
+    fn site(&self, site: u64) -> Option<Dropout> {
+        self.on.then(|| Dropout {
+            p: self.p,
+            key: Dropout::key(self.seed, self.rank, self.step, site),
+        })
+    }
+}
+
+/// Block `l`'s slice of a per-layer buffer whose layers are `len` long.
+fn layer(buf: &[f32], l: usize, len: usize) -> &[f32] {
+    &buf[l * len..(l + 1) * len]
+}
+
+fn layer_mut(buf: &mut [f32], l: usize, len: usize) -> &mut [f32] {
+    &mut buf[l * len..(l + 1) * len]
+}
+
+/// (layer l, read-only) and (layer l + 1, writable) of a per-layer buffer.
+fn layer_pair(buf: &mut [f32], l: usize, len: usize) -> (&[f32], &mut [f32]) {
+    let (lo, hi) = buf.split_at_mut((l + 1) * len);
+    (&lo[l * len..], &mut hi[..len])
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_pass(
+    cfg: &GPTConfig,
+    lay: &Layout,
+    p: &[f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    batch: &Batch,
+    drop: DropKey,
+    prof: &mut Profile,
+) -> Option<f32> {
+    let (b, t) = (batch.b, batch.t);
+    let (n, c, f, v, nh) = (b * t, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
+    let nc = n * c;
+    let mask = batch.has_mask.then_some(&batch.mask[..]);
+    let dims = AttnDims { b, t, c, nh };
+
+    {
+        let x0 = &mut a.res[..nc];
+        prof.time(K::EncoderFwd, || {
+            dev.encoder_forward(
+                x0,
+                &batch.ids,
+                &p[lay.wte.clone()],
+                &p[lay.wpe.clone()],
+                b,
+                t,
+                c,
+            )
+        });
+        if let Some(d) = drop.site(0) {
+            prof.time(K::ResidualFwd, || dev.dropout_forward(x0, d));
+        }
+    }
+    for (l, bl) in lay.blocks.iter().enumerate() {
+        let ld = 1 + 3 * l as u64;
+        let (x, x_next) = layer_pair(a.res, l, nc);
+        let x_mid = layer_mut(a.res_mid, l, nc);
+        let qkv = layer_mut(a.qkv, l, 3 * nc);
+        let fch = layer_mut(a.fch, l, n * f);
+        let s_ln = &mut a.s_ln[..nc];
+        let s_atty = &mut a.s_atty[..nc];
+        let s_big = &mut a.s_big[..n * f];
+        let lse = layer_mut(a.att_lse, l, n * nh);
+        prof.time(K::LnFwd, || {
+            dev.layernorm_forward(
+                s_ln,
+                layer_mut(a.ln1_mean, l, n),
+                layer_mut(a.ln1_rstd, l, n),
+                x,
+                &p[bl.ln_1_w.clone()],
+                opt(p, &bl.ln_1_b),
+                n,
+                c,
+            )
+        });
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_forward(
+                qkv,
+                s_ln,
+                &p[bl.attn_w.clone()],
+                opt(p, &bl.attn_b),
+                n,
+                c,
+                3 * c,
+            )
+        });
+        prof.time(K::AttnFwd, || {
+            dev.attention_forward(s_atty, lse, qkv, mask, dims, drop.site(ld), scratch)
+        });
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_forward(x_mid, s_atty, &p[bl.proj_w.clone()], None, n, c, c)
+        });
+        prof.time(K::ResidualFwd, || {
+            dev.residual_forward(x_mid, x, opt(p, &bl.proj_b), c, drop.site(ld + 1))
+        });
+        prof.time(K::LnFwd, || {
+            dev.layernorm_forward(
+                s_ln,
+                layer_mut(a.ln2_mean, l, n),
+                layer_mut(a.ln2_rstd, l, n),
+                x_mid,
+                &p[bl.ln_2_w.clone()],
+                opt(p, &bl.ln_2_b),
+                n,
+                c,
+            )
+        });
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_forward(fch, s_ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f)
+        });
+        prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_forward(x_next, s_big, &p[bl.fcproj_w.clone()], None, n, f, c)
+        });
+        prof.time(K::ResidualFwd, || {
+            dev.residual_forward(x_next, x_mid, opt(p, &bl.fcproj_b), c, drop.site(ld + 2))
+        });
+    }
+    let x_last = layer(a.res, cfg.n_layers, nc);
+    let lnf_out = &mut a.lnf_out[..nc];
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            lnf_out,
+            &mut a.lnf_mean[..n],
+            &mut a.lnf_rstd[..n],
+            x_last,
+            &p[lay.ln_f_w.clone()],
+            opt(p, &lay.ln_f_b),
+            n,
+            c,
+        )
+    });
+    let logits = &mut a.logits[..n * v];
+    prof.time(K::HeadFwd, || {
+        dev.head_forward(logits, lnf_out, &p[lay.lm_head.clone()], n, c, v)
+    });
+    let counted = batch.counted?;
+    let losses = &mut a.losses[..n];
+    prof.time(K::CeFwd, || {
+        dev.crossentropy_forward(losses, &mut a.ce_lse[..n], logits, &batch.targets, n, v)
+    });
+    if counted == 0 {
+        return Some(0.0);
+    }
+    // f64 and a fixed order: the loss is the same bits whatever the thread count.
+    let total: f64 = losses.iter().map(|&x| x as f64).sum();
+    Some((total / counted as f64) as f32)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_pass<'g>(
+    cfg: &GPTConfig,
+    lay: &Layout,
+    p: &[f32],
+    grads: &'g mut [f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    batch: &Batch,
+    counted: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+    mut hook: impl FnMut(Range<usize>, &'g mut [f32]),
+) {
+    let (b, t) = (batch.b, batch.t);
+    let (n, c, f, v, nh) = (b * t, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
+    let nc = n * c;
+    let mask = batch.has_mask.then_some(&batch.mask[..]);
+    let dims = AttnDims { b, t, c, nh };
+    let scale = if counted == 0 {
+        0.0
+    } else {
+        1.0 / counted as f32
+    };
+
+    // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
+    // handed out last) or to lm_head (in the top range).
+    let head_start = lay.ln_f_w.start;
+    let (mut rest, top) = grads.split_at_mut(head_start);
+    let dlogits = &mut a.dlogits[..n * v];
+    let logits = &a.logits[..n * v];
+    prof.time(K::CeBwd, || {
+        dev.crossentropy_backward(dlogits, logits, &a.ce_lse[..n], &batch.targets, scale, n, v)
+    });
+    let lnf_out = &a.lnf_out[..nc];
+    let dlnf = &mut a.s_dl[..nc];
+    {
+        let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
+            &mut rest[lay.wte.clone()]
+        } else {
+            &mut top[lay.lm_head.start - head_start..lay.lm_head.end - head_start]
+        };
+        prof.time(K::HeadBwd, || {
+            dev.head_backward(
+                dlnf,
+                dw_head,
+                dlogits,
+                lnf_out,
+                &p[lay.lm_head.clone()],
+                n,
+                c,
+                v,
+            )
+        });
+    }
+    let dres = &mut a.dres[..nc];
+    dres.fill(0.0);
+    {
+        let (dw, db) = wb(top, head_start, &lay.ln_f_w, &lay.ln_f_b);
+        let x_last = layer(a.res, cfg.n_layers, nc);
+        prof.time(K::LnBwd, || {
+            dev.layernorm_backward(
+                dres,
+                dw,
+                db,
+                dlnf,
+                x_last,
+                &a.lnf_mean[..n],
+                &a.lnf_rstd[..n],
+                &p[lay.ln_f_w.clone()],
+                n,
+                c,
+            )
+        });
+    }
+    hook(head_start..lay.total, top);
+
+    for (l, bl) in lay.blocks.iter().enumerate().rev() {
+        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
+        rest = lower;
+        block_backward(l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
+        hook(bl.all.clone(), g);
+    }
+
+    let dres = &a.dres[..nc];
+    let demb: &[f32] = match drop.site(0) {
+        Some(d) => {
+            let s = &mut a.s_drop[..nc];
+            prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
+            s
+        }
+        None => dres,
+    };
+    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    prof.time(K::EncoderBwd, || {
+        dev.encoder_backward(&mut dwte[lay.wte.clone()], dwpe, demb, &batch.ids, b, t, c)
+    });
+    hook(0..lay.wpe.end, rest);
+}
+
+/// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
+/// `g` is the block's gradient range (offset `bl.all.start`).
+#[allow(clippy::too_many_arguments)]
+fn block_backward(
+    l: usize,
+    bl: &BlockLayout,
+    p: &[f32],
+    g: &mut [f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    f: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let AttnDims { b, t, c, .. } = dims;
+    let n = b * t;
+    let nc = n * c;
+    let nh = dims.nh;
+    let off = bl.all.start;
+    let ld = 1 + 3 * l as u64;
+    let x = layer(a.res, l, nc);
+    let x_mid = layer(a.res_mid, l, nc);
+    let qkv = layer(a.qkv, l, 3 * nc);
+    let fch = layer(a.fch, l, n * f);
+    let lse = layer(a.att_lse, l, n * nh);
+    let s_ln = &mut a.s_ln[..nc];
+    let s_dl = &mut a.s_dl[..nc];
+    let s_atty = &mut a.s_atty[..nc];
+
+    // MLP: x_next = x_mid + drop(gelu(ln_2(x_mid) · W_fc + b_fc) · W_proj + b_proj)
+    {
+        let dres = &a.dres[..nc];
+        let dproj: &[f32] = match drop.site(ld + 2) {
+            Some(d) => {
+                let s = &mut a.s_drop[..nc];
+                prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
+                s
+            }
+            None => dres,
+        };
+        let s_big = &mut a.s_big[..n * f];
+        prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+        let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(None, dw, db, dproj, s_big, &p[bl.fcproj_w.clone()], n, f, c)
+        });
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward_input(s_big, dproj, &p[bl.fcproj_w.clone()], n, f, c)
+        });
+        prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
+        prof.time(K::LnFwd, || {
+            dev.layernorm_forward(
+                s_ln,
+                layer_mut(a.ln2_mean, l, n),
+                layer_mut(a.ln2_rstd, l, n),
+                x_mid,
+                &p[bl.ln_2_w.clone()],
+                opt(p, &bl.ln_2_b),
+                n,
+                c,
+            )
+        });
+        let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(
+                Some(s_dl),
+                dw,
+                db,
+                s_big,
+                s_ln,
+                &p[bl.fc_w.clone()],
+                n,
+                c,
+                f,
+            )
+        });
+    }
+    {
+        let (dw, db) = wb(g, off, &bl.ln_2_w, &bl.ln_2_b);
+        let dres = &mut a.dres[..nc];
+        prof.time(K::LnBwd, || {
+            dev.layernorm_backward(
+                dres,
+                dw,
+                db,
+                s_dl,
+                x_mid,
+                layer(a.ln2_mean, l, n),
+                layer(a.ln2_rstd, l, n),
+                &p[bl.ln_2_w.clone()],
+                n,
+                c,
+            )
+        });
+    }
+
+    // Attention: x_mid = x + drop(attn(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
+    {
+        let dres = &a.dres[..nc];
+        let dproj: &[f32] = match drop.site(ld + 1) {
+            Some(d) => {
+                let s = &mut a.s_drop[..nc];
+                prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
+                s
+            }
+            None => dres,
+        };
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward_input(s_dl, dproj, &p[bl.proj_w.clone()], n, c, c)
+        });
+        let dqkv = &mut a.s_big[..3 * nc];
+        prof.time(K::AttnBwd, || {
+            dev.attention_backward(
+                dqkv,
+                Some(s_atty),
+                s_dl,
+                qkv,
+                lse,
+                mask,
+                dims,
+                drop.site(ld),
+                scratch,
+            )
+        });
+        let (dw, db) = wb(g, off, &bl.proj_w, &bl.proj_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(None, dw, db, dproj, s_atty, &p[bl.proj_w.clone()], n, c, c)
+        });
+        prof.time(K::LnFwd, || {
+            dev.layernorm_forward(
+                s_ln,
+                layer_mut(a.ln1_mean, l, n),
+                layer_mut(a.ln1_rstd, l, n),
+                x,
+                &p[bl.ln_1_w.clone()],
+                opt(p, &bl.ln_1_b),
+                n,
+                c,
+            )
+        });
+        let (dw, db) = wb(g, off, &bl.attn_w, &bl.attn_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(
+                Some(s_dl),
+                dw,
+                db,
+                dqkv,
+                s_ln,
+                &p[bl.attn_w.clone()],
+                n,
+                c,
+                3 * c,
+            )
+        });
+    }
+    let (dw, db) = wb(g, off, &bl.ln_1_w, &bl.ln_1_b);
+    let dres = &mut a.dres[..nc];
+    prof.time(K::LnBwd, || {
+        dev.layernorm_backward(
+            dres,
+            dw,
+            db,
+            s_dl,
+            x,
+            layer(a.ln1_mean, l, n),
+            layer(a.ln1_rstd, l, n),
+            &p[bl.ln_1_w.clone()],
+            n,
+            c,
+        )
+    });
+}

@@ -63,7 +63,7 @@ pub struct RunArgs {
 pub fn main(args: RunArgs) -> anyhow::Result<()> {
     let after_dashes = command_follows_dashes(std::env::args_os(), args.command.len());
     let config = args.into_config(after_dashes)?;
-    let outcome = launch(&config).context("cohort run")?;
+    let outcome = launch(&config)?;
     let code = outcome.exit_code();
     if code != 0 {
         std::process::exit(code);

@@ -26,7 +26,7 @@ pub enum LaunchError {
         port: u16,
     },
     /// Node 0 could not host the rendezvous store for another reason.
-    #[error("cannot host the rendezvous store on {addr}:{port}: {source}")]
+    #[error("cannot host the rendezvous store on {addr}:{port}")]
     Host {
         /// The address the launcher tried to bind.
         addr: String,
@@ -37,7 +37,7 @@ pub enum LaunchError {
         source: StoreError,
     },
     /// The rendezvous store failed or could not be reached.
-    #[error("rendezvous store at {addr}:{port}, {op}: {source}")]
+    #[error("rendezvous store at {addr}:{port}: cannot {op}")]
     Store {
         /// The store's address.
         addr: String,
@@ -87,7 +87,7 @@ pub enum LaunchError {
         ours: String,
     },
     /// A worker process could not be started.
-    #[error("cannot start worker rank {rank} ({program}): {source}")]
+    #[error("cannot start worker rank {rank} ({})", program.display())]
     Spawn {
         /// Global rank of the worker.
         rank: usize,
@@ -98,6 +98,6 @@ pub enum LaunchError {
         source: std::io::Error,
     },
     /// Signal handling could not be installed.
-    #[error("cannot install the launcher's signal handlers: {0}")]
+    #[error("cannot install the launcher's signal handlers")]
     Signals(#[source] std::io::Error),
 }

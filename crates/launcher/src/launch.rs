@@ -5,11 +5,10 @@
 //! workers (their parent-death signal is tied to it); it never returns while
 //! a worker it started is alive.
 
-use std::fmt::Display;
 use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use cohort_store::{Store, StoreError, TcpStore, TcpStoreServer};
 
@@ -99,7 +98,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         Some(server) => server.local_addr().port(),
         None => config.master_port,
     };
-    let store = match &server {
+    let addr = match &server {
         // Node 0 reaches its own server wherever it listens, even when
         // `master_addr` is a name only the other nodes resolve.
         Some(server) => {
@@ -107,14 +106,13 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
             if local.ip().is_unspecified() {
                 local.set_ip(IpAddr::V4(Ipv4Addr::LOCALHOST));
             }
-            connect_store(local, config.join_timeout, config, port)?
+            local.to_string()
         }
-        None => connect_store(
-            host_port(&config.master_addr, port),
-            config.join_timeout,
-            config,
-            port,
-        )?,
+        None => host_port(&config.master_addr, port),
+    };
+    let store = match connect_store(&addr, config, port, &events)? {
+        Wait::Done(store) => store,
+        Wait::Stopped(signal) => return Ok(interrupted(signal)),
     };
     let rdzv = Rendezvous::new(
         store,
@@ -370,20 +368,43 @@ fn host_store(config: &LaunchConfig) -> Result<TcpStoreServer, LaunchError> {
 }
 
 /// Connects to the store at `addr`, retrying until it is up (other nodes may
-/// start before node 0) or `timeout` passed.
+/// start before node 0) or the join timeout passed; a stop signal meanwhile
+/// ends the wait.
 fn connect_store(
-    addr: impl ToSocketAddrs + Display,
-    timeout: Duration,
+    addr: &str,
     config: &LaunchConfig,
     port: u16,
-) -> Result<Arc<dyn Store>, LaunchError> {
-    let store = TcpStore::connect(addr, timeout).map_err(|source| LaunchError::Store {
+    events: &Events,
+) -> Result<Wait<Arc<dyn Store>>, LaunchError> {
+    let fail = |source| LaunchError::Store {
         addr: config.master_addr.clone(),
         port,
         op: "connect".to_string(),
         source,
-    })?;
-    Ok(Arc::new(store))
+    };
+    let deadline = Instant::now() + config.join_timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        // Short attempts, so that a signal is noticed while node 0 is awaited.
+        match TcpStore::connect(addr, left.min(PEER_POLL * 4)) {
+            Ok(_) => break,
+            Err(StoreError::Connect { .. }) if Instant::now() < deadline => {}
+            Err(StoreError::Connect { addr, source, .. }) => {
+                return Err(fail(StoreError::Connect {
+                    addr,
+                    timeout: config.join_timeout,
+                    source,
+                }))
+            }
+            Err(e) => return Err(fail(e)),
+        }
+        if let Some(signal) = events.pending_stop() {
+            return Ok(Wait::Stopped(signal));
+        }
+    }
+    // The server is up: this connection gets the long timeout for its calls.
+    let store = TcpStore::connect(addr, config.join_timeout).map_err(fail)?;
+    Ok(Wait::Done(Arc::new(store)))
 }
 
 /// `host:port`, with brackets around an IPv6 address.

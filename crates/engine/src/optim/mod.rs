@@ -9,7 +9,9 @@
 //!
 //! The updates follow `torch.optim.AdamW` / `torch.optim.SGD` (single-tensor CPU path) operation
 //! by operation in f32, with the scalar coefficients computed in f64 and rounded to f32 as PyTorch
-//! does, and its fused multiply-adds where its CPU kernels use them (`lerp`, `add` with `alpha`).
+//! does, and its fused multiply-adds where its CPU kernels use them (`lerp`, `addcmul`, `add` with
+//! `alpha`). Measured against torch 2.15 on an AVX-512 CPU: SGD bitwise equal; AdamW moments
+//! bitwise equal, parameters within 1 ulp (PyTorch's `sqrt` is MKL's, not correctly rounded).
 
 mod adamw;
 mod clip;

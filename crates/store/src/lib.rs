@@ -29,7 +29,7 @@
 //!
 //! ```
 //! use cohort_store::{HashStore, Store};
-//! use std::time::{Duration, Instant};
+//! use std::time::Duration;
 //!
 //! let store = HashStore::new();
 //! store.set("addr/0", b"127.0.0.1:4000").unwrap();

@@ -27,7 +27,9 @@ use crate::{check_entry, check_key, deadline_after, Store, StoreError};
 use wire::{read_frame, Request, Response, MAGIC, MAX_FRAME_LEN, VERSION};
 
 /// How long a `get`/`wait` reply may lag behind the deadline the server
-/// enforces before the client gives up on the server itself.
+/// enforces, and the least time any other reply or write may take, before
+/// the client gives up on the server itself. Keeps a short store timeout
+/// (meant for missing keys) from failing a `set` on a busy machine.
 const REPLY_GRACE: Duration = Duration::from_secs(10);
 /// Idle connections kept for reuse; more are closed after their call.
 const MAX_IDLE: usize = 8;
@@ -89,7 +91,7 @@ impl TcpStore {
                     for server_addr in candidates {
                         let left = deadline.saturating_duration_since(Instant::now());
                         let attempt = left.clamp(Duration::from_millis(1), Duration::from_secs(1));
-                        match Connection::open(&server_addr, attempt, timeout) {
+                        match Connection::open(&server_addr, attempt, timeout.max(REPLY_GRACE)) {
                             Ok(conn) => {
                                 return Ok(TcpStore {
                                     addr: name,
@@ -149,6 +151,11 @@ impl TcpStore {
         self.server_addr
     }
 
+    /// Bound on connecting and on any write or non-blocking reply.
+    fn io_timeout(&self) -> Duration {
+        self.timeout.max(REPLY_GRACE)
+    }
+
     fn idle(&self) -> MutexGuard<'_, Vec<Connection>> {
         // The pool is only pushed to and popped from; poisoning is harmless.
         self.idle.lock().unwrap_or_else(|e| e.into_inner())
@@ -192,17 +199,16 @@ impl TcpStore {
         }
         let reply_within = match blocks_for {
             Some(t) => t.saturating_add(REPLY_GRACE),
-            None => self.timeout,
+            None => self.io_timeout(),
         };
         let popped = self.idle().pop();
         let mut conn = match popped {
             Some(conn) => conn,
-            None => Connection::open(&self.server_addr, self.timeout, self.timeout).map_err(
-                |e| match e {
+            None => Connection::open(&self.server_addr, self.io_timeout(), self.io_timeout())
+                .map_err(|e| match e {
                     OpenError::Io(e) => self.io_err(e),
                     OpenError::Protocol(detail) => self.protocol_err(detail),
-                },
-            )?,
+                })?,
         };
         let response = conn.round_trip(&frame, reply_within).map_err(|e| {
             if e.kind() == io::ErrorKind::InvalidData {

@@ -482,7 +482,11 @@ mod tests {
         let started = Instant::now();
         store.set("other", b"x").unwrap();
         assert_eq!(store.get("other").unwrap(), b"x");
-        assert!(started.elapsed() < Duration::from_millis(500));
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
         store.set("later", b"now").unwrap();
         assert_eq!(getter.join().unwrap(), b"now");
     }

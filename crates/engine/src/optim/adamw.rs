@@ -2,8 +2,10 @@
 //! weight decay applied to the parameter before the Adam update, bias-corrected moments. Must
 //! never allocate in `step`.
 
+use rayon::prelude::*;
+
 use super::kernels::{self, AdamCoeffs};
-use super::{check_len, DecayMask, OptimError, Optimizer, OptimizerState};
+use super::{check_len, parallel, DecayMask, OptimError, Optimizer, OptimizerState, BLOCK};
 
 /// AdamW hyperparameters; the defaults are PyTorch's, except that the learning rate is passed to
 /// every [`Optimizer::step`] (it comes from an [`LrSchedule`](super::LrSchedule)).
@@ -159,13 +161,20 @@ impl Optimizer for AdamW {
             } else {
                 coeffs
             };
-            kernels::adamw(
-                &mut params[r.clone()],
-                &grads[r.clone()],
+            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
+            let (m, v) = (
                 &mut self.exp_avg[r.clone()],
                 &mut self.exp_avg_sq[r.clone()],
-                c,
             );
+            if parallel() {
+                p.par_chunks_mut(BLOCK)
+                    .zip(g.par_chunks(BLOCK))
+                    .zip(m.par_chunks_mut(BLOCK))
+                    .zip(v.par_chunks_mut(BLOCK))
+                    .for_each(|(((p, g), m), v)| kernels::adamw(p, g, m, v, c));
+            } else {
+                kernels::adamw(p, g, m, v, c);
+            }
         }
         Ok(())
     }

@@ -2,8 +2,10 @@
 //! norm (`clip_grad_norm_`). The norm is summed in f64 over fixed blocks added in order, so it
 //! does not depend on how the work is split; a non-finite norm must never be applied silently.
 
+use rayon::prelude::*;
+
 use super::kernels;
-use super::OptimError;
+use super::{parallel, OptimError, BLOCK};
 
 /// Elements per block of the norm reduction. Fixed (not derived from a thread count) so the sum's
 /// rounding is the same however the blocks are scheduled.
@@ -11,7 +13,16 @@ const NORM_BLOCK: usize = 1 << 16;
 
 /// Global L2 norm of `grads`, summed in f64 and rounded to f32.
 pub fn grad_norm(grads: &[f32]) -> f32 {
-    let sum: f64 = grads.chunks(NORM_BLOCK).map(kernels::sum_squares).sum();
+    let sum: f64 = if parallel() {
+        // Block sums in parallel, then added in block order: the same bits as sequentially.
+        let sums: Vec<f64> = grads
+            .par_chunks(NORM_BLOCK)
+            .map(kernels::sum_squares)
+            .collect();
+        sums.iter().sum()
+    } else {
+        grads.chunks(NORM_BLOCK).map(kernels::sum_squares).sum()
+    };
     sum.sqrt() as f32
 }
 
@@ -36,7 +47,13 @@ pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> Result<f32, OptimErro
     }
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
-        kernels::scale(grads, coef);
+        if parallel() {
+            grads
+                .par_chunks_mut(BLOCK)
+                .for_each(|g| kernels::scale(g, coef));
+        } else {
+            kernels::scale(grads, coef);
+        }
     }
     Ok(norm)
 }
@@ -52,7 +69,13 @@ pub fn clip_grad_value(grads: &mut [f32], clip_value: f32) -> Result<(), OptimEr
             why: "must be finite and >= 0",
         });
     }
-    kernels::clamp(grads, -clip_value, clip_value);
+    if parallel() {
+        grads
+            .par_chunks_mut(BLOCK)
+            .for_each(|g| kernels::clamp(g, -clip_value, clip_value));
+    } else {
+        kernels::clamp(grads, -clip_value, clip_value);
+    }
     Ok(())
 }
 

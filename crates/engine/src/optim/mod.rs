@@ -3,9 +3,11 @@
 //! Everything here works on plain slices: a parameter buffer, a gradient buffer of the same
 //! length, and optimizer state buffers of that length again. The optimizers know nothing of the
 //! model; which elements are exempt from weight decay comes in as a [`DecayMask`] of ranges, built
-//! by the model from its parameter names. This module must never allocate per step, never depend
-//! on the model, and never change results with the thread count (every update is elementwise and
-//! every reduction runs in a fixed block order).
+//! by the model from its parameter names. Called inside the engine's pool (`Cpu::install`), the
+//! work is split over its threads; called outside any pool, it runs on the calling thread. This
+//! module must never allocate in an optimizer step, never depend on the model, and never change
+//! results with the thread count (every update is elementwise and every reduction adds fixed
+//! blocks in a fixed order).
 //!
 //! The updates follow `torch.optim.AdamW` / `torch.optim.SGD` (single-tensor CPU path) operation
 //! by operation in f32, with the scalar coefficients computed in f64 and rounded to f32 as PyTorch
@@ -134,6 +136,18 @@ pub trait Optimizer: Send {
     fn load_state(&mut self, state: &OptimizerState<'_>) -> Result<(), OptimError>;
 }
 
+/// Elements per parallel task (64 KiB of each buffer): large enough to amortise scheduling, small
+/// enough to balance 10M parameters over a few threads.
+const BLOCK: usize = 1 << 14;
+
+/// Whether to split work over the rayon pool we are running in. Only inside a pool (the caller
+/// ran us under the engine's `Cpu::install`): outside one, rayon would start its global pool,
+/// which nobody sized. Splitting never changes results: every update is elementwise and
+/// reductions add fixed blocks in order.
+fn parallel() -> bool {
+    rayon::current_thread_index().is_some() && rayon::current_num_threads() > 1
+}
+
 fn check_len(
     op: &'static str,
     what: &str,
@@ -149,5 +163,66 @@ fn check_len(
             expected,
             found,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::Cpu;
+
+    /// Runs three steps of `opt` and a clip on fresh copies of the same buffers.
+    fn run(mut opt: Box<dyn Optimizer>, p: &[f32], g: &[f32]) -> (Vec<f32>, f32, Vec<f32>) {
+        let mut p = p.to_vec();
+        for step in 0..3 {
+            opt.step(&mut p, g, 1e-2 / (step as f64 + 1.0)).unwrap();
+        }
+        let mut gc = g.to_vec();
+        let norm = clip_grad_norm(&mut gc, 0.5).unwrap();
+        clip_grad_value(&mut gc, 1e-3).unwrap();
+        (p, norm, gc)
+    }
+
+    #[test]
+    fn thread_count_does_not_change_results() {
+        let n = 5 * BLOCK + 123;
+        let p: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 53) % 97) as f32 / 970.0 - 0.05)
+            .collect();
+        let mask = DecayMask::with_exempt(n, [BLOCK + 5..2 * BLOCK + 17, n - 40..n]).unwrap();
+        let optimizers = || -> Vec<Box<dyn Optimizer>> {
+            vec![
+                Box::new(AdamW::new(AdamWConfig::default(), mask.clone()).unwrap()),
+                Box::new(
+                    Sgd::new(
+                        SgdConfig {
+                            momentum: 0.9,
+                            weight_decay: 0.1,
+                            ..Default::default()
+                        },
+                        mask.clone(),
+                    )
+                    .unwrap(),
+                ),
+                Box::new(Sgd::new(SgdConfig::default(), mask.clone()).unwrap()),
+            ]
+        };
+        let sequential: Vec<_> = optimizers().into_iter().map(|o| run(o, &p, &g)).collect();
+        assert!(!parallel(), "tests run outside any pool");
+        for threads in [2, 3] {
+            let cpu = Cpu::new(threads).unwrap();
+            let pooled: Vec<_> = cpu.install(|| {
+                assert!(parallel());
+                optimizers().into_iter().map(|o| run(o, &p, &g)).collect()
+            });
+            for (i, (a, b)) in sequential.iter().zip(&pooled).enumerate() {
+                assert_eq!(a.0, b.0, "optimizer {i}, {threads} threads: params");
+                assert_eq!(a.1.to_bits(), b.1.to_bits(), "{threads} threads: norm");
+                assert_eq!(a.2, b.2, "{threads} threads: clipped grads");
+            }
+        }
     }
 }

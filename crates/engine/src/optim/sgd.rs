@@ -1,8 +1,10 @@
 //! SGD with optional momentum, dampening, Nesterov and (coupled, L2) weight decay, as
 //! `torch.optim.SGD` computes it. Must never allocate in `step`.
 
+use rayon::prelude::*;
+
 use super::kernels::{self, SgdCoeffs};
-use super::{check_len, DecayMask, OptimError, Optimizer, OptimizerState};
+use super::{check_len, parallel, DecayMask, OptimError, Optimizer, OptimizerState, BLOCK};
 
 /// SGD hyperparameters; defaults are PyTorch's (plain SGD). The learning rate is passed to every
 /// [`Optimizer::step`].
@@ -117,12 +119,20 @@ impl Optimizer for Sgd {
                     .then_some(cfg.weight_decay as f32),
                 ..coeffs
             };
-            let buf = if with_momentum {
-                &mut self.momentum_buffer[r.clone()]
-            } else {
-                &mut []
-            };
-            kernels::sgd(&mut params[r.clone()], &grads[r.clone()], buf, c);
+            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
+            match (with_momentum, parallel()) {
+                (true, true) => p
+                    .par_chunks_mut(BLOCK)
+                    .zip(g.par_chunks(BLOCK))
+                    .zip(self.momentum_buffer[r.clone()].par_chunks_mut(BLOCK))
+                    .for_each(|((p, g), b)| kernels::sgd(p, g, b, c)),
+                (true, false) => kernels::sgd(p, g, &mut self.momentum_buffer[r.clone()], c),
+                (false, true) => p
+                    .par_chunks_mut(BLOCK)
+                    .zip(g.par_chunks(BLOCK))
+                    .for_each(|(p, g)| kernels::sgd(p, g, &mut [], c)),
+                (false, false) => kernels::sgd(p, g, &mut [], c),
+            }
         }
         self.step += 1;
         Ok(())

@@ -1,0 +1,192 @@
+//! Gradient buckets: how the flat gradient buffer is cut into the pieces that
+//! are all-reduced one call at a time.
+//!
+//! A bucket is a contiguous range of the flat buffer covering whole
+//! parameters. Buckets are assigned as PyTorch's
+//! `compute_bucket_assignment_by_size` does: walk the parameters in reverse
+//! order (the order backward produces their gradients), close a bucket as soon
+//! as it holds at least its limit, with a smaller limit for the first bucket so
+//! that communication starts early. This module only computes ranges; it must
+//! never touch gradient values.
+
+use crate::error::DdpError;
+use std::ops::Range;
+
+/// Bytes per gradient element (f32).
+const ELEM_BYTES: usize = 4;
+
+/// One named parameter of the model: where it lives in the flat buffers.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ParamSpec {
+    /// Name, e.g. `h.0.attn.c_attn.weight`.
+    pub name: String,
+    /// Shape; its product is the length of `range`.
+    pub shape: Vec<usize>,
+    /// Offsets of the parameter in the flat parameter and gradient buffers.
+    pub range: Range<usize>,
+}
+
+/// A contiguous range of the flat gradient buffer, all-reduced in one call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GradientBucket {
+    /// Position in launch order: bucket 0 holds the last parameters.
+    pub index: usize,
+    /// Offsets in the flat gradient buffer.
+    pub range: Range<usize>,
+    /// Indices (into the parameter list) of the parameters it covers.
+    pub params: Range<usize>,
+}
+
+impl GradientBucket {
+    /// Size of the bucket in bytes.
+    pub fn bytes(&self) -> usize {
+        self.range.len() * ELEM_BYTES
+    }
+}
+
+/// Checks that `params` are sorted, contiguous from offset 0, each as long as
+/// its shape says, with distinct names; returns the total length.
+pub(crate) fn check_layout(params: &[ParamSpec]) -> Result<usize, DdpError> {
+    let mut end = 0;
+    let mut names = std::collections::HashSet::new();
+    for p in params {
+        let numel: usize = p.shape.iter().product();
+        if p.range.start != end || p.range.len() != numel || p.range.end < p.range.start {
+            return Err(DdpError::BadLayout {
+                name: p.name.clone(),
+                range: p.range.clone(),
+                expected_start: end,
+                numel,
+            });
+        }
+        if !names.insert(p.name.as_str()) {
+            return Err(DdpError::DuplicateName(p.name.clone()));
+        }
+        end = p.range.end;
+    }
+    Ok(end)
+}
+
+/// Assigns parameters to buckets: in reverse parameter order, the first
+/// bucket closes once it holds `first_cap_bytes` (capped at `cap_bytes`), the
+/// others once they hold `cap_bytes`. A bucket may exceed its cap by the size
+/// of its last parameter, as in PyTorch; a cap of 0 gives one bucket per
+/// parameter. `params` must satisfy [`check_layout`].
+pub fn assign_buckets(
+    params: &[ParamSpec],
+    first_cap_bytes: usize,
+    cap_bytes: usize,
+) -> Vec<GradientBucket> {
+    let mut buckets = Vec::new();
+    let mut limit = first_cap_bytes.min(cap_bytes);
+    let mut open: Option<(usize, usize)> = None; // (first param index, bytes)
+    for i in (0..params.len()).rev() {
+        let bytes = params[i].range.len() * ELEM_BYTES;
+        let (top, size) = open.unwrap_or((i, 0));
+        let size = size + bytes;
+        if size >= limit {
+            buckets.push(make_bucket(params, buckets.len(), i..top + 1));
+            limit = cap_bytes;
+            open = None;
+        } else {
+            open = Some((top, size));
+        }
+    }
+    if let Some((top, _)) = open {
+        buckets.push(make_bucket(params, buckets.len(), 0..top + 1));
+    }
+    buckets
+}
+
+fn make_bucket(params: &[ParamSpec], index: usize, ids: Range<usize>) -> GradientBucket {
+    GradientBucket {
+        index,
+        range: params[ids.start].range.start..params[ids.end - 1].range.end,
+        params: ids,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(lens: &[usize]) -> Vec<ParamSpec> {
+        let mut off = 0;
+        lens.iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                off += n;
+                ParamSpec {
+                    name: format!("p{i}"),
+                    shape: vec![n],
+                    range: off - n..off,
+                }
+            })
+            .collect()
+    }
+
+    /// Buckets must partition the buffer, in descending address order.
+    fn assert_partition(b: &[GradientBucket], total: usize) {
+        let mut end = total;
+        for (i, bucket) in b.iter().enumerate() {
+            assert_eq!(bucket.index, i);
+            assert_eq!(bucket.range.end, end);
+            assert!(!bucket.range.is_empty());
+            end = bucket.range.start;
+        }
+        assert_eq!(end, 0);
+    }
+
+    #[test]
+    fn first_bucket_is_small_then_cap() {
+        // 10 params of 100 floats (400 B): first cap 800 B, then 2000 B.
+        let p = layout(&[100; 10]);
+        let b = assign_buckets(&p, 800, 2000);
+        assert_partition(&b, 1000);
+        let sizes: Vec<usize> = b.iter().map(|b| b.params.len()).collect();
+        assert_eq!(sizes, vec![2, 5, 3]);
+        assert_eq!(b[0].params, 8..10);
+        assert_eq!(b[0].bytes(), 800);
+    }
+
+    #[test]
+    fn zero_cap_gives_one_bucket_per_param_and_huge_cap_one_bucket() {
+        let p = layout(&[3, 1, 4, 1, 5]);
+        let tiny = assign_buckets(&p, 0, 0);
+        assert_eq!(tiny.len(), 5);
+        assert_partition(&tiny, 14);
+        let huge = assign_buckets(&p, usize::MAX, usize::MAX);
+        assert_eq!(huge.len(), 1);
+        assert_eq!(huge[0].range, 0..14);
+    }
+
+    #[test]
+    fn first_cap_never_exceeds_cap() {
+        let p = layout(&[10; 4]);
+        let b = assign_buckets(&p, 1 << 20, 40);
+        assert_eq!(b.len(), 4);
+    }
+
+    #[test]
+    fn layout_errors_name_the_parameter() {
+        let mut p = layout(&[2, 3]);
+        assert_eq!(check_layout(&p).unwrap(), 5);
+        p[1].range = 3..6;
+        match check_layout(&p) {
+            Err(DdpError::BadLayout {
+                name,
+                expected_start,
+                ..
+            }) => {
+                assert_eq!((name.as_str(), expected_start), ("p1", 2))
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut p = layout(&[2, 3]);
+        p[1].shape = vec![4];
+        assert!(matches!(check_layout(&p), Err(DdpError::BadLayout { .. })));
+        let mut p = layout(&[2, 3]);
+        p[1].name = "p0".into();
+        assert!(matches!(check_layout(&p), Err(DdpError::DuplicateName(n)) if n == "p0"));
+    }
+}

@@ -1,0 +1,437 @@
+//! `Ddp`: keeps the replicas of a model identical across a process group.
+//!
+//! At construction it checks that every rank built the same model (names,
+//! shapes, offsets) and copies rank 0's parameters to every rank. Each
+//! synchronising backward then averages the gradients across ranks bucket by
+//! bucket, on a communication thread that runs while backward is still
+//! computing the lower layers (or, with `overlap = false`, after it). It
+//! knows flat f32 buffers, parameter names and process groups, never what
+//! the model computes.
+
+use crate::bucket::{assign_buckets, check_layout, GradientBucket, ParamSpec};
+use crate::error::DdpError;
+use crate::reducer::Reducer;
+use cohort_comm::{ProcessGroup, ReduceOp};
+use half::bf16;
+use std::ops::Range;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// PyTorch's default `bucket_cap_mb`.
+pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
+/// PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`, in MB: the first bucket is kept
+/// small so that communication starts early in backward.
+pub const DEFAULT_FIRST_BUCKET_MB: f64 = 1.0;
+
+/// How gradients travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// f32 all-reduce with `ReduceOp::Avg`.
+    #[default]
+    None,
+    /// PyTorch's `bf16_compress_hook`: divide by the world size, cast to
+    /// bf16, all-reduce (sum) in bf16, cast back. Half the bytes, about 3
+    /// significant digits per gradient element.
+    Bf16,
+}
+
+/// Options of [`Ddp`], PyTorch's `DistributedDataParallel` arguments.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DdpOptions {
+    /// Bucket size in MB (MiB, as PyTorch); 0 gives one bucket per parameter.
+    pub bucket_cap_mb: f64,
+    /// Size of the first bucket in MB, capped at `bucket_cap_mb`.
+    pub first_bucket_mb: f64,
+    /// Reduce buckets during backward (true) or all after it (false).
+    pub overlap: bool,
+    /// Treat the gradient of a parameter that backward never reports as
+    /// zero, instead of failing.
+    pub find_unused_parameters: bool,
+    /// Gradient compression.
+    pub compression: Compression,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        Self {
+            bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
+            first_bucket_mb: DEFAULT_FIRST_BUCKET_MB,
+            overlap: true,
+            find_unused_parameters: false,
+            compression: Compression::None,
+        }
+    }
+}
+
+/// What a model must offer to be wrapped by [`Ddp`]: a backward that reports
+/// finished gradient ranges, and its flat gradient buffer.
+pub trait Replica {
+    /// Runs backward, accumulating into the gradient buffer, and calls `hook`
+    /// with `(range, grads)` as soon as the gradients of `range` are final,
+    /// where `grads` is exactly that range of the gradient buffer. The
+    /// reported ranges must be disjoint; each parameter should be covered.
+    fn backward<'g>(
+        &'g mut self,
+        hook: &mut (dyn FnMut(Range<usize>, &'g mut [f32]) + Send),
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+    /// The flat gradient buffer.
+    fn grads_mut(&mut self) -> &mut [f32];
+}
+
+/// Where the time of one synchronising backward went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SyncStats {
+    /// Time inside the model's backward.
+    pub backward: Duration,
+    /// Time after backward until every bucket was reduced: communication
+    /// that backward did not hide.
+    pub comm_wait: Duration,
+    /// Total time spent inside all-reduce calls (overlapped or not).
+    pub comm_busy: Duration,
+    /// Buckets whose reduction started before backward returned.
+    pub overlapped_buckets: usize,
+}
+
+/// Data-parallel wrapper state for one model replica in a process group.
+///
+/// ```no_run
+/// # use cohort_ddp::{Ddp, DdpOptions, ParamSpec};
+/// # fn demo(pg: &cohort_comm::ProcessGroup, params: &mut [f32], specs: Vec<ParamSpec>) -> Result<(), cohort_ddp::DdpError> {
+/// let mut ddp = Ddp::new(pg, specs, params, DdpOptions::default())?;
+/// // each step: forward, then `ddp.backward(&mut model)?` instead of
+/// // `model.backward()`, then the optimizer step (identical on every rank).
+/// # Ok(()) }
+/// ```
+pub struct Ddp<'pg> {
+    pg: &'pg ProcessGroup,
+    params: Vec<ParamSpec>,
+    buckets: Vec<GradientBucket>,
+    total: usize,
+    options: DdpOptions,
+    /// bf16 staging for [`Compression::Bf16`], reused across steps.
+    scratch: Vec<bf16>,
+}
+
+impl<'pg> Ddp<'pg> {
+    /// Checks that every rank of `pg` has the same parameter list, then
+    /// overwrites `param_buffer` with rank 0's. Collective: every rank must
+    /// call it.
+    pub fn new(
+        pg: &'pg ProcessGroup,
+        params: Vec<ParamSpec>,
+        param_buffer: &mut [f32],
+        options: DdpOptions,
+    ) -> Result<Self, DdpError> {
+        let total = check_layout(&params)?;
+        if param_buffer.len() != total {
+            return Err(DdpError::BufferLength {
+                what: "parameter",
+                got: param_buffer.len(),
+                expected: total,
+            });
+        }
+        verify_same_model(pg, &params)?;
+        pg.broadcast(param_buffer, 0)
+            .map_err(comm("broadcast", None))?;
+        let mb = |x: f64| (x.max(0.0) * 1024.0 * 1024.0) as usize;
+        let buckets = assign_buckets(
+            &params,
+            mb(options.first_bucket_mb),
+            mb(options.bucket_cap_mb),
+        );
+        Ok(Self {
+            pg,
+            params,
+            buckets,
+            total,
+            options,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The buckets, in launch order (bucket 0 holds the last parameters).
+    pub fn buckets(&self) -> &[GradientBucket] {
+        &self.buckets
+    }
+
+    /// The parameter list every rank agreed on.
+    pub fn params(&self) -> &[ParamSpec] {
+        &self.params
+    }
+
+    /// The options in force.
+    pub fn options(&self) -> &DdpOptions {
+        &self.options
+    }
+
+    /// The process group.
+    pub fn process_group(&self) -> &'pg ProcessGroup {
+        self.pg
+    }
+
+    /// Backward without communication (PyTorch's `no_sync`): gradients
+    /// accumulate locally. Use it for every micro-step of gradient
+    /// accumulation but the last, which calls [`Ddp::backward`] and so
+    /// averages the sum of all micro-steps at once.
+    pub fn backward_no_sync<R: Replica>(&mut self, model: &mut R) -> Result<(), DdpError> {
+        model.backward(&mut |_, _| {}).map_err(DdpError::Backward)
+    }
+
+    /// Runs the model's backward and averages its gradients across ranks.
+    /// Collective: every rank must call it. A parameter whose gradient is
+    /// never reported is an error naming it (all ranks see it when all ranks
+    /// run the same model), unless `find_unused_parameters` is set, in which
+    /// case its gradient is zeroed and still averaged.
+    pub fn backward<R: Replica>(&mut self, model: &mut R) -> Result<SyncStats, DdpError> {
+        let mut stats = SyncStats::default();
+        let world = self.pg.size();
+        let (pg, params, buckets, total) = (self.pg, &self.params, &self.buckets, self.total);
+        let (compression, overlap) = (self.options.compression, self.options.overlap);
+        let scratch = &mut self.scratch;
+
+        let (next, unused, covered) = std::thread::scope(|s| {
+            let (tx, rx) = mpsc::channel::<(usize, &mut [f32])>();
+            let comm = s.spawn(move || -> Result<Duration, DdpError> {
+                let mut busy = Duration::ZERO;
+                for (b, grads) in rx {
+                    let t = Instant::now();
+                    reduce_bucket(pg, b, grads, compression, world, scratch)?;
+                    busy += t.elapsed();
+                }
+                Ok(busy)
+            });
+            let mut reducer = Reducer::new(params, buckets, total, overlap);
+            let t = Instant::now();
+            let backward = model.backward(&mut |range, grads| {
+                reducer.mark_ready(range, grads, &mut |b, slice| {
+                    // A send fails only if the comm thread stopped on an
+                    // error, which join() reports below.
+                    let _ = tx.send((b, slice));
+                })
+            });
+            stats.backward = t.elapsed();
+            drop(tx);
+            let covered = reducer.covered().to_vec();
+            let finished = reducer.finish();
+            let t = Instant::now();
+            let busy = comm
+                .join()
+                .expect("the communication thread does not panic")?;
+            stats.comm_wait = t.elapsed();
+            stats.comm_busy = busy;
+            backward.map_err(DdpError::Backward)?;
+            let (next, unused) = finished?;
+            Ok::<_, DdpError>((next, unused.cloned(), covered))
+        })?;
+        stats.overlapped_buckets = next;
+
+        // Buckets from `next` on were not launched during backward: not yet
+        // covered (an unused parameter), waiting behind such a bucket, or
+        // everything when overlap is off. Reduce them now, in order.
+        if let Some(p) = unused {
+            if !self.options.find_unused_parameters {
+                return Err(DdpError::UnusedParameter {
+                    name: p.name,
+                    range: p.range,
+                });
+            }
+        }
+        let t = Instant::now();
+        let grads = model.grads_mut();
+        if grads.len() != self.total {
+            return Err(DdpError::BufferLength {
+                what: "gradient",
+                got: grads.len(),
+                expected: self.total,
+            });
+        }
+        for bucket in &self.buckets[next..] {
+            for gap in Reducer::gaps(&covered[bucket.index], &bucket.range) {
+                grads[gap].fill(0.0);
+            }
+            let tb = Instant::now();
+            reduce_bucket(
+                self.pg,
+                bucket.index,
+                &mut grads[bucket.range.clone()],
+                self.options.compression,
+                world,
+                &mut self.scratch,
+            )?;
+            stats.comm_busy += tb.elapsed();
+        }
+        stats.comm_wait += t.elapsed();
+        Ok(stats)
+    }
+}
+
+/// Averages one bucket across the group.
+fn reduce_bucket(
+    pg: &ProcessGroup,
+    bucket: usize,
+    grads: &mut [f32],
+    compression: Compression,
+    world: usize,
+    scratch: &mut Vec<bf16>,
+) -> Result<(), DdpError> {
+    match compression {
+        Compression::None => pg
+            .all_reduce(grads, ReduceOp::Avg)
+            .map_err(comm("all_reduce", Some(bucket))),
+        Compression::Bf16 => {
+            let inv = 1.0 / world as f32;
+            scratch.clear();
+            scratch.extend(grads.iter().map(|g| bf16::from_f32(g * inv)));
+            pg.all_reduce(scratch.as_mut_slice(), ReduceOp::Sum)
+                .map_err(comm("all_reduce", Some(bucket)))?;
+            grads
+                .iter_mut()
+                .zip(scratch.iter())
+                .for_each(|(g, c)| *g = c.to_f32());
+            Ok(())
+        }
+    }
+}
+
+fn comm(op: &'static str, bucket: Option<usize>) -> impl Fn(cohort_comm::CommError) -> DdpError {
+    move |error| DdpError::Comm { op, bucket, error }
+}
+
+/// FNV-1a over the parameter list: names, shapes, ranges.
+fn digest(params: &[ParamSpec]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(&(params.len() as u64).to_le_bytes());
+    for p in params {
+        eat(p.name.as_bytes());
+        eat(&[0xff]);
+        for d in p.shape.iter().chain([&p.range.start, &p.range.end]) {
+            eat(&(*d as u64).to_le_bytes());
+        }
+    }
+    h
+}
+
+fn describe(p: Option<&ParamSpec>) -> String {
+    match p {
+        Some(p) => format!("{} {:?} at {:?}", p.name, p.shape, p.range),
+        None => "nothing".to_string(),
+    }
+}
+
+/// One line per parameter, for the (rare) full comparison.
+fn encode(params: &[ParamSpec]) -> Vec<u8> {
+    let mut out = String::new();
+    for p in params {
+        let shape: Vec<String> = p.shape.iter().map(|d| d.to_string()).collect();
+        out += &format!(
+            "{}\t{}\t{}\t{}\n",
+            p.name,
+            shape.join(","),
+            p.range.start,
+            p.range.end
+        );
+    }
+    out.into_bytes()
+}
+
+fn decode(bytes: &[u8]) -> Vec<ParamSpec> {
+    String::from_utf8_lossy(bytes)
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split('\t');
+            let name = f.next()?.to_string();
+            let shape = f
+                .next()?
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(|d| d.parse().unwrap_or(0))
+                .collect();
+            let start = f.next()?.parse().ok()?;
+            let end = f.next()?.parse().ok()?;
+            Some(ParamSpec {
+                name,
+                shape,
+                range: start..end,
+            })
+        })
+        .collect()
+}
+
+/// Fails on every rank, naming the first parameter and rank that differ
+/// from rank 0, unless all ranks hold the same parameter list. Costs one
+/// 8-byte all-gather when they agree.
+fn verify_same_model(pg: &ProcessGroup, params: &[ParamSpec]) -> Result<(), DdpError> {
+    let world = pg.size();
+    let mine = [digest(params) as i64];
+    let mut all = vec![0i64; world];
+    pg.all_gather(&mine, &mut all)
+        .map_err(comm("all_gather", None))?;
+    if all.iter().all(|&d| d == all[0]) {
+        return Ok(());
+    }
+    // Somebody differs: exchange the full lists (lengths first, then the
+    // lists padded to the longest) so every rank can name the difference.
+    let text = encode(params);
+    let mut lens = vec![0i64; world];
+    pg.all_gather(&[text.len() as i64], &mut lens)
+        .map_err(comm("all_gather", None))?;
+    let longest = lens.iter().copied().max().unwrap_or(0) as usize;
+    let mut padded = text.clone();
+    padded.resize(longest, 0);
+    let mut gathered = vec![0u8; longest * world];
+    pg.all_gather(&padded, &mut gathered)
+        .map_err(comm("all_gather", None))?;
+    let lists: Vec<Vec<ParamSpec>> = (0..world)
+        .map(|r| decode(&gathered[r * longest..r * longest + lens[r] as usize]))
+        .collect();
+    for (rank, list) in lists.iter().enumerate().skip(1) {
+        let n = list.len().max(lists[0].len());
+        if let Some(index) = (0..n).find(|&i| list.get(i) != lists[0].get(i)) {
+            return Err(DdpError::ModelMismatch {
+                rank,
+                index,
+                ours: describe(lists[0].get(index)),
+                theirs: describe(list.get(index)),
+            });
+        }
+    }
+    // Same lists but different digests cannot happen (the digest is a
+    // function of the list); if encoding lost a detail, still refuse.
+    Err(DdpError::ModelMismatch {
+        rank: all.iter().position(|&d| d != all[0]).unwrap_or(0),
+        index: 0,
+        ours: "a parameter list".into(),
+        theirs: "a list that encodes identically but hashes differently".into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encode_decode_round_trip_and_digest_sees_shapes() {
+        let p = vec![
+            ParamSpec {
+                name: "a.weight".into(),
+                shape: vec![2, 3],
+                range: 0..6,
+            },
+            ParamSpec {
+                name: "b".into(),
+                shape: vec![],
+                range: 6..7,
+            },
+        ];
+        assert_eq!(decode(&encode(&p)), p);
+        let mut q = p.clone();
+        q[0].shape = vec![3, 2];
+        assert_ne!(digest(&p), digest(&q));
+    }
+}

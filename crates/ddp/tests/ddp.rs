@@ -1,0 +1,381 @@
+//! Ddp across real process groups (threads with loopback sockets, through
+//! comm's spawn), on a toy model whose gradients are a known function of the
+//! parameters and the rank's data, so every result can be recomputed here.
+
+use cohort_comm::{spawn, GroupOptions};
+use cohort_ddp::{Compression, Ddp, DdpError, DdpOptions, ParamSpec, Replica};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// Parameter lengths of the toy model: sizes like a small transformer's
+/// (embedding, blocks of matrices and vectors, final norm).
+const LENS: [usize; 9] = [5000, 300, 20_000, 700, 64, 20_000, 700, 64, 128];
+
+fn specs(lens: &[usize]) -> Vec<ParamSpec> {
+    let mut off = 0;
+    lens.iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            off += n;
+            ParamSpec {
+                name: format!("layer{i}.weight"),
+                shape: vec![n],
+                range: off - n..off,
+            }
+        })
+        .collect()
+}
+
+/// A model whose gradient is `grad_i = sin(w_i * x + i) * x` for its
+/// rank's data `x`, handed out top-down in "layer" ranges that cut across
+/// parameters, with a little compute per layer so communication overlaps.
+struct Toy {
+    w: Vec<f32>,
+    g: Vec<f32>,
+    x: f32,
+    /// Ranges reported, from the top of the buffer down.
+    layers: Vec<Range<usize>>,
+    /// A range never reported (an unused parameter).
+    skip: Option<Range<usize>>,
+}
+
+fn grad(w: f32, x: f32, i: usize) -> f32 {
+    (w * x + i as f32 * 1e-3).sin() * x
+}
+
+impl Toy {
+    fn new(lens: &[usize], x: f32) -> Self {
+        let n: usize = lens.iter().sum();
+        // Cut into ranges of 7000 from the top, not aligned to parameters.
+        let mut layers = Vec::new();
+        let mut end = n;
+        while end > 0 {
+            let start = end.saturating_sub(7000);
+            layers.push(start..end);
+            end = start;
+        }
+        Self {
+            w: (0..n)
+                .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+                .collect(),
+            g: vec![0.0; n],
+            x,
+            layers,
+            skip: None,
+        }
+    }
+
+    /// SGD step, identical on every rank.
+    fn step(&mut self, lr: f32) {
+        for (w, g) in self.w.iter_mut().zip(&mut self.g) {
+            *w -= lr * *g;
+            *g = 0.0;
+        }
+    }
+}
+
+impl Replica for Toy {
+    fn backward<'g>(
+        &'g mut self,
+        hook: &mut (dyn FnMut(Range<usize>, &'g mut [f32]) + Send),
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        let (w, x) = (&self.w, self.x);
+        let mut rest: &'g mut [f32] = &mut self.g;
+        for layer in &self.layers {
+            let (lo, piece) = std::mem::take(&mut rest).split_at_mut(layer.start);
+            rest = lo;
+            for (k, g) in piece.iter_mut().enumerate() {
+                let i = layer.start + k;
+                *g += grad(w[i], x, i);
+            }
+            let skipped = self
+                .skip
+                .as_ref()
+                .is_some_and(|s| s.start < layer.end && layer.start < s.end);
+            if let (true, Some(s)) = (skipped, &self.skip) {
+                // Report the layer without the skipped range.
+                let (below, rest_top) = piece.split_at_mut(s.start.max(layer.start) - layer.start);
+                let (_, above) =
+                    rest_top.split_at_mut(s.end.min(layer.end) - s.start.max(layer.start));
+                if !above.is_empty() {
+                    hook(s.end.min(layer.end)..layer.end, above);
+                }
+                if !below.is_empty() {
+                    hook(layer.start..s.start.max(layer.start), below);
+                }
+            } else {
+                hook(layer.clone(), piece);
+            }
+        }
+        Ok(())
+    }
+
+    fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.g
+    }
+}
+
+fn opts() -> GroupOptions {
+    GroupOptions {
+        timeout: Duration::from_secs(20),
+        ..GroupOptions::from_env().unwrap()
+    }
+}
+
+fn data(rank: usize) -> f32 {
+    0.5 + rank as f32 * 0.37
+}
+
+/// Trains `steps` SGD steps with Ddp on `world` ranks; returns each rank's
+/// final weights.
+fn train_ddp(world: usize, steps: usize, options: DdpOptions) -> Vec<Vec<f32>> {
+    spawn::threads_with(world, opts(), |pg| {
+        let mut m = Toy::new(&LENS, data(pg.rank()));
+        if pg.rank() > 0 {
+            // Different initial weights: Ddp must broadcast rank 0's.
+            m.w.iter_mut().for_each(|w| *w += 1.0);
+        }
+        let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, options.clone())?;
+        for _ in 0..steps {
+            ddp.backward(&mut m)?;
+            m.step(0.1);
+        }
+        Ok::<_, DdpError>(m.w)
+    })
+    .unwrap()
+}
+
+/// The same steps in one process: average the ranks' gradients by hand.
+fn train_reference(world: usize, steps: usize) -> Vec<f32> {
+    let mut m = Toy::new(&LENS, 0.0);
+    let n = m.w.len();
+    for _ in 0..steps {
+        let mut sum = vec![0f32; n];
+        for r in 0..world {
+            for (i, s) in sum.iter_mut().enumerate() {
+                *s += grad(m.w[i], data(r), i);
+            }
+        }
+        for (i, w) in m.w.iter_mut().enumerate() {
+            *w -= 0.1 * (sum[i] / world as f32);
+        }
+    }
+    m.w
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn all_ranks_agree_and_match_the_hand_averaged_gradient() {
+    // World 2: (g0 + g1) / 2 is computed the same way by hand and by the
+    // all-reduce (a sum of two is commutative, halving is exact): bitwise.
+    let got = train_ddp(2, 4, DdpOptions::default());
+    assert_eq!(got[0], got[1]);
+    assert_eq!(got[0], train_reference(2, 4));
+    // World 3: the all-reduce adds in an order that depends on the chunk,
+    // so the sum of three may round differently from ((g0 + g1) + g2): at
+    // most an ulp of a gradient (|g| < 1.3, ulp ~1.5e-7) times lr 0.1 per
+    // step, barely amplified (d grad / d w <= x^2 < 1.6): below 1e-6.
+    let got = train_ddp(3, 4, DdpOptions::default());
+    assert_eq!(got[0], got[1]);
+    assert_eq!(got[0], got[2]);
+    let d = max_abs_diff(&got[0], &train_reference(3, 4));
+    assert!(d < 1e-6, "world 3 differs from the reference by {d}");
+}
+
+#[test]
+fn overlapped_and_after_backward_reduction_are_identical() {
+    // Same buckets, same all-reduce calls: bitwise, for any world size.
+    for world in [2, 3] {
+        let overlapped = train_ddp(world, 3, DdpOptions::default());
+        let after = train_ddp(
+            world,
+            3,
+            DdpOptions {
+                overlap: false,
+                ..DdpOptions::default()
+            },
+        );
+        assert_eq!(overlapped[0], after[0], "world {world}");
+    }
+}
+
+#[test]
+fn bucket_sizes_from_tiny_to_huge_give_identical_parameters() {
+    let caps = [0.0, 0.01, 0.05, 25.0, 1e6];
+    let with_cap = |world, cap| {
+        let o = DdpOptions {
+            bucket_cap_mb: cap,
+            first_bucket_mb: cap,
+            ..DdpOptions::default()
+        };
+        train_ddp(world, 3, o).swap_remove(0)
+    };
+    // World 2: each element is a + b whatever the bucketing: bitwise.
+    let base = with_cap(2, caps[0]);
+    for cap in &caps[1..] {
+        assert_eq!(with_cap(2, *cap), base, "bucket_cap_mb {cap}");
+    }
+    // World 3: a bucket boundary moves elements between ring chunks, which
+    // changes the order of the three-term sum: equal to an ulp per step
+    // (see above).
+    let base = with_cap(3, caps[0]);
+    for cap in &caps[1..] {
+        let d = max_abs_diff(&with_cap(3, *cap), &base);
+        assert!(d < 1e-6, "bucket_cap_mb {cap}: {d}");
+    }
+}
+
+#[test]
+fn bucket_layout_follows_pytorch() {
+    let b = cohort_ddp::assign_buckets(&specs(&LENS), 1 << 20, 25 << 20);
+    // Everything fits in the first 1 MB bucket (46,956 floats = 188 KB).
+    assert_eq!(b.len(), 1);
+    let b = cohort_ddp::assign_buckets(&specs(&LENS), 4 * 1000, 4 * 25_000);
+    // Reverse order, first cap 1000 floats: 128 + 64 + 700 = 892, + 20000
+    // closes it. Then cap 25000: 64 + 700 + 20000 + 300 = 21064, + 5000
+    // closes the second with the first parameter.
+    assert_eq!(b.len(), 2);
+    assert_eq!(b[0].params, 5..9);
+    assert_eq!(b[1].params, 0..5);
+    assert_eq!(b[0].range, 26_064..46_956);
+}
+
+#[test]
+fn no_sync_accumulates_locally_and_the_last_micro_step_averages() {
+    let micro = 3;
+    let got = spawn::threads_with(2, opts(), |pg| {
+        let mut m = Toy::new(&LENS, data(pg.rank()));
+        let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, DdpOptions::default())?;
+        for _ in 0..micro - 1 {
+            ddp.backward_no_sync(&mut m)?;
+        }
+        ddp.backward(&mut m)?;
+        Ok::<_, DdpError>(m.g)
+    })
+    .unwrap();
+    assert_eq!(got[0], got[1]);
+    let m = Toy::new(&LENS, 0.0);
+    for i in [0, 4999, 26_000, m.w.len() - 1] {
+        let per_rank: Vec<f32> = (0..2)
+            .map(|r| {
+                let g = grad(m.w[i], data(r), i);
+                g + g + g
+            })
+            .collect();
+        assert_eq!(got[0][i], (per_rank[0] + per_rank[1]) / 2.0, "element {i}");
+    }
+}
+
+#[test]
+fn an_unused_parameter_is_an_error_naming_it() {
+    let unused = specs(&LENS)[2].range.clone();
+    for overlap in [true, false] {
+        let err = spawn::threads_with(2, opts(), |pg| {
+            let mut m = Toy::new(&LENS, data(pg.rank()));
+            m.skip = Some(unused.clone());
+            let o = DdpOptions {
+                overlap,
+                ..DdpOptions::default()
+            };
+            let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, o)?;
+            ddp.backward(&mut m).map(|_| ())
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("layer2.weight"), "{err}");
+        assert!(err.contains("find_unused_parameters"), "{err}");
+    }
+}
+
+#[test]
+fn find_unused_parameters_zeroes_and_still_reduces() {
+    let unused = specs(&LENS)[2].range.clone();
+    let got = spawn::threads_with(2, opts(), |pg| {
+        let mut m = Toy::new(&LENS, data(pg.rank()));
+        // Only rank 1 skips it: rank 0's gradient is averaged with a zero.
+        if pg.rank() == 1 {
+            m.skip = Some(unused.clone());
+        }
+        m.g.iter_mut().for_each(|g| *g = 100.0); // stale values must not leak
+        let o = DdpOptions {
+            find_unused_parameters: true,
+            bucket_cap_mb: 0.02,
+            ..DdpOptions::default()
+        };
+        let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, o)?;
+        m.g.iter_mut().for_each(|g| *g = 0.0);
+        if pg.rank() == 1 {
+            m.g[unused.clone()].iter_mut().for_each(|g| *g = 100.0);
+        }
+        ddp.backward(&mut m)?;
+        Ok::<_, DdpError>(m.g)
+    })
+    .unwrap();
+    assert_eq!(got[0], got[1]);
+    let m = Toy::new(&LENS, 0.0);
+    let i = unused.start + 5;
+    assert_eq!(got[0][i], grad(m.w[i], data(0), i) / 2.0);
+}
+
+#[test]
+fn a_model_mismatch_fails_fast_on_every_rank_with_a_clear_error() {
+    let t = Instant::now();
+    let mut errors = Vec::new();
+    let res = spawn::threads_with(3, opts(), |pg| {
+        let mut lens = LENS.to_vec();
+        if pg.rank() == 2 {
+            lens[4] = 65;
+        }
+        let mut w = vec![0f32; lens.iter().sum()];
+        match Ddp::new(pg, specs(&lens), &mut w, DdpOptions::default()) {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    });
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+    errors.push(res.unwrap_err().to_string());
+    let err = &errors[0];
+    assert!(err.contains("rank 2"), "{err}");
+    assert!(err.contains("layer4.weight [65]"), "{err}");
+    assert!(err.contains("layer4.weight [64]"), "{err}");
+}
+
+#[test]
+fn bf16_compression_is_close_to_f32() {
+    let exact = train_ddp(2, 1, DdpOptions::default()).swap_remove(0);
+    let o = DdpOptions {
+        compression: Compression::Bf16,
+        ..DdpOptions::default()
+    };
+    let got = train_ddp(2, 1, o);
+    assert_eq!(got[0], got[1]);
+    // bf16 keeps 8 bits of mantissa: relative error of a gradient below
+    // 2^-8; the weights move by lr * grad, so they differ by far less.
+    let d = got[0]
+        .iter()
+        .zip(&exact)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(d > 0.0 && d < 0.1 * 0.01, "max difference {d}");
+}
+
+#[test]
+fn bad_buffers_are_clear_errors() {
+    let err = spawn::threads_with(1, opts(), |pg| {
+        let mut w = vec![0f32; 10];
+        Ddp::new(pg, specs(&LENS), &mut w, DdpOptions::default()).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("parameter buffer has 10 elements"), "{err}");
+}

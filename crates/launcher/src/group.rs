@@ -175,8 +175,10 @@ impl WorkerGroup {
 
     /// Stops every running worker: `first` (SIGTERM, or the signal the
     /// launcher received), then SIGKILL after `grace` or at once if another
-    /// stop signal arrives meanwhile, and reaps them all.
-    pub fn stop(&mut self, first: i32, grace: Duration, events: &Events) {
+    /// stop signal arrives meanwhile, and reaps them all. Returns the stop
+    /// signal the launcher received meanwhile, if any.
+    pub fn stop(&mut self, first: i32, grace: Duration, events: &Events) -> Option<i32> {
+        let mut received = None;
         self.reap();
         if !self.all_exited() {
             self.signal(first);
@@ -186,7 +188,8 @@ impl WorkerGroup {
                 if left.is_zero() {
                     break;
                 }
-                if let Some(Event::Stop(_)) = events.next(left.min(REAP_INTERVAL)) {
+                if let Some(Event::Stop(signal)) = events.next(left.min(REAP_INTERVAL)) {
+                    received = Some(signal);
                     break;
                 }
                 self.reap();
@@ -204,6 +207,7 @@ impl WorkerGroup {
         for worker in &self.workers {
             worker.tail.wait_closed(OUTPUT_DRAIN);
         }
+        received
     }
 
     /// Waits for the output of every worker to be forwarded (after a round

@@ -166,7 +166,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     if outcome.is_ok() {
         // Leaving is courtesy to the other agents; a store that is gone by
         // now does not change how this node's job ended.
-        let _ = rdzv.leave(config.stop_grace + LEAVE_MARGIN);
+        let _ = rdzv.leave(config.stop_grace + LEAVE_MARGIN, &events);
     }
     drop(server);
     outcome
@@ -206,7 +206,6 @@ fn run_rounds(
                 Wait::Stopped(signal) => return stop_job(rdzv, restart, config.node_rank, signal),
             },
             RoundEnd::WorkerFailed(failure) => {
-                report(&failure);
                 rdzv.report_failure(
                     restart,
                     &format!("node {}: {}", config.node_rank, failure.summary()),
@@ -273,8 +272,14 @@ fn watch(
         }
         let exited = group.reap();
         if let Some(&first) = exited.iter().find(|&&i| !group.exit_of(i).success()) {
-            group.stop(libc::SIGTERM, config.stop_grace, events);
-            return Ok(RoundEnd::WorkerFailed(group.failure(first)));
+            let interrupted = group.stop(libc::SIGTERM, config.stop_grace, events);
+            let failure = group.failure(first);
+            report(&failure);
+            // A signal while stopping means the user wants out, not a restart.
+            return Ok(match interrupted {
+                Some(signal) => RoundEnd::Stopped(signal),
+                None => RoundEnd::WorkerFailed(failure),
+            });
         }
         if group.all_exited() {
             group.drain_output();
@@ -284,8 +289,10 @@ fn watch(
             match rdzv.failure(restart) {
                 Ok(None) => {}
                 Ok(Some(detail)) => {
-                    group.stop(libc::SIGTERM, config.stop_grace, events);
-                    return Ok(RoundEnd::NodeFailed(detail));
+                    return Ok(match group.stop(libc::SIGTERM, config.stop_grace, events) {
+                        Some(signal) => RoundEnd::Stopped(signal),
+                        None => RoundEnd::NodeFailed(detail),
+                    });
                 }
                 Err(e) => {
                     note("lost the rendezvous store, stopping the workers");

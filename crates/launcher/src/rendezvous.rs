@@ -284,9 +284,9 @@ impl Rendezvous {
     }
 
     /// Says this agent is done with the store. Node 0, which hosts it, then
-    /// waits (up to `timeout`) for the others to say so, so that none of them
-    /// loses the store while reading how the job ended.
-    pub fn leave(&self, timeout: Duration) -> Result<(), LaunchError> {
+    /// waits (up to `timeout`, or until a stop signal) for the others to say
+    /// so, so that none of them loses the store while reading how the job ended.
+    pub fn leave(&self, timeout: Duration, events: &Events) -> Result<(), LaunchError> {
         let mut left = self
             .store
             .add("left", 1)
@@ -295,7 +295,10 @@ impl Rendezvous {
             return Ok(());
         }
         let deadline = Instant::now() + timeout;
-        while left < self.nnodes as i64 && Instant::now() < deadline {
+        while left < self.nnodes as i64
+            && Instant::now() < deadline
+            && events.pending_stop().is_none()
+        {
             thread::sleep(PEER_POLL);
             left = self
                 .store

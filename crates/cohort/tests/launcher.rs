@@ -262,6 +262,52 @@ fn a_failure_on_one_node_stops_the_other() {
 }
 
 #[test]
+fn two_nodes_restart_together() {
+    let port = free_port().to_string();
+    let node = |rank: &str| {
+        cohort()
+            .args([
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                rank,
+                "--master-port",
+                &port,
+                "-n",
+                "1",
+            ])
+            .args(["--max-restarts", "1", "--join-timeout", "30", "--"])
+            .args([
+                "sh",
+                "-c",
+                "echo attempt $COHORT_RESTART_COUNT; \
+                    if [ $RANK = 1 ] && [ $COHORT_RESTART_COUNT = 0 ]; then exit 9; fi; \
+                    if [ $RANK = 0 ] && [ $COHORT_RESTART_COUNT = 0 ]; then exec sleep 30; fi",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (node0, node1) = (node("0"), node("1"));
+    let (out0, out1) = (
+        node0.wait_with_output().unwrap(),
+        node1.wait_with_output().unwrap(),
+    );
+    let (err0, err1) = (text(&out0.stderr), text(&out1.stderr));
+    assert!(out0.status.success(), "node 0: {err0}");
+    assert!(out1.status.success(), "node 1: {err1}");
+    // Node 0's worker was healthy, yet it was stopped and rerun with node 1's.
+    assert!(
+        err0.contains("another node") && err0.contains("restart 1 of 1"),
+        "{err0}"
+    );
+    assert_eq!(lines_of(&text(&out0.stdout), 0), ["attempt 0", "attempt 1"]);
+    assert_eq!(lines_of(&text(&out1.stdout), 1), ["attempt 0", "attempt 1"]);
+}
+
+#[test]
 fn a_failing_worker_stops_the_group_and_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let script = format!(

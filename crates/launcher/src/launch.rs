@@ -74,6 +74,12 @@ enum RoundEnd {
     Stopped(i32),
 }
 
+/// Why a round failed, as this node saw it.
+enum Failed {
+    Worker(WorkerFailure),
+    Node(String),
+}
+
 /// Runs this node's share of the job described by `config` until it succeeds,
 /// fails for good, or the launcher is signalled.
 ///
@@ -201,7 +207,7 @@ fn run_rounds(
                 }
                 Wait::Done(RoundResult::Failed(detail)) => {
                     note(&format!("the job failed on another node: {detail}"));
-                    RoundEnd::NodeFailed(detail)
+                    Failed::Node(detail)
                 }
                 Wait::Stopped(signal) => return stop_job(rdzv, restart, config.node_rank, signal),
             },
@@ -210,13 +216,13 @@ fn run_rounds(
                     restart,
                     &format!("node {}: {}", config.node_rank, failure.summary()),
                 )?;
-                RoundEnd::WorkerFailed(failure)
+                Failed::Worker(failure)
             }
             RoundEnd::NodeFailed(detail) => {
                 note(&format!(
                     "stopped this node's workers: the job failed on another node: {detail}"
                 ));
-                RoundEnd::NodeFailed(detail)
+                Failed::Node(detail)
             }
             RoundEnd::Stopped(signal) => return stop_job(rdzv, restart, config.node_rank, signal),
         };
@@ -233,15 +239,14 @@ fn run_rounds(
             note(&format!("giving up after {restart} restarts"));
         }
         return Ok(match failure {
-            RoundEnd::WorkerFailed(failure) => LaunchOutcome::WorkerFailed {
+            Failed::Worker(failure) => LaunchOutcome::WorkerFailed {
                 failure,
                 restarts: restart,
             },
-            RoundEnd::NodeFailed(detail) => LaunchOutcome::NodeFailed {
+            Failed::Node(detail) => LaunchOutcome::NodeFailed {
                 detail,
                 restarts: restart,
             },
-            RoundEnd::Succeeded | RoundEnd::Stopped(_) => unreachable!("handled above"),
         });
     }
 }

@@ -26,9 +26,11 @@
 
 #![deny(missing_docs)]
 
+pub mod checkpoint;
 mod config;
 mod layout;
 mod model;
+pub mod optim_groups;
 
 pub use config::GPTConfig;
 pub use layout::ParamView;

@@ -103,7 +103,7 @@ impl GPTConfig {
                 return bad(field, "must be at least 1".into());
             }
         }
-        if self.d_model % self.n_heads != 0 {
+        if !self.d_model.is_multiple_of(self.n_heads) {
             return bad(
                 "n_heads",
                 format!(

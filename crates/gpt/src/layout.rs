@@ -148,7 +148,8 @@ impl Layout {
     /// The ranges the readiness hook reports, in backward order; they partition `0..total`.
     pub(crate) fn ready_order(&self) -> Vec<Range<usize>> {
         let head_start = self.ln_f_w.start;
-        let mut order = vec![head_start..self.total];
+        let mut order = Vec::with_capacity(self.blocks.len() + 2);
+        order.push(head_start..self.total);
         order.extend(self.blocks.iter().rev().map(|b| b.all.clone()));
         order.push(self.wte.start..self.wpe.end);
         order

@@ -26,6 +26,7 @@
 
 #![deny(missing_docs)]
 
+pub mod bench;
 pub mod checkpoint;
 mod config;
 mod layout;
@@ -81,6 +82,14 @@ pub enum GptError {
         value: i64,
         /// The vocabulary size.
         vocab: usize,
+    },
+    /// The engine (thread pool, optimizer) failed.
+    #[error("{op}: {reason}")]
+    Engine {
+        /// What was being set up or run.
+        op: &'static str,
+        /// The engine's error.
+        reason: String,
     },
     /// `backward` was called without a forward that computed a loss.
     #[error("backward needs a forward with labels first")]

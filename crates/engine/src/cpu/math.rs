@@ -21,7 +21,7 @@ pub(crate) fn exp(x: f32) -> f32 {
     p = p * f + 8.333_452e-3;
     p = p * f + 4.166_579_6e-2;
     p = p * f + 1.666_666_5e-1;
-    p = p * f + 5.000_000_1e-1;
+    p = p * f + 0.5;
     let ef = p * f * f + f + 1.0;
     ef * f32::from_bits(((ni + 127) << 23) as u32)
 }

@@ -1,0 +1,190 @@
+//! The single-process training benchmark behind `cohort bench train`: the same model, data and
+//! optimizer as the PyTorch reference (`shared/reference/pytorch/bench_single.py`): random token
+//! ids, AdamW lr 1e-3 with PyTorch's defaults, dropout 0.
+//!
+//! It only measures; it never writes files. Peak RSS comes from /proc/self/status (VmHWM).
+
+use std::time::{Duration, Instant};
+
+use cohort_engine::cpu::Cpu;
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+use serde::Serialize;
+
+use crate::{GPTConfig, GptError, GPT};
+
+/// The two benchmark configurations of issue 3 (model config and batch size).
+pub fn bench_config(name: &str) -> Option<(GPTConfig, usize)> {
+    match name {
+        "A" | "a" => Some((GPTConfig::config_a(), 12)),
+        "B" | "b" => Some((GPTConfig::config_b(), 8)),
+        _ => None,
+    }
+}
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct TrainBench {
+    /// "A" or "B".
+    pub config: String,
+    /// Intra-op threads.
+    pub threads: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Untimed steps first (arena allocation, page faults, caches).
+    pub warmup: usize,
+    /// Seed for the init and the token ids.
+    pub seed: u64,
+}
+
+/// Median of one phase (ms) and the time per kernel (ms per step, mean over timed steps).
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    /// Always "train".
+    pub bench: &'static str,
+    /// "A" or "B".
+    pub config: String,
+    /// Intra-op threads.
+    pub threads: usize,
+    /// Parameter count.
+    pub params: usize,
+    /// Batch size.
+    pub batch: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Median ms per step (zero_grad + forward + backward + AdamW).
+    pub ms_per_step: f64,
+    /// Fastest step (ms).
+    pub min_ms: f64,
+    /// Median forward (ms), including zero_grad as the PyTorch script does.
+    pub fwd_ms: f64,
+    /// Median backward (ms).
+    pub bwd_ms: f64,
+    /// Median optimizer step (ms).
+    pub opt_ms: f64,
+    /// Tokens per second at the median step.
+    pub tokens_per_s: f64,
+    /// Peak resident set size (MB, VmHWM).
+    pub rss_mb: f64,
+    /// Loss of the last step.
+    pub final_loss: f32,
+    /// Mean ms per step spent in each kernel, in pipeline order.
+    pub kernels_ms: Vec<(String, f64)>,
+    /// The SIMD level the kernels dispatched to.
+    pub simd: String,
+}
+
+fn median(x: &mut [f64]) -> f64 {
+    x.sort_by(|a, b| a.total_cmp(b));
+    x[x.len() / 2]
+}
+
+/// Peak resident set size of this process in MB, from /proc/self/status (0 where unavailable).
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Runs the benchmark.
+pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
+    let (cfg, batch) = bench_config(&spec.config).ok_or_else(|| GptError::Config {
+        field: "bench config",
+        reason: format!("{:?} is not A or B", spec.config),
+    })?;
+    let t = cfg.max_position_embeddings;
+    let v = cfg.vocab_size as u64;
+    if spec.steps == 0 {
+        return Err(GptError::Config {
+            field: "bench steps",
+            reason: "must be at least 1".into(),
+        });
+    }
+    let cpu = Cpu::new(spec.threads).map_err(|e| GptError::Engine {
+        op: "thread pool",
+        reason: e.to_string(),
+    })?;
+    let mut model = GPT::with_backend(cfg, spec.seed, Box::new(cpu))?;
+    let n = model.num_params();
+    let mut opt =
+        AdamW::new(AdamWConfig::default(), DecayMask::all(n)).map_err(|e| GptError::Engine {
+            op: "AdamW",
+            reason: e.to_string(),
+        })?;
+    // Random ids with targets = the next id, as the reference (data[:, :-1], data[:, 1:]):
+    // labels aligned with the inputs and shifted inside the model.
+    let mut state = spec.seed ^ 0x5eed;
+    let mut next_id = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((state >> 33) % v) as u32
+    };
+    let mut ids = vec![0u32; batch * t];
+    let mut labels = vec![0i32; batch * t];
+    let (mut fwd, mut bwd, mut optm, mut total) = (vec![], vec![], vec![], vec![]);
+    let mut loss = 0.0;
+    for step in 0..spec.warmup + spec.steps {
+        ids.iter_mut().for_each(|x| *x = next_id());
+        labels
+            .iter_mut()
+            .zip(&ids)
+            .for_each(|(l, &x)| *l = x as i32);
+        if step == spec.warmup {
+            model.reset_kernel_times();
+        }
+        let t0 = Instant::now();
+        model.zero_grad();
+        loss = model
+            .forward(&ids, None, Some(&labels), batch, t)?
+            .unwrap_or(0.0);
+        let t1 = Instant::now();
+        model.backward(|_, _| {})?;
+        let t2 = Instant::now();
+        let (params, grads) = model.params_and_grads_mut();
+        opt.step(params, grads, 1e-3)
+            .map_err(|e| GptError::Engine {
+                op: "AdamW step",
+                reason: e.to_string(),
+            })?;
+        let t3 = Instant::now();
+        if step >= spec.warmup {
+            let ms = |d: Duration| d.as_secs_f64() * 1e3;
+            fwd.push(ms(t1 - t0));
+            bwd.push(ms(t2 - t1));
+            optm.push(ms(t3 - t2));
+            total.push(ms(t3 - t0));
+        }
+    }
+    let steps = spec.steps.max(1) as f64;
+    let ms_per_step = median(&mut total);
+    Ok(BenchReport {
+        bench: "train",
+        config: spec.config.to_uppercase(),
+        threads: spec.threads,
+        params: n,
+        batch,
+        seq: t,
+        steps: spec.steps,
+        ms_per_step,
+        min_ms: total[0],
+        fwd_ms: median(&mut fwd),
+        bwd_ms: median(&mut bwd),
+        opt_ms: median(&mut optm),
+        tokens_per_s: (batch * t) as f64 / (ms_per_step / 1e3),
+        rss_mb: peak_rss_mb(),
+        final_loss: loss,
+        kernels_ms: model
+            .kernel_times()
+            .into_iter()
+            .map(|(k, d)| (k.to_string(), d.as_secs_f64() * 1e3 / steps))
+            .collect(),
+        simd: format!("{:?}", cohort_engine::cpu::simd_level()),
+    })
+}

@@ -3,6 +3,7 @@
 
 use clap::Parser;
 
+mod bench;
 mod demo;
 mod run;
 
@@ -14,6 +15,7 @@ mod run;
 )]
 enum Cli {
     Run(run::RunArgs),
+    Bench(bench::BenchArgs),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -21,6 +23,7 @@ enum Cli {
 fn main() -> anyhow::Result<()> {
     match Cli::parse() {
         Cli::Run(args) => run::main(args),
+        Cli::Bench(args) => bench::main(args),
         Cli::Demo(args) => demo::main(args),
     }
 }

@@ -1,1 +1,73 @@
-//! Collective communication (c10d's role): process groups, a TCP backend, every collective.
+//! Collective communication for CPU processes: what c10d and Gloo are to
+//! PyTorch, over TCP.
+//!
+//! A [`ProcessGroup`] is a set of ranks that run collectives together:
+//! point-to-point [`send`](ProcessGroup::send)/[`recv`](ProcessGroup::recv),
+//! [`broadcast`](ProcessGroup::broadcast), [`reduce`](ProcessGroup::reduce),
+//! [`all_reduce`](ProcessGroup::all_reduce),
+//! [`reduce_scatter`](ProcessGroup::reduce_scatter),
+//! [`all_gather`](ProcessGroup::all_gather), [`gather`](ProcessGroup::gather),
+//! [`scatter`](ProcessGroup::scatter), [`all_to_all`](ProcessGroup::all_to_all)
+//! and [`barrier`](ProcessGroup::barrier), each blocking on slices or async
+//! on owned buffers (returning a [`Work`]), on any [`Element`] type (f32, f64,
+//! i32, i64, u8, bf16) with any [`ReduceOp`].
+//!
+//! Layers, top to bottom:
+//! - [`init_process_group`] (`env://`, `tcp://`, `file://`) and [`spawn`]
+//!   (threads or processes) build groups; ranks meet through a
+//!   [`cohort_store::Store`].
+//! - [`ProcessGroup`] orders collectives (sequence numbers), validates
+//!   arguments, runs async work, and aborts on the first failure.
+//! - A [`Backend`] executes calls on bytes. The one backend today,
+//!   [`MeshBackend`], runs Gloo-style algorithms (one file per algorithm in
+//!   `collectives/`) as schedules of frames driven by a non-blocking
+//!   progress engine.
+//! - A [`transport::Transport`] only moves bytes between pairs; the TCP
+//!   transport is a full mesh of sockets.
+//!
+//! Failures never hang: every operation has a deadline (the group timeout,
+//! 30 minutes by default, `COHORT_TIMEOUT`), a dead peer fails pending calls
+//! at once, mismatched calls are reported by a header check on every frame
+//! (and a full cross-check under `COHORT_DEBUG=detail`), and an aborted
+//! group refuses further calls. This crate knows nothing of models or
+//! training.
+//!
+//! ```
+//! use cohort_comm::{spawn, ReduceOp};
+//!
+//! let sums = spawn::threads(3, |pg| {
+//!     let mut x = vec![pg.rank() as f32; 4];
+//!     pg.all_reduce(&mut x, ReduceOp::Sum)?;
+//!     Ok(x[0])
+//! })
+//! .unwrap();
+//! assert_eq!(sums, vec![3.0, 3.0, 3.0]);
+//! ```
+#![deny(missing_docs)]
+
+pub mod backend;
+pub mod bench;
+mod collectives;
+mod config;
+mod element;
+mod engine;
+mod error;
+mod group;
+mod init;
+mod p2p;
+mod reduce_op;
+pub mod spawn;
+pub mod transport;
+mod work;
+
+pub use backend::{
+    Algorithm, Backend, DebugLevel, MeshBackend, OpContext, OpKind, ALL_COLLECTIVES,
+};
+pub use config::{parse_duration, GroupOptions, DEFAULT_TIMEOUT};
+pub use element::{DType, Element};
+pub use error::CommError;
+pub use group::ProcessGroup;
+pub use half::bf16;
+pub use init::{init_process_group, InitOptions, STORE_HOSTED_VAR};
+pub use reduce_op::ReduceOp;
+pub use work::Work;

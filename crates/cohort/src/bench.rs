@@ -1,0 +1,145 @@
+//! `cohort bench ...`: benchmarks. `collectives` times the collectives of
+//! cohort-comm in the style of nccl-tests; run it under the launcher
+//! (`cohort run -n 2 bench collectives`), which sets the `env://` variables.
+
+use anyhow::{bail, Context};
+use cohort_comm::bench::{self, BenchOptions};
+use cohort_comm::{
+    init_process_group, Algorithm, DType, InitOptions, OpKind, ReduceOp, ALL_COLLECTIVES,
+};
+
+/// Benchmarks.
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchWhat,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum BenchWhat {
+    /// Time collectives over sizes (nccl-tests style); run under `cohort run -n N`.
+    Collectives(CollectivesArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct CollectivesArgs {
+    /// Comma-separated ops (all_reduce, broadcast, reduce, all_gather,
+    /// reduce_scatter, gather, scatter, all_to_all, barrier) or `all`.
+    #[arg(long, default_value = "all_reduce")]
+    op: String,
+    /// Smallest size (bytes; K, M, G suffixes are powers of 1024).
+    #[arg(short = 'b', long, default_value = "4")]
+    min_bytes: String,
+    /// Largest size.
+    #[arg(short = 'e', long, default_value = "256M")]
+    max_bytes: String,
+    /// Size multiplier between rows.
+    #[arg(short = 'f', long, default_value_t = 2)]
+    factor: usize,
+    /// Timed iterations per size (default: by size, 500 down to 5).
+    #[arg(short = 'n', long)]
+    iters: Option<usize>,
+    /// Untimed iterations per size (default: a tenth of iters, at least 2).
+    #[arg(short = 'w', long)]
+    warmup: Option<usize>,
+    /// Element type: f32, f64, i32, i64, u8, bf16.
+    #[arg(short = 'd', long, default_value = "f32")]
+    dtype: String,
+    /// Reduce op: sum, avg, product, min, max.
+    #[arg(short = 'o', long, default_value = "sum")]
+    reduce: String,
+    /// Algorithm: auto, ring or tree (default: COHORT_ALGO, else auto).
+    #[arg(long)]
+    algo: Option<String>,
+    /// One JSON object per line instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn main(args: BenchArgs) -> anyhow::Result<()> {
+    match args.what {
+        BenchWhat::Collectives(a) => collectives(a),
+    }
+}
+
+fn parse_size(s: &str) -> anyhow::Result<usize> {
+    let t = s.trim().to_ascii_uppercase();
+    let t = t.strip_suffix('B').unwrap_or(&t);
+    let (num, mult) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M') => (&t[..t.len() - 1], 1 << 20),
+        Some('G') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: usize = num
+        .parse()
+        .with_context(|| format!("bad size {s:?} (e.g. 4, 64K, 256M)"))?;
+    Ok(n * mult)
+}
+
+fn collectives(a: CollectivesArgs) -> anyhow::Result<()> {
+    let ops: Vec<OpKind> = if a.op == "all" {
+        ALL_COLLECTIVES.to_vec()
+    } else {
+        a.op.split(',')
+            .map(|s| {
+                OpKind::parse(s.trim())
+                    .filter(|k| ALL_COLLECTIVES.contains(k))
+                    .with_context(|| format!("unknown collective {s:?}"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    let opts = BenchOptions {
+        ops,
+        min_bytes: parse_size(&a.min_bytes)?,
+        max_bytes: parse_size(&a.max_bytes)?,
+        factor: a.factor,
+        iters: a.iters,
+        warmup: a.warmup,
+        dtype: DType::parse(&a.dtype).with_context(|| format!("unknown dtype {:?}", a.dtype))?,
+        reduce: ReduceOp::parse(&a.reduce)
+            .with_context(|| format!("unknown reduce op {:?}", a.reduce))?,
+    };
+    if opts.factor < 2 {
+        bail!("--factor must be at least 2");
+    }
+    let pg = init_process_group("tcp", "env://", InitOptions::default())
+        .context("joining the process group (run under `cohort run -n N bench collectives`)")?;
+    if let Some(algo) = &a.algo {
+        pg.set_algorithm(
+            Algorithm::parse(algo)
+                .with_context(|| format!("unknown algorithm {algo:?} (auto, ring, tree)"))?,
+        );
+    }
+    let lead = pg.rank() == 0;
+    if lead && !a.json {
+        println!(
+            "{}",
+            bench::text_header(pg.size(), &opts, pg.backend_name())
+        );
+    }
+    bench::run(&pg, &opts, |row| {
+        if lead {
+            if a.json {
+                println!("{}", row.to_json());
+            } else {
+                println!("{}", bench::text_row(row));
+            }
+        }
+    })
+    .context("benchmark failed")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4").unwrap(), 4);
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(parse_size("256MB").unwrap(), 256 << 20);
+        assert!(parse_size("lots").is_err());
+    }
+}

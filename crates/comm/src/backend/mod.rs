@@ -1,0 +1,284 @@
+//! The backend interface: what a [`ProcessGroup`](crate::ProcessGroup) dispatches to.
+//!
+//! A backend implements every operation on byte buffers tagged with a
+//! [`DType`]. The group above it owns ordering (sequence numbers, one
+//! collective at a time), argument validation, async work and the abort
+//! state; a backend owns only moving and reducing bytes. So an MPI backend, a
+//! shared-memory transport under the mesh backend, or an NCCL backend plug in
+//! by implementing [`Backend`] (or [`Transport`](crate::transport::Transport)),
+//! without touching any caller. A backend must never keep references to the
+//! buffers it is given past the call, and must never call back into the
+//! group.
+
+pub(crate) mod mesh;
+
+use std::time::Duration;
+
+use crate::element::DType;
+use crate::error::CommError;
+use crate::reduce_op::ReduceOp;
+
+pub use mesh::MeshBackend;
+
+/// Which operation a call, frame or error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OpKind {
+    /// Point-to-point send.
+    Send,
+    /// Point-to-point receive.
+    Recv,
+    /// One root's buffer to every rank.
+    Broadcast,
+    /// Every rank's buffer combined onto one root.
+    Reduce,
+    /// Every rank's buffer combined onto every rank.
+    AllReduce,
+    /// Combined, then rank r keeps slice r.
+    ReduceScatter,
+    /// Every rank's slice to every rank.
+    AllGather,
+    /// Every rank's slice to one root.
+    Gather,
+    /// One root's slices, one to each rank.
+    Scatter,
+    /// Slice j of rank i to slot i of rank j.
+    AllToAll,
+    /// Nobody leaves before everybody arrived.
+    Barrier,
+    /// Setting up a group (rendezvous).
+    Init,
+}
+
+impl OpKind {
+    /// PyTorch's name for the operation.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Broadcast => "broadcast",
+            OpKind::Reduce => "reduce",
+            OpKind::AllReduce => "all_reduce",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllGather => "all_gather",
+            OpKind::Gather => "gather",
+            OpKind::Scatter => "scatter",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Barrier => "barrier",
+            OpKind::Init => "init",
+        }
+    }
+
+    /// Parses a name as printed by [`OpKind::name`].
+    pub fn parse(s: &str) -> Option<OpKind> {
+        ALL_COLLECTIVES
+            .iter()
+            .chain(&[OpKind::Send, OpKind::Recv])
+            .copied()
+            .find(|k| k.name() == s)
+    }
+
+    pub(crate) const fn code(self) -> u8 {
+        match self {
+            OpKind::Send => 1,
+            OpKind::Recv => 2,
+            OpKind::Broadcast => 3,
+            OpKind::Reduce => 4,
+            OpKind::AllReduce => 5,
+            OpKind::ReduceScatter => 6,
+            OpKind::AllGather => 7,
+            OpKind::Gather => 8,
+            OpKind::Scatter => 9,
+            OpKind::AllToAll => 10,
+            OpKind::Barrier => 11,
+            OpKind::Init => 12,
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<OpKind> {
+        ALL_COLLECTIVES
+            .iter()
+            .chain(&[OpKind::Send, OpKind::Recv, OpKind::Init])
+            .copied()
+            .find(|k| k.code() == code)
+    }
+}
+
+/// Every collective, in the order the benchmark runs them.
+pub const ALL_COLLECTIVES: [OpKind; 9] = [
+    OpKind::AllReduce,
+    OpKind::Broadcast,
+    OpKind::Reduce,
+    OpKind::AllGather,
+    OpKind::ReduceScatter,
+    OpKind::Gather,
+    OpKind::Scatter,
+    OpKind::AllToAll,
+    OpKind::Barrier,
+];
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which algorithm family a backend should use (`COHORT_ALGO`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    /// Pick by message size and world size.
+    #[default]
+    Auto,
+    /// Bandwidth-optimal: rings and pipelined chains.
+    Ring,
+    /// Latency-optimal: recursive doubling and binomial trees.
+    Tree,
+}
+
+impl Algorithm {
+    /// Parses `auto`, `ring` or `tree`.
+    pub fn parse(s: &str) -> Option<Algorithm> {
+        Some(match s {
+            "auto" | "" => Algorithm::Auto,
+            "ring" => Algorithm::Ring,
+            "tree" | "recursive_doubling" => Algorithm::Tree,
+            _ => return None,
+        })
+    }
+}
+
+/// How much checking happens before each collective (`COHORT_DEBUG`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DebugLevel {
+    /// Only the per-frame header check.
+    #[default]
+    Off,
+    /// Before every collective, all ranks exchange a description of their
+    /// call (op, dtype, length, reduce op, root) and compare all of them, like
+    /// `TORCH_DISTRIBUTED_DEBUG=DETAIL`.
+    Detail,
+}
+
+/// What a backend knows about the call it is executing.
+#[derive(Clone, Debug)]
+pub struct OpContext {
+    /// The operation.
+    pub op: OpKind,
+    /// Sequence number of the call in its group (collectives), or of the
+    /// point-to-point call in this process (send/recv).
+    pub seq: u64,
+    /// The group's name, for errors.
+    pub group: String,
+    /// How long the call may take before it fails with a timeout.
+    pub timeout: Duration,
+    /// The algorithm override.
+    pub algorithm: Algorithm,
+    /// The checking level.
+    pub debug: DebugLevel,
+}
+
+/// An implementation of every operation of a process group, on bytes.
+///
+/// Buffers are byte views of `dtype` elements, aligned for `dtype`. Calls
+/// of collectives arrive one at a time, in the same order on every rank;
+/// `send` and `recv` may arrive concurrently with anything. Lengths and ranks
+/// are validated by the group before the call.
+pub trait Backend: Send + Sync {
+    /// Short name (`tcp`).
+    fn name(&self) -> &'static str;
+    /// This process's rank in the group.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// Sends `buf` to `peer`, matched by `tag` on the other side.
+    fn send(
+        &self,
+        ctx: &OpContext,
+        buf: &[u8],
+        dtype: DType,
+        peer: usize,
+        tag: u32,
+    ) -> Result<(), CommError>;
+    /// Receives into `buf` the message `peer` sent with `tag`.
+    fn recv(
+        &self,
+        ctx: &OpContext,
+        buf: &mut [u8],
+        dtype: DType,
+        peer: usize,
+        tag: u32,
+    ) -> Result<(), CommError>;
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    fn broadcast(
+        &self,
+        ctx: &OpContext,
+        buf: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError>;
+    /// Combines every rank's `buf` into `root`'s; other ranks' buffers stay unchanged.
+    fn reduce(
+        &self,
+        ctx: &OpContext,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError>;
+    /// Combines every rank's `buf` into every rank's `buf`.
+    fn all_reduce(
+        &self,
+        ctx: &OpContext,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Combines every rank's `input` (size x n) and leaves slice `rank` in `output` (n).
+    fn reduce_scatter(
+        &self,
+        ctx: &OpContext,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+    /// Puts rank r's `input` (n) at slot r of every rank's `output` (size x n).
+    fn all_gather(
+        &self,
+        ctx: &OpContext,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), CommError>;
+    /// Puts rank r's `input` at slot r of `root`'s `output` (None elsewhere).
+    fn gather(
+        &self,
+        ctx: &OpContext,
+        input: &[u8],
+        output: Option<&mut [u8]>,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError>;
+    /// Puts slot r of `root`'s `input` (None elsewhere) into rank r's `output`.
+    fn scatter(
+        &self,
+        ctx: &OpContext,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), CommError>;
+    /// Slot j of rank i's `input` goes to slot i of rank j's `output`.
+    fn all_to_all(
+        &self,
+        ctx: &OpContext,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), CommError>;
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&self, ctx: &OpContext) -> Result<(), CommError>;
+    /// Breaks every connection so that peers blocked on this process fail
+    /// fast; called once when the group fails or is dropped.
+    fn abort(&self);
+}

@@ -1,0 +1,301 @@
+//! `init_process_group`: build the default group from an init method, as
+//! `torch.distributed.init_process_group` does.
+//!
+//! - `env://` reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (and
+//!   LOCAL_RANK, LOCAL_WORLD_SIZE, defaulting to RANK and WORLD_SIZE). Rank
+//!   0 hosts the TCP store server on MASTER_PORT unless
+//!   `COHORT_STORE_HOSTED=1` says a launcher already hosts it there. Under
+//!   a launcher that restarts workers, `COHORT_RESTART_COUNT` keeps each
+//!   incarnation's keys apart.
+//! - `tcp://host:port` with rank and world size from [`InitOptions`] or the
+//!   query (`?rank=0&world_size=2`); rank 0 hosts the store server.
+//! - `file:///path` with rank and world size likewise; the file must be
+//!   new or empty and on a filesystem every rank sees.
+//!
+//! Every missing or malformed value is a [`CommError::Init`] naming the
+//! variable or URL part. This module must never guess a rank or world size.
+
+use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
+use std::sync::Arc;
+
+use cohort_store::{FileStore, PrefixStore, Store, TcpStore};
+
+use crate::config::{bad, var, GroupOptions};
+use crate::error::CommError;
+use crate::group::ProcessGroup;
+
+/// Set to `1` by a launcher that hosts the TCP store server on
+/// MASTER_ADDR:MASTER_PORT itself, so that rank 0 connects as a client.
+pub const STORE_HOSTED_VAR: &str = "COHORT_STORE_HOSTED";
+
+/// Set by the launcher to the number of times it restarted the workers.
+const RESTART_COUNT_VAR: &str = "COHORT_RESTART_COUNT";
+
+/// Arguments of [`init_process_group`] beyond the backend and init method.
+#[derive(Clone, Debug, Default)]
+pub struct InitOptions {
+    /// This process's rank (overrides RANK or the URL's `rank`).
+    pub rank: Option<usize>,
+    /// Number of ranks (overrides WORLD_SIZE or the URL's `world_size`).
+    pub world_size: Option<usize>,
+    /// Group settings; `None` means [`GroupOptions::from_env`].
+    pub group: Option<GroupOptions>,
+}
+
+fn init_err(name: &str, detail: impl Into<String>) -> CommError {
+    CommError::Init {
+        name: name.to_string(),
+        detail: detail.into(),
+    }
+}
+
+fn required(name: &str) -> Result<String, CommError> {
+    var(name)?.ok_or_else(|| init_err(name, "not set (run under `cohort run`, or set it by hand)"))
+}
+
+fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, CommError> {
+    v.parse()
+        .map_err(|_| bad(name, v, "a non-negative integer"))
+}
+
+/// Creates the default process group of this process (PyTorch's
+/// `init_process_group(backend, init_method)`); blocks until all
+/// `world_size` ranks have joined or the group timeout passes.
+///
+/// `backend` is `tcp` (alias `gloo`).
+pub fn init_process_group(
+    backend: &str,
+    init_method: &str,
+    opts: InitOptions,
+) -> Result<ProcessGroup, CommError> {
+    match backend {
+        "tcp" | "gloo" => {}
+        "mpi" | "nccl" => {
+            return Err(init_err(
+                "backend",
+                format!("{backend:?} is not built into this version (available: tcp)"),
+            ))
+        }
+        _ => {
+            return Err(init_err(
+                "backend",
+                format!("unknown backend {backend:?} (available: tcp, alias gloo)"),
+            ))
+        }
+    }
+    let mut group = match opts.group.clone() {
+        Some(g) => g,
+        None => GroupOptions::from_env()?,
+    };
+    let explicit_bind = var("COHORT_SOCKET_ADDR")?.is_some();
+    let timeout = group.timeout;
+
+    let (store, rank, world): (Arc<dyn Store>, usize, usize) = if init_method == "env://" {
+        let addr = required("MASTER_ADDR")?;
+        let port_s = required("MASTER_PORT")?;
+        let port: u16 = port_s
+            .parse()
+            .map_err(|_| bad("MASTER_PORT", &port_s, "a port number (0-65535)"))?;
+        let rank = match opts.rank {
+            Some(r) => r,
+            None => parse_num("RANK", &required("RANK")?)?,
+        };
+        let world = match opts.world_size {
+            Some(w) => w,
+            None => parse_num("WORLD_SIZE", &required("WORLD_SIZE")?)?,
+        };
+        check_world("RANK", rank, "WORLD_SIZE", world)?;
+        if !explicit_bind {
+            group.bind_ip = local_ip_towards(&addr, port).ok_or_else(|| {
+                init_err(
+                    "MASTER_ADDR",
+                    format!("cannot resolve {addr:?} or find a local address that reaches it"),
+                )
+            })?;
+        }
+        let hosted = var(STORE_HOSTED_VAR)?.is_some_and(|v| v == "1");
+        let store = if rank == 0 && !hosted {
+            TcpStore::new_master_or_client(format!("0.0.0.0:{port}"), true, timeout)
+        } else {
+            TcpStore::connect(format!("{addr}:{port}"), timeout)
+        }
+        .map_err(|source| CommError::Store {
+            group: group.name.clone(),
+            source,
+        })?;
+        // A launcher keeps its store across restarts of the workers: each
+        // incarnation meets under its own prefix, never at stale addresses.
+        let store: Arc<dyn Store> = match var(RESTART_COUNT_VAR)? {
+            Some(n) => Arc::new(PrefixStore::new(format!("restart{n}"), Arc::new(store))),
+            None => Arc::new(store),
+        };
+        (store, rank, world)
+    } else if let Some(rest) = init_method.strip_prefix("tcp://") {
+        let (hostport, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (host, port_s) = hostport.rsplit_once(':').ok_or_else(|| {
+            init_err(
+                "init_method",
+                format!("{init_method:?} has no port (tcp://host:port)"),
+            )
+        })?;
+        let port: u16 = port_s
+            .parse()
+            .map_err(|_| bad("init_method port", port_s, "a port number"))?;
+        let (rank, world) = rank_world(&opts, query)?;
+        if !explicit_bind {
+            group.bind_ip = local_ip_towards(host, port)
+                .ok_or_else(|| init_err("init_method", format!("cannot resolve host {host:?}")))?;
+        }
+        let store = if rank == 0 {
+            TcpStore::new_master_or_client(format!("0.0.0.0:{port}"), true, timeout)
+        } else {
+            TcpStore::connect(hostport.to_string(), timeout)
+        }
+        .map_err(|source| CommError::Store {
+            group: group.name.clone(),
+            source,
+        })?;
+        (Arc::new(store), rank, world)
+    } else if let Some(rest) = init_method.strip_prefix("file://") {
+        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if path.is_empty() {
+            return Err(init_err(
+                "init_method",
+                "file:// needs a path (file:///tmp/store)",
+            ));
+        }
+        let (rank, world) = rank_world(&opts, query)?;
+        let store = FileStore::new(path, timeout).map_err(|source| CommError::Store {
+            group: group.name.clone(),
+            source,
+        })?;
+        (Arc::new(store), rank, world)
+    } else {
+        return Err(init_err(
+            "init_method",
+            format!("{init_method:?} is not env://, tcp://host:port or file:///path"),
+        ));
+    };
+
+    let local_rank = match var("LOCAL_RANK")? {
+        Some(v) => parse_num("LOCAL_RANK", &v)?,
+        None => rank,
+    };
+    let local_world = match var("LOCAL_WORLD_SIZE")? {
+        Some(v) => parse_num("LOCAL_WORLD_SIZE", &v)?,
+        None => world,
+    };
+    check_world("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world)?;
+    Ok(ProcessGroup::new(store, rank, world, group)?.with_local(local_rank, local_world))
+}
+
+fn check_world(
+    rank_name: &str,
+    rank: usize,
+    world_name: &str,
+    world: usize,
+) -> Result<(), CommError> {
+    if world == 0 {
+        return Err(init_err(world_name, "must be at least 1"));
+    }
+    if rank >= world {
+        return Err(init_err(
+            rank_name,
+            format!("{rank} is not below {world_name}={world}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Rank and world size from the options, else the URL query.
+fn rank_world(opts: &InitOptions, query: &str) -> Result<(usize, usize), CommError> {
+    let q = |key: &str| {
+        query
+            .split('&')
+            .filter_map(|kv| kv.split_once('='))
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.to_string())
+    };
+    let rank = match (opts.rank, q("rank")) {
+        (Some(r), _) => r,
+        (None, Some(v)) => parse_num("rank", &v)?,
+        (None, None) => {
+            return Err(init_err(
+                "rank",
+                "required with tcp:// and file:// (InitOptions::rank or ?rank=)",
+            ))
+        }
+    };
+    let world = match (opts.world_size, q("world_size")) {
+        (Some(w), _) => w,
+        (None, Some(v)) => parse_num("world_size", &v)?,
+        (None, None) => {
+            return Err(init_err(
+                "world_size",
+                "required with tcp:// and file:// (InitOptions::world_size or ?world_size=)",
+            ))
+        }
+    };
+    check_world("rank", rank, "world_size", world)?;
+    Ok((rank, world))
+}
+
+/// The local address this host uses to reach `host` (loopback for a
+/// loopback master), found by "connecting" a UDP socket: no packet is sent.
+fn local_ip_towards(host: &str, port: u16) -> Option<IpAddr> {
+    let target = (host, port).to_socket_addrs().ok()?.next()?;
+    if target.ip().is_loopback() {
+        return Some(Ipv4Addr::LOCALHOST.into());
+    }
+    let any: IpAddr = if target.is_ipv4() {
+        Ipv4Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    };
+    let sock = UdpSocket::bind((any, 0)).ok()?;
+    sock.connect(target).ok()?;
+    Some(sock.local_addr().ok()?.ip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_init_methods_name_the_part() {
+        let e =
+            init_process_group("tcp", "carrier-pigeon://x", InitOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("init_method"), "{e}");
+        let e = init_process_group("nccl", "env://", InitOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("backend"), "{e}");
+        let e = init_process_group(
+            "tcp",
+            "tcp://127.0.0.1:1?world_size=2",
+            InitOptions::default(),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("rank"), "{e}");
+        let e = init_process_group(
+            "tcp",
+            "file:///tmp/x?rank=2&world_size=2",
+            InitOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("rank: 2 is not below world_size=2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn loopback_master_means_loopback_sockets() {
+        assert_eq!(
+            local_ip_towards("127.0.0.1", 1),
+            Some(Ipv4Addr::LOCALHOST.into())
+        );
+        assert_eq!(
+            local_ip_towards("localhost", 1),
+            Some(Ipv4Addr::LOCALHOST.into())
+        );
+    }
+}

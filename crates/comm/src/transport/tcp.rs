@@ -1,0 +1,495 @@
+//! TCP transport: a full mesh of sockets between the ranks of a group,
+//! set up through the rendezvous store.
+//!
+//! Rendezvous: every rank binds a listener on an ephemeral port and publishes
+//! `addr/<rank>` in the group's store; rank 0 also publishes a random `nonce`
+//! that names this incarnation of the group. Each rank then connects to every
+//! lower rank (twice: one socket per [`Channel`]) and accepts from every
+//! higher one. The connector's hello carries (magic, nonce, from, to,
+//! channel); the acceptor checks it and answers one byte, so a stray or stale
+//! connection (another job, a previous run on a reused port) is refused
+//! instead of being mistaken for a peer.
+//!
+//! After rendezvous the sockets are non-blocking with `TCP_NODELAY`; the
+//! engine above drives them with [`Transport::try_read`] /
+//! [`Transport::try_write`] and `poll(2)`. Writes use `sendmsg` with
+//! `MSG_NOSIGNAL` so that a dead peer is an `EPIPE` error, never a SIGPIPE.
+//! This module must never block without a deadline.
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use cohort_store::Store;
+
+use super::{Channel, Interest, Transport};
+use crate::error::CommError;
+
+const HELLO_MAGIC: &[u8; 8] = b"cohort\x00\x01";
+const HELLO_BYTES: usize = 32;
+
+/// Socket buffer size asked for on every connection. Bigger than the
+/// defaults so that a ring step can have a whole segment in flight each way
+/// while the receiver reduces the previous one.
+const SOCKET_BUFFER_BYTES: libc::c_int = 4 << 20;
+
+/// Sockets to every other rank of one group.
+#[derive(Debug)]
+pub struct TcpTransport {
+    rank: usize,
+    size: usize,
+    collective: Vec<Option<TcpStream>>,
+    p2p: Vec<Option<TcpStream>>,
+}
+
+impl TcpTransport {
+    /// Builds the mesh for `rank` of `size` through `store` (already
+    /// namespaced to the group), listening on `bind_ip`. Fails after
+    /// `timeout` if some rank never shows up, naming it.
+    pub fn connect(
+        store: &dyn Store,
+        group: &str,
+        rank: usize,
+        size: usize,
+        bind_ip: IpAddr,
+        timeout: Duration,
+    ) -> Result<TcpTransport, CommError> {
+        let deadline = Instant::now() + timeout;
+        let rdv = |detail: String| CommError::Rendezvous {
+            group: group.to_string(),
+            rank,
+            detail,
+        };
+        let store_err = |source| CommError::Store {
+            group: group.to_string(),
+            source,
+        };
+        let mut t = TcpTransport {
+            rank,
+            size,
+            collective: (0..size).map(|_| None).collect(),
+            p2p: (0..size).map(|_| None).collect(),
+        };
+        if size == 1 {
+            return Ok(t);
+        }
+        let listener = TcpListener::bind((bind_ip, 0))
+            .map_err(|e| rdv(format!("cannot listen on {bind_ip}: {e}")))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| rdv(format!("listener: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| rdv(format!("listener: {e}")))?;
+
+        let nonce = if rank == 0 {
+            let n = fresh_nonce();
+            store
+                .set("nonce", n.to_string().as_bytes())
+                .map_err(store_err)?;
+            n
+        } else {
+            wait_key(store, "nonce", deadline)
+                .map_err(|e| rdv(format!("rank 0 never published the group nonce: {e}")))?
+                .parse::<u64>()
+                .map_err(|e| rdv(format!("bad nonce in store: {e}")))?
+        };
+        store
+            .set(&format!("addr/{rank}"), local.to_string().as_bytes())
+            .map_err(store_err)?;
+
+        let expected = 2 * (size - 1 - rank);
+        let accepted = std::thread::scope(|scope| {
+            let acceptor =
+                scope.spawn(|| accept_peers(&listener, nonce, rank, size, expected, deadline));
+            for peer in 0..rank {
+                let addr = wait_key(store, &format!("addr/{peer}"), deadline)
+                    .map_err(|e| rdv(format!("rank {peer} never published its address: {e}")))?;
+                let addr: SocketAddr = addr.parse().map_err(|e| {
+                    rdv(format!("rank {peer} published a bad address {addr:?}: {e}"))
+                })?;
+                for ch in [Channel::Collective, Channel::P2p] {
+                    let s = connect_peer(addr, nonce, rank, peer, ch, deadline)
+                        .map_err(|e| rdv(format!("connecting to rank {peer} at {addr}: {e}")))?;
+                    *t.slot(ch, peer) = Some(s);
+                }
+            }
+            acceptor
+                .join()
+                .unwrap_or_else(|_| Err("acceptor thread panicked".to_string()))
+                .map_err(rdv)
+        })?;
+        for (peer, ch, s) in accepted {
+            *t.slot(ch, peer) = Some(s);
+        }
+        for s in t.collective.iter().chain(&t.p2p).flatten() {
+            tune(s).map_err(|e| rdv(format!("socket options: {e}")))?;
+        }
+        Ok(t)
+    }
+
+    fn slot(&mut self, ch: Channel, peer: usize) -> &mut Option<TcpStream> {
+        match ch {
+            Channel::Collective => &mut self.collective[peer],
+            Channel::P2p => &mut self.p2p[peer],
+        }
+    }
+
+    fn stream(&self, ch: Channel, peer: usize) -> io::Result<&TcpStream> {
+        let s = match ch {
+            Channel::Collective => self.collective.get(peer),
+            Channel::P2p => self.p2p.get(peer),
+        };
+        s.and_then(Option::as_ref).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotConnected,
+                format!("no connection to rank {peer}"),
+            )
+        })
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn try_write(&self, ch: Channel, peer: usize, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        let fd = self.stream(ch, peer)?.as_raw_fd();
+        // safety: an all-zero msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is guaranteed ABI-compatible with iovec on unix.
+        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = bufs.len() as _;
+        loop {
+            // safety: msg points at `bufs`, which outlives the call; the
+            // kernel only reads from the iovecs.
+            let n = unsafe { libc::sendmsg(fd, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+            if n >= 0 {
+                return Ok(n as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    fn try_read(&self, ch: Channel, peer: usize, buf: &mut [u8]) -> io::Result<usize> {
+        let mut s = self.stream(ch, peer)?;
+        loop {
+            match s.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                r => return r,
+            }
+        }
+    }
+
+    fn wait(&self, ch: Channel, interests: &[Interest], timeout: Duration) -> io::Result<bool> {
+        let mut fds = Vec::with_capacity(interests.len());
+        for i in interests {
+            let mut events = 0;
+            if i.read {
+                events |= libc::POLLIN;
+            }
+            if i.write {
+                events |= libc::POLLOUT;
+            }
+            fds.push(libc::pollfd {
+                fd: self.stream(ch, i.peer)?.as_raw_fd(),
+                events,
+                revents: 0,
+            });
+        }
+        poll(&mut fds, timeout)
+    }
+
+    fn hung_up(&self, ch: Channel) -> Vec<usize> {
+        let peers: Vec<usize> = (0..self.size)
+            .filter(|&p| self.stream(ch, p).is_ok())
+            .collect();
+        let mut fds: Vec<libc::pollfd> = peers
+            .iter()
+            .filter_map(|&p| self.stream(ch, p).ok())
+            .map(|s| libc::pollfd {
+                fd: s.as_raw_fd(),
+                events: libc::POLLRDHUP,
+                revents: 0,
+            })
+            .collect();
+        if poll(&mut fds, Duration::ZERO).is_err() {
+            return Vec::new();
+        }
+        let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;
+        peers
+            .into_iter()
+            .zip(&fds)
+            .filter(|(_, f)| f.revents & gone != 0)
+            .map(|(p, _)| p)
+            .collect()
+    }
+
+    fn shutdown(&self) {
+        for s in self.collective.iter().chain(&self.p2p).flatten() {
+            // Errors mean the socket is already down, which is the goal.
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// `poll(2)` with a `Duration`; returns whether any descriptor is ready.
+fn poll(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<bool> {
+    let ms = timeout.as_millis().clamp(0, i32::MAX as u128) as libc::c_int;
+    // Round a sub-millisecond remainder up so that a short wait still sleeps.
+    let ms = if ms == 0 && !timeout.is_zero() { 1 } else { ms };
+    // safety: `fds` is a valid, exclusively borrowed array of pollfd.
+    let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    Ok(n > 0)
+}
+
+fn tune(s: &TcpStream) -> io::Result<()> {
+    s.set_nodelay(true)?;
+    s.set_nonblocking(true)?;
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // safety: fd is open; the option value is a c_int as SO_*BUF expects.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&SOCKET_BUFFER_BYTES as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn fresh_nonce() -> u64 {
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Waits for `key` until `deadline` and returns it as a string.
+fn wait_key(store: &dyn Store, key: &str, deadline: Instant) -> Result<String, String> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    store.wait(&[key], left).map_err(|e| e.to_string())?;
+    let v = store.get(key).map_err(|e| e.to_string())?;
+    String::from_utf8(v).map_err(|e| format!("key {key:?} is not UTF-8: {e}"))
+}
+
+fn hello(nonce: u64, from: usize, to: usize, ch: Channel) -> [u8; HELLO_BYTES] {
+    let mut b = [0u8; HELLO_BYTES];
+    b[..8].copy_from_slice(HELLO_MAGIC);
+    b[8..16].copy_from_slice(&nonce.to_le_bytes());
+    b[16..20].copy_from_slice(&(from as u32).to_le_bytes());
+    b[20..24].copy_from_slice(&(to as u32).to_le_bytes());
+    b[24] = matches!(ch, Channel::P2p) as u8;
+    b
+}
+
+fn connect_peer(
+    addr: SocketAddr,
+    nonce: u64,
+    rank: usize,
+    peer: usize,
+    ch: Channel,
+    deadline: Instant,
+) -> io::Result<TcpStream> {
+    let mut s = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
+        }
+        match TcpStream::connect_timeout(&addr, left) {
+            Ok(s) => break s,
+            // The listener exists before its address is published, so a
+            // refusal is a transient overload; retry until the deadline.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left))?;
+    s.set_write_timeout(Some(left))?;
+    s.write_all(&hello(nonce, rank, peer, ch))?;
+    let mut ack = [0u8; 1];
+    match s.read(&mut ack) {
+        Ok(1) if ack[0] == 1 => Ok(s),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::ConnectionRefused,
+            "the listener refused the hello (a different group or job uses this address)",
+        )),
+        Err(e) => Err(e),
+    }
+}
+
+type Accepted = Vec<(usize, Channel, TcpStream)>;
+
+/// Accepts `expected` hellos from higher ranks; ignores connections that are
+/// not from this group.
+fn accept_peers(
+    listener: &TcpListener,
+    nonce: u64,
+    rank: usize,
+    size: usize,
+    expected: usize,
+    deadline: Instant,
+) -> Result<Accepted, String> {
+    let mut got: Accepted = Vec::with_capacity(expected);
+    while got.len() < expected {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let missing: Vec<String> = (rank + 1..size)
+                .filter(|p| got.iter().filter(|(q, _, _)| q == p).count() < 2)
+                .map(|p| p.to_string())
+                .collect();
+            return Err(format!(
+                "ranks {} never connected (timeout)",
+                missing.join(", ")
+            ));
+        }
+        let (mut s, _) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let mut fds = [libc::pollfd {
+                    fd: listener.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                }];
+                poll(&mut fds, left).map_err(|e| format!("poll on listener: {e}"))?;
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("accept: {e}")),
+        };
+        let checked = (|| -> io::Result<Option<(usize, Channel)>> {
+            s.set_nonblocking(false)?;
+            s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
+            s.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+            let mut b = [0u8; HELLO_BYTES];
+            s.read_exact(&mut b)?;
+            let from = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
+            let to = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
+            let ch = if b[24] == 1 {
+                Channel::P2p
+            } else {
+                Channel::Collective
+            };
+            let ok = &b[..8] == HELLO_MAGIC
+                && u64::from_le_bytes(b[8..16].try_into().unwrap()) == nonce
+                && to == rank
+                && from > rank
+                && from < size
+                && !got.iter().any(|(p, c, _)| *p == from && *c == ch);
+            if !ok {
+                return Ok(None);
+            }
+            s.write_all(&[1])?;
+            Ok(Some((from, ch)))
+        })();
+        if let Ok(Some((from, ch))) = checked {
+            got.push((from, ch, s));
+        }
+    }
+    Ok(got)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_store::HashStore;
+    use std::net::Ipv4Addr;
+    use std::sync::Arc;
+
+    #[test]
+    fn mesh_moves_bytes_between_every_pair() {
+        let store = Arc::new(HashStore::new());
+        let n = 3;
+        std::thread::scope(|s| {
+            for rank in 0..n {
+                let store = store.clone();
+                s.spawn(move || {
+                    let t = TcpTransport::connect(
+                        &*store,
+                        "g",
+                        rank,
+                        n,
+                        Ipv4Addr::LOCALHOST.into(),
+                        Duration::from_secs(10),
+                    )
+                    .unwrap();
+                    for peer in (0..n).filter(|&p| p != rank) {
+                        let msg = [rank as u8; 3];
+                        assert_eq!(
+                            t.try_write(Channel::P2p, peer, &[IoSlice::new(&msg)])
+                                .unwrap(),
+                            3
+                        );
+                    }
+                    for peer in (0..n).filter(|&p| p != rank) {
+                        let mut got = [0u8; 3];
+                        let mut n_read = 0;
+                        while n_read < 3 {
+                            let i = Interest {
+                                peer,
+                                read: true,
+                                write: false,
+                            };
+                            t.wait(Channel::P2p, &[i], Duration::from_secs(5)).unwrap();
+                            match t.try_read(Channel::P2p, peer, &mut got[n_read..]) {
+                                Ok(k) => n_read += k,
+                                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                                Err(e) => panic!("{e}"),
+                            }
+                        }
+                        assert_eq!(got, [peer as u8; 3]);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn missing_rank_times_out_naming_it() {
+        let store = HashStore::new();
+        let err = TcpTransport::connect(
+            &store,
+            "g",
+            0,
+            2,
+            Ipv4Addr::LOCALHOST.into(),
+            Duration::from_millis(200),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("ranks 1 never connected"), "{err}");
+    }
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::CommandFactory;
-use cohort_launcher::{launch, LaunchConfig, DEFAULT_MASTER_PORT};
+use cohort_launcher::{launch, LaunchConfig, LaunchError, DEFAULT_MASTER_PORT};
 
 /// Start the workers of a job on this node, watch them, restart them (torchrun).
 ///
@@ -63,7 +63,19 @@ pub struct RunArgs {
 pub fn main(args: RunArgs) -> anyhow::Result<()> {
     let after_dashes = command_follows_dashes(std::env::args_os(), args.command.len());
     let config = args.into_config(after_dashes)?;
-    let outcome = launch(&config)?;
+    let outcome = match launch(&config) {
+        Err(e @ LaunchError::Spawn { .. }) if after_dashes => {
+            let name = config.program.to_string_lossy().into_owned();
+            if subcommands().contains(&name) {
+                return Err(anyhow::Error::new(e).context(format!(
+                    "`{name}` is a cohort subcommand: drop the `--` to run it as the worker \
+                     (cohort run -n 2 {name} ...)"
+                )));
+            }
+            Err(e)
+        }
+        other => other,
+    }?;
     let code = outcome.exit_code();
     if code != 0 {
         std::process::exit(code);
@@ -109,19 +121,23 @@ fn command_follows_dashes(argv: impl Iterator<Item = OsString>, command_len: usi
     argv.len() > command_len && argv[argv.len() - command_len - 1] == "--"
 }
 
+/// cohort's own subcommands that can run as a worker.
+fn subcommands() -> Vec<String> {
+    crate::Cli::command()
+        .get_subcommands()
+        .map(|s| s.get_name().to_string())
+        .filter(|s| s != "run")
+        .collect()
+}
+
 /// `name` if it is one of cohort's own subcommands that can run as a worker.
 fn check_subcommand(name: &OsStr) -> anyhow::Result<OsString> {
-    let cli = crate::Cli::command();
-    let known: Vec<&str> = cli
-        .get_subcommands()
-        .map(|s| s.get_name())
-        .filter(|&s| s != "run")
-        .collect();
+    let known = subcommands();
     let text = name.to_string_lossy();
     if text == "run" {
         bail!("`cohort run` cannot launch `run` as its worker");
     }
-    if !known.contains(&text.as_ref()) {
+    if !known.iter().any(|k| *k == text) {
         bail!(
             "`{text}` is not a cohort subcommand ({}); to run another program, put it after `--`: \
              cohort run -n 2 -- {text} ...",

@@ -46,6 +46,9 @@ pub(crate) const FLAG_DIGEST: u8 = 1;
 /// run more ranks than cores.
 const SPIN: Duration = Duration::from_micros(20);
 
+/// How long a failing op waits to learn which other peers are gone too.
+const HANG_UP_GRACE: Duration = Duration::from_millis(100);
+
 /// What a call is: the part of the header both sides must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct OpDesc {
@@ -385,13 +388,18 @@ impl OpEnv<'_> {
         };
         // When one rank dies, its neighbours abort and their neighbours see
         // *them* close: name every rank that is gone so the first one shows.
-        let gone = self.transport.hung_up(self.channel);
-        let detail = if gone.is_empty() || gone == [peer] {
+        // The dead rank's sockets close within moments of each other, so a
+        // short wait on this error path catches them.
+        let others: Vec<usize> = (0..self.size())
+            .filter(|&p| p != peer && p != self.rank())
+            .collect();
+        let gone = self.transport.hung_up(self.channel, &others, HANG_UP_GRACE);
+        let detail = if gone.is_empty() {
             detail
         } else {
             let list: Vec<String> = gone.iter().map(|p| p.to_string()).collect();
             format!(
-                "{detail}; ranks that have closed their connections to this one: {}",
+                "{detail}; other ranks that have closed their connections to this one: {}",
                 list.join(", ")
             )
         };

@@ -52,9 +52,10 @@ pub trait Transport: Send + Sync {
     /// Sleeps until one of `interests` is ready or `timeout` passes; returns
     /// whether something is ready. Spurious wake-ups are allowed.
     fn wait(&self, ch: Channel, interests: &[Interest], timeout: Duration) -> io::Result<bool>;
-    /// Peers whose end of `ch` is closed (they exited, crashed or aborted),
-    /// without waiting; used to name the root cause in errors.
-    fn hung_up(&self, ch: Channel) -> Vec<usize>;
+    /// Those of `among` whose end of `ch` is closed (they exited, crashed
+    /// or aborted), waiting up to `wait` for the first; used to name the
+    /// root cause in errors.
+    fn hung_up(&self, ch: Channel, among: &[usize], wait: Duration) -> Vec<usize>;
     /// Breaks every channel: pending and later reads and writes on both ends
     /// fail promptly.
     fn shutdown(&self);

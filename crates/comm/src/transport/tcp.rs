@@ -211,8 +211,10 @@ impl Transport for TcpTransport {
         poll(&mut fds, timeout)
     }
 
-    fn hung_up(&self, ch: Channel) -> Vec<usize> {
-        let peers: Vec<usize> = (0..self.size)
+    fn hung_up(&self, ch: Channel, among: &[usize], wait: Duration) -> Vec<usize> {
+        let peers: Vec<usize> = among
+            .iter()
+            .copied()
             .filter(|&p| self.stream(ch, p).is_ok())
             .collect();
         let mut fds: Vec<libc::pollfd> = peers
@@ -224,7 +226,7 @@ impl Transport for TcpTransport {
                 revents: 0,
             })
             .collect();
-        if poll(&mut fds, Duration::ZERO).is_err() {
+        if peers.is_empty() || poll(&mut fds, wait).is_err() {
             return Vec::new();
         }
         let gone = libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR;

@@ -1,0 +1,252 @@
+//! Real processes: the test binary re-executes itself as the ranks of a
+//! scenario (`COHORT_TEST_ROLE` selects the child's part). A rank killed with
+//! SIGKILL mid-collective makes every survivor fail fast naming it; groups
+//! form through `env://` (store hosted by rank 0, or by the parent as a
+//! launcher would) and through `file://`; a missing variable is named.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cohort_comm::spawn::{self, ProcessOptions};
+use cohort_comm::{init_process_group, InitOptions, ReduceOp};
+
+const ROLE: &str = "COHORT_TEST_ROLE";
+
+fn main() {
+    if let Ok(role) = std::env::var(ROLE) {
+        let code = match child(&role) {
+            Ok(()) => 0,
+            Err(e) => {
+                println!("ERROR: {e}");
+                3
+            }
+        };
+        std::process::exit(code);
+    }
+    let tests: [(&str, fn()); 4] = [
+        (
+            "killed_rank_fails_every_survivor_fast",
+            killed_rank_fails_every_survivor_fast,
+        ),
+        (
+            "env_init_with_a_launcher_hosted_store",
+            env_init_with_a_launcher_hosted_store,
+        ),
+        ("file_init", file_init),
+        ("missing_env_var_is_named", missing_env_var_is_named),
+    ];
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    for (name, t) in tests {
+        if !filter.is_empty() && !filter.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        let t0 = Instant::now();
+        t();
+        println!("test {name} ... ok ({:.1} s)", t0.elapsed().as_secs_f64());
+    }
+}
+
+// ------------------------------------------------------------------ children
+
+fn env_usize(name: &str) -> usize {
+    std::env::var(name).unwrap().parse().unwrap()
+}
+
+fn child(role: &str) -> Result<(), Box<dyn std::error::Error>> {
+    match role {
+        // Loops on 16 MB all_reduces until the group breaks.
+        "allreduce_forever" => {
+            let pg = init_process_group("tcp", "env://", InitOptions::default())?;
+            let mut x = vec![1.0f32; 4 << 20];
+            let mut i = 0u64;
+            loop {
+                pg.all_reduce(&mut x, ReduceOp::Avg)?;
+                if i == 0 {
+                    println!("ready");
+                }
+                i += 1;
+            }
+        }
+        "env_check" => {
+            let pg = init_process_group("tcp", "env://", InitOptions::default())?;
+            assert_eq!(
+                (pg.rank(), pg.size()),
+                (env_usize("RANK"), env_usize("WORLD_SIZE"))
+            );
+            assert_eq!(pg.local_rank(), env_usize("LOCAL_RANK"));
+            let mut x = vec![pg.rank() as i64; 1000];
+            pg.all_reduce(&mut x, ReduceOp::Sum)?;
+            let n = pg.size() as i64;
+            assert!(x.iter().all(|&v| v == n * (n - 1) / 2));
+            pg.barrier()?;
+            Ok(())
+        }
+        "file_check" => {
+            let path = std::env::var("COHORT_TEST_FILE")?;
+            let opts = InitOptions {
+                rank: Some(env_usize("RANK")),
+                world_size: Some(env_usize("WORLD_SIZE")),
+                ..InitOptions::default()
+            };
+            let pg = init_process_group("tcp", &format!("file://{path}"), opts)?;
+            let mut x = vec![1.5f64; 77];
+            pg.all_reduce(&mut x, ReduceOp::Sum)?;
+            assert!(x.iter().all(|&v| v == 1.5 * pg.size() as f64));
+            pg.barrier()?;
+            Ok(())
+        }
+        "env_missing" => {
+            init_process_group("tcp", "env://", InitOptions::default())?;
+            Ok(())
+        }
+        other => Err(format!("unknown role {other}").into()),
+    }
+}
+
+// ------------------------------------------------------------------- parents
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start(role: &str, rank: usize, world: usize, env: &[(&str, String)]) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .env(ROLE, role)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env_remove("COHORT_STORE_HOSTED")
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Forwards each child's stdout lines, tagged with its rank.
+fn watch(children: &mut [Child]) -> mpsc::Receiver<(usize, String)> {
+    let (tx, rx) = mpsc::channel();
+    for (rank, c) in children.iter_mut().enumerate() {
+        let out = c.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send((rank, line));
+            }
+        });
+    }
+    rx
+}
+
+fn killed_rank_fails_every_survivor_fast() {
+    let world = 3;
+    let victim = 1;
+    // A group timeout far longer than the test allows: only fail-fast passes.
+    let env = [
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", free_port().to_string()),
+        ("COHORT_TIMEOUT", "300".to_string()),
+    ];
+    let mut children: Vec<Child> = (0..world)
+        .map(|r| start("allreduce_forever", r, world, &env))
+        .collect();
+    let lines = watch(&mut children);
+    let mut ready = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while ready < world {
+        let (rank, line) = lines
+            .recv_timeout(deadline - Instant::now())
+            .expect("ranks never got ready");
+        assert_eq!(line, "ready", "rank {rank}");
+        ready += 1;
+    }
+    // Mid-collective: they loop back-to-back, so a 16 MB all_reduce is in flight.
+    std::thread::sleep(Duration::from_millis(50));
+    children[victim].kill().unwrap();
+    let killed = Instant::now();
+    children[victim].wait().unwrap();
+    let mut errors = vec![String::new(); world];
+    for (rank, c) in children
+        .iter_mut()
+        .enumerate()
+        .filter(|(r, _)| *r != victim)
+    {
+        let status = loop {
+            if let Some(s) = c.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                killed.elapsed() < Duration::from_secs(20),
+                "rank {rank} still running 20 s after rank {victim} died"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(status.code(), Some(3), "rank {rank}");
+    }
+    let took = killed.elapsed();
+    while let Ok((rank, line)) = lines.recv_timeout(Duration::from_secs(2)) {
+        if let Some(e) = line.strip_prefix("ERROR: ") {
+            errors[rank] = e.to_string();
+        }
+    }
+    for rank in (0..world).filter(|&r| r != victim) {
+        let e = &errors[rank];
+        assert!(e.contains("all_reduce #"), "rank {rank}: {e:?}");
+        assert!(
+            e.contains(&format!("rank {rank} (this process)")),
+            "rank {rank}: {e:?}"
+        );
+        // Either its direct link to the victim broke, or a neighbour that
+        // aborted closed on it and the victim is listed among the gone.
+        let names_victim = e.contains(&format!("and rank {victim} lost"))
+            || e.contains(&format!("closed their connections to this one: {victim}"));
+        assert!(
+            names_victim,
+            "rank {rank} does not name rank {victim}: {e:?}"
+        );
+    }
+    assert!(took < Duration::from_secs(10), "survivors took {took:?}");
+}
+
+fn env_init_with_a_launcher_hosted_store() {
+    let opts = ProcessOptions {
+        env: vec![(ROLE.into(), "env_check".into())],
+        timeout: Duration::from_secs(60),
+        ..ProcessOptions::current_exe(Vec::<String>::new()).unwrap()
+    };
+    spawn::processes(3, &opts).unwrap();
+}
+
+fn file_init() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    let world = 2;
+    let env = [("COHORT_TEST_FILE", path.display().to_string())];
+    let mut children: Vec<Child> = (0..world)
+        .map(|r| start("file_check", r, world, &env))
+        .collect();
+    for (rank, c) in children.iter_mut().enumerate() {
+        let out = c.stdout.take().unwrap();
+        let status = c.wait().unwrap();
+        let text = std::io::read_to_string(out).unwrap();
+        assert!(status.success(), "rank {rank}: {status} {text}");
+    }
+}
+
+fn missing_env_var_is_named() {
+    let mut c = start("env_missing", 0, 1, &[]);
+    let out = c.stdout.take().unwrap();
+    let status = c.wait().unwrap();
+    let text = std::io::read_to_string(out).unwrap();
+    assert_eq!(status.code(), Some(3));
+    assert!(text.contains("MASTER_ADDR: not set"), "{text}");
+}

@@ -19,6 +19,31 @@ pub struct BenchArgs {
 enum BenchWhat {
     /// Time collectives over sizes (nccl-tests style); run under `cohort run -n N`.
     Collectives(CollectivesArgs),
+    /// Time single-process training steps of the mini-GPT (random tokens, AdamW, dropout 0).
+    Train(TrainArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct TrainArgs {
+    /// Model and batch: A (4 layers, d 128, seq 64, batch 12) or B (6 layers, d 384, seq 256,
+    /// batch 8).
+    #[arg(long, default_value = "A")]
+    config: String,
+    /// Intra-op threads (default: COHORT_NUM_THREADS, else the cores this process may use).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Timed steps.
+    #[arg(long, default_value_t = 50)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Seed of the init and the token ids.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -59,7 +84,45 @@ struct CollectivesArgs {
 pub fn main(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         BenchWhat::Collectives(a) => collectives(a),
+        BenchWhat::Train(a) => train(a),
     }
+}
+
+fn train(a: TrainArgs) -> anyhow::Result<()> {
+    let threads = match a.threads {
+        Some(n) => n,
+        None => cohort_engine::cpu::threads_from_env()?,
+    };
+    let spec = cohort_gpt::bench::TrainBench {
+        config: a.config.clone(),
+        threads,
+        steps: a.steps,
+        warmup: a.warmup,
+        seed: a.seed,
+    };
+    let r = cohort_gpt::bench::run_train_bench(&spec)
+        .with_context(|| format!("bench train --config {}", a.config))?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "config {} ({} params, batch {} x seq {}), {} thread(s), {} steps, {}",
+        r.config, r.params, r.batch, r.seq, r.threads, r.steps, r.simd
+    );
+    println!(
+        "ms/step {:.2} (min {:.2}): forward {:.2}, backward {:.2}, optimizer {:.2}",
+        r.ms_per_step, r.min_ms, r.fwd_ms, r.bwd_ms, r.opt_ms
+    );
+    println!(
+        "tokens/s {:.0}, peak RSS {:.1} MB, final loss {:.4}",
+        r.tokens_per_s, r.rss_mb, r.final_loss
+    );
+    println!("per kernel (ms/step):");
+    for (k, ms) in &r.kernels_ms {
+        println!("  {k:<18} {ms:8.3}");
+    }
+    Ok(())
 }
 
 fn parse_size(s: &str) -> anyhow::Result<usize> {

@@ -117,7 +117,13 @@ pub fn init_process_group(
         let store = if rank == 0 && !hosted {
             TcpStore::new_master_or_client(format!("0.0.0.0:{port}"), true, timeout)
         } else {
-            TcpStore::connect(format!("{addr}:{port}"), timeout)
+            // An IPv6 literal needs brackets before the port.
+            let hostport = if addr.contains(':') {
+                format!("[{addr}]:{port}")
+            } else {
+                format!("{addr}:{port}")
+            };
+            TcpStore::connect(hostport, timeout)
         }
         .map_err(|source| CommError::Store {
             group: group.name.clone(),

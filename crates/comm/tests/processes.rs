@@ -2,7 +2,8 @@
 //! scenario (`COHORT_TEST_ROLE` selects the child's part). A rank killed with
 //! SIGKILL mid-collective makes every survivor fail fast naming it; groups
 //! form through `env://` (store hosted by rank 0, or by the parent as a
-//! launcher would) and through `file://`; a missing variable is named.
+//! launcher would), through `tcp://` and through `file://`; a missing
+//! variable is named.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -25,7 +26,7 @@ fn main() {
         };
         std::process::exit(code);
     }
-    let tests: [(&str, fn()); 4] = [
+    let tests: [(&str, fn()); 5] = [
         (
             "killed_rank_fails_every_survivor_fast",
             killed_rank_fails_every_survivor_fast,
@@ -35,6 +36,7 @@ fn main() {
             env_init_with_a_launcher_hosted_store,
         ),
         ("file_init", file_init),
+        ("tcp_init", tcp_init),
         ("missing_env_var_is_named", missing_env_var_is_named),
     ];
     let filter: Vec<String> = std::env::args()
@@ -84,6 +86,22 @@ fn child(role: &str) -> Result<(), Box<dyn std::error::Error>> {
             let n = pg.size() as i64;
             assert!(x.iter().all(|&v| v == n * (n - 1) / 2));
             pg.barrier()?;
+            Ok(())
+        }
+        "tcp_check" => {
+            let url = format!(
+                "tcp://127.0.0.1:{}?world_size={}",
+                std::env::var("MASTER_PORT")?,
+                env_usize("WORLD_SIZE")
+            );
+            let opts = InitOptions {
+                rank: Some(env_usize("RANK")),
+                ..InitOptions::default()
+            };
+            let pg = init_process_group("gloo", &url, opts)?;
+            let mut x = vec![pg.rank() as u8; 3];
+            pg.broadcast(&mut x, 1)?;
+            assert_eq!(x, [1, 1, 1]);
             Ok(())
         }
         "file_check" => {
@@ -226,20 +244,29 @@ fn env_init_with_a_launcher_hosted_store() {
     spawn::processes(3, &opts).unwrap();
 }
 
-fn file_init() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("store");
-    let world = 2;
-    let env = [("COHORT_TEST_FILE", path.display().to_string())];
-    let mut children: Vec<Child> = (0..world)
-        .map(|r| start("file_check", r, world, &env))
-        .collect();
+/// Starts `world` ranks of `role` and expects all of them to succeed.
+fn all_succeed(role: &str, world: usize, env: &[(&str, String)]) {
+    let mut children: Vec<Child> = (0..world).map(|r| start(role, r, world, env)).collect();
     for (rank, c) in children.iter_mut().enumerate() {
         let out = c.stdout.take().unwrap();
         let status = c.wait().unwrap();
         let text = std::io::read_to_string(out).unwrap();
-        assert!(status.success(), "rank {rank}: {status} {text}");
+        assert!(status.success(), "{role} rank {rank}: {status} {text}");
     }
+}
+
+fn file_init() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("store");
+    all_succeed(
+        "file_check",
+        2,
+        &[("COHORT_TEST_FILE", path.display().to_string())],
+    );
+}
+
+fn tcp_init() {
+    all_succeed("tcp_check", 3, &[("MASTER_PORT", free_port().to_string())]);
 }
 
 fn missing_env_var_is_named() {

@@ -1,0 +1,445 @@
+//! Training configuration: defaults, an optional TOML file, then command-line
+//! flags, each layer overriding the one before (`--config run.toml --lr 3e-4`).
+//!
+//! [`TrainConfig`] is the resolved configuration (also what a checkpoint
+//! records); [`TrainArgs`] is its command-line form, where every field is
+//! optional so that only the flags actually given override the file. The two
+//! are merged through their serde forms, key by key, so a new setting is one
+//! field in each struct and nothing else. This module never starts training.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// The resolved settings of a training run (keys of the TOML file).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// `markov` (the embedded corpus with a known loss floor) or `random`
+    /// (seed 000's uniform random tokens, for throughput).
+    pub data: String,
+    /// Tokens in the Markov chain's alphabet (the model's vocabulary).
+    pub markov_vocab: usize,
+    /// How many previous tokens decide the next one in the Markov chain.
+    pub markov_order: usize,
+    /// Possible successors per context in the Markov chain.
+    pub markov_branching: usize,
+    /// Vocabulary of `--data random`.
+    pub vocab_size: usize,
+    /// Training sequences in the data set (one epoch).
+    pub train_sequences: usize,
+    /// Held-out sequences for the validation loss.
+    pub val_sequences: usize,
+    /// Tokens per sequence (the model's context length).
+    pub seq_len: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads per block.
+    pub n_heads: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Hidden width of the MLP.
+    pub d_ff: usize,
+    /// Dropout probability (0 disables it).
+    pub dropout: f32,
+    /// Sequences per micro-batch on each rank.
+    pub batch_size: usize,
+    /// Micro-batches accumulated per optimizer step on each rank.
+    pub grad_accum: usize,
+    /// Optimizer steps to run (in total, counting resumed ones).
+    pub steps: u64,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Steps of linear warmup.
+    pub warmup_steps: u64,
+    /// Step at which the cosine reaches `min_lr` (0: at `steps`).
+    pub lr_decay_steps: u64,
+    /// AdamW decoupled weight decay (biases, LayerNorms and embeddings exempt).
+    pub weight_decay: f64,
+    /// AdamW beta1.
+    pub beta1: f64,
+    /// AdamW beta2.
+    pub beta2: f64,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub grad_clip: f32,
+    /// Seed of the model init, data and dropout.
+    pub seed: u64,
+    /// Print a log line every this many steps.
+    pub log_interval: u64,
+    /// Compute the validation loss every this many steps (0: only at the end).
+    pub eval_interval: u64,
+    /// Batches per rank for each validation loss.
+    pub eval_batches: usize,
+    /// Write a checkpoint every this many steps (0: only at the end); needs `out`.
+    pub save_interval: u64,
+    /// Directory for checkpoints (none: do not save).
+    pub out: Option<PathBuf>,
+    /// Checkpoint directory to continue from.
+    pub resume: Option<PathBuf>,
+    /// DDP bucket size in MB.
+    pub bucket_cap_mb: f64,
+    /// Reduce gradients after backward instead of overlapping with it.
+    pub no_overlap: bool,
+    /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
+    pub bf16_compress: bool,
+}
+
+impl Default for TrainConfig {
+    /// A small model (benchmark config A's shape) that learns the embedded
+    /// Markov corpus in a few minutes on two cores.
+    fn default() -> Self {
+        Self {
+            data: "markov".into(),
+            markov_vocab: 64,
+            markov_order: 2,
+            markov_branching: 4,
+            vocab_size: 65,
+            train_sequences: 20_000,
+            val_sequences: 512,
+            seq_len: 64,
+            n_layers: 4,
+            n_heads: 4,
+            d_model: 128,
+            d_ff: 512,
+            dropout: 0.0,
+            batch_size: 12,
+            grad_accum: 1,
+            steps: 300,
+            lr: 1e-3,
+            min_lr: 1e-4,
+            warmup_steps: 20,
+            lr_decay_steps: 0,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.99,
+            grad_clip: 1.0,
+            seed: 1337,
+            log_interval: 10,
+            eval_interval: 100,
+            eval_batches: 4,
+            save_interval: 0,
+            out: None,
+            resume: None,
+            bucket_cap_mb: cohort_ddp::DEFAULT_BUCKET_CAP_MB,
+            no_overlap: false,
+            bf16_compress: false,
+        }
+    }
+}
+
+/// Why a configuration could not be built.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The TOML file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The TOML file is malformed or has unknown keys.
+    #[error("config file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        message: String,
+    },
+    /// A setting is out of range.
+    #[error("invalid setting {key} = {value}: {why}")]
+    Invalid {
+        /// The setting.
+        key: &'static str,
+        /// Its value.
+        value: String,
+        /// What it must be.
+        why: &'static str,
+    },
+}
+
+/// `cohort train`'s flags: every setting of [`TrainConfig`], optional.
+#[derive(Debug, Clone, Default, Serialize, clap::Args)]
+pub struct TrainArgs {
+    /// TOML file with settings (keys as in TrainConfig: seq_len, lr, ...); flags override it.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Training data: `markov` (default; embedded corpus with a known loss floor) or `random`
+    /// (uniform random tokens, seed 000's ToyRandomDataset).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
+    /// Alphabet size of the Markov corpus [default: 64].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub markov_vocab: Option<usize>,
+    /// Order of the Markov chain [default: 2].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub markov_order: Option<usize>,
+    /// Successors per context of the Markov chain [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub markov_branching: Option<usize>,
+    /// Vocabulary of `--data random` [default: 65].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vocab_size: Option<usize>,
+    /// Training sequences per epoch [default: 20000].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub train_sequences: Option<usize>,
+    /// Held-out sequences [default: 512].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_sequences: Option<usize>,
+    /// Tokens per sequence [default: 64].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<usize>,
+    /// Transformer blocks [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_layers: Option<usize>,
+    /// Attention heads [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_heads: Option<usize>,
+    /// Model width [default: 128].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_model: Option<usize>,
+    /// MLP width [default: 512].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub d_ff: Option<usize>,
+    /// Dropout probability [default: 0].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dropout: Option<f32>,
+    /// Sequences per micro-batch ON EACH RANK [default: 12].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<usize>,
+    /// Micro-batches accumulated per step on each rank [default: 1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_accum: Option<usize>,
+    /// Optimizer steps [default: 300].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    /// Peak learning rate [default: 1e-3].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f64>,
+    /// Final learning rate of the cosine [default: 1e-4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_lr: Option<f64>,
+    /// Linear warmup steps [default: 20].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<u64>,
+    /// Step where the cosine ends [default: 0 = --steps].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lr_decay_steps: Option<u64>,
+    /// AdamW weight decay [default: 0.1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    /// AdamW beta1 [default: 0.9].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub beta1: Option<f64>,
+    /// AdamW beta2 [default: 0.99].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub beta2: Option<f64>,
+    /// Clip the global gradient norm [default: 1.0; 0 = off].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_clip: Option<f32>,
+    /// Seed of init, data and dropout [default: 1337].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Log every N steps [default: 10].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_interval: Option<u64>,
+    /// Validation loss every N steps [default: 100; 0 = only at the end].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_interval: Option<u64>,
+    /// Batches per rank per validation [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_batches: Option<usize>,
+    /// Checkpoint every N steps [default: 0 = only at the end]; needs --out.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub save_interval: Option<u64>,
+    /// Checkpoint directory (rank 0 writes it) [default: none, no checkpoints].
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub out: Option<PathBuf>,
+    /// Continue from the checkpoint in DIR, bitwise as if never stopped.
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resume: Option<PathBuf>,
+    /// DDP gradient bucket size in MB [default: 25].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bucket_cap_mb: Option<f64>,
+    /// Reduce gradients after backward, without overlap.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub no_overlap: Option<bool>,
+    /// All-reduce gradients in bf16.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_compress: Option<bool>,
+}
+
+impl TrainArgs {
+    /// Defaults, overridden by the `--config` file, overridden by the flags given.
+    pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
+        let mut table = match &self.config {
+            Some(path) => read_table(path)?,
+            None => toml::Table::new(),
+        };
+        let flags = toml::Table::try_from(self).map_err(|e| ConfigError::Parse {
+            path: PathBuf::from("<command line>"),
+            message: e.to_string(),
+        })?;
+        table.extend(flags);
+        let path = self
+            .config
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("<command line>"));
+        let cfg: TrainConfig =
+            table
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    path,
+                    message: e.to_string(),
+                })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+}
+
+fn read_table(path: &Path) -> Result<toml::Table, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    text.parse()
+        .map_err(|e: toml::de::Error| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+}
+
+impl TrainConfig {
+    /// Checks the settings that the model, optimizer and data do not check
+    /// themselves.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key, value: String, why| Err(ConfigError::Invalid { key, value, why });
+        if !matches!(self.data.as_str(), "markov" | "random") {
+            return bad("data", self.data.clone(), "must be `markov` or `random`");
+        }
+        if self.batch_size == 0 {
+            return bad("batch_size", "0".into(), "must be at least 1");
+        }
+        if self.grad_accum == 0 {
+            return bad("grad_accum", "0".into(), "must be at least 1");
+        }
+        if self.log_interval == 0 {
+            return bad("log_interval", "0".into(), "must be at least 1");
+        }
+        if !(self.bucket_cap_mb >= 0.0 && self.bucket_cap_mb.is_finite()) {
+            return bad(
+                "bucket_cap_mb",
+                self.bucket_cap_mb.to_string(),
+                "must be finite and >= 0",
+            );
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return bad("dropout", self.dropout.to_string(), "must be in [0, 1)");
+        }
+        Ok(())
+    }
+
+    /// The step at which the cosine decay reaches `min_lr`.
+    pub fn decay_steps(&self) -> u64 {
+        if self.lr_decay_steps == 0 {
+            self.steps.max(self.warmup_steps)
+        } else {
+            self.lr_decay_steps
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    fn parse(argv: &[&str]) -> TrainArgs {
+        Cli::try_parse_from(std::iter::once("train").chain(argv.iter().copied()))
+            .unwrap()
+            .args
+    }
+
+    #[test]
+    fn defaults_then_file_then_flags() {
+        assert_eq!(parse(&[]).resolve().unwrap(), TrainConfig::default());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("run.toml");
+        std::fs::write(&file, "lr = 3e-4\nsteps = 50\nno_overlap = true\n").unwrap();
+        let cfg = parse(&["--config", file.to_str().unwrap(), "--steps", "7"])
+            .resolve()
+            .unwrap();
+        assert_eq!(cfg.lr, 3e-4);
+        assert_eq!(cfg.steps, 7, "the flag overrides the file");
+        assert!(cfg.no_overlap);
+        assert_eq!(cfg.batch_size, 12, "untouched settings keep their default");
+        let cfg = parse(&["--bf16-compress", "--out", "/tmp/x"])
+            .resolve()
+            .unwrap();
+        assert!(cfg.bf16_compress);
+        assert_eq!(cfg.out, Some(PathBuf::from("/tmp/x")));
+    }
+
+    #[test]
+    fn bad_files_and_values_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("bad.toml");
+        std::fs::write(&file, "learning_rate = 1\n").unwrap();
+        let err = parse(&["--config", file.to_str().unwrap()])
+            .resolve()
+            .unwrap_err();
+        assert!(err.to_string().contains("learning_rate"), "{err}");
+        let missing = dir.path().join("missing.toml");
+        let err = parse(&["--config", missing.to_str().unwrap()])
+            .resolve()
+            .unwrap_err();
+        assert!(matches!(err, ConfigError::Read { .. }), "{err}");
+        let err = parse(&["--data", "shakespeare"]).resolve().unwrap_err();
+        assert!(err.to_string().contains("data"), "{err}");
+        let err = parse(&["--batch-size", "0"]).resolve().unwrap_err();
+        assert!(err.to_string().contains("batch_size"), "{err}");
+    }
+}

@@ -1,0 +1,115 @@
+//! cohort's training loop as a library: what nanoGPT's `train.py` is, for
+//! the mini-GPT of `cohort-gpt`, data-parallel through `cohort-ddp`.
+//!
+//! - [`TrainArgs`] / [`TrainConfig`]: settings from defaults, a TOML file and
+//!   flags (flags win).
+//! - [`Dataset`]: the seam for training data; built in are [`MarkovCorpus`]
+//!   (the default: a learnable corpus whose optimal loss is known and
+//!   printed) and [`RandomTokens`] (seed 000's random tokens, `--data random`).
+//! - [`train`]: the loop, as one rank of a [`ProcessGroup`]; rank 0 logs in
+//!   seed 000's format (`[step 10 / 50] loss = 9.3437`) plus throughput and
+//!   time per phase, evaluates, and writes checkpoints that `--resume`
+//!   continues bitwise.
+//! - [`run`]: what `cohort train` calls: joins the job the launcher set up
+//!   (`RANK` in the environment: `env://`) or trains alone.
+//! - [`bench`]: `cohort bench ddp`, DDP step time and scaling efficiency.
+//!
+//! This crate never parses the command line itself (the binary does, with
+//! [`TrainArgs`]) and never talks to peers except through the process group.
+//!
+//! ```no_run
+//! use cohort_train::{train, TrainConfig};
+//!
+//! let pg = cohort_train::process_group_from_env().unwrap();
+//! let cfg = TrainConfig { steps: 50, ..TrainConfig::default() };
+//! let outcome = train(&cfg, &pg, &mut std::io::stdout()).unwrap();
+//! println!("final loss {:?}, floor {:?}", outcome.train_losses.last(), outcome.loss_floor);
+//! ```
+#![deny(missing_docs)]
+
+pub mod bench;
+mod checkpoint;
+mod config;
+mod data;
+mod phases;
+mod train;
+
+pub use checkpoint::TrainState;
+pub use config::{ConfigError, TrainArgs, TrainConfig};
+pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
+pub use phases::{Phase, Phases};
+pub use train::{build_dataset, model_config, train, Outcome};
+
+use cohort_comm::{init_process_group, CommError, GroupOptions, InitOptions, ProcessGroup};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// What can stop a training run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// Bad settings.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Bad data-set parameters.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// The model refused its config or a batch.
+    #[error("model: {0}")]
+    Model(#[from] cohort_gpt::GptError),
+    /// The optimizer, schedule or clipping refused.
+    #[error("optimizer: {0}")]
+    Optim(#[from] cohort_engine::optim::OptimError),
+    /// Data parallelism failed (model mismatch, unused parameter, a collective).
+    #[error("ddp: {0}")]
+    Ddp(#[from] cohort_ddp::DdpError),
+    /// A collective of the loop itself failed.
+    #[error("{what}: {error}")]
+    Comm {
+        /// What the loop was doing.
+        what: &'static str,
+        /// The error.
+        error: CommError,
+    },
+    /// Saving or loading a checkpoint failed.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] cohort_gpt::checkpoint::CheckpointError),
+    /// A checkpoint cannot be resumed by this run.
+    #[error("cannot resume from {path}: {reason}")]
+    Resume {
+        /// The checkpoint.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// Writing the log failed.
+    #[error("writing the log: {0}")]
+    Log(std::io::Error),
+}
+
+impl TrainError {
+    pub(crate) fn comm(what: &'static str) -> impl Fn(CommError) -> TrainError {
+        move |error| TrainError::Comm { what, error }
+    }
+}
+
+/// The process group of this process: the job's, when a launcher (or the
+/// user) set `RANK` (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE);
+/// otherwise a world of one, which opens no socket.
+pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
+    let pg = if std::env::var_os("RANK").is_some() {
+        init_process_group("tcp", "env://", InitOptions::default())
+    } else {
+        GroupOptions::from_env().and_then(|opts| {
+            ProcessGroup::new(Arc::new(cohort_store::HashStore::new()), 0, 1, opts)
+        })
+    };
+    pg.map_err(TrainError::comm("joining the process group"))
+}
+
+/// `cohort train`: joins the job (or trains alone) and trains, rank 0
+/// logging to stdout.
+pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
+    let pg = process_group_from_env()?;
+    train(cfg, &pg, &mut std::io::stdout())
+}

@@ -1,0 +1,148 @@
+//! Where a training step's time goes: data wait, forward, backward,
+//! communication wait, optimizer, logging. Timings only; this module never
+//! decides anything about training.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// The phases of a step, in the order they happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Building the batch from the data set.
+    Data,
+    /// The model's forward (and loss).
+    Forward,
+    /// The model's backward, including communication it overlapped.
+    Backward,
+    /// Waiting for gradient all-reduces that backward did not hide, plus
+    /// the loss all-reduce.
+    Comm,
+    /// Clipping, the learning rate, the optimizer step, zeroing gradients.
+    Optimizer,
+    /// Log lines, validation, checkpoints.
+    Logging,
+}
+
+const PHASES: [Phase; 6] = [
+    Phase::Data,
+    Phase::Forward,
+    Phase::Backward,
+    Phase::Comm,
+    Phase::Optimizer,
+    Phase::Logging,
+];
+
+impl Phase {
+    /// Short name for log lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Data => "data",
+            Phase::Forward => "fwd",
+            Phase::Backward => "bwd",
+            Phase::Comm => "comm",
+            Phase::Optimizer => "opt",
+            Phase::Logging => "log",
+        }
+    }
+}
+
+/// Accumulated time per phase.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Phases {
+    times: [Duration; 6],
+}
+
+impl Phases {
+    /// Adds `d` to `phase`.
+    pub fn add(&mut self, phase: Phase, d: Duration) {
+        self.times[phase as usize] += d;
+    }
+
+    /// Runs `f`, charging its time to `phase`.
+    pub fn time<T>(&mut self, phase: Phase, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        self.add(phase, t.elapsed());
+        out
+    }
+
+    /// Time charged to `phase`.
+    pub fn get(&self, phase: Phase) -> Duration {
+        self.times[phase as usize]
+    }
+
+    /// Time charged to all phases.
+    pub fn total(&self) -> Duration {
+        self.times.iter().sum()
+    }
+
+    /// Adds every phase of `other`.
+    pub fn merge(&mut self, other: &Phases) {
+        for (a, b) in self.times.iter_mut().zip(other.times) {
+            *a += b;
+        }
+    }
+
+    /// Per-step milliseconds over `steps` steps, e.g.
+    /// `data 0.1 fwd 5.0 bwd 9.2 comm 0.4 opt 1.1 log 0.0 ms`.
+    pub fn per_step(&self, steps: u64) -> PerStep<'_> {
+        PerStep {
+            phases: self,
+            steps: steps.max(1),
+        }
+    }
+
+    /// Shares of the total, e.g. `data 1% fwd 33% ...`.
+    pub fn shares(&self) -> String {
+        let total = self.total().as_secs_f64().max(1e-12);
+        PHASES
+            .iter()
+            .map(|&p| {
+                format!(
+                    "{} {:.0}%",
+                    p.name(),
+                    100.0 * self.get(p).as_secs_f64() / total
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// Display helper of [`Phases::per_step`].
+pub struct PerStep<'a> {
+    phases: &'a Phases,
+    steps: u64,
+}
+
+impl fmt::Display for PerStep<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, &p) in PHASES.iter().enumerate() {
+            let ms = self.phases.get(p).as_secs_f64() * 1e3 / self.steps as f64;
+            write!(f, "{}{} {:.1}", if i > 0 { " " } else { "" }, p.name(), ms)?;
+        }
+        f.write_str(" ms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn per_step_and_shares() {
+        let mut p = Phases::default();
+        p.add(Phase::Forward, Duration::from_millis(30));
+        p.add(Phase::Backward, Duration::from_millis(60));
+        p.add(Phase::Optimizer, Duration::from_millis(10));
+        assert_eq!(
+            p.per_step(10).to_string(),
+            "data 0.0 fwd 3.0 bwd 6.0 comm 0.0 opt 1.0 log 0.0 ms"
+        );
+        assert_eq!(p.shares(), "data 0% fwd 30% bwd 60% comm 0% opt 10% log 0%");
+        let mut q = Phases::default();
+        q.merge(&p);
+        q.merge(&p);
+        assert_eq!(q.total(), Duration::from_millis(200));
+    }
+}

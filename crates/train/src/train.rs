@@ -1,0 +1,500 @@
+//! The training loop, nanoGPT's train.py in Rust: build the data and the
+//! model, wrap it in DDP, then step (micro-batches, backward with gradient
+//! averaging, clip, AdamW), log, evaluate and checkpoint. Top to bottom, no
+//! cleverness. The same code runs alone (a world of one) and as one rank of
+//! many; only rank 0 writes the log and checkpoints. It never parses flags
+//! and never opens sockets itself: it is handed a config and a process group.
+
+use crate::checkpoint::{self, TrainState};
+use crate::config::TrainConfig;
+use crate::data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
+use crate::phases::{Phase, Phases};
+use crate::TrainError;
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_ddp::{Compression, Ddp, DdpOptions, DistributedSampler, ParamSpec, Replica};
+use cohort_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, DecayMask, LrSchedule, Optimizer};
+use cohort_gpt::{GPTConfig, GPT};
+use std::io::{IsTerminal, Write};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+/// What a finished run reports (on every rank; losses are averaged over ranks).
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Optimizer steps run in this process (not counting resumed ones).
+    pub steps_run: u64,
+    /// The step the run ended at.
+    pub final_step: u64,
+    /// Mean training loss over ranks of each logged step, as `(step, loss)`.
+    pub train_losses: Vec<(u64, f32)>,
+    /// Validation losses, as `(step, loss)`.
+    pub val_losses: Vec<(u64, f32)>,
+    /// The data set's loss floor, if known.
+    pub loss_floor: Option<f64>,
+    /// Tokens per second over the whole job (all ranks), excluding the first step.
+    pub tokens_per_s: f64,
+    /// Time per phase on this rank, summed over the run.
+    pub phases: Phases,
+    /// The parameters at the end (identical on every rank).
+    pub params: Vec<f32>,
+}
+
+/// Builds the data set a config asks for.
+pub fn build_dataset(cfg: &TrainConfig) -> Result<Box<dyn Dataset>, TrainError> {
+    Ok(match cfg.data.as_str() {
+        "random" => Box::new(RandomTokens {
+            vocab_size: cfg.vocab_size,
+            seq_len: cfg.seq_len,
+            num_samples: cfg.train_sequences,
+            val_samples: cfg.val_sequences,
+            seed: cfg.seed,
+        }),
+        _ => Box::new(MarkovCorpus::new(MarkovSpec {
+            vocab_size: cfg.markov_vocab,
+            order: cfg.markov_order,
+            branching: cfg.markov_branching,
+            seed: cfg.seed,
+            seq_len: cfg.seq_len,
+            train_sequences: cfg.train_sequences,
+            val_sequences: cfg.val_sequences,
+        })?),
+    })
+}
+
+/// The model a config asks for, over `vocab_size` tokens.
+pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> GPTConfig {
+    GPTConfig {
+        vocab_size,
+        max_position_embeddings: cfg.seq_len,
+        n_layers: cfg.n_layers,
+        n_heads: cfg.n_heads,
+        d_model: cfg.d_model,
+        d_ff: cfg.d_ff,
+        dropout: cfg.dropout,
+        ..GPTConfig::default()
+    }
+}
+
+/// The GPT as DDP sees it: a backward with a readiness hook, and gradients.
+pub(crate) struct GptReplica<'m>(pub(crate) &'m mut GPT);
+
+impl Replica for GptReplica<'_> {
+    fn backward<'g>(
+        &'g mut self,
+        hook: &mut (dyn FnMut(Range<usize>, &'g mut [f32]) + Send),
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self.0.backward(hook)?;
+        Ok(())
+    }
+
+    fn grads_mut(&mut self) -> &mut [f32] {
+        self.0.grads_mut()
+    }
+}
+
+/// DDP's view of the model's parameters.
+pub(crate) fn param_specs(model: &GPT) -> Vec<ParamSpec> {
+    model
+        .param_views()
+        .iter()
+        .map(|v| ParamSpec {
+            name: v.name.clone(),
+            shape: v.shape.clone(),
+            range: v.range.clone(),
+        })
+        .collect()
+}
+
+/// nanoGPT's rule: matrices decay, vectors (biases, LayerNorm) do not.
+pub(crate) fn decay_mask(model: &GPT) -> Result<DecayMask, TrainError> {
+    let exempt = model
+        .param_views()
+        .iter()
+        .filter(|v| v.shape.len() < 2)
+        .map(|v| v.range.clone());
+    Ok(DecayMask::with_exempt(model.num_params(), exempt)?)
+}
+
+/// Where this rank is in its stream of training samples.
+struct Cursor {
+    sampler: DistributedSampler,
+    indices: Vec<usize>,
+    offset: usize,
+}
+
+impl Cursor {
+    fn new(mut sampler: DistributedSampler, epoch: u64, offset: usize) -> Self {
+        sampler.set_epoch(epoch);
+        let indices = sampler.indices();
+        Self {
+            sampler,
+            indices,
+            offset,
+        }
+    }
+
+    /// The next sample index; a new epoch (new order on every rank) when
+    /// this one is used up.
+    fn next_index(&mut self) -> usize {
+        if self.offset >= self.indices.len() {
+            let epoch = self.sampler.epoch() + 1;
+            self.sampler.set_epoch(epoch);
+            self.indices = self.sampler.indices();
+            self.offset = 0;
+        }
+        self.offset += 1;
+        self.indices[self.offset - 1]
+    }
+}
+
+/// Fills `tokens` (B, T) and `labels` with the next `batch` samples.
+fn next_batch(data: &dyn Dataset, cursor: &mut Cursor, tokens: &mut [u32], labels: &mut [i32]) {
+    let t = data.seq_len();
+    for row in tokens.chunks_mut(t) {
+        data.read(Split::Train, cursor.next_index(), row);
+    }
+    // Labels = input ids; the model shifts them (Hugging Face convention).
+    labels
+        .iter_mut()
+        .zip(tokens.iter())
+        .for_each(|(l, &x)| *l = x as i32);
+}
+
+/// Trains as configured, as rank `pg.rank()` of `pg.size()`; rank 0 writes
+/// the log to `log`. Collective: every rank must call it with the same config.
+pub fn train(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    log: &mut dyn Write,
+) -> Result<Outcome, TrainError> {
+    let (rank, world) = (pg.rank(), pg.size());
+    let master = rank == 0;
+    let mut say = |log: &mut dyn Write, line: String| -> Result<(), TrainError> {
+        if master {
+            writeln!(log, "{line}").map_err(TrainError::Log)?;
+        }
+        Ok(())
+    };
+    cfg.validate()?;
+
+    // -- data -------------------------------------------------------------
+    let data = build_dataset(cfg)?;
+    let (b, t) = (cfg.batch_size, data.seq_len());
+    let tokens_per_step = (b * t * cfg.grad_accum * world) as f64;
+    say(log, format!("data: {}", data.describe()))?;
+
+    // -- model, optimizer, DDP ----------------------------------------------
+    // Every rank initialises from the same seed; DDP checks the shapes agree
+    // and broadcasts rank 0's parameters anyway.
+    let mut model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
+    let adamw = AdamWConfig {
+        beta1: cfg.beta1,
+        beta2: cfg.beta2,
+        weight_decay: cfg.weight_decay,
+        ..AdamWConfig::default()
+    };
+    let mut opt = AdamW::new(adamw, decay_mask(&model)?)?;
+    let mut state = TrainState::default();
+    if let Some(dir) = &cfg.resume {
+        state = checkpoint::load(dir, cfg, world, &mut model, &mut opt)?;
+        say(
+            log,
+            format!("resumed from {} at step {}", dir.display(), state.step),
+        )?;
+    }
+    let specs = param_specs(&model);
+    let ddp_options = DdpOptions {
+        bucket_cap_mb: cfg.bucket_cap_mb,
+        overlap: !cfg.no_overlap,
+        compression: if cfg.bf16_compress {
+            Compression::Bf16
+        } else {
+            Compression::None
+        },
+        ..DdpOptions::default()
+    };
+    let mut ddp = Ddp::new(pg, specs, model.params_mut(), ddp_options)?;
+    let schedule =
+        LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
+
+    say(
+        log,
+        format!(
+            "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
+             DDP buckets: {} (cap {} MB, overlap {})",
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.d_model,
+            cfg.d_ff,
+            data.vocab_size(),
+            t,
+            model.num_params(),
+            ddp.buckets().len(),
+            cfg.bucket_cap_mb,
+            !cfg.no_overlap,
+        ),
+    )?;
+    say(
+        log,
+        format!(
+            "global batch: {} sequences = {} per rank x {} ranks x {} accumulation ({} tokens/step)",
+            b * world * cfg.grad_accum,
+            b,
+            world,
+            cfg.grad_accum,
+            tokens_per_step
+        ),
+    )?;
+    if let Some(floor) = data.loss_floor() {
+        say(
+            log,
+            format!(
+                "loss floor (best possible): {floor:.4}; start ~ ln(vocab) = {:.4}",
+                (data.vocab_size() as f64).ln()
+            ),
+        )?;
+    }
+
+    // -- the loop -------------------------------------------------------------
+    let sampler =
+        DistributedSampler::new(data.len(Split::Train), world, rank, true, cfg.seed, false)?;
+    let mut cursor = Cursor::new(sampler, state.epoch, state.offset);
+    let mut tokens = vec![0u32; b * t];
+    let mut labels = vec![0i32; b * t];
+    let bar = progress_bar(master, state.step, cfg.steps);
+
+    let mut outcome = Outcome {
+        steps_run: 0,
+        final_step: state.step,
+        train_losses: Vec::new(),
+        val_losses: Vec::new(),
+        loss_floor: data.loss_floor(),
+        tokens_per_s: 0.0,
+        phases: Phases::default(),
+        params: Vec::new(),
+    };
+    let mut window = Phases::default();
+    let mut window_steps = 0u64;
+    let mut window_loss = 0f32;
+    let mut timed_from: Option<Instant> = None;
+    let first_step = state.step;
+
+    for step in first_step..cfg.steps {
+        let lr = schedule.lr(step);
+        let mut loss_sum = 0f32;
+        for micro in 0..cfg.grad_accum {
+            window.time(Phase::Data, || {
+                next_batch(&*data, &mut cursor, &mut tokens, &mut labels)
+            });
+            model.set_training(true);
+            model.set_dropout_key(
+                cfg.seed,
+                rank as u64,
+                step * cfg.grad_accum as u64 + micro as u64,
+            );
+            let loss = window.time(Phase::Forward, || {
+                model.forward(&tokens, None, Some(&labels), b, t)
+            })?;
+            loss_sum += loss.unwrap_or(0.0);
+            // Only the last micro-step communicates: the gradients of the
+            // others accumulate locally and are averaged with it at once.
+            if micro + 1 < cfg.grad_accum {
+                window.time(Phase::Backward, || {
+                    ddp.backward_no_sync(&mut GptReplica(&mut model))
+                })?;
+            } else {
+                let stats = ddp.backward(&mut GptReplica(&mut model))?;
+                window.add(Phase::Backward, stats.backward);
+                window.add(Phase::Comm, stats.comm_wait);
+            }
+        }
+        let t_opt = Instant::now();
+        let grads = model.grads_mut();
+        if cfg.grad_accum > 1 {
+            // Backward summed the micro-steps' mean-loss gradients.
+            let inv = 1.0 / cfg.grad_accum as f32;
+            grads.iter_mut().for_each(|g| *g *= inv);
+        }
+        if cfg.grad_clip > 0.0 {
+            clip_grad_norm(grads, cfg.grad_clip)?;
+        }
+        let (params, grads) = model.params_and_grads_mut();
+        opt.step(params, grads, lr)?;
+        model.zero_grad();
+        window.add(Phase::Optimizer, t_opt.elapsed());
+        window_loss += loss_sum / cfg.grad_accum as f32;
+        window_steps += 1;
+        let done = step + 1;
+        cursor_state(&cursor, &mut state, done);
+        if timed_from.is_none() {
+            // The first step pays for allocation and warm-up; throughput is
+            // measured from the end of it.
+            timed_from = Some(Instant::now());
+        }
+
+        // -- log, eval, save (every rank takes part in the collectives) ---
+        let t_log = Instant::now();
+        if done % cfg.log_interval == 0 || done == cfg.steps {
+            let t_comm = Instant::now();
+            let mut mean = [window_loss / window_steps as f32];
+            pg.all_reduce(&mut mean, ReduceOp::Avg)
+                .map_err(TrainError::comm("loss all_reduce"))?;
+            window.add(Phase::Comm, t_comm.elapsed());
+            outcome.train_losses.push((done, mean[0]));
+            let secs = window.total().as_secs_f64().max(1e-9);
+            let line = format!(
+                "[step {done} / {}] loss = {:.4} | lr {lr:.2e} | {:.0} tok/s | {}",
+                cfg.steps,
+                mean[0],
+                tokens_per_step * window_steps as f64 / secs,
+                window.per_step(window_steps),
+            );
+            print_line(&bar, &mut say, log, line)?;
+            outcome.phases.merge(&window);
+            window = Phases::default();
+            window_steps = 0;
+            window_loss = 0.0;
+        }
+        if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
+            let val = evaluate(cfg, &*data, &mut model, pg, &mut tokens, &mut labels)?;
+            outcome.val_losses.push((done, val));
+            let floor = data
+                .loss_floor()
+                .map(|f| format!(" (floor {f:.4})"))
+                .unwrap_or_default();
+            let line = format!("[step {done} / {}] val loss = {val:.4}{floor}", cfg.steps);
+            print_line(&bar, &mut say, log, line)?;
+        }
+        let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
+        if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
+            if master {
+                checkpoint::save(out, cfg, world, &model, &opt, &state)?;
+            }
+        }
+        window.add(Phase::Logging, t_log.elapsed());
+        if let Some(bar) = &bar {
+            bar.set_position(done);
+        }
+        outcome.steps_run += 1;
+        outcome.final_step = done;
+    }
+    outcome.phases.merge(&window);
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let timed_steps = outcome.steps_run.saturating_sub(1);
+    if let Some(t0) = timed_from {
+        let secs = t0.elapsed().as_secs_f64();
+        if timed_steps > 0 && secs > 0.0 {
+            outcome.tokens_per_s = tokens_per_step * timed_steps as f64 / secs;
+        }
+    }
+    outcome.params = model.params().to_vec();
+
+    // -- summary ----------------------------------------------------------
+    let last = |v: &[(u64, f32)]| {
+        v.last()
+            .map(|x| format!("{:.4}", x.1))
+            .unwrap_or("-".into())
+    };
+    let floor = data
+        .loss_floor()
+        .map(|f| format!("{f:.4}"))
+        .unwrap_or("unknown".into());
+    say(
+        log,
+        format!(
+            "done: {} steps; train loss {}, val loss {}, floor {floor}; {:.0} tokens/s on {world} rank(s)",
+            outcome.final_step,
+            last(&outcome.train_losses),
+            last(&outcome.val_losses),
+            outcome.tokens_per_s
+        ),
+    )?;
+    let n = outcome.steps_run.max(1);
+    say(
+        log,
+        format!(
+            "time per step (rank 0): {} | {}",
+            outcome.phases.per_step(n),
+            outcome.phases.shares()
+        ),
+    )?;
+    if let Some(out) = &cfg.out {
+        say(log, format!("checkpoint: {}", out.display()))?;
+    }
+    Ok(outcome)
+}
+
+fn cursor_state(cursor: &Cursor, state: &mut TrainState, step: u64) {
+    state.step = step;
+    state.epoch = cursor.sampler.epoch();
+    state.offset = cursor.offset;
+}
+
+/// Mean loss over `eval_batches` batches of held-out sequences per rank,
+/// averaged over ranks (each rank reads its own share of the split).
+fn evaluate(
+    cfg: &TrainConfig,
+    data: &dyn Dataset,
+    model: &mut GPT,
+    pg: &ProcessGroup,
+    tokens: &mut [u32],
+    labels: &mut [i32],
+) -> Result<f32, TrainError> {
+    let (b, t) = (cfg.batch_size, data.seq_len());
+    let n = data.len(Split::Val);
+    if n == 0 || cfg.eval_batches == 0 {
+        return Ok(f32::NAN);
+    }
+    let sampler = DistributedSampler::new(n, pg.size(), pg.rank(), false, cfg.seed, false)?;
+    let indices = sampler.indices();
+    model.set_training(false);
+    let mut sum = 0f64;
+    for batch in 0..cfg.eval_batches {
+        for (row, seq) in tokens.chunks_mut(t).enumerate() {
+            data.read(Split::Val, indices[(batch * b + row) % indices.len()], seq);
+        }
+        labels
+            .iter_mut()
+            .zip(tokens.iter())
+            .for_each(|(l, &x)| *l = x as i32);
+        sum += model
+            .forward(tokens, None, Some(labels), b, t)?
+            .unwrap_or(0.0) as f64;
+    }
+    model.set_training(true);
+    let mut mean = [(sum / cfg.eval_batches as f64) as f32];
+    pg.all_reduce(&mut mean, ReduceOp::Avg)
+        .map_err(TrainError::comm("val loss all_reduce"))?;
+    Ok(mean[0])
+}
+
+/// Writes a log line, hiding the progress bar (on stderr) meanwhile.
+fn print_line(
+    bar: &Option<indicatif::ProgressBar>,
+    say: &mut dyn FnMut(&mut dyn Write, String) -> Result<(), TrainError>,
+    log: &mut dyn Write,
+    line: String,
+) -> Result<(), TrainError> {
+    match bar {
+        Some(bar) => bar.suspend(|| say(log, line)),
+        None => say(log, line),
+    }
+}
+
+fn progress_bar(master: bool, at: u64, steps: u64) -> Option<indicatif::ProgressBar> {
+    if !master || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(steps);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} steps, {elapsed} elapsed, eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_position(at);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    Some(bar)
+}

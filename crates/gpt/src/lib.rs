@@ -27,11 +27,13 @@
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod char_vocab;
 pub mod checkpoint;
 mod config;
 mod layout;
 mod model;
 pub mod optim_groups;
+pub mod sample;
 
 pub use config::GPTConfig;
 pub use layout::ParamView;

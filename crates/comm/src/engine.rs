@@ -13,8 +13,8 @@
 //! The engine drives all streams at once with non-blocking I/O from one
 //! thread: it writes whatever the socket accepts, reads whatever has
 //! arrived, reduces each completed receive frame, and when nothing moves it
-//! spins briefly (latency) and then sleeps in the transport's `wait` until a
-//! socket is ready or the op's deadline passes. Sending and receiving thus
+//! sleeps in the transport's `wait` until a socket is ready or the op's
+//! deadline passes. Sending and receiving thus
 //! overlap without a thread per peer, and no byte is copied except by the
 //! kernel and the reduction.
 //!
@@ -40,11 +40,6 @@ pub(crate) const HEADER_BYTES: usize = 32;
 const MAGIC: u8 = 0xc7;
 /// Header flag: the frame is the `COHORT_DEBUG=detail` digest of a call, not data.
 pub(crate) const FLAG_DIGEST: u8 = 1;
-
-/// How long a waiting engine keeps polling its sockets before it sleeps.
-/// Short: it only needs to cover a loopback round trip, and the machine may
-/// run more ranks than cores.
-const SPIN: Duration = Duration::from_micros(20);
 
 /// How long a failing op waits to learn which other peers are gone too.
 const HANG_UP_GRACE: Duration = Duration::from_millis(100);
@@ -506,7 +501,6 @@ pub(crate) fn run(
             Some(Dep::Sent { stream, count }) => sends[stream].next >= count,
         }
     }
-    let mut idle_since: Option<Instant> = None;
     let mut interests: Vec<Interest> = Vec::new();
     loop {
         let mut moved = false;
@@ -613,6 +607,9 @@ pub(crate) fn run(
                         finish_avg(dtype, bufs.get_mut(into), env.size());
                     }
                 }
+                // Let the sends that waited for this frame go out while its
+                // bytes are still in cache, before reading further ahead.
+                break;
             }
         }
         let sends_done = sends
@@ -627,15 +624,12 @@ pub(crate) fn run(
             return Ok(());
         }
         if moved {
-            idle_since = None;
             continue;
         }
+        // Nothing moved: sleep until a socket is ready. Spinning first was
+        // measured to lose: on two cores the spinner steals the time its
+        // peer (or the caller's compute threads) needs to make the data.
         let now = Instant::now();
-        let since = *idle_since.get_or_insert(now);
-        if now.duration_since(since) < SPIN {
-            std::hint::spin_loop();
-            continue;
-        }
         interests.clear();
         for (st, stream) in sends.iter().zip(&sched.sends) {
             if let Some(f) = stream.frames.get(st.next) {
@@ -676,7 +670,6 @@ pub(crate) fn run(
         debug_assert!(!interests.is_empty(), "schedule deadlocked on itself");
         t.wait(ch, &interests, left)
             .map_err(|e| env.lost(blame, &e))?;
-        idle_since = None;
     }
 }
 

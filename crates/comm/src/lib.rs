@@ -33,12 +33,12 @@
 //! training.
 //!
 //! ```
-//! use cohort_comm::{spawn, ReduceOp};
+//! use cohort_comm::{spawn, CommError, ReduceOp};
 //!
 //! let sums = spawn::threads(3, |pg| {
 //!     let mut x = vec![pg.rank() as f32; 4];
 //!     pg.all_reduce(&mut x, ReduceOp::Sum)?;
-//!     Ok(x[0])
+//!     Ok::<_, CommError>(x[0])
 //! })
 //! .unwrap();
 //! assert_eq!(sums, vec![3.0, 3.0, 3.0]);

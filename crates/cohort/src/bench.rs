@@ -21,6 +21,8 @@ enum BenchWhat {
     Collectives(CollectivesArgs),
     /// Time single-process training steps of the mini-GPT (random tokens, AdamW, dropout 0).
     Train(TrainArgs),
+    /// Time data-parallel training steps and the scaling efficiency; run under `cohort run -n N`.
+    Ddp(cohort_train::bench::BenchDdpArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -85,7 +87,14 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         BenchWhat::Collectives(a) => collectives(a),
         BenchWhat::Train(a) => train(a),
+        BenchWhat::Ddp(a) => ddp(a),
     }
+}
+
+fn ddp(a: cohort_train::bench::BenchDdpArgs) -> anyhow::Result<()> {
+    let pg = cohort_train::process_group_from_env().context("bench ddp")?;
+    cohort_train::bench::run_ddp_bench(&a, &pg, &mut std::io::stdout()).context("bench ddp")?;
+    Ok(())
 }
 
 fn train(a: TrainArgs) -> anyhow::Result<()> {
@@ -115,8 +124,8 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         r.ms_per_step, r.min_ms, r.fwd_ms, r.bwd_ms, r.opt_ms
     );
     println!(
-        "tokens/s {:.0}, peak RSS {:.1} MB, final loss {:.4}",
-        r.tokens_per_s, r.rss_mb, r.final_loss
+        "tokens/s {:.0}, CPU time {:.2} ms/step, peak RSS {:.1} MB, final loss {:.4}",
+        r.tokens_per_s, r.cpu_ms_per_step, r.rss_mb, r.final_loss
     );
     println!("per kernel (ms/step):");
     for (k, ms) in &r.kernels_ms {

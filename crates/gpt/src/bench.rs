@@ -65,6 +65,9 @@ pub struct BenchReport {
     pub opt_ms: f64,
     /// Tokens per second at the median step.
     pub tokens_per_s: f64,
+    /// Process CPU time (user + system, all threads) per timed step, in ms. On a machine shared
+    /// with other work this, for one thread, is close to what the step takes on an idle core.
+    pub cpu_ms_per_step: f64,
     /// Peak resident set size (MB, VmHWM).
     pub rss_mb: f64,
     /// Loss of the last step.
@@ -90,6 +93,20 @@ pub fn peak_rss_mb() -> f64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         })
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// User + system CPU time of this process in ms, from /proc/self/stat (0 where unavailable).
+pub fn process_cpu_ms() -> f64 {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
+        });
+    // Linux reports these in USER_HZ, which is 100 on every mainstream configuration.
+    ticks.map_or(0.0, |t| t * 10.0)
 }
 
 /// Runs the benchmark.
@@ -130,6 +147,7 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
     let mut labels = vec![0i32; batch * t];
     let (mut fwd, mut bwd, mut optm, mut total) = (vec![], vec![], vec![], vec![]);
     let mut loss = 0.0;
+    let mut cpu0 = 0.0;
     for step in 0..spec.warmup + spec.steps {
         ids.iter_mut().for_each(|x| *x = next_id());
         labels
@@ -138,6 +156,7 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             .for_each(|(l, &x)| *l = x as i32);
         if step == spec.warmup {
             model.reset_kernel_times();
+            cpu0 = process_cpu_ms();
         }
         let t0 = Instant::now();
         model.zero_grad();
@@ -163,6 +182,7 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         }
     }
     let steps = spec.steps.max(1) as f64;
+    let cpu_ms_per_step = (process_cpu_ms() - cpu0) / steps;
     let ms_per_step = median(&mut total);
     Ok(BenchReport {
         bench: "train",
@@ -178,6 +198,7 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         bwd_ms: median(&mut bwd),
         opt_ms: median(&mut optm),
         tokens_per_s: (batch * t) as f64 / (ms_per_step / 1e3),
+        cpu_ms_per_step,
         rss_mb: peak_rss_mb(),
         final_loss: loss,
         kernels_ms: model

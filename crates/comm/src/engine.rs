@@ -333,23 +333,18 @@ impl Bufs<'_> {
 
     /// Copies `from` into `to` (local moves of algorithms, outside the engine).
     pub fn copy(&mut self, to: Region, from: Region) {
-        let tmp: &[u8] = match from {
-            Region::In(o, n) => &self.inp[o..o + n],
-            _ => {
-                let src = self.get(from).as_ptr();
-                let len = from.len();
-                let dst = self.get_mut(to);
-                assert_eq!(dst.len(), len);
-                // safety: both regions lie in live buffers of `len` bytes;
-                // `copy` (memmove) allows them to overlap.
-                unsafe { std::ptr::copy(src, dst.as_mut_ptr(), len) };
-                return;
+        match (to, from) {
+            (Region::Out(o, n), Region::In(i, _)) => {
+                self.out[o..o + n].copy_from_slice(&self.inp[i..i + n])
             }
-        };
-        let tmp = tmp.as_ptr();
-        let dst = self.get_mut(to);
-        // safety: the input buffer is distinct from output and scratch.
-        unsafe { std::ptr::copy_nonoverlapping(tmp, dst.as_mut_ptr(), dst.len()) };
+            (Region::Scratch(o, n), Region::In(i, _)) => {
+                self.scratch[o..o + n].copy_from_slice(&self.inp[i..i + n])
+            }
+            (Region::Out(o, n), Region::Scratch(i, _)) => {
+                self.out[o..o + n].copy_from_slice(&self.scratch[i..i + n])
+            }
+            (to, from) => unreachable!("no algorithm copies {from:?} into {to:?}"),
+        }
     }
 }
 

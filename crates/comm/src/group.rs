@@ -416,8 +416,17 @@ impl ProcessGroup {
         op: OpKind,
         f: impl FnOnce(&dyn Backend, &OpContext) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
-        self.inner.alive(op)?;
         let seq = self.inner.p2p_seq.fetch_add(1, Ordering::SeqCst);
+        self.p2p_numbered(op, seq, f)
+    }
+
+    fn p2p_numbered<R>(
+        &self,
+        op: OpKind,
+        seq: u64,
+        f: impl FnOnce(&dyn Backend, &OpContext) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        self.inner.alive(op)?;
         let ctx = self.inner.ctx(op, seq, self.algorithm());
         let r = f(&*self.inner.backend, &ctx);
         if let Err(e) = &r {
@@ -428,18 +437,20 @@ impl ProcessGroup {
         r
     }
 
-    /// Runs `f` on a thread of its own (async send/recv).
+    /// Runs `f` with the next send/recv sequence number on a thread of its
+    /// own (async send/recv).
     fn spawn_async<R: Send + 'static>(
         &self,
         op: OpKind,
-        f: impl FnOnce(&ProcessGroup) -> Result<R, CommError> + Send + 'static,
+        f: impl FnOnce(&ProcessGroup, u64) -> Result<R, CommError> + Send + 'static,
     ) -> Work<R> {
-        let (work, done) = Work::new(op, self.inner.p2p_seq.load(Ordering::Relaxed));
+        let seq = self.inner.p2p_seq.fetch_add(1, Ordering::SeqCst);
+        let (work, done) = Work::new(op, seq);
         let pg = self.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("cohort-{}-{op}", self.name()))
             .spawn(move || {
-                let r = catch_unwind(AssertUnwindSafe(|| f(&pg)))
+                let r = catch_unwind(AssertUnwindSafe(|| f(&pg, seq)))
                     .unwrap_or_else(|p| Err(pg.inner.panicked(op, p)));
                 done.complete(r);
             });
@@ -480,8 +491,11 @@ impl ProcessGroup {
         if let Err(e) = self.check_peer(OpKind::Send, dst) {
             return Work::failed(OpKind::Send, e);
         }
-        self.spawn_async(OpKind::Send, move |pg| {
-            pg.send(&buf, dst, tag).map(|()| buf)
+        self.spawn_async(OpKind::Send, move |pg, seq| {
+            pg.p2p_numbered(OpKind::Send, seq, |b, ctx| {
+                b.send(ctx, as_bytes(&buf), T::DTYPE, dst, tag)
+            })
+            .map(|()| buf)
         })
     }
 
@@ -490,8 +504,11 @@ impl ProcessGroup {
         if let Err(e) = self.check_peer(OpKind::Recv, src) {
             return Work::failed(OpKind::Recv, e);
         }
-        self.spawn_async(OpKind::Recv, move |pg| {
-            pg.recv(&mut buf, src, tag).map(|()| buf)
+        self.spawn_async(OpKind::Recv, move |pg, seq| {
+            pg.p2p_numbered(OpKind::Recv, seq, |b, ctx| {
+                b.recv(ctx, as_bytes_mut(&mut buf), T::DTYPE, src, tag)
+            })
+            .map(|()| buf)
         })
     }
 

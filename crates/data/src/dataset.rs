@@ -1,0 +1,201 @@
+//! Samples over memory-mapped token files: [`TokenWindows`] (fixed-length windows of a token
+//! stream) and [`Documents`] (one sample per document), both behind the [`Samples`] trait the
+//! sampler and the loader use.
+//!
+//! A sample is a pure function of its index, so any worker thread or rank can read any sample
+//! and the order of reads never changes what is read. Nothing here allocates per token file.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::token_file::TokenFile;
+use crate::DataError;
+
+/// Indexed token sequences.
+pub trait Samples: Send + Sync {
+    /// Number of samples.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Tokens in sample `index` (what the token-budget sampler sorts by).
+    fn sample_len(&self, index: usize) -> usize;
+    /// Writes sample `index` into `out` (length `sample_len(index)`).
+    fn read(&self, index: usize, out: &mut [u32]);
+}
+
+/// Windows of `seq_len` tokens over a range of a token file, `stride` apart.
+///
+/// Training uses stride 1 (every offset is a sample, nanoGPT's random `ix`); validation uses
+/// stride `seq_len` (no overlap) and visits the windows in a spread order, so the first k
+/// samples cover the whole split rather than its beginning.
+#[derive(Debug, Clone)]
+pub struct TokenWindows {
+    file: Arc<TokenFile>,
+    range: Range<usize>,
+    seq_len: usize,
+    stride: usize,
+    count: usize,
+    /// Multiplier of the spread order (coprime with `count`); 1 keeps file order.
+    step: usize,
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+impl TokenWindows {
+    /// Windows over `range` of `file`; `split` names the split in errors.
+    pub fn new(
+        file: Arc<TokenFile>,
+        range: Range<usize>,
+        seq_len: usize,
+        stride: usize,
+        split: &'static str,
+    ) -> Result<TokenWindows, DataError> {
+        if range.len() < seq_len {
+            return Err(DataError::TooShort {
+                path: file.path().into(),
+                have: range.len(),
+                need: seq_len,
+                split,
+            });
+        }
+        let count = (range.len() - seq_len) / stride + 1;
+        let step = if stride == 1 {
+            1
+        } else {
+            // Near the golden ratio of the count: consecutive samples land far apart.
+            let mut s = ((count as f64 * 0.618) as usize).max(1);
+            while gcd(s, count) != 1 {
+                s += 1;
+            }
+            s
+        };
+        Ok(TokenWindows {
+            file,
+            range,
+            seq_len,
+            stride,
+            count,
+            step,
+        })
+    }
+
+    /// Tokens per window.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    /// Tokens in the split.
+    pub fn tokens(&self) -> usize {
+        self.range.len()
+    }
+
+    /// The token file.
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+}
+
+impl Samples for TokenWindows {
+    fn len(&self) -> usize {
+        self.count
+    }
+
+    fn sample_len(&self, _index: usize) -> usize {
+        self.seq_len
+    }
+
+    fn read(&self, index: usize, out: &mut [u32]) {
+        let window = (index % self.count) * self.step % self.count;
+        self.file.read(
+            self.range.start + window * self.stride,
+            &mut out[..self.seq_len],
+        );
+    }
+}
+
+/// Documents of a token file, delimited by an offset index.
+#[derive(Debug, Clone)]
+pub struct Documents {
+    file: Arc<TokenFile>,
+    /// n + 1 increasing token offsets.
+    offsets: Vec<u64>,
+}
+
+impl Documents {
+    /// Documents `offsets[i]..offsets[i + 1]` of `file`.
+    pub fn new(file: Arc<TokenFile>, offsets: Vec<u64>) -> Documents {
+        Documents { file, offsets }
+    }
+
+    /// The token file.
+    pub fn path(&self) -> &Path {
+        self.file.path()
+    }
+}
+
+impl Samples for Documents {
+    fn len(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    fn sample_len(&self, index: usize) -> usize {
+        (self.offsets[index + 1] - self.offsets[index]) as usize
+    }
+
+    fn read(&self, index: usize, out: &mut [u32]) {
+        let n = self.sample_len(index);
+        self.file.read(self.offsets[index] as usize, &mut out[..n]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::token_file::write_token_file;
+
+    #[test]
+    fn windows_cover_the_split_and_val_order_is_a_spread_permutation() {
+        let dir = tempfile::tempdir().unwrap();
+        let ids: Vec<u32> = (0..100).collect();
+        let f = Arc::new(
+            TokenFile::open(
+                write_token_file(dir.path().join("t.bin"), &ids, 100).unwrap(),
+                100,
+            )
+            .unwrap(),
+        );
+        let train = TokenWindows::new(f.clone(), 0..90, 8, 1, "train").unwrap();
+        assert_eq!(train.len(), 83);
+        let mut out = vec![0; 8];
+        train.read(82, &mut out);
+        assert_eq!(out, (82..90).collect::<Vec<u32>>());
+        let val = TokenWindows::new(f.clone(), 90..100, 4, 4, "val").unwrap();
+        assert_eq!(val.len(), 2);
+        let val = TokenWindows::new(f.clone(), 0..100, 4, 4, "val").unwrap();
+        let mut starts: Vec<u32> = (0..val.len())
+            .map(|i| {
+                val.read(i, &mut out[..4]);
+                out[0]
+            })
+            .collect();
+        assert_ne!(starts[1], 4, "spread, not file order");
+        starts.sort();
+        assert_eq!(starts, (0..25).map(|w| w * 4).collect::<Vec<u32>>());
+        let e = TokenWindows::new(f, 90..100, 64, 64, "val")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("10 tokens, need at least 64") && e.contains("val"),
+            "{e}"
+        );
+    }
+}

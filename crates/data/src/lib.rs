@@ -1,0 +1,52 @@
+//! Training data for cohort: token files on disk, memory-mapped at training time, and the
+//! batching that feeds them to each rank (seed 002's data-loading half).
+//!
+//! - [`Corpus::open`] turns `--data PATH` (nanoGPT's `train.bin`/`val.bin` directory, a `.bin`
+//!   token file, a `.jsonl` file or UTF-8 text) into a train/val split, tokenizing text and
+//!   JSONL once into cached token files ([`TokenFile`], uint16 or uint32, see
+//!   [`token_file`](TokenWriter)).
+//! - [`TokenWindows`] (fixed windows of a stream) and [`Documents`] (one sample per JSONL
+//!   document) implement [`Samples`].
+//! - [`TokenBudgetSampler`]: seed 002's sort-buffer, token-budget dynamic batching across ranks,
+//!   resumable at any step.
+//! - [`DataLoader`]: worker threads collate padded [`Batch`]es (attention mask, labels -100 at
+//!   padding) ahead of the consumer, identical whatever the number of workers.
+//!
+//! Every bad input is a [`DataError`] naming the file and the position. This crate never
+//! touches a model or a process group.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use cohort_data::{BudgetConfig, Corpus, CorpusOptions, DataLoader, LoaderConfig, Samples,
+//!     TokenBudgetSampler};
+//! use cohort_tokenizer::Tokenizer;
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let lines: String = (0..50).map(|i| format!("{{\"text\": \"{}\"}}\n", "ab".repeat(1 + i % 7))).collect();
+//! std::fs::write(dir.path().join("d.jsonl"), lines).unwrap();
+//! let tok = Tokenizer::char_level("ab".chars());
+//! let opts = CorpusOptions { max_len: 64, ..CorpusOptions::default() };
+//! let Corpus::Documents { train, .. } = Corpus::open(&dir.path().join("d.jsonl"), &tok, &opts).unwrap()
+//!     else { unreachable!() };
+//! let cfg = BudgetConfig { batch_tokens: 32, ..BudgetConfig::default() };
+//! let plan = TokenBudgetSampler::new(&train, cfg, 1, 0).unwrap().batches(0, 0);
+//! for batch in DataLoader::new(Arc::new(train), plan, LoaderConfig::default()) {
+//!     assert!(batch.batch * batch.seq <= 32);
+//! }
+//! ```
+
+#![deny(missing_docs)]
+
+mod corpus;
+mod dataset;
+mod error;
+mod loader;
+mod sampler;
+mod token_file;
+
+pub use corpus::{tokenize_jsonl, tokenize_text, Corpus, CorpusOptions};
+pub use dataset::{Documents, Samples, TokenWindows};
+pub use error::DataError;
+pub use loader::{collate, Batch, DataLoader, LoaderConfig, IGNORE_INDEX};
+pub use sampler::{BudgetConfig, TokenBudgetSampler};
+pub use token_file::{write_token_file, TokenFile, TokenWriter};

@@ -1,0 +1,328 @@
+//! [`DataLoader`]: worker threads collate batches ahead of the training loop.
+//!
+//! The plan (a list of batches of sample indices, from a sampler) is fixed before the first
+//! batch, and batch k is a pure function of plan[k]; workers take the next batch number from a
+//! shared counter, at most `prefetch` ahead of the consumer, and the consumer receives batches
+//! strictly in plan order. So the batches are identical whatever the number of workers (0 builds
+//! them on the calling thread). Dropping the loader stops and joins the workers; it never leaves
+//! a thread running or blocks forever.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use crate::dataset::Samples;
+
+/// Label of positions the loss ignores (padding), as Hugging Face's -100.
+pub const IGNORE_INDEX: i32 = -100;
+
+/// A padded batch in the model's layout: (batch, seq) row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Batch {
+    /// Token ids, 0 at padding.
+    pub input_ids: Vec<u32>,
+    /// 1 for a token, 0 for padding.
+    pub attention_mask: Vec<u8>,
+    /// Labels aligned with `input_ids` (the model shifts), -100 at padding.
+    pub labels: Vec<i32>,
+    /// Rows.
+    pub batch: usize,
+    /// Columns: the longest sample of the batch.
+    pub seq: usize,
+    /// The sample indices of the rows.
+    pub indices: Vec<usize>,
+}
+
+/// Collates samples `indices` into a right-padded batch.
+pub fn collate(samples: &dyn Samples, indices: &[usize]) -> Batch {
+    let seq = indices
+        .iter()
+        .map(|&i| samples.sample_len(i))
+        .max()
+        .unwrap_or(0);
+    let n = indices.len() * seq;
+    let mut input_ids = vec![0u32; n];
+    let mut attention_mask = vec![0u8; n];
+    let mut labels = vec![IGNORE_INDEX; n];
+    for (row, &i) in indices.iter().enumerate() {
+        let len = samples.sample_len(i);
+        let r = row * seq..row * seq + len;
+        samples.read(i, &mut input_ids[r.clone()]);
+        attention_mask[r.clone()].fill(1);
+        for (l, &x) in labels[r.clone()].iter_mut().zip(&input_ids[r]) {
+            *l = x as i32;
+        }
+    }
+    Batch {
+        input_ids,
+        attention_mask,
+        labels,
+        batch: indices.len(),
+        seq,
+        indices: indices.to_vec(),
+    }
+}
+
+/// Worker settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoaderConfig {
+    /// Worker threads (0: collate on the caller's thread).
+    pub workers: usize,
+    /// Batches prepared ahead of the consumer (at least 1).
+    pub prefetch: usize,
+}
+
+impl Default for LoaderConfig {
+    fn default() -> Self {
+        LoaderConfig {
+            workers: 2,
+            prefetch: 4,
+        }
+    }
+}
+
+struct State {
+    /// Next batch number a worker will take.
+    next: usize,
+    /// Batches handed to the consumer.
+    consumed: usize,
+    ready: BTreeMap<usize, Batch>,
+    stop: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    cv: Condvar,
+}
+
+/// An iterator over the batches of a plan, prepared by worker threads.
+pub struct DataLoader {
+    samples: Arc<dyn Samples>,
+    plan: Arc<Vec<Vec<usize>>>,
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    /// Used when there are no workers.
+    position: usize,
+}
+
+impl std::fmt::Debug for DataLoader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataLoader")
+            .field("batches", &self.plan.len())
+            .field("workers", &self.workers.len())
+            .finish()
+    }
+}
+
+impl DataLoader {
+    /// Starts the workers over `plan` (e.g. `TokenBudgetSampler::batches(epoch, start_step)`).
+    pub fn new(samples: Arc<dyn Samples>, plan: Vec<Vec<usize>>, cfg: LoaderConfig) -> DataLoader {
+        let plan = Arc::new(plan);
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                next: 0,
+                consumed: 0,
+                ready: BTreeMap::new(),
+                stop: false,
+            }),
+            cv: Condvar::new(),
+        });
+        let prefetch = cfg.prefetch.max(1);
+        let workers = (0..cfg.workers)
+            .map(|_| {
+                let (samples, plan, shared) = (samples.clone(), plan.clone(), shared.clone());
+                std::thread::spawn(move || worker(&*samples, &plan, &shared, prefetch))
+            })
+            .collect();
+        DataLoader {
+            samples,
+            plan,
+            shared,
+            workers,
+            position: 0,
+        }
+    }
+
+    /// Batches in the plan.
+    pub fn len(&self) -> usize {
+        self.plan.len()
+    }
+
+    /// Whether the plan is empty.
+    pub fn is_empty(&self) -> bool {
+        self.plan.is_empty()
+    }
+}
+
+fn worker(samples: &dyn Samples, plan: &[Vec<usize>], shared: &Shared, prefetch: usize) {
+    loop {
+        let k = {
+            let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            while !st.stop && st.next < plan.len() && st.next >= st.consumed + prefetch {
+                st = shared.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if st.stop || st.next >= plan.len() {
+                return;
+            }
+            st.next += 1;
+            st.next - 1
+        };
+        let batch = collate(samples, &plan[k]);
+        let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.ready.insert(k, batch);
+        shared.cv.notify_all();
+    }
+}
+
+impl Iterator for DataLoader {
+    type Item = Batch;
+
+    fn next(&mut self) -> Option<Batch> {
+        if self.workers.is_empty() {
+            let indices = self.plan.get(self.position)?;
+            self.position += 1;
+            return Some(collate(&*self.samples, indices));
+        }
+        let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        let k = st.consumed;
+        if k >= self.plan.len() {
+            return None;
+        }
+        loop {
+            if let Some(batch) = st.ready.remove(&k) {
+                st.consumed += 1;
+                self.shared.cv.notify_all();
+                return Some(batch);
+            }
+            // A worker that panicked can no longer deliver; do not wait for it forever.
+            if self.workers.iter().all(|w| w.is_finished()) && !st.ready.contains_key(&k) {
+                panic!("data loader workers exited before batch {k} was ready");
+            }
+            st = self
+                .shared
+                .cv
+                .wait_timeout(st, std::time::Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for DataLoader {
+    fn drop(&mut self) {
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .stop = true;
+        self.shared.cv.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampler::{BudgetConfig, TokenBudgetSampler};
+
+    /// Sample i: length 1 + i % 13, tokens i*100 + position.
+    struct Synthetic(usize);
+    impl Samples for Synthetic {
+        fn len(&self) -> usize {
+            self.0
+        }
+        fn sample_len(&self, i: usize) -> usize {
+            1 + i % 13
+        }
+        fn read(&self, i: usize, out: &mut [u32]) {
+            for (p, o) in out.iter_mut().enumerate() {
+                *o = (i * 100 + p) as u32;
+            }
+        }
+    }
+
+    fn plan(data: &Synthetic, epoch: u64, start: usize) -> Vec<Vec<usize>> {
+        let cfg = BudgetConfig {
+            batch_tokens: 48,
+            sort_size: 32,
+            seed: 9,
+            ..BudgetConfig::default()
+        };
+        TokenBudgetSampler::new(data, cfg, 1, 0)
+            .unwrap()
+            .batches(epoch, start)
+    }
+
+    #[test]
+    fn batches_are_identical_whatever_the_number_of_workers() {
+        let data = Arc::new(Synthetic(400));
+        let reference: Vec<Batch> = DataLoader::new(
+            data.clone(),
+            plan(&data, 1, 0),
+            LoaderConfig {
+                workers: 0,
+                prefetch: 1,
+            },
+        )
+        .collect();
+        assert!(reference.len() > 20);
+        for (workers, prefetch) in [(1, 1), (2, 3), (4, 2), (7, 16)] {
+            let got: Vec<Batch> = DataLoader::new(
+                data.clone(),
+                plan(&data, 1, 0),
+                LoaderConfig { workers, prefetch },
+            )
+            .collect();
+            assert_eq!(got, reference, "workers {workers}, prefetch {prefetch}");
+        }
+        let b = &reference[0];
+        for row in 0..b.batch {
+            let len = data.sample_len(b.indices[row]);
+            let r = &b.attention_mask[row * b.seq..(row + 1) * b.seq];
+            assert_eq!(r.iter().filter(|&&m| m == 1).count(), len);
+            assert!(b.labels[row * b.seq + len..(row + 1) * b.seq]
+                .iter()
+                .all(|&l| l == IGNORE_INDEX));
+            assert_eq!(b.input_ids[row * b.seq], (b.indices[row] * 100) as u32);
+        }
+    }
+
+    #[test]
+    fn resuming_mid_epoch_neither_repeats_nor_skips() {
+        let data = Arc::new(Synthetic(300));
+        let all: Vec<Vec<usize>> =
+            DataLoader::new(data.clone(), plan(&data, 2, 0), LoaderConfig::default())
+                .map(|b| b.indices)
+                .collect();
+        let first: Vec<Vec<usize>> =
+            DataLoader::new(data.clone(), plan(&data, 2, 0), LoaderConfig::default())
+                .take(5)
+                .map(|b| b.indices)
+                .collect();
+        let rest: Vec<Vec<usize>> =
+            DataLoader::new(data.clone(), plan(&data, 2, 5), LoaderConfig::default())
+                .map(|b| b.indices)
+                .collect();
+        assert_eq!([first, rest].concat(), all);
+        let mut seen: Vec<usize> = all.concat();
+        seen.sort();
+        assert_eq!(seen, (0..300).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn dropping_early_stops_the_workers() {
+        let data = Arc::new(Synthetic(1000));
+        let mut loader = DataLoader::new(
+            data.clone(),
+            plan(&data, 0, 0),
+            LoaderConfig {
+                workers: 3,
+                prefetch: 2,
+            },
+        );
+        assert!(loader.next().is_some());
+        drop(loader);
+    }
+}

@@ -1,0 +1,170 @@
+//! `save_pretrained` / `load_pretrained`: a model and its tokenizer in one directory
+//! (config.json, model.safetensors, tokenizer.json), the layout Hugging Face's
+//! `from_pretrained` reads.
+//!
+//! The model files are the checkpoint module's (crate `cohort-gpt`), so a directory written here
+//! is also a checkpoint `cohort train --resume` and `cohort sample` read. This module never
+//! writes a file in place: it goes through the checkpoint module's atomic save.
+
+use std::path::{Path, PathBuf};
+
+use cohort_gpt::checkpoint::{self, Checkpoint, CheckpointError};
+use cohort_gpt::GPT;
+
+use crate::{Tokenizer, TokenizerError};
+
+/// The tokenizer's file name inside a pretrained directory or checkpoint.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Why a pretrained directory could not be written or read.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PretrainedError {
+    /// The model files (config.json, model.safetensors).
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The tokenizer file.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// The tokenizer has ids the model cannot embed.
+    #[error(
+        "{path}: the tokenizer has {tokenizer} ids but the model embeds {model}; \
+         call resize_token_embeddings after adding tokens"
+    )]
+    VocabMismatch {
+        /// The directory.
+        path: PathBuf,
+        /// The tokenizer's vocabulary size.
+        tokenizer: usize,
+        /// The model's `vocab_size`.
+        model: usize,
+    },
+}
+
+fn check_vocab(path: &Path, model: &GPT, tok: &Tokenizer) -> Result<(), PretrainedError> {
+    if tok.vocab_size() > model.config().vocab_size {
+        return Err(PretrainedError::VocabMismatch {
+            path: path.into(),
+            tokenizer: tok.vocab_size(),
+            model: model.config().vocab_size,
+        });
+    }
+    Ok(())
+}
+
+/// Writes `root/name/{config.json, model.safetensors, tokenizer.json}` atomically and points
+/// `root/latest` at it (the checkpoint module's layout); returns the directory.
+pub fn save_pretrained(
+    root: &Path,
+    name: &str,
+    model: &GPT,
+    tokenizer: &Tokenizer,
+) -> Result<PathBuf, PretrainedError> {
+    check_vocab(&root.join(name), model, tokenizer)?;
+    let json = tokenizer.to_json()?;
+    let ckpt = Checkpoint {
+        model: Some(model),
+        extra_files: vec![(TOKENIZER_FILE, json.as_bytes())],
+        ..Checkpoint::default()
+    };
+    Ok(checkpoint::save(root, name, &ckpt)?)
+}
+
+/// Loads the model and tokenizer of a pretrained directory (or of the checkpoint a root's
+/// `latest` names).
+pub fn load_pretrained(path: &Path) -> Result<(GPT, Tokenizer), PretrainedError> {
+    let (model, dir) = checkpoint::load_model(path)?;
+    let tokenizer = Tokenizer::from_file(dir.join(TOKENIZER_FILE))?;
+    check_vocab(&dir, &model, &tokenizer)?;
+    Ok((model, tokenizer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{resize_token_embeddings, RowInit};
+    use cohort_gpt::GPTConfig;
+
+    fn train_steps(model: &mut GPT, ids: &[u32], steps: usize) -> (f32, f32) {
+        let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+        let t = ids.len();
+        let mut first = 0.0;
+        let mut last = 0.0;
+        for s in 0..steps {
+            let loss = model
+                .forward(ids, None, Some(&labels), 1, t)
+                .unwrap()
+                .unwrap();
+            if s == 0 {
+                first = loss;
+            }
+            last = loss;
+            model.zero_grad();
+            model.backward(|_, _| {}).unwrap();
+            let (p, g) = model.params_and_grads_mut();
+            p.iter_mut().zip(g).for_each(|(p, g)| *p -= 0.5 * g);
+        }
+        (first, last)
+    }
+
+    /// Seed 002 end to end: add special tokens, resize (mean of a description), save, load back,
+    /// encode with the new tokens and keep training.
+    #[test]
+    fn added_tokens_resize_save_load_and_train_on() {
+        let text = "start of entity end of entity two cars collided in a tunnel";
+        let mut tok = Tokenizer::char_level(text.chars());
+        let cfg = GPTConfig {
+            vocab_size: tok.vocab_size(),
+            max_position_embeddings: 32,
+            n_layers: 1,
+            n_heads: 2,
+            d_model: 16,
+            d_ff: 32,
+            dropout: 0.0,
+            ..GPTConfig::default()
+        };
+        let model = GPT::new(cfg, 3).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let err = {
+            let mut bigger = tok.clone();
+            bigger.add_tokens(&["xyz"]).unwrap();
+            save_pretrained(dir.path(), "bad", &model, &bigger).unwrap_err()
+        };
+        assert!(err.to_string().contains("resize_token_embeddings"), "{err}");
+
+        assert_eq!(
+            tok.add_special_tokens(&["[ENT_START]", "[ENT_END]"])
+                .unwrap(),
+            2
+        );
+        let inits = vec![
+            RowInit::Mean(tok.encode("start of entity").unwrap()),
+            RowInit::Mean(tok.encode("end of entity").unwrap()),
+        ];
+        let mut model = resize_token_embeddings(&model, tok.vocab_size(), &inits, 5).unwrap();
+        let out = save_pretrained(dir.path(), "ent", &model, &tok).unwrap();
+        for f in ["config.json", "model.safetensors", TOKENIZER_FILE] {
+            assert!(out.join(f).is_file(), "{f}");
+        }
+        let (mut back, back_tok) = load_pretrained(&out).unwrap();
+        assert_eq!(back.params(), model.params());
+        assert_eq!(back.config(), model.config());
+        let sentence = "two [ENT_START]cars[ENT_END] collided";
+        let ids = back_tok.encode(sentence).unwrap();
+        assert_eq!(ids, tok.encode(sentence).unwrap());
+        assert!(ids.contains(&back_tok.token_to_id("[ENT_START]").unwrap()));
+        let (a, b) = train_steps(&mut back, &ids, 8);
+        let (c, d) = train_steps(&mut model, &ids, 8);
+        assert_eq!(
+            (a, b),
+            (c, d),
+            "the loaded model trains exactly as the saved one"
+        );
+        assert!(b < a * 0.8, "loss falls: {a} -> {b}");
+        // The root's `latest` pointer resolves too.
+        assert_eq!(
+            load_pretrained(dir.path()).unwrap().1.vocab_size(),
+            tok.vocab_size()
+        );
+    }
+}

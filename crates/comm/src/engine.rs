@@ -213,6 +213,11 @@ impl RecvFrame {
         RecvFrame { after: dep, ..self }
     }
 
+    /// Complete (reduce) only after `dep`.
+    pub fn hold(self, dep: Option<Dep>) -> RecvFrame {
+        RecvFrame { hold: dep, ..self }
+    }
+
     /// Divide the reduced region by the world size if `yes`.
     pub fn finish_avg(self, yes: bool) -> RecvFrame {
         RecvFrame {

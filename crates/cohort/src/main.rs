@@ -6,6 +6,7 @@ use clap::Parser;
 mod bench;
 mod demo;
 mod run;
+mod train;
 
 #[derive(Parser)]
 #[command(
@@ -15,6 +16,7 @@ mod run;
 )]
 enum Cli {
     Run(run::RunArgs),
+    Train(train::TrainCmd),
     Bench(bench::BenchArgs),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
@@ -23,6 +25,7 @@ enum Cli {
 fn main() -> anyhow::Result<()> {
     match Cli::parse() {
         Cli::Run(args) => run::main(args),
+        Cli::Train(args) => train::main(args),
         Cli::Bench(args) => bench::main(args),
         Cli::Demo(args) => demo::main(args),
     }

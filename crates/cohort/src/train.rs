@@ -1,0 +1,29 @@
+//! `cohort train`: the main job. Resolves the settings (defaults, `--config
+//! FILE`, flags) and calls `cohort_train::run`, which trains alone or, under
+//! `cohort run -n N train`, as one rank of the job (`env://`).
+
+use anyhow::Context;
+
+/// Train the mini-GPT (alone, or as a rank under `cohort run -n N train`).
+///
+/// With no data flag it learns an embedded Markov-chain corpus whose best
+/// possible loss is known and printed; `--data random` trains on uniform random
+/// tokens (seed 000's toy data) for throughput. `--batch-size` is per rank.
+///
+///   cohort train --steps 200
+///
+///   cohort run -n 2 train --config run.toml --lr 3e-4 --out ckpt
+///
+///   cohort run -n 2 train --resume ckpt --steps 400
+#[derive(clap::Args, Debug)]
+#[command(verbatim_doc_comment)]
+pub struct TrainCmd {
+    #[command(flatten)]
+    args: cohort_train::TrainArgs,
+}
+
+pub fn main(cmd: TrainCmd) -> anyhow::Result<()> {
+    let cfg = cmd.args.resolve().context("train: bad settings")?;
+    cohort_train::run(&cfg).context("train")?;
+    Ok(())
+}

@@ -41,6 +41,10 @@ const MAGIC: u8 = 0xc7;
 /// Header flag: the frame is the `COHORT_DEBUG=detail` digest of a call, not data.
 pub(crate) const FLAG_DIGEST: u8 = 1;
 
+/// A waiting receiver asks to be woken once this much of its frame (or
+/// all of it, if less) has arrived: one wake-up per segment, not per packet.
+pub(crate) const WAKE_BYTES: usize = 256 << 10;
+
 /// How long a failing op waits to learn which other peers are gone too.
 const HANG_UP_GRACE: Duration = Duration::from_millis(100);
 
@@ -636,7 +640,7 @@ pub(crate) fn run(
                 if dep_ok(&sends, &recvs, f.after) {
                     interests.push(Interest {
                         peer: stream.peer,
-                        read: false,
+                        read: 0,
                         write: true,
                     });
                 }
@@ -644,13 +648,14 @@ pub(crate) fn run(
         }
         for (st, stream) in recvs.iter().zip(&sched.recvs) {
             if let Some(f) = stream.frames.get(st.done) {
-                let arrived = st.hdr_got == HEADER_BYTES && st.got == f.dst.len();
-                if dep_ok(&sends, &recvs, f.after) && !arrived {
+                let left = HEADER_BYTES - st.hdr_got + f.dst.len() - st.got;
+                if dep_ok(&sends, &recvs, f.after) && left > 0 {
+                    let read = left.min(WAKE_BYTES);
                     match interests.iter_mut().find(|i| i.peer == stream.peer) {
-                        Some(i) => i.read = true,
+                        Some(i) => i.read = read,
                         None => interests.push(Interest {
                             peer: stream.peer,
-                            read: true,
+                            read,
                             write: false,
                         }),
                     }
@@ -661,7 +666,7 @@ pub(crate) fn run(
         // A peer we wait to read from is the one to blame on timeout.
         let blame = interests
             .iter()
-            .find(|i| i.read)
+            .find(|i| i.read > 0)
             .or(interests.first())
             .map_or(env.rank(), |i| i.peer);
         if left.is_zero() {

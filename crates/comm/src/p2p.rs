@@ -14,7 +14,7 @@ use std::io::{self, IoSlice};
 use std::sync::{Condvar, Mutex};
 use std::time::Instant;
 
-use crate::engine::{Header, OpEnv, HEADER_BYTES};
+use crate::engine::{Header, OpEnv, HEADER_BYTES, WAKE_BYTES};
 use crate::error::CommError;
 use crate::transport::Interest;
 
@@ -82,7 +82,7 @@ impl P2p {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     let i = Interest {
                         peer,
-                        read: false,
+                        read: 0,
                         write: true,
                     };
                     wait(env, peer, i, deadline)?;
@@ -168,7 +168,7 @@ fn read_exact(
                 peer,
                 Interest {
                     peer,
-                    read: true,
+                    read: (buf.len() - got).min(WAKE_BYTES),
                     write: false,
                 },
                 deadline,

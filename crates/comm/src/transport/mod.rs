@@ -31,8 +31,10 @@ pub enum Channel {
 pub struct Interest {
     /// The peer.
     pub peer: usize,
-    /// Wake when there are bytes to read (or the peer hung up).
-    pub read: bool,
+    /// Wake once this many bytes can be read, or the peer hung up (0: not
+    /// waiting to read). Waking for a whole frame rather than its first
+    /// packet saves wake-ups; transports may wake earlier.
+    pub read: usize,
     /// Wake when there is room to write.
     pub write: bool,
 }

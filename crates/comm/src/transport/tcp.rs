@@ -21,6 +21,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cohort_store::Store;
@@ -43,6 +44,9 @@ pub struct TcpTransport {
     size: usize,
     collective: Vec<Option<TcpStream>>,
     p2p: Vec<Option<TcpStream>>,
+    /// SO_RCVLOWAT last set on each socket (collective peers, then p2p
+    /// peers), so that `wait` only makes the syscall when it changes.
+    lowat: Vec<AtomicUsize>,
 }
 
 impl TcpTransport {
@@ -72,6 +76,7 @@ impl TcpTransport {
             size,
             collective: (0..size).map(|_| None).collect(),
             p2p: (0..size).map(|_| None).collect(),
+            lowat: (0..2 * size).map(|_| AtomicUsize::new(1)).collect(),
         };
         if size == 1 {
             return Ok(t);
@@ -138,6 +143,31 @@ impl TcpTransport {
         }
     }
 
+    /// Makes `poll` report the socket readable only once `bytes` are
+    /// buffered (or the peer hung up); reads still return what is there.
+    fn set_lowat(&self, ch: Channel, peer: usize, bytes: usize) -> io::Result<()> {
+        let slot = &self.lowat[peer + if ch == Channel::P2p { self.size } else { 0 }];
+        if slot.load(Ordering::Relaxed) == bytes {
+            return Ok(());
+        }
+        let v = bytes.min(i32::MAX as usize) as libc::c_int;
+        // safety: fd is open; SO_RCVLOWAT takes a c_int.
+        let r = unsafe {
+            libc::setsockopt(
+                self.stream(ch, peer)?.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVLOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        slot.store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
     fn stream(&self, ch: Channel, peer: usize) -> io::Result<&TcpStream> {
         let s = match ch {
             Channel::Collective => self.collective.get(peer),
@@ -196,8 +226,9 @@ impl Transport for TcpTransport {
         let mut fds = Vec::with_capacity(interests.len());
         for i in interests {
             let mut events = 0;
-            if i.read {
+            if i.read > 0 {
                 events |= libc::POLLIN;
+                self.set_lowat(ch, i.peer, i.read)?;
             }
             if i.write {
                 events |= libc::POLLOUT;
@@ -463,7 +494,7 @@ mod tests {
                         while n_read < 3 {
                             let i = Interest {
                                 peer,
-                                read: true,
+                                read: 1,
                                 write: false,
                             };
                             t.wait(Channel::P2p, &[i], Duration::from_secs(5)).unwrap();

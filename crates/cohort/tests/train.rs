@@ -1,0 +1,170 @@
+//! `cohort train` and `cohort bench ddp` end to end: the real binary, alone
+//! and as two worker processes under `cohort run --standalone -n 2`.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn cohort(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .env_remove("RANK")
+        .env_remove("COHORT_NUM_THREADS")
+        .args(args)
+        .output()
+        .expect("cohort runs")
+}
+
+fn stdout(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A tiny model and corpus: a few seconds for both runs.
+const TINY: &[&str] = &[
+    "--steps",
+    "4",
+    "--warmup-steps",
+    "1",
+    "--log-interval",
+    "2",
+    "--eval-interval",
+    "0",
+    "--eval-batches",
+    "1",
+    "--seq-len",
+    "16",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--d-model",
+    "32",
+    "--d-ff",
+    "64",
+    "--markov-vocab",
+    "16",
+    "--train-sequences",
+    "96",
+    "--val-sequences",
+    "16",
+];
+
+fn params(dir: &Path) -> Vec<f32> {
+    let (model, _) = cohort_gpt::checkpoint::load_model(dir).expect("a checkpoint");
+    model.params().to_vec()
+}
+
+#[test]
+fn two_processes_through_the_launcher_match_one_process_with_twice_the_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (d2, d1) = (tmp.path().join("two"), tmp.path().join("one"));
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "-n",
+        "2",
+        "train",
+        "--batch-size",
+        "2",
+        "--out",
+    ];
+    args.push(d2.to_str().unwrap());
+    args.extend_from_slice(TINY);
+    let two = stdout(&cohort(&args));
+    // Rank 0 alone logs, in seed 000's format, and states the global batch.
+    assert!(
+        two.contains("[rank0]: global batch: 4 sequences = 2 per rank x 2 ranks x 1 accumulation"),
+        "{two}"
+    );
+    assert!(two.contains("[rank0]: [step 2 / 4] loss = "), "{two}");
+    assert!(two.contains("[rank0]: [step 4 / 4] val loss = "), "{two}");
+    assert!(!two.contains("[rank1]: [step"), "only rank 0 logs:\n{two}");
+
+    let mut args = vec!["train", "--batch-size", "4", "--out"];
+    args.push(d1.to_str().unwrap());
+    args.extend_from_slice(TINY);
+    let one = stdout(&cohort(&args));
+    assert!(
+        one.contains("global batch: 4 sequences = 4 per rank x 1 ranks x 1 accumulation"),
+        "{one}"
+    );
+
+    // Same samples per step, gradients summed in another order: equal to
+    // rounding (see crates/train/tests/train.rs for the tolerance).
+    let (a, b) = (params(&d2), params(&d1));
+    let d = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(d < 2e-5, "two ranks vs one process: max |diff| {d}");
+    assert!(a != params_at_start(), "training changed the parameters");
+}
+
+/// The model before training: the same config and seed as the runs above.
+fn params_at_start() -> Vec<f32> {
+    let cfg = cohort_train::TrainConfig {
+        seq_len: 16,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 32,
+        d_ff: 64,
+        ..Default::default()
+    };
+    let model = cohort_gpt::GPT::new(cohort_train::model_config(&cfg, 16), cfg.seed).unwrap();
+    model.params().to_vec()
+}
+
+#[test]
+fn bench_ddp_reports_the_figures_as_json() {
+    let out = cohort(&[
+        "run",
+        "--standalone",
+        "-n",
+        "2",
+        "bench",
+        "ddp",
+        "--config",
+        "A",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    let text = stdout(&out);
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank0]: {"))
+        .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
+    let v: serde_json::Value = serde_json::from_str(&format!("{{{line}")).unwrap();
+    assert_eq!(v["config"], "A");
+    assert_eq!(v["world"], 2);
+    for key in [
+        "ms_per_step",
+        "tokens_per_s",
+        "efficiency",
+        "launch_to_first_step_s",
+    ] {
+        let x = v[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing in {v}"));
+        assert!(x > 0.0 && x.is_finite(), "{key} = {x}");
+    }
+    // The launcher's timestamp makes launch-to-first-step meaningful; the
+    // target is 0.3 s, a loaded CI machine gets some slack.
+    assert!(v["launch_to_first_step_s"].as_f64().unwrap() < 10.0);
+}
+
+#[test]
+fn bad_settings_are_clear_errors() {
+    let out = cohort(&["train", "--data", "shakespeare"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("data") && err.contains("markov"), "{err}");
+}

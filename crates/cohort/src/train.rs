@@ -19,7 +19,7 @@ use anyhow::Context;
 #[command(verbatim_doc_comment)]
 pub struct TrainCmd {
     #[command(flatten)]
-    args: cohort_train::TrainArgs,
+    args: Box<cohort_train::TrainArgs>,
 }
 
 pub fn main(cmd: TrainCmd) -> anyhow::Result<()> {

@@ -13,9 +13,9 @@
 //! i32, i64, u8, bf16) with any [`ReduceOp`].
 //!
 //! Layers, top to bottom:
-//! - [`init_process_group`] (`env://`, `tcp://`, `file://`) and [`spawn`]
-//!   (threads or processes) build groups; ranks meet through a
-//!   [`cohort_store::Store`].
+//! - [`init_process_group`] (`env://`, `tcp://`, `file://`), [`spawn()`]
+//!   (threads) and [`spawn::processes`] build groups; ranks meet through a
+//!   [`cohort_store::Store`]. [`ProcessGroup::new_group`] makes sub-groups.
 //! - [`ProcessGroup`] orders collectives (sequence numbers), validates
 //!   arguments, runs async work, and aborts on the first failure.
 //! - A [`Backend`] executes calls on bytes. The one backend today,
@@ -31,6 +31,13 @@
 //! (and a full cross-check under `COHORT_DEBUG=detail`), and an aborted
 //! group refuses further calls. This crate knows nothing of models or
 //! training.
+//!
+//! Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
+//! LOCAL_WORLD_SIZE (`env://`); `COHORT_STORE_HOSTED=1` (a launcher hosts
+//! the store, so rank 0 does not); `COHORT_RESTART_COUNT` (set by the
+//! launcher; keeps restarts apart in its store); `COHORT_TIMEOUT`,
+//! `COHORT_ALGO=auto|ring|tree`, `COHORT_DEBUG=detail` and
+//! `COHORT_SOCKET_ADDR` (see [`GroupOptions::from_env`]).
 //!
 //! ```
 //! use cohort_comm::{spawn, CommError, ReduceOp};

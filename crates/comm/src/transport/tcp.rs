@@ -31,6 +31,8 @@ use crate::error::CommError;
 
 const HELLO_MAGIC: &[u8; 8] = b"cohort\x00\x01";
 const HELLO_BYTES: usize = 32;
+/// How long an accepted connection may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Socket buffer size asked for on every connection. Bigger than the
 /// defaults so that a ring step can have a whole segment in flight each way
@@ -426,8 +428,11 @@ fn accept_peers(
         };
         let checked = (|| -> io::Result<Option<(usize, Channel)>> {
             s.set_nonblocking(false)?;
-            s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-            s.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+            // A peer sends its hello right after connecting; anything slower
+            // (a port scanner, a stuck process) must not hold up the others.
+            let io_timeout = left.clamp(Duration::from_millis(1), HELLO_TIMEOUT);
+            s.set_read_timeout(Some(io_timeout))?;
+            s.set_write_timeout(Some(io_timeout))?;
             let mut b = [0u8; HELLO_BYTES];
             s.read_exact(&mut b)?;
             let from = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
@@ -508,6 +513,58 @@ mod tests {
                     }
                 });
             }
+        });
+    }
+
+    #[test]
+    fn stray_connections_are_refused_and_the_mesh_still_forms() {
+        let store = Arc::new(HashStore::new());
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| {
+                TcpTransport::connect(
+                    &*store,
+                    "g",
+                    0,
+                    2,
+                    Ipv4Addr::LOCALHOST.into(),
+                    Duration::from_secs(10),
+                )
+            });
+            // Another job's process (or a scanner) reaches rank 0 first.
+            store.wait(&["addr/0"], Duration::from_secs(10)).unwrap();
+            let addr = String::from_utf8(store.get("addr/0").unwrap()).unwrap();
+            let mut stray = TcpStream::connect(&addr).unwrap();
+            stray.write_all(&[0x55; HELLO_BYTES]).unwrap();
+            let mut ack = [0u8; 1];
+            assert_eq!(
+                stray.read(&mut ack).unwrap(),
+                0,
+                "a stray hello must be refused"
+            );
+            let rank1 = TcpTransport::connect(
+                &*store,
+                "g",
+                1,
+                2,
+                Ipv4Addr::LOCALHOST.into(),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+            let rank0 = rank0.join().unwrap().unwrap();
+            assert_eq!(
+                rank1
+                    .try_write(Channel::Collective, 0, &[IoSlice::new(b"x")])
+                    .unwrap(),
+                1
+            );
+            let i = Interest {
+                peer: 1,
+                read: 1,
+                write: false,
+            };
+            assert!(rank0
+                .wait(Channel::Collective, &[i], Duration::from_secs(5))
+                .unwrap());
         });
     }
 

@@ -17,6 +17,7 @@ use crate::TrainError;
 use cohort_comm::ProcessGroup;
 use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
+use cohort_gpt::bench::process_cpu_ms;
 use cohort_gpt::{GPTConfig, GPT};
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -78,6 +79,17 @@ pub struct BenchDdpResult {
     pub ms_per_step_per_rank: Vec<f64>,
     /// Rank 0's median time waiting for communication after backward, ms.
     pub comm_wait_ms: f64,
+    /// Rank 0's median time inside all-reduce calls per step (overlapped or not), ms.
+    pub comm_busy_ms: f64,
+    /// Rank 0's process CPU time per DDP step (all its threads), ms: less
+    /// sensitive than wall time to other load on a shared machine.
+    pub cpu_ms_per_step: f64,
+    /// The single-rank run's process CPU time per step, ms (when measured here).
+    pub baseline_cpu_ms_per_step: Option<f64>,
+    /// baseline_cpu_ms_per_step / cpu_ms_per_step: the efficiency in CPU
+    /// time, what the wall-clock efficiency would be on a quiet machine
+    /// without waiting between ranks.
+    pub cpu_efficiency: Option<f64>,
     /// Gradient buckets.
     pub buckets: usize,
     /// Parameters of the model.
@@ -158,8 +170,13 @@ pub fn run_ddp_bench(
     let mut first_step_start = None;
     let mut times = Vec::with_capacity(steps);
     let mut waits = Vec::with_capacity(steps);
+    let mut busy = Vec::with_capacity(steps);
+    let mut cpu0 = 0.0;
     for i in 0..args.warmup + steps {
         let (ids, labels) = batch(cfg.vocab_size, b * t, rank, i);
+        if i == args.warmup {
+            cpu0 = process_cpu_ms();
+        }
         let t0 = Instant::now();
         if i == 0 {
             first_step_start = Some(SystemTime::now());
@@ -172,10 +189,13 @@ pub fn run_ddp_bench(
         if i >= args.warmup {
             times.push(t0.elapsed().as_secs_f64());
             waits.push(stats.comm_wait.as_secs_f64());
+            busy.push(stats.comm_busy.as_secs_f64());
         }
     }
+    let cpu_ms = (process_cpu_ms() - cpu0) / steps as f64;
     let med = median(&mut times);
     let comm_wait = median(&mut waits);
+    let comm_busy = median(&mut busy);
     let mut meds = vec![0f64; world];
     pg.all_gather(&[med], &mut meds)
         .map_err(TrainError::comm("gathering step times"))?;
@@ -184,17 +204,18 @@ pub fn run_ddp_bench(
 
     // The single-rank, single-thread figure: rank 0 alone, plain backward,
     // while the others wait at the barrier.
-    let (baseline, measured) = match args.baseline_tokens_per_s {
-        Some(x) => (x, false),
-        None if world == 1 => (tokens_per_s, true),
+    let (baseline, baseline_cpu, measured) = match args.baseline_tokens_per_s {
+        Some(x) => (x, None, false),
+        None if world == 1 => (tokens_per_s, Some(cpu_ms), true),
         None => {
-            let mut base = f64::NAN;
+            let (mut base, mut base_cpu) = (f64::NAN, None);
             if rank == 0 {
-                base = single_rank_tokens_per_s(&cfg, b, args.warmup, steps)?;
+                let (tps, cpu) = single_rank(&cfg, b, args.warmup, steps)?;
+                (base, base_cpu) = (tps, Some(cpu));
             }
             pg.barrier()
                 .map_err(TrainError::comm("waiting for the baseline"))?;
-            (base, true)
+            (base, base_cpu, true)
         }
     };
     let launch_to_first = match (launch, first_step_start) {
@@ -216,6 +237,10 @@ pub fn run_ddp_bench(
         baseline_measured: measured,
         ms_per_step_per_rank: meds.iter().map(|m| m * 1e3).collect(),
         comm_wait_ms: comm_wait * 1e3,
+        comm_busy_ms: comm_busy * 1e3,
+        cpu_ms_per_step: cpu_ms,
+        baseline_cpu_ms_per_step: baseline_cpu,
+        cpu_efficiency: baseline_cpu.map(|c| c / cpu_ms),
         buckets: ddp.buckets().len(),
         params: model.num_params(),
         batch_per_rank: b,
@@ -229,7 +254,8 @@ pub fn run_ddp_bench(
             format!(
                 "config {}, world {}, ms_per_step {:.2}, tokens_per_s {:.0}, efficiency {:.3} \
                  (baseline {:.0} tokens/s on 1 rank), launch_to_first_step_s {}, \
-                 comm wait {:.2} ms, {} bucket(s)",
+                 comm wait {:.2} ms, comm busy {:.2} ms, {} bucket(s); CPU ms/step {:.2} vs {} \
+                 alone (cpu efficiency {})",
                 result.config,
                 world,
                 result.ms_per_step,
@@ -240,7 +266,16 @@ pub fn run_ddp_bench(
                     .map(|s| format!("{s:.3}"))
                     .unwrap_or("- (not launched by cohort run)".into()),
                 result.comm_wait_ms,
+                result.comm_busy_ms,
                 result.buckets,
+                cpu_ms,
+                baseline_cpu
+                    .map(|c| format!("{c:.2}"))
+                    .unwrap_or("-".into()),
+                result
+                    .cpu_efficiency
+                    .map(|e| format!("{e:.3}"))
+                    .unwrap_or("-".into()),
             )
         };
         writeln!(out, "{line}").map_err(TrainError::Log)?;
@@ -248,19 +283,24 @@ pub fn run_ddp_bench(
     Ok(result)
 }
 
-/// Tokens/s of one process training alone (no DDP), with this process's threads.
-fn single_rank_tokens_per_s(
+/// Tokens/s and process CPU ms per step of one process training alone (no
+/// DDP), with this process's threads.
+fn single_rank(
     cfg: &GPTConfig,
     b: usize,
     warmup: usize,
     steps: usize,
-) -> Result<f64, TrainError> {
+) -> Result<(f64, f64), TrainError> {
     let t = cfg.max_position_embeddings;
     let mut model = GPT::new(cfg.clone(), 1234)?;
     let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(&model)?)?;
     let mut times = Vec::with_capacity(steps);
+    let mut cpu0 = 0.0;
     for i in 0..warmup + steps {
         let (ids, labels) = batch(cfg.vocab_size, b * t, 0, i);
+        if i == warmup {
+            cpu0 = process_cpu_ms();
+        }
         let t0 = Instant::now();
         model.zero_grad();
         model.forward(&ids, None, Some(&labels), b, t)?;
@@ -271,5 +311,6 @@ fn single_rank_tokens_per_s(
             times.push(t0.elapsed().as_secs_f64());
         }
     }
-    Ok((b * t) as f64 / median(&mut times))
+    let cpu = (process_cpu_ms() - cpu0) / steps as f64;
+    Ok(((b * t) as f64 / median(&mut times), cpu))
 }

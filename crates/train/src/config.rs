@@ -246,7 +246,7 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warmup_steps: Option<u64>,
-    /// Step where the cosine ends [default: 0 = --steps].
+    /// Step where the cosine ends [default: 0; 0 means at --steps].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr_decay_steps: Option<u64>,
@@ -282,11 +282,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_batches: Option<usize>,
-    /// Checkpoint every N steps [default: 0 = only at the end]; needs --out.
+    /// Checkpoint every N steps [default: 0; 0 means only at the end]; needs --out.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save_interval: Option<u64>,
-    /// Checkpoint directory (rank 0 writes it) [default: none, no checkpoints].
+    /// Checkpoint directory, written by rank 0 (none by default: no checkpoints).
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out: Option<PathBuf>,
@@ -423,6 +423,32 @@ mod tests {
             .unwrap();
         assert!(cfg.bf16_compress);
         assert_eq!(cfg.out, Some(PathBuf::from("/tmp/x")));
+    }
+
+    /// The `[default: X]` in each flag's help must be TrainConfig's default.
+    #[test]
+    fn documented_defaults_are_the_real_ones() {
+        use clap::CommandFactory;
+        let defaults = toml::Table::try_from(TrainConfig::default()).unwrap();
+        let mut checked = 0;
+        for arg in Cli::command().get_arguments() {
+            let help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+            let Some(rest) = help.split("[default: ").nth(1) else {
+                continue;
+            };
+            let doc = rest.split([']', ';']).next().unwrap().trim();
+            let key = arg.get_id().as_str();
+            let real = &defaults[key];
+            let same = match real {
+                toml::Value::Integer(i) => doc.parse::<i64>().ok() == Some(*i),
+                toml::Value::Float(f) => doc.parse::<f64>().ok() == Some(*f),
+                toml::Value::String(s) => doc == s,
+                _ => false,
+            };
+            assert!(same, "--{key}: help says {doc}, default is {real}");
+            checked += 1;
+        }
+        assert!(checked > 20, "only {checked} documented defaults found");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use clap::Parser;
 mod bench;
 mod demo;
 mod run;
+mod sample;
 mod train;
 
 #[derive(Parser)]
@@ -18,6 +19,7 @@ enum Cli {
     Run(run::RunArgs),
     Train(train::TrainCmd),
     Bench(bench::BenchArgs),
+    Sample(sample::SampleArgs),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -27,6 +29,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Run(args) => run::main(args),
         Cli::Train(args) => train::main(args),
         Cli::Bench(args) => bench::main(args),
+        Cli::Sample(args) => sample::main(args),
         Cli::Demo(args) => demo::main(args),
     }
 }

@@ -6,7 +6,7 @@ use clap::Parser;
 mod bench;
 mod demo;
 mod run;
-mod sample;
+mod tokenizer;
 mod train;
 
 #[derive(Parser)]
@@ -19,7 +19,8 @@ enum Cli {
     Run(run::RunArgs),
     Train(train::TrainCmd),
     Bench(bench::BenchArgs),
-    Sample(sample::SampleArgs),
+    #[command(subcommand)]
+    Tokenizer(tokenizer::TokenizerCmd),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -29,7 +30,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Run(args) => run::main(args),
         Cli::Train(args) => train::main(args),
         Cli::Bench(args) => bench::main(args),
-        Cli::Sample(args) => sample::main(args),
+        Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }
 }

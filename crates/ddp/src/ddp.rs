@@ -186,44 +186,22 @@ impl<'pg> Ddp<'pg> {
     pub fn backward<R: Replica>(&mut self, model: &mut R) -> Result<SyncStats, DdpError> {
         let mut stats = SyncStats::default();
         let world = self.pg.size();
-        let (pg, params, buckets, total) = (self.pg, &self.params, &self.buckets, self.total);
-        let (compression, overlap) = (self.options.compression, self.options.overlap);
-        let scratch = &mut self.scratch;
-
-        let (next, unused, covered) = std::thread::scope(|s| {
-            let (tx, rx) = mpsc::channel::<(usize, &mut [f32])>();
-            let comm = s.spawn(move || -> Result<Duration, DdpError> {
-                let mut busy = Duration::ZERO;
-                for (b, grads) in rx {
-                    let t = Instant::now();
-                    reduce_bucket(pg, b, grads, compression, world, scratch)?;
-                    busy += t.elapsed();
-                }
-                Ok(busy)
-            });
-            let mut reducer = Reducer::new(params, buckets, total, overlap);
+        // Alone, averaging is the identity: only the checks remain.
+        let solo = world == 1 && self.options.compression == Compression::None;
+        let (next, unused, covered) = if self.options.overlap && !solo {
+            self.backward_overlapped(model, &mut stats)?
+        } else {
+            let mut reducer = Reducer::new(&self.params, &self.buckets, self.total, false);
             let t = Instant::now();
-            let backward = model.backward(&mut |range, grads| {
-                reducer.mark_ready(range, grads, &mut |b, slice| {
-                    // A send fails only if the comm thread stopped on an
-                    // error, which join() reports below.
-                    let _ = tx.send((b, slice));
-                })
-            });
+            let backward = model
+                .backward(&mut |range, grads| reducer.mark_ready(range, grads, &mut |_, _| {}));
             stats.backward = t.elapsed();
-            drop(tx);
             let covered = reducer.covered().to_vec();
             let finished = reducer.finish();
-            let t = Instant::now();
-            let busy = comm
-                .join()
-                .expect("the communication thread does not panic")?;
-            stats.comm_wait = t.elapsed();
-            stats.comm_busy = busy;
             backward.map_err(DdpError::Backward)?;
             let (next, unused) = finished?;
-            Ok::<_, DdpError>((next, unused.cloned(), covered))
-        })?;
+            (next, unused.cloned(), covered)
+        };
         stats.overlapped_buckets = next;
 
         // Buckets from `next` on were not launched during backward: not yet
@@ -250,6 +228,9 @@ impl<'pg> Ddp<'pg> {
             for gap in Reducer::gaps(&covered[bucket.index], &bucket.range) {
                 grads[gap].fill(0.0);
             }
+            if solo {
+                continue;
+            }
             let tb = Instant::now();
             reduce_bucket(
                 self.pg,
@@ -265,6 +246,61 @@ impl<'pg> Ddp<'pg> {
         Ok(stats)
     }
 }
+
+impl Ddp<'_> {
+    /// Backward with a communication thread that all-reduces each bucket as
+    /// soon as the reducer launches it. Returns the first bucket not
+    /// launched, the first parameter never reported, and per bucket the
+    /// ranges reported.
+    fn backward_overlapped<R: Replica>(
+        &mut self,
+        model: &mut R,
+        stats: &mut SyncStats,
+    ) -> Result<BackwardEnd, DdpError> {
+        let world = self.pg.size();
+        let (pg, params, buckets, total) = (self.pg, &self.params, &self.buckets, self.total);
+        let compression = self.options.compression;
+        let scratch = &mut self.scratch;
+        std::thread::scope(|s| {
+            let (tx, rx) = mpsc::channel::<(usize, &mut [f32])>();
+            let comm = s.spawn(move || -> Result<Duration, DdpError> {
+                let mut busy = Duration::ZERO;
+                for (b, grads) in rx {
+                    let t = Instant::now();
+                    reduce_bucket(pg, b, grads, compression, world, scratch)?;
+                    busy += t.elapsed();
+                }
+                Ok(busy)
+            });
+            let mut reducer = Reducer::new(params, buckets, total, true);
+            let t = Instant::now();
+            let backward = model.backward(&mut |range, grads| {
+                reducer.mark_ready(range, grads, &mut |b, slice| {
+                    // A send fails only if the comm thread stopped on an
+                    // error, which join() reports below.
+                    let _ = tx.send((b, slice));
+                })
+            });
+            stats.backward = t.elapsed();
+            drop(tx);
+            let covered = reducer.covered().to_vec();
+            let finished = reducer.finish();
+            let t = Instant::now();
+            let busy = comm
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
+            stats.comm_wait = t.elapsed();
+            stats.comm_busy = busy;
+            backward.map_err(DdpError::Backward)?;
+            let (next, unused) = finished?;
+            Ok((next, unused.cloned(), covered))
+        })
+    }
+}
+
+/// How a backward ended: first bucket not launched, first parameter never
+/// reported, ranges reported per bucket.
+type BackwardEnd = (usize, Option<ParamSpec>, Vec<Vec<Range<usize>>>);
 
 /// Averages one bucket across the group.
 fn reduce_bucket(

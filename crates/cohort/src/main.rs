@@ -6,6 +6,7 @@ use clap::Parser;
 mod bench;
 mod demo;
 mod run;
+mod sample;
 mod tokenizer;
 mod train;
 
@@ -19,6 +20,7 @@ enum Cli {
     Run(run::RunArgs),
     Train(train::TrainCmd),
     Bench(bench::BenchArgs),
+    Sample(sample::SampleArgs),
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCmd),
     #[command(hide = true)]
@@ -30,6 +32,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Run(args) => run::main(args),
         Cli::Train(args) => train::main(args),
         Cli::Bench(args) => bench::main(args),
+        Cli::Sample(args) => sample::main(args),
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }

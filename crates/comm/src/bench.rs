@@ -161,6 +161,12 @@ pub fn run(
     Ok(rows)
 }
 
+/// `x` to `digits` decimals, so that the JSON reads `6.57`, not `6.569999999999999`.
+fn round(x: f64, digits: i32) -> f64 {
+    let k = 10f64.powi(digits);
+    (x * k).round() / k
+}
+
 fn default_iters(bytes: usize) -> usize {
     ((1usize << 30) / bytes.max(1 << 20)).clamp(5, 500)
 }
@@ -240,9 +246,49 @@ fn measure<T: Element + Default>(
         count,
         dtype: T::DTYPE.name(),
         iters,
-        time_us: time * 1e6,
-        min_us: times[0] * 1e6,
-        algbw_gbps: algbw,
-        busbw_gbps: algbw * bus_factor(op, n),
+        time_us: round(time * 1e6, 2),
+        min_us: round(times[0] * 1e6, 2),
+        algbw_gbps: round(algbw, 4),
+        busbw_gbps: round(algbw * bus_factor(op, n), 4),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::ALL_COLLECTIVES;
+    use crate::config::GroupOptions;
+    use std::time::Duration;
+
+    #[test]
+    fn every_collective_gets_a_row_per_size_with_nccl_tests_factors() {
+        let opts = BenchOptions {
+            ops: ALL_COLLECTIVES.to_vec(),
+            min_bytes: 4,
+            max_bytes: 64,
+            factor: 4,
+            iters: Some(3),
+            warmup: Some(1),
+            ..BenchOptions::default()
+        };
+        let g = GroupOptions {
+            timeout: Duration::from_secs(30),
+            ..GroupOptions::default()
+        };
+        let rows = crate::spawn::threads_with(3, g, |pg| run(pg, &opts, |_| {})).unwrap();
+        let rows = &rows[0];
+        // 4 B holds no whole float per rank for the scattering ops (skipped).
+        assert_eq!(rows.iter().filter(|r| r.op == "all_reduce").count(), 3);
+        assert_eq!(rows.iter().filter(|r| r.op == "all_gather").count(), 2);
+        assert_eq!(rows.iter().filter(|r| r.op == "barrier").count(), 1);
+        for r in rows {
+            assert_eq!(r.world, 3);
+            let f = bus_factor(OpKind::parse(r.op).unwrap(), 3);
+            assert!((r.busbw_gbps - r.algbw_gbps * f).abs() < 1e-3, "{r:?}");
+            assert!(r.time_us > 0.0 && r.min_us <= r.time_us + 0.01, "{r:?}");
+        }
+        assert!(rows[0]
+            .to_json()
+            .starts_with("{\"op\":\"all_reduce\",\"world\":3,\"bytes\":4,"));
+    }
 }

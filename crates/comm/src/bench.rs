@@ -9,8 +9,10 @@
 //! the scattered input of reduce_scatter and scatter, the per-rank buffer of
 //! all_to_all. algbw = bytes / time; busbw = algbw x nccl-tests' factor
 //! (2(n-1)/n for all_reduce, (n-1)/n for the gathers, scatters and
-//! all_to_all, 1 for broadcast and reduce), GB = 1e9 bytes. This module
-//! only measures; it must never print (the binary does).
+//! all_to_all, 1 for broadcast and reduce), GB = 1e9 bytes. `cpu_us` is the
+//! CPU time the call itself burned, which a busy machine barely changes:
+//! on two shared cores it is the figure to compare between builds. This
+//! module only measures; it must never print (the binary does).
 
 use std::time::Instant;
 
@@ -79,6 +81,10 @@ pub struct BenchRow {
     pub time_us: f64,
     /// Fastest single call on this rank, in microseconds.
     pub min_us: f64,
+    /// CPU time (user + system) the calling thread spent per call, mean
+    /// over iterations, max over ranks, in microseconds. Unlike the wall
+    /// time it hardly moves when other processes compete for the cores.
+    pub cpu_us: f64,
     /// bytes / time, GB/s.
     pub algbw_gbps: f64,
     /// algbw x the op's bus factor, GB/s.
@@ -95,16 +101,38 @@ impl BenchRow {
 /// The text table's header lines.
 pub fn text_header(world: usize, opts: &BenchOptions, backend: &str) -> String {
     format!(
-        "# cohort bench collectives: world {world}, backend {backend}, dtype {}, reduce {}\n#\n# {:>14} {:>12} {:>11} {:>6} {:>11} {:>11} {:>10} {:>10}\n# {:>14} {:>12} {:>11} {:>6} {:>11} {:>11} {:>10} {:>10}",
-        opts.dtype, opts.reduce, "op", "bytes", "count", "iters", "time", "min", "algbw", "busbw", "", "(B)", "(elements)", "", "(us)", "(us)", "(GB/s)", "(GB/s)"
+        "# cohort bench collectives: world {world}, backend {backend}, dtype {}, reduce {}\n\
+         #\n\
+         # {:>14} {:>12} {:>11} {:>6} {:>11} {:>11} {:>11} {:>10} {:>10}\n\
+         # {:>14} {:>12} {:>11} {:>6} {:>11} {:>11} {:>11} {:>10} {:>10}",
+        opts.dtype,
+        opts.reduce,
+        "op",
+        "bytes",
+        "count",
+        "iters",
+        "time",
+        "min",
+        "cpu",
+        "algbw",
+        "busbw",
+        "",
+        "(B)",
+        "(elements)",
+        "",
+        "(us)",
+        "(us)",
+        "(us)",
+        "(GB/s)",
+        "(GB/s)"
     )
 }
 
 /// One row of the text table.
 pub fn text_row(r: &BenchRow) -> String {
     format!(
-        "  {:>14} {:>12} {:>11} {:>6} {:>11.2} {:>11.2} {:>10.3} {:>10.3}",
-        r.op, r.bytes, r.count, r.iters, r.time_us, r.min_us, r.algbw_gbps, r.busbw_gbps
+        "  {:>14} {:>12} {:>11} {:>6} {:>11.2} {:>11.2} {:>11.2} {:>10.3} {:>10.3}",
+        r.op, r.bytes, r.count, r.iters, r.time_us, r.min_us, r.cpu_us, r.algbw_gbps, r.busbw_gbps
     )
 }
 
@@ -159,6 +187,16 @@ pub fn run(
         }
     }
     Ok(rows)
+}
+
+/// CPU time consumed so far by the calling thread.
+fn thread_cpu_seconds() -> f64 {
+    // safety: an all-zero timespec is valid and clock_gettime only writes it.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // safety: CLOCK_THREAD_CPUTIME_ID is always available on Linux; `ts` is
+    // a valid, exclusively borrowed timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 /// `x` to `digits` decimals, so that the JSON reads `6.57`, not `6.569999999999999`.
@@ -224,16 +262,19 @@ fn measure<T: Element + Default>(
         call(&mut a, &mut b)?;
     }
     let mut times = Vec::with_capacity(iters);
+    let mut cpu = 0.0;
     for _ in 0..iters {
         pg.barrier()?;
+        let c0 = thread_cpu_seconds();
         let t0 = Instant::now();
         call(&mut a, &mut b)?;
         times.push(t0.elapsed().as_secs_f64());
+        cpu += thread_cpu_seconds() - c0;
     }
     times.sort_by(f64::total_cmp);
-    let mut median = [times[times.len() / 2]];
-    pg.all_reduce(&mut median, ReduceOp::Max)?;
-    let time = median[0];
+    let mut worst = [times[times.len() / 2], cpu / iters as f64];
+    pg.all_reduce(&mut worst, ReduceOp::Max)?;
+    let [time, cpu] = worst;
     let algbw = if time > 0.0 {
         bytes as f64 / time / 1e9
     } else {
@@ -248,6 +289,7 @@ fn measure<T: Element + Default>(
         iters,
         time_us: round(time * 1e6, 2),
         min_us: round(times[0] * 1e6, 2),
+        cpu_us: round(cpu * 1e6, 2),
         algbw_gbps: round(algbw, 4),
         busbw_gbps: round(algbw * bus_factor(op, n), 4),
     }))

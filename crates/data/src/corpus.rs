@@ -37,6 +37,8 @@ pub struct CorpusOptions {
     pub text_field: String,
     /// Where tokenized caches go (None: beside the source).
     pub cache_dir: Option<PathBuf>,
+    /// Vocabulary of token files when no tokenizer is given (ids at or above are errors).
+    pub vocab_size: Option<usize>,
 }
 
 impl Default for CorpusOptions {
@@ -47,6 +49,7 @@ impl Default for CorpusOptions {
             val_fraction: 0.1,
             text_field: "text".into(),
             cache_dir: None,
+            vocab_size: None,
         }
     }
 }
@@ -71,11 +74,11 @@ pub enum Corpus {
 }
 
 impl Corpus {
-    /// Opens `path` as described in the module docs; `tokenizer` is needed for text and JSONL
-    /// and sets the vocabulary every token file is checked against.
+    /// Opens `path` as described in the module docs. `tokenizer` is needed for text and JSONL;
+    /// its vocabulary (else `opts.vocab_size`) is what every token file is checked against.
     pub fn open(
         path: &Path,
-        tokenizer: &Tokenizer,
+        tokenizer: Option<&Tokenizer>,
         opts: &CorpusOptions,
     ) -> Result<Corpus, DataError> {
         if !(0.0..1.0).contains(&opts.val_fraction) {
@@ -90,7 +93,23 @@ impl Corpus {
                 reason: format!("{} is below 2", opts.seq_len),
             });
         }
-        let vocab = tokenizer.vocab_size();
+        let vocab = match (tokenizer, opts.vocab_size) {
+            (Some(t), _) => t.vocab_size(),
+            (None, Some(v)) => v,
+            (None, None) => {
+                return Err(DataError::Config {
+                    what: "vocab_size",
+                    reason: format!(
+                        "{}: a token file needs a tokenizer or a vocab_size",
+                        path.display()
+                    ),
+                })
+            }
+        };
+        let needs_tokenizer = || DataError::Config {
+            what: "tokenizer",
+            reason: format!("{} is text; it needs a tokenizer", path.display()),
+        };
         let t = opts.seq_len;
         if path.is_dir() {
             let train = Arc::new(TokenFile::open(path.join("train.bin"), vocab)?);
@@ -108,6 +127,7 @@ impl Corpus {
                 stream_split(tokens, opts)
             }
             "jsonl" => {
+                let tokenizer = tokenizer.ok_or_else(needs_tokenizer)?;
                 let (tok_path, idx_path) = tokenize_jsonl(path, tokenizer, opts)?;
                 let tokens = Arc::new(TokenFile::open(&tok_path, vocab)?);
                 let offsets = read_index(&idx_path, tokens.len())?;
@@ -125,6 +145,7 @@ impl Corpus {
                 })
             }
             _ => {
+                let tokenizer = tokenizer.ok_or_else(needs_tokenizer)?;
                 let tok_path = tokenize_text(path, tokenizer, opts)?;
                 let tokens = Arc::new(TokenFile::open(&tok_path, vocab)?);
                 stream_split(tokens, opts)
@@ -419,7 +440,8 @@ mod tests {
         let src = dir.path().join("input.txt");
         std::fs::write(&src, &text).unwrap();
         let tok = Tokenizer::char_level(text.chars());
-        let Corpus::Stream { train, val } = Corpus::open(&src, &tok, &opts(8)).unwrap() else {
+        let Corpus::Stream { train, val } = Corpus::open(&src, Some(&tok), &opts(8)).unwrap()
+        else {
             panic!("a text file is a stream")
         };
         let n = text.chars().count();
@@ -433,12 +455,12 @@ mod tests {
         let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
         let cache = train.path().to_path_buf();
         let before = mtime(&cache);
-        Corpus::open(&src, &tok, &opts(8)).unwrap();
+        Corpus::open(&src, Some(&tok), &opts(8)).unwrap();
         assert_eq!(mtime(&cache), before);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), cached.len());
         let mut bigger = tok.clone();
         bigger.add_special_tokens(&["<|endoftext|>"]).unwrap();
-        let Corpus::Stream { train: t2, .. } = Corpus::open(&src, &bigger, &opts(8)).unwrap()
+        let Corpus::Stream { train: t2, .. } = Corpus::open(&src, Some(&bigger), &opts(8)).unwrap()
         else {
             panic!()
         };
@@ -448,7 +470,7 @@ mod tests {
             cache_dir: Some(dir.path().join("cache")),
             ..opts(8)
         };
-        let Corpus::Stream { train: t3, .. } = Corpus::open(&src, &tok, &o).unwrap() else {
+        let Corpus::Stream { train: t3, .. } = Corpus::open(&src, Some(&tok), &o).unwrap() else {
             panic!()
         };
         assert!(t3.path().starts_with(dir.path().join("cache")));
@@ -461,19 +483,29 @@ mod tests {
         write_token_file(dir.path().join("train.bin"), &ids, 65).unwrap();
         write_token_file(dir.path().join("val.bin"), &ids[..100], 65).unwrap();
         let tok = Tokenizer::char_level((0..65u8).map(|b| (b'0' + b) as char));
-        let Corpus::Stream { train, val } = Corpus::open(dir.path(), &tok, &opts(10)).unwrap()
+        let Corpus::Stream { train, val } =
+            Corpus::open(dir.path(), Some(&tok), &opts(10)).unwrap()
         else {
             panic!()
         };
         assert_eq!((train.tokens(), val.tokens(), val.len()), (500, 100, 10));
         let Corpus::Stream { train, .. } =
-            Corpus::open(&dir.path().join("train.bin"), &tok, &opts(10)).unwrap()
+            Corpus::open(&dir.path().join("train.bin"), Some(&tok), &opts(10)).unwrap()
         else {
             panic!()
         };
         assert_eq!(train.tokens(), 450);
+        let ids_only = CorpusOptions {
+            vocab_size: Some(65),
+            ..opts(10)
+        };
+        assert!(Corpus::open(dir.path(), None, &ids_only).is_ok());
+        let e = Corpus::open(dir.path(), None, &opts(10))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("needs a tokenizer or a vocab_size"), "{e}");
         let small = Tokenizer::char_level("ab".chars());
-        let e = Corpus::open(dir.path(), &small, &opts(10))
+        let e = Corpus::open(dir.path(), Some(&small), &opts(10))
             .unwrap_err()
             .to_string();
         assert!(
@@ -498,7 +530,8 @@ mod tests {
         }
         std::fs::write(&src, &body).unwrap();
         let tok = Tokenizer::char_level("ab".chars());
-        let Corpus::Documents { train, val } = Corpus::open(&src, &tok, &opts(8)).unwrap() else {
+        let Corpus::Documents { train, val } = Corpus::open(&src, Some(&tok), &opts(8)).unwrap()
+        else {
             panic!()
         };
         assert_eq!((train.len(), val.len()), (36, 4));
@@ -516,7 +549,9 @@ mod tests {
         let open = |name: &str, bytes: &[u8]| {
             let p = dir.path().join(name);
             std::fs::write(&p, bytes).unwrap();
-            Corpus::open(&p, &tok, &opts(4)).unwrap_err().to_string()
+            Corpus::open(&p, Some(&tok), &opts(4))
+                .unwrap_err()
+                .to_string()
         };
         let e = open("empty.txt", b"");
         assert!(e.contains("empty.txt") && e.contains("empty"), "{e}");
@@ -562,7 +597,7 @@ mod tests {
         );
         let e = open("odd.bin", &[1, 0, 2]);
         assert!(e.contains("odd.bin") && e.contains("truncated"), "{e}");
-        let e = Corpus::open(&dir.path().join("missing.txt"), &tok, &opts(4))
+        let e = Corpus::open(&dir.path().join("missing.txt"), Some(&tok), &opts(4))
             .unwrap_err()
             .to_string();
         assert!(

@@ -140,6 +140,18 @@ impl Documents {
     pub fn path(&self) -> &Path {
         self.file.path()
     }
+
+    /// The documents concatenated into one stream, as windows (for fixed-length training).
+    pub fn as_windows(
+        &self,
+        seq_len: usize,
+        stride: usize,
+        split: &'static str,
+    ) -> Result<TokenWindows, DataError> {
+        let start = self.offsets.first().copied().unwrap_or(0) as usize;
+        let end = self.offsets.last().copied().unwrap_or(0) as usize;
+        TokenWindows::new(self.file.clone(), start..end, seq_len, stride, split)
+    }
 }
 
 impl Samples for Documents {

@@ -26,7 +26,7 @@
 //! std::fs::write(dir.path().join("d.jsonl"), lines).unwrap();
 //! let tok = Tokenizer::char_level("ab".chars());
 //! let opts = CorpusOptions { max_len: 64, ..CorpusOptions::default() };
-//! let Corpus::Documents { train, .. } = Corpus::open(&dir.path().join("d.jsonl"), &tok, &opts).unwrap()
+//! let Corpus::Documents { train, .. } = Corpus::open(&dir.path().join("d.jsonl"), Some(&tok), &opts).unwrap()
 //!     else { unreachable!() };
 //! let cfg = BudgetConfig { batch_tokens: 32, ..BudgetConfig::default() };
 //! let plan = TokenBudgetSampler::new(&train, cfg, 1, 0).unwrap().batches(0, 0);

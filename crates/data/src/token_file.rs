@@ -29,7 +29,6 @@ const HEADER: usize = 16;
 #[derive(Debug)]
 pub struct TokenFile {
     path: PathBuf,
-    /// None for an empty range (a map of length 0 is not allowed).
     map: Mmap,
     offset: usize,
     width: usize,
@@ -175,7 +174,8 @@ impl TokenWriter {
     pub fn create(path: impl AsRef<Path>, vocab_size: usize) -> Result<TokenWriter, DataError> {
         let path = path.as_ref().to_path_buf();
         let mut tmp = path.clone().into_os_string();
-        tmp.push(".tmp");
+        // Per process: ranks preparing the same cache never write one file together.
+        tmp.push(format!(".tmp{}", std::process::id()));
         let tmp = PathBuf::from(tmp);
         let file = File::create(&tmp).map_err(DataError::io("create", &tmp))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);

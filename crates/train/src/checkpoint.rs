@@ -33,6 +33,7 @@ pub fn save(
     model: &GPT,
     opt: &dyn Optimizer,
     state: &TrainState,
+    tokenizer_json: Option<&str>,
 ) -> Result<(), TrainError> {
     let mut extra = serde_json::Map::new();
     extra.insert("epoch".into(), json!(state.epoch));
@@ -54,7 +55,9 @@ pub fn save(
             model: Some(model),
             optimizer: Some(opt),
             trainer_state: Some(&trainer),
-            extra_files: Vec::new(),
+            extra_files: tokenizer_json
+                .map(|json| vec![(cohort_tokenizer::TOKENIZER_FILE, json.as_bytes())])
+                .unwrap_or_default(),
         },
     )?;
     Ok(())

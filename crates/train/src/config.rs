@@ -14,9 +14,13 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
-    /// `markov` (the embedded corpus with a known loss floor) or `random`
-    /// (seed 000's uniform random tokens, for throughput).
+    /// `markov` (the embedded corpus with a known loss floor), `random`
+    /// (seed 000's uniform random tokens, for throughput), or a path: UTF-8
+    /// text, `.jsonl`, a `.bin` token file, nanoGPT's train.bin/val.bin directory.
     pub data: String,
+    /// For `data` files: `char`, `bpe` (trained on the data, `vocab_size` ids)
+    /// or the path of a tokenizer.json.
+    pub tokenizer: String,
     /// Tokens in the Markov chain's alphabet (the model's vocabulary).
     pub markov_vocab: usize,
     /// How many previous tokens decide the next one in the Markov chain.
@@ -92,6 +96,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             data: "markov".into(),
+            tokenizer: "char".into(),
             markov_vocab: 64,
             markov_order: 1,
             markov_branching: 4,
@@ -168,11 +173,16 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Training data: `markov` (default; embedded corpus with a known loss floor) or `random`
-    /// (uniform random tokens, seed 000's ToyRandomDataset).
+    /// Training data: `markov` (default; embedded corpus with a known loss floor), `random`
+    /// (uniform random tokens, seed 000's ToyRandomDataset), or a PATH: UTF-8 text, `.jsonl`
+    /// (a "text" field per line), a `.bin` token file or nanoGPT's train.bin/val.bin directory.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data: Option<String>,
+    /// With --data PATH: `char`, `bpe` or a tokenizer.json path [default: char].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
     /// Alphabet size of the Markov corpus [default: 64].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -353,8 +363,14 @@ impl TrainConfig {
     /// themselves.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key, value: String, why| Err(ConfigError::Invalid { key, value, why });
-        if !matches!(self.data.as_str(), "markov" | "random") {
-            return bad("data", self.data.clone(), "must be `markov` or `random`");
+        if !matches!(self.data.as_str(), "markov" | "random")
+            && !std::path::Path::new(&self.data).exists()
+        {
+            return bad(
+                "data",
+                self.data.clone(),
+                "must be `markov`, `random` or an existing file or directory",
+            );
         }
         if self.batch_size == 0 {
             return bad("batch_size", "0".into(), "must be at least 1");

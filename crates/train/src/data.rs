@@ -39,6 +39,10 @@ pub trait Dataset: Send + Sync {
     fn loss_floor(&self) -> Option<f64>;
     /// One line saying what the data is, for the log.
     fn describe(&self) -> String;
+    /// The tokenizer.json of file data, saved with every checkpoint.
+    fn tokenizer_json(&self) -> Option<String> {
+        None
+    }
 }
 
 /// Seeds for sample streams: distinct, well-mixed per (seed, split, index).

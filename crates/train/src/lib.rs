@@ -31,12 +31,14 @@ pub mod bench;
 mod checkpoint;
 mod config;
 mod data;
+mod file_data;
 mod phases;
 mod train;
 
 pub use checkpoint::TrainState;
 pub use config::{ConfigError, TrainArgs, TrainConfig};
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
+pub use file_data::FileData;
 pub use phases::{Phase, Phases};
 pub use train::{build_dataset, model_config, train, Outcome};
 
@@ -82,6 +84,12 @@ pub enum TrainError {
         /// Why.
         reason: String,
     },
+    /// A data file (`--data PATH`) is unusable.
+    #[error("data: {0}")]
+    Files(#[from] cohort_data::DataError),
+    /// The tokenizer (`--tokenizer`) could not be built, loaded or saved.
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] cohort_tokenizer::TokenizerError),
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),

@@ -178,7 +178,7 @@ pub fn train(
     cfg.validate()?;
 
     // -- data -------------------------------------------------------------
-    let data = build_dataset(cfg)?;
+    let data = crate::file_data::build(cfg, pg)?;
     let (b, t) = (cfg.batch_size, data.seq_len());
     let tokens_per_step = (b * t * cfg.grad_accum * world) as f64;
     say(log, format!("data: {}", data.describe()))?;
@@ -368,7 +368,8 @@ pub fn train(
         let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
         if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
             if master {
-                checkpoint::save(out, cfg, world, &model, &opt, &state)?;
+                let tokenizer = data.tokenizer_json();
+                checkpoint::save(out, cfg, world, &model, &opt, &state, tokenizer.as_deref())?;
             }
         }
         window.add(Phase::Logging, t_log.elapsed());

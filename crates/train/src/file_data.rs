@@ -1,0 +1,216 @@
+//! `--data PATH`: training on files through `cohort-data` and `cohort-tokenizer`.
+//!
+//! PATH is UTF-8 text, a `.jsonl` file (documents concatenated into one stream here), a `.bin`
+//! token file or nanoGPT's directory with `train.bin`/`val.bin`. `--tokenizer` is `char`
+//! (vocabulary from the corpus), `bpe` (trained on the corpus, `vocab_size` ids) or the path of
+//! a tokenizer.json. Rank 0 builds the tokenizer and the token cache first, then the other
+//! ranks load what it wrote, so no two processes write the same file. This module never touches
+//! the model.
+
+use std::path::{Path, PathBuf};
+
+use cohort_comm::ProcessGroup;
+use cohort_data::{Corpus, CorpusOptions, Samples, TokenWindows};
+use cohort_tokenizer::Tokenizer;
+
+use crate::config::TrainConfig;
+use crate::data::{Dataset, Split};
+use crate::train::build_dataset;
+use crate::TrainError;
+
+/// A token stream from files, split into train and validation windows.
+pub struct FileData {
+    train: TokenWindows,
+    val: TokenWindows,
+    tokenizer: Option<Tokenizer>,
+    vocab_size: usize,
+    describe: String,
+}
+
+impl std::fmt::Debug for FileData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe)
+    }
+}
+
+/// Where the tokenizer built from `data` by `kind` is kept (beside the data).
+fn tokenizer_cache(data: &Path, kind: &str, vocab: usize) -> PathBuf {
+    let name = data
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "data".into());
+    let tag = if kind == "bpe" {
+        format!("bpe{vocab}")
+    } else {
+        kind.to_string()
+    };
+    data.with_file_name(format!("{name}.{tag}.tokenizer.json"))
+}
+
+/// The tokenizer `cfg.tokenizer` names, built (rank 0) or loaded (other ranks).
+fn tokenizer(
+    cfg: &TrainConfig,
+    data: &Path,
+    builder: bool,
+) -> Result<Option<Tokenizer>, TrainError> {
+    let token_file = data.is_dir() || data.extension().is_some_and(|e| e == "bin");
+    match cfg.tokenizer.as_str() {
+        // A token file carries ids already; without a tokenizer.json its vocabulary is vocab_size.
+        "char" | "bpe" if token_file => Ok(None),
+        kind @ ("char" | "bpe") => {
+            let cache = tokenizer_cache(data, kind, cfg.vocab_size);
+            if !builder {
+                return Tokenizer::from_file(&cache)
+                    .map(Some)
+                    .map_err(TrainError::from);
+            }
+            let tok = if kind == "char" {
+                Tokenizer::char_level_from_files(&[data])
+            } else {
+                Tokenizer::train_bpe(&[data], cfg.vocab_size, &["<|endoftext|>"])
+            }?;
+            tok.save(&cache)?;
+            Ok(Some(tok))
+        }
+        path => Tokenizer::from_file(path)
+            .map(Some)
+            .map_err(TrainError::from),
+    }
+}
+
+impl FileData {
+    fn open(cfg: &TrainConfig, builder: bool) -> Result<FileData, TrainError> {
+        let data = Path::new(&cfg.data);
+        let tokenizer = tokenizer(cfg, data, builder)?;
+        let vocab_size = tokenizer
+            .as_ref()
+            .map_or(cfg.vocab_size, |t| t.vocab_size());
+        let opts = CorpusOptions {
+            seq_len: cfg.seq_len,
+            max_len: usize::MAX,
+            // Token files without a tokenizer.json: ids are checked against vocab_size.
+            vocab_size: Some(cfg.vocab_size),
+            ..CorpusOptions::default()
+        };
+        let corpus = Corpus::open(data, tokenizer.as_ref(), &opts)?;
+        let describe = format!(
+            "{} ({} tokenizer, vocab {vocab_size})",
+            corpus.describe(),
+            tokenizer.as_ref().map_or("no", |t| t.kind()),
+        );
+        let (train, val) = match corpus {
+            Corpus::Stream { train, val } => (train, val),
+            Corpus::Documents { train, val } => (
+                train.as_windows(cfg.seq_len, 1, "train")?,
+                val.as_windows(cfg.seq_len, cfg.seq_len, "val")?,
+            ),
+        };
+        Ok(FileData {
+            train,
+            val,
+            tokenizer,
+            vocab_size,
+            describe,
+        })
+    }
+}
+
+impl Dataset for FileData {
+    fn len(&self, split: Split) -> usize {
+        match split {
+            Split::Train => self.train.len(),
+            Split::Val => self.val.len(),
+        }
+    }
+    fn seq_len(&self) -> usize {
+        self.train.seq_len()
+    }
+    fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+    fn read(&self, split: Split, index: usize, tokens: &mut [u32]) {
+        match split {
+            Split::Train => self.train.read(index, tokens),
+            Split::Val => self.val.read(index, tokens),
+        }
+    }
+    fn loss_floor(&self) -> Option<f64> {
+        None
+    }
+    fn describe(&self) -> String {
+        self.describe.clone()
+    }
+    fn tokenizer_json(&self) -> Option<String> {
+        self.tokenizer.as_ref().and_then(|t| t.to_json().ok())
+    }
+}
+
+/// The data set `cfg.data` names: the built-in ones, or files (rank 0 prepares them first).
+pub fn build(cfg: &TrainConfig, pg: &ProcessGroup) -> Result<Box<dyn Dataset>, TrainError> {
+    if matches!(cfg.data.as_str(), "markov" | "random") {
+        return build_dataset(cfg);
+    }
+    let data = if pg.rank() == 0 {
+        let data = FileData::open(cfg, true);
+        // Release the other ranks even when rank 0 failed; they then fail on their own.
+        pg.barrier()
+            .map_err(TrainError::comm("data preparation barrier"))?;
+        data?
+    } else {
+        pg.barrier()
+            .map_err(TrainError::comm("data preparation barrier"))?;
+        FileData::open(cfg, false)?
+    };
+    Ok(Box::new(data))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--data text --tokenizer char`: trains, the loss falls, every checkpoint has the
+    /// tokenizer.json, and a second run reuses the token cache.
+    #[test]
+    fn trains_on_a_text_file_and_saves_the_tokenizer() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "to be or not to be, that is the question.\n".repeat(200);
+        let src = dir.path().join("input.txt");
+        std::fs::write(&src, &text).unwrap();
+        let out = dir.path().join("out");
+        let cfg = TrainConfig {
+            data: src.to_str().unwrap().into(),
+            seq_len: 16,
+            n_layers: 1,
+            d_model: 32,
+            d_ff: 64,
+            n_heads: 2,
+            batch_size: 4,
+            steps: 30,
+            lr: 1e-2,
+            warmup_steps: 2,
+            eval_interval: 30,
+            log_interval: 10,
+            out: Some(out.clone()),
+            ..TrainConfig::default()
+        };
+        let pg = crate::process_group_from_env().unwrap();
+        let mut log = Vec::new();
+        let outcome = crate::train(&cfg, &pg, &mut log).unwrap();
+        let log = String::from_utf8(log).unwrap();
+        assert!(log.contains("char tokenizer, vocab 16"), "{log}");
+        let val = outcome.val_losses.last().unwrap().1;
+        assert!(val < 0.8 * 16f32.ln(), "learns: val loss {val}\n{log}");
+        let saved = Tokenizer::from_file(out.join("step-000030").join("tokenizer.json")).unwrap();
+        assert_eq!(saved.vocab_size(), 16);
+        assert!(tokenizer_cache(&src, "char", 0).is_file());
+        // A missing file is a config error naming it.
+        let bad = TrainConfig {
+            data: dir.path().join("nope.txt").to_str().unwrap().into(),
+            ..cfg
+        };
+        let err = crate::train(&bad, &pg, &mut Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("nope.txt"), "{err}");
+    }
+}

@@ -1,14 +1,18 @@
 //! `cohort sample`: generate text from a checkpoint. Wiring only: load the checkpoint, turn the
-//! prompt into token ids (`vocab.json` characters when the checkpoint has one, else the prompt
-//! is space-separated ids), call `cohort_gpt::sample::generate`, stream what it produces.
+//! prompt into token ids, call `cohort_gpt::sample::generate`, print what it produces.
+//!
+//! Text <-> ids, by what the checkpoint directory holds: a Hugging Face `tokenizer.json` (what
+//! `cohort train` writes), else a character-level `vocab.json`, else none, and then the prompt
+//! is space-separated token ids and the output is ids.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use cohort_gpt::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_gpt::checkpoint;
 use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
 /// Generate tokens from a checkpoint with a KV cache.
 #[derive(clap::Args, Debug)]
@@ -16,7 +20,8 @@ pub struct SampleArgs {
     /// Checkpoint directory, or a checkpoint root (its `latest` is used).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Text to continue; space-separated token ids when the checkpoint has no vocab.json.
+    /// Text to continue; space-separated token ids when the checkpoint has neither
+    /// tokenizer.json nor vocab.json.
     #[arg(long)]
     prompt: String,
     /// Tokens to generate.
@@ -33,29 +38,54 @@ pub struct SampleArgs {
     seed: u64,
 }
 
+/// How the checkpoint maps text to token ids.
+enum Text {
+    Tokenizer(Tokenizer),
+    Chars(CharVocab),
+    Ids,
+}
+
+impl Text {
+    fn load(dir: &Path) -> anyhow::Result<Text> {
+        let tokenizer = dir.join(TOKENIZER_FILE);
+        if tokenizer.is_file() {
+            return Ok(Text::Tokenizer(Tokenizer::from_file(&tokenizer)?));
+        }
+        Ok(match CharVocab::load(dir)? {
+            Some(v) => Text::Chars(v),
+            None => Text::Ids,
+        })
+    }
+
+    fn encode(&self, dir: &Path, prompt: &str) -> anyhow::Result<Vec<u32>> {
+        let file = |name: &str| dir.join(name).display().to_string();
+        match self {
+            Text::Tokenizer(t) => t
+                .encode(prompt)
+                .with_context(|| format!("encoding the prompt with {}", file(TOKENIZER_FILE))),
+            Text::Chars(v) => v
+                .encode(prompt)
+                .with_context(|| format!("encoding the prompt with {}", file(VOCAB_FILE))),
+            Text::Ids => prompt
+                .split_whitespace()
+                .map(|s| s.parse::<u32>())
+                .collect::<Result<_, _>>()
+                .with_context(|| {
+                    format!(
+                        "{} has no {TOKENIZER_FILE} or {VOCAB_FILE}, so the prompt must be \
+                         space-separated token ids",
+                        dir.display()
+                    )
+                }),
+        }
+    }
+}
+
 pub fn main(args: SampleArgs) -> anyhow::Result<()> {
     let (model, dir) = checkpoint::load_model(&args.checkpoint)
         .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
-    let vocab = CharVocab::load(&dir)?;
-    let prompt: Vec<u32> = match &vocab {
-        Some(v) => v.encode(&args.prompt).with_context(|| {
-            format!(
-                "encoding the prompt with {}",
-                dir.join(VOCAB_FILE).display()
-            )
-        })?,
-        None => args
-            .prompt
-            .split_whitespace()
-            .map(|s| s.parse::<u32>())
-            .collect::<Result<_, _>>()
-            .with_context(|| {
-                format!(
-                    "{} has no {VOCAB_FILE}, so the prompt must be space-separated token ids",
-                    dir.display()
-                )
-            })?,
-    };
+    let text = Text::load(&dir)?;
+    let prompt = text.encode(&dir, &args.prompt)?;
     let opts = SampleOptions {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,
@@ -63,29 +93,37 @@ pub fn main(args: SampleArgs) -> anyhow::Result<()> {
         seed: args.seed,
     };
     let mut out = std::io::stdout().lock();
-    // The prompt, then each token as it comes; after a failed write (a closed pipe) nothing
-    // more is written, and a broken pipe is not an error.
+    // The prompt, then the tokens as they come (a subword tokenizer's text only at the end: a
+    // token may be part of a character); after a failed write (a closed pipe) nothing more is
+    // written, and a broken pipe is not an error.
     let mut write_err = None;
-    let mut emit = |text: String| {
+    let mut emit = |s: &str| {
         if write_err.is_none() {
-            if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+            if let Err(e) = out.write_all(s.as_bytes()).and_then(|_| out.flush()) {
                 write_err = Some(e);
             }
         }
     };
-    match &vocab {
-        Some(_) => emit(args.prompt.clone()),
-        None => emit(join_ids(&prompt)),
+    match &text {
+        Text::Ids => emit(&join_ids(&prompt)),
+        _ => emit(&args.prompt),
     }
-    generate(&model, &prompt, &opts, |id| match &vocab {
-        Some(v) => emit(
-            v.decode(&[id])
+    let generated = generate(&model, &prompt, &opts, |id| match &text {
+        Text::Chars(v) => emit(
+            &v.decode(&[id])
                 .unwrap_or_else(|_| char::REPLACEMENT_CHARACTER.into()),
         ),
-        None => emit(format!(" {id}")),
+        Text::Ids => emit(&format!(" {id}")),
+        Text::Tokenizer(_) => {}
     })
     .context("sampling")?;
-    emit("\n".into());
+    if let Text::Tokenizer(t) = &text {
+        emit(
+            &t.decode(&generated)
+                .context("decoding the generated tokens")?,
+        );
+    }
+    emit("\n");
     match write_err {
         Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         Some(e) => Err(e).context("writing to stdout"),

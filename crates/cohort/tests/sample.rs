@@ -7,6 +7,7 @@ use cohort_gpt::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::sample::{generate, SampleOptions};
 use cohort_gpt::{GPTConfig, GPT};
+use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
 fn tiny() -> GPTConfig {
     GPTConfig {
@@ -163,4 +164,44 @@ fn samples_ids_without_a_vocab_and_reports_bad_input() {
         err.contains("nope") && err.contains("not a checkpoint"),
         "{err}"
     );
+}
+
+#[test]
+fn samples_text_with_a_tokenizer_json() {
+    let root = tempfile::tempdir().unwrap();
+    let tok = Tokenizer::char_level("\nabcdefgh ,.".chars());
+    assert_eq!(tok.vocab_size(), tiny().vocab_size);
+    let m = model();
+    let json = tok.to_json().unwrap();
+    checkpoint::save(
+        root.path(),
+        "step-1",
+        &Checkpoint {
+            model: Some(&m),
+            extra_files: vec![(TOKENIZER_FILE, json.as_bytes())],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let greedy = SampleOptions {
+        max_new_tokens: 20,
+        temperature: 0.0,
+        top_k: None,
+        seed: 0,
+    };
+    let want = generate(&m, &tok.encode("ba").unwrap(), &greedy, |_| {}).unwrap();
+    let want = format!("ba{}\n", tok.decode(&want).unwrap());
+    let args = [
+        "--prompt",
+        "ba",
+        "--max-new-tokens",
+        "20",
+        "--temperature",
+        "0",
+    ];
+    assert_eq!(stdout(&sample(root.path(), &args)), want);
+    let out = sample(root.path(), &["--prompt", "bZ"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(TOKENIZER_FILE), "{err}");
 }

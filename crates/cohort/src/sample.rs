@@ -40,7 +40,7 @@ pub struct SampleArgs {
 
 /// How the checkpoint maps text to token ids.
 enum Text {
-    Tokenizer(Tokenizer),
+    Tokenizer(Box<Tokenizer>),
     Chars(CharVocab),
     Ids,
 }
@@ -49,7 +49,7 @@ impl Text {
     fn load(dir: &Path) -> anyhow::Result<Text> {
         let tokenizer = dir.join(TOKENIZER_FILE);
         if tokenizer.is_file() {
-            return Ok(Text::Tokenizer(Tokenizer::from_file(&tokenizer)?));
+            return Ok(Text::Tokenizer(Box::new(Tokenizer::from_file(&tokenizer)?)));
         }
         Ok(match CharVocab::load(dir)? {
             Some(v) => Text::Chars(v),

@@ -98,6 +98,64 @@ pub fn assign_buckets(
     buckets
 }
 
+/// Buckets made of whole "ready ranges" (the ranges backward reports at
+/// once, in the order it reported them), so that no bucket waits for part of
+/// a range that finishes later: PyTorch rebuilds its buckets after the first
+/// iteration from the order gradients became ready, for the same reason.
+/// Same caps as [`assign_buckets`], applied to whole ranges; a bucket ends
+/// only where a range boundary is also a parameter boundary. `None` when the
+/// ranges do not tile the buffer from the top down (then the parameter-based
+/// buckets stay).
+pub fn assign_buckets_aligned(
+    params: &[ParamSpec],
+    ready: &[Range<usize>],
+    first_cap_bytes: usize,
+    cap_bytes: usize,
+) -> Option<Vec<GradientBucket>> {
+    let total = params.last().map_or(0, |p| p.range.end);
+    let mut top = total;
+    for r in ready {
+        if r.end != top || r.is_empty() {
+            return None;
+        }
+        top = r.start;
+    }
+    if top != 0 {
+        return None;
+    }
+    let starts: std::collections::HashSet<usize> = params.iter().map(|p| p.range.start).collect();
+    let mut bounds = vec![total];
+    let mut limit = first_cap_bytes.min(cap_bytes);
+    for r in ready {
+        let open = bounds[bounds.len() - 1];
+        if (open - r.start) * ELEM_BYTES >= limit && starts.contains(&r.start) && r.start > 0 {
+            bounds.push(r.start);
+            limit = cap_bytes;
+        }
+    }
+    bounds.push(0);
+    Some(buckets_from_bounds(params, &bounds))
+}
+
+/// Buckets between descending offsets `bounds` (from the total down to 0),
+/// each a whole number of parameters.
+pub(crate) fn buckets_from_bounds(params: &[ParamSpec], bounds: &[usize]) -> Vec<GradientBucket> {
+    bounds
+        .windows(2)
+        .filter(|w| w[0] > w[1])
+        .enumerate()
+        .map(|(index, w)| {
+            let first = params.partition_point(|p| p.range.start < w[1]);
+            let last = params.partition_point(|p| p.range.start < w[0]);
+            GradientBucket {
+                index,
+                range: w[1]..w[0],
+                params: first..last,
+            }
+        })
+        .collect()
+}
+
 fn make_bucket(params: &[ParamSpec], index: usize, ids: Range<usize>) -> GradientBucket {
     GradientBucket {
         index,
@@ -165,6 +223,35 @@ mod tests {
         let p = layout(&[10; 4]);
         let b = assign_buckets(&p, 1 << 20, 40);
         assert_eq!(b.len(), 4);
+    }
+
+    #[test]
+    fn aligned_buckets_end_on_ready_range_boundaries() {
+        // Params of 100 floats; backward reports [700, 1000), [300, 700), [0, 300).
+        let p = layout(&[100; 10]);
+        let ready = [700..1000, 300..700, 0..300];
+        // First cap 800 B = 200 floats: closes after the first range (300
+        // floats), not inside the second as param-based buckets would.
+        let b = assign_buckets_aligned(&p, &ready, 800, 2000).unwrap();
+        assert_partition(&b, 1000);
+        let ranges: Vec<_> = b.iter().map(|b| b.range.clone()).collect();
+        assert_eq!(ranges, vec![700..1000, 0..700]);
+        assert_eq!(b[1].params, 0..7);
+        // Cap 0: one bucket per range; huge: one bucket.
+        assert_eq!(assign_buckets_aligned(&p, &ready, 0, 0).unwrap().len(), 3);
+        assert_eq!(
+            assign_buckets_aligned(&p, &ready, usize::MAX, usize::MAX)
+                .unwrap()
+                .len(),
+            1
+        );
+        // A range boundary inside a parameter is no bucket boundary.
+        let odd = [650..1000, 0..650];
+        let b = assign_buckets_aligned(&p, &odd, 0, 0).unwrap();
+        assert_eq!(b.len(), 1);
+        // Ranges that do not tile the buffer top-down: no rebuild.
+        assert!(assign_buckets_aligned(&p, &[0..300, 300..1000], 0, 0).is_none());
+        assert!(assign_buckets_aligned(&p, &[700..1000, 0..300], 0, 0).is_none());
     }
 
     #[test]

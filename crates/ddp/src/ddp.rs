@@ -8,7 +8,10 @@
 //! knows flat f32 buffers, parameter names and process groups, never what
 //! the model computes.
 
-use crate::bucket::{assign_buckets, check_layout, GradientBucket, ParamSpec};
+use crate::bucket::{
+    assign_buckets, assign_buckets_aligned, buckets_from_bounds, check_layout, GradientBucket,
+    ParamSpec,
+};
 use crate::error::DdpError;
 use crate::reducer::Reducer;
 use cohort_comm::{ProcessGroup, ReduceOp};
@@ -111,6 +114,8 @@ pub struct Ddp<'pg> {
     options: DdpOptions,
     /// bf16 staging for [`Compression::Bf16`], reused across steps.
     scratch: Vec<bf16>,
+    /// Whether the buckets were rebuilt along backward's ready ranges.
+    rebuilt: bool,
 }
 
 impl<'pg> Ddp<'pg> {
@@ -134,7 +139,6 @@ impl<'pg> Ddp<'pg> {
         verify_same_model(pg, &params)?;
         pg.broadcast(param_buffer, 0)
             .map_err(comm("broadcast", None))?;
-        let mb = |x: f64| (x.max(0.0) * 1024.0 * 1024.0) as usize;
         let buckets = assign_buckets(
             &params,
             mb(options.first_bucket_mb),
@@ -147,6 +151,7 @@ impl<'pg> Ddp<'pg> {
             total,
             options,
             scratch: Vec::new(),
+            rebuilt: false,
         })
     }
 
@@ -188,7 +193,7 @@ impl<'pg> Ddp<'pg> {
         let world = self.pg.size();
         // Alone, averaging is the identity: only the checks remain.
         let solo = world == 1 && self.options.compression == Compression::None;
-        let (next, unused, covered) = if self.options.overlap && !solo {
+        let end = if self.options.overlap && !solo {
             self.backward_overlapped(model, &mut stats)?
         } else {
             let mut reducer = Reducer::new(&self.params, &self.buckets, self.total, false);
@@ -196,12 +201,16 @@ impl<'pg> Ddp<'pg> {
             let backward = model
                 .backward(&mut |range, grads| reducer.mark_ready(range, grads, &mut |_, _| {}));
             stats.backward = t.elapsed();
-            let covered = reducer.covered().to_vec();
-            let finished = reducer.finish();
+            let end = BackwardEnd::of(reducer);
             backward.map_err(DdpError::Backward)?;
-            let (next, unused) = finished?;
-            (next, unused.cloned(), covered)
+            end?
         };
+        let BackwardEnd {
+            next,
+            unused,
+            covered,
+            ready,
+        } = end;
         stats.overlapped_buckets = next;
 
         // Buckets from `next` on were not launched during backward: not yet
@@ -243,15 +252,51 @@ impl<'pg> Ddp<'pg> {
             stats.comm_busy += tb.elapsed();
         }
         stats.comm_wait += t.elapsed();
+        if !self.rebuilt {
+            self.rebuild_buckets(&ready)?;
+        }
         Ok(stats)
+    }
+
+    /// After the first synchronising backward, re-cuts the buckets along the
+    /// ranges backward reported (see [`assign_buckets_aligned`]), as PyTorch
+    /// rebuilds its buckets after the first iteration. Rank 0's layout is
+    /// broadcast so every rank keeps issuing identical all-reduces even if
+    /// their backwards reported differently. Collective.
+    fn rebuild_buckets(&mut self, ready: &[Range<usize>]) -> Result<(), DdpError> {
+        self.rebuilt = true;
+        let mut bounds: Vec<i64> = Vec::new();
+        if self.pg.rank() == 0 {
+            let (first, cap) = (
+                mb(self.options.first_bucket_mb),
+                mb(self.options.bucket_cap_mb),
+            );
+            if let Some(b) = assign_buckets_aligned(&self.params, ready, first, cap) {
+                bounds.push(self.total as i64);
+                bounds.extend(b.iter().map(|b| b.range.start as i64));
+            }
+        }
+        if self.pg.size() > 1 {
+            let mut n = [bounds.len() as i64];
+            self.pg
+                .broadcast(&mut n, 0)
+                .map_err(comm("broadcast", None))?;
+            bounds.resize(n[0] as usize, 0);
+            self.pg
+                .broadcast(&mut bounds, 0)
+                .map_err(comm("broadcast", None))?;
+        }
+        if !bounds.is_empty() {
+            let bounds: Vec<usize> = bounds.iter().map(|&b| b as usize).collect();
+            self.buckets = buckets_from_bounds(&self.params, &bounds);
+        }
+        Ok(())
     }
 }
 
 impl Ddp<'_> {
     /// Backward with a communication thread that all-reduces each bucket as
-    /// soon as the reducer launches it. Returns the first bucket not
-    /// launched, the first parameter never reported, and per bucket the
-    /// ranges reported.
+    /// soon as the reducer launches it.
     fn backward_overlapped<R: Replica>(
         &mut self,
         model: &mut R,
@@ -283,8 +328,7 @@ impl Ddp<'_> {
             });
             stats.backward = t.elapsed();
             drop(tx);
-            let covered = reducer.covered().to_vec();
-            let finished = reducer.finish();
+            let end = BackwardEnd::of(reducer);
             let t = Instant::now();
             let busy = comm
                 .join()
@@ -292,15 +336,41 @@ impl Ddp<'_> {
             stats.comm_wait = t.elapsed();
             stats.comm_busy = busy;
             backward.map_err(DdpError::Backward)?;
-            let (next, unused) = finished?;
-            Ok((next, unused.cloned(), covered))
+            end
         })
     }
 }
 
-/// How a backward ended: first bucket not launched, first parameter never
-/// reported, ranges reported per bucket.
-type BackwardEnd = (usize, Option<ParamSpec>, Vec<Vec<Range<usize>>>);
+/// How a backward ended.
+struct BackwardEnd {
+    /// The first bucket not launched during backward.
+    next: usize,
+    /// The first parameter whose gradient was never reported.
+    unused: Option<ParamSpec>,
+    /// Per bucket, the ranges reported.
+    covered: Vec<Vec<Range<usize>>>,
+    /// The ranges reported, in order.
+    ready: Vec<Range<usize>>,
+}
+
+impl BackwardEnd {
+    fn of(reducer: Reducer<'_, '_>) -> Result<BackwardEnd, DdpError> {
+        let covered = reducer.covered().to_vec();
+        let ready = reducer.ready_log().to_vec();
+        let (next, unused) = reducer.finish()?;
+        Ok(BackwardEnd {
+            next,
+            unused: unused.cloned(),
+            covered,
+            ready,
+        })
+    }
+}
+
+/// Megabytes (MiB, as PyTorch) to bytes.
+fn mb(x: f64) -> usize {
+    (x.max(0.0) * 1024.0 * 1024.0) as usize
+}
 
 /// Averages one bucket across the group.
 fn reduce_bucket(

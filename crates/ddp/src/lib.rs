@@ -11,6 +11,8 @@
 //!   across ranks, bucket by bucket ([`GradientBucket`]), each bucket's
 //!   all-reduce starting on a communication thread as soon as backward has
 //!   finished its gradients, while backward goes on with the layers below.
+//!   After the first backward the buckets are re-cut along the ranges the
+//!   model reported, so that no bucket waits for a range finished later.
 //!   [`Ddp::backward_no_sync`] is `no_sync` for gradient accumulation.
 //!
 //! This crate knows flat buffers, parameter names and process groups, never
@@ -56,7 +58,7 @@ mod error;
 mod reducer;
 mod sampler;
 
-pub use bucket::{assign_buckets, GradientBucket, ParamSpec};
+pub use bucket::{assign_buckets, assign_buckets_aligned, GradientBucket, ParamSpec};
 pub use ddp::{
     Compression, Ddp, DdpOptions, Replica, SyncStats, DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_MB,

@@ -33,6 +33,8 @@ pub(crate) struct Reducer<'b, 'g> {
     next: usize,
     /// The first misuse seen in the hook (which cannot return errors).
     error: Option<DdpError>,
+    /// Every range reported, in the order reported.
+    ready_log: Vec<Range<usize>>,
 }
 
 impl<'b, 'g> Reducer<'b, 'g> {
@@ -54,6 +56,7 @@ impl<'b, 'g> Reducer<'b, 'g> {
             complete: (0..n).map(|_| None).collect(),
             next: 0,
             error: None,
+            ready_log: Vec::new(),
         }
     }
 
@@ -91,6 +94,7 @@ impl<'b, 'g> Reducer<'b, 'g> {
         if range.end > self.total {
             return Err(bad("ends past the gradient buffer"));
         }
+        self.ready_log.push(range.clone());
         // Buckets are in descending address order; walk the ones that
         // intersect `range` from its top down, peeling pieces off the end.
         let mut b = self
@@ -179,6 +183,11 @@ impl<'b, 'g> Reducer<'b, 'g> {
             gaps.push(at..bucket.end);
         }
         gaps
+    }
+
+    /// Every range reported so far, in the order backward reported them.
+    pub(crate) fn ready_log(&self) -> &[Range<usize>] {
+        &self.ready_log
     }
 
     /// Per bucket, the ranges reported (for zeroing the gaps afterwards).

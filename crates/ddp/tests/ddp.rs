@@ -247,6 +247,31 @@ fn bucket_layout_follows_pytorch() {
 }
 
 #[test]
+fn buckets_are_recut_along_the_ready_ranges_after_the_first_backward() {
+    let counts = spawn::threads_with(2, opts(), |pg| {
+        let mut m = Toy::new(&LENS, data(pg.rank()));
+        let o = DdpOptions {
+            bucket_cap_mb: 0.05,
+            first_bucket_mb: 0.05,
+            ..DdpOptions::default()
+        };
+        let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, o)?;
+        let before = ddp.buckets().len();
+        ddp.backward(&mut m)?;
+        // The toy reports ranges of 7000 floats that never end on a
+        // parameter boundary (except at 0): one bucket is all that keeps
+        // whole ranges together.
+        let after: Vec<_> = ddp.buckets().iter().map(|b| b.range.clone()).collect();
+        ddp.backward(&mut m)?;
+        Ok::<_, DdpError>((before, after))
+    })
+    .unwrap();
+    assert_eq!(counts[0].0, 3);
+    assert_eq!(counts[0].1, vec![0..46_956]);
+    assert_eq!(counts[0], counts[1]);
+}
+
+#[test]
 fn no_sync_accumulates_locally_and_the_last_micro_step_averages() {
     let micro = 3;
     let got = spawn::threads_with(2, opts(), |pg| {

@@ -33,8 +33,23 @@ impl std::fmt::Debug for FileData {
     }
 }
 
-/// Where the tokenizer built from `data` by `kind` is kept (beside the data).
-fn tokenizer_cache(data: &Path, kind: &str, vocab: usize) -> PathBuf {
+/// Where caches built from `data` go: `OUT/data-cache` when the run has an out directory
+/// (so a read-only corpus directory works), else beside the data.
+fn cache_dir(cfg: &TrainConfig, data: &Path) -> Result<PathBuf, TrainError> {
+    let dir = match &cfg.out {
+        Some(out) => out.join("data-cache"),
+        None => data.parent().unwrap_or(Path::new(".")).to_path_buf(),
+    };
+    std::fs::create_dir_all(&dir).map_err(|source| cohort_data::DataError::Io {
+        op: "create",
+        path: dir.clone(),
+        source,
+    })?;
+    Ok(dir)
+}
+
+/// Where the tokenizer built from `data` by `kind` is kept.
+fn tokenizer_cache(dir: &Path, data: &Path, kind: &str, vocab: usize) -> PathBuf {
     let name = data
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -44,7 +59,7 @@ fn tokenizer_cache(data: &Path, kind: &str, vocab: usize) -> PathBuf {
     } else {
         kind.to_string()
     };
-    data.with_file_name(format!("{name}.{tag}.tokenizer.json"))
+    dir.join(format!("{name}.{tag}.tokenizer.json"))
 }
 
 /// The tokenizer `cfg.tokenizer` names, built (rank 0) or loaded (other ranks).
@@ -58,7 +73,7 @@ fn tokenizer(
         // A token file carries ids already; without a tokenizer.json its vocabulary is vocab_size.
         "char" | "bpe" if token_file => Ok(None),
         kind @ ("char" | "bpe") => {
-            let cache = tokenizer_cache(data, kind, cfg.vocab_size);
+            let cache = tokenizer_cache(&cache_dir(cfg, data)?, data, kind, cfg.vocab_size);
             if !builder {
                 return Tokenizer::from_file(&cache)
                     .map(Some)
@@ -90,6 +105,7 @@ impl FileData {
             max_len: usize::MAX,
             // Token files without a tokenizer.json: ids are checked against vocab_size.
             vocab_size: Some(cfg.vocab_size),
+            cache_dir: Some(cache_dir(cfg, data)?),
             ..CorpusOptions::default()
         };
         let corpus = Corpus::open(data, tokenizer.as_ref(), &opts)?;
@@ -202,7 +218,13 @@ mod tests {
         assert!(val < 0.8 * 16f32.ln(), "learns: val loss {val}\n{log}");
         let saved = Tokenizer::from_file(out.join("step-000030").join("tokenizer.json")).unwrap();
         assert_eq!(saved.vocab_size(), 16);
-        assert!(tokenizer_cache(&src, "char", 0).is_file());
+        let cache = out.join("data-cache");
+        assert!(tokenizer_cache(&cache, &src, "char", 0).is_file());
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            2,
+            "nothing beside the data"
+        );
         // A missing file is a config error naming it.
         let bad = TrainConfig {
             data: dir.path().join("nope.txt").to_str().unwrap().into(),

@@ -40,8 +40,8 @@ pub struct BenchDdpArgs {
     /// Single-rank tokens/s to compute the efficiency against, instead of measuring it.
     #[arg(long)]
     pub baseline_tokens_per_s: Option<f64>,
-    /// DDP bucket size in MB.
-    #[arg(long, default_value_t = cohort_ddp::DEFAULT_BUCKET_CAP_MB)]
+    /// DDP bucket size in MB (PyTorch's default: 25).
+    #[arg(long, default_value_t = crate::config::TUNED_BUCKET_CAP_MB)]
     pub bucket_cap_mb: f64,
     /// DDP first bucket size in MB.
     #[arg(long, default_value_t = cohort_ddp::DEFAULT_FIRST_BUCKET_MB)]

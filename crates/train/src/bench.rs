@@ -12,12 +12,13 @@
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
 //! It reports; it never changes what it measures.
 
-use crate::train::{decay_mask, param_specs, GptReplica};
+use crate::train::{param_specs, GptReplica};
 use crate::TrainError;
 use cohort_comm::ProcessGroup;
 use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::bench::process_cpu_ms;
+use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -158,7 +159,7 @@ pub fn run_ddp_bench(
     let (rank, world) = (pg.rank(), pg.size());
 
     let mut model = GPT::new(cfg.clone(), 1234)?;
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(&model)?)?;
+    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
     let options = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
         first_bucket_mb: args.first_bucket_mb,
@@ -293,7 +294,7 @@ fn single_rank(
 ) -> Result<(f64, f64), TrainError> {
     let t = cfg.max_position_embeddings;
     let mut model = GPT::new(cfg.clone(), 1234)?;
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(&model)?)?;
+    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
     let mut times = Vec::with_capacity(steps);
     let mut cpu0 = 0.0;
     for i in 0..warmup + steps {

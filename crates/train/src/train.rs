@@ -12,7 +12,8 @@ use crate::phases::{Phase, Phases};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_ddp::{Compression, Ddp, DdpOptions, DistributedSampler, ParamSpec, Replica};
-use cohort_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, DecayMask, LrSchedule, Optimizer};
+use cohort_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, Optimizer};
+use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use std::io::{IsTerminal, Write};
 use std::ops::Range;
@@ -105,16 +106,6 @@ pub(crate) fn param_specs(model: &GPT) -> Vec<ParamSpec> {
         .collect()
 }
 
-/// nanoGPT's rule: matrices decay, vectors (biases, LayerNorm) do not.
-pub(crate) fn decay_mask(model: &GPT) -> Result<DecayMask, TrainError> {
-    let exempt = model
-        .param_views()
-        .iter()
-        .filter(|v| v.shape.len() < 2)
-        .map(|v| v.range.clone());
-    Ok(DecayMask::with_exempt(model.num_params(), exempt)?)
-}
-
 /// Where this rank is in its stream of training samples.
 struct Cursor {
     sampler: DistributedSampler,
@@ -193,7 +184,7 @@ pub fn train(
         weight_decay: cfg.weight_decay,
         ..AdamWConfig::default()
     };
-    let mut opt = AdamW::new(adamw, decay_mask(&model)?)?;
+    let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
     let mut state = TrainState::default();
     if let Some(dir) = &cfg.resume {
         state = checkpoint::load(dir, cfg, world, &mut model, &mut opt)?;

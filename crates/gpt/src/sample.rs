@@ -6,11 +6,14 @@
 //! model's backend for LayerNorm, the matrix products, GELU and the LM head, and computes the
 //! attention of the new rows over the cache itself (a few dot products per cached token).
 //!
-//! Context longer than `max_position_embeddings`: positions are learned absolute embeddings, so
-//! we do what nanoGPT's `generate` does and condition every prediction on the last
-//! `max_position_embeddings` tokens (a sliding window). While the sequence fits, the cache grows
-//! by one token per step; once it is full, each step rebuilds it from the last window of tokens
-//! (one batched forward over the window, the cost nanoGPT pays at every step).
+//! Context longer than the model's window: positions are learned absolute embeddings, so we do
+//! what nanoGPT's `generate` does and condition every prediction on the last [`context_window`]
+//! tokens (a sliding window). While the sequence fits, the cache grows by one token per step; once
+//! it is full, each step rebuilds it from the last window of tokens (one batched forward over the
+//! window, the cost nanoGPT pays at every step). The window is one shorter than
+//! `max_position_embeddings`: cohort trains with labels aligned to the inputs (Hugging Face's
+//! convention), so the last position of a full-length training window never has a target and its
+//! position embedding never learns to predict; predicting from it produces garbage.
 //!
 //! This module never changes the model and never allocates per token: buffers are sized for a
 //! full window when the decoder is built.
@@ -408,9 +411,14 @@ fn sample_token(
     last as u32
 }
 
+/// How many tokens `generate` conditions on: `max_position_embeddings - 1` (see the module doc).
+pub fn context_window(cfg: &GPTConfig) -> usize {
+    cfg.max_position_embeddings.saturating_sub(1).max(1)
+}
+
 /// Generates up to `opts.max_new_tokens` tokens after `prompt`, calling `on_token` with each as
 /// it is produced; returns the generated tokens (without the prompt). A prompt longer than the
-/// position embedding is cropped to its last `max_position_embeddings` tokens, as nanoGPT does.
+/// [`context_window`] is cropped to its last tokens, as nanoGPT does.
 pub fn generate(
     model: &GPT,
     prompt: &[u32],
@@ -426,7 +434,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(SampleError::EmptyPrompt);
     }
-    let max_t = model.config().max_position_embeddings;
+    let max_t = context_window(model.config());
     let mut seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
     let mut decoder = Decoder::new(model);
     let mut rng = Rng(opts.seed);
@@ -483,10 +491,7 @@ mod tests {
 
     /// Greedy decoding by re-running the full forward on the (cropped) sequence every step.
     fn greedy_full(model: &mut GPT, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-        let (max_t, v) = (
-            model.config().max_position_embeddings,
-            model.config().vocab_size,
-        );
+        let (max_t, v) = (context_window(model.config()), model.config().vocab_size);
         let mut seq = prompt.to_vec();
         let (mut out, mut all_logits) = (Vec::new(), Vec::new());
         for _ in 0..steps {
@@ -521,6 +526,7 @@ mod tests {
 
             // and the logits agree at every step, through the slide (to f32 rounding of two
             // attention implementations over the large activations of the scaled weights)
+            let window = context_window(cached_model.config());
             let mut dec = Decoder::new(&cached_model);
             let mut seq = prompt.to_vec();
             let mut logits = dec.feed(&seq).unwrap().to_vec();
@@ -536,11 +542,11 @@ mod tests {
                     "step {step}: max |logit diff| {worst} of {scale}"
                 );
                 seq.push(full[step]);
-                logits = if dec.len() < 13 {
+                logits = if dec.len() < window {
                     dec.feed(&[full[step]]).unwrap().to_vec()
                 } else {
                     dec.reset();
-                    dec.feed(&seq[seq.len() - 13..]).unwrap().to_vec()
+                    dec.feed(&seq[seq.len() - window..]).unwrap().to_vec()
                 };
             }
         }

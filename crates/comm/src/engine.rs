@@ -478,6 +478,42 @@ struct RecvState {
     got: usize,
 }
 
+/// The error for a failed write to `peer`. A peer that hit a mismatch may
+/// have sent its frame and closed before this rank wrote: over a Unix
+/// socket the write then fails at once, while the peer's header still
+/// waits unread. Reading that header names the mismatch, the root cause.
+fn write_failed(
+    env: &OpEnv<'_>,
+    sched: &Schedule,
+    recvs: &mut [RecvState],
+    peer: usize,
+    e: &io::Error,
+) -> CommError {
+    for (st, stream) in recvs.iter_mut().zip(&sched.recvs) {
+        let Some(f) = stream.frames.get(st.done) else {
+            continue;
+        };
+        if stream.peer != peer || st.hdr_got == HEADER_BYTES {
+            continue;
+        }
+        while st.hdr_got < HEADER_BYTES {
+            match env
+                .transport
+                .try_read(env.channel, peer, &mut st.hdr[st.hdr_got..])
+            {
+                Ok(n) if n > 0 => st.hdr_got += n,
+                _ => break,
+            }
+        }
+        if st.hdr_got == HEADER_BYTES {
+            if let Err(m @ CommError::Mismatch { .. }) = env.check(peer, &st.hdr, f.dst.len()) {
+                return m;
+            }
+        }
+    }
+    env.lost(peer, e)
+}
+
 /// Runs `sched` to completion, reducing with `reduce` where frames ask for it.
 pub(crate) fn run(
     env: &OpEnv<'_>,
@@ -549,7 +585,7 @@ pub(crate) fn run(
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(env.lost(stream.peer, &e)),
+                    Err(e) => return Err(write_failed(env, sched, &mut recvs, stream.peer, &e)),
                 }
             }
         }

@@ -3,7 +3,9 @@
 //! SIGKILL mid-collective makes every survivor fail fast naming it; groups
 //! form through `env://` (store hosted by rank 0, or by the parent as a
 //! launcher would), through `tcp://` and through `file://`; a missing
-//! variable is named.
+//! variable is named. Ranks on one host talk over Unix sockets by default
+//! and over TCP with `COHORT_TRANSPORT=tcp`: collectives and the killed-rank
+//! check run over both.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -26,11 +28,15 @@ fn main() {
         };
         std::process::exit(code);
     }
-    let tests: [(&str, fn()); 5] = [
-        (
-            "killed_rank_fails_every_survivor_fast",
-            killed_rank_fails_every_survivor_fast,
-        ),
+    let tests: [(&str, fn()); 8] = [
+        ("killed_rank_fails_every_survivor_fast", || {
+            killed_rank_fails_every_survivor_fast("auto")
+        }),
+        ("killed_rank_fails_every_survivor_fast_over_tcp", || {
+            killed_rank_fails_every_survivor_fast("tcp")
+        }),
+        ("collectives_over_unix_sockets", || collectives_over("unix")),
+        ("collectives_over_forced_tcp", || collectives_over("tcp")),
         (
             "env_init_with_a_launcher_hosted_store",
             env_init_with_a_launcher_hosted_store,
@@ -118,6 +124,30 @@ fn child(role: &str) -> Result<(), Box<dyn std::error::Error>> {
             pg.barrier()?;
             Ok(())
         }
+        // Every all_reduce algorithm at sizes around its segments, then
+        // the other collectives, checked against closed forms.
+        "collectives_check" => {
+            let pg = init_process_group("tcp", "env://", InitOptions::default())?;
+            let (r, n) = (pg.rank() as f32, pg.size() as f32);
+            for len in [0usize, 1, 1021, 65_537, 300_007, 1 << 20] {
+                let mut x: Vec<f32> = (0..len).map(|i| r + (i % 7) as f32).collect();
+                pg.all_reduce(&mut x, ReduceOp::Sum)?;
+                let sum_r = n * (n - 1.0) / 2.0;
+                for (i, v) in x.iter().enumerate() {
+                    assert_eq!(*v, sum_r + n * (i % 7) as f32, "len {len} at {i}");
+                }
+            }
+            let mut b = vec![r; 100_003];
+            pg.broadcast(&mut b, 1)?;
+            assert!(b.iter().all(|&v| v == 1.0));
+            let mut all = vec![0.0f32; 3 * pg.size()];
+            pg.all_gather(&[r; 3], &mut all)?;
+            for (i, v) in all.iter().enumerate() {
+                assert_eq!(*v, (i / 3) as f32);
+            }
+            pg.barrier()?;
+            Ok(())
+        }
         "env_missing" => {
             init_process_group("tcp", "env://", InitOptions::default())?;
             Ok(())
@@ -165,7 +195,7 @@ fn watch(children: &mut [Child]) -> mpsc::Receiver<(usize, String)> {
     rx
 }
 
-fn killed_rank_fails_every_survivor_fast() {
+fn killed_rank_fails_every_survivor_fast(transport: &str) {
     let world = 3;
     let victim = 1;
     // A group timeout far longer than the test allows: only fail-fast passes.
@@ -173,6 +203,7 @@ fn killed_rank_fails_every_survivor_fast() {
         ("MASTER_ADDR", "127.0.0.1".to_string()),
         ("MASTER_PORT", free_port().to_string()),
         ("COHORT_TIMEOUT", "300".to_string()),
+        ("COHORT_TRANSPORT", transport.to_string()),
     ];
     let mut children: Vec<Child> = (0..world)
         .map(|r| start("allreduce_forever", r, world, &env))
@@ -252,6 +283,20 @@ fn all_succeed(role: &str, world: usize, env: &[(&str, String)]) {
         let status = c.wait().unwrap();
         let text = std::io::read_to_string(out).unwrap();
         assert!(status.success(), "{role} rank {rank}: {status} {text}");
+    }
+}
+
+fn collectives_over(transport: &str) {
+    for world in [2, 3] {
+        all_succeed(
+            "collectives_check",
+            world,
+            &[
+                ("MASTER_ADDR", "127.0.0.1".to_string()),
+                ("MASTER_PORT", free_port().to_string()),
+                ("COHORT_TRANSPORT", transport.to_string()),
+            ],
+        );
     }
 }
 

@@ -10,8 +10,16 @@
 //! connection (another job, a previous run on a reused port) is refused
 //! instead of being mistaken for a peer.
 //!
-//! After rendezvous the sockets are non-blocking with `TCP_NODELAY`; the
-//! engine above drives them with [`Transport::try_read`] /
+//! Same-host fast path: ranks that share a kernel and a network namespace
+//! (same boot id and netns, published as `unix/<rank>`) connect over Unix
+//! domain stream sockets in the abstract namespace instead of TCP loopback:
+//! the same hello, checks and byte stream, without the TCP stack (measured
+//! in `all_reduce`'s docs). A rank also listens on TCP, so a failed Unix
+//! connect falls back to TCP, and `COHORT_TRANSPORT=tcp` forces TCP.
+//! Abstract names vanish with their socket, so nothing is left on disk.
+//!
+//! After rendezvous the sockets are non-blocking (TCP ones with
+//! `TCP_NODELAY`); the engine above drives them with [`Transport::try_read`] /
 //! [`Transport::try_write`] and `poll(2)`. Writes use `sendmsg` with
 //! `MSG_NOSIGNAL` so that a dead peer is an `EPIPE` error, never a SIGPIPE.
 //! This module must never block without a deadline.
@@ -20,13 +28,16 @@ use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cohort_store::Store;
 
 use super::{Channel, Interest, Transport};
+use crate::config::{bad, var};
 use crate::error::CommError;
 
 const HELLO_MAGIC: &[u8; 8] = b"cohort\x00\x01";
@@ -39,13 +50,93 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// while the receiver reduces the previous one.
 const SOCKET_BUFFER_BYTES: libc::c_int = 4 << 20;
 
+/// One connection to a peer: TCP, or a Unix socket when both share a host.
+#[derive(Debug)]
+enum Conn {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Conn {
+    fn fd(&self) -> RawFd {
+        match self {
+            Conn::Tcp(s) => s.as_raw_fd(),
+            Conn::Unix(s) => s.as_raw_fd(),
+        }
+    }
+
+    fn read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => (&*s).read(buf),
+            Conn::Unix(s) => (&*s).read(buf),
+        }
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => s.write_all(buf),
+            Conn::Unix(s) => s.write_all(buf),
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => s.read_exact(buf),
+            Conn::Unix(s) => s.read_exact(buf),
+        }
+    }
+
+    fn shutdown(&self) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => s.shutdown(Shutdown::Both),
+            Conn::Unix(s) => s.shutdown(Shutdown::Both),
+        }
+    }
+
+    /// Blocking with `timeout` (handshake) or non-blocking (`None`).
+    fn set_blocking(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => {
+                s.set_nonblocking(timeout.is_none())?;
+                s.set_read_timeout(timeout)?;
+                s.set_write_timeout(timeout)
+            }
+            Conn::Unix(s) => {
+                s.set_nonblocking(timeout.is_none())?;
+                s.set_read_timeout(timeout)?;
+                s.set_write_timeout(timeout)
+            }
+        }
+    }
+}
+
+/// Which kind of socket connects two ranks on the same host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Local {
+    /// Unix sockets where the peer shares this host (the default).
+    Unix,
+    /// TCP always (`COHORT_TRANSPORT=tcp`).
+    Tcp,
+}
+
+impl Local {
+    fn from_env() -> Result<Local, CommError> {
+        match var("COHORT_TRANSPORT")?.map(|v| v.to_ascii_lowercase()) {
+            None => Ok(Local::Unix),
+            Some(v) if v == "auto" || v == "unix" => Ok(Local::Unix),
+            Some(v) if v == "tcp" => Ok(Local::Tcp),
+            Some(v) => Err(bad("COHORT_TRANSPORT", &v, "auto, unix or tcp")),
+        }
+    }
+}
+
 /// Sockets to every other rank of one group.
 #[derive(Debug)]
 pub struct TcpTransport {
     rank: usize,
     size: usize,
-    collective: Vec<Option<TcpStream>>,
-    p2p: Vec<Option<TcpStream>>,
+    collective: Vec<Option<Conn>>,
+    p2p: Vec<Option<Conn>>,
     /// SO_RCVLOWAT last set on each socket (collective peers, then p2p
     /// peers), so that `wait` only makes the syscall when it changes.
     lowat: Vec<AtomicUsize>,
@@ -53,8 +144,9 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     /// Builds the mesh for `rank` of `size` through `store` (already
-    /// namespaced to the group), listening on `bind_ip`. Fails after
-    /// `timeout` if some rank never shows up, naming it.
+    /// namespaced to the group), listening on `bind_ip` (and on a Unix
+    /// socket for peers on this host unless `COHORT_TRANSPORT=tcp`). Fails
+    /// after `timeout` if some rank never shows up, naming it.
     pub fn connect(
         store: &dyn Store,
         group: &str,
@@ -62,6 +154,19 @@ impl TcpTransport {
         size: usize,
         bind_ip: IpAddr,
         timeout: Duration,
+    ) -> Result<TcpTransport, CommError> {
+        let local = Local::from_env()?;
+        Self::connect_with(store, group, rank, size, bind_ip, timeout, local)
+    }
+
+    fn connect_with(
+        store: &dyn Store,
+        group: &str,
+        rank: usize,
+        size: usize,
+        bind_ip: IpAddr,
+        timeout: Duration,
+        local: Local,
     ) -> Result<TcpTransport, CommError> {
         let deadline = Instant::now() + timeout;
         let rdv = |detail: String| CommError::Rendezvous {
@@ -88,7 +193,7 @@ impl TcpTransport {
         listener
             .set_nonblocking(true)
             .map_err(|e| rdv(format!("listener: {e}")))?;
-        let local = listener
+        let local_addr = listener
             .local_addr()
             .map_err(|e| rdv(format!("listener: {e}")))?;
 
@@ -104,23 +209,63 @@ impl TcpTransport {
                 .parse::<u64>()
                 .map_err(|e| rdv(format!("bad nonce in store: {e}")))?
         };
+        // Published before the TCP address, so a peer that sees the
+        // address finds this too.
+        let host = host_id();
+        let unix = match (&host, local) {
+            (Some(host), Local::Unix) => {
+                unix_listener(nonce, rank).map(|(l, name)| (l, host, name))
+            }
+            _ => None,
+        };
+        let unix_entry = unix
+            .as_ref()
+            .map_or(String::new(), |(_, host, name)| format!("{host} {name}"));
         store
-            .set(&format!("addr/{rank}"), local.to_string().as_bytes())
+            .set(&format!("unix/{rank}"), unix_entry.as_bytes())
             .map_err(store_err)?;
+        store
+            .set(&format!("addr/{rank}"), local_addr.to_string().as_bytes())
+            .map_err(store_err)?;
+        let unix_listener = unix.as_ref().map(|(l, _, _)| l);
 
         let expected = 2 * (size - 1 - rank);
         let accepted = std::thread::scope(|scope| {
-            let acceptor =
-                scope.spawn(|| accept_peers(&listener, nonce, rank, size, expected, deadline));
+            let acceptor = scope.spawn(|| {
+                accept_peers(
+                    &listener,
+                    unix_listener,
+                    nonce,
+                    rank,
+                    size,
+                    expected,
+                    deadline,
+                )
+            });
             for peer in 0..rank {
                 let addr = wait_key(store, &format!("addr/{peer}"), deadline)
                     .map_err(|e| rdv(format!("rank {peer} never published its address: {e}")))?;
                 let addr: SocketAddr = addr.parse().map_err(|e| {
                     rdv(format!("rank {peer} published a bad address {addr:?}: {e}"))
                 })?;
+                let peer_unix = wait_key(store, &format!("unix/{peer}"), deadline)
+                    .map_err(|e| rdv(format!("rank {peer} never published its host: {e}")))?;
+                // The peer's abstract socket, if it is on this host and this
+                // rank may use it.
+                let same_host = match (&host, local, peer_unix.split_once(' ')) {
+                    (Some(h), Local::Unix, Some((ph, name))) if ph == h => Some(name),
+                    _ => None,
+                };
                 for ch in [Channel::Collective, Channel::P2p] {
-                    let s = connect_peer(addr, nonce, rank, peer, ch, deadline)
-                        .map_err(|e| rdv(format!("connecting to rank {peer} at {addr}: {e}")))?;
+                    let unix = same_host
+                        .and_then(|name| connect_unix(name, nonce, rank, peer, ch, deadline).ok());
+                    let s =
+                        match unix {
+                            Some(s) => s,
+                            None => connect_peer(addr, nonce, rank, peer, ch, deadline).map_err(
+                                |e| rdv(format!("connecting to rank {peer} at {addr}: {e}")),
+                            )?,
+                        };
                     *t.slot(ch, peer) = Some(s);
                 }
             }
@@ -138,7 +283,7 @@ impl TcpTransport {
         Ok(t)
     }
 
-    fn slot(&mut self, ch: Channel, peer: usize) -> &mut Option<TcpStream> {
+    fn slot(&mut self, ch: Channel, peer: usize) -> &mut Option<Conn> {
         match ch {
             Channel::Collective => &mut self.collective[peer],
             Channel::P2p => &mut self.p2p[peer],
@@ -152,11 +297,16 @@ impl TcpTransport {
         if slot.load(Ordering::Relaxed) == bytes {
             return Ok(());
         }
+        let conn = self.stream(ch, peer)?;
+        if matches!(conn, Conn::Unix(_)) {
+            // poll(2) on a Unix stream socket ignores SO_RCVLOWAT.
+            return Ok(());
+        }
         let v = bytes.min(i32::MAX as usize) as libc::c_int;
         // safety: fd is open; SO_RCVLOWAT takes a c_int.
         let r = unsafe {
             libc::setsockopt(
-                self.stream(ch, peer)?.as_raw_fd(),
+                conn.fd(),
                 libc::SOL_SOCKET,
                 libc::SO_RCVLOWAT,
                 (&v as *const libc::c_int).cast(),
@@ -170,7 +320,7 @@ impl TcpTransport {
         Ok(())
     }
 
-    fn stream(&self, ch: Channel, peer: usize) -> io::Result<&TcpStream> {
+    fn stream(&self, ch: Channel, peer: usize) -> io::Result<&Conn> {
         let s = match ch {
             Channel::Collective => self.collective.get(peer),
             Channel::P2p => self.p2p.get(peer),
@@ -194,7 +344,7 @@ impl Transport for TcpTransport {
     }
 
     fn try_write(&self, ch: Channel, peer: usize, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        let fd = self.stream(ch, peer)?.as_raw_fd();
+        let fd = self.stream(ch, peer)?.fd();
         // safety: an all-zero msghdr is valid (no name, no control data).
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         // IoSlice is guaranteed ABI-compatible with iovec on unix.
@@ -215,7 +365,7 @@ impl Transport for TcpTransport {
     }
 
     fn try_read(&self, ch: Channel, peer: usize, buf: &mut [u8]) -> io::Result<usize> {
-        let mut s = self.stream(ch, peer)?;
+        let s = self.stream(ch, peer)?;
         loop {
             match s.read(buf) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -236,7 +386,7 @@ impl Transport for TcpTransport {
                 events |= libc::POLLOUT;
             }
             fds.push(libc::pollfd {
-                fd: self.stream(ch, i.peer)?.as_raw_fd(),
+                fd: self.stream(ch, i.peer)?.fd(),
                 events,
                 revents: 0,
             });
@@ -254,7 +404,7 @@ impl Transport for TcpTransport {
             .iter()
             .filter_map(|&p| self.stream(ch, p).ok())
             .map(|s| libc::pollfd {
-                fd: s.as_raw_fd(),
+                fd: s.fd(),
                 events: libc::POLLRDHUP,
                 revents: 0,
             })
@@ -274,7 +424,7 @@ impl Transport for TcpTransport {
     fn shutdown(&self) {
         for s in self.collective.iter().chain(&self.p2p).flatten() {
             // Errors mean the socket is already down, which is the goal.
-            let _ = s.shutdown(Shutdown::Both);
+            let _ = s.shutdown();
         }
     }
 }
@@ -296,14 +446,16 @@ fn poll(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<bool> {
     Ok(n > 0)
 }
 
-fn tune(s: &TcpStream) -> io::Result<()> {
-    s.set_nodelay(true)?;
-    s.set_nonblocking(true)?;
+fn tune(s: &Conn) -> io::Result<()> {
+    if let Conn::Tcp(s) = s {
+        s.set_nodelay(true)?;
+    }
+    s.set_blocking(None)?;
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
         // safety: fd is open; the option value is a c_int as SO_*BUF expects.
         let r = unsafe {
             libc::setsockopt(
-                s.as_raw_fd(),
+                s.fd(),
                 libc::SOL_SOCKET,
                 opt,
                 (&SOCKET_BUFFER_BYTES as *const libc::c_int).cast(),
@@ -354,8 +506,8 @@ fn connect_peer(
     peer: usize,
     ch: Channel,
     deadline: Instant,
-) -> io::Result<TcpStream> {
-    let mut s = loop {
+) -> io::Result<Conn> {
+    let s = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(io::Error::new(io::ErrorKind::TimedOut, "timed out"));
@@ -370,11 +522,36 @@ fn connect_peer(
             Err(e) => return Err(e),
         }
     };
+    say_hello(Conn::Tcp(s), nonce, rank, peer, ch, deadline)
+}
+
+/// Connects to a same-host peer's abstract Unix socket `name`.
+fn connect_unix(
+    name: &str,
+    nonce: u64,
+    rank: usize,
+    peer: usize,
+    ch: Channel,
+    deadline: Instant,
+) -> io::Result<Conn> {
+    let addr = UnixAddr::from_abstract_name(name.as_bytes())?;
+    let s = UnixStream::connect_addr(&addr)?;
+    say_hello(Conn::Unix(s), nonce, rank, peer, ch, deadline)
+}
+
+/// Sends the hello on a fresh connection and waits for the acceptor's yes.
+fn say_hello(
+    mut s: Conn,
+    nonce: u64,
+    rank: usize,
+    peer: usize,
+    ch: Channel,
+    deadline: Instant,
+) -> io::Result<Conn> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
-    s.set_read_timeout(Some(left))?;
-    s.set_write_timeout(Some(left))?;
+    s.set_blocking(Some(left))?;
     s.write_all(&hello(nonce, rank, peer, ch))?;
     let mut ack = [0u8; 1];
     match s.read(&mut ack) {
@@ -387,12 +564,32 @@ fn connect_peer(
     }
 }
 
-type Accepted = Vec<(usize, Channel, TcpStream)>;
+type Accepted = Vec<(usize, Channel, Conn)>;
+
+/// This host as seen by abstract Unix sockets: the kernel (boot id) and
+/// the network namespace, which scopes abstract names. `None` if either is
+/// unknown, and then only TCP is used.
+fn host_id() -> Option<String> {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+    let netns = std::fs::read_link("/proc/self/ns/net").ok()?;
+    Some(format!("{}/{}", boot.trim(), netns.to_str()?).replace(' ', "_"))
+}
+
+/// A non-blocking listener on a fresh abstract name; `None` if the kernel
+/// refuses (then peers use TCP).
+fn unix_listener(nonce: u64, rank: usize) -> Option<(UnixListener, String)> {
+    let name = format!("cohort/{nonce:016x}/{rank}/{}", std::process::id());
+    let addr = UnixAddr::from_abstract_name(name.as_bytes()).ok()?;
+    let l = UnixListener::bind_addr(&addr).ok()?;
+    l.set_nonblocking(true).ok()?;
+    Some((l, name))
+}
 
 /// Accepts `expected` hellos from higher ranks; ignores connections that are
 /// not from this group.
 fn accept_peers(
     listener: &TcpListener,
+    unix: Option<&UnixListener>,
     nonce: u64,
     rank: usize,
     size: usize,
@@ -412,14 +609,25 @@ fn accept_peers(
                 missing.join(", ")
             ));
         }
-        let (mut s, _) = match listener.accept() {
-            Ok(x) => x,
+        let accepted = match listener.accept() {
+            Ok((s, _)) => Ok(Conn::Tcp(s)),
+            Err(e) => match unix.map(|u| u.accept()) {
+                Some(Ok((s, _))) => Ok(Conn::Unix(s)),
+                Some(Err(u)) if u.kind() != io::ErrorKind::WouldBlock => Err(u),
+                _ => Err(e),
+            },
+        };
+        let mut s = match accepted {
+            Ok(s) => s,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                let mut fds = [libc::pollfd {
-                    fd: listener.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                }];
+                let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+                    .chain(unix.map(|u| u.as_raw_fd()))
+                    .map(|fd| libc::pollfd {
+                        fd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    })
+                    .collect();
                 poll(&mut fds, left).map_err(|e| format!("poll on listener: {e}"))?;
                 continue;
             }
@@ -427,12 +635,9 @@ fn accept_peers(
             Err(e) => return Err(format!("accept: {e}")),
         };
         let checked = (|| -> io::Result<Option<(usize, Channel)>> {
-            s.set_nonblocking(false)?;
             // A peer sends its hello right after connecting; anything slower
             // (a port scanner, a stuck process) must not hold up the others.
-            let io_timeout = left.clamp(Duration::from_millis(1), HELLO_TIMEOUT);
-            s.set_read_timeout(Some(io_timeout))?;
-            s.set_write_timeout(Some(io_timeout))?;
+            s.set_blocking(Some(left.clamp(Duration::from_millis(1), HELLO_TIMEOUT)))?;
             let mut b = [0u8; HELLO_BYTES];
             s.read_exact(&mut b)?;
             let from = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
@@ -469,22 +674,38 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
-    fn mesh_moves_bytes_between_every_pair() {
+    fn mesh_moves_bytes_between_every_pair_over_unix_sockets() {
+        mesh_moves_bytes(Local::Unix);
+    }
+
+    #[test]
+    fn mesh_moves_bytes_between_every_pair_over_forced_tcp() {
+        mesh_moves_bytes(Local::Tcp);
+    }
+
+    fn mesh_moves_bytes(local: Local) {
         let store = Arc::new(HashStore::new());
         let n = 3;
         std::thread::scope(|s| {
             for rank in 0..n {
                 let store = store.clone();
                 s.spawn(move || {
-                    let t = TcpTransport::connect(
+                    let t = TcpTransport::connect_with(
                         &*store,
                         "g",
                         rank,
                         n,
                         Ipv4Addr::LOCALHOST.into(),
                         Duration::from_secs(10),
+                        local,
                     )
                     .unwrap();
+                    let conns: Vec<&Conn> = t.collective.iter().chain(&t.p2p).flatten().collect();
+                    assert_eq!(conns.len(), 2 * (n - 1));
+                    for c in conns {
+                        let unix = matches!(c, Conn::Unix(_));
+                        assert_eq!(unix, local == Local::Unix, "rank {rank}: {c:?}");
+                    }
                     for peer in (0..n).filter(|&p| p != rank) {
                         let msg = [rank as u8; 3];
                         assert_eq!(

@@ -13,9 +13,10 @@
 //! Same-host fast path: ranks that share a kernel and a network namespace
 //! (same boot id and netns, published as `unix/<rank>`) connect over Unix
 //! domain stream sockets in the abstract namespace instead of TCP loopback:
-//! the same hello, checks and byte stream, without the TCP stack (measured
-//! in `all_reduce`'s docs). A rank also listens on TCP, so a failed Unix
-//! connect falls back to TCP, and `COHORT_TRANSPORT=tcp` forces TCP.
+//! the same hello, checks and byte stream, without the TCP stack (measured:
+//! a 2-rank 16 MB f32 all_reduce burns about 4 ms of CPU per rank instead
+//! of 8.5 ms over loopback TCP). A rank also listens on TCP, so a failed
+//! Unix connect falls back to TCP, and `COHORT_TRANSPORT=tcp` forces TCP.
 //! Abstract names vanish with their socket, so nothing is left on disk.
 //!
 //! After rendezvous the sockets are non-blocking (TCP ones with

@@ -1,5 +1,6 @@
 //! Matrix products: the Conv1D layers (weights `[in, out]`), the LM head (weights `[out, in]`,
-//! nn.Linear / tied embedding) and their backward passes, on `matrixmultiply`'s AVX-512 sgemm.
+//! nn.Linear / tied embedding) and their backward passes, on our AVX-512 sgemm (`gemm.rs`) where
+//! the CPU has AVX-512 and on `matrixmultiply` elsewhere.
 //!
 //! Threads split the output into disjoint row or column blocks; each output element is always
 //! computed by one sequential sgemm call over the full K, so results do not depend on the thread
@@ -7,7 +8,9 @@
 
 use rayon::prelude::*;
 
-use super::{simd_fn, SendPtr};
+#[cfg(target_arch = "x86_64")]
+use super::gemm::{sgemm, Strided};
+use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 
 /// A matrix operand: pointer plus row and column strides (in elements).
 #[derive(Clone, Copy)]
@@ -43,27 +46,70 @@ impl Mat {
 /// Below this many multiply-adds a product runs on one thread (a fork costs a few µs).
 const PAR_MIN_MACS: usize = 1 << 17;
 
-/// c (m, n) = alpha * a (m, k) · b (k, n) + beta * c, split over the current rayon pool.
+/// c (m, n) = a (m, k) · b (k, n) + bias (n), or `c += a · b` with `accumulate` (no bias),
+/// split over the current rayon pool.
 ///
 /// # Safety
 /// The three descriptors must describe valid matrices of the given sizes, `c` must not overlap
-/// `a` or `b`, and `c` must be writable.
-unsafe fn gemm(m: usize, k: usize, n: usize, alpha: f32, a: Mat, b: Mat, beta: f32, c: Mat) {
+/// `a`, `b` or `bias`, and `c` must be writable.
+unsafe fn gemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    c: Mat,
+    accumulate: bool,
+    bias: Option<&[f32]>,
+) {
     let threads = rayon::current_num_threads();
     let parts = if m * n * k < PAR_MIN_MACS {
         1
     } else {
         threads.min(m.max(n) / 16).max(1)
     };
+    let bias = bias.map(|b| SendPtr(b.as_ptr() as *mut f32));
+    let avx512 = simd_level() == SimdLevel::Avx512;
+    if !avx512 && !accumulate {
+        if let Some(b) = bias {
+            // safety: the caller's bias has n elements and c is (m, n) with row stride c.rs.
+            unsafe { fill_rows(c, m, n, std::slice::from_raw_parts(b.get(), n)) };
+        }
+    }
     let call = |r0: usize, r1: usize, c0: usize, c1: usize| {
         // safety: sub-blocks of the caller's valid matrices; distinct calls write disjoint
         // blocks of c.
         unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if avx512 {
+                let s = |x: Mat, r: usize, cc: usize| Strided {
+                    ptr: x.at(r, cc),
+                    rs: x.rs as usize,
+                    cs: x.cs as usize,
+                };
+                sgemm(
+                    r1 - r0,
+                    k,
+                    c1 - c0,
+                    s(a, r0, 0),
+                    s(b, 0, c0),
+                    c.at(r0, c0),
+                    c.rs as usize,
+                    accumulate,
+                    bias.map(|b| b.get().add(c0) as *const f32),
+                );
+                return;
+            }
+            let beta = if accumulate || bias.is_some() {
+                1.0
+            } else {
+                0.0
+            };
             matrixmultiply::sgemm(
                 r1 - r0,
                 k,
                 c1 - c0,
-                alpha,
+                1.0,
                 a.at(r0, 0),
                 a.rs,
                 a.cs,
@@ -118,39 +164,33 @@ pub fn matmul_forward(
     check("matmul out", out.len(), n * oc);
     check("matmul inp", inp.len(), n * c);
     check("matmul w", w.len(), c * oc);
-    let beta = match bias {
-        Some(b) => {
-            check("matmul bias", b.len(), oc);
-            fill_rows(&mut out[..n * oc], &b[..oc]);
-            1.0
-        }
-        None => 0.0,
-    };
+    if let Some(b) = bias {
+        check("matmul bias", b.len(), oc);
+    }
     // safety: sizes checked above; out is a distinct &mut.
     unsafe {
         gemm(
             n,
             c,
             oc,
-            1.0,
             Mat::rm(inp.as_ptr(), c),
             Mat::rm(w.as_ptr(), oc),
-            beta,
             Mat::rm(out.as_mut_ptr(), oc),
+            false,
+            bias.map(|b| &b[..oc]),
         )
     }
 }
 
-/// Every row of `out` (rows of `b.len()`) becomes `b`.
-fn fill_rows(out: &mut [f32], b: &[f32]) {
-    let oc = b.len();
-    let rows = out.len() / oc;
-    let chunk = rows.div_ceil(rayon::current_num_threads()).max(64) * oc;
-    out.par_chunks_mut(chunk).for_each(|ch| {
-        for row in ch.chunks_exact_mut(oc) {
-            row.copy_from_slice(b);
-        }
-    });
+/// Every row of the (m, n) matrix `c` becomes `b` (the bias, for the `matrixmultiply` path).
+///
+/// # Safety
+/// `c` must describe a writable (m, n) matrix with unit column stride.
+unsafe fn fill_rows(c: Mat, m: usize, n: usize, b: &[f32]) {
+    for r in 0..m {
+        // safety: row r of the caller's matrix.
+        unsafe { std::slice::from_raw_parts_mut(c.at(r, 0), n) }.copy_from_slice(b);
+    }
 }
 
 /// Backward of [`matmul_forward`]: `dinp = dout · wᵀ` (overwritten, skipped if None),
@@ -180,22 +220,22 @@ pub fn matmul_backward(
                 n,
                 oc,
                 c,
-                1.0,
                 dout_m,
                 Mat::rm(w.as_ptr(), oc).t(),
-                0.0,
                 Mat::rm(dinp.as_mut_ptr(), c),
+                false,
+                None,
             );
         }
         gemm(
             c,
             n,
             oc,
-            1.0,
             Mat::rm(inp.as_ptr(), c).t(),
             dout_m,
-            1.0,
             Mat::rm(dw.as_mut_ptr(), oc),
+            true,
+            None,
         );
     }
     if let Some(db) = dbias {
@@ -223,11 +263,11 @@ pub fn matmul_backward_input(
             n,
             oc,
             c,
-            1.0,
             Mat::rm(dout.as_ptr(), oc),
             Mat::rm(w.as_ptr(), oc).t(),
-            0.0,
             Mat::rm(dinp.as_mut_ptr(), c),
+            false,
+            None,
         );
     }
 }
@@ -243,11 +283,11 @@ pub fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize,
             n,
             c,
             v,
-            1.0,
             Mat::rm(inp.as_ptr(), c),
             Mat::rm(w.as_ptr(), c).t(),
-            0.0,
             Mat::rm(out.as_mut_ptr(), v),
+            false,
+            None,
         )
     }
 }
@@ -276,21 +316,21 @@ pub fn head_backward(
             n,
             v,
             c,
-            1.0,
             dout_m,
             Mat::rm(w.as_ptr(), c),
-            0.0,
             Mat::rm(dinp.as_mut_ptr(), c),
+            false,
+            None,
         );
         gemm(
             v,
             n,
             c,
-            1.0,
             dout_m.t(),
             Mat::rm(inp.as_ptr(), c),
-            1.0,
             Mat::rm(dw.as_mut_ptr(), c),
+            true,
+            None,
         );
     }
 }
@@ -351,7 +391,13 @@ mod tests {
     #[test]
     fn matmul_forward_and_backward_match_f64() {
         for threads in [1, 2] {
-            for &(n, c, oc) in &[(5, 3, 7), (70, 33, 65), (130, 64, 96)] {
+            for &(n, c, oc) in &[
+                (5, 3, 7),
+                (70, 33, 65),
+                (130, 64, 96),
+                (37, 300, 45),
+                (260, 20, 33),
+            ] {
                 let inp = rand_vec(n * c, 1);
                 let w = rand_vec(c * oc, 2);
                 let b = rand_vec(oc, 3);

@@ -16,6 +16,7 @@ mod attention;
 mod crossentropy;
 mod elementwise;
 mod encoder;
+mod gemm;
 mod layernorm;
 pub(crate) mod math;
 mod matmul;

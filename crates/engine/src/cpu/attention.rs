@@ -11,8 +11,10 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::gemm::{sgemm, Strided};
 use super::math::{exp, max, sum};
-use super::{simd_fn, SendPtr};
+use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::Dropout;
 
 /// Query rows per block.
@@ -43,7 +45,7 @@ pub struct AttnDims {
 /// Raw strided product on one thread: c = alpha * a·b + beta * c.
 ///
 /// # Safety
-/// As `matrixmultiply::sgemm`.
+/// As `matrixmultiply::sgemm`; `c` must not overlap `a` or `b`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn mm(
@@ -62,6 +64,31 @@ unsafe fn mm(
     rsc: usize,
 ) {
     if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 && (beta == 0.0 || beta == 1.0) {
+        let (a, b) = (
+            Strided {
+                ptr: a,
+                rs: rsa,
+                cs: csa,
+            },
+            Strided {
+                ptr: b,
+                rs: rsb,
+                cs: csb,
+            },
+        );
+        unsafe { sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None) };
+        if alpha != 1.0 {
+            assert!(beta == 0.0, "attention scales only fresh products");
+            for i in 0..m {
+                for x in unsafe { std::slice::from_raw_parts_mut(c.add(i * rsc), n) } {
+                    *x *= alpha;
+                }
+            }
+        }
         return;
     }
     unsafe {

@@ -51,8 +51,11 @@ pub(crate) unsafe fn sgemm(
 ) {
     #[repr(align(64))]
     struct Panel([f32; KC * NR]);
-    let mut panel = Panel([0.0; KC * NR]);
-    let pp = panel.0.as_mut_ptr();
+    // Uninitialised: pack_panel writes every float a kernel reads (a memset would cost as much
+    // as the product for attention's small blocks).
+    let mut panel = std::mem::MaybeUninit::<Panel>::uninit();
+    // safety: a place projection on the uninitialised panel; nothing is read.
+    let pp = unsafe { std::ptr::addr_of_mut!((*panel.as_mut_ptr()).0) } as *mut f32;
     if k == 0 {
         // Nothing to sum: c = bias (or 0), or unchanged.
         if !accumulate {
@@ -125,6 +128,10 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
             }
         } else {
             // A transposed B: read down its contiguous columns.
+            for p in 0..kc {
+                _mm512_store_ps(pp.add(p * NR), _mm512_setzero_ps());
+                _mm512_store_ps(pp.add(p * NR + 16), _mm512_setzero_ps());
+            }
             for jj in 0..nr {
                 let src = b.add(jj * cs);
                 for p in 0..kc {

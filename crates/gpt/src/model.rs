@@ -7,8 +7,9 @@
 //! forward for a given token count (a larger B*T reallocates the arena once).
 //!
 //! Memory: per layer the arena keeps the block input, the residual after attention, qkv, the MLP
-//! pre-activation and the LayerNorm / softmax statistics. LayerNorm outputs, the attention
-//! output and GELU output are recomputed in backward (cheap passes), and the (T, T) attention
+//! pre-activation and the LayerNorm / softmax statistics. The LayerNorm, attention and GELU
+//! outputs are kept too when they fit in `KEEP_MAX_BYTES` (small models, where recomputing them
+//! costs a visible share of the step) and recomputed in backward otherwise; the (T, T) attention
 //! probabilities are never stored, which is what keeps config B far below PyTorch's footprint.
 
 use std::ops::Range;
@@ -77,12 +78,13 @@ impl Profile {
 /// Offsets of every activation inside the arena; all sized for `n` tokens.
 struct ActLayout {
     n: usize,
+    keep: bool,
     ranges: [Range<usize>; ACT_BUFFERS],
     total: usize,
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
-const ACT_BUFFERS: usize = 22;
+const ACT_BUFFERS: usize = 23;
 
 /// The arena split into its buffers; per-layer buffers hold all L layers back to back.
 struct Acts<'a> {
@@ -101,17 +103,45 @@ struct Acts<'a> {
     logits: &'a mut [f32],   // (N, V)
     losses: &'a mut [f32],   // (N)
     ce_lse: &'a mut [f32],   // (N)
-    s_ln: &'a mut [f32],     // (N, C) scratch: a LayerNorm output
-    s_atty: &'a mut [f32],   // (N, C) scratch: attention output
+    s_ln: &'a mut [f32],     // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
+    s_atty: &'a mut [f32],   // (L, N, C) kept attention outputs, or (N, C) scratch
     s_big: &'a mut [f32],    // (N, max(F, 3C)) scratch: GELU output, dG, dqkv
     s_dl: &'a mut [f32],     // (N, C) scratch: gradient of a LayerNorm output / attention out
     s_drop: &'a mut [f32],   // (N, C) scratch: dropout backward (empty without dropout)
     dres: &'a mut [f32],     // (N, C) gradient of the residual stream
     dlogits: &'a mut [f32],  // (N, V)
+    gelu: &'a mut [f32],     // (L, N, F) kept GELU outputs (empty unless kept)
+    /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
+    keep: bool,
+}
+
+/// Below this many bytes for the kept outputs, forward keeps the LayerNorm, attention and GELU
+/// outputs of every layer and backward reads them instead of recomputing: config A needs 11 MB
+/// and saves ~1.5 ms of its ~32 ms step; config B would need 132 MB, which its 400 MB budget
+/// cannot spare.
+const KEEP_MAX_BYTES: usize = 32 << 20;
+
+impl Acts<'_> {
+    /// Slot of the LayerNorm output (`which` 0 = ln_1, 1 = ln_2) of layer `l` in `s_ln`.
+    fn ln_slot(&self, l: usize, which: usize) -> usize {
+        if self.keep {
+            2 * l + which
+        } else {
+            0
+        }
+    }
+    /// Slot of layer `l`'s attention output in `s_atty`.
+    fn atty_slot(&self, l: usize) -> usize {
+        if self.keep {
+            l
+        } else {
+            0
+        }
+    }
 }
 
 impl ActLayout {
-    fn new(cfg: &GPTConfig, n: usize) -> ActLayout {
+    fn new(cfg: &GPTConfig, n: usize, keep_max_bytes: usize) -> ActLayout {
         let (l, c, f, v, nh) = (
             cfg.n_layers,
             cfg.d_model,
@@ -120,6 +150,8 @@ impl ActLayout {
             cfg.n_heads,
         );
         let drop = if cfg.dropout > 0.0 { n * c } else { 0 };
+        let keep = l * n * (f + 3 * c) * 4 <= keep_max_bytes;
+        let kept = |per_layer: usize| if keep { per_layer } else { 0 };
         let sizes = [
             (l + 1) * n * c,
             l * n * c,
@@ -136,13 +168,14 @@ impl ActLayout {
             n * v,
             n,
             n,
-            n * c,
-            n * c,
+            if keep { 2 * l * n * c } else { n * c },
+            if keep { l * n * c } else { n * c },
             n * f.max(3 * c),
             n * c,
             drop,
             n * c,
             n * v,
+            kept(l * n * f),
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {
@@ -152,6 +185,7 @@ impl ActLayout {
         });
         ActLayout {
             n,
+            keep,
             ranges,
             total: next,
         }
@@ -165,7 +199,7 @@ impl ActLayout {
             *p = head;
             rest = tail;
         }
-        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits] =
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu] =
             parts;
         Acts {
             res,
@@ -190,6 +224,8 @@ impl ActLayout {
             s_drop,
             dres,
             dlogits,
+            gelu,
+            keep: self.keep,
         }
     }
 }
@@ -224,6 +260,8 @@ pub struct GPT {
     rank: u64,
     step: u64,
     profile: Profile,
+    /// `KEEP_MAX_BYTES`; tests lower it to cover the recomputing path.
+    keep_max_bytes: usize,
 }
 
 impl std::fmt::Debug for GPT {
@@ -321,6 +359,7 @@ impl GPT {
             rank: 0,
             step: 0,
             profile: Profile::default(),
+            keep_max_bytes: KEEP_MAX_BYTES,
         };
         model.init_weights(seed);
         Ok(model)
@@ -507,7 +546,7 @@ impl GPT {
         if self.act_layout.as_ref().is_none_or(|al| al.n < n) {
             // Free the old arena first so peak memory is one arena, not two.
             self.arena = Vec::new();
-            let al = ActLayout::new(&self.config, n);
+            let al = ActLayout::new(&self.config, n, self.keep_max_bytes);
             self.arena = vec![0.0; al.total];
             self.attn_scratch = vec![
                 0.0;
@@ -713,14 +752,19 @@ fn forward_pass(
     }
     for (l, bl) in lay.blocks.iter().enumerate() {
         let ld = 1 + 3 * l as u64;
+        let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
         let (x, x_next) = layer_pair(a.res, l, nc);
         let x_mid = layer_mut(a.res_mid, l, nc);
         let qkv = layer_mut(a.qkv, l, 3 * nc);
         let fch = layer_mut(a.fch, l, n * f);
-        let s_ln = &mut a.s_ln[..nc];
-        let s_atty = &mut a.s_atty[..nc];
-        let s_big = &mut a.s_big[..n * f];
+        let s_atty = layer_mut(a.s_atty, atty_slot, nc);
+        let s_big = if a.keep {
+            layer_mut(a.gelu, l, n * f)
+        } else {
+            &mut a.s_big[..n * f]
+        };
         let lse = layer_mut(a.att_lse, l, n * nh);
+        let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
         prof.time(K::LnFwd, || {
             dev.layernorm_forward(
                 s_ln,
@@ -753,6 +797,7 @@ fn forward_pass(
         prof.time(K::ResidualFwd, || {
             dev.residual_forward(x_mid, x, opt(p, &bl.proj_b), c, drop.site(ld + 1))
         });
+        let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
         prof.time(K::LnFwd, || {
             dev.layernorm_forward(
                 s_ln,
@@ -936,9 +981,9 @@ fn block_backward(
     let qkv = layer(a.qkv, l, 3 * nc);
     let fch = layer(a.fch, l, n * f);
     let lse = layer(a.att_lse, l, n * nh);
-    let s_ln = &mut a.s_ln[..nc];
+    let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
+    let keep = a.keep;
     let s_dl = &mut a.s_dl[..nc];
-    let s_atty = &mut a.s_atty[..nc];
 
     // MLP: x_next = x_mid + drop(gelu(ln_2(x_mid) · W_fc + b_fc) · W_proj + b_proj)
     {
@@ -952,27 +997,47 @@ fn block_backward(
             None => dres,
         };
         let s_big = &mut a.s_big[..n * f];
-        prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+        let gelu_out: &[f32] = if keep {
+            layer(a.gelu, l, n * f)
+        } else {
+            prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+            s_big
+        };
         let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(None, dw, db, dproj, s_big, &p[bl.fcproj_w.clone()], n, f, c)
+            dev.matmul_backward(
+                None,
+                dw,
+                db,
+                dproj,
+                gelu_out,
+                &p[bl.fcproj_w.clone()],
+                n,
+                f,
+                c,
+            )
         });
+        let s_big = &mut a.s_big[..n * f];
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward_input(s_big, dproj, &p[bl.fcproj_w.clone()], n, f, c)
         });
         prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
-        prof.time(K::LnFwd, || {
-            dev.layernorm_forward(
-                s_ln,
-                layer_mut(a.ln2_mean, l, n),
-                layer_mut(a.ln2_rstd, l, n),
-                x_mid,
-                &p[bl.ln_2_w.clone()],
-                opt(p, &bl.ln_2_b),
-                n,
-                c,
-            )
-        });
+        if !keep {
+            let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
+            prof.time(K::LnFwd, || {
+                dev.layernorm_forward(
+                    s_ln,
+                    layer_mut(a.ln2_mean, l, n),
+                    layer_mut(a.ln2_rstd, l, n),
+                    x_mid,
+                    &p[bl.ln_2_w.clone()],
+                    opt(p, &bl.ln_2_b),
+                    n,
+                    c,
+                )
+            });
+        }
+        let s_ln = layer(a.s_ln, ln2_slot, nc);
         let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(
@@ -1022,10 +1087,13 @@ fn block_backward(
             dev.matmul_backward_input(s_dl, dproj, &p[bl.proj_w.clone()], n, c, c)
         });
         let dqkv = &mut a.s_big[..3 * nc];
+        // Without kept outputs, backward recomputes the attention output the projection's
+        // weight gradient needs.
+        let recompute = (!keep).then(|| layer_mut(a.s_atty, atty_slot, nc));
         prof.time(K::AttnBwd, || {
             dev.attention_backward(
                 dqkv,
-                Some(s_atty),
+                recompute,
                 s_dl,
                 qkv,
                 lse,
@@ -1036,21 +1104,26 @@ fn block_backward(
             )
         });
         let (dw, db) = wb(g, off, &bl.proj_w, &bl.proj_b);
+        let s_atty = layer(a.s_atty, atty_slot, nc);
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(None, dw, db, dproj, s_atty, &p[bl.proj_w.clone()], n, c, c)
         });
-        prof.time(K::LnFwd, || {
-            dev.layernorm_forward(
-                s_ln,
-                layer_mut(a.ln1_mean, l, n),
-                layer_mut(a.ln1_rstd, l, n),
-                x,
-                &p[bl.ln_1_w.clone()],
-                opt(p, &bl.ln_1_b),
-                n,
-                c,
-            )
-        });
+        if !keep {
+            let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
+            prof.time(K::LnFwd, || {
+                dev.layernorm_forward(
+                    s_ln,
+                    layer_mut(a.ln1_mean, l, n),
+                    layer_mut(a.ln1_rstd, l, n),
+                    x,
+                    &p[bl.ln_1_w.clone()],
+                    opt(p, &bl.ln_1_b),
+                    n,
+                    c,
+                )
+            });
+        }
+        let s_ln = layer(a.s_ln, ln1_slot, nc);
         let (dw, db) = wb(g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(
@@ -1127,8 +1200,15 @@ mod tests {
     /// single coordinates, and the derivative along the tensor's own gradient (which catches any
     /// scale error tightly). Dropout masks are fixed per step, so the check holds with dropout.
     fn grad_check(cfg: GPTConfig) {
+        for keep_max_bytes in [KEEP_MAX_BYTES, 0] {
+            grad_check_keeping(cfg.clone(), keep_max_bytes);
+        }
+    }
+
+    fn grad_check_keeping(cfg: GPTConfig, keep_max_bytes: usize) {
         let (ids, mask, labels) = batch();
         let mut m = model(cfg.clone(), 2, 5);
+        m.keep_max_bytes = keep_max_bytes;
         let mut rng = Normal(77);
         let mut big = vec![0.0; m.num_params()];
         rng.fill(&mut big, 0.3);

@@ -20,6 +20,8 @@ const MR: usize = 12;
 const KC: usize = 256;
 /// Rows of A per L2 block (a multiple of MR).
 const MC: usize = 240;
+/// Rows of A up to which a transposed B is packed once for all of them (1 MB of A per K block).
+const MC_TRANSPOSED_B: usize = 1024;
 
 /// A strided operand: element (r, c) at `ptr[r * rs + c * cs]`.
 #[derive(Clone, Copy)]
@@ -68,6 +70,13 @@ pub(crate) unsafe fn sgemm(
         }
         return;
     }
+    // A transposed B packs element by element, which costs as much as a tenth of the product
+    // when repeated per L2 block of A: pack it once per panel where A's K block fits in L2.
+    let mc_max = if b.cs != 1 && m <= MC_TRANSPOSED_B {
+        m
+    } else {
+        MC
+    };
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         // The first K block starts C from the bias (or zero) unless accumulating; later blocks add.
@@ -76,8 +85,8 @@ pub(crate) unsafe fn sgemm(
         } else {
             (true, None)
         };
-        for i0 in (0..m).step_by(MC) {
-            let mc = MC.min(m - i0);
+        for i0 in (0..m).step_by(mc_max) {
+            let mc = mc_max.min(m - i0);
             for j in (0..n).step_by(NR) {
                 let nr = NR.min(n - j);
                 // safety: the panel covers rows k0..k0+kc and columns j..j+nr of b.

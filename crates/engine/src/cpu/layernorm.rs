@@ -122,10 +122,24 @@ simd_fn! {
             // dnorm = w * dout; dinp += (dnorm - mean(dnorm) - norm * mean(dnorm * norm)) * rstd
             let mut acc_d = [0f32; 16];
             let mut acc_dn = [0f32; 16];
-            for (j, ((&d, &x), &w)) in d.iter().zip(x).zip(w).enumerate() {
-                let dn = w * d;
-                acc_d[j % 16] += dn;
-                acc_dn[j % 16] += dn * ((x - m) * s);
+            // Whole 16-lane chunks, then the tail: the same lanes as `j % 16`, in a shape LLVM
+            // vectorizes.
+            let full = c / 16 * 16;
+            for ((dc, xc), wc) in d[..full]
+                .chunks_exact(16)
+                .zip(x[..full].chunks_exact(16))
+                .zip(w[..full].chunks_exact(16))
+            {
+                for k in 0..16 {
+                    let dn = wc[k] * dc[k];
+                    acc_d[k] += dn;
+                    acc_dn[k] += dn * ((xc[k] - m) * s);
+                }
+            }
+            for j in full..c {
+                let dn = w[j] * d[j];
+                acc_d[j - full] += dn;
+                acc_dn[j - full] += dn * ((x[j] - m) * s);
             }
             let dnorm_mean = acc_d.iter().sum::<f32>() / c as f32;
             let dnorm_norm_mean = acc_dn.iter().sum::<f32>() / c as f32;

@@ -34,10 +34,12 @@ mod layout;
 mod model;
 pub mod optim_groups;
 pub mod sample;
+mod stage;
 
 pub use config::GPTConfig;
 pub use layout::ParamView;
 pub use model::GPT;
+pub use stage::{GptStage, StageInput, StageOutput, StagePart};
 
 /// What went wrong building or running the model.
 #[derive(Debug, thiserror::Error)]
@@ -96,4 +98,12 @@ pub enum GptError {
     /// `backward` was called without a forward that computed a loss.
     #[error("backward needs a forward with labels first")]
     NoLoss,
+    /// A pipeline stage was built from an unusable part or fed the wrong buffers.
+    #[error("pipeline stage with blocks {blocks:?}: {reason}")]
+    Stage {
+        /// The stage's blocks.
+        blocks: std::ops::Range<usize>,
+        /// What was wrong.
+        reason: String,
+    },
 }

@@ -22,7 +22,7 @@ use crate::layout::{BlockLayout, Layout};
 use crate::{GPTConfig, GptError, ParamView};
 
 /// Kernels timed by the built-in profiler, in report order.
-const KERNELS: [&str; 16] = [
+pub(crate) const KERNELS: [&str; 16] = [
     "encoder_fwd",
     "layernorm_fwd",
     "matmul_fwd",
@@ -63,7 +63,7 @@ enum K {
 
 /// Accumulated wall time per kernel (always on: one `Instant` pair per kernel call).
 #[derive(Default)]
-struct Profile([Duration; KERNELS.len()]);
+pub(crate) struct Profile(pub(crate) [Duration; KERNELS.len()]);
 
 impl Profile {
     #[inline]
@@ -76,41 +76,41 @@ impl Profile {
 }
 
 /// Offsets of every activation inside the arena; all sized for `n` tokens.
-struct ActLayout {
-    n: usize,
+pub(crate) struct ActLayout {
+    pub(crate) n: usize,
     keep: bool,
     ranges: [Range<usize>; ACT_BUFFERS],
-    total: usize,
+    pub(crate) total: usize,
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
 const ACT_BUFFERS: usize = 23;
 
 /// The arena split into its buffers; per-layer buffers hold all L layers back to back.
-struct Acts<'a> {
-    res: &'a mut [f32],      // (L+1, N, C) block inputs; res[L] feeds ln_f
-    res_mid: &'a mut [f32],  // (L, N, C) residual after attention
-    qkv: &'a mut [f32],      // (L, N, 3C)
-    fch: &'a mut [f32],      // (L, N, F) MLP pre-activation
-    ln1_mean: &'a mut [f32], // (L, N)
-    ln1_rstd: &'a mut [f32], // (L, N)
-    ln2_mean: &'a mut [f32], // (L, N)
-    ln2_rstd: &'a mut [f32], // (L, N)
-    att_lse: &'a mut [f32],  // (L, B, NH, T)
-    lnf_out: &'a mut [f32],  // (N, C)
-    lnf_mean: &'a mut [f32], // (N)
-    lnf_rstd: &'a mut [f32], // (N)
-    logits: &'a mut [f32],   // (N, V)
-    losses: &'a mut [f32],   // (N)
-    ce_lse: &'a mut [f32],   // (N)
-    s_ln: &'a mut [f32],     // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
-    s_atty: &'a mut [f32],   // (L, N, C) kept attention outputs, or (N, C) scratch
-    s_big: &'a mut [f32],    // (N, max(F, 3C)) scratch: GELU output, dG, dqkv
-    s_dl: &'a mut [f32],     // (N, C) scratch: gradient of a LayerNorm output / attention out
-    s_drop: &'a mut [f32],   // (N, C) scratch: dropout backward (empty without dropout)
-    dres: &'a mut [f32],     // (N, C) gradient of the residual stream
-    dlogits: &'a mut [f32],  // (N, V)
-    gelu: &'a mut [f32],     // (L, N, F) kept GELU outputs (empty unless kept)
+pub(crate) struct Acts<'a> {
+    pub(crate) res: &'a mut [f32], // (L+1, N, C) block inputs; res[L] feeds ln_f
+    res_mid: &'a mut [f32],        // (L, N, C) residual after attention
+    qkv: &'a mut [f32],            // (L, N, 3C)
+    fch: &'a mut [f32],            // (L, N, F) MLP pre-activation
+    ln1_mean: &'a mut [f32],       // (L, N)
+    ln1_rstd: &'a mut [f32],       // (L, N)
+    ln2_mean: &'a mut [f32],       // (L, N)
+    ln2_rstd: &'a mut [f32],       // (L, N)
+    att_lse: &'a mut [f32],        // (L, B, NH, T)
+    lnf_out: &'a mut [f32],        // (N, C)
+    lnf_mean: &'a mut [f32],       // (N)
+    lnf_rstd: &'a mut [f32],       // (N)
+    logits: &'a mut [f32],         // (N, V)
+    losses: &'a mut [f32],         // (N)
+    ce_lse: &'a mut [f32],         // (N)
+    s_ln: &'a mut [f32],           // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
+    s_atty: &'a mut [f32],         // (L, N, C) kept attention outputs, or (N, C) scratch
+    s_big: &'a mut [f32],          // (N, max(F, 3C)) scratch: GELU output, dG, dqkv
+    s_dl: &'a mut [f32],           // (N, C) scratch: gradient of a LayerNorm output / attention out
+    s_drop: &'a mut [f32],         // (N, C) scratch: dropout backward (empty without dropout)
+    pub(crate) dres: &'a mut [f32], // (N, C) gradient of the residual stream
+    dlogits: &'a mut [f32],        // (N, V)
+    gelu: &'a mut [f32],           // (L, N, F) kept GELU outputs (empty unless kept)
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     keep: bool,
 }
@@ -119,7 +119,7 @@ struct Acts<'a> {
 /// outputs of every layer and backward reads them instead of recomputing: config A needs 11 MB
 /// and saves ~1.5 ms of its ~32 ms step; config B would need 132 MB, which its 400 MB budget
 /// cannot spare.
-const KEEP_MAX_BYTES: usize = 32 << 20;
+pub(crate) const KEEP_MAX_BYTES: usize = 32 << 20;
 
 impl Acts<'_> {
     /// Slot of the LayerNorm output (`which` 0 = ln_1, 1 = ln_2) of layer `l` in `s_ln`.
@@ -141,7 +141,7 @@ impl Acts<'_> {
 }
 
 impl ActLayout {
-    fn new(cfg: &GPTConfig, n: usize, keep_max_bytes: usize) -> ActLayout {
+    pub(crate) fn new(cfg: &GPTConfig, n: usize, keep_max_bytes: usize) -> ActLayout {
         let (l, c, f, v, nh) = (
             cfg.n_layers,
             cfg.d_model,
@@ -191,7 +191,7 @@ impl ActLayout {
         }
     }
 
-    fn carve<'a>(&self, arena: &'a mut [f32]) -> Acts<'a> {
+    pub(crate) fn carve<'a>(&self, arena: &'a mut [f32]) -> Acts<'a> {
         let mut rest = arena;
         let mut parts: [&'a mut [f32]; ACT_BUFFERS] = Default::default();
         for (p, r) in parts.iter_mut().zip(&self.ranges) {
@@ -232,16 +232,55 @@ impl ActLayout {
 
 /// What the last forward saw, kept for backward (buffers reused across steps).
 #[derive(Default)]
-struct Batch {
-    b: usize,
-    t: usize,
-    ids: Vec<u32>,
-    mask: Vec<u8>,
-    has_mask: bool,
+pub(crate) struct Batch {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) ids: Vec<u32>,
+    pub(crate) mask: Vec<u8>,
+    pub(crate) has_mask: bool,
     /// Per position: the id it must predict, or -1 when not counted.
-    targets: Vec<i32>,
+    pub(crate) targets: Vec<i32>,
     /// Counted positions; None when the forward had no labels.
-    counted: Option<usize>,
+    pub(crate) counted: Option<usize>,
+}
+
+impl Batch {
+    /// Records a validated batch; the targets follow the label shift and masking rules of
+    /// [`GPT::forward`]. `ids` may be empty (a pipeline stage fed activations).
+    pub(crate) fn set(
+        &mut self,
+        ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<&[i32]>,
+        b: usize,
+        t: usize,
+    ) {
+        let n = b * t;
+        self.b = b;
+        self.t = t;
+        self.ids.clear();
+        self.ids.extend_from_slice(ids);
+        self.has_mask = attention_mask.is_some();
+        self.mask.clear();
+        if let Some(m) = attention_mask {
+            self.mask.extend(m.iter().map(|&v| (v != 0) as u8));
+        }
+        self.targets.clear();
+        self.counted = None;
+        if let Some(labels) = labels {
+            let mask = attention_mask;
+            let real = |i: usize| mask.is_none_or(|m| m[i] != 0);
+            self.targets.extend((0..n).map(|i| {
+                let next = i + 1;
+                if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
+                    labels[next]
+                } else {
+                    -1
+                }
+            }));
+            self.counted = Some(self.targets.iter().filter(|&&y| y >= 0).count());
+        }
+    }
 }
 
 /// The model: config, flat parameters and gradients, activation arena, backend.
@@ -288,6 +327,13 @@ impl Normal {
     fn uniform(&mut self) -> f64 {
         ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
     }
+    /// Consumes the draws `fill` would make for `len` values, without computing them.
+    fn skip(&mut self, len: usize) {
+        let draws = 2 * len.div_ceil(2) as u64;
+        self.0 = self
+            .0
+            .wrapping_add(0x9e37_79b9_7f4a_7c15u64.wrapping_mul(draws));
+    }
     fn fill(&mut self, x: &mut [f32], std: f64) {
         for pair in x.chunks_mut(2) {
             let (u1, u2) = (self.uniform(), self.uniform());
@@ -302,7 +348,7 @@ impl Normal {
 }
 
 /// `g[w]` and the bias right after it (empty range: None), as two disjoint slices.
-fn wb<'a>(
+pub(crate) fn wb<'a>(
     g: &'a mut [f32],
     off: usize,
     w: &Range<usize>,
@@ -322,6 +368,39 @@ fn opt<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
         None
     } else {
         Some(&p[r.clone()])
+    }
+}
+
+/// GPT-2's init of every tensor of `views` (the whole model's, in layout order), drawn from one
+/// stream: `place(view)` says where in `params` the tensor goes, or `None` to skip it. A skipped
+/// tensor still consumes its draws, so any subset of the model (a pipeline stage) gets exactly
+/// the values the whole model would.
+pub(crate) fn init_tensors(
+    views: &[ParamView],
+    n_layers: usize,
+    seed: u64,
+    params: &mut [f32],
+    place: impl Fn(&ParamView) -> Option<Range<usize>>,
+) {
+    let mut rng = Normal(seed);
+    let resid_std = 0.02 / (2.0 * n_layers as f64).sqrt();
+    for v in views {
+        let drawn = !(v.name.ends_with(".bias") || v.name.contains("ln_"));
+        let Some(p) = place(v).map(|r| &mut params[r]) else {
+            if drawn {
+                rng.skip(v.range.len());
+            }
+            continue;
+        };
+        if v.name.ends_with(".bias") {
+            p.fill(0.0);
+        } else if v.name.contains("ln_") {
+            p.fill(1.0);
+        } else if v.name.ends_with("c_proj.weight") {
+            rng.fill(p, resid_std);
+        } else {
+            rng.fill(p, 0.02);
+        }
     }
 }
 
@@ -368,20 +447,10 @@ impl GPT {
     /// GPT-2 / nanoGPT init: weights N(0, 0.02), the two residual projections
     /// N(0, 0.02 / sqrt(2 L)), LayerNorm weights 1, biases 0; drawn in layout order.
     pub fn init_weights(&mut self, seed: u64) {
-        let mut rng = Normal(seed);
-        let resid_std = 0.02 / (2.0 * self.config.n_layers as f64).sqrt();
-        for v in &self.layout.views {
-            let p = &mut self.params[v.range.clone()];
-            if v.name.ends_with(".bias") {
-                p.fill(0.0);
-            } else if v.name.contains("ln_") {
-                p.fill(1.0);
-            } else if v.name.ends_with("c_proj.weight") {
-                rng.fill(p, resid_std);
-            } else {
-                rng.fill(p, 0.02);
-            }
-        }
+        let n_layers = self.config.n_layers;
+        init_tensors(&self.layout.views, n_layers, seed, &mut self.params, |v| {
+            Some(v.range.clone())
+        });
     }
 
     /// The configuration.
@@ -461,73 +530,6 @@ impl GPT {
         self.grads.fill(0.0);
     }
 
-    fn validate_batch(
-        &self,
-        ids: &[u32],
-        mask: Option<&[u8]>,
-        labels: Option<&[i32]>,
-        b: usize,
-        t: usize,
-    ) -> Result<(), GptError> {
-        let shape = |what, found: usize| {
-            if found != b * t {
-                Err(GptError::InputShape {
-                    what,
-                    found,
-                    batch: b,
-                    seq: t,
-                })
-            } else {
-                Ok(())
-            }
-        };
-        shape("input_ids", ids.len())?;
-        if b * t == 0 {
-            return Err(GptError::InputShape {
-                what: "input_ids",
-                found: 0,
-                batch: b,
-                seq: t,
-            });
-        }
-        if let Some(m) = mask {
-            shape("attention_mask", m.len())?;
-        }
-        if let Some(l) = labels {
-            shape("labels", l.len())?;
-        }
-        if t > self.config.max_position_embeddings {
-            return Err(GptError::SequenceTooLong {
-                seq: t,
-                max: self.config.max_position_embeddings,
-            });
-        }
-        let vocab = self.config.vocab_size;
-        if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(GptError::TokenOutOfRange {
-                what: "input_ids",
-                index,
-                value: id as i64,
-                vocab,
-            });
-        }
-        if let Some(l) = labels {
-            if let Some((index, &y)) = l
-                .iter()
-                .enumerate()
-                .find(|(_, &y)| y != -100 && (y < 0 || y as usize >= vocab))
-            {
-                return Err(GptError::TokenOutOfRange {
-                    what: "labels",
-                    index,
-                    value: y as i64,
-                    vocab,
-                });
-            }
-        }
-        Ok(())
-    }
-
     /// Forward pass, as Hugging Face's `GPT2LMHeadModel`. `input_ids`, `attention_mask` (1 token,
     /// 0 padding) and `labels` are (B, T) row-major. Labels are aligned with the inputs: position
     /// t is scored on `labels[t + 1]`; -100 is ignored, and so is any position where the input
@@ -541,7 +543,7 @@ impl GPT {
         b: usize,
         t: usize,
     ) -> Result<Option<f32>, GptError> {
-        self.validate_batch(input_ids, attention_mask, labels, b, t)?;
+        validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
         let n = b * t;
         if self.act_layout.as_ref().is_none_or(|al| al.n < n) {
             // Free the old arena first so peak memory is one arena, not two.
@@ -555,31 +557,7 @@ impl GPT {
             ];
             self.act_layout = Some(al);
         }
-        let bt = &mut self.batch;
-        bt.b = b;
-        bt.t = t;
-        bt.ids.clear();
-        bt.ids.extend_from_slice(input_ids);
-        bt.has_mask = attention_mask.is_some();
-        bt.mask.clear();
-        if let Some(m) = attention_mask {
-            bt.mask.extend(m.iter().map(|&v| (v != 0) as u8));
-        }
-        bt.targets.clear();
-        bt.counted = None;
-        if let Some(labels) = labels {
-            let mask = attention_mask;
-            let real = |i: usize| mask.is_none_or(|m| m[i] != 0);
-            bt.targets.extend((0..n).map(|i| {
-                let next = i + 1;
-                if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
-                    labels[next]
-                } else {
-                    -1
-                }
-            }));
-            bt.counted = Some(bt.targets.iter().filter(|&&y| y >= 0).count());
-        }
+        self.batch.set(input_ids, attention_mask, labels, b, t);
 
         let drop = self.drop_key();
         let GPT {
@@ -679,14 +657,85 @@ impl GPT {
     }
 }
 
+/// Checks a batch's shapes and token ids; `ids` is `None` for a stage fed activations.
+pub(crate) fn validate_batch(
+    cfg: &GPTConfig,
+    ids: Option<&[u32]>,
+    mask: Option<&[u8]>,
+    labels: Option<&[i32]>,
+    b: usize,
+    t: usize,
+) -> Result<(), GptError> {
+    let shape = |what, found: usize| {
+        if found != b * t {
+            Err(GptError::InputShape {
+                what,
+                found,
+                batch: b,
+                seq: t,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    if let Some(ids) = ids {
+        shape("input_ids", ids.len())?;
+    }
+    if b * t == 0 {
+        return Err(GptError::InputShape {
+            what: "input_ids",
+            found: 0,
+            batch: b,
+            seq: t,
+        });
+    }
+    if let Some(m) = mask {
+        shape("attention_mask", m.len())?;
+    }
+    if let Some(l) = labels {
+        shape("labels", l.len())?;
+    }
+    if t > cfg.max_position_embeddings {
+        return Err(GptError::SequenceTooLong {
+            seq: t,
+            max: cfg.max_position_embeddings,
+        });
+    }
+    let vocab = cfg.vocab_size;
+    let mut ids = ids.unwrap_or_default().iter().enumerate();
+    if let Some((index, &id)) = ids.find(|(_, &id)| id as usize >= vocab) {
+        return Err(GptError::TokenOutOfRange {
+            what: "input_ids",
+            index,
+            value: id as i64,
+            vocab,
+        });
+    }
+    if let Some(l) = labels {
+        if let Some((index, &y)) = l
+            .iter()
+            .enumerate()
+            .find(|(_, &y)| y != -100 && (y < 0 || y as usize >= vocab))
+        {
+            return Err(GptError::TokenOutOfRange {
+                what: "labels",
+                index,
+                value: y as i64,
+                vocab,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// The dropout settings of one step; `site` hands out the key of each dropout location.
 #[derive(Clone, Copy)]
-struct DropKey {
-    on: bool,
-    p: f32,
-    seed: u64,
-    rank: u64,
-    step: u64,
+pub(crate) struct DropKey {
+    pub(crate) on: bool,
+    pub(crate) p: f32,
+    pub(crate) seed: u64,
+    pub(crate) rank: u64,
+    pub(crate) step: u64,
 }
 
 impl DropKey {
@@ -701,7 +750,7 @@ impl DropKey {
 }
 
 /// Block `l`'s slice of a per-layer buffer whose layers are `len` long.
-fn layer(buf: &[f32], l: usize, len: usize) -> &[f32] {
+pub(crate) fn layer(buf: &[f32], l: usize, len: usize) -> &[f32] {
     &buf[l * len..(l + 1) * len]
 }
 
@@ -728,100 +777,169 @@ fn forward_pass(
     prof: &mut Profile,
 ) -> Option<f32> {
     let (b, t) = (batch.b, batch.t);
-    let (n, c, f, v, nh) = (b * t, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
-    let nc = n * c;
+    let (c, f, nh) = (cfg.d_model, cfg.d_ff, cfg.n_heads);
     let mask = batch.has_mask.then_some(&batch.mask[..]);
     let dims = AttnDims { b, t, c, nh };
-
-    {
-        let x0 = &mut a.res[..nc];
-        prof.time(K::EncoderFwd, || {
-            dev.encoder_forward(
-                x0,
-                &batch.ids,
-                &p[lay.wte.clone()],
-                &p[lay.wpe.clone()],
-                b,
-                t,
-                c,
-            )
-        });
-        if let Some(d) = drop.site(0) {
-            prof.time(K::ResidualFwd, || dev.dropout_forward(x0, d));
-        }
-    }
+    embed_forward(p, &lay.wte, &lay.wpe, dev, a, batch, c, drop, prof);
     for (l, bl) in lay.blocks.iter().enumerate() {
-        let ld = 1 + 3 * l as u64;
-        let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
-        let (x, x_next) = layer_pair(a.res, l, nc);
-        let x_mid = layer_mut(a.res_mid, l, nc);
-        let qkv = layer_mut(a.qkv, l, 3 * nc);
-        let fch = layer_mut(a.fch, l, n * f);
-        let s_atty = layer_mut(a.s_atty, atty_slot, nc);
-        let s_big = if a.keep {
-            layer_mut(a.gelu, l, n * f)
-        } else {
-            &mut a.s_big[..n * f]
-        };
-        let lse = layer_mut(a.att_lse, l, n * nh);
-        let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
-        prof.time(K::LnFwd, || {
-            dev.layernorm_forward(
-                s_ln,
-                layer_mut(a.ln1_mean, l, n),
-                layer_mut(a.ln1_rstd, l, n),
-                x,
-                &p[bl.ln_1_w.clone()],
-                opt(p, &bl.ln_1_b),
-                n,
-                c,
-            )
-        });
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_forward(
-                qkv,
-                s_ln,
-                &p[bl.attn_w.clone()],
-                opt(p, &bl.attn_b),
-                n,
-                c,
-                3 * c,
-            )
-        });
-        prof.time(K::AttnFwd, || {
-            dev.attention_forward(s_atty, lse, qkv, mask, dims, drop.site(ld), scratch)
-        });
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_forward(x_mid, s_atty, &p[bl.proj_w.clone()], None, n, c, c)
-        });
-        prof.time(K::ResidualFwd, || {
-            dev.residual_forward(x_mid, x, opt(p, &bl.proj_b), c, drop.site(ld + 1))
-        });
-        let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
-        prof.time(K::LnFwd, || {
-            dev.layernorm_forward(
-                s_ln,
-                layer_mut(a.ln2_mean, l, n),
-                layer_mut(a.ln2_rstd, l, n),
-                x_mid,
-                &p[bl.ln_2_w.clone()],
-                opt(p, &bl.ln_2_b),
-                n,
-                c,
-            )
-        });
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_forward(fch, s_ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f)
-        });
-        prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_forward(x_next, s_big, &p[bl.fcproj_w.clone()], None, n, f, c)
-        });
-        prof.time(K::ResidualFwd, || {
-            dev.residual_forward(x_next, x_mid, opt(p, &bl.fcproj_b), c, drop.site(ld + 2))
-        });
+        block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
     }
-    let x_last = layer(a.res, cfg.n_layers, nc);
+    let head = HeadLayout {
+        ln_f_w: &lay.ln_f_w,
+        ln_f_b: &lay.ln_f_b,
+        lm_head: &lay.lm_head,
+    };
+    head_forward(
+        cfg.n_layers,
+        &head,
+        p,
+        dev,
+        a,
+        batch,
+        c,
+        cfg.vocab_size,
+        prof,
+    )
+}
+
+/// Where the final LayerNorm and the head's weight live in a parameter buffer.
+pub(crate) struct HeadLayout<'l> {
+    pub(crate) ln_f_w: &'l Range<usize>,
+    pub(crate) ln_f_b: &'l Range<usize>,
+    pub(crate) lm_head: &'l Range<usize>,
+}
+
+/// Token + position embeddings (and their dropout) into `a.res[0]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn embed_forward(
+    p: &[f32],
+    wte: &Range<usize>,
+    wpe: &Range<usize>,
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    c: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let (b, t) = (batch.b, batch.t);
+    let x0 = &mut a.res[..b * t * c];
+    prof.time(K::EncoderFwd, || {
+        dev.encoder_forward(x0, &batch.ids, &p[wte.clone()], &p[wpe.clone()], b, t, c)
+    });
+    if let Some(d) = drop.site(0) {
+        prof.time(K::ResidualFwd, || dev.dropout_forward(x0, d));
+    }
+}
+
+/// One block's forward from `a.res[l]` into `a.res[l + 1]`; `l` indexes the arena's per-layer
+/// buffers, `lg` is the block's index in the whole model (it keys the dropout sites).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_forward(
+    l: usize,
+    lg: usize,
+    bl: &BlockLayout,
+    p: &[f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    f: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let AttnDims { b, t, c, nh } = dims;
+    let n = b * t;
+    let nc = n * c;
+    let ld = 1 + 3 * lg as u64;
+    let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
+    let (x, x_next) = layer_pair(a.res, l, nc);
+    let x_mid = layer_mut(a.res_mid, l, nc);
+    let qkv = layer_mut(a.qkv, l, 3 * nc);
+    let fch = layer_mut(a.fch, l, n * f);
+    let s_atty = layer_mut(a.s_atty, atty_slot, nc);
+    let s_big = if a.keep {
+        layer_mut(a.gelu, l, n * f)
+    } else {
+        &mut a.s_big[..n * f]
+    };
+    let lse = layer_mut(a.att_lse, l, n * nh);
+    let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            s_ln,
+            layer_mut(a.ln1_mean, l, n),
+            layer_mut(a.ln1_rstd, l, n),
+            x,
+            &p[bl.ln_1_w.clone()],
+            opt(p, &bl.ln_1_b),
+            n,
+            c,
+        )
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(
+            qkv,
+            s_ln,
+            &p[bl.attn_w.clone()],
+            opt(p, &bl.attn_b),
+            n,
+            c,
+            3 * c,
+        )
+    });
+    prof.time(K::AttnFwd, || {
+        dev.attention_forward(s_atty, lse, qkv, mask, dims, drop.site(ld), scratch)
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(x_mid, s_atty, &p[bl.proj_w.clone()], None, n, c, c)
+    });
+    prof.time(K::ResidualFwd, || {
+        dev.residual_forward(x_mid, x, opt(p, &bl.proj_b), c, drop.site(ld + 1))
+    });
+    let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            s_ln,
+            layer_mut(a.ln2_mean, l, n),
+            layer_mut(a.ln2_rstd, l, n),
+            x_mid,
+            &p[bl.ln_2_w.clone()],
+            opt(p, &bl.ln_2_b),
+            n,
+            c,
+        )
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(fch, s_ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f)
+    });
+    prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(x_next, s_big, &p[bl.fcproj_w.clone()], None, n, f, c)
+    });
+    prof.time(K::ResidualFwd, || {
+        dev.residual_forward(x_next, x_mid, opt(p, &bl.fcproj_b), c, drop.site(ld + 2))
+    });
+}
+
+/// ln_f, the head and (with targets) the cross-entropy, from `a.res[l_out]`; returns the mean
+/// loss over counted positions.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_forward(
+    l_out: usize,
+    lay: &HeadLayout,
+    p: &[f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    c: usize,
+    v: usize,
+    prof: &mut Profile,
+) -> Option<f32> {
+    let n = batch.b * batch.t;
+    let nc = n * c;
+    let x_last = layer(a.res, l_out, nc);
     let lnf_out = &mut a.lnf_out[..nc];
     prof.time(K::LnFwd, || {
         dev.layernorm_forward(
@@ -830,7 +948,7 @@ fn forward_pass(
             &mut a.lnf_rstd[..n],
             x_last,
             &p[lay.ln_f_w.clone()],
-            opt(p, &lay.ln_f_b),
+            opt(p, lay.ln_f_b),
             n,
             c,
         )
@@ -868,20 +986,90 @@ fn backward_pass<'g>(
     mut hook: impl FnMut(Range<usize>, &'g mut [f32]),
 ) {
     let (b, t) = (batch.b, batch.t);
-    let (n, c, f, v, nh) = (b * t, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
-    let nc = n * c;
+    let (c, f, v, nh) = (cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
     let mask = batch.has_mask.then_some(&batch.mask[..]);
     let dims = AttnDims { b, t, c, nh };
+
+    // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
+    // handed out last) or to lm_head (in the top range, after ln_f).
+    let head_start = lay.ln_f_w.start;
+    let (mut rest, top) = grads.split_at_mut(head_start);
+    {
+        let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
+        let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
+            &mut rest[lay.wte.clone()]
+        } else {
+            lm_head_g
+        };
+        let (dw, db) = wb(lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
+        let head = HeadLayout {
+            ln_f_w: &lay.ln_f_w,
+            ln_f_b: &lay.ln_f_b,
+            lm_head: &lay.lm_head,
+        };
+        let dw_lnf = (dw, db);
+        head_backward(
+            cfg.n_layers,
+            &head,
+            p,
+            dw_head,
+            dw_lnf,
+            dev,
+            a,
+            batch,
+            counted,
+            c,
+            v,
+            prof,
+        );
+    }
+    hook(head_start..lay.total, top);
+
+    for (l, bl) in lay.blocks.iter().enumerate().rev() {
+        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
+        rest = lower;
+        block_backward(l, l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
+        hook(bl.all.clone(), g);
+    }
+
+    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    embed_backward(
+        &mut dwte[lay.wte.clone()],
+        dwpe,
+        dev,
+        a,
+        batch,
+        c,
+        drop,
+        prof,
+    );
+    hook(0..lay.wpe.end, rest);
+}
+
+/// Backward of the cross-entropy, the head and ln_f: `a.dres` is set to d(`a.res[l_out]`).
+/// `dw_head` receives the head weight's gradient (wte's when tied), `dw_lnf` ln_f's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_backward(
+    l_out: usize,
+    lay: &HeadLayout,
+    p: &[f32],
+    dw_head: &mut [f32],
+    dw_lnf: (&mut [f32], Option<&mut [f32]>),
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    counted: usize,
+    c: usize,
+    v: usize,
+    prof: &mut Profile,
+) {
+    let n = batch.b * batch.t;
+    let nc = n * c;
     let scale = if counted == 0 {
         0.0
     } else {
         1.0 / counted as f32
     };
-
-    // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
-    // handed out last) or to lm_head (in the top range).
-    let head_start = lay.ln_f_w.start;
-    let (mut rest, top) = grads.split_at_mut(head_start);
     let dlogits = &mut a.dlogits[..n * v];
     let logits = &a.logits[..n * v];
     prof.time(K::CeBwd, || {
@@ -889,54 +1077,52 @@ fn backward_pass<'g>(
     });
     let lnf_out = &a.lnf_out[..nc];
     let dlnf = &mut a.s_dl[..nc];
-    {
-        let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
-            &mut rest[lay.wte.clone()]
-        } else {
-            &mut top[lay.lm_head.start - head_start..lay.lm_head.end - head_start]
-        };
-        prof.time(K::HeadBwd, || {
-            dev.head_backward(
-                dlnf,
-                dw_head,
-                dlogits,
-                lnf_out,
-                &p[lay.lm_head.clone()],
-                n,
-                c,
-                v,
-            )
-        });
-    }
+    prof.time(K::HeadBwd, || {
+        dev.head_backward(
+            dlnf,
+            dw_head,
+            dlogits,
+            lnf_out,
+            &p[lay.lm_head.clone()],
+            n,
+            c,
+            v,
+        )
+    });
     let dres = &mut a.dres[..nc];
     dres.fill(0.0);
-    {
-        let (dw, db) = wb(top, head_start, &lay.ln_f_w, &lay.ln_f_b);
-        let x_last = layer(a.res, cfg.n_layers, nc);
-        prof.time(K::LnBwd, || {
-            dev.layernorm_backward(
-                dres,
-                dw,
-                db,
-                dlnf,
-                x_last,
-                &a.lnf_mean[..n],
-                &a.lnf_rstd[..n],
-                &p[lay.ln_f_w.clone()],
-                n,
-                c,
-            )
-        });
-    }
-    hook(head_start..lay.total, top);
+    let (dw, db) = dw_lnf;
+    let x_last = layer(a.res, l_out, nc);
+    prof.time(K::LnBwd, || {
+        dev.layernorm_backward(
+            dres,
+            dw,
+            db,
+            dlnf,
+            x_last,
+            &a.lnf_mean[..n],
+            &a.lnf_rstd[..n],
+            &p[lay.ln_f_w.clone()],
+            n,
+            c,
+        )
+    });
+}
 
-    for (l, bl) in lay.blocks.iter().enumerate().rev() {
-        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
-        rest = lower;
-        block_backward(l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
-        hook(bl.all.clone(), g);
-    }
-
+/// Backward of the embeddings (and their dropout) from d(`a.res[0]`) in `a.dres`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn embed_backward(
+    dwte: &mut [f32],
+    dwpe: &mut [f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    c: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let (b, t) = (batch.b, batch.t);
+    let nc = b * t * c;
     let dres = &a.dres[..nc];
     let demb: &[f32] = match drop.site(0) {
         Some(d) => {
@@ -946,18 +1132,18 @@ fn backward_pass<'g>(
         }
         None => dres,
     };
-    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
     prof.time(K::EncoderBwd, || {
-        dev.encoder_backward(&mut dwte[lay.wte.clone()], dwpe, demb, &batch.ids, b, t, c)
+        dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c)
     });
-    hook(0..lay.wpe.end, rest);
 }
 
 /// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
-/// `g` is the block's gradient range (offset `bl.all.start`).
+/// `g` is the block's gradient range (offset `bl.all.start`). `l` indexes the arena's per-layer
+/// buffers, `lg` is the block's index in the whole model (it keys the dropout sites).
 #[allow(clippy::too_many_arguments)]
-fn block_backward(
+pub(crate) fn block_backward(
     l: usize,
+    lg: usize,
     bl: &BlockLayout,
     p: &[f32],
     g: &mut [f32],
@@ -975,7 +1161,7 @@ fn block_backward(
     let nc = n * c;
     let nh = dims.nh;
     let off = bl.all.start;
-    let ld = 1 + 3 * l as u64;
+    let ld = 1 + 3 * lg as u64;
     let x = layer(a.res, l, nc);
     let x_mid = layer(a.res_mid, l, nc);
     let qkv = layer(a.qkv, l, 3 * nc);

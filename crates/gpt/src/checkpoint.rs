@@ -10,6 +10,7 @@
 //!     optimizer.safetensors    optional: the optimizer's flat state buffers + step
 //!     trainer_state.json       optional: step, seed and whatever else the trainer keeps
 //!     vocab.json ...           optional extra files the caller hands in
+//!     SHA256SUMS               SHA-256 of every file above, in `sha256sum` format (written last)
 //! ```
 //!
 //! `config.json` + `model.safetensors` are exactly what `GPT2LMHeadModel.from_pretrained(dir)`
@@ -22,18 +23,28 @@
 //! file, fsync, rename, fsync). A crash at any point leaves the previous checkpoint and a `latest`
 //! naming a complete one. Replacing a checkpoint of the same name moves the old one to
 //! `ROOT/.old-NAME` first; if a crash strikes before the new one is in place, [`resolve`] falls
-//! back to it. This module must never write a file in place, and never load a tensor whose name,
-//! dtype or shape differs from what the config expects.
+//! back to it. A save that fails (disk full, permissions) removes its temp directory and leaves
+//! the previous checkpoints and `latest` as they were.
+//!
+//! Verification: `SHA256SUMS` is written after every other file, so a checkpoint that has it was
+//! written whole, and `cd step-000100 && sha256sum -c SHA256SUMS` checks it by hand. Every reader
+//! here checks the bytes it read against it and reports a mismatch as
+//! [`CheckpointError::Corrupt`], naming the file. Directories without `SHA256SUMS` (Hugging Face
+//! downloads, checkpoints of older versions) load unverified.
+//!
+//! This module must never write a file in place, never load a tensor whose name, dtype or shape
+//! differs from what the config expects, and never hand out bytes that contradict `SHA256SUMS`.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use cohort_engine::optim::{OptimError, Optimizer, OptimizerState};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::{GPTConfig, GptError, ParamView, GPT};
 
@@ -47,6 +58,8 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// In a checkpoint root: the name of the newest complete checkpoint.
 pub const LATEST_FILE: &str = "latest";
+/// The SHA-256 of every other file of a checkpoint, as `sha256sum` writes them.
+pub const CHECKSUMS_FILE: &str = "SHA256SUMS";
 
 /// What went wrong saving or loading a checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -135,6 +148,22 @@ pub enum CheckpointError {
         path: PathBuf,
         /// The optimizer's complaint.
         source: OptimError,
+    },
+    /// A file's bytes contradict the checkpoint's `SHA256SUMS`: it was truncated, overwritten or
+    /// damaged after the checkpoint was written.
+    #[error(
+        "{path}: corrupt: SHA-256 {found} does not match {expected} in {CHECKSUMS_FILE} \
+         ({size} bytes; truncated or damaged after it was written)"
+    )]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The digest `SHA256SUMS` records (hex).
+        expected: String,
+        /// The digest of the bytes read (hex).
+        found: String,
+        /// The file's size.
+        size: u64,
     },
     /// No checkpoint at this path: neither a `config.json` nor a `latest` pointer.
     #[error(
@@ -411,6 +440,115 @@ pub fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointErro
     fsync(dir)
 }
 
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// SHA-256 of the file at `path`, read back in 1 MB pieces (from the page cache, right after it
+/// was written: the tensors are streamed to disk and never held whole in memory).
+fn sha256_file(path: &Path) -> Result<String, CheckpointError> {
+    let mut file = File::open(path).map_err(io("read", path))?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(io("read", path))?;
+        if n == 0 {
+            return Ok(hex(&hasher.finalize()));
+        }
+        hasher.update(&buf[..n]);
+    }
+}
+
+/// Writes `dir/SHA256SUMS` over `files` (names in `dir`) in `sha256sum`'s format, fsynced.
+fn write_checksums(dir: &Path, files: &[String]) -> Result<(), CheckpointError> {
+    let mut text = String::new();
+    for name in files {
+        let digest = sha256_file(&dir.join(name))?;
+        text.push_str(&format!("{digest}  {name}\n"));
+    }
+    write_bytes(&dir.join(CHECKSUMS_FILE), text.as_bytes())
+}
+
+/// The digests `dir/SHA256SUMS` records, by file name; `None` when the checkpoint has none.
+fn read_checksums(dir: &Path) -> Result<Option<HashMap<String, String>>, CheckpointError> {
+    let path = dir.join(CHECKSUMS_FILE);
+    let text = match fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io("read", &path)(e)),
+    };
+    let mut sums = HashMap::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.is_empty()) {
+        // `sha256sum` writes "DIGEST  NAME" (text mode) or "DIGEST *NAME" (binary mode).
+        let parsed = line
+            .split_once(' ')
+            .map(|(digest, rest)| (digest, rest.strip_prefix([' ', '*']).unwrap_or(rest)));
+        match parsed {
+            Some((digest, name))
+                if digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) =>
+            {
+                sums.insert(name.to_string(), digest.to_ascii_lowercase());
+            }
+            _ => {
+                return Err(format_err(
+                    &path,
+                    format!("line {}: expected \"SHA256  NAME\", found {line:?}", i + 1),
+                ))
+            }
+        }
+    }
+    Ok(Some(sums))
+}
+
+/// Checks `bytes`, read from `dir/name`, against `dir/SHA256SUMS` (if the checkpoint has one and
+/// lists the file).
+fn check_digest(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let Some(expected) = read_checksums(dir)?.and_then(|mut sums| sums.remove(name)) else {
+        return Ok(());
+    };
+    let found = hex(&Sha256::digest(bytes));
+    if found != expected {
+        return Err(CheckpointError::Corrupt {
+            path: dir.join(name),
+            expected,
+            found,
+            size: bytes.len() as u64,
+        });
+    }
+    Ok(())
+}
+
+/// Reads `dir/name`, checked against the checkpoint's `SHA256SUMS`.
+fn read_verified(dir: &Path, name: &str) -> Result<Vec<u8>, CheckpointError> {
+    let bytes = read_file(&dir.join(name))?;
+    check_digest(dir, name, &bytes)?;
+    Ok(bytes)
+}
+
+/// Checks every file `dir/SHA256SUMS` lists against its digest. Returns false when the checkpoint
+/// has no `SHA256SUMS` (nothing to check); a missing or damaged file is an error naming it.
+pub fn verify(dir: &Path) -> Result<bool, CheckpointError> {
+    let Some(sums) = read_checksums(dir)? else {
+        return Ok(false);
+    };
+    let mut names: Vec<_> = sums.into_iter().collect();
+    names.sort();
+    for (name, expected) in names {
+        let path = dir.join(&name);
+        let found = sha256_file(&path)?;
+        if found != expected {
+            let size = fs::metadata(&path).map_err(io("stat", &path))?.len();
+            return Err(CheckpointError::Corrupt {
+                path,
+                expected,
+                found,
+                size,
+            });
+        }
+    }
+    Ok(true)
+}
+
 fn parent(path: &Path) -> &Path {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -462,6 +600,40 @@ fn write_optimizer_file(path: &Path, opt: &dyn Optimizer) -> Result<(), Checkpoi
     write_safetensors(path, tensors, metadata)
 }
 
+/// Writes every file of `ckpt` into the fresh directory `dir`, `SHA256SUMS` last, and fsyncs
+/// them and `dir`.
+fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError> {
+    let mut written = Vec::new();
+    if let Some(model) = ckpt.model {
+        write_model_files(dir, model)?;
+        written.extend([CONFIG_FILE.to_string(), MODEL_FILE.to_string()]);
+    }
+    if let Some(opt) = ckpt.optimizer {
+        write_optimizer_file(&dir.join(OPTIMIZER_FILE), opt)?;
+        written.push(OPTIMIZER_FILE.to_string());
+    }
+    if let Some(state) = ckpt.trainer_state {
+        let json = serde_json::to_vec_pretty(state).map_err(|e| format_err(dir, e))?;
+        write_bytes(&dir.join(TRAINER_STATE_FILE), &json)?;
+        written.push(TRAINER_STATE_FILE.to_string());
+    }
+    for (file, bytes) in &ckpt.extra_files {
+        if file.is_empty()
+            || file.contains(['/', '\\'])
+            || file.starts_with('.')
+            || *file == CHECKSUMS_FILE
+        {
+            return Err(CheckpointError::BadName {
+                name: file.to_string(),
+            });
+        }
+        write_bytes(&dir.join(file), bytes)?;
+        written.push(file.to_string());
+    }
+    write_checksums(dir, &written)?;
+    fsync(dir)
+}
+
 /// Writes the checkpoint `name` under `root` atomically and points `root/latest` at it; returns
 /// its directory. See the module docs for the crash guarantees.
 pub fn save(root: &Path, name: &str, ckpt: &Checkpoint<'_>) -> Result<PathBuf, CheckpointError> {
@@ -481,25 +653,12 @@ pub fn save(root: &Path, name: &str, ckpt: &Checkpoint<'_>) -> Result<PathBuf, C
         fs::remove_dir_all(&tmp).map_err(io("remove", &tmp))?;
     }
     fs::create_dir(&tmp).map_err(io("create", &tmp))?;
-    if let Some(model) = ckpt.model {
-        write_model_files(&tmp, model)?;
+    if let Err(e) = write_files(&tmp, ckpt) {
+        // A full disk is the usual cause: give the space back. Failing to is not worth
+        // reporting over the write error; the next save of this name removes the rest.
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
     }
-    if let Some(opt) = ckpt.optimizer {
-        write_optimizer_file(&tmp.join(OPTIMIZER_FILE), opt)?;
-    }
-    if let Some(state) = ckpt.trainer_state {
-        let json = serde_json::to_vec_pretty(state).map_err(|e| format_err(&tmp, e))?;
-        write_bytes(&tmp.join(TRAINER_STATE_FILE), &json)?;
-    }
-    for (file, bytes) in &ckpt.extra_files {
-        if file.is_empty() || file.contains(['/', '\\']) || file.starts_with('.') {
-            return Err(CheckpointError::BadName {
-                name: file.to_string(),
-            });
-        }
-        write_bytes(&tmp.join(file), bytes)?;
-    }
-    fsync(&tmp)?;
 
     let dest = root.join(name);
     let old = root.join(format!(".old-{name}"));
@@ -549,7 +708,7 @@ pub fn resolve(path: &Path) -> Result<PathBuf, CheckpointError> {
 /// The model configuration stored in checkpoint directory `dir` (config.json).
 pub fn load_config(dir: &Path) -> Result<GPTConfig, CheckpointError> {
     let path = dir.join(CONFIG_FILE);
-    let bytes = fs::read(&path).map_err(io("read", &path))?;
+    let bytes = read_verified(dir, CONFIG_FILE)?;
     let hf: HfGpt2Config = serde_json::from_slice(&bytes).map_err(|e| format_err(&path, e))?;
     hf.to_config(&path)
 }
@@ -579,7 +738,7 @@ fn is_mask_buffer(name: &str) -> bool {
 /// dtype, shape) before any parameter is written, so a failed load leaves the model unchanged.
 pub fn load_params_into(dir: &Path, model: &mut GPT) -> Result<(), CheckpointError> {
     let path = dir.join(MODEL_FILE);
-    let bytes = read_file(&path)?;
+    let bytes = read_verified(dir, MODEL_FILE)?;
     let st = parse_safetensors(&path, &bytes)?;
     let views: Vec<ParamView> = model.param_views().to_vec();
     let mut stored = HashMap::new();
@@ -662,7 +821,7 @@ pub fn load_optimizer_into(dir: &Path, opt: &mut dyn Optimizer) -> Result<bool, 
     if !path.exists() {
         return Ok(false);
     }
-    let bytes = read_file(&path)?;
+    let bytes = read_verified(dir, OPTIMIZER_FILE)?;
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| format_err(&path, e))?;
     let info = meta.metadata().clone().unwrap_or_default();
     let field = |key: &str| {
@@ -704,13 +863,15 @@ pub fn load_optimizer_into(dir: &Path, opt: &mut dyn Optimizer) -> Result<bool, 
 /// The trainer state in `dir`, if the checkpoint has one.
 pub fn load_trainer_state(dir: &Path) -> Result<Option<TrainerState>, CheckpointError> {
     let path = dir.join(TRAINER_STATE_FILE);
-    match fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| format_err(&path, e)),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(io("read", &path)(e)),
-    }
+    let bytes = match fs::read(&path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(io("read", &path)(e)),
+    };
+    check_digest(dir, TRAINER_STATE_FILE, &bytes)?;
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| format_err(&path, e))
 }
 
 #[cfg(test)]
@@ -873,6 +1034,158 @@ mod tests {
             .collect();
         names.sort();
         assert_eq!(names, ["latest", "step-1", "step-2"]);
+    }
+
+    #[test]
+    fn checksums_are_sha256sum_compatible_and_checked_by_every_reader() {
+        let root = tempfile::tempdir().unwrap();
+        let mut model = GPT::new(tiny(true, true), 3).unwrap();
+        let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views())).unwrap();
+        let grads = vec![0.5f32; model.num_params()];
+        opt.step(model.params_mut(), &grads, 1e-3).unwrap();
+        let state = TrainerState {
+            step: 1,
+            ..Default::default()
+        };
+        let dir = save(
+            root.path(),
+            "step-1",
+            &Checkpoint {
+                model: Some(&model),
+                optimizer: Some(&opt),
+                trainer_state: Some(&state),
+                extra_files: vec![("vocab.json", b"[]")],
+            },
+        )
+        .unwrap();
+        let sums = fs::read_to_string(dir.join(CHECKSUMS_FILE)).unwrap();
+        let mut listed: Vec<&str> = sums.lines().map(|l| &l[66..]).collect();
+        listed.sort();
+        assert_eq!(
+            listed,
+            [
+                CONFIG_FILE,
+                MODEL_FILE,
+                OPTIMIZER_FILE,
+                TRAINER_STATE_FILE,
+                "vocab.json"
+            ]
+        );
+        assert!(verify(&dir).unwrap());
+        match std::process::Command::new("sha256sum")
+            .args(["--check", "--quiet", CHECKSUMS_FILE])
+            .current_dir(&dir)
+            .status()
+        {
+            Ok(status) => assert!(status.success(), "sha256sum -c rejects {CHECKSUMS_FILE}"),
+            Err(e) => eprintln!("skipping the sha256sum -c cross-check: {e}"),
+        }
+
+        // One flipped byte in each file's payload: the reader of that file names it.
+        let flip = |name: &str, at: usize| {
+            let path = dir.join(name);
+            let original = fs::read(&path).unwrap();
+            let mut bytes = original.clone();
+            let at = at.min(bytes.len() - 1);
+            bytes[at] ^= 0x20;
+            fs::write(&path, &bytes).unwrap();
+            move || fs::write(&path, &original).unwrap()
+        };
+        let corrupt = |err: CheckpointError, name: &str| match &err {
+            CheckpointError::Corrupt { path, .. } if *path == dir.join(name) => {
+                let msg = err.to_string();
+                assert!(msg.contains(name) && msg.contains("corrupt"), "{msg}");
+            }
+            other => panic!("{name}: expected Corrupt, got {other:?}"),
+        };
+        let len = fs::metadata(dir.join(MODEL_FILE)).unwrap().len() as usize;
+        let undo = flip(MODEL_FILE, len - 3);
+        let mut fresh = GPT::new(tiny(true, true), 4).unwrap();
+        let before = fresh.params().to_vec();
+        corrupt(load_params_into(&dir, &mut fresh).unwrap_err(), MODEL_FILE);
+        assert_eq!(fresh.params(), before, "a corrupt file loads nothing");
+        corrupt(verify(&dir).unwrap_err(), MODEL_FILE);
+        undo();
+        load_params_into(&dir, &mut fresh).unwrap();
+        assert_eq!(fresh.params(), model.params());
+
+        let len = fs::metadata(dir.join(OPTIMIZER_FILE)).unwrap().len() as usize;
+        let undo = flip(OPTIMIZER_FILE, len - 5);
+        let mut opt2 = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views())).unwrap();
+        corrupt(
+            load_optimizer_into(&dir, &mut opt2).unwrap_err(),
+            OPTIMIZER_FILE,
+        );
+        undo();
+        let undo = flip(CONFIG_FILE, 10);
+        corrupt(load_config(&dir).unwrap_err(), CONFIG_FILE);
+        undo();
+        let undo = flip(TRAINER_STATE_FILE, 4);
+        corrupt(load_trainer_state(&dir).unwrap_err(), TRAINER_STATE_FILE);
+        undo();
+        let undo = flip("vocab.json", 0);
+        corrupt(verify(&dir).unwrap_err(), "vocab.json");
+        undo();
+        assert!(verify(&dir).unwrap());
+
+        // a partially written file (truncated) and a missing one
+        let model_file = dir.join(MODEL_FILE);
+        let whole = fs::read(&model_file).unwrap();
+        fs::write(&model_file, &whole[..whole.len() / 2]).unwrap();
+        let err = load_params_into(&dir, &mut fresh).unwrap_err();
+        assert!(
+            matches!(&err, CheckpointError::Corrupt { size, .. } if *size == (whole.len() / 2) as u64),
+            "{err}"
+        );
+        fs::remove_file(&model_file).unwrap();
+        assert!(matches!(
+            verify(&dir).unwrap_err(),
+            CheckpointError::Io { op: "read", .. }
+        ));
+
+        // a garbled SHA256SUMS is a format error naming it; none at all loads unverified
+        fs::write(&model_file, &whole).unwrap();
+        fs::write(
+            dir.join(CHECKSUMS_FILE),
+            "not a digest  model.safetensors\n",
+        )
+        .unwrap();
+        let err = load_params_into(&dir, &mut fresh).unwrap_err();
+        assert!(
+            matches!(&err, CheckpointError::Format { path, .. } if path.ends_with(CHECKSUMS_FILE)),
+            "{err}"
+        );
+        fs::remove_file(dir.join(CHECKSUMS_FILE)).unwrap();
+        assert!(!verify(&dir).unwrap());
+        load_params_into(&dir, &mut fresh).unwrap();
+    }
+
+    #[test]
+    fn a_failed_save_removes_its_temp_dir_and_keeps_the_last_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let a = GPT::new(tiny(true, true), 1).unwrap();
+        let b = GPT::new(tiny(true, true), 2).unwrap();
+        save(root.path(), "step-1", &model_ckpt(&a)).unwrap();
+        // The bad extra-file name is found after the model files are written.
+        let err = save(
+            root.path(),
+            "step-2",
+            &Checkpoint {
+                model: Some(&b),
+                extra_files: vec![(CHECKSUMS_FILE, b"forged")],
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(matches!(err, CheckpointError::BadName { .. }), "{err}");
+        let names: Vec<String> = fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(!names.iter().any(|n| n.starts_with(".tmp")), "{names:?}");
+        let (m, dir) = load_model(root.path()).unwrap();
+        assert_eq!(dir, root.path().join("step-1"));
+        assert_eq!(m.params(), a.params());
     }
 
     /// Saves checkpoints in a loop until killed: the child process of
@@ -1038,8 +1351,12 @@ mod tests {
         let err = load_params_into(&f16_dir, &mut m).unwrap_err();
         assert!(err.to_string().contains("F16"), "{err}");
 
-        // truncated file, missing file, a directory that is no checkpoint
+        // truncated file (caught by its checksum, and without one by the parser), missing file,
+        // a directory that is no checkpoint
         fs::write(&model_file, &fs::read(&model_file).unwrap()[..100]).unwrap();
+        let err = load_params_into(&dir, &mut m).unwrap_err();
+        assert!(matches!(err, CheckpointError::Corrupt { .. }), "{err}");
+        fs::remove_file(dir.join(CHECKSUMS_FILE)).unwrap();
         let err = load_params_into(&dir, &mut m).unwrap_err();
         assert!(matches!(err, CheckpointError::Format { .. }), "{err}");
         fs::remove_file(&model_file).unwrap();

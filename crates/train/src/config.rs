@@ -98,6 +98,40 @@ pub struct TrainConfig {
     pub no_overlap: bool,
     /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
     pub bf16_compress: bool,
+    /// How the ranks share the work: data parallel (`ddp`), a parameter
+    /// server on rank 0 (`parameter-server`) or pipeline stages (`pipeline`).
+    pub strategy: Strategy,
+    /// Parameter server: `sync` (one update per step from every worker's
+    /// gradient, as DDP) or `async` (one update per pushed gradient).
+    pub ps_mode: PsMode,
+    /// Parameter server, async mode: the most updates a pushed gradient's
+    /// parameters may lag the server's; staler gradients are dropped.
+    pub max_staleness: u64,
+}
+
+/// How the ranks of a training job share the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Every rank holds the model; gradients are averaged by all-reduce.
+    #[default]
+    Ddp,
+    /// Rank 0 holds the parameters and the optimizer; the other ranks
+    /// compute gradients and push them over RPC.
+    ParameterServer,
+    /// The model's blocks are split into stages on consecutive ranks.
+    Pipeline,
+}
+
+/// How a parameter server applies the workers' gradients.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum PsMode {
+    /// Waits for every worker's gradient of a step, averages, updates once.
+    #[default]
+    Sync,
+    /// Applies each gradient as it arrives, if it is not too stale.
+    Async,
 }
 
 impl Default for TrainConfig {
@@ -141,6 +175,9 @@ impl Default for TrainConfig {
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
             no_overlap: false,
             bf16_compress: false,
+            strategy: Strategy::Ddp,
+            ps_mode: PsMode::Sync,
+            max_staleness: 4,
         }
     }
 }
@@ -327,6 +364,19 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_compress: Option<bool>,
+    /// How ranks share the work: ddp, parameter-server (rank 0 serves) or pipeline
+    /// [default: ddp].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strategy: Option<Strategy>,
+    /// Parameter server: sync (as DDP) or async [default: sync].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ps_mode: Option<PsMode>,
+    /// Parameter server, async: drop gradients more than N updates stale [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<u64>,
 }
 
 impl TrainArgs {

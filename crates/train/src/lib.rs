@@ -36,7 +36,7 @@ mod phases;
 mod train;
 
 pub use checkpoint::TrainState;
-pub use config::{ConfigError, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB};
+pub use config::{ConfigError, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB};
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use file_data::FileData;
 pub use phases::{Phase, Phases};

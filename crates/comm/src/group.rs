@@ -140,8 +140,9 @@ impl ProcessGroup {
     }
 
     /// Records where this rank sits on its node (from LOCAL_RANK and
-    /// LOCAL_WORLD_SIZE); only before the group is shared.
-    pub(crate) fn with_local(mut self, local_rank: usize, local_world_size: usize) -> ProcessGroup {
+    /// LOCAL_WORLD_SIZE, or from the backend, as cohort-mpi does); only
+    /// before the group is shared (cloned), else it changes nothing.
+    pub fn with_local(mut self, local_rank: usize, local_world_size: usize) -> ProcessGroup {
         if let Some(inner) = Arc::get_mut(&mut self.inner) {
             inner.local_rank = local_rank;
             inner.local_world_size = local_world_size;

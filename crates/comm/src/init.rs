@@ -6,7 +6,10 @@
 //!   0 hosts the TCP store server on MASTER_PORT unless
 //!   `COHORT_STORE_HOSTED=1` says a launcher already hosts it there. Under
 //!   a launcher that restarts workers, `COHORT_RESTART_COUNT` keeps each
-//!   incarnation's keys apart.
+//!   incarnation's keys apart. Under Slurm (`srun`), SLURM_PROCID,
+//!   SLURM_NTASKS and SLURM_LOCALID stand in for RANK, WORLD_SIZE and
+//!   LOCAL_RANK where those are unset; MASTER_ADDR and MASTER_PORT are
+//!   still needed.
 //! - `tcp://host:port` with rank and world size from [`InitOptions`] or the
 //!   query (`?rank=0&world_size=2`); rank 0 hosts the store server.
 //! - `file:///path` with rank and world size likewise; the file must be
@@ -53,6 +56,27 @@ fn required(name: &str) -> Result<String, CommError> {
     var(name)?.ok_or_else(|| init_err(name, "not set (run under `cohort run`, or set it by hand)"))
 }
 
+/// `name` from the environment, else Slurm's variable for it (`srun` sets
+/// SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID for every task); `None` when
+/// neither is set.
+fn var_or_slurm(name: &str, slurm: &str) -> Result<Option<usize>, CommError> {
+    match var(name)? {
+        Some(v) => parse_num(name, &v).map(Some),
+        None => var(slurm)?.map(|v| parse_num(slurm, &v)).transpose(),
+    }
+}
+
+fn required_or_slurm(name: &str, slurm: &str) -> Result<usize, CommError> {
+    var_or_slurm(name, slurm)?.ok_or_else(|| {
+        init_err(
+            name,
+            format!(
+                "not set (run under `cohort run` or srun, which sets {slurm}, or set it by hand)"
+            ),
+        )
+    })
+}
+
 fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, CommError> {
     v.parse()
         .map_err(|_| bad(name, v, "a non-negative integer"))
@@ -70,7 +94,14 @@ pub fn init_process_group(
 ) -> Result<ProcessGroup, CommError> {
     match backend {
         "tcp" | "gloo" => {}
-        "mpi" | "nccl" => {
+        "mpi" => {
+            return Err(init_err(
+                "backend",
+                "MPI groups come from cohort_mpi::init (crate cohort-mpi, feature `mpi`), \
+                 not from an init method",
+            ))
+        }
+        "nccl" => {
             return Err(init_err(
                 "backend",
                 format!("{backend:?} is not built into this version (available: tcp)"),
@@ -98,11 +129,11 @@ pub fn init_process_group(
             .map_err(|_| bad("MASTER_PORT", &port_s, "a port number (0-65535)"))?;
         let rank = match opts.rank {
             Some(r) => r,
-            None => parse_num("RANK", &required("RANK")?)?,
+            None => required_or_slurm("RANK", "SLURM_PROCID")?,
         };
         let world = match opts.world_size {
             Some(w) => w,
-            None => parse_num("WORLD_SIZE", &required("WORLD_SIZE")?)?,
+            None => required_or_slurm("WORLD_SIZE", "SLURM_NTASKS")?,
         };
         check_world("RANK", rank, "WORLD_SIZE", world)?;
         if !explicit_bind {
@@ -183,10 +214,7 @@ pub fn init_process_group(
         ));
     };
 
-    let local_rank = match var("LOCAL_RANK")? {
-        Some(v) => parse_num("LOCAL_RANK", &v)?,
-        None => rank,
-    };
+    let local_rank = var_or_slurm("LOCAL_RANK", "SLURM_LOCALID")?.unwrap_or(rank);
     let local_world = match var("LOCAL_WORLD_SIZE")? {
         Some(v) => parse_num("LOCAL_WORLD_SIZE", &v)?,
         None => world,

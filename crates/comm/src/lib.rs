@@ -79,7 +79,7 @@ pub use error::CommError;
 pub use group::ProcessGroup;
 pub use half::bf16;
 pub use init::{init_process_group, InitOptions, STORE_HOSTED_VAR};
-pub use reduce_op::ReduceOp;
+pub use reduce_op::{reduce_into, ReduceOp};
 /// `spawn(n, f)`: [`spawn::threads`], mp.spawn's role for tests and single-machine runs.
 pub use spawn::threads as spawn;
 pub use work::Work;

@@ -89,12 +89,17 @@ impl std::fmt::Display for ReduceOp {
 }
 
 /// `dst[i] = dst[i] op src[i]` on byte views of `dtype` elements. `Avg` sums
-/// here; the division happens once, in [`finish_avg`].
+/// here; the division by the group size happens once, after the reduction.
+/// Public so that other backends (cohort-mpi's user-defined MPI operators)
+/// reduce exactly as this crate does.
 ///
 /// The same loops are compiled three times (baseline, AVX2, AVX-512) and
 /// the widest the CPU supports runs: a segment that is still in cache
 /// reduces about twice as fast with AVX-512 as with the SSE2 baseline.
-pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+///
+/// # Panics
+/// If `src` is shorter than `dst`, or either is not aligned for `dtype`.
+pub fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     debug_assert_eq!(dst.len(), src.len());
     #[cfg(target_arch = "x86_64")]
     {

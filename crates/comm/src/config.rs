@@ -1,16 +1,18 @@
 //! Group settings and the environment variables that set them.
 //!
 //! `COHORT_TIMEOUT` (seconds, or a number with `ms`/`s`/`m`/`h`),
-//! `COHORT_ALGO` (`auto`, `ring`, `tree`), `COHORT_DEBUG` (`off`, `detail`)
-//! and `COHORT_SOCKET_ADDR` (the IP this rank listens on). A bad value is an
-//! error naming the variable, never silently ignored. This module must never
-//! read anything but these variables.
+//! `COHORT_ALGO` (`auto`, `ring`, `tree`, `shm`, `hierarchical`),
+//! `COHORT_DEBUG` (`off`, `detail`), `COHORT_SOCKET_ADDR` (the IP this rank
+//! listens on) and `COHORT_TRANSPORT` (`auto`, `shm`, `unix`, `tcp`). A bad
+//! value is an error naming the variable, never silently ignored. This
+//! module must never read anything but these variables.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use crate::backend::{Algorithm, DebugLevel};
 use crate::error::CommError;
+use crate::transport::TransportKind;
 
 /// Default time a collective may take before it fails (NCCL's watchdog default).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -28,6 +30,8 @@ pub struct GroupOptions {
     pub debug: DebugLevel,
     /// Address this rank listens on for its peers.
     pub bind_ip: IpAddr,
+    /// Shared memory or sockets.
+    pub transport: TransportKind,
 }
 
 impl Default for GroupOptions {
@@ -40,13 +44,14 @@ impl Default for GroupOptions {
             algorithm: Algorithm::Auto,
             debug: DebugLevel::Off,
             bind_ip: Ipv4Addr::LOCALHOST.into(),
+            transport: TransportKind::Auto,
         }
     }
 }
 
 impl GroupOptions {
     /// The defaults overridden by `COHORT_TIMEOUT`, `COHORT_ALGO`,
-    /// `COHORT_DEBUG` and `COHORT_SOCKET_ADDR` where set.
+    /// `COHORT_DEBUG`, `COHORT_TRANSPORT` and `COHORT_SOCKET_ADDR` where set.
     pub fn from_env() -> Result<GroupOptions, CommError> {
         let mut o = GroupOptions::default();
         if let Some(v) = var("COHORT_TIMEOUT")? {
@@ -59,8 +64,8 @@ impl GroupOptions {
             })?;
         }
         if let Some(v) = var("COHORT_ALGO")? {
-            o.algorithm =
-                Algorithm::parse(&v).ok_or_else(|| bad("COHORT_ALGO", &v, "auto, ring or tree"))?;
+            o.algorithm = Algorithm::parse(&v)
+                .ok_or_else(|| bad("COHORT_ALGO", &v, "auto, ring, tree, shm or hierarchical"))?;
         }
         if let Some(v) = var("COHORT_DEBUG")? {
             o.debug = match v.to_ascii_lowercase().as_str() {
@@ -68,6 +73,10 @@ impl GroupOptions {
                 "detail" => DebugLevel::Detail,
                 _ => return Err(bad("COHORT_DEBUG", &v, "off or detail")),
             };
+        }
+        if let Some(v) = var("COHORT_TRANSPORT")? {
+            o.transport = TransportKind::parse(&v)
+                .ok_or_else(|| bad("COHORT_TRANSPORT", &v, "auto, shm, unix or tcp"))?;
         }
         if let Some(v) = var("COHORT_SOCKET_ADDR")? {
             o.bind_ip = v

@@ -27,12 +27,12 @@ use std::time::Duration;
 
 use cohort_store::{PrefixStore, Store};
 
-use crate::backend::{Algorithm, Backend, MeshBackend, OpContext, OpKind};
+use crate::backend::{nodes, Algorithm, Backend, MeshBackend, OpContext, OpKind};
 use crate::config::GroupOptions;
 use crate::element::{as_bytes, as_bytes_mut, DType, Element};
 use crate::error::CommError;
 use crate::reduce_op::ReduceOp;
-use crate::transport::tcp::TcpTransport;
+use crate::transport;
 use crate::work::Work;
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -82,11 +82,14 @@ fn algorithm_code(a: Algorithm) -> u8 {
         Algorithm::Auto => 0,
         Algorithm::Ring => 1,
         Algorithm::Tree => 2,
+        Algorithm::Shm => 3,
+        Algorithm::Hierarchical => 4,
     }
 }
 
 impl ProcessGroup {
-    /// Joins group `opts.name` as `rank` of `size` with the TCP backend,
+    /// Joins group `opts.name` as `rank` of `size` with the mesh backend
+    /// (shared memory or sockets, see [`transport`](crate::transport)),
     /// meeting the other ranks through `store`. Blocks until every rank has
     /// connected, or fails after `opts.timeout` naming the missing ranks.
     pub fn new(
@@ -102,10 +105,24 @@ impl ProcessGroup {
                 detail: format!("rank {rank} is not in a world of size {size}"),
             });
         }
-        let scoped = PrefixStore::new(format!("cohort/{}", opts.name), store.clone());
-        let transport =
-            TcpTransport::connect(&scoped, &opts.name, rank, size, opts.bind_ip, opts.timeout)?;
-        let backend = Box::new(MeshBackend::new(Box::new(transport)));
+        let scoped: Arc<dyn Store> = Arc::new(PrefixStore::new(
+            format!("cohort/{}", opts.name),
+            store.clone(),
+        ));
+        let placement = nodes::find(&*scoped, &opts.name, rank, size, opts.timeout)?;
+        let all: Vec<usize> = (0..size).collect();
+        let transport = transport::connect(
+            &*scoped,
+            &opts.name,
+            rank,
+            size,
+            opts.bind_ip,
+            opts.timeout,
+            opts.transport,
+            placement.one_host(&all),
+        )?;
+        let nodes = nodes::connect(scoped, &opts, rank, &placement)?;
+        let backend = Box::new(MeshBackend::new(transport).with_nodes(nodes));
         Ok(Self::with_backend(backend, store, opts))
     }
 
@@ -881,6 +898,8 @@ impl Inner {
         match self.algorithm.load(Ordering::Relaxed) {
             1 => Algorithm::Ring,
             2 => Algorithm::Tree,
+            3 => Algorithm::Shm,
+            4 => Algorithm::Hierarchical,
             _ => Algorithm::Auto,
         }
     }

@@ -1,5 +1,5 @@
 //! Collective communication for CPU processes: what c10d and Gloo are to
-//! PyTorch, over TCP.
+//! PyTorch, over shared memory and TCP.
 //!
 //! A [`ProcessGroup`] is a set of ranks that run collectives together:
 //! point-to-point [`send`](ProcessGroup::send)/[`recv`](ProcessGroup::recv),
@@ -22,9 +22,13 @@
 //!   [`MeshBackend`], runs Gloo-style algorithms (one file per algorithm in
 //!   `collectives/`) as schedules of frames driven by a non-blocking
 //!   progress engine.
-//! - A [`transport::Transport`] only moves bytes between pairs; the TCP
-//!   transport is a full mesh of sockets (Unix domain sockets between ranks
-//!   on the same host, about twice as cheap as TCP loopback).
+//! - A [`transport::Transport`] only moves bytes between pairs: ring
+//!   buffers in shared memory when every rank is on one host
+//!   ([`transport::shm`]), else a full mesh of sockets (Unix domain sockets
+//!   between ranks on the same host, TCP between hosts). On shared memory,
+//!   large all_reduces skip the rings and reduce straight from the peers'
+//!   memory; groups that span several nodes all_reduce hierarchically
+//!   (inside each node, then among one leader per node).
 //!
 //! Failures never hang: every operation has a deadline (the group timeout,
 //! 30 minutes by default, `COHORT_TIMEOUT`), a dead peer fails pending calls
@@ -37,10 +41,10 @@
 //! LOCAL_WORLD_SIZE (`env://`); `COHORT_STORE_HOSTED=1` (a launcher hosts
 //! the store, so rank 0 does not); `COHORT_RESTART_COUNT` (set by the
 //! launcher; keeps restarts apart in its store); `COHORT_TIMEOUT`,
-//! `COHORT_ALGO=auto|ring|tree`, `COHORT_DEBUG=detail` and
-//! `COHORT_SOCKET_ADDR` (see [`GroupOptions::from_env`]); `COHORT_TRANSPORT=tcp`
-//! makes ranks on one host use TCP loopback instead of Unix sockets
-//! (`auto`, the default, picks Unix sockets where it can).
+//! `COHORT_ALGO=auto|ring|tree|shm|hierarchical`, `COHORT_DEBUG=detail`,
+//! `COHORT_SOCKET_ADDR` and `COHORT_TRANSPORT=auto|shm|unix|tcp` (see
+//! [`GroupOptions::from_env`] and [`transport`]); `COHORT_NODE_ID` names
+//! this process's node for the hierarchical all_reduce (default: the host).
 //!
 //! ```
 //! use cohort_comm::{spawn, CommError, ReduceOp};

@@ -1,10 +1,12 @@
 //! Every collective against a naive reference: world sizes 1, 2, 3, 4, 5
-//! and 8 (threads with real loopback sockets), lengths 0, 1, primes and
-//! random ones, every reduce op and element type, both algorithm families.
+//! and 8 (threads with real shared memory and real Unix sockets), lengths
+//! 0, 1, primes and random ones, every reduce op and element type, every
+//! algorithm family.
 
 mod common;
 
-use cohort_comm::{bf16, spawn, Algorithm, CommError, ProcessGroup, ReduceOp};
+use cohort_comm::transport::TransportKind;
+use cohort_comm::{bf16, spawn, Algorithm, CommError, GroupOptions, ProcessGroup, ReduceOp};
 use common::*;
 
 /// Fixed lengths: empty, tiny, primes, and one past a 256 KB segment of f32.
@@ -115,11 +117,29 @@ fn all_ops<T: TestElem>(pg: &ProcessGroup, len: usize, salt: usize) -> Result<()
 }
 
 fn world(n: usize) {
-    spawn::threads_with(n, opts(60), |pg| {
+    // Shared memory (the default on one host; its direct all_reduce for
+    // the long lengths under `auto`, and forced at every length under
+    // `shm`) and Unix sockets must give the same, exact results.
+    for transport in [TransportKind::Shm, TransportKind::Unix] {
+        world_over(n, transport);
+    }
+}
+
+fn world_over(n: usize, transport: TransportKind) {
+    let o = GroupOptions {
+        transport,
+        ..opts(60)
+    };
+    spawn::threads_with(n, o, |pg| {
         let mut rng = Lcg(n as u64);
         let mut lens = LENS.to_vec();
         lens.extend((0..3).map(|_| rng.below(5000)));
-        for algo in [Algorithm::Ring, Algorithm::Tree, Algorithm::Auto] {
+        let algos: &[Algorithm] = match (transport, n) {
+            (TransportKind::Shm, 1) => &[Algorithm::Auto],
+            (TransportKind::Shm, _) => &[Algorithm::Ring, Algorithm::Shm, Algorithm::Auto],
+            _ => &[Algorithm::Ring, Algorithm::Tree, Algorithm::Auto],
+        };
+        for &algo in algos {
             pg.set_algorithm(algo);
             for (salt, &len) in lens.iter().enumerate() {
                 // The long length on every type would only repeat the f32 case.

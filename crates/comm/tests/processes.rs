@@ -3,9 +3,12 @@
 //! SIGKILL mid-collective makes every survivor fail fast naming it; groups
 //! form through `env://` (store hosted by rank 0, or by the parent as a
 //! launcher would), through `tcp://` and through `file://`; a missing
-//! variable is named. Ranks on one host talk over Unix sockets by default
-//! and over TCP with `COHORT_TRANSPORT=tcp`: collectives and the killed-rank
-//! check run over both.
+//! variable is named. Ranks on one host talk over shared memory by default,
+//! over Unix sockets with `COHORT_TRANSPORT=unix` and over TCP with
+//! `COHORT_TRANSPORT=tcp`: collectives and the killed-rank check run over
+//! all three. Shared memory is an anonymous memfd, so nothing appears in
+//! /dev/shm, during the run or after a SIGKILL. Two simulated nodes
+//! (`COHORT_NODE_ID`) of two ranks each run the hierarchical all_reduce.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -13,7 +16,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use cohort_comm::spawn::{self, ProcessOptions};
-use cohort_comm::{init_process_group, InitOptions, ReduceOp};
+use cohort_comm::{init_process_group, Algorithm, InitOptions, ReduceOp};
 
 const ROLE: &str = "COHORT_TEST_ROLE";
 
@@ -28,15 +31,31 @@ fn main() {
         };
         std::process::exit(code);
     }
-    let tests: [(&str, fn()); 8] = [
-        ("killed_rank_fails_every_survivor_fast", || {
+    let tests: [(&str, fn()); 13] = [
+        ("killed_rank_fails_every_survivor_fast_over_shm", || {
             killed_rank_fails_every_survivor_fast("auto")
+        }),
+        ("killed_rank_fails_every_survivor_fast_over_unix", || {
+            killed_rank_fails_every_survivor_fast("unix")
         }),
         ("killed_rank_fails_every_survivor_fast_over_tcp", || {
             killed_rank_fails_every_survivor_fast("tcp")
         }),
+        ("collectives_over_shm", || collectives_over("shm")),
         ("collectives_over_unix_sockets", || collectives_over("unix")),
         ("collectives_over_forced_tcp", || collectives_over("tcp")),
+        (
+            "shm_is_memfd_and_leaves_nothing_after_exit_and_sigkill",
+            shm_is_memfd_and_leaves_nothing_after_exit_and_sigkill,
+        ),
+        (
+            "hierarchical_all_reduce_with_two_nodes_equals_flat",
+            hierarchical_all_reduce_with_two_nodes_equals_flat,
+        ),
+        (
+            "hierarchical_mismatch_inside_a_node_is_named",
+            hierarchical_mismatch_inside_a_node_is_named,
+        ),
         (
             "env_init_with_a_launcher_hosted_store",
             env_init_with_a_launcher_hosted_store,
@@ -75,10 +94,68 @@ fn child(role: &str) -> Result<(), Box<dyn std::error::Error>> {
             loop {
                 pg.all_reduce(&mut x, ReduceOp::Avg)?;
                 if i == 0 {
-                    println!("ready");
+                    println!("ready {}", pg.backend_name());
                 }
                 i += 1;
             }
+        }
+        // Prints which shared memory it maps, then waits for the group to end.
+        "shm_maps" => {
+            let pg = init_process_group("tcp", "env://", InitOptions::default())?;
+            pg.barrier()?;
+            let maps = std::fs::read_to_string("/proc/self/maps")?;
+            let memfds = maps
+                .lines()
+                .filter(|l| l.contains("memfd:cohort-shm"))
+                .count();
+            println!("memfds {memfds} backend {}", pg.backend_name());
+            // The parent kills one rank; the others fail here.
+            let mut x = vec![0u8; 1 << 20];
+            loop {
+                pg.all_reduce(&mut x, ReduceOp::Max)?;
+            }
+        }
+        // Every op and several lengths with hierarchical and flat
+        // all_reduce: identical results (COHORT_NODE_ID splits the ranks).
+        "hierarchical_check" => {
+            let pg = init_process_group("tcp", "env://", InitOptions::default())?;
+            let (r, n) = (pg.rank(), pg.size());
+            for len in [0usize, 1, 1021, 65_537, 1 << 20] {
+                for op in [
+                    ReduceOp::Sum,
+                    ReduceOp::Avg,
+                    ReduceOp::Max,
+                    ReduceOp::Product,
+                ] {
+                    let x: Vec<f32> = (0..len)
+                        .map(|i| [-1.0, 1.0, 2.0, 0.5][(r + i) % 4] * ((i % 5) as f32 + 1.0))
+                        .collect();
+                    let mut hier = x.clone();
+                    pg.set_algorithm(Algorithm::Hierarchical);
+                    pg.all_reduce(&mut hier, op)?;
+                    let mut flat = x.clone();
+                    pg.set_algorithm(Algorithm::Ring);
+                    pg.all_reduce(&mut flat, op)?;
+                    if hier != flat {
+                        return Err(format!("len {len} {op}: hierarchical != flat").into());
+                    }
+                }
+            }
+            let mut x = vec![r as i64 + 1; 999];
+            pg.set_algorithm(Algorithm::Auto);
+            pg.all_reduce(&mut x, ReduceOp::Sum)?;
+            let want = (n * (n + 1) / 2) as i64;
+            if x.iter().any(|&v| v != want) {
+                return Err("auto all_reduce of int64 is wrong".into());
+            }
+            Ok(())
+        }
+        // Rank 3 calls with another length: its node's reduce names the mismatch.
+        "hierarchical_mismatch" => {
+            let pg = init_process_group("tcp", "env://", InitOptions::default())?;
+            let mut x = vec![1.0f32; 100 + usize::from(pg.rank() == 3)];
+            pg.all_reduce(&mut x, ReduceOp::Sum)?;
+            Ok(())
         }
         "env_check" => {
             let pg = init_process_group("tcp", "env://", InitOptions::default())?;
@@ -211,11 +288,12 @@ fn killed_rank_fails_every_survivor_fast(transport: &str) {
     let lines = watch(&mut children);
     let mut ready = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
+    let backend = if transport == "auto" { "shm" } else { "tcp" };
     while ready < world {
         let (rank, line) = lines
             .recv_timeout(deadline - Instant::now())
             .expect("ranks never got ready");
-        assert_eq!(line, "ready", "rank {rank}");
+        assert_eq!(line, format!("ready {backend}"), "rank {rank}");
         ready += 1;
     }
     // Mid-collective: they loop back-to-back, so a 16 MB all_reduce is in flight.
@@ -321,4 +399,101 @@ fn missing_env_var_is_named() {
     let text = std::io::read_to_string(out).unwrap();
     assert_eq!(status.code(), Some(3));
     assert!(text.contains("MASTER_ADDR: not set"), "{text}");
+}
+
+/// Entries of /dev/shm (empty where it does not exist).
+fn dev_shm() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+fn shm_is_memfd_and_leaves_nothing_after_exit_and_sigkill() {
+    let before = dev_shm();
+    let world = 3;
+    let env = [
+        ("MASTER_ADDR", "127.0.0.1".to_string()),
+        ("MASTER_PORT", free_port().to_string()),
+        ("COHORT_TIMEOUT", "300".to_string()),
+    ];
+    let mut children: Vec<Child> = (0..world)
+        .map(|r| start("shm_maps", r, world, &env))
+        .collect();
+    let lines = watch(&mut children);
+    for _ in 0..world {
+        let (rank, line) = lines
+            .recv_timeout(Duration::from_secs(60))
+            .expect("ranks never reported their mappings");
+        // Its own region and one per peer, all anonymous.
+        assert_eq!(line, format!("memfds {world} backend shm"), "rank {rank}");
+    }
+    let created: Vec<String> = dev_shm()
+        .into_iter()
+        .filter(|e| !before.contains(e))
+        .collect();
+    assert!(created.is_empty(), "/dev/shm entries appeared: {created:?}");
+    children[0].kill().unwrap();
+    for c in &mut children {
+        c.wait().unwrap();
+    }
+    let left: Vec<String> = dev_shm()
+        .into_iter()
+        .filter(|e| !before.contains(e))
+        .collect();
+    assert!(left.is_empty(), "/dev/shm entries left behind: {left:?}");
+}
+
+/// Ranks 0, 1 on node "a" and 2, 3 on node "b".
+fn two_nodes_of_two(role: &str) -> Vec<Child> {
+    let port = free_port().to_string();
+    (0..4)
+        .map(|r| {
+            let node = if r < 2 { "a" } else { "b" };
+            let env = [
+                ("MASTER_ADDR", "127.0.0.1".to_string()),
+                ("MASTER_PORT", port.clone()),
+                ("COHORT_TIMEOUT", "60".to_string()),
+                ("COHORT_NODE_ID", node.to_string()),
+                ("LOCAL_RANK", (r % 2).to_string()),
+                ("LOCAL_WORLD_SIZE", "2".to_string()),
+            ];
+            start(role, r, 4, &env)
+        })
+        .collect()
+}
+
+fn hierarchical_all_reduce_with_two_nodes_equals_flat() {
+    for (rank, mut c) in two_nodes_of_two("hierarchical_check")
+        .into_iter()
+        .enumerate()
+    {
+        let out = c.stdout.take().unwrap();
+        let status = c.wait().unwrap();
+        let text = std::io::read_to_string(out).unwrap();
+        assert!(status.success(), "rank {rank}: {status} {text}");
+    }
+}
+
+fn hierarchical_mismatch_inside_a_node_is_named() {
+    let mut children = two_nodes_of_two("hierarchical_mismatch");
+    let mut errors = Vec::new();
+    for c in &mut children {
+        let out = c.stdout.take().unwrap();
+        let status = c.wait().unwrap();
+        assert_eq!(status.code(), Some(3));
+        errors.push(std::io::read_to_string(out).unwrap());
+    }
+    // Node b's reduce (on its node mesh) is where the lengths meet.
+    let named = errors.iter().any(|e| {
+        e.contains("mismatched collectives on group \"default/node\"")
+            && e.contains("reduce #0 of 100 x float32 (sum) with root 0")
+            && e.contains("reduce #0 of 101 x float32 (sum) with root 0")
+    });
+    assert!(named, "{errors:#?}");
 }

@@ -98,6 +98,14 @@ pub struct TrainConfig {
     pub no_overlap: bool,
     /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
     pub bf16_compress: bool,
+    /// Loader threads reading batches ahead of the training loop (0: read
+    /// on the training thread).
+    pub loader_workers: usize,
+    /// Batches the loader threads prepare ahead.
+    pub prefetch: usize,
+    /// Documents (JSONL): samples per rank sorted by length together before
+    /// being cut into token-budget batches (seed 002's sort buffer).
+    pub sort_size: usize,
     /// How the ranks share the work: data parallel (`ddp`), a parameter
     /// server on rank 0 (`parameter-server`) or pipeline stages (`pipeline`).
     pub strategy: Strategy,
@@ -172,12 +180,21 @@ impl Default for TrainConfig {
             save_interval: 0,
             out: None,
             resume: None,
+            keep_checkpoints: 3,
+            inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
             no_overlap: false,
             bf16_compress: false,
+            loader_workers: 1,
+            prefetch: 4,
+            sort_size: 1024,
             strategy: Strategy::Ddp,
             ps_mode: PsMode::Sync,
             max_staleness: 4,
+            backend: CommBackend::Cohort,
+            stages: 0,
+            micro_batches: 4,
+            pipeline_schedule: PipelineSchedule::OneFOneB,
         }
     }
 }
@@ -364,6 +381,18 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_compress: Option<bool>,
+    /// Loader threads reading batches ahead (0: on the training thread) [default: 1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loader_workers: Option<usize>,
+    /// Batches the loader prepares ahead [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefetch: Option<usize>,
+    /// JSONL documents: samples sorted by length per token-budget sort buffer [default: 1024].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sort_size: Option<usize>,
     /// How ranks share the work: ddp, parameter-server (rank 0 serves) or pipeline
     /// [default: ddp].
     #[arg(long, value_enum)]
@@ -438,6 +467,12 @@ impl TrainConfig {
         }
         if self.grad_accum == 0 {
             return bad("grad_accum", "0".into(), "must be at least 1");
+        }
+        if self.sort_size == 0 {
+            return bad("sort_size", "0".into(), "must be at least 1");
+        }
+        if self.micro_batches == 0 {
+            return bad("micro_batches", "0".into(), "must be at least 1");
         }
         if self.log_interval == 0 {
             return bad("log_interval", "0".into(), "must be at least 1");

@@ -31,10 +31,20 @@ pub trait Dataset: Send + Sync {
     fn seq_len(&self) -> usize;
     /// Token ids are in `0..vocab_size()`.
     fn vocab_size(&self) -> usize;
-    /// Writes sequence `index` of `split` into `tokens` (length `seq_len()`).
-    /// Labels are the tokens themselves (the model shifts), and every
-    /// position is a real token (no padding).
+    /// Writes sequence `index` of `split` into `tokens` (length
+    /// `sample_len(split, index)`). Labels are the tokens themselves (the
+    /// model shifts).
     fn read(&self, split: Split, index: usize, tokens: &mut [u32]);
+    /// Tokens in sequence `index` of `split`: at most `seq_len()`, and
+    /// exactly that unless the data set has [`Dataset::variable_length`].
+    fn sample_len(&self, _split: Split, _index: usize) -> usize {
+        self.seq_len()
+    }
+    /// Whether sequences differ in length (documents): they are then batched
+    /// by token budget and padded, instead of `batch_size` full rows.
+    fn variable_length(&self) -> bool {
+        false
+    }
     /// The lowest expected loss any model can reach on this data, if known.
     fn loss_floor(&self) -> Option<f64>;
     /// One line saying what the data is, for the log.

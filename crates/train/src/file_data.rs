@@ -1,7 +1,7 @@
 //! `--data PATH`: training on files through `cohort-data` and `cohort-tokenizer`.
 //!
-//! PATH is UTF-8 text, a `.jsonl` file (documents concatenated into one stream here), a `.bin`
-//! token file or nanoGPT's directory with `train.bin`/`val.bin`. `--tokenizer` is `char`
+//! PATH is UTF-8 text, a `.jsonl` file (one sample per document, batched by token budget), a
+//! `.bin` token file or nanoGPT's directory with `train.bin`/`val.bin`. `--tokenizer` is `char`
 //! (vocabulary from the corpus), `bpe` (trained on the corpus, `vocab_size` ids) or the path of
 //! a tokenizer.json. Rank 0 builds the tokenizer and the token cache first, then the other
 //! ranks load what it wrote, so no two processes write the same file. This module never touches
@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use cohort_comm::ProcessGroup;
-use cohort_data::{Corpus, CorpusOptions, Samples, TokenWindows};
+use cohort_data::{Corpus, CorpusOptions, Samples};
 use cohort_tokenizer::Tokenizer;
 
 use crate::config::TrainConfig;
@@ -18,10 +18,13 @@ use crate::data::{Dataset, Split};
 use crate::train::build_dataset;
 use crate::TrainError;
 
-/// A token stream from files, split into train and validation windows.
+/// Token data from files: windows of a token stream, or whole documents.
 pub struct FileData {
-    train: TokenWindows,
-    val: TokenWindows,
+    train: Box<dyn Samples>,
+    val: Box<dyn Samples>,
+    /// Window length, or the longest a document may be.
+    seq_len: usize,
+    documents: bool,
     tokenizer: Option<Tokenizer>,
     vocab_size: usize,
     describe: String,
@@ -102,7 +105,8 @@ impl FileData {
             .map_or(cfg.vocab_size, |t| t.vocab_size());
         let opts = CorpusOptions {
             seq_len: cfg.seq_len,
-            max_len: usize::MAX,
+            // A document must fit the model's context.
+            max_len: cfg.seq_len,
             // Token files without a tokenizer.json: ids are checked against vocab_size.
             vocab_size: Some(cfg.vocab_size),
             cache_dir: Some(cache_dir(cfg, data)?),
@@ -114,16 +118,21 @@ impl FileData {
             corpus.describe(),
             tokenizer.as_ref().map_or("no", |t| t.kind()),
         );
-        let (train, val) = match corpus {
-            Corpus::Stream { train, val } => (train, val),
-            Corpus::Documents { train, val } => (
-                train.as_windows(cfg.seq_len, 1, "train")?,
-                val.as_windows(cfg.seq_len, cfg.seq_len, "val")?,
-            ),
-        };
+        let (train, val, seq_len, documents): (Box<dyn Samples>, Box<dyn Samples>, _, _) =
+            match corpus {
+                Corpus::Stream { train, val } => {
+                    let seq_len = train.seq_len();
+                    (Box::new(train), Box::new(val), seq_len, false)
+                }
+                Corpus::Documents { train, val } => {
+                    (Box::new(train), Box::new(val), cfg.seq_len, true)
+                }
+            };
         Ok(FileData {
             train,
             val,
+            seq_len,
+            documents,
             tokenizer,
             vocab_size,
             describe,
@@ -131,24 +140,33 @@ impl FileData {
     }
 }
 
-impl Dataset for FileData {
-    fn len(&self, split: Split) -> usize {
+impl FileData {
+    fn split(&self, split: Split) -> &dyn Samples {
         match split {
-            Split::Train => self.train.len(),
-            Split::Val => self.val.len(),
+            Split::Train => &*self.train,
+            Split::Val => &*self.val,
         }
     }
+}
+
+impl Dataset for FileData {
+    fn len(&self, split: Split) -> usize {
+        self.split(split).len()
+    }
     fn seq_len(&self) -> usize {
-        self.train.seq_len()
+        self.seq_len
+    }
+    fn sample_len(&self, split: Split, index: usize) -> usize {
+        self.split(split).sample_len(index)
+    }
+    fn variable_length(&self) -> bool {
+        self.documents
     }
     fn vocab_size(&self) -> usize {
         self.vocab_size
     }
     fn read(&self, split: Split, index: usize, tokens: &mut [u32]) {
-        match split {
-            Split::Train => self.train.read(index, tokens),
-            Split::Val => self.val.read(index, tokens),
-        }
+        self.split(split).read(index, tokens)
     }
     fn loss_floor(&self) -> Option<f64> {
         None

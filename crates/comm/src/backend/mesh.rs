@@ -9,7 +9,8 @@
 
 use std::sync::Mutex;
 
-use super::{Backend, DebugLevel, OpContext, OpKind};
+use super::nodes::Nodes;
+use super::{Algorithm, Backend, DebugLevel, OpContext, OpKind};
 use crate::collectives::{self, Comm};
 use crate::element::DType;
 use crate::engine::{self, Bufs, OpDesc, RecvFrame, Region, Schedule, FLAG_DIGEST};
@@ -24,6 +25,8 @@ pub struct MeshBackend {
     transport: Box<dyn Transport>,
     scratch: Mutex<Vec<f64>>,
     p2p: P2p,
+    /// The node meshes, when the group spans several nodes.
+    nodes: Option<Box<Nodes>>,
 }
 
 impl MeshBackend {
@@ -34,7 +37,15 @@ impl MeshBackend {
             transport,
             scratch: Mutex::new(Vec::new()),
             p2p: P2p::new(size),
+            nodes: None,
         }
+    }
+
+    /// Runs all_reduce hierarchically over `nodes` (when the algorithm is
+    /// `auto` or `hierarchical`).
+    pub(crate) fn with_nodes(mut self, nodes: Option<Box<Nodes>>) -> MeshBackend {
+        self.nodes = nodes;
+        self
     }
 
     fn env<'a>(&'a self, ctx: &'a OpContext, desc: OpDesc, channel: Channel) -> engine::OpEnv<'a> {
@@ -113,7 +124,7 @@ impl MeshBackend {
 
 impl Backend for MeshBackend {
     fn name(&self) -> &'static str {
-        "tcp"
+        self.transport.name()
     }
 
     fn rank(&self) -> usize {
@@ -196,13 +207,20 @@ impl Backend for MeshBackend {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        let hierarchical = matches!(ctx.algorithm, Algorithm::Auto | Algorithm::Hierarchical);
+        let world = self.size();
         self.collective(
             ctx,
             Some(dtype),
             buf.len() / dtype.size(),
             Some(op),
             0,
-            |c| collectives::all_reduce::all_reduce(c, buf, op),
+            |c| match &self.nodes {
+                Some(nodes) if hierarchical => {
+                    collectives::all_reduce::hierarchical::run(nodes, ctx, world, buf, dtype, op)
+                }
+                _ => collectives::all_reduce::all_reduce(c, buf, op),
+            },
         )
     }
 
@@ -290,5 +308,11 @@ impl Backend for MeshBackend {
 
     fn abort(&self) {
         self.transport.shutdown();
+        if let Some(nodes) = &self.nodes {
+            nodes.local.abort();
+            if let Some(l) = &nodes.leaders {
+                l.abort();
+            }
+        }
     }
 }

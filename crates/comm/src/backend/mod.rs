@@ -11,6 +11,7 @@
 //! group.
 
 pub(crate) mod mesh;
+pub(crate) mod nodes;
 
 use std::time::Duration;
 
@@ -133,15 +134,23 @@ pub enum Algorithm {
     Ring,
     /// Latency-optimal: recursive doubling and binomial trees.
     Tree,
+    /// all_reduce straight through shared memory at every size, where the
+    /// transport has it (otherwise as `Auto`).
+    Shm,
+    /// all_reduce within each node, then across one leader per node, then
+    /// back within each node (otherwise as `Auto`).
+    Hierarchical,
 }
 
 impl Algorithm {
-    /// Parses `auto`, `ring` or `tree`.
+    /// Parses `auto`, `ring`, `tree`, `shm` or `hierarchical`.
     pub fn parse(s: &str) -> Option<Algorithm> {
         Some(match s {
             "auto" | "" => Algorithm::Auto,
             "ring" => Algorithm::Ring,
             "tree" | "recursive_doubling" => Algorithm::Tree,
+            "shm" | "direct" => Algorithm::Shm,
+            "hierarchical" | "hier" => Algorithm::Hierarchical,
             _ => return None,
         })
     }

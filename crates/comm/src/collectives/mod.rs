@@ -62,7 +62,7 @@ impl Comm<'_> {
         match self.algorithm {
             Algorithm::Ring => false,
             Algorithm::Tree => true,
-            Algorithm::Auto => bytes <= SMALL_BYTES,
+            _ => bytes <= SMALL_BYTES,
         }
     }
 

@@ -7,11 +7,25 @@
 //! the engine and the mesh backend), so that a shared-memory transport can be
 //! slotted under the same algorithms. A transport must never interpret the
 //! bytes it moves, and must never block in `try_read` / `try_write`.
+//!
+//! Which transport a group gets ([`connect`], `COHORT_TRANSPORT`):
+//! - `auto` (default): shared memory ([`shm::ShmTransport`]) when every
+//!   rank of the group is on this host, else sockets ([`tcp::TcpTransport`]:
+//!   Unix sockets between ranks on one host, TCP between hosts);
+//! - `shm`: shared memory, and an error naming the ranks that cannot;
+//! - `unix`: sockets as in `auto`, never shared memory;
+//! - `tcp`: TCP sockets only, even on one host.
 
+pub mod shm;
 pub mod tcp;
 
 use std::io::{self, IoSlice};
+use std::net::IpAddr;
 use std::time::Duration;
+
+use cohort_store::Store;
+
+use crate::error::CommError;
 
 /// Which of the two channels between a pair of ranks.
 ///
@@ -61,4 +75,76 @@ pub trait Transport: Send + Sync {
     /// Breaks every channel: pending and later reads and writes on both ends
     /// fail promptly.
     fn shutdown(&self);
+    /// Short name (`tcp`, `shm`), shown as the backend's name.
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+    /// The shared memory behind this transport, if it has some: the direct
+    /// shared-memory collectives use it instead of streaming through rings.
+    fn shm(&self) -> Option<&shm::ShmTransport> {
+        None
+    }
+}
+
+/// Which transport a group asks for (`COHORT_TRANSPORT`; see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// Shared memory when every rank is on this host, else sockets.
+    #[default]
+    Auto,
+    /// Shared memory, or an error.
+    Shm,
+    /// Sockets: Unix sockets on one host, TCP across hosts.
+    Unix,
+    /// TCP sockets only.
+    Tcp,
+}
+
+impl TransportKind {
+    /// Parses `auto`, `shm`, `unix` or `tcp` (any case).
+    pub fn parse(s: &str) -> Option<TransportKind> {
+        Some(match s.to_ascii_lowercase().as_str() {
+            "auto" | "" => TransportKind::Auto,
+            "shm" => TransportKind::Shm,
+            "unix" => TransportKind::Unix,
+            "tcp" => TransportKind::Tcp,
+            _ => return None,
+        })
+    }
+}
+
+/// Connects `rank` of `size` to its peers through `store` (namespaced to
+/// the group) with the transport `kind` asks for, shared memory only if
+/// `one_host` (every rank runs on this host); fails after `timeout` naming
+/// what is missing.
+#[allow(clippy::too_many_arguments)] // the rendezvous's inputs, each needed
+pub(crate) fn connect(
+    store: &dyn Store,
+    group: &str,
+    rank: usize,
+    size: usize,
+    bind_ip: IpAddr,
+    timeout: Duration,
+    kind: TransportKind,
+    one_host: bool,
+) -> Result<Box<dyn Transport>, CommError> {
+    if kind == TransportKind::Shm && !one_host && size > 1 {
+        return Err(CommError::Rendezvous {
+            group: group.to_string(),
+            rank,
+            detail: "COHORT_TRANSPORT=shm, but the ranks do not all run on one host".to_string(),
+        });
+    }
+    let local = match kind {
+        TransportKind::Tcp => tcp::Local::Tcp,
+        _ => tcp::Local::Unix,
+    };
+    let sockets =
+        tcp::TcpTransport::connect_with(store, group, rank, size, bind_ip, timeout, local)?;
+    match kind {
+        TransportKind::Auto | TransportKind::Shm if one_host && size > 1 => Ok(Box::new(
+            shm::ShmTransport::upgrade(sockets, group, timeout)?,
+        )),
+        _ => Ok(Box::new(sockets)),
+    }
 }

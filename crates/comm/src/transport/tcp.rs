@@ -113,7 +113,7 @@ impl Conn {
 
 /// Which kind of socket connects two ranks on the same host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Local {
+pub(crate) enum Local {
     /// Unix sockets where the peer shares this host (the default).
     Unix,
     /// TCP always (`COHORT_TRANSPORT=tcp`).
@@ -124,9 +124,10 @@ impl Local {
     fn from_env() -> Result<Local, CommError> {
         match var("COHORT_TRANSPORT")?.map(|v| v.to_ascii_lowercase()) {
             None => Ok(Local::Unix),
-            Some(v) if v == "auto" || v == "unix" => Ok(Local::Unix),
+            // `shm` rides on the Unix sockets (see `transport::connect`).
+            Some(v) if v == "auto" || v == "unix" || v == "shm" => Ok(Local::Unix),
             Some(v) if v == "tcp" => Ok(Local::Tcp),
-            Some(v) => Err(bad("COHORT_TRANSPORT", &v, "auto, unix or tcp")),
+            Some(v) => Err(bad("COHORT_TRANSPORT", &v, "auto, shm, unix or tcp")),
         }
     }
 }
@@ -160,7 +161,7 @@ impl TcpTransport {
         Self::connect_with(store, group, rank, size, bind_ip, timeout, local)
     }
 
-    fn connect_with(
+    pub(crate) fn connect_with(
         store: &dyn Store,
         group: &str,
         rank: usize,
@@ -282,6 +283,16 @@ impl TcpTransport {
             tune(s).map_err(|e| rdv(format!("socket options: {e}")))?;
         }
         Ok(t)
+    }
+
+    /// The collective channel's socket to `peer` if it is a Unix socket (the
+    /// peer shares this host): the shared-memory transport passes its
+    /// memory over it and keeps it as the liveness channel.
+    pub(crate) fn unix_fd(&self, peer: usize) -> Option<RawFd> {
+        match self.collective.get(peer)? {
+            Some(Conn::Unix(s)) => Some(s.as_raw_fd()),
+            _ => None,
+        }
     }
 
     fn slot(&mut self, ch: Channel, peer: usize) -> &mut Option<Conn> {
@@ -570,7 +581,7 @@ type Accepted = Vec<(usize, Channel, Conn)>;
 /// This host as seen by abstract Unix sockets: the kernel (boot id) and
 /// the network namespace, which scopes abstract names. `None` if either is
 /// unknown, and then only TCP is used.
-fn host_id() -> Option<String> {
+pub(crate) fn host_id() -> Option<String> {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
     let netns = std::fs::read_link("/proc/self/ns/net").ok()?;
     Some(format!("{}/{}", boot.trim(), netns.to_str()?).replace(' ', "_"))

@@ -4,15 +4,29 @@
 //! and the shape of the job that produced it. Resuming restores all of it, so
 //! the run continues bitwise as if it had never stopped: the learning rate
 //! and dropout keys are functions of the step, the data of (epoch, offset).
-//! Only rank 0 calls [`save`]; every rank calls [`load`].
+//!
+//! Checkpoints are `OUT/step-NNNNNN` directories, written atomically and
+//! verified by `cohort_gpt::checkpoint` (SHA-256 of every file). What goes
+//! wrong on the way is not fatal (seed 002: the disk fills up): a failed
+//! save is reported and the run goes on with the previous checkpoint intact;
+//! only the newest `keep_checkpoints` are kept. Resuming from `OUT` takes
+//! the checkpoint `latest` names, or, if that one is damaged, the newest
+//! intact one before it. Only rank 0 calls [`save_or_report`]; every rank
+//! calls [`resume`]. This module never deletes a checkpoint that `latest`
+//! names, and never resumes ranks from different steps.
 
 use crate::config::TrainConfig;
 use crate::TrainError;
+use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_engine::optim::Optimizer;
-use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, TrainerState};
+use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, CheckpointError, TrainerState};
 use cohort_gpt::GPT;
 use serde_json::{json, Value};
-use std::path::Path;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// Name prefix of the trainer's checkpoints (`step-000100`).
+const STEP_PREFIX: &str = "step-";
 
 /// Where a run is: what a checkpoint records beyond weights and optimizer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -26,7 +40,7 @@ pub struct TrainState {
 }
 
 /// Writes `out/step-NNNNNN` (and points `out/latest` at it).
-pub fn save(
+fn save(
     out: &Path,
     cfg: &TrainConfig,
     world: usize,
@@ -47,7 +61,7 @@ pub fn save(
         seed: cfg.seed,
         extra,
     };
-    let name = format!("step-{:06}", state.step);
+    let name = format!("{STEP_PREFIX}{:06}", state.step);
     ckpt::save(
         out,
         &name,
@@ -63,18 +77,221 @@ pub fn save(
     Ok(())
 }
 
-/// Restores model, optimizer and position from the checkpoint at `dir` (a
-/// checkpoint directory or a root with `latest`). The job must have the
-/// shape that wrote it (world size, batch, accumulation, seed, data), or the
-/// data order would silently differ: that is an error naming the setting.
-pub fn load(
+/// Saves the checkpoint of `state` into `out` and deletes the checkpoints
+/// beyond `cfg.keep_checkpoints`, never failing the run: returns what to log
+/// (a failed save, with the path and the OS error; a failed deletion).
+pub(crate) fn save_or_report(
+    out: &Path,
+    cfg: &TrainConfig,
+    world: usize,
+    model: &GPT,
+    opt: &dyn Optimizer,
+    state: &TrainState,
+    tokenizer_json: Option<&str>,
+) -> Vec<String> {
+    if let Err(e) = save(out, cfg, world, model, opt, state, tokenizer_json) {
+        let last = ckpt::resolve(out)
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_else(|_| "none".into());
+        return vec![format!(
+            "checkpoint of step {} NOT saved, training continues (last good checkpoint: {last}): {e}",
+            state.step
+        )];
+    }
+    prune(out, cfg.keep_checkpoints)
+}
+
+/// The trainer's checkpoints in `root`, newest first, as (step, directory).
+fn step_dirs(root: &Path) -> Vec<(u64, PathBuf)> {
+    let mut dirs: Vec<(u64, PathBuf)> = fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_str()?.to_string();
+            let step = name.strip_prefix(STEP_PREFIX)?.parse().ok()?;
+            entry.path().is_dir().then(|| (step, entry.path()))
+        })
+        .collect();
+    dirs.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    dirs
+}
+
+/// Deletes the checkpoints of `root` beyond the newest `keep` (0: none),
+/// sparing the one `latest` names, and the temp directories of saves that
+/// were killed. Returns a line for each deletion that failed.
+fn prune(root: &Path, keep: usize) -> Vec<String> {
+    let mut doomed: Vec<PathBuf> = Vec::new();
+    if keep > 0 {
+        let latest = ckpt::resolve(root).ok();
+        doomed.extend(
+            step_dirs(root)
+                .into_iter()
+                .skip(keep)
+                .map(|(_, dir)| dir)
+                .filter(|dir| Some(dir) != latest.as_ref()),
+        );
+    }
+    // Only rank 0 saves, one checkpoint at a time: a temp directory still
+    // here was left by a save that was killed.
+    doomed.extend(
+        fs::read_dir(root)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-"))
+            .map(|e| e.path()),
+    );
+    doomed
+        .into_iter()
+        .filter_map(|dir| {
+            fs::remove_dir_all(&dir)
+                .err()
+                .map(|e| format!("could not delete old checkpoint {}: {e}", dir.display()))
+        })
+        .collect()
+}
+
+/// A run restored from a checkpoint.
+#[derive(Debug)]
+pub(crate) struct Resumed {
+    /// Where it continues.
+    pub state: TrainState,
+    /// The checkpoint it was restored from.
+    pub dir: PathBuf,
+    /// The damaged checkpoints passed over, for the log.
+    pub notes: Vec<String>,
+}
+
+/// Whether `e` says a checkpoint's files are damaged or missing (worth
+/// trying an older one), rather than that it belongs to another model.
+fn is_damage(e: &TrainError) -> bool {
+    matches!(
+        e,
+        TrainError::Checkpoint(
+            CheckpointError::Corrupt { .. }
+                | CheckpointError::Io { .. }
+                | CheckpointError::Format { .. }
+                | CheckpointError::NotACheckpoint { .. }
+        )
+    )
+}
+
+/// The checkpoints `path` offers, in the order to try them: `path` itself
+/// when it is a checkpoint; for an output directory, the one `latest` names
+/// (or its `.old-` copy), then the older `step-*` ones, newest first.
+fn candidates(path: &Path) -> Result<Vec<PathBuf>, TrainError> {
+    if path.join(ckpt::CONFIG_FILE).is_file() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut out = Vec::new();
+    let latest = ckpt::resolve(path);
+    let below = match &latest {
+        Ok(dir) => {
+            out.push(dir.clone());
+            let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+            name.and_then(|n| {
+                n.trim_start_matches(".old-")
+                    .strip_prefix(STEP_PREFIX)?
+                    .parse()
+                    .ok()
+            })
+        }
+        Err(_) => None,
+    };
+    let older: Vec<PathBuf> = step_dirs(path)
+        .into_iter()
+        .filter(|(step, dir)| below.is_none_or(|b| *step < b) && !out.contains(dir))
+        .map(|(_, dir)| dir)
+        .collect();
+    out.extend(older);
+    if out.is_empty() {
+        return Err(latest.err().map_or_else(
+            || {
+                CheckpointError::NotACheckpoint {
+                    path: path.to_path_buf(),
+                }
+                .into()
+            },
+            TrainError::from,
+        ));
+    }
+    Ok(out)
+}
+
+/// Restores model, optimizer and position from `path`: a checkpoint, or an
+/// output directory, whose latest checkpoint is used or, when that one is
+/// damaged (a checksum mismatch, a missing or truncated file), the newest
+/// intact one before it. A checkpoint that belongs to another job shape is
+/// an error, never passed over. Collective: the ranks check that they all
+/// resumed at the same step.
+pub(crate) fn resume(
+    path: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    model: &mut GPT,
+    opt: &mut dyn Optimizer,
+) -> Result<Resumed, TrainError> {
+    let mut notes = Vec::new();
+    let mut tried = Vec::new();
+    let candidates = candidates(path)?;
+    let single = candidates.len() == 1;
+    for dir in candidates {
+        match load(&dir, cfg, pg.size(), model, opt) {
+            Ok(state) => {
+                agree_on_step(pg, state.step, &dir)?;
+                return Ok(Resumed { state, dir, notes });
+            }
+            Err(e) if is_damage(&e) && !single => {
+                notes.push(format!(
+                    "checkpoint {} is unusable, trying the one before it: {e}",
+                    dir.display()
+                ));
+                tried.push(e.to_string());
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(TrainError::Resume {
+        path: path.to_path_buf(),
+        reason: format!("no intact checkpoint in it: {}", tried.join("; ")),
+    })
+}
+
+/// Fails unless every rank resumed at `step` (each reads the checkpoint
+/// itself, so a node with another copy of the directory would diverge).
+fn agree_on_step(pg: &ProcessGroup, step: u64, dir: &Path) -> Result<(), TrainError> {
+    let mut range = [step as i64, -(step as i64)];
+    pg.all_reduce(&mut range, ReduceOp::Max)
+        .map_err(TrainError::comm("resume step all_reduce"))?;
+    let (max, min) = (range[0], -range[1]);
+    if max != min {
+        return Err(TrainError::Resume {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "the ranks resumed at different steps ({min} to {max}): every node must see \
+                 the same checkpoint directory"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Restores model, optimizer and position from the checkpoint directory
+/// `dir`, after checking every file against its checksum. The job must have
+/// the shape that wrote it (world size, batch, accumulation, seed, data), or
+/// the data order would silently differ: that is an error naming the setting;
+/// only the world size (and with it the accumulation) may change, as after an
+/// elastic restart, and then the data position is carried over.
+fn load(
     dir: &Path,
     cfg: &TrainConfig,
     world: usize,
     model: &mut GPT,
     opt: &mut dyn Optimizer,
 ) -> Result<TrainState, TrainError> {
-    let dir = ckpt::resolve(dir)?;
+    let dir = dir.to_path_buf();
+    ckpt::verify(&dir)?;
     ckpt::load_params_into(&dir, model)?;
     if !ckpt::load_optimizer_into(&dir, opt)? {
         return Err(TrainError::Resume {
@@ -88,6 +305,11 @@ pub fn load(
         path: dir.clone(),
         reason: "it has no trainer_state.json".into(),
     })?;
+    // On another world size (an elastic restart) the data are re-split and
+    // `grad_accum` may differ: see elastic.rs.
+    let regrouped = (trainer.extra.get("world_size").and_then(Value::as_u64))
+        .map(|w| w as usize)
+        .filter(|&w| w != world);
     let expect = [
         ("world_size", json!(world)),
         ("batch_size", json!(cfg.batch_size)),
@@ -95,6 +317,9 @@ pub fn load(
         ("data", json!(cfg.data)),
     ];
     for (key, want) in expect {
+        if regrouped.is_some() && matches!(key, "world_size" | "grad_accum") {
+            continue;
+        }
         let got = trainer.extra.get(key).cloned().unwrap_or(Value::Null);
         if got != want {
             return Err(TrainError::Resume {
@@ -119,9 +344,13 @@ pub fn load(
             reason: "trainer_state.json has no epoch/offset".into(),
         });
     };
+    let offset = match regrouped {
+        Some(from) => crate::elastic::remap_offset(offset as usize, from, world),
+        None => offset as usize,
+    };
     Ok(TrainState {
         step: trainer.step,
         epoch,
-        offset: offset as usize,
+        offset,
     })
 }

@@ -7,6 +7,7 @@
 //! are merged through their serde forms, key by key, so a new setting is one
 //! field in each struct and nothing else. This module never starts training.
 
+use crate::fault::NanInjection;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -71,8 +72,16 @@ pub struct TrainConfig {
     pub beta1: f64,
     /// AdamW beta2.
     pub beta2: f64,
-    /// Clip the global gradient norm to this (0: no clipping).
+    /// Clamp every gradient element into [-clip_value, clip_value] before
+    /// the norm clipping (0: no clamp); seed 002 clips by value, then by norm.
+    pub clip_value: f32,
+    /// Clip the global norm of the averaged gradient to this, after
+    /// `clip_value` (0: no clipping). Also accepted as `clip_norm`.
+    #[serde(alias = "clip_norm")]
     pub grad_clip: f32,
+    /// Stop the run after this many updates in a row skipped for a NaN or
+    /// infinite loss or gradient (0: never stop).
+    pub max_consecutive_skips: u64,
     /// Seed of the model init, data and dropout.
     pub seed: u64,
     /// Print a log line every this many steps.
@@ -87,6 +96,14 @@ pub struct TrainConfig {
     pub out: Option<PathBuf>,
     /// Checkpoint directory to continue from.
     pub resume: Option<PathBuf>,
+    /// Newest checkpoints kept in `out`; older `step-*` ones are deleted
+    /// after each save (0: keep all).
+    pub keep_checkpoints: usize,
+    /// Test hook, never read from a file or a flag: NaN written into the
+    /// averaged gradient at these steps (`COHORT_INJECT_NAN`, see
+    /// [`NanInjection`]).
+    #[serde(skip)]
+    pub inject_nan: Option<NanInjection>,
     /// DDP bucket size in MB. The default, 0.5, is tuned for small models:
     /// after the first step buckets follow backward's ready ranges, so a
     /// cap below one block gives one bucket per block, each all-reduced
@@ -172,7 +189,9 @@ impl Default for TrainConfig {
             weight_decay: 0.1,
             beta1: 0.9,
             beta2: 0.99,
+            clip_value: 0.0,
             grad_clip: 1.0,
+            max_consecutive_skips: 10,
             seed: 1337,
             log_interval: 10,
             eval_interval: 100,
@@ -180,6 +199,8 @@ impl Default for TrainConfig {
             save_interval: 0,
             out: None,
             resume: None,
+            keep_checkpoints: 3,
+            inject_nan: None,
             keep_checkpoints: 3,
             inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
@@ -337,10 +358,20 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub beta2: Option<f64>,
-    /// Clip the global gradient norm [default: 1.0; 0 = off].
+    /// Clamp each gradient element to [-V, V] before the norm clipping [default: 0; 0 = off].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_value: Option<f32>,
+    /// Clip the global norm of the averaged gradient, after --clip-value [default: 1.0;
+    /// 0 = off].
+    #[arg(long, alias = "clip-norm")]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_clip: Option<f32>,
+    /// Stop after N updates in a row skipped for a NaN/Inf loss or gradient [default: 10;
+    /// 0 = never].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_consecutive_skips: Option<u64>,
     /// Seed of init, data and dropout [default: 1337].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -365,10 +396,15 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out: Option<PathBuf>,
-    /// Continue from the checkpoint in DIR, bitwise as if never stopped.
+    /// Continue from the checkpoint in DIR, bitwise as if never stopped; given a --out
+    /// directory, from its latest checkpoint, or the newest one before it that is intact.
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<PathBuf>,
+    /// Checkpoints kept in --out, the oldest deleted after each save [default: 3; 0 = all].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_checkpoints: Option<usize>,
     /// DDP gradient bucket size in MB; PyTorch's default is 25 [default: 0.5].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -441,11 +477,17 @@ fn read_table(path: &Path) -> Result<toml::Table, ConfigError> {
         path: path.to_path_buf(),
         source,
     })?;
-    text.parse()
+    let mut table: toml::Table = text
+        .parse()
         .map_err(|e: toml::de::Error| ConfigError::Parse {
             path: path.to_path_buf(),
             message: e.to_string(),
-        })
+        })?;
+    // The other name, so that a flag (--grad-clip) still overrides it.
+    if let Some(v) = table.remove("clip_norm") {
+        table.entry("grad_clip").or_insert(v);
+    }
+    Ok(table)
 }
 
 impl TrainConfig {
@@ -483,6 +525,14 @@ impl TrainConfig {
                 self.bucket_cap_mb.to_string(),
                 "must be finite and >= 0",
             );
+        }
+        for (key, value) in [
+            ("clip_value", self.clip_value),
+            ("grad_clip", self.grad_clip),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return bad(key, value.to_string(), "must be finite and >= 0");
+            }
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad("dropout", self.dropout.to_string(), "must be in [0, 1)");
@@ -522,7 +572,11 @@ mod tests {
         assert_eq!(parse(&[]).resolve().unwrap(), TrainConfig::default());
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("run.toml");
-        std::fs::write(&file, "lr = 3e-4\nsteps = 50\nno_overlap = true\n").unwrap();
+        std::fs::write(
+            &file,
+            "lr = 3e-4\nsteps = 50\nno_overlap = true\nclip_norm = 0.5\n",
+        )
+        .unwrap();
         let cfg = parse(&["--config", file.to_str().unwrap(), "--steps", "7"])
             .resolve()
             .unwrap();
@@ -530,6 +584,11 @@ mod tests {
         assert_eq!(cfg.steps, 7, "the flag overrides the file");
         assert!(cfg.no_overlap);
         assert_eq!(cfg.batch_size, 12, "untouched settings keep their default");
+        assert_eq!(cfg.grad_clip, 0.5, "clip_norm is grad_clip's other name");
+        let cfg = parse(&["--config", file.to_str().unwrap(), "--grad-clip", "2"])
+            .resolve()
+            .unwrap();
+        assert_eq!(cfg.grad_clip, 2.0, "the flag overrides the other name too");
         let cfg = parse(&["--bf16-compress", "--out", "/tmp/x"])
             .resolve()
             .unwrap();

@@ -31,6 +31,7 @@ pub mod bench;
 mod checkpoint;
 mod config;
 mod data;
+mod fault;
 mod file_data;
 mod phases;
 mod train;
@@ -38,6 +39,7 @@ mod train;
 pub use checkpoint::TrainState;
 pub use config::{ConfigError, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB};
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
+pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::FileData;
 pub use phases::{Phase, Phases};
 pub use train::{build_dataset, model_config, train, Outcome};
@@ -93,6 +95,31 @@ pub enum TrainError {
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),
+    /// Too many updates in a row were skipped for a NaN or infinite loss or
+    /// gradient (`max_consecutive_skips`).
+    #[error(
+        "diverged: {skipped} updates in a row skipped for a NaN or infinite loss or gradient, \
+         the last at step {step} (max_consecutive_skips = {skipped}; {total} skipped in this run); \
+         lower the learning rate or resume from an earlier checkpoint"
+    )]
+    Diverged {
+        /// The step (1-based) of the last skip.
+        step: u64,
+        /// Skips in a row.
+        skipped: u64,
+        /// Skips in the run.
+        total: u64,
+    },
+    /// A test hook's environment variable is malformed.
+    #[error("{var}={value:?}: expected {expected}")]
+    Hook {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// The form it must have.
+        expected: &'static str,
+    },
 }
 
 impl TrainError {

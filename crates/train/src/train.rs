@@ -8,11 +8,12 @@
 use crate::checkpoint::{self, TrainState};
 use crate::config::TrainConfig;
 use crate::data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
+use crate::fault::{LogGuard, NanInjection, StepGuard};
 use crate::phases::{Phase, Phases};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_ddp::{Compression, Ddp, DdpOptions, DistributedSampler, ParamSpec, Replica};
-use cohort_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, Optimizer};
+use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use std::io::{IsTerminal, Write};
@@ -160,9 +161,12 @@ pub fn train(
 ) -> Result<Outcome, TrainError> {
     let (rank, world) = (pg.rank(), pg.size());
     let master = rank == 0;
+    // A log that cannot be written never stops the run (seed 002); `say`
+    // keeps its Result so that every call site reads the same.
+    let log_guard = LogGuard::default();
     let mut say = |log: &mut dyn Write, line: String| -> Result<(), TrainError> {
         if master {
-            writeln!(log, "{line}").map_err(TrainError::Log)?;
+            log_guard.write(log, &line);
         }
         Ok(())
     };
@@ -187,10 +191,18 @@ pub fn train(
     let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
     let mut state = TrainState::default();
     if let Some(dir) = &cfg.resume {
-        state = checkpoint::load(dir, cfg, world, &mut model, &mut opt)?;
+        let resumed = checkpoint::resume(dir, cfg, pg, &mut model, &mut opt)?;
+        for note in resumed.notes {
+            say(log, note)?;
+        }
+        state = resumed.state;
         say(
             log,
-            format!("resumed from {} at step {}", dir.display(), state.step),
+            format!(
+                "resumed from {} at step {}",
+                resumed.dir.display(),
+                state.step
+            ),
         )?;
     }
     let specs = param_specs(&model);
@@ -267,6 +279,18 @@ pub fn train(
     let mut window = Phases::default();
     let mut window_steps = 0u64;
     let mut window_loss = 0f32;
+    // Updates applied in the window (skipped ones have no loss to average).
+    let mut window_updates = 0u64;
+    let inject = match cfg.inject_nan {
+        Some(hook) => Some(hook),
+        None => NanInjection::from_env()?,
+    };
+    let mut guard = StepGuard::new(
+        cfg.clip_value,
+        cfg.grad_clip,
+        cfg.max_consecutive_skips,
+        inject,
+    );
     let mut timed_from: Option<Instant> = None;
     let first_step = state.step;
 
@@ -300,20 +324,27 @@ pub fn train(
             }
         }
         let t_opt = Instant::now();
-        let grads = model.grads_mut();
-        if cfg.grad_accum > 1 {
-            // Backward summed the micro-steps' mean-loss gradients.
-            let inv = 1.0 / cfg.grad_accum as f32;
-            grads.iter_mut().for_each(|g| *g *= inv);
+        // Backward summed the micro-steps' mean-loss gradients: the guard
+        // divides by grad_accum, checks with the other ranks, and clips.
+        let skip = guard.check(
+            pg,
+            step,
+            loss_sum.is_finite(),
+            model.grads_mut(),
+            cfg.grad_accum,
+        )?;
+        if skip.is_none() {
+            let (params, grads) = model.params_and_grads_mut();
+            opt.step(params, grads, lr)?;
+            window_loss += loss_sum / cfg.grad_accum as f32;
+            window_updates += 1;
         }
-        if cfg.grad_clip > 0.0 {
-            clip_grad_norm(grads, cfg.grad_clip)?;
-        }
-        let (params, grads) = model.params_and_grads_mut();
-        opt.step(params, grads, lr)?;
         model.zero_grad();
         window.add(Phase::Optimizer, t_opt.elapsed());
-        window_loss += loss_sum / cfg.grad_accum as f32;
+        if let Some(skip) = skip {
+            let line = format!("[step {} / {}] {skip}", step + 1, cfg.steps);
+            print_line(&bar, &mut say, log, line)?;
+        }
         window_steps += 1;
         let done = step + 1;
         cursor_state(&cursor, &mut state, done);
@@ -327,7 +358,7 @@ pub fn train(
         let t_log = Instant::now();
         if done % cfg.log_interval == 0 || done == cfg.steps {
             let t_comm = Instant::now();
-            let mut mean = [window_loss / window_steps as f32];
+            let mut mean = [window_loss / window_updates as f32];
             pg.all_reduce(&mut mean, ReduceOp::Avg)
                 .map_err(TrainError::comm("loss all_reduce"))?;
             window.add(Phase::Comm, t_comm.elapsed());
@@ -345,6 +376,7 @@ pub fn train(
             window = Phases::default();
             window_steps = 0;
             window_loss = 0.0;
+            window_updates = 0;
         }
         if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
             let val = evaluate(cfg, &*data, &mut model, pg, &mut tokens, &mut labels)?;
@@ -360,7 +392,23 @@ pub fn train(
         if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
             if master {
                 let tokenizer = data.tokenizer_json();
-                checkpoint::save(out, cfg, world, &model, &opt, &state, tokenizer.as_deref())?;
+                let notes = checkpoint::save_or_report(
+                    out,
+                    cfg,
+                    world,
+                    &model,
+                    &opt,
+                    &state,
+                    tokenizer.as_deref(),
+                );
+                for line in notes {
+                    print_line(
+                        &bar,
+                        &mut say,
+                        log,
+                        format!("[step {done} / {}] {line}", cfg.steps),
+                    )?;
+                }
             }
         }
         window.add(Phase::Logging, t_log.elapsed());
@@ -414,6 +462,23 @@ pub fn train(
     )?;
     if let Some(out) = &cfg.out {
         say(log, format!("checkpoint: {}", out.display()))?;
+    }
+    if guard.skipped() > 0 {
+        say(
+            log,
+            format!(
+                "skipped {} update(s) for a non-finite loss or gradient",
+                guard.skipped()
+            ),
+        )?;
+    }
+    if log_guard.failures() > 0 {
+        // The log is what failed: this line goes where the warnings went.
+        let _ = writeln!(
+            std::io::stderr(),
+            "cohort train: {} log line(s) could not be written",
+            log_guard.failures()
+        );
     }
     Ok(outcome)
 }

@@ -1,0 +1,420 @@
+//! What a training step survives (seed 002, "catch what is not fatal"): a
+//! NaN or infinite loss or gradient skips that update on every rank at once,
+//! gradients are clipped by value then by global norm, and a log that cannot
+//! be written is reported on stderr while training goes on.
+//!
+//! The skip is decided collectively: each rank contributes whether its loss
+//! and its (averaged) gradient were finite, one all_reduce sums the flags,
+//! and every rank skips when any rank saw a non-finite value, so the ranks'
+//! parameters never diverge. Too many skips in a row means the run has
+//! diverged, and it stops with [`TrainError::Diverged`].
+//!
+//! The finite check and the norm are one pass over the flat gradient: the
+//! squares are summed in f64, where no finite f32 overflows, so the sum is
+//! finite exactly when every element is (a norm beyond f32's range counts
+//! as non-finite too: such a step is no better than a NaN).
+//!
+//! Test hook: `COHORT_INJECT_NAN=STEP[-LAST][@RANK]` (or
+//! [`TrainConfig::inject_nan`](crate::TrainConfig::inject_nan)) writes a NaN
+//! into the averaged gradient of rank RANK (every rank without `@`) at the
+//! steps STEP..=LAST (0-based, as the loop counts them), so the tests can
+//! make one rank see what the others do not. It exists for tests only.
+//!
+//! This module must never let one rank update while another skips, and never
+//! stop a run for a log line.
+
+use crate::TrainError;
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_engine::optim::grad_norm;
+use std::cell::Cell;
+use std::io::Write;
+
+/// The environment variable of the NaN test hook.
+pub const INJECT_NAN_VAR: &str = "COHORT_INJECT_NAN";
+
+/// Test hook: where to write a NaN into the averaged gradient (see the
+/// module docs). Parsed from `STEP[-LAST][@RANK]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NanInjection {
+    /// First step (0-based) whose gradient is poisoned.
+    pub first_step: u64,
+    /// Last step poisoned (inclusive).
+    pub last_step: u64,
+    /// The rank whose gradient is poisoned; `None`: every rank.
+    pub rank: Option<usize>,
+}
+
+impl NanInjection {
+    /// Parses `STEP[-LAST][@RANK]`, e.g. `3@1` or `2-5`.
+    pub fn parse(spec: &str) -> Result<Self, TrainError> {
+        let bad = || TrainError::Hook {
+            var: INJECT_NAN_VAR,
+            value: spec.to_string(),
+            expected: "STEP[-LAST][@RANK], e.g. 3@1 or 2-5",
+        };
+        let (steps, rank) = match spec.trim().split_once('@') {
+            Some((steps, rank)) => (steps, Some(rank.parse().map_err(|_| bad())?)),
+            None => (spec.trim(), None),
+        };
+        let (first, last) = match steps.split_once('-') {
+            Some((a, b)) => (a.parse(), b.parse()),
+            None => (steps.parse(), steps.parse()),
+        };
+        let (Ok(first_step), Ok(last_step)) = (first, last) else {
+            return Err(bad());
+        };
+        if last_step < first_step {
+            return Err(bad());
+        }
+        Ok(Self {
+            first_step,
+            last_step,
+            rank,
+        })
+    }
+
+    /// The hook the environment asks for, if any.
+    pub fn from_env() -> Result<Option<Self>, TrainError> {
+        match std::env::var(INJECT_NAN_VAR) {
+            Ok(spec) if !spec.trim().is_empty() => Self::parse(&spec).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    fn hits(&self, step: u64, rank: usize) -> bool {
+        (self.first_step..=self.last_step).contains(&step) && self.rank.is_none_or(|r| r == rank)
+    }
+}
+
+/// What the one pass over the gradient found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct GradStats {
+    /// Every element was finite (before any clamping), and so is the norm.
+    pub finite: bool,
+    /// L2 norm of the gradient after scaling and clamping.
+    pub norm: f32,
+}
+
+/// Elements per accumulator group of the fused pass: independent f64 sums
+/// the compiler can keep in vector registers.
+const LANES: usize = 8;
+
+/// One pass: `g = clamp(g * scale, -clip_value, clip_value)` (no clamp when
+/// `clip_value` is 0), returning the L2 norm of the result and whether every
+/// input was finite. Clamping maps an infinity to a finite value, so
+/// finiteness is judged on the value before it.
+pub(crate) fn scale_clamp_norm(grads: &mut [f32], scale: f32, clip_value: f32) -> GradStats {
+    if scale == 1.0 && clip_value == 0.0 {
+        // Nothing to write: the engine's (vectorised, parallel) norm alone.
+        let norm = grad_norm(grads);
+        return GradStats {
+            finite: norm.is_finite(),
+            norm,
+        };
+    }
+    let mut squares = [0f64; LANES];
+    // x * 0 is (signed) zero for finite x and NaN for NaN or an infinity.
+    let mut poison = [0f32; LANES];
+    let limit = if clip_value > 0.0 {
+        clip_value
+    } else {
+        f32::INFINITY
+    };
+    let mut visit = |g: &mut f32, lane: usize| {
+        let x = *g * scale;
+        poison[lane] += x * 0.0;
+        let y = x.clamp(-limit, limit);
+        *g = y;
+        squares[lane] += f64::from(y) * f64::from(y);
+    };
+    let mut chunks = grads.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (lane, g) in chunk.iter_mut().enumerate() {
+            visit(g, lane);
+        }
+    }
+    for (lane, g) in chunks.into_remainder().iter_mut().enumerate() {
+        visit(g, lane);
+    }
+    let norm = squares.iter().sum::<f64>().sqrt() as f32;
+    GradStats {
+        finite: poison.iter().all(|&p| p == 0.0) && norm.is_finite(),
+        norm,
+    }
+}
+
+/// Scales `grads` so that their L2 norm (`norm`, as [`scale_clamp_norm`]
+/// measured it) is at most `max_norm`, as `torch.nn.utils.clip_grad_norm_`:
+/// by `max_norm / (norm + 1e-6)` when that is below 1. `max_norm` 0: no
+/// clipping. Returns the factor applied.
+pub(crate) fn clip_to_norm(grads: &mut [f32], norm: f32, max_norm: f32) -> f32 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    let coef = max_norm / (norm + 1e-6);
+    if coef >= 1.0 {
+        return 1.0;
+    }
+    grads.iter_mut().for_each(|g| *g *= coef);
+    coef
+}
+
+/// Decides, with the other ranks, whether each step's update is applied,
+/// and counts the skipped ones.
+#[derive(Debug)]
+pub(crate) struct StepGuard {
+    clip_value: f32,
+    clip_norm: f32,
+    max_consecutive: u64,
+    inject: Option<NanInjection>,
+    consecutive: u64,
+    total: u64,
+}
+
+/// A skipped update, for the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Skip {
+    /// Ranks whose loss was not finite.
+    pub loss_ranks: i32,
+    /// Ranks whose averaged gradient was not finite.
+    pub grad_ranks: i32,
+    /// Skips in a row, this one included.
+    pub consecutive: u64,
+    /// Skips in this run.
+    pub total: u64,
+}
+
+impl std::fmt::Display for Skip {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "non-finite loss on {} rank(s), non-finite gradient on {} rank(s): update skipped \
+             on every rank ({} in a row, {} in this run)",
+            self.loss_ranks, self.grad_ranks, self.consecutive, self.total
+        )
+    }
+}
+
+impl StepGuard {
+    /// `max_consecutive`: skips in a row that end the run (0: never).
+    pub(crate) fn new(
+        clip_value: f32,
+        clip_norm: f32,
+        max_consecutive: u64,
+        inject: Option<NanInjection>,
+    ) -> Self {
+        Self {
+            clip_value,
+            clip_norm,
+            max_consecutive,
+            inject,
+            consecutive: 0,
+            total: 0,
+        }
+    }
+
+    /// Updates skipped so far.
+    pub(crate) fn skipped(&self) -> u64 {
+        self.total
+    }
+
+    /// After the gradients of `step` are averaged (`grads`, summed over
+    /// `accum` micro-steps): scales them by 1/`accum`, checks them and
+    /// `loss_finite` with the other ranks, and clips them. `Ok(None)`: apply
+    /// the update; `Ok(Some(skip))`: every rank skips it (the caller zeroes
+    /// the gradients); an error when the skips in a row reach the limit.
+    /// Collective: every rank calls it once per step.
+    pub(crate) fn check(
+        &mut self,
+        pg: &ProcessGroup,
+        step: u64,
+        loss_finite: bool,
+        grads: &mut [f32],
+        accum: usize,
+    ) -> Result<Option<Skip>, TrainError> {
+        if let Some(hook) = &self.inject {
+            if hook.hits(step, pg.rank()) && !grads.is_empty() {
+                grads[0] = f32::NAN;
+            }
+        }
+        let stats = scale_clamp_norm(grads, 1.0 / accum as f32, self.clip_value);
+        let mut flags = [i32::from(!loss_finite), i32::from(!stats.finite)];
+        pg.all_reduce(&mut flags, ReduceOp::Sum)
+            .map_err(TrainError::comm("non-finite check all_reduce"))?;
+        if flags == [0, 0] {
+            self.consecutive = 0;
+            clip_to_norm(grads, stats.norm, self.clip_norm);
+            return Ok(None);
+        }
+        self.consecutive += 1;
+        self.total += 1;
+        if self.max_consecutive > 0 && self.consecutive >= self.max_consecutive {
+            return Err(TrainError::Diverged {
+                step: step + 1,
+                skipped: self.consecutive,
+                total: self.total,
+            });
+        }
+        Ok(Some(Skip {
+            loss_ranks: flags[0],
+            grad_ranks: flags[1],
+            consecutive: self.consecutive,
+            total: self.total,
+        }))
+    }
+}
+
+/// Writes log lines without ever failing the run: a failed write (a full
+/// disk, a closed pipe) is reported on stderr (the first one, then every
+/// 100th) and counted.
+#[derive(Debug, Default)]
+pub(crate) struct LogGuard {
+    failures: Cell<u64>,
+}
+
+impl LogGuard {
+    /// Writes `line` and a newline to `log`.
+    pub(crate) fn write(&self, log: &mut dyn Write, line: &str) {
+        if let Err(e) = writeln!(log, "{line}") {
+            let n = self.failures.get() + 1;
+            self.failures.set(n);
+            if n == 1 || n.is_multiple_of(100) {
+                // stderr may be gone too; there is nowhere left to report that.
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "cohort train: writing the log failed ({e}; {n} line(s) lost so far); \
+                     training continues"
+                );
+            }
+        }
+    }
+
+    /// Lines lost so far.
+    pub(crate) fn failures(&self) -> u64 {
+        self.failures.get()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn value_then_norm_clipping_matches_a_hand_computation() {
+        // clip_value 5: 12 -> 5 and -7 -> -5; squares 9 + 16 + 0.25 + 25 + 25 = 75.25
+        let mut g = vec![3.0f32, -4.0, 0.5, 12.0, -7.0];
+        let stats = scale_clamp_norm(&mut g, 1.0, 5.0);
+        assert_eq!(g, [3.0, -4.0, 0.5, 5.0, -5.0]);
+        assert!(stats.finite);
+        assert_eq!(stats.norm, 75.25f64.sqrt() as f32);
+        // then to norm 1: every element times 1 / (sqrt(75.25) + 1e-6)
+        let coef = clip_to_norm(&mut g, stats.norm, 1.0);
+        assert_eq!(coef, 1.0 / (75.25f32.sqrt() + 1e-6));
+        let want: Vec<f32> = [3.0f32, -4.0, 0.5, 5.0, -5.0]
+            .iter()
+            .map(|x| x * coef)
+            .collect();
+        assert_eq!(g, want);
+        let norm: f32 = g.iter().map(|x| x * x).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-6, "{norm}");
+        // a norm already within the limit, and clipping off, leave it alone
+        let before = g.clone();
+        assert_eq!(clip_to_norm(&mut g, 0.5, 1.0), 1.0);
+        assert_eq!(clip_to_norm(&mut g, 100.0, 0.0), 1.0);
+        assert_eq!(g, before);
+    }
+
+    #[test]
+    fn scaling_for_accumulation_comes_before_the_clamp() {
+        // 4 micro-steps summed: 8 / 4 = 2 (under the clamp of 3), 20 / 4 = 5 -> 3
+        let mut g = vec![8.0f32, 20.0, -4.0];
+        let stats = scale_clamp_norm(&mut g, 0.25, 3.0);
+        assert_eq!(g, [2.0, 3.0, -1.0]);
+        assert_eq!(stats.norm, 14f64.sqrt() as f32);
+        // without a clamp: only the scale
+        let mut g = vec![8.0f32, 20.0, -4.0];
+        assert_eq!(
+            scale_clamp_norm(&mut g, 0.5, 0.0).norm,
+            120f64.sqrt() as f32
+        );
+        assert_eq!(g, [4.0, 10.0, -2.0]);
+    }
+
+    #[test]
+    fn the_fused_norm_agrees_with_the_engine_and_sees_every_bad_element() {
+        let n = 1000 * LANES + 5; // whole lane groups and a tail
+        let base: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 101) as f32 * 0.01 - 0.5)
+            .collect();
+        let mut g = base.clone();
+        let fused = scale_clamp_norm(&mut g, 1.0, 100.0);
+        let engine = grad_norm(&base);
+        assert!(fused.finite);
+        assert!(
+            (fused.norm - engine).abs() <= 1e-6 * engine,
+            "{fused:?} vs {engine}"
+        );
+        assert_eq!(g, base, "a clamp wider than every value changes nothing");
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            for at in [0, 3, LANES + 1, n - 1] {
+                for clip_value in [0.0, 0.5] {
+                    for scale in [1.0, 0.5] {
+                        let mut g = base.clone();
+                        g[at] = bad;
+                        let stats = scale_clamp_norm(&mut g, scale, clip_value);
+                        assert!(
+                            !stats.finite,
+                            "{bad} at {at} (clip {clip_value}, scale {scale}) unseen"
+                        );
+                    }
+                }
+            }
+        }
+        // finite values whose squares overflow f32 are still finite in f64
+        let mut big = vec![1e30f32; 16];
+        assert!(scale_clamp_norm(&mut big, 1.0, 0.0).finite);
+        assert!(scale_clamp_norm(&mut big, 0.5, 0.0).finite);
+    }
+
+    #[test]
+    fn injection_specs_parse_or_are_clear_errors() {
+        let one = NanInjection::parse("3@1").unwrap();
+        assert_eq!(
+            one,
+            NanInjection {
+                first_step: 3,
+                last_step: 3,
+                rank: Some(1)
+            }
+        );
+        assert!(one.hits(3, 1) && !one.hits(3, 0) && !one.hits(4, 1));
+        let range = NanInjection::parse("2-5").unwrap();
+        assert!(range.hits(2, 0) && range.hits(5, 7) && !range.hits(6, 0));
+        for bad in ["", "x", "3@", "5-2", "1-2-3", "-1"] {
+            let err = NanInjection::parse(bad).unwrap_err().to_string();
+            assert!(
+                err.contains(INJECT_NAN_VAR) && err.contains("STEP"),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_log_that_cannot_be_written_is_counted_not_fatal() {
+        let guard = LogGuard::default();
+        let mut full = match std::fs::OpenOptions::new().write(true).open("/dev/full") {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!("skipping: no /dev/full ({e})");
+                return;
+            }
+        };
+        guard.write(&mut full, "lost");
+        guard.write(&mut full, "lost too");
+        assert_eq!(guard.failures(), 2);
+        let mut ok = Vec::new();
+        guard.write(&mut ok, "kept");
+        assert_eq!(ok, b"kept\n");
+        assert_eq!(guard.failures(), 2);
+    }
+}

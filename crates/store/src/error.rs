@@ -61,6 +61,16 @@ pub enum StoreError {
         #[source]
         source: std::io::Error,
     },
+    /// The job-secret handshake with the other end failed (it lacks the
+    /// secret, holds another one, or is no cohort store at all).
+    #[error("store {location}: {source}")]
+    Auth {
+        /// The address of the store.
+        location: String,
+        /// What failed.
+        #[source]
+        source: crate::auth::AuthError,
+    },
     /// A key or a value is larger than the stores accept
     /// ([`MAX_KEY_LEN`](crate::MAX_KEY_LEN), [`MAX_VALUE_LEN`](crate::MAX_VALUE_LEN)).
     #[error("store: {what} of key {key:?} is {size} bytes, over the limit of {limit}")]

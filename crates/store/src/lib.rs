@@ -23,6 +23,11 @@
 //! and every rank, rank 0 included, talks to it as a client. Keys are at most
 //! [`MAX_KEY_LEN`] bytes and values at most [`MAX_VALUE_LEN`] in every store.
 //!
+//! A job's stores can be closed to strangers: a [`TcpStoreServer`] bound
+//! with a [`Secret`] (the job secret, `COHORT_SECRET`) serves only clients
+//! that prove they know it through the handshake in [`auth`], which the
+//! collective sockets and other services of a job reuse.
+//!
 //! Every call that waits has a deadline and fails with [`StoreError::Timeout`],
 //! naming the keys and the timeout, instead of hanging. This crate knows
 //! nothing of tensors, collectives or models.
@@ -39,6 +44,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub mod auth;
 mod codec;
 #[cfg(test)]
 mod contract;
@@ -48,6 +54,7 @@ mod hash;
 mod prefix;
 mod tcp;
 
+pub use auth::Secret;
 pub use error::StoreError;
 pub use file::FileStore;
 pub use hash::HashStore;

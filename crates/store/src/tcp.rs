@@ -7,6 +7,10 @@
 //! calls. Blocking is done by the server, which answers when the keys exist
 //! or when the client's deadline passes; the client never polls.
 //!
+//! With a job secret, every connection runs the handshake of
+//! [`auth`](crate::auth) before its hello: the client checks the server's
+//! proof first and never sends a request to a server that failed it.
+//!
 //! The client must never wait without a bound (every socket read has a
 //! timeout derived from the call's) and never reuse a connection after an
 //! error, since its stream may be out of step.
@@ -23,6 +27,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use crate::auth::{authenticate_client, AuthError, Secret, SECRET_ENV};
 use crate::{check_entry, check_key, deadline_after, Store, StoreError};
 use wire::{read_frame, Request, Response, MAGIC, MAX_FRAME_LEN, VERSION};
 
@@ -35,6 +40,8 @@ const REPLY_GRACE: Duration = Duration::from_secs(10);
 const MAX_IDLE: usize = 8;
 /// Longest pause between two connection attempts while the server is not up.
 const RETRY_MAX: Duration = Duration::from_millis(50);
+/// The service label of the store's handshake (see [`auth`](crate::auth)).
+pub(crate) const AUTH_SERVICE: &[u8] = b"cohort-store";
 
 /// Client of a [`TcpStoreServer`]; `Send + Sync`, share it with an `Arc`.
 ///
@@ -54,6 +61,8 @@ pub struct TcpStore {
     /// Where the first connection got through; later ones go there too.
     server_addr: SocketAddr,
     timeout: Duration,
+    /// Proven to the server on every connection, when set.
+    secret: Option<Secret>,
     idle: Mutex<Vec<Connection>>,
     /// The server, when this client hosts it; dropped after `idle`.
     server: Option<TcpStoreServer>,
@@ -81,6 +90,20 @@ impl TcpStore {
         addr: A,
         timeout: Duration,
     ) -> Result<TcpStore, StoreError> {
+        TcpStore::connect_with_secret(addr, timeout, None)
+    }
+
+    /// [`connect`](Self::connect) to a server bound with
+    /// [`TcpStoreServer::bind_with_secret`]: every connection proves that
+    /// this client knows `secret` and checks that the server does (`None`:
+    /// no handshake, as `connect`). A server that holds another secret, or
+    /// none, is a [`StoreError::Auth`] or [`StoreError::Protocol`] at once,
+    /// not a retry until the timeout.
+    pub fn connect_with_secret<A: ToSocketAddrs + Display>(
+        addr: A,
+        timeout: Duration,
+        secret: Option<Secret>,
+    ) -> Result<TcpStore, StoreError> {
         let name = addr.to_string();
         let deadline = deadline_after(timeout);
         let mut pause = Duration::from_millis(1);
@@ -91,12 +114,14 @@ impl TcpStore {
                     for server_addr in candidates {
                         let left = deadline.saturating_duration_since(Instant::now());
                         let attempt = left.clamp(Duration::from_millis(1), Duration::from_secs(1));
-                        match Connection::open(&server_addr, attempt, timeout.max(REPLY_GRACE)) {
+                        let io_timeout = timeout.max(REPLY_GRACE);
+                        match Connection::open(&server_addr, attempt, io_timeout, secret.as_ref()) {
                             Ok(conn) => {
                                 return Ok(TcpStore {
                                     addr: name,
                                     server_addr,
                                     timeout,
+                                    secret,
                                     idle: Mutex::new(vec![conn]),
                                     server: None,
                                 })
@@ -105,6 +130,12 @@ impl TcpStore {
                                 return Err(StoreError::Protocol {
                                     location: name,
                                     detail,
+                                })
+                            }
+                            Err(OpenError::Auth(source)) => {
+                                return Err(StoreError::Auth {
+                                    location: name,
+                                    source,
                                 })
                             }
                             Err(OpenError::Io(e)) => last_err = e,
@@ -136,11 +167,22 @@ impl TcpStore {
         is_master: bool,
         timeout: Duration,
     ) -> Result<TcpStore, StoreError> {
+        TcpStore::new_master_or_client_with_secret(addr, is_master, timeout, None)
+    }
+
+    /// [`new_master_or_client`](Self::new_master_or_client) where the
+    /// server admits, and the clients prove, only the job secret `secret`.
+    pub fn new_master_or_client_with_secret<A: ToSocketAddrs + Display>(
+        addr: A,
+        is_master: bool,
+        timeout: Duration,
+        secret: Option<Secret>,
+    ) -> Result<TcpStore, StoreError> {
         if !is_master {
-            return TcpStore::connect(addr, timeout);
+            return TcpStore::connect_with_secret(addr, timeout, secret);
         }
-        let server = TcpStoreServer::bind(addr)?;
-        let mut store = TcpStore::connect(server.reachable_addr(), timeout)?;
+        let server = TcpStoreServer::bind_with_secret(addr, secret.clone())?;
+        let mut store = TcpStore::connect_with_secret(server.reachable_addr(), timeout, secret)?;
         store.server = Some(server);
         Ok(store)
     }
@@ -204,11 +246,20 @@ impl TcpStore {
         let popped = self.idle().pop();
         let mut conn = match popped {
             Some(conn) => conn,
-            None => Connection::open(&self.server_addr, self.io_timeout(), self.io_timeout())
-                .map_err(|e| match e {
-                    OpenError::Io(e) => self.io_err(e),
-                    OpenError::Protocol(detail) => self.protocol_err(detail),
-                })?,
+            None => Connection::open(
+                &self.server_addr,
+                self.io_timeout(),
+                self.io_timeout(),
+                self.secret.as_ref(),
+            )
+            .map_err(|e| match e {
+                OpenError::Io(e) => self.io_err(e),
+                OpenError::Protocol(detail) => self.protocol_err(detail),
+                OpenError::Auth(source) => StoreError::Auth {
+                    location: self.addr.clone(),
+                    source,
+                },
+            })?,
         };
         let response = conn.round_trip(&frame, reply_within).map_err(|e| {
             if e.kind() == io::ErrorKind::InvalidData {
@@ -332,21 +383,57 @@ enum OpenError {
     Io(io::Error),
     /// Something other than a store server answered.
     Protocol(String),
+    /// The server failed the job-secret handshake.
+    Auth(AuthError),
 }
 
 impl Connection {
-    /// Connects within `connect_within` and greets the server; writes may
-    /// block at most `io_timeout`.
+    /// Connects within `connect_within`, proves `secret` when there is one,
+    /// and greets the server; writes may block at most `io_timeout`.
     fn open(
         addr: &SocketAddr,
         connect_within: Duration,
         io_timeout: Duration,
+        secret: Option<&Secret>,
     ) -> Result<Connection, OpenError> {
         let stream = TcpStream::connect_timeout(addr, connect_within).map_err(OpenError::Io)?;
+        // Retrying a local port that nothing listens on can connect the
+        // socket to itself (TCP simultaneous open, when the kernel picks
+        // that very port as ours): nobody is there yet.
+        if stream.local_addr().ok() == Some(*addr) {
+            return Err(OpenError::Io(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                "connected to itself: nothing listens there yet",
+            )));
+        }
         stream.set_nodelay(true).map_err(OpenError::Io)?;
         stream
             .set_write_timeout(Some(io_timeout.max(Duration::from_millis(1))))
             .map_err(OpenError::Io)?;
+        if let Some(secret) = secret {
+            stream
+                .set_read_timeout(Some(connect_within.max(Duration::from_secs(1))))
+                .map_err(OpenError::Io)?;
+            match authenticate_client(&mut &stream, secret, AUTH_SERVICE) {
+                Ok(()) => {}
+                // A server that hangs up on a handshake has no secret (it
+                // read the magic as an absurd frame length) or another
+                // protocol: retrying cannot help.
+                Err(AuthError::Io(e))
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::UnexpectedEof | io::ErrorKind::ConnectionReset
+                    ) =>
+                {
+                    return Err(OpenError::Protocol(format!(
+                        "the server hung up on the job-secret handshake: it runs without \
+                         {SECRET_ENV}, or it is not a cohort-store server"
+                    )))
+                }
+                Err(AuthError::Io(e)) => return Err(OpenError::Io(e)),
+                Err(e) => return Err(OpenError::Auth(e)),
+            }
+        }
         let mut conn = Connection {
             reader: BufReader::new(stream),
         };
@@ -384,6 +471,7 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::auth::authenticate_client;
     use crate::contract::check_store;
     use std::io::Read;
     use std::sync::Arc;
@@ -650,5 +738,282 @@ mod tests {
             "{err}"
         );
         impostor.join().unwrap();
+    }
+
+    fn secret_server() -> (TcpStoreServer, Secret) {
+        let secret = Secret::generate().unwrap();
+        let server = TcpStoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+        (server, secret)
+    }
+
+    /// A raw connection that passed the handshake: a client that knows the
+    /// secret but speaks garbage.
+    fn authenticated_raw(addr: SocketAddr, secret: &Secret) -> TcpStream {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        authenticate_client(&mut s, secret, AUTH_SERVICE).unwrap();
+        s
+    }
+
+    /// Waits until only `n` connections are left open on `server`.
+    fn settles_to(server: &TcpStoreServer, n: usize) {
+        let started = Instant::now();
+        while server.connections() > n {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{} connections still open, expected {n}",
+                server.connections()
+            );
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    #[test]
+    fn an_authenticated_store_serves_its_job_and_refuses_everyone_else_at_once() {
+        let (server, secret) = secret_server();
+        let addr = server.local_addr();
+        let a = TcpStore::connect_with_secret(addr, SHORT, Some(secret.clone())).unwrap();
+        let b = TcpStore::connect_with_secret(addr, SHORT, Some(secret.clone())).unwrap();
+        check_store(&a, &b);
+        let store =
+            TcpStore::connect_with_secret(addr, Duration::from_secs(60), Some(secret)).unwrap();
+        store.set("k", b"v").unwrap();
+        let keys = store.num_keys().unwrap();
+        let clients = server.connections();
+
+        // A silent stranger holds a connection; nobody waits for it.
+        let silent = TcpStream::connect(addr).unwrap();
+
+        // A cohort client without the secret is told what it lacks, at once
+        // (its timeout is a minute).
+        let started = Instant::now();
+        let err = TcpStore::connect(addr, Duration::from_secs(60)).unwrap_err();
+        assert!(matches!(err, StoreError::Protocol { .. }), "{err:?}");
+        assert!(err.to_string().contains(SECRET_ENV), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+
+        // With another job's secret: the server's proof fails on the client.
+        let other = Secret::generate().unwrap();
+        let err =
+            TcpStore::connect_with_secret(addr, Duration::from_secs(60), Some(other)).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                StoreError::Auth {
+                    source: AuthError::WrongProof { peer: "server" },
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains(SECRET_ENV), "{err}");
+
+        // Well-formed requests without a handshake change nothing.
+        let mut raw = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+        }
+        .encode();
+        raw.extend(
+            Request::Set {
+                key: "k",
+                value: b"stranger",
+            }
+            .encode(),
+        );
+        raw.extend(Request::NumKeys.encode());
+        assert!(refusal(&raw_exchange(addr, &raw)).contains(SECRET_ENV));
+
+        // A forged proof: opens the handshake, echoes the server's MAC.
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut opening = b"COHAUTH1".to_vec();
+        opening.extend([1u8; 32]);
+        s.write_all(&opening).unwrap();
+        let mut answer = [0u8; 64];
+        s.read_exact(&mut answer).unwrap();
+        s.write_all(&answer[32..]).unwrap();
+        let _ = s.write_all(&raw);
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        assert!(
+            rest.is_empty(),
+            "a forger got {} bytes of answer",
+            rest.len()
+        );
+
+        assert_eq!(store.get("k").unwrap(), b"v");
+        assert_eq!(store.num_keys().unwrap(), keys);
+        drop(silent);
+        settles_to(&server, clients);
+    }
+
+    #[test]
+    fn a_client_with_a_secret_will_not_talk_to_a_server_without_one() {
+        let server = server();
+        let started = Instant::now();
+        let err = TcpStore::connect_with_secret(
+            server.local_addr(),
+            Duration::from_secs(60),
+            Some(Secret::generate().unwrap()),
+        )
+        .unwrap_err();
+        assert!(matches!(err, StoreError::Protocol { .. }), "{err:?}");
+        assert!(err.to_string().contains("handshake"), "{err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    /// Deterministic pseudo-random bytes (xorshift64).
+    struct Noise(u64);
+
+    impl Noise {
+        fn byte(&mut self) -> u8 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 >> 24) as u8
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (u32::from_le_bytes([self.byte(), self.byte(), self.byte(), self.byte()]) as usize) % n
+        }
+
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.byte()).collect()
+        }
+    }
+
+    /// One hostile input: garbage, a frame with a lying or huge length, a
+    /// valid request cut short, or a valid request with bytes flipped.
+    fn hostile(noise: &mut Noise) -> Vec<u8> {
+        let hello = Request::Hello {
+            magic: MAGIC,
+            version: VERSION,
+        }
+        .encode();
+        let valid = [
+            Request::Set {
+                key: "fuzz",
+                value: b"value",
+            }
+            .encode(),
+            Request::Wait {
+                keys: vec!["a", "b"],
+                timeout: Duration::from_millis(1),
+            }
+            .encode(),
+            Request::CompareSet {
+                key: "c",
+                expected: b"",
+                desired: b"d",
+            }
+            .encode(),
+            Request::Add { key: "n", delta: 1 }.encode(),
+        ];
+        let request = &valid[noise.below(valid.len())];
+        let mut input = if noise.below(2) == 0 {
+            hello
+        } else {
+            Vec::new()
+        };
+        match noise.below(5) {
+            0 => {
+                let n = noise.below(300);
+                input.extend(noise.bytes(n));
+            }
+            1 => {
+                // Oversized or absurd length headers, then a little data.
+                let len = [u32::MAX, MAX_FRAME_LEN as u32 + 1, 1 << 30, 0][noise.below(4)];
+                input.extend(len.to_le_bytes());
+                let n = noise.below(64);
+                input.extend(noise.bytes(n));
+            }
+            2 => {
+                let cut = noise.below(request.len());
+                input.extend(&request[..cut]);
+            }
+            3 => {
+                let mut r = request.clone();
+                for _ in 0..1 + noise.below(4) {
+                    let at = noise.below(r.len());
+                    r[at] = noise.byte();
+                }
+                input.extend(r);
+            }
+            _ => {
+                // A body that claims a length far past itself.
+                let n = noise.below(32);
+                let body = noise.bytes(n);
+                input.extend((body.len() as u32 + 1 + noise.below(1 << 20) as u32).to_le_bytes());
+                input.extend(body);
+            }
+        }
+        input
+    }
+
+    /// Sends `input` and hangs up; a refusal is fine, a hang is not.
+    fn throw_at(addr: SocketAddr, input: &[u8], secret: Option<&Secret>) {
+        let mut s = match secret {
+            Some(secret) => authenticated_raw(addr, secret),
+            None => TcpStream::connect(addr).unwrap(),
+        };
+        s.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let _ = s.write_all(input);
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+
+    #[test]
+    fn fuzzed_frames_never_take_the_server_down_with_or_without_a_secret() {
+        // Strangers only; clients that passed the handshake but send
+        // garbage; anyone, on a server without a secret.
+        let (guarded, secret) = secret_server();
+        let (insiders, insider_secret) = secret_server();
+        let open = TcpStoreServer::bind("127.0.0.1:0").unwrap();
+        let timeout = Duration::from_secs(10);
+        let clients = [
+            TcpStore::connect_with_secret(guarded.local_addr(), timeout, Some(secret.clone())),
+            TcpStore::connect_with_secret(
+                insiders.local_addr(),
+                timeout,
+                Some(insider_secret.clone()),
+            ),
+            TcpStore::connect(open.local_addr(), timeout),
+        ]
+        .map(Result::unwrap);
+        let mut noise = Noise(0x853c_49e6_748f_ea9b);
+        for i in 0..120 {
+            let input = hostile(&mut noise);
+            throw_at(guarded.local_addr(), &input, None);
+            throw_at(insiders.local_addr(), &input, Some(&insider_secret));
+            throw_at(open.local_addr(), &input, None);
+            if i % 20 == 0 {
+                for c in &clients {
+                    c.set("alive", i.to_string().as_bytes()).unwrap();
+                    assert_eq!(c.get("alive").unwrap(), i.to_string().as_bytes());
+                }
+            }
+        }
+        for server in [&guarded, &insiders, &open] {
+            settles_to(server, 1);
+        }
+        // No stranger got a key in; the real clients kept being served.
+        assert_eq!(clients[0].num_keys().unwrap(), 1);
+        for c in &clients {
+            assert_eq!(c.get("alive").unwrap(), b"100");
+        }
+        let fresh =
+            TcpStore::connect_with_secret(guarded.local_addr(), timeout, Some(secret)).unwrap();
+        assert_eq!(fresh.add("n", 2).unwrap(), 2);
     }
 }

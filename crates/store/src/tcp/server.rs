@@ -8,15 +8,20 @@
 //! the thread checks now and then that its client is still there, so a
 //! client that vanished does not pin a thread until a 30-minute deadline.
 //!
+//! With a job secret, each connection first runs the handshake of
+//! [`auth`](crate::auth) (within [`AUTH_TIMEOUT`]); a client that fails it
+//! is told so in one error frame, logged with its address and dropped
+//! before a single request of it is read.
+//!
 //! The server must never panic or allocate on a client's say-so: a
-//! malformed or oversized frame, or a client that disconnects mid-request,
-//! costs that connection only (logged on stderr), never the server. Dropping
-//! the server stops accepting, closes every connection and joins every
-//! thread.
+//! malformed or oversized frame, a failed handshake, or a client that
+//! disconnects mid-request, costs that connection only (logged on stderr),
+//! never the server. Dropping the server stops accepting, closes every
+//! connection and joins every thread.
 
 use std::collections::HashMap;
 use std::fmt::{self, Display};
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufReader, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,11 +29,17 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use super::wire::{read_frame, Request, Response, MAGIC, VERSION};
+use super::AUTH_SERVICE;
+use crate::auth::{authenticate_server, AuthError, Secret, SECRET_ENV};
 use crate::{HashStore, Store, StoreError};
 
 /// How often a thread blocked in `get`/`wait` checks that its client is
 /// still connected.
 const PEER_CHECK_EVERY: Duration = Duration::from_millis(500);
+/// How long a new connection may take to authenticate. Real clients answer
+/// within microseconds; this bounds what a silent stranger costs (a parked
+/// thread).
+pub(crate) const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connection threads only parse and copy; a small stack lets a server
 /// hold thousands of clients.
 const CONNECTION_STACK: usize = 256 << 10;
@@ -61,6 +72,8 @@ struct Shared {
     closed: AtomicBool,
     conns: Mutex<Connections>,
     local_addr: SocketAddr,
+    /// Clients must prove they know it, when set.
+    secret: Option<Secret>,
 }
 
 #[derive(Default)]
@@ -85,6 +98,30 @@ impl TcpStoreServer {
     /// threads until dropped. Fails with [`StoreError::Bind`], naming the
     /// address, when it cannot listen (for example, the port is in use).
     pub fn bind<A: ToSocketAddrs + Display>(addr: A) -> Result<TcpStoreServer, StoreError> {
+        TcpStoreServer::bind_with_secret(addr, None)
+    }
+
+    /// [`bind`](Self::bind), serving only clients that prove they know
+    /// `secret` (with `None`, anyone, as `bind`). Clients connect with
+    /// [`TcpStore::connect_with_secret`](crate::TcpStore::connect_with_secret).
+    ///
+    /// ```
+    /// use cohort_store::{Secret, Store, StoreError, TcpStore, TcpStoreServer};
+    /// use std::time::Duration;
+    ///
+    /// let secret = Secret::generate().unwrap();
+    /// let server = TcpStoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone())).unwrap();
+    /// let addr = server.local_addr();
+    /// let store = TcpStore::connect_with_secret(addr, Duration::from_secs(5), Some(secret)).unwrap();
+    /// store.set("k", b"v").unwrap();
+    /// // A client without the secret is turned away.
+    /// let stranger = TcpStore::connect(addr, Duration::from_secs(5)).unwrap_err();
+    /// assert!(matches!(stranger, StoreError::Protocol { .. }), "{stranger}");
+    /// ```
+    pub fn bind_with_secret<A: ToSocketAddrs + Display>(
+        addr: A,
+        secret: Option<Secret>,
+    ) -> Result<TcpStoreServer, StoreError> {
         let bind_err = |source| StoreError::Bind {
             addr: addr.to_string(),
             source,
@@ -97,6 +134,7 @@ impl TcpStoreServer {
             closed: AtomicBool::new(false),
             conns: Mutex::new(Connections::default()),
             local_addr,
+            secret,
         });
         let accept = {
             let shared = shared.clone();
@@ -229,7 +267,11 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
             .name("cohort-store-conn".into())
             .stack_size(CONNECTION_STACK)
             .spawn(move || {
-                if let Err(reason) = serve(&shared, &stream) {
+                let admitted = match &shared.secret {
+                    Some(secret) => admit(&stream, secret),
+                    None => Ok(()),
+                };
+                if let Err(reason) = admitted.and_then(|()| serve(&shared, &stream)) {
                     shared.log(&peer, &reason);
                 }
                 shared.conns().streams.remove(&id);
@@ -250,6 +292,8 @@ enum Dropped {
     Protocol(String),
     /// The connection failed or closed inside a request.
     Io(io::Error),
+    /// The client failed the job-secret handshake.
+    Unauthenticated(AuthError),
 }
 
 impl Display for Dropped {
@@ -257,6 +301,46 @@ impl Display for Dropped {
         match self {
             Dropped::Protocol(detail) => write!(f, "protocol error: {detail}"),
             Dropped::Io(e) => write!(f, "connection lost mid-request: {e}"),
+            Dropped::Unauthenticated(e) => write!(f, "failed authentication: {e}"),
+        }
+    }
+}
+
+/// Runs the server's side of the handshake on a new connection. A client
+/// that sent no handshake gets one error frame saying what it lacks (a
+/// cohort client without the secret then reports it instead of retrying).
+fn admit(stream: &TcpStream, secret: &Secret) -> Result<(), Dropped> {
+    let timeouts = |t: Option<Duration>| {
+        stream
+            .set_read_timeout(t)
+            .and_then(|()| stream.set_write_timeout(t))
+    };
+    timeouts(Some(AUTH_TIMEOUT)).map_err(Dropped::Io)?;
+    match authenticate_server(&mut &*stream, secret, AUTH_SERVICE) {
+        Ok(()) => timeouts(None).map_err(Dropped::Io),
+        Err(e @ AuthError::NoHandshake) => {
+            let refusal = format!(
+                "this store admits only the processes of its job: set {SECRET_ENV} to the job's secret"
+            );
+            let _ = (&*stream).write_all(&Response::Error(refusal).encode());
+            linger(stream);
+            Err(Dropped::Unauthenticated(e))
+        }
+        Err(e) => Err(Dropped::Unauthenticated(e)),
+    }
+}
+
+/// Closes our side after a refusal and discards what the client still
+/// sends for a moment: closing with unread bytes would reset the
+/// connection, and a reset may destroy the refusal before it is read.
+fn linger(stream: &TcpStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(100)));
+    let mut sink = [0u8; 4096];
+    for _ in 0..16 {
+        match (&*stream).read(&mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => return,
         }
     }
 }
@@ -310,6 +394,7 @@ fn serve(shared: &Shared, stream: &TcpStream) -> Result<(), Dropped> {
 /// Tells the client why it is being dropped, as far as it still listens.
 fn refuse(mut stream: &TcpStream, detail: String) -> Dropped {
     let _ = stream.write_all(&Response::Error(detail.clone()).encode());
+    linger(stream);
     Dropped::Protocol(detail)
 }
 

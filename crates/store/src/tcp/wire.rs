@@ -419,4 +419,51 @@ mod tests {
         assert!(read_frame(&mut r).unwrap().is_some());
         assert!(read_frame(&mut r).unwrap().is_none());
     }
+
+    #[test]
+    fn random_and_mutated_bytes_decode_to_errors_never_panics() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let seeds: Vec<Vec<u8>> = [
+            Request::Wait {
+                keys: vec!["a", "bb"],
+                timeout: Duration::from_secs(1),
+            }
+            .encode(),
+            Request::CompareSet {
+                key: "k",
+                expected: b"e",
+                desired: b"d",
+            }
+            .encode(),
+            Response::Timeout(vec!["a".into()]).encode(),
+            Response::Value(b"v".to_vec()).encode(),
+        ]
+        .into_iter()
+        .map(|f| f[4..].to_vec())
+        .collect();
+        for i in 0..20_000 {
+            let body: Vec<u8> = if i % 2 == 0 {
+                let n = (next() % 64) as usize;
+                (0..n).map(|_| next() as u8).collect()
+            } else {
+                let mut b = seeds[i % seeds.len()].clone();
+                let at = (next() as usize) % b.len();
+                b[at] = next() as u8;
+                b.truncate(b.len() - (next() as usize) % 3);
+                b
+            };
+            let _ = Request::decode(&body);
+            let _ = Response::decode(&body);
+            let mut framed = (body.len() as u32).to_le_bytes().to_vec();
+            framed.extend(&body);
+            framed.truncate(framed.len() - (next() as usize) % 2);
+            let _ = read_frame(&mut &framed[..]);
+        }
+    }
 }

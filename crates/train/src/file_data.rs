@@ -97,7 +97,7 @@ fn tokenizer(
 }
 
 impl FileData {
-    fn open(cfg: &TrainConfig, builder: bool) -> Result<FileData, TrainError> {
+    pub(crate) fn open(cfg: &TrainConfig, builder: bool) -> Result<FileData, TrainError> {
         let data = Path::new(&cfg.data);
         let tokenizer = tokenizer(cfg, data, builder)?;
         let vocab_size = tokenizer

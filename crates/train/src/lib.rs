@@ -27,12 +27,14 @@
 //! ```
 #![deny(missing_docs)]
 
+mod batches;
 pub mod bench;
 mod checkpoint;
 mod config;
 mod data;
 mod fault;
 mod file_data;
+mod parameter_server;
 mod phases;
 mod train;
 
@@ -41,6 +43,9 @@ pub use config::{ConfigError, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BU
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::FileData;
+pub use parameter_server::{
+    run_ps_bench, train_parameter_server, BenchPsArgs, BenchPsResult, Rendezvous,
+};
 pub use phases::{Phase, Phases};
 pub use train::{build_dataset, model_config, train, Outcome};
 
@@ -95,6 +100,15 @@ pub enum TrainError {
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),
+    /// The parameter server's calls failed (a worker or the server died,
+    /// timed out, or refused a gradient).
+    #[error("parameter server: {what}: {error}")]
+    Rpc {
+        /// What the run was doing.
+        what: &'static str,
+        /// The error.
+        error: cohort_rpc::RpcError,
+    },
     /// Too many updates in a row were skipped for a NaN or infinite loss or
     /// gradient (`max_consecutive_skips`).
     #[error(
@@ -145,6 +159,10 @@ pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
 /// `cohort train`: joins the job (or trains alone) and trains, rank 0
 /// logging to stdout.
 pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
+    if cfg.strategy == Strategy::ParameterServer {
+        // No process group: the server and its workers talk over RPC.
+        return train_parameter_server(cfg, Rendezvous::Env, &mut std::io::stdout());
+    }
     let pg = process_group_from_env()?;
     train(cfg, &pg, &mut std::io::stdout())
 }

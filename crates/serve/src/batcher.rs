@@ -1,0 +1,388 @@
+//! The request queue of one model version and its dynamic batcher, as Triton's: instances
+//! (threads, each owning a copy of the model) take work from one bounded queue; with dynamic
+//! batching, an instance combines queued inference requests of the same sequence length into
+//! one execution of up to `max_batch_size` rows.
+//!
+//! Batching rule: the oldest request decides the sequence length; every queued request of that
+//! length joins in arrival order until the next would overflow `max_batch_size`. The batch runs
+//! at once when it is full (max_batch_size rows, or the largest preferred batch size), else when
+//! the oldest request has waited `max_queue_delay`; then, with preferred sizes, it is cut to the
+//! largest preferred size it reaches. Without dynamic batching every request runs alone.
+//! Generate requests always run alone, in queue order.
+//!
+//! The queue never blocks a caller: a full queue is an immediate [`ServeError::QueueFull`].
+//! Closing it lets the instances drain what is queued, then they exit; nothing accepted is
+//! dropped. This module never parses requests and never touches the network.
+
+use std::collections::VecDeque;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::error::ServeError;
+use crate::tensor::{InferResult, TokenBatch, Wanted};
+
+/// An inference request waiting for an instance.
+pub(crate) struct InferJob {
+    pub input: TokenBatch,
+    pub want: Wanted,
+    pub reply: oneshot::Sender<Result<InferResult, ServeError>>,
+    pub enqueued: Instant,
+}
+
+/// A generation request waiting for an instance.
+pub(crate) struct GenerateJob {
+    pub prompt: Vec<u32>,
+    pub opts: cohort_gpt::sample::SampleOptions,
+    /// Each token as it is produced (the receiver may be gone: the client left).
+    pub tokens: mpsc::UnboundedSender<u32>,
+    /// All generated tokens, or why generation failed.
+    pub done: oneshot::Sender<Result<Vec<u32>, ServeError>>,
+    pub enqueued: Instant,
+}
+
+pub(crate) enum Job {
+    Infer(InferJob),
+    Generate(GenerateJob),
+}
+
+impl Job {
+    fn enqueued(&self) -> Instant {
+        match self {
+            Job::Infer(j) => j.enqueued,
+            Job::Generate(j) => j.enqueued,
+        }
+    }
+}
+
+/// What an instance executes next.
+pub(crate) enum Work {
+    /// Inference requests of one sequence length, in arrival order.
+    Infer(Vec<InferJob>),
+    Generate(GenerateJob),
+}
+
+/// How an instance forms batches.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct BatchPolicy {
+    pub max_batch_size: usize,
+    /// None: no dynamic batching.
+    pub dynamic: Option<Dynamic>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Dynamic {
+    /// Ascending.
+    pub preferred: Vec<usize>,
+    pub max_delay: Duration,
+}
+
+struct State {
+    jobs: VecDeque<Job>,
+    closed: bool,
+}
+
+/// One model version's bounded request queue.
+pub(crate) struct Queue {
+    state: Mutex<State>,
+    ready: Condvar,
+    policy: BatchPolicy,
+    capacity: usize,
+}
+
+impl Queue {
+    pub fn new(policy: BatchPolicy, capacity: usize) -> Queue {
+        let mut policy = policy;
+        if let Some(d) = &mut policy.dynamic {
+            d.preferred.sort_unstable();
+            d.preferred.dedup();
+        }
+        Queue {
+            state: Mutex::new(State {
+                jobs: VecDeque::new(),
+                closed: false,
+            }),
+            ready: Condvar::new(),
+            policy,
+            capacity: capacity.max(1),
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // a panicking instance is caught before it could poison this lock; recover anyway
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `job`, or hands it back with why it was refused (the queue is full or closed).
+    pub fn push(&self, job: Job) -> Result<(), (Job, Refused)> {
+        let mut st = self.lock();
+        if st.closed {
+            return Err((job, Refused::Closed));
+        }
+        if st.jobs.len() >= self.capacity {
+            return Err((job, Refused::Full));
+        }
+        st.jobs.push_back(job);
+        drop(st);
+        // every waiting instance re-evaluates: one may now have a full batch
+        self.ready.notify_all();
+        Ok(())
+    }
+
+    /// Stops accepting work; instances finish what is queued, then `next` returns None.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.ready.notify_all();
+    }
+
+    /// Blocks until there is work for an instance; None once the queue is closed and empty.
+    pub fn next(&self) -> Option<Work> {
+        let mut st = self.lock();
+        loop {
+            let Some(front) = st.jobs.front() else {
+                if st.closed {
+                    return None;
+                }
+                st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            let seq = match front {
+                Job::Generate(_) => {
+                    let Some(Job::Generate(g)) = st.jobs.pop_front() else {
+                        unreachable!("front is a generate job")
+                    };
+                    return Some(Work::Generate(g));
+                }
+                Job::Infer(j) => j.input.seq,
+            };
+            let Some(dynamic) = &self.policy.dynamic else {
+                let Some(Job::Infer(j)) = st.jobs.pop_front() else {
+                    unreachable!("front is an infer job")
+                };
+                return Some(Work::Infer(vec![j]));
+            };
+            let (picked, rows) = self.gather(&st.jobs, seq);
+            let full = rows >= self.policy.max_batch_size
+                || dynamic.preferred.last().is_some_and(|&p| rows >= p);
+            let deadline = front.enqueued() + dynamic.max_delay;
+            let now = Instant::now();
+            if full || now >= deadline || st.closed {
+                let picked = cut_to_preferred(&st.jobs, picked, rows, &dynamic.preferred);
+                return Some(Work::Infer(take(&mut st.jobs, &picked)));
+            }
+            st = self
+                .ready
+                .wait_timeout(st, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Indices of the queued inference jobs of length `seq` that fit in one batch, in order,
+    /// and their rows.
+    fn gather(&self, jobs: &VecDeque<Job>, seq: usize) -> (Vec<usize>, usize) {
+        let mut picked = Vec::new();
+        let mut rows = 0;
+        for (i, job) in jobs.iter().enumerate() {
+            if let Job::Infer(j) = job {
+                if j.input.seq != seq {
+                    continue;
+                }
+                if rows + j.input.batch > self.policy.max_batch_size {
+                    break;
+                }
+                rows += j.input.batch;
+                picked.push(i);
+            }
+        }
+        (picked, rows)
+    }
+}
+
+/// Why a job was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    Full,
+    Closed,
+}
+
+/// The prefix of `picked` that makes the largest preferred size `rows` reaches (all of it
+/// without preferred sizes, or when none is reached).
+fn cut_to_preferred(
+    jobs: &VecDeque<Job>,
+    picked: Vec<usize>,
+    rows: usize,
+    preferred: &[usize],
+) -> Vec<usize> {
+    let Some(&target) = preferred.iter().rev().find(|&&p| p <= rows) else {
+        return picked;
+    };
+    let mut acc = 0;
+    let mut keep = 0;
+    for &i in &picked {
+        let Job::Infer(j) = &jobs[i] else { break };
+        if acc + j.input.batch > target {
+            break;
+        }
+        acc += j.input.batch;
+        keep += 1;
+    }
+    let mut picked = picked;
+    picked.truncate(keep.max(1));
+    picked
+}
+
+/// Removes the jobs at `picked` (ascending indices, all inference jobs) in order.
+fn take(jobs: &mut VecDeque<Job>, picked: &[usize]) -> Vec<InferJob> {
+    let mut out = Vec::with_capacity(picked.len());
+    for &i in picked.iter().rev() {
+        match jobs.remove(i) {
+            Some(Job::Infer(j)) => out.push(j),
+            _ => unreachable!("picked indices are inference jobs"),
+        }
+    }
+    out.reverse();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn job(batch: usize, seq: usize) -> (Job, oneshot::Receiver<Result<InferResult, ServeError>>) {
+        let (tx, rx) = oneshot::channel();
+        let j = Job::Infer(InferJob {
+            input: TokenBatch {
+                batch,
+                seq,
+                ids: vec![0; batch * seq],
+            },
+            want: Wanted {
+                logits: true,
+                next_token: false,
+            },
+            reply: tx,
+            enqueued: Instant::now(),
+        });
+        (j, rx)
+    }
+
+    fn sizes(w: Work) -> Vec<(usize, usize)> {
+        match w {
+            Work::Infer(js) => js.iter().map(|j| (j.input.batch, j.input.seq)).collect(),
+            Work::Generate(_) => panic!("expected inference work"),
+        }
+    }
+
+    fn queue(max: usize, preferred: &[usize], delay_ms: u64, cap: usize) -> Queue {
+        Queue::new(
+            BatchPolicy {
+                max_batch_size: max,
+                dynamic: Some(Dynamic {
+                    preferred: preferred.to_vec(),
+                    max_delay: Duration::from_millis(delay_ms),
+                }),
+            },
+            cap,
+        )
+    }
+
+    #[test]
+    fn batches_same_length_requests_up_to_max_batch_size() {
+        let q = queue(4, &[], 0, 100);
+        let mut keep = Vec::new();
+        for (b, t) in [(1, 8), (2, 8), (1, 5), (2, 8), (1, 8)] {
+            let (j, rx) = job(b, t);
+            keep.push(rx);
+            assert!(q.push(j).is_ok());
+        }
+        // 1 + 2 rows of length 8; the next length-8 request (2 rows) would overflow 4
+        assert_eq!(sizes(q.next().unwrap()), [(1, 8), (2, 8)]);
+        assert_eq!(sizes(q.next().unwrap()), [(1, 5)]);
+        assert_eq!(sizes(q.next().unwrap()), [(2, 8), (1, 8)]);
+    }
+
+    #[test]
+    fn without_dynamic_batching_each_request_runs_alone() {
+        let q = Queue::new(
+            BatchPolicy {
+                max_batch_size: 8,
+                dynamic: None,
+            },
+            10,
+        );
+        let rxs: Vec<_> = (0..3)
+            .map(|_| {
+                let (j, rx) = job(1, 4);
+                assert!(q.push(j).is_ok());
+                rx
+            })
+            .collect();
+        for _ in &rxs {
+            assert_eq!(sizes(q.next().unwrap()), [(1, 4)]);
+        }
+    }
+
+    #[test]
+    fn waits_up_to_the_delay_for_a_fuller_batch_then_cuts_to_a_preferred_size() {
+        let q = Arc::new(queue(8, &[2, 4], 300, 100));
+        let (j, _r0) = job(1, 3);
+        let t0 = Instant::now();
+        assert!(q.push(j).is_ok());
+        let q2 = q.clone();
+        let pusher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            let rxs: Vec<_> = (0..2)
+                .map(|_| {
+                    let (j, rx) = job(1, 3);
+                    assert!(q2.push(j).is_ok());
+                    rx
+                })
+                .collect();
+            rxs
+        });
+        // 3 rows by the deadline: not the largest preferred size (4), so the batcher waits the
+        // whole delay, then cuts to the largest preferred size reached (2)
+        let first = sizes(q.next().unwrap());
+        let waited = t0.elapsed();
+        let _rxs = pusher.join().unwrap();
+        assert_eq!(first, [(1, 3), (1, 3)]);
+        assert!(waited >= Duration::from_millis(290), "{waited:?}");
+        assert_eq!(sizes(q.next().unwrap()), [(1, 3)]);
+
+        // reaching the largest preferred size runs at once, without waiting for the delay
+        let rxs: Vec<_> = (0..5)
+            .map(|_| {
+                let (j, rx) = job(1, 3);
+                assert!(q.push(j).is_ok());
+                rx
+            })
+            .collect();
+        let t1 = Instant::now();
+        assert_eq!(sizes(q.next().unwrap()).len(), 5);
+        assert!(t1.elapsed() < Duration::from_millis(200));
+        drop(rxs);
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_a_closed_queue_drains_then_ends() {
+        let q = queue(4, &[], 0, 2);
+        let (a, _ra) = job(1, 2);
+        let (b, _rb) = job(1, 2);
+        let (c, _rc) = job(1, 2);
+        assert!(q.push(a).is_ok());
+        assert!(q.push(b).is_ok());
+        assert!(matches!(q.push(c), Err((_, Refused::Full))));
+        q.close();
+        let (d, _rd) = job(1, 2);
+        assert!(matches!(q.push(d), Err((_, Refused::Closed))));
+        assert_eq!(sizes(q.next().unwrap()).len(), 2);
+        assert!(q.next().is_none());
+    }
+}

@@ -1,0 +1,420 @@
+//! A model's serving configuration, read from `REPO/<model>/config.pbtxt` (Triton's protobuf
+//! text) or `REPO/<model>/config.toml` (the same fields in TOML). Only Triton's fields that mean
+//! something for a cohort GPT are read: `name`, `max_batch_size`, `dynamic_batching`
+//! (`preferred_batch_size`, `max_queue_delay_microseconds`, `default_queue_policy.max_queue_size`),
+//! `instance_group` (`count`, `kind`) and `version_policy`; others Triton writes (`platform`,
+//! `backend`, `input`, `output`, ...) are accepted and ignored with a warning. A misspelt field
+//! inside a known section is an error. This module never loads a model.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ServeError;
+use crate::pbtxt;
+
+/// Triton's config file name.
+pub const PBTXT_FILE: &str = "config.pbtxt";
+/// The TOML alternative.
+pub const TOML_FILE: &str = "config.toml";
+
+/// Fields that are lists in Triton's ModelConfig; in pbtxt one occurrence is still a list.
+const REPEATED: &[&str] = &[
+    "preferred_batch_size",
+    "instance_group",
+    "versions",
+    "input",
+    "output",
+    "dims",
+    "gpus",
+];
+
+/// `max_batch_size` when the config does not say.
+pub const DEFAULT_MAX_BATCH_SIZE: usize = 8;
+
+/// A model's configuration (Triton's `ModelConfig`, the fields cohort uses).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Must equal the model's directory name when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Most rows (sequences) one execution takes; a request's batch dimension may not exceed
+    /// it. Must be at least 1 (cohort's models always have a batch dimension).
+    #[serde(default = "default_max_batch_size")]
+    pub max_batch_size: usize,
+    /// Present: requests are queued and combined into batches; absent: each request executes
+    /// alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic_batching: Option<DynamicBatching>,
+    /// How many copies of the model execute concurrently (the counts are summed).
+    #[serde(default)]
+    pub instance_group: Vec<InstanceGroup>,
+    /// Which versions of the repository directory are served.
+    #[serde(default)]
+    pub version_policy: VersionPolicy,
+    /// Triton fields cohort does not use, kept to report them.
+    #[serde(flatten, skip_serializing)]
+    pub ignored: BTreeMap<String, serde_json::Value>,
+}
+
+fn default_max_batch_size() -> usize {
+    DEFAULT_MAX_BATCH_SIZE
+}
+
+/// Triton's `dynamic_batching` section.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DynamicBatching {
+    /// Batch sizes (rows) to aim for; a batch that reaches the largest runs at once.
+    #[serde(default)]
+    pub preferred_batch_size: Vec<usize>,
+    /// How long the oldest request may wait for others to join its batch.
+    #[serde(default)]
+    pub max_queue_delay_microseconds: u64,
+    /// Queue bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_queue_policy: Option<QueuePolicy>,
+    /// Accepted for Triton compatibility; requests are always answered in order per batch.
+    #[serde(default)]
+    pub preserve_ordering: bool,
+}
+
+/// Triton's `ModelQueuePolicy`, the field cohort uses.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct QueuePolicy {
+    /// Requests that may wait; more are rejected (HTTP 503). 0: the server's default.
+    #[serde(default)]
+    pub max_queue_size: usize,
+    /// Other fields of the policy (timeouts, ...), not used.
+    #[serde(flatten, skip_serializing)]
+    pub ignored: BTreeMap<String, serde_json::Value>,
+}
+
+/// Triton's `instance_group` entry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceGroup {
+    /// Instances in this group.
+    #[serde(default = "one")]
+    pub count: usize,
+    /// `KIND_CPU` or `KIND_AUTO` (cohort has no other device).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Other fields (name, gpus, ...), not used.
+    #[serde(flatten, skip_serializing)]
+    pub ignored: BTreeMap<String, serde_json::Value>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// Triton's `version_policy`: which numbered version directories are served.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", deny_unknown_fields)]
+pub enum VersionPolicy {
+    /// The `num_versions` highest versions.
+    Latest {
+        /// How many.
+        #[serde(default = "one_u32")]
+        num_versions: u32,
+    },
+    /// Every version.
+    All {},
+    /// Exactly these versions (those present).
+    Specific {
+        /// The versions.
+        versions: Vec<u64>,
+    },
+}
+
+fn one_u32() -> u32 {
+    1
+}
+
+impl Default for VersionPolicy {
+    /// Triton's default: the latest version.
+    fn default() -> Self {
+        VersionPolicy::Latest { num_versions: 1 }
+    }
+}
+
+impl VersionPolicy {
+    /// The versions to serve out of those present (any order in, ascending out).
+    pub fn select(&self, present: &[u64]) -> Vec<u64> {
+        let mut v = present.to_vec();
+        v.sort_unstable();
+        v.dedup();
+        match self {
+            VersionPolicy::Latest { num_versions } => {
+                let keep = (*num_versions as usize).min(v.len());
+                v.split_off(v.len() - keep)
+            }
+            VersionPolicy::All {} => v,
+            VersionPolicy::Specific { versions } => {
+                v.retain(|x| versions.contains(x));
+                v
+            }
+        }
+    }
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: None,
+            max_batch_size: DEFAULT_MAX_BATCH_SIZE,
+            dynamic_batching: None,
+            instance_group: Vec::new(),
+            version_policy: VersionPolicy::default(),
+            ignored: BTreeMap::new(),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Parses config.pbtxt text.
+    pub fn from_pbtxt(text: &str, path: &Path) -> Result<ModelConfig, ServeError> {
+        let value = pbtxt::parse(text, REPEATED).map_err(|e| config_err(path, e))?;
+        let cfg: ModelConfig = serde_json::from_value(value).map_err(|e| config_err(path, e))?;
+        cfg.validate(path)
+    }
+
+    /// Parses config.toml text.
+    pub fn from_toml(text: &str, path: &Path) -> Result<ModelConfig, ServeError> {
+        let cfg: ModelConfig = toml::from_str(text).map_err(|e| config_err(path, e))?;
+        cfg.validate(path)
+    }
+
+    /// The configuration of the model in `dir`: its config.pbtxt or config.toml, or the
+    /// defaults when it has neither. Returns the file read, if any.
+    pub fn load(dir: &Path) -> Result<(ModelConfig, Option<PathBuf>), ServeError> {
+        let (pbtxt, toml) = (dir.join(PBTXT_FILE), dir.join(TOML_FILE));
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|source| ServeError::Io {
+                op: "read",
+                path: p.to_path_buf(),
+                source,
+            })
+        };
+        match (pbtxt.is_file(), toml.is_file()) {
+            (true, true) => Err(config_err(
+                dir,
+                format!("has both {PBTXT_FILE} and {TOML_FILE}; keep one"),
+            )),
+            (true, false) => Ok((Self::from_pbtxt(&read(&pbtxt)?, &pbtxt)?, Some(pbtxt))),
+            (false, true) => Ok((Self::from_toml(&read(&toml)?, &toml)?, Some(toml))),
+            (false, false) => Ok((ModelConfig::default(), None)),
+        }
+    }
+
+    fn validate(self, path: &Path) -> Result<ModelConfig, ServeError> {
+        if self.max_batch_size == 0 {
+            return Err(config_err(
+                path,
+                "max_batch_size must be at least 1: cohort's models always take [batch, seq] \
+                 token ids",
+            ));
+        }
+        if let Some(db) = &self.dynamic_batching {
+            if let Some(&p) = db
+                .preferred_batch_size
+                .iter()
+                .find(|&&p| p == 0 || p > self.max_batch_size)
+            {
+                return Err(config_err(
+                    path,
+                    format!(
+                        "preferred_batch_size {p} must be in 1..={} (max_batch_size)",
+                        self.max_batch_size
+                    ),
+                ));
+            }
+        }
+        for g in &self.instance_group {
+            if g.count == 0 {
+                return Err(config_err(path, "instance_group count must be at least 1"));
+            }
+            if let Some(kind) = &g.kind {
+                if !matches!(kind.as_str(), "KIND_CPU" | "KIND_AUTO") {
+                    return Err(config_err(
+                        path,
+                        format!(
+                            "instance_group kind {kind}: cohort runs on the CPU only (KIND_CPU)"
+                        ),
+                    ));
+                }
+            }
+        }
+        match &self.version_policy {
+            VersionPolicy::Latest { num_versions: 0 } => {
+                return Err(config_err(
+                    path,
+                    "version_policy latest num_versions must be >= 1",
+                ))
+            }
+            VersionPolicy::Specific { versions } if versions.is_empty() => {
+                return Err(config_err(
+                    path,
+                    "version_policy specific lists no versions",
+                ))
+            }
+            _ => {}
+        }
+        Ok(self)
+    }
+
+    /// Instances to run: the sum of the instance groups' counts (1 without groups).
+    pub fn instance_count(&self) -> usize {
+        if self.instance_group.is_empty() {
+            1
+        } else {
+            self.instance_group.iter().map(|g| g.count).sum()
+        }
+    }
+
+    /// How long the batcher may hold the oldest request (zero without dynamic batching).
+    pub fn max_queue_delay(&self) -> Duration {
+        self.dynamic_batching.as_ref().map_or(Duration::ZERO, |d| {
+            Duration::from_micros(d.max_queue_delay_microseconds)
+        })
+    }
+
+    /// The configured queue bound, if any.
+    pub fn max_queue_size(&self) -> Option<usize> {
+        self.dynamic_batching
+            .as_ref()
+            .and_then(|d| d.default_queue_policy.as_ref())
+            .map(|q| q.max_queue_size)
+            .filter(|&n| n > 0)
+    }
+
+    /// Names of the top-level fields that were read but are not used.
+    pub fn ignored_fields(&self) -> Vec<&str> {
+        self.ignored.keys().map(String::as_str).collect()
+    }
+}
+
+fn config_err(path: &Path, reason: impl ToString) -> ServeError {
+    ServeError::Config {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pbtxt_and_toml_give_the_same_config() {
+        let pbtxt = r#"
+            name: "m"
+            backend: "cohort"
+            max_batch_size: 16
+            dynamic_batching {
+              preferred_batch_size: [ 4, 8 ]
+              max_queue_delay_microseconds: 500
+              default_queue_policy { max_queue_size: 7 }
+            }
+            instance_group [ { count: 2 kind: KIND_CPU }, { count: 1 } ]
+            version_policy: { latest: { num_versions: 2 } }
+        "#;
+        let toml = r#"
+            name = "m"
+            backend = "cohort"
+            max_batch_size = 16
+            [dynamic_batching]
+            preferred_batch_size = [4, 8]
+            max_queue_delay_microseconds = 500
+            default_queue_policy = { max_queue_size = 7 }
+            [[instance_group]]
+            count = 2
+            kind = "KIND_CPU"
+            [[instance_group]]
+            count = 1
+            [version_policy]
+            latest = { num_versions = 2 }
+        "#;
+        let a = ModelConfig::from_pbtxt(pbtxt, Path::new("config.pbtxt")).unwrap();
+        let b = ModelConfig::from_toml(toml, Path::new("config.toml")).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.instance_count(), 3);
+        assert_eq!(a.max_queue_delay(), Duration::from_micros(500));
+        assert_eq!(a.max_queue_size(), Some(7));
+        assert_eq!(a.ignored_fields(), ["backend"]);
+        assert_eq!(a.version_policy, VersionPolicy::Latest { num_versions: 2 });
+    }
+
+    #[test]
+    fn version_policies_select() {
+        let present = [3, 1, 10, 2];
+        assert_eq!(VersionPolicy::default().select(&present), [10]);
+        assert_eq!(
+            VersionPolicy::Latest { num_versions: 9 }.select(&present),
+            [1, 2, 3, 10]
+        );
+        assert_eq!(VersionPolicy::All {}.select(&present), [1, 2, 3, 10]);
+        assert_eq!(
+            VersionPolicy::Specific {
+                versions: vec![2, 4, 10]
+            }
+            .select(&present),
+            [2, 10]
+        );
+        let p = ModelConfig::from_pbtxt(
+            "version_policy { specific { versions: [1, 3] } }",
+            Path::new("c"),
+        )
+        .unwrap();
+        assert_eq!(
+            p.version_policy,
+            VersionPolicy::Specific {
+                versions: vec![1, 3]
+            }
+        );
+        let all = ModelConfig::from_pbtxt("version_policy { all { } }", Path::new("c")).unwrap();
+        assert_eq!(all.version_policy, VersionPolicy::All {});
+    }
+
+    #[test]
+    fn bad_configs_are_clear_errors() {
+        for (text, needle) in [
+            ("max_batch_size: 0", "at least 1"),
+            (
+                "max_batch_size: 4 dynamic_batching { preferred_batch_size: 8 }",
+                "preferred_batch_size 8",
+            ),
+            (
+                "dynamic_batching { max_queue_delay_microsecond: 5 }",
+                "max_queue_delay_microsecond",
+            ),
+            ("instance_group { kind: KIND_GPU }", "CPU only"),
+            ("instance_group { count: 0 }", "at least 1"),
+            ("version_policy { newest { } }", "newest"),
+            ("max_batch_size: \"eight\"", "max_batch_size"),
+            ("max_batch_size: 4 max_batch_size: 8", "max_batch_size"),
+            ("max_batch_size 4", "line 1"),
+        ] {
+            let err = ModelConfig::from_pbtxt(text, Path::new("m/config.pbtxt")).unwrap_err();
+            let msg = err.to_string();
+            assert!(
+                msg.contains(needle) && msg.contains("m/config.pbtxt"),
+                "{text}: {msg}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_directory_without_config_gets_the_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let (cfg, file) = ModelConfig::load(dir.path()).unwrap();
+        assert_eq!(cfg, ModelConfig::default());
+        assert!(file.is_none());
+        std::fs::write(dir.path().join(PBTXT_FILE), "max_batch_size: 2").unwrap();
+        std::fs::write(dir.path().join(TOML_FILE), "max_batch_size = 2").unwrap();
+        let err = ModelConfig::load(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("both"), "{err}");
+    }
+}

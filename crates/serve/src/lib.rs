@@ -1,0 +1,474 @@
+//! Inference serving for cohort's GPT checkpoints, speaking Triton Inference Server's protocol
+//! (KServe v2 over HTTP and gRPC) so that Triton's own clients work against it unchanged.
+//!
+//! A [`Server`] serves a model repository laid out as Triton's (`REPO/<model>/config.pbtxt`,
+//! numbered version directories holding checkpoints; see the `repository` module), polls it for
+//! new versions, and answers:
+//!
+//! - HTTP (axum): `/v2/health/{live,ready}`, `/v2`, `/v2/models/<m>[/versions/<v>]` (metadata,
+//!   `/ready`, `/config`, `/infer`), `/v2/models/<m>/generate` and `/generate_stream` (server-sent
+//!   events), `/v2/repository/{index, models/<m>/load, models/<m>/unload}`, `/metrics`.
+//! - gRPC (tonic, `inference.GRPCInferenceService`): ServerLive, ServerReady, ServerMetadata,
+//!   ModelReady, ModelMetadata, ModelInfer, RepositoryIndex, RepositoryModelLoad / Unload.
+//!
+//! A model takes one input, `input_ids` (INT64 `[batch, seq]`), and returns `logits` (FP32
+//! `[batch, seq, vocab]`) and `next_token` (INT64 `[batch]`, the argmax after each row). Requests
+//! go to a bounded per-version queue served by `instance_group` instances; with
+//! `dynamic_batching`, an instance runs queued requests of the same length as one batch (see the
+//! `batcher` module). Generation uses `cohort_gpt::sample::generate`, the function behind
+//! `cohort sample`, so the same seed gives the same text.
+//!
+//! The crate never trains and never writes to the repository.
+//!
+//! ```no_run
+//! use cohort_serve::{Server, ServerOptions};
+//!
+//! let server = Server::start(ServerOptions::new("models".into())).unwrap();
+//! println!("HTTP on {}", server.http_addr());
+//! server.wait_for_signal(); // Ctrl-C: stop accepting, finish in-flight requests, exit
+//! ```
+
+#![deny(missing_docs)]
+
+mod batcher;
+pub mod bench;
+mod config;
+mod error;
+mod grpc;
+mod http;
+mod metrics;
+mod model;
+mod pbtxt;
+mod repository;
+mod tensor;
+mod text;
+
+/// The KServe v2 protobuf messages and the tonic client and server of
+/// `inference.GRPCInferenceService`, generated from `proto/grpc_service.proto`.
+#[allow(missing_docs, clippy::all, clippy::pedantic)]
+pub mod proto {
+    tonic::include_proto!("inference");
+}
+
+pub use config::{
+    DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, VersionPolicy, PBTXT_FILE, TOML_FILE,
+};
+pub use error::{ErrorKind, ServeError};
+pub use metrics::Metrics;
+pub use repository::IndexEntry;
+pub use tensor::{FP32, INPUT_IDS, INT64, LOGITS, NEXT_TOKEN};
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cohort_gpt::sample::SampleOptions;
+use serde_json::{Map, Value};
+use tokio::sync::watch;
+
+use crate::model::{BuildOptions, LoadedVersion};
+use crate::repository::Repository;
+
+/// The server's name in metadata responses.
+pub const SERVER_NAME: &str = "cohort";
+/// The `platform` of every model.
+pub const PLATFORM: &str = "cohort_gpt";
+/// The KServe / Triton protocol extensions served.
+pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_repository", "generate"];
+/// Most tokens one generate request may ask for.
+pub const MAX_GENERATE_TOKENS: usize = 4096;
+
+/// How to run a [`Server`].
+#[derive(Debug, Clone)]
+pub struct ServerOptions {
+    /// The model repository.
+    pub repository: PathBuf,
+    /// HTTP listen address (port 0: any free port).
+    pub http: SocketAddr,
+    /// gRPC listen address; None: no gRPC endpoint.
+    pub grpc: Option<SocketAddr>,
+    /// How often to rescan the repository; None: only at start and on API calls.
+    pub poll_interval: Option<Duration>,
+    /// Models to load at start (and to pick up while polling); None: every model directory.
+    pub load_models: Option<Vec<String>>,
+    /// Largest request body accepted (HTTP; gRPC messages likewise).
+    pub max_body_bytes: usize,
+    /// Queue bound of a model whose config sets none.
+    pub default_queue_size: usize,
+    /// Engine threads per model instance; None: the cores this process may use divided by the
+    /// model's instance count.
+    pub instance_threads: Option<usize>,
+    /// Threads of the async runtime that parses requests and encodes answers.
+    pub io_threads: usize,
+}
+
+impl ServerOptions {
+    /// Triton's default ports (HTTP 8000, gRPC 8001) on all interfaces, polling every 2 s.
+    pub fn new(repository: PathBuf) -> ServerOptions {
+        ServerOptions {
+            repository,
+            http: SocketAddr::from(([0, 0, 0, 0], 8000)),
+            grpc: Some(SocketAddr::from(([0, 0, 0, 0], 8001))),
+            poll_interval: Some(Duration::from_secs(2)),
+            load_models: None,
+            max_body_bytes: 16 << 20,
+            default_queue_size: 1024,
+            instance_threads: None,
+            io_threads: 2,
+        }
+    }
+
+    /// Both endpoints on loopback ports the OS picks (tests, benchmarks).
+    pub fn loopback(repository: PathBuf) -> ServerOptions {
+        ServerOptions {
+            http: SocketAddr::from(([127, 0, 0, 1], 0)),
+            grpc: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            ..ServerOptions::new(repository)
+        }
+    }
+}
+
+/// What the front ends share.
+pub(crate) struct AppState {
+    pub repo: Arc<Repository>,
+    pub metrics: Arc<Metrics>,
+    pub ready: AtomicBool,
+    pub max_body_bytes: usize,
+}
+
+/// A running server: its async runtime, endpoints, repository poller and model instances.
+pub struct Server {
+    runtime: tokio::runtime::Runtime,
+    app: Arc<AppState>,
+    http_addr: SocketAddr,
+    grpc_addr: Option<SocketAddr>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Loads the repository's models, binds the endpoints and starts serving. Returns once
+    /// the server answers requests.
+    pub fn start(opts: ServerOptions) -> Result<Server, ServeError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.io_threads.max(1))
+            .thread_name("serve-io")
+            .enable_all()
+            .build()
+            .map_err(|source| ServeError::Io {
+                op: "start the async runtime for",
+                path: opts.repository.clone(),
+                source,
+            })?;
+        let metrics = Arc::new(Metrics::default());
+        let repo = Arc::new(Repository::new(
+            opts.repository.clone(),
+            opts.load_models.clone(),
+            BuildOptions {
+                default_queue_size: opts.default_queue_size,
+                instance_threads: opts.instance_threads,
+            },
+            metrics.clone(),
+        )?);
+        repo.poll();
+        let app = Arc::new(AppState {
+            repo: repo.clone(),
+            metrics,
+            ready: AtomicBool::new(false),
+            max_body_bytes: opts.max_body_bytes,
+        });
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = Vec::new();
+        let (http_addr, grpc_addr) = runtime.block_on(async {
+            let http = tokio::net::TcpListener::bind(opts.http)
+                .await
+                .map_err(|source| ServeError::Bind {
+                    what: "HTTP",
+                    addr: opts.http,
+                    source,
+                })?;
+            let http_addr = http.local_addr().map_err(|source| ServeError::Bind {
+                what: "HTTP",
+                addr: opts.http,
+                source,
+            })?;
+            let router = http::router(app.clone());
+            let mut rx = stopped.clone();
+            tasks.push(tokio::spawn(async move {
+                let shutdown = async move {
+                    let _ = rx.wait_for(|s| *s).await;
+                };
+                if let Err(e) = axum::serve(http, router)
+                    .with_graceful_shutdown(shutdown)
+                    .await
+                {
+                    tracing::error!(error = %e, "HTTP server failed");
+                }
+            }));
+            let mut grpc_addr = None;
+            if let Some(addr) = opts.grpc {
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| ServeError::Bind {
+                        what: "gRPC",
+                        addr,
+                        source,
+                    })?;
+                grpc_addr = Some(listener.local_addr().map_err(|source| ServeError::Bind {
+                    what: "gRPC",
+                    addr,
+                    source,
+                })?);
+                let svc = proto::grpc_inference_service_server::GrpcInferenceServiceServer::new(
+                    grpc::Service { app: app.clone() },
+                )
+                .max_decoding_message_size(opts.max_body_bytes)
+                .max_encoding_message_size(usize::MAX);
+                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                let mut rx = stopped.clone();
+                tasks.push(tokio::spawn(async move {
+                    let shutdown = async move {
+                        let _ = rx.wait_for(|s| *s).await;
+                    };
+                    if let Err(e) = tonic::transport::Server::builder()
+                        .add_service(svc)
+                        .serve_with_incoming_shutdown(incoming, shutdown)
+                        .await
+                    {
+                        tracing::error!(error = %e, "gRPC server failed");
+                    }
+                }));
+            }
+            if let Some(every) = opts.poll_interval {
+                let (repo, mut rx) = (repo.clone(), stopped.clone());
+                tasks.push(tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(every);
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    tick.tick().await;
+                    loop {
+                        tokio::select! {
+                            _ = tick.tick() => {}
+                            _ = rx.wait_for(|s| *s) => break,
+                        }
+                        let repo = repo.clone();
+                        let _ = tokio::task::spawn_blocking(move || repo.poll()).await;
+                    }
+                }));
+            }
+            Ok::<_, ServeError>((http_addr, grpc_addr))
+        })?;
+        app.ready.store(true, Ordering::Release);
+        tracing::info!(http = %http_addr, grpc = ?grpc_addr,
+            repository = %opts.repository.display(), "serving");
+        Ok(Server {
+            runtime,
+            app,
+            http_addr,
+            grpc_addr,
+            stop,
+            tasks,
+        })
+    }
+
+    /// The bound HTTP address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// The bound gRPC address, if gRPC is served.
+    pub fn grpc_addr(&self) -> Option<SocketAddr> {
+        self.grpc_addr
+    }
+
+    /// The server's metrics (what `/metrics` renders).
+    pub fn metrics(&self) -> &Metrics {
+        &self.app.metrics
+    }
+
+    /// The repository index (what `/v2/repository/index` answers).
+    pub fn index(&self) -> Vec<IndexEntry> {
+        self.app.repo.index(false)
+    }
+
+    /// Rescans the repository now (blocking), as the poller does.
+    pub fn poll_repository(&self) {
+        self.app.repo.poll();
+    }
+
+    /// Blocks until SIGINT or SIGTERM, then shuts down gracefully.
+    pub fn wait_for_signal(self) {
+        self.runtime.block_on(async {
+            #[cfg(unix)]
+            {
+                use tokio::signal::unix::{signal, SignalKind};
+                match signal(SignalKind::terminate()) {
+                    Ok(mut term) => {
+                        tokio::select! {
+                            _ = tokio::signal::ctrl_c() => {}
+                            _ = term.recv() => {}
+                        }
+                    }
+                    Err(_) => {
+                        let _ = tokio::signal::ctrl_c().await;
+                    }
+                }
+            }
+            #[cfg(not(unix))]
+            {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        });
+        tracing::info!("signal received; finishing in-flight requests");
+        self.shutdown();
+    }
+
+    /// Stops accepting connections, lets in-flight requests finish, unloads every model.
+    pub fn shutdown(self) {
+        self.app.ready.store(false, Ordering::Release);
+        let _ = self.stop.send(true);
+        let tasks = self.tasks;
+        self.runtime.block_on(async {
+            for t in tasks {
+                let _ = tokio::time::timeout(Duration::from_secs(30), t).await;
+            }
+        });
+        self.app.repo.close();
+        self.runtime.shutdown_timeout(Duration::from_secs(1));
+    }
+}
+
+/// Sets up structured logs on stderr: human-readable or one JSON object per line. The level
+/// comes from `COHORT_LOG` (e.g. `debug`, `cohort_serve=debug`), default `info`. A second call
+/// does nothing.
+pub fn init_logging(json: bool) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_env("COHORT_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        builder.json().try_init()
+    } else {
+        builder.try_init()
+    };
+}
+
+/// A tensor in model metadata.
+pub(crate) struct TensorMeta {
+    pub name: &'static str,
+    pub datatype: &'static str,
+    pub shape: Vec<i64>,
+}
+
+/// Model metadata, shared by the HTTP and gRPC answers.
+pub(crate) struct ModelMeta {
+    pub name: String,
+    pub versions: Vec<String>,
+    pub platform: &'static str,
+    pub inputs: Vec<TensorMeta>,
+    pub outputs: Vec<TensorMeta>,
+}
+
+pub(crate) fn metadata(lv: &LoadedVersion, versions: Vec<String>) -> ModelMeta {
+    ModelMeta {
+        name: lv.model.clone(),
+        versions,
+        platform: PLATFORM,
+        inputs: vec![TensorMeta {
+            name: INPUT_IDS,
+            datatype: INT64,
+            shape: vec![-1, -1],
+        }],
+        outputs: vec![
+            TensorMeta {
+                name: LOGITS,
+                datatype: FP32,
+                shape: vec![-1, -1, lv.limits.vocab as i64],
+            },
+            TensorMeta {
+                name: NEXT_TOKEN,
+                datatype: INT64,
+                shape: vec![-1],
+            },
+        ],
+    }
+}
+
+/// The sampling options of a generate request's parameters, with `cohort sample`'s defaults
+/// (100 tokens, temperature 0.8, no top-k, seed 1337), and whether the prompt is left out of
+/// `text_output`.
+pub(crate) fn generate_options(
+    params: &Map<String, Value>,
+    streaming: bool,
+) -> Result<(SampleOptions, bool), ServeError> {
+    let mut opts = SampleOptions {
+        max_new_tokens: 100,
+        temperature: 0.8,
+        top_k: None,
+        seed: 1337,
+    };
+    let mut exclude_input = false;
+    for (k, v) in params {
+        let int = || {
+            v.as_i64()
+                .ok_or_else(|| ServeError::parameter(k, format!("{v} is not an integer")))
+        };
+        match k.as_str() {
+            "max_tokens" => {
+                let n = int()?;
+                if n < 1 || n as usize > MAX_GENERATE_TOKENS {
+                    return Err(ServeError::parameter(
+                        k,
+                        format!("{n} is outside 1..={MAX_GENERATE_TOKENS}"),
+                    ));
+                }
+                opts.max_new_tokens = n as usize;
+            }
+            "temperature" => {
+                let t = v
+                    .as_f64()
+                    .ok_or_else(|| ServeError::parameter(k, format!("{v} is not a number")))?;
+                if !(t >= 0.0 && t.is_finite()) {
+                    return Err(ServeError::parameter(
+                        k,
+                        format!("{t} must be >= 0 (0 = greedy)"),
+                    ));
+                }
+                opts.temperature = t as f32;
+            }
+            // 0 and -1 mean "no top-k", as Hugging Face's and vLLM's conventions
+            "top_k" => opts.top_k = usize::try_from(int()?).ok().filter(|&k| k > 0),
+            "seed" => {
+                opts.seed = v
+                    .as_u64()
+                    .ok_or_else(|| ServeError::parameter(k, format!("{v} is not a u64")))?
+            }
+            "exclude_input_in_output" => {
+                exclude_input = v
+                    .as_bool()
+                    .ok_or_else(|| ServeError::parameter(k, format!("{v} is not a boolean")))?
+            }
+            "stream" => {
+                if v.as_bool() != Some(streaming) {
+                    return Err(ServeError::parameter(
+                        k,
+                        format!(
+                            "{v} does not match the endpoint (generate_stream streams, generate \
+                             does not)"
+                        ),
+                    ));
+                }
+            }
+            _ => {
+                return Err(ServeError::parameter(
+                    k,
+                    "unknown; generate takes max_tokens, temperature, top_k, seed, \
+                     exclude_input_in_output, stream",
+                ))
+            }
+        }
+    }
+    Ok((opts, exclude_input))
+}

@@ -1,0 +1,327 @@
+//! One loaded model version: its checkpoint read once, `count` instances (threads, each owning
+//! a copy of the parameters and its own engine thread pool) serving one [`Queue`], the text
+//! codec for generation, and its metrics. Submitting never blocks; dropping the last handle
+//! closes the queue, and the instances finish every queued request before they exit, so a
+//! version swapped out while serving loses nothing in flight. This module never parses a
+//! request off the wire.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime};
+
+use cohort_engine::cpu::Cpu;
+use cohort_gpt::checkpoint::{self, MODEL_FILE};
+use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_gpt::GPT;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
+use crate::config::ModelConfig;
+use crate::error::ServeError;
+use crate::metrics::{Failure, VersionMetrics};
+use crate::tensor::{InferResult, Limits, TokenBatch, Wanted};
+use crate::text::TextCodec;
+
+/// What identifies the files a version was loaded from: the resolved checkpoint directory and
+/// the modification times of its config and weights. A change means "reload".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Stamp {
+    pub dir: PathBuf,
+    pub mtimes: Vec<Option<SystemTime>>,
+}
+
+impl Stamp {
+    /// The stamp of version directory `version_dir` (a checkpoint or a checkpoint root).
+    pub fn of(version_dir: &Path) -> Option<Stamp> {
+        let dir = checkpoint::resolve(version_dir).ok()?;
+        let mtime = |f: &str| {
+            std::fs::metadata(dir.join(f))
+                .and_then(|m| m.modified())
+                .ok()
+        };
+        let mtimes = vec![mtime(checkpoint::CONFIG_FILE), mtime(MODEL_FILE)];
+        Some(Stamp { dir, mtimes })
+    }
+}
+
+/// Server-wide settings a version is built with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BuildOptions {
+    /// Queue bound when the config has none.
+    pub default_queue_size: usize,
+    /// Engine threads per instance; None: the cores this process may use / instances.
+    pub instance_threads: Option<usize>,
+}
+
+/// A loaded, serving model version.
+pub(crate) struct LoadedVersion {
+    pub model: String,
+    pub version: u64,
+    pub limits: Limits,
+    pub stamp: Stamp,
+    pub text: Result<TextCodec, String>,
+    pub metrics: Arc<VersionMetrics>,
+    pub instances: usize,
+    queue: Arc<Queue>,
+}
+
+impl Drop for LoadedVersion {
+    fn drop(&mut self) {
+        // the instances drain what is queued and exit; nobody waits for them here (this may
+        // run on an async worker)
+        self.queue.close();
+    }
+}
+
+impl LoadedVersion {
+    /// Loads `version_dir` and starts its instances.
+    pub fn load(
+        model: &str,
+        version: u64,
+        version_dir: &Path,
+        cfg: &ModelConfig,
+        opts: BuildOptions,
+        metrics: Arc<VersionMetrics>,
+    ) -> Result<LoadedVersion, ServeError> {
+        let load_err = |source| ServeError::Load {
+            model: model.to_string(),
+            version,
+            source,
+        };
+        let stamp = Stamp::of(version_dir);
+        let dir = checkpoint::resolve(version_dir).map_err(load_err)?;
+        let gpt_cfg = checkpoint::load_config(&dir).map_err(load_err)?;
+        let count = cfg.instance_count();
+        let threads = opts.instance_threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / count).max(1)
+        });
+        let build = |i: usize| -> Result<GPT, ServeError> {
+            let cpu = Cpu::new(threads).map_err(|e| ServeError::Instance {
+                model: model.to_string(),
+                reason: format!("instance {i}: {e}"),
+            })?;
+            let mut gpt = GPT::with_backend(gpt_cfg.clone(), 0, Box::new(cpu))
+                .map_err(|e| load_err(e.into()))?;
+            gpt.set_training(false);
+            Ok(gpt)
+        };
+        let mut first = build(0)?;
+        checkpoint::load_params_into(&dir, &mut first).map_err(load_err)?;
+        let mut gpts = vec![first];
+        for i in 1..count {
+            let mut g = build(i)?;
+            g.params_mut().copy_from_slice(gpts[0].params());
+            gpts.push(g);
+        }
+        let policy = BatchPolicy {
+            max_batch_size: cfg.max_batch_size,
+            dynamic: cfg.dynamic_batching.as_ref().map(|d| Dynamic {
+                preferred: d.preferred_batch_size.clone(),
+                max_delay: cfg.max_queue_delay(),
+            }),
+        };
+        let capacity = cfg.max_queue_size().unwrap_or(opts.default_queue_size);
+        let queue = Arc::new(Queue::new(policy, capacity));
+        for (i, gpt) in gpts.into_iter().enumerate() {
+            let (q, m, name) = (queue.clone(), metrics.clone(), model.to_string());
+            std::thread::Builder::new()
+                .name(format!("serve-{model}-{version}-{i}"))
+                .spawn(move || run_instance(gpt, &q, &m, &name, version))
+                .map_err(|e| ServeError::Instance {
+                    model: model.to_string(),
+                    reason: format!("spawning instance {i}: {e}"),
+                })?;
+        }
+        let limits = Limits {
+            vocab: gpt_cfg.vocab_size,
+            max_seq: gpt_cfg.max_position_embeddings,
+            max_batch: cfg.max_batch_size,
+        };
+        Ok(LoadedVersion {
+            model: model.to_string(),
+            version,
+            limits,
+            stamp: stamp.unwrap_or(Stamp {
+                dir: dir.clone(),
+                mtimes: Vec::new(),
+            }),
+            text: TextCodec::load(&dir),
+            metrics,
+            instances: count,
+            queue,
+        })
+    }
+
+    fn refused(&self, why: Refused) -> ServeError {
+        self.metrics.unqueued();
+        self.metrics.failure(Failure::Rejected, Default::default());
+        match why {
+            Refused::Full => ServeError::QueueFull {
+                model: self.model.clone(),
+                version: self.version,
+                capacity: self.queue.capacity(),
+            },
+            Refused::Closed => ServeError::ShuttingDown {
+                model: self.model.clone(),
+                version: self.version,
+            },
+        }
+    }
+
+    /// Queues an inference and waits for its result.
+    pub async fn infer(&self, input: TokenBatch, want: Wanted) -> Result<InferResult, ServeError> {
+        let start = Instant::now();
+        let (reply, rx) = oneshot::channel();
+        let job = Job::Infer(InferJob {
+            input,
+            want,
+            reply,
+            enqueued: start,
+        });
+        self.metrics.enqueued();
+        self.queue.push(job).map_err(|(_, why)| self.refused(why))?;
+        let out = rx.await.unwrap_or_else(|_| Err(self.lost()));
+        self.account(&out, start);
+        out
+    }
+
+    /// Queues a generation; tokens arrive on the returned receiver as they are produced, and
+    /// the oneshot resolves with all of them (or the error) at the end.
+    pub fn generate(
+        &self,
+        prompt: Vec<u32>,
+        opts: SampleOptions,
+    ) -> Result<
+        (
+            mpsc::UnboundedReceiver<u32>,
+            oneshot::Receiver<Result<Vec<u32>, ServeError>>,
+        ),
+        ServeError,
+    > {
+        let (tokens, token_rx) = mpsc::unbounded_channel();
+        let (done, done_rx) = oneshot::channel();
+        let job = Job::Generate(GenerateJob {
+            prompt,
+            opts,
+            tokens,
+            done,
+            enqueued: Instant::now(),
+        });
+        self.metrics.enqueued();
+        self.queue.push(job).map_err(|(_, why)| self.refused(why))?;
+        Ok((token_rx, done_rx))
+    }
+
+    /// The error a request gets when its instance died before answering.
+    pub fn lost(&self) -> ServeError {
+        ServeError::Execution {
+            model: self.model.clone(),
+            version: self.version,
+            reason: "the instance stopped before answering".into(),
+        }
+    }
+
+    /// Records a request refused as invalid after it reached this version; returns the error.
+    pub fn reject(&self, e: ServeError, start: Instant) -> ServeError {
+        self.metrics.failure(Failure::Invalid, start.elapsed());
+        e
+    }
+
+    /// Records a finished request.
+    pub fn account<T>(&self, out: &Result<T, ServeError>, start: Instant) {
+        match out {
+            Ok(_) => self.metrics.success(start.elapsed()),
+            Err(ServeError::Execution { .. }) => {
+                self.metrics.failure(Failure::Backend, start.elapsed())
+            }
+            Err(_) => self.metrics.failure(Failure::Invalid, start.elapsed()),
+        }
+    }
+}
+
+/// An instance: executes work from the queue until it is closed and drained.
+fn run_instance(mut gpt: GPT, queue: &Queue, metrics: &VersionMetrics, model: &str, version: u64) {
+    let exec_err = |reason: String| ServeError::Execution {
+        model: model.to_string(),
+        version,
+        reason,
+    };
+    while let Some(work) = queue.next() {
+        let started = Instant::now();
+        match work {
+            Work::Infer(jobs) => {
+                for j in &jobs {
+                    metrics.dequeued(started - j.enqueued);
+                }
+                let rows: usize = jobs.iter().map(|j| j.input.batch).sum();
+                let seq = jobs[0].input.seq;
+                let mut ids = Vec::with_capacity(rows * seq);
+                for j in &jobs {
+                    ids.extend_from_slice(&j.input.ids);
+                }
+                // a panicking kernel must not take the instance (and every later request) down
+                let ran = catch_unwind(AssertUnwindSafe(|| {
+                    gpt.forward(&ids, None, None, rows, seq)
+                }));
+                let compute = started.elapsed();
+                let logits = match ran {
+                    Ok(Ok(_)) => Ok(gpt.logits()),
+                    Ok(Err(e)) => Err(exec_err(e.to_string())),
+                    Err(_) => Err(exec_err("the forward pass panicked".into())),
+                };
+                metrics.executed(rows, compute);
+                tracing::debug!(
+                    model,
+                    version,
+                    rows,
+                    seq,
+                    requests = jobs.len(),
+                    compute_us = compute.as_micros() as u64,
+                    "executed batch"
+                );
+                let vocab = gpt.config().vocab_size;
+                let mut row = 0;
+                for j in jobs {
+                    let out = match &logits {
+                        Ok(l) => Ok(InferResult::from_logits(
+                            l,
+                            row..row + j.input.batch,
+                            seq,
+                            vocab,
+                            j.want,
+                        )),
+                        Err(e) => Err(exec_err(e.to_string())),
+                    };
+                    row += j.input.batch;
+                    // the client may have gone; nothing to do then
+                    let _ = j.reply.send(out);
+                }
+            }
+            Work::Generate(job) => {
+                metrics.dequeued(started - job.enqueued);
+                let tokens = &job.tokens;
+                let ran = catch_unwind(AssertUnwindSafe(|| {
+                    generate(&gpt, &job.prompt, &job.opts, |id| {
+                        let _ = tokens.send(id);
+                    })
+                }));
+                let out = match ran {
+                    Ok(Ok(ids)) => {
+                        metrics.executed(1, started.elapsed());
+                        metrics.generated(ids.len());
+                        Ok(ids)
+                    }
+                    Ok(Err(source)) => Err(ServeError::Generate {
+                        model: model.to_string(),
+                        source,
+                    }),
+                    Err(_) => Err(exec_err("generation panicked".into())),
+                };
+                let _ = job.done.send(out);
+            }
+        }
+    }
+    tracing::debug!(model, version, "instance stopped");
+}

@@ -1,0 +1,431 @@
+//! The model repository, laid out as Triton's:
+//!
+//! ```text
+//! REPO/<model>/config.pbtxt | config.toml    optional; defaults without one
+//! REPO/<model>/<version>/                    version directories, positive integers
+//!     config.json, model.safetensors         a checkpoint as cohort writes it ...
+//!     tokenizer.json | vocab.json            ... with its text codec, for generate
+//! REPO/<model>/<version>/latest, step-*/     ... or a checkpoint root (its `latest` is served)
+//! ```
+//!
+//! [`Repository::poll`] reconciles what is loaded with what is on disk: the version policy picks
+//! versions; a version that is new, or whose checkpoint changed (another `latest`, newer files),
+//! or whose model config changed, is loaded before it replaces the old one, so requests keep
+//! being answered throughout and requests already queued on a replaced version finish on it. A
+//! version that fails to load leaves whatever was serving in place. Models can be loaded and
+//! unloaded explicitly (Triton's repository API); an unloaded model stays unloaded across polls
+//! until loaded again.
+//!
+//! Lookups take a read lock for a map access; loading happens outside it, under a separate
+//! lock that serializes polls, loads and unloads. This module never parses requests.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde::Serialize;
+
+use crate::config::ModelConfig;
+use crate::error::ServeError;
+use crate::metrics::Metrics;
+use crate::model::{BuildOptions, LoadedVersion, Stamp};
+
+/// One row of the repository index (Triton's `RepositoryIndex`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct IndexEntry {
+    /// The model.
+    pub name: String,
+    /// The version; empty for a model-level row.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub version: String,
+    /// `READY` or `UNAVAILABLE`.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub state: String,
+    /// Why it is unavailable.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+}
+
+#[derive(Clone, Default)]
+struct ModelEntry {
+    config: Option<Arc<ModelConfig>>,
+    versions: BTreeMap<u64, Arc<LoadedVersion>>,
+    /// Why a version failed to load, by version.
+    errors: BTreeMap<u64, String>,
+    /// Why the model as a whole is unusable (bad config, no versions).
+    model_error: Option<String>,
+    /// Unloaded through the API: polls leave it alone.
+    unloaded: bool,
+}
+
+/// The models being served and how to (re)load them.
+pub(crate) struct Repository {
+    root: PathBuf,
+    /// None: every model directory; Some: only these (and those loaded through the API).
+    only: Option<Vec<String>>,
+    build: BuildOptions,
+    metrics: Arc<Metrics>,
+    models: RwLock<BTreeMap<String, ModelEntry>>,
+    control: Mutex<()>,
+}
+
+impl Repository {
+    pub fn new(
+        root: PathBuf,
+        only: Option<Vec<String>>,
+        build: BuildOptions,
+        metrics: Arc<Metrics>,
+    ) -> Result<Repository, ServeError> {
+        if !root.is_dir() {
+            return Err(ServeError::Io {
+                op: "open model repository",
+                path: root,
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory"),
+            });
+        }
+        Ok(Repository {
+            root,
+            only,
+            build,
+            metrics,
+            models: RwLock::new(BTreeMap::new()),
+            control: Mutex::new(()),
+        })
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, ModelEntry>> {
+        self.models.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, ModelEntry>> {
+        self.models.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The version that serves a request for `model` (`version` empty or None: the newest).
+    pub fn resolve(
+        &self,
+        model: &str,
+        version: Option<&str>,
+    ) -> Result<Arc<LoadedVersion>, ServeError> {
+        let models = self.read();
+        let entry =
+            models
+                .get(model)
+                .filter(|e| !e.unloaded)
+                .ok_or_else(|| ServeError::UnknownModel {
+                    model: model.to_string(),
+                })?;
+        let unknown = |v: &str| ServeError::UnknownVersion {
+            model: model.to_string(),
+            version: v.to_string(),
+            ready: entry.versions.keys().copied().collect(),
+        };
+        match version.filter(|v| !v.is_empty()) {
+            None => {
+                entry
+                    .versions
+                    .values()
+                    .next_back()
+                    .cloned()
+                    .ok_or_else(|| ServeError::NotReady {
+                        model: model.to_string(),
+                        reason: entry
+                            .model_error
+                            .clone()
+                            .or_else(|| entry.errors.values().next_back().cloned())
+                            .unwrap_or_else(|| "no version is loaded".into()),
+                    })
+            }
+            Some(v) => {
+                let n: u64 = v.parse().map_err(|_| unknown(v))?;
+                entry.versions.get(&n).cloned().ok_or_else(|| unknown(v))
+            }
+        }
+    }
+
+    /// The ready versions of `model`, ascending.
+    pub fn versions(&self, model: &str) -> Result<Vec<u64>, ServeError> {
+        let models = self.read();
+        let entry =
+            models
+                .get(model)
+                .filter(|e| !e.unloaded)
+                .ok_or_else(|| ServeError::UnknownModel {
+                    model: model.to_string(),
+                })?;
+        Ok(entry.versions.keys().copied().collect())
+    }
+
+    /// The configuration `model` is served with.
+    pub fn config(&self, model: &str) -> Result<Arc<ModelConfig>, ServeError> {
+        self.read()
+            .get(model)
+            .filter(|e| !e.unloaded)
+            .and_then(|e| e.config.clone())
+            .ok_or_else(|| ServeError::UnknownModel {
+                model: model.to_string(),
+            })
+    }
+
+    /// Every model directory and every loaded or failed version, with its state.
+    pub fn index(&self, ready_only: bool) -> Vec<IndexEntry> {
+        let models = self.read();
+        let mut names: Vec<String> = self.model_dirs();
+        names.extend(models.keys().cloned());
+        names.sort();
+        names.dedup();
+        let mut out = Vec::new();
+        for name in names {
+            let row = |version: String, state: &str, reason: String| IndexEntry {
+                name: name.clone(),
+                version,
+                state: state.into(),
+                reason,
+            };
+            match models.get(&name) {
+                Some(e) if !e.unloaded => {
+                    for v in e.versions.keys() {
+                        out.push(row(v.to_string(), "READY", String::new()));
+                    }
+                    for (v, why) in &e.errors {
+                        if !e.versions.contains_key(v) {
+                            out.push(row(v.to_string(), "UNAVAILABLE", why.clone()));
+                        }
+                    }
+                    if e.versions.is_empty() && e.errors.is_empty() {
+                        let why = e
+                            .model_error
+                            .clone()
+                            .unwrap_or("no version is loaded".into());
+                        out.push(row(String::new(), "UNAVAILABLE", why));
+                    }
+                }
+                Some(_) => out.push(row(String::new(), "UNAVAILABLE", "unloaded".into())),
+                None => out.push(row(String::new(), "", String::new())),
+            }
+        }
+        if ready_only {
+            out.retain(|e| e.state == "READY");
+        }
+        out
+    }
+
+    /// Names of the model directories in the repository.
+    fn model_dirs(&self) -> Vec<String> {
+        let Ok(rd) = std::fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        let mut names: Vec<String> = rd
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| !n.starts_with('.'))
+            .collect();
+        names.sort();
+        names
+    }
+
+    fn control(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.control.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Brings what is loaded in line with the disk (blocking: loads checkpoints).
+    pub fn poll(&self) {
+        let _guard = self.control();
+        let dirs = self.model_dirs();
+        let known: Vec<(String, bool)> = self
+            .read()
+            .iter()
+            .map(|(n, e)| (n.clone(), e.unloaded))
+            .collect();
+        for name in &dirs {
+            let entry = known.iter().find(|(n, _)| n == name);
+            let wanted = match entry {
+                Some((_, unloaded)) => !unloaded,
+                None => self.only.as_ref().is_none_or(|o| o.contains(name)),
+            };
+            if wanted {
+                let _ = self.reconcile(name);
+            }
+        }
+        // a model directory that disappeared is unloaded
+        let gone: Vec<String> = known
+            .into_iter()
+            .map(|(n, _)| n)
+            .filter(|n| !dirs.contains(n))
+            .collect();
+        if !gone.is_empty() {
+            let mut models = self.write();
+            for n in gone {
+                tracing::info!(model = %n, "model directory removed; unloading");
+                models.remove(&n);
+            }
+        }
+    }
+
+    /// Loads (or reloads) `model` through the repository API.
+    pub fn load(&self, model: &str) -> Result<(), ServeError> {
+        let _guard = self.control();
+        if !valid_name(model) || !self.root.join(model).is_dir() {
+            return Err(ServeError::UnknownModel {
+                model: model.to_string(),
+            });
+        }
+        if let Some(e) = self.write().get_mut(model) {
+            e.unloaded = false;
+        }
+        self.reconcile(model)
+    }
+
+    /// Unloads `model`: it stops taking requests; queued ones finish.
+    pub fn unload(&self, model: &str) -> Result<(), ServeError> {
+        let _guard = self.control();
+        let mut models = self.write();
+        let entry = models
+            .get_mut(model)
+            .filter(|e| !e.unloaded)
+            .ok_or_else(|| ServeError::UnknownModel {
+                model: model.to_string(),
+            })?;
+        *entry = ModelEntry {
+            unloaded: true,
+            ..ModelEntry::default()
+        };
+        tracing::info!(model, "unloaded");
+        Ok(())
+    }
+
+    /// Drops every model (their instances drain their queues and exit).
+    pub fn close(&self) {
+        self.write().clear();
+    }
+
+    /// Loads what `model`'s directory asks for and swaps it in. Errs when the model ends up
+    /// with no ready version.
+    fn reconcile(&self, model: &str) -> Result<(), ServeError> {
+        let dir = self.root.join(model);
+        let old = self.read().get(model).cloned().unwrap_or_default();
+        let cfg = match ModelConfig::load(&dir).and_then(|(c, file)| check_name(c, model, file)) {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                let msg = e.to_string();
+                if old.model_error.as_deref() != Some(msg.as_str()) {
+                    tracing::error!(model, error = %msg, "model config unusable; keeping what is loaded");
+                }
+                let mut models = self.write();
+                let entry = models.entry(model.to_string()).or_default();
+                entry.model_error = Some(msg);
+                return Err(e);
+            }
+        };
+        if old.config.as_deref() != Some(&*cfg) && !cfg.ignored.is_empty() {
+            tracing::warn!(model, ignored = ?cfg.ignored_fields(), "config fields not used by cohort");
+        }
+        let config_changed = old.config.as_ref().is_some_and(|c| **c != *cfg);
+        let present = version_dirs(&dir);
+        let wanted = cfg.version_policy.select(&present);
+        let mut versions = BTreeMap::new();
+        let mut errors = BTreeMap::new();
+        let mut first_err = None;
+        for &v in &wanted {
+            let vdir = dir.join(v.to_string());
+            if let Some(cur) = old.versions.get(&v) {
+                if !config_changed && Stamp::of(&vdir).as_ref() == Some(&cur.stamp) {
+                    versions.insert(v, cur.clone());
+                    continue;
+                }
+            }
+            let metrics = self.metrics.version(model, v);
+            match LoadedVersion::load(model, v, &vdir, &cfg, self.build, metrics) {
+                Ok(lv) => {
+                    tracing::info!(model, version = v, instances = lv.instances,
+                        checkpoint = %lv.stamp.dir.display(), "loaded");
+                    versions.insert(v, Arc::new(lv));
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    if old.errors.get(&v) != Some(&msg) {
+                        tracing::error!(model, version = v, error = %msg, "load failed");
+                    }
+                    errors.insert(v, msg);
+                    first_err.get_or_insert(e);
+                    // the copy that was serving keeps serving
+                    if let Some(cur) = old.versions.get(&v) {
+                        versions.insert(v, cur.clone());
+                    }
+                }
+            }
+        }
+        if versions.is_empty() && !errors.is_empty() {
+            // none of the wanted versions loaded: keep serving what was there
+            versions = old.versions.clone();
+        }
+        for v in old.versions.keys().filter(|v| !versions.contains_key(v)) {
+            tracing::info!(
+                model,
+                version = v,
+                "unloading (queued requests finish first)"
+            );
+        }
+        let model_error = if wanted.is_empty() {
+            Some(format!(
+                "no version directory matches the version policy (present: {present:?})"
+            ))
+        } else {
+            None
+        };
+        let ready = !versions.is_empty();
+        self.write().insert(
+            model.to_string(),
+            ModelEntry {
+                config: Some(cfg),
+                versions,
+                errors,
+                model_error: model_error.clone(),
+                unloaded: false,
+            },
+        );
+        match (ready, first_err, model_error) {
+            (true, _, _) => Ok(()),
+            (false, Some(e), _) => Err(e),
+            (false, None, reason) => Err(ServeError::NotReady {
+                model: model.to_string(),
+                reason: reason.unwrap_or_default(),
+            }),
+        }
+    }
+}
+
+/// A model name that is a plain directory name.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty() && !name.starts_with('.') && !name.contains(['/', '\\'])
+}
+
+fn check_name(
+    cfg: ModelConfig,
+    model: &str,
+    file: Option<PathBuf>,
+) -> Result<ModelConfig, ServeError> {
+    match &cfg.name {
+        Some(n) if n != model => Err(ServeError::Config {
+            path: file.unwrap_or_default(),
+            reason: format!("name {n:?} differs from the model directory's name {model:?}"),
+        }),
+        _ => Ok(cfg),
+    }
+}
+
+/// The version directories of model directory `dir` (positive integer names).
+fn version_dirs(dir: &Path) -> Vec<u64> {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut v: Vec<u64> = rd
+        .flatten()
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().to_str()?.parse::<u64>().ok())
+        .filter(|&n| n > 0)
+        .collect();
+    v.sort_unstable();
+    v
+}

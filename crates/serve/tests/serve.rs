@@ -1,0 +1,680 @@
+//! The server end to end in one process: a real repository on disk, real sockets on loopback,
+//! raw HTTP/1.1 and the generated gRPC client; results compared with cohort's own forward pass.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cohort_gpt::checkpoint::{self, Checkpoint};
+use cohort_gpt::{GPTConfig, GPT};
+use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use cohort_serve::proto::{model_infer_request, ModelInferRequest};
+use cohort_serve::{Server, ServerOptions};
+use serde_json::{json, Value};
+
+fn tiny() -> GPTConfig {
+    GPTConfig {
+        vocab_size: 23,
+        max_position_embeddings: 16,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 16,
+        d_ff: 32,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    }
+}
+
+fn model(seed: u64) -> GPT {
+    let mut m = GPT::new(tiny(), seed).unwrap();
+    // sharper logits than the init's, so next-token choices differ between rows
+    for p in m.params_mut() {
+        *p *= 8.0;
+    }
+    m
+}
+
+/// Saves `m` as version `version` of `repo/name` (a checkpoint root with `latest`).
+fn put_version(repo: &Path, name: &str, version: u64, m: &GPT) {
+    checkpoint::save(
+        &repo.join(name).join(version.to_string()),
+        "step-1",
+        &Checkpoint {
+            model: Some(m),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+}
+
+/// cohort's forward: logits (rows * seq, vocab) of `ids`.
+fn forward(m: &mut GPT, ids: &[u32], rows: usize, seq: usize) -> Vec<f32> {
+    m.forward(ids, None, None, rows, seq).unwrap();
+    m.logits().to_vec()
+}
+
+fn close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+            "logit {i}: {a} vs {b}"
+        );
+    }
+}
+
+struct HttpResponse {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl HttpResponse {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(&self.body)))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection.
+fn http(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, String)],
+    body: &[u8],
+) -> HttpResponse {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head += &format!("{k}: {v}\r\n");
+    }
+    head += "\r\n";
+    s.write_all(head.as_bytes()).unwrap();
+    // the server may answer (413) before reading everything; a reset write is fine then
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("header end");
+    let text = String::from_utf8_lossy(&raw[..split]).to_string();
+    let mut lines = text.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        loop {
+            let nl = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let n = usize::from_str_radix(std::str::from_utf8(&rest[..nl]).unwrap().trim(), 16)
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&rest[nl + 2..nl + 2 + n]);
+            rest = &rest[nl + 4 + n..];
+        }
+        body = out;
+    }
+    HttpResponse {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn post_json(addr: SocketAddr, path: &str, v: &Value) -> HttpResponse {
+    http(addr, "POST", path, &[], v.to_string().as_bytes())
+}
+
+fn get(addr: SocketAddr, path: &str) -> HttpResponse {
+    http(addr, "GET", path, &[], b"")
+}
+
+fn infer_json(ids: &[u32], rows: usize, seq: usize) -> Value {
+    json!({
+        "id": "r1",
+        "inputs": [{"name": "input_ids", "shape": [rows, seq], "datatype": "INT64", "data": ids}]
+    })
+}
+
+fn start(repo: &Path, tweak: impl FnOnce(&mut ServerOptions)) -> Server {
+    let mut opts = ServerOptions::loopback(repo.to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    tweak(&mut opts);
+    Server::start(opts).unwrap()
+}
+
+fn grpc_client(
+    server: &Server,
+) -> (
+    tokio::runtime::Runtime,
+    GrpcInferenceServiceClient<tonic::transport::Channel>,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("http://{}", server.grpc_addr().unwrap());
+    let client = rt
+        .block_on(GrpcInferenceServiceClient::connect(url))
+        .unwrap();
+    (rt, client)
+}
+
+fn grpc_request(
+    model: &str,
+    version: &str,
+    ids: &[u32],
+    rows: usize,
+    seq: usize,
+) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: model.into(),
+        model_version: version.into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: "input_ids".into(),
+            datatype: "INT64".into(),
+            shape: vec![rows as i64, seq as i64],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![ids.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect()],
+        ..Default::default()
+    }
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn i64s(b: &[u8]) -> Vec<i64> {
+    b.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn argmax_last(logits: &[f32], rows: usize, seq: usize, v: usize) -> Vec<i64> {
+    (0..rows)
+        .map(|r| {
+            let last = &logits[(r * seq + seq - 1) * v..(r * seq + seq) * v];
+            cohort_gpt::sample::argmax(last) as i64
+        })
+        .collect()
+}
+
+#[test]
+fn http_and_grpc_answer_what_the_forward_pass_computes_and_batching_changes_nothing() {
+    let repo = tempfile::tempdir().unwrap();
+    let mut m = model(3);
+    put_version(repo.path(), "gpt", 1, &m);
+    std::fs::write(
+        repo.path().join("gpt/config.pbtxt"),
+        "name: \"gpt\"\nmax_batch_size: 8\n\
+         dynamic_batching { max_queue_delay_microseconds: 20000 }\n\
+         instance_group [ { count: 2 kind: KIND_CPU } ]\n",
+    )
+    .unwrap();
+    let server = start(repo.path(), |_| {});
+    let addr = server.http_addr();
+    let v = tiny().vocab_size;
+
+    assert_eq!(get(addr, "/v2/health/live").status, 200);
+    assert_eq!(get(addr, "/v2/health/ready").status, 200);
+    assert_eq!(get(addr, "/v2/models/gpt/ready").status, 200);
+    assert_eq!(get(addr, "/v2/models/gpt/versions/1/ready").status, 200);
+    let meta = get(addr, "/v2/models/gpt").json();
+    assert_eq!(meta["versions"], json!(["1"]));
+    assert_eq!(
+        meta["inputs"][0],
+        json!({"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]})
+    );
+    assert_eq!(meta["outputs"][0]["shape"], json!([-1, -1, v]));
+    assert_eq!(get(addr, "/v2").json()["name"], "cohort");
+    assert_eq!(
+        get(addr, "/v2/models/gpt/config").json()["max_batch_size"],
+        8
+    );
+
+    // JSON in, JSON out
+    let (rows, seq) = (2, 5);
+    let ids: Vec<u32> = (0..10).map(|i| (i * 7 % 23) as u32).collect();
+    let want = forward(&mut m, &ids, rows, seq);
+    let r = post_json(addr, "/v2/models/gpt/infer", &infer_json(&ids, rows, seq));
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let j = r.json();
+    assert_eq!(j["id"], "r1");
+    assert_eq!(j["model_version"], "1");
+    assert_eq!(j["outputs"][0]["shape"], json!([rows, seq, v]));
+    let got: Vec<f32> = j["outputs"][0]["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect();
+    close(&got, &want);
+    assert_eq!(
+        j["outputs"][1]["data"],
+        json!(argmax_last(&want, rows, seq, v))
+    );
+
+    // Triton's binary tensor extension, as tritonclient.http sends it by default
+    let head = json!({
+        "inputs": [{"name": "input_ids", "shape": [rows, seq], "datatype": "INT64",
+                    "parameters": {"binary_data_size": rows * seq * 8}}],
+        "outputs": [{"name": "logits", "parameters": {"binary_data": true}}]
+    })
+    .to_string();
+    let mut body = head.clone().into_bytes();
+    body.extend(ids.iter().flat_map(|&x| (x as i64).to_le_bytes()));
+    let r = http(
+        addr,
+        "POST",
+        "/v2/models/gpt/versions/1/infer",
+        &[("Inference-Header-Content-Length", head.len().to_string())],
+        &body,
+    );
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let n: usize = r
+        .header("inference-header-content-length")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let j: Value = serde_json::from_slice(&r.body[..n]).unwrap();
+    assert_eq!(
+        j["outputs"][0]["parameters"]["binary_data_size"],
+        rows * seq * v * 4
+    );
+    close(&f32s(&r.body[n..]), &want);
+
+    // gRPC with raw contents
+    let (rt, mut client) = grpc_client(&server);
+    let resp = rt
+        .block_on(client.model_infer(grpc_request("gpt", "", &ids, rows, seq)))
+        .unwrap()
+        .into_inner();
+    assert_eq!(resp.outputs[0].name, "logits");
+    assert_eq!(resp.outputs[0].shape, [rows as i64, seq as i64, v as i64]);
+    close(&f32s(&resp.raw_output_contents[0]), &want);
+    assert_eq!(
+        i64s(&resp.raw_output_contents[1]),
+        argmax_last(&want, rows, seq, v)
+    );
+
+    // 16 concurrent single-row requests are batched (the 20 ms delay gathers them) and each
+    // gets exactly its own row's answer
+    let rows_in: Vec<Vec<u32>> = (0..16)
+        .map(|r| {
+            (0..6)
+                .map(|i| ((r * 5 + i * 3 + r * i) % 23) as u32)
+                .collect()
+        })
+        .collect();
+    let wants: Vec<Vec<f32>> = rows_in
+        .iter()
+        .map(|ids| forward(&mut m, ids, 1, 6))
+        .collect();
+    let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = rows_in
+            .iter()
+            .map(|ids| {
+                s.spawn(move || {
+                    let r = post_json(addr, "/v2/models/gpt/infer", &infer_json(ids, 1, 6));
+                    assert_eq!(r.status, 200);
+                    r.json()["outputs"][0]["data"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_f64().unwrap() as f32)
+                        .collect()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (g, w) in got.iter().zip(&wants) {
+        close(g, w);
+    }
+    let metrics = String::from_utf8(get(addr, "/metrics").body).unwrap();
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{model=\"gpt\",version=\"1\"}}")))
+            .and_then(|l| l.rsplit(' ').next())
+            .unwrap_or_else(|| panic!("{name} missing:\n{metrics}"))
+            .parse()
+            .unwrap()
+    };
+    assert_eq!(value("nv_inference_request_success"), 20.0);
+    assert_eq!(value("nv_inference_count"), 16.0 + 3.0 * rows as f64);
+    let execs = value("nv_inference_exec_count");
+    assert!(
+        execs < 3.0 + 16.0 - 4.0,
+        "16 requests in {} executions: no batching?",
+        execs - 3.0
+    );
+    server.shutdown();
+}
+
+#[test]
+fn bad_requests_are_4xx_with_a_json_error_and_never_take_the_server_down() {
+    let repo = tempfile::tempdir().unwrap();
+    put_version(repo.path(), "gpt", 1, &model(1));
+    let server = start(repo.path(), |o| o.max_body_bytes = 4096);
+    let addr = server.http_addr();
+    let ok_body = infer_json(&[1, 2, 3], 1, 3);
+    let with = |f: &dyn Fn(&mut Value)| {
+        let mut v = ok_body.clone();
+        f(&mut v);
+        v.to_string().into_bytes()
+    };
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "/v2/models/gpt/infer",
+            b"{not json".to_vec(),
+            400,
+            "malformed",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["inputs"][0]["datatype"] = json!("FP32")),
+            400,
+            "datatype FP32",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["inputs"][0]["shape"] = json!([3])),
+            400,
+            "2 dimensions",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["inputs"][0]["shape"] = json!([1, 4])),
+            400,
+            "needs 4 elements",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["inputs"][0]["data"] = json!([1, 2, 99])),
+            400,
+            "outside the vocabulary",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["inputs"][0]["shape"] = json!([9, 3])),
+            400,
+            "max_batch_size",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["inputs"][0]["name"] = json!("ids")),
+            400,
+            "no input tensor",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            with(&|v| v["outputs"] = json!([{"name": "probs"}])),
+            400,
+            "no output tensor",
+        ),
+        (
+            "/v2/models/nope/infer",
+            ok_body.to_string().into_bytes(),
+            404,
+            "unknown model",
+        ),
+        (
+            "/v2/models/gpt/versions/7/infer",
+            ok_body.to_string().into_bytes(),
+            404,
+            "no ready version \"7\"",
+        ),
+        (
+            "/v2/models/gpt/infer",
+            vec![b' '; 5000],
+            413,
+            "over the limit",
+        ),
+        (
+            "/v2/models/gpt/generate",
+            br#"{"text_input": "1 2", "parameters": {"max_tokens": 0}}"#.to_vec(),
+            400,
+            "max_tokens",
+        ),
+        (
+            "/v2/models/gpt/generate",
+            br#"{"text_input": "1 2", "parameters": {"temp": 1}}"#.to_vec(),
+            400,
+            "unknown",
+        ),
+        (
+            "/v2/models/gpt/generate",
+            br#"{"text_input": "1 x"}"#.to_vec(),
+            400,
+            "token ids",
+        ),
+        (
+            "/v2/models/gpt/generate",
+            br#"{"text_input": "1 99"}"#.to_vec(),
+            400,
+            "outside the vocabulary",
+        ),
+        ("/v2/nothing", Vec::new(), 400, "no such endpoint"),
+    ];
+    for (path, body, status, needle) in cases {
+        let r = http(addr, "POST", path, &[], &body);
+        let err = r.json()["error"].as_str().unwrap_or_default().to_string();
+        assert_eq!(r.status, status, "{path}: {err}");
+        assert!(err.contains(needle), "{path}: {needle:?} not in {err:?}");
+    }
+    // a lying binary header
+    let r = http(
+        addr,
+        "POST",
+        "/v2/models/gpt/infer",
+        &[("Inference-Header-Content-Length", "9999".into())],
+        b"{}",
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("says 9999 bytes"));
+
+    // gRPC: statuses, not crashes
+    let (rt, mut client) = grpc_client(&server);
+    let code = |req| {
+        rt.block_on(client.clone().model_infer(req))
+            .unwrap_err()
+            .code()
+    };
+    assert_eq!(
+        code(grpc_request("nope", "", &[1], 1, 1)),
+        tonic::Code::NotFound
+    );
+    assert_eq!(
+        code(grpc_request("gpt", "", &[1, 99], 1, 2)),
+        tonic::Code::InvalidArgument
+    );
+    assert_eq!(
+        code(grpc_request("gpt", "", &[1, 2], 1, 3)),
+        tonic::Code::InvalidArgument
+    );
+    let mut bad = grpc_request("gpt", "", &[1, 2], 1, 2);
+    bad.inputs[0].datatype = "INT32".into();
+    assert_eq!(code(bad), tonic::Code::InvalidArgument);
+    let ok = rt.block_on(client.model_infer(grpc_request("gpt", "1", &[1, 2], 1, 2)));
+    assert!(ok.is_ok());
+    assert_eq!(get(addr, "/v2/health/live").status, 200);
+    let metrics = String::from_utf8(get(addr, "/metrics").body).unwrap();
+    assert!(
+        metrics.contains(
+            "nv_inference_request_failure{model=\"gpt\",version=\"1\",reason=\"OTHER\"} 16"
+        ),
+        "{metrics}"
+    );
+    server.shutdown();
+}
+
+#[test]
+fn a_full_queue_answers_503_and_the_queued_request_still_completes() {
+    let repo = tempfile::tempdir().unwrap();
+    put_version(repo.path(), "slow", 1, &model(2));
+    // the first request waits 600 ms for company, holding the only queue slot
+    std::fs::write(
+        repo.path().join("slow/config.toml"),
+        "max_batch_size = 4\n[dynamic_batching]\nmax_queue_delay_microseconds = 600000\n\
+         default_queue_policy = { max_queue_size = 1 }\n",
+    )
+    .unwrap();
+    let server = start(repo.path(), |_| {});
+    let addr = server.http_addr();
+    std::thread::scope(|s| {
+        let first =
+            s.spawn(|| post_json(addr, "/v2/models/slow/infer", &infer_json(&[1, 2], 1, 2)));
+        std::thread::sleep(Duration::from_millis(150));
+        let second = post_json(addr, "/v2/models/slow/infer", &infer_json(&[3], 1, 1));
+        assert_eq!(second.status, 503);
+        assert!(second.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("queue is full"));
+        assert_eq!(first.join().unwrap().status, 200);
+    });
+    server.shutdown();
+}
+
+#[test]
+fn new_versions_are_picked_up_by_polling_and_in_flight_requests_finish_on_the_old_one() {
+    let repo = tempfile::tempdir().unwrap();
+    let (mut v1, mut v2) = (model(10), model(20));
+    put_version(repo.path(), "gpt", 1, &v1);
+    std::fs::write(
+        repo.path().join("gpt/config.pbtxt"),
+        "dynamic_batching { max_queue_delay_microseconds: 400000 preferred_batch_size: 8 }",
+    )
+    .unwrap();
+    let server = start(repo.path(), |o| {
+        o.poll_interval = Some(Duration::from_millis(100))
+    });
+    let addr = server.http_addr();
+    let ids = [4u32, 5, 6];
+    let (want1, want2) = (forward(&mut v1, &ids, 1, 3), forward(&mut v2, &ids, 1, 3));
+    let logits = |r: &HttpResponse| -> Vec<f32> {
+        r.json()["outputs"][0]["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    std::thread::scope(|s| {
+        // queued on version 1 for 400 ms while version 2 arrives and replaces it
+        let in_flight =
+            s.spawn(|| post_json(addr, "/v2/models/gpt/infer", &infer_json(&ids, 1, 3)));
+        std::thread::sleep(Duration::from_millis(50));
+        // written aside and renamed in, as a deployment would
+        let staging = repo.path().join("gpt/.staging");
+        put_version(&staging, "x", 1, &v2);
+        std::fs::rename(staging.join("x/1"), repo.path().join("gpt/2")).unwrap();
+        let r = in_flight.join().unwrap();
+        assert_eq!(r.status, 200);
+        assert_eq!(r.json()["model_version"], "1");
+        close(&logits(&r), &want1);
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get(addr, "/v2/models/gpt").json()["versions"] != json!(["2"]) {
+        assert!(
+            Instant::now() < deadline,
+            "version 2 never replaced version 1"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let r = post_json(addr, "/v2/models/gpt/infer", &infer_json(&ids, 1, 3));
+    assert_eq!(r.json()["model_version"], "2");
+    close(&logits(&r), &want2);
+    assert_eq!(get(addr, "/v2/models/gpt/versions/1/ready").status, 404);
+    server.shutdown();
+}
+
+#[test]
+fn models_load_and_unload_through_the_repository_api() {
+    let repo = tempfile::tempdir().unwrap();
+    put_version(repo.path(), "a", 1, &model(1));
+    put_version(repo.path(), "b", 3, &model(2));
+    std::fs::create_dir_all(repo.path().join("broken/1")).unwrap();
+    let server = start(repo.path(), |o| o.load_models = Some(vec!["a".into()]));
+    let addr = server.http_addr();
+    let index = post_json(addr, "/v2/repository/index", &json!({})).json();
+    assert_eq!(
+        index,
+        json!([
+            {"name": "a", "version": "1", "state": "READY"},
+            {"name": "b"},
+            {"name": "broken"},
+        ])
+    );
+    assert_eq!(get(addr, "/v2/models/b/ready").status, 404);
+    assert_eq!(
+        post_json(addr, "/v2/repository/models/b/load", &json!({})).status,
+        200
+    );
+    assert_eq!(get(addr, "/v2/models/b/versions/3/ready").status, 200);
+    let r = post_json(addr, "/v2/repository/models/broken/load", &json!({}));
+    assert_eq!(r.status, 400);
+    assert!(
+        r.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("not a checkpoint"),
+        "{}",
+        r.json()
+    );
+    assert_eq!(
+        post_json(addr, "/v2/repository/models/a/unload", &json!({})).status,
+        200
+    );
+    assert_eq!(get(addr, "/v2/models/a/ready").status, 404);
+    assert_eq!(
+        post_json(addr, "/v2/repository/models/zzz/load", &json!({})).status,
+        404
+    );
+    let index = post_json(addr, "/v2/repository/index", &json!({"ready": true})).json();
+    assert_eq!(
+        index,
+        json!([{"name": "b", "version": "3", "state": "READY"}])
+    );
+    // an unloaded model stays unloaded across polls
+    server.poll_repository();
+    assert_eq!(get(addr, "/v2/models/a/ready").status, 404);
+    server.shutdown();
+}

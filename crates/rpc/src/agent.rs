@@ -251,6 +251,16 @@ impl Rpc {
         self.inner.owned().len()
     }
 
+    /// Fails with [`RpcError::WorkerGone`] naming the first worker whose
+    /// connection broke (a worker that shut down does not count): how a
+    /// long wait for work from other workers notices that one died.
+    pub fn check_workers(&self) -> Result<(), RpcError> {
+        match self.inner.dead_peer() {
+            Some((r, why)) => Err(self.inner.gone_error(r, "check_workers", &why)),
+            None => Ok(()),
+        }
+    }
+
     /// Waits for this worker's outstanding calls, then for every worker to
     /// reach `shutdown` (so that no worker has work outstanding anywhere),
     /// then closes the connections. Fails (after closing) if a worker died

@@ -332,6 +332,8 @@ fn victim() -> Res<()> {
                 .rpc_sync::<_, u64>("worker1", "sleep_ms", 1u64)
                 .unwrap_err();
             assert!(matches!(e, RpcError::WorkerGone { .. }), "{e}");
+            let e = rpc.check_workers().unwrap_err();
+            assert!(e.to_string().contains("worker1"), "{e}");
             let s: i64 = rpc.rpc_sync("worker2", "add", (1i64, 1i64))?;
             assert_eq!(s, 2, "the survivors still talk");
             rpc.rpc_sync::<_, ()>("worker2", "finish", ())?;

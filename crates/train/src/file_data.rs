@@ -253,4 +253,61 @@ mod tests {
             .to_string();
         assert!(err.contains("nope.txt"), "{err}");
     }
+
+    /// `--data docs.jsonl`: one sample per document, batched by token budget with padding; the
+    /// loss falls, and a document longer than the context is an error naming file and line.
+    #[test]
+    fn trains_on_jsonl_documents_of_different_lengths() {
+        let dir = tempfile::tempdir().unwrap();
+        let words = [
+            "to be",
+            "or not to be",
+            "that is the question",
+            "whether tis nobler",
+        ];
+        let lines: Vec<String> = (0..400)
+            .map(|i| {
+                let text = words[..1 + i % words.len()].join(", ");
+                serde_json::json!({ "text": text }).to_string()
+            })
+            .collect();
+        let src = dir.path().join("docs.jsonl");
+        std::fs::write(&src, lines.join("\n")).unwrap();
+        let cfg = TrainConfig {
+            data: src.to_str().unwrap().into(),
+            seq_len: 64,
+            n_layers: 1,
+            d_model: 32,
+            d_ff: 64,
+            n_heads: 2,
+            batch_size: 4,
+            steps: 40,
+            lr: 1e-2,
+            warmup_steps: 2,
+            eval_interval: 40,
+            log_interval: 10,
+            out: Some(dir.path().join("out")),
+            ..TrainConfig::default()
+        };
+        let pg = crate::process_group_from_env().unwrap();
+        let mut log = Vec::new();
+        let outcome = crate::train(&cfg, &pg, &mut log).unwrap();
+        let log = String::from_utf8(log).unwrap();
+        assert!(log.contains("360 train documents"), "{log}");
+        let val = outcome.val_losses.last().unwrap().1;
+        assert!(val < 0.6 * 30f32.ln(), "learns: val loss {val}\n{log}");
+
+        let long = TrainConfig {
+            seq_len: 16,
+            out: Some(dir.path().join("out-short")),
+            ..cfg
+        };
+        let err = crate::train(&long, &pg, &mut Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("docs.jsonl:") && err.contains("longer than max_position_embeddings 16"),
+            "{err}"
+        );
+    }
 }

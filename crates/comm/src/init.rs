@@ -15,12 +15,17 @@
 //! - `file:///path` with rank and world size likewise; the file must be
 //!   new or empty and on a filesystem every rank sees.
 //!
+//! With `COHORT_SECRET` set (the launcher sets it), the TCP store is served
+//! and reached only with the job-secret handshake, as are the group's
+//! sockets.
+//!
 //! Every missing or malformed value is a [`CommError::Init`] naming the
-//! variable or URL part. This module must never guess a rank or world size.
+//! variable or URL part (never showing the secret). This module must never guess a rank or world size.
 
 use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 
+use cohort_store::auth::{Secret, SECRET_ENV};
 use cohort_store::{FileStore, PrefixStore, Store, TcpStore};
 
 use crate::config::{bad, var, GroupOptions};
@@ -120,6 +125,7 @@ pub fn init_process_group(
     };
     let explicit_bind = var("COHORT_SOCKET_ADDR")?.is_some();
     let timeout = group.timeout;
+    let secret = Secret::from_env().map_err(|e| init_err(SECRET_ENV, e.to_string()))?;
 
     let (store, rank, world): (Arc<dyn Store>, usize, usize) = if init_method == "env://" {
         let addr = required("MASTER_ADDR")?;
@@ -146,7 +152,12 @@ pub fn init_process_group(
         }
         let hosted = var(STORE_HOSTED_VAR)?.is_some_and(|v| v == "1");
         let store = if rank == 0 && !hosted {
-            TcpStore::new_master_or_client(format!("0.0.0.0:{port}"), true, timeout)
+            TcpStore::new_master_or_client_with_secret(
+                format!("0.0.0.0:{port}"),
+                true,
+                timeout,
+                secret,
+            )
         } else {
             // An IPv6 literal needs brackets before the port.
             let hostport = if addr.contains(':') {
@@ -154,7 +165,7 @@ pub fn init_process_group(
             } else {
                 format!("{addr}:{port}")
             };
-            TcpStore::connect(hostport, timeout)
+            TcpStore::connect_with_secret(hostport, timeout, secret)
         }
         .map_err(|source| CommError::Store {
             group: group.name.clone(),
@@ -184,9 +195,14 @@ pub fn init_process_group(
                 .ok_or_else(|| init_err("init_method", format!("cannot resolve host {host:?}")))?;
         }
         let store = if rank == 0 {
-            TcpStore::new_master_or_client(format!("0.0.0.0:{port}"), true, timeout)
+            TcpStore::new_master_or_client_with_secret(
+                format!("0.0.0.0:{port}"),
+                true,
+                timeout,
+                secret,
+            )
         } else {
-            TcpStore::connect(hostport.to_string(), timeout)
+            TcpStore::connect_with_secret(hostport.to_string(), timeout, secret)
         }
         .map_err(|source| CommError::Store {
             group: group.name.clone(),

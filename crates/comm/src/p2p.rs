@@ -8,7 +8,8 @@
 //! is stashed for whoever asks for that tag, so messages with different
 //! tags may be received in any order (as in PyTorch), while messages with
 //! the same tag arrive in the order they were sent. Nothing here may block
-//! past the call's deadline.
+//! past the call's deadline, and nothing may allocate on a header's say-so:
+//! a stashed payload grows only as its bytes arrive.
 
 use std::io::{self, IoSlice};
 use std::sync::{Condvar, Mutex};
@@ -17,6 +18,9 @@ use std::time::Instant;
 use crate::engine::{Header, OpEnv, HEADER_BYTES, WAKE_BYTES};
 use crate::error::CommError;
 use crate::transport::Interest;
+
+/// A stashed payload grows by at most this much before its bytes arrive.
+const STASH_CHUNK: usize = 1 << 20;
 
 struct Stashed {
     header: Header,
@@ -227,7 +231,32 @@ fn read_frame(
         read_exact(env, peer, dst, deadline)?;
         return Ok(None);
     }
-    let mut payload = vec![0u8; header.bytes as usize];
-    read_exact(env, peer, &mut payload, deadline)?;
+    // A frame nobody waits for yet: its length is only the sender's word.
+    let claimed = header
+        .desc
+        .dtype
+        .and_then(|d| header.desc.count.checked_mul(d.size() as u64));
+    let len = match usize::try_from(header.bytes) {
+        Ok(len) if header.desc.kind == env.desc.kind && claimed == Some(header.bytes) => len,
+        _ => {
+            return Err(env.lost(
+                peer,
+                &io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "received a frame header claiming {} bytes for {} (corrupt, or the stream is out of sync)",
+                        header.bytes,
+                        header.desc.describe()
+                    ),
+                ),
+            ))
+        }
+    };
+    let mut payload = Vec::new();
+    while payload.len() < len {
+        let at = payload.len();
+        payload.resize(at + (len - at).min(STASH_CHUNK), 0);
+        read_exact(env, peer, &mut payload[at..], deadline)?;
+    }
     Ok(Some(Stashed { header, payload }))
 }

@@ -18,6 +18,7 @@ use std::process::{Child, Command, ExitStatus};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use cohort_store::auth::{Secret, SECRET_ENV};
 use cohort_store::{HashStore, Store, TcpStoreServer};
 
 use crate::config::GroupOptions;
@@ -184,19 +185,33 @@ impl ProcessOptions {
 /// Starts `world` copies of `opts.program` with MASTER_ADDR, MASTER_PORT,
 /// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and
 /// `COHORT_STORE_HOSTED=1` set (this process hosts the store server on a
-/// free loopback port), so that each can call
+/// free loopback port), and a fresh job secret in `COHORT_SECRET` (the
+/// store and the ranks' sockets admit only processes that know it; an
+/// `opts.env` entry for it wins), so that each can call
 /// [`init_process_group`](crate::init_process_group)`("tcp", "env://", ..)`.
 /// Waits for all; when one fails, kills the others and returns that failure.
 pub fn processes(world: usize, opts: &ProcessOptions) -> Result<(), SpawnError> {
-    let server = TcpStoreServer::bind("127.0.0.1:0").map_err(|e| SpawnError::Start {
-        context: "hosting the store".to_string(),
+    let start_err = |context: &str, e: &dyn std::fmt::Display| SpawnError::Start {
+        context: context.to_string(),
         detail: e.to_string(),
-    })?;
+    };
+    let secret = match opts.env.iter().find(|(k, _)| k == SECRET_ENV) {
+        Some((_, v)) if v.is_empty() => None,
+        Some((_, v)) => Some(
+            Secret::from_hex(&v.to_string_lossy(), SECRET_ENV)
+                .map_err(|e| start_err("the job secret", &e))?,
+        ),
+        None => Some(Secret::generate().map_err(|e| start_err("making a job secret", &e))?),
+    };
+    let hex = secret.as_ref().map_or(String::new(), Secret::to_hex);
+    let server = TcpStoreServer::bind_with_secret("127.0.0.1:0", secret)
+        .map_err(|e| start_err("hosting the store", &e))?;
     let port = server.local_addr().port();
     let mut children: Vec<Option<Child>> = Vec::with_capacity(world);
     for rank in 0..world {
         let child = Command::new(&opts.program)
             .args(&opts.args)
+            .env(SECRET_ENV, &hex)
             .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())

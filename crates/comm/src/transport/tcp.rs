@@ -10,6 +10,14 @@
 //! connection (another job, a previous run on a reused port) is refused
 //! instead of being mistaken for a peer.
 //!
+//! Authentication: with a job secret (`COHORT_SECRET`, see
+//! [`cohort_store::auth`]) every connection, TCP or Unix, first runs the
+//! mutual job-secret handshake, and only then the hello; a process that
+//! does not know the secret is refused, logged on stderr with its address
+//! (or, on a Unix socket, its pid and uid), and never sees a byte of the
+//! job. The acceptor runs each handshake on a thread of its own, so a
+//! stranger that connects and stays silent delays nobody.
+//!
 //! Same-host fast path: ranks that share a kernel and a network namespace
 //! (same boot id and netns, published as `unix/<rank>`) connect over Unix
 //! domain stream sockets in the abstract namespace instead of TCP loopback:
@@ -33,8 +41,10 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use cohort_store::auth::{authenticate_client, authenticate_server, AuthError, Secret, SECRET_ENV};
 use cohort_store::Store;
 
 use super::{Channel, Interest, Transport};
@@ -43,8 +53,10 @@ use crate::error::CommError;
 
 const HELLO_MAGIC: &[u8; 8] = b"cohort\x00\x01";
 const HELLO_BYTES: usize = 32;
-/// How long an accepted connection may take to say hello.
+/// How long an accepted connection may take to authenticate and say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The service label of the mesh's job-secret handshake.
+const AUTH_SERVICE: &[u8] = b"cohort-mesh";
 
 /// Socket buffer size asked for on every connection. Bigger than the
 /// defaults so that a ring step can have a whole segment in flight each way
@@ -73,17 +85,37 @@ impl Conn {
         }
     }
 
-    fn write_all(&mut self, buf: &[u8]) -> io::Result<()> {
+    /// Who is at the other end, for logs: an address, or on a Unix socket
+    /// the process and user (abstract sockets have no peer address).
+    fn peer(&self) -> String {
         match self {
-            Conn::Tcp(s) => s.write_all(buf),
-            Conn::Unix(s) => s.write_all(buf),
-        }
-    }
-
-    fn read_exact(&mut self, buf: &mut [u8]) -> io::Result<()> {
-        match self {
-            Conn::Tcp(s) => s.read_exact(buf),
-            Conn::Unix(s) => s.read_exact(buf),
+            Conn::Tcp(s) => s
+                .peer_addr()
+                .map_or_else(|_| "an unknown TCP peer".to_string(), |a| a.to_string()),
+            Conn::Unix(s) => {
+                let mut cred = libc::ucred {
+                    pid: 0,
+                    uid: 0,
+                    gid: 0,
+                };
+                let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+                // safety: fd is open; `cred` is a ucred and `len` its size,
+                // as SO_PEERCRED expects.
+                let r = unsafe {
+                    libc::getsockopt(
+                        s.as_raw_fd(),
+                        libc::SOL_SOCKET,
+                        libc::SO_PEERCRED,
+                        (&mut cred as *mut libc::ucred).cast(),
+                        &mut len,
+                    )
+                };
+                if r == 0 {
+                    format!("local process {} (uid {})", cred.pid, cred.uid)
+                } else {
+                    "an unknown local process".to_string()
+                }
+            }
         }
     }
 
@@ -108,6 +140,25 @@ impl Conn {
                 s.set_write_timeout(timeout)
             }
         }
+    }
+}
+
+impl Read for Conn {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        Conn::read(self, buf)
+    }
+}
+
+impl Write for Conn {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Conn::Tcp(s) => s.write(buf),
+            Conn::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -148,7 +199,9 @@ impl TcpTransport {
     /// Builds the mesh for `rank` of `size` through `store` (already
     /// namespaced to the group), listening on `bind_ip` (and on a Unix
     /// socket for peers on this host unless `COHORT_TRANSPORT=tcp`). Fails
-    /// after `timeout` if some rank never shows up, naming it.
+    /// after `timeout` if some rank never shows up, naming it. When
+    /// `COHORT_SECRET` holds the job secret, every connection must pass the
+    /// job-secret handshake.
     pub fn connect(
         store: &dyn Store,
         group: &str,
@@ -161,6 +214,24 @@ impl TcpTransport {
         Self::connect_with(store, group, rank, size, bind_ip, timeout, local)
     }
 
+    /// [`connect`](Self::connect) with the job secret given instead of read
+    /// from `COHORT_SECRET` (`None`: no handshake, anyone who knows the
+    /// group's nonce may connect).
+    pub fn connect_with_secret(
+        store: &dyn Store,
+        group: &str,
+        rank: usize,
+        size: usize,
+        bind_ip: IpAddr,
+        timeout: Duration,
+        secret: Option<&Secret>,
+    ) -> Result<TcpTransport, CommError> {
+        let local = Local::from_env()?;
+        Self::mesh(store, group, rank, size, bind_ip, timeout, local, secret)
+    }
+
+    /// [`connect`](Self::connect) over `local` sockets between ranks of
+    /// one host; the secret comes from `COHORT_SECRET`.
     pub(crate) fn connect_with(
         store: &dyn Store,
         group: &str,
@@ -169,6 +240,33 @@ impl TcpTransport {
         bind_ip: IpAddr,
         timeout: Duration,
         local: Local,
+    ) -> Result<TcpTransport, CommError> {
+        let secret = Secret::from_env().map_err(|e| CommError::Init {
+            name: SECRET_ENV.to_string(),
+            detail: e.to_string(),
+        })?;
+        Self::mesh(
+            store,
+            group,
+            rank,
+            size,
+            bind_ip,
+            timeout,
+            local,
+            secret.as_ref(),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn mesh(
+        store: &dyn Store,
+        group: &str,
+        rank: usize,
+        size: usize,
+        bind_ip: IpAddr,
+        timeout: Duration,
+        local: Local,
+        secret: Option<&Secret>,
     ) -> Result<TcpTransport, CommError> {
         let deadline = Instant::now() + timeout;
         let rdv = |detail: String| CommError::Rendezvous {
@@ -234,15 +332,14 @@ impl TcpTransport {
         let expected = 2 * (size - 1 - rank);
         let accepted = std::thread::scope(|scope| {
             let acceptor = scope.spawn(|| {
-                accept_peers(
-                    &listener,
-                    unix_listener,
+                let me = Acceptor {
+                    group,
                     nonce,
                     rank,
                     size,
-                    expected,
-                    deadline,
-                )
+                    secret,
+                };
+                me.accept_peers(&listener, unix_listener, expected, deadline)
             });
             for peer in 0..rank {
                 let addr = wait_key(store, &format!("addr/{peer}"), deadline)
@@ -259,15 +356,20 @@ impl TcpTransport {
                     _ => None,
                 };
                 for ch in [Channel::Collective, Channel::P2p] {
-                    let unix = same_host
-                        .and_then(|name| connect_unix(name, nonce, rank, peer, ch, deadline).ok());
-                    let s =
-                        match unix {
-                            Some(s) => s,
-                            None => connect_peer(addr, nonce, rank, peer, ch, deadline).map_err(
-                                |e| rdv(format!("connecting to rank {peer} at {addr}: {e}")),
-                            )?,
-                        };
+                    let hello = Hello {
+                        nonce,
+                        rank,
+                        peer,
+                        ch,
+                        secret,
+                    };
+                    let unix = same_host.and_then(|name| connect_unix(name, &hello, deadline).ok());
+                    let s = match unix {
+                        Some(s) => s,
+                        None => connect_peer(addr, &hello, deadline).map_err(|e| {
+                            rdv(format!("connecting to rank {peer} at {addr}: {e}"))
+                        })?,
+                    };
                     *t.slot(ch, peer) = Some(s);
                 }
             }
@@ -511,14 +613,16 @@ fn hello(nonce: u64, from: usize, to: usize, ch: Channel) -> [u8; HELLO_BYTES] {
     b
 }
 
-fn connect_peer(
-    addr: SocketAddr,
+/// What a connecting rank presents to the rank it connects to.
+struct Hello<'a> {
     nonce: u64,
     rank: usize,
     peer: usize,
     ch: Channel,
-    deadline: Instant,
-) -> io::Result<Conn> {
+    secret: Option<&'a Secret>,
+}
+
+fn connect_peer(addr: SocketAddr, hello: &Hello<'_>, deadline: Instant) -> io::Result<Conn> {
     let s = loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -534,43 +638,42 @@ fn connect_peer(
             Err(e) => return Err(e),
         }
     };
-    say_hello(Conn::Tcp(s), nonce, rank, peer, ch, deadline)
+    say_hello(Conn::Tcp(s), hello, deadline)
 }
 
 /// Connects to a same-host peer's abstract Unix socket `name`.
-fn connect_unix(
-    name: &str,
-    nonce: u64,
-    rank: usize,
-    peer: usize,
-    ch: Channel,
-    deadline: Instant,
-) -> io::Result<Conn> {
+fn connect_unix(name: &str, hello: &Hello<'_>, deadline: Instant) -> io::Result<Conn> {
     let addr = UnixAddr::from_abstract_name(name.as_bytes())?;
     let s = UnixStream::connect_addr(&addr)?;
-    say_hello(Conn::Unix(s), nonce, rank, peer, ch, deadline)
+    say_hello(Conn::Unix(s), hello, deadline)
 }
 
-/// Sends the hello on a fresh connection and waits for the acceptor's yes.
-fn say_hello(
-    mut s: Conn,
-    nonce: u64,
-    rank: usize,
-    peer: usize,
-    ch: Channel,
-    deadline: Instant,
-) -> io::Result<Conn> {
+/// Proves the job secret (if any) on a fresh connection, sends the hello
+/// and waits for the acceptor's yes.
+fn say_hello(mut s: Conn, h: &Hello<'_>, deadline: Instant) -> io::Result<Conn> {
     let left = deadline
         .saturating_duration_since(Instant::now())
         .max(Duration::from_millis(1));
     s.set_blocking(Some(left))?;
-    s.write_all(&hello(nonce, rank, peer, ch))?;
+    if let Some(secret) = h.secret {
+        authenticate_client(&mut s, secret, AUTH_SERVICE).map_err(|e| match e {
+            AuthError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                "the listener hung up on the job-secret handshake (it runs without \
+                 COHORT_SECRET, or a different job uses this address)",
+            ),
+            AuthError::Io(e) => e,
+            e => io::Error::new(io::ErrorKind::PermissionDenied, e.to_string()),
+        })?;
+    }
+    s.write_all(&hello(h.nonce, h.rank, h.peer, h.ch))?;
     let mut ack = [0u8; 1];
     match s.read(&mut ack) {
         Ok(1) if ack[0] == 1 => Ok(s),
         Ok(_) => Err(io::Error::new(
             io::ErrorKind::ConnectionRefused,
-            "the listener refused the hello (a different group or job uses this address)",
+            "the listener refused the hello (a different group or job uses this address, \
+             or only one side has COHORT_SECRET)",
         )),
         Err(e) => Err(e),
     }
@@ -597,85 +700,189 @@ fn unix_listener(nonce: u64, rank: usize) -> Option<(UnixListener, String)> {
     Some((l, name))
 }
 
-/// Accepts `expected` hellos from higher ranks; ignores connections that are
-/// not from this group.
-fn accept_peers(
-    listener: &TcpListener,
-    unix: Option<&UnixListener>,
+/// The accepting side of one rank's rendezvous.
+struct Acceptor<'a> {
+    group: &'a str,
     nonce: u64,
     rank: usize,
     size: usize,
-    expected: usize,
-    deadline: Instant,
-) -> Result<Accepted, String> {
-    let mut got: Accepted = Vec::with_capacity(expected);
-    while got.len() < expected {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            let missing: Vec<String> = (rank + 1..size)
-                .filter(|p| got.iter().filter(|(q, _, _)| q == p).count() < 2)
-                .map(|p| p.to_string())
-                .collect();
-            return Err(format!(
-                "ranks {} never connected (timeout)",
-                missing.join(", ")
-            ));
-        }
-        let accepted = match listener.accept() {
-            Ok((s, _)) => Ok(Conn::Tcp(s)),
-            Err(e) => match unix.map(|u| u.accept()) {
-                Some(Ok((s, _))) => Ok(Conn::Unix(s)),
-                Some(Err(u)) if u.kind() != io::ErrorKind::WouldBlock => Err(u),
-                _ => Err(e),
-            },
-        };
-        let mut s = match accepted {
-            Ok(s) => s,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
-                    .chain(unix.map(|u| u.as_raw_fd()))
-                    .map(|fd| libc::pollfd {
-                        fd,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    })
+    secret: Option<&'a Secret>,
+}
+
+impl Acceptor<'_> {
+    /// Accepts `expected` connections from higher ranks. Each one is
+    /// authenticated and its hello checked on a thread of its own; those
+    /// that are not peers of this group are logged and dropped there.
+    fn accept_peers(
+        &self,
+        listener: &TcpListener,
+        unix: Option<&UnixListener>,
+        expected: usize,
+        deadline: Instant,
+    ) -> Result<Accepted, String> {
+        let (admitted_tx, admitted) = mpsc::channel::<(usize, Channel, Conn)>();
+        // Handshake threads write a byte here after each verdict, so that
+        // the poll on the listeners also wakes for them.
+        let (wake_rx, wake_tx) =
+            UnixStream::pair().map_err(|e| format!("creating a wake-up socket: {e}"))?;
+        wake_rx
+            .set_nonblocking(true)
+            .map_err(|e| format!("wake-up socket: {e}"))?;
+        let mut got: Accepted = Vec::with_capacity(expected);
+        loop {
+            while let Ok((from, ch, mut s)) = admitted.try_recv() {
+                if got.iter().any(|(p, c, _)| *p == from && *c == ch) {
+                    self.refused(
+                        &s.peer(),
+                        &format!("a second {ch:?} connection of rank {from}"),
+                    );
+                } else if s.write_all(&[1]).is_ok() {
+                    got.push((from, ch, s));
+                }
+            }
+            if got.len() == expected {
+                return Ok(got);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<String> = (self.rank + 1..self.size)
+                    .filter(|p| got.iter().filter(|(q, _, _)| q == p).count() < 2)
+                    .map(|p| p.to_string())
                     .collect();
-                poll(&mut fds, left).map_err(|e| format!("poll on listener: {e}"))?;
-                continue;
+                return Err(format!(
+                    "ranks {} never connected (timeout)",
+                    missing.join(", ")
+                ));
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(format!("accept: {e}")),
-        };
-        let checked = (|| -> io::Result<Option<(usize, Channel)>> {
-            // A peer sends its hello right after connecting; anything slower
-            // (a port scanner, a stuck process) must not hold up the others.
-            s.set_blocking(Some(left.clamp(Duration::from_millis(1), HELLO_TIMEOUT)))?;
-            let mut b = [0u8; HELLO_BYTES];
-            s.read_exact(&mut b)?;
-            let from = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
-            let to = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
-            let ch = if b[24] == 1 {
-                Channel::P2p
-            } else {
-                Channel::Collective
+            let accepted = match listener.accept() {
+                Ok((s, _)) => Ok(Conn::Tcp(s)),
+                Err(e) => match unix.map(|u| u.accept()) {
+                    Some(Ok((s, _))) => Ok(Conn::Unix(s)),
+                    Some(Err(u)) if u.kind() != io::ErrorKind::WouldBlock => Err(u),
+                    _ => Err(e),
+                },
             };
-            let ok = &b[..8] == HELLO_MAGIC
-                && u64::from_le_bytes(b[8..16].try_into().unwrap()) == nonce
-                && to == rank
-                && from > rank
-                && from < size
-                && !got.iter().any(|(p, c, _)| *p == from && *c == ch);
-            if !ok {
-                return Ok(None);
+            match accepted {
+                Ok(s) => self.admit_in_background(s, left, &admitted_tx, &wake_tx),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let mut fds: Vec<libc::pollfd> = [listener.as_raw_fd(), wake_rx.as_raw_fd()]
+                        .into_iter()
+                        .chain(unix.map(|u| u.as_raw_fd()))
+                        .map(|fd| libc::pollfd {
+                            fd,
+                            events: libc::POLLIN,
+                            revents: 0,
+                        })
+                        .collect();
+                    poll(&mut fds, left).map_err(|e| format!("poll on listener: {e}"))?;
+                    while matches!((&wake_rx).read(&mut [0u8; 64]), Ok(n) if n > 0) {}
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(format!("accept: {e}")),
             }
-            s.write_all(&[1])?;
-            Ok(Some((from, ch)))
-        })();
-        if let Ok(Some((from, ch))) = checked {
-            got.push((from, ch, s));
         }
     }
-    Ok(got)
+
+    /// Authenticates `s` and reads its hello on a new thread, which sends
+    /// it to `admitted` if it is a peer of this group and logs it otherwise.
+    fn admit_in_background(
+        &self,
+        s: Conn,
+        left: Duration,
+        admitted: &mpsc::Sender<(usize, Channel, Conn)>,
+        wake: &UnixStream,
+    ) {
+        let who = s.peer();
+        let (Ok(wake), admitted) = (wake.try_clone(), admitted.clone()) else {
+            return self.refused(&who, "cannot clone the wake-up socket");
+        };
+        let me = Admission {
+            group: self.group.to_string(),
+            nonce: self.nonce,
+            rank: self.rank,
+            size: self.size,
+            secret: self.secret.cloned(),
+            // A peer speaks right after connecting; anything slower (a port
+            // scanner, a stuck process) only holds its own thread.
+            timeout: left.clamp(Duration::from_millis(1), HELLO_TIMEOUT),
+        };
+        let spawned = std::thread::Builder::new()
+            .name("cohort-admit".into())
+            .stack_size(64 << 10)
+            .spawn(move || {
+                match me.check(s) {
+                    Ok(peer) => {
+                        let _ = admitted.send(peer);
+                    }
+                    Err(why) => me.refused(&who, &why),
+                }
+                let _ = (&wake).write_all(&[1]);
+            });
+        if let Err(e) = spawned {
+            self.refused(
+                "a new connection",
+                &format!("cannot start its handshake: {e}"),
+            );
+        }
+    }
+
+    fn refused(&self, who: &str, why: &str) {
+        refused(self.group, self.rank, who, why);
+    }
+}
+
+/// What a handshake thread needs, owned (it may outlive the rendezvous).
+struct Admission {
+    group: String,
+    nonce: u64,
+    rank: usize,
+    size: usize,
+    secret: Option<Secret>,
+    timeout: Duration,
+}
+
+impl Admission {
+    /// Authenticates an accepted connection and checks its hello; the
+    /// error says why it is no peer of this group.
+    fn check(&self, mut s: Conn) -> Result<(usize, Channel, Conn), String> {
+        s.set_blocking(Some(self.timeout))
+            .map_err(|e| e.to_string())?;
+        if let Some(secret) = &self.secret {
+            authenticate_server(&mut s, secret, AUTH_SERVICE)
+                .map_err(|e| format!("failed authentication: {e}"))?;
+        }
+        let mut b = [0u8; HELLO_BYTES];
+        s.read_exact(&mut b).map_err(|e| format!("no hello: {e}"))?;
+        let from = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
+        let to = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
+        let ch = if b[24] == 1 {
+            Channel::P2p
+        } else {
+            Channel::Collective
+        };
+        if &b[..8] != HELLO_MAGIC {
+            return Err("not a cohort hello".to_string());
+        }
+        if u64::from_le_bytes(b[8..16].try_into().unwrap()) != self.nonce {
+            return Err("a hello for another group or an earlier run (nonce differs)".to_string());
+        }
+        if to != self.rank || from <= self.rank || from >= self.size {
+            return Err(format!(
+                "a hello from rank {from} to rank {to}, but this is rank {} of {}",
+                self.rank, self.size
+            ));
+        }
+        Ok((from, ch, s))
+    }
+
+    fn refused(&self, who: &str, why: &str) {
+        refused(&self.group, self.rank, who, why);
+    }
+}
+
+/// Logs a connection that was dropped during rendezvous: who, and why.
+fn refused(group: &str, rank: usize, who: &str, why: &str) {
+    eprintln!("cohort-comm: group {group:?} rank {rank}: refused a connection from {who}: {why}");
 }
 
 #[cfg(test)]
@@ -687,22 +894,29 @@ mod tests {
 
     #[test]
     fn mesh_moves_bytes_between_every_pair_over_unix_sockets() {
-        mesh_moves_bytes(Local::Unix);
+        mesh_moves_bytes(Local::Unix, None);
     }
 
     #[test]
     fn mesh_moves_bytes_between_every_pair_over_forced_tcp() {
-        mesh_moves_bytes(Local::Tcp);
+        mesh_moves_bytes(Local::Tcp, None);
     }
 
-    fn mesh_moves_bytes(local: Local) {
+    #[test]
+    fn authenticated_mesh_moves_bytes_over_unix_sockets_and_tcp() {
+        let secret = Secret::generate().unwrap();
+        mesh_moves_bytes(Local::Unix, Some(&secret));
+        mesh_moves_bytes(Local::Tcp, Some(&secret));
+    }
+
+    fn mesh_moves_bytes(local: Local, secret: Option<&Secret>) {
         let store = Arc::new(HashStore::new());
         let n = 3;
         std::thread::scope(|s| {
             for rank in 0..n {
                 let store = store.clone();
                 s.spawn(move || {
-                    let t = TcpTransport::connect_with(
+                    let t = TcpTransport::mesh(
                         &*store,
                         "g",
                         rank,
@@ -710,6 +924,7 @@ mod tests {
                         Ipv4Addr::LOCALHOST.into(),
                         Duration::from_secs(10),
                         local,
+                        secret,
                     )
                     .unwrap();
                     let conns: Vec<&Conn> = t.collective.iter().chain(&t.p2p).flatten().collect();
@@ -798,6 +1013,201 @@ mod tests {
             assert!(rank0
                 .wait(Channel::Collective, &[i], Duration::from_secs(5))
                 .unwrap());
+        });
+    }
+
+    /// Where a stranger can reach rank 0 while it waits for rank 1.
+    struct Target {
+        tcp: SocketAddr,
+        unix: Option<String>,
+        nonce: u64,
+    }
+
+    impl Target {
+        /// Connections a stranger can open: TCP, and the abstract Unix
+        /// socket when rank 0 listens on one.
+        fn connectors(&self) -> Vec<Box<dyn Fn() -> Conn + '_>> {
+            let tcp = move || {
+                let s = TcpStream::connect(self.tcp).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+                Conn::Tcp(s)
+            };
+            let mut all: Vec<Box<dyn Fn() -> Conn + '_>> = vec![Box::new(tcp)];
+            if let Some(name) = &self.unix {
+                all.push(Box::new(move || {
+                    let a = UnixAddr::from_abstract_name(name.as_bytes()).unwrap();
+                    let s = UnixStream::connect_addr(&a).unwrap();
+                    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+                    Conn::Unix(s)
+                }));
+            }
+            all
+        }
+    }
+
+    /// Rank 0 of a 2-rank group with `secret` over `local`, with rank 1
+    /// held back until `intrude` has had its go at rank 0; returns once the
+    /// mesh moved a byte, with how long rank 0 took to form it.
+    fn mesh_despite(local: Local, secret: &Secret, intrude: impl FnOnce(&Target)) -> Duration {
+        let store = Arc::new(HashStore::new());
+        let bind = Ipv4Addr::LOCALHOST.into();
+        let timeout = Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| {
+                let started = Instant::now();
+                let t = TcpTransport::mesh(&*store, "g", 0, 2, bind, timeout, local, Some(secret));
+                (t, started.elapsed())
+            });
+            store.wait(&["addr/0", "unix/0"], timeout).unwrap();
+            let key = |k| String::from_utf8(store.get(k).unwrap()).unwrap();
+            intrude(&Target {
+                tcp: key("addr/0").parse().unwrap(),
+                unix: key("unix/0").split_once(' ').map(|(_, n)| n.to_string()),
+                nonce: key("nonce").parse().unwrap(),
+            });
+            let rank1 =
+                TcpTransport::mesh(&*store, "g", 1, 2, bind, timeout, local, Some(secret)).unwrap();
+            let (rank0, took) = rank0.join().unwrap();
+            let rank0 = rank0.unwrap();
+            rank1
+                .try_write(Channel::Collective, 0, &[IoSlice::new(b"x")])
+                .unwrap();
+            let i = Interest {
+                peer: 1,
+                read: 1,
+                write: false,
+            };
+            assert!(rank0
+                .wait(Channel::Collective, &[i], Duration::from_secs(5))
+                .unwrap());
+            let mut got = [0u8; 1];
+            assert_eq!(rank0.try_read(Channel::Collective, 1, &mut got).unwrap(), 1);
+            assert_eq!(&got, b"x");
+            took
+        })
+    }
+
+    /// Whether the listener hung up on us (EOF or reset) without a byte of
+    /// acceptance, as it must for anyone who does not know the secret.
+    fn hung_up_on(mut s: impl Read) -> bool {
+        let mut seen = 0;
+        let mut b = [0u8; 128];
+        loop {
+            match s.read(&mut b) {
+                Ok(0) => return true,
+                Err(e) if e.kind() == io::ErrorKind::ConnectionReset => return true,
+                // The server's half of the handshake (64 bytes) is all a
+                // stranger may ever read; an ack would be one more.
+                Ok(n) if seen + n <= 64 => seen += n,
+                other => panic!("unexpected answer to a stranger: {other:?}"),
+            }
+        }
+    }
+
+    fn random_bytes(seed: &mut u64, len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                *seed ^= *seed << 13;
+                *seed ^= *seed >> 7;
+                *seed ^= *seed << 17;
+                *seed as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn strangers_cannot_join_an_authenticated_mesh_over_tcp_or_unix() {
+        for local in [Local::Tcp, Local::Unix] {
+            let secret = Secret::generate().unwrap();
+            let wrong = Secret::generate().unwrap();
+            let mut silent = Vec::new();
+            let took = mesh_despite(local, &secret, |target| {
+                for connect in target.connectors() {
+                    // Connects and says nothing until the mesh has formed.
+                    silent.push(connect());
+                    // The hello of a rank without the secret, with the
+                    // group's nonce and all: no handshake, no entry.
+                    let mut s = connect();
+                    s.write_all(&hello(target.nonce, 1, 0, Channel::Collective))
+                        .unwrap();
+                    assert!(hung_up_on(&mut s));
+                    // The wrong secret: the server's proof already fails
+                    // on the stranger's side.
+                    let mut s = connect();
+                    let err = authenticate_client(&mut s, &wrong, AUTH_SERVICE).unwrap_err();
+                    assert!(
+                        matches!(err, AuthError::WrongProof { peer: "server" }),
+                        "{err:?}"
+                    );
+                    // Opens the handshake, ignores the server's proof and
+                    // answers with a forged one, then a valid hello.
+                    let mut s = connect();
+                    let mut opening = b"COHAUTH1".to_vec();
+                    opening.extend([7u8; 32]);
+                    s.write_all(&opening).unwrap();
+                    let mut answer = [0u8; 64];
+                    s.read_exact(&mut answer).unwrap();
+                    s.write_all(&answer[32..]).unwrap();
+                    let _ = s.write_all(&hello(target.nonce, 1, 0, Channel::Collective));
+                    assert!(hung_up_on(&mut s));
+                    // Random bytes; 8 or more are refused at once (not the
+                    // magic), fewer are just dropped.
+                    let mut seed = 0x2545_f491_4f6c_dd1du64;
+                    for len in [1usize, 7, 8, 40, 41, 72, 104, 300] {
+                        let mut s = connect();
+                        let _ = s.write_all(&random_bytes(&mut seed, len));
+                        if len >= 8 {
+                            assert!(hung_up_on(&mut s), "{len} random bytes");
+                        }
+                    }
+                }
+            });
+            drop(silent);
+            // The silent strangers held up nobody (their handshakes run on
+            // threads of their own; the hello timeout is 10 s).
+            assert!(
+                took < Duration::from_secs(5),
+                "{local:?}: rank 0 took {took:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_rank_with_another_secret_is_refused_naming_the_secret() {
+        let store = Arc::new(HashStore::new());
+        let bind = Ipv4Addr::LOCALHOST.into();
+        let (ours, theirs) = (Secret::generate().unwrap(), Secret::generate().unwrap());
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| {
+                TcpTransport::mesh(
+                    &*store,
+                    "g",
+                    0,
+                    2,
+                    bind,
+                    Duration::from_millis(1500),
+                    Local::Unix,
+                    Some(&ours),
+                )
+            });
+            let err = TcpTransport::mesh(
+                &*store,
+                "g",
+                1,
+                2,
+                bind,
+                Duration::from_secs(10),
+                Local::Unix,
+                Some(&theirs),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains("rank 0") && err.contains("COHORT_SECRET"),
+                "{err}"
+            );
+            let err = rank0.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("ranks 1 never connected"), "{err}");
         });
     }
 

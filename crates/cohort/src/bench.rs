@@ -23,6 +23,8 @@ enum BenchWhat {
     Train(TrainArgs),
     /// Time data-parallel training steps and the scaling efficiency; run under `cohort run -n N`.
     Ddp(cohort_train::bench::BenchDdpArgs),
+    /// Time pipeline-parallel training steps and the bubble; run under `cohort run -n S`.
+    Pipeline(cohort_train::BenchPipelineArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -88,7 +90,14 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         BenchWhat::Collectives(a) => collectives(a),
         BenchWhat::Train(a) => train(a),
         BenchWhat::Ddp(a) => ddp(a),
+        BenchWhat::Pipeline(a) => pipeline(a),
     }
+}
+
+fn pipeline(a: cohort_train::BenchPipelineArgs) -> anyhow::Result<()> {
+    let pg = cohort_train::process_group_from_env().context("bench pipeline")?;
+    cohort_train::run_pipeline_bench(&a, &pg, &mut std::io::stdout()).context("bench pipeline")?;
+    Ok(())
 }
 
 fn ddp(a: cohort_train::bench::BenchDdpArgs) -> anyhow::Result<()> {

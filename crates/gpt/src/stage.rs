@@ -107,6 +107,7 @@ pub struct GptStage {
     part: StagePart,
     layout: Layout,
     global: Vec<ParamView>,
+    whole_total: usize,
     tied: Option<Range<usize>>,
     params: Vec<f32>,
     grads: Vec<f32>,
@@ -254,6 +255,7 @@ impl GptStage {
             params,
             layout,
             global,
+            whole_total: full.total,
             tied,
             dev,
             slots: Vec::new(),
@@ -283,6 +285,10 @@ impl GptStage {
     /// Number of parameters this stage holds.
     pub fn num_params(&self) -> usize {
         self.layout.total
+    }
+    /// Number of parameters of the whole model (the length of its flat buffer).
+    pub fn whole_num_params(&self) -> usize {
+        self.whole_total
     }
     /// The range of this stage's buffer holding one of the two uses of a tied wte (the
     /// embedding on a first stage without the head, the head's copy on a last stage without the
@@ -317,7 +323,7 @@ impl GptStage {
     }
     /// Copies this stage's tensors out of a whole model's flat parameter buffer.
     pub fn load_from_full(&mut self, full: &[f32]) -> Result<(), GptError> {
-        let total = Layout::new(&self.config).total;
+        let total = self.whole_total;
         if full.len() != total {
             return Err(GptError::Stage {
                 blocks: self.part.blocks.clone(),
@@ -509,10 +515,12 @@ impl GptStage {
         let (b, t) = (self.slots[slot].batch.b, self.slots[slot].batch.t);
         let nc = b * t * c;
         match (grad_output, self.part.head) {
-            (Some(d), false) if d.len() != nc => return Err(self.bad(format!(
+            (Some(d), false) if d.len() != nc => {
+                return Err(self.bad(format!(
                 "output gradient has {} floats, expected batch {b} x seq {t} x d_model {c} = {nc}",
                 d.len()
-            ))),
+            )))
+            }
             (Some(_), false) | (None, true) => {}
             (None, false) => {
                 return Err(self.bad("backward needs the next stage's output gradient".into()))

@@ -132,6 +132,13 @@ pub struct TrainConfig {
     /// Parameter server, async mode: the most updates a pushed gradient's
     /// parameters may lag the server's; staler gradients are dropped.
     pub max_staleness: u64,
+    /// Pipeline: stages the blocks are split into, on consecutive ranks (0:
+    /// one per rank); the ranks must be a multiple (stages x replicas).
+    pub stages: usize,
+    /// Pipeline: micro-batches of `batch_size` sequences per step.
+    pub micro_batches: usize,
+    /// Pipeline: `gpipe` (all forwards, then all backwards) or `1f1b`.
+    pub pipeline_schedule: PipelineSchedule,
 }
 
 /// How the ranks of a training job share the work.
@@ -146,6 +153,21 @@ pub enum Strategy {
     ParameterServer,
     /// The model's blocks are split into stages on consecutive ranks.
     Pipeline,
+}
+
+/// The order of a pipeline stage's forwards and backwards in a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+pub enum PipelineSchedule {
+    /// All micro-batches' forwards, then all their backwards.
+    #[serde(rename = "gpipe")]
+    #[value(name = "gpipe")]
+    Gpipe,
+    /// Warm-up forwards, then one forward and one backward in turn: the
+    /// same bubble as GPipe with fewer activations in flight.
+    #[default]
+    #[serde(rename = "1f1b")]
+    #[value(name = "1f1b")]
+    OneFOneB,
 }
 
 /// How a parameter server applies the workers' gradients.
@@ -442,6 +464,18 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<u64>,
+    /// Pipeline: stages, on consecutive ranks [default: 0; 0 = one per rank].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stages: Option<usize>,
+    /// Pipeline: micro-batches of --batch-size sequences per step [default: 4].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub micro_batches: Option<usize>,
+    /// Pipeline schedule: gpipe or 1f1b [default: 1f1b].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_schedule: Option<PipelineSchedule>,
 }
 
 impl TrainArgs {

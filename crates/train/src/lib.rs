@@ -36,10 +36,13 @@ mod fault;
 mod file_data;
 mod parameter_server;
 mod phases;
+mod pipeline;
 mod train;
 
 pub use checkpoint::TrainState;
-pub use config::{ConfigError, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB};
+pub use config::{
+    ConfigError, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB,
+};
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::FileData;
@@ -47,6 +50,7 @@ pub use parameter_server::{
     run_ps_bench, train_parameter_server, BenchPsArgs, BenchPsResult, Rendezvous,
 };
 pub use phases::{Phase, Phases};
+pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
 pub use train::{build_dataset, model_config, train, Outcome};
 
 use cohort_comm::{init_process_group, CommError, GroupOptions, InitOptions, ProcessGroup};
@@ -164,5 +168,8 @@ pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
         return train_parameter_server(cfg, Rendezvous::Env, &mut std::io::stdout());
     }
     let pg = process_group_from_env()?;
+    if cfg.strategy == Strategy::Pipeline {
+        return train_pipeline(cfg, &pg, &mut std::io::stdout());
+    }
     train(cfg, &pg, &mut std::io::stdout())
 }

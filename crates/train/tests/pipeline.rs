@@ -1,0 +1,184 @@
+//! Pipeline parallelism against one process, with real processes: the test binary re-executes
+//! itself through cohort-comm's spawn helper (`env://`, a hosted store, Unix sockets), each
+//! child running one rank of `train_pipeline`, rank 0 writing the whole model's parameters
+//! after a few steps. The parent trains one process on the same samples with the same
+//! micro-batches (gradient accumulation) and compares every parameter.
+
+use std::path::Path;
+use std::time::Duration;
+
+use cohort_comm::spawn::{self, ProcessOptions};
+use cohort_comm::{GroupOptions, ProcessGroup};
+use cohort_train::{
+    process_group_from_env, train, train_pipeline, PipelineSchedule, Strategy, TrainConfig,
+};
+
+/// Set in a child: where rank 0 writes the final parameters (raw little-endian f32).
+const CHILD_OUT: &str = "COHORT_PIPELINE_TEST_OUT";
+/// Set in a child: which scenario's config to run.
+const CHILD_CASE: &str = "COHORT_PIPELINE_TEST_CASE";
+
+/// A 4-block model small enough that a run takes well under a second.
+fn tiny() -> TrainConfig {
+    TrainConfig {
+        markov_vocab: 16,
+        markov_order: 2,
+        markov_branching: 3,
+        train_sequences: 96,
+        val_sequences: 24,
+        seq_len: 16,
+        n_layers: 4,
+        n_heads: 2,
+        d_model: 32,
+        d_ff: 64,
+        batch_size: 2,
+        steps: 4,
+        warmup_steps: 1,
+        log_interval: 1,
+        eval_interval: 0,
+        eval_batches: 2,
+        strategy: Strategy::Pipeline,
+        micro_batches: 3,
+        ..TrainConfig::default()
+    }
+}
+
+/// The pipeline runs of the scenarios, by name.
+fn case(name: &str) -> TrainConfig {
+    match name {
+        // Dropout on: every stage keys its masks by the global layer and the micro-batch.
+        "2x1_1f1b" => TrainConfig {
+            stages: 2,
+            dropout: 0.1,
+            ..tiny()
+        },
+        "2x1_gpipe" => TrainConfig {
+            stages: 2,
+            pipeline_schedule: PipelineSchedule::Gpipe,
+            ..tiny()
+        },
+        "2x2" => TrainConfig {
+            stages: 2,
+            ..tiny()
+        },
+        other => panic!("unknown case {other}"),
+    }
+}
+
+/// Runs `case` on `world` processes and returns rank 0's final parameters.
+fn run_processes(case_name: &str, world: usize, dir: &Path) -> Vec<f32> {
+    let out = dir.join(format!("{case_name}.f32"));
+    let mut opts =
+        ProcessOptions::current_exe(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
+            .unwrap();
+    opts.env.push((CHILD_OUT.into(), out.clone().into()));
+    opts.env.push((CHILD_CASE.into(), case_name.into()));
+    opts.env.push(("COHORT_TIMEOUT".into(), "60s".into()));
+    opts.env.push(("COHORT_NUM_THREADS".into(), "1".into()));
+    opts.timeout = Duration::from_secs(120);
+    spawn::processes(world, &opts).unwrap();
+    std::fs::read(&out)
+        .unwrap()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// Not a test of its own: the body of each child process (a no-op when run directly).
+#[test]
+fn child_rank() {
+    let (Ok(out), Ok(name)) = (std::env::var(CHILD_OUT), std::env::var(CHILD_CASE)) else {
+        return;
+    };
+    let pg = process_group_from_env().unwrap();
+    let outcome = train_pipeline(&case(&name), &pg, &mut std::io::sink()).unwrap();
+    assert_eq!(outcome.final_step, case(&name).steps);
+    assert!(outcome.train_losses.iter().all(|(_, l)| l.is_finite()));
+    if pg.rank() == 0 {
+        let bytes: Vec<u8> = outcome
+            .params
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        std::fs::write(out, bytes).unwrap();
+    }
+}
+
+/// One process with the same data order: batch `batch_size` per micro-batch, accumulated.
+fn one_process(cfg: &TrainConfig) -> Vec<f32> {
+    let opts = GroupOptions {
+        timeout: Duration::from_secs(60),
+        ..GroupOptions::from_env().unwrap()
+    };
+    spawn::threads_with(1, opts, |pg: &ProcessGroup| {
+        train(cfg, pg, &mut std::io::sink())
+    })
+    .unwrap()
+    .swap_remove(0)
+    .params
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The pipeline's gradients are the one process's up to the order of two float additions:
+/// every block, ln_f and wpe gradient is the same sum in the same order (each stage runs its
+/// micro-batches' backwards in order, as accumulation does), and only the tied wte gradient
+/// adds the last stage's head part to the first stage's embedding part at the end instead of
+/// micro-batch by micro-batch, and the clipping norm is summed over stages in another order:
+/// differences of ~1e-7 relative. AdamW moves parameters by ~lr = 2e-3 per step normalised
+/// by the gradient's own size, so over 4 steps they stay within ~1e-6; 2e-5 (1% of one
+/// step's move) still catches any wrong scaling, a missing tied sum or a mis-ordered
+/// micro-batch, each of which is off by a whole step's move.
+const TOL: f32 = 2e-5;
+
+#[test]
+fn two_stages_match_one_process_with_dropout_1f1b_and_gpipe() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["2x1_1f1b", "2x1_gpipe"] {
+        let cfg = case(name);
+        let piped = run_processes(name, 2, dir.path());
+        let one = one_process(&TrainConfig {
+            strategy: Strategy::Ddp,
+            grad_accum: cfg.micro_batches,
+            ..cfg.clone()
+        });
+        let diff = max_abs_diff(&piped, &one);
+        eprintln!("{name}: max |pipeline - one process| = {diff:e}");
+        assert!(diff <= TOL, "{name}: max |pipeline - one process| = {diff}");
+        // Training moved the parameters by far more than the tolerance.
+        let init = one_process(&TrainConfig {
+            strategy: Strategy::Ddp,
+            steps: 0,
+            ..cfg.clone()
+        });
+        assert!(
+            max_abs_diff(&one, &init) > 100.0 * TOL,
+            "{name}: nothing trained"
+        );
+    }
+}
+
+/// Two pipelines of two stages (4 processes): each step sees both replicas' samples, as one
+/// process with twice the micro-batch does (the sampler of a world of one hands out the same
+/// permutation the two replicas split).
+#[test]
+fn two_stages_by_two_replicas_match_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = case("2x2");
+    let piped = run_processes("2x2", 4, dir.path());
+    let one = one_process(&TrainConfig {
+        strategy: Strategy::Ddp,
+        batch_size: 2 * cfg.batch_size,
+        grad_accum: cfg.micro_batches,
+        ..cfg.clone()
+    });
+    let diff = max_abs_diff(&piped, &one);
+    eprintln!("2x2: max |pipeline - one process| = {diff:e}");
+    assert!(diff <= TOL, "max |pipeline - one process| = {diff}");
+}

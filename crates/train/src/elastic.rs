@@ -1,0 +1,184 @@
+//! What a worker does when `cohort run` restarted it (issue 6's elastic
+//! launcher): the restarted workers of a job resume from the checkpoints it
+//! wrote, possibly on another number of ranks.
+//!
+//! - A worker with `COHORT_RESTART_COUNT` > 0 and no `--resume` resumes from
+//!   its `--out` directory when that holds a checkpoint (a first start, or a
+//!   restart before the first checkpoint, starts from scratch).
+//! - When the world size differs from the checkpoint's, the data are
+//!   re-split by the new world (each rank's `DistributedSampler` stride), the
+//!   position in the epoch is carried over as a count of samples consumed by
+//!   all ranks together, and `grad_accum` is rescaled so that the global
+//!   batch (`batch_size x world x grad_accum`) stays what it was, which keeps
+//!   the learning-rate schedule and the optimizer's statistics meaningful.
+//!   torchrun leaves this to the user; where the old global batch is not a
+//!   multiple of `batch_size x new world`, cohort keeps `grad_accum`, the
+//!   global batch changes, and the log says so.
+//!
+//! This module decides; it never loads weights (`checkpoint.rs` does) and
+//! never talks to other ranks.
+
+use std::path::Path;
+
+use cohort_gpt::checkpoint as ckpt;
+use serde_json::Value;
+
+use crate::config::{ConfigError, TrainConfig};
+use crate::TrainError;
+
+/// Set by the launcher: how many times it restarted the job's workers.
+pub const RESTART_COUNT_VAR: &str = "COHORT_RESTART_COUNT";
+
+/// The launcher's restart count from the environment (0 when not set).
+pub fn restart_count_from_env() -> Result<u32, TrainError> {
+    match std::env::var(RESTART_COUNT_VAR) {
+        Ok(v) => v.trim().parse().map_err(|_| {
+            TrainError::Config(ConfigError::Invalid {
+                key: RESTART_COUNT_VAR,
+                value: v,
+                why: "must be a whole number (the launcher's restart count)",
+            })
+        }),
+        Err(_) => Ok(0),
+    }
+}
+
+/// The settings a (re)started worker trains with: `cfg`, plus `resume` set
+/// to `out` after a restart when `out` holds a checkpoint, and `grad_accum`
+/// rescaled when resuming on another world size. Returns the lines to log.
+pub fn prepare_resume(
+    cfg: &TrainConfig,
+    world: usize,
+    restart_count: u32,
+) -> (TrainConfig, Vec<String>) {
+    let mut cfg = cfg.clone();
+    let mut notes = Vec::new();
+    if restart_count > 0 && cfg.resume.is_none() {
+        if let Some(out) = cfg.out.as_ref().filter(|out| ckpt::resolve(out).is_ok()) {
+            notes.push(format!(
+                "restart {restart_count} of this job: resuming from {}",
+                out.display()
+            ));
+            cfg.resume = Some(out.clone());
+        }
+    }
+    let saved = cfg.resume.as_deref().and_then(saved_shape);
+    if let Some(saved) = saved.filter(|s| s.world != world) {
+        let (accum, note) = rescale(&saved, cfg.batch_size, world, cfg.grad_accum);
+        cfg.grad_accum = accum;
+        notes.push(note);
+    }
+    (cfg, notes)
+}
+
+/// The job shape a checkpoint was written with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SavedShape {
+    world: usize,
+    batch_size: usize,
+    grad_accum: usize,
+}
+
+/// The shape recorded in the checkpoint `path` resumes from; `None` when it
+/// cannot be read (loading it reports why).
+fn saved_shape(path: &Path) -> Option<SavedShape> {
+    let dir = ckpt::resolve(path).ok()?;
+    let trainer = ckpt::load_trainer_state(&dir).ok()??;
+    let field = |key: &str| {
+        trainer
+            .extra
+            .get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+    };
+    Some(SavedShape {
+        world: field("world_size")?,
+        batch_size: field("batch_size")?,
+        grad_accum: field("grad_accum")?,
+    })
+}
+
+/// `grad_accum` for `world` ranks of `batch_size` that keeps the saved
+/// global batch, if it divides; else `accum` unchanged. With the log line.
+fn rescale(saved: &SavedShape, batch_size: usize, world: usize, accum: usize) -> (usize, String) {
+    let global = saved.batch_size * saved.world * saved.grad_accum;
+    let per_step = batch_size * world;
+    let head = format!("world size {} -> {world}", saved.world);
+    if global % per_step == 0 {
+        let kept = global / per_step;
+        return (
+            kept,
+            format!(
+                "{head}: grad_accum {} -> {kept} keeps the global batch of {global} sequences",
+                saved.grad_accum
+            ),
+        );
+    }
+    (
+        accum,
+        format!(
+            "{head}: the global batch of {global} sequences is not a multiple of {batch_size} x \
+             {world}, so it changes to {}; the data are re-split by the new world",
+            per_step * accum
+        ),
+    )
+}
+
+/// This rank's offset in the epoch after a change of world size: the
+/// samples all `from` ranks consumed together, shared among `to` ranks
+/// (rounded down, so at most `to - 1` samples are read twice, none skipped).
+pub(crate) fn remap_offset(offset: usize, from: usize, to: usize) -> usize {
+    offset * from / to.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_global_batch_is_kept_when_it_divides() {
+        let saved = SavedShape {
+            world: 4,
+            batch_size: 2,
+            grad_accum: 1,
+        };
+        let (accum, note) = rescale(&saved, 2, 2, 1);
+        assert_eq!(accum, 2);
+        assert!(
+            note.contains("world size 4 -> 2: grad_accum 1 -> 2"),
+            "{note}"
+        );
+        assert_eq!(rescale(&saved, 2, 4, 1).0, 1);
+        let (accum, note) = rescale(&saved, 2, 3, 1);
+        assert_eq!(accum, 1);
+        assert!(note.contains("changes to 6"), "{note}");
+    }
+
+    #[test]
+    fn the_position_is_the_samples_all_ranks_consumed() {
+        assert_eq!(remap_offset(10, 2, 1), 20);
+        assert_eq!(remap_offset(10, 1, 2), 5);
+        assert_eq!(remap_offset(7, 2, 3), 4);
+        assert_eq!(remap_offset(7, 3, 3), 7);
+    }
+
+    #[test]
+    fn a_restarted_worker_resumes_only_from_a_checkpoint_that_exists() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = TrainConfig {
+            out: Some(dir.path().to_path_buf()),
+            ..TrainConfig::default()
+        };
+        // No checkpoint yet: start from scratch even after a restart.
+        let (same, notes) = prepare_resume(&cfg, 2, 3);
+        assert_eq!((same.resume, notes.len()), (None, 0));
+        std::fs::write(dir.path().join("latest"), "step-000010").unwrap();
+        std::fs::create_dir(dir.path().join("step-000010")).unwrap();
+        std::fs::write(dir.path().join("step-000010/config.json"), "{}").unwrap();
+        let (first, _) = prepare_resume(&cfg, 2, 0);
+        assert_eq!(first.resume, None, "a first start never resumes by itself");
+        let (restarted, notes) = prepare_resume(&cfg, 2, 1);
+        assert_eq!(restarted.resume.as_deref(), Some(dir.path()));
+        assert!(notes[0].starts_with("restart 1 of this job"), "{notes:?}");
+    }
+}

@@ -37,10 +37,13 @@ mod fault;
 mod file_data;
 mod parameter_server;
 mod phases;
+mod pipeline;
 mod train;
 
 pub use checkpoint::TrainState;
-pub use config::{ConfigError, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB};
+pub use config::{
+    ConfigError, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB,
+};
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::FileData;
@@ -48,6 +51,7 @@ pub use parameter_server::{
     run_ps_bench, train_parameter_server, BenchPsArgs, BenchPsResult, Rendezvous,
 };
 pub use phases::{Phase, Phases};
+pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
 pub use train::{build_dataset, model_config, train, Outcome};
 
 use cohort_comm::{init_process_group, CommError, GroupOptions, InitOptions, ProcessGroup};
@@ -170,5 +174,9 @@ pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
     if pg.rank() == 0 {
         notes.iter().for_each(|note| println!("{note}"));
     }
-    train(&cfg, &pg, &mut std::io::stdout())
+    let cfg = &cfg;
+    if cfg.strategy == Strategy::Pipeline {
+        return train_pipeline(cfg, &pg, &mut std::io::stdout());
+    }
+    train(cfg, &pg, &mut std::io::stdout())
 }

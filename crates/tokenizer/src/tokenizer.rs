@@ -392,6 +392,29 @@ mod tests {
         );
     }
 
+    /// Ranks of a job never train their own tokenizer (rank 0 writes it, the others load it),
+    /// but a rerun must get the same ids: training is deterministic even where pair counts tie
+    /// and hash maps iterate in a different order (every map here has fresh random keys).
+    #[test]
+    fn bpe_training_is_deterministic_with_tied_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let words: Vec<String> = (0..400)
+            .map(|i| format!("w{}x{} ", i % 37, i % 11))
+            .collect();
+        let corpus = write(dir.path(), "c.txt", words.concat().as_bytes());
+        let first = Tokenizer::train_bpe(&[&corpus], 320, &["<|endoftext|>"])
+            .unwrap()
+            .to_json()
+            .unwrap();
+        for _ in 0..3 {
+            let again = Tokenizer::train_bpe(&[&corpus], 320, &["<|endoftext|>"])
+                .unwrap()
+                .to_json()
+                .unwrap();
+            assert!(again == first, "two trainings on the same corpus differ");
+        }
+    }
+
     #[test]
     fn added_tokens_count_new_ones_and_keep_existing_ids() {
         let mut tok = Tokenizer::char_level("abc ".chars());

@@ -177,7 +177,9 @@ impl ModelConfig {
     /// Parses config.pbtxt text.
     pub fn from_pbtxt(text: &str, path: &Path) -> Result<ModelConfig, ServeError> {
         let value = pbtxt::parse(text, REPEATED).map_err(|e| config_err(path, e))?;
-        let cfg: ModelConfig = serde_json::from_value(value).map_err(|e| config_err(path, e))?;
+        // the error names the field at fault (serde_json's alone does not, for a Value)
+        let cfg: ModelConfig = serde_path_to_error::deserialize(value)
+            .map_err(|e| config_err(path, format!("{}: {}", e.path(), e.inner())))?;
         cfg.validate(path)
     }
 

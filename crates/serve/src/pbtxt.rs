@@ -200,10 +200,14 @@ impl Parser<'_> {
     fn string(&mut self, quote: char) -> Result<String, SyntaxError> {
         let mut s = String::new();
         loop {
-            match self.bump() {
+            let c = match self.peek() {
                 None | Some('\n') => return self.err("unterminated string"),
-                Some(c) if c == quote => break,
-                Some('\\') => match self.bump() {
+                Some(c) => c,
+            };
+            self.bump();
+            match c {
+                c if c == quote => break,
+                '\\' => match self.bump() {
                     Some('n') => s.push('\n'),
                     Some('t') => s.push('\t'),
                     Some('r') => s.push('\r'),
@@ -211,7 +215,7 @@ impl Parser<'_> {
                     Some(c) => return self.err(format!("unsupported escape \\{c}")),
                     None => return self.err("unterminated string"),
                 },
-                Some(c) => s.push(c),
+                c => s.push(c),
             }
         }
         // adjacent string literals concatenate, as in C

@@ -374,7 +374,7 @@ fn http_and_grpc_answer_what_the_forward_pass_computes_and_batching_changes_noth
             .parse()
             .unwrap()
     };
-    assert_eq!(value("nv_inference_request_success"), 20.0);
+    assert_eq!(value("nv_inference_request_success"), 19.0);
     assert_eq!(value("nv_inference_count"), 16.0 + 3.0 * rows as f64);
     let execs = value("nv_inference_exec_count");
     assert!(

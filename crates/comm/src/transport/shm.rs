@@ -64,11 +64,10 @@ const MAGIC: u64 = 0x636f_686f_7274_7368; // "cohortsh"
 
 /// How long a sleeper may go without checking that its peers are alive.
 pub(crate) const LIVENESS_SLICE: Duration = Duration::from_millis(50);
-/// How long a waiter spins before it sleeps. Long enough to catch a peer
-/// that is a few microseconds behind (a 4 KB exchange), short enough that a
-/// waiting communication thread does not steal the core its own rank's
-/// compute threads need on a machine with as many ranks as cores.
-const SPIN: Duration = Duration::from_micros(20);
+/// The longest a waiter spins before it sleeps: enough to catch a peer that
+/// is a few microseconds behind (a 4 KB exchange) without the cost of a
+/// futex wake-up. The budget adapts below it (see [`ShmTransport::wait_until`]).
+const SPIN_MAX_NS: u32 = 20_000;
 
 // Header offsets.
 const OFF_MAGIC: usize = 0;
@@ -288,6 +287,8 @@ pub struct ShmTransport {
     /// Peers whose socket was seen hung up (dead without closing).
     dead: Vec<AtomicBool>,
     shut: AtomicBool,
+    /// Current spin budget in nanoseconds.
+    spin_ns: AtomicU32,
 }
 
 impl std::fmt::Debug for ShmTransport {
@@ -367,6 +368,7 @@ impl ShmTransport {
                 .collect(),
             dead: (0..size).map(|_| AtomicBool::new(false)).collect(),
             shut: AtomicBool::new(false),
+            spin_ns: AtomicU32::new(SPIN_MAX_NS),
         })
     }
 
@@ -455,6 +457,13 @@ impl ShmTransport {
     /// Sleeps until `ready()` holds, this rank shuts down, one of `peers`
     /// closes or dies, or `deadline` passes; spins for a moment first.
     /// Returns whether `ready()` (or a failure to report) holds.
+    ///
+    /// The spin budget adapts to how long waits turn out to be: a wait
+    /// that ends within [`SPIN_MAX_NS`] after all sets the budget to twice
+    /// its length (a longer spin would have saved the sleep), a longer one
+    /// halves it. Ranks in lockstep (a benchmark loop) keep spinning; a
+    /// communication thread whose peer lags behind its backward pass stops
+    /// burning the core its own compute thread needs.
     pub(crate) fn wait_until(
         &self,
         ch: Channel,
@@ -463,7 +472,12 @@ impl ShmTransport {
         mut ready: impl FnMut() -> bool,
     ) -> bool {
         let failed = |t: &Self| t.is_shut() || peers.iter().any(|&p| t.peer_gone(p));
-        let spin_end = Instant::now() + SPIN;
+        if ready() || failed(self) {
+            return true;
+        }
+        let start = Instant::now();
+        let budget = self.spin_ns.load(Ordering::Relaxed);
+        let spin_end = start + Duration::from_nanos(u64::from(budget));
         let mut i = 0u32;
         loop {
             if ready() || failed(self) {
@@ -475,6 +489,26 @@ impl ShmTransport {
                 break;
             }
         }
+        let woke = self.sleep_until(ch, peers, deadline, &mut ready, failed);
+        let waited = start.elapsed().as_nanos().min(u128::from(u32::MAX)) as u32;
+        let next = if waited <= SPIN_MAX_NS {
+            waited.saturating_mul(2).clamp(budget, SPIN_MAX_NS)
+        } else {
+            budget / 2
+        };
+        self.spin_ns.store(next, Ordering::Relaxed);
+        woke
+    }
+
+    /// The sleeping half of [`wait_until`](Self::wait_until).
+    fn sleep_until(
+        &self,
+        ch: Channel,
+        peers: &[usize],
+        deadline: Instant,
+        ready: &mut impl FnMut() -> bool,
+        failed: impl Fn(&Self) -> bool,
+    ) -> bool {
         let c = ch_index(ch);
         let own = self.own();
         let bell = own.bell(c);

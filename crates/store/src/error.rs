@@ -67,9 +67,9 @@ pub enum StoreError {
     Auth {
         /// The address of the store.
         location: String,
-        /// What failed.
+        /// What failed (boxed: errors that embed `StoreError` stay small).
         #[source]
-        source: crate::auth::AuthError,
+        source: Box<crate::auth::AuthError>,
     },
     /// A key or a value is larger than the stores accept
     /// ([`MAX_KEY_LEN`](crate::MAX_KEY_LEN), [`MAX_VALUE_LEN`](crate::MAX_VALUE_LEN)).

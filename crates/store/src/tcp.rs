@@ -135,7 +135,7 @@ impl TcpStore {
                             Err(OpenError::Auth(source)) => {
                                 return Err(StoreError::Auth {
                                     location: name,
-                                    source,
+                                    source: Box::new(source),
                                 })
                             }
                             Err(OpenError::Io(e)) => last_err = e,
@@ -257,7 +257,7 @@ impl TcpStore {
                 OpenError::Protocol(detail) => self.protocol_err(detail),
                 OpenError::Auth(source) => StoreError::Auth {
                     location: self.addr.clone(),
-                    source,
+                    source: Box::new(source),
                 },
             })?,
         };
@@ -514,12 +514,25 @@ mod tests {
         assert!(err.to_string().contains(&addr), "{err}");
     }
 
-    /// A port on which nothing listens (free a moment ago).
+    /// A port on which nothing listens (free a moment ago), below the
+    /// kernel's ephemeral range: a port from that range could be handed to
+    /// a server another test binds to port 0 meanwhile.
     fn dead_addr() -> SocketAddr {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
+        let first_ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+            .unwrap_or(32768);
+        let start = first_ephemeral.saturating_sub(4096).max(1024);
+        let spread = (first_ephemeral - start).max(1);
+        let seed = std::process::id() as u16 ^ Instant::now().elapsed().subsec_nanos() as u16;
+        (0..spread)
+            .map(|i| start + (seed.wrapping_add(i.wrapping_mul(97))) % spread)
+            .find_map(|port| {
+                std::net::TcpListener::bind(("127.0.0.1", port))
+                    .and_then(|l| l.local_addr())
+                    .ok()
+            })
+            .expect("a free port below the ephemeral range")
     }
 
     #[test]
@@ -544,15 +557,20 @@ mod tests {
     #[test]
     fn a_client_started_before_its_server_waits_for_it() {
         let addr = dead_addr();
+        let (answered, server_may_go) = std::sync::mpsc::channel();
         let late = thread::spawn(move || {
             thread::sleep(Duration::from_millis(100));
             let server = TcpStoreServer::bind(addr).unwrap();
             let store = TcpStore::connect(addr, SHORT).unwrap();
             store.wait(&["done"], Duration::from_secs(10)).unwrap();
+            // The key is set before its setter has the answer: keep the
+            // server up until it does.
+            server_may_go.recv().unwrap();
             drop(server);
         });
         let store = TcpStore::connect(addr, Duration::from_secs(10)).unwrap();
         store.set("done", b"").unwrap();
+        answered.send(()).unwrap();
         late.join().unwrap();
     }
 
@@ -801,13 +819,8 @@ mod tests {
         let err =
             TcpStore::connect_with_secret(addr, Duration::from_secs(60), Some(other)).unwrap_err();
         assert!(
-            matches!(
-                err,
-                StoreError::Auth {
-                    source: AuthError::WrongProof { peer: "server" },
-                    ..
-                }
-            ),
+            matches!(&err, StoreError::Auth { source, .. }
+                if matches!(**source, AuthError::WrongProof { peer: "server" })),
             "{err:?}"
         );
         assert!(err.to_string().contains(SECRET_ENV), "{err}");

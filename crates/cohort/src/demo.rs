@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
 use cohort_launcher::WorkerEnv;
-use cohort_store::{Store, TcpStore};
+use cohort_store::{Secret, Store, TcpStore};
 
 /// Hidden worker used by `cohort run -n 2 demo` (not meant to be run alone).
 #[derive(clap::Args, Debug)]
@@ -25,7 +25,7 @@ pub fn main(args: DemoArgs) -> anyhow::Result<()> {
     } else {
         format!("{}:{}", env.master_addr, env.master_port)
     };
-    let store = TcpStore::connect(addr.as_str(), timeout)
+    let store = TcpStore::connect_with_secret(addr.as_str(), timeout, Secret::from_env()?)
         .with_context(|| format!("rank {}: connecting to the store at {addr}", env.rank))?;
     // The store persists across restarts, so each round checks in under its own keys.
     let round = format!("demo/{}", env.restart_count);

@@ -9,13 +9,15 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::CommandFactory;
 use cohort_launcher::{launch, LaunchConfig, LaunchError, DEFAULT_MASTER_PORT};
+use cohort_store::Secret;
 
 /// Start the workers of a job on this node, watch them, restart them (torchrun).
 ///
 /// Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 /// GROUP_RANK, MASTER_ADDR, MASTER_PORT, COHORT_RESTART_COUNT and
 /// COHORT_NUM_THREADS / OMP_NUM_THREADS (the cores divided among the local
-/// workers, unless already set). Examples:
+/// workers, unless already set), and COHORT_SECRET, the job secret without
+/// which nobody gets into the job's store or sockets. Examples:
 ///
 ///   cohort run -n 2 train --steps 100        (cohort's own subcommand)
 ///
@@ -52,6 +54,15 @@ pub struct RunArgs {
     /// Seconds to wait for every node to join.
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
     join_timeout: f64,
+    /// The job secret, 64 hex characters, the same on every node: the store
+    /// and the workers' sockets admit only processes that know it. Visible
+    /// to other users in `ps`: prefer --secret-file or COHORT_SECRET. A
+    /// single-node job without one makes its own.
+    #[arg(long, value_name = "HEX", conflicts_with = "secret_file")]
+    secret: Option<String>,
+    /// Read the job secret (64 hex characters) from this file.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<PathBuf>,
     /// The worker: a cohort subcommand and its arguments (`train --steps 3`),
     /// or `-- PROGRAM ARGS...` for any program.
     #[arg(trailing_var_arg = true, required = true, value_name = "COMMAND")]
@@ -109,6 +120,11 @@ impl RunArgs {
         config.max_restarts = self.max_restarts;
         config.stop_grace = seconds("--grace-period", self.grace_period)?;
         config.join_timeout = seconds("--join-timeout", self.join_timeout)?;
+        config.secret = match (self.secret, self.secret_file) {
+            (Some(hex), _) => Some(Secret::from_hex(&hex, "--secret")?),
+            (None, Some(path)) => Some(Secret::from_file(&path)?),
+            (None, None) => None,
+        };
         Ok(config)
     }
 }

@@ -5,6 +5,8 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use cohort_store::Secret;
+
 use crate::LaunchError;
 
 /// torchrun's default `--master-port`.
@@ -46,6 +48,9 @@ pub struct LaunchConfig {
     pub stop_grace: Duration,
     /// How long a node agent waits for all nodes to join a round.
     pub join_timeout: Duration,
+    /// The job secret (`--secret`, `--secret-file`); `None`: from
+    /// `COHORT_SECRET`, or made up for a single-node job (see `secret.rs`).
+    pub secret: Option<Secret>,
 }
 
 impl LaunchConfig {
@@ -63,6 +68,7 @@ impl LaunchConfig {
             max_restarts: 0,
             stop_grace: DEFAULT_STOP_GRACE,
             join_timeout: DEFAULT_JOIN_TIMEOUT,
+            secret: None,
         }
     }
 

@@ -10,7 +10,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use cohort_store::{Store, StoreError, TcpStore, TcpStoreServer};
+use cohort_store::auth::SECRET_ENV;
+use cohort_store::{Secret, Store, StoreError, TcpStore, TcpStoreServer};
 
 use crate::env::{self, JobShape};
 use crate::events::{Event, Events};
@@ -92,11 +93,12 @@ enum Failed {
 pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let launch_time = SystemTime::now();
     config.validate()?;
+    let secret = crate::secret::job_secret(config)?;
     let events = Events::install().map_err(LaunchError::Signals)?;
 
     // Binding before anything is spawned turns a taken port into one clear error.
     let server = if config.node_rank == 0 {
-        Some(host_store(config)?)
+        Some(host_store(config, &secret)?)
     } else {
         None
     };
@@ -116,7 +118,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         }
         None => host_port(&config.master_addr, port),
     };
-    let store = match connect_store(&addr, config, port, &events)? {
+    let store = match connect_store(&addr, config, port, &secret, &events)? {
         Wait::Done(store) => store,
         Wait::Stopped(signal) => return Ok(interrupted(signal)),
     };
@@ -156,7 +158,7 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         launch_time,
     };
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    let thread_vars = env::thread_vars(cores, config.nproc_per_node, |k| std::env::var(k).ok());
+    let mut thread_vars = env::thread_vars(cores, config.nproc_per_node, |k| std::env::var(k).ok());
     if config.nproc_per_node > 1 {
         if let Some((_, threads)) = thread_vars.first() {
             let names: Vec<&str> = thread_vars.iter().map(|(k, _)| *k).collect();
@@ -166,6 +168,10 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
                 config.nproc_per_node
             ));
         }
+    }
+    // Through the environment only: a command line is readable by every user.
+    if let Some(secret) = &secret {
+        thread_vars.push((SECRET_ENV, secret.to_hex()));
     }
 
     let outcome = run_rounds(config, &job, &thread_vars, &rdzv, &events);
@@ -353,7 +359,10 @@ pub(crate) fn note(message: &str) {
 
 /// Binds the store on node 0: on `master_addr` itself when it is a loopback
 /// address (a single-node job stays off the network), else on every interface.
-fn host_store(config: &LaunchConfig) -> Result<TcpStoreServer, LaunchError> {
+fn host_store(
+    config: &LaunchConfig,
+    secret: &Option<Secret>,
+) -> Result<TcpStoreServer, LaunchError> {
     let ip = match config.master_addr.parse::<IpAddr>() {
         Ok(ip) if ip.is_loopback() => ip,
         _ if config.master_addr == "localhost" => IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -364,7 +373,8 @@ fn host_store(config: &LaunchConfig) -> Result<TcpStoreServer, LaunchError> {
     } else {
         config.master_port
     };
-    TcpStoreServer::bind(SocketAddr::new(ip, port)).map_err(|source| match source {
+    let addr = SocketAddr::new(ip, port);
+    TcpStoreServer::bind_with_secret(addr, secret.clone()).map_err(|source| match source {
         StoreError::Bind { ref source, .. } if source.kind() == std::io::ErrorKind::AddrInUse => {
             LaunchError::PortInUse {
                 addr: ip.to_string(),
@@ -386,6 +396,7 @@ fn connect_store(
     addr: &str,
     config: &LaunchConfig,
     port: u16,
+    secret: &Option<Secret>,
     events: &Events,
 ) -> Result<Wait<Arc<dyn Store>>, LaunchError> {
     let fail = |source| LaunchError::Store {
@@ -398,7 +409,7 @@ fn connect_store(
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         // Short attempts, so that a signal is noticed while node 0 is awaited.
-        match TcpStore::connect(addr, left.min(PEER_POLL * 4)) {
+        match TcpStore::connect_with_secret(addr, left.min(PEER_POLL * 4), secret.clone()) {
             Ok(_) => break,
             Err(StoreError::Connect { .. }) if Instant::now() < deadline => {}
             Err(StoreError::Connect { addr, source, .. }) => {
@@ -415,7 +426,8 @@ fn connect_store(
         }
     }
     // The server is up: this connection gets the long timeout for its calls.
-    let store = TcpStore::connect(addr, config.join_timeout).map_err(fail)?;
+    let store =
+        TcpStore::connect_with_secret(addr, config.join_timeout, secret.clone()).map_err(fail)?;
     Ok(Wait::Done(Arc::new(store)))
 }
 

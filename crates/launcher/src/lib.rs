@@ -42,6 +42,7 @@ mod launch;
 mod output;
 mod process;
 mod rendezvous;
+mod secret;
 
 pub use config::{LaunchConfig, DEFAULT_JOIN_TIMEOUT, DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE};
 pub use env::{EnvError, WorkerEnv};

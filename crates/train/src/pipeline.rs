@@ -328,7 +328,7 @@ fn invalid(key: &'static str, value: String, why: &'static str) -> TrainError {
 /// The number of stages of a run on `world` ranks (`stages = 0`: all of them), checked.
 fn stage_count(stages: usize, world: usize, n_layers: usize) -> Result<usize, TrainError> {
     let s = if stages == 0 { world } else { stages };
-    if world % s != 0 {
+    if !world.is_multiple_of(s) {
         return Err(invalid(
             "stages",
             s.to_string(),
@@ -763,7 +763,7 @@ pub fn run_pipeline_bench(
     let stages = stage_count(args.stages.unwrap_or(0), world, cfg.n_layers)?;
     let batch = args.batch.unwrap_or(per_rank * world);
     let m = args.micro_batches;
-    if m == 0 || batch % m != 0 {
+    if m == 0 || !batch.is_multiple_of(m) {
         return Err(invalid(
             "micro_batches",
             m.to_string(),

@@ -1,12 +1,13 @@
-//! Measures what a rank pays the stores at start-up: TcpStore connect and
-//! set+get round trips on loopback, and FileStore set+get, each as min,
-//! median and p99 over many repetitions.
+//! Measures what a rank pays the stores at start-up: TcpStore connect
+//! (without and with the job-secret handshake) and set+get round trips on
+//! loopback, and FileStore set+get, each as min, median and p99 over many
+//! repetitions.
 //!
 //! `cargo run --release -p cohort-store --example store_latency [ITERS]`
 
 use std::time::{Duration, Instant};
 
-use cohort_store::{FileStore, Store, TcpStore, TcpStoreServer};
+use cohort_store::{FileStore, Secret, Store, TcpStore, TcpStoreServer};
 
 fn report(what: &str, mut samples: Vec<Duration>) {
     samples.sort();
@@ -58,6 +59,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             store.get(&key).unwrap();
         }),
     );
+    let secret = Secret::generate()?;
+    let guarded = TcpStoreServer::bind_with_secret("127.0.0.1:0", Some(secret.clone()))?;
+    report(
+        "tcp connect (handshake + hello)",
+        time(iters / 10, |_| {
+            TcpStore::connect_with_secret(guarded.local_addr(), timeout, Some(secret.clone()))
+                .unwrap();
+        }),
+    );
+
     let store = TcpStore::connect(addr, timeout)?;
     report(
         "tcp set + get (same key)",

@@ -1,12 +1,15 @@
 //! `cohort bench ...`: benchmarks. `collectives` times the collectives of
 //! cohort-comm in the style of nccl-tests; run it under the launcher
-//! (`cohort run -n 2 bench collectives`), which sets the `env://` variables.
+//! (`cohort run -n 2 bench collectives`), which sets the `env://` variables,
+//! or with `--backend mpi` under `mpirun -np 2` (a build with `--features mpi`).
 
 use anyhow::{bail, Context};
 use cohort_comm::bench::{self, BenchOptions};
 use cohort_comm::{
-    init_process_group, Algorithm, DType, InitOptions, OpKind, ReduceOp, ALL_COLLECTIVES,
+    init_process_group, Algorithm, DType, GroupOptions, InitOptions, OpKind, ReduceOp,
+    ALL_COLLECTIVES,
 };
+use cohort_train::CommBackend;
 
 /// Benchmarks.
 #[derive(clap::Args, Debug)]
@@ -80,6 +83,10 @@ struct CollectivesArgs {
     /// Algorithm: auto, ring or tree (default: COHORT_ALGO, else auto).
     #[arg(long)]
     algo: Option<String>,
+    /// Collectives library: cohort (ranks from `cohort run`) or mpi (ranks from mpirun or
+    /// srun; a build with the `mpi` feature).
+    #[arg(long, value_enum, default_value = "cohort")]
+    backend: CommBackend,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -184,8 +191,12 @@ fn collectives(a: CollectivesArgs) -> anyhow::Result<()> {
     if opts.factor < 2 {
         bail!("--factor must be at least 2");
     }
-    let pg = init_process_group("tcp", "env://", InitOptions::default())
-        .context("joining the process group (run under `cohort run -n N bench collectives`)")?;
+    let pg = match a.backend {
+        CommBackend::Cohort => init_process_group("tcp", "env://", InitOptions::default())
+            .context("joining the process group (run under `cohort run -n N bench collectives`)")?,
+        CommBackend::Mpi => cohort_mpi::init(GroupOptions::from_env()?)
+            .context("joining the MPI job (run under `mpirun -np N`)")?,
+    };
     if let Some(algo) = &a.algo {
         pg.set_algorithm(
             Algorithm::parse(algo)

@@ -1,6 +1,7 @@
 //! `cohort train`: the main job. Resolves the settings (defaults, `--config
 //! FILE`, flags) and calls `cohort_train::run`, which trains alone or, under
-//! `cohort run -n N train`, as one rank of the job (`env://`).
+//! `cohort run -n N train`, as one rank of the job (`env://`), or with
+//! `--backend mpi` as one rank of the MPI job mpirun or srun started.
 
 use anyhow::Context;
 
@@ -15,6 +16,8 @@ use anyhow::Context;
 ///   cohort run -n 2 train --config run.toml --lr 3e-4 --out ckpt
 ///
 ///   cohort run -n 2 train --resume ckpt --steps 400
+///
+///   mpirun -np 4 cohort train --backend mpi      (a build with --features mpi)
 #[derive(clap::Args, Debug)]
 #[command(verbatim_doc_comment)]
 pub struct TrainCmd {

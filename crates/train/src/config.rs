@@ -132,6 +132,11 @@ pub struct TrainConfig {
     /// Parameter server, async mode: the most updates a pushed gradient's
     /// parameters may lag the server's; staler gradients are dropped.
     pub max_staleness: u64,
+    /// Where the collectives run: cohort's own backend (`cohort`, the ranks
+    /// started by `cohort run`) or MPI (`mpi`: the ranks started by mpirun
+    /// or srun, rank and world from MPI; needs a build with the `mpi`
+    /// feature).
+    pub backend: CommBackend,
     /// Pipeline: stages the blocks are split into, on consecutive ranks (0:
     /// one per rank); the ranks must be a multiple (stages x replicas).
     pub stages: usize,
@@ -168,6 +173,18 @@ pub enum PipelineSchedule {
     #[serde(rename = "1f1b")]
     #[value(name = "1f1b")]
     OneFOneB,
+}
+
+/// Which library runs the collectives of a training job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum CommBackend {
+    /// cohort-comm: TCP or Unix sockets between ranks that `cohort run`
+    /// started (`env://`).
+    #[default]
+    Cohort,
+    /// MPI through cohort-mpi, for ranks that mpirun or srun started.
+    Mpi,
 }
 
 /// How a parameter server applies the workers' gradients.
@@ -464,6 +481,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<u64>,
+    /// Collectives: cohort (ranks from `cohort run`) or mpi (ranks from mpirun or srun; a build
+    /// with the `mpi` feature) [default: cohort].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<CommBackend>,
     /// Pipeline: stages, on consecutive ranks [default: 0; 0 = one per rank].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -41,6 +41,7 @@ mod pipeline;
 mod train;
 
 pub use checkpoint::TrainState;
+pub use config::CommBackend;
 pub use config::{
     ConfigError, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB,
 };
@@ -105,6 +106,9 @@ pub enum TrainError {
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),
+    /// The MPI backend could not start (`backend = "mpi"`).
+    #[error("MPI backend: {0}")]
+    Mpi(#[from] cohort_mpi::MpiError),
     /// The parameter server's calls failed (a worker or the server died,
     /// timed out, or refused a gradient).
     #[error("parameter server: {what}: {error}")]
@@ -148,10 +152,13 @@ impl TrainError {
 }
 
 /// The process group of this process: the job's, when a launcher (or the
-/// user) set `RANK` (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE);
-/// otherwise a world of one, which opens no socket.
+/// user) set `RANK` (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
+/// or Slurm set SLURM_PROCID and the user MASTER_ADDR (srun; SLURM_PROCID
+/// alone is also set in a batch script's own step); otherwise a world of
+/// one, which opens no socket.
 pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
-    let pg = if std::env::var_os("RANK").is_some() {
+    let var = |name| std::env::var_os(name).is_some();
+    let pg = if var("RANK") || (var("SLURM_PROCID") && var("MASTER_ADDR")) {
         init_process_group("tcp", "env://", InitOptions::default())
     } else {
         GroupOptions::from_env().and_then(|opts| {
@@ -161,6 +168,19 @@ pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
     pg.map_err(TrainError::comm("joining the process group"))
 }
 
+/// The process group `cfg.backend` asks for: [`process_group_from_env`]
+/// for `cohort`; for `mpi`, every process of the MPI job, with the group
+/// settings of the environment (COHORT_TIMEOUT).
+pub fn process_group_for(cfg: &TrainConfig) -> Result<ProcessGroup, TrainError> {
+    match cfg.backend {
+        CommBackend::Cohort => process_group_from_env(),
+        CommBackend::Mpi => {
+            let opts = GroupOptions::from_env().map_err(TrainError::comm("joining the MPI job"))?;
+            Ok(cohort_mpi::init(opts)?)
+        }
+    }
+}
+
 /// `cohort train`: joins the job (or trains alone) and trains, rank 0
 /// logging to stdout.
 pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
@@ -168,7 +188,7 @@ pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
         // No process group: the server and its workers talk over RPC.
         return train_parameter_server(cfg, Rendezvous::Env, &mut std::io::stdout());
     }
-    let pg = process_group_from_env()?;
+    let pg = process_group_for(cfg)?;
     // After a restart by the launcher, continue from the job's checkpoints.
     let (cfg, notes) = elastic::prepare_resume(cfg, pg.size(), elastic::restart_count_from_env()?);
     if pg.rank() == 0 {

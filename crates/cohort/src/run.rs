@@ -17,22 +17,29 @@ use cohort_store::Secret;
 /// GROUP_RANK, MASTER_ADDR, MASTER_PORT, COHORT_RESTART_COUNT and
 /// COHORT_NUM_THREADS / OMP_NUM_THREADS (the cores divided among the local
 /// workers, unless already set), and COHORT_SECRET, the job secret without
-/// which nobody gets into the job's store or sockets. Examples:
+/// which nobody gets into the job's store or sockets. With --nnodes MIN:MAX
+/// nodes may join late or leave: after a failure or a lost node (no
+/// heartbeat for --heartbeat-timeout) the workers restart on the nodes still
+/// alive with new ranks, and `cohort train --out DIR` resumes from DIR.
+/// Examples:
 ///
 ///   cohort run -n 2 train --steps 100        (cohort's own subcommand)
 ///
 ///   cohort run --standalone -n 4 -- python3 train.py
 ///
 ///   cohort run --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 -n 2 train
+///
+///   cohort run --nnodes 1:4 --node-rank 3 --master-addr 10.0.0.1 --max-restarts 3 -n 2 train --out ckpt
 #[derive(clap::Args, Debug)]
 #[command(verbatim_doc_comment)]
 pub struct RunArgs {
     /// Workers on this node.
     #[arg(short = 'n', long, alias = "nproc_per_node", default_value_t = 1)]
     nproc_per_node: usize,
-    /// Nodes in the job; run `cohort run` once per node.
-    #[arg(long, default_value_t = 1)]
-    nnodes: usize,
+    /// Nodes in the job, N or MIN:MAX (elastic: each round runs on the nodes
+    /// that joined, at least MIN); run `cohort run` once per node.
+    #[arg(long, value_name = "N|MIN:MAX", default_value = "1")]
+    nnodes: String,
     /// This node's rank, 0..nnodes; node 0 hosts the rendezvous store.
     #[arg(long, alias = "node_rank", default_value_t = 0)]
     node_rank: usize,
@@ -54,6 +61,15 @@ pub struct RunArgs {
     /// Seconds to wait for every node to join.
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0)]
     join_timeout: f64,
+    /// Elastic jobs: seconds a round waits for more nodes once MIN have joined.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    last_call_timeout: f64,
+    /// Seconds without a heartbeat after which a node counts as lost.
+    #[arg(long, value_name = "SECONDS", default_value_t = 15.0)]
+    heartbeat_timeout: f64,
+    /// Serve this agent's health at http://HOST:PORT/health (0: a free port).
+    #[arg(long, value_name = "PORT", env = "TORCHELASTIC_HEALTH_CHECK_PORT")]
+    health_check_port: Option<u16>,
     /// The job secret, 64 hex characters, the same on every node: the store
     /// and the workers' sockets admit only processes that know it. Visible
     /// to other users in `ps`: prefer --secret-file or COHORT_SECRET. A
@@ -112,7 +128,7 @@ impl RunArgs {
         };
         let mut config = LaunchConfig::new(program, args);
         config.nproc_per_node = self.nproc_per_node;
-        config.nnodes = self.nnodes;
+        (config.min_nodes, config.nnodes) = node_range(&self.nnodes)?;
         config.node_rank = self.node_rank;
         config.master_addr = self.master_addr;
         config.master_port = self.master_port;
@@ -120,6 +136,9 @@ impl RunArgs {
         config.max_restarts = self.max_restarts;
         config.stop_grace = seconds("--grace-period", self.grace_period)?;
         config.join_timeout = seconds("--join-timeout", self.join_timeout)?;
+        config.last_call = seconds("--last-call-timeout", self.last_call_timeout)?;
+        config.heartbeat_timeout = seconds("--heartbeat-timeout", self.heartbeat_timeout)?;
+        config.health_check_port = self.health_check_port;
         config.secret = match (self.secret, self.secret_file) {
             (Some(hex), _) => Some(Secret::from_hex(&hex, "--secret")?),
             (None, Some(path)) => Some(Secret::from_file(&path)?),
@@ -163,6 +182,19 @@ fn check_subcommand(name: &OsStr) -> anyhow::Result<OsString> {
     Ok(name.to_owned())
 }
 
+/// `--nnodes N` (a fixed job) or `MIN:MAX` (elastic) as (min, max).
+fn node_range(text: &str) -> anyhow::Result<(Option<usize>, usize)> {
+    let count = |s: &str| {
+        s.trim()
+            .parse::<usize>()
+            .with_context(|| format!("--nnodes {text:?} is not N or MIN:MAX"))
+    };
+    Ok(match text.split_once(':') {
+        Some((min, max)) => (Some(count(min)?), count(max)?),
+        None => (None, count(text)?),
+    })
+}
+
 fn seconds(flag: &str, value: f64) -> anyhow::Result<Duration> {
     Duration::try_from_secs_f64(value)
         .with_context(|| format!("{flag} {value} is not a number of seconds"))
@@ -188,6 +220,15 @@ mod tests {
             3
         ));
         assert!(!command_follows_dashes(argv("cohort run train"), 1));
+    }
+
+    #[test]
+    fn nnodes_is_a_count_or_a_range() {
+        assert_eq!(node_range("2").unwrap(), (None, 2));
+        assert_eq!(node_range("1:4").unwrap(), (Some(1), 4));
+        let err = node_range("1-4").unwrap_err().to_string();
+        assert!(err.contains("\"1-4\""), "{err}");
+        assert!(node_range("a:2").is_err());
     }
 
     #[test]

@@ -19,6 +19,14 @@ pub const DEFAULT_STOP_GRACE: Duration = Duration::from_secs(5);
 /// rendezvous `join_timeout`), unless set.
 pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// How long an agent may miss heartbeats before the others declare its node
+/// lost, unless set (torchrun: 3 missed keep-alives of 5 s).
+pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How long an elastic round stays open for more nodes once `min_nodes` have
+/// joined, unless set (torchrun's `last_call_timeout` is 30 s).
+pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(10);
+
 /// Everything [`launch`](crate::launch) needs to run one node's share of a job.
 ///
 /// Field names follow torchrun's flags (`--nproc-per-node` is
@@ -31,9 +39,14 @@ pub struct LaunchConfig {
     pub args: Vec<OsString>,
     /// Workers on this node.
     pub nproc_per_node: usize,
-    /// Nodes in the job.
+    /// Nodes in the job; with `min_nodes`, the most nodes a round admits.
     pub nnodes: usize,
-    /// This node's rank, `0..nnodes`; node 0 hosts the rendezvous store.
+    /// Elastic jobs (`--nnodes MIN:MAX`): the fewest nodes a round may run
+    /// with. `None` is a fixed job of exactly `nnodes` nodes.
+    pub min_nodes: Option<usize>,
+    /// This node's rank, `0..nnodes`; node 0 hosts the rendezvous store. In
+    /// an elastic job it only orders the nodes: each round numbers the nodes
+    /// that joined it `0..` in the order of their node ranks.
     pub node_rank: usize,
     /// Address of node 0, as the workers and the other nodes reach it.
     pub master_addr: String,
@@ -46,8 +59,15 @@ pub struct LaunchConfig {
     pub max_restarts: u32,
     /// Time between SIGTERM and SIGKILL when the launcher stops workers.
     pub stop_grace: Duration,
-    /// How long a node agent waits for all nodes to join a round.
+    /// How long a node agent waits for enough nodes to join a round.
     pub join_timeout: Duration,
+    /// How long a round waits for more nodes once `min_nodes` have joined.
+    pub last_call: Duration,
+    /// How long a node may miss heartbeats before the others declare it lost.
+    pub heartbeat_timeout: Duration,
+    /// Serve the agent's health on this port (`GET /health`; 0 picks a free
+    /// one), as torchrun does with `TORCHELASTIC_HEALTH_CHECK_PORT`.
+    pub health_check_port: Option<u16>,
     /// The job secret (`--secret`, `--secret-file`); `None`: from
     /// `COHORT_SECRET`, or made up for a single-node job (see `secret.rs`).
     pub secret: Option<Secret>,
@@ -61,6 +81,7 @@ impl LaunchConfig {
             args,
             nproc_per_node: 1,
             nnodes: 1,
+            min_nodes: None,
             node_rank: 0,
             master_addr: "127.0.0.1".to_string(),
             master_port: DEFAULT_MASTER_PORT,
@@ -68,11 +89,24 @@ impl LaunchConfig {
             max_restarts: 0,
             stop_grace: DEFAULT_STOP_GRACE,
             join_timeout: DEFAULT_JOIN_TIMEOUT,
+            last_call: DEFAULT_LAST_CALL,
+            heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
+            health_check_port: None,
             secret: None,
         }
     }
 
-    /// Number of workers in the whole job.
+    /// The fewest nodes a round may run with (`nnodes` for a fixed job).
+    pub fn min_nodes(&self) -> usize {
+        self.min_nodes.unwrap_or(self.nnodes)
+    }
+
+    /// Whether the job may run on fewer nodes than `nnodes`.
+    pub fn is_elastic(&self) -> bool {
+        self.min_nodes() < self.nnodes
+    }
+
+    /// Number of workers in the whole job when every node has joined.
     pub fn world_size(&self) -> usize {
         self.nnodes * self.nproc_per_node
     }
@@ -85,6 +119,17 @@ impl LaunchConfig {
         }
         if self.nnodes == 0 {
             return bad("nnodes must be at least 1".into());
+        }
+        if let Some(min) = self.min_nodes {
+            if min == 0 || min > self.nnodes {
+                return bad(format!(
+                    "nnodes {min}:{} is not a range MIN:MAX with 1 <= MIN <= MAX",
+                    self.nnodes
+                ));
+            }
+        }
+        if self.heartbeat_timeout.is_zero() {
+            return bad("heartbeat_timeout must be above 0".into());
         }
         if self.node_rank >= self.nnodes {
             return bad(format!(
@@ -154,6 +199,15 @@ mod tests {
         let mut c = config();
         c.nproc_per_node = 0;
         assert!(c.validate().is_err());
+
+        let mut c = config();
+        c.nnodes = 2;
+        c.min_nodes = Some(3);
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("nnodes 3:2"), "{err}");
+        c.min_nodes = Some(1);
+        c.validate().unwrap();
+        assert!(c.is_elastic() && c.min_nodes() == 1);
 
         let mut c = config();
         c.master_port = 0;

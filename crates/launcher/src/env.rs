@@ -26,8 +26,10 @@ pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
 pub const MASTER_ADDR: &str = "MASTER_ADDR";
 /// Port of the rendezvous store.
 pub const MASTER_PORT: &str = "MASTER_PORT";
-/// How many times the group has been restarted before this run (torchrun's
-/// `TORCHELASTIC_RESTART_COUNT`).
+/// How many times the group has been restarted before this run, for a
+/// failure or to change its nodes (torchrun's `TORCHELASTIC_RESTART_COUNT`
+/// counts only the former; cohort counts every rendezvous round, so that a
+/// worker can tell a first start (0) from one that must resume).
 pub const RESTART_COUNT: &str = "COHORT_RESTART_COUNT";
 /// The `--max-restarts` of the job.
 pub const MAX_RESTARTS: &str = "COHORT_MAX_RESTARTS";
@@ -48,8 +50,12 @@ pub const LAUNCH_TIME_US: &str = "COHORT_LAUNCH_TIME_US";
 #[derive(Debug, Clone)]
 pub(crate) struct JobShape {
     pub nproc_per_node: usize,
+    /// Nodes in this round.
     pub nnodes: usize,
-    pub node_rank: usize,
+    /// This node's place among them (`GROUP_RANK`); the node rank it was
+    /// started with in a fixed job, its order among the round's nodes in an
+    /// elastic one.
+    pub group_rank: usize,
     pub master_addr: String,
     pub master_port: u16,
     pub max_restarts: u32,
@@ -60,7 +66,7 @@ pub(crate) struct JobShape {
 impl JobShape {
     /// Global rank of local worker `local_rank`.
     pub fn rank(&self, local_rank: usize) -> usize {
-        self.node_rank * self.nproc_per_node + local_rank
+        self.group_rank * self.nproc_per_node + local_rank
     }
 
     /// The variables that identify worker `local_rank` in round `restart`.
@@ -77,7 +83,7 @@ impl JobShape {
             (LOCAL_RANK, local_rank.to_string()),
             (WORLD_SIZE, world.clone()),
             (LOCAL_WORLD_SIZE, self.nproc_per_node.to_string()),
-            (GROUP_RANK, self.node_rank.to_string()),
+            (GROUP_RANK, self.group_rank.to_string()),
             (GROUP_WORLD_SIZE, self.nnodes.to_string()),
             (ROLE_RANK, rank),
             (ROLE_WORLD_SIZE, world),
@@ -227,7 +233,7 @@ mod tests {
         JobShape {
             nproc_per_node: 3,
             nnodes: 2,
-            node_rank: 1,
+            group_rank: 1,
             master_addr: "10.0.0.1".into(),
             master_port: 29501,
             max_restarts: 2,

@@ -49,18 +49,18 @@ pub enum LaunchError {
         #[source]
         source: StoreError,
     },
-    /// Not every node agent arrived in time.
+    /// Too few node agents arrived in time.
     #[error(
-        "rendezvous round {round}: only {arrived} of {nnodes} nodes joined within {timeout:?} \
-         (missing node ranks {missing:?})"
+        "rendezvous round {round}: only {arrived} of the {needed} nodes needed joined within \
+         {timeout:?} (missing node ranks {missing:?})"
     )]
     JoinTimeout {
         /// The restart round being joined.
         round: u32,
         /// Node agents that did arrive.
         arrived: usize,
-        /// Node agents expected.
-        nnodes: usize,
+        /// Node agents needed (`nnodes`, or MIN of an elastic job).
+        needed: usize,
         /// Node ranks that never arrived.
         missing: Vec<usize>,
         /// How long the agent waited.
@@ -100,4 +100,13 @@ pub enum LaunchError {
     /// Signal handling could not be installed.
     #[error("cannot install the launcher's signal handlers")]
     Signals(#[source] std::io::Error),
+    /// The health-check endpoint or the heartbeat thread could not start.
+    #[error("cannot start the agent's {what}")]
+    Agent {
+        /// Which part: `health-check endpoint on port N`, `heartbeat thread`.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
 }

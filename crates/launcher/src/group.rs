@@ -80,7 +80,7 @@ impl WorkerGroup {
     ) -> Result<Self, LaunchError> {
         let mut group = WorkerGroup {
             workers: Vec::with_capacity(config.nproc_per_node),
-            node_rank: job.node_rank,
+            node_rank: config.node_rank,
             restart,
         };
         for local_rank in 0..config.nproc_per_node {
@@ -182,6 +182,9 @@ impl WorkerGroup {
         self.reap();
         if !self.all_exited() {
             self.signal(first);
+            // A stopped worker (SIGSTOP, a debugger's halt) would hold the
+            // signal pending until the grace period ran out.
+            self.signal(libc::SIGCONT);
             let deadline = Instant::now() + grace;
             while !self.all_exited() {
                 let left = deadline.saturating_duration_since(Instant::now());

@@ -16,8 +16,13 @@ use cohort_store::{Secret, Store, StoreError, TcpStore, TcpStoreServer};
 use crate::env::{self, JobShape};
 use crate::events::{Event, Events};
 use crate::group::{WorkerFailure, WorkerGroup, REAP_INTERVAL};
+use crate::health::{AgentStatus, HealthServer, Phase};
+use crate::heartbeat::{beat_interval, Heartbeat, Liveness};
 use crate::process::signal_name;
-use crate::rendezvous::{NodeInfo, Rendezvous, RoundResult, Wait, PEER_POLL};
+use crate::rendezvous::{
+    lost_detail, Interruption, JobEnd, Joined, Membership, NodeInfo, Rendezvous, RoundResult, Wait,
+    PEER_POLL,
+};
 use crate::{LaunchConfig, LaunchError};
 
 /// Extra time node 0 keeps the store up for the other agents to read how the
@@ -72,6 +77,8 @@ enum RoundEnd {
     Succeeded,
     WorkerFailed(WorkerFailure),
     NodeFailed(String),
+    /// A node waits to join and the round has room for it.
+    Regroup,
     Stopped(i32),
 }
 
@@ -95,6 +102,23 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     config.validate()?;
     let secret = crate::secret::job_secret(config)?;
     let events = Events::install().map_err(LaunchError::Signals)?;
+    let status = Arc::new(AgentStatus::new(config.heartbeat_timeout));
+    // Up before the rendezvous, so that a probe sees an agent that waits.
+    let _health = match config.health_check_port {
+        Some(port) => {
+            let server =
+                HealthServer::start(port, status.clone()).map_err(|source| LaunchError::Agent {
+                    what: format!("health-check endpoint on port {port}"),
+                    source,
+                })?;
+            note(&format!(
+                "health check: http://{}/health",
+                server.local_addr()
+            ));
+            Some(server)
+        }
+        None => None,
+    };
 
     // Binding before anything is spawned turns a taken port into one clear error.
     let server = if config.node_rank == 0 {
@@ -126,14 +150,16 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         store,
         &config.master_addr,
         port,
-        config.node_rank,
-        config.nnodes,
         NodeInfo {
+            node_rank: config.node_rank,
             nproc_per_node: config.nproc_per_node,
             max_restarts: config.max_restarts,
+            min_nodes: config.min_nodes(),
+            max_nodes: config.nnodes,
             host: hostname(),
             pid: std::process::id(),
         },
+        config.last_call,
     );
     let proposal = format!(
         "{:x}-{:x}",
@@ -147,16 +173,16 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         Wait::Done(id) => id,
         Wait::Stopped(signal) => return Ok(interrupted(signal)),
     };
-    let job = JobShape {
-        nproc_per_node: config.nproc_per_node,
-        nnodes: config.nnodes,
-        node_rank: config.node_rank,
-        master_addr: config.master_addr.clone(),
-        master_port: port,
-        max_restarts: config.max_restarts,
-        run_id,
-        launch_time,
-    };
+    let heartbeat = Heartbeat::start(
+        rdzv.store(),
+        config.node_rank,
+        beat_interval(config.heartbeat_timeout),
+        status.clone(),
+    )
+    .map_err(|source| LaunchError::Agent {
+        what: "heartbeat thread".into(),
+        source,
+    })?;
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     let mut thread_vars = env::thread_vars(cores, config.nproc_per_node, |k| std::env::var(k).ok());
     if config.nproc_per_node > 1 {
@@ -174,104 +200,214 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
         thread_vars.push((SECRET_ENV, secret.to_hex()));
     }
 
-    let outcome = run_rounds(config, &job, &thread_vars, &rdzv, &events);
-    if outcome.is_ok() {
+    let agent = Agent {
+        config,
+        rdzv: &rdzv,
+        events: &events,
+        status: &status,
+        thread_vars,
+        run_id,
+        launch_time,
+        port,
+    };
+    let outcome = agent.run_rounds();
+    status.set_phase(Phase::Finished);
+    if let Ok((_, Some(last))) = &outcome {
         // Leaving is courtesy to the other agents; a store that is gone by
         // now does not change how this node's job ended.
-        let _ = rdzv.leave(config.stop_grace + LEAVE_MARGIN, &events);
+        let _ = rdzv.leave(
+            last.round,
+            last.nodes.len(),
+            config.stop_grace + LEAVE_MARGIN,
+            &events,
+        );
     }
+    drop(heartbeat);
     drop(server);
-    outcome
+    outcome.map(|(outcome, _)| outcome)
 }
 
-fn run_rounds(
-    config: &LaunchConfig,
-    job: &JobShape,
-    thread_vars: &[(&'static str, String)],
-    rdzv: &Rendezvous,
-    events: &Events,
-) -> Result<LaunchOutcome, LaunchError> {
-    let mut restart = 0;
-    loop {
-        if let Wait::Stopped(signal) = rdzv.join(restart, config.join_timeout, events)? {
-            return stop_job(rdzv, restart, config.node_rank, signal);
-        }
-        let mut group = match WorkerGroup::start(config, job, thread_vars, restart, events) {
-            Ok(group) => group,
-            Err(e) => {
-                // The other nodes must not wait for workers that never came.
-                let _ = rdzv.close();
-                let _ = rdzv.report_failure(restart, &format!("node {}: {e}", config.node_rank));
-                return Err(e);
-            }
-        };
-        let end = watch(&mut group, config, rdzv, restart, events)?;
-        let failure = match end {
-            RoundEnd::Succeeded => match rdzv.finish(restart, events)? {
-                Wait::Done(RoundResult::AllSucceeded) => {
-                    return Ok(LaunchOutcome::Succeeded { restarts: restart })
+/// One node agent between joining the job and leaving it.
+struct Agent<'a> {
+    config: &'a LaunchConfig,
+    rdzv: &'a Rendezvous,
+    events: &'a Events,
+    status: &'a AgentStatus,
+    thread_vars: Vec<(&'static str, String)>,
+    run_id: String,
+    launch_time: SystemTime,
+    /// The store's port, as the workers reach it.
+    port: u16,
+}
+
+impl Agent<'_> {
+    /// Runs rounds until the job ends; returns how, with the last round
+    /// this node ran in.
+    fn run_rounds(&self) -> Result<(LaunchOutcome, Option<Membership>), LaunchError> {
+        let (config, rdzv, events) = (self.config, self.rdzv, self.events);
+        let node_rank = config.node_rank;
+        let mut liveness = Liveness::new(config.heartbeat_timeout);
+        let mut round = rdzv.current_round()?;
+        loop {
+            self.status.set_phase(Phase::Rendezvous);
+            let members = match rdzv.join(round, config.join_timeout, events)? {
+                Wait::Done(Joined::Member(members)) => members,
+                Wait::Done(Joined::Late) => {
+                    note(&format!(
+                        "round {round} runs without this node; waiting to join the next"
+                    ));
+                    round += 1;
+                    continue;
                 }
-                Wait::Done(RoundResult::Failed(detail)) => {
-                    note(&format!("the job failed on another node: {detail}"));
+                Wait::Done(Joined::Closed(end)) => {
+                    note("the job ended before this node got to run");
+                    return Ok((closed_outcome(end), None));
+                }
+                Wait::Stopped(signal) => return self.stop_job(round, signal),
+            };
+            let job = self.job_shape(&members);
+            let world = job.nnodes * job.nproc_per_node;
+            if config.is_elastic() {
+                note(&format!(
+                    "round {round}: {} node(s) (node ranks {:?}), world size {world}",
+                    members.nodes.len(),
+                    members.nodes
+                ));
+            }
+            self.status
+                .set_round(round, members.restarts, members.nodes.len(), world);
+            liveness.watch(&members.others(node_rank));
+            let mut group = match WorkerGroup::start(config, &job, &self.thread_vars, round, events)
+            {
+                Ok(group) => group,
+                Err(e) => {
+                    // The other nodes must not wait for workers that never came.
+                    let _ = rdzv.close(&JobEnd::Stopped(format!("node {node_rank}: {e}")));
+                    let _ = rdzv.report_failure(round, &format!("node {node_rank}: {e}"));
+                    return Err(e);
+                }
+            };
+            self.status.set_phase(Phase::Running);
+            let end = watch(&mut group, config, rdzv, &members, &mut liveness, events)?;
+            self.status.set_phase(Phase::Stopping);
+            let failure = match end {
+                RoundEnd::Succeeded => match rdzv.finish(&members, &mut liveness, events)? {
+                    Wait::Done(RoundResult::AllSucceeded) => {
+                        rdzv.close(&JobEnd::Succeeded)?;
+                        let outcome = LaunchOutcome::Succeeded {
+                            restarts: members.restarts,
+                        };
+                        return Ok((outcome, Some(members)));
+                    }
+                    Wait::Done(RoundResult::Failed(detail)) => {
+                        note(&format!("the job failed on another node: {detail}"));
+                        Failed::Node(detail)
+                    }
+                    Wait::Stopped(signal) => return self.stop_job(round, signal),
+                },
+                RoundEnd::WorkerFailed(failure) => {
+                    rdzv.report_failure(
+                        round,
+                        &format!("node {node_rank}: {}", failure.summary()),
+                    )?;
+                    Failed::Worker(failure)
+                }
+                RoundEnd::NodeFailed(detail) => {
+                    note(&format!(
+                        "stopped this node's workers: the job failed on another node: {detail}"
+                    ));
                     Failed::Node(detail)
                 }
-                Wait::Stopped(signal) => return stop_job(rdzv, restart, config.node_rank, signal),
-            },
-            RoundEnd::WorkerFailed(failure) => {
-                rdzv.report_failure(
-                    restart,
-                    &format!("node {}: {}", config.node_rank, failure.summary()),
-                )?;
-                Failed::Worker(failure)
-            }
-            RoundEnd::NodeFailed(detail) => {
+                RoundEnd::Regroup => {
+                    note("a node is waiting to join: restarting the workers with it (not counted against --max-restarts)");
+                    round += 1;
+                    continue;
+                }
+                RoundEnd::Stopped(signal) => return self.stop_job(round, signal),
+            };
+            if members.restarts < config.max_restarts && rdzv.closed()?.is_none() {
                 note(&format!(
-                    "stopped this node's workers: the job failed on another node: {detail}"
+                    "restarting the workers (restart {} of {})",
+                    members.restarts + 1,
+                    config.max_restarts
                 ));
-                Failed::Node(detail)
+                round += 1;
+                continue;
             }
-            RoundEnd::Stopped(signal) => return stop_job(rdzv, restart, config.node_rank, signal),
-        };
-        if restart < config.max_restarts && !rdzv.is_closed()? {
-            restart += 1;
-            note(&format!(
-                "restarting the workers (restart {restart} of {})",
-                config.max_restarts
-            ));
-            continue;
+            let why = match &failure {
+                Failed::Worker(f) => format!("node {node_rank}: {}", f.summary()),
+                Failed::Node(detail) => detail.clone(),
+            };
+            rdzv.close(&JobEnd::Stopped(why))?;
+            if config.max_restarts > 0 {
+                note(&format!("giving up after {} restarts", members.restarts));
+            }
+            let restarts = members.restarts;
+            let outcome = match failure {
+                Failed::Worker(failure) => LaunchOutcome::WorkerFailed { failure, restarts },
+                Failed::Node(detail) => LaunchOutcome::NodeFailed { detail, restarts },
+            };
+            return Ok((outcome, Some(members)));
         }
-        rdzv.close()?;
-        if config.max_restarts > 0 {
-            note(&format!("giving up after {restart} restarts"));
+    }
+
+    /// What this node's workers are told about round `members`.
+    fn job_shape(&self, members: &Membership) -> JobShape {
+        JobShape {
+            nproc_per_node: self.config.nproc_per_node,
+            nnodes: members.nodes.len(),
+            group_rank: members.group_rank(self.config.node_rank),
+            master_addr: self.config.master_addr.clone(),
+            master_port: self.port,
+            max_restarts: self.config.max_restarts,
+            run_id: self.run_id.clone(),
+            launch_time: self.launch_time,
         }
-        return Ok(match failure {
-            Failed::Worker(failure) => LaunchOutcome::WorkerFailed {
-                failure,
-                restarts: restart,
-            },
-            Failed::Node(detail) => LaunchOutcome::NodeFailed {
-                detail,
-                restarts: restart,
-            },
-        });
+    }
+
+    /// Ends the job after a stop signal: no node restarts, every node stops.
+    fn stop_job(
+        &self,
+        round: u32,
+        signal: i32,
+    ) -> Result<(LaunchOutcome, Option<Membership>), LaunchError> {
+        let why = format!(
+            "node {}'s launcher received {}",
+            self.config.node_rank,
+            signal_name(signal)
+        );
+        // Closing first: a node that sees the failure must also see it is final.
+        let _ = self.rdzv.close(&JobEnd::Stopped(why.clone()));
+        let _ = self.rdzv.report_failure(round, &why);
+        Ok((interrupted(signal), None))
+    }
+}
+
+/// What a node that never ran in the job's last round reports.
+fn closed_outcome(end: JobEnd) -> LaunchOutcome {
+    match end {
+        JobEnd::Succeeded => LaunchOutcome::Succeeded { restarts: 0 },
+        JobEnd::Stopped(detail) => LaunchOutcome::NodeFailed {
+            detail,
+            restarts: 0,
+        },
     }
 }
 
 /// Watches one round until every worker exited, one failed, another node
-/// reported a failure, or the launcher was signalled; in every case but the
-/// first, this node's workers are stopped before it returns.
+/// reported a failure or was lost, a waiting node asks to join, or the
+/// launcher was signalled; in every case but the first, this node's
+/// workers are stopped before it returns.
 fn watch(
     group: &mut WorkerGroup,
     config: &LaunchConfig,
     rdzv: &Rendezvous,
-    restart: u32,
+    members: &Membership,
+    liveness: &mut Liveness,
     events: &Events,
 ) -> Result<RoundEnd, LaunchError> {
-    let tick = if config.nnodes > 1 {
-        PEER_POLL
-    } else {
-        REAP_INTERVAL
-    };
+    let multi_node = config.nnodes > 1;
+    let tick = if multi_node { PEER_POLL } else { REAP_INTERVAL };
     loop {
         if let Some(Event::Stop(signal)) = events.next(tick) {
             note(&format!(
@@ -296,42 +432,46 @@ fn watch(
             group.drain_output();
             return Ok(RoundEnd::Succeeded);
         }
-        if config.nnodes > 1 {
-            match rdzv.failure(restart) {
-                Ok(None) => {}
-                Ok(Some(detail)) => {
-                    return Ok(match group.stop(libc::SIGTERM, config.stop_grace, events) {
-                        Some(signal) => RoundEnd::Stopped(signal),
-                        None => RoundEnd::NodeFailed(detail),
-                    });
-                }
-                Err(e) => {
-                    note("lost the rendezvous store, stopping the workers");
-                    group.stop(libc::SIGTERM, config.stop_grace, events);
-                    return Err(e);
-                }
-            }
+        if !multi_node {
+            continue;
         }
+        let end = match peers(rdzv, members, liveness) {
+            Ok(None) => continue,
+            Ok(Some(Interruption::Failed(detail))) => RoundEnd::NodeFailed(detail),
+            Ok(Some(Interruption::Regroup)) => RoundEnd::Regroup,
+            Err(e) => {
+                note("lost the rendezvous store, stopping the workers");
+                group.stop(libc::SIGTERM, config.stop_grace, events);
+                return Err(e);
+            }
+        };
+        return Ok(match group.stop(libc::SIGTERM, config.stop_grace, events) {
+            Some(signal) => RoundEnd::Stopped(signal),
+            None => end,
+        });
     }
 }
 
-/// Ends the job after a stop signal: no node restarts, every node stops.
-fn stop_job(
+/// Whether the other nodes end the round early: a failure they reported, a
+/// node that stopped beating (reported here for all), or a waiting node.
+fn peers(
     rdzv: &Rendezvous,
-    restart: u32,
-    node_rank: usize,
-    signal: i32,
-) -> Result<LaunchOutcome, LaunchError> {
-    // Closing first: a node that sees the failure must also see it is final.
-    let _ = rdzv.close();
-    let _ = rdzv.report_failure(
-        restart,
-        &format!(
-            "node {node_rank}'s launcher received {}",
-            signal_name(signal)
-        ),
-    );
-    Ok(interrupted(signal))
+    members: &Membership,
+    liveness: &mut Liveness,
+) -> Result<Option<Interruption>, LaunchError> {
+    if let Some(interruption) = rdzv.interruption(members)? {
+        if interruption == Interruption::Regroup {
+            rdzv.report_regroup(members.round)?;
+        }
+        return Ok(Some(interruption));
+    }
+    if let Some(lost) = rdzv.lost_node(liveness)? {
+        let detail = lost_detail(lost);
+        note(&format!("{detail}, stopping the workers"));
+        rdzv.report_failure(members.round, &detail)?;
+        return Ok(Some(Interruption::Failed(detail)));
+    }
+    Ok(None)
 }
 
 fn interrupted(signal: i32) -> LaunchOutcome {

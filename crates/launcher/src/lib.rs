@@ -1,6 +1,8 @@
 //! The `cohort run` launcher (torchrun's role): starts the workers of a job on
 //! each node, watches them, stops them all when one fails, and restarts the
-//! whole group up to `max_restarts` times.
+//! whole group up to `max_restarts` times. Jobs may be elastic (torchrun's
+//! `--nnodes MIN:MAX`): nodes join late or leave, and each restart runs on
+//! the nodes still alive.
 //!
 //! - [`LaunchConfig`]: what to run, how many per node, on how many nodes
 //!   (torchrun's flags as a plain struct);
@@ -14,7 +16,17 @@
 //! Node 0's agent hosts the job's `TcpStoreServer` on `MASTER_PORT` before it
 //! starts any worker and sets `COHORT_STORE_HOSTED=1`, so the workers' rank 0
 //! connects as a client instead of binding the port. The node agents meet in
-//! that store to agree on each restart round. Each worker leads its own
+//! that store to agree on each restart round: which nodes run it (all
+//! `nnodes`; in an elastic job at least `min_nodes` of those that joined,
+//! `last_call` after the `min_nodes`-th arrived), with `RANK`, `WORLD_SIZE`
+//! and `GROUP_RANK` numbered afresh and `COHORT_RESTART_COUNT` set to the
+//! round. Every agent beats a heartbeat counter in the store; a node whose
+//! counter stands still for `heartbeat_timeout` is lost, and the others
+//! restart without it. A node that arrives while a round runs waits for the
+//! next; a round with room for it stops and regroups at once (not counted
+//! against `max_restarts`). Node 0's store is the job's single point of
+//! failure, as in torchrun's c10d rendezvous: when node 0 dies, the job
+//! ends. Each agent can serve its health over HTTP (`health_check_port`). Each worker leads its own
 //! process group and is SIGKILLed by the kernel if the launcher dies, so no
 //! worker outlives the launcher; SIGINT and SIGTERM to the launcher are
 //! forwarded to the workers. Worker output is forwarded line by line behind a
@@ -38,13 +50,18 @@ mod env;
 mod error;
 mod events;
 mod group;
+mod health;
+mod heartbeat;
 mod launch;
 mod output;
 mod process;
 mod rendezvous;
 mod secret;
 
-pub use config::{LaunchConfig, DEFAULT_JOIN_TIMEOUT, DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE};
+pub use config::{
+    LaunchConfig, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL,
+    DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE,
+};
 pub use env::{EnvError, WorkerEnv};
 pub use error::LaunchError;
 pub use group::WorkerFailure;

@@ -1,21 +1,36 @@
-//! How the node agents of a job agree through the store: who is in each
-//! restart round, whether a round failed somewhere (so every node stops and
-//! restarts together), whether it succeeded everywhere, and when node 0 may
-//! stop hosting the store. A round is a set of keys under `round/<r>/`, so a
-//! later round never reads an earlier one's state. This module only reads and
-//! writes store keys; it never touches a process.
+//! How the node agents of a job agree through the store: which nodes run
+//! each round (fixed jobs: all `nnodes`; elastic jobs: whoever joined, at
+//! least `min_nodes`, at most `nnodes`), whether a round failed somewhere or
+//! must regroup to admit a waiting node (so every node stops and restarts
+//! together), whether it succeeded everywhere, and when node 0 may stop
+//! hosting the store. A round is a set of keys under `round/<r>/`, so a
+//! later round never reads an earlier one's state. This module only reads
+//! and writes store keys; it never touches a process.
 //!
 //! Keys, inside the `cohort_launcher` prefix:
 //! - `run_id`: chosen by node 0, read by the others;
-//! - `round/<r>/node/<n>`: node `n`'s announcement ([`NodeInfo`]), set once;
-//! - `round/<r>/failed`: why round `r` failed, first writer wins;
-//! - `round/<r>/succeeded`: how many nodes' workers all exited 0;
-//! - `closed`: set when the job will not restart again (a node was
-//!   interrupted, or ran out of restarts);
-//! - `left`: how many agents are done with the store.
+//! - `round/<r>/rank/<n>`: the agent that claimed node rank `n`, set once;
+//! - `round/<r>/joined`: how many agents joined round `r`; the `i`-th
+//!   (from 1) announces itself in `round/<r>/joiner/<i>` ([`NodeInfo`]);
+//! - `round/<r>/members`: `"<k> <f>"`, set once by whichever agent closes
+//!   the round: its nodes are the first `k` joiners, and `f` failure
+//!   restarts happened before it. An agent that joined after the `k`-th
+//!   waits for the next round; while it waits, a round with room for it
+//!   regroups;
+//! - `round/<r>/failed`: why round `r` failed, first writer wins (counts
+//!   against `max_restarts`);
+//! - `round/<r>/regroup`: round `r` stopped to admit a waiting node (does
+//!   not count);
+//! - `round/<r>/succeeded`, `round/<r>/left`: counters of the round's nodes
+//!   whose workers all exited 0, and of those done with the store;
+//! - `heartbeat/<n>`: node `n`'s heartbeat counter (see
+//!   [`heartbeat`](crate::heartbeat));
+//! - `closed`: how the job ended (`succeeded`, or why it stopped for good),
+//!   set once; no round starts after it.
 //!
-//! Elastic membership (issue 6) fits in the same scheme: a round's members
-//! become whoever joined before a deadline, and heartbeats live beside them.
+//! A round closes as soon as `nnodes` agents joined, or `last_call` after
+//! `min_nodes` had joined, and never before the previous round ended (so a
+//! node that arrives while a round runs cannot start a job of its own).
 
 use std::sync::Arc;
 use std::thread;
@@ -24,6 +39,7 @@ use std::time::{Duration, Instant};
 use cohort_store::{PrefixStore, Store, StoreError};
 
 use crate::events::Events;
+use crate::heartbeat::{heartbeat_key, Liveness, Lost};
 use crate::LaunchError;
 
 /// Namespace of the launcher's keys in the job's store, apart from the workers'.
@@ -32,11 +48,17 @@ const PREFIX: &str = "cohort_launcher";
 /// How often an agent looks at the store while it waits on other nodes.
 pub(crate) const PEER_POLL: Duration = Duration::from_millis(50);
 
+/// The value of `closed` when every node's workers succeeded.
+const SUCCEEDED: &str = "succeeded";
+
 /// What a node agent announces about itself when it joins a round.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct NodeInfo {
+    pub node_rank: usize,
     pub nproc_per_node: usize,
     pub max_restarts: u32,
+    pub min_nodes: usize,
+    pub max_nodes: usize,
     pub host: String,
     pub pid: u32,
 }
@@ -44,17 +66,30 @@ pub(crate) struct NodeInfo {
 impl NodeInfo {
     fn encode(&self) -> String {
         format!(
-            "nproc_per_node={} max_restarts={} pid={} host={}",
-            self.nproc_per_node, self.max_restarts, self.pid, self.host
+            "node_rank={} nproc_per_node={} max_restarts={} nnodes={}:{} pid={} host={}",
+            self.node_rank,
+            self.nproc_per_node,
+            self.max_restarts,
+            self.min_nodes,
+            self.max_nodes,
+            self.pid,
+            self.host
         )
     }
 
     fn decode(text: &str) -> Option<Self> {
-        let mut fields = text.splitn(4, ' ');
+        let mut fields = text.splitn(6, ' ');
         let mut field = |name: &str| fields.next()?.strip_prefix(name)?.strip_prefix('=');
+        let node_rank = field("node_rank")?.parse().ok()?;
+        let nproc_per_node = field("nproc_per_node")?.parse().ok()?;
+        let max_restarts = field("max_restarts")?.parse().ok()?;
+        let (min, max) = field("nnodes")?.split_once(':')?;
         Some(NodeInfo {
-            nproc_per_node: field("nproc_per_node")?.parse().ok()?,
-            max_restarts: field("max_restarts")?.parse().ok()?,
+            node_rank,
+            nproc_per_node,
+            max_restarts,
+            min_nodes: min.parse().ok()?,
+            max_nodes: max.parse().ok()?,
             pid: field("pid")?.parse().ok()?,
             host: field("host")?.to_string(),
         })
@@ -70,24 +105,79 @@ pub(crate) enum Wait<T> {
     Stopped(i32),
 }
 
+/// The nodes of one round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Membership {
+    pub round: u32,
+    /// Their node ranks, ascending: a node's place here is its `GROUP_RANK`.
+    pub nodes: Vec<usize>,
+    /// Failure restarts before this round.
+    pub restarts: u32,
+}
+
+impl Membership {
+    /// `GROUP_RANK` of node `node_rank` in this round.
+    pub fn group_rank(&self, node_rank: usize) -> usize {
+        self.nodes
+            .iter()
+            .position(|&n| n == node_rank)
+            .expect("a member's own node rank")
+    }
+
+    /// The other nodes of the round.
+    pub fn others(&self, node_rank: usize) -> Vec<usize> {
+        self.nodes
+            .iter()
+            .copied()
+            .filter(|&n| n != node_rank)
+            .collect()
+    }
+}
+
+/// How joining a round ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Joined {
+    /// This node runs the round.
+    Member(Membership),
+    /// The round closed without this node; it waits for the next one.
+    Late,
+    /// The job ended before this node got a round.
+    Closed(JobEnd),
+}
+
+/// How the job ended, as recorded in `closed`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum JobEnd {
+    Succeeded,
+    Stopped(String),
+}
+
 /// How a round ended for the whole job, seen by a node whose workers succeeded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RoundResult {
     /// Every node's workers exited 0.
     AllSucceeded,
-    /// Another node reported this failure.
+    /// A node reported this failure, or this node found one lost.
     Failed(String),
+}
+
+/// Why a running round must end early, seen from the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Interruption {
+    /// Some node reported this failure (a worker, a lost node, a signal).
+    Failed(String),
+    /// A node waits to join and the round has room for it.
+    Regroup,
 }
 
 /// One node agent's view of the rendezvous.
 pub(crate) struct Rendezvous {
-    store: PrefixStore,
+    store: Arc<PrefixStore>,
     /// For error messages.
     addr: String,
     port: u16,
-    node_rank: usize,
-    nnodes: usize,
     me: NodeInfo,
+    last_call: Duration,
 }
 
 impl Rendezvous {
@@ -95,18 +185,21 @@ impl Rendezvous {
         store: Arc<dyn Store>,
         addr: &str,
         port: u16,
-        node_rank: usize,
-        nnodes: usize,
         me: NodeInfo,
+        last_call: Duration,
     ) -> Self {
         Rendezvous {
-            store: PrefixStore::new(PREFIX, store),
+            store: Arc::new(PrefixStore::new(PREFIX, store)),
             addr: addr.to_string(),
             port,
-            node_rank,
-            nnodes,
             me,
+            last_call,
         }
+    }
+
+    /// The launcher's namespace of the store, for the heartbeat thread.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.store.clone()
     }
 
     fn err(&self, op: impl Into<String>) -> impl FnOnce(StoreError) -> LaunchError + '_ {
@@ -119,6 +212,23 @@ impl Rendezvous {
         }
     }
 
+    fn has(&self, key: &str, op: impl FnOnce() -> String) -> Result<bool, LaunchError> {
+        self.store.check(&[key]).map_err(self.err(op()))
+    }
+
+    fn text(&self, key: &str, op: impl FnOnce() -> String) -> Result<Option<String>, LaunchError> {
+        let op = op();
+        if !self.has(key, || op.clone())? {
+            return Ok(None);
+        }
+        let value = self.store.get(key).map_err(self.err(op))?;
+        Ok(Some(String::from_utf8_lossy(&value).into_owned()))
+    }
+
+    fn counter(&self, key: &str, op: impl FnOnce() -> String) -> Result<i64, LaunchError> {
+        self.store.add(key, 0).map_err(self.err(op()))
+    }
+
     /// The job's run id: `proposal` if this is node 0, else node 0's.
     pub fn run_id(
         &self,
@@ -126,14 +236,14 @@ impl Rendezvous {
         timeout: Duration,
         events: &Events,
     ) -> Result<Wait<String>, LaunchError> {
-        if self.node_rank == 0 {
+        if self.me.node_rank == 0 {
             let id = self
                 .store
                 .compare_set("run_id", b"", proposal.as_bytes())
                 .map_err(self.err("publish the run id"))?;
             return Ok(Wait::Done(String::from_utf8_lossy(&id).into_owned()));
         }
-        match self.wait_keys(&["run_id".to_string()], timeout, events)? {
+        match self.wait_key("run_id", timeout, events)? {
             Wait::Done(()) => {}
             Wait::Stopped(signal) => return Ok(Wait::Stopped(signal)),
         }
@@ -144,95 +254,224 @@ impl Rendezvous {
         Ok(Wait::Done(String::from_utf8_lossy(&id).into_owned()))
     }
 
-    /// Announces this node in round `round` and waits until every node has,
-    /// checking that they all run the same job shape.
+    /// The round a newly started agent joins: the first that has not closed
+    /// or has not ended (an agent that joins a running round waits for the
+    /// next, and the running one regroups if it has room).
+    pub fn current_round(&self) -> Result<u32, LaunchError> {
+        let mut round = 0;
+        while self.members_record(round)?.is_some() && self.ended(round)? {
+            round += 1;
+        }
+        Ok(round)
+    }
+
+    /// Joins round `round`: claims this node's rank in it, announces this
+    /// node, and waits until the round closes (see the module doc), then
+    /// checks that its nodes all run the same job shape. `timeout` bounds
+    /// the wait for enough nodes once the previous round has ended.
     pub fn join(
         &self,
         round: u32,
         timeout: Duration,
         events: &Events,
-    ) -> Result<Wait<()>, LaunchError> {
+    ) -> Result<Wait<Joined>, LaunchError> {
         let mine = self.me.encode();
-        let key = node_key(round, self.node_rank);
+        let claim = rank_key(round, self.me.node_rank);
         let held = self
             .store
-            .compare_set(&key, b"", mine.as_bytes())
+            .compare_set(&claim, b"", mine.as_bytes())
             .map_err(self.err(format!("join round {round}")))?;
         if held != mine.as_bytes() {
             return Err(LaunchError::DuplicateNodeRank {
-                node_rank: self.node_rank,
+                node_rank: self.me.node_rank,
                 holder: String::from_utf8_lossy(&held).into_owned(),
             });
         }
-        let keys: Vec<String> = (0..self.nnodes).map(|n| node_key(round, n)).collect();
-        match self.wait_keys(&keys, timeout, events) {
-            Ok(Wait::Done(())) => {}
-            Ok(stopped) => return Ok(stopped),
-            Err(LaunchError::Store {
-                source: StoreError::Timeout { .. },
-                ..
-            }) => {
-                let missing: Vec<usize> = (0..self.nnodes)
-                    .filter(|&n| !self.store.check(&[&node_key(round, n)]).unwrap_or(false))
-                    .collect();
-                return Err(LaunchError::JoinTimeout {
-                    round,
-                    arrived: self.nnodes - missing.len(),
-                    nnodes: self.nnodes,
-                    missing,
-                    timeout,
-                });
+        let joined = joined_key(round);
+        let index = self
+            .store
+            .add(&joined, 1)
+            .map_err(self.err(format!("join round {round}")))?;
+        self.store
+            .set(&joiner_key(round, index), mine.as_bytes())
+            .map_err(self.err(format!("announce this node in round {round}")))?;
+
+        let mut deadline = Instant::now() + timeout;
+        let mut enough_since: Option<Instant> = None;
+        loop {
+            if let Some(end) = self.closed()? {
+                return Ok(Wait::Done(Joined::Closed(end)));
             }
-            Err(e) => return Err(e),
+            if let Some((k, restarts)) = self.members_record(round)? {
+                if index > k as i64 {
+                    return Ok(Wait::Done(Joined::Late));
+                }
+                return self.members(round, k, restarts).map(Wait::Done);
+            }
+            let previous_ended = round == 0 || self.ended(round - 1)?;
+            if !previous_ended {
+                // Waiting for a running round to end is not waiting for nodes.
+                deadline = Instant::now() + timeout;
+            } else {
+                let arrived = self.counter(&joined, || format!("count round {round}'s nodes"))?;
+                let arrived = usize::try_from(arrived).unwrap_or(0);
+                if arrived >= self.me.max_nodes {
+                    self.close_round(round, self.me.max_nodes)?;
+                    continue;
+                }
+                if arrived >= self.me.min_nodes {
+                    let since = *enough_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= self.last_call {
+                        self.close_round(round, arrived)?;
+                        continue;
+                    }
+                }
+                if Instant::now() >= deadline {
+                    return Err(self.join_timeout(round, arrived, timeout));
+                }
+            }
+            if let Some(signal) = events.pending_stop() {
+                return Ok(Wait::Stopped(signal));
+            }
+            thread::sleep(PEER_POLL);
         }
-        for (node_rank, key) in keys.iter().enumerate() {
-            let value = self
-                .store
-                .get(key)
-                .map_err(self.err(format!("read node {node_rank}'s announcement")))?;
-            let text = String::from_utf8_lossy(&value);
-            let theirs = NodeInfo::decode(&text).ok_or_else(|| LaunchError::Store {
-                addr: self.addr.clone(),
-                port: self.port,
-                op: format!("read node {node_rank}'s announcement"),
-                source: StoreError::Protocol {
-                    location: format!("{}:{}", self.addr, self.port),
-                    detail: format!("{key} holds {text:?}, not a node announcement"),
-                },
-            })?;
-            let mismatch = |setting, theirs: String, ours: String| LaunchError::NodeMismatch {
-                node_rank,
+    }
+
+    fn join_timeout(&self, round: u32, arrived: usize, timeout: Duration) -> LaunchError {
+        let joined: Vec<usize> = (1..=arrived as i64)
+            .filter_map(|i| self.text(&joiner_key(round, i), String::new).ok().flatten())
+            .filter_map(|text| NodeInfo::decode(&text))
+            .map(|info| info.node_rank)
+            .collect();
+        LaunchError::JoinTimeout {
+            round,
+            arrived,
+            needed: self.me.min_nodes,
+            missing: (0..self.me.max_nodes)
+                .filter(|n| !joined.contains(n))
+                .collect(),
+            timeout,
+        }
+    }
+
+    /// Fixes round `round`'s nodes as its first `k` joiners, unless another
+    /// agent closed it first.
+    fn close_round(&self, round: u32, k: usize) -> Result<(), LaunchError> {
+        let restarts = match round.checked_sub(1) {
+            None => 0,
+            Some(previous) => {
+                let (_, before) = self.members_record(previous)?.unwrap_or((0, 0));
+                before + u32::from(self.failure(previous)?.is_some())
+            }
+        };
+        self.store
+            .compare_set(
+                &members_key(round),
+                b"",
+                format!("{k} {restarts}").as_bytes(),
+            )
+            .map(drop)
+            .map_err(self.err(format!("close round {round}")))
+    }
+
+    /// `(k, restarts)` of round `round`, once it closed.
+    fn members_record(&self, round: u32) -> Result<Option<(usize, u32)>, LaunchError> {
+        let op = || format!("read round {round}'s nodes");
+        let Some(text) = self.text(&members_key(round), op)? else {
+            return Ok(None);
+        };
+        let parsed = text
+            .split_once(' ')
+            .and_then(|(k, f)| Some((k.parse().ok()?, f.parse().ok()?)));
+        parsed
+            .map(Some)
+            .ok_or_else(|| self.malformed(&members_key(round), &text, "a round's nodes"))
+    }
+
+    fn malformed(&self, key: &str, text: &str, what: &str) -> LaunchError {
+        LaunchError::Store {
+            addr: self.addr.clone(),
+            port: self.port,
+            op: format!("read {key}"),
+            source: StoreError::Protocol {
+                location: format!("{}:{}", self.addr, self.port),
+                detail: format!("{key} holds {text:?}, not {what}"),
+            },
+        }
+    }
+
+    /// Reads the first `k` joiners of round `round`, checks that they run
+    /// this job's shape, and orders them by node rank.
+    fn members(&self, round: u32, k: usize, restarts: u32) -> Result<Joined, LaunchError> {
+        let mut nodes = Vec::with_capacity(k);
+        for index in 1..=k as i64 {
+            let key = joiner_key(round, index);
+            // The joiner counted itself before announcing; give it a moment.
+            self.store
+                .wait(&[&key], PEER_POLL * 100)
+                .map_err(self.err(format!("read round {round}'s node announcements")))?;
+            let text = self
+                .text(&key, || format!("read round {round}'s node announcements"))?
+                .unwrap_or_default();
+            let theirs = NodeInfo::decode(&text)
+                .ok_or_else(|| self.malformed(&key, &text, "a node announcement"))?;
+            self.check_same_job(&theirs)?;
+            nodes.push(theirs.node_rank);
+        }
+        nodes.sort_unstable();
+        Ok(Joined::Member(Membership {
+            round,
+            nodes,
+            restarts,
+        }))
+    }
+
+    fn check_same_job(&self, theirs: &NodeInfo) -> Result<(), LaunchError> {
+        let differ = |setting: &'static str, t: String, o: String| {
+            (t != o).then_some(LaunchError::NodeMismatch {
+                node_rank: theirs.node_rank,
                 setting,
-                theirs,
-                ours,
-            };
-            if theirs.nproc_per_node != self.me.nproc_per_node {
-                return Err(mismatch(
-                    "nproc_per_node",
-                    theirs.nproc_per_node.to_string(),
-                    self.me.nproc_per_node.to_string(),
-                ));
-            }
-            if theirs.max_restarts != self.me.max_restarts {
-                return Err(mismatch(
-                    "max_restarts",
-                    theirs.max_restarts.to_string(),
-                    self.me.max_restarts.to_string(),
-                ));
-            }
+                theirs: t,
+                ours: o,
+            })
+        };
+        let me = &self.me;
+        let checks = [
+            differ(
+                "nproc_per_node",
+                theirs.nproc_per_node.to_string(),
+                me.nproc_per_node.to_string(),
+            ),
+            differ(
+                "max_restarts",
+                theirs.max_restarts.to_string(),
+                me.max_restarts.to_string(),
+            ),
+            differ(
+                "nnodes",
+                format!("{}:{}", theirs.min_nodes, theirs.max_nodes),
+                format!("{}:{}", me.min_nodes, me.max_nodes),
+            ),
+        ];
+        match checks.into_iter().flatten().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(Wait::Done(()))
+    }
+
+    /// Whether round `round` stopped: it failed, regrouped, or the job closed.
+    fn ended(&self, round: u32) -> Result<bool, LaunchError> {
+        let op = || format!("check whether round {round} ended");
+        Ok(self.has(&failed_key(round), op)?
+            || self.has(&regroup_key(round), op)?
+            || self.closed()?.is_some())
     }
 
     /// Why round `round` failed on some node, if it did.
     pub fn failure(&self, round: u32) -> Result<Option<String>, LaunchError> {
-        let key = failed_key(round);
-        let op = || format!("check round {round} for failures");
-        if !self.store.check(&[&key]).map_err(self.err(op()))? {
-            return Ok(None);
-        }
-        let detail = self.store.get(&key).map_err(self.err(op()))?;
-        Ok(Some(String::from_utf8_lossy(&detail).into_owned()))
+        self.text(&failed_key(round), || {
+            format!("check round {round} for failures")
+        })
     }
 
     /// Records that round `round` failed; the first node to report wins.
@@ -243,95 +482,151 @@ impl Rendezvous {
             .map_err(self.err(format!("report round {round}'s failure")))
     }
 
-    /// Marks the job as not restarting again.
-    pub fn close(&self) -> Result<(), LaunchError> {
+    /// Records that round `round` stops to admit a waiting node.
+    pub fn report_regroup(&self, round: u32) -> Result<(), LaunchError> {
         self.store
-            .set("closed", b"1")
+            .compare_set(&regroup_key(round), b"", b"1")
+            .map(drop)
+            .map_err(self.err(format!("regroup round {round}")))
+    }
+
+    /// Whether the running round `members` must end early, and why.
+    pub fn interruption(&self, members: &Membership) -> Result<Option<Interruption>, LaunchError> {
+        let round = members.round;
+        if let Some(detail) = self.failure(round)? {
+            return Ok(Some(Interruption::Failed(detail)));
+        }
+        let op = || format!("check round {round} for waiting nodes");
+        if self.has(&regroup_key(round), op)? {
+            return Ok(Some(Interruption::Regroup));
+        }
+        if members.nodes.len() < self.me.max_nodes {
+            let joined = self.counter(&joined_key(round), op)?;
+            if joined > members.nodes.len() as i64 {
+                return Ok(Some(Interruption::Regroup));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Ends the job for good: no round starts after this. The first reason wins.
+    pub fn close(&self, end: &JobEnd) -> Result<(), LaunchError> {
+        let value = match end {
+            JobEnd::Succeeded => SUCCEEDED,
+            JobEnd::Stopped(why) => why.as_str(),
+        };
+        self.store
+            .compare_set("closed", b"", value.as_bytes())
+            .map(drop)
             .map_err(self.err("close the rendezvous"))
     }
 
-    /// Whether some node closed the job.
-    pub fn is_closed(&self) -> Result<bool, LaunchError> {
-        self.store
-            .check(&["closed"])
-            .map_err(self.err("check whether the rendezvous is closed"))
+    /// How the job ended, if it did.
+    pub fn closed(&self) -> Result<Option<JobEnd>, LaunchError> {
+        Ok(self
+            .text("closed", || "check whether the rendezvous is closed".into())?
+            .map(|v| match v.as_str() {
+                SUCCEEDED => JobEnd::Succeeded,
+                _ => JobEnd::Stopped(v),
+            }))
     }
 
-    /// Records that this node's workers all succeeded in round `round` and
-    /// waits until every node's did, or one reports a failure.
-    pub fn finish(&self, round: u32, events: &Events) -> Result<Wait<RoundResult>, LaunchError> {
+    /// Node `node_rank`'s heartbeat counter.
+    pub fn heartbeats(&self, node_rank: usize) -> Result<i64, LaunchError> {
+        self.counter(&heartbeat_key(node_rank), || {
+            format!("read node {node_rank}'s heartbeat")
+        })
+    }
+
+    /// Checks the other members' heartbeats; a lost node fails the round.
+    pub fn lost_node(&self, liveness: &mut Liveness) -> Result<Option<Lost>, LaunchError> {
+        liveness.check(|n| self.heartbeats(n))
+    }
+
+    /// Records that this node's workers all succeeded in round `members` and
+    /// waits until every node's did, one reports a failure, or one is lost.
+    pub fn finish(
+        &self,
+        members: &Membership,
+        liveness: &mut Liveness,
+        events: &Events,
+    ) -> Result<Wait<RoundResult>, LaunchError> {
+        let round = members.round;
         let key = format!("round/{round}/succeeded");
         let mut done = self
             .store
             .add(&key, 1)
             .map_err(self.err(format!("report round {round}'s success")))?;
         loop {
-            if done >= self.nnodes as i64 {
+            if done >= members.nodes.len() as i64 {
                 return Ok(Wait::Done(RoundResult::AllSucceeded));
             }
             if let Some(detail) = self.failure(round)? {
+                return Ok(Wait::Done(RoundResult::Failed(detail)));
+            }
+            if let Some(lost) = self.lost_node(liveness)? {
+                let detail = lost_detail(lost);
+                self.report_failure(round, &detail)?;
                 return Ok(Wait::Done(RoundResult::Failed(detail)));
             }
             if let Some(signal) = events.pending_stop() {
                 return Ok(Wait::Stopped(signal));
             }
             thread::sleep(PEER_POLL);
-            done = self
-                .store
-                .add(&key, 0)
-                .map_err(self.err(format!("count round {round}'s successes")))?;
+            done = self.counter(&key, || format!("count round {round}'s successes"))?;
         }
     }
 
     /// Says this agent is done with the store. Node 0, which hosts it, then
-    /// waits (up to `timeout`, or until a stop signal) for the others to say
-    /// so, so that none of them loses the store while reading how the job ended.
-    pub fn leave(&self, timeout: Duration, events: &Events) -> Result<(), LaunchError> {
+    /// waits (up to `timeout`, or until a stop signal) for the other `nodes`
+    /// of the last round to say so, so that none of them loses the store
+    /// while reading how the job ended.
+    pub fn leave(
+        &self,
+        round: u32,
+        nodes: usize,
+        timeout: Duration,
+        events: &Events,
+    ) -> Result<(), LaunchError> {
+        let key = format!("round/{round}/left");
         let mut left = self
             .store
-            .add("left", 1)
+            .add(&key, 1)
             .map_err(self.err("leave the rendezvous"))?;
-        if self.node_rank != 0 {
+        if self.me.node_rank != 0 {
             return Ok(());
         }
         let deadline = Instant::now() + timeout;
-        while left < self.nnodes as i64
-            && Instant::now() < deadline
-            && events.pending_stop().is_none()
-        {
+        while left < nodes as i64 && Instant::now() < deadline && events.pending_stop().is_none() {
             thread::sleep(PEER_POLL);
-            left = self
-                .store
-                .add("left", 0)
-                .map_err(self.err("count the agents that left"))?;
+            left = self.counter(&key, || "count the agents that left".into())?;
         }
         Ok(())
     }
 
-    /// Waits for `keys` in short slices, so that a stop signal is noticed
+    /// Waits for `key` in short slices, so that a stop signal is noticed
     /// while the other nodes are awaited.
-    fn wait_keys(
+    fn wait_key(
         &self,
-        keys: &[String],
+        key: &str,
         timeout: Duration,
         events: &Events,
     ) -> Result<Wait<()>, LaunchError> {
-        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         let deadline = Instant::now() + timeout;
         loop {
             let slice = deadline
                 .saturating_duration_since(Instant::now())
                 .min(PEER_POLL * 4);
-            match self.store.wait(&keys, slice) {
+            match self.store.wait(&[key], slice) {
                 Ok(()) => return Ok(Wait::Done(())),
                 Err(StoreError::Timeout { .. }) if Instant::now() < deadline => {}
                 Err(StoreError::Timeout { keys, .. }) => {
-                    return Err(self.err("wait for the other nodes")(StoreError::Timeout {
+                    return Err(self.err("wait for node 0")(StoreError::Timeout {
                         keys,
                         timeout,
                     }))
                 }
-                Err(e) => return Err(self.err("wait for the other nodes")(e)),
+                Err(e) => return Err(self.err("wait for node 0")(e)),
             }
             if let Some(signal) = events.pending_stop() {
                 return Ok(Wait::Stopped(signal));
@@ -340,12 +635,37 @@ impl Rendezvous {
     }
 }
 
-fn node_key(round: u32, node_rank: usize) -> String {
-    format!("round/{round}/node/{node_rank}")
+/// How a lost node is reported to the other nodes.
+pub(crate) fn lost_detail(lost: Lost) -> String {
+    format!(
+        "node {} lost: no heartbeat for {:.1} s",
+        lost.node_rank,
+        lost.silent_for.as_secs_f64()
+    )
+}
+
+fn rank_key(round: u32, node_rank: usize) -> String {
+    format!("round/{round}/rank/{node_rank}")
+}
+
+fn joined_key(round: u32) -> String {
+    format!("round/{round}/joined")
+}
+
+fn joiner_key(round: u32, index: i64) -> String {
+    format!("round/{round}/joiner/{index}")
+}
+
+fn members_key(round: u32) -> String {
+    format!("round/{round}/members")
 }
 
 fn failed_key(round: u32) -> String {
     format!("round/{round}/failed")
+}
+
+fn regroup_key(round: u32) -> String {
+    format!("round/{round}/regroup")
 }
 
 #[cfg(test)]
@@ -353,77 +673,126 @@ mod tests {
     use super::*;
     use cohort_store::HashStore;
 
-    fn info(nproc_per_node: usize) -> NodeInfo {
+    const T: Duration = Duration::from_secs(5);
+
+    fn info(node_rank: usize, nproc_per_node: usize, nnodes: (usize, usize)) -> NodeInfo {
         NodeInfo {
+            node_rank,
             nproc_per_node,
             max_restarts: 1,
+            min_nodes: nnodes.0,
+            max_nodes: nnodes.1,
             host: "host a".into(),
-            pid: 42,
+            pid: 42 + node_rank as u32,
         }
     }
 
-    fn agents(store: &Arc<HashStore>, infos: &[NodeInfo]) -> Vec<Rendezvous> {
-        infos
-            .iter()
-            .enumerate()
-            .map(|(n, me)| {
-                Rendezvous::new(store.clone(), "127.0.0.1", 1, n, infos.len(), me.clone())
-            })
-            .collect()
+    fn agent(store: &Arc<HashStore>, me: NodeInfo) -> Rendezvous {
+        Rendezvous::new(
+            store.clone(),
+            "127.0.0.1",
+            1,
+            me,
+            Duration::from_millis(200),
+        )
+    }
+
+    fn member(joined: Wait<Joined>) -> Membership {
+        match joined {
+            Wait::Done(Joined::Member(m)) => m,
+            other => panic!("not a member: {other:?}"),
+        }
+    }
+
+    /// Every agent joins `round` on a thread of its own.
+    fn join_all(agents: &[&Rendezvous], round: u32) -> Vec<Result<Wait<Joined>, LaunchError>> {
+        thread::scope(|s| {
+            let handles: Vec<_> = agents
+                .iter()
+                .map(|a| s.spawn(move || a.join(round, T, &Events::install().unwrap())))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
     }
 
     #[test]
     fn node_info_survives_encoding_even_with_spaces_in_the_host() {
-        let me = info(3);
+        let me = info(3, 2, (1, 4));
         assert_eq!(NodeInfo::decode(&me.encode()), Some(me));
         assert_eq!(NodeInfo::decode("nproc_per_node=x"), None);
     }
 
     #[test]
-    fn nodes_join_agree_on_the_run_id_and_see_each_others_failures() {
+    fn a_fixed_job_runs_every_node_and_counts_failed_rounds() {
         let events = Events::install().unwrap();
         let store = Arc::new(HashStore::new());
-        let [a, b] = <[Rendezvous; 2]>::try_from(agents(&store, &[info(2), info(2)]))
-            .ok()
-            .unwrap();
-        let t = Duration::from_secs(5);
-        let joined = thread::scope(|s| {
-            let h = s.spawn(|| {
-                let events = Events::install().unwrap();
-                (b.run_id("ignored", t, &events), b.join(0, t, &events))
-            });
-            let mine = (a.run_id("run-a", t, &events), a.join(0, t, &events));
-            (mine, h.join().unwrap())
+        // Node 1 joins first: group ranks follow node ranks, not arrival.
+        let (b, a) = (
+            agent(&store, info(1, 2, (2, 2))),
+            agent(&store, info(0, 2, (2, 2))),
+        );
+        let ids = thread::scope(|s| {
+            let h = s.spawn(|| b.run_id("ignored", T, &Events::install().unwrap()));
+            (a.run_id("run-a", T, &events).unwrap(), h.join().unwrap())
         });
-        let ((id_a, join_a), (id_b, join_b)) = joined;
-        assert_eq!(id_a.unwrap(), Wait::Done("run-a".to_string()));
-        assert_eq!(id_b.unwrap(), Wait::Done("run-a".to_string()));
-        assert_eq!(join_a.unwrap(), Wait::Done(()));
-        assert_eq!(join_b.unwrap(), Wait::Done(()));
+        assert_eq!(ids.0, Wait::Done("run-a".to_string()));
+        assert_eq!(ids.1.unwrap(), Wait::Done("run-a".to_string()));
 
-        assert_eq!(a.failure(0).unwrap(), None);
+        let joined: Vec<_> = join_all(&[&b, &a], 0)
+            .into_iter()
+            .map(|j| member(j.unwrap()))
+            .collect();
+        assert_eq!(joined[0], joined[1]);
+        let m = &joined[0];
+        assert_eq!((m.nodes.clone(), m.restarts), (vec![0, 1], 0));
+        assert_eq!((m.group_rank(0), m.group_rank(1)), (0, 1));
+        assert_eq!(a.interruption(m).unwrap(), None);
+
         b.report_failure(0, "rank 3 failed").unwrap();
         a.report_failure(0, "rank 0 failed later").unwrap();
         assert_eq!(a.failure(0).unwrap().as_deref(), Some("rank 3 failed"));
-        // The failure belongs to round 0 only.
-        assert_eq!(a.failure(1).unwrap(), None);
         assert_eq!(
-            a.finish(0, &events).unwrap(),
+            a.interruption(m).unwrap(),
+            Some(Interruption::Failed("rank 3 failed".into()))
+        );
+        assert_eq!(a.failure(1).unwrap(), None, "failures belong to a round");
+        let mut liveness = Liveness::new(T);
+        assert_eq!(
+            a.finish(m, &mut liveness, &events).unwrap(),
             Wait::Done(RoundResult::Failed("rank 3 failed".into()))
         );
-        assert!(!a.is_closed().unwrap());
-        b.close().unwrap();
-        assert!(a.is_closed().unwrap());
+
+        // The next round records the failure restart, for every node alike.
+        let next = join_all(&[&a, &b], 1);
+        for j in next {
+            assert_eq!(member(j.unwrap()).restarts, 1);
+        }
+        assert_eq!(a.current_round().unwrap(), 1);
+        assert_eq!(a.closed().unwrap(), None);
+        b.close(&JobEnd::Stopped("node 1 gave up".into())).unwrap();
+        a.close(&JobEnd::Succeeded).unwrap();
+        assert_eq!(
+            a.closed().unwrap(),
+            Some(JobEnd::Stopped("node 1 gave up".into()))
+        );
     }
 
     #[test]
     fn a_round_succeeds_when_every_node_finished() {
         let store = Arc::new(HashStore::new());
-        let nodes = agents(&store, &[info(1), info(1), info(1)]);
+        let nodes: Vec<_> = (0..3).map(|n| agent(&store, info(n, 1, (3, 3)))).collect();
+        let refs: Vec<&Rendezvous> = nodes.iter().collect();
+        let m = member(join_all(&refs, 0).remove(0).unwrap());
         let results: Vec<_> = thread::scope(|s| {
             let handles: Vec<_> = nodes
                 .iter()
-                .map(|n| s.spawn(|| n.finish(2, &Events::install().unwrap())))
+                .map(|n| {
+                    let m = m.clone();
+                    s.spawn(move || {
+                        let mut liveness = Liveness::new(T);
+                        n.finish(&m, &mut liveness, &Events::install().unwrap())
+                    })
+                })
                 .collect();
             handles
                 .into_iter()
@@ -436,48 +805,132 @@ mod tests {
     }
 
     #[test]
-    fn mismatched_and_duplicate_nodes_are_named() {
+    fn an_elastic_round_starts_with_min_nodes_and_regroups_for_a_late_one() {
         let events = Events::install().unwrap();
-        let t = Duration::from_secs(5);
         let store = Arc::new(HashStore::new());
-        let [a, b] = <[Rendezvous; 2]>::try_from(agents(&store, &[info(2), info(4)]))
-            .ok()
-            .unwrap();
-        let (ra, rb) = thread::scope(|s| {
-            let h = s.spawn(|| b.join(0, t, &Events::install().unwrap()));
-            (a.join(0, t, &events), h.join().unwrap())
-        });
-        let err = ra.unwrap_err().to_string();
-        assert!(
-            err.contains("node 1") && err.contains("nproc_per_node = 4"),
-            "{err}"
-        );
-        assert!(rb.is_err());
+        let a = agent(&store, info(0, 1, (1, 2)));
+        let b = agent(&store, info(1, 1, (1, 2)));
 
+        // Alone, node 0 waits out the last call, then runs by itself.
+        let started = Instant::now();
+        let m0 = member(a.join(0, T, &events).unwrap());
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert_eq!(m0.nodes, vec![0]);
+
+        // Node 1 arrives while round 0 runs: it waits for round 1, which
+        // cannot close (not even with MIN = 1) until round 0 ended.
+        assert_eq!(b.current_round().unwrap(), 0);
+        assert_eq!(b.join(0, T, &events).unwrap(), Wait::Done(Joined::Late));
+        assert_eq!(
+            a.interruption(&m0).unwrap(),
+            Some(Interruption::Regroup),
+            "a round with room regroups for a waiting node"
+        );
+        let (m1_b, m1_a) = thread::scope(|s| {
+            let h = s.spawn(|| b.join(1, T, &Events::install().unwrap()));
+            thread::sleep(Duration::from_millis(400));
+            assert!(!h.is_finished(), "round 1 closed while round 0 ran");
+            a.report_regroup(0).unwrap();
+            let mine = a.join(1, T, &events).unwrap();
+            (h.join().unwrap().unwrap(), mine)
+        });
+        let (m1_a, m1_b) = (member(m1_a), member(m1_b));
+        assert_eq!(m1_a, m1_b);
+        assert_eq!(m1_a.nodes, vec![0, 1]);
+        assert_eq!(m1_a.restarts, 0, "regrouping is not a failure restart");
+        assert_eq!(b.current_round().unwrap(), 1);
+    }
+
+    #[test]
+    fn a_full_round_does_not_regroup_and_a_closed_job_turns_away_newcomers() {
+        let events = Events::install().unwrap();
         let store = Arc::new(HashStore::new());
-        let a = Rendezvous::new(store.clone(), "h", 1, 0, 2, info(2));
-        let mut other = info(2);
+        let a = agent(&store, info(0, 1, (1, 1)));
+        let m = member(a.join(0, T, &events).unwrap());
+        let late = agent(&store, info(0, 1, (1, 1)));
+        // Same node rank, another agent: a replacement that must wait.
+        let mut other = info(0, 1, (1, 1));
         other.pid = 7;
-        let twin = Rendezvous::new(store, "h", 1, 0, 2, other);
-        let _ = a.join(0, Duration::from_millis(1), &events);
-        let err = twin.join(0, t, &events).unwrap_err();
-        assert!(
-            matches!(err, LaunchError::DuplicateNodeRank { node_rank: 0, .. }),
-            "{err}"
+        let replacement = agent(&store, other);
+        assert_eq!(
+            replacement.join(0, T, &events).unwrap_err().to_string(),
+            LaunchError::DuplicateNodeRank {
+                node_rank: 0,
+                holder: info(0, 1, (1, 1)).encode()
+            }
+            .to_string()
+        );
+        drop(late);
+        assert_eq!(a.interruption(&m).unwrap(), None);
+        a.close(&JobEnd::Succeeded).unwrap();
+        let newcomer = agent(&store, info(0, 1, (1, 1)));
+        assert_eq!(newcomer.current_round().unwrap(), 1);
+        assert_eq!(
+            newcomer.join(1, T, &events).unwrap(),
+            Wait::Done(Joined::Closed(JobEnd::Succeeded))
         );
     }
 
     #[test]
-    fn a_missing_node_is_a_timeout_naming_it() {
+    fn mismatched_nodes_are_named() {
+        let store = Arc::new(HashStore::new());
+        let a = agent(&store, info(0, 2, (2, 2)));
+        let b = agent(&store, info(1, 4, (2, 2)));
+        let results = join_all(&[&a, &b], 0);
+        let err = results[0].as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains("node 1") && err.contains("nproc_per_node = 4"),
+            "{err}"
+        );
+        assert!(results[1].is_err());
+
+        let store = Arc::new(HashStore::new());
+        let a = agent(&store, info(0, 1, (2, 2)));
+        let b = agent(&store, info(1, 1, (1, 2)));
+        let results = join_all(&[&a, &b], 0);
+        let err = results[0].as_ref().unwrap_err().to_string();
+        assert!(err.contains("nnodes = 1:2"), "{err}");
+    }
+
+    #[test]
+    fn too_few_nodes_is_a_timeout_naming_the_missing() {
         let events = Events::install().unwrap();
         let store = Arc::new(HashStore::new());
-        let a = Rendezvous::new(store, "h", 1, 0, 3, info(1));
+        let a = agent(&store, info(1, 1, (2, 3)));
         let err = a.join(0, Duration::from_millis(300), &events).unwrap_err();
         match err {
             LaunchError::JoinTimeout {
-                arrived, missing, ..
-            } => assert_eq!((arrived, missing), (1, vec![1, 2])),
+                arrived,
+                needed,
+                missing,
+                ..
+            } => assert_eq!((arrived, needed, missing), (1, 2, vec![0, 2])),
             other => panic!("{other}"),
         }
+    }
+
+    #[test]
+    fn a_silent_node_fails_the_round_it_was_awaited_in() {
+        let events = Events::install().unwrap();
+        let store = Arc::new(HashStore::new());
+        let (a, b) = (
+            agent(&store, info(0, 1, (2, 2))),
+            agent(&store, info(1, 1, (2, 2))),
+        );
+        let m = member(join_all(&[&a, &b], 0).remove(0).unwrap());
+        let mut liveness = Liveness::new(Duration::from_millis(200));
+        liveness.watch(&m.others(0));
+        // Node 1 never beats and never finishes.
+        let result = a.finish(&m, &mut liveness, &events).unwrap();
+        match result {
+            Wait::Done(RoundResult::Failed(detail)) => {
+                assert!(
+                    detail.starts_with("node 1 lost: no heartbeat for"),
+                    "{detail}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(b.failure(0).unwrap().unwrap().contains("node 1 lost"));
     }
 }

@@ -104,7 +104,7 @@ fn rescale(saved: &SavedShape, batch_size: usize, world: usize, accum: usize) ->
     let global = saved.batch_size * saved.world * saved.grad_accum;
     let per_step = batch_size * world;
     let head = format!("world size {} -> {world}", saved.world);
-    if global % per_step == 0 {
+    if global.is_multiple_of(per_step) {
         let kept = global / per_step;
         return (
             kept,

@@ -1,0 +1,293 @@
+//! The elastic launcher end to end (issue 6): real launchers, real workers
+//! killed, stopped and lost, real checkpoints. Training runs use a tiny
+//! model, so each takes a second or two; nodes are network namespaces where
+//! the machine allows (root, `ip`), loopback otherwise.
+
+mod support;
+
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use support::{
+    checkpoint_step, cohort, free_port, kill, params, wait_for_checkpoint, worker_pid, Nodes, Proc,
+    SECRET, TINY,
+};
+
+const STEPS: &str = "200";
+
+/// `train` with checkpoints every 5 steps and a log line at each, so the
+/// loss windows of a resumed run line up with an uninterrupted one's.
+fn train_args(out: &Path) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "train",
+        "--steps",
+        STEPS,
+        "--batch-size",
+        "2",
+        "--save-interval",
+        "5",
+        "--log-interval",
+        "5",
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.push(out.display().to_string());
+    args.extend(TINY.iter().map(|s| s.to_string()));
+    args
+}
+
+/// The last `[step N / N] loss = X` that rank 0 logged.
+fn final_loss(output: &str) -> String {
+    let done = format!("[step {STEPS} / {STEPS}] loss = ");
+    output
+        .lines()
+        .find_map(|l| {
+            l.split_once(&done)
+                .map(|(_, rest)| rest.split(' ').next().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no final loss in:\n{output}"))
+        .to_string()
+}
+
+/// The uninterrupted 2-rank run the interrupted ones must reproduce:
+/// (final logged loss, final parameters).
+fn baseline() -> &'static (String, Vec<f32>) {
+    static BASELINE: OnceLock<(String, Vec<f32>)> = OnceLock::new();
+    BASELINE.get_or_init(|| {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cmd = cohort();
+        cmd.args(["run", "--standalone", "-n", "2"])
+            .args(train_args(tmp.path()));
+        let (status, out) = Proc::spawn(cmd).finish(Duration::from_secs(120));
+        assert!(status.success(), "{out}");
+        (final_loss(&out), params(tmp.path()))
+    })
+}
+
+/// `cohort run --standalone -n 2 --max-restarts 1 train ...`, started.
+fn restartable_run(out: &Path, timeout: Option<&str>) -> Proc {
+    let mut cmd = cohort();
+    cmd.args(["run", "--standalone", "-n", "2", "--max-restarts", "1"])
+        .args(["--grace-period", "1"])
+        .args(train_args(out));
+    if let Some(t) = timeout {
+        cmd.env("COHORT_TIMEOUT", t);
+    }
+    Proc::spawn(cmd)
+}
+
+fn assert_resumed_like_the_baseline(out: &str, dir: &Path) {
+    assert!(
+        out.contains("[rank0]: restart 1 of this job: resuming from"),
+        "{out}"
+    );
+    let resumed_at: u64 = out
+        .lines()
+        .find_map(|l| {
+            l.split_once(" at step ")
+                .filter(|_| l.contains("resumed from"))
+        })
+        .and_then(|(_, step)| step.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no resume line in:\n{out}"));
+    assert!(
+        resumed_at > 0 && resumed_at < 200 && resumed_at % 5 == 0,
+        "{out}"
+    );
+    let (loss, final_params) = baseline();
+    assert_eq!(&final_loss(out), loss, "final loss vs uninterrupted run");
+    assert!(
+        params(dir) == *final_params,
+        "the resumed run's parameters differ from the uninterrupted run's"
+    );
+    assert_eq!(checkpoint_step(dir), Some(200));
+}
+
+#[test]
+fn a_killed_worker_restarts_the_group_which_resumes_to_the_same_loss() {
+    baseline();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = restartable_run(tmp.path(), None);
+    wait_for_checkpoint(tmp.path(), &run);
+    kill(worker_pid(run.pid, 1), libc::SIGKILL);
+    let (status, out) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{out}");
+    assert!(
+        out.contains("rank 1 (local rank 1 on node 0") && out.contains("signal 9 (SIGKILL)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("restarting the workers (restart 1 of 1)"),
+        "{out}"
+    );
+    assert_resumed_like_the_baseline(&out, tmp.path());
+}
+
+#[test]
+fn a_stopped_worker_times_out_by_name_and_the_group_restarts() {
+    baseline();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = restartable_run(tmp.path(), Some("3s"));
+    wait_for_checkpoint(tmp.path(), &run);
+    let stopped = worker_pid(run.pid, 1);
+    kill(stopped, libc::SIGSTOP);
+    let (status, out) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{out}");
+    // Rank 0 gave up on rank 1 by name; the launcher stopped the group (the
+    // stopped rank 1 included) and restarted it.
+    assert!(out.contains("no progress with rank 1 within 3s"), "{out}");
+    assert!(out.contains("rank 0 (local rank 0 on node 0"), "{out}");
+    assert!(
+        out.contains("restarting the workers (restart 1 of 1)"),
+        "{out}"
+    );
+    assert!(
+        !Path::new(&format!("/proc/{stopped}")).exists(),
+        "the stopped worker outlived its group"
+    );
+    assert_resumed_like_the_baseline(&out, tmp.path());
+}
+
+/// `cohort run --nnodes 1:2` on node `i` (an elastic agent with short
+/// timeouts), training into `out`.
+fn elastic_node(nodes: &Nodes, i: usize, port: u16, out: &Path) -> Proc {
+    let mut cmd = nodes.cohort(i);
+    cmd.args(["run", "--nnodes", "1:2", "--node-rank", &i.to_string()])
+        .args(["--master-addr", &nodes.master_addr()])
+        .args(["--master-port", &port.to_string()])
+        .args(["--max-restarts", "2", "--grace-period", "1"])
+        .args(["--heartbeat-timeout", "2", "--last-call-timeout", "2"])
+        .args(["--join-timeout", "30", "-n", "1"])
+        .args(train_args(out))
+        .env("COHORT_SECRET", SECRET);
+    Proc::spawn(cmd)
+}
+
+#[test]
+fn a_killed_node_leaves_the_other_to_train_on_a_smaller_world() {
+    let nodes = Nodes::new("a_killed_node_leaves_the_other_to_train_on_a_smaller_world");
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let node1 = elastic_node(&nodes, 1, port, tmp.path());
+    let node0 = elastic_node(&nodes, 0, port, tmp.path());
+    node0.wait_for("world size 2", Duration::from_secs(30));
+    wait_for_checkpoint(tmp.path(), &node0);
+    node1.signal(libc::SIGKILL);
+    let (status, out) = node0.finish(Duration::from_secs(120));
+    drop(node1);
+    assert!(status.success(), "{out}");
+    // Node 1's worker died with its launcher; node 0's lost its peer, and
+    // the job went on alone with the global batch kept (2 x 1 rank x 2).
+    assert!(
+        out.contains("restarting the workers (restart 1 of 2)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("round 1: 1 node(s) (node ranks [0]), world size 1"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "[rank0]: world size 2 -> 1: grad_accum 1 -> 2 keeps the global batch of 4 sequences"
+        ),
+        "{out}"
+    );
+    assert!(
+        out.contains("[rank0]: global batch: 4 sequences = 2 per rank x 1 ranks x 2 accumulation"),
+        "{out}"
+    );
+    assert_eq!(checkpoint_step(tmp.path()), Some(200));
+}
+
+/// A worker that runs until the group has 2 nodes, printing its view.
+const UNTIL_TWO_NODES: &str =
+    "echo round $COHORT_RESTART_COUNT world $WORLD_SIZE group $GROUP_RANK; \
+     if [ $WORLD_SIZE = 2 ]; then exit 0; fi; exec sleep 60";
+
+fn sh_node(i: usize, port: u16, extra: &[&str], script: &str) -> Proc {
+    let mut cmd = cohort();
+    cmd.args(["run", "--nnodes", "1:2", "--node-rank", &i.to_string()])
+        .args(["--master-port", &port.to_string()])
+        .args(["--max-restarts", "1", "--grace-period", "1"])
+        .args(["--join-timeout", "30"])
+        .args(extra)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(cmd)
+}
+
+#[test]
+fn a_late_node_joins_at_a_regroup_and_the_agent_serves_its_health() {
+    let port = free_port();
+    let extra = [
+        "--last-call-timeout",
+        "0.3",
+        "--heartbeat-timeout",
+        "5",
+        "--health-check-port",
+        "0",
+    ];
+    let node0 = sh_node(0, port, &extra, UNTIL_TWO_NODES);
+    node0.wait_for("[rank0]: round 0 world 1 group 0", Duration::from_secs(30));
+    let health = node0
+        .output()
+        .lines()
+        .find_map(|l| l.split_once("health check: http://0.0.0.0:"))
+        .and_then(|(_, rest)| rest.split('/').next()?.parse::<u16>().ok())
+        .expect("the health-check port");
+    let answer = http_get(health, "/health");
+    assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    assert!(
+        answer.contains(
+            "\"state\":\"running\",\"round\":0,\"restarts\":0,\"nodes\":1,\"world_size\":1"
+        ),
+        "{answer}"
+    );
+
+    let node1 = sh_node(1, port, &extra[..4], UNTIL_TWO_NODES);
+    let (s0, out0) = node0.finish(Duration::from_secs(30));
+    let (s1, out1) = node1.finish(Duration::from_secs(30));
+    assert!(s0.success() && s1.success(), "{out0}\n{out1}");
+    assert!(out0.contains("a node is waiting to join"), "{out0}");
+    assert!(out0.contains("[rank0]: round 1 world 2 group 0"), "{out0}");
+    assert!(out1.contains("round 0 runs without this node"), "{out1}");
+    assert!(out1.contains("[rank1]: round 1 world 2 group 1"), "{out1}");
+    // Regrouping is not a failure: no restart was used up.
+    assert!(!out0.contains("restarting the workers (restart"), "{out0}");
+}
+
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+#[test]
+fn a_silent_node_is_lost_after_the_heartbeat_timeout_and_the_job_goes_on() {
+    let port = free_port();
+    let extra = ["--last-call-timeout", "0.5", "--heartbeat-timeout", "1.5"];
+    // Round 0 needs both nodes' workers; later rounds end at once.
+    let script = "echo round $COHORT_RESTART_COUNT world $WORLD_SIZE; \
+                  [ $COHORT_RESTART_COUNT -gt 0 ] || exec sleep 60";
+    let node1 = sh_node(1, port, &extra, script);
+    let node0 = sh_node(0, port, &extra, script);
+    node0.wait_for("[rank0]: round 0 world 2", Duration::from_secs(30));
+    node1.wait_for("[rank1]: round 0 world 2", Duration::from_secs(30));
+    // A frozen agent: its worker lives on, but its heartbeat stops.
+    node1.signal(libc::SIGSTOP);
+    let stopped_at = std::time::Instant::now();
+    node0.wait_for("node 1 lost: no heartbeat for", Duration::from_secs(20));
+    let detected = stopped_at.elapsed();
+    let (status, out) = node0.finish(Duration::from_secs(30));
+    drop(node1);
+    assert!(status.success(), "{out}");
+    assert!(
+        detected >= Duration::from_millis(1500) && detected < Duration::from_secs(6),
+        "lost after {detected:?} with a 1.5 s timeout"
+    );
+    assert!(out.contains("[rank0]: round 1 world 1"), "{out}");
+}

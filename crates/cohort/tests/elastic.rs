@@ -93,7 +93,7 @@ fn assert_resumed_like_the_baseline(out: &str, dir: &Path) {
         .and_then(|(_, step)| step.trim().parse().ok())
         .unwrap_or_else(|| panic!("no resume line in:\n{out}"));
     assert!(
-        resumed_at > 0 && resumed_at < 200 && resumed_at % 5 == 0,
+        resumed_at > 0 && resumed_at < 200 && resumed_at.is_multiple_of(5),
         "{out}"
     );
     let (loss, final_params) = baseline();

@@ -95,9 +95,10 @@ pub(crate) struct GradStats {
     pub norm: f32,
 }
 
-/// Elements per accumulator group of the fused pass: independent f64 sums
-/// the compiler can keep in vector registers.
-const LANES: usize = 8;
+/// Accumulator lanes of the fused pass (one AVX-512 register of f32, two of
+/// f64): lane `i` sums elements `i, i + 16, ...`, a fixed order whatever the
+/// instruction set, so every rank computes the same bits.
+const LANES: usize = 16;
 
 /// One pass: `g = clamp(g * scale, -clip_value, clip_value)` (no clamp when
 /// `clip_value` is 0), returning the L2 norm of the result and whether every
@@ -112,22 +113,63 @@ pub(crate) fn scale_clamp_norm(grads: &mut [f32], scale: f32, clip_value: f32) -
             norm,
         };
     }
-    let mut squares = [0f64; LANES];
-    // x * 0 is (signed) zero for finite x and NaN for NaN or an infinity.
-    let mut poison = [0f32; LANES];
     let limit = if clip_value > 0.0 {
         clip_value
     } else {
         f32::INFINITY
     };
+    let (squares, poison) = fused(grads, scale, limit);
+    let norm = squares.sqrt() as f32;
+    GradStats {
+        finite: poison == 0.0 && norm.is_finite(),
+        norm,
+    }
+}
+
+/// [`fused_body`] compiled for AVX-512 and AVX2 as well as the baseline, and
+/// picked at run time: the baseline (SSE2) loop is 4x slower than AVX-512's
+/// (1.2 vs 0.25 ms on config A's 810k gradients), slower than the three
+/// engine passes it replaces.
+fn fused(g: &mut [f32], scale: f32, limit: f32) -> (f64, f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512(g: &mut [f32], scale: f32, limit: f32) -> (f64, f32) {
+            fused_body(g, scale, limit)
+        }
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2(g: &mut [f32], scale: f32, limit: f32) -> (f64, f32) {
+            fused_body(g, scale, limit)
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // safety: the CPU was just checked to have AVX-512F.
+            return unsafe { avx512(g, scale, limit) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // safety: the CPU was just checked to have AVX2.
+            return unsafe { avx2(g, scale, limit) };
+        }
+    }
+    fused_body(g, scale, limit)
+}
+
+/// Returns (sum of squares of the clamped values in f64, sum of `x * 0`
+/// over the scaled values: zero when all are finite, NaN otherwise).
+#[inline(always)]
+fn fused_body(g: &mut [f32], scale: f32, limit: f32) -> (f64, f32) {
+    let mut squares = [0f64; LANES];
+    let mut poison = [0f32; LANES];
     let mut visit = |g: &mut f32, lane: usize| {
         let x = *g * scale;
+        // x * 0 is (signed) zero for finite x and NaN for NaN or an infinity.
         poison[lane] += x * 0.0;
-        let y = x.clamp(-limit, limit);
+        // Written out (not f32::clamp) so that it vectorises to min/max.
+        let y = if x < -limit { -limit } else { x };
+        let y = if y > limit { limit } else { y };
         *g = y;
         squares[lane] += f64::from(y) * f64::from(y);
     };
-    let mut chunks = grads.chunks_exact_mut(LANES);
+    let mut chunks = g.chunks_exact_mut(LANES);
     for chunk in &mut chunks {
         for (lane, g) in chunk.iter_mut().enumerate() {
             visit(g, lane);
@@ -136,11 +178,7 @@ pub(crate) fn scale_clamp_norm(grads: &mut [f32], scale: f32, clip_value: f32) -
     for (lane, g) in chunks.into_remainder().iter_mut().enumerate() {
         visit(g, lane);
     }
-    let norm = squares.iter().sum::<f64>().sqrt() as f32;
-    GradStats {
-        finite: poison.iter().all(|&p| p == 0.0) && norm.is_finite(),
-        norm,
-    }
+    (squares.iter().sum(), poison.iter().sum())
 }
 
 /// Scales `grads` so that their L2 norm (`norm`, as [`scale_clamp_norm`]

@@ -26,6 +26,8 @@ enum BenchWhat {
     Train(TrainArgs),
     /// Time data-parallel training steps and the scaling efficiency; run under `cohort run -n N`.
     Ddp(cohort_train::bench::BenchDdpArgs),
+    /// Load-test `cohort serve`: throughput and latency with and without dynamic batching.
+    Serve(crate::serve::BenchServeArgs),
     /// Time pipeline-parallel training steps and the bubble; run under `cohort run -n S`.
     Pipeline(cohort_train::BenchPipelineArgs),
 }
@@ -97,6 +99,7 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         BenchWhat::Collectives(a) => collectives(a),
         BenchWhat::Train(a) => train(a),
         BenchWhat::Ddp(a) => ddp(a),
+        BenchWhat::Serve(a) => crate::serve::bench(a),
         BenchWhat::Pipeline(a) => pipeline(a),
     }
 }

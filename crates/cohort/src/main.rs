@@ -7,6 +7,7 @@ mod bench;
 mod demo;
 mod run;
 mod sample;
+mod serve;
 mod tokenizer;
 mod train;
 
@@ -21,6 +22,7 @@ enum Cli {
     Train(train::TrainCmd),
     Bench(bench::BenchArgs),
     Sample(sample::SampleArgs),
+    Serve(serve::ServeArgs),
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCmd),
     #[command(hide = true)]
@@ -33,6 +35,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Train(args) => train::main(args),
         Cli::Bench(args) => bench::main(args),
         Cli::Sample(args) => sample::main(args),
+        Cli::Serve(args) => serve::main(args),
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }

@@ -1,0 +1,184 @@
+//! `cohort serve` and `cohort bench serve`: wiring only. Parse the flags (Triton's names where it
+//! has one), start `cohort_serve::Server`, print where it listens, wait for Ctrl-C / SIGTERM; or
+//! run `cohort_serve::bench` and print its table.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use cohort_gpt::GPTConfig;
+use cohort_serve::bench::{LoadRow, LoadTest};
+use cohort_serve::{Server, ServerOptions};
+
+/// Serve a model repository over Triton's / KServe v2's HTTP and gRPC protocols.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// The model repository: REPO/<model>/config.pbtxt and numbered version directories.
+    #[arg(long)]
+    model_repository: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    address: IpAddr,
+    /// HTTP port (0: any free port).
+    #[arg(long, default_value_t = 8000)]
+    http_port: u16,
+    /// gRPC port (0: any free port).
+    #[arg(long, default_value_t = 8001)]
+    grpc_port: u16,
+    /// Serve HTTP only.
+    #[arg(long)]
+    no_grpc: bool,
+    /// Seconds between repository scans for new versions and models (0: no polling).
+    #[arg(long, default_value_t = 2.0)]
+    repository_poll_secs: f64,
+    /// Load only this model (repeatable); default: every model directory.
+    #[arg(long = "load-model")]
+    load_model: Vec<String>,
+    /// Queue bound of models whose config sets no max_queue_size.
+    #[arg(long, default_value_t = 1024)]
+    max_queue_size: usize,
+    /// Engine threads per model instance (default: cores / the model's instance count).
+    #[arg(long)]
+    instance_threads: Option<usize>,
+    /// Largest request body in bytes.
+    #[arg(long, default_value_t = 16 << 20)]
+    max_body_bytes: usize,
+    /// Logs as one JSON object per line (default: text). Level: COHORT_LOG (default info).
+    #[arg(long)]
+    log_json: bool,
+}
+
+pub fn main(args: ServeArgs) -> anyhow::Result<()> {
+    cohort_serve::init_logging(args.log_json);
+    if !(args.repository_poll_secs >= 0.0 && args.repository_poll_secs.is_finite()) {
+        bail!("--repository-poll-secs must be >= 0");
+    }
+    let opts = ServerOptions {
+        http: SocketAddr::new(args.address, args.http_port),
+        grpc: (!args.no_grpc).then(|| SocketAddr::new(args.address, args.grpc_port)),
+        poll_interval: (args.repository_poll_secs > 0.0)
+            .then(|| Duration::from_secs_f64(args.repository_poll_secs)),
+        load_models: (!args.load_model.is_empty()).then_some(args.load_model),
+        max_body_bytes: args.max_body_bytes,
+        default_queue_size: args.max_queue_size,
+        instance_threads: args.instance_threads,
+        ..ServerOptions::new(args.model_repository.clone())
+    };
+    let server = Server::start(opts)
+        .with_context(|| format!("serving {}", args.model_repository.display()))?;
+    match server.grpc_addr() {
+        Some(g) => println!("cohort serve: HTTP on {}, gRPC on {g}", server.http_addr()),
+        None => println!("cohort serve: HTTP on {}", server.http_addr()),
+    }
+    server.wait_for_signal();
+    Ok(())
+}
+
+/// Load test of the server: throughput and latency with and without dynamic batching.
+#[derive(clap::Args, Debug)]
+pub struct BenchServeArgs {
+    /// Model config of the random-weight model: A or B.
+    #[arg(long, default_value = "B")]
+    config: String,
+    /// Serve this checkpoint instead of a random-weight model.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Tokens per request (one row each).
+    #[arg(long, default_value_t = 16)]
+    seq: usize,
+    /// Timed requests per (mode, clients) cell.
+    #[arg(long, default_value_t = 256)]
+    requests: usize,
+    /// Comma-separated concurrent client counts.
+    #[arg(long, default_value = "1,8,32")]
+    clients: String,
+    /// max_batch_size of the models.
+    #[arg(long, default_value_t = 32)]
+    max_batch_size: usize,
+    /// max_queue_delay_microseconds of the batched model.
+    #[arg(long, default_value_t = 0)]
+    max_queue_delay_us: u64,
+    /// Instances per model.
+    #[arg(long, default_value_t = 1)]
+    instances: usize,
+    /// Engine threads per instance (default: cores / instances).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Seed of the model and the token ids.
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// One JSON object per cell instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn bench(a: BenchServeArgs) -> anyhow::Result<()> {
+    let model = match a.config.as_str() {
+        "A" | "a" => GPTConfig::config_a(),
+        "B" | "b" => GPTConfig::config_b(),
+        other => bail!("--config {other}: expected A or B"),
+    };
+    let clients = a
+        .clients
+        .split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("--clients {:?}: expected numbers like 1,8,32", a.clients))?;
+    let t = LoadTest {
+        checkpoint: a.checkpoint,
+        model,
+        seq: a.seq,
+        requests: a.requests,
+        clients,
+        max_batch_size: a.max_batch_size,
+        max_queue_delay_us: a.max_queue_delay_us,
+        instances: a.instances,
+        threads: a.threads,
+        seed: a.seed,
+        ..LoadTest::default()
+    };
+    if !a.json {
+        println!(
+            "bench serve: config {}, {} tokens per request (next_token), {} requests per cell, \
+             max_batch_size {}, max_queue_delay {} us, {} instance(s), gRPC on loopback",
+            a.config, t.seq, t.requests, t.max_batch_size, t.max_queue_delay_us, t.instances
+        );
+        println!(
+            "{:>9} {:>8} {:>10} {:>9} {:>9} {:>10}",
+            "batching", "clients", "req/s", "p50 ms", "p99 ms", "mean batch"
+        );
+    }
+    let print = |r: &LoadRow| {
+        if a.json {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        } else {
+            println!(
+                "{:>9} {:>8} {:>10.1} {:>9.2} {:>9.2} {:>10.2}",
+                if r.dynamic_batching { "dynamic" } else { "off" },
+                r.clients,
+                r.throughput,
+                r.p50_ms,
+                r.p99_ms,
+                r.mean_batch
+            );
+        }
+    };
+    let rows = cohort_serve::bench::run(&t, print).context("bench serve")?;
+    if !a.json {
+        let at = |batching: bool, c: usize| {
+            rows.iter()
+                .find(|r| r.dynamic_batching == batching && r.clients == c)
+                .map(|r| r.throughput)
+        };
+        if let Some(&most) = t.clients.iter().max() {
+            if let (Some(on), Some(off)) = (at(true, most), at(false, most)) {
+                println!(
+                    "dynamic batching at {most} clients: {:.2}x the unbatched throughput",
+                    on / off
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,266 @@
+//! `cohort serve` end to end: the real binary serving a repository written by the library,
+//! checked with Triton's own Python client (crates/serve/tests/tritonclient_check.py) when
+//! `tritonclient` is importable, and generate compared with `cohort sample` in any case.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use cohort_gpt::checkpoint::{self, Checkpoint};
+use cohort_gpt::{GPTConfig, GPT};
+use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
+use serde_json::{json, Value};
+
+const CHARS: &str = "\nabcdefgh ,.";
+
+fn tiny() -> GPTConfig {
+    GPTConfig {
+        vocab_size: 12,
+        max_position_embeddings: 32,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 16,
+        d_ff: 32,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    }
+}
+
+fn model(seed: u64) -> GPT {
+    let mut m = GPT::new(tiny(), seed).unwrap();
+    for p in m.params_mut() {
+        *p *= 10.0;
+    }
+    m
+}
+
+/// A checkpoint root at `root` holding `m` and a character tokenizer.
+fn save(root: &Path, m: &GPT) {
+    let json = Tokenizer::char_level(CHARS.chars()).to_json().unwrap();
+    checkpoint::save(
+        root,
+        "step-1",
+        &Checkpoint {
+            model: Some(m),
+            extra_files: vec![(TOKENIZER_FILE, json.as_bytes())],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+}
+
+/// The server process, killed if the test fails before stopping it.
+struct Serving {
+    child: Child,
+    http: String,
+    grpc: String,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Serving {
+    fn start(repo: &Path) -> Serving {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
+            .args(["serve", "--model-repository"])
+            .arg(repo)
+            .args([
+                "--address",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+            ])
+            .args(["--repository-poll-secs", "0.2", "--max-body-bytes", "65536"])
+            .args(["--instance-threads", "1"])
+            .env("COHORT_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let mut s = Serving {
+            child,
+            http: String::new(),
+            grpc: String::new(),
+        };
+        // "cohort serve: HTTP on 127.0.0.1:P, gRPC on 127.0.0.1:Q"
+        let addrs: Vec<&str> = line
+            .split_whitespace()
+            .filter(|w| w.starts_with("127.0.0.1:"))
+            .map(|w| w.trim_end_matches(','))
+            .collect();
+        assert_eq!(addrs.len(), 2, "unexpected first line {line:?}");
+        s.http = addrs[0].to_string();
+        s.grpc = addrs[1].to_string();
+        s
+    }
+
+    /// SIGTERM, and the server must exit cleanly.
+    fn stop(mut self) {
+        // safety: kill(2) on our own child's pid
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        for _ in 0..200 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "cohort serve exited with {status}");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("cohort serve did not exit within 10 s of SIGTERM");
+    }
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: \
+         application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap())
+}
+
+/// What `cohort sample` prints for these flags, without the final newline.
+fn cohort_sample(ckpt: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .arg("sample")
+        .arg("--checkpoint")
+        .arg(ckpt)
+        .args(args)
+        .env("COHORT_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut s = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(s.pop(), Some('\n'));
+    s
+}
+
+fn tritonclient_available() -> bool {
+    Command::new("python3")
+        .args(["-c", "import tritonclient.http, tritonclient.grpc, numpy"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let (mut v1, mut v2) = (model(5), model(6));
+    save(&repo.join("gpt/1"), &v1);
+    std::fs::write(
+        repo.join("gpt/config.pbtxt"),
+        "name: \"gpt\"\nmax_batch_size: 4\n\
+         dynamic_batching { preferred_batch_size: [2, 4] max_queue_delay_microseconds: 2000 }\n\
+         instance_group [ { count: 2 kind: KIND_CPU } ]\n",
+    )
+    .unwrap();
+    // version 2 is prepared aside and renamed into the repository while serving
+    let staging = dir.path().join("staging/2");
+    save(&staging, &v2);
+
+    let server = Serving::start(&repo);
+
+    // generate answers what `cohort sample` prints, for the same prompt, seed and settings
+    let ckpt = repo.join("gpt/1");
+    let cases = [
+        (
+            "bad cafe",
+            json!({"max_tokens": 30, "temperature": 0.9, "top_k": 5, "seed": 7}),
+            vec![
+                "--max-new-tokens",
+                "30",
+                "--temperature",
+                "0.9",
+                "--top-k",
+                "5",
+                "--seed",
+                "7",
+            ],
+        ),
+        (
+            "a",
+            json!({"max_tokens": 40, "temperature": 0}),
+            vec!["--max-new-tokens", "40", "--temperature", "0"],
+        ),
+        ("head", json!({}), vec![]),
+    ];
+    let mut generate = Vec::new();
+    for (prompt, params, flags) in &cases {
+        let mut args = vec!["--prompt", prompt];
+        args.extend(flags);
+        let want = cohort_sample(&ckpt, &args);
+        let (status, got) = post(
+            &server.http,
+            "/v2/models/gpt/generate",
+            &json!({"text_input": prompt, "parameters": params}),
+        );
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(got["text_output"], want, "prompt {prompt:?} {params}");
+        generate.push(json!({"text_input": prompt, "parameters": params, "text_output": want}));
+    }
+
+    if !tritonclient_available() {
+        eprintln!(
+            "skipping the tritonclient checks: python3 cannot import tritonclient and numpy \
+             (pip install 'tritonclient[http,grpc]' numpy)"
+        );
+        server.stop();
+        return;
+    }
+    let (rows, seq) = (2, 7);
+    let ids: Vec<u32> = (0..rows * seq).map(|i| (i * 5 % 12) as u32).collect();
+    let logits = |m: &mut GPT| {
+        m.forward(&ids, None, None, rows, seq).unwrap();
+        m.logits().to_vec()
+    };
+    let spec = json!({
+        "http": server.http,
+        "grpc": server.grpc,
+        "model": "gpt",
+        "vocab": tiny().vocab_size,
+        "ids": ids.chunks(seq).collect::<Vec<_>>(),
+        "logits_v1": logits(&mut v1),
+        "logits_v2": logits(&mut v2),
+        "generate": generate,
+        "max_body_bytes": 65536,
+        "new_version": {"from": staging, "to": repo.join("gpt/2")},
+    });
+    let spec_file = dir.path().join("spec.json");
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/tritonclient_check.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&spec_file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "tritonclient checks failed:\n{text}");
+    assert!(text.contains(" passed, 0 failed"), "{text}");
+    server.stop();
+}

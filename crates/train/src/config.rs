@@ -146,20 +146,6 @@ pub struct TrainConfig {
     pub pipeline_schedule: PipelineSchedule,
 }
 
-/// How the ranks of a training job share the work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// Every rank holds the model; gradients are averaged by all-reduce.
-    #[default]
-    Ddp,
-    /// Rank 0 holds the parameters and the optimizer; the other ranks
-    /// compute gradients and push them over RPC.
-    ParameterServer,
-    /// The model's blocks are split into stages on consecutive ranks.
-    Pipeline,
-}
-
 /// The order of a pipeline stage's forwards and backwards in a step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 pub enum PipelineSchedule {
@@ -173,6 +159,20 @@ pub enum PipelineSchedule {
     #[serde(rename = "1f1b")]
     #[value(name = "1f1b")]
     OneFOneB,
+}
+
+/// How the ranks of a training job share the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Every rank holds the model; gradients are averaged by all-reduce.
+    #[default]
+    Ddp,
+    /// Rank 0 holds the parameters and the optimizer; the other ranks
+    /// compute gradients and push them over RPC.
+    ParameterServer,
+    /// The model's blocks are split into stages on consecutive ranks.
+    Pipeline,
 }
 
 /// Which library runs the collectives of a training job.
@@ -238,8 +238,6 @@ impl Default for TrainConfig {
             save_interval: 0,
             out: None,
             resume: None,
-            keep_checkpoints: 3,
-            inject_nan: None,
             keep_checkpoints: 3,
             inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,

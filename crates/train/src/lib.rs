@@ -106,9 +106,6 @@ pub enum TrainError {
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),
-    /// The MPI backend could not start (`backend = "mpi"`).
-    #[error("MPI backend: {0}")]
-    Mpi(#[from] cohort_mpi::MpiError),
     /// The parameter server's calls failed (a worker or the server died,
     /// timed out, or refused a gradient).
     #[error("parameter server: {what}: {error}")]
@@ -118,6 +115,9 @@ pub enum TrainError {
         /// The error.
         error: cohort_rpc::RpcError,
     },
+    /// The MPI backend could not start (`backend = "mpi"`).
+    #[error("MPI backend: {0}")]
+    Mpi(#[from] cohort_mpi::MpiError),
     /// Too many updates in a row were skipped for a NaN or infinite loss or
     /// gradient (`max_consecutive_skips`).
     #[error(

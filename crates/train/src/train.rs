@@ -5,19 +5,21 @@
 //! many; only rank 0 writes the log and checkpoints. It never parses flags
 //! and never opens sockets itself: it is handed a config and a process group.
 
+use crate::batches::{val_batches, TrainBatches};
 use crate::checkpoint::{self, TrainState};
 use crate::config::TrainConfig;
-use crate::data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
+use crate::data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens};
 use crate::fault::{LogGuard, NanInjection, StepGuard};
 use crate::phases::{Phase, Phases};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
-use cohort_ddp::{Compression, Ddp, DdpOptions, DistributedSampler, ParamSpec, Replica};
+use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec, Replica};
 use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use std::io::{IsTerminal, Write};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What a finished run reports (on every rank; losses are averaged over ranks).
@@ -107,51 +109,6 @@ pub(crate) fn param_specs(model: &GPT) -> Vec<ParamSpec> {
         .collect()
 }
 
-/// Where this rank is in its stream of training samples.
-struct Cursor {
-    sampler: DistributedSampler,
-    indices: Vec<usize>,
-    offset: usize,
-}
-
-impl Cursor {
-    fn new(mut sampler: DistributedSampler, epoch: u64, offset: usize) -> Self {
-        sampler.set_epoch(epoch);
-        let indices = sampler.indices();
-        Self {
-            sampler,
-            indices,
-            offset,
-        }
-    }
-
-    /// The next sample index; a new epoch (new order on every rank) when
-    /// this one is used up.
-    fn next_index(&mut self) -> usize {
-        if self.offset >= self.indices.len() {
-            let epoch = self.sampler.epoch() + 1;
-            self.sampler.set_epoch(epoch);
-            self.indices = self.sampler.indices();
-            self.offset = 0;
-        }
-        self.offset += 1;
-        self.indices[self.offset - 1]
-    }
-}
-
-/// Fills `tokens` (B, T) and `labels` with the next `batch` samples.
-fn next_batch(data: &dyn Dataset, cursor: &mut Cursor, tokens: &mut [u32], labels: &mut [i32]) {
-    let t = data.seq_len();
-    for row in tokens.chunks_mut(t) {
-        data.read(Split::Train, cursor.next_index(), row);
-    }
-    // Labels = input ids; the model shifts them (Hugging Face convention).
-    labels
-        .iter_mut()
-        .zip(tokens.iter())
-        .for_each(|(l, &x)| *l = x as i32);
-}
-
 /// Trains as configured, as rank `pg.rank()` of `pg.size()`; rank 0 writes
 /// the log to `log`. Collective: every rank must call it with the same config.
 pub fn train(
@@ -173,7 +130,7 @@ pub fn train(
     cfg.validate()?;
 
     // -- data -------------------------------------------------------------
-    let data = crate::file_data::build(cfg, pg)?;
+    let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
     let (b, t) = (cfg.batch_size, data.seq_len());
     let tokens_per_step = (b * t * cfg.grad_accum * world) as f64;
     say(log, format!("data: {}", data.describe()))?;
@@ -259,11 +216,8 @@ pub fn train(
     }
 
     // -- the loop -------------------------------------------------------------
-    let sampler =
-        DistributedSampler::new(data.len(Split::Train), world, rank, true, cfg.seed, false)?;
-    let mut cursor = Cursor::new(sampler, state.epoch, state.offset);
-    let mut tokens = vec![0u32; b * t];
-    let mut labels = vec![0i32; b * t];
+    let mut batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
+    let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
     let bar = progress_bar(master, state.step, cfg.steps);
 
     let mut outcome = Outcome {
@@ -291,6 +245,10 @@ pub fn train(
         cfg.max_consecutive_skips,
         inject,
     );
+    // Real tokens (padding excluded) this rank trained on in the log window,
+    // and since the end of the first step.
+    let mut window_tokens = 0f64;
+    let mut timed_tokens = 0f64;
     let mut timed_from: Option<Instant> = None;
     let first_step = state.step;
 
@@ -298,9 +256,13 @@ pub fn train(
         let lr = schedule.lr(step);
         let mut loss_sum = 0f32;
         for micro in 0..cfg.grad_accum {
-            window.time(Phase::Data, || {
-                next_batch(&*data, &mut cursor, &mut tokens, &mut labels)
-            });
+            let batch = window.time(Phase::Data, || batches.next_batch());
+            let real_tokens = batch.attention_mask.iter().filter(|&&m| m == 1).count();
+            window_tokens += real_tokens as f64;
+            if timed_from.is_some() {
+                timed_tokens += real_tokens as f64;
+            }
+            let mask = padding_mask(&batch);
             model.set_training(true);
             model.set_dropout_key(
                 cfg.seed,
@@ -308,7 +270,13 @@ pub fn train(
                 step * cfg.grad_accum as u64 + micro as u64,
             );
             let loss = window.time(Phase::Forward, || {
-                model.forward(&tokens, None, Some(&labels), b, t)
+                model.forward(
+                    &batch.input_ids,
+                    mask,
+                    Some(&batch.labels),
+                    batch.batch,
+                    batch.seq,
+                )
             })?;
             loss_sum += loss.unwrap_or(0.0);
             // Only the last micro-step communicates: the gradients of the
@@ -347,7 +315,8 @@ pub fn train(
         }
         window_steps += 1;
         let done = step + 1;
-        cursor_state(&cursor, &mut state, done);
+        state.step = done;
+        (state.epoch, state.offset) = batches.position();
         if timed_from.is_none() {
             // The first step pays for allocation and warm-up; throughput is
             // measured from the end of it.
@@ -361,6 +330,9 @@ pub fn train(
             let mut mean = [window_loss / window_updates as f32];
             pg.all_reduce(&mut mean, ReduceOp::Avg)
                 .map_err(TrainError::comm("loss all_reduce"))?;
+            let mut tokens = [window_tokens];
+            pg.all_reduce(&mut tokens, ReduceOp::Sum)
+                .map_err(TrainError::comm("token count all_reduce"))?;
             window.add(Phase::Comm, t_comm.elapsed());
             outcome.train_losses.push((done, mean[0]));
             let secs = window.total().as_secs_f64().max(1e-9);
@@ -368,7 +340,7 @@ pub fn train(
                 "[step {done} / {}] loss = {:.4} | lr {lr:.2e} | {:.0} tok/s | {}",
                 cfg.steps,
                 mean[0],
-                tokens_per_step * window_steps as f64 / secs,
+                tokens[0] / secs,
                 window.per_step(window_steps),
             );
             print_line(&bar, &mut say, log, line)?;
@@ -377,9 +349,10 @@ pub fn train(
             window_steps = 0;
             window_loss = 0.0;
             window_updates = 0;
+            window_tokens = 0.0;
         }
         if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
-            let val = evaluate(cfg, &*data, &mut model, pg, &mut tokens, &mut labels)?;
+            let val = evaluate(&val, &mut model, pg)?;
             outcome.val_losses.push((done, val));
             let floor = data
                 .loss_floor()
@@ -422,11 +395,13 @@ pub fn train(
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let timed_steps = outcome.steps_run.saturating_sub(1);
+    let mut tokens = [timed_tokens];
+    pg.all_reduce(&mut tokens, ReduceOp::Sum)
+        .map_err(TrainError::comm("token count all_reduce"))?;
     if let Some(t0) = timed_from {
         let secs = t0.elapsed().as_secs_f64();
-        if timed_steps > 0 && secs > 0.0 {
-            outcome.tokens_per_s = tokens_per_step * timed_steps as f64 / secs;
+        if outcome.steps_run > 1 && secs > 0.0 {
+            outcome.tokens_per_s = tokens[0] / secs;
         }
     }
     outcome.params = model.params().to_vec();
@@ -483,45 +458,40 @@ pub fn train(
     Ok(outcome)
 }
 
-fn cursor_state(cursor: &Cursor, state: &mut TrainState, step: u64) {
-    state.step = step;
-    state.epoch = cursor.sampler.epoch();
-    state.offset = cursor.offset;
+/// The attention mask of a batch with padding (None when every position is a
+/// token, the common case, which spares the model the mask's bookkeeping).
+fn padding_mask(batch: &cohort_data::Batch) -> Option<&[u8]> {
+    batch
+        .attention_mask
+        .contains(&0)
+        .then_some(&batch.attention_mask[..])
 }
 
-/// Mean loss over `eval_batches` batches of held-out sequences per rank,
-/// averaged over ranks (each rank reads its own share of the split).
+/// Mean loss over this rank's validation batches, averaged over ranks.
 fn evaluate(
-    cfg: &TrainConfig,
-    data: &dyn Dataset,
+    val: &[cohort_data::Batch],
     model: &mut GPT,
     pg: &ProcessGroup,
-    tokens: &mut [u32],
-    labels: &mut [i32],
 ) -> Result<f32, TrainError> {
-    let (b, t) = (cfg.batch_size, data.seq_len());
-    let n = data.len(Split::Val);
-    if n == 0 || cfg.eval_batches == 0 {
+    if val.is_empty() {
         return Ok(f32::NAN);
     }
-    let sampler = DistributedSampler::new(n, pg.size(), pg.rank(), false, cfg.seed, false)?;
-    let indices = sampler.indices();
     model.set_training(false);
     let mut sum = 0f64;
-    for batch in 0..cfg.eval_batches {
-        for (row, seq) in tokens.chunks_mut(t).enumerate() {
-            data.read(Split::Val, indices[(batch * b + row) % indices.len()], seq);
-        }
-        labels
-            .iter_mut()
-            .zip(tokens.iter())
-            .for_each(|(l, &x)| *l = x as i32);
+    for batch in val {
+        let mask = padding_mask(batch);
         sum += model
-            .forward(tokens, None, Some(labels), b, t)?
+            .forward(
+                &batch.input_ids,
+                mask,
+                Some(&batch.labels),
+                batch.batch,
+                batch.seq,
+            )?
             .unwrap_or(0.0) as f64;
     }
     model.set_training(true);
-    let mut mean = [(sum / cfg.eval_batches as f64) as f32];
+    let mut mean = [(sum / val.len() as f64) as f32];
     pg.all_reduce(&mut mean, ReduceOp::Avg)
         .map_err(TrainError::comm("val loss all_reduce"))?;
     Ok(mean[0])

@@ -188,7 +188,7 @@ fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
             let load = |source| ServeError::Load {
                 model: "load test".into(),
                 version: 1,
-                source,
+                source: Box::new(source),
             };
             let dir = checkpoint::resolve(path).map_err(load)?;
             let cfg = checkpoint::load_config(&dir).map_err(load)?;
@@ -212,7 +212,7 @@ fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
             .map_err(|source| ServeError::Load {
                 model: "load test".into(),
                 version: 1,
-                source,
+                source: Box::new(source),
             })?;
             (dir, t.model.vocab_size)
         }

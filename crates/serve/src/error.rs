@@ -197,8 +197,8 @@ pub enum ServeError {
         model: String,
         /// The version.
         version: u64,
-        /// The checkpoint loader's error.
-        source: cohort_gpt::checkpoint::CheckpointError,
+        /// The checkpoint loader's error (boxed: it is large, and errors travel by value).
+        source: Box<cohort_gpt::checkpoint::CheckpointError>,
     },
     /// A file-system operation on the repository failed.
     #[error("{op} {path}: {source}")]

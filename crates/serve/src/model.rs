@@ -45,6 +45,12 @@ impl Stamp {
     }
 }
 
+/// A queued generation: each token as it is produced, then all of them (or why it failed).
+pub(crate) type Generation = (
+    mpsc::UnboundedReceiver<u32>,
+    oneshot::Receiver<Result<Vec<u32>, ServeError>>,
+);
+
 /// Server-wide settings a version is built with.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct BuildOptions {
@@ -87,7 +93,7 @@ impl LoadedVersion {
         let load_err = |source| ServeError::Load {
             model: model.to_string(),
             version,
-            source,
+            source: Box::new(source),
         };
         let stamp = Stamp::of(version_dir);
         let dir = checkpoint::resolve(version_dir).map_err(load_err)?;
@@ -193,13 +199,7 @@ impl LoadedVersion {
         &self,
         prompt: Vec<u32>,
         opts: SampleOptions,
-    ) -> Result<
-        (
-            mpsc::UnboundedReceiver<u32>,
-            oneshot::Receiver<Result<Vec<u32>, ServeError>>,
-        ),
-        ServeError,
-    > {
+    ) -> Result<Generation, ServeError> {
         let (tokens, token_rx) = mpsc::unbounded_channel();
         let (done, done_rx) = oneshot::channel();
         let job = Job::Generate(GenerateJob {

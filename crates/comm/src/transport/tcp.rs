@@ -888,6 +888,9 @@ fn refused(group: &str, rank: usize, who: &str, why: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::OpKind;
+    use crate::engine::{Header, OpDesc};
+    use crate::DType;
     use cohort_store::HashStore;
     use std::net::Ipv4Addr;
     use std::sync::Arc;
@@ -1209,6 +1212,148 @@ mod tests {
             let err = rank0.join().unwrap().unwrap_err().to_string();
             assert!(err.contains("ranks 1 never connected"), "{err}");
         });
+    }
+
+    /// What a hostile (but admitted) rank 1 sends to rank 0.
+    enum Hostile {
+        /// These bytes.
+        Bytes(Channel, Vec<u8>),
+        /// A frame header, then `payload` bytes of its payload.
+        Frame(Channel, Header, usize),
+    }
+
+    /// Rank 0 of a real group runs `call` while rank 1 is a raw transport
+    /// sending `hostile`, then hanging up at once or (`hang_up` false) only
+    /// once rank 0 gave up; returns rank 0's error.
+    fn against_hostile_peer(
+        hostile: Hostile,
+        hang_up: bool,
+        call: impl FnOnce(&crate::ProcessGroup) -> Result<(), CommError> + Send,
+    ) -> CommError {
+        let store = Arc::new(HashStore::new());
+        let bind: IpAddr = Ipv4Addr::LOCALHOST.into();
+        let timeout = Duration::from_secs(10);
+        let opts = crate::GroupOptions {
+            name: "g".into(),
+            timeout,
+            ..crate::GroupOptions::default()
+        };
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| {
+                let t = TcpTransport::mesh(&*store, "g", 0, 2, bind, timeout, Local::Unix, None)
+                    .unwrap();
+                let backend = Box::new(crate::MeshBackend::new(Box::new(t)));
+                let pg = crate::ProcessGroup::with_backend(backend, store.clone(), opts);
+                let started = Instant::now();
+                let err = call(&pg).expect_err("a hostile peer's bytes were accepted");
+                assert!(started.elapsed() < timeout, "took {:?}", started.elapsed());
+                err
+            });
+            let rank1 =
+                TcpTransport::mesh(&*store, "g", 1, 2, bind, timeout, Local::Unix, None).unwrap();
+            let (ch, bytes) = match hostile {
+                Hostile::Bytes(ch, b) => (ch, b),
+                Hostile::Frame(ch, h, payload) => {
+                    let mut b = h.encode().to_vec();
+                    b.resize(b.len() + payload, 0x42);
+                    (ch, b)
+                }
+            };
+            let mut sent = 0;
+            while sent < bytes.len() {
+                match rank1.try_write(ch, 0, &[IoSlice::new(&bytes[sent..])]) {
+                    Ok(n) => sent += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    // Rank 0 already gave up on us.
+                    Err(_) => break,
+                }
+            }
+            if hang_up {
+                drop(rank1);
+            }
+            rank0.join().unwrap()
+        })
+    }
+
+    fn frame(kind: OpKind, dtype: DType, count: u64, root: u32, bytes: u64) -> Header {
+        Header {
+            desc: OpDesc {
+                kind,
+                seq: 0,
+                dtype: Some(dtype),
+                count,
+                reduce: None,
+                root,
+                flags: 0,
+            },
+            bytes,
+        }
+    }
+
+    #[test]
+    fn a_hostile_peer_gets_errors_naming_it_never_a_crash_or_a_huge_allocation() {
+        let names_rank_1 = |e: &CommError| {
+            let t = e.to_string();
+            assert!(t.contains("rank 1"), "{t}");
+            t
+        };
+        let all_reduce = |pg: &crate::ProcessGroup| {
+            let mut x = vec![1f32; 4096];
+            pg.all_reduce(&mut x, crate::ReduceOp::Sum)
+        };
+        let recv = |pg: &crate::ProcessGroup| {
+            let mut x = vec![0f32; 16];
+            pg.recv(&mut x, 1, 7)
+        };
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+
+        // Garbage where a collective's frame header should be.
+        let mut junk = random_bytes(&mut seed, 256);
+        junk[0] = 0x11;
+        let e = against_hostile_peer(Hostile::Bytes(Channel::Collective, junk), false, all_reduce);
+        assert!(
+            names_rank_1(&e).contains("not a cohort frame header"),
+            "{e}"
+        );
+
+        // A header claiming a petabyte for the op rank 0 is running.
+        let huge = frame(OpKind::AllReduce, DType::F32, 4096, 0, 1 << 50);
+        let e = against_hostile_peer(
+            Hostile::Frame(Channel::Collective, huge, 0),
+            false,
+            all_reduce,
+        );
+        assert!(matches!(e, CommError::Mismatch { peer: 1, .. }), "{e}");
+
+        // A header cut short, then a hang-up.
+        let cut = frame(OpKind::AllReduce, DType::F32, 4096, 0, 16384).encode()[..10].to_vec();
+        let e = against_hostile_peer(Hostile::Bytes(Channel::Collective, cut), true, all_reduce);
+        names_rank_1(&e);
+
+        // Point-to-point: a frame for another tag claiming a length its
+        // count and type deny; then one whose (huge) claim is consistent
+        // but whose bytes never come: buffered only as they arrive.
+        let lying = frame(OpKind::Send, DType::F32, 4, 8, 1 << 50);
+        let e = against_hostile_peer(Hostile::Frame(Channel::P2p, lying, 0), false, recv);
+        assert!(names_rank_1(&e).contains("claiming"), "{e}");
+        let vast = frame(OpKind::Send, DType::F32, 1 << 40, 8, 4 << 40);
+        let e = against_hostile_peer(Hostile::Frame(Channel::P2p, vast, 3000), true, recv);
+        names_rank_1(&e);
+
+        // Random bytes of many lengths on both channels: an error naming
+        // rank 1 every time.
+        for len in [1usize, 31, 32, 33, 100, 5000] {
+            for ch in [Channel::Collective, Channel::P2p] {
+                let bytes = random_bytes(&mut seed, len);
+                let call = |pg: &crate::ProcessGroup| match ch {
+                    Channel::Collective => all_reduce(pg),
+                    Channel::P2p => recv(pg),
+                };
+                names_rank_1(&against_hostile_peer(Hostile::Bytes(ch, bytes), true, call));
+            }
+        }
     }
 
     #[test]

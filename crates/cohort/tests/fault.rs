@@ -1,0 +1,105 @@
+//! What `cohort run -n 2 train` survives, through the real binary: a NaN in
+//! one worker's gradient (the `COHORT_INJECT_NAN` test hook) skips that
+//! update in both, and a damaged latest checkpoint is passed over on resume.
+
+use std::process::{Command, Output};
+
+const TINY: &[&str] = &[
+    "--warmup-steps",
+    "1",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "0",
+    "--eval-batches",
+    "1",
+    "--seq-len",
+    "16",
+    "--n-layers",
+    "2",
+    "--n-heads",
+    "2",
+    "--d-model",
+    "32",
+    "--d-ff",
+    "64",
+    "--markov-vocab",
+    "16",
+    "--train-sequences",
+    "96",
+    "--val-sequences",
+    "16",
+];
+
+fn cohort_run(nan: Option<&str>, extra: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    cmd.env_remove("RANK")
+        .env_remove("COHORT_NUM_THREADS")
+        .env_remove("COHORT_INJECT_NAN")
+        .args(["run", "--standalone", "-n", "2", "train"])
+        .args(TINY)
+        .args(extra);
+    if let Some(spec) = nan {
+        cmd.env("COHORT_INJECT_NAN", spec);
+    }
+    cmd.output().expect("cohort runs")
+}
+
+fn text(out: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn a_nan_in_one_worker_skips_the_update_in_both() {
+    let out = cohort_run(Some("2@1"), &["--steps", "4"]);
+    let all = text(&out);
+    assert!(out.status.success(), "{all}");
+    assert!(
+        all.contains("[step 3 / 4] non-finite loss on 0 rank(s), non-finite gradient on 1 rank(s)"),
+        "{all}"
+    );
+    assert!(all.contains("skipped 1 update(s)"), "{all}");
+
+    let out = cohort_run(
+        Some("0-3"),
+        &["--steps", "4", "--max-consecutive-skips", "2"],
+    );
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("diverged: 2 updates in a row"), "{all}");
+
+    let out = cohort_run(Some("soon"), &["--steps", "4"]);
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(
+        all.contains("COHORT_INJECT_NAN=\"soon\": expected STEP"),
+        "{all}"
+    );
+}
+
+#[test]
+fn resume_passes_over_a_damaged_latest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("ckpt");
+    let out = out_dir.to_str().unwrap();
+    let first = cohort_run(
+        None,
+        &["--steps", "4", "--out", out, "--save-interval", "2"],
+    );
+    assert!(first.status.success(), "{}", text(&first));
+    let model = out_dir.join("step-000004").join("model.safetensors");
+    let mut bytes = std::fs::read(&model).unwrap();
+    bytes.truncate(bytes.len() / 2);
+    std::fs::write(&model, bytes).unwrap();
+    let resumed = cohort_run(None, &["--resume", out, "--steps", "6"]);
+    let all = text(&resumed);
+    assert!(resumed.status.success(), "{all}");
+    assert!(all.contains("step-000004 is unusable"), "{all}");
+    assert!(all.contains("model.safetensors: corrupt"), "{all}");
+    assert!(all.contains("step-000002 at step 2"), "{all}");
+}

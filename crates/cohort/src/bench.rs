@@ -26,6 +26,11 @@ enum BenchWhat {
     Train(TrainArgs),
     /// Time data-parallel training steps and the scaling efficiency; run under `cohort run -n N`.
     Ddp(cohort_train::bench::BenchDdpArgs),
+    /// Time RPC round trips and calls/s between two workers; run under `cohort run -n 2`.
+    Rpc(RpcArgs),
+    /// Time parameter-server training (rank 0 serves, the others push gradients); run under
+    /// `cohort run -n K`.
+    Ps(cohort_train::BenchPsArgs),
     /// Load-test `cohort serve`: throughput and latency with and without dynamic batching.
     Serve(crate::serve::BenchServeArgs),
     /// Time pipeline-parallel training steps and the bubble; run under `cohort run -n S`.
@@ -99,6 +104,10 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         BenchWhat::Collectives(a) => collectives(a),
         BenchWhat::Train(a) => train(a),
         BenchWhat::Ddp(a) => ddp(a),
+        BenchWhat::Rpc(a) => rpc(a),
+        BenchWhat::Ps(a) => {
+            cohort_train::run_ps_bench(&a, &mut std::io::stdout()).context("bench ps")
+        }
         BenchWhat::Serve(a) => crate::serve::bench(a),
         BenchWhat::Pipeline(a) => pipeline(a),
     }
@@ -107,6 +116,73 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
 fn pipeline(a: cohort_train::BenchPipelineArgs) -> anyhow::Result<()> {
     let pg = cohort_train::process_group_from_env().context("bench pipeline")?;
     cohort_train::run_pipeline_bench(&a, &pg, &mut std::io::stdout()).context("bench pipeline")?;
+    Ok(())
+}
+
+#[derive(clap::Args, Debug)]
+struct RpcArgs {
+    /// Comma-separated payload sizes in bytes, each way (K and M suffixes).
+    #[arg(long, default_value = "8,1K")]
+    sizes: String,
+    /// Timed sequential calls per size.
+    #[arg(long, default_value_t = 2000)]
+    iters: usize,
+    /// Calls of the throughput run.
+    #[arg(long, default_value_t = 20000)]
+    calls: usize,
+    /// Calls in flight at once in the throughput run.
+    #[arg(long, default_value_t = 64)]
+    window: usize,
+    /// One JSON object per line instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn rpc(a: RpcArgs) -> anyhow::Result<()> {
+    let env = |name: &str| -> anyhow::Result<usize> {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("{name} not set: run under `cohort run -n 2 bench rpc`"))
+    };
+    let (rank, world) = (env("RANK")?, env("WORLD_SIZE")?);
+    if world < 2 {
+        bail!("bench rpc needs two workers: `cohort run -n 2 bench rpc`");
+    }
+    let opts = cohort_rpc::bench::BenchOptions {
+        sizes: a
+            .sizes
+            .split(',')
+            .map(parse_size)
+            .collect::<anyhow::Result<_>>()?,
+        iters: a.iters,
+        calls: a.calls,
+        window: a.window,
+        ..Default::default()
+    };
+    let mut registry = cohort_rpc::Registry::new();
+    cohort_rpc::bench::register(&mut registry);
+    let rpc = cohort_rpc::init_rpc(&format!("worker{rank}"), rank, world, registry)
+        .context("joining the RPC group")?;
+    if rank == 0 {
+        for row in cohort_rpc::bench::run(&rpc, 1, &opts).context("bench rpc")? {
+            if a.json {
+                println!("{}", serde_json::to_string(&row)?);
+            } else {
+                println!(
+                    "{:>8} B: round trip median {:.1} us, p99 {:.1} us, min {:.1} us; \
+                     {:.0} calls/s with {} in flight",
+                    row.bytes,
+                    row.rtt_us_median,
+                    row.rtt_us_p99,
+                    row.rtt_us_min,
+                    row.calls_per_s,
+                    row.window
+                );
+            }
+        }
+    }
+    rpc.shutdown().context("bench rpc shutdown")?;
     Ok(())
 }
 

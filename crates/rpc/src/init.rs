@@ -90,7 +90,18 @@ pub fn init_rpc(
     world_size: usize,
     registry: Registry,
 ) -> Result<Rpc, RpcError> {
-    let mut opts = RpcOptions::from_env()?;
+    init_rpc_with_options(name, rank, world_size, registry, RpcOptions::from_env()?)
+}
+
+/// [`init_rpc`] with given options (start from [`RpcOptions::from_env`] to
+/// keep the job secret).
+pub fn init_rpc_with_options(
+    name: &str,
+    rank: usize,
+    world_size: usize,
+    registry: Registry,
+    mut opts: RpcOptions,
+) -> Result<Rpc, RpcError> {
     let addr = required("MASTER_ADDR")?;
     let port_s = required("MASTER_PORT")?;
     let port: u16 = port_s

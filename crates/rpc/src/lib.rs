@@ -67,6 +67,6 @@ pub use agent::{Rpc, RpcOptions, ToWorker};
 pub use error::RpcError;
 pub use floats::Floats;
 pub use future::RpcFuture;
-pub use init::{init_rpc, init_rpc_with_store};
+pub use init::{init_rpc, init_rpc_with_options, init_rpc_with_store};
 pub use registry::{CallContext, Registry, WorkerInfo};
 pub use rref::{RRef, RRefId};

@@ -138,18 +138,19 @@ fn run_role(
     log: &mut dyn Write,
     timed_from: u64,
 ) -> Result<Outcome, TrainError> {
+    let options = rpc_options(&how, world)?;
     if rank == 0 {
         // The server prepares file data (tokenizing, caching) before anyone
         // can join, so the workers open the finished cache.
         let data = dataset(cfg, true)?;
-        let server = Server::new(cfg, data, world - 1)?;
+        let server = Server::new(cfg, data, world - 1, options.timeout)?;
         let mut registry = Registry::new();
         server.board.register(&mut registry);
-        let rpc = join(how, rank, world, registry)?;
+        let rpc = join(how, rank, world, registry, options)?;
         let outcome = server.serve(&rpc, log, timed_from);
         finish(&rpc, outcome)
     } else {
-        let rpc = join(how, rank, world, Registry::new())?;
+        let rpc = join(how, rank, world, Registry::new(), options)?;
         let outcome =
             dataset(cfg, false).and_then(|data| work(cfg, &rpc, data, rank - 1, world - 1));
         finish(&rpc, outcome)
@@ -180,19 +181,36 @@ fn env_usize(name: &'static str) -> Result<usize, TrainError> {
     })
 }
 
-fn join(how: Rendezvous, rank: usize, world: usize, registry: Registry) -> Result<Rpc, TrainError> {
+fn join(
+    how: Rendezvous,
+    rank: usize,
+    world: usize,
+    registry: Registry,
+    options: RpcOptions,
+) -> Result<Rpc, TrainError> {
     let name = if rank == 0 {
         "ps".to_string()
     } else {
         format!("worker{rank}")
     };
     match how {
-        Rendezvous::Env => cohort_rpc::init_rpc(&name, rank, world, registry),
-        Rendezvous::Store { store, options, .. } => {
+        Rendezvous::Env => cohort_rpc::init_rpc_with_options(&name, rank, world, registry, options),
+        Rendezvous::Store { store, .. } => {
             cohort_rpc::init_rpc_with_store(store, &name, rank, world, registry, options)
         }
     }
     .map_err(rpc_err("joining the RPC group"))
+}
+
+/// The RPC settings of `how`, with a handler thread per worker to spare:
+/// a sync push holds one on the server until every worker's gradient is in.
+fn rpc_options(how: &Rendezvous, world: usize) -> Result<RpcOptions, TrainError> {
+    let mut o = match how {
+        Rendezvous::Env => RpcOptions::from_env().map_err(rpc_err("reading the RPC settings"))?,
+        Rendezvous::Store { options, .. } => options.clone(),
+    };
+    o.num_worker_threads = o.num_worker_threads.max(world + 2);
+    Ok(o)
 }
 
 /// The data set, without a process group: the server opens (and if need be
@@ -343,6 +361,7 @@ impl<'c> Server<'c> {
         cfg: &'c TrainConfig,
         data: Arc<dyn Dataset>,
         workers: usize,
+        wait_limit: Duration,
     ) -> Result<Self, TrainError> {
         let model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
         let adamw = AdamWConfig {
@@ -360,7 +379,7 @@ impl<'c> Server<'c> {
         let board = Arc::new(Board {
             mode: cfg.ps_mode,
             workers,
-            wait_limit: RpcOptions::default().timeout,
+            wait_limit,
             st: Mutex::new(BoardState {
                 params: Arc::new(model.params().to_vec()),
                 version: 0,

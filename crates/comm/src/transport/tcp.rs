@@ -126,10 +126,14 @@ impl Conn {
         }
     }
 
-    /// Blocking with `timeout` (handshake) or non-blocking (`None`).
+    /// Blocking with `timeout` (handshake) or non-blocking (`None`). TCP
+    /// sockets get `TCP_NODELAY` from the start: the handshake's messages
+    /// are small and back to back, and Nagle's algorithm would hold each
+    /// second one for the peer's delayed ACK (40 ms).
     fn set_blocking(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
             Conn::Tcp(s) => {
+                s.set_nodelay(true)?;
                 s.set_nonblocking(timeout.is_none())?;
                 s.set_read_timeout(timeout)?;
                 s.set_write_timeout(timeout)
@@ -561,9 +565,6 @@ fn poll(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<bool> {
 }
 
 fn tune(s: &Conn) -> io::Result<()> {
-    if let Conn::Tcp(s) = s {
-        s.set_nodelay(true)?;
-    }
     s.set_blocking(None)?;
     for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
         // safety: fd is open; the option value is a c_int as SO_*BUF expects.

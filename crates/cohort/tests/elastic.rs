@@ -29,6 +29,8 @@ fn train_args(out: &Path) -> Vec<String> {
         "5",
         "--log-interval",
         "5",
+        "--warmup-steps",
+        "2",
         "--out",
     ]
     .iter()

@@ -2,41 +2,19 @@
 //! one worker's gradient (the `COHORT_INJECT_NAN` test hook) skips that
 //! update in both, and a damaged latest checkpoint is passed over on resume.
 
-use std::process::{Command, Output};
+use std::process::Output;
 
-const TINY: &[&str] = &[
-    "--warmup-steps",
-    "1",
-    "--log-interval",
-    "1",
-    "--eval-interval",
-    "0",
-    "--eval-batches",
-    "1",
-    "--seq-len",
-    "16",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "32",
-    "--d-ff",
-    "64",
-    "--markov-vocab",
-    "16",
-    "--train-sequences",
-    "96",
-    "--val-sequences",
-    "16",
-];
+mod support;
+
+use support::TINY;
+
+/// Warmup and logging of every run (each test sets its steps).
+const STEPS: &[&str] = &["--warmup-steps", "1", "--log-interval", "1"];
 
 fn cohort_run(nan: Option<&str>, extra: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
-    cmd.env_remove("RANK")
-        .env_remove("COHORT_NUM_THREADS")
-        .env_remove("COHORT_INJECT_NAN")
-        .args(["run", "--standalone", "-n", "2", "train"])
+    let mut cmd = support::cohort();
+    cmd.args(["run", "--standalone", "-n", "2", "train"])
+        .args(STEPS)
         .args(TINY)
         .args(extra);
     if let Some(spec) = nan {

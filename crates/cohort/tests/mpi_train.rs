@@ -10,35 +10,20 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
-const TINY: &[&str] = &[
+mod support;
+
+use support::{params, succeeded, TINY};
+
+/// Steps, logging and batch of both runs.
+const STEPS: &[&str] = &[
     "--steps",
     "6",
     "--warmup-steps",
     "1",
     "--log-interval",
     "1",
-    "--eval-interval",
-    "0",
-    "--eval-batches",
-    "1",
     "--batch-size",
     "2",
-    "--seq-len",
-    "16",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "32",
-    "--d-ff",
-    "64",
-    "--markov-vocab",
-    "16",
-    "--train-sequences",
-    "96",
-    "--val-sequences",
-    "16",
 ];
 
 fn find_mpirun() -> Option<PathBuf> {
@@ -55,17 +40,6 @@ fn run(cmd: &mut Command) -> Output {
         .stdin(Stdio::null())
         .output()
         .expect("the command starts")
-}
-
-fn stdout(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn mpirun(mpirun: &Path, np: usize) -> Command {
@@ -96,11 +70,6 @@ fn losses(log: &str) -> Vec<String> {
         .collect()
 }
 
-fn params(dir: &Path) -> Vec<f32> {
-    let (model, _) = cohort_gpt::checkpoint::load_model(dir).expect("a checkpoint");
-    model.params().to_vec()
-}
-
 #[test]
 fn mpirun_training_matches_cohort_run_bit_for_bit() {
     let Some(mpirun_path) = find_mpirun() else {
@@ -113,18 +82,20 @@ fn mpirun_training_matches_cohort_run_bit_for_bit() {
     let mut cmd = mpirun(&mpirun_path, 2);
     cmd.args(["train", "--backend", "mpi", "--out"])
         .arg(&d_mpi)
+        .args(STEPS)
         .args(TINY);
-    let mpi = stdout(&run(&mut cmd));
+    let mpi = succeeded(&run(&mut cmd));
     assert!(
         mpi.contains("global batch: 4 sequences = 2 per rank x 2 ranks x 1 accumulation"),
         "{mpi}"
     );
 
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    let mut cmd = support::cohort();
     cmd.args(["run", "--standalone", "-n", "2", "train", "--out"])
         .arg(&d_ours)
+        .args(STEPS)
         .args(TINY);
-    let ours = stdout(&run(&mut cmd));
+    let ours = succeeded(&run(&mut cmd));
 
     let (l_mpi, l_ours) = (losses(&mpi), losses(&ours));
     assert_eq!(l_mpi.len(), 6, "{mpi}");
@@ -148,7 +119,7 @@ fn the_mpi_backend_under_cohort_run_is_refused() {
         println!("skipped: mpirun not found on PATH");
         return;
     }
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
+    let mut cmd = support::cohort();
     cmd.args([
         "run",
         "--standalone",
@@ -158,6 +129,7 @@ fn the_mpi_backend_under_cohort_run_is_refused() {
         "--backend",
         "mpi",
     ])
+    .args(STEPS)
     .args(TINY);
     let out = run(&mut cmd);
     let text = format!(

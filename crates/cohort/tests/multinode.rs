@@ -12,10 +12,19 @@ use std::time::Duration;
 use support::{cohort, free_port, params, Nodes, Proc, SECRET, TINY};
 
 fn train(out: &std::path::Path) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--steps", "12", "--batch-size", "2", "--out"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut args: Vec<String> = [
+        "train",
+        "--steps",
+        "12",
+        "--warmup-steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     args.push(out.display().to_string());
     args.extend(TINY.iter().map(|s| s.to_string()));
     args

@@ -3,56 +3,18 @@
 //! store and sets the job secret), in sync and async mode; and the clear
 //! error when there is no worker.
 
-use std::process::{Command, Output};
+mod support;
 
-fn cohort(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cohort"))
-        .env_remove("RANK")
-        .env_remove("COHORT_NUM_THREADS")
-        .args(args)
-        .output()
-        .expect("cohort runs")
-}
+use support::{run, succeeded, TINY};
 
-fn stdout(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A tiny model and corpus: a second or two per run.
-const TINY: &[&str] = &[
+/// Steps and logging of the runs: a second or two each.
+const STEPS: &[&str] = &[
     "--steps",
     "12",
     "--warmup-steps",
     "1",
     "--log-interval",
     "4",
-    "--eval-interval",
-    "0",
-    "--eval-batches",
-    "1",
-    "--seq-len",
-    "16",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "32",
-    "--d-ff",
-    "64",
-    "--markov-vocab",
-    "16",
-    "--train-sequences",
-    "96",
-    "--val-sequences",
-    "16",
 ];
 
 #[test]
@@ -69,8 +31,9 @@ fn a_server_and_two_workers_train_in_both_modes() {
             "--ps-mode",
             mode,
         ];
+        args.extend_from_slice(STEPS);
         args.extend_from_slice(TINY);
-        let out = stdout(&cohort(&args));
+        let out = succeeded(&run(&args));
         assert!(
             out.contains(&format!("2 worker(s), {mode} mode")),
             "{mode}: {out}"
@@ -86,8 +49,9 @@ fn a_server_and_two_workers_train_in_both_modes() {
 #[test]
 fn a_server_without_workers_is_a_clear_error() {
     let mut args = vec!["train", "--strategy", "parameter-server"];
+    args.extend_from_slice(STEPS);
     args.extend_from_slice(TINY);
-    let out = cohort(&args);
+    let out = run(&args);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cohort run -n K"), "{err}");

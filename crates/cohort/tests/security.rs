@@ -5,7 +5,7 @@
 //! loss of an undisturbed run, and the launcher must log the refusals.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -14,6 +14,10 @@ use std::time::{Duration, Instant};
 
 use cohort_store::auth::{authenticate_client, AuthError};
 use cohort_store::{Secret, Store, StoreError, TcpStore};
+
+mod support;
+
+use support::free_port;
 
 /// A tiny model for a few hundred steps: about a second per run, long
 /// enough for the stranger to try everything many times over.
@@ -47,14 +51,6 @@ const TINY: &[&str] = &[
     "--val-sequences",
     "16",
 ];
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// `cohort run -n 2 train TINY` on `port` with `secret` in the launcher's
 /// environment (so that this test can play an insider where it must).

@@ -1,63 +1,12 @@
 //! `cohort train` and `cohort bench ddp` end to end: the real binary, alone
 //! and as two worker processes under `cohort run --standalone -n 2`.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod support;
 
-fn cohort(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cohort"))
-        .env_remove("RANK")
-        .env_remove("COHORT_NUM_THREADS")
-        .args(args)
-        .output()
-        .expect("cohort runs")
-}
+use support::{params, run, succeeded, TINY};
 
-fn stdout(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// A tiny model and corpus: a few seconds for both runs.
-const TINY: &[&str] = &[
-    "--steps",
-    "4",
-    "--warmup-steps",
-    "1",
-    "--log-interval",
-    "2",
-    "--eval-interval",
-    "0",
-    "--eval-batches",
-    "1",
-    "--seq-len",
-    "16",
-    "--n-layers",
-    "2",
-    "--n-heads",
-    "2",
-    "--d-model",
-    "32",
-    "--d-ff",
-    "64",
-    "--markov-vocab",
-    "16",
-    "--train-sequences",
-    "96",
-    "--val-sequences",
-    "16",
-];
-
-fn params(dir: &Path) -> Vec<f32> {
-    let (model, _) = cohort_gpt::checkpoint::load_model(dir).expect("a checkpoint");
-    model.params().to_vec()
-}
+/// Steps and logging of the runs: a few seconds for both.
+const STEPS: &[&str] = &["--steps", "4", "--warmup-steps", "1", "--log-interval", "2"];
 
 #[test]
 fn two_processes_through_the_launcher_match_one_process_with_twice_the_batch() {
@@ -74,8 +23,9 @@ fn two_processes_through_the_launcher_match_one_process_with_twice_the_batch() {
         "--out",
     ];
     args.push(d2.to_str().unwrap());
+    args.extend_from_slice(STEPS);
     args.extend_from_slice(TINY);
-    let two = stdout(&cohort(&args));
+    let two = succeeded(&run(&args));
     // Rank 0 alone logs, in seed 000's format, and states the global batch.
     assert!(
         two.contains("[rank0]: global batch: 4 sequences = 2 per rank x 2 ranks x 1 accumulation"),
@@ -87,8 +37,9 @@ fn two_processes_through_the_launcher_match_one_process_with_twice_the_batch() {
 
     let mut args = vec!["train", "--batch-size", "4", "--out"];
     args.push(d1.to_str().unwrap());
+    args.extend_from_slice(STEPS);
     args.extend_from_slice(TINY);
-    let one = stdout(&cohort(&args));
+    let one = succeeded(&run(&args));
     assert!(
         one.contains("global batch: 4 sequences = 4 per rank x 1 ranks x 1 accumulation"),
         "{one}"
@@ -122,7 +73,7 @@ fn params_at_start() -> Vec<f32> {
 
 #[test]
 fn bench_ddp_reports_the_figures_as_json() {
-    let out = cohort(&[
+    let out = run(&[
         "run",
         "--standalone",
         "-n",
@@ -137,7 +88,7 @@ fn bench_ddp_reports_the_figures_as_json() {
         "1",
         "--json",
     ]);
-    let text = stdout(&out);
+    let text = succeeded(&out);
     let line = text
         .lines()
         .find_map(|l| l.strip_prefix("[rank0]: {"))
@@ -163,7 +114,7 @@ fn bench_ddp_reports_the_figures_as_json() {
 
 #[test]
 fn bad_settings_are_clear_errors() {
-    let out = cohort(&["train", "--data", "shakespeare"]);
+    let out = run(&["train", "--data", "shakespeare"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("data") && err.contains("markov"), "{err}");

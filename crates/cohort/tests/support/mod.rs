@@ -1,5 +1,6 @@
-//! What the multi-process tests of the elastic launcher share: launchers
-//! run as child processes whose output is collected while they run (so a
+//! What the end-to-end tests of the `cohort` binary share: a clean command,
+//! a tiny model, runs whose stdout must succeed, and for the multi-process
+//! tests of the elastic launcher: launchers run as child processes whose output is collected while they run (so a
 //! test can wait for a line), their workers found by rank, and "nodes" as
 //! Linux network namespaces joined by a veth pair, each with its own IP.
 //! Everything started here is killed and everything created is deleted when
@@ -10,7 +11,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -33,6 +34,7 @@ fn clean(cmd: &mut Command) {
         "COHORT_RESTART_COUNT",
         "COHORT_TIMEOUT",
         "COHORT_SECRET",
+        "COHORT_INJECT_NAN",
         "TORCHELASTIC_HEALTH_CHECK_PORT",
     ] {
         cmd.env_remove(var);
@@ -43,6 +45,23 @@ fn clean(cmd: &mut Command) {
 /// a network address needs one).
 pub const SECRET: &str = "5ec12e75ec12e75ec12e75ec12e75ec12e75ec12e75ec12e75ec12e75ec12e7a";
 
+/// Runs `cohort ARGS` to the end.
+pub fn run(args: &[&str]) -> Output {
+    cohort().args(args).output().expect("cohort runs")
+}
+
+/// The stdout of a run that must have succeeded (else both streams are shown).
+pub fn succeeded(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// A port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -52,10 +71,9 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// A tiny model and corpus: a step takes a few milliseconds.
+/// A tiny model and corpus: a step takes a few milliseconds. Steps, warmup
+/// and logging are each test's own.
 pub const TINY: &[&str] = &[
-    "--warmup-steps",
-    "2",
     "--eval-interval",
     "0",
     "--eval-batches",

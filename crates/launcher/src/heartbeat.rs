@@ -8,7 +8,7 @@
 //! reads and writes counters; it never touches a process.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -30,7 +30,9 @@ pub(crate) fn beat_interval(timeout: Duration) -> Duration {
 
 /// The thread that beats for this agent until dropped.
 pub(crate) struct Heartbeat {
-    stop: Arc<AtomicBool>,
+    /// Dropping it wakes the thread at once, mid-interval: a job's exit
+    /// must not wait out a beat.
+    stop: Option<mpsc::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -46,25 +48,21 @@ impl Heartbeat {
         interval: Duration,
         status: Arc<AgentStatus>,
     ) -> std::io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
+        let (stop, stopped) = mpsc::channel::<()>();
         let key = heartbeat_key(node_rank);
         let thread = thread::Builder::new()
             .name("launcher heartbeat".into())
-            .spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
-                    if store.add(&key, 1).is_ok() {
-                        status.beat();
-                    }
-                    // Sleep in slices so that dropping the heartbeat is quick.
-                    let until = Instant::now() + interval;
-                    while !flag.load(Ordering::Relaxed) && Instant::now() < until {
-                        thread::sleep(interval.min(Duration::from_millis(20)));
-                    }
+            .spawn(move || loop {
+                if store.add(&key, 1).is_ok() {
+                    status.beat();
+                }
+                match stopped.recv_timeout(interval) {
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Ok(()) | Err(RecvTimeoutError::Disconnected) => break,
                 }
             })?;
         Ok(Heartbeat {
-            stop,
+            stop: Some(stop),
             thread: Some(thread),
         })
     }
@@ -72,7 +70,7 @@ impl Heartbeat {
 
 impl Drop for Heartbeat {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        drop(self.stop.take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

@@ -314,6 +314,7 @@ impl std::fmt::Debug for GPT {
 }
 
 /// Deterministic N(0, 1) draws: splitmix64 feeding Box-Muller.
+#[derive(Clone)]
 struct Normal(u64);
 
 impl Normal {
@@ -384,25 +385,63 @@ pub(crate) fn init_tensors(
 ) {
     let mut rng = Normal(seed);
     let resid_std = 0.02 / (2.0 * n_layers as f64).sqrt();
+    // The draws go to every core: the generator is a counter, so each chunk
+    // starts where the sequential order would be and the values do not
+    // depend on the thread count. On config B this is most of the time
+    // from launch to the first step.
+    let mut draws: Vec<(Range<usize>, Normal, f64)> = Vec::new();
     for v in views {
         let drawn = !(v.name.ends_with(".bias") || v.name.contains("ln_"));
-        let Some(p) = place(v).map(|r| &mut params[r]) else {
+        let Some(r) = place(v) else {
             if drawn {
                 rng.skip(v.range.len());
             }
             continue;
         };
         if v.name.ends_with(".bias") {
-            p.fill(0.0);
+            params[r].fill(0.0);
         } else if v.name.contains("ln_") {
-            p.fill(1.0);
-        } else if v.name.ends_with("c_proj.weight") {
-            rng.fill(p, resid_std);
+            params[r].fill(1.0);
         } else {
-            rng.fill(p, 0.02);
+            let std = if v.name.ends_with("c_proj.weight") {
+                resid_std
+            } else {
+                0.02
+            };
+            for start in (r.start..r.end).step_by(INIT_CHUNK) {
+                let end = (start + INIT_CHUNK).min(r.end);
+                draws.push((start..end, rng.clone(), std));
+                rng.skip(end - start);
+            }
         }
     }
+    draws.sort_by_key(|(r, _, _)| r.start);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut chunks: Vec<(&mut [f32], Normal, f64)> = Vec::with_capacity(draws.len());
+    let mut rest = params;
+    let mut at = 0;
+    for (r, rng, std) in draws {
+        let (_, tail) = rest.split_at_mut(r.start - at);
+        let (chunk, tail) = tail.split_at_mut(r.len());
+        chunks.push((chunk, rng, std));
+        rest = tail;
+        at = r.end;
+    }
+    let per_thread = chunks.len().div_ceil(threads).max(1);
+    std::thread::scope(|s| {
+        for group in chunks.chunks_mut(per_thread) {
+            s.spawn(move || {
+                for (chunk, rng, std) in group {
+                    rng.fill(chunk, *std);
+                }
+            });
+        }
+    });
 }
+
+/// Values per parallel initialisation chunk; even, so that no Box-Muller
+/// pair straddles two chunks.
+const INIT_CHUNK: usize = 1 << 16;
 
 impl GPT {
     /// A model with GPT-2's initialisation drawn from `seed`, on a CPU backend sized by
@@ -415,15 +454,35 @@ impl GPT {
         GPT::with_backend(config, seed, Box::new(cpu))
     }
 
+    /// A model whose parameters are all zero, on a CPU backend sized by
+    /// `COHORT_NUM_THREADS`, for a replica that receives them from
+    /// elsewhere (DDP's broadcast from rank 0, a checkpoint): config B's
+    /// draws cost a quarter of a second that would be thrown away. `seed`
+    /// still seeds dropout, as in [`GPT::new`].
+    pub fn zeroed(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {
+        let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
+            op: "thread pool",
+            reason: e.to_string(),
+        })?;
+        GPT::build(config, seed, Box::new(cpu))
+    }
+
     /// A model on the given backend.
     pub fn with_backend(
         config: GPTConfig,
         seed: u64,
         dev: Box<dyn Backend>,
     ) -> Result<GPT, GptError> {
+        let mut model = GPT::build(config, seed, dev)?;
+        model.init_weights(seed);
+        Ok(model)
+    }
+
+    /// A model with zero parameters.
+    fn build(config: GPTConfig, seed: u64, dev: Box<dyn Backend>) -> Result<GPT, GptError> {
         config.validate()?;
         let layout = Layout::new(&config);
-        let mut model = GPT {
+        Ok(GPT {
             params: vec![0.0; layout.total],
             grads: vec![0.0; layout.total],
             layout,
@@ -439,9 +498,7 @@ impl GPT {
             step: 0,
             profile: Profile::default(),
             keep_max_bytes: KEEP_MAX_BYTES,
-        };
-        model.init_weights(seed);
-        Ok(model)
+        })
     }
 
     /// GPT-2 / nanoGPT init: weights N(0, 0.02), the two residual projections
@@ -1464,6 +1521,35 @@ mod tests {
                 assert!((fd - want).abs() <= 3e-3 * norm + 2e-5, "{} along the {what} direction: backward {want}, finite difference {fd} (|grad| {norm})", v.name);
             }
         }
+    }
+
+    #[test]
+    fn parallel_init_draws_what_one_sequential_pass_draws() {
+        // wte (1001 x 130) spans three chunks, the last odd-sized.
+        let cfg = GPTConfig {
+            vocab_size: 1001,
+            max_position_embeddings: 9,
+            d_model: 130,
+            d_ff: 70,
+            ..tiny(true, false, 0.0)
+        };
+        let m = model(cfg.clone(), 1, 42);
+        let mut want = vec![f32::NAN; m.num_params()];
+        let mut rng = Normal(42);
+        let resid_std = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
+        for v in m.param_views() {
+            let p = &mut want[v.range.clone()];
+            if v.name.ends_with(".bias") {
+                p.fill(0.0);
+            } else if v.name.contains("ln_") {
+                p.fill(1.0);
+            } else if v.name.ends_with("c_proj.weight") {
+                rng.fill(p, resid_std);
+            } else {
+                rng.fill(p, 0.02);
+            }
+        }
+        assert!(m.params() == want.as_slice());
     }
 
     #[test]

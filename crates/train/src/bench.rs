@@ -12,6 +12,7 @@
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
 //! It reports; it never changes what it measures.
 
+use crate::config::Overlap;
 use crate::train::{param_specs, GptReplica};
 use crate::TrainError;
 use cohort_comm::ProcessGroup;
@@ -47,9 +48,10 @@ pub struct BenchDdpArgs {
     /// DDP first bucket size in MB.
     #[arg(long, default_value_t = cohort_ddp::DEFAULT_FIRST_BUCKET_MB)]
     pub first_bucket_mb: f64,
-    /// Reduce gradients after backward instead of overlapping.
-    #[arg(long)]
-    pub no_overlap: bool,
+    /// Reduce gradient buckets during backward (on), after it (off), or on
+    /// only when a core is free for the communication thread (auto).
+    #[arg(long, value_enum, default_value_t = Overlap::Auto)]
+    pub overlap: Overlap,
     /// Print one JSON object instead of a text line.
     #[arg(long)]
     pub json: bool,
@@ -93,6 +95,8 @@ pub struct BenchDdpResult {
     pub cpu_efficiency: Option<f64>,
     /// Gradient buckets.
     pub buckets: usize,
+    /// Whether buckets were reduced during backward.
+    pub overlap: bool,
     /// Parameters of the model.
     pub params: usize,
     /// Sequences per rank per step.
@@ -158,12 +162,20 @@ pub fn run_ddp_bench(
     let t = cfg.max_position_embeddings;
     let (rank, world) = (pg.rank(), pg.size());
 
-    let mut model = GPT::new(cfg.clone(), 1234)?;
+    // Only rank 0's draws survive DDP's broadcast.
+    let mut model = if rank == 0 {
+        GPT::new(cfg.clone(), 1234)?
+    } else {
+        GPT::zeroed(cfg.clone(), 1234)?
+    };
     let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
+    let overlap = args
+        .overlap
+        .enabled(pg.local_world_size(), model.backend().num_threads());
     let options = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
         first_bucket_mb: args.first_bucket_mb,
-        overlap: !args.no_overlap,
+        overlap,
         ..DdpOptions::default()
     };
     let mut ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;
@@ -243,6 +255,7 @@ pub fn run_ddp_bench(
         baseline_cpu_ms_per_step: baseline_cpu,
         cpu_efficiency: baseline_cpu.map(|c| c / cpu_ms),
         buckets: ddp.buckets().len(),
+        overlap,
         params: model.num_params(),
         batch_per_rank: b,
         seq: t,

@@ -43,7 +43,8 @@ mod train;
 pub use checkpoint::TrainState;
 pub use config::CommBackend;
 pub use config::{
-    ConfigError, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig, TUNED_BUCKET_CAP_MB,
+    ConfigError, Overlap, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig,
+    TUNED_BUCKET_CAP_MB,
 };
 pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use fault::{NanInjection, INJECT_NAN_VAR};

@@ -136,9 +136,13 @@ pub fn train(
     say(log, format!("data: {}", data.describe()))?;
 
     // -- model, optimizer, DDP ----------------------------------------------
-    // Every rank initialises from the same seed; DDP checks the shapes agree
-    // and broadcasts rank 0's parameters anyway.
-    let mut model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
+    // Only rank 0 draws the initial parameters: DDP checks that the shapes
+    // agree and broadcasts rank 0's to the others.
+    let mut model = if pg.rank() == 0 {
+        GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?
+    } else {
+        GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?
+    };
     let adamw = AdamWConfig {
         beta1: cfg.beta1,
         beta2: cfg.beta2,
@@ -163,9 +167,12 @@ pub fn train(
         )?;
     }
     let specs = param_specs(&model);
+    let overlap = cfg
+        .overlap
+        .enabled(pg.local_world_size(), model.backend().num_threads());
     let ddp_options = DdpOptions {
         bucket_cap_mb: cfg.bucket_cap_mb,
-        overlap: !cfg.no_overlap,
+        overlap,
         compression: if cfg.bf16_compress {
             Compression::Bf16
         } else {
@@ -191,7 +198,7 @@ pub fn train(
             model.num_params(),
             ddp.buckets().len(),
             cfg.bucket_cap_mb,
-            !cfg.no_overlap,
+            if overlap { "on" } else { "off" },
         ),
     )?;
     say(

@@ -3,7 +3,7 @@
 //! overlap and bucket sizes, resuming, and learning the Markov corpus.
 
 use cohort_comm::{spawn, GroupOptions, ProcessGroup};
-use cohort_train::{train, Outcome, TrainConfig};
+use cohort_train::{train, Outcome, Overlap, TrainConfig};
 use std::time::Duration;
 
 /// A tiny model on a tiny corpus: each run takes well under a second.
@@ -120,23 +120,28 @@ fn run_zero_steps(cfg: &TrainConfig) -> Vec<f32> {
 fn overlap_and_bucket_size_do_not_change_the_result() {
     // Two ranks: every element is a + b whatever the bucketing and timing,
     // so everything must agree bitwise.
-    let base = run_world(2, &tiny()).swap_remove(0).params;
-    for (cap, no_overlap) in [
-        (0.0, false),
-        (0.001, false),
-        (0.01, true),
-        (25.0, true),
-        (1e6, false),
+    let base = TrainConfig {
+        overlap: Overlap::Off,
+        ..tiny()
+    };
+    let base = run_world(2, &base).swap_remove(0).params;
+    for (cap, overlap) in [
+        (0.0, Overlap::On),
+        (0.001, Overlap::On),
+        (0.01, Overlap::Off),
+        (0.5, Overlap::On),
+        (25.0, Overlap::Off),
+        (1e6, Overlap::On),
     ] {
         let cfg = TrainConfig {
             bucket_cap_mb: cap,
-            no_overlap,
+            overlap,
             ..tiny()
         };
         let got = run_world(2, &cfg).swap_remove(0).params;
         assert!(
             got == base,
-            "bucket_cap_mb {cap}, no_overlap {no_overlap}: differs by {}",
+            "bucket_cap_mb {cap}, overlap {overlap:?}: differs by {}",
             max_abs_diff(&got, &base)
         );
     }

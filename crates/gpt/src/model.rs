@@ -439,6 +439,15 @@ pub(crate) fn init_tensors(
     });
 }
 
+/// The CPU backend sized by `COHORT_NUM_THREADS`.
+pub(crate) fn cpu_from_env() -> Result<Box<dyn Backend>, GptError> {
+    let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
+        op: "thread pool",
+        reason: e.to_string(),
+    })?;
+    Ok(Box::new(cpu))
+}
+
 /// Values per parallel initialisation chunk; even, so that no Box-Muller
 /// pair straddles two chunks.
 const INIT_CHUNK: usize = 1 << 16;
@@ -447,11 +456,7 @@ impl GPT {
     /// A model with GPT-2's initialisation drawn from `seed`, on a CPU backend sized by
     /// `COHORT_NUM_THREADS`.
     pub fn new(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {
-        let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
-            op: "thread pool",
-            reason: e.to_string(),
-        })?;
-        GPT::with_backend(config, seed, Box::new(cpu))
+        GPT::with_backend(config, seed, cpu_from_env()?)
     }
 
     /// A model whose parameters are all zero, on a CPU backend sized by
@@ -460,11 +465,7 @@ impl GPT {
     /// draws cost a quarter of a second that would be thrown away. `seed`
     /// still seeds dropout, as in [`GPT::new`].
     pub fn zeroed(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {
-        let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
-            op: "thread pool",
-            reason: e.to_string(),
-        })?;
-        GPT::build(config, seed, Box::new(cpu))
+        GPT::build(config, seed, cpu_from_env()?)
     }
 
     /// A model on the given backend.

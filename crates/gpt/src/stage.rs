@@ -19,13 +19,13 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use cohort_engine::cpu::{AttnDims, Cpu};
+use cohort_engine::cpu::AttnDims;
 use cohort_engine::Backend;
 
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
-    block_backward, block_forward, embed_backward, embed_forward, head_backward, head_forward,
-    init_tensors, validate_batch, wb, ActLayout, Batch, DropKey, HeadLayout, Profile,
+    block_backward, block_forward, cpu_from_env, embed_backward, embed_forward, head_backward,
+    head_forward, init_tensors, validate_batch, wb, ActLayout, Batch, DropKey, HeadLayout, Profile,
     KEEP_MAX_BYTES, KERNELS,
 };
 use crate::{GPTConfig, GptError, ParamView};
@@ -137,11 +137,7 @@ impl GptStage {
     /// The stage `part` of `GPT::new(config, seed)`, with the same initial values, on a CPU
     /// backend sized by `COHORT_NUM_THREADS`.
     pub fn new(config: GPTConfig, seed: u64, part: StagePart) -> Result<GptStage, GptError> {
-        let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
-            op: "thread pool",
-            reason: e.to_string(),
-        })?;
-        GptStage::with_backend(config, seed, part, Box::new(cpu))
+        GptStage::with_backend(config, seed, part, cpu_from_env()?)
     }
 
     /// A stage on the given backend.
@@ -651,6 +647,7 @@ fn shift_block(b: &BlockLayout, off: usize) -> BlockLayout {
 mod tests {
     use super::*;
     use crate::GPT;
+    use cohort_engine::cpu::Cpu;
 
     fn tiny(bias: bool, tied: bool, dropout: f32) -> GPTConfig {
         GPTConfig {

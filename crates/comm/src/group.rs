@@ -255,18 +255,26 @@ impl ProcessGroup {
                 self.size()
             )));
         }
-        let Some(sub_rank) = sorted.iter().position(|&r| r == self.rank()) else {
-            return Ok(None);
-        };
         let opts = GroupOptions {
             name: format!("{}/{k}", self.name()),
             algorithm: self.algorithm(),
             ..self.inner.opts.clone()
         };
+        let (local_rank, local_world) = (self.local_rank(), self.local_world_size());
+        // In its turn among the collectives: MPI's split is one of them.
+        let split =
+            self.collective(OpKind::Init, |backend, _| Ok(backend.split(&sorted, &opts)))?;
+        if let Some(split) = split {
+            return Ok(split?.map(|backend| {
+                ProcessGroup::with_backend(backend, self.inner.store.clone(), opts)
+                    .with_local(local_rank, local_world)
+            }));
+        }
+        let Some(sub_rank) = sorted.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
         let g = ProcessGroup::new(self.inner.store.clone(), sub_rank, sorted.len(), opts)?;
-        Ok(Some(
-            g.with_local(self.local_rank(), self.local_world_size()),
-        ))
+        Ok(Some(g.with_local(local_rank, local_world)))
     }
 
     // ---------------------------------------------------------------- checks

@@ -56,6 +56,27 @@ unsafe impl Send for InPlace {}
 // safety: as above.
 unsafe impl Sync for InPlace {}
 
+/// What the groups of one MPI initialisation share: the user-defined
+/// operators, freed when the last group goes, and then MPI itself,
+/// finalised.
+struct Library {
+    reductions: Reductions,
+    _universe: Universe,
+}
+
+impl Drop for Library {
+    fn drop(&mut self) {
+        self.reductions.free();
+    }
+}
+
+// safety: `Reductions` holds MPI_Op handles, usable from any thread under
+// MPI_THREAD_MULTIPLE; `Universe` is only dropped (finalising MPI), once,
+// by the last group.
+unsafe impl Send for Library {}
+// safety: as above; neither is mutated after creation.
+unsafe impl Sync for Library {}
+
 /// cohort's [`Backend`] over MPI (see the crate docs for the mapping).
 pub struct MpiBackend {
     comm: Comm,
@@ -63,22 +84,14 @@ pub struct MpiBackend {
     size: usize,
     tag_ub: u32,
     in_place: InPlace,
-    reductions: Reductions,
     /// The last error this backend returned, printed when the group aborts
     /// (`abort` gets no reason, and MPI_Abort ends the process).
     last_error: Mutex<Option<String>>,
     watchdog: Watchdog,
-    /// Finalises MPI when dropped: declared last, so it drops after the
-    /// watchdog thread has stopped.
-    _universe: Universe,
+    /// Declared last, so that it drops after the watchdog thread has
+    /// stopped: the last group's drop finalises MPI.
+    library: Arc<Library>,
 }
-
-// safety: `Reductions` holds MPI_Op handles, usable from any thread under
-// MPI_THREAD_MULTIPLE; `Universe` is only dropped (finalising MPI), once.
-unsafe impl Send for MpiBackend {}
-// safety: as above; nothing in the backend is mutated without a lock
-// except by MPI itself.
-unsafe impl Sync for MpiBackend {}
 
 /// MPI's description of an error code.
 fn error_string(code: c_int) -> String {
@@ -107,6 +120,18 @@ fn abort_job(rank: usize, why: &str) {
     unsafe { ffi::MPI_Abort(world(), 1) };
 }
 
+/// Turns an MPI return code of `call` into a result.
+fn call(call: &'static str, rc: c_int) -> Result<(), MpiError> {
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(MpiError::Call {
+            call,
+            detail: error_string(rc),
+        })
+    }
+}
+
 pub(crate) fn init(opts: GroupOptions) -> Result<ProcessGroup, MpiError> {
     let (universe, provided) =
         mpi::initialize_with_threading(Threading::Multiple).ok_or(MpiError::AlreadyInitialized)?;
@@ -115,35 +140,21 @@ pub(crate) fn init(opts: GroupOptions) -> Result<ProcessGroup, MpiError> {
             provided: format!("{provided:?}"),
         });
     }
-    let call = |call: &'static str, rc: c_int| {
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(MpiError::Call {
-                call,
-                detail: error_string(rc),
-            })
-        }
-    };
+    let reductions = Reductions::create().map_err(|rc| MpiError::Call {
+        call: "MPI_Op_create",
+        detail: error_string(rc),
+    })?;
+    let library = Arc::new(Library {
+        reductions,
+        _universe: universe,
+    });
     let mut comm = world();
     // safety: `comm` is a valid MPI_Comm to write; MPI is initialised.
     call("MPI_Comm_dup", unsafe {
         ffi::MPI_Comm_dup(world(), &mut comm)
     })?;
-    // safety: `comm` was just created; RSMPI_ERRORS_RETURN is a constant handle.
-    call("MPI_Comm_set_errhandler", unsafe {
-        ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN)
-    })?;
-    let (mut rank, mut size): (c_int, c_int) = (0, 0);
-    // safety: valid communicator and out-pointers.
-    call("MPI_Comm_rank", unsafe {
-        ffi::MPI_Comm_rank(comm, &mut rank)
-    })?;
-    // safety: as above.
-    call("MPI_Comm_size", unsafe {
-        ffi::MPI_Comm_size(comm, &mut size)
-    })?;
-    let (rank, size) = (rank as usize, size as usize);
+    let backend = MpiBackend::attach(comm, library, &opts)?;
+    let size = backend.size;
     if let Some(env_world) = std::env::var("WORLD_SIZE")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
@@ -160,9 +171,9 @@ pub(crate) fn init(opts: GroupOptions) -> Result<ProcessGroup, MpiError> {
     // safety: valid communicator, constants of the shim, out-pointer.
     call("MPI_Comm_split_type", unsafe {
         ffi::MPI_Comm_split_type(
-            comm,
+            backend.comm.0,
             ffi::RSMPI_COMM_TYPE_SHARED,
-            rank as c_int,
+            backend.rank as c_int,
             ffi::RSMPI_INFO_NULL,
             &mut node,
         )
@@ -174,42 +185,6 @@ pub(crate) fn init(opts: GroupOptions) -> Result<ProcessGroup, MpiError> {
         call("MPI_Comm_size", ffi::MPI_Comm_size(node, &mut local_size))?;
         call("MPI_Comm_free", ffi::MPI_Comm_free(&mut node))?;
     }
-    // safety: plain function of the C shim; MPI is initialised.
-    let tag_ub = unsafe { cohort_mpi_tag_ub() };
-    let tag_ub = u32::try_from(tag_ub).map_err(|_| MpiError::Call {
-        call: "MPI_Comm_get_attr(MPI_TAG_UB)",
-        detail: format!("no tag bound ({tag_ub})"),
-    })?;
-    let reductions = Reductions::create().map_err(|rc| MpiError::Call {
-        call: "MPI_Op_create",
-        detail: error_string(rc),
-    })?;
-    let group = opts.name.clone();
-    let watchdog = Watchdog::start(opts.timeout, move |e: Expired| {
-        abort_job(
-            rank,
-            &format!(
-                "{} #{} on group {group:?} did not complete within {:?} (COHORT_TIMEOUT)",
-                e.op, e.seq, e.timeout
-            ),
-        )
-    })
-    .map_err(|e| MpiError::Call {
-        call: "starting the watchdog thread",
-        detail: e.to_string(),
-    })?;
-    let backend = MpiBackend {
-        comm: Comm(comm),
-        rank,
-        size,
-        tag_ub,
-        // safety: plain function of the C shim.
-        in_place: InPlace(unsafe { cohort_mpi_in_place() }),
-        reductions,
-        last_error: Mutex::new(None),
-        watchdog,
-        _universe: universe,
-    };
     Ok(
         ProcessGroup::with_backend(Box::new(backend), Arc::new(NoStore), opts)
             .with_local(local_rank as usize, local_size as usize),
@@ -252,6 +227,100 @@ fn count(ctx: &OpContext, bytes: usize, dtype: DType) -> Result<c_int, CommError
 }
 
 impl MpiBackend {
+    /// The backend of `comm`, a communicator of our own (freed with the
+    /// backend), watched for `opts`' timeout.
+    fn attach(
+        comm: MPI_Comm,
+        library: Arc<Library>,
+        opts: &GroupOptions,
+    ) -> Result<MpiBackend, MpiError> {
+        // Owned from here on: freed by the backend's drop, or below.
+        let mut owned = Comm(comm);
+        let attached = (|| {
+            // safety: `comm` is a live communicator; RSMPI_ERRORS_RETURN is a constant handle.
+            call("MPI_Comm_set_errhandler", unsafe {
+                ffi::MPI_Comm_set_errhandler(comm, ffi::RSMPI_ERRORS_RETURN)
+            })?;
+            let (mut rank, mut size): (c_int, c_int) = (0, 0);
+            // safety: valid communicator and out-pointers.
+            call("MPI_Comm_rank", unsafe {
+                ffi::MPI_Comm_rank(comm, &mut rank)
+            })?;
+            // safety: as above.
+            call("MPI_Comm_size", unsafe {
+                ffi::MPI_Comm_size(comm, &mut size)
+            })?;
+            // safety: plain function of the C shim; MPI is initialised.
+            let tag_ub = unsafe { cohort_mpi_tag_ub() };
+            let tag_ub = u32::try_from(tag_ub).map_err(|_| MpiError::Call {
+                call: "MPI_Comm_get_attr(MPI_TAG_UB)",
+                detail: format!("no tag bound ({tag_ub})"),
+            })?;
+            let (rank, group) = (rank as usize, opts.name.clone());
+            let watchdog = Watchdog::start(opts.timeout, move |e: Expired| {
+                abort_job(
+                    rank,
+                    &format!(
+                        "{} #{} on group {group:?} did not complete within {:?} (COHORT_TIMEOUT)",
+                        e.op, e.seq, e.timeout
+                    ),
+                )
+            })
+            .map_err(|e| MpiError::Call {
+                call: "starting the watchdog thread",
+                detail: e.to_string(),
+            })?;
+            Ok((rank, size as usize, tag_ub, watchdog))
+        })();
+        match attached {
+            Ok((rank, size, tag_ub, watchdog)) => Ok(MpiBackend {
+                comm: owned,
+                rank,
+                size,
+                tag_ub,
+                // safety: plain function of the C shim.
+                in_place: InPlace(unsafe { cohort_mpi_in_place() }),
+                last_error: Mutex::new(None),
+                watchdog,
+                library,
+            }),
+            Err(e) => {
+                // safety: nothing else holds the communicator.
+                unsafe { ffi::MPI_Comm_free(&mut owned.0) };
+                Err(e)
+            }
+        }
+    }
+
+    /// `MPI_Comm_split` of this backend's communicator: the members of
+    /// `ranks` get a backend on the new communicator, ranked in their order.
+    fn split_comm(
+        &self,
+        ranks: &[usize],
+        opts: &GroupOptions,
+    ) -> Result<Option<Box<dyn Backend>>, CommError> {
+        let key = ranks.iter().position(|&r| r == self.rank);
+        // safety: a constant of the shim.
+        let color = key.map_or(unsafe { ffi::RSMPI_UNDEFINED }, |_| 0);
+        // safety: a constant handle of the shim.
+        let mut sub = unsafe { ffi::RSMPI_COMM_NULL };
+        let failed = |e: MpiError| CommError::Io {
+            context: format!("new_group {:?} (rank {}) on MPI", opts.name, self.rank),
+            source: std::io::Error::other(e.to_string()),
+        };
+        // safety: a live communicator, plain integers and an out-pointer;
+        // every rank of the communicator makes this call in the same turn.
+        call("MPI_Comm_split", unsafe {
+            ffi::MPI_Comm_split(self.comm.0, color, key.unwrap_or(0) as c_int, &mut sub)
+        })
+        .map_err(failed)?;
+        if key.is_none() {
+            return Ok(None);
+        }
+        let backend = MpiBackend::attach(sub, self.library.clone(), opts).map_err(failed)?;
+        Ok(Some(Box::new(backend)))
+    }
+
     /// Turns an MPI return code into a result, remembering the error.
     fn check(&self, ctx: &OpContext, call: &'static str, rc: c_int) -> Result<(), CommError> {
         if rc == 0 {
@@ -414,7 +483,7 @@ impl Backend for MpiBackend {
     ) -> Result<(), CommError> {
         let _w = self.watchdog.watch(ctx);
         let n = count(ctx, buf.len(), dtype)?;
-        let (dt, mop) = self.reductions.get(dtype, op);
+        let (dt, mop) = self.library.reductions.get(dtype, op);
         let is_root = self.rank == root;
         // The root reduces in place; the others only send, so their
         // buffers stay as they were.
@@ -442,7 +511,7 @@ impl Backend for MpiBackend {
     ) -> Result<(), CommError> {
         let _w = self.watchdog.watch(ctx);
         let n = count(ctx, buf.len(), dtype)?;
-        let (dt, mop) = self.reductions.get(dtype, op);
+        let (dt, mop) = self.library.reductions.get(dtype, op);
         // safety: see the module docs.
         let rc = unsafe {
             ffi::MPI_Allreduce(
@@ -470,7 +539,7 @@ impl Backend for MpiBackend {
         let _w = self.watchdog.watch(ctx);
         count(ctx, input.len(), dtype)?;
         let n = count(ctx, output.len(), dtype)?;
-        let (dt, mop) = self.reductions.get(dtype, op);
+        let (dt, mop) = self.library.reductions.get(dtype, op);
         // safety: see the module docs; `input` holds size x n elements.
         let rc = unsafe {
             ffi::MPI_Reduce_scatter_block(src(input), dst(output), n, dt, mop, self.comm.0)
@@ -570,6 +639,14 @@ impl Backend for MpiBackend {
         self.check(ctx, "MPI_Barrier", rc)
     }
 
+    fn split(
+        &self,
+        ranks: &[usize],
+        opts: &GroupOptions,
+    ) -> Option<Result<Option<Box<dyn Backend>>, CommError>> {
+        Some(self.split_comm(ranks, opts))
+    }
+
     fn abort(&self) {
         let why = match &*self.last_error.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(e) => format!("the group failed: {e}"),
@@ -581,7 +658,6 @@ impl Backend for MpiBackend {
 
 impl Drop for MpiBackend {
     fn drop(&mut self) {
-        self.reductions.free();
         // safety: the duplicate communicator is freed once, with no call in
         // flight (the group has been dropped).
         unsafe { ffi::MPI_Comm_free(&mut self.comm.0) };

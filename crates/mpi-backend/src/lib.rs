@@ -18,6 +18,7 @@
 //! | all_gather / gather / scatter | `MPI_Allgather` / `MPI_Gather` / `MPI_Scatter` |
 //! | all_to_all | `MPI_Alltoall` |
 //! | barrier | `MPI_Barrier` |
+//! | new_group | `MPI_Comm_split` |
 //!
 //! Element types: f32, f64, i32, i64 and u8 are MPI's own types; bf16 travels
 //! as `MPI_UINT16_T`. Reduce operators: Sum, Product, and Min/Max on integers
@@ -37,11 +38,13 @@
 //! [`ProcessGroup::abort`]) ends the job the same way; a dead rank is
 //! handled by the MPI launcher, which ends the others. Nothing hangs.
 //!
-//! Limits: [`ProcessGroup::new_group`] fails on an MPI group (it has no
-//! rendezvous store; MPI sub-communicators are not wired in); a receive
-//! checks the length of the message but MPI does not carry its element
-//! type; counts are C `int`s (at most 2^31 - 1 elements per call); MPI can
-//! be initialised once per process.
+//! [`ProcessGroup::new_group`] is `MPI_Comm_split` of the group's
+//! communicator: the sub-group is an MPI group too, sharing the operators
+//! and the initialisation (MPI is finalised when the last group goes).
+//!
+//! Limits: a receive checks the length of the message but MPI does not
+//! carry its element type; counts are C `int`s (at most 2^31 - 1 elements
+//! per call); MPI can be initialised once per process.
 //!
 //! Everything that touches MPI sits behind the cargo feature `mpi`; without
 //! it this crate builds without an MPI installation and [`init`] returns

@@ -1,7 +1,7 @@
 //! The store of an MPI group: MPI found the ranks, so there is nothing to
-//! rendezvous through. Every call fails at once with a message that says
-//! why, so that `new_group` on an MPI group is a clear error instead of a
-//! wait for the group timeout. It must never pretend to store anything.
+//! rendezvous through (`new_group` splits the communicator instead). Every
+//! call fails at once with a message that says why, rather than a wait for
+//! the group timeout. It must never pretend to store anything.
 
 use std::time::Duration;
 
@@ -12,9 +12,7 @@ pub(crate) struct NoStore;
 fn refused() -> StoreError {
     StoreError::Protocol {
         location: "mpi".to_string(),
-        detail: "groups of the MPI backend have no rendezvous store, so new_group is not \
-                 available on them (MPI sub-communicators are not wired in)"
-            .to_string(),
+        detail: "groups of the MPI backend have no rendezvous store".to_string(),
     }
 }
 

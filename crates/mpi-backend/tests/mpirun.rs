@@ -490,16 +490,33 @@ fn compare(mpi: &ProcessGroup) -> Res<()> {
     tcp.all_reduce(&mut reference, ReduceOp::Max)?;
     assert_same("async all_reduce beside send/recv", &max, &reference)?;
 
-    // Sub-groups need a rendezvous store, which MPI groups do not have:
-    // a clear error at once, not a wait for the timeout.
-    let t0 = Instant::now();
-    match mpi.new_group(&[0, size - 1]) {
-        Err(e) if e.to_string().contains("no rendezvous store") => {}
-        Ok(None) if rank != 0 && rank != size - 1 => {}
-        other => return Err(format!("new_group on an MPI group gave {other:?}").into()),
-    }
-    if t0.elapsed() > Duration::from_secs(1) {
-        return Err(format!("new_group took {:?} to fail", t0.elapsed()).into());
+    // A sub-group of the first and last ranks is an MPI_Comm_split: its
+    // members reduce among themselves, as the TCP group's sub-group does,
+    // and a sub-group of it splits again.
+    let ends = [0, size - 1];
+    let (mpi_sub, tcp_sub) = (mpi.new_group(&ends)?, tcp.new_group(&ends)?);
+    match (mpi_sub, tcp_sub) {
+        (Some(m), Some(t)) => {
+            if m.backend_name() != "mpi" || m.size() != 2 || m.rank() != usize::from(rank != 0) {
+                return Err(format!("sub-group {m:?} of rank {rank}").into());
+            }
+            both("sub-group all_reduce 70001 x float32 sum", &m, &t, |pg| {
+                let mut x = input::<f32>(rank, 70_001, 13);
+                pg.all_reduce(&mut x, ReduceOp::Sum)?;
+                Ok(x)
+            })?;
+            match m.new_group(&[1])? {
+                Some(last) if rank == size - 1 => {
+                    let mut x = vec![3.0f32; 5];
+                    last.all_reduce(&mut x, ReduceOp::Avg)?;
+                    assert_same("group of one", &x, &[3.0f32; 5])?;
+                }
+                None if rank == 0 => {}
+                other => return Err(format!("sub-sub-group on rank {rank}: {other:?}").into()),
+            }
+        }
+        (None, None) if rank != 0 && rank != size - 1 => {}
+        other => return Err(format!("new_group on rank {rank} gave {other:?}").into()),
     }
     mpi.barrier()?;
     println!("rank {rank} of {size}: all collectives match");

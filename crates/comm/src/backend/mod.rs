@@ -15,6 +15,7 @@ pub(crate) mod nodes;
 
 use std::time::Duration;
 
+use crate::config::GroupOptions;
 use crate::element::DType;
 use crate::error::CommError;
 use crate::reduce_op::ReduceOp;
@@ -290,4 +291,19 @@ pub trait Backend: Send + Sync {
     /// Breaks every connection so that peers blocked on this process fail
     /// fast; called once when the group fails or is dropped.
     fn abort(&self);
+    /// The backend of the subgroup `ranks` (sorted, distinct, in range) for
+    /// [`ProcessGroup::new_group`](crate::ProcessGroup::new_group), made
+    /// the backend's own way: called on every rank of this group, in its
+    /// turn among the collectives, and `Ok(None)` on the ranks outside
+    /// `ranks`. `None` (the default) when the backend has no way of its
+    /// own; the group then connects a new mesh through its store.
+    #[allow(clippy::type_complexity)]
+    fn split(
+        &self,
+        ranks: &[usize],
+        opts: &GroupOptions,
+    ) -> Option<Result<Option<Box<dyn Backend>>, CommError>> {
+        let _ = (ranks, opts);
+        None
+    }
 }

@@ -44,7 +44,7 @@ use crate::config::{ConfigError, PsMode, TrainConfig};
 use crate::data::Dataset;
 use crate::fault::StepGuard;
 use crate::phases::{Phase, Phases};
-use crate::train::{build_dataset, model_config, Outcome};
+use crate::train::{build_dataset, mean_loss, model_config, padding_mask, Outcome};
 use crate::{FileData, TrainError};
 
 /// How the processes of a parameter-server job find each other.
@@ -602,7 +602,7 @@ impl<'c> Server<'c> {
                 win_start = Instant::now();
             }
             if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
-                let loss = evaluate(&val, &mut self.model)?;
+                let loss = mean_loss(&val, &mut self.model)?;
                 outcome.val_losses.push((done, loss));
                 let floor = self
                     .data
@@ -719,37 +719,6 @@ impl Server<'_> {
         self.board.lock().answered = ticket + 1;
         self.board.cv.notify_all();
     }
-}
-
-/// Mean loss of the server's model over the validation batches.
-fn evaluate(val: &[cohort_data::Batch], model: &mut GPT) -> Result<f32, TrainError> {
-    if val.is_empty() {
-        return Ok(f32::NAN);
-    }
-    model.set_training(false);
-    let mut sum = 0f64;
-    for batch in val {
-        let mask = padding_mask(batch);
-        sum += model
-            .forward(
-                &batch.input_ids,
-                mask,
-                Some(&batch.labels),
-                batch.batch,
-                batch.seq,
-            )?
-            .unwrap_or(0.0) as f64;
-    }
-    model.set_training(true);
-    Ok((sum / val.len() as f64) as f32)
-}
-
-/// The attention mask of a batch with padding, None when it has none.
-fn padding_mask(batch: &cohort_data::Batch) -> Option<&[u8]> {
-    batch
-        .attention_mask
-        .contains(&0)
-        .then_some(&batch.attention_mask[..])
 }
 
 /// A worker: pull the parameters, compute a step's gradient on this

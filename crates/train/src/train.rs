@@ -467,7 +467,7 @@ pub fn train(
 
 /// The attention mask of a batch with padding (None when every position is a
 /// token, the common case, which spares the model the mask's bookkeeping).
-fn padding_mask(batch: &cohort_data::Batch) -> Option<&[u8]> {
+pub(crate) fn padding_mask(batch: &cohort_data::Batch) -> Option<&[u8]> {
     batch
         .attention_mask
         .contains(&0)
@@ -480,6 +480,14 @@ fn evaluate(
     model: &mut GPT,
     pg: &ProcessGroup,
 ) -> Result<f32, TrainError> {
+    let mut mean = [mean_loss(val, model)?];
+    pg.all_reduce(&mut mean, ReduceOp::Avg)
+        .map_err(TrainError::comm("val loss all_reduce"))?;
+    Ok(mean[0])
+}
+
+/// Mean loss of `model` over `val` (NaN for no batches), in eval mode.
+pub(crate) fn mean_loss(val: &[cohort_data::Batch], model: &mut GPT) -> Result<f32, TrainError> {
     if val.is_empty() {
         return Ok(f32::NAN);
     }
@@ -498,10 +506,7 @@ fn evaluate(
             .unwrap_or(0.0) as f64;
     }
     model.set_training(true);
-    let mut mean = [(sum / val.len() as f64) as f32];
-    pg.all_reduce(&mut mean, ReduceOp::Avg)
-        .map_err(TrainError::comm("val loss all_reduce"))?;
-    Ok(mean[0])
+    Ok((sum / val.len() as f64) as f32)
 }
 
 /// Writes a log line, hiding the progress bar (on stderr) meanwhile.

@@ -133,6 +133,9 @@ fn intrude(store: SocketAddr, secret: &Secret, stop: &AtomicBool) -> Intrusion {
         match TcpStore::connect_with_secret(store, quick, Some(wrong.clone())) {
             Err(StoreError::Auth { source, .. })
                 if matches!(*source, AuthError::WrongProof { .. }) => {}
+            // A server busy with the flood, or closing at the job's end,
+            // hangs up mid-handshake: refused all the same.
+            Err(StoreError::Protocol { detail, .. }) if detail.contains("hung up") => {}
             Err(StoreError::Io { .. } | StoreError::Connect { .. }) => {}
             other => got.breaches.push(format!("wrong secret: {other:?}")),
         }

@@ -1,11 +1,12 @@
 //! `cohort run -n 3 train --strategy parameter-server` end to end: the real
 //! binary as a server and two workers under the launcher (which hosts the
-//! store and sets the job secret), in sync and async mode; and the clear
-//! error when there is no worker.
+//! store and sets the job secret), in sync and async mode; a sync run
+//! resumed from its checkpoint; and the clear errors when there is no
+//! worker or an async run is asked for checkpoints.
 
 mod support;
 
-use support::{run, succeeded, TINY};
+use support::{params, run, succeeded, TINY};
 
 /// Steps and logging of the runs: a second or two each.
 const STEPS: &[&str] = &[
@@ -55,4 +56,74 @@ fn a_server_without_workers_is_a_clear_error() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cohort run -n K"), "{err}");
+}
+
+/// `cohort run -n 3 train --strategy parameter-server` plus `extra`.
+fn ps_train(extra: &[&str]) -> String {
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "-n",
+        "3",
+        "train",
+        "--strategy",
+        "parameter-server",
+    ];
+    args.extend_from_slice(STEPS);
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(extra);
+    succeeded(&run(&args))
+}
+
+#[test]
+fn a_sync_run_resumed_from_its_checkpoint_ends_as_an_unbroken_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+    let whole_s = whole.to_str().unwrap();
+    ps_train(&["--out", whole_s, "--save-interval", "6"]);
+    let half = whole.join("step-000006");
+    let out = ps_train(&[
+        "--resume",
+        half.to_str().unwrap(),
+        "--out",
+        resumed.to_str().unwrap(),
+    ]);
+    assert!(out.contains("at step 6"), "{out}");
+    assert!(out.contains("done: 12 steps"), "{out}");
+    // Parameters, AdamW state, learning rate, dropout keys and the workers'
+    // data position all carry over: bitwise the same model.
+    let (a, b) = (
+        params(&whole.join("step-000012")),
+        params(&resumed.join("step-000012")),
+    );
+    assert!(a == b, "the resumed run's parameters differ");
+    assert_ne!(params(&half), a, "training after step 6 changed nothing");
+}
+
+#[test]
+fn an_async_run_refuses_checkpoints() {
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "-n",
+        "3",
+        "train",
+        "--strategy",
+        "parameter-server",
+        "--ps-mode",
+        "async",
+        "--out",
+        "never-written",
+    ];
+    args.extend_from_slice(STEPS);
+    args.extend_from_slice(TINY);
+    let out = run(&args);
+    assert!(!out.status.success());
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(all.contains("--ps-mode sync"), "{all}");
+    assert!(!std::path::Path::new("never-written").exists());
 }

@@ -232,16 +232,27 @@ pub(crate) fn resume(
     model: &mut GPT,
     opt: &mut dyn Optimizer,
 ) -> Result<Resumed, TrainError> {
+    let resumed = resume_alone(path, cfg, pg.size(), model, opt)?;
+    agree_on_step(pg, resumed.state.step, &resumed.dir)?;
+    Ok(resumed)
+}
+
+/// As [`resume`], for the one process that holds the model (a parameter
+/// server), with `world` the number of ranks the data are split over.
+pub(crate) fn resume_alone(
+    path: &Path,
+    cfg: &TrainConfig,
+    world: usize,
+    model: &mut GPT,
+    opt: &mut dyn Optimizer,
+) -> Result<Resumed, TrainError> {
     let mut notes = Vec::new();
     let mut tried = Vec::new();
     let candidates = candidates(path)?;
     let single = candidates.len() == 1;
     for dir in candidates {
-        match load(&dir, cfg, pg.size(), model, opt) {
-            Ok(state) => {
-                agree_on_step(pg, state.step, &dir)?;
-                return Ok(Resumed { state, dir, notes });
-            }
+        match load(&dir, cfg, world, model, opt) {
+            Ok(state) => return Ok(Resumed { state, dir, notes }),
             Err(e) if is_damage(&e) && !single => {
                 notes.push(format!(
                     "checkpoint {} is unusable, trying the one before it: {e}",

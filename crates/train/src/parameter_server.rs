@@ -23,8 +23,12 @@
 //!   ends after `steps` updates.
 //!
 //! Handlers only pass gradients and parameters through a shared board; the
-//! server's own thread owns the model. This module never opens a socket
-//! itself and writes no checkpoints (the server could; it is not built).
+//! server's own thread owns the model. In sync mode the server writes the
+//! checkpoints (`--out`, as `train` does, with the workers' data position)
+//! and resumes from one (`--resume`): the workers learn the step and the
+//! data position from their first pull. Async mode refuses both, since its
+//! workers' data positions drift apart. This module never opens a socket
+//! itself.
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -40,6 +44,7 @@ use cohort_store::{HashStore, Store};
 use serde::{Deserialize, Serialize};
 
 use crate::batches::{val_batches, TrainBatches};
+use crate::checkpoint::{self, Resumed, TrainState};
 use crate::config::{ConfigError, PsMode, TrainConfig};
 use crate::data::Dataset;
 use crate::fault::StepGuard;
@@ -79,6 +84,9 @@ struct Push {
     loss: f32,
     /// Tokens trained on (padding excluded).
     tokens: u64,
+    /// This worker's data position (epoch, offset) after the step.
+    epoch: u64,
+    offset: u64,
 }
 
 /// The parameters to compute the next gradient on.
@@ -89,6 +97,9 @@ struct Params {
     /// No more steps: the worker stops.
     done: bool,
     params: Floats,
+    /// Where the workers' data start: a resumed run's position, else 0, 0.
+    epoch: u64,
+    offset: u64,
 }
 
 fn rpc_err(what: &'static str) -> impl Fn(RpcError) -> TrainError {
@@ -106,11 +117,12 @@ pub fn train_parameter_server(
     log: &mut dyn Write,
 ) -> Result<Outcome, TrainError> {
     cfg.validate()?;
-    if cfg.out.is_some() || cfg.resume.is_some() {
+    if cfg.ps_mode == PsMode::Async && (cfg.out.is_some() || cfg.resume.is_some()) {
         return Err(ConfigError::Invalid {
-            key: "strategy",
-            value: "parameter-server".into(),
-            why: "writes and resumes no checkpoints (--out, --resume): use ddp for those",
+            key: "ps_mode",
+            value: "async".into(),
+            why: "writes and resumes no checkpoints (--out, --resume): its workers' data \
+                  positions drift apart; use --ps-mode sync or ddp for those",
         }
         .into());
     }
@@ -236,6 +248,8 @@ struct BoardState {
     params: Arc<Vec<f32>>,
     version: u64,
     done: bool,
+    /// Where the workers' data start (epoch, offset).
+    start: (u64, usize),
     /// Set when the server's loop fails: every waiting push returns it.
     failed: Option<String>,
     /// Sync: this step's push of each worker.
@@ -264,12 +278,14 @@ impl Board {
 
     /// The current parameters (copied outside the lock).
     fn reply(&self, st: MutexGuard<'_, BoardState>) -> Params {
-        let (params, version, done) = (st.params.clone(), st.version, st.done);
+        let (params, version, done, start) = (st.params.clone(), st.version, st.done, st.start);
         drop(st);
         Params {
             version,
             done,
             params: Floats(params.to_vec()),
+            epoch: start.0,
+            offset: start.1 as u64,
         }
     }
 
@@ -341,6 +357,8 @@ struct Server<'c> {
     /// already gathered here); it opens no socket.
     alone: ProcessGroup,
     board: Arc<Board>,
+    /// The checkpoint this run continues, if any.
+    resumed: Option<Resumed>,
 }
 
 /// Figures of one log window on the server.
@@ -363,14 +381,21 @@ impl<'c> Server<'c> {
         workers: usize,
         wait_limit: Duration,
     ) -> Result<Self, TrainError> {
-        let model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
+        let mut model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
         let adamw = AdamWConfig {
             beta1: cfg.beta1,
             beta2: cfg.beta2,
             weight_decay: cfg.weight_decay,
             ..AdamWConfig::default()
         };
-        let opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
+        let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
+        let resumed = match &cfg.resume {
+            Some(dir) => Some(checkpoint::resume_alone(
+                dir, cfg, workers, &mut model, &mut opt,
+            )?),
+            None => None,
+        };
+        let state = resumed.as_ref().map(|r| r.state).unwrap_or_default();
         let schedule =
             LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
         let alone = GroupOptions::from_env()
@@ -382,8 +407,9 @@ impl<'c> Server<'c> {
             wait_limit,
             st: Mutex::new(BoardState {
                 params: Arc::new(model.params().to_vec()),
-                version: 0,
-                done: cfg.steps == 0,
+                version: state.step,
+                done: state.step >= cfg.steps,
+                start: (state.epoch, state.offset),
                 failed: None,
                 inbox: (0..workers).map(|_| None).collect(),
                 queue: VecDeque::new(),
@@ -406,6 +432,7 @@ impl<'c> Server<'c> {
             ),
             alone,
             board,
+            resumed,
         })
     }
 
@@ -470,6 +497,18 @@ impl<'c> Server<'c> {
                 cfg.grad_accum
             ),
         })?;
+        let start = self.resumed.as_ref().map(|r| r.state).unwrap_or_default();
+        if let Some(resumed) = &self.resumed {
+            for note in &resumed.notes {
+                say(note.clone())?;
+            }
+            say(format!(
+                "resumed from {} at step {}",
+                resumed.dir.display(),
+                start.step
+            ))?;
+        }
+        let mut position = (start.epoch, start.offset);
         let val = val_batches(&self.data, cfg, 1, 0, cfg.eval_batches)?;
         let mut outcome = Outcome {
             steps_run: 0,
@@ -488,8 +527,8 @@ impl<'c> Server<'c> {
         let mut staleness_total = (0u64, 0u64);
         let mut dropped_total = 0u64;
 
-        for step in 0..cfg.steps {
-            if step == timed_from {
+        for step in start.step..cfg.steps {
+            if step == start.step + timed_from {
                 timed = Some((Instant::now(), 0.0));
             }
             // -- the gradient of this update ------------------------------
@@ -518,6 +557,8 @@ impl<'c> Server<'c> {
                     let loss: f32 = pushes.iter().map(|p| p.loss).sum::<f32>() / w;
                     let finite = pushes.iter().all(|p| p.loss.is_finite());
                     let tokens = pushes.iter().map(|p| p.tokens).sum::<u64>();
+                    // Every worker's shard has the same length: one position.
+                    position = (pushes[0].epoch, pushes[0].offset as usize);
                     (loss, finite, tokens, None)
                 }
                 PsMode::Async => {
@@ -569,7 +610,7 @@ impl<'c> Server<'c> {
                 *n += tokens as f64;
             }
             let done = step + 1;
-            outcome.steps_run = done;
+            outcome.steps_run = done - start.step;
             outcome.final_step = done;
 
             // -- log, eval ------------------------------------------------
@@ -613,6 +654,27 @@ impl<'c> Server<'c> {
                     "[step {done} / {}] val loss = {loss:.4}{floor}",
                     cfg.steps
                 ))?;
+            }
+            let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
+            if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
+                let state = TrainState {
+                    step: done,
+                    epoch: position.0,
+                    offset: position.1,
+                };
+                let tokenizer = self.data.tokenizer_json();
+                let notes = checkpoint::save_or_report(
+                    out,
+                    cfg,
+                    workers,
+                    &self.model,
+                    &self.opt,
+                    &state,
+                    tokenizer.as_deref(),
+                );
+                for line in notes {
+                    say(format!("[step {done} / {}] {line}", cfg.steps))?;
+                }
             }
             win.phases.add(Phase::Logging, t_log.elapsed());
         }
@@ -730,11 +792,22 @@ fn work(
     worker: usize,
     workers: usize,
 ) -> Result<Outcome, TrainError> {
-    let mut model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
-    let mut batches = TrainBatches::new(data.clone(), cfg, workers, worker, 0, 0)?;
+    // The server's parameters replace these at every step.
+    let mut model = GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?;
     let mut phases = Phases::default();
     let mut reply: Params = rpc.rpc_sync(0, "ps.pull", ()).map_err(rpc_err("ps.pull"))?;
-    let mut steps_run = 0u64;
+    let mut batches = TrainBatches::new(
+        data.clone(),
+        cfg,
+        workers,
+        worker,
+        reply.epoch,
+        reply.offset as usize,
+    )?;
+    // A resumed run starts at the server's step: the same dropout keys as
+    // a run that never stopped.
+    let first_step = reply.version;
+    let mut step = first_step;
     while !reply.done {
         if reply.params.0.len() != model.num_params() {
             return Err(TrainError::Rpc {
@@ -760,7 +833,7 @@ fn work(
             model.set_dropout_key(
                 cfg.seed,
                 worker as u64,
-                steps_run * cfg.grad_accum as u64 + micro as u64,
+                step * cfg.grad_accum as u64 + micro as u64,
             );
             let loss = phases.time(Phase::Forward, || {
                 model.forward(
@@ -774,12 +847,15 @@ fn work(
             loss_sum += loss.unwrap_or(0.0);
             phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
         }
+        let (epoch, offset) = batches.position();
         let push = Push {
             worker: worker as u32,
             version: reply.version,
             grads: Floats(model.grads().to_vec()),
             loss: loss_sum,
             tokens,
+            epoch,
+            offset: offset as u64,
         };
         model.zero_grad();
         let t_push = Instant::now();
@@ -787,10 +863,10 @@ fn work(
             .rpc_sync(0, "ps.push", push)
             .map_err(rpc_err("ps.push"))?;
         phases.add(Phase::Comm, t_push.elapsed());
-        steps_run += 1;
+        step += 1;
     }
     Ok(Outcome {
-        steps_run,
+        steps_run: step - first_step,
         final_step: reply.version,
         train_losses: Vec::new(),
         val_losses: Vec::new(),

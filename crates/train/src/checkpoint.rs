@@ -232,7 +232,20 @@ pub(crate) fn resume(
     model: &mut GPT,
     opt: &mut dyn Optimizer,
 ) -> Result<Resumed, TrainError> {
-    let resumed = resume_alone(path, cfg, pg.size(), model, opt)?;
+    resume_split(path, cfg, pg, pg.size(), model, opt)
+}
+
+/// As [`resume`], for a job whose data are split over `world` ranks of
+/// `pg` (a pipeline's replicas) rather than over all of them.
+pub(crate) fn resume_split(
+    path: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    world: usize,
+    model: &mut GPT,
+    opt: &mut dyn Optimizer,
+) -> Result<Resumed, TrainError> {
+    let resumed = resume_alone(path, cfg, world, model, opt)?;
     agree_on_step(pg, resumed.state.step, &resumed.dir)?;
     Ok(resumed)
 }

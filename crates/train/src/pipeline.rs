@@ -18,6 +18,11 @@
 //! `d * S + s` being stage s of replica d; each stage's gradients are averaged over its D
 //! replicas before the tied sum (data parallelism across pipelines).
 //!
+//! Checkpoints are the whole model's, as `train` writes them: at each save the stages of
+//! replica 0 assemble the parameters and the AdamW state, and rank 0 writes them with the data
+//! position of replica 0. Resuming, every rank reads the whole checkpoint and keeps its stage's
+//! part.
+//!
 //! This module schedules and communicates; the model (`GptStage`) only sees buffers.
 
 use std::io::Write;
@@ -25,10 +30,11 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_ddp::DistributedSampler;
-use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer};
+use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GptStage, StageInput, StageOutput, StagePart};
+use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
 
+use crate::checkpoint::{self, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
 use crate::data::{Dataset, Split};
 use crate::phases::{Phase, Phases};
@@ -299,6 +305,12 @@ impl Pipe<'_> {
 
     /// The whole model's parameters, assembled from replica 0's stages, on every rank.
     fn gather_params(&self) -> Result<Vec<f32>, TrainError> {
+        self.gather(self.stage.params(), "gathering the parameters")
+    }
+
+    /// A whole-model buffer assembled from replica 0's stages' `local` buffers (laid out as
+    /// their parameters), on every rank. Collective.
+    fn gather(&self, local: &[f32], what: &'static str) -> Result<Vec<f32>, TrainError> {
         let mut full = vec![0f32; self.stage.whole_num_params()];
         if self.topo.replica == 0 {
             let copy = self.stage.holds_tied_copy();
@@ -311,13 +323,41 @@ impl Pipe<'_> {
                 if copy && g.name == "wte.weight" {
                     continue;
                 }
-                full[g.range.clone()].copy_from_slice(&self.stage.params()[l.range.clone()]);
+                full[g.range.clone()].copy_from_slice(&local[l.range.clone()]);
             }
         }
         self.pg
             .all_reduce(&mut full, ReduceOp::Sum)
-            .map_err(TrainError::comm("gathering the parameters"))?;
+            .map_err(TrainError::comm(what))?;
         Ok(full)
+    }
+
+    /// The whole model and its AdamW state, assembled from the stages, on rank 0 (None on
+    /// the others). Collective.
+    fn gather_model(
+        &self,
+        opt: &AdamW,
+        model_cfg: &GPTConfig,
+        cfg: &TrainConfig,
+    ) -> Result<Option<(GPT, AdamW)>, TrainError> {
+        let params = self.gather_params()?;
+        let exp_avg = self.gather(opt.exp_avg(), "gathering the optimizer state")?;
+        let exp_avg_sq = self.gather(opt.exp_avg_sq(), "gathering the optimizer state")?;
+        if self.pg.rank() != 0 {
+            return Ok(None);
+        }
+        let mut model = GPT::zeroed(model_cfg.clone(), cfg.seed)?;
+        model.params_mut().copy_from_slice(&params);
+        let mut whole = AdamW::new(adamw_config(cfg), decay_mask(model.param_views()))?;
+        whole.load_state(&OptimizerState {
+            optimizer: opt.name().to_string(),
+            step: opt.steps_taken(),
+            buffers: vec![
+                ("exp_avg".to_string(), &exp_avg[..]),
+                ("exp_avg_sq".to_string(), &exp_avg_sq[..]),
+            ],
+        })?;
+        Ok(Some((model, whole)))
     }
 }
 
@@ -345,15 +385,56 @@ fn stage_count(stages: usize, world: usize, n_layers: usize) -> Result<usize, Tr
     Ok(s)
 }
 
-/// A stage's optimizer: AdamW with the whole model's decay rules, on the stage's buffer.
-fn optimizer(cfg: &TrainConfig, stage: &GptStage) -> Result<AdamW, TrainError> {
-    let adamw = AdamWConfig {
+fn adamw_config(cfg: &TrainConfig) -> AdamWConfig {
+    AdamWConfig {
         beta1: cfg.beta1,
         beta2: cfg.beta2,
         weight_decay: cfg.weight_decay,
         ..AdamWConfig::default()
+    }
+}
+
+/// A stage's optimizer: AdamW with the whole model's decay rules, on the stage's buffer.
+fn optimizer(cfg: &TrainConfig, stage: &GptStage) -> Result<AdamW, TrainError> {
+    Ok(AdamW::new(
+        adamw_config(cfg),
+        decay_mask(stage.param_views()),
+    )?)
+}
+
+/// Restores this stage's part of the whole-model checkpoint at `dir`: its parameters and
+/// AdamW state (a tied wte copy takes wte's). Collective: the ranks check they resume at the
+/// same step.
+fn resume_stage(
+    dir: &std::path::Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    replicas: usize,
+    model_cfg: &GPTConfig,
+    stage: &mut GptStage,
+    opt: &mut AdamW,
+) -> Result<checkpoint::Resumed, TrainError> {
+    let mut model = GPT::zeroed(model_cfg.clone(), cfg.seed)?;
+    let mut whole = AdamW::new(adamw_config(cfg), decay_mask(model.param_views()))?;
+    let resumed = checkpoint::resume_split(dir, cfg, pg, replicas, &mut model, &mut whole)?;
+    stage.load_from_full(model.params())?;
+    let local = |full: &[f32]| {
+        let mut out = vec![0f32; stage.num_params()];
+        for (l, g) in stage.param_views().iter().zip(stage.global_views()) {
+            out[l.range.clone()].copy_from_slice(&full[g.range.clone()]);
+        }
+        out
     };
-    Ok(AdamW::new(adamw, decay_mask(stage.param_views()))?)
+    let (exp_avg, exp_avg_sq) = (local(whole.exp_avg()), local(whole.exp_avg_sq()));
+    opt.load_state(&OptimizerState {
+        optimizer: whole.name().to_string(),
+        step: whole.steps_taken(),
+        buffers: vec![
+            ("exp_avg".to_string(), &exp_avg[..]),
+            ("exp_avg_sq".to_string(), &exp_avg_sq[..]),
+        ],
+    })?;
+    Ok(resumed)
 }
 
 /// This replica's stream of training samples: its sampler's order, epoch after epoch.
@@ -419,13 +500,6 @@ pub fn train_pipeline(
             "must be 1 with --strategy pipeline (use micro_batches)",
         ));
     }
-    if cfg.out.is_some() || cfg.resume.is_some() {
-        return Err(invalid(
-            "out",
-            "a checkpoint directory".into(),
-            "checkpoints (--out, --resume) are not supported with --strategy pipeline yet",
-        ));
-    }
     let data = crate::file_data::build(cfg, pg)?;
     if data.variable_length() {
         return Err(invalid(
@@ -440,11 +514,24 @@ pub fn train_pipeline(
     let stages = stage_count(cfg.stages, pg.size(), model_cfg.n_layers)?;
     let topo = Topology::new(pg, stages, model_cfg.tie_word_embeddings)?;
     let part = StagePart::split(model_cfg.n_layers, stages)?.swap_remove(topo.stage);
-    let stage = GptStage::new(model_cfg.clone(), cfg.seed, part)?;
+    let mut stage = GptStage::new(model_cfg.clone(), cfg.seed, part)?;
     let mut opt = optimizer(cfg, &stage)?;
+    let replicas = topo.replicas;
+    let mut start = TrainState::default();
+    if let Some(dir) = &cfg.resume {
+        let resumed = resume_stage(dir, cfg, pg, replicas, &model_cfg, &mut stage, &mut opt)?;
+        for note in resumed.notes {
+            say(note)?;
+        }
+        say(format!(
+            "resumed from {} at step {}",
+            resumed.dir.display(),
+            resumed.state.step
+        ))?;
+        start = resumed.state;
+    }
     let schedule_lr =
         LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
-    let replicas = topo.replicas;
     let tokens_per_step = (b * t * m * replicas) as f64;
     say(format!("data: {}", data.describe()))?;
     let blocks: Vec<usize> = StagePart::split(model_cfg.n_layers, stages)?
@@ -466,7 +553,7 @@ pub fn train_pipeline(
         b * m * replicas
     ))?;
     let ops = schedule(cfg.pipeline_schedule, topo.stage, stages, m);
-    let sampler = DistributedSampler::new(
+    let mut sampler = DistributedSampler::new(
         data.len(Split::Train),
         replicas,
         topo.replica,
@@ -474,10 +561,11 @@ pub fn train_pipeline(
         cfg.seed,
         false,
     )?;
+    sampler.set_epoch(start.epoch);
     let mut samples = Samples {
         order: sampler.indices(),
         sampler,
-        next: 0,
+        next: start.offset,
     };
     let reads = topo.first() || topo.last();
     let mut tokens = vec![vec![0u32; b * t]; m];
@@ -506,7 +594,7 @@ pub fn train_pipeline(
     let mut window_time = Duration::ZERO;
     let mut window_compute = Duration::ZERO;
     let mut timed_from = None;
-    for step in 0..cfg.steps {
+    for step in start.step..cfg.steps {
         let t_step = Instant::now();
         let lr = schedule_lr.lr(step);
         if reads {
@@ -582,6 +670,30 @@ pub fn train_pipeline(
                 "[step {done} / {}] val loss = {val:.4}{floor}",
                 cfg.steps
             ))?;
+        }
+        let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
+        if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
+            if let Some((model, whole)) = pipe.gather_model(&opt, &model_cfg, cfg)? {
+                // Rank 0 is stage 0 of replica 0: its position is replica 0's.
+                let state = TrainState {
+                    step: done,
+                    epoch: samples.sampler.epoch(),
+                    offset: samples.next,
+                };
+                let tokenizer = data.tokenizer_json();
+                let notes = checkpoint::save_or_report(
+                    out,
+                    cfg,
+                    replicas,
+                    &model,
+                    &whole,
+                    &state,
+                    tokenizer.as_deref(),
+                );
+                for line in notes {
+                    say(format!("[step {done} / {}] {line}", cfg.steps))?;
+                }
+            }
         }
         window.add(Phase::Logging, t_log.elapsed());
         outcome.steps_run += 1;

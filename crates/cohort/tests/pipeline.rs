@@ -4,7 +4,7 @@
 
 mod support;
 
-use support::{params, run, succeeded, TINY};
+use support::{assert_resume_is_seamless, run, succeeded, TINY};
 
 /// Steps and logging of the runs: a second or two each.
 const STEPS: &[&str] = &[
@@ -37,24 +37,5 @@ fn pipeline(extra: &[&str]) -> String {
 
 #[test]
 fn a_pipeline_resumed_from_its_checkpoint_ends_as_an_unbroken_one() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
-    pipeline(&["--out", whole.to_str().unwrap(), "--save-interval", "6"]);
-    let half = whole.join("step-000006");
-    let out = pipeline(&[
-        "--resume",
-        half.to_str().unwrap(),
-        "--out",
-        resumed.to_str().unwrap(),
-    ]);
-    assert!(out.contains("at step 6"), "{out}");
-    assert!(out.contains("done: 12 steps"), "{out}");
-    // Both stages' parameters and AdamW state, the learning rate, the
-    // dropout keys and the data position carry over: bitwise the same model.
-    let (a, b) = (
-        params(&whole.join("step-000012")),
-        params(&resumed.join("step-000012")),
-    );
-    assert!(a == b, "the resumed run's parameters differ");
-    assert_ne!(params(&half), a, "training after step 6 changed nothing");
+    assert_resume_is_seamless(pipeline);
 }

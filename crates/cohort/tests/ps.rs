@@ -6,7 +6,7 @@
 
 mod support;
 
-use support::{params, run, succeeded, TINY};
+use support::{assert_resume_is_seamless, run, succeeded, TINY};
 
 /// Steps and logging of the runs: a second or two each.
 const STEPS: &[&str] = &[
@@ -21,19 +21,7 @@ const STEPS: &[&str] = &[
 #[test]
 fn a_server_and_two_workers_train_in_both_modes() {
     for mode in ["sync", "async"] {
-        let mut args = vec![
-            "run",
-            "--standalone",
-            "-n",
-            "3",
-            "train",
-            "--strategy",
-            "parameter-server",
-            "--ps-mode",
-            mode,
-        ];
-        args.extend_from_slice(STEPS);
-        args.extend_from_slice(TINY);
+        let args = ps_args(&["--ps-mode", mode]);
         let out = succeeded(&run(&args));
         assert!(
             out.contains(&format!("2 worker(s), {mode} mode")),
@@ -58,8 +46,8 @@ fn a_server_without_workers_is_a_clear_error() {
     assert!(err.contains("cohort run -n K"), "{err}");
 }
 
-/// `cohort run -n 3 train --strategy parameter-server` plus `extra`.
-fn ps_train(extra: &[&str]) -> String {
+/// `cohort run -n 3 train --strategy parameter-server`, with `extra`.
+fn ps_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "run",
         "--standalone",
@@ -72,52 +60,24 @@ fn ps_train(extra: &[&str]) -> String {
     args.extend_from_slice(STEPS);
     args.extend_from_slice(TINY);
     args.extend_from_slice(extra);
-    succeeded(&run(&args))
+    args
 }
 
 #[test]
 fn a_sync_run_resumed_from_its_checkpoint_ends_as_an_unbroken_one() {
-    let tmp = tempfile::tempdir().unwrap();
-    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
-    let whole_s = whole.to_str().unwrap();
-    ps_train(&["--out", whole_s, "--save-interval", "6"]);
-    let half = whole.join("step-000006");
-    let out = ps_train(&[
-        "--resume",
-        half.to_str().unwrap(),
-        "--out",
-        resumed.to_str().unwrap(),
-    ]);
-    assert!(out.contains("at step 6"), "{out}");
-    assert!(out.contains("done: 12 steps"), "{out}");
-    // Parameters, AdamW state, learning rate, dropout keys and the workers'
-    // data position all carry over: bitwise the same model.
-    let (a, b) = (
-        params(&whole.join("step-000012")),
-        params(&resumed.join("step-000012")),
-    );
-    assert!(a == b, "the resumed run's parameters differ");
-    assert_ne!(params(&half), a, "training after step 6 changed nothing");
+    assert_resume_is_seamless(|extra| succeeded(&run(&ps_args(extra))));
 }
 
 #[test]
 fn an_async_run_refuses_checkpoints() {
-    let mut args = vec![
-        "run",
-        "--standalone",
-        "-n",
-        "3",
-        "train",
-        "--strategy",
-        "parameter-server",
+    let tmp = tempfile::tempdir().unwrap();
+    let never = tmp.path().join("never-written");
+    let out = run(&ps_args(&[
         "--ps-mode",
         "async",
         "--out",
-        "never-written",
-    ];
-    args.extend_from_slice(STEPS);
-    args.extend_from_slice(TINY);
-    let out = run(&args);
+        never.to_str().unwrap(),
+    ]));
     assert!(!out.status.success());
     let all = format!(
         "{}{}",
@@ -125,5 +85,5 @@ fn an_async_run_refuses_checkpoints() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(all.contains("--ps-mode sync"), "{all}");
-    assert!(!std::path::Path::new("never-written").exists());
+    assert!(!never.exists());
 }

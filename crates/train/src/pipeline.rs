@@ -349,14 +349,7 @@ impl Pipe<'_> {
         let mut model = GPT::zeroed(model_cfg.clone(), cfg.seed)?;
         model.params_mut().copy_from_slice(&params);
         let mut whole = AdamW::new(adamw_config(cfg), decay_mask(model.param_views()))?;
-        whole.load_state(&OptimizerState {
-            optimizer: opt.name().to_string(),
-            step: opt.steps_taken(),
-            buffers: vec![
-                ("exp_avg".to_string(), &exp_avg[..]),
-                ("exp_avg_sq".to_string(), &exp_avg_sq[..]),
-            ],
-        })?;
+        whole.load_state(&adamw_state(opt.steps_taken(), &exp_avg, &exp_avg_sq))?;
         Ok(Some((model, whole)))
     }
 }
@@ -394,6 +387,18 @@ fn adamw_config(cfg: &TrainConfig) -> AdamWConfig {
     }
 }
 
+/// AdamW's state after `step` steps, from its two moment buffers.
+fn adamw_state<'a>(step: u64, exp_avg: &'a [f32], exp_avg_sq: &'a [f32]) -> OptimizerState<'a> {
+    OptimizerState {
+        optimizer: "adamw".to_string(),
+        step,
+        buffers: vec![
+            ("exp_avg".to_string(), exp_avg),
+            ("exp_avg_sq".to_string(), exp_avg_sq),
+        ],
+    }
+}
+
 /// A stage's optimizer: AdamW with the whole model's decay rules, on the stage's buffer.
 fn optimizer(cfg: &TrainConfig, stage: &GptStage) -> Result<AdamW, TrainError> {
     Ok(AdamW::new(
@@ -426,14 +431,7 @@ fn resume_stage(
         out
     };
     let (exp_avg, exp_avg_sq) = (local(whole.exp_avg()), local(whole.exp_avg_sq()));
-    opt.load_state(&OptimizerState {
-        optimizer: whole.name().to_string(),
-        step: whole.steps_taken(),
-        buffers: vec![
-            ("exp_avg".to_string(), &exp_avg[..]),
-            ("exp_avg_sq".to_string(), &exp_avg_sq[..]),
-        ],
-    })?;
+    opt.load_state(&adamw_state(whole.steps_taken(), &exp_avg, &exp_avg_sq))?;
     Ok(resumed)
 }
 

@@ -102,6 +102,32 @@ pub fn params(dir: &Path) -> Vec<f32> {
     model.params().to_vec()
 }
 
+/// Runs `train` (a 12-step run, given extra flags) with a checkpoint at
+/// step 6, then again resumed from that checkpoint, and checks that both
+/// end with the same parameters, bitwise: the parameters, the optimizer
+/// state, the learning rate, the dropout keys and the data position must
+/// all carry over.
+pub fn assert_resume_is_seamless(train: impl Fn(&[&str]) -> String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (whole, resumed) = (tmp.path().join("whole"), tmp.path().join("resumed"));
+    train(&["--out", whole.to_str().unwrap(), "--save-interval", "6"]);
+    let half = whole.join("step-000006");
+    let out = train(&[
+        "--resume",
+        half.to_str().unwrap(),
+        "--out",
+        resumed.to_str().unwrap(),
+    ]);
+    assert!(out.contains("at step 6"), "{out}");
+    assert!(out.contains("done: 12 steps"), "{out}");
+    let (a, b) = (
+        params(&whole.join("step-000012")),
+        params(&resumed.join("step-000012")),
+    );
+    assert!(a == b, "the resumed run's parameters differ");
+    assert_ne!(params(&half), a, "training after step 6 changed nothing");
+}
+
 /// The step of the newest checkpoint in `dir`, if any.
 pub fn checkpoint_step(dir: &Path) -> Option<u64> {
     let latest = std::fs::read_to_string(dir.join("latest")).ok()?;

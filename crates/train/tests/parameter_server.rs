@@ -219,8 +219,9 @@ fn impossible_settings_are_clear_errors() {
     assert!(e.to_string().contains("at least one worker"), "{e}");
     let cfg = TrainConfig {
         out: Some("/tmp/never".into()),
+        ps_mode: PsMode::Async,
         ..tiny()
     };
     let e = train_parameter_server(&cfg, how(2), &mut std::io::sink()).unwrap_err();
-    assert!(e.to_string().contains("checkpoints"), "{e}");
+    assert!(e.to_string().contains("--ps-mode sync"), "{e}");
 }

@@ -171,7 +171,7 @@ pub fn run_ddp_bench(
     let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
     let overlap = args
         .overlap
-        .enabled(pg.local_world_size(), model.backend().num_threads());
+        .enabled(world, pg.local_world_size(), model.backend().num_threads());
     let options = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
         first_bucket_mb: args.first_bucket_mb,

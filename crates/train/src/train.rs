@@ -167,9 +167,11 @@ pub fn train(
         )?;
     }
     let specs = param_specs(&model);
-    let overlap = cfg
-        .overlap
-        .enabled(pg.local_world_size(), model.backend().num_threads());
+    let overlap = cfg.overlap.enabled(
+        pg.size(),
+        pg.local_world_size(),
+        model.backend().num_threads(),
+    );
     let ddp_options = DdpOptions {
         bucket_cap_mb: cfg.bucket_cap_mb,
         overlap,

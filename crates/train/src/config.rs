@@ -642,6 +642,16 @@ impl TrainConfig {
             self.lr_decay_steps
         }
     }
+
+    /// The optimizer settings of the run (AdamW's other defaults are PyTorch's).
+    pub fn adamw(&self) -> cohort_engine::optim::AdamWConfig {
+        cohort_engine::optim::AdamWConfig {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            weight_decay: self.weight_decay,
+            ..Default::default()
+        }
+    }
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cohort_comm::{GroupOptions, ProcessGroup};
-use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer};
+use cohort_engine::optim::{AdamW, LrSchedule, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 use cohort_rpc::{Floats, Registry, Rpc, RpcError, RpcOptions};
@@ -382,12 +382,7 @@ impl<'c> Server<'c> {
         wait_limit: Duration,
     ) -> Result<Self, TrainError> {
         let mut model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
-        let adamw = AdamWConfig {
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            weight_decay: cfg.weight_decay,
-            ..AdamWConfig::default()
-        };
+        let adamw = cfg.adamw();
         let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
         let resumed = match &cfg.resume {
             Some(dir) => Some(checkpoint::resume_alone(

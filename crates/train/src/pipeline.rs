@@ -348,7 +348,7 @@ impl Pipe<'_> {
         }
         let mut model = GPT::zeroed(model_cfg.clone(), cfg.seed)?;
         model.params_mut().copy_from_slice(&params);
-        let mut whole = AdamW::new(adamw_config(cfg), decay_mask(model.param_views()))?;
+        let mut whole = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
         whole.load_state(&adamw_state(opt.steps_taken(), &exp_avg, &exp_avg_sq))?;
         Ok(Some((model, whole)))
     }
@@ -378,15 +378,6 @@ fn stage_count(stages: usize, world: usize, n_layers: usize) -> Result<usize, Tr
     Ok(s)
 }
 
-fn adamw_config(cfg: &TrainConfig) -> AdamWConfig {
-    AdamWConfig {
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        weight_decay: cfg.weight_decay,
-        ..AdamWConfig::default()
-    }
-}
-
 /// AdamW's state after `step` steps, from its two moment buffers.
 fn adamw_state<'a>(step: u64, exp_avg: &'a [f32], exp_avg_sq: &'a [f32]) -> OptimizerState<'a> {
     OptimizerState {
@@ -401,10 +392,7 @@ fn adamw_state<'a>(step: u64, exp_avg: &'a [f32], exp_avg_sq: &'a [f32]) -> Opti
 
 /// A stage's optimizer: AdamW with the whole model's decay rules, on the stage's buffer.
 fn optimizer(cfg: &TrainConfig, stage: &GptStage) -> Result<AdamW, TrainError> {
-    Ok(AdamW::new(
-        adamw_config(cfg),
-        decay_mask(stage.param_views()),
-    )?)
+    Ok(AdamW::new(cfg.adamw(), decay_mask(stage.param_views()))?)
 }
 
 /// Restores this stage's part of the whole-model checkpoint at `dir`: its parameters and
@@ -420,7 +408,7 @@ fn resume_stage(
     opt: &mut AdamW,
 ) -> Result<checkpoint::Resumed, TrainError> {
     let mut model = GPT::zeroed(model_cfg.clone(), cfg.seed)?;
-    let mut whole = AdamW::new(adamw_config(cfg), decay_mask(model.param_views()))?;
+    let mut whole = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
     let resumed = checkpoint::resume_split(dir, cfg, pg, replicas, &mut model, &mut whole)?;
     stage.load_from_full(model.params())?;
     let local = |full: &[f32]| {

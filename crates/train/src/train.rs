@@ -14,7 +14,7 @@ use crate::phases::{Phase, Phases};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec, Replica};
-use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer};
+use cohort_engine::optim::{AdamW, LrSchedule, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use std::io::{IsTerminal, Write};
@@ -143,12 +143,7 @@ pub fn train(
     } else {
         GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?
     };
-    let adamw = AdamWConfig {
-        beta1: cfg.beta1,
-        beta2: cfg.beta2,
-        weight_decay: cfg.weight_decay,
-        ..AdamWConfig::default()
-    };
+    let adamw = cfg.adamw();
     let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
     let mut state = TrainState::default();
     if let Some(dir) = &cfg.resume {

@@ -505,16 +505,7 @@ impl<'c> Server<'c> {
         }
         let mut position = (start.epoch, start.offset);
         let val = val_batches(&self.data, cfg, 1, 0, cfg.eval_batches)?;
-        let mut outcome = Outcome {
-            steps_run: 0,
-            final_step: 0,
-            train_losses: Vec::new(),
-            val_losses: Vec::new(),
-            loss_floor: self.data.loss_floor(),
-            tokens_per_s: 0.0,
-            phases: Phases::default(),
-            params: Vec::new(),
-        };
+        let mut outcome = Outcome::starting_at(start.step, self.data.loss_floor());
         let mut win = Window::default();
         let mut win_start = Instant::now();
         let mut timed: Option<(Instant, f64)> = None;

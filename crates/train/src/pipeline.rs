@@ -565,16 +565,7 @@ pub fn train_pipeline(
         drop_key: (cfg.seed, 0, 0),
     };
 
-    let mut outcome = Outcome {
-        steps_run: 0,
-        final_step: 0,
-        train_losses: Vec::new(),
-        val_losses: Vec::new(),
-        loss_floor: data.loss_floor(),
-        tokens_per_s: 0.0,
-        phases: Phases::default(),
-        params: Vec::new(),
-    };
+    let mut outcome = Outcome::starting_at(start.step, data.loss_floor());
     let mut window = Phases::default();
     let (mut window_steps, mut window_loss) = (0u64, 0f32);
     let mut window_time = Duration::ZERO;

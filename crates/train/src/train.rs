@@ -43,6 +43,23 @@ pub struct Outcome {
     pub params: Vec<f32>,
 }
 
+impl Outcome {
+    /// A run at `step` with nothing run yet, on data whose loss floor is
+    /// `loss_floor`.
+    pub(crate) fn starting_at(step: u64, loss_floor: Option<f64>) -> Outcome {
+        Outcome {
+            steps_run: 0,
+            final_step: step,
+            train_losses: Vec::new(),
+            val_losses: Vec::new(),
+            loss_floor,
+            tokens_per_s: 0.0,
+            phases: Phases::default(),
+            params: Vec::new(),
+        }
+    }
+}
+
 /// Builds the data set a config asks for.
 pub fn build_dataset(cfg: &TrainConfig) -> Result<Box<dyn Dataset>, TrainError> {
     Ok(match cfg.data.as_str() {
@@ -224,16 +241,7 @@ pub fn train(
     let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
     let bar = progress_bar(master, state.step, cfg.steps);
 
-    let mut outcome = Outcome {
-        steps_run: 0,
-        final_step: state.step,
-        train_losses: Vec::new(),
-        val_losses: Vec::new(),
-        loss_floor: data.loss_floor(),
-        tokens_per_s: 0.0,
-        phases: Phases::default(),
-        params: Vec::new(),
-    };
+    let mut outcome = Outcome::starting_at(state.step, data.loss_floor());
     let mut window = Phases::default();
     let mut window_steps = 0u64;
     let mut window_loss = 0f32;

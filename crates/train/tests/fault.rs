@@ -6,47 +6,28 @@
 //! name and `--resume` falls back to the one before it; only the newest
 //! `keep_checkpoints` are kept. Ranks are threads with real sockets.
 
-use cohort_comm::{spawn, GroupOptions, ProcessGroup};
+mod common;
+
+use cohort_comm::{spawn, ProcessGroup};
 use cohort_gpt::checkpoint::{self as ckpt, CHECKSUMS_FILE, MODEL_FILE};
 use cohort_train::{train, NanInjection, Outcome, TrainConfig};
+use common::max_abs_diff;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
-/// A tiny model (18k parameters: a checkpoint is ~230 KB) on a tiny corpus.
+/// A tiny model (18k parameters: a checkpoint is ~230 KB) on a tiny corpus
+/// of order 1.
 fn tiny() -> TrainConfig {
     TrainConfig {
-        markov_vocab: 16,
         markov_order: 1,
-        markov_branching: 3,
-        train_sequences: 96,
-        val_sequences: 24,
-        seq_len: 16,
-        n_layers: 2,
-        n_heads: 2,
-        d_model: 32,
-        d_ff: 64,
-        batch_size: 2,
-        steps: 4,
-        warmup_steps: 1,
-        log_interval: 1,
-        eval_interval: 0,
-        eval_batches: 1,
-        ..TrainConfig::default()
-    }
-}
-
-fn opts() -> GroupOptions {
-    GroupOptions {
-        timeout: Duration::from_secs(60),
-        ..GroupOptions::from_env().unwrap()
+        ..common::tiny()
     }
 }
 
 /// Runs `world` ranks; returns each rank's outcome and rank 0's log, or
 /// rank 0's error with its log (every rank must fail when rank 0 does).
 fn run_world(world: usize, cfg: &TrainConfig) -> Result<(Vec<Outcome>, String), String> {
-    let runs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+    let runs = spawn::threads_with(world, common::opts(), |pg: &ProcessGroup| {
         let mut log = Vec::new();
         let result = train(cfg, pg, &mut log).map_err(|e| e.to_string());
         Ok::<_, String>((result, String::from_utf8(log).unwrap()))
@@ -69,13 +50,6 @@ fn run_one(cfg: &TrainConfig) -> (Outcome, String) {
 
 fn inject(spec: &str) -> Option<NanInjection> {
     Some(NanInjection::parse(spec).unwrap())
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 #[test]
@@ -474,7 +448,7 @@ fn a_log_that_cannot_be_written_does_not_stop_training() {
         eprintln!("skipping: no /dev/full");
         return;
     };
-    let outcome = spawn::threads_with(1, opts(), |pg: &ProcessGroup| {
+    let outcome = spawn::threads_with(1, common::opts(), |pg: &ProcessGroup| {
         train(&tiny(), pg, &mut full.try_clone().unwrap())
     })
     .unwrap();

@@ -7,33 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cohort_comm::{spawn, GroupOptions, ProcessGroup};
+mod common;
+
 use cohort_rpc::RpcOptions;
 use cohort_store::{HashStore, Store};
-use cohort_train::{train, train_parameter_server, Outcome, PsMode, Rendezvous, TrainConfig};
-
-/// A tiny model on a tiny corpus, as the DDP tests use.
-fn tiny() -> TrainConfig {
-    TrainConfig {
-        markov_vocab: 16,
-        markov_order: 2,
-        markov_branching: 3,
-        train_sequences: 96,
-        val_sequences: 24,
-        seq_len: 16,
-        n_layers: 2,
-        n_heads: 2,
-        d_model: 32,
-        d_ff: 64,
-        batch_size: 2,
-        steps: 4,
-        warmup_steps: 1,
-        log_interval: 1,
-        eval_interval: 0,
-        eval_batches: 1,
-        ..TrainConfig::default()
-    }
-}
+use cohort_train::{train_parameter_server, Outcome, PsMode, Rendezvous, TrainConfig};
+use common::{max_abs_diff, run_world, tiny};
 
 /// Runs a server and `world - 1` workers; returns every rank's outcome and
 /// the server's log.
@@ -69,25 +48,6 @@ fn run_ps(world: usize, cfg: &TrainConfig) -> (Vec<Outcome>, String) {
     })
 }
 
-fn run_ddp(world: usize, cfg: &TrainConfig) -> Vec<Outcome> {
-    let opts = GroupOptions {
-        timeout: Duration::from_secs(60),
-        ..GroupOptions::from_env().unwrap()
-    };
-    spawn::threads_with(world, opts, |pg: &ProcessGroup| {
-        train(cfg, pg, &mut std::io::sink())
-    })
-    .unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn sync_mode_with_two_workers_is_ddp_bitwise() {
     // One step, several, and with gradient accumulation: each compares the
@@ -98,7 +58,7 @@ fn sync_mode_with_two_workers_is_ddp_bitwise() {
             grad_accum,
             ..tiny()
         };
-        let ddp = run_ddp(2, &cfg);
+        let ddp = run_world(2, &cfg);
         let (ps, log) = run_ps(3, &cfg);
         assert_eq!(ps[0].final_step, steps, "{log}");
         // Two gradients sum to the same bits in either order, and every
@@ -108,7 +68,7 @@ fn sync_mode_with_two_workers_is_ddp_bitwise() {
             "steps {steps}, accum {grad_accum}: max |diff| {}",
             max_abs_diff(&ps[0].params, &ddp[0].params)
         );
-        let init = run_ddp(
+        let init = run_world(
             1,
             &TrainConfig {
                 steps: 0,
@@ -147,13 +107,13 @@ const REORDERED_TOL: f32 = 2e-5;
 #[test]
 fn sync_mode_with_three_workers_matches_ddp_within_rounding() {
     let cfg = tiny();
-    let ddp = run_ddp(3, &cfg);
+    let ddp = run_world(3, &cfg);
     let (ps, _) = run_ps(4, &cfg);
     let d = max_abs_diff(&ps[0].params, &ddp[0].params);
     assert!(d <= REORDERED_TOL, "max |diff| {d}");
     let moved = max_abs_diff(
         &ps[0].params,
-        &run_ddp(
+        &run_world(
             1,
             &TrainConfig {
                 steps: 0,

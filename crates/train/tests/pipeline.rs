@@ -7,11 +7,13 @@
 use std::path::Path;
 use std::time::Duration;
 
+mod common;
+
 use cohort_comm::spawn::{self, ProcessOptions};
-use cohort_comm::{GroupOptions, ProcessGroup};
 use cohort_train::{
-    process_group_from_env, train, train_pipeline, PipelineSchedule, Strategy, TrainConfig,
+    process_group_from_env, train_pipeline, PipelineSchedule, Strategy, TrainConfig,
 };
+use common::{max_abs_diff, run_world};
 
 /// Set in a child: where rank 0 writes the final parameters (raw little-endian f32).
 const CHILD_OUT: &str = "COHORT_PIPELINE_TEST_OUT";
@@ -21,25 +23,11 @@ const CHILD_CASE: &str = "COHORT_PIPELINE_TEST_CASE";
 /// A 4-block model small enough that a run takes well under a second.
 fn tiny() -> TrainConfig {
     TrainConfig {
-        markov_vocab: 16,
-        markov_order: 2,
-        markov_branching: 3,
-        train_sequences: 96,
-        val_sequences: 24,
-        seq_len: 16,
         n_layers: 4,
-        n_heads: 2,
-        d_model: 32,
-        d_ff: 64,
-        batch_size: 2,
-        steps: 4,
-        warmup_steps: 1,
-        log_interval: 1,
-        eval_interval: 0,
         eval_batches: 2,
         strategy: Strategy::Pipeline,
         micro_batches: 3,
-        ..TrainConfig::default()
+        ..common::tiny()
     }
 }
 
@@ -106,24 +94,7 @@ fn child_rank() {
 
 /// One process with the same data order: batch `batch_size` per micro-batch, accumulated.
 fn one_process(cfg: &TrainConfig) -> Vec<f32> {
-    let opts = GroupOptions {
-        timeout: Duration::from_secs(60),
-        ..GroupOptions::from_env().unwrap()
-    };
-    spawn::threads_with(1, opts, |pg: &ProcessGroup| {
-        train(cfg, pg, &mut std::io::sink())
-    })
-    .unwrap()
-    .swap_remove(0)
-    .params
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    run_world(1, cfg).swap_remove(0).params
 }
 
 /// The pipeline's gradients are the one process's up to the order of two float additions:

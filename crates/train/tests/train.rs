@@ -2,59 +2,14 @@
 //! with real loopback sockets, through comm's spawn) against one process,
 //! overlap and bucket sizes, resuming, and learning the Markov corpus.
 
-use cohort_comm::{spawn, GroupOptions, ProcessGroup};
+mod common;
+
+use cohort_comm::{spawn, ProcessGroup};
 use cohort_train::{train, Outcome, Overlap, TrainConfig};
-use std::time::Duration;
-
-/// A tiny model on a tiny corpus: each run takes well under a second.
-fn tiny() -> TrainConfig {
-    TrainConfig {
-        markov_vocab: 16,
-        markov_order: 2,
-        markov_branching: 3,
-        // Divisible by every (ranks x batch) below, so no rank pads the epoch.
-        train_sequences: 96,
-        val_sequences: 24,
-        seq_len: 16,
-        n_layers: 2,
-        n_heads: 2,
-        d_model: 32,
-        d_ff: 64,
-        dropout: 0.0,
-        batch_size: 2,
-        steps: 4,
-        warmup_steps: 1,
-        log_interval: 1,
-        eval_interval: 0,
-        eval_batches: 1,
-        ..TrainConfig::default()
-    }
-}
-
-fn opts() -> GroupOptions {
-    GroupOptions {
-        timeout: Duration::from_secs(60),
-        ..GroupOptions::from_env().unwrap()
-    }
-}
-
-fn run_world(world: usize, cfg: &TrainConfig) -> Vec<Outcome> {
-    spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
-        train(cfg, pg, &mut std::io::sink())
-    })
-    .unwrap()
-}
+use common::{max_abs_diff, opts, run_world, tiny};
 
 fn run_one(cfg: &TrainConfig) -> Outcome {
     run_world(1, cfg).swap_remove(0)
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Tolerance for runs that see the same samples per step but add the

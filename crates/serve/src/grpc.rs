@@ -13,7 +13,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::error::{ErrorKind, ServeError};
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{self, model_infer_response, model_metadata_response};
-use crate::tensor::{self, InputData, Output, Wanted};
+use crate::tensor::{self, single_input, InputData, Output, Wanted};
 use crate::{metadata, AppState, SERVER_NAME};
 
 /// The service over the shared state.
@@ -141,14 +141,7 @@ impl GrpcInferenceService for Service {
             .resolve(&r.model_name, opt(&r.model_version))
             .map_err(status)?;
         let parsed = (|| {
-            if r.inputs.len() != 1 {
-                return Err(ServeError::InputCount {
-                    model: lv.model.clone(),
-                    expected: 1,
-                    found: r.inputs.len(),
-                });
-            }
-            let input = &r.inputs[0];
+            let input = single_input(&lv.model, &r.inputs)?;
             let data = match (r.raw_input_contents.first(), &input.contents) {
                 (Some(_), Some(_)) => {
                     return Err(ServeError::malformed(format!(

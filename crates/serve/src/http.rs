@@ -25,7 +25,7 @@ use serde_json::{json, Map, Value};
 
 use crate::error::{ErrorKind, ServeError};
 use crate::model::LoadedVersion;
-use crate::tensor::{self, InputData, Output, Wanted};
+use crate::tensor::{self, single_input, InputData, Output, Wanted};
 use crate::text::Detokenizer;
 use crate::{generate_options, metadata, AppState, SERVER_NAME};
 
@@ -312,14 +312,7 @@ fn parse_infer(
     };
     let req: InferRequest = serde_json::from_slice(json_part)
         .map_err(|e| ServeError::malformed(format!("inference request JSON: {e}")))?;
-    if req.inputs.len() != 1 {
-        return Err(ServeError::InputCount {
-            model: lv.model.clone(),
-            expected: 1,
-            found: req.inputs.len(),
-        });
-    }
-    let input = &req.inputs[0];
+    let input = single_input(&lv.model, &req.inputs)?;
     let raw_size = match input.parameters.get("binary_data_size") {
         None => None,
         Some(v) => Some(v.as_u64().ok_or_else(|| {

@@ -93,6 +93,18 @@ impl Output {
     }
 }
 
+/// The one input a cohort model takes, out of a request's `inputs`.
+pub(crate) fn single_input<'a, T>(model: &str, inputs: &'a [T]) -> Result<&'a T, ServeError> {
+    match inputs {
+        [input] => Ok(input),
+        _ => Err(ServeError::InputCount {
+            model: model.to_string(),
+            expected: 1,
+            found: inputs.len(),
+        }),
+    }
+}
+
 /// Checks a request's one input and returns its token ids.
 pub(crate) fn token_batch(
     model: &str,

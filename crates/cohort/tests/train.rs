@@ -107,6 +107,15 @@ fn bench_ddp_reports_the_figures_as_json() {
             .unwrap_or_else(|| panic!("{key} missing in {v}"));
         assert!(x > 0.0 && x.is_finite(), "{key} = {x}");
     }
+    // Rank 0 measured both its DDP steps and the baseline, phase by phase.
+    for (which, phase) in [
+        ("phases_ms", "forward"),
+        ("phases_ms", "optimizer"),
+        ("baseline_phases_ms", "step"),
+    ] {
+        let ms = v[which][phase].as_f64().unwrap_or(0.0);
+        assert!(ms > 0.0, "{which}.{phase} = {ms} in {v}");
+    }
     // The launcher's timestamp makes launch-to-first-step meaningful; the
     // target is 0.3 s, a loaded CI machine gets some slack.
     assert!(v["launch_to_first_step_s"].as_f64().unwrap() < 10.0);

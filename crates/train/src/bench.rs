@@ -6,9 +6,9 @@
 //! rank runs warmup + measured steps (forward, DDP backward, AdamW) on its
 //! own share of the data; the step time is the slowest rank's median.
 //! Efficiency = (tokens/s of the whole job) / (world x tokens/s of one rank
-//! alone with one thread). The single-rank figure is measured by rank 0
-//! AFTER the DDP run while the other ranks wait (so the first DDP step is
-//! not delayed), or taken from `--baseline-tokens-per-s`. The launch time
+//! alone with one thread). Rank 0 measures the single-rank figure while the
+//! other ranks wait, in segments that alternate with the DDP segments
+//! (`--rounds`), or takes it from `--baseline-tokens-per-s`. The launch time
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
 //! It reports; it never changes what it measures.
 
@@ -39,6 +39,11 @@ pub struct BenchDdpArgs {
     /// Unmeasured steps first.
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
+    /// Segments the measured steps are split into, alternating with
+    /// segments of the single-rank baseline (each after the first starts
+    /// with one unmeasured step).
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
     /// Single-rank tokens/s to compute the efficiency against, instead of measuring it.
     #[arg(long)]
     pub baseline_tokens_per_s: Option<f64>,
@@ -80,10 +85,10 @@ pub struct BenchDdpResult {
     pub baseline_measured: bool,
     /// Each rank's median step time, ms.
     pub ms_per_step_per_rank: Vec<f64>,
-    /// Rank 0's median time waiting for communication after backward, ms.
-    pub comm_wait_ms: f64,
-    /// Rank 0's median time inside all-reduce calls per step (overlapped or not), ms.
-    pub comm_busy_ms: f64,
+    /// Rank 0's median time of each phase of a DDP step, ms.
+    pub phases_ms: PhasesMs,
+    /// The same for the single-rank baseline (when measured here).
+    pub baseline_phases_ms: Option<PhasesMs>,
     /// Rank 0's process CPU time per DDP step (all its threads), ms: less
     /// sensitive than wall time to other load on a shared machine.
     pub cpu_ms_per_step: f64,
@@ -119,8 +124,8 @@ fn bad_config(name: &str) -> TrainError {
 /// The model and per-rank batch of config A or B, and the default steps.
 fn bench_config(name: &str) -> Result<(GPTConfig, usize, usize), TrainError> {
     match name {
-        "A" | "a" => Ok((GPTConfig::config_a(), 12, 30)),
-        "B" | "b" => Ok((GPTConfig::config_b(), 8, 5)),
+        "A" | "a" => Ok((GPTConfig::config_a(), 12, 100)),
+        "B" | "b" => Ok((GPTConfig::config_b(), 8, 10)),
         _ => Err(bad_config(name)),
     }
 }
@@ -180,56 +185,80 @@ pub fn run_ddp_bench(
     };
     let mut ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;
 
+    // DDP and the single-rank baseline run in alternating segments, so that
+    // drift in the host's speed (seconds long on a shared VM) weighs on both
+    // alike instead of on whichever ran second.
+    let measure_baseline = args.baseline_tokens_per_s.is_none() && world > 1;
+    let mut alone: Option<SingleRank> = None;
+    let rounds = args.rounds.clamp(1, steps);
+    let mut ddp_times = StepTimes::default();
     let mut first_step_start = None;
-    let mut times = Vec::with_capacity(steps);
-    let mut waits = Vec::with_capacity(steps);
-    let mut busy = Vec::with_capacity(steps);
-    let mut cpu0 = 0.0;
-    for i in 0..args.warmup + steps {
-        let (ids, labels) = batch(cfg.vocab_size, b * t, rank, i);
-        if i == args.warmup {
-            cpu0 = process_cpu_ms();
+    let mut i = 0;
+    for round in 0..rounds {
+        let measured = steps / rounds + usize::from(round < steps % rounds);
+        // A segment's first step refills the caches the other model evicted.
+        let warmup = if round == 0 { args.warmup } else { 1 };
+        for j in 0..warmup + measured {
+            let (ids, labels) = batch(cfg.vocab_size, b * t, rank, i);
+            i += 1;
+            if j == warmup {
+                ddp_times.start_segment();
+            }
+            let t0 = Instant::now();
+            first_step_start.get_or_insert_with(SystemTime::now);
+            model.zero_grad();
+            model.forward(&ids, None, Some(&labels), b, t)?;
+            let forward = t0.elapsed();
+            let stats = ddp.backward(&mut GptReplica(&mut model))?;
+            let t_opt = Instant::now();
+            let (params, grads) = model.params_and_grads_mut();
+            opt.step(params, grads, 1e-3)?;
+            if j >= warmup {
+                ddp_times.push(Phases {
+                    step: t0.elapsed(),
+                    forward,
+                    backward: stats.backward,
+                    comm_wait: stats.comm_wait,
+                    comm_busy: stats.comm_busy,
+                    optimizer: t_opt.elapsed(),
+                });
+            }
         }
-        let t0 = Instant::now();
-        if i == 0 {
-            first_step_start = Some(SystemTime::now());
-        }
-        model.zero_grad();
-        model.forward(&ids, None, Some(&labels), b, t)?;
-        let stats = ddp.backward(&mut GptReplica(&mut model))?;
-        let (params, grads) = model.params_and_grads_mut();
-        opt.step(params, grads, 1e-3)?;
-        if i >= args.warmup {
-            times.push(t0.elapsed().as_secs_f64());
-            waits.push(stats.comm_wait.as_secs_f64());
-            busy.push(stats.comm_busy.as_secs_f64());
+        ddp_times.end_segment();
+        if measure_baseline {
+            // Rank 0 alone, plain backward, while the others wait here.
+            if rank == 0 {
+                // Built after the first DDP segment, not to delay the first step.
+                if alone.is_none() {
+                    alone = Some(SingleRank::new(&cfg, b)?);
+                }
+                if let Some(alone) = alone.as_mut() {
+                    alone.run(warmup, measured)?;
+                }
+            }
+            pg.barrier()
+                .map_err(TrainError::comm("waiting for the baseline"))?;
         }
     }
-    let cpu_ms = (process_cpu_ms() - cpu0) / steps as f64;
-    let med = median(&mut times);
-    let comm_wait = median(&mut waits);
-    let comm_busy = median(&mut busy);
+    let cpu_ms = ddp_times.cpu_ms_per_step();
+    let phases = ddp_times.medians_ms();
+    let med = phases.step / 1e3;
     let mut meds = vec![0f64; world];
     pg.all_gather(&[med], &mut meds)
         .map_err(TrainError::comm("gathering step times"))?;
     let slowest = meds.iter().copied().fold(0.0, f64::max);
     let tokens_per_s = (world * b * t) as f64 / slowest;
-
-    // The single-rank, single-thread figure: rank 0 alone, plain backward,
-    // while the others wait at the barrier.
-    let (baseline, baseline_cpu, measured) = match args.baseline_tokens_per_s {
-        Some(x) => (x, None, false),
-        None if world == 1 => (tokens_per_s, Some(cpu_ms), true),
-        None => {
-            let (mut base, mut base_cpu) = (f64::NAN, None);
-            if rank == 0 {
-                let (tps, cpu) = single_rank(&cfg, b, args.warmup, steps)?;
-                (base, base_cpu) = (tps, Some(cpu));
-            }
-            pg.barrier()
-                .map_err(TrainError::comm("waiting for the baseline"))?;
-            (base, base_cpu, true)
-        }
+    let baseline_phases = alone.map(|a| a.times);
+    let baseline_phases_ms = baseline_phases.as_ref().map(StepTimes::medians_ms);
+    let (baseline, baseline_cpu, measured) = match (args.baseline_tokens_per_s, &baseline_phases) {
+        (Some(x), _) => (x, None, false),
+        (None, _) if world == 1 => (tokens_per_s, Some(cpu_ms), true),
+        (None, Some(alone)) => (
+            (b * t) as f64 * 1e3 / alone.medians_ms().step,
+            Some(alone.cpu_ms_per_step()),
+            true,
+        ),
+        (None, None) => (f64::NAN, None, true),
     };
     let launch_to_first = match (launch, first_step_start) {
         (Some(us), Some(t)) => t
@@ -249,8 +278,8 @@ pub fn run_ddp_bench(
         baseline_tokens_per_s: baseline,
         baseline_measured: measured,
         ms_per_step_per_rank: meds.iter().map(|m| m * 1e3).collect(),
-        comm_wait_ms: comm_wait * 1e3,
-        comm_busy_ms: comm_busy * 1e3,
+        phases_ms: phases,
+        baseline_phases_ms,
         cpu_ms_per_step: cpu_ms,
         baseline_cpu_ms_per_step: baseline_cpu,
         cpu_efficiency: baseline_cpu.map(|c| c / cpu_ms),
@@ -268,8 +297,7 @@ pub fn run_ddp_bench(
             format!(
                 "config {}, world {}, ms_per_step {:.2}, tokens_per_s {:.0}, efficiency {:.3} \
                  (baseline {:.0} tokens/s on 1 rank), launch_to_first_step_s {}, \
-                 comm wait {:.2} ms, comm busy {:.2} ms, {} bucket(s); CPU ms/step {:.2} vs {} \
-                 alone (cpu efficiency {})",
+                 {} bucket(s); rank 0 ms: {}{}; CPU ms/step {:.2} vs {} alone (cpu efficiency {})",
                 result.config,
                 world,
                 result.ms_per_step,
@@ -279,9 +307,11 @@ pub fn run_ddp_bench(
                 launch_to_first
                     .map(|s| format!("{s:.3}"))
                     .unwrap_or("- (not launched by cohort run)".into()),
-                result.comm_wait_ms,
-                result.comm_busy_ms,
                 result.buckets,
+                phases,
+                baseline_phases_ms
+                    .map(|p| format!(", alone: {p}"))
+                    .unwrap_or_default(),
                 cpu_ms,
                 baseline_cpu
                     .map(|c| format!("{c:.2}"))
@@ -297,34 +327,150 @@ pub fn run_ddp_bench(
     Ok(result)
 }
 
-/// Tokens/s and process CPU ms per step of one process training alone (no
-/// DDP), with this process's threads.
-fn single_rank(
-    cfg: &GPTConfig,
-    b: usize,
-    warmup: usize,
-    steps: usize,
-) -> Result<(f64, f64), TrainError> {
-    let t = cfg.max_position_embeddings;
-    let mut model = GPT::new(cfg.clone(), 1234)?;
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
-    let mut times = Vec::with_capacity(steps);
-    let mut cpu0 = 0.0;
-    for i in 0..warmup + steps {
-        let (ids, labels) = batch(cfg.vocab_size, b * t, 0, i);
-        if i == warmup {
-            cpu0 = process_cpu_ms();
-        }
-        let t0 = Instant::now();
-        model.zero_grad();
-        model.forward(&ids, None, Some(&labels), b, t)?;
-        model.backward(|_, _| {})?;
-        let (params, grads) = model.params_and_grads_mut();
-        opt.step(params, grads, 1e-3)?;
-        if i >= warmup {
-            times.push(t0.elapsed().as_secs_f64());
+/// Where the time of one training step went.
+#[derive(Debug, Clone, Copy, Default)]
+struct Phases {
+    step: Duration,
+    forward: Duration,
+    /// The model's backward (with overlap, the reduction it hid included).
+    backward: Duration,
+    /// From the end of backward until the gradients were averaged.
+    comm_wait: Duration,
+    /// Inside all-reduce calls, overlapped or not.
+    comm_busy: Duration,
+    optimizer: Duration,
+}
+
+/// Median milliseconds of each phase, each over the measured steps (so
+/// they need not add up to `step`).
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct PhasesMs {
+    /// The whole step.
+    pub step: f64,
+    /// Forward and loss.
+    pub forward: f64,
+    /// The model's backward.
+    pub backward: f64,
+    /// Waiting for gradient averaging after backward.
+    pub comm_wait: f64,
+    /// Inside all-reduce calls.
+    pub comm_busy: f64,
+    /// The AdamW step.
+    pub optimizer: f64,
+}
+
+impl std::fmt::Display for PhasesMs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "step {:.2} (forward {:.2}, backward {:.2}, comm wait {:.2}, optimizer {:.2}; \
+             in all-reduce {:.2})",
+            self.step, self.forward, self.backward, self.comm_wait, self.optimizer, self.comm_busy
+        )
+    }
+}
+
+/// The phases and process CPU time of the measured steps, gathered over
+/// one or more segments.
+#[derive(Default)]
+struct StepTimes {
+    steps: Vec<Phases>,
+    cpu_ms: f64,
+    segment_cpu0: Option<f64>,
+}
+
+impl StepTimes {
+    fn start_segment(&mut self) {
+        self.segment_cpu0 = Some(process_cpu_ms());
+    }
+
+    fn end_segment(&mut self) {
+        if let Some(cpu0) = self.segment_cpu0.take() {
+            self.cpu_ms += process_cpu_ms() - cpu0;
         }
     }
-    let cpu = (process_cpu_ms() - cpu0) / steps as f64;
-    Ok(((b * t) as f64 / median(&mut times), cpu))
+
+    fn push(&mut self, step: Phases) {
+        self.steps.push(step);
+    }
+
+    fn medians_ms(&self) -> PhasesMs {
+        let of = |f: fn(&Phases) -> Duration| {
+            let mut v: Vec<f64> = self
+                .steps
+                .iter()
+                .map(|p| f(p).as_secs_f64() * 1e3)
+                .collect();
+            median(&mut v)
+        };
+        PhasesMs {
+            step: of(|p| p.step),
+            forward: of(|p| p.forward),
+            backward: of(|p| p.backward),
+            comm_wait: of(|p| p.comm_wait),
+            comm_busy: of(|p| p.comm_busy),
+            optimizer: of(|p| p.optimizer),
+        }
+    }
+
+    fn cpu_ms_per_step(&self) -> f64 {
+        self.cpu_ms / self.steps.len().max(1) as f64
+    }
+}
+
+/// One process training alone (no DDP) with this process's threads: the
+/// baseline of the efficiency.
+struct SingleRank {
+    model: GPT,
+    opt: AdamW,
+    batch: usize,
+    step: usize,
+    times: StepTimes,
+}
+
+impl SingleRank {
+    fn new(cfg: &GPTConfig, batch: usize) -> Result<Self, TrainError> {
+        let model = GPT::new(cfg.clone(), 1234)?;
+        let opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
+        Ok(Self {
+            model,
+            opt,
+            batch,
+            step: 0,
+            times: StepTimes::default(),
+        })
+    }
+
+    /// `warmup` unmeasured steps, then `measured` measured ones.
+    fn run(&mut self, warmup: usize, measured: usize) -> Result<(), TrainError> {
+        let cfg = self.model.config().clone();
+        let (b, t) = (self.batch, cfg.max_position_embeddings);
+        for j in 0..warmup + measured {
+            let (ids, labels) = batch(cfg.vocab_size, b * t, 0, self.step);
+            self.step += 1;
+            if j == warmup {
+                self.times.start_segment();
+            }
+            let t0 = Instant::now();
+            self.model.zero_grad();
+            self.model.forward(&ids, None, Some(&labels), b, t)?;
+            let forward = t0.elapsed();
+            self.model.backward(|_, _| {})?;
+            let backward = t0.elapsed() - forward;
+            let t_opt = Instant::now();
+            let (params, grads) = self.model.params_and_grads_mut();
+            self.opt.step(params, grads, 1e-3)?;
+            if j >= warmup {
+                self.times.push(Phases {
+                    step: t0.elapsed(),
+                    forward,
+                    backward,
+                    optimizer: t_opt.elapsed(),
+                    ..Phases::default()
+                });
+            }
+        }
+        self.times.end_segment();
+        Ok(())
+    }
 }

@@ -215,7 +215,7 @@ impl<'pg> Ddp<'pg> {
 
         // Buckets from `next` on were not launched during backward: not yet
         // covered (an unused parameter), waiting behind such a bucket, or
-        // everything when overlap is off. Reduce them now, in order.
+        // everything when overlap is off. Reduce them now.
         if let Some(p) = unused {
             if !self.options.find_unused_parameters {
                 return Err(DdpError::UnusedParameter {
@@ -237,18 +237,36 @@ impl<'pg> Ddp<'pg> {
             for gap in Reducer::gaps(&covered[bucket.index], &bucket.range) {
                 grads[gap].fill(0.0);
             }
-            if solo {
-                continue;
-            }
+        }
+        if !solo {
             let tb = Instant::now();
-            reduce_bucket(
-                self.pg,
-                bucket.index,
-                &mut grads[bucket.range.clone()],
-                self.options.compression,
-                world,
-                &mut self.scratch,
-            )?;
+            if self.options.overlap {
+                // Ranks may have launched different numbers of buckets (one
+                // waits on an unused parameter): only bucket-by-bucket calls
+                // are sure to match theirs.
+                for bucket in &self.buckets[next..] {
+                    reduce_bucket(
+                        self.pg,
+                        Some(bucket.index),
+                        &mut grads[bucket.range.clone()],
+                        self.options.compression,
+                        world,
+                        &mut self.scratch,
+                    )?;
+                }
+            } else {
+                // Every rank reduces the whole buffer after backward: one
+                // call saves each further call's handshake and wake-ups, and
+                // averaging is elementwise, so the result is the same.
+                reduce_bucket(
+                    self.pg,
+                    None,
+                    grads,
+                    self.options.compression,
+                    world,
+                    &mut self.scratch,
+                )?;
+            }
             stats.comm_busy += tb.elapsed();
         }
         stats.comm_wait += t.elapsed();
@@ -312,7 +330,7 @@ impl Ddp<'_> {
                 let mut busy = Duration::ZERO;
                 for (b, grads) in rx {
                     let t = Instant::now();
-                    reduce_bucket(pg, b, grads, compression, world, scratch)?;
+                    reduce_bucket(pg, Some(b), grads, compression, world, scratch)?;
                     busy += t.elapsed();
                 }
                 Ok(busy)
@@ -373,24 +391,29 @@ fn mb(x: f64) -> usize {
 }
 
 /// Averages one bucket across the group.
+/// Averages the gradients of one bucket, or of the whole buffer (`None`).
 fn reduce_bucket(
     pg: &ProcessGroup,
-    bucket: usize,
+    bucket: Option<usize>,
     grads: &mut [f32],
     compression: Compression,
     world: usize,
     scratch: &mut Vec<bf16>,
 ) -> Result<(), DdpError> {
+    let op = match bucket {
+        Some(_) => "all_reduce",
+        None => "all_reduce of every gradient",
+    };
     match compression {
         Compression::None => pg
             .all_reduce(grads, ReduceOp::Avg)
-            .map_err(comm("all_reduce", Some(bucket))),
+            .map_err(comm(op, bucket)),
         Compression::Bf16 => {
             let inv = 1.0 / world as f32;
             scratch.clear();
             scratch.extend(grads.iter().map(|g| bf16::from_f32(g * inv)));
             pg.all_reduce(scratch.as_mut_slice(), ReduceOp::Sum)
-                .map_err(comm("all_reduce", Some(bucket)))?;
+                .map_err(comm(op, bucket))?;
             grads
                 .iter_mut()
                 .zip(scratch.iter())

@@ -8,7 +8,9 @@
 //! Efficiency = (tokens/s of the whole job) / (world x tokens/s of one rank
 //! alone with one thread). Rank 0 measures the single-rank figure while the
 //! other ranks wait, in segments that alternate with the DDP segments
-//! (`--rounds`), or takes it from `--baseline-tokens-per-s`. The launch time
+//! (`--rounds`), or takes it from `--baseline-tokens-per-s`. A third kind of
+//! segment has every rank train alone at the same time: DDP's throughput
+//! against theirs is the efficiency of DDP itself on this machine. The launch time
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
 //! It reports; it never changes what it measures.
 
@@ -79,6 +81,13 @@ pub struct BenchDdpResult {
     pub efficiency: f64,
     /// Launch to the start of the first training step, s (when launched by `cohort run`).
     pub launch_to_first_step_s: Option<f64>,
+    /// Total tokens/s of the ranks training at the same time without
+    /// communicating (when the baseline is measured here).
+    pub independent_tokens_per_s: Option<f64>,
+    /// tokens_per_s / independent_tokens_per_s: what DDP itself costs
+    /// (communication and waiting for each other), apart from how much
+    /// the ranks slow each other down by sharing the machine.
+    pub efficiency_vs_independent: Option<f64>,
     /// The single-rank tokens/s used for the efficiency.
     pub baseline_tokens_per_s: f64,
     /// Whether the baseline was measured here (else given by flag).
@@ -89,6 +98,8 @@ pub struct BenchDdpResult {
     pub phases_ms: PhasesMs,
     /// The same for the single-rank baseline (when measured here).
     pub baseline_phases_ms: Option<PhasesMs>,
+    /// The same for rank 0 training independently beside the others.
+    pub independent_phases_ms: Option<PhasesMs>,
     /// Rank 0's process CPU time per DDP step (all its threads), ms: less
     /// sensitive than wall time to other load on a shared machine.
     pub cpu_ms_per_step: f64,
@@ -189,7 +200,12 @@ pub fn run_ddp_bench(
     // drift in the host's speed (seconds long on a shared VM) weighs on both
     // alike instead of on whichever ran second.
     let measure_baseline = args.baseline_tokens_per_s.is_none() && world > 1;
-    let mut alone: Option<SingleRank> = None;
+    // The same single-rank training on every rank at once, without
+    // communication: what the machine gives two processes, so that
+    // `efficiency_vs_independent` isolates the cost of DDP itself.
+    let mut single: Option<SingleRank> = None;
+    let mut alone_times = StepTimes::default();
+    let mut independent_times = StepTimes::default();
     let rounds = args.rounds.clamp(1, steps);
     let mut ddp_times = StepTimes::default();
     let mut first_step_start = None;
@@ -226,18 +242,21 @@ pub fn run_ddp_bench(
         }
         ddp_times.end_segment();
         if measure_baseline {
-            // Rank 0 alone, plain backward, while the others wait here.
-            if rank == 0 {
-                // Built after the first DDP segment, not to delay the first step.
-                if alone.is_none() {
-                    alone = Some(SingleRank::new(&cfg, b)?);
-                }
-                if let Some(alone) = alone.as_mut() {
-                    alone.run(warmup, measured)?;
-                }
+            // Built after the first DDP segment, not to delay the first step.
+            if single.is_none() {
+                single = Some(SingleRank::new(&cfg, b, rank)?);
             }
-            pg.barrier()
-                .map_err(TrainError::comm("waiting for the baseline"))?;
+            if let Some(single) = single.as_mut() {
+                // Rank 0 alone, plain backward, while the others wait here.
+                if rank == 0 {
+                    single.run(warmup, measured, &mut alone_times)?;
+                }
+                pg.barrier()
+                    .map_err(TrainError::comm("waiting for the baseline"))?;
+                single.run(warmup, measured, &mut independent_times)?;
+                pg.barrier()
+                    .map_err(TrainError::comm("waiting for the independent ranks"))?;
+            }
         }
     }
     let cpu_ms = ddp_times.cpu_ms_per_step();
@@ -248,17 +267,27 @@ pub fn run_ddp_bench(
         .map_err(TrainError::comm("gathering step times"))?;
     let slowest = meds.iter().copied().fold(0.0, f64::max);
     let tokens_per_s = (world * b * t) as f64 / slowest;
-    let baseline_phases = alone.map(|a| a.times);
-    let baseline_phases_ms = baseline_phases.as_ref().map(StepTimes::medians_ms);
-    let (baseline, baseline_cpu, measured) = match (args.baseline_tokens_per_s, &baseline_phases) {
+    let baseline_phases_ms = (measure_baseline && rank == 0).then(|| alone_times.medians_ms());
+    let (baseline, baseline_cpu, measured) = match (args.baseline_tokens_per_s, baseline_phases_ms)
+    {
         (Some(x), _) => (x, None, false),
         (None, _) if world == 1 => (tokens_per_s, Some(cpu_ms), true),
         (None, Some(alone)) => (
-            (b * t) as f64 * 1e3 / alone.medians_ms().step,
-            Some(alone.cpu_ms_per_step()),
+            (b * t) as f64 * 1e3 / alone.step,
+            Some(alone_times.cpu_ms_per_step()),
             true,
         ),
         (None, None) => (f64::NAN, None, true),
+    };
+    let independent_phases_ms = measure_baseline.then(|| independent_times.medians_ms());
+    let independent_tokens_per_s = if measure_baseline {
+        let own = (b * t) as f64 * 1e3 / independent_times.medians_ms().step;
+        let mut each = vec![0f64; world];
+        pg.all_gather(&[own], &mut each)
+            .map_err(TrainError::comm("gathering the independent ranks' speed"))?;
+        Some(each.iter().sum::<f64>())
+    } else {
+        None
     };
     let launch_to_first = match (launch, first_step_start) {
         (Some(us), Some(t)) => t
@@ -274,12 +303,15 @@ pub fn run_ddp_bench(
         ms_per_step: slowest * 1e3,
         tokens_per_s,
         efficiency: tokens_per_s / (world as f64 * baseline),
+        independent_tokens_per_s,
+        efficiency_vs_independent: independent_tokens_per_s.map(|x| tokens_per_s / x),
         launch_to_first_step_s: launch_to_first,
         baseline_tokens_per_s: baseline,
         baseline_measured: measured,
         ms_per_step_per_rank: meds.iter().map(|m| m * 1e3).collect(),
         phases_ms: phases,
         baseline_phases_ms,
+        independent_phases_ms,
         cpu_ms_per_step: cpu_ms,
         baseline_cpu_ms_per_step: baseline_cpu,
         cpu_efficiency: baseline_cpu.map(|c| c / cpu_ms),
@@ -296,7 +328,8 @@ pub fn run_ddp_bench(
         } else {
             format!(
                 "config {}, world {}, ms_per_step {:.2}, tokens_per_s {:.0}, efficiency {:.3} \
-                 (baseline {:.0} tokens/s on 1 rank), launch_to_first_step_s {}, \
+                 (baseline {:.0} tokens/s on 1 rank; {} against the ranks training \
+                 independently), launch_to_first_step_s {}, \
                  {} bucket(s); rank 0 ms: {}{}; CPU ms/step {:.2} vs {} alone (cpu efficiency {})",
                 result.config,
                 world,
@@ -304,6 +337,10 @@ pub fn run_ddp_bench(
                 result.tokens_per_s,
                 result.efficiency,
                 baseline,
+                result
+                    .efficiency_vs_independent
+                    .map(|e| format!("{e:.3}"))
+                    .unwrap_or("-".into()),
                 launch_to_first
                     .map(|s| format!("{s:.3}"))
                     .unwrap_or("- (not launched by cohort run)".into()),
@@ -424,32 +461,37 @@ struct SingleRank {
     model: GPT,
     opt: AdamW,
     batch: usize,
+    rank: usize,
     step: usize,
-    times: StepTimes,
 }
 
 impl SingleRank {
-    fn new(cfg: &GPTConfig, batch: usize) -> Result<Self, TrainError> {
+    fn new(cfg: &GPTConfig, batch: usize, rank: usize) -> Result<Self, TrainError> {
         let model = GPT::new(cfg.clone(), 1234)?;
         let opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
         Ok(Self {
             model,
             opt,
             batch,
+            rank,
             step: 0,
-            times: StepTimes::default(),
         })
     }
 
-    /// `warmup` unmeasured steps, then `measured` measured ones.
-    fn run(&mut self, warmup: usize, measured: usize) -> Result<(), TrainError> {
+    /// `warmup` unmeasured steps, then `measured` measured ones into `times`.
+    fn run(
+        &mut self,
+        warmup: usize,
+        measured: usize,
+        times: &mut StepTimes,
+    ) -> Result<(), TrainError> {
         let cfg = self.model.config().clone();
         let (b, t) = (self.batch, cfg.max_position_embeddings);
         for j in 0..warmup + measured {
-            let (ids, labels) = batch(cfg.vocab_size, b * t, 0, self.step);
+            let (ids, labels) = batch(cfg.vocab_size, b * t, self.rank, self.step);
             self.step += 1;
             if j == warmup {
-                self.times.start_segment();
+                times.start_segment();
             }
             let t0 = Instant::now();
             self.model.zero_grad();
@@ -461,7 +503,7 @@ impl SingleRank {
             let (params, grads) = self.model.params_and_grads_mut();
             self.opt.step(params, grads, 1e-3)?;
             if j >= warmup {
-                self.times.push(Phases {
+                times.push(Phases {
                     step: t0.elapsed(),
                     forward,
                     backward,
@@ -470,7 +512,7 @@ impl SingleRank {
                 });
             }
         }
-        self.times.end_segment();
+        times.end_segment();
         Ok(())
     }
 }

@@ -4,7 +4,8 @@
 //! shapes, offsets) and copies rank 0's parameters to every rank. Each
 //! synchronising backward then averages the gradients across ranks bucket by
 //! bucket, on a communication thread that runs while backward is still
-//! computing the lower layers (or, with `overlap = false`, after it). It
+//! computing the lower layers (or, with `overlap = false`, in one call over
+//! the whole buffer after it). It
 //! knows flat f32 buffers, parameter names and process groups, never what
 //! the model computes.
 
@@ -45,7 +46,8 @@ pub struct DdpOptions {
     pub bucket_cap_mb: f64,
     /// Size of the first bucket in MB, capped at `bucket_cap_mb`.
     pub first_bucket_mb: f64,
-    /// Reduce buckets during backward (true) or all after it (false).
+    /// Reduce buckets during backward (true) or the whole buffer at once
+    /// after it (false).
     pub overlap: bool,
     /// Treat the gradient of a parameter that backward never reports as
     /// zero, instead of failing.

@@ -4,35 +4,13 @@
 
 mod support;
 
-use support::{assert_resume_is_seamless, run, succeeded, TINY};
-
-/// Steps and logging of the runs: a second or two each.
-const STEPS: &[&str] = &[
-    "--steps",
-    "12",
-    "--warmup-steps",
-    "1",
-    "--log-interval",
-    "4",
-    "--micro-batches",
-    "2",
-];
+use support::{assert_resume_is_seamless, run, strategy_args, succeeded};
 
 /// `cohort run -n 2 train --strategy pipeline` plus `extra`.
 fn pipeline(extra: &[&str]) -> String {
-    let mut args = vec![
-        "run",
-        "--standalone",
-        "-n",
-        "2",
-        "train",
-        "--strategy",
-        "pipeline",
-    ];
-    args.extend_from_slice(STEPS);
-    args.extend_from_slice(TINY);
-    args.extend_from_slice(extra);
-    succeeded(&run(&args))
+    let mut extra = extra.to_vec();
+    extra.extend_from_slice(&["--micro-batches", "2"]);
+    succeeded(&run(&strategy_args("2", "pipeline", &extra)))
 }
 
 #[test]

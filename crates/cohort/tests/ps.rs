@@ -6,17 +6,7 @@
 
 mod support;
 
-use support::{assert_resume_is_seamless, run, succeeded, TINY};
-
-/// Steps and logging of the runs: a second or two each.
-const STEPS: &[&str] = &[
-    "--steps",
-    "12",
-    "--warmup-steps",
-    "1",
-    "--log-interval",
-    "4",
-];
+use support::{assert_resume_is_seamless, run, strategy_args, succeeded, SHORT_RUN, TINY};
 
 #[test]
 fn a_server_and_two_workers_train_in_both_modes() {
@@ -38,7 +28,7 @@ fn a_server_and_two_workers_train_in_both_modes() {
 #[test]
 fn a_server_without_workers_is_a_clear_error() {
     let mut args = vec!["train", "--strategy", "parameter-server"];
-    args.extend_from_slice(STEPS);
+    args.extend_from_slice(SHORT_RUN);
     args.extend_from_slice(TINY);
     let out = run(&args);
     assert!(!out.status.success());
@@ -48,19 +38,7 @@ fn a_server_without_workers_is_a_clear_error() {
 
 /// `cohort run -n 3 train --strategy parameter-server`, with `extra`.
 fn ps_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
-    let mut args = vec![
-        "run",
-        "--standalone",
-        "-n",
-        "3",
-        "train",
-        "--strategy",
-        "parameter-server",
-    ];
-    args.extend_from_slice(STEPS);
-    args.extend_from_slice(TINY);
-    args.extend_from_slice(extra);
-    args
+    strategy_args("3", "parameter-server", extra)
 }
 
 #[test]

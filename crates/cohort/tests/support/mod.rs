@@ -96,6 +96,34 @@ pub const TINY: &[&str] = &[
     "16",
 ];
 
+/// Steps and logging of a short run of a training strategy: a second or two.
+pub const SHORT_RUN: &[&str] = &[
+    "--steps",
+    "12",
+    "--warmup-steps",
+    "1",
+    "--log-interval",
+    "4",
+];
+
+/// `cohort run --standalone -n N train --strategy STRATEGY`, a short run
+/// of the tiny model, plus `extra`.
+pub fn strategy_args<'a>(n: &'a str, strategy: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "-n",
+        n,
+        "train",
+        "--strategy",
+        strategy,
+    ];
+    args.extend_from_slice(SHORT_RUN);
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(extra);
+    args
+}
+
 /// The final parameters of the run whose checkpoints are in `dir`.
 pub fn params(dir: &Path) -> Vec<f32> {
     let (model, _) = cohort_gpt::checkpoint::load_model(dir).expect("a checkpoint");

@@ -243,20 +243,19 @@ pub fn run_ddp_bench(
         ddp_times.end_segment();
         if measure_baseline {
             // Built after the first DDP segment, not to delay the first step.
-            if single.is_none() {
-                single = Some(SingleRank::new(&cfg, b, rank)?);
+            let single = match &mut single {
+                Some(s) => s,
+                None => single.insert(SingleRank::new(&cfg, b, rank)?),
+            };
+            // Rank 0 alone, plain backward, while the others wait here.
+            if rank == 0 {
+                single.run(warmup, measured, &mut alone_times)?;
             }
-            if let Some(single) = single.as_mut() {
-                // Rank 0 alone, plain backward, while the others wait here.
-                if rank == 0 {
-                    single.run(warmup, measured, &mut alone_times)?;
-                }
-                pg.barrier()
-                    .map_err(TrainError::comm("waiting for the baseline"))?;
-                single.run(warmup, measured, &mut independent_times)?;
-                pg.barrier()
-                    .map_err(TrainError::comm("waiting for the independent ranks"))?;
-            }
+            pg.barrier()
+                .map_err(TrainError::comm("waiting for the baseline"))?;
+            single.run(warmup, measured, &mut independent_times)?;
+            pg.barrier()
+                .map_err(TrainError::comm("waiting for the independent ranks"))?;
         }
     }
     let cpu_ms = ddp_times.cpu_ms_per_step();
@@ -280,8 +279,8 @@ pub fn run_ddp_bench(
         (None, None) => (f64::NAN, None, true),
     };
     let independent_phases_ms = measure_baseline.then(|| independent_times.medians_ms());
-    let independent_tokens_per_s = if measure_baseline {
-        let own = (b * t) as f64 * 1e3 / independent_times.medians_ms().step;
+    let independent_tokens_per_s = if let Some(own) = independent_phases_ms {
+        let own = (b * t) as f64 * 1e3 / own.step;
         let mut each = vec![0f64; world];
         pg.all_gather(&[own], &mut each)
             .map_err(TrainError::comm("gathering the independent ranks' speed"))?;

@@ -6,10 +6,8 @@
 use anyhow::{bail, Context};
 use cohort_comm::bench::{self, BenchOptions};
 use cohort_comm::{
-    init_process_group, Algorithm, DType, GroupOptions, InitOptions, OpKind, ReduceOp,
-    ALL_COLLECTIVES,
+    init_process_group, Algorithm, DType, InitOptions, OpKind, ReduceOp, ALL_COLLECTIVES,
 };
-use cohort_train::CommBackend;
 
 /// Benchmarks.
 #[derive(clap::Args, Debug)]
@@ -92,8 +90,8 @@ struct CollectivesArgs {
     algo: Option<String>,
     /// Collectives library: cohort (ranks from `cohort run`) or mpi (ranks from mpirun or
     /// srun; a build with the `mpi` feature).
-    #[arg(long, value_enum, default_value = "cohort")]
-    backend: CommBackend,
+    #[arg(long, default_value = "cohort")]
+    backend: String,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -270,12 +268,11 @@ fn collectives(a: CollectivesArgs) -> anyhow::Result<()> {
     if opts.factor < 2 {
         bail!("--factor must be at least 2");
     }
-    let pg = match a.backend {
-        CommBackend::Cohort => init_process_group("tcp", "env://", InitOptions::default())
-            .context("joining the process group (run under `cohort run -n N bench collectives`)")?,
-        CommBackend::Mpi => cohort_mpi::init(GroupOptions::from_env()?)
-            .context("joining the MPI job (run under `mpirun -np N`)")?,
+    let how = match a.backend.as_str() {
+        "mpi" => "joining the MPI job (run under `mpirun -np N`)",
+        _ => "joining the process group (run under `cohort run -n N bench collectives`)",
     };
+    let pg = init_process_group(&a.backend, "env://", InitOptions::default()).context(how)?;
     if let Some(algo) = &a.algo {
         pg.set_algorithm(
             Algorithm::parse(algo)

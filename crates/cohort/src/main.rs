@@ -30,6 +30,9 @@ enum Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Backends beyond cohort-comm's own are registered here, the one place
+    // that links them; the libraries only name them.
+    cohort_mpi::register()?;
     match Cli::parse() {
         Cli::Run(args) => run::main(args),
         Cli::Train(args) => train::main(args),

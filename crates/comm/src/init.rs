@@ -91,34 +91,23 @@ fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, CommError> 
 /// `init_process_group(backend, init_method)`); blocks until all
 /// `world_size` ranks have joined or the group timeout passes.
 ///
-/// `backend` is `tcp` (alias `gloo`).
+/// `backend` is a name of the [registry](crate::registered_backends):
+/// `cohort` (aliases `tcp`, `gloo`), or one a program registered with
+/// [`register_backend`](crate::register_backend).
 pub fn init_process_group(
     backend: &str,
     init_method: &str,
     opts: InitOptions,
 ) -> Result<ProcessGroup, CommError> {
-    match backend {
-        "tcp" | "gloo" => {}
-        "mpi" => {
-            return Err(init_err(
-                "backend",
-                "MPI groups come from cohort_mpi::init (crate cohort-mpi, feature `mpi`), \
-                 not from an init method",
-            ))
-        }
-        "nccl" => {
-            return Err(init_err(
-                "backend",
-                format!("{backend:?} is not built into this version (available: tcp)"),
-            ))
-        }
-        _ => {
-            return Err(init_err(
-                "backend",
-                format!("unknown backend {backend:?} (available: tcp, alias gloo)"),
-            ))
-        }
-    }
+    crate::registry::lookup(backend)?(init_method, opts)
+}
+
+/// The built-in backend: a store from the init method, then sockets or
+/// shared memory between the ranks.
+pub(crate) fn init_sockets(
+    init_method: &str,
+    opts: InitOptions,
+) -> Result<ProcessGroup, CommError> {
     let mut group = match opts.group.clone() {
         Some(g) => g,
         None => GroupOptions::from_env()?,

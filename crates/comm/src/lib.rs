@@ -70,6 +70,7 @@ mod group;
 mod init;
 mod p2p;
 mod reduce_op;
+mod registry;
 pub mod spawn;
 pub mod transport;
 mod work;
@@ -84,6 +85,7 @@ pub use group::ProcessGroup;
 pub use half::bf16;
 pub use init::{init_process_group, InitOptions, STORE_HOSTED_VAR};
 pub use reduce_op::{reduce_into, ReduceOp};
+pub use registry::{register_backend, registered_backends, BackendInit};
 /// `spawn(n, f)`: [`spawn::threads`], mp.spawn's role for tests and single-machine runs.
 pub use spawn::threads as spawn;
 pub use work::Work;

@@ -76,7 +76,7 @@ mod watchdog;
 pub use backend::MpiBackend;
 pub use error::MpiError;
 
-use cohort_comm::{GroupOptions, ProcessGroup};
+use cohort_comm::{CommError, GroupOptions, InitOptions, ProcessGroup};
 
 /// Whether this build of the crate has MPI (the `mpi` feature).
 pub const BUILT_WITH_MPI: bool = cfg!(feature = "mpi");
@@ -90,6 +90,29 @@ const LAUNCHER_VARS: [&str; 3] = ["OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE
 /// srun with an MPI plugin), judged from the variables they set.
 pub fn launched_by_mpi() -> bool {
     LAUNCHER_VARS.iter().any(|v| std::env::var_os(v).is_some())
+}
+
+/// Registers this backend as `mpi` in cohort-comm's registry, so that
+/// `init_process_group("mpi", ..)` (and `cohort train --backend mpi`) builds
+/// an MPI group; the init method is ignored, since mpirun or srun gave every
+/// rank its place. A program calls it once at startup. A build without the
+/// `mpi` feature registers it all the same: creating the group then fails
+/// with [`MpiError::NotBuilt`], which says how to rebuild, rather than with
+/// "unknown backend".
+pub fn register() -> Result<(), CommError> {
+    cohort_comm::register_backend("mpi", init_registered)
+}
+
+/// [`init`] as the registry calls it.
+fn init_registered(_init_method: &str, opts: InitOptions) -> Result<ProcessGroup, CommError> {
+    let group = match opts.group {
+        Some(group) => group,
+        None => GroupOptions::from_env()?,
+    };
+    init(group).map_err(|e| CommError::Init {
+        name: "backend mpi".into(),
+        detail: e.to_string(),
+    })
 }
 
 /// Initialises MPI and returns the group of every process of

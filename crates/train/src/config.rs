@@ -132,11 +132,11 @@ pub struct TrainConfig {
     /// Parameter server, async mode: the most updates a pushed gradient's
     /// parameters may lag the server's; staler gradients are dropped.
     pub max_staleness: u64,
-    /// Where the collectives run: cohort's own backend (`cohort`, the ranks
-    /// started by `cohort run`) or MPI (`mpi`: the ranks started by mpirun
-    /// or srun, rank and world from MPI; needs a build with the `mpi`
-    /// feature).
-    pub backend: CommBackend,
+    /// Where the collectives run, by the name of a backend registered with
+    /// cohort-comm: cohort's own (`cohort`, the ranks started by `cohort
+    /// run`) or one the program registered, such as `mpi` (the ranks
+    /// started by mpirun or srun, rank and world from MPI).
+    pub backend: String,
     /// Pipeline: stages the blocks are split into, on consecutive ranks (0:
     /// one per rank); the ranks must be a multiple (stages x replicas).
     pub stages: usize,
@@ -173,18 +173,6 @@ pub enum Strategy {
     ParameterServer,
     /// The model's blocks are split into stages on consecutive ranks.
     Pipeline,
-}
-
-/// Which library runs the collectives of a training job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum CommBackend {
-    /// cohort-comm: TCP or Unix sockets between ranks that `cohort run`
-    /// started (`env://`).
-    #[default]
-    Cohort,
-    /// MPI through cohort-mpi, for ranks that mpirun or srun started.
-    Mpi,
 }
 
 /// How a parameter server applies the workers' gradients.
@@ -288,7 +276,7 @@ impl Default for TrainConfig {
             strategy: Strategy::Ddp,
             ps_mode: PsMode::Sync,
             max_staleness: 4,
-            backend: CommBackend::Cohort,
+            backend: "cohort".into(),
             stages: 0,
             micro_batches: 4,
             pipeline_schedule: PipelineSchedule::OneFOneB,
@@ -521,9 +509,9 @@ pub struct TrainArgs {
     pub max_staleness: Option<u64>,
     /// Collectives: cohort (ranks from `cohort run`) or mpi (ranks from mpirun or srun; a build
     /// with the `mpi` feature) [default: cohort].
-    #[arg(long, value_enum)]
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub backend: Option<CommBackend>,
+    pub backend: Option<String>,
     /// Pipeline: stages, on consecutive ranks [default: 0; 0 = one per rank].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -41,7 +41,6 @@ mod pipeline;
 mod train;
 
 pub use checkpoint::TrainState;
-pub use config::CommBackend;
 pub use config::{
     ConfigError, Overlap, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig,
     TUNED_BUCKET_CAP_MB,
@@ -116,9 +115,6 @@ pub enum TrainError {
         /// The error.
         error: cohort_rpc::RpcError,
     },
-    /// The MPI backend could not start (`backend = "mpi"`).
-    #[error("MPI backend: {0}")]
-    Mpi(#[from] cohort_mpi::MpiError),
     /// Too many updates in a row were skipped for a NaN or infinite loss or
     /// gradient (`max_consecutive_skips`).
     #[error(
@@ -170,15 +166,14 @@ pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
 }
 
 /// The process group `cfg.backend` asks for: [`process_group_from_env`]
-/// for `cohort`; for `mpi`, every process of the MPI job, with the group
-/// settings of the environment (COHORT_TIMEOUT).
+/// for `cohort`; any other name is a backend of cohort-comm's registry
+/// (`mpi`, registered by a program built with it), whose group is built
+/// from the environment as `init_process_group(name, "env://")`.
 pub fn process_group_for(cfg: &TrainConfig) -> Result<ProcessGroup, TrainError> {
-    match cfg.backend {
-        CommBackend::Cohort => process_group_from_env(),
-        CommBackend::Mpi => {
-            let opts = GroupOptions::from_env().map_err(TrainError::comm("joining the MPI job"))?;
-            Ok(cohort_mpi::init(opts)?)
-        }
+    match cfg.backend.as_str() {
+        "cohort" => process_group_from_env(),
+        name => init_process_group(name, "env://", InitOptions::default())
+            .map_err(TrainError::comm("joining the process group")),
     }
 }
 

@@ -9,9 +9,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use cohort_gpt::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_gpt::checkpoint;
 use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_tokenizer::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
 /// Generate tokens from a checkpoint with a KV cache.

@@ -3,10 +3,10 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use cohort_gpt::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::sample::{generate, SampleOptions};
 use cohort_gpt::{GPTConfig, GPT};
+use cohort_tokenizer::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
 fn tiny() -> GPTConfig {

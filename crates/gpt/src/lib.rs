@@ -27,18 +27,19 @@
 #![deny(missing_docs)]
 
 pub mod bench;
-pub mod char_vocab;
 pub mod checkpoint;
 mod config;
 mod layout;
 mod model;
 pub mod optim_groups;
+mod resize;
 pub mod sample;
 mod stage;
 
 pub use config::GPTConfig;
 pub use layout::ParamView;
 pub use model::GPT;
+pub use resize::{resize_token_embeddings, ResizeError, RowInit};
 pub use stage::{GptStage, StageInput, StageOutput, StagePart};
 
 /// What went wrong building or running the model.

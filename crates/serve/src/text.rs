@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use cohort_gpt::char_vocab::{CharVocab, VOCAB_FILE};
+use cohort_tokenizer::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
 /// How a model version maps text to ids.

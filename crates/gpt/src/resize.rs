@@ -1,10 +1,11 @@
-//! `resize_token_embeddings`: grows a model's vocabulary after tokens were added (seed 002), keeping
-//! every existing row and initialising the new ones by a chosen strategy.
+//! `resize_token_embeddings`: grows a model's vocabulary after a tokenizer gained tokens, keeping
+//! every existing row and initialising the new ones by a chosen strategy (Hugging Face's
+//! `model.resize_token_embeddings`).
 //!
-//! The model's layout is only read through its public named views, so this works on any
-//! [`GPT`] without reaching into the model crate; it never changes the input model.
+//! The model's layout is only read through its public named views; this never changes the
+//! input model and knows nothing of tokenizers (a new row's description is token ids).
 
-use cohort_gpt::{GPTConfig, GptError, GPT};
+use crate::{GPTConfig, GptError, GPT};
 
 /// How a new embedding row starts.
 #[derive(Debug, Clone, PartialEq)]

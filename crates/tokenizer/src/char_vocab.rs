@@ -1,7 +1,7 @@
 //! A character-level vocabulary stored as `vocab.json` in a checkpoint directory: the minimal
 //! text <-> token id mapping that sampling needs until checkpoints carry a real tokenizer.
-//! Token id i is the i-th character. It must stay this small: anything smarter belongs to a
-//! tokenizer, not to the model crate.
+//! Token id i is the i-th character. It must stay this small: anything smarter is a
+//! [`Tokenizer`](crate::Tokenizer).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

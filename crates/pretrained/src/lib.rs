@@ -2,19 +2,37 @@
 //! (config.json, model.safetensors, tokenizer.json), the layout Hugging Face's
 //! `from_pretrained` reads.
 //!
-//! The model files are the checkpoint module's (crate `cohort-gpt`), so a directory written here
-//! is also a checkpoint `cohort train --resume` and `cohort sample` read. This module never
-//! writes a file in place: it goes through the checkpoint module's atomic save.
+//! It sits above both the model (`cohort-gpt`) and the tokenizers (`cohort-tokenizer`), which
+//! know nothing of each other. The model files are cohort-gpt's checkpoint files, so a
+//! directory written here is also a checkpoint `cohort train --resume` and `cohort sample`
+//! read. This crate never writes a file in place: it goes through the checkpoint module's
+//! atomic save.
+//!
+//! ```
+//! use cohort_gpt::{resize_token_embeddings, GPTConfig, RowInit, GPT};
+//! use cohort_tokenizer::Tokenizer;
+//!
+//! let mut tok = Tokenizer::char_level("start of entity".chars());
+//! let cfg = GPTConfig { vocab_size: tok.vocab_size(), max_position_embeddings: 8, n_layers: 1,
+//!     n_heads: 2, d_model: 8, d_ff: 16, ..GPTConfig::default() };
+//! let model = GPT::new(cfg, 0).unwrap();
+//! tok.add_special_tokens(&["[ENT_START]"]).unwrap();
+//! let init = RowInit::Mean(tok.encode("start of entity").unwrap());
+//! let model = resize_token_embeddings(&model, tok.vocab_size(), &[init], 0).unwrap();
+//! let dir = tempfile::tempdir().unwrap();
+//! cohort_pretrained::save_pretrained(dir.path(), "v1", &model, &tok).unwrap();
+//! let (back, tok2) = cohort_pretrained::load_pretrained(&dir.path().join("v1")).unwrap();
+//! assert_eq!(back.config().vocab_size, tok2.vocab_size());
+//! ```
+
+#![deny(missing_docs)]
 
 use std::path::{Path, PathBuf};
 
 use cohort_gpt::checkpoint::{self, Checkpoint, CheckpointError};
 use cohort_gpt::GPT;
 
-use crate::{Tokenizer, TokenizerError};
-
-/// The tokenizer's file name inside a pretrained directory or checkpoint.
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
+use cohort_tokenizer::{Tokenizer, TokenizerError, TOKENIZER_FILE};
 
 /// Why a pretrained directory could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -82,8 +100,7 @@ pub fn load_pretrained(path: &Path) -> Result<(GPT, Tokenizer), PretrainedError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{resize_token_embeddings, RowInit};
-    use cohort_gpt::GPTConfig;
+    use cohort_gpt::{resize_token_embeddings, GPTConfig, RowInit};
 
     fn train_steps(model: &mut GPT, ids: &[u32], steps: usize) -> (f32, f32) {
         let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();

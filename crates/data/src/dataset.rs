@@ -1,6 +1,7 @@
-//! Samples over memory-mapped token files: [`TokenWindows`] (fixed-length windows of a token
-//! stream) and [`Documents`] (one sample per document), both behind the [`Samples`] trait the
-//! sampler and the loader use.
+//! The two views of training data: a [`Dataset`] (what a training loop asks for: both splits,
+//! the vocabulary, the loss floor) and [`Samples`] (one split's indexed sequences, what the
+//! samplers and the loader read), with the file-backed [`Samples`]: [`TokenWindows`]
+//! (fixed-length windows of a token stream) and [`Documents`] (one sample per document).
 //!
 //! A sample is a pure function of its index, so any worker thread or rank can read any sample
 //! and the order of reads never changes what is read. Nothing here allocates per token file.
@@ -12,7 +13,48 @@ use std::sync::Arc;
 use crate::token_file::TokenFile;
 use crate::DataError;
 
-/// Indexed token sequences.
+/// Which part of a data set: training sequences or held-out ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Sequences the model trains on.
+    Train,
+    /// Held-out sequences for the validation loss.
+    Val,
+}
+
+/// A data set of fixed-length token sequences (the seam for file-backed data).
+pub trait Dataset: Send + Sync {
+    /// Number of sequences in `split`.
+    fn len(&self, split: Split) -> usize;
+    /// Tokens per sequence.
+    fn seq_len(&self) -> usize;
+    /// Token ids are in `0..vocab_size()`.
+    fn vocab_size(&self) -> usize;
+    /// Writes sequence `index` of `split` into `tokens` (length
+    /// `sample_len(split, index)`). Labels are the tokens themselves (the
+    /// model shifts).
+    fn read(&self, split: Split, index: usize, tokens: &mut [u32]);
+    /// Tokens in sequence `index` of `split`: at most `seq_len()`, and
+    /// exactly that unless the data set has [`Dataset::variable_length`].
+    fn sample_len(&self, _split: Split, _index: usize) -> usize {
+        self.seq_len()
+    }
+    /// Whether sequences differ in length (documents): they are then batched
+    /// by token budget and padded, instead of `batch_size` full rows.
+    fn variable_length(&self) -> bool {
+        false
+    }
+    /// The lowest expected loss any model can reach on this data, if known.
+    fn loss_floor(&self) -> Option<f64>;
+    /// One line saying what the data is, for the log.
+    fn describe(&self) -> String;
+    /// The tokenizer.json of file data, saved with every checkpoint.
+    fn tokenizer_json(&self) -> Option<String> {
+        None
+    }
+}
+
+/// Indexed token sequences of one split.
 pub trait Samples: Send + Sync {
     /// Number of samples.
     fn len(&self) -> usize;

@@ -128,6 +128,24 @@ pub enum DataError {
         /// Why.
         reason: String,
     },
+    /// A built-in data set's parameter is out of its range.
+    #[error("markov corpus: {what} = {value} is out of range ({range})")]
+    OutOfRange {
+        /// The parameter.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// What it must be.
+        range: &'static str,
+    },
+    /// A rank outside `0..num_replicas`, or no replicas at all.
+    #[error("rank {rank} is not in 0..{num_replicas}")]
+    InvalidRank {
+        /// The rank given.
+        rank: usize,
+        /// The number of replicas given.
+        num_replicas: usize,
+    },
 }
 
 impl DataError {

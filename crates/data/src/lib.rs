@@ -1,14 +1,20 @@
-//! Training data for cohort: token files on disk, memory-mapped at training time, and the
-//! batching that feeds them to each rank (seed 002's data-loading half).
+//! Training data for cohort: what a training loop reads ([`Dataset`]: built-in synthetic data or
+//! token files on disk, memory-mapped at training time), and the samplers and loader that
+//! feed it to each rank.
 //!
+//! - [`Dataset`]: the one seam for training data (both splits, vocabulary, loss floor);
+//!   [`MarkovCorpus`] (a learnable corpus whose best loss is known) and [`RandomTokens`]
+//!   (uniform ids, for throughput) are built in.
 //! - [`Corpus::open`] turns `--data PATH` (nanoGPT's `train.bin`/`val.bin` directory, a `.bin`
 //!   token file, a `.jsonl` file or UTF-8 text) into a train/val split, tokenizing text and
 //!   JSONL once into cached token files ([`TokenFile`], uint16 or uint32, see
 //!   [`token_file`](TokenWriter)).
 //! - [`TokenWindows`] (fixed windows of a stream) and [`Documents`] (one sample per JSONL
 //!   document) implement [`Samples`].
-//! - [`TokenBudgetSampler`]: seed 002's sort-buffer, token-budget dynamic batching across ranks,
-//!   resumable at any step.
+//! - [`DistributedSampler`]: torch's `DistributedSampler`, the indices each rank reads in an
+//!   epoch.
+//! - [`TokenBudgetSampler`]: sort-buffer, token-budget dynamic batching across ranks (documents
+//!   of different lengths), resumable at any step.
 //! - [`DataLoader`]: worker threads collate padded [`Batch`]es (attention mask, labels -100 at
 //!   padding) ahead of the consumer, identical whatever the number of workers.
 //!
@@ -39,14 +45,18 @@
 
 mod corpus;
 mod dataset;
+mod distributed_sampler;
 mod error;
 mod loader;
 mod sampler;
+mod synthetic;
 mod token_file;
 
 pub use corpus::{tokenize_jsonl, tokenize_text, Corpus, CorpusOptions};
-pub use dataset::{Documents, Samples, TokenWindows};
+pub use dataset::{Dataset, Documents, Samples, Split, TokenWindows};
+pub use distributed_sampler::DistributedSampler;
 pub use error::DataError;
 pub use loader::{collate, Batch, DataLoader, LoaderConfig, IGNORE_INDEX};
 pub use sampler::{BudgetConfig, TokenBudgetSampler};
+pub use synthetic::{MarkovCorpus, MarkovSpec, RandomTokens};
 pub use token_file::{write_token_file, TokenFile, TokenWriter};

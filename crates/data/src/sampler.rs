@@ -1,4 +1,5 @@
-//! [`TokenBudgetSampler`]: seed 002's distributed buffer dynamic batch sampler.
+//! [`TokenBudgetSampler`]: a distributed, sort-buffer, token-budget dynamic batch sampler for
+//! documents of different lengths.
 //!
 //! Scheme, per epoch: shuffle all sample indices (seeded by seed + epoch, identical on every
 //! rank); cut them into sort buffers of `sort_size * world` samples; sort each buffer by sample
@@ -7,6 +8,8 @@
 //! the batch order; pad the list with seeded repeats until it divides by `world`; deal batch i
 //! to rank i % world. `start_step` skips the batches a resumed run has already trained on, so a
 //! resume neither repeats nor skips. The sampler only computes indices; it never reads data.
+
+use cohort_rng::SplitMix64 as Rng;
 
 use crate::dataset::Samples;
 use crate::DataError;
@@ -46,27 +49,6 @@ pub struct TokenBudgetSampler {
     lens: Vec<usize>,
     world: usize,
     rank: usize,
-}
-
-/// SplitMix64: the same stream on every platform and rank.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i + 1));
-        }
-    }
 }
 
 impl TokenBudgetSampler {

@@ -3,18 +3,10 @@
 
 use std::ops::Range;
 
-/// What went wrong in [`Ddp`](crate::Ddp) or [`DistributedSampler`](crate::DistributedSampler).
+/// What went wrong in [`Ddp`](crate::Ddp).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DdpError {
-    /// A rank outside `0..num_replicas`, or no replicas at all.
-    #[error("rank {rank} is not in 0..{num_replicas}")]
-    InvalidRank {
-        /// The rank given.
-        rank: usize,
-        /// The number of replicas given.
-        num_replicas: usize,
-    },
     /// The parameter list does not tile the flat buffer.
     #[error(
         "parameter {name}: range {range:?} does not follow the previous one \

@@ -1,9 +1,8 @@
 //! Distributed data parallel over flat f32 buffers: what PyTorch's
-//! `DistributedDataParallel` and `DistributedSampler` are, for any model
-//! whose parameters and gradients live in one contiguous buffer each.
+//! `DistributedDataParallel` is, for any model whose parameters and
+//! gradients live in one contiguous buffer each. (Which indices each rank
+//! reads, torch's `DistributedSampler`, is cohort-data's.)
 //!
-//! - [`DistributedSampler`] splits a data set's indices among ranks, with
-//!   PyTorch's padding, truncation and `set_epoch` semantics.
 //! - [`Ddp`] wraps one replica: at construction it checks that every rank
 //!   built the same model (names, shapes, offsets of [`ParamSpec`]s) and
 //!   broadcasts rank 0's parameters; [`Ddp::backward`] runs the model's
@@ -56,7 +55,6 @@ mod bucket;
 mod ddp;
 mod error;
 mod reducer;
-mod sampler;
 
 pub use bucket::{assign_buckets, assign_buckets_aligned, GradientBucket, ParamSpec};
 pub use ddp::{
@@ -64,4 +62,3 @@ pub use ddp::{
     DEFAULT_FIRST_BUCKET_MB,
 };
 pub use error::DdpError;
-pub use sampler::DistributedSampler;

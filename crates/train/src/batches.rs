@@ -15,13 +15,13 @@
 
 use std::sync::Arc;
 
+use cohort_data::DistributedSampler;
 use cohort_data::TokenBudgetSampler;
 use cohort_data::{collate, Batch, BudgetConfig, DataLoader, LoaderConfig, Samples};
-use cohort_ddp::DistributedSampler;
 
 use crate::config::TrainConfig;
-use crate::data::{Dataset, Split};
 use crate::TrainError;
+use cohort_data::{Dataset, Split};
 
 /// Batches planned at a time for fixed-length data (a plan is a few KB of indices).
 const PLAN_CHUNK: usize = 256;

@@ -14,9 +14,9 @@ use cohort_data::{Corpus, CorpusOptions, Samples};
 use cohort_tokenizer::Tokenizer;
 
 use crate::config::TrainConfig;
-use crate::data::{Dataset, Split};
 use crate::train::build_dataset;
 use crate::TrainError;
+use cohort_data::{Dataset, Split};
 
 /// Token data from files: windows of a token stream, or whole documents.
 pub struct FileData {

@@ -5,9 +5,10 @@
 //!   flags (flags win).
 //! - [`Dataset`]: the seam for training data; built in are [`MarkovCorpus`]
 //!   (the default: a learnable corpus whose optimal loss is known and
-//!   printed) and [`RandomTokens`] (seed 000's random tokens, `--data random`).
+//!   printed) and [`RandomTokens`] (uniform random tokens, `--data random`);
+//!   both live in cohort-data.
 //! - [`train`]: the loop, as one rank of a [`ProcessGroup`]; rank 0 logs in
-//!   seed 000's format (`[step 10 / 50] loss = 9.3437`) plus throughput and
+//!   the format of PyTorch's DDP tutorials (`[step 10 / 50] loss = 9.3437`) plus throughput and
 //!   time per phase, evaluates, and writes checkpoints that `--resume`
 //!   continues bitwise.
 //! - [`run`]: what `cohort train` calls: joins the job the launcher set up
@@ -31,7 +32,6 @@ mod batches;
 pub mod bench;
 mod checkpoint;
 mod config;
-mod data;
 pub mod elastic;
 mod fault;
 mod file_data;
@@ -41,11 +41,11 @@ mod pipeline;
 mod train;
 
 pub use checkpoint::TrainState;
+pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use config::{
     ConfigError, Overlap, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig,
     TUNED_BUCKET_CAP_MB,
 };
-pub use data::{DataError, Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::FileData;
 pub use parameter_server::{
@@ -66,9 +66,6 @@ pub enum TrainError {
     /// Bad settings.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// Bad data-set parameters.
-    #[error(transparent)]
-    Data(#[from] DataError),
     /// The model refused its config or a batch.
     #[error("model: {0}")]
     Model(#[from] cohort_gpt::GptError),
@@ -97,9 +94,10 @@ pub enum TrainError {
         /// Why.
         reason: String,
     },
-    /// A data file (`--data PATH`) is unusable.
+    /// The data is unusable: a data file (`--data PATH`), a built-in data
+    /// set's parameters, or the ranks' split of it.
     #[error("data: {0}")]
-    Files(#[from] cohort_data::DataError),
+    Data(#[from] cohort_data::DataError),
     /// The tokenizer (`--tokenizer`) could not be built, loaded or saved.
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] cohort_tokenizer::TokenizerError),

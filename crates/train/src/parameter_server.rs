@@ -46,11 +46,11 @@ use serde::{Deserialize, Serialize};
 use crate::batches::{val_batches, TrainBatches};
 use crate::checkpoint::{self, Resumed, TrainState};
 use crate::config::{ConfigError, PsMode, TrainConfig};
-use crate::data::Dataset;
 use crate::fault::StepGuard;
 use crate::phases::{Phase, Phases};
 use crate::train::{build_dataset, mean_loss, model_config, padding_mask, Outcome};
 use crate::{FileData, TrainError};
+use cohort_data::Dataset;
 
 /// How the processes of a parameter-server job find each other.
 pub enum Rendezvous {

@@ -29,17 +29,17 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
-use cohort_ddp::DistributedSampler;
+use cohort_data::DistributedSampler;
 use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
 
 use crate::checkpoint::{self, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
-use crate::data::{Dataset, Split};
 use crate::phases::{Phase, Phases};
 use crate::train::{model_config, Outcome};
 use crate::{ConfigError, TrainError};
+use cohort_data::{Dataset, Split};
 
 /// One unit of a stage's work in a step: the forward or backward of a micro-batch, in an
 /// activation slot.

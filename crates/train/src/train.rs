@@ -8,11 +8,11 @@
 use crate::batches::{val_batches, TrainBatches};
 use crate::checkpoint::{self, TrainState};
 use crate::config::TrainConfig;
-use crate::data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens};
 use crate::fault::{LogGuard, NanInjection, StepGuard};
 use crate::phases::{Phase, Phases};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens};
 use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec, Replica};
 use cohort_engine::optim::{AdamW, LrSchedule, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;

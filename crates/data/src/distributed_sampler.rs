@@ -7,7 +7,9 @@
 //! properties. It must never depend on anything a rank knows alone: every
 //! rank computes the same permutation and takes its own stride of it.
 
-use crate::error::DdpError;
+use cohort_rng::SplitMix64;
+
+use crate::DataError;
 
 /// Splits `len` dataset indices among `num_replicas` ranks for one epoch.
 ///
@@ -23,7 +25,7 @@ use crate::error::DdpError;
 /// - rank `r` takes `indices[r], indices[r + num_replicas], ...`.
 ///
 /// ```
-/// use cohort_ddp::DistributedSampler;
+/// use cohort_data::DistributedSampler;
 ///
 /// let s0 = DistributedSampler::new(10, 3, 0, false, 0, false).unwrap();
 /// let s1 = DistributedSampler::new(10, 3, 1, false, 0, false).unwrap();
@@ -51,9 +53,9 @@ impl DistributedSampler {
         shuffle: bool,
         seed: u64,
         drop_last: bool,
-    ) -> Result<Self, DdpError> {
+    ) -> Result<Self, DataError> {
         if num_replicas == 0 || rank >= num_replicas {
-            return Err(DdpError::InvalidRank { rank, num_replicas });
+            return Err(DataError::InvalidRank { rank, num_replicas });
         }
         Ok(Self {
             len,
@@ -118,33 +120,8 @@ impl DistributedSampler {
 fn shuffle(v: &mut [usize], seed: u64) {
     let mut rng = SplitMix64(seed);
     for i in (1..v.len()).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
+        let j = rng.below_unbiased(i as u64 + 1) as usize;
         v.swap(i, j);
-    }
-}
-
-/// A tiny, well-mixed 64-bit generator (Steele, Lea, Flood 2014); enough for
-/// shuffling, and identical everywhere.
-pub(crate) struct SplitMix64(pub(crate) u64);
-
-impl SplitMix64 {
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (n > 0), by Lemire's multiply-shift with rejection.
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        loop {
-            let m = (self.next_u64() as u128) * (n as u128);
-            let low = m as u64;
-            if low >= n.wrapping_neg() % n {
-                return (m >> 64) as u64;
-            }
-        }
     }
 }
 
@@ -264,7 +241,7 @@ mod tests {
         assert!(s.indices().is_empty());
         assert!(matches!(
             DistributedSampler::new(5, 2, 2, true, 0, false),
-            Err(DdpError::InvalidRank {
+            Err(DataError::InvalidRank {
                 rank: 2,
                 num_replicas: 2
             })

@@ -1,11 +1,11 @@
-//! Training data: the [`Dataset`] seam and the two built-in data sets.
+//! The two built-in [`Dataset`]s, made from a seed instead of files.
 //!
 //! - [`MarkovCorpus`] (the default): token sequences from a seeded random
 //!   order-k Markov chain. Its entropy rate is computed exactly, so the
 //!   lowest achievable loss is known and printed: a newcomer sees the model
 //!   learn towards a number, not just a loss going down.
-//! - [`RandomTokens`] (`--data random`): seed 000's `ToyRandomDataset`,
-//!   uniform random ids with labels = input_ids, for throughput runs (its
+//! - [`RandomTokens`] (`--data random`): the toy data of PyTorch's DDP
+//!   tutorials (a `ToyRandomDataset`), uniform random ids with labels = input_ids, for throughput runs (its
 //!   floor is ln(vocab): nothing to learn).
 //!
 //! Samples are pure functions of (seed, split, index), so any rank can read
@@ -14,46 +14,9 @@
 
 use std::fmt;
 
-/// Which part of a data set: training sequences or held-out ones.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Split {
-    /// Sequences the model trains on.
-    Train,
-    /// Held-out sequences for the validation loss.
-    Val,
-}
+use cohort_rng::SplitMix64 as Rng;
 
-/// A data set of fixed-length token sequences (the seam for file-backed data).
-pub trait Dataset: Send + Sync {
-    /// Number of sequences in `split`.
-    fn len(&self, split: Split) -> usize;
-    /// Tokens per sequence.
-    fn seq_len(&self) -> usize;
-    /// Token ids are in `0..vocab_size()`.
-    fn vocab_size(&self) -> usize;
-    /// Writes sequence `index` of `split` into `tokens` (length
-    /// `sample_len(split, index)`). Labels are the tokens themselves (the
-    /// model shifts).
-    fn read(&self, split: Split, index: usize, tokens: &mut [u32]);
-    /// Tokens in sequence `index` of `split`: at most `seq_len()`, and
-    /// exactly that unless the data set has [`Dataset::variable_length`].
-    fn sample_len(&self, _split: Split, _index: usize) -> usize {
-        self.seq_len()
-    }
-    /// Whether sequences differ in length (documents): they are then batched
-    /// by token budget and padded, instead of `batch_size` full rows.
-    fn variable_length(&self) -> bool {
-        false
-    }
-    /// The lowest expected loss any model can reach on this data, if known.
-    fn loss_floor(&self) -> Option<f64>;
-    /// One line saying what the data is, for the log.
-    fn describe(&self) -> String;
-    /// The tokenizer.json of file data, saved with every checkpoint.
-    fn tokenizer_json(&self) -> Option<String> {
-        None
-    }
-}
+use crate::{DataError, Dataset, Split};
 
 /// Seeds for sample streams: distinct, well-mixed per (seed, split, index).
 fn stream_seed(seed: u64, split: Split, index: usize) -> u64 {
@@ -65,30 +28,6 @@ fn stream_seed(seed: u64, split: Split, index: usize) -> u64 {
     s.next_u64();
     s.0 ^= (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
     s.next_u64()
-}
-
-/// SplitMix64: small, fast, and the same on every platform.
-#[derive(Clone)]
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1) with 53 random bits.
-    pub(crate) fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
-    }
 }
 
 /// Shape of the Markov chain behind [`MarkovCorpus`].
@@ -126,22 +65,6 @@ pub struct MarkovCorpus {
     start_cdf: Vec<f64>,
     entropy_rate: f64,
     floor: f64,
-}
-
-/// Why a Markov corpus cannot be built.
-#[derive(Debug, thiserror::Error, PartialEq)]
-#[non_exhaustive]
-pub enum DataError {
-    /// A parameter is out of its range.
-    #[error("markov corpus: {what} = {value} is out of range ({range})")]
-    OutOfRange {
-        /// The parameter.
-        what: &'static str,
-        /// Its value.
-        value: usize,
-        /// What it must be.
-        range: &'static str,
-    },
 }
 
 impl MarkovCorpus {
@@ -201,7 +124,7 @@ impl MarkovCorpus {
                 let j = i + rng.below(v - i);
                 pool.swap(i, j);
             }
-            let w: Vec<f64> = (0..b).map(|_| -(1.0 - rng.uniform()).ln()).collect();
+            let w: Vec<f64> = (0..b).map(|_| -(1.0 - rng.next_f64()).ln()).collect();
             let sum: f64 = w.iter().sum();
             successors.extend_from_slice(&pool[..b]);
             probs.extend(w.iter().map(|x| x / sum));
@@ -324,7 +247,7 @@ impl Dataset for MarkovCorpus {
         let (v, b, k) = (self.spec.vocab_size, self.spec.branching, self.spec.order);
         let contexts = self.start_cdf.len();
         let mut rng = Rng(stream_seed(self.spec.seed, split, index));
-        let u = rng.uniform() * self.start_cdf[contexts - 1];
+        let u = rng.next_f64() * self.start_cdf[contexts - 1];
         let mut ctx = self
             .start_cdf
             .partition_point(|&c| c <= u)
@@ -335,7 +258,7 @@ impl Dataset for MarkovCorpus {
         }
         for t in tokens.iter_mut().skip(k) {
             let row = &self.cumulative[ctx * b..(ctx + 1) * b];
-            let u = rng.uniform() * row[b - 1];
+            let u = rng.next_f64() * row[b - 1];
             let j = row.partition_point(|&c| c <= u).min(b - 1);
             let tok = self.successors[ctx * b + j];
             *t = tok;

@@ -4,6 +4,8 @@
 //!
 //! This module never keeps state and never draws from a sequential RNG.
 
+use cohort_rng::{mix64, GOLDEN_GAMMA};
+
 /// One dropout site in one step: the probability and the key all its decisions hash from.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Dropout {
@@ -13,21 +15,13 @@ pub struct Dropout {
     pub key: u64,
 }
 
-/// splitmix64's finalizer: a bijective 64-bit mix with full avalanche.
-#[inline(always)]
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 impl Dropout {
     /// The key of `site` (a small integer the model assigns to each dropout location) at
     /// `step` on `rank` for a run seeded with `seed`.
     pub fn key(seed: u64, rank: u64, step: u64, site: u64) -> u64 {
         let mut k = mix64(seed ^ 0x243f_6a88_85a3_08d3);
         for word in [rank, step, site] {
-            k = mix64(k ^ word.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            k = mix64(k ^ word.wrapping_mul(GOLDEN_GAMMA));
         }
         k
     }
@@ -35,7 +29,7 @@ impl Dropout {
     /// Whether element `i` survives.
     #[inline(always)]
     pub fn keep(&self, i: u64) -> bool {
-        let h = mix64(self.key.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)));
+        let h = mix64(self.key.wrapping_add(i.wrapping_mul(GOLDEN_GAMMA)));
         // 24 bits are exact in f32, so the threshold compare is exact too.
         ((h >> 40) as f32) >= self.p * (1u32 << 24) as f32
     }

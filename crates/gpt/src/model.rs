@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{AttnDims, Cpu};
 use cohort_engine::{Backend, Dropout};
+use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
 use crate::{GPTConfig, GptError, ParamView};
@@ -313,31 +314,21 @@ impl std::fmt::Debug for GPT {
     }
 }
 
-/// Deterministic N(0, 1) draws: splitmix64 feeding Box-Muller.
+/// Deterministic N(0, 1) draws: cohort's SplitMix64 feeding Box-Muller.
 #[derive(Clone)]
-struct Normal(u64);
+struct Normal(SplitMix64);
 
 impl Normal {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    fn new(seed: u64) -> Self {
+        Normal(SplitMix64::new(seed))
     }
     /// Consumes the draws `fill` would make for `len` values, without computing them.
     fn skip(&mut self, len: usize) {
-        let draws = 2 * len.div_ceil(2) as u64;
-        self.0 = self
-            .0
-            .wrapping_add(0x9e37_79b9_7f4a_7c15u64.wrapping_mul(draws));
+        self.0.skip(2 * len.div_ceil(2) as u64);
     }
     fn fill(&mut self, x: &mut [f32], std: f64) {
         for pair in x.chunks_mut(2) {
-            let (u1, u2) = (self.uniform(), self.uniform());
+            let (u1, u2) = (self.0.next_f64_open(), self.0.next_f64_open());
             let r = (-2.0 * u1.ln()).sqrt() * std;
             let th = 2.0 * std::f64::consts::PI * u2;
             pair[0] = (r * th.cos()) as f32;
@@ -383,7 +374,7 @@ pub(crate) fn init_tensors(
     params: &mut [f32],
     place: impl Fn(&ParamView) -> Option<Range<usize>>,
 ) {
-    let mut rng = Normal(seed);
+    let mut rng = Normal::new(seed);
     let resid_std = 0.02 / (2.0 * n_layers as f64).sqrt();
     // The draws go to every core: the generator is a counter, so each chunk
     // starts where the sequential order would be and the values do not
@@ -1453,7 +1444,7 @@ mod tests {
         let (ids, mask, labels) = batch();
         let mut m = model(cfg.clone(), 2, 5);
         m.keep_max_bytes = keep_max_bytes;
-        let mut rng = Normal(77);
+        let mut rng = Normal::new(77);
         let mut big = vec![0.0; m.num_params()];
         rng.fill(&mut big, 0.3);
         m.params_mut().copy_from_slice(&big);
@@ -1536,7 +1527,7 @@ mod tests {
         };
         let m = model(cfg.clone(), 1, 42);
         let mut want = vec![f32::NAN; m.num_params()];
-        let mut rng = Normal(42);
+        let mut rng = Normal::new(42);
         let resid_std = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
         for v in m.param_views() {
             let p = &mut want[v.range.clone()];

@@ -18,6 +18,8 @@
 //! This module never changes the model and never allocates per token: buffers are sized for a
 //! full window when the decoder is built.
 
+use cohort_rng::SplitMix64;
+
 use crate::layout::Layout;
 use crate::{GPTConfig, GPT};
 
@@ -340,20 +342,6 @@ fn add(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// splitmix64: a small, seedable, well-mixed generator; the sampler draws one number per token.
-struct Rng(u64);
-
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Index of the largest logit (the first one on ties).
 pub fn argmax(logits: &[f32]) -> usize {
     let mut best = 0;
@@ -370,7 +358,7 @@ pub fn argmax(logits: &[f32]) -> usize {
 fn sample_token(
     logits: &[f32],
     opts: &SampleOptions,
-    rng: &mut Rng,
+    rng: &mut SplitMix64,
     scratch: &mut Vec<f32>,
 ) -> u32 {
     if opts.temperature == 0.0 {
@@ -437,7 +425,7 @@ pub fn generate(
     let max_t = context_window(model.config());
     let mut seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
     let mut decoder = Decoder::new(model);
-    let mut rng = Rng(opts.seed);
+    let mut rng = SplitMix64::new(opts.seed);
     let mut scratch = Vec::with_capacity(model.config().vocab_size);
     let mut out = Vec::with_capacity(opts.max_new_tokens);
     let mut logits = decoder.feed(&seq)?.to_vec();
@@ -584,7 +572,7 @@ mod tests {
     #[test]
     fn top_k_and_temperature_shape_the_distribution() {
         let logits = [0.0f32, 5.0, 1.0, 4.0, 4.0, -2.0];
-        let mut rng = Rng(7);
+        let mut rng = SplitMix64::new(7);
         let mut scratch = Vec::new();
         let mut counts = [0usize; 6];
         let opts = SampleOptions {

@@ -9,6 +9,7 @@
 //! its own connection (Triton perf_analyzer's concurrency mode). The load test never talks to
 //! anything but the server it starts, and it stops after the fixed request count.
 
+use cohort_rng::{SplitMix64, GOLDEN_GAMMA};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -264,17 +265,12 @@ impl Cell {
                 })?;
             let mut client = GrpcInferenceServiceClient::new(channel);
             let (next, model, seq, vocab) = (next.clone(), self.model, self.seq, self.vocab);
-            let mut rng = self.seed ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut rng = SplitMix64::new(self.seed ^ (c as u64).wrapping_mul(GOLDEN_GAMMA));
             handles.push(tokio::spawn(async move {
                 let mut lat = Vec::new();
                 while next.fetch_add(1, Ordering::Relaxed) < total {
                     let raw: Vec<u8> = (0..seq)
-                        .flat_map(|_| {
-                            rng = rng
-                                .wrapping_mul(6364136223846793005)
-                                .wrapping_add(1442695040888963407);
-                            (((rng >> 33) % vocab as u64) as i64).to_le_bytes()
-                        })
+                        .flat_map(|_| (rng.below(vocab) as i64).to_le_bytes())
                         .collect();
                     let req = ModelInferRequest {
                         model_name: model.into(),

@@ -892,6 +892,7 @@ mod tests {
     use crate::backend::OpKind;
     use crate::engine::{Header, OpDesc};
     use crate::DType;
+    use cohort_rng::SplitMix64;
     use cohort_store::HashStore;
     use std::net::Ipv4Addr;
     use std::sync::Arc;
@@ -1108,15 +1109,8 @@ mod tests {
         }
     }
 
-    fn random_bytes(seed: &mut u64, len: usize) -> Vec<u8> {
-        (0..len)
-            .map(|_| {
-                *seed ^= *seed << 13;
-                *seed ^= *seed >> 7;
-                *seed ^= *seed << 17;
-                *seed as u8
-            })
-            .collect()
+    fn random_bytes(rng: &mut SplitMix64, len: usize) -> Vec<u8> {
+        (0..len).map(|_| rng.next_u64() as u8).collect()
     }
 
     #[test]
@@ -1156,7 +1150,7 @@ mod tests {
                     assert!(hung_up_on(&mut s));
                     // Random bytes; 8 or more are refused at once (not the
                     // magic), fewer are just dropped.
-                    let mut seed = 0x2545_f491_4f6c_dd1du64;
+                    let mut seed = SplitMix64::new(0x2545_f491_4f6c_dd1d);
                     for len in [1usize, 7, 8, 40, 41, 72, 104, 300] {
                         let mut s = connect();
                         let _ = s.write_all(&random_bytes(&mut seed, len));
@@ -1308,7 +1302,7 @@ mod tests {
             let mut x = vec![0f32; 16];
             pg.recv(&mut x, 1, 7)
         };
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut seed = SplitMix64::new(1);
 
         // Garbage where a collective's frame header should be.
         let mut junk = random_bytes(&mut seed, 256);

@@ -422,13 +422,8 @@ mod tests {
 
     #[test]
     fn random_and_mutated_bytes_decode_to_errors_never_panics() {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = cohort_rng::SplitMix64::new(1);
+        let mut next = move || rng.next_u64();
         let seeds: Vec<Vec<u8>> = [
             Request::Wait {
                 keys: vec!["a", "bb"],

@@ -1,6 +1,17 @@
 //! The device boundary: every kernel the model calls, as one trait. The model holds a
 //! `Box<dyn Backend>` and never names a device; [`Cpu`](crate::cpu::Cpu) is the only
-//! implementation today, and a CUDA one would implement the same trait.
+//! implementation today.
+//!
+//! Each kernel is declared once, in the [`kernels!`] list below: its doc, its arguments and the
+//! CPU function that runs it. The list generates both the [`Backend`] trait and the CPU
+//! backend's implementation, so a kernel is added in one place (plus its CPU body).
+//!
+//! Precision and device are part of a backend's type: [`Backend::device`] says where its
+//! buffers live and [`Backend::dtype`] what its kernels compute in. Every buffer is an `f32`
+//! slice in host memory today. A bf16 backend (bf16 products with f32 accumulation over the
+//! same f32 master buffers, as autocast does) is another implementation of this trait reporting
+//! [`DType::Bf16`]; a GPU backend reports its [`Device`] and owns device memory behind the same
+//! calls. Neither forks the model.
 //!
 //! Conventions (llm.c's): outputs first, then inputs, then weights, then dims. Backward
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
@@ -9,382 +20,127 @@
 use crate::cpu::{self, AttnDims, Cpu};
 use crate::Dropout;
 
-/// The kernels of a GPT-2 training step.
-#[allow(clippy::too_many_arguments)]
-pub trait Backend: Send + Sync + std::fmt::Debug {
-    /// Short name for logs ("cpu").
-    fn name(&self) -> &'static str;
-    /// Intra-op threads.
-    fn num_threads(&self) -> usize;
-    /// Runs `f` with the backend's threads ready for the kernels it calls (one pool entry per
-    /// forward or backward instead of one per kernel).
-    fn install(&self, f: &mut (dyn FnMut() + Send));
-    /// Scratch floats the attention kernels need for sequence length `t`.
-    fn attention_scratch_len(&self, t: usize) -> usize;
-
-    /// out (B,T,C) = wte[ids] + wpe[t].
-    fn encoder_forward(
-        &self,
-        out: &mut [f32],
-        ids: &[u32],
-        wte: &[f32],
-        wpe: &[f32],
-        b: usize,
-        t: usize,
-        c: usize,
-    );
-    /// dwte[ids] += dout, dwpe[t] += dout.
-    fn encoder_backward(
-        &self,
-        dwte: &mut [f32],
-        dwpe: &mut [f32],
-        dout: &[f32],
-        ids: &[u32],
-        b: usize,
-        t: usize,
-        c: usize,
-    );
-    /// LayerNorm over C; writes mean and rstd (N) for backward.
-    fn layernorm_forward(
-        &self,
-        out: &mut [f32],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
-        b: Option<&[f32]>,
-        n: usize,
-        c: usize,
-    );
-    /// dinp, dw, db += LayerNorm backward.
-    fn layernorm_backward(
-        &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
-        db: Option<&mut [f32]>,
-        dout: &[f32],
-        inp: &[f32],
-        mean: &[f32],
-        rstd: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-    );
-    /// out (N,OC) = inp (N,C) · w (C,OC) + bias.
-    fn matmul_forward(
-        &self,
-        out: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    );
-    /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout, dbias += Σ_rows dout.
-    fn matmul_backward(
-        &self,
-        dinp: Option<&mut [f32]>,
-        dw: &mut [f32],
-        dbias: Option<&mut [f32]>,
-        dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-        oc: usize,
-    );
-    /// dinp = dout · wᵀ (overwritten) alone, for a dinp buffer that still holds the input.
-    fn matmul_backward_input(
-        &self,
-        dinp: &mut [f32],
-        dout: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-        oc: usize,
-    );
-    /// logits (N,V) = inp (N,C) · wᵀ, w (V,C).
-    fn head_forward(&self, out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize);
-    /// dinp = dout · w (overwritten), dw += doutᵀ · inp.
-    fn head_backward(
-        &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
-        dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-        v: usize,
-    );
-    /// out = gelu(inp) (tanh form).
-    fn gelu_forward(&self, out: &mut [f32], inp: &[f32]);
-    /// dinout *= gelu'(inp).
-    fn gelu_backward(&self, dinout: &mut [f32], inp: &[f32]);
-    /// out = residual + dropout(out + bias), rows of c.
-    fn residual_forward(
-        &self,
-        out: &mut [f32],
-        residual: &[f32],
-        bias: Option<&[f32]>,
-        c: usize,
-        dropout: Option<Dropout>,
-    );
-    /// x = dropout(x).
-    fn dropout_forward(&self, x: &mut [f32], d: Dropout);
-    /// dx = dropout mask applied to dy (overwritten).
-    fn dropout_backward(&self, dx: &mut [f32], dy: &[f32], d: Dropout);
-    /// acc += Σ_rows x.
-    fn column_sums(&self, acc: &mut [f32], x: &[f32]);
-    /// Causal attention with key padding mask; lse (B,NH,T) kept for backward.
-    fn attention_forward(
-        &self,
-        out: &mut [f32],
-        lse: &mut [f32],
-        qkv: &[f32],
-        mask: Option<&[u8]>,
-        dims: AttnDims,
-        dropout: Option<Dropout>,
-        scratch: &mut [f32],
-    );
-    /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
-    fn attention_backward(
-        &self,
-        dqkv: &mut [f32],
-        recompute_out: Option<&mut [f32]>,
-        dout: &[f32],
-        qkv: &[f32],
-        lse: &[f32],
-        mask: Option<&[u8]>,
-        dims: AttnDims,
-        dropout: Option<Dropout>,
-        scratch: &mut [f32],
-    );
-    /// Per-row loss (0 for ignored targets) and log-sum-exp.
-    fn crossentropy_forward(
-        &self,
-        losses: &mut [f32],
-        lse: &mut [f32],
-        logits: &[f32],
-        targets: &[i32],
-        n: usize,
-        v: usize,
-    );
-    /// dlogits = scale * (softmax - onehot) (overwritten; zero rows for ignored targets).
-    fn crossentropy_backward(
-        &self,
-        dlogits: &mut [f32],
-        logits: &[f32],
-        lse: &[f32],
-        targets: &[i32],
-        scale: f32,
-        n: usize,
-        v: usize,
-    );
+/// Where a backend's buffers live and its kernels run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Device {
+    /// Host memory and the host's cores.
+    Cpu,
 }
 
-#[allow(clippy::too_many_arguments)]
-impl Backend for Cpu {
-    fn name(&self) -> &'static str {
-        "cpu"
+/// The number format a backend's kernels compute in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// IEEE single precision throughout.
+    F32,
+    /// bfloat16 products with f32 accumulation and f32 master weights.
+    Bf16,
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Device::Cpu => "cpu",
+        })
     }
-    fn num_threads(&self) -> usize {
-        Cpu::num_threads(self)
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        })
     }
-    fn install(&self, f: &mut (dyn FnMut() + Send)) {
-        Cpu::install(self, f)
-    }
-    fn attention_scratch_len(&self, t: usize) -> usize {
-        cpu::attention_scratch_len(t, self.num_threads())
-    }
-    fn encoder_forward(
-        &self,
-        out: &mut [f32],
-        ids: &[u32],
-        wte: &[f32],
-        wpe: &[f32],
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
-        cpu::encoder_forward(out, ids, wte, wpe, b, t, c)
-    }
-    fn encoder_backward(
-        &self,
-        dwte: &mut [f32],
-        dwpe: &mut [f32],
-        dout: &[f32],
-        ids: &[u32],
-        b: usize,
-        t: usize,
-        c: usize,
-    ) {
-        cpu::encoder_backward(dwte, dwpe, dout, ids, b, t, c)
-    }
-    fn layernorm_forward(
-        &self,
-        out: &mut [f32],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
-        b: Option<&[f32]>,
-        n: usize,
-        c: usize,
-    ) {
-        cpu::layernorm_forward(out, mean, rstd, inp, w, b, n, c)
-    }
-    fn layernorm_backward(
-        &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
-        db: Option<&mut [f32]>,
-        dout: &[f32],
-        inp: &[f32],
-        mean: &[f32],
-        rstd: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-    ) {
-        cpu::layernorm_backward(dinp, dw, db, dout, inp, mean, rstd, w, n, c)
-    }
-    fn matmul_forward(
-        &self,
-        out: &mut [f32],
-        inp: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) {
-        cpu::matmul_forward(out, inp, w, bias, n, c, oc)
-    }
-    fn matmul_backward(
-        &self,
-        dinp: Option<&mut [f32]>,
-        dw: &mut [f32],
-        dbias: Option<&mut [f32]>,
-        dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) {
-        cpu::matmul_backward(dinp, dw, dbias, dout, inp, w, n, c, oc)
-    }
-    fn matmul_backward_input(
-        &self,
-        dinp: &mut [f32],
-        dout: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-        oc: usize,
-    ) {
-        cpu::matmul_backward_input(dinp, dout, w, n, c, oc)
-    }
-    fn head_forward(&self, out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) {
-        cpu::head_forward(out, inp, w, n, c, v)
-    }
-    fn head_backward(
-        &self,
-        dinp: &mut [f32],
-        dw: &mut [f32],
-        dout: &[f32],
-        inp: &[f32],
-        w: &[f32],
-        n: usize,
-        c: usize,
-        v: usize,
-    ) {
-        cpu::head_backward(dinp, dw, dout, inp, w, n, c, v)
-    }
-    fn gelu_forward(&self, out: &mut [f32], inp: &[f32]) {
-        cpu::gelu_forward(out, inp)
-    }
-    fn gelu_backward(&self, dinout: &mut [f32], inp: &[f32]) {
-        cpu::gelu_backward(dinout, inp)
-    }
-    fn residual_forward(
-        &self,
-        out: &mut [f32],
-        residual: &[f32],
-        bias: Option<&[f32]>,
-        c: usize,
-        dropout: Option<Dropout>,
-    ) {
-        cpu::residual_forward(out, residual, bias, c, dropout)
-    }
-    fn dropout_forward(&self, x: &mut [f32], d: Dropout) {
-        cpu::dropout_forward(x, d, 0)
-    }
-    fn dropout_backward(&self, dx: &mut [f32], dy: &[f32], d: Dropout) {
-        cpu::dropout_backward(dx, dy, d, 0)
-    }
-    fn column_sums(&self, acc: &mut [f32], x: &[f32]) {
-        cpu::column_sums(acc, x)
-    }
-    fn attention_forward(
-        &self,
-        out: &mut [f32],
-        lse: &mut [f32],
-        qkv: &[f32],
-        mask: Option<&[u8]>,
-        dims: AttnDims,
-        dropout: Option<Dropout>,
-        scratch: &mut [f32],
-    ) {
-        cpu::attention_forward(out, lse, qkv, mask, dims, dropout, scratch)
-    }
-    fn attention_backward(
-        &self,
-        dqkv: &mut [f32],
-        recompute_out: Option<&mut [f32]>,
-        dout: &[f32],
-        qkv: &[f32],
-        lse: &[f32],
-        mask: Option<&[u8]>,
-        dims: AttnDims,
-        dropout: Option<Dropout>,
-        scratch: &mut [f32],
-    ) {
-        cpu::attention_backward(
-            dqkv,
-            recompute_out,
-            dout,
-            qkv,
-            lse,
-            mask,
-            dims,
-            dropout,
-            scratch,
-        )
-    }
-    fn crossentropy_forward(
-        &self,
-        losses: &mut [f32],
-        lse: &mut [f32],
-        logits: &[f32],
-        targets: &[i32],
-        n: usize,
-        v: usize,
-    ) {
-        cpu::crossentropy_forward(losses, lse, logits, targets, n, v)
-    }
-    fn crossentropy_backward(
-        &self,
-        dlogits: &mut [f32],
-        logits: &[f32],
-        lse: &[f32],
-        targets: &[i32],
-        scale: f32,
-        n: usize,
-        v: usize,
-    ) {
-        cpu::crossentropy_backward(dlogits, logits, lse, targets, scale, n, v)
-    }
+}
+
+/// Generates the [`Backend`] trait and the CPU backend's implementation from one list of
+/// kernels: `doc; fn name(args) => cpu function;`. The CPU function takes the same arguments
+/// in the same order (a closure adapts the one that takes more).
+macro_rules! kernels {
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $cpu:expr; )*) => {
+        /// The kernels of a GPT-2 training step, on one device in one precision.
+        #[allow(clippy::too_many_arguments)]
+        pub trait Backend: Send + Sync + std::fmt::Debug {
+            /// Short name for logs ("cpu").
+            fn name(&self) -> &'static str;
+            /// Where the buffers the kernels take live.
+            fn device(&self) -> Device;
+            /// What the kernels compute in.
+            fn dtype(&self) -> DType;
+            /// Intra-op threads.
+            fn num_threads(&self) -> usize;
+            /// Runs `f` with the backend's threads ready for the kernels it calls (one pool
+            /// entry per forward or backward instead of one per kernel).
+            fn install(&self, f: &mut (dyn FnMut() + Send));
+            /// Scratch floats the attention kernels need for sequence length `t`.
+            fn attention_scratch_len(&self, t: usize) -> usize;
+            $( $(#[$doc])* fn $name(&self, $($arg: $ty),*); )*
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        impl Backend for Cpu {
+            fn name(&self) -> &'static str {
+                "cpu"
+            }
+            fn device(&self) -> Device {
+                Device::Cpu
+            }
+            fn dtype(&self) -> DType {
+                DType::F32
+            }
+            fn num_threads(&self) -> usize {
+                Cpu::num_threads(self)
+            }
+            fn install(&self, f: &mut (dyn FnMut() + Send)) {
+                Cpu::install(self, f)
+            }
+            fn attention_scratch_len(&self, t: usize) -> usize {
+                cpu::attention_scratch_len(t, self.num_threads())
+            }
+            $( #[inline] fn $name(&self, $($arg: $ty),*) { ($cpu)($($arg),*) } )*
+        }
+    };
+}
+
+kernels! {
+    /// out (B,T,C) = wte[ids] + wpe[t].
+    fn encoder_forward(out: &mut [f32], ids: &[u32], wte: &[f32], wpe: &[f32], b: usize, t: usize, c: usize) => cpu::encoder_forward;
+    /// dwte[ids] += dout, dwpe[t] += dout.
+    fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], ids: &[u32], b: usize, t: usize, c: usize) => cpu::encoder_backward;
+    /// LayerNorm over C; writes mean and rstd (N) for backward.
+    fn layernorm_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize) => cpu::layernorm_forward;
+    /// dinp, dw, db += LayerNorm backward.
+    fn layernorm_backward(dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32], w: &[f32], n: usize, c: usize) => cpu::layernorm_backward;
+    /// out (N,OC) = inp (N,C) · w (C,OC) + bias.
+    fn matmul_forward(out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => cpu::matmul_forward;
+    /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout, dbias += Σ_rows dout.
+    fn matmul_backward(dinp: Option<&mut [f32]>, dw: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => cpu::matmul_backward;
+    /// dinp = dout · wᵀ (overwritten) alone, for a dinp buffer that still holds the input.
+    fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => cpu::matmul_backward_input;
+    /// logits (N,V) = inp (N,C) · wᵀ, w (V,C).
+    fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => cpu::head_forward;
+    /// dinp = dout · w (overwritten), dw += doutᵀ · inp.
+    fn head_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => cpu::head_backward;
+    /// out = gelu(inp) (tanh form).
+    fn gelu_forward(out: &mut [f32], inp: &[f32]) => cpu::gelu_forward;
+    /// dinout *= gelu'(inp).
+    fn gelu_backward(dinout: &mut [f32], inp: &[f32]) => cpu::gelu_backward;
+    /// out = residual + dropout(out + bias), rows of c.
+    fn residual_forward(out: &mut [f32], residual: &[f32], bias: Option<&[f32]>, c: usize, dropout: Option<Dropout>) => cpu::residual_forward;
+    /// x = dropout(x).
+    fn dropout_forward(x: &mut [f32], d: Dropout) => |x, d| cpu::dropout_forward(x, d, 0);
+    /// dx = dropout mask applied to dy (overwritten).
+    fn dropout_backward(dx: &mut [f32], dy: &[f32], d: Dropout) => |dx, dy, d| cpu::dropout_backward(dx, dy, d, 0);
+    /// acc += Σ_rows x.
+    fn column_sums(acc: &mut [f32], x: &[f32]) => cpu::column_sums;
+    /// Causal attention with key padding mask; lse (B,NH,T) kept for backward.
+    fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => cpu::attention_forward;
+    /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
+    fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => cpu::attention_backward;
+    /// Per-row loss (0 for ignored targets) and log-sum-exp.
+    fn crossentropy_forward(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize) => cpu::crossentropy_forward;
+    /// dlogits = scale * (softmax - onehot) (overwritten; zero rows for ignored targets).
+    fn crossentropy_backward(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, n: usize, v: usize) => cpu::crossentropy_backward;
 }

@@ -29,7 +29,7 @@ pub mod cpu;
 mod dropout;
 pub mod optim;
 
-pub use backend::Backend;
+pub use backend::{Backend, DType, Device};
 pub use dropout::Dropout;
 
 /// What went wrong setting up the engine.

@@ -131,9 +131,10 @@ struct Mapping {
     len: usize,
 }
 
-// safety: the mapping is plain shared memory; every access goes through
+// SAFETY: the mapping is plain shared memory; every access goes through
 // atomics or through ranges that the ring protocol gives to one side.
 unsafe impl Send for Mapping {}
+// SAFETY: as for Send: shared access is by atomics or by disjoint ranges.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {

@@ -80,17 +80,23 @@ unsafe fn mm(
                 cs: csb,
             },
         );
+        // SAFETY: the caller upholds `mm`'s contract (valid strided views, `c` disjoint from
+        // `a` and `b`), which is `sgemm`'s; AVX-512 was detected just above.
         unsafe { sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None) };
         if alpha != 1.0 {
             assert!(beta == 0.0, "attention scales only fresh products");
             for i in 0..m {
-                for x in unsafe { std::slice::from_raw_parts_mut(c.add(i * rsc), n) } {
+                // SAFETY: row i of `c` (n floats, stride rsc) was just written by sgemm and
+                // nothing else refers to it while it is scaled.
+                let row = unsafe { std::slice::from_raw_parts_mut(c.add(i * rsc), n) };
+                for x in row {
                     *x *= alpha;
                 }
             }
         }
         return;
     }
+    // SAFETY: the caller upholds `mm`'s contract, which is exactly `matrixmultiply::sgemm`'s.
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -189,6 +195,8 @@ unsafe fn head_forward(
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
         let (rows, keys) = (r1 - r0, r1);
+        // SAFETY: rows r0..r1 of Q and keys 0..r1 of K lie inside `qkv` (head `bh`, checked
+        // sizes); `s` holds rows x keys floats and is this task's scratch, disjoint from `qkv`.
         unsafe {
             mm(
                 rows,
@@ -210,12 +218,16 @@ unsafe fn head_forward(
             let tq = r0 + i;
             let row = &mut s[i * keys..(i + 1) * keys];
             let l = softmax_row(row, &mf[..keys], tq);
+            // SAFETY: `lse` has b*nh*t floats (checked by `attention_forward`) and entry
+            // (bh, tq) belongs to this task alone.
             unsafe { *lse.0.add(bh * t + tq) = l };
             if let Some(d) = dropout {
                 let base = ((bh * t + tq) * t) as u64;
                 d.apply(&mut row[..=tq], base);
             }
         }
+        // SAFETY: head `bh`'s columns of output rows r0..r1 lie inside `out` (checked sizes)
+        // and no other task writes them; `s` and V are read-only here and disjoint from `out`.
         unsafe {
             let o = out.0.add((bi * t + r0) * c + h * hd);
             mm(
@@ -356,6 +368,8 @@ unsafe fn head_backward(
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
         let (rows, keys) = (r1 - r0, r1);
+        // SAFETY: rows r0..r1 of Q and keys 0..r1 of K lie inside `qkv`; `p` is this task's
+        // scratch (rows x keys), disjoint from `qkv`.
         unsafe {
             mm(
                 rows,
@@ -411,6 +425,8 @@ unsafe fn head_backward(
             }
             None => &p[..rows * keys],
         };
+        // SAFETY: head `bh`'s dV columns for keys 0..r1 lie inside `dqkv` and belong to this
+        // task alone; the probabilities and dY are read-only and disjoint from `dqkv`.
         unsafe {
             // dV[0..keys] += usedᵀ · dY; keys r0..r1 are touched for the first time here.
             mm(
@@ -469,6 +485,8 @@ unsafe fn head_backward(
                 scale,
             );
         }
+        // SAFETY: head `bh`'s dQ rows r0..r1 and dK rows 0..r1 lie inside `dqkv` and belong to
+        // this task alone; dS (scratch), Q and K are read-only and disjoint from `dqkv`.
         unsafe {
             // dQ[r0..r1] = dS · K; dK[0..keys] += dSᵀ · Q[r0..r1]
             mm(

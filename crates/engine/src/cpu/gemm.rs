@@ -124,9 +124,16 @@ fn masks(nr: usize) -> (__mmask16, __mmask16) {
 }
 
 /// Copies b rows 0..kc, columns 0..nr into `pp` as kc rows of NR floats (zeros past nr).
+///
+/// # Safety
+/// The CPU must support AVX-512F; `b` must have kc x nr readable floats at strides (rs, cs);
+/// `pp` must have kc x NR writable floats, 64-byte aligned, not overlapping `b`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usize, nr: usize) {
+    // SAFETY: the caller guarantees `b` has kc rows of nr readable floats (strides rs, cs)
+    // and `pp` has kc x NR writable floats aligned to 64 bytes; masked loads read no column
+    // past nr; AVX-512F is enabled on this function.
     unsafe {
         if cs == 1 {
             let (m0, m1) = masks(nr);
@@ -152,6 +159,9 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
 }
 
 /// One register tile of `rows` (1..=MR) rows, dispatched to its monomorphised kernel.
+///
+/// # Safety
+/// As [`kernel`], with R = `rows`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
@@ -181,6 +191,11 @@ unsafe fn tile(
 }
 
 /// c[0..R, 0..nr] (+)= a[0..R, 0..k] · panel[0..k, 0..nr], panel rows NR floats apart.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `a` must have R x k readable floats at strides (rsa, csa);
+/// `b` a packed panel of k x NR floats, 64-byte aligned; `c` R rows of nr writable floats at
+/// row stride rsc, not overlapping `a`, `b` or `bias`; `bias`, if any, nr readable floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -199,6 +214,9 @@ unsafe fn kernel<const R: usize>(
 ) {
     let mut c0 = [_mm512_setzero_ps(); R];
     let mut c1 = [_mm512_setzero_ps(); R];
+    // SAFETY: the caller guarantees `mm`-style views: `a` has R rows of k floats (strides
+    // rsa, csa), `b` is a packed panel of k x NR floats aligned to 64 bytes, and `c` has R rows
+    // of nr writable floats (stride rsc); AVX-512F is enabled on this function.
     unsafe {
         let (mut ap, mut bp) = (a, b);
         for _ in 0..k {

@@ -1,6 +1,6 @@
 //! Where each parameter tensor lives in the flat parameter (and gradient) buffer.
 //!
-//! The order is the contract in GPT_LAYOUT.md: wte, wpe, then one contiguous range per block,
+//! The order is the contract in `docs/GPT_LAYOUT.md`: wte, wpe, then one contiguous range per block,
 //! then ln_f and (untied only) lm_head. Names and shapes are Hugging Face GPT-2's, weights in
 //! Conv1D layout [in, out]. This module only computes offsets; it never touches the buffers.
 

@@ -2,7 +2,7 @@
 //!
 //! [`GPTConfig`] holds seed 000's hyper-parameters. [`GPT`] owns one flat parameter buffer, one
 //! gradient buffer with the same layout (named by [`ParamView`]s, Hugging Face GPT-2 names and
-//! Conv1D `[in, out]` weights, see GPT_LAYOUT.md) and an activation arena allocated at the first
+//! Conv1D `[in, out]` weights, see `docs/GPT_LAYOUT.md`) and an activation arena allocated at the first
 //! forward. `forward(input_ids, attention_mask, labels)` follows Hugging Face's
 //! `GPT2LMHeadModel`; `backward` runs top-down and hands each finished range of gradients to a
 //! hook, which is how data-parallel training overlaps communication with backward.

@@ -2,7 +2,7 @@
 //! stage and ln_f + the head on the last, with forward and backward on plain buffers.
 //!
 //! A stage owns only its own parameters, in one flat buffer laid out as the whole model's
-//! (GPT_LAYOUT.md) restricted to the tensors it holds, and runs the same kernels in the same order
+//! (`docs/GPT_LAYOUT.md`) restricted to the tensors it holds, and runs the same kernels in the same order
 //! as [`GPT`](crate::GPT): composing the stages' forwards and backwards gives the whole model's
 //! loss and gradients bit for bit. Activations of several micro-batches can be in flight at once:
 //! each lives in its own slot (an activation arena) from its forward to its backward, which is

@@ -1,0 +1,533 @@
+//! The model's layers as functions on flat buffers: embeddings, one transformer block and the
+//! head, forward and backward, in the order llm.c's `train_gpt2.c` calls its kernels. The whole
+//! model and a pipeline stage run the same functions, which is why their results agree bit for
+//! bit.
+//!
+//! These functions only call backend kernels on slices they are given; they never allocate.
+
+use super::*;
+
+/// `g[w]` and the bias right after it (empty range: None), as two disjoint slices.
+pub(crate) fn wb<'a>(
+    g: &'a mut [f32],
+    off: usize,
+    w: &Range<usize>,
+    b: &Range<usize>,
+) -> (&'a mut [f32], Option<&'a mut [f32]>) {
+    let (wg, rest) = g[w.start - off..].split_at_mut(w.len());
+    let bg = if b.is_empty() {
+        None
+    } else {
+        Some(&mut rest[..b.len()])
+    };
+    (wg, bg)
+}
+
+pub(super) fn opt<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
+    if r.is_empty() {
+        None
+    } else {
+        Some(&p[r.clone()])
+    }
+}
+
+/// The dropout settings of one step; `site` hands out the key of each dropout location.
+#[derive(Clone, Copy)]
+pub(crate) struct DropKey {
+    pub(crate) on: bool,
+    pub(crate) p: f32,
+    pub(crate) seed: u64,
+    pub(crate) rank: u64,
+    pub(crate) step: u64,
+}
+
+impl DropKey {
+    /// Sites: 0 embeddings; per layer l: 1+3l attention probabilities, 2+3l attention
+    /// output, 3+3l MLP output.
+    pub(super) fn site(&self, site: u64) -> Option<Dropout> {
+        self.on.then(|| Dropout {
+            p: self.p,
+            key: Dropout::key(self.seed, self.rank, self.step, site),
+        })
+    }
+}
+
+/// Block `l`'s slice of a per-layer buffer whose layers are `len` long.
+pub(crate) fn layer(buf: &[f32], l: usize, len: usize) -> &[f32] {
+    &buf[l * len..(l + 1) * len]
+}
+
+pub(super) fn layer_mut(buf: &mut [f32], l: usize, len: usize) -> &mut [f32] {
+    &mut buf[l * len..(l + 1) * len]
+}
+
+/// (layer l, read-only) and (layer l + 1, writable) of a per-layer buffer.
+pub(super) fn layer_pair(buf: &mut [f32], l: usize, len: usize) -> (&[f32], &mut [f32]) {
+    let (lo, hi) = buf.split_at_mut((l + 1) * len);
+    (&lo[l * len..], &mut hi[..len])
+}
+
+/// Where the final LayerNorm and the head's weight live in a parameter buffer.
+pub(crate) struct HeadLayout<'l> {
+    pub(crate) ln_f_w: &'l Range<usize>,
+    pub(crate) ln_f_b: &'l Range<usize>,
+    pub(crate) lm_head: &'l Range<usize>,
+}
+
+/// Token + position embeddings (and their dropout) into `a.res[0]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn embed_forward(
+    p: &[f32],
+    wte: &Range<usize>,
+    wpe: &Range<usize>,
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    c: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let (b, t) = (batch.b, batch.t);
+    let x0 = &mut a.res[..b * t * c];
+    prof.time(K::EncoderFwd, || {
+        dev.encoder_forward(x0, &batch.ids, &p[wte.clone()], &p[wpe.clone()], b, t, c)
+    });
+    if let Some(d) = drop.site(0) {
+        prof.time(K::ResidualFwd, || dev.dropout_forward(x0, d));
+    }
+}
+
+/// One block's forward from `a.res[l]` into `a.res[l + 1]`; `l` indexes the arena's per-layer
+/// buffers, `lg` is the block's index in the whole model (it keys the dropout sites).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_forward(
+    l: usize,
+    lg: usize,
+    bl: &BlockLayout,
+    p: &[f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    f: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let AttnDims { b, t, c, nh } = dims;
+    let n = b * t;
+    let nc = n * c;
+    let ld = 1 + 3 * lg as u64;
+    let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
+    let (x, x_next) = layer_pair(a.res, l, nc);
+    let x_mid = layer_mut(a.res_mid, l, nc);
+    let qkv = layer_mut(a.qkv, l, 3 * nc);
+    let fch = layer_mut(a.fch, l, n * f);
+    let s_atty = layer_mut(a.s_atty, atty_slot, nc);
+    let s_big = if a.keep {
+        layer_mut(a.gelu, l, n * f)
+    } else {
+        &mut a.s_big[..n * f]
+    };
+    let lse = layer_mut(a.att_lse, l, n * nh);
+    let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            s_ln,
+            layer_mut(a.ln1_mean, l, n),
+            layer_mut(a.ln1_rstd, l, n),
+            x,
+            &p[bl.ln_1_w.clone()],
+            opt(p, &bl.ln_1_b),
+            n,
+            c,
+        )
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(
+            qkv,
+            s_ln,
+            &p[bl.attn_w.clone()],
+            opt(p, &bl.attn_b),
+            n,
+            c,
+            3 * c,
+        )
+    });
+    prof.time(K::AttnFwd, || {
+        dev.attention_forward(s_atty, lse, qkv, mask, dims, drop.site(ld), scratch)
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(x_mid, s_atty, &p[bl.proj_w.clone()], None, n, c, c)
+    });
+    prof.time(K::ResidualFwd, || {
+        dev.residual_forward(x_mid, x, opt(p, &bl.proj_b), c, drop.site(ld + 1))
+    });
+    let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            s_ln,
+            layer_mut(a.ln2_mean, l, n),
+            layer_mut(a.ln2_rstd, l, n),
+            x_mid,
+            &p[bl.ln_2_w.clone()],
+            opt(p, &bl.ln_2_b),
+            n,
+            c,
+        )
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(fch, s_ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f)
+    });
+    prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(x_next, s_big, &p[bl.fcproj_w.clone()], None, n, f, c)
+    });
+    prof.time(K::ResidualFwd, || {
+        dev.residual_forward(x_next, x_mid, opt(p, &bl.fcproj_b), c, drop.site(ld + 2))
+    });
+}
+
+/// ln_f, the head and (with targets) the cross-entropy, from `a.res[l_out]`; returns the mean
+/// loss over counted positions.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_forward(
+    l_out: usize,
+    lay: &HeadLayout,
+    p: &[f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    c: usize,
+    v: usize,
+    prof: &mut Profile,
+) -> Option<f32> {
+    let n = batch.b * batch.t;
+    let nc = n * c;
+    let x_last = layer(a.res, l_out, nc);
+    let lnf_out = &mut a.lnf_out[..nc];
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            lnf_out,
+            &mut a.lnf_mean[..n],
+            &mut a.lnf_rstd[..n],
+            x_last,
+            &p[lay.ln_f_w.clone()],
+            opt(p, lay.ln_f_b),
+            n,
+            c,
+        )
+    });
+    let logits = &mut a.logits[..n * v];
+    prof.time(K::HeadFwd, || {
+        dev.head_forward(logits, lnf_out, &p[lay.lm_head.clone()], n, c, v)
+    });
+    let counted = batch.counted?;
+    let losses = &mut a.losses[..n];
+    prof.time(K::CeFwd, || {
+        dev.crossentropy_forward(losses, &mut a.ce_lse[..n], logits, &batch.targets, n, v)
+    });
+    if counted == 0 {
+        return Some(0.0);
+    }
+    // f64 and a fixed order: the loss is the same bits whatever the thread count.
+    let total: f64 = losses.iter().map(|&x| x as f64).sum();
+    Some((total / counted as f64) as f32)
+}
+
+/// Backward of the cross-entropy, the head and ln_f: `a.dres` is set to d(`a.res[l_out]`).
+/// `dw_head` receives the head weight's gradient (wte's when tied), `dw_lnf` ln_f's.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_backward(
+    l_out: usize,
+    lay: &HeadLayout,
+    p: &[f32],
+    dw_head: &mut [f32],
+    dw_lnf: (&mut [f32], Option<&mut [f32]>),
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    counted: usize,
+    c: usize,
+    v: usize,
+    prof: &mut Profile,
+) {
+    let n = batch.b * batch.t;
+    let nc = n * c;
+    let scale = if counted == 0 {
+        0.0
+    } else {
+        1.0 / counted as f32
+    };
+    let dlogits = &mut a.dlogits[..n * v];
+    let logits = &a.logits[..n * v];
+    prof.time(K::CeBwd, || {
+        dev.crossentropy_backward(dlogits, logits, &a.ce_lse[..n], &batch.targets, scale, n, v)
+    });
+    let lnf_out = &a.lnf_out[..nc];
+    let dlnf = &mut a.s_dl[..nc];
+    prof.time(K::HeadBwd, || {
+        dev.head_backward(
+            dlnf,
+            dw_head,
+            dlogits,
+            lnf_out,
+            &p[lay.lm_head.clone()],
+            n,
+            c,
+            v,
+        )
+    });
+    let dres = &mut a.dres[..nc];
+    dres.fill(0.0);
+    let (dw, db) = dw_lnf;
+    let x_last = layer(a.res, l_out, nc);
+    prof.time(K::LnBwd, || {
+        dev.layernorm_backward(
+            dres,
+            dw,
+            db,
+            dlnf,
+            x_last,
+            &a.lnf_mean[..n],
+            &a.lnf_rstd[..n],
+            &p[lay.ln_f_w.clone()],
+            n,
+            c,
+        )
+    });
+}
+
+/// Backward of the embeddings (and their dropout) from d(`a.res[0]`) in `a.dres`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn embed_backward(
+    dwte: &mut [f32],
+    dwpe: &mut [f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    batch: &Batch,
+    c: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let (b, t) = (batch.b, batch.t);
+    let nc = b * t * c;
+    let dres = &a.dres[..nc];
+    let demb: &[f32] = match drop.site(0) {
+        Some(d) => {
+            let s = &mut a.s_drop[..nc];
+            prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
+            s
+        }
+        None => dres,
+    };
+    prof.time(K::EncoderBwd, || {
+        dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c)
+    });
+}
+
+/// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
+/// `g` is the block's gradient range (offset `bl.all.start`). `l` indexes the arena's per-layer
+/// buffers, `lg` is the block's index in the whole model (it keys the dropout sites).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_backward(
+    l: usize,
+    lg: usize,
+    bl: &BlockLayout,
+    p: &[f32],
+    g: &mut [f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    f: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+) {
+    let AttnDims { b, t, c, .. } = dims;
+    let n = b * t;
+    let nc = n * c;
+    let nh = dims.nh;
+    let off = bl.all.start;
+    let ld = 1 + 3 * lg as u64;
+    let x = layer(a.res, l, nc);
+    let x_mid = layer(a.res_mid, l, nc);
+    let qkv = layer(a.qkv, l, 3 * nc);
+    let fch = layer(a.fch, l, n * f);
+    let lse = layer(a.att_lse, l, n * nh);
+    let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
+    let keep = a.keep;
+    let s_dl = &mut a.s_dl[..nc];
+
+    // MLP: x_next = x_mid + drop(gelu(ln_2(x_mid) · W_fc + b_fc) · W_proj + b_proj)
+    {
+        let dres = &a.dres[..nc];
+        let dproj: &[f32] = match drop.site(ld + 2) {
+            Some(d) => {
+                let s = &mut a.s_drop[..nc];
+                prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
+                s
+            }
+            None => dres,
+        };
+        let s_big = &mut a.s_big[..n * f];
+        let gelu_out: &[f32] = if keep {
+            layer(a.gelu, l, n * f)
+        } else {
+            prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+            s_big
+        };
+        let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(
+                None,
+                dw,
+                db,
+                dproj,
+                gelu_out,
+                &p[bl.fcproj_w.clone()],
+                n,
+                f,
+                c,
+            )
+        });
+        let s_big = &mut a.s_big[..n * f];
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward_input(s_big, dproj, &p[bl.fcproj_w.clone()], n, f, c)
+        });
+        prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
+        if !keep {
+            let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
+            prof.time(K::LnFwd, || {
+                dev.layernorm_forward(
+                    s_ln,
+                    layer_mut(a.ln2_mean, l, n),
+                    layer_mut(a.ln2_rstd, l, n),
+                    x_mid,
+                    &p[bl.ln_2_w.clone()],
+                    opt(p, &bl.ln_2_b),
+                    n,
+                    c,
+                )
+            });
+        }
+        let s_ln = layer(a.s_ln, ln2_slot, nc);
+        let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(
+                Some(s_dl),
+                dw,
+                db,
+                s_big,
+                s_ln,
+                &p[bl.fc_w.clone()],
+                n,
+                c,
+                f,
+            )
+        });
+    }
+    {
+        let (dw, db) = wb(g, off, &bl.ln_2_w, &bl.ln_2_b);
+        let dres = &mut a.dres[..nc];
+        prof.time(K::LnBwd, || {
+            dev.layernorm_backward(
+                dres,
+                dw,
+                db,
+                s_dl,
+                x_mid,
+                layer(a.ln2_mean, l, n),
+                layer(a.ln2_rstd, l, n),
+                &p[bl.ln_2_w.clone()],
+                n,
+                c,
+            )
+        });
+    }
+
+    // Attention: x_mid = x + drop(attn(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
+    {
+        let dres = &a.dres[..nc];
+        let dproj: &[f32] = match drop.site(ld + 1) {
+            Some(d) => {
+                let s = &mut a.s_drop[..nc];
+                prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
+                s
+            }
+            None => dres,
+        };
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward_input(s_dl, dproj, &p[bl.proj_w.clone()], n, c, c)
+        });
+        let dqkv = &mut a.s_big[..3 * nc];
+        // Without kept outputs, backward recomputes the attention output the projection's
+        // weight gradient needs.
+        let recompute = (!keep).then(|| layer_mut(a.s_atty, atty_slot, nc));
+        prof.time(K::AttnBwd, || {
+            dev.attention_backward(
+                dqkv,
+                recompute,
+                s_dl,
+                qkv,
+                lse,
+                mask,
+                dims,
+                drop.site(ld),
+                scratch,
+            )
+        });
+        let (dw, db) = wb(g, off, &bl.proj_w, &bl.proj_b);
+        let s_atty = layer(a.s_atty, atty_slot, nc);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(None, dw, db, dproj, s_atty, &p[bl.proj_w.clone()], n, c, c)
+        });
+        if !keep {
+            let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
+            prof.time(K::LnFwd, || {
+                dev.layernorm_forward(
+                    s_ln,
+                    layer_mut(a.ln1_mean, l, n),
+                    layer_mut(a.ln1_rstd, l, n),
+                    x,
+                    &p[bl.ln_1_w.clone()],
+                    opt(p, &bl.ln_1_b),
+                    n,
+                    c,
+                )
+            });
+        }
+        let s_ln = layer(a.s_ln, ln1_slot, nc);
+        let (dw, db) = wb(g, off, &bl.attn_w, &bl.attn_b);
+        prof.time(K::MatmulBwd, || {
+            dev.matmul_backward(
+                Some(s_dl),
+                dw,
+                db,
+                dqkv,
+                s_ln,
+                &p[bl.attn_w.clone()],
+                n,
+                c,
+                3 * c,
+            )
+        });
+    }
+    let (dw, db) = wb(g, off, &bl.ln_1_w, &bl.ln_1_b);
+    let dres = &mut a.dres[..nc];
+    prof.time(K::LnBwd, || {
+        dev.layernorm_backward(
+            dres,
+            dw,
+            db,
+            s_dl,
+            x,
+            layer(a.ln1_mean, l, n),
+            layer(a.ln1_rstd, l, n),
+            &p[bl.ln_1_w.clone()],
+            n,
+            c,
+        )
+    });
+}

@@ -1,0 +1,522 @@
+//! The GPT-2 model: flat parameters and gradients, the activation arena, forward and the
+//! layer-wise backward with its readiness hook.
+//!
+//! Dims, named once: B batch, T sequence, C d_model, F d_ff, V vocab, L layers, NH heads,
+//! N = B*T tokens. All compute goes through the engine's `Backend`; this file decides only what
+//! is computed, in which order, and into which buffer. It never allocates after the first
+//! forward for a given token count (a larger B*T reallocates the arena once).
+//!
+//! Memory: per layer the arena keeps the block input, the residual after attention, qkv, the MLP
+//! pre-activation and the LayerNorm / softmax statistics. The LayerNorm, attention and GELU
+//! outputs are kept too when they fit in `KEEP_MAX_BYTES` (small models, where recomputing them
+//! costs a visible share of the step) and recomputed in backward otherwise; the (T, T) attention
+//! probabilities are never stored, which is what keeps config B far below PyTorch's footprint.
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use cohort_engine::cpu::{AttnDims, Cpu};
+use cohort_engine::{Backend, Dropout};
+use cohort_rng::SplitMix64;
+
+use crate::layout::{BlockLayout, Layout};
+use crate::{GPTConfig, GptError, ParamView};
+
+mod arena;
+mod init;
+mod layers;
+mod profile;
+#[cfg(test)]
+mod tests;
+
+pub(crate) use arena::*;
+pub(crate) use init::*;
+pub(crate) use layers::*;
+pub(crate) use profile::*;
+
+/// The model: config, flat parameters and gradients, activation arena, backend.
+pub struct GPT {
+    config: GPTConfig,
+    layout: Layout,
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    dev: Box<dyn Backend>,
+    act_layout: Option<ActLayout>,
+    arena: Vec<f32>,
+    attn_scratch: Vec<f32>,
+    batch: Batch,
+    training: bool,
+    dropout_seed: u64,
+    rank: u64,
+    step: u64,
+    profile: Profile,
+    /// `KEEP_MAX_BYTES`; tests lower it to cover the recomputing path.
+    keep_max_bytes: usize,
+}
+
+impl std::fmt::Debug for GPT {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GPT")
+            .field("config", &self.config)
+            .field("params", &self.params.len())
+            .field("backend", &self.dev)
+            .finish()
+    }
+}
+
+/// The CPU backend sized by `COHORT_NUM_THREADS`.
+pub(crate) fn cpu_from_env() -> Result<Box<dyn Backend>, GptError> {
+    let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
+        op: "thread pool",
+        reason: e.to_string(),
+    })?;
+    Ok(Box::new(cpu))
+}
+
+impl GPT {
+    /// A model with GPT-2's initialisation drawn from `seed`, on a CPU backend sized by
+    /// `COHORT_NUM_THREADS`.
+    pub fn new(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {
+        GPT::with_backend(config, seed, cpu_from_env()?)
+    }
+
+    /// A model whose parameters are all zero, on a CPU backend sized by
+    /// `COHORT_NUM_THREADS`, for a replica that receives them from
+    /// elsewhere (DDP's broadcast from rank 0, a checkpoint): config B's
+    /// draws cost a quarter of a second that would be thrown away. `seed`
+    /// still seeds dropout, as in [`GPT::new`].
+    pub fn zeroed(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {
+        GPT::build(config, seed, cpu_from_env()?)
+    }
+
+    /// A model on the given backend.
+    pub fn with_backend(
+        config: GPTConfig,
+        seed: u64,
+        dev: Box<dyn Backend>,
+    ) -> Result<GPT, GptError> {
+        let mut model = GPT::build(config, seed, dev)?;
+        model.init_weights(seed);
+        Ok(model)
+    }
+
+    /// A model with zero parameters.
+    fn build(config: GPTConfig, seed: u64, dev: Box<dyn Backend>) -> Result<GPT, GptError> {
+        config.validate()?;
+        let layout = Layout::new(&config);
+        Ok(GPT {
+            params: vec![0.0; layout.total],
+            grads: vec![0.0; layout.total],
+            layout,
+            config,
+            dev,
+            act_layout: None,
+            arena: Vec::new(),
+            attn_scratch: Vec::new(),
+            batch: Batch::default(),
+            training: true,
+            dropout_seed: seed,
+            rank: 0,
+            step: 0,
+            profile: Profile::default(),
+            keep_max_bytes: KEEP_MAX_BYTES,
+        })
+    }
+
+    /// GPT-2 / nanoGPT init: weights N(0, 0.02), the two residual projections
+    /// N(0, 0.02 / sqrt(2 L)), LayerNorm weights 1, biases 0; drawn in layout order.
+    pub fn init_weights(&mut self, seed: u64) {
+        let n_layers = self.config.n_layers;
+        init_tensors(&self.layout.views, n_layers, seed, &mut self.params, |v| {
+            Some(v.range.clone())
+        });
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GPTConfig {
+        &self.config
+    }
+    /// Named views of the flat buffers, in buffer order.
+    pub fn param_views(&self) -> &[ParamView] {
+        &self.layout.views
+    }
+    /// Number of parameters (length of `params()` and `grads()`).
+    pub fn num_params(&self) -> usize {
+        self.layout.total
+    }
+    /// The flat parameter buffer.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+    /// The flat parameter buffer, writable (optimizers, checkpoint loading).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        &mut self.params
+    }
+    /// The flat gradient buffer.
+    pub fn grads(&self) -> &[f32] {
+        &self.grads
+    }
+    /// The flat gradient buffer, writable (all-reduce, clipping).
+    pub fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+    /// Parameters and gradients at once (an optimizer step needs both).
+    pub fn params_and_grads_mut(&mut self) -> (&mut [f32], &[f32]) {
+        (&mut self.params, &self.grads)
+    }
+    /// The ranges the backward hook reports, in the order it reports them.
+    pub fn ready_ranges(&self) -> Vec<Range<usize>> {
+        self.layout.ready_order()
+    }
+    /// The compute backend.
+    pub fn backend(&self) -> &dyn Backend {
+        &*self.dev
+    }
+    /// Logits (B, T, V) of the last forward.
+    pub fn logits(&self) -> &[f32] {
+        let n = self.batch.b * self.batch.t;
+        match &self.act_layout {
+            Some(al) => {
+                &self.arena[al.ranges[12].start..al.ranges[12].start + n * self.config.vocab_size]
+            }
+            None => &[],
+        }
+    }
+
+    /// Training mode applies dropout (when the config's dropout is above 0); eval mode never.
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+    /// Keys the dropout masks: every mask is a function of (seed, rank, step, site, index).
+    /// Call with the global step before each training forward.
+    pub fn set_dropout_key(&mut self, seed: u64, rank: u64, step: u64) {
+        self.dropout_seed = seed;
+        self.rank = rank;
+        self.step = step;
+    }
+
+    /// Wall time spent per kernel since the last reset, in a fixed order.
+    pub fn kernel_times(&self) -> Vec<(&'static str, Duration)> {
+        KERNELS.iter().copied().zip(self.profile.0).collect()
+    }
+    /// Clears the per-kernel times.
+    pub fn reset_kernel_times(&mut self) {
+        self.profile = Profile::default();
+    }
+
+    /// Sets every gradient to zero (backward accumulates).
+    pub fn zero_grad(&mut self) {
+        self.grads.fill(0.0);
+    }
+
+    /// Forward pass, as Hugging Face's `GPT2LMHeadModel`. `input_ids`, `attention_mask` (1 token,
+    /// 0 padding) and `labels` are (B, T) row-major. Labels are aligned with the inputs: position
+    /// t is scored on `labels[t + 1]`; -100 is ignored, and so is any position where the input
+    /// or the target is padding. Returns the mean loss over counted positions when labels are
+    /// given (0 when none is counted). Logits are readable afterwards with [`GPT::logits`].
+    pub fn forward(
+        &mut self,
+        input_ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<&[i32]>,
+        b: usize,
+        t: usize,
+    ) -> Result<Option<f32>, GptError> {
+        validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
+        let n = b * t;
+        if self.act_layout.as_ref().is_none_or(|al| al.n < n) {
+            // Free the old arena first so peak memory is one arena, not two.
+            self.arena = Vec::new();
+            let al = ActLayout::new(&self.config, n, self.keep_max_bytes);
+            self.arena = vec![0.0; al.total];
+            self.attn_scratch = vec![
+                0.0;
+                self.dev
+                    .attention_scratch_len(self.config.max_position_embeddings)
+            ];
+            self.act_layout = Some(al);
+        }
+        self.batch.set(input_ids, attention_mask, labels, b, t);
+
+        let drop = self.drop_key();
+        let GPT {
+            config,
+            layout,
+            params,
+            dev,
+            act_layout,
+            arena,
+            attn_scratch,
+            batch,
+            profile,
+            ..
+        } = self;
+        let al = act_layout.as_ref().expect("arena allocated above");
+        let mut acts = al.carve(arena);
+        let mut run = || {
+            forward_pass(
+                config,
+                layout,
+                params,
+                &**dev,
+                &mut acts,
+                attn_scratch,
+                batch,
+                drop,
+                profile,
+            )
+        };
+        let mut loss = None;
+        dev.install(&mut || loss = run());
+        Ok(loss)
+    }
+
+    fn drop_key(&self) -> DropKey {
+        DropKey {
+            on: self.training && self.config.dropout > 0.0,
+            p: self.config.dropout,
+            seed: self.dropout_seed,
+            rank: self.rank,
+            step: self.step,
+        }
+    }
+
+    /// Backward pass for the last forward (which must have had labels), accumulating into the
+    /// gradient buffer. Runs from the top block down; as soon as a range of gradients is final
+    /// it calls `hook(range, grads)` with exactly that part of the gradient buffer, which this
+    /// backward will not touch again. Order: [ln_f (+ lm_head if untied)], block L-1, ...,
+    /// block 0, then [wte, wpe] (wte also holds the tied head's gradient). The ranges
+    /// partition the buffer. The hook runs on an engine thread, hence `Send`.
+    pub fn backward<'g, F>(&'g mut self, hook: F) -> Result<(), GptError>
+    where
+        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
+    {
+        let counted = self.batch.counted.ok_or(GptError::NoLoss)?;
+        let drop = self.drop_key();
+        let GPT {
+            config,
+            layout,
+            params,
+            grads,
+            dev,
+            act_layout,
+            arena,
+            attn_scratch,
+            batch,
+            profile,
+            ..
+        } = self;
+        let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
+        let mut acts = al.carve(arena);
+        let mut grads = Some(grads.as_mut_slice());
+        let mut hook = Some(hook);
+        let dev: &dyn Backend = &**dev;
+        let mut run = || {
+            let (grads, hook) = (
+                grads.take().expect("runs once"),
+                hook.take().expect("runs once"),
+            );
+            backward_pass(
+                config,
+                layout,
+                params,
+                grads,
+                dev,
+                &mut acts,
+                attn_scratch,
+                batch,
+                counted,
+                drop,
+                profile,
+                hook,
+            )
+        };
+        dev.install(&mut run);
+        Ok(())
+    }
+}
+
+/// Checks a batch's shapes and token ids; `ids` is `None` for a stage fed activations.
+pub(crate) fn validate_batch(
+    cfg: &GPTConfig,
+    ids: Option<&[u32]>,
+    mask: Option<&[u8]>,
+    labels: Option<&[i32]>,
+    b: usize,
+    t: usize,
+) -> Result<(), GptError> {
+    let shape = |what, found: usize| {
+        if found != b * t {
+            Err(GptError::InputShape {
+                what,
+                found,
+                batch: b,
+                seq: t,
+            })
+        } else {
+            Ok(())
+        }
+    };
+    if let Some(ids) = ids {
+        shape("input_ids", ids.len())?;
+    }
+    if b * t == 0 {
+        return Err(GptError::InputShape {
+            what: "input_ids",
+            found: 0,
+            batch: b,
+            seq: t,
+        });
+    }
+    if let Some(m) = mask {
+        shape("attention_mask", m.len())?;
+    }
+    if let Some(l) = labels {
+        shape("labels", l.len())?;
+    }
+    if t > cfg.max_position_embeddings {
+        return Err(GptError::SequenceTooLong {
+            seq: t,
+            max: cfg.max_position_embeddings,
+        });
+    }
+    let vocab = cfg.vocab_size;
+    let mut ids = ids.unwrap_or_default().iter().enumerate();
+    if let Some((index, &id)) = ids.find(|(_, &id)| id as usize >= vocab) {
+        return Err(GptError::TokenOutOfRange {
+            what: "input_ids",
+            index,
+            value: id as i64,
+            vocab,
+        });
+    }
+    if let Some(l) = labels {
+        if let Some((index, &y)) = l
+            .iter()
+            .enumerate()
+            .find(|(_, &y)| y != -100 && (y < 0 || y as usize >= vocab))
+        {
+            return Err(GptError::TokenOutOfRange {
+                what: "labels",
+                index,
+                value: y as i64,
+                vocab,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn forward_pass(
+    cfg: &GPTConfig,
+    lay: &Layout,
+    p: &[f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    batch: &Batch,
+    drop: DropKey,
+    prof: &mut Profile,
+) -> Option<f32> {
+    let (b, t) = (batch.b, batch.t);
+    let (c, f, nh) = (cfg.d_model, cfg.d_ff, cfg.n_heads);
+    let mask = batch.has_mask.then_some(&batch.mask[..]);
+    let dims = AttnDims { b, t, c, nh };
+    embed_forward(p, &lay.wte, &lay.wpe, dev, a, batch, c, drop, prof);
+    for (l, bl) in lay.blocks.iter().enumerate() {
+        block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
+    }
+    let head = HeadLayout {
+        ln_f_w: &lay.ln_f_w,
+        ln_f_b: &lay.ln_f_b,
+        lm_head: &lay.lm_head,
+    };
+    head_forward(
+        cfg.n_layers,
+        &head,
+        p,
+        dev,
+        a,
+        batch,
+        c,
+        cfg.vocab_size,
+        prof,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn backward_pass<'g>(
+    cfg: &GPTConfig,
+    lay: &Layout,
+    p: &[f32],
+    grads: &'g mut [f32],
+    dev: &dyn Backend,
+    a: &mut Acts,
+    scratch: &mut [f32],
+    batch: &Batch,
+    counted: usize,
+    drop: DropKey,
+    prof: &mut Profile,
+    mut hook: impl FnMut(Range<usize>, &'g mut [f32]),
+) {
+    let (b, t) = (batch.b, batch.t);
+    let (c, f, v, nh) = (cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
+    let mask = batch.has_mask.then_some(&batch.mask[..]);
+    let dims = AttnDims { b, t, c, nh };
+
+    // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
+    // handed out last) or to lm_head (in the top range, after ln_f).
+    let head_start = lay.ln_f_w.start;
+    let (mut rest, top) = grads.split_at_mut(head_start);
+    {
+        let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
+        let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
+            &mut rest[lay.wte.clone()]
+        } else {
+            lm_head_g
+        };
+        let (dw, db) = wb(lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
+        let head = HeadLayout {
+            ln_f_w: &lay.ln_f_w,
+            ln_f_b: &lay.ln_f_b,
+            lm_head: &lay.lm_head,
+        };
+        let dw_lnf = (dw, db);
+        head_backward(
+            cfg.n_layers,
+            &head,
+            p,
+            dw_head,
+            dw_lnf,
+            dev,
+            a,
+            batch,
+            counted,
+            c,
+            v,
+            prof,
+        );
+    }
+    hook(head_start..lay.total, top);
+
+    for (l, bl) in lay.blocks.iter().enumerate().rev() {
+        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
+        rest = lower;
+        block_backward(l, l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
+        hook(bl.all.clone(), g);
+    }
+
+    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    embed_backward(
+        &mut dwte[lay.wte.clone()],
+        dwpe,
+        dev,
+        a,
+        batch,
+        c,
+        drop,
+        prof,
+    );
+    hook(0..lay.wpe.end, rest);
+}

@@ -1,0 +1,296 @@
+use super::*;
+
+fn tiny(bias: bool, tied: bool, dropout: f32) -> GPTConfig {
+    GPTConfig {
+        vocab_size: 11,
+        max_position_embeddings: 8,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 8,
+        d_ff: 12,
+        dropout,
+        bias,
+        tie_word_embeddings: tied,
+    }
+}
+
+fn model(cfg: GPTConfig, threads: usize, seed: u64) -> GPT {
+    GPT::with_backend(cfg, seed, Box::new(Cpu::new(threads).unwrap())).unwrap()
+}
+
+/// B = 2, T = 7: row 0 has trailing padding, row 1 is left-padded; some labels are -100.
+fn batch() -> (Vec<u32>, Vec<u8>, Vec<i32>) {
+    let ids: Vec<u32> = (0..14).map(|i| (i * 7 % 11) as u32).collect();
+    let mask = vec![1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1];
+    let mut labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    labels[3] = -100;
+    labels[12] = -100;
+    (ids, mask, labels)
+}
+
+fn loss_at(m: &mut GPT, ids: &[u32], mask: &[u8], labels: &[i32]) -> f64 {
+    m.forward(ids, Some(mask), Some(labels), 2, 7)
+        .unwrap()
+        .unwrap() as f64
+}
+
+/// Central differences in f32 on parameters scaled up to N(0, 0.3) (so gradients are O(0.1)
+/// and the loss differences stand well above f32 rounding): for every tensor, a sample of
+/// single coordinates, and the derivative along the tensor's own gradient (which catches any
+/// scale error tightly). Dropout masks are fixed per step, so the check holds with dropout.
+fn grad_check(cfg: GPTConfig) {
+    for keep_max_bytes in [KEEP_MAX_BYTES, 0] {
+        grad_check_keeping(cfg.clone(), keep_max_bytes);
+    }
+}
+
+fn grad_check_keeping(cfg: GPTConfig, keep_max_bytes: usize) {
+    let (ids, mask, labels) = batch();
+    let mut m = model(cfg.clone(), 2, 5);
+    m.keep_max_bytes = keep_max_bytes;
+    let mut rng = Normal::new(77);
+    let mut big = vec![0.0; m.num_params()];
+    rng.fill(&mut big, 0.3);
+    m.params_mut().copy_from_slice(&big);
+    m.set_dropout_key(3, 1, 9);
+    loss_at(&mut m, &ids, &mask, &labels);
+    m.zero_grad();
+    m.backward(|_, _| {}).unwrap();
+    let g = m.grads().to_vec();
+    assert!(g.iter().all(|x| x.is_finite()));
+    let eps = 1e-2f32;
+    let views = m.param_views().to_vec();
+    for v in &views {
+        let r = v.range.clone();
+        let picks: Vec<usize> = (0..8).map(|k| r.start + (k * 7919) % r.len()).collect();
+        for &i in &picks {
+            let orig = m.params()[i];
+            m.params_mut()[i] = orig + eps;
+            let up = loss_at(&mut m, &ids, &mask, &labels);
+            m.params_mut()[i] = orig - eps;
+            let dn = loss_at(&mut m, &ids, &mask, &labels);
+            m.params_mut()[i] = orig;
+            let fd = (up - dn) / (2.0 * eps as f64);
+            let err = (fd - g[i] as f64).abs();
+            assert!(
+                err <= 1e-2 * fd.abs().max(g[i].abs() as f64) + 5e-5,
+                "{} [{}]: backward {}, finite difference {fd}",
+                v.name,
+                i - r.start,
+                g[i]
+            );
+        }
+        let norm = g[r.clone()]
+            .iter()
+            .map(|&x| (x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        if norm < 1e-6 {
+            continue;
+        }
+        // Along the gradient itself, then along a random direction (which an error
+        // orthogonal to the gradient cannot hide from).
+        let mut random = vec![0.0f32; r.len()];
+        rng.fill(&mut random, 1.0);
+        let rnorm = random
+            .iter()
+            .map(|&x| (x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let along_g: Vec<f64> = g[r.clone()].iter().map(|&x| x as f64 / norm).collect();
+        let along_r: Vec<f64> = random.iter().map(|&x| x as f64 / rnorm).collect();
+        let base = m.params()[r.clone()].to_vec();
+        for (what, dir) in [("gradient", along_g), ("random", along_r)] {
+            let want: f64 = dir
+                .iter()
+                .zip(&g[r.clone()])
+                .map(|(d, &g)| d * g as f64)
+                .sum();
+            let mut at = |s: f64| {
+                for (k, i) in r.clone().enumerate() {
+                    m.params_mut()[i] = base[k] + (s * dir[k]) as f32;
+                }
+                loss_at(&mut m, &ids, &mask, &labels)
+            };
+            let fd = (at(eps as f64) - at(-eps as f64)) / (2.0 * eps as f64);
+            m.params_mut()[r.clone()].copy_from_slice(&base);
+            assert!((fd - want).abs() <= 3e-3 * norm + 2e-5, "{} along the {what} direction: backward {want}, finite difference {fd} (|grad| {norm})", v.name);
+        }
+    }
+}
+
+#[test]
+fn parallel_init_draws_what_one_sequential_pass_draws() {
+    // wte (1001 x 130) spans three chunks, the last odd-sized.
+    let cfg = GPTConfig {
+        vocab_size: 1001,
+        max_position_embeddings: 9,
+        d_model: 130,
+        d_ff: 70,
+        ..tiny(true, false, 0.0)
+    };
+    let m = model(cfg.clone(), 1, 42);
+    let mut want = vec![f32::NAN; m.num_params()];
+    let mut rng = Normal::new(42);
+    let resid_std = 0.02 / (2.0 * cfg.n_layers as f64).sqrt();
+    for v in m.param_views() {
+        let p = &mut want[v.range.clone()];
+        if v.name.ends_with(".bias") {
+            p.fill(0.0);
+        } else if v.name.contains("ln_") {
+            p.fill(1.0);
+        } else if v.name.ends_with("c_proj.weight") {
+            rng.fill(p, resid_std);
+        } else {
+            rng.fill(p, 0.02);
+        }
+    }
+    assert!(m.params() == want.as_slice());
+}
+
+#[test]
+fn gradients_match_finite_differences_tied_with_bias() {
+    grad_check(tiny(true, true, 0.0));
+}
+
+#[test]
+fn gradients_match_finite_differences_untied_without_bias() {
+    grad_check(tiny(false, false, 0.0));
+}
+
+#[test]
+fn gradients_match_finite_differences_with_dropout() {
+    grad_check(tiny(true, false, 0.2));
+}
+
+#[test]
+fn initial_loss_is_ln_vocab() {
+    let cfg = GPTConfig::config_a();
+    let mut m = model(cfg.clone(), 2, 1234);
+    let (b, t) = (4, 64);
+    let ids: Vec<u32> = (0..b * t)
+        .map(|i| ((i * 2_654_435_761usize) >> 7) as u32 % 65)
+        .collect();
+    let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    let loss = m.forward(&ids, None, Some(&labels), b, t).unwrap().unwrap();
+    assert!((loss - 65f32.ln()).abs() < 0.1, "initial loss {loss}");
+    // The residual projections are drawn with the smaller std.
+    let proj = m
+        .param_views()
+        .iter()
+        .find(|v| v.name == "h.0.mlp.c_proj.weight")
+        .unwrap();
+    let p = &m.params()[proj.range.clone()];
+    let std = (p.iter().map(|x| x * x).sum::<f32>() / p.len() as f32).sqrt();
+    assert!((std - 0.02 / 8f32.sqrt()).abs() < 5e-4, "c_proj std {std}");
+}
+
+/// Losses and parameters after a few steps of plain SGD, dropout on.
+fn run(threads: usize) -> (Vec<f32>, Vec<f32>) {
+    let cfg = GPTConfig {
+        dropout: 0.1,
+        ..GPTConfig::config_a()
+    };
+    let mut m = model(cfg, threads, 42);
+    let (b, t) = (3, 64);
+    let mut losses = vec![];
+    for step in 0..3u64 {
+        let ids: Vec<u32> = (0..b * t)
+            .map(|i| ((i as u64 * 31 + step * 17) % 65) as u32)
+            .collect();
+        let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+        let mut mask = vec![1u8; b * t];
+        mask[t..t + 5].fill(0);
+        m.set_dropout_key(42, 0, step);
+        losses.push(
+            m.forward(&ids, Some(&mask), Some(&labels), b, t)
+                .unwrap()
+                .unwrap(),
+        );
+        m.zero_grad();
+        m.backward(|_, _| {}).unwrap();
+        let (p, g) = m.params_and_grads_mut();
+        p.iter_mut().zip(g).for_each(|(p, g)| *p -= 0.1 * g);
+    }
+    (losses, m.params().to_vec())
+}
+
+#[test]
+fn training_is_bitwise_reproducible_and_independent_of_thread_count() {
+    let one = run(1);
+    assert_eq!(one, run(1), "two runs with 1 thread differ");
+    assert_eq!(one, run(2), "1 and 2 threads differ");
+    assert!(one.0[2] < one.0[0], "loss did not go down: {:?}", one.0);
+}
+
+#[test]
+fn backward_hands_out_final_ranges_in_order_to_another_thread() {
+    for tied in [true, false] {
+        let mut m = model(tiny(true, tied, 0.0), 2, 9);
+        let (ids, mask, labels) = batch();
+        loss_at(&mut m, &ids, &mask, &labels);
+        m.zero_grad();
+        let expected = m.ready_ranges();
+        let (got, sums) = std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::channel::<(Range<usize>, &mut [f32])>();
+            let summer = s.spawn(move || {
+                let mut got = vec![];
+                let mut sums = vec![];
+                for (r, g) in rx {
+                    assert_eq!(r.len(), g.len());
+                    sums.push(g.iter().map(|&x| x as f64).sum::<f64>());
+                    // The slice is ours now: scaling it must show up in the final buffer.
+                    g.iter_mut().for_each(|x| *x *= 2.0);
+                    got.push(r);
+                }
+                (got, sums)
+            });
+            m.backward(move |r, g| tx.send((r, g)).unwrap()).unwrap();
+            summer.join().unwrap()
+        });
+        assert_eq!(got, expected);
+        assert_eq!(got.first().unwrap().end, m.num_params());
+        assert_eq!(got.last().unwrap().start, 0);
+        for (r, s) in got.iter().zip(&sums) {
+            let now: f64 = m.grads()[r.clone()].iter().map(|&x| x as f64).sum();
+            assert!((now - 2.0 * s).abs() <= 1e-9 * (1.0 + s.abs()), "{r:?}");
+        }
+    }
+}
+
+#[test]
+fn arena_is_reused_for_same_or_smaller_batches_and_grows_once() {
+    let mut m = model(tiny(true, true, 0.0), 1, 1);
+    let ids = vec![1u32; 16];
+    m.forward(&ids, None, None, 2, 8).unwrap();
+    let ptr = m.arena.as_ptr();
+    m.forward(&ids[..8], None, None, 1, 8).unwrap();
+    m.forward(&ids, None, None, 2, 8).unwrap();
+    assert_eq!(ptr, m.arena.as_ptr());
+    assert_eq!(m.logits().len(), 16 * 11);
+    let ids = vec![1u32; 24];
+    m.forward(&ids, None, None, 3, 8).unwrap();
+    assert_eq!(m.logits().len(), 24 * 11);
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let mut m = model(tiny(true, true, 0.0), 1, 1);
+    let err = |r: Result<Option<f32>, GptError>| r.unwrap_err().to_string();
+    assert!(err(m.forward(&[1, 2, 3], None, None, 2, 2)).contains("input_ids has 3 elements"));
+    assert!(err(m.forward(&[1; 9], None, None, 1, 9)).contains("exceeds max_position_embeddings 8"));
+    assert!(err(m.forward(&[1, 11], None, None, 1, 2)).contains("input_ids[1] = 11"));
+    assert!(err(m.forward(&[1, 2], None, Some(&[1, -5]), 1, 2)).contains("labels[1] = -5"));
+    assert!(err(m.forward(&[1, 2], Some(&[1]), None, 1, 2)).contains("attention_mask"));
+    m.forward(&[1, 2], None, None, 1, 2).unwrap();
+    assert!(matches!(m.backward(|_, _| {}), Err(GptError::NoLoss)));
+    // All labels ignored: loss 0 and zero gradients, not NaN.
+    let loss = m
+        .forward(&[1, 2], None, Some(&[-100, -100]), 1, 2)
+        .unwrap()
+        .unwrap();
+    assert_eq!(loss, 0.0);
+    m.zero_grad();
+    m.backward(|_, _| {}).unwrap();
+    assert!(m.grads().iter().all(|&g| g == 0.0));
+}

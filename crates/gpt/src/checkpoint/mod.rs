@@ -1,0 +1,355 @@
+//! Checkpoints in Hugging Face GPT-2 format, written so that a crash never costs the last good one.
+//!
+//! A checkpoint is a directory:
+//!
+//! ```text
+//! ROOT/latest                  name of the newest complete checkpoint ("step-000100")
+//! ROOT/step-000100/
+//!     config.json              GPT-2's config (model_type "gpt2", n_embd, n_layer, ...)
+//!     model.safetensors        GPT-2's tensor names and shapes (GPT2Model's, no prefix)
+//!     optimizer.safetensors    optional: the optimizer's flat state buffers + step
+//!     trainer_state.json       optional: step, seed and whatever else the trainer keeps
+//!     vocab.json ...           optional extra files the caller hands in
+//!     SHA256SUMS               SHA-256 of every file above, in `sha256sum` format (written last)
+//! ```
+//!
+//! `config.json` + `model.safetensors` are exactly what `GPT2LMHeadModel.from_pretrained(dir)`
+//! reads (Conv1D weights stored `[in, out]`, as our flat layout already is), and loading accepts
+//! what Hugging Face writes: the `transformer.` prefix, the `attn.bias` / `attn.masked_bias`
+//! buffers of older files, a tied `lm_head.weight` copy.
+//!
+//! Atomicity: a checkpoint is written into `ROOT/.tmp-NAME`, every file fsynced, the directory
+//! fsynced, then renamed to `ROOT/NAME`, `ROOT` fsynced, and only then is `latest` replaced (temp
+//! file, fsync, rename, fsync). A crash at any point leaves the previous checkpoint and a `latest`
+//! naming a complete one. Replacing a checkpoint of the same name moves the old one to
+//! `ROOT/.old-NAME` first; if a crash strikes before the new one is in place, [`resolve`] falls
+//! back to it. A save that fails (disk full, permissions) removes its temp directory and leaves
+//! the previous checkpoints and `latest` as they were.
+//!
+//! Verification: `SHA256SUMS` is written after every other file, so a checkpoint that has it was
+//! written whole, and `cd step-000100 && sha256sum -c SHA256SUMS` checks it by hand. Every reader
+//! here checks the bytes it read against it and reports a mismatch as
+//! [`CheckpointError::Corrupt`], naming the file. Directories without `SHA256SUMS` (Hugging Face
+//! downloads, checkpoints of older versions) load unverified.
+//!
+//! This module must never write a file in place, never load a tensor whose name, dtype or shape
+//! differs from what the config expects, and never hand out bytes that contradict `SHA256SUMS`.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use cohort_engine::optim::{OptimError, Optimizer, OptimizerState};
+use safetensors::tensor::{Dtype, SafeTensors, View};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::{GPTConfig, GptError, ParamView, GPT};
+
+mod hf_config;
+mod integrity;
+mod tensors;
+#[cfg(test)]
+mod tests;
+mod trainer_files;
+
+use hf_config::*;
+use integrity::*;
+use tensors::*;
+use trainer_files::*;
+
+pub use hf_config::load_config;
+pub use integrity::{verify, write_file_atomic};
+pub use tensors::load_params_into;
+pub use trainer_files::{load_optimizer_into, load_trainer_state};
+
+/// The model's configuration, in Hugging Face's format.
+pub const CONFIG_FILE: &str = "config.json";
+/// The parameters.
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The optimizer's state buffers.
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+/// The trainer's position.
+pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// In a checkpoint root: the name of the newest complete checkpoint.
+pub const LATEST_FILE: &str = "latest";
+/// The SHA-256 of every other file of a checkpoint, as `sha256sum` writes them.
+pub const CHECKSUMS_FILE: &str = "SHA256SUMS";
+
+/// What went wrong saving or loading a checkpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file-system operation failed.
+    #[error("{op} {path}: {source}")]
+    Io {
+        /// What was being done (`create`, `write`, `rename`, `fsync`, `read`, ...).
+        op: &'static str,
+        /// The path it was done to.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A file is not valid safetensors / JSON, or holds values we cannot use.
+    #[error("{path}: {reason}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// `config.json` describes a model this implementation does not compute.
+    #[error("{path}: unsupported {field} = {value}: {reason}")]
+    UnsupportedConfig {
+        /// The file.
+        path: PathBuf,
+        /// The config key.
+        field: &'static str,
+        /// Its value.
+        value: String,
+        /// Why it is unsupported.
+        reason: &'static str,
+    },
+    /// The file has no tensor of this name, which the config needs.
+    #[error("{path}: missing tensor(s) {names:?}")]
+    MissingTensors {
+        /// The file.
+        path: PathBuf,
+        /// The names expected but absent.
+        names: Vec<String>,
+    },
+    /// The file has a tensor the config does not know.
+    #[error("{path}: unexpected tensor {name:?} (not part of a model with this config)")]
+    UnexpectedTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name as stored.
+        name: String,
+    },
+    /// A tensor's shape differs from the config's.
+    #[error("{path}: tensor {name:?} has shape {found:?}, the config expects {expected:?}")]
+    ShapeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+        /// The shape stored.
+        found: Vec<usize>,
+    },
+    /// A tensor is not f32.
+    #[error("{path}: tensor {name:?} has dtype {found}, expected F32")]
+    DtypeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor.
+        name: String,
+        /// The stored dtype.
+        found: String,
+    },
+    /// The file stores an `lm_head.weight` that differs from `wte.weight` but the config ties them.
+    #[error(
+        "{path}: lm_head.weight differs from wte.weight but config.json has tie_word_embeddings"
+    )]
+    UntiedHead {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The optimizer rejected the stored state.
+    #[error("{path}: {source}")]
+    Optimizer {
+        /// The file.
+        path: PathBuf,
+        /// The optimizer's complaint.
+        source: OptimError,
+    },
+    /// A file's bytes contradict the checkpoint's `SHA256SUMS`: it was truncated, overwritten or
+    /// damaged after the checkpoint was written.
+    #[error(
+        "{path}: corrupt: SHA-256 {found} does not match {expected} in {CHECKSUMS_FILE} \
+         ({size} bytes; truncated or damaged after it was written)"
+    )]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The digest `SHA256SUMS` records (hex).
+        expected: String,
+        /// The digest of the bytes read (hex).
+        found: String,
+        /// The file's size.
+        size: u64,
+    },
+    /// No checkpoint at this path: neither a `config.json` nor a `latest` pointer.
+    #[error(
+        "{path}: not a checkpoint (no {CONFIG_FILE}) nor a checkpoint root (no {LATEST_FILE})"
+    )]
+    NotACheckpoint {
+        /// The path given.
+        path: PathBuf,
+    },
+    /// A checkpoint name that is not a plain directory name.
+    #[error("invalid checkpoint name {name:?}: must be a non-empty plain file name")]
+    BadName {
+        /// The name given.
+        name: String,
+    },
+    /// Building the model failed.
+    #[error(transparent)]
+    Model(#[from] GptError),
+}
+
+fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError {
+    let path = path.to_path_buf();
+    move |source| CheckpointError::Io { op, path, source }
+}
+
+fn format_err(path: &Path, reason: impl ToString) -> CheckpointError {
+    CheckpointError::Format {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Where the trainer is: enough to continue as if it had not stopped. `extra` keeps any other
+/// fields the trainer writes (data position, epoch, ...), round-tripped untouched.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed (the schedule's position: the next step runs `lr(step)`).
+    pub step: u64,
+    /// The run's seed (data order, dropout keys).
+    pub seed: u64,
+    /// Everything else the trainer keeps.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// What to save. Only `model` is required.
+#[derive(Default)]
+pub struct Checkpoint<'a> {
+    /// The model: config.json + model.safetensors.
+    pub model: Option<&'a GPT>,
+    /// The optimizer: optimizer.safetensors.
+    pub optimizer: Option<&'a dyn Optimizer>,
+    /// The trainer's position: trainer_state.json.
+    pub trainer_state: Option<&'a TrainerState>,
+    /// Further files (name, bytes), e.g. `vocab.json`.
+    pub extra_files: Vec<(&'a str, &'a [u8])>,
+}
+
+/// Writes every file of `ckpt` into the fresh directory `dir`, `SHA256SUMS` last, and fsyncs
+/// them and `dir`.
+fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError> {
+    let mut written = Vec::new();
+    if let Some(model) = ckpt.model {
+        write_model_files(dir, model)?;
+        written.extend([CONFIG_FILE.to_string(), MODEL_FILE.to_string()]);
+    }
+    if let Some(opt) = ckpt.optimizer {
+        write_optimizer_file(&dir.join(OPTIMIZER_FILE), opt)?;
+        written.push(OPTIMIZER_FILE.to_string());
+    }
+    if let Some(state) = ckpt.trainer_state {
+        let json = serde_json::to_vec_pretty(state).map_err(|e| format_err(dir, e))?;
+        write_bytes(&dir.join(TRAINER_STATE_FILE), &json)?;
+        written.push(TRAINER_STATE_FILE.to_string());
+    }
+    for (file, bytes) in &ckpt.extra_files {
+        if file.is_empty()
+            || file.contains(['/', '\\'])
+            || file.starts_with('.')
+            || *file == CHECKSUMS_FILE
+        {
+            return Err(CheckpointError::BadName {
+                name: file.to_string(),
+            });
+        }
+        write_bytes(&dir.join(file), bytes)?;
+        written.push(file.to_string());
+    }
+    write_checksums(dir, &written)?;
+    fsync(dir)
+}
+
+/// Writes the checkpoint `name` under `root` atomically and points `root/latest` at it; returns
+/// its directory. See the module docs for the crash guarantees.
+pub fn save(root: &Path, name: &str, ckpt: &Checkpoint<'_>) -> Result<PathBuf, CheckpointError> {
+    if name.is_empty()
+        || name == "."
+        || name == ".."
+        || name.starts_with('.')
+        || name.contains(['/', '\\'])
+        || name == LATEST_FILE
+    {
+        return Err(CheckpointError::BadName { name: name.into() });
+    }
+    fs::create_dir_all(root).map_err(io("create", root))?;
+    let tmp = root.join(format!(".tmp-{name}"));
+    if tmp.exists() {
+        // Left by a save that crashed; never referenced by `latest`.
+        fs::remove_dir_all(&tmp).map_err(io("remove", &tmp))?;
+    }
+    fs::create_dir(&tmp).map_err(io("create", &tmp))?;
+    if let Err(e) = write_files(&tmp, ckpt) {
+        // A full disk is the usual cause: give the space back. Failing to is not worth
+        // reporting over the write error; the next save of this name removes the rest.
+        let _ = fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+
+    let dest = root.join(name);
+    let old = root.join(format!(".old-{name}"));
+    if dest.exists() {
+        if old.exists() {
+            fs::remove_dir_all(&old).map_err(io("remove", &old))?;
+        }
+        fs::rename(&dest, &old).map_err(io("rename", &dest))?;
+    }
+    fs::rename(&tmp, &dest).map_err(io("rename", &tmp))?;
+    fsync(root)?;
+    write_file_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
+    // The old copy, moved aside above or by a replace that crashed, is superseded now.
+    if old.exists() {
+        fs::remove_dir_all(&old).map_err(io("remove", &old))?;
+    }
+    Ok(dest)
+}
+
+/// The checkpoint directory `path` denotes: `path` itself when it holds a `config.json`, else the
+/// one its `latest` pointer names (or that one's `.old-` copy, left by a crash mid-replace).
+pub fn resolve(path: &Path) -> Result<PathBuf, CheckpointError> {
+    if path.join(CONFIG_FILE).is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join(LATEST_FILE);
+    let name = match fs::read_to_string(&latest) {
+        Ok(s) => s.trim().to_string(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(CheckpointError::NotACheckpoint {
+                path: path.to_path_buf(),
+            })
+        }
+        Err(e) => return Err(io("read", &latest)(e)),
+    };
+    for dir in [path.join(&name), path.join(format!(".old-{name}"))] {
+        if dir.join(CONFIG_FILE).is_file() {
+            return Ok(dir);
+        }
+    }
+    Err(format_err(
+        &latest,
+        format!("names checkpoint {name:?}, which has no {CONFIG_FILE}"),
+    ))
+}
+
+/// Builds the model a checkpoint describes (`path`: a checkpoint directory or a root with a
+/// `latest` pointer) and loads its parameters. Returns the model and the resolved directory.
+pub fn load_model(path: &Path) -> Result<(GPT, PathBuf), CheckpointError> {
+    let dir = resolve(path)?;
+    let cfg = load_config(&dir)?;
+    let mut model = GPT::new(cfg, 0)?;
+    load_params_into(&dir, &mut model)?;
+    Ok((model, dir))
+}

@@ -1,0 +1,160 @@
+//! The tensors: model.safetensors written from the flat parameter buffer under GPT-2's names,
+//! and read back with every name, dtype and shape checked against the model's layout.
+
+use super::*;
+
+/// A borrowed f32 tensor for the safetensors writer (little-endian, as the format requires).
+pub(super) struct F32View<'a> {
+    pub(super) shape: Vec<usize>,
+    pub(super) data: &'a [f32],
+}
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        // One tensor at a time is converted, so the copy costs one tensor's size, not the model's.
+        Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+/// Writes a safetensors file at `path` and fsyncs it.
+pub(super) fn write_safetensors(
+    path: &Path,
+    tensors: Vec<(String, F32View<'_>)>,
+    metadata: HashMap<String, String>,
+) -> Result<(), CheckpointError> {
+    safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(source) => CheckpointError::Io {
+            op: "write",
+            path: path.to_path_buf(),
+            source,
+        },
+        other => format_err(path, other),
+    })?;
+    fsync(path)
+}
+
+/// Writes config.json and model.safetensors for `model` into the existing directory `dir`
+/// (each file fsynced, not renamed: callers write into a directory they rename afterwards).
+pub(super) fn write_model_files(dir: &Path, model: &GPT) -> Result<(), CheckpointError> {
+    let hf = HfGpt2Config::from_config(model.config());
+    let json = serde_json::to_vec_pretty(&hf).map_err(|e| format_err(dir, e))?;
+    write_bytes(&dir.join(CONFIG_FILE), &json)?;
+    let params = model.params();
+    let tensors = model
+        .param_views()
+        .iter()
+        .map(|v| {
+            let view = F32View {
+                shape: v.shape.clone(),
+                data: &params[v.range.clone()],
+            };
+            (v.name.clone(), view)
+        })
+        .collect();
+    // Hugging Face refuses safetensors files without format "pt".
+    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_safetensors(&dir.join(MODEL_FILE), tensors, metadata)
+}
+
+pub(super) fn read_file(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    fs::read(path).map_err(io("read", path))
+}
+
+pub(super) fn parse_safetensors<'a>(
+    path: &Path,
+    bytes: &'a [u8],
+) -> Result<SafeTensors<'a>, CheckpointError> {
+    SafeTensors::deserialize(bytes).map_err(|e| format_err(path, e))
+}
+
+pub(super) fn copy_f32(dst: &mut [f32], src: &[u8]) {
+    for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
+        *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    }
+}
+
+/// Whether a stored name is one of the causal-mask buffers some GPT-2 files carry
+/// (`h.N.attn.bias`, `h.N.attn.masked_bias`): constants, not parameters.
+pub(super) fn is_mask_buffer(name: &str) -> bool {
+    let parts: Vec<&str> = name.split('.').collect();
+    matches!(parts.as_slice(), ["h", l, "attn", "bias" | "masked_bias"] if l.parse::<usize>().is_ok())
+}
+
+/// Loads model.safetensors from `dir` into `model`'s parameters. Every tensor is checked (name,
+/// dtype, shape) before any parameter is written, so a failed load leaves the model unchanged.
+pub fn load_params_into(dir: &Path, model: &mut GPT) -> Result<(), CheckpointError> {
+    let path = dir.join(MODEL_FILE);
+    let bytes = read_verified(dir, MODEL_FILE)?;
+    let st = parse_safetensors(&path, &bytes)?;
+    let views: Vec<ParamView> = model.param_views().to_vec();
+    let mut stored = HashMap::new();
+    for (name, t) in st.iter() {
+        let key = name.strip_prefix("transformer.").unwrap_or(name);
+        if is_mask_buffer(key) {
+            continue;
+        }
+        if stored.insert(key, (name, t)).is_some() {
+            return Err(format_err(&path, format!("tensor {key:?} stored twice")));
+        }
+    }
+    // Checked in the model's order, so the first error reported is the first tensor at fault.
+    let mut plan: Vec<(&ParamView, &[u8])> = Vec::with_capacity(views.len());
+    let mut missing = Vec::new();
+    for view in &views {
+        let Some((name, t)) = stored.remove(view.name.as_str()) else {
+            missing.push(view.name.clone());
+            continue;
+        };
+        if t.dtype() != Dtype::F32 {
+            return Err(CheckpointError::DtypeMismatch {
+                path,
+                name: name.to_string(),
+                found: format!("{:?}", t.dtype()),
+            });
+        }
+        if t.shape() != view.shape.as_slice() {
+            return Err(CheckpointError::ShapeMismatch {
+                path,
+                name: name.to_string(),
+                expected: view.shape.clone(),
+                found: t.shape().to_vec(),
+            });
+        }
+        plan.push((view, t.data()));
+    }
+    if !missing.is_empty() {
+        return Err(CheckpointError::MissingTensors {
+            path,
+            names: missing,
+        });
+    }
+    if model.config().tie_word_embeddings {
+        // Files written with the head tied may still store it; accept an identical copy only.
+        if let Some((_, head)) = stored.remove("lm_head.weight") {
+            let wte = plan.iter().find(|(v, _)| v.name == "wte.weight");
+            if wte.map(|(_, d)| *d) != Some(head.data()) {
+                return Err(CheckpointError::UntiedHead { path });
+            }
+        }
+    }
+    if let Some(name) = stored.values().map(|(name, _)| *name).min() {
+        return Err(CheckpointError::UnexpectedTensor {
+            path,
+            name: name.to_string(),
+        });
+    }
+    let params = model.params_mut();
+    for (view, data) in plan {
+        copy_f32(&mut params[view.range.clone()], data);
+    }
+    Ok(())
+}

@@ -18,10 +18,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::OpKind;
 use crate::element::{DType, Element};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
+use crate::kinds::OpKind;
 use crate::reduce_op::ReduceOp;
 use half::bf16;
 

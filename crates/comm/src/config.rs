@@ -10,9 +10,8 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use crate::backend::{Algorithm, DebugLevel};
 use crate::error::CommError;
-use crate::transport::TransportKind;
+use crate::kinds::{Algorithm, DebugLevel, TransportKind};
 
 /// Default time a collective may take before it fails (NCCL's watchdog default).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
@@ -140,4 +139,15 @@ mod tests {
         assert_eq!(parse_duration("soon"), None);
         assert_eq!(parse_duration("5y"), None);
     }
+}
+
+/// Arguments of [`init_process_group`](crate::init_process_group) beyond the backend and init method.
+#[derive(Clone, Debug, Default)]
+pub struct InitOptions {
+    /// This process's rank (overrides RANK or the URL's `rank`).
+    pub rank: Option<usize>,
+    /// Number of ranks (overrides WORLD_SIZE or the URL's `world_size`).
+    pub world_size: Option<usize>,
+    /// Group settings; `None` means [`GroupOptions::from_env`].
+    pub group: Option<GroupOptions>,
 }

@@ -29,9 +29,9 @@
 use std::io::{self, IoSlice};
 use std::time::{Duration, Instant};
 
-use crate::backend::OpKind;
 use crate::element::DType;
 use crate::error::CommError;
+use crate::kinds::OpKind;
 use crate::reduce_op::{finish_avg, reduce_into, ReduceOp};
 use crate::transport::{Channel, Interest, Transport};
 

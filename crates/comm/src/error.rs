@@ -8,8 +8,8 @@
 
 use std::time::Duration;
 
-use crate::backend::OpKind;
 use crate::element::DType;
+use crate::kinds::OpKind;
 use crate::reduce_op::ReduceOp;
 
 /// What went wrong in a process group.

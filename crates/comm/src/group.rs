@@ -27,10 +27,11 @@ use std::time::Duration;
 
 use cohort_store::{PrefixStore, Store};
 
-use crate::backend::{nodes, Algorithm, Backend, MeshBackend, OpContext, OpKind};
+use crate::backend::{nodes, Backend, MeshBackend, OpContext};
 use crate::config::GroupOptions;
 use crate::element::{as_bytes, as_bytes_mut, DType, Element};
 use crate::error::CommError;
+use crate::kinds::{Algorithm, OpKind};
 use crate::reduce_op::ReduceOp;
 use crate::transport;
 use crate::work::Work;

@@ -28,9 +28,10 @@ use std::sync::Arc;
 use cohort_store::auth::{Secret, SECRET_ENV};
 use cohort_store::{FileStore, PrefixStore, Store, TcpStore};
 
-use crate::config::{bad, var, GroupOptions};
+use crate::config::{bad, var, GroupOptions, InitOptions};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
+use crate::registry::Registered;
 
 /// Set to `1` by a launcher that hosts the TCP store server on
 /// MASTER_ADDR:MASTER_PORT itself, so that rank 0 connects as a client.
@@ -38,17 +39,6 @@ pub const STORE_HOSTED_VAR: &str = "COHORT_STORE_HOSTED";
 
 /// Set by the launcher to the number of times it restarted the workers.
 const RESTART_COUNT_VAR: &str = "COHORT_RESTART_COUNT";
-
-/// Arguments of [`init_process_group`] beyond the backend and init method.
-#[derive(Clone, Debug, Default)]
-pub struct InitOptions {
-    /// This process's rank (overrides RANK or the URL's `rank`).
-    pub rank: Option<usize>,
-    /// Number of ranks (overrides WORLD_SIZE or the URL's `world_size`).
-    pub world_size: Option<usize>,
-    /// Group settings; `None` means [`GroupOptions::from_env`].
-    pub group: Option<GroupOptions>,
-}
 
 fn init_err(name: &str, detail: impl Into<String>) -> CommError {
     CommError::Init {
@@ -99,15 +89,15 @@ pub fn init_process_group(
     init_method: &str,
     opts: InitOptions,
 ) -> Result<ProcessGroup, CommError> {
-    crate::registry::lookup(backend)?(init_method, opts)
+    match crate::registry::lookup(backend)? {
+        Registered::BuiltIn => init_sockets(init_method, opts),
+        Registered::Init(init) => init(init_method, opts),
+    }
 }
 
 /// The built-in backend: a store from the init method, then sockets or
 /// shared memory between the ranks.
-pub(crate) fn init_sockets(
-    init_method: &str,
-    opts: InitOptions,
-) -> Result<ProcessGroup, CommError> {
+fn init_sockets(init_method: &str, opts: InitOptions) -> Result<ProcessGroup, CommError> {
     let mut group = match opts.group.clone() {
         Some(g) => g,
         None => GroupOptions::from_env()?,

@@ -68,6 +68,7 @@ mod engine;
 mod error;
 mod group;
 mod init;
+mod kinds;
 mod p2p;
 mod reduce_op;
 mod registry;
@@ -78,12 +79,13 @@ mod work;
 pub use backend::{
     Algorithm, Backend, DebugLevel, MeshBackend, OpContext, OpKind, ALL_COLLECTIVES,
 };
+pub use config::InitOptions;
 pub use config::{parse_duration, GroupOptions, DEFAULT_TIMEOUT};
 pub use element::{DType, Element};
 pub use error::CommError;
 pub use group::ProcessGroup;
 pub use half::bf16;
-pub use init::{init_process_group, InitOptions, STORE_HOSTED_VAR};
+pub use init::{init_process_group, STORE_HOSTED_VAR};
 pub use reduce_op::{reduce_into, ReduceOp};
 pub use registry::{register_backend, registered_backends, BackendInit};
 /// `spawn(n, f)`: [`spawn::threads`], mp.spawn's role for tests and single-machine runs.

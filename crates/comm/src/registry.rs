@@ -13,9 +13,9 @@
 
 use std::sync::{PoisonError, RwLock};
 
+use crate::config::InitOptions;
 use crate::error::CommError;
 use crate::group::ProcessGroup;
-use crate::init::{init_sockets, InitOptions};
 
 /// Builds this process's default group on a backend, from an init method
 /// (`env://`, `tcp://…`, `file://…`; a backend whose ranks come from its own
@@ -55,15 +55,23 @@ pub fn registered_backends() -> Vec<String> {
         .collect()
 }
 
-/// The constructor of backend `name`, or an error listing the backends
-/// this process has.
-pub(crate) fn lookup(name: &str) -> Result<BackendInit, CommError> {
+/// What a backend name resolves to.
+pub(crate) enum Registered {
+    /// comm's own backend, which `init_process_group` builds itself.
+    BuiltIn,
+    /// A backend a program registered.
+    Init(BackendInit),
+}
+
+/// What backend `name` is, or an error listing the backends this process
+/// has.
+pub(crate) fn lookup(name: &str) -> Result<Registered, CommError> {
     if BUILT_IN.contains(&name) {
-        return Ok(init_sockets);
+        return Ok(Registered::BuiltIn);
     }
     let registered = REGISTERED.read().unwrap_or_else(PoisonError::into_inner);
     if let Some((_, init)) = registered.iter().find(|(n, _)| n == name) {
-        return Ok(*init);
+        return Ok(Registered::Init(*init));
     }
     // The common case of a missing backend is one this program was built
     // without: say how to get it.

@@ -6,8 +6,8 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::backend::OpKind;
 use crate::error::CommError;
+use crate::kinds::OpKind;
 
 struct Slot<R> {
     result: Mutex<Option<Result<R, CommError>>>,

@@ -20,10 +20,10 @@ pub(crate) mod tree;
 
 use std::sync::Mutex;
 
-use crate::backend::Algorithm;
 use crate::element::DType;
 use crate::engine::{self, Bufs, OpEnv, Schedule};
 use crate::error::CommError;
+use crate::kinds::Algorithm;
 use crate::reduce_op::ReduceOp;
 
 /// Bytes per pipelined frame. Big enough that per-frame costs (a header,

@@ -26,6 +26,7 @@ use std::time::Duration;
 use cohort_store::Store;
 
 use crate::error::CommError;
+pub use crate::kinds::TransportKind;
 
 /// Which of the two channels between a pair of ranks.
 ///
@@ -83,33 +84,6 @@ pub trait Transport: Send + Sync {
     /// shared-memory collectives use it instead of streaming through rings.
     fn shm(&self) -> Option<&shm::ShmTransport> {
         None
-    }
-}
-
-/// Which transport a group asks for (`COHORT_TRANSPORT`; see the module docs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum TransportKind {
-    /// Shared memory when every rank is on this host, else sockets.
-    #[default]
-    Auto,
-    /// Shared memory, or an error.
-    Shm,
-    /// Sockets: Unix sockets on one host, TCP across hosts.
-    Unix,
-    /// TCP sockets only.
-    Tcp,
-}
-
-impl TransportKind {
-    /// Parses `auto`, `shm`, `unix` or `tcp` (any case).
-    pub fn parse(s: &str) -> Option<TransportKind> {
-        Some(match s.to_ascii_lowercase().as_str() {
-            "auto" | "" => TransportKind::Auto,
-            "shm" => TransportKind::Shm,
-            "unix" => TransportKind::Unix,
-            "tcp" => TransportKind::Tcp,
-            _ => return None,
-        })
     }
 }
 

@@ -15,9 +15,10 @@
 //! sub-meshes stay in lockstep.
 
 use crate::backend::nodes::Nodes;
-use crate::backend::{Backend, OpContext, OpKind};
+use crate::backend::{Backend, OpContext};
 use crate::element::DType;
 use crate::error::CommError;
+use crate::kinds::OpKind;
 use crate::reduce_op::{finish_avg, ReduceOp};
 
 pub(crate) fn run(

@@ -22,8 +22,8 @@ mod ring;
 mod shm;
 
 use super::{Comm, SMALL_BYTES};
-use crate::backend::Algorithm;
 use crate::error::CommError;
+use crate::kinds::Algorithm;
 use crate::reduce_op::ReduceOp;
 
 /// Up to this size, two ranks use recursive doubling (a plain exchange).

@@ -1,7 +1,7 @@
 use super::setup::*;
 use super::*;
-use crate::backend::OpKind;
 use crate::engine::{Header, OpDesc};
+use crate::kinds::OpKind;
 use crate::DType;
 use cohort_rng::SplitMix64;
 use cohort_store::HashStore;

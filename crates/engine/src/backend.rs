@@ -7,11 +7,13 @@
 //! backend's implementation, so a kernel is added in one place (plus its CPU body).
 //!
 //! Precision and device are part of a backend's type: [`Backend::device`] says where its
-//! buffers live and [`Backend::dtype`] what its kernels compute in. Every buffer is an `f32`
-//! slice in host memory today. A bf16 backend (bf16 products with f32 accumulation over the
-//! same f32 master buffers, as autocast does) is another implementation of this trait reporting
-//! [`DType::Bf16`]; a GPU backend reports its [`Device`] and owns device memory behind the same
-//! calls. Neither forks the model.
+//! buffers live and [`Backend::dtype`] what its kernels compute in. Today there is one of each:
+//! host memory and f32, every buffer an `f32` slice. A bf16 backend (bf16 products with f32
+//! accumulation over the same f32 master buffers, as PyTorch's autocast does) adds a
+//! [`DType`] variant and another implementation of this trait, and the model does not change.
+//! A GPU backend adds a [`Device`] variant; its buffers live in device memory, so the kernel
+//! arguments then become a buffer type of the engine instead of host slices (one edit of the
+//! list below, since every kernel is declared there once).
 //!
 //! Conventions (llm.c's): outputs first, then inputs, then weights, then dims. Backward
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
@@ -34,8 +36,6 @@ pub enum Device {
 pub enum DType {
     /// IEEE single precision throughout.
     F32,
-    /// bfloat16 products with f32 accumulation and f32 master weights.
-    Bf16,
 }
 
 impl std::fmt::Display for Device {
@@ -50,7 +50,6 @@ impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             DType::F32 => "f32",
-            DType::Bf16 => "bf16",
         })
     }
 }

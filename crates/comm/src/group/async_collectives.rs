@@ -6,7 +6,7 @@
 //! must never run a collective itself.
 
 use crate::element::{as_bytes, as_bytes_mut, Element};
-use crate::op::OpKind;
+use crate::kinds::OpKind;
 use crate::reduce_op::ReduceOp;
 use crate::work::Work;
 

@@ -4,3 +4,5 @@
 //!
 //! The libraries carry no benchmark code of their own; this crate never
 //! parses a command line (the binary does) and never changes what it times.
+
+pub mod collectives;

@@ -4,7 +4,7 @@
 //! or with `--backend mpi` under `mpirun -np 2` (a build with `--features mpi`).
 
 use anyhow::{bail, Context};
-use cohort_comm::bench::{self, BenchOptions};
+use cohort_bench::collectives::{self as bench, BenchOptions};
 use cohort_comm::{
     init_process_group, Algorithm, DType, InitOptions, OpKind, ReduceOp, ALL_COLLECTIVES,
 };

@@ -60,7 +60,6 @@
 #![deny(missing_docs)]
 
 pub mod backend;
-pub mod bench;
 mod collectives;
 mod config;
 mod element;

@@ -3,7 +3,7 @@
 //! For every op and size: `warmup` untimed calls, then `iters` times a
 //! barrier followed by one timed call; a rank's time is the median of its
 //! iterations and the reported time is the maximum over ranks (the method
-//! of `shared/reference/pytorch/bench_collectives.py`, so figures compare
+//! of PyTorch's reference script `bench_collectives.py`, so figures compare
 //! with PyTorch's). `bytes` is nccl-tests' size: the whole buffer of
 //! all_reduce/broadcast/reduce, the gathered output of all_gather and gather,
 //! the scattered input of reduce_scatter and scatter, the per-rank buffer of
@@ -18,12 +18,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::element::{DType, Element};
-use crate::error::CommError;
-use crate::group::ProcessGroup;
-use crate::kinds::OpKind;
-use crate::reduce_op::ReduceOp;
-use half::bf16;
+use cohort_comm::{bf16, CommError, DType, Element, OpKind, ProcessGroup, ReduceOp};
 
 /// What to measure.
 #[derive(Clone, Debug)]
@@ -179,6 +174,13 @@ pub fn run(
                 DType::I64 => measure::<i64>(pg, opts, op, bytes)?,
                 DType::U8 => measure::<u8>(pg, opts, op, bytes)?,
                 DType::BF16 => measure::<bf16>(pg, opts, op, bytes)?,
+                other => {
+                    return Err(CommError::InvalidArgument {
+                        op,
+                        group: pg.name().to_string(),
+                        detail: format!("the benchmark has no element type {other:?}"),
+                    })
+                }
             };
             if let Some(row) = row {
                 on_row(&row);
@@ -191,9 +193,9 @@ pub fn run(
 
 /// CPU time consumed so far by the calling thread.
 fn thread_cpu_seconds() -> f64 {
-    // safety: an all-zero timespec is valid and clock_gettime only writes it.
+    // SAFETY: an all-zero timespec is valid and clock_gettime only writes it.
     let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    // safety: CLOCK_THREAD_CPUTIME_ID is always available on Linux; `ts` is
+    // SAFETY: CLOCK_THREAD_CPUTIME_ID is always available on Linux; `ts` is
     // a valid, exclusively borrowed timespec.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
@@ -298,8 +300,7 @@ fn measure<T: Element + Default>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::ALL_COLLECTIVES;
-    use crate::config::GroupOptions;
+    use cohort_comm::{GroupOptions, ALL_COLLECTIVES};
     use std::time::Duration;
 
     #[test]
@@ -317,7 +318,7 @@ mod tests {
             timeout: Duration::from_secs(30),
             ..GroupOptions::default()
         };
-        let rows = crate::spawn::threads_with(3, g, |pg| run(pg, &opts, |_| {})).unwrap();
+        let rows = cohort_comm::spawn::threads_with(3, g, |pg| run(pg, &opts, |_| {})).unwrap();
         let rows = &rows[0];
         // 4 B holds no whole float per rank for the scattering ops (skipped).
         assert_eq!(rows.iter().filter(|r| r.op == "all_reduce").count(), 3);

@@ -1,9 +1,9 @@
 //! The collectives benchmark without the `cohort` binary: starts N local
 //! ranks of itself (spawn::processes) and prints rank 0's table.
 //!
-//! cargo run --release -p cohort-comm --example bench -- [WORLD] [MIN_BYTES] [MAX_BYTES] [FACTOR] [--json] [--op NAME]
+//! cargo run --release -p cohort-bench --example collectives -- [WORLD] [MIN_BYTES] [MAX_BYTES] [FACTOR] [--json] [--op NAME]
 
-use cohort_comm::bench::{self, BenchOptions};
+use cohort_bench::collectives::{self as bench, BenchOptions};
 use cohort_comm::spawn::{self, ProcessOptions};
 use cohort_comm::{init_process_group, InitOptions, OpKind};
 

@@ -11,7 +11,8 @@ use cohort_tokenizer::Tokenizer;
 pub enum TokenizerCmd {
     /// Build a character-level or BPE tokenizer from UTF-8 corpus files.
     Train(TrainArgs),
-    /// Add normal and special tokens (seed 002); prints how many were new.
+    /// Add normal and special tokens (Hugging Face's add_tokens / add_special_tokens); prints how
+    /// many were new.
     AddTokens(AddArgs),
 }
 

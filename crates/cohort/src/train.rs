@@ -9,7 +9,7 @@ use anyhow::Context;
 ///
 /// With no data flag it learns an embedded Markov-chain corpus whose best
 /// possible loss is known and printed; `--data random` trains on uniform random
-/// tokens (seed 000's toy data) for throughput. `--batch-size` is per rank.
+/// tokens (the toy data of PyTorch's DDP examples) for throughput. `--batch-size` is per rank.
 ///
 ///   cohort train --steps 200
 ///

@@ -1,4 +1,4 @@
-//! The elastic launcher end to end (issue 6): real launchers, real workers
+//! The elastic launcher end to end: real launchers, real workers
 //! killed, stopped and lost, real checkpoints. Training runs use a tiny
 //! model, so each takes a second or two; nodes are network namespaces where
 //! the machine allows (root, `ip`), loopback otherwise.

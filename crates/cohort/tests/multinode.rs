@@ -1,4 +1,4 @@
-//! Two nodes on one machine (issue 9): each "node" a network namespace with
+//! Two nodes on one machine: each "node" a network namespace with
 //! its own IP, joined to the other by a veth pair, each running `cohort run
 //! --nnodes 2 --node-rank R --master-addr <node 0's IP>`. The job must train
 //! to exactly the parameters of one node running the same total ranks. Where

@@ -1,4 +1,4 @@
-//! Issue 6's rendezvous that lets no stranger in, end to end: a real
+//! The rendezvous that lets no stranger in, end to end: a real
 //! `cohort run -n 2 train` while a stranger hammers the store port and the
 //! ranks' collective ports without the job secret, with a wrong one, with
 //! garbage and with oversized frame headers. The job must finish with the

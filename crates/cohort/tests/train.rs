@@ -26,7 +26,7 @@ fn two_processes_through_the_launcher_match_one_process_with_twice_the_batch() {
     args.extend_from_slice(STEPS);
     args.extend_from_slice(TINY);
     let two = succeeded(&run(&args));
-    // Rank 0 alone logs, in seed 000's format, and states the global batch.
+    // Rank 0 alone logs, in the format of PyTorch's DDP examples, and states the global batch.
     assert!(
         two.contains("[rank0]: global batch: 4 sequences = 2 per rank x 2 ranks x 1 accumulation"),
         "{two}"

@@ -306,7 +306,7 @@ pub struct RandomTokens {
     pub vocab_size: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
-    /// Training sequences (seed 000 uses 1000).
+    /// Training sequences (PyTorch's DDP example uses 1000).
     pub num_samples: usize,
     /// Held-out sequences.
     pub val_samples: usize,
@@ -343,7 +343,7 @@ impl Dataset for RandomTokens {
 
     fn describe(&self) -> String {
         format!(
-            "random tokens (seed 000's ToyRandomDataset): vocab {}, {} train / {} val \
+            "random tokens (a ToyRandomDataset, as in PyTorch's DDP examples): vocab {}, {} train / {} val \
              sequences of {} tokens; nothing to learn, loss floor ln(vocab) = {:.4}",
             self.vocab_size,
             self.num_samples,

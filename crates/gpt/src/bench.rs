@@ -12,7 +12,8 @@ use serde::Serialize;
 
 use crate::{GPTConfig, GptError, GPT};
 
-/// The two benchmark configurations of issue 3 (model config and batch size).
+/// The two benchmark configurations, A and B (model config and batch size), as PyTorch's
+/// reference scripts define them.
 pub fn bench_config(name: &str) -> Option<(GPTConfig, usize)> {
     match name {
         "A" | "a" => Some((GPTConfig::config_a(), 12)),

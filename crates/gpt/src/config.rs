@@ -1,4 +1,4 @@
-//! `GPTConfig`: the model's hyper-parameters, with seed 000's field names and defaults.
+//! `GPTConfig`: the model's hyper-parameters, with nanoGPT-style field names and defaults.
 //!
 //! It only describes a model; it never allocates one. `validate` is the single place that decides
 //! whether a configuration is usable, so every constructor reports the same clear errors.
@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::GptError;
 
-/// Hyper-parameters of the GPT-2 style model (seed 000's `GPTConfig` plus `bias` and tying).
+/// Hyper-parameters of the GPT-2 style model (a nanoGPT-style `GPTConfig` plus `bias` and tying).
 ///
-/// Missing fields in a serialized config take the defaults below, so seed 000's seven-field
+/// Missing fields in a serialized config take the defaults below, so the original seven-field
 /// config deserializes as is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

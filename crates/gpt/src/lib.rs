@@ -1,6 +1,6 @@
 //! The mini-GPT that cohort trains: GPT-2's architecture on the `cohort-engine` kernels.
 //!
-//! [`GPTConfig`] holds seed 000's hyper-parameters. [`GPT`] owns one flat parameter buffer, one
+//! [`GPTConfig`] holds the hyper-parameters of a nanoGPT-style `GPTConfig`. [`GPT`] owns one flat parameter buffer, one
 //! gradient buffer with the same layout (named by [`ParamView`]s, Hugging Face GPT-2 names and
 //! Conv1D `[in, out]` weights, see `docs/GPT_LAYOUT.md`) and an activation arena allocated at the first
 //! forward. `forward(input_ids, attention_mask, labels)` follows Hugging Face's

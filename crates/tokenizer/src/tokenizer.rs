@@ -3,7 +3,7 @@
 //!
 //! A character-level tokenizer is a `WordLevel` model behind a pre-tokenizer that isolates every
 //! character (an empty-pattern `Split`) and a `Fuse` decoder, so Hugging Face's own libraries load
-//! it too. Added and special tokens follow Hugging Face's semantics (seed 002): new ones go at the
+//! it too. Added and special tokens follow Hugging Face's semantics: new ones go at the
 //! end of the vocabulary, existing ones keep their ids, special ones are matched before
 //! normalisation and never split. This module never touches models or token files.
 

@@ -1,4 +1,4 @@
-//! What a run survives (issue 6): a NaN on one rank skips the update on
+//! What a run survives: a NaN on one rank skips the update on
 //! every rank, too many in a row stop the run, clipping after averaging; a
 //! full disk during a checkpoint (RLIMIT_FSIZE in a child process, and a
 //! small tmpfs where this machine lets us mount one) leaves the previous

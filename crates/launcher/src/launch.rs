@@ -5,7 +5,6 @@
 //! workers (their parent-death signal is tied to it); it never returns while
 //! a worker it started is alive.
 
-use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -18,6 +17,7 @@ use crate::events::{Event, Events};
 use crate::group::{WorkerFailure, WorkerGroup, REAP_INTERVAL};
 use crate::health::{AgentStatus, HealthServer, Phase};
 use crate::heartbeat::{beat_interval, Heartbeat, Liveness};
+use crate::output::note;
 use crate::process::signal_name;
 use crate::rendezvous::{
     lost_detail, Interruption, JobEnd, Joined, Membership, NodeInfo, Rendezvous, RoundResult, Wait,
@@ -490,11 +490,6 @@ fn report(failure: &WorkerFailure) {
         }
     }
     note(&text);
-}
-
-/// The launcher's own messages, on stderr.
-pub(crate) fn note(message: &str) {
-    let _ = writeln!(std::io::stderr().lock(), "cohort run: {message}");
 }
 
 /// Binds the store on node 0: on `master_addr` itself when it is a loopback

@@ -3,7 +3,8 @@
 //! so lines of different workers never mix mid-line; the last lines of each
 //! worker are kept for the failure report. A forwarder never stops draining
 //! its pipe (a worker blocked on a full pipe would hang the job), even when
-//! the launcher's own output is closed.
+//! the launcher's own output is closed. The launcher's own notes ([`note`])
+//! go to stderr from here too.
 
 use std::collections::VecDeque;
 use std::io::{self, BufRead, BufReader, Read, Write};
@@ -162,6 +163,11 @@ fn read_line(from: &mut impl BufRead, line: &mut Vec<u8>) -> io::Result<bool> {
             return Ok(false);
         }
     }
+}
+
+/// The launcher's own messages, on stderr, prefixed so that they stand apart from the workers'.
+pub(crate) fn note(message: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "cohort run: {message}");
 }
 
 #[cfg(test)]

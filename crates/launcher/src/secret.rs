@@ -14,7 +14,7 @@
 
 use cohort_store::auth::{Secret, SECRET_ENV};
 
-use crate::launch::note;
+use crate::output::note;
 use crate::{LaunchConfig, LaunchError};
 
 /// The secret this agent's store, clients and workers use; `None` only for

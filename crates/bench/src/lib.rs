@@ -6,3 +6,4 @@
 //! parses a command line (the binary does) and never changes what it times.
 
 pub mod collectives;
+pub mod rpc;

@@ -147,7 +147,7 @@ fn rpc(a: RpcArgs) -> anyhow::Result<()> {
     if world < 2 {
         bail!("bench rpc needs two workers: `cohort run -n 2 bench rpc`");
     }
-    let opts = cohort_rpc::bench::BenchOptions {
+    let opts = cohort_bench::rpc::BenchOptions {
         sizes: a
             .sizes
             .split(',')
@@ -159,11 +159,11 @@ fn rpc(a: RpcArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     let mut registry = cohort_rpc::Registry::new();
-    cohort_rpc::bench::register(&mut registry);
+    cohort_bench::rpc::register(&mut registry);
     let rpc = cohort_rpc::init_rpc(&format!("worker{rank}"), rank, world, registry)
         .context("joining the RPC group")?;
     if rank == 0 {
-        for row in cohort_rpc::bench::run(&rpc, 1, &opts).context("bench rpc")? {
+        for row in cohort_bench::rpc::run(&rpc, 1, &opts).context("bench rpc")? {
             if a.json {
                 println!("{}", serde_json::to_string(&row)?);
             } else {

@@ -54,7 +54,6 @@
 #![deny(missing_docs)]
 
 mod agent;
-pub mod bench;
 mod error;
 mod floats;
 mod future;

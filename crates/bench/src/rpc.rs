@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::{Registry, Rpc, RpcError, RpcFuture};
+use cohort_rpc::{Registry, Rpc, RpcError, RpcFuture};
 
 /// What to measure.
 #[derive(Debug, Clone)]

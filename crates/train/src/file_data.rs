@@ -1,4 +1,5 @@
-//! `--data PATH`: training on files through `cohort-data` and `cohort-tokenizer`.
+//! The data set a run's config names: the built-in ones (`--data markov`, the default, and
+//! `--data random`), or files (`--data PATH`) through `cohort-data` and `cohort-tokenizer`.
 //!
 //! PATH is UTF-8 text, a `.jsonl` file (one sample per document, batched by token budget), a
 //! `.bin` token file or nanoGPT's directory with `train.bin`/`val.bin`. `--tokenizer` is `char`
@@ -14,9 +15,8 @@ use cohort_data::{Corpus, CorpusOptions, Samples};
 use cohort_tokenizer::Tokenizer;
 
 use crate::config::TrainConfig;
-use crate::train::build_dataset;
 use crate::TrainError;
-use cohort_data::{Dataset, Split};
+use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 
 /// Token data from files: windows of a token stream, or whole documents.
 pub struct FileData {
@@ -196,6 +196,28 @@ pub fn build(cfg: &TrainConfig, pg: &ProcessGroup) -> Result<Box<dyn Dataset>, T
         FileData::open(cfg, false)?
     };
     Ok(Box::new(data))
+}
+
+/// Builds the data set a config asks for.
+pub fn build_dataset(cfg: &TrainConfig) -> Result<Box<dyn Dataset>, TrainError> {
+    Ok(match cfg.data.as_str() {
+        "random" => Box::new(RandomTokens {
+            vocab_size: cfg.vocab_size,
+            seq_len: cfg.seq_len,
+            num_samples: cfg.train_sequences,
+            val_samples: cfg.val_sequences,
+            seed: cfg.seed,
+        }),
+        _ => Box::new(MarkovCorpus::new(MarkovSpec {
+            vocab_size: cfg.markov_vocab,
+            order: cfg.markov_order,
+            branching: cfg.markov_branching,
+            seed: cfg.seed,
+            seq_len: cfg.seq_len,
+            train_sequences: cfg.train_sequences,
+            val_sequences: cfg.val_sequences,
+        })?),
+    })
 }
 
 #[cfg(test)]

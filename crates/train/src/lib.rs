@@ -47,13 +47,14 @@ pub use config::{
     TUNED_BUCKET_CAP_MB,
 };
 pub use fault::{NanInjection, INJECT_NAN_VAR};
+pub use file_data::build_dataset;
 pub use file_data::FileData;
 pub use parameter_server::{
     run_ps_bench, train_parameter_server, BenchPsArgs, BenchPsResult, Rendezvous,
 };
 pub use phases::{Phase, Phases};
 pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
-pub use train::{build_dataset, model_config, train, Outcome};
+pub use train::{model_config, train, Outcome};
 
 use cohort_comm::{init_process_group, CommError, GroupOptions, InitOptions, ProcessGroup};
 use std::path::PathBuf;

@@ -12,7 +12,7 @@ use crate::fault::{LogGuard, NanInjection, StepGuard};
 use crate::phases::{Phase, Phases};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
-use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens};
+use cohort_data::Dataset;
 use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec, Replica};
 use cohort_engine::optim::{AdamW, LrSchedule, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
@@ -58,28 +58,6 @@ impl Outcome {
             params: Vec::new(),
         }
     }
-}
-
-/// Builds the data set a config asks for.
-pub fn build_dataset(cfg: &TrainConfig) -> Result<Box<dyn Dataset>, TrainError> {
-    Ok(match cfg.data.as_str() {
-        "random" => Box::new(RandomTokens {
-            vocab_size: cfg.vocab_size,
-            seq_len: cfg.seq_len,
-            num_samples: cfg.train_sequences,
-            val_samples: cfg.val_sequences,
-            seed: cfg.seed,
-        }),
-        _ => Box::new(MarkovCorpus::new(MarkovSpec {
-            vocab_size: cfg.markov_vocab,
-            order: cfg.markov_order,
-            branching: cfg.markov_branching,
-            seed: cfg.seed,
-            seq_len: cfg.seq_len,
-            train_sequences: cfg.train_sequences,
-            val_sequences: cfg.val_sequences,
-        })?),
-    })
 }
 
 /// The model a config asks for, over `vocab_size` tokens.

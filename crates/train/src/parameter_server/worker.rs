@@ -1,0 +1,98 @@
+//! A worker (ranks 1..K-1): pulls parameters, computes the gradient of its own shard's batch
+//! and pushes it; the answer is the parameters for its next step.
+
+use super::*;
+
+/// A worker: pull the parameters, compute a step's gradient on this
+/// worker's shard, push it, repeat with the parameters of the answer.
+pub(super) fn work(
+    cfg: &TrainConfig,
+    rpc: &Rpc,
+    data: Arc<dyn Dataset>,
+    worker: usize,
+    workers: usize,
+) -> Result<Outcome, TrainError> {
+    // The server's parameters replace these at every step.
+    let mut model = GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?;
+    let mut phases = Phases::default();
+    let mut reply: Params = rpc.rpc_sync(0, "ps.pull", ()).map_err(rpc_err("ps.pull"))?;
+    let mut batches = TrainBatches::new(
+        data.clone(),
+        cfg,
+        workers,
+        worker,
+        reply.epoch,
+        reply.offset as usize,
+    )?;
+    // A resumed run starts at the server's step: the same dropout keys as
+    // a run that never stopped.
+    let first_step = reply.version;
+    let mut step = first_step;
+    while !reply.done {
+        if reply.params.0.len() != model.num_params() {
+            return Err(TrainError::Rpc {
+                what: "ps.pull",
+                error: RpcError::Protocol {
+                    worker: "ps".into(),
+                    detail: format!(
+                        "{} parameters served, the model has {}",
+                        reply.params.0.len(),
+                        model.num_params()
+                    ),
+                },
+            });
+        }
+        model.params_mut().copy_from_slice(&reply.params.0);
+        let mut loss_sum = 0f32;
+        let mut tokens = 0u64;
+        for micro in 0..cfg.grad_accum {
+            let batch = phases.time(Phase::Data, || batches.next_batch());
+            tokens += batch.attention_mask.iter().filter(|&&m| m == 1).count() as u64;
+            model.set_training(true);
+            // DDP's rank r is worker r here: the same dropout masks.
+            model.set_dropout_key(
+                cfg.seed,
+                worker as u64,
+                step * cfg.grad_accum as u64 + micro as u64,
+            );
+            let loss = phases.time(Phase::Forward, || {
+                model.forward(
+                    &batch.input_ids,
+                    padding_mask(&batch),
+                    Some(&batch.labels),
+                    batch.batch,
+                    batch.seq,
+                )
+            })?;
+            loss_sum += loss.unwrap_or(0.0);
+            phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
+        }
+        let (epoch, offset) = batches.position();
+        let push = Push {
+            worker: worker as u32,
+            version: reply.version,
+            grads: Floats(model.grads().to_vec()),
+            loss: loss_sum,
+            tokens,
+            epoch,
+            offset: offset as u64,
+        };
+        model.zero_grad();
+        let t_push = Instant::now();
+        reply = rpc
+            .rpc_sync(0, "ps.push", push)
+            .map_err(rpc_err("ps.push"))?;
+        phases.add(Phase::Comm, t_push.elapsed());
+        step += 1;
+    }
+    Ok(Outcome {
+        steps_run: step - first_step,
+        final_step: reply.version,
+        train_losses: Vec::new(),
+        val_losses: Vec::new(),
+        loss_floor: data.loss_floor(),
+        tokens_per_s: 0.0,
+        phases,
+        params: reply.params.0,
+    })
+}

@@ -1,0 +1,450 @@
+//! Pipeline parallelism (`cohort run -n S train --strategy pipeline --stages S`): the GPT's
+//! blocks split into S contiguous stages on S consecutive ranks, the embeddings with the first
+//! and ln_f + the head with the last. Each step's batch is cut into `micro_batches`
+//! micro-batches; a stage's forward output goes to the next stage and its input gradient to the
+//! previous one point to point (`isend`/`recv`), so while stage 1 computes micro-batch k,
+//! stage 0 computes micro-batch k + 1. Schedules: GPipe (all forwards, then all backwards) and
+//! 1F1B (after S - 1 - stage warm-up forwards, one forward then one backward; the same bubble,
+//! at most S - stage micro-batches' activations in flight instead of all of them).
+//!
+//! Gradients equal one process's that accumulates the same micro-batches: every stage runs
+//! backward in micro-batch order, so each block's gradient is the same sum in the same order.
+//! With tied embeddings the last stage holds a copy of wte (Megatron's scheme): after backward
+//! the first and last stage all-reduce (sum) the two partial wte gradients, so both copies take
+//! the same optimizer step and stay equal. Gradient clipping uses the norm over all stages
+//! (counting wte once).
+//!
+//! With `world = S x D` ranks, D pipelines (replicas) train on different data, rank
+//! `d * S + s` being stage s of replica d; each stage's gradients are averaged over its D
+//! replicas before the tied sum (data parallelism across pipelines).
+//!
+//! Checkpoints are the whole model's, as `train` writes them: at each save the stages of
+//! replica 0 assemble the parameters and the AdamW state, and rank 0 writes them with the data
+//! position of replica 0. Resuming, every rank reads the whole checkpoint and keeps its stage's
+//! part.
+//!
+//! This module schedules and communicates; the model (`GptStage`) only sees buffers.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_data::DistributedSampler;
+use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, OptimizerState};
+use cohort_gpt::optim_groups::decay_mask;
+use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
+
+use crate::checkpoint::{self, TrainState};
+use crate::config::{PipelineSchedule, TrainConfig};
+use crate::phases::{Phase, Phases};
+use crate::train::{model_config, Outcome};
+use crate::{ConfigError, TrainError};
+use cohort_data::{Dataset, Split};
+
+mod bench;
+mod pipe;
+mod schedule;
+
+pub use bench::{run_pipeline_bench, BenchPipelineArgs, BenchPipelineResult};
+use pipe::*;
+use schedule::*;
+
+fn invalid(key: &'static str, value: String, why: &'static str) -> TrainError {
+    TrainError::Config(ConfigError::Invalid { key, value, why })
+}
+
+/// The number of stages of a run on `world` ranks (`stages = 0`: all of them), checked.
+fn stage_count(stages: usize, world: usize, n_layers: usize) -> Result<usize, TrainError> {
+    let s = if stages == 0 { world } else { stages };
+    if !world.is_multiple_of(s) {
+        return Err(invalid(
+            "stages",
+            s.to_string(),
+            "must divide the number of ranks (ranks = stages x data-parallel replicas)",
+        ));
+    }
+    if s > n_layers {
+        return Err(invalid(
+            "stages",
+            s.to_string(),
+            "must not exceed n_layers (every stage holds at least one block)",
+        ));
+    }
+    Ok(s)
+}
+
+/// AdamW's state after `step` steps, from its two moment buffers.
+fn adamw_state<'a>(step: u64, exp_avg: &'a [f32], exp_avg_sq: &'a [f32]) -> OptimizerState<'a> {
+    OptimizerState {
+        optimizer: "adamw".to_string(),
+        step,
+        buffers: vec![
+            ("exp_avg".to_string(), exp_avg),
+            ("exp_avg_sq".to_string(), exp_avg_sq),
+        ],
+    }
+}
+
+/// A stage's optimizer: AdamW with the whole model's decay rules, on the stage's buffer.
+fn optimizer(cfg: &TrainConfig, stage: &GptStage) -> Result<AdamW, TrainError> {
+    Ok(AdamW::new(cfg.adamw(), decay_mask(stage.param_views()))?)
+}
+
+/// Restores this stage's part of the whole-model checkpoint at `dir`: its parameters and
+/// AdamW state (a tied wte copy takes wte's). Collective: the ranks check they resume at the
+/// same step.
+fn resume_stage(
+    dir: &std::path::Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    replicas: usize,
+    model_cfg: &GPTConfig,
+    stage: &mut GptStage,
+    opt: &mut AdamW,
+) -> Result<checkpoint::Resumed, TrainError> {
+    let mut model = GPT::zeroed(model_cfg.clone(), cfg.seed)?;
+    let mut whole = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
+    let resumed = checkpoint::resume_split(dir, cfg, pg, replicas, &mut model, &mut whole)?;
+    stage.load_from_full(model.params())?;
+    let local = |full: &[f32]| {
+        let mut out = vec![0f32; stage.num_params()];
+        for (l, g) in stage.param_views().iter().zip(stage.global_views()) {
+            out[l.range.clone()].copy_from_slice(&full[g.range.clone()]);
+        }
+        out
+    };
+    let (exp_avg, exp_avg_sq) = (local(whole.exp_avg()), local(whole.exp_avg_sq()));
+    opt.load_state(&adamw_state(whole.steps_taken(), &exp_avg, &exp_avg_sq))?;
+    Ok(resumed)
+}
+
+/// This replica's stream of training samples: its sampler's order, epoch after epoch.
+struct Samples {
+    sampler: DistributedSampler,
+    order: Vec<usize>,
+    next: usize,
+}
+
+impl Samples {
+    fn next(&mut self) -> usize {
+        if self.next == self.order.len() {
+            let epoch = self.sampler.epoch() + 1;
+            self.sampler.set_epoch(epoch);
+            self.order = self.sampler.indices();
+            self.next = 0;
+        }
+        self.next += 1;
+        self.order[self.next - 1]
+    }
+}
+
+/// Reads `tokens.len()` micro-batches of `b` rows from `split` at `index(..)`; labels are the
+/// tokens (the model shifts them).
+fn read_micro_batches(
+    data: &dyn Dataset,
+    split: Split,
+    mut index: impl FnMut() -> usize,
+    tokens: &mut [Vec<u32>],
+    labels: &mut [Vec<i32>],
+) {
+    let t = data.seq_len();
+    for (tok, lab) in tokens.iter_mut().zip(labels.iter_mut()) {
+        for row in tok.chunks_mut(t) {
+            data.read(split, index(), row);
+        }
+        lab.iter_mut()
+            .zip(tok.iter())
+            .for_each(|(l, &x)| *l = x as i32);
+    }
+}
+
+/// Trains with pipeline parallelism as rank `pg.rank()`; rank 0 writes the log. Collective:
+/// every rank calls it with the same config. The outcome's parameters are the whole model's
+/// (assembled from the stages) on every rank.
+pub fn train_pipeline(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    log: &mut dyn Write,
+) -> Result<Outcome, TrainError> {
+    cfg.validate()?;
+    let master = pg.rank() == 0;
+    let mut say = |line: String| -> Result<(), TrainError> {
+        if master {
+            writeln!(log, "{line}").map_err(TrainError::Log)?;
+        }
+        Ok(())
+    };
+    if cfg.grad_accum != 1 {
+        return Err(invalid(
+            "grad_accum",
+            cfg.grad_accum.to_string(),
+            "must be 1 with --strategy pipeline (use micro_batches)",
+        ));
+    }
+    let data = crate::file_data::build(cfg, pg)?;
+    if data.variable_length() {
+        return Err(invalid(
+            "data",
+            cfg.data.clone(),
+            "--strategy pipeline needs fixed-length sequences (documents of different lengths \
+             are not supported yet)",
+        ));
+    }
+    let (b, t, m) = (cfg.batch_size, data.seq_len(), cfg.micro_batches);
+    let model_cfg = model_config(cfg, data.vocab_size());
+    let stages = stage_count(cfg.stages, pg.size(), model_cfg.n_layers)?;
+    let topo = Topology::new(pg, stages, model_cfg.tie_word_embeddings)?;
+    let part = StagePart::split(model_cfg.n_layers, stages)?.swap_remove(topo.stage);
+    let mut stage = GptStage::new(model_cfg.clone(), cfg.seed, part)?;
+    let mut opt = optimizer(cfg, &stage)?;
+    let replicas = topo.replicas;
+    let mut start = TrainState::default();
+    if let Some(dir) = &cfg.resume {
+        let resumed = resume_stage(dir, cfg, pg, replicas, &model_cfg, &mut stage, &mut opt)?;
+        for note in resumed.notes {
+            say(note)?;
+        }
+        say(format!(
+            "resumed from {} at step {}",
+            resumed.dir.display(),
+            resumed.state.step
+        ))?;
+        start = resumed.state;
+    }
+    let schedule_lr =
+        LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
+    let tokens_per_step = (b * t * m * replicas) as f64;
+    say(format!("data: {}", data.describe()))?;
+    let blocks: Vec<usize> = StagePart::split(model_cfg.n_layers, stages)?
+        .iter()
+        .map(|p| p.blocks.len())
+        .collect();
+    say(format!(
+        "pipeline: {stages} stage(s) x {replicas} replica(s), blocks per stage {blocks:?}, \
+         {m} micro-batches of {b} sequences, {:?} schedule{}",
+        cfg.pipeline_schedule,
+        if model_cfg.tie_word_embeddings && stages > 1 {
+            "; the last stage holds a copy of the tied wte, its gradient summed with the first's"
+        } else {
+            ""
+        }
+    ))?;
+    say(format!(
+        "global batch: {} sequences = {m} micro-batches x {b} x {replicas} replica(s) ({tokens_per_step} tokens/step)",
+        b * m * replicas
+    ))?;
+    let ops = schedule(cfg.pipeline_schedule, topo.stage, stages, m);
+    let mut sampler = DistributedSampler::new(
+        data.len(Split::Train),
+        replicas,
+        topo.replica,
+        true,
+        cfg.seed,
+        false,
+    )?;
+    sampler.set_epoch(start.epoch);
+    let mut samples = Samples {
+        order: sampler.indices(),
+        sampler,
+        next: start.offset,
+    };
+    let reads = topo.first() || topo.last();
+    let mut tokens = vec![vec![0u32; b * t]; m];
+    let mut labels = vec![vec![0i32; b * t]; m];
+    let mut pipe = Pipe {
+        pg,
+        topo,
+        stage,
+        inbox: Vec::new(),
+        spare: Vec::new(),
+        drop_key: (cfg.seed, 0, 0),
+    };
+
+    let mut outcome = Outcome::starting_at(start.step, data.loss_floor());
+    let mut window = Phases::default();
+    let (mut window_steps, mut window_loss) = (0u64, 0f32);
+    let mut window_time = Duration::ZERO;
+    let mut window_compute = Duration::ZERO;
+    let mut timed_from = None;
+    for step in start.step..cfg.steps {
+        let t_step = Instant::now();
+        let lr = schedule_lr.lr(step);
+        if reads {
+            window.time(Phase::Data, || {
+                read_micro_batches(
+                    &*data,
+                    Split::Train,
+                    || samples.next(),
+                    &mut tokens,
+                    &mut labels,
+                )
+            });
+        }
+        pipe.stage.set_training(true);
+        pipe.drop_key = (cfg.seed, pipe.topo.replica as u64, step * m as u64);
+        let mut times = RunTimes::default();
+        let loss_sum = pipe.run(&ops, &tokens, &labels, b, t, &mut times)?;
+        window.add(Phase::Forward, times.forward);
+        window.add(Phase::Backward, times.backward);
+        window.add(Phase::Comm, times.wait);
+        window_compute += times.forward + times.backward;
+        let t_opt = Instant::now();
+        let comm = pipe.reduce_and_clip(m, cfg.grad_clip)?;
+        window.add(Phase::Comm, comm);
+        let (params, grads) = pipe.stage.params_and_grads_mut();
+        opt.step(params, grads, lr)?;
+        pipe.stage.zero_grad();
+        window.add(Phase::Optimizer, t_opt.elapsed().saturating_sub(comm));
+        window_time += t_step.elapsed();
+        window_loss += loss_sum / m as f32;
+        window_steps += 1;
+        let done = step + 1;
+        if timed_from.is_none() {
+            timed_from = Some(Instant::now());
+        }
+
+        let t_log = Instant::now();
+        if done % cfg.log_interval == 0 || done == cfg.steps {
+            // The loss lives on the last stages; every rank learns the mean.
+            let mut stats = [
+                if pipe.topo.last() {
+                    (window_loss / window_steps as f32) as f64 / replicas as f64
+                } else {
+                    0.0
+                },
+                1.0 - window_compute.as_secs_f64() / window_time.as_secs_f64().max(1e-9),
+            ];
+            pg.all_reduce(&mut stats, ReduceOp::Sum)
+                .map_err(TrainError::comm("loss all_reduce"))?;
+            let loss = stats[0] as f32;
+            let bubble = stats[1] / pg.size() as f64;
+            outcome.train_losses.push((done, loss));
+            say(format!(
+                "[step {done} / {}] loss = {loss:.4} | lr {lr:.2e} | {:.0} tok/s | idle {:.0}% | {}",
+                cfg.steps,
+                tokens_per_step * window_steps as f64 / window_time.as_secs_f64().max(1e-9),
+                100.0 * bubble,
+                window.per_step(window_steps),
+            ))?;
+            outcome.phases.merge(&window);
+            window = Phases::default();
+            (window_steps, window_loss) = (0, 0.0);
+            (window_time, window_compute) = (Duration::ZERO, Duration::ZERO);
+        }
+        if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
+            let val = evaluate(cfg, &*data, &mut pipe, b, t)?;
+            outcome.val_losses.push((done, val));
+            let floor = data
+                .loss_floor()
+                .map(|f| format!(" (floor {f:.4})"))
+                .unwrap_or_default();
+            say(format!(
+                "[step {done} / {}] val loss = {val:.4}{floor}",
+                cfg.steps
+            ))?;
+        }
+        let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
+        if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
+            if let Some((model, whole)) = pipe.gather_model(&opt, &model_cfg, cfg)? {
+                // Rank 0 is stage 0 of replica 0: its position is replica 0's.
+                let state = TrainState {
+                    step: done,
+                    epoch: samples.sampler.epoch(),
+                    offset: samples.next,
+                };
+                let tokenizer = data.tokenizer_json();
+                let notes = checkpoint::save_or_report(
+                    out,
+                    cfg,
+                    replicas,
+                    &model,
+                    &whole,
+                    &state,
+                    tokenizer.as_deref(),
+                );
+                for line in notes {
+                    say(format!("[step {done} / {}] {line}", cfg.steps))?;
+                }
+            }
+        }
+        window.add(Phase::Logging, t_log.elapsed());
+        outcome.steps_run += 1;
+        outcome.final_step = done;
+    }
+    outcome.phases.merge(&window);
+    if let Some(t0) = timed_from {
+        let secs = t0.elapsed().as_secs_f64();
+        let timed = outcome.steps_run.saturating_sub(1);
+        if timed > 0 && secs > 0.0 {
+            outcome.tokens_per_s = tokens_per_step * timed as f64 / secs;
+        }
+    }
+    outcome.params = pipe.gather_params()?;
+    let last = |v: &[(u64, f32)]| {
+        v.last()
+            .map(|x| format!("{:.4}", x.1))
+            .unwrap_or("-".into())
+    };
+    say(format!(
+        "done: {} steps; train loss {}, val loss {}; {:.0} tokens/s on {} rank(s)",
+        outcome.final_step,
+        last(&outcome.train_losses),
+        last(&outcome.val_losses),
+        outcome.tokens_per_s,
+        pg.size()
+    ))?;
+    let n = outcome.steps_run.max(1);
+    say(format!(
+        "time per step (rank 0, stage 0): {} | {}",
+        outcome.phases.per_step(n),
+        outcome.phases.shares()
+    ))?;
+    Ok(outcome)
+}
+
+/// Mean validation loss over `eval_batches` batches per replica, through the pipeline
+/// (forwards only), averaged over replicas; known to every rank.
+fn evaluate(
+    cfg: &TrainConfig,
+    data: &dyn Dataset,
+    pipe: &mut Pipe,
+    b: usize,
+    t: usize,
+) -> Result<f32, TrainError> {
+    let n = data.len(Split::Val);
+    if n == 0 || cfg.eval_batches == 0 {
+        return Ok(f32::NAN);
+    }
+    let (replicas, replica) = (pipe.topo.replicas, pipe.topo.replica);
+    let order = DistributedSampler::new(n, replicas, replica, false, cfg.seed, false)?.indices();
+    let e = cfg.eval_batches;
+    let mut tokens = vec![vec![0u32; b * t]; e];
+    let mut labels = vec![vec![0i32; b * t]; e];
+    if pipe.topo.first() || pipe.topo.last() {
+        let mut k = 0;
+        read_micro_batches(
+            data,
+            Split::Val,
+            || {
+                k += 1;
+                order[(k - 1) % order.len()]
+            },
+            &mut tokens,
+            &mut labels,
+        );
+    }
+    // Forwards only; each slot is free again once its output is sent.
+    let ops: Vec<Op> = (0..e).map(|m| Op::Forward { micro: m, slot: 0 }).collect();
+    pipe.stage.set_training(false);
+    let sum = pipe.run(&ops, &tokens, &labels, b, t, &mut RunTimes::default())?;
+    pipe.stage.set_training(true);
+    let mut mean = [if pipe.topo.last() {
+        sum as f64 / e as f64 / replicas as f64
+    } else {
+        0.0
+    }];
+    pipe.pg
+        .all_reduce(&mut mean, ReduceOp::Sum)
+        .map_err(TrainError::comm("val loss all_reduce"))?;
+    Ok(mean[0] as f32)
+}

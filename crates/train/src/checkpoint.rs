@@ -16,10 +16,11 @@
 //! names, and never resumes ranks from different steps.
 
 use crate::config::TrainConfig;
+use crate::trainer_files::{self, TrainerState};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_engine::optim::Optimizer;
-use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, CheckpointError, TrainerState};
+use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, CheckpointError};
 use cohort_gpt::GPT;
 use serde_json::{json, Value};
 use std::fs;
@@ -62,16 +63,19 @@ fn save(
         extra,
     };
     let name = format!("{STEP_PREFIX}{:06}", state.step);
+    let optimizer = opt.state();
+    let trainer = trainer_files::trainer_state_json(&trainer);
+    let mut extra_files = vec![(trainer_files::TRAINER_STATE_FILE, trainer.as_slice())];
+    if let Some(json) = tokenizer_json {
+        extra_files.push((cohort_tokenizer::TOKENIZER_FILE, json.as_bytes()));
+    }
     ckpt::save(
         out,
         &name,
         &Checkpoint {
             model: Some(model),
-            optimizer: Some(opt),
-            trainer_state: Some(&trainer),
-            extra_files: tokenizer_json
-                .map(|json| vec![(cohort_tokenizer::TOKENIZER_FILE, json.as_bytes())])
-                .unwrap_or_default(),
+            tensor_files: vec![trainer_files::optimizer_file(&optimizer)],
+            extra_files,
         },
     )?;
     Ok(())
@@ -317,7 +321,7 @@ fn load(
     let dir = dir.to_path_buf();
     ckpt::verify(&dir)?;
     ckpt::load_params_into(&dir, model)?;
-    if !ckpt::load_optimizer_into(&dir, opt)? {
+    if !trainer_files::load_optimizer_into(&dir, opt)? {
         return Err(TrainError::Resume {
             path: dir,
             reason: "it has no optimizer state (a model-only checkpoint cannot be resumed; \
@@ -325,7 +329,7 @@ fn load(
                 .into(),
         });
     }
-    let trainer = ckpt::load_trainer_state(&dir)?.ok_or_else(|| TrainError::Resume {
+    let trainer = trainer_files::load_trainer_state(&dir)?.ok_or_else(|| TrainError::Resume {
         path: dir.clone(),
         reason: "it has no trainer_state.json".into(),
     })?;

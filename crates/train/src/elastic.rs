@@ -83,7 +83,7 @@ struct SavedShape {
 /// cannot be read (loading it reports why).
 fn saved_shape(path: &Path) -> Option<SavedShape> {
     let dir = ckpt::resolve(path).ok()?;
-    let trainer = ckpt::load_trainer_state(&dir).ok()??;
+    let trainer = crate::trainer_files::load_trainer_state(&dir).ok()??;
     let field = |key: &str| {
         trainer
             .extra

@@ -39,6 +39,7 @@ mod parameter_server;
 mod phases;
 mod pipeline;
 mod train;
+mod trainer_files;
 
 pub use checkpoint::TrainState;
 pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
@@ -55,6 +56,10 @@ pub use parameter_server::{
 pub use phases::{Phase, Phases};
 pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
 pub use train::{model_config, train, Outcome};
+pub use trainer_files::{
+    load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
+    OPTIMIZER_FILE, TRAINER_STATE_FILE,
+};
 
 use cohort_comm::{init_process_group, CommError, GroupOptions, InitOptions, ProcessGroup};
 use std::path::PathBuf;

@@ -7,9 +7,8 @@
 //! ROOT/step-000100/
 //!     config.json              GPT-2's config (model_type "gpt2", n_embd, n_layer, ...)
 //!     model.safetensors        GPT-2's tensor names and shapes (GPT2Model's, no prefix)
-//!     optimizer.safetensors    optional: the optimizer's flat state buffers + step
-//!     trainer_state.json       optional: step, seed and whatever else the trainer keeps
-//!     vocab.json ...           optional extra files the caller hands in
+//!     *.safetensors, *.json    optional further files the caller hands in (a trainer's
+//!                              optimizer.safetensors and trainer_state.json, vocab.json, ...)
 //!     SHA256SUMS               SHA-256 of every file above, in `sha256sum` format (written last)
 //! ```
 //!
@@ -41,38 +40,33 @@ use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use cohort_engine::optim::{OptimError, Optimizer, OptimizerState};
 use safetensors::tensor::{Dtype, SafeTensors, View};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::{GPTConfig, GptError, ParamView, GPT};
 
+mod further_files;
 mod hf_config;
 mod integrity;
 mod tensors;
 #[cfg(test)]
 mod tests;
-mod trainer_files;
 
+use further_files::*;
 use hf_config::*;
 use integrity::*;
 use tensors::*;
-use trainer_files::*;
 
+pub use further_files::{read_file_verified, read_tensor_file, LoadedTensors, TensorFile};
 pub use hf_config::load_config;
 pub use integrity::{verify, write_file_atomic};
 pub use tensors::load_params_into;
-pub use trainer_files::{load_optimizer_into, load_trainer_state};
 
 /// The model's configuration, in Hugging Face's format.
 pub const CONFIG_FILE: &str = "config.json";
 /// The parameters.
 pub const MODEL_FILE: &str = "model.safetensors";
-/// The optimizer's state buffers.
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-/// The trainer's position.
-pub const TRAINER_STATE_FILE: &str = "trainer_state.json";
 /// In a checkpoint root: the name of the newest complete checkpoint.
 pub const LATEST_FILE: &str = "latest";
 /// The SHA-256 of every other file of a checkpoint, as `sha256sum` writes them.
@@ -158,14 +152,6 @@ pub enum CheckpointError {
         /// The file.
         path: PathBuf,
     },
-    /// The optimizer rejected the stored state.
-    #[error("{path}: {source}")]
-    Optimizer {
-        /// The file.
-        path: PathBuf,
-        /// The optimizer's complaint.
-        source: OptimError,
-    },
     /// A file's bytes contradict the checkpoint's `SHA256SUMS`: it was truncated, overwritten or
     /// damaged after the checkpoint was written.
     #[error(
@@ -213,29 +199,14 @@ fn format_err(path: &Path, reason: impl ToString) -> CheckpointError {
     }
 }
 
-/// Where the trainer is: enough to continue as if it had not stopped. `extra` keeps any other
-/// fields the trainer writes (data position, epoch, ...), round-tripped untouched.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct TrainerState {
-    /// Optimizer steps completed (the schedule's position: the next step runs `lr(step)`).
-    pub step: u64,
-    /// The run's seed (data order, dropout keys).
-    pub seed: u64,
-    /// Everything else the trainer keeps.
-    #[serde(flatten)]
-    pub extra: serde_json::Map<String, serde_json::Value>,
-}
-
 /// What to save. Only `model` is required.
 #[derive(Default)]
 pub struct Checkpoint<'a> {
     /// The model: config.json + model.safetensors.
     pub model: Option<&'a GPT>,
-    /// The optimizer: optimizer.safetensors.
-    pub optimizer: Option<&'a dyn Optimizer>,
-    /// The trainer's position: trainer_state.json.
-    pub trainer_state: Option<&'a TrainerState>,
-    /// Further files (name, bytes), e.g. `vocab.json`.
+    /// Further safetensors files of flat f32 tensors (a trainer's optimizer state).
+    pub tensor_files: Vec<TensorFile<'a>>,
+    /// Further files (name, bytes), e.g. `vocab.json` or a trainer's state.
     pub extra_files: Vec<(&'a str, &'a [u8])>,
 }
 
@@ -247,21 +218,24 @@ fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError>
         write_model_files(dir, model)?;
         written.extend([CONFIG_FILE.to_string(), MODEL_FILE.to_string()]);
     }
-    if let Some(opt) = ckpt.optimizer {
-        write_optimizer_file(&dir.join(OPTIMIZER_FILE), opt)?;
-        written.push(OPTIMIZER_FILE.to_string());
-    }
-    if let Some(state) = ckpt.trainer_state {
-        let json = serde_json::to_vec_pretty(state).map_err(|e| format_err(dir, e))?;
-        write_bytes(&dir.join(TRAINER_STATE_FILE), &json)?;
-        written.push(TRAINER_STATE_FILE.to_string());
-    }
-    for (file, bytes) in &ckpt.extra_files {
-        if file.is_empty()
+    let bad_name = |file: &str, written: &[String]| {
+        file.is_empty()
             || file.contains(['/', '\\'])
             || file.starts_with('.')
-            || *file == CHECKSUMS_FILE
-        {
+            || file == CHECKSUMS_FILE
+            || written.iter().any(|w| w == file)
+    };
+    for file in &ckpt.tensor_files {
+        if bad_name(file.name, &written) {
+            return Err(CheckpointError::BadName {
+                name: file.name.to_string(),
+            });
+        }
+        write_tensor_file(dir, file)?;
+        written.push(file.name.to_string());
+    }
+    for (file, bytes) in &ckpt.extra_files {
+        if bad_name(file, &written) {
             return Err(CheckpointError::BadName {
                 name: file.to_string(),
             });

@@ -1,6 +1,8 @@
 use super::*;
-use crate::optim_groups::decay_mask;
-use cohort_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, LrSchedule, Sgd, SgdConfig};
+
+/// Files a caller adds beside the model, as a trainer adds its optimizer and position.
+const STATE_FILE: &str = "state.safetensors";
+const STEP_FILE: &str = "step.json";
 
 fn tiny(bias: bool, tied: bool) -> GPTConfig {
     GPTConfig {
@@ -73,57 +75,66 @@ fn save_and_load_round_trip_every_variant() {
 }
 
 #[test]
-fn optimizer_trainer_state_and_extra_files_round_trip() {
+fn tensor_files_and_extra_files_round_trip() {
     let root = tempfile::tempdir().unwrap();
-    let mut model = GPT::new(tiny(true, true), 3).unwrap();
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views())).unwrap();
-    let grads: Vec<f32> = (0..model.num_params())
-        .map(|i| (i % 7) as f32 - 3.0)
-        .collect();
-    opt.step(model.params_mut(), &grads, 1e-3).unwrap();
-    opt.step(model.params_mut(), &grads, 1e-3).unwrap();
-    let mut extra = serde_json::Map::new();
-    extra.insert("epoch".into(), 4.into());
-    let state = TrainerState {
-        step: 2,
-        seed: 1234,
-        extra,
-    };
+    let model = GPT::new(tiny(true, true), 3).unwrap();
+    let moments: Vec<f32> = (0..model.num_params()).map(|i| i as f32 * 0.5).collect();
     let vocab = br#"["a","b"]"#;
+    let file = || TensorFile {
+        name: "state.safetensors",
+        tensors: vec![
+            ("moments".to_string(), &moments[..]),
+            ("one".to_string(), &[1.0][..]),
+        ],
+        metadata: HashMap::from([("step".to_string(), "2".to_string())]),
+    };
     let dir = save(
         root.path(),
         "step-2",
         &Checkpoint {
             model: Some(&model),
-            optimizer: Some(&opt),
-            trainer_state: Some(&state),
+            tensor_files: vec![file()],
             extra_files: vec![("vocab.json", vocab)],
         },
     )
     .unwrap();
-    let mut fresh = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views())).unwrap();
-    assert!(load_optimizer_into(&dir, &mut fresh).unwrap());
-    assert_eq!(fresh.steps_taken(), 2);
-    assert_eq!(fresh.exp_avg(), opt.exp_avg());
-    assert_eq!(fresh.exp_avg_sq(), opt.exp_avg_sq());
-    assert_eq!(load_trainer_state(&dir).unwrap(), Some(state));
-    assert_eq!(fs::read(dir.join("vocab.json")).unwrap(), vocab);
+    let back = read_tensor_file(&dir, "state.safetensors")
+        .unwrap()
+        .unwrap();
+    assert_eq!(back.metadata.get("step").map(String::as_str), Some("2"));
+    assert_eq!(
+        back.tensors,
+        vec![
+            ("moments".to_string(), moments.clone()),
+            ("one".to_string(), vec![1.0])
+        ]
+    );
+    assert_eq!(
+        read_file_verified(&dir, "vocab.json").unwrap().as_deref(),
+        Some(&vocab[..])
+    );
+    assert!(verify(&dir).unwrap());
 
-    // state for another optimizer, or none at all
-    let mut sgd = Sgd::new(
-        SgdConfig {
-            momentum: 0.9,
-            ..Default::default()
-        },
-        decay_mask(model.param_views()),
-    )
-    .unwrap();
-    let err = load_optimizer_into(&dir, &mut sgd).unwrap_err();
-    assert!(matches!(err, CheckpointError::Optimizer { .. }), "{err}");
-    assert!(err.to_string().contains(OPTIMIZER_FILE), "{err}");
+    // absent files are None; a name taken twice or reserved is refused
     let bare = save(root.path(), "bare", &model_ckpt(&model)).unwrap();
-    assert!(!load_optimizer_into(&bare, &mut fresh).unwrap());
-    assert_eq!(load_trainer_state(&bare).unwrap(), None);
+    assert_eq!(read_tensor_file(&bare, "state.safetensors").unwrap(), None);
+    assert_eq!(read_file_verified(&bare, "vocab.json").unwrap(), None);
+    for taken in [MODEL_FILE, CHECKSUMS_FILE, "state.safetensors"] {
+        let err = save(
+            root.path(),
+            "clash",
+            &Checkpoint {
+                model: Some(&model),
+                tensor_files: vec![file()],
+                extra_files: vec![(taken, b"x")],
+            },
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, CheckpointError::BadName { .. }),
+            "{taken}: {err}"
+        );
+    }
 }
 
 #[test]
@@ -160,22 +171,19 @@ fn crash_leftovers_never_hide_the_last_good_checkpoint() {
 #[test]
 fn checksums_are_sha256sum_compatible_and_checked_by_every_reader() {
     let root = tempfile::tempdir().unwrap();
-    let mut model = GPT::new(tiny(true, true), 3).unwrap();
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views())).unwrap();
-    let grads = vec![0.5f32; model.num_params()];
-    opt.step(model.params_mut(), &grads, 1e-3).unwrap();
-    let state = TrainerState {
-        step: 1,
-        ..Default::default()
-    };
+    let model = GPT::new(tiny(true, true), 3).unwrap();
+    let moments = vec![0.5f32; model.num_params()];
     let dir = save(
         root.path(),
         "step-1",
         &Checkpoint {
             model: Some(&model),
-            optimizer: Some(&opt),
-            trainer_state: Some(&state),
-            extra_files: vec![("vocab.json", b"[]")],
+            tensor_files: vec![TensorFile {
+                name: STATE_FILE,
+                tensors: vec![("exp_avg".to_string(), &moments[..])],
+                metadata: HashMap::new(),
+            }],
+            extra_files: vec![(STEP_FILE, b"{\"step\": 1}"), ("vocab.json", b"[]")],
         },
     )
     .unwrap();
@@ -184,13 +192,7 @@ fn checksums_are_sha256sum_compatible_and_checked_by_every_reader() {
     listed.sort();
     assert_eq!(
         listed,
-        [
-            CONFIG_FILE,
-            MODEL_FILE,
-            OPTIMIZER_FILE,
-            TRAINER_STATE_FILE,
-            "vocab.json"
-        ]
+        [CONFIG_FILE, MODEL_FILE, STATE_FILE, STEP_FILE, "vocab.json"]
     );
     assert!(verify(&dir).unwrap());
     match std::process::Command::new("sha256sum")
@@ -230,19 +232,15 @@ fn checksums_are_sha256sum_compatible_and_checked_by_every_reader() {
     load_params_into(&dir, &mut fresh).unwrap();
     assert_eq!(fresh.params(), model.params());
 
-    let len = fs::metadata(dir.join(OPTIMIZER_FILE)).unwrap().len() as usize;
-    let undo = flip(OPTIMIZER_FILE, len - 5);
-    let mut opt2 = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views())).unwrap();
-    corrupt(
-        load_optimizer_into(&dir, &mut opt2).unwrap_err(),
-        OPTIMIZER_FILE,
-    );
+    let len = fs::metadata(dir.join(STATE_FILE)).unwrap().len() as usize;
+    let undo = flip(STATE_FILE, len - 5);
+    corrupt(read_tensor_file(&dir, STATE_FILE).unwrap_err(), STATE_FILE);
     undo();
     let undo = flip(CONFIG_FILE, 10);
     corrupt(load_config(&dir).unwrap_err(), CONFIG_FILE);
     undo();
-    let undo = flip(TRAINER_STATE_FILE, 4);
-    corrupt(load_trainer_state(&dir).unwrap_err(), TRAINER_STATE_FILE);
+    let undo = flip(STEP_FILE, 4);
+    corrupt(read_file_verified(&dir, STEP_FILE).unwrap_err(), STEP_FILE);
     undo();
     let undo = flip("vocab.json", 0);
     corrupt(verify(&dir).unwrap_err(), "vocab.json");
@@ -323,13 +321,10 @@ fn saver_child() {
     for step in first.. {
         // every parameter equals the step, so a reader can tell a torn checkpoint
         model.params_mut().fill(step as f32);
-        let state = TrainerState {
-            step,
-            ..Default::default()
-        };
+        let json = format!("{{\"step\": {step}}}");
         let ckpt = Checkpoint {
             model: Some(&model),
-            trainer_state: Some(&state),
+            extra_files: vec![(STEP_FILE, json.as_bytes())],
             ..Default::default()
         };
         // new names and replacements of existing ones, in turn
@@ -340,14 +335,18 @@ fn saver_child() {
 /// The step of the checkpoint `root` resolves to, after checking it is whole.
 fn whole_checkpoint_step(root: &Path) -> Result<u64, String> {
     let (model, dir) = load_model(root).map_err(|e| e.to_string())?;
-    let state = load_trainer_state(&dir)
+    let json = read_file_verified(&dir, STEP_FILE)
         .map_err(|e| e.to_string())?
-        .ok_or("no trainer state")?;
-    let want = state.step as f32;
+        .ok_or("no step file")?;
+    let step = serde_json::from_slice::<serde_json::Value>(&json).map_err(|e| e.to_string())?
+        ["step"]
+        .as_u64()
+        .ok_or("no step")?;
+    let want = step as f32;
     if model.params().iter().any(|&p| p != want) {
         return Err(format!("{dir:?}: params do not all equal step {want}"));
     }
-    Ok(state.step)
+    Ok(step)
 }
 
 #[test]
@@ -647,90 +646,4 @@ fn loads_a_hugging_face_style_gpt2_file() {
         load_model(dir.path()).unwrap_err(),
         CheckpointError::UntiedHead { .. }
     ));
-}
-
-/// The batch of step `step`: deterministic ids, labels = ids (the model shifts).
-fn batch(step: u64, b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<i32>) {
-    let ids: Vec<u32> = (0..b * t)
-        .map(|i| ((step as usize * 7 + i * 3 + i / t) % v) as u32)
-        .collect();
-    let labels = ids.iter().map(|&x| x as i32).collect();
-    (ids, labels)
-}
-
-/// One training step as the trainer runs it: dropout keyed by step, clip, AdamW on a
-/// warmup + cosine schedule.
-fn train_step(model: &mut GPT, opt: &mut AdamW, sched: &LrSchedule, step: u64) -> f32 {
-    let (b, t) = (3, 8);
-    let (ids, labels) = batch(step, b, t, model.config().vocab_size);
-    model.set_dropout_key(77, 0, step);
-    model.zero_grad();
-    let loss = model
-        .forward(&ids, None, Some(&labels), b, t)
-        .unwrap()
-        .unwrap();
-    model.backward(|_, _| {}).unwrap();
-    clip_grad_norm(model.grads_mut(), 1.0).unwrap();
-    let (p, g) = model.params_and_grads_mut();
-    opt.step(p, g, sched.lr(step)).unwrap();
-    loss
-}
-
-#[test]
-fn save_load_continue_gives_bitwise_the_same_losses() {
-    let cfg = GPTConfig {
-        dropout: 0.1,
-        ..tiny(true, true)
-    };
-    let sched = LrSchedule::warmup_cosine(3e-2, 3e-3, 2, 8).unwrap();
-    let new_opt =
-        |m: &GPT| AdamW::new(AdamWConfig::default(), decay_mask(m.param_views())).unwrap();
-
-    let mut model = GPT::new(cfg.clone(), 5).unwrap();
-    let mut opt = new_opt(&model);
-    let straight: Vec<f32> = (0..8)
-        .map(|s| train_step(&mut model, &mut opt, &sched, s))
-        .collect();
-    assert!(
-        straight[7] < straight[0],
-        "training makes progress: {straight:?}"
-    );
-
-    let root = tempfile::tempdir().unwrap();
-    let mut first = GPT::new(cfg, 5).unwrap();
-    let mut opt1 = new_opt(&first);
-    let mut resumed: Vec<f32> = (0..4)
-        .map(|s| train_step(&mut first, &mut opt1, &sched, s))
-        .collect();
-    let state = TrainerState {
-        step: 4,
-        seed: 77,
-        ..Default::default()
-    };
-    save(
-        root.path(),
-        "step-4",
-        &Checkpoint {
-            model: Some(&first),
-            optimizer: Some(&opt1),
-            trainer_state: Some(&state),
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    drop((first, opt1));
-
-    let (mut second, dir) = load_model(root.path()).unwrap();
-    let mut opt2 = new_opt(&second);
-    assert!(load_optimizer_into(&dir, &mut opt2).unwrap());
-    let state = load_trainer_state(&dir).unwrap().unwrap();
-    resumed.extend((state.step..8).map(|s| train_step(&mut second, &mut opt2, &sched, s)));
-
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(
-        bits(&resumed),
-        bits(&straight),
-        "{resumed:?} vs {straight:?}"
-    );
-    assert_eq!(second.params(), model.params());
 }

@@ -1,6 +1,6 @@
 //! Times the optimizer step and checkpoint save/load on benchmark config B (10.77M parameters).
 //!
-//! cargo run --release -p cohort-gpt --example optim_checkpoint_bench [-- REPEATS]
+//! cargo run --release -p cohort-train --example optim_checkpoint_bench [-- REPEATS]
 //!
 //! Prints one JSON object: median and minimum milliseconds of an AdamW and an SGD-momentum step
 //! and of clip_grad_norm over the whole buffer, at 1 and 2 threads (run inside the engine's
@@ -11,9 +11,10 @@ use std::time::Instant;
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::optim::{clip_grad_norm, AdamW, AdamWConfig, Optimizer, Sgd, SgdConfig};
-use cohort_gpt::checkpoint::{self, Checkpoint, TrainerState};
+use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
+use cohort_train::{load_optimizer_into, optimizer_file, trainer_state_json, TrainerState};
 
 /// (median, min) of `repeats` timings of `f`, in ms.
 fn time(repeats: usize, mut f: impl FnMut()) -> (f64, f64) {
@@ -72,11 +73,12 @@ fn main() {
         seed: 1,
         ..Default::default()
     };
+    let optimizer = adamw.state();
+    let trainer = trainer_state_json(&state);
     let ckpt = Checkpoint {
         model: Some(&model),
-        optimizer: Some(&adamw),
-        trainer_state: Some(&state),
-        ..Default::default()
+        tensor_files: vec![optimizer_file(&optimizer)],
+        extra_files: vec![(cohort_train::TRAINER_STATE_FILE, &trainer)],
     };
     let save = time(repeats.min(11), || {
         checkpoint::save(root.path(), "bench", &ckpt).unwrap();
@@ -88,7 +90,7 @@ fn main() {
     let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(into.param_views())).unwrap();
     let load = time(repeats.min(11), || {
         checkpoint::load_params_into(&dir, &mut into).unwrap();
-        assert!(checkpoint::load_optimizer_into(&dir, &mut opt).unwrap());
+        assert!(load_optimizer_into(&dir, &mut opt).unwrap());
     });
     assert_eq!(into.params(), model.params());
     out.insert("save_model_adamw_ms".into(), json(save));

@@ -22,7 +22,7 @@ pub struct LoadedTensors {
     pub path: PathBuf,
     /// Its header's metadata.
     pub metadata: HashMap<String, String>,
-    /// (name, values) of each tensor, in the file's order.
+    /// (name, values) of each tensor (safetensors does not keep the order they were written in).
     pub tensors: Vec<(String, Vec<f32>)>,
 }
 

@@ -23,7 +23,7 @@ enum BenchWhat {
     /// Time single-process training steps of the mini-GPT (random tokens, AdamW, dropout 0).
     Train(TrainArgs),
     /// Time data-parallel training steps and the scaling efficiency; run under `cohort run -n N`.
-    Ddp(cohort_train::bench::BenchDdpArgs),
+    Ddp(cohort_bench::ddp::BenchDdpArgs),
     /// Time RPC round trips and calls/s between two workers; run under `cohort run -n 2`.
     Rpc(RpcArgs),
     /// Time parameter-server training (rank 0 serves, the others push gradients); run under
@@ -184,9 +184,9 @@ fn rpc(a: RpcArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn ddp(a: cohort_train::bench::BenchDdpArgs) -> anyhow::Result<()> {
+fn ddp(a: cohort_bench::ddp::BenchDdpArgs) -> anyhow::Result<()> {
     let pg = cohort_train::process_group_from_env().context("bench ddp")?;
-    cohort_train::bench::run_ddp_bench(&a, &pg, &mut std::io::stdout()).context("bench ddp")?;
+    cohort_bench::ddp::run_ddp_bench(&a, &pg, &mut std::io::stdout()).context("bench ddp")?;
     Ok(())
 }
 
@@ -195,14 +195,14 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         Some(n) => n,
         None => cohort_engine::cpu::threads_from_env()?,
     };
-    let spec = cohort_gpt::bench::TrainBench {
+    let spec = cohort_bench::train_step::TrainBench {
         config: a.config.clone(),
         threads,
         steps: a.steps,
         warmup: a.warmup,
         seed: a.seed,
     };
-    let r = cohort_gpt::bench::run_train_bench(&spec)
+    let r = cohort_bench::train_step::run_train_bench(&spec)
         .with_context(|| format!("bench train --config {}", a.config))?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);

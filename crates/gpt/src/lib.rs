@@ -26,7 +26,6 @@
 
 #![deny(missing_docs)]
 
-pub mod bench;
 pub mod checkpoint;
 mod config;
 mod layout;

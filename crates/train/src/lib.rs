@@ -13,7 +13,6 @@
 //!   continues bitwise.
 //! - [`run`]: what `cohort train` calls: joins the job the launcher set up
 //!   (`RANK` in the environment: `env://`) or trains alone.
-//! - [`bench`]: `cohort bench ddp`, DDP step time and scaling efficiency.
 //!
 //! This crate never parses the command line itself (the binary does, with
 //! [`TrainArgs`]) and never talks to peers except through the process group.
@@ -29,7 +28,6 @@
 #![deny(missing_docs)]
 
 mod batches;
-pub mod bench;
 mod checkpoint;
 mod config;
 pub mod elastic;
@@ -53,9 +51,9 @@ pub use file_data::FileData;
 pub use parameter_server::{
     run_ps_bench, train_parameter_server, BenchPsArgs, BenchPsResult, Rendezvous,
 };
-pub use phases::{Phase, Phases};
+pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases};
 pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
-pub use train::{model_config, train, Outcome};
+pub use train::{model_config, param_specs, train, GptReplica, Outcome};
 pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
     OPTIMIZER_FILE, TRAINER_STATE_FILE,
@@ -147,7 +145,8 @@ pub enum TrainError {
 }
 
 impl TrainError {
-    pub(crate) fn comm(what: &'static str) -> impl Fn(CommError) -> TrainError {
+    /// The error of a collective the loop itself ran, saying what it was doing.
+    pub fn comm(what: &'static str) -> impl Fn(CommError) -> TrainError {
         move |error| TrainError::Comm { what, error }
     }
 }

@@ -1,6 +1,7 @@
 //! Where a training step's time goes: data wait, forward, backward,
-//! communication wait, optimizer, logging. Timings only; this module never
-//! decides anything about training.
+//! communication wait, optimizer, logging; and what the process as a whole
+//! used (CPU time, peak memory), for the benchmarks. Timings only; this
+//! module never decides anything about training.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -123,6 +124,32 @@ impl fmt::Display for PerStep<'_> {
         }
         f.write_str(" ms")
     }
+}
+
+/// Peak resident set size of this process in MB, from /proc/self/status (0 where unavailable).
+pub fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// User + system CPU time of this process in ms, from /proc/self/stat (0 where unavailable).
+pub fn process_cpu_ms() -> f64 {
+    let ticks = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|s| {
+            // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
+        });
+    // Linux reports these in USER_HZ, which is 100 on every mainstream configuration.
+    ticks.map_or(0.0, |t| t * 10.0)
 }
 
 #[cfg(test)]

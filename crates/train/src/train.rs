@@ -75,7 +75,7 @@ pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> GPTConfig {
 }
 
 /// The GPT as DDP sees it: a backward with a readiness hook, and gradients.
-pub(crate) struct GptReplica<'m>(pub(crate) &'m mut GPT);
+pub struct GptReplica<'m>(pub &'m mut GPT);
 
 impl Replica for GptReplica<'_> {
     fn backward<'g>(
@@ -92,7 +92,7 @@ impl Replica for GptReplica<'_> {
 }
 
 /// DDP's view of the model's parameters.
-pub(crate) fn param_specs(model: &GPT) -> Vec<ParamSpec> {
+pub fn param_specs(model: &GPT) -> Vec<ParamSpec> {
     model
         .param_views()
         .iter()

@@ -137,7 +137,7 @@ pub fn run_pipeline_bench(
         if i == args.warmup {
             pg.barrier()
                 .map_err(TrainError::comm("barrier before the timed steps"))?;
-            cpu0 = cohort_gpt::bench::process_cpu_ms();
+            cpu0 = crate::phases::process_cpu_ms();
         }
         let t0 = Instant::now();
         for (k, (tok, lab)) in tokens.iter_mut().zip(labels.iter_mut()).enumerate() {
@@ -158,7 +158,7 @@ pub fn run_pipeline_bench(
             wait_s.push((times.wait + comm).as_secs_f64());
         }
     }
-    let cpu_ms = (cohort_gpt::bench::process_cpu_ms() - cpu0) / steps as f64;
+    let cpu_ms = (crate::phases::process_cpu_ms() - cpu0) / steps as f64;
     let sum = |v: &[f64]| v.iter().sum::<f64>();
     let mut med = step_s.clone();
     med.sort_by(f64::total_cmp);

@@ -1,6 +1,6 @@
 //! `cohort bench ddp`: the time of a data-parallel training step of the
 //! benchmark configs on random tokens, and its scaling efficiency, as
-//! `../shared/reference/pytorch/bench_ddp.py` measures PyTorch's.
+//! PyTorch's reference script `bench_ddp.py` measures PyTorch's.
 //!
 //! Run under the launcher (`cohort run -n 2 bench ddp --config A`): every
 //! rank runs warmup + measured steps (forward, DDP backward, AdamW) on its
@@ -14,15 +14,14 @@
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
 //! It reports; it never changes what it measures.
 
-use crate::config::Overlap;
-use crate::train::{param_specs, GptReplica};
-use crate::TrainError;
 use cohort_comm::ProcessGroup;
 use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
-use cohort_gpt::bench::process_cpu_ms;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
+use cohort_train::{
+    param_specs, process_cpu_ms, ConfigError, GptReplica, Overlap, TrainError, TUNED_BUCKET_CAP_MB,
+};
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -50,7 +49,7 @@ pub struct BenchDdpArgs {
     #[arg(long)]
     pub baseline_tokens_per_s: Option<f64>,
     /// DDP bucket size in MB (PyTorch's default: 25).
-    #[arg(long, default_value_t = crate::config::TUNED_BUCKET_CAP_MB)]
+    #[arg(long, default_value_t = TUNED_BUCKET_CAP_MB)]
     pub bucket_cap_mb: f64,
     /// DDP first bucket size in MB.
     #[arg(long, default_value_t = cohort_ddp::DEFAULT_FIRST_BUCKET_MB)]
@@ -125,7 +124,7 @@ pub struct BenchDdpResult {
 
 /// Why the benchmark could not run.
 fn bad_config(name: &str) -> TrainError {
-    TrainError::Config(crate::ConfigError::Invalid {
+    TrainError::Config(ConfigError::Invalid {
         key: "config",
         value: name.to_string(),
         why: "must be A or B",

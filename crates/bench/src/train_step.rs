@@ -1,5 +1,5 @@
 //! The single-process training benchmark behind `cohort bench train`: the same model, data and
-//! optimizer as the PyTorch reference (`shared/reference/pytorch/bench_single.py`): random token
+//! optimizer as PyTorch's reference script (`bench_single.py`): random token
 //! ids, AdamW lr 1e-3 with PyTorch's defaults, dropout 0.
 //!
 //! It only measures; it never writes files. Peak RSS comes from /proc/self/status (VmHWM).
@@ -10,7 +10,8 @@ use cohort_engine::cpu::Cpu;
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use serde::Serialize;
 
-use crate::{GPTConfig, GptError, GPT};
+use cohort_gpt::{GPTConfig, GptError, GPT};
+use cohort_train::{peak_rss_mb, process_cpu_ms};
 
 /// The two benchmark configurations, A and B (model config and batch size), as PyTorch's
 /// reference scripts define them.
@@ -82,32 +83,6 @@ pub struct BenchReport {
 fn median(x: &mut [f64]) -> f64 {
     x.sort_by(|a, b| a.total_cmp(b));
     x[x.len() / 2]
-}
-
-/// Peak resident set size of this process in MB, from /proc/self/status (0 where unavailable).
-pub fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
-/// User + system CPU time of this process in ms, from /proc/self/stat (0 where unavailable).
-pub fn process_cpu_ms() -> f64 {
-    let ticks = std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
-            let rest = &s[s.rfind(')')? + 2..];
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some(f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?)
-        });
-    // Linux reports these in USER_HZ, which is 100 on every mainstream configuration.
-    ticks.map_or(0.0, |t| t * 10.0)
 }
 
 /// Runs the benchmark.

@@ -4,6 +4,7 @@
 //!
 //! - [`collectives`]: `cohort bench collectives`, nccl-tests style.
 //! - [`rpc`]: `cohort bench rpc`, round trips and calls per second.
+//! - [`serve`]: `cohort bench serve`, the serving load test.
 //! - [`train_step`]: `cohort bench train`, one process's training step.
 //! - [`ddp`]: `cohort bench ddp`, DDP's step time and scaling efficiency.
 //!
@@ -13,4 +14,5 @@
 pub mod collectives;
 pub mod ddp;
 pub mod rpc;
+pub mod serve;
 pub mod train_step;

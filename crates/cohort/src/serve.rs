@@ -1,14 +1,14 @@
 //! `cohort serve` and `cohort bench serve`: wiring only. Parse the flags (Triton's names where it
 //! has one), start `cohort_serve::Server`, print where it listens, wait for Ctrl-C / SIGTERM; or
-//! run `cohort_serve::bench` and print its table.
+//! run `cohort_bench::serve` and print its table.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use cohort_bench::serve::{LoadRow, LoadTest};
 use cohort_gpt::GPTConfig;
-use cohort_serve::bench::{LoadRow, LoadTest};
 use cohort_serve::{Server, ServerOptions};
 
 /// Serve a model repository over Triton's / KServe v2's HTTP and gRPC protocols.
@@ -164,7 +164,7 @@ pub fn bench(a: BenchServeArgs) -> anyhow::Result<()> {
             );
         }
     };
-    let rows = cohort_serve::bench::run(&t, print).context("bench serve")?;
+    let rows = cohort_bench::serve::run(&t, print).context("bench serve")?;
     if !a.json {
         let at = |batching: bool, c: usize| {
             rows.iter()

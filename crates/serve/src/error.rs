@@ -254,13 +254,15 @@ impl ServeError {
         }
     }
 
-    pub(crate) fn malformed(reason: impl ToString) -> ServeError {
+    /// A malformed request or reply.
+    pub fn malformed(reason: impl ToString) -> ServeError {
         ServeError::Malformed {
             reason: reason.to_string(),
         }
     }
 
-    pub(crate) fn parameter(name: &str, reason: impl ToString) -> ServeError {
+    /// A parameter out of its range, by name.
+    pub fn parameter(name: &str, reason: impl ToString) -> ServeError {
         ServeError::Parameter {
             name: name.to_string(),
             reason: reason.to_string(),

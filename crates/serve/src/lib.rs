@@ -31,7 +31,6 @@
 #![deny(missing_docs)]
 
 mod batcher;
-pub mod bench;
 mod config;
 mod error;
 mod grpc;
@@ -54,7 +53,7 @@ pub use config::{
     DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, VersionPolicy, PBTXT_FILE, TOML_FILE,
 };
 pub use error::{ErrorKind, ServeError};
-pub use metrics::Metrics;
+pub use metrics::{Metrics, VersionMetrics};
 pub use repository::IndexEntry;
 pub use tensor::{FP32, INPUT_IDS, INT64, LOGITS, NEXT_TOKEN};
 
@@ -285,6 +284,12 @@ impl Server {
     /// The server's metrics (what `/metrics` renders).
     pub fn metrics(&self) -> &Metrics {
         &self.app.metrics
+    }
+
+    /// Whether the latest version of model `name` is loaded and serving (what
+    /// `/v2/models/{name}/ready` answers).
+    pub fn is_model_ready(&self, name: &str) -> bool {
+        self.app.repo.resolve(name, None).is_ok()
     }
 
     /// The repository index (what `/v2/repository/index` answers).

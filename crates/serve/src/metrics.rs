@@ -28,7 +28,7 @@ pub(crate) enum Failure {
 
 /// The counters of one model version.
 #[derive(Debug, Default)]
-pub(crate) struct VersionMetrics {
+pub struct VersionMetrics {
     success: AtomicU64,
     fail_rejected: AtomicU64,
     fail_invalid: AtomicU64,
@@ -47,12 +47,12 @@ pub(crate) struct VersionMetrics {
 }
 
 impl VersionMetrics {
-    pub fn success(&self, total: Duration) {
+    pub(crate) fn success(&self, total: Duration) {
         self.success.fetch_add(1, Relaxed);
         self.request_us.fetch_add(total.as_micros() as u64, Relaxed);
     }
 
-    pub fn failure(&self, why: Failure, total: Duration) {
+    pub(crate) fn failure(&self, why: Failure, total: Duration) {
         let c = match why {
             Failure::Rejected => &self.fail_rejected,
             Failure::Invalid => &self.fail_invalid,
@@ -62,23 +62,23 @@ impl VersionMetrics {
         self.request_us.fetch_add(total.as_micros() as u64, Relaxed);
     }
 
-    pub fn enqueued(&self) {
+    pub(crate) fn enqueued(&self) {
         self.pending.fetch_add(1, Relaxed);
     }
 
     /// A request counted by `enqueued` was refused after all.
-    pub fn unqueued(&self) {
+    pub(crate) fn unqueued(&self) {
         self.pending.fetch_sub(1, Relaxed);
     }
 
     /// A request left the queue after waiting `waited`.
-    pub fn dequeued(&self, waited: Duration) {
+    pub(crate) fn dequeued(&self, waited: Duration) {
         self.pending.fetch_sub(1, Relaxed);
         self.queue_us.fetch_add(waited.as_micros() as u64, Relaxed);
     }
 
     /// One execution of `rows` rows that took `compute`.
-    pub fn executed(&self, rows: usize, compute: Duration) {
+    pub(crate) fn executed(&self, rows: usize, compute: Duration) {
         self.exec_count.fetch_add(1, Relaxed);
         self.inference_count.fetch_add(rows as u64, Relaxed);
         self.compute_us
@@ -91,7 +91,7 @@ impl VersionMetrics {
         }
     }
 
-    pub fn generated(&self, tokens: usize) {
+    pub(crate) fn generated(&self, tokens: usize) {
         self.generated_tokens.fetch_add(tokens as u64, Relaxed);
     }
 
@@ -112,7 +112,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// The counters of `model` version `version` (created at first use, kept forever).
-    pub(crate) fn version(&self, model: &str, version: u64) -> Arc<VersionMetrics> {
+    pub fn version(&self, model: &str, version: u64) -> Arc<VersionMetrics> {
         let mut map = self.versions.lock().unwrap_or_else(|e| e.into_inner());
         map.entry((model.to_string(), version)).or_default().clone()
     }

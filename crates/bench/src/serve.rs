@@ -19,10 +19,9 @@ use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::{GPTConfig, GPT};
 use serde::Serialize;
 
-use crate::error::ServeError;
-use crate::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
-use crate::proto::{model_infer_request, ModelInferRequest};
-use crate::{Server, ServerOptions, INPUT_IDS, INT64, NEXT_TOKEN};
+use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use cohort_serve::proto::{model_infer_request, ModelInferRequest};
+use cohort_serve::{ServeError, Server, ServerOptions, INPUT_IDS, INT64, NEXT_TOKEN, PBTXT_FILE};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -112,7 +111,7 @@ pub fn run(t: &LoadTest, mut on_row: impl FnMut(&LoadRow)) -> Result<Vec<LoadRow
     opts.default_queue_size = t.clients.iter().copied().max().unwrap_or(1) * 2;
     let server = Server::start(opts)?;
     for (model, _) in MODELS {
-        if server.app.repo.resolve(model, None).is_err() {
+        if !server.is_model_ready(model) {
             let why = server.index();
             server.shutdown();
             return Err(ServeError::NotReady {
@@ -135,7 +134,7 @@ pub fn run(t: &LoadTest, mut on_row: impl FnMut(&LoadRow)) -> Result<Vec<LoadRow
     let result = (|| {
         for (model, batching) in MODELS {
             for &clients in &t.clients {
-                let metrics = server.app.metrics.version(model, 1);
+                let metrics = server.metrics().version(model, 1);
                 let cell = Cell {
                     url: format!("http://{addr}"),
                     model,
@@ -231,7 +230,7 @@ fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
                 t.max_queue_delay_us
             );
         }
-        let file = dir.join(crate::PBTXT_FILE);
+        let file = dir.join(PBTXT_FILE);
         std::fs::write(&file, cfg).map_err(io("write", &file))?;
         let version = dir.join("1");
         std::os::unix::fs::symlink(&ckpt_dir, &version).map_err(io("link", &version))?;

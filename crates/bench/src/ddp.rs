@@ -148,7 +148,7 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Random token batches, different per rank and step (seed 000's data).
+/// Random token batches, different per rank and step (the toy data of PyTorch's DDP examples).
 fn batch(vocab: usize, n: usize, rank: usize, step: usize) -> (Vec<u32>, Vec<i32>) {
     let mut s = (rank as u64) << 32 ^ step as u64 ^ 0x5eed;
     let ids: Vec<u32> = (0..n)

@@ -4,7 +4,7 @@
 //! - Fixed-length data (the Markov corpus, random tokens, windows of a token stream): the
 //!   rank's [`DistributedSampler`] order, epoch after epoch, cut into batches of `batch_size`
 //!   rows; a batch may straddle two epochs, as one continuous stream.
-//! - Documents of different lengths (JSONL): seed 002's [`TokenBudgetSampler`], one plan per
+//! - Documents of different lengths (JSONL): the [`TokenBudgetSampler`] (sort buffer, token budget), one plan per
 //!   epoch, each batch at most `batch_size * seq_len` tokens padding included, right-padded
 //!   with an attention mask and -100 labels.
 //!

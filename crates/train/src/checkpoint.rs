@@ -7,7 +7,7 @@
 //!
 //! Checkpoints are `OUT/step-NNNNNN` directories, written atomically and
 //! verified by `cohort_gpt::checkpoint` (SHA-256 of every file). What goes
-//! wrong on the way is not fatal (seed 002: the disk fills up): a failed
+//! wrong on the way is not fatal (say, the disk fills up): a failed
 //! save is reported and the run goes on with the previous checkpoint intact;
 //! only the newest `keep_checkpoints` are kept. Resuming from `OUT` takes
 //! the checkpoint `latest` names, or, if that one is damaged, the newest

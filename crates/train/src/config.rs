@@ -22,7 +22,7 @@ pub const TUNED_BUCKET_CAP_MB: f64 = 0.5;
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
     /// `markov` (the embedded corpus with a known loss floor), `random`
-    /// (seed 000's uniform random tokens, for throughput), or a path: UTF-8
+    /// (uniform random tokens, for throughput), or a path: UTF-8
     /// text, `.jsonl`, a `.bin` token file, nanoGPT's train.bin/val.bin directory.
     pub data: String,
     /// For `data` files: `char`, `bpe` (trained on the data, `vocab_size` ids)
@@ -73,7 +73,7 @@ pub struct TrainConfig {
     /// AdamW beta2.
     pub beta2: f64,
     /// Clamp every gradient element into [-clip_value, clip_value] before
-    /// the norm clipping (0: no clamp); seed 002 clips by value, then by norm.
+    /// the norm clipping (0: no clamp); values are clipped first, then the norm.
     pub clip_value: f32,
     /// Clip the global norm of the averaged gradient to this, after
     /// `clip_value` (0: no clipping). Also accepted as `clip_norm`.
@@ -121,7 +121,7 @@ pub struct TrainConfig {
     /// Batches the loader threads prepare ahead.
     pub prefetch: usize,
     /// Documents (JSONL): samples per rank sorted by length together before
-    /// being cut into token-budget batches (seed 002's sort buffer).
+    /// being cut into token-budget batches (the sort buffer).
     pub sort_size: usize,
     /// How the ranks share the work: data parallel (`ddp`), a parameter
     /// server on rank 0 (`parameter-server`) or pipeline stages (`pipeline`).
@@ -324,7 +324,7 @@ pub struct TrainArgs {
     #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Training data: `markov` (default; embedded corpus with a known loss floor), `random`
-    /// (uniform random tokens, seed 000's ToyRandomDataset), or a PATH: UTF-8 text, `.jsonl`
+    /// (uniform random tokens, like the ToyRandomDataset of PyTorch's DDP examples), or a PATH: UTF-8 text, `.jsonl`
     /// (a "text" field per line), a `.bin` token file or nanoGPT's train.bin/val.bin directory.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

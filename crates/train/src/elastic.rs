@@ -1,5 +1,5 @@
-//! What a worker does when `cohort run` restarted it (issue 6's elastic
-//! launcher): the restarted workers of a job resume from the checkpoints it
+//! What a worker does when `cohort run` (the elastic launcher) restarted
+//! it: the restarted workers of a job resume from the checkpoints it
 //! wrote, possibly on another number of ranks.
 //!
 //! - A worker with `COHORT_RESTART_COUNT` > 0 and no `--resume` resumes from

@@ -1,4 +1,4 @@
-//! What a training step survives (seed 002, "catch what is not fatal"): a
+//! What a training step survives (catch what is not fatal): a
 //! NaN or infinite loss or gradient skips that update on every rank at once,
 //! gradients are clipped by value then by global norm, and a log that cannot
 //! be written is reported on stderr while training goes on.

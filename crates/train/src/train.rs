@@ -113,7 +113,7 @@ pub fn train(
 ) -> Result<Outcome, TrainError> {
     let (rank, world) = (pg.rank(), pg.size());
     let master = rank == 0;
-    // A log that cannot be written never stops the run (seed 002); `say`
+    // A log that cannot be written never stops the run; `say`
     // keeps its Result so that every call site reads the same.
     let log_guard = LogGuard::default();
     let mut say = |log: &mut dyn Write, line: String| -> Result<(), TrainError> {

@@ -74,7 +74,7 @@ pub struct BenchPipelineResult {
     pub steps: usize,
 }
 
-/// Random token ids of micro-batch `micro` of `step` on `replica` (seed 000's data).
+/// Random token ids of micro-batch `micro` of `step` on `replica` (the toy data of PyTorch's DDP examples).
 pub(super) fn random_tokens(
     vocab: usize,
     out: &mut [u32],

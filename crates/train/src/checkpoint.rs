@@ -1,6 +1,7 @@
-//! Saving and resuming a training run: the model and optimizer through
-//! `cohort_gpt::checkpoint` (Hugging Face GPT-2 format, atomic writes), plus
-//! the trainer's position (step, epoch, offset in the epoch's sample order)
+//! Saving and resuming a training run: the model through
+//! `cohort_gpt::checkpoint` (Hugging Face GPT-2 format, atomic writes), with
+//! the optimizer's state and the trainer's position (step, epoch, offset in
+//! the epoch's sample order; see `trainer_files`) as further files of it,
 //! and the shape of the job that produced it. Resuming restores all of it, so
 //! the run continues bitwise as if it had never stopped: the learning rate
 //! and dropout keys are functions of the step, the data of (epoch, offset).

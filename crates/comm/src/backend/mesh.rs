@@ -217,7 +217,7 @@ impl Backend for MeshBackend {
             0,
             |c| match &self.nodes {
                 Some(nodes) if hierarchical => {
-                    collectives::all_reduce::hierarchical::run(nodes, ctx, world, buf, dtype, op)
+                    super::hierarchical::run(nodes, ctx, world, buf, dtype, op)
                 }
                 _ => collectives::all_reduce::all_reduce(c, buf, op),
             },

@@ -10,6 +10,7 @@
 //! buffers it is given past the call, and must never call back into the
 //! group.
 
+pub(crate) mod hierarchical;
 pub(crate) mod mesh;
 pub(crate) mod nodes;
 

@@ -16,7 +16,6 @@
 //! group's algorithm setting, which all ranks share, so all ranks pick the
 //! same algorithm without talking.
 
-pub(crate) mod hierarchical;
 mod recursive_doubling;
 mod ring;
 mod shm;

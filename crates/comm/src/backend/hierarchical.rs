@@ -1,6 +1,8 @@
 //! Hierarchical all_reduce for groups that span several nodes: reduce
 //! inside each node onto its leader, all_reduce among the leaders, then
-//! broadcast inside each node.
+//! broadcast inside each node. It lives with the backends, not with the
+//! transport-level algorithms of `collectives`, because it composes whole
+//! sub-mesh backends.
 //!
 //! Inside a node the ranks share memory (the node mesh gets the
 //! shared-memory transport), so only one rank per node sends each byte
@@ -14,8 +16,8 @@
 //! ranks). Every rank runs the same phases in the same order, so the
 //! sub-meshes stay in lockstep.
 
-use crate::backend::nodes::Nodes;
-use crate::backend::{Backend, OpContext};
+use super::nodes::Nodes;
+use super::{Backend, OpContext};
 use crate::element::DType;
 use crate::error::CommError;
 use crate::kinds::OpKind;

@@ -1,0 +1,147 @@
+//! `cohort bench ...` end to end: every benchmark that lives in cohort-bench still runs from the
+//! command line and reports the JSON keys that scripts and the README read. (`bench ddp` is
+//! checked in train.rs.) Each run is kept to a few steps or calls: these check the reports, not
+//! the speed.
+
+mod support;
+
+use serde_json::Value;
+use support::{run, succeeded};
+
+/// The JSON objects of the output's lines, with any `[rankN]: ` prefix removed.
+fn json_lines(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.strip_prefix("[rank0]: ").unwrap_or(l);
+            l.starts_with('{').then(|| serde_json::from_str(l).unwrap())
+        })
+        .collect()
+}
+
+fn assert_positive(v: &Value, keys: &[&str]) {
+    for key in keys {
+        let x = v[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key} missing in {v}"));
+        assert!(x > 0.0 && x.is_finite(), "{key} = {x} in {v}");
+    }
+}
+
+#[test]
+fn bench_train_reports_the_step_and_its_phases() {
+    let out = run(&[
+        "bench",
+        "train",
+        "--config",
+        "A",
+        "--threads",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ]);
+    let rows = json_lines(&succeeded(&out));
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let v = &rows[0];
+    assert_eq!(v["bench"], "train");
+    assert_eq!(v["config"], "A");
+    assert_positive(
+        v,
+        &["ms_per_step", "fwd_ms", "bwd_ms", "tokens_per_s", "rss_mb"],
+    );
+    assert!(
+        v["kernels_ms"].as_array().is_some_and(|k| !k.is_empty()),
+        "{v}"
+    );
+}
+
+#[test]
+fn bench_collectives_reports_a_row_per_size() {
+    let out = run(&[
+        "run",
+        "--standalone",
+        "-n",
+        "2",
+        "bench",
+        "collectives",
+        "-b",
+        "4K",
+        "-e",
+        "64K",
+        "-f",
+        "16",
+        "-n",
+        "5",
+        "--json",
+    ]);
+    let rows = json_lines(&succeeded(&out));
+    let sizes: Vec<u64> = rows.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+    assert_eq!(sizes, [4096, 65536], "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["op"], "all_reduce");
+        assert_eq!(r["world"], 2);
+        assert_positive(r, &["time_us", "algbw_gbps", "busbw_gbps"]);
+    }
+}
+
+#[test]
+fn bench_rpc_reports_round_trips_and_calls_per_second() {
+    let out = run(&[
+        "run",
+        "--standalone",
+        "-n",
+        "2",
+        "bench",
+        "rpc",
+        "--sizes",
+        "8,1K",
+        "--iters",
+        "20",
+        "--calls",
+        "100",
+        "--json",
+    ]);
+    let rows = json_lines(&succeeded(&out));
+    let sizes: Vec<u64> = rows.iter().filter_map(|r| r["bytes"].as_u64()).collect();
+    assert_eq!(sizes, [8, 1024], "{rows:?}");
+    for r in &rows {
+        assert_eq!(r["bench"], "rpc");
+        assert_positive(r, &["rtt_us_median", "rtt_us_p99", "calls_per_s"]);
+    }
+}
+
+#[test]
+fn bench_serve_reports_every_mode_and_client_count() {
+    let out = run(&[
+        "bench",
+        "serve",
+        "--config",
+        "A",
+        "--requests",
+        "16",
+        "--clients",
+        "1,2",
+        "--json",
+    ]);
+    let rows = json_lines(&succeeded(&out));
+    let cells: Vec<(bool, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["dynamic_batching"].as_bool().unwrap(),
+                r["clients"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        cells,
+        [(false, 1), (false, 2), (true, 1), (true, 2)],
+        "{rows:?}"
+    );
+    for r in &rows {
+        assert_eq!(r["requests"], 16);
+        assert_positive(r, &["throughput", "p50_ms", "p99_ms", "mean_batch"]);
+    }
+}

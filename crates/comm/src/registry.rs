@@ -73,6 +73,9 @@ pub(crate) fn lookup(name: &str) -> Result<Registered, CommError> {
     if let Some((_, init)) = registered.iter().find(|(n, _)| n == name) {
         return Ok(Registered::Init(*init));
     }
+    // The listing below takes the lock again; a second read while a writer
+    // waits can deadlock, so let this one go first.
+    drop(registered);
     // The common case of a missing backend is one this program was built
     // without: say how to get it.
     let hint = match name {

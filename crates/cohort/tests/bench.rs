@@ -18,6 +18,19 @@ fn json_lines(text: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The JSON rows rank 0 prints for `cohort run -n 2 bench ARGS --json`.
+fn bench_on_two_ranks(args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["run", "--standalone", "-n", "2", "bench"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    json_lines(&succeeded(&run(&all)))
+}
+
+/// The `bytes` of each row, in order.
+fn sizes(rows: &[Value]) -> Vec<u64> {
+    rows.iter().filter_map(|r| r["bytes"].as_u64()).collect()
+}
+
 fn assert_positive(v: &Value, keys: &[&str]) {
     for key in keys {
         let x = v[key]
@@ -59,12 +72,7 @@ fn bench_train_reports_the_step_and_its_phases() {
 
 #[test]
 fn bench_collectives_reports_a_row_per_size() {
-    let out = run(&[
-        "run",
-        "--standalone",
-        "-n",
-        "2",
-        "bench",
+    let rows = bench_on_two_ranks(&[
         "collectives",
         "-b",
         "4K",
@@ -74,11 +82,8 @@ fn bench_collectives_reports_a_row_per_size() {
         "16",
         "-n",
         "5",
-        "--json",
     ]);
-    let rows = json_lines(&succeeded(&out));
-    let sizes: Vec<u64> = rows.iter().filter_map(|r| r["bytes"].as_u64()).collect();
-    assert_eq!(sizes, [4096, 65536], "{rows:?}");
+    assert_eq!(sizes(&rows), [4096, 65536], "{rows:?}");
     for r in &rows {
         assert_eq!(r["op"], "all_reduce");
         assert_eq!(r["world"], 2);
@@ -88,24 +93,8 @@ fn bench_collectives_reports_a_row_per_size() {
 
 #[test]
 fn bench_rpc_reports_round_trips_and_calls_per_second() {
-    let out = run(&[
-        "run",
-        "--standalone",
-        "-n",
-        "2",
-        "bench",
-        "rpc",
-        "--sizes",
-        "8,1K",
-        "--iters",
-        "20",
-        "--calls",
-        "100",
-        "--json",
-    ]);
-    let rows = json_lines(&succeeded(&out));
-    let sizes: Vec<u64> = rows.iter().filter_map(|r| r["bytes"].as_u64()).collect();
-    assert_eq!(sizes, [8, 1024], "{rows:?}");
+    let rows = bench_on_two_ranks(&["rpc", "--sizes", "8,1K", "--iters", "20", "--calls", "100"]);
+    assert_eq!(sizes(&rows), [8, 1024], "{rows:?}");
     for r in &rows {
         assert_eq!(r["bench"], "rpc");
         assert_positive(r, &["rtt_us_median", "rtt_us_p99", "calls_per_s"]);

@@ -20,7 +20,7 @@ use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use cohort_train::{
-    param_specs, process_cpu_ms, ConfigError, GptReplica, Overlap, TrainError, TUNED_BUCKET_CAP_MB,
+    param_specs, process_cpu_ms, ConfigError, Overlap, TrainError, TUNED_BUCKET_CAP_MB,
 };
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -224,7 +224,9 @@ pub fn run_ddp_bench(
             model.zero_grad();
             model.forward(&ids, None, Some(&labels), b, t)?;
             let forward = t0.elapsed();
-            let stats = ddp.backward(&mut GptReplica(&mut model))?;
+            let stats = ddp
+                .backward(|ready| model.backward(ready))?
+                .finish(model.grads_mut())?;
             let t_opt = Instant::now();
             let (params, grads) = model.params_and_grads_mut();
             opt.step(params, grads, 1e-3)?;

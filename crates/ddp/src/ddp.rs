@@ -68,21 +68,12 @@ impl Default for DdpOptions {
     }
 }
 
-/// What a model must offer to be wrapped by [`Ddp`]: a backward that reports
-/// finished gradient ranges, and its flat gradient buffer.
-pub trait Replica {
-    /// Runs backward, accumulating into the gradient buffer, and calls `hook`
-    /// with `(range, grads)` as soon as the gradients of `range` are final,
-    /// where `grads` is exactly that range of the gradient buffer. The
-    /// reported ranges must be disjoint; each parameter should be covered.
-    fn backward<'g>(
-        &'g mut self,
-        hook: &mut (dyn FnMut(Range<usize>, &'g mut [f32]) + Send),
-    ) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
-
-    /// The flat gradient buffer.
-    fn grads_mut(&mut self) -> &mut [f32];
-}
+/// The hook a model's backward calls with `(range, grads)` as soon as the
+/// gradients of `range` are final, `grads` being exactly that range of its
+/// flat gradient buffer. The reported ranges must be disjoint; each parameter
+/// should be covered. It runs on whatever thread backward runs on, hence
+/// `Send`.
+pub type ReadyHook<'h, 'g> = dyn FnMut(Range<usize>, &'g mut [f32]) + Send + 'h;
 
 /// Where the time of one synchronising backward went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -104,8 +95,9 @@ pub struct SyncStats {
 /// # use cohort_ddp::{Ddp, DdpOptions, ParamSpec};
 /// # fn demo(pg: &cohort_comm::ProcessGroup, params: &mut [f32], specs: Vec<ParamSpec>) -> Result<(), cohort_ddp::DdpError> {
 /// let mut ddp = Ddp::new(pg, specs, params, DdpOptions::default())?;
-/// // each step: forward, then `ddp.backward(&mut model)?` instead of
-/// // `model.backward()`, then the optimizer step (identical on every rank).
+/// // each step: forward, then, instead of `model.backward()`,
+/// //   ddp.backward(|ready| model.backward(ready))?.finish(model.grads_mut())?;
+/// // then the optimizer step (identical on every rank).
 /// # Ok(()) }
 /// ```
 pub struct Ddp<'pg> {
@@ -177,36 +169,58 @@ impl<'pg> Ddp<'pg> {
         self.pg
     }
 
-    /// Backward without communication (PyTorch's `no_sync`): gradients
-    /// accumulate locally. Use it for every micro-step of gradient
-    /// accumulation but the last, which calls [`Ddp::backward`] and so
-    /// averages the sum of all micro-steps at once.
-    pub fn backward_no_sync<R: Replica>(&mut self, model: &mut R) -> Result<(), DdpError> {
-        model.backward(&mut |_, _| {}).map_err(DdpError::Backward)
-    }
-
-    /// Runs the model's backward and averages its gradients across ranks.
-    /// Collective: every rank must call it. A parameter whose gradient is
-    /// never reported is an error naming it (all ranks see it when all ranks
-    /// run the same model), unless `find_unused_parameters` is set, in which
-    /// case its gradient is zeroed and still averaged.
-    pub fn backward<R: Replica>(&mut self, model: &mut R) -> Result<SyncStats, DdpError> {
+    /// Runs the model's backward, `backward(ready)`, which must call `ready`
+    /// for each range of gradients as soon as it is final (see
+    /// [`ReadyHook`]); with overlap on, each bucket's average across ranks
+    /// starts on a communication thread while backward goes on. Then
+    /// [`PendingSync::finish`], given the whole gradient buffer, reduces
+    /// what backward did not hand over and checks for unused parameters.
+    /// Collective: every rank must call both.
+    ///
+    /// For gradient accumulation (PyTorch's `no_sync`), call the model's own
+    /// backward for every micro-step but the last: gradients sum locally and
+    /// the last one's sync averages the sum at once.
+    pub fn backward<'g, E>(
+        &mut self,
+        backward: impl FnOnce(&mut ReadyHook<'_, 'g>) -> Result<(), E>,
+    ) -> Result<PendingSync<'_, 'pg>, DdpError>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let mut stats = SyncStats::default();
-        let world = self.pg.size();
-        // Alone, averaging is the identity: only the checks remain.
-        let solo = world == 1 && self.options.compression == Compression::None;
-        let end = if self.options.overlap && !solo {
-            self.backward_overlapped(model, &mut stats)?
+        let end = if self.options.overlap && !self.solo() {
+            self.backward_overlapped(backward, &mut stats)?
         } else {
             let mut reducer = Reducer::new(&self.params, &self.buckets, self.total, false);
             let t = Instant::now();
-            let backward = model
-                .backward(&mut |range, grads| reducer.mark_ready(range, grads, &mut |_, _| {}));
+            let result =
+                backward(&mut |range, grads| reducer.mark_ready(range, grads, &mut |_, _| {}));
             stats.backward = t.elapsed();
             let end = BackwardEnd::of(reducer);
-            backward.map_err(DdpError::Backward)?;
+            result.map_err(|e| DdpError::Backward(e.into()))?;
             end?
         };
+        Ok(PendingSync {
+            ddp: self,
+            end,
+            stats,
+        })
+    }
+
+    /// Alone, averaging is the identity: only the checks remain.
+    fn solo(&self) -> bool {
+        self.pg.size() == 1 && self.options.compression == Compression::None
+    }
+
+    /// The second half of [`PendingSync::finish`].
+    fn finish(
+        &mut self,
+        end: BackwardEnd,
+        grads: &mut [f32],
+        mut stats: SyncStats,
+    ) -> Result<SyncStats, DdpError> {
+        let world = self.pg.size();
+        let solo = self.solo();
         let BackwardEnd {
             next,
             unused,
@@ -227,7 +241,6 @@ impl<'pg> Ddp<'pg> {
             }
         }
         let t = Instant::now();
-        let grads = model.grads_mut();
         if grads.len() != self.total {
             return Err(DdpError::BufferLength {
                 what: "gradient",
@@ -317,17 +330,20 @@ impl<'pg> Ddp<'pg> {
 impl Ddp<'_> {
     /// Backward with a communication thread that all-reduces each bucket as
     /// soon as the reducer launches it.
-    fn backward_overlapped<R: Replica>(
+    fn backward_overlapped<'g, E>(
         &mut self,
-        model: &mut R,
+        backward: impl FnOnce(&mut ReadyHook<'_, 'g>) -> Result<(), E>,
         stats: &mut SyncStats,
-    ) -> Result<BackwardEnd, DdpError> {
+    ) -> Result<BackwardEnd, DdpError>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let world = self.pg.size();
         let (pg, params, buckets, total) = (self.pg, &self.params, &self.buckets, self.total);
         let compression = self.options.compression;
         let scratch = &mut self.scratch;
         std::thread::scope(|s| {
-            let (tx, rx) = mpsc::channel::<(usize, &mut [f32])>();
+            let (tx, rx) = mpsc::channel::<(usize, &'g mut [f32])>();
             let comm = s.spawn(move || -> Result<Duration, DdpError> {
                 let mut busy = Duration::ZERO;
                 for (b, grads) in rx {
@@ -339,7 +355,7 @@ impl Ddp<'_> {
             });
             let mut reducer = Reducer::new(params, buckets, total, true);
             let t = Instant::now();
-            let backward = model.backward(&mut |range, grads| {
+            let result = backward(&mut |range, grads| {
                 reducer.mark_ready(range, grads, &mut |b, slice| {
                     // A send fails only if the comm thread stopped on an
                     // error, which join() reports below.
@@ -355,9 +371,30 @@ impl Ddp<'_> {
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
             stats.comm_wait = t.elapsed();
             stats.comm_busy = busy;
-            backward.map_err(DdpError::Backward)?;
+            result.map_err(|e| DdpError::Backward(e.into()))?;
             end
         })
+    }
+}
+
+/// A backward whose gradients are still being averaged: call
+/// [`PendingSync::finish`] with the gradient buffer.
+#[must_use = "the gradients are not averaged until finish() is called"]
+pub struct PendingSync<'d, 'pg> {
+    ddp: &'d mut Ddp<'pg>,
+    end: BackwardEnd,
+    stats: SyncStats,
+}
+
+impl PendingSync<'_, '_> {
+    /// Reduces the buckets backward did not hand over (all of them with
+    /// overlap off) in `grads`, the model's whole gradient buffer, and
+    /// reports where the time went. A parameter whose gradient was never
+    /// reported is an error naming it (all ranks see it when all ranks run
+    /// the same model), unless `find_unused_parameters` is set, in which case
+    /// its gradient is zeroed and still averaged. Collective.
+    pub fn finish(self, grads: &mut [f32]) -> Result<SyncStats, DdpError> {
+        self.ddp.finish(self.end, grads, self.stats)
     }
 }
 

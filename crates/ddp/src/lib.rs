@@ -6,13 +6,20 @@
 //! - [`Ddp`] wraps one replica: at construction it checks that every rank
 //!   built the same model (names, shapes, offsets of [`ParamSpec`]s) and
 //!   broadcasts rank 0's parameters; [`Ddp::backward`] runs the model's
-//!   backward (through the [`Replica`] trait) and averages the gradients
-//!   across ranks, bucket by bucket ([`GradientBucket`]), each bucket's
+//!   backward, handing it a [`ReadyHook`] to call as gradients become final,
+//!   and averages the gradients across ranks, bucket by bucket
+//!   ([`GradientBucket`]), each bucket's
 //!   all-reduce starting on a communication thread as soon as backward has
 //!   finished its gradients, while backward goes on with the layers below.
 //!   After the first backward the buckets are re-cut along the ranges the
 //!   model reported, so that no bucket waits for a range finished later.
-//!   [`Ddp::backward_no_sync`] is `no_sync` for gradient accumulation.
+//!   [`PendingSync::finish`], given the gradient buffer, reduces the rest.
+//!   Gradient accumulation (`no_sync`) is the model's own backward.
+//!
+//! Gradients flow one way: the model's backward calls the hook, the hook
+//! hands ranges to the reducer. DDP never calls into a model type (there is
+//! no model trait to implement), so any flat-buffer model plugs in with a
+//! closure.
 //!
 //! This crate knows flat buffers, parameter names and process groups, never
 //! what a model computes, and it never touches parameters after the initial
@@ -20,21 +27,16 @@
 //!
 //! ```
 //! use cohort_comm::spawn;
-//! use cohort_ddp::{Ddp, DdpOptions, ParamSpec, Replica};
-//! use std::ops::Range;
+//! use cohort_ddp::{Ddp, DdpOptions, ParamSpec, ReadyHook};
 //!
 //! /// y = w * x with loss (y - 1)^2 / 2: one parameter, one gradient.
 //! struct Scalar { w: Vec<f32>, g: Vec<f32>, x: f32 }
-//! impl Replica for Scalar {
-//!     fn backward<'g>(
-//!         &'g mut self,
-//!         hook: &mut (dyn FnMut(Range<usize>, &'g mut [f32]) + Send),
-//!     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! impl Scalar {
+//!     fn backward<'g>(&'g mut self, ready: &mut ReadyHook<'_, 'g>) -> Result<(), std::io::Error> {
 //!         self.g[0] += (self.w[0] * self.x - 1.0) * self.x;
-//!         hook(0..1, &mut self.g);
+//!         ready(0..1, &mut self.g);
 //!         Ok(())
 //!     }
-//!     fn grads_mut(&mut self) -> &mut [f32] { &mut self.g }
 //! }
 //!
 //! let grads = spawn::threads(2, |pg| {
@@ -42,7 +44,7 @@
 //!     let spec = vec![ParamSpec { name: "w".into(), shape: vec![1], range: 0..1 }];
 //!     let mut ddp = Ddp::new(pg, spec, &mut m.w, DdpOptions::default())?;
 //!     assert_eq!(m.w[0], 0.0); // rank 0's value everywhere
-//!     ddp.backward(&mut m)?;
+//!     ddp.backward(|ready| m.backward(ready))?.finish(&mut m.g)?;
 //!     Ok::<_, cohort_ddp::DdpError>(m.g[0])
 //! })
 //! .unwrap();
@@ -58,7 +60,7 @@ mod reducer;
 
 pub use bucket::{assign_buckets, assign_buckets_aligned, GradientBucket, ParamSpec};
 pub use ddp::{
-    Compression, Ddp, DdpOptions, Replica, SyncStats, DEFAULT_BUCKET_CAP_MB,
+    Compression, Ddp, DdpOptions, PendingSync, ReadyHook, SyncStats, DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_MB,
 };
 pub use error::DdpError;

@@ -3,7 +3,7 @@
 //! parameters and the rank's data, so every result can be recomputed here.
 
 use cohort_comm::{spawn, GroupOptions};
-use cohort_ddp::{Compression, Ddp, DdpError, DdpOptions, ParamSpec, Replica};
+use cohort_ddp::{Compression, Ddp, DdpError, DdpOptions, ParamSpec, ReadyHook, SyncStats};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -74,10 +74,11 @@ impl Toy {
     }
 }
 
-impl Replica for Toy {
+impl Toy {
+    /// Backward, calling `hook` as each layer's gradients are final (from the top layer down).
     fn backward<'g>(
         &'g mut self,
-        hook: &mut (dyn FnMut(Range<usize>, &'g mut [f32]) + Send),
+        hook: &mut ReadyHook<'_, 'g>,
     ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         let (w, x) = (&self.w, self.x);
         let mut rest: &'g mut [f32] = &mut self.g;
@@ -110,8 +111,10 @@ impl Replica for Toy {
         Ok(())
     }
 
-    fn grads_mut(&mut self) -> &mut [f32] {
-        &mut self.g
+    /// A synchronising backward through `ddp`.
+    fn sync_backward(&mut self, ddp: &mut Ddp<'_>) -> Result<SyncStats, DdpError> {
+        ddp.backward(|ready| self.backward(ready))?
+            .finish(&mut self.g)
     }
 }
 
@@ -137,7 +140,7 @@ fn train_ddp(world: usize, steps: usize, options: DdpOptions) -> Vec<Vec<f32>> {
         }
         let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, options.clone())?;
         for _ in 0..steps {
-            ddp.backward(&mut m)?;
+            m.sync_backward(&mut ddp)?;
             m.step(0.1);
         }
         Ok::<_, DdpError>(m.w)
@@ -273,12 +276,12 @@ fn buckets_are_recut_along_the_ready_ranges_after_the_first_backward() {
         };
         let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, o)?;
         let before = ddp.buckets().len();
-        ddp.backward(&mut m)?;
+        m.sync_backward(&mut ddp)?;
         // The toy reports ranges of 7000 floats that never end on a
         // parameter boundary (except at 0): one bucket is all that keeps
         // whole ranges together.
         let after: Vec<_> = ddp.buckets().iter().map(|b| b.range.clone()).collect();
-        ddp.backward(&mut m)?;
+        m.sync_backward(&mut ddp)?;
         Ok::<_, DdpError>((before, after))
     })
     .unwrap();
@@ -294,9 +297,9 @@ fn no_sync_accumulates_locally_and_the_last_micro_step_averages() {
         let mut m = Toy::new(&LENS, data(pg.rank()));
         let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, DdpOptions::default())?;
         for _ in 0..micro - 1 {
-            ddp.backward_no_sync(&mut m)?;
+            m.backward(&mut |_, _| {}).map_err(DdpError::Backward)?;
         }
-        ddp.backward(&mut m)?;
+        m.sync_backward(&mut ddp)?;
         Ok::<_, DdpError>(m.g)
     })
     .unwrap();
@@ -325,7 +328,7 @@ fn an_unused_parameter_is_an_error_naming_it() {
                 ..DdpOptions::default()
             };
             let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, o)?;
-            ddp.backward(&mut m).map(|_| ())
+            m.sync_backward(&mut ddp).map(|_| ())
         })
         .unwrap_err()
         .to_string();
@@ -354,7 +357,7 @@ fn find_unused_parameters_zeroes_and_still_reduces() {
         if pg.rank() == 1 {
             m.g[unused.clone()].iter_mut().for_each(|g| *g = 100.0);
         }
-        ddp.backward(&mut m)?;
+        m.sync_backward(&mut ddp)?;
         Ok::<_, DdpError>(m.g)
     })
     .unwrap();

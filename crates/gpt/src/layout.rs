@@ -52,6 +52,28 @@ pub(crate) struct Layout {
     pub total: usize,
 }
 
+impl Layout {
+    /// The range of the flat buffer that `part`'s own parameters occupy.
+    pub(crate) fn part_range(&self, part: crate::Part) -> Range<usize> {
+        match part {
+            crate::Part::Embeddings => self.wte.start..self.wpe.end,
+            crate::Part::Block(l) => self.blocks[l].all.clone(),
+            crate::Part::Head => self.ln_f_w.start..self.total,
+        }
+    }
+}
+
+impl Layout {
+    /// The ranges `part` reads when it runs: its own, and wte's before it for a tied head.
+    pub(crate) fn part_reads(&self, part: crate::Part) -> Vec<Range<usize>> {
+        let tied = self.lm_head == self.wte;
+        match part {
+            crate::Part::Head if tied => vec![self.wte.clone(), self.part_range(part)],
+            _ => vec![self.part_range(part)],
+        }
+    }
+}
+
 struct Carver {
     views: Vec<ParamView>,
     next: usize,

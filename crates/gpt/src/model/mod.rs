@@ -34,6 +34,29 @@ pub(crate) use init::*;
 pub(crate) use layers::*;
 pub(crate) use profile::*;
 
+/// A part of the model that runs as one unit, in forward order: what a
+/// [`PartHook`] is told is about to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Part {
+    /// wte and wpe.
+    Embeddings,
+    /// Transformer block `l`.
+    Block(usize),
+    /// ln_f, and lm_head when untied. A tied head also reads wte, which is
+    /// in the embeddings' range.
+    Head,
+}
+
+/// Called with `(part, range, params)` just before `part` runs in
+/// [`GPT::forward_with`] or [`GPT::backward_with`], once for each range of
+/// the flat parameter buffer the part reads, `params` being exactly that
+/// range: its own ([`GPT::part_range`]), and for a tied head first wte's,
+/// which it reads as its weight. This is the seam for sharded
+/// parameters: a strategy that keeps only a shard of each part on this rank
+/// gathers the part's parameters into `params` here (and may prefetch the
+/// next part's). It runs on an engine thread, hence `Send`.
+pub type PartHook<'h> = dyn FnMut(Part, Range<usize>, &mut [f32]) + Send + 'h;
+
 /// The model: config, flat parameters and gradients, activation arena, backend.
 pub struct GPT {
     config: GPTConfig,
@@ -204,6 +227,21 @@ impl GPT {
         self.profile = Profile::default();
     }
 
+    /// The parts of the model in forward order: embeddings, each block, head.
+    pub fn parts(&self) -> Vec<Part> {
+        let blocks = (0..self.config.n_layers).map(Part::Block);
+        std::iter::once(Part::Embeddings)
+            .chain(blocks)
+            .chain([Part::Head])
+            .collect()
+    }
+
+    /// The range of the flat parameter (and gradient) buffer that `part`'s
+    /// own parameters occupy; the ranges of [`GPT::parts`] partition it.
+    pub fn part_range(&self, part: Part) -> Range<usize> {
+        self.layout.part_range(part)
+    }
+
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);
@@ -221,6 +259,19 @@ impl GPT {
         labels: Option<&[i32]>,
         b: usize,
         t: usize,
+    ) -> Result<Option<f32>, GptError> {
+        self.forward_with(input_ids, attention_mask, labels, b, t, &mut |_, _, _| {})
+    }
+
+    /// [`GPT::forward`], calling `before` just before each [`Part`] runs.
+    pub fn forward_with(
+        &mut self,
+        input_ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<&[i32]>,
+        b: usize,
+        t: usize,
+        before: &mut PartHook<'_>,
     ) -> Result<Option<f32>, GptError> {
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
         let n = b * t;
@@ -264,6 +315,7 @@ impl GPT {
                 batch,
                 drop,
                 profile,
+                &mut *before,
             )
         };
         let mut loss = None;
@@ -288,6 +340,19 @@ impl GPT {
     /// block 0, then [wte, wpe] (wte also holds the tied head's gradient). The ranges
     /// partition the buffer. The hook runs on an engine thread, hence `Send`.
     pub fn backward<'g, F>(&'g mut self, hook: F) -> Result<(), GptError>
+    where
+        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
+    {
+        self.backward_with(&mut |_, _, _| {}, hook)
+    }
+
+    /// [`GPT::backward`], calling `before` just before each [`Part`]'s
+    /// backward runs (head first, embeddings last).
+    pub fn backward_with<'g, F>(
+        &'g mut self,
+        before: &mut PartHook<'_>,
+        hook: F,
+    ) -> Result<(), GptError>
     where
         F: FnMut(Range<usize>, &'g mut [f32]) + Send,
     {
@@ -328,6 +393,7 @@ impl GPT {
                 counted,
                 drop,
                 profile,
+                &mut *before,
                 hook,
             )
         };
@@ -411,22 +477,31 @@ pub(crate) fn validate_batch(
 fn forward_pass(
     cfg: &GPTConfig,
     lay: &Layout,
-    p: &[f32],
+    p: &mut [f32],
     dev: &dyn Backend,
     a: &mut Acts,
     scratch: &mut [f32],
     batch: &Batch,
     drop: DropKey,
     prof: &mut Profile,
+    before: &mut PartHook<'_>,
 ) -> Option<f32> {
     let (b, t) = (batch.b, batch.t);
     let (c, f, nh) = (cfg.d_model, cfg.d_ff, cfg.n_heads);
     let mask = batch.has_mask.then_some(&batch.mask[..]);
     let dims = AttnDims { b, t, c, nh };
+    let mut enter = |part: Part, p: &mut [f32]| {
+        for range in lay.part_reads(part) {
+            before(part, range.clone(), &mut p[range]);
+        }
+    };
+    enter(Part::Embeddings, p);
     embed_forward(p, &lay.wte, &lay.wpe, dev, a, batch, c, drop, prof);
     for (l, bl) in lay.blocks.iter().enumerate() {
+        enter(Part::Block(l), p);
         block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
     }
+    enter(Part::Head, p);
     let head = HeadLayout {
         ln_f_w: &lay.ln_f_w,
         ln_f_b: &lay.ln_f_b,
@@ -449,7 +524,7 @@ fn forward_pass(
 fn backward_pass<'g>(
     cfg: &GPTConfig,
     lay: &Layout,
-    p: &[f32],
+    p: &mut [f32],
     grads: &'g mut [f32],
     dev: &dyn Backend,
     a: &mut Acts,
@@ -458,8 +533,14 @@ fn backward_pass<'g>(
     counted: usize,
     drop: DropKey,
     prof: &mut Profile,
+    before: &mut PartHook<'_>,
     mut hook: impl FnMut(Range<usize>, &'g mut [f32]),
 ) {
+    let mut enter = |part: Part, p: &mut [f32]| {
+        for range in lay.part_reads(part) {
+            before(part, range.clone(), &mut p[range]);
+        }
+    };
     let (b, t) = (batch.b, batch.t);
     let (c, f, v, nh) = (cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
     let mask = batch.has_mask.then_some(&batch.mask[..]);
@@ -469,6 +550,7 @@ fn backward_pass<'g>(
     // handed out last) or to lm_head (in the top range, after ln_f).
     let head_start = lay.ln_f_w.start;
     let (mut rest, top) = grads.split_at_mut(head_start);
+    enter(Part::Head, p);
     {
         let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
         let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
@@ -503,11 +585,13 @@ fn backward_pass<'g>(
     for (l, bl) in lay.blocks.iter().enumerate().rev() {
         let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
         rest = lower;
+        enter(Part::Block(l), p);
         block_backward(l, l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
         hook(bl.all.clone(), g);
     }
 
     let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    enter(Part::Embeddings, p);
     embed_backward(
         &mut dwte[lay.wte.clone()],
         dwpe,

@@ -294,3 +294,67 @@ fn bad_inputs_are_clear_errors() {
     m.backward(|_, _| {}).unwrap();
     assert!(m.grads().iter().all(|&g| g == 0.0));
 }
+
+/// A model whose parameters are all zero except when a part hook has just filled them in
+/// computes what the full model computes: the hooks see every part, in order, with every range
+/// it reads, before it runs, in forward and in backward. This is what a sharded strategy
+/// (parameters gathered per part, freed after use) relies on.
+#[test]
+fn part_hooks_fill_each_part_just_before_it_runs() {
+    for tied in [true, false] {
+        let cfg = tiny(true, tied, 0.0);
+        let (ids, mask, labels) = batch();
+        let mut full = model(cfg.clone(), 2, 5);
+        let want_loss = loss_at(&mut full, &ids, &mask, &labels);
+        full.backward(|_, _| {}).unwrap();
+        let source = full.params().to_vec();
+
+        let mut sharded = model(cfg.clone(), 2, 5);
+        let parts = sharded.parts();
+        let ranges: Vec<_> = parts.iter().map(|&p| sharded.part_range(p)).collect();
+        assert_eq!(ranges.first().map(|r| r.start), Some(0));
+        assert_eq!(ranges.last().map(|r| r.end), Some(sharded.num_params()));
+        assert!(
+            ranges.windows(2).all(|w| w[0].end == w[1].start),
+            "{ranges:?}"
+        );
+        let wte = 0..cfg.vocab_size * cfg.d_model;
+        // What each part reads, in the order the hook sees it.
+        let reads = |part: Part| {
+            let own = sharded.part_range(part);
+            match part {
+                Part::Head if tied => vec![(part, wte.clone()), (part, own)],
+                _ => vec![(part, own)],
+            }
+        };
+        let forward_reads: Vec<_> = parts.iter().flat_map(|&p| reads(p)).collect();
+        let backward_reads: Vec<_> = parts.iter().rev().flat_map(|&p| reads(p)).collect();
+
+        // Every parameter starts blank and the hook fills in only what it is handed: a part
+        // that read a range before it was handed would compute with zeros.
+        let mut run = |backward: bool| {
+            let mut seen = Vec::new();
+            let mut fill = |part: Part, range: Range<usize>, p: &mut [f32]| {
+                seen.push((part, range.clone()));
+                p.copy_from_slice(&source[range]);
+            };
+            sharded.params_mut().fill(0.0);
+            let loss = if backward {
+                sharded.zero_grad();
+                sharded.backward_with(&mut fill, |_, _| {}).unwrap();
+                None
+            } else {
+                sharded
+                    .forward_with(&ids, Some(&mask), Some(&labels), 2, 7, &mut fill)
+                    .unwrap()
+            };
+            (seen, loss)
+        };
+        let (seen, loss) = run(false);
+        assert_eq!(seen, forward_reads);
+        assert_eq!(loss.unwrap().to_bits(), (want_loss as f32).to_bits());
+        let (seen, _) = run(true);
+        assert_eq!(seen, backward_reads);
+        assert_eq!(sharded.grads(), full.grads());
+    }
+}

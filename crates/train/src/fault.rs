@@ -256,32 +256,43 @@ impl StepGuard {
         self.total
     }
 
-    /// After the gradients of `step` are averaged (`grads`, summed over
-    /// `accum` micro-steps): scales them by 1/`accum`, checks them and
-    /// `loss_finite` with the other ranks, and clips them. `Ok(None)`: apply
-    /// the update; `Ok(Some(skip))`: every rank skips it (the caller zeroes
-    /// the gradients); an error when the skips in a row reach the limit.
-    /// Collective: every rank calls it once per step.
-    pub(crate) fn check(
+    /// After the gradients of `step` are synchronised (`grads`, summed over
+    /// `accum` micro-steps): scales them by 1/`accum` and clamps them, and
+    /// returns whether they are finite and their norm on this rank. Local;
+    /// [`StepGuard::decide`] follows with the other ranks.
+    pub(crate) fn scale(
+        &self,
+        step: u64,
+        rank: usize,
+        grads: &mut [f32],
+        accum: usize,
+    ) -> GradStats {
+        if let Some(hook) = &self.inject {
+            if hook.hits(step, rank) && !grads.is_empty() {
+                grads[0] = f32::NAN;
+            }
+        }
+        scale_clamp_norm(grads, 1.0 / accum as f32, self.clip_value)
+    }
+
+    /// Decides with the other ranks of `pg` whether the update of `step` is
+    /// applied: `Ok(None)`, apply it (clip by the global norm first, with
+    /// [`clip_to_norm`]); `Ok(Some(skip))`, every rank skips it because some
+    /// rank's loss (`loss_finite`) or gradients (`stats`) were not finite;
+    /// an error when the skips in a row reach the limit. Collective: every
+    /// rank calls it once per step.
+    pub(crate) fn decide(
         &mut self,
         pg: &ProcessGroup,
         step: u64,
         loss_finite: bool,
-        grads: &mut [f32],
-        accum: usize,
+        stats: GradStats,
     ) -> Result<Option<Skip>, TrainError> {
-        if let Some(hook) = &self.inject {
-            if hook.hits(step, pg.rank()) && !grads.is_empty() {
-                grads[0] = f32::NAN;
-            }
-        }
-        let stats = scale_clamp_norm(grads, 1.0 / accum as f32, self.clip_value);
         let mut flags = [i32::from(!loss_finite), i32::from(!stats.finite)];
         pg.all_reduce(&mut flags, ReduceOp::Sum)
             .map_err(TrainError::comm("non-finite check all_reduce"))?;
         if flags == [0, 0] {
             self.consecutive = 0;
-            clip_to_norm(grads, stats.norm, self.clip_norm);
             return Ok(None);
         }
         self.consecutive += 1;
@@ -299,6 +310,11 @@ impl StepGuard {
             consecutive: self.consecutive,
             total: self.total,
         }))
+    }
+
+    /// The norm gradients are clipped to (0: no clipping).
+    pub(crate) fn clip_norm(&self) -> f32 {
+        self.clip_norm
     }
 }
 

@@ -36,6 +36,7 @@ mod file_data;
 mod parameter_server;
 mod phases;
 mod pipeline;
+mod step_loop;
 mod train;
 mod trainer_files;
 
@@ -53,7 +54,7 @@ pub use parameter_server::{
 };
 pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases};
 pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
-pub use train::{model_config, param_specs, train, GptReplica, Outcome};
+pub use train::{model_config, param_specs, train, Outcome};
 pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
     OPTIMIZER_FILE, TRAINER_STATE_FILE,

@@ -11,7 +11,7 @@
 //! - **sync**: the server waits for every worker's gradient of step `s`,
 //!   averages them in worker order (sum, then divide by K-1, as DDP's
 //!   all-reduce does), scales, checks and clips them exactly as `train`
-//!   does (the same [`StepGuard`]), steps AdamW, and answers every worker
+//!   does (the same training loop), steps AdamW, and answers every worker
 //!   with the new parameters. The parameters after each step are DDP's over
 //!   K-1 ranks: bitwise with two workers, where the sum of two gradients
 //!   does not depend on the order.
@@ -36,7 +36,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cohort_comm::{GroupOptions, ProcessGroup};
-use cohort_engine::optim::{AdamW, LrSchedule, Optimizer};
+use cohort_engine::optim::{AdamW, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 use cohort_rpc::{Floats, Registry, Rpc, RpcError, RpcOptions};
@@ -46,10 +46,10 @@ use serde::{Deserialize, Serialize};
 use crate::batches::{val_batches, TrainBatches};
 use crate::checkpoint::{self, Resumed, TrainState};
 use crate::config::{ConfigError, PsMode, TrainConfig};
-use crate::fault::StepGuard;
 use crate::file_data::build_dataset;
 use crate::phases::{Phase, Phases};
-use crate::train::{mean_loss, model_config, padding_mask, Outcome};
+use crate::step_loop::{self, mean_loss, StepGradients, Strategy};
+use crate::train::{model_config, Outcome};
 use crate::{FileData, TrainError};
 use cohort_data::Dataset;
 

@@ -43,30 +43,16 @@ pub(super) fn work(
             });
         }
         model.params_mut().copy_from_slice(&reply.params.0);
-        let mut loss_sum = 0f32;
-        let mut tokens = 0u64;
-        for micro in 0..cfg.grad_accum {
-            let batch = phases.time(Phase::Data, || batches.next_batch());
-            tokens += batch.attention_mask.iter().filter(|&&m| m == 1).count() as u64;
-            model.set_training(true);
-            // DDP's rank r is worker r here: the same dropout masks.
-            model.set_dropout_key(
-                cfg.seed,
-                worker as u64,
-                step * cfg.grad_accum as u64 + micro as u64,
-            );
-            let loss = phases.time(Phase::Forward, || {
-                model.forward(
-                    &batch.input_ids,
-                    padding_mask(&batch),
-                    Some(&batch.labels),
-                    batch.batch,
-                    batch.seq,
-                )
-            })?;
-            loss_sum += loss.unwrap_or(0.0);
-            phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
-        }
+        // DDP's rank r is worker r here: the same batches and dropout masks.
+        let (loss_sum, tokens) = step_loop::accumulate(
+            &mut model,
+            &mut batches,
+            cfg,
+            worker,
+            step,
+            &mut phases,
+            &mut |model, phases| Ok(phases.time(Phase::Backward, || model.backward(|_, _| {}))?),
+        )?;
         let (epoch, offset) = batches.position();
         let push = Push {
             worker: worker as u32,

@@ -11,8 +11,9 @@
 //! backward in micro-batch order, so each block's gradient is the same sum in the same order.
 //! With tied embeddings the last stage holds a copy of wte (Megatron's scheme): after backward
 //! the first and last stage all-reduce (sum) the two partial wte gradients, so both copies take
-//! the same optimizer step and stay equal. Gradient clipping uses the norm over all stages
-//! (counting wte once).
+//! the same optimizer step and stay equal. The one training loop does the rest, as for DDP: a
+//! NaN/Inf on any stage skips the step on every stage, and clipping uses the norm over all
+//! stages (counting wte once).
 //!
 //! With `world = S x D` ranks, D pipelines (replicas) train on different data, rank
 //! `d * S + s` being stage s of replica d; each stage's gradients are averaged over its D
@@ -30,13 +31,14 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::DistributedSampler;
-use cohort_engine::optim::{AdamW, AdamWConfig, LrSchedule, Optimizer, OptimizerState};
+use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
 
 use crate::checkpoint::{self, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
 use crate::phases::{Phase, Phases};
+use crate::step_loop::{self, StepGradients, Strategy};
 use crate::train::{model_config, Outcome};
 use crate::{ConfigError, TrainError};
 use cohort_data::{Dataset, Split};
@@ -167,239 +169,259 @@ pub fn train_pipeline(
     log: &mut dyn Write,
 ) -> Result<Outcome, TrainError> {
     cfg.validate()?;
-    let master = pg.rank() == 0;
-    let mut say = |line: String| -> Result<(), TrainError> {
-        if master {
-            writeln!(log, "{line}").map_err(TrainError::Log)?;
-        }
-        Ok(())
-    };
-    if cfg.grad_accum != 1 {
-        return Err(invalid(
-            "grad_accum",
-            cfg.grad_accum.to_string(),
-            "must be 1 with --strategy pipeline (use micro_batches)",
-        ));
-    }
-    let data = crate::file_data::build(cfg, pg)?;
-    if data.variable_length() {
-        return Err(invalid(
-            "data",
-            cfg.data.clone(),
-            "--strategy pipeline needs fixed-length sequences (documents of different lengths \
-             are not supported yet)",
-        ));
-    }
-    let (b, t, m) = (cfg.batch_size, data.seq_len(), cfg.micro_batches);
-    let model_cfg = model_config(cfg, data.vocab_size());
-    let stages = stage_count(cfg.stages, pg.size(), model_cfg.n_layers)?;
-    let topo = Topology::new(pg, stages, model_cfg.tie_word_embeddings)?;
-    let part = StagePart::split(model_cfg.n_layers, stages)?.swap_remove(topo.stage);
-    let mut stage = GptStage::new(model_cfg.clone(), cfg.seed, part)?;
-    let mut opt = optimizer(cfg, &stage)?;
-    let replicas = topo.replicas;
-    let mut start = TrainState::default();
-    if let Some(dir) = &cfg.resume {
-        let resumed = resume_stage(dir, cfg, pg, replicas, &model_cfg, &mut stage, &mut opt)?;
-        for note in resumed.notes {
-            say(note)?;
-        }
-        say(format!(
-            "resumed from {} at step {}",
-            resumed.dir.display(),
-            resumed.state.step
-        ))?;
-        start = resumed.state;
-    }
-    let schedule_lr =
-        LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
-    let tokens_per_step = (b * t * m * replicas) as f64;
-    say(format!("data: {}", data.describe()))?;
-    let blocks: Vec<usize> = StagePart::split(model_cfg.n_layers, stages)?
-        .iter()
-        .map(|p| p.blocks.len())
-        .collect();
-    say(format!(
-        "pipeline: {stages} stage(s) x {replicas} replica(s), blocks per stage {blocks:?}, \
-         {m} micro-batches of {b} sequences, {:?} schedule{}",
-        cfg.pipeline_schedule,
-        if model_cfg.tie_word_embeddings && stages > 1 {
-            "; the last stage holds a copy of the tied wte, its gradient summed with the first's"
-        } else {
-            ""
-        }
-    ))?;
-    say(format!(
-        "global batch: {} sequences = {m} micro-batches x {b} x {replicas} replica(s) ({tokens_per_step} tokens/step)",
-        b * m * replicas
-    ))?;
-    let ops = schedule(cfg.pipeline_schedule, topo.stage, stages, m);
-    let mut sampler = DistributedSampler::new(
-        data.len(Split::Train),
-        replicas,
-        topo.replica,
-        true,
-        cfg.seed,
-        false,
-    )?;
-    sampler.set_epoch(start.epoch);
-    let mut samples = Samples {
-        order: sampler.indices(),
-        sampler,
-        next: start.offset,
-    };
-    let reads = topo.first() || topo.last();
-    let mut tokens = vec![vec![0u32; b * t]; m];
-    let mut labels = vec![vec![0i32; b * t]; m];
-    let mut pipe = Pipe {
-        pg,
-        topo,
-        stage,
-        inbox: Vec::new(),
-        spare: Vec::new(),
-        drop_key: (cfg.seed, 0, 0),
-    };
+    let mut strategy = Pipeline::new(cfg, pg)?;
+    step_loop::run(cfg, &mut strategy, log, 1)
+}
 
-    let mut outcome = Outcome::starting_at(start.step, data.loss_floor());
-    let mut window = Phases::default();
-    let (mut window_steps, mut window_loss) = (0u64, 0f32);
-    let mut window_time = Duration::ZERO;
-    let mut window_compute = Duration::ZERO;
-    let mut timed_from = None;
-    for step in start.step..cfg.steps {
-        let t_step = Instant::now();
-        let lr = schedule_lr.lr(step);
-        if reads {
-            window.time(Phase::Data, || {
-                read_micro_batches(
-                    &*data,
-                    Split::Train,
-                    || samples.next(),
-                    &mut tokens,
-                    &mut labels,
-                )
+/// This rank's stage of a pipeline, as a strategy of the one training loop.
+struct Pipeline<'a> {
+    cfg: &'a TrainConfig,
+    data: Box<dyn Dataset>,
+    model_cfg: GPTConfig,
+    pipe: Pipe<'a>,
+    opt: AdamW,
+    ops: Vec<Op>,
+    samples: Samples,
+    /// This step's micro-batches (read on the first and last stage only).
+    tokens: Vec<Vec<u32>>,
+    labels: Vec<Vec<i32>>,
+    start: u64,
+    header: Vec<String>,
+    /// Since the last log line: the steps' time, and the part spent computing.
+    step_started: Instant,
+    window_time: Duration,
+    window_compute: Duration,
+}
+
+impl<'a> Pipeline<'a> {
+    fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup) -> Result<Self, TrainError> {
+        if cfg.grad_accum != 1 {
+            return Err(invalid(
+                "grad_accum",
+                cfg.grad_accum.to_string(),
+                "must be 1 with --strategy pipeline (use micro_batches)",
+            ));
+        }
+        let data = crate::file_data::build(cfg, pg)?;
+        if data.variable_length() {
+            return Err(invalid(
+                "data",
+                cfg.data.clone(),
+                "--strategy pipeline needs fixed-length sequences (documents of different lengths \
+                 are not supported yet)",
+            ));
+        }
+        let (b, t, m) = (cfg.batch_size, data.seq_len(), cfg.micro_batches);
+        let model_cfg = model_config(cfg, data.vocab_size());
+        let stages = stage_count(cfg.stages, pg.size(), model_cfg.n_layers)?;
+        let topo = Topology::new(pg, stages, model_cfg.tie_word_embeddings)?;
+        let part = StagePart::split(model_cfg.n_layers, stages)?.swap_remove(topo.stage);
+        let mut stage = GptStage::new(model_cfg.clone(), cfg.seed, part)?;
+        let mut opt = optimizer(cfg, &stage)?;
+        let replicas = topo.replicas;
+        let mut header = Vec::new();
+        let mut start = TrainState::default();
+        if let Some(dir) = &cfg.resume {
+            let resumed = resume_stage(dir, cfg, pg, replicas, &model_cfg, &mut stage, &mut opt)?;
+            header.extend(resumed.notes);
+            header.push(format!(
+                "resumed from {} at step {}",
+                resumed.dir.display(),
+                resumed.state.step
+            ));
+            start = resumed.state;
+        }
+        header.extend(step_loop::data_lines(&*data));
+        let blocks: Vec<usize> = StagePart::split(model_cfg.n_layers, stages)?
+            .iter()
+            .map(|p| p.blocks.len())
+            .collect();
+        header.push(format!(
+            "pipeline: {stages} stage(s) x {replicas} replica(s), blocks per stage {blocks:?}, \
+             {m} micro-batches of {b} sequences, {:?} schedule{}",
+            cfg.pipeline_schedule,
+            if model_cfg.tie_word_embeddings && stages > 1 {
+                "; the last stage holds a copy of the tied wte, its gradient summed with the first's"
+            } else {
+                ""
+            }
+        ));
+        header.push(format!(
+            "global batch: {} sequences = {m} micro-batches x {b} x {replicas} replica(s) ({} tokens/step)",
+            b * m * replicas,
+            b * t * m * replicas
+        ));
+        let ops = schedule(cfg.pipeline_schedule, topo.stage, stages, m);
+        let mut sampler = DistributedSampler::new(
+            data.len(Split::Train),
+            replicas,
+            topo.replica,
+            true,
+            cfg.seed,
+            false,
+        )?;
+        sampler.set_epoch(start.epoch);
+        let samples = Samples {
+            order: sampler.indices(),
+            sampler,
+            next: start.offset,
+        };
+        Ok(Pipeline {
+            cfg,
+            data,
+            model_cfg,
+            pipe: Pipe {
+                pg,
+                topo,
+                stage,
+                inbox: Vec::new(),
+                spare: Vec::new(),
+                drop_key: (cfg.seed, 0, 0),
+            },
+            opt,
+            ops,
+            samples,
+            tokens: vec![vec![0u32; b * t]; m],
+            labels: vec![vec![0i32; b * t]; m],
+            start: start.step,
+            header,
+            step_started: Instant::now(),
+            window_time: Duration::ZERO,
+            window_compute: Duration::ZERO,
+        })
+    }
+}
+
+impl Strategy for Pipeline<'_> {
+    fn group(&self) -> &ProcessGroup {
+        self.pipe.pg
+    }
+
+    fn header(&self) -> Vec<String> {
+        self.header.clone()
+    }
+
+    fn start_step(&self) -> u64 {
+        self.start
+    }
+
+    fn loss_floor(&self) -> Option<f64> {
+        self.data.loss_floor()
+    }
+
+    fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
+        self.step_started = Instant::now();
+        let (b, t, m) = (
+            self.cfg.batch_size,
+            self.data.seq_len(),
+            self.cfg.micro_batches,
+        );
+        let topo = &self.pipe.topo;
+        if topo.first() || topo.last() {
+            let (data, samples) = (&*self.data, &mut self.samples);
+            let (tokens, labels) = (&mut self.tokens, &mut self.labels);
+            phases.time(Phase::Data, || {
+                read_micro_batches(data, Split::Train, || samples.next(), tokens, labels)
             });
         }
-        pipe.stage.set_training(true);
-        pipe.drop_key = (cfg.seed, pipe.topo.replica as u64, step * m as u64);
+        self.pipe.stage.set_training(true);
+        self.pipe.drop_key = (
+            self.cfg.seed,
+            self.pipe.topo.replica as u64,
+            step * m as u64,
+        );
         let mut times = RunTimes::default();
-        let loss_sum = pipe.run(&ops, &tokens, &labels, b, t, &mut times)?;
-        window.add(Phase::Forward, times.forward);
-        window.add(Phase::Backward, times.backward);
-        window.add(Phase::Comm, times.wait);
-        window_compute += times.forward + times.backward;
-        let t_opt = Instant::now();
-        let comm = pipe.reduce_and_clip(m, cfg.grad_clip)?;
-        window.add(Phase::Comm, comm);
-        let (params, grads) = pipe.stage.params_and_grads_mut();
-        opt.step(params, grads, lr)?;
-        pipe.stage.zero_grad();
-        window.add(Phase::Optimizer, t_opt.elapsed().saturating_sub(comm));
-        window_time += t_step.elapsed();
-        window_loss += loss_sum / m as f32;
-        window_steps += 1;
-        let done = step + 1;
-        if timed_from.is_none() {
-            timed_from = Some(Instant::now());
-        }
+        let loss_sum = self
+            .pipe
+            .run(&self.ops, &self.tokens, &self.labels, b, t, &mut times)?;
+        phases.add(Phase::Forward, times.forward);
+        phases.add(Phase::Backward, times.backward);
+        phases.add(Phase::Comm, times.wait);
+        self.window_compute += times.forward + times.backward;
+        phases.add(Phase::Comm, self.pipe.reduce_grads()?);
+        // The loss lives on the last stages, one per replica.
+        let last = self.pipe.topo.last();
+        let replicas = self.pipe.topo.replicas as f64;
+        Ok(StepGradients {
+            loss_share: if last {
+                loss_sum as f64 / m as f64 / replicas
+            } else {
+                0.0
+            },
+            loss_finite: loss_sum.is_finite(),
+            tokens: if last { (b * t * m) as f64 } else { 0.0 },
+            micro_batches: m,
+        })
+    }
 
-        let t_log = Instant::now();
-        if done % cfg.log_interval == 0 || done == cfg.steps {
-            // The loss lives on the last stages; every rank learns the mean.
-            let mut stats = [
-                if pipe.topo.last() {
-                    (window_loss / window_steps as f32) as f64 / replicas as f64
-                } else {
-                    0.0
-                },
-                1.0 - window_compute.as_secs_f64() / window_time.as_secs_f64().max(1e-9),
-            ];
-            pg.all_reduce(&mut stats, ReduceOp::Sum)
-                .map_err(TrainError::comm("loss all_reduce"))?;
-            let loss = stats[0] as f32;
-            let bubble = stats[1] / pg.size() as f64;
-            outcome.train_losses.push((done, loss));
-            say(format!(
-                "[step {done} / {}] loss = {loss:.4} | lr {lr:.2e} | {:.0} tok/s | idle {:.0}% | {}",
-                cfg.steps,
-                tokens_per_step * window_steps as f64 / window_time.as_secs_f64().max(1e-9),
-                100.0 * bubble,
-                window.per_step(window_steps),
-            ))?;
-            outcome.phases.merge(&window);
-            window = Phases::default();
-            (window_steps, window_loss) = (0, 0.0);
-            (window_time, window_compute) = (Duration::ZERO, Duration::ZERO);
-        }
-        if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
-            let val = evaluate(cfg, &*data, &mut pipe, b, t)?;
-            outcome.val_losses.push((done, val));
-            let floor = data
-                .loss_floor()
-                .map(|f| format!(" (floor {f:.4})"))
-                .unwrap_or_default();
-            say(format!(
-                "[step {done} / {}] val loss = {val:.4}{floor}",
-                cfg.steps
-            ))?;
-        }
-        let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
-        if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
-            if let Some((model, whole)) = pipe.gather_model(&opt, &model_cfg, cfg)? {
-                // Rank 0 is stage 0 of replica 0: its position is replica 0's.
-                let state = TrainState {
-                    step: done,
-                    epoch: samples.sampler.epoch(),
-                    offset: samples.next,
-                };
-                let tokenizer = data.tokenizer_json();
-                let notes = checkpoint::save_or_report(
-                    out,
-                    cfg,
-                    replicas,
-                    &model,
-                    &whole,
-                    &state,
-                    tokenizer.as_deref(),
-                );
-                for line in notes {
-                    say(format!("[step {done} / {}] {line}", cfg.steps))?;
-                }
-            }
-        }
-        window.add(Phase::Logging, t_log.elapsed());
-        outcome.steps_run += 1;
-        outcome.final_step = done;
+    fn grads_mut(&mut self) -> &mut [f32] {
+        self.pipe.stage.grads_mut()
     }
-    outcome.phases.merge(&window);
-    if let Some(t0) = timed_from {
-        let secs = t0.elapsed().as_secs_f64();
-        let timed = outcome.steps_run.saturating_sub(1);
-        if timed > 0 && secs > 0.0 {
-            outcome.tokens_per_s = tokens_per_step * timed as f64 / secs;
-        }
+
+    fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
+        self.pipe.global_norm(local)
     }
-    outcome.params = pipe.gather_params()?;
-    let last = |v: &[(u64, f32)]| {
-        v.last()
-            .map(|x| format!("{:.4}", x.1))
-            .unwrap_or("-".into())
-    };
-    say(format!(
-        "done: {} steps; train loss {}, val loss {}; {:.0} tokens/s on {} rank(s)",
-        outcome.final_step,
-        last(&outcome.train_losses),
-        last(&outcome.val_losses),
-        outcome.tokens_per_s,
-        pg.size()
-    ))?;
-    let n = outcome.steps_run.max(1);
-    say(format!(
-        "time per step (rank 0, stage 0): {} | {}",
-        outcome.phases.per_step(n),
-        outcome.phases.shares()
-    ))?;
-    Ok(outcome)
+
+    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
+        if let Some(lr) = lr {
+            let (params, grads) = self.pipe.stage.params_and_grads_mut();
+            self.opt.step(params, grads, lr)?;
+        }
+        self.pipe.stage.zero_grad();
+        self.window_time += self.step_started.elapsed();
+        Ok(())
+    }
+
+    fn log_note(&mut self) -> Result<String, TrainError> {
+        let pg = self.pipe.pg;
+        let mut idle =
+            [1.0 - self.window_compute.as_secs_f64() / self.window_time.as_secs_f64().max(1e-9)];
+        pg.all_reduce(&mut idle, ReduceOp::Sum)
+            .map_err(TrainError::comm("idle time all_reduce"))?;
+        (self.window_time, self.window_compute) = (Duration::ZERO, Duration::ZERO);
+        Ok(format!(
+            " | idle {:.0}%",
+            100.0 * idle[0] / pg.size() as f64
+        ))
+    }
+
+    fn evaluate(&mut self) -> Result<f32, TrainError> {
+        let (b, t) = (self.cfg.batch_size, self.data.seq_len());
+        evaluate(self.cfg, &*self.data, &mut self.pipe, b, t)
+    }
+
+    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<Vec<String>, TrainError> {
+        let Some((model, whole)) = self
+            .pipe
+            .gather_model(&self.opt, &self.model_cfg, self.cfg)?
+        else {
+            return Ok(Vec::new());
+        };
+        // Rank 0 is stage 0 of replica 0: its position is replica 0's.
+        let state = TrainState {
+            step,
+            epoch: self.samples.sampler.epoch(),
+            offset: self.samples.next,
+        };
+        let tokenizer = self.data.tokenizer_json();
+        Ok(checkpoint::save_or_report(
+            out,
+            self.cfg,
+            self.pipe.topo.replicas,
+            &model,
+            &whole,
+            &state,
+            tokenizer.as_deref(),
+        ))
+    }
+
+    fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
+        self.pipe.gather_params()
+    }
+
+    fn who(&self) -> String {
+        format!("{} rank(s)", self.pipe.pg.size())
+    }
 }
 
 /// Mean validation loss over `eval_batches` batches per replica, through the pipeline

@@ -176,13 +176,9 @@ impl Pipe<'_> {
         Ok(loss_sum)
     }
 
-    /// After a step's backwards: average over replicas, sum the tied wte, scale by
-    /// `1 / micro`, clip by the norm over all stages. Returns the time spent communicating.
-    pub(super) fn reduce_and_clip(
-        &mut self,
-        micro: usize,
-        clip: f32,
-    ) -> Result<Duration, TrainError> {
+    /// After backward: averages this stage's gradients over its replicas and sums the tied wte
+    /// gradient of the first and last stage. Returns the time spent communicating.
+    pub(super) fn reduce_grads(&mut self) -> Result<Duration, TrainError> {
         let t0 = Instant::now();
         if let Some(dp) = &self.topo.dp {
             dp.all_reduce(self.stage.grads_mut(), ReduceOp::Avg)
@@ -192,45 +188,28 @@ impl Pipe<'_> {
             g.all_reduce(&mut self.stage.grads_mut()[r], ReduceOp::Sum)
                 .map_err(TrainError::comm("tied embedding gradient all_reduce"))?;
         }
-        let mut comm = t0.elapsed();
-        let inv = 1.0 / micro as f32;
-        let grads = self.stage.grads_mut();
-        if micro > 1 {
-            grads.iter_mut().for_each(|g| *g *= inv);
-        }
-        if clip > 0.0 {
-            let copy = self
-                .stage
-                .holds_tied_copy()
-                .then(|| self.stage.tied_range())
-                .flatten()
-                .unwrap_or(0..0);
-            let grads = self.stage.grads();
-            let own = |i: usize| !copy.contains(&i);
-            let mut sq = [grads
-                .iter()
-                .enumerate()
-                .filter(|&(i, _)| own(i))
-                .map(|(_, &g)| g as f64 * g as f64)
-                .sum::<f64>()];
-            let t0 = Instant::now();
-            self.pg
-                .all_reduce(&mut sq, ReduceOp::Sum)
-                .map_err(TrainError::comm("gradient norm all_reduce"))?;
-            comm += t0.elapsed();
-            // Every replica counted the same (averaged) gradients.
-            let norm = (sq[0] / self.topo.replicas as f64).sqrt() as f32;
-            if !norm.is_finite() {
-                return Err(TrainError::Optim(
-                    cohort_engine::optim::OptimError::NonFiniteGradNorm { norm },
-                ));
-            }
-            let coef = clip / (norm + 1e-6);
-            if coef < 1.0 {
-                self.stage.grads_mut().iter_mut().for_each(|g| *g *= coef);
-            }
-        }
-        Ok(comm)
+        Ok(t0.elapsed())
+    }
+
+    /// The whole model's gradient norm from this stage's (`local`, over its whole buffer):
+    /// the stages' squares summed, a tied wte copy counted once, every replica having counted
+    /// the same averaged gradients. Collective over all ranks.
+    pub(super) fn global_norm(&self, local: f32) -> Result<f32, TrainError> {
+        let copy = self
+            .stage
+            .holds_tied_copy()
+            .then(|| self.stage.tied_range())
+            .flatten()
+            .unwrap_or(0..0);
+        let copy_sq: f64 = self.stage.grads()[copy]
+            .iter()
+            .map(|&g| g as f64 * g as f64)
+            .sum();
+        let mut sq = [(local as f64 * local as f64 - copy_sq).max(0.0)];
+        self.pg
+            .all_reduce(&mut sq, ReduceOp::Sum)
+            .map_err(TrainError::comm("gradient norm all_reduce"))?;
+        Ok((sq[0] / self.topo.replicas as f64).sqrt() as f32)
     }
 
     /// The whole model's parameters, assembled from replica 0's stages, on every rank.

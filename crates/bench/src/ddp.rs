@@ -150,15 +150,8 @@ fn median(v: &mut [f64]) -> f64 {
 
 /// Random token batches, different per rank and step (the toy data of PyTorch's DDP examples).
 fn batch(vocab: usize, n: usize, rank: usize, step: usize) -> (Vec<u32>, Vec<i32>) {
-    let mut s = (rank as u64) << 32 ^ step as u64 ^ 0x5eed;
-    let ids: Vec<u32> = (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect();
+    let mut ids = vec![0u32; n];
+    crate::random_tokens(vocab, &mut ids, (rank as u64) << 32 ^ step as u64);
     let labels = ids.iter().map(|&x| x as i32).collect();
     (ids, labels)
 }

@@ -7,12 +7,23 @@
 //! - [`serve`]: `cohort bench serve`, the serving load test.
 //! - [`train_step`]: `cohort bench train`, one process's training step.
 //! - [`ddp`]: `cohort bench ddp`, DDP's step time and scaling efficiency.
+//! - [`pipeline`]: `cohort bench pipeline`, the pipeline's step time and bubble.
+//! - [`ps`]: `cohort bench ps`, parameter-server training's update time.
 //!
 //! This crate never parses a command line (the binary does, except for the
 //! flags structs it shares with clap) and never changes what it times.
 
 pub mod collectives;
 pub mod ddp;
+pub mod pipeline;
+pub mod ps;
 pub mod rpc;
 pub mod serve;
 pub mod train_step;
+
+/// Fills `out` with token ids uniform in `0..vocab`, a fixed function of
+/// `stream` (which a benchmark derives from rank, step and micro-batch).
+pub(crate) fn random_tokens(vocab: usize, out: &mut [u32], stream: u64) {
+    let mut rng = cohort_rng::SplitMix64::new(stream);
+    out.iter_mut().for_each(|x| *x = rng.below(vocab) as u32);
+}

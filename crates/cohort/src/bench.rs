@@ -28,11 +28,11 @@ enum BenchWhat {
     Rpc(RpcArgs),
     /// Time parameter-server training (rank 0 serves, the others push gradients); run under
     /// `cohort run -n K`.
-    Ps(cohort_train::BenchPsArgs),
+    Ps(cohort_bench::ps::BenchPsArgs),
     /// Load-test `cohort serve`: throughput and latency with and without dynamic batching.
     Serve(crate::serve::BenchServeArgs),
     /// Time pipeline-parallel training steps and the bubble; run under `cohort run -n S`.
-    Pipeline(cohort_train::BenchPipelineArgs),
+    Pipeline(cohort_bench::pipeline::BenchPipelineArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -104,16 +104,17 @@ pub fn main(args: BenchArgs) -> anyhow::Result<()> {
         BenchWhat::Ddp(a) => ddp(a),
         BenchWhat::Rpc(a) => rpc(a),
         BenchWhat::Ps(a) => {
-            cohort_train::run_ps_bench(&a, &mut std::io::stdout()).context("bench ps")
+            cohort_bench::ps::run_ps_bench(&a, &mut std::io::stdout()).context("bench ps")
         }
         BenchWhat::Serve(a) => crate::serve::bench(a),
         BenchWhat::Pipeline(a) => pipeline(a),
     }
 }
 
-fn pipeline(a: cohort_train::BenchPipelineArgs) -> anyhow::Result<()> {
+fn pipeline(a: cohort_bench::pipeline::BenchPipelineArgs) -> anyhow::Result<()> {
     let pg = cohort_train::process_group_from_env().context("bench pipeline")?;
-    cohort_train::run_pipeline_bench(&a, &pg, &mut std::io::stdout()).context("bench pipeline")?;
+    cohort_bench::pipeline::run_pipeline_bench(&a, &pg, &mut std::io::stdout())
+        .context("bench pipeline")?;
     Ok(())
 }
 

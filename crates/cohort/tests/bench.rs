@@ -134,3 +134,47 @@ fn bench_serve_reports_every_mode_and_client_count() {
         assert_positive(r, &["throughput", "p50_ms", "p99_ms", "mean_batch"]);
     }
 }
+
+#[test]
+fn bench_pipeline_reports_the_step_and_the_bubble() {
+    let rows = bench_on_two_ranks(&[
+        "pipeline",
+        "--config",
+        "A",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    ]);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let v = &rows[0];
+    assert_eq!(v["bench"], "pipeline");
+    assert_eq!(v["stages"], 2);
+    assert_eq!(v["replicas"], 1);
+    assert_positive(v, &["ms_per_step", "tokens_per_s", "ideal_bubble_fraction"]);
+    assert_eq!(
+        v["bubble_per_rank"].as_array().map(Vec::len),
+        Some(2),
+        "{v}"
+    );
+    let bubble = v["bubble_fraction"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&bubble), "{v}");
+}
+
+#[test]
+fn bench_ps_reports_the_update_time_of_both_modes() {
+    for mode in ["sync", "async"] {
+        let rows = bench_on_two_ranks(&[
+            "ps", "--config", "A", "--mode", mode, "--steps", "3", "--warmup", "1",
+        ]);
+        assert_eq!(rows.len(), 1, "{mode}: {rows:?}");
+        let v = &rows[0];
+        assert_eq!(v["bench"], "ps");
+        assert_eq!(v["mode"], mode);
+        assert_eq!(v["workers"], 1);
+        assert_eq!(v["steps"], 3);
+        assert_positive(v, &["ms_per_update", "tokens_per_s", "params"]);
+    }
+}

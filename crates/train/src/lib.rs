@@ -49,11 +49,9 @@ pub use config::{
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::build_dataset;
 pub use file_data::FileData;
-pub use parameter_server::{
-    run_ps_bench, train_parameter_server, BenchPsArgs, BenchPsResult, Rendezvous,
-};
+pub use parameter_server::{train_parameter_server, train_parameter_server_timed, Rendezvous};
 pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases};
-pub use pipeline::{run_pipeline_bench, train_pipeline, BenchPipelineArgs, BenchPipelineResult};
+pub use pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};
 pub use train::{model_config, param_specs, train, Outcome};
 pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,

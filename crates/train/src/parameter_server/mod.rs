@@ -53,12 +53,10 @@ use crate::train::{model_config, Outcome};
 use crate::{FileData, TrainError};
 use cohort_data::Dataset;
 
-mod bench;
 mod board;
 mod server;
 mod worker;
 
-pub use bench::{run_ps_bench, BenchPsArgs, BenchPsResult};
 use board::*;
 use server::*;
 use worker::*;
@@ -80,6 +78,16 @@ pub enum Rendezvous {
         /// RPC settings (timeout, secret).
         options: RpcOptions,
     },
+}
+
+impl Rendezvous {
+    /// This process's rank (0: the server) and the number of processes.
+    pub fn rank_and_world(&self) -> Result<(usize, usize), TrainError> {
+        Ok(match self {
+            Rendezvous::Env => (env_usize("RANK")?, env_usize("WORLD_SIZE")?),
+            Rendezvous::Store { rank, world, .. } => (*rank, *world),
+        })
+    }
 }
 
 /// A worker's gradient of one step.
@@ -137,10 +145,18 @@ pub fn train_parameter_server(
         }
         .into());
     }
-    let (rank, world) = match &how {
-        Rendezvous::Env => (env_usize("RANK")?, env_usize("WORLD_SIZE")?),
-        Rendezvous::Store { rank, world, .. } => (*rank, *world),
-    };
+    train_parameter_server_timed(cfg, how, log, 1)
+}
+
+/// [`train_parameter_server`], with the throughput measured after the first
+/// `untimed_steps` steps (a benchmark's warm-up) instead of after the first.
+pub fn train_parameter_server_timed(
+    cfg: &TrainConfig,
+    how: Rendezvous,
+    log: &mut dyn Write,
+    untimed_steps: u64,
+) -> Result<Outcome, TrainError> {
+    let (rank, world) = how.rank_and_world()?;
     if world < 2 {
         return Err(ConfigError::Invalid {
             key: "strategy",
@@ -149,17 +165,17 @@ pub fn train_parameter_server(
         }
         .into());
     }
-    run_role(cfg, how, rank, world, log, 1)
+    run_role(cfg, how, rank, world, log, untimed_steps)
 }
 
-/// Serves (rank 0) or works; throughput is timed from step `timed_from`.
+/// Serves (rank 0) or works; throughput is timed after `untimed_steps` steps.
 fn run_role(
     cfg: &TrainConfig,
     how: Rendezvous,
     rank: usize,
     world: usize,
     log: &mut dyn Write,
-    timed_from: u64,
+    untimed_steps: u64,
 ) -> Result<Outcome, TrainError> {
     let options = rpc_options(&how, world)?;
     if rank == 0 {
@@ -170,7 +186,7 @@ fn run_role(
         let mut registry = Registry::new();
         server.board.register(&mut registry);
         let rpc = join(how, rank, world, registry, options)?;
-        let outcome = server.serve(&rpc, log, timed_from);
+        let outcome = server.serve(&rpc, log, untimed_steps);
         finish(&rpc, outcome)
     } else {
         let rpc = join(how, rank, world, Registry::new(), options)?;

@@ -108,7 +108,7 @@ impl<'c> Server<'c> {
         self,
         rpc: &Rpc,
         log: &mut dyn Write,
-        timed_from: u64,
+        untimed_steps: u64,
     ) -> Result<Outcome, TrainError> {
         let board = self.board.clone();
         let cfg = self.cfg;
@@ -121,7 +121,7 @@ impl<'c> Server<'c> {
             window: Staleness::default(),
             total: Staleness::default(),
         };
-        let r = step_loop::run(cfg, &mut serving, log, timed_from);
+        let r = step_loop::run(cfg, &mut serving, log, untimed_steps);
         let mut st = board.lock();
         st.done = true;
         if let Err(e) = &r {

@@ -43,11 +43,9 @@ use crate::train::{model_config, Outcome};
 use crate::{ConfigError, TrainError};
 use cohort_data::{Dataset, Split};
 
-mod bench;
 mod pipe;
 mod schedule;
 
-pub use bench::{run_pipeline_bench, BenchPipelineArgs, BenchPipelineResult};
 use pipe::*;
 use schedule::*;
 
@@ -421,6 +419,130 @@ impl Strategy for Pipeline<'_> {
 
     fn who(&self) -> String {
         format!("{} rank(s)", self.pipe.pg.size())
+    }
+}
+
+/// One rank of a pipeline driven step by step from outside the training loop (a benchmark):
+/// the same stage, schedule and point-to-point pipe as `train_pipeline`, without data, logs,
+/// skips or checkpoints. Built collectively by every rank of the group.
+pub struct PipelineRank<'pg> {
+    pipe: Pipe<'pg>,
+    opt: AdamW,
+    ops: Vec<Op>,
+    micro_batches: usize,
+    micro_batch_size: usize,
+}
+
+/// Where the time of one [`PipelineRank::step`] went on this rank.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PipelineStepTimes {
+    /// Computing forwards.
+    pub forward: Duration,
+    /// Computing backwards.
+    pub backward: Duration,
+    /// Blocked on a neighbour stage (receiving, or its sends being taken).
+    pub wait: Duration,
+    /// Reducing gradients across replicas and the tied embedding.
+    pub reduce: Duration,
+}
+
+impl<'pg> PipelineRank<'pg> {
+    /// Splits `model` into `stages` stages over the ranks of `pg` (0: one per rank; the other
+    /// ranks form data-parallel replicas), each step being `micro_batches` micro-batches of
+    /// `micro_batch_size` sequences run by `schedule`; parameters drawn from `seed`, AdamW's
+    /// defaults. Collective.
+    pub fn new(
+        pg: &'pg ProcessGroup,
+        model: GPTConfig,
+        stages: usize,
+        schedule: PipelineSchedule,
+        micro_batches: usize,
+        micro_batch_size: usize,
+        seed: u64,
+    ) -> Result<Self, TrainError> {
+        let stages = stage_count(stages, pg.size(), model.n_layers)?;
+        if micro_batches == 0 || micro_batch_size == 0 {
+            return Err(invalid(
+                "micro_batches",
+                format!("{micro_batches} of {micro_batch_size}"),
+                "needs at least one micro-batch of at least one sequence",
+            ));
+        }
+        let topo = Topology::new(pg, stages, model.tie_word_embeddings)?;
+        let part = StagePart::split(model.n_layers, stages)?.swap_remove(topo.stage);
+        let stage = GptStage::new(model, seed, part)?;
+        let opt = AdamW::new(AdamWConfig::default(), decay_mask(stage.param_views()))?;
+        let ops = self::schedule::schedule(schedule, topo.stage, stages, micro_batches);
+        Ok(PipelineRank {
+            pipe: Pipe {
+                pg,
+                topo,
+                stage,
+                inbox: Vec::new(),
+                spare: Vec::new(),
+                drop_key: (seed, 0, 0),
+            },
+            opt,
+            ops,
+            micro_batches,
+            micro_batch_size,
+        })
+    }
+
+    /// Stages per pipeline.
+    pub fn stages(&self) -> usize {
+        self.pipe.topo.stages
+    }
+
+    /// Pipelines (data-parallel replicas).
+    pub fn replicas(&self) -> usize {
+        self.pipe.topo.replicas
+    }
+
+    /// This rank's pipeline.
+    pub fn replica(&self) -> usize {
+        self.pipe.topo.replica
+    }
+
+    /// One training step on this replica's micro-batches (`tokens[k]` and `labels[k]` hold
+    /// micro-batch k, `micro_batch_size x seq` row-major; only the first and last stage read
+    /// them): the schedule's forwards and backwards, the gradient reduction, the mean over
+    /// micro-batches and an AdamW step at `lr`. Collective. Returns where the time went.
+    pub fn step(
+        &mut self,
+        tokens: &[Vec<u32>],
+        labels: &[Vec<i32>],
+        lr: f64,
+    ) -> Result<PipelineStepTimes, TrainError> {
+        let m = self.micro_batches;
+        let b = self.micro_batch_size;
+        if tokens.len() != m || labels.len() != m {
+            return Err(invalid(
+                "micro_batches",
+                format!(
+                    "{} token and {} label micro-batches",
+                    tokens.len(),
+                    labels.len()
+                ),
+                "must match the pipeline's micro_batches",
+            ));
+        }
+        let t = tokens[0].len() / b;
+        let mut times = RunTimes::default();
+        self.pipe.run(&self.ops, tokens, labels, b, t, &mut times)?;
+        let reduce = self.pipe.reduce_grads()?;
+        let inv = 1.0 / m as f32;
+        let grads = self.pipe.stage.grads_mut();
+        grads.iter_mut().for_each(|g| *g *= inv);
+        let (params, grads) = self.pipe.stage.params_and_grads_mut();
+        self.opt.step(params, grads, lr)?;
+        self.pipe.stage.zero_grad();
+        Ok(PipelineStepTimes {
+            forward: times.forward,
+            backward: times.backward,
+            wait: times.wait,
+            reduce,
+        })
     }
 }
 

@@ -1,6 +1,16 @@
-//! `cohort bench pipeline`: the pipeline's step time and bubble on random tokens.
+//! `cohort bench pipeline`: the pipeline's step time and bubble on random tokens, through
+//! cohort-train's [`PipelineRank`] (the stage, schedule and pipe `train --strategy pipeline`
+//! runs), under `cohort run -n S`. It reports; it never changes what it measures.
 
-use super::*;
+use cohort_comm::ProcessGroup;
+use cohort_gpt::GPTConfig;
+use cohort_train::{process_cpu_ms, ConfigError, PipelineRank, PipelineSchedule, TrainError};
+use std::io::Write;
+use std::time::Instant;
+
+fn invalid(key: &'static str, value: String, why: &'static str) -> TrainError {
+    TrainError::Config(ConfigError::Invalid { key, value, why })
+}
 
 /// Flags of `cohort bench pipeline`.
 #[derive(Debug, Clone, clap::Args)]
@@ -74,23 +84,6 @@ pub struct BenchPipelineResult {
     pub steps: usize,
 }
 
-/// Random token ids of micro-batch `micro` of `step` on `replica` (the toy data of PyTorch's DDP examples).
-pub(super) fn random_tokens(
-    vocab: usize,
-    out: &mut [u32],
-    replica: usize,
-    step: usize,
-    micro: usize,
-) {
-    let mut s = ((replica as u64) << 40) ^ ((step as u64) << 20) ^ micro as u64 ^ 0x5eed;
-    for x in out {
-        s = s
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        *x = ((s >> 33) % vocab as u64) as u32;
-    }
-}
-
 /// Runs the pipeline benchmark as a rank of `pg`; rank 0 writes the result to `out`.
 pub fn run_pipeline_bench(
     args: &BenchPipelineArgs,
@@ -98,15 +91,14 @@ pub fn run_pipeline_bench(
     out: &mut dyn Write,
 ) -> Result<BenchPipelineResult, TrainError> {
     let (cfg, per_rank, default_steps) = match args.config.as_str() {
-        "A" | "a" => (cohort_gpt::GPTConfig::config_a(), 12, 30),
-        "B" | "b" => (cohort_gpt::GPTConfig::config_b(), 8, 5),
+        "A" | "a" => (GPTConfig::config_a(), 12, 30),
+        "B" | "b" => (GPTConfig::config_b(), 8, 5),
         other => return Err(invalid("config", other.to_string(), "must be A or B")),
     };
     let world = pg.size();
-    let stages = stage_count(args.stages.unwrap_or(0), world, cfg.n_layers)?;
     let batch = args.batch.unwrap_or(per_rank * world);
     let m = args.micro_batches;
-    if m == 0 || !batch.is_multiple_of(m) {
+    if m == 0 || batch % m != 0 {
         return Err(invalid(
             "micro_batches",
             m.to_string(),
@@ -115,52 +107,35 @@ pub fn run_pipeline_bench(
     }
     let (b, t) = (batch / m, cfg.max_position_embeddings);
     let steps = args.steps.unwrap_or(default_steps).max(1);
-    let topo = Topology::new(pg, stages, cfg.tie_word_embeddings)?;
-    let part = StagePart::split(cfg.n_layers, stages)?.swap_remove(topo.stage);
-    let stage = GptStage::new(cfg.clone(), 1234, part)?;
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(stage.param_views()))?;
-    let ops = schedule(args.schedule, topo.stage, stages, m);
-    let replica = topo.replica;
+    let vocab = cfg.vocab_size;
+    let mut rank = PipelineRank::new(pg, cfg, args.stages.unwrap_or(0), args.schedule, m, b, 1234)?;
+    let (stages, replicas, replica) = (rank.stages(), rank.replicas(), rank.replica());
     let mut tokens = vec![vec![0u32; b * t]; m];
     let mut labels = vec![vec![0i32; b * t]; m];
-    let mut pipe = Pipe {
-        pg,
-        topo,
-        stage,
-        inbox: Vec::new(),
-        spare: Vec::new(),
-        drop_key: (1234, 0, 0),
-    };
     let (mut step_s, mut compute_s, mut wait_s) = (vec![], vec![], vec![]);
     let mut cpu0 = 0.0;
     for i in 0..args.warmup + steps {
         if i == args.warmup {
             pg.barrier()
                 .map_err(TrainError::comm("barrier before the timed steps"))?;
-            cpu0 = crate::phases::process_cpu_ms();
+            cpu0 = process_cpu_ms();
         }
         let t0 = Instant::now();
         for (k, (tok, lab)) in tokens.iter_mut().zip(labels.iter_mut()).enumerate() {
-            random_tokens(cfg.vocab_size, tok, replica, i, k);
+            let stream = ((replica as u64) << 40) ^ ((i as u64) << 20) ^ k as u64;
+            crate::random_tokens(vocab, tok, stream);
             lab.iter_mut()
                 .zip(tok.iter())
                 .for_each(|(l, &x)| *l = x as i32);
         }
-        let mut times = RunTimes::default();
-        pipe.run(&ops, &tokens, &labels, b, t, &mut times)?;
-        let comm = pipe.reduce_grads()?;
-        let inv = 1.0 / m as f32;
-        pipe.stage.grads_mut().iter_mut().for_each(|g| *g *= inv);
-        let (params, grads) = pipe.stage.params_and_grads_mut();
-        opt.step(params, grads, 1e-3)?;
-        pipe.stage.zero_grad();
+        let times = rank.step(&tokens, &labels, 1e-3)?;
         if i >= args.warmup {
             step_s.push(t0.elapsed().as_secs_f64());
             compute_s.push((times.forward + times.backward).as_secs_f64());
-            wait_s.push((times.wait + comm).as_secs_f64());
+            wait_s.push((times.wait + times.reduce).as_secs_f64());
         }
     }
-    let cpu_ms = (crate::phases::process_cpu_ms() - cpu0) / steps as f64;
+    let cpu_ms = (process_cpu_ms() - cpu0) / steps as f64;
     let sum = |v: &[f64]| v.iter().sum::<f64>();
     let mut med = step_s.clone();
     med.sort_by(f64::total_cmp);
@@ -178,7 +153,6 @@ pub fn run_pipeline_bench(
     let col = |j: usize| -> Vec<f64> { all.chunks(4).map(|r| r[j]).collect() };
     let slowest = col(0).into_iter().fold(0.0, f64::max);
     let bubbles = col(1);
-    let replicas = world / stages;
     let result = BenchPipelineResult {
         bench: "pipeline",
         config: args.config.to_uppercase(),

@@ -1,6 +1,13 @@
-//! `cohort bench ps`: the parameter server's step time and throughput on random tokens.
+//! `cohort bench ps`: the parameter server's step time and throughput on random tokens: the
+//! training run `train --strategy parameter-server` makes, timed after its warm-up steps,
+//! under `cohort run -n K`. It reports; it never changes what it measures.
 
-use super::*;
+use cohort_gpt::GPTConfig;
+use cohort_train::{
+    train_parameter_server_timed, ConfigError, PsMode, Rendezvous, TrainConfig, TrainError,
+};
+use serde::Serialize;
+use std::io::Write;
 
 /// Flags of `cohort bench ps`.
 #[derive(Debug, Clone, clap::Args)]
@@ -55,8 +62,8 @@ pub struct BenchPsResult {
 /// included), under `cohort run -n K`; rank 0 writes the result to `out`.
 pub fn run_ps_bench(args: &BenchPsArgs, out: &mut dyn Write) -> Result<(), TrainError> {
     let (g, b, default_steps) = match args.config.as_str() {
-        "A" | "a" => (cohort_gpt::GPTConfig::config_a(), 12, 30),
-        "B" | "b" => (cohort_gpt::GPTConfig::config_b(), 8, 5),
+        "A" | "a" => (GPTConfig::config_a(), 12, 30),
+        "B" | "b" => (GPTConfig::config_b(), 8, 5),
         other => {
             return Err(ConfigError::Invalid {
                 key: "config",
@@ -83,15 +90,9 @@ pub fn run_ps_bench(args: &BenchPsArgs, out: &mut dyn Write) -> Result<(), Train
         ps_mode: args.mode,
         ..TrainConfig::default()
     };
-    let (rank, world) = (env_usize("RANK")?, env_usize("WORLD_SIZE")?);
-    let outcome = run_role(
-        &cfg,
-        Rendezvous::Env,
-        rank,
-        world,
-        &mut std::io::sink(),
-        args.warmup,
-    )?;
+    let (rank, world) = Rendezvous::Env.rank_and_world()?;
+    let outcome =
+        train_parameter_server_timed(&cfg, Rendezvous::Env, &mut std::io::sink(), args.warmup)?;
     if rank != 0 {
         return Ok(());
     }

@@ -11,7 +11,7 @@ mod common;
 
 use cohort_comm::spawn::{self, ProcessOptions};
 use cohort_train::{
-    process_group_from_env, train_pipeline, PipelineSchedule, Strategy, TrainConfig,
+    process_group_from_env, train_pipeline, NanInjection, PipelineSchedule, Strategy, TrainConfig,
 };
 use common::{max_abs_diff, run_world};
 
@@ -49,6 +49,14 @@ fn case(name: &str) -> TrainConfig {
             stages: 2,
             ..tiny()
         },
+        // The last stage's gradient poisoned at step index 1, and clipping by value: the one
+        // training loop skips that update on both stages and clamps as it does for DDP.
+        "2x1_nan" => TrainConfig {
+            stages: 2,
+            inject_nan: Some(NanInjection::parse("1@1").unwrap()),
+            clip_value: 0.01,
+            ..tiny()
+        },
         other => panic!("unknown case {other}"),
     }
 }
@@ -81,7 +89,9 @@ fn child_rank() {
     let pg = process_group_from_env().unwrap();
     let outcome = train_pipeline(&case(&name), &pg, &mut std::io::sink()).unwrap();
     assert_eq!(outcome.final_step, case(&name).steps);
-    assert!(outcome.train_losses.iter().all(|(_, l)| l.is_finite()));
+    if case(&name).inject_nan.is_none() {
+        assert!(outcome.train_losses.iter().all(|(_, l)| l.is_finite()));
+    }
     if pg.rank() == 0 {
         let bytes: Vec<u8> = outcome
             .params
@@ -152,4 +162,31 @@ fn two_stages_by_two_replicas_match_one_process() {
     let diff = max_abs_diff(&piped, &one);
     eprintln!("2x2: max |pipeline - one process| = {diff:e}");
     assert!(diff <= TOL, "max |pipeline - one process| = {diff}");
+}
+
+/// A NaN on one stage skips that step's update on every stage, as DDP's ranks do, and value
+/// clipping clamps every stage's gradients: the pipeline ends where one process ends that
+/// skips the same step with the same clamping, and not where a clean run ends.
+#[test]
+fn a_nan_on_one_stage_skips_the_update_on_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = case("2x1_nan");
+    let piped = run_processes("2x1_nan", 2, dir.path());
+    assert!(piped.iter().all(|p| p.is_finite()));
+    let same = TrainConfig {
+        strategy: Strategy::Ddp,
+        grad_accum: cfg.micro_batches,
+        inject_nan: Some(NanInjection::parse("1").unwrap()),
+        ..cfg.clone()
+    };
+    let diff = max_abs_diff(&piped, &one_process(&same));
+    assert!(diff <= TOL, "max |pipeline - one process| = {diff}");
+    let clean = one_process(&TrainConfig {
+        inject_nan: None,
+        ..same
+    });
+    assert!(
+        max_abs_diff(&piped, &clean) > 100.0 * TOL,
+        "the poisoned step was applied"
+    );
 }

@@ -7,10 +7,20 @@
 //!   (the default: a learnable corpus whose optimal loss is known and
 //!   printed) and [`RandomTokens`] (uniform random tokens, `--data random`);
 //!   both live in cohort-data.
-//! - [`train`]: the loop, as one rank of a [`ProcessGroup`]; rank 0 logs in
-//!   the format of PyTorch's DDP tutorials (`[step 10 / 50] loss = 9.3437`) plus throughput and
-//!   time per phase, evaluates, and writes checkpoints that `--resume`
-//!   continues bitwise.
+//! - [`train`]: data-parallel training as one rank of a [`ProcessGroup`];
+//!   rank 0 logs in the format of PyTorch's DDP tutorials
+//!   (`[step 10 / 50] loss = 9.3437`) plus throughput and time per phase,
+//!   evaluates, and writes checkpoints that `--resume` continues bitwise.
+//!   [`train_pipeline`] and [`train_parameter_server`] are the other
+//!   strategies. All three run the same training loop (`step_loop`): a
+//!   strategy supplies its step's gradients (DDP: micro-batches and a
+//!   synchronising backward; pipeline: the schedule over stages; parameter
+//!   server: the workers' pushes), how the clipping norm combines across
+//!   ranks, how an update is applied, evaluation and checkpoints; the loop
+//!   does NaN/Inf skips, clipping, the learning-rate schedule, logging and
+//!   the intervals, the same way for every strategy.
+//! - [`PipelineRank`]: one pipeline rank stepped from outside the loop
+//!   (`cohort bench pipeline`).
 //! - [`run`]: what `cohort train` calls: joins the job the launcher set up
 //!   (`RANK` in the environment: `env://`) or trains alone.
 //!

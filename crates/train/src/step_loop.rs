@@ -47,21 +47,26 @@ pub(crate) struct StepGradients {
     pub micro_batches: usize,
 }
 
+/// Where a run starts, as a strategy built it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Start {
+    /// The first step to run: 0, or where a resumed checkpoint left off.
+    pub step: u64,
+    /// Lines describing the run (resumed checkpoint, [`data_lines`], model,
+    /// batch), logged once before the first step.
+    pub header: Vec<String>,
+    /// The data set's best possible loss, when known.
+    pub loss_floor: Option<f64>,
+}
+
 /// What a way of spreading training over ranks supplies to [`run`].
 pub(crate) trait Strategy {
     /// The group the loop's own collectives run in (the skip decision, the
     /// logged loss and token counts); its rank 0 writes the log.
     fn group(&self) -> &ProcessGroup;
 
-    /// Lines describing the run (data, model, batch, resumed checkpoint,
-    /// [`data_lines`]), logged once before the first step.
-    fn header(&self) -> Vec<String>;
-
-    /// The first step to run: 0, or where a resumed checkpoint left off.
-    fn start_step(&self) -> u64;
-
-    /// The data set's best possible loss, when known.
-    fn loss_floor(&self) -> Option<f64>;
+    /// Where the run starts and what to log before the first step.
+    fn start(&self) -> Start;
 
     /// Computes step `step`'s gradients and synchronises them as this
     /// strategy needs (all-reduced, summed between pipeline stages, received
@@ -126,10 +131,14 @@ pub(crate) fn run(
             log_guard.write(log, &line);
         }
     };
-    for line in strategy.header() {
+    let Start {
+        step: start,
+        header,
+        loss_floor: floor,
+    } = strategy.start();
+    for line in header {
         say(log, line);
     }
-    let floor = strategy.loss_floor();
     let schedule =
         LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
     let inject = match cfg.inject_nan {
@@ -142,7 +151,6 @@ pub(crate) fn run(
         cfg.max_consecutive_skips,
         inject,
     );
-    let start = strategy.start_step();
     let bar = progress_bar(master, start, cfg.steps);
     let mut outcome = Outcome::starting_at(start, floor);
     let mut window = Window::new();

@@ -10,7 +10,7 @@ use crate::batches::{val_batches, TrainBatches};
 use crate::checkpoint::{self, TrainState};
 use crate::config::TrainConfig;
 use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, StepGradients, Strategy};
+use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Dataset;
@@ -111,8 +111,7 @@ struct DataParallel<'a> {
     ddp: Ddp<'a>,
     batches: TrainBatches,
     val: Vec<cohort_data::Batch>,
-    start: u64,
-    header: Vec<String>,
+    start: Start,
 }
 
 impl<'a> DataParallel<'a> {
@@ -181,14 +180,17 @@ impl<'a> DataParallel<'a> {
         Ok(DataParallel {
             cfg,
             pg,
-            data,
             model,
             opt,
             ddp,
             batches,
             val,
-            start: state.step,
-            header,
+            start: Start {
+                step: state.step,
+                header,
+                loss_floor: data.loss_floor(),
+            },
+            data,
         })
     }
 }
@@ -198,16 +200,8 @@ impl Strategy for DataParallel<'_> {
         self.pg
     }
 
-    fn header(&self) -> Vec<String> {
-        self.header.clone()
-    }
-
-    fn start_step(&self) -> u64 {
-        self.start
-    }
-
-    fn loss_floor(&self) -> Option<f64> {
-        self.data.loss_floor()
+    fn start(&self) -> Start {
+        self.start.clone()
     }
 
     fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {

@@ -48,7 +48,7 @@ use crate::checkpoint::{self, Resumed, TrainState};
 use crate::config::{ConfigError, PsMode, TrainConfig};
 use crate::file_data::build_dataset;
 use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, mean_loss, StepGradients, Strategy};
+use crate::step_loop::{self, mean_loss, Start, StepGradients, Strategy};
 use crate::train::{model_config, Outcome};
 use crate::{FileData, TrainError};
 use cohort_data::Dataset;

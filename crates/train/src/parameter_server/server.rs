@@ -139,7 +139,7 @@ impl Strategy for Serving<'_, '_> {
         &self.server.alone
     }
 
-    fn header(&self) -> Vec<String> {
+    fn start(&self) -> Start {
         let s = &self.server;
         let (cfg, workers) = (s.cfg, s.board.workers);
         let (b, t) = (cfg.batch_size, s.data.seq_len());
@@ -182,15 +182,11 @@ impl Strategy for Serving<'_, '_> {
                 cfg.grad_accum
             ),
         });
-        lines
-    }
-
-    fn start_step(&self) -> u64 {
-        self.server.resumed.as_ref().map_or(0, |r| r.state.step)
-    }
-
-    fn loss_floor(&self) -> Option<f64> {
-        self.server.data.loss_floor()
+        Start {
+            step: s.resumed.as_ref().map_or(0, |r| r.state.step),
+            header: lines,
+            loss_floor: s.data.loss_floor(),
+        }
     }
 
     fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {

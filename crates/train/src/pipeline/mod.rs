@@ -38,7 +38,7 @@ use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
 use crate::checkpoint::{self, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
 use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, StepGradients, Strategy};
+use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::train::{model_config, Outcome};
 use crate::{ConfigError, TrainError};
 use cohort_data::{Dataset, Split};
@@ -183,8 +183,7 @@ struct Pipeline<'a> {
     /// This step's micro-batches (read on the first and last stage only).
     tokens: Vec<Vec<u32>>,
     labels: Vec<Vec<i32>>,
-    start: u64,
-    header: Vec<String>,
+    start: Start,
     /// Since the last log line: the steps' time, and the part spent computing.
     step_started: Instant,
     window_time: Duration,
@@ -266,23 +265,19 @@ impl<'a> Pipeline<'a> {
         };
         Ok(Pipeline {
             cfg,
-            data,
             model_cfg,
-            pipe: Pipe {
-                pg,
-                topo,
-                stage,
-                inbox: Vec::new(),
-                spare: Vec::new(),
-                drop_key: (cfg.seed, 0, 0),
-            },
+            pipe: Pipe::new(pg, topo, stage, cfg.seed),
             opt,
             ops,
             samples,
             tokens: vec![vec![0u32; b * t]; m],
             labels: vec![vec![0i32; b * t]; m],
-            start: start.step,
-            header,
+            start: Start {
+                step: start.step,
+                header,
+                loss_floor: data.loss_floor(),
+            },
+            data,
             step_started: Instant::now(),
             window_time: Duration::ZERO,
             window_compute: Duration::ZERO,
@@ -295,16 +290,8 @@ impl Strategy for Pipeline<'_> {
         self.pipe.pg
     }
 
-    fn header(&self) -> Vec<String> {
-        self.header.clone()
-    }
-
-    fn start_step(&self) -> u64 {
-        self.start
-    }
-
-    fn loss_floor(&self) -> Option<f64> {
-        self.data.loss_floor()
+    fn start(&self) -> Start {
+        self.start.clone()
     }
 
     fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
@@ -474,14 +461,7 @@ impl<'pg> PipelineRank<'pg> {
         let opt = AdamW::new(AdamWConfig::default(), decay_mask(stage.param_views()))?;
         let ops = self::schedule::schedule(schedule, topo.stage, stages, micro_batches);
         Ok(PipelineRank {
-            pipe: Pipe {
-                pg,
-                topo,
-                stage,
-                inbox: Vec::new(),
-                spare: Vec::new(),
-                drop_key: (seed, 0, 0),
-            },
+            pipe: Pipe::new(pg, topo, stage, seed),
             opt,
             ops,
             micro_batches,

@@ -94,6 +94,20 @@ pub(super) struct Pipe<'p> {
     pub(super) drop_key: (u64, u64, u64),
 }
 
+impl<'p> Pipe<'p> {
+    /// The pipe of `stage`, placed at `topo` among the ranks of `pg`, its dropout keyed by `seed`.
+    pub(super) fn new(pg: &'p ProcessGroup, topo: Topology, stage: GptStage, seed: u64) -> Self {
+        Pipe {
+            pg,
+            topo,
+            stage,
+            inbox: Vec::new(),
+            spare: Vec::new(),
+            drop_key: (seed, 0, 0),
+        }
+    }
+}
+
 impl Pipe<'_> {
     pub(super) fn recv(&mut self, stage: usize, tag: u32, len: usize) -> Result<(), TrainError> {
         self.inbox.resize(len, 0.0);

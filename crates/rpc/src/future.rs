@@ -16,9 +16,8 @@ use std::task::{Context, Poll, Waker};
 
 use serde::de::DeserializeOwned;
 
-use crate::agent::Inner;
 use crate::error::RpcError;
-use crate::rref::with_agent;
+use crate::rref::{with_agent, RRefAgent};
 
 /// Where a call's result lands: encoded bytes, or why there are none.
 #[derive(Default)]
@@ -110,13 +109,13 @@ impl Slot {
 #[must_use = "a call's result or error is only seen by waiting for it"]
 pub struct RpcFuture<T> {
     slot: Arc<Slot>,
-    agent: Arc<Inner>,
+    agent: Arc<dyn RRefAgent>,
     func: String,
     _t: PhantomData<fn() -> T>,
 }
 
 impl<T: DeserializeOwned> RpcFuture<T> {
-    pub(crate) fn new(slot: Arc<Slot>, agent: Arc<Inner>, func: &str) -> Self {
+    pub(crate) fn new(slot: Arc<Slot>, agent: Arc<dyn RRefAgent>, func: &str) -> Self {
         RpcFuture {
             slot,
             agent,
@@ -137,11 +136,13 @@ impl<T: DeserializeOwned> RpcFuture<T> {
     }
 
     fn decode(&self, bytes: &[u8]) -> Result<T, RpcError> {
-        with_agent(&self.agent, || postcard::from_bytes(bytes)).map_err(|e| RpcError::Codec {
-            func: self.func.clone(),
-            op: "decode",
-            what: "result",
-            detail: e.to_string(),
+        with_agent(self.agent.clone(), || postcard::from_bytes(bytes)).map_err(|e| {
+            RpcError::Codec {
+                func: self.func.clone(),
+                op: "decode",
+                what: "result",
+                detail: e.to_string(),
+            }
         })
     }
 }

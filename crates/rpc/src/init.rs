@@ -486,6 +486,9 @@ mod tests {
         assert_eq!(rref.to_here().unwrap(), 9);
         assert_eq!(*rref.local_value().unwrap(), 9);
         assert_eq!(rpc.rref_users(rref.id()), Some(1));
+        // The reference leads back to its agent.
+        assert_eq!(rref.rpc().rref_users(rref.id()), Some(1));
+        assert_eq!(rref.rpc().me().name, "solo");
         drop(rref);
         assert_eq!(rpc.owned_rrefs(), 0);
         rpc.shutdown().unwrap();

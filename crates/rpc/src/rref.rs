@@ -27,7 +27,10 @@
 //! agent installs itself in a thread-local ([`with_agent`]) around every
 //! encode and decode of arguments and results, so an `RRef` can only be
 //! (de)serialized as part of an RPC. This module never writes a socket
-//! itself; releases go through the agent's control thread.
+//! itself; releases go through the agent's control thread. It reaches the
+//! agent only through [`RRefAgent`], which the agent implements: references
+//! (and futures, which decode them) sit below the agent and never name its
+//! type.
 
 use std::cell::RefCell;
 use std::fmt;
@@ -38,7 +41,6 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::agent::{Inner, Rpc};
 use crate::error::RpcError;
 use crate::registry::{type_id, Value, WorkerInfo};
 use crate::wire::Status;
@@ -59,24 +61,53 @@ impl fmt::Display for RRefId {
     }
 }
 
+/// What a reference needs of the agent it belongs to.
+pub(crate) trait RRefAgent: Send + Sync {
+    /// This worker's rank.
+    fn rank(&self) -> usize;
+    /// The number of workers.
+    fn world(&self) -> usize;
+    /// The worker of `rank`.
+    fn worker(&self, rank: usize) -> &WorkerInfo;
+    /// The agent's call timeout.
+    fn timeout(&self) -> Duration;
+    /// Asks `owner` for the value of `id` (of type id `ty`) and waits for
+    /// its encoding.
+    fn fetch_value(
+        self: Arc<Self>,
+        owner: usize,
+        id: RRefId,
+        ty: u64,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, RpcError>;
+    /// Adds a fork of `id` on its owner and waits until it is counted.
+    fn fork(&self, owner: usize, id: RRefId) -> Result<(), RpcError>;
+    /// A fork of `id` was dropped on this worker.
+    fn release(&self, owner: usize, id: RRefId);
+    /// On the owner, the cell of a value it holds.
+    fn owned_cell(&self, id: RRefId) -> Option<Arc<Cell>>;
+    /// The agent as `Any`, for the agent's own code to get its type back.
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync>;
+}
+
 thread_local! {
-    static AGENTS: RefCell<Vec<Arc<Inner>>> = const { RefCell::new(Vec::new()) };
+    static AGENTS: RefCell<Vec<Arc<dyn RRefAgent>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Runs `f` with `agent` as the one that (de)serializes `RRef`s.
-pub(crate) fn with_agent<R>(agent: &Arc<Inner>, f: impl FnOnce() -> R) -> R {
+pub(crate) fn with_agent<R>(agent: Arc<dyn RRefAgent>, f: impl FnOnce() -> R) -> R {
     struct Pop;
     impl Drop for Pop {
         fn drop(&mut self) {
             AGENTS.with(|a| a.borrow_mut().pop());
         }
     }
-    AGENTS.with(|a| a.borrow_mut().push(agent.clone()));
+    AGENTS.with(|a| a.borrow_mut().push(agent));
     let _pop = Pop;
     f()
 }
 
-fn current_agent() -> Option<Arc<Inner>> {
+fn current_agent() -> Option<Arc<dyn RRefAgent>> {
     AGENTS.with(|a| a.borrow().last().cloned())
 }
 
@@ -84,7 +115,7 @@ fn current_agent() -> Option<Arc<Inner>> {
 pub(crate) struct Fork {
     pub(crate) id: RRefId,
     pub(crate) owner: usize,
-    pub(crate) agent: Arc<Inner>,
+    pub(crate) agent: Arc<dyn RRefAgent>,
 }
 
 impl Drop for Fork {
@@ -94,7 +125,7 @@ impl Drop for Fork {
 }
 
 /// A reference to a value of type `T` held by its owner worker
-/// ([`Rpc::remote`]). Fetch a copy with [`to_here`](RRef::to_here); send it
+/// ([`Rpc::remote`](crate::Rpc::remote)). Fetch a copy with [`to_here`](RRef::to_here); send it
 /// to other workers as (part of) an argument or result, where it stays a
 /// reference to the same value. The owner frees the value once every
 /// worker has dropped every `RRef` to it.
@@ -131,7 +162,7 @@ impl<T> RRef<T> {
         }
     }
 
-    /// The reference's id (what [`Rpc::rref_users`] takes on the owner).
+    /// The reference's id (what [`Rpc::rref_users`](crate::Rpc::rref_users) takes on the owner).
     pub fn id(&self) -> RRefId {
         self.fork.id
     }
@@ -161,10 +192,11 @@ impl<T> RRef<T> {
     where
         T: DeserializeOwned + 'static,
     {
-        let agent = &self.fork.agent;
-        let bytes = agent
-            .fetch(self.fork.owner, self.fork.id, type_id::<T>(), timeout)?
-            .wait()?;
+        let agent = self.fork.agent.clone();
+        let bytes =
+            agent
+                .clone()
+                .fetch_value(self.fork.owner, self.fork.id, type_id::<T>(), timeout)?;
         with_agent(agent, || postcard::from_bytes(&bytes)).map_err(|e| RpcError::Codec {
             func: format!("to_here of rref {}", self.fork.id),
             op: "decode",
@@ -201,11 +233,9 @@ impl<T> RRef<T> {
             .map_err(|_| not_here(format!("the value is not a {}", std::any::type_name::<T>())))
     }
 
-    /// The agent this reference belongs to.
-    pub fn rpc(&self) -> Rpc {
-        Rpc {
-            inner: self.fork.agent.clone(),
-        }
+    /// The agent this reference belongs to, as the trait references see.
+    pub(crate) fn agent(&self) -> Arc<dyn RRefAgent> {
+        self.fork.agent.clone()
     }
 }
 
@@ -214,7 +244,7 @@ impl<T> Serialize for RRef<T> {
         use serde::ser::Error;
         let agent = current_agent()
             .ok_or_else(|| S::Error::custom("an RRef is only sent as an RPC argument or result"))?;
-        if !Arc::ptr_eq(&agent, &self.fork.agent) {
+        if !std::ptr::addr_eq(Arc::as_ptr(&agent), Arc::as_ptr(&self.fork.agent)) {
             return Err(S::Error::custom("an RRef is only sent by its own agent"));
         }
         agent

@@ -114,13 +114,14 @@ impl Inner {
         if self.closing.load(Ordering::Acquire) {
             return Err(self.shut_down_error());
         }
-        let payload =
-            with_agent(self, || postcard::to_allocvec(args)).map_err(|e| RpcError::Codec {
+        let payload = with_agent(self.clone(), || postcard::to_allocvec(args)).map_err(|e| {
+            RpcError::Codec {
                 func: func.to_string(),
                 op: "encode",
                 what: "arguments",
                 detail: e.to_string(),
-            })?;
+            }
+        })?;
         let (id, slot) = self.register(to, func, describe, timeout);
         if to == self.me {
             self.serve_call(self.me, id, func.to_string(), types, rref, payload);

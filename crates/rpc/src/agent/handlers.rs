@@ -56,7 +56,7 @@ impl Inner {
                         inner: self.clone(),
                     },
                 };
-                with_agent(self, || h.call(&ctx, payload)).map_err(|f| match f {
+                with_agent(self.clone(), || h.call(&ctx, payload)).map_err(|f| match f {
                     Failure::Decode(detail) => Status::Codec {
                         op: "decode".into(),
                         detail,
@@ -66,7 +66,7 @@ impl Inner {
             }
         };
         match (outcome, cell) {
-            (Ok(value), None) => match with_agent(self, || value.encode()) {
+            (Ok(value), None) => match with_agent(self.clone(), || value.encode()) {
                 Ok(bytes) => (Status::Ok, bytes),
                 Err(detail) => (
                     Status::Codec {
@@ -123,7 +123,7 @@ impl Inner {
                                 "a value of another type than the caller's RRef<T>".into(),
                             ));
                         }
-                        with_agent(&me, || v.encode()).map_err(|detail| Status::Codec {
+                        with_agent(me.clone(), || v.encode()).map_err(|detail| Status::Codec {
                             op: "encode".into(),
                             detail,
                         })

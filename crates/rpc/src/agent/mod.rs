@@ -45,7 +45,7 @@ use serde::Serialize;
 use crate::error::RpcError;
 use crate::future::{RpcFuture, Slot};
 use crate::registry::{call_types, signature, CallContext, Failure, Registry, WorkerInfo};
-use crate::rref::{with_agent, Cell, Fork, Owned, RRef, RRefId};
+use crate::rref::{with_agent, Cell, Fork, Owned, RRef, RRefAgent, RRefId};
 use crate::wire::{read_frame, write_frame, Header, ReadError, Status};
 
 mod calls;
@@ -496,6 +496,55 @@ impl Inner {
     }
 
     // ------------------------------------------------------------ calling
+}
+
+/// What references and futures reach the agent through.
+impl RRefAgent for Inner {
+    fn rank(&self) -> usize {
+        Inner::rank(self)
+    }
+    fn world(&self) -> usize {
+        Inner::world(self)
+    }
+    fn worker(&self, rank: usize) -> &WorkerInfo {
+        Inner::worker(self, rank)
+    }
+    fn timeout(&self) -> Duration {
+        Inner::timeout(self)
+    }
+    fn fetch_value(
+        self: Arc<Self>,
+        owner: usize,
+        id: RRefId,
+        ty: u64,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, RpcError> {
+        self.fetch(owner, id, ty, timeout)?.wait()
+    }
+    fn fork(&self, owner: usize, id: RRefId) -> Result<(), RpcError> {
+        Inner::fork(self, owner, id)
+    }
+    fn release(&self, owner: usize, id: RRefId) {
+        Inner::release(self, owner, id)
+    }
+    fn owned_cell(&self, id: RRefId) -> Option<Arc<Cell>> {
+        Inner::owned_cell(self, id)
+    }
+    fn as_any(self: Arc<Self>) -> Arc<dyn std::any::Any + Send + Sync> {
+        self
+    }
+}
+
+impl<T> RRef<T> {
+    /// The agent this reference belongs to.
+    pub fn rpc(&self) -> Rpc {
+        let inner = self
+            .agent()
+            .as_any()
+            .downcast::<Inner>()
+            .unwrap_or_else(|_| unreachable!("the rpc agent is RRefAgent's only implementor"));
+        Rpc { inner }
+    }
 }
 
 #[cfg(test)]

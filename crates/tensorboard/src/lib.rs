@@ -96,8 +96,8 @@ pub struct EventWriter {
 
 impl EventWriter {
     /// Creates the directory if needed and a new event file in it, named as
-    /// TensorBoard's writers name theirs (`events.out.tfevents.TIME.HOST.PID.N`),
-    /// and writes its first event.
+    /// TensorBoard's writers name theirs (`events.out.tfevents.TIME.HOST.PID.N`,
+    /// TIME later than any other file's there), and writes its first event.
     pub fn create(dir: &Path) -> Result<EventWriter, EventError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let io = |path: &Path| {
@@ -106,9 +106,21 @@ impl EventWriter {
         };
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let now = now();
+        // Readers take a directory's files in name order: the new file's
+        // timestamp is after every existing one, even within one second.
+        let newest = std::fs::read_dir(dir)
+            .map_err(io(dir))?
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let rest = name.strip_prefix("events.out.tfevents.")?;
+                rest.split('.').next()?.parse::<u64>().ok()
+            })
+            .max();
+        let stamp = newest.map_or(now as u64, |n| (now as u64).max(n + 1));
         let path = dir.join(format!(
             "events.out.tfevents.{}.{}.{}.{}",
-            now as u64,
+            stamp,
             hostname(),
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
@@ -166,10 +178,12 @@ impl EventWriter {
         record.extend_from_slice(&masked_crc32c(&len).to_le_bytes());
         record.extend_from_slice(&payload);
         record.extend_from_slice(&masked_crc32c(&payload).to_le_bytes());
-        self.out.write_all(&record).map_err(|source| EventError::Io {
-            path: self.path.clone(),
-            source,
-        })
+        self.out
+            .write_all(&record)
+            .map_err(|source| EventError::Io {
+                path: self.path.clone(),
+                source,
+            })
     }
 
     /// Pushes what was written to the file.
@@ -291,9 +305,12 @@ fn encode(e: &Event) -> Vec<u8> {
     out
 }
 
-/// A message's fields as `(field, wire type, value)`; a varint or fixed
-/// value is in the u64, a length-delimited one in the slice.
-fn fields(mut buf: &[u8]) -> Option<Vec<(u32, u8, u64, &[u8])>> {
+/// One field of a message: `(field number, wire type, value, bytes)`; a
+/// varint or fixed value is in the u64, a length-delimited one in the slice.
+type Field<'a> = (u32, u8, u64, &'a [u8]);
+
+/// A message's fields, in order.
+fn fields(mut buf: &[u8]) -> Option<Vec<Field<'_>>> {
     fn take<'a>(buf: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
         let (head, rest) = (buf.get(..n)?, buf.get(n..)?);
         *buf = rest;

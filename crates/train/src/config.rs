@@ -96,6 +96,9 @@ pub struct TrainConfig {
     pub out: Option<PathBuf>,
     /// Checkpoint directory to continue from.
     pub resume: Option<PathBuf>,
+    /// Where rank 0 writes TensorBoard event files and `metrics.jsonl`
+    /// (none: `out/logs` when `out` is set, else no files).
+    pub log_dir: Option<PathBuf>,
     /// Newest checkpoints kept in `out`; older `step-*` ones are deleted
     /// after each save (0: keep all).
     pub keep_checkpoints: usize,
@@ -265,6 +268,7 @@ impl Default for TrainConfig {
             save_interval: 0,
             out: None,
             resume: None,
+            log_dir: None,
             keep_checkpoints: 3,
             inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
@@ -465,6 +469,11 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<PathBuf>,
+    /// TensorBoard event files and metrics.jsonl go to DIR, written by rank 0 [default:
+    /// OUT/logs with --out, else none]; `cohort plot DIR` draws the loss curves.
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_dir: Option<PathBuf>,
     /// Checkpoints kept in --out, the oldest deleted after each save [default: 3; 0 = all].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -573,6 +582,13 @@ fn read_table(path: &Path) -> Result<toml::Table, ConfigError> {
 }
 
 impl TrainConfig {
+    /// Where the run log goes: `log_dir`, else `out/logs`, else nowhere.
+    pub fn log_dir(&self) -> Option<PathBuf> {
+        self.log_dir
+            .clone()
+            .or_else(|| self.out.as_ref().map(|o| o.join("logs")))
+    }
+
     /// Checks the settings that the model, optimizer and data do not check
     /// themselves.
     pub fn validate(&self) -> Result<(), ConfigError> {

@@ -46,6 +46,7 @@ mod file_data;
 mod parameter_server;
 mod phases;
 mod pipeline;
+mod run_log;
 mod step_loop;
 mod train;
 mod trainer_files;
@@ -60,8 +61,9 @@ pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::build_dataset;
 pub use file_data::FileData;
 pub use parameter_server::{train_parameter_server, train_parameter_server_timed, Rendezvous};
-pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases};
+pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases, PHASES};
 pub use pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};
+pub use run_log::METRICS_FILE;
 pub use train::{model_config, param_specs, train, Outcome};
 pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
@@ -117,6 +119,10 @@ pub enum TrainError {
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),
+    /// The run log directory (`--log-dir`, or `--out`'s `logs`) cannot be
+    /// created or written.
+    #[error("run log: {0}")]
+    RunLog(String),
     /// The parameter server's calls failed (a worker or the server died,
     /// timed out, or refused a gradient).
     #[error("parameter server: {what}: {error}")]

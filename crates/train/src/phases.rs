@@ -24,7 +24,8 @@ pub enum Phase {
     Logging,
 }
 
-const PHASES: [Phase; 6] = [
+/// Every phase, in the order they happen.
+pub const PHASES: [Phase; 6] = [
     Phase::Data,
     Phase::Forward,
     Phase::Backward,
@@ -43,6 +44,18 @@ impl Phase {
             Phase::Comm => "comm",
             Phase::Optimizer => "opt",
             Phase::Logging => "log",
+        }
+    }
+
+    /// Name for metrics files and TensorBoard tags.
+    pub fn long_name(self) -> &'static str {
+        match self {
+            Phase::Data => "data",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Comm => "comm_wait",
+            Phase::Optimizer => "optimizer",
+            Phase::Logging => "logging",
         }
     }
 }
@@ -91,6 +104,12 @@ impl Phases {
             phases: self,
             steps: steps.max(1),
         }
+    }
+
+    /// Milliseconds per step over `steps` steps, in the order of [`PHASES`].
+    pub fn ms_per_step(&self, steps: u64) -> [f64; 6] {
+        self.times
+            .map(|t| t.as_secs_f64() * 1e3 / steps.max(1) as f64)
     }
 
     /// Shares of the total, e.g. `data 1% fwd 33% ...`.

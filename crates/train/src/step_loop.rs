@@ -10,7 +10,9 @@
 //! on a NaN/Inf anywhere, clip by the global norm); applies or skips the
 //! update at the schedule's learning rate; then logs, evaluates and saves
 //! on the configured intervals. Rank 0 of the strategy's group writes the
-//! log; a log that cannot be written never stops the run.
+//! log, and the run log (TensorBoard and `metrics.jsonl`, see `run_log`)
+//! when there is a log directory; a log that cannot be written never stops
+//! the run.
 //!
 //! This module never touches a model, a socket or a data set itself.
 
@@ -27,6 +29,7 @@ use crate::batches::TrainBatches;
 use crate::config::TrainConfig;
 use crate::fault::{clip_to_norm, LogGuard, NanInjection, StepGuard};
 use crate::phases::{Phase, Phases};
+use crate::run_log::{RunLog, TrainFigures, METRICS_FILE};
 use crate::train::Outcome;
 use crate::TrainError;
 
@@ -152,6 +155,22 @@ pub(crate) fn run(
         inject,
     );
     let bar = progress_bar(master, start, cfg.steps);
+    let mut run_log = match (master, cfg.log_dir()) {
+        (true, Some(dir)) => {
+            let restart = crate::elastic::restart_count_from_env()?;
+            Some(RunLog::open(&dir, start, restart).map_err(|e| TrainError::RunLog(e.0))?)
+        }
+        _ => None,
+    };
+    if let Some(l) = &run_log {
+        say(
+            log,
+            format!(
+                "logs: {} (TensorBoard and {METRICS_FILE})",
+                l.dir().display()
+            ),
+        );
+    }
     let mut outcome = Outcome::starting_at(start, floor);
     let mut window = Window::new();
     // Tokens (the job's, after the untimed steps) and when timing began.
@@ -165,8 +184,11 @@ pub(crate) fn run(
         let rank = strategy.group().rank();
         let stats = guard.scale(step, rank, strategy.grads_mut(), grads.micro_batches);
         let skip = guard.decide(strategy.group(), step, grads.loss_finite, stats)?;
+        // The norm before clipping, for the logs and for clipping (a
+        // collective for strategies whose ranks hold parts of the gradient).
+        let norm = strategy.global_norm(stats.norm)?;
+        window.grad_norm += norm as f64;
         if skip.is_none() && guard.clip_norm() > 0.0 {
-            let norm = strategy.global_norm(stats.norm)?;
             clip_to_norm(strategy.grads_mut(), norm, guard.clip_norm());
         }
         let applied = skip.is_none();
@@ -194,32 +216,56 @@ pub(crate) fn run(
 
         // -- log, eval, save (every rank takes part in the collectives) ---
         let t_log = Instant::now();
+        let mut figures = None;
+        let mut val_loss = None;
         if done % cfg.log_interval == 0 || done == cfg.steps {
             let t_comm = Instant::now();
             // A window whose updates were all skipped has no loss: NaN.
-            let mut figures = [window.loss / window.updates as f64, window.tokens];
+            let mut sums = [window.loss / window.updates as f64, window.tokens];
             strategy
                 .group()
-                .all_reduce(&mut figures, ReduceOp::Sum)
+                .all_reduce(&mut sums, ReduceOp::Sum)
                 .map_err(TrainError::comm("loss and token count all_reduce"))?;
             let note = strategy.log_note()?;
+            // Every rank's time per phase, so that a slow rank stands out.
+            let group = strategy.group();
+            let mine = window.phases.ms_per_step(window.steps);
+            let mut all = vec![0f64; 6 * group.size()];
+            group
+                .all_gather(&mine, &mut all)
+                .map_err(TrainError::comm("phase time all_gather"))?;
             window.phases.add(Phase::Comm, t_comm.elapsed());
-            let loss = figures[0] as f32;
+            let loss = sums[0] as f32;
             outcome.train_losses.push((done, loss));
             let secs = window.started.elapsed().as_secs_f64().max(1e-9);
             let line = format!(
                 "[step {done} / {}] loss = {loss:.4} | lr {lr:.2e} | {:.0} tok/s | {}{note}",
                 cfg.steps,
-                figures[1] / secs,
+                sums[1] / secs,
                 window.phases.per_step(window.steps),
             );
             print_line(&bar, &mut say, log, line);
+            figures = Some(TrainFigures {
+                loss,
+                lr,
+                grad_norm: (window.grad_norm / window.steps.max(1) as f64) as f32,
+                skipped: window.steps - window.updates,
+                tokens_per_s: sums[1] / secs,
+                rank_ms: all
+                    .chunks_exact(6)
+                    .map(|c| c.try_into().expect("chunks of 6"))
+                    .collect(),
+            });
             outcome.phases.merge(&window.phases);
             window = Window::new();
         }
         if (cfg.eval_interval > 0 && done % cfg.eval_interval == 0) || done == cfg.steps {
             let val = strategy.evaluate()?;
             outcome.val_losses.push((done, val));
+            val_loss = Some(val);
+            if let Some(bar) = &bar {
+                bar.set_message(format!("val loss {val:.4}"));
+            }
             let floor = floor
                 .map(|f| format!(" (floor {f:.4})"))
                 .unwrap_or_default();
@@ -231,6 +277,20 @@ pub(crate) fn run(
             for line in strategy.save(out, done)? {
                 let line = format!("[step {done} / {}] {line}", cfg.steps);
                 print_line(&bar, &mut say, log, line);
+            }
+        }
+        if figures.is_some() || val_loss.is_some() {
+            if let Some(l) = &mut run_log {
+                if let Err(e) = l.step(done, figures.as_ref(), val_loss, floor) {
+                    // Like the log lines, the run log never stops training.
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "cohort train: writing the run log failed ({}); training continues \
+                         without it",
+                        e.0
+                    );
+                    run_log = None;
+                }
             }
         }
         window.phases.add(Phase::Logging, t_log.elapsed());
@@ -318,6 +378,8 @@ struct Window {
     loss: f64,
     /// This rank's share of the tokens trained on.
     tokens: f64,
+    /// Sum over the window's steps of the gradient norm before clipping.
+    grad_norm: f64,
     phases: Phases,
 }
 
@@ -329,6 +391,7 @@ impl Window {
             updates: 0,
             loss: 0.0,
             tokens: 0.0,
+            grad_norm: 0.0,
             phases: Phases::default(),
         }
     }
@@ -443,7 +506,7 @@ fn progress_bar(master: bool, at: u64, steps: u64) -> Option<indicatif::Progress
     let bar = indicatif::ProgressBar::new(steps);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} steps, {elapsed} elapsed, eta {eta}",
+            "{bar:40} {pos}/{len} steps, {elapsed} elapsed, eta {eta} {msg}",
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );

@@ -5,6 +5,7 @@ use clap::Parser;
 
 mod bench;
 mod demo;
+mod plot;
 mod run;
 mod sample;
 mod serve;
@@ -23,6 +24,7 @@ enum Cli {
     Bench(bench::BenchArgs),
     Sample(sample::SampleArgs),
     Serve(serve::ServeArgs),
+    Plot(plot::PlotArgs),
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCmd),
     #[command(hide = true)]
@@ -39,6 +41,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Bench(args) => bench::main(args),
         Cli::Sample(args) => sample::main(args),
         Cli::Serve(args) => serve::main(args),
+        Cli::Plot(args) => plot::main(args),
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }

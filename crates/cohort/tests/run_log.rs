@@ -133,6 +133,22 @@ fn tensorboard_and_metrics_agree_with_the_log_lines() {
     // The Markov corpus's floor rides along with each validation loss.
     assert!(lines.iter().any(|l| l["floor"].as_f64().is_some()));
 
+    // `cohort plot` draws the run at the size asked for (IHDR: width, height at bytes 16..24).
+    let png = tmp.path().join("curves.png");
+    let args = ["plot", dir.to_str().unwrap(), "-o", png.to_str().unwrap()];
+    let said = succeeded(&run(
+        &[&args[..], &["--width", "800", "--height", "400"]].concat()
+    ));
+    assert!(said.contains("1 run(s)"), "{said}");
+    let bytes = std::fs::read(&png).unwrap();
+    assert_eq!(&bytes[1..4], b"PNG");
+    let be = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+    assert_eq!((be(16), be(20)), (800, 400));
+    let missing = run(&["plot", tmp.path().join("nope").to_str().unwrap()]);
+    assert!(!missing.status.success());
+    let err = String::from_utf8_lossy(&missing.stderr);
+    assert!(err.contains("no metrics.jsonl"), "{err}");
+
     let Some(tb) = tensorboard(&dir) else { return };
     close(
         &tb["train/loss"],

@@ -105,6 +105,26 @@ fn assert_resumed_like_the_baseline(out: &str, dir: &Path) {
         "the resumed run's parameters differ from the uninterrupted run's"
     );
     assert_eq!(checkpoint_step(dir), Some(200));
+    // The run log shows the restart as a marker at the step it resumed from, and every
+    // logged step once although the steps after that checkpoint were trained twice.
+    let metrics = std::fs::read_to_string(dir.join("logs/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let marker = lines.iter().find(|l| l["restart"] == 1);
+    assert_eq!(
+        marker.map(|l| l["step"].clone()),
+        Some(resumed_at.into()),
+        "{metrics}"
+    );
+    let trained: Vec<u64> = lines
+        .iter()
+        .filter(|l| l.get("train_loss").is_some())
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert!(trained.windows(2).all(|w| w[0] < w[1]), "{trained:?}");
+    assert_eq!(trained.last(), Some(&200), "{trained:?}");
 }
 
 #[test]

@@ -5,7 +5,8 @@
 //! The picture has two panels side by side: the loss against the step and
 //! against the run's wall-clock time. Each run has its own colour, its
 //! training loss a solid line and its validation loss a dashed line with
-//! markers; the data's loss floor, when known, is a grey dashed line. The
+//! markers; the data's loss floor, when known, is a grey dashed line, and a
+//! restart by the launcher a thin vertical line in the run's colour. The
 //! legend names each run by its directory. Text is drawn with an embedded
 //! font (DejaVu Sans), so the picture needs no fonts on the machine.
 //!
@@ -96,6 +97,8 @@ pub struct Run {
     pub val: Vec<Point>,
     /// The data's best possible loss, when known.
     pub floor: Option<f64>,
+    /// Where the launcher restarted the run, as `(step, elapsed_s)`.
+    pub restarts: Vec<(u64, f64)>,
 }
 
 /// Reads the run whose log directory (or output directory, holding `logs`)
@@ -116,6 +119,7 @@ pub fn read_run(dir: &Path) -> Result<Run, PlotError> {
         train: Vec::new(),
         val: Vec::new(),
         floor: None,
+        restarts: Vec::new(),
     };
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -139,6 +143,9 @@ pub fn read_run(dir: &Path) -> Result<Run, PlotError> {
         run.val.extend(point("val_loss"));
         if let Some(f) = v["floor"].as_f64() {
             run.floor = Some(f);
+        }
+        if v["restart"].as_u64().is_some() {
+            run.restarts.push((step, elapsed_s));
         }
     }
     if run.train.is_empty() && run.val.is_empty() {
@@ -268,6 +275,28 @@ fn panel(
             )?;
         }
     }
+    for (i, run) in runs.iter().enumerate() {
+        let thin = run_color(i).stroke_width(1);
+        for (k, &(step, elapsed_s)) in run.restarts.iter().enumerate() {
+            let at = x(&Point {
+                step,
+                elapsed_s,
+                loss: 0.0,
+            });
+            let line = chart.draw_series(DashedLineSeries::new(
+                [(at, y_min - pad), (at, y_max + pad)],
+                3,
+                3,
+                thin,
+            ))?;
+            if k == 0 {
+                line.label(format!("{} restarted", run.label))
+                    .legend(move |(lx, ly)| {
+                        PathElement::new([(lx + 10, ly - 6), (lx + 10, ly + 6)], thin)
+                    });
+            }
+        }
+    }
     let grey = RGBColor(120, 120, 120).stroke_width(2);
     for floor in runs.iter().filter_map(|r| r.floor).take(1) {
         chart
@@ -309,6 +338,7 @@ mod tests {
             train: pts(1.0),
             val: pts(1.1).into_iter().step_by(3).collect(),
             floor,
+            restarts: vec![(50, 2.5)],
         }
     }
 
@@ -376,6 +406,7 @@ mod tests {
             }]
         );
         assert_eq!(r.floor, Some(1.0));
+        assert_eq!(r.restarts, [(12, 0.0)]);
         assert_eq!(read_run(&logs).unwrap().label, "run1");
 
         let e = read_run(dir.path()).unwrap_err().to_string();

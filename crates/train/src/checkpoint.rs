@@ -82,9 +82,30 @@ fn save(
     Ok(())
 }
 
+/// What a save left to report.
+#[derive(Debug, Default)]
+pub(crate) struct SaveReport {
+    /// Lines for the log (a checkpoint that could not be deleted).
+    pub lines: Vec<String>,
+    /// Why the checkpoint was not saved, naming the path, the OS error and
+    /// the last good checkpoint; the training loop decides whether the run
+    /// goes on.
+    pub failed: Option<String>,
+}
+
+/// Checks, before the first step, that checkpoints can be written to `out`:
+/// creates it and writes and deletes a file in it. An error names the path.
+pub(crate) fn check_writable(out: &Path) -> Result<(), String> {
+    let probe = out.join(format!(".write-test-{}", std::process::id()));
+    fs::create_dir_all(out)
+        .and_then(|()| fs::write(&probe, b"cohort"))
+        .and_then(|()| fs::remove_file(&probe))
+        .map_err(|e| format!("cannot write checkpoints to {}: {e}", out.display()))
+}
+
 /// Saves the checkpoint of `state` into `out` and deletes the checkpoints
-/// beyond `cfg.keep_checkpoints`, never failing the run: returns what to log
-/// (a failed save, with the path and the OS error; a failed deletion).
+/// beyond `cfg.keep_checkpoints`; a failure is reported, not returned, so
+/// that the caller (with the other ranks) decides what it costs.
 pub(crate) fn save_or_report(
     out: &Path,
     cfg: &TrainConfig,
@@ -93,17 +114,23 @@ pub(crate) fn save_or_report(
     opt: &dyn Optimizer,
     state: &TrainState,
     tokenizer_json: Option<&str>,
-) -> Vec<String> {
+) -> SaveReport {
     if let Err(e) = save(out, cfg, world, model, opt, state, tokenizer_json) {
         let last = ckpt::resolve(out)
             .map(|dir| dir.display().to_string())
             .unwrap_or_else(|_| "none".into());
-        return vec![format!(
-            "checkpoint of step {} NOT saved, training continues (last good checkpoint: {last}): {e}",
-            state.step
-        )];
+        return SaveReport {
+            lines: Vec::new(),
+            failed: Some(format!(
+                "checkpoint of step {} NOT saved (last good checkpoint: {last}): {e}",
+                state.step
+            )),
+        };
     }
-    prune(out, cfg.keep_checkpoints)
+    SaveReport {
+        lines: prune(out, cfg.keep_checkpoints),
+        failed: None,
+    }
 }
 
 /// The trainer's checkpoints in `root`, newest first, as (step, directory).

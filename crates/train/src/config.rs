@@ -102,6 +102,9 @@ pub struct TrainConfig {
     /// Newest checkpoints kept in `out`; older `step-*` ones are deleted
     /// after each save (0: keep all).
     pub keep_checkpoints: usize,
+    /// Periodic checkpoints that may fail in a row before the run stops
+    /// (0: never stop for them). A failed final checkpoint always stops it.
+    pub max_failed_saves: u32,
     /// Test hook, never read from a file or a flag: NaN written into the
     /// averaged gradient at these steps (`COHORT_INJECT_NAN`, see
     /// [`NanInjection`]).
@@ -270,6 +273,7 @@ impl Default for TrainConfig {
             resume: None,
             log_dir: None,
             keep_checkpoints: 3,
+            max_failed_saves: 3,
             inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
             overlap: Overlap::Auto,
@@ -478,6 +482,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keep_checkpoints: Option<usize>,
+    /// Periodic checkpoints that may fail in a row (a full disk) before the run stops with an
+    /// error naming the last good one [default: 3; 0 = never]; a failed final one always stops it.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_failed_saves: Option<u32>,
     /// DDP gradient bucket size in MB; PyTorch's default is 25 [default: 0.5].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -616,6 +625,13 @@ impl TrainConfig {
         }
         if self.log_interval == 0 {
             return bad("log_interval", "0".into(), "must be at least 1");
+        }
+        if self.save_interval > 0 && self.out.is_none() {
+            return bad(
+                "save_interval",
+                self.save_interval.to_string(),
+                "needs --out (the directory the checkpoints go to)",
+            );
         }
         if !(self.bucket_cap_mb >= 0.0 && self.bucket_cap_mb.is_finite()) {
             return bad(

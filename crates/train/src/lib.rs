@@ -101,6 +101,11 @@ pub enum TrainError {
     /// Saving or loading a checkpoint failed.
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] cohort_gpt::checkpoint::CheckpointError),
+    /// Checkpoints cannot be written (checked before the first step), or
+    /// the final checkpoint or too many in a row were not saved: the work
+    /// since the last good checkpoint would be lost.
+    #[error("{0}")]
+    CheckpointLost(String),
     /// A checkpoint cannot be resumed by this run.
     #[error("cannot resume from {path}: {reason}")]
     Resume {

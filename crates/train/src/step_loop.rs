@@ -26,6 +26,7 @@ use cohort_engine::optim::LrSchedule;
 use cohort_gpt::GPT;
 
 use crate::batches::TrainBatches;
+use crate::checkpoint::{self, SaveReport};
 use crate::config::TrainConfig;
 use crate::fault::{clip_to_norm, LogGuard, NanInjection, StepGuard};
 use crate::phases::{Phase, Phases};
@@ -102,9 +103,10 @@ pub(crate) trait Strategy {
     /// The mean validation loss, known to every rank. Collective.
     fn evaluate(&mut self) -> Result<f32, TrainError>;
 
-    /// Saves a checkpoint of the state after `step` steps under `out`,
-    /// returning what to log (written, or why not). Collective.
-    fn save(&mut self, out: &Path, step: u64) -> Result<Vec<String>, TrainError>;
+    /// Saves a checkpoint of the state after `step` steps under `out` (rank
+    /// 0 of the group writes it), reporting what to log and, on rank 0,
+    /// whether it failed. Collective.
+    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError>;
 
     /// The whole model's parameters at the end. Collective.
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError>;
@@ -155,6 +157,19 @@ pub(crate) fn run(
         inject,
     );
     let bar = progress_bar(master, start, cfg.steps);
+    // Checkpoints that cannot be written would lose the run's work: find out
+    // before the first step, on rank 0, which writes them.
+    if let Some(out) = &cfg.out {
+        let verdict = if master {
+            checkpoint::check_writable(out)
+        } else {
+            Ok(())
+        };
+        agree_on_rank_0(strategy.group(), verdict, || {
+            format!("rank 0 cannot write checkpoints to {}", out.display())
+        })?;
+    }
+    let mut failed_saves = 0u32;
     let mut run_log = match (master, cfg.log_dir()) {
         (true, Some(dir)) => {
             let restart = crate::elastic::restart_count_from_env()?;
@@ -274,9 +289,39 @@ pub(crate) fn run(
         }
         let save_now = cfg.save_interval > 0 && done % cfg.save_interval == 0;
         if let (true, Some(out)) = (save_now || done == cfg.steps, &cfg.out) {
-            for line in strategy.save(out, done)? {
+            let report = strategy.save(out, done)?;
+            for line in report.lines {
                 let line = format!("[step {done} / {}] {line}", cfg.steps);
                 print_line(&bar, &mut say, log, line);
+            }
+            let saved =
+                agree_on_rank_0(strategy.group(), report.failed.map_or(Ok(()), Err), || {
+                    format!("rank 0 could not save the checkpoint of step {done}")
+                });
+            match saved {
+                Ok(()) => failed_saves = 0,
+                Err(TrainError::CheckpointLost(why)) => {
+                    failed_saves += 1;
+                    let limit = cfg.max_failed_saves;
+                    if done == cfg.steps {
+                        return Err(TrainError::CheckpointLost(format!(
+                            "{why}; it was the final checkpoint, so the run fails"
+                        )));
+                    }
+                    if limit > 0 && failed_saves >= limit {
+                        return Err(TrainError::CheckpointLost(format!(
+                            "{why}; {failed_saves} checkpoints in a row failed \
+                             (max_failed_saves = {limit}), so the run stops"
+                        )));
+                    }
+                    let line = format!(
+                        "[step {done} / {}] {why}; training continues ({failed_saves} failed in a \
+                         row, the run stops at {limit})",
+                        cfg.steps
+                    );
+                    print_line(&bar, &mut say, log, line);
+                }
+                Err(e) => return Err(e),
             }
         }
         if figures.is_some() || val_loss.is_some() {
@@ -366,6 +411,25 @@ pub(crate) fn run(
         );
     }
     Ok(outcome)
+}
+
+/// Makes rank 0's `verdict` every rank's: an error on rank 0 fails every
+/// rank, with rank 0's reason there and `elsewhere()` on the others.
+/// Collective.
+fn agree_on_rank_0(
+    group: &ProcessGroup,
+    verdict: Result<(), String>,
+    elsewhere: impl FnOnce() -> String,
+) -> Result<(), TrainError> {
+    let mut failed = [i32::from(verdict.is_err())];
+    group
+        .broadcast(&mut failed, 0)
+        .map_err(TrainError::comm("checkpoint check broadcast"))?;
+    match (failed[0], verdict) {
+        (0, _) => Ok(()),
+        (_, Err(why)) => Err(TrainError::CheckpointLost(why)),
+        (_, Ok(())) => Err(TrainError::CheckpointLost(elsewhere())),
+    }
 }
 
 /// Figures of one log window.

@@ -7,7 +7,7 @@
 //! opens sockets itself: it is handed a config and a process group.
 
 use crate::batches::{val_batches, TrainBatches};
-use crate::checkpoint::{self, TrainState};
+use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::TrainConfig;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
@@ -254,9 +254,9 @@ impl Strategy for DataParallel<'_> {
         Ok(mean[0])
     }
 
-    fn save(&mut self, out: &Path, step: u64) -> Result<Vec<String>, TrainError> {
+    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
         if self.pg.rank() != 0 {
-            return Ok(Vec::new());
+            return Ok(SaveReport::default());
         }
         let (epoch, offset) = self.batches.position();
         let state = TrainState {

@@ -182,10 +182,12 @@ fn clipping_by_value_then_norm_acts_on_the_averaged_gradient() {
     );
 }
 
+/// The checkpoints (and temp directories) in `dir`: its entries but the run log's `logs`.
 fn names_in(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name != "logs")
         .collect();
     names.sort();
     names
@@ -302,16 +304,26 @@ fn only_the_newest_checkpoints_are_kept() {
     );
 }
 
-/// What a disk that fills up must leave: the run finished, `latest` naming
-/// the checkpoint from before, intact, and no partial directory.
-fn assert_survived_full_disk(out: &Path, log: &str, os_error: &str) {
-    assert!(log.contains("NOT saved, training continues"), "{log}");
+/// What a disk that fills up must leave: a periodic checkpoint that failed
+/// let training go on, the failed final one failed the run (its work since
+/// the last good checkpoint is lost, and it says so, naming that one), and
+/// `latest` still names the checkpoint from before, intact, with no partial
+/// directory.
+fn assert_full_disk_fails_the_run(out: &Path, log: &str, os_error: &str) {
+    assert!(
+        log.contains("[step 3 / 4] checkpoint of step 3 NOT saved")
+            && log.contains("training continues (1 failed in a row, the run stops at 3)"),
+        "{log}"
+    );
     assert!(log.contains(os_error), "{log}");
     assert!(
-        log.contains(&out.display().to_string()),
-        "the log names the path: {log}"
+        log.contains(&format!(
+            "checkpoint of step 4 NOT saved (last good checkpoint: {})",
+            out.join("step-000002").display()
+        )) && log.contains("it was the final checkpoint, so the run fails"),
+        "{log}"
     );
-    assert!(log.contains("done: 4 steps"), "{log}");
+    assert!(!log.contains("done: 4 steps"), "{log}");
     assert_eq!(names_in(out), ["latest", "step-000002"]);
     let latest = ckpt::resolve(out).unwrap();
     assert_eq!(latest, out.join("step-000002"));
@@ -340,18 +352,21 @@ fn second_half(out: &Path) -> TrainConfig {
 const CHILD_OUT: &str = "COHORT_FAULT_TEST_OUT";
 
 /// Resumes from `$COHORT_FAULT_TEST_OUT` and trains on, logging to stdout:
-/// the child of `a_file_size_limit_during_a_checkpoint_is_survived`, run
+/// the child of `a_file_size_limit_during_a_checkpoint_fails_the_run_naming_the_last_good_one`, run
 /// under RLIMIT_FSIZE.
 #[test]
-#[ignore = "child process of a_file_size_limit_during_a_checkpoint_is_survived"]
+#[ignore = "child process of a_file_size_limit_during_a_checkpoint_fails_the_run_..."]
 fn file_size_limit_child() {
     let out = PathBuf::from(std::env::var(CHILD_OUT).unwrap());
     let pg = cohort_train::process_group_from_env().unwrap();
-    train(&second_half(&out), &pg, &mut std::io::stdout()).unwrap();
+    if let Err(e) = train(&second_half(&out), &pg, &mut std::io::stdout()) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
 }
 
 #[test]
-fn a_file_size_limit_during_a_checkpoint_is_survived() {
+fn a_file_size_limit_during_a_checkpoint_fails_the_run_naming_the_last_good_one() {
     use std::os::unix::process::CommandExt;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");
@@ -385,13 +400,10 @@ fn a_file_size_limit_during_a_checkpoint_is_survived() {
         });
     }
     let result = child.output().unwrap();
-    let log = String::from_utf8_lossy(&result.stdout);
-    assert!(
-        result.status.success(),
-        "child failed: {log}\n{}",
-        String::from_utf8_lossy(&result.stderr)
-    );
-    assert_survived_full_disk(&out, &log, "File too large");
+    let log = String::from_utf8_lossy(&result.stdout).into_owned()
+        + &String::from_utf8_lossy(&result.stderr);
+    assert_eq!(result.status.code(), Some(1), "{log}");
+    assert_full_disk_fails_the_run(&out, &log, "File too large");
     assert!(
         log.contains(".tmp-step-000003"),
         "the path of the failed write: {log}"
@@ -424,7 +436,7 @@ impl Drop for Tmpfs {
 }
 
 #[test]
-fn a_full_tmpfs_during_a_checkpoint_is_survived() {
+fn a_full_tmpfs_during_a_checkpoint_fails_the_run_naming_the_last_good_one() {
     // Room for one checkpoint (~230 KB) but not two: the second save fills
     // the disk before the first may be deleted.
     let fs = match Tmpfs::mount("320k") {
@@ -437,9 +449,25 @@ fn a_full_tmpfs_during_a_checkpoint_is_survived() {
     let out = fs.0.path().join("out");
     run_one(&first_half(&out));
     assert_eq!(names_in(&out), ["latest", "step-000002"]);
-    let (done, log) = run_one(&second_half(&out));
-    assert_eq!(done.final_step, 4);
-    assert_survived_full_disk(&out, &log, "No space left on device");
+    let log = run_world(1, &second_half(&out)).unwrap_err();
+    assert_full_disk_fails_the_run(&out, &log, "No space left on device");
+    // Periodic checkpoints failing in a row stop the run at max_failed_saves.
+    let err = run_world(
+        1,
+        &TrainConfig {
+            steps: 8,
+            max_failed_saves: 2,
+            ..second_half(&out)
+        },
+    )
+    .unwrap_err();
+    assert!(
+        err.starts_with("checkpoint of step 4 NOT saved")
+            && err
+                .contains("2 checkpoints in a row failed (max_failed_saves = 2), so the run stops"),
+        "{err}"
+    );
+    assert_eq!(names_in(&out), ["latest", "step-000002"]);
 }
 
 #[test]
@@ -453,4 +481,38 @@ fn a_log_that_cannot_be_written_does_not_stop_training() {
     })
     .unwrap();
     assert_eq!(outcome[0].final_step, 4);
+}
+
+#[test]
+fn an_out_directory_that_cannot_be_written_fails_every_rank_before_the_first_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let out = file.join("ckpt");
+    let err = run_world(
+        2,
+        &TrainConfig {
+            out: Some(out.clone()),
+            ..tiny()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        err.starts_with(&format!("cannot write checkpoints to {}: ", out.display())),
+        "{err}"
+    );
+    assert!(!err.contains("[step 1"), "trained before failing: {err}");
+    // A save interval without a directory to save to is refused as well.
+    let err = run_world(
+        1,
+        &TrainConfig {
+            save_interval: 2,
+            ..tiny()
+        },
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("save_interval") && err.contains("needs --out"),
+        "{err}"
+    );
 }

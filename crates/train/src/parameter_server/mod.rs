@@ -44,7 +44,7 @@ use cohort_store::{HashStore, Store};
 use serde::{Deserialize, Serialize};
 
 use crate::batches::{val_batches, TrainBatches};
-use crate::checkpoint::{self, Resumed, TrainState};
+use crate::checkpoint::{self, Resumed, SaveReport, TrainState};
 use crate::config::{ConfigError, PsMode, TrainConfig};
 use crate::file_data::build_dataset;
 use crate::phases::{Phase, Phases};

@@ -285,7 +285,7 @@ impl Strategy for Serving<'_, '_> {
         mean_loss(&self.server.val, &mut self.server.model)
     }
 
-    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<Vec<String>, TrainError> {
+    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<SaveReport, TrainError> {
         let s = &self.server;
         let state = TrainState {
             step,

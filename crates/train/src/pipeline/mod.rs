@@ -35,7 +35,7 @@ use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
 
-use crate::checkpoint::{self, TrainState};
+use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
@@ -375,12 +375,12 @@ impl Strategy for Pipeline<'_> {
         evaluate(self.cfg, &*self.data, &mut self.pipe, b, t)
     }
 
-    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<Vec<String>, TrainError> {
+    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<SaveReport, TrainError> {
         let Some((model, whole)) = self
             .pipe
             .gather_model(&self.opt, &self.model_cfg, self.cfg)?
         else {
-            return Ok(Vec::new());
+            return Ok(SaveReport::default());
         };
         // Rank 0 is stage 0 of replica 0: its position is replica 0's.
         let state = TrainState {

@@ -35,7 +35,18 @@ fn main() -> anyhow::Result<()> {
     // Backends beyond cohort-comm's own are registered here, the one place
     // that links them; the libraries only name them.
     cohort_mpi::register()?;
-    match Cli::parse() {
+    // A command line that does not parse fails the same way every time: the
+    // launcher must not restart workers for it.
+    let cli = Cli::try_parse().unwrap_or_else(|e| {
+        let code = e.exit_code();
+        let _ = e.print();
+        std::process::exit(if code == 0 {
+            0
+        } else {
+            cohort_launcher::EXIT_NOT_RETRYABLE
+        })
+    });
+    match cli {
         Cli::Run(args) => run::main(args),
         Cli::Train(args) => train::main(args),
         Cli::Bench(args) => bench::main(args),

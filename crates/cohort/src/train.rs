@@ -3,8 +3,6 @@
 //! `cohort run -n N train`, as one rank of the job (`env://`), or with
 //! `--backend mpi` as one rank of the MPI job mpirun or srun started.
 
-use anyhow::Context;
-
 /// Train the mini-GPT (alone, or as a rank under `cohort run -n N train`).
 ///
 /// With no data flag it learns an embedded Markov-chain corpus whose best
@@ -26,7 +24,20 @@ pub struct TrainCmd {
 }
 
 pub fn main(cmd: TrainCmd) -> anyhow::Result<()> {
-    let cfg = cmd.args.resolve().context("train: bad settings")?;
-    cohort_train::run(&cfg).context("train")?;
-    Ok(())
+    let cfg = match cmd.args.resolve() {
+        Ok(cfg) => cfg,
+        Err(e) => not_retryable(anyhow::Error::new(e).context("train: bad settings")),
+    };
+    match cohort_train::run(&cfg) {
+        Ok(_) => Ok(()),
+        Err(e) if e.is_permanent() => not_retryable(anyhow::Error::new(e).context("train")),
+        Err(e) => Err(anyhow::Error::new(e).context("train")),
+    }
+}
+
+/// Reports an error that running again cannot fix and exits with the code
+/// that tells `cohort run` not to restart the workers for it.
+fn not_retryable(e: anyhow::Error) -> ! {
+    eprintln!("Error: {e:#}");
+    std::process::exit(cohort_launcher::EXIT_NOT_RETRYABLE)
 }

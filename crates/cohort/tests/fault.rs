@@ -81,3 +81,48 @@ fn resume_passes_over_a_damaged_latest_checkpoint() {
     assert!(all.contains("model.safetensors: corrupt"), "{all}");
     assert!(all.contains("step-000002 at step 2"), "{all}");
 }
+
+/// Settings that cannot work fail once, with one line naming them, and the launcher does not
+/// spend its restarts on them: too big for the host's memory (known before any allocation,
+/// where it would abort), or out of range.
+#[test]
+fn impossible_settings_fail_with_one_line_and_are_not_restarted() {
+    for (extra, said) in [
+        (
+            &["--batch-size", "1000000"][..],
+            "batch_size 1000000 x seq_len",
+        ),
+        (&["--lr=-1"][..], "lr"),
+        (&["--no-such-flag"][..], "unexpected argument"),
+    ] {
+        let out = support::cohort()
+            .args([
+                "run",
+                "--standalone",
+                "--max-restarts",
+                "2",
+                "-n",
+                "2",
+                "train",
+            ])
+            .args(TINY)
+            .args(extra)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        let all = text(&out);
+        assert!(!out.status.success(), "{all}");
+        let error = all
+            .lines()
+            .find(|l| l.starts_with("[rank0]: Error: train") || l.starts_with("[rank0]: error:"))
+            .unwrap_or_else(|| panic!("no error line: {all}"));
+        assert!(error.contains(said), "{error}");
+        if said.starts_with("batch_size") {
+            assert!(error.contains("GiB is available"), "{error}");
+        }
+        assert!(all.contains("failed with exit code 78"), "{all}");
+        assert!(all.contains("not restarting"), "{all}");
+        assert!(!all.contains("restarting the workers"), "{all}");
+        assert!(!all.contains("backtrace"), "{all}");
+    }
+}

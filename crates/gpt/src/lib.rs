@@ -37,7 +37,7 @@ mod stage;
 
 pub use config::GPTConfig;
 pub use layout::ParamView;
-pub use model::{Part, PartHook, GPT};
+pub use model::{MemoryEstimate, Part, PartHook, GPT};
 pub use resize::{resize_token_embeddings, ResizeError, RowInit};
 pub use stage::{GptStage, StageInput, StageOutput, StagePart};
 

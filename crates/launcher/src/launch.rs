@@ -18,7 +18,7 @@ use crate::group::{WorkerFailure, WorkerGroup, REAP_INTERVAL};
 use crate::health::{AgentStatus, HealthServer, Phase};
 use crate::heartbeat::{beat_interval, Heartbeat, Liveness};
 use crate::output::note;
-use crate::process::signal_name;
+use crate::process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE};
 use crate::rendezvous::{
     lost_detail, Interruption, JobEnd, Joined, Membership, NodeInfo, Rendezvous, RoundResult, Wait,
     PEER_POLL,
@@ -325,7 +325,15 @@ impl Agent<'_> {
                 }
                 RoundEnd::Stopped(signal) => return self.stop_job(round, signal),
             };
-            if members.restarts < config.max_restarts && rdzv.closed()?.is_none() {
+            let permanent = matches!(&failure,
+                Failed::Worker(f) if f.reason == ExitReason::Code(EXIT_NOT_RETRYABLE));
+            if permanent && members.restarts < config.max_restarts {
+                note(&format!(
+                    "not restarting: the worker failed with an error a restart cannot fix \
+                     (exit code {EXIT_NOT_RETRYABLE}: bad settings or input)"
+                ));
+            }
+            if !permanent && members.restarts < config.max_restarts && rdzv.closed()?.is_none() {
                 note(&format!(
                     "restarting the workers (restart {} of {})",
                     members.restarts + 1,

@@ -66,7 +66,7 @@ pub use env::{EnvError, WorkerEnv};
 pub use error::LaunchError;
 pub use group::WorkerFailure;
 pub use launch::{launch, LaunchOutcome};
-pub use process::{signal_name, ExitReason};
+pub use process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE};
 
 /// Names of the environment variables the launcher sets for each worker.
 pub mod vars {

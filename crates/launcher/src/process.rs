@@ -81,6 +81,11 @@ pub(crate) fn signal_group(pid: u32, signal: i32) {
     }
 }
 
+/// The exit code of a worker that failed in a way running it again cannot
+/// fix (bad settings, missing or unusable input: sysexits' `EX_CONFIG`):
+/// the launcher does not restart the workers for it.
+pub const EXIT_NOT_RETRYABLE: i32 = 78;
+
 /// How a worker process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitReason {

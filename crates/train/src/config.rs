@@ -473,8 +473,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<PathBuf>,
-    /// TensorBoard event files and metrics.jsonl go to DIR, written by rank 0 [default:
-    /// OUT/logs with --out, else none]; `cohort plot DIR` draws the loss curves.
+    /// TensorBoard event files and metrics.jsonl go to DIR, written by rank 0 (by default
+    /// OUT/logs with --out, else none); `cohort plot DIR` draws the loss curves.
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_dir: Option<PathBuf>,
@@ -625,6 +625,11 @@ impl TrainConfig {
         }
         if self.log_interval == 0 {
             return bad("log_interval", "0".into(), "must be at least 1");
+        }
+        for (key, value) in [("lr", self.lr), ("min_lr", self.min_lr)] {
+            if !(value.is_finite() && value >= 0.0) {
+                return bad(key, value.to_string(), "must be finite and >= 0");
+            }
         }
         if self.save_interval > 0 && self.out.is_none() {
             return bad(

@@ -106,6 +106,10 @@ pub enum TrainError {
     /// since the last good checkpoint would be lost.
     #[error("{0}")]
     CheckpointLost(String),
+    /// The settings need more memory than this host has available (known
+    /// before anything is allocated).
+    #[error("{0}")]
+    TooBig(String),
     /// A checkpoint cannot be resumed by this run.
     #[error("cannot resume from {path}: {reason}")]
     Resume {
@@ -165,6 +169,20 @@ pub enum TrainError {
 }
 
 impl TrainError {
+    /// Whether running again cannot help: bad settings, unusable data or
+    /// tokenizer, settings too big for the host. A launcher need not restart
+    /// a worker that failed so.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            TrainError::Config(_)
+                | TrainError::Data(_)
+                | TrainError::Tokenizer(_)
+                | TrainError::Hook { .. }
+                | TrainError::TooBig(_)
+        )
+    }
+
     /// The error of a collective the loop itself ran, saying what it was doing.
     pub fn comm(what: &'static str) -> impl Fn(CommError) -> TrainError {
         move |error| TrainError::Comm { what, error }

@@ -74,6 +74,66 @@ pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> GPTConfig {
     }
 }
 
+/// Refuses, before anything is allocated, settings whose model, gradients,
+/// AdamW state and activations for `cfg.batch_size` sequences of `seq_len`
+/// tokens, on each of `ranks_on_host` ranks, exceed the host's available
+/// memory; the error names the settings and the bytes. (Without the check
+/// such a run aborts in an allocation.) No check where the host does not say
+/// what is available.
+pub(crate) fn check_memory(
+    cfg: &TrainConfig,
+    model: &GPTConfig,
+    seq_len: usize,
+    ranks_on_host: usize,
+) -> Result<(), TrainError> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let tokens = cfg.batch_size.checked_mul(seq_len).filter(|&n| n < 1 << 40);
+    let Some(tokens) = tokens else {
+        return Err(TrainError::TooBig(format!(
+            "batch_size {} x seq_len {seq_len} tokens per forward is beyond any memory: lower \
+             --batch-size or --seq-len",
+            cfg.batch_size
+        )));
+    };
+    let Some(available) = available_memory() else {
+        return Ok(());
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let m = GPT::memory_estimate(model, tokens, threads);
+    let optimizer = 2 * m.parameters;
+    let per_rank = m.parameters + m.gradients + optimizer + m.activations;
+    let needed = per_rank.saturating_mul(ranks_on_host as u64);
+    if needed <= available {
+        return Ok(());
+    }
+    Err(TrainError::TooBig(format!(
+        "batch_size {} x seq_len {seq_len} with d_model {}, {} layers, vocab {} needs {:.1} GiB per \
+         rank (parameters {:.2}, gradients {:.2}, AdamW state {:.2}, activations {:.2} GiB) x {} \
+         rank(s) on this host = {:.1} GiB, but {:.1} GiB is available: lower --batch-size or \
+         --seq-len, or the model's size",
+        cfg.batch_size,
+        model.d_model,
+        model.n_layers,
+        model.vocab_size,
+        gib(per_rank),
+        gib(m.parameters),
+        gib(m.gradients),
+        gib(optimizer),
+        gib(m.activations),
+        ranks_on_host,
+        gib(needed),
+        gib(available),
+    )))
+}
+
+/// The host's available memory in bytes (`MemAvailable`), when it says.
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// DDP's view of the model's parameters.
 pub fn param_specs(model: &GPT) -> Vec<ParamSpec> {
     model
@@ -120,12 +180,15 @@ impl<'a> DataParallel<'a> {
         let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
         let (b, t) = (cfg.batch_size, data.seq_len());
         let mut header = step_loop::data_lines(&*data);
+        let model_cfg = model_config(cfg, data.vocab_size());
+        model_cfg.validate()?;
+        check_memory(cfg, &model_cfg, t, pg.local_world_size())?;
         // Only rank 0 draws the initial parameters: DDP checks that the shapes
         // agree and broadcasts rank 0's to the others.
         let mut model = if rank == 0 {
-            GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?
+            GPT::new(model_cfg, cfg.seed)?
         } else {
-            GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?
+            GPT::zeroed(model_cfg, cfg.seed)?
         };
         let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
         let mut state = TrainState::default();

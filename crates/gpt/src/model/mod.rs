@@ -96,7 +96,39 @@ pub(crate) fn cpu_from_env() -> Result<Box<dyn Backend>, GptError> {
     Ok(Box::new(cpu))
 }
 
+/// The bytes a model holds while training, known before anything is
+/// allocated: what turns an impossible setting into an error naming it
+/// instead of an aborted allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// The flat parameter buffer.
+    pub parameters: u64,
+    /// The flat gradient buffer.
+    pub gradients: u64,
+    /// The activation arena (logits included) and attention scratch for one
+    /// forward of the given token count.
+    pub activations: u64,
+}
+
 impl GPT {
+    /// What a model of `config` holds training on `tokens` (batch x
+    /// sequence) tokens per forward with `threads` engine threads. The
+    /// config must be valid ([`GPTConfig::validate`]).
+    pub fn memory_estimate(config: &GPTConfig, tokens: usize, threads: usize) -> MemoryEstimate {
+        let params = Layout::new(config).total as u64 * 4;
+        let arena = ActLayout::new(config, tokens, KEEP_MAX_BYTES).total as u64 * 4;
+        let scratch = cohort_engine::cpu::attention_scratch_len(
+            config.max_position_embeddings,
+            threads.max(1),
+        ) as u64
+            * 4;
+        MemoryEstimate {
+            parameters: params,
+            gradients: params,
+            activations: arena + scratch,
+        }
+    }
+
     /// A model with GPT-2's initialisation drawn from `seed`, on a CPU backend sized by
     /// `COHORT_NUM_THREADS`.
     pub fn new(config: GPTConfig, seed: u64) -> Result<GPT, GptError> {

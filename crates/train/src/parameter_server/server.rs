@@ -60,7 +60,10 @@ impl<'c> Server<'c> {
         workers: usize,
         wait_limit: Duration,
     ) -> Result<Self, TrainError> {
-        let mut model = GPT::new(model_config(cfg, data.vocab_size()), cfg.seed)?;
+        let model_cfg = model_config(cfg, data.vocab_size());
+        model_cfg.validate()?;
+        crate::train::check_memory(cfg, &model_cfg, data.seq_len(), 1)?;
+        let mut model = GPT::new(model_cfg, cfg.seed)?;
         let adamw = cfg.adamw();
         let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
         let resumed = match &cfg.resume {

@@ -31,7 +31,33 @@ enum Cli {
     Demo(demo::DemoArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    if let Err(e) = run_command() {
+        eprintln!("Error: {}", one_line(&e));
+        std::process::exit(1);
+    }
+}
+
+/// An error and its causes on one line, each cause once: a library error
+/// whose message already ends with its source's is not followed by the
+/// source again. No backtrace: these are the user's errors (bad input, a
+/// peer gone), not the program's; a panic still prints one.
+pub(crate) fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if line.ends_with(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+fn run_command() -> anyhow::Result<()> {
     // Backends beyond cohort-comm's own are registered here, the one place
     // that links them; the libraries only name them.
     cohort_mpi::register()?;

@@ -112,9 +112,12 @@ fn impossible_settings_fail_with_one_line_and_are_not_restarted() {
             .unwrap();
         let all = text(&out);
         assert!(!out.status.success(), "{all}");
+        // Both ranks fail alike; the first to exit is reported, and the other may be
+        // stopped before it prints.
         let error = all
             .lines()
-            .find(|l| l.starts_with("[rank0]: Error: train") || l.starts_with("[rank0]: error:"))
+            .filter_map(|l| l.split_once("]: ").map(|(_, rest)| rest))
+            .find(|l| l.starts_with("Error: train") || l.starts_with("error:"))
             .unwrap_or_else(|| panic!("no error line: {all}"));
         assert!(error.contains(said), "{error}");
         if said.starts_with("batch_size") {
@@ -125,4 +128,21 @@ fn impossible_settings_fail_with_one_line_and_are_not_restarted() {
         assert!(!all.contains("restarting the workers"), "{all}");
         assert!(!all.contains("backtrace"), "{all}");
     }
+}
+
+/// An error is one line, each cause once, with no backtrace even under RUST_BACKTRACE=1.
+#[test]
+fn an_error_is_one_line_with_each_cause_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing");
+    let out = support::cohort()
+        .args(["train", "--resume", missing.to_str().unwrap()])
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("Error: train: checkpoint: "), "{stderr}");
+    assert_eq!(stderr.matches("not a checkpoint").count(), 1, "{stderr}");
 }

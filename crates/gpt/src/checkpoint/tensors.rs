@@ -39,7 +39,29 @@ pub(super) fn write_safetensors(
         },
         other => format_err(path, other),
     })?;
+    // safetensors writes through a temp file, which is created 0600: give
+    // the file the mode every other file of the checkpoint has.
+    let mode = 0o666 & !process_umask();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(
+        |source| CheckpointError::Io {
+            op: "set the mode of",
+            path: path.to_path_buf(),
+            source,
+        },
+    )?;
     fsync(path)
+}
+
+/// The process's umask, from `/proc/self/status` (022 where it cannot be
+/// read): reading it this way, unlike umask(2), changes nothing.
+fn process_umask() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("Umask:"))?;
+            u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
+        })
+        .unwrap_or(0o022)
 }
 
 /// Writes config.json and model.safetensors for `model` into the existing directory `dir`
@@ -154,7 +176,20 @@ pub fn load_params_into(dir: &Path, model: &mut GPT) -> Result<(), CheckpointErr
     }
     let params = model.params_mut();
     for (view, data) in plan {
-        copy_f32(&mut params[view.range.clone()], data);
+        let dst = &mut params[view.range.clone()];
+        copy_f32(dst, data);
+        // A model with a NaN or infinite weight computes nothing useful, and
+        // training from it would only report divergence later: refuse it
+        // here, by name (a file without checksums is loaded unverified).
+        if let Some(i) = dst.iter().position(|x| !x.is_finite()) {
+            return Err(format_err(
+                &path,
+                format!(
+                    "tensor {:?} holds a non-finite value ({} at element {i})",
+                    view.name, dst[i]
+                ),
+            ));
+        }
     }
     Ok(())
 }

@@ -189,6 +189,11 @@ fn checksums_are_sha256sum_compatible_and_checked_by_every_reader() {
         },
     )
     .unwrap();
+    // Every file has the mode a plain file gets (safetensors' temp files are 0600).
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |f: &str| fs::metadata(dir.join(f)).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(MODEL_FILE), mode(CONFIG_FILE));
+    assert_eq!(mode(STATE_FILE), mode(CONFIG_FILE));
     let sums = fs::read_to_string(dir.join(CHECKSUMS_FILE)).unwrap();
     let mut listed: Vec<&str> = sums.lines().map(|l| &l[66..]).collect();
     listed.sort();
@@ -648,4 +653,31 @@ fn loads_a_hugging_face_style_gpt2_file() {
         load_model(dir.path()).unwrap_err(),
         CheckpointError::UntiedHead { .. }
     ));
+}
+
+/// A model file with a NaN weight (here one written without checksums, so nothing else
+/// catches it) is refused by name when loaded, not trained from until it "diverges".
+#[test]
+fn a_nan_weight_is_refused_by_tensor_name() {
+    let root = tempfile::tempdir().unwrap();
+    let mut model = GPT::new(tiny(true, true), 3).unwrap();
+    let at = model
+        .param_views()
+        .iter()
+        .find(|v| v.name == "h.1.mlp.c_fc.weight")
+        .unwrap()
+        .range
+        .start
+        + 5;
+    model.params_mut()[at] = f32::NAN;
+    let dir = save(root.path(), "nan", &model_ckpt(&model)).unwrap();
+    fs::remove_file(dir.join(CHECKSUMS_FILE)).unwrap();
+    let e = load_model(&dir).unwrap_err().to_string();
+    assert!(
+        e.contains("model.safetensors")
+            && e.contains(
+                "tensor \"h.1.mlp.c_fc.weight\" holds a non-finite value (NaN at element 5)"
+            ),
+        "{e}"
+    );
 }

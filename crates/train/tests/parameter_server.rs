@@ -91,6 +91,13 @@ fn sync_mode_with_two_workers_is_ddp_bitwise() {
             assert_eq!(s1, s2);
             assert!((a - b).abs() < 1e-5, "step {s1}: loss {a} vs DDP {b}");
         }
+        // The same model reports the same validation loss: the server evaluates the
+        // sequences DDP's two ranks evaluate.
+        assert_eq!(ps[0].val_losses.len(), ddp[0].val_losses.len());
+        for ((s1, a), (s2, b)) in ps[0].val_losses.iter().zip(&ddp[0].val_losses) {
+            assert_eq!(s1, s2);
+            assert!((a - b).abs() < 1e-6, "step {s1}: val loss {a} vs DDP {b}");
+        }
         assert!(log.contains("[step 1 / "), "{log}");
     }
 }

@@ -58,6 +58,9 @@ pub(crate) fn one_line(e: &anyhow::Error) -> String {
 }
 
 fn run_command() -> anyhow::Result<()> {
+    // Under `cohort run`, tell the launcher this worker is alive (not
+    // stopped or frozen), from a thread that long steps do not delay.
+    cohort_launcher::start_beating_from_env();
     // Backends beyond cohort-comm's own are registered here, the one place
     // that links them; the libraries only name them.
     cohort_mpi::register()?;

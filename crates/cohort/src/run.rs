@@ -67,6 +67,11 @@ pub struct RunArgs {
     /// Seconds without a heartbeat after which a node counts as lost.
     #[arg(long, value_name = "SECONDS", default_value_t = 15.0)]
     heartbeat_timeout: f64,
+    /// Seconds a worker that beats (every cohort subcommand does, from a thread of its own)
+    /// may go without a heartbeat before it counts as frozen (SIGSTOP, hung): the workers
+    /// are stopped and restarted, naming it; 0 disables the check.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
+    worker_timeout: f64,
     /// Serve this agent's health at http://HOST:PORT/health (0: a free port).
     #[arg(long, value_name = "PORT", env = "TORCHELASTIC_HEALTH_CHECK_PORT")]
     health_check_port: Option<u16>,
@@ -138,6 +143,7 @@ impl RunArgs {
         config.join_timeout = seconds("--join-timeout", self.join_timeout)?;
         config.last_call = seconds("--last-call-timeout", self.last_call_timeout)?;
         config.heartbeat_timeout = seconds("--heartbeat-timeout", self.heartbeat_timeout)?;
+        config.worker_timeout = seconds("--worker-timeout", self.worker_timeout)?;
         config.health_check_port = self.health_check_port;
         config.secret = match (self.secret, self.secret_file) {
             (Some(hex), _) => Some(Secret::from_hex(&hex, "--secret")?),

@@ -71,9 +71,15 @@ fn baseline() -> &'static (String, Vec<f32>) {
 
 /// `cohort run --standalone -n 2 --max-restarts 1 train ...`, started.
 fn restartable_run(out: &Path, timeout: Option<&str>) -> Proc {
+    restartable_run_with(out, timeout, &[])
+}
+
+/// [`restartable_run`] with more launcher flags.
+fn restartable_run_with(out: &Path, timeout: Option<&str>, launcher: &[&str]) -> Proc {
     let mut cmd = cohort();
     cmd.args(["run", "--standalone", "-n", "2", "--max-restarts", "1"])
         .args(["--grace-period", "1"])
+        .args(launcher)
         .args(train_args(out));
     if let Some(t) = timeout {
         cmd.env("COHORT_TIMEOUT", t);
@@ -161,6 +167,36 @@ fn a_stopped_worker_times_out_by_name_and_the_group_restarts() {
     // stopped rank 1 included) and restarted it.
     assert!(out.contains("no progress with rank 1 within 3s"), "{out}");
     assert!(out.contains("rank 0 (local rank 0 on node 0"), "{out}");
+    assert!(
+        out.contains("restarting the workers (restart 1 of 1)"),
+        "{out}"
+    );
+    assert!(
+        !Path::new(&format!("/proc/{stopped}")).exists(),
+        "the stopped worker outlived its group"
+    );
+    assert_resumed_like_the_baseline(&out, tmp.path());
+}
+
+/// With the collectives' default timeout (minutes), a frozen worker is found by its missing
+/// heartbeat within --worker-timeout, named with its pid, and the group restarts and resumes.
+#[test]
+fn a_stopped_worker_is_found_by_its_missing_heartbeat_and_the_group_restarts() {
+    baseline();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = restartable_run_with(tmp.path(), None, &["--worker-timeout", "3"]);
+    wait_for_checkpoint(tmp.path(), &run);
+    let stopped = worker_pid(run.pid, 1);
+    kill(stopped, libc::SIGSTOP);
+    let (status, out) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{out}");
+    assert!(
+        out.contains(&format!(
+            "rank 1 (local rank 1 on node 0, pid {stopped}) failed with no heartbeat for 3 s"
+        )),
+        "{out}"
+    );
+    assert!(!out.contains("no progress with rank"), "{out}");
     assert!(
         out.contains("restarting the workers (restart 1 of 1)"),
         "{out}"

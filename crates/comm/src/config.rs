@@ -13,8 +13,10 @@ use std::time::Duration;
 use crate::error::CommError;
 use crate::kinds::{Algorithm, DebugLevel, TransportKind};
 
-/// Default time a collective may take before it fails (NCCL's watchdog default).
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+/// Default time a collective may take before it fails: 10 minutes, as the
+/// NCCL backend of PyTorch waits (gloo waits 30); a stopped or frozen worker
+/// is found sooner by the launcher's worker heartbeat.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10 * 60);
 
 /// Settings of one process group.
 #[derive(Clone, Debug)]

@@ -31,7 +31,7 @@
 //!   (inside each node, then among one leader per node).
 //!
 //! Failures never hang: every operation has a deadline (the group timeout,
-//! 30 minutes by default, `COHORT_TIMEOUT`), a dead peer fails pending calls
+//! 10 minutes by default, as NCCL's, `COHORT_TIMEOUT`), a dead peer fails pending calls
 //! at once, mismatched calls are reported by a header check on every frame
 //! (and a full cross-check under `COHORT_DEBUG=detail`), and an aborted
 //! group refuses further calls. This crate knows nothing of models or

@@ -23,6 +23,9 @@ pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 /// lost, unless set (torchrun: 3 missed keep-alives of 5 s).
 pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// How long a worker that beats may be silent before it counts as frozen.
+pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// How long an elastic round stays open for more nodes once `min_nodes` have
 /// joined, unless set (torchrun's `last_call_timeout` is 30 s).
 pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(10);
@@ -65,6 +68,9 @@ pub struct LaunchConfig {
     pub last_call: Duration,
     /// How long a node may miss heartbeats before the others declare it lost.
     pub heartbeat_timeout: Duration,
+    /// How long a worker that beats (see `worker_beat`) may be silent before
+    /// the group is stopped and restarted; zero: workers are not watched.
+    pub worker_timeout: Duration,
     /// Serve the agent's health on this port (`GET /health`; 0 picks a free
     /// one), as torchrun does with `TORCHELASTIC_HEALTH_CHECK_PORT`.
     pub health_check_port: Option<u16>,
@@ -91,6 +97,7 @@ impl LaunchConfig {
             join_timeout: DEFAULT_JOIN_TIMEOUT,
             last_call: DEFAULT_LAST_CALL,
             heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
+            worker_timeout: DEFAULT_WORKER_TIMEOUT,
             health_check_port: None,
             secret: None,
         }

@@ -14,6 +14,7 @@ use crate::env::JobShape;
 use crate::events::{Event, Events};
 use crate::output::{self, Sink, Tail};
 use crate::process::{self, ExitReason};
+use crate::worker_beat::{self, BeatDir, HEARTBEAT_FILE_VAR};
 use crate::{LaunchConfig, LaunchError};
 
 /// How long to wait for a finished worker's last output before reporting.
@@ -66,6 +67,8 @@ pub(crate) struct WorkerGroup {
     workers: Vec<Worker>,
     node_rank: usize,
     restart: u32,
+    /// Where the workers beat (see `worker_beat`).
+    beats: BeatDir,
 }
 
 impl WorkerGroup {
@@ -78,15 +81,23 @@ impl WorkerGroup {
         restart: u32,
         events: &Events,
     ) -> Result<Self, LaunchError> {
+        let beats = BeatDir::create(restart).map_err(|source| LaunchError::Spawn {
+            rank: job.rank(0),
+            program: "the workers' heartbeat directory".into(),
+            source,
+        })?;
         let mut group = WorkerGroup {
             workers: Vec::with_capacity(config.nproc_per_node),
             node_rank: config.node_rank,
             restart,
+            beats,
         };
         for local_rank in 0..config.nproc_per_node {
             let rank = job.rank(local_rank);
             let mut vars = job.worker_vars(local_rank, restart);
             vars.extend_from_slice(thread_vars);
+            let beat = group.beats.file(rank).to_string_lossy().into_owned();
+            vars.push((HEARTBEAT_FILE_VAR, beat));
             let spawned = process::spawn(&config.program, &config.args, &vars)
                 .and_then(|child| group.adopt(child, rank, local_rank));
             if let Err(source) = spawned {
@@ -163,6 +174,30 @@ impl WorkerGroup {
             reason: w.exit.unwrap_or(ExitReason::Code(-1)),
             restart: self.restart,
             last_lines: w.tail.lines(),
+        }
+    }
+
+    /// A running worker that has beaten but not for `timeout` (zero: none
+    /// is watched), as its index and how long it has been silent.
+    pub fn silent_worker(&self, timeout: Duration) -> Option<(usize, Duration)> {
+        if timeout.is_zero() {
+            return None;
+        }
+        self.workers
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| w.child.is_some())
+            .find_map(|(i, w)| {
+                let silent = worker_beat::silent_for(&self.beats.file(w.rank))?;
+                (silent >= timeout).then_some((i, silent))
+            })
+    }
+
+    /// The failure of worker `index`, found silent for `silent` and stopped.
+    pub fn silent_failure(&self, index: usize, silent: Duration) -> WorkerFailure {
+        WorkerFailure {
+            reason: ExitReason::Silent(silent.as_secs()),
+            ..self.failure(index)
         }
     }
 

@@ -440,6 +440,15 @@ fn watch(
             group.drain_output();
             return Ok(RoundEnd::Succeeded);
         }
+        if let Some((index, silent)) = group.silent_worker(config.worker_timeout) {
+            let interrupted = group.stop(libc::SIGTERM, config.stop_grace, events);
+            let failure = group.silent_failure(index, silent);
+            report(&failure);
+            return Ok(match interrupted {
+                Some(signal) => RoundEnd::Stopped(signal),
+                None => RoundEnd::WorkerFailed(failure),
+            });
+        }
         if !multi_node {
             continue;
         }

@@ -57,6 +57,7 @@ mod output;
 mod process;
 mod rendezvous;
 mod secret;
+mod worker_beat;
 
 pub use config::{
     LaunchConfig, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL,
@@ -67,6 +68,7 @@ pub use error::LaunchError;
 pub use group::WorkerFailure;
 pub use launch::{launch, LaunchOutcome};
 pub use process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE};
+pub use worker_beat::{start_beating_from_env, HEARTBEAT_FILE_VAR};
 
 /// Names of the environment variables the launcher sets for each worker.
 pub mod vars {

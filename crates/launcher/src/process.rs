@@ -93,6 +93,9 @@ pub enum ExitReason {
     Code(i32),
     /// It was killed by this signal.
     Signal(i32),
+    /// It stopped beating for this many seconds (frozen), and the launcher
+    /// stopped it.
+    Silent(u64),
 }
 
 impl ExitReason {
@@ -117,6 +120,10 @@ impl fmt::Display for ExitReason {
         match *self {
             ExitReason::Code(code) => write!(f, "exit code {code}"),
             ExitReason::Signal(signal) => write!(f, "signal {signal} ({})", signal_name(signal)),
+            ExitReason::Silent(secs) => write!(
+                f,
+                "no heartbeat for {secs} s (stopped or frozen; --worker-timeout)"
+            ),
         }
     }
 }

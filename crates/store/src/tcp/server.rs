@@ -9,9 +9,14 @@
 //! client that vanished does not pin a thread until a 30-minute deadline.
 //!
 //! With a job secret, each connection first runs the handshake of
-//! [`auth`](crate::auth) (within [`AUTH_TIMEOUT`]); a client that fails it
-//! is told so in one error frame, logged with its address and dropped
-//! before a single request of it is read.
+//! [`auth`](crate::auth), all of it within [`AUTH_TIMEOUT`] (a deadline for
+//! the whole handshake, not for each read, so a stranger sending a byte now
+//! and then is dropped too); a client that fails it is told so in one error
+//! frame and dropped before a single request of it is read. At most
+//! [`MAX_PENDING`] connections may be handshaking at once: a newer one
+//! drops the oldest, so a flood of strangers holds a bounded number of
+//! descriptors and threads and never starves the job's own processes.
+//! Refusals are logged as one summary line per [`REFUSAL_LOG_EVERY`].
 //!
 //! The server must never panic or allocate on a client's say-so: a
 //! malformed or oversized frame, a failed handshake, or a client that
@@ -36,10 +41,18 @@ use crate::{HashStore, Store, StoreError};
 /// How often a thread blocked in `get`/`wait` checks that its client is
 /// still connected.
 const PEER_CHECK_EVERY: Duration = Duration::from_millis(500);
-/// How long a new connection may take to authenticate. Real clients answer
-/// within microseconds; this bounds what a silent stranger costs (a parked
-/// thread).
+/// How long a new connection may take to authenticate, all of it. Real
+/// clients answer within microseconds; this bounds what a silent or
+/// trickling stranger costs (a parked thread). Shorter in unit tests.
+#[cfg(not(test))]
 pub(crate) const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+#[cfg(test)]
+pub(crate) const AUTH_TIMEOUT: Duration = Duration::from_secs(2);
+/// Connections handshaking at once; a newer one drops the oldest. Real
+/// clients handshake within microseconds, so only a flood ever reaches it.
+pub(crate) const MAX_PENDING: usize = 64;
+/// How often refused connections are summed up on stderr.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// Connection threads only parse and copy; a small stack lets a server
 /// hold thousands of clients.
 const CONNECTION_STACK: usize = 256 << 10;
@@ -74,6 +87,17 @@ struct Shared {
     local_addr: SocketAddr,
     /// Clients must prove they know it, when set.
     secret: Option<Secret>,
+    /// Connections refused since the last summary line.
+    refusals: Mutex<Refusals>,
+}
+
+/// Refused connections, summed up on stderr now and then.
+struct Refusals {
+    count: u64,
+    /// When the last summary was printed (`None`: never).
+    logged: Option<Instant>,
+    /// The latest refusal, for the summary.
+    latest: String,
 }
 
 #[derive(Default)]
@@ -82,6 +106,8 @@ struct Connections {
     /// A handle on each open connection, to shut it down from `Drop`.
     streams: HashMap<u64, TcpStream>,
     threads: Vec<JoinHandle<()>>,
+    /// The connections still handshaking, oldest first.
+    pending: std::collections::VecDeque<u64>,
 }
 
 impl fmt::Debug for TcpStoreServer {
@@ -135,6 +161,11 @@ impl TcpStoreServer {
             conns: Mutex::new(Connections::default()),
             local_addr,
             secret,
+            refusals: Mutex::new(Refusals {
+                count: 0,
+                logged: None,
+                latest: String::new(),
+            }),
         });
         let accept = {
             let shared = shared.clone();
@@ -216,6 +247,33 @@ impl Shared {
         self.closed.load(Ordering::SeqCst)
     }
 
+    /// A connection refused for lacking the secret: counted, and summed up
+    /// in one line now and then (the first at once), so that a flood of
+    /// strangers cannot flood the log.
+    fn refused(&self, peer: &str, what: &dyn Display) {
+        if self.is_closed() {
+            return;
+        }
+        let mut r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
+        r.count += 1;
+        r.latest = format!("{peer}: {what}");
+        if r.logged.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY) {
+            eprintln!(
+                "cohort-store server {}: refused {} connection(s) without the job secret{} \
+                 (latest {})",
+                self.local_addr,
+                r.count,
+                match r.logged {
+                    Some(t) => format!(" in the last {} s", t.elapsed().as_secs()),
+                    None => String::new(),
+                },
+                r.latest
+            );
+            r.count = 0;
+            r.logged = Some(Instant::now());
+        }
+    }
+
     fn log(&self, peer: &str, what: &dyn Display) {
         if !self.is_closed() {
             eprintln!(
@@ -260,6 +318,17 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
     conns.threads.retain(|t| !t.is_finished());
     let id = conns.next_id;
     conns.next_id += 1;
+    if shared.secret.is_some() {
+        // Too many strangers at the door: the oldest goes.
+        while conns.pending.len() >= MAX_PENDING {
+            if let Some(old) = conns.pending.pop_front() {
+                if let Some(stream) = conns.streams.get(&old) {
+                    let _ = stream.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        }
+        conns.pending.push_back(id);
+    }
     let thread = {
         let shared = shared.clone();
         let peer = peer.clone();
@@ -268,13 +337,23 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
             .stack_size(CONNECTION_STACK)
             .spawn(move || {
                 let admitted = match &shared.secret {
-                    Some(secret) => admit(&stream, secret),
+                    Some(secret) => {
+                        let admitted = admit(&stream, secret);
+                        shared.conns().pending.retain(|&p| p != id);
+                        admitted
+                    }
                     None => Ok(()),
                 };
-                if let Err(reason) = admitted.and_then(|()| serve(&shared, &stream)) {
-                    shared.log(&peer, &reason);
+                match admitted.and_then(|()| serve(&shared, &stream)) {
+                    Err(reason @ (Dropped::Unauthenticated(_) | Dropped::Handshake(_))) => {
+                        shared.refused(&peer, &reason)
+                    }
+                    Err(reason) => shared.log(&peer, &reason),
+                    Ok(()) => {}
                 }
-                shared.conns().streams.remove(&id);
+                let mut conns = shared.conns();
+                conns.streams.remove(&id);
+                conns.pending.retain(|&p| p != id);
             })
     };
     match thread {
@@ -286,6 +365,40 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
     }
 }
 
+/// A stream whose reads and writes all end by one deadline.
+struct Deadline<'a> {
+    stream: &'a TcpStream,
+    until: Instant,
+}
+
+impl Deadline<'_> {
+    /// The time left, or a timeout error once it is past.
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).read(buf)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.stream).write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (&mut &*self.stream).flush()
+    }
+}
+
 /// Why a connection was dropped.
 enum Dropped {
     /// The client broke the protocol; it was told why.
@@ -294,6 +407,9 @@ enum Dropped {
     Io(io::Error),
     /// The client failed the job-secret handshake.
     Unauthenticated(AuthError),
+    /// The connection failed or timed out before the handshake ended (or
+    /// was dropped to make room for a newer one).
+    Handshake(io::Error),
 }
 
 impl Display for Dropped {
@@ -302,6 +418,7 @@ impl Display for Dropped {
             Dropped::Protocol(detail) => write!(f, "protocol error: {detail}"),
             Dropped::Io(e) => write!(f, "connection lost mid-request: {e}"),
             Dropped::Unauthenticated(e) => write!(f, "failed authentication: {e}"),
+            Dropped::Handshake(e) => write!(f, "no handshake within {AUTH_TIMEOUT:?}: {e}"),
         }
     }
 }
@@ -315,9 +432,13 @@ fn admit(stream: &TcpStream, secret: &Secret) -> Result<(), Dropped> {
             .set_read_timeout(t)
             .and_then(|()| stream.set_write_timeout(t))
     };
-    timeouts(Some(AUTH_TIMEOUT)).map_err(Dropped::Io)?;
-    match authenticate_server(&mut &*stream, secret, AUTH_SERVICE) {
+    let mut within = Deadline {
+        stream,
+        until: Instant::now() + AUTH_TIMEOUT,
+    };
+    match authenticate_server(&mut within, secret, AUTH_SERVICE) {
         Ok(()) => timeouts(None).map_err(Dropped::Io),
+        Err(AuthError::Io(e)) => Err(Dropped::Handshake(e)),
         Err(e @ AuthError::NoHandshake) => {
             let refusal = format!(
                 "this store admits only the processes of its job: set {SECRET_ENV} to the job's secret"

@@ -1,7 +1,7 @@
 use super::*;
 use crate::auth::authenticate_client;
 use crate::contract::check_store;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::sync::Arc;
 
 const SHORT: Duration = Duration::from_millis(150);
@@ -547,4 +547,63 @@ fn fuzzed_frames_never_take_the_server_down_with_or_without_a_secret() {
     }
     let fresh = TcpStore::connect_with_secret(guarded.local_addr(), timeout, Some(secret)).unwrap();
     assert_eq!(fresh.add("n", 2).unwrap(), 2);
+}
+
+/// A flood of strangers holds at most MAX_PENDING connections (the oldest are dropped as
+/// newer ones come), a stranger trickling a byte now and then is dropped at the handshake's
+/// deadline, and the job's own clients still get in at once.
+#[test]
+fn a_flood_of_strangers_is_bounded_and_the_job_still_gets_in() {
+    use super::server::{AUTH_TIMEOUT, MAX_PENDING};
+    let (server, secret) = secret_server();
+    let addr = server.local_addr();
+    let flood: Vec<TcpStream> = (0..4 * MAX_PENDING)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    // Then a trickler (the newest, so no later stranger pushes it out): a well-formed
+    // handshake one byte every 300 ms, each read well within any per-read timeout, too
+    // slow to ever finish (about 70 bytes).
+    let trickler = thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let started = Instant::now();
+        let mut bytes = b"COHAUTH1".iter().chain(std::iter::repeat(&0u8));
+        while started.elapsed() < AUTH_TIMEOUT * 3 {
+            if s.write_all(&[*bytes.next().unwrap()]).is_err() {
+                return Some(started.elapsed());
+            }
+            thread::sleep(Duration::from_millis(300));
+        }
+        None
+    });
+    let started = Instant::now();
+    while server.connections() > MAX_PENDING + 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{} connections open under a flood of {}",
+            server.connections(),
+            flood.len()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    // The first strangers were shut out to make room: their reads end.
+    let mut first = &flood[0];
+    first
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 64];
+    assert!(matches!(first.read(&mut buf), Ok(0) | Err(_)));
+    // The job's own client gets in and is served at once.
+    let t = Instant::now();
+    let store = TcpStore::connect_with_secret(addr, Duration::from_secs(5), Some(secret)).unwrap();
+    store.set("k", b"v").unwrap();
+    assert_eq!(store.get("k").unwrap(), b"v");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    // The trickler was dropped at the deadline of the whole handshake, not kept alive
+    // byte by byte.
+    let dropped = trickler.join().unwrap();
+    assert!(
+        dropped.is_some_and(|d| d >= AUTH_TIMEOUT / 2 && d < AUTH_TIMEOUT * 2),
+        "{dropped:?}"
+    );
+    drop(flood);
 }

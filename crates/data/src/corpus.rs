@@ -597,6 +597,13 @@ mod tests {
         );
         let e = open("odd.bin", &[1, 0, 2]);
         assert!(e.contains("odd.bin") && e.contains("truncated"), "{e}");
+        // Failed tokenizations leave no temp files beside the data.
+        let leftovers: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "{leftovers:?}");
         let e = Corpus::open(&dir.path().join("missing.txt"), Some(&tok), &opts(4))
             .unwrap_err()
             .to_string();

@@ -159,14 +159,25 @@ impl TokenFile {
 }
 
 /// Streams ids into a new token file: uint16 (nanoGPT's layout) when the vocabulary fits,
-/// uint32 with the header otherwise. Written to `PATH.tmp`, renamed by [`TokenWriter::finish`].
+/// uint32 with the header otherwise. Written to `PATH.tmpPID`, renamed by
+/// [`TokenWriter::finish`]; a writer dropped before that (a failed tokenization) deletes
+/// its temp file.
 #[derive(Debug)]
 pub struct TokenWriter {
     path: PathBuf,
     tmp: PathBuf,
-    out: BufWriter<File>,
+    /// `None` once finished.
+    out: Option<BufWriter<File>>,
     wide: bool,
     count: u64,
+}
+
+impl Drop for TokenWriter {
+    fn drop(&mut self) {
+        if self.out.is_some() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
 }
 
 impl TokenWriter {
@@ -178,23 +189,30 @@ impl TokenWriter {
         tmp.push(format!(".tmp{}", std::process::id()));
         let tmp = PathBuf::from(tmp);
         let file = File::create(&tmp).map_err(DataError::io("create", &tmp))?;
-        let mut out = BufWriter::with_capacity(1 << 20, file);
         let wide = vocab_size > 1 << 16;
+        let mut w = TokenWriter {
+            path,
+            tmp,
+            out: Some(BufWriter::with_capacity(1 << 20, file)),
+            wide,
+            count: 0,
+        };
         if wide {
             let mut header = [0u8; HEADER];
             header[..8].copy_from_slice(MAGIC);
             header[8..12].copy_from_slice(&1u32.to_le_bytes());
             header[12..16].copy_from_slice(&4u32.to_le_bytes());
-            out.write_all(&header)
-                .map_err(DataError::io("write", &tmp))?;
+            w.out_mut()
+                .write_all(&header)
+                .map_err(DataError::io("write", &w.tmp))?;
         }
-        Ok(TokenWriter {
-            path,
-            tmp,
-            out,
-            wide,
-            count: 0,
-        })
+        Ok(w)
+    }
+
+    fn out_mut(&mut self) -> &mut BufWriter<File> {
+        self.out
+            .as_mut()
+            .expect("a writer is unfinished until finish() consumes it")
     }
 
     /// Appends ids.
@@ -208,9 +226,10 @@ impl TokenWriter {
             }
         }
         self.count += ids.len() as u64;
-        self.out
+        let tmp = self.tmp.clone();
+        self.out_mut()
             .write_all(&buf)
-            .map_err(DataError::io("write", &self.tmp))
+            .map_err(DataError::io("write", &tmp))
     }
 
     /// Tokens written so far.
@@ -219,15 +238,22 @@ impl TokenWriter {
     }
 
     /// Flushes, syncs and renames the file into place; returns its path.
-    pub fn finish(self) -> Result<PathBuf, DataError> {
-        let file = self.out.into_inner().map_err(|e| DataError::Io {
-            op: "write",
-            path: self.tmp.clone(),
-            source: e.into_error(),
-        })?;
-        file.sync_all().map_err(DataError::io("fsync", &self.tmp))?;
+    pub fn finish(mut self) -> Result<PathBuf, DataError> {
+        // Until the rename, a failure leaves `out` set: Drop deletes the temp file.
+        let file = self
+            .out_mut()
+            .flush()
+            .map_err(DataError::io("write", &self.tmp))
+            .and_then(|()| {
+                self.out_mut()
+                    .get_ref()
+                    .sync_all()
+                    .map_err(DataError::io("fsync", &self.tmp))
+            });
+        file?;
         std::fs::rename(&self.tmp, &self.path).map_err(DataError::io("rename", &self.tmp))?;
-        Ok(self.path)
+        self.out = None;
+        Ok(self.path.clone())
     }
 }
 

@@ -507,3 +507,30 @@ fn lines_of_different_workers_never_mix() {
     }
     assert_eq!(counts, [500; 3]);
 }
+
+/// A worker that writes its cause to stderr and exits at once still has that line in the
+/// launcher's failure summary: the summary waits for the worker's output to be drained.
+#[test]
+fn the_failure_summary_keeps_a_last_line_written_just_before_exit() {
+    for attempt in 0..5 {
+        let out = run(&[
+            "run",
+            "--standalone",
+            "-n",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            "echo \"the cause, rank $RANK\" >&2; exit 3",
+        ]);
+        assert!(!out.status.success());
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains("failed with exit code 3")
+                && stderr
+                    .lines()
+                    .any(|l| l.starts_with("cohort run:   [rank") && l.contains("the cause, rank")),
+            "attempt {attempt}: {stderr}"
+        );
+    }
+}

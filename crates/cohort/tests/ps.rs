@@ -65,3 +65,28 @@ fn an_async_run_refuses_checkpoints() {
     assert!(all.contains("--ps-mode sync"), "{all}");
     assert!(!never.exists());
 }
+
+/// A sync run resumed with another number of workers keeps its global batch and says so, as
+/// DDP does over another number of ranks.
+#[test]
+fn a_resume_with_fewer_workers_keeps_the_global_batch_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ps");
+    let o = out.to_str().unwrap();
+    succeeded(&run(&ps_args(&["--out", o, "--save-interval", "6"])));
+    let half = format!("{o}/step-000006");
+    let resumed = succeeded(&run(&strategy_args(
+        "2",
+        "parameter-server",
+        &["--resume", &half],
+    )));
+    assert!(
+        resumed.contains("world size 2 -> 1: grad_accum 1 -> 2 keeps the global batch"),
+        "{resumed}"
+    );
+    assert!(
+        resumed.contains("resumed from") && resumed.contains("at step 6"),
+        "{resumed}"
+    );
+    assert!(resumed.contains("done: 12 steps"), "{resumed}");
+}

@@ -222,8 +222,17 @@ pub fn process_group_for(cfg: &TrainConfig) -> Result<ProcessGroup, TrainError> 
 /// logging to stdout.
 pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
     if cfg.strategy == Strategy::ParameterServer {
-        // No process group: the server and its workers talk over RPC.
-        return train_parameter_server(cfg, Rendezvous::Env, &mut std::io::stdout());
+        // No process group: the server and its workers talk over RPC. A
+        // resumed run keeps its global batch over another number of workers
+        // as DDP's does over another number of ranks, and says so.
+        let (rank, world) = Rendezvous::Env.rank_and_world()?;
+        let workers = world.saturating_sub(1).max(1);
+        let (cfg, notes) =
+            elastic::prepare_resume(cfg, workers, elastic::restart_count_from_env()?);
+        if rank == 0 {
+            notes.iter().for_each(|note| println!("{note}"));
+        }
+        return train_parameter_server(&cfg, Rendezvous::Env, &mut std::io::stdout());
     }
     let pg = process_group_for(cfg)?;
     // After a restart by the launcher, continue from the job's checkpoints.

@@ -128,3 +128,69 @@ fn bad_settings_are_clear_errors() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("data") && err.contains("markov"), "{err}");
 }
+
+/// Text data in a read-only directory (a read-only tmpfs, which refuses even root) trains:
+/// its token cache goes to the user's cache directory, and nothing is written beside it.
+#[test]
+fn text_data_in_a_read_only_directory_caches_its_tokens_elsewhere() {
+    use std::process::Command;
+    let tmp = tempfile::tempdir().unwrap();
+    let ro = tmp.path().join("ro");
+    std::fs::create_dir_all(&ro).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&ro)
+        .output();
+    if !mounted.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipping: cannot mount a tmpfs here ({mounted:?})");
+        return;
+    }
+    let text: String = (0..400)
+        .map(|i| format!("line {i}: the quick brown fox jumps over the lazy dog\n"))
+        .collect();
+    std::fs::write(ro.join("corpus.txt"), text).unwrap();
+    let remounted = Command::new("mount")
+        .args(["-o", "remount,ro"])
+        .arg(&ro)
+        .status()
+        .unwrap();
+    let cache = tmp.path().join("cache");
+    let out = support::cohort()
+        .args(["train", "--data"])
+        .arg(ro.join("corpus.txt"))
+        .args(["--steps", "2", "--log-interval", "1"])
+        .args(TINY)
+        .env("XDG_CACHE_HOME", &cache)
+        .output()
+        .unwrap();
+    let listed: Vec<String> = std::fs::read_dir(&ro)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let _ = Command::new("umount").arg(&ro).status();
+    assert!(remounted.success());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(listed, ["corpus.txt"], "written beside read-only data");
+    // A directory of this source's own in $XDG_CACHE_HOME/cohort/tokens holds the token
+    // file and the tokenizer built from the text.
+    let dirs: Vec<_> = std::fs::read_dir(cache.join("cohort/tokens"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(dirs.len(), 1, "{dirs:?}");
+    let name = dirs[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with("corpus.txt-"), "{name}");
+    let cached: Vec<String> = std::fs::read_dir(&dirs[0])
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(cached.iter().any(|n| n.ends_with(".tok")), "{cached:?}");
+    assert!(
+        cached.iter().any(|n| n.ends_with(".tokenizer.json")),
+        "{cached:?}"
+    );
+}

@@ -8,7 +8,8 @@
 //! - any other file: UTF-8 text, tokenized once in 1 MiB chunks (cut at line breaks) into a token
 //!   file; the last `val_fraction` of the tokens is the validation split (nanoGPT's split).
 //!
-//! Tokenized files are cached beside the source (or in `cache_dir`) under a name that carries a
+//! Tokenized files are cached beside the source (or in `cache_dir`; for a source in a
+//! read-only directory, in the user's cache directory) under a name that carries a
 //! hash of the tokenizer, with a sidecar `.meta.json` recording the source's size and mtime, so
 //! they are rebuilt when either changes. This module never holds a whole corpus in memory.
 
@@ -204,7 +205,8 @@ fn fnv64(bytes: &[u8]) -> u64 {
     })
 }
 
-/// The cache path for `source` (extension `ext`) and the metadata it must match.
+/// The cache path for `source` (extension `ext`) and the metadata it must match: in
+/// `opts.cache_dir`, else a valid cache beside the source, else in [`default_cache_dir`].
 fn cache_for(
     source: &Path,
     tokenizer: &Tokenizer,
@@ -225,13 +227,6 @@ fn cache_for(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "data".into());
-    let dir = match &opts.cache_dir {
-        Some(d) => {
-            std::fs::create_dir_all(d).map_err(DataError::io("create", d))?;
-            d.clone()
-        }
-        None => source.parent().unwrap_or(Path::new(".")).to_path_buf(),
-    };
     let mtime = stat
         .modified()
         .ok()
@@ -247,7 +242,68 @@ fn cache_for(
         documents: None,
         max_len: None,
     };
-    Ok((dir.join(format!("{name}.{}.{ext}", &hash[..12])), meta))
+    let file = format!("{name}.{}.{ext}", &hash[..12]);
+    if let Some(d) = &opts.cache_dir {
+        std::fs::create_dir_all(d).map_err(DataError::io("create", d))?;
+        return Ok((d.join(file), meta));
+    }
+    let beside = source.parent().unwrap_or(Path::new(".")).join(&file);
+    if cache_valid(&beside, &meta) {
+        return Ok((beside, meta));
+    }
+    let dir = default_cache_dir(source);
+    std::fs::create_dir_all(&dir).map_err(DataError::io("create", &dir))?;
+    Ok((dir.join(file), meta))
+}
+
+/// Where the caches built from `source` go by default: beside it when its
+/// directory can be written, else a directory of their own in the user's
+/// cache (see [`user_cache_dir`]), named after the source and a hash of its
+/// absolute path, so that data in a read-only place still trains.
+pub fn default_cache_dir(source: &Path) -> PathBuf {
+    let parent = source.parent().unwrap_or(Path::new("."));
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    if writable(parent) {
+        return parent.to_path_buf();
+    }
+    let name = source
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "data".into());
+    let abs = std::fs::canonicalize(source).unwrap_or_else(|_| source.to_path_buf());
+    let tag = fnv64(abs.as_os_str().as_encoded_bytes()) as u32;
+    user_cache_dir().join(format!("{name}-{tag:08x}"))
+}
+
+/// Whether this process can create files in `dir` (tried, not guessed from
+/// permission bits: a read-only mount refuses even root).
+fn writable(dir: &Path) -> bool {
+    let probe = dir.join(format!(".cohort-write-test-{}", std::process::id()));
+    let ok = std::fs::File::create(&probe).is_ok();
+    let _ = std::fs::remove_file(&probe);
+    ok
+}
+
+/// Where caches go when the data's own directory is read-only:
+/// `$XDG_CACHE_HOME/cohort/tokens`, else `~/.cache/cohort/tokens`, else the
+/// temp directory's `cohort-tokens`.
+fn user_cache_dir() -> PathBuf {
+    let var = |name| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(d) = var("XDG_CACHE_HOME") {
+        return d.join("cohort").join("tokens");
+    }
+    if let Some(h) = var("HOME") {
+        return h.join(".cache").join("cohort").join("tokens");
+    }
+    std::env::temp_dir().join("cohort-tokens")
 }
 
 fn meta_path(cache: &Path) -> PathBuf {

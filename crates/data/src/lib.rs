@@ -52,7 +52,7 @@ mod sampler;
 mod synthetic;
 mod token_file;
 
-pub use corpus::{tokenize_jsonl, tokenize_text, Corpus, CorpusOptions};
+pub use corpus::{default_cache_dir, tokenize_jsonl, tokenize_text, Corpus, CorpusOptions};
 pub use dataset::{Dataset, Documents, Samples, Split, TokenWindows};
 pub use distributed_sampler::DistributedSampler;
 pub use error::DataError;

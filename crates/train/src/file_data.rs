@@ -36,12 +36,13 @@ impl std::fmt::Debug for FileData {
     }
 }
 
-/// Where caches built from `data` go: `OUT/data-cache` when the run has an out directory
-/// (so a read-only corpus directory works), else beside the data.
+/// Where caches built from `data` go: `OUT/data-cache` when the run has an out directory,
+/// else beside the data, or in the user's cache when the data's directory is read-only
+/// (`cohort_data::default_cache_dir`).
 fn cache_dir(cfg: &TrainConfig, data: &Path) -> Result<PathBuf, TrainError> {
     let dir = match &cfg.out {
         Some(out) => out.join("data-cache"),
-        None => data.parent().unwrap_or(Path::new(".")).to_path_buf(),
+        None => cohort_data::default_cache_dir(data),
     };
     std::fs::create_dir_all(&dir).map_err(|source| cohort_data::DataError::Io {
         op: "create",

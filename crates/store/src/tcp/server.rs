@@ -418,7 +418,7 @@ impl Display for Dropped {
             Dropped::Protocol(detail) => write!(f, "protocol error: {detail}"),
             Dropped::Io(e) => write!(f, "connection lost mid-request: {e}"),
             Dropped::Unauthenticated(e) => write!(f, "failed authentication: {e}"),
-            Dropped::Handshake(e) => write!(f, "no handshake within {AUTH_TIMEOUT:?}: {e}"),
+            Dropped::Handshake(e) => write!(f, "handshake not completed: {e}"),
         }
     }
 }

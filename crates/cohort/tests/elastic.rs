@@ -158,15 +158,22 @@ fn a_stopped_worker_times_out_by_name_and_the_group_restarts() {
     baseline();
     let tmp = tempfile::tempdir().unwrap();
     let run = restartable_run(tmp.path(), Some("3s"));
-    wait_for_checkpoint(tmp.path(), &run);
-    let stopped = worker_pid(run.pid, 1);
-    kill(stopped, libc::SIGSTOP);
-    let (status, out) = run.finish(Duration::from_secs(120));
-    assert!(status.success(), "{out}");
+    let (out, _) = stop_rank_1_and_finish(run, tmp.path());
     // Rank 0 gave up on rank 1 by name; the launcher stopped the group (the
     // stopped rank 1 included) and restarted it.
     assert!(out.contains("no progress with rank 1 within 3s"), "{out}");
     assert!(out.contains("rank 0 (local rank 0 on node 0"), "{out}");
+}
+
+/// Stops rank 1 with SIGSTOP after the first checkpoint and waits for the run: it must
+/// succeed, having restarted the group once, killed the stopped worker and resumed like the
+/// baseline. Returns the output and the stopped worker's pid.
+fn stop_rank_1_and_finish(run: Proc, dir: &Path) -> (String, u32) {
+    wait_for_checkpoint(dir, &run);
+    let stopped = worker_pid(run.pid, 1);
+    kill(stopped, libc::SIGSTOP);
+    let (status, out) = run.finish(Duration::from_secs(120));
+    assert!(status.success(), "{out}");
     assert!(
         out.contains("restarting the workers (restart 1 of 1)"),
         "{out}"
@@ -175,7 +182,8 @@ fn a_stopped_worker_times_out_by_name_and_the_group_restarts() {
         !Path::new(&format!("/proc/{stopped}")).exists(),
         "the stopped worker outlived its group"
     );
-    assert_resumed_like_the_baseline(&out, tmp.path());
+    assert_resumed_like_the_baseline(&out, dir);
+    (out, stopped)
 }
 
 /// With the collectives' default timeout (minutes), a frozen worker is found by its missing
@@ -185,11 +193,7 @@ fn a_stopped_worker_is_found_by_its_missing_heartbeat_and_the_group_restarts() {
     baseline();
     let tmp = tempfile::tempdir().unwrap();
     let run = restartable_run_with(tmp.path(), None, &["--worker-timeout", "3"]);
-    wait_for_checkpoint(tmp.path(), &run);
-    let stopped = worker_pid(run.pid, 1);
-    kill(stopped, libc::SIGSTOP);
-    let (status, out) = run.finish(Duration::from_secs(120));
-    assert!(status.success(), "{out}");
+    let (out, stopped) = stop_rank_1_and_finish(run, tmp.path());
     assert!(
         out.contains(&format!(
             "rank 1 (local rank 1 on node 0, pid {stopped}) failed with no heartbeat for 3 s"
@@ -197,15 +201,6 @@ fn a_stopped_worker_is_found_by_its_missing_heartbeat_and_the_group_restarts() {
         "{out}"
     );
     assert!(!out.contains("no progress with rank"), "{out}");
-    assert!(
-        out.contains("restarting the workers (restart 1 of 1)"),
-        "{out}"
-    );
-    assert!(
-        !Path::new(&format!("/proc/{stopped}")).exists(),
-        "the stopped worker outlived its group"
-    );
-    assert_resumed_like_the_baseline(&out, tmp.path());
 }
 
 /// `cohort run --nnodes 1:2` on node `i` (an elastic agent with short

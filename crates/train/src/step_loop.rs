@@ -203,10 +203,10 @@ pub(crate) fn run(
         // collective for strategies whose ranks hold parts of the gradient).
         let norm = strategy.global_norm(stats.norm)?;
         window.grad_norm += norm as f64;
-        if skip.is_none() && guard.clip_norm() > 0.0 {
+        let applied = skip.is_none();
+        if applied && guard.clip_norm() > 0.0 {
             clip_to_norm(strategy.grads_mut(), norm, guard.clip_norm());
         }
-        let applied = skip.is_none();
         strategy.apply(step, applied.then_some(lr))?;
         if applied {
             window.loss += grads.loss_share;
@@ -242,13 +242,17 @@ pub(crate) fn run(
                 .all_reduce(&mut sums, ReduceOp::Sum)
                 .map_err(TrainError::comm("loss and token count all_reduce"))?;
             let note = strategy.log_note()?;
-            // Every rank's time per phase, so that a slow rank stands out.
+            // Every rank's time per phase for the run log, so that a slow rank
+            // stands out (every rank knows from the config whether there is one).
             let group = strategy.group();
             let mine = window.phases.ms_per_step(window.steps);
-            let mut all = vec![0f64; 6 * group.size()];
-            group
-                .all_gather(&mine, &mut all)
-                .map_err(TrainError::comm("phase time all_gather"))?;
+            let mut all = Vec::new();
+            if cfg.log_dir().is_some() {
+                all = vec![0f64; 6 * group.size()];
+                group
+                    .all_gather(&mine, &mut all)
+                    .map_err(TrainError::comm("phase time all_gather"))?;
+            }
             window.phases.add(Phase::Comm, t_comm.elapsed());
             let loss = sums[0] as f32;
             outcome.train_losses.push((done, loss));

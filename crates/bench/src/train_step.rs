@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+use cohort_engine::DType;
 use serde::Serialize;
 
 use cohort_gpt::{GPTConfig, GptError, GPT};
@@ -36,6 +37,8 @@ pub struct TrainBench {
     pub warmup: usize,
     /// Seed for the init and the token ids.
     pub seed: u64,
+    /// What the matrix products compute in.
+    pub precision: DType,
 }
 
 /// Median of one phase (ms) and the time per kernel (ms per step, mean over timed steps).
@@ -78,6 +81,9 @@ pub struct BenchReport {
     pub kernels_ms: Vec<(String, f64)>,
     /// The SIMD level the kernels dispatched to.
     pub simd: String,
+    /// What the matrix products computed in ("fp32" where bf16 was asked for on a CPU without
+    /// it).
+    pub precision: String,
 }
 
 fn median(x: &mut [f64]) -> f64 {
@@ -99,10 +105,18 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             reason: "must be at least 1".into(),
         });
     }
-    let cpu = Cpu::new(spec.threads).map_err(|e| GptError::Engine {
+    let cpu = Cpu::with_dtype(spec.threads, spec.precision).map_err(|e| GptError::Engine {
         op: "thread pool",
         reason: e.to_string(),
     })?;
+    if cpu.dtype() != spec.precision {
+        eprintln!(
+            "bench train: {} needs AVX-512 with AVX512_BF16, which this CPU lacks; timing {}",
+            spec.precision,
+            cpu.dtype()
+        );
+    }
+    let precision = cpu.dtype().to_string();
     let mut model = GPT::with_backend(cfg, spec.seed, Box::new(cpu))?;
     let n = model.num_params();
     let mut opt =
@@ -183,5 +197,6 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             .map(|(k, d)| (k.to_string(), d.as_secs_f64() * 1e3 / steps))
             .collect(),
         simd: format!("{:?}", cohort_engine::cpu::simd_level()),
+        precision,
     })
 }

@@ -53,6 +53,10 @@ struct TrainArgs {
     /// Seed of the init and the token ids.
     #[arg(long, default_value_t = 1234)]
     seed: u64,
+    /// Matrix products in fp32, or bf16 (bf16 inputs, f32 sums and master weights: PyTorch's
+    /// CPU autocast).
+    #[arg(long, default_value = "fp32")]
+    precision: cohort_engine::DType,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -202,6 +206,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         steps: a.steps,
         warmup: a.warmup,
         seed: a.seed,
+        precision: a.precision,
     };
     let r = cohort_bench::train_step::run_train_bench(&spec)
         .with_context(|| format!("bench train --config {}", a.config))?;
@@ -210,8 +215,8 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "config {} ({} params, batch {} x seq {}), {} thread(s), {} steps, {}",
-        r.config, r.params, r.batch, r.seq, r.threads, r.steps, r.simd
+        "config {} ({} params, batch {} x seq {}), {} thread(s), {} steps, {}, {}",
+        r.config, r.params, r.batch, r.seq, r.threads, r.steps, r.simd, r.precision
     );
     println!(
         "ms/step {:.2} (min {:.2}): forward {:.2}, backward {:.2}, optimizer {:.2}",

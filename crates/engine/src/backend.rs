@@ -7,10 +7,11 @@
 //! backend's implementation, so a kernel is added in one place (plus its CPU body).
 //!
 //! Precision and device are part of a backend's type: [`Backend::device`] says where its
-//! buffers live and [`Backend::dtype`] what its kernels compute in. Today there is one of each:
-//! host memory and f32, every buffer an `f32` slice. A bf16 backend (bf16 products with f32
-//! accumulation over the same f32 master buffers, as PyTorch's autocast does) adds a
-//! [`DType`] variant and another implementation of this trait, and the model does not change.
+//! buffers live and [`Backend::dtype`] what its matrix products compute in. Buffers stay `f32`
+//! slices in both precisions: with [`DType::Bf16`] the products round their operands to bf16
+//! and sum in f32 over the same f32 master weights, as PyTorch's CPU autocast does, so the
+//! model does not change. Kernels whose result depends on the precision are marked `@dtype`
+//! in the list below and receive the backend's dtype first.
 //! A GPU backend adds a [`Device`] variant; its buffers live in device memory, so the kernel
 //! arguments then become a buffer type of the engine instead of host slices (one edit of the
 //! list below, since every kernel is declared there once).
@@ -36,6 +37,20 @@ pub enum Device {
 pub enum DType {
     /// IEEE single precision throughout.
     F32,
+    /// Matrix products on bf16-rounded operands with f32 sums (bf16 autocast); everything
+    /// else, and every stored buffer, f32.
+    Bf16,
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DType, String> {
+        match s {
+            "fp32" | "f32" | "float32" => Ok(DType::F32),
+            "bf16" | "bfloat16" => Ok(DType::Bf16),
+            _ => Err(format!("unknown precision {s:?} (expected fp32 or bf16)")),
+        }
+    }
 }
 
 impl std::fmt::Display for Device {
@@ -49,16 +64,18 @@ impl std::fmt::Display for Device {
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            DType::F32 => "f32",
+            DType::F32 => "fp32",
+            DType::Bf16 => "bf16",
         })
     }
 }
 
 /// Generates the [`Backend`] trait and the CPU backend's implementation from one list of
 /// kernels: `doc; fn name(args) => cpu function;`. The CPU function takes the same arguments
-/// in the same order (a closure adapts the one that takes more).
+/// in the same order (a closure adapts the one that takes more); after `=> @dtype` it takes the
+/// backend's [`DType`] first.
 macro_rules! kernels {
-    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $cpu:expr; )*) => {
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $(@$dtype:ident)? $cpu:expr; )*) => {
         /// The kernels of a GPT-2 training step, on one device in one precision.
         #[allow(clippy::too_many_arguments)]
         pub trait Backend: Send + Sync + std::fmt::Debug {
@@ -87,7 +104,7 @@ macro_rules! kernels {
                 Device::Cpu
             }
             fn dtype(&self) -> DType {
-                DType::F32
+                Cpu::dtype(self)
             }
             fn num_threads(&self) -> usize {
                 Cpu::num_threads(self)
@@ -98,7 +115,9 @@ macro_rules! kernels {
             fn attention_scratch_len(&self, t: usize) -> usize {
                 cpu::attention_scratch_len(t, self.num_threads())
             }
-            $( #[inline] fn $name(&self, $($arg: $ty),*) { ($cpu)($($arg),*) } )*
+            $( #[inline] fn $name(&self, $($arg: $ty),*) {
+                ($cpu)($(Cpu::$dtype(self),)? $($arg),*)
+            } )*
         }
     };
 }
@@ -113,15 +132,15 @@ kernels! {
     /// dinp, dw, db += LayerNorm backward.
     fn layernorm_backward(dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32], w: &[f32], n: usize, c: usize) => cpu::layernorm_backward;
     /// out (N,OC) = inp (N,C) · w (C,OC) + bias.
-    fn matmul_forward(out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => cpu::matmul_forward;
+    fn matmul_forward(out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward;
     /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout, dbias += Σ_rows dout.
-    fn matmul_backward(dinp: Option<&mut [f32]>, dw: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => cpu::matmul_backward;
+    fn matmul_backward(dinp: Option<&mut [f32]>, dw: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward;
     /// dinp = dout · wᵀ (overwritten) alone, for a dinp buffer that still holds the input.
-    fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => cpu::matmul_backward_input;
+    fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_input;
     /// logits (N,V) = inp (N,C) · wᵀ, w (V,C).
-    fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => cpu::head_forward;
+    fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_forward;
     /// dinp = dout · w (overwritten), dw += doutᵀ · inp.
-    fn head_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => cpu::head_backward;
+    fn head_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
     /// out = gelu(inp) (tanh form).
     fn gelu_forward(out: &mut [f32], inp: &[f32]) => cpu::gelu_forward;
     /// dinout *= gelu'(inp).

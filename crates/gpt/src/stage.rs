@@ -20,13 +20,13 @@ use std::ops::Range;
 use std::time::Duration;
 
 use cohort_engine::cpu::AttnDims;
-use cohort_engine::Backend;
+use cohort_engine::{Backend, DType};
 
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
-    block_backward, block_forward, cpu_from_env, embed_backward, embed_forward, head_backward,
-    head_forward, init_tensors, validate_batch, wb, ActLayout, Batch, DropKey, HeadLayout, Profile,
-    KEEP_MAX_BYTES, KERNELS,
+    block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
+    head_backward, head_forward, init_tensors, validate_batch, wb, ActLayout, Batch, DropKey,
+    HeadLayout, Profile, KEEP_MAX_BYTES, KERNELS,
 };
 use crate::{GPTConfig, GptError, ParamView};
 
@@ -264,6 +264,13 @@ impl GptStage {
     pub fn config(&self) -> &GPTConfig {
         &self.config
     }
+    /// Computes this stage's matrix products in `dtype` from now on, as
+    /// [`GPT::set_precision`](crate::GPT::set_precision) does; returns the precision in effect.
+    pub fn set_precision(&mut self, dtype: DType) -> Result<DType, GptError> {
+        self.dev = cpu_in(self.dev.num_threads(), dtype)?;
+        Ok(self.dev.dtype())
+    }
+
     /// The part of the model this stage holds.
     pub fn part(&self) -> &StagePart {
         &self.part

@@ -10,7 +10,10 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
+#[cfg(target_arch = "x86_64")]
+use super::gemm_bf16::bgemm;
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
+use crate::DType;
 
 /// A matrix operand: pointer plus row and column strides (in elements).
 #[derive(Clone, Copy)]
@@ -47,12 +50,14 @@ impl Mat {
 const PAR_MIN_MACS: usize = 1 << 17;
 
 /// c (m, n) = a (m, k) · b (k, n) + bias (n), or `c += a · b` with `accumulate` (no bias),
-/// split over the current rayon pool.
+/// split over the current rayon pool. With `DType::Bf16` (on a CPU that has the bf16 product)
+/// a and b are rounded to bf16 and the sums kept in f32.
 ///
 /// # Safety
 /// The three descriptors must describe valid matrices of the given sizes, `c` must not overlap
 /// `a`, `b` or `bias`, and `c` must be writable.
 unsafe fn gemm(
+    dtype: DType,
     m: usize,
     k: usize,
     n: usize,
@@ -70,6 +75,7 @@ unsafe fn gemm(
     };
     let bias = bias.map(|b| SendPtr(b.as_ptr() as *mut f32));
     let avx512 = simd_level() == SimdLevel::Avx512;
+    let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     if !avx512 && !accumulate {
         if let Some(b) = bias {
             // safety: the caller's bias has n elements and c is (m, n) with row stride c.rs.
@@ -87,17 +93,14 @@ unsafe fn gemm(
                     rs: x.rs as usize,
                     cs: x.cs as usize,
                 };
-                sgemm(
-                    r1 - r0,
-                    k,
-                    c1 - c0,
-                    s(a, r0, 0),
-                    s(b, 0, c0),
-                    c.at(r0, c0),
-                    c.rs as usize,
-                    accumulate,
-                    bias.map(|b| b.get().add(c0) as *const f32),
-                );
+                let (sa, sb, cc) = (s(a, r0, 0), s(b, 0, c0), c.at(r0, c0));
+                let bias = bias.map(|b| b.get().add(c0) as *const f32);
+                let (m, n, rsc) = (r1 - r0, c1 - c0, c.rs as usize);
+                if bf16 {
+                    bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias);
+                } else {
+                    sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias);
+                }
                 return;
             }
             let beta = if accumulate || bias.is_some() {
@@ -153,6 +156,7 @@ fn check(what: &str, len: usize, want: usize) {
 
 /// out (N, OC) = inp (N, C) · w (C, OC) + bias (OC). `w` is in Conv1D layout `[in, out]`.
 pub fn matmul_forward(
+    dtype: DType,
     out: &mut [f32],
     inp: &[f32],
     w: &[f32],
@@ -170,6 +174,7 @@ pub fn matmul_forward(
     // safety: sizes checked above; out is a distinct &mut.
     unsafe {
         gemm(
+            dtype,
             n,
             c,
             oc,
@@ -197,6 +202,7 @@ unsafe fn fill_rows(c: Mat, m: usize, n: usize, b: &[f32]) {
 /// `dw += inpᵀ · dout`, `dbias += column sums of dout`.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
+    dtype: DType,
     dinp: Option<&mut [f32]>,
     dw: &mut [f32],
     dbias: Option<&mut [f32]>,
@@ -217,6 +223,7 @@ pub fn matmul_backward(
         if let Some(dinp) = dinp {
             check("matmul dinp", dinp.len(), n * c);
             gemm(
+                dtype,
                 n,
                 oc,
                 c,
@@ -228,6 +235,7 @@ pub fn matmul_backward(
             );
         }
         gemm(
+            dtype,
             c,
             n,
             oc,
@@ -247,6 +255,7 @@ pub fn matmul_backward(
 /// `dinp = dout · wᵀ` (overwritten): the input half of [`matmul_backward`], for callers whose
 /// `dinp` buffer still holds the forward input the weight gradient needs (call it after).
 pub fn matmul_backward_input(
+    dtype: DType,
     dinp: &mut [f32],
     dout: &[f32],
     w: &[f32],
@@ -260,6 +269,7 @@ pub fn matmul_backward_input(
     // safety: sizes checked; dinp is a distinct &mut.
     unsafe {
         gemm(
+            dtype,
             n,
             oc,
             c,
@@ -273,13 +283,22 @@ pub fn matmul_backward_input(
 }
 
 /// logits (N, V) = inp (N, C) · wᵀ with `w` (V, C): the LM head, nn.Linear layout, no bias.
-pub fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) {
+pub fn head_forward(
+    dtype: DType,
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    n: usize,
+    c: usize,
+    v: usize,
+) {
     check("head out", out.len(), n * v);
     check("head inp", inp.len(), n * c);
     check("head w", w.len(), v * c);
     // safety: sizes checked.
     unsafe {
         gemm(
+            dtype,
             n,
             c,
             v,
@@ -295,6 +314,7 @@ pub fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize,
 /// Backward of [`head_forward`]: `dinp = dout · w` (overwritten), `dw += doutᵀ · inp`.
 #[allow(clippy::too_many_arguments)]
 pub fn head_backward(
+    dtype: DType,
     dinp: &mut [f32],
     dw: &mut [f32],
     dout: &[f32],
@@ -313,6 +333,7 @@ pub fn head_backward(
     // safety: sizes checked; outputs are distinct &mut slices.
     unsafe {
         gemm(
+            dtype,
             n,
             v,
             c,
@@ -323,6 +344,7 @@ pub fn head_backward(
             None,
         );
         gemm(
+            dtype,
             v,
             n,
             c,
@@ -408,8 +430,9 @@ mod tests {
                 let dw0 = dw.clone();
                 let mut db = vec![1.0; oc];
                 within_pool(threads, || {
-                    matmul_forward(&mut out, &inp, &w, Some(&b), n, c, oc);
+                    matmul_forward(DType::F32, &mut out, &inp, &w, Some(&b), n, c, oc);
                     matmul_backward(
+                        DType::F32,
                         Some(&mut dinp),
                         &mut dw,
                         Some(&mut db),
@@ -452,8 +475,8 @@ mod tests {
         let mut dinp = vec![0.0; n * c];
         let mut dw = vec![0.0; v * c];
         within_pool(2, || {
-            head_forward(&mut out, &inp, &w, n, c, v);
-            head_backward(&mut dinp, &mut dw, &dout, &inp, &w, n, c, v);
+            head_forward(DType::F32, &mut out, &inp, &w, n, c, v);
+            head_backward(DType::F32, &mut dinp, &mut dw, &dout, &inp, &w, n, c, v);
         });
         let wt = transpose(&f64s(&w), v, c);
         assert_close(&out, &naive(&f64s(&inp), &wt, n, c, v), 1e-5, "logits");

@@ -17,6 +17,8 @@ mod crossentropy;
 mod elementwise;
 mod encoder;
 mod gemm;
+#[cfg(target_arch = "x86_64")]
+mod gemm_bf16;
 mod layernorm;
 pub(crate) mod math;
 mod matmul;
@@ -33,7 +35,7 @@ pub use matmul::{
     matmul_forward,
 };
 
-use crate::EngineError;
+use crate::{DType, EngineError};
 
 /// A raw pointer that tasks may share when each writes a disjoint part of the buffer.
 #[derive(Clone, Copy)]
@@ -108,22 +110,48 @@ macro_rules! simd_fn {
 }
 pub(crate) use simd_fn;
 
+/// Whether this CPU has the bf16 matrix product (AVX-512 with AVX512_BF16). Where it does not,
+/// a bf16 backend is not built: [`Cpu::with_dtype`] falls back to f32 and says so.
+pub fn bf16_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        gemm_bf16::supported()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// The CPU backend: a persistent pool of intra-op threads.
 pub struct Cpu {
     pool: rayon::ThreadPool,
+    dtype: DType,
 }
 
 impl std::fmt::Debug for Cpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cpu")
             .field("threads", &self.num_threads())
+            .field("dtype", &self.dtype)
             .finish()
     }
 }
 
 impl Cpu {
-    /// A backend with `threads` intra-op threads (at least 1).
+    /// An f32 backend with `threads` intra-op threads (at least 1).
     pub fn new(threads: usize) -> Result<Cpu, EngineError> {
+        Cpu::with_dtype(threads, DType::F32)
+    }
+
+    /// A backend computing its matrix products in `dtype`. Asked for bf16 on a CPU without
+    /// the bf16 product ([`bf16_supported`]), it is an f32 backend: compare [`Cpu::dtype`]
+    /// with what was asked to tell the user.
+    pub fn with_dtype(threads: usize, dtype: DType) -> Result<Cpu, EngineError> {
+        let dtype = match dtype {
+            DType::Bf16 if !bf16_supported() => DType::F32,
+            d => d,
+        };
         let threads = threads.max(1);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -133,7 +161,12 @@ impl Cpu {
                 threads,
                 reason: e.to_string(),
             })?;
-        Ok(Cpu { pool })
+        Ok(Cpu { pool, dtype })
+    }
+
+    /// What the matrix products compute in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// A backend sized by `COHORT_NUM_THREADS`, else by the cores this process may use.

@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{AttnDims, Cpu};
-use cohort_engine::{Backend, Dropout};
+use cohort_engine::{Backend, DType, Dropout};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
@@ -90,6 +90,16 @@ impl std::fmt::Debug for GPT {
 /// The CPU backend sized by `COHORT_NUM_THREADS`.
 pub(crate) fn cpu_from_env() -> Result<Box<dyn Backend>, GptError> {
     let cpu = Cpu::from_env().map_err(|e| GptError::Engine {
+        op: "thread pool",
+        reason: e.to_string(),
+    })?;
+    Ok(Box::new(cpu))
+}
+
+/// A CPU backend of `threads` threads computing its products in `dtype` (f32 where the CPU
+/// lacks bf16).
+pub(crate) fn cpu_in(threads: usize, dtype: DType) -> Result<Box<dyn Backend>, GptError> {
+    let cpu = Cpu::with_dtype(threads, dtype).map_err(|e| GptError::Engine {
         op: "thread pool",
         reason: e.to_string(),
     })?;
@@ -226,6 +236,13 @@ impl GPT {
     /// The compute backend.
     pub fn backend(&self) -> &dyn Backend {
         &*self.dev
+    }
+    /// Computes the matrix products in `dtype` from now on (on the same number of threads),
+    /// as PyTorch's autocast does around a forward: parameters, gradients and activations stay
+    /// f32. Returns the precision in effect, which is f32 where the CPU lacks the bf16 product.
+    pub fn set_precision(&mut self, dtype: DType) -> Result<DType, GptError> {
+        self.dev = cpu_in(self.dev.num_threads(), dtype)?;
+        Ok(self.dev.dtype())
     }
     /// Logits (B, T, V) of the last forward.
     pub fn logits(&self) -> &[f32] {

@@ -1,0 +1,808 @@
+//! The bf16 matrix product behind `DType::Bf16`: f32 operands rounded to bf16 as they are
+//! packed, products summed in f32 by the AVX512_BF16 dot-product instruction (VDPBF16PS), which
+//! does two multiply-adds per f32 lane and so twice the fp32 FMA's work per instruction. This is
+//! what PyTorch's CPU autocast does to a Linear layer: bf16 inputs, f32 accumulation, an f32
+//! result.
+//!
+//! The instruction multiplies *pairs*: lane j of the accumulator gets a[2p]·b[2p][j] +
+//! a[2p+1]·b[2p+1][j]. So both operands are packed as pairs along K, one u32 per pair:
+//! - A, `[row][pair]` per block of MC rows and KC columns, so the kernel broadcasts one row's
+//!   pair to all lanes;
+//! - B, `[panel][pair][NR]` per block of KC rows and NC columns, each micro-panel (pairs x 32
+//!   columns) contiguous so it stays in L1 while the A micro-panels stream past.
+//!
+//! The loops are BLIS's: NC columns of B (in L3), KC rows of them packed, MC rows of A packed (in
+//! L2), then NR x MR register tiles. Packing converts with the rounding instruction
+//! (round-to-nearest-even), vectorised for both unit-stride layouts the model uses; a transposed
+//! operand goes through a 16 x 16 register transpose. An odd K is padded with a zero pair half.
+//!
+//! Each output element sums its K in the same order whatever block of C a call covers, so the
+//! result does not depend on how C is split over threads. The packing buffers are per thread,
+//! grown once to their fixed block sizes and reused: no allocation per call after the first.
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+mod amx;
+
+use super::gemm::Strided;
+
+/// Columns of a register tile (two zmm registers, or two AMX tiles).
+const NR: usize = 32;
+/// Rows of the AVX-512 register tile.
+const MR: usize = 12;
+/// Rows of the AMX tile block: two tiles of 16 rows.
+const MR_AMX: usize = 32;
+
+/// Which instruction computes the products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernel {
+    /// AVX512_BF16's VDPBF16PS on zmm registers: a 12 x 32 tile, 2 x fp32's multiply-adds per
+    /// instruction (AMD Zen 4/5, Intel Cooper Lake and later).
+    Avx512,
+    /// AMX tiles (TDPBF16PS): a 32 x 32 block of four 16 x 16 f32 tiles, 8192 multiply-adds per
+    /// instruction (Intel Sapphire Rapids and later).
+    Amx,
+}
+
+/// Block sizes of one kernel, in K pairs, rows of A and columns of B.
+struct Blocking {
+    /// Pairs of K per packed block.
+    kcp: usize,
+    /// Rows of A per packed block (a multiple of the kernel's rows).
+    mc: usize,
+    /// Columns of B per packed block.
+    nc: usize,
+}
+
+impl Kernel {
+    fn blocking(self) -> Blocking {
+        match self {
+            // A micro-panel of B is 256 pairs x 32 columns = 32 KB (L1); A's block 192 KB (L2).
+            Kernel::Avx512 => Blocking {
+                kcp: 256,
+                mc: 192,
+                nc: 2048,
+            },
+            // AMX consumes a K block 20x faster, so the blocks are longer in K (fewer passes
+            // over C, whose tiles go through memory once per block): B's micro-panel is
+            // 128 KB and A's block 512 KB, both in L2.
+            Kernel::Amx => Blocking {
+                kcp: 1024,
+                mc: 128,
+                nc: 1024,
+            },
+        }
+    }
+}
+
+/// A 64-byte line of packed pairs: the buffers are vectors of these, so every micro-panel is
+/// aligned for the kernel's loads.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u32; 16]);
+
+/// One thread's packing buffers.
+struct Packs {
+    a: Vec<Line>,
+    b: Vec<Line>,
+}
+
+thread_local! {
+    static PACKS: RefCell<Packs> = const { RefCell::new(Packs { a: Vec::new(), b: Vec::new() }) };
+}
+
+/// The kernel this process uses: AMX where the CPU has it and Linux grants this process its
+/// tile state (`COHORT_AMX=0` turns it off), else AVX512_BF16, else none.
+pub(crate) fn chosen_kernel() -> Option<Kernel> {
+    static KERNEL: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| {
+        if !avx512_bf16() {
+            return None;
+        }
+        let off = std::env::var("COHORT_AMX").is_ok_and(|v| v.trim() == "0");
+        if !off && amx_granted() {
+            Some(Kernel::Amx)
+        } else {
+            Some(Kernel::Avx512)
+        }
+    })
+}
+
+/// Whether this CPU runs the bf16 product (AVX-512F, AVX-512BW and AVX512_BF16).
+pub(crate) fn supported() -> bool {
+    chosen_kernel().is_some()
+}
+
+fn avx512_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+/// Whether the CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7, EDX bits 24 and 22) and Linux lets
+/// this process use the tile registers: their 8 KB of state is off until a process asks for it
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), once, for all its threads.
+fn amx_granted() -> bool {
+    // CPUID leaf 7 exists on every x86-64 CPU with AVX-512, checked by the caller.
+    let leaf7 = __cpuid_count(7, 0);
+    if (leaf7.edx >> 24) & 1 == 0 || (leaf7.edx >> 22) & 1 == 0 {
+        return false;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: arch_prctl with this request only changes the process's permission to use
+        // the AMX register state; it reads and writes no memory of ours.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        r == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+/// The bf16 bits of `x`, rounded to nearest even (the packing instruction's rounding), for the
+/// strided operands the vector packers do not cover.
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if x.is_nan() {
+        return ((u >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((u >> 16) & 1);
+    (u.wrapping_add(round) >> 16) as u16
+}
+
+/// `c (m, n) = a (m, k) · b (k, n) + bias (n)` or, with `accumulate`, `c += a · b` (bias
+/// unused), with a and b rounded to bf16 and the sums kept in f32. `c` is row-major with row
+/// stride `rsc`.
+///
+/// # Safety
+/// [`supported`] must be true; the operands must describe valid matrices of these sizes; `c`
+/// must be writable and not overlap `a`, `b` or `bias`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn bgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Strided,
+    b: Strided,
+    c: *mut f32,
+    rsc: usize,
+    accumulate: bool,
+    bias: Option<*const f32>,
+) {
+    let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
+    // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
+    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias) }
+}
+
+/// [`bgemm`] on a chosen kernel (the tests run each one the CPU has).
+///
+/// # Safety
+/// As [`bgemm`], and the CPU (and OS, for AMX) must support `kernel`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn bgemm_with(
+    kernel: Kernel,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Strided,
+    b: Strided,
+    c: *mut f32,
+    rsc: usize,
+    accumulate: bool,
+    bias: Option<*const f32>,
+) {
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    // SAFETY: inside c and bias per the contract.
+                    unsafe { *c.add(i * rsc + j) = bias.map_or(0.0, |b| *b.add(j)) };
+                }
+            }
+        }
+        return;
+    }
+    let bl = kernel.blocking();
+    PACKS.with(|packs| {
+        let mut packs = packs.borrow_mut();
+        let packs = &mut *packs;
+        let a_lines = bl.mc * bl.kcp / 16;
+        let b_lines = bl.nc * bl.kcp / 16;
+        if packs.a.len() < a_lines {
+            packs.a.resize(a_lines, Line([0; 16]));
+        }
+        if packs.b.len() < b_lines {
+            packs.b.resize(b_lines, Line([0; 16]));
+        }
+        let (pa, pb) = (
+            packs.a.as_mut_ptr() as *mut u32,
+            packs.b.as_mut_ptr() as *mut u32,
+        );
+        // SAFETY: the buffers hold mc x kcp and nc x kcp u32 of this kernel's blocking, the
+        // largest blocks packed below; the caller's contract covers the rest.
+        unsafe { blocks(kernel, &bl, m, k, n, a, b, c, rsc, accumulate, bias, pa, pb) }
+    })
+}
+
+/// The BLIS loop nest over packed blocks (see the module doc).
+///
+/// # Safety
+/// As [`bgemm_with`], plus `pa` and `pb` writable for mc x kcp and nc x kcp u32 of `bl`,
+/// 64-byte aligned.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn blocks(
+    kernel: Kernel,
+    bl: &Blocking,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Strided,
+    b: Strided,
+    c: *mut f32,
+    rsc: usize,
+    accumulate: bool,
+    bias: Option<*const f32>,
+    pa: *mut u32,
+    pb: *mut u32,
+) {
+    let amx = kernel == Kernel::Amx;
+    if amx {
+        // SAFETY: the tile configuration is this thread's; AMX was granted to the process.
+        unsafe { amx::configure() };
+    }
+    // C tiles go through this buffer on their way to C under AMX.
+    let mut scratch = amx::Scratch([0.0; MR_AMX * NR]);
+    // SAFETY: for the whole body, every pointer offset stays inside the caller's matrices (rows
+    // i < m, columns j < n, k < k) or the packing buffers (at most mc x kcp and nc x kcp).
+    unsafe {
+        for jc in (0..n).step_by(bl.nc) {
+            let nc = bl.nc.min(n - jc);
+            for pc in (0..k).step_by(2 * bl.kcp) {
+                let kc = (2 * bl.kcp).min(k - pc);
+                // Row stride of the packed pairs: AMX loads 16 pairs at a time, so its rows
+                // are padded with zero pairs to a multiple of 16.
+                let stride = if amx {
+                    kc.div_ceil(32) * 16
+                } else {
+                    kc.div_ceil(2)
+                };
+                pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride);
+                // The first K block starts C from the bias (or zero) unless accumulating.
+                let (acc, bias) = if pc == 0 && !accumulate {
+                    (false, bias.map(|b| b.add(jc)))
+                } else {
+                    (true, None)
+                };
+                for ic in (0..m).step_by(bl.mc) {
+                    let mc = bl.mc.min(m - ic);
+                    pack_a(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride);
+                    for jr in (0..nc).step_by(NR) {
+                        let nr = NR.min(nc - jr);
+                        let panel = pb.add(jr * stride);
+                        let rows_per = if amx { MR_AMX } else { MR };
+                        for ir in (0..mc).step_by(rows_per) {
+                            let rows = rows_per.min(mc - ir);
+                            let (ap, cp) = (pa.add(ir * stride), c.add((ic + ir) * rsc + jc + jr));
+                            let bias = bias.map(|b| b.add(jr));
+                            if amx {
+                                amx::block(
+                                    stride,
+                                    ap,
+                                    panel,
+                                    cp,
+                                    rsc,
+                                    rows,
+                                    nr,
+                                    acc,
+                                    bias,
+                                    &mut scratch,
+                                );
+                            } else {
+                                tile(rows, stride, ap, stride, panel, cp, rsc, nr, acc, bias);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if amx {
+            amx::release();
+        }
+    }
+}
+
+impl Strided {
+    /// Pointer to element (r, c).
+    fn at(self, r: usize, c: usize) -> *const f32 {
+        self.ptr.wrapping_add(r * self.rs + c * self.cs)
+    }
+}
+
+/// Mask of the first `n` (≤ 16) lanes.
+#[inline(always)]
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        ((1u32 << n) - 1) as u16
+    }
+}
+
+/// Two rows of 16 f32 (`x` the even K index, `y` the odd) as 16 bf16 pairs, `x` in the low half.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+fn pair_up(x: __m512, y: __m512) -> __m512i {
+    // SAFETY: __m256bh and __m256i are both 256-bit vectors; transmute reinterprets the bits.
+    let (lo, hi): (__m256i, __m256i) = unsafe {
+        (
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)),
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(y)),
+        )
+    };
+    _mm512_or_si512(
+        _mm512_cvtepu16_epi32(lo),
+        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)),
+    )
+}
+
+/// 32 consecutive f32 along K as 16 bf16 pairs (`n` of the 32 are read, the rest are zero).
+///
+/// # Safety
+/// `src` must have `n` (≤ 32) readable floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
+    // SAFETY: masked loads read only the first n floats, which the caller guarantees.
+    unsafe {
+        let lo = _mm512_maskz_loadu_ps(lanes(n), src);
+        let hi = _mm512_maskz_loadu_ps(lanes(n.saturating_sub(16)), src.add(16.min(n)));
+        // SAFETY: __m512bh and __m512i are both 512-bit vectors.
+        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+    }
+}
+
+/// Transposes a 16 x 16 block of u32 in registers.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose16(r: &mut [__m512i; 16]) {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for q in 0..8 {
+        t[2 * q] = _mm512_unpacklo_epi32(r[2 * q], r[2 * q + 1]);
+        t[2 * q + 1] = _mm512_unpackhi_epi32(r[2 * q], r[2 * q + 1]);
+    }
+    // u[4g + c], 128-bit lane l: rows 4g..4g+4 of column 4l + c.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let b = 4 * g;
+        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    for c in 0..4 {
+        let v = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
+        let w = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
+        r[c] = _mm512_shuffle_i32x4::<0x88>(v, w);
+        r[4 + c] = _mm512_shuffle_i32x4::<0xDD>(v, w);
+        let v = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
+        let w = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
+        r[8 + c] = _mm512_shuffle_i32x4::<0x88>(v, w);
+        r[12 + c] = _mm512_shuffle_i32x4::<0xDD>(v, w);
+    }
+}
+
+/// Packs a (mc, kc) block of A at strides (rs, cs) as `[row][pair]`, rows `stride` u32 apart
+/// (at least ⌈kc/2⌉; the pairs past kc are zero).
+///
+/// # Safety
+/// `a` must have mc x kc readable floats at these strides; `pa` mc x stride writable u32.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pack_a(
+    pa: *mut u32,
+    a: *const f32,
+    rs: usize,
+    cs: usize,
+    mc: usize,
+    kc: usize,
+    stride: usize,
+) {
+    let kcp = kc.div_ceil(2);
+    // SAFETY: for the whole body, reads stay inside the caller's block (row < mc, column < kc, via
+    // masks at the edges); writes inside pa's mc x kcp.
+    unsafe {
+        if cs == 1 {
+            for i in 0..mc {
+                let (src, dst) = (a.add(i * rs), pa.add(i * stride));
+                for p0 in (0..stride).step_by(16) {
+                    // Past kc the loads read nothing and the pairs are zero.
+                    let v = pairs_along(src.add(2 * p0), kc.saturating_sub(2 * p0).min(32));
+                    _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
+                }
+            }
+        } else if rs == 1 {
+            // Rows are contiguous down each column: pair up two K rows of 16 A rows, then
+            // transpose so each A row's pairs are contiguous.
+            let mut r = [_mm512_setzero_si512(); 16];
+            for i0 in (0..mc).step_by(16) {
+                let rows = (mc - i0).min(16);
+                for p0 in (0..stride).step_by(16) {
+                    let pairs = kcp.saturating_sub(p0).min(16);
+                    for (q, v) in r.iter_mut().enumerate() {
+                        let e = 2 * (p0 + q);
+                        *v = if q < pairs {
+                            let x = _mm512_maskz_loadu_ps(lanes(rows), a.add(e * cs + i0));
+                            let y = if e + 1 < kc {
+                                _mm512_maskz_loadu_ps(lanes(rows), a.add((e + 1) * cs + i0))
+                            } else {
+                                _mm512_setzero_ps()
+                            };
+                            pair_up(x, y)
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (i, v) in r.iter().enumerate().take(rows) {
+                        let dst = pa.add((i0 + i) * stride + p0) as *mut i32;
+                        _mm512_mask_storeu_epi32(dst, lanes(stride - p0), *v);
+                    }
+                }
+            }
+        } else {
+            for i in 0..mc {
+                for p in 0..stride {
+                    let at = |e: usize| {
+                        if e < kc {
+                            bf16_bits(*a.add(i * rs + e * cs)) as u32
+                        } else {
+                            0
+                        }
+                    };
+                    *pa.add(i * stride + p) = at(2 * p) | (at(2 * p + 1) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// Packs a (kc, nc) block of B at strides (rs, cs) as micro-panels of `stride` pairs (at least
+/// ⌈kc/2⌉) x NR columns, zero past kc and nc.
+///
+/// # Safety
+/// `b` must have kc x nc readable floats at these strides; `pb` ⌈nc/NR⌉ x NR x stride writable
+/// u32, 64-byte aligned.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pack_b(
+    pb: *mut u32,
+    b: *const f32,
+    rs: usize,
+    cs: usize,
+    kc: usize,
+    nc: usize,
+    stride: usize,
+) {
+    let kcp = kc.div_ceil(2);
+    // SAFETY: for the whole body, reads stay inside the caller's block (masked at the edges); writes
+    // inside pb's panels.
+    unsafe {
+        for j0 in (0..nc).step_by(16) {
+            let cols = (nc - j0).min(16);
+            // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
+            let panel = pb.add((j0 / NR) * NR * stride + j0 % NR);
+            // Zero pairs past kc (AMX's padding).
+            for p in kcp..stride {
+                _mm512_store_si512(panel.add(p * NR) as *mut __m512i, _mm512_setzero_si512());
+            }
+            if cs == 1 {
+                for p in 0..kcp {
+                    let x = _mm512_maskz_loadu_ps(lanes(cols), b.add(2 * p * rs + j0));
+                    let y = if 2 * p + 1 < kc {
+                        _mm512_maskz_loadu_ps(lanes(cols), b.add((2 * p + 1) * rs + j0))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    _mm512_store_si512(panel.add(p * NR) as *mut __m512i, pair_up(x, y));
+                }
+            } else if rs == 1 {
+                // Each column is contiguous along K: pairs come straight from it, then a
+                // transpose puts 16 columns side by side.
+                let mut r = [_mm512_setzero_si512(); 16];
+                for p0 in (0..kcp).step_by(16) {
+                    let pairs = (kcp - p0).min(16);
+                    for (q, v) in r.iter_mut().enumerate() {
+                        *v = if q < cols {
+                            pairs_along(b.add((j0 + q) * cs + 2 * p0), (kc - 2 * p0).min(32))
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (p, v) in r.iter().enumerate().take(pairs) {
+                        _mm512_store_si512(panel.add((p0 + p) * NR) as *mut __m512i, *v);
+                    }
+                }
+            } else {
+                for p in 0..kcp {
+                    for q in 0..16 {
+                        let v = if q < cols {
+                            let x = bf16_bits(*b.add(2 * p * rs + (j0 + q) * cs)) as u32;
+                            let y = if 2 * p + 1 < kc {
+                                bf16_bits(*b.add((2 * p + 1) * rs + (j0 + q) * cs)) as u32
+                            } else {
+                                0
+                            };
+                            x | (y << 16)
+                        } else {
+                            0
+                        };
+                        *panel.add(p * NR + q) = v;
+                    }
+                }
+            }
+        }
+        // A last panel narrower than NR: zero its missing half so the kernel adds nothing.
+        if !nc.is_multiple_of(NR) && nc % NR <= 16 {
+            let panel = pb.add((nc / NR) * NR * stride + 16);
+            for p in 0..stride {
+                _mm512_store_si512(panel.add(p * NR) as *mut __m512i, _mm512_setzero_si512());
+            }
+        }
+    }
+}
+
+/// One register tile of `rows` (1..=MR) rows, dispatched to its monomorphised kernel.
+///
+/// # Safety
+/// As [`kernel`], with R = `rows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile(
+    rows: usize,
+    kcp: usize,
+    a: *const u32,
+    rsa: usize,
+    b: *const u32,
+    c: *mut f32,
+    rsc: usize,
+    nr: usize,
+    acc: bool,
+    bias: Option<*const f32>,
+) {
+    macro_rules! by_rows {
+        ($($r:literal)*) => {
+            match rows {
+                // SAFETY: forwarded from the caller.
+                $($r => unsafe { kernel::<$r>(kcp, a, rsa, b, c, rsc, nr, acc, bias) },)*
+                _ => unreachable!("tile rows {rows} outside 1..={MR}"),
+            }
+        };
+    }
+    by_rows!(1 2 3 4 5 6 7 8 9 10 11 12)
+}
+
+/// c[0..R, 0..nr] (+)= a[0..R] · panel over `kcp` pairs; row i's pairs at `a + i * rsa`.
+///
+/// # Safety
+/// AVX512_BF16 must be present; `a` R rows of kcp u32 at row stride rsa; `b` a packed panel of
+/// kcp x NR u32, 64-byte aligned; `c` R rows of nr writable floats at row stride rsc, not
+/// overlapping the rest; `bias`, if any, nr readable floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kernel<const R: usize>(
+    kcp: usize,
+    a: *const u32,
+    rsa: usize,
+    b: *const u32,
+    c: *mut f32,
+    rsc: usize,
+    nr: usize,
+    acc: bool,
+    bias: Option<*const f32>,
+) {
+    let mut c0 = [_mm512_setzero_ps(); R];
+    let mut c1 = [_mm512_setzero_ps(); R];
+    // SAFETY: pointer ranges per the contract above; the transmutes reinterpret 512-bit
+    // vectors of pairs as the instruction's bf16 vector type.
+    unsafe {
+        let (mut ap, mut bp) = (a, b);
+        for _ in 0..kcp {
+            let b0 =
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_load_si512(bp as *const __m512i));
+            let b1 = std::mem::transmute::<__m512i, __m512bh>(_mm512_load_si512(
+                bp.add(16) as *const __m512i
+            ));
+            for i in 0..R {
+                let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                    *ap.add(i * rsa) as i32,
+                ));
+                c0[i] = _mm512_dpbf16_ps(c0[i], av, b0);
+                c1[i] = _mm512_dpbf16_ps(c1[i], av, b1);
+            }
+            ap = ap.add(1);
+            bp = bp.add(NR);
+        }
+        let (m0, m1) = (lanes(nr), lanes(nr.saturating_sub(16)));
+        let (bb0, bb1) = match bias {
+            Some(bi) => (
+                _mm512_maskz_loadu_ps(m0, bi),
+                _mm512_maskz_loadu_ps(m1, bi.add(16.min(nr))),
+            ),
+            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+        };
+        for i in 0..R {
+            let cp = c.add(i * rsc);
+            let cp1 = cp.add(16.min(nr));
+            let (x0, x1) = if acc {
+                (
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cp), c0[i]),
+                    _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cp1), c1[i]),
+                )
+            } else {
+                (_mm512_add_ps(c0[i], bb0), _mm512_add_ps(c1[i], bb1))
+            };
+            _mm512_mask_storeu_ps(cp, m0, x0);
+            _mm512_mask_storeu_ps(cp1, m1, x1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testing::rand_vec;
+
+    fn round(x: f32) -> f64 {
+        f32::from_bits((bf16_bits(x) as u32) << 16) as f64
+    }
+
+    /// The product of the bf16-rounded operands, summed in f64.
+    fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for p in 0..k {
+                let x = round(a[i * k + p]);
+                for j in 0..n {
+                    c[i * n + j] += x * round(b[p * n + j]);
+                }
+            }
+        }
+        c
+    }
+
+    fn transpose(x: &[f32], r: usize, c: usize) -> Vec<f32> {
+        (0..r * c).map(|i| x[(i % r) * c + i / r]).collect()
+    }
+
+    /// Every layout (plain, transposed and general strides for each operand), odd and even K,
+    /// edges on every block boundary: the result is the exact product of the rounded inputs
+    /// up to f32 summation error.
+    #[test]
+    fn matches_the_product_of_rounded_inputs() {
+        if !avx512_bf16() {
+            eprintln!("skipped: this CPU has no AVX512_BF16");
+            return;
+        }
+        let mut kernels = vec![Kernel::Avx512];
+        if amx_granted() {
+            kernels.push(Kernel::Amx);
+        } else {
+            eprintln!("AMX kernel not tested: this CPU or OS has no AMX");
+        }
+        for kernel in kernels {
+            products_match(kernel);
+        }
+    }
+
+    fn products_match(kernel: Kernel) {
+        for &(m, k, n) in &[
+            (1, 1, 1),
+            (5, 3, 7),
+            (13, 33, 45),
+            (200, 515, 70),
+            (37, 1030, 2100),
+        ] {
+            let a = rand_vec(m * k, 1);
+            let b = rand_vec(k * n, 2);
+            let bias = rand_vec(n, 3);
+            let want = reference(&a, &b, m, k, n);
+            let at = transpose(&a, m, k);
+            let bt = transpose(&b, k, n);
+            let a_layouts = [
+                Strided {
+                    ptr: a.as_ptr(),
+                    rs: k,
+                    cs: 1,
+                },
+                Strided {
+                    ptr: at.as_ptr(),
+                    rs: 1,
+                    cs: m,
+                },
+            ];
+            let b_layouts = [
+                Strided {
+                    ptr: b.as_ptr(),
+                    rs: n,
+                    cs: 1,
+                },
+                Strided {
+                    ptr: bt.as_ptr(),
+                    rs: 1,
+                    cs: k,
+                },
+            ];
+            // A general stride: every other element of a doubled buffer.
+            let a2: Vec<f32> = a.iter().flat_map(|&x| [x, 9.0]).collect();
+            let b2: Vec<f32> = b.iter().flat_map(|&x| [x, 9.0]).collect();
+            let ga = Strided {
+                ptr: a2.as_ptr(),
+                rs: 2 * k,
+                cs: 2,
+            };
+            let gb = Strided {
+                ptr: b2.as_ptr(),
+                rs: 2 * n,
+                cs: 2,
+            };
+            let mut cases: Vec<(Strided, Strided)> = Vec::new();
+            for &sa in &a_layouts {
+                for &sb in &b_layouts {
+                    cases.push((sa, sb));
+                }
+            }
+            cases.push((ga, gb));
+            for (sa, sb) in cases {
+                let mut c = vec![f32::NAN; m * n];
+                // SAFETY: the descriptors cover the test's buffers; AVX512_BF16 checked above.
+                unsafe { bgemm_with(kernel, m, k, n, sa, sb, c.as_mut_ptr(), n, false, None) };
+                for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g as f64 - w).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
+                        "{kernel:?} m{m} k{k} n{n} a({},{}) b({},{}) [{i}]: got {g}, want {w}",
+                        sa.rs,
+                        sa.cs,
+                        sb.rs,
+                        sb.cs
+                    );
+                }
+                // Bias, then accumulate on top of it.
+                // SAFETY: as above.
+                unsafe {
+                    let c = c.as_mut_ptr();
+                    bgemm_with(kernel, m, k, n, sa, sb, c, n, false, Some(bias.as_ptr()));
+                    bgemm_with(kernel, m, k, n, sa, sb, c, n, true, None);
+                }
+                for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
+                    let w = 2.0 * w + bias[i % n] as f64;
+                    assert!(
+                        (g as f64 - w).abs() <= 2e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
+                        "{kernel:?} accumulate m{m} k{k} n{n} [{i}]: got {g}, want {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rounding_is_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one (1.0).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        // 1 + 3·2^-8 is halfway too: the even neighbour is 1 + 2^-6.
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
+    }
+}

@@ -51,12 +51,18 @@ struct Blocking {
     kcp: usize,
     /// Rows of A per packed block (a multiple of the kernel's rows).
     mc: usize,
-    /// Columns of B per packed block.
+    /// Columns of B per packed block (a multiple of NR).
     nc: usize,
 }
 
+/// u32 of packed A per block under AMX (256 KB).
+const AMX_A_BUDGET: usize = 1 << 16;
+/// u32 of packed B per block under AMX (1 MB): with A's block, within a 2 MB L2.
+const AMX_B_BUDGET: usize = 1 << 18;
+
 impl Kernel {
-    fn blocking(self) -> Blocking {
+    /// The blocks for a product of inner dimension `k`.
+    fn blocking(self, k: usize) -> Blocking {
         match self {
             // A micro-panel of B is 256 pairs x 32 columns = 32 KB (L1); A's block 192 KB (L2).
             Kernel::Avx512 => Blocking {
@@ -64,14 +70,30 @@ impl Kernel {
                 mc: 192,
                 nc: 2048,
             },
-            // AMX consumes a K block 20x faster, so the blocks are longer in K (fewer passes
-            // over C, whose tiles go through memory once per block): B's micro-panel is
-            // 128 KB and A's block 512 KB, both in L2.
-            Kernel::Amx => Blocking {
-                kcp: 1024,
-                mc: 128,
-                nc: 1024,
-            },
+            // AMX consumes a K block 20x faster than the zmm kernel, so what limits it is
+            // memory: both packed blocks stay in L2 together, sized to K, and the K blocks
+            // are long (C's tiles go through memory once per block).
+            Kernel::Amx => {
+                let kcp = k.div_ceil(32).clamp(1, 64) * 16;
+                Blocking {
+                    kcp,
+                    mc: (AMX_A_BUDGET / kcp / MR_AMX).clamp(1, 64) * MR_AMX,
+                    nc: (AMX_B_BUDGET / kcp / NR).max(1) * NR,
+                }
+            }
+        }
+    }
+
+    /// The packing buffers' sizes in u32 (A, B): the largest blocks of any K.
+    fn buffers(self) -> (usize, usize) {
+        match self {
+            Kernel::Avx512 => {
+                let bl = self.blocking(0);
+                (bl.mc * bl.kcp, bl.nc * bl.kcp)
+            }
+            // Every AMX blocking stays within the budgets, plus one A block of 32 rows for K
+            // blocks so long that the budget holds fewer.
+            Kernel::Amx => (AMX_A_BUDGET + MR_AMX * 1024, AMX_B_BUDGET + NR * 1024),
         }
     }
 }
@@ -213,12 +235,12 @@ unsafe fn bgemm_with(
         }
         return;
     }
-    let bl = kernel.blocking();
+    let bl = kernel.blocking(k);
     PACKS.with(|packs| {
         let mut packs = packs.borrow_mut();
         let packs = &mut *packs;
-        let a_lines = bl.mc * bl.kcp / 16;
-        let b_lines = bl.nc * bl.kcp / 16;
+        let (a_len, b_len) = kernel.buffers();
+        let (a_lines, b_lines) = (a_len / 16, b_len / 16);
         if packs.a.len() < a_lines {
             packs.a.resize(a_lines, Line([0; 16]));
         }

@@ -121,6 +121,8 @@ pub struct TrainConfig {
     pub overlap: Overlap,
     /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
     pub bf16_compress: bool,
+    /// What the model's matrix products compute in.
+    pub precision: Precision,
     /// Loader threads reading batches ahead of the training loop (0: read
     /// on the training thread).
     pub loader_workers: usize,
@@ -190,6 +192,29 @@ pub enum PsMode {
     Sync,
     /// Applies each gradient as it arrives, if it is not too stale.
     Async,
+}
+
+/// What the model's matrix products compute in. Parameters, gradients, optimizer state and
+/// every other kernel stay fp32 either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Precision {
+    /// fp32 throughout.
+    #[default]
+    Fp32,
+    /// bf16 inputs and f32 sums (AMX or AVX512_BF16, whichever the CPU has; fp32 with a
+    /// note where it has neither).
+    Bf16,
+}
+
+impl Precision {
+    /// The engine's name for it.
+    pub fn dtype(self) -> cohort_engine::DType {
+        match self {
+            Precision::Fp32 => cohort_engine::DType::F32,
+            Precision::Bf16 => cohort_engine::DType::Bf16,
+        }
+    }
 }
 
 /// When DDP reduces gradient buckets: on a communication thread during
@@ -278,6 +303,7 @@ impl Default for TrainConfig {
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
             overlap: Overlap::Auto,
             bf16_compress: false,
+            precision: Precision::Fp32,
             loader_workers: 1,
             prefetch: 4,
             sort_size: 1024,
@@ -500,6 +526,11 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_compress: Option<bool>,
+    /// Matrix products in fp32, or in bf16 with f32 sums and fp32 master weights and optimizer
+    /// state (PyTorch's CPU autocast) [default: fp32].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub precision: Option<Precision>,
     /// Loader threads reading batches ahead (0: on the training thread) [default: 1].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -54,7 +54,7 @@ mod trainer_files;
 pub use checkpoint::TrainState;
 pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use config::{
-    ConfigError, Overlap, PipelineSchedule, PsMode, Strategy, TrainArgs, TrainConfig,
+    ConfigError, Overlap, PipelineSchedule, Precision, PsMode, Strategy, TrainArgs, TrainConfig,
     TUNED_BUCKET_CAP_MB,
 };
 pub use fault::{NanInjection, INJECT_NAN_VAR};

@@ -8,7 +8,7 @@
 
 use crate::batches::{val_batches, TrainBatches};
 use crate::checkpoint::{self, SaveReport, TrainState};
-use crate::config::TrainConfig;
+use crate::config::{Precision, TrainConfig};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::TrainError;
@@ -17,7 +17,7 @@ use cohort_data::Dataset;
 use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec};
 use cohort_engine::optim::{AdamW, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GPTConfig, GPT};
+use cohort_gpt::{GPTConfig, GptError, GPT};
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
@@ -72,6 +72,35 @@ pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> GPTConfig {
         dropout: cfg.dropout,
         ..GPTConfig::default()
     }
+}
+
+/// Puts a model's matrix products in the precision `cfg` asks for (`set` is the model's
+/// `set_precision`) and returns [`precision_line`].
+pub(crate) fn apply_precision(
+    cfg: &TrainConfig,
+    set: impl FnOnce(cohort_engine::DType) -> Result<cohort_engine::DType, GptError>,
+) -> Result<Option<String>, TrainError> {
+    if cfg.precision != Precision::Fp32 {
+        set(cfg.precision.dtype())?;
+    }
+    Ok(precision_line(cfg))
+}
+
+/// The line a run's header shows for its precision: what is in effect, and why when the CPU
+/// cannot do what was asked. Nothing for fp32, the default.
+pub(crate) fn precision_line(cfg: &TrainConfig) -> Option<String> {
+    if cfg.precision == Precision::Fp32 {
+        return None;
+    }
+    Some(match cohort_engine::cpu::bf16_kernel_name() {
+        Some(kernel) => format!(
+            "precision bf16: matrix products on {kernel} with f32 sums; fp32 master weights, \
+             optimizer state and other kernels"
+        ),
+        None => "precision bf16 asked for, but this CPU has neither AMX nor AVX512_BF16: \
+                 training in fp32"
+            .to_string(),
+    })
 }
 
 /// Refuses, before anything is allocated, settings whose model, gradients,
@@ -190,6 +219,7 @@ impl<'a> DataParallel<'a> {
         } else {
             GPT::zeroed(model_cfg, cfg.seed)?
         };
+        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
         let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
         let mut state = TrainState::default();
         if let Some(dir) = &cfg.resume {

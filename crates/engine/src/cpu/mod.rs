@@ -123,6 +123,21 @@ pub fn bf16_supported() -> bool {
     }
 }
 
+/// Which instructions compute bf16 products on this CPU ("AMX" or "AVX512_BF16"), if any.
+pub fn bf16_kernel_name() -> Option<&'static str> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        gemm_bf16::chosen_kernel().map(|k| match k {
+            gemm_bf16::Kernel::Amx => "AMX",
+            gemm_bf16::Kernel::Avx512 => "AVX512_BF16",
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        None
+    }
+}
+
 /// The CPU backend: a persistent pool of intra-op threads.
 pub struct Cpu {
     pool: rayon::ThreadPool,

@@ -66,6 +66,7 @@ impl<'c> Server<'c> {
         model_cfg.validate()?;
         crate::train::check_memory(cfg, &model_cfg, data.seq_len(), 1)?;
         let mut model = GPT::new(model_cfg, cfg.seed)?;
+        crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
         let adamw = cfg.adamw();
         let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
         let resumed = match &cfg.resume {
@@ -150,7 +151,7 @@ impl Strategy for Serving<'_, '_> {
         let s = &self.server;
         let (cfg, workers) = (s.cfg, s.board.workers);
         let (b, t) = (cfg.batch_size, s.data.seq_len());
-        let mut lines = Vec::new();
+        let mut lines: Vec<String> = crate::train::precision_line(cfg).into_iter().collect();
         if let Some(resumed) = &s.resumed {
             lines.extend(resumed.notes.iter().cloned());
             lines.push(format!(

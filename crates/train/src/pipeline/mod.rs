@@ -217,6 +217,9 @@ impl<'a> Pipeline<'a> {
         let mut opt = optimizer(cfg, &stage)?;
         let replicas = topo.replicas;
         let mut header = Vec::new();
+        header.extend(crate::train::apply_precision(cfg, |d| {
+            stage.set_precision(d)
+        })?);
         let mut start = TrainState::default();
         if let Some(dir) = &cfg.resume {
             let resumed = resume_stage(dir, cfg, pg, replicas, &model_cfg, &mut stage, &mut opt)?;

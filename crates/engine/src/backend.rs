@@ -154,9 +154,9 @@ kernels! {
     /// acc += Σ_rows x.
     fn column_sums(acc: &mut [f32], x: &[f32]) => cpu::column_sums;
     /// Causal attention with key padding mask; lse (B,NH,T) kept for backward.
-    fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => cpu::attention_forward;
+    fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward;
     /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
-    fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => cpu::attention_backward;
+    fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
     /// Per-row loss (0 for ignored targets) and log-sum-exp.
     fn crossentropy_forward(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize) => cpu::crossentropy_forward;
     /// dlogits = scale * (softmax - onehot) (overwritten; zero rows for ignored targets).

@@ -13,9 +13,11 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
+#[cfg(target_arch = "x86_64")]
+use super::gemm_bf16::bgemm;
 use super::math::{exp, max, sum};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
-use crate::Dropout;
+use crate::{DType, Dropout};
 
 /// Query rows per block.
 const RB: usize = 64;
@@ -42,13 +44,15 @@ pub struct AttnDims {
     pub nh: usize,
 }
 
-/// Raw strided product on one thread: c = alpha * a·b + beta * c.
+/// Raw strided product on one thread: c = alpha * a·b + beta * c, on bf16-rounded operands
+/// with f32 sums when `bf16` (and the CPU has the bf16 product).
 ///
 /// # Safety
 /// As `matrixmultiply::sgemm`; `c` must not overlap `a` or `b`.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 unsafe fn mm(
+    bf16: bool,
     m: usize,
     k: usize,
     n: usize,
@@ -82,7 +86,13 @@ unsafe fn mm(
         );
         // SAFETY: the caller upholds `mm`'s contract (valid strided views, `c` disjoint from
         // `a` and `b`), which is `sgemm`'s; AVX-512 was detected just above.
-        unsafe { sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None) };
+        unsafe {
+            if bf16 {
+                bgemm(m, k, n, a, b, c, rsc, beta == 1.0, None)
+            } else {
+                sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None)
+            }
+        };
         if alpha != 1.0 {
             assert!(beta == 0.0, "attention scales only fresh products");
             for i in 0..m {
@@ -121,6 +131,7 @@ unsafe fn mm(
 /// (B, T, 3C) in GPT-2's order; `lse` (B, NH, T) receives the log-sum-exp of each query.
 /// `mask` (B, T) is 1 for tokens and 0 for padding (padding keys are never attended to).
 pub fn attention_forward(
+    dtype: DType,
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
@@ -130,13 +141,14 @@ pub fn attention_forward(
     scratch: &mut [f32],
 ) {
     let AttnDims { b, t, c, nh } = dims;
+    let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     assert!(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t);
     assert!(mask.is_none_or(|m| m.len() >= b * t));
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
     for_each_head(dims, scratch, |bh, scr| {
         // safety: task bh writes only its own head's columns of out and its own lse row.
-        unsafe { head_forward(out_p, lse_p, qkv, mask, dims, dropout, bh, scr) }
+        unsafe { head_forward(bf16, out_p, lse_p, qkv, mask, dims, dropout, bh, scr) }
     });
 }
 
@@ -174,6 +186,7 @@ fn mask_row(mf: &mut [f32], mask: Option<&[u8]>, bi: usize, t: usize) {
 /// touches head `bh`'s part of them.
 #[allow(clippy::too_many_arguments)]
 unsafe fn head_forward(
+    bf16: bool,
     out: SendPtr,
     lse: SendPtr,
     qkv: &[f32],
@@ -199,6 +212,7 @@ unsafe fn head_forward(
         // sizes); `s` holds rows x keys floats and is this task's scratch, disjoint from `qkv`.
         unsafe {
             mm(
+                bf16,
                 rows,
                 hd,
                 keys,
@@ -231,6 +245,7 @@ unsafe fn head_forward(
         unsafe {
             let o = out.0.add((bi * t + r0) * c + h * hd);
             mm(
+                bf16,
                 rows,
                 keys,
                 hd,
@@ -310,6 +325,7 @@ simd_fn! {
 /// receives the forward's output again (the caller did not keep it).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
+    dtype: DType,
     dqkv: &mut [f32],
     recompute_out: Option<&mut [f32]>,
     dout: &[f32],
@@ -321,6 +337,7 @@ pub fn attention_backward(
     scratch: &mut [f32],
 ) {
     let AttnDims { b, t, c, nh } = dims;
+    let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     assert!(dqkv.len() >= b * t * 3 * c && qkv.len() >= b * t * 3 * c && dout.len() >= b * t * c);
     assert!(lse.len() >= b * nh * t && mask.is_none_or(|m| m.len() >= b * t));
     let dqkv_p = SendPtr(dqkv.as_mut_ptr());
@@ -330,7 +347,11 @@ pub fn attention_backward(
     });
     for_each_head(dims, scratch, |bh, scr| {
         // safety: task bh writes only its own head's columns of dqkv and of the output.
-        unsafe { head_backward(dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh, scr) }
+        unsafe {
+            head_backward(
+                bf16, dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh, scr,
+            )
+        }
     });
 }
 
@@ -338,6 +359,7 @@ pub fn attention_backward(
 /// As `head_forward`, for `dqkv` and `out`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn head_backward(
+    bf16: bool,
     dqkv: SendPtr,
     out: Option<SendPtr>,
     dout: &[f32],
@@ -372,6 +394,7 @@ unsafe fn head_backward(
         // scratch (rows x keys), disjoint from `qkv`.
         unsafe {
             mm(
+                bf16,
                 rows,
                 hd,
                 keys,
@@ -388,6 +411,7 @@ unsafe fn head_backward(
             );
             // dPd = dY · Vᵀ
             mm(
+                bf16,
                 rows,
                 hd,
                 keys,
@@ -430,6 +454,7 @@ unsafe fn head_backward(
         unsafe {
             // dV[0..keys] += usedᵀ · dY; keys r0..r1 are touched for the first time here.
             mm(
+                bf16,
                 r0,
                 rows,
                 hd,
@@ -445,6 +470,7 @@ unsafe fn head_backward(
                 3 * c,
             );
             mm(
+                bf16,
                 rows,
                 rows,
                 hd,
@@ -462,6 +488,7 @@ unsafe fn head_backward(
             if let Some(o) = out {
                 let o = o.0.add((bi * t + r0) * c + h * hd);
                 mm(
+                    bf16,
                     rows,
                     keys,
                     hd,
@@ -490,6 +517,7 @@ unsafe fn head_backward(
         unsafe {
             // dQ[r0..r1] = dS · K; dK[0..keys] += dSᵀ · Q[r0..r1]
             mm(
+                bf16,
                 rows,
                 keys,
                 hd,
@@ -505,6 +533,7 @@ unsafe fn head_backward(
                 3 * c,
             );
             mm(
+                bf16,
                 r0,
                 rows,
                 hd,
@@ -520,6 +549,7 @@ unsafe fn head_backward(
                 3 * c,
             );
             mm(
+                bf16,
                 rows,
                 rows,
                 hd,
@@ -615,6 +645,7 @@ mod tests {
             let mut scratch = vec![0.0; attention_scratch_len(t, threads)];
             within_pool(threads, || {
                 attention_forward(
+                    DType::F32,
                     &mut out,
                     &mut lse,
                     &qkv,
@@ -624,6 +655,7 @@ mod tests {
                     &mut scratch,
                 );
                 attention_backward(
+                    DType::F32,
                     &mut dqkv,
                     Some(&mut again),
                     &dout,
@@ -640,5 +672,71 @@ mod tests {
             assert_close(&again, &f(&f64s(&qkv)), 1e-5, "recomputed out");
             check_grad("dqkv", &dqkv, 0.0, &f64s(&qkv), &dout, f);
         }
+    }
+
+    /// bf16 products (q kᵀ, p v and the backward's) stay within bf16 rounding of the f64
+    /// reference, and really differ from the f32 kernel's results.
+    #[test]
+    fn bf16_attention_tracks_the_reference() {
+        if !crate::cpu::bf16_supported() {
+            eprintln!("skipped: this CPU has neither AMX nor AVX512_BF16");
+            return;
+        }
+        let dims = AttnDims {
+            b: 2,
+            t: 70,
+            c: 32,
+            nh: 2,
+        };
+        let AttnDims { b, t, c, nh } = dims;
+        let qkv = rand_vec(b * t * 3 * c, 3);
+        let dout = rand_vec(b * t * c, 4);
+        let run = |dtype: DType| {
+            let mut out = vec![0.0; b * t * c];
+            let mut lse = vec![0.0; b * nh * t];
+            let mut dqkv = vec![0.0; b * t * 3 * c];
+            let mut scratch = vec![0.0; attention_scratch_len(t, 2)];
+            within_pool(2, || {
+                attention_forward(
+                    dtype,
+                    &mut out,
+                    &mut lse,
+                    &qkv,
+                    None,
+                    dims,
+                    None,
+                    &mut scratch,
+                );
+                attention_backward(
+                    dtype,
+                    &mut dqkv,
+                    None,
+                    &dout,
+                    &qkv,
+                    &lse,
+                    None,
+                    dims,
+                    None,
+                    &mut scratch,
+                );
+            });
+            (out, dqkv)
+        };
+        let (out32, d32) = run(DType::F32);
+        let (out16, d16) = run(DType::Bf16);
+        let mask = vec![1u8; b * t];
+        assert_close(
+            &out16,
+            &reference(&f64s(&qkv), &mask, dims, None),
+            2e-2,
+            "bf16 out",
+        );
+        let scale = d32.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+        let want: Vec<f64> = d32.iter().map(|&x| x as f64).collect();
+        assert_close(&d16, &want, 3e-2 * scale.max(1.0), "bf16 dqkv");
+        assert_ne!(
+            out32, out16,
+            "bf16 attention equals f32's: bf16 not in use?"
+        );
     }
 }

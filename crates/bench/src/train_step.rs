@@ -14,12 +14,13 @@ use serde::Serialize;
 use cohort_gpt::{GPTConfig, GptError, GPT};
 use cohort_train::{peak_rss_mb, process_cpu_ms};
 
-/// The two benchmark configurations, A and B (model config and batch size), as PyTorch's
+/// The benchmark configurations A, B and G (model config and batch size), as PyTorch's
 /// reference scripts define them.
 pub fn bench_config(name: &str) -> Option<(GPTConfig, usize)> {
     match name {
         "A" | "a" => Some((GPTConfig::config_a(), 12)),
         "B" | "b" => Some((GPTConfig::config_b(), 8)),
+        "G" | "g" => Some((GPTConfig::config_g(), 4)),
         _ => None,
     }
 }
@@ -27,7 +28,7 @@ pub fn bench_config(name: &str) -> Option<(GPTConfig, usize)> {
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct TrainBench {
-    /// "A" or "B".
+    /// "A", "B" or "G".
     pub config: String,
     /// Intra-op threads.
     pub threads: usize,
@@ -46,7 +47,7 @@ pub struct TrainBench {
 pub struct BenchReport {
     /// Always "train".
     pub bench: &'static str,
-    /// "A" or "B".
+    /// "A", "B" or "G".
     pub config: String,
     /// Intra-op threads.
     pub threads: usize,
@@ -95,7 +96,7 @@ fn median(x: &mut [f64]) -> f64 {
 pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
     let (cfg, batch) = bench_config(&spec.config).ok_or_else(|| GptError::Config {
         field: "bench config",
-        reason: format!("{:?} is not A or B", spec.config),
+        reason: format!("{:?} is not A, B or G", spec.config),
     })?;
     let t = cfg.max_position_embeddings;
     let v = cfg.vocab_size as u64;

@@ -83,6 +83,22 @@ impl GPTConfig {
         }
     }
 
+    /// Benchmark config G, GPT-2 small's shape with a short context (124M parameters), dropout
+    /// 0; batch 4.
+    pub fn config_g() -> Self {
+        GPTConfig {
+            vocab_size: 50304,
+            max_position_embeddings: 256,
+            n_layers: 12,
+            n_heads: 12,
+            d_model: 768,
+            d_ff: 3072,
+            dropout: 0.0,
+            bias: true,
+            tie_word_embeddings: true,
+        }
+    }
+
     /// Width of one attention head (C / NH).
     pub fn head_dim(&self) -> usize {
         self.d_model / self.n_heads

@@ -33,9 +33,18 @@ simd_fn! {
     fn ce_rows(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], v: usize) {
         for (i, row) in logits.chunks_exact(v).enumerate() {
             let m = max(row);
+            // Element j goes to lane j % 16, in order; written over whole chunks so that the
+            // compiler vectorises it (an index modulo 16 kept it scalar: 4 ns a logit).
             let mut acc = [0f32; 16];
-            for (j, &x) in row.iter().enumerate() {
-                acc[j % 16] += exp(x - m);
+            let chunks = row.chunks_exact(16);
+            let tail = chunks.remainder();
+            for ch in chunks {
+                for (a, &x) in acc.iter_mut().zip(ch) {
+                    *a += exp(x - m);
+                }
+            }
+            for (a, &x) in acc.iter_mut().zip(tail) {
+                *a += exp(x - m);
             }
             let s = m + sum(&acc).ln();
             lse[i] = s;

@@ -159,6 +159,10 @@ kernels! {
     fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
     /// Per-row loss (0 for ignored targets) and log-sum-exp.
     fn crossentropy_forward(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize) => cpu::crossentropy_forward;
-    /// dlogits = scale * (softmax - onehot) (overwritten; zero rows for ignored targets).
-    fn crossentropy_backward(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, n: usize, v: usize) => cpu::crossentropy_backward;
+    /// One block of vocabulary columns v0..v0+v: lse (start at -inf) takes in the block's
+    /// log-sum-exp; target_logit gets the target's logit where it is in the block.
+    fn crossentropy_forward_block(lse: &mut [f32], target_logit: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize, v0: usize) => cpu::crossentropy_forward_block;
+    /// dlogits = scale * (softmax - onehot) for vocabulary columns v0..v0+v (overwritten; zero
+    /// rows for ignored targets).
+    fn crossentropy_backward(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, n: usize, v: usize, v0: usize) => cpu::crossentropy_backward;
 }

@@ -25,8 +25,8 @@ use cohort_engine::{Backend, DType};
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
     block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
-    head_backward, head_forward, init_tensors, validate_batch, wb, ActLayout, Batch, DropKey,
-    HeadLayout, Profile, KEEP_MAX_BYTES, KERNELS,
+    head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
+    DropKey, HeadLayout, Profile, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
 };
 use crate::{GPTConfig, GptError, ParamView};
 
@@ -430,9 +430,18 @@ impl GptStage {
         let nb = self.part.blocks.len();
         let first = self.part.blocks.start;
         let s = &mut self.slots[slot];
-        if s.act_layout.as_ref().is_none_or(|al| al.n < n) {
+        let cols = logit_cols(
+            n,
+            self.arena_config.vocab_size,
+            labels.is_some(),
+            LOGITS_MAX_BYTES,
+        );
+        if s.act_layout
+            .as_ref()
+            .is_none_or(|al| al.n < n || al.logit_cols != cols)
+        {
             s.arena = Vec::new();
-            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES);
+            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols);
             s.arena = vec![0.0; al.total];
             s.act_layout = Some(al);
         }

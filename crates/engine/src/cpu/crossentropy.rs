@@ -29,24 +29,29 @@ pub fn crossentropy_forward(
         .for_each(|(((l, s), x), t)| ce_rows(l, s, x, t, v));
 }
 
+/// log Σ_j exp(row[j]), element j summed into lane j % 16 in order (whole chunks, so that the
+/// compiler vectorises it: an index modulo 16 kept it scalar at 4 ns a logit).
+#[inline(always)]
+fn row_lse(row: &[f32]) -> f32 {
+    let m = max(row);
+    let mut acc = [0f32; 16];
+    let chunks = row.chunks_exact(16);
+    let tail = chunks.remainder();
+    for ch in chunks {
+        for (a, &x) in acc.iter_mut().zip(ch) {
+            *a += exp(x - m);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(tail) {
+        *a += exp(x - m);
+    }
+    m + sum(&acc).ln()
+}
+
 simd_fn! {
     fn ce_rows(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], v: usize) {
         for (i, row) in logits.chunks_exact(v).enumerate() {
-            let m = max(row);
-            // Element j goes to lane j % 16, in order; written over whole chunks so that the
-            // compiler vectorises it (an index modulo 16 kept it scalar: 4 ns a logit).
-            let mut acc = [0f32; 16];
-            let chunks = row.chunks_exact(16);
-            let tail = chunks.remainder();
-            for ch in chunks {
-                for (a, &x) in acc.iter_mut().zip(ch) {
-                    *a += exp(x - m);
-                }
-            }
-            for (a, &x) in acc.iter_mut().zip(tail) {
-                *a += exp(x - m);
-            }
-            let s = m + sum(&acc).ln();
+            let s = row_lse(row);
             lse[i] = s;
             let t = targets[i];
             losses[i] = if t < 0 { 0.0 } else { s - row[t as usize] };
@@ -54,8 +59,50 @@ simd_fn! {
     }
 }
 
-/// `dlogits = scale * (softmax(logits) - onehot(target))` per row (overwritten); rows with an
-/// ignored target get zeros.
+/// The forward of a vocabulary too large to hold all its logits at once, one block of columns
+/// at a time: for the block's columns `v0..v0 + v` (`logits` is (N, v)), each row's running
+/// log-sum-exp `lse[i]` (start it at -inf) takes in the block's, and where the row's target
+/// falls in the block its logit goes to `target_logit[i]`. After the last block the loss of a
+/// counted row is `lse[i] - target_logit[i]`.
+pub fn crossentropy_forward_block(
+    lse: &mut [f32],
+    target_logit: &mut [f32],
+    logits: &[f32],
+    targets: &[i32],
+    n: usize,
+    v: usize,
+    v0: usize,
+) {
+    lse[..n]
+        .par_chunks_mut(ROWS_PER_TASK)
+        .zip(target_logit[..n].par_chunks_mut(ROWS_PER_TASK))
+        .zip(logits[..n * v].par_chunks(ROWS_PER_TASK * v))
+        .zip(targets[..n].par_chunks(ROWS_PER_TASK))
+        .for_each(|(((s, tl), x), t)| ce_block_rows(s, tl, x, t, v, v0));
+}
+
+simd_fn! {
+    fn ce_block_rows(lse: &mut [f32], target_logit: &mut [f32], logits: &[f32], targets: &[i32], v: usize, v0: usize) {
+        for (i, row) in logits.chunks_exact(v).enumerate() {
+            let block = row_lse(row);
+            let prev = lse[i];
+            lse[i] = if prev == f32::NEG_INFINITY {
+                block
+            } else {
+                let hi = prev.max(block);
+                hi + (exp(prev - hi) + exp(block - hi)).ln()
+            };
+            let t = targets[i];
+            if t >= 0 && (v0..v0 + v).contains(&(t as usize)) {
+                target_logit[i] = row[t as usize - v0];
+            }
+        }
+    }
+}
+
+/// `dlogits = scale * (softmax(logits) - onehot(target))` per row (overwritten), for the
+/// vocabulary columns `v0..v0 + v` (`logits` and `dlogits` are (N, v); `lse` is over the whole
+/// vocabulary; 0 and the vocabulary size for all of it). Rows with an ignored target get zeros.
 pub fn crossentropy_backward(
     dlogits: &mut [f32],
     logits: &[f32],
@@ -64,17 +111,18 @@ pub fn crossentropy_backward(
     scale: f32,
     n: usize,
     v: usize,
+    v0: usize,
 ) {
     dlogits[..n * v]
         .par_chunks_mut(ROWS_PER_TASK * v)
         .zip(logits[..n * v].par_chunks(ROWS_PER_TASK * v))
         .zip(lse[..n].par_chunks(ROWS_PER_TASK))
         .zip(targets[..n].par_chunks(ROWS_PER_TASK))
-        .for_each(|(((d, x), s), t)| ce_back_rows(d, x, s, t, scale, v));
+        .for_each(|(((d, x), s), t)| ce_back_rows(d, x, s, t, scale, v, v0));
 }
 
 simd_fn! {
-    fn ce_back_rows(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, v: usize) {
+    fn ce_back_rows(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, v: usize, v0: usize) {
         for (i, (d, x)) in dlogits.chunks_exact_mut(v).zip(logits.chunks_exact(v)).enumerate() {
             let t = targets[i];
             if t < 0 {
@@ -85,7 +133,10 @@ simd_fn! {
             for (d, &x) in d.iter_mut().zip(x) {
                 *d = exp(x - s) * scale;
             }
-            d[t as usize] -= scale;
+            // The one-hot term, where the target is in this block of columns.
+            if let Some(d) = (t as usize).checked_sub(v0).and_then(|j| d.get_mut(j)) {
+                *d -= scale;
+            }
         }
     }
 }
@@ -113,7 +164,7 @@ mod tests {
         let (mut losses, mut lse, mut d) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * v]);
         within_pool(2, || {
             crossentropy_forward(&mut losses, &mut lse, &logits, &targets, n, v);
-            crossentropy_backward(&mut d, &logits, &lse, &targets, scale, n, v);
+            crossentropy_backward(&mut d, &logits, &lse, &targets, scale, n, v, 0);
         });
         let f = |x: &[f64]| -> Vec<f64> {
             let mut total = 0.0;

@@ -24,7 +24,7 @@ pub(crate) mod math;
 mod matmul;
 
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
-pub use crossentropy::{crossentropy_backward, crossentropy_forward};
+pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
 pub use elementwise::{
     dropout_backward, dropout_forward, gelu_backward, gelu_forward, residual_forward,
 };

@@ -9,6 +9,10 @@ use super::*;
 pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
+    /// Columns of logits (and of their gradient) held at once: V, or a block of the vocabulary
+    /// when the forward has labels and the whole (N, V) matrix would be large (see
+    /// [`logit_cols`]).
+    pub(crate) logit_cols: usize,
     pub(super) ranges: [Range<usize>; ACT_BUFFERS],
     pub(crate) total: usize,
 }
@@ -30,7 +34,7 @@ pub(crate) struct Acts<'a> {
     pub(super) lnf_out: &'a mut [f32], // (N, C)
     pub(super) lnf_mean: &'a mut [f32], // (N)
     pub(super) lnf_rstd: &'a mut [f32], // (N)
-    pub(super) logits: &'a mut [f32], // (N, V)
+    pub(super) logits: &'a mut [f32], // (N, V'), V' = logit_cols: V, or a block of it
     pub(super) losses: &'a mut [f32], // (N)
     pub(super) ce_lse: &'a mut [f32], // (N)
     pub(super) s_ln: &'a mut [f32], // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
@@ -39,10 +43,35 @@ pub(crate) struct Acts<'a> {
     pub(super) s_dl: &'a mut [f32], // (N, C) scratch: gradient of a LayerNorm output / attention out
     pub(super) s_drop: &'a mut [f32], // (N, C) scratch: dropout backward (empty without dropout)
     pub(crate) dres: &'a mut [f32], // (N, C) gradient of the residual stream
-    pub(super) dlogits: &'a mut [f32], // (N, V)
+    pub(super) dlogits: &'a mut [f32], // (N, V')
     pub(super) gelu: &'a mut [f32], // (L, N, F) kept GELU outputs (empty unless kept)
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
+    /// Columns of `logits` and `dlogits`.
+    pub(super) logit_cols: usize,
+}
+
+/// Above this many bytes of logits, a forward with labels works on the head in blocks of the
+/// vocabulary: it computes each block's logits and folds them into each row's log-sum-exp
+/// (and the target's logit), keeping nothing else; backward recomputes each block's logits
+/// (one more head product) and takes its gradients at once. Config G's 1024 x 50304 logits
+/// would be 206 MB, twice (logits and their gradient); in blocks they are 2 x 16 MB. Blocks of
+/// columns rather than of rows, so that each block of the head's weight is packed for the
+/// product once. Below the limit (small vocabularies) the whole matrix is kept and nothing is
+/// recomputed.
+pub(crate) const LOGITS_MAX_BYTES: usize = 64 << 20;
+/// Bytes of logits per block.
+const LOGITS_BLOCK_BYTES: usize = 16 << 20;
+
+/// Columns of logits a forward over `n` positions and `v` tokens holds: all of them, or a
+/// block when it has labels (then nothing reads its logits but the loss) and they exceed
+/// `max_bytes`.
+pub(crate) fn logit_cols(n: usize, v: usize, labels: bool, max_bytes: usize) -> usize {
+    if labels && n * v * 4 > max_bytes {
+        (LOGITS_BLOCK_BYTES.min(max_bytes / 2) / (4 * n.max(1))).clamp(1, v)
+    } else {
+        v
+    }
 }
 
 /// Below this many bytes for the kept outputs, forward keeps the LayerNorm, attention and GELU
@@ -71,14 +100,14 @@ impl Acts<'_> {
 }
 
 impl ActLayout {
-    pub(crate) fn new(cfg: &GPTConfig, n: usize, keep_max_bytes: usize) -> ActLayout {
-        let (l, c, f, v, nh) = (
-            cfg.n_layers,
-            cfg.d_model,
-            cfg.d_ff,
-            cfg.vocab_size,
-            cfg.n_heads,
-        );
+    /// The layout for `n` positions; `logit_cols` from [`logit_cols`].
+    pub(crate) fn new(
+        cfg: &GPTConfig,
+        n: usize,
+        keep_max_bytes: usize,
+        logit_cols: usize,
+    ) -> ActLayout {
+        let (l, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
         let drop = if cfg.dropout > 0.0 { n * c } else { 0 };
         let keep = l * n * (f + 3 * c) * 4 <= keep_max_bytes;
         let kept = |per_layer: usize| if keep { per_layer } else { 0 };
@@ -95,7 +124,7 @@ impl ActLayout {
             n * c,
             n,
             n,
-            n * v,
+            n * logit_cols,
             n,
             n,
             if keep { 2 * l * n * c } else { n * c },
@@ -104,7 +133,7 @@ impl ActLayout {
             n * c,
             drop,
             n * c,
-            n * v,
+            n * logit_cols,
             kept(l * n * f),
         ];
         let mut next = 0;
@@ -116,6 +145,7 @@ impl ActLayout {
         ActLayout {
             n,
             keep,
+            logit_cols,
             ranges,
             total: next,
         }
@@ -156,6 +186,7 @@ impl ActLayout {
             dlogits,
             gelu,
             keep: self.keep,
+            logit_cols: self.logit_cols,
         }
     }
 }

@@ -218,15 +218,44 @@ pub(crate) fn head_forward(
             c,
         )
     });
-    let logits = &mut a.logits[..n * v];
-    prof.time(K::HeadFwd, || {
-        dev.head_forward(logits, lnf_out, &p[lay.lm_head.clone()], n, c, v)
-    });
+    let w = &p[lay.lm_head.clone()];
+    let cols = a.logit_cols;
+    if cols < v {
+        // Blocks of the vocabulary: each block's logits fold into each row's log-sum-exp, and
+        // the target's logit is picked up in its block; only those two stay.
+        let lse = &mut a.ce_lse[..n];
+        lse.fill(f32::NEG_INFINITY);
+        let target_logit = &mut a.losses[..n];
+        for v0 in (0..v).step_by(cols) {
+            let vc = cols.min(v - v0);
+            let logits = &mut a.logits[..n * vc];
+            let wb = &w[v0 * c..(v0 + vc) * c];
+            prof.time(K::HeadFwd, || {
+                dev.head_forward(logits, lnf_out, wb, n, c, vc)
+            });
+            prof.time(K::CeFwd, || {
+                dev.crossentropy_forward_block(lse, target_logit, logits, &batch.targets, n, vc, v0)
+            });
+        }
+        for ((l, &s), &t) in a.losses[..n]
+            .iter_mut()
+            .zip(&a.ce_lse[..n])
+            .zip(&batch.targets)
+        {
+            *l = if t < 0 { 0.0 } else { s - *l };
+        }
+    } else {
+        let logits = &mut a.logits[..n * v];
+        prof.time(K::HeadFwd, || dev.head_forward(logits, lnf_out, w, n, c, v));
+        if batch.counted.is_some() {
+            let losses = &mut a.losses[..n];
+            prof.time(K::CeFwd, || {
+                dev.crossentropy_forward(losses, &mut a.ce_lse[..n], logits, &batch.targets, n, v)
+            });
+        }
+    }
     let counted = batch.counted?;
-    let losses = &mut a.losses[..n];
-    prof.time(K::CeFwd, || {
-        dev.crossentropy_forward(losses, &mut a.ce_lse[..n], logits, &batch.targets, n, v)
-    });
+    let losses = &a.losses[..n];
     if counted == 0 {
         return Some(0.0);
     }
@@ -259,29 +288,47 @@ pub(crate) fn head_backward(
     } else {
         1.0 / counted as f32
     };
-    let dlogits = &mut a.dlogits[..n * v];
-    let logits = &a.logits[..n * v];
-    prof.time(K::CeBwd, || {
-        dev.crossentropy_backward(dlogits, logits, &a.ce_lse[..n], &batch.targets, scale, n, v)
-    });
     let lnf_out = &a.lnf_out[..nc];
-    let dlnf = &mut a.s_dl[..nc];
-    prof.time(K::HeadBwd, || {
-        dev.head_backward(
-            dlnf,
-            dw_head,
-            dlogits,
-            lnf_out,
-            &p[lay.lm_head.clone()],
-            n,
-            c,
-            v,
-        )
-    });
+    let w = &p[lay.lm_head.clone()];
+    // Whole, or block by block of the vocabulary with each block's logits recomputed (see
+    // `LOGITS_MAX_BYTES`): each block adds its part of d(ln_f out) and writes its rows of the
+    // head's weight gradient.
+    let cols = a.logit_cols.min(v);
+    for v0 in (0..v).step_by(cols) {
+        let vc = cols.min(v - v0);
+        let wb = &w[v0 * c..(v0 + vc) * c];
+        let logits = &mut a.logits[..n * vc];
+        if cols < v {
+            prof.time(K::HeadFwd, || {
+                dev.head_forward(logits, lnf_out, wb, n, c, vc)
+            });
+        }
+        let dlogits = &mut a.dlogits[..n * vc];
+        let (lse, targets) = (&a.ce_lse[..n], &batch.targets[..n]);
+        prof.time(K::CeBwd, || {
+            dev.crossentropy_backward(dlogits, logits, lse, targets, scale, n, vc, v0)
+        });
+        // The first block writes d(ln_f out); later ones go through scratch and add to it.
+        let dinp = if v0 == 0 {
+            &mut a.s_dl[..nc]
+        } else {
+            &mut a.s_big[..nc]
+        };
+        let dwb = &mut dw_head[v0 * c..(v0 + vc) * c];
+        prof.time(K::HeadBwd, || {
+            dev.head_backward(dinp, dwb, dlogits, lnf_out, wb, n, c, vc)
+        });
+        if v0 > 0 {
+            for (d, &x) in a.s_dl[..nc].iter_mut().zip(&a.s_big[..nc]) {
+                *d += x;
+            }
+        }
+    }
     let dres = &mut a.dres[..nc];
     dres.fill(0.0);
     let (dw, db) = dw_lnf;
     let x_last = layer(a.res, l_out, nc);
+    let dlnf = &a.s_dl[..nc];
     prof.time(K::LnBwd, || {
         dev.layernorm_backward(
             dres,

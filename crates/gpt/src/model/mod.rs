@@ -75,6 +75,8 @@ pub struct GPT {
     profile: Profile,
     /// `KEEP_MAX_BYTES`; tests lower it to cover the recomputing path.
     keep_max_bytes: usize,
+    /// `LOGITS_MAX_BYTES`; tests lower it to cover the chunked head.
+    logits_max_bytes: usize,
 }
 
 impl std::fmt::Debug for GPT {
@@ -126,7 +128,8 @@ impl GPT {
     /// config must be valid ([`GPTConfig::validate`]).
     pub fn memory_estimate(config: &GPTConfig, tokens: usize, threads: usize) -> MemoryEstimate {
         let params = Layout::new(config).total as u64 * 4;
-        let arena = ActLayout::new(config, tokens, KEEP_MAX_BYTES).total as u64 * 4;
+        let cols = logit_cols(tokens, config.vocab_size, true, LOGITS_MAX_BYTES);
+        let arena = ActLayout::new(config, tokens, KEEP_MAX_BYTES, cols).total as u64 * 4;
         let scratch = cohort_engine::cpu::attention_scratch_len(
             config.max_position_embeddings,
             threads.max(1),
@@ -185,6 +188,7 @@ impl GPT {
             step: 0,
             profile: Profile::default(),
             keep_max_bytes: KEEP_MAX_BYTES,
+            logits_max_bytes: LOGITS_MAX_BYTES,
         })
     }
 
@@ -244,10 +248,12 @@ impl GPT {
         self.dev = cpu_in(self.dev.num_threads(), dtype)?;
         Ok(self.dev.dtype())
     }
-    /// Logits (B, T, V) of the last forward.
+    /// Logits (B, T, V) of the last forward; empty after a forward with labels whose logits
+    /// were too large to keep whole (over 64 MB: the loss is computed block by block).
     pub fn logits(&self) -> &[f32] {
         let n = self.batch.b * self.batch.t;
         match &self.act_layout {
+            Some(al) if al.logit_cols < self.config.vocab_size => &[],
             Some(al) => {
                 &self.arena[al.ranges[12].start..al.ranges[12].start + n * self.config.vocab_size]
             }
@@ -324,10 +330,20 @@ impl GPT {
     ) -> Result<Option<f32>, GptError> {
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
         let n = b * t;
-        if self.act_layout.as_ref().is_none_or(|al| al.n < n) {
+        let cols = logit_cols(
+            n,
+            self.config.vocab_size,
+            labels.is_some(),
+            self.logits_max_bytes,
+        );
+        if self
+            .act_layout
+            .as_ref()
+            .is_none_or(|al| al.n < n || al.logit_cols != cols)
+        {
             // Free the old arena first so peak memory is one arena, not two.
             self.arena = Vec::new();
-            let al = ActLayout::new(&self.config, n, self.keep_max_bytes);
+            let al = ActLayout::new(&self.config, n, self.keep_max_bytes, cols);
             self.arena = vec![0.0; al.total];
             self.attn_scratch = vec![
                 0.0;

@@ -412,3 +412,57 @@ fn bf16_products_track_fp32_within_bf16_rounding() {
     assert!(dot / (n32 * n16) > 0.999, "cosine {}", dot / (n32 * n16));
     assert_ne!(g32, g16, "bf16 gradients equal fp32's: bf16 not in use?");
 }
+
+/// The head in blocks of the vocabulary (logits too large to keep whole) gives the same loss
+/// and gradients up to summation order (the log-sum-exp folded block by block, d(ln_f out)
+/// summed over blocks); it holds only one block of logits, and no logits are readable
+/// afterwards.
+#[test]
+fn a_head_in_vocabulary_blocks_matches_the_whole_one() {
+    for tied in [true, false] {
+        let cfg = GPTConfig {
+            vocab_size: 300,
+            max_position_embeddings: 16,
+            n_layers: 1,
+            n_heads: 2,
+            d_model: 16,
+            d_ff: 32,
+            dropout: 0.0,
+            bias: true,
+            tie_word_embeddings: tied,
+        };
+        let ids: Vec<u32> = (0..48).map(|i| (i * 37 % 300) as u32).collect();
+        let mut labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+        labels[7] = -100;
+        let run = |max_bytes: usize| {
+            let mut m = model(cfg.clone(), 2, 4);
+            m.logits_max_bytes = max_bytes;
+            let loss = m
+                .forward(&ids, None, Some(&labels), 3, 16)
+                .unwrap()
+                .unwrap();
+            let cols = m.act_layout.as_ref().unwrap().logit_cols;
+            let logits = m.logits().len();
+            m.zero_grad();
+            m.backward(|_, _| {}).unwrap();
+            (loss, m.grads().to_vec(), cols, logits)
+        };
+        let (l_whole, g_whole, cols_whole, logits_whole) = run(LOGITS_MAX_BYTES);
+        // 48 x 300 logits are 57600 bytes: a limit below that splits them, here into blocks
+        // of 104 columns (the last one narrower).
+        let (l_block, g_block, cols_block, logits_block) = run(40_000);
+        assert_eq!((cols_whole, logits_whole), (300, 48 * 300));
+        assert_eq!(cols_block, 104);
+        assert_eq!(logits_block, 0);
+        assert!(
+            (l_whole - l_block).abs() < 1e-5,
+            "tied {tied}: {l_whole} vs {l_block}"
+        );
+        let worst = g_whole
+            .iter()
+            .zip(&g_block)
+            .map(|(a, b)| (a - b).abs() / (1e-3 + a.abs()))
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "tied {tied}: gradients differ by {worst}");
+    }
+}

@@ -40,6 +40,8 @@ pub struct TrainBench {
     pub seed: u64,
     /// What the matrix products compute in.
     pub precision: DType,
+    /// Keep only each block's input and recompute the block inside backward.
+    pub activation_checkpointing: bool,
 }
 
 /// Median of one phase (ms) and the time per kernel (ms per step, mean over timed steps).
@@ -85,6 +87,10 @@ pub struct BenchReport {
     /// What the matrix products computed in ("fp32" where bf16 was asked for on a CPU without
     /// it).
     pub precision: String,
+    /// Whether activation checkpointing was on.
+    pub activation_checkpointing: bool,
+    /// Activation bytes (MB) the model holds, from its memory estimate.
+    pub activations_mb: f64,
 }
 
 fn median(x: &mut [f64]) -> f64 {
@@ -118,7 +124,12 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         );
     }
     let precision = cpu.dtype().to_string();
+    let activations_mb =
+        GPT::memory_estimate(&cfg, batch * t, spec.threads, spec.activation_checkpointing)
+            .activations as f64
+            / (1 << 20) as f64;
     let mut model = GPT::with_backend(cfg, spec.seed, Box::new(cpu))?;
+    model.set_activation_checkpointing(spec.activation_checkpointing);
     let n = model.num_params();
     let mut opt =
         AdamW::new(AdamWConfig::default(), DecayMask::all(n)).map_err(|e| GptError::Engine {
@@ -199,5 +210,7 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             .collect(),
         simd: format!("{:?}", cohort_engine::cpu::simd_level()),
         precision,
+        activation_checkpointing: spec.activation_checkpointing,
+        activations_mb,
     })
 }

@@ -57,6 +57,9 @@ struct TrainArgs {
     /// CPU autocast).
     #[arg(long, default_value = "fp32")]
     precision: cohort_engine::DType,
+    /// Keep only each block's input and recompute the block inside backward.
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -207,6 +210,7 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         warmup: a.warmup,
         seed: a.seed,
         precision: a.precision,
+        activation_checkpointing: a.activation_checkpointing,
     };
     let r = cohort_bench::train_step::run_train_bench(&spec)
         .with_context(|| format!("bench train --config {}", a.config))?;
@@ -223,8 +227,18 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         r.ms_per_step, r.min_ms, r.fwd_ms, r.bwd_ms, r.opt_ms
     );
     println!(
-        "tokens/s {:.0}, CPU time {:.2} ms/step, peak RSS {:.1} MB, final loss {:.4}",
-        r.tokens_per_s, r.cpu_ms_per_step, r.rss_mb, r.final_loss
+        "tokens/s {:.0}, CPU time {:.2} ms/step, peak RSS {:.1} MB (activations {:.1} MB{}), \
+         final loss {:.4}",
+        r.tokens_per_s,
+        r.cpu_ms_per_step,
+        r.rss_mb,
+        r.activations_mb,
+        if r.activation_checkpointing {
+            ", checkpointed"
+        } else {
+            ""
+        },
+        r.final_loss
     );
     println!("per kernel (ms/step):");
     for (k, ms) in &r.kernels_ms {

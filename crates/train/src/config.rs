@@ -123,6 +123,8 @@ pub struct TrainConfig {
     pub bf16_compress: bool,
     /// What the model's matrix products compute in.
     pub precision: Precision,
+    /// Keep only each block's input in forward and recompute the block inside backward.
+    pub activation_checkpointing: bool,
     /// Loader threads reading batches ahead of the training loop (0: read
     /// on the training thread).
     pub loader_workers: usize,
@@ -304,6 +306,7 @@ impl Default for TrainConfig {
             overlap: Overlap::Auto,
             bf16_compress: false,
             precision: Precision::Fp32,
+            activation_checkpointing: false,
             loader_workers: 1,
             prefetch: 4,
             sort_size: 1024,
@@ -531,6 +534,11 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+    /// Keep only each block's input in forward and recompute the block inside backward (less
+    /// activation memory for one more forward's compute).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub activation_checkpointing: Option<bool>,
     /// Loader threads reading batches ahead (0: on the training thread) [default: 1].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -644,6 +652,13 @@ impl TrainConfig {
         }
         if self.batch_size == 0 {
             return bad("batch_size", "0".into(), "must be at least 1");
+        }
+        if self.activation_checkpointing && self.strategy == Strategy::Pipeline {
+            return bad(
+                "activation_checkpointing",
+                "true".into(),
+                "is not supported with --strategy pipeline yet (use ddp or ps)",
+            );
         }
         if self.grad_accum == 0 {
             return bad("grad_accum", "0".into(), "must be at least 1");

@@ -103,6 +103,31 @@ pub(crate) fn precision_line(cfg: &TrainConfig) -> Option<String> {
     })
 }
 
+/// Turns on activation checkpointing where `cfg` asks for it and returns the header line that
+/// says what it saves: the activation bytes per rank with and without it, for `seq_len`.
+pub(crate) fn apply_checkpointing(
+    cfg: &TrainConfig,
+    model: &mut GPT,
+    seq_len: usize,
+) -> Option<String> {
+    if !cfg.activation_checkpointing {
+        return None;
+    }
+    model.set_activation_checkpointing(true);
+    let threads = model.backend().num_threads();
+    let tokens = cfg.batch_size * seq_len;
+    let acts = |on| GPT::memory_estimate(model.config(), tokens, threads, on).activations;
+    let (off, on) = (acts(false), acts(true));
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    Some(format!(
+        "activation checkpointing: activations {:.1} MB per rank instead of {:.1} MB (saves \
+         {:.1} MB), for one more forward of every block per step",
+        mb(on),
+        mb(off),
+        mb(off.saturating_sub(on))
+    ))
+}
+
 /// Refuses, before anything is allocated, settings whose model, gradients,
 /// AdamW state and activations for `cfg.batch_size` sequences of `seq_len`
 /// tokens, on each of `ranks_on_host` ranks, exceed the host's available
@@ -128,7 +153,7 @@ pub(crate) fn check_memory(
         return Ok(());
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let m = GPT::memory_estimate(model, tokens, threads);
+    let m = GPT::memory_estimate(model, tokens, threads, cfg.activation_checkpointing);
     let optimizer = 2 * m.parameters;
     let per_rank = m.parameters + m.gradients + optimizer + m.activations;
     let needed = per_rank.saturating_mul(ranks_on_host as u64);
@@ -220,6 +245,7 @@ impl<'a> DataParallel<'a> {
             GPT::zeroed(model_cfg, cfg.seed)?
         };
         header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+        header.extend(apply_checkpointing(cfg, &mut model, t));
         let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
         let mut state = TrainState::default();
         if let Some(dir) = &cfg.resume {

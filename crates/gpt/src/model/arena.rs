@@ -9,6 +9,9 @@ use super::*;
 pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
+    /// Activation checkpointing: the per-layer buffers hold one layer, and backward recomputes
+    /// each block's forward from its input (`res`, kept for every layer) before its backward.
+    pub(crate) checkpoint: bool,
     /// Columns of logits (and of their gradient) held at once: V, or a block of the vocabulary
     /// when the forward has labels and the whole (N, V) matrix would be large (see
     /// [`logit_cols`]).
@@ -49,6 +52,8 @@ pub(crate) struct Acts<'a> {
     pub(super) keep: bool,
     /// Columns of `logits` and `dlogits`.
     pub(super) logit_cols: usize,
+    /// Whether the per-layer buffers hold one layer (activation checkpointing).
+    pub(crate) checkpoint: bool,
 }
 
 /// Above this many bytes of logits, a forward with labels works on the head in blocks of the
@@ -81,6 +86,15 @@ pub(crate) fn logit_cols(n: usize, v: usize, labels: bool, max_bytes: usize) -> 
 pub(crate) const KEEP_MAX_BYTES: usize = 32 << 20;
 
 impl Acts<'_> {
+    /// Slot of layer `l` in the per-layer buffers (qkv, MLP pre-activation, residual after
+    /// attention, LayerNorm statistics, attention log-sum-exp).
+    pub(super) fn layer_slot(&self, l: usize) -> usize {
+        if self.checkpoint {
+            0
+        } else {
+            l
+        }
+    }
     /// Slot of the LayerNorm output (`which` 0 = ln_1, 1 = ln_2) of layer `l` in `s_ln`.
     pub(super) fn ln_slot(&self, l: usize, which: usize) -> usize {
         if self.keep {
@@ -100,19 +114,23 @@ impl Acts<'_> {
 }
 
 impl ActLayout {
-    /// The layout for `n` positions; `logit_cols` from [`logit_cols`].
+    /// The layout for `n` positions; `logit_cols` from [`logit_cols`]; with `checkpoint` the
+    /// per-layer buffers hold one layer (see [`ActLayout::checkpoint`]).
     pub(crate) fn new(
         cfg: &GPTConfig,
         n: usize,
         keep_max_bytes: usize,
         logit_cols: usize,
+        checkpoint: bool,
     ) -> ActLayout {
-        let (l, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
+        let (layers, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
+        // Layers the per-layer buffers hold.
+        let l = if checkpoint { 1 } else { layers };
         let drop = if cfg.dropout > 0.0 { n * c } else { 0 };
-        let keep = l * n * (f + 3 * c) * 4 <= keep_max_bytes;
+        let keep = !checkpoint && l * n * (f + 3 * c) * 4 <= keep_max_bytes;
         let kept = |per_layer: usize| if keep { per_layer } else { 0 };
         let sizes = [
-            (l + 1) * n * c,
+            (layers + 1) * n * c,
             l * n * c,
             l * n * 3 * c,
             l * n * f,
@@ -145,6 +163,7 @@ impl ActLayout {
         ActLayout {
             n,
             keep,
+            checkpoint,
             logit_cols,
             ranges,
             total: next,
@@ -187,6 +206,7 @@ impl ActLayout {
             gelu,
             keep: self.keep,
             logit_cols: self.logit_cols,
+            checkpoint: self.checkpoint,
         }
     }
 }

@@ -119,23 +119,25 @@ pub(crate) fn block_forward(
     let nc = n * c;
     let ld = 1 + 3 * lg as u64;
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
+    // This layer's slot of the per-layer buffers (the one slot under activation checkpointing).
+    let sl = a.layer_slot(l);
     let (x, x_next) = layer_pair(a.res, l, nc);
-    let x_mid = layer_mut(a.res_mid, l, nc);
-    let qkv = layer_mut(a.qkv, l, 3 * nc);
-    let fch = layer_mut(a.fch, l, n * f);
+    let x_mid = layer_mut(a.res_mid, sl, nc);
+    let qkv = layer_mut(a.qkv, sl, 3 * nc);
+    let fch = layer_mut(a.fch, sl, n * f);
     let s_atty = layer_mut(a.s_atty, atty_slot, nc);
     let s_big = if a.keep {
         layer_mut(a.gelu, l, n * f)
     } else {
         &mut a.s_big[..n * f]
     };
-    let lse = layer_mut(a.att_lse, l, n * nh);
+    let lse = layer_mut(a.att_lse, sl, n * nh);
     let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
     prof.time(K::LnFwd, || {
         dev.layernorm_forward(
             s_ln,
-            layer_mut(a.ln1_mean, l, n),
-            layer_mut(a.ln1_rstd, l, n),
+            layer_mut(a.ln1_mean, sl, n),
+            layer_mut(a.ln1_rstd, sl, n),
             x,
             &p[bl.ln_1_w.clone()],
             opt(p, &bl.ln_1_b),
@@ -167,8 +169,8 @@ pub(crate) fn block_forward(
     prof.time(K::LnFwd, || {
         dev.layernorm_forward(
             s_ln,
-            layer_mut(a.ln2_mean, l, n),
-            layer_mut(a.ln2_rstd, l, n),
+            layer_mut(a.ln2_mean, sl, n),
+            layer_mut(a.ln2_rstd, sl, n),
             x_mid,
             &p[bl.ln_2_w.clone()],
             opt(p, &bl.ln_2_b),
@@ -399,10 +401,11 @@ pub(crate) fn block_backward(
     let off = bl.all.start;
     let ld = 1 + 3 * lg as u64;
     let x = layer(a.res, l, nc);
-    let x_mid = layer(a.res_mid, l, nc);
-    let qkv = layer(a.qkv, l, 3 * nc);
-    let fch = layer(a.fch, l, n * f);
-    let lse = layer(a.att_lse, l, n * nh);
+    let sl = a.layer_slot(l);
+    let x_mid = layer(a.res_mid, sl, nc);
+    let qkv = layer(a.qkv, sl, 3 * nc);
+    let fch = layer(a.fch, sl, n * f);
+    let lse = layer(a.att_lse, sl, n * nh);
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
     let keep = a.keep;
     let s_dl = &mut a.s_dl[..nc];
@@ -449,8 +452,8 @@ pub(crate) fn block_backward(
             prof.time(K::LnFwd, || {
                 dev.layernorm_forward(
                     s_ln,
-                    layer_mut(a.ln2_mean, l, n),
-                    layer_mut(a.ln2_rstd, l, n),
+                    layer_mut(a.ln2_mean, sl, n),
+                    layer_mut(a.ln2_rstd, sl, n),
                     x_mid,
                     &p[bl.ln_2_w.clone()],
                     opt(p, &bl.ln_2_b),
@@ -485,8 +488,8 @@ pub(crate) fn block_backward(
                 db,
                 s_dl,
                 x_mid,
-                layer(a.ln2_mean, l, n),
-                layer(a.ln2_rstd, l, n),
+                layer(a.ln2_mean, sl, n),
+                layer(a.ln2_rstd, sl, n),
                 &p[bl.ln_2_w.clone()],
                 n,
                 c,
@@ -535,8 +538,8 @@ pub(crate) fn block_backward(
             prof.time(K::LnFwd, || {
                 dev.layernorm_forward(
                     s_ln,
-                    layer_mut(a.ln1_mean, l, n),
-                    layer_mut(a.ln1_rstd, l, n),
+                    layer_mut(a.ln1_mean, sl, n),
+                    layer_mut(a.ln1_rstd, sl, n),
                     x,
                     &p[bl.ln_1_w.clone()],
                     opt(p, &bl.ln_1_b),
@@ -570,8 +573,8 @@ pub(crate) fn block_backward(
             db,
             s_dl,
             x,
-            layer(a.ln1_mean, l, n),
-            layer(a.ln1_rstd, l, n),
+            layer(a.ln1_mean, sl, n),
+            layer(a.ln1_rstd, sl, n),
             &p[bl.ln_1_w.clone()],
             n,
             c,

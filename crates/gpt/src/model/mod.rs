@@ -75,8 +75,10 @@ pub struct GPT {
     profile: Profile,
     /// `KEEP_MAX_BYTES`; tests lower it to cover the recomputing path.
     keep_max_bytes: usize,
-    /// `LOGITS_MAX_BYTES`; tests lower it to cover the chunked head.
+    /// `LOGITS_MAX_BYTES`; tests lower it to cover the head in vocabulary blocks.
     logits_max_bytes: usize,
+    /// Keep only each block's input and recompute the block's forward inside backward.
+    activation_checkpointing: bool,
 }
 
 impl std::fmt::Debug for GPT {
@@ -124,12 +126,26 @@ pub struct MemoryEstimate {
 
 impl GPT {
     /// What a model of `config` holds training on `tokens` (batch x
-    /// sequence) tokens per forward with `threads` engine threads. The
-    /// config must be valid ([`GPTConfig::validate`]).
-    pub fn memory_estimate(config: &GPTConfig, tokens: usize, threads: usize) -> MemoryEstimate {
+    /// sequence) tokens per forward with `threads` engine threads, with or
+    /// without activation checkpointing. The config must be valid
+    /// ([`GPTConfig::validate`]).
+    pub fn memory_estimate(
+        config: &GPTConfig,
+        tokens: usize,
+        threads: usize,
+        activation_checkpointing: bool,
+    ) -> MemoryEstimate {
         let params = Layout::new(config).total as u64 * 4;
         let cols = logit_cols(tokens, config.vocab_size, true, LOGITS_MAX_BYTES);
-        let arena = ActLayout::new(config, tokens, KEEP_MAX_BYTES, cols).total as u64 * 4;
+        let arena = ActLayout::new(
+            config,
+            tokens,
+            KEEP_MAX_BYTES,
+            cols,
+            activation_checkpointing,
+        )
+        .total as u64
+            * 4;
         let scratch = cohort_engine::cpu::attention_scratch_len(
             config.max_position_embeddings,
             threads.max(1),
@@ -189,6 +205,7 @@ impl GPT {
             profile: Profile::default(),
             keep_max_bytes: KEEP_MAX_BYTES,
             logits_max_bytes: LOGITS_MAX_BYTES,
+            activation_checkpointing: false,
         })
     }
 
@@ -259,6 +276,14 @@ impl GPT {
             }
             None => &[],
         }
+    }
+
+    /// Activation checkpointing (PyTorch's `torch.utils.checkpoint` around every block):
+    /// forward keeps only each block's input, and backward recomputes the block's forward
+    /// before its backward, for one more forward's compute per step. See
+    /// [`GPT::memory_estimate`] for the bytes it saves.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.activation_checkpointing = on;
     }
 
     /// Training mode applies dropout (when the config's dropout is above 0); eval mode never.
@@ -336,14 +361,18 @@ impl GPT {
             labels.is_some(),
             self.logits_max_bytes,
         );
-        if self
-            .act_layout
-            .as_ref()
-            .is_none_or(|al| al.n < n || al.logit_cols != cols)
-        {
+        if self.act_layout.as_ref().is_none_or(|al| {
+            al.n < n || al.logit_cols != cols || al.checkpoint != self.activation_checkpointing
+        }) {
             // Free the old arena first so peak memory is one arena, not two.
             self.arena = Vec::new();
-            let al = ActLayout::new(&self.config, n, self.keep_max_bytes, cols);
+            let al = ActLayout::new(
+                &self.config,
+                n,
+                self.keep_max_bytes,
+                cols,
+                self.activation_checkpointing,
+            );
             self.arena = vec![0.0; al.total];
             self.attn_scratch = vec![
                 0.0;
@@ -651,6 +680,11 @@ fn backward_pass<'g>(
         let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
         rest = lower;
         enter(Part::Block(l), p);
+        if a.checkpoint {
+            // The block's activations were not kept: recompute them from its input (the same
+            // dropout masks, so the same values).
+            block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
+        }
         block_backward(l, l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
         hook(bl.all.clone(), g);
     }

@@ -466,3 +466,38 @@ fn a_head_in_vocabulary_blocks_matches_the_whole_one() {
         assert!(worst < 1e-4, "tied {tied}: gradients differ by {worst}");
     }
 }
+
+/// Activation checkpointing recomputes each block from its input with the same dropout masks,
+/// so loss and gradients are the same bits as the path that keeps every block's activations
+/// but recomputes the LayerNorm, attention and GELU outputs (what a model too large to keep
+/// those does), in a smaller arena.
+#[test]
+fn activation_checkpointing_gives_the_same_bits_in_less_memory() {
+    let (ids, mask, labels) = batch();
+    for dropout in [0.0, 0.1] {
+        let run = |on: bool| {
+            let mut m = model(tiny(true, true, dropout), 2, 6);
+            m.keep_max_bytes = 0;
+            m.set_activation_checkpointing(on);
+            m.set_dropout_key(3, 1, 9);
+            let loss = loss_at(&mut m, &ids, &mask, &labels);
+            m.zero_grad();
+            m.backward(|_, _| {}).unwrap();
+            (loss, m.grads().to_vec(), m.arena.len())
+        };
+        let (l_all, g_all, arena_all) = run(false);
+        let (l_ckpt, g_ckpt, arena_ckpt) = run(true);
+        assert_eq!(l_all, l_ckpt, "dropout {dropout}");
+        let differ = g_all.iter().zip(&g_ckpt).filter(|(a, b)| a != b).count();
+        assert_eq!(differ, 0, "dropout {dropout}: {differ} gradients differ");
+        assert!(arena_ckpt < arena_all, "{arena_ckpt} vs {arena_all}");
+    }
+    let cfg = GPTConfig::config_b();
+    let est = |on| GPT::memory_estimate(&cfg, 8 * 256, 1, on).activations;
+    assert!(
+        est(true) * 2 < est(false),
+        "{} vs {}",
+        est(true),
+        est(false)
+    );
+}

@@ -16,6 +16,7 @@ pub(super) fn work(
     let mut model = GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?;
     // The server's header says what precision is in effect (the same CPU check as here).
     crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
+    model.set_activation_checkpointing(cfg.activation_checkpointing);
     let mut phases = Phases::default();
     let mut reply: Params = rpc.rpc_sync(0, "ps.pull", ()).map_err(rpc_err("ps.pull"))?;
     let mut batches = TrainBatches::new(

@@ -31,7 +31,8 @@ pub const LAUNCH_TIME_VAR: &str = "COHORT_LAUNCH_TIME_US";
 /// Flags of `cohort bench ddp`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchDdpArgs {
-    /// Benchmark config: A (vocab 65, seq 64, 4x128, batch 12) or B (seq 256, 6x384, batch 8).
+    /// Benchmark config: A (vocab 65, seq 64, 4x128, batch 12), B (seq 256, 6x384, batch 8) or
+    /// G (GPT-2 small's shape, vocab 50304, seq 256, batch 4).
     #[arg(long, default_value = "A")]
     pub config: String,
     /// Measured steps.
@@ -58,6 +59,10 @@ pub struct BenchDdpArgs {
     /// only when a core is free for the communication thread (auto).
     #[arg(long, value_enum, default_value_t = Overlap::Auto)]
     pub overlap: Overlap,
+    /// Matrix products in fp32, or bf16 with f32 sums and master weights (both the DDP ranks
+    /// and the single-rank baseline).
+    #[arg(long, default_value = "fp32")]
+    pub precision: cohort_engine::DType,
     /// Print one JSON object instead of a text line.
     #[arg(long)]
     pub json: bool,
@@ -70,6 +75,8 @@ pub struct BenchDdpResult {
     pub bench: &'static str,
     /// `A` or `B`.
     pub config: String,
+    /// What the matrix products computed in (`fp32` or `bf16`).
+    pub precision: String,
     /// Ranks.
     pub world: usize,
     /// Median step time of the slowest rank, ms.
@@ -127,15 +134,16 @@ fn bad_config(name: &str) -> TrainError {
     TrainError::Config(ConfigError::Invalid {
         key: "config",
         value: name.to_string(),
-        why: "must be A or B",
+        why: "must be A, B or G",
     })
 }
 
-/// The model and per-rank batch of config A or B, and the default steps.
+/// The model and per-rank batch of config A, B or G, and the default steps.
 fn bench_config(name: &str) -> Result<(GPTConfig, usize, usize), TrainError> {
     match name {
         "A" | "a" => Ok((GPTConfig::config_a(), 12, 100)),
         "B" | "b" => Ok((GPTConfig::config_b(), 8, 10)),
+        "G" | "g" => Ok((GPTConfig::config_g(), 4, 3)),
         _ => Err(bad_config(name)),
     }
 }
@@ -176,6 +184,7 @@ pub fn run_ddp_bench(
     } else {
         GPT::zeroed(cfg.clone(), 1234)?
     };
+    model.set_precision(args.precision)?;
     let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
     let overlap = args
         .overlap
@@ -239,7 +248,7 @@ pub fn run_ddp_bench(
             // Built after the first DDP segment, not to delay the first step.
             let single = match &mut single {
                 Some(s) => s,
-                None => single.insert(SingleRank::new(&cfg, b, rank)?),
+                None => single.insert(SingleRank::new(&cfg, b, rank, args.precision)?),
             };
             // Rank 0 alone, plain backward, while the others wait here.
             if rank == 0 {
@@ -292,6 +301,7 @@ pub fn run_ddp_bench(
     let result = BenchDdpResult {
         bench: "ddp",
         config: args.config.to_uppercase(),
+        precision: model.backend().dtype().to_string(),
         world,
         ms_per_step: slowest * 1e3,
         tokens_per_s,
@@ -459,8 +469,14 @@ struct SingleRank {
 }
 
 impl SingleRank {
-    fn new(cfg: &GPTConfig, batch: usize, rank: usize) -> Result<Self, TrainError> {
-        let model = GPT::new(cfg.clone(), 1234)?;
+    fn new(
+        cfg: &GPTConfig,
+        batch: usize,
+        rank: usize,
+        precision: cohort_engine::DType,
+    ) -> Result<Self, TrainError> {
+        let mut model = GPT::new(cfg.clone(), 1234)?;
+        model.set_precision(precision)?;
         let opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
         Ok(Self {
             model,

@@ -60,10 +60,18 @@ fn final_loss(output: &str) -> String {
         .to_string()
 }
 
-/// The uninterrupted 2-rank run the interrupted ones must reproduce:
-/// (final logged loss, final parameters, the final checkpoint's files).
-fn baseline() -> &'static (String, Vec<f32>, Vec<(String, Vec<u8>)>) {
-    static BASELINE: OnceLock<(String, Vec<f32>, Vec<(String, Vec<u8>)>)> = OnceLock::new();
+/// The uninterrupted 2-rank run the interrupted ones must reproduce.
+struct Baseline {
+    /// The final logged loss.
+    loss: String,
+    /// The final parameters.
+    params: Vec<f32>,
+    /// The final checkpoint's files, by name, with their bytes.
+    files: Vec<(String, Vec<u8>)>,
+}
+
+fn baseline() -> &'static Baseline {
+    static BASELINE: OnceLock<Baseline> = OnceLock::new();
     BASELINE.get_or_init(|| {
         let tmp = tempfile::tempdir().unwrap();
         let mut cmd = cohort();
@@ -71,8 +79,11 @@ fn baseline() -> &'static (String, Vec<f32>, Vec<(String, Vec<u8>)>) {
             .args(train_args(tmp.path()));
         let (status, out) = Proc::spawn(cmd).finish(Duration::from_secs(120));
         assert!(status.success(), "{out}");
-        let files = checkpoint_files(&tmp.path().join(format!("step-000{STEPS}")));
-        (final_loss(&out), params(tmp.path()), files)
+        Baseline {
+            loss: final_loss(&out),
+            params: params(tmp.path()),
+            files: checkpoint_files(&tmp.path().join(format!("step-000{STEPS}"))),
+        }
     })
 }
 
@@ -125,7 +136,11 @@ fn assert_resumed_like_the_baseline(out: &str, dir: &Path) {
         resumed_at > 0 && resumed_at < 200 && resumed_at.is_multiple_of(5),
         "{out}"
     );
-    let (loss, final_params, _) = baseline();
+    let Baseline {
+        loss,
+        params: final_params,
+        ..
+    } = baseline();
     assert_eq!(&final_loss(out), loss, "final loss vs uninterrupted run");
     assert!(
         params(dir) == *final_params,
@@ -232,15 +247,14 @@ fn raise_open_files(want: u64) -> u64 {
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes one rlimit, which `limit` is.
-    assert_eq!(
-        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) },
-        0
-    );
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    assert_eq!(got, 0, "getrlimit");
     if limit.rlim_cur < want {
         limit.rlim_cur = want.min(limit.rlim_max);
         // SAFETY: setrlimit reads one rlimit, which `limit` is; a soft limit
         // at most the hard one is always allowed.
-        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+        let set = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+        assert_eq!(set, 0, "setrlimit");
     }
     limit.rlim_cur
 }
@@ -353,7 +367,7 @@ fn a_crowd_at_the_door_and_a_killed_worker_leave_the_result_unchanged() {
         out.contains("restarting the workers (restart 1 of 1)"),
         "{out}"
     );
-    let (loss, _, files) = baseline();
+    let Baseline { loss, files, .. } = baseline();
     assert_eq!(&final_loss(&out), loss, "final loss vs undisturbed run");
     let ours = checkpoint_files(&tmp.path().join(format!("step-000{STEPS}")));
     assert_eq!(

@@ -1,13 +1,19 @@
 //! The elastic launcher end to end: real launchers, real workers
-//! killed, stopped and lost, real checkpoints. Training runs use a tiny
-//! model, so each takes a second or two; nodes are network namespaces where
-//! the machine allows (root, `ip`), loopback otherwise.
+//! killed, stopped and lost, real checkpoints, and a flood of strangers at
+//! the store's port while it all happens. Training runs use a tiny model, so
+//! each takes a second or two; nodes are network namespaces where the
+//! machine allows (root, `ip`), loopback otherwise.
 
 mod support;
 
-use std::path::Path;
-use std::sync::OnceLock;
-use std::time::Duration;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use support::{
     checkpoint_step, cohort, free_port, kill, params, wait_for_checkpoint, worker_pid, Nodes, Proc,
@@ -54,10 +60,18 @@ fn final_loss(output: &str) -> String {
         .to_string()
 }
 
-/// The uninterrupted 2-rank run the interrupted ones must reproduce:
-/// (final logged loss, final parameters).
-fn baseline() -> &'static (String, Vec<f32>) {
-    static BASELINE: OnceLock<(String, Vec<f32>)> = OnceLock::new();
+/// The uninterrupted 2-rank run the interrupted ones must reproduce.
+struct Baseline {
+    /// The final logged loss.
+    loss: String,
+    /// The final parameters.
+    params: Vec<f32>,
+    /// The final checkpoint's files, by name, with their bytes.
+    files: Vec<(String, Vec<u8>)>,
+}
+
+fn baseline() -> &'static Baseline {
+    static BASELINE: OnceLock<Baseline> = OnceLock::new();
     BASELINE.get_or_init(|| {
         let tmp = tempfile::tempdir().unwrap();
         let mut cmd = cohort();
@@ -65,8 +79,26 @@ fn baseline() -> &'static (String, Vec<f32>) {
             .args(train_args(tmp.path()));
         let (status, out) = Proc::spawn(cmd).finish(Duration::from_secs(120));
         assert!(status.success(), "{out}");
-        (final_loss(&out), params(tmp.path()))
+        Baseline {
+            loss: final_loss(&out),
+            params: params(tmp.path()),
+            files: checkpoint_files(&tmp.path().join(format!("step-000{STEPS}"))),
+        }
     })
+}
+
+/// Every file of checkpoint directory `dir`, by name, with its bytes.
+fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| {
+            let path: PathBuf = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&path).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
 }
 
 /// `cohort run --standalone -n 2 --max-restarts 1 train ...`, started.
@@ -104,7 +136,11 @@ fn assert_resumed_like_the_baseline(out: &str, dir: &Path) {
         resumed_at > 0 && resumed_at < 200 && resumed_at.is_multiple_of(5),
         "{out}"
     );
-    let (loss, final_params) = baseline();
+    let Baseline {
+        loss,
+        params: final_params,
+        ..
+    } = baseline();
     assert_eq!(&final_loss(out), loss, "final loss vs uninterrupted run");
     assert!(
         params(dir) == *final_params,
@@ -201,6 +237,166 @@ fn a_stopped_worker_is_found_by_its_missing_heartbeat_and_the_group_restarts() {
         "{out}"
     );
     assert!(!out.contains("no progress with rank"), "{out}");
+}
+
+/// Raises this process's soft limit on open files to `want` (or its hard
+/// limit, if lower); returns the soft limit now in force.
+fn raise_open_files(want: u64) -> u64 {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit, which `limit` is.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    assert_eq!(got, 0, "getrlimit");
+    if limit.rlim_cur < want {
+        limit.rlim_cur = want.min(limit.rlim_max);
+        // SAFETY: setrlimit reads one rlimit, which `limit` is; a soft limit
+        // at most the hard one is always allowed.
+        let set = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+        assert_eq!(set, 0, "setrlimit");
+    }
+    limit.rlim_cur
+}
+
+/// Whether the other end of `s` has hung up on it (without waiting).
+fn hung_up_now(s: &TcpStream) -> bool {
+    let mut fd = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `fd` is one valid pollfd, exclusively borrowed for the call.
+    let n = unsafe { libc::poll(&mut fd, 1, 0) };
+    n > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Sends a crowd of strangers to `addr` until `stop`: `size` of them as fast
+/// as the server takes them, then a hundred more every 300 ms. Each says
+/// nothing, or (one in four) trickles the opening of a handshake a byte
+/// every 300 ms, until the server hangs up on it. Counts in `opened` those
+/// that connected.
+fn crowd(addr: SocketAddr, size: usize, opened: &AtomicUsize, stop: &AtomicBool) {
+    let mut strangers: Vec<TcpStream> = Vec::new();
+    let mut tick = 0usize;
+    while !stop.load(Ordering::SeqCst) {
+        let more = if opened.load(Ordering::SeqCst) < size {
+            size
+        } else {
+            100
+        };
+        for _ in 0..more {
+            match TcpStream::connect_timeout(&addr, Duration::from_millis(100)) {
+                Ok(s) => {
+                    strangers.push(s);
+                    opened.fetch_add(1, Ordering::SeqCst);
+                }
+                // Not up yet: try again next round.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => break,
+                // Its backlog is full (the SYN was dropped): the next may get in.
+                Err(_) => {}
+            }
+            if stop.load(Ordering::SeqCst) {
+                return;
+            }
+        }
+        let byte = b"COHAUTH1".get(tick).copied().unwrap_or(0);
+        for s in strangers.iter_mut().step_by(4) {
+            let _ = s.write(&[byte]);
+        }
+        tick += 1;
+        strangers.retain(|s| !hung_up_now(s));
+        thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// A thousand slow or idle strangers crowd the store's port of a launcher
+/// that may open only 1,024 files, before, during and after a worker is
+/// killed mid-run: the job restarts, finishes, and its final checkpoint is
+/// byte for byte an undisturbed run's. Without the store's cap on
+/// strangers, the crowd alone would hold more descriptors than the launcher
+/// may open, and its restarted workers could not get in; without the rate
+/// limit, each stranger would be a line of log.
+#[test]
+fn a_crowd_at_the_door_and_a_killed_worker_leave_the_result_unchanged() {
+    baseline();
+    // The crowd's own sockets, and this test's pipes and files.
+    let limit = raise_open_files(4096);
+    let size = 1000.min(limit.saturating_sub(200) as usize);
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port();
+    // The launcher, and the workers it starts, may open 1,024 files.
+    let mut cmd = std::process::Command::new("sh");
+    support::clean(&mut cmd);
+    cmd.args(["-c", "ulimit -n 1024 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_cohort"))
+        .args(["run", "-n", "2", "--master-port", &port.to_string()])
+        .args(["--max-restarts", "1", "--grace-period", "1"])
+        .args(train_args(tmp.path()))
+        .env("COHORT_SECRET", SECRET);
+    let started = Instant::now();
+    let run = Proc::spawn(cmd);
+    let stop = Arc::new(AtomicBool::new(false));
+    let opened = Arc::new(AtomicUsize::new(0));
+    let crowd = {
+        let (stop, opened) = (stop.clone(), opened.clone());
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        thread::spawn(move || crowd(addr, size, &opened, &stop))
+    };
+    // Rank 1 is held (and with it the job) until the whole crowd has come,
+    // however long that takes on this machine, then killed.
+    wait_for_checkpoint(tmp.path(), &run);
+    let rank1 = worker_pid(run.pid, 1);
+    kill(rank1, libc::SIGSTOP);
+    let waited = Instant::now();
+    while opened.load(Ordering::SeqCst) < size {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "only {} strangers got in within 60 s",
+            opened.load(Ordering::SeqCst)
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+    kill(rank1, libc::SIGKILL);
+    let (status, out) = run.finish(Duration::from_secs(120));
+    stop.store(true, Ordering::SeqCst);
+    crowd.join().unwrap();
+    let opened = opened.load(Ordering::SeqCst);
+    assert!(status.success(), "{out}");
+    assert!(
+        out.contains("restarting the workers (restart 1 of 1)"),
+        "{out}"
+    );
+    let Baseline { loss, files, .. } = baseline();
+    assert_eq!(&final_loss(&out), loss, "final loss vs undisturbed run");
+    let ours = checkpoint_files(&tmp.path().join(format!("step-000{STEPS}")));
+    assert_eq!(
+        ours.iter().map(|(name, _)| name).collect::<Vec<_>>(),
+        files.iter().map(|(name, _)| name).collect::<Vec<_>>()
+    );
+    let differ: Vec<&String> = ours
+        .iter()
+        .zip(files)
+        .filter(|((_, ours), (_, theirs))| ours != theirs)
+        .map(|((name, _), _)| name)
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "{differ:?} differ from the undisturbed run's"
+    );
+    // The refusals were summed up (the first at once, then one line per
+    // 10 s, and the rest at the end), not logged one by one.
+    let lines = out.matches("cohort-store server").count();
+    let bound = 2 + started.elapsed().as_secs() / 10;
+    assert!(
+        (1..=bound as usize).contains(&lines),
+        "{lines} lines from the store for {opened} strangers in {:?}:\n{out}",
+        started.elapsed()
+    );
+    eprintln!(
+        "{opened} strangers in {:.1} s, {lines} line(s) of refusals",
+        started.elapsed().as_secs_f64()
+    );
 }
 
 /// `cohort run --nnodes 1:2` on node `i` (an elastic agent with short

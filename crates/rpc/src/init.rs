@@ -13,6 +13,15 @@
 //! job or a peer that lies about its rank is refused and logged on stderr
 //! while the real workers keep arriving.
 //!
+//! What strangers may cost the listener is bounded by the rules of
+//! `cohort_store::door`, as at the store and the collective mesh: one
+//! deadline for a connection's whole handshake (a stranger trickling a byte
+//! now and then is dropped on time), at most [`MAX_PENDING`] connections (or
+//! as many as this worker's own peers, if more) handshaking at once with the
+//! oldest hung up on when a newer one comes, and refusals summed up in one
+//! stderr line per interval. A flood thus holds a bounded number of
+//! descriptors and threads and never keeps the group's own workers out.
+//!
 //! `init_rpc` reads the `env://` variables as `cohort-comm`'s
 //! `init_process_group` does. This module must never log the secret.
 
@@ -23,6 +32,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use cohort_store::auth::{authenticate_client, authenticate_server, Secret, SECRET_ENV};
+use cohort_store::door::{Deadline, RefusalLog, WaitingRoom, MAX_PENDING, REFUSAL_LOG_EVERY};
 use cohort_store::{PrefixStore, Store, TcpStore};
 
 use crate::agent::{Inner, Peer, Rpc, RpcOptions};
@@ -34,8 +44,13 @@ use crate::wire::{read_hello, write_hello, Hello};
 /// of the job (the store, the collectives) is worthless here.
 const SERVICE: &[u8] = b"cohort-rpc";
 
-/// Time a new connection has to finish its handshake.
+/// Time a new connection has to finish its handshake, all of it. Real
+/// workers take microseconds; this bounds what a silent or trickling
+/// stranger costs (a parked thread). Shorter in unit tests.
+#[cfg(not(test))]
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+#[cfg(test)]
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn init_err(what: impl Into<String>, detail: impl Into<String>) -> RpcError {
     RpcError::Init {
@@ -182,6 +197,7 @@ pub fn init_rpc_with_store(
             listener,
             name.to_string(),
             opts.secret.clone(),
+            world_size - 1 - rank,
         )?)
     } else {
         None
@@ -304,6 +320,9 @@ fn connect(
 struct Acceptor {
     rx: mpsc::Receiver<(Hello, TcpStream, SocketAddr)>,
     stop: Arc<AtomicBool>,
+    /// Refusals, summed up (its last line is printed when the last thread
+    /// that holds it is done).
+    log: Arc<RefusalLog>,
 }
 
 impl Drop for Acceptor {
@@ -312,13 +331,16 @@ impl Drop for Acceptor {
     }
 }
 
-/// Accepts on `listener` until the returned [`Acceptor`] is dropped. Each
-/// connection shakes hands on its own thread, so a stranger that connects
-/// and stays silent delays no one.
+/// Accepts on `listener` until the returned [`Acceptor`] is dropped, for
+/// `peers` higher ranks. Each connection shakes hands on its own thread,
+/// seated in a waiting room meanwhile, so a stranger that connects and
+/// stays silent delays no one, and a crowd of them holds a bounded number
+/// of threads and descriptors.
 fn start_acceptor(
     listener: TcpListener,
     name: String,
     secret: Option<Secret>,
+    peers: usize,
 ) -> Result<Acceptor, RpcError> {
     listener
         .set_nonblocking(true)
@@ -326,19 +348,54 @@ fn start_acceptor(
     let (tx, rx) = mpsc::channel();
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
-    std::thread::spawn(move || {
+    let log = Arc::new(RefusalLog::new(
+        format!("rpc {name}"),
+        "connection(s) that are not workers of this group",
+        REFUSAL_LOG_EVERY,
+    ));
+    // Room for every higher rank at once: a crowd of strangers can push out
+    // only strangers, and peers that are slow.
+    let room = WaitingRoom::new(MAX_PENDING.max(peers));
+    let refusals = log.clone();
+    let accepting = move || {
         while !stopped.load(Ordering::Acquire) {
             match listener.accept() {
                 Ok((s, from)) => {
-                    let (tx, secret, name) = (tx.clone(), secret.clone(), name.clone());
-                    std::thread::spawn(move || match handshake(s, secret.as_ref()) {
-                        Ok((hello, s)) => {
-                            let _ = tx.send((hello, s, from));
-                        }
-                        Err(why) => {
-                            eprintln!("rpc {name}: refused a connection from {from}: {why}")
-                        }
+                    let Ok(hang_up) = s.try_clone() else {
+                        refusals.refused(&from.to_string(), &"cannot clone its socket");
+                        continue;
+                    };
+                    // Full of strangers: the oldest is hung up on (its
+                    // thread's read ends).
+                    let seat = room.enter(move || {
+                        let _ = hang_up.shutdown(std::net::Shutdown::Both);
                     });
+                    let (tx, secret, log) = (tx.clone(), secret.clone(), refusals.clone());
+                    let shake = move || {
+                        let verdict = handshake(s, secret.as_ref());
+                        let evicted = seat.evicted();
+                        drop(seat);
+                        match verdict {
+                            Ok((hello, s)) => {
+                                let _ = tx.send((hello, s, from));
+                            }
+                            Err(_) if evicted => log.refused(
+                                &from.to_string(),
+                                &"dropped to make room for newer connections",
+                            ),
+                            Err(why) => log.refused(&from.to_string(), &why),
+                        }
+                    };
+                    let spawned = std::thread::Builder::new()
+                        .name("cohort-rpc-admit".into())
+                        .stack_size(64 << 10)
+                        .spawn(shake);
+                    if let Err(e) = spawned {
+                        refusals.refused(
+                            &from.to_string(),
+                            &format!("cannot start its handshake: {e}"),
+                        );
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     std::thread::sleep(Duration::from_millis(1));
@@ -349,8 +406,17 @@ fn start_acceptor(
                 }
             }
         }
-    });
-    Ok(Acceptor { rx, stop })
+    };
+    std::thread::Builder::new()
+        .name("cohort-rpc-accept".into())
+        .spawn(accepting)
+        .map_err(|e| {
+            init_err(
+                "listening",
+                format!("cannot start the accepting thread: {e}"),
+            )
+        })?;
+    Ok(Acceptor { rx, stop, log })
 }
 
 /// Takes one connection from every higher rank off `acceptor`, checking
@@ -399,10 +465,7 @@ fn accept(
             None
         };
         match refuse {
-            Some(why) => eprintln!(
-                "rpc {}: refused a connection from {from}: {why}",
-                workers[me].name
-            ),
+            Some(why) => acceptor.log.refused(&from.to_string(), &why),
             None => match s.write_all(&[1]) {
                 Ok(()) => got.push((r, s)),
                 Err(e) => eprintln!(
@@ -415,17 +478,15 @@ fn accept(
     Ok(got)
 }
 
-/// The accepting side's first steps: the secret, then the hello.
-fn handshake(mut s: TcpStream, secret: Option<&Secret>) -> Result<(Hello, TcpStream), String> {
+/// The accepting side's first steps, all within [`HANDSHAKE_TIMEOUT`]: the
+/// secret, then the hello.
+fn handshake(s: TcpStream, secret: Option<&Secret>) -> Result<(Hello, TcpStream), String> {
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| e.to_string())?;
-    s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| e.to_string())?;
+    let mut within = Deadline::new(&s, HANDSHAKE_TIMEOUT);
     if let Some(secret) = secret {
-        authenticate_server(&mut s, secret, SERVICE).map_err(|e| e.to_string())?;
+        authenticate_server(&mut within, secret, SERVICE).map_err(|e| e.to_string())?;
     }
-    let hello = read_hello(&mut s).map_err(|e| match e {
+    let hello = read_hello(&mut within).map_err(|e| match e {
         crate::wire::ReadError::Io(e) => e.to_string(),
         crate::wire::ReadError::Malformed(m) => m,
     })?;
@@ -452,6 +513,127 @@ fn local_ip_towards(host: &str, port: u16) -> Option<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsRawFd;
+    use std::thread;
+
+    /// Whether the other end of `s` has hung up on it (without waiting).
+    fn hung_up_now(s: &TcpStream) -> bool {
+        let mut fd = libc::pollfd {
+            fd: s.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: `fd` is one valid pollfd, exclusively borrowed for the call.
+        let n = unsafe { libc::poll(&mut fd, 1, 0) };
+        n > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+    }
+
+    /// Waits until the listener hangs up on `s`, which connected at `at`; fails once it
+    /// could have for the handshake's deadline (which starts at its accept, after `at`):
+    /// a hang-up seen before then can only be the waiting room's doing.
+    fn evicted(s: &TcpStream, at: Instant, what: &str) {
+        while !hung_up_now(s) {
+            assert!(
+                at.elapsed() < HANDSHAKE_TIMEOUT,
+                "{what} is still held after {:?}",
+                at.elapsed()
+            );
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A flood of four waiting rooms' worth of idle strangers at worker 0's listener, then a
+    /// few trickling a well-formed handshake one byte every 300 ms: each stranger is hung up
+    /// on as soon as a room's worth of newer ones came (long before any handshake deadline,
+    /// so a missing or larger cap fails here), each trickler is dropped at the deadline of
+    /// its whole handshake, worker 1 joins at once and calls worker 0, and worker 0 ends up
+    /// holding none of the strangers.
+    #[test]
+    fn a_flood_of_strangers_is_bounded_and_the_workers_still_join() {
+        let store: Arc<dyn Store> = Arc::new(cohort_store::HashStore::new());
+        let secret = Secret::generate().unwrap();
+        let opts = || RpcOptions {
+            secret: Some(secret.clone()),
+            init_timeout: Duration::from_secs(20),
+            ..RpcOptions::default()
+        };
+        let mut reg = Registry::new();
+        reg.register("add", |_, (a, b): (i64, i64)| Ok::<_, String>(a + b));
+        let worker0 = {
+            let (store, opts) = (store.clone(), opts());
+            thread::spawn(move || init_rpc_with_store(store, "a", 0, 2, reg, opts))
+        };
+        store
+            .wait(&["rpc/worker/0"], Duration::from_secs(10))
+            .unwrap();
+        let entry = String::from_utf8(store.get("rpc/worker/0").unwrap()).unwrap();
+        let addr: SocketAddr = entry.split_once('\n').unwrap().1.parse().unwrap();
+
+        // One at a time, each once the one a room before it is out: a burst would overflow
+        // the listen backlog, and the kernel would then queue connections out of order.
+        let mut flood: Vec<(TcpStream, Instant)> = Vec::new();
+        for i in 0..4 * MAX_PENDING {
+            flood.push((TcpStream::connect(addr).unwrap(), Instant::now()));
+            if let Some(old) = i.checked_sub(MAX_PENDING) {
+                let what = format!("stranger {old}, {MAX_PENDING} strangers later,");
+                evicted(&flood[old].0, flood[old].1, &what);
+            }
+        }
+        let tricklers: Vec<_> = (0..3)
+            .map(|_| {
+                thread::spawn(move || {
+                    let mut s = TcpStream::connect(addr).unwrap();
+                    let since = Instant::now();
+                    let mut bytes = b"COHAUTH1".iter().chain(std::iter::repeat(&0u8));
+                    while since.elapsed() < HANDSHAKE_TIMEOUT * 3 {
+                        if s.write_all(&[*bytes.next().unwrap()]).is_err() || hung_up_now(&s) {
+                            return Some(since.elapsed());
+                        }
+                        thread::sleep(Duration::from_millis(300));
+                    }
+                    None
+                })
+            })
+            .collect();
+        for (old, (s, at)) in flood.iter().enumerate().skip(3 * MAX_PENDING).take(3) {
+            evicted(s, *at, &format!("stranger {old}, with the tricklers in,"));
+        }
+        assert_eq!(
+            flood.iter().filter(|(s, _)| !hung_up_now(s)).count(),
+            MAX_PENDING - 3
+        );
+
+        // Worker 1 joins at once, not after some stranger's deadline.
+        let joined = Instant::now();
+        let worker1 = init_rpc_with_store(store, "b", 1, 2, Registry::new(), opts()).unwrap();
+        let worker0 = worker0.join().unwrap().unwrap();
+        assert!(
+            joined.elapsed() < HANDSHAKE_TIMEOUT / 2,
+            "{:?}",
+            joined.elapsed()
+        );
+        let sum: i64 = worker1.rpc_sync("a", "add", (2i64, 3i64)).unwrap();
+        assert_eq!(sum, 5);
+
+        for t in tricklers {
+            let dropped = t.join().unwrap();
+            assert!(
+                dropped.is_some_and(|d| d >= HANDSHAKE_TIMEOUT / 2 && d < HANDSHAKE_TIMEOUT * 2),
+                "a trickler was dropped after {dropped:?}, the deadline is {HANDSHAKE_TIMEOUT:?}"
+            );
+        }
+        let started = Instant::now();
+        while let Some(held) = flood.iter().position(|(s, _)| !hung_up_now(s)) {
+            assert!(
+                started.elapsed() < HANDSHAKE_TIMEOUT * 2,
+                "stranger {held} is still held after the handshake deadline"
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let closing = thread::spawn(move || worker0.shutdown());
+        worker1.shutdown().unwrap();
+        closing.join().unwrap().unwrap();
+    }
 
     #[test]
     fn bad_settings_are_named() {

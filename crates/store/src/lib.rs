@@ -26,7 +26,9 @@
 //! A job's stores can be closed to strangers: a [`TcpStoreServer`] bound
 //! with a [`Secret`] (the job secret, `COHORT_SECRET`) serves only clients
 //! that prove they know it through the handshake in [`auth`], which the
-//! collective sockets and other services of a job reuse.
+//! collective sockets and other services of a job reuse. Every listener of a
+//! job bounds what strangers may cost it with the rules in [`door`]: one
+//! deadline per handshake, a capped waiting room, a rate-limited log.
 //!
 //! Every call that waits has a deadline and fails with [`StoreError::Timeout`],
 //! naming the keys and the timeout, instead of hanging. This crate knows
@@ -48,6 +50,7 @@ pub mod auth;
 mod codec;
 #[cfg(test)]
 mod contract;
+pub mod door;
 mod error;
 mod file;
 mod hash;

@@ -205,39 +205,68 @@ impl Planner {
     }
 }
 
-/// The first `count` validation batches of rank `rank` of `world`: the same at every
-/// evaluation, a different share on each rank.
+/// The validation batches of a job, and the share of them one rank evaluates.
+pub(crate) struct ValBatches {
+    /// Batches in the job's list: the first `count` batches of `batch_size` validation
+    /// sequences in the split's own order, the same whatever the world size or strategy.
+    pub total: usize,
+    /// This rank's share, each with its place in the list.
+    pub mine: Vec<(usize, Batch)>,
+}
+
+/// Which of the job's `total` validation batches rank `rank` of `world` evaluates: every
+/// `world`-th, from the `rank`-th.
+pub(crate) fn val_share(total: usize, world: usize, rank: usize) -> Vec<usize> {
+    (rank..total).step_by(world.max(1)).collect()
+}
+
+/// The samples of batch `k` of the job's validation list, for fixed-length data: the next
+/// `batch_size` of the split's sequences, wrapping around it.
+pub(crate) fn val_rows(k: usize, batch_size: usize, n: usize) -> impl Iterator<Item = usize> {
+    (0..batch_size).map(move |row| (k * batch_size + row) % n)
+}
+
+/// The job's first `count` validation batches, and rank `rank` of `world`'s share of them:
+/// the same batches at every evaluation and whatever the world size (so a world of one, of
+/// two, and an elastic regroup report the same validation loss for the same model), shared
+/// out among the ranks.
 pub(crate) fn val_batches(
     data: &Arc<dyn Dataset>,
     cfg: &TrainConfig,
     world: usize,
     rank: usize,
     count: usize,
-) -> Result<Vec<Batch>, TrainError> {
+) -> Result<ValBatches, TrainError> {
     let samples = SplitSamples {
         data: data.clone(),
         split: Split::Val,
     };
     let n = samples.len();
     if n == 0 || count == 0 {
-        return Ok(Vec::new());
+        return Ok(ValBatches {
+            total: 0,
+            mine: Vec::new(),
+        });
     }
     let plan: Vec<Vec<usize>> = if data.variable_length() {
+        // The whole split's plan, as one rank would make it, so that the list is the job's.
         let budget = budget(cfg, &**data, false);
-        let mut plan = TokenBudgetSampler::new(&samples, budget, world, rank)?.batches(0, 0);
+        let mut plan = TokenBudgetSampler::new(&samples, budget, 1, 0)?.batches(0, 0);
         plan.truncate(count);
         plan
     } else {
-        let indices = DistributedSampler::new(n, world, rank, false, cfg.seed, false)?.indices();
         (0..count)
-            .map(|k| {
-                (0..cfg.batch_size)
-                    .map(|row| indices[(k * cfg.batch_size + row) % indices.len()])
-                    .collect()
-            })
+            .map(|k| val_rows(k, cfg.batch_size, n).collect())
             .collect()
     };
-    Ok(plan.iter().map(|p| collate(&samples, p)).collect())
+    let mine = val_share(plan.len(), world, rank)
+        .into_iter()
+        .map(|k| (k, collate(&samples, &plan[k])))
+        .collect();
+    Ok(ValBatches {
+        total: plan.len(),
+        mine,
+    })
 }
 
 #[cfg(test)]
@@ -351,6 +380,42 @@ mod tests {
         }
         assert!(seen.iter().all(|&n| n >= 1), "every document trained on");
         let val = val_batches(&data, &cfg(0), 2, 1, 3).unwrap();
-        assert_eq!(val.len(), 3);
+        assert_eq!((val.total, val.mine.len()), (3, 1));
+    }
+
+    /// However many ranks share them out, the validation batches are one list: the ranks'
+    /// shares put together are a world of one's batches, each once, for fixed and variable
+    /// lengths, with fewer batches than ranks too.
+    #[test]
+    fn the_ranks_share_out_one_list_of_validation_batches() {
+        let fixed: Arc<dyn Dataset> = Arc::new(Docs {
+            lens: vec![16; 37],
+            seq_len: 16,
+        });
+        let docs: Arc<dyn Dataset> = Arc::new(Docs {
+            lens: (0..101).map(|i| 1 + (i * 5) % 16).collect(),
+            seq_len: 16,
+        });
+        for data in [fixed, docs] {
+            for count in [1, 5, 12] {
+                let one = val_batches(&data, &cfg(0), 1, 0, count).unwrap();
+                assert_eq!(one.total, count);
+                let list: Vec<Vec<usize>> =
+                    one.mine.iter().map(|(_, b)| b.indices.clone()).collect();
+                for world in [2, 3, 7] {
+                    let mut shared = vec![None; count];
+                    for rank in 0..world {
+                        let share = val_batches(&data, &cfg(0), world, rank, count).unwrap();
+                        assert_eq!(share.total, count);
+                        for (k, batch) in share.mine {
+                            assert!(shared[k].is_none(), "batch {k} evaluated twice");
+                            shared[k] = Some(batch.indices);
+                        }
+                    }
+                    let shared: Vec<Vec<usize>> = shared.into_iter().map(Option::unwrap).collect();
+                    assert_eq!(shared, list, "world {world}, {count} batches");
+                }
+            }
+        }
     }
 }

@@ -88,7 +88,8 @@ pub struct TrainConfig {
     pub log_interval: u64,
     /// Compute the validation loss every this many steps (0: only at the end).
     pub eval_interval: u64,
-    /// Batches per rank for each validation loss.
+    /// Validation batches of `batch_size` sequences for each validation loss: the same ones
+    /// whatever the world size or strategy, shared out among the ranks.
     pub eval_batches: usize,
     /// Write a checkpoint every this many steps (0: only at the end); needs `out`.
     pub save_interval: u64,
@@ -485,7 +486,8 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_interval: Option<u64>,
-    /// Batches per rank per validation [default: 4].
+    /// Validation batches of --batch-size sequences, the same whatever the number of ranks,
+    /// shared out among them [default: 4].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_batches: Option<usize>,

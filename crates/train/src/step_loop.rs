@@ -531,27 +531,53 @@ pub(crate) fn padding_mask(batch: &Batch) -> Option<&[u8]> {
         .then_some(&batch.attention_mask[..])
 }
 
-/// Mean loss of `model` over `val` (NaN for no batches), in eval mode.
-pub(crate) fn mean_loss(val: &[Batch], model: &mut GPT) -> Result<f32, TrainError> {
-    if val.is_empty() {
-        return Ok(f32::NAN);
-    }
+/// The loss of `model` on each of `val` ((place in the job's list, batch)), in eval mode.
+pub(crate) fn batch_losses(
+    val: &[(usize, Batch)],
+    model: &mut GPT,
+) -> Result<Vec<(usize, f32)>, TrainError> {
     model.set_training(false);
-    let mut sum = 0f64;
-    for batch in val {
-        let mask = padding_mask(batch);
-        sum += model
-            .forward(
+    let losses = val
+        .iter()
+        .map(|(k, batch)| {
+            let mask = padding_mask(batch);
+            let loss = model.forward(
                 &batch.input_ids,
                 mask,
                 Some(&batch.labels),
                 batch.batch,
                 batch.seq,
-            )?
-            .unwrap_or(0.0) as f64;
-    }
+            )?;
+            Ok((*k, loss.unwrap_or(0.0)))
+        })
+        .collect::<Result<Vec<_>, TrainError>>();
     model.set_training(true);
-    Ok((sum / val.len() as f64) as f32)
+    losses
+}
+
+/// The validation loss over the job's `total` batches, of which this rank computed `mine`
+/// ((place in the list, loss)), known to every rank of `pg` (`None`: this process computed
+/// them all); NaN for no batches. Each batch's loss lands in its own slot, summed with zeros
+/// only (which is exact), and the slots are averaged in list order: the figure is the same
+/// bits however the list was shared out among ranks. Collective over `pg`.
+pub(crate) fn mean_val_loss(
+    pg: Option<&ProcessGroup>,
+    total: usize,
+    mine: &[(usize, f32)],
+) -> Result<f32, TrainError> {
+    if total == 0 {
+        return Ok(f32::NAN);
+    }
+    let mut slots = vec![0f32; total];
+    for &(k, loss) in mine {
+        slots[k] = loss;
+    }
+    if let Some(pg) = pg {
+        pg.all_reduce(&mut slots, ReduceOp::Sum)
+            .map_err(TrainError::comm("val loss all_reduce"))?;
+    }
+    let sum: f64 = slots.iter().map(|&l| l as f64).sum();
+    Ok((sum / total as f64) as f32)
 }
 
 /// Writes a log line, hiding the progress bar (on stderr) meanwhile.

@@ -6,13 +6,13 @@
 //! rank 0 writes the log and checkpoints. It never parses flags and never
 //! opens sockets itself: it is handed a config and a process group.
 
-use crate::batches::{val_batches, TrainBatches};
+use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::{Precision, TrainConfig};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::TrainError;
-use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_comm::ProcessGroup;
 use cohort_data::Dataset;
 use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec};
 use cohort_engine::optim::{AdamW, Optimizer};
@@ -224,7 +224,8 @@ struct DataParallel<'a> {
     opt: AdamW,
     ddp: Ddp<'a>,
     batches: TrainBatches,
-    val: Vec<cohort_data::Batch>,
+    /// This rank's share of the job's validation batches.
+    val: ValBatches,
     start: Start,
 }
 
@@ -366,11 +367,8 @@ impl Strategy for DataParallel<'_> {
     }
 
     fn evaluate(&mut self) -> Result<f32, TrainError> {
-        let mut mean = [step_loop::mean_loss(&self.val, &mut self.model)?];
-        self.pg
-            .all_reduce(&mut mean, ReduceOp::Avg)
-            .map_err(TrainError::comm("val loss all_reduce"))?;
-        Ok(mean[0])
+        let mine = step_loop::batch_losses(&self.val.mine, &mut self.model)?;
+        step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
     }
 
     fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {

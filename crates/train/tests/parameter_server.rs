@@ -102,6 +102,32 @@ fn sync_mode_with_two_workers_is_ddp_bitwise() {
     }
 }
 
+/// The server evaluates the list of validation batches DDP's ranks share out, all of it: the
+/// same model (lr 0 keeps the initial one) reports the same validation loss with one worker,
+/// two, or under DDP on one rank.
+#[test]
+fn the_same_model_has_the_same_validation_loss_with_any_number_of_workers() {
+    let cfg = TrainConfig {
+        lr: 0.0,
+        min_lr: 0.0,
+        eval_batches: 5,
+        steps: 2,
+        ..tiny()
+    };
+    let one = run_world(1, &cfg).swap_remove(0);
+    for world in [2, 3] {
+        let (ps, log) = run_ps(world, &cfg);
+        assert!(ps[0].params == one.params, "{log}");
+        let (a, b) = (ps[0].val_losses[0], one.val_losses[0]);
+        eprintln!("{} worker(s): val loss {a:?} vs {b:?} under DDP", world - 1);
+        assert!(
+            a.0 == b.0 && (a.1 - b.1).abs() < 1e-5,
+            "{} worker(s): {a:?} vs {b:?}",
+            world - 1
+        );
+    }
+}
+
 /// Three workers' gradients are summed in worker order here, in the
 /// all-reduce's order in DDP: the averages differ in the last bit or so
 /// (~1e-7 relative). AdamW divides each update by the gradient's own scale,

@@ -31,6 +31,16 @@ fn tiny() -> TrainConfig {
     }
 }
 
+/// [`tiny`] at lr 0, evaluating five batches (not a multiple of two replicas).
+fn unmoved() -> TrainConfig {
+    TrainConfig {
+        lr: 0.0,
+        min_lr: 0.0,
+        eval_batches: 5,
+        ..tiny()
+    }
+}
+
 /// The pipeline runs of the scenarios, by name.
 fn case(name: &str) -> TrainConfig {
     match name {
@@ -57,12 +67,27 @@ fn case(name: &str) -> TrainConfig {
             clip_value: 0.01,
             ..tiny()
         },
+        // At lr 0 the model stays the initial one; two replicas of one stage, or one
+        // pipeline of two stages, evaluate the job's validation batches.
+        "1x2_lr0" => TrainConfig {
+            stages: 1,
+            ..unmoved()
+        },
+        "2x1_lr0" => TrainConfig {
+            stages: 2,
+            ..unmoved()
+        },
         other => panic!("unknown case {other}"),
     }
 }
 
 /// Runs `case` on `world` processes and returns rank 0's final parameters.
 fn run_processes(case_name: &str, world: usize, dir: &Path) -> Vec<f32> {
+    run_processes_with_val(case_name, world, dir).0
+}
+
+/// [`run_processes`], with rank 0's last validation loss.
+fn run_processes_with_val(case_name: &str, world: usize, dir: &Path) -> (Vec<f32>, f32) {
     let out = dir.join(format!("{case_name}.f32"));
     let mut opts =
         ProcessOptions::current_exe(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
@@ -73,11 +98,13 @@ fn run_processes(case_name: &str, world: usize, dir: &Path) -> Vec<f32> {
     opts.env.push(("COHORT_NUM_THREADS".into(), "1".into()));
     opts.timeout = Duration::from_secs(120);
     spawn::processes(world, &opts).unwrap();
-    std::fs::read(&out)
+    let mut floats: Vec<f32> = std::fs::read(&out)
         .unwrap()
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
+        .collect();
+    let val = floats.pop().unwrap();
+    (floats, val)
 }
 
 /// Not a test of its own: the body of each child process (a no-op when run directly).
@@ -93,9 +120,12 @@ fn child_rank() {
         assert!(outcome.train_losses.iter().all(|(_, l)| l.is_finite()));
     }
     if pg.rank() == 0 {
+        // The parameters, then the last validation loss.
+        let val = outcome.val_losses.last().map_or(f32::NAN, |v| v.1);
         let bytes: Vec<u8> = outcome
             .params
             .iter()
+            .chain([&val])
             .flat_map(|x| x.to_le_bytes())
             .collect();
         std::fs::write(out, bytes).unwrap();
@@ -162,6 +192,31 @@ fn two_stages_by_two_replicas_match_one_process() {
     let diff = max_abs_diff(&piped, &one);
     eprintln!("2x2: max |pipeline - one process| = {diff:e}");
     assert!(diff <= TOL, "max |pipeline - one process| = {diff}");
+}
+
+/// The same model reports the same validation loss whether one process, two replicas or two
+/// stages evaluate it: the replicas share out the job's list of validation batches instead of
+/// each evaluating its own.
+#[test]
+fn the_same_model_has_the_same_validation_loss_however_it_is_pipelined() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = unmoved();
+    let one = run_world(
+        1,
+        &TrainConfig {
+            strategy: Strategy::Ddp,
+            grad_accum: cfg.micro_batches,
+            ..cfg.clone()
+        },
+    )
+    .swap_remove(0);
+    let want = one.val_losses.last().unwrap().1;
+    for name in ["1x2_lr0", "2x1_lr0"] {
+        let (params, val) = run_processes_with_val(name, 2, dir.path());
+        assert!(params == one.params, "{name}: another model");
+        eprintln!("{name}: val loss {val} vs {want} on one process");
+        assert!((val - want).abs() < 1e-5, "{name}: {val} vs {want}");
+    }
 }
 
 /// A NaN on one stage skips that step's update on every stage, as DDP's ranks do, and value

@@ -63,6 +63,36 @@ fn n_ranks_match_one_process_with_n_times_the_batch_and_with_accumulation() {
     }
 }
 
+/// The same model reports the same validation loss on any number of ranks: the ranks share
+/// out one list of validation batches rather than each evaluating its own, so a world of one,
+/// two or three (and an elastic regroup between them) see the same sequences. At lr 0 every
+/// world ends on the initial parameters, bitwise, so only the sequences could differ; five
+/// batches do not split evenly over two or three ranks.
+#[test]
+fn the_same_model_has_the_same_validation_loss_on_any_number_of_ranks() {
+    let cfg = TrainConfig {
+        lr: 0.0,
+        min_lr: 0.0,
+        eval_batches: 5,
+        eval_interval: 1,
+        steps: 2,
+        ..tiny()
+    };
+    let one = run_one(&cfg);
+    assert_eq!(one.val_losses.len(), 2);
+    for n in [2, 3] {
+        let ddp = run_world(n, &cfg);
+        assert!(ddp[0].params == one.params, "world {n}: another model");
+        for (rank, o) in ddp.iter().enumerate() {
+            for ((s1, a), (s2, b)) in o.val_losses.iter().zip(&one.val_losses) {
+                assert_eq!(s1, s2);
+                eprintln!("world {n} rank {rank} step {s1}: val loss {a} vs {b} on one rank");
+                assert!((a - b).abs() < 1e-5, "world {n} rank {rank}: {a} vs {b}");
+            }
+        }
+    }
+}
+
 fn run_zero_steps(cfg: &TrainConfig) -> Vec<f32> {
     run_one(&TrainConfig {
         steps: 0,

@@ -25,7 +25,8 @@ pub fn cohort() -> Command {
     cmd
 }
 
-fn clean(cmd: &mut Command) {
+/// Removes from `cmd`'s environment what a launcher may have set in this test's.
+pub fn clean(cmd: &mut Command) {
     for var in [
         "RANK",
         "WORLD_SIZE",

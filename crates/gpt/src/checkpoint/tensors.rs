@@ -49,7 +49,56 @@ pub(super) fn write_safetensors(
             source,
         },
     )?;
+    sort_header_metadata(path)?;
     fsync(path)
+}
+
+/// Rewrites the `__metadata__` entries of the safetensors file at `path` in key order, in
+/// place. The safetensors crate writes them in the order of a `HashMap`, which differs from
+/// process to process, so the same state saved twice (a resumed run and an unbroken one) would
+/// differ in bytes and checksums. The sorted object is the same JSON at the same length; the
+/// tensors and the rest of the header are untouched.
+fn sort_header_metadata(path: &Path) -> Result<(), CheckpointError> {
+    use std::io::{Seek, SeekFrom};
+    const PREFIX: &[u8] = b"{\"__metadata__\":";
+    let io = |op| {
+        move |source| CheckpointError::Io {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
+    };
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(io("open"))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(io("read"))?;
+    // The header was just written by the safetensors crate; it is as long as it says.
+    let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
+    file.read_exact(&mut header).map_err(io("read"))?;
+    let Some(rest) = header.strip_prefix(PREFIX) else {
+        return Ok(()); // no metadata
+    };
+    let mut stream = serde_json::Deserializer::from_slice(rest)
+        .into_iter::<std::collections::BTreeMap<String, String>>();
+    let sorted = match stream.next() {
+        Some(Ok(sorted)) => sorted,
+        Some(Err(e)) => return Err(format_err(path, e)),
+        None => return Err(format_err(path, "an empty __metadata__")),
+    };
+    let end = stream.byte_offset();
+    let bytes = serde_json::to_vec(&sorted).map_err(|e| format_err(path, e))?;
+    if bytes.len() != end {
+        return Err(format_err(
+            path,
+            format!("__metadata__ of {end} bytes rewritten as {}", bytes.len()),
+        ));
+    }
+    file.seek(SeekFrom::Start((len.len() + PREFIX.len()) as u64))
+        .map_err(io("seek in"))?;
+    file.write_all(&bytes).map_err(io("write"))
 }
 
 /// The process's umask, from `/proc/self/status` (022 where it cannot be

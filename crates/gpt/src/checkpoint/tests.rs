@@ -74,6 +74,55 @@ fn save_and_load_round_trip_every_variant() {
     );
 }
 
+/// The same state saved twice is the same bytes, although its metadata comes in a `HashMap`
+/// (whose order differs from one map to the next) and the safetensors crate writes it in that
+/// order: a resumed run's checkpoint can be compared with an unbroken run's byte for byte.
+#[test]
+fn the_same_state_saved_twice_is_the_same_bytes() {
+    let root = tempfile::tempdir().unwrap();
+    let model = GPT::new(tiny(true, false), 5).unwrap();
+    let moments: Vec<f32> = (0..model.num_params()).map(|i| i as f32 * 0.25).collect();
+    let saved: Vec<Vec<(String, Vec<u8>)>> = (0..8)
+        .map(|i| {
+            let metadata = (0..6)
+                .map(|k| (format!("key{k}"), format!("value \"{k}\"")))
+                .collect();
+            let file = TensorFile {
+                name: STATE_FILE,
+                tensors: vec![("moments".to_string(), &moments[..])],
+                metadata,
+            };
+            let ckpt = Checkpoint {
+                model: Some(&model),
+                tensor_files: vec![file],
+                extra_files: vec![],
+            };
+            let dir = save(root.path(), &format!("ckpt-{i}"), &ckpt).unwrap();
+            let mut files: Vec<(String, Vec<u8>)> = fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    (
+                        e.file_name().into_string().unwrap(),
+                        fs::read(e.path()).unwrap(),
+                    )
+                })
+                .collect();
+            files.sort();
+            files
+        })
+        .collect();
+    for (i, files) in saved.iter().enumerate().skip(1) {
+        assert!(files == &saved[0], "save {i} differs from save 0");
+    }
+    // Still a valid file, metadata and all.
+    let dir = root.path().join("ckpt-7");
+    let back = read_tensor_file(&dir, STATE_FILE).unwrap().unwrap();
+    assert_eq!(back.metadata.len(), 7);
+    assert_eq!(back.metadata["key3"], "value \"3\"");
+    assert!(verify(&dir).unwrap());
+}
+
 #[test]
 fn tensor_files_and_extra_files_round_trip() {
     let root = tempfile::tempdir().unwrap();

@@ -16,7 +16,8 @@
 //! [`MAX_PENDING`] connections may be handshaking at once: a newer one
 //! drops the oldest, so a flood of strangers holds a bounded number of
 //! descriptors and threads and never starves the job's own processes.
-//! Refusals are logged as one summary line per [`REFUSAL_LOG_EVERY`].
+//! Refusals are logged as one summary line per [`REFUSAL_LOG_EVERY`]. These
+//! bounds live in [`door`](crate::door), shared with every other listener.
 //!
 //! The server must never panic or allocate on a client's say-so: a
 //! malformed or oversized frame, a failed handshake, or a client that
@@ -36,6 +37,7 @@ use std::time::{Duration, Instant};
 use super::wire::{read_frame, Request, Response, MAGIC, VERSION};
 use super::AUTH_SERVICE;
 use crate::auth::{authenticate_server, AuthError, Secret, SECRET_ENV};
+use crate::door::{Deadline, RefusalLog, WaitingRoom, REFUSAL_LOG_EVERY};
 use crate::{HashStore, Store, StoreError};
 
 /// How often a thread blocked in `get`/`wait` checks that its client is
@@ -50,9 +52,7 @@ pub(crate) const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) const AUTH_TIMEOUT: Duration = Duration::from_secs(2);
 /// Connections handshaking at once; a newer one drops the oldest. Real
 /// clients handshake within microseconds, so only a flood ever reaches it.
-pub(crate) const MAX_PENDING: usize = 64;
-/// How often refused connections are summed up on stderr.
-const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+pub(crate) const MAX_PENDING: usize = crate::door::MAX_PENDING;
 /// Connection threads only parse and copy; a small stack lets a server
 /// hold thousands of clients.
 const CONNECTION_STACK: usize = 256 << 10;
@@ -87,17 +87,10 @@ struct Shared {
     local_addr: SocketAddr,
     /// Clients must prove they know it, when set.
     secret: Option<Secret>,
-    /// Connections refused since the last summary line.
-    refusals: Mutex<Refusals>,
-}
-
-/// Refused connections, summed up on stderr now and then.
-struct Refusals {
-    count: u64,
-    /// When the last summary was printed (`None`: never).
-    logged: Option<Instant>,
-    /// The latest refusal, for the summary.
-    latest: String,
+    /// Connections refused for lacking the secret, summed up now and then.
+    refusals: RefusalLog,
+    /// The connections still handshaking (with a secret only).
+    room: WaitingRoom,
 }
 
 #[derive(Default)]
@@ -106,8 +99,6 @@ struct Connections {
     /// A handle on each open connection, to shut it down from `Drop`.
     streams: HashMap<u64, TcpStream>,
     threads: Vec<JoinHandle<()>>,
-    /// The connections still handshaking, oldest first.
-    pending: std::collections::VecDeque<u64>,
 }
 
 impl fmt::Debug for TcpStoreServer {
@@ -161,11 +152,12 @@ impl TcpStoreServer {
             conns: Mutex::new(Connections::default()),
             local_addr,
             secret,
-            refusals: Mutex::new(Refusals {
-                count: 0,
-                logged: None,
-                latest: String::new(),
-            }),
+            refusals: RefusalLog::new(
+                format!("cohort-store server {local_addr}"),
+                "connection(s) without the job secret",
+                REFUSAL_LOG_EVERY,
+            ),
+            room: WaitingRoom::new(MAX_PENDING),
         });
         let accept = {
             let shared = shared.clone();
@@ -251,26 +243,8 @@ impl Shared {
     /// in one line now and then (the first at once), so that a flood of
     /// strangers cannot flood the log.
     fn refused(&self, peer: &str, what: &dyn Display) {
-        if self.is_closed() {
-            return;
-        }
-        let mut r = self.refusals.lock().unwrap_or_else(|e| e.into_inner());
-        r.count += 1;
-        r.latest = format!("{peer}: {what}");
-        if r.logged.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_EVERY) {
-            eprintln!(
-                "cohort-store server {}: refused {} connection(s) without the job secret{} \
-                 (latest {})",
-                self.local_addr,
-                r.count,
-                match r.logged {
-                    Some(t) => format!(" in the last {} s", t.elapsed().as_secs()),
-                    None => String::new(),
-                },
-                r.latest
-            );
-            r.count = 0;
-            r.logged = Some(Instant::now());
+        if !self.is_closed() {
+            self.refusals.refused(peer, what);
         }
     }
 
@@ -309,6 +283,15 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
         Ok(handle) => handle,
         Err(e) => return shared.log(&peer, &e),
     };
+    // With a secret, a way to hang up on this connection while it is a
+    // stranger; the waiting room holds it until the handshake ends.
+    let hang_up = match &shared.secret {
+        Some(_) => match stream.try_clone() {
+            Ok(h) => Some(h),
+            Err(e) => return shared.log(&peer, &e),
+        },
+        None => None,
+    };
     let mut conns = shared.conns();
     // Checked under the lock that `Drop` takes to shut connections down, so
     // a connection is either shut down there or never started.
@@ -318,17 +301,12 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
     conns.threads.retain(|t| !t.is_finished());
     let id = conns.next_id;
     conns.next_id += 1;
-    if shared.secret.is_some() {
-        // Too many strangers at the door: the oldest goes.
-        while conns.pending.len() >= MAX_PENDING {
-            if let Some(old) = conns.pending.pop_front() {
-                if let Some(stream) = conns.streams.get(&old) {
-                    let _ = stream.shutdown(std::net::Shutdown::Both);
-                }
-            }
-        }
-        conns.pending.push_back(id);
-    }
+    // Too many strangers at the door: the oldest goes.
+    let seat = hang_up.map(|h| {
+        shared.room.enter(move || {
+            let _ = h.shutdown(std::net::Shutdown::Both);
+        })
+    });
     let thread = {
         let shared = shared.clone();
         let peer = peer.clone();
@@ -336,13 +314,14 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
             .name("cohort-store-conn".into())
             .stack_size(CONNECTION_STACK)
             .spawn(move || {
-                let admitted = match &shared.secret {
-                    Some(secret) => {
-                        let admitted = admit(&stream, secret);
-                        shared.conns().pending.retain(|&p| p != id);
-                        admitted
-                    }
-                    None => Ok(()),
+                let admitted = match (&shared.secret, seat) {
+                    (Some(secret), Some(seat)) => match admit(&stream, secret) {
+                        Err(Dropped::Handshake(_)) if seat.evicted() => Err(Dropped::Handshake(
+                            io::Error::other("dropped to make room for newer connections"),
+                        )),
+                        admitted => admitted,
+                    },
+                    _ => Ok(()),
                 };
                 match admitted.and_then(|()| serve(&shared, &stream)) {
                     Err(reason @ (Dropped::Unauthenticated(_) | Dropped::Handshake(_))) => {
@@ -351,9 +330,7 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
                     Err(reason) => shared.log(&peer, &reason),
                     Ok(()) => {}
                 }
-                let mut conns = shared.conns();
-                conns.streams.remove(&id);
-                conns.pending.retain(|&p| p != id);
+                shared.conns().streams.remove(&id);
             })
     };
     match thread {
@@ -362,40 +339,6 @@ fn start_connection(shared: &Arc<Shared>, stream: TcpStream) {
             conns.threads.push(thread);
         }
         Err(e) => shared.log(&peer, &e),
-    }
-}
-
-/// A stream whose reads and writes all end by one deadline.
-struct Deadline<'a> {
-    stream: &'a TcpStream,
-    until: Instant,
-}
-
-impl Deadline<'_> {
-    /// The time left, or a timeout error once it is past.
-    fn left(&self) -> io::Result<Duration> {
-        let left = self.until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
-        }
-        Ok(left)
-    }
-}
-
-impl Read for Deadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.stream.set_read_timeout(Some(self.left()?))?;
-        (&mut &*self.stream).read(buf)
-    }
-}
-
-impl Write for Deadline<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.stream.set_write_timeout(Some(self.left()?))?;
-        (&mut &*self.stream).write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        (&mut &*self.stream).flush()
     }
 }
 
@@ -432,10 +375,7 @@ fn admit(stream: &TcpStream, secret: &Secret) -> Result<(), Dropped> {
             .set_read_timeout(t)
             .and_then(|()| stream.set_write_timeout(t))
     };
-    let mut within = Deadline {
-        stream,
-        until: Instant::now() + AUTH_TIMEOUT,
-    };
+    let mut within = Deadline::new(stream, AUTH_TIMEOUT);
     match authenticate_server(&mut within, secret, AUTH_SERVICE) {
         Ok(()) => timeouts(None).map_err(Dropped::Io),
         Err(AuthError::Io(e)) => Err(Dropped::Handshake(e)),

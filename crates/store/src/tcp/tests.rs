@@ -549,17 +549,53 @@ fn fuzzed_frames_never_take_the_server_down_with_or_without_a_secret() {
     assert_eq!(fresh.add("n", 2).unwrap(), 2);
 }
 
-/// A flood of strangers holds at most MAX_PENDING connections (the oldest are dropped as
-/// newer ones come), a stranger trickling a byte now and then is dropped at the handshake's
+/// Whether the other end of `s` has hung up on it (without waiting).
+fn hung_up_now(s: &TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut fd = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `fd` is one valid pollfd, exclusively borrowed for the call.
+    let n = unsafe { libc::poll(&mut fd, 1, 0) };
+    n > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// A flood of strangers holds at most MAX_PENDING connections (each is hung up on as soon as
+/// MAX_PENDING newer ones came, long before its handshake's deadline, so a missing or larger
+/// cap fails here), a stranger trickling a byte now and then is dropped at the handshake's
 /// deadline, and the job's own clients still get in at once.
 #[test]
 fn a_flood_of_strangers_is_bounded_and_the_job_still_gets_in() {
     use super::server::{AUTH_TIMEOUT, MAX_PENDING};
     let (server, secret) = secret_server();
     let addr = server.local_addr();
-    let flood: Vec<TcpStream> = (0..4 * MAX_PENDING)
-        .map(|_| TcpStream::connect(addr).unwrap())
-        .collect();
+    // One at a time, each once the one MAX_PENDING before it is out: a burst would overflow
+    // the listen backlog, and the kernel would then queue connections out of order. The
+    // server's deadline for a stranger starts when it accepts it, after `at`: a hang-up seen
+    // before `at + AUTH_TIMEOUT` can only be the cap's doing.
+    let mut flood: Vec<(TcpStream, Instant)> = Vec::new();
+    for i in 0..4 * MAX_PENDING {
+        flood.push((TcpStream::connect(addr).unwrap(), Instant::now()));
+        if let Some(old) = i.checked_sub(MAX_PENDING) {
+            let (s, at) = &flood[old];
+            while !hung_up_now(s) {
+                assert!(
+                    at.elapsed() < AUTH_TIMEOUT,
+                    "stranger {old} is still held {MAX_PENDING} strangers later ({} connections open)",
+                    server.connections()
+                );
+                thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+    // The threads of those hung up on end as well (at once: their reads fail).
+    let t = Instant::now();
+    while server.connections() > MAX_PENDING {
+        assert!(t.elapsed() < AUTH_TIMEOUT / 2, "{}", server.connections());
+        thread::sleep(Duration::from_millis(5));
+    }
     // Then a trickler (the newest, so no later stranger pushes it out): a well-formed
     // handshake one byte every 300 ms, each read well within any per-read timeout, too
     // slow to ever finish (about 70 bytes).
@@ -568,30 +604,13 @@ fn a_flood_of_strangers_is_bounded_and_the_job_still_gets_in() {
         let started = Instant::now();
         let mut bytes = b"COHAUTH1".iter().chain(std::iter::repeat(&0u8));
         while started.elapsed() < AUTH_TIMEOUT * 3 {
-            if s.write_all(&[*bytes.next().unwrap()]).is_err() {
+            if s.write_all(&[*bytes.next().unwrap()]).is_err() || hung_up_now(&s) {
                 return Some(started.elapsed());
             }
             thread::sleep(Duration::from_millis(300));
         }
         None
     });
-    let started = Instant::now();
-    while server.connections() > MAX_PENDING + 1 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{} connections open under a flood of {}",
-            server.connections(),
-            flood.len()
-        );
-        thread::sleep(Duration::from_millis(10));
-    }
-    // The first strangers were shut out to make room: their reads end.
-    let mut first = &flood[0];
-    first
-        .set_read_timeout(Some(Duration::from_secs(5)))
-        .unwrap();
-    let mut buf = [0u8; 64];
-    assert!(matches!(first.read(&mut buf), Ok(0) | Err(_)));
     // The job's own client gets in and is served at once.
     let t = Instant::now();
     let store = TcpStore::connect_with_secret(addr, Duration::from_secs(5), Some(secret)).unwrap();

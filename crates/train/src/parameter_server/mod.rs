@@ -43,12 +43,12 @@ use cohort_rpc::{Floats, Registry, Rpc, RpcError, RpcOptions};
 use cohort_store::{HashStore, Store};
 use serde::{Deserialize, Serialize};
 
-use crate::batches::{val_batches, TrainBatches};
+use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{self, Resumed, SaveReport, TrainState};
 use crate::config::{ConfigError, PsMode, TrainConfig};
 use crate::file_data::build_dataset;
 use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, mean_loss, Start, StepGradients, Strategy};
+use crate::step_loop::{self, batch_losses, mean_val_loss, Start, StepGradients, Strategy};
 use crate::train::{model_config, Outcome};
 use crate::{FileData, TrainError};
 use cohort_data::Dataset;

@@ -10,10 +10,10 @@ pub(super) struct Server<'c> {
     pub(super) data: Arc<dyn Dataset>,
     pub(super) model: GPT,
     pub(super) opt: AdamW,
-    /// The validation batches the server evaluates on: those of each rank
-    /// of DDP over as many ranks as there are workers, so that the same model
-    /// reports the same validation loss under either strategy.
-    pub(super) val: Vec<Vec<cohort_data::Batch>>,
+    /// The job's validation batches, all of them: the same list DDP shares
+    /// out among its ranks, so that the same model reports the same
+    /// validation loss under either strategy and any number of workers.
+    pub(super) val: ValBatches,
     /// A world of one for the loop's checks (the workers' results are
     /// already gathered here); it opens no socket.
     pub(super) alone: ProcessGroup,
@@ -76,9 +76,7 @@ impl<'c> Server<'c> {
             None => None,
         };
         let state = resumed.as_ref().map(|r| r.state).unwrap_or_default();
-        let val = (0..workers)
-            .map(|r| val_batches(&data, cfg, workers, r, cfg.eval_batches))
-            .collect::<Result<Vec<_>, _>>()?;
+        let val = val_batches(&data, cfg, 1, 0, cfg.eval_batches)?;
         let alone = GroupOptions::from_env()
             .and_then(|o| ProcessGroup::new(Arc::new(HashStore::new()), 0, 1, o))
             .map_err(TrainError::comm("the server's own group"))?;
@@ -290,13 +288,9 @@ impl Strategy for Serving<'_, '_> {
     }
 
     fn evaluate(&mut self) -> Result<f32, TrainError> {
-        // DDP's figure: each rank's mean, averaged over the ranks.
         let s = &mut self.server;
-        let mut sum = 0f32;
-        for val in &s.val {
-            sum += mean_loss(val, &mut s.model)?;
-        }
-        Ok(sum / s.val.len().max(1) as f32)
+        let losses = batch_losses(&s.val.mine, &mut s.model)?;
+        mean_val_loss(None, s.val.total, &losses)
     }
 
     fn save(&mut self, out: &std::path::Path, step: u64) -> Result<SaveReport, TrainError> {

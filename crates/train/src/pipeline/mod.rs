@@ -35,6 +35,7 @@ use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
 
+use crate::batches::{val_rows, val_share};
 use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
 use crate::phases::{Phase, Phases};
@@ -529,8 +530,9 @@ impl<'pg> PipelineRank<'pg> {
     }
 }
 
-/// Mean validation loss over `eval_batches` batches per replica, through the pipeline
-/// (forwards only), averaged over replicas; known to every rank.
+/// The validation loss over the job's `eval_batches` batches (the list every strategy uses,
+/// whatever the world size), through the pipeline (forwards only), the batches shared out
+/// among the replicas; known to every rank.
 fn evaluate(
     cfg: &TrainConfig,
     data: &dyn Dataset,
@@ -539,23 +541,18 @@ fn evaluate(
     t: usize,
 ) -> Result<f32, TrainError> {
     let n = data.len(Split::Val);
-    if n == 0 || cfg.eval_batches == 0 {
-        return Ok(f32::NAN);
-    }
+    let total = if n == 0 { 0 } else { cfg.eval_batches };
     let (replicas, replica) = (pipe.topo.replicas, pipe.topo.replica);
-    let order = DistributedSampler::new(n, replicas, replica, false, cfg.seed, false)?.indices();
-    let e = cfg.eval_batches;
+    let mine = val_share(total, replicas, replica);
+    let e = mine.len();
     let mut tokens = vec![vec![0u32; b * t]; e];
     let mut labels = vec![vec![0i32; b * t]; e];
     if pipe.topo.first() || pipe.topo.last() {
-        let mut k = 0;
+        let mut rows = mine.iter().flat_map(|&k| val_rows(k, b, n));
         read_micro_batches(
             data,
             Split::Val,
-            || {
-                k += 1;
-                order[(k - 1) % order.len()]
-            },
+            || rows.next().expect("b rows per batch"),
             &mut tokens,
             &mut labels,
         );
@@ -563,15 +560,9 @@ fn evaluate(
     // Forwards only; each slot is free again once its output is sent.
     let ops: Vec<Op> = (0..e).map(|m| Op::Forward { micro: m, slot: 0 }).collect();
     pipe.stage.set_training(false);
-    let sum = pipe.run(&ops, &tokens, &labels, b, t, &mut RunTimes::default())?;
+    pipe.run(&ops, &tokens, &labels, b, t, &mut RunTimes::default())?;
     pipe.stage.set_training(true);
-    let mut mean = [if pipe.topo.last() {
-        sum as f64 / e as f64 / replicas as f64
-    } else {
-        0.0
-    }];
-    pipe.pg
-        .all_reduce(&mut mean, ReduceOp::Sum)
-        .map_err(TrainError::comm("val loss all_reduce"))?;
-    Ok(mean[0] as f32)
+    // Only the last stages saw losses.
+    let losses: Vec<(usize, f32)> = pipe.losses.iter().map(|&(m, l)| (mine[m], l)).collect();
+    step_loop::mean_val_loss(Some(pipe.pg), total, &losses)
 }

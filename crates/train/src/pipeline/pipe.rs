@@ -92,6 +92,8 @@ pub(super) struct Pipe<'p> {
     /// Dropout keys: (seed, rank, step * micro_batches); micro-batch m adds m, as one process
     /// accumulating the micro-batches would.
     pub(super) drop_key: (u64, u64, u64),
+    /// On the last stage, each micro-batch's loss in the last run, as (micro-batch, loss).
+    pub(super) losses: Vec<(usize, f32)>,
 }
 
 impl<'p> Pipe<'p> {
@@ -104,6 +106,7 @@ impl<'p> Pipe<'p> {
             inbox: Vec::new(),
             spare: Vec::new(),
             drop_key: (seed, 0, 0),
+            losses: Vec::new(),
         }
     }
 }
@@ -131,6 +134,7 @@ impl Pipe<'_> {
         let (first, last) = (self.topo.first(), self.topo.last());
         let mut sends = Vec::new();
         let mut loss_sum = 0f32;
+        self.losses.clear();
         for &op in ops {
             match op {
                 Op::Forward { micro, slot } => {
@@ -151,7 +155,11 @@ impl Pipe<'_> {
                     let out = self.stage.forward(slot, input, None, lab, b, t)?;
                     times.forward += t0.elapsed();
                     match out {
-                        StageOutput::Loss(l) => loss_sum += l.unwrap_or(0.0),
+                        StageOutput::Loss(l) => {
+                            let l = l.unwrap_or(0.0);
+                            loss_sum += l;
+                            self.losses.push((micro, l));
+                        }
                         StageOutput::Activations(x) => {
                             let mut buf = self.spare.pop().unwrap_or_default();
                             buf.clear();

@@ -61,6 +61,14 @@ impl Conn {
         }
     }
 
+    /// Another handle on the same socket (to hang up on it from elsewhere).
+    pub(super) fn try_clone(&self) -> io::Result<Conn> {
+        Ok(match self {
+            Conn::Tcp(s) => Conn::Tcp(s.try_clone()?),
+            Conn::Unix(s) => Conn::Unix(s.try_clone()?),
+        })
+    }
+
     pub(super) fn shutdown(&self) -> io::Result<()> {
         match self {
             Conn::Tcp(s) => s.shutdown(Shutdown::Both),
@@ -85,6 +93,23 @@ impl Conn {
                 s.set_read_timeout(timeout)?;
                 s.set_write_timeout(timeout)
             }
+        }
+    }
+}
+
+/// What a handshake's `Deadline` needs: the socket's own timeouts.
+impl Timeouts for Conn {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => s.set_read_timeout(timeout),
+            Conn::Unix(s) => s.set_read_timeout(timeout),
+        }
+    }
+
+    fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Conn::Tcp(s) => s.set_write_timeout(timeout),
+            Conn::Unix(s) => s.set_write_timeout(timeout),
         }
     }
 }

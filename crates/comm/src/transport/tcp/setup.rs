@@ -4,6 +4,13 @@
 //!
 //! Everything here runs once per group, before the first byte of data; every wait has a
 //! deadline, and a refused peer is logged and never sees a byte of the job.
+//!
+//! The listeners bound what strangers may cost with the rules of `cohort_store::door`: each
+//! accepted connection has one deadline for its whole handshake (a stranger trickling a byte
+//! now and then is dropped on time), at most [`MAX_PENDING`] of them (or as many as this
+//! rank's own peers, if more) handshake at once and a newer one hangs up on the oldest, and
+//! refusals are summed up in one stderr line per interval. A flood thus holds a bounded number
+//! of descriptors and threads, and never keeps the group's own ranks out.
 
 use super::*;
 
@@ -361,6 +368,16 @@ impl Acceptor<'_> {
         expected: usize,
         deadline: Instant,
     ) -> Result<Accepted, String> {
+        // Room for every peer of this rank at once, so that a crowd of
+        // strangers can push out only strangers and peers that are slow.
+        let door = Door {
+            room: WaitingRoom::new(MAX_PENDING.max(expected)),
+            log: Arc::new(RefusalLog::new(
+                format!("cohort-comm: group {:?} rank {}", self.group, self.rank),
+                "connection(s) that are not peers of this group",
+                REFUSAL_LOG_EVERY,
+            )),
+        };
         let (admitted_tx, admitted) = mpsc::channel::<(usize, Channel, Conn)>();
         // Handshake threads write a byte here after each verdict, so that
         // the poll on the listeners also wakes for them.
@@ -373,7 +390,7 @@ impl Acceptor<'_> {
         loop {
             while let Ok((from, ch, mut s)) = admitted.try_recv() {
                 if got.iter().any(|(p, c, _)| *p == from && *c == ch) {
-                    self.refused(
+                    door.log.refused(
                         &s.peer(),
                         &format!("a second {ch:?} connection of rank {from}"),
                     );
@@ -404,7 +421,7 @@ impl Acceptor<'_> {
                 },
             };
             match accepted {
-                Ok(s) => self.admit_in_background(s, left, &admitted_tx, &wake_tx),
+                Ok(s) => self.admit_in_background(s, left, &door, &admitted_tx, &wake_tx),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     let mut fds: Vec<libc::pollfd> = [listener.as_raw_fd(), wake_rx.as_raw_fd()]
                         .into_iter()
@@ -424,57 +441,76 @@ impl Acceptor<'_> {
         }
     }
 
-    /// Authenticates `s` and reads its hello on a new thread, which sends
-    /// it to `admitted` if it is a peer of this group and logs it otherwise.
+    /// Authenticates `s` and reads its hello on a new thread, seated in the
+    /// door's waiting room meanwhile; the thread sends it to `admitted` if
+    /// it is a peer of this group and logs it otherwise.
     pub(super) fn admit_in_background(
         &self,
         s: Conn,
         left: Duration,
+        door: &Door,
         admitted: &mpsc::Sender<(usize, Channel, Conn)>,
         wake: &UnixStream,
     ) {
         let who = s.peer();
-        let (Ok(wake), admitted) = (wake.try_clone(), admitted.clone()) else {
-            return self.refused(&who, "cannot clone the wake-up socket");
+        let (Ok(wake), Ok(hang_up), admitted) = (wake.try_clone(), s.try_clone(), admitted.clone())
+        else {
+            return door
+                .log
+                .refused(&who, &"cannot clone its socket or the wake-up socket");
         };
+        // Full of strangers: the oldest is hung up on (its thread's read ends).
+        let seat = door.room.enter(move || {
+            let _ = hang_up.shutdown();
+        });
+        let log = door.log.clone();
+        let peer = who.clone();
         let me = Admission {
-            group: self.group.to_string(),
             nonce: self.nonce,
             rank: self.rank,
             size: self.size,
             secret: self.secret.cloned(),
-            // A peer speaks right after connecting; anything slower (a port
-            // scanner, a stuck process) only holds its own thread.
+            // A peer speaks right after connecting and is through within
+            // microseconds; anything slower (a port scanner, a stuck
+            // process, a trickler) only holds its own thread, and only
+            // until this deadline for its whole handshake.
             timeout: left.clamp(Duration::from_millis(1), HELLO_TIMEOUT),
         };
         let spawned = std::thread::Builder::new()
             .name("cohort-admit".into())
             .stack_size(64 << 10)
             .spawn(move || {
-                match me.check(s) {
-                    Ok(peer) => {
-                        let _ = admitted.send(peer);
+                let verdict = me.check(s);
+                let evicted = seat.evicted();
+                drop(seat);
+                match verdict {
+                    Ok(found) => {
+                        let _ = admitted.send(found);
                     }
-                    Err(why) => me.refused(&who, &why),
+                    Err(_) if evicted => {
+                        log.refused(&peer, &"dropped to make room for newer connections")
+                    }
+                    Err(why) => log.refused(&peer, &why),
                 }
                 let _ = (&wake).write_all(&[1]);
             });
         if let Err(e) = spawned {
-            self.refused(
-                "a new connection",
-                &format!("cannot start its handshake: {e}"),
-            );
+            door.log
+                .refused(&who, &format!("cannot start its handshake: {e}"));
         }
     }
+}
 
-    pub(super) fn refused(&self, who: &str, why: &str) {
-        refused(self.group, self.rank, who, why);
-    }
+/// What strangers may cost one rendezvous: the waiting room of connections
+/// still handshaking, and the log that sums up refusals (its last line is
+/// printed when the last handshake thread is done with it).
+pub(super) struct Door {
+    room: WaitingRoom,
+    log: Arc<RefusalLog>,
 }
 
 /// What a handshake thread needs, owned (it may outlive the rendezvous).
 pub(super) struct Admission {
-    group: String,
     nonce: u64,
     rank: usize,
     size: usize,
@@ -483,17 +519,19 @@ pub(super) struct Admission {
 }
 
 impl Admission {
-    /// Authenticates an accepted connection and checks its hello; the
-    /// error says why it is no peer of this group.
-    pub(super) fn check(&self, mut s: Conn) -> Result<(usize, Channel, Conn), String> {
+    /// Authenticates an accepted connection and checks its hello, all of it
+    /// within the timeout; the error says why it is no peer of this group.
+    pub(super) fn check(&self, s: Conn) -> Result<(usize, Channel, Conn), String> {
         s.set_blocking(Some(self.timeout))
             .map_err(|e| e.to_string())?;
+        let mut s = Deadline::new(s, self.timeout);
         if let Some(secret) = &self.secret {
             authenticate_server(&mut s, secret, AUTH_SERVICE)
                 .map_err(|e| format!("failed authentication: {e}"))?;
         }
         let mut b = [0u8; HELLO_BYTES];
         s.read_exact(&mut b).map_err(|e| format!("no hello: {e}"))?;
+        let s = s.into_inner();
         let from = u32::from_le_bytes(b[16..20].try_into().unwrap()) as usize;
         let to = u32::from_le_bytes(b[20..24].try_into().unwrap()) as usize;
         let ch = if b[24] == 1 {
@@ -515,13 +553,4 @@ impl Admission {
         }
         Ok((from, ch, s))
     }
-
-    pub(super) fn refused(&self, who: &str, why: &str) {
-        refused(&self.group, self.rank, who, why);
-    }
-}
-
-/// Logs a connection that was dropped during rendezvous: who, and why.
-pub(super) fn refused(group: &str, rank: usize, who: &str, why: &str) {
-    eprintln!("cohort-comm: group {group:?} rank {rank}: refused a connection from {who}: {why}");
 }

@@ -320,6 +320,100 @@ fn a_rank_with_another_secret_is_refused_naming_the_secret() {
     });
 }
 
+/// Whether the other end of `s` has hung up on it (without waiting).
+fn hung_up_now(s: &TcpStream) -> bool {
+    let mut fds = [libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    }];
+    poll(&mut fds, Duration::ZERO).unwrap();
+    fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
+/// Waits until rank 0 hangs up on `s`, which connected at `at`; fails once rank 0 could have
+/// done so for the handshake's deadline (which starts at its accept, after `at`): a hang-up
+/// seen before then can only be the waiting room's doing.
+fn evicted(s: &TcpStream, at: Instant, what: &str) {
+    while !hung_up_now(s) {
+        assert!(
+            at.elapsed() < HELLO_TIMEOUT,
+            "{what} is still held after {:?}",
+            at.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A flood of four waiting rooms' worth of idle strangers at rank 0's listener, then a few
+/// trickling a well-formed handshake one byte every 300 ms: each stranger is hung up on as
+/// soon as a room's worth of newer ones came (long before any handshake deadline, so a
+/// missing or larger cap fails here), each trickler is dropped at the deadline of its whole
+/// handshake (never kept alive byte by byte), rank 1 gets in as if no one were there, and
+/// rank 0 ends up holding none of them.
+#[test]
+fn a_flood_of_strangers_is_bounded_and_the_mesh_still_forms() {
+    let secret = Secret::generate().unwrap();
+    let mut flood: Vec<(TcpStream, Instant)> = Vec::new();
+    let mut tricklers = Vec::new();
+    let mut intruded = Duration::ZERO;
+    let took = mesh_despite(Local::Tcp, &secret, |target| {
+        let started = Instant::now();
+        // One at a time, each once the one a room before it is out: a burst would overflow
+        // the listen backlog, and the kernel would then queue connections out of order.
+        for i in 0..4 * MAX_PENDING {
+            flood.push((TcpStream::connect(target.tcp).unwrap(), Instant::now()));
+            if let Some(old) = i.checked_sub(MAX_PENDING) {
+                let what = format!("stranger {old}, {MAX_PENDING} strangers later,");
+                evicted(&flood[old].0, flood[old].1, &what);
+            }
+        }
+        for _ in 0..3 {
+            let addr = target.tcp;
+            tricklers.push(std::thread::spawn(move || {
+                let mut s = TcpStream::connect(addr).unwrap();
+                let since = Instant::now();
+                let mut bytes = b"COHAUTH1".iter().chain(std::iter::repeat(&0u8));
+                while since.elapsed() < HELLO_TIMEOUT * 3 {
+                    if s.write_all(&[*bytes.next().unwrap()]).is_err() || hung_up_now(&s) {
+                        return Some(since.elapsed());
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+                None
+            }));
+        }
+        // The tricklers pushed out the three oldest left.
+        for (old, (s, at)) in flood.iter().enumerate().skip(3 * MAX_PENDING).take(3) {
+            evicted(s, *at, &format!("stranger {old}, with the tricklers in,"));
+        }
+        let held = flood.iter().filter(|(s, _)| !hung_up_now(s)).count();
+        assert_eq!(held, MAX_PENDING - 3);
+        intruded = started.elapsed();
+    });
+    // Rank 1 got in at once, not after some stranger's deadline.
+    assert!(
+        took < intruded + HELLO_TIMEOUT / 2,
+        "the mesh took {took:?}, {intruded:?} of it the flood"
+    );
+    for t in tricklers {
+        let dropped = t.join().unwrap();
+        assert!(
+            dropped.is_some_and(|d| d >= HELLO_TIMEOUT / 2 && d < HELLO_TIMEOUT * 2),
+            "a trickler was dropped after {dropped:?}, its handshake's deadline is {HELLO_TIMEOUT:?}"
+        );
+    }
+    // The idle strangers left in the room met the same deadline: none is held.
+    let started = Instant::now();
+    while let Some(held) = flood.iter().position(|(s, _)| !hung_up_now(s)) {
+        assert!(
+            started.elapsed() < HELLO_TIMEOUT * 2,
+            "stranger {held} is still held after the handshake deadline"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// What a hostile (but admitted) rank 1 sends to rank 0.
 enum Hostile {
     /// These bytes.

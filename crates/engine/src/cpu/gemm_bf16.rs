@@ -55,10 +55,12 @@ struct Blocking {
     nc: usize,
 }
 
-/// u32 of packed A per block under AMX (256 KB).
-const AMX_A_BUDGET: usize = 1 << 16;
-/// u32 of packed B per block under AMX (1 MB): with A's block, within a 2 MB L2.
-const AMX_B_BUDGET: usize = 1 << 18;
+/// u32 of packed A per block under AMX (512 KB): as many rows as fit share each B micro-panel.
+const AMX_A_BUDGET: usize = 1 << 17;
+/// u32 of packed B per block under AMX (4 MB). Against 256 KB and 1 MB (both blocks in L2),
+/// weight gradients (K = 2048) ran 20-30% faster and the rest no slower: reusing each B panel
+/// over more rows of A matters more than keeping all of B in L2.
+const AMX_B_BUDGET: usize = 1 << 20;
 
 impl Kernel {
     /// The blocks for a product of inner dimension `k`.
@@ -71,8 +73,8 @@ impl Kernel {
                 nc: 2048,
             },
             // AMX consumes a K block 20x faster than the zmm kernel, so what limits it is
-            // memory: both packed blocks stay in L2 together, sized to K, and the K blocks
-            // are long (C's tiles go through memory once per block).
+            // memory: the blocks are sized to K within the budgets above, and the K blocks are
+            // long (C's tiles go through memory once per block).
             Kernel::Amx => {
                 let kcp = k.div_ceil(32).clamp(1, 64) * 16;
                 Blocking {

@@ -1,0 +1,66 @@
+//! GFLOP/s of the matrix kernels on config B's shapes (2048 tokens; d 384; d_ff 1536), one
+//! thread: the forward product, the input gradient and the weight gradient of each of a block's
+//! four Linear layers, in the precision given (`fp32` or `bf16`).
+//!
+//! ```sh
+//! cargo run --release -p cohort-engine --example matmul_rates -- bf16
+//! COHORT_AMX=0 cargo run --release -p cohort-engine --example matmul_rates -- bf16  # zmm kernel
+//! ```
+
+use std::time::Instant;
+
+use cohort_engine::cpu::{self, Cpu};
+use cohort_engine::DType;
+
+fn main() {
+    let dtype: DType = match std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "bf16".into())
+        .parse()
+    {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("matmul_rates: {e}");
+            std::process::exit(2);
+        }
+    };
+    let cpu = Cpu::with_dtype(1, dtype).expect("a one-thread pool");
+    println!(
+        "{} ({})",
+        cpu.dtype(),
+        cpu::bf16_kernel_name().unwrap_or("no bf16 kernel")
+    );
+    let (n, c) = (2048usize, 384usize);
+    for (k, oc) in [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)] {
+        let inp: Vec<f32> = (0..n * k).map(|i| (i % 17) as f32 * 0.01).collect();
+        let w: Vec<f32> = (0..k * oc).map(|i| (i % 13) as f32 * 0.01).collect();
+        let (mut out, mut dinp, mut dw) = (vec![0.0; n * oc], vec![0.0; n * k], vec![0.0; k * oc]);
+        let reps = 20;
+        let time = |f: &mut dyn FnMut()| {
+            f();
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            t0.elapsed().as_secs_f64() / reps as f64
+        };
+        let d = cpu.dtype();
+        let fwd = cpu
+            .install(|| time(&mut || cpu::matmul_forward(d, &mut out, &inp, &w, None, n, k, oc)));
+        let bin = cpu
+            .install(|| time(&mut || cpu::matmul_backward_input(d, &mut dinp, &out, &w, n, k, oc)));
+        let bw = cpu.install(|| {
+            time(&mut || cpu::matmul_backward(d, None, &mut dw, None, &out, &inp, &w, n, k, oc))
+        });
+        let gflop = 2.0 * (n * k * oc) as f64 / 1e9;
+        println!(
+            "{n}x{k}x{oc}: forward {:.2} ms ({:.0} GFLOP/s), input grad {:.2} ms ({:.0}), weight grad {:.2} ms ({:.0})",
+            fwd * 1e3,
+            gflop / fwd,
+            bin * 1e3,
+            gflop / bin,
+            bw * 1e3,
+            gflop / bw
+        );
+    }
+}

@@ -25,11 +25,10 @@ fn main() {
         }
     };
     let cpu = Cpu::with_dtype(1, dtype).expect("a one-thread pool");
-    println!(
-        "{} ({})",
-        cpu.dtype(),
-        cpu::bf16_kernel_name().unwrap_or("no bf16 kernel")
-    );
+    match (cpu.dtype(), cpu::bf16_kernel_name()) {
+        (DType::Bf16, Some(kernel)) => println!("bf16 on {kernel}"),
+        (d, _) => println!("{d}"),
+    }
     let (n, c) = (2048usize, 384usize);
     for (k, oc) in [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)] {
         let inp: Vec<f32> = (0..n * k).map(|i| (i % 17) as f32 * 0.01).collect();

@@ -123,6 +123,61 @@ fn masks(nr: usize) -> (__mmask16, __mmask16) {
     (bits as u16, (bits >> 16) as u16)
 }
 
+/// The bias under a 32-wide tile row, as two vectors (zeros past `nr` columns, or without a
+/// bias).
+///
+/// # Safety
+/// The CPU must support AVX-512F; `bias`, if any, must have `nr` (≤ 32) readable floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn bias_row(bias: Option<*const f32>, nr: usize) -> (__m512, __m512) {
+    let (m0, m1) = masks(nr);
+    match bias {
+        // SAFETY: masked loads read only the first nr floats, which the caller guarantees.
+        Some(b) => unsafe {
+            (
+                _mm512_maskz_loadu_ps(m0, b),
+                _mm512_maskz_loadu_ps(m1, b.add(16.min(nr))),
+            )
+        },
+        None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+    }
+}
+
+/// Writes one tile row of 32 sums (`v`) to the first `nr` (≤ 32) floats at `cp`: added to what
+/// is there when accumulating, else plus the bias row ([`bias_row`]). Every kernel's last step.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `cp` must have `nr` writable floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn store_row(
+    cp: *mut f32,
+    nr: usize,
+    v: (__m512, __m512),
+    acc: bool,
+    bias: (__m512, __m512),
+) {
+    let (m0, m1) = masks(nr);
+    // SAFETY: masked loads and stores touch only the first nr floats at cp, which the caller
+    // guarantees writable.
+    unsafe {
+        let cp1 = cp.add(16.min(nr));
+        let (x0, x1) = if acc {
+            (
+                _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cp), v.0),
+                _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cp1), v.1),
+            )
+        } else {
+            (_mm512_add_ps(v.0, bias.0), _mm512_add_ps(v.1, bias.1))
+        };
+        _mm512_mask_storeu_ps(cp, m0, x0);
+        _mm512_mask_storeu_ps(cp1, m1, x1);
+    }
+}
+
 /// Copies b rows 0..kc, columns 0..nr into `pp` as kc rows of NR floats (zeros past nr).
 ///
 /// # Safety
@@ -230,26 +285,9 @@ unsafe fn kernel<const R: usize>(
             ap = ap.add(csa);
             bp = bp.add(NR);
         }
-        let (m0, m1) = masks(nr);
-        let (bb0, bb1) = match bias {
-            Some(bi) => (
-                _mm512_maskz_loadu_ps(m0, bi),
-                _mm512_maskz_loadu_ps(m1, bi.add(16)),
-            ),
-            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
-        };
+        let bias = bias_row(bias, nr);
         for i in 0..R {
-            let cp = c.add(i * rsc);
-            let (x0, x1) = if acc {
-                (
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cp), c0[i]),
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cp.add(16)), c1[i]),
-                )
-            } else {
-                (_mm512_add_ps(c0[i], bb0), _mm512_add_ps(c1[i], bb1))
-            };
-            _mm512_mask_storeu_ps(cp, m0, x0);
-            _mm512_mask_storeu_ps(cp.add(16), m1, x1);
+            store_row(c.add(i * rsc), nr, (c0[i], c1[i]), acc, bias);
         }
     }
 }

@@ -25,7 +25,7 @@ use std::cell::RefCell;
 
 mod amx;
 
-use super::gemm::Strided;
+use super::gemm::{bias_row, store_row, Strided};
 
 /// Columns of a register tile (two zmm registers, or two AMX tiles).
 const NR: usize = 32;
@@ -658,27 +658,9 @@ unsafe fn kernel<const R: usize>(
             ap = ap.add(1);
             bp = bp.add(NR);
         }
-        let (m0, m1) = (lanes(nr), lanes(nr.saturating_sub(16)));
-        let (bb0, bb1) = match bias {
-            Some(bi) => (
-                _mm512_maskz_loadu_ps(m0, bi),
-                _mm512_maskz_loadu_ps(m1, bi.add(16.min(nr))),
-            ),
-            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
-        };
+        let bias = bias_row(bias, nr);
         for i in 0..R {
-            let cp = c.add(i * rsc);
-            let cp1 = cp.add(16.min(nr));
-            let (x0, x1) = if acc {
-                (
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cp), c0[i]),
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cp1), c1[i]),
-                )
-            } else {
-                (_mm512_add_ps(c0[i], bb0), _mm512_add_ps(c1[i], bb1))
-            };
-            _mm512_mask_storeu_ps(cp, m0, x0);
-            _mm512_mask_storeu_ps(cp1, m1, x1);
+            store_row(c.add(i * rsc), nr, (c0[i], c1[i]), acc, bias);
         }
     }
 }

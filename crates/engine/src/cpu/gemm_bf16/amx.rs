@@ -11,7 +11,8 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::{lanes, NR};
+use super::NR;
+use crate::cpu::gemm::{bias_row, store_row};
 
 /// C's block on its way from the tiles to C (row-major, NR columns).
 #[repr(C, align(64))]
@@ -123,28 +124,11 @@ pub(super) unsafe fn block(
             st = in(reg) NR * 4,
             options(nostack)
         );
-        let (m0, m1) = (lanes(nr), lanes(nr.saturating_sub(16)));
-        let (bb0, bb1) = match bias {
-            Some(bi) => (
-                _mm512_maskz_loadu_ps(m0, bi),
-                _mm512_maskz_loadu_ps(m1, bi.add(16.min(nr))),
-            ),
-            None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
-        };
+        let bias = bias_row(bias, nr);
         for i in 0..rows {
-            let (cp, sp) = (c.add(i * rsc), s.add(i * NR));
-            let cp1 = cp.add(16.min(nr));
-            let (v0, v1) = (_mm512_load_ps(sp), _mm512_load_ps(sp.add(16)));
-            let (x0, x1) = if acc {
-                (
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(m0, cp), v0),
-                    _mm512_add_ps(_mm512_maskz_loadu_ps(m1, cp1), v1),
-                )
-            } else {
-                (_mm512_add_ps(v0, bb0), _mm512_add_ps(v1, bb1))
-            };
-            _mm512_mask_storeu_ps(cp, m0, x0);
-            _mm512_mask_storeu_ps(cp1, m1, x1);
+            let sp = s.add(i * NR);
+            let v = (_mm512_load_ps(sp), _mm512_load_ps(sp.add(16)));
+            store_row(c.add(i * rsc), nr, v, acc, bias);
         }
     }
 }

@@ -659,7 +659,7 @@ impl TrainConfig {
             return bad(
                 "activation_checkpointing",
                 "true".into(),
-                "is not supported with --strategy pipeline yet (use ddp or ps)",
+                "is not supported with --strategy pipeline yet (use ddp or parameter-server)",
             );
         }
         if self.grad_accum == 0 {

@@ -827,5 +827,17 @@ mod tests {
         assert!(err.to_string().contains("data"), "{err}");
         let err = parse(&["--batch-size", "0"]).resolve().unwrap_err();
         assert!(err.to_string().contains("batch_size"), "{err}");
+        let err = parse(&["--strategy", "pipeline", "--activation-checkpointing"])
+            .resolve()
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("activation_checkpointing"),
+            "{err}"
+        );
+        let ok = parse(&["--precision", "bf16", "--activation-checkpointing"])
+            .resolve()
+            .unwrap();
+        assert_eq!(ok.precision, Precision::Bf16);
+        assert!(ok.activation_checkpointing);
     }
 }

@@ -63,6 +63,9 @@ pub struct BenchDdpArgs {
     /// and the single-rank baseline).
     #[arg(long, default_value = "fp32")]
     pub precision: cohort_engine::DType,
+    /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
+    #[arg(long)]
+    pub bf16_compress: bool,
     /// Print one JSON object instead of a text line.
     #[arg(long)]
     pub json: bool,
@@ -193,6 +196,11 @@ pub fn run_ddp_bench(
         bucket_cap_mb: args.bucket_cap_mb,
         first_bucket_mb: args.first_bucket_mb,
         overlap,
+        compression: if args.bf16_compress {
+            cohort_ddp::Compression::Bf16
+        } else {
+            cohort_ddp::Compression::None
+        },
         ..DdpOptions::default()
     };
     let mut ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;

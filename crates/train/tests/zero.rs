@@ -2,12 +2,13 @@
 //! loopback sockets: the same model from the same seed and data, on a
 //! parameter count that no world size here divides (so the last shard is
 //! padded), with clipping, accumulation and a NaN in one rank's shard; its
-//! header's optimizer-state accounting.
+//! header's optimizer-state accounting; and its checkpoints, which resume on
+//! another world size and under DDP.
 
 mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
-use cohort_train::{train, NanInjection, Outcome, Strategy, TrainConfig};
+use cohort_train::{elastic, train, NanInjection, Outcome, Strategy, TrainConfig};
 use common::{max_abs_diff, opts, run_world, tiny};
 use std::path::Path;
 
@@ -197,5 +198,59 @@ fn the_header_shows_one_nth_of_ddps_optimizer_state() {
             "{}",
             logs[0]
         );
+    }
+}
+
+/// A run stopped after 3 of 6 steps on 2 ranks resumes on 3 (the launcher's
+/// elastic rescale keeps the global batch: grad_accum 3 -> 2) and ends where
+/// the unbroken 2-rank run does, from a ZeRO-1 checkpoint and from a DDP one;
+/// and a ZeRO-1 checkpoint resumes under DDP.
+#[test]
+fn zero1_checkpoints_resume_on_another_world_size_and_across_strategies() {
+    let cfg = TrainConfig {
+        steps: 6,
+        lr_decay_steps: 6,
+        grad_accum: 3,
+        ..odd()
+    };
+    let straight = run_world(2, &zero1(&cfg)).swap_remove(0);
+    for first in [Strategy::Zero1, Strategy::Ddp] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        run_world(
+            2,
+            &TrainConfig {
+                steps: 3,
+                out: Some(out.clone()),
+                strategy: first,
+                ..cfg.clone()
+            },
+        );
+        for (then, world) in [(Strategy::Zero1, 3), (Strategy::Ddp, 1)] {
+            if first == Strategy::Ddp && then == Strategy::Ddp {
+                continue;
+            }
+            let (resume, notes) = elastic::prepare_resume(
+                &TrainConfig {
+                    resume: Some(out.clone()),
+                    strategy: then,
+                    ..cfg.clone()
+                },
+                world,
+                0,
+            );
+            assert!(
+                notes.iter().any(|n| n.contains("grad_accum 3 ->")),
+                "{notes:?}"
+            );
+            let resumed = run_world(world, &resume);
+            assert_eq!(resumed[0].steps_run, 3);
+            let d = max_abs_diff(&resumed[0].params, &straight.params);
+            eprintln!("{first:?} x2 -> {then:?} x{world}: max |diff| {d:e}");
+            assert!(d < TOL, "{first:?} x2 -> {then:?} x{world}: {d}");
+            for r in 1..world {
+                assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
+            }
+        }
     }
 }

@@ -135,7 +135,9 @@ pub struct TrainConfig {
     /// being cut into token-budget batches (the sort buffer).
     pub sort_size: usize,
     /// How the ranks share the work: data parallel (`ddp`), a parameter
-    /// server on rank 0 (`parameter-server`) or pipeline stages (`pipeline`).
+    /// server on rank 0 (`parameter-server`), pipeline stages (`pipeline`)
+    /// or data parallel with sharded optimizer state (`zero1`: ZeRO stage
+    /// 1, PyTorch's `ZeroRedundancyOptimizer`).
     pub strategy: Strategy,
     /// Parameter server: `sync` (one update per step from every worker's
     /// gradient, as DDP) or `async` (one update per pushed gradient).
@@ -184,6 +186,13 @@ pub enum Strategy {
     ParameterServer,
     /// The model's blocks are split into stages on consecutive ranks.
     Pipeline,
+    /// ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed
+    /// ZeRO-1): data parallel, with the optimizer state sharded over the
+    /// ranks; gradients are reduce-scattered and the updated parameters
+    /// all-gathered.
+    #[serde(rename = "zero1")]
+    #[value(name = "zero1")]
+    Zero1,
 }
 
 /// How a parameter server applies the workers' gradients.
@@ -553,8 +562,8 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sort_size: Option<usize>,
-    /// How ranks share the work: ddp, parameter-server (rank 0 serves) or pipeline
-    /// [default: ddp].
+    /// How ranks share the work: ddp, parameter-server (rank 0 serves), pipeline or zero1
+    /// (DDP with the optimizer state sharded, ZeRO stage 1) [default: ddp].
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
@@ -662,6 +671,13 @@ impl TrainConfig {
                 "is not supported with --strategy pipeline yet (use ddp or parameter-server)",
             );
         }
+        if self.bf16_compress && self.strategy == Strategy::Zero1 {
+            return bad(
+                "bf16_compress",
+                "true".into(),
+                "is not supported with --strategy zero1 (its reduce-scatter runs in f32)",
+            );
+        }
         if self.grad_accum == 0 {
             return bad("grad_accum", "0".into(), "must be at least 1");
         }
@@ -752,6 +768,27 @@ mod tests {
         assert!(!Overlap::Auto.enabled(2, 2, many), "every core computes");
         assert!(Overlap::Auto.enabled(4, 2, many), "the job spans nodes");
         assert!(Overlap::Auto.enabled(2, 2, 0), "cores to spare");
+    }
+
+    #[test]
+    fn zero1_is_a_strategy_by_flag_and_by_file_and_refuses_bf16_compression() {
+        let cfg = parse(&["--strategy", "zero1"]).resolve().unwrap();
+        assert_eq!(cfg.strategy, Strategy::Zero1);
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("run.toml");
+        std::fs::write(&file, "strategy = \"zero1\"\n").unwrap();
+        let cfg = parse(&["--config", file.to_str().unwrap()])
+            .resolve()
+            .unwrap();
+        assert_eq!(cfg.strategy, Strategy::Zero1);
+        let err = parse(&["--strategy", "zero1", "--bf16-compress"])
+            .resolve()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bf16_compress") && err.contains("zero1"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -11,8 +11,10 @@
 //!   rank 0 logs in the format of PyTorch's DDP tutorials
 //!   (`[step 10 / 50] loss = 9.3437`) plus throughput and time per phase,
 //!   evaluates, and writes checkpoints that `--resume` continues bitwise.
+//!   With `strategy = zero1` it is ZeRO stage 1 (PyTorch's
+//!   `ZeroRedundancyOptimizer`): the optimizer state sharded over the ranks.
 //!   [`train_pipeline`] and [`train_parameter_server`] are the other
-//!   strategies. All three run the same training loop (`step_loop`): a
+//!   strategies. All of them run the same training loop (`step_loop`): a
 //!   strategy supplies its step's gradients (DDP: micro-batches and a
 //!   synchronising backward; pipeline: the schedule over stages; parameter
 //!   server: the workers' pushes), how the clipping norm combines across
@@ -50,6 +52,7 @@ mod run_log;
 mod step_loop;
 mod train;
 mod trainer_files;
+mod zero;
 
 pub use checkpoint::TrainState;
 pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
@@ -132,6 +135,18 @@ pub enum TrainError {
     /// created or written.
     #[error("run log: {0}")]
     RunLog(String),
+    /// The ranks built models of different sizes, so there is no one flat
+    /// buffer to shard (ZeRO-1).
+    #[error(
+        "the ranks built models of different sizes ({min} to {max} parameters): every rank \
+         needs the same model settings"
+    )]
+    ModelMismatch {
+        /// The smallest parameter count of a rank.
+        min: usize,
+        /// The largest.
+        max: usize,
+    },
     /// The parameter server's calls failed (a worker or the server died,
     /// timed out, or refused a gradient).
     #[error("parameter server: {what}: {error}")]
@@ -180,6 +195,7 @@ impl TrainError {
                 | TrainError::Tokenizer(_)
                 | TrainError::Hook { .. }
                 | TrainError::TooBig(_)
+                | TrainError::ModelMismatch { .. }
         )
     }
 

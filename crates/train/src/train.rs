@@ -8,7 +8,7 @@
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{self, SaveReport, TrainState};
-use crate::config::{Precision, TrainConfig};
+use crate::config::{Precision, Strategy as Parallelism, TrainConfig};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::TrainError;
@@ -129,7 +129,8 @@ pub(crate) fn apply_checkpointing(
 }
 
 /// Refuses, before anything is allocated, settings whose model, gradients,
-/// AdamW state and activations for `cfg.batch_size` sequences of `seq_len`
+/// AdamW state (split over `optimizer_shards` ranks: 1 unless the state is
+/// sharded) and activations for `cfg.batch_size` sequences of `seq_len`
 /// tokens, on each of `ranks_on_host` ranks, exceed the host's available
 /// memory; the error names the settings and the bytes. (Without the check
 /// such a run aborts in an allocation.) No check where the host does not say
@@ -139,6 +140,7 @@ pub(crate) fn check_memory(
     model: &GPTConfig,
     seq_len: usize,
     ranks_on_host: usize,
+    optimizer_shards: usize,
 ) -> Result<(), TrainError> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let tokens = cfg.batch_size.checked_mul(seq_len).filter(|&n| n < 1 << 40);
@@ -154,7 +156,7 @@ pub(crate) fn check_memory(
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let m = GPT::memory_estimate(model, tokens, threads, cfg.activation_checkpointing);
-    let optimizer = 2 * m.parameters;
+    let optimizer = (2 * m.parameters).div_ceil(optimizer_shards.max(1) as u64);
     let per_rank = m.parameters + m.gradients + optimizer + m.activations;
     let needed = per_rank.saturating_mul(ranks_on_host as u64);
     if needed <= available {
@@ -188,6 +190,20 @@ fn available_memory() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The header line that says how big a data-parallel step is, over `world`
+/// ranks reading sequences of `seq_len` tokens.
+pub(crate) fn global_batch_line(cfg: &TrainConfig, world: usize, seq_len: usize) -> String {
+    let b = cfg.batch_size;
+    format!(
+        "global batch: {} sequences = {} per rank x {} ranks x {} accumulation ({} tokens/step)",
+        b * world * cfg.grad_accum,
+        b,
+        world,
+        cfg.grad_accum,
+        b * seq_len * cfg.grad_accum * world
+    )
+}
+
 /// DDP's view of the model's parameters.
 pub fn param_specs(model: &GPT) -> Vec<ParamSpec> {
     model
@@ -201,7 +217,8 @@ pub fn param_specs(model: &GPT) -> Vec<ParamSpec> {
         .collect()
 }
 
-/// Trains as configured, as rank `pg.rank()` of `pg.size()`; rank 0 writes
+/// Trains as configured, data parallel (DDP, or ZeRO-1 with
+/// `--strategy zero1`), as rank `pg.rank()` of `pg.size()`; rank 0 writes
 /// the log to `log`. Collective: every rank must call it with the same config.
 pub fn train(
     cfg: &TrainConfig,
@@ -209,6 +226,10 @@ pub fn train(
     log: &mut dyn Write,
 ) -> Result<Outcome, TrainError> {
     cfg.validate()?;
+    if cfg.strategy == Parallelism::Zero1 {
+        let mut strategy = crate::zero::ZeroOne::new(cfg, pg)?;
+        return step_loop::run(cfg, &mut strategy, log, 1);
+    }
     let mut strategy = DataParallel::new(cfg, pg)?;
     step_loop::run(cfg, &mut strategy, log, 1)
 }
@@ -233,11 +254,11 @@ impl<'a> DataParallel<'a> {
     fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup) -> Result<Self, TrainError> {
         let (rank, world) = (pg.rank(), pg.size());
         let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
-        let (b, t) = (cfg.batch_size, data.seq_len());
+        let t = data.seq_len();
         let mut header = step_loop::data_lines(&*data);
         let model_cfg = model_config(cfg, data.vocab_size());
         model_cfg.validate()?;
-        check_memory(cfg, &model_cfg, t, pg.local_world_size())?;
+        check_memory(cfg, &model_cfg, t, pg.local_world_size(), 1)?;
         // Only rank 0 draws the initial parameters: DDP checks that the shapes
         // agree and broadcasts rank 0's to the others.
         let mut model = if rank == 0 {
@@ -287,14 +308,7 @@ impl<'a> DataParallel<'a> {
             cfg.bucket_cap_mb,
             if overlap { "on" } else { "off" },
         ));
-        header.push(format!(
-            "global batch: {} sequences = {} per rank x {} ranks x {} accumulation ({} tokens/step)",
-            b * world * cfg.grad_accum,
-            b,
-            world,
-            cfg.grad_accum,
-            b * t * cfg.grad_accum * world
-        ));
+        header.push(global_batch_line(cfg, world, t));
         let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
         let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
         Ok(DataParallel {

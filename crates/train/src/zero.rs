@@ -1,0 +1,455 @@
+//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`, DeepSpeed ZeRO-1):
+//! data parallelism whose optimizer state is sharded. Every rank holds the
+//! whole model and its whole gradient, as under DDP, but AdamW's two moments
+//! only for its own shard of the flat parameter buffer: 1/N of DDP's
+//! optimizer bytes on each of N ranks.
+//!
+//! The scheme. The n parameters are padded to P = N x s, s = ceil(n / N),
+//! and rank r owns the contiguous shard `r*s .. (r+1)*s` (the padding, at
+//! most N - 1 zeros at the end, belongs to the last ranks and stays zero:
+//! its gradient is zero and it is exempt from weight decay). Each step:
+//!
+//! 1. forward and backward of the step's micro-batches, the gradients
+//!    summing locally in the model (no communication until the last);
+//! 2. one reduce-scatter (average) of the whole gradient: rank r receives
+//!    the job's mean gradient of its shard, and nothing else;
+//! 3. the training loop scales, checks and clips the shard; the norm to clip
+//!    by is the whole gradient's, so the shards' sums of squares are
+//!    all-reduced; a NaN in any shard skips the update on every rank (the
+//!    loop's skip vote);
+//! 4. AdamW steps the shard's parameters with the shard's moments;
+//! 5. one all-gather of the updated shards: every rank has the whole model
+//!    again, bitwise the same.
+//!
+//! Checkpoints are DDP's: at a save the moments are gathered to rank 0, which
+//! writes the whole optimizer state, so a checkpoint resumes at any world
+//! size and under either strategy; on resume each rank loads the whole state
+//! and keeps its shard. (Saving and resuming thus hold the whole state for a
+//! moment; what ZeRO-1 saves is the state held while training.)
+//!
+//! This module must never keep optimizer state for parameters outside its
+//! shard between steps, and never let one rank's parameters differ from
+//! another's after a step.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_data::Dataset;
+use cohort_engine::optim::{AdamW, DecayMask, Optimizer, OptimizerState};
+use cohort_gpt::optim_groups::decay_mask;
+use cohort_gpt::GPT;
+
+use crate::batches::{val_batches, TrainBatches, ValBatches};
+use crate::checkpoint::{self, SaveReport, TrainState};
+use crate::config::TrainConfig;
+use crate::phases::{Phase, Phases};
+use crate::step_loop::{self, Start, StepGradients, Strategy};
+use crate::train::{
+    apply_checkpointing, apply_precision, check_memory, global_batch_line, model_config,
+};
+use crate::TrainError;
+
+/// Where one rank's shard lies in the flat buffer of `n` parameters split
+/// over `world` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shard {
+    /// Parameters in the model.
+    pub n: usize,
+    /// Ranks the buffer is split over.
+    pub world: usize,
+    /// This rank.
+    pub rank: usize,
+    /// Elements per shard, padding included: ceil(n / world).
+    pub len: usize,
+}
+
+impl Shard {
+    pub(crate) fn new(n: usize, world: usize, rank: usize) -> Shard {
+        Shard {
+            n,
+            world,
+            rank,
+            len: n.div_ceil(world.max(1)),
+        }
+    }
+
+    /// The padded buffer's length: `world` shards of `len`.
+    pub(crate) fn padded(&self) -> usize {
+        self.len * self.world
+    }
+
+    /// This shard in the padded buffer.
+    pub(crate) fn range(&self) -> Range<usize> {
+        self.rank * self.len..(self.rank + 1) * self.len
+    }
+
+    /// The part of this shard that is model (not padding), in the model's
+    /// buffer; its length is `len` except on the last ranks.
+    pub(crate) fn real(&self) -> Range<usize> {
+        let r = self.range();
+        r.start.min(self.n)..r.end.min(self.n)
+    }
+}
+
+/// The weight-decay mask of the elements `range` of a buffer whose mask is
+/// `full`, re-based to start at 0; elements past `full`'s end (padding) are
+/// exempt, so that they stay zero.
+pub(crate) fn shard_mask(full: &DecayMask, range: Range<usize>) -> DecayMask {
+    let base = range.start;
+    let exempt = full
+        .segments()
+        .iter()
+        .filter(|(_, decayed)| !decayed)
+        .map(|(r, _)| r.start.max(range.start)..r.end.min(range.end))
+        .chain(std::iter::once(full.len().max(range.start)..range.end))
+        .filter(|r| r.start < r.end)
+        .map(|r| r.start - base..r.end - base)
+        .collect::<Vec<_>>();
+    DecayMask::with_exempt(range.len(), exempt).expect("the ranges were cut to the shard")
+}
+
+/// The state of `full` (an optimizer over the whole buffer) for `shard`,
+/// padding zero, loaded into `opt`.
+fn load_shard(opt: &mut AdamW, full: &AdamW, shard: &Shard) -> Result<(), TrainError> {
+    let take = |b: &[f32]| {
+        let mut v = vec![0f32; shard.len];
+        let real = shard.real();
+        v[..real.len()].copy_from_slice(&b[real]);
+        v
+    };
+    let (m, v) = (take(full.exp_avg()), take(full.exp_avg_sq()));
+    opt.load_state(&OptimizerState {
+        optimizer: full.name().to_string(),
+        step: full.steps_taken(),
+        buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
+    })?;
+    Ok(())
+}
+
+/// ZeRO-1 as a strategy of the training loop (see the module docs).
+pub(crate) struct ZeroOne<'a> {
+    cfg: &'a TrainConfig,
+    pg: &'a ProcessGroup,
+    data: Arc<dyn Dataset>,
+    model: GPT,
+    shard: Shard,
+    /// AdamW over this rank's shard only (`shard.len` elements).
+    opt: AdamW,
+    /// This rank's shard of the parameters (padding zero), which `opt`
+    /// steps; the model's buffer is refilled from all the ranks' shards.
+    params: Vec<f32>,
+    /// The job's mean gradient of this rank's shard, after the reduce-scatter.
+    grads: Vec<f32>,
+    /// The padded whole buffer the collectives need when the parameter
+    /// count is not a multiple of the world size; empty when it is (the
+    /// collectives then read and write the model's buffers directly).
+    padded: Vec<f32>,
+    batches: TrainBatches,
+    /// This rank's share of the job's validation batches.
+    val: ValBatches,
+    start: Start,
+}
+
+impl<'a> ZeroOne<'a> {
+    pub(crate) fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup) -> Result<Self, TrainError> {
+        let (rank, world) = (pg.rank(), pg.size());
+        let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
+        let t = data.seq_len();
+        let mut header = step_loop::data_lines(&*data);
+        let model_cfg = model_config(cfg, data.vocab_size());
+        model_cfg.validate()?;
+        check_memory(cfg, &model_cfg, t, pg.local_world_size(), world)?;
+        let mut model = if rank == 0 {
+            GPT::new(model_cfg, cfg.seed)?
+        } else {
+            GPT::zeroed(model_cfg, cfg.seed)?
+        };
+        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+        header.extend(apply_checkpointing(cfg, &mut model, t));
+        let n = model.num_params();
+        agree_on_size(pg, n)?;
+        let shard = Shard::new(n, world, rank);
+        let full_mask = decay_mask(model.param_views());
+        let mut opt = AdamW::new(cfg.adamw(), shard_mask(&full_mask, shard.range()))?;
+        let mut state = TrainState::default();
+        if let Some(dir) = &cfg.resume {
+            // The checkpoint holds the whole state (DDP's format, written at
+            // any world size): load it whole, keep this rank's shard, and
+            // free the rest before the first step.
+            let mut full = AdamW::new(cfg.adamw(), full_mask)?;
+            let resumed = checkpoint::resume(dir, cfg, pg, &mut model, &mut full)?;
+            load_shard(&mut opt, &full, &shard)?;
+            header.extend(resumed.notes);
+            state = resumed.state;
+            header.push(format!(
+                "resumed from {} at step {}",
+                resumed.dir.display(),
+                state.step
+            ));
+        }
+        // Rank 0's parameters (drawn, or as resumed) are every rank's.
+        pg.broadcast(model.params_mut(), 0)
+            .map_err(TrainError::comm("initial parameters broadcast"))?;
+        let mut params = vec![0f32; shard.len];
+        params[..shard.real().len()].copy_from_slice(&model.params()[shard.real()]);
+        let padded = if n == shard.padded() {
+            Vec::new()
+        } else {
+            vec![0f32; shard.padded()]
+        };
+        let mb = |floats: usize| (floats * 4) as f64 / (1 << 20) as f64;
+        header.push(format!(
+            "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
+             ZeRO-1: {} shards of {} ({} padding)",
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.d_model,
+            cfg.d_ff,
+            data.vocab_size(),
+            t,
+            n,
+            world,
+            shard.len,
+            shard.padded() - n,
+        ));
+        header.push(format!(
+            "optimizer state per rank: {:.3} MB (AdamW moments, 2 x {} floats) vs DDP's {:.3} MB \
+             (2 x {n}): 1/{world}",
+            mb(2 * shard.len),
+            shard.len,
+            mb(2 * n),
+        ));
+        header.push(global_batch_line(cfg, world, t));
+        let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
+        let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
+        Ok(ZeroOne {
+            cfg,
+            pg,
+            model,
+            shard,
+            opt,
+            params,
+            grads: vec![0f32; shard.len],
+            padded,
+            batches,
+            val,
+            start: Start {
+                step: state.step,
+                header,
+                loss_floor: data.loss_floor(),
+            },
+            data,
+        })
+    }
+
+    /// Step 2 of the scheme: the job's mean gradient of this rank's shard
+    /// into `self.grads`. Collective.
+    fn reduce_scatter(&mut self) -> Result<(), TrainError> {
+        let grads = self.model.grads();
+        let input: &[f32] = if self.padded.is_empty() {
+            grads
+        } else {
+            let n = grads.len();
+            self.padded[..n].copy_from_slice(grads);
+            self.padded[n..].fill(0.0);
+            &self.padded
+        };
+        self.pg
+            .reduce_scatter(input, &mut self.grads, ReduceOp::Avg)
+            .map_err(TrainError::comm("gradient reduce_scatter"))
+    }
+
+    /// Step 5: every rank's updated shard into every rank's model. Collective.
+    fn all_gather(&mut self) -> Result<(), TrainError> {
+        if self.padded.is_empty() {
+            return self
+                .pg
+                .all_gather(&self.params, self.model.params_mut())
+                .map_err(TrainError::comm("parameter all_gather"));
+        }
+        self.pg
+            .all_gather(&self.params, &mut self.padded)
+            .map_err(TrainError::comm("parameter all_gather"))?;
+        let n = self.shard.n;
+        self.model.params_mut().copy_from_slice(&self.padded[..n]);
+        Ok(())
+    }
+}
+
+/// Fails unless every rank built a model of `n` parameters: the shards cut
+/// one flat buffer that all ranks must agree on. Collective.
+fn agree_on_size(pg: &ProcessGroup, n: usize) -> Result<(), TrainError> {
+    let mut range = [n as i64, -(n as i64)];
+    pg.all_reduce(&mut range, ReduceOp::Max)
+        .map_err(TrainError::comm("parameter count all_reduce"))?;
+    let (max, min) = (range[0] as usize, (-range[1]) as usize);
+    if min != max {
+        return Err(TrainError::ModelMismatch { min, max });
+    }
+    Ok(())
+}
+
+impl Strategy for ZeroOne<'_> {
+    fn group(&self) -> &ProcessGroup {
+        self.pg
+    }
+
+    fn start(&self) -> Start {
+        self.start.clone()
+    }
+
+    fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
+        // Every micro-batch's gradient sums locally, the last one's too; the
+        // sum is reduce-scattered once, after it.
+        let (loss_sum, tokens) = step_loop::accumulate(
+            &mut self.model,
+            &mut self.batches,
+            self.cfg,
+            self.pg.rank(),
+            step,
+            phases,
+            &mut |model, phases| {
+                phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
+                Ok(())
+            },
+        )?;
+        let t = Instant::now();
+        self.reduce_scatter()?;
+        phases.add(Phase::Comm, t.elapsed());
+        let accum = self.cfg.grad_accum;
+        Ok(StepGradients {
+            loss_share: loss_sum as f64 / accum as f64 / self.pg.size() as f64,
+            loss_finite: loss_sum.is_finite(),
+            tokens: tokens as f64,
+            micro_batches: accum,
+        })
+    }
+
+    /// This rank's shard of the mean gradient (its padding is zero, and
+    /// counts for nothing in the norm).
+    fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+
+    /// The whole gradient's norm: the square root of the shards' summed
+    /// squares.
+    fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
+        let mut squares = [f64::from(local) * f64::from(local)];
+        self.pg
+            .all_reduce(&mut squares, ReduceOp::Sum)
+            .map_err(TrainError::comm("gradient norm all_reduce"))?;
+        Ok(squares[0].sqrt() as f32)
+    }
+
+    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
+        // A skipped step changes no shard: nothing to gather.
+        if let Some(lr) = lr {
+            self.opt.step(&mut self.params, &self.grads, lr)?;
+            self.all_gather()?;
+        }
+        self.model.zero_grad();
+        Ok(())
+    }
+
+    fn evaluate(&mut self) -> Result<f32, TrainError> {
+        let mine = step_loop::batch_losses(&self.val.mine, &mut self.model)?;
+        step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
+    }
+
+    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
+        let master = self.pg.rank() == 0;
+        let shard = self.shard;
+        let mut whole = [Vec::new(), Vec::new()];
+        for (buf, moments) in whole
+            .iter_mut()
+            .zip([self.opt.exp_avg(), self.opt.exp_avg_sq()])
+        {
+            if master {
+                *buf = vec![0f32; shard.padded()];
+            }
+            self.pg
+                .gather(moments, master.then_some(&mut buf[..]), 0)
+                .map_err(TrainError::comm("optimizer state gather"))?;
+        }
+        if !master {
+            return Ok(SaveReport::default());
+        }
+        let mut full = AdamW::new(self.cfg.adamw(), decay_mask(self.model.param_views()))?;
+        full.load_state(&OptimizerState {
+            optimizer: self.opt.name().to_string(),
+            step: self.opt.steps_taken(),
+            buffers: vec![
+                ("exp_avg".into(), &whole[0][..shard.n]),
+                ("exp_avg_sq".into(), &whole[1][..shard.n]),
+            ],
+        })?;
+        let (epoch, offset) = self.batches.position();
+        let state = TrainState {
+            step,
+            epoch,
+            offset,
+        };
+        let tokenizer = self.data.tokenizer_json();
+        Ok(checkpoint::save_or_report(
+            out,
+            self.cfg,
+            self.pg.size(),
+            &self.model,
+            &full,
+            &state,
+            tokenizer.as_deref(),
+        ))
+    }
+
+    fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
+        Ok(self.model.params().to_vec())
+    }
+
+    fn who(&self) -> String {
+        format!("{} rank(s), ZeRO-1", self.pg.size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_cover_the_buffer_once_and_pad_only_at_the_end() {
+        for (n, world) in [(10, 3), (9, 3), (1, 4), (7, 1), (19037, 2)] {
+            let shards: Vec<Shard> = (0..world).map(|r| Shard::new(n, world, r)).collect();
+            let real: usize = shards.iter().map(|s| s.real().len()).sum();
+            assert_eq!(real, n, "n {n}, world {world}");
+            for w in shards.windows(2) {
+                assert_eq!(w[0].range().end, w[1].range().start);
+                assert_eq!(w[0].real().end, w[1].real().start);
+            }
+            assert!(shards[0].padded() - n < world, "n {n}, world {world}");
+        }
+    }
+
+    #[test]
+    fn shard_masks_are_the_full_mask_cut_with_padding_exempt() {
+        // Exempt 4..7 and 9..10, decayed the rest; 10 elements in 3 shards of 4.
+        let full = DecayMask::with_exempt(10, [4..7, 9..10]).unwrap();
+        let decayed = |m: &DecayMask| -> Vec<bool> {
+            m.segments()
+                .iter()
+                .flat_map(|(r, d)| std::iter::repeat_n(*d, r.len()))
+                .collect()
+        };
+        let mut joined = Vec::new();
+        for rank in 0..3 {
+            let s = Shard::new(10, 3, rank);
+            let m = shard_mask(&full, s.range());
+            assert_eq!(m.len(), 4);
+            joined.extend(decayed(&m));
+        }
+        let mut want = decayed(&full);
+        want.extend([false, false]);
+        assert_eq!(joined, want);
+    }
+}

@@ -1,0 +1,256 @@
+//! ZeRO-1 (`--strategy zero1`) against DDP, ranks as threads over real
+//! loopback sockets: the same model from the same seed and data, on a
+//! parameter count that no world size here divides (so the last shard is
+//! padded), with clipping, accumulation and a NaN in one rank's shard; its
+//! header's optimizer-state accounting; and its checkpoints, which resume on
+//! another world size and under DDP.
+
+mod common;
+
+use cohort_comm::{spawn, ProcessGroup};
+use cohort_train::{elastic, train, NanInjection, Outcome, Strategy, TrainConfig};
+use common::{max_abs_diff, opts, run_world, tiny};
+use std::path::Path;
+
+/// Sharding and the reduce-scatter change only the order of the gradient's
+/// sums (one rank's shard summed over ranks rather than the whole buffer),
+/// so ZeRO-1 and DDP agree to rounding; a wrong shard update or average is
+/// off by a whole step (lr = 1e-3).
+const TOL: f32 = 1e-5;
+
+/// [`tiny`] with an odd parameter count: vocab 17 and d_model 33 (3 heads)
+/// make 19037 parameters, which neither 2 nor 3 divides.
+fn odd() -> TrainConfig {
+    TrainConfig {
+        markov_vocab: 17,
+        d_model: 33,
+        n_heads: 3,
+        ..tiny()
+    }
+}
+
+fn zero1(cfg: &TrainConfig) -> TrainConfig {
+    TrainConfig {
+        strategy: Strategy::Zero1,
+        ..cfg.clone()
+    }
+}
+
+/// The gradient norms before clipping that rank 0 logged to
+/// `dir/metrics.jsonl`, one per step.
+fn grad_norms(dir: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(dir.join(cohort_train::METRICS_FILE)).unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.get("grad_norm").and_then(|g| g.as_f64())
+        })
+        .collect()
+}
+
+/// `cfg` on `world` ranks under DDP and under ZeRO-1, logging to temporary
+/// directories: (DDP's rank 0, ZeRO-1's ranks, DDP's grad norms, ZeRO-1's).
+fn both(world: usize, cfg: &TrainConfig) -> (Outcome, Vec<Outcome>, Vec<f64>, Vec<f64>) {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let ddp = run_world(
+        world,
+        &TrainConfig {
+            log_dir: Some(a.path().into()),
+            ..cfg.clone()
+        },
+    )
+    .swap_remove(0);
+    let zero = run_world(
+        world,
+        &TrainConfig {
+            log_dir: Some(b.path().into()),
+            ..zero1(cfg)
+        },
+    );
+    (ddp, zero, grad_norms(a.path()), grad_norms(b.path()))
+}
+
+/// ZeRO-1's ranks agree bitwise, its parameters are DDP's within [`TOL`] and
+/// so are its logged gradient norms (relatively): the norm is where a wrong
+/// average (a sum, say) would show even though AdamW's update barely feels
+/// a gradient's scale.
+fn assert_matches_ddp(what: &str, world: usize, cfg: &TrainConfig) -> Vec<f32> {
+    let (ddp, zero, ddp_norms, zero_norms) = both(world, cfg);
+    let n = zero[0].params.len();
+    assert_ne!(n % world, 0, "{what}: {n} parameters divide into {world}");
+    for (r, o) in zero.iter().enumerate().skip(1) {
+        assert!(o.params == zero[0].params, "{what}: rank {r} diverged");
+    }
+    let d = max_abs_diff(&zero[0].params, &ddp.params);
+    eprintln!("{what}, world {world}: ZeRO-1 vs DDP max |diff| {d:e}");
+    assert!(d < TOL, "{what}, world {world}: ZeRO-1 vs DDP {d}");
+    assert_eq!(zero_norms.len(), cfg.steps as usize, "{what}");
+    for (step, (z, d)) in zero_norms.iter().zip(&ddp_norms).enumerate() {
+        assert!(
+            (z - d).abs() <= 1e-5 * d,
+            "{what}, world {world}, step {step}: grad norm {z} vs DDP's {d}"
+        );
+    }
+    for ((s1, a), (s2, b)) in zero[0].train_losses.iter().zip(&ddp.train_losses) {
+        assert_eq!(s1, s2);
+        assert!((a - b).abs() < TOL, "{what}: loss {a} vs {b} at step {s1}");
+    }
+    zero_norms.iter().map(|&x| x as f32).collect()
+}
+
+#[test]
+fn zero1_matches_ddp_on_2_and_3_ranks_with_a_padded_last_shard() {
+    let start = run_world(1, &TrainConfig { steps: 0, ..odd() })
+        .swap_remove(0)
+        .params;
+    for world in [2, 3] {
+        assert_matches_ddp("plain", world, &odd());
+        // The parameters did move, by far more than the tolerance.
+        let zero = run_world(world, &zero1(&odd())).swap_remove(0);
+        assert!(max_abs_diff(&zero.params, &start) > 1e-3);
+    }
+}
+
+#[test]
+fn zero1_clips_by_the_norm_over_all_shards_like_ddp() {
+    let unclipped = run_world(2, &zero1(&odd())).swap_remove(0).params;
+    for world in [2, 3] {
+        // Below every step's norm, so every step is clipped, by a factor that
+        // changes from step to step.
+        let clip = 0.05;
+        let cfg = TrainConfig {
+            grad_clip: clip,
+            ..odd()
+        };
+        let norms = assert_matches_ddp("grad_clip", world, &cfg);
+        assert!(
+            norms.iter().all(|&n| n > 2.0 * clip),
+            "clipping should be active: norms {norms:?}"
+        );
+        if world == 2 {
+            let clipped = run_world(2, &zero1(&cfg)).swap_remove(0).params;
+            let d = max_abs_diff(&clipped, &unclipped);
+            eprintln!("clipped vs unclipped: max |diff| {d:e}");
+            assert!(d > 10.0 * TOL, "clipping changed nothing: {d}");
+        }
+    }
+}
+
+#[test]
+fn zero1_accumulates_micro_batches_like_ddp() {
+    for world in [2, 3] {
+        let cfg = TrainConfig {
+            grad_accum: 2,
+            ..odd()
+        };
+        assert_matches_ddp("grad_accum 2", world, &cfg);
+    }
+}
+
+/// A NaN in rank 1's shard only (no other rank sees it) skips the update on
+/// every rank, as DDP skips it.
+#[test]
+fn a_nan_in_one_shard_skips_the_update_on_every_rank() {
+    let cfg = TrainConfig {
+        inject_nan: Some(NanInjection {
+            first_step: 1,
+            last_step: 1,
+            rank: Some(1),
+        }),
+        ..odd()
+    };
+    let ddp = run_world(3, &cfg).swap_remove(0);
+    let zero = run_world(3, &zero1(&cfg));
+    for (r, o) in zero.iter().enumerate() {
+        let d = max_abs_diff(&o.params, &ddp.params);
+        assert!(d < TOL, "rank {r}: ZeRO-1 vs DDP after a skip: {d}");
+    }
+    let clean = run_world(3, &zero1(&odd())).swap_remove(0);
+    assert!(
+        max_abs_diff(&zero[0].params, &clean.params) > 1e-4,
+        "the poisoned step was not skipped"
+    );
+}
+
+#[test]
+fn the_header_shows_one_nth_of_ddps_optimizer_state() {
+    for world in [2, 3] {
+        let logs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+            let mut log = Vec::new();
+            let cfg = TrainConfig {
+                steps: 1,
+                ..zero1(&odd())
+            };
+            train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
+        })
+        .unwrap();
+        let n = 19037usize;
+        let s = n.div_ceil(world);
+        let line = format!("(AdamW moments, 2 x {s} floats) vs DDP's");
+        assert!(logs[0].contains(&line), "world {world}:\n{}", logs[0]);
+        assert!(
+            logs[0].contains(&format!("(2 x {n}): 1/{world}")),
+            "{}",
+            logs[0]
+        );
+        assert!(
+            logs[0].contains(&format!("ZeRO-1: {world} shards of {s}")),
+            "{}",
+            logs[0]
+        );
+    }
+}
+
+/// A run stopped after 3 of 6 steps on 2 ranks resumes on 3 (the launcher's
+/// elastic rescale keeps the global batch: grad_accum 3 -> 2) and ends where
+/// the unbroken 2-rank run does, from a ZeRO-1 checkpoint and from a DDP one;
+/// and a ZeRO-1 checkpoint resumes under DDP.
+#[test]
+fn zero1_checkpoints_resume_on_another_world_size_and_across_strategies() {
+    let cfg = TrainConfig {
+        steps: 6,
+        lr_decay_steps: 6,
+        grad_accum: 3,
+        ..odd()
+    };
+    let straight = run_world(2, &zero1(&cfg)).swap_remove(0);
+    for first in [Strategy::Zero1, Strategy::Ddp] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        run_world(
+            2,
+            &TrainConfig {
+                steps: 3,
+                out: Some(out.clone()),
+                strategy: first,
+                ..cfg.clone()
+            },
+        );
+        for (then, world) in [(Strategy::Zero1, 3), (Strategy::Ddp, 1)] {
+            if first == Strategy::Ddp && then == Strategy::Ddp {
+                continue;
+            }
+            let (resume, notes) = elastic::prepare_resume(
+                &TrainConfig {
+                    resume: Some(out.clone()),
+                    strategy: then,
+                    ..cfg.clone()
+                },
+                world,
+                0,
+            );
+            assert!(
+                notes.iter().any(|n| n.contains("grad_accum 3 ->")),
+                "{notes:?}"
+            );
+            let resumed = run_world(world, &resume);
+            assert_eq!(resumed[0].steps_run, 3);
+            let d = max_abs_diff(&resumed[0].params, &straight.params);
+            eprintln!("{first:?} x2 -> {then:?} x{world}: max |diff| {d:e}");
+            assert!(d < TOL, "{first:?} x2 -> {then:?} x{world}: {d}");
+            for r in 1..world {
+                assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
+            }
+        }
+    }
+}

@@ -1,5 +1,5 @@
-//! `cohort tokenizer`: build a tokenizer.json from a corpus, or add (special) tokens to one.
-//! Wiring only: parse flags, call `cohort-tokenizer`, print what changed.
+//! `cohort tokenizer`: build a tokenizer.json from a corpus, add (special) tokens to one, or
+//! encode and decode text with one. Wiring only: parse flags, call `cohort-tokenizer`, print.
 
 use std::path::PathBuf;
 
@@ -14,6 +14,75 @@ pub enum TokenizerCmd {
     /// Add normal and special tokens (Hugging Face's add_tokens / add_special_tokens); prints how
     /// many were new.
     AddTokens(AddArgs),
+    /// Print the token ids of a text (`tokenizer.encode(text).ids`), space-separated.
+    Encode(EncodeArgs),
+    /// Print the text of token ids (`tokenizer.decode(ids)`).
+    Decode(DecodeArgs),
+}
+
+/// `cohort tokenizer encode`.
+#[derive(clap::Args, Debug)]
+pub struct EncodeArgs {
+    /// A tokenizer.json, or a directory holding one (a saved model).
+    #[arg(long)]
+    tokenizer: PathBuf,
+    /// The text (default: standard input, whole).
+    #[arg(long)]
+    text: Option<String>,
+    /// A JSON array instead of space-separated ids.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `cohort tokenizer decode`.
+#[derive(clap::Args, Debug)]
+pub struct DecodeArgs {
+    /// A tokenizer.json, or a directory holding one (a saved model).
+    #[arg(long)]
+    tokenizer: PathBuf,
+    /// The ids, separated by spaces or commas (default: standard input).
+    #[arg(long)]
+    ids: Option<String>,
+}
+
+/// The tokenizer at `path`: the file itself, or `tokenizer.json` inside a directory.
+fn open(path: &std::path::Path) -> anyhow::Result<Tokenizer> {
+    let file = if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    };
+    Ok(Tokenizer::from_file(&file)?)
+}
+
+/// `given`, or all of standard input.
+fn text_or_stdin(given: Option<String>) -> anyhow::Result<String> {
+    match given {
+        Some(t) => Ok(t),
+        None => {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+                .context("reading standard input")?;
+            Ok(s)
+        }
+    }
+}
+
+/// Ids separated by whitespace or commas; each must be below `vocab`.
+fn parse_ids(text: &str, vocab: usize) -> anyhow::Result<Vec<u32>> {
+    text.split(|c: char| c.is_whitespace() || c == ',' || c == '[' || c == ']')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            let id: u32 = s
+                .parse()
+                .with_context(|| format!("{s:?} is not a token id"))?;
+            anyhow::ensure!(
+                (id as usize) < vocab,
+                "token id {id} is outside the vocabulary (size {vocab})"
+            );
+            Ok(id)
+        })
+        .collect()
 }
 
 /// `cohort tokenizer train`.
@@ -88,6 +157,21 @@ pub fn main(cmd: TokenizerCmd) -> anyhow::Result<()> {
                 tok.vocab_size(),
                 a.out.display()
             );
+        }
+        TokenizerCmd::Encode(a) => {
+            let tok = open(&a.tokenizer)?;
+            let ids = tok.encode(&text_or_stdin(a.text)?)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&ids)?);
+            } else {
+                let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+                println!("{}", ids.join(" "));
+            }
+        }
+        TokenizerCmd::Decode(a) => {
+            let tok = open(&a.tokenizer)?;
+            let ids = parse_ids(&text_or_stdin(a.ids)?, tok.vocab_size())?;
+            println!("{}", tok.decode(&ids)?);
         }
     }
     Ok(())

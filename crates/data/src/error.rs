@@ -64,6 +64,14 @@ pub enum DataError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// nanoGPT's `meta.pkl` cannot be read or disagrees with itself.
+    #[error("{path}: {reason}")]
+    BadMeta {
+        /// The meta.pkl file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// A document longer than the model's context.
     #[error(
         "{path}:{line}: sequence of {len} tokens is longer than max_position_embeddings {max}"

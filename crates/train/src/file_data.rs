@@ -2,9 +2,10 @@
 //! `--data random`), or files (`--data PATH`) through `cohort-data` and `cohort-tokenizer`.
 //!
 //! PATH is UTF-8 text, a `.jsonl` file (one sample per document, batched by token budget), a
-//! `.bin` token file or nanoGPT's directory with `train.bin`/`val.bin`. `--tokenizer` is `char`
-//! (vocabulary from the corpus), `bpe` (trained on the corpus, `vocab_size` ids) or the path of
-//! a tokenizer.json. Rank 0 builds the tokenizer and the token cache first, then the other
+//! `.bin` token file or nanoGPT's directory with `train.bin`/`val.bin` (and, for character-level
+//! data, the vocabulary in `meta.pkl`). `--tokenizer` is `char` (vocabulary from the corpus, or
+//! nanoGPT's meta.pkl), `bpe` (trained on the corpus, `vocab_size` ids) or the path of a
+//! tokenizer.json. Rank 0 builds the tokenizer and the token cache first, then the other
 //! ranks load what it wrote, so no two processes write the same file. This module never touches
 //! the model.
 
@@ -74,7 +75,9 @@ fn tokenizer(
 ) -> Result<Option<Tokenizer>, TrainError> {
     let token_file = data.is_dir() || data.extension().is_some_and(|e| e == "bin");
     match cfg.tokenizer.as_str() {
-        // A token file carries ids already; without a tokenizer.json its vocabulary is vocab_size.
+        // A token file carries ids already. nanoGPT's directory may say its vocabulary in
+        // meta.pkl (character-level data); otherwise the vocabulary is vocab_size.
+        "char" if data.is_dir() => Ok(cohort_data::nanogpt_tokenizer(data)?),
         "char" | "bpe" if token_file => Ok(None),
         kind @ ("char" | "bpe") => {
             let cache = tokenizer_cache(&cache_dir(cfg, data)?, data, kind, cfg.vocab_size);
@@ -108,8 +111,9 @@ impl FileData {
             seq_len: cfg.seq_len,
             // A document must fit the model's context.
             max_len: cfg.seq_len,
-            // Token files without a tokenizer.json: ids are checked against vocab_size.
-            vocab_size: Some(cfg.vocab_size),
+            // Token files' ids are checked against the vocabulary: the tokenizer's (meta.pkl's
+            // for nanoGPT's directory), else vocab_size.
+            vocab_size: Some(vocab_size),
             cache_dir: Some(cache_dir(cfg, data)?),
             ..CorpusOptions::default()
         };
@@ -275,6 +279,80 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("nope.txt"), "{err}");
+    }
+
+    /// nanoGPT's directory with a character-level `meta.pkl`: the run's vocabulary and
+    /// tokenizer come from it (checkpoints decode text), and an id the data holds beyond it is
+    /// an error naming the file.
+    #[test]
+    fn a_nanogpt_directory_brings_its_vocabulary_from_meta_pkl() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = "first citizen: before we proceed any further, hear me speak.\n".repeat(60);
+        let chars: std::collections::BTreeSet<char> = text.chars().collect();
+        let stoi: std::collections::HashMap<String, u32> = chars
+            .iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), i as u32))
+            .collect();
+        let ids: Vec<u16> = text.chars().map(|c| stoi[&c.to_string()] as u16).collect();
+        let write_bins = |ids: &[u16]| {
+            let bytes: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let cut = bytes.len() * 9 / 10 / 2 * 2;
+            std::fs::write(dir.path().join("train.bin"), &bytes[..cut]).unwrap();
+            std::fs::write(dir.path().join("val.bin"), &bytes[cut..]).unwrap();
+        };
+        write_bins(&ids);
+        #[derive(serde::Serialize)]
+        struct Meta {
+            vocab_size: usize,
+            stoi: std::collections::HashMap<String, u32>,
+        }
+        let meta = Meta {
+            vocab_size: stoi.len(),
+            stoi,
+        };
+        let pickle = serde_pickle::to_vec(&meta, serde_pickle::SerOptions::new()).unwrap();
+        std::fs::write(dir.path().join("meta.pkl"), pickle).unwrap();
+        let out = dir.path().join("out");
+        let cfg = TrainConfig {
+            data: dir.path().to_str().unwrap().into(),
+            seq_len: 16,
+            n_layers: 1,
+            d_model: 16,
+            d_ff: 32,
+            n_heads: 2,
+            batch_size: 2,
+            steps: 2,
+            eval_interval: 2,
+            out: Some(out.clone()),
+            ..TrainConfig::default()
+        };
+        let pg = crate::process_group_from_env().unwrap();
+        let mut log = Vec::new();
+        crate::train(&cfg, &pg, &mut log).unwrap();
+        let log = String::from_utf8(log).unwrap();
+        let vocab = chars.len();
+        assert!(
+            log.contains(&format!("char tokenizer, vocab {vocab}")),
+            "{log}"
+        );
+        let saved = Tokenizer::from_file(out.join("step-000002").join("tokenizer.json")).unwrap();
+        assert_eq!(saved.encode("hear me").unwrap(), {
+            let t = cohort_tokenizer::Tokenizer::char_level(chars.iter().copied());
+            t.encode("hear me").unwrap()
+        });
+        // An id past meta.pkl's vocabulary is an error naming the file.
+        let mut bad = ids.clone();
+        bad[3] = vocab as u16;
+        write_bins(&bad);
+        let cfg = TrainConfig { out: None, ..cfg };
+        let err = crate::train(&cfg, &pg, &mut Vec::new())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("train.bin") && err.contains("outside the vocabulary"),
+            "{err}"
+        );
     }
 
     /// `--data docs.jsonl`: one sample per document, batched by token budget with padding; the

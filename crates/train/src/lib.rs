@@ -13,6 +13,8 @@
 //!   evaluates, and writes checkpoints that `--resume` continues bitwise.
 //!   With `strategy = zero1` it is ZeRO stage 1 (PyTorch's
 //!   `ZeroRedundancyOptimizer`): the optimizer state sharded over the ranks.
+//!   [`memory_per_rank`] counts what a rank holds under each, for the
+//!   header and the memory check.
 //!   [`train_pipeline`] and [`train_parameter_server`] are the other
 //!   strategies. All of them run the same training loop (`step_loop`): a
 //!   strategy supplies its step's gradients (DDP: micro-batches and a
@@ -45,6 +47,7 @@ mod config;
 pub mod elastic;
 mod fault;
 mod file_data;
+mod memory;
 mod parameter_server;
 mod phases;
 mod pipeline;
@@ -63,6 +66,7 @@ pub use config::{
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::build_dataset;
 pub use file_data::FileData;
+pub use memory::{memory_per_rank, MemoryPerRank, Sharding};
 pub use parameter_server::{train_parameter_server, train_parameter_server_timed, Rendezvous};
 pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases, PHASES};
 pub use pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};

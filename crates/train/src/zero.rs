@@ -45,10 +45,12 @@ use cohort_gpt::GPT;
 use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::TrainConfig;
+use crate::memory::Sharding;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::train::{
-    apply_checkpointing, apply_precision, check_memory, global_batch_line, model_config,
+    apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
+    model_config,
 };
 use crate::TrainError;
 
@@ -161,7 +163,13 @@ impl<'a> ZeroOne<'a> {
         let mut header = step_loop::data_lines(&*data);
         let model_cfg = model_config(cfg, data.vocab_size());
         model_cfg.validate()?;
-        check_memory(cfg, &model_cfg, t, pg.local_world_size(), world)?;
+        check_memory(
+            cfg,
+            &model_cfg,
+            t,
+            pg.local_world_size(),
+            Sharding::Zero1 { world },
+        )?;
         let mut model = if rank == 0 {
             GPT::new(model_cfg, cfg.seed)?
         } else {
@@ -200,7 +208,6 @@ impl<'a> ZeroOne<'a> {
         } else {
             vec![0f32; shard.padded()]
         };
-        let mb = |floats: usize| (floats * 4) as f64 / (1 << 20) as f64;
         header.push(format!(
             "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
              ZeRO-1: {} shards of {} ({} padding)",
@@ -215,13 +222,7 @@ impl<'a> ZeroOne<'a> {
             shard.len,
             shard.padded() - n,
         ));
-        header.push(format!(
-            "optimizer state per rank: {:.3} MB (AdamW moments, 2 x {} floats) vs DDP's {:.3} MB \
-             (2 x {n}): 1/{world}",
-            mb(2 * shard.len),
-            shard.len,
-            mb(2 * n),
-        ));
+        header.push(memory_line(cfg, &model, t, Sharding::Zero1 { world }));
         header.push(global_batch_line(cfg, world, t));
         let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
         let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;

@@ -2,7 +2,7 @@
 //! loopback sockets: the same model from the same seed and data, on a
 //! parameter count that no world size here divides (so the last shard is
 //! padded), with clipping, accumulation and a NaN in one rank's shard; its
-//! header's optimizer-state accounting; and its checkpoints, which resume on
+//! header's memory accounting; and its checkpoints, which resume on
 //! another world size and under DDP.
 
 mod common;
@@ -172,32 +172,62 @@ fn a_nan_in_one_shard_skips_the_update_on_every_rank() {
     );
 }
 
+/// Rank 0's header line `memory per rank: ...` of a one-step run of `cfg`
+/// on `world` ranks.
+fn memory_line(world: usize, cfg: &TrainConfig) -> String {
+    let logs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+        let mut log = Vec::new();
+        let cfg = TrainConfig {
+            steps: 1,
+            ..cfg.clone()
+        };
+        train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
+    })
+    .unwrap();
+    assert!(
+        logs[0].contains(&format!("ZeRO-1: {world} shards of"))
+            == (cfg.strategy == Strategy::Zero1),
+        "{}",
+        logs[0]
+    );
+    logs[0]
+        .lines()
+        .find(|l| l.contains("memory per rank: "))
+        .unwrap_or_else(|| panic!("no memory line in:\n{}", logs[0]))
+        .to_string()
+}
+
+/// The `k` in `AdamW, 2 x k floats` of a memory line.
+fn moment_floats(line: &str) -> usize {
+    let rest = line.split("AdamW, 2 x ").nth(1).unwrap();
+    rest.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// The accounting at start: ZeRO-1's optimizer state is exactly 1/N of the
+/// padded buffer's (DDP's, rounded up to N shards); parameters, gradients
+/// and activations are DDP's.
 #[test]
-fn the_header_shows_one_nth_of_ddps_optimizer_state() {
+fn the_memory_line_shows_one_nth_of_ddps_optimizer_state() {
+    let n = 19037usize;
+    let ddp = memory_line(2, &odd());
+    assert_eq!(moment_floats(&ddp), n, "{ddp}");
     for world in [2, 3] {
-        let logs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
-            let mut log = Vec::new();
-            let cfg = TrainConfig {
-                steps: 1,
-                ..zero1(&odd())
-            };
-            train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
-        })
-        .unwrap();
-        let n = 19037usize;
-        let s = n.div_ceil(world);
-        let line = format!("(AdamW moments, 2 x {s} floats) vs DDP's");
-        assert!(logs[0].contains(&line), "world {world}:\n{}", logs[0]);
+        let zero = memory_line(world, &zero1(&odd()));
+        assert_eq!(moment_floats(&zero), n.div_ceil(world), "{zero}");
+        assert!(moment_floats(&zero) * world - n < world);
+        let ddp_mb = ddp.split("optimizer state ").nth(1).unwrap();
+        let ddp_mb = ddp_mb.split(" (").next().unwrap();
         assert!(
-            logs[0].contains(&format!("(2 x {n}): 1/{world}")),
-            "{}",
-            logs[0]
+            zero.contains(&format!("floats: 1/{world} of DDP's {ddp_mb})")),
+            "{zero}\nvs {ddp}"
         );
-        assert!(
-            logs[0].contains(&format!("ZeRO-1: {world} shards of {s}")),
-            "{}",
-            logs[0]
-        );
+        let before = |l: &str| l.split(", optimizer state").next().unwrap().to_string();
+        assert_eq!(before(&zero), before(&ddp), "parameters and gradients");
+        let acts = |l: &str| {
+            let rest = l.split(", activations ").nth(1).unwrap();
+            rest.split(',').next().unwrap().to_string()
+        };
+        assert_eq!(acts(&zero), acts(&ddp), "activations");
     }
 }
 

@@ -8,7 +8,10 @@
 mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
-use cohort_train::{elastic, train, NanInjection, Outcome, Strategy, TrainConfig};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+use cohort_train::{
+    elastic, train, NanInjection, Outcome, Strategy, TrainConfig, TrainError, Zero1,
+};
 use common::{max_abs_diff, opts, run_world, tiny};
 use std::path::Path;
 
@@ -281,6 +284,61 @@ fn zero1_checkpoints_resume_on_another_world_size_and_across_strategies() {
             for r in 1..world {
                 assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
             }
+        }
+    }
+}
+
+/// The public step on plain buffers (what `cohort bench ddp --strategy
+/// zero1` drives): 7 parameters over 2 and 3 ranks, each rank with its own
+/// gradient, end where AdamW over the whole buffer with the ranks' mean
+/// gradient does, on every rank; a buffer of the wrong length is refused by
+/// name.
+#[test]
+fn the_zero1_step_on_flat_buffers_is_adamw_on_the_mean_gradient() {
+    let n = 7;
+    let grad = |rank: usize, step: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 3 + rank * 5 + step) % 11) as f32 / 7.0 - 0.6)
+            .collect()
+    };
+    let mask = DecayMask::with_exempt(n, [2..4, 6..7]).unwrap();
+    let init: Vec<f32> = (0..n).map(|i| i as f32 / 10.0).collect();
+    for world in [2, 3] {
+        let mut want = init.clone();
+        let mut opt = AdamW::new(AdamWConfig::default(), mask.clone()).unwrap();
+        for step in 0..3 {
+            let mean: Vec<f32> = (0..n)
+                .map(|i| (0..world).map(|r| grad(r, step)[i]).sum::<f32>() / world as f32)
+                .collect();
+            opt.step(&mut want, &mean, 1e-2).unwrap();
+        }
+        let got = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+            let mut params = init.clone();
+            let mut zero = Zero1::new(pg, &params, &mask, AdamWConfig::default())?;
+            assert_eq!(zero.shard_len(), n.div_ceil(world));
+            for step in 0..3 {
+                zero.step(pg, &grad(pg.rank(), step), &mut params, 1e-2)?;
+            }
+            let short = zero.reduce_scatter(pg, &params[1..]).unwrap_err();
+            assert!(
+                matches!(
+                    short,
+                    TrainError::BufferLength {
+                        len: 6,
+                        expected: 7,
+                        ..
+                    }
+                ),
+                "{short}"
+            );
+            Ok::<_, TrainError>(params)
+        })
+        .unwrap();
+        for params in &got {
+            assert!(
+                max_abs_diff(params, &want) < 1e-6,
+                "world {world}: {params:?} vs {want:?}"
+            );
         }
     }
 }

@@ -12,6 +12,10 @@
 //! segment has every rank train alone at the same time: DDP's throughput
 //! against theirs is the efficiency of DDP itself on this machine. The launch time
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
+//! With `--strategy zero1` the step is ZeRO-1's instead of DDP's (plain
+//! backward, then cohort-train's [`Zero1`]: reduce-scatter, AdamW on the
+//! shard, all-gather), and the peak resident memory of each rank shows what
+//! sharding the optimizer state saves.
 //! It reports; it never changes what it measures.
 
 use cohort_comm::ProcessGroup;
@@ -20,7 +24,8 @@ use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GPT};
 use cohort_train::{
-    param_specs, process_cpu_ms, ConfigError, Overlap, TrainError, TUNED_BUCKET_CAP_MB,
+    param_specs, peak_rss_mb, process_cpu_ms, ConfigError, Overlap, TrainError, Zero1,
+    TUNED_BUCKET_CAP_MB,
 };
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -63,12 +68,27 @@ pub struct BenchDdpArgs {
     /// and the single-rank baseline).
     #[arg(long, default_value = "fp32")]
     pub precision: cohort_engine::DType,
-    /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
+    /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook; DDP only).
     #[arg(long)]
     pub bf16_compress: bool,
+    /// The data-parallel step: DDP, or ZeRO-1 (optimizer state sharded).
+    #[arg(long, value_enum, default_value_t = BenchStrategy::Ddp)]
+    pub strategy: BenchStrategy,
     /// Print one JSON object instead of a text line.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The data-parallel steps `cohort bench ddp` can time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BenchStrategy {
+    /// Gradients all-reduced in buckets during backward; AdamW on the whole model.
+    Ddp,
+    /// Gradients reduce-scattered after backward, AdamW on this rank's
+    /// shard, parameters all-gathered.
+    #[value(name = "zero1")]
+    Zero1,
 }
 
 /// What the benchmark measured (rank 0's view).
@@ -80,6 +100,8 @@ pub struct BenchDdpResult {
     pub config: String,
     /// What the matrix products computed in (`fp32` or `bf16`).
     pub precision: String,
+    /// The data-parallel step timed: `ddp` or `zero1`.
+    pub strategy: BenchStrategy,
     /// Ranks.
     pub world: usize,
     /// Median step time of the slowest rank, ms.
@@ -118,7 +140,14 @@ pub struct BenchDdpResult {
     /// time, what the wall-clock efficiency would be on a quiet machine
     /// without waiting between ranks.
     pub cpu_efficiency: Option<f64>,
-    /// Gradient buckets.
+    /// Each rank's peak resident memory (VmHWM) in MB at the end of the
+    /// first segment of the strategy's steps, before the single-rank
+    /// baseline's model is built in the same process.
+    pub peak_rss_mb_per_rank: Vec<f64>,
+    /// Floats of AdamW state per rank (two moments): the whole model's
+    /// under DDP, one shard's under ZeRO-1.
+    pub optimizer_floats_per_rank: usize,
+    /// Gradient buckets (0 under ZeRO-1, which reduces the buffer at once).
     pub buckets: usize,
     /// Whether buckets were reduced during backward.
     pub overlap: bool,
@@ -173,6 +202,13 @@ pub fn run_ddp_bench(
     pg: &ProcessGroup,
     out: &mut dyn Write,
 ) -> Result<BenchDdpResult, TrainError> {
+    if args.strategy == BenchStrategy::Zero1 && args.bf16_compress {
+        return Err(TrainError::Config(ConfigError::Invalid {
+            key: "bf16_compress",
+            value: "true".into(),
+            why: "is not supported with --strategy zero1 (its reduce-scatter runs in f32)",
+        }));
+    }
     let launch = std::env::var(LAUNCH_TIME_VAR)
         .ok()
         .and_then(|v| v.parse::<u64>().ok());
@@ -188,22 +224,35 @@ pub fn run_ddp_bench(
         GPT::zeroed(cfg.clone(), 1234)?
     };
     model.set_precision(args.precision)?;
-    let mut opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
-    let overlap = args
-        .overlap
-        .enabled(world, pg.local_world_size(), model.backend().num_threads());
-    let options = DdpOptions {
-        bucket_cap_mb: args.bucket_cap_mb,
-        first_bucket_mb: args.first_bucket_mb,
-        overlap,
-        compression: if args.bf16_compress {
-            cohort_ddp::Compression::Bf16
-        } else {
-            cohort_ddp::Compression::None
-        },
-        ..DdpOptions::default()
+    let overlap = args.strategy == BenchStrategy::Ddp
+        && args
+            .overlap
+            .enabled(world, pg.local_world_size(), model.backend().num_threads());
+    let mask = decay_mask(model.param_views());
+    let mut sync = match args.strategy {
+        BenchStrategy::Ddp => {
+            let options = DdpOptions {
+                bucket_cap_mb: args.bucket_cap_mb,
+                first_bucket_mb: args.first_bucket_mb,
+                overlap,
+                compression: if args.bf16_compress {
+                    cohort_ddp::Compression::Bf16
+                } else {
+                    cohort_ddp::Compression::None
+                },
+                ..DdpOptions::default()
+            };
+            let ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;
+            let opt = AdamW::new(AdamWConfig::default(), mask)?;
+            DataParallel::Ddp { ddp, opt }
+        }
+        BenchStrategy::Zero1 => {
+            pg.broadcast(model.params_mut(), 0)
+                .map_err(TrainError::comm("initial parameters broadcast"))?;
+            let zero = Zero1::new(pg, model.params(), &mask, AdamWConfig::default())?;
+            DataParallel::Zero1(zero)
+        }
     };
-    let mut ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;
 
     // DDP and the single-rank baseline run in alternating segments, so that
     // drift in the host's speed (seconds long on a shared VM) weighs on both
@@ -218,6 +267,7 @@ pub fn run_ddp_bench(
     let rounds = args.rounds.clamp(1, steps);
     let mut ddp_times = StepTimes::default();
     let mut first_step_start = None;
+    let mut peak_rss = 0.0;
     let mut i = 0;
     for round in 0..rounds {
         let measured = steps / rounds + usize::from(round < steps % rounds);
@@ -234,24 +284,19 @@ pub fn run_ddp_bench(
             model.zero_grad();
             model.forward(&ids, None, Some(&labels), b, t)?;
             let forward = t0.elapsed();
-            let stats = ddp
-                .backward(|ready| model.backward(ready))?
-                .finish(model.grads_mut())?;
-            let t_opt = Instant::now();
-            let (params, grads) = model.params_and_grads_mut();
-            opt.step(params, grads, 1e-3)?;
+            let phases = sync.step(pg, &mut model)?;
             if j >= warmup {
                 ddp_times.push(Phases {
                     step: t0.elapsed(),
                     forward,
-                    backward: stats.backward,
-                    comm_wait: stats.comm_wait,
-                    comm_busy: stats.comm_busy,
-                    optimizer: t_opt.elapsed(),
+                    ..phases
                 });
             }
         }
         ddp_times.end_segment();
+        if round == 0 {
+            peak_rss = peak_rss_mb();
+        }
         if measure_baseline {
             // Built after the first DDP segment, not to delay the first step.
             let single = match &mut single {
@@ -289,6 +334,9 @@ pub fn run_ddp_bench(
         ),
         (None, None) => (f64::NAN, None, true),
     };
+    let mut peak_rss_per_rank = vec![0f64; world];
+    pg.all_gather(&[peak_rss], &mut peak_rss_per_rank)
+        .map_err(TrainError::comm("gathering peak memory"))?;
     let independent_phases_ms = measure_baseline.then(|| independent_times.medians_ms());
     let independent_tokens_per_s = if let Some(own) = independent_phases_ms {
         let own = (b * t) as f64 * 1e3 / own.step;
@@ -310,6 +358,7 @@ pub fn run_ddp_bench(
         bench: "ddp",
         config: args.config.to_uppercase(),
         precision: model.backend().dtype().to_string(),
+        strategy: args.strategy,
         world,
         ms_per_step: slowest * 1e3,
         tokens_per_s,
@@ -326,7 +375,9 @@ pub fn run_ddp_bench(
         cpu_ms_per_step: cpu_ms,
         baseline_cpu_ms_per_step: baseline_cpu,
         cpu_efficiency: baseline_cpu.map(|c| c / cpu_ms),
-        buckets: ddp.buckets().len(),
+        peak_rss_mb_per_rank: peak_rss_per_rank,
+        optimizer_floats_per_rank: sync.optimizer_floats(model.num_params()),
+        buckets: sync.buckets(),
         overlap,
         params: model.num_params(),
         batch_per_rank: b,
@@ -338,11 +389,16 @@ pub fn run_ddp_bench(
             serde_json::to_string(&result).unwrap_or_default()
         } else {
             format!(
-                "config {}, world {}, ms_per_step {:.2}, tokens_per_s {:.0}, efficiency {:.3} \
+                "config {}, strategy {}, world {}, ms_per_step {:.2}, tokens_per_s {:.0}, efficiency {:.3} \
                  (baseline {:.0} tokens/s on 1 rank; {} against the ranks training \
                  independently), launch_to_first_step_s {}, \
-                 {} bucket(s); rank 0 ms: {}{}; CPU ms/step {:.2} vs {} alone (cpu efficiency {})",
+                 {} bucket(s); rank 0 ms: {}{}; CPU ms/step {:.2} vs {} alone (cpu efficiency {}); \
+                 peak RSS MB per rank {}, AdamW state {} floats per rank",
                 result.config,
+                match args.strategy {
+                    BenchStrategy::Ddp => "ddp",
+                    BenchStrategy::Zero1 => "zero1",
+                },
                 world,
                 result.ms_per_step,
                 result.tokens_per_s,
@@ -368,11 +424,82 @@ pub fn run_ddp_bench(
                     .cpu_efficiency
                     .map(|e| format!("{e:.3}"))
                     .unwrap_or("-".into()),
+                result
+                    .peak_rss_mb_per_rank
+                    .iter()
+                    .map(|m| format!("{m:.1}"))
+                    .collect::<Vec<_>>()
+                    .join("/"),
+                result.optimizer_floats_per_rank,
             )
         };
         writeln!(out, "{line}").map_err(TrainError::Log)?;
     }
     Ok(result)
+}
+
+/// The data-parallel step being timed, with what it keeps between steps.
+enum DataParallel<'a> {
+    /// DDP's bucketed all-reduce and AdamW over the whole model.
+    Ddp { ddp: Ddp<'a>, opt: AdamW },
+    /// ZeRO-1: AdamW over this rank's shard only.
+    Zero1(Zero1),
+}
+
+impl DataParallel<'_> {
+    /// Backward of the forward just run, the gradients' synchronisation and
+    /// the update, on `model`; the phases it timed (not the whole step's or
+    /// the forward's, which the caller knows). Collective.
+    fn step(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Phases, TrainError> {
+        match self {
+            DataParallel::Ddp { ddp, opt } => {
+                let stats = ddp
+                    .backward(|ready| model.backward(ready))?
+                    .finish(model.grads_mut())?;
+                let t_opt = Instant::now();
+                let (params, grads) = model.params_and_grads_mut();
+                opt.step(params, grads, 1e-3)?;
+                Ok(Phases {
+                    backward: stats.backward,
+                    comm_wait: stats.comm_wait,
+                    comm_busy: stats.comm_busy,
+                    optimizer: t_opt.elapsed(),
+                    ..Phases::default()
+                })
+            }
+            DataParallel::Zero1(zero) => {
+                let t = Instant::now();
+                model.backward(|_, _| {})?;
+                let backward = t.elapsed();
+                let (params, grads) = model.params_and_grads_mut();
+                let times = zero.step(pg, grads, params, 1e-3)?;
+                // Nothing overlaps the collectives here: all of their time
+                // is waited for.
+                Ok(Phases {
+                    backward,
+                    comm_wait: times.comm,
+                    comm_busy: times.comm,
+                    optimizer: times.optimizer,
+                    ..Phases::default()
+                })
+            }
+        }
+    }
+
+    /// Floats of AdamW state this rank keeps for a model of `n` parameters.
+    fn optimizer_floats(&self, n: usize) -> usize {
+        match self {
+            DataParallel::Ddp { .. } => 2 * n,
+            DataParallel::Zero1(zero) => 2 * zero.shard_len(),
+        }
+    }
+
+    fn buckets(&self) -> usize {
+        match self {
+            DataParallel::Ddp { ddp, .. } => ddp.buckets().len(),
+            DataParallel::Zero1(_) => 0,
+        }
+    }
 }
 
 /// Where the time of one training step went.

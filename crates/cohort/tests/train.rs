@@ -32,6 +32,11 @@ fn two_processes_through_the_launcher_match_one_process_with_twice_the_batch() {
         "{two}"
     );
     assert!(two.contains("[rank0]: [step 2 / 4] loss = "), "{two}");
+    // ...and what each rank holds.
+    assert!(
+        two.contains("[rank0]: memory per rank: parameters "),
+        "{two}"
+    );
     assert!(two.contains("[rank0]: [step 4 / 4] val loss = "), "{two}");
     assert!(!two.contains("[rank1]: [step"), "only rank 0 logs:\n{two}");
 
@@ -119,6 +124,86 @@ fn bench_ddp_reports_the_figures_as_json() {
     // The launcher's timestamp makes launch-to-first-step meaningful; the
     // target is 0.3 s, a loaded CI machine gets some slack.
     assert!(v["launch_to_first_step_s"].as_f64().unwrap() < 10.0);
+    assert_eq!(v["strategy"], "ddp");
+    let params = v["params"].as_u64().unwrap();
+    assert_eq!(v["optimizer_floats_per_rank"], 2 * params, "{v}");
+    assert_peak_rss_of_each_rank(&v, 2);
+}
+
+/// Every one of `world` ranks reported a plausible peak resident memory:
+/// at least the model's parameters, and not a stray unit (under 100 GB).
+fn assert_peak_rss_of_each_rank(v: &serde_json::Value, world: usize) {
+    let rss = v["peak_rss_mb_per_rank"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no peak_rss_mb_per_rank in {v}"));
+    assert_eq!(rss.len(), world, "{v}");
+    let params_mb = v["params"].as_f64().unwrap() * 4.0 / (1 << 20) as f64;
+    for mb in rss {
+        let mb = mb.as_f64().unwrap();
+        assert!(mb > params_mb && mb < 1e5, "peak RSS {mb} MB in {v}");
+    }
+}
+
+#[test]
+fn bench_ddp_times_zero1_with_one_nth_of_the_optimizer_state() {
+    let out = run(&[
+        "run",
+        "--standalone",
+        "-n",
+        "2",
+        "bench",
+        "ddp",
+        "--strategy",
+        "zero1",
+        "--config",
+        "A",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    let text = succeeded(&out);
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank0]: {"))
+        .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
+    let v: serde_json::Value = serde_json::from_str(&format!("{{{line}")).unwrap();
+    assert_eq!(v["strategy"], "zero1");
+    assert_eq!(v["world"], 2);
+    for key in ["tokens_per_s", "efficiency"] {
+        let x = v[key].as_f64().unwrap_or(0.0);
+        assert!(x > 0.0 && x.is_finite(), "{key} = {x} in {v}");
+    }
+    // Each rank keeps AdamW's two moments for its half of the (padded) buffer.
+    let params = v["params"].as_u64().unwrap();
+    assert_eq!(
+        v["optimizer_floats_per_rank"],
+        2 * params.div_ceil(2),
+        "{v}"
+    );
+    assert_eq!(v["buckets"], 0);
+    for phase in ["backward", "comm_wait", "optimizer"] {
+        let ms = v["phases_ms"][phase].as_f64().unwrap_or(0.0);
+        assert!(ms > 0.0, "phases_ms.{phase} = {ms} in {v}");
+    }
+    assert_peak_rss_of_each_rank(&v, 2);
+    let err = run(&[
+        "bench",
+        "ddp",
+        "--strategy",
+        "zero1",
+        "--bf16-compress",
+        "--steps",
+        "1",
+    ]);
+    let stderr = String::from_utf8_lossy(&err.stderr);
+    assert!(
+        !err.status.success() && stderr.contains("bf16_compress"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -12,7 +12,10 @@
 //!   (`[step 10 / 50] loss = 9.3437`) plus throughput and time per phase,
 //!   evaluates, and writes checkpoints that `--resume` continues bitwise.
 //!   With `strategy = zero1` it is ZeRO stage 1 (PyTorch's
-//!   `ZeroRedundancyOptimizer`): the optimizer state sharded over the ranks.
+//!   `ZeroRedundancyOptimizer`): the optimizer state sharded over the ranks;
+//!   [`Zero1`] is its step on flat buffers, for callers with their own loop
+//!   (`cohort bench ddp --strategy zero1`). [`memory_per_rank`] counts what
+//!   a rank holds under each, for the header and the memory check.
 //!   [`train_pipeline`] and [`train_parameter_server`] are the other
 //!   strategies. All of them run the same training loop (`step_loop`): a
 //!   strategy supplies its step's gradients (DDP: micro-batches and a
@@ -45,6 +48,7 @@ mod config;
 pub mod elastic;
 mod fault;
 mod file_data;
+mod memory;
 mod parameter_server;
 mod phases;
 mod pipeline;
@@ -63,6 +67,7 @@ pub use config::{
 pub use fault::{NanInjection, INJECT_NAN_VAR};
 pub use file_data::build_dataset;
 pub use file_data::FileData;
+pub use memory::{memory_per_rank, MemoryPerRank, Sharding};
 pub use parameter_server::{train_parameter_server, train_parameter_server_timed, Rendezvous};
 pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases, PHASES};
 pub use pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};
@@ -72,6 +77,7 @@ pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
     OPTIMIZER_FILE, TRAINER_STATE_FILE,
 };
+pub use zero::{Zero1, Zero1Times};
 
 use cohort_comm::{init_process_group, CommError, GroupOptions, InitOptions, ProcessGroup};
 use std::path::PathBuf;
@@ -147,6 +153,17 @@ pub enum TrainError {
         /// The largest.
         max: usize,
     },
+    /// A buffer handed to a sharded optimizer step is not as long as the
+    /// parameters it was built over.
+    #[error("ZeRO: {what} has {len} elements, but the parameters it shards have {expected}")]
+    BufferLength {
+        /// Which buffer.
+        what: &'static str,
+        /// Its length.
+        len: usize,
+        /// The parameter count.
+        expected: usize,
+    },
     /// The parameter server's calls failed (a worker or the server died,
     /// timed out, or refused a gradient).
     #[error("parameter server: {what}: {error}")]
@@ -196,6 +213,7 @@ impl TrainError {
                 | TrainError::Hook { .. }
                 | TrainError::TooBig(_)
                 | TrainError::ModelMismatch { .. }
+                | TrainError::BufferLength { .. }
         )
     }
 

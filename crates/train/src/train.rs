@@ -9,6 +9,7 @@
 use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::{Precision, Strategy as Parallelism, TrainConfig};
+use crate::memory::{memory_per_rank, Sharding};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::TrainError;
@@ -128,19 +129,18 @@ pub(crate) fn apply_checkpointing(
     ))
 }
 
-/// Refuses, before anything is allocated, settings whose model, gradients,
-/// AdamW state (split over `optimizer_shards` ranks: 1 unless the state is
-/// sharded) and activations for `cfg.batch_size` sequences of `seq_len`
-/// tokens, on each of `ranks_on_host` ranks, exceed the host's available
-/// memory; the error names the settings and the bytes. (Without the check
-/// such a run aborts in an allocation.) No check where the host does not say
-/// what is available.
+/// Refuses, before anything is allocated, settings whose training state
+/// per rank under `sharding` (see [`memory_per_rank`]) for `cfg.batch_size`
+/// sequences of `seq_len` tokens, on each of `ranks_on_host` ranks, exceeds
+/// the host's available memory; the error names the settings and the bytes.
+/// (Without the check such a run aborts in an allocation.) No check where
+/// the host does not say what is available.
 pub(crate) fn check_memory(
     cfg: &TrainConfig,
     model: &GPTConfig,
     seq_len: usize,
     ranks_on_host: usize,
-    optimizer_shards: usize,
+    sharding: Sharding,
 ) -> Result<(), TrainError> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let tokens = cfg.batch_size.checked_mul(seq_len).filter(|&n| n < 1 << 40);
@@ -155,9 +155,14 @@ pub(crate) fn check_memory(
         return Ok(());
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let m = GPT::memory_estimate(model, tokens, threads, cfg.activation_checkpointing);
-    let optimizer = (2 * m.parameters).div_ceil(optimizer_shards.max(1) as u64);
-    let per_rank = m.parameters + m.gradients + optimizer + m.activations;
+    let m = memory_per_rank(
+        model,
+        tokens,
+        threads,
+        cfg.activation_checkpointing,
+        sharding,
+    );
+    let per_rank = m.total();
     let needed = per_rank.saturating_mul(ranks_on_host as u64);
     if needed <= available {
         return Ok(());
@@ -174,12 +179,30 @@ pub(crate) fn check_memory(
         gib(per_rank),
         gib(m.parameters),
         gib(m.gradients),
-        gib(optimizer),
+        gib(m.optimizer),
         gib(m.activations),
         ranks_on_host,
         gib(needed),
         gib(available),
     )))
+}
+
+/// The header line of [`MemoryPerRank::line`] for `model` as built, training
+/// on `cfg.batch_size` sequences of `seq_len` tokens under `sharding`.
+pub(crate) fn memory_line(
+    cfg: &TrainConfig,
+    model: &GPT,
+    seq_len: usize,
+    sharding: Sharding,
+) -> String {
+    memory_per_rank(
+        model.config(),
+        cfg.batch_size * seq_len,
+        model.backend().num_threads(),
+        cfg.activation_checkpointing,
+        sharding,
+    )
+    .line()
 }
 
 /// The host's available memory in bytes (`MemAvailable`), when it says.
@@ -258,7 +281,13 @@ impl<'a> DataParallel<'a> {
         let mut header = step_loop::data_lines(&*data);
         let model_cfg = model_config(cfg, data.vocab_size());
         model_cfg.validate()?;
-        check_memory(cfg, &model_cfg, t, pg.local_world_size(), 1)?;
+        check_memory(
+            cfg,
+            &model_cfg,
+            t,
+            pg.local_world_size(),
+            Sharding::Replicated,
+        )?;
         // Only rank 0 draws the initial parameters: DDP checks that the shapes
         // agree and broadcasts rank 0's to the others.
         let mut model = if rank == 0 {
@@ -308,6 +337,7 @@ impl<'a> DataParallel<'a> {
             cfg.bucket_cap_mb,
             if overlap { "on" } else { "off" },
         ));
+        header.push(memory_line(cfg, &model, t, Sharding::Replicated));
         header.push(global_batch_line(cfg, world, t));
         let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
         let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;

@@ -34,21 +34,23 @@
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Dataset;
-use cohort_engine::optim::{AdamW, DecayMask, Optimizer, OptimizerState};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::TrainConfig;
+use crate::memory::Sharding;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::train::{
-    apply_checkpointing, apply_precision, check_memory, global_batch_line, model_config,
+    apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
+    model_config,
 };
 use crate::TrainError;
 
@@ -129,12 +131,16 @@ fn load_shard(opt: &mut AdamW, full: &AdamW, shard: &Shard) -> Result<(), TrainE
     Ok(())
 }
 
-/// ZeRO-1 as a strategy of the training loop (see the module docs).
-pub(crate) struct ZeroOne<'a> {
-    cfg: &'a TrainConfig,
-    pg: &'a ProcessGroup,
-    data: Arc<dyn Dataset>,
-    model: GPT,
+/// ZeRO-1's step on flat buffers, for any model whose parameters and
+/// gradients are one flat buffer each: steps 2, 4 and 5 of the module's
+/// scheme. The training strategy below runs it inside the training loop;
+/// `cohort bench ddp --strategy zero1` drives it directly.
+///
+/// It holds AdamW's moments for this rank's shard only, a copy of the
+/// shard's parameters and its mean gradient, and, when the parameter count
+/// does not divide into the ranks, one padded whole buffer that the
+/// collectives need.
+pub struct Zero1 {
     shard: Shard,
     /// AdamW over this rank's shard only (`shard.len` elements).
     opt: AdamW,
@@ -145,8 +151,147 @@ pub(crate) struct ZeroOne<'a> {
     grads: Vec<f32>,
     /// The padded whole buffer the collectives need when the parameter
     /// count is not a multiple of the world size; empty when it is (the
-    /// collectives then read and write the model's buffers directly).
+    /// collectives then read and write the caller's buffers directly).
     padded: Vec<f32>,
+}
+
+/// Where the time of one [`Zero1::step`] went.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Zero1Times {
+    /// In the reduce-scatter and the all-gather.
+    pub comm: Duration,
+    /// AdamW on the shard.
+    pub optimizer: Duration,
+}
+
+impl Zero1 {
+    /// ZeRO-1 over `params` (the whole model, the same on every rank),
+    /// whose weight decay `mask` covers the whole buffer, with AdamW
+    /// configured by `adamw`. Collective: fails on every rank unless every
+    /// rank passed the same number of parameters.
+    pub fn new(
+        pg: &ProcessGroup,
+        params: &[f32],
+        mask: &DecayMask,
+        adamw: AdamWConfig,
+    ) -> Result<Zero1, TrainError> {
+        let n = params.len();
+        agree_on_size(pg, n)?;
+        let shard = Shard::new(n, pg.size(), pg.rank());
+        let opt = AdamW::new(adamw, shard_mask(mask, shard.range()))?;
+        let mut own = vec![0f32; shard.len];
+        own[..shard.real().len()].copy_from_slice(&params[shard.real()]);
+        let padded = if n == shard.padded() {
+            Vec::new()
+        } else {
+            vec![0f32; shard.padded()]
+        };
+        Ok(Zero1 {
+            shard,
+            opt,
+            params: own,
+            grads: vec![0f32; shard.len],
+            padded,
+        })
+    }
+
+    /// Fails unless `len` is the parameter count: checked before any
+    /// collective starts, so that the error names the buffer at fault
+    /// rather than a collective's length check or a slice copy's panic.
+    fn check_len(&self, what: &'static str, len: usize) -> Result<(), TrainError> {
+        if len != self.shard.n {
+            return Err(TrainError::BufferLength {
+                what,
+                len,
+                expected: self.shard.n,
+            });
+        }
+        Ok(())
+    }
+
+    /// Elements of this rank's shard, padding included: AdamW keeps two
+    /// moments of this many floats.
+    pub fn shard_len(&self) -> usize {
+        self.shard.len
+    }
+
+    /// One whole step: the job's mean gradient of this rank's shard from
+    /// every rank's `grads`, AdamW on the shard at `lr`, and every rank's
+    /// updated shard into `params`. Collective.
+    pub fn step(
+        &mut self,
+        pg: &ProcessGroup,
+        grads: &[f32],
+        params: &mut [f32],
+        lr: f64,
+    ) -> Result<Zero1Times, TrainError> {
+        let t = Instant::now();
+        self.reduce_scatter(pg, grads)?;
+        let comm = t.elapsed();
+        let t = Instant::now();
+        self.update(lr)?;
+        let optimizer = t.elapsed();
+        let t = Instant::now();
+        self.all_gather(pg, params)?;
+        Ok(Zero1Times {
+            comm: comm + t.elapsed(),
+            optimizer,
+        })
+    }
+
+    /// Step 2 of the scheme: the job's mean gradient of this rank's shard
+    /// into [`Self::shard_grads_mut`]. Collective.
+    pub fn reduce_scatter(&mut self, pg: &ProcessGroup, grads: &[f32]) -> Result<(), TrainError> {
+        self.check_len("the gradient", grads.len())?;
+        let input: &[f32] = if self.padded.is_empty() {
+            grads
+        } else {
+            let n = grads.len();
+            self.padded[..n].copy_from_slice(grads);
+            self.padded[n..].fill(0.0);
+            &self.padded
+        };
+        pg.reduce_scatter(input, &mut self.grads, ReduceOp::Avg)
+            .map_err(TrainError::comm("gradient reduce_scatter"))
+    }
+
+    /// This rank's shard of the mean gradient (its padding is zero), for the
+    /// loop to scale, check and clip.
+    pub fn shard_grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+
+    /// Step 4: AdamW on the shard's parameters with its mean gradient.
+    pub fn update(&mut self, lr: f64) -> Result<(), TrainError> {
+        self.opt.step(&mut self.params, &self.grads, lr)?;
+        Ok(())
+    }
+
+    /// Step 5: every rank's updated shard into `params` (the whole model).
+    /// Collective.
+    pub fn all_gather(&mut self, pg: &ProcessGroup, params: &mut [f32]) -> Result<(), TrainError> {
+        self.check_len("the parameter buffer", params.len())?;
+        if self.padded.is_empty() {
+            return pg
+                .all_gather(&self.params, params)
+                .map_err(TrainError::comm("parameter all_gather"));
+        }
+        pg.all_gather(&self.params, &mut self.padded)
+            .map_err(TrainError::comm("parameter all_gather"))?;
+        let n = self.shard.n;
+        params.copy_from_slice(&self.padded[..n]);
+        Ok(())
+    }
+}
+
+/// ZeRO-1 as a strategy of the training loop (see the module docs).
+pub(crate) struct ZeroOne<'a> {
+    cfg: &'a TrainConfig,
+    pg: &'a ProcessGroup,
+    data: Arc<dyn Dataset>,
+    model: GPT,
+    /// The sharded optimizer and its buffers.
+    zero: Zero1,
     batches: TrainBatches,
     /// This rank's share of the job's validation batches.
     val: ValBatches,
@@ -161,7 +306,13 @@ impl<'a> ZeroOne<'a> {
         let mut header = step_loop::data_lines(&*data);
         let model_cfg = model_config(cfg, data.vocab_size());
         model_cfg.validate()?;
-        check_memory(cfg, &model_cfg, t, pg.local_world_size(), world)?;
+        check_memory(
+            cfg,
+            &model_cfg,
+            t,
+            pg.local_world_size(),
+            Sharding::Zero1 { world },
+        )?;
         let mut model = if rank == 0 {
             GPT::new(model_cfg, cfg.seed)?
         } else {
@@ -171,17 +322,15 @@ impl<'a> ZeroOne<'a> {
         header.extend(apply_checkpointing(cfg, &mut model, t));
         let n = model.num_params();
         agree_on_size(pg, n)?;
-        let shard = Shard::new(n, world, rank);
         let full_mask = decay_mask(model.param_views());
-        let mut opt = AdamW::new(cfg.adamw(), shard_mask(&full_mask, shard.range()))?;
         let mut state = TrainState::default();
+        let mut resumed_state = None;
         if let Some(dir) = &cfg.resume {
             // The checkpoint holds the whole state (DDP's format, written at
             // any world size): load it whole, keep this rank's shard, and
             // free the rest before the first step.
-            let mut full = AdamW::new(cfg.adamw(), full_mask)?;
+            let mut full = AdamW::new(cfg.adamw(), full_mask.clone())?;
             let resumed = checkpoint::resume(dir, cfg, pg, &mut model, &mut full)?;
-            load_shard(&mut opt, &full, &shard)?;
             header.extend(resumed.notes);
             state = resumed.state;
             header.push(format!(
@@ -189,18 +338,16 @@ impl<'a> ZeroOne<'a> {
                 resumed.dir.display(),
                 state.step
             ));
+            resumed_state = Some(full);
         }
         // Rank 0's parameters (drawn, or as resumed) are every rank's.
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
-        let mut params = vec![0f32; shard.len];
-        params[..shard.real().len()].copy_from_slice(&model.params()[shard.real()]);
-        let padded = if n == shard.padded() {
-            Vec::new()
-        } else {
-            vec![0f32; shard.padded()]
-        };
-        let mb = |floats: usize| (floats * 4) as f64 / (1 << 20) as f64;
+        let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
+        if let Some(full) = resumed_state {
+            load_shard(&mut zero.opt, &full, &zero.shard)?;
+        }
+        let shard = zero.shard;
         header.push(format!(
             "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
              ZeRO-1: {} shards of {} ({} padding)",
@@ -215,13 +362,7 @@ impl<'a> ZeroOne<'a> {
             shard.len,
             shard.padded() - n,
         ));
-        header.push(format!(
-            "optimizer state per rank: {:.3} MB (AdamW moments, 2 x {} floats) vs DDP's {:.3} MB \
-             (2 x {n}): 1/{world}",
-            mb(2 * shard.len),
-            shard.len,
-            mb(2 * n),
-        ));
+        header.push(memory_line(cfg, &model, t, Sharding::Zero1 { world }));
         header.push(global_batch_line(cfg, world, t));
         let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
         let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
@@ -229,11 +370,7 @@ impl<'a> ZeroOne<'a> {
             cfg,
             pg,
             model,
-            shard,
-            opt,
-            params,
-            grads: vec![0f32; shard.len],
-            padded,
+            zero,
             batches,
             val,
             start: Start {
@@ -243,39 +380,6 @@ impl<'a> ZeroOne<'a> {
             },
             data,
         })
-    }
-
-    /// Step 2 of the scheme: the job's mean gradient of this rank's shard
-    /// into `self.grads`. Collective.
-    fn reduce_scatter(&mut self) -> Result<(), TrainError> {
-        let grads = self.model.grads();
-        let input: &[f32] = if self.padded.is_empty() {
-            grads
-        } else {
-            let n = grads.len();
-            self.padded[..n].copy_from_slice(grads);
-            self.padded[n..].fill(0.0);
-            &self.padded
-        };
-        self.pg
-            .reduce_scatter(input, &mut self.grads, ReduceOp::Avg)
-            .map_err(TrainError::comm("gradient reduce_scatter"))
-    }
-
-    /// Step 5: every rank's updated shard into every rank's model. Collective.
-    fn all_gather(&mut self) -> Result<(), TrainError> {
-        if self.padded.is_empty() {
-            return self
-                .pg
-                .all_gather(&self.params, self.model.params_mut())
-                .map_err(TrainError::comm("parameter all_gather"));
-        }
-        self.pg
-            .all_gather(&self.params, &mut self.padded)
-            .map_err(TrainError::comm("parameter all_gather"))?;
-        let n = self.shard.n;
-        self.model.params_mut().copy_from_slice(&self.padded[..n]);
-        Ok(())
     }
 }
 
@@ -317,7 +421,7 @@ impl Strategy for ZeroOne<'_> {
             },
         )?;
         let t = Instant::now();
-        self.reduce_scatter()?;
+        self.zero.reduce_scatter(self.pg, self.model.grads())?;
         phases.add(Phase::Comm, t.elapsed());
         let accum = self.cfg.grad_accum;
         Ok(StepGradients {
@@ -331,7 +435,7 @@ impl Strategy for ZeroOne<'_> {
     /// This rank's shard of the mean gradient (its padding is zero, and
     /// counts for nothing in the norm).
     fn grads_mut(&mut self) -> &mut [f32] {
-        &mut self.grads
+        self.zero.shard_grads_mut()
     }
 
     /// The whole gradient's norm: the square root of the shards' summed
@@ -347,8 +451,8 @@ impl Strategy for ZeroOne<'_> {
     fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
         // A skipped step changes no shard: nothing to gather.
         if let Some(lr) = lr {
-            self.opt.step(&mut self.params, &self.grads, lr)?;
-            self.all_gather()?;
+            self.zero.update(lr)?;
+            self.zero.all_gather(self.pg, self.model.params_mut())?;
         }
         self.model.zero_grad();
         Ok(())
@@ -361,12 +465,9 @@ impl Strategy for ZeroOne<'_> {
 
     fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
         let master = self.pg.rank() == 0;
-        let shard = self.shard;
+        let (shard, opt) = (self.zero.shard, &self.zero.opt);
         let mut whole = [Vec::new(), Vec::new()];
-        for (buf, moments) in whole
-            .iter_mut()
-            .zip([self.opt.exp_avg(), self.opt.exp_avg_sq()])
-        {
+        for (buf, moments) in whole.iter_mut().zip([opt.exp_avg(), opt.exp_avg_sq()]) {
             if master {
                 *buf = vec![0f32; shard.padded()];
             }
@@ -379,8 +480,8 @@ impl Strategy for ZeroOne<'_> {
         }
         let mut full = AdamW::new(self.cfg.adamw(), decay_mask(self.model.param_views()))?;
         full.load_state(&OptimizerState {
-            optimizer: self.opt.name().to_string(),
-            step: self.opt.steps_taken(),
+            optimizer: opt.name().to_string(),
+            step: opt.steps_taken(),
             buffers: vec![
                 ("exp_avg".into(), &whole[0][..shard.n]),
                 ("exp_avg_sq".into(), &whole[1][..shard.n]),

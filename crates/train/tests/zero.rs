@@ -2,13 +2,16 @@
 //! loopback sockets: the same model from the same seed and data, on a
 //! parameter count that no world size here divides (so the last shard is
 //! padded), with clipping, accumulation and a NaN in one rank's shard; its
-//! header's optimizer-state accounting; and its checkpoints, which resume on
+//! header's memory accounting; and its checkpoints, which resume on
 //! another world size and under DDP.
 
 mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
-use cohort_train::{elastic, train, NanInjection, Outcome, Strategy, TrainConfig};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+use cohort_train::{
+    elastic, train, NanInjection, Outcome, Strategy, TrainConfig, TrainError, Zero1,
+};
 use common::{max_abs_diff, opts, run_world, tiny};
 use std::path::Path;
 
@@ -172,32 +175,62 @@ fn a_nan_in_one_shard_skips_the_update_on_every_rank() {
     );
 }
 
+/// Rank 0's header line `memory per rank: ...` of a one-step run of `cfg`
+/// on `world` ranks.
+fn memory_line(world: usize, cfg: &TrainConfig) -> String {
+    let logs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+        let mut log = Vec::new();
+        let cfg = TrainConfig {
+            steps: 1,
+            ..cfg.clone()
+        };
+        train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
+    })
+    .unwrap();
+    assert!(
+        logs[0].contains(&format!("ZeRO-1: {world} shards of"))
+            == (cfg.strategy == Strategy::Zero1),
+        "{}",
+        logs[0]
+    );
+    logs[0]
+        .lines()
+        .find(|l| l.contains("memory per rank: "))
+        .unwrap_or_else(|| panic!("no memory line in:\n{}", logs[0]))
+        .to_string()
+}
+
+/// The `k` in `AdamW, 2 x k floats` of a memory line.
+fn moment_floats(line: &str) -> usize {
+    let rest = line.split("AdamW, 2 x ").nth(1).unwrap();
+    rest.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// The accounting at start: ZeRO-1's optimizer state is exactly 1/N of the
+/// padded buffer's (DDP's, rounded up to N shards); parameters, gradients
+/// and activations are DDP's.
 #[test]
-fn the_header_shows_one_nth_of_ddps_optimizer_state() {
+fn the_memory_line_shows_one_nth_of_ddps_optimizer_state() {
+    let n = 19037usize;
+    let ddp = memory_line(2, &odd());
+    assert_eq!(moment_floats(&ddp), n, "{ddp}");
     for world in [2, 3] {
-        let logs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
-            let mut log = Vec::new();
-            let cfg = TrainConfig {
-                steps: 1,
-                ..zero1(&odd())
-            };
-            train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
-        })
-        .unwrap();
-        let n = 19037usize;
-        let s = n.div_ceil(world);
-        let line = format!("(AdamW moments, 2 x {s} floats) vs DDP's");
-        assert!(logs[0].contains(&line), "world {world}:\n{}", logs[0]);
+        let zero = memory_line(world, &zero1(&odd()));
+        assert_eq!(moment_floats(&zero), n.div_ceil(world), "{zero}");
+        assert!(moment_floats(&zero) * world - n < world);
+        let ddp_mb = ddp.split("optimizer state ").nth(1).unwrap();
+        let ddp_mb = ddp_mb.split(" (").next().unwrap();
         assert!(
-            logs[0].contains(&format!("(2 x {n}): 1/{world}")),
-            "{}",
-            logs[0]
+            zero.contains(&format!("floats: 1/{world} of DDP's {ddp_mb})")),
+            "{zero}\nvs {ddp}"
         );
-        assert!(
-            logs[0].contains(&format!("ZeRO-1: {world} shards of {s}")),
-            "{}",
-            logs[0]
-        );
+        let before = |l: &str| l.split(", optimizer state").next().unwrap().to_string();
+        assert_eq!(before(&zero), before(&ddp), "parameters and gradients");
+        let acts = |l: &str| {
+            let rest = l.split(", activations ").nth(1).unwrap();
+            rest.split(',').next().unwrap().to_string()
+        };
+        assert_eq!(acts(&zero), acts(&ddp), "activations");
     }
 }
 
@@ -251,6 +284,61 @@ fn zero1_checkpoints_resume_on_another_world_size_and_across_strategies() {
             for r in 1..world {
                 assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
             }
+        }
+    }
+}
+
+/// The public step on plain buffers (what `cohort bench ddp --strategy
+/// zero1` drives): 7 parameters over 2 and 3 ranks, each rank with its own
+/// gradient, end where AdamW over the whole buffer with the ranks' mean
+/// gradient does, on every rank; a buffer of the wrong length is refused by
+/// name.
+#[test]
+fn the_zero1_step_on_flat_buffers_is_adamw_on_the_mean_gradient() {
+    let n = 7;
+    let grad = |rank: usize, step: usize| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * 3 + rank * 5 + step) % 11) as f32 / 7.0 - 0.6)
+            .collect()
+    };
+    let mask = DecayMask::with_exempt(n, [2..4, 6..7]).unwrap();
+    let init: Vec<f32> = (0..n).map(|i| i as f32 / 10.0).collect();
+    for world in [2, 3] {
+        let mut want = init.clone();
+        let mut opt = AdamW::new(AdamWConfig::default(), mask.clone()).unwrap();
+        for step in 0..3 {
+            let mean: Vec<f32> = (0..n)
+                .map(|i| (0..world).map(|r| grad(r, step)[i]).sum::<f32>() / world as f32)
+                .collect();
+            opt.step(&mut want, &mean, 1e-2).unwrap();
+        }
+        let got = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+            let mut params = init.clone();
+            let mut zero = Zero1::new(pg, &params, &mask, AdamWConfig::default())?;
+            assert_eq!(zero.shard_len(), n.div_ceil(world));
+            for step in 0..3 {
+                zero.step(pg, &grad(pg.rank(), step), &mut params, 1e-2)?;
+            }
+            let short = zero.reduce_scatter(pg, &params[1..]).unwrap_err();
+            assert!(
+                matches!(
+                    short,
+                    TrainError::BufferLength {
+                        len: 6,
+                        expected: 7,
+                        ..
+                    }
+                ),
+                "{short}"
+            );
+            Ok::<_, TrainError>(params)
+        })
+        .unwrap();
+        for params in &got {
+            assert!(
+                max_abs_diff(params, &want) < 1e-6,
+                "world {world}: {params:?} vs {want:?}"
+            );
         }
     }
 }

@@ -64,7 +64,13 @@ impl<'c> Server<'c> {
     ) -> Result<Self, TrainError> {
         let model_cfg = model_config(cfg, data.vocab_size());
         model_cfg.validate()?;
-        crate::train::check_memory(cfg, &model_cfg, data.seq_len(), 1, 1)?;
+        crate::train::check_memory(
+            cfg,
+            &model_cfg,
+            data.seq_len(),
+            1,
+            crate::memory::Sharding::Replicated,
+        )?;
         let mut model = GPT::new(model_cfg, cfg.seed)?;
         crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
         let adamw = cfg.adamw();

@@ -51,6 +51,19 @@ pub(crate) struct StepGradients {
     pub micro_batches: usize,
 }
 
+impl StepGradients {
+    /// A data-parallel rank's step: `loss_sum` over its `accum` micro-batches and `tokens`, of
+    /// a job of `world` such ranks.
+    pub(crate) fn data_parallel(loss_sum: f32, tokens: u64, accum: usize, world: usize) -> Self {
+        StepGradients {
+            loss_share: loss_sum as f64 / accum as f64 / world as f64,
+            loss_finite: loss_sum.is_finite(),
+            tokens: tokens as f64,
+            micro_batches: accum,
+        }
+    }
+}
+
 /// Where a run starts, as a strategy built it.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Start {

@@ -75,6 +75,60 @@ pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> GPTConfig {
     }
 }
 
+/// Resumes a data-parallel rank's model and whole optimizer state from `cfg.resume`, if set
+/// (DDP's checkpoint format, written at any world size), noting it in `header`; returns where
+/// the run starts.
+pub(crate) fn resume_replica(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    model: &mut GPT,
+    opt: &mut AdamW,
+    header: &mut Vec<String>,
+) -> Result<TrainState, TrainError> {
+    let Some(dir) = &cfg.resume else {
+        return Ok(TrainState::default());
+    };
+    let resumed = checkpoint::resume(dir, cfg, pg, model, opt)?;
+    header.extend(resumed.notes);
+    header.push(format!(
+        "resumed from {} at step {}",
+        resumed.dir.display(),
+        resumed.state.step
+    ));
+    Ok(resumed.state)
+}
+
+/// Rank 0's save of a data-parallel run: the model, the whole optimizer state `opt`, where the
+/// batches stand and the tokenizer, in DDP's checkpoint format.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn save_replica(
+    out: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    model: &GPT,
+    opt: &AdamW,
+    batches: &TrainBatches,
+    data: &dyn Dataset,
+    step: u64,
+) -> SaveReport {
+    let (epoch, offset) = batches.position();
+    let state = TrainState {
+        step,
+        epoch,
+        offset,
+    };
+    let tokenizer = data.tokenizer_json();
+    checkpoint::save_or_report(
+        out,
+        cfg,
+        pg.size(),
+        model,
+        opt,
+        &state,
+        tokenizer.as_deref(),
+    )
+}
+
 /// Puts a model's matrix products in the precision `cfg` asks for (`set` is the model's
 /// `set_precision`) and returns [`precision_line`].
 pub(crate) fn apply_precision(
@@ -298,17 +352,7 @@ impl<'a> DataParallel<'a> {
         header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
         header.extend(apply_checkpointing(cfg, &mut model, t));
         let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
-        let mut state = TrainState::default();
-        if let Some(dir) = &cfg.resume {
-            let resumed = checkpoint::resume(dir, cfg, pg, &mut model, &mut opt)?;
-            header.extend(resumed.notes);
-            state = resumed.state;
-            header.push(format!(
-                "resumed from {} at step {}",
-                resumed.dir.display(),
-                state.step
-            ));
-        }
+        let state = resume_replica(cfg, pg, &mut model, &mut opt, &mut header)?;
         let overlap =
             cfg.overlap
                 .enabled(world, pg.local_world_size(), model.backend().num_threads());
@@ -388,13 +432,12 @@ impl Strategy for DataParallel<'_> {
                 Ok(())
             },
         )?;
-        let accum = self.cfg.grad_accum;
-        Ok(StepGradients {
-            loss_share: loss_sum as f64 / accum as f64 / self.pg.size() as f64,
-            loss_finite: loss_sum.is_finite(),
-            tokens: tokens as f64,
-            micro_batches: accum,
-        })
+        Ok(StepGradients::data_parallel(
+            loss_sum,
+            tokens,
+            self.cfg.grad_accum,
+            self.pg.size(),
+        ))
     }
 
     fn grads_mut(&mut self) -> &mut [f32] {
@@ -419,21 +462,15 @@ impl Strategy for DataParallel<'_> {
         if self.pg.rank() != 0 {
             return Ok(SaveReport::default());
         }
-        let (epoch, offset) = self.batches.position();
-        let state = TrainState {
-            step,
-            epoch,
-            offset,
-        };
-        let tokenizer = self.data.tokenizer_json();
-        Ok(checkpoint::save_or_report(
+        Ok(save_replica(
             out,
             self.cfg,
-            self.pg.size(),
+            self.pg,
             &self.model,
             &self.opt,
-            &state,
-            tokenizer.as_deref(),
+            &self.batches,
+            &*self.data,
+            step,
         ))
     }
 

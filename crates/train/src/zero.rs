@@ -43,14 +43,14 @@ use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{self, SaveReport, TrainState};
+use crate::checkpoint::{SaveReport, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::train::{
     apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config,
+    model_config, resume_replica, save_replica,
 };
 use crate::TrainError;
 
@@ -323,21 +323,14 @@ impl<'a> ZeroOne<'a> {
         let n = model.num_params();
         agree_on_size(pg, n)?;
         let full_mask = decay_mask(model.param_views());
+        // A checkpoint holds the whole state (DDP's format, written at any
+        // world size): load it whole, keep this rank's shard, and free the
+        // rest before the first step.
         let mut state = TrainState::default();
         let mut resumed_state = None;
-        if let Some(dir) = &cfg.resume {
-            // The checkpoint holds the whole state (DDP's format, written at
-            // any world size): load it whole, keep this rank's shard, and
-            // free the rest before the first step.
+        if cfg.resume.is_some() {
             let mut full = AdamW::new(cfg.adamw(), full_mask.clone())?;
-            let resumed = checkpoint::resume(dir, cfg, pg, &mut model, &mut full)?;
-            header.extend(resumed.notes);
-            state = resumed.state;
-            header.push(format!(
-                "resumed from {} at step {}",
-                resumed.dir.display(),
-                state.step
-            ));
+            state = resume_replica(cfg, pg, &mut model, &mut full, &mut header)?;
             resumed_state = Some(full);
         }
         // Rank 0's parameters (drawn, or as resumed) are every rank's.
@@ -423,13 +416,12 @@ impl Strategy for ZeroOne<'_> {
         let t = Instant::now();
         self.zero.reduce_scatter(self.pg, self.model.grads())?;
         phases.add(Phase::Comm, t.elapsed());
-        let accum = self.cfg.grad_accum;
-        Ok(StepGradients {
-            loss_share: loss_sum as f64 / accum as f64 / self.pg.size() as f64,
-            loss_finite: loss_sum.is_finite(),
-            tokens: tokens as f64,
-            micro_batches: accum,
-        })
+        Ok(StepGradients::data_parallel(
+            loss_sum,
+            tokens,
+            self.cfg.grad_accum,
+            self.pg.size(),
+        ))
     }
 
     /// This rank's shard of the mean gradient (its padding is zero, and
@@ -487,21 +479,15 @@ impl Strategy for ZeroOne<'_> {
                 ("exp_avg_sq".into(), &whole[1][..shard.n]),
             ],
         })?;
-        let (epoch, offset) = self.batches.position();
-        let state = TrainState {
-            step,
-            epoch,
-            offset,
-        };
-        let tokenizer = self.data.tokenizer_json();
-        Ok(checkpoint::save_or_report(
+        Ok(save_replica(
             out,
             self.cfg,
-            self.pg.size(),
+            self.pg,
             &self.model,
             &full,
-            &state,
-            tokenizer.as_deref(),
+            &self.batches,
+            &*self.data,
+            step,
         ))
     }
 

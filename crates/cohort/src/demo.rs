@@ -20,10 +20,10 @@ pub struct DemoArgs {
 pub fn main(args: DemoArgs) -> anyhow::Result<()> {
     let env = WorkerEnv::from_env()?;
     let timeout = Duration::from_secs(args.timeout);
-    let addr = if env.master_addr.contains(':') {
-        format!("[{}]:{}", env.master_addr, env.master_port)
+    let addr = if env.store_addr.contains(':') {
+        format!("[{}]:{}", env.store_addr, env.store_port)
     } else {
-        format!("{}:{}", env.master_addr, env.master_port)
+        format!("{}:{}", env.store_addr, env.store_port)
     };
     let store = TcpStore::connect_with_secret(addr.as_str(), timeout, Secret::from_env()?)
         .with_context(|| format!("rank {}: connecting to the store at {addr}", env.rank))?;

@@ -112,7 +112,10 @@ fn every_worker_gets_torchruns_variables() {
             "-c",
             "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK \
                 $ROLE_RANK $MASTER_ADDR $MASTER_PORT $COHORT_RESTART_COUNT $COHORT_MAX_RESTARTS \
-                $COHORT_STORE_HOSTED $COHORT_NUM_THREADS $OMP_NUM_THREADS",
+                $COHORT_STORE_HOSTED $COHORT_NUM_THREADS $OMP_NUM_THREADS \
+                $COHORT_STORE_ADDR $COHORT_STORE_PORT $TORCHELASTIC_RUN_ID \
+                $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS \
+                $TORCHELASTIC_USE_AGENT_STORE ${TORCHELASTIC_ERROR_FILE:+error-file-set}",
         ])
         .env("OMP_NUM_THREADS", "7")
         .output()
@@ -122,6 +125,7 @@ fn every_worker_gets_torchruns_variables() {
     let cores = thread::available_parallelism().unwrap().get();
     let threads = (cores / 3).max(1);
     let mut ports = Vec::new();
+    let mut run_ids = Vec::new();
     for rank in 0..3 {
         let lines = lines_of(&stdout, rank);
         assert_eq!(lines.len(), 1, "{stdout}");
@@ -138,11 +142,23 @@ fn every_worker_gets_torchruns_variables() {
                 "127.0.0.1"
             ]
         );
-        ports.push(v[7].parse::<u16>().unwrap());
+        let (master_port, store_port) =
+            (v[7].parse::<u16>().unwrap(), v[14].parse::<u16>().unwrap());
+        // A torch rank 0 binds MASTER_PORT itself: it must not be the launcher's store.
+        assert_ne!(master_port, store_port, "{stdout}");
+        ports.push((master_port, store_port));
         // Restart count, max restarts, store hosted, then the threads: ours, and the user's OMP.
-        assert_eq!(&v[8..], ["0", "1", "1", &*threads.to_string(), "7"]);
+        assert_eq!(&v[8..13], ["0", "1", "1", &*threads.to_string(), "7"]);
+        assert_eq!(v[13], "127.0.0.1");
+        run_ids.push(v[15].to_string());
+        // torch's names: restarts after failures, the budget, rank 0 hosts its own store.
+        assert_eq!(&v[16..], ["0", "1", "False", "error-file-set"], "{stdout}");
     }
-    assert!(ports.iter().all(|&p| p == ports[0] && p != 0), "{ports:?}");
+    assert!(
+        ports.iter().all(|&p| p == ports[0] && p.0 != 0),
+        "{ports:?}"
+    );
+    assert!(run_ids.iter().all(|id| id == &run_ids[0] && !id.is_empty()));
     assert!(
         text(&out.stderr).contains("COHORT_NUM_THREADS"),
         "{}",

@@ -4,7 +4,8 @@
 //! - `env://` reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (and
 //!   LOCAL_RANK, LOCAL_WORLD_SIZE, defaulting to RANK and WORLD_SIZE). Rank
 //!   0 hosts the TCP store server on MASTER_PORT unless
-//!   `COHORT_STORE_HOSTED=1` says a launcher already hosts it there. Under
+//!   `COHORT_STORE_HOSTED=1` says a launcher already hosts it (at
+//!   `COHORT_STORE_ADDR:COHORT_STORE_PORT` when those are set). Under
 //!   a launcher that restarts workers, `COHORT_RESTART_COUNT` keeps each
 //!   incarnation's keys apart. Under Slurm (`srun`), SLURM_PROCID,
 //!   SLURM_NTASKS and SLURM_LOCALID stand in for RANK, WORLD_SIZE and
@@ -26,6 +27,7 @@ use std::net::{IpAddr, Ipv4Addr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 
 use cohort_store::auth::{Secret, SECRET_ENV};
+use cohort_store::endpoint::store_vars;
 use cohort_store::{FileStore, PrefixStore, Store, TcpStore};
 
 use crate::config::{bad, var, GroupOptions, InitOptions};
@@ -107,11 +109,12 @@ fn init_sockets(init_method: &str, opts: InitOptions) -> Result<ProcessGroup, Co
     let secret = Secret::from_env().map_err(|e| init_err(SECRET_ENV, e.to_string()))?;
 
     let (store, rank, world): (Arc<dyn Store>, usize, usize) = if init_method == "env://" {
-        let addr = required("MASTER_ADDR")?;
-        let port_s = required("MASTER_PORT")?;
+        let (addr_var, port_var) = store_vars(|name| std::env::var(name).ok());
+        let addr = required(addr_var)?;
+        let port_s = required(port_var)?;
         let port: u16 = port_s
             .parse()
-            .map_err(|_| bad("MASTER_PORT", &port_s, "a port number (0-65535)"))?;
+            .map_err(|_| bad(port_var, &port_s, "a port number (0-65535)"))?;
         let rank = match opts.rank {
             Some(r) => r,
             None => required_or_slurm("RANK", "SLURM_PROCID")?,
@@ -124,7 +127,7 @@ fn init_sockets(init_method: &str, opts: InitOptions) -> Result<ProcessGroup, Co
         if !explicit_bind {
             group.bind_ip = local_ip_towards(&addr, port).ok_or_else(|| {
                 init_err(
-                    "MASTER_ADDR",
+                    addr_var,
                     format!("cannot resolve {addr:?} or find a local address that reaches it"),
                 )
             })?;

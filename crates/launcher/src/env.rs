@@ -22,10 +22,31 @@ pub const GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
 pub const ROLE_RANK: &str = "ROLE_RANK";
 /// Workers of the same role; equals `WORLD_SIZE`.
 pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
-/// Address of the rendezvous store.
+/// Where rank 0 of a torch.distributed program hosts its own store
+/// (`init_process_group(init_method="env://")`): a host of the round's first
+/// node. Nothing listens there until rank 0 binds it; cohort's own store is
+/// at [`STORE_ADDR`]/[`STORE_PORT`], because torch's workers cannot speak
+/// its authenticated handshake.
 pub const MASTER_ADDR: &str = "MASTER_ADDR";
-/// Port of the rendezvous store.
+/// The free port that goes with [`MASTER_ADDR`], chosen per round.
 pub const MASTER_PORT: &str = "MASTER_PORT";
+/// Address of the launcher's rendezvous store, for cohort's own workers.
+pub const STORE_ADDR: &str = cohort_store::endpoint::STORE_ADDR_VAR;
+/// Port of the launcher's rendezvous store.
+pub const STORE_PORT: &str = cohort_store::endpoint::STORE_PORT_VAR;
+/// torch's names for the job's run id, restart count and restart budget, and
+/// for the file where a worker's `@record`-decorated entry point writes its
+/// uncaught exception (the launcher reports it). `USE_AGENT_STORE=False`
+/// tells torch that rank 0 hosts the store at `MASTER_PORT` itself.
+pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+/// See [`TORCHELASTIC_RUN_ID`].
+pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+/// See [`TORCHELASTIC_RUN_ID`].
+pub const TORCHELASTIC_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
+/// See [`TORCHELASTIC_RUN_ID`].
+pub const TORCHELASTIC_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+/// See [`TORCHELASTIC_RUN_ID`].
+pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// How many times the group has been restarted before this run, for a
 /// failure or to change its nodes (torchrun's `TORCHELASTIC_RESTART_COUNT`
 /// counts only the former; cohort counts every rendezvous round, so that a
@@ -35,8 +56,9 @@ pub const RESTART_COUNT: &str = "COHORT_RESTART_COUNT";
 pub const MAX_RESTARTS: &str = "COHORT_MAX_RESTARTS";
 /// Identifies the job; the same on every node (torchrun's `TORCHELASTIC_RUN_ID`).
 pub const RUN_ID: &str = "COHORT_RUN_ID";
-/// `1` when the launcher hosts the store at `MASTER_ADDR:MASTER_PORT`, so rank 0
-/// must connect to it as a client instead of binding the port itself.
+/// `1` when the launcher hosts the store at `COHORT_STORE_ADDR:COHORT_STORE_PORT`
+/// (or `MASTER_ADDR:MASTER_PORT` when those are unset), so rank 0 must connect
+/// to it as a client instead of binding the port itself.
 pub const STORE_HOSTED: &str = "COHORT_STORE_HOSTED";
 /// Threads each worker should use for cohort's own thread pools.
 pub const NUM_THREADS: &str = "COHORT_NUM_THREADS";
@@ -56,8 +78,14 @@ pub(crate) struct JobShape {
     /// started with in a fixed job, its order among the round's nodes in an
     /// elastic one.
     pub group_rank: usize,
+    /// The launcher's store, as this node's workers reach it.
+    pub store_addr: String,
+    pub store_port: u16,
+    /// Where a torch.distributed rank 0 hosts its own store this round.
     pub master_addr: String,
     pub master_port: u16,
+    /// Restarts after failures so far (torch's restart count).
+    pub restarts: u32,
     pub max_restarts: u32,
     pub run_id: String,
     pub launch_time: SystemTime,
@@ -69,8 +97,14 @@ impl JobShape {
         self.group_rank * self.nproc_per_node + local_rank
     }
 
-    /// The variables that identify worker `local_rank` in round `restart`.
-    pub fn worker_vars(&self, local_rank: usize, restart: u32) -> Vec<(&'static str, String)> {
+    /// The variables that identify worker `local_rank` in round `restart`;
+    /// `error_file` is where its uncaught exception may be written.
+    pub fn worker_vars(
+        &self,
+        local_rank: usize,
+        restart: u32,
+        error_file: &str,
+    ) -> Vec<(&'static str, String)> {
         let rank = self.rank(local_rank).to_string();
         let world = (self.nnodes * self.nproc_per_node).to_string();
         let launch_us = self
@@ -89,10 +123,17 @@ impl JobShape {
             (ROLE_WORLD_SIZE, world),
             (MASTER_ADDR, self.master_addr.clone()),
             (MASTER_PORT, self.master_port.to_string()),
+            (STORE_ADDR, self.store_addr.clone()),
+            (STORE_PORT, self.store_port.to_string()),
             (RESTART_COUNT, restart.to_string()),
             (MAX_RESTARTS, self.max_restarts.to_string()),
             (RUN_ID, self.run_id.clone()),
             (STORE_HOSTED, "1".to_string()),
+            (TORCHELASTIC_RUN_ID, self.run_id.clone()),
+            (TORCHELASTIC_RESTART_COUNT, self.restarts.to_string()),
+            (TORCHELASTIC_MAX_RESTARTS, self.max_restarts.to_string()),
+            (TORCHELASTIC_ERROR_FILE, error_file.to_string()),
+            (TORCHELASTIC_USE_AGENT_STORE, "False".to_string()),
             (LAUNCH_TIME_US, launch_us.to_string()),
         ]
     }
@@ -138,10 +179,10 @@ pub struct WorkerEnv {
     pub local_world_size: usize,
     /// Rank of this node (`GROUP_RANK`).
     pub node_rank: usize,
-    /// Address of the rendezvous store.
-    pub master_addr: String,
-    /// Port of the rendezvous store.
-    pub master_port: u16,
+    /// Address of the rendezvous store (`COHORT_STORE_ADDR`, else `MASTER_ADDR`).
+    pub store_addr: String,
+    /// Port of the rendezvous store (`COHORT_STORE_PORT`, else `MASTER_PORT`).
+    pub store_port: u16,
     /// Restarts of the group before this run (0 on the first run).
     pub restart_count: u32,
     /// The job's `--max-restarts`.
@@ -176,6 +217,7 @@ impl WorkerEnv {
         }
         let optional = |var: &'static str| lookup(var).filter(|v| !v.trim().is_empty());
 
+        let (addr_var, port_var) = cohort_store::endpoint::store_vars(&lookup);
         let rank: usize = parse(RANK, &required(RANK)?)?;
         let world_size: usize = parse(WORLD_SIZE, &required(WORLD_SIZE)?)?;
         if rank >= world_size {
@@ -205,8 +247,8 @@ impl WorkerEnv {
                 .map(|v| parse(GROUP_RANK, &v))
                 .transpose()?
                 .unwrap_or(0),
-            master_addr: required(MASTER_ADDR)?,
-            master_port: parse(MASTER_PORT, &required(MASTER_PORT)?)?,
+            store_addr: required(addr_var)?,
+            store_port: parse(port_var, &required(port_var)?)?,
             restart_count: optional(RESTART_COUNT)
                 .map(|v| parse(RESTART_COUNT, &v))
                 .transpose()?
@@ -234,8 +276,11 @@ mod tests {
             nproc_per_node: 3,
             nnodes: 2,
             group_rank: 1,
+            store_addr: "10.0.0.1".into(),
+            store_port: 29500,
             master_addr: "10.0.0.1".into(),
             master_port: 29501,
+            restarts: 1,
             max_restarts: 2,
             run_id: "r1".into(),
             launch_time: UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
@@ -244,8 +289,18 @@ mod tests {
 
     #[test]
     fn worker_vars_round_trip_through_worker_env() {
-        let vars: HashMap<_, _> = shape().worker_vars(2, 1).into_iter().collect();
+        let vars: HashMap<_, _> = shape()
+            .worker_vars(2, 1, "/tmp/e.json")
+            .into_iter()
+            .collect();
         assert_eq!(vars[RANK], "5");
+        // torch's rank 0 binds MASTER_PORT; cohort's workers use the store's.
+        assert_eq!(
+            (vars[MASTER_PORT].as_str(), vars[STORE_PORT].as_str()),
+            ("29501", "29500")
+        );
+        assert_eq!(vars[TORCHELASTIC_RUN_ID], "r1");
+        assert_eq!(vars[TORCHELASTIC_ERROR_FILE], "/tmp/e.json");
         assert_eq!(vars[ROLE_RANK], "5");
         assert_eq!(vars[WORLD_SIZE], "6");
         assert_eq!(vars[GROUP_RANK], "1");
@@ -258,8 +313,8 @@ mod tests {
                 world_size: 6,
                 local_world_size: 3,
                 node_rank: 1,
-                master_addr: "10.0.0.1".into(),
-                master_port: 29501,
+                store_addr: "10.0.0.1".into(),
+                store_port: 29500,
                 restart_count: 1,
                 max_restarts: 2,
                 store_hosted: true,

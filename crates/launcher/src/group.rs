@@ -15,6 +15,7 @@ use crate::events::{Event, Events};
 use crate::output::{self, Sink, Tail};
 use crate::process::{self, ExitReason};
 use crate::worker_beat::{self, BeatDir, HEARTBEAT_FILE_VAR};
+use crate::worker_error;
 use crate::{LaunchConfig, LaunchError};
 
 /// How long to wait for a finished worker's last output before reporting.
@@ -41,15 +42,22 @@ pub struct WorkerFailure {
     pub restart: u32,
     /// Its last output lines (stdout and stderr), oldest first.
     pub last_lines: Vec<String>,
+    /// The error it recorded in `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if any.
+    pub error: Option<String>,
 }
 
 impl WorkerFailure {
     /// One line: which rank failed and how.
     pub fn summary(&self) -> String {
-        format!(
+        let mut line = format!(
             "rank {} (local rank {} on node {}, pid {}) failed with {}",
             self.rank, self.local_rank, self.node_rank, self.pid, self.reason
-        )
+        );
+        if let Some(error) = &self.error {
+            line.push_str(": ");
+            line.push_str(error);
+        }
+        line
     }
 }
 
@@ -94,7 +102,8 @@ impl WorkerGroup {
         };
         for local_rank in 0..config.nproc_per_node {
             let rank = job.rank(local_rank);
-            let mut vars = job.worker_vars(local_rank, restart);
+            let error_file = group.beats.error_file(rank).to_string_lossy().into_owned();
+            let mut vars = job.worker_vars(local_rank, restart, &error_file);
             vars.extend_from_slice(thread_vars);
             let beat = group.beats.file(rank).to_string_lossy().into_owned();
             vars.push((HEARTBEAT_FILE_VAR, beat));
@@ -174,6 +183,7 @@ impl WorkerGroup {
             reason: w.exit.unwrap_or(ExitReason::Code(-1)),
             restart: self.restart,
             last_lines: w.tail.lines(),
+            error: worker_error::read(&self.beats.error_file(w.rank)),
         }
     }
 

@@ -5,7 +5,7 @@
 //! workers (their parent-death signal is tied to it); it never returns while
 //! a worker it started is alive.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -265,7 +265,17 @@ impl Agent<'_> {
                 }
                 Wait::Stopped(signal) => return self.stop_job(round, signal),
             };
-            let job = self.job_shape(&members);
+            let master = rdzv.worker_master(
+                &members,
+                || self.pick_worker_master(),
+                config.join_timeout,
+                events,
+            )?;
+            let (master_addr, master_port) = match master {
+                Wait::Done(master) => master,
+                Wait::Stopped(signal) => return self.stop_job(round, signal),
+            };
+            let job = self.job_shape(&members, master_addr, master_port);
             let world = job.nnodes * job.nproc_per_node;
             if config.is_elastic() {
                 note(&format!(
@@ -360,17 +370,37 @@ impl Agent<'_> {
     }
 
     /// What this node's workers are told about round `members`.
-    fn job_shape(&self, members: &Membership) -> JobShape {
+    fn job_shape(&self, members: &Membership, master_addr: String, master_port: u16) -> JobShape {
         JobShape {
             nproc_per_node: self.config.nproc_per_node,
             nnodes: members.nodes.len(),
             group_rank: members.group_rank(self.config.node_rank),
-            master_addr: self.config.master_addr.clone(),
-            master_port: self.port,
+            store_addr: self.config.master_addr.clone(),
+            store_port: self.port,
+            master_addr,
+            master_port,
+            restarts: members.restarts,
             max_restarts: self.config.max_restarts,
             run_id: self.run_id.clone(),
             launch_time: self.launch_time,
         }
+    }
+
+    /// This node's address as the other nodes reach it, and a port free on
+    /// every interface now, for a torch.distributed rank 0 to bind.
+    fn pick_worker_master(&self) -> std::io::Result<(String, u16)> {
+        let port = TcpListener::bind((Ipv4Addr::UNSPECIFIED, 0))?
+            .local_addr()?
+            .port();
+        if self.config.node_rank == 0 {
+            // The name the other nodes already use to reach this one.
+            return Ok((self.config.master_addr.clone(), port));
+        }
+        // Another node leads the round only when node 0 sits it out; its
+        // address is the one its packets to the store leave from.
+        let probe = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))?;
+        probe.connect((self.config.master_addr.as_str(), self.port))?;
+        Ok((probe.local_addr()?.ip().to_string(), port))
     }
 
     /// Ends the job after a stop signal: no node restarts, every node stops.

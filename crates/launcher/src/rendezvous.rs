@@ -604,6 +604,43 @@ impl Rendezvous {
         Ok(())
     }
 
+    /// Where a torch.distributed program's rank 0 hosts its own store in round
+    /// `members` (the workers' `MASTER_ADDR`/`MASTER_PORT`): the round's first
+    /// node, which runs rank 0, picks it with `pick` and publishes it; the
+    /// other nodes wait for it. A fresh port each round, so a restarted rank 0
+    /// never finds the last round's socket in TIME_WAIT.
+    pub fn worker_master(
+        &self,
+        members: &Membership,
+        pick: impl FnOnce() -> std::io::Result<(String, u16)>,
+        timeout: Duration,
+        events: &Events,
+    ) -> Result<Wait<(String, u16)>, LaunchError> {
+        let key = worker_master_key(members.round);
+        if members.nodes.first() == Some(&self.me.node_rank) {
+            let (addr, port) = pick().map_err(|source| LaunchError::Agent {
+                what: "a free port for the workers' MASTER_PORT".into(),
+                source,
+            })?;
+            self.store
+                .set(&key, format!("{port} {addr}").as_bytes())
+                .map_err(self.err("publish the workers' MASTER_ADDR"))?;
+            return Ok(Wait::Done((addr, port)));
+        }
+        if let Wait::Stopped(signal) = self.wait_key(&key, timeout, events)? {
+            return Ok(Wait::Stopped(signal));
+        }
+        let text = self
+            .text(&key, || "read the workers' MASTER_ADDR".into())?
+            .unwrap_or_default();
+        let parsed = text
+            .split_once(' ')
+            .and_then(|(port, addr)| Some((addr.to_string(), port.parse().ok()?)));
+        parsed
+            .map(Wait::Done)
+            .ok_or_else(|| self.malformed(&key, &text, "a port and an address"))
+    }
+
     /// Waits for `key` in short slices, so that a stop signal is noticed
     /// while the other nodes are awaited.
     fn wait_key(
@@ -662,6 +699,10 @@ fn members_key(round: u32) -> String {
 
 fn failed_key(round: u32) -> String {
     format!("round/{round}/failed")
+}
+
+fn worker_master_key(round: u32) -> String {
+    format!("round/{round}/worker_master")
 }
 
 fn regroup_key(round: u32) -> String {

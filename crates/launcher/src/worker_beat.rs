@@ -55,7 +55,8 @@ pub(crate) fn silent_for(path: &Path) -> Option<Duration> {
     )
 }
 
-/// The directory of one group's heartbeat files, removed when dropped.
+/// The directory of one group's per-worker files (heartbeats, and the error
+/// files of `worker_error`), removed when dropped.
 pub(crate) struct BeatDir(PathBuf);
 
 impl BeatDir {
@@ -74,6 +75,11 @@ impl BeatDir {
     /// The file of the worker of `rank`.
     pub(crate) fn file(&self, rank: usize) -> PathBuf {
         self.0.join(format!("rank{rank}"))
+    }
+
+    /// Where the worker of `rank` may write why it failed (`worker_error`).
+    pub(crate) fn error_file(&self, rank: usize) -> PathBuf {
+        self.0.join(format!("error-rank{rank}.json"))
     }
 }
 

@@ -95,7 +95,8 @@ impl RpcOptions {
 /// `registry`; blocks until all `world_size` workers have joined.
 ///
 /// The store is the job's `env://` store: MASTER_ADDR and MASTER_PORT (rank
-/// 0 hosts it unless `COHORT_STORE_HOSTED=1` says a launcher does), under
+/// 0 hosts it unless `COHORT_STORE_HOSTED=1` says a launcher does, then at
+/// COHORT_STORE_ADDR and COHORT_STORE_PORT when set), under
 /// the launcher's restart prefix; the secret comes from `COHORT_SECRET`. A
 /// job that also has a process group must either run under `cohort run`
 /// (which hosts the store for both) or use [`init_rpc_with_store`].
@@ -117,16 +118,17 @@ pub fn init_rpc_with_options(
     registry: Registry,
     mut opts: RpcOptions,
 ) -> Result<Rpc, RpcError> {
-    let addr = required("MASTER_ADDR")?;
-    let port_s = required("MASTER_PORT")?;
+    let (addr_var, port_var) = cohort_store::endpoint::store_vars(|name| std::env::var(name).ok());
+    let addr = required(addr_var)?;
+    let port_s = required(port_var)?;
     let port: u16 = port_s
         .parse()
-        .map_err(|_| init_err("MASTER_PORT", format!("{port_s:?} is not a port number")))?;
+        .map_err(|_| init_err(port_var, format!("{port_s:?} is not a port number")))?;
     check_rank(rank, world_size)?;
     if opts.bind_ip.is_none() {
         opts.bind_ip = Some(local_ip_towards(&addr, port).ok_or_else(|| {
             init_err(
-                "MASTER_ADDR",
+                addr_var,
                 format!("cannot resolve {addr:?} or find a local address that reaches it"),
             )
         })?);

@@ -51,6 +51,7 @@ mod codec;
 #[cfg(test)]
 mod contract;
 pub mod door;
+pub mod endpoint;
 mod error;
 mod file;
 mod hash;

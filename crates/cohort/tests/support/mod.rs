@@ -328,6 +328,8 @@ pub fn kill(pid: u32, signal: i32) {
 pub struct Netns {
     names: Vec<String>,
     pub ips: [String; 2],
+    /// Each node's end of the veth pair (its network interface).
+    pub veths: [String; 2],
 }
 
 static NETNS_COUNT: AtomicUsize = AtomicUsize::new(0);
@@ -350,6 +352,7 @@ impl Netns {
         let mut netns = Netns {
             names: Vec::new(),
             ips: [format!("{subnet}.1"), format!("{subnet}.2")],
+            veths: veth.clone(),
         };
         for name in &names {
             ip(&["netns", "add", name])?;

@@ -1,0 +1,53 @@
+"""A torch.distributed program as a user writes it, run by the tests under
+`cohort run` and under `torchrun` so their outputs can be compared: env://
+rendezvous with gloo, a DistributedSampler, all_reduce and a few DDP steps.
+Every line it prints starts with its rank and is the same under any launcher
+that sets torchrun's environment."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+@record
+def main():
+    if os.environ.get("FAIL_ON_RANK") == os.environ["RANK"]:
+        raise ValueError(f"rank {os.environ['RANK']} was told to fail")
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # One write per line, so that two ranks sharing a terminal never interleave.
+    out = lambda *a: print(f"rank {rank}/{world}: " + " ".join(map(str, a)), flush=True)
+    out("local rank", os.environ["LOCAL_RANK"], "of", os.environ["LOCAL_WORLD_SIZE"],
+        "restart", os.environ.get("TORCHELASTIC_RESTART_COUNT"),
+        "max restarts", os.environ.get("TORCHELASTIC_MAX_RESTARTS"),
+        "launched by torchelastic", dist.is_torchelastic_launched())
+
+    x = torch.tensor([float(rank + 1)])
+    dist.all_reduce(x)
+    out("all_reduce sum", x.item())
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+    sampler = DistributedSampler(data, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    out("sampler indices", list(sampler))
+
+    model = DDP(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for xb, yb in DataLoader(data, batch_size=5, sampler=sampler):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+    total = sum(p.detach().double().sum().item() for p in model.parameters())
+    out(f"parameters after DDP: {total:.6f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

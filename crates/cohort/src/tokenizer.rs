@@ -1,5 +1,5 @@
-//! `cohort tokenizer`: build a tokenizer.json from a corpus, add (special) tokens to one, or
-//! encode and decode text with one. Wiring only: parse flags, call `cohort-tokenizer`, print.
+//! `cohort tokenizer`: build a tokenizer.json from a corpus, add (special) tokens to one (or to a
+//! model directory, resizing its embeddings), or encode and decode text with one. Wiring only: parse flags, call `cohort-tokenizer`, print.
 
 use std::path::PathBuf;
 
@@ -108,9 +108,24 @@ pub struct TrainArgs {
 /// `cohort tokenizer add-tokens`.
 #[derive(clap::Args, Debug)]
 pub struct AddArgs {
-    /// The tokenizer.json to extend.
-    #[arg(long)]
-    tokenizer: PathBuf,
+    /// The tokenizer.json to extend (writes a tokenizer.json).
+    #[arg(long, required_unless_present = "model", conflicts_with = "model")]
+    tokenizer: Option<PathBuf>,
+    /// A model directory (config.json, model.safetensors, tokenizer.json: Hugging Face's
+    /// layout, or a checkpoint) whose tokenizer and embeddings grow together: writes a model
+    /// directory that `transformers` loads (`AutoTokenizer`, `AutoModelForCausalLM`).
+    #[arg(long, value_name = "DIR")]
+    model: Option<PathBuf>,
+    /// With --model: how each new embedding row starts: `mean` (of all existing rows, as
+    /// Hugging Face's resize), `zeros`, `random` (the model's init, seeded by --seed),
+    /// `token:ID` (a copy of an existing token's row) or `text:WORDS` (the mean of the rows of
+    /// WORDS' tokens, e.g. text:start of entity). Once for every new token, or once per new
+    /// token in the order they are added (normal tokens, then special ones).
+    #[arg(long, default_value = "mean")]
+    init: Vec<String>,
+    /// Seed of the `random` init.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Normal tokens, comma-separated.
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<String>,
@@ -120,6 +135,98 @@ pub struct AddArgs {
     /// Where to write the result (may be the input).
     #[arg(long)]
     out: PathBuf,
+}
+
+/// `add-tokens`: to a tokenizer.json, or to a model directory's tokenizer and embeddings.
+fn add_tokens(a: AddArgs) -> anyhow::Result<()> {
+    let (model, mut tok) = match (&a.model, &a.tokenizer) {
+        (Some(dir), _) => {
+            let (model, tok) = cohort_pretrained::load_pretrained(dir)
+                .with_context(|| format!("loading the model in {}", dir.display()))?;
+            (Some(model), tok)
+        }
+        (None, Some(file)) => (None, Tokenizer::from_file(file)?),
+        (None, None) => anyhow::bail!("give --tokenizer FILE or --model DIR"),
+    };
+    let before = tok.vocab_size();
+    let old = tok.clone();
+    let normal: Vec<&str> = a.tokens.iter().map(String::as_str).collect();
+    let special: Vec<&str> = a.special.iter().map(String::as_str).collect();
+    let n = tok.add_tokens(&normal).context("adding tokens")?;
+    let s = tok
+        .add_special_tokens(&special)
+        .context("adding special tokens")?;
+    let added = format!(
+        "added {} tokens ({n} normal, {s} special); vocab size {before} -> {}",
+        n + s,
+        tok.vocab_size()
+    );
+    let Some(model) = model else {
+        tok.save(&a.out)?;
+        println!("{added}: {}", a.out.display());
+        return Ok(());
+    };
+    // A model may embed more ids than its tokenizer has (GPT-2 pads 50257 to 50304): rows
+    // that exist already are kept; only rows beyond the model's are new.
+    let old_rows = model.config().vocab_size;
+    let rows = old_rows.max(tok.vocab_size());
+    let new_rows = rows - old_rows;
+    let inits = row_inits(&a.init, new_rows, old_rows, &old)?;
+    let model = cohort_gpt::resize_token_embeddings(&model, rows, &inits, a.seed)
+        .context("resizing the embeddings")?;
+    cohort_pretrained::save_pretrained_to(&a.out, &model, &tok)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    println!(
+        "{added}; embeddings {old_rows} -> {rows} rows (init {}): {}",
+        a.init.join(", "),
+        a.out.display()
+    );
+    Ok(())
+}
+
+/// The init of each of `new_rows` new embedding rows, from the `--init` values (one for all, or
+/// one each); `old` is the tokenizer before the new tokens, which `text:` encodes with.
+fn row_inits(
+    given: &[String],
+    new_rows: usize,
+    old_rows: usize,
+    old: &Tokenizer,
+) -> anyhow::Result<Vec<cohort_gpt::RowInit>> {
+    use cohort_gpt::RowInit;
+    anyhow::ensure!(
+        given.len() == 1 || given.len() == new_rows,
+        "--init was given {} times for {new_rows} new rows: give it once, or once per new token",
+        given.len()
+    );
+    let parse = |init: &str| -> anyhow::Result<RowInit> {
+        Ok(match init.split_once(':') {
+            None if init == "mean" => RowInit::Mean((0..old_rows as u32).collect()),
+            None if init == "zeros" => RowInit::Zeros,
+            None if init == "random" => RowInit::Random,
+            Some(("token", id)) => {
+                let id: u32 = id
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("--init {init}: {id:?} is not a token id"))?;
+                anyhow::ensure!(
+                    (id as usize) < old_rows,
+                    "--init {init}: token id {id} is outside the model's {old_rows} rows"
+                );
+                RowInit::Copy(id)
+            }
+            Some(("text", words)) => {
+                let ids = old.encode(words)?;
+                anyhow::ensure!(!ids.is_empty(), "--init {init}: the text has no tokens");
+                RowInit::Mean(ids)
+            }
+            _ => {
+                anyhow::bail!("--init {init}: expected mean, zeros, random, token:ID or text:WORDS")
+            }
+        })
+    };
+    (0..new_rows)
+        .map(|i| parse(&given[if given.len() == 1 { 0 } else { i }]))
+        .collect()
 }
 
 pub fn main(cmd: TokenizerCmd) -> anyhow::Result<()> {
@@ -141,23 +248,7 @@ pub fn main(cmd: TokenizerCmd) -> anyhow::Result<()> {
                 a.out.display()
             );
         }
-        TokenizerCmd::AddTokens(a) => {
-            let mut tok = Tokenizer::from_file(&a.tokenizer)?;
-            let before = tok.vocab_size();
-            let normal: Vec<&str> = a.tokens.iter().map(String::as_str).collect();
-            let special: Vec<&str> = a.special.iter().map(String::as_str).collect();
-            let n = tok.add_tokens(&normal).context("adding tokens")?;
-            let s = tok
-                .add_special_tokens(&special)
-                .context("adding special tokens")?;
-            tok.save(&a.out)?;
-            println!(
-                "added {} tokens ({n} normal, {s} special); vocab size {before} -> {}: {}",
-                n + s,
-                tok.vocab_size(),
-                a.out.display()
-            );
-        }
+        TokenizerCmd::AddTokens(a) => add_tokens(a)?,
         TokenizerCmd::Encode(a) => {
             let tok = open(&a.tokenizer)?;
             let ids = tok.encode(&text_or_stdin(a.text)?)?;

@@ -72,7 +72,8 @@ fn params_at_start() -> Vec<f32> {
         d_ff: 64,
         ..Default::default()
     };
-    let model = cohort_gpt::GPT::new(cohort_train::model_config(&cfg, 16), cfg.seed).unwrap();
+    let model =
+        cohort_gpt::GPT::new(cohort_train::model_config(&cfg, 16).unwrap(), cfg.seed).unwrap();
     model.params().to_vec()
 }
 
@@ -277,5 +278,91 @@ fn text_data_in_a_read_only_directory_caches_its_tokens_elsewhere() {
     assert!(
         cached.iter().any(|n| n.ends_with(".tokenizer.json")),
         "{cached:?}"
+    );
+}
+
+/// `--init-from`: a new run (step 0, a fresh optimizer) from a trained model's directory takes
+/// its shape and its parameters; a shape flag or a vocabulary that differs is an error naming
+/// both values, and so is resuming a checkpoint with another model's flags.
+#[test]
+fn a_new_run_starts_from_a_pretrained_model_and_takes_its_shape() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = tmp.path().join("base");
+    let mut args = vec!["train", "--steps", "30", "--out", base.to_str().unwrap()];
+    args.extend_from_slice(TINY);
+    succeeded(&run(&args));
+
+    // The data flags of TINY without its shape flags: the shape comes from config.json.
+    let data: &[&str] = &[
+        "--eval-batches",
+        "2",
+        "--markov-vocab",
+        "16",
+        "--train-sequences",
+        "96",
+        "--val-sequences",
+        "16",
+    ];
+    let one_step = |init: Option<&str>| {
+        let mut args = vec!["train", "--steps", "1", "--lr", "1e-9", "--min-lr", "0"];
+        args.extend_from_slice(data);
+        match init {
+            Some(dir) => args.extend(["--init-from", dir]),
+            None => args.extend_from_slice(&TINY[4..14]),
+        }
+        succeeded(&run(&args))
+    };
+    let val = |out: &str| -> f32 {
+        let tail = out.split("val loss ").last().unwrap();
+        tail.split(',').next().unwrap().trim().parse().unwrap()
+    };
+    let started = one_step(Some(base.to_str().unwrap()));
+    assert!(
+        started.contains("initialized from ")
+            && started.contains("model: 2 layers, 2 heads, d_model 32, d_ff 64, vocab 16, seq 16"),
+        "{started}"
+    );
+    let fresh = one_step(None);
+    assert!(
+        val(&started) < val(&fresh) - 0.3,
+        "the pretrained model's loss: {} vs a fresh one's {}",
+        val(&started),
+        val(&fresh)
+    );
+
+    let fails = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--steps",
+            "1",
+            "--init-from",
+            base.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = run(&args);
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = fails(&["--d-model", "64", "--markov-vocab", "16"]);
+    assert!(
+        e.contains("n_embd = 32") && e.contains("d_model = 64"),
+        "{e}"
+    );
+    let e = fails(&["--markov-vocab", "20"]);
+    assert!(
+        e.contains("embeds 16 token ids but the run's data has 20"),
+        "{e}"
+    );
+
+    let mut other: Vec<&str> = TINY.to_vec();
+    let at = other.iter().position(|a| *a == "--n-layers").unwrap();
+    other[at + 1] = "3";
+    let mut args = vec!["train", "--steps", "40", "--resume", base.to_str().unwrap()];
+    args.extend_from_slice(&other);
+    let out = run(&args);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("n_layers 2 in its config.json, 3 in this run"),
+        "{e}"
     );
 }

@@ -30,7 +30,8 @@ use crate::DataError;
 pub struct CorpusOptions {
     /// Tokens per training sequence (the model's context for token streams).
     pub seq_len: usize,
-    /// Longest document (max_position_embeddings); longer JSONL documents are an error.
+    /// Most tokens in one document: the model's context plus one, since the last token is only
+    /// a target; longer JSONL documents are an error.
     pub max_len: usize,
     /// Share of a single file's tokens (or documents) held out for validation.
     pub val_fraction: f64,
@@ -503,9 +504,10 @@ mod tests {
         let n = text.chars().count();
         assert_eq!(train.tokens() + val.tokens(), n);
         assert_eq!(val.tokens(), (n as f64 * 0.1) as usize);
-        let mut out = vec![0; 8];
+        // 8 positions: a window of 9 tokens.
+        let mut out = vec![0; 9];
         train.read(5, &mut out);
-        assert_eq!(tok.decode(&out).unwrap(), &text[5..13]);
+        assert_eq!(tok.decode(&out).unwrap(), &text[5..14]);
         // Cached: a second open reuses the file (same mtime), a new tokenizer rebuilds.
         let cached: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
         let mtime = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
@@ -544,7 +546,8 @@ mod tests {
         else {
             panic!()
         };
-        assert_eq!((train.tokens(), val.tokens(), val.len()), (500, 100, 10));
+        // Validation windows of 11 tokens, 10 apart: (100 - 11) / 10 + 1.
+        assert_eq!((train.tokens(), val.tokens(), val.len()), (500, 100, 9));
         let Corpus::Stream { train, .. } =
             Corpus::open(&dir.path().join("train.bin"), Some(&tok), &opts(10)).unwrap()
         else {
@@ -622,15 +625,13 @@ mod tests {
             "{e}"
         );
         let e = open("short.txt", b"ab");
-        assert!(e.contains("2 tokens, need at least 4"), "{e}");
+        assert!(e.contains("2 tokens, need at least 5"), "{e}");
         let e = open(
             "long.jsonl",
             b"{\"text\": \"abc\"}\n{\"text\": \"abcabcabcabcabcabc\"}\n",
         );
         assert!(
-            e.contains("long.jsonl:2")
-                && e.contains("18 tokens")
-                && e.contains("max_position_embeddings 16"),
+            e.contains("long.jsonl:2") && e.contains("18 tokens") && e.contains("longer than 16"),
             "{e}"
         );
         let e = open("broken.jsonl", b"{\"text\": \"abc\"}\n{\"text\": \"ab\n");

@@ -3,6 +3,10 @@
 //! samplers and the loader read), with the file-backed [`Samples`]: [`TokenWindows`]
 //! (fixed-length windows of a token stream) and [`Documents`] (one sample per document).
 //!
+//! A sample of n tokens trains n - 1 positions: position t sees tokens 0..=t and is scored on
+//! token t + 1, as in nanoGPT. So a fixed-length sample holds `seq_len + 1` tokens and every one
+//! of the model's `seq_len` positions is trained.
+//!
 //! A sample is a pure function of its index, so any worker thread or rank can read any sample
 //! and the order of reads never changes what is read. Nothing here allocates per token file.
 
@@ -26,18 +30,19 @@ pub enum Split {
 pub trait Dataset: Send + Sync {
     /// Number of sequences in `split`.
     fn len(&self, split: Split) -> usize;
-    /// Tokens per sequence.
+    /// Trained positions per sequence (the model's context); a full sequence holds one token
+    /// more.
     fn seq_len(&self) -> usize;
     /// Token ids are in `0..vocab_size()`.
     fn vocab_size(&self) -> usize;
     /// Writes sequence `index` of `split` into `tokens` (length
-    /// `sample_len(split, index)`). Labels are the tokens themselves (the
-    /// model shifts).
+    /// `sample_len(split, index)`). The targets are the same tokens one
+    /// place on (the loader's `collate` shifts them).
     fn read(&self, split: Split, index: usize, tokens: &mut [u32]);
-    /// Tokens in sequence `index` of `split`: at most `seq_len()`, and
+    /// Tokens in sequence `index` of `split`: at most `seq_len() + 1`, and
     /// exactly that unless the data set has [`Dataset::variable_length`].
     fn sample_len(&self, _split: Split, _index: usize) -> usize {
-        self.seq_len()
+        self.seq_len() + 1
     }
     /// Whether sequences differ in length (documents): they are then batched
     /// by token budget and padded, instead of `batch_size` full rows.
@@ -68,7 +73,8 @@ pub trait Samples: Send + Sync {
     fn read(&self, index: usize, out: &mut [u32]);
 }
 
-/// Windows of `seq_len` tokens over a range of a token file, `stride` apart.
+/// Windows of `seq_len + 1` tokens (`seq_len` trained positions) over a range of a token file,
+/// `stride` apart.
 ///
 /// Training uses stride 1 (every offset is a sample, nanoGPT's random `ix`); validation uses
 /// stride `seq_len` (no overlap) and visits the windows in a spread order, so the first k
@@ -93,7 +99,8 @@ fn gcd(a: usize, b: usize) -> usize {
 }
 
 impl TokenWindows {
-    /// Windows over `range` of `file`; `split` names the split in errors.
+    /// Windows of `seq_len + 1` tokens over `range` of `file`; `split` names the split in
+    /// errors.
     pub fn new(
         file: Arc<TokenFile>,
         range: Range<usize>,
@@ -101,15 +108,16 @@ impl TokenWindows {
         stride: usize,
         split: &'static str,
     ) -> Result<TokenWindows, DataError> {
-        if range.len() < seq_len {
+        let window = seq_len + 1;
+        if range.len() < window {
             return Err(DataError::TooShort {
                 path: file.path().into(),
                 have: range.len(),
-                need: seq_len,
+                need: window,
                 split,
             });
         }
-        let count = (range.len() - seq_len) / stride + 1;
+        let count = (range.len() - window) / stride + 1;
         let step = if stride == 1 {
             1
         } else {
@@ -130,7 +138,7 @@ impl TokenWindows {
         })
     }
 
-    /// Tokens per window.
+    /// Trained positions per window (one token fewer than the window).
     pub fn seq_len(&self) -> usize {
         self.seq_len
     }
@@ -152,14 +160,14 @@ impl Samples for TokenWindows {
     }
 
     fn sample_len(&self, _index: usize) -> usize {
-        self.seq_len
+        self.seq_len + 1
     }
 
     fn read(&self, index: usize, out: &mut [u32]) {
         let window = (index % self.count) * self.step % self.count;
         self.file.read(
             self.range.start + window * self.stride,
-            &mut out[..self.seq_len],
+            &mut out[..self.seq_len + 1],
         );
     }
 }
@@ -227,28 +235,32 @@ mod tests {
             )
             .unwrap(),
         );
+        // 8 positions: windows of 9 tokens, so the last one ends at the range's end.
         let train = TokenWindows::new(f.clone(), 0..90, 8, 1, "train").unwrap();
-        assert_eq!(train.len(), 83);
-        let mut out = vec![0; 8];
-        train.read(82, &mut out);
-        assert_eq!(out, (82..90).collect::<Vec<u32>>());
+        assert_eq!(train.len(), 82);
+        assert_eq!(train.sample_len(0), 9);
+        let mut out = vec![0; 9];
+        train.read(81, &mut out);
+        assert_eq!(out, (81..90).collect::<Vec<u32>>());
         let val = TokenWindows::new(f.clone(), 90..100, 4, 4, "val").unwrap();
         assert_eq!(val.len(), 2);
-        let val = TokenWindows::new(f.clone(), 0..100, 4, 4, "val").unwrap();
+        // Validation windows overlap by the one token that is the last position's target, so
+        // every token but the first of the split is a target exactly once.
+        let val = TokenWindows::new(f.clone(), 0..101 - 1, 4, 4, "val").unwrap();
         let mut starts: Vec<u32> = (0..val.len())
             .map(|i| {
-                val.read(i, &mut out[..4]);
+                val.read(i, &mut out[..5]);
                 out[0]
             })
             .collect();
         assert_ne!(starts[1], 4, "spread, not file order");
         starts.sort();
-        assert_eq!(starts, (0..25).map(|w| w * 4).collect::<Vec<u32>>());
+        assert_eq!(starts, (0..24).map(|w| w * 4).collect::<Vec<u32>>());
         let e = TokenWindows::new(f, 90..100, 64, 64, "val")
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("10 tokens, need at least 64") && e.contains("val"),
+            e.contains("10 tokens, need at least 65") && e.contains("val"),
             "{e}"
         );
     }

@@ -74,7 +74,8 @@ pub enum DataError {
     },
     /// A document longer than the model's context.
     #[error(
-        "{path}:{line}: sequence of {len} tokens is longer than max_position_embeddings {max}"
+        "{path}:{line}: sequence of {len} tokens is longer than {max}, the most a sample holds \
+         (the model's context plus one: the last token is only a target)"
     )]
     TooLong {
         /// The file.

@@ -16,47 +16,55 @@ use crate::dataset::Samples;
 /// Label of positions the loss ignores (padding), as Hugging Face's -100.
 pub const IGNORE_INDEX: i32 = -100;
 
-/// A padded batch in the model's layout: (batch, seq) row-major.
+/// A padded batch in the model's layout: (batch, seq) row-major. A sample of n tokens is a row
+/// of n - 1 inputs and their n - 1 next-token targets.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Batch {
     /// Token ids, 0 at padding.
     pub input_ids: Vec<u32>,
     /// 1 for a token, 0 for padding.
     pub attention_mask: Vec<u8>,
-    /// Labels aligned with `input_ids` (the model shifts), -100 at padding.
-    pub labels: Vec<i32>,
+    /// Per position, the token it must predict (the sample shifted by one, as nanoGPT's `y`;
+    /// the model's `Labels::Next`), -100 at padding.
+    pub targets: Vec<i32>,
     /// Rows.
     pub batch: usize,
-    /// Columns: the longest sample of the batch.
+    /// Columns: positions of the longest sample of the batch (its tokens less one).
     pub seq: usize,
     /// The sample indices of the rows.
     pub indices: Vec<usize>,
 }
 
-/// Collates samples `indices` into a right-padded batch.
+/// Collates samples `indices` into a right-padded batch of inputs and next-token targets.
 pub fn collate(samples: &dyn Samples, indices: &[usize]) -> Batch {
-    let seq = indices
+    let longest = indices
         .iter()
         .map(|&i| samples.sample_len(i))
         .max()
         .unwrap_or(0);
+    // A one-token sample has no target; it still takes a (padding) row, never a zero-width batch.
+    let seq = longest.saturating_sub(1).max(1);
     let n = indices.len() * seq;
     let mut input_ids = vec![0u32; n];
     let mut attention_mask = vec![0u8; n];
-    let mut labels = vec![IGNORE_INDEX; n];
+    let mut targets = vec![IGNORE_INDEX; n];
+    let mut tokens = Vec::with_capacity(longest);
     for (row, &i) in indices.iter().enumerate() {
         let len = samples.sample_len(i);
-        let r = row * seq..row * seq + len;
-        samples.read(i, &mut input_ids[r.clone()]);
+        tokens.resize(len, 0);
+        samples.read(i, &mut tokens);
+        let positions = len.saturating_sub(1);
+        let r = row * seq..row * seq + positions;
+        input_ids[r.clone()].copy_from_slice(&tokens[..positions]);
         attention_mask[r.clone()].fill(1);
-        for (l, &x) in labels[r.clone()].iter_mut().zip(&input_ids[r]) {
-            *l = x as i32;
+        for (y, &x) in targets[r].iter_mut().zip(&tokens[1..]) {
+            *y = x as i32;
         }
     }
     Batch {
         input_ids,
         attention_mask,
-        labels,
+        targets,
         batch: indices.len(),
         seq,
         indices: indices.to_vec(),
@@ -277,15 +285,21 @@ mod tests {
             .collect();
             assert_eq!(got, reference, "workers {workers}, prefetch {prefetch}");
         }
-        let b = &reference[0];
-        for row in 0..b.batch {
-            let len = data.sample_len(b.indices[row]);
-            let r = &b.attention_mask[row * b.seq..(row + 1) * b.seq];
-            assert_eq!(r.iter().filter(|&&m| m == 1).count(), len);
-            assert!(b.labels[row * b.seq + len..(row + 1) * b.seq]
-                .iter()
-                .all(|&l| l == IGNORE_INDEX));
-            assert_eq!(b.input_ids[row * b.seq], (b.indices[row] * 100) as u32);
+        for b in &reference {
+            for row in 0..b.batch {
+                // A sample of n tokens is n - 1 inputs and the n - 1 tokens after them.
+                let (i, positions) = (b.indices[row], data.sample_len(b.indices[row]) - 1);
+                let cols = row * b.seq..(row + 1) * b.seq;
+                let mask = &b.attention_mask[cols.clone()];
+                assert_eq!(mask.iter().filter(|&&m| m == 1).count(), positions);
+                for p in 0..positions {
+                    assert_eq!(b.input_ids[cols.start + p], (i * 100 + p) as u32);
+                    assert_eq!(b.targets[cols.start + p], (i * 100 + p + 1) as i32);
+                }
+                assert!(b.targets[cols.start + positions..cols.end]
+                    .iter()
+                    .all(|&l| l == IGNORE_INDEX));
+            }
         }
     }
 

@@ -153,7 +153,8 @@ impl MarkovCorpus {
                 .map(|p| -p * p.ln())
                 .sum()
         };
-        let positions = spec.seq_len - 1;
+        // Every position of a sequence is trained (a sequence holds seq_len + 1 tokens).
+        let positions = spec.seq_len;
         let floor = (0..positions)
             .map(|t| {
                 if t + 1 < spec.order {
@@ -274,7 +275,7 @@ impl Dataset for MarkovCorpus {
         let s = &self.spec;
         format!(
             "markov corpus: vocab {}, order {}, {} successors per context, seed {}, \
-             {} train / {} val sequences of {} tokens; entropy rate {:.4} nats/token, \
+             {} train / {} val sequences of {} positions; entropy rate {:.4} nats/token, \
              loss floor {:.4} (ln(vocab) = {:.4})",
             s.vocab_size,
             s.order,
@@ -344,7 +345,7 @@ impl Dataset for RandomTokens {
     fn describe(&self) -> String {
         format!(
             "random tokens (a ToyRandomDataset, as in PyTorch's DDP examples): vocab {}, {} train / {} val \
-             sequences of {} tokens; nothing to learn, loss floor ln(vocab) = {:.4}",
+             sequences of {} positions; nothing to learn, loss floor ln(vocab) = {:.4}",
             self.vocab_size,
             self.num_samples,
             self.val_samples,

@@ -28,6 +28,7 @@
 
 pub mod checkpoint;
 mod config;
+mod labels;
 mod layout;
 mod model;
 pub mod optim_groups;
@@ -36,6 +37,7 @@ pub mod sample;
 mod stage;
 
 pub use config::GPTConfig;
+pub use labels::Labels;
 pub use layout::ParamView;
 pub use model::{MemoryEstimate, Part, PartHook, GPT};
 pub use resize::{resize_token_embeddings, ResizeError, RowInit};

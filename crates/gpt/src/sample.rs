@@ -10,10 +10,9 @@
 //! what nanoGPT's `generate` does and condition every prediction on the last [`context_window`]
 //! tokens (a sliding window). While the sequence fits, the cache grows by one token per step; once
 //! it is full, each step rebuilds it from the last window of tokens (one batched forward over the
-//! window, the cost nanoGPT pays at every step). The window is one shorter than
-//! `max_position_embeddings`: cohort trains with labels aligned to the inputs (Hugging Face's
-//! convention), so the last position of a full-length training window never has a target and its
-//! position embedding never learns to predict; predicting from it produces garbage.
+//! window, the cost nanoGPT pays at every step). The window is the whole
+//! `max_position_embeddings`: cohort's training scores every position of a window (next-token
+//! targets, as nanoGPT), so the last position predicts as well as any other.
 //!
 //! This module never changes the model and never allocates per token: buffers are sized for a
 //! full window when the decoder is built.
@@ -399,9 +398,10 @@ fn sample_token(
     last as u32
 }
 
-/// How many tokens `generate` conditions on: `max_position_embeddings - 1` (see the module doc).
+/// How many tokens `generate` conditions on: all of `max_position_embeddings` (see the module
+/// doc).
 pub fn context_window(cfg: &GPTConfig) -> usize {
-    cfg.max_position_embeddings.saturating_sub(1).max(1)
+    cfg.max_position_embeddings.max(1)
 }
 
 /// Generates up to `opts.max_new_tokens` tokens after `prompt`, calling `on_token` with each as

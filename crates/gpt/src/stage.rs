@@ -28,7 +28,7 @@ use crate::model::{
     head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
     DropKey, HeadLayout, Profile, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
 };
-use crate::{GPTConfig, GptError, ParamView};
+use crate::{GPTConfig, GptError, Labels, ParamView};
 
 /// Which part of the model a stage holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -379,14 +379,14 @@ impl GptStage {
     /// Forward of one micro-batch into activation slot `slot` (any index; a slot holds one
     /// micro-batch from its forward to its backward). `input` is token ids on the first stage
     /// and the previous stage's output on the others; `attention_mask` (every stage) and
-    /// `labels` (last stage) follow [`GPT::forward`](crate::GPT::forward). Returns the output
+    /// `labels` (last stage) follow [`GPT::forward_labels`](crate::GPT::forward_labels). Returns the output
     /// activations, or on the last stage the mean loss.
     pub fn forward(
         &mut self,
         slot: usize,
         input: StageInput<'_>,
         attention_mask: Option<&[u8]>,
-        labels: Option<&[i32]>,
+        labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
     ) -> Result<StageOutput<'_>, GptError> {
@@ -773,7 +773,7 @@ mod tests {
                 } else {
                     StageInput::Activations(&x)
                 };
-                let lab = s.part().head.then_some(&labels[..]);
+                let lab = s.part().head.then_some(Labels::Aligned(&labels[..]));
                 match s
                     .forward(k as usize, input, Some(&mask), lab, 2, 7)
                     .unwrap()
@@ -850,10 +850,15 @@ mod tests {
             err(st[1].forward(0, StageInput::Activations(&x[1..]), None, None, 2, 7))
                 .contains("input activations have 111 floats")
         );
-        assert!(
-            err(st[0].forward(0, StageInput::Tokens(&ids), None, Some(&labels), 2, 7))
-                .contains("labels given to a stage without the head")
-        );
+        assert!(err(st[0].forward(
+            0,
+            StageInput::Tokens(&ids),
+            None,
+            Some(Labels::Aligned(&labels)),
+            2,
+            7
+        ))
+        .contains("labels given to a stage without the head"));
         let e = st[0].backward(3, Some(&x)).unwrap_err().to_string();
         assert!(e.contains("no forward pending"), "{e}");
         st[0]

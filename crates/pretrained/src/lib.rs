@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use cohort_gpt::checkpoint::{self, Checkpoint, CheckpointError};
 use cohort_gpt::GPT;
 
-use cohort_tokenizer::{Tokenizer, TokenizerError, TOKENIZER_FILE};
+use cohort_tokenizer::{hf_files, HfFiles, Tokenizer, TokenizerError, TOKENIZER_FILE};
 
 /// Why a pretrained directory could not be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -70,8 +70,8 @@ fn check_vocab(path: &Path, model: &GPT, tok: &Tokenizer) -> Result<(), Pretrain
     Ok(())
 }
 
-/// Writes `root/name/{config.json, model.safetensors, tokenizer.json}` atomically and points
-/// `root/latest` at it (the checkpoint module's layout); returns the directory.
+/// Writes `root/name/` (see [`save_pretrained_to`]) atomically and points `root/latest` at it
+/// (the checkpoint module's layout); returns the directory.
 pub fn save_pretrained(
     root: &Path,
     name: &str,
@@ -79,13 +79,43 @@ pub fn save_pretrained(
     tokenizer: &Tokenizer,
 ) -> Result<PathBuf, PretrainedError> {
     check_vocab(&root.join(name), model, tokenizer)?;
-    let json = tokenizer.to_json()?;
-    let ckpt = Checkpoint {
+    let (json, hf) = (
+        tokenizer.to_json()?,
+        hf_files(tokenizer, model.config().max_position_embeddings),
+    );
+    Ok(checkpoint::save(
+        root,
+        name,
+        &pretrained(model, &json, &hf),
+    )?)
+}
+
+/// Writes `dir` itself, atomically, as Hugging Face's `save_pretrained` does: config.json (with
+/// the tokenizer's bos/eos/pad ids), model.safetensors, tokenizer.json, tokenizer_config.json,
+/// special_tokens_map.json and generation_config.json, which `AutoTokenizer` and
+/// `AutoModelForCausalLM` load without a warning.
+pub fn save_pretrained_to(
+    dir: &Path,
+    model: &GPT,
+    tokenizer: &Tokenizer,
+) -> Result<(), PretrainedError> {
+    check_vocab(dir, model, tokenizer)?;
+    let (json, hf) = (
+        tokenizer.to_json()?,
+        hf_files(tokenizer, model.config().max_position_embeddings),
+    );
+    Ok(checkpoint::save_dir(dir, &pretrained(model, &json, &hf))?)
+}
+
+fn pretrained<'a>(model: &'a GPT, tokenizer_json: &'a str, hf: &'a HfFiles) -> Checkpoint<'a> {
+    let mut extra_files = vec![(TOKENIZER_FILE, tokenizer_json.as_bytes())];
+    extra_files.extend(hf.files.iter().map(|(name, bytes)| (*name, &bytes[..])));
+    Checkpoint {
         model: Some(model),
-        extra_files: vec![(TOKENIZER_FILE, json.as_bytes())],
+        extra_files,
+        config_extra: hf.config_keys.clone(),
         ..Checkpoint::default()
-    };
-    Ok(checkpoint::save(root, name, &ckpt)?)
+    }
 }
 
 /// Loads the model and tokenizer of a pretrained directory (or of the checkpoint a root's

@@ -24,9 +24,11 @@
 #![deny(missing_docs)]
 
 pub mod char_vocab;
+mod hf_files;
 mod tokenizer;
 mod utf8;
 
+pub use hf_files::{hf_files, HfFiles};
 pub use tokenizer::{Tokenizer, TokenizerError};
 pub use utf8::Utf8Chunks;
 

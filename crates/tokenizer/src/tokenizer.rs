@@ -228,6 +228,17 @@ impl Tokenizer {
         Ok(Tokenizer::wrap(inner))
     }
 
+    /// Reads tokenizer.json text already in memory (a checkpoint's copy).
+    pub fn from_json(json: &str) -> Result<Tokenizer, TokenizerError> {
+        let inner = json
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| TokenizerError::Parse {
+                path: PathBuf::from("<tokenizer.json text>"),
+                reason: e.to_string(),
+            })?;
+        Ok(Tokenizer::wrap(inner))
+    }
+
     /// Writes the tokenizer as tokenizer.json (pretty-printed).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<(), TokenizerError> {
         let path = path.as_ref();
@@ -301,6 +312,19 @@ impl Tokenizer {
     /// The token of `id`.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The special tokens, in id order (Hugging Face's `all_special_tokens`).
+    pub fn special_tokens(&self) -> Vec<String> {
+        let mut special: Vec<(u32, String)> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special)
+            .map(|(id, t)| (id, t.content))
+            .collect();
+        special.sort();
+        special.into_iter().map(|(_, token)| token).collect()
     }
 
     /// Whether `token` is registered as a special token.

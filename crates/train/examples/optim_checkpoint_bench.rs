@@ -76,6 +76,7 @@ fn main() {
     let optimizer = adamw.state();
     let trainer = trainer_state_json(&state);
     let ckpt = Checkpoint {
+        config_extra: Vec::new(),
         model: Some(&model),
         tensor_files: vec![optimizer_file(&optimizer)],
         extra_files: vec![(cohort_train::TRAINER_STATE_FILE, &trainer)],

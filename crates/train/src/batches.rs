@@ -29,7 +29,8 @@ const PLAN_CHUNK: usize = 256;
 /// Token-budget batching of variable-length data: as many tokens per batch, padding
 /// included, as `batch_size` full-length sequences.
 fn budget(cfg: &TrainConfig, data: &dyn Dataset, shuffle: bool) -> BudgetConfig {
-    let batch_tokens = cfg.batch_size * data.seq_len();
+    // Samples hold one token more than their trained positions.
+    let batch_tokens = cfg.batch_size * (data.seq_len() + 1);
     BudgetConfig {
         batch_tokens,
         max_samples: batch_tokens,
@@ -298,7 +299,7 @@ mod tests {
             self.lens[index]
         }
         fn variable_length(&self) -> bool {
-            self.lens.iter().any(|&l| l != self.seq_len)
+            self.lens.iter().any(|&l| l != self.seq_len + 1)
         }
         fn loss_floor(&self) -> Option<f64> {
             None
@@ -326,7 +327,7 @@ mod tests {
     #[test]
     fn a_resumed_stream_continues_exactly_where_it_stopped() {
         let fixed: Arc<dyn Dataset> = Arc::new(Docs {
-            lens: vec![16; 37],
+            lens: vec![17; 37],
             seq_len: 16,
         });
         let docs: Arc<dyn Dataset> = Arc::new(Docs {
@@ -352,7 +353,7 @@ mod tests {
     }
 
     /// Documents: every batch is within the token budget (padding included), right-padded with
-    /// mask 0 and label -100, and an epoch of all ranks covers every document.
+    /// mask 0 and target -100, and an epoch of all ranks covers every document.
     #[test]
     fn documents_are_batched_by_token_budget_and_padded() {
         let lens: Vec<usize> = (0..200).map(|i| 1 + (i * 11) % 16).collect();
@@ -365,7 +366,8 @@ mod tests {
             let mut batches = TrainBatches::new(data.clone(), &cfg(1), 2, rank, 0, 0).unwrap();
             while batches.position().0 == 0 {
                 let b = batches.next_batch();
-                assert!(b.batch * b.seq <= 4 * 16, "{} x {}", b.batch, b.seq);
+                // The budget counts tokens: 4 full samples of 17.
+                assert!(b.batch * b.seq <= 4 * 17, "{} x {}", b.batch, b.seq);
                 for (row, &i) in b.indices.iter().enumerate() {
                     seen[i] += 1;
                     let r = row * b.seq..(row + 1) * b.seq;
@@ -373,8 +375,9 @@ mod tests {
                         .iter()
                         .filter(|&&m| m == 1)
                         .count();
-                    assert_eq!(real, lens[i]);
-                    assert!(b.labels[r][lens[i]..].iter().all(|&l| l == -100));
+                    // n tokens train n - 1 positions.
+                    assert_eq!(real, lens[i] - 1);
+                    assert!(b.targets[r][lens[i] - 1..].iter().all(|&l| l == -100));
                 }
             }
         }
@@ -389,7 +392,7 @@ mod tests {
     #[test]
     fn the_ranks_share_out_one_list_of_validation_batches() {
         let fixed: Arc<dyn Dataset> = Arc::new(Docs {
-            lens: vec![16; 37],
+            lens: vec![17; 37],
             seq_len: 16,
         });
         let docs: Arc<dyn Dataset> = Arc::new(Docs {

@@ -22,7 +22,7 @@ use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_engine::optim::Optimizer;
 use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, CheckpointError};
-use cohort_gpt::GPT;
+use cohort_gpt::{GPTConfig, GPT};
 use serde_json::{json, Value};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -67,13 +67,21 @@ fn save(
     let optimizer = opt.state();
     let trainer = trainer_files::trainer_state_json(&trainer);
     let mut extra_files = vec![(trainer_files::TRAINER_STATE_FILE, trainer.as_slice())];
-    if let Some(json) = tokenizer_json {
-        extra_files.push((cohort_tokenizer::TOKENIZER_FILE, json.as_bytes()));
-    }
+    // What Hugging Face needs beside the model to load the checkpoint without a warning.
+    let hf = match tokenizer_json {
+        Some(json) => {
+            extra_files.push((cohort_tokenizer::TOKENIZER_FILE, json.as_bytes()));
+            let tokenizer = cohort_tokenizer::Tokenizer::from_json(json)?;
+            cohort_tokenizer::hf_files(&tokenizer, model.config().max_position_embeddings)
+        }
+        None => cohort_tokenizer::HfFiles::without_tokenizer(),
+    };
+    extra_files.extend(hf.files.iter().map(|(name, bytes)| (*name, &bytes[..])));
     ckpt::save(
         out,
         &name,
         &Checkpoint {
+            config_extra: hf.config_keys,
             model: Some(model),
             tensor_files: vec![trainer_files::optimizer_file(&optimizer)],
             extra_files,
@@ -333,6 +341,42 @@ fn agree_on_step(pg: &ProcessGroup, step: u64, dir: &Path) -> Result<(), TrainEr
     Ok(())
 }
 
+/// Checks that the checkpoint in `dir` (its config.json) is of the model this run builds, so
+/// a run resumed with other shape flags stops with what differs instead of a tensor's shape.
+fn check_same_model(dir: &Path, run: &GPTConfig) -> Result<(), TrainError> {
+    let stored = ckpt::load_config(dir)?;
+    let pairs = [
+        ("n_layers", stored.n_layers, run.n_layers),
+        ("n_heads", stored.n_heads, run.n_heads),
+        ("d_model", stored.d_model, run.d_model),
+        ("d_ff", stored.d_ff, run.d_ff),
+        ("vocab_size", stored.vocab_size, run.vocab_size),
+        (
+            "seq_len",
+            stored.max_position_embeddings,
+            run.max_position_embeddings,
+        ),
+        ("bias", stored.bias as usize, run.bias as usize),
+        (
+            "tie_word_embeddings",
+            stored.tie_word_embeddings as usize,
+            run.tie_word_embeddings as usize,
+        ),
+    ];
+    let differ: Vec<String> = pairs
+        .iter()
+        .filter(|(_, theirs, ours)| theirs != ours)
+        .map(|(key, theirs, ours)| format!("{key} {theirs} in its config.json, {ours} in this run"))
+        .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Resume {
+        path: dir.to_path_buf(),
+        reason: format!("it is another model: {}", differ.join(", ")),
+    })
+}
+
 /// Restores model, optimizer and position from the checkpoint directory
 /// `dir`, after checking every file against its checksum. The job must have
 /// the shape that wrote it (world size, batch, accumulation, seed, data), or
@@ -348,6 +392,7 @@ fn load(
 ) -> Result<TrainState, TrainError> {
     let dir = dir.to_path_buf();
     ckpt::verify(&dir)?;
+    check_same_model(&dir, model.config())?;
     ckpt::load_params_into(&dir, model)?;
     if !trainer_files::load_optimizer_into(&dir, opt)? {
         return Err(TrainError::Resume {

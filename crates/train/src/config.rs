@@ -97,6 +97,11 @@ pub struct TrainConfig {
     pub out: Option<PathBuf>,
     /// Checkpoint directory to continue from.
     pub resume: Option<PathBuf>,
+    /// A pretrained model to start a new run from (step 0, a fresh optimizer): a Hugging Face
+    /// GPT-2 directory (config.json, model.safetensors, optional tokenizer.json) or a cohort
+    /// checkpoint. Its config.json gives the model's shape; its tokenizer.json, the run's
+    /// tokenizer unless one is named.
+    pub init_from: Option<PathBuf>,
     /// Where rank 0 writes TensorBoard event files and `metrics.jsonl`
     /// (none: `out/logs` when `out` is set, else no files).
     pub log_dir: Option<PathBuf>,
@@ -308,6 +313,7 @@ impl Default for TrainConfig {
             save_interval: 0,
             out: None,
             resume: None,
+            init_from: None,
             log_dir: None,
             keep_checkpoints: 3,
             max_failed_saves: 3,
@@ -350,6 +356,14 @@ pub enum ConfigError {
         path: PathBuf,
         /// What the parser said.
         message: String,
+    },
+    /// `--init-from` names a directory whose model the run cannot take.
+    #[error("--init-from {path}: {why}")]
+    Pretrained {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
     },
     /// A setting is out of range.
     #[error("invalid setting {key} = {value}: {why}")]
@@ -513,6 +527,13 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<PathBuf>,
+    /// Start a new run (step 0, a fresh optimizer) from the model in DIR: a Hugging Face GPT-2
+    /// directory (config.json, model.safetensors [, tokenizer.json]) or a checkpoint. The
+    /// model's shape comes from its config.json (a shape flag that differs is an error); its
+    /// tokenizer.json is the run's tokenizer unless --tokenizer names one.
+    #[arg(long, value_name = "DIR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     /// TensorBoard event files and metrics.jsonl go to DIR, written by rank 0 (by default
     /// OUT/logs with --out, else none); `cohort plot DIR` draws the loss curves.
     #[arg(long, value_name = "DIR")]
@@ -606,6 +627,9 @@ impl TrainArgs {
             message: e.to_string(),
         })?;
         table.extend(flags);
+        if let Some(dir) = &self.init_from {
+            shape_from_pretrained(&mut table, dir)?;
+        }
         let path = self
             .config
             .clone()
@@ -620,6 +644,60 @@ impl TrainArgs {
         cfg.validate()?;
         Ok(cfg)
     }
+}
+
+/// Puts the shape of the model in `dir` (its config.json) into `table`, where a file or flag
+/// that set a different value is an error naming both; and its tokenizer.json as the run's
+/// tokenizer unless one is named. `seq_len` may be shorter than the model's positions (and is
+/// all of them unless set).
+fn shape_from_pretrained(table: &mut toml::Table, dir: &Path) -> Result<(), ConfigError> {
+    let bad = |why: String| ConfigError::Pretrained {
+        path: dir.to_path_buf(),
+        why,
+    };
+    let resolved = cohort_gpt::checkpoint::resolve(dir).map_err(|e| bad(e.to_string()))?;
+    let model = cohort_gpt::checkpoint::load_config(&resolved).map_err(|e| bad(e.to_string()))?;
+    let shape = [
+        ("n_layers", "n_layer", model.n_layers),
+        ("n_heads", "n_head", model.n_heads),
+        ("d_model", "n_embd", model.d_model),
+        ("d_ff", "n_inner", model.d_ff),
+    ];
+    for (key, hf_key, theirs) in shape {
+        match table.get(key).and_then(toml::Value::as_integer) {
+            Some(ours) if ours != theirs as i64 => {
+                return Err(bad(format!(
+                    "its config.json has {hf_key} = {theirs}, the run sets {key} = {ours}; \
+                     drop --{} to take the model's",
+                    key.replace('_', "-")
+                )))
+            }
+            _ => {
+                table.insert(key.into(), (theirs as i64).into());
+            }
+        }
+    }
+    let positions = model.max_position_embeddings as i64;
+    match table.get("seq_len").and_then(toml::Value::as_integer) {
+        Some(seq) if seq > positions => {
+            return Err(bad(format!(
+                "its config.json has n_positions = {positions}, shorter than the run's \
+                 seq_len = {seq}"
+            )))
+        }
+        Some(_) => {}
+        None => {
+            table.insert("seq_len".into(), positions.into());
+        }
+    }
+    let tokenizer = resolved.join(cohort_tokenizer::TOKENIZER_FILE);
+    if !table.contains_key("tokenizer") && tokenizer.is_file() {
+        table.insert(
+            "tokenizer".into(),
+            tokenizer.to_string_lossy().into_owned().into(),
+        );
+    }
+    Ok(())
 }
 
 fn read_table(path: &Path) -> Result<toml::Table, ConfigError> {
@@ -663,6 +741,16 @@ impl TrainConfig {
         }
         if self.batch_size == 0 {
             return bad("batch_size", "0".into(), "must be at least 1");
+        }
+        if self.init_from.is_some() && self.strategy == Strategy::Pipeline {
+            return bad(
+                "init_from",
+                self.init_from
+                    .as_ref()
+                    .map_or(String::new(), |p| p.display().to_string()),
+                "is not supported with --strategy pipeline yet (use ddp, zero1 or \
+                 parameter-server)",
+            );
         }
         if self.activation_checkpointing && self.strategy == Strategy::Pipeline {
             return bad(

@@ -109,8 +109,8 @@ impl FileData {
             .map_or(cfg.vocab_size, |t| t.vocab_size());
         let opts = CorpusOptions {
             seq_len: cfg.seq_len,
-            // A document must fit the model's context.
-            max_len: cfg.seq_len,
+            // A document must fit the model's context: seq_len positions, one token more.
+            max_len: cfg.seq_len + 1,
             // Token files' ids are checked against the vocabulary: the tokenizer's (meta.pkl's
             // for nanoGPT's directory), else vocab_size.
             vocab_size: Some(vocab_size),
@@ -407,7 +407,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            err.contains("docs.jsonl:") && err.contains("longer than max_position_embeddings 16"),
+            err.contains("docs.jsonl:") && err.contains("longer than 17, the most a sample holds"),
             "{err}"
         );
     }

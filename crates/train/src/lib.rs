@@ -119,6 +119,14 @@ pub enum TrainError {
     /// before anything is allocated).
     #[error("{0}")]
     TooBig(String),
+    /// `--init-from` names a model the run cannot start from.
+    #[error("cannot start from {path}: {reason}")]
+    InitFrom {
+        /// The directory.
+        path: PathBuf,
+        /// What does not fit.
+        reason: String,
+    },
     /// A checkpoint cannot be resumed by this run.
     #[error("cannot resume from {path}: {reason}")]
     Resume {

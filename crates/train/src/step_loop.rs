@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::{Batch, Dataset};
 use cohort_engine::optim::LrSchedule;
-use cohort_gpt::GPT;
+use cohort_gpt::{Labels, GPT};
 
 use crate::batches::TrainBatches;
 use crate::checkpoint::{self, SaveReport};
@@ -517,10 +517,10 @@ pub(crate) fn accumulate(
             step * cfg.grad_accum as u64 + micro as u64,
         );
         let loss = phases.time(Phase::Forward, || {
-            model.forward(
+            model.forward_labels(
                 &batch.input_ids,
                 padding_mask(&batch),
-                Some(&batch.labels),
+                Some(Labels::Next(&batch.targets)),
                 batch.batch,
                 batch.seq,
             )
@@ -554,10 +554,10 @@ pub(crate) fn batch_losses(
         .iter()
         .map(|(k, batch)| {
             let mask = padding_mask(batch);
-            let loss = model.forward(
+            let loss = model.forward_labels(
                 &batch.input_ids,
                 mask,
-                Some(&batch.labels),
+                Some(Labels::Next(&batch.targets)),
                 batch.batch,
                 batch.seq,
             )?;

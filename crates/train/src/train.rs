@@ -61,18 +61,74 @@ impl Outcome {
     }
 }
 
-/// The model a config asks for, over `vocab_size` tokens.
-pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> GPTConfig {
-    GPTConfig {
-        vocab_size,
-        max_position_embeddings: cfg.seq_len,
-        n_layers: cfg.n_layers,
-        n_heads: cfg.n_heads,
-        d_model: cfg.d_model,
-        d_ff: cfg.d_ff,
-        dropout: cfg.dropout,
-        ..GPTConfig::default()
+/// The model a config asks for, over `vocab_size` tokens: the shape flags', or with
+/// `init_from` the shape in that directory's config.json (the flags were checked against it
+/// when the config was resolved), whose vocabulary must then be the run's.
+pub fn model_config(cfg: &TrainConfig, vocab_size: usize) -> Result<GPTConfig, TrainError> {
+    let Some(dir) = &cfg.init_from else {
+        return Ok(GPTConfig {
+            vocab_size,
+            max_position_embeddings: cfg.seq_len,
+            n_layers: cfg.n_layers,
+            n_heads: cfg.n_heads,
+            d_model: cfg.d_model,
+            d_ff: cfg.d_ff,
+            dropout: cfg.dropout,
+            ..GPTConfig::default()
+        });
+    };
+    let dir = cohort_gpt::checkpoint::resolve(dir)?;
+    let stored = cohort_gpt::checkpoint::load_config(&dir)?;
+    if stored.vocab_size != vocab_size {
+        return Err(TrainError::InitFrom {
+            path: dir,
+            reason: format!(
+                "its model embeds {} token ids but the run's data has {vocab_size} \
+                 (a tokenizer.json beside the model is the run's tokenizer; add tokens with \
+                 `cohort tokenizer add-tokens --model`)",
+                stored.vocab_size
+            ),
+        });
     }
+    if cfg.seq_len > stored.max_position_embeddings {
+        return Err(TrainError::InitFrom {
+            path: dir,
+            reason: format!(
+                "seq_len {} is longer than its max_position_embeddings {}",
+                cfg.seq_len, stored.max_position_embeddings
+            ),
+        });
+    }
+    // Dropout is how this run trains, not part of the model's shape.
+    Ok(GPTConfig {
+        dropout: cfg.dropout,
+        ..stored
+    })
+}
+
+/// The model of rank 0 (drawn from `cfg.seed`, or loaded from `cfg.init_from` when the run is
+/// not resumed) or of another rank (zeros, to be overwritten by rank 0's broadcast); with the
+/// header line saying where rank 0's parameters came from.
+pub(crate) fn new_model(
+    cfg: &TrainConfig,
+    model_cfg: GPTConfig,
+    rank0: bool,
+) -> Result<(GPT, Option<String>), TrainError> {
+    if !rank0 {
+        return Ok((GPT::zeroed(model_cfg, cfg.seed)?, None));
+    }
+    let mut model = GPT::new(model_cfg, cfg.seed)?;
+    let (Some(dir), None) = (&cfg.init_from, &cfg.resume) else {
+        return Ok((model, None));
+    };
+    let dir = cohort_gpt::checkpoint::resolve(dir)?;
+    cohort_gpt::checkpoint::verify(&dir)?;
+    cohort_gpt::checkpoint::load_params_into(&dir, &mut model)?;
+    let line = format!(
+        "initialized from {} (a new run: step 0, a fresh optimizer)",
+        dir.display()
+    );
+    Ok((model, Some(line)))
 }
 
 /// Resumes a data-parallel rank's model and whole optimizer state from `cfg.resume`, if set
@@ -333,7 +389,7 @@ impl<'a> DataParallel<'a> {
         let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
         let t = data.seq_len();
         let mut header = step_loop::data_lines(&*data);
-        let model_cfg = model_config(cfg, data.vocab_size());
+        let model_cfg = model_config(cfg, data.vocab_size())?;
         model_cfg.validate()?;
         check_memory(
             cfg,
@@ -342,13 +398,10 @@ impl<'a> DataParallel<'a> {
             pg.local_world_size(),
             Sharding::Replicated,
         )?;
-        // Only rank 0 draws the initial parameters: DDP checks that the shapes
-        // agree and broadcasts rank 0's to the others.
-        let mut model = if rank == 0 {
-            GPT::new(model_cfg, cfg.seed)?
-        } else {
-            GPT::zeroed(model_cfg, cfg.seed)?
-        };
+        // Only rank 0 draws (or loads) the initial parameters: DDP checks that
+        // the shapes agree and broadcasts rank 0's to the others.
+        let (mut model, init_line) = new_model(cfg, model_cfg, rank == 0)?;
+        header.extend(init_line);
         header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
         header.extend(apply_checkpointing(cfg, &mut model, t));
         let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;

@@ -131,6 +131,7 @@ mod tests {
             root,
             name,
             &Checkpoint {
+                config_extra: Vec::new(),
                 model: Some(model),
                 tensor_files: vec![optimizer_file(&optimizer)],
                 extra_files: vec![(TRAINER_STATE_FILE, &json)],
@@ -255,6 +256,7 @@ mod tests {
             root.path(),
             "step-4",
             &Checkpoint {
+                config_extra: Vec::new(),
                 model: Some(&first),
                 tensor_files: vec![optimizer_file(&optimizer)],
                 extra_files: vec![(TRAINER_STATE_FILE, &json)],

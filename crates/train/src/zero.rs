@@ -304,7 +304,7 @@ impl<'a> ZeroOne<'a> {
         let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
         let t = data.seq_len();
         let mut header = step_loop::data_lines(&*data);
-        let model_cfg = model_config(cfg, data.vocab_size());
+        let model_cfg = model_config(cfg, data.vocab_size())?;
         model_cfg.validate()?;
         check_memory(
             cfg,
@@ -313,11 +313,8 @@ impl<'a> ZeroOne<'a> {
             pg.local_world_size(),
             Sharding::Zero1 { world },
         )?;
-        let mut model = if rank == 0 {
-            GPT::new(model_cfg, cfg.seed)?
-        } else {
-            GPT::zeroed(model_cfg, cfg.seed)?
-        };
+        let (mut model, init_line) = crate::train::new_model(cfg, model_cfg, rank == 0)?;
+        header.extend(init_line);
         header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
         header.extend(apply_checkpointing(cfg, &mut model, t));
         let n = model.num_params();

@@ -208,6 +208,10 @@ pub struct Checkpoint<'a> {
     pub tensor_files: Vec<TensorFile<'a>>,
     /// Further files (name, bytes), e.g. `vocab.json` or a trainer's state.
     pub extra_files: Vec<(&'a str, &'a [u8])>,
+    /// Further keys of config.json that the model does not know but Hugging Face reads
+    /// (`bos_token_id`, `eos_token_id`, `pad_token_id`: a tokenizer's); a key the model writes
+    /// itself cannot be overridden.
+    pub config_extra: Vec<(&'a str, serde_json::Value)>,
 }
 
 /// Writes every file of `ckpt` into the fresh directory `dir`, `SHA256SUMS` last, and fsyncs
@@ -215,7 +219,7 @@ pub struct Checkpoint<'a> {
 fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError> {
     let mut written = Vec::new();
     if let Some(model) = ckpt.model {
-        write_model_files(dir, model)?;
+        write_model_files(dir, model, &ckpt.config_extra)?;
         written.extend([CONFIG_FILE.to_string(), MODEL_FILE.to_string()]);
     }
     let bad_name = |file: &str, written: &[String]| {
@@ -259,6 +263,29 @@ pub fn save(root: &Path, name: &str, ckpt: &Checkpoint<'_>) -> Result<PathBuf, C
     {
         return Err(CheckpointError::BadName { name: name.into() });
     }
+    let dest = root.join(name);
+    save_dir(&dest, ckpt)?;
+    write_file_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
+    Ok(dest)
+}
+
+/// Writes the checkpoint into `dest` itself, atomically (a sibling temporary directory renamed
+/// over it), with no `latest` pointer: a model directory as Hugging Face's `save_pretrained`
+/// writes one.
+pub fn save_dir(dest: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError> {
+    let (root, name) = match (dest.parent(), dest.file_name().and_then(|n| n.to_str())) {
+        (Some(root), Some(name)) if !name.starts_with('.') => (root, name),
+        _ => {
+            return Err(CheckpointError::BadName {
+                name: dest.display().to_string(),
+            })
+        }
+    };
+    let root = if root.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        root
+    };
     fs::create_dir_all(root).map_err(io("create", root))?;
     let tmp = root.join(format!(".tmp-{name}"));
     if tmp.exists() {
@@ -273,22 +300,20 @@ pub fn save(root: &Path, name: &str, ckpt: &Checkpoint<'_>) -> Result<PathBuf, C
         return Err(e);
     }
 
-    let dest = root.join(name);
     let old = root.join(format!(".old-{name}"));
     if dest.exists() {
         if old.exists() {
             fs::remove_dir_all(&old).map_err(io("remove", &old))?;
         }
-        fs::rename(&dest, &old).map_err(io("rename", &dest))?;
+        fs::rename(dest, &old).map_err(io("rename", dest))?;
     }
-    fs::rename(&tmp, &dest).map_err(io("rename", &tmp))?;
+    fs::rename(&tmp, dest).map_err(io("rename", &tmp))?;
     fsync(root)?;
-    write_file_atomic(&root.join(LATEST_FILE), format!("{name}\n").as_bytes())?;
     // The old copy, moved aside above or by a replace that crashed, is superseded now.
     if old.exists() {
         fs::remove_dir_all(&old).map_err(io("remove", &old))?;
     }
-    Ok(dest)
+    Ok(())
 }
 
 /// The checkpoint directory `path` denotes: `path` itself when it holds a `config.json`, else the

@@ -115,9 +115,20 @@ fn process_umask() -> u32 {
 
 /// Writes config.json and model.safetensors for `model` into the existing directory `dir`
 /// (each file fsynced, not renamed: callers write into a directory they rename afterwards).
-pub(super) fn write_model_files(dir: &Path, model: &GPT) -> Result<(), CheckpointError> {
+pub(super) fn write_model_files(
+    dir: &Path,
+    model: &GPT,
+    config_extra: &[(&str, serde_json::Value)],
+) -> Result<(), CheckpointError> {
     let hf = HfGpt2Config::from_config(model.config());
-    let json = serde_json::to_vec_pretty(&hf).map_err(|e| format_err(dir, e))?;
+    let mut fields = match serde_json::to_value(&hf).map_err(|e| format_err(dir, e))? {
+        serde_json::Value::Object(fields) => fields,
+        _ => unreachable!("a struct serializes to an object"),
+    };
+    for (key, value) in config_extra {
+        fields.entry(*key).or_insert_with(|| value.clone());
+    }
+    let json = serde_json::to_vec_pretty(&fields).map_err(|e| format_err(dir, e))?;
     write_bytes(&dir.join(CONFIG_FILE), &json)?;
     let params = model.params();
     let tensors = model

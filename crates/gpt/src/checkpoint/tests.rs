@@ -93,6 +93,7 @@ fn the_same_state_saved_twice_is_the_same_bytes() {
                 metadata,
             };
             let ckpt = Checkpoint {
+                config_extra: Vec::new(),
                 model: Some(&model),
                 tensor_files: vec![file],
                 extra_files: vec![],
@@ -141,6 +142,7 @@ fn tensor_files_and_extra_files_round_trip() {
         root.path(),
         "step-2",
         &Checkpoint {
+            config_extra: Vec::new(),
             model: Some(&model),
             tensor_files: vec![file()],
             extra_files: vec![("vocab.json", vocab)],
@@ -175,6 +177,7 @@ fn tensor_files_and_extra_files_round_trip() {
             root.path(),
             "clash",
             &Checkpoint {
+                config_extra: Vec::new(),
                 model: Some(&model),
                 tensor_files: vec![file()],
                 extra_files: vec![(taken, b"x")],
@@ -228,6 +231,7 @@ fn checksums_are_sha256sum_compatible_and_checked_by_every_reader() {
         root.path(),
         "step-1",
         &Checkpoint {
+            config_extra: Vec::new(),
             model: Some(&model),
             tensor_files: vec![TensorFile {
                 name: STATE_FILE,

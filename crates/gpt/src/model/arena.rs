@@ -227,12 +227,12 @@ pub(crate) struct Batch {
 
 impl Batch {
     /// Records a validated batch; the targets follow the label shift and masking rules of
-    /// [`GPT::forward`]. `ids` may be empty (a pipeline stage fed activations).
+    /// [`Labels`]. `ids` may be empty (a pipeline stage fed activations).
     pub(crate) fn set(
         &mut self,
         ids: &[u32],
         attention_mask: Option<&[u8]>,
-        labels: Option<&[i32]>,
+        labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
     ) {
@@ -251,12 +251,21 @@ impl Batch {
         if let Some(labels) = labels {
             let mask = attention_mask;
             let real = |i: usize| mask.is_none_or(|m| m[i] != 0);
-            self.targets.extend((0..n).map(|i| {
-                let next = i + 1;
-                if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
-                    labels[next]
-                } else {
-                    -1
+            self.targets.extend((0..n).map(|i| match labels {
+                Labels::Aligned(labels) => {
+                    let next = i + 1;
+                    if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
+                        labels[next]
+                    } else {
+                        -1
+                    }
+                }
+                Labels::Next(targets) => {
+                    if targets[i] != -100 && real(i) {
+                        targets[i]
+                    } else {
+                        -1
+                    }
                 }
             }));
             self.counted = Some(self.targets.iter().filter(|&&y| y >= 0).count());

@@ -20,7 +20,7 @@ use cohort_engine::{Backend, DType, Dropout};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
-use crate::{GPTConfig, GptError, ParamView};
+use crate::{GPTConfig, GptError, Labels, ParamView};
 
 mod arena;
 mod init;
@@ -340,15 +340,29 @@ impl GPT {
         b: usize,
         t: usize,
     ) -> Result<Option<f32>, GptError> {
+        let labels = labels.map(Labels::Aligned);
         self.forward_with(input_ids, attention_mask, labels, b, t, &mut |_, _, _| {})
     }
 
-    /// [`GPT::forward`], calling `before` just before each [`Part`] runs.
+    /// [`GPT::forward`] with the labels in either convention ([`Labels`]): what a training
+    /// loop uses, with [`Labels::Next`] targets so that every position of a window is trained.
+    pub fn forward_labels(
+        &mut self,
+        input_ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<Labels<'_>>,
+        b: usize,
+        t: usize,
+    ) -> Result<Option<f32>, GptError> {
+        self.forward_with(input_ids, attention_mask, labels, b, t, &mut |_, _, _| {})
+    }
+
+    /// [`GPT::forward_labels`], calling `before` just before each [`Part`] runs.
     pub fn forward_with(
         &mut self,
         input_ids: &[u32],
         attention_mask: Option<&[u8]>,
-        labels: Option<&[i32]>,
+        labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
         before: &mut PartHook<'_>,
@@ -501,10 +515,11 @@ pub(crate) fn validate_batch(
     cfg: &GPTConfig,
     ids: Option<&[u32]>,
     mask: Option<&[u8]>,
-    labels: Option<&[i32]>,
+    labels: Option<Labels<'_>>,
     b: usize,
     t: usize,
 ) -> Result<(), GptError> {
+    let labels = labels.map(Labels::ids);
     let shape = |what, found: usize| {
         if found != b * t {
             Err(GptError::InputShape {

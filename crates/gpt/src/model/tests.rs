@@ -345,7 +345,14 @@ fn part_hooks_fill_each_part_just_before_it_runs() {
                 None
             } else {
                 sharded
-                    .forward_with(&ids, Some(&mask), Some(&labels), 2, 7, &mut fill)
+                    .forward_with(
+                        &ids,
+                        Some(&mask),
+                        Some(Labels::Aligned(&labels)),
+                        2,
+                        7,
+                        &mut fill,
+                    )
                     .unwrap()
             };
             (seen, loss)
@@ -500,4 +507,50 @@ fn activation_checkpointing_gives_the_same_bits_in_less_memory() {
         est(true),
         est(false)
     );
+}
+
+#[test]
+fn next_token_targets_score_every_position_as_aligned_labels_one_longer_do() {
+    // Windows of T + 1 = 8 tokens: inputs are the first 7, targets the last 7.
+    let windows: Vec<u32> = (0..16).map(|i| (i * 5 % 11) as u32).collect();
+    let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+    for row in windows.chunks(8) {
+        inputs.extend_from_slice(&row[..7]);
+        targets.extend(row[1..].iter().map(|&x| x as i32));
+    }
+    let mut m = model(tiny(true, true, 0.0), 1, 4);
+    let next = m
+        .forward_labels(&inputs, None, Some(Labels::Next(&targets)), 2, 7)
+        .unwrap()
+        .unwrap();
+    let next_grads = {
+        m.zero_grad();
+        m.backward(|_, _| {}).unwrap();
+        m.grads().to_vec()
+    };
+    // Aligned labels on the whole 8-token windows score the same 7 positions per row
+    // (position 7 has no label); causal attention makes positions 0..7 see the same inputs.
+    let labels: Vec<i32> = windows.iter().map(|&x| x as i32).collect();
+    let aligned = m
+        .forward(&windows, None, Some(&labels), 2, 8)
+        .unwrap()
+        .unwrap();
+    m.zero_grad();
+    m.backward(|_, _| {}).unwrap();
+    assert!((next - aligned).abs() < 1e-6, "{next} vs {aligned}");
+    let max_diff = next_grads
+        .iter()
+        .zip(m.grads())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(max_diff < 1e-6, "gradients differ by {max_diff}");
+    // -100 drops a position, and padding drops it too.
+    targets[6] = -100;
+    let mut mask = vec![1u8; 14];
+    mask[13] = 0;
+    let fewer = m
+        .forward_labels(&inputs, Some(&mask), Some(Labels::Next(&targets)), 2, 7)
+        .unwrap()
+        .unwrap();
+    assert_ne!(fewer, next);
 }

@@ -62,7 +62,7 @@ impl<'c> Server<'c> {
         workers: usize,
         wait_limit: Duration,
     ) -> Result<Self, TrainError> {
-        let model_cfg = model_config(cfg, data.vocab_size());
+        let model_cfg = model_config(cfg, data.vocab_size())?;
         model_cfg.validate()?;
         crate::train::check_memory(
             cfg,
@@ -71,7 +71,8 @@ impl<'c> Server<'c> {
             1,
             crate::memory::Sharding::Replicated,
         )?;
-        let mut model = GPT::new(model_cfg, cfg.seed)?;
+        // The server's parameters are the workers' (they pull them before each step).
+        let (mut model, _) = crate::train::new_model(cfg, model_cfg, true)?;
         crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
         let adamw = cfg.adamw();
         let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;

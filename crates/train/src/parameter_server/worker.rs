@@ -13,7 +13,7 @@ pub(super) fn work(
     workers: usize,
 ) -> Result<Outcome, TrainError> {
     // The server's parameters replace these at every step.
-    let mut model = GPT::zeroed(model_config(cfg, data.vocab_size()), cfg.seed)?;
+    let mut model = GPT::zeroed(model_config(cfg, data.vocab_size())?, cfg.seed)?;
     // The server's header says what precision is in effect (the same CPU check as here).
     crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
     model.set_activation_checkpointing(cfg.activation_checkpointing);

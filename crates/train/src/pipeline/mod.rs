@@ -33,7 +33,7 @@ use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::DistributedSampler;
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer, OptimizerState};
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GPTConfig, GptStage, StageInput, StageOutput, StagePart, GPT};
+use cohort_gpt::{GPTConfig, GptStage, Labels, StageInput, StageOutput, StagePart, GPT};
 
 use crate::batches::{val_rows, val_share};
 use crate::checkpoint::{self, SaveReport, TrainState};
@@ -139,23 +139,25 @@ impl Samples {
     }
 }
 
-/// Reads `tokens.len()` micro-batches of `b` rows from `split` at `index(..)`; labels are the
-/// tokens (the model shifts them).
+/// Reads `tokens.len()` micro-batches of `b` rows from `split` at `index(..)`: each sample's
+/// `seq_len + 1` tokens become a row of inputs and, one place on, its next-token targets.
 fn read_micro_batches(
     data: &dyn Dataset,
     split: Split,
     mut index: impl FnMut() -> usize,
     tokens: &mut [Vec<u32>],
-    labels: &mut [Vec<i32>],
+    targets: &mut [Vec<i32>],
 ) {
     let t = data.seq_len();
-    for (tok, lab) in tokens.iter_mut().zip(labels.iter_mut()) {
-        for row in tok.chunks_mut(t) {
-            data.read(split, index(), row);
+    let mut sample = vec![0u32; t + 1];
+    for (tok, tgt) in tokens.iter_mut().zip(targets.iter_mut()) {
+        for (row, next) in tok.chunks_mut(t).zip(tgt.chunks_mut(t)) {
+            data.read(split, index(), &mut sample);
+            row.copy_from_slice(&sample[..t]);
+            next.iter_mut()
+                .zip(&sample[1..])
+                .for_each(|(y, &x)| *y = x as i32);
         }
-        lab.iter_mut()
-            .zip(tok.iter())
-            .for_each(|(l, &x)| *l = x as i32);
     }
 }
 
@@ -210,7 +212,7 @@ impl<'a> Pipeline<'a> {
             ));
         }
         let (b, t, m) = (cfg.batch_size, data.seq_len(), cfg.micro_batches);
-        let model_cfg = model_config(cfg, data.vocab_size());
+        let model_cfg = model_config(cfg, data.vocab_size())?;
         let stages = stage_count(cfg.stages, pg.size(), model_cfg.n_layers)?;
         let topo = Topology::new(pg, stages, model_cfg.tie_word_embeddings)?;
         let part = StagePart::split(model_cfg.n_layers, stages)?.swap_remove(topo.stage);

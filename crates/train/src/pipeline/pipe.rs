@@ -120,7 +120,7 @@ impl Pipe<'_> {
     }
 
     /// Runs `ops` on micro-batches (`tokens[m]`, `labels[m]`; only the first stage reads the
-    /// tokens and only the last the labels). Returns the sum of the last stage's losses.
+    /// tokens and only the last the labels, next-token targets). Returns the sum of the last stage's losses.
     pub(super) fn run(
         &mut self,
         ops: &[Op],
@@ -148,7 +148,7 @@ impl Pipe<'_> {
                     } else {
                         StageInput::Activations(&self.inbox)
                     };
-                    let lab = last.then(|| &labels[micro][..]);
+                    let lab = last.then(|| Labels::Next(&labels[micro][..]));
                     let (seed, rank, base) = self.drop_key;
                     self.stage.set_dropout_key(seed, rank, base + micro as u64);
                     let t0 = Instant::now();

@@ -6,13 +6,12 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
-use support::{cohort, succeeded};
+use support::{cohort, post_json, python_imports, succeeded};
 
 const STEPS: &str = "60";
 
@@ -28,25 +27,18 @@ fn run(args: &[&str]) -> String {
     succeeded(&cohort().args(args).output().unwrap())
 }
 
-fn transformers_available() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import transformers, torch"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        eprintln!(
-            "skipping the transformers checks: python3 cannot import transformers and torch \
-             (pip install transformers torch)"
-        );
-    }
-    ok
-}
-
 /// `cohort serve` on free ports; returns it and its HTTP address.
 fn serve(repo: &Path) -> (std::process::Child, String) {
     let mut child = cohort()
         .args(["serve", "--model-repository", path(repo)])
-        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"])
+        .args([
+            "--address",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+        ])
         .env("COHORT_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -62,23 +54,6 @@ fn serve(repo: &Path) -> (std::process::Child, String) {
         .map(|w| w.trim_end_matches(',').to_string())
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
     (child, http)
-}
-
-fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: \
-         application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, serde_json::from_str(body).unwrap())
 }
 
 #[test]
@@ -140,8 +115,19 @@ fn special_tokens_added_resized_fine_tuned_loaded_by_transformers_and_served() {
 
     // The new tokens are one id each, and the tuned model writes them where they belong.
     let prompt = "two [ENT_START]";
-    let ids = run(&["tokenizer", "encode", "--tokenizer", path(&ft), "--text", prompt]);
-    assert_eq!(ids.trim(), "15 18 12 1 19", "the char ids, then [ENT_START] = 19");
+    let ids = run(&[
+        "tokenizer",
+        "encode",
+        "--tokenizer",
+        path(&ft),
+        "--text",
+        prompt,
+    ]);
+    assert_eq!(
+        ids.trim(),
+        "15 18 12 1 19",
+        "the char ids, then [ENT_START] = 19"
+    );
     let sample = run(&[
         "sample",
         "--checkpoint",
@@ -156,7 +142,12 @@ fn special_tokens_added_resized_fine_tuned_loaded_by_transformers_and_served() {
     let greedy = sample.trim_end_matches('\n').strip_prefix(prompt).unwrap();
     assert!(greedy.starts_with("ca"), "{sample:?}");
 
-    if transformers_available() {
+    let test = "special_tokens_added_resized_fine_tuned_loaded_by_transformers_and_served";
+    if python_imports(
+        test,
+        &["transformers", "torch"],
+        "pip install transformers torch",
+    ) {
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/hf_load_check.py");
         let out = Command::new("python3")
             .arg(script)
@@ -181,7 +172,7 @@ fn special_tokens_added_resized_fine_tuned_loaded_by_transformers_and_served() {
     std::fs::rename(&ft, repo.join("ent/1")).unwrap();
     std::fs::write(repo.join("ent/config.pbtxt"), "name: \"ent\"\n").unwrap();
     let (mut server, http) = serve(&repo);
-    let (status, got) = post(
+    let (status, got) = post_json(
         &http,
         "/v2/models/ent/generate",
         &json!({"text_input": prompt, "parameters": {"max_tokens": 12, "temperature": 0}}),

@@ -19,16 +19,7 @@ fn script() -> PathBuf {
 
 /// Whether torch is importable; says why not when it is not.
 fn have_torch(test: &str) -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch.distributed"])
-        .output()
-        .is_ok_and(|out| out.status.success());
-    if !ok {
-        eprintln!(
-            "{test}: skipped: `python3 -c 'import torch'` fails (pip install torch to run it)"
-        );
-    }
-    ok
+    support::python_imports(test, &["torch.distributed"], "pip install torch")
 }
 
 fn text(bytes: &[u8]) -> String {

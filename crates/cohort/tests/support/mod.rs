@@ -454,3 +454,39 @@ impl Nodes {
         }
     }
 }
+
+/// Whether `python3` can import every module of `modules`; when not, says so for `test` with
+/// the pip command that would make it run (the test then skips its Python part).
+pub fn python_imports(test: &str, modules: &[&str], pip: &str) -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", &format!("import {}", modules.join(", "))])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!(
+            "{test}: skipping what needs {}: python3 cannot import it ({pip})",
+            modules.join(" and ")
+        );
+    }
+    ok
+}
+
+/// An HTTP/1.1 POST of JSON `body` to `addr` (one connection, closed after): the status and the
+/// JSON answer.
+pub fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let body = body.to_string();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: \
+         application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap())
+}

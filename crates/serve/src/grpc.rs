@@ -1,20 +1,128 @@
 //! The gRPC front end: KServe v2's `inference.GRPCInferenceService` (the service Triton's gRPC
 //! clients call) on tonic: liveness, readiness, server and model metadata, inference (typed
-//! `contents` or `raw_input_contents` in; `raw_output_contents` out, as Triton answers), and the
-//! repository index / load / unload. Errors are gRPC statuses mapped from [`ErrorKind`]. This
+//! `contents` or `raw_input_contents` in; `raw_output_contents` out, as Triton answers), the
+//! served configuration and statistics, and the repository index / load / unload. Errors are
+//! gRPC statuses mapped from [`ErrorKind`].
+//!
+//! [`Protocol`] wraps the service to answer as a gRPC server in C++ (Triton's) does where tonic
+//! answers otherwise: a caller's deadline that passes is DEADLINE_EXCEEDED (tonic says
+//! CANCELLED), and a message over the size limit is RESOURCE_EXHAUSTED (tonic says
+//! OUT_OF_RANGE). A request abandoned that way is dropped, and the instance skips it. This
 //! module never runs a model.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
+use tonic::codegen::http;
 use tonic::{Code, Request, Response, Status};
 
 use crate::error::{ErrorKind, ServeError};
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{self, model_infer_response, model_metadata_response};
 use crate::tensor::{self, single_input, InputData, Output, Wanted};
-use crate::{metadata, AppState, SERVER_NAME};
+use crate::{metadata, model_config, unsupported_load_parameter, AppState, SERVER_NAME};
+
+/// How much earlier than the caller's deadline the answer is given up: tonic's own timer, with
+/// the same deadline, answers CANCELLED; this one must fire first.
+const DEADLINE_MARGIN: Duration = Duration::from_millis(2);
+
+/// The tower service around the gRPC routes (see the module doc).
+#[derive(Clone)]
+pub(crate) struct Protocol<S> {
+    inner: S,
+}
+
+impl<S> Protocol<S> {
+    pub fn new(inner: S) -> Protocol<S> {
+        Protocol { inner }
+    }
+}
+
+/// A `grpc-timeout` header's duration: up to 8 digits and a unit (H, M, S, m, u, n).
+fn grpc_timeout(v: &http::HeaderValue) -> Option<Duration> {
+    let s = v.to_str().ok()?;
+    if s.len() < 2 || s.len() > 9 {
+        return None;
+    }
+    let (digits, unit) = s.split_at(s.len() - 1);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// tonic's answer to a message over `max_decoding_message_size` (OUT_OF_RANGE, trailers-only),
+/// as RESOURCE_EXHAUSTED: what gRPC's other servers answer, and what clients retry on.
+fn too_large_is_resource_exhausted<B>(mut resp: http::Response<B>) -> http::Response<B> {
+    let h = resp.headers();
+    let out_of_range = h.get("grpc-status").is_some_and(|s| s == "11");
+    let too_large = h.get("grpc-message").is_some_and(|m| {
+        let m = m.as_bytes();
+        m.windows(9).any(|w| w == b"too large") || m.windows(11).any(|w| w == b"too%20large")
+    });
+    if out_of_range && too_large {
+        let code = (Code::ResourceExhausted as i32).to_string();
+        if let Ok(v) = http::HeaderValue::from_str(&code) {
+            resp.headers_mut().insert("grpc-status", v);
+        }
+    }
+    resp
+}
+
+impl<S, B> tower::Service<http::Request<B>> for Protocol<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let deadline = req.headers().get("grpc-timeout").and_then(grpc_timeout);
+        // the clone that was made ready serves this call; a fresh clone waits for the next
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let answer = inner.call(req);
+        Box::pin(async move {
+            let resp = match deadline {
+                None => answer.await?,
+                Some(d) => {
+                    match tokio::time::timeout(d.saturating_sub(DEADLINE_MARGIN), answer).await {
+                        Ok(r) => r?,
+                        // dropping the answer drops the request's wait; its instance skips it
+                        Err(_) => {
+                            return Ok(Status::deadline_exceeded(format!(
+                                "the caller's deadline of {d:?} passed before the answer"
+                            ))
+                            .into_http())
+                        }
+                    }
+                }
+            };
+            Ok(too_large_is_resource_exhausted(resp))
+        })
+    }
+}
 
 /// The service over the shared state.
 pub(crate) struct Service {
@@ -209,6 +317,54 @@ impl GrpcInferenceService for Service {
         Ok(Response::new(resp))
     }
 
+    async fn model_config(
+        &self,
+        req: Request<proto::ModelConfigRequest>,
+    ) -> Result<Response<proto::ModelConfigResponse>, Status> {
+        let r = req.into_inner();
+        let lv = self
+            .app
+            .repo
+            .resolve(&r.name, opt(&r.version))
+            .map_err(status)?;
+        Ok(Response::new(proto::ModelConfigResponse {
+            config: Some(model_config(&lv)),
+        }))
+    }
+
+    async fn model_statistics(
+        &self,
+        req: Request<proto::ModelStatisticsRequest>,
+    ) -> Result<Response<proto::ModelStatisticsResponse>, Status> {
+        let r = req.into_inner();
+        let model_stats = self
+            .app
+            .repo
+            .served(opt(&r.name), opt(&r.version))
+            .map_err(status)?
+            .iter()
+            .map(|lv| lv.metrics.statistics(&lv.model, lv.version))
+            .collect();
+        Ok(Response::new(proto::ModelStatisticsResponse {
+            model_stats,
+        }))
+    }
+
+    type ModelStreamInferStream = std::pin::Pin<
+        Box<
+            dyn tokio_stream::Stream<Item = Result<proto::ModelStreamInferResponse, Status>> + Send,
+        >,
+    >;
+
+    async fn model_stream_infer(
+        &self,
+        _req: Request<tonic::Streaming<proto::ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        Err(Status::unimplemented(
+            "ModelStreamInfer is not served yet; use ModelInfer, or HTTP generate_stream",
+        ))
+    }
+
     async fn repository_index(
         &self,
         req: Request<proto::RepositoryIndexRequest>,
@@ -233,9 +389,28 @@ impl GrpcInferenceService for Service {
         &self,
         req: Request<proto::RepositoryModelLoadRequest>,
     ) -> Result<Response<proto::RepositoryModelLoadResponse>, Status> {
-        let name = req.into_inner().model_name;
+        use proto::model_repository_parameter::ParameterChoice;
+        let r = req.into_inner();
+        let name = r.model_name;
+        let mut config = None;
+        for (k, v) in &r.parameters {
+            match (k.as_str(), &v.parameter_choice) {
+                ("config", Some(ParameterChoice::StringParam(c))) => config = Some(c.clone()),
+                ("config", other) => {
+                    return Err(status(ServeError::parameter(
+                        k,
+                        format!("{other:?} is not a string of JSON"),
+                    )))
+                }
+                _ => return Err(status(unsupported_load_parameter(k))),
+            }
+        }
+        let config = config
+            .map(|c| crate::config::ModelConfig::from_json(&c, &name))
+            .transpose()
+            .map_err(status)?;
         let repo = self.app.repo.clone();
-        tokio::task::spawn_blocking(move || repo.load(&name))
+        tokio::task::spawn_blocking(move || repo.load(&name, config))
             .await
             .map_err(|e| Status::internal(format!("load task failed: {e}")))?
             .map_err(status)?;

@@ -678,3 +678,240 @@ fn models_load_and_unload_through_the_repository_api() {
     assert_eq!(get(addr, "/v2/models/a/ready").status, 404);
     server.shutdown();
 }
+
+fn gzip(b: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut w = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    w.write_all(b).unwrap();
+    w.finish().unwrap()
+}
+
+fn zlib(b: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut w = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+    w.write_all(b).unwrap();
+    w.finish().unwrap()
+}
+
+fn gunzip(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(b)
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+fn unzlib(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::ZlibDecoder::new(b)
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+/// The value of the sample `name{labels}` in Prometheus text `text`.
+fn sample(text: &str, name_labels: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name_labels) && l[name_labels.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn config_and_statistics_agree_over_http_and_grpc_and_metrics_have_their_own_port() {
+    let repo = tempfile::tempdir().unwrap();
+    put_version(repo.path(), "gpt", 1, &model(4));
+    std::fs::write(
+        repo.path().join("gpt/config.pbtxt"),
+        "max_batch_size: 4\n\
+         input [ { name: \"input_ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n\
+         dynamic_batching { preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 30000 }\n\
+         instance_group [ { count: 1 kind: KIND_CPU } ]\n",
+    )
+    .unwrap();
+    let server = start(repo.path(), |_| {});
+    let addr = server.http_addr();
+    let (rt, mut client) = grpc_client(&server);
+
+    // the same configuration both ways
+    let http_cfg = get(addr, "/v2/models/gpt/config").json();
+    let grpc_cfg = rt
+        .block_on(
+            client.model_config(cohort_serve::proto::ModelConfigRequest {
+                name: "gpt".into(),
+                version: String::new(),
+            }),
+        )
+        .unwrap()
+        .into_inner()
+        .config
+        .unwrap();
+    assert_eq!(http_cfg["name"], "gpt");
+    assert_eq!(grpc_cfg.name, "gpt");
+    assert_eq!(http_cfg["max_batch_size"], 4);
+    assert_eq!(grpc_cfg.max_batch_size, 4);
+    assert_eq!(http_cfg["platform"], grpc_cfg.platform.as_str());
+    assert_eq!(
+        http_cfg["dynamic_batching"]["preferred_batch_size"],
+        json!([2, 4])
+    );
+    let Some(cohort_serve::proto::model_config::SchedulingChoice::DynamicBatching(db)) =
+        &grpc_cfg.scheduling_choice
+    else {
+        panic!("no dynamic_batching in {grpc_cfg:?}")
+    };
+    assert_eq!(db.preferred_batch_size, [2, 4]);
+    assert_eq!(db.max_queue_delay_microseconds, 30000);
+    assert_eq!(
+        http_cfg["input"],
+        json!([{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}])
+    );
+    assert_eq!(grpc_cfg.input[0].name, "input_ids");
+    assert_eq!(grpc_cfg.output[0].dims, [-1, tiny().vocab_size as i64]);
+    assert_eq!(
+        http_cfg["output"][0]["dims"],
+        json!([-1, tiny().vocab_size])
+    );
+    assert_eq!(http_cfg["instance_group"][0]["kind"], "KIND_CPU");
+    assert_eq!(grpc_cfg.instance_group[0].kind, 2);
+    let missing = rt.block_on(
+        client.model_config(cohort_serve::proto::ModelConfigRequest {
+            name: "nope".into(),
+            version: String::new(),
+        }),
+    );
+    assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
+
+    // 4 concurrent single-row requests (batched: preferred size 4) and one of 2 rows
+    std::thread::scope(|s| {
+        for r in 0..4u32 {
+            s.spawn(move || {
+                let resp = post_json(addr, "/v2/models/gpt/infer", &infer_json(&[r, 1, 2], 1, 3));
+                assert_eq!(resp.status, 200);
+            });
+        }
+    });
+    let r = post_json(
+        addr,
+        "/v2/models/gpt/infer",
+        &infer_json(&[1, 2, 3, 4], 2, 2),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        post_json(addr, "/v2/models/gpt/infer", &infer_json(&[1, 99], 1, 2)).status,
+        400
+    );
+
+    let all = get(addr, "/v2/models/stats");
+    assert_eq!(all.status, 200);
+    let one = get(addr, "/v2/models/gpt/stats").json();
+    assert_eq!(all.json(), one);
+    assert_eq!(get(addr, "/v2/models/gpt/versions/1/stats").json(), one);
+    assert_eq!(get(addr, "/v2/models/gpt/versions/5/stats").status, 404);
+    assert_eq!(get(addr, "/v2/models/nope/stats").status, 404);
+    let m = &one["model_stats"][0];
+    assert_eq!(
+        (m["name"].as_str(), m["version"].as_str()),
+        (Some("gpt"), Some("1"))
+    );
+    assert_eq!(m["inference_count"], 6);
+    let execs = m["execution_count"].as_u64().unwrap();
+    assert!((2..=5).contains(&execs), "{m}");
+    let i = &m["inference_stats"];
+    assert_eq!(i["success"]["count"], 5);
+    assert_eq!(i["fail"]["count"], 1);
+    assert_eq!(i["queue"]["count"], 5);
+    for phase in [
+        "success",
+        "queue",
+        "compute_input",
+        "compute_infer",
+        "compute_output",
+    ] {
+        assert!(i[phase]["ns"].as_u64().unwrap() > 0, "{phase}: {i}");
+    }
+    assert_eq!(i["compute_infer"]["count"], 5);
+    let batches = m["batch_stats"].as_array().unwrap();
+    let per_size: u64 = batches
+        .iter()
+        .map(|b| b["compute_infer"]["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(per_size, execs);
+    let rows: u64 = batches
+        .iter()
+        .map(|b| b["batch_size"].as_u64().unwrap() * b["compute_infer"]["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 6);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let last = m["last_inference"].as_u64().unwrap();
+    assert!(
+        last <= now_ms && now_ms - last < 60_000,
+        "{last} vs {now_ms}"
+    );
+
+    let g = rt
+        .block_on(
+            client.model_statistics(cohort_serve::proto::ModelStatisticsRequest {
+                name: "gpt".into(),
+                version: String::new(),
+            }),
+        )
+        .unwrap()
+        .into_inner();
+    assert_eq!(g.model_stats.len(), 1);
+    let gs = &g.model_stats[0];
+    assert_eq!((gs.inference_count, gs.execution_count), (6, execs));
+    let gi = gs.inference_stats.clone().unwrap();
+    assert_eq!(gi.success.unwrap().count, 5);
+    assert_eq!(
+        gi.compute_infer.unwrap().ns,
+        i["compute_infer"]["ns"].as_u64().unwrap()
+    );
+    assert_eq!(gs.batch_stats.len(), batches.len());
+
+    // the metrics port: /metrics alone, with the compute phases and the host's gauges
+    let maddr = server.metrics_addr().unwrap();
+    assert_ne!(maddr, addr);
+    let text = String::from_utf8(get(maddr, "/metrics").body).unwrap();
+    let labels = "{model=\"gpt\",version=\"1\"}";
+    assert_eq!(
+        sample(&text, &format!("nv_inference_request_success{labels}")),
+        Some(5.0)
+    );
+    for family in [
+        "nv_inference_compute_input_duration_us",
+        "nv_inference_compute_infer_duration_us",
+        "nv_inference_compute_output_duration_us",
+    ] {
+        let v = sample(&text, &format!("{family}{labels}"));
+        assert!(v.is_some_and(|v| v >= 0.0), "{family}: {text}");
+    }
+    let util = sample(&text, "nv_cpu_utilization").expect("nv_cpu_utilization");
+    assert!((0.0..=1.0).contains(&util), "{util}");
+    let total = sample(&text, "nv_cpu_memory_total_bytes").unwrap();
+    let used = sample(&text, "nv_cpu_memory_used_bytes").unwrap();
+    assert!(
+        total > 0.0 && used > 0.0 && used <= total,
+        "{used} / {total}"
+    );
+    assert_eq!(get(maddr, "/v2/health/live").status, 400);
+    assert!(String::from_utf8(get(addr, "/metrics").body)
+        .unwrap()
+        .contains("nv_inference_compute_output_duration_us{"));
+
+    // an unloaded version's series go away
+    assert_eq!(
+        post_json(addr, "/v2/repository/models/gpt/unload", &json!({})).status,
+        200
+    );
+    let text = String::from_utf8(get(maddr, "/metrics").body).unwrap();
+    assert!(!text.contains("model=\"gpt\""), "{text}");
+    assert_eq!(
+        get(addr, "/v2/models/stats").json(),
+        json!({"model_stats": []})
+    );
+    server.shutdown();
+}

@@ -56,6 +56,7 @@ struct Serving {
     child: Child,
     http: String,
     grpc: String,
+    metrics: String,
 }
 
 impl Drop for Serving {
@@ -77,6 +78,8 @@ impl Serving {
                 "0",
                 "--grpc-port",
                 "0",
+                "--metrics-port",
+                "0",
             ])
             .args(["--repository-poll-secs", "0.2", "--max-body-bytes", "65536"])
             .args(["--instance-threads", "1"])
@@ -92,16 +95,18 @@ impl Serving {
             child,
             http: String::new(),
             grpc: String::new(),
+            metrics: String::new(),
         };
-        // "cohort serve: HTTP on 127.0.0.1:P, gRPC on 127.0.0.1:Q"
+        // "cohort serve: HTTP on 127.0.0.1:P, gRPC on 127.0.0.1:Q, metrics on 127.0.0.1:R"
         let addrs: Vec<&str> = line
             .split_whitespace()
             .filter(|w| w.starts_with("127.0.0.1:"))
             .map(|w| w.trim_end_matches(','))
             .collect();
-        assert_eq!(addrs.len(), 2, "unexpected first line {line:?}");
+        assert_eq!(addrs.len(), 3, "unexpected first line {line:?}");
         s.http = addrs[0].to_string();
         s.grpc = addrs[1].to_string();
+        s.metrics = addrs[2].to_string();
         s
     }
 
@@ -241,6 +246,7 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     let spec = json!({
         "http": server.http,
         "grpc": server.grpc,
+        "metrics": server.metrics,
         "model": "gpt",
         "vocab": tiny().vocab_size,
         "ids": ids.chunks(seq).collect::<Vec<_>>(),

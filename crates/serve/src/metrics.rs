@@ -218,13 +218,13 @@ impl VersionMetrics {
 /// Triton's HTTP statistics JSON of `stats`: the gRPC message's fields, by the same names.
 pub(crate) fn statistics_json(stats: &[proto::ModelStatistics]) -> Value {
     let d = |x: &Option<proto::StatisticDuration>| {
-        let x = x.clone().unwrap_or_default();
+        let x = x.unwrap_or_default();
         json!({"count": x.count, "ns": x.ns})
     };
     let models: Vec<Value> = stats
         .iter()
         .map(|m| {
-            let i = m.inference_stats.clone().unwrap_or_default();
+            let i = m.inference_stats.unwrap_or_default();
             json!({
                 "name": m.name,
                 "version": m.version,

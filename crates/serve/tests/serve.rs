@@ -868,7 +868,7 @@ fn config_and_statistics_agree_over_http_and_grpc_and_metrics_have_their_own_por
     assert_eq!(g.model_stats.len(), 1);
     let gs = &g.model_stats[0];
     assert_eq!((gs.inference_count, gs.execution_count), (6, execs));
-    let gi = gs.inference_stats.clone().unwrap();
+    let gi = gs.inference_stats.unwrap();
     assert_eq!(gi.success.unwrap().count, 5);
     assert_eq!(
         gi.compute_infer.unwrap().ns,

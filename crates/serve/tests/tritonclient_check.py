@@ -206,6 +206,42 @@ def generate_equals_cohort_sample():
 
 
 @check
+def grpc_stream_generates_one_response_per_piece():
+    import queue
+    results = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for n, case in enumerate(spec["generate"]):
+            prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+            prompt.set_data_from_numpy(np.array([case["text_input"].encode()], dtype=np.object_))
+            empty_final = n % 2 == 0
+            grpc.async_stream_infer(MODEL, [prompt], request_id=f"g{n}",
+                                    parameters=case["parameters"],
+                                    enable_empty_final_response=empty_final)
+            pieces = []
+            while True:
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                r = result.get_response()
+                assert r.id == f"g{n}", r
+                out = result.as_numpy("text_output")
+                if out is not None:
+                    pieces.append(out[0].decode())
+                if r.parameters["triton_final_response"].bool_param:
+                    break
+            assert len(pieces) > 1, pieces
+            assert case["text_input"] + "".join(pieces) == case["text_output"], (pieces, case)
+        # a bad request answers an error on the stream, which goes on
+        bad = grpcclient.InferInput("text_input", [1], "BYTES")
+        bad.set_data_from_numpy(np.array([b"a"], dtype=np.object_))
+        grpc.async_stream_infer(MODEL, [bad], parameters={"max_tokens": 0})
+        result, error = results.get(timeout=60)
+        assert result is None and "max_tokens" in str(error), (result, error)
+    finally:
+        grpc.stop_stream()
+
+
+@check
 def bad_inputs_are_client_errors():
     bad_type = httpclient.InferInput("input_ids", [1, 3], "FP32")
     bad_type.set_data_from_numpy(np.zeros((1, 3), dtype=np.float32))

@@ -1287,5 +1287,64 @@ fn a_stream_whose_client_left_stops_generating_and_frees_the_instance() {
         Some(1.0),
         "{text}"
     );
+
+    // likewise a gRPC stream (decoupled generation) the client drops after its first response
+    let (rt, client) = grpc_client(&server);
+    use cohort_serve::proto::{infer_parameter::ParameterChoice, InferParameter};
+    let prompt = b"1 2 3";
+    let mut raw = (prompt.len() as u32).to_le_bytes().to_vec();
+    raw.extend_from_slice(prompt);
+    let request = ModelInferRequest {
+        model_name: "gen".into(),
+        id: "long".into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: "text_input".into(),
+            datatype: "BYTES".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![raw],
+        parameters: [(
+            "max_tokens".to_string(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::Int64Param(1024)),
+            },
+        )]
+        .into(),
+        ..Default::default()
+    };
+    rt.block_on(async {
+        let mut c = client.clone();
+        let mut responses = c
+            .model_stream_infer(tokio_stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = responses.message().await.unwrap().unwrap();
+        assert_eq!(first.error_message, "");
+        let r = first.infer_response.unwrap();
+        assert_eq!(
+            (r.id.as_str(), r.outputs[0].name.as_str()),
+            ("long", "text_output")
+        );
+        // dropping the response stream cancels the call; the client's connection task (on this
+        // runtime, which only runs inside block_on) sends the reset
+        drop(responses);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    });
+    let t2 = Instant::now();
+    let r = post_json(
+        addr,
+        "/v2/models/gen/generate",
+        &json!({"text_input": "4 5", "parameters": {"max_tokens": 3}}),
+    );
+    let waited = t2.elapsed();
+    assert_eq!(r.status, 200, "{}", r.json());
+    println!("after the gRPC stream was dropped the next request took {waited:?}");
+    assert!(
+        waited < full / 4,
+        "waited {waited:?} (a full generation takes {full:?})"
+    );
+    drop((rt, client));
     server.shutdown();
 }

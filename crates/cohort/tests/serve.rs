@@ -270,3 +270,45 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     assert!(text.contains(" passed, 0 failed"), "{text}");
     server.stop();
 }
+
+#[test]
+fn allow_metrics_false_serves_no_metrics_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    save(&repo.join("gpt/1"), &model(5));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["serve", "--model-repository"])
+        .arg(&repo)
+        .args(["--address", "127.0.0.1", "--http-port", "0", "--no-grpc"])
+        .args(["--allow-metrics", "false", "--repository-poll-secs", "0"])
+        .env("COHORT_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        line.starts_with("cohort serve: HTTP on 127.0.0.1:"),
+        "{line:?}"
+    );
+    assert!(
+        !line.contains("metrics") && !line.contains("gRPC"),
+        "{line:?}"
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["serve", "--model-repository"])
+        .arg(&repo)
+        .args(["--allow-metrics", "maybe"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--allow-metrics"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

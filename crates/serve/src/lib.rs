@@ -81,7 +81,13 @@ pub const SERVER_NAME: &str = "cohort";
 /// The `platform` of every model.
 pub const PLATFORM: &str = "cohort_gpt";
 /// The KServe / Triton protocol extensions served.
-pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_repository", "generate"];
+pub const EXTENSIONS: &[&str] = &[
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "generate",
+];
 /// Most tokens one generate request may ask for.
 pub const MAX_GENERATE_TOKENS: usize = 4096;
 

@@ -29,6 +29,13 @@ pub struct ServeArgs {
     /// Serve HTTP only.
     #[arg(long)]
     no_grpc: bool,
+    /// Metrics port: Prometheus' /metrics alone, as Triton's (0: any free port). The HTTP port
+    /// serves /metrics as well.
+    #[arg(long, default_value_t = 8002)]
+    metrics_port: u16,
+    /// Whether to serve the metrics port (Triton's flag): true or false.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    allow_metrics: bool,
     /// Seconds between repository scans for new versions and models (0: no polling).
     #[arg(long, default_value_t = 2.0)]
     repository_poll_secs: f64,
@@ -57,6 +64,9 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     let opts = ServerOptions {
         http: SocketAddr::new(args.address, args.http_port),
         grpc: (!args.no_grpc).then(|| SocketAddr::new(args.address, args.grpc_port)),
+        metrics: args
+            .allow_metrics
+            .then(|| SocketAddr::new(args.address, args.metrics_port)),
         poll_interval: (args.repository_poll_secs > 0.0)
             .then(|| Duration::from_secs_f64(args.repository_poll_secs)),
         load_models: (!args.load_model.is_empty()).then_some(args.load_model),
@@ -67,10 +77,14 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     };
     let server = Server::start(opts)
         .with_context(|| format!("serving {}", args.model_repository.display()))?;
-    match server.grpc_addr() {
-        Some(g) => println!("cohort serve: HTTP on {}, gRPC on {g}", server.http_addr()),
-        None => println!("cohort serve: HTTP on {}", server.http_addr()),
+    let mut line = format!("cohort serve: HTTP on {}", server.http_addr());
+    if let Some(g) = server.grpc_addr() {
+        line += &format!(", gRPC on {g}");
     }
+    if let Some(m) = server.metrics_addr() {
+        line += &format!(", metrics on {m}");
+    }
+    println!("{line}");
     server.wait_for_signal();
     Ok(())
 }

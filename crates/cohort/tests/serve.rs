@@ -56,6 +56,7 @@ struct Serving {
     child: Child,
     http: String,
     grpc: String,
+    metrics: String,
 }
 
 impl Drop for Serving {
@@ -77,6 +78,8 @@ impl Serving {
                 "0",
                 "--grpc-port",
                 "0",
+                "--metrics-port",
+                "0",
             ])
             .args(["--repository-poll-secs", "0.2", "--max-body-bytes", "65536"])
             .args(["--instance-threads", "1"])
@@ -92,16 +95,18 @@ impl Serving {
             child,
             http: String::new(),
             grpc: String::new(),
+            metrics: String::new(),
         };
-        // "cohort serve: HTTP on 127.0.0.1:P, gRPC on 127.0.0.1:Q"
+        // "cohort serve: HTTP on 127.0.0.1:P, gRPC on 127.0.0.1:Q, metrics on 127.0.0.1:R"
         let addrs: Vec<&str> = line
             .split_whitespace()
             .filter(|w| w.starts_with("127.0.0.1:"))
             .map(|w| w.trim_end_matches(','))
             .collect();
-        assert_eq!(addrs.len(), 2, "unexpected first line {line:?}");
+        assert_eq!(addrs.len(), 3, "unexpected first line {line:?}");
         s.http = addrs[0].to_string();
         s.grpc = addrs[1].to_string();
+        s.metrics = addrs[2].to_string();
         s
     }
 
@@ -241,6 +246,7 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     let spec = json!({
         "http": server.http,
         "grpc": server.grpc,
+        "metrics": server.metrics,
         "model": "gpt",
         "vocab": tiny().vocab_size,
         "ids": ids.chunks(seq).collect::<Vec<_>>(),
@@ -263,4 +269,46 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     assert!(out.status.success(), "tritonclient checks failed:\n{text}");
     assert!(text.contains(" passed, 0 failed"), "{text}");
     server.stop();
+}
+
+#[test]
+fn allow_metrics_false_serves_no_metrics_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    save(&repo.join("gpt/1"), &model(5));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["serve", "--model-repository"])
+        .arg(&repo)
+        .args(["--address", "127.0.0.1", "--http-port", "0", "--no-grpc"])
+        .args(["--allow-metrics", "false", "--repository-poll-secs", "0"])
+        .env("COHORT_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        line.starts_with("cohort serve: HTTP on 127.0.0.1:"),
+        "{line:?}"
+    );
+    assert!(
+        !line.contains("metrics") && !line.contains("gRPC"),
+        "{line:?}"
+    );
+    let bad = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["serve", "--model-repository"])
+        .arg(&repo)
+        .args(["--allow-metrics", "maybe"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--allow-metrics"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 }

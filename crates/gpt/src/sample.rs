@@ -413,6 +413,21 @@ pub fn generate(
     opts: &SampleOptions,
     mut on_token: impl FnMut(u32),
 ) -> Result<Vec<u32>, SampleError> {
+    generate_while(model, prompt, opts, |id| {
+        on_token(id);
+        std::ops::ControlFlow::Continue(())
+    })
+}
+
+/// [`generate`], stopped early when `on_token` breaks: the tokens up to and including the one
+/// it broke on are returned, and no further decode step runs (a server stops a generation whose
+/// client went away this way, within one step).
+pub fn generate_while(
+    model: &GPT,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
+) -> Result<Vec<u32>, SampleError> {
     if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
         return Err(SampleError::BadTemperature(opts.temperature));
     }
@@ -433,8 +448,7 @@ pub fn generate(
         let next = sample_token(&logits, opts, &mut rng, &mut scratch);
         out.push(next);
         seq.push(next);
-        on_token(next);
-        if i + 1 == opts.max_new_tokens {
+        if on_token(next).is_break() || i + 1 == opts.max_new_tokens {
             break;
         }
         let fed = if decoder.len() < max_t {
@@ -492,6 +506,29 @@ mod tests {
             seq.push(next);
         }
         (out, all_logits)
+    }
+
+    #[test]
+    fn generate_while_stops_on_the_token_it_breaks_on() {
+        let model = peaked(tiny(13, true, false), 4);
+        let opts = SampleOptions {
+            max_new_tokens: 20,
+            temperature: 0.8,
+            top_k: None,
+            seed: 9,
+        };
+        let all = generate(&model, &[1, 2], &opts, |_| {}).unwrap();
+        let mut calls = 0;
+        let cut = generate_while(&model, &[1, 2], &opts, |_| {
+            calls += 1;
+            if calls == 5 {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        })
+        .unwrap();
+        assert_eq!((calls, &cut[..]), (5, &all[..5]));
     }
 
     #[test]

@@ -2,9 +2,13 @@
 //! text) or `REPO/<model>/config.toml` (the same fields in TOML). Only Triton's fields that mean
 //! something for a cohort GPT are read: `name`, `max_batch_size`, `dynamic_batching`
 //! (`preferred_batch_size`, `max_queue_delay_microseconds`, `default_queue_policy.max_queue_size`),
-//! `instance_group` (`count`, `kind`) and `version_policy`; others Triton writes (`platform`,
-//! `backend`, `input`, `output`, ...) are accepted and ignored with a warning. A misspelt field
-//! inside a known section is an error. This module never loads a model.
+//! `instance_group` (`count`, `kind`), `version_policy`, and `input` / `output`, which must name
+//! the model's own tensors (`input_ids`; `logits`, `next_token`) with their types: a config that
+//! declares a tensor cohort does not have is refused at load, naming it. Other fields Triton
+//! writes (`platform`, `backend`, ...) are accepted and ignored with a warning. A misspelt field
+//! inside a known section is an error. A configuration can also come as JSON (Triton's
+//! `load_model(config=...)` override), where an unused field is refused instead of ignored. This
+//! module never loads a model.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -54,9 +58,82 @@ pub struct ModelConfig {
     /// Which versions of the repository directory are served.
     #[serde(default)]
     pub version_policy: VersionPolicy,
+    /// Triton's input declarations; each must be one of the model's inputs.
+    #[serde(default, skip_serializing)]
+    pub input: Vec<TensorConfig>,
+    /// Triton's output declarations; each must be one of the model's outputs.
+    #[serde(default, skip_serializing)]
+    pub output: Vec<TensorConfig>,
     /// Triton fields cohort does not use, kept to report them.
     #[serde(flatten, skip_serializing)]
     pub ignored: BTreeMap<String, serde_json::Value>,
+}
+
+/// A tensor of Triton's `input` / `output` sections. Triton's configs describe a tensor without
+/// its batch dimension: `input_ids` is `dims: [-1]` (the sequence), `logits` `[-1, vocab]`,
+/// `next_token` `[1]` (Triton allows no empty dims; `reshape { shape: [] }` may say so).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorConfig {
+    /// The tensor's name.
+    pub name: String,
+    /// Triton's type name (`TYPE_INT64`, `TYPE_FP32`); absent: not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_type: Option<String>,
+    /// The shape without the batch dimension; -1 for any size. Empty: not checked.
+    #[serde(default)]
+    pub dims: Vec<i64>,
+    /// Accepted as Triton writes it; it changes nothing here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reshape: Option<serde_json::Value>,
+}
+
+/// The model's tensors as config sections name them: (name, Triton type, dims rank).
+const INPUTS: &[(&str, &str, usize)] = &[(crate::tensor::INPUT_IDS, "TYPE_INT64", 1)];
+const OUTPUTS: &[(&str, &str, usize)] = &[
+    (crate::tensor::LOGITS, "TYPE_FP32", 2),
+    (crate::tensor::NEXT_TOKEN, "TYPE_INT64", 1),
+];
+
+/// Checks `section`'s entries against the model's tensors `known`.
+fn check_tensors(
+    section: &str,
+    entries: &[TensorConfig],
+    known: &[(&str, &str, usize)],
+) -> Result<(), String> {
+    let names = || {
+        known
+            .iter()
+            .map(|(n, ..)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for (i, t) in entries.iter().enumerate() {
+        let Some(&(_, ty, rank)) = known.iter().find(|(n, ..)| *n == t.name) else {
+            return Err(format!(
+                "{section} {:?} is not a tensor of cohort's GPT models (they have {})",
+                t.name,
+                names()
+            ));
+        };
+        if entries[..i].iter().any(|o| o.name == t.name) {
+            return Err(format!("{section} {:?} is declared twice", t.name));
+        }
+        if let Some(dt) = t.data_type.as_deref().filter(|&d| d != ty) {
+            return Err(format!(
+                "{section} {:?} has data_type {dt}; the model's is {ty}",
+                t.name
+            ));
+        }
+        if !t.dims.is_empty() && t.dims.len() != rank {
+            return Err(format!(
+                "{section} {:?} has dims {:?}; the model's has {rank} dimension(s) besides the \
+                 batch",
+                t.name, t.dims
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn default_max_batch_size() -> usize {
@@ -168,6 +245,8 @@ impl Default for ModelConfig {
             dynamic_batching: None,
             instance_group: Vec::new(),
             version_policy: VersionPolicy::default(),
+            input: Vec::new(),
+            output: Vec::new(),
             ignored: BTreeMap::new(),
         }
     }
@@ -211,7 +290,63 @@ impl ModelConfig {
         }
     }
 
+    /// Parses a configuration given as JSON (Triton's `load_model(config=...)`), as Triton's
+    /// clients write it: protobuf's JSON, where 64-bit integers may be strings. Unlike a
+    /// config file, a field cohort would not use is an error, so that an override is never
+    /// accepted and then silently not applied.
+    pub fn from_json(text: &str, model: &str) -> Result<ModelConfig, ServeError> {
+        let path = PathBuf::from(format!("config override of {model}"));
+        let mut value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| config_err(&path, format!("JSON: {e}")))?;
+        integers_from_strings(&mut value);
+        let cfg: ModelConfig = serde_path_to_error::deserialize(value)
+            .map_err(|e| config_err(&path, format!("{}: {}", e.path(), e.inner())))?;
+        // what Triton writes that is true of every cohort model anyway
+        let harmless = |k: &str, v: &serde_json::Value| match k {
+            "platform" => v.as_str() == Some(crate::PLATFORM),
+            "backend" => v.as_str().is_some_and(|b| b.is_empty() || b == "cohort"),
+            _ => false,
+        };
+        if let Some((k, v)) = cfg.ignored.iter().find(|(k, v)| !harmless(k, v)) {
+            return Err(config_err(
+                &path,
+                format!(
+                    "field {k} ({v}) is not supported by cohort; an override may set name, \
+                     max_batch_size, dynamic_batching, instance_group, version_policy, input, \
+                     output (platform {:?})",
+                    crate::PLATFORM
+                ),
+            ));
+        }
+        let unused = |what: &str, ignored: &BTreeMap<String, serde_json::Value>| {
+            ignored.keys().next().map(|k| {
+                config_err(
+                    &path,
+                    format!("field {what}.{k} is not supported by cohort"),
+                )
+            })
+        };
+        if let Some(e) = cfg
+            .dynamic_batching
+            .as_ref()
+            .and_then(|d| d.default_queue_policy.as_ref())
+            .and_then(|q| unused("dynamic_batching.default_queue_policy", &q.ignored))
+        {
+            return Err(e);
+        }
+        if let Some(e) = cfg
+            .instance_group
+            .iter()
+            .find_map(|g| unused("instance_group", &g.ignored))
+        {
+            return Err(e);
+        }
+        cfg.validate(&path)
+    }
+
     fn validate(self, path: &Path) -> Result<ModelConfig, ServeError> {
+        check_tensors("input", &self.input, INPUTS).map_err(|e| config_err(path, e))?;
+        check_tensors("output", &self.output, OUTPUTS).map_err(|e| config_err(path, e))?;
         if self.max_batch_size == 0 {
             return Err(config_err(
                 path,
@@ -295,6 +430,45 @@ impl ModelConfig {
     /// Names of the top-level fields that were read but are not used.
     pub fn ignored_fields(&self) -> Vec<&str> {
         self.ignored.keys().map(String::as_str).collect()
+    }
+}
+
+/// Protobuf's JSON writes 64-bit integers as strings (`"max_queue_delay_microseconds": "100"`);
+/// turns those of the integer fields cohort reads back into numbers.
+fn integers_from_strings(v: &mut serde_json::Value) {
+    const INTEGER_FIELDS: &[&str] = &[
+        "max_batch_size",
+        "preferred_batch_size",
+        "max_queue_delay_microseconds",
+        "max_queue_size",
+        "count",
+        "num_versions",
+        "versions",
+        "dims",
+    ];
+    fn number(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::String(s) => {
+                if let Ok(n) = s.parse::<i64>() {
+                    *v = n.into();
+                }
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(number),
+            _ => {}
+        }
+    }
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m.iter_mut() {
+                if INTEGER_FIELDS.contains(&k.as_str()) {
+                    number(x);
+                } else {
+                    integers_from_strings(x);
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(integers_from_strings),
+        _ => {}
     }
 }
 
@@ -418,5 +592,88 @@ mod tests {
         std::fs::write(dir.path().join(TOML_FILE), "max_batch_size = 2").unwrap();
         let err = ModelConfig::load(dir.path()).unwrap_err().to_string();
         assert!(err.contains("both"), "{err}");
+    }
+
+    #[test]
+    fn input_and_output_sections_must_name_the_models_tensors() {
+        let ok = r#"
+            max_batch_size: 4
+            input [ { name: "input_ids" data_type: TYPE_INT64 dims: [ -1 ] } ]
+            output [
+              { name: "logits" data_type: TYPE_FP32 dims: [ -1, 50257 ] },
+              { name: "next_token" data_type: TYPE_INT64 dims: [ 1 ] reshape: { shape: [ ] } }
+            ]
+        "#;
+        let cfg = ModelConfig::from_pbtxt(ok, Path::new("m/config.pbtxt")).unwrap();
+        assert_eq!(cfg.input[0].name, "input_ids");
+        assert_eq!(cfg.output.len(), 2);
+        assert!(cfg.ignored_fields().is_empty());
+        for (text, needle) in [
+            (
+                "input [ { name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 16 ] } ]",
+                "input \"INPUT0\" is not a tensor of cohort's GPT models (they have input_ids)",
+            ),
+            (
+                "output { name: \"probs\" }",
+                "output \"probs\" is not a tensor",
+            ),
+            (
+                "input { name: \"input_ids\" data_type: TYPE_INT32 }",
+                "data_type TYPE_INT32; the model's is TYPE_INT64",
+            ),
+            (
+                "output { name: \"logits\" dims: [ 3, 4, 5 ] }",
+                "has 2 dimension(s)",
+            ),
+            (
+                "input { name: \"input_ids\" format: FORMAT_NCHW }",
+                "format",
+            ),
+            (
+                "output [ { name: \"logits\" }, { name: \"logits\" } ]",
+                "declared twice",
+            ),
+        ] {
+            let err = ModelConfig::from_pbtxt(text, Path::new("m/config.pbtxt"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_json_override_is_read_as_triton_writes_it_and_refuses_what_it_cannot_honour() {
+        let cfg = ModelConfig::from_json(
+            r#"{"name": "m", "platform": "cohort_gpt", "max_batch_size": "2",
+                "dynamic_batching": {"preferred_batch_size": [2],
+                                     "max_queue_delay_microseconds": "1500"},
+                "instance_group": [{"count": 3, "kind": "KIND_CPU"}]}"#,
+            "m",
+        )
+        .unwrap();
+        assert_eq!(cfg.max_batch_size, 2);
+        assert_eq!(cfg.instance_count(), 3);
+        assert_eq!(cfg.max_queue_delay(), Duration::from_micros(1500));
+        for (text, needle) in [
+            (r#"{"backend": "onnxruntime"}"#, "field backend"),
+            (r#"{"sequence_batching": {}}"#, "field sequence_batching"),
+            (
+                r#"{"instance_group": [{"count": 1, "gpus": [0]}]}"#,
+                "field instance_group.gpus",
+            ),
+            (
+                r#"{"dynamic_batching": {"default_queue_policy": {"timeout_action": 1}}}"#,
+                "default_queue_policy.timeout_action",
+            ),
+            (r#"{"max_batch_size": 0}"#, "at least 1"),
+            (r#"{"input": [{"name": "x"}]}"#, "input \"x\""),
+            (r#"{"max_batch_size": "#, "JSON"),
+        ] {
+            let err = ModelConfig::from_json(text, "m").unwrap_err().to_string();
+            assert!(
+                err.contains(needle) && err.contains("config override of m"),
+                "{text}: {err}"
+            );
+        }
     }
 }

@@ -1,11 +1,17 @@
 //! The HTTP front end: KServe v2 / Triton's REST protocol on axum. Health, server and model
 //! metadata, model readiness and config, inference (JSON tensors, and Triton's binary tensor
 //! extension that `tritonclient.http` uses by default), the generate extension with its
-//! server-sent-events stream, the model repository API, and `/metrics`.
+//! server-sent-events stream, the model repository API, the statistics extension, and
+//! `/metrics` (also served alone on the metrics port, [`metrics_router`]).
+//!
+//! Request bodies may be gzip- or deflate-compressed (`Content-Encoding`); answers are
+//! compressed when `Accept-Encoding` asks for gzip or deflate (not the event stream, which
+//! must flow piece by piece). A stream whose client went away stops its generation.
 //!
 //! Every failure is a JSON body `{"error": "..."}` with the status of [`ErrorKind`]; a handler
-//! never panics on input. Bodies are read up to a fixed limit (413 past it). This module never
-//! runs a model: it parses, asks the repository for a version, queues, and encodes the answer.
+//! never panics on input. Bodies are read up to a fixed limit, which also bounds what a
+//! compressed body may inflate to (413 past it). This module never runs a model: it parses,
+//! asks the repository for a version, queues, and encodes the answer.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -13,8 +19,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::io::Read;
+
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
@@ -24,10 +32,11 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::error::{ErrorKind, ServeError};
+use crate::metrics::statistics_json;
 use crate::model::LoadedVersion;
 use crate::tensor::{self, single_input, InputData, Output, Wanted};
 use crate::text::Detokenizer;
-use crate::{generate_options, metadata, AppState, SERVER_NAME};
+use crate::{config_json, generate_options, metadata, AppState, SERVER_NAME};
 
 /// The header carrying the JSON part's length in the binary tensor extension.
 const HEADER_LEN: &str = "inference-header-content-length";
@@ -38,6 +47,12 @@ pub(crate) fn router(app: Arc<AppState>) -> Router {
         .route("/v2", get(server_metadata))
         .route("/v2/health/live", get(live))
         .route("/v2/health/ready", get(ready))
+        .route("/v2/models/stats", get(statistics))
+        .route("/v2/models/{model}/stats", get(statistics))
+        .route(
+            "/v2/models/{model}/versions/{version}/stats",
+            get(statistics),
+        )
         .route("/v2/models/{model}", get(model_metadata))
         .route("/v2/models/{model}/versions/{version}", get(model_metadata))
         .route("/v2/models/{model}/ready", get(model_ready))
@@ -70,6 +85,19 @@ pub(crate) fn router(app: Arc<AppState>) -> Router {
         )
         .route("/metrics", get(metrics))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn(compress_response))
+        .with_state(app)
+}
+
+/// The metrics port's router: `/metrics` only, as Triton's port 8002.
+pub(crate) fn metrics_router(app: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            HttpError(ServeError::malformed(
+                "no such endpoint (the metrics port serves /metrics only)",
+            ))
+        })
         .with_state(app)
 }
 
@@ -172,16 +200,18 @@ async fn model_ready(State(app): State<Arc<AppState>>, Path(p): Params) -> Resul
 
 async fn model_config(State(app): State<Arc<AppState>>, Path(p): Params) -> Result<Json<Value>> {
     let lv = app.repo.resolve(model_of(&p), version_of(&p))?;
-    let cfg = app.repo.config(model_of(&p))?;
-    let mut v = serde_json::to_value(&*cfg).map_err(|e| ServeError::malformed(e.to_string()))?;
-    v["name"] = json!(lv.model);
-    v["platform"] = json!(crate::PLATFORM);
-    v["input"] = json!([{"name": tensor::INPUT_IDS, "data_type": "TYPE_INT64", "dims": [-1]}]);
-    v["output"] = json!([
-        {"name": tensor::LOGITS, "data_type": "TYPE_FP32", "dims": [-1, lv.limits.vocab]},
-        {"name": tensor::NEXT_TOKEN, "data_type": "TYPE_INT64", "dims": [1]},
-    ]);
-    Ok(Json(v))
+    Ok(Json(config_json(&crate::model_config(&lv))))
+}
+
+async fn statistics(State(app): State<Arc<AppState>>, Path(p): Params) -> Result<Json<Value>> {
+    let model = p.get("model").map(String::as_str);
+    let stats: Vec<_> = app
+        .repo
+        .served(model, version_of(&p))?
+        .iter()
+        .map(|lv| lv.metrics.statistics(&lv.model, lv.version))
+        .collect();
+    Ok(Json(statistics_json(&stats)))
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
@@ -198,17 +228,152 @@ async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
 /// still sending, receives the 413 instead of a reset connection.
 const DRAIN_BYTES: u64 = 64 << 20;
 
-/// The body, refused past `limit` bytes.
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<axum::body::Bytes> {
-    use tokio_stream::StreamExt;
-    if let Some(enc) = headers.get(header::CONTENT_ENCODING) {
-        if enc.as_bytes() != b"identity" {
-            return Err(ServeError::malformed(format!(
-                "Content-Encoding {enc:?} is not supported; send the body uncompressed"
-            ))
-            .into());
+/// A compression the protocol's clients use: tritonclient's `request_compression_algorithm`
+/// and `response_compression_algorithm` ("gzip", "deflate"; HTTP's deflate is the zlib format).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coding {
+    Gzip,
+    Deflate,
+}
+
+impl Coding {
+    fn name(self) -> &'static str {
+        match self {
+            Coding::Gzip => "gzip",
+            Coding::Deflate => "deflate",
         }
     }
+}
+
+/// The body's `Content-Encoding`: None for identity; an error naming an unsupported one.
+fn content_coding(headers: &HeaderMap) -> std::result::Result<Option<Coding>, ServeError> {
+    let Some(enc) = headers.get(header::CONTENT_ENCODING) else {
+        return Ok(None);
+    };
+    match enc
+        .to_str()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase()
+        .as_str()
+    {
+        "" | "identity" => Ok(None),
+        "gzip" | "x-gzip" => Ok(Some(Coding::Gzip)),
+        "deflate" => Ok(Some(Coding::Deflate)),
+        _ => Err(ServeError::malformed(format!(
+            "Content-Encoding {enc:?} is not supported (gzip, deflate or identity)"
+        ))),
+    }
+}
+
+/// Inflates `body`, refusing (413) what inflates past `limit` bytes without inflating more.
+fn inflate(body: &[u8], coding: Coding, limit: usize) -> std::result::Result<Vec<u8>, ServeError> {
+    let reader: Box<dyn Read + '_> = match coding {
+        Coding::Gzip => Box::new(flate2::read::MultiGzDecoder::new(body)),
+        Coding::Deflate => Box::new(flate2::read::ZlibDecoder::new(body)),
+    };
+    let mut out = Vec::new();
+    reader
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| {
+            ServeError::malformed(format!("the {} body does not inflate: {e}", coding.name()))
+        })?;
+    if out.len() > limit {
+        return Err(ServeError::BodyTooLarge { limit });
+    }
+    Ok(out)
+}
+
+/// The body, inflated if it is compressed, refused past `limit` bytes (either way).
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<axum::body::Bytes> {
+    let coding = content_coding(headers)?;
+    let raw = read_raw_body(headers, body, limit).await?;
+    match coding {
+        None => Ok(raw),
+        Some(c) => Ok(inflate(&raw, c, limit)?.into()),
+    }
+}
+
+/// Which compression the client accepts for the answer, by `Accept-Encoding` (gzip first).
+fn accepted_coding(headers: &HeaderMap) -> Option<Coding> {
+    let mut best: Option<Coding> = None;
+    for v in headers.get_all(header::ACCEPT_ENCODING) {
+        for item in v.to_str().unwrap_or("").split(',') {
+            let mut parts = item.split(';');
+            let name = parts.next().unwrap_or("").trim().to_ascii_lowercase();
+            // "gzip;q=0" refuses gzip
+            let refused = parts.any(|p| {
+                p.trim()
+                    .strip_prefix("q=")
+                    .and_then(|q| q.trim().parse::<f32>().ok())
+                    == Some(0.0)
+            });
+            let c = match name.as_str() {
+                "gzip" | "x-gzip" => Coding::Gzip,
+                "deflate" => Coding::Deflate,
+                _ => continue,
+            };
+            if !refused && best != Some(Coding::Gzip) {
+                best = Some(c);
+            }
+        }
+    }
+    best
+}
+
+/// Compresses an answer the client accepts compressed. Event streams pass untouched: they
+/// must reach the client piece by piece.
+async fn compress_response(req: Request, next: axum::middleware::Next) -> Response {
+    let coding = accepted_coding(req.headers());
+    let resp = next.run(req).await;
+    let Some(coding) = coding else { return resp };
+    let h = resp.headers();
+    let streaming = h
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"text/event-stream"));
+    if streaming || h.contains_key(header::CONTENT_ENCODING) {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    // answers other than the event stream are complete bodies already in memory
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(b) => b,
+        Err(e) => {
+            return HttpError(ServeError::malformed(format!("encoding the answer: {e}")))
+                .into_response()
+        }
+    };
+    use std::io::Write;
+    let level = flate2::Compression::fast();
+    let packed = match coding {
+        Coding::Gzip => {
+            let mut w = flate2::write::GzEncoder::new(Vec::new(), level);
+            w.write_all(&bytes).and_then(|()| w.finish())
+        }
+        Coding::Deflate => {
+            let mut w = flate2::write::ZlibEncoder::new(Vec::new(), level);
+            w.write_all(&bytes).and_then(|()| w.finish())
+        }
+    };
+    let Ok(packed) = packed else {
+        // writing into memory does not fail; should it, the plain answer is still right
+        return Response::from_parts(parts, Body::from(bytes));
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.insert(
+        header::CONTENT_ENCODING,
+        HeaderValue::from_static(coding.name()),
+    );
+    parts
+        .headers
+        .append(header::VARY, HeaderValue::from_static("accept-encoding"));
+    Response::from_parts(parts, Body::from(packed))
+}
+
+/// The body as sent, refused past `limit` bytes.
+async fn read_raw_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<axum::body::Bytes> {
+    use tokio_stream::StreamExt;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -579,14 +744,29 @@ async fn generate_stream(
             });
             Ok(Event::default().data(v.to_string()))
         };
-        while let Some(id) = tokens.recv().await {
+        let mut done = done;
+        loop {
+            let id = tokio::select! {
+                id = tokens.recv() => id,
+                // the client went away (the server dropped the event stream)
+                _ = tx.closed() => None,
+            };
+            let Some(id) = id else { break };
             let piece = detok.push(id);
-            // a client that left stops receiving; the generation itself runs to its end
             if !piece.is_empty() && tx.send(event(&piece)).await.is_err() {
                 break;
             }
         }
-        let out = done.await.unwrap_or_else(|_| Err(lv.lost()));
+        if tx.is_closed() {
+            // dropping the receivers stops the generation after its current step; the
+            // instance counts it as cancelled, unless it had finished anyway
+            drop(tokens);
+            if let Ok(out) = done.try_recv() {
+                lv.account(&out, start);
+            }
+            return;
+        }
+        let out = (&mut done).await.unwrap_or_else(|_| Err(lv.lost()));
         lv.account(&out, start);
         match out {
             Ok(_) => {
@@ -625,9 +805,44 @@ async fn repository_index(
     Ok(Json(json!(app.repo.index(req.ready))))
 }
 
-async fn repository_load(State(app): State<Arc<AppState>>, Path(p): Params) -> Result<Json<Value>> {
+/// A repository load request: Triton's `{"parameters": {"config": "<JSON>"}}`, or nothing.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct LoadRequest {
+    #[serde(default)]
+    parameters: Map<String, Value>,
+}
+
+async fn repository_load(
+    State(app): State<Arc<AppState>>,
+    Path(p): Params,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<Value>> {
+    let body = read_body(&headers, body, app.max_body_bytes).await?;
+    let req: LoadRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        LoadRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ServeError::malformed(format!("repository load request: {e}")))?
+    };
+    let mut config = None;
+    for (k, v) in &req.parameters {
+        match (k.as_str(), v) {
+            ("config", Value::String(c)) => config = Some(c.clone()),
+            ("config", other) => {
+                return Err(
+                    ServeError::parameter(k, format!("{other} is not a string of JSON")).into(),
+                )
+            }
+            _ => return Err(crate::unsupported_load_parameter(k).into()),
+        }
+    }
+    let override_cfg = config
+        .map(|c| crate::config::ModelConfig::from_json(&c, model_of(&p)))
+        .transpose()?;
     let (repo, model) = (app.repo.clone(), model_of(&p).to_string());
-    tokio::task::spawn_blocking(move || repo.load(&model))
+    tokio::task::spawn_blocking(move || repo.load(&model, override_cfg))
         .await
         .map_err(|e| ServeError::malformed(format!("load task failed: {e}")))??;
     Ok(Json(json!({})))

@@ -6,10 +6,15 @@
 //! new versions, and answers:
 //!
 //! - HTTP (axum): `/v2/health/{live,ready}`, `/v2`, `/v2/models/<m>[/versions/<v>]` (metadata,
-//!   `/ready`, `/config`, `/infer`), `/v2/models/<m>/generate` and `/generate_stream` (server-sent
-//!   events), `/v2/repository/{index, models/<m>/load, models/<m>/unload}`, `/metrics`.
+//!   `/ready`, `/config`, `/infer`, `/stats`), `/v2/models/stats`, `/v2/models/<m>/generate` and
+//!   `/generate_stream` (server-sent events), `/v2/repository/{index, models/<m>/load,
+//!   models/<m>/unload}` (load may carry a JSON configuration override), `/metrics`; gzip and
+//!   deflate bodies both ways.
 //! - gRPC (tonic, `inference.GRPCInferenceService`): ServerLive, ServerReady, ServerMetadata,
-//!   ModelReady, ModelMetadata, ModelInfer, RepositoryIndex, RepositoryModelLoad / Unload.
+//!   ModelReady, ModelMetadata, ModelConfig, ModelStatistics, ModelInfer, ModelStreamInfer,
+//!   RepositoryIndex, RepositoryModelLoad / Unload; gzip and deflate messages; the caller's
+//!   deadline is enforced (DEADLINE_EXCEEDED).
+//! - Metrics (Prometheus text) alone on their own port, as Triton's 8002.
 //!
 //! A model takes one input, `input_ids` (INT64 `[batch, seq]`), and returns `logits` (FP32
 //! `[batch, seq, vocab]`) and `next_token` (INT64 `[batch]`, the argmax after each row). Requests
@@ -50,7 +55,8 @@ pub mod proto {
 }
 
 pub use config::{
-    DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, VersionPolicy, PBTXT_FILE, TOML_FILE,
+    DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorConfig, VersionPolicy,
+    PBTXT_FILE, TOML_FILE,
 };
 pub use error::{ErrorKind, ServeError};
 pub use metrics::{Metrics, VersionMetrics};
@@ -64,7 +70,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cohort_gpt::sample::SampleOptions;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 
 use crate::model::{BuildOptions, LoadedVersion};
@@ -75,7 +81,13 @@ pub const SERVER_NAME: &str = "cohort";
 /// The `platform` of every model.
 pub const PLATFORM: &str = "cohort_gpt";
 /// The KServe / Triton protocol extensions served.
-pub const EXTENSIONS: &[&str] = &["binary_tensor_data", "model_repository", "generate"];
+pub const EXTENSIONS: &[&str] = &[
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "generate",
+];
 /// Most tokens one generate request may ask for.
 pub const MAX_GENERATE_TOKENS: usize = 4096;
 
@@ -88,6 +100,9 @@ pub struct ServerOptions {
     pub http: SocketAddr,
     /// gRPC listen address; None: no gRPC endpoint.
     pub grpc: Option<SocketAddr>,
+    /// Metrics listen address (`/metrics` only); None: no metrics port. The HTTP port serves
+    /// `/metrics` either way.
+    pub metrics: Option<SocketAddr>,
     /// How often to rescan the repository; None: only at start and on API calls.
     pub poll_interval: Option<Duration>,
     /// Models to load at start (and to pick up while polling); None: every model directory.
@@ -104,12 +119,14 @@ pub struct ServerOptions {
 }
 
 impl ServerOptions {
-    /// Triton's default ports (HTTP 8000, gRPC 8001) on all interfaces, polling every 2 s.
+    /// Triton's default ports (HTTP 8000, gRPC 8001, metrics 8002) on all interfaces, polling
+    /// every 2 s.
     pub fn new(repository: PathBuf) -> ServerOptions {
         ServerOptions {
             repository,
             http: SocketAddr::from(([0, 0, 0, 0], 8000)),
             grpc: Some(SocketAddr::from(([0, 0, 0, 0], 8001))),
+            metrics: Some(SocketAddr::from(([0, 0, 0, 0], 8002))),
             poll_interval: Some(Duration::from_secs(2)),
             load_models: None,
             max_body_bytes: 16 << 20,
@@ -119,11 +136,12 @@ impl ServerOptions {
         }
     }
 
-    /// Both endpoints on loopback ports the OS picks (tests, benchmarks).
+    /// Every endpoint on loopback ports the OS picks (tests, benchmarks).
     pub fn loopback(repository: PathBuf) -> ServerOptions {
         ServerOptions {
             http: SocketAddr::from(([127, 0, 0, 1], 0)),
             grpc: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            metrics: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
             ..ServerOptions::new(repository)
         }
     }
@@ -143,6 +161,7 @@ pub struct Server {
     app: Arc<AppState>,
     http_addr: SocketAddr,
     grpc_addr: Option<SocketAddr>,
+    metrics_addr: Option<SocketAddr>,
     stop: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -180,32 +199,39 @@ impl Server {
         });
         let (stop, stopped) = watch::channel(false);
         let mut tasks = Vec::new();
-        let (http_addr, grpc_addr) = runtime.block_on(async {
-            let http = tokio::net::TcpListener::bind(opts.http)
-                .await
-                .map_err(|source| ServeError::Bind {
-                    what: "HTTP",
-                    addr: opts.http,
-                    source,
-                })?;
-            let http_addr = http.local_addr().map_err(|source| ServeError::Bind {
-                what: "HTTP",
-                addr: opts.http,
-                source,
-            })?;
-            let router = http::router(app.clone());
-            let mut rx = stopped.clone();
-            tasks.push(tokio::spawn(async move {
-                let shutdown = async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                };
-                if let Err(e) = axum::serve(http, router)
-                    .with_graceful_shutdown(shutdown)
-                    .await
-                {
-                    tracing::error!(error = %e, "HTTP server failed");
+        let (http_addr, grpc_addr, metrics_addr) = runtime.block_on(async {
+            let serve_http = |what: &'static str, addr: SocketAddr, router: axum::Router| {
+                let mut rx = stopped.clone();
+                async move {
+                    let bind_err = |source| ServeError::Bind { what, addr, source };
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .map_err(bind_err)?;
+                    let bound = listener.local_addr().map_err(bind_err)?;
+                    let task = tokio::spawn(async move {
+                        let shutdown = async move {
+                            let _ = rx.wait_for(|s| *s).await;
+                        };
+                        if let Err(e) = axum::serve(listener, router)
+                            .with_graceful_shutdown(shutdown)
+                            .await
+                        {
+                            tracing::error!(error = %e, "{what} server failed");
+                        }
+                    });
+                    Ok::<_, ServeError>((bound, task))
                 }
-            }));
+            };
+            let (http_addr, task) =
+                serve_http("HTTP", opts.http, http::router(app.clone())).await?;
+            tasks.push(task);
+            let mut metrics_addr = None;
+            if let Some(addr) = opts.metrics {
+                let (bound, task) =
+                    serve_http("metrics", addr, http::metrics_router(app.clone())).await?;
+                metrics_addr = Some(bound);
+                tasks.push(task);
+            }
             let mut grpc_addr = None;
             if let Some(addr) = opts.grpc {
                 let listener = tokio::net::TcpListener::bind(addr)
@@ -220,9 +246,15 @@ impl Server {
                     addr,
                     source,
                 })?);
+                use tonic::codec::CompressionEncoding::{Deflate, Gzip};
+                // compressed answers go only to clients that announce they accept them
                 let svc = proto::grpc_inference_service_server::GrpcInferenceServiceServer::new(
                     grpc::Service { app: app.clone() },
                 )
+                .accept_compressed(Gzip)
+                .accept_compressed(Deflate)
+                .send_compressed(Gzip)
+                .send_compressed(Deflate)
                 .max_decoding_message_size(opts.max_body_bytes)
                 .max_encoding_message_size(usize::MAX);
                 let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -232,6 +264,7 @@ impl Server {
                         let _ = rx.wait_for(|s| *s).await;
                     };
                     if let Err(e) = tonic::transport::Server::builder()
+                        .layer(tower::layer::layer_fn(grpc::Protocol::new))
                         .add_service(svc)
                         .serve_with_incoming_shutdown(incoming, shutdown)
                         .await
@@ -256,16 +289,17 @@ impl Server {
                     }
                 }));
             }
-            Ok::<_, ServeError>((http_addr, grpc_addr))
+            Ok::<_, ServeError>((http_addr, grpc_addr, metrics_addr))
         })?;
         app.ready.store(true, Ordering::Release);
-        tracing::info!(http = %http_addr, grpc = ?grpc_addr,
+        tracing::info!(http = %http_addr, grpc = ?grpc_addr, metrics = ?metrics_addr,
             repository = %opts.repository.display(), "serving");
         Ok(Server {
             runtime,
             app,
             http_addr,
             grpc_addr,
+            metrics_addr,
             stop,
             tasks,
         })
@@ -279,6 +313,11 @@ impl Server {
     /// The bound gRPC address, if gRPC is served.
     pub fn grpc_addr(&self) -> Option<SocketAddr> {
         self.grpc_addr
+    }
+
+    /// The bound metrics address, if the metrics port is served.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_addr
     }
 
     /// The server's metrics (what `/metrics` renders).
@@ -399,6 +438,151 @@ pub(crate) fn metadata(lv: &LoadedVersion, versions: Vec<String>) -> ModelMeta {
             },
         ],
     }
+}
+
+/// The configuration `lv` is served with, as Triton's ModelConfig: what the config file (or a
+/// load override) says, with Triton's effective defaults filled in (the tensors, CPU instance
+/// groups). The HTTP `/config` answer is [`config_json`] of the same message, so both protocols
+/// always agree.
+pub(crate) fn model_config(lv: &LoadedVersion) -> proto::ModelConfig {
+    use proto::model_config::SchedulingChoice;
+    use proto::model_instance_group::Kind;
+    use proto::model_version_policy::{self as vp, PolicyChoice};
+    use proto::DataType;
+    let cfg = &lv.config;
+    let policy = match &cfg.version_policy {
+        VersionPolicy::Latest { num_versions } => PolicyChoice::Latest(vp::Latest {
+            num_versions: *num_versions,
+        }),
+        VersionPolicy::All {} => PolicyChoice::All(vp::All {}),
+        VersionPolicy::Specific { versions } => PolicyChoice::Specific(vp::Specific {
+            versions: versions.iter().map(|&v| v as i64).collect(),
+        }),
+    };
+    let counts: Vec<usize> = if cfg.instance_group.is_empty() {
+        vec![1]
+    } else {
+        cfg.instance_group.iter().map(|g| g.count).collect()
+    };
+    proto::ModelConfig {
+        name: lv.model.clone(),
+        platform: PLATFORM.into(),
+        backend: "cohort".into(),
+        version_policy: Some(proto::ModelVersionPolicy {
+            policy_choice: Some(policy),
+        }),
+        max_batch_size: cfg.max_batch_size as i32,
+        // without the batch dimension, as Triton writes a batching model's tensors
+        input: vec![proto::ModelInput {
+            name: INPUT_IDS.into(),
+            data_type: DataType::TypeInt64 as i32,
+            dims: vec![-1],
+        }],
+        output: vec![
+            proto::ModelOutput {
+                name: LOGITS.into(),
+                data_type: DataType::TypeFp32 as i32,
+                dims: vec![-1, lv.limits.vocab as i64],
+                reshape: None,
+            },
+            proto::ModelOutput {
+                name: NEXT_TOKEN.into(),
+                data_type: DataType::TypeInt64 as i32,
+                dims: vec![1],
+                reshape: Some(proto::ModelTensorReshape { shape: vec![] }),
+            },
+        ],
+        scheduling_choice: cfg.dynamic_batching.as_ref().map(|d| {
+            SchedulingChoice::DynamicBatching(proto::ModelDynamicBatching {
+                preferred_batch_size: d.preferred_batch_size.iter().map(|&p| p as i32).collect(),
+                max_queue_delay_microseconds: d.max_queue_delay_microseconds,
+                preserve_ordering: d.preserve_ordering,
+                default_queue_policy: d.default_queue_policy.as_ref().map(|q| {
+                    proto::ModelQueuePolicy {
+                        max_queue_size: q.max_queue_size as u32,
+                    }
+                }),
+            })
+        }),
+        instance_group: counts
+            .iter()
+            .enumerate()
+            .map(|(i, &count)| proto::ModelInstanceGroup {
+                name: format!("{}_{i}", lv.model),
+                kind: Kind::Cpu as i32,
+                count: count as i32,
+            })
+            .collect(),
+    }
+}
+
+/// Triton's HTTP JSON of a ModelConfig: the message's fields by their proto names.
+pub(crate) fn config_json(c: &proto::ModelConfig) -> Value {
+    use proto::model_config::SchedulingChoice;
+    use proto::model_version_policy::PolicyChoice;
+    let dtype = |t: i32| {
+        proto::DataType::try_from(t)
+            .unwrap_or(proto::DataType::TypeInvalid)
+            .as_str_name()
+    };
+    let policy = match c
+        .version_policy
+        .as_ref()
+        .and_then(|p| p.policy_choice.as_ref())
+    {
+        Some(PolicyChoice::Latest(l)) => json!({"latest": {"num_versions": l.num_versions}}),
+        Some(PolicyChoice::All(_)) => json!({"all": {}}),
+        Some(PolicyChoice::Specific(s)) => json!({"specific": {"versions": s.versions}}),
+        None => json!({}),
+    };
+    let mut v = json!({
+        "name": c.name,
+        "platform": c.platform,
+        "backend": c.backend,
+        "version_policy": policy,
+        "max_batch_size": c.max_batch_size,
+        "input": c.input.iter().map(|t| json!({
+            "name": t.name, "data_type": dtype(t.data_type), "dims": t.dims,
+        })).collect::<Vec<_>>(),
+        "output": c.output.iter().map(|t| {
+            let mut o = json!({"name": t.name, "data_type": dtype(t.data_type), "dims": t.dims});
+            if let Some(r) = &t.reshape {
+                o["reshape"] = json!({"shape": r.shape});
+            }
+            o
+        }).collect::<Vec<_>>(),
+        "instance_group": c.instance_group.iter().map(|g| json!({
+            "name": g.name,
+            "kind": proto::model_instance_group::Kind::try_from(g.kind)
+                .unwrap_or(proto::model_instance_group::Kind::Auto)
+                .as_str_name(),
+            "count": g.count,
+        })).collect::<Vec<_>>(),
+    });
+    if let Some(SchedulingChoice::DynamicBatching(d)) = &c.scheduling_choice {
+        let mut db = json!({
+            "preferred_batch_size": d.preferred_batch_size,
+            "max_queue_delay_microseconds": d.max_queue_delay_microseconds,
+            "preserve_ordering": d.preserve_ordering,
+        });
+        if let Some(q) = &d.default_queue_policy {
+            db["default_queue_policy"] = json!({"max_queue_size": q.max_queue_size});
+        }
+        v["dynamic_batching"] = db;
+    }
+    v
+}
+
+/// A repository load parameter cohort does not take, refused by name (never ignored: an
+/// ignored parameter would load something other than what the caller asked for).
+pub(crate) fn unsupported_load_parameter(name: &str) -> ServeError {
+    let why = if name.starts_with("file:") {
+        "override files are not supported; put the checkpoint in the repository's version \
+         directory and pass the configuration as the config parameter"
+    } else {
+        "unknown; load takes config (a JSON model configuration)"
+    };
+    ServeError::parameter(name, why)
 }
 
 /// The sampling options of a generate request's parameters, with `cohort sample`'s defaults

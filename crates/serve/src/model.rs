@@ -2,8 +2,10 @@
 //! a copy of the parameters and its own engine thread pool) serving one [`Queue`], the text
 //! codec for generation, and its metrics. Submitting never blocks; dropping the last handle
 //! closes the queue, and the instances finish every queued request before they exit, so a
-//! version swapped out while serving loses nothing in flight. This module never parses a
-//! request off the wire.
+//! version swapped out while serving loses nothing in flight. A request whose caller stopped
+//! waiting (client gone, deadline passed) is not executed, and a generation whose token
+//! receiver is gone stops after the current decode step, freeing its instance. This module
+//! never parses a request off the wire.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -12,14 +14,14 @@ use std::time::{Instant, SystemTime};
 
 use cohort_engine::cpu::Cpu;
 use cohort_gpt::checkpoint::{self, MODEL_FILE};
-use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_gpt::sample::{generate_while, SampleOptions};
 use cohort_gpt::GPT;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
 use crate::config::ModelConfig;
 use crate::error::ServeError;
-use crate::metrics::{Failure, VersionMetrics};
+use crate::metrics::{Failure, Phases, VersionMetrics};
 use crate::tensor::{InferResult, Limits, TokenBatch, Wanted};
 use crate::text::TextCodec;
 
@@ -69,6 +71,8 @@ pub(crate) struct LoadedVersion {
     pub text: Result<TextCodec, String>,
     pub metrics: Arc<VersionMetrics>,
     pub instances: usize,
+    /// The configuration it was loaded with.
+    pub config: Arc<ModelConfig>,
     queue: Arc<Queue>,
 }
 
@@ -86,7 +90,7 @@ impl LoadedVersion {
         model: &str,
         version: u64,
         version_dir: &Path,
-        cfg: &ModelConfig,
+        cfg: &Arc<ModelConfig>,
         opts: BuildOptions,
         metrics: Arc<VersionMetrics>,
     ) -> Result<LoadedVersion, ServeError> {
@@ -156,6 +160,7 @@ impl LoadedVersion {
             text: TextCodec::load(&dir),
             metrics,
             instances: count,
+            config: cfg.clone(),
             queue,
         })
     }
@@ -251,9 +256,21 @@ fn run_instance(mut gpt: GPT, queue: &Queue, metrics: &VersionMetrics, model: &s
     while let Some(work) = queue.next() {
         let started = Instant::now();
         match work {
-            Work::Infer(jobs) => {
+            Work::Infer(mut jobs) => {
                 for j in &jobs {
                     metrics.dequeued(started - j.enqueued);
+                }
+                // a caller that stopped waiting (client gone, deadline passed) gets nothing:
+                // running its rows would only delay the others
+                jobs.retain(|j| {
+                    let gone = j.reply.is_closed();
+                    if gone {
+                        metrics.failure(Failure::Cancelled, j.enqueued.elapsed());
+                    }
+                    !gone
+                });
+                if jobs.is_empty() {
+                    continue;
                 }
                 let rows: usize = jobs.iter().map(|j| j.input.batch).sum();
                 let seq = jobs[0].input.seq;
@@ -261,28 +278,20 @@ fn run_instance(mut gpt: GPT, queue: &Queue, metrics: &VersionMetrics, model: &s
                 for j in &jobs {
                     ids.extend_from_slice(&j.input.ids);
                 }
+                let gathered = Instant::now();
                 // a panicking kernel must not take the instance (and every later request) down
                 let ran = catch_unwind(AssertUnwindSafe(|| {
                     gpt.forward(&ids, None, None, rows, seq)
                 }));
-                let compute = started.elapsed();
+                let inferred = Instant::now();
                 let logits = match ran {
                     Ok(Ok(_)) => Ok(gpt.logits()),
                     Ok(Err(e)) => Err(exec_err(e.to_string())),
                     Err(_) => Err(exec_err("the forward pass panicked".into())),
                 };
-                metrics.executed(rows, compute);
-                tracing::debug!(
-                    model,
-                    version,
-                    rows,
-                    seq,
-                    requests = jobs.len(),
-                    compute_us = compute.as_micros() as u64,
-                    "executed batch"
-                );
                 let vocab = gpt.config().vocab_size;
                 let mut row = 0;
+                let mut replies = Vec::with_capacity(jobs.len());
                 for j in jobs {
                     let out = match &logits {
                         Ok(l) => Ok(InferResult::from_logits(
@@ -295,21 +304,56 @@ fn run_instance(mut gpt: GPT, queue: &Queue, metrics: &VersionMetrics, model: &s
                         Err(e) => Err(exec_err(e.to_string())),
                     };
                     row += j.input.batch;
-                    // the client may have gone; nothing to do then
-                    let _ = j.reply.send(out);
+                    replies.push((j.reply, j.enqueued, out));
+                }
+                let phases = Phases {
+                    input: gathered - started,
+                    infer: inferred - gathered,
+                    output: inferred.elapsed(),
+                };
+                metrics.executed(rows, replies.len(), phases);
+                tracing::debug!(
+                    model,
+                    version,
+                    rows,
+                    seq,
+                    requests = replies.len(),
+                    compute_us = phases.infer.as_micros() as u64,
+                    "executed batch"
+                );
+                for (reply, enqueued, out) in replies {
+                    if reply.send(out).is_err() {
+                        metrics.failure(Failure::Cancelled, enqueued.elapsed());
+                    }
                 }
             }
             Work::Generate(job) => {
                 metrics.dequeued(started - job.enqueued);
-                let tokens = &job.tokens;
+                if job.tokens.is_closed() || job.done.is_closed() {
+                    metrics.failure(Failure::Cancelled, job.enqueued.elapsed());
+                    continue;
+                }
+                let (tokens, done) = (&job.tokens, &job.done);
                 let ran = catch_unwind(AssertUnwindSafe(|| {
-                    generate(&gpt, &job.prompt, &job.opts, |id| {
-                        let _ = tokens.send(id);
+                    generate_while(&gpt, &job.prompt, &job.opts, |id| {
+                        // nobody is listening any more: stop after this step
+                        if tokens.send(id).is_err() || done.is_closed() {
+                            std::ops::ControlFlow::Break(())
+                        } else {
+                            std::ops::ControlFlow::Continue(())
+                        }
                     })
                 }));
                 let out = match ran {
                     Ok(Ok(ids)) => {
-                        metrics.executed(1, started.elapsed());
+                        metrics.executed(
+                            1,
+                            1,
+                            Phases {
+                                infer: started.elapsed(),
+                                ..Phases::default()
+                            },
+                        );
                         metrics.generated(ids.len());
                         Ok(ids)
                     }
@@ -319,7 +363,9 @@ fn run_instance(mut gpt: GPT, queue: &Queue, metrics: &VersionMetrics, model: &s
                     }),
                     Err(_) => Err(exec_err("generation panicked".into())),
                 };
-                let _ = job.done.send(out);
+                if job.done.send(out).is_err() {
+                    metrics.failure(Failure::Cancelled, job.enqueued.elapsed());
+                }
             }
         }
     }

@@ -14,7 +14,8 @@
 //! being answered throughout and requests already queued on a replaced version finish on it. A
 //! version that fails to load leaves whatever was serving in place. Models can be loaded and
 //! unloaded explicitly (Triton's repository API); an unloaded model stays unloaded across polls
-//! until loaded again.
+//! until loaded again. A load may carry a configuration that replaces the model's config file
+//! until the next load without one. A version that stops being served loses its metrics series.
 //!
 //! Lookups take a read lock for a map access; loading happens outside it, under a separate
 //! lock that serializes polls, loads and unloads. This module never parses requests.
@@ -56,6 +57,8 @@ struct ModelEntry {
     model_error: Option<String>,
     /// Unloaded through the API: polls leave it alone.
     unloaded: bool,
+    /// The configuration a load request gave, used instead of the model's config file.
+    override_config: Option<Arc<ModelConfig>>,
 }
 
 /// The models being served and how to (re)load them.
@@ -156,15 +159,41 @@ impl Repository {
         Ok(entry.versions.keys().copied().collect())
     }
 
-    /// The configuration `model` is served with.
-    pub fn config(&self, model: &str) -> Result<Arc<ModelConfig>, ServeError> {
-        self.read()
-            .get(model)
-            .filter(|e| !e.unloaded)
-            .and_then(|e| e.config.clone())
-            .ok_or_else(|| ServeError::UnknownModel {
-                model: model.to_string(),
-            })
+    /// The versions being served: of every model (`model` None), of one model, or one version
+    /// of it (`version` empty or None: all its versions).
+    pub fn served(
+        &self,
+        model: Option<&str>,
+        version: Option<&str>,
+    ) -> Result<Vec<Arc<LoadedVersion>>, ServeError> {
+        let models = self.read();
+        match (
+            model.filter(|m| !m.is_empty()),
+            version.filter(|v| !v.is_empty()),
+        ) {
+            (None, None) => Ok(models
+                .values()
+                .filter(|e| !e.unloaded)
+                .flat_map(|e| e.versions.values().cloned())
+                .collect()),
+            (None, Some(v)) => Err(ServeError::malformed(format!(
+                "version {v:?} given without a model name"
+            ))),
+            (Some(m), v) => {
+                let entry = models.get(m).filter(|e| !e.unloaded).ok_or_else(|| {
+                    ServeError::UnknownModel {
+                        model: m.to_string(),
+                    }
+                })?;
+                match v {
+                    None => Ok(entry.versions.values().cloned().collect()),
+                    Some(_) => {
+                        drop(models);
+                        Ok(vec![self.resolve(m, v)?])
+                    }
+                }
+            }
+        }
     }
 
     /// Every model directory and every loaded or failed version, with its state.
@@ -258,23 +287,46 @@ impl Repository {
             let mut models = self.write();
             for n in gone {
                 tracing::info!(model = %n, "model directory removed; unloading");
-                models.remove(&n);
+                if let Some(e) = models.remove(&n) {
+                    self.forget_metrics(&n, e.versions.keys());
+                }
             }
         }
     }
 
-    /// Loads (or reloads) `model` through the repository API.
-    pub fn load(&self, model: &str) -> Result<(), ServeError> {
+    /// Loads (or reloads) `model` through the repository API, with `config` instead of its
+    /// config file if given (until the next load without one).
+    pub fn load(&self, model: &str, config: Option<ModelConfig>) -> Result<(), ServeError> {
         let _guard = self.control();
         if !valid_name(model) || !self.root.join(model).is_dir() {
             return Err(ServeError::UnknownModel {
                 model: model.to_string(),
             });
         }
-        if let Some(e) = self.write().get_mut(model) {
+        let config = config
+            .map(|c| check_name(c, model, None))
+            .transpose()?
+            .map(Arc::new);
+        let previous = {
+            let mut models = self.write();
+            let e = models.entry(model.to_string()).or_default();
             e.unloaded = false;
+            std::mem::replace(&mut e.override_config, config)
+        };
+        let out = self.reconcile(model);
+        if out.is_err() {
+            // an override that loaded nothing is not kept: later polls use what was used before
+            if let Some(e) = self.write().get_mut(model) {
+                e.override_config = previous;
+            }
         }
-        self.reconcile(model)
+        out
+    }
+
+    fn forget_metrics<'a>(&self, model: &str, versions: impl Iterator<Item = &'a u64>) {
+        for &v in versions {
+            self.metrics.remove(model, v);
+        }
     }
 
     /// Unloads `model`: it stops taking requests; queued ones finish.
@@ -287,10 +339,14 @@ impl Repository {
             .ok_or_else(|| ServeError::UnknownModel {
                 model: model.to_string(),
             })?;
-        *entry = ModelEntry {
-            unloaded: true,
-            ..ModelEntry::default()
-        };
+        let old = std::mem::replace(
+            entry,
+            ModelEntry {
+                unloaded: true,
+                ..ModelEntry::default()
+            },
+        );
+        self.forget_metrics(model, old.versions.keys());
         tracing::info!(model, "unloaded");
         Ok(())
     }
@@ -305,7 +361,12 @@ impl Repository {
     fn reconcile(&self, model: &str) -> Result<(), ServeError> {
         let dir = self.root.join(model);
         let old = self.read().get(model).cloned().unwrap_or_default();
-        let cfg = match ModelConfig::load(&dir).and_then(|(c, file)| check_name(c, model, file)) {
+        let from_disk = || ModelConfig::load(&dir).and_then(|(c, file)| check_name(c, model, file));
+        let cfg = match old
+            .override_config
+            .clone()
+            .map_or_else(from_disk, |c| Ok((*c).clone()))
+        {
             Ok(c) => Arc::new(c),
             Err(e) => {
                 let msg = e.to_string();
@@ -366,6 +427,7 @@ impl Repository {
                 version = v,
                 "unloading (queued requests finish first)"
             );
+            self.metrics.remove(model, *v);
         }
         let model_error = if wanted.is_empty() {
             Some(format!(
@@ -383,6 +445,7 @@ impl Repository {
                 errors,
                 model_error: model_error.clone(),
                 unloaded: false,
+                override_config: old.override_config.clone(),
             },
         );
         match (ready, first_err, model_error) {

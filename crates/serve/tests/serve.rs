@@ -382,6 +382,8 @@ fn http_and_grpc_answer_what_the_forward_pass_computes_and_batching_changes_noth
         "16 requests in {} executions: no batching?",
         execs - 3.0
     );
+    // an idle connection whose runtime is not running would hold up the graceful shutdown
+    drop((rt, client));
     server.shutdown();
 }
 
@@ -542,6 +544,8 @@ fn bad_requests_are_4xx_with_a_json_error_and_never_take_the_server_down() {
         ),
         "{metrics}"
     );
+    // an idle connection whose runtime is not running would hold up the graceful shutdown
+    drop((rt, client));
     server.shutdown();
 }
 
@@ -676,5 +680,671 @@ fn models_load_and_unload_through_the_repository_api() {
     // an unloaded model stays unloaded across polls
     server.poll_repository();
     assert_eq!(get(addr, "/v2/models/a/ready").status, 404);
+    server.shutdown();
+}
+
+fn gzip(b: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut w = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    w.write_all(b).unwrap();
+    w.finish().unwrap()
+}
+
+fn zlib(b: &[u8]) -> Vec<u8> {
+    use std::io::Write as _;
+    let mut w = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+    w.write_all(b).unwrap();
+    w.finish().unwrap()
+}
+
+fn gunzip(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(b)
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+fn unzlib(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    flate2::read::ZlibDecoder::new(b)
+        .read_to_end(&mut out)
+        .unwrap();
+    out
+}
+
+/// The value of the sample `name{labels}` in Prometheus text `text`.
+fn sample(text: &str, name_labels: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(name_labels) && l[name_labels.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[test]
+fn config_and_statistics_agree_over_http_and_grpc_and_metrics_have_their_own_port() {
+    let repo = tempfile::tempdir().unwrap();
+    put_version(repo.path(), "gpt", 1, &model(4));
+    std::fs::write(
+        repo.path().join("gpt/config.pbtxt"),
+        "max_batch_size: 4\n\
+         input [ { name: \"input_ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n\
+         dynamic_batching { preferred_batch_size: [ 2, 4 ] max_queue_delay_microseconds: 30000 }\n\
+         instance_group [ { count: 1 kind: KIND_CPU } ]\n",
+    )
+    .unwrap();
+    let server = start(repo.path(), |_| {});
+    let addr = server.http_addr();
+    let (rt, mut client) = grpc_client(&server);
+
+    // the same configuration both ways
+    let http_cfg = get(addr, "/v2/models/gpt/config").json();
+    let grpc_cfg = rt
+        .block_on(
+            client.model_config(cohort_serve::proto::ModelConfigRequest {
+                name: "gpt".into(),
+                version: String::new(),
+            }),
+        )
+        .unwrap()
+        .into_inner()
+        .config
+        .unwrap();
+    assert_eq!(http_cfg["name"], "gpt");
+    assert_eq!(grpc_cfg.name, "gpt");
+    assert_eq!(http_cfg["max_batch_size"], 4);
+    assert_eq!(grpc_cfg.max_batch_size, 4);
+    assert_eq!(http_cfg["platform"], grpc_cfg.platform.as_str());
+    assert_eq!(
+        http_cfg["dynamic_batching"]["preferred_batch_size"],
+        json!([2, 4])
+    );
+    let Some(cohort_serve::proto::model_config::SchedulingChoice::DynamicBatching(db)) =
+        &grpc_cfg.scheduling_choice
+    else {
+        panic!("no dynamic_batching in {grpc_cfg:?}")
+    };
+    assert_eq!(db.preferred_batch_size, [2, 4]);
+    assert_eq!(db.max_queue_delay_microseconds, 30000);
+    assert_eq!(
+        http_cfg["input"],
+        json!([{"name": "input_ids", "data_type": "TYPE_INT64", "dims": [-1]}])
+    );
+    assert_eq!(grpc_cfg.input[0].name, "input_ids");
+    assert_eq!(grpc_cfg.output[0].dims, [-1, tiny().vocab_size as i64]);
+    assert_eq!(
+        http_cfg["output"][0]["dims"],
+        json!([-1, tiny().vocab_size])
+    );
+    assert_eq!(http_cfg["instance_group"][0]["kind"], "KIND_CPU");
+    assert_eq!(grpc_cfg.instance_group[0].kind, 2);
+    let missing = rt.block_on(
+        client.model_config(cohort_serve::proto::ModelConfigRequest {
+            name: "nope".into(),
+            version: String::new(),
+        }),
+    );
+    assert_eq!(missing.unwrap_err().code(), tonic::Code::NotFound);
+
+    // 4 concurrent single-row requests (batched: preferred size 4) and one of 2 rows
+    std::thread::scope(|s| {
+        for r in 0..4u32 {
+            s.spawn(move || {
+                let resp = post_json(addr, "/v2/models/gpt/infer", &infer_json(&[r, 1, 2], 1, 3));
+                assert_eq!(resp.status, 200);
+            });
+        }
+    });
+    let r = post_json(
+        addr,
+        "/v2/models/gpt/infer",
+        &infer_json(&[1, 2, 3, 4], 2, 2),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        post_json(addr, "/v2/models/gpt/infer", &infer_json(&[1, 99], 1, 2)).status,
+        400
+    );
+
+    let all = get(addr, "/v2/models/stats");
+    assert_eq!(all.status, 200);
+    let one = get(addr, "/v2/models/gpt/stats").json();
+    assert_eq!(all.json(), one);
+    assert_eq!(get(addr, "/v2/models/gpt/versions/1/stats").json(), one);
+    assert_eq!(get(addr, "/v2/models/gpt/versions/5/stats").status, 404);
+    assert_eq!(get(addr, "/v2/models/nope/stats").status, 404);
+    let m = &one["model_stats"][0];
+    assert_eq!(
+        (m["name"].as_str(), m["version"].as_str()),
+        (Some("gpt"), Some("1"))
+    );
+    assert_eq!(m["inference_count"], 6);
+    let execs = m["execution_count"].as_u64().unwrap();
+    assert!((2..=5).contains(&execs), "{m}");
+    let i = &m["inference_stats"];
+    assert_eq!(i["success"]["count"], 5);
+    assert_eq!(i["fail"]["count"], 1);
+    assert_eq!(i["queue"]["count"], 5);
+    for phase in [
+        "success",
+        "queue",
+        "compute_input",
+        "compute_infer",
+        "compute_output",
+    ] {
+        assert!(i[phase]["ns"].as_u64().unwrap() > 0, "{phase}: {i}");
+    }
+    assert_eq!(i["compute_infer"]["count"], 5);
+    let batches = m["batch_stats"].as_array().unwrap();
+    let per_size: u64 = batches
+        .iter()
+        .map(|b| b["compute_infer"]["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(per_size, execs);
+    let rows: u64 = batches
+        .iter()
+        .map(|b| b["batch_size"].as_u64().unwrap() * b["compute_infer"]["count"].as_u64().unwrap())
+        .sum();
+    assert_eq!(rows, 6);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let last = m["last_inference"].as_u64().unwrap();
+    assert!(
+        last <= now_ms && now_ms - last < 60_000,
+        "{last} vs {now_ms}"
+    );
+
+    let g = rt
+        .block_on(
+            client.model_statistics(cohort_serve::proto::ModelStatisticsRequest {
+                name: "gpt".into(),
+                version: String::new(),
+            }),
+        )
+        .unwrap()
+        .into_inner();
+    assert_eq!(g.model_stats.len(), 1);
+    let gs = &g.model_stats[0];
+    assert_eq!((gs.inference_count, gs.execution_count), (6, execs));
+    let gi = gs.inference_stats.unwrap();
+    assert_eq!(gi.success.unwrap().count, 5);
+    assert_eq!(
+        gi.compute_infer.unwrap().ns,
+        i["compute_infer"]["ns"].as_u64().unwrap()
+    );
+    assert_eq!(gs.batch_stats.len(), batches.len());
+
+    // the metrics port: /metrics alone, with the compute phases and the host's gauges
+    let maddr = server.metrics_addr().unwrap();
+    assert_ne!(maddr, addr);
+    let text = String::from_utf8(get(maddr, "/metrics").body).unwrap();
+    let labels = "{model=\"gpt\",version=\"1\"}";
+    assert_eq!(
+        sample(&text, &format!("nv_inference_request_success{labels}")),
+        Some(5.0)
+    );
+    for family in [
+        "nv_inference_compute_input_duration_us",
+        "nv_inference_compute_infer_duration_us",
+        "nv_inference_compute_output_duration_us",
+    ] {
+        let v = sample(&text, &format!("{family}{labels}"));
+        assert!(v.is_some_and(|v| v >= 0.0), "{family}: {text}");
+    }
+    let util = sample(&text, "nv_cpu_utilization").expect("nv_cpu_utilization");
+    assert!((0.0..=1.0).contains(&util), "{util}");
+    let total = sample(&text, "nv_cpu_memory_total_bytes").unwrap();
+    let used = sample(&text, "nv_cpu_memory_used_bytes").unwrap();
+    assert!(
+        total > 0.0 && used > 0.0 && used <= total,
+        "{used} / {total}"
+    );
+    assert_eq!(get(maddr, "/v2/health/live").status, 400);
+    assert!(String::from_utf8(get(addr, "/metrics").body)
+        .unwrap()
+        .contains("nv_inference_compute_output_duration_us{"));
+
+    // an unloaded version's series go away
+    assert_eq!(
+        post_json(addr, "/v2/repository/models/gpt/unload", &json!({})).status,
+        200
+    );
+    let text = String::from_utf8(get(maddr, "/metrics").body).unwrap();
+    assert!(!text.contains("model=\"gpt\""), "{text}");
+    assert_eq!(
+        get(addr, "/v2/models/stats").json(),
+        json!({"model_stats": []})
+    );
+    // an idle connection whose runtime is not running would hold up the graceful shutdown
+    drop((rt, client));
+    server.shutdown();
+}
+
+#[test]
+fn compressed_bodies_both_ways_deadlines_and_oversized_grpc_messages() {
+    let repo = tempfile::tempdir().unwrap();
+    let mut m = model(7);
+    put_version(repo.path(), "gpt", 1, &m);
+    // a lone request waits up to 1 s for company
+    put_version(repo.path(), "slow", 1, &model(8));
+    std::fs::write(
+        repo.path().join("slow/config.pbtxt"),
+        "max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 1000000 }",
+    )
+    .unwrap();
+    let server = start(repo.path(), |o| o.max_body_bytes = 64 << 10);
+    let addr = server.http_addr();
+    let ids = [3u32, 1, 4, 1, 5];
+    let want = forward(&mut m, &ids, 1, 5);
+    let body = infer_json(&ids, 1, 5).to_string();
+    let logits = |j: &Value| -> Vec<f32> {
+        j["outputs"][0]["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+
+    // gzip in, gzip out; deflate (zlib) in, deflate out
+    for (name, pack, unpack) in [
+        (
+            "gzip",
+            gzip as fn(&[u8]) -> Vec<u8>,
+            gunzip as fn(&[u8]) -> Vec<u8>,
+        ),
+        ("deflate", zlib, unzlib),
+    ] {
+        let r = http(
+            addr,
+            "POST",
+            "/v2/models/gpt/infer",
+            &[
+                ("Content-Encoding", name.to_string()),
+                ("Accept-Encoding", name.to_string()),
+            ],
+            &pack(body.as_bytes()),
+        );
+        assert_eq!(
+            r.status,
+            200,
+            "{name}: {:?}",
+            String::from_utf8_lossy(&r.body)
+        );
+        assert_eq!(r.header("content-encoding"), Some(name));
+        let j: Value = serde_json::from_slice(&unpack(&r.body)).unwrap();
+        close(&logits(&j), &want);
+    }
+    // without Accept-Encoding the answer is plain
+    let r = http(
+        addr,
+        "POST",
+        "/v2/models/gpt/infer",
+        &[("Content-Encoding", "gzip".into())],
+        &gzip(body.as_bytes()),
+    );
+    assert_eq!(r.header("content-encoding"), None);
+    close(&logits(&r.json()), &want);
+    // what inflates past the limit is refused without inflating it all; a coding cohort does
+    // not know, or a body that is not what it says, is a clear 400
+    let bomb = gzip(&vec![b' '; 8 << 20]);
+    assert!(bomb.len() < 64 << 10);
+    for (coding, body, status, needle) in [
+        ("gzip", bomb, 413, "over the limit"),
+        (
+            "br",
+            body.clone().into_bytes(),
+            400,
+            "Content-Encoding \"br\"",
+        ),
+        ("gzip", body.clone().into_bytes(), 400, "does not inflate"),
+    ] {
+        let r = http(
+            addr,
+            "POST",
+            "/v2/models/gpt/infer",
+            &[("Content-Encoding", coding.into())],
+            &body,
+        );
+        let err = r.json()["error"].as_str().unwrap_or_default().to_string();
+        assert_eq!(r.status, status, "{coding}: {err}");
+        assert!(err.contains(needle), "{needle:?} not in {err:?}");
+    }
+
+    // gRPC, compressed both ways
+    let (rt, client) = grpc_client(&server);
+    use tonic::codec::CompressionEncoding::{Deflate, Gzip};
+    for (enc, name) in [(Gzip, "gzip"), (Deflate, "deflate")] {
+        let mut c = client.clone().send_compressed(enc).accept_compressed(enc);
+        let resp = rt
+            .block_on(c.model_infer(grpc_request("gpt", "", &ids, 1, 5)))
+            .unwrap();
+        let enc_header = resp
+            .metadata()
+            .get("grpc-encoding")
+            .map(|v| v.to_str().unwrap().to_string());
+        assert_eq!(enc_header.as_deref(), Some(name));
+        close(&f32s(&resp.into_inner().raw_output_contents[0]), &want);
+    }
+
+    // a message over the limit (20 MB against 64 KiB) is RESOURCE_EXHAUSTED
+    let mut big = grpc_request("gpt", "", &[1], 1, 1);
+    big.raw_input_contents[0] = vec![0; 20 << 20];
+    let err = rt
+        .block_on(
+            client
+                .clone()
+                .max_encoding_message_size(usize::MAX)
+                .model_infer(big),
+        )
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+
+    // the caller's deadline: DEADLINE_EXCEEDED when it passes, not after the 1 s batch delay
+    let mut req = tonic::Request::new(grpc_request("slow", "", &[1, 2], 1, 2));
+    req.set_timeout(Duration::from_millis(200));
+    let t0 = Instant::now();
+    let err = rt.block_on(client.clone().model_infer(req)).unwrap_err();
+    let took = t0.elapsed();
+    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
+    assert!(took < Duration::from_millis(700), "{took:?}");
+    // the abandoned request is skipped when its batch would run, and counted as cancelled
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = String::from_utf8(get(addr, "/metrics").body).unwrap();
+        let cancelled = sample(
+            &text,
+            "nv_inference_request_failure{model=\"slow\",version=\"1\",reason=\"CANCELED\"}",
+        );
+        if cancelled == Some(1.0) {
+            assert_eq!(
+                sample(
+                    &text,
+                    "nv_inference_exec_count{model=\"slow\",version=\"1\"}"
+                ),
+                Some(0.0)
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // an idle connection whose runtime is not running would hold up the graceful shutdown
+    drop((rt, client));
+    server.shutdown();
+}
+
+#[test]
+fn a_load_with_a_config_override_is_honoured_or_refused_by_name() {
+    let repo = tempfile::tempdir().unwrap();
+    put_version(repo.path(), "gpt", 1, &model(5));
+    put_version(repo.path(), "odd", 1, &model(6));
+    std::fs::write(
+        repo.path().join("odd/config.pbtxt"),
+        "input [ { name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 16 ] } ]",
+    )
+    .unwrap();
+    let server = start(repo.path(), |o| o.load_models = Some(vec!["gpt".into()]));
+    let addr = server.http_addr();
+    let load = |model: &str, params: Value| {
+        post_json(
+            addr,
+            &format!("/v2/repository/models/{model}/load"),
+            &json!({ "parameters": params }),
+        )
+    };
+    assert_eq!(
+        get(addr, "/v2/models/gpt/config").json()["max_batch_size"],
+        8
+    );
+    let override_cfg = json!({"max_batch_size": 2, "instance_group": [{"count": 2}],
+                              "dynamic_batching": {"max_queue_delay_microseconds": "100"}});
+    let r = load("gpt", json!({"config": override_cfg.to_string()}));
+    assert_eq!(r.status, 200, "{}", r.json());
+    let cfg = get(addr, "/v2/models/gpt/config").json();
+    assert_eq!(cfg["max_batch_size"], 2);
+    assert_eq!(cfg["instance_group"][0]["count"], 2);
+    assert_eq!(cfg["dynamic_batching"]["max_queue_delay_microseconds"], 100);
+    // honoured, not only reported: 3 rows are now over the limit
+    let r = post_json(addr, "/v2/models/gpt/infer", &infer_json(&[1, 2, 3], 3, 1));
+    assert_eq!(r.status, 400);
+    assert!(r.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("max_batch_size"));
+    // and it survives a poll
+    server.poll_repository();
+    assert_eq!(
+        get(addr, "/v2/models/gpt/config").json()["max_batch_size"],
+        2
+    );
+
+    for (params, needle) in [
+        (
+            json!({"config": "{\"sequence_batching\": {}}"}),
+            "field sequence_batching",
+        ),
+        (json!({"config": "{\"max_batch_size\": "}), "JSON"),
+        (json!({"config": 7}), "not a string of JSON"),
+        (
+            json!({"file:1/model.safetensors": "AAAA"}),
+            "override files",
+        ),
+        (json!({"priority": 1}), "parameter \"priority\""),
+        (
+            json!({"config": "{\"output\": [{\"name\": \"probs\"}]}"}),
+            "output \"probs\" is not a tensor",
+        ),
+    ] {
+        let r = load("gpt", params.clone());
+        let err = r.json()["error"].as_str().unwrap_or_default().to_string();
+        assert_eq!(r.status, 400, "{params}: {err}");
+        assert!(err.contains(needle), "{params}: {needle:?} not in {err:?}");
+    }
+    // refused overrides changed nothing
+    assert_eq!(
+        get(addr, "/v2/models/gpt/config").json()["max_batch_size"],
+        2
+    );
+    // a load without the override goes back to the repository's configuration
+    assert_eq!(load("gpt", json!({})).status, 200);
+    assert_eq!(
+        get(addr, "/v2/models/gpt/config").json()["max_batch_size"],
+        8
+    );
+
+    // config.pbtxt declaring a tensor the model does not have is refused at load, naming it
+    let r = load("odd", json!({}));
+    let err = r.json()["error"].as_str().unwrap_or_default().to_string();
+    assert_eq!(r.status, 400, "{err}");
+    assert!(
+        err.contains("input \"INPUT0\" is not a tensor") && err.contains("config.pbtxt"),
+        "{err}"
+    );
+
+    // gRPC likewise
+    let (rt, mut client) = grpc_client(&server);
+    use cohort_serve::proto::{model_repository_parameter::ParameterChoice, *};
+    let grpc_load = |params: Vec<(&str, ParameterChoice)>| RepositoryModelLoadRequest {
+        model_name: "gpt".into(),
+        parameters: params
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    ModelRepositoryParameter {
+                        parameter_choice: Some(v),
+                    },
+                )
+            })
+            .collect(),
+        ..Default::default()
+    };
+    let ok = rt.block_on(client.repository_model_load(grpc_load(vec![(
+        "config",
+        ParameterChoice::StringParam("{\"max_batch_size\": 3}".into()),
+    )])));
+    assert!(ok.is_ok(), "{ok:?}");
+    let cfg = rt
+        .block_on(client.model_config(ModelConfigRequest {
+            name: "gpt".into(),
+            version: String::new(),
+        }))
+        .unwrap()
+        .into_inner()
+        .config
+        .unwrap();
+    assert_eq!(cfg.max_batch_size, 3);
+    let err = rt
+        .block_on(client.repository_model_load(grpc_load(vec![(
+            "config",
+            ParameterChoice::StringParam("{\"optimization\": {}}".into()),
+        )])))
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("field optimization"), "{err:?}");
+    // an idle connection whose runtime is not running would hold up the graceful shutdown
+    drop((rt, client));
+    server.shutdown();
+}
+
+#[test]
+fn a_stream_whose_client_left_stops_generating_and_frees_the_instance() {
+    let repo = tempfile::tempdir().unwrap();
+    // big enough that a long generation takes seconds (a sliding window re-reads 63 tokens
+    // every 63 steps)
+    let cfg = GPTConfig {
+        vocab_size: 23,
+        max_position_embeddings: 64,
+        n_layers: 4,
+        n_heads: 4,
+        d_model: 128,
+        d_ff: 512,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    };
+    put_version(repo.path(), "gen", 1, &GPT::new(cfg, 1).unwrap());
+    // one instance: a generation that does not stop holds everything behind it
+    let server = start(repo.path(), |_| {});
+    let addr = server.http_addr();
+    let long = |stream: bool| json!({"text_input": "1 2 3", "parameters": {"max_tokens": 1024, "stream": stream}});
+    let t0 = Instant::now();
+    let r = post_json(addr, "/v2/models/gen/generate", &long(false));
+    let full = t0.elapsed();
+    assert_eq!(r.status, 200, "{}", r.json());
+    assert!(
+        full > Duration::from_millis(300),
+        "too fast to tell: {full:?}"
+    );
+
+    // start a long stream, read its first event, and hang up
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = long(true).to_string();
+    write!(
+        s,
+        "POST /v2/models/gen/generate_stream HTTP/1.1\r\nHost: {addr}\r\nContent-Type: \
+         application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let n = s.read(&mut first).unwrap();
+    assert!(
+        String::from_utf8_lossy(&first[..n]).contains("200 OK"),
+        "{:?}",
+        String::from_utf8_lossy(&first[..n])
+    );
+    drop(s);
+
+    // the next request is served at once, not after the abandoned generation's 1024 tokens
+    let t1 = Instant::now();
+    let r = post_json(
+        addr,
+        "/v2/models/gen/generate",
+        &json!({"text_input": "4 5", "parameters": {"max_tokens": 3}}),
+    );
+    let waited = t1.elapsed();
+    assert_eq!(r.status, 200, "{}", r.json());
+    println!("full generation {full:?}; after the hang-up the next request took {waited:?}");
+    assert!(
+        waited < full / 4,
+        "waited {waited:?} (a full generation takes {full:?})"
+    );
+    let text = String::from_utf8(get(addr, "/metrics").body).unwrap();
+    let labels = "{model=\"gen\",version=\"1\"}";
+    let tokens = sample(&text, &format!("cohort_generate_tokens{labels}")).unwrap();
+    assert!(
+        tokens < 1024.0 + 3.0 + 512.0,
+        "{tokens} tokens: the stream ran on"
+    );
+    assert_eq!(
+        sample(
+            &text,
+            "nv_inference_request_failure{model=\"gen\",version=\"1\",reason=\"CANCELED\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+
+    // likewise a gRPC stream (decoupled generation) the client drops after its first response
+    let (rt, client) = grpc_client(&server);
+    use cohort_serve::proto::{infer_parameter::ParameterChoice, InferParameter};
+    let prompt = b"1 2 3";
+    let mut raw = (prompt.len() as u32).to_le_bytes().to_vec();
+    raw.extend_from_slice(prompt);
+    let request = ModelInferRequest {
+        model_name: "gen".into(),
+        id: "long".into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: "text_input".into(),
+            datatype: "BYTES".into(),
+            shape: vec![1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![raw],
+        parameters: [(
+            "max_tokens".to_string(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::Int64Param(1024)),
+            },
+        )]
+        .into(),
+        ..Default::default()
+    };
+    rt.block_on(async {
+        let mut c = client.clone();
+        let mut responses = c
+            .model_stream_infer(tokio_stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        let first = responses.message().await.unwrap().unwrap();
+        assert_eq!(first.error_message, "");
+        let r = first.infer_response.unwrap();
+        assert_eq!(
+            (r.id.as_str(), r.outputs[0].name.as_str()),
+            ("long", "text_output")
+        );
+        // dropping the response stream cancels the call; the client's connection task (on this
+        // runtime, which only runs inside block_on) sends the reset
+        drop(responses);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    });
+    let t2 = Instant::now();
+    let r = post_json(
+        addr,
+        "/v2/models/gen/generate",
+        &json!({"text_input": "4 5", "parameters": {"max_tokens": 3}}),
+    );
+    let waited = t2.elapsed();
+    assert_eq!(r.status, 200, "{}", r.json());
+    println!("after the gRPC stream was dropped the next request took {waited:?}");
+    assert!(
+        waited < full / 4,
+        "waited {waited:?} (a full generation takes {full:?})"
+    );
+    drop((rt, client));
     server.shutdown();
 }

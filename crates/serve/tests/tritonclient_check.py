@@ -5,9 +5,11 @@ with cohort itself (forward pass, `cohort sample`) and passes them in a JSON spe
 
     python3 tritonclient_check.py SPEC.json
 
-Checks health, metadata, inference over HTTP (binary and JSON tensors) and gRPC against cohort's
-forward pass, generate / generate_stream against `cohort sample`, bad inputs, and a new model
-version dropped into the repository while serving. Prints one line per check and
+Checks health, metadata, the model configuration (the same over HTTP and gRPC), inference over
+HTTP (binary and JSON tensors, compressed or not) and gRPC (compressed or not) against cohort's
+forward pass, statistics over both, the metrics port, generate / generate_stream against
+`cohort sample`, bad inputs, a new model version dropped into the repository while serving, and
+load_model with a configuration override (honoured, or refused by name). Prints one line per check and
 "tritonclient checks: N passed, M failed"; exits 1 if any failed.
 """
 
@@ -25,7 +27,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 spec = json.load(open(sys.argv[1]))
-HTTP, GRPC, MODEL = spec["http"], spec["grpc"], spec["model"]
+HTTP, GRPC, METRICS, MODEL = spec["http"], spec["grpc"], spec["metrics"], spec["model"]
 IDS = np.array(spec["ids"], dtype=np.int64)
 VOCAB = spec["vocab"]
 
@@ -58,7 +60,7 @@ def same_logits(got, want):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * scale)
 
 
-def infer(client, mod, version="", binary=True, ids=IDS):
+def infer(client, mod, version="", binary=True, ids=IDS, **kw):
     inp = mod.InferInput("input_ids", list(ids.shape), "INT64")
     if mod is httpclient:
         inp.set_data_from_numpy(ids, binary_data=binary)
@@ -66,7 +68,7 @@ def infer(client, mod, version="", binary=True, ids=IDS):
     else:
         inp.set_data_from_numpy(ids)
         outs = [mod.InferRequestedOutput(n) for n in ("logits", "next_token")]
-    return client.infer(MODEL, [inp], model_version=version, outputs=outs)
+    return client.infer(MODEL, [inp], model_version=version, outputs=outs, **kw)
 
 
 def post(path, body, headers=None):
@@ -123,6 +125,66 @@ def grpc_infer_equals_the_forward_pass():
 
 
 @check
+def model_config_is_the_same_over_http_and_grpc():
+    h = http.get_model_config(MODEL)
+    # protobuf's JSON (what as_json gives) writes 64-bit integers as strings
+    g = grpc.get_model_config(MODEL, as_json=True)["config"]
+    assert g["name"] == h["name"] == MODEL, (g, h)
+    assert g["max_batch_size"] == h["max_batch_size"] == 4, (g, h)
+    tensors = lambda ts: [(t["name"], t["data_type"], [int(d) for d in t["dims"]]) for t in ts]
+    assert tensors(g["input"]) == tensors(h["input"]) == [("input_ids", "TYPE_INT64", [-1])], (g, h)
+    assert tensors(g["output"]) == tensors(h["output"]), (g, h)
+    assert tensors(h["output"])[0] == ("logits", "TYPE_FP32", [-1, VOCAB]), h
+    db_g, db_h = g["dynamic_batching"], h["dynamic_batching"]
+    assert db_g["preferred_batch_size"] == db_h["preferred_batch_size"] == [2, 4], (g, h)
+    assert int(db_g["max_queue_delay_microseconds"]) == db_h["max_queue_delay_microseconds"] == 2000
+    groups = lambda gs: [(x["kind"], int(x["count"])) for x in gs]
+    assert groups(g["instance_group"]) == groups(h["instance_group"]) == [("KIND_CPU", 2)], (g, h)
+    assert grpc.get_model_config(MODEL).config.max_batch_size == 4
+    status, msg = status_of(lambda: grpc.get_model_config("no_such_model"))
+    assert status == "StatusCode.NOT_FOUND", (status, msg)
+
+
+@check
+def compressed_requests_and_answers():
+    logits, nxt = expected("logits_v1")
+    for req, resp in (("gzip", "deflate"), ("deflate", "gzip"), (None, "gzip")):
+        for binary in (True, False):
+            r = infer(http, httpclient, binary=binary, request_compression_algorithm=req,
+                      response_compression_algorithm=resp)
+            same_logits(r.as_numpy("logits"), logits)
+            np.testing.assert_array_equal(r.as_numpy("next_token"), nxt)
+    for alg in ("gzip", "deflate"):
+        r = infer(grpc, grpcclient, compression_algorithm=alg)
+        same_logits(r.as_numpy("logits"), logits)
+
+
+@check
+def statistics_over_http_and_grpc_and_the_metrics_port():
+    infer(http, httpclient)
+    infer(grpc, grpcclient)
+    h = {m["version"]: m for m in http.get_inference_statistics(MODEL)["model_stats"]}
+    g = {m["version"]: m for m in grpc.get_inference_statistics(MODEL, as_json=True)["model_stats"]}
+    assert list(h) == list(g) == ["1"], (h, g)
+    hm, gm = h["1"], g["1"]
+    assert hm["name"] == gm["name"] == MODEL
+    assert int(gm["inference_count"]) == hm["inference_count"] >= 4, (hm, gm)
+    assert int(gm["execution_count"]) == hm["execution_count"] >= 2, (hm, gm)
+    assert hm["last_inference"] > 0
+    for phase in ("success", "queue", "compute_input", "compute_infer", "compute_output"):
+        hs, gs = hm["inference_stats"][phase], gm["inference_stats"][phase]
+        assert int(gs["count"]) == hs["count"] >= 2, (phase, hs, gs)
+        assert int(gs["ns"]) == hs["ns"] > 0, (phase, hs, gs)
+    assert sum(b["compute_infer"]["count"] for b in hm["batch_stats"]) == hm["execution_count"]
+    assert http.get_inference_statistics()["model_stats"] == [hm]
+    with urllib.request.urlopen(f"http://{METRICS}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for family in ("nv_inference_compute_input_duration_us", "nv_inference_compute_output_duration_us",
+                   "nv_cpu_utilization", "nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes"):
+        assert f"\n{family}" in text, (family, text)
+
+
+@check
 def generate_equals_cohort_sample():
     for case in spec["generate"]:
         status, body = post(f"/v2/models/{MODEL}/generate",
@@ -141,6 +203,42 @@ def generate_equals_cohort_sample():
         assert all("error" not in p for p in pieces), pieces
         streamed = "".join(p["text_output"] for p in pieces)
         assert case["text_input"] + streamed == case["text_output"], (streamed, case)
+
+
+@check
+def grpc_stream_generates_one_response_per_piece():
+    import queue
+    results = queue.Queue()
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for n, case in enumerate(spec["generate"]):
+            prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+            prompt.set_data_from_numpy(np.array([case["text_input"].encode()], dtype=np.object_))
+            empty_final = n % 2 == 0
+            grpc.async_stream_infer(MODEL, [prompt], request_id=f"g{n}",
+                                    parameters=case["parameters"],
+                                    enable_empty_final_response=empty_final)
+            pieces = []
+            while True:
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                r = result.get_response()
+                assert r.id == f"g{n}", r
+                out = result.as_numpy("text_output")
+                if out is not None:
+                    pieces.append(out[0].decode())
+                if r.parameters["triton_final_response"].bool_param:
+                    break
+            assert len(pieces) > 1, pieces
+            assert case["text_input"] + "".join(pieces) == case["text_output"], (pieces, case)
+        # a bad request answers an error on the stream, which goes on
+        bad = grpcclient.InferInput("text_input", [1], "BYTES")
+        bad.set_data_from_numpy(np.array([b"a"], dtype=np.object_))
+        grpc.async_stream_infer(MODEL, [bad], parameters={"max_tokens": 0})
+        result, error = results.get(timeout=60)
+        assert result is None and "max_tokens" in str(error), (result, error)
+    finally:
+        grpc.stop_stream()
 
 
 @check
@@ -199,8 +297,31 @@ def repository_api_and_metrics():
     assert any(m.name == MODEL and m.state == "READY" for m in g.models), g
     with urllib.request.urlopen(f"http://{HTTP}/metrics", timeout=30) as r:
         text = r.read().decode()
-    assert f'nv_inference_request_success{{model="{MODEL}",version="1"}}' in text, text
+    assert f'nv_inference_request_success{{model="{MODEL}",version="2"}}' in text, text
+    # version 1 was unloaded: its series went with it, as Triton's do
+    assert 'version="1"' not in text, text
     assert "nv_inference_queue_duration_us" in text and "nv_inference_exec_count" in text
+
+
+@check
+def load_model_with_a_config_override():
+    http.load_model(MODEL, config=json.dumps({"max_batch_size": 1}))
+    assert http.get_model_config(MODEL)["max_batch_size"] == 1
+    # honoured: two rows are now too many
+    status, msg = status_of(lambda: infer(http, httpclient))
+    assert status == "400" and "max_batch_size" in msg, (status, msg)
+    status, msg = status_of(lambda: grpc.load_model(MODEL, config=json.dumps(
+        {"max_batch_size": 2, "sequence_batching": {}})))
+    assert status == "StatusCode.INVALID_ARGUMENT" and "sequence_batching" in msg, (status, msg)
+    status, msg = status_of(lambda: grpc.load_model(
+        MODEL, config=json.dumps({"max_batch_size": 2}), files={"file:2/model.bin": b"x"}))
+    assert status == "StatusCode.INVALID_ARGUMENT" and "override files" in msg, (status, msg)
+    assert http.get_model_config(MODEL)["max_batch_size"] == 1
+    # without an override, the repository's config.pbtxt again
+    grpc.load_model(MODEL)
+    assert grpc.get_model_config(MODEL).config.max_batch_size == 4
+    logits, nxt = expected("logits_v2")
+    same_logits(infer(http, httpclient).as_numpy("logits"), logits)
 
 
 print(f"tritonclient checks: {passed} passed, {failed} failed")

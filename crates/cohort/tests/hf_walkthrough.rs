@@ -46,7 +46,14 @@ fn transformers_available() -> bool {
 fn serve(repo: &Path) -> (std::process::Child, String) {
     let mut child = cohort()
         .args(["serve", "--model-repository", path(repo)])
-        .args(["--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"])
+        .args([
+            "--address",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+        ])
         .env("COHORT_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -140,8 +147,19 @@ fn special_tokens_added_resized_fine_tuned_loaded_by_transformers_and_served() {
 
     // The new tokens are one id each, and the tuned model writes them where they belong.
     let prompt = "two [ENT_START]";
-    let ids = run(&["tokenizer", "encode", "--tokenizer", path(&ft), "--text", prompt]);
-    assert_eq!(ids.trim(), "15 18 12 1 19", "the char ids, then [ENT_START] = 19");
+    let ids = run(&[
+        "tokenizer",
+        "encode",
+        "--tokenizer",
+        path(&ft),
+        "--text",
+        prompt,
+    ]);
+    assert_eq!(
+        ids.trim(),
+        "15 18 12 1 19",
+        "the char ids, then [ENT_START] = 19"
+    );
     let sample = run(&[
         "sample",
         "--checkpoint",

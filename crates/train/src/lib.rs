@@ -49,10 +49,12 @@ pub mod elastic;
 mod fault;
 mod file_data;
 mod memory;
+mod pages;
 mod parameter_server;
 mod phases;
 mod pipeline;
 mod run_log;
+mod sharded;
 mod step_loop;
 mod train;
 mod trainer_files;
@@ -72,6 +74,7 @@ pub use parameter_server::{train_parameter_server, train_parameter_server_timed,
 pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases, PHASES};
 pub use pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};
 pub use run_log::METRICS_FILE;
+pub use sharded::{ShardedDp, ZeroStage};
 pub use train::{model_config, param_specs, train, Outcome};
 pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
@@ -195,6 +198,16 @@ pub enum TrainError {
         skipped: u64,
         /// Skips in the run.
         total: u64,
+    },
+    /// The model handed a sharded strategy a range of its buffers that lies
+    /// in no part the strategy sharded (the model and the strategy disagree
+    /// on the model's layout).
+    #[error("ZeRO: the model handed elements {start}..{end}, which lie in no sharded part")]
+    UnknownPart {
+        /// The range's first element.
+        start: usize,
+        /// One past its last.
+        end: usize,
     },
     /// A test hook's environment variable is malformed.
     #[error("{var}={value:?}: expected {expected}")]

@@ -347,6 +347,19 @@ impl GPT {
         self.layout.part_range(part)
     }
 
+    /// The ranges [`GPT::part_range`] gives for a model of `config`, in the
+    /// order of [`GPT::parts`], known before any model is built (what a
+    /// memory estimate of a strategy sharded by part needs).
+    pub fn part_ranges_of(config: &GPTConfig) -> Vec<Range<usize>> {
+        let layout = Layout::new(config);
+        let blocks = (0..config.n_layers).map(Part::Block);
+        std::iter::once(Part::Embeddings)
+            .chain(blocks)
+            .chain([Part::Head])
+            .map(|p| layout.part_range(p))
+            .collect()
+    }
+
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);

@@ -14,7 +14,10 @@
 //!   With `strategy = zero1` it is ZeRO stage 1 (PyTorch's
 //!   `ZeroRedundancyOptimizer`): the optimizer state sharded over the ranks;
 //!   [`Zero1`] is its step on flat buffers, for callers with their own loop
-//!   (`cohort bench ddp --strategy zero1`). [`memory_per_rank`] counts what
+//!   (`cohort bench ddp --strategy zero1`). With `strategy = zero2` the
+//!   gradients are sharded too, and with `zero3` the parameters as well,
+//!   each block gathered only while it runs (FSDP); [`ShardedDp`] is their
+//!   forward, backward and step over a model. [`memory_per_rank`] counts what
 //!   a rank holds under each, for the header and the memory check.
 //!   [`train_pipeline`] and [`train_parameter_server`] are the other
 //!   strategies. All of them run the same training loop (`step_loop`): a

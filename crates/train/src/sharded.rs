@@ -332,6 +332,10 @@ impl PartHooks for Gather<'_> {
     }
 }
 
+/// The whole optimizer state, and the whole parameters where the model's
+/// buffer does not hold them (stage 3), as rank 0 gathers them to save.
+type WholeState = (AdamW, Option<Vec<f32>>);
+
 /// ZeRO-2 or ZeRO-3 over a [`GPT`]: this rank's flat shard of the
 /// parameters, the mean gradient and AdamW's moments, and the passes that
 /// gather and reduce-scatter around the model's parts. The training
@@ -543,7 +547,7 @@ impl ShardedDp {
         &self,
         pg: &ProcessGroup,
         mask: DecayMask,
-    ) -> Result<Option<(AdamW, Option<Vec<f32>>)>, TrainError> {
+    ) -> Result<Option<WholeState>, TrainError> {
         let m = self.gather_to_root(pg, self.opt.exp_avg())?;
         let v = self.gather_to_root(pg, self.opt.exp_avg_sq())?;
         let params = match self.stage {
@@ -846,7 +850,7 @@ mod tests {
     #[test]
     fn the_flat_shards_mask_is_each_parts_cut_with_padding_exempt() {
         let ranges = [0..5, 5..12];
-        let full = DecayMask::with_exempt(12, [3..6]).unwrap();
+        let full = DecayMask::with_exempt(12, std::iter::once(3..6)).unwrap();
         let decayed = |m: &DecayMask| -> Vec<bool> {
             m.segments()
                 .iter()

@@ -608,12 +608,15 @@ pub(crate) fn batch_losses(
     batch_losses_with(val, model, &mut forward_batch)
 }
 
+/// A batch's forward with next-token targets: its mean loss.
+pub(crate) type ForwardFn<'f> = dyn FnMut(&mut GPT, &Batch) -> Result<Option<f32>, TrainError> + 'f;
+
 /// [`batch_losses`] with each batch's forward run by `forward` (a strategy
 /// that gathers parameters around each part).
 pub(crate) fn batch_losses_with(
     val: &[(usize, Batch)],
     model: &mut GPT,
-    forward: &mut dyn FnMut(&mut GPT, &Batch) -> Result<Option<f32>, TrainError>,
+    forward: &mut ForwardFn<'_>,
 ) -> Result<Vec<(usize, f32)>, TrainError> {
     model.set_training(false);
     let losses = val

@@ -168,15 +168,18 @@ pub fn memory_per_rank(
             // A part that does not divide into the ranks (or wte, a slice
             // of a part) goes through a padded copy of the part; one
             // reduce-scatter's shard waits in a scratch buffer.
+            let stage3 = matches!(sharding, Sharding::Zero3 { .. });
             let padded = parts
                 .iter()
-                .map(|p| p.div_ceil(world) * world)
-                .filter(|&p| p != 0)
+                .enumerate()
+                .map(|(i, &p)| (i, p, p.div_ceil(world) * world))
+                .filter(|&(i, p, padded)| padded != p || (i == 0 && stage3 && wte > 0))
+                .map(|(_, _, padded)| padded)
                 .max()
                 .unwrap_or(0);
             let scratch = parts.iter().map(|p| p.div_ceil(world)).max().unwrap_or(0);
             let mut staging = padded + scratch;
-            if let Sharding::Zero3 { .. } = sharding {
+            if stage3 {
                 parameters = 4 * (flat + largest.max(others + wte));
             } else {
                 staging += flat;

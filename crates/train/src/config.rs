@@ -782,8 +782,8 @@ impl TrainConfig {
                 self.init_from
                     .as_ref()
                     .map_or(String::new(), |p| p.display().to_string()),
-                "is not supported with --strategy pipeline yet (use ddp, zero1 or \
-                 parameter-server)",
+                "is not supported with --strategy pipeline yet (use ddp, zero1, zero2, zero3 \
+                 or parameter-server)",
             );
         }
         if self.activation_checkpointing && self.strategy == Strategy::Pipeline {

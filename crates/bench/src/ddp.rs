@@ -15,17 +15,22 @@
 //! With `--strategy zero1` the step is ZeRO-1's instead of DDP's (plain
 //! backward, then cohort-train's [`Zero1`]: reduce-scatter, AdamW on the
 //! shard, all-gather), and the peak resident memory of each rank shows what
-//! sharding the optimizer state saves.
+//! sharding the optimizer state saves. With `--strategy zero2` or `zero3`
+//! the step is cohort-train's [`ShardedDp`]'s: each part's gradient
+//! reduce-scattered as backward hands it out and released (and, for zero3,
+//! each part's parameters gathered around its forward and backward), then
+//! AdamW on the shard; the peak resident memory shows what sharding the
+//! gradients and parameters saves.
 //! It reports; it never changes what it measures.
 
 use cohort_comm::ProcessGroup;
 use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GPTConfig, GPT};
+use cohort_gpt::{GPTConfig, Labels, GPT};
 use cohort_train::{
-    param_specs, peak_rss_mb, process_cpu_ms, ConfigError, Overlap, TrainError, Zero1,
-    TUNED_BUCKET_CAP_MB,
+    param_specs, peak_rss_mb, process_cpu_ms, ConfigError, Overlap, ShardedDp, TrainError, Zero1,
+    ZeroStage, TUNED_BUCKET_CAP_MB,
 };
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -71,7 +76,8 @@ pub struct BenchDdpArgs {
     /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook; DDP only).
     #[arg(long)]
     pub bf16_compress: bool,
-    /// The data-parallel step: DDP, or ZeRO-1 (optimizer state sharded).
+    /// The data-parallel step: DDP, ZeRO-1 (optimizer state sharded), ZeRO-2
+    /// (gradients too) or ZeRO-3 (parameters too, gathered per block).
     #[arg(long, value_enum, default_value_t = BenchStrategy::Ddp)]
     pub strategy: BenchStrategy,
     /// Print one JSON object instead of a text line.
@@ -89,6 +95,26 @@ pub enum BenchStrategy {
     /// shard, parameters all-gathered.
     #[value(name = "zero1")]
     Zero1,
+    /// Each part's gradient reduce-scattered during backward and released,
+    /// AdamW on this rank's shard, parameters all-gathered.
+    #[value(name = "zero2")]
+    Zero2,
+    /// As zero2, with the parameters sharded too: each part's gathered just
+    /// before its forward and backward, released after.
+    #[value(name = "zero3")]
+    Zero3,
+}
+
+impl BenchStrategy {
+    /// The flag's name.
+    fn name(self) -> &'static str {
+        match self {
+            BenchStrategy::Ddp => "ddp",
+            BenchStrategy::Zero1 => "zero1",
+            BenchStrategy::Zero2 => "zero2",
+            BenchStrategy::Zero3 => "zero3",
+        }
+    }
 }
 
 /// What the benchmark measured (rank 0's view).
@@ -100,7 +126,7 @@ pub struct BenchDdpResult {
     pub config: String,
     /// What the matrix products computed in (`fp32` or `bf16`).
     pub precision: String,
-    /// The data-parallel step timed: `ddp` or `zero1`.
+    /// The data-parallel step timed: `ddp`, `zero1`, `zero2` or `zero3`.
     pub strategy: BenchStrategy,
     /// Ranks.
     pub world: usize,
@@ -145,9 +171,10 @@ pub struct BenchDdpResult {
     /// baseline's model is built in the same process.
     pub peak_rss_mb_per_rank: Vec<f64>,
     /// Floats of AdamW state per rank (two moments): the whole model's
-    /// under DDP, one shard's under ZeRO-1.
+    /// under DDP, one shard's under ZeRO.
     pub optimizer_floats_per_rank: usize,
-    /// Gradient buckets (0 under ZeRO-1, which reduces the buffer at once).
+    /// Gradient buckets (0 under ZeRO: ZeRO-1 reduces the buffer at once,
+    /// ZeRO-2 and 3 part by part).
     pub buckets: usize,
     /// Whether buckets were reduced during backward.
     pub overlap: bool,
@@ -202,11 +229,11 @@ pub fn run_ddp_bench(
     pg: &ProcessGroup,
     out: &mut dyn Write,
 ) -> Result<BenchDdpResult, TrainError> {
-    if args.strategy == BenchStrategy::Zero1 && args.bf16_compress {
+    if args.strategy != BenchStrategy::Ddp && args.bf16_compress {
         return Err(TrainError::Config(ConfigError::Invalid {
             key: "bf16_compress",
             value: "true".into(),
-            why: "is not supported with --strategy zero1 (its reduce-scatter runs in f32)",
+            why: "is supported with --strategy ddp only (ZeRO's collectives run in f32)",
         }));
     }
     let launch = std::env::var(LAUNCH_TIME_VAR)
@@ -252,6 +279,17 @@ pub fn run_ddp_bench(
             let zero = Zero1::new(pg, model.params(), &mask, AdamWConfig::default())?;
             DataParallel::Zero1(zero)
         }
+        BenchStrategy::Zero2 | BenchStrategy::Zero3 => {
+            pg.broadcast(model.params_mut(), 0)
+                .map_err(TrainError::comm("initial parameters broadcast"))?;
+            let stage = if args.strategy == BenchStrategy::Zero2 {
+                ZeroStage::Two
+            } else {
+                ZeroStage::Three
+            };
+            let zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            DataParallel::Sharded(zero)
+        }
     };
 
     // DDP and the single-rank baseline run in alternating segments, so that
@@ -281,8 +319,7 @@ pub fn run_ddp_bench(
             }
             let t0 = Instant::now();
             first_step_start.get_or_insert_with(SystemTime::now);
-            model.zero_grad();
-            model.forward(&ids, None, Some(&labels), b, t)?;
+            sync.forward(pg, &mut model, &ids, &labels, b, t)?;
             let forward = t0.elapsed();
             let phases = sync.step(pg, &mut model)?;
             if j >= warmup {
@@ -395,10 +432,7 @@ pub fn run_ddp_bench(
                  {} bucket(s); rank 0 ms: {}{}; CPU ms/step {:.2} vs {} alone (cpu efficiency {}); \
                  peak RSS MB per rank {}, AdamW state {} floats per rank",
                 result.config,
-                match args.strategy {
-                    BenchStrategy::Ddp => "ddp",
-                    BenchStrategy::Zero1 => "zero1",
-                },
+                args.strategy.name(),
                 world,
                 result.ms_per_step,
                 result.tokens_per_s,
@@ -444,9 +478,38 @@ enum DataParallel<'a> {
     Ddp { ddp: Ddp<'a>, opt: AdamW },
     /// ZeRO-1: AdamW over this rank's shard only.
     Zero1(Zero1),
+    /// ZeRO-2 or ZeRO-3: gradients (and parameters) sharded by part too.
+    Sharded(ShardedDp),
 }
 
 impl DataParallel<'_> {
+    /// The step's forward of `ids` with `labels` (B = `b`, T = `t`), the
+    /// gradients cleared first where the backward accumulates into them.
+    /// Collective under ZeRO-3.
+    fn forward(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        ids: &[u32],
+        labels: &[i32],
+        b: usize,
+        t: usize,
+    ) -> Result<(), TrainError> {
+        let labels = Some(Labels::Aligned(labels));
+        match self {
+            DataParallel::Sharded(zero) => {
+                // The model's gradient buffer is already zero (released part
+                // by part): zeroing it would only bring its pages back.
+                zero.forward(pg, model, ids, None, labels, b, t)?;
+            }
+            _ => {
+                model.zero_grad();
+                model.forward_labels(ids, None, labels, b, t)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Backward of the forward just run, the gradients' synchronisation and
     /// the update, on `model`; the phases it timed (not the whole step's or
     /// the forward's, which the caller knows). Collective.
@@ -483,6 +546,24 @@ impl DataParallel<'_> {
                     ..Phases::default()
                 })
             }
+            DataParallel::Sharded(zero) => {
+                let t = Instant::now();
+                let reduce = zero.backward(pg, model)?;
+                let backward = t.elapsed().saturating_sub(reduce);
+                let t = Instant::now();
+                let gather = zero.update(pg, model, 1e-3)?;
+                zero.clear_grads();
+                let optimizer = t.elapsed().saturating_sub(gather);
+                // The reduce-scatters run between the parts' backwards, the
+                // all-gathers after AdamW: all of their time is waited for.
+                Ok(Phases {
+                    backward,
+                    comm_wait: reduce + gather,
+                    comm_busy: reduce + gather,
+                    optimizer,
+                    ..Phases::default()
+                })
+            }
         }
     }
 
@@ -491,13 +572,14 @@ impl DataParallel<'_> {
         match self {
             DataParallel::Ddp { .. } => 2 * n,
             DataParallel::Zero1(zero) => 2 * zero.shard_len(),
+            DataParallel::Sharded(zero) => 2 * zero.shard_len(),
         }
     }
 
     fn buckets(&self) -> usize {
         match self {
             DataParallel::Ddp { ddp, .. } => ddp.buckets().len(),
-            DataParallel::Zero1(_) => 0,
+            DataParallel::Zero1(_) | DataParallel::Sharded(_) => 0,
         }
     }
 }

@@ -207,6 +207,70 @@ fn bench_ddp_times_zero1_with_one_nth_of_the_optimizer_state() {
     );
 }
 
+/// ZeRO-2 and ZeRO-3 in the benchmark: the flat shard's AdamW state (each
+/// part's ceil(n_p / 2), summed: at least half the model's, within a float
+/// per part), no buckets, the phases timed, and every rank's peak memory.
+#[test]
+fn bench_ddp_times_zero2_and_zero3_with_sharded_state() {
+    for strategy in ["zero2", "zero3"] {
+        let out = run(&[
+            "run",
+            "--standalone",
+            "-n",
+            "2",
+            "bench",
+            "ddp",
+            "--strategy",
+            strategy,
+            "--config",
+            "A",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--json",
+        ]);
+        let text = succeeded(&out);
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("[rank0]: {"))
+            .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
+        let v: serde_json::Value = serde_json::from_str(&format!("{{{line}")).unwrap();
+        assert_eq!(v["strategy"], strategy);
+        let x = v["tokens_per_s"].as_f64().unwrap_or(0.0);
+        assert!(x > 0.0 && x.is_finite(), "tokens_per_s = {x} in {v}");
+        let params = v["params"].as_u64().unwrap();
+        let floats = v["optimizer_floats_per_rank"].as_u64().unwrap();
+        // Config A: 4 blocks, so 6 parts, each padded by at most one float.
+        assert!(
+            floats >= 2 * params.div_ceil(2) && floats <= 2 * (params.div_ceil(2) + 6),
+            "{v}"
+        );
+        assert_eq!(v["buckets"], 0);
+        for phase in ["backward", "comm_wait", "optimizer"] {
+            let ms = v["phases_ms"][phase].as_f64().unwrap_or(0.0);
+            assert!(ms > 0.0, "{strategy}: phases_ms.{phase} = {ms} in {v}");
+        }
+        assert_peak_rss_of_each_rank(&v, 2);
+        let err = run(&[
+            "bench",
+            "ddp",
+            "--strategy",
+            strategy,
+            "--bf16-compress",
+            "--steps",
+            "1",
+        ]);
+        let stderr = String::from_utf8_lossy(&err.stderr);
+        assert!(
+            !err.status.success() && stderr.contains("bf16_compress"),
+            "{stderr}"
+        );
+    }
+}
+
 #[test]
 fn bad_settings_are_clear_errors() {
     let out = run(&["train", "--data", "shakespeare"]);

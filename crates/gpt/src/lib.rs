@@ -39,7 +39,7 @@ mod stage;
 pub use config::GPTConfig;
 pub use labels::Labels;
 pub use layout::ParamView;
-pub use model::{MemoryEstimate, Part, PartHook, GPT};
+pub use model::{MemoryEstimate, Part, PartHook, PartHooks, GPT};
 pub use resize::{resize_token_embeddings, ResizeError, RowInit};
 pub use stage::{GptStage, StageInput, StageOutput, StagePart};
 

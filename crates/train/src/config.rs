@@ -142,7 +142,8 @@ pub struct TrainConfig {
     /// How the ranks share the work: data parallel (`ddp`), a parameter
     /// server on rank 0 (`parameter-server`), pipeline stages (`pipeline`)
     /// or data parallel with sharded optimizer state (`zero1`: ZeRO stage
-    /// 1, PyTorch's `ZeroRedundancyOptimizer`).
+    /// 1, PyTorch's `ZeroRedundancyOptimizer`), sharded gradients too
+    /// (`zero2`) or sharded parameters too (`zero3`, FSDP by block).
     pub strategy: Strategy,
     /// Parameter server: `sync` (one update per step from every worker's
     /// gradient, as DDP) or `async` (one update per pushed gradient).
@@ -198,6 +199,38 @@ pub enum Strategy {
     #[serde(rename = "zero1")]
     #[value(name = "zero1")]
     Zero1,
+    /// ZeRO stage 2 (DeepSpeed ZeRO-2): as ZeRO-1, with the gradients
+    /// sharded too: each part's gradient is reduce-scattered as soon as it
+    /// is final in backward and only this rank's shard is kept.
+    #[serde(rename = "zero2")]
+    #[value(name = "zero2")]
+    Zero2,
+    /// ZeRO stage 3 (DeepSpeed ZeRO-3, PyTorch FSDP's `fully_shard` by
+    /// block): as ZeRO-2, with the parameters sharded too; each part's are
+    /// all-gathered just before it runs and released after.
+    #[serde(rename = "zero3")]
+    #[value(name = "zero3")]
+    Zero3,
+}
+
+impl Strategy {
+    /// Whether this is one of the ZeRO strategies (data parallel with
+    /// sharded state).
+    pub fn is_zero(self) -> bool {
+        matches!(self, Strategy::Zero1 | Strategy::Zero2 | Strategy::Zero3)
+    }
+
+    /// The flag's name of the strategy.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Ddp => "ddp",
+            Strategy::ParameterServer => "parameter-server",
+            Strategy::Pipeline => "pipeline",
+            Strategy::Zero1 => "zero1",
+            Strategy::Zero2 => "zero2",
+            Strategy::Zero3 => "zero3",
+        }
+    }
 }
 
 /// How a parameter server applies the workers' gradients.
@@ -583,8 +616,9 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sort_size: Option<usize>,
-    /// How ranks share the work: ddp, parameter-server (rank 0 serves), pipeline or zero1
-    /// (DDP with the optimizer state sharded, ZeRO stage 1) [default: ddp].
+    /// How ranks share the work: ddp, parameter-server (rank 0 serves), pipeline, zero1
+    /// (DDP with the optimizer state sharded, ZeRO stage 1), zero2 (gradients sharded too) or
+    /// zero3 (parameters sharded too, gathered per block: FSDP) [default: ddp].
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
@@ -748,8 +782,8 @@ impl TrainConfig {
                 self.init_from
                     .as_ref()
                     .map_or(String::new(), |p| p.display().to_string()),
-                "is not supported with --strategy pipeline yet (use ddp, zero1 or \
-                 parameter-server)",
+                "is not supported with --strategy pipeline yet (use ddp, zero1, zero2, zero3 \
+                 or parameter-server)",
             );
         }
         if self.activation_checkpointing && self.strategy == Strategy::Pipeline {
@@ -759,11 +793,27 @@ impl TrainConfig {
                 "is not supported with --strategy pipeline yet (use ddp or parameter-server)",
             );
         }
-        if self.bf16_compress && self.strategy == Strategy::Zero1 {
+        if self.bf16_compress && self.strategy.is_zero() {
+            return Err(ConfigError::Invalid {
+                key: "bf16_compress",
+                value: "true".into(),
+                why: match self.strategy {
+                    Strategy::Zero1 => {
+                        "is not supported with --strategy zero1 (its reduce-scatter runs in f32)"
+                    }
+                    Strategy::Zero2 => {
+                        "is not supported with --strategy zero2 (its reduce-scatter runs in f32)"
+                    }
+                    _ => "is not supported with --strategy zero3 (its collectives run in f32)",
+                },
+            });
+        }
+        if self.stages > 0 && matches!(self.strategy, Strategy::Zero2 | Strategy::Zero3) {
             return bad(
-                "bf16_compress",
-                "true".into(),
-                "is not supported with --strategy zero1 (its reduce-scatter runs in f32)",
+                "stages",
+                self.stages.to_string(),
+                "is a pipeline setting: --strategy zero2 and zero3 shard one data-parallel \
+                 model and do not combine with pipeline stages",
             );
         }
         if self.grad_accum == 0 {
@@ -877,6 +927,23 @@ mod tests {
             err.contains("bf16_compress") && err.contains("zero1"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn zero2_and_zero3_are_strategies_and_refuse_what_they_do_not_support() {
+        for name in ["zero2", "zero3"] {
+            let cfg = parse(&["--strategy", name]).resolve().unwrap();
+            assert_eq!(cfg.strategy.name(), name);
+            assert!(cfg.strategy.is_zero());
+            for flags in [&["--bf16-compress"][..], &["--stages", "2"]] {
+                let mut args = vec!["--strategy", name];
+                args.extend(flags);
+                let err = parse(&args).resolve().unwrap_err().to_string();
+                let key = flags[0].trim_start_matches("--").replace('-', "_");
+                assert!(err.contains(&key) && err.contains(name), "{err}");
+            }
+        }
+        assert!(!Strategy::Ddp.is_zero() && !Strategy::Pipeline.is_zero());
     }
 
     #[test]

@@ -14,7 +14,10 @@
 //!   With `strategy = zero1` it is ZeRO stage 1 (PyTorch's
 //!   `ZeroRedundancyOptimizer`): the optimizer state sharded over the ranks;
 //!   [`Zero1`] is its step on flat buffers, for callers with their own loop
-//!   (`cohort bench ddp --strategy zero1`). [`memory_per_rank`] counts what
+//!   (`cohort bench ddp --strategy zero1`). With `strategy = zero2` the
+//!   gradients are sharded too, and with `zero3` the parameters as well,
+//!   each block gathered only while it runs (FSDP); [`ShardedDp`] is their
+//!   forward, backward and step over a model. [`memory_per_rank`] counts what
 //!   a rank holds under each, for the header and the memory check.
 //!   [`train_pipeline`] and [`train_parameter_server`] are the other
 //!   strategies. All of them run the same training loop (`step_loop`): a
@@ -49,10 +52,12 @@ pub mod elastic;
 mod fault;
 mod file_data;
 mod memory;
+mod pages;
 mod parameter_server;
 mod phases;
 mod pipeline;
 mod run_log;
+mod sharded;
 mod step_loop;
 mod train;
 mod trainer_files;
@@ -72,6 +77,7 @@ pub use parameter_server::{train_parameter_server, train_parameter_server_timed,
 pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases, PHASES};
 pub use pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};
 pub use run_log::METRICS_FILE;
+pub use sharded::{ShardedDp, ZeroStage};
 pub use train::{model_config, param_specs, train, Outcome};
 pub use trainer_files::{
     load_optimizer_into, load_trainer_state, optimizer_file, trainer_state_json, TrainerState,
@@ -195,6 +201,16 @@ pub enum TrainError {
         skipped: u64,
         /// Skips in the run.
         total: u64,
+    },
+    /// The model handed a sharded strategy a range of its buffers that lies
+    /// in no part the strategy sharded (the model and the strategy disagree
+    /// on the model's layout).
+    #[error("ZeRO: the model handed elements {start}..{end}, which lie in no sharded part")]
+    UnknownPart {
+        /// The range's first element.
+        start: usize,
+        /// One past its last.
+        end: usize,
     },
     /// A test hook's environment variable is malformed.
     #[error("{var}={value:?}: expected {expected}")]

@@ -19,14 +19,40 @@ pub enum Sharding {
         /// Ranks the state is split over.
         world: usize,
     },
+    /// ZeRO-2: AdamW's moments and the gradient split, each part of the
+    /// model into `world` padded shards.
+    Zero2 {
+        /// Ranks the state is split over.
+        world: usize,
+    },
+    /// ZeRO-3: parameters too, each part gathered whole only while it runs.
+    Zero3 {
+        /// Ranks the state is split over.
+        world: usize,
+    },
+}
+
+impl Sharding {
+    /// The ranks the state is split over (1 for DDP).
+    fn world(self) -> u64 {
+        match self {
+            Sharding::Replicated => 1,
+            Sharding::Zero1 { world } | Sharding::Zero2 { world } | Sharding::Zero3 { world } => {
+                world.max(1) as u64
+            }
+        }
+    }
 }
 
 /// One rank's bytes of training state, as [`memory_per_rank`] counts them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryPerRank {
-    /// The model's parameters (every strategy here holds them whole).
+    /// The model's parameters: whole, or (ZeRO-3) this rank's shards plus
+    /// the largest part gathered whole while it runs.
     pub parameters: u64,
-    /// The gradient buffer the model's backward writes into.
+    /// The gradient buffer the model's backward writes into: whole, or
+    /// (ZeRO-2 and 3) this rank's shards plus the parts in backward not yet
+    /// reduce-scattered.
     pub gradients: u64,
     /// AdamW's two moments for the parameters this rank updates.
     pub optimizer: u64,
@@ -36,9 +62,9 @@ pub struct MemoryPerRank {
     pub activations: u64,
     /// Buffers a sharded step keeps besides the above: the shard's own
     /// parameters and gradient, and, when the parameter count does not
-    /// divide into the ranks, a padded copy of the whole buffer that the
-    /// collectives need. Zero for DDP (its buckets are views of the
-    /// gradient buffer).
+    /// divide into the ranks, a padded copy of the whole buffer (ZeRO-1) or
+    /// of the largest part (ZeRO-2 and 3) that the collectives need. Zero
+    /// for DDP (its buckets are views of the gradient buffer).
     pub staging: u64,
     /// The sharding it was counted for.
     pub sharding: Sharding,
@@ -61,11 +87,28 @@ impl MemoryPerRank {
                 "optimizer state {} (AdamW, 2 x {floats} floats)",
                 mb(self.optimizer)
             ),
-            Sharding::Zero1 { world } => format!(
-                "optimizer state {} (AdamW, 2 x {floats} floats: 1/{world} of DDP's {})",
-                mb(self.optimizer),
-                mb(self.ddp_optimizer)
+            Sharding::Zero1 { world } | Sharding::Zero2 { world } | Sharding::Zero3 { world } => {
+                format!(
+                    "optimizer state {} (AdamW, 2 x {floats} floats: 1/{world} of DDP's {})",
+                    mb(self.optimizer),
+                    mb(self.ddp_optimizer)
+                )
+            }
+        };
+        let world = self.sharding.world();
+        let parameters = match self.sharding {
+            Sharding::Zero3 { .. } => format!(
+                "{} (1/{world} shards + the largest part gathered)",
+                mb(self.parameters)
             ),
+            _ => mb(self.parameters),
+        };
+        let gradients = match self.sharding {
+            Sharding::Zero2 { .. } | Sharding::Zero3 { .. } => format!(
+                "{} (1/{world} shards + the parts in backward)",
+                mb(self.gradients)
+            ),
+            _ => mb(self.gradients),
         };
         let staging = if self.staging > 0 {
             format!(", shard buffers {}", mb(self.staging))
@@ -73,9 +116,8 @@ impl MemoryPerRank {
             String::new()
         };
         format!(
-            "memory per rank: parameters {}, gradients {}, {optimizer}, activations {}{staging}",
-            mb(self.parameters),
-            mb(self.gradients),
+            "memory per rank: parameters {parameters}, gradients {gradients}, {optimizer}, \
+             activations {}{staging}",
             mb(self.activations),
         )
     }
@@ -93,20 +135,61 @@ pub fn memory_per_rank(
     let m = GPT::memory_estimate(model, tokens, threads, activation_checkpointing);
     let n = m.parameters / 4;
     let ddp_optimizer = 2 * m.parameters;
+    let world = sharding.world();
+    let (mut parameters, mut gradients) = (m.parameters, m.gradients);
     let (optimizer, staging) = match sharding {
         Sharding::Replicated => (ddp_optimizer, 0),
-        Sharding::Zero1 { world } => {
+        Sharding::Zero1 { .. } => {
             // The padded buffer's shard: ceil(n / world) floats per moment,
             // the same split as the strategy's.
-            let world = world.max(1) as u64;
             let shard = n.div_ceil(world);
             let padded = if shard * world == n { 0 } else { shard * world };
             (2 * shard * 4, (2 * shard + padded) * 4)
         }
+        Sharding::Zero2 { .. } | Sharding::Zero3 { .. } => {
+            // Each part split on its own, as the strategy splits it.
+            let parts: Vec<u64> = GPT::part_ranges_of(model)
+                .iter()
+                .map(|r| r.len() as u64)
+                .collect();
+            let flat: u64 = parts.iter().map(|p| p.div_ceil(world)).sum();
+            let largest = parts.iter().copied().max().unwrap_or(0);
+            let (embeddings, others) = parts.split_first().map_or((0, &[][..]), |(e, o)| (*e, o));
+            let others = others.iter().copied().max().unwrap_or(0);
+            // A tied head reads wte and writes its gradient, which stays
+            // until the embeddings' backward hands it out.
+            let wte = if model.tie_word_embeddings {
+                (model.vocab_size * model.d_model) as u64
+            } else {
+                0
+            };
+            let in_backward = embeddings.max(others + wte);
+            gradients = 4 * (flat + in_backward);
+            // A part that does not divide into the ranks (or wte, a slice
+            // of a part) goes through a padded copy of the part; one
+            // reduce-scatter's shard waits in a scratch buffer.
+            let stage3 = matches!(sharding, Sharding::Zero3 { .. });
+            let padded = parts
+                .iter()
+                .enumerate()
+                .map(|(i, &p)| (i, p, p.div_ceil(world) * world))
+                .filter(|&(i, p, padded)| padded != p || (i == 0 && stage3 && wte > 0))
+                .map(|(_, _, padded)| padded)
+                .max()
+                .unwrap_or(0);
+            let scratch = parts.iter().map(|p| p.div_ceil(world)).max().unwrap_or(0);
+            let mut staging = padded + scratch;
+            if stage3 {
+                parameters = 4 * (flat + largest.max(others + wte));
+            } else {
+                staging += flat;
+            }
+            (2 * flat * 4, staging * 4)
+        }
     };
     MemoryPerRank {
-        parameters: m.parameters,
-        gradients: m.gradients,
+        parameters,
+        gradients,
         optimizer,
         ddp_optimizer,
         activations: m.activations,
@@ -148,6 +231,38 @@ mod tests {
                 (ddp.parameters, ddp.gradients, ddp.activations)
             );
             assert_eq!(z.ddp_optimizer, ddp.optimizer);
+        }
+    }
+
+    #[test]
+    fn zero2_and_zero3_shard_each_part_and_hold_one_part_whole() {
+        // Six blocks of 8941, embeddings 33 x (17 + 16) = 1089 (wte 561, tied
+        // to the head), head 66.
+        let cfg = GPTConfig {
+            n_layers: 6,
+            ..odd()
+        };
+        let ddp = memory_per_rank(&cfg, 64, 2, false, Sharding::Replicated);
+        assert_eq!(ddp.parameters / 4, 1089 + 6 * 8941 + 66);
+        for world in [2u64, 3] {
+            let w = world as usize;
+            let flat =
+                1089u64.div_ceil(world) + 6 * 8941u64.div_ceil(world) + 66u64.div_ceil(world);
+            // A block's gradient, with wte's that the tied head left behind.
+            let in_backward = 8941 + 561;
+            let two = memory_per_rank(&cfg, 64, 2, false, Sharding::Zero2 { world: w });
+            let three = memory_per_rank(&cfg, 64, 2, false, Sharding::Zero3 { world: w });
+            for z in [two, three] {
+                assert_eq!(z.optimizer, 2 * 4 * flat, "world {world}");
+                assert_eq!(z.gradients, 4 * (flat + in_backward), "world {world}");
+                assert_eq!(z.activations, ddp.activations);
+            }
+            assert_eq!(two.parameters, ddp.parameters);
+            assert_eq!(three.parameters, 4 * (flat + in_backward), "world {world}");
+            // Stage 2 keeps its own copy of the shard's parameters; stage 3's
+            // shard is its parameters.
+            assert_eq!(two.staging - three.staging, 4 * flat);
+            assert!(three.total() < two.total() && two.total() < ddp.total());
         }
     }
 

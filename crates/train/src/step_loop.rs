@@ -491,6 +491,58 @@ pub(crate) fn data_lines(data: &dyn Dataset) -> Vec<String> {
     lines
 }
 
+/// How a strategy runs one micro-batch: the forward with its labels, and
+/// the backward after it. [`accumulate_with`] calls them in turn.
+pub(crate) trait MicroBatches {
+    /// The forward of `batch` with next-token targets: its mean loss.
+    fn forward(&mut self, model: &mut GPT, batch: &Batch) -> Result<Option<f32>, TrainError>;
+
+    /// The backward of the last forward, accumulating into the model's
+    /// gradients; `last` for the step's last micro-batch. Times itself into
+    /// `phases`.
+    fn backward(
+        &mut self,
+        model: &mut GPT,
+        last: bool,
+        phases: &mut Phases,
+    ) -> Result<(), TrainError>;
+}
+
+/// The plain forward with labels, as every replicated strategy runs it.
+pub(crate) fn forward_batch(model: &mut GPT, batch: &Batch) -> Result<Option<f32>, TrainError> {
+    Ok(model.forward_labels(
+        &batch.input_ids,
+        padding_mask(batch),
+        Some(Labels::Next(&batch.targets)),
+        batch.batch,
+        batch.seq,
+    )?)
+}
+
+/// [`MicroBatches`] whose backwards are plain but the last.
+struct SyncOnLast<'f> {
+    last_backward: &'f mut dyn FnMut(&mut GPT, &mut Phases) -> Result<(), TrainError>,
+}
+
+impl MicroBatches for SyncOnLast<'_> {
+    fn forward(&mut self, model: &mut GPT, batch: &Batch) -> Result<Option<f32>, TrainError> {
+        forward_batch(model, batch)
+    }
+
+    fn backward(
+        &mut self,
+        model: &mut GPT,
+        last: bool,
+        phases: &mut Phases,
+    ) -> Result<(), TrainError> {
+        if last {
+            return (self.last_backward)(model, phases);
+        }
+        phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
+        Ok(())
+    }
+}
+
 /// Forward and backward over one step's `cfg.grad_accum` micro-batches,
 /// gradients summing in the model; the last micro-batch's backward is
 /// `last_backward` (where data parallelism synchronises: PyTorch's
@@ -506,6 +558,22 @@ pub(crate) fn accumulate(
     phases: &mut Phases,
     last_backward: &mut dyn FnMut(&mut GPT, &mut Phases) -> Result<(), TrainError>,
 ) -> Result<(f32, u64), TrainError> {
+    let passes = &mut SyncOnLast { last_backward };
+    accumulate_with(model, batches, cfg, replica, step, phases, passes)
+}
+
+/// [`accumulate`] with each micro-batch's forward and backward run by
+/// `passes` (a strategy that gathers parameters around each part, or
+/// synchronises every micro-batch's gradients).
+pub(crate) fn accumulate_with(
+    model: &mut GPT,
+    batches: &mut TrainBatches,
+    cfg: &TrainConfig,
+    replica: usize,
+    step: u64,
+    phases: &mut Phases,
+    passes: &mut dyn MicroBatches,
+) -> Result<(f32, u64), TrainError> {
     let (mut loss_sum, mut tokens) = (0f32, 0u64);
     for micro in 0..cfg.grad_accum {
         let batch = phases.time(Phase::Data, || batches.next_batch());
@@ -516,21 +584,9 @@ pub(crate) fn accumulate(
             replica as u64,
             step * cfg.grad_accum as u64 + micro as u64,
         );
-        let loss = phases.time(Phase::Forward, || {
-            model.forward_labels(
-                &batch.input_ids,
-                padding_mask(&batch),
-                Some(Labels::Next(&batch.targets)),
-                batch.batch,
-                batch.seq,
-            )
-        })?;
+        let loss = phases.time(Phase::Forward, || passes.forward(model, &batch))?;
         loss_sum += loss.unwrap_or(0.0);
-        if micro + 1 < cfg.grad_accum {
-            phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
-        } else {
-            last_backward(model, phases)?;
-        }
+        passes.backward(model, micro + 1 == cfg.grad_accum, phases)?;
     }
     Ok((loss_sum, tokens))
 }
@@ -549,20 +605,23 @@ pub(crate) fn batch_losses(
     val: &[(usize, Batch)],
     model: &mut GPT,
 ) -> Result<Vec<(usize, f32)>, TrainError> {
+    batch_losses_with(val, model, &mut forward_batch)
+}
+
+/// A batch's forward with next-token targets: its mean loss.
+pub(crate) type ForwardFn<'f> = dyn FnMut(&mut GPT, &Batch) -> Result<Option<f32>, TrainError> + 'f;
+
+/// [`batch_losses`] with each batch's forward run by `forward` (a strategy
+/// that gathers parameters around each part).
+pub(crate) fn batch_losses_with(
+    val: &[(usize, Batch)],
+    model: &mut GPT,
+    forward: &mut ForwardFn<'_>,
+) -> Result<Vec<(usize, f32)>, TrainError> {
     model.set_training(false);
     let losses = val
         .iter()
-        .map(|(k, batch)| {
-            let mask = padding_mask(batch);
-            let loss = model.forward_labels(
-                &batch.input_ids,
-                mask,
-                Some(Labels::Next(&batch.targets)),
-                batch.batch,
-                batch.seq,
-            )?;
-            Ok((*k, loss.unwrap_or(0.0)))
-        })
+        .map(|(k, batch)| Ok((*k, forward(model, batch)?.unwrap_or(0.0))))
         .collect::<Result<Vec<_>, TrainError>>();
     model.set_training(true);
     losses

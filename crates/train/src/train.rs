@@ -350,8 +350,8 @@ pub fn param_specs(model: &GPT) -> Vec<ParamSpec> {
         .collect()
 }
 
-/// Trains as configured, data parallel (DDP, or ZeRO-1 with
-/// `--strategy zero1`), as rank `pg.rank()` of `pg.size()`; rank 0 writes
+/// Trains as configured, data parallel (DDP, or ZeRO stage 1, 2 or 3 with
+/// `--strategy zero1|zero2|zero3`), as rank `pg.rank()` of `pg.size()`; rank 0 writes
 /// the log to `log`. Collective: every rank must call it with the same config.
 pub fn train(
     cfg: &TrainConfig,
@@ -359,8 +359,17 @@ pub fn train(
     log: &mut dyn Write,
 ) -> Result<Outcome, TrainError> {
     cfg.validate()?;
-    if cfg.strategy == Parallelism::Zero1 {
-        let mut strategy = crate::zero::ZeroOne::new(cfg, pg)?;
+    let stage = match cfg.strategy {
+        Parallelism::Zero1 => {
+            let mut strategy = crate::zero::ZeroOne::new(cfg, pg)?;
+            return step_loop::run(cfg, &mut strategy, log, 1);
+        }
+        Parallelism::Zero2 => Some(crate::sharded::ZeroStage::Two),
+        Parallelism::Zero3 => Some(crate::sharded::ZeroStage::Three),
+        _ => None,
+    };
+    if let Some(stage) = stage {
+        let mut strategy = crate::sharded::ZeroSharded::new(cfg, pg, stage)?;
         return step_loop::run(cfg, &mut strategy, log, 1);
     }
     let mut strategy = DataParallel::new(cfg, pg)?;

@@ -375,7 +375,7 @@ impl<'a> ZeroOne<'a> {
 
 /// Fails unless every rank built a model of `n` parameters: the shards cut
 /// one flat buffer that all ranks must agree on. Collective.
-fn agree_on_size(pg: &ProcessGroup, n: usize) -> Result<(), TrainError> {
+pub(crate) fn agree_on_size(pg: &ProcessGroup, n: usize) -> Result<(), TrainError> {
     let mut range = [n as i64, -(n as i64)];
     pg.all_reduce(&mut range, ReduceOp::Max)
         .map_err(TrainError::comm("parameter count all_reduce"))?;
@@ -384,6 +384,16 @@ fn agree_on_size(pg: &ProcessGroup, n: usize) -> Result<(), TrainError> {
         return Err(TrainError::ModelMismatch { min, max });
     }
     Ok(())
+}
+
+/// The norm of a gradient sharded over `pg`'s ranks, given this rank's
+/// shard's norm `local`: the square root of the shards' summed squares.
+/// Collective.
+pub(crate) fn norm_over_shards(pg: &ProcessGroup, local: f32) -> Result<f32, TrainError> {
+    let mut squares = [f64::from(local) * f64::from(local)];
+    pg.all_reduce(&mut squares, ReduceOp::Sum)
+        .map_err(TrainError::comm("gradient norm all_reduce"))?;
+    Ok(squares[0].sqrt() as f32)
 }
 
 impl Strategy for ZeroOne<'_> {
@@ -430,11 +440,7 @@ impl Strategy for ZeroOne<'_> {
     /// The whole gradient's norm: the square root of the shards' summed
     /// squares.
     fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
-        let mut squares = [f64::from(local) * f64::from(local)];
-        self.pg
-            .all_reduce(&mut squares, ReduceOp::Sum)
-            .map_err(TrainError::comm("gradient norm all_reduce"))?;
-        Ok(squares[0].sqrt() as f32)
+        norm_over_shards(self.pg, local)
     }
 
     fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {

@@ -57,6 +57,31 @@ pub enum Part {
 /// next part's). It runs on an engine thread, hence `Send`.
 pub type PartHook<'h> = dyn FnMut(Part, Range<usize>, &mut [f32]) + Send + 'h;
 
+/// A [`PartHook`] with its counterpart after each part: what a strategy
+/// that gathers a part's parameters before it runs needs in order to free
+/// them again once it has run ([`GPT::forward_parts`],
+/// [`GPT::backward_parts`]).
+pub trait PartHooks: Send {
+    /// As a [`PartHook`]: called just before `part` runs, once for each
+    /// range it reads, `params` being exactly that range.
+    fn before(&mut self, part: Part, range: Range<usize>, params: &mut [f32]);
+    /// Called just after `part` ran (in backward: after its gradients are
+    /// computed), once for each range it read, in the same order as
+    /// [`PartHooks::before`]: the part will not read `params` again until the
+    /// next `before`.
+    fn after(&mut self, part: Part, range: Range<usize>, params: &mut [f32]);
+}
+
+/// A plain [`PartHook`] as [`PartHooks`] that does nothing after a part.
+struct BeforeOnly<'a, 'h>(&'a mut PartHook<'h>);
+
+impl PartHooks for BeforeOnly<'_, '_> {
+    fn before(&mut self, part: Part, range: Range<usize>, params: &mut [f32]) {
+        (self.0)(part, range, params)
+    }
+    fn after(&mut self, _: Part, _: Range<usize>, _: &mut [f32]) {}
+}
+
 /// The model: config, flat parameters and gradients, activation arena, backend.
 pub struct GPT {
     config: GPTConfig,
@@ -322,6 +347,19 @@ impl GPT {
         self.layout.part_range(part)
     }
 
+    /// The ranges [`GPT::part_range`] gives for a model of `config`, in the
+    /// order of [`GPT::parts`], known before any model is built (what a
+    /// memory estimate of a strategy sharded by part needs).
+    pub fn part_ranges_of(config: &GPTConfig) -> Vec<Range<usize>> {
+        let layout = Layout::new(config);
+        let blocks = (0..config.n_layers).map(Part::Block);
+        std::iter::once(Part::Embeddings)
+            .chain(blocks)
+            .chain([Part::Head])
+            .map(|p| layout.part_range(p))
+            .collect()
+    }
+
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
         self.grads.fill(0.0);
@@ -366,6 +404,21 @@ impl GPT {
         b: usize,
         t: usize,
         before: &mut PartHook<'_>,
+    ) -> Result<Option<f32>, GptError> {
+        let hooks = &mut BeforeOnly(before);
+        self.forward_parts(input_ids, attention_mask, labels, b, t, hooks)
+    }
+
+    /// [`GPT::forward_labels`], calling `hooks` just before and just after
+    /// each [`Part`] runs.
+    pub fn forward_parts(
+        &mut self,
+        input_ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<Labels<'_>>,
+        b: usize,
+        t: usize,
+        hooks: &mut dyn PartHooks,
     ) -> Result<Option<f32>, GptError> {
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
         let n = b * t;
@@ -423,7 +476,7 @@ impl GPT {
                 batch,
                 drop,
                 profile,
-                &mut *before,
+                &mut *hooks,
             )
         };
         let mut loss = None;
@@ -459,6 +512,20 @@ impl GPT {
     pub fn backward_with<'g, F>(
         &'g mut self,
         before: &mut PartHook<'_>,
+        hook: F,
+    ) -> Result<(), GptError>
+    where
+        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
+    {
+        self.backward_parts(&mut BeforeOnly(before), hook)
+    }
+
+    /// [`GPT::backward`], calling `hooks` just before and just after each
+    /// [`Part`]'s backward runs (head first, embeddings last); a part's
+    /// `after` comes before its gradients are handed to `hook`.
+    pub fn backward_parts<'g, F>(
+        &'g mut self,
+        hooks: &mut dyn PartHooks,
         hook: F,
     ) -> Result<(), GptError>
     where
@@ -501,7 +568,7 @@ impl GPT {
                 counted,
                 drop,
                 profile,
-                &mut *before,
+                &mut *hooks,
                 hook,
             )
         };
@@ -593,30 +660,37 @@ fn forward_pass(
     batch: &Batch,
     drop: DropKey,
     prof: &mut Profile,
-    before: &mut PartHook<'_>,
+    hooks: &mut dyn PartHooks,
 ) -> Option<f32> {
     let (b, t) = (batch.b, batch.t);
     let (c, f, nh) = (cfg.d_model, cfg.d_ff, cfg.n_heads);
     let mask = batch.has_mask.then_some(&batch.mask[..]);
     let dims = AttnDims { b, t, c, nh };
-    let mut enter = |part: Part, p: &mut [f32]| {
+    let enter = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
         for range in lay.part_reads(part) {
-            before(part, range.clone(), &mut p[range]);
+            hooks.before(part, range.clone(), &mut p[range]);
         }
     };
-    enter(Part::Embeddings, p);
+    let leave = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
+        for range in lay.part_reads(part) {
+            hooks.after(part, range.clone(), &mut p[range]);
+        }
+    };
+    enter(hooks, Part::Embeddings, p);
     embed_forward(p, &lay.wte, &lay.wpe, dev, a, batch, c, drop, prof);
+    leave(hooks, Part::Embeddings, p);
     for (l, bl) in lay.blocks.iter().enumerate() {
-        enter(Part::Block(l), p);
+        enter(hooks, Part::Block(l), p);
         block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
+        leave(hooks, Part::Block(l), p);
     }
-    enter(Part::Head, p);
+    enter(hooks, Part::Head, p);
     let head = HeadLayout {
         ln_f_w: &lay.ln_f_w,
         ln_f_b: &lay.ln_f_b,
         lm_head: &lay.lm_head,
     };
-    head_forward(
+    let loss = head_forward(
         cfg.n_layers,
         &head,
         p,
@@ -626,7 +700,9 @@ fn forward_pass(
         c,
         cfg.vocab_size,
         prof,
-    )
+    );
+    leave(hooks, Part::Head, p);
+    loss
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -642,12 +718,17 @@ fn backward_pass<'g>(
     counted: usize,
     drop: DropKey,
     prof: &mut Profile,
-    before: &mut PartHook<'_>,
+    hooks: &mut dyn PartHooks,
     mut hook: impl FnMut(Range<usize>, &'g mut [f32]),
 ) {
-    let mut enter = |part: Part, p: &mut [f32]| {
+    let enter = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
         for range in lay.part_reads(part) {
-            before(part, range.clone(), &mut p[range]);
+            hooks.before(part, range.clone(), &mut p[range]);
+        }
+    };
+    let leave = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
+        for range in lay.part_reads(part) {
+            hooks.after(part, range.clone(), &mut p[range]);
         }
     };
     let (b, t) = (batch.b, batch.t);
@@ -659,7 +740,7 @@ fn backward_pass<'g>(
     // handed out last) or to lm_head (in the top range, after ln_f).
     let head_start = lay.ln_f_w.start;
     let (mut rest, top) = grads.split_at_mut(head_start);
-    enter(Part::Head, p);
+    enter(hooks, Part::Head, p);
     {
         let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
         let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
@@ -689,23 +770,25 @@ fn backward_pass<'g>(
             prof,
         );
     }
+    leave(hooks, Part::Head, p);
     hook(head_start..lay.total, top);
 
     for (l, bl) in lay.blocks.iter().enumerate().rev() {
         let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
         rest = lower;
-        enter(Part::Block(l), p);
+        enter(hooks, Part::Block(l), p);
         if a.checkpoint {
             // The block's activations were not kept: recompute them from its input (the same
             // dropout masks, so the same values).
             block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
         }
         block_backward(l, l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
+        leave(hooks, Part::Block(l), p);
         hook(bl.all.clone(), g);
     }
 
     let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
-    enter(Part::Embeddings, p);
+    enter(hooks, Part::Embeddings, p);
     embed_backward(
         &mut dwte[lay.wte.clone()],
         dwpe,
@@ -716,5 +799,6 @@ fn backward_pass<'g>(
         drop,
         prof,
     );
+    leave(hooks, Part::Embeddings, p);
     hook(0..lay.wpe.end, rest);
 }

@@ -366,6 +366,74 @@ fn part_hooks_fill_each_part_just_before_it_runs() {
     }
 }
 
+/// A [`PartHooks`] that fills each range from `source` before its part runs and blanks it
+/// after, as a sharded strategy gathers and frees: the model reads a range only between the
+/// two, so the loss and gradients are the whole model's.
+struct FillAndBlank<'a> {
+    source: &'a [f32],
+    calls: Vec<(bool, Part, Range<usize>)>,
+}
+
+impl PartHooks for FillAndBlank<'_> {
+    fn before(&mut self, part: Part, range: Range<usize>, p: &mut [f32]) {
+        self.calls.push((true, part, range.clone()));
+        p.copy_from_slice(&self.source[range]);
+    }
+    fn after(&mut self, part: Part, range: Range<usize>, p: &mut [f32]) {
+        self.calls.push((false, part, range));
+        p.fill(0.0);
+    }
+}
+
+#[test]
+fn part_hooks_after_each_part_can_free_what_before_gathered() {
+    for (tied, checkpoint) in [(true, false), (false, false), (true, true)] {
+        let cfg = tiny(true, tied, 0.0);
+        let (ids, mask, labels) = batch();
+        let mut full = model(cfg.clone(), 2, 5);
+        full.set_activation_checkpointing(checkpoint);
+        let want_loss = loss_at(&mut full, &ids, &mask, &labels);
+        full.backward(|_, _| {}).unwrap();
+        let source = full.params().to_vec();
+
+        let mut sharded = model(cfg.clone(), 2, 5);
+        sharded.set_activation_checkpointing(checkpoint);
+        sharded.params_mut().fill(0.0);
+        let mut hooks = FillAndBlank {
+            source: &source,
+            calls: Vec::new(),
+        };
+        let loss = sharded
+            .forward_parts(
+                &ids,
+                Some(&mask),
+                Some(Labels::Aligned(&labels)),
+                2,
+                7,
+                &mut hooks,
+            )
+            .unwrap()
+            .unwrap();
+        assert_eq!(loss.to_bits(), (want_loss as f32).to_bits());
+        sharded.zero_grad();
+        sharded.backward_parts(&mut hooks, |_, _| {}).unwrap();
+        assert_eq!(sharded.grads(), full.grads());
+        assert!(sharded.params().iter().all(|&x| x == 0.0), "all blanked");
+        // Every before has its after, for the same part and range, before the next part's.
+        for pair in hooks.calls.chunks(2) {
+            let (b, a) = (&pair[0], &pair[1]);
+            if b.1 == Part::Head && tied {
+                continue; // wte then the head's own range, then both afters
+            }
+            assert!(b.0 && !a.0 && b.1 == a.1 && b.2 == a.2, "{pair:?}");
+        }
+        assert_eq!(
+            hooks.calls.iter().filter(|c| c.0).count() * 2,
+            hooks.calls.len()
+        );
+    }
+}
+
 /// With bf16 products the loss and every gradient stay within bf16's rounding of fp32's (8
 /// significant bits per operand, f32 sums): the loss within 1%, the gradient within 5% in
 /// norm and pointing the same way, and not bitwise equal (the bf16 path really ran).

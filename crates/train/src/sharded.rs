@@ -1,0 +1,871 @@
+//! ZeRO stages 2 and 3 (DeepSpeed ZeRO-2 and ZeRO-3; stage 3 is PyTorch
+//! FSDP's `fully_shard` applied to every block): data parallelism whose
+//! gradients (stage 2), and parameters too (stage 3), are sharded over the
+//! ranks as well as the optimizer state that ZeRO-1 shards.
+//!
+//! Sharding by part. The model runs in parts (embeddings, each block, the
+//! head), each a contiguous range of the flat parameter buffer. Each part is
+//! split over the N ranks on its own, as ZeRO-1 splits the whole buffer: a
+//! part of n_p parameters is padded to N x s_p, s_p = ceil(n_p / N), and rank
+//! r owns its elements `r*s_p .. (r+1)*s_p` (padding is zero, and exempt from
+//! weight decay). A rank's shards of all the parts, one after the other,
+//! are its *flat shard* (about n / N elements): AdamW's moments, the mean
+//! gradient and the parameters it updates live there. Splitting each part
+//! rather than the whole buffer makes every part's collective an even split
+//! that can run while the model works on another part: a reduce-scatter as
+//! soon as a part's gradient is final, an all-gather just before it runs.
+//!
+//! Each step:
+//!
+//! 1. forward: stage 3 all-gathers each part's parameters into the model's
+//!    buffer just before the part runs and releases them (see `pages`)
+//!    right after; stage 2 holds the whole model, as DDP;
+//! 2. backward: stage 3 gathers and releases each part again around its
+//!    backward; as each part's gradient becomes final, it is
+//!    reduce-scattered (averaged over ranks), this rank's shard is added to
+//!    the flat shard's gradient and the part's range of the model's
+//!    gradient buffer is released. Every micro-batch does this (DeepSpeed's
+//!    way: the shard accumulates the micro-batches), so that no more than a
+//!    part of the whole gradient is ever resident, accumulation or not;
+//! 3. the training loop scales, checks and clips the flat shard's gradient
+//!    (the norm over all shards, as ZeRO-1);
+//! 4. AdamW steps the flat shard's parameters;
+//! 5. stage 2 all-gathers every part's updated shard into the model; stage
+//!    3 does nothing: the next forward gathers what it needs.
+//!
+//! Checkpoints are DDP's, as ZeRO-1's: at a save the flat shards (and, for
+//! stage 3, the parameters) are gathered to rank 0, which writes the whole
+//! state; a resume loads it whole, keeps this rank's shards and frees the
+//! rest, at any world size and from any data-parallel strategy.
+//!
+//! This module must never keep a part's gradient beyond this rank's shard
+//! once the part was reduce-scattered, never (stage 3) keep a part's
+//! gathered parameters outside the part's forward or backward, and never
+//! let one rank's parameters differ from another's after a step.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_data::{Batch, Dataset};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
+use cohort_gpt::optim_groups::decay_mask;
+use cohort_gpt::{Labels, Part, PartHooks, GPT};
+
+use crate::batches::{val_batches, TrainBatches, ValBatches};
+use crate::checkpoint::{SaveReport, TrainState};
+use crate::config::TrainConfig;
+use crate::memory::Sharding;
+use crate::pages::release;
+use crate::phases::{Phase, Phases};
+use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
+use crate::train::{
+    apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
+    model_config, resume_replica, save_replica,
+};
+use crate::zero::{agree_on_size, norm_over_shards, shard_mask, Shard};
+use crate::TrainError;
+
+/// Which of the sharded ZeRO stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ZeroStage {
+    /// Optimizer state and gradients sharded; every rank holds the model.
+    Two,
+    /// Optimizer state, gradients and parameters sharded; each part's
+    /// parameters are gathered only while the part runs.
+    Three,
+}
+
+/// One part's place in the flat buffer and this rank's shard of it.
+#[derive(Debug, Clone)]
+struct PartShard {
+    /// The part's range of the model's flat buffers.
+    range: Range<usize>,
+    /// This rank's shard of the part (`n` is the part's length).
+    shard: Shard,
+    /// Where the shard starts in the flat shard.
+    offset: usize,
+}
+
+impl PartShard {
+    /// This rank's shard of the part, in the flat shard.
+    fn own(&self) -> Range<usize> {
+        self.offset..self.offset + self.shard.len
+    }
+
+    /// The model (not padding) elements of this rank's shard, in the
+    /// model's buffer.
+    fn real_in_model(&self) -> Range<usize> {
+        let r = self.shard.real();
+        self.range.start + r.start..self.range.start + r.end
+    }
+
+    /// Whether the part does not divide into the ranks, so that its
+    /// collectives go through a padded staging buffer.
+    fn padded(&self) -> bool {
+        self.shard.padded() != self.shard.n
+    }
+}
+
+/// How the parts of a flat buffer are split over the ranks.
+#[derive(Debug, Clone)]
+struct PartShards {
+    parts: Vec<PartShard>,
+    /// Elements of the flat shard: the sum of the parts' shard lengths.
+    len: usize,
+    /// Elements of the whole buffer.
+    n: usize,
+}
+
+impl PartShards {
+    /// The parts `ranges` (which partition `0..n` in order) split over
+    /// `world` ranks, as rank `rank` holds them.
+    fn new(ranges: &[Range<usize>], world: usize, rank: usize) -> PartShards {
+        let mut offset = 0;
+        let parts = ranges
+            .iter()
+            .map(|range| {
+                let shard = Shard::new(range.len(), world, rank);
+                let part = PartShard {
+                    range: range.clone(),
+                    shard,
+                    offset,
+                };
+                offset += shard.len;
+                part
+            })
+            .collect();
+        PartShards {
+            parts,
+            len: offset,
+            n: ranges.last().map_or(0, |r| r.end),
+        }
+    }
+
+    /// The part whose range holds `range`.
+    fn find(&self, range: &Range<usize>) -> Result<&PartShard, TrainError> {
+        self.parts
+            .iter()
+            .find(|p| p.range.start <= range.start && range.end <= p.range.end)
+            .ok_or(TrainError::UnknownPart {
+                start: range.start,
+                end: range.end,
+            })
+    }
+
+    /// This rank's flat shard of the whole buffer `full` (padding zero).
+    fn take(&self, full: &[f32]) -> Vec<f32> {
+        let mut flat = vec![0f32; self.len];
+        for p in &self.parts {
+            let real = p.real_in_model();
+            flat[p.offset..p.offset + real.len()].copy_from_slice(&full[real]);
+        }
+        flat
+    }
+
+    /// The whole buffer from every rank's flat shard, `gathered` holding
+    /// them in rank order.
+    fn unshard(&self, gathered: &[f32]) -> Vec<f32> {
+        let mut full = vec![0f32; self.n];
+        let world = gathered.len() / self.len.max(1);
+        for rank in 0..world {
+            let base = rank * self.len;
+            for p in &self.parts {
+                let real = Shard::new(p.shard.n, world, rank).real();
+                let src = base + p.offset;
+                full[p.range.start + real.start..p.range.start + real.end]
+                    .copy_from_slice(&gathered[src..src + real.len()]);
+            }
+        }
+        full
+    }
+
+    /// The weight-decay mask of the flat shard, given the whole buffer's.
+    fn mask(&self, full: &DecayMask) -> Result<DecayMask, TrainError> {
+        let mut exempt = Vec::new();
+        for p in &self.parts {
+            let real = p.real_in_model();
+            let m = shard_mask(full, real.clone());
+            exempt.extend(
+                m.segments()
+                    .iter()
+                    .filter(|(_, decayed)| !decayed)
+                    .map(|(r, _)| p.offset + r.start..p.offset + r.end),
+            );
+            exempt.push(p.offset + real.len()..p.offset + p.shard.len);
+        }
+        exempt.retain(|r| r.start < r.end);
+        Ok(DecayMask::with_exempt(self.len, exempt)?)
+    }
+
+    /// The largest padded part: what the staging buffer may have to hold.
+    fn largest_padded(&self) -> usize {
+        self.parts
+            .iter()
+            .map(|p| p.shard.padded())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+/// The first `len` elements of `buf`, grown to that length if shorter.
+fn staged(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
+    &mut buf[..len]
+}
+
+/// What the part hooks work on: everything the model's forward and
+/// backward hand to the sharded step while they run.
+struct Shards {
+    parts: PartShards,
+    /// This rank's flat shard of the parameters, which AdamW steps.
+    params: Vec<f32>,
+    /// This rank's flat shard of the job's mean gradient, summed over the
+    /// step's micro-batches (padding stays zero).
+    grads: Vec<f32>,
+    /// A padded part, for the collectives of a part that does not divide
+    /// into the ranks (and a tied head's read of wte, a slice of a part);
+    /// empty until one needs it.
+    staging: Vec<f32>,
+    /// One part's shard of a reduce-scatter, before it is added to `grads`.
+    scratch: Vec<f32>,
+    /// The first error inside a hook (hooks cannot return one); the
+    /// collectives after it are not started.
+    error: Option<TrainError>,
+    /// Time spent in the collectives.
+    comm: Duration,
+}
+
+impl Shards {
+    /// Every rank's shard of the part holding `range` into `dest`, exactly
+    /// `range` of the model's buffer. Collective.
+    fn gather(&mut self, pg: &ProcessGroup, range: Range<usize>, dest: &mut [f32]) {
+        if self.error.is_some() {
+            return;
+        }
+        let t = Instant::now();
+        let result = self.parts.find(&range).and_then(|p| {
+            let own = &self.params[p.own()];
+            let comm = TrainError::comm("parameter all_gather");
+            if range == p.range && !p.padded() {
+                return pg.all_gather(own, dest).map_err(comm);
+            }
+            let whole = staged(&mut self.staging, p.shard.padded());
+            pg.all_gather(own, whole).map_err(comm)?;
+            let at = range.start - p.range.start;
+            dest.copy_from_slice(&whole[at..at + range.len()]);
+            Ok(())
+        });
+        self.comm += t.elapsed();
+        if let Err(e) = result {
+            self.error = Some(e);
+        }
+    }
+
+    /// The part `range`'s gradient `grads` (this rank's, final for this
+    /// backward) averaged over ranks; this rank's shard of it is added to
+    /// the flat shard's gradient, and `grads` released. Collective.
+    fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
+        if self.error.is_none() {
+            let t = Instant::now();
+            let result = self.parts.find(&range).and_then(|p| {
+                if range != p.range {
+                    return Err(TrainError::UnknownPart {
+                        start: range.start,
+                        end: range.end,
+                    });
+                }
+                let out = staged(&mut self.scratch, p.shard.len);
+                let comm = TrainError::comm("gradient reduce_scatter");
+                if p.padded() {
+                    let whole = staged(&mut self.staging, p.shard.padded());
+                    whole[..grads.len()].copy_from_slice(grads);
+                    whole[grads.len()..].fill(0.0);
+                    pg.reduce_scatter(whole, out, ReduceOp::Avg).map_err(comm)?;
+                } else {
+                    pg.reduce_scatter(grads, out, ReduceOp::Avg).map_err(comm)?;
+                }
+                for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
+                    *g += x;
+                }
+                Ok(())
+            });
+            self.comm += t.elapsed();
+            if let Err(e) = result {
+                self.error = Some(e);
+            }
+        }
+        // Zero for the next backward, which accumulates into it.
+        release(grads);
+    }
+
+    /// The first error a hook met, clearing it.
+    fn check(&mut self) -> Result<(), TrainError> {
+        self.error.take().map_or(Ok(()), Err)
+    }
+}
+
+/// Locks the hooks' state (a panic elsewhere cannot leave it half-written
+/// in a way that matters: the run fails with the panic).
+fn lock(st: &Mutex<Shards>) -> MutexGuard<'_, Shards> {
+    st.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Stage 3's part hooks: gather a part's parameters before it runs, release
+/// them after.
+struct Gather<'s> {
+    pg: &'s ProcessGroup,
+    st: &'s Mutex<Shards>,
+}
+
+impl PartHooks for Gather<'_> {
+    fn before(&mut self, _: Part, range: Range<usize>, params: &mut [f32]) {
+        lock(self.st).gather(self.pg, range, params);
+    }
+
+    fn after(&mut self, _: Part, _: Range<usize>, params: &mut [f32]) {
+        release(params);
+    }
+}
+
+/// The whole optimizer state, and the whole parameters where the model's
+/// buffer does not hold them (stage 3), as rank 0 gathers them to save.
+type WholeState = (AdamW, Option<Vec<f32>>);
+
+/// ZeRO-2 or ZeRO-3 over a [`GPT`]: this rank's flat shard of the
+/// parameters, the mean gradient and AdamW's moments, and the passes that
+/// gather and reduce-scatter around the model's parts. The training
+/// strategy below runs it inside the training loop; `cohort bench ddp
+/// --strategy zero2|zero3` drives it directly.
+pub struct ShardedDp {
+    stage: ZeroStage,
+    st: Mutex<Shards>,
+    /// AdamW over the flat shard.
+    opt: AdamW,
+}
+
+impl ShardedDp {
+    /// ZeRO `stage` over `model`, whose parameters must be the same on
+    /// every rank (broadcast them first), with AdamW configured by `adamw`.
+    /// Stage 3 releases the model's parameter buffer: from now on only
+    /// [`ShardedDp::forward`] and [`ShardedDp::backward`] fill it, part by
+    /// part. Collective: fails on every rank unless every rank built the
+    /// same model.
+    pub fn new(
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        stage: ZeroStage,
+        adamw: AdamWConfig,
+    ) -> Result<ShardedDp, TrainError> {
+        ShardedDp::resumed(pg, model, stage, adamw, None)
+    }
+
+    /// [`ShardedDp::new`], its optimizer state this rank's shard of `full`
+    /// (an optimizer over the whole model) when given.
+    fn resumed(
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        stage: ZeroStage,
+        adamw: AdamWConfig,
+        full: Option<&AdamW>,
+    ) -> Result<ShardedDp, TrainError> {
+        agree_on_size(pg, model.num_params())?;
+        let ranges: Vec<_> = model.parts().iter().map(|&p| model.part_range(p)).collect();
+        let parts = PartShards::new(&ranges, pg.size(), pg.rank());
+        let mut opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
+        if let Some(full) = full {
+            let (m, v) = (parts.take(full.exp_avg()), parts.take(full.exp_avg_sq()));
+            opt.load_state(&OptimizerState {
+                optimizer: full.name().to_string(),
+                step: full.steps_taken(),
+                buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
+            })?;
+        }
+        let params = parts.take(model.params());
+        if stage == ZeroStage::Three {
+            release(model.params_mut());
+        }
+        // Nothing of the gradient buffer is kept: each part's is released
+        // once reduce-scattered.
+        release(model.grads_mut());
+        Ok(ShardedDp {
+            stage,
+            st: Mutex::new(Shards {
+                grads: vec![0f32; parts.len],
+                parts,
+                params,
+                staging: Vec::new(),
+                scratch: Vec::new(),
+                error: None,
+                comm: Duration::ZERO,
+            }),
+            opt,
+        })
+    }
+
+    /// Which stage this is.
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// Elements of this rank's flat shard, padding included: AdamW keeps
+    /// two moments of this many floats, and the mean gradient one.
+    pub fn shard_len(&self) -> usize {
+        self.shards().parts.len
+    }
+
+    /// Elements of the largest part, padded: the most a part's collective
+    /// stages besides the model's buffers.
+    pub fn largest_part(&self) -> usize {
+        self.shards().parts.largest_padded()
+    }
+
+    fn shards(&self) -> MutexGuard<'_, Shards> {
+        lock(&self.st)
+    }
+
+    fn shards_mut(&mut self) -> &mut Shards {
+        self.st.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The model's forward (as [`GPT::forward_labels`]), stage 3 gathering
+    /// each part's parameters around it. Collective under stage 3.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        input_ids: &[u32],
+        attention_mask: Option<&[u8]>,
+        labels: Option<Labels<'_>>,
+        b: usize,
+        t: usize,
+    ) -> Result<Option<f32>, TrainError> {
+        if self.stage == ZeroStage::Two {
+            return Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?);
+        }
+        let hooks = &mut Gather { pg, st: &self.st };
+        let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
+        self.shards_mut().check()?;
+        Ok(loss?)
+    }
+
+    /// The backward of the last forward: each part's gradient, as soon as it
+    /// is final, reduce-scattered and added to this rank's flat shard of the
+    /// gradient, the rest released (stage 3 gathering each part's
+    /// parameters around its backward). Returns the time spent in the
+    /// collectives. Collective.
+    pub fn backward(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
+        self.shards_mut().comm = Duration::ZERO;
+        let st = &self.st;
+        let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
+        let done = match self.stage {
+            ZeroStage::Two => model.backward(ready),
+            ZeroStage::Three => model.backward_parts(&mut Gather { pg, st }, ready),
+        };
+        let shards = self.shards_mut();
+        shards.check()?;
+        done?;
+        Ok(shards.comm)
+    }
+
+    /// This rank's flat shard of the mean gradient, summed over the
+    /// backwards since [`ShardedDp::clear_grads`] (padding zero): for the
+    /// loop to scale, check and clip.
+    pub fn shard_grads_mut(&mut self) -> &mut [f32] {
+        &mut self.shards_mut().grads
+    }
+
+    /// Zeroes the flat shard's gradient, for the next step's backwards.
+    pub fn clear_grads(&mut self) {
+        self.shards_mut().grads.fill(0.0);
+    }
+
+    /// AdamW on the flat shard at `lr`; stage 2 then all-gathers every
+    /// part's updated shard into `model`. Returns the time spent in the
+    /// collectives. Collective under stage 2.
+    pub fn update(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        lr: f64,
+    ) -> Result<Duration, TrainError> {
+        let Shards { params, grads, .. } = self.st.get_mut().unwrap_or_else(|e| e.into_inner());
+        self.opt.step(params, grads, lr)?;
+        if self.stage == ZeroStage::Three {
+            return Ok(Duration::ZERO);
+        }
+        let st = self.shards_mut();
+        st.comm = Duration::ZERO;
+        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        let params = model.params_mut();
+        for range in ranges {
+            st.gather(pg, range.clone(), &mut params[range]);
+        }
+        st.check()?;
+        Ok(st.comm)
+    }
+
+    /// The whole model's parameters, on every rank. Collective.
+    pub fn gather_params(&mut self, pg: &ProcessGroup) -> Result<Vec<f32>, TrainError> {
+        let st = self.shards_mut();
+        let mut whole = vec![0f32; st.parts.n];
+        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        for range in ranges {
+            st.gather(pg, range.clone(), &mut whole[range]);
+        }
+        st.check()?;
+        Ok(whole)
+    }
+
+    /// Every rank's flat shard `flat` made whole on rank 0 (`None`
+    /// elsewhere). Collective.
+    fn gather_to_root(
+        &self,
+        pg: &ProcessGroup,
+        flat: &[f32],
+    ) -> Result<Option<Vec<f32>>, TrainError> {
+        let st = self.shards();
+        let master = pg.rank() == 0;
+        let mut all = if master {
+            vec![0f32; st.parts.len * pg.size()]
+        } else {
+            Vec::new()
+        };
+        pg.gather(flat, master.then_some(&mut all[..]), 0)
+            .map_err(TrainError::comm("shard gather"))?;
+        Ok(master.then(|| st.parts.unshard(&all)))
+    }
+
+    /// The whole optimizer state (and, for stage 3, the whole parameters)
+    /// on rank 0, for a checkpoint in DDP's format. Collective.
+    fn gather_state(
+        &self,
+        pg: &ProcessGroup,
+        mask: DecayMask,
+    ) -> Result<Option<WholeState>, TrainError> {
+        let m = self.gather_to_root(pg, self.opt.exp_avg())?;
+        let v = self.gather_to_root(pg, self.opt.exp_avg_sq())?;
+        let params = match self.stage {
+            ZeroStage::Two => None,
+            ZeroStage::Three => {
+                let flat = self.shards().params.clone();
+                self.gather_to_root(pg, &flat)?
+            }
+        };
+        let (Some(m), Some(v)) = (m, v) else {
+            return Ok(None);
+        };
+        let mut full = AdamW::new(*self.opt.config(), mask)?;
+        full.load_state(&OptimizerState {
+            optimizer: self.opt.name().to_string(),
+            step: self.opt.steps_taken(),
+            buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
+        })?;
+        Ok(Some((full, params)))
+    }
+}
+
+/// ZeRO-2 or ZeRO-3 as a strategy of the training loop (see the module docs).
+pub(crate) struct ZeroSharded<'a> {
+    cfg: &'a TrainConfig,
+    pg: &'a ProcessGroup,
+    data: Arc<dyn Dataset>,
+    model: GPT,
+    zero: ShardedDp,
+    batches: TrainBatches,
+    /// This rank's share of the job's validation batches.
+    val: ValBatches,
+    start: Start,
+}
+
+/// The memory accounting's name for `stage` over `world` ranks.
+fn sharding(stage: ZeroStage, world: usize) -> Sharding {
+    match stage {
+        ZeroStage::Two => Sharding::Zero2 { world },
+        ZeroStage::Three => Sharding::Zero3 { world },
+    }
+}
+
+impl<'a> ZeroSharded<'a> {
+    pub(crate) fn new(
+        cfg: &'a TrainConfig,
+        pg: &'a ProcessGroup,
+        stage: ZeroStage,
+    ) -> Result<Self, TrainError> {
+        let (rank, world) = (pg.rank(), pg.size());
+        let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
+        let t = data.seq_len();
+        let mut header = step_loop::data_lines(&*data);
+        let model_cfg = model_config(cfg, data.vocab_size())?;
+        model_cfg.validate()?;
+        let sharding = sharding(stage, world);
+        check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
+        let (mut model, init_line) = crate::train::new_model(cfg, model_cfg, rank == 0)?;
+        header.extend(init_line);
+        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+        header.extend(apply_checkpointing(cfg, &mut model, t));
+        let n = model.num_params();
+        agree_on_size(pg, n)?;
+        // A checkpoint holds the whole state (DDP's format, written at any
+        // world size): load it whole, keep this rank's shards, and free the
+        // rest before the first step.
+        let mut state = TrainState::default();
+        let mut full = None;
+        if cfg.resume.is_some() {
+            let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
+            state = resume_replica(cfg, pg, &mut model, &mut opt, &mut header)?;
+            full = Some(opt);
+        }
+        // Rank 0's parameters (drawn, or as resumed) are every rank's.
+        pg.broadcast(model.params_mut(), 0)
+            .map_err(TrainError::comm("initial parameters broadcast"))?;
+        let zero = ShardedDp::resumed(pg, &mut model, stage, cfg.adamw(), full.as_ref())?;
+        drop(full);
+        let (name, what) = match stage {
+            ZeroStage::Two => ("ZeRO-2", "optimizer state and gradients"),
+            ZeroStage::Three => ("ZeRO-3", "parameters, gradients and optimizer state"),
+        };
+        header.push(format!(
+            "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
+             {name}: {what} in {} shards by part, {} elements per rank ({} padding)",
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.d_model,
+            cfg.d_ff,
+            data.vocab_size(),
+            t,
+            n,
+            world,
+            zero.shard_len(),
+            zero.shard_len() * world - n,
+        ));
+        header.push(memory_line(cfg, &model, t, sharding));
+        header.push(global_batch_line(cfg, world, t));
+        let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
+        let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
+        Ok(ZeroSharded {
+            cfg,
+            pg,
+            model,
+            zero,
+            batches,
+            val,
+            start: Start {
+                step: state.step,
+                header,
+                loss_floor: data.loss_floor(),
+            },
+            data,
+        })
+    }
+}
+
+/// The loop's micro-batches through a [`ShardedDp`]: every backward
+/// reduce-scatters (the shard accumulates the micro-batches).
+struct Passes<'z> {
+    pg: &'z ProcessGroup,
+    zero: &'z mut ShardedDp,
+}
+
+impl MicroBatches for Passes<'_> {
+    fn forward(&mut self, model: &mut GPT, batch: &Batch) -> Result<Option<f32>, TrainError> {
+        forward_batch(self.zero, self.pg, model, batch)
+    }
+
+    fn backward(
+        &mut self,
+        model: &mut GPT,
+        _: bool,
+        phases: &mut Phases,
+    ) -> Result<(), TrainError> {
+        let t = Instant::now();
+        let comm = self.zero.backward(self.pg, model)?;
+        phases.add(Phase::Backward, t.elapsed().saturating_sub(comm));
+        phases.add(Phase::Comm, comm);
+        Ok(())
+    }
+}
+
+/// `batch`'s forward with next-token targets through `zero`.
+fn forward_batch(
+    zero: &mut ShardedDp,
+    pg: &ProcessGroup,
+    model: &mut GPT,
+    batch: &Batch,
+) -> Result<Option<f32>, TrainError> {
+    zero.forward(
+        pg,
+        model,
+        &batch.input_ids,
+        step_loop::padding_mask(batch),
+        Some(Labels::Next(&batch.targets)),
+        batch.batch,
+        batch.seq,
+    )
+}
+
+impl Strategy for ZeroSharded<'_> {
+    fn group(&self) -> &ProcessGroup {
+        self.pg
+    }
+
+    fn start(&self) -> Start {
+        self.start.clone()
+    }
+
+    fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
+        let passes = &mut Passes {
+            pg: self.pg,
+            zero: &mut self.zero,
+        };
+        let (loss_sum, tokens) = step_loop::accumulate_with(
+            &mut self.model,
+            &mut self.batches,
+            self.cfg,
+            self.pg.rank(),
+            step,
+            phases,
+            passes,
+        )?;
+        Ok(StepGradients::data_parallel(
+            loss_sum,
+            tokens,
+            self.cfg.grad_accum,
+            self.pg.size(),
+        ))
+    }
+
+    /// This rank's flat shard of the mean gradient (its padding is zero,
+    /// and counts for nothing in the norm).
+    fn grads_mut(&mut self) -> &mut [f32] {
+        self.zero.shard_grads_mut()
+    }
+
+    fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
+        norm_over_shards(self.pg, local)
+    }
+
+    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
+        // A skipped step changes no shard: nothing to gather.
+        if let Some(lr) = lr {
+            self.zero.update(self.pg, &mut self.model, lr)?;
+        }
+        // The model's gradient buffer is already zero (released part by
+        // part); zeroing it here would only bring its pages back.
+        self.zero.clear_grads();
+        Ok(())
+    }
+
+    fn evaluate(&mut self) -> Result<f32, TrainError> {
+        let (zero, pg) = (&mut self.zero, self.pg);
+        // Stage 3's forward is collective, but the job's validation batches
+        // need not share out evenly: a rank with fewer runs forwards whose
+        // results it drops, until every rank has run as many as the busiest.
+        let mut most = [self.val.mine.len() as i64];
+        if zero.stage() == ZeroStage::Three {
+            pg.all_reduce(&mut most, ReduceOp::Max)
+                .map_err(TrainError::comm("val batch count all_reduce"))?;
+        }
+        let mine = step_loop::batch_losses_with(&self.val.mine, &mut self.model, &mut |m, b| {
+            forward_batch(zero, pg, m, b)
+        })?;
+        self.model.set_training(false);
+        for _ in self.val.mine.len() as i64..most[0] {
+            let ran = match self.val.mine.first() {
+                Some((_, batch)) => forward_batch(zero, pg, &mut self.model, batch),
+                None => zero.forward(pg, &mut self.model, &[0], None, None, 1, 1),
+            };
+            ran?;
+        }
+        self.model.set_training(true);
+        step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
+    }
+
+    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
+        let mask = decay_mask(self.model.param_views());
+        let Some((full, params)) = self.zero.gather_state(self.pg, mask)? else {
+            return Ok(SaveReport::default());
+        };
+        if let Some(params) = &params {
+            self.model.params_mut().copy_from_slice(params);
+        }
+        let report = save_replica(
+            out,
+            self.cfg,
+            self.pg,
+            &self.model,
+            &full,
+            &self.batches,
+            &*self.data,
+            step,
+        );
+        if params.is_some() {
+            release(self.model.params_mut());
+        }
+        Ok(report)
+    }
+
+    fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
+        match self.zero.stage() {
+            ZeroStage::Two => Ok(self.model.params().to_vec()),
+            ZeroStage::Three => self.zero.gather_params(self.pg),
+        }
+    }
+
+    fn who(&self) -> String {
+        let stage = match self.zero.stage() {
+            ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
+        };
+        format!("{} rank(s), ZeRO-{stage}", self.pg.size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn part_shards_take_and_unshard_are_inverse_with_padding_per_part() {
+        // Parts of 5, 7 and 4 elements over 3 ranks: shards of 2, 3 and 2.
+        let ranges = [0..5, 5..12, 12..16];
+        let full: Vec<f32> = (0..16).map(|i| i as f32 + 1.0).collect();
+        let world = 3;
+        let shards: Vec<_> = (0..world)
+            .map(|r| PartShards::new(&ranges, world, r))
+            .collect();
+        assert_eq!(shards[0].len, 7);
+        let gathered: Vec<f32> = shards.iter().flat_map(|s| s.take(&full)).collect();
+        assert_eq!(&gathered[..7], &[1.0, 2.0, 6.0, 7.0, 8.0, 13.0, 14.0]);
+        // The last rank's shards end in padding.
+        assert_eq!(&gathered[14..], &[5.0, 0.0, 12.0, 0.0, 0.0, 0.0, 0.0]);
+        assert_eq!(shards[1].unshard(&gathered), full);
+    }
+
+    #[test]
+    fn the_flat_shards_mask_is_each_parts_cut_with_padding_exempt() {
+        let ranges = [0..5, 5..12];
+        let full = DecayMask::with_exempt(12, std::iter::once(3..6)).unwrap();
+        let decayed = |m: &DecayMask| -> Vec<bool> {
+            m.segments()
+                .iter()
+                .flat_map(|(r, d)| std::iter::repeat_n(*d, r.len()))
+                .collect()
+        };
+        let want = [
+            // rank 0: 0,1 | 5,6,7 ; rank 1: 2,3 | 8,9,10 ; rank 2: 4,pad | 11,pad,pad
+            vec![true, true, false, true, true],
+            vec![true, false, true, true, true],
+            vec![false, false, true, false, false],
+        ];
+        for (rank, want) in want.iter().enumerate() {
+            let m = PartShards::new(&ranges, 3, rank).mask(&full).unwrap();
+            assert_eq!(&decayed(&m), want, "rank {rank}");
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! ZeRO-2 and ZeRO-3 (`--strategy zero2|zero3`) against DDP, ranks as
+//! threads over real loopback sockets: the same model from the same seed
+//! and data, on a model none of whose blocks divides into 2 or 3 ranks (so
+//! shards are padded part by part), with clipping, accumulation and a NaN
+//! in one rank's shard; what the strategies release; their header's memory
+//! accounting; and their checkpoints, which resume on another world size.
+
+mod common;
+
+use cohort_comm::{spawn, ProcessGroup};
+use cohort_engine::optim::AdamWConfig;
+use cohort_gpt::{GPTConfig, Labels, GPT};
+use cohort_train::{
+    elastic, train, NanInjection, Outcome, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
+};
+use common::{max_abs_diff, opts, run_world, tiny};
+use std::path::Path;
+
+/// Sharding changes only the order of the gradient's sums (each part's
+/// shard averaged over ranks, micro-batch by micro-batch), so ZeRO-2/3 and
+/// DDP agree to rounding; a wrong shard, average or gather is off by a whole
+/// step (lr = 1e-3).
+const TOL: f32 = 1e-5;
+
+const STAGES: [Strategy; 2] = [Strategy::Zero2, Strategy::Zero3];
+
+/// [`tiny`] with vocab 17 and d_model 33 (3 heads): 19037 parameters, in
+/// parts of 1089 (embeddings), 8941 (each block) and 66 (the head): each
+/// block is padded on 2 and 3 ranks, the embeddings on 2.
+fn odd() -> TrainConfig {
+    TrainConfig {
+        markov_vocab: 17,
+        d_model: 33,
+        n_heads: 3,
+        ..tiny()
+    }
+}
+
+fn with(strategy: Strategy, cfg: &TrainConfig) -> TrainConfig {
+    TrainConfig {
+        strategy,
+        ..cfg.clone()
+    }
+}
+
+/// The gradient norms before clipping that rank 0 logged to
+/// `dir/metrics.jsonl`, one per step.
+fn grad_norms(dir: &Path) -> Vec<f64> {
+    let text = std::fs::read_to_string(dir.join(cohort_train::METRICS_FILE)).unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v.get("grad_norm").and_then(|g| g.as_f64())
+        })
+        .collect()
+}
+
+/// `cfg` on `world` ranks logging to a temporary directory: every rank's
+/// outcome and rank 0's logged gradient norms.
+fn logged(world: usize, cfg: &TrainConfig) -> (Vec<Outcome>, Vec<f64>) {
+    let dir = tempfile::tempdir().unwrap();
+    let outcomes = run_world(
+        world,
+        &TrainConfig {
+            log_dir: Some(dir.path().into()),
+            ..cfg.clone()
+        },
+    );
+    (outcomes, grad_norms(dir.path()))
+}
+
+/// Under `strategy`, `cfg`'s ranks agree bitwise, and their parameters,
+/// losses and logged gradient norms (relatively) are DDP's within [`TOL`]:
+/// the norm is where a wrong average (a sum, say) would show even though
+/// AdamW's update barely feels a gradient's scale. Returns the norms.
+fn assert_matches_ddp(what: &str, world: usize, strategy: Strategy, cfg: &TrainConfig) -> Vec<f64> {
+    let (ddp, ddp_norms) = logged(world, cfg);
+    let (zero, norms) = logged(world, &with(strategy, cfg));
+    let what = format!("{what}, {strategy:?}, world {world}");
+    assert_ne!(zero[0].params.len() % world, 0, "{what}");
+    for (r, o) in zero.iter().enumerate().skip(1) {
+        assert!(o.params == zero[0].params, "{what}: rank {r} diverged");
+    }
+    let d = max_abs_diff(&zero[0].params, &ddp[0].params);
+    eprintln!("{what}: vs DDP max |diff| {d:e}");
+    assert!(d < TOL, "{what}: vs DDP {d}");
+    assert_eq!(norms.len(), cfg.steps as usize, "{what}");
+    for (step, (z, d)) in norms.iter().zip(&ddp_norms).enumerate() {
+        assert!(
+            (z - d).abs() <= 1e-5 * d,
+            "{what}, step {step}: grad norm {z} vs DDP's {d}"
+        );
+    }
+    assert_eq!(zero[0].train_losses.len(), ddp[0].train_losses.len());
+    for ((s1, a), (s2, b)) in zero[0].train_losses.iter().zip(&ddp[0].train_losses) {
+        assert_eq!(s1, s2);
+        assert!((a - b).abs() < TOL, "{what}: loss {a} vs {b} at step {s1}");
+    }
+    norms
+}
+
+#[test]
+fn zero2_and_zero3_match_ddp_on_2_and_3_ranks_with_padded_parts() {
+    let start = run_world(1, &TrainConfig { steps: 0, ..odd() })
+        .swap_remove(0)
+        .params;
+    // Evaluation at the end runs through the sharded forward too.
+    let cfg = TrainConfig {
+        eval_interval: 2,
+        ..odd()
+    };
+    for strategy in STAGES {
+        for world in [2, 3] {
+            assert_matches_ddp("plain", world, strategy, &cfg);
+        }
+        // The parameters did move, by far more than the tolerance.
+        let zero = run_world(2, &with(strategy, &odd())).swap_remove(0);
+        assert!(max_abs_diff(&zero.params, &start) > 1e-3);
+        let ddp = run_world(2, &cfg).swap_remove(0);
+        let zero = run_world(2, &with(strategy, &cfg)).swap_remove(0);
+        assert_eq!(zero.val_losses.len(), ddp.val_losses.len());
+        for ((_, a), (_, b)) in zero.val_losses.iter().zip(&ddp.val_losses) {
+            assert!((a - b).abs() < TOL, "{strategy:?}: val loss {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn zero2_and_zero3_clip_by_the_norm_over_all_shards_like_ddp() {
+    // Below every step's norm, so every step is clipped, by a factor that
+    // changes from step to step.
+    let clip = 0.05;
+    let cfg = TrainConfig {
+        grad_clip: clip,
+        ..odd()
+    };
+    for strategy in STAGES {
+        let unclipped = run_world(2, &with(strategy, &odd())).swap_remove(0).params;
+        for world in [2, 3] {
+            let norms = assert_matches_ddp("grad_clip", world, strategy, &cfg);
+            assert!(
+                norms.iter().all(|&n| n > 2.0 * clip as f64),
+                "clipping should be active: norms {norms:?}"
+            );
+        }
+        let clipped = run_world(2, &with(strategy, &cfg)).swap_remove(0).params;
+        let d = max_abs_diff(&clipped, &unclipped);
+        assert!(
+            d > 10.0 * TOL,
+            "{strategy:?}: clipping changed nothing: {d}"
+        );
+    }
+}
+
+#[test]
+fn zero2_and_zero3_accumulate_micro_batches_like_ddp() {
+    let cfg = TrainConfig {
+        grad_accum: 2,
+        ..odd()
+    };
+    for strategy in STAGES {
+        for world in [2, 3] {
+            assert_matches_ddp("grad_accum 2", world, strategy, &cfg);
+        }
+        // Accumulating really changed the run (two micro-batches per step).
+        let one = run_world(2, &with(strategy, &odd())).swap_remove(0).params;
+        let two = run_world(2, &with(strategy, &cfg)).swap_remove(0).params;
+        assert!(max_abs_diff(&one, &two) > 10.0 * TOL);
+    }
+}
+
+/// With activation checkpointing stage 3 gathers each block once around
+/// its backward, recomputation included; bf16 products train too.
+#[test]
+fn zero3_matches_ddp_with_activation_checkpointing_and_runs_in_bf16() {
+    let cfg = TrainConfig {
+        activation_checkpointing: true,
+        ..odd()
+    };
+    assert_matches_ddp("checkpointing", 2, Strategy::Zero3, &cfg);
+    let bf16 = TrainConfig {
+        precision: cohort_train::Precision::Bf16,
+        ..odd()
+    };
+    for strategy in STAGES {
+        let ddp = run_world(2, &bf16).swap_remove(0);
+        let zero = run_world(2, &with(strategy, &bf16));
+        assert!(zero[1].params == zero[0].params);
+        // bf16 rounds the products of parameters that differ from DDP's in
+        // their last bits: near, not within rounding.
+        let d = max_abs_diff(&zero[0].params, &ddp.params);
+        assert!(d < 1e-3, "{strategy:?} bf16 vs DDP bf16: {d}");
+    }
+}
+
+/// A NaN in rank 1's gradient only skips the update on every rank, as DDP
+/// skips it.
+#[test]
+fn a_nan_on_one_rank_skips_the_update_on_every_rank() {
+    let cfg = TrainConfig {
+        inject_nan: Some(NanInjection {
+            first_step: 1,
+            last_step: 1,
+            rank: Some(1),
+        }),
+        ..odd()
+    };
+    let ddp = run_world(3, &cfg).swap_remove(0);
+    for strategy in STAGES {
+        let zero = run_world(3, &with(strategy, &cfg));
+        for (r, o) in zero.iter().enumerate() {
+            let d = max_abs_diff(&o.params, &ddp.params);
+            assert!(d < TOL, "{strategy:?} rank {r}: vs DDP after a skip: {d}");
+        }
+        let clean = run_world(3, &with(strategy, &odd())).swap_remove(0);
+        assert!(
+            max_abs_diff(&zero[0].params, &clean.params) > 1e-4,
+            "{strategy:?}: the poisoned step was not skipped"
+        );
+    }
+}
+
+/// Rank 0's header of a one-step run of `cfg` on `world` ranks.
+fn header(world: usize, cfg: &TrainConfig) -> String {
+    let logs = spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+        let mut log = Vec::new();
+        let cfg = TrainConfig {
+            steps: 1,
+            ..cfg.clone()
+        };
+        train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
+    })
+    .unwrap();
+    logs[0].clone()
+}
+
+/// The figure in MB after `key` in a memory line.
+fn mb_after(line: &str, key: &str) -> f64 {
+    let rest = line
+        .split(key)
+        .nth(1)
+        .unwrap_or_else(|| panic!("{key:?} in {line}"));
+    rest.split(' ').next().unwrap().parse().unwrap()
+}
+
+/// The accounting at start: the optimizer state is the flat shard's (each
+/// part's ceil(n_p / N), summed), the gradient (both stages) and the
+/// parameters (stage 3) fall to a shard plus what one part needs; DDP's
+/// figures stay whole.
+#[test]
+fn the_memory_line_shows_sharded_gradients_and_parameters() {
+    // Six blocks: enough parts that a shard plus one part is well below the
+    // whole (with two, a part is most of the model).
+    let odd = || TrainConfig {
+        n_layers: 6,
+        ..odd()
+    };
+    let mut parts = vec![1089usize];
+    parts.extend([8941; 6]);
+    parts.push(66);
+    let line = |h: &str| {
+        h.lines()
+            .find(|l| l.contains("memory per rank: "))
+            .unwrap_or_else(|| panic!("no memory line in:\n{h}"))
+            .to_string()
+    };
+    let ddp = line(&header(2, &odd()));
+    for world in [2, 3] {
+        let flat: usize = parts.iter().map(|p| p.div_ceil(world)).sum();
+        for strategy in STAGES {
+            let h = header(world, &with(strategy, &odd()));
+            let stage = if strategy == Strategy::Zero2 { 2 } else { 3 };
+            assert!(
+                h.contains(&format!("ZeRO-{stage}: "))
+                    && h.contains(&format!("{flat} elements per rank")),
+                "{h}"
+            );
+            let zero = line(&h);
+            assert!(
+                zero.contains(&format!("AdamW, 2 x {flat} floats: 1/{world} of DDP's")),
+                "{zero}"
+            );
+            let grads = mb_after(&zero, "gradients ");
+            assert!(grads < mb_after(&ddp, "gradients "), "{zero}\nvs {ddp}");
+            assert!(
+                zero.contains(&format!("(1/{world} shards + the parts in backward)")),
+                "{zero}"
+            );
+            let params = mb_after(&zero, "parameters ");
+            if strategy == Strategy::Zero3 {
+                assert!(params < mb_after(&ddp, "parameters "), "{zero}");
+                assert!(zero.contains("the largest part gathered"), "{zero}");
+            } else {
+                assert_eq!(params, mb_after(&ddp, "parameters "), "{zero}");
+            }
+        }
+    }
+}
+
+/// What the strategies really release: after a backward through
+/// [`ShardedDp`] the model's gradient buffer is all zero (each part given
+/// back once reduce-scattered) while the shard holds the job's mean
+/// gradient; under stage 3 the parameter buffer is all zero between parts,
+/// and the step's parameters are DDP's mean-gradient AdamW step.
+#[test]
+fn sharded_passes_leave_only_the_shards_behind() {
+    let cfg = GPTConfig {
+        vocab_size: 17,
+        max_position_embeddings: 8,
+        n_layers: 2,
+        n_heads: 3,
+        d_model: 33,
+        d_ff: 64,
+        ..GPTConfig::default()
+    };
+    let (b, t) = (2, 8);
+    let ids = |rank: usize| -> Vec<u32> {
+        (0..b * t)
+            .map(|i| ((i * 7 + rank * 3) % 17) as u32)
+            .collect()
+    };
+    // The mean gradient over 2 ranks, and its norm, the plain way.
+    let mut whole = GPT::new(cfg.clone(), 3).unwrap();
+    let mut mean = vec![0f32; whole.num_params()];
+    for rank in 0..2 {
+        let x = ids(rank);
+        whole.zero_grad();
+        whole
+            .forward_labels(
+                &x,
+                None,
+                Some(Labels::Aligned(
+                    &x.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+                )),
+                b,
+                t,
+            )
+            .unwrap();
+        whole.backward(|_, _| {}).unwrap();
+        for (m, g) in mean.iter_mut().zip(whole.grads()) {
+            *m += g / 2.0;
+        }
+    }
+    let want: f64 = mean.iter().map(|&g| (g as f64).powi(2)).sum();
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let mut model = GPT::new(cfg.clone(), 3).unwrap();
+            let mut zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            assert_eq!(zero.stage(), stage);
+            let x = ids(pg.rank());
+            let labels: Vec<i32> = x.iter().map(|&v| v as i32).collect();
+            zero.forward(
+                pg,
+                &mut model,
+                &x,
+                None,
+                Some(Labels::Aligned(&labels)),
+                b,
+                t,
+            )?;
+            zero.backward(pg, &mut model)?;
+            assert!(
+                model.grads().iter().all(|&g| g == 0.0),
+                "gradient buffer released"
+            );
+            let held_params = model.params().iter().any(|&p| p != 0.0);
+            assert_eq!(held_params, stage == ZeroStage::Two, "{stage:?}");
+            let shard: f64 = zero
+                .shard_grads_mut()
+                .iter()
+                .map(|&g| (g as f64).powi(2))
+                .sum();
+            assert_eq!(zero.shard_grads_mut().len(), zero.shard_len());
+            zero.update(pg, &mut model, 1e-3)?;
+            let params = zero.gather_params(pg)?;
+            Ok::<_, TrainError>((shard, params))
+        })
+        .unwrap();
+        let squares: f64 = got.iter().map(|g| g.0).sum();
+        assert!(
+            (squares - want).abs() <= 1e-4 * want,
+            "{stage:?}: shards' squares {squares} vs the mean gradient's {want}"
+        );
+        assert!(got[0].1 == got[1].1, "{stage:?}: ranks disagree");
+        // The first AdamW step moves every decayed or non-zero-gradient
+        // parameter by about lr: compare with the whole model's step.
+        let mut opt = cohort_engine::optim::AdamW::new(
+            AdamWConfig::default(),
+            cohort_gpt::optim_groups::decay_mask(whole.param_views()),
+        )
+        .unwrap();
+        let mut step = GPT::new(cfg.clone(), 3).unwrap().params().to_vec();
+        use cohort_engine::optim::Optimizer;
+        opt.step(&mut step, &mean, 1e-3).unwrap();
+        let d = max_abs_diff(&got[0].1, &step);
+        assert!(
+            d < 1e-6,
+            "{stage:?}: step vs AdamW on the mean gradient: {d}"
+        );
+    }
+}
+
+/// A run stopped after 3 of 6 steps on 2 ranks resumes on 3 (the launcher's
+/// elastic rescale keeps the global batch: grad_accum 3 -> 2) and ends where
+/// the unbroken 2-rank run does; a DDP checkpoint resumes under either
+/// stage, and a stage's checkpoint under DDP.
+#[test]
+fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
+    let cfg = TrainConfig {
+        steps: 6,
+        lr_decay_steps: 6,
+        grad_accum: 3,
+        ..odd()
+    };
+    for strategy in STAGES {
+        let straight = run_world(2, &with(strategy, &cfg)).swap_remove(0);
+        for (first, then, world) in [
+            (strategy, strategy, 3),
+            (Strategy::Ddp, strategy, 3),
+            (strategy, Strategy::Ddp, 1),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let out = dir.path().join("ckpt");
+            run_world(
+                2,
+                &TrainConfig {
+                    steps: 3,
+                    out: Some(out.clone()),
+                    strategy: first,
+                    ..cfg.clone()
+                },
+            );
+            let (resume, notes) = elastic::prepare_resume(
+                &TrainConfig {
+                    resume: Some(out.clone()),
+                    strategy: then,
+                    ..cfg.clone()
+                },
+                world,
+                0,
+            );
+            assert!(
+                notes.iter().any(|n| n.contains("grad_accum 3 ->")),
+                "{notes:?}"
+            );
+            let resumed = run_world(world, &resume);
+            assert_eq!(resumed[0].steps_run, 3);
+            let d = max_abs_diff(&resumed[0].params, &straight.params);
+            eprintln!("{first:?} x2 -> {then:?} x{world}: max |diff| {d:e}");
+            assert!(d < TOL, "{first:?} x2 -> {then:?} x{world}: {d}");
+            for r in 1..world {
+                assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
+            }
+        }
+    }
+}

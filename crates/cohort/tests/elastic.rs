@@ -540,3 +540,52 @@ fn a_silent_node_is_lost_after_the_heartbeat_timeout_and_the_job_goes_on() {
     );
     assert!(out.contains("[rank0]: round 1 world 1"), "{out}");
 }
+
+/// ZeRO-2 and ZeRO-3 under a crash: rank 1 killed with SIGKILL after the first checkpoint (the
+/// shards gathered into DDP's format by rank 0), the launcher restarts the group, each rank
+/// takes its shard of the checkpoint again, and the run ends where an unbroken one does.
+#[test]
+fn a_killed_rank_of_a_sharded_run_resumes_to_the_unbroken_runs_parameters() {
+    for strategy in ["zero2", "zero3"] {
+        let run = |dir: &Path, restartable: bool| {
+            let mut cmd = cohort();
+            cmd.args(["run", "--standalone", "-n", "2"]);
+            if restartable {
+                cmd.args(["--max-restarts", "1", "--grace-period", "1"]);
+            }
+            cmd.args(train_args(dir)).args(["--strategy", strategy]);
+            Proc::spawn(cmd)
+        };
+        let (unbroken, crashed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (status, out) = run(unbroken.path(), false).finish(Duration::from_secs(120));
+        assert!(status.success(), "{strategy}: {out}");
+
+        let proc = run(crashed.path(), true);
+        wait_for_checkpoint(crashed.path(), &proc);
+        kill(worker_pid(proc.pid, 1), libc::SIGKILL);
+        let (status, out) = proc.finish(Duration::from_secs(120));
+        assert!(status.success(), "{strategy}: {out}");
+        assert!(
+            out.contains("signal 9 (SIGKILL)") && out.contains("restarting the workers"),
+            "{strategy}: {out}"
+        );
+        let resumed_at: u64 = out
+            .lines()
+            .find_map(|l| l.split_once("[rank0]: resumed from "))
+            .and_then(|(_, rest)| rest.rsplit_once(" at step "))
+            .and_then(|(_, step)| step.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{strategy}: no resume line in:\n{out}"));
+        assert!(resumed_at < 200, "{strategy}: resumed at {resumed_at}");
+        let (a, b) = (params(unbroken.path()), params(crashed.path()));
+        let max_diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            max_diff <= 1e-5,
+            "{strategy}: parameters differ by {max_diff}"
+        );
+        assert_eq!(checkpoint_step(crashed.path()), Some(200));
+    }
+}

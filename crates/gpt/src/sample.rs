@@ -14,8 +14,17 @@
 //! `max_position_embeddings`: cohort's training scores every position of a window (next-token
 //! targets, as nanoGPT), so the last position predicts as well as any other.
 //!
-//! This module never changes the model and never allocates per token: buffers are sized for a
-//! full window when the decoder is built.
+//! Serving many sequences at once (continuous batching): a [`Generation`] owns one sequence's
+//! cache and sampler and borrows nothing; [`decode_step`] advances any set of them by one token
+//! with one matrix product per layer over all their rows (attention stays per row, over each
+//! row's own cache). Sequences may join (prefilled by [`Generation::start`]) or leave between
+//! any two steps, and each gets bit-for-bit the tokens it gets alone: every kernel computes a
+//! row the same way whatever other rows share the product. [`generate`] is this same path with
+//! one row.
+//!
+//! This module never changes the model and never allocates per token: a [`Workspace`]'s
+//! buffers are sized for a full window when it is built (and grown only for a batch wider than
+//! that).
 
 use cohort_rng::SplitMix64;
 
@@ -82,8 +91,64 @@ pub enum SampleError {
     BadTopK,
 }
 
-/// Scratch rows for up to `max_t` tokens, allocated once.
+/// The keys and values of the tokens one sequence has fed: (L, max_t, C) each. It borrows
+/// nothing, so a server can hold one per request and still use the model between steps.
+pub struct KvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Positions filled.
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for a full window of `cfg`.
+    pub fn new(cfg: &GPTConfig) -> KvCache {
+        let n = cfg.n_layers * cfg.max_position_embeddings * cfg.d_model;
+        KvCache {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            len: 0,
+        }
+    }
+
+    /// Tokens in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before anything was fed (or after [`KvCache::reset`]).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets every cached token.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// The caches a forward's rows write to and read from, by index.
+trait Caches {
+    fn cache(&mut self, i: usize) -> &mut KvCache;
+}
+
+impl Caches for KvCache {
+    fn cache(&mut self, _: usize) -> &mut KvCache {
+        self
+    }
+}
+
+impl<G: AsMut<Generation>> Caches for [G] {
+    fn cache(&mut self, i: usize) -> &mut KvCache {
+        &mut self[i].as_mut().cache
+    }
+}
+
+/// Scratch rows for forwards (activations of every row, the logits asked for), sized for a full
+/// window when built and grown only when a batched step has more rows than that.
 struct Buffers {
+    /// Rows the buffers hold.
+    rows: usize,
     /// Residual stream (n, C).
     x: Vec<f32>,
     /// LayerNorm output (n, C).
@@ -101,104 +166,166 @@ struct Buffers {
     gelu: Vec<f32>,
     /// Attention weights of one query over the cache (max_t).
     scores: Vec<f32>,
-    /// Logits of the last token fed (V).
+    /// Logits of the rows asked for (n, V).
     logits: Vec<f32>,
+}
+
+impl Buffers {
+    fn new(cfg: &GPTConfig, rows: usize) -> Buffers {
+        let (c, f) = (cfg.d_model, cfg.d_ff);
+        Buffers {
+            rows,
+            x: vec![0.0; rows * c],
+            ln: vec![0.0; rows * c],
+            mean: vec![0.0; rows],
+            rstd: vec![0.0; rows],
+            qkv: vec![0.0; rows * 3 * c],
+            att: vec![0.0; rows * c],
+            proj: vec![0.0; rows * c],
+            fc: vec![0.0; rows * f],
+            gelu: vec![0.0; rows * f],
+            scores: vec![0.0; cfg.max_position_embeddings],
+            logits: vec![0.0; rows * cfg.vocab_size],
+        }
+    }
+}
+
+/// Scratch space shared by every sequence a thread decodes: the forward's activations and the
+/// parameter layout. One per serving thread, not one per request (a request owns only its
+/// [`KvCache`] and sampler state).
+pub struct Workspace {
+    layout: Layout,
+    buf: Buffers,
+    /// Which generations a batched step feeds (indices into the caller's slice).
+    sel: Vec<usize>,
+    /// The token each of them feeds.
+    tokens: Vec<u32>,
+}
+
+impl Workspace {
+    /// Scratch for `model`, sized for a full window.
+    pub fn new(model: &GPT) -> Workspace {
+        let cfg = model.config();
+        Workspace {
+            layout: Layout::new(cfg),
+            buf: Buffers::new(cfg, cfg.max_position_embeddings.max(1)),
+            sel: Vec::new(),
+            tokens: Vec::new(),
+        }
+    }
+
+    /// Runs `tokens` at positions `cache.len()..` of one sequence through `model`, appending
+    /// their keys and values to `cache`; returns the logits (V) that follow the last of them.
+    pub fn feed(
+        &mut self,
+        model: &GPT,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<&[f32], SampleError> {
+        let cfg: &GPTConfig = model.config();
+        if tokens.is_empty() {
+            return Err(SampleError::EmptyPrompt);
+        }
+        if cache.len + tokens.len() > cfg.max_position_embeddings {
+            return Err(SampleError::ContextFull {
+                cached: cache.len,
+                new: tokens.len(),
+                max: cfg.max_position_embeddings,
+            });
+        }
+        check_vocab(tokens, cfg.vocab_size)?;
+        let p0 = cache.len;
+        self.run(model, cache, tokens, Rows::Sequence { p0 });
+        cache.len += tokens.len();
+        Ok(&self.buf.logits[..cfg.vocab_size])
+    }
+
+    /// One forward of `rows` through `model` (the caller validated tokens and room).
+    fn run<C: Caches + Send + ?Sized>(
+        &mut self,
+        model: &GPT,
+        caches: &mut C,
+        tokens: &[u32],
+        rows: Rows<'_>,
+    ) {
+        if tokens.len() > self.buf.rows {
+            self.buf = Buffers::new(model.config(), tokens.len());
+        }
+        let (layout, buf) = (&self.layout, &mut self.buf);
+        model
+            .backend()
+            .install(&mut || forward_rows(model, layout, caches, buf, tokens, rows));
+    }
+}
+
+fn check_vocab(tokens: &[u32], vocab: usize) -> Result<(), SampleError> {
+    match tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= vocab)
+    {
+        Some((index, &id)) => Err(SampleError::TokenOutOfRange { index, id, vocab }),
+        None => Ok(()),
+    }
 }
 
 /// Incremental inference over one sequence with a KV cache.
 pub struct Decoder<'m> {
     model: &'m GPT,
-    layout: Layout,
-    /// Keys then values of every layer: (L, max_t, C) each.
-    k_cache: Vec<f32>,
-    v_cache: Vec<f32>,
-    /// Tokens in the cache.
-    len: usize,
-    buf: Buffers,
+    cache: KvCache,
+    ws: Workspace,
 }
 
 impl<'m> Decoder<'m> {
     /// An empty decoder for `model` (buffers for a full window).
     pub fn new(model: &'m GPT) -> Decoder<'m> {
-        let cfg = model.config();
-        let (t, c, f) = (cfg.max_position_embeddings, cfg.d_model, cfg.d_ff);
-        let cache = cfg.n_layers * t * c;
         Decoder {
             model,
-            layout: Layout::new(cfg),
-            k_cache: vec![0.0; cache],
-            v_cache: vec![0.0; cache],
-            len: 0,
-            buf: Buffers {
-                x: vec![0.0; t * c],
-                ln: vec![0.0; t * c],
-                mean: vec![0.0; t],
-                rstd: vec![0.0; t],
-                qkv: vec![0.0; t * 3 * c],
-                att: vec![0.0; t * c],
-                proj: vec![0.0; t * c],
-                fc: vec![0.0; t * f],
-                gelu: vec![0.0; t * f],
-                scores: vec![0.0; t],
-                logits: vec![0.0; cfg.vocab_size],
-            },
+            cache: KvCache::new(model.config()),
+            ws: Workspace::new(model),
         }
     }
 
     /// Tokens in the cache.
     pub fn len(&self) -> usize {
-        self.len
+        self.cache.len()
     }
 
     /// True before anything was fed (or after [`Decoder::reset`]).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.cache.is_empty()
     }
 
     /// Forgets every cached token.
     pub fn reset(&mut self) {
-        self.len = 0;
+        self.cache.reset();
     }
 
     /// Runs `tokens` at positions `len..len + n` through the model, appending their keys and
     /// values to the cache, and returns the logits (V) that follow the last of them.
     pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], SampleError> {
-        let cfg: &GPTConfig = self.model.config();
-        if tokens.is_empty() {
-            return Err(SampleError::EmptyPrompt);
+        self.ws.feed(self.model, &mut self.cache, tokens)
+    }
+}
+
+/// Which sequence and position each row of a forward is.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    /// Consecutive tokens of the one cache given, from position `p0`; only the last row's
+    /// logits are computed (a prompt, or a window rebuilt).
+    Sequence { p0: usize },
+    /// Row i is the next token of cache `sel[i]`, at that cache's length; every row's logits
+    /// are computed (a batched decode step).
+    Each(&'a [usize]),
+}
+
+impl Rows<'_> {
+    /// (cache index, position) of row `i`.
+    fn at<C: Caches + ?Sized>(self, caches: &mut C, i: usize) -> (usize, usize) {
+        match self {
+            Rows::Sequence { p0 } => (0, p0 + i),
+            Rows::Each(sel) => (sel[i], caches.cache(sel[i]).len),
         }
-        if self.len + tokens.len() > cfg.max_position_embeddings {
-            return Err(SampleError::ContextFull {
-                cached: self.len,
-                new: tokens.len(),
-                max: cfg.max_position_embeddings,
-            });
-        }
-        if let Some((index, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= cfg.vocab_size)
-        {
-            return Err(SampleError::TokenOutOfRange {
-                index,
-                id,
-                vocab: cfg.vocab_size,
-            });
-        }
-        let Decoder {
-            model,
-            layout,
-            k_cache,
-            v_cache,
-            len,
-            buf,
-        } = self;
-        let model: &GPT = model;
-        let dev = model.backend();
-        let p0 = *len;
-        dev.install(&mut || feed_rows(model, layout, k_cache, v_cache, buf, p0, tokens));
-        self.len += tokens.len();
-        Ok(&self.buf.logits)
     }
 }
 
@@ -206,16 +333,19 @@ fn opt<'a>(p: &'a [f32], r: &std::ops::Range<usize>) -> Option<&'a [f32]> {
     (!r.is_empty()).then(|| &p[r.clone()])
 }
 
-/// The forward of `tokens` at positions `p0..`, attending over the cache; writes the last
-/// token's logits into `buf.logits`. Dims: n new tokens, C, F, V, NH heads of HS.
-fn feed_rows(
+/// The forward of `tokens` (one per row, placed by `rows`), attending over each row's cache;
+/// writes the logits `rows` asks for into `buf.logits`. The matrix products run once over all
+/// rows; attention runs per row over its own cache. Every kernel computes a row the same way
+/// whatever other rows are present (the products sum each output over K in one fixed order), so
+/// a sequence decoded in a batch gets bit-for-bit the logits it gets alone. Caches' lengths
+/// are not advanced here. Dims: n rows, C, F, V, NH heads of HS.
+fn forward_rows<C: Caches + ?Sized>(
     model: &GPT,
     layout: &Layout,
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    caches: &mut C,
     buf: &mut Buffers,
-    p0: usize,
     tokens: &[u32],
+    rows: Rows<'_>,
 ) {
     let cfg = model.config();
     let (n, c, f, v) = (tokens.len(), cfg.d_model, cfg.d_ff, cfg.vocab_size);
@@ -228,7 +358,8 @@ fn feed_rows(
 
     let x = &mut buf.x[..n * c];
     for (i, (row, &id)) in x.chunks_exact_mut(c).zip(tokens).enumerate() {
-        let (te, pe) = (id as usize * c, (p0 + i) * c);
+        let (_, pos) = rows.at(caches, i);
+        let (te, pe) = (id as usize * c, pos * c);
         for ((o, a), b) in row.iter_mut().zip(&wte[te..te + c]).zip(&wpe[pe..pe + c]) {
             *o = a + b;
         }
@@ -241,7 +372,7 @@ fn feed_rows(
     );
     let (fc, gelu) = (&mut buf.fc[..n * f], &mut buf.gelu[..n * f]);
     for (l, bl) in layout.blocks.iter().enumerate() {
-        // attention: ln_1, qkv, append k and v, attend over positions 0..=p0+i
+        // attention: ln_1, qkv, append k and v, attend over positions 0..=pos
         dev.layernorm_forward(
             ln,
             mean,
@@ -261,19 +392,24 @@ fn feed_rows(
             c,
             3 * c,
         );
-        let kc = &mut k_cache[l * max_t * c..(l + 1) * max_t * c];
-        let vc = &mut v_cache[l * max_t * c..(l + 1) * max_t * c];
+        let layer = l * max_t * c..(l + 1) * max_t * c;
+        // every row's key and value first: a prompt's row i attends to rows before it
         for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
-            let at = (p0 + i) * c;
-            kc[at..at + c].copy_from_slice(&row[c..2 * c]);
-            vc[at..at + c].copy_from_slice(&row[2 * c..]);
+            let (ci, pos) = rows.at(caches, i);
+            let cache = caches.cache(ci);
+            let at = layer.start + pos * c;
+            cache.k[at..at + c].copy_from_slice(&row[c..2 * c]);
+            cache.v[at..at + c].copy_from_slice(&row[2 * c..]);
         }
         for (i, (row, out)) in qkv
             .chunks_exact(3 * c)
             .zip(att.chunks_exact_mut(c))
             .enumerate()
         {
-            let ctx = p0 + i + 1;
+            let (ci, pos) = rows.at(caches, i);
+            let cache = caches.cache(ci);
+            let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
+            let ctx = pos + 1;
             for h in 0..nh {
                 let q = &row[h * hs..(h + 1) * hs];
                 let scores = &mut buf.scores[..ctx];
@@ -326,13 +462,16 @@ fn feed_rows(
         dev.matmul_forward(proj, gelu, wp, bp, n, f, c);
         add(x, proj);
     }
-    // only the last position's logits are needed
-    let last = &x[(n - 1) * c..];
-    let (ln1, mean1, rstd1) = (&mut ln[..c], &mut mean[..1], &mut rstd[..1]);
+    // logits only where a token will be sampled: a sequence's last row, or every row of a step
+    let (first, m) = match rows {
+        Rows::Sequence { .. } => (n - 1, 1),
+        Rows::Each(_) => (0, n),
+    };
     let (lnf_w, lnf_b) = (&p[layout.ln_f_w.clone()], opt(p, &layout.ln_f_b));
-    dev.layernorm_forward(ln1, mean1, rstd1, last, lnf_w, lnf_b, 1, c);
+    let (ln, mean, rstd) = (&mut ln[..m * c], &mut mean[..m], &mut rstd[..m]);
+    dev.layernorm_forward(ln, mean, rstd, &x[first * c..], lnf_w, lnf_b, m, c);
     let head = &p[layout.lm_head.clone()];
-    dev.head_forward(&mut buf.logits, ln1, head, 1, c, v);
+    dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
 }
 
 fn add(x: &mut [f32], y: &[f32]) {
@@ -428,39 +567,160 @@ pub fn generate_while(
     opts: &SampleOptions,
     mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<Vec<u32>, SampleError> {
-    if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
-        return Err(SampleError::BadTemperature(opts.temperature));
-    }
-    if opts.top_k == Some(0) {
-        return Err(SampleError::BadTopK);
-    }
-    if prompt.is_empty() {
-        return Err(SampleError::EmptyPrompt);
-    }
-    let max_t = context_window(model.config());
-    let mut seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
-    let mut decoder = Decoder::new(model);
-    let mut rng = SplitMix64::new(opts.seed);
-    let mut scratch = Vec::with_capacity(model.config().vocab_size);
-    let mut out = Vec::with_capacity(opts.max_new_tokens);
-    let mut logits = decoder.feed(&seq)?.to_vec();
-    for i in 0..opts.max_new_tokens {
-        let next = sample_token(&logits, opts, &mut rng, &mut scratch);
-        out.push(next);
-        seq.push(next);
-        if on_token(next).is_break() || i + 1 == opts.max_new_tokens {
+    let mut ws = Workspace::new(model);
+    let mut g = Generation::start(model, prompt, opts, &mut ws)?;
+    while let Some(&next) = g.tokens().last() {
+        if on_token(next).is_break() || g.is_finished() {
             break;
         }
-        let fed = if decoder.len() < max_t {
-            decoder.feed(&[next])?
-        } else {
-            // window full: condition on the last max_t tokens, at positions 0..max_t
-            decoder.reset();
-            decoder.feed(&seq[seq.len() - max_t..])?
-        };
-        logits.copy_from_slice(fed);
+        decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
     }
-    Ok(out)
+    Ok(g.into_tokens())
+}
+
+/// One sequence being generated: its cache, sampler state and tokens so far. It borrows
+/// nothing, so many can be in flight on one model and be stepped together by [`decode_step`]
+/// (continuous batching); each must only ever be used with the model it was started on.
+pub struct Generation {
+    opts: SampleOptions,
+    /// The (cropped) prompt and every token generated: the source of a rebuilt window.
+    seq: Vec<u32>,
+    /// Tokens generated.
+    out: Vec<u32>,
+    cache: KvCache,
+    rng: SplitMix64,
+    scratch: Vec<f32>,
+}
+
+impl AsMut<Generation> for Generation {
+    fn as_mut(&mut self) -> &mut Generation {
+        self
+    }
+}
+
+impl Generation {
+    /// Checks `opts`, feeds `prompt` (cropped to the [`context_window`]) and samples the first
+    /// token (none when `max_new_tokens` is 0).
+    pub fn start(
+        model: &GPT,
+        prompt: &[u32],
+        opts: &SampleOptions,
+        ws: &mut Workspace,
+    ) -> Result<Generation, SampleError> {
+        if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
+            return Err(SampleError::BadTemperature(opts.temperature));
+        }
+        if opts.top_k == Some(0) {
+            return Err(SampleError::BadTopK);
+        }
+        if prompt.is_empty() {
+            return Err(SampleError::EmptyPrompt);
+        }
+        let cfg = model.config();
+        let max_t = context_window(cfg);
+        let seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
+        let mut g = Generation {
+            opts: opts.clone(),
+            out: Vec::with_capacity(opts.max_new_tokens),
+            cache: KvCache::new(cfg),
+            rng: SplitMix64::new(opts.seed),
+            scratch: Vec::with_capacity(cfg.vocab_size),
+            seq,
+        };
+        let Generation {
+            seq,
+            cache,
+            rng,
+            scratch,
+            ..
+        } = &mut g;
+        let logits = ws.feed(model, cache, seq)?;
+        if opts.max_new_tokens > 0 {
+            let next = sample_token(logits, opts, rng, scratch);
+            g.push(next);
+        }
+        Ok(g)
+    }
+
+    fn push(&mut self, token: u32) {
+        self.out.push(token);
+        self.seq.push(token);
+    }
+
+    /// The tokens generated so far; the last one is not yet fed.
+    pub fn tokens(&self) -> &[u32] {
+        &self.out
+    }
+
+    /// True once `max_new_tokens` tokens are out: stepping it further does nothing.
+    pub fn is_finished(&self) -> bool {
+        self.out.len() >= self.opts.max_new_tokens
+    }
+
+    /// What it samples with.
+    pub fn options(&self) -> &SampleOptions {
+        &self.opts
+    }
+
+    /// The tokens generated (without the prompt).
+    pub fn into_tokens(self) -> Vec<u32> {
+        self.out
+    }
+}
+
+/// One decode step of every unfinished generation in `gens`: feeds each its last token and
+/// samples its next. The rows that still fit their window go through the model as one batch
+/// (one matrix product per layer over all of them); a sequence whose window is full is rebuilt
+/// alone from its last window of tokens, as [`generate`] does. Each generation gets exactly
+/// the tokens it would get stepped alone. Finished generations are left as they are.
+pub fn decode_step<G: AsMut<Generation> + Send>(
+    model: &GPT,
+    gens: &mut [G],
+    ws: &mut Workspace,
+) -> Result<(), SampleError> {
+    let (max_t, vocab) = (context_window(model.config()), model.config().vocab_size);
+    ws.sel.clear();
+    ws.tokens.clear();
+    for (i, g) in gens.iter_mut().enumerate() {
+        let g = g.as_mut();
+        let Some(&last) = g.out.last() else { continue };
+        if g.is_finished() {
+            continue;
+        }
+        if g.cache.len < max_t {
+            ws.sel.push(i);
+            ws.tokens.push(last);
+            continue;
+        }
+        // window full: condition on the last max_t tokens, at positions 0..max_t
+        let Generation {
+            seq,
+            cache,
+            rng,
+            scratch,
+            opts,
+            ..
+        } = g;
+        cache.reset();
+        let logits = ws.feed(model, cache, &seq[seq.len() - max_t..])?;
+        let next = sample_token(logits, opts, rng, scratch);
+        g.push(next);
+    }
+    if ws.sel.is_empty() {
+        return Ok(());
+    }
+    check_vocab(&ws.tokens, vocab)?;
+    let (sel, tokens) = (std::mem::take(&mut ws.sel), std::mem::take(&mut ws.tokens));
+    ws.run(model, gens, &tokens, Rows::Each(&sel));
+    for (r, &i) in sel.iter().enumerate() {
+        let g = gens[i].as_mut();
+        g.cache.len += 1;
+        let logits = &ws.buf.logits[r * vocab..(r + 1) * vocab];
+        let next = sample_token(logits, &g.opts, &mut g.rng, &mut g.scratch);
+        g.push(next);
+    }
+    (ws.sel, ws.tokens) = (sel, tokens);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -529,6 +789,69 @@ mod tests {
         })
         .unwrap();
         assert_eq!((calls, &cut[..]), (5, &all[..5]));
+    }
+
+    /// Runs `jobs` (prompt, options, the step each joins at) as a server's continuous batch
+    /// would: joiners are prefilled between steps, every step is one `decode_step` over all
+    /// active generations, finished ones leave at once.
+    fn continuous(model: &GPT, jobs: &[(Vec<u32>, SampleOptions, usize)]) -> Vec<Vec<u32>> {
+        let mut ws = Workspace::new(model);
+        let mut done: Vec<Option<Vec<u32>>> = vec![None; jobs.len()];
+        let mut active: Vec<(usize, Generation)> = Vec::new();
+        let mut step = 0;
+        while done.iter().any(Option::is_none) {
+            for (i, (prompt, opts, at)) in jobs.iter().enumerate() {
+                if *at == step {
+                    active.push((i, Generation::start(model, prompt, opts, &mut ws).unwrap()));
+                }
+            }
+            active.retain_mut(|(i, g)| {
+                if g.is_finished() {
+                    done[*i] = Some(std::mem::take(&mut g.out));
+                }
+                !g.is_finished()
+            });
+            let mut gens: Vec<&mut Generation> = active.iter_mut().map(|(_, g)| g).collect();
+            decode_step(model, &mut gens, &mut ws).unwrap();
+            step += 1;
+        }
+        done.into_iter().map(Option::unwrap).collect()
+    }
+
+    #[test]
+    fn batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
+        // two shapes: the tiny one (windows slide mid-batch) and one whose products are big
+        // enough to be split over threads
+        let wide = GPTConfig {
+            d_model: 128,
+            d_ff: 512,
+            max_position_embeddings: 48,
+            ..tiny(48, true, true)
+        };
+        for cfg in [tiny(13, true, false), wide] {
+            let model = peaked(cfg, 5);
+            let o = |n, temperature, top_k, seed| SampleOptions {
+                max_new_tokens: n,
+                temperature,
+                top_k,
+                seed,
+            };
+            let jobs = vec![
+                (vec![1, 2, 3], o(30, 0.0, None, 0), 0),
+                (vec![4], o(7, 0.9, Some(5), 11), 0),
+                (vec![5, 6, 7, 8, 9, 10, 11], o(20, 1.3, None, 12), 2),
+                ((0..20).map(|i| i % 37).collect(), o(12, 0.0, None, 0), 3),
+                (vec![9, 9], o(1, 0.7, Some(3), 13), 3),
+                (vec![2, 7], o(25, 0.8, Some(20), 14), 9),
+                (vec![3], o(0, 0.8, None, 1), 4),
+            ];
+            let together = continuous(&model, &jobs);
+            for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
+                let alone = generate(&model, prompt, opts, |_| {}).unwrap();
+                assert_eq!(got, &alone, "{opts:?}");
+            }
+            assert_eq!(together[0].len(), 30);
+        }
     }
 
     #[test]

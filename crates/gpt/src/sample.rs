@@ -57,7 +57,7 @@ impl Default for SampleOptions {
 }
 
 /// What went wrong generating.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
 #[non_exhaustive]
 pub enum SampleError {
     /// Generation needs at least one token to condition on.

@@ -20,8 +20,10 @@
 //! `[batch, seq, vocab]`) and `next_token` (INT64 `[batch]`, the argmax after each row). Requests
 //! go to a bounded per-version queue served by `instance_group` instances; with
 //! `dynamic_batching`, an instance runs queued requests of the same length as one batch (see the
-//! `batcher` module). Generation uses `cohort_gpt::sample::generate`, the function behind
-//! `cohort sample`, so the same seed gives the same text.
+//! `batcher` module). Generation uses `cohort_gpt::sample`, the code behind `cohort sample`, so
+//! the same seed gives the same text; concurrent generations share batched decode steps
+//! (in-flight batching, switched by the config parameter `inflight_batching`; see the `model`
+//! module) without changing any of their tokens.
 //!
 //! The crate never trains and never writes to the repository.
 //!
@@ -56,7 +58,7 @@ pub mod proto {
 
 pub use config::{
     DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorConfig, VersionPolicy,
-    PBTXT_FILE, TOML_FILE,
+    INFLIGHT_BATCHING, PBTXT_FILE, TOML_FILE,
 };
 pub use error::{ErrorKind, ServeError};
 pub use metrics::{Metrics, VersionMetrics};
@@ -513,6 +515,16 @@ pub(crate) fn model_config(lv: &LoadedVersion) -> proto::ModelConfig {
                 count: count as i32,
             })
             .collect(),
+        parameters: cfg
+            .parameters
+            .iter()
+            .map(|(k, v)| {
+                let p = proto::ModelParameter {
+                    string_value: v.clone(),
+                };
+                (k.clone(), p)
+            })
+            .collect(),
     }
 }
 
@@ -569,6 +581,14 @@ pub(crate) fn config_json(c: &proto::ModelConfig) -> Value {
             db["default_queue_policy"] = json!({"max_queue_size": q.max_queue_size});
         }
         v["dynamic_batching"] = db;
+    }
+    if !c.parameters.is_empty() {
+        let p: Map<String, Value> = c
+            .parameters
+            .iter()
+            .map(|(k, p)| (k.clone(), json!({ "string_value": p.string_value })))
+            .collect();
+        v["parameters"] = Value::Object(p);
     }
     v
 }

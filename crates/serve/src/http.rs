@@ -84,6 +84,7 @@ pub(crate) fn router(app: Arc<AppState>) -> Router {
             post(repository_unload),
         )
         .route("/metrics", get(metrics))
+        .merge(crate::openai::routes())
         .fallback(not_found)
         .layer(axum::middleware::from_fn(compress_response))
         .with_state(app)
@@ -102,7 +103,7 @@ pub(crate) fn metrics_router(app: Arc<AppState>) -> Router {
 }
 
 /// A failure as the protocol writes it.
-struct HttpError(ServeError);
+pub(crate) struct HttpError(pub(crate) ServeError);
 
 impl From<ServeError> for HttpError {
     fn from(e: ServeError) -> Self {
@@ -286,7 +287,11 @@ fn inflate(body: &[u8], coding: Coding, limit: usize) -> std::result::Result<Vec
 }
 
 /// The body, inflated if it is compressed, refused past `limit` bytes (either way).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<axum::body::Bytes> {
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes> {
     let coding = content_coding(headers)?;
     let raw = read_raw_body(headers, body, limit).await?;
     match coding {

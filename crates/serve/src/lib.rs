@@ -14,6 +14,8 @@
 //!   ModelReady, ModelMetadata, ModelConfig, ModelStatistics, ModelInfer, ModelStreamInfer,
 //!   RepositoryIndex, RepositoryModelLoad / Unload; gzip and deflate messages; the caller's
 //!   deadline is enforced (DEADLINE_EXCEEDED).
+//! - OpenAI-compatible, on the HTTP port: `GET /v1/models`, `POST /v1/completions` (streaming
+//!   or not; see the `openai` module for what is refused).
 //! - Metrics (Prometheus text) alone on their own port, as Triton's 8002.
 //!
 //! A model takes one input, `input_ids` (INT64 `[batch, seq]`), and returns `logits` (FP32
@@ -44,6 +46,7 @@ mod grpc;
 mod http;
 mod metrics;
 mod model;
+mod openai;
 mod pbtxt;
 mod repository;
 mod tensor;

@@ -27,6 +27,7 @@
 //! that).
 
 use cohort_rng::SplitMix64;
+use rayon::prelude::*;
 
 use crate::layout::Layout;
 use crate::{GPTConfig, GPT};
@@ -128,19 +129,26 @@ impl KvCache {
 }
 
 /// The caches a forward's rows write to and read from, by index.
-trait Caches {
+trait Caches: Sync {
     fn cache(&mut self, i: usize) -> &mut KvCache;
+    fn cache_ref(&self, i: usize) -> &KvCache;
 }
 
 impl Caches for KvCache {
     fn cache(&mut self, _: usize) -> &mut KvCache {
         self
     }
+    fn cache_ref(&self, _: usize) -> &KvCache {
+        self
+    }
 }
 
-impl<G: AsMut<Generation>> Caches for [G] {
+impl<G: AsMut<Generation> + AsRef<Generation> + Sync> Caches for [G] {
     fn cache(&mut self, i: usize) -> &mut KvCache {
         &mut self[i].as_mut().cache
+    }
+    fn cache_ref(&self, i: usize) -> &KvCache {
+        &self[i].as_ref().cache
     }
 }
 
@@ -164,7 +172,7 @@ struct Buffers {
     /// MLP hidden pre- and post-GELU (n, F).
     fc: Vec<f32>,
     gelu: Vec<f32>,
-    /// Attention weights of one query over the cache (max_t).
+    /// Attention weights of each row's query over its cache (n, max_t).
     scores: Vec<f32>,
     /// Logits of the rows asked for (n, V).
     logits: Vec<f32>,
@@ -184,7 +192,7 @@ impl Buffers {
             proj: vec![0.0; rows * c],
             fc: vec![0.0; rows * f],
             gelu: vec![0.0; rows * f],
-            scores: vec![0.0; cfg.max_position_embeddings],
+            scores: vec![0.0; rows * cfg.max_position_embeddings],
             logits: vec![0.0; rows * cfg.vocab_size],
         }
     }
@@ -327,6 +335,14 @@ impl Rows<'_> {
             Rows::Each(sel) => (sel[i], caches.cache(sel[i]).len),
         }
     }
+
+    /// [`Rows::at`] through a shared borrow.
+    fn at_shared<C: Caches + ?Sized>(self, caches: &C, i: usize) -> (usize, usize) {
+        match self {
+            Rows::Sequence { p0 } => (0, p0 + i),
+            Rows::Each(sel) => (sel[i], caches.cache_ref(sel[i]).len),
+        }
+    }
 }
 
 fn opt<'a>(p: &'a [f32], r: &std::ops::Range<usize>) -> Option<&'a [f32]> {
@@ -401,40 +417,19 @@ fn forward_rows<C: Caches + ?Sized>(
             cache.k[at..at + c].copy_from_slice(&row[c..2 * c]);
             cache.v[at..at + c].copy_from_slice(&row[2 * c..]);
         }
-        for (i, (row, out)) in qkv
-            .chunks_exact(3 * c)
-            .zip(att.chunks_exact_mut(c))
+        // attention, each row over its own cache, rows in parallel (they only read the caches)
+        let shared: &C = caches;
+        let scores = &mut buf.scores[..n * max_t];
+        qkv.par_chunks_exact(3 * c)
+            .zip(att.par_chunks_exact_mut(c))
+            .zip(scores.par_chunks_exact_mut(max_t))
             .enumerate()
-        {
-            let (ci, pos) = rows.at(caches, i);
-            let cache = caches.cache(ci);
-            let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
-            let ctx = pos + 1;
-            for h in 0..nh {
-                let q = &row[h * hs..(h + 1) * hs];
-                let scores = &mut buf.scores[..ctx];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let k = &kc[j * c + h * hs..j * c + (h + 1) * hs];
-                    *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[h * hs..(h + 1) * hs];
-                o.fill(0.0);
-                for (j, s) in scores.iter().enumerate() {
-                    let w = s / sum;
-                    let vj = &vc[j * c + h * hs..j * c + (h + 1) * hs];
-                    for (o, vv) in o.iter_mut().zip(vj) {
-                        *o += w * vv;
-                    }
-                }
-            }
-        }
+            .for_each(|(i, ((row, out), scores))| {
+                let (ci, pos) = rows.at_shared(shared, i);
+                let cache = shared.cache_ref(ci);
+                let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
+                attend(row, out, scores, kc, vc, pos + 1, nh, hs, c, scale);
+            });
         dev.matmul_forward(
             proj,
             att,
@@ -472,6 +467,73 @@ fn forward_rows<C: Caches + ?Sized>(
     dev.layernorm_forward(ln, mean, rstd, &x[first * c..], lnf_w, lnf_b, m, c);
     let head = &p[layout.lm_head.clone()];
     dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
+}
+
+/// One query row (all heads) over the first `ctx` cached keys and values of a layer; writes the
+/// heads' outputs into `out`. The dot products keep 16 partial sums (one vector register), so
+/// they vectorize; the order is fixed, so a row's result never depends on other rows.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    row: &[f32],
+    out: &mut [f32],
+    scores: &mut [f32],
+    kc: &[f32],
+    vc: &[f32],
+    ctx: usize,
+    nh: usize,
+    hs: usize,
+    c: usize,
+    scale: f32,
+) {
+    for h in 0..nh {
+        let q = &row[h * hs..(h + 1) * hs];
+        let scores = &mut scores[..ctx];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            let k = &kc[j * c + h * hs..j * c + (h + 1) * hs];
+            *s = dot(q, k) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out[h * hs..(h + 1) * hs];
+        o.fill(0.0);
+        for (j, s) in scores.iter().enumerate() {
+            let w = s / sum;
+            let vj = &vc[j * c + h * hs..j * c + (h + 1) * hs];
+            for (o, vv) in o.iter_mut().zip(vj) {
+                *o += w * vv;
+            }
+        }
+    }
+}
+
+/// a · b with 16 partial sums, added pairwise at the end.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut w = 8;
+    while w > 0 {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+        w /= 2;
+    }
+    acc[0] + tail
 }
 
 fn add(x: &mut [f32], y: &[f32]) {
@@ -598,6 +660,12 @@ impl AsMut<Generation> for Generation {
     }
 }
 
+impl AsRef<Generation> for Generation {
+    fn as_ref(&self) -> &Generation {
+        self
+    }
+}
+
 impl Generation {
     /// Checks `opts`, feeds `prompt` (cropped to the [`context_window`]) and samples the first
     /// token (none when `max_new_tokens` is 0).
@@ -673,7 +741,7 @@ impl Generation {
 /// (one matrix product per layer over all of them); a sequence whose window is full is rebuilt
 /// alone from its last window of tokens, as [`generate`] does. Each generation gets exactly
 /// the tokens it would get stepped alone. Finished generations are left as they are.
-pub fn decode_step<G: AsMut<Generation> + Send>(
+pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
     model: &GPT,
     gens: &mut [G],
     ws: &mut Workspace,

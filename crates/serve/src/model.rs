@@ -303,6 +303,12 @@ impl AsMut<Decoding> for Active {
     }
 }
 
+impl AsRef<Decoding> for Active {
+    fn as_ref(&self) -> &Decoding {
+        &self.generation
+    }
+}
+
 /// An instance: executes work from the queue until it is closed and drained. With in-flight
 /// batching, generations run as one continuous batch: between two decode steps, queued
 /// generations join (their prompts prefilled), ready inference batches run, and generations

@@ -42,6 +42,7 @@ pub(crate) fn routes() -> Router<Arc<AppState>> {
 }
 
 /// An error as OpenAI's API writes it.
+#[derive(Debug)]
 pub(crate) struct ApiError {
     status: StatusCode,
     message: String,

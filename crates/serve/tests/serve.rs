@@ -1452,6 +1452,29 @@ fn concurrent_generations_share_decode_steps_and_get_exactly_their_solo_tokens()
         "no step had two generations: {rows} rows in {steps} steps"
     );
     assert_eq!(server.metrics().version("solo", 1).decode_steps(), (0, 0));
+    // inference is served between decode steps, not after a long generation on the instance
+    let long = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let body = json!({"text_input": "1 2 3", "parameters": {"max_tokens": 600}});
+        let r = post_json(addr, "/v2/models/batched/generate", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        t0.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let t1 = Instant::now();
+    let r = post_json(
+        addr,
+        "/v2/models/batched/infer",
+        &infer_json(&[1, 2, 3], 1, 3),
+    );
+    let infer_took = t1.elapsed();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let long_took = long.join().unwrap();
+    println!("an inference during a {long_took:?} generation took {infer_took:?}");
+    assert!(
+        infer_took < long_took / 4,
+        "inference waited {infer_took:?} (the generation took {long_took:?})"
+    );
     // the parameter shows in the model's configuration
     let c = get(addr, "/v2/models/solo/config").json();
     assert_eq!(

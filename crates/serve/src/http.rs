@@ -2,7 +2,8 @@
 //! metadata, model readiness and config, inference (JSON tensors, and Triton's binary tensor
 //! extension that `tritonclient.http` uses by default), the generate extension with its
 //! server-sent-events stream, the model repository API, the statistics extension, and
-//! `/metrics` (also served alone on the metrics port, [`metrics_router`]).
+//! `/metrics` (also served alone on the metrics port, [`metrics_router`]); the OpenAI-compatible
+//! `/v1` routes of the `openai` module are merged in.
 //!
 //! Request bodies may be gzip- or deflate-compressed (`Content-Encoding`); answers are
 //! compressed when `Accept-Encoding` asks for gzip or deflate (not the event stream, which

@@ -17,8 +17,8 @@
 //! Serving many sequences at once (continuous batching): a [`Generation`] owns one sequence's
 //! cache and sampler and borrows nothing; [`decode_step`] advances any set of them by one token
 //! with one matrix product per layer over all their rows (attention stays per row, over each
-//! row's own cache). Sequences may join (prefilled by [`Generation::start`]) or leave between
-//! any two steps, and each gets bit-for-bit the tokens it gets alone: every kernel computes a
+//! row's own cache). Sequences may join (their prompts fed by the next step, in the same
+//! products) or leave between any two steps, and each gets bit-for-bit the tokens it gets alone: every kernel computes a
 //! row the same way whatever other rows share the product. [`generate`] is this same path with
 //! one row.
 //!
@@ -204,10 +204,12 @@ impl Buffers {
 pub struct Workspace {
     layout: Layout,
     buf: Buffers,
-    /// Which generations a batched step feeds (indices into the caller's slice).
-    sel: Vec<usize>,
-    /// The token each of them feeds.
+    /// A step's rows: (generation, position) and token of each, the last row of each
+    /// generation fed, and those generations (indices into the caller's slice).
+    place: Vec<(usize, usize)>,
     tokens: Vec<u32>,
+    last: Vec<usize>,
+    sel: Vec<usize>,
 }
 
 impl Workspace {
@@ -217,8 +219,10 @@ impl Workspace {
         Workspace {
             layout: Layout::new(cfg),
             buf: Buffers::new(cfg, cfg.max_position_embeddings.max(1)),
-            sel: Vec::new(),
+            place: Vec::new(),
             tokens: Vec::new(),
+            last: Vec::new(),
+            sel: Vec::new(),
         }
     }
 
@@ -316,31 +320,27 @@ impl<'m> Decoder<'m> {
     }
 }
 
-/// Which sequence and position each row of a forward is.
+/// Which sequence and position each row of a forward is, and which rows get logits.
 #[derive(Clone, Copy)]
 enum Rows<'a> {
     /// Consecutive tokens of the one cache given, from position `p0`; only the last row's
-    /// logits are computed (a prompt, or a window rebuilt).
+    /// logits are computed (a prompt fed through a [`Decoder`]).
     Sequence { p0: usize },
-    /// Row i is the next token of cache `sel[i]`, at that cache's length; every row's logits
-    /// are computed (a batched decode step).
-    Each(&'a [usize]),
+    /// Row i is (cache index, position) `place[i]`; logits are computed for the rows in `last`
+    /// (a step of many sequences: one row each for those decoding, all of a prompt or of a
+    /// rebuilt window for the others).
+    Mixed {
+        place: &'a [(usize, usize)],
+        last: &'a [usize],
+    },
 }
 
 impl Rows<'_> {
     /// (cache index, position) of row `i`.
-    fn at<C: Caches + ?Sized>(self, caches: &mut C, i: usize) -> (usize, usize) {
+    fn at(self, i: usize) -> (usize, usize) {
         match self {
             Rows::Sequence { p0 } => (0, p0 + i),
-            Rows::Each(sel) => (sel[i], caches.cache(sel[i]).len),
-        }
-    }
-
-    /// [`Rows::at`] through a shared borrow.
-    fn at_shared<C: Caches + ?Sized>(self, caches: &C, i: usize) -> (usize, usize) {
-        match self {
-            Rows::Sequence { p0 } => (0, p0 + i),
-            Rows::Each(sel) => (sel[i], caches.cache_ref(sel[i]).len),
+            Rows::Mixed { place, .. } => place[i],
         }
     }
 }
@@ -374,7 +374,7 @@ fn forward_rows<C: Caches + ?Sized>(
 
     let x = &mut buf.x[..n * c];
     for (i, (row, &id)) in x.chunks_exact_mut(c).zip(tokens).enumerate() {
-        let (_, pos) = rows.at(caches, i);
+        let (_, pos) = rows.at(i);
         let (te, pe) = (id as usize * c, pos * c);
         for ((o, a), b) in row.iter_mut().zip(&wte[te..te + c]).zip(&wpe[pe..pe + c]) {
             *o = a + b;
@@ -411,7 +411,7 @@ fn forward_rows<C: Caches + ?Sized>(
         let layer = l * max_t * c..(l + 1) * max_t * c;
         // every row's key and value first: a prompt's row i attends to rows before it
         for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
-            let (ci, pos) = rows.at(caches, i);
+            let (ci, pos) = rows.at(i);
             let cache = caches.cache(ci);
             let at = layer.start + pos * c;
             cache.k[at..at + c].copy_from_slice(&row[c..2 * c]);
@@ -425,7 +425,7 @@ fn forward_rows<C: Caches + ?Sized>(
             .zip(scores.par_chunks_exact_mut(max_t))
             .enumerate()
             .for_each(|(i, ((row, out), scores))| {
-                let (ci, pos) = rows.at_shared(shared, i);
+                let (ci, pos) = rows.at(i);
                 let cache = shared.cache_ref(ci);
                 let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
                 attend(row, out, scores, kc, vc, pos + 1, nh, hs, c, scale);
@@ -457,15 +457,21 @@ fn forward_rows<C: Caches + ?Sized>(
         dev.matmul_forward(proj, gelu, wp, bp, n, f, c);
         add(x, proj);
     }
-    // logits only where a token will be sampled: a sequence's last row, or every row of a step
-    let (first, m) = match rows {
-        Rows::Sequence { .. } => (n - 1, 1),
-        Rows::Each(_) => (0, n),
-    };
+    // logits only where a token will be sampled: the last row of each sequence
     let (lnf_w, lnf_b) = (&p[layout.ln_f_w.clone()], opt(p, &layout.ln_f_b));
-    let (ln, mean, rstd) = (&mut ln[..m * c], &mut mean[..m], &mut rstd[..m]);
-    dev.layernorm_forward(ln, mean, rstd, &x[first * c..], lnf_w, lnf_b, m, c);
     let head = &p[layout.lm_head.clone()];
+    let (m, from): (usize, &[f32]) = match rows {
+        Rows::Sequence { .. } => (1, &x[(n - 1) * c..]),
+        Rows::Mixed { last, .. } => {
+            // gathered into the (now free) projection buffer, contiguous for the kernels
+            for (j, &r) in last.iter().enumerate() {
+                proj[j * c..(j + 1) * c].copy_from_slice(&x[r * c..(r + 1) * c]);
+            }
+            (last.len(), &proj[..last.len() * c])
+        }
+    };
+    let (ln, mean, rstd) = (&mut ln[..m * c], &mut mean[..m], &mut rstd[..m]);
+    dev.layernorm_forward(ln, mean, rstd, from, lnf_w, lnf_b, m, c);
     dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
 }
 
@@ -630,12 +636,15 @@ pub fn generate_while(
     mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<Vec<u32>, SampleError> {
     let mut ws = Workspace::new(model);
-    let mut g = Generation::start(model, prompt, opts, &mut ws)?;
-    while let Some(&next) = g.tokens().last() {
-        if on_token(next).is_break() || g.is_finished() {
+    let mut g = Generation::new(model, prompt, opts)?;
+    while !g.is_finished() {
+        decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
+        let Some(&next) = g.tokens().last() else {
+            break;
+        };
+        if on_token(next).is_break() {
             break;
         }
-        decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
     }
     Ok(g.into_tokens())
 }
@@ -667,13 +676,12 @@ impl AsRef<Generation> for Generation {
 }
 
 impl Generation {
-    /// Checks `opts`, feeds `prompt` (cropped to the [`context_window`]) and samples the first
-    /// token (none when `max_new_tokens` is 0).
-    pub fn start(
+    /// Checks `opts` and `prompt` (cropped to the [`context_window`]); nothing runs yet: the
+    /// first [`decode_step`] that includes it feeds the prompt and samples the first token.
+    pub fn new(
         model: &GPT,
         prompt: &[u32],
         opts: &SampleOptions,
-        ws: &mut Workspace,
     ) -> Result<Generation, SampleError> {
         if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
             return Err(SampleError::BadTemperature(opts.temperature));
@@ -687,27 +695,15 @@ impl Generation {
         let cfg = model.config();
         let max_t = context_window(cfg);
         let seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
-        let mut g = Generation {
+        check_vocab(&seq, cfg.vocab_size)?;
+        Ok(Generation {
             opts: opts.clone(),
             out: Vec::with_capacity(opts.max_new_tokens),
             cache: KvCache::new(cfg),
             rng: SplitMix64::new(opts.seed),
             scratch: Vec::with_capacity(cfg.vocab_size),
             seq,
-        };
-        let Generation {
-            seq,
-            cache,
-            rng,
-            scratch,
-            ..
-        } = &mut g;
-        let logits = ws.feed(model, cache, seq)?;
-        if opts.max_new_tokens > 0 {
-            let next = sample_token(logits, opts, rng, scratch);
-            g.push(next);
-        }
-        Ok(g)
+        })
     }
 
     fn push(&mut self, token: u32) {
@@ -715,7 +711,7 @@ impl Generation {
         self.seq.push(token);
     }
 
-    /// The tokens generated so far; the last one is not yet fed.
+    /// The tokens generated so far (the last one is not yet fed).
     pub fn tokens(&self) -> &[u32] {
         &self.out
     }
@@ -736,59 +732,81 @@ impl Generation {
     }
 }
 
-/// One decode step of every unfinished generation in `gens`: feeds each its last token and
-/// samples its next. The rows that still fit their window go through the model as one batch
-/// (one matrix product per layer over all of them); a sequence whose window is full is rebuilt
-/// alone from its last window of tokens, as [`generate`] does. Each generation gets exactly
-/// the tokens it would get stepped alone. Finished generations are left as they are.
+/// Most prompt (or rebuilt-window) tokens one step feeds besides the decoding rows, unless a
+/// single window is longer: bounds a step's activations and how long a step of the decoding
+/// sequences is held up by newcomers.
+const STEP_PREFILL_TOKENS: usize = 256;
+
+/// One step of every unfinished generation in `gens`, as one forward: a generation that has
+/// not started feeds its prompt, one whose window is full feeds its last window again (at
+/// positions 0.., as [`generate`] does), every other one feeds its last token; each then
+/// samples its next token. The rows of all of them go through each matrix product together;
+/// attention runs per row over the row's own cache. Prompts and windows beyond
+/// [`STEP_PREFILL_TOKENS`] wait for a later step. Each generation gets exactly the tokens it
+/// would get stepped alone. Finished generations are left as they are.
 pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
     model: &GPT,
     gens: &mut [G],
     ws: &mut Workspace,
 ) -> Result<(), SampleError> {
     let (max_t, vocab) = (context_window(model.config()), model.config().vocab_size);
-    ws.sel.clear();
-    ws.tokens.clear();
+    let budget = max_t.max(STEP_PREFILL_TOKENS);
+    let (mut place, mut tokens, mut last, mut sel) = (
+        std::mem::take(&mut ws.place),
+        std::mem::take(&mut ws.tokens),
+        std::mem::take(&mut ws.last),
+        std::mem::take(&mut ws.sel),
+    );
+    place.clear();
+    tokens.clear();
+    last.clear();
+    sel.clear();
+    let mut prefill = 0;
     for (i, g) in gens.iter_mut().enumerate() {
         let g = g.as_mut();
-        let Some(&last) = g.out.last() else { continue };
         if g.is_finished() {
             continue;
         }
-        if g.cache.len < max_t {
-            ws.sel.push(i);
-            ws.tokens.push(last);
-            continue;
+        let (feed, p0): (&[u32], usize) = if g.out.is_empty() {
+            (&g.seq, 0)
+        } else if g.cache.len < max_t {
+            (&g.seq[g.seq.len() - 1..], g.cache.len)
+        } else {
+            (&g.seq[g.seq.len() - max_t..], 0)
+        };
+        if feed.len() > 1 || g.out.is_empty() {
+            if prefill > 0 && prefill + feed.len() > budget {
+                continue;
+            }
+            prefill += feed.len();
         }
-        // window full: condition on the last max_t tokens, at positions 0..max_t
-        let Generation {
-            seq,
-            cache,
-            rng,
-            scratch,
-            opts,
-            ..
-        } = g;
-        cache.reset();
-        let logits = ws.feed(model, cache, &seq[seq.len() - max_t..])?;
-        let next = sample_token(logits, opts, rng, scratch);
-        g.push(next);
+        for (j, &t) in feed.iter().enumerate() {
+            place.push((i, p0 + j));
+            tokens.push(t);
+        }
+        last.push(place.len() - 1);
+        sel.push(i);
     }
-    if ws.sel.is_empty() {
-        return Ok(());
-    }
-    check_vocab(&ws.tokens, vocab)?;
-    let (sel, tokens) = (std::mem::take(&mut ws.sel), std::mem::take(&mut ws.tokens));
-    ws.run(model, gens, &tokens, Rows::Each(&sel));
-    for (r, &i) in sel.iter().enumerate() {
-        let g = gens[i].as_mut();
-        g.cache.len += 1;
-        let logits = &ws.buf.logits[r * vocab..(r + 1) * vocab];
-        let next = sample_token(logits, &g.opts, &mut g.rng, &mut g.scratch);
-        g.push(next);
-    }
-    (ws.sel, ws.tokens) = (sel, tokens);
-    Ok(())
+    let ran = if sel.is_empty() {
+        Ok(())
+    } else {
+        check_vocab(&tokens, vocab).map(|()| {
+            let rows = Rows::Mixed {
+                place: &place,
+                last: &last,
+            };
+            ws.run(model, gens, &tokens, rows);
+            for (r, &i) in sel.iter().enumerate() {
+                let g = gens[i].as_mut();
+                g.cache.len = place[last[r]].1 + 1;
+                let logits = &ws.buf.logits[r * vocab..(r + 1) * vocab];
+                let next = sample_token(logits, &g.opts, &mut g.rng, &mut g.scratch);
+                g.push(next);
+            }
+        })
+    };
+    (ws.place, ws.tokens, ws.last, ws.sel) = (place, tokens, last, sel);
+    ran
 }
 
 #[cfg(test)]
@@ -870,14 +888,15 @@ mod tests {
         while done.iter().any(Option::is_none) {
             for (i, (prompt, opts, at)) in jobs.iter().enumerate() {
                 if *at == step {
-                    active.push((i, Generation::start(model, prompt, opts, &mut ws).unwrap()));
+                    active.push((i, Generation::new(model, prompt, opts).unwrap()));
                 }
             }
             active.retain_mut(|(i, g)| {
-                if g.is_finished() {
+                let finished = g.is_finished();
+                if finished {
                     done[*i] = Some(std::mem::take(&mut g.out));
                 }
-                !g.is_finished()
+                !finished
             });
             let mut gens: Vec<&mut Generation> = active.iter_mut().map(|(_, g)| g).collect();
             decode_step(model, &mut gens, &mut ws).unwrap();
@@ -904,7 +923,7 @@ mod tests {
                 top_k,
                 seed,
             };
-            let jobs = vec![
+            let mut jobs = vec![
                 (vec![1, 2, 3], o(30, 0.0, None, 0), 0),
                 (vec![4], o(7, 0.9, Some(5), 11), 0),
                 (vec![5, 6, 7, 8, 9, 10, 11], o(20, 1.3, None, 12), 2),
@@ -913,6 +932,14 @@ mod tests {
                 (vec![2, 7], o(25, 0.8, Some(20), 14), 9),
                 (vec![3], o(0, 0.8, None, 1), 4),
             ];
+            // seven 40-token prompts joining at once: more than one step's prompt budget
+            // (with the wide model's 48-token window), so some wait a step
+            for j in 0..7u64 {
+                let prompt = (0..40)
+                    .map(|i| ((i * 7 + j as usize) % 37) as u32)
+                    .collect();
+                jobs.push((prompt, o(5 + j as usize, 0.9, Some(8), 20 + j), 1));
+            }
             let together = continuous(&model, &jobs);
             for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
                 let alone = generate(&model, prompt, opts, |_| {}).unwrap();

@@ -295,6 +295,8 @@ struct Active {
     generation: Decoding,
     /// When it left the queue.
     started: Instant,
+    /// Tokens already sent to the client.
+    sent: usize,
 }
 
 impl AsMut<Decoding> for Active {
@@ -311,9 +313,9 @@ impl AsRef<Decoding> for Active {
 
 /// An instance: executes work from the queue until it is closed and drained. With in-flight
 /// batching, generations run as one continuous batch: between two decode steps, queued
-/// generations join (their prompts prefilled), ready inference batches run, and generations
-/// that finished or whose client left are answered and dropped; each step advances every
-/// generation in flight by one token with one batched product per layer.
+/// generations join, ready inference batches run, and generations that finished or whose
+/// client left are answered and dropped; each step advances every generation in flight by one
+/// token (feeding a newcomer's prompt in the same forward) with one batched product per layer.
 fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
     let mut ws = Workspace::new(&gpt);
     let mut active: Vec<Active> = Vec::new();
@@ -329,9 +331,7 @@ fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
         };
         match work {
             Some(Work::Infer(jobs)) => run_infer(&mut gpt, jobs, ctx),
-            Some(Work::Generate(job)) if ctx.inflight => {
-                admit(&gpt, &mut ws, job, &mut active, ctx)
-            }
+            Some(Work::Generate(job)) if ctx.inflight => admit(&gpt, job, &mut active, ctx),
             Some(Work::Generate(job)) => run_alone(&gpt, job, ctx),
             None => {}
         }
@@ -340,7 +340,7 @@ fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
         }
         let room = ctx.max_inflight.saturating_sub(active.len());
         for job in ctx.queue.take_generates(room) {
-            admit(&gpt, &mut ws, job, &mut active, ctx);
+            admit(&gpt, job, &mut active, ctx);
         }
         if active.is_empty() {
             continue;
@@ -365,10 +365,11 @@ fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
             }
             continue;
         }
-        // each generation in the step has one new token: hand it out, retire the finished
+        // hand out the new tokens (a prompt that waited for room has none yet), retire the
+        // finished
         let mut i = 0;
         while i < active.len() {
-            if emit_last(&active[i]) {
+            if emit_new(&mut active[i]) {
                 i += 1;
             } else {
                 finish(active.swap_remove(i), ctx);
@@ -378,24 +379,22 @@ fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
     tracing::debug!(model = ctx.model, version = ctx.version, "instance stopped");
 }
 
-/// Sends `a`'s newest token; false when it is done (finished, or nobody is listening any more,
-/// in which case it stops after this step).
-fn emit_last(a: &Active) -> bool {
-    let Some(&id) = a.generation.tokens().last() else {
-        return false;
-    };
-    a.job.tokens.send(id).is_ok() && !a.job.done.is_closed() && !a.generation.is_finished()
+/// Sends `a`'s tokens not yet sent; false when it is done (finished, or nobody is listening
+/// any more, in which case it stops here).
+fn emit_new(a: &mut Active) -> bool {
+    let tokens = a.generation.tokens();
+    let mut listening = true;
+    for &id in &tokens[a.sent.min(tokens.len())..] {
+        listening &= a.job.tokens.send(id).is_ok();
+    }
+    a.sent = tokens.len();
+    listening && !a.job.done.is_closed() && !a.generation.is_finished()
 }
 
-/// Prefills a queued generation and adds it to those in flight (or answers it at once: its
-/// client left, its request was bad, or it asked for no tokens).
-fn admit(
-    gpt: &GPT,
-    ws: &mut Workspace,
-    job: GenerateJob,
-    active: &mut Vec<Active>,
-    ctx: &InstanceCtx<'_>,
-) {
+/// Checks a queued generation and adds it to those in flight (the next step feeds its
+/// prompt), or answers it at once: its client left, its request was bad, or it asked for no
+/// tokens.
+fn admit(gpt: &GPT, job: GenerateJob, active: &mut Vec<Active>, ctx: &InstanceCtx<'_>) {
     let started = Instant::now();
     ctx.metrics.dequeued(started - job.enqueued);
     if job.tokens.is_closed() || job.done.is_closed() {
@@ -403,32 +402,30 @@ fn admit(
             .failure(Failure::Cancelled, job.enqueued.elapsed());
         return;
     }
-    let ran = catch_unwind(AssertUnwindSafe(|| {
-        Decoding::start(gpt, &job.prompt, &job.opts, ws)
-    }));
-    let err = match ran {
-        Ok(Ok(generation)) => {
+    match Decoding::new(gpt, &job.prompt, &job.opts) {
+        Ok(generation) => {
             let a = Active {
                 job,
                 generation,
                 started,
+                sent: 0,
             };
-            if emit_last(&a) {
-                active.push(a);
-            } else {
+            if a.generation.is_finished() {
                 finish(a, ctx);
+            } else {
+                active.push(a);
             }
-            return;
         }
-        Ok(Err(source)) => ServeError::Generate {
-            model: ctx.model.to_string(),
-            source,
-        },
-        Err(_) => ctx.exec_err("generation panicked".into()),
-    };
-    if job.done.send(Err(err)).is_err() {
-        ctx.metrics
-            .failure(Failure::Cancelled, job.enqueued.elapsed());
+        Err(source) => {
+            let err = ServeError::Generate {
+                model: ctx.model.to_string(),
+                source,
+            };
+            if job.done.send(Err(err)).is_err() {
+                ctx.metrics
+                    .failure(Failure::Cancelled, job.enqueued.elapsed());
+            }
+        }
     }
 }
 

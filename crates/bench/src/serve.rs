@@ -1,6 +1,9 @@
-//! The serving load test behind `cohort bench serve`: a bounded number of inference requests
+//! The serving load tests behind `cohort bench serve`. Inference: a bounded number of requests
 //! from N concurrent gRPC clients on loopback, against the same model served with and without
-//! dynamic batching; reports throughput and p50 / p99 latency per (mode, clients).
+//! dynamic batching; reports throughput and p50 / p99 latency per (mode, clients). Generation
+//! ([`run_generate`], genai-perf's measures): N concurrent token streams against the same model
+//! with in-flight batching on and off; reports aggregate output tokens/s, time to first token and
+//! inter-token latency.
 //!
 //! Setup: a temporary repository holding one checkpoint (given, or a randomly initialised model
 //! of the given config) under two models, `batched` (dynamic batching) and `unbatched` (each
@@ -179,11 +182,39 @@ const MODELS: [(&str, bool); 2] = [("unbatched", false), ("batched", true)];
 
 /// Writes the checkpoint once and both model directories; returns the vocabulary size.
 fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
+    let configs: Vec<(&str, String)> = MODELS
+        .iter()
+        .map(|&(model, batching)| {
+            let mut cfg = format!(
+                "max_batch_size: {}\ninstance_group [ {{ count: {} kind: KIND_CPU }} ]\n",
+                t.max_batch_size, t.instances
+            );
+            if batching {
+                cfg += &format!(
+                    "dynamic_batching {{ max_queue_delay_microseconds: {} }}\n",
+                    t.max_queue_delay_us
+                );
+            }
+            (model, cfg)
+        })
+        .collect();
+    write_models(repo, t.checkpoint.as_deref(), &t.model, t.seed, &configs)
+}
+
+/// Writes one checkpoint (`checkpoint`, or a random model of `cfg`) and a model directory per
+/// (name, config.pbtxt) linking to it; returns the vocabulary size.
+fn write_models(
+    repo: &Path,
+    checkpoint: Option<&Path>,
+    cfg: &GPTConfig,
+    seed: u64,
+    configs: &[(&str, String)],
+) -> Result<usize, ServeError> {
     let io = |op: &'static str, path: &Path| {
         let path = path.to_path_buf();
         move |source| ServeError::Io { op, path, source }
     };
-    let (ckpt_dir, vocab) = match &t.checkpoint {
+    let (ckpt_dir, vocab) = match checkpoint {
         Some(path) => {
             let load = |source| ServeError::Load {
                 model: "load test".into(),
@@ -196,7 +227,7 @@ fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
             (dir, cfg.vocab_size)
         }
         None => {
-            let model = GPT::new(t.model.clone(), t.seed).map_err(|e| ServeError::Instance {
+            let model = GPT::new(cfg.clone(), seed).map_err(|e| ServeError::Instance {
                 model: "load test".into(),
                 reason: e.to_string(),
             })?;
@@ -214,24 +245,14 @@ fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
                 version: 1,
                 source: Box::new(source),
             })?;
-            (dir, t.model.vocab_size)
+            (dir, cfg.vocab_size)
         }
     };
-    for (model, batching) in MODELS {
+    for (model, text) in configs {
         let dir = repo.join(model);
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
-        let mut cfg = format!(
-            "max_batch_size: {}\ninstance_group [ {{ count: {} kind: KIND_CPU }} ]\n",
-            t.max_batch_size, t.instances
-        );
-        if batching {
-            cfg += &format!(
-                "dynamic_batching {{ max_queue_delay_microseconds: {} }}\n",
-                t.max_queue_delay_us
-            );
-        }
         let file = dir.join(PBTXT_FILE);
-        std::fs::write(&file, cfg).map_err(io("write", &file))?;
+        std::fs::write(&file, text).map_err(io("write", &file))?;
         let version = dir.join("1");
         std::os::unix::fs::symlink(&ckpt_dir, &version).map_err(io("link", &version))?;
     }
@@ -310,4 +331,294 @@ impl Cell {
         }
         Ok(all)
     }
+}
+
+/// A generation load test in the style of genai-perf: `streams` concurrent clients, each
+/// streaming completions of `new_tokens` tokens (HTTP `generate_stream`, one event per token)
+/// after a prompt of `prompt_tokens` random ids, against the same model with in-flight batching
+/// on and off.
+#[derive(Debug, Clone)]
+pub struct GenerateLoad {
+    /// Checkpoint to serve; None: a model of `model` with random weights.
+    pub checkpoint: Option<PathBuf>,
+    /// Config of the random model when no checkpoint is given.
+    pub model: GPTConfig,
+    /// Prompt length (random token ids).
+    pub prompt_tokens: usize,
+    /// Tokens each request generates.
+    pub new_tokens: usize,
+    /// Concurrent stream counts to run.
+    pub streams: Vec<usize>,
+    /// Timed requests per stream in each cell (each stream sends the next when one ends).
+    pub rounds: usize,
+    /// max_batch_size: the most generations stepped together.
+    pub max_batch_size: usize,
+    /// Instances per model.
+    pub instances: usize,
+    /// Engine threads per instance; None: cores / instances.
+    pub threads: Option<usize>,
+    /// Sampling temperature (0: greedy).
+    pub temperature: f32,
+    /// Seed of the random model, prompts and sampling.
+    pub seed: u64,
+}
+
+impl Default for GenerateLoad {
+    /// Config B, 16-token prompts, 128 new tokens, 1 and 32 streams, one round.
+    fn default() -> Self {
+        GenerateLoad {
+            checkpoint: None,
+            model: GPTConfig::config_b(),
+            prompt_tokens: 16,
+            new_tokens: 128,
+            streams: vec![1, 32],
+            rounds: 1,
+            max_batch_size: 32,
+            instances: 1,
+            threads: None,
+            temperature: 0.8,
+            seed: 1234,
+        }
+    }
+}
+
+/// One measured generation cell.
+#[derive(Debug, Clone, Serialize)]
+pub struct GenerateRow {
+    /// Whether concurrent generations shared decode steps.
+    pub inflight_batching: bool,
+    /// Concurrent streams.
+    pub streams: usize,
+    /// Requests completed.
+    pub requests: usize,
+    /// Wall time of the cell.
+    pub seconds: f64,
+    /// Tokens received, all streams.
+    pub output_tokens: usize,
+    /// Aggregate output tokens per second.
+    pub tokens_per_s: f64,
+    /// Time to first token, median and 99th percentile.
+    pub ttft_p50_ms: f64,
+    /// Time to first token, 99th percentile.
+    pub ttft_p99_ms: f64,
+    /// Inter-token latency (gap between consecutive tokens of a stream), median.
+    pub itl_p50_ms: f64,
+    /// Inter-token latency, 99th percentile.
+    pub itl_p99_ms: f64,
+    /// Mean generations per decode step (in-flight batching only; 0 when off).
+    pub mean_inflight: f64,
+}
+
+/// The generation models: name and whether in-flight batching is on.
+const GEN_MODELS: [(&str, bool); 2] = [("inflight", true), ("alone", false)];
+
+/// Runs every (mode, streams) cell, calling `on_row` as each finishes.
+pub fn run_generate(
+    t: &GenerateLoad,
+    mut on_row: impl FnMut(&GenerateRow),
+) -> Result<Vec<GenerateRow>, ServeError> {
+    if t.prompt_tokens == 0 || t.new_tokens == 0 || t.rounds == 0 || t.streams.contains(&0) {
+        return Err(ServeError::parameter(
+            "generation load test",
+            "prompt tokens, new tokens, rounds and streams must be at least 1",
+        ));
+    }
+    let repo = tempfile::tempdir().map_err(|source| ServeError::Io {
+        op: "create a temporary repository in",
+        path: std::env::temp_dir(),
+        source,
+    })?;
+    let mut configs = Vec::new();
+    for (model, inflight) in GEN_MODELS {
+        let mut cfg = format!(
+            "max_batch_size: {}\ninstance_group [ {{ count: {} kind: KIND_CPU }} ]\n",
+            t.max_batch_size, t.instances
+        );
+        if !inflight {
+            cfg += "parameters { key: \"inflight_batching\" value: { string_value: \"false\" } }\n";
+        }
+        configs.push((model, cfg));
+    }
+    let vocab = write_models(
+        repo.path(),
+        t.checkpoint.as_deref(),
+        &t.model,
+        t.seed,
+        &configs,
+    )?;
+    let mut opts = ServerOptions::loopback(repo.path().to_path_buf());
+    opts.poll_interval = None;
+    opts.grpc = None;
+    opts.instance_threads = t.threads;
+    opts.io_threads = 1;
+    opts.default_queue_size = t.streams.iter().copied().max().unwrap_or(1) * 2;
+    let server = Server::start(opts)?;
+    for (model, _) in GEN_MODELS {
+        if !server.is_model_ready(model) {
+            let why = server.index();
+            server.shutdown();
+            return Err(ServeError::NotReady {
+                model: model.to_string(),
+                reason: format!("the load test's model did not load: {why:?}"),
+            });
+        }
+    }
+    let addr = server.http_addr();
+    let mut rows = Vec::new();
+    let result = (|| {
+        for (model, inflight) in GEN_MODELS {
+            for &streams in &t.streams {
+                let metrics = server.metrics().version(model, 1);
+                // warm-up: one short round at this concurrency (arenas, connections)
+                drive_streams(addr, model, t, vocab, streams, 1, 8)?;
+                let before = metrics.decode_steps();
+                let started = Instant::now();
+                let samples =
+                    drive_streams(addr, model, t, vocab, streams, t.rounds, t.new_tokens)?;
+                let seconds = started.elapsed().as_secs_f64();
+                let after = metrics.decode_steps();
+                let (mut ttft, mut itl, mut tokens) = (Vec::new(), Vec::new(), 0);
+                for s in &samples {
+                    ttft.push(s.ttft_ms);
+                    itl.extend_from_slice(&s.gaps_ms);
+                    tokens += s.tokens;
+                }
+                let steps = after.0 - before.0;
+                let row = GenerateRow {
+                    inflight_batching: inflight,
+                    streams,
+                    requests: samples.len(),
+                    seconds,
+                    output_tokens: tokens,
+                    tokens_per_s: tokens as f64 / seconds,
+                    ttft_p50_ms: percentile(&mut ttft, 0.50),
+                    ttft_p99_ms: percentile(&mut ttft, 0.99),
+                    itl_p50_ms: percentile(&mut itl, 0.50),
+                    itl_p99_ms: percentile(&mut itl, 0.99),
+                    mean_inflight: if steps == 0 {
+                        0.0
+                    } else {
+                        (after.1 - before.1) as f64 / steps as f64
+                    },
+                };
+                on_row(&row);
+                rows.push(row);
+            }
+        }
+        Ok::<_, ServeError>(())
+    })();
+    server.shutdown();
+    result.map(|_| rows)
+}
+
+/// The `p` quantile (nearest rank) of `v`; 0 when empty.
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+/// What one streamed request saw.
+struct StreamSample {
+    ttft_ms: f64,
+    gaps_ms: Vec<f64>,
+    tokens: usize,
+}
+
+/// `streams` threads, each sending `rounds` streamed requests one after another.
+fn drive_streams(
+    addr: std::net::SocketAddr,
+    model: &str,
+    t: &GenerateLoad,
+    vocab: usize,
+    streams: usize,
+    rounds: usize,
+    new_tokens: usize,
+) -> Result<Vec<StreamSample>, ServeError> {
+    let handles: Vec<_> = (0..streams)
+        .map(|s| {
+            let mut rng = SplitMix64::new(t.seed ^ (s as u64 + 1).wrapping_mul(GOLDEN_GAMMA));
+            let (model, prompt_tokens, temperature) =
+                (model.to_string(), t.prompt_tokens, t.temperature);
+            let seed = t.seed.wrapping_add(s as u64);
+            std::thread::spawn(move || {
+                let mut out = Vec::new();
+                for _ in 0..rounds {
+                    let prompt: Vec<String> = (0..prompt_tokens)
+                        .map(|_| rng.below(vocab).to_string())
+                        .collect();
+                    let body = serde_json::json!({
+                        "text_input": prompt.join(" "),
+                        "parameters": {"max_tokens": new_tokens, "temperature": temperature,
+                                       "seed": seed},
+                    });
+                    out.push(stream_one(addr, &model, &body.to_string())?);
+                }
+                Ok::<_, String>(out)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for h in handles {
+        let samples = h
+            .join()
+            .map_err(|_| ServeError::malformed("a stream thread panicked"))?
+            .map_err(|reason| ServeError::Execution {
+                model: model.into(),
+                version: 1,
+                reason,
+            })?;
+        all.extend(samples);
+    }
+    Ok(all)
+}
+
+/// One `generate_stream` request on its own connection, timing each event as it arrives.
+fn stream_one(addr: std::net::SocketAddr, model: &str, body: &str) -> Result<StreamSample, String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("connect {addr}: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(600)))
+        .map_err(|e| e.to_string())?;
+    let t0 = Instant::now();
+    write!(
+        s,
+        "POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .map_err(|e| format!("send: {e}"))?;
+    let mut times = Vec::new();
+    let mut pending = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    loop {
+        let n = s.read(&mut buf).map_err(|e| format!("read: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        let now = t0.elapsed().as_secs_f64() * 1e3;
+        pending.extend_from_slice(&buf[..n]);
+        // each event is one `data: {...}` line; chunk framing lines never start with "data: "
+        while let Some(end) = pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = pending.drain(..=end).collect();
+            if let Some(data) = line.strip_prefix(b"data: ") {
+                if data.windows(8).any(|w| w == b"\"error\":") {
+                    return Err(String::from_utf8_lossy(data).trim().to_string());
+                }
+                times.push(now);
+            } else if line.starts_with(b"HTTP/1.1 ") && !line.starts_with(b"HTTP/1.1 200") {
+                return Err(String::from_utf8_lossy(&line).trim().to_string());
+            }
+        }
+    }
+    let Some(&first) = times.first() else {
+        return Err("the stream ended without a token".into());
+    };
+    Ok(StreamSample {
+        ttft_ms: first,
+        gaps_ms: times.windows(2).map(|w| w[1] - w[0]).collect(),
+        tokens: times.len(),
+    })
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use cohort_bench::serve::{LoadRow, LoadTest};
+use cohort_bench::serve::{GenerateLoad, GenerateRow, LoadRow, LoadTest};
 use cohort_gpt::GPTConfig;
 use cohort_serve::{Server, ServerOptions};
 
@@ -89,7 +89,8 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Load test of the server: throughput and latency with and without dynamic batching.
+/// Load test of the server: throughput and latency with and without dynamic batching, or with
+/// `--generate`, token streaming with and without in-flight batching.
 #[derive(clap::Args, Debug)]
 pub struct BenchServeArgs {
     /// Model config of the random-weight model: A or B.
@@ -125,6 +126,106 @@ pub struct BenchServeArgs {
     /// One JSON object per cell instead of a table.
     #[arg(long)]
     json: bool,
+    /// Measure generation instead of inference (genai-perf's measures): concurrent token
+    /// streams with in-flight batching on and off.
+    #[arg(long)]
+    generate: bool,
+    /// Generation: comma-separated concurrent stream counts.
+    #[arg(long, default_value = "1,32")]
+    streams: String,
+    /// Generation: tokens each request generates.
+    #[arg(long, default_value_t = 128)]
+    new_tokens: usize,
+    /// Generation: prompt length (random token ids).
+    #[arg(long, default_value_t = 16)]
+    prompt_tokens: usize,
+    /// Generation: timed requests per stream.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Generation: sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+}
+
+fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
+    let streams = a
+        .streams
+        .split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("--streams {:?}: expected numbers like 1,32", a.streams))?;
+    let t = GenerateLoad {
+        checkpoint: a.checkpoint,
+        model,
+        prompt_tokens: a.prompt_tokens,
+        new_tokens: a.new_tokens,
+        streams,
+        rounds: a.rounds,
+        max_batch_size: a.max_batch_size,
+        instances: a.instances,
+        threads: a.threads,
+        temperature: a.temperature,
+        seed: a.seed,
+    };
+    if !a.json {
+        println!(
+            "bench serve --generate: config {}, {}-token prompts, {} new tokens, {} request(s) \
+             per stream, max_batch_size {}, {} instance(s), HTTP generate_stream on loopback",
+            a.config, t.prompt_tokens, t.new_tokens, t.rounds, t.max_batch_size, t.instances
+        );
+        println!(
+            "{:>9} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
+            "inflight",
+            "streams",
+            "tokens/s",
+            "ttft p50",
+            "ttft p99",
+            "itl p50",
+            "itl p99",
+            "mean rows"
+        );
+    }
+    let print = |r: &GenerateRow| {
+        if a.json {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        } else {
+            println!(
+                "{:>9} {:>8} {:>10.1} {:>10.2} {:>10.2} {:>9.2} {:>9.2} {:>9.2}",
+                if r.inflight_batching { "on" } else { "off" },
+                r.streams,
+                r.tokens_per_s,
+                r.ttft_p50_ms,
+                r.ttft_p99_ms,
+                r.itl_p50_ms,
+                r.itl_p99_ms,
+                r.mean_inflight
+            );
+        }
+    };
+    let rows = cohort_bench::serve::run_generate(&t, print).context("bench serve --generate")?;
+    if !a.json {
+        let at = |on: bool, n: usize| {
+            rows.iter()
+                .find(|r| r.inflight_batching == on && r.streams == n)
+        };
+        let (least, most) = (
+            t.streams.iter().copied().min().unwrap_or(1),
+            t.streams.iter().copied().max().unwrap_or(1),
+        );
+        if let (Some(one), Some(many), Some(off)) =
+            (at(true, least), at(true, most), at(false, most))
+        {
+            println!(
+                "in-flight batching at {most} streams: {:.2}x the tokens/s of {least} stream(s), \
+                 {:.2}x the same load with it off; p99 inter-token latency {:.2}x that of {least} \
+                 stream(s)",
+                many.tokens_per_s / one.tokens_per_s,
+                many.tokens_per_s / off.tokens_per_s,
+                many.itl_p99_ms / one.itl_p99_ms
+            );
+        }
+    }
+    Ok(())
 }
 
 pub fn bench(a: BenchServeArgs) -> anyhow::Result<()> {
@@ -133,6 +234,9 @@ pub fn bench(a: BenchServeArgs) -> anyhow::Result<()> {
         "B" | "b" => GPTConfig::config_b(),
         other => bail!("--config {other}: expected A or B"),
     };
+    if a.generate {
+        return bench_generate(a, model);
+    }
     let clients = a
         .clients
         .split(',')

@@ -312,3 +312,65 @@ fn allow_metrics_false_serves_no_metrics_port() {
         String::from_utf8_lossy(&bad.stderr)
     );
 }
+
+fn openai_available() -> bool {
+    Command::new("python3")
+        .args(["-c", "import openai"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn the_openai_client_gets_what_cohort_sample_prints() {
+    if !openai_available() {
+        eprintln!(
+            "skipping the OpenAI client checks: python3 cannot import openai (pip install openai)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    save(&repo.join("gpt/1"), &model(5));
+    let server = Serving::start(&repo);
+    let ckpt = repo.join("gpt/1");
+    // (prompt, max_tokens, temperature, top_k, seed)
+    let cases = [
+        ("bad cafe", 30, "0.9", 5, 7),
+        ("a", 40, "0", 0, 0),
+        ("head", 12, "1.0", 0, 3),
+    ];
+    let mut spec_cases = Vec::new();
+    for (prompt, n, t, k, seed) in cases {
+        let (n_s, seed_s, k_s) = (n.to_string(), seed.to_string(), k.to_string());
+        let mut args = vec!["--prompt", prompt, "--max-new-tokens", &n_s];
+        args.extend(["--temperature", t, "--seed", &seed_s]);
+        if k > 0 {
+            args.extend(["--top-k", &k_s]);
+        }
+        let printed = cohort_sample(&ckpt, &args);
+        // `cohort sample` prints the prompt, then the completion
+        let completion = printed
+            .strip_prefix(prompt)
+            .expect("the prompt comes first");
+        spec_cases.push(json!({
+            "prompt": prompt, "max_tokens": n, "temperature": t.parse::<f64>().unwrap(),
+            "top_k": k, "seed": seed, "completion": completion,
+        }));
+    }
+    let spec = json!({"http": server.http, "model": "gpt", "cases": spec_cases});
+    let spec_file = dir.path().join("openai.json");
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/openai_check.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&spec_file)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai checks failed:\n{text}");
+    assert!(text.contains(" passed, 0 failed"), "{text}");
+    server.stop();
+}

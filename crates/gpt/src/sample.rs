@@ -14,10 +14,20 @@
 //! `max_position_embeddings`: cohort's training scores every position of a window (next-token
 //! targets, as nanoGPT), so the last position predicts as well as any other.
 //!
-//! This module never changes the model and never allocates per token: buffers are sized for a
-//! full window when the decoder is built.
+//! Serving many sequences at once (continuous batching): a [`Generation`] owns one sequence's
+//! cache and sampler and borrows nothing; [`decode_step`] advances any set of them by one token
+//! with one matrix product per layer over all their rows (attention stays per row, over each
+//! row's own cache). Sequences may join (their prompts fed by the next step, in the same
+//! products) or leave between any two steps, and each gets bit-for-bit the tokens it gets alone: every kernel computes a
+//! row the same way whatever other rows share the product. [`generate`] is this same path with
+//! one row.
+//!
+//! This module never changes the model and never allocates per token: a [`Workspace`]'s
+//! buffers are sized for a full window when it is built (and grown only for a batch wider than
+//! that).
 
 use cohort_rng::SplitMix64;
+use rayon::prelude::*;
 
 use crate::layout::Layout;
 use crate::{GPTConfig, GPT};
@@ -48,7 +58,7 @@ impl Default for SampleOptions {
 }
 
 /// What went wrong generating.
-#[derive(Debug, thiserror::Error, PartialEq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
 #[non_exhaustive]
 pub enum SampleError {
     /// Generation needs at least one token to condition on.
@@ -82,8 +92,71 @@ pub enum SampleError {
     BadTopK,
 }
 
-/// Scratch rows for up to `max_t` tokens, allocated once.
+/// The keys and values of the tokens one sequence has fed: (L, max_t, C) each. It borrows
+/// nothing, so a server can hold one per request and still use the model between steps.
+pub struct KvCache {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Positions filled.
+    len: usize,
+}
+
+impl KvCache {
+    /// An empty cache for a full window of `cfg`.
+    pub fn new(cfg: &GPTConfig) -> KvCache {
+        let n = cfg.n_layers * cfg.max_position_embeddings * cfg.d_model;
+        KvCache {
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+            len: 0,
+        }
+    }
+
+    /// Tokens in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True before anything was fed (or after [`KvCache::reset`]).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Forgets every cached token.
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+}
+
+/// The caches a forward's rows write to and read from, by index.
+trait Caches: Sync {
+    fn cache(&mut self, i: usize) -> &mut KvCache;
+    fn cache_ref(&self, i: usize) -> &KvCache;
+}
+
+impl Caches for KvCache {
+    fn cache(&mut self, _: usize) -> &mut KvCache {
+        self
+    }
+    fn cache_ref(&self, _: usize) -> &KvCache {
+        self
+    }
+}
+
+impl<G: AsMut<Generation> + AsRef<Generation> + Sync> Caches for [G] {
+    fn cache(&mut self, i: usize) -> &mut KvCache {
+        &mut self[i].as_mut().cache
+    }
+    fn cache_ref(&self, i: usize) -> &KvCache {
+        &self[i].as_ref().cache
+    }
+}
+
+/// Scratch rows for forwards (activations of every row, the logits asked for), sized for a full
+/// window when built and grown only when a batched step has more rows than that.
 struct Buffers {
+    /// Rows the buffers hold.
+    rows: usize,
     /// Residual stream (n, C).
     x: Vec<f32>,
     /// LayerNorm output (n, C).
@@ -99,106 +172,176 @@ struct Buffers {
     /// MLP hidden pre- and post-GELU (n, F).
     fc: Vec<f32>,
     gelu: Vec<f32>,
-    /// Attention weights of one query over the cache (max_t).
+    /// Attention weights of each row's query over its cache (n, max_t).
     scores: Vec<f32>,
-    /// Logits of the last token fed (V).
+    /// Logits of the rows asked for (n, V).
     logits: Vec<f32>,
+}
+
+impl Buffers {
+    fn new(cfg: &GPTConfig, rows: usize) -> Buffers {
+        let (c, f) = (cfg.d_model, cfg.d_ff);
+        Buffers {
+            rows,
+            x: vec![0.0; rows * c],
+            ln: vec![0.0; rows * c],
+            mean: vec![0.0; rows],
+            rstd: vec![0.0; rows],
+            qkv: vec![0.0; rows * 3 * c],
+            att: vec![0.0; rows * c],
+            proj: vec![0.0; rows * c],
+            fc: vec![0.0; rows * f],
+            gelu: vec![0.0; rows * f],
+            scores: vec![0.0; rows * cfg.max_position_embeddings],
+            logits: vec![0.0; rows * cfg.vocab_size],
+        }
+    }
+}
+
+/// Scratch space shared by every sequence a thread decodes: the forward's activations and the
+/// parameter layout. One per serving thread, not one per request (a request owns only its
+/// [`KvCache`] and sampler state).
+pub struct Workspace {
+    layout: Layout,
+    buf: Buffers,
+    /// A step's rows: (generation, position) and token of each, the last row of each
+    /// generation fed, and those generations (indices into the caller's slice).
+    place: Vec<(usize, usize)>,
+    tokens: Vec<u32>,
+    last: Vec<usize>,
+    sel: Vec<usize>,
+}
+
+impl Workspace {
+    /// Scratch for `model`, sized for a full window.
+    pub fn new(model: &GPT) -> Workspace {
+        let cfg = model.config();
+        Workspace {
+            layout: Layout::new(cfg),
+            buf: Buffers::new(cfg, cfg.max_position_embeddings.max(1)),
+            place: Vec::new(),
+            tokens: Vec::new(),
+            last: Vec::new(),
+            sel: Vec::new(),
+        }
+    }
+
+    /// Runs `tokens` at positions `cache.len()..` of one sequence through `model`, appending
+    /// their keys and values to `cache`; returns the logits (V) that follow the last of them.
+    pub fn feed(
+        &mut self,
+        model: &GPT,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<&[f32], SampleError> {
+        let cfg: &GPTConfig = model.config();
+        if tokens.is_empty() {
+            return Err(SampleError::EmptyPrompt);
+        }
+        if cache.len + tokens.len() > cfg.max_position_embeddings {
+            return Err(SampleError::ContextFull {
+                cached: cache.len,
+                new: tokens.len(),
+                max: cfg.max_position_embeddings,
+            });
+        }
+        check_vocab(tokens, cfg.vocab_size)?;
+        let p0 = cache.len;
+        self.run(model, cache, tokens, Rows::Sequence { p0 });
+        cache.len += tokens.len();
+        Ok(&self.buf.logits[..cfg.vocab_size])
+    }
+
+    /// One forward of `rows` through `model` (the caller validated tokens and room).
+    fn run<C: Caches + Send + ?Sized>(
+        &mut self,
+        model: &GPT,
+        caches: &mut C,
+        tokens: &[u32],
+        rows: Rows<'_>,
+    ) {
+        if tokens.len() > self.buf.rows {
+            self.buf = Buffers::new(model.config(), tokens.len());
+        }
+        let (layout, buf) = (&self.layout, &mut self.buf);
+        model
+            .backend()
+            .install(&mut || forward_rows(model, layout, caches, buf, tokens, rows));
+    }
+}
+
+fn check_vocab(tokens: &[u32], vocab: usize) -> Result<(), SampleError> {
+    match tokens
+        .iter()
+        .enumerate()
+        .find(|(_, &id)| id as usize >= vocab)
+    {
+        Some((index, &id)) => Err(SampleError::TokenOutOfRange { index, id, vocab }),
+        None => Ok(()),
+    }
 }
 
 /// Incremental inference over one sequence with a KV cache.
 pub struct Decoder<'m> {
     model: &'m GPT,
-    layout: Layout,
-    /// Keys then values of every layer: (L, max_t, C) each.
-    k_cache: Vec<f32>,
-    v_cache: Vec<f32>,
-    /// Tokens in the cache.
-    len: usize,
-    buf: Buffers,
+    cache: KvCache,
+    ws: Workspace,
 }
 
 impl<'m> Decoder<'m> {
     /// An empty decoder for `model` (buffers for a full window).
     pub fn new(model: &'m GPT) -> Decoder<'m> {
-        let cfg = model.config();
-        let (t, c, f) = (cfg.max_position_embeddings, cfg.d_model, cfg.d_ff);
-        let cache = cfg.n_layers * t * c;
         Decoder {
             model,
-            layout: Layout::new(cfg),
-            k_cache: vec![0.0; cache],
-            v_cache: vec![0.0; cache],
-            len: 0,
-            buf: Buffers {
-                x: vec![0.0; t * c],
-                ln: vec![0.0; t * c],
-                mean: vec![0.0; t],
-                rstd: vec![0.0; t],
-                qkv: vec![0.0; t * 3 * c],
-                att: vec![0.0; t * c],
-                proj: vec![0.0; t * c],
-                fc: vec![0.0; t * f],
-                gelu: vec![0.0; t * f],
-                scores: vec![0.0; t],
-                logits: vec![0.0; cfg.vocab_size],
-            },
+            cache: KvCache::new(model.config()),
+            ws: Workspace::new(model),
         }
     }
 
     /// Tokens in the cache.
     pub fn len(&self) -> usize {
-        self.len
+        self.cache.len()
     }
 
     /// True before anything was fed (or after [`Decoder::reset`]).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.cache.is_empty()
     }
 
     /// Forgets every cached token.
     pub fn reset(&mut self) {
-        self.len = 0;
+        self.cache.reset();
     }
 
     /// Runs `tokens` at positions `len..len + n` through the model, appending their keys and
     /// values to the cache, and returns the logits (V) that follow the last of them.
     pub fn feed(&mut self, tokens: &[u32]) -> Result<&[f32], SampleError> {
-        let cfg: &GPTConfig = self.model.config();
-        if tokens.is_empty() {
-            return Err(SampleError::EmptyPrompt);
+        self.ws.feed(self.model, &mut self.cache, tokens)
+    }
+}
+
+/// Which sequence and position each row of a forward is, and which rows get logits.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    /// Consecutive tokens of the one cache given, from position `p0`; only the last row's
+    /// logits are computed (a prompt fed through a [`Decoder`]).
+    Sequence { p0: usize },
+    /// Row i is (cache index, position) `place[i]`; logits are computed for the rows in `last`
+    /// (a step of many sequences: one row each for those decoding, all of a prompt or of a
+    /// rebuilt window for the others).
+    Mixed {
+        place: &'a [(usize, usize)],
+        last: &'a [usize],
+    },
+}
+
+impl Rows<'_> {
+    /// (cache index, position) of row `i`.
+    fn at(self, i: usize) -> (usize, usize) {
+        match self {
+            Rows::Sequence { p0 } => (0, p0 + i),
+            Rows::Mixed { place, .. } => place[i],
         }
-        if self.len + tokens.len() > cfg.max_position_embeddings {
-            return Err(SampleError::ContextFull {
-                cached: self.len,
-                new: tokens.len(),
-                max: cfg.max_position_embeddings,
-            });
-        }
-        if let Some((index, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, &id)| id as usize >= cfg.vocab_size)
-        {
-            return Err(SampleError::TokenOutOfRange {
-                index,
-                id,
-                vocab: cfg.vocab_size,
-            });
-        }
-        let Decoder {
-            model,
-            layout,
-            k_cache,
-            v_cache,
-            len,
-            buf,
-        } = self;
-        let model: &GPT = model;
-        let dev = model.backend();
-        let p0 = *len;
-        dev.install(&mut || feed_rows(model, layout, k_cache, v_cache, buf, p0, tokens));
-        self.len += tokens.len();
-        Ok(&self.buf.logits)
     }
 }
 
@@ -206,16 +349,19 @@ fn opt<'a>(p: &'a [f32], r: &std::ops::Range<usize>) -> Option<&'a [f32]> {
     (!r.is_empty()).then(|| &p[r.clone()])
 }
 
-/// The forward of `tokens` at positions `p0..`, attending over the cache; writes the last
-/// token's logits into `buf.logits`. Dims: n new tokens, C, F, V, NH heads of HS.
-fn feed_rows(
+/// The forward of `tokens` (one per row, placed by `rows`), attending over each row's cache;
+/// writes the logits `rows` asks for into `buf.logits`. The matrix products run once over all
+/// rows; attention runs per row over its own cache. Every kernel computes a row the same way
+/// whatever other rows are present (the products sum each output over K in one fixed order), so
+/// a sequence decoded in a batch gets bit-for-bit the logits it gets alone. Caches' lengths
+/// are not advanced here. Dims: n rows, C, F, V, NH heads of HS.
+fn forward_rows<C: Caches + ?Sized>(
     model: &GPT,
     layout: &Layout,
-    k_cache: &mut [f32],
-    v_cache: &mut [f32],
+    caches: &mut C,
     buf: &mut Buffers,
-    p0: usize,
     tokens: &[u32],
+    rows: Rows<'_>,
 ) {
     let cfg = model.config();
     let (n, c, f, v) = (tokens.len(), cfg.d_model, cfg.d_ff, cfg.vocab_size);
@@ -228,7 +374,8 @@ fn feed_rows(
 
     let x = &mut buf.x[..n * c];
     for (i, (row, &id)) in x.chunks_exact_mut(c).zip(tokens).enumerate() {
-        let (te, pe) = (id as usize * c, (p0 + i) * c);
+        let (_, pos) = rows.at(i);
+        let (te, pe) = (id as usize * c, pos * c);
         for ((o, a), b) in row.iter_mut().zip(&wte[te..te + c]).zip(&wpe[pe..pe + c]) {
             *o = a + b;
         }
@@ -241,7 +388,7 @@ fn feed_rows(
     );
     let (fc, gelu) = (&mut buf.fc[..n * f], &mut buf.gelu[..n * f]);
     for (l, bl) in layout.blocks.iter().enumerate() {
-        // attention: ln_1, qkv, append k and v, attend over positions 0..=p0+i
+        // attention: ln_1, qkv, append k and v, attend over positions 0..=pos
         dev.layernorm_forward(
             ln,
             mean,
@@ -261,44 +408,28 @@ fn feed_rows(
             c,
             3 * c,
         );
-        let kc = &mut k_cache[l * max_t * c..(l + 1) * max_t * c];
-        let vc = &mut v_cache[l * max_t * c..(l + 1) * max_t * c];
+        let layer = l * max_t * c..(l + 1) * max_t * c;
+        // every row's key and value first: a prompt's row i attends to rows before it
         for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
-            let at = (p0 + i) * c;
-            kc[at..at + c].copy_from_slice(&row[c..2 * c]);
-            vc[at..at + c].copy_from_slice(&row[2 * c..]);
+            let (ci, pos) = rows.at(i);
+            let cache = caches.cache(ci);
+            let at = layer.start + pos * c;
+            cache.k[at..at + c].copy_from_slice(&row[c..2 * c]);
+            cache.v[at..at + c].copy_from_slice(&row[2 * c..]);
         }
-        for (i, (row, out)) in qkv
-            .chunks_exact(3 * c)
-            .zip(att.chunks_exact_mut(c))
+        // attention, each row over its own cache, rows in parallel (they only read the caches)
+        let shared: &C = caches;
+        let scores = &mut buf.scores[..n * max_t];
+        qkv.par_chunks_exact(3 * c)
+            .zip(att.par_chunks_exact_mut(c))
+            .zip(scores.par_chunks_exact_mut(max_t))
             .enumerate()
-        {
-            let ctx = p0 + i + 1;
-            for h in 0..nh {
-                let q = &row[h * hs..(h + 1) * hs];
-                let scores = &mut buf.scores[..ctx];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores.iter_mut().enumerate() {
-                    let k = &kc[j * c + h * hs..j * c + (h + 1) * hs];
-                    *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    max = max.max(*s);
-                }
-                let mut sum = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[h * hs..(h + 1) * hs];
-                o.fill(0.0);
-                for (j, s) in scores.iter().enumerate() {
-                    let w = s / sum;
-                    let vj = &vc[j * c + h * hs..j * c + (h + 1) * hs];
-                    for (o, vv) in o.iter_mut().zip(vj) {
-                        *o += w * vv;
-                    }
-                }
-            }
-        }
+            .for_each(|(i, ((row, out), scores))| {
+                let (ci, pos) = rows.at(i);
+                let cache = shared.cache_ref(ci);
+                let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
+                attend(row, out, scores, kc, vc, pos + 1, nh, hs, c, scale);
+            });
         dev.matmul_forward(
             proj,
             att,
@@ -326,13 +457,89 @@ fn feed_rows(
         dev.matmul_forward(proj, gelu, wp, bp, n, f, c);
         add(x, proj);
     }
-    // only the last position's logits are needed
-    let last = &x[(n - 1) * c..];
-    let (ln1, mean1, rstd1) = (&mut ln[..c], &mut mean[..1], &mut rstd[..1]);
+    // logits only where a token will be sampled: the last row of each sequence
     let (lnf_w, lnf_b) = (&p[layout.ln_f_w.clone()], opt(p, &layout.ln_f_b));
-    dev.layernorm_forward(ln1, mean1, rstd1, last, lnf_w, lnf_b, 1, c);
     let head = &p[layout.lm_head.clone()];
-    dev.head_forward(&mut buf.logits, ln1, head, 1, c, v);
+    let (m, from): (usize, &[f32]) = match rows {
+        Rows::Sequence { .. } => (1, &x[(n - 1) * c..]),
+        Rows::Mixed { last, .. } => {
+            // gathered into the (now free) projection buffer, contiguous for the kernels
+            for (j, &r) in last.iter().enumerate() {
+                proj[j * c..(j + 1) * c].copy_from_slice(&x[r * c..(r + 1) * c]);
+            }
+            (last.len(), &proj[..last.len() * c])
+        }
+    };
+    let (ln, mean, rstd) = (&mut ln[..m * c], &mut mean[..m], &mut rstd[..m]);
+    dev.layernorm_forward(ln, mean, rstd, from, lnf_w, lnf_b, m, c);
+    dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
+}
+
+/// One query row (all heads) over the first `ctx` cached keys and values of a layer; writes the
+/// heads' outputs into `out`. The dot products keep 16 partial sums (one vector register), so
+/// they vectorize; the order is fixed, so a row's result never depends on other rows.
+#[allow(clippy::too_many_arguments)]
+fn attend(
+    row: &[f32],
+    out: &mut [f32],
+    scores: &mut [f32],
+    kc: &[f32],
+    vc: &[f32],
+    ctx: usize,
+    nh: usize,
+    hs: usize,
+    c: usize,
+    scale: f32,
+) {
+    for h in 0..nh {
+        let q = &row[h * hs..(h + 1) * hs];
+        let scores = &mut scores[..ctx];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            let k = &kc[j * c + h * hs..j * c + (h + 1) * hs];
+            *s = dot(q, k) * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let o = &mut out[h * hs..(h + 1) * hs];
+        o.fill(0.0);
+        for (j, s) in scores.iter().enumerate() {
+            let w = s / sum;
+            let vj = &vc[j * c + h * hs..j * c + (h + 1) * hs];
+            for (o, vv) in o.iter_mut().zip(vj) {
+                *o += w * vv;
+            }
+        }
+    }
+}
+
+/// a · b with 16 partial sums, added pairwise at the end.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut w = 8;
+    while w > 0 {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+        w /= 2;
+    }
+    acc[0] + tail
 }
 
 fn add(x: &mut [f32], y: &[f32]) {
@@ -428,39 +635,178 @@ pub fn generate_while(
     opts: &SampleOptions,
     mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<Vec<u32>, SampleError> {
-    if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
-        return Err(SampleError::BadTemperature(opts.temperature));
-    }
-    if opts.top_k == Some(0) {
-        return Err(SampleError::BadTopK);
-    }
-    if prompt.is_empty() {
-        return Err(SampleError::EmptyPrompt);
-    }
-    let max_t = context_window(model.config());
-    let mut seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
-    let mut decoder = Decoder::new(model);
-    let mut rng = SplitMix64::new(opts.seed);
-    let mut scratch = Vec::with_capacity(model.config().vocab_size);
-    let mut out = Vec::with_capacity(opts.max_new_tokens);
-    let mut logits = decoder.feed(&seq)?.to_vec();
-    for i in 0..opts.max_new_tokens {
-        let next = sample_token(&logits, opts, &mut rng, &mut scratch);
-        out.push(next);
-        seq.push(next);
-        if on_token(next).is_break() || i + 1 == opts.max_new_tokens {
+    let mut ws = Workspace::new(model);
+    let mut g = Generation::new(model, prompt, opts)?;
+    while !g.is_finished() {
+        decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
+        let Some(&next) = g.tokens().last() else {
+            break;
+        };
+        if on_token(next).is_break() {
             break;
         }
-        let fed = if decoder.len() < max_t {
-            decoder.feed(&[next])?
-        } else {
-            // window full: condition on the last max_t tokens, at positions 0..max_t
-            decoder.reset();
-            decoder.feed(&seq[seq.len() - max_t..])?
-        };
-        logits.copy_from_slice(fed);
     }
-    Ok(out)
+    Ok(g.into_tokens())
+}
+
+/// One sequence being generated: its cache, sampler state and tokens so far. It borrows
+/// nothing, so many can be in flight on one model and be stepped together by [`decode_step`]
+/// (continuous batching); each must only ever be used with the model it was started on.
+pub struct Generation {
+    opts: SampleOptions,
+    /// The (cropped) prompt and every token generated: the source of a rebuilt window.
+    seq: Vec<u32>,
+    /// Tokens generated.
+    out: Vec<u32>,
+    cache: KvCache,
+    rng: SplitMix64,
+    scratch: Vec<f32>,
+}
+
+impl AsMut<Generation> for Generation {
+    fn as_mut(&mut self) -> &mut Generation {
+        self
+    }
+}
+
+impl AsRef<Generation> for Generation {
+    fn as_ref(&self) -> &Generation {
+        self
+    }
+}
+
+impl Generation {
+    /// Checks `opts` and `prompt` (cropped to the [`context_window`]); nothing runs yet: the
+    /// first [`decode_step`] that includes it feeds the prompt and samples the first token.
+    pub fn new(
+        model: &GPT,
+        prompt: &[u32],
+        opts: &SampleOptions,
+    ) -> Result<Generation, SampleError> {
+        if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
+            return Err(SampleError::BadTemperature(opts.temperature));
+        }
+        if opts.top_k == Some(0) {
+            return Err(SampleError::BadTopK);
+        }
+        if prompt.is_empty() {
+            return Err(SampleError::EmptyPrompt);
+        }
+        let cfg = model.config();
+        let max_t = context_window(cfg);
+        let seq: Vec<u32> = prompt[prompt.len().saturating_sub(max_t)..].to_vec();
+        check_vocab(&seq, cfg.vocab_size)?;
+        Ok(Generation {
+            opts: opts.clone(),
+            out: Vec::with_capacity(opts.max_new_tokens),
+            cache: KvCache::new(cfg),
+            rng: SplitMix64::new(opts.seed),
+            scratch: Vec::with_capacity(cfg.vocab_size),
+            seq,
+        })
+    }
+
+    fn push(&mut self, token: u32) {
+        self.out.push(token);
+        self.seq.push(token);
+    }
+
+    /// The tokens generated so far (the last one is not yet fed).
+    pub fn tokens(&self) -> &[u32] {
+        &self.out
+    }
+
+    /// True once `max_new_tokens` tokens are out: stepping it further does nothing.
+    pub fn is_finished(&self) -> bool {
+        self.out.len() >= self.opts.max_new_tokens
+    }
+
+    /// What it samples with.
+    pub fn options(&self) -> &SampleOptions {
+        &self.opts
+    }
+
+    /// The tokens generated (without the prompt).
+    pub fn into_tokens(self) -> Vec<u32> {
+        self.out
+    }
+}
+
+/// Most prompt (or rebuilt-window) tokens one step feeds besides the decoding rows, unless a
+/// single window is longer: bounds a step's activations and how long a step of the decoding
+/// sequences is held up by newcomers.
+const STEP_PREFILL_TOKENS: usize = 256;
+
+/// One step of every unfinished generation in `gens`, as one forward: a generation that has
+/// not started feeds its prompt, one whose window is full feeds its last window again (at
+/// positions 0.., as [`generate`] does), every other one feeds its last token; each then
+/// samples its next token. The rows of all of them go through each matrix product together;
+/// attention runs per row over the row's own cache. Prompts and windows beyond
+/// [`STEP_PREFILL_TOKENS`] wait for a later step. Each generation gets exactly the tokens it
+/// would get stepped alone. Finished generations are left as they are.
+pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
+    model: &GPT,
+    gens: &mut [G],
+    ws: &mut Workspace,
+) -> Result<(), SampleError> {
+    let (max_t, vocab) = (context_window(model.config()), model.config().vocab_size);
+    let budget = max_t.max(STEP_PREFILL_TOKENS);
+    let (mut place, mut tokens, mut last, mut sel) = (
+        std::mem::take(&mut ws.place),
+        std::mem::take(&mut ws.tokens),
+        std::mem::take(&mut ws.last),
+        std::mem::take(&mut ws.sel),
+    );
+    place.clear();
+    tokens.clear();
+    last.clear();
+    sel.clear();
+    let mut prefill = 0;
+    for (i, g) in gens.iter_mut().enumerate() {
+        let g = g.as_mut();
+        if g.is_finished() {
+            continue;
+        }
+        let (feed, p0): (&[u32], usize) = if g.out.is_empty() {
+            (&g.seq, 0)
+        } else if g.cache.len < max_t {
+            (&g.seq[g.seq.len() - 1..], g.cache.len)
+        } else {
+            (&g.seq[g.seq.len() - max_t..], 0)
+        };
+        if feed.len() > 1 || g.out.is_empty() {
+            if prefill > 0 && prefill + feed.len() > budget {
+                continue;
+            }
+            prefill += feed.len();
+        }
+        for (j, &t) in feed.iter().enumerate() {
+            place.push((i, p0 + j));
+            tokens.push(t);
+        }
+        last.push(place.len() - 1);
+        sel.push(i);
+    }
+    let ran = if sel.is_empty() {
+        Ok(())
+    } else {
+        check_vocab(&tokens, vocab).map(|()| {
+            let rows = Rows::Mixed {
+                place: &place,
+                last: &last,
+            };
+            ws.run(model, gens, &tokens, rows);
+            for (r, &i) in sel.iter().enumerate() {
+                let g = gens[i].as_mut();
+                g.cache.len = place[last[r]].1 + 1;
+                let logits = &ws.buf.logits[r * vocab..(r + 1) * vocab];
+                let next = sample_token(logits, &g.opts, &mut g.rng, &mut g.scratch);
+                g.push(next);
+            }
+        })
+    };
+    (ws.place, ws.tokens, ws.last, ws.sel) = (place, tokens, last, sel);
+    ran
 }
 
 #[cfg(test)]
@@ -529,6 +875,78 @@ mod tests {
         })
         .unwrap();
         assert_eq!((calls, &cut[..]), (5, &all[..5]));
+    }
+
+    /// Runs `jobs` (prompt, options, the step each joins at) as a server's continuous batch
+    /// would: joiners are prefilled between steps, every step is one `decode_step` over all
+    /// active generations, finished ones leave at once.
+    fn continuous(model: &GPT, jobs: &[(Vec<u32>, SampleOptions, usize)]) -> Vec<Vec<u32>> {
+        let mut ws = Workspace::new(model);
+        let mut done: Vec<Option<Vec<u32>>> = vec![None; jobs.len()];
+        let mut active: Vec<(usize, Generation)> = Vec::new();
+        let mut step = 0;
+        while done.iter().any(Option::is_none) {
+            for (i, (prompt, opts, at)) in jobs.iter().enumerate() {
+                if *at == step {
+                    active.push((i, Generation::new(model, prompt, opts).unwrap()));
+                }
+            }
+            active.retain_mut(|(i, g)| {
+                let finished = g.is_finished();
+                if finished {
+                    done[*i] = Some(std::mem::take(&mut g.out));
+                }
+                !finished
+            });
+            let mut gens: Vec<&mut Generation> = active.iter_mut().map(|(_, g)| g).collect();
+            decode_step(model, &mut gens, &mut ws).unwrap();
+            step += 1;
+        }
+        done.into_iter().map(Option::unwrap).collect()
+    }
+
+    #[test]
+    fn batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
+        // two shapes: the tiny one (windows slide mid-batch) and one whose products are big
+        // enough to be split over threads
+        let wide = GPTConfig {
+            d_model: 128,
+            d_ff: 512,
+            max_position_embeddings: 48,
+            ..tiny(48, true, true)
+        };
+        for cfg in [tiny(13, true, false), wide] {
+            let model = peaked(cfg, 5);
+            let o = |n, temperature, top_k, seed| SampleOptions {
+                max_new_tokens: n,
+                temperature,
+                top_k,
+                seed,
+            };
+            let mut jobs = vec![
+                (vec![1, 2, 3], o(30, 0.0, None, 0), 0),
+                (vec![4], o(7, 0.9, Some(5), 11), 0),
+                (vec![5, 6, 7, 8, 9, 10, 11], o(20, 1.3, None, 12), 2),
+                ((0..20).map(|i| i % 37).collect(), o(12, 0.0, None, 0), 3),
+                (vec![9, 9], o(1, 0.7, Some(3), 13), 3),
+                (vec![2, 7], o(25, 0.8, Some(20), 14), 9),
+                (vec![3], o(0, 0.8, None, 1), 4),
+            ];
+            // seven 40-token prompts joining at once: more than one step's prompt budget
+            // (with the wide model's 48-token window), so some wait a step
+            for j in 0..7u64 {
+                let prompt = (0..40)
+                    .map(|i| ((i * 7 + j as usize) % 37) as u32)
+                    .collect();
+                jobs.push((prompt, o(5 + j as usize, 0.9, Some(8), 20 + j), 1));
+            }
+            let together = continuous(&model, &jobs);
+            for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
+                let alone = generate(&model, prompt, opts, |_| {}).unwrap();
+                assert_eq!(got, &alone, "{opts:?}");
+            }
+            assert_eq!(together[0].len(), 30);
+        }
     }
 
     #[test]

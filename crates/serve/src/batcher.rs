@@ -8,7 +8,10 @@
 //! at once when it is full (max_batch_size rows, or the largest preferred batch size), else when
 //! the oldest request has waited `max_queue_delay`; then, with preferred sizes, it is cut to the
 //! largest preferred size it reaches. Without dynamic batching every request runs alone.
-//! Generate requests always run alone, in queue order.
+//! A generate request goes to an instance in queue order. With in-flight batching (the
+//! default) that instance then also takes every queued generate request, wherever it waits,
+//! between its decode steps (up to `max_batch_size` in flight; see the `model` module), and
+//! takes inference work that is ready between steps without waiting for any.
 //!
 //! The queue never blocks a caller: a full queue is an immediate [`ServeError::QueueFull`].
 //! Closing it lets the instances drain what is queued, then they exit; nothing accepted is
@@ -142,10 +145,41 @@ impl Queue {
 
     /// Blocks until there is work for an instance; None once the queue is closed and empty.
     pub fn next(&self) -> Option<Work> {
+        self.next_within(true)
+    }
+
+    /// The work that is ready now, without waiting (an instance with generations in flight
+    /// asks between decode steps); None when nothing is ready yet.
+    pub fn try_next(&self) -> Option<Work> {
+        self.next_within(false)
+    }
+
+    /// Removes up to `max` queued generation requests, oldest first, from wherever they are in
+    /// the queue: they join the generations an instance is already stepping.
+    pub fn take_generates(&self, max: usize) -> Vec<GenerateJob> {
+        let mut out = Vec::new();
+        if max == 0 {
+            return out;
+        }
+        let mut st = self.lock();
+        let mut i = 0;
+        while i < st.jobs.len() && out.len() < max {
+            if matches!(st.jobs[i], Job::Generate(_)) {
+                if let Some(Job::Generate(g)) = st.jobs.remove(i) {
+                    out.push(g);
+                }
+            } else {
+                i += 1;
+            }
+        }
+        out
+    }
+
+    fn next_within(&self, block: bool) -> Option<Work> {
         let mut st = self.lock();
         loop {
             let Some(front) = st.jobs.front() else {
-                if st.closed {
+                if st.closed || !block {
                     return None;
                 }
                 st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -174,6 +208,9 @@ impl Queue {
             if full || now >= deadline || st.closed {
                 let picked = cut_to_preferred(&st.jobs, picked, rows, &dynamic.preferred);
                 return Some(Work::Infer(take(&mut st.jobs, &picked)));
+            }
+            if !block {
+                return None;
             }
             st = self
                 .ready

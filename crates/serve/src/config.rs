@@ -2,7 +2,8 @@
 //! text) or `REPO/<model>/config.toml` (the same fields in TOML). Only Triton's fields that mean
 //! something for a cohort GPT are read: `name`, `max_batch_size`, `dynamic_batching`
 //! (`preferred_batch_size`, `max_queue_delay_microseconds`, `default_queue_policy.max_queue_size`),
-//! `instance_group` (`count`, `kind`), `version_policy`, and `input` / `output`, which must name
+//! `instance_group` (`count`, `kind`), `version_policy`, `parameters` (`inflight_batching`:
+//! whether concurrent generations share batched decode steps), and `input` / `output`, which must name
 //! the model's own tensors (`input_ids`; `logits`, `next_token`) with their types: a config that
 //! declares a tensor cohort does not have is refused at load, naming it. Other fields Triton
 //! writes (`platform`, `backend`, ...) are accepted and ignored with a warning. A misspelt field
@@ -33,7 +34,18 @@ const REPEATED: &[&str] = &[
     "output",
     "dims",
     "gpus",
+    "parameters",
 ];
+
+/// The `parameters` keys cohort reads, and what each takes.
+const PARAMETERS: &[(&str, &str)] = &[(
+    INFLIGHT_BATCHING,
+    "\"true\" (the default: concurrent generations share decode steps) or \"false\" (each \
+     generation has an instance to itself)",
+)];
+
+/// The `parameters` key that switches in-flight batching of generation.
+pub const INFLIGHT_BATCHING: &str = "inflight_batching";
 
 /// `max_batch_size` when the config does not say.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 8;
@@ -64,9 +76,80 @@ pub struct ModelConfig {
     /// Triton's output declarations; each must be one of the model's outputs.
     #[serde(default, skip_serializing)]
     pub output: Vec<TensorConfig>,
+    /// Triton's free-form `parameters` (`parameters { key: "k" value: { string_value: "v" } }`
+    /// in pbtxt, `{"k": {"string_value": "v"}}` in JSON, `k = "v"` under `[parameters]` in
+    /// TOML). cohort reads `inflight_batching`; any other key is refused at load, since a
+    /// parameter silently not applied would serve something other than what was asked for.
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "de_parameters",
+        serialize_with = "ser_parameters"
+    )]
+    pub parameters: BTreeMap<String, String>,
     /// Triton fields cohort does not use, kept to report them.
     #[serde(flatten, skip_serializing)]
     pub ignored: BTreeMap<String, serde_json::Value>,
+}
+
+/// Reads Triton's parameters in any of their three spellings into key -> string value.
+fn de_parameters<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    use serde::de::Error;
+    use serde_json::Value;
+    let string_value = |key: &str, v: &Value| -> Result<String, D::Error> {
+        match v {
+            Value::String(s) => Ok(s.clone()),
+            Value::Object(o) if o.len() == 1 && o.contains_key("string_value") => o["string_value"]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    D::Error::custom(format!("parameter {key}: string_value is not a string"))
+                }),
+            other => Err(D::Error::custom(format!(
+                "parameter {key}: {other} is not {{ string_value: \"...\" }}"
+            ))),
+        }
+    };
+    let mut out = BTreeMap::new();
+    match Value::deserialize(d)? {
+        Value::Object(map) => {
+            for (k, v) in &map {
+                out.insert(k.clone(), string_value(k, v)?);
+            }
+        }
+        Value::Array(entries) => {
+            for e in &entries {
+                let (Some(k), Some(v)) = (e.get("key").and_then(Value::as_str), e.get("value"))
+                else {
+                    return Err(D::Error::custom(format!(
+                        "parameters entry {e} is not {{ key: \"...\" value: {{ string_value: \"...\" }} }}"
+                    )));
+                };
+                out.insert(k.to_string(), string_value(k, v)?);
+            }
+        }
+        other => {
+            return Err(D::Error::custom(format!(
+                "parameters: {other} is neither a map nor key/value entries"
+            )))
+        }
+    }
+    Ok(out)
+}
+
+/// Writes parameters as Triton's JSON does: key -> `{"string_value": v}`.
+fn ser_parameters<S: serde::Serializer>(
+    p: &BTreeMap<String, String>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut m = s.serialize_map(Some(p.len()))?;
+    for (k, v) in p {
+        m.serialize_entry(k, &serde_json::json!({ "string_value": v }))?;
+    }
+    m.end()
 }
 
 /// A tensor of Triton's `input` / `output` sections. Triton's configs describe a tensor without
@@ -247,6 +330,7 @@ impl Default for ModelConfig {
             version_policy: VersionPolicy::default(),
             input: Vec::new(),
             output: Vec::new(),
+            parameters: BTreeMap::new(),
             ignored: BTreeMap::new(),
         }
     }
@@ -313,7 +397,7 @@ impl ModelConfig {
                 format!(
                     "field {k} ({v}) is not supported by cohort; an override may set name, \
                      max_batch_size, dynamic_batching, instance_group, version_policy, input, \
-                     output (platform {:?})",
+                     output, parameters (platform {:?})",
                     crate::PLATFORM
                 ),
             ));
@@ -384,6 +468,24 @@ impl ModelConfig {
                 }
             }
         }
+        for (k, v) in &self.parameters {
+            let Some((_, takes)) = PARAMETERS.iter().find(|(name, _)| name == k) else {
+                let known: Vec<&str> = PARAMETERS.iter().map(|(n, _)| *n).collect();
+                return Err(config_err(
+                    path,
+                    format!(
+                        "parameter {k:?} is not one cohort reads (it reads {})",
+                        known.join(", ")
+                    ),
+                ));
+            };
+            if k == INFLIGHT_BATCHING && !matches!(v.as_str(), "true" | "false") {
+                return Err(config_err(
+                    path,
+                    format!("parameter {k} is {v:?}; it takes {takes}"),
+                ));
+            }
+        }
         match &self.version_policy {
             VersionPolicy::Latest { num_versions: 0 } => {
                 return Err(config_err(
@@ -400,6 +502,12 @@ impl ModelConfig {
             _ => {}
         }
         Ok(self)
+    }
+
+    /// Whether concurrent generations share decode steps (the `inflight_batching` parameter,
+    /// on unless it is "false").
+    pub fn inflight_batching(&self) -> bool {
+        self.parameters.get(INFLIGHT_BATCHING).map(String::as_str) != Some("false")
     }
 
     /// Instances to run: the sum of the instance groups' counts (1 without groups).
@@ -555,6 +663,18 @@ mod tests {
     }
 
     #[test]
+    fn the_inflight_batching_parameter_reads_in_every_spelling() {
+        let off = "parameters { key: \"inflight_batching\" value: { string_value: \"false\" } }";
+        let p = ModelConfig::from_pbtxt(off, Path::new("c")).unwrap();
+        assert!(!p.inflight_batching());
+        let t = "[parameters]\ninflight_batching = \"false\"\n";
+        assert_eq!(ModelConfig::from_toml(t, Path::new("c")).unwrap(), p);
+        let j = r#"{"parameters": {"inflight_batching": {"string_value": "false"}}}"#;
+        assert_eq!(ModelConfig::from_json(j, "m").unwrap(), p);
+        assert!(ModelConfig::default().inflight_batching());
+    }
+
+    #[test]
     fn bad_configs_are_clear_errors() {
         for (text, needle) in [
             ("max_batch_size: 0", "at least 1"),
@@ -572,6 +692,15 @@ mod tests {
             ("max_batch_size: \"eight\"", "max_batch_size"),
             ("max_batch_size: 4 max_batch_size: 8", "max_batch_size"),
             ("max_batch_size 4", "line 1"),
+            (
+                "parameters { key: \"inflight_batching\" value: { string_value: \"no\" } }",
+                "takes \"true\"",
+            ),
+            (
+                "parameters { key: \"beam_width\" value: { string_value: \"4\" } }",
+                "\"beam_width\" is not one cohort reads",
+            ),
+            ("parameters { key: \"inflight_batching\" }", "is not { key"),
         ] {
             let err = ModelConfig::from_pbtxt(text, Path::new("m/config.pbtxt")).unwrap_err();
             let msg = err.to_string();

@@ -2,7 +2,8 @@
 //! metadata, model readiness and config, inference (JSON tensors, and Triton's binary tensor
 //! extension that `tritonclient.http` uses by default), the generate extension with its
 //! server-sent-events stream, the model repository API, the statistics extension, and
-//! `/metrics` (also served alone on the metrics port, [`metrics_router`]).
+//! `/metrics` (also served alone on the metrics port, [`metrics_router`]); the OpenAI-compatible
+//! `/v1` routes of the `openai` module are merged in.
 //!
 //! Request bodies may be gzip- or deflate-compressed (`Content-Encoding`); answers are
 //! compressed when `Accept-Encoding` asks for gzip or deflate (not the event stream, which
@@ -84,6 +85,7 @@ pub(crate) fn router(app: Arc<AppState>) -> Router {
             post(repository_unload),
         )
         .route("/metrics", get(metrics))
+        .merge(crate::openai::routes())
         .fallback(not_found)
         .layer(axum::middleware::from_fn(compress_response))
         .with_state(app)
@@ -102,7 +104,7 @@ pub(crate) fn metrics_router(app: Arc<AppState>) -> Router {
 }
 
 /// A failure as the protocol writes it.
-struct HttpError(ServeError);
+pub(crate) struct HttpError(pub(crate) ServeError);
 
 impl From<ServeError> for HttpError {
     fn from(e: ServeError) -> Self {
@@ -286,7 +288,11 @@ fn inflate(body: &[u8], coding: Coding, limit: usize) -> std::result::Result<Vec
 }
 
 /// The body, inflated if it is compressed, refused past `limit` bytes (either way).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<axum::body::Bytes> {
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes> {
     let coding = content_coding(headers)?;
     let raw = read_raw_body(headers, body, limit).await?;
     match coding {

@@ -14,14 +14,18 @@
 //!   ModelReady, ModelMetadata, ModelConfig, ModelStatistics, ModelInfer, ModelStreamInfer,
 //!   RepositoryIndex, RepositoryModelLoad / Unload; gzip and deflate messages; the caller's
 //!   deadline is enforced (DEADLINE_EXCEEDED).
+//! - OpenAI-compatible, on the HTTP port: `GET /v1/models`, `POST /v1/completions` (streaming
+//!   or not; see the `openai` module for what is refused).
 //! - Metrics (Prometheus text) alone on their own port, as Triton's 8002.
 //!
 //! A model takes one input, `input_ids` (INT64 `[batch, seq]`), and returns `logits` (FP32
 //! `[batch, seq, vocab]`) and `next_token` (INT64 `[batch]`, the argmax after each row). Requests
 //! go to a bounded per-version queue served by `instance_group` instances; with
 //! `dynamic_batching`, an instance runs queued requests of the same length as one batch (see the
-//! `batcher` module). Generation uses `cohort_gpt::sample::generate`, the function behind
-//! `cohort sample`, so the same seed gives the same text.
+//! `batcher` module). Generation uses `cohort_gpt::sample`, the code behind `cohort sample`, so
+//! the same seed gives the same text; concurrent generations share batched decode steps
+//! (in-flight batching, switched by the config parameter `inflight_batching`; see the `model`
+//! module) without changing any of their tokens.
 //!
 //! The crate never trains and never writes to the repository.
 //!
@@ -42,6 +46,7 @@ mod grpc;
 mod http;
 mod metrics;
 mod model;
+mod openai;
 mod pbtxt;
 mod repository;
 mod tensor;
@@ -56,7 +61,7 @@ pub mod proto {
 
 pub use config::{
     DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorConfig, VersionPolicy,
-    PBTXT_FILE, TOML_FILE,
+    INFLIGHT_BATCHING, PBTXT_FILE, TOML_FILE,
 };
 pub use error::{ErrorKind, ServeError};
 pub use metrics::{Metrics, VersionMetrics};
@@ -513,6 +518,16 @@ pub(crate) fn model_config(lv: &LoadedVersion) -> proto::ModelConfig {
                 count: count as i32,
             })
             .collect(),
+        parameters: cfg
+            .parameters
+            .iter()
+            .map(|(k, v)| {
+                let p = proto::ModelParameter {
+                    string_value: v.clone(),
+                };
+                (k.clone(), p)
+            })
+            .collect(),
     }
 }
 
@@ -569,6 +584,14 @@ pub(crate) fn config_json(c: &proto::ModelConfig) -> Value {
             db["default_queue_policy"] = json!({"max_queue_size": q.max_queue_size});
         }
         v["dynamic_batching"] = db;
+    }
+    if !c.parameters.is_empty() {
+        let p: Map<String, Value> = c
+            .parameters
+            .iter()
+            .map(|(k, p)| (k.clone(), json!({ "string_value": p.string_value })))
+            .collect();
+        v["parameters"] = Value::Object(p);
     }
     v
 }

@@ -103,6 +103,10 @@ pub struct VersionMetrics {
     batch_sum: AtomicU64,
     by_batch_size: Mutex<BTreeMap<u64, BatchStat>>,
     generated_tokens: AtomicU64,
+    /// Batched decode steps run, and the generations they advanced (their ratio is the mean
+    /// in-flight batch).
+    decode_steps: AtomicU64,
+    decode_rows: AtomicU64,
 }
 
 impl VersionMetrics {
@@ -166,6 +170,21 @@ impl VersionMetrics {
 
     pub(crate) fn generated(&self, tokens: usize) {
         self.generated_tokens.fetch_add(tokens as u64, Relaxed);
+    }
+
+    /// One decode step that advanced `rows` generations together.
+    pub(crate) fn decode_step(&self, rows: usize) {
+        self.decode_steps.fetch_add(1, Relaxed);
+        self.decode_rows.fetch_add(rows as u64, Relaxed);
+    }
+
+    /// (decode steps, generations advanced) so far under in-flight batching: their ratio is
+    /// the mean number of generations sharing a step.
+    pub fn decode_steps(&self) -> (u64, u64) {
+        (
+            self.decode_steps.load(Relaxed),
+            self.decode_rows.load(Relaxed),
+        )
     }
 
     /// (executions, rows) so far: their ratio is the mean batch size.
@@ -387,6 +406,18 @@ impl Metrics {
             "counter",
             "Tokens produced by the generate endpoints",
             &|n, l, vm| sample(n, l, vm.generated_tokens.load(Relaxed)),
+        );
+        family(
+            "cohort_generate_decode_steps",
+            "counter",
+            "Batched decode steps of in-flight generation",
+            &|n, l, vm| sample(n, l, vm.decode_steps.load(Relaxed)),
+        );
+        family(
+            "cohort_generate_decode_rows",
+            "counter",
+            "Generations advanced by those steps (rows / steps: the mean in-flight batch)",
+            &|n, l, vm| sample(n, l, vm.decode_rows.load(Relaxed)),
         );
         drop(map);
         self.render_host(&mut out);

@@ -4,8 +4,16 @@
 //! closes the queue, and the instances finish every queued request before they exit, so a
 //! version swapped out while serving loses nothing in flight. A request whose caller stopped
 //! waiting (client gone, deadline passed) is not executed, and a generation whose token
-//! receiver is gone stops after the current decode step, freeing its instance. This module
-//! never parses a request off the wire.
+//! receiver is gone stops after the current decode step.
+//!
+//! Generation is batched in flight (continuous batching) unless the config's
+//! `inflight_batching` parameter is "false": an instance steps every generation it holds (up
+//! to `max_batch_size`) together, one token each per step, with one matrix product per layer
+//! over all of them; a new request joins between two steps and a finished or cancelled one
+//! leaves at once, so a long generation never holds a short one back. Each keeps its own KV
+//! cache and sampler, so it produces exactly the tokens it would alone. With the parameter
+//! "false", a generation holds its instance until it ends. This module never parses a request
+//! off the wire.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -14,7 +22,9 @@ use std::time::{Instant, SystemTime};
 
 use cohort_engine::cpu::Cpu;
 use cohort_gpt::checkpoint::{self, MODEL_FILE};
-use cohort_gpt::sample::{generate_while, SampleOptions};
+use cohort_gpt::sample::{
+    decode_step, generate_while, Generation as Decoding, SampleOptions, Workspace,
+};
 use cohort_gpt::GPT;
 use tokio::sync::{mpsc, oneshot};
 
@@ -134,11 +144,22 @@ impl LoadedVersion {
         };
         let capacity = cfg.max_queue_size().unwrap_or(opts.default_queue_size);
         let queue = Arc::new(Queue::new(policy, capacity));
+        let (inflight, max_inflight) = (cfg.inflight_batching(), cfg.max_batch_size.max(1));
         for (i, gpt) in gpts.into_iter().enumerate() {
             let (q, m, name) = (queue.clone(), metrics.clone(), model.to_string());
             std::thread::Builder::new()
                 .name(format!("serve-{model}-{version}-{i}"))
-                .spawn(move || run_instance(gpt, &q, &m, &name, version))
+                .spawn(move || {
+                    let ctx = InstanceCtx {
+                        queue: &q,
+                        metrics: &m,
+                        model: &name,
+                        version,
+                        inflight,
+                        max_inflight,
+                    };
+                    run_instance(gpt, &ctx)
+                })
                 .map_err(|e| ServeError::Instance {
                     model: model.to_string(),
                     reason: format!("spawning instance {i}: {e}"),
@@ -246,128 +267,303 @@ impl LoadedVersion {
     }
 }
 
-/// An instance: executes work from the queue until it is closed and drained.
-fn run_instance(mut gpt: GPT, queue: &Queue, metrics: &VersionMetrics, model: &str, version: u64) {
-    let exec_err = |reason: String| ServeError::Execution {
-        model: model.to_string(),
-        version,
-        reason,
-    };
-    while let Some(work) = queue.next() {
-        let started = Instant::now();
+/// What an instance needs to know besides its model and queue.
+struct InstanceCtx<'a> {
+    queue: &'a Queue,
+    metrics: &'a VersionMetrics,
+    model: &'a str,
+    version: u64,
+    /// Concurrent generations share decode steps; false: each runs alone to its end.
+    inflight: bool,
+    /// Most generations in flight on this instance.
+    max_inflight: usize,
+}
+
+impl InstanceCtx<'_> {
+    fn exec_err(&self, reason: String) -> ServeError {
+        ServeError::Execution {
+            model: self.model.to_string(),
+            version: self.version,
+            reason,
+        }
+    }
+}
+
+/// A generation in flight on an instance: its request and its decoding state.
+struct Active {
+    job: GenerateJob,
+    generation: Decoding,
+    /// When it left the queue.
+    started: Instant,
+    /// Tokens already sent to the client.
+    sent: usize,
+}
+
+impl AsMut<Decoding> for Active {
+    fn as_mut(&mut self) -> &mut Decoding {
+        &mut self.generation
+    }
+}
+
+impl AsRef<Decoding> for Active {
+    fn as_ref(&self) -> &Decoding {
+        &self.generation
+    }
+}
+
+/// An instance: executes work from the queue until it is closed and drained. With in-flight
+/// batching, generations run as one continuous batch: between two decode steps, queued
+/// generations join, ready inference batches run, and generations that finished or whose
+/// client left are answered and dropped; each step advances every generation in flight by one
+/// token (feeding a newcomer's prompt in the same forward) with one batched product per layer.
+fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
+    let mut ws = Workspace::new(&gpt);
+    let mut active: Vec<Active> = Vec::new();
+    loop {
+        // with generations in flight, never wait for work: the next step is due now
+        let work = if active.is_empty() {
+            match ctx.queue.next() {
+                Some(w) => Some(w),
+                None => break,
+            }
+        } else {
+            ctx.queue.try_next()
+        };
         match work {
-            Work::Infer(mut jobs) => {
-                for j in &jobs {
-                    metrics.dequeued(started - j.enqueued);
-                }
-                // a caller that stopped waiting (client gone, deadline passed) gets nothing:
-                // running its rows would only delay the others
-                jobs.retain(|j| {
-                    let gone = j.reply.is_closed();
-                    if gone {
-                        metrics.failure(Failure::Cancelled, j.enqueued.elapsed());
-                    }
-                    !gone
-                });
-                if jobs.is_empty() {
-                    continue;
-                }
-                let rows: usize = jobs.iter().map(|j| j.input.batch).sum();
-                let seq = jobs[0].input.seq;
-                let mut ids = Vec::with_capacity(rows * seq);
-                for j in &jobs {
-                    ids.extend_from_slice(&j.input.ids);
-                }
-                let gathered = Instant::now();
-                // a panicking kernel must not take the instance (and every later request) down
-                let ran = catch_unwind(AssertUnwindSafe(|| {
-                    gpt.forward(&ids, None, None, rows, seq)
-                }));
-                let inferred = Instant::now();
-                let logits = match ran {
-                    Ok(Ok(_)) => Ok(gpt.logits()),
-                    Ok(Err(e)) => Err(exec_err(e.to_string())),
-                    Err(_) => Err(exec_err("the forward pass panicked".into())),
-                };
-                let vocab = gpt.config().vocab_size;
-                let mut row = 0;
-                let mut replies = Vec::with_capacity(jobs.len());
-                for j in jobs {
-                    let out = match &logits {
-                        Ok(l) => Ok(InferResult::from_logits(
-                            l,
-                            row..row + j.input.batch,
-                            seq,
-                            vocab,
-                            j.want,
-                        )),
-                        Err(e) => Err(exec_err(e.to_string())),
-                    };
-                    row += j.input.batch;
-                    replies.push((j.reply, j.enqueued, out));
-                }
-                let phases = Phases {
-                    input: gathered - started,
-                    infer: inferred - gathered,
-                    output: inferred.elapsed(),
-                };
-                metrics.executed(rows, replies.len(), phases);
-                tracing::debug!(
-                    model,
-                    version,
-                    rows,
-                    seq,
-                    requests = replies.len(),
-                    compute_us = phases.infer.as_micros() as u64,
-                    "executed batch"
-                );
-                for (reply, enqueued, out) in replies {
-                    if reply.send(out).is_err() {
-                        metrics.failure(Failure::Cancelled, enqueued.elapsed());
-                    }
+            Some(Work::Infer(jobs)) => run_infer(&mut gpt, jobs, ctx),
+            Some(Work::Generate(job)) if ctx.inflight => admit(&gpt, job, &mut active, ctx),
+            Some(Work::Generate(job)) => run_alone(&gpt, job, ctx),
+            None => {}
+        }
+        if !ctx.inflight {
+            continue;
+        }
+        let room = ctx.max_inflight.saturating_sub(active.len());
+        for job in ctx.queue.take_generates(room) {
+            admit(&gpt, job, &mut active, ctx);
+        }
+        if active.is_empty() {
+            continue;
+        }
+        let ran = catch_unwind(AssertUnwindSafe(|| decode_step(&gpt, &mut active, &mut ws)));
+        ctx.metrics.decode_step(active.len());
+        // a step is shared: if it failed, every generation in it fails alike
+        let failed: Option<&dyn Fn() -> ServeError> = match &ran {
+            Ok(Ok(())) => None,
+            Ok(Err(source)) => Some(&|| ServeError::Generate {
+                model: ctx.model.to_string(),
+                source: source.clone(),
+            }),
+            Err(_) => Some(&|| ctx.exec_err("generation panicked".into())),
+        };
+        if let Some(err) = failed {
+            for a in active.drain(..) {
+                if a.job.done.send(Err(err())).is_err() {
+                    ctx.metrics
+                        .failure(Failure::Cancelled, a.job.enqueued.elapsed());
                 }
             }
-            Work::Generate(job) => {
-                metrics.dequeued(started - job.enqueued);
-                if job.tokens.is_closed() || job.done.is_closed() {
-                    metrics.failure(Failure::Cancelled, job.enqueued.elapsed());
-                    continue;
-                }
-                let (tokens, done) = (&job.tokens, &job.done);
-                let ran = catch_unwind(AssertUnwindSafe(|| {
-                    generate_while(&gpt, &job.prompt, &job.opts, |id| {
-                        // nobody is listening any more: stop after this step
-                        if tokens.send(id).is_err() || done.is_closed() {
-                            std::ops::ControlFlow::Break(())
-                        } else {
-                            std::ops::ControlFlow::Continue(())
-                        }
-                    })
-                }));
-                let out = match ran {
-                    Ok(Ok(ids)) => {
-                        metrics.executed(
-                            1,
-                            1,
-                            Phases {
-                                infer: started.elapsed(),
-                                ..Phases::default()
-                            },
-                        );
-                        metrics.generated(ids.len());
-                        Ok(ids)
-                    }
-                    Ok(Err(source)) => Err(ServeError::Generate {
-                        model: model.to_string(),
-                        source,
-                    }),
-                    Err(_) => Err(exec_err("generation panicked".into())),
-                };
-                if job.done.send(out).is_err() {
-                    metrics.failure(Failure::Cancelled, job.enqueued.elapsed());
-                }
+            continue;
+        }
+        // hand out the new tokens (a prompt that waited for room has none yet), retire the
+        // finished
+        let mut i = 0;
+        while i < active.len() {
+            if emit_new(&mut active[i]) {
+                i += 1;
+            } else {
+                finish(active.swap_remove(i), ctx);
             }
         }
     }
-    tracing::debug!(model, version, "instance stopped");
+    tracing::debug!(model = ctx.model, version = ctx.version, "instance stopped");
+}
+
+/// Sends `a`'s tokens not yet sent; false when it is done (finished, or nobody is listening
+/// any more, in which case it stops here).
+fn emit_new(a: &mut Active) -> bool {
+    let tokens = a.generation.tokens();
+    let mut listening = true;
+    for &id in &tokens[a.sent.min(tokens.len())..] {
+        listening &= a.job.tokens.send(id).is_ok();
+    }
+    a.sent = tokens.len();
+    listening && !a.job.done.is_closed() && !a.generation.is_finished()
+}
+
+/// Checks a queued generation and adds it to those in flight (the next step feeds its
+/// prompt), or answers it at once: its client left, its request was bad, or it asked for no
+/// tokens.
+fn admit(gpt: &GPT, job: GenerateJob, active: &mut Vec<Active>, ctx: &InstanceCtx<'_>) {
+    let started = Instant::now();
+    ctx.metrics.dequeued(started - job.enqueued);
+    if job.tokens.is_closed() || job.done.is_closed() {
+        ctx.metrics
+            .failure(Failure::Cancelled, job.enqueued.elapsed());
+        return;
+    }
+    match Decoding::new(gpt, &job.prompt, &job.opts) {
+        Ok(generation) => {
+            let a = Active {
+                job,
+                generation,
+                started,
+                sent: 0,
+            };
+            if a.generation.is_finished() {
+                finish(a, ctx);
+            } else {
+                active.push(a);
+            }
+        }
+        Err(source) => {
+            let err = ServeError::Generate {
+                model: ctx.model.to_string(),
+                source,
+            };
+            if job.done.send(Err(err)).is_err() {
+                ctx.metrics
+                    .failure(Failure::Cancelled, job.enqueued.elapsed());
+            }
+        }
+    }
+}
+
+/// Answers a generation that left the batch with every token it produced.
+fn finish(a: Active, ctx: &InstanceCtx<'_>) {
+    let ids = a.generation.into_tokens();
+    ctx.metrics.executed(
+        1,
+        1,
+        Phases {
+            infer: a.started.elapsed(),
+            ..Phases::default()
+        },
+    );
+    ctx.metrics.generated(ids.len());
+    if a.job.done.send(Ok(ids)).is_err() {
+        ctx.metrics
+            .failure(Failure::Cancelled, a.job.enqueued.elapsed());
+    }
+}
+
+/// One generation alone on the instance, start to end (in-flight batching off).
+fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
+    let started = Instant::now();
+    ctx.metrics.dequeued(started - job.enqueued);
+    if job.tokens.is_closed() || job.done.is_closed() {
+        ctx.metrics
+            .failure(Failure::Cancelled, job.enqueued.elapsed());
+        return;
+    }
+    let (tokens, done) = (&job.tokens, &job.done);
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        generate_while(gpt, &job.prompt, &job.opts, |id| {
+            // nobody is listening any more: stop after this step
+            if tokens.send(id).is_err() || done.is_closed() {
+                std::ops::ControlFlow::Break(())
+            } else {
+                std::ops::ControlFlow::Continue(())
+            }
+        })
+    }));
+    let out = match ran {
+        Ok(Ok(ids)) => {
+            ctx.metrics.executed(
+                1,
+                1,
+                Phases {
+                    infer: started.elapsed(),
+                    ..Phases::default()
+                },
+            );
+            ctx.metrics.generated(ids.len());
+            Ok(ids)
+        }
+        Ok(Err(source)) => Err(ServeError::Generate {
+            model: ctx.model.to_string(),
+            source,
+        }),
+        Err(_) => Err(ctx.exec_err("generation panicked".into())),
+    };
+    if job.done.send(out).is_err() {
+        ctx.metrics
+            .failure(Failure::Cancelled, job.enqueued.elapsed());
+    }
+}
+
+/// One batch of inference requests.
+fn run_infer(gpt: &mut GPT, mut jobs: Vec<InferJob>, ctx: &InstanceCtx<'_>) {
+    let (metrics, model, version) = (ctx.metrics, ctx.model, ctx.version);
+    let exec_err = |reason: String| ctx.exec_err(reason);
+    let started = Instant::now();
+    for j in &jobs {
+        metrics.dequeued(started - j.enqueued);
+    }
+    // a caller that stopped waiting (client gone, deadline passed) gets nothing:
+    // running its rows would only delay the others
+    jobs.retain(|j| {
+        let gone = j.reply.is_closed();
+        if gone {
+            metrics.failure(Failure::Cancelled, j.enqueued.elapsed());
+        }
+        !gone
+    });
+    if jobs.is_empty() {
+        return;
+    }
+    let rows: usize = jobs.iter().map(|j| j.input.batch).sum();
+    let seq = jobs[0].input.seq;
+    let mut ids = Vec::with_capacity(rows * seq);
+    for j in &jobs {
+        ids.extend_from_slice(&j.input.ids);
+    }
+    let gathered = Instant::now();
+    // a panicking kernel must not take the instance (and every later request) down
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        gpt.forward(&ids, None, None, rows, seq)
+    }));
+    let inferred = Instant::now();
+    let logits = match ran {
+        Ok(Ok(_)) => Ok(gpt.logits()),
+        Ok(Err(e)) => Err(exec_err(e.to_string())),
+        Err(_) => Err(exec_err("the forward pass panicked".into())),
+    };
+    let vocab = gpt.config().vocab_size;
+    let mut row = 0;
+    let mut replies = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        let out = match &logits {
+            Ok(l) => Ok(InferResult::from_logits(
+                l,
+                row..row + j.input.batch,
+                seq,
+                vocab,
+                j.want,
+            )),
+            Err(e) => Err(exec_err(e.to_string())),
+        };
+        row += j.input.batch;
+        replies.push((j.reply, j.enqueued, out));
+    }
+    let phases = Phases {
+        input: gathered - started,
+        infer: inferred - gathered,
+        output: inferred.elapsed(),
+    };
+    metrics.executed(rows, replies.len(), phases);
+    tracing::debug!(
+        model,
+        version,
+        rows,
+        seq,
+        requests = replies.len(),
+        compute_us = phases.infer.as_micros() as u64,
+        "executed batch"
+    );
+    for (reply, enqueued, out) in replies {
+        if reply.send(out).is_err() {
+            metrics.failure(Failure::Cancelled, enqueued.elapsed());
+        }
+    }
 }

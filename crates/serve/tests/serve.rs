@@ -1357,3 +1357,138 @@ fn a_stream_whose_client_left_stops_generating_and_frees_the_instance() {
     drop((rt, client));
     server.shutdown();
 }
+
+/// The generated ids of an ids-codec model's answer (` 3 1 4` -> [3, 1, 4]).
+fn ids_of(text: &str) -> Vec<u32> {
+    text.split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect()
+}
+
+/// The text of a generate_stream answer: every event's `text_output`, concatenated.
+fn stream_text(r: &HttpResponse) -> String {
+    let body = String::from_utf8(r.body.clone()).unwrap();
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| {
+            let v: Value = serde_json::from_str(d).unwrap();
+            assert!(v.get("error").is_none(), "{v}");
+            v["text_output"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn concurrent_generations_share_decode_steps_and_get_exactly_their_solo_tokens() {
+    use cohort_gpt::sample::{generate, SampleOptions};
+    let repo = tempfile::tempdir().unwrap();
+    // slow enough per step that the requests overlap; a 64-token window that the longer ones
+    // slide past
+    let cfg = GPTConfig {
+        vocab_size: 23,
+        max_position_embeddings: 64,
+        n_layers: 3,
+        n_heads: 4,
+        d_model: 128,
+        d_ff: 512,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    };
+    let gpt = GPT::new(cfg, 3).unwrap();
+    put_version(repo.path(), "batched", 1, &gpt);
+    put_version(repo.path(), "solo", 1, &gpt);
+    std::fs::write(
+        repo.path().join("solo/config.pbtxt"),
+        "parameters { key: \"inflight_batching\" value: { string_value: \"false\" } }\n",
+    )
+    .unwrap();
+    let server = start(repo.path(), |_| {});
+    let addr = server.http_addr();
+    // (prompt, max_tokens, temperature, top_k, seed, streamed)
+    let reqs: Vec<(&str, usize, f64, i64, u64, bool)> = vec![
+        ("1 2 3", 150, 0.0, 0, 0, false),
+        ("4", 20, 0.9, 5, 11, true),
+        ("5 6 7 8 9 10 11", 90, 1.2, 0, 12, false),
+        ("2 2", 1, 0.7, 3, 13, false),
+        ("7 1 7 1 7 1 7 1 7 1", 60, 0.8, 10, 14, true),
+        ("3", 110, 0.0, 0, 0, true),
+    ];
+    let run_all = |model: &'static str| -> Vec<Vec<u32>> {
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(reqs.len()));
+        let handles: Vec<_> = reqs
+            .iter()
+            .map(|&(prompt, n, t, k, seed, stream)| {
+                let barrier = barrier.clone();
+                std::thread::spawn(move || {
+                    let body = json!({"text_input": prompt, "parameters": {
+                        "max_tokens": n, "temperature": t, "top_k": k, "seed": seed,
+                        "exclude_input_in_output": true}});
+                    barrier.wait();
+                    let endpoint = if stream {
+                        "generate_stream"
+                    } else {
+                        "generate"
+                    };
+                    let r = post_json(addr, &format!("/v2/models/{model}/{endpoint}"), &body);
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    if stream {
+                        ids_of(&stream_text(&r))
+                    } else {
+                        ids_of(r.json()["text_output"].as_str().unwrap())
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    };
+    let batched = run_all("batched");
+    let solo = run_all("solo");
+    for ((prompt, n, t, k, seed, _), (got, alone)) in reqs.iter().zip(batched.iter().zip(&solo)) {
+        let opts = SampleOptions {
+            max_new_tokens: *n,
+            temperature: *t as f32,
+            top_k: (*k > 0).then_some(*k as usize),
+            seed: *seed,
+        };
+        let want = generate(&gpt, &ids_of(prompt), &opts, |_| {}).unwrap();
+        assert_eq!(got, &want, "in-flight batched {prompt:?} {opts:?}");
+        assert_eq!(alone, &want, "alone {prompt:?} {opts:?}");
+    }
+    let (steps, rows) = server.metrics().version("batched", 1).decode_steps();
+    println!("in-flight: {rows} generation steps in {steps} decode steps");
+    assert!(
+        rows > steps,
+        "no step had two generations: {rows} rows in {steps} steps"
+    );
+    assert_eq!(server.metrics().version("solo", 1).decode_steps(), (0, 0));
+    // inference is served between decode steps, not after a long generation on the instance
+    let long = std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let body = json!({"text_input": "1 2 3", "parameters": {"max_tokens": 600}});
+        let r = post_json(addr, "/v2/models/batched/generate", &body);
+        assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+        t0.elapsed()
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    let t1 = Instant::now();
+    let r = post_json(
+        addr,
+        "/v2/models/batched/infer",
+        &infer_json(&[1, 2, 3], 1, 3),
+    );
+    let infer_took = t1.elapsed();
+    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+    let long_took = long.join().unwrap();
+    println!("an inference during a {long_took:?} generation took {infer_took:?}");
+    assert!(
+        infer_took < long_took / 4,
+        "inference waited {infer_took:?} (the generation took {long_took:?})"
+    );
+    // the parameter shows in the model's configuration
+    let c = get(addr, "/v2/models/solo/config").json();
+    assert_eq!(
+        c["parameters"]["inflight_batching"]["string_value"],
+        "false"
+    );
+    server.shutdown();
+}

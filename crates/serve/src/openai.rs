@@ -1,0 +1,494 @@
+//! An OpenAI-compatible front end on the HTTP port, as vLLM's and Triton's OpenAI frontends:
+//! `GET /v1/models` and `POST /v1/completions` (non-streaming, and streaming as server-sent
+//! events `data: {chunk}` ending with `data: [DONE]`), so that the official `openai` clients
+//! work against cohort unchanged.
+//!
+//! Completions run through the same queue, in-flight batching and sampler as the generate
+//! extension. What OpenAI's API has and a cohort GPT cannot honour is refused with a 400 that
+//! names the field, never silently ignored: `n` and `best_of` other than 1, `top_p` other than
+//! 1, `logprobs`, `stop`, `suffix`, `echo`, non-zero presence/frequency penalties, `logit_bias`,
+//! more than one prompt. `user` is accepted and ignored (it only labels the caller). `top_k`
+//! is accepted as vLLM's extension. Without `seed` the seed is `cohort sample`'s fixed 1337, so
+//! an unseeded completion is reproducible (OpenAI's would vary). `finish_reason` is always
+//! "length": cohort's models have no end-of-text token to stop on.
+//!
+//! Every failure is OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, with
+//! a 4xx status for the caller's mistakes. This module never runs a model.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use cohort_gpt::sample::SampleOptions;
+use serde_json::{json, Value};
+
+use crate::error::{ErrorKind, ServeError};
+use crate::text::Detokenizer;
+use crate::{AppState, MAX_GENERATE_TOKENS};
+
+/// The routes, merged into the HTTP router.
+pub(crate) fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+}
+
+/// An error as OpenAI's API writes it.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    message: String,
+    param: Option<String>,
+    code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param.to_string()),
+            code: None,
+        }
+    }
+}
+
+impl From<ServeError> for ApiError {
+    fn from(e: ServeError) -> ApiError {
+        let (status, code) = match e.kind() {
+            ErrorKind::BadRequest => (StatusCode::BAD_REQUEST, None),
+            ErrorKind::NotFound => (StatusCode::NOT_FOUND, Some("model_not_found")),
+            ErrorKind::TooLarge => (StatusCode::PAYLOAD_TOO_LARGE, None),
+            ErrorKind::Unavailable => (StatusCode::SERVICE_UNAVAILABLE, None),
+            ErrorKind::Internal => (StatusCode::INTERNAL_SERVER_ERROR, None),
+        };
+        ApiError {
+            status,
+            message: e.to_string(),
+            param: None,
+            code,
+        }
+    }
+}
+
+impl From<crate::http::HttpError> for ApiError {
+    fn from(e: crate::http::HttpError) -> ApiError {
+        e.0.into()
+    }
+}
+
+impl ApiError {
+    fn body(&self) -> Value {
+        let kind = if self.status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        json!({"error": {
+            "message": self.message,
+            "type": kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        tracing::debug!(status = self.status.as_u16(), error = %self.message, "OpenAI request failed");
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+type Result<T> = std::result::Result<T, ApiError>;
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `GET /v1/models`: every ready model, as OpenAI lists models.
+async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
+    let mut names: Vec<String> = app.repo.index(true).into_iter().map(|e| e.name).collect();
+    names.dedup();
+    let data: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": crate::SERVER_NAME}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// A parsed completion request.
+struct Completion {
+    model: String,
+    prompt: Prompt,
+    opts: SampleOptions,
+    stream: bool,
+    include_usage: bool,
+}
+
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// Reads a completion request, refusing by name what cannot be honoured.
+fn parse_completion(body: &[u8]) -> Result<Completion> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid("body", format!("the body is not JSON: {e}")))?;
+    let Value::Object(m) = v else {
+        return Err(ApiError::invalid("body", "the body must be a JSON object"));
+    };
+    let model = match m.get("model") {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        _ => return Err(ApiError::invalid("model", "model (a string) is required")),
+    };
+    let prompt =
+        match m.get("prompt") {
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                Prompt::Text(a[0].as_str().unwrap_or_default().to_string())
+            }
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(Value::is_u64) => Prompt::Ids(
+                a.iter()
+                    .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(|| ApiError::invalid("prompt", "a token id does not fit in u32"))?,
+            ),
+            Some(Value::Array(_)) => return Err(ApiError::invalid(
+                "prompt",
+                "one prompt per request: a string, a list of one string, or a list of token ids",
+            )),
+            _ => {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "prompt (a string or a list of token ids) is required",
+                ))
+            }
+        };
+    let mut opts = SampleOptions {
+        max_new_tokens: 16,
+        temperature: 1.0,
+        top_k: None,
+        seed: 1337,
+    };
+    let (mut stream, mut include_usage) = (false, false);
+    let unsupported = |k: &str, why: &str| ApiError::invalid(k, format!("{k}: {why}"));
+    for (k, v) in &m {
+        // null is what clients send for "not set"
+        if v.is_null() {
+            continue;
+        }
+        let number = || {
+            v.as_f64()
+                .ok_or_else(|| ApiError::invalid(k, format!("{k} must be a number, not {v}")))
+        };
+        match k.as_str() {
+            "model" | "prompt" | "user" => {}
+            "max_tokens" => {
+                let n = v
+                    .as_u64()
+                    .filter(|&n| n >= 1 && n as usize <= MAX_GENERATE_TOKENS);
+                opts.max_new_tokens = n.ok_or_else(|| {
+                    ApiError::invalid(
+                        k,
+                        format!(
+                            "max_tokens must be an integer in 1..={MAX_GENERATE_TOKENS}, not {v}"
+                        ),
+                    )
+                })? as usize;
+            }
+            "temperature" => {
+                let t = number()?;
+                if !(0.0..=2.0).contains(&t) {
+                    return Err(ApiError::invalid(
+                        k,
+                        format!("temperature must be in 0..=2 (0 = greedy), not {t}"),
+                    ));
+                }
+                opts.temperature = t as f32;
+            }
+            "top_p" => {
+                if number()? != 1.0 {
+                    return Err(unsupported(k, "only 1 (no nucleus sampling); use top_k"));
+                }
+            }
+            "top_k" => {
+                let k_ = v.as_i64().ok_or_else(|| {
+                    ApiError::invalid(k, format!("top_k must be an integer, not {v}"))
+                })?;
+                opts.top_k = usize::try_from(k_).ok().filter(|&k| k > 0);
+            }
+            "seed" => {
+                opts.seed = v
+                    .as_u64()
+                    .or_else(|| v.as_i64().map(|s| s as u64))
+                    .ok_or_else(|| {
+                        ApiError::invalid(k, format!("seed must be an integer, not {v}"))
+                    })?;
+            }
+            "stream" => {
+                stream = v.as_bool().ok_or_else(|| {
+                    ApiError::invalid(k, format!("stream must be a boolean, not {v}"))
+                })?;
+            }
+            "stream_options" => {
+                let Some(o) = v.as_object() else {
+                    return Err(ApiError::invalid(k, "stream_options must be an object"));
+                };
+                for (ok, ov) in o {
+                    match (ok.as_str(), ov.as_bool()) {
+                        ("include_usage", Some(b)) => include_usage = b,
+                        _ => {
+                            return Err(unsupported(
+                                &format!("stream_options.{ok}"),
+                                "only include_usage (a boolean) is supported",
+                            ))
+                        }
+                    }
+                }
+            }
+            "n" | "best_of" => {
+                if v.as_u64() != Some(1) {
+                    return Err(unsupported(k, "only 1 completion per request"));
+                }
+            }
+            "presence_penalty" | "frequency_penalty" => {
+                if number()? != 0.0 {
+                    return Err(unsupported(k, "only 0 (no penalties)"));
+                }
+            }
+            "echo" => {
+                if v.as_bool() != Some(false) {
+                    return Err(unsupported(k, "not supported (the prompt is never echoed)"));
+                }
+            }
+            "logprobs" | "stop" | "suffix" | "logit_bias" => {
+                return Err(unsupported(k, "not supported by cohort"))
+            }
+            other => return Err(ApiError::invalid(other, format!("unknown field {other}"))),
+        }
+    }
+    if include_usage && !stream {
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed with stream: true",
+        ));
+    }
+    Ok(Completion {
+        model,
+        prompt,
+        opts,
+        stream,
+        include_usage,
+    })
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// `POST /v1/completions`.
+async fn completions(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response> {
+    let start = Instant::now();
+    let body = crate::http::read_body(&headers, body, app.max_body_bytes).await?;
+    let req = parse_completion(&body)?;
+    let lv = app.repo.resolve(&req.model, None)?;
+    let codec = match &lv.text {
+        Ok(c) => c,
+        Err(reason) => {
+            let e = ServeError::Text {
+                model: lv.model.clone(),
+                reason: reason.clone(),
+            };
+            return Err(lv.reject(e, start).into());
+        }
+    };
+    let prompt = match &req.prompt {
+        Prompt::Text(t) => codec.encode(t).map_err(|reason| ServeError::Text {
+            model: lv.model.clone(),
+            reason,
+        }),
+        Prompt::Ids(ids) => Ok(ids.clone()),
+    };
+    let prompt = match prompt {
+        Ok(p) if p.is_empty() => {
+            let e = ApiError::invalid("prompt", "the prompt is empty: generation needs a token");
+            lv.reject(ServeError::malformed("empty prompt"), start);
+            return Err(e);
+        }
+        Ok(p) => p,
+        Err(e) => return Err(ApiError::from(lv.reject(e, start)).with_param("prompt")),
+    };
+    let prompt_tokens = prompt.len();
+    let (mut tokens, done) = lv.generate(prompt, req.opts.clone())?;
+    let id = format!("cmpl-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+    let created = now_secs();
+    if !req.stream {
+        let out = done.await.unwrap_or_else(|_| Err(lv.lost()));
+        lv.account(&out, start);
+        let ids = out?;
+        let text = codec.decode_all(&ids).map_err(|reason| ServeError::Text {
+            model: lv.model.clone(),
+            reason,
+        })?;
+        return Ok(Json(json!({
+            "id": id,
+            "object": "text_completion",
+            "created": created,
+            "model": lv.model,
+            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": ids.len(),
+                "total_tokens": prompt_tokens + ids.len(),
+            },
+        }))
+        .into_response());
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::result::Result<Event, Infallible>>(64);
+    let include_usage = req.include_usage;
+    tokio::spawn(async move {
+        let Ok(codec) = lv.text.as_ref() else { return };
+        let mut detok = Detokenizer::new(codec);
+        let chunk = |text: &str, finish: Option<&str>| {
+            let mut v = json!({
+                "id": id,
+                "object": "text_completion",
+                "created": created,
+                "model": lv.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": finish}],
+            });
+            if include_usage {
+                v["usage"] = Value::Null;
+            }
+            Ok(Event::default().data(v.to_string()))
+        };
+        let mut done = done;
+        loop {
+            let id = tokio::select! {
+                id = tokens.recv() => id,
+                // the client went away (the server dropped the event stream)
+                _ = tx.closed() => None,
+            };
+            let Some(id) = id else { break };
+            let piece = detok.push(id);
+            if !piece.is_empty() && tx.send(chunk(&piece, None)).await.is_err() {
+                break;
+            }
+        }
+        if tx.is_closed() {
+            // dropping the receivers stops the generation after its current step
+            drop(tokens);
+            if let Ok(out) = done.try_recv() {
+                lv.account(&out, start);
+            }
+            return;
+        }
+        let out = (&mut done).await.unwrap_or_else(|_| Err(lv.lost()));
+        lv.account(&out, start);
+        match out {
+            Ok(ids) => {
+                let rest = detok.finish();
+                let _ = tx.send(chunk(&rest, Some("length"))).await;
+                if include_usage {
+                    let usage = json!({
+                        "id": id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": lv.model,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": ids.len(),
+                            "total_tokens": prompt_tokens + ids.len(),
+                        },
+                    });
+                    let _ = tx.send(Ok(Event::default().data(usage.to_string()))).await;
+                }
+            }
+            Err(e) => {
+                let body = ApiError::from(e).body();
+                let _ = tx.send(Ok(Event::default().data(body.to_string()))).await;
+            }
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Ok(Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response())
+}
+
+impl ApiError {
+    fn with_param(mut self, param: &str) -> ApiError {
+        self.param = Some(param.to_string());
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: Value) -> Result<Completion> {
+        parse_completion(v.to_string().as_bytes())
+    }
+
+    #[test]
+    fn completion_requests_are_read_or_refused_by_field() {
+        let c = parse(
+            json!({"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0,
+            "seed": 3, "top_p": 1, "n": 1, "stream": true, "user": "u", "stop": null}),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.opts.max_new_tokens,
+                c.opts.temperature,
+                c.opts.seed,
+                c.stream
+            ),
+            (5, 0.0, 3, true)
+        );
+        for (body, param) in [
+            (json!({"prompt": "x"}), "model"),
+            (json!({"model": "m"}), "prompt"),
+            (json!({"model": "m", "prompt": ["a", "b"]}), "prompt"),
+            (json!({"model": "m", "prompt": "x", "top_p": 0.9}), "top_p"),
+            (json!({"model": "m", "prompt": "x", "n": 2}), "n"),
+            (
+                json!({"model": "m", "prompt": "x", "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                json!({"model": "m", "prompt": "x", "temperature": -1}),
+                "temperature",
+            ),
+            (json!({"model": "m", "prompt": "x", "stop": ["\n"]}), "stop"),
+            (
+                json!({"model": "m", "prompt": "x", "logprobs": 2}),
+                "logprobs",
+            ),
+            (
+                json!({"model": "m", "prompt": "x", "frobnicate": 1}),
+                "frobnicate",
+            ),
+        ] {
+            let e = parse(body.clone()).err().unwrap();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        }
+        let ids = parse(json!({"model": "m", "prompt": [1, 2, 3]})).unwrap();
+        assert!(matches!(ids.prompt, Prompt::Ids(ref v) if v == &[1, 2, 3]));
+    }
+}

@@ -2,8 +2,9 @@
 //! checked with Triton's own Python client (crates/serve/tests/tritonclient_check.py) when
 //! `tritonclient` is importable, and generate compared with `cohort sample` in any case.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+mod support;
+
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -11,7 +12,8 @@ use std::time::Duration;
 use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::{GPTConfig, GPT};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
-use serde_json::{json, Value};
+use serde_json::json;
+use support::post_json;
 
 const CHARS: &str = "\nabcdefgh ,.";
 
@@ -125,23 +127,6 @@ impl Serving {
     }
 }
 
-fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: \
-         application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).unwrap();
-    let (head, body) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, serde_json::from_str(body).unwrap())
-}
-
 /// What `cohort sample` prints for these flags, without the final newline.
 fn cohort_sample(ckpt: &Path, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
@@ -219,7 +204,7 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
         let mut args = vec!["--prompt", prompt];
         args.extend(flags);
         let want = cohort_sample(&ckpt, &args);
-        let (status, got) = post(
+        let (status, got) = post_json(
             &server.http,
             "/v2/models/gpt/generate",
             &json!({"text_input": prompt, "parameters": params}),

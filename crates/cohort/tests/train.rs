@@ -79,27 +79,7 @@ fn params_at_start() -> Vec<f32> {
 
 #[test]
 fn bench_ddp_reports_the_figures_as_json() {
-    let out = run(&[
-        "run",
-        "--standalone",
-        "-n",
-        "2",
-        "bench",
-        "ddp",
-        "--config",
-        "A",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-    ]);
-    let text = succeeded(&out);
-    let line = text
-        .lines()
-        .find_map(|l| l.strip_prefix("[rank0]: {"))
-        .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
-    let v: serde_json::Value = serde_json::from_str(&format!("{{{line}")).unwrap();
+    let v = bench_ddp_on_two_ranks(&[]);
     assert_eq!(v["config"], "A");
     assert_eq!(v["world"], 2);
     for key in [
@@ -131,6 +111,20 @@ fn bench_ddp_reports_the_figures_as_json() {
     assert_peak_rss_of_each_rank(&v, 2);
 }
 
+/// `cohort run --standalone -n 2 bench ddp --config A --steps 2 --warmup 1 --json EXTRA`: the
+/// JSON line rank 0 prints.
+fn bench_ddp_on_two_ranks(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec!["run", "--standalone", "-n", "2", "bench", "ddp"];
+    args.extend(["--config", "A", "--steps", "2", "--warmup", "1", "--json"]);
+    args.extend_from_slice(extra);
+    let text = succeeded(&run(&args));
+    let line = text
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank0]: {"))
+        .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
+    serde_json::from_str(&format!("{{{line}")).unwrap()
+}
+
 /// Every one of `world` ranks reported a plausible peak resident memory:
 /// at least the model's parameters, and not a stray unit (under 100 GB).
 fn assert_peak_rss_of_each_rank(v: &serde_json::Value, world: usize) {
@@ -147,31 +141,7 @@ fn assert_peak_rss_of_each_rank(v: &serde_json::Value, world: usize) {
 
 #[test]
 fn bench_ddp_times_zero1_with_one_nth_of_the_optimizer_state() {
-    let out = run(&[
-        "run",
-        "--standalone",
-        "-n",
-        "2",
-        "bench",
-        "ddp",
-        "--strategy",
-        "zero1",
-        "--config",
-        "A",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--rounds",
-        "1",
-        "--json",
-    ]);
-    let text = succeeded(&out);
-    let line = text
-        .lines()
-        .find_map(|l| l.strip_prefix("[rank0]: {"))
-        .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
-    let v: serde_json::Value = serde_json::from_str(&format!("{{{line}")).unwrap();
+    let v = bench_ddp_on_two_ranks(&["--strategy", "zero1", "--rounds", "1"]);
     assert_eq!(v["strategy"], "zero1");
     assert_eq!(v["world"], 2);
     for key in ["tokens_per_s", "efficiency"] {
@@ -213,31 +183,7 @@ fn bench_ddp_times_zero1_with_one_nth_of_the_optimizer_state() {
 #[test]
 fn bench_ddp_times_zero2_and_zero3_with_sharded_state() {
     for strategy in ["zero2", "zero3"] {
-        let out = run(&[
-            "run",
-            "--standalone",
-            "-n",
-            "2",
-            "bench",
-            "ddp",
-            "--strategy",
-            strategy,
-            "--config",
-            "A",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--rounds",
-            "1",
-            "--json",
-        ]);
-        let text = succeeded(&out);
-        let line = text
-            .lines()
-            .find_map(|l| l.strip_prefix("[rank0]: {"))
-            .unwrap_or_else(|| panic!("no JSON line from rank 0:\n{text}"));
-        let v: serde_json::Value = serde_json::from_str(&format!("{{{line}")).unwrap();
+        let v = bench_ddp_on_two_ranks(&["--strategy", strategy, "--rounds", "1"]);
         assert_eq!(v["strategy"], strategy);
         let x = v["tokens_per_s"].as_f64().unwrap_or(0.0);
         assert!(x > 0.0 && x.is_finite(), "tokens_per_s = {x} in {v}");

@@ -9,11 +9,10 @@ mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
-use cohort_train::{
-    elastic, train, NanInjection, Outcome, Strategy, TrainConfig, TrainError, Zero1,
+use cohort_train::{train, NanInjection, Outcome, Strategy, TrainConfig, TrainError, Zero1};
+use common::{
+    assert_stopped_run_resumes_like, grad_norms, max_abs_diff, odd, opts, run_world, with,
 };
-use common::{max_abs_diff, opts, run_world, tiny};
-use std::path::Path;
 
 /// Sharding and the reduce-scatter change only the order of the gradient's
 /// sums (one rank's shard summed over ranks rather than the whole buffer),
@@ -21,34 +20,8 @@ use std::path::Path;
 /// off by a whole step (lr = 1e-3).
 const TOL: f32 = 1e-5;
 
-/// [`tiny`] with an odd parameter count: vocab 17 and d_model 33 (3 heads)
-/// make 19037 parameters, which neither 2 nor 3 divides.
-fn odd() -> TrainConfig {
-    TrainConfig {
-        markov_vocab: 17,
-        d_model: 33,
-        n_heads: 3,
-        ..tiny()
-    }
-}
-
 fn zero1(cfg: &TrainConfig) -> TrainConfig {
-    TrainConfig {
-        strategy: Strategy::Zero1,
-        ..cfg.clone()
-    }
-}
-
-/// The gradient norms before clipping that rank 0 logged to
-/// `dir/metrics.jsonl`, one per step.
-fn grad_norms(dir: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(dir.join(cohort_train::METRICS_FILE)).unwrap();
-    text.lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.get("grad_norm").and_then(|g| g.as_f64())
-        })
-        .collect()
+    with(Strategy::Zero1, cfg)
 }
 
 /// `cfg` on `world` ranks under DDP and under ZeRO-1, logging to temporary
@@ -248,42 +221,11 @@ fn zero1_checkpoints_resume_on_another_world_size_and_across_strategies() {
     };
     let straight = run_world(2, &zero1(&cfg)).swap_remove(0);
     for first in [Strategy::Zero1, Strategy::Ddp] {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path().join("ckpt");
-        run_world(
-            2,
-            &TrainConfig {
-                steps: 3,
-                out: Some(out.clone()),
-                strategy: first,
-                ..cfg.clone()
-            },
-        );
         for (then, world) in [(Strategy::Zero1, 3), (Strategy::Ddp, 1)] {
             if first == Strategy::Ddp && then == Strategy::Ddp {
                 continue;
             }
-            let (resume, notes) = elastic::prepare_resume(
-                &TrainConfig {
-                    resume: Some(out.clone()),
-                    strategy: then,
-                    ..cfg.clone()
-                },
-                world,
-                0,
-            );
-            assert!(
-                notes.iter().any(|n| n.contains("grad_accum 3 ->")),
-                "{notes:?}"
-            );
-            let resumed = run_world(world, &resume);
-            assert_eq!(resumed[0].steps_run, 3);
-            let d = max_abs_diff(&resumed[0].params, &straight.params);
-            eprintln!("{first:?} x2 -> {then:?} x{world}: max |diff| {d:e}");
-            assert!(d < TOL, "{first:?} x2 -> {then:?} x{world}: {d}");
-            for r in 1..world {
-                assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
-            }
+            assert_stopped_run_resumes_like(&straight, &cfg, (first, then), world, TOL);
         }
     }
 }

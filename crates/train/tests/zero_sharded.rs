@@ -11,10 +11,11 @@ use cohort_comm::{spawn, ProcessGroup};
 use cohort_engine::optim::AdamWConfig;
 use cohort_gpt::{GPTConfig, Labels, GPT};
 use cohort_train::{
-    elastic, train, NanInjection, Outcome, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
+    train, NanInjection, Outcome, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
 };
-use common::{max_abs_diff, opts, run_world, tiny};
-use std::path::Path;
+use common::{
+    assert_stopped_run_resumes_like, grad_norms, max_abs_diff, odd, opts, run_world, with,
+};
 
 /// Sharding changes only the order of the gradient's sums (each part's
 /// shard averaged over ranks, micro-batch by micro-batch), so ZeRO-2/3 and
@@ -23,37 +24,6 @@ use std::path::Path;
 const TOL: f32 = 1e-5;
 
 const STAGES: [Strategy; 2] = [Strategy::Zero2, Strategy::Zero3];
-
-/// [`tiny`] with vocab 17 and d_model 33 (3 heads): 19037 parameters, in
-/// parts of 1089 (embeddings), 8941 (each block) and 66 (the head): each
-/// block is padded on 2 and 3 ranks, the embeddings on 2.
-fn odd() -> TrainConfig {
-    TrainConfig {
-        markov_vocab: 17,
-        d_model: 33,
-        n_heads: 3,
-        ..tiny()
-    }
-}
-
-fn with(strategy: Strategy, cfg: &TrainConfig) -> TrainConfig {
-    TrainConfig {
-        strategy,
-        ..cfg.clone()
-    }
-}
-
-/// The gradient norms before clipping that rank 0 logged to
-/// `dir/metrics.jsonl`, one per step.
-fn grad_norms(dir: &Path) -> Vec<f64> {
-    let text = std::fs::read_to_string(dir.join(cohort_train::METRICS_FILE)).unwrap();
-    text.lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v.get("grad_norm").and_then(|g| g.as_f64())
-        })
-        .collect()
-}
 
 /// `cfg` on `world` ranks logging to a temporary directory: every rank's
 /// outcome and rank 0's logged gradient norms.
@@ -419,38 +389,7 @@ fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
             (Strategy::Ddp, strategy, 3),
             (strategy, Strategy::Ddp, 1),
         ] {
-            let dir = tempfile::tempdir().unwrap();
-            let out = dir.path().join("ckpt");
-            run_world(
-                2,
-                &TrainConfig {
-                    steps: 3,
-                    out: Some(out.clone()),
-                    strategy: first,
-                    ..cfg.clone()
-                },
-            );
-            let (resume, notes) = elastic::prepare_resume(
-                &TrainConfig {
-                    resume: Some(out.clone()),
-                    strategy: then,
-                    ..cfg.clone()
-                },
-                world,
-                0,
-            );
-            assert!(
-                notes.iter().any(|n| n.contains("grad_accum 3 ->")),
-                "{notes:?}"
-            );
-            let resumed = run_world(world, &resume);
-            assert_eq!(resumed[0].steps_run, 3);
-            let d = max_abs_diff(&resumed[0].params, &straight.params);
-            eprintln!("{first:?} x2 -> {then:?} x{world}: max |diff| {d:e}");
-            assert!(d < TOL, "{first:?} x2 -> {then:?} x{world}: {d}");
-            for r in 1..world {
-                assert!(resumed[r].params == resumed[0].params, "rank {r} diverged");
-            }
+            assert_stopped_run_resumes_like(&straight, &cfg, (first, then), world, TOL);
         }
     }
 }

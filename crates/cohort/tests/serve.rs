@@ -156,6 +156,23 @@ fn tritonclient_available() -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Runs `crates/serve/tests/SCRIPT SPEC` (a Python client's checks against the server the
+/// spec describes), which must pass every check.
+fn python_check(script: &str, spec: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../serve/tests")
+        .join(script);
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(spec)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{} failed:\n{text}", script.display());
+    assert!(text.contains(" passed, 0 failed"), "{text}");
+}
+
 #[test]
 fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     let dir = tempfile::tempdir().unwrap();
@@ -243,16 +260,7 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     });
     let spec_file = dir.path().join("spec.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/tritonclient_check.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg(&spec_file)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "tritonclient checks failed:\n{text}");
-    assert!(text.contains(" passed, 0 failed"), "{text}");
+    python_check("tritonclient_check.py", &spec_file);
     server.stop();
 }
 
@@ -347,15 +355,6 @@ fn the_openai_client_gets_what_cohort_sample_prints() {
     let spec = json!({"http": server.http, "model": "gpt", "cases": spec_cases});
     let spec_file = dir.path().join("openai.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/openai_check.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg(&spec_file)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "openai checks failed:\n{text}");
-    assert!(text.contains(" passed, 0 failed"), "{text}");
+    python_check("openai_check.py", &spec_file);
     server.stop();
 }

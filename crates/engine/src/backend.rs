@@ -157,6 +157,9 @@ kernels! {
     fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward;
     /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
     fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
+    /// One query row (C) over `ctx` cached key and value rows (stride c): a decode step's
+    /// attention for one sequence; `scores` holds `nh·ctx` floats.
+    fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) => cpu::attention_decode_row;
     /// Per-row loss (0 for ignored targets) and log-sum-exp.
     fn crossentropy_forward(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize) => cpu::crossentropy_forward;
     /// One block of vocabulary columns v0..v0+v: lse (start at -inf) takes in the block's

@@ -192,7 +192,7 @@ impl Buffers {
             proj: vec![0.0; rows * c],
             fc: vec![0.0; rows * f],
             gelu: vec![0.0; rows * f],
-            scores: vec![0.0; rows * cfg.max_position_embeddings],
+            scores: vec![0.0; rows * cfg.n_heads * cfg.max_position_embeddings],
             logits: vec![0.0; rows * cfg.vocab_size],
         }
     }
@@ -419,16 +419,16 @@ fn forward_rows<C: Caches + ?Sized>(
         }
         // attention, each row over its own cache, rows in parallel (they only read the caches)
         let shared: &C = caches;
-        let scores = &mut buf.scores[..n * max_t];
+        let scores = &mut buf.scores[..n * nh * max_t];
         qkv.par_chunks_exact(3 * c)
             .zip(att.par_chunks_exact_mut(c))
-            .zip(scores.par_chunks_exact_mut(max_t))
+            .zip(scores.par_chunks_exact_mut(nh * max_t))
             .enumerate()
             .for_each(|(i, ((row, out), scores))| {
                 let (ci, pos) = rows.at(i);
                 let cache = shared.cache_ref(ci);
                 let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
-                attend(row, out, scores, kc, vc, pos + 1, nh, hs, c, scale);
+                dev.attention_decode_row(out, scores, &row[..c], kc, vc, pos + 1, nh, hs, c, scale);
             });
         dev.matmul_forward(
             proj,
@@ -473,73 +473,6 @@ fn forward_rows<C: Caches + ?Sized>(
     let (ln, mean, rstd) = (&mut ln[..m * c], &mut mean[..m], &mut rstd[..m]);
     dev.layernorm_forward(ln, mean, rstd, from, lnf_w, lnf_b, m, c);
     dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
-}
-
-/// One query row (all heads) over the first `ctx` cached keys and values of a layer; writes the
-/// heads' outputs into `out`. The dot products keep 16 partial sums (one vector register), so
-/// they vectorize; the order is fixed, so a row's result never depends on other rows.
-#[allow(clippy::too_many_arguments)]
-fn attend(
-    row: &[f32],
-    out: &mut [f32],
-    scores: &mut [f32],
-    kc: &[f32],
-    vc: &[f32],
-    ctx: usize,
-    nh: usize,
-    hs: usize,
-    c: usize,
-    scale: f32,
-) {
-    for h in 0..nh {
-        let q = &row[h * hs..(h + 1) * hs];
-        let scores = &mut scores[..ctx];
-        let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
-            let k = &kc[j * c + h * hs..j * c + (h + 1) * hs];
-            *s = dot(q, k) * scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0.0;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let o = &mut out[h * hs..(h + 1) * hs];
-        o.fill(0.0);
-        for (j, s) in scores.iter().enumerate() {
-            let w = s / sum;
-            let vj = &vc[j * c + h * hs..j * c + (h + 1) * hs];
-            for (o, vv) in o.iter_mut().zip(vj) {
-                *o += w * vv;
-            }
-        }
-    }
-}
-
-/// a · b with 16 partial sums, added pairwise at the end.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for i in 0..16 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut w = 8;
-    while w > 0 {
-        for i in 0..w {
-            acc[i] += acc[i + w];
-        }
-        w /= 2;
-    }
-    acc[0] + tail
 }
 
 fn add(x: &mut [f32], y: &[f32]) {

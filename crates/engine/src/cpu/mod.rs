@@ -13,6 +13,7 @@
 #![allow(clippy::too_many_arguments)]
 
 mod attention;
+mod attention_decode;
 mod crossentropy;
 mod elementwise;
 mod encoder;
@@ -24,6 +25,7 @@ pub(crate) mod math;
 mod matmul;
 
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
+pub use attention_decode::attention_decode_row;
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
 pub use elementwise::{
     dropout_backward, dropout_forward, gelu_backward, gelu_forward, residual_forward,

@@ -665,10 +665,14 @@ impl Generation {
     }
 }
 
-/// Most prompt (or rebuilt-window) tokens one step feeds besides the decoding rows, unless a
-/// single window is longer: bounds a step's activations and how long a step of the decoding
-/// sequences is held up by newcomers.
-const STEP_PREFILL_TOKENS: usize = 256;
+/// Most prompt (or rebuilt-window) tokens one step feeds besides the decoding rows; the first
+/// newcomer of a step is fed whatever its length, so none waits for ever. It bounds how long
+/// the sequences already decoding are held up when others join: a step that also feeds 256
+/// prompt tokens costs about twice a plain 32-row step on config B, and with many streams
+/// joining at once those steps are the slowest inter-token gaps. A smaller budget spreads the
+/// joins over more steps (vLLM's `max_num_batched_tokens` trades time to first token for
+/// inter-token latency the same way).
+const STEP_PREFILL_TOKENS: usize = 64;
 
 /// One step of every unfinished generation in `gens`, as one forward: a generation that has
 /// not started feeds its prompt, one whose window is full feeds its last window again (at
@@ -683,7 +687,7 @@ pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
     ws: &mut Workspace,
 ) -> Result<(), SampleError> {
     let (max_t, vocab) = (context_window(model.config()), model.config().vocab_size);
-    let budget = max_t.max(STEP_PREFILL_TOKENS);
+    let budget = STEP_PREFILL_TOKENS;
     let (mut place, mut tokens, mut last, mut sel) = (
         std::mem::take(&mut ws.place),
         std::mem::take(&mut ws.tokens),
@@ -865,8 +869,8 @@ mod tests {
                 (vec![2, 7], o(25, 0.8, Some(20), 14), 9),
                 (vec![3], o(0, 0.8, None, 1), 4),
             ];
-            // seven 40-token prompts joining at once: more than one step's prompt budget
-            // (with the wide model's 48-token window), so some wait a step
+            // seven 40-token prompts joining at once: more than one step's prompt budget, so
+            // some wait a step (and a 40-token window rebuild may come first)
             for j in 0..7u64 {
                 let prompt = (0..40)
                     .map(|i| ((i * 7 + j as usize) % 37) as u32)

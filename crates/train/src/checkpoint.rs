@@ -20,10 +20,13 @@ use crate::config::TrainConfig;
 use crate::trainer_files::{self, TrainerState};
 use crate::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
-use cohort_engine::optim::Optimizer;
-use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, CheckpointError};
+use cohort_engine::optim::{Optimizer, OptimizerState};
+use cohort_gpt::checkpoint::{
+    self as ckpt, Checkpoint, CheckpointError, Piece, ShardIndex, ShardRecord,
+};
 use cohort_gpt::{GPTConfig, GPT};
 use serde_json::{json, Value};
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -41,6 +44,70 @@ pub struct TrainState {
     pub offset: usize,
 }
 
+/// The name of the checkpoint of `step` (`step-000100`).
+fn step_name(step: u64) -> String {
+    format!("{STEP_PREFIX}{step:06}")
+}
+
+/// What a checkpoint stores beside the model's tensors: the trainer's position and job shape
+/// (`trainer_state.json`) and, with a tokenizer, what Hugging Face needs beside the model to
+/// load the checkpoint without a warning.
+struct Companions {
+    trainer: Vec<u8>,
+    tokenizer_json: Option<String>,
+    hf: cohort_tokenizer::HfFiles,
+}
+
+impl Companions {
+    fn new(
+        cfg: &TrainConfig,
+        world: usize,
+        model: &GPTConfig,
+        state: &TrainState,
+        tokenizer_json: Option<&str>,
+    ) -> Result<Companions, TrainError> {
+        let mut extra = serde_json::Map::new();
+        extra.insert("epoch".into(), json!(state.epoch));
+        extra.insert("offset".into(), json!(state.offset));
+        extra.insert("world_size".into(), json!(world));
+        extra.insert("batch_size".into(), json!(cfg.batch_size));
+        extra.insert("grad_accum".into(), json!(cfg.grad_accum));
+        extra.insert("data".into(), json!(cfg.data));
+        let trainer = trainer_files::trainer_state_json(&TrainerState {
+            step: state.step,
+            seed: cfg.seed,
+            extra,
+        });
+        let hf = match tokenizer_json {
+            Some(json) => {
+                let tokenizer = cohort_tokenizer::Tokenizer::from_json(json)?;
+                cohort_tokenizer::hf_files(&tokenizer, model.max_position_embeddings)
+            }
+            None => cohort_tokenizer::HfFiles::without_tokenizer(),
+        };
+        Ok(Companions {
+            trainer,
+            tokenizer_json: tokenizer_json.map(str::to_string),
+            hf,
+        })
+    }
+
+    /// The files, as (name, bytes).
+    fn files(&self) -> Vec<(&'static str, &[u8])> {
+        let mut files = vec![(trainer_files::TRAINER_STATE_FILE, self.trainer.as_slice())];
+        if let Some(json) = &self.tokenizer_json {
+            files.push((cohort_tokenizer::TOKENIZER_FILE, json.as_bytes()));
+        }
+        files.extend(
+            self.hf
+                .files
+                .iter()
+                .map(|(name, bytes)| (*name, &bytes[..])),
+        );
+        files
+    }
+}
+
 /// Writes `out/step-NNNNNN` (and points `out/latest` at it).
 fn save(
     out: &Path,
@@ -51,44 +118,193 @@ fn save(
     state: &TrainState,
     tokenizer_json: Option<&str>,
 ) -> Result<(), TrainError> {
-    let mut extra = serde_json::Map::new();
-    extra.insert("epoch".into(), json!(state.epoch));
-    extra.insert("offset".into(), json!(state.offset));
-    extra.insert("world_size".into(), json!(world));
-    extra.insert("batch_size".into(), json!(cfg.batch_size));
-    extra.insert("grad_accum".into(), json!(cfg.grad_accum));
-    extra.insert("data".into(), json!(cfg.data));
-    let trainer = TrainerState {
-        step: state.step,
-        seed: cfg.seed,
-        extra,
-    };
-    let name = format!("{STEP_PREFIX}{:06}", state.step);
     let optimizer = opt.state();
-    let trainer = trainer_files::trainer_state_json(&trainer);
-    let mut extra_files = vec![(trainer_files::TRAINER_STATE_FILE, trainer.as_slice())];
-    // What Hugging Face needs beside the model to load the checkpoint without a warning.
-    let hf = match tokenizer_json {
-        Some(json) => {
-            extra_files.push((cohort_tokenizer::TOKENIZER_FILE, json.as_bytes()));
-            let tokenizer = cohort_tokenizer::Tokenizer::from_json(json)?;
-            cohort_tokenizer::hf_files(&tokenizer, model.config().max_position_embeddings)
-        }
-        None => cohort_tokenizer::HfFiles::without_tokenizer(),
-    };
-    extra_files.extend(hf.files.iter().map(|(name, bytes)| (*name, &bytes[..])));
+    let companions = Companions::new(cfg, world, model.config(), state, tokenizer_json)?;
     ckpt::save(
         out,
-        &name,
+        &step_name(state.step),
         &Checkpoint {
-            config_extra: hf.config_keys,
+            config_extra: companions.hf.config_keys.clone(),
             model: Some(model),
             tensor_files: vec![trainer_files::optimizer_file(&optimizer)],
-            extra_files,
+            extra_files: companions.files(),
         },
     )?;
     Ok(())
 }
+
+/// The report of a save that failed, naming the last good checkpoint.
+fn failed_save(out: &Path, step: u64, why: impl std::fmt::Display) -> SaveReport {
+    let last = ckpt::resolve(out)
+        .map(|dir| dir.display().to_string())
+        .unwrap_or_else(|_| "none".into());
+    SaveReport {
+        lines: Vec::new(),
+        failed: Some(format!(
+            "checkpoint of step {step} NOT saved (last good checkpoint: {last}): {why}"
+        )),
+    }
+}
+
+/// One rank's share of a sharded checkpoint (see [`save_sharded`]).
+pub(crate) struct OwnedShard<'a> {
+    /// The pieces of the model's flat buffer that rank `r` of the group holds, and where
+    /// they lie in its buffers (rank 0 writes every rank's into the index).
+    pub pieces_of: &'a dyn Fn(usize) -> Vec<Piece>,
+    /// This rank's parameters over its pieces (its flat shard).
+    pub params: &'a [f32],
+    /// This rank's optimizer state over the same elements.
+    pub optimizer: OptimizerState<'a>,
+    /// The strategy's name, for the index.
+    pub strategy: &'static str,
+}
+
+/// Integers per rank that rank 0 gathers after the shards are written: whether the write
+/// succeeded, the file's size, its tensors' length and its SHA-256 as four words.
+const RECORD_WORDS: usize = 7;
+
+/// A hex SHA-256 as four words, and back.
+fn digest_words(hex: &str) -> [i64; 4] {
+    let mut words = [0i64; 4];
+    for (i, w) in words.iter_mut().enumerate() {
+        *w = u64::from_str_radix(&hex[i * 16..(i + 1) * 16], 16).unwrap_or(0) as i64;
+    }
+    words
+}
+
+fn digest_hex(words: &[i64]) -> String {
+    words
+        .iter()
+        .map(|w| format!("{:016x}", *w as u64))
+        .collect()
+}
+
+/// Saves a sharded checkpoint of `state` into `out`: every rank writes its own shard
+/// (`shard`), and rank 0, once all are written, `model`'s config, the index and the
+/// trainer's files, and commits the checkpoint (see `cohort_gpt::checkpoint`'s sharded
+/// format: a checkpoint directory exists only with every shard in it). Nothing is gathered
+/// but the shards' digests. A failed write on any rank is rank 0's failed report (the loop
+/// decides what it costs); only a collective's failure is an error. Collective.
+pub(crate) fn save_sharded(
+    out: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    model: &GPT,
+    shard: &OwnedShard<'_>,
+    state: &TrainState,
+    tokenizer_json: Option<&str>,
+) -> Result<SaveReport, TrainError> {
+    let (rank, world, master) = (pg.rank(), pg.size(), pg.rank() == 0);
+    let name = step_name(state.step);
+    // Rank 0 makes the staging directory; the others write into it only once it exists.
+    let begun = if master {
+        ckpt::begin_sharded(out, &name).map(|_| ())
+    } else {
+        Ok(())
+    };
+    let mut ok = [i32::from(begun.is_ok())];
+    pg.broadcast(&mut ok, 0)
+        .map_err(TrainError::comm("checkpoint staging broadcast"))?;
+    if ok[0] == 0 {
+        return Ok(match begun {
+            Err(e) => failed_save(out, state.step, e),
+            Ok(()) => SaveReport::default(),
+        });
+    }
+    let staging = ckpt::staging_dir(out, &name);
+    let mut buffers = vec![(ckpt::PARAMS_BUFFER, shard.params)];
+    buffers.extend(
+        shard
+            .optimizer
+            .buffers
+            .iter()
+            .map(|(n, b)| (n.as_str(), *b)),
+    );
+    let written = ckpt::write_shard(&staging, rank, world, &(shard.pieces_of)(rank), &buffers);
+    let mut mine = [0i64; RECORD_WORDS];
+    match &written {
+        Ok(record) => {
+            mine[..3].copy_from_slice(&[1, record.bytes as i64, record.len as i64]);
+            mine[3..].copy_from_slice(&digest_words(&record.sha256));
+        }
+        // Rank 0 reports the failure; only this rank knows why.
+        Err(e) if !master => eprintln!(
+            "[rank{rank}]: checkpoint of step {}: writing this rank's shard failed: {e}",
+            state.step
+        ),
+        Err(_) => {}
+    }
+    let mut all = vec![0i64; if master { RECORD_WORDS * world } else { 0 }];
+    pg.gather(&mine, master.then_some(&mut all[..]), 0)
+        .map_err(TrainError::comm("checkpoint shard record gather"))?;
+    if !master {
+        return Ok(SaveReport::default());
+    }
+    if let Err(e) = written {
+        ckpt::abort_sharded(out, &name);
+        return Ok(failed_save(out, state.step, e));
+    }
+    let records: Vec<&[i64]> = all.chunks(RECORD_WORDS).collect();
+    let failed: Vec<String> = (records.iter().enumerate())
+        .filter(|(_, w)| w[0] != 1)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    if !failed.is_empty() {
+        ckpt::abort_sharded(out, &name);
+        return Ok(failed_save(
+            out,
+            state.step,
+            format!(
+                "rank(s) {} could not write their shard (their log says why)",
+                failed.join(", ")
+            ),
+        ));
+    }
+    let committed = (|| -> Result<(), TrainError> {
+        let shards = (records.iter().enumerate())
+            .map(|(r, w)| ShardRecord {
+                rank: r,
+                file: ckpt::shard_file_name(r, world),
+                sha256: digest_hex(&w[3..]),
+                bytes: w[1] as u64,
+                len: w[2] as usize,
+                pieces: (shard.pieces_of)(r),
+            })
+            .collect();
+        let mut metadata = BTreeMap::new();
+        metadata.insert(STRATEGY_KEY.to_string(), shard.strategy.to_string());
+        metadata.insert(
+            trainer_files::SHARDED_OPTIMIZER_KEY.to_string(),
+            shard.optimizer.optimizer.clone(),
+        );
+        metadata.insert(
+            trainer_files::SHARDED_STEP_KEY.to_string(),
+            shard.optimizer.step.to_string(),
+        );
+        let names = buffers.iter().map(|(n, _)| n.to_string()).collect();
+        let index = ShardIndex::new(model.num_params(), names, metadata, shards)?;
+        let companions = Companions::new(cfg, world, model.config(), state, tokenizer_json)?;
+        let files = Checkpoint {
+            config_extra: companions.hf.config_keys.clone(),
+            model: None,
+            tensor_files: Vec::new(),
+            extra_files: companions.files(),
+        };
+        ckpt::commit_sharded(out, &name, model.config(), &files, &index)?;
+        Ok(())
+    })();
+    if let Err(e) = committed {
+        ckpt::abort_sharded(out, &name);
+        return Ok(failed_save(out, state.step, e));
+    }
+    Ok(SaveReport {
+        lines: prune(out, cfg.keep_checkpoints),
+        failed: None,
+    })
+}
+
+/// The index metadata key naming the strategy that wrote a sharded checkpoint.
+const STRATEGY_KEY: &str = "strategy";
 
 /// What a save left to report.
 #[derive(Debug, Default)]
@@ -124,16 +340,7 @@ pub(crate) fn save_or_report(
     tokenizer_json: Option<&str>,
 ) -> SaveReport {
     if let Err(e) = save(out, cfg, world, model, opt, state, tokenizer_json) {
-        let last = ckpt::resolve(out)
-            .map(|dir| dir.display().to_string())
-            .unwrap_or_else(|_| "none".into());
-        return SaveReport {
-            lines: Vec::new(),
-            failed: Some(format!(
-                "checkpoint of step {} NOT saved (last good checkpoint: {last}): {e}",
-                state.step
-            )),
-        };
+        return failed_save(out, state.step, e);
     }
     SaveReport {
         lines: prune(out, cfg.keep_checkpoints),
@@ -213,6 +420,7 @@ fn is_damage(e: &TrainError) -> bool {
                 | CheckpointError::Io { .. }
                 | CheckpointError::Format { .. }
                 | CheckpointError::NotACheckpoint { .. }
+                | CheckpointError::Shard { .. }
         )
     )
 }
@@ -391,7 +599,8 @@ fn load(
     opt: &mut dyn Optimizer,
 ) -> Result<TrainState, TrainError> {
     let dir = dir.to_path_buf();
-    ckpt::verify(&dir)?;
+    // A sharded checkpoint's shards are checked as they are read.
+    ckpt::verify_except(&dir, |name| is_shard_file(&dir, name))?;
     check_same_model(&dir, model.config())?;
     ckpt::load_params_into(&dir, model)?;
     if !trainer_files::load_optimizer_into(&dir, opt)? {
@@ -454,4 +663,104 @@ fn load(
         epoch,
         offset,
     })
+}
+
+/// Whether file `name` of checkpoint `dir` is a shard of a sharded checkpoint (checked as
+/// it is read, by the ranks that need it, rather than up front by every rank).
+fn is_shard_file(dir: &Path, name: &str) -> bool {
+    name.starts_with("shard-") && dir.join(ckpt::SHARD_INDEX_FILE).is_file()
+}
+
+/// Writes the checkpoint `from` denotes (a checkpoint directory, or an output directory's
+/// latest; sharded or not) as one consolidated checkpoint in `out`: the model in Hugging
+/// Face's layout (`config.json`, `model.safetensors`), the whole optimizer state when it has
+/// one, and its other files (trainer state, tokenizer files) as they are. The result is a
+/// DDP checkpoint that `--resume` continues at any world size and that Hugging Face's
+/// `from_pretrained` loads; `out` is written atomically. Returns the directory read.
+pub fn consolidate(from: &Path, out: &Path) -> Result<PathBuf, TrainError> {
+    let dir = ckpt::resolve(from)?;
+    ckpt::verify_except(&dir, |name| is_shard_file(&dir, name))?;
+    let (model, _) = ckpt::load_model(&dir)?;
+    // The optimizer's buffers, whole: from the shards, or the file as it is.
+    let mut optimizer: Option<ckpt::LoadedTensors> = None;
+    if let Some(index) = ckpt::read_index(&dir)? {
+        if let Some(name) = index.metadata.get(trainer_files::SHARDED_OPTIMIZER_KEY) {
+            let names: Vec<&str> = (index.buffers.iter())
+                .map(String::as_str)
+                .filter(|b| *b != ckpt::PARAMS_BUFFER)
+                .collect();
+            let values =
+                ckpt::read_ranges(&dir, &index, &names, std::slice::from_ref(&(0..index.len)))?;
+            let step = (index.metadata.get(trainer_files::SHARDED_STEP_KEY))
+                .cloned()
+                .unwrap_or_default();
+            let metadata = HashMap::from([
+                ("optimizer".to_string(), name.clone()),
+                ("step".to_string(), step),
+            ]);
+            optimizer = Some(ckpt::LoadedTensors {
+                path: dir.join(ckpt::SHARD_INDEX_FILE),
+                metadata,
+                tensors: names.iter().map(|n| n.to_string()).zip(values).collect(),
+            });
+        }
+    } else {
+        optimizer = ckpt::read_tensor_file(&dir, trainer_files::OPTIMIZER_FILE)?;
+    }
+    // Every other file as it is, and config.json's keys beyond the model's (a tokenizer's
+    // token ids).
+    let skip = [
+        ckpt::CONFIG_FILE,
+        ckpt::MODEL_FILE,
+        ckpt::CHECKSUMS_FILE,
+        ckpt::SHARD_INDEX_FILE,
+        trainer_files::OPTIMIZER_FILE,
+    ];
+    let mut others: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut names: Vec<String> = fs::read_dir(&dir)
+        .map_err(|source| CheckpointError::Io {
+            op: "list",
+            path: dir.clone(),
+            source,
+        })?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .filter(|n| !skip.contains(&n.as_str()) && !is_shard_file(&dir, n) && !n.starts_with('.'))
+        .collect();
+    names.sort();
+    for name in names {
+        if let Some(bytes) = ckpt::read_file_verified(&dir, &name)? {
+            others.push((name, bytes));
+        }
+    }
+    let config_path = dir.join(ckpt::CONFIG_FILE);
+    let config: serde_json::Map<String, Value> = ckpt::read_file_verified(&dir, ckpt::CONFIG_FILE)?
+        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+        .ok_or_else(|| CheckpointError::Format {
+            path: config_path,
+            reason: "not a JSON object".into(),
+        })?;
+    let tensor_files = optimizer
+        .iter()
+        .map(|file| ckpt::TensorFile {
+            name: trainer_files::OPTIMIZER_FILE,
+            tensors: (file.tensors.iter())
+                .map(|(n, b)| (n.clone(), &b[..]))
+                .collect(),
+            metadata: file.metadata.clone(),
+        })
+        .collect();
+    ckpt::save_dir(
+        out,
+        &Checkpoint {
+            model: Some(&model),
+            tensor_files,
+            extra_files: others.iter().map(|(n, b)| (n.as_str(), &b[..])).collect(),
+            config_extra: config
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.clone()))
+                .collect(),
+        },
+    )?;
+    Ok(dir)
 }

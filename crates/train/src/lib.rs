@@ -63,7 +63,7 @@ mod train;
 mod trainer_files;
 mod zero;
 
-pub use checkpoint::TrainState;
+pub use checkpoint::{consolidate, TrainState};
 pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use config::{
     ConfigError, Overlap, PipelineSchedule, Precision, PsMode, Strategy, TrainArgs, TrainConfig,

@@ -33,10 +33,11 @@
 //! 5. stage 2 all-gathers every part's updated shard into the model; stage
 //!    3 does nothing: the next forward gathers what it needs.
 //!
-//! Checkpoints are DDP's, as ZeRO-1's: at a save the flat shards (and, for
-//! stage 3, the parameters) are gathered to rank 0, which writes the whole
-//! state; a resume loads it whole, keeps this rank's shards and frees the
-//! rest, at any world size and from any data-parallel strategy.
+//! Checkpoints are sharded, as ZeRO-1's: at a save each rank writes its
+//! flat shard (parameters and moments, with the parts' ranges it holds) and
+//! rank 0 the index that commits them; nothing is gathered. A resume reads
+//! any checkpoint, sharded (at any world size, by any strategy) or DDP's,
+//! whole, keeps this rank's shards and frees the rest.
 //!
 //! This module must never keep a part's gradient beyond this rank's shard
 //! once the part was reduce-scattered, never (stage 3) keep a part's
@@ -51,11 +52,12 @@ use std::time::{Duration, Instant};
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::{Batch, Dataset};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
+use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{Labels, Part, PartHooks, GPT};
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{SaveReport, TrainState};
+use crate::checkpoint::{OwnedShard, SaveReport, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
 use crate::pages::release;
@@ -63,7 +65,7 @@ use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
 use crate::train::{
     apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_replica, save_replica,
+    model_config, resume_replica, save_shard,
 };
 use crate::zero::{agree_on_size, norm_over_shards, shard_mask, Shard};
 use crate::TrainError;
@@ -165,23 +167,6 @@ impl PartShards {
         flat
     }
 
-    /// The whole buffer from every rank's flat shard, `gathered` holding
-    /// them in rank order.
-    fn unshard(&self, gathered: &[f32]) -> Vec<f32> {
-        let mut full = vec![0f32; self.n];
-        let world = gathered.len() / self.len.max(1);
-        for rank in 0..world {
-            let base = rank * self.len;
-            for p in &self.parts {
-                let real = Shard::new(p.shard.n, world, rank).real();
-                let src = base + p.offset;
-                full[p.range.start + real.start..p.range.start + real.end]
-                    .copy_from_slice(&gathered[src..src + real.len()]);
-            }
-        }
-        full
-    }
-
     /// The weight-decay mask of the flat shard, given the whole buffer's.
     fn mask(&self, full: &DecayMask) -> Result<DecayMask, TrainError> {
         let mut exempt = Vec::new();
@@ -198,6 +183,21 @@ impl PartShards {
         }
         exempt.retain(|r| r.start < r.end);
         Ok(DecayMask::with_exempt(self.len, exempt)?)
+    }
+
+    /// Where this rank's shards of the parts lie: each part's model elements in the
+    /// model's buffer, at their place in the flat shard.
+    fn pieces(&self) -> Vec<Piece> {
+        (self.parts.iter())
+            .map(|p| {
+                let real = p.real_in_model();
+                Piece {
+                    start: real.start,
+                    end: real.end,
+                    at: p.offset,
+                }
+            })
+            .collect()
     }
 
     /// The largest padded part: what the staging buffer may have to hold.
@@ -331,10 +331,6 @@ impl PartHooks for Gather<'_> {
         release(params);
     }
 }
-
-/// The whole optimizer state, and the whole parameters where the model's
-/// buffer does not hold them (stage 3), as rank 0 gathers them to save.
-type WholeState = (AdamW, Option<Vec<f32>>);
 
 /// ZeRO-2 or ZeRO-3 over a [`GPT`]: this rank's flat shard of the
 /// parameters, the mean gradient and AdamW's moments, and the passes that
@@ -520,53 +516,6 @@ impl ShardedDp {
         }
         st.check()?;
         Ok(whole)
-    }
-
-    /// Every rank's flat shard `flat` made whole on rank 0 (`None`
-    /// elsewhere). Collective.
-    fn gather_to_root(
-        &self,
-        pg: &ProcessGroup,
-        flat: &[f32],
-    ) -> Result<Option<Vec<f32>>, TrainError> {
-        let st = self.shards();
-        let master = pg.rank() == 0;
-        let mut all = if master {
-            vec![0f32; st.parts.len * pg.size()]
-        } else {
-            Vec::new()
-        };
-        pg.gather(flat, master.then_some(&mut all[..]), 0)
-            .map_err(TrainError::comm("shard gather"))?;
-        Ok(master.then(|| st.parts.unshard(&all)))
-    }
-
-    /// The whole optimizer state (and, for stage 3, the whole parameters)
-    /// on rank 0, for a checkpoint in DDP's format. Collective.
-    fn gather_state(
-        &self,
-        pg: &ProcessGroup,
-        mask: DecayMask,
-    ) -> Result<Option<WholeState>, TrainError> {
-        let m = self.gather_to_root(pg, self.opt.exp_avg())?;
-        let v = self.gather_to_root(pg, self.opt.exp_avg_sq())?;
-        let params = match self.stage {
-            ZeroStage::Two => None,
-            ZeroStage::Three => {
-                let flat = self.shards().params.clone();
-                self.gather_to_root(pg, &flat)?
-            }
-        };
-        let (Some(m), Some(v)) = (m, v) else {
-            return Ok(None);
-        };
-        let mut full = AdamW::new(*self.opt.config(), mask)?;
-        full.load_state(&OptimizerState {
-            optimizer: self.opt.name().to_string(),
-            step: self.opt.steps_taken(),
-            buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
-        })?;
-        Ok(Some((full, params)))
     }
 }
 
@@ -786,28 +735,31 @@ impl Strategy for ZeroSharded<'_> {
         step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
     }
 
+    /// Each rank writes its own flat shard: parameters and moments.
     fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
-        let mask = decay_mask(self.model.param_views());
-        let Some((full, params)) = self.zero.gather_state(self.pg, mask)? else {
-            return Ok(SaveReport::default());
+        let (stage, world) = (self.zero.stage(), self.pg.size());
+        let st = lock(&self.zero.st);
+        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        let pieces_of = |rank: usize| PartShards::new(&ranges, world, rank).pieces();
+        let shard = OwnedShard {
+            pieces_of: &pieces_of,
+            params: &st.params,
+            optimizer: self.zero.opt.state(),
+            strategy: match stage {
+                ZeroStage::Two => "zero2",
+                ZeroStage::Three => "zero3",
+            },
         };
-        if let Some(params) = &params {
-            self.model.params_mut().copy_from_slice(params);
-        }
-        let report = save_replica(
+        save_shard(
             out,
             self.cfg,
             self.pg,
             &self.model,
-            &full,
+            &shard,
             &self.batches,
             &*self.data,
             step,
-        );
-        if params.is_some() {
-            release(self.model.params_mut());
-        }
-        Ok(report)
+        )
     }
 
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
@@ -831,7 +783,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn part_shards_take_and_unshard_are_inverse_with_padding_per_part() {
+    fn part_shards_take_and_pieces_are_inverse_with_padding_per_part() {
         // Parts of 5, 7 and 4 elements over 3 ranks: shards of 2, 3 and 2.
         let ranges = [0..5, 5..12, 12..16];
         let full: Vec<f32> = (0..16).map(|i| i as f32 + 1.0).collect();
@@ -844,7 +796,15 @@ mod tests {
         assert_eq!(&gathered[..7], &[1.0, 2.0, 6.0, 7.0, 8.0, 13.0, 14.0]);
         // The last rank's shards end in padding.
         assert_eq!(&gathered[14..], &[5.0, 0.0, 12.0, 0.0, 0.0, 0.0, 0.0]);
-        assert_eq!(shards[1].unshard(&gathered), full);
+        // Every rank's pieces put back where they belong make the whole buffer.
+        let mut back = vec![0f32; 16];
+        for (rank, shard) in shards.iter().enumerate() {
+            let flat = &gathered[rank * 7..(rank + 1) * 7];
+            for p in shard.pieces() {
+                back[p.start..p.end].copy_from_slice(&flat[p.at..p.at + p.end - p.start]);
+            }
+        }
+        assert_eq!(back, full);
     }
 
     #[test]

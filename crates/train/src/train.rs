@@ -185,6 +185,30 @@ pub(crate) fn save_replica(
     )
 }
 
+/// Every rank's save of a sharded data-parallel run: its own `shard` of the parameters and
+/// optimizer state, with where the batches stand and the tokenizer (rank 0's), as a sharded
+/// checkpoint. Collective.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn save_shard(
+    out: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    model: &GPT,
+    shard: &checkpoint::OwnedShard<'_>,
+    batches: &TrainBatches,
+    data: &dyn Dataset,
+    step: u64,
+) -> Result<SaveReport, TrainError> {
+    let (epoch, offset) = batches.position();
+    let state = TrainState {
+        step,
+        epoch,
+        offset,
+    };
+    let tokenizer = data.tokenizer_json();
+    checkpoint::save_sharded(out, cfg, pg, model, shard, &state, tokenizer.as_deref())
+}
+
 /// Puts a model's matrix products in the precision `cfg` asks for (`set` is the model's
 /// `set_precision`) and returns [`precision_line`].
 pub(crate) fn apply_precision(

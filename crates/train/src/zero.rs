@@ -21,11 +21,13 @@
 //! 5. one all-gather of the updated shards: every rank has the whole model
 //!    again, bitwise the same.
 //!
-//! Checkpoints are DDP's: at a save the moments are gathered to rank 0, which
-//! writes the whole optimizer state, so a checkpoint resumes at any world
-//! size and under either strategy; on resume each rank loads the whole state
-//! and keeps its shard. (Saving and resuming thus hold the whole state for a
-//! moment; what ZeRO-1 saves is the state held while training.)
+//! Checkpoints are sharded: at a save each rank writes its own shard (its
+//! slice of the parameters and its moments) and rank 0 the index that
+//! commits them (`cohort_gpt::checkpoint`'s sharded format), so nothing is
+//! gathered. A resume reads any checkpoint, sharded (at any world size, by
+//! any strategy) or DDP's, whole, keeps this rank's shard and frees the rest
+//! (so resuming holds the whole state for a moment; what ZeRO-1 saves is the
+//! state held while training).
 //!
 //! This module must never keep optimizer state for parameters outside its
 //! shard between steps, and never let one rank's parameters differ from
@@ -39,18 +41,19 @@ use std::time::{Duration, Instant};
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Dataset;
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
+use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{SaveReport, TrainState};
+use crate::checkpoint::{OwnedShard, SaveReport, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::train::{
     apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_replica, save_replica,
+    model_config, resume_replica, save_shard,
 };
 use crate::TrainError;
 
@@ -458,40 +461,33 @@ impl Strategy for ZeroOne<'_> {
         step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
     }
 
+    /// Each rank writes its own shard: its slice of the parameters and its moments.
     fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
-        let master = self.pg.rank() == 0;
-        let (shard, opt) = (self.zero.shard, &self.zero.opt);
-        let mut whole = [Vec::new(), Vec::new()];
-        for (buf, moments) in whole.iter_mut().zip([opt.exp_avg(), opt.exp_avg_sq()]) {
-            if master {
-                *buf = vec![0f32; shard.padded()];
-            }
-            self.pg
-                .gather(moments, master.then_some(&mut buf[..]), 0)
-                .map_err(TrainError::comm("optimizer state gather"))?;
-        }
-        if !master {
-            return Ok(SaveReport::default());
-        }
-        let mut full = AdamW::new(self.cfg.adamw(), decay_mask(self.model.param_views()))?;
-        full.load_state(&OptimizerState {
-            optimizer: opt.name().to_string(),
-            step: opt.steps_taken(),
-            buffers: vec![
-                ("exp_avg".into(), &whole[0][..shard.n]),
-                ("exp_avg_sq".into(), &whole[1][..shard.n]),
-            ],
-        })?;
-        Ok(save_replica(
+        let (n, world) = (self.zero.shard.n, self.zero.shard.world);
+        let pieces_of = |rank: usize| {
+            let real = Shard::new(n, world, rank).real();
+            vec![Piece {
+                start: real.start,
+                end: real.end,
+                at: 0,
+            }]
+        };
+        let shard = OwnedShard {
+            pieces_of: &pieces_of,
+            params: &self.zero.params,
+            optimizer: self.zero.opt.state(),
+            strategy: "zero1",
+        };
+        save_shard(
             out,
             self.cfg,
             self.pg,
             &self.model,
-            &full,
+            &shard,
             &self.batches,
             &*self.data,
             step,
-        ))
+        )
     }
 
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {

@@ -3,12 +3,15 @@
 //! and data, on a model none of whose blocks divides into 2 or 3 ranks (so
 //! shards are padded part by part), with clipping, accumulation and a NaN
 //! in one rank's shard; what the strategies release; their header's memory
-//! accounting; and their checkpoints, which resume on another world size.
+//! accounting; and their checkpoints (ZeRO-1's too): a shard per rank,
+//! which resume on another world size, consolidate into one model, and
+//! refuse a damaged shard by name.
 
 mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
 use cohort_engine::optim::AdamWConfig;
+use cohort_gpt::checkpoint as ckpt;
 use cohort_gpt::{GPTConfig, Labels, GPT};
 use cohort_train::{
     train, NanInjection, Outcome, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
@@ -391,5 +394,123 @@ fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
         ] {
             assert_stopped_run_resumes_like(&straight, &cfg, (first, then), world, TOL);
         }
+    }
+}
+
+/// `cfg` on `world` ranks; the first rank's error, if any rank failed.
+fn try_world(world: usize, cfg: &TrainConfig) -> Result<Vec<Outcome>, String> {
+    spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+        train(cfg, pg, &mut std::io::sink())
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// Every ZeRO stage saves one shard per rank and an index, nothing
+/// gathered; the consolidated export of such a checkpoint holds the run's
+/// final parameters bitwise, with the whole optimizer state, and resumes
+/// exactly as the sharded checkpoint itself does.
+#[test]
+fn zero_checkpoints_are_a_shard_per_rank_and_consolidate_to_the_final_state() {
+    for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        let cfg = TrainConfig {
+            out: Some(out.clone()),
+            ..with(strategy, &odd())
+        };
+        let run = run_world(3, &cfg).swap_remove(0);
+        let step = out.join("step-000004");
+        let index = ckpt::read_index(&step)
+            .unwrap()
+            .expect("a sharded checkpoint");
+        assert_eq!(index.world_size, 3);
+        assert_eq!(index.len, run.params.len());
+        for rank in 0..3 {
+            assert!(step.join(ckpt::shard_file_name(rank, 3)).is_file());
+        }
+        for whole in [ckpt::MODEL_FILE, cohort_train::OPTIMIZER_FILE] {
+            assert!(!step.join(whole).exists(), "{strategy:?}: {whole} written");
+        }
+        // The sharded checkpoint loads as a model too.
+        let (model, _) = ckpt::load_model(&out).unwrap();
+        assert!(model.params() == &run.params[..], "{strategy:?}");
+
+        let export = dir.path().join("export");
+        cohort_train::consolidate(&out, &export).unwrap();
+        let (model, _) = ckpt::load_model(&export).unwrap();
+        assert!(model.params() == &run.params[..], "{strategy:?}: export");
+        assert!(ckpt::verify(&export).unwrap());
+        assert!(export.join(cohort_train::OPTIMIZER_FILE).is_file());
+
+        // Both continue to the same parameters, on one DDP rank.
+        let resumed = |from: &std::path::Path| {
+            let (cfg, _) = cohort_train::elastic::prepare_resume(
+                &TrainConfig {
+                    steps: 6,
+                    resume: Some(from.to_path_buf()),
+                    ..odd()
+                },
+                1,
+                0,
+            );
+            run_world(1, &cfg).swap_remove(0)
+        };
+        let (a, b) = (resumed(&out), resumed(&export));
+        assert_eq!(a.steps_run, 2);
+        assert!(
+            a.params == b.params,
+            "{strategy:?}: export resumes differently"
+        );
+    }
+}
+
+/// A shard that is damaged or missing stops the resume with one line
+/// naming the file and the rank that wrote it; in an output directory with
+/// an older intact checkpoint, the run resumes from that one instead.
+#[test]
+fn a_damaged_or_missing_shard_is_an_error_naming_its_file_and_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let cfg = TrainConfig {
+        steps: 2,
+        save_interval: 1,
+        out: Some(out.clone()),
+        ..with(Strategy::Zero2, &odd())
+    };
+    run_world(2, &cfg);
+    let step = out.join("step-000002");
+    let shard = step.join(ckpt::shard_file_name(1, 2));
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&shard, &bytes).unwrap();
+    let resume = |from: &std::path::Path| TrainConfig {
+        steps: 3,
+        resume: Some(from.to_path_buf()),
+        out: None,
+        save_interval: 0,
+        ..cfg.clone()
+    };
+    let err = try_world(2, &resume(&step)).unwrap_err();
+    eprintln!("damaged: {err}");
+    for want in [
+        "shard of rank 1 of 2",
+        "shard-00001-of-00002.safetensors",
+        "corrupt",
+    ] {
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let err = cohort_train::consolidate(&step, &dir.path().join("x")).unwrap_err();
+    assert!(err.to_string().contains("shard of rank 1 of 2"), "{err}");
+    // The output directory falls back to step 1's checkpoint.
+    let resumed = try_world(2, &resume(&out)).unwrap();
+    assert_eq!(resumed[0].steps_run, 2);
+
+    std::fs::remove_file(&shard).unwrap();
+    let err = try_world(2, &resume(&step)).unwrap_err();
+    eprintln!("missing: {err}");
+    for want in ["shard of rank 1 of 2", "shard-00001-of-00002.safetensors"] {
+        assert!(err.contains(want), "{want:?} in {err}");
     }
 }

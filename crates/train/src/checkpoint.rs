@@ -28,6 +28,7 @@ use cohort_gpt::{GPTConfig, GPT};
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// Name prefix of the trainer's checkpoints (`step-000100`).
@@ -421,7 +422,7 @@ fn is_damage(e: &TrainError) -> bool {
                 | CheckpointError::Format { .. }
                 | CheckpointError::NotACheckpoint { .. }
                 | CheckpointError::Shard { .. }
-        )
+        ) | TrainError::PeerResume { damaged: true, .. }
     )
 }
 
@@ -483,36 +484,27 @@ pub(crate) fn resume(
     resume_split(path, cfg, pg, pg.size(), model, opt)
 }
 
-/// As [`resume`], for a job whose data are split over `world` ranks of
-/// `pg` (a pipeline's replicas) rather than over all of them.
-pub(crate) fn resume_split(
-    path: &Path,
-    cfg: &TrainConfig,
-    pg: &ProcessGroup,
-    world: usize,
-    model: &mut GPT,
-    opt: &mut dyn Optimizer,
-) -> Result<Resumed, TrainError> {
-    let resumed = resume_alone(path, cfg, world, model, opt)?;
-    agree_on_step(pg, resumed.state.step, &resumed.dir)?;
-    Ok(resumed)
-}
-
-/// As [`resume`], for the one process that holds the model (a parameter
-/// server), with `world` the number of ranks the data are split over.
-pub(crate) fn resume_alone(
+/// [`resume`] on this rank alone, into `target`.
+/// With `pg`, the ranks try the same checkpoints and resume from the same one (see
+/// [`agree_on_load`]).
+fn resume_target(
     path: &Path,
     cfg: &TrainConfig,
     world: usize,
-    model: &mut GPT,
-    opt: &mut dyn Optimizer,
+    target: &mut dyn Restore,
+    pg: Option<&ProcessGroup>,
 ) -> Result<Resumed, TrainError> {
     let mut notes = Vec::new();
     let mut tried = Vec::new();
     let candidates = candidates(path)?;
     let single = candidates.len() == 1;
     for dir in candidates {
-        match load(&dir, cfg, world, model, opt) {
+        let loaded = load(&dir, cfg, world, target);
+        let loaded = match pg {
+            Some(pg) => agree_on_load(pg, loaded)?,
+            None => loaded,
+        };
+        match loaded {
             Ok(state) => return Ok(Resumed { state, dir, notes }),
             Err(e) if is_damage(&e) && !single => {
                 notes.push(format!(
@@ -528,6 +520,276 @@ pub(crate) fn resume_alone(
         path: path.to_path_buf(),
         reason: format!("no intact checkpoint in it: {}", tried.join("; ")),
     })
+}
+
+/// Makes the outcome of one rank's load of a checkpoint every rank's. Each rank reads only
+/// the files it needs (a sharded strategy its own shards), so one rank may find a file
+/// damaged that the others never read; the ranks must still pass over, or fail on, the same
+/// checkpoints. The worst outcome wins (another error, then damage, then success), and the
+/// lowest rank with it tells the others its error, which they return naming it. Collective.
+fn agree_on_load(
+    pg: &ProcessGroup,
+    loaded: Result<TrainState, TrainError>,
+) -> Result<Result<TrainState, TrainError>, TrainError> {
+    // code x 2^32 + (2^32 - 1 - rank): the maximum is the worst code's lowest rank.
+    const RANKS: i64 = 1 << 32;
+    let code = match &loaded {
+        Ok(_) => 0,
+        Err(e) if is_damage(e) => 1,
+        Err(_) => 2,
+    };
+    let mut key = [if code == 0 {
+        0
+    } else {
+        code * RANKS + (RANKS - 1 - pg.rank() as i64)
+    }];
+    pg.all_reduce(&mut key, ReduceOp::Max)
+        .map_err(TrainError::comm("resume outcome all_reduce"))?;
+    let (worst, who) = (key[0] / RANKS, (RANKS - 1 - key[0] % RANKS) as usize);
+    if worst == 0 {
+        return Ok(loaded);
+    }
+    let mut text = match &loaded {
+        Err(e) if who == pg.rank() => e.to_string().into_bytes(),
+        _ => Vec::new(),
+    };
+    let mut len = [text.len() as i64];
+    pg.broadcast(&mut len, who)
+        .map_err(TrainError::comm("resume error broadcast"))?;
+    text.resize(len[0] as usize, 0);
+    pg.broadcast(&mut text, who)
+        .map_err(TrainError::comm("resume error broadcast"))?;
+    if who == pg.rank() {
+        return Ok(loaded);
+    }
+    Ok(Err(TrainError::PeerResume {
+        rank: who,
+        damaged: worst == 1,
+        message: String::from_utf8_lossy(&text).into_owned(),
+    }))
+}
+
+/// As [`resume`], for a job whose data are split over `world` ranks of
+/// `pg` (a pipeline's replicas) rather than over all of them.
+pub(crate) fn resume_split(
+    path: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    world: usize,
+    model: &mut GPT,
+    opt: &mut dyn Optimizer,
+) -> Result<Resumed, TrainError> {
+    resume_into(path, cfg, pg, world, &mut Whole { model, opt })
+}
+
+/// As [`resume`], restoring into `target` (a sharded strategy's own shard).
+pub(crate) fn resume_into(
+    path: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    world: usize,
+    target: &mut dyn Restore,
+) -> Result<Resumed, TrainError> {
+    let resumed = resume_target(path, cfg, world, target, Some(pg))?;
+    agree_on_step(pg, resumed.state.step, &resumed.dir)?;
+    Ok(resumed)
+}
+
+/// As [`resume`], for the one process that holds the model (a parameter
+/// server), with `world` the number of ranks the data are split over.
+pub(crate) fn resume_alone(
+    path: &Path,
+    cfg: &TrainConfig,
+    world: usize,
+    model: &mut GPT,
+    opt: &mut dyn Optimizer,
+) -> Result<Resumed, TrainError> {
+    resume_target(path, cfg, world, &mut Whole { model, opt }, None)
+}
+
+/// Where a resume puts the parameters and optimizer state of a checkpoint.
+pub(crate) trait Restore {
+    /// The model the run builds (a checkpoint of another is refused).
+    fn config(&self) -> &GPTConfig;
+    /// Loads the parameters and optimizer state of the checkpoint `dir` (verified but for
+    /// its shards, which are checked as they are read). Returns false, when the checkpoint
+    /// has no optimizer state.
+    fn restore(&mut self, dir: &Path) -> Result<bool, TrainError>;
+}
+
+/// The whole model and an optimizer over all of it (DDP, pipeline, parameter server).
+struct Whole<'a> {
+    model: &'a mut GPT,
+    opt: &'a mut dyn Optimizer,
+}
+
+impl Restore for Whole<'_> {
+    fn config(&self) -> &GPTConfig {
+        self.model.config()
+    }
+
+    fn restore(&mut self, dir: &Path) -> Result<bool, TrainError> {
+        ckpt::load_params_into(dir, self.model)?;
+        trainer_files::load_optimizer_into(dir, self.opt)
+    }
+}
+
+/// One rank's flat shard of a sharded strategy: the pieces of the model's buffer it holds
+/// (at their place in its buffers of `len` elements, padding zero), restored from any
+/// checkpoint. From a sharded one only those ranges are read, from the shards that hold
+/// them; from DDP's format the whole file is read and the rest dropped.
+pub(crate) struct ShardTarget<'a> {
+    config: &'a GPTConfig,
+    pieces: Vec<Piece>,
+    len: usize,
+    /// The parameters of the pieces, once restored.
+    pub params: Vec<f32>,
+    /// The optimizer's state over the pieces, once restored.
+    pub optimizer: Option<SavedOptimizer>,
+}
+
+/// An optimizer's state as a checkpoint holds it: name, step and buffers.
+pub(crate) struct SavedOptimizer {
+    name: String,
+    step: u64,
+    buffers: Vec<(String, Vec<f32>)>,
+}
+
+impl<'a> ShardTarget<'a> {
+    pub(crate) fn new(config: &'a GPTConfig, pieces: Vec<Piece>, len: usize) -> Self {
+        ShardTarget {
+            config,
+            pieces,
+            len,
+            params: Vec::new(),
+            optimizer: None,
+        }
+    }
+
+    /// The flat shard of each of `buffers`, whose values over the pieces are concatenated
+    /// in `values` (in the pieces' order).
+    fn place(&self, values: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+        values
+            .into_iter()
+            .map(|v| {
+                let mut flat = vec![0f32; self.len];
+                let mut at = 0;
+                for p in &self.pieces {
+                    let n = p.end - p.start;
+                    flat[p.at..p.at + n].copy_from_slice(&v[at..at + n]);
+                    at += n;
+                }
+                flat
+            })
+            .collect()
+    }
+
+    /// The state this rank holds, as an optimizer loads it.
+    pub(crate) fn optimizer_state(&self) -> Option<OptimizerState<'_>> {
+        self.optimizer.as_ref().map(|saved| OptimizerState {
+            optimizer: saved.name.clone(),
+            step: saved.step,
+            buffers: (saved.buffers.iter())
+                .map(|(n, b)| (n.clone(), &b[..]))
+                .collect(),
+        })
+    }
+}
+
+impl Restore for ShardTarget<'_> {
+    fn config(&self) -> &GPTConfig {
+        self.config
+    }
+
+    fn restore(&mut self, dir: &Path) -> Result<bool, TrainError> {
+        let ranges: Vec<Range<usize>> = self.pieces.iter().map(|p| p.start..p.end).collect();
+        let take = |full: &[f32]| -> Vec<f32> {
+            ranges
+                .iter()
+                .flat_map(|r| full[r.clone()].iter().copied())
+                .collect()
+        };
+        let (params, optimizer) = if let Some(index) = ckpt::read_index(dir)? {
+            let names: Vec<&str> = index.buffers.iter().map(String::as_str).collect();
+            let mut values = ckpt::read_ranges(dir, &index, &names, &ranges)?;
+            let at = names.iter().position(|n| *n == ckpt::PARAMS_BUFFER);
+            let params = at
+                .map(|i| values.remove(i))
+                .ok_or_else(|| CheckpointError::Format {
+                    path: dir.join(ckpt::SHARD_INDEX_FILE),
+                    reason: format!("no {:?} buffer", ckpt::PARAMS_BUFFER),
+                })?;
+            let meta = |key: &str| index.metadata.get(key).cloned();
+            let optimizer = match (
+                meta(trainer_files::SHARDED_OPTIMIZER_KEY),
+                meta(trainer_files::SHARDED_STEP_KEY).and_then(|s| s.parse().ok()),
+            ) {
+                (Some(name), Some(step)) => {
+                    let names = (names.iter())
+                        .filter(|n| **n != ckpt::PARAMS_BUFFER)
+                        .map(|n| n.to_string());
+                    Some(SavedOptimizer {
+                        name,
+                        step,
+                        buffers: names.zip(values).collect(),
+                    })
+                }
+                _ => None,
+            };
+            (params, optimizer)
+        } else {
+            // DDP's format: the whole model and optimizer file, of which this rank keeps
+            // its pieces.
+            let mut model = GPT::new(self.config.clone(), 0)?;
+            ckpt::load_params_into(dir, &mut model)?;
+            let (params, n) = (take(model.params()), model.num_params());
+            drop(model);
+            let optimizer = match ckpt::read_tensor_file(dir, trainer_files::OPTIMIZER_FILE)? {
+                Some(file) => {
+                    let field = |key: &str| file.metadata.get(key).cloned();
+                    let (Some(name), Some(step)) = (
+                        field("optimizer"),
+                        field("step").and_then(|s| s.parse().ok()),
+                    ) else {
+                        return Err(CheckpointError::Format {
+                            path: file.path,
+                            reason: "metadata has no optimizer or step".into(),
+                        }
+                        .into());
+                    };
+                    if let Some((name, b)) = file.tensors.iter().find(|(_, b)| b.len() != n) {
+                        return Err(CheckpointError::Format {
+                            path: file.path.clone(),
+                            reason: format!(
+                                "tensor {name:?} has {} elements, the model {n}",
+                                b.len()
+                            ),
+                        }
+                        .into());
+                    }
+                    let buffers = (file.tensors.iter())
+                        .map(|(name, full)| (name.clone(), take(full)))
+                        .collect::<Vec<_>>();
+                    Some(SavedOptimizer {
+                        name,
+                        step,
+                        buffers,
+                    })
+                }
+                None => None,
+            };
+            (params, optimizer)
+        };
+        self.params = self.place(vec![params]).swap_remove(0);
+        self.optimizer = optimizer.map(|saved| {
+            let (names, values): (Vec<String>, Vec<Vec<f32>>) = saved.buffers.into_iter().unzip();
+            SavedOptimizer {
+                buffers: names.into_iter().zip(self.place(values)).collect(),
+                ..saved
+            }
+        });
+        Ok(self.optimizer.is_some())
+    }
 }
 
 /// Fails unless every rank resumed at `step` (each reads the checkpoint
@@ -595,15 +857,13 @@ fn load(
     dir: &Path,
     cfg: &TrainConfig,
     world: usize,
-    model: &mut GPT,
-    opt: &mut dyn Optimizer,
+    target: &mut dyn Restore,
 ) -> Result<TrainState, TrainError> {
     let dir = dir.to_path_buf();
     // A sharded checkpoint's shards are checked as they are read.
     ckpt::verify_except(&dir, |name| is_shard_file(&dir, name))?;
-    check_same_model(&dir, model.config())?;
-    ckpt::load_params_into(&dir, model)?;
-    if !trainer_files::load_optimizer_into(&dir, opt)? {
+    check_same_model(&dir, target.config())?;
+    if !target.restore(&dir)? {
         return Err(TrainError::Resume {
             path: dir,
             reason: "it has no optimizer state (a model-only checkpoint cannot be resumed; \

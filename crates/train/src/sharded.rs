@@ -51,13 +51,13 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::{Batch, Dataset};
-use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{Labels, Part, PartHooks, GPT};
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{OwnedShard, SaveReport, TrainState};
+use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
 use crate::pages::release;
@@ -65,7 +65,7 @@ use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
 use crate::train::{
     apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_replica, save_shard,
+    model_config, resume_shard, save_shard,
 };
 use crate::zero::{agree_on_size, norm_over_shards, shard_mask, Shard};
 use crate::TrainError;
@@ -357,30 +357,10 @@ impl ShardedDp {
         stage: ZeroStage,
         adamw: AdamWConfig,
     ) -> Result<ShardedDp, TrainError> {
-        ShardedDp::resumed(pg, model, stage, adamw, None)
-    }
-
-    /// [`ShardedDp::new`], its optimizer state this rank's shard of `full`
-    /// (an optimizer over the whole model) when given.
-    fn resumed(
-        pg: &ProcessGroup,
-        model: &mut GPT,
-        stage: ZeroStage,
-        adamw: AdamWConfig,
-        full: Option<&AdamW>,
-    ) -> Result<ShardedDp, TrainError> {
         agree_on_size(pg, model.num_params())?;
         let ranges: Vec<_> = model.parts().iter().map(|&p| model.part_range(p)).collect();
         let parts = PartShards::new(&ranges, pg.size(), pg.rank());
-        let mut opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
-        if let Some(full) = full {
-            let (m, v) = (parts.take(full.exp_avg()), parts.take(full.exp_avg_sq()));
-            opt.load_state(&OptimizerState {
-                optimizer: full.name().to_string(),
-                step: full.steps_taken(),
-                buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
-            })?;
-        }
+        let opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
         let params = parts.take(model.params());
         if stage == ZeroStage::Three {
             release(model.params_mut());
@@ -481,6 +461,39 @@ impl ShardedDp {
         self.shards_mut().grads.fill(0.0);
     }
 
+    /// This rank's flat shard of the parameters and optimizer state from a
+    /// checkpoint (`target`, restored); stage 2 then all-gathers every part
+    /// into `model`. Collective under stage 2.
+    pub(crate) fn restore(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        target: &ShardTarget<'_>,
+    ) -> Result<(), TrainError> {
+        if let Some(state) = target.optimizer_state() {
+            self.opt.load_state(&state)?;
+        }
+        self.shards_mut().params.copy_from_slice(&target.params);
+        if self.stage == ZeroStage::Two {
+            self.gather_model(pg, model)?;
+        }
+        Ok(())
+    }
+
+    /// Every part's shards into `model`'s parameters (stage 2 holds the
+    /// whole model). Returns the time spent in the collectives. Collective.
+    fn gather_model(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
+        let st = self.shards_mut();
+        st.comm = Duration::ZERO;
+        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        let params = model.params_mut();
+        for range in ranges {
+            st.gather(pg, range.clone(), &mut params[range]);
+        }
+        st.check()?;
+        Ok(st.comm)
+    }
+
     /// AdamW on the flat shard at `lr`; stage 2 then all-gathers every
     /// part's updated shard into `model`. Returns the time spent in the
     /// collectives. Collective under stage 2.
@@ -495,15 +508,7 @@ impl ShardedDp {
         if self.stage == ZeroStage::Three {
             return Ok(Duration::ZERO);
         }
-        let st = self.shards_mut();
-        st.comm = Duration::ZERO;
-        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
-        let params = model.params_mut();
-        for range in ranges {
-            st.gather(pg, range.clone(), &mut params[range]);
-        }
-        st.check()?;
-        Ok(st.comm)
+        self.gather_model(pg, model)
     }
 
     /// The whole model's parameters, on every rank. Collective.
@@ -560,21 +565,22 @@ impl<'a> ZeroSharded<'a> {
         header.extend(apply_checkpointing(cfg, &mut model, t));
         let n = model.num_params();
         agree_on_size(pg, n)?;
-        // A checkpoint holds the whole state (DDP's format, written at any
-        // world size): load it whole, keep this rank's shards, and free the
-        // rest before the first step.
-        let mut state = TrainState::default();
-        let mut full = None;
-        if cfg.resume.is_some() {
-            let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
-            state = resume_replica(cfg, pg, &mut model, &mut opt, &mut header)?;
-            full = Some(opt);
-        }
-        // Rank 0's parameters (drawn, or as resumed) are every rank's.
+        // Rank 0's parameters (as drawn) are every rank's.
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
-        let zero = ShardedDp::resumed(pg, &mut model, stage, cfg.adamw(), full.as_ref())?;
-        drop(full);
+        let mut zero = ShardedDp::new(pg, &mut model, stage, cfg.adamw())?;
+        // A checkpoint of any kind and world size: this rank reads its own
+        // shards of it.
+        let config = model.config().clone();
+        let pieces = zero.shards().parts.pieces();
+        let mut target = ShardTarget::new(&config, pieces, zero.shard_len());
+        let state = match resume_shard(cfg, pg, &mut target, &mut header)? {
+            Some(state) => {
+                zero.restore(pg, &mut model, &target)?;
+                state
+            }
+            None => TrainState::default(),
+        };
         let (name, what) = match stage {
             ZeroStage::Two => ("ZeRO-2", "optimizer state and gradients"),
             ZeroStage::Three => ("ZeRO-3", "parameters, gradients and optimizer state"),

@@ -154,6 +154,28 @@ pub(crate) fn resume_replica(
     Ok(resumed.state)
 }
 
+/// Restores a sharded strategy's own shard `target` from `--resume` (any checkpoint: a
+/// sharded one is read only where this rank's pieces lie), logging where it resumed. Returns
+/// where it continues, or `None` without `--resume`. Collective.
+pub(crate) fn resume_shard(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    target: &mut checkpoint::ShardTarget<'_>,
+    header: &mut Vec<String>,
+) -> Result<Option<TrainState>, TrainError> {
+    let Some(dir) = &cfg.resume else {
+        return Ok(None);
+    };
+    let resumed = checkpoint::resume_into(dir, cfg, pg, pg.size(), target)?;
+    header.extend(resumed.notes);
+    header.push(format!(
+        "resumed from {} at step {}",
+        resumed.dir.display(),
+        resumed.state.step
+    ));
+    Ok(Some(resumed.state))
+}
+
 /// Rank 0's save of a data-parallel run: the model, the whole optimizer state `opt`, where the
 /// batches stand and the tokenizer, in DDP's checkpoint format.
 #[allow(clippy::too_many_arguments)]

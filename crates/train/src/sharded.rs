@@ -33,6 +33,14 @@
 //! 5. stage 2 all-gathers every part's updated shard into the model; stage
 //!    3 does nothing: the next forward gathers what it needs.
 //!
+//! Overlap (`--overlap`, DDP's rule: on when a core is free for the
+//! communication thread or the job spans nodes): stage 3 prefetches the
+//! next part's all-gather while a part computes (the order of the parts is
+//! the previous pass's, forward or backward), and both stages leave a
+//! part's reduce-scatter running through the backward of the part before
+//! it. The collectives and their order are the same either way, so the
+//! results are bitwise the same.
+//!
 //! Checkpoints are sharded, as ZeRO-1's: at a save each rank writes its
 //! flat shard (parameters and moments, with the parts' ranges it holds) and
 //! rank 0 the index that commits them; nothing is gathered. A resume reads
@@ -44,12 +52,13 @@
 //! gathered parameters outside the part's forward or backward, and never
 //! let one rank's parameters differ from another's after a step.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_comm::{ProcessGroup, ReduceOp, Work};
 use cohort_data::{Batch, Dataset};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_gpt::checkpoint::Piece;
@@ -236,22 +245,134 @@ struct Shards {
     /// The first error inside a hook (hooks cannot return one); the
     /// collectives after it are not started.
     error: Option<TrainError>,
-    /// Time spent in the collectives.
+    /// Time spent in the collectives (with overlap: waiting for them).
     comm: Duration,
+    /// The collectives in flight while the model computes (boxed: it is
+    /// large and rarely touched).
+    flight: Box<InFlight>,
+}
+
+/// A collective in flight: (this rank's shard or a padded part in, the
+/// padded part or this rank's shard out).
+type PartWork = Work<(Vec<f32>, Vec<f32>)>;
+
+/// Overlap of the collectives with the model's computation (as DDP's
+/// overlap, and under the same `auto` rule): while a part computes, the
+/// next part's all-gather runs (prefetch), and the reduce-scatter of the
+/// part whose backward just finished runs while the part before it
+/// computes its backward. The collectives are the same as without overlap,
+/// issued in the same order on every rank, so the results are bitwise the
+/// same; only the waiting moves.
+#[derive(Default)]
+struct InFlight {
+    /// Whether to overlap at all.
+    on: bool,
+    /// The pass being run (0: forward, 1: backward), if any.
+    pass: Option<usize>,
+    /// The ranges each kind of pass gathered last time, in order: every
+    /// pass of a kind gathers the same ones, so the range after the one
+    /// just gathered is the one to prefetch.
+    trace: [Vec<Range<usize>>; 2],
+    /// The ranges the current pass gathered so far.
+    recording: Vec<Range<usize>>,
+    /// The prefetched all-gather: the part's range and its work.
+    gather: Option<(Range<usize>, PartWork)>,
+    /// Reduce-scatters not yet added to the flat shard's gradient: the
+    /// part's shard in the flat shard, and its work.
+    reduces: VecDeque<(Range<usize>, PartWork)>,
+    /// Buffers that finished works handed back, for the next ones.
+    spare: Vec<Vec<f32>>,
+}
+
+/// Reduce-scatters left in flight when the next one starts: one, so that
+/// each overlaps the backward of the part before it, and at most two parts'
+/// gradients are held besides the shard's.
+const REDUCES_IN_FLIGHT: usize = 1;
+
+/// Spare buffers kept for the works (each at most a padded part).
+const SPARES: usize = 3;
+
+impl InFlight {
+    /// A buffer of `len` elements (contents unspecified), reusing a spare.
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.resize(len, 0.0);
+        buf
+    }
+
+    /// Keeps `buf` for a later work, unless enough are kept.
+    fn recycle(&mut self, buf: Vec<f32>) {
+        if self.spare.len() < SPARES {
+            self.spare.push(buf);
+        }
+    }
 }
 
 impl Shards {
     /// Every rank's shard of the part holding `range` into `dest`, exactly
-    /// `range` of the model's buffer. Collective.
+    /// `range` of the model's buffer (from the prefetched all-gather when it
+    /// fetched that part); within a pass, the next range is prefetched.
+    /// Collective.
     fn gather(&mut self, pg: &ProcessGroup, range: Range<usize>, dest: &mut [f32]) {
         if self.error.is_some() {
             return;
         }
         let t = Instant::now();
-        let result = self.parts.find(&range).and_then(|p| {
+        let result = self.gather_now(pg, &range, dest);
+        self.comm += t.elapsed();
+        if let Err(e) = result {
+            self.error = Some(e);
+            return;
+        }
+        if let Some(pass) = self.flight.pass {
+            self.flight.recording.push(range);
+            let next = self.flight.trace[pass]
+                .get(self.flight.recording.len())
+                .cloned();
+            if let Some(next) = next.filter(|_| self.flight.on) {
+                self.prefetch(pg, &next);
+            }
+        }
+    }
+
+    /// Starts the all-gather of the part holding `range`.
+    fn prefetch(&mut self, pg: &ProcessGroup, range: &Range<usize>) {
+        let Ok(p) = self.parts.find(range).cloned() else {
+            return;
+        };
+        let mut own = self.flight.buffer(p.shard.len);
+        own.copy_from_slice(&self.params[p.own()]);
+        let whole = self.flight.buffer(p.shard.padded());
+        self.flight.gather = Some((p.range.clone(), pg.all_gather_async(own, whole)));
+    }
+
+    /// [`Shards::gather`]'s collective: the prefetched one if it fetched the
+    /// part holding `range`, else one now (after waiting out a prefetch that
+    /// fetched another part: the ranks all run the same passes, so they all
+    /// mispredict alike).
+    fn gather_now(
+        &mut self,
+        pg: &ProcessGroup,
+        range: &Range<usize>,
+        dest: &mut [f32],
+    ) -> Result<(), TrainError> {
+        let comm = TrainError::comm("parameter all_gather");
+        let p = self.parts.find(range)?.clone();
+        if let Some((fetched, work)) = self.flight.gather.take() {
+            let (own, whole) = work.wait().map_err(&comm)?;
+            self.flight.recycle(own);
+            if fetched == p.range {
+                let at = range.start - p.range.start;
+                dest.copy_from_slice(&whole[at..at + range.len()]);
+                self.flight.recycle(whole);
+                return Ok(());
+            }
+            self.flight.recycle(whole);
+        }
+        {
             let own = &self.params[p.own()];
             let comm = TrainError::comm("parameter all_gather");
-            if range == p.range && !p.padded() {
+            if *range == p.range && !p.padded() {
                 return pg.all_gather(own, dest).map_err(comm);
             }
             let whole = staged(&mut self.staging, p.shard.padded());
@@ -259,11 +380,66 @@ impl Shards {
             let at = range.start - p.range.start;
             dest.copy_from_slice(&whole[at..at + range.len()]);
             Ok(())
-        });
-        self.comm += t.elapsed();
-        if let Err(e) = result {
-            self.error = Some(e);
         }
+    }
+
+    /// Starts a pass of the model (0: forward, 1: backward) whose gathers
+    /// are traced, the first one prefetched when the last pass of the kind
+    /// says what it is.
+    fn begin_pass(&mut self, pg: &ProcessGroup, pass: usize) {
+        self.flight.pass = Some(pass);
+        self.flight.recording.clear();
+        let first = self.flight.trace[pass].first().cloned();
+        if let Some(first) = first.filter(|_| self.flight.on && self.error.is_none()) {
+            self.prefetch(pg, &first);
+        }
+    }
+
+    /// Ends the pass: waits for what is still in flight (its reduce-scatters
+    /// added to the shard's gradient) and keeps the pass's trace.
+    fn end_pass(&mut self) {
+        let t = Instant::now();
+        self.finish_reduces(0);
+        if let Some((_, work)) = self.flight.gather.take() {
+            match work.wait() {
+                Ok((own, whole)) => {
+                    self.flight.recycle(own);
+                    self.flight.recycle(whole);
+                }
+                Err(e) => self.fail(TrainError::comm("parameter all_gather")(e)),
+            }
+        }
+        self.comm += t.elapsed();
+        if let Some(pass) = self.flight.pass.take() {
+            self.flight.trace[pass] = std::mem::take(&mut self.flight.recording);
+        }
+    }
+
+    /// Waits for the reduce-scatters in flight beyond the newest `keep`,
+    /// oldest first, adding each to the flat shard's gradient.
+    fn finish_reduces(&mut self, keep: usize) {
+        while self.flight.reduces.len() > keep {
+            let Some((own, work)) = self.flight.reduces.pop_front() else {
+                break;
+            };
+            match work.wait() {
+                Ok((whole, out)) => {
+                    if self.error.is_none() {
+                        for (g, x) in self.grads[own].iter_mut().zip(out.iter()) {
+                            *g += x;
+                        }
+                    }
+                    self.flight.recycle(whole);
+                    self.flight.recycle(out);
+                }
+                Err(e) => self.fail(TrainError::comm("gradient reduce_scatter")(e)),
+            }
+        }
+    }
+
+    /// Keeps the first error.
+    fn fail(&mut self, e: TrainError) {
+        self.error.get_or_insert(e);
     }
 
     /// The part `range`'s gradient `grads` (this rank's, final for this
@@ -272,35 +448,56 @@ impl Shards {
     fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
         if self.error.is_none() {
             let t = Instant::now();
-            let result = self.parts.find(&range).and_then(|p| {
-                if range != p.range {
-                    return Err(TrainError::UnknownPart {
-                        start: range.start,
-                        end: range.end,
-                    });
-                }
-                let out = staged(&mut self.scratch, p.shard.len);
-                let comm = TrainError::comm("gradient reduce_scatter");
-                if p.padded() {
-                    let whole = staged(&mut self.staging, p.shard.padded());
-                    whole[..grads.len()].copy_from_slice(grads);
-                    whole[grads.len()..].fill(0.0);
-                    pg.reduce_scatter(whole, out, ReduceOp::Avg).map_err(comm)?;
-                } else {
-                    pg.reduce_scatter(grads, out, ReduceOp::Avg).map_err(comm)?;
-                }
-                for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
-                    *g += x;
-                }
-                Ok(())
-            });
+            let result = self.reduce_now(pg, range, grads);
             self.comm += t.elapsed();
             if let Err(e) = result {
-                self.error = Some(e);
+                self.fail(e);
             }
         }
         // Zero for the next backward, which accumulates into it.
         release(grads);
+    }
+
+    /// [`Shards::reduce`]'s collective: started and left in flight with
+    /// overlap, else run now and added to the flat shard's gradient.
+    fn reduce_now(
+        &mut self,
+        pg: &ProcessGroup,
+        range: Range<usize>,
+        grads: &[f32],
+    ) -> Result<(), TrainError> {
+        let p = self.parts.find(&range)?.clone();
+        if range != p.range {
+            return Err(TrainError::UnknownPart {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        let comm = TrainError::comm("gradient reduce_scatter");
+        if self.flight.on {
+            // The work owns a copy, so that `grads` is released now.
+            let mut whole = self.flight.buffer(p.shard.padded());
+            whole[..grads.len()].copy_from_slice(grads);
+            whole[grads.len()..].fill(0.0);
+            let out = self.flight.buffer(p.shard.len);
+            let work = pg.reduce_scatter_async(whole, out, ReduceOp::Avg);
+            self.flight.reduces.push_back((p.own(), work));
+            self.finish_reduces(REDUCES_IN_FLIGHT);
+            return Ok(());
+        }
+        let out = staged(&mut self.scratch, p.shard.len);
+        if p.padded() {
+            let whole = staged(&mut self.staging, p.shard.padded());
+            whole[..grads.len()].copy_from_slice(grads);
+            whole[grads.len()..].fill(0.0);
+            pg.reduce_scatter(whole, out, ReduceOp::Avg).map_err(comm)?;
+        } else {
+            pg.reduce_scatter(grads, out, ReduceOp::Avg).map_err(comm)?;
+        }
+        for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
+            *g += x;
+        }
+        Ok(())
     }
 
     /// The first error a hook met, clearing it.
@@ -378,9 +575,20 @@ impl ShardedDp {
                 scratch: Vec::new(),
                 error: None,
                 comm: Duration::ZERO,
+                flight: Box::default(),
             }),
             opt,
         })
+    }
+
+    /// Overlaps the collectives with the model's computation (off at
+    /// first): each part's all-gather prefetched while the part before it
+    /// computes, each part's reduce-scatter left running while the part
+    /// before it computes its backward. The results are bitwise those
+    /// without overlap. Decide as DDP does ([`crate::Overlap::enabled`]):
+    /// the communication thread needs a core of its own.
+    pub fn set_overlap(&mut self, on: bool) {
+        self.shards_mut().flight.on = on;
     }
 
     /// Which stage this is.
@@ -424,9 +632,12 @@ impl ShardedDp {
         if self.stage == ZeroStage::Two {
             return Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?);
         }
+        self.shards_mut().begin_pass(pg, 0);
         let hooks = &mut Gather { pg, st: &self.st };
         let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
-        self.shards_mut().check()?;
+        let shards = self.shards_mut();
+        shards.end_pass();
+        shards.check()?;
         Ok(loss?)
     }
 
@@ -436,7 +647,9 @@ impl ShardedDp {
     /// parameters around its backward). Returns the time spent in the
     /// collectives. Collective.
     pub fn backward(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
-        self.shards_mut().comm = Duration::ZERO;
+        let shards = self.shards_mut();
+        shards.comm = Duration::ZERO;
+        shards.begin_pass(pg, 1);
         let st = &self.st;
         let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
         let done = match self.stage {
@@ -444,6 +657,7 @@ impl ShardedDp {
             ZeroStage::Three => model.backward_parts(&mut Gather { pg, st }, ready),
         };
         let shards = self.shards_mut();
+        shards.end_pass();
         shards.check()?;
         done?;
         Ok(shards.comm)
@@ -569,6 +783,9 @@ impl<'a> ZeroSharded<'a> {
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
         let mut zero = ShardedDp::new(pg, &mut model, stage, cfg.adamw())?;
+        let threads = model.backend().num_threads();
+        let overlap = cfg.overlap.enabled(world, pg.local_world_size(), threads);
+        zero.set_overlap(overlap);
         // A checkpoint of any kind and world size: this rank reads its own
         // shards of it.
         let config = model.config().clone();
@@ -587,7 +804,8 @@ impl<'a> ZeroSharded<'a> {
         };
         header.push(format!(
             "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
-             {name}: {what} in {} shards by part, {} elements per rank ({} padding)",
+             {name}: {what} in {} shards by part, {} elements per rank ({} padding); \
+             overlap {}",
             cfg.n_layers,
             cfg.n_heads,
             cfg.d_model,
@@ -598,6 +816,7 @@ impl<'a> ZeroSharded<'a> {
             world,
             zero.shard_len(),
             zero.shard_len() * world - n,
+            if overlap { "on" } else { "off" },
         ));
         header.push(memory_line(cfg, &model, t, sharding));
         header.push(global_batch_line(cfg, world, t));

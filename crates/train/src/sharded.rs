@@ -290,7 +290,7 @@ struct InFlight {
 const REDUCES_IN_FLIGHT: usize = 1;
 
 /// Spare buffers kept for the works (each at most a padded part).
-const SPARES: usize = 3;
+const SPARES: usize = 2;
 
 impl InFlight {
     /// A buffer of `len` elements (contents unspecified), reusing a spare.

@@ -558,3 +558,38 @@ fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
         );
     }
 }
+
+/// The commit protocol under a crash: a save killed after some shards
+/// were written leaves only its staging directory, which no resume reads
+/// (the latest complete checkpoint is used) and the next save of that step
+/// replaces.
+#[test]
+fn a_save_killed_midway_leaves_the_previous_checkpoint_in_charge() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let cfg = TrainConfig {
+        steps: 4,
+        save_interval: 2,
+        out: Some(out.clone()),
+        ..with(Strategy::Zero3, &odd())
+    };
+    let straight = run_world(2, &cfg).swap_remove(0);
+    // As if step 4's save had been killed after rank 0's shard.
+    std::fs::remove_dir_all(out.join("step-000004")).unwrap();
+    std::fs::write(out.join("latest"), "step-000002\n").unwrap();
+    let staging = ckpt::staging_dir(&out, "step-000004");
+    std::fs::create_dir(&staging).unwrap();
+    std::fs::write(staging.join(ckpt::shard_file_name(0, 2)), b"half").unwrap();
+    let resumed = run_world(
+        2,
+        &TrainConfig {
+            resume: Some(out.clone()),
+            ..cfg.clone()
+        },
+    );
+    assert_eq!(resumed[0].steps_run, 2, "resumed at step 2");
+    assert!(resumed[0].params == straight.params);
+    assert!(!staging.exists(), "the staging directory was replaced");
+    let index = ckpt::read_index(&out.join("step-000004")).unwrap().unwrap();
+    assert_eq!(index.world_size, 2);
+}

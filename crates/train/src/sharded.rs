@@ -379,6 +379,13 @@ impl Shards {
             pg.all_gather(own, whole).map_err(comm)?;
             let at = range.start - p.range.start;
             dest.copy_from_slice(&whole[at..at + range.len()]);
+            if *range != p.range {
+                // A tied head's read of wte: the whole embeddings part was
+                // gathered for it, the largest part of all, and the model
+                // now holds wte besides. Give the copy back at once rather
+                // than hold both while the head computes.
+                release(whole);
+            }
             Ok(())
         }
     }
@@ -410,6 +417,11 @@ impl Shards {
             }
         }
         self.comm += t.elapsed();
+        // The staging copies are as large as the largest part (the
+        // embeddings): needed again only in the next pass, so not held
+        // through the other pass's peak.
+        release(&mut self.staging);
+        release(&mut self.scratch);
         if let Some(pass) = self.flight.pass.take() {
             self.flight.trace[pass] = std::mem::take(&mut self.flight.recording);
         }

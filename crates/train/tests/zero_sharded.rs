@@ -375,8 +375,9 @@ fn sharded_passes_leave_only_the_shards_behind() {
 
 /// A run stopped after 3 of 6 steps on 2 ranks resumes on 3 (the launcher's
 /// elastic rescale keeps the global batch: grad_accum 3 -> 2) and ends where
-/// the unbroken 2-rank run does; a DDP checkpoint resumes under either
-/// stage, and a stage's checkpoint under DDP.
+/// the unbroken 2-rank run does, each rank reading its ranges of the 2
+/// ranks' shards; a DDP checkpoint resumes under either stage, and a
+/// stage's checkpoint under DDP and ZeRO-1 (and ZeRO-1's under the stage).
 #[test]
 fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
     let cfg = TrainConfig {
@@ -391,6 +392,10 @@ fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
             (strategy, strategy, 3),
             (Strategy::Ddp, strategy, 3),
             (strategy, Strategy::Ddp, 1),
+            // Shards by part read back as ZeRO-1's one contiguous shard, and
+            // the other way round.
+            (strategy, Strategy::Zero1, 3),
+            (Strategy::Zero1, strategy, 3),
         ] {
             assert_stopped_run_resumes_like(&straight, &cfg, (first, then), world, TOL);
         }

@@ -12,9 +12,16 @@
 //! save is reported and the run goes on with the previous checkpoint intact;
 //! only the newest `keep_checkpoints` are kept. Resuming from `OUT` takes
 //! the checkpoint `latest` names, or, if that one is damaged, the newest
-//! intact one before it. Only rank 0 calls [`save_or_report`]; every rank
-//! calls [`resume`]. This module never deletes a checkpoint that `latest`
-//! names, and never resumes ranks from different steps.
+//! intact one before it. Only rank 0 calls [`save_or_report`] (a whole
+//! model, DDP's format); every rank calls [`save_sharded`] (the ZeRO
+//! stages: each rank writes its own shard, rank 0 commits them, see
+//! `cohort_gpt::checkpoint`'s sharded format) and [`resume`] (or
+//! [`resume_into`], for a rank that restores only its own shard: a sharded
+//! checkpoint is then read only where that shard lies). Either kind of
+//! checkpoint resumes under any strategy and world size, and
+//! [`consolidate`] turns a sharded one into DDP's format. This module never
+//! deletes a checkpoint that `latest` names, and never resumes ranks from
+//! different steps or different checkpoints.
 
 use crate::config::TrainConfig;
 use crate::trainer_files::{self, TrainerState};

@@ -65,8 +65,10 @@ pub struct BenchDdpArgs {
     /// DDP first bucket size in MB.
     #[arg(long, default_value_t = cohort_ddp::DEFAULT_FIRST_BUCKET_MB)]
     pub first_bucket_mb: f64,
-    /// Reduce gradient buckets during backward (on), after it (off), or on
-    /// only when a core is free for the communication thread (auto).
+    /// Overlap the collectives with computation (DDP: reduce gradient
+    /// buckets during backward; ZeRO-2/3: prefetch parts' all-gathers and
+    /// leave reduce-scatters running) (on), not (off), or only when a core
+    /// is free for the communication thread (auto).
     #[arg(long, value_enum, default_value_t = Overlap::Auto)]
     pub overlap: Overlap,
     /// Matrix products in fp32, or bf16 with f32 sums and master weights (both the DDP ranks
@@ -176,7 +178,9 @@ pub struct BenchDdpResult {
     /// Gradient buckets (0 under ZeRO: ZeRO-1 reduces the buffer at once,
     /// ZeRO-2 and 3 part by part).
     pub buckets: usize,
-    /// Whether buckets were reduced during backward.
+    /// Whether the collectives overlapped the computation (DDP: buckets
+    /// reduced during backward; ZeRO-2/3: parts' all-gathers prefetched and
+    /// reduce-scatters left running during backward).
     pub overlap: bool,
     /// Parameters of the model.
     pub params: usize,
@@ -251,7 +255,8 @@ pub fn run_ddp_bench(
         GPT::zeroed(cfg.clone(), 1234)?
     };
     model.set_precision(args.precision)?;
-    let overlap = args.strategy == BenchStrategy::Ddp
+    // ZeRO-1 has nothing to overlap: its collectives run after backward.
+    let overlap = args.strategy != BenchStrategy::Zero1
         && args
             .overlap
             .enabled(world, pg.local_world_size(), model.backend().num_threads());
@@ -287,7 +292,8 @@ pub fn run_ddp_bench(
             } else {
                 ZeroStage::Three
             };
-            let zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            let mut zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            zero.set_overlap(overlap);
             DataParallel::Sharded(zero)
         }
     };
@@ -554,8 +560,9 @@ impl DataParallel<'_> {
                 let gather = zero.update(pg, model, 1e-3)?;
                 zero.clear_grads();
                 let optimizer = t.elapsed().saturating_sub(gather);
-                // The reduce-scatters run between the parts' backwards, the
-                // all-gathers after AdamW: all of their time is waited for.
+                // The reduce-scatters run between the parts' backwards (with
+                // overlap, beside them: what is counted is the time waited
+                // for them), ZeRO-2's all-gathers after AdamW.
                 Ok(Phases {
                     backward,
                     comm_wait: reduce + gather,

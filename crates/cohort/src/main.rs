@@ -4,6 +4,7 @@
 use clap::Parser;
 
 mod bench;
+mod checkpoint;
 mod demo;
 mod plot;
 mod run;
@@ -27,6 +28,8 @@ enum Cli {
     Plot(plot::PlotArgs),
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCmd),
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCmd),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -83,6 +86,7 @@ fn run_command() -> anyhow::Result<()> {
         Cli::Serve(args) => serve::main(args),
         Cli::Plot(args) => plot::main(args),
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
+        Cli::Checkpoint(cmd) => checkpoint::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }
 }

@@ -541,12 +541,13 @@ fn a_silent_node_is_lost_after_the_heartbeat_timeout_and_the_job_goes_on() {
     assert!(out.contains("[rank0]: round 1 world 1"), "{out}");
 }
 
-/// ZeRO-2 and ZeRO-3 under a crash: rank 1 killed with SIGKILL after the first checkpoint (the
-/// shards gathered into DDP's format by rank 0), the launcher restarts the group, each rank
-/// takes its shard of the checkpoint again, and the run ends where an unbroken one does.
+/// The ZeRO stages under a crash: rank 1 killed with SIGKILL after the first checkpoint (a
+/// sharded one: each rank wrote its own shard, rank 0 the index), the launcher restarts the
+/// group, each rank reads its shard of the checkpoint again, and the run ends where an unbroken
+/// one does.
 #[test]
 fn a_killed_rank_of_a_sharded_run_resumes_to_the_unbroken_runs_parameters() {
-    for strategy in ["zero2", "zero3"] {
+    for strategy in ["zero1", "zero2", "zero3"] {
         let run = |dir: &Path, restartable: bool| {
             let mut cmd = cohort();
             cmd.args(["run", "--standalone", "-n", "2"]);
@@ -587,5 +588,8 @@ fn a_killed_rank_of_a_sharded_run_resumes_to_the_unbroken_runs_parameters() {
             "{strategy}: parameters differ by {max_diff}"
         );
         assert_eq!(checkpoint_step(crashed.path()), Some(200));
+        let latest = crashed.path().join("step-000200");
+        let index = cohort_gpt::checkpoint::read_index(&latest).unwrap();
+        assert_eq!(index.map(|i| i.world_size), Some(2), "{strategy}: sharded");
     }
 }

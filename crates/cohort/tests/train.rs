@@ -376,3 +376,51 @@ fn a_new_run_starts_from_a_pretrained_model_and_takes_its_shape() {
         "{e}"
     );
 }
+
+/// `cohort checkpoint consolidate` turns a ZeRO-3 run's sharded checkpoint
+/// (a shard per rank) into one model with the same parameters; a damaged
+/// shard is one line naming its file and rank.
+#[test]
+fn checkpoint_consolidate_exports_a_sharded_run_as_one_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, export) = (tmp.path().join("out"), tmp.path().join("export"));
+    let mut args = vec![
+        "run",
+        "--standalone",
+        "-n",
+        "2",
+        "train",
+        "--strategy",
+        "zero3",
+    ];
+    args.extend_from_slice(&["--out", out.to_str().unwrap()]);
+    args.extend_from_slice(STEPS);
+    args.extend_from_slice(TINY);
+    succeeded(&run(&args));
+    let step = out.join("step-000004");
+    assert!(step.join("shard-00001-of-00002.safetensors").is_file());
+    let consolidate = |from: &std::path::Path| {
+        run(&[
+            "checkpoint",
+            "consolidate",
+            "--from",
+            from.to_str().unwrap(),
+            "--out",
+            export.to_str().unwrap(),
+        ])
+    };
+    succeeded(&consolidate(&out));
+    assert!(export.join("model.safetensors").is_file());
+    assert_eq!(params(&export), params(&step));
+
+    let shard = step.join("shard-00001-of-00002.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() / 2]).unwrap();
+    let failed = consolidate(&step);
+    assert!(!failed.status.success());
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    for want in ["shard of rank 1 of 2", "shard-00001-of-00002.safetensors"] {
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+}

@@ -123,7 +123,8 @@ pub struct TrainConfig {
     /// all but the top blocks of config A in one bucket reduced after
     /// backward).
     pub bucket_cap_mb: f64,
-    /// Whether DDP all-reduces buckets while backward runs (see [`Overlap`]).
+    /// Whether DDP all-reduces buckets while backward runs, and ZeRO-2/3
+    /// overlap their gathers and reduce-scatters (see [`Overlap`]).
     pub overlap: Overlap,
     /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
     pub bf16_compress: bool,
@@ -586,7 +587,8 @@ pub struct TrainArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bucket_cap_mb: Option<f64>,
     /// DDP reduces gradient buckets during backward (on), after it (off), or on only when a
-    /// core is free for the communication thread (auto) [default: auto].
+    /// core is free for the communication thread (auto) [default: auto]. ZeRO-2/3 follow the
+    /// same rule: prefetch the next block's all-gather and leave reduce-scatters running.
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap: Option<Overlap>,

@@ -63,7 +63,7 @@ mod train;
 mod trainer_files;
 mod zero;
 
-pub use checkpoint::TrainState;
+pub use checkpoint::{consolidate, TrainState};
 pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use config::{
     ConfigError, Overlap, PipelineSchedule, Precision, PsMode, Strategy, TrainArgs, TrainConfig,
@@ -155,6 +155,17 @@ pub enum TrainError {
     /// created or written.
     #[error("run log: {0}")]
     RunLog(String),
+    /// Another rank could not resume from the checkpoint this rank tried
+    /// (each rank reads only the files it needs, so only it saw why).
+    #[error("rank {rank}: {message}")]
+    PeerResume {
+        /// The rank that failed.
+        rank: usize,
+        /// Whether it found the checkpoint damaged (an older one may do).
+        damaged: bool,
+        /// Its error.
+        message: String,
+    },
     /// The ranks built models of different sizes, so there is no one flat
     /// buffer to shard (ZeRO-1).
     #[error(

@@ -33,29 +33,40 @@
 //! 5. stage 2 all-gathers every part's updated shard into the model; stage
 //!    3 does nothing: the next forward gathers what it needs.
 //!
-//! Checkpoints are DDP's, as ZeRO-1's: at a save the flat shards (and, for
-//! stage 3, the parameters) are gathered to rank 0, which writes the whole
-//! state; a resume loads it whole, keeps this rank's shards and frees the
-//! rest, at any world size and from any data-parallel strategy.
+//! Overlap (`--overlap`, DDP's rule: on when a core is free for the
+//! communication thread or the job spans nodes): stage 3 prefetches the
+//! next part's all-gather while a part computes (the order of the parts is
+//! the previous pass's, forward or backward), and both stages leave a
+//! part's reduce-scatter running through the backward of the part before
+//! it. The collectives and their order are the same either way, so the
+//! results are bitwise the same.
+//!
+//! Checkpoints are sharded, as ZeRO-1's: at a save each rank writes its
+//! flat shard (parameters and moments, with the parts' ranges it holds) and
+//! rank 0 the index that commits them; nothing is gathered. A resume reads
+//! any checkpoint, sharded (at any world size, by any strategy) or DDP's,
+//! whole, keeps this rank's shards and frees the rest.
 //!
 //! This module must never keep a part's gradient beyond this rank's shard
 //! once the part was reduce-scattered, never (stage 3) keep a part's
 //! gathered parameters outside the part's forward or backward, and never
 //! let one rank's parameters differ from another's after a step.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_comm::{ProcessGroup, ReduceOp, Work};
 use cohort_data::{Batch, Dataset};
-use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{Labels, Part, PartHooks, GPT};
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{SaveReport, TrainState};
+use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
 use crate::pages::release;
@@ -63,7 +74,7 @@ use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
 use crate::train::{
     apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_replica, save_replica,
+    model_config, resume_shard, save_shard,
 };
 use crate::zero::{agree_on_size, norm_over_shards, shard_mask, Shard};
 use crate::TrainError;
@@ -165,23 +176,6 @@ impl PartShards {
         flat
     }
 
-    /// The whole buffer from every rank's flat shard, `gathered` holding
-    /// them in rank order.
-    fn unshard(&self, gathered: &[f32]) -> Vec<f32> {
-        let mut full = vec![0f32; self.n];
-        let world = gathered.len() / self.len.max(1);
-        for rank in 0..world {
-            let base = rank * self.len;
-            for p in &self.parts {
-                let real = Shard::new(p.shard.n, world, rank).real();
-                let src = base + p.offset;
-                full[p.range.start + real.start..p.range.start + real.end]
-                    .copy_from_slice(&gathered[src..src + real.len()]);
-            }
-        }
-        full
-    }
-
     /// The weight-decay mask of the flat shard, given the whole buffer's.
     fn mask(&self, full: &DecayMask) -> Result<DecayMask, TrainError> {
         let mut exempt = Vec::new();
@@ -198,6 +192,21 @@ impl PartShards {
         }
         exempt.retain(|r| r.start < r.end);
         Ok(DecayMask::with_exempt(self.len, exempt)?)
+    }
+
+    /// Where this rank's shards of the parts lie: each part's model elements in the
+    /// model's buffer, at their place in the flat shard.
+    fn pieces(&self) -> Vec<Piece> {
+        (self.parts.iter())
+            .map(|p| {
+                let real = p.real_in_model();
+                Piece {
+                    start: real.start,
+                    end: real.end,
+                    at: p.offset,
+                }
+            })
+            .collect()
     }
 
     /// The largest padded part: what the staging buffer may have to hold.
@@ -236,34 +245,213 @@ struct Shards {
     /// The first error inside a hook (hooks cannot return one); the
     /// collectives after it are not started.
     error: Option<TrainError>,
-    /// Time spent in the collectives.
+    /// Time spent in the collectives (with overlap: waiting for them).
     comm: Duration,
+    /// The collectives in flight while the model computes (boxed: it is
+    /// large and rarely touched).
+    flight: Box<InFlight>,
+}
+
+/// A collective in flight: (this rank's shard or a padded part in, the
+/// padded part or this rank's shard out).
+type PartWork = Work<(Vec<f32>, Vec<f32>)>;
+
+/// Overlap of the collectives with the model's computation (as DDP's
+/// overlap, and under the same `auto` rule): while a part computes, the
+/// next part's all-gather runs (prefetch), and the reduce-scatter of the
+/// part whose backward just finished runs while the part before it
+/// computes its backward. The collectives are the same as without overlap,
+/// issued in the same order on every rank, so the results are bitwise the
+/// same; only the waiting moves.
+#[derive(Default)]
+struct InFlight {
+    /// Whether to overlap at all.
+    on: bool,
+    /// The pass being run (0: forward, 1: backward), if any.
+    pass: Option<usize>,
+    /// The ranges each kind of pass gathered last time, in order: every
+    /// pass of a kind gathers the same ones, so the range after the one
+    /// just gathered is the one to prefetch.
+    trace: [Vec<Range<usize>>; 2],
+    /// The ranges the current pass gathered so far.
+    recording: Vec<Range<usize>>,
+    /// The prefetched all-gather: the part's range and its work.
+    gather: Option<(Range<usize>, PartWork)>,
+    /// Reduce-scatters not yet added to the flat shard's gradient: the
+    /// part's shard in the flat shard, and its work.
+    reduces: VecDeque<(Range<usize>, PartWork)>,
+    /// Buffers that finished works handed back, for the next ones.
+    spare: Vec<Vec<f32>>,
+}
+
+/// Reduce-scatters left in flight when the next one starts: one, so that
+/// each overlaps the backward of the part before it, and at most two parts'
+/// gradients are held besides the shard's.
+const REDUCES_IN_FLIGHT: usize = 1;
+
+/// Spare buffers kept for the works (each at most a padded part).
+const SPARES: usize = 2;
+
+impl InFlight {
+    /// A buffer of `len` elements (contents unspecified), reusing a spare.
+    fn buffer(&mut self, len: usize) -> Vec<f32> {
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.resize(len, 0.0);
+        buf
+    }
+
+    /// Keeps `buf` for a later work, unless enough are kept.
+    fn recycle(&mut self, buf: Vec<f32>) {
+        if self.spare.len() < SPARES {
+            self.spare.push(buf);
+        }
+    }
 }
 
 impl Shards {
     /// Every rank's shard of the part holding `range` into `dest`, exactly
-    /// `range` of the model's buffer. Collective.
+    /// `range` of the model's buffer (from the prefetched all-gather when it
+    /// fetched that part); within a pass, the next range is prefetched.
+    /// Collective.
     fn gather(&mut self, pg: &ProcessGroup, range: Range<usize>, dest: &mut [f32]) {
         if self.error.is_some() {
             return;
         }
         let t = Instant::now();
-        let result = self.parts.find(&range).and_then(|p| {
+        let result = self.gather_now(pg, &range, dest);
+        self.comm += t.elapsed();
+        if let Err(e) = result {
+            self.error = Some(e);
+            return;
+        }
+        if let Some(pass) = self.flight.pass {
+            self.flight.recording.push(range);
+            let next = self.flight.trace[pass]
+                .get(self.flight.recording.len())
+                .cloned();
+            if let Some(next) = next.filter(|_| self.flight.on) {
+                self.prefetch(pg, &next);
+            }
+        }
+    }
+
+    /// Starts the all-gather of the part holding `range`.
+    fn prefetch(&mut self, pg: &ProcessGroup, range: &Range<usize>) {
+        let Ok(p) = self.parts.find(range).cloned() else {
+            return;
+        };
+        let mut own = self.flight.buffer(p.shard.len);
+        own.copy_from_slice(&self.params[p.own()]);
+        let whole = self.flight.buffer(p.shard.padded());
+        self.flight.gather = Some((p.range.clone(), pg.all_gather_async(own, whole)));
+    }
+
+    /// [`Shards::gather`]'s collective: the prefetched one if it fetched the
+    /// part holding `range`, else one now (after waiting out a prefetch that
+    /// fetched another part: the ranks all run the same passes, so they all
+    /// mispredict alike).
+    fn gather_now(
+        &mut self,
+        pg: &ProcessGroup,
+        range: &Range<usize>,
+        dest: &mut [f32],
+    ) -> Result<(), TrainError> {
+        let comm = TrainError::comm("parameter all_gather");
+        let p = self.parts.find(range)?.clone();
+        if let Some((fetched, work)) = self.flight.gather.take() {
+            let (own, whole) = work.wait().map_err(&comm)?;
+            self.flight.recycle(own);
+            if fetched == p.range {
+                let at = range.start - p.range.start;
+                dest.copy_from_slice(&whole[at..at + range.len()]);
+                self.flight.recycle(whole);
+                return Ok(());
+            }
+            self.flight.recycle(whole);
+        }
+        {
             let own = &self.params[p.own()];
             let comm = TrainError::comm("parameter all_gather");
-            if range == p.range && !p.padded() {
+            if *range == p.range && !p.padded() {
                 return pg.all_gather(own, dest).map_err(comm);
             }
             let whole = staged(&mut self.staging, p.shard.padded());
             pg.all_gather(own, whole).map_err(comm)?;
             let at = range.start - p.range.start;
             dest.copy_from_slice(&whole[at..at + range.len()]);
+            if *range != p.range {
+                // A tied head's read of wte: the whole embeddings part was
+                // gathered for it, the largest part of all, and the model
+                // now holds wte besides. Give the copy back at once rather
+                // than hold both while the head computes.
+                release(whole);
+            }
             Ok(())
-        });
-        self.comm += t.elapsed();
-        if let Err(e) = result {
-            self.error = Some(e);
         }
+    }
+
+    /// Starts a pass of the model (0: forward, 1: backward) whose gathers
+    /// are traced, the first one prefetched when the last pass of the kind
+    /// says what it is.
+    fn begin_pass(&mut self, pg: &ProcessGroup, pass: usize) {
+        self.flight.pass = Some(pass);
+        self.flight.recording.clear();
+        let first = self.flight.trace[pass].first().cloned();
+        if let Some(first) = first.filter(|_| self.flight.on && self.error.is_none()) {
+            self.prefetch(pg, &first);
+        }
+    }
+
+    /// Ends the pass: waits for what is still in flight (its reduce-scatters
+    /// added to the shard's gradient) and keeps the pass's trace.
+    fn end_pass(&mut self) {
+        let t = Instant::now();
+        self.finish_reduces(0);
+        if let Some((_, work)) = self.flight.gather.take() {
+            match work.wait() {
+                Ok((own, whole)) => {
+                    self.flight.recycle(own);
+                    self.flight.recycle(whole);
+                }
+                Err(e) => self.fail(TrainError::comm("parameter all_gather")(e)),
+            }
+        }
+        self.comm += t.elapsed();
+        // The staging copies are as large as the largest part (the
+        // embeddings): needed again only in the next pass, so not held
+        // through the other pass's peak.
+        release(&mut self.staging);
+        release(&mut self.scratch);
+        if let Some(pass) = self.flight.pass.take() {
+            self.flight.trace[pass] = std::mem::take(&mut self.flight.recording);
+        }
+    }
+
+    /// Waits for the reduce-scatters in flight beyond the newest `keep`,
+    /// oldest first, adding each to the flat shard's gradient.
+    fn finish_reduces(&mut self, keep: usize) {
+        while self.flight.reduces.len() > keep {
+            let Some((own, work)) = self.flight.reduces.pop_front() else {
+                break;
+            };
+            match work.wait() {
+                Ok((whole, out)) => {
+                    if self.error.is_none() {
+                        for (g, x) in self.grads[own].iter_mut().zip(out.iter()) {
+                            *g += x;
+                        }
+                    }
+                    self.flight.recycle(whole);
+                    self.flight.recycle(out);
+                }
+                Err(e) => self.fail(TrainError::comm("gradient reduce_scatter")(e)),
+            }
+        }
+    }
+
+    /// Keeps the first error.
+    fn fail(&mut self, e: TrainError) {
+        self.error.get_or_insert(e);
     }
 
     /// The part `range`'s gradient `grads` (this rank's, final for this
@@ -272,35 +460,56 @@ impl Shards {
     fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
         if self.error.is_none() {
             let t = Instant::now();
-            let result = self.parts.find(&range).and_then(|p| {
-                if range != p.range {
-                    return Err(TrainError::UnknownPart {
-                        start: range.start,
-                        end: range.end,
-                    });
-                }
-                let out = staged(&mut self.scratch, p.shard.len);
-                let comm = TrainError::comm("gradient reduce_scatter");
-                if p.padded() {
-                    let whole = staged(&mut self.staging, p.shard.padded());
-                    whole[..grads.len()].copy_from_slice(grads);
-                    whole[grads.len()..].fill(0.0);
-                    pg.reduce_scatter(whole, out, ReduceOp::Avg).map_err(comm)?;
-                } else {
-                    pg.reduce_scatter(grads, out, ReduceOp::Avg).map_err(comm)?;
-                }
-                for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
-                    *g += x;
-                }
-                Ok(())
-            });
+            let result = self.reduce_now(pg, range, grads);
             self.comm += t.elapsed();
             if let Err(e) = result {
-                self.error = Some(e);
+                self.fail(e);
             }
         }
         // Zero for the next backward, which accumulates into it.
         release(grads);
+    }
+
+    /// [`Shards::reduce`]'s collective: started and left in flight with
+    /// overlap, else run now and added to the flat shard's gradient.
+    fn reduce_now(
+        &mut self,
+        pg: &ProcessGroup,
+        range: Range<usize>,
+        grads: &[f32],
+    ) -> Result<(), TrainError> {
+        let p = self.parts.find(&range)?.clone();
+        if range != p.range {
+            return Err(TrainError::UnknownPart {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        let comm = TrainError::comm("gradient reduce_scatter");
+        if self.flight.on {
+            // The work owns a copy, so that `grads` is released now.
+            let mut whole = self.flight.buffer(p.shard.padded());
+            whole[..grads.len()].copy_from_slice(grads);
+            whole[grads.len()..].fill(0.0);
+            let out = self.flight.buffer(p.shard.len);
+            let work = pg.reduce_scatter_async(whole, out, ReduceOp::Avg);
+            self.flight.reduces.push_back((p.own(), work));
+            self.finish_reduces(REDUCES_IN_FLIGHT);
+            return Ok(());
+        }
+        let out = staged(&mut self.scratch, p.shard.len);
+        if p.padded() {
+            let whole = staged(&mut self.staging, p.shard.padded());
+            whole[..grads.len()].copy_from_slice(grads);
+            whole[grads.len()..].fill(0.0);
+            pg.reduce_scatter(whole, out, ReduceOp::Avg).map_err(comm)?;
+        } else {
+            pg.reduce_scatter(grads, out, ReduceOp::Avg).map_err(comm)?;
+        }
+        for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
+            *g += x;
+        }
+        Ok(())
     }
 
     /// The first error a hook met, clearing it.
@@ -332,10 +541,6 @@ impl PartHooks for Gather<'_> {
     }
 }
 
-/// The whole optimizer state, and the whole parameters where the model's
-/// buffer does not hold them (stage 3), as rank 0 gathers them to save.
-type WholeState = (AdamW, Option<Vec<f32>>);
-
 /// ZeRO-2 or ZeRO-3 over a [`GPT`]: this rank's flat shard of the
 /// parameters, the mean gradient and AdamW's moments, and the passes that
 /// gather and reduce-scatter around the model's parts. The training
@@ -361,30 +566,10 @@ impl ShardedDp {
         stage: ZeroStage,
         adamw: AdamWConfig,
     ) -> Result<ShardedDp, TrainError> {
-        ShardedDp::resumed(pg, model, stage, adamw, None)
-    }
-
-    /// [`ShardedDp::new`], its optimizer state this rank's shard of `full`
-    /// (an optimizer over the whole model) when given.
-    fn resumed(
-        pg: &ProcessGroup,
-        model: &mut GPT,
-        stage: ZeroStage,
-        adamw: AdamWConfig,
-        full: Option<&AdamW>,
-    ) -> Result<ShardedDp, TrainError> {
         agree_on_size(pg, model.num_params())?;
         let ranges: Vec<_> = model.parts().iter().map(|&p| model.part_range(p)).collect();
         let parts = PartShards::new(&ranges, pg.size(), pg.rank());
-        let mut opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
-        if let Some(full) = full {
-            let (m, v) = (parts.take(full.exp_avg()), parts.take(full.exp_avg_sq()));
-            opt.load_state(&OptimizerState {
-                optimizer: full.name().to_string(),
-                step: full.steps_taken(),
-                buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
-            })?;
-        }
+        let opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
         let params = parts.take(model.params());
         if stage == ZeroStage::Three {
             release(model.params_mut());
@@ -402,9 +587,20 @@ impl ShardedDp {
                 scratch: Vec::new(),
                 error: None,
                 comm: Duration::ZERO,
+                flight: Box::default(),
             }),
             opt,
         })
+    }
+
+    /// Overlaps the collectives with the model's computation (off at
+    /// first): each part's all-gather prefetched while the part before it
+    /// computes, each part's reduce-scatter left running while the part
+    /// before it computes its backward. The results are bitwise those
+    /// without overlap. Decide as DDP does ([`crate::Overlap::enabled`]):
+    /// the communication thread needs a core of its own.
+    pub fn set_overlap(&mut self, on: bool) {
+        self.shards_mut().flight.on = on;
     }
 
     /// Which stage this is.
@@ -448,9 +644,12 @@ impl ShardedDp {
         if self.stage == ZeroStage::Two {
             return Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?);
         }
+        self.shards_mut().begin_pass(pg, 0);
         let hooks = &mut Gather { pg, st: &self.st };
         let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
-        self.shards_mut().check()?;
+        let shards = self.shards_mut();
+        shards.end_pass();
+        shards.check()?;
         Ok(loss?)
     }
 
@@ -460,7 +659,9 @@ impl ShardedDp {
     /// parameters around its backward). Returns the time spent in the
     /// collectives. Collective.
     pub fn backward(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
-        self.shards_mut().comm = Duration::ZERO;
+        let shards = self.shards_mut();
+        shards.comm = Duration::ZERO;
+        shards.begin_pass(pg, 1);
         let st = &self.st;
         let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
         let done = match self.stage {
@@ -468,6 +669,7 @@ impl ShardedDp {
             ZeroStage::Three => model.backward_parts(&mut Gather { pg, st }, ready),
         };
         let shards = self.shards_mut();
+        shards.end_pass();
         shards.check()?;
         done?;
         Ok(shards.comm)
@@ -485,6 +687,39 @@ impl ShardedDp {
         self.shards_mut().grads.fill(0.0);
     }
 
+    /// This rank's flat shard of the parameters and optimizer state from a
+    /// checkpoint (`target`, restored); stage 2 then all-gathers every part
+    /// into `model`. Collective under stage 2.
+    pub(crate) fn restore(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        target: &ShardTarget<'_>,
+    ) -> Result<(), TrainError> {
+        if let Some(state) = target.optimizer_state() {
+            self.opt.load_state(&state)?;
+        }
+        self.shards_mut().params.copy_from_slice(&target.params);
+        if self.stage == ZeroStage::Two {
+            self.gather_model(pg, model)?;
+        }
+        Ok(())
+    }
+
+    /// Every part's shards into `model`'s parameters (stage 2 holds the
+    /// whole model). Returns the time spent in the collectives. Collective.
+    fn gather_model(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
+        let st = self.shards_mut();
+        st.comm = Duration::ZERO;
+        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        let params = model.params_mut();
+        for range in ranges {
+            st.gather(pg, range.clone(), &mut params[range]);
+        }
+        st.check()?;
+        Ok(st.comm)
+    }
+
     /// AdamW on the flat shard at `lr`; stage 2 then all-gathers every
     /// part's updated shard into `model`. Returns the time spent in the
     /// collectives. Collective under stage 2.
@@ -499,15 +734,7 @@ impl ShardedDp {
         if self.stage == ZeroStage::Three {
             return Ok(Duration::ZERO);
         }
-        let st = self.shards_mut();
-        st.comm = Duration::ZERO;
-        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
-        let params = model.params_mut();
-        for range in ranges {
-            st.gather(pg, range.clone(), &mut params[range]);
-        }
-        st.check()?;
-        Ok(st.comm)
+        self.gather_model(pg, model)
     }
 
     /// The whole model's parameters, on every rank. Collective.
@@ -520,53 +747,6 @@ impl ShardedDp {
         }
         st.check()?;
         Ok(whole)
-    }
-
-    /// Every rank's flat shard `flat` made whole on rank 0 (`None`
-    /// elsewhere). Collective.
-    fn gather_to_root(
-        &self,
-        pg: &ProcessGroup,
-        flat: &[f32],
-    ) -> Result<Option<Vec<f32>>, TrainError> {
-        let st = self.shards();
-        let master = pg.rank() == 0;
-        let mut all = if master {
-            vec![0f32; st.parts.len * pg.size()]
-        } else {
-            Vec::new()
-        };
-        pg.gather(flat, master.then_some(&mut all[..]), 0)
-            .map_err(TrainError::comm("shard gather"))?;
-        Ok(master.then(|| st.parts.unshard(&all)))
-    }
-
-    /// The whole optimizer state (and, for stage 3, the whole parameters)
-    /// on rank 0, for a checkpoint in DDP's format. Collective.
-    fn gather_state(
-        &self,
-        pg: &ProcessGroup,
-        mask: DecayMask,
-    ) -> Result<Option<WholeState>, TrainError> {
-        let m = self.gather_to_root(pg, self.opt.exp_avg())?;
-        let v = self.gather_to_root(pg, self.opt.exp_avg_sq())?;
-        let params = match self.stage {
-            ZeroStage::Two => None,
-            ZeroStage::Three => {
-                let flat = self.shards().params.clone();
-                self.gather_to_root(pg, &flat)?
-            }
-        };
-        let (Some(m), Some(v)) = (m, v) else {
-            return Ok(None);
-        };
-        let mut full = AdamW::new(*self.opt.config(), mask)?;
-        full.load_state(&OptimizerState {
-            optimizer: self.opt.name().to_string(),
-            step: self.opt.steps_taken(),
-            buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
-        })?;
-        Ok(Some((full, params)))
     }
 }
 
@@ -611,28 +791,33 @@ impl<'a> ZeroSharded<'a> {
         header.extend(apply_checkpointing(cfg, &mut model, t));
         let n = model.num_params();
         agree_on_size(pg, n)?;
-        // A checkpoint holds the whole state (DDP's format, written at any
-        // world size): load it whole, keep this rank's shards, and free the
-        // rest before the first step.
-        let mut state = TrainState::default();
-        let mut full = None;
-        if cfg.resume.is_some() {
-            let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
-            state = resume_replica(cfg, pg, &mut model, &mut opt, &mut header)?;
-            full = Some(opt);
-        }
-        // Rank 0's parameters (drawn, or as resumed) are every rank's.
+        // Rank 0's parameters (as drawn) are every rank's.
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
-        let zero = ShardedDp::resumed(pg, &mut model, stage, cfg.adamw(), full.as_ref())?;
-        drop(full);
+        let mut zero = ShardedDp::new(pg, &mut model, stage, cfg.adamw())?;
+        let threads = model.backend().num_threads();
+        let overlap = cfg.overlap.enabled(world, pg.local_world_size(), threads);
+        zero.set_overlap(overlap);
+        // A checkpoint of any kind and world size: this rank reads its own
+        // shards of it.
+        let config = model.config().clone();
+        let pieces = zero.shards().parts.pieces();
+        let mut target = ShardTarget::new(&config, pieces, zero.shard_len());
+        let state = match resume_shard(cfg, pg, &mut target, &mut header)? {
+            Some(state) => {
+                zero.restore(pg, &mut model, &target)?;
+                state
+            }
+            None => TrainState::default(),
+        };
         let (name, what) = match stage {
             ZeroStage::Two => ("ZeRO-2", "optimizer state and gradients"),
             ZeroStage::Three => ("ZeRO-3", "parameters, gradients and optimizer state"),
         };
         header.push(format!(
             "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
-             {name}: {what} in {} shards by part, {} elements per rank ({} padding)",
+             {name}: {what} in {} shards by part, {} elements per rank ({} padding); \
+             overlap {}",
             cfg.n_layers,
             cfg.n_heads,
             cfg.d_model,
@@ -643,6 +828,7 @@ impl<'a> ZeroSharded<'a> {
             world,
             zero.shard_len(),
             zero.shard_len() * world - n,
+            if overlap { "on" } else { "off" },
         ));
         header.push(memory_line(cfg, &model, t, sharding));
         header.push(global_batch_line(cfg, world, t));
@@ -786,28 +972,31 @@ impl Strategy for ZeroSharded<'_> {
         step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
     }
 
+    /// Each rank writes its own flat shard: parameters and moments.
     fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
-        let mask = decay_mask(self.model.param_views());
-        let Some((full, params)) = self.zero.gather_state(self.pg, mask)? else {
-            return Ok(SaveReport::default());
+        let (stage, world) = (self.zero.stage(), self.pg.size());
+        let st = lock(&self.zero.st);
+        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        let pieces_of = |rank: usize| PartShards::new(&ranges, world, rank).pieces();
+        let shard = OwnedShard {
+            pieces_of: &pieces_of,
+            params: &st.params,
+            optimizer: self.zero.opt.state(),
+            strategy: match stage {
+                ZeroStage::Two => "zero2",
+                ZeroStage::Three => "zero3",
+            },
         };
-        if let Some(params) = &params {
-            self.model.params_mut().copy_from_slice(params);
-        }
-        let report = save_replica(
+        save_shard(
             out,
             self.cfg,
             self.pg,
             &self.model,
-            &full,
+            &shard,
             &self.batches,
             &*self.data,
             step,
-        );
-        if params.is_some() {
-            release(self.model.params_mut());
-        }
-        Ok(report)
+        )
     }
 
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
@@ -831,7 +1020,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn part_shards_take_and_unshard_are_inverse_with_padding_per_part() {
+    fn part_shards_take_and_pieces_are_inverse_with_padding_per_part() {
         // Parts of 5, 7 and 4 elements over 3 ranks: shards of 2, 3 and 2.
         let ranges = [0..5, 5..12, 12..16];
         let full: Vec<f32> = (0..16).map(|i| i as f32 + 1.0).collect();
@@ -844,7 +1033,15 @@ mod tests {
         assert_eq!(&gathered[..7], &[1.0, 2.0, 6.0, 7.0, 8.0, 13.0, 14.0]);
         // The last rank's shards end in padding.
         assert_eq!(&gathered[14..], &[5.0, 0.0, 12.0, 0.0, 0.0, 0.0, 0.0]);
-        assert_eq!(shards[1].unshard(&gathered), full);
+        // Every rank's pieces put back where they belong make the whole buffer.
+        let mut back = vec![0f32; 16];
+        for (rank, shard) in shards.iter().enumerate() {
+            let flat = &gathered[rank * 7..(rank + 1) * 7];
+            for p in shard.pieces() {
+                back[p.start..p.end].copy_from_slice(&flat[p.at..p.at + p.end - p.start]);
+            }
+        }
+        assert_eq!(back, full);
     }
 
     #[test]

@@ -154,6 +154,28 @@ pub(crate) fn resume_replica(
     Ok(resumed.state)
 }
 
+/// Restores a sharded strategy's own shard `target` from `--resume` (any checkpoint: a
+/// sharded one is read only where this rank's pieces lie), logging where it resumed. Returns
+/// where it continues, or `None` without `--resume`. Collective.
+pub(crate) fn resume_shard(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    target: &mut checkpoint::ShardTarget<'_>,
+    header: &mut Vec<String>,
+) -> Result<Option<TrainState>, TrainError> {
+    let Some(dir) = &cfg.resume else {
+        return Ok(None);
+    };
+    let resumed = checkpoint::resume_into(dir, cfg, pg, pg.size(), target)?;
+    header.extend(resumed.notes);
+    header.push(format!(
+        "resumed from {} at step {}",
+        resumed.dir.display(),
+        resumed.state.step
+    ));
+    Ok(Some(resumed.state))
+}
+
 /// Rank 0's save of a data-parallel run: the model, the whole optimizer state `opt`, where the
 /// batches stand and the tokenizer, in DDP's checkpoint format.
 #[allow(clippy::too_many_arguments)]
@@ -183,6 +205,30 @@ pub(crate) fn save_replica(
         &state,
         tokenizer.as_deref(),
     )
+}
+
+/// Every rank's save of a sharded data-parallel run: its own `shard` of the parameters and
+/// optimizer state, with where the batches stand and the tokenizer (rank 0's), as a sharded
+/// checkpoint. Collective.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn save_shard(
+    out: &Path,
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    model: &GPT,
+    shard: &checkpoint::OwnedShard<'_>,
+    batches: &TrainBatches,
+    data: &dyn Dataset,
+    step: u64,
+) -> Result<SaveReport, TrainError> {
+    let (epoch, offset) = batches.position();
+    let state = TrainState {
+        step,
+        epoch,
+        offset,
+    };
+    let tokenizer = data.tokenizer_json();
+    checkpoint::save_sharded(out, cfg, pg, model, shard, &state, tokenizer.as_deref())
 }
 
 /// Puts a model's matrix products in the precision `cfg` asks for (`set` is the model's

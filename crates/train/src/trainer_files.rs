@@ -52,7 +52,7 @@ pub fn trainer_state_json(state: &TrainerState) -> Vec<u8> {
 /// the checkpoint has no optimizer state (e.g. a Hugging Face model to fine-tune).
 pub fn load_optimizer_into(dir: &Path, opt: &mut dyn Optimizer) -> Result<bool, TrainError> {
     let Some(file) = ckpt::read_tensor_file(dir, OPTIMIZER_FILE)? else {
-        return Ok(false);
+        return load_sharded_optimizer_into(dir, opt);
     };
     let format = |reason: String| CheckpointError::Format {
         path: file.path.clone(),
@@ -79,6 +79,48 @@ pub fn load_optimizer_into(dir: &Path, opt: &mut dyn Optimizer) -> Result<bool, 
     };
     opt.load_state(&state).map_err(|e| TrainError::Resume {
         path: file.path.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok(true)
+}
+
+/// The index metadata keys of a sharded checkpoint's optimizer: its name and step (the
+/// moments themselves are buffers of the shards, named as the optimizer names them).
+pub(crate) const SHARDED_OPTIMIZER_KEY: &str = "optimizer";
+pub(crate) const SHARDED_STEP_KEY: &str = "optimizer_step";
+
+/// Restores `opt` (over the whole model) from the shards of the sharded checkpoint `dir`.
+/// Returns false when `dir` is not sharded or its shards hold no optimizer state.
+fn load_sharded_optimizer_into(dir: &Path, opt: &mut dyn Optimizer) -> Result<bool, TrainError> {
+    let Some(index) = ckpt::read_index(dir)? else {
+        return Ok(false);
+    };
+    let Some(optimizer) = index.metadata.get(SHARDED_OPTIMIZER_KEY) else {
+        return Ok(false);
+    };
+    let path = dir.join(ckpt::SHARD_INDEX_FILE);
+    let step: u64 = (index.metadata.get(SHARDED_STEP_KEY))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| CheckpointError::Format {
+            path: path.clone(),
+            reason: format!("metadata has no numeric {SHARDED_STEP_KEY:?}"),
+        })?;
+    let names: Vec<&str> = (index.buffers.iter())
+        .map(String::as_str)
+        .filter(|b| *b != ckpt::PARAMS_BUFFER)
+        .collect();
+    let values = ckpt::read_ranges(dir, &index, &names, std::slice::from_ref(&(0..index.len)))?;
+    let state = OptimizerState {
+        optimizer: optimizer.clone(),
+        step,
+        buffers: names
+            .iter()
+            .zip(&values)
+            .map(|(n, b)| (n.to_string(), b.as_slice()))
+            .collect(),
+    };
+    opt.load_state(&state).map_err(|e| TrainError::Resume {
+        path,
         reason: e.to_string(),
     })?;
     Ok(true)

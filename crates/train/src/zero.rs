@@ -21,11 +21,13 @@
 //! 5. one all-gather of the updated shards: every rank has the whole model
 //!    again, bitwise the same.
 //!
-//! Checkpoints are DDP's: at a save the moments are gathered to rank 0, which
-//! writes the whole optimizer state, so a checkpoint resumes at any world
-//! size and under either strategy; on resume each rank loads the whole state
-//! and keeps its shard. (Saving and resuming thus hold the whole state for a
-//! moment; what ZeRO-1 saves is the state held while training.)
+//! Checkpoints are sharded: at a save each rank writes its own shard (its
+//! slice of the parameters and its moments) and rank 0 the index that
+//! commits them (`cohort_gpt::checkpoint`'s sharded format), so nothing is
+//! gathered. A resume reads any checkpoint, sharded (at any world size, by
+//! any strategy) or DDP's, whole, keeps this rank's shard and frees the rest
+//! (so resuming holds the whole state for a moment; what ZeRO-1 saves is the
+//! state held while training).
 //!
 //! This module must never keep optimizer state for parameters outside its
 //! shard between steps, and never let one rank's parameters differ from
@@ -38,19 +40,20 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Dataset;
-use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer, OptimizerState};
+use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{SaveReport, TrainState};
+use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::train::{
     apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_replica, save_replica,
+    model_config, resume_shard, save_shard,
 };
 use crate::TrainError;
 
@@ -111,24 +114,6 @@ pub(crate) fn shard_mask(full: &DecayMask, range: Range<usize>) -> DecayMask {
         .map(|r| r.start - base..r.end - base)
         .collect::<Vec<_>>();
     DecayMask::with_exempt(range.len(), exempt).expect("the ranges were cut to the shard")
-}
-
-/// The state of `full` (an optimizer over the whole buffer) for `shard`,
-/// padding zero, loaded into `opt`.
-fn load_shard(opt: &mut AdamW, full: &AdamW, shard: &Shard) -> Result<(), TrainError> {
-    let take = |b: &[f32]| {
-        let mut v = vec![0f32; shard.len];
-        let real = shard.real();
-        v[..real.len()].copy_from_slice(&b[real]);
-        v
-    };
-    let (m, v) = (take(full.exp_avg()), take(full.exp_avg_sq()));
-    opt.load_state(&OptimizerState {
-        optimizer: full.name().to_string(),
-        step: full.steps_taken(),
-        buffers: vec![("exp_avg".into(), &m[..]), ("exp_avg_sq".into(), &v[..])],
-    })?;
-    Ok(())
 }
 
 /// ZeRO-1's step on flat buffers, for any model whose parameters and
@@ -255,6 +240,22 @@ impl Zero1 {
             .map_err(TrainError::comm("gradient reduce_scatter"))
     }
 
+    /// This rank's shard of the parameters and optimizer state from a
+    /// checkpoint (`target`, restored), and every rank's shard into `params`
+    /// (the whole model). Collective.
+    pub(crate) fn restore(
+        &mut self,
+        pg: &ProcessGroup,
+        target: &ShardTarget<'_>,
+        params: &mut [f32],
+    ) -> Result<(), TrainError> {
+        if let Some(state) = target.optimizer_state() {
+            self.opt.load_state(&state)?;
+        }
+        self.params.copy_from_slice(&target.params);
+        self.all_gather(pg, params)
+    }
+
     /// This rank's shard of the mean gradient (its padding is zero), for the
     /// loop to scale, check and clip.
     pub fn shard_grads_mut(&mut self) -> &mut [f32] {
@@ -320,23 +321,27 @@ impl<'a> ZeroOne<'a> {
         let n = model.num_params();
         agree_on_size(pg, n)?;
         let full_mask = decay_mask(model.param_views());
-        // A checkpoint holds the whole state (DDP's format, written at any
-        // world size): load it whole, keep this rank's shard, and free the
-        // rest before the first step.
-        let mut state = TrainState::default();
-        let mut resumed_state = None;
-        if cfg.resume.is_some() {
-            let mut full = AdamW::new(cfg.adamw(), full_mask.clone())?;
-            state = resume_replica(cfg, pg, &mut model, &mut full, &mut header)?;
-            resumed_state = Some(full);
-        }
-        // Rank 0's parameters (drawn, or as resumed) are every rank's.
+        // Rank 0's parameters (as drawn) are every rank's.
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
         let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
-        if let Some(full) = resumed_state {
-            load_shard(&mut zero.opt, &full, &zero.shard)?;
-        }
+        // A checkpoint of any kind and world size: this rank reads its own
+        // shard of it, and the ranks' shards make the model again.
+        let config = model.config().clone();
+        let real = zero.shard.real();
+        let piece = Piece {
+            start: real.start,
+            end: real.end,
+            at: 0,
+        };
+        let mut target = ShardTarget::new(&config, vec![piece], zero.shard.len);
+        let state = match resume_shard(cfg, pg, &mut target, &mut header)? {
+            Some(state) => {
+                zero.restore(pg, &target, model.params_mut())?;
+                state
+            }
+            None => TrainState::default(),
+        };
         let shard = zero.shard;
         header.push(format!(
             "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
@@ -458,40 +463,33 @@ impl Strategy for ZeroOne<'_> {
         step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
     }
 
+    /// Each rank writes its own shard: its slice of the parameters and its moments.
     fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
-        let master = self.pg.rank() == 0;
-        let (shard, opt) = (self.zero.shard, &self.zero.opt);
-        let mut whole = [Vec::new(), Vec::new()];
-        for (buf, moments) in whole.iter_mut().zip([opt.exp_avg(), opt.exp_avg_sq()]) {
-            if master {
-                *buf = vec![0f32; shard.padded()];
-            }
-            self.pg
-                .gather(moments, master.then_some(&mut buf[..]), 0)
-                .map_err(TrainError::comm("optimizer state gather"))?;
-        }
-        if !master {
-            return Ok(SaveReport::default());
-        }
-        let mut full = AdamW::new(self.cfg.adamw(), decay_mask(self.model.param_views()))?;
-        full.load_state(&OptimizerState {
-            optimizer: opt.name().to_string(),
-            step: opt.steps_taken(),
-            buffers: vec![
-                ("exp_avg".into(), &whole[0][..shard.n]),
-                ("exp_avg_sq".into(), &whole[1][..shard.n]),
-            ],
-        })?;
-        Ok(save_replica(
+        let (n, world) = (self.zero.shard.n, self.zero.shard.world);
+        let pieces_of = |rank: usize| {
+            let real = Shard::new(n, world, rank).real();
+            vec![Piece {
+                start: real.start,
+                end: real.end,
+                at: 0,
+            }]
+        };
+        let shard = OwnedShard {
+            pieces_of: &pieces_of,
+            params: &self.zero.params,
+            optimizer: self.zero.opt.state(),
+            strategy: "zero1",
+        };
+        save_shard(
             out,
             self.cfg,
             self.pg,
             &self.model,
-            &full,
+            &shard,
             &self.batches,
             &*self.data,
             step,
-        ))
+        )
     }
 
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {

@@ -3,15 +3,18 @@
 //! and data, on a model none of whose blocks divides into 2 or 3 ranks (so
 //! shards are padded part by part), with clipping, accumulation and a NaN
 //! in one rank's shard; what the strategies release; their header's memory
-//! accounting; and their checkpoints, which resume on another world size.
+//! accounting; and their checkpoints (ZeRO-1's too): a shard per rank,
+//! which resume on another world size, consolidate into one model, and
+//! refuse a damaged shard by name.
 
 mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
 use cohort_engine::optim::AdamWConfig;
+use cohort_gpt::checkpoint as ckpt;
 use cohort_gpt::{GPTConfig, Labels, GPT};
 use cohort_train::{
-    train, NanInjection, Outcome, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
+    train, NanInjection, Outcome, Overlap, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
 };
 use common::{
     assert_stopped_run_resumes_like, grad_norms, max_abs_diff, odd, opts, run_world, with,
@@ -372,8 +375,9 @@ fn sharded_passes_leave_only_the_shards_behind() {
 
 /// A run stopped after 3 of 6 steps on 2 ranks resumes on 3 (the launcher's
 /// elastic rescale keeps the global batch: grad_accum 3 -> 2) and ends where
-/// the unbroken 2-rank run does; a DDP checkpoint resumes under either
-/// stage, and a stage's checkpoint under DDP.
+/// the unbroken 2-rank run does, each rank reading its ranges of the 2
+/// ranks' shards; a DDP checkpoint resumes under either stage, and a
+/// stage's checkpoint under DDP and ZeRO-1 (and ZeRO-1's under the stage).
 #[test]
 fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
     let cfg = TrainConfig {
@@ -388,8 +392,209 @@ fn zero2_and_zero3_checkpoints_resume_on_another_world_size() {
             (strategy, strategy, 3),
             (Strategy::Ddp, strategy, 3),
             (strategy, Strategy::Ddp, 1),
+            // Shards by part read back as ZeRO-1's one contiguous shard, and
+            // the other way round.
+            (strategy, Strategy::Zero1, 3),
+            (Strategy::Zero1, strategy, 3),
         ] {
             assert_stopped_run_resumes_like(&straight, &cfg, (first, then), world, TOL);
         }
     }
+}
+
+/// `cfg` on `world` ranks; the first rank's error, if any rank failed.
+fn try_world(world: usize, cfg: &TrainConfig) -> Result<Vec<Outcome>, String> {
+    spawn::threads_with(world, opts(), |pg: &ProcessGroup| {
+        train(cfg, pg, &mut std::io::sink())
+    })
+    .map_err(|e| e.to_string())
+}
+
+/// Every ZeRO stage saves one shard per rank and an index, nothing
+/// gathered; the consolidated export of such a checkpoint holds the run's
+/// final parameters bitwise, with the whole optimizer state, and resumes
+/// exactly as the sharded checkpoint itself does.
+#[test]
+fn zero_checkpoints_are_a_shard_per_rank_and_consolidate_to_the_final_state() {
+    for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        let cfg = TrainConfig {
+            out: Some(out.clone()),
+            ..with(strategy, &odd())
+        };
+        let run = run_world(3, &cfg).swap_remove(0);
+        let step = out.join("step-000004");
+        let index = ckpt::read_index(&step)
+            .unwrap()
+            .expect("a sharded checkpoint");
+        assert_eq!(index.world_size, 3);
+        assert_eq!(index.len, run.params.len());
+        for rank in 0..3 {
+            assert!(step.join(ckpt::shard_file_name(rank, 3)).is_file());
+        }
+        for whole in [ckpt::MODEL_FILE, cohort_train::OPTIMIZER_FILE] {
+            assert!(!step.join(whole).exists(), "{strategy:?}: {whole} written");
+        }
+        // The sharded checkpoint loads as a model too.
+        let (model, _) = ckpt::load_model(&out).unwrap();
+        assert!(model.params() == &run.params[..], "{strategy:?}");
+
+        let export = dir.path().join("export");
+        cohort_train::consolidate(&out, &export).unwrap();
+        let (model, _) = ckpt::load_model(&export).unwrap();
+        assert!(model.params() == &run.params[..], "{strategy:?}: export");
+        assert!(ckpt::verify(&export).unwrap());
+        assert!(export.join(cohort_train::OPTIMIZER_FILE).is_file());
+
+        // Both continue to the same parameters, on one DDP rank.
+        let resumed = |from: &std::path::Path| {
+            let (cfg, _) = cohort_train::elastic::prepare_resume(
+                &TrainConfig {
+                    steps: 6,
+                    resume: Some(from.to_path_buf()),
+                    ..odd()
+                },
+                1,
+                0,
+            );
+            run_world(1, &cfg).swap_remove(0)
+        };
+        let (a, b) = (resumed(&out), resumed(&export));
+        assert_eq!(a.steps_run, 2);
+        assert!(
+            a.params == b.params,
+            "{strategy:?}: export resumes differently"
+        );
+    }
+}
+
+/// A shard that is damaged or missing stops the resume with one line
+/// naming the file and the rank that wrote it; in an output directory with
+/// an older intact checkpoint, the run resumes from that one instead.
+#[test]
+fn a_damaged_or_missing_shard_is_an_error_naming_its_file_and_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let cfg = TrainConfig {
+        steps: 2,
+        save_interval: 1,
+        out: Some(out.clone()),
+        ..with(Strategy::Zero2, &odd())
+    };
+    run_world(2, &cfg);
+    let step = out.join("step-000002");
+    let shard = step.join(ckpt::shard_file_name(1, 2));
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&shard, &bytes).unwrap();
+    let resume = |from: &std::path::Path| TrainConfig {
+        steps: 3,
+        resume: Some(from.to_path_buf()),
+        out: None,
+        save_interval: 0,
+        ..cfg.clone()
+    };
+    let err = try_world(2, &resume(&step)).unwrap_err();
+    eprintln!("damaged: {err}");
+    for want in [
+        "shard of rank 1 of 2",
+        "shard-00001-of-00002.safetensors",
+        "corrupt",
+    ] {
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+    assert_eq!(err.lines().count(), 1, "{err}");
+    let err = cohort_train::consolidate(&step, &dir.path().join("x")).unwrap_err();
+    assert!(err.to_string().contains("shard of rank 1 of 2"), "{err}");
+    // The output directory falls back to step 1's checkpoint.
+    let resumed = try_world(2, &resume(&out)).unwrap();
+    assert_eq!(resumed[0].steps_run, 2);
+
+    std::fs::remove_file(&shard).unwrap();
+    let err = try_world(2, &resume(&step)).unwrap_err();
+    eprintln!("missing: {err}");
+    for want in ["shard of rank 1 of 2", "shard-00001-of-00002.safetensors"] {
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+}
+
+/// With overlap on (each part's all-gather prefetched, each part's
+/// reduce-scatter left running through the backward of the part before
+/// it), ZeRO-2 and ZeRO-3 end bitwise where they do without it: the same
+/// collectives in the same order, only the waiting moved; with
+/// accumulation, clipping and evaluation in the run.
+#[test]
+fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
+    let cfg = TrainConfig {
+        grad_accum: 2,
+        grad_clip: 0.05,
+        eval_interval: 2,
+        activation_checkpointing: true,
+        ..odd()
+    };
+    for strategy in STAGES {
+        for world in [2, 3] {
+            let at = |overlap| {
+                run_world(
+                    world,
+                    &TrainConfig {
+                        overlap,
+                        ..with(strategy, &cfg)
+                    },
+                )
+            };
+            let (on, off) = (at(Overlap::On), at(Overlap::Off));
+            for (a, b) in on.iter().zip(&off) {
+                assert!(a.params == b.params, "{strategy:?} x{world}: params");
+                assert_eq!(a.train_losses, b.train_losses);
+                assert_eq!(a.val_losses, b.val_losses);
+            }
+        }
+        assert_matches_ddp(
+            "overlap",
+            3,
+            strategy,
+            &TrainConfig {
+                overlap: Overlap::On,
+                ..odd()
+            },
+        );
+    }
+}
+
+/// The commit protocol under a crash: a save killed after some shards
+/// were written leaves only its staging directory, which no resume reads
+/// (the latest complete checkpoint is used) and the next save of that step
+/// replaces.
+#[test]
+fn a_save_killed_midway_leaves_the_previous_checkpoint_in_charge() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let cfg = TrainConfig {
+        steps: 4,
+        save_interval: 2,
+        out: Some(out.clone()),
+        ..with(Strategy::Zero3, &odd())
+    };
+    let straight = run_world(2, &cfg).swap_remove(0);
+    // As if step 4's save had been killed after rank 0's shard.
+    std::fs::remove_dir_all(out.join("step-000004")).unwrap();
+    std::fs::write(out.join("latest"), "step-000002\n").unwrap();
+    let staging = ckpt::staging_dir(&out, "step-000004");
+    std::fs::create_dir(&staging).unwrap();
+    std::fs::write(staging.join(ckpt::shard_file_name(0, 2)), b"half").unwrap();
+    let resumed = run_world(
+        2,
+        &TrainConfig {
+            resume: Some(out.clone()),
+            ..cfg.clone()
+        },
+    );
+    assert_eq!(resumed[0].steps_run, 2, "resumed at step 2");
+    assert!(resumed[0].params == straight.params);
+    assert!(!staging.exists(), "the staging directory was replaced");
+    let index = ckpt::read_index(&out.join("step-000004")).unwrap().unwrap();
+    assert_eq!(index.world_size, 2);
 }

@@ -52,9 +52,22 @@ pub(super) fn sha256_file(path: &Path) -> Result<String, CheckpointError> {
 
 /// Writes `dir/SHA256SUMS` over `files` (names in `dir`) in `sha256sum`'s format, fsynced.
 pub(super) fn write_checksums(dir: &Path, files: &[String]) -> Result<(), CheckpointError> {
+    write_checksums_with(dir, files, &[])
+}
+
+/// As [`write_checksums`], plus the files `known` (name, digest) whose digests their writers
+/// computed (the shards of a sharded checkpoint, written by other ranks).
+pub(super) fn write_checksums_with(
+    dir: &Path,
+    files: &[String],
+    known: &[(String, String)],
+) -> Result<(), CheckpointError> {
     let mut text = String::new();
     for name in files {
         let digest = sha256_file(&dir.join(name))?;
+        text.push_str(&format!("{digest}  {name}\n"));
+    }
+    for (name, digest) in known {
         text.push_str(&format!("{digest}  {name}\n"));
     }
     write_bytes(&dir.join(CHECKSUMS_FILE), text.as_bytes())
@@ -121,10 +134,16 @@ pub(super) fn read_verified(dir: &Path, name: &str) -> Result<Vec<u8>, Checkpoin
 /// Checks every file `dir/SHA256SUMS` lists against its digest. Returns false when the checkpoint
 /// has no `SHA256SUMS` (nothing to check); a missing or damaged file is an error naming it.
 pub fn verify(dir: &Path) -> Result<bool, CheckpointError> {
+    verify_except(dir, |_| false)
+}
+
+/// As [`verify`], passing over the files for which `skip` is true (a sharded checkpoint's
+/// shards, which every reader checks as it reads them: a rank reads only the shards it needs).
+pub fn verify_except(dir: &Path, skip: impl Fn(&str) -> bool) -> Result<bool, CheckpointError> {
     let Some(sums) = read_checksums(dir)? else {
         return Ok(false);
     };
-    let mut names: Vec<_> = sums.into_iter().collect();
+    let mut names: Vec<_> = sums.into_iter().filter(|(name, _)| !skip(name)).collect();
     names.sort();
     for (name, expected) in names {
         let path = dir.join(&name);

@@ -12,6 +12,10 @@
 //!     SHA256SUMS               SHA-256 of every file above, in `sha256sum` format (written last)
 //! ```
 //!
+//! A sharded checkpoint (written by several ranks at once, see `sharded.rs`) has the same
+//! directory and files, but `shards.json` and one `shard-RRRRR-of-WWWWW.safetensors` per rank in
+//! place of `model.safetensors`; `load_params_into` and [`load_model`] read either kind.
+//!
 //! `config.json` + `model.safetensors` are exactly what `GPT2LMHeadModel.from_pretrained(dir)`
 //! reads (Conv1D weights stored `[in, out]`, as our flat layout already is), and loading accepts
 //! what Hugging Face writes: the `transformer.` prefix, the `attn.bias` / `attn.masked_bias`
@@ -49,6 +53,7 @@ use crate::{GPTConfig, GptError, ParamView, GPT};
 mod further_files;
 mod hf_config;
 mod integrity;
+mod sharded;
 mod tensors;
 #[cfg(test)]
 mod tests;
@@ -56,11 +61,16 @@ mod tests;
 use further_files::*;
 use hf_config::*;
 use integrity::*;
+use sharded::*;
 use tensors::*;
 
 pub use further_files::{read_file_verified, read_tensor_file, LoadedTensors, TensorFile};
 pub use hf_config::load_config;
-pub use integrity::{verify, write_file_atomic};
+pub use integrity::{verify, verify_except, write_file_atomic};
+pub use sharded::{
+    abort_sharded, begin_sharded, commit_sharded, read_index, read_ranges, shard_file_name,
+    staging_dir, write_shard, Piece, ShardIndex, ShardRecord, PARAMS_BUFFER, SHARD_INDEX_FILE,
+};
 pub use tensors::load_params_into;
 
 /// The model's configuration, in Hugging Face's format.
@@ -182,6 +192,16 @@ pub enum CheckpointError {
         /// The name given.
         name: String,
     },
+    /// A shard of a sharded checkpoint is missing, damaged or unreadable.
+    #[error("shard of rank {rank} of {world}: {source}")]
+    Shard {
+        /// The rank that wrote it.
+        rank: usize,
+        /// The world size of the run that wrote the checkpoint.
+        world: usize,
+        /// What is wrong with its file (naming it).
+        source: Box<CheckpointError>,
+    },
     /// Building the model failed.
     #[error(transparent)]
     Model(#[from] GptError),
@@ -300,6 +320,12 @@ pub fn save_dir(dest: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointErro
         return Err(e);
     }
 
+    install(root, name, &tmp, dest)
+}
+
+/// Moves the complete checkpoint `tmp` into `dest` (`root/name`), keeping a checkpoint already
+/// there as `root/.old-NAME` until the new one is in place, and fsyncs `root`.
+fn install(root: &Path, name: &str, tmp: &Path, dest: &Path) -> Result<(), CheckpointError> {
     let old = root.join(format!(".old-{name}"));
     if dest.exists() {
         if old.exists() {
@@ -307,7 +333,7 @@ pub fn save_dir(dest: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointErro
         }
         fs::rename(dest, &old).map_err(io("rename", dest))?;
     }
-    fs::rename(&tmp, dest).map_err(io("rename", &tmp))?;
+    fs::rename(tmp, dest).map_err(io("rename", tmp))?;
     fsync(root)?;
     // The old copy, moved aside above or by a replace that crashed, is superseded now.
     if old.exists() {

@@ -115,12 +115,14 @@ fn process_umask() -> u32 {
 
 /// Writes config.json and model.safetensors for `model` into the existing directory `dir`
 /// (each file fsynced, not renamed: callers write into a directory they rename afterwards).
-pub(super) fn write_model_files(
+/// Writes `dir/config.json` of `config` in Hugging Face's format, with the further keys
+/// `config_extra` (never overriding one of the model's own).
+pub(super) fn write_config(
     dir: &Path,
-    model: &GPT,
+    config: &GPTConfig,
     config_extra: &[(&str, serde_json::Value)],
 ) -> Result<(), CheckpointError> {
-    let hf = HfGpt2Config::from_config(model.config());
+    let hf = HfGpt2Config::from_config(config);
     let mut fields = match serde_json::to_value(&hf).map_err(|e| format_err(dir, e))? {
         serde_json::Value::Object(fields) => fields,
         _ => unreachable!("a struct serializes to an object"),
@@ -129,7 +131,15 @@ pub(super) fn write_model_files(
         fields.entry(*key).or_insert_with(|| value.clone());
     }
     let json = serde_json::to_vec_pretty(&fields).map_err(|e| format_err(dir, e))?;
-    write_bytes(&dir.join(CONFIG_FILE), &json)?;
+    write_bytes(&dir.join(CONFIG_FILE), &json)
+}
+
+pub(super) fn write_model_files(
+    dir: &Path,
+    model: &GPT,
+    config_extra: &[(&str, serde_json::Value)],
+) -> Result<(), CheckpointError> {
+    write_config(dir, model.config(), config_extra)?;
     let params = model.params();
     let tensors = model
         .param_views()
@@ -175,6 +185,12 @@ pub(super) fn is_mask_buffer(name: &str) -> bool {
 /// dtype, shape) before any parameter is written, so a failed load leaves the model unchanged.
 pub fn load_params_into(dir: &Path, model: &mut GPT) -> Result<(), CheckpointError> {
     let path = dir.join(MODEL_FILE);
+    if !path.exists() {
+        // A sharded checkpoint keeps its parameters in the ranks' shards.
+        if let Some(index) = read_index(dir)? {
+            return load_sharded_params(dir, &index, model);
+        }
+    }
     let bytes = read_verified(dir, MODEL_FILE)?;
     let st = parse_safetensors(&path, &bytes)?;
     let views: Vec<ParamView> = model.param_views().to_vec();

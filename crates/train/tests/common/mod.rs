@@ -113,6 +113,13 @@ pub fn assert_stopped_run_resumes_like(
             ..cfg.clone()
         },
     );
+    // The ZeRO stages write one shard per rank, which the resume reshards.
+    let index = cohort_gpt::checkpoint::read_index(&out.join("step-000003")).unwrap();
+    assert_eq!(
+        index.map(|i| i.world_size),
+        (first != Strategy::Ddp).then_some(2),
+        "{first:?}'s checkpoint"
+    );
     let (resume, notes) = elastic::prepare_resume(
         &TrainConfig {
             resume: Some(out.clone()),

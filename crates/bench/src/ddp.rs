@@ -75,7 +75,8 @@ pub struct BenchDdpArgs {
     /// and the single-rank baseline).
     #[arg(long, default_value = "fp32")]
     pub precision: cohort_engine::DType,
-    /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook; DDP only).
+    /// Send gradients in bf16 (PyTorch's bf16_compress_hook): DDP's
+    /// all-reduce, ZeRO's reduce-scatter.
     #[arg(long)]
     pub bf16_compress: bool,
     /// The data-parallel step: DDP, ZeRO-1 (optimizer state sharded), ZeRO-2
@@ -233,13 +234,6 @@ pub fn run_ddp_bench(
     pg: &ProcessGroup,
     out: &mut dyn Write,
 ) -> Result<BenchDdpResult, TrainError> {
-    if args.strategy != BenchStrategy::Ddp && args.bf16_compress {
-        return Err(TrainError::Config(ConfigError::Invalid {
-            key: "bf16_compress",
-            value: "true".into(),
-            why: "is supported with --strategy ddp only (ZeRO's collectives run in f32)",
-        }));
-    }
     let launch = std::env::var(LAUNCH_TIME_VAR)
         .ok()
         .and_then(|v| v.parse::<u64>().ok());
@@ -261,17 +255,18 @@ pub fn run_ddp_bench(
             .overlap
             .enabled(world, pg.local_world_size(), model.backend().num_threads());
     let mask = decay_mask(model.param_views());
+    let compression = if args.bf16_compress {
+        cohort_ddp::Compression::Bf16
+    } else {
+        cohort_ddp::Compression::None
+    };
     let mut sync = match args.strategy {
         BenchStrategy::Ddp => {
             let options = DdpOptions {
                 bucket_cap_mb: args.bucket_cap_mb,
                 first_bucket_mb: args.first_bucket_mb,
                 overlap,
-                compression: if args.bf16_compress {
-                    cohort_ddp::Compression::Bf16
-                } else {
-                    cohort_ddp::Compression::None
-                },
+                compression,
                 ..DdpOptions::default()
             };
             let ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;
@@ -281,7 +276,8 @@ pub fn run_ddp_bench(
         BenchStrategy::Zero1 => {
             pg.broadcast(model.params_mut(), 0)
                 .map_err(TrainError::comm("initial parameters broadcast"))?;
-            let zero = Zero1::new(pg, model.params(), &mask, AdamWConfig::default())?;
+            let mut zero = Zero1::new(pg, model.params(), &mask, AdamWConfig::default())?;
+            zero.set_compression(compression);
             DataParallel::Zero1(zero)
         }
         BenchStrategy::Zero2 | BenchStrategy::Zero3 => {
@@ -293,6 +289,7 @@ pub fn run_ddp_bench(
                 ZeroStage::Three
             };
             let mut zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            zero.set_compression(compression);
             zero.set_overlap(overlap);
             DataParallel::Sharded(zero)
         }

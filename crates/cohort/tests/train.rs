@@ -161,20 +161,11 @@ fn bench_ddp_times_zero1_with_one_nth_of_the_optimizer_state() {
         assert!(ms > 0.0, "phases_ms.{phase} = {ms} in {v}");
     }
     assert_peak_rss_of_each_rank(&v, 2);
-    let err = run(&[
-        "bench",
-        "ddp",
-        "--strategy",
-        "zero1",
-        "--bf16-compress",
-        "--steps",
-        "1",
-    ]);
-    let stderr = String::from_utf8_lossy(&err.stderr);
-    assert!(
-        !err.status.success() && stderr.contains("bf16_compress"),
-        "{stderr}"
-    );
+    // Gradients sent as bf16 (the ZeRO stages' reduce-scatter compressed as
+    // DDP's all-reduce is).
+    let v = bench_ddp_on_two_ranks(&["--strategy", "zero1", "--bf16-compress", "--rounds", "1"]);
+    let x = v["tokens_per_s"].as_f64().unwrap_or(0.0);
+    assert!(x > 0.0 && x.is_finite(), "tokens_per_s = {x} in {v}");
 }
 
 /// ZeRO-2 and ZeRO-3 in the benchmark: the flat shard's AdamW state (each
@@ -200,20 +191,6 @@ fn bench_ddp_times_zero2_and_zero3_with_sharded_state() {
             assert!(ms > 0.0, "{strategy}: phases_ms.{phase} = {ms} in {v}");
         }
         assert_peak_rss_of_each_rank(&v, 2);
-        let err = run(&[
-            "bench",
-            "ddp",
-            "--strategy",
-            strategy,
-            "--bf16-compress",
-            "--steps",
-            "1",
-        ]);
-        let stderr = String::from_utf8_lossy(&err.stderr);
-        assert!(
-            !err.status.success() && stderr.contains("bf16_compress"),
-            "{stderr}"
-        );
     }
 }
 

@@ -39,6 +39,42 @@ pub enum Compression {
     Bf16,
 }
 
+/// Reusable bf16 staging for [`Compression::reduce_scatter_mean`].
+#[derive(Debug, Default)]
+pub struct CompressionScratch(Vec<bf16>);
+
+impl Compression {
+    /// The mean over ranks of `input` (every rank's whole gradient, a
+    /// multiple of the world size long), this rank's share of it into
+    /// `out`: a reduce-scatter, in f32, or compressed as [`Compression::Bf16`]
+    /// says (what ZeRO's sharded strategies send in place of DDP's
+    /// all-reduce). Collective.
+    pub fn reduce_scatter_mean(
+        self,
+        pg: &ProcessGroup,
+        input: &[f32],
+        out: &mut [f32],
+        scratch: &mut CompressionScratch,
+    ) -> Result<(), cohort_comm::CommError> {
+        match self {
+            Compression::None => pg.reduce_scatter(input, out, ReduceOp::Avg),
+            Compression::Bf16 => {
+                let inv = 1.0 / pg.size() as f32;
+                let buf = &mut scratch.0;
+                buf.clear();
+                buf.extend(input.iter().map(|g| bf16::from_f32(g * inv)));
+                buf.resize(input.len() + out.len(), bf16::ZERO);
+                let (whole, share) = buf.split_at_mut(input.len());
+                pg.reduce_scatter(&*whole, share, ReduceOp::Sum)?;
+                for (o, c) in out.iter_mut().zip(share.iter()) {
+                    *o = c.to_f32();
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Options of [`Ddp`], PyTorch's `DistributedDataParallel` arguments.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DdpOptions {

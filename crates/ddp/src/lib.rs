@@ -60,7 +60,7 @@ mod reducer;
 
 pub use bucket::{assign_buckets, assign_buckets_aligned, GradientBucket, ParamSpec};
 pub use ddp::{
-    Compression, Ddp, DdpOptions, PendingSync, ReadyHook, SyncStats, DEFAULT_BUCKET_CAP_MB,
-    DEFAULT_FIRST_BUCKET_MB,
+    Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook, SyncStats,
+    DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB,
 };
 pub use error::DdpError;

@@ -423,3 +423,46 @@ fn bad_buffers_are_clear_errors() {
     .to_string();
     assert!(err.contains("parameter buffer has 10 elements"), "{err}");
 }
+
+#[test]
+fn a_compressed_reduce_scatter_is_the_bf16_rounded_mean_of_each_share() {
+    use cohort_ddp::CompressionScratch;
+    // 1 + 2^-10 has no bf16 (8-bit mantissa): the compressed mean rounds
+    // it away, the f32 one keeps it.
+    let world = 3;
+    let input = |rank: usize| -> Vec<f32> {
+        (0..world * 4)
+            .map(|i| (1.0 + 2f32.powi(-10)) * (1 + i % 5 + rank) as f32)
+            .collect()
+    };
+    let got = spawn::threads_with(world, opts(), |pg| {
+        let mut scratch = CompressionScratch::default();
+        let mut outs = Vec::new();
+        for how in [Compression::None, Compression::Bf16] {
+            let mut out = vec![f32::NAN; 4];
+            how.reduce_scatter_mean(pg, &input(pg.rank()), &mut out, &mut scratch)?;
+            outs.push(out);
+        }
+        Ok::<_, cohort_comm::CommError>(outs)
+    })
+    .unwrap();
+    let bf = |x: f32| half::bf16::from_f32(x);
+    for (rank, outs) in got.iter().enumerate() {
+        for (j, (&f, &c)) in outs[0].iter().zip(&outs[1]).enumerate() {
+            let i = rank * 4 + j;
+            let exact: f32 = (0..world).map(|r| input(r)[i]).sum::<f32>() / world as f32;
+            assert!((f - exact).abs() <= 1e-6 * exact, "rank {rank}");
+            // summed in bf16: a bf16 value, within bf16's rounding of the mean
+            assert_eq!(
+                bf(c).to_f32(),
+                c,
+                "rank {rank} element {j}: {c} is not a bf16"
+            );
+            assert!(
+                (c - exact).abs() <= exact / 64.0,
+                "rank {rank}: {c} vs {exact}"
+            );
+            assert_ne!(c, f, "rank {rank} element {j}");
+        }
+    }
+}

@@ -126,7 +126,7 @@ pub struct TrainConfig {
     /// Whether DDP all-reduces buckets while backward runs, and ZeRO-2/3
     /// overlap their gathers and reduce-scatters (see [`Overlap`]).
     pub overlap: Overlap,
-    /// All-reduce gradients in bf16 (PyTorch's bf16_compress_hook).
+    /// Send gradients in bf16 (PyTorch's bf16_compress_hook).
     pub bf16_compress: bool,
     /// What the model's matrix products compute in.
     pub precision: Precision,
@@ -592,7 +592,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap: Option<Overlap>,
-    /// All-reduce gradients in bf16.
+    /// Send gradients in bf16 (PyTorch's bf16_compress_hook): DDP's all-reduce, ZeRO's
+    /// reduce-scatter.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_compress: Option<bool>,
@@ -795,21 +796,6 @@ impl TrainConfig {
                 "is not supported with --strategy pipeline yet (use ddp or parameter-server)",
             );
         }
-        if self.bf16_compress && self.strategy.is_zero() {
-            return Err(ConfigError::Invalid {
-                key: "bf16_compress",
-                value: "true".into(),
-                why: match self.strategy {
-                    Strategy::Zero1 => {
-                        "is not supported with --strategy zero1 (its reduce-scatter runs in f32)"
-                    }
-                    Strategy::Zero2 => {
-                        "is not supported with --strategy zero2 (its reduce-scatter runs in f32)"
-                    }
-                    _ => "is not supported with --strategy zero3 (its collectives run in f32)",
-                },
-            });
-        }
         if self.stages > 0 && matches!(self.strategy, Strategy::Zero2 | Strategy::Zero3) {
             return bad(
                 "stages",
@@ -872,6 +858,16 @@ impl TrainConfig {
         }
     }
 
+    /// How gradients travel between ranks (`--bf16-compress`), for DDP's
+    /// all-reduce and ZeRO's reduce-scatter alike.
+    pub fn compression(&self) -> cohort_ddp::Compression {
+        if self.bf16_compress {
+            cohort_ddp::Compression::Bf16
+        } else {
+            cohort_ddp::Compression::None
+        }
+    }
+
     /// The optimizer settings of the run (AdamW's other defaults are PyTorch's).
     pub fn adamw(&self) -> cohort_engine::optim::AdamWConfig {
         cohort_engine::optim::AdamWConfig {
@@ -911,7 +907,7 @@ mod tests {
     }
 
     #[test]
-    fn zero1_is_a_strategy_by_flag_and_by_file_and_refuses_bf16_compression() {
+    fn zero1_is_a_strategy_by_flag_and_by_file() {
         let cfg = parse(&["--strategy", "zero1"]).resolve().unwrap();
         assert_eq!(cfg.strategy, Strategy::Zero1);
         let dir = tempfile::tempdir().unwrap();
@@ -921,14 +917,12 @@ mod tests {
             .resolve()
             .unwrap();
         assert_eq!(cfg.strategy, Strategy::Zero1);
-        let err = parse(&["--strategy", "zero1", "--bf16-compress"])
-            .resolve()
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("bf16_compress") && err.contains("zero1"),
-            "{err}"
-        );
+        for name in ["zero1", "zero2", "zero3"] {
+            let cfg = parse(&["--strategy", name, "--bf16-compress"])
+                .resolve()
+                .unwrap();
+            assert_eq!(cfg.compression(), cohort_ddp::Compression::Bf16);
+        }
     }
 
     #[test]
@@ -937,13 +931,11 @@ mod tests {
             let cfg = parse(&["--strategy", name]).resolve().unwrap();
             assert_eq!(cfg.strategy.name(), name);
             assert!(cfg.strategy.is_zero());
-            for flags in [&["--bf16-compress"][..], &["--stages", "2"]] {
-                let mut args = vec!["--strategy", name];
-                args.extend(flags);
-                let err = parse(&args).resolve().unwrap_err().to_string();
-                let key = flags[0].trim_start_matches("--").replace('-', "_");
-                assert!(err.contains(&key) && err.contains(name), "{err}");
-            }
+            let err = parse(&["--strategy", name, "--stages", "2"])
+                .resolve()
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("stages") && err.contains(name), "{err}");
         }
         assert!(!Strategy::Ddp.is_zero() && !Strategy::Pipeline.is_zero());
     }

@@ -60,6 +60,7 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp, Work};
 use cohort_data::{Batch, Dataset};
+use cohort_ddp::{Compression, CompressionScratch};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
@@ -242,6 +243,9 @@ struct Shards {
     staging: Vec<f32>,
     /// One part's shard of a reduce-scatter, before it is added to `grads`.
     scratch: Vec<f32>,
+    /// How gradients travel in the reduce-scatters (`--bf16-compress`).
+    compression: Compression,
+    compression_scratch: CompressionScratch,
     /// The first error inside a hook (hooks cannot return one); the
     /// collectives after it are not started.
     error: Option<TrainError>,
@@ -498,13 +502,16 @@ impl Shards {
             return Ok(());
         }
         let out = staged(&mut self.scratch, p.shard.len);
+        let (how, scratch) = (self.compression, &mut self.compression_scratch);
         if p.padded() {
             let whole = staged(&mut self.staging, p.shard.padded());
             whole[..grads.len()].copy_from_slice(grads);
             whole[grads.len()..].fill(0.0);
-            pg.reduce_scatter(whole, out, ReduceOp::Avg).map_err(comm)?;
+            how.reduce_scatter_mean(pg, whole, out, scratch)
+                .map_err(comm)?;
         } else {
-            pg.reduce_scatter(grads, out, ReduceOp::Avg).map_err(comm)?;
+            how.reduce_scatter_mean(pg, grads, out, scratch)
+                .map_err(comm)?;
         }
         for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
             *g += x;
@@ -585,6 +592,8 @@ impl ShardedDp {
                 params,
                 staging: Vec::new(),
                 scratch: Vec::new(),
+                compression: Compression::None,
+                compression_scratch: CompressionScratch::default(),
                 error: None,
                 comm: Duration::ZERO,
                 flight: Box::default(),
@@ -600,7 +609,20 @@ impl ShardedDp {
     /// without overlap. Decide as DDP does ([`crate::Overlap::enabled`]):
     /// the communication thread needs a core of its own.
     pub fn set_overlap(&mut self, on: bool) {
-        self.shards_mut().flight.on = on;
+        let st = self.shards_mut();
+        st.flight.on = on && st.compression == Compression::None;
+    }
+
+    /// Sends the gradients as bf16 (PyTorch's `bf16_compress_hook`: half
+    /// the bytes, about three significant digits) or as f32 (the default).
+    /// Compression turns overlap off: compressed reduce-scatters run in
+    /// place, between the model's parts.
+    pub fn set_compression(&mut self, compression: Compression) {
+        let st = self.shards_mut();
+        st.compression = compression;
+        if compression != Compression::None {
+            st.flight.on = false;
+        }
     }
 
     /// Which stage this is.
@@ -795,6 +817,7 @@ impl<'a> ZeroSharded<'a> {
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
         let mut zero = ShardedDp::new(pg, &mut model, stage, cfg.adamw())?;
+        zero.set_compression(cfg.compression());
         let threads = model.backend().num_threads();
         let overlap = cfg.overlap.enabled(world, pg.local_world_size(), threads);
         zero.set_overlap(overlap);

@@ -15,7 +15,7 @@ use crate::step_loop::{self, Start, StepGradients, Strategy};
 use crate::TrainError;
 use cohort_comm::ProcessGroup;
 use cohort_data::Dataset;
-use cohort_ddp::{Compression, Ddp, DdpOptions, ParamSpec};
+use cohort_ddp::{Ddp, DdpOptions, ParamSpec};
 use cohort_engine::optim::{AdamW, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, GptError, GPT};
@@ -467,11 +467,7 @@ impl<'a> DataParallel<'a> {
         let ddp_options = DdpOptions {
             bucket_cap_mb: cfg.bucket_cap_mb,
             overlap,
-            compression: if cfg.bf16_compress {
-                Compression::Bf16
-            } else {
-                Compression::None
-            },
+            compression: cfg.compression(),
             ..DdpOptions::default()
         };
         let ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), ddp_options)?;

@@ -40,6 +40,7 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Dataset;
+use cohort_ddp::{Compression, CompressionScratch};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
@@ -138,6 +139,9 @@ pub struct Zero1 {
     /// count is not a multiple of the world size; empty when it is (the
     /// collectives then read and write the caller's buffers directly).
     padded: Vec<f32>,
+    /// How the gradient travels in the reduce-scatter (`--bf16-compress`).
+    compression: Compression,
+    scratch: CompressionScratch,
 }
 
 /// Where the time of one [`Zero1::step`] went.
@@ -177,7 +181,15 @@ impl Zero1 {
             params: own,
             grads: vec![0f32; shard.len],
             padded,
+            compression: Compression::None,
+            scratch: CompressionScratch::default(),
         })
+    }
+
+    /// Sends the gradient as bf16 (PyTorch's `bf16_compress_hook`: half
+    /// the bytes, about three significant digits) or as f32 (the default).
+    pub fn set_compression(&mut self, compression: Compression) {
+        self.compression = compression;
     }
 
     /// Fails unless `len` is the parameter count: checked before any
@@ -236,7 +248,8 @@ impl Zero1 {
             self.padded[n..].fill(0.0);
             &self.padded
         };
-        pg.reduce_scatter(input, &mut self.grads, ReduceOp::Avg)
+        self.compression
+            .reduce_scatter_mean(pg, input, &mut self.grads, &mut self.scratch)
             .map_err(TrainError::comm("gradient reduce_scatter"))
     }
 
@@ -325,6 +338,7 @@ impl<'a> ZeroOne<'a> {
         pg.broadcast(model.params_mut(), 0)
             .map_err(TrainError::comm("initial parameters broadcast"))?;
         let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
+        zero.set_compression(cfg.compression());
         // A checkpoint of any kind and world size: this rank reads its own
         // shard of it, and the ranks' shards make the model again.
         let config = model.config().clone();

@@ -2,10 +2,11 @@
 //! threads over real loopback sockets: the same model from the same seed
 //! and data, on a model none of whose blocks divides into 2 or 3 ranks (so
 //! shards are padded part by part), with clipping, accumulation and a NaN
-//! in one rank's shard; what the strategies release; their header's memory
-//! accounting; and their checkpoints (ZeRO-1's too): a shard per rank,
-//! which resume on another world size, consolidate into one model, and
-//! refuse a damaged shard by name.
+//! in one rank's shard; bf16-compressed gradients (ZeRO-1's too); what the
+//! strategies release; their header's memory accounting; and their
+//! checkpoints (ZeRO-1's too): a shard per rank, which resume on another
+//! world size, consolidate into one model, and refuse a damaged shard by
+//! name.
 
 mod common;
 
@@ -597,4 +598,35 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_in_charge() {
     assert!(!staging.exists(), "the staging directory was replaced");
     let index = ckpt::read_index(&out.join("step-000004")).unwrap().unwrap();
     assert_eq!(index.world_size, 2);
+}
+
+#[test]
+fn bf16_compressed_gradients_under_every_zero_stage_match_compressed_ddp() {
+    let cfg = TrainConfig {
+        bf16_compress: true,
+        ..odd()
+    };
+    let exact = run_world(2, &odd()).swap_remove(0).params;
+    let ddp = run_world(2, &cfg).swap_remove(0).params;
+    // Compression is on: the gradients lost bits, so the run moved
+    // differently (AdamW's normalized steps carry a small gradient's
+    // rounding into a whole step of lr = 1e-3 at most).
+    let lost = max_abs_diff(&ddp, &exact);
+    assert!(lost > 1e-5 && lost < 1e-2, "compressed vs f32 DDP: {lost}");
+    for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+        let zero = run_world(2, &with(strategy, &cfg));
+        assert!(
+            zero[1].params == zero[0].params,
+            "{strategy:?}: ranks diverged"
+        );
+        // Each element's two shares are rounded and summed in bf16 as DDP's
+        // all-reduce does; only the micro-batch's f32 gradients before it
+        // may differ in their last bits (and flip a rounding).
+        let d = max_abs_diff(&zero[0].params, &ddp);
+        eprintln!("{strategy:?} + bf16 compression vs compressed DDP: max |diff| {d:e}");
+        assert!(
+            d < lost / 10.0,
+            "{strategy:?}: {d} vs compressed DDP ({lost} from f32)"
+        );
+    }
 }

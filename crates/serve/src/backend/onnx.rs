@@ -1,0 +1,237 @@
+//! ONNX models as a backend (`platform: "onnxruntime_onnx"`, or `backend: "onnxruntime"`, as
+//! Triton's configs say), executed by tract, a pure-Rust ONNX runtime: `model.onnx` in the
+//! version directory. The model's inputs and outputs, their names, datatypes and shapes come
+//! from the file; the config's `input` / `output`, when given, must agree with them. The first
+//! dimension of every input and output is the batch dimension and must be dynamic in the file
+//! (an ONNX `dim_param` or an unnamed dimension), so that dynamic batching can join requests:
+//! the model is optimized once with that dimension symbolic and runs any batch size.
+//!
+//! A model using an operator tract does not implement fails its load with one line naming the
+//! operator and the node. This module never reads a request off the wire and never writes to
+//! the repository.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tract_linalg::multithread::{multithread_tract_scope, Executor};
+use tract_onnx::prelude::{
+    DatumType, Framework, InferenceModelExt, OutletId, TValue, TVec, Tensor as TractTensor,
+    TractError, TypedFact, TypedModel, TypedSimplePlan, TypedSimpleState,
+};
+
+use super::{Backend, Instance, Loaded, Version};
+use crate::config::ModelConfig;
+use crate::error::ServeError;
+use crate::tensor::{DataType, Tensor, TensorSpec};
+use crate::text::TextCodec;
+
+/// The model file of an ONNX version directory, as Triton names it.
+pub const MODEL_FILE: &str = "model.onnx";
+
+/// A loaded ONNX model.
+struct OnnxBackend {
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+}
+
+impl Backend for OnnxBackend {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    fn text(&self) -> Result<TextCodec, String> {
+        Err("an ONNX model does not generate text".into())
+    }
+}
+
+/// One instance: its own execution state over the shared optimized plan, and its thread pool
+/// when it has more than one thread.
+struct OnnxInstance {
+    state: TypedSimpleState,
+    executor: Option<Executor>,
+    /// Each output's type, checked against what the plan returns.
+    outputs: Vec<TensorSpec>,
+}
+
+impl Instance for OnnxInstance {
+    fn execute(&mut self, inputs: &[Tensor], want: &[bool]) -> Result<Vec<Option<Tensor>>, String> {
+        let mut values: TVec<TValue> = TVec::new();
+        for t in inputs {
+            let mut tt =
+                TractTensor::zero_dt(datum(t.datatype), &t.shape).map_err(|e| format!("{e:#}"))?;
+            tt.as_bytes_mut().copy_from_slice(&t.data);
+            values.push(tt.into());
+        }
+        let state = &mut self.state;
+        let ran = match &self.executor {
+            Some(pool) => multithread_tract_scope(pool.clone(), || state.run(values)),
+            None => state.run(values),
+        };
+        let outs = ran.map_err(|e| format!("{e:#}"))?;
+        let rows = inputs.first().map_or(0, |t| t.shape[0]);
+        let mut answer = Vec::with_capacity(outs.len());
+        for ((out, spec), &wanted) in outs.iter().zip(&self.outputs).zip(want) {
+            if !wanted {
+                answer.push(None);
+                continue;
+            }
+            if out.datum_type() != datum(spec.datatype) {
+                return Err(format!(
+                    "output {:?} came out as {:?}, the model declares {}",
+                    spec.name,
+                    out.datum_type(),
+                    spec.datatype
+                ));
+            }
+            if out.shape().first() != Some(&rows) {
+                return Err(format!(
+                    "output {:?} has shape {:?}, not {rows} rows like the inputs",
+                    spec.name,
+                    out.shape()
+                ));
+            }
+            answer.push(Some(Tensor {
+                datatype: spec.datatype,
+                shape: out.shape().to_vec(),
+                data: out.as_bytes().to_vec(),
+            }));
+        }
+        Ok(answer)
+    }
+}
+
+/// tract's type of `d`.
+fn datum(d: DataType) -> DatumType {
+    match d {
+        DataType::Bool => DatumType::Bool,
+        DataType::Uint8 => DatumType::U8,
+        DataType::Int8 => DatumType::I8,
+        DataType::Int16 => DatumType::I16,
+        DataType::Int32 => DatumType::I32,
+        DataType::Int64 => DatumType::I64,
+        DataType::Fp32 => DatumType::F32,
+        DataType::Fp64 => DatumType::F64,
+    }
+}
+
+/// The served type of tract's `d`, if cohort serves it.
+fn served(d: DatumType) -> Option<DataType> {
+    DataType::ALL.into_iter().find(|&t| datum(t) == d)
+}
+
+/// The spec of a model tensor `name` with `fact`, checking that its first dimension is a
+/// dynamic batch dimension.
+fn spec(direction: &str, name: &str, fact: &TypedFact) -> Result<TensorSpec, String> {
+    let datatype = served(fact.datum_type).ok_or_else(|| {
+        format!(
+            "{direction} {name:?} has element type {:?}, which cohort does not serve (it serves {})",
+            fact.datum_type,
+            DataType::ALL.map(DataType::name).join(", ")
+        )
+    })?;
+    let shape: Vec<i64> = fact
+        .shape
+        .iter()
+        .map(|d| d.to_i64().unwrap_or(-1))
+        .collect();
+    match shape.first() {
+        Some(-1) => Ok(TensorSpec {
+            name: name.to_string(),
+            datatype,
+            shape,
+        }),
+        _ => Err(format!(
+            "{direction} {name:?} has shape {shape:?}; its first dimension must be a dynamic \
+             batch dimension (an ONNX dim_param such as \"N\"), since max_batch_size > 0"
+        )),
+    }
+}
+
+/// Reads `model.onnx` from `version_dir`, checks it against `cfg`, optimizes it once and
+/// builds `count` instances of `threads` threads each.
+pub(crate) fn load(
+    what: &Version<'_>,
+    version_dir: &Path,
+    cfg: &ModelConfig,
+    count: usize,
+    threads: usize,
+) -> Result<Loaded, ServeError> {
+    let path = version_dir.join(MODEL_FILE);
+    let err = |reason: String| what.error(format!("{MODEL_FILE}: {reason}"));
+    if !path.is_file() {
+        return Err(err(format!("not found in {}", version_dir.display())));
+    }
+    let inference = tract_onnx::onnx()
+        .model_for_path(&path)
+        .map_err(|e| err(format!("{e:#}")))?;
+    // tract reads an operator it does not implement into a placeholder node and fails only
+    // when typing the graph, with a message that does not name it: name it here
+    for node in inference.nodes() {
+        let op = node.op.name();
+        if let Some(name) = op
+            .strip_prefix("Unimplemented(")
+            .and_then(|s| s.strip_suffix(')'))
+        {
+            return Err(err(format!(
+                "unsupported ONNX operator {name:?} (node {:?})",
+                node.name
+            )));
+        }
+    }
+    let typed = inference
+        .into_optimized()
+        .map_err(|e| err(format!("{e:#}")))?;
+    let (inputs, outputs) = tensors(&typed).map_err(err)?;
+    let backend = OnnxBackend { inputs, outputs };
+    super::check_declared(cfg, &backend).map_err(|e| err(format!("config {e}")))?;
+    let plan: Arc<TypedSimplePlan> =
+        TypedSimplePlan::new(typed).map_err(|e| err(format!("{e:#}")))?;
+    let mut instances: Vec<Box<dyn Instance>> = Vec::with_capacity(count);
+    for i in 0..count {
+        let state =
+            TypedSimpleState::new(&plan).map_err(|e| err(format!("instance {i}: {e:#}")))?;
+        let executor = (threads > 1)
+            .then(|| Executor::multithread_with_name(threads, &format!("onnx-{}", what.model)));
+        instances.push(Box::new(OnnxInstance {
+            state,
+            executor,
+            outputs: backend.outputs.clone(),
+        }));
+    }
+    Ok(Loaded {
+        backend: Box::new(backend),
+        instances,
+    })
+}
+
+/// The specs of `model`'s inputs and outputs.
+fn tensors(model: &TypedModel) -> Result<(Vec<TensorSpec>, Vec<TensorSpec>), String> {
+    let name = |o: &OutletId| {
+        model
+            .outlet_label(*o)
+            .map_or_else(|| model.node(o.node).name.clone(), str::to_string)
+    };
+    let text = |e: TractError| format!("{e:#}");
+    let mut inputs = Vec::new();
+    for (i, o) in model.input_outlets().map_err(text)?.iter().enumerate() {
+        // an input's node is named after the graph input
+        let n = model.node(o.node).name.clone();
+        inputs.push(spec("input", &n, model.input_fact(i).map_err(text)?)?);
+    }
+    let mut outputs = Vec::new();
+    for (i, o) in model.output_outlets().map_err(text)?.iter().enumerate() {
+        outputs.push(spec(
+            "output",
+            &name(o),
+            model.output_fact(i).map_err(text)?,
+        )?);
+    }
+    if inputs.is_empty() {
+        return Err("the model has no inputs".into());
+    }
+    Ok((inputs, outputs))
+}

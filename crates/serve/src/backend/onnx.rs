@@ -165,23 +165,35 @@ pub(crate) fn load(
     if !path.is_file() {
         return Err(err(format!("not found in {}", version_dir.display())));
     }
-    let inference = tract_onnx::onnx()
-        .model_for_path(&path)
+    let onnx = tract_onnx::onnx();
+    let mut proto = onnx
+        .proto_model_for_path(&path)
         .map_err(|e| err(format!("{e:#}")))?;
-    // tract reads an operator it does not implement into a placeholder node and fails only
-    // when typing the graph, with a message that does not name it: name it here
-    for node in inference.nodes() {
-        let op = node.op.name();
-        if let Some(name) = op
-            .strip_prefix("Unimplemented(")
-            .and_then(|s| s.strip_suffix(')'))
-        {
-            return Err(err(format!(
-                "unsupported ONNX operator {name:?} (node {:?})",
-                node.name
-            )));
-        }
+    let graph = proto
+        .graph
+        .as_mut()
+        .ok_or_else(|| err("the file holds no graph".into()))?;
+    // tract would read an operator it lacks into a placeholder and fail later, without its
+    // name: name it here, with the node, as the file has them
+    if let Some(node) = graph
+        .node
+        .iter()
+        .find(|n| !onnx.op_register.0.contains_key(&n.op_type))
+    {
+        return Err(err(format!(
+            "unsupported ONNX operator {:?} (node {:?})",
+            node.op_type, node.name
+        )));
     }
+    distinct_node_names(graph);
+    let dir = version_dir.to_str();
+    let parsed = onnx.parse(&proto, dir).map_err(|e| err(format!("{e:#}")))?;
+    if let Some(name) = parsed.unresolved_inputs.first() {
+        return Err(err(format!(
+            "tensor {name:?} is used by a node but is no input, initializer or node output"
+        )));
+    }
+    let inference = parsed.model;
     let typed = inference
         .into_optimized()
         .map_err(|e| err(format!("{e:#}")))?;
@@ -206,6 +218,32 @@ pub(crate) fn load(
         backend: Box::new(backend),
         instances,
     })
+}
+
+/// Renames nodes whose name is also an input's or an initializer's, or another node's. ONNX
+/// keeps node and tensor names apart, but tract names its graph nodes after both, and refuses
+/// the model on a clash ("duplicate name for node").
+fn distinct_node_names(graph: &mut tract_onnx::pb::GraphProto) {
+    use std::collections::HashSet;
+    let mut taken: HashSet<String> = graph
+        .input
+        .iter()
+        .map(|i| i.name.clone())
+        .chain(graph.initializer.iter().map(|t| t.name.clone()))
+        .collect();
+    for node in &mut graph.node {
+        if node.name.is_empty() {
+            continue;
+        }
+        if taken.contains(&node.name) {
+            let mut i = 1;
+            while taken.contains(&format!("{}.{i}", node.name)) {
+                i += 1;
+            }
+            node.name = format!("{}.{i}", node.name);
+        }
+        taken.insert(node.name.clone());
+    }
 }
 
 /// The specs of `model`'s inputs and outputs.

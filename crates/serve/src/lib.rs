@@ -225,6 +225,13 @@ impl Server {
                         let shutdown = async move {
                             let _ = rx.wait_for(|s| *s).await;
                         };
+                        // no Nagle delay (see the gRPC listener below)
+                        let listener = axum::serve::ListenerExt::tap_io(
+                            listener,
+                            |tcp: &mut tokio::net::TcpStream| {
+                                let _ = tcp.set_nodelay(true);
+                            },
+                        );
                         if let Err(e) = axum::serve(listener, router)
                             .with_graceful_shutdown(shutdown)
                             .await
@@ -270,7 +277,17 @@ impl Server {
                 .send_compressed(Deflate)
                 .max_decoding_message_size(opts.max_body_bytes)
                 .max_encoding_message_size(usize::MAX);
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                // no Nagle delay: an answer of a few frames (headers, data, trailers) must not
+                // wait for the client's delayed ACK (40 ms) before its last frames leave
+                let incoming = tokio_stream::StreamExt::map(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    |conn| {
+                        if let Ok(c) = &conn {
+                            let _ = c.set_nodelay(true);
+                        }
+                        conn
+                    },
+                );
                 let mut rx = stopped.clone();
                 tasks.push(tokio::spawn(async move {
                     let shutdown = async move {

@@ -4,19 +4,21 @@
 //! from the file; the config's `input` / `output`, when given, must agree with them. The first
 //! dimension of every input and output is the batch dimension and must be dynamic in the file
 //! (an ONNX `dim_param` or an unnamed dimension), so that dynamic batching can join requests:
-//! the model is optimized once with that dimension symbolic and runs any batch size.
+//! the model is optimized once with that dimension symbolic and runs any batch size, and each
+//! instance also optimizes it for the first few batch sizes it meets, which tract runs faster.
 //!
 //! A model using an operator tract does not implement fails its load with one line naming the
 //! operator and the node. This module never reads a request off the wire and never writes to
 //! the repository.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use tract_linalg::multithread::{multithread_tract_scope, Executor};
 use tract_onnx::prelude::{
-    DatumType, Framework, InferenceModelExt, OutletId, TValue, TVec, Tensor as TractTensor,
-    TractError, TypedFact, TypedModel, TypedSimplePlan, TypedSimpleState,
+    DatumType, Framework, InferenceModelExt, OutletId, Symbol, TDim, TValue, TVec,
+    Tensor as TractTensor, TractError, TypedFact, TypedModel, TypedSimplePlan, TypedSimpleState,
 };
 
 use super::{Backend, Instance, Loaded, Version};
@@ -48,13 +50,58 @@ impl Backend for OnnxBackend {
     }
 }
 
-/// One instance: its own execution state over the shared optimized plan, and its thread pool
-/// when it has more than one thread.
+/// Plans an instance keeps with the batch dimension made concrete, one per batch size (tract
+/// picks kernels and packs operands for a known size): the first sizes it meets; others run
+/// the plan with the symbolic batch dimension.
+const CONCRETE_PLANS: usize = 4;
+
+/// The model before optimization, with its batch dimension's symbol, to make concrete plans.
+struct Decluttered {
+    model: TypedModel,
+    batch: Option<Symbol>,
+}
+
+/// One instance: its own execution states over the shared optimized plan (and its concrete
+/// plans), and its thread pool when it has more than one thread.
 struct OnnxInstance {
     state: TypedSimpleState,
+    /// (batch size, its plan's state; None: it could not be built, the symbolic one serves)
+    concrete: Vec<(usize, Option<TypedSimpleState>)>,
+    decluttered: Arc<Decluttered>,
     executor: Option<Executor>,
     /// Each output's type, checked against what the plan returns.
     outputs: Vec<TensorSpec>,
+}
+
+impl OnnxInstance {
+    /// An execution state of the model with `rows` as its batch size.
+    fn concretize(&self, rows: usize) -> Option<TypedSimpleState> {
+        let sym = self.decluttered.batch.as_ref()?;
+        let subs = HashMap::from([(sym.clone(), TDim::Val(rows as i64))]);
+        let model = self.decluttered.model.set_symbols(&subs).ok()?;
+        let optimized = model.into_optimized().ok()?;
+        TypedSimpleState::new(&TypedSimplePlan::new(optimized).ok()?).ok()
+    }
+
+    /// The state that runs a batch of `rows`.
+    fn state_for(&mut self, rows: usize) -> &mut TypedSimpleState {
+        let known = self.concrete.iter().position(|(n, _)| *n == rows);
+        let at = match known {
+            Some(i) => Some(i),
+            None if self.concrete.len() < CONCRETE_PLANS => {
+                let state = self.concretize(rows);
+                self.concrete.push((rows, state));
+                Some(self.concrete.len() - 1)
+            }
+            None => None,
+        };
+        match at {
+            Some(i) if self.concrete[i].1.is_some() => {
+                self.concrete[i].1.as_mut().expect("checked")
+            }
+            _ => &mut self.state,
+        }
+    }
 }
 
 impl Instance for OnnxInstance {
@@ -66,13 +113,14 @@ impl Instance for OnnxInstance {
             tt.as_bytes_mut().copy_from_slice(&t.data);
             values.push(tt.into());
         }
-        let state = &mut self.state;
-        let ran = match &self.executor {
-            Some(pool) => multithread_tract_scope(pool.clone(), || state.run(values)),
+        let rows = inputs.first().map_or(0, |t| t.shape[0]);
+        let executor = self.executor.clone();
+        let state = self.state_for(rows);
+        let ran = match executor {
+            Some(pool) => multithread_tract_scope(pool, || state.run(values)),
             None => state.run(values),
         };
         let outs = ran.map_err(|e| format!("{e:#}"))?;
-        let rows = inputs.first().map_or(0, |t| t.shape[0]);
         let mut answer = Vec::with_capacity(outs.len());
         for ((out, spec), &wanted) in outs.iter().zip(&self.outputs).zip(want) {
             if !wanted {
@@ -194,9 +242,26 @@ pub(crate) fn load(
         )));
     }
     let inference = parsed.model;
-    let typed = inference
+    let decluttered = inference
+        .into_typed()
+        .and_then(|m| m.into_decluttered())
+        .map_err(|e| err(format!("{e:#}")))?;
+    let batch = decluttered
+        .input_fact(0)
+        .ok()
+        .and_then(|f| f.shape.iter().next().cloned())
+        .and_then(|d| match d {
+            TDim::Sym(s) => Some(s),
+            _ => None,
+        });
+    let typed = decluttered
+        .clone()
         .into_optimized()
         .map_err(|e| err(format!("{e:#}")))?;
+    let decluttered = Arc::new(Decluttered {
+        model: decluttered,
+        batch,
+    });
     let (inputs, outputs) = tensors(&typed).map_err(err)?;
     let backend = OnnxBackend { inputs, outputs };
     super::check_declared(cfg, &backend).map_err(|e| err(format!("config {e}")))?;
@@ -210,6 +275,8 @@ pub(crate) fn load(
             .then(|| Executor::multithread_with_name(threads, &format!("onnx-{}", what.model)));
         instances.push(Box::new(OnnxInstance {
             state,
+            concrete: Vec::new(),
+            decluttered: decluttered.clone(),
             executor,
             outputs: backend.outputs.clone(),
         }));

@@ -200,13 +200,10 @@ def check(spec_file):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
 
     def metadata_and_config_come_from_the_model_file():
-        for client in (http, grpc):
-            m = client.get_model_metadata("classifier")
-            m = m if isinstance(m, dict) else json.loads(
-                __import__("google.protobuf.json_format", fromlist=["x"]).MessageToJson(
-                    m, preserving_proto_field_name=True
-                )
-            )
+        for m in (
+            http.get_model_metadata("classifier"),
+            grpc.get_model_metadata("classifier", as_json=True),
+        ):
             assert m["platform"] == "onnxruntime_onnx", m
             assert [(t["name"], t["datatype"], [int(d) for d in t["shape"]]) for t in m["inputs"]] == [
                 ("INPUT", "FP32", [-1, FEATURES])

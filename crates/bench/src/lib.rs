@@ -19,6 +19,7 @@ pub mod pipeline;
 pub mod ps;
 pub mod rpc;
 pub mod serve;
+pub mod serve_model;
 pub mod train_step;
 
 /// Fills `out` with token ids uniform in `0..vocab`, a fixed function of

@@ -1,6 +1,7 @@
 //! `cohort serve` and `cohort bench serve`: wiring only. Parse the flags (Triton's names where it
 //! has one), start `cohort_serve::Server`, print where it listens, wait for Ctrl-C / SIGTERM; or
-//! run `cohort_bench::serve` and print its table.
+//! run `cohort_bench::serve` (or, with `--repository`, `cohort_bench::serve_model`) and print
+//! its table.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cohort_bench::serve::{GenerateLoad, GenerateRow, LoadRow, LoadTest};
+use cohort_bench::serve_model::{ModelLoad, ModelLoadRow};
 use cohort_gpt::GPTConfig;
 use cohort_serve::{Server, ServerOptions};
 
@@ -90,7 +92,8 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Load test of the server: throughput and latency with and without dynamic batching, or with
-/// `--generate`, token streaming with and without in-flight batching.
+/// `--generate`, token streaming with and without in-flight batching; or with `--repository`
+/// and `--model`, any model of a repository with random inputs (as perf_analyzer).
 #[derive(clap::Args, Debug)]
 pub struct BenchServeArgs {
     /// Model config of the random-weight model: A or B.
@@ -145,6 +148,76 @@ pub struct BenchServeArgs {
     /// Generation: sampling temperature (0: greedy).
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
+    /// Load-test a model of this repository (with --model) instead of a GPT: random inputs of
+    /// the model's declared shapes and datatypes, like perf_analyzer.
+    #[arg(long, requires = "model")]
+    repository: Option<PathBuf>,
+    /// With --repository: the model to load-test.
+    #[arg(long, requires = "repository")]
+    model: Option<String>,
+    /// With --repository: comma-separated rows per request.
+    #[arg(long, default_value = "1")]
+    batch_size: String,
+    /// With --repository: comma-separated concurrent client counts.
+    #[arg(long, default_value = "1")]
+    concurrency: String,
+    /// With --repository: the size of an input's dynamic dimensions besides the batch,
+    /// NAME:D1,D2 (repeatable; default 1 for each).
+    #[arg(long)]
+    shape: Vec<String>,
+}
+
+/// Comma-separated counts of `flag`.
+fn counts(flag: &str, text: &str) -> anyhow::Result<Vec<usize>> {
+    text.split(',')
+        .map(|s| s.trim().parse::<usize>())
+        .collect::<Result<Vec<_>, _>>()
+        .with_context(|| format!("{flag} {text:?}: expected numbers like 1,32"))
+}
+
+fn bench_model(a: BenchServeArgs, repository: PathBuf, model: String) -> anyhow::Result<()> {
+    let mut shapes = std::collections::BTreeMap::new();
+    for s in &a.shape {
+        let (name, dims) = s
+            .split_once(':')
+            .with_context(|| format!("--shape {s:?}: expected NAME:D1,D2"))?;
+        shapes.insert(name.to_string(), counts("--shape", dims)?);
+    }
+    let t = ModelLoad {
+        repository,
+        model,
+        batch_sizes: counts("--batch-size", &a.batch_size)?,
+        concurrency: counts("--concurrency", &a.concurrency)?,
+        shapes,
+        requests: a.requests,
+        warmup: 16,
+        threads: a.threads,
+        seed: a.seed,
+    };
+    if !a.json {
+        println!(
+            "bench serve: model {} of {}, random inputs, {} requests per cell, gRPC on loopback",
+            t.model,
+            t.repository.display(),
+            t.requests
+        );
+        println!(
+            "{:>6} {:>11} {:>11} {:>9} {:>9} {:>10}",
+            "batch", "concurrency", "infer/s", "p50 ms", "p99 ms", "mean batch"
+        );
+    }
+    let print = |r: &ModelLoadRow| {
+        if a.json {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        } else {
+            println!(
+                "{:>6} {:>11} {:>11.1} {:>9.3} {:>9.3} {:>10.2}",
+                r.batch_size, r.concurrency, r.infer_per_s, r.p50_ms, r.p99_ms, r.mean_batch
+            );
+        }
+    };
+    cohort_bench::serve_model::run(&t, print).context("bench serve")?;
+    Ok(())
 }
 
 fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
@@ -229,6 +302,9 @@ fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
 }
 
 pub fn bench(a: BenchServeArgs) -> anyhow::Result<()> {
+    if let (Some(repository), Some(model)) = (a.repository.clone(), a.model.clone()) {
+        return bench_model(a, repository, model);
+    }
     let model = match a.config.as_str() {
         "A" | "a" => GPTConfig::config_a(),
         "B" | "b" => GPTConfig::config_b(),

@@ -136,6 +136,50 @@ fn bench_serve_reports_every_mode_and_client_count() {
 }
 
 #[test]
+fn bench_serve_load_tests_a_model_of_a_repository_with_random_inputs() {
+    use cohort_gpt::checkpoint::{self, Checkpoint};
+    use cohort_gpt::{GPTConfig, GPT};
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let model = GPT::new(GPTConfig::config_a(), 3).unwrap();
+    let ckpt = Checkpoint {
+        model: Some(&model),
+        ..Default::default()
+    };
+    checkpoint::save(&repo.join("gpt/1"), "step-1", &ckpt).unwrap();
+    let repo = repo.to_str().unwrap();
+    let args = ["bench", "serve", "--repository", repo, "--model", "gpt"];
+    let mut all = args.to_vec();
+    all.extend(["--shape", "input_ids:5", "--batch-size", "1,3"]);
+    all.extend(["--concurrency", "2", "--requests", "8", "--json"]);
+    let rows = json_lines(&succeeded(&run(&all)));
+    let cells: Vec<(u64, u64)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["batch_size"].as_u64().unwrap(),
+                r["concurrency"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(cells, [(1, 2), (3, 2)], "{rows:?}");
+    for r in &rows {
+        assert_eq!(
+            (r["model"].as_str(), r["requests"].as_u64()),
+            (Some("gpt"), Some(8))
+        );
+        assert_positive(r, &["infer_per_s", "p50_ms", "p99_ms", "mean_batch"]);
+    }
+    // a dimension that does not fit the model's is refused by name
+    let mut bad = args.to_vec();
+    bad.extend(["--shape", "input_ids:5,2", "--requests", "1"]);
+    let out = run(&bad);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("input_ids: [5, 2] does not fit"), "{err}");
+}
+
+#[test]
 fn bench_pipeline_reports_the_step_and_the_bubble() {
     let rows = bench_on_two_ranks(&[
         "pipeline",

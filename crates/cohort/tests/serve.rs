@@ -1,6 +1,8 @@
 //! `cohort serve` end to end: the real binary serving a repository written by the library,
 //! checked with Triton's own Python client (crates/serve/tests/tritonclient_check.py) when
-//! `tritonclient` is importable, and generate compared with `cohort sample` in any case.
+//! `tritonclient` is importable, and generate compared with `cohort sample` in any case; ONNX
+//! models and an ensemble checked against onnxruntime (crates/serve/tests/onnx_check.py) when
+//! `onnx`, `onnxruntime` and `tritonclient` are importable.
 
 mod support;
 
@@ -13,7 +15,7 @@ use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::{GPTConfig, GPT};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 use serde_json::json;
-use support::post_json;
+use support::{post_json, python_imports};
 
 const CHARS: &str = "\nabcdefgh ,.";
 
@@ -356,5 +358,41 @@ fn the_openai_client_gets_what_cohort_sample_prints() {
     let spec_file = dir.path().join("openai.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
     python_check("openai_check.py", &spec_file);
+    server.stop();
+}
+
+#[test]
+fn onnx_models_and_an_ensemble_answer_tritonclient_as_onnxruntime_does() {
+    let test = "onnx_models_and_an_ensemble_answer_tritonclient_as_onnxruntime_does";
+    let modules = [
+        "onnx",
+        "onnxruntime",
+        "tritonclient.http",
+        "tritonclient.grpc",
+        "numpy",
+    ];
+    let pip = "pip install onnx onnxruntime 'tritonclient[http,grpc]' numpy";
+    if !python_imports(test, &modules, pip) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/onnx_check.py");
+    let made = Command::new("python3")
+        .arg(&script)
+        .arg("make")
+        .arg(&repo)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let server = Serving::start(&repo);
+    let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
+    let spec_file = dir.path().join("onnx.json");
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    python_check("onnx_check.py", &spec_file);
     server.stop();
 }

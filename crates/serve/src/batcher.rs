@@ -1,10 +1,11 @@
 //! The request queue of one model version and its dynamic batcher, as Triton's: instances
 //! (threads, each owning a copy of the model) take work from one bounded queue; with dynamic
-//! batching, an instance combines queued inference requests of the same sequence length into
-//! one execution of up to `max_batch_size` rows.
+//! batching, an instance combines queued inference requests whose inputs have the same shapes
+//! beyond the batch dimension (for a GPT, the same sequence length) into one execution of up to
+//! `max_batch_size` rows.
 //!
-//! Batching rule: the oldest request decides the sequence length; every queued request of that
-//! length joins in arrival order until the next would overflow `max_batch_size`. The batch runs
+//! Batching rule: the oldest request decides the shapes; every queued request of those shapes
+//! joins in arrival order until the next would overflow `max_batch_size`. The batch runs
 //! at once when it is full (max_batch_size rows, or the largest preferred batch size), else when
 //! the oldest request has waited `max_queue_delay`; then, with preferred sizes, it is cut to the
 //! largest preferred size it reaches. Without dynamic batching every request runs alone.
@@ -24,12 +25,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ServeError;
-use crate::tensor::{InferResult, TokenBatch, Wanted};
+use crate::tensor::{InferResult, Request};
 
 /// An inference request waiting for an instance.
 pub(crate) struct InferJob {
-    pub input: TokenBatch,
-    pub want: Wanted,
+    pub input: Request,
+    /// The outputs asked for, by index into the model's outputs, in answer order.
+    pub want: Vec<usize>,
     pub reply: oneshot::Sender<Result<InferResult, ServeError>>,
     pub enqueued: Instant,
 }
@@ -61,7 +63,7 @@ impl Job {
 
 /// What an instance executes next.
 pub(crate) enum Work {
-    /// Inference requests of one sequence length, in arrival order.
+    /// Inference requests of the same shapes beyond the batch dimension, in arrival order.
     Infer(Vec<InferJob>),
     Generate(GenerateJob),
 }
@@ -185,14 +187,14 @@ impl Queue {
                 st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
                 continue;
             };
-            let seq = match front {
+            let key = match front {
                 Job::Generate(_) => {
                     let Some(Job::Generate(g)) = st.jobs.pop_front() else {
                         unreachable!("front is a generate job")
                     };
                     return Some(Work::Generate(g));
                 }
-                Job::Infer(j) => j.input.seq,
+                Job::Infer(j) => &j.input,
             };
             let Some(dynamic) = &self.policy.dynamic else {
                 let Some(Job::Infer(j)) = st.jobs.pop_front() else {
@@ -200,7 +202,7 @@ impl Queue {
                 };
                 return Some(Work::Infer(vec![j]));
             };
-            let (picked, rows) = self.gather(&st.jobs, seq);
+            let (picked, rows) = self.gather(&st.jobs, key);
             let full = rows >= self.policy.max_batch_size
                 || dynamic.preferred.last().is_some_and(|&p| rows >= p);
             let deadline = front.enqueued() + dynamic.max_delay;
@@ -220,14 +222,14 @@ impl Queue {
         }
     }
 
-    /// Indices of the queued inference jobs of length `seq` that fit in one batch, in order,
-    /// and their rows.
-    fn gather(&self, jobs: &VecDeque<Job>, seq: usize) -> (Vec<usize>, usize) {
+    /// Indices of the queued inference jobs that can join `key` in one batch (same shapes
+    /// beyond the batch dimension) and fit, in order, and their rows.
+    fn gather(&self, jobs: &VecDeque<Job>, key: &Request) -> (Vec<usize>, usize) {
         let mut picked = Vec::new();
         let mut rows = 0;
         for (i, job) in jobs.iter().enumerate() {
             if let Job::Infer(j) = job {
-                if j.input.seq != seq {
+                if !j.input.batches_with(key) {
                     continue;
                 }
                 if rows + j.input.batch > self.policy.max_batch_size {
@@ -290,20 +292,17 @@ fn take(jobs: &mut VecDeque<Job>, picked: &[usize]) -> Vec<InferJob> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::Tensor;
     use std::sync::Arc;
 
     fn job(batch: usize, seq: usize) -> (Job, oneshot::Receiver<Result<InferResult, ServeError>>) {
         let (tx, rx) = oneshot::channel();
         let j = Job::Infer(InferJob {
-            input: TokenBatch {
+            input: Request {
                 batch,
-                seq,
-                ids: vec![0; batch * seq],
+                inputs: vec![Tensor::from_i64(vec![batch, seq], &vec![0; batch * seq])],
             },
-            want: Wanted {
-                logits: true,
-                next_token: false,
-            },
+            want: vec![0],
             reply: tx,
             enqueued: Instant::now(),
         });
@@ -312,7 +311,10 @@ mod tests {
 
     fn sizes(w: Work) -> Vec<(usize, usize)> {
         match w {
-            Work::Infer(js) => js.iter().map(|j| (j.input.batch, j.input.seq)).collect(),
+            Work::Infer(js) => js
+                .iter()
+                .map(|j| (j.input.batch, j.input.inputs[0].shape[1]))
+                .collect(),
             Work::Generate(_) => panic!("expected inference work"),
         }
     }

@@ -1,12 +1,15 @@
 //! A model's serving configuration, read from `REPO/<model>/config.pbtxt` (Triton's protobuf
 //! text) or `REPO/<model>/config.toml` (the same fields in TOML). Only Triton's fields that mean
-//! something for a cohort GPT are read: `name`, `max_batch_size`, `dynamic_batching`
+//! something for cohort are read: `name`, `platform` / `backend` (which backend serves the
+//! model: `cohort_gpt`, `onnxruntime_onnx`, `ensemble`), `max_batch_size`, `dynamic_batching`
 //! (`preferred_batch_size`, `max_queue_delay_microseconds`, `default_queue_policy.max_queue_size`),
 //! `instance_group` (`count`, `kind`), `version_policy`, `parameters` (`inflight_batching`:
-//! whether concurrent generations share batched decode steps), and `input` / `output`, which must name
-//! the model's own tensors (`input_ids`; `logits`, `next_token`) with their types: a config that
-//! declares a tensor cohort does not have is refused at load, naming it. Other fields Triton
-//! writes (`platform`, `backend`, ...) are accepted and ignored with a warning. A misspelt field
+//! whether concurrent generations share batched decode steps), `ensemble_scheduling` (steps
+//! with `input_map` / `output_map`), and `input` / `output`, which must name the model's own
+//! tensors with their types (a GPT's `input_ids`; `logits`, `next_token`; an ONNX model's are
+//! checked when `model.onnx` is read; an ensemble's declare its tensors): a config that
+//! declares a tensor the model does not have is refused at load, naming it. Other fields Triton
+//! writes are accepted and ignored with a warning. A misspelt field
 //! inside a known section is an error. A configuration can also come as JSON (Triton's
 //! `load_model(config=...)` override), where an unused field is refused instead of ignored. This
 //! module never loads a model.
@@ -17,6 +20,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{check_section, Kind};
 use crate::error::ServeError;
 use crate::pbtxt;
 
@@ -35,6 +39,9 @@ const REPEATED: &[&str] = &[
     "dims",
     "gpus",
     "parameters",
+    "step",
+    "input_map",
+    "output_map",
 ];
 
 /// The `parameters` keys cohort reads, and what each takes.
@@ -56,6 +63,16 @@ pub struct ModelConfig {
     /// Must equal the model's directory name when given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// Triton's platform: `cohort_gpt`, `onnxruntime_onnx` or `ensemble` (see
+    /// [`ModelConfig::kind`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub platform: Option<String>,
+    /// Triton's backend: `cohort` or `onnxruntime`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// The steps of an ensemble (`platform: "ensemble"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ensemble_scheduling: Option<EnsembleScheduling>,
     /// Most rows (sequences) one execution takes; a request's batch dimension may not exceed
     /// it. Must be at least 1 (cohort's models always have a batch dimension).
     #[serde(default = "default_max_batch_size")]
@@ -171,52 +188,73 @@ pub struct TensorConfig {
     pub reshape: Option<serde_json::Value>,
 }
 
-/// The model's tensors as config sections name them: (name, Triton type, dims rank).
-const INPUTS: &[(&str, &str, usize)] = &[(crate::tensor::INPUT_IDS, "TYPE_INT64", 1)];
-const OUTPUTS: &[(&str, &str, usize)] = &[
-    (crate::tensor::LOGITS, "TYPE_FP32", 2),
-    (crate::tensor::NEXT_TOKEN, "TYPE_INT64", 1),
-];
+/// Triton's `ensemble_scheduling` section.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnsembleScheduling {
+    /// The steps, each executing one model.
+    #[serde(default)]
+    pub step: Vec<EnsembleStep>,
+}
 
-/// Checks `section`'s entries against the model's tensors `known`.
-fn check_tensors(
-    section: &str,
-    entries: &[TensorConfig],
-    known: &[(&str, &str, usize)],
-) -> Result<(), String> {
-    let names = || {
-        known
-            .iter()
-            .map(|(n, ..)| *n)
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
-    for (i, t) in entries.iter().enumerate() {
-        let Some(&(_, ty, rank)) = known.iter().find(|(n, ..)| *n == t.name) else {
-            return Err(format!(
-                "{section} {:?} is not a tensor of cohort's GPT models (they have {})",
-                t.name,
-                names()
-            ));
-        };
-        if entries[..i].iter().any(|o| o.name == t.name) {
-            return Err(format!("{section} {:?} is declared twice", t.name));
+/// One step of an ensemble: a model, and which ensemble tensors are its inputs and outputs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnsembleStep {
+    /// The model the step executes.
+    pub model_name: String,
+    /// Its version; -1: the newest ready one when the request runs.
+    #[serde(default = "latest_version")]
+    pub model_version: i64,
+    /// The step model's input name -> the ensemble tensor fed to it.
+    #[serde(default, deserialize_with = "de_string_map")]
+    pub input_map: BTreeMap<String, String>,
+    /// The step model's output name -> the ensemble tensor it becomes.
+    #[serde(default, deserialize_with = "de_string_map")]
+    pub output_map: BTreeMap<String, String>,
+}
+
+fn latest_version() -> i64 {
+    -1
+}
+
+/// Reads a protobuf map<string, string> in its spellings: pbtxt's repeated
+/// `{ key: "k" value: "v" }` entries, JSON's or TOML's `{"k": "v"}`.
+fn de_string_map<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    use serde::de::Error;
+    use serde_json::Value;
+    let mut out = BTreeMap::new();
+    match Value::deserialize(d)? {
+        Value::Object(map) => {
+            for (k, v) in map {
+                let v = v.as_str().ok_or_else(|| {
+                    D::Error::custom(format!("map entry {k}: {v} is not a string"))
+                })?;
+                out.insert(k, v.to_string());
+            }
         }
-        if let Some(dt) = t.data_type.as_deref().filter(|&d| d != ty) {
-            return Err(format!(
-                "{section} {:?} has data_type {dt}; the model's is {ty}",
-                t.name
-            ));
+        Value::Array(entries) => {
+            for e in &entries {
+                let (Some(k), Some(v)) = (
+                    e.get("key").and_then(Value::as_str),
+                    e.get("value").and_then(Value::as_str),
+                ) else {
+                    return Err(D::Error::custom(format!(
+                        "map entry {e} is not {{ key: \"...\" value: \"...\" }}"
+                    )));
+                };
+                out.insert(k.to_string(), v.to_string());
+            }
         }
-        if !t.dims.is_empty() && t.dims.len() != rank {
-            return Err(format!(
-                "{section} {:?} has dims {:?}; the model's has {rank} dimension(s) besides the \
-                 batch",
-                t.name, t.dims
-            ));
+        other => {
+            return Err(D::Error::custom(format!(
+                "{other} is neither a map nor key/value entries"
+            )))
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 fn default_max_batch_size() -> usize {
@@ -324,6 +362,9 @@ impl Default for ModelConfig {
     fn default() -> Self {
         ModelConfig {
             name: None,
+            platform: None,
+            backend: None,
+            ensemble_scheduling: None,
             max_batch_size: DEFAULT_MAX_BATCH_SIZE,
             dynamic_batching: None,
             instance_group: Vec::new(),
@@ -385,20 +426,13 @@ impl ModelConfig {
         integers_from_strings(&mut value);
         let cfg: ModelConfig = serde_path_to_error::deserialize(value)
             .map_err(|e| config_err(&path, format!("{}: {}", e.path(), e.inner())))?;
-        // what Triton writes that is true of every cohort model anyway
-        let harmless = |k: &str, v: &serde_json::Value| match k {
-            "platform" => v.as_str() == Some(crate::PLATFORM),
-            "backend" => v.as_str().is_some_and(|b| b.is_empty() || b == "cohort"),
-            _ => false,
-        };
-        if let Some((k, v)) = cfg.ignored.iter().find(|(k, v)| !harmless(k, v)) {
+        if let Some((k, v)) = cfg.ignored.iter().next() {
             return Err(config_err(
                 &path,
                 format!(
                     "field {k} ({v}) is not supported by cohort; an override may set name, \
-                     max_batch_size, dynamic_batching, instance_group, version_policy, input, \
-                     output, parameters (platform {:?})",
-                    crate::PLATFORM
+                     platform, backend, max_batch_size, dynamic_batching, instance_group, \
+                     version_policy, input, output, parameters, ensemble_scheduling"
                 ),
             ));
         }
@@ -429,13 +463,34 @@ impl ModelConfig {
     }
 
     fn validate(self, path: &Path) -> Result<ModelConfig, ServeError> {
-        check_tensors("input", &self.input, INPUTS).map_err(|e| config_err(path, e))?;
-        check_tensors("output", &self.output, OUTPUTS).map_err(|e| config_err(path, e))?;
+        let kind = self.kind().map_err(|e| config_err(path, e))?;
+        match kind {
+            Kind::Gpt => {
+                // the vocabulary is known once the checkpoint is read; the load checks it
+                let (inputs, outputs) = crate::backend::gpt::tensors(-1);
+                check_section("input", &self.input, &inputs).map_err(|e| config_err(path, e))?;
+                check_section("output", &self.output, &outputs).map_err(|e| config_err(path, e))?;
+            }
+            // checked against model.onnx when it is loaded
+            Kind::Onnx => {}
+            Kind::Ensemble => {
+                crate::ensemble::check_config(&self).map_err(|e| config_err(path, e))?;
+            }
+        }
+        if kind != Kind::Ensemble && self.ensemble_scheduling.is_some() {
+            return Err(config_err(
+                path,
+                format!(
+                    "ensemble_scheduling is only for platform \"ensemble\" (this model's is {:?})",
+                    kind.platform()
+                ),
+            ));
+        }
         if self.max_batch_size == 0 {
             return Err(config_err(
                 path,
-                "max_batch_size must be at least 1: cohort's models always take [batch, seq] \
-                 token ids",
+                "max_batch_size must be at least 1: cohort serves models with a batch dimension \
+                 (the first of every input and output)",
             ));
         }
         if let Some(db) = &self.dynamic_batching {
@@ -502,6 +557,11 @@ impl ModelConfig {
             _ => {}
         }
         Ok(self)
+    }
+
+    /// The backend that serves the model, from `platform` / `backend` (neither: cohort's GPT).
+    pub fn kind(&self) -> Result<Kind, String> {
+        Kind::from_config(self.platform.as_deref(), self.backend.as_deref())
     }
 
     /// Whether concurrent generations share decode steps (the `inflight_batching` parameter,
@@ -627,7 +687,8 @@ mod tests {
         assert_eq!(a.instance_count(), 3);
         assert_eq!(a.max_queue_delay(), Duration::from_micros(500));
         assert_eq!(a.max_queue_size(), Some(7));
-        assert_eq!(a.ignored_fields(), ["backend"]);
+        assert!(a.ignored_fields().is_empty());
+        assert_eq!(a.kind(), Ok(Kind::Gpt));
         assert_eq!(a.version_policy, VersionPolicy::Latest { num_versions: 2 });
     }
 
@@ -740,7 +801,7 @@ mod tests {
         for (text, needle) in [
             (
                 "input [ { name: \"INPUT0\" data_type: TYPE_FP32 dims: [ 16 ] } ]",
-                "input \"INPUT0\" is not a tensor of cohort's GPT models (they have input_ids)",
+                "input \"INPUT0\" is not a tensor of the model (it has input_ids)",
             ),
             (
                 "output { name: \"probs\" }",
@@ -752,7 +813,7 @@ mod tests {
             ),
             (
                 "output { name: \"logits\" dims: [ 3, 4, 5 ] }",
-                "has 2 dimension(s)",
+                "has dims [3, 4, 5]; the model's are [-1, -1]",
             ),
             (
                 "input { name: \"input_ids\" format: FORMAT_NCHW }",
@@ -784,7 +845,14 @@ mod tests {
         assert_eq!(cfg.instance_count(), 3);
         assert_eq!(cfg.max_queue_delay(), Duration::from_micros(1500));
         for (text, needle) in [
-            (r#"{"backend": "onnxruntime"}"#, "field backend"),
+            (
+                r#"{"backend": "tensorflow"}"#,
+                "backend \"tensorflow\" is not served by cohort",
+            ),
+            (
+                r#"{"platform": "onnxruntime_onnx", "backend": "cohort"}"#,
+                "name different backends",
+            ),
             (r#"{"sequence_batching": {}}"#, "field sequence_batching"),
             (
                 r#"{"instance_group": [{"count": 1, "gpus": [0]}]}"#,
@@ -803,6 +871,61 @@ mod tests {
                 err.contains(needle) && err.contains("config override of m"),
                 "{text}: {err}"
             );
+        }
+    }
+
+    #[test]
+    fn platform_and_backend_pick_the_backend_and_an_ensemble_is_checked() {
+        let kind = |text: &str| ModelConfig::from_pbtxt(text, Path::new("c")).map(|c| c.kind());
+        assert_eq!(kind("").unwrap(), Ok(Kind::Gpt));
+        assert_eq!(
+            kind("platform: \"onnxruntime_onnx\"").unwrap(),
+            Ok(Kind::Onnx)
+        );
+        assert_eq!(kind("backend: \"onnxruntime\"").unwrap(), Ok(Kind::Onnx));
+        let err = kind("platform: \"tensorrt_plan\"").unwrap_err().to_string();
+        assert!(
+            err.contains("platform \"tensorrt_plan\" is not served"),
+            "{err}"
+        );
+
+        let ensemble = r#"
+            platform: "ensemble"
+            max_batch_size: 4
+            input [ { name: "RAW" data_type: TYPE_FP32 dims: [ 3 ] } ]
+            output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+            ensemble_scheduling { step [
+              { model_name: "b" input_map { key: "x" value: "mid" }
+                output_map { key: "y" value: "OUT" } },
+              { model_name: "a" model_version: 2 input_map { key: "x" value: "RAW" }
+                output_map [ { key: "y" value: "mid" } ] }
+            ] }
+        "#;
+        let cfg = ModelConfig::from_pbtxt(ensemble, Path::new("c")).unwrap();
+        assert_eq!(cfg.kind(), Ok(Kind::Ensemble));
+        let steps = &cfg.ensemble_scheduling.as_ref().unwrap().step;
+        assert_eq!((steps[0].model_version, steps[1].model_version), (-1, 2));
+        assert_eq!(steps[1].output_map["y"], "mid");
+        for (edit, needle) in [
+            (("value: \"RAW\"", "value: \"nothing\""), "can never run"),
+            (
+                ("value: \"OUT\"", "value: \"other\""),
+                "output \"OUT\" is in no step",
+            ),
+            (
+                ("data_type: TYPE_FP32 dims: [ 3 ]", "dims: [ 3 ]"),
+                "needs a data_type",
+            ),
+            (
+                ("value: \"mid\" } ] }", "value: \"OUT\" } ] }"),
+                "produced twice",
+            ),
+        ] {
+            let text = ensemble.replace(edit.0, edit.1);
+            let err = ModelConfig::from_pbtxt(&text, Path::new("c"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{needle:?} not in {err}");
         }
     }
 }

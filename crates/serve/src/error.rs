@@ -200,6 +200,16 @@ pub enum ServeError {
         /// The checkpoint loader's error (boxed: it is large, and errors travel by value).
         source: Box<cohort_gpt::checkpoint::CheckpointError>,
     },
+    /// A model version that its backend could not load (its file, an operator, a tensor).
+    #[error("model {model:?} version {version}: {reason}")]
+    Backend {
+        /// The model.
+        model: String,
+        /// The version.
+        version: u64,
+        /// What was wrong, naming the file, operator or tensor.
+        reason: String,
+    },
     /// A file-system operation on the repository failed.
     #[error("{op} {path}: {source}")]
     Io {
@@ -247,7 +257,8 @@ impl ServeError {
             | Text { .. }
             | Generate { .. }
             | Config { .. }
-            | Load { .. } => ErrorKind::BadRequest,
+            | Load { .. }
+            | Backend { .. } => ErrorKind::BadRequest,
             BodyTooLarge { .. } => ErrorKind::TooLarge,
             NotReady { .. } | QueueFull { .. } | ShuttingDown { .. } => ErrorKind::Unavailable,
             Execution { .. } | Io { .. } | Bind { .. } | Instance { .. } => ErrorKind::Internal,

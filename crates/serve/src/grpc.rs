@@ -26,7 +26,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::error::{ErrorKind, ServeError};
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{self, model_infer_response, model_metadata_response};
-use crate::tensor::{self, single_input, InputData, Output, Wanted};
+use crate::tensor::{self, InputData, WireInput};
 use crate::{metadata, model_config, unsupported_load_parameter, AppState, SERVER_NAME};
 
 /// How much earlier than the caller's deadline the answer is given up: tonic's own timer, with
@@ -222,12 +222,12 @@ impl GrpcInferenceService for Service {
                 .collect(),
         };
         let m = metadata(&lv, versions);
-        let tensors = |ts: Vec<crate::TensorMeta>| {
-            ts.into_iter()
+        let tensors = |ts: &[crate::TensorSpec]| {
+            ts.iter()
                 .map(|t| model_metadata_response::TensorMetadata {
-                    name: t.name.into(),
-                    datatype: t.datatype.into(),
-                    shape: t.shape,
+                    name: t.name.clone(),
+                    datatype: t.datatype.name().into(),
+                    shape: t.shape.clone(),
                 })
                 .collect()
         };
@@ -401,72 +401,91 @@ async fn infer_one(
         .resolve(&r.model_name, opt(&r.model_version))
         .map_err(status)?;
     let parsed = (|| {
-        let input = single_input(&lv.model, &r.inputs)?;
-        let data = match (r.raw_input_contents.first(), &input.contents) {
-            (Some(_), Some(_)) => {
-                return Err(ServeError::malformed(format!(
-                    "input {:?} has both contents and raw_input_contents",
-                    input.name
-                )))
-            }
-            (Some(raw), None) => InputData::Raw(raw),
-            (None, Some(c)) => InputData::Int64(&c.int64_contents),
-            (None, None) => InputData::Int64(&[]),
-        };
-        if r.raw_input_contents.len() > 1 {
+        if !r.raw_input_contents.is_empty() && r.raw_input_contents.len() != r.inputs.len() {
             return Err(ServeError::malformed(format!(
-                "{} raw_input_contents for 1 input",
-                r.raw_input_contents.len()
+                "{} raw_input_contents for {} input(s)",
+                r.raw_input_contents.len(),
+                r.inputs.len()
             )));
         }
-        let batch = tensor::token_batch(
+        let mut wire = Vec::with_capacity(r.inputs.len());
+        for (i, input) in r.inputs.iter().enumerate() {
+            let data = match (r.raw_input_contents.get(i), &input.contents) {
+                (Some(_), Some(_)) => {
+                    return Err(ServeError::malformed(format!(
+                        "input {:?} has both contents and raw_input_contents",
+                        input.name
+                    )))
+                }
+                (Some(raw), None) => InputData::Raw(raw),
+                (None, Some(c)) => {
+                    let (bytes, n) = typed_contents(&input.datatype, c);
+                    InputData::Typed(bytes, n)
+                }
+                (None, None) => InputData::Typed(Vec::new(), 0),
+            };
+            wire.push(WireInput {
+                name: &input.name,
+                datatype: &input.datatype,
+                shape: &input.shape,
+                data,
+            });
+        }
+        let request = tensor::request(&lv.model, lv.inputs(), lv.config.max_batch_size, wire)?;
+        lv.check(&request)?;
+        let want = tensor::wanted_outputs(
             &lv.model,
-            lv.limits,
-            &input.name,
-            &input.datatype,
-            &input.shape,
-            data,
+            lv.outputs(),
+            r.outputs.iter().map(|o| o.name.as_str()),
         )?;
-        let outputs: Vec<Output> = if r.outputs.is_empty() {
-            Output::ALL.to_vec()
-        } else {
-            r.outputs
-                .iter()
-                .map(|o| Output::parse(&lv.model, &o.name))
-                .collect::<Result<_, _>>()?
-        };
         // Triton's binary-output parameter means nothing here (raw bytes always), but a
         // malformed one is still an error
         for o in &r.outputs {
             bool_param(&o.parameters, "binary_data")?;
         }
-        Ok((batch, outputs))
+        Ok((request, want))
     })();
-    let (batch, outputs) = match parsed {
+    let (request, want) = match parsed {
         Ok(x) => x,
         Err(e) => return Err(status(lv.reject(e, start))),
     };
-    let want = Wanted {
-        logits: outputs.contains(&Output::Logits),
-        next_token: outputs.contains(&Output::NextToken),
-    };
-    let result = lv.infer(batch, want).await.map_err(status)?;
+    let result = lv.infer(&app.repo, request, want).await.map_err(status)?;
     let mut resp = proto::ModelInferResponse {
         model_name: lv.model.clone(),
         model_version: lv.version.to_string(),
         id: r.id,
         ..Default::default()
     };
-    for o in outputs {
+    for (name, t) in result {
         resp.outputs.push(model_infer_response::InferOutputTensor {
-            name: o.name().into(),
-            datatype: o.datatype().into(),
-            shape: result.shape(o),
+            name,
+            datatype: t.datatype.name().into(),
+            shape: t.wire_shape(),
             ..Default::default()
         });
-        resp.raw_output_contents.push(result.le_bytes(o));
+        resp.raw_output_contents.push(t.data);
     }
     Ok(resp)
+}
+
+/// The little-endian bytes of typed protobuf contents of KServe type `datatype`, and how many
+/// elements they held (none for a type cohort does not serve: the datatype check refuses it).
+fn typed_contents(datatype: &str, c: &proto::InferTensorContents) -> (Vec<u8>, usize) {
+    use crate::tensor::DataType as D;
+    fn le<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> (Vec<u8>, usize) {
+        (v.iter().flat_map(|&x| f(x)).collect(), v.len())
+    }
+    match D::from_name(datatype) {
+        Some(D::Bool) => le(&c.bool_contents, |b| [u8::from(b)]),
+        Some(D::Uint8) => le(&c.uint_contents, |x| [x as u8]),
+        Some(D::Int8) => le(&c.int_contents, |x| (x as i8).to_le_bytes()),
+        Some(D::Int16) => le(&c.int_contents, |x| (x as i16).to_le_bytes()),
+        Some(D::Int32) => le(&c.int_contents, i32::to_le_bytes),
+        Some(D::Int64) => le(&c.int64_contents, i64::to_le_bytes),
+        Some(D::Fp32) => le(&c.fp32_contents, f32::to_le_bytes),
+        Some(D::Fp64) => le(&c.fp64_contents, f64::to_le_bytes),
+        None => (Vec::new(), 0),
+    }
 }
 
 /// The request parameter asking for an empty last response that carries only the final flag
@@ -589,7 +608,14 @@ async fn stream_generate(
     let lv = app.repo.resolve(&r.model_name, opt(&r.model_version))?;
     let (params, empty_final) = generate_params(&r.parameters);
     let prepared = (|| {
-        let input = single_input(&lv.model, &r.inputs)?;
+        // a streamed generation takes one input, the prompt text
+        let [input] = &r.inputs[..] else {
+            return Err(ServeError::InputCount {
+                model: lv.model.clone(),
+                expected: 1,
+                found: r.inputs.len(),
+            });
+        };
         if r.raw_input_contents.len() > 1 {
             return Err(ServeError::malformed(format!(
                 "{} raw_input_contents for 1 input",

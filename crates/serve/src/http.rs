@@ -35,7 +35,7 @@ use serde_json::{json, Map, Value};
 use crate::error::{ErrorKind, ServeError};
 use crate::metrics::statistics_json;
 use crate::model::LoadedVersion;
-use crate::tensor::{self, single_input, InputData, Output, Wanted};
+use crate::tensor::{self, InputData, WireInput};
 use crate::text::Detokenizer;
 use crate::{config_json, generate_options, metadata, AppState, SERVER_NAME};
 
@@ -181,17 +181,17 @@ async fn model_metadata(State(app): State<Arc<AppState>>, Path(p): Params) -> Re
             .collect(),
     };
     let m = metadata(&lv, versions);
-    let tensors = |ts: &[crate::TensorMeta]| {
+    let tensors = |ts: &[crate::TensorSpec]| {
         ts.iter()
-            .map(|t| json!({"name": t.name, "datatype": t.datatype, "shape": t.shape}))
+            .map(|t| json!({"name": t.name, "datatype": t.datatype.name(), "shape": t.shape}))
             .collect::<Vec<_>>()
     };
     Ok(Json(json!({
         "name": m.name,
         "versions": m.versions,
         "platform": m.platform,
-        "inputs": tensors(&m.inputs),
-        "outputs": tensors(&m.outputs),
+        "inputs": tensors(m.inputs),
+        "outputs": tensors(m.outputs),
     })))
 }
 
@@ -452,9 +452,10 @@ fn bool_param(
 /// A parsed HTTP inference request.
 struct Parsed {
     id: Option<Value>,
-    input: tensor::TokenBatch,
-    /// Outputs in response order, and whether each goes as binary.
-    outputs: Vec<(Output, bool)>,
+    input: tensor::Request,
+    /// Outputs in response order (indices into the model's outputs), and whether each goes as
+    /// binary.
+    outputs: Vec<(usize, bool)>,
 }
 
 fn parse_infer(
@@ -483,70 +484,80 @@ fn parse_infer(
     };
     let req: InferRequest = serde_json::from_slice(json_part)
         .map_err(|e| ServeError::malformed(format!("inference request JSON: {e}")))?;
-    let input = single_input(&lv.model, &req.inputs)?;
-    let raw_size = match input.parameters.get("binary_data_size") {
-        None => None,
-        Some(v) => Some(v.as_u64().ok_or_else(|| {
-            ServeError::parameter("binary_data_size", format!("{v} is not a byte count"))
-        })? as usize),
-    };
-    let data = match (raw_size, &input.data) {
-        (Some(_), Some(_)) => {
-            return Err(ServeError::malformed(format!(
-                "input {:?} has both data and binary_data_size",
-                input.name
-            )))
-        }
-        (Some(n), None) => {
-            if n > binary.len() {
+    let mut wire = Vec::with_capacity(req.inputs.len());
+    // binary inputs follow the JSON in the order the inputs are listed
+    for input in &req.inputs {
+        let raw_size = match input.parameters.get("binary_data_size") {
+            None => None,
+            Some(v) => Some(v.as_u64().ok_or_else(|| {
+                ServeError::parameter("binary_data_size", format!("{v} is not a byte count"))
+            })? as usize),
+        };
+        let data = match (raw_size, &input.data) {
+            (Some(_), Some(_)) => {
                 return Err(ServeError::malformed(format!(
-                    "input {:?}: binary_data_size {n} but only {} binary bytes follow the JSON",
-                    input.name,
-                    binary.len()
-                )));
+                    "input {:?} has both data and binary_data_size",
+                    input.name
+                )))
             }
-            let (mine, rest) = binary.split_at(n);
-            binary = rest;
-            InputData::Raw(mine)
-        }
-        (None, Some(v)) => InputData::Json(v),
-        (None, None) => {
-            return Err(ServeError::malformed(format!(
-                "input {:?} has neither data nor binary_data_size",
-                input.name
-            )))
-        }
-    };
+            (Some(n), None) => {
+                if n > binary.len() {
+                    return Err(ServeError::malformed(format!(
+                        "input {:?}: binary_data_size {n} but only {} binary bytes follow the \
+                         JSON",
+                        input.name,
+                        binary.len()
+                    )));
+                }
+                let (mine, rest) = binary.split_at(n);
+                binary = rest;
+                InputData::Raw(mine)
+            }
+            (None, Some(v)) => InputData::Json(v),
+            (None, None) => {
+                return Err(ServeError::malformed(format!(
+                    "input {:?} has neither data nor binary_data_size",
+                    input.name
+                )))
+            }
+        };
+        wire.push(WireInput {
+            name: &input.name,
+            datatype: &input.datatype,
+            shape: &input.shape,
+            data,
+        });
+    }
     if !binary.is_empty() {
         return Err(ServeError::malformed(format!(
             "{} binary bytes after the JSON belong to no input",
             binary.len()
         )));
     }
-    let batch = tensor::token_batch(
-        &lv.model,
-        lv.limits,
-        &input.name,
-        &input.datatype,
-        &input.shape,
-        data,
-    )?;
+    let request = tensor::request(&lv.model, lv.inputs(), lv.config.max_batch_size, wire)?;
+    lv.check(&request)?;
     let default_binary = bool_param(&req.parameters, "binary_data_output")?.unwrap_or(false);
     let outputs = match &req.outputs {
-        None => Output::ALL.iter().map(|&o| (o, default_binary)).collect(),
+        None => (0..lv.outputs().len())
+            .map(|o| (o, default_binary))
+            .collect(),
         Some(list) => {
+            let which = tensor::wanted_outputs(
+                &lv.model,
+                lv.outputs(),
+                list.iter().map(|o| o.name.as_str()),
+            )?;
             let mut out = Vec::with_capacity(list.len());
-            for o in list {
-                let which = Output::parse(&lv.model, &o.name)?;
+            for (o, &i) in list.iter().zip(&which) {
                 let binary = bool_param(&o.parameters, "binary_data")?.unwrap_or(default_binary);
-                out.push((which, binary));
+                out.push((i, binary));
             }
             out
         }
     };
     Ok(Parsed {
         id: req.id,
-        input: batch,
+        input: request,
         outputs,
     })
 }
@@ -564,27 +575,23 @@ async fn infer(
         Ok(x) => x,
         Err(e) => return Err(lv.reject(e, start).into()),
     };
-    let want = Wanted {
-        logits: parsed.outputs.iter().any(|(o, _)| *o == Output::Logits),
-        next_token: parsed.outputs.iter().any(|(o, _)| *o == Output::NextToken),
-    };
-    let result = lv.infer(parsed.input, want).await?;
+    let want = parsed.outputs.iter().map(|&(o, _)| o).collect();
+    let result = lv.infer(&app.repo, parsed.input, want).await?;
     let mut outputs = Vec::with_capacity(parsed.outputs.len());
     let mut binary = Vec::new();
-    for (o, as_binary) in &parsed.outputs {
-        let mut t = json!({
-            "name": o.name(),
-            "datatype": o.datatype(),
-            "shape": result.shape(*o),
+    for ((name, t), (_, as_binary)) in result.iter().zip(&parsed.outputs) {
+        let mut o = json!({
+            "name": name,
+            "datatype": t.datatype.name(),
+            "shape": t.wire_shape(),
         });
         if *as_binary {
-            let bytes = result.le_bytes(*o);
-            t["parameters"] = json!({ "binary_data_size": bytes.len() });
-            binary.extend_from_slice(&bytes);
+            o["parameters"] = json!({ "binary_data_size": t.data.len() });
+            binary.extend_from_slice(&t.data);
         } else {
-            t["data"] = result.json(*o);
+            o["data"] = t.json();
         }
-        outputs.push(t);
+        outputs.push(o);
     }
     let mut head = json!({
         "model_name": lv.model,

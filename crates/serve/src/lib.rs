@@ -1,8 +1,10 @@
-//! Inference serving for cohort's GPT checkpoints, speaking Triton Inference Server's protocol
-//! (KServe v2 over HTTP and gRPC) so that Triton's own clients work against it unchanged.
+//! Inference serving for cohort's GPT checkpoints, ONNX models and ensembles of them, speaking
+//! Triton Inference Server's protocol (KServe v2 over HTTP and gRPC) so that Triton's own
+//! clients work against it unchanged.
 //!
 //! A [`Server`] serves a model repository laid out as Triton's (`REPO/<model>/config.pbtxt`,
-//! numbered version directories holding checkpoints; see the `repository` module), polls it for
+//! numbered version directories holding checkpoints or `model.onnx`; see the `repository`
+//! module), polls it for
 //! new versions, and answers:
 //!
 //! - HTTP (axum): `/v2/health/{live,ready}`, `/v2`, `/v2/models/<m>[/versions/<v>]` (metadata,
@@ -18,14 +20,17 @@
 //!   or not; see the `openai` module for what is refused).
 //! - Metrics (Prometheus text) alone on their own port, as Triton's 8002.
 //!
-//! A model takes one input, `input_ids` (INT64 `[batch, seq]`), and returns `logits` (FP32
-//! `[batch, seq, vocab]`) and `next_token` (INT64 `[batch]`, the argmax after each row). Requests
-//! go to a bounded per-version queue served by `instance_group` instances; with
-//! `dynamic_batching`, an instance runs queued requests of the same length as one batch (see the
-//! `batcher` module). Generation uses `cohort_gpt::sample`, the code behind `cohort sample`, so
-//! the same seed gives the same text; concurrent generations share batched decode steps
-//! (in-flight batching, switched by the config parameter `inflight_batching`; see the `model`
-//! module) without changing any of their tokens.
+//! A model is served by the backend its config names (`platform` / `backend`, as Triton's; see
+//! the `backend` module): cohort's GPT checkpoints (`cohort_gpt`: `input_ids` INT64
+//! `[batch, seq]` in, `logits` FP32 `[batch, seq, vocab]` and `next_token` INT64 `[batch]`
+//! out), ONNX models (`onnxruntime_onnx`: `model.onnx`, executed by tract, tensors read from
+//! the file), or an ensemble of other models (`ensemble`; see the `ensemble` module). Requests
+//! go to a bounded per-version queue served by `instance_group` instances, whatever the
+//! backend; with `dynamic_batching`, an instance runs queued requests of the same shapes as one
+//! batch (see the `batcher` module). Generation uses `cohort_gpt::sample`, the code behind
+//! `cohort sample`, so the same seed gives the same text; concurrent generations share batched
+//! decode steps (in-flight batching, switched by the config parameter `inflight_batching`; see
+//! the `model` module) without changing any of their tokens.
 //!
 //! The crate never trains and never writes to the repository.
 //!
@@ -39,8 +44,10 @@
 
 #![deny(missing_docs)]
 
+mod backend;
 mod batcher;
 mod config;
+mod ensemble;
 mod error;
 mod grpc;
 mod http;
@@ -59,14 +66,15 @@ pub mod proto {
     tonic::include_proto!("inference");
 }
 
+pub use backend::{Kind, ENSEMBLE_PLATFORM, GPT_PLATFORM, ONNX_PLATFORM};
 pub use config::{
-    DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorConfig, VersionPolicy,
-    INFLIGHT_BATCHING, PBTXT_FILE, TOML_FILE,
+    DynamicBatching, EnsembleScheduling, EnsembleStep, InstanceGroup, ModelConfig, QueuePolicy,
+    TensorConfig, VersionPolicy, INFLIGHT_BATCHING, PBTXT_FILE, TOML_FILE,
 };
 pub use error::{ErrorKind, ServeError};
 pub use metrics::{Metrics, VersionMetrics};
 pub use repository::IndexEntry;
-pub use tensor::{FP32, INPUT_IDS, INT64, LOGITS, NEXT_TOKEN};
+pub use tensor::{DataType, Tensor, TensorSpec, FP32, INPUT_IDS, INT64, LOGITS, NEXT_TOKEN};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -83,8 +91,8 @@ use crate::repository::Repository;
 
 /// The server's name in metadata responses.
 pub const SERVER_NAME: &str = "cohort";
-/// The `platform` of every model.
-pub const PLATFORM: &str = "cohort_gpt";
+/// The `platform` of cohort's GPT models (see [`Kind`] for the others).
+pub const PLATFORM: &str = GPT_PLATFORM;
 /// The KServe / Triton protocol extensions served.
 pub const EXTENSIONS: &[&str] = &[
     "binary_tensor_data",
@@ -217,6 +225,13 @@ impl Server {
                         let shutdown = async move {
                             let _ = rx.wait_for(|s| *s).await;
                         };
+                        // no Nagle delay (see the gRPC listener below)
+                        let listener = axum::serve::ListenerExt::tap_io(
+                            listener,
+                            |tcp: &mut tokio::net::TcpStream| {
+                                let _ = tcp.set_nodelay(true);
+                            },
+                        );
                         if let Err(e) = axum::serve(listener, router)
                             .with_graceful_shutdown(shutdown)
                             .await
@@ -262,7 +277,17 @@ impl Server {
                 .send_compressed(Deflate)
                 .max_decoding_message_size(opts.max_body_bytes)
                 .max_encoding_message_size(usize::MAX);
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+                // no Nagle delay: an answer of a few frames (headers, data, trailers) must not
+                // wait for the client's delayed ACK (40 ms) before its last frames leave
+                let incoming = tokio_stream::StreamExt::map(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    |conn| {
+                        if let Ok(c) = &conn {
+                            let _ = c.set_nodelay(true);
+                        }
+                        conn
+                    },
+                );
                 let mut rx = stopped.clone();
                 tasks.push(tokio::spawn(async move {
                     let shutdown = async move {
@@ -404,44 +429,22 @@ pub fn init_logging(json: bool) {
     };
 }
 
-/// A tensor in model metadata.
-pub(crate) struct TensorMeta {
-    pub name: &'static str,
-    pub datatype: &'static str,
-    pub shape: Vec<i64>,
-}
-
 /// Model metadata, shared by the HTTP and gRPC answers.
-pub(crate) struct ModelMeta {
+pub(crate) struct ModelMeta<'a> {
     pub name: String,
     pub versions: Vec<String>,
     pub platform: &'static str,
-    pub inputs: Vec<TensorMeta>,
-    pub outputs: Vec<TensorMeta>,
+    pub inputs: &'a [TensorSpec],
+    pub outputs: &'a [TensorSpec],
 }
 
-pub(crate) fn metadata(lv: &LoadedVersion, versions: Vec<String>) -> ModelMeta {
+pub(crate) fn metadata(lv: &LoadedVersion, versions: Vec<String>) -> ModelMeta<'_> {
     ModelMeta {
         name: lv.model.clone(),
         versions,
-        platform: PLATFORM,
-        inputs: vec![TensorMeta {
-            name: INPUT_IDS,
-            datatype: INT64,
-            shape: vec![-1, -1],
-        }],
-        outputs: vec![
-            TensorMeta {
-                name: LOGITS,
-                datatype: FP32,
-                shape: vec![-1, -1, lv.limits.vocab as i64],
-            },
-            TensorMeta {
-                name: NEXT_TOKEN,
-                datatype: INT64,
-                shape: vec![-1],
-            },
-        ],
+        platform: lv.kind.platform(),
+        inputs: lv.inputs(),
+        outputs: lv.outputs(),
     }
 }
 
@@ -454,6 +457,7 @@ pub(crate) fn model_config(lv: &LoadedVersion) -> proto::ModelConfig {
     use proto::model_instance_group::Kind;
     use proto::model_version_policy::{self as vp, PolicyChoice};
     use proto::DataType;
+    use tensor::DataType as Dt;
     let cfg = &lv.config;
     let policy = match &cfg.version_policy {
         VersionPolicy::Latest { num_versions } => PolicyChoice::Latest(vp::Latest {
@@ -469,34 +473,38 @@ pub(crate) fn model_config(lv: &LoadedVersion) -> proto::ModelConfig {
     } else {
         cfg.instance_group.iter().map(|g| g.count).collect()
     };
+    let dtype = |d: Dt| DataType::from_str_name(d.triton()).unwrap_or(DataType::TypeInvalid) as i32;
+    // without the batch dimension, as Triton writes a batching model's tensors; a tensor with
+    // no other dimension is [1] reshaped to []
+    let reshape =
+        |t: &TensorSpec| (t.shape.len() == 1).then(|| proto::ModelTensorReshape { shape: vec![] });
     proto::ModelConfig {
         name: lv.model.clone(),
-        platform: PLATFORM.into(),
-        backend: "cohort".into(),
+        platform: lv.kind.platform().into(),
+        backend: lv.kind.backend().into(),
         version_policy: Some(proto::ModelVersionPolicy {
             policy_choice: Some(policy),
         }),
         max_batch_size: cfg.max_batch_size as i32,
-        // without the batch dimension, as Triton writes a batching model's tensors
-        input: vec![proto::ModelInput {
-            name: INPUT_IDS.into(),
-            data_type: DataType::TypeInt64 as i32,
-            dims: vec![-1],
-        }],
-        output: vec![
-            proto::ModelOutput {
-                name: LOGITS.into(),
-                data_type: DataType::TypeFp32 as i32,
-                dims: vec![-1, lv.limits.vocab as i64],
-                reshape: None,
-            },
-            proto::ModelOutput {
-                name: NEXT_TOKEN.into(),
-                data_type: DataType::TypeInt64 as i32,
-                dims: vec![1],
-                reshape: Some(proto::ModelTensorReshape { shape: vec![] }),
-            },
-        ],
+        input: lv
+            .inputs()
+            .iter()
+            .map(|t| proto::ModelInput {
+                name: t.name.clone(),
+                data_type: dtype(t.datatype),
+                dims: t.config_dims(),
+            })
+            .collect(),
+        output: lv
+            .outputs()
+            .iter()
+            .map(|t| proto::ModelOutput {
+                name: t.name.clone(),
+                data_type: dtype(t.datatype),
+                dims: t.config_dims(),
+                reshape: reshape(t),
+            })
+            .collect(),
         scheduling_choice: cfg.dynamic_batching.as_ref().map(|d| {
             SchedulingChoice::DynamicBatching(proto::ModelDynamicBatching {
                 preferred_batch_size: d.preferred_batch_size.iter().map(|&p| p as i32).collect(),

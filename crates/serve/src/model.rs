@@ -1,12 +1,16 @@
-//! One loaded model version: its checkpoint read once, `count` instances (threads, each owning
-//! a copy of the parameters and its own engine thread pool) serving one [`Queue`], the text
-//! codec for generation, and its metrics. Submitting never blocks; dropping the last handle
+//! One loaded model version: its model read once by its backend, `count` instances (threads,
+//! each owning a backend instance: a copy of the parameters and its own thread pool) serving
+//! one [`Queue`], the text codec for generation, and its metrics; or, for an ensemble, its
+//! steps (which run through their own models' queues). An instance joins a batch's inputs
+//! along the batch dimension, executes once and hands each request its rows of the outputs it
+//! asked for, whatever the backend. Submitting never blocks; dropping the last handle
 //! closes the queue, and the instances finish every queued request before they exit, so a
 //! version swapped out while serving loses nothing in flight. A request whose caller stopped
 //! waiting (client gone, deadline passed) is not executed, and a generation whose token
 //! receiver is gone stops after the current decode step.
 //!
-//! Generation is batched in flight (continuous batching) unless the config's
+//! Generation (by a backend whose instances have a decoder: cohort's GPT) is batched in flight
+//! (continuous batching) unless the config's
 //! `inflight_batching` parameter is "false": an instance steps every generation it holds (up
 //! to `max_batch_size`) together, one token each per step, with one matrix product per layer
 //! over all of them; a new request joins between two steps and a finished or cancelled one
@@ -20,7 +24,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
-use cohort_engine::cpu::Cpu;
 use cohort_gpt::checkpoint::{self, MODEL_FILE};
 use cohort_gpt::sample::{
     decode_step, generate_while, Generation as Decoding, SampleOptions, Workspace,
@@ -28,15 +31,18 @@ use cohort_gpt::sample::{
 use cohort_gpt::GPT;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::backend::{self, Backend, Instance, Kind};
 use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
 use crate::config::ModelConfig;
+use crate::ensemble::Ensemble;
 use crate::error::ServeError;
 use crate::metrics::{Failure, Phases, VersionMetrics};
-use crate::tensor::{InferResult, Limits, TokenBatch, Wanted};
+use crate::repository::Repository;
+use crate::tensor::{InferResult, Request, Tensor, TensorSpec};
 use crate::text::TextCodec;
 
-/// What identifies the files a version was loaded from: the resolved checkpoint directory and
-/// the modification times of its config and weights. A change means "reload".
+/// What identifies the files a version was loaded from: the resolved directory and the
+/// modification times of its model files. A change means "reload".
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Stamp {
     pub dir: PathBuf,
@@ -44,16 +50,32 @@ pub(crate) struct Stamp {
 }
 
 impl Stamp {
-    /// The stamp of version directory `version_dir` (a checkpoint or a checkpoint root).
-    pub fn of(version_dir: &Path) -> Option<Stamp> {
-        let dir = checkpoint::resolve(version_dir).ok()?;
-        let mtime = |f: &str| {
+    /// The stamp of version directory `version_dir` of a model served by `kind`: a GPT
+    /// checkpoint (or checkpoint root), `model.onnx`, or nothing for an ensemble.
+    pub fn of(version_dir: &Path, kind: Kind) -> Option<Stamp> {
+        let mtime = |dir: &Path, f: &str| {
             std::fs::metadata(dir.join(f))
                 .and_then(|m| m.modified())
                 .ok()
         };
-        let mtimes = vec![mtime(checkpoint::CONFIG_FILE), mtime(MODEL_FILE)];
-        Some(Stamp { dir, mtimes })
+        match kind {
+            Kind::Gpt => {
+                let dir = checkpoint::resolve(version_dir).ok()?;
+                let mtimes = vec![
+                    mtime(&dir, checkpoint::CONFIG_FILE),
+                    mtime(&dir, MODEL_FILE),
+                ];
+                Some(Stamp { dir, mtimes })
+            }
+            Kind::Onnx => Some(Stamp {
+                dir: version_dir.to_path_buf(),
+                mtimes: vec![mtime(version_dir, backend::onnx::MODEL_FILE)],
+            }),
+            Kind::Ensemble => Some(Stamp {
+                dir: version_dir.to_path_buf(),
+                mtimes: Vec::new(),
+            }),
+        }
     }
 }
 
@@ -72,30 +94,43 @@ pub(crate) struct BuildOptions {
     pub instance_threads: Option<usize>,
 }
 
+/// How a version executes requests.
+enum Serving {
+    /// Instances of a backend take requests from one queue.
+    Instances {
+        backend: Box<dyn Backend>,
+        queue: Arc<Queue>,
+    },
+    /// Each request runs the ensemble's steps through the models they name.
+    Ensemble(Ensemble),
+}
+
 /// A loaded, serving model version.
 pub(crate) struct LoadedVersion {
     pub model: String,
     pub version: u64,
-    pub limits: Limits,
+    pub kind: Kind,
     pub stamp: Stamp,
     pub text: Result<TextCodec, String>,
     pub metrics: Arc<VersionMetrics>,
     pub instances: usize,
     /// The configuration it was loaded with.
     pub config: Arc<ModelConfig>,
-    queue: Arc<Queue>,
+    serving: Serving,
 }
 
 impl Drop for LoadedVersion {
     fn drop(&mut self) {
         // the instances drain what is queued and exit; nobody waits for them here (this may
         // run on an async worker)
-        self.queue.close();
+        if let Serving::Instances { queue, .. } = &self.serving {
+            queue.close();
+        }
     }
 }
 
 impl LoadedVersion {
-    /// Loads `version_dir` and starts its instances.
+    /// Loads `version_dir` with the backend its config names and starts its instances.
     pub fn load(
         model: &str,
         version: u64,
@@ -104,37 +139,32 @@ impl LoadedVersion {
         opts: BuildOptions,
         metrics: Arc<VersionMetrics>,
     ) -> Result<LoadedVersion, ServeError> {
-        let load_err = |source| ServeError::Load {
-            model: model.to_string(),
-            version,
-            source: Box::new(source),
-        };
-        let stamp = Stamp::of(version_dir);
-        let dir = checkpoint::resolve(version_dir).map_err(load_err)?;
-        let gpt_cfg = checkpoint::load_config(&dir).map_err(load_err)?;
+        let what = backend::Version { model, version };
+        let kind = cfg.kind().map_err(|e| what.error(e))?;
+        let stamp = Stamp::of(version_dir, kind).unwrap_or(Stamp {
+            dir: version_dir.to_path_buf(),
+            mtimes: Vec::new(),
+        });
+        if kind == Kind::Ensemble {
+            let ensemble = Ensemble::new(cfg).map_err(|e| what.error(e))?;
+            return Ok(LoadedVersion {
+                model: model.to_string(),
+                version,
+                kind,
+                stamp,
+                text: Err("an ensemble does not generate text".into()),
+                metrics,
+                instances: 0,
+                config: cfg.clone(),
+                serving: Serving::Ensemble(ensemble),
+            });
+        }
         let count = cfg.instance_count();
         let threads = opts.instance_threads.unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             (cores / count).max(1)
         });
-        let build = |i: usize| -> Result<GPT, ServeError> {
-            let cpu = Cpu::new(threads).map_err(|e| ServeError::Instance {
-                model: model.to_string(),
-                reason: format!("instance {i}: {e}"),
-            })?;
-            let mut gpt = GPT::with_backend(gpt_cfg.clone(), 0, Box::new(cpu))
-                .map_err(|e| load_err(e.into()))?;
-            gpt.set_training(false);
-            Ok(gpt)
-        };
-        let mut first = build(0)?;
-        checkpoint::load_params_into(&dir, &mut first).map_err(load_err)?;
-        let mut gpts = vec![first];
-        for i in 1..count {
-            let mut g = build(i)?;
-            g.params_mut().copy_from_slice(gpts[0].params());
-            gpts.push(g);
-        }
+        let loaded = backend::load(kind, &what, version_dir, cfg, count, threads)?;
         let policy = BatchPolicy {
             max_batch_size: cfg.max_batch_size,
             dynamic: cfg.dynamic_batching.as_ref().map(|d| Dynamic {
@@ -145,8 +175,21 @@ impl LoadedVersion {
         let capacity = cfg.max_queue_size().unwrap_or(opts.default_queue_size);
         let queue = Arc::new(Queue::new(policy, capacity));
         let (inflight, max_inflight) = (cfg.inflight_batching(), cfg.max_batch_size.max(1));
-        for (i, gpt) in gpts.into_iter().enumerate() {
-            let (q, m, name) = (queue.clone(), metrics.clone(), model.to_string());
+        let outputs: Arc<Vec<String>> = Arc::new(
+            loaded
+                .backend
+                .outputs()
+                .iter()
+                .map(|s| s.name.clone())
+                .collect(),
+        );
+        for (i, instance) in loaded.instances.into_iter().enumerate() {
+            let (q, m, name, outputs) = (
+                queue.clone(),
+                metrics.clone(),
+                model.to_string(),
+                outputs.clone(),
+            );
             std::thread::Builder::new()
                 .name(format!("serve-{model}-{version}-{i}"))
                 .spawn(move || {
@@ -157,43 +200,73 @@ impl LoadedVersion {
                         version,
                         inflight,
                         max_inflight,
+                        outputs: &outputs,
                     };
-                    run_instance(gpt, &ctx)
+                    run_instance(instance, &ctx)
                 })
                 .map_err(|e| ServeError::Instance {
                     model: model.to_string(),
                     reason: format!("spawning instance {i}: {e}"),
                 })?;
         }
-        let limits = Limits {
-            vocab: gpt_cfg.vocab_size,
-            max_seq: gpt_cfg.max_position_embeddings,
-            max_batch: cfg.max_batch_size,
-        };
         Ok(LoadedVersion {
             model: model.to_string(),
             version,
-            limits,
-            stamp: stamp.unwrap_or(Stamp {
-                dir: dir.clone(),
-                mtimes: Vec::new(),
-            }),
-            text: TextCodec::load(&dir),
+            kind,
+            stamp,
+            text: loaded.backend.text(),
             metrics,
             instances: count,
             config: cfg.clone(),
-            queue,
+            serving: Serving::Instances {
+                backend: loaded.backend,
+                queue,
+            },
         })
     }
 
-    fn refused(&self, why: Refused) -> ServeError {
+    /// The model's inputs, batch dimension first.
+    pub fn inputs(&self) -> &[TensorSpec] {
+        match &self.serving {
+            Serving::Instances { backend, .. } => backend.inputs(),
+            Serving::Ensemble(e) => &e.inputs,
+        }
+    }
+
+    /// The model's outputs, batch dimension first.
+    pub fn outputs(&self) -> &[TensorSpec] {
+        match &self.serving {
+            Serving::Instances { backend, .. } => backend.outputs(),
+            Serving::Ensemble(e) => &e.outputs,
+        }
+    }
+
+    /// Checks a request's values as the backend requires (see [`Backend::check`]).
+    pub fn check(&self, request: &Request) -> Result<(), ServeError> {
+        match &self.serving {
+            Serving::Instances { backend, .. } => backend.check(request),
+            Serving::Ensemble(_) => Ok(()),
+        }
+    }
+
+    fn queue(&self) -> Result<&Queue, ServeError> {
+        match &self.serving {
+            Serving::Instances { queue, .. } => Ok(queue),
+            Serving::Ensemble(_) => Err(ServeError::Text {
+                model: self.model.clone(),
+                reason: "an ensemble does not generate text".into(),
+            }),
+        }
+    }
+
+    fn refused(&self, why: Refused, capacity: usize) -> ServeError {
         self.metrics.unqueued();
         self.metrics.failure(Failure::Rejected, Default::default());
         match why {
             Refused::Full => ServeError::QueueFull {
                 model: self.model.clone(),
                 version: self.version,
-                capacity: self.queue.capacity(),
+                capacity,
             },
             Refused::Closed => ServeError::ShuttingDown {
                 model: self.model.clone(),
@@ -202,19 +275,48 @@ impl LoadedVersion {
         }
     }
 
-    /// Queues an inference and waits for its result.
-    pub async fn infer(&self, input: TokenBatch, want: Wanted) -> Result<InferResult, ServeError> {
+    /// Runs a checked request and waits for the outputs `want` (indices into
+    /// [`LoadedVersion::outputs`], in the order the answer lists them): queued for an
+    /// instance, or through an ensemble's steps (which resolve their models in `repo`).
+    pub async fn infer(
+        &self,
+        repo: &Repository,
+        input: Request,
+        want: Vec<usize>,
+    ) -> Result<InferResult, ServeError> {
         let start = Instant::now();
-        let (reply, rx) = oneshot::channel();
-        let job = Job::Infer(InferJob {
-            input,
-            want,
-            reply,
-            enqueued: start,
-        });
-        self.metrics.enqueued();
-        self.queue.push(job).map_err(|(_, why)| self.refused(why))?;
-        let out = rx.await.unwrap_or_else(|_| Err(self.lost()));
+        let out = match &self.serving {
+            Serving::Ensemble(e) => {
+                let rows = input.batch;
+                let out = e.run(repo, input, &want).await;
+                if out.is_ok() {
+                    let phases = Phases {
+                        infer: start.elapsed(),
+                        ..Phases::default()
+                    };
+                    self.metrics.executed(rows, 1, phases);
+                }
+                out.map_err(|reason| ServeError::Execution {
+                    model: self.model.clone(),
+                    version: self.version,
+                    reason,
+                })
+            }
+            Serving::Instances { queue, .. } => {
+                let (reply, rx) = oneshot::channel();
+                let job = Job::Infer(InferJob {
+                    input,
+                    want,
+                    reply,
+                    enqueued: start,
+                });
+                self.metrics.enqueued();
+                queue
+                    .push(job)
+                    .map_err(|(_, why)| self.refused(why, queue.capacity()))?;
+                rx.await.unwrap_or_else(|_| Err(self.lost()))
+            }
+        };
         self.account(&out, start);
         out
     }
@@ -226,6 +328,7 @@ impl LoadedVersion {
         prompt: Vec<u32>,
         opts: SampleOptions,
     ) -> Result<Generation, ServeError> {
+        let queue = self.queue()?;
         let (tokens, token_rx) = mpsc::unbounded_channel();
         let (done, done_rx) = oneshot::channel();
         let job = Job::Generate(GenerateJob {
@@ -236,7 +339,9 @@ impl LoadedVersion {
             enqueued: Instant::now(),
         });
         self.metrics.enqueued();
-        self.queue.push(job).map_err(|(_, why)| self.refused(why))?;
+        queue
+            .push(job)
+            .map_err(|(_, why)| self.refused(why, queue.capacity()))?;
         Ok((token_rx, done_rx))
     }
 
@@ -277,6 +382,8 @@ struct InstanceCtx<'a> {
     inflight: bool,
     /// Most generations in flight on this instance.
     max_inflight: usize,
+    /// The model's output names, in order.
+    outputs: &'a [String],
 }
 
 impl InstanceCtx<'_> {
@@ -316,8 +423,8 @@ impl AsRef<Decoding> for Active {
 /// generations join, ready inference batches run, and generations that finished or whose
 /// client left are answered and dropped; each step advances every generation in flight by one
 /// token (feeding a newcomer's prompt in the same forward) with one batched product per layer.
-fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
-    let mut ws = Workspace::new(&gpt);
+fn run_instance(mut instance: Box<dyn Instance>, ctx: &InstanceCtx<'_>) {
+    let mut ws = instance.decoder().map(Workspace::new);
     let mut active: Vec<Active> = Vec::new();
     loop {
         // with generations in flight, never wait for work: the next step is due now
@@ -330,22 +437,28 @@ fn run_instance(mut gpt: GPT, ctx: &InstanceCtx<'_>) {
             ctx.queue.try_next()
         };
         match work {
-            Some(Work::Infer(jobs)) => run_infer(&mut gpt, jobs, ctx),
-            Some(Work::Generate(job)) if ctx.inflight => admit(&gpt, job, &mut active, ctx),
-            Some(Work::Generate(job)) => run_alone(&gpt, job, ctx),
+            Some(Work::Infer(jobs)) => run_infer(instance.as_mut(), jobs, ctx),
+            Some(Work::Generate(job)) => match instance.decoder() {
+                Some(gpt) if ctx.inflight => admit(gpt, job, &mut active, ctx),
+                Some(gpt) => run_alone(gpt, job, ctx),
+                None => refuse_generate(job, ctx),
+            },
             None => {}
         }
+        let (Some(gpt), Some(ws)) = (instance.decoder(), ws.as_mut()) else {
+            continue;
+        };
         if !ctx.inflight {
             continue;
         }
         let room = ctx.max_inflight.saturating_sub(active.len());
         for job in ctx.queue.take_generates(room) {
-            admit(&gpt, job, &mut active, ctx);
+            admit(gpt, job, &mut active, ctx);
         }
         if active.is_empty() {
             continue;
         }
-        let ran = catch_unwind(AssertUnwindSafe(|| decode_step(&gpt, &mut active, &mut ws)));
+        let ran = catch_unwind(AssertUnwindSafe(|| decode_step(gpt, &mut active, ws)));
         ctx.metrics.decode_step(active.len());
         // a step is shared: if it failed, every generation in it fails alike
         let failed: Option<&dyn Fn() -> ServeError> = match &ran {
@@ -492,8 +605,23 @@ fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
     }
 }
 
-/// One batch of inference requests.
-fn run_infer(gpt: &mut GPT, mut jobs: Vec<InferJob>, ctx: &InstanceCtx<'_>) {
+/// Answers a generation request on a model that does not generate (the front ends refuse
+/// those before queueing; this keeps the instance sound if one gets through).
+fn refuse_generate(job: GenerateJob, ctx: &InstanceCtx<'_>) {
+    ctx.metrics.dequeued(job.enqueued.elapsed());
+    let err = ServeError::Text {
+        model: ctx.model.to_string(),
+        reason: "this model does not generate text".into(),
+    };
+    if job.done.send(Err(err)).is_err() {
+        ctx.metrics
+            .failure(Failure::Cancelled, job.enqueued.elapsed());
+    }
+}
+
+/// One batch of inference requests: their inputs joined along the batch dimension, one
+/// execution, each request's rows of the outputs it asked for.
+fn run_infer(instance: &mut dyn Instance, mut jobs: Vec<InferJob>, ctx: &InstanceCtx<'_>) {
     let (metrics, model, version) = (ctx.metrics, ctx.model, ctx.version);
     let exec_err = |reason: String| ctx.exec_err(reason);
     let started = Instant::now();
@@ -513,37 +641,52 @@ fn run_infer(gpt: &mut GPT, mut jobs: Vec<InferJob>, ctx: &InstanceCtx<'_>) {
         return;
     }
     let rows: usize = jobs.iter().map(|j| j.input.batch).sum();
-    let seq = jobs[0].input.seq;
-    let mut ids = Vec::with_capacity(rows * seq);
+    let inputs: Vec<Tensor> = if jobs.len() == 1 {
+        std::mem::take(&mut jobs[0].input.inputs)
+    } else {
+        (0..jobs[0].input.inputs.len())
+            .map(|i| {
+                let parts: Vec<&Tensor> = jobs.iter().map(|j| &j.input.inputs[i]).collect();
+                Tensor::concat(&parts)
+            })
+            .collect()
+    };
+    let mut want = vec![false; ctx.outputs.len()];
     for j in &jobs {
-        ids.extend_from_slice(&j.input.ids);
+        for &o in &j.want {
+            want[o] = true;
+        }
     }
     let gathered = Instant::now();
     // a panicking kernel must not take the instance (and every later request) down
-    let ran = catch_unwind(AssertUnwindSafe(|| {
-        gpt.forward(&ids, None, None, rows, seq)
-    }));
+    let ran = catch_unwind(AssertUnwindSafe(|| instance.execute(&inputs, &want)));
     let inferred = Instant::now();
-    let logits = match ran {
-        Ok(Ok(_)) => Ok(gpt.logits()),
-        Ok(Err(e)) => Err(exec_err(e.to_string())),
-        Err(_) => Err(exec_err("the forward pass panicked".into())),
+    let outputs = match ran {
+        Ok(Ok(o)) => Ok(o),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err("the execution panicked".to_string()),
     };
-    let vocab = gpt.config().vocab_size;
     let mut row = 0;
     let mut replies = Vec::with_capacity(jobs.len());
+    let single = jobs.len() == 1;
     for j in jobs {
-        let out = match &logits {
-            Ok(l) => Ok(InferResult::from_logits(
-                l,
-                row..row + j.input.batch,
-                seq,
-                vocab,
-                j.want,
-            )),
-            Err(e) => Err(exec_err(e.to_string())),
-        };
+        let mine = row..row + j.input.batch;
         row += j.input.batch;
+        let out = match &outputs {
+            Ok(tensors) => j
+                .want
+                .iter()
+                .map(|&o| match &tensors[o] {
+                    Some(t) if single => Ok((ctx.outputs[o].clone(), t.clone())),
+                    Some(t) => Ok((ctx.outputs[o].clone(), t.rows(mine.clone()))),
+                    None => Err(exec_err(format!(
+                        "the backend did not compute output {:?}",
+                        ctx.outputs[o]
+                    ))),
+                })
+                .collect::<Result<InferResult, ServeError>>(),
+            Err(e) => Err(exec_err(e.clone())),
+        };
         replies.push((j.reply, j.enqueued, out));
     }
     let phases = Phases {
@@ -556,7 +699,6 @@ fn run_infer(gpt: &mut GPT, mut jobs: Vec<InferJob>, ctx: &InstanceCtx<'_>) {
         model,
         version,
         rows,
-        seq,
         requests = replies.len(),
         compute_us = phases.infer.as_micros() as u64,
         "executed batch"

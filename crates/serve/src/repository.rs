@@ -6,6 +6,8 @@
 //!     config.json, model.safetensors         a checkpoint as cohort writes it ...
 //!     tokenizer.json | vocab.json            ... with its text codec, for generate
 //! REPO/<model>/<version>/latest, step-*/     ... or a checkpoint root (its `latest` is served)
+//! REPO/<model>/<version>/model.onnx          an ONNX model (platform onnxruntime_onnx)
+//! REPO/<model>/<version>/                    empty, for an ensemble (platform ensemble)
 //! ```
 //!
 //! [`Repository::poll`] reconciles what is loaded with what is on disk: the version policy picks
@@ -391,7 +393,7 @@ impl Repository {
         for &v in &wanted {
             let vdir = dir.join(v.to_string());
             if let Some(cur) = old.versions.get(&v) {
-                if !config_changed && Stamp::of(&vdir).as_ref() == Some(&cur.stamp) {
+                if !config_changed && Stamp::of(&vdir, cur.kind).as_ref() == Some(&cur.stamp) {
                     versions.insert(v, cur.clone());
                     continue;
                 }
@@ -399,8 +401,8 @@ impl Repository {
             let metrics = self.metrics.version(model, v);
             match LoadedVersion::load(model, v, &vdir, &cfg, self.build, metrics) {
                 Ok(lv) => {
-                    tracing::info!(model, version = v, instances = lv.instances,
-                        checkpoint = %lv.stamp.dir.display(), "loaded");
+                    tracing::info!(model, version = v, platform = lv.kind.platform(),
+                        instances = lv.instances, dir = %lv.stamp.dir.display(), "loaded");
                     versions.insert(v, Arc::new(lv));
                 }
                 Err(e) => {

@@ -1,17 +1,18 @@
-//! The tensors a cohort GPT takes and returns, independent of the wire: turning a request's
-//! `input_ids` (INT64 `[batch, seq]`, from JSON numbers, typed protobuf contents or raw
-//! little-endian bytes) into checked token ids, and an execution's results into the `logits`
-//! (FP32 `[batch, seq, vocab]`) and `next_token` (INT64 `[batch]`, the argmax of the last
-//! position) outputs. Every check a request can fail happens here, before anything is queued;
-//! this module never touches a model.
+//! Tensors independent of the wire and of any backend: the KServe datatypes a model may take,
+//! a tensor as row-major little-endian bytes with its shape, what a model declares about each
+//! of its tensors (name, datatype, shape with -1 for any size, the batch dimension first), and
+//! the checks that turn a request's inputs (JSON numbers, typed protobuf contents or raw
+//! little-endian bytes) into a [`Request`] of that model. Every check a request can fail that
+//! does not depend on a tensor's values happens here, before anything is queued; this module
+//! never touches a model.
 
 use crate::error::ServeError;
 
-/// The one input: token ids, INT64 `[batch, seq]`.
+/// The input of cohort's GPT models: token ids, INT64 `[batch, seq]`.
 pub const INPUT_IDS: &str = "input_ids";
-/// Output: the logits of every position, FP32 `[batch, seq, vocab]`.
+/// Output of cohort's GPT models: the logits of every position, FP32 `[batch, seq, vocab]`.
 pub const LOGITS: &str = "logits";
-/// Output: the most likely next token after each row, INT64 `[batch]`.
+/// Output of cohort's GPT models: the most likely next token after each row, INT64 `[batch]`.
 pub const NEXT_TOKEN: &str = "next_token";
 
 /// The KServe datatype of `input_ids` and `next_token`.
@@ -19,114 +20,387 @@ pub const INT64: &str = "INT64";
 /// The KServe datatype of `logits`.
 pub const FP32: &str = "FP32";
 
-/// What one model version accepts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Limits {
-    /// Vocabulary size (V).
-    pub vocab: usize,
-    /// Longest sequence (max_position_embeddings).
-    pub max_seq: usize,
-    /// Most rows per request (max_batch_size).
-    pub max_batch: usize,
+/// A tensor element type, as KServe names it (`FP32`) and Triton's configs do (`TYPE_FP32`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DataType {
+    /// One byte, 0 or 1.
+    Bool,
+    /// u8.
+    Uint8,
+    /// i8.
+    Int8,
+    /// i16.
+    Int16,
+    /// i32.
+    Int32,
+    /// i64.
+    Int64,
+    /// f32.
+    Fp32,
+    /// f64.
+    Fp64,
 }
 
-/// Checked token ids of one request: `batch` rows of `seq` ids.
+impl DataType {
+    /// Every datatype served.
+    pub const ALL: [DataType; 8] = [
+        DataType::Bool,
+        DataType::Uint8,
+        DataType::Int8,
+        DataType::Int16,
+        DataType::Int32,
+        DataType::Int64,
+        DataType::Fp32,
+        DataType::Fp64,
+    ];
+
+    /// KServe's name (`FP32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::Bool => "BOOL",
+            DataType::Uint8 => "UINT8",
+            DataType::Int8 => "INT8",
+            DataType::Int16 => "INT16",
+            DataType::Int32 => "INT32",
+            DataType::Int64 => INT64,
+            DataType::Fp32 => FP32,
+            DataType::Fp64 => "FP64",
+        }
+    }
+
+    /// Triton's config name (`TYPE_FP32`).
+    pub fn triton(self) -> &'static str {
+        match self {
+            DataType::Bool => "TYPE_BOOL",
+            DataType::Uint8 => "TYPE_UINT8",
+            DataType::Int8 => "TYPE_INT8",
+            DataType::Int16 => "TYPE_INT16",
+            DataType::Int32 => "TYPE_INT32",
+            DataType::Int64 => "TYPE_INT64",
+            DataType::Fp32 => "TYPE_FP32",
+            DataType::Fp64 => "TYPE_FP64",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::Bool | DataType::Uint8 | DataType::Int8 => 1,
+            DataType::Int16 => 2,
+            DataType::Int32 | DataType::Fp32 => 4,
+            DataType::Int64 | DataType::Fp64 => 8,
+        }
+    }
+
+    /// The datatype KServe calls `name`.
+    pub fn from_name(name: &str) -> Option<DataType> {
+        DataType::ALL.into_iter().find(|d| d.name() == name)
+    }
+
+    /// The datatype a Triton config calls `name`.
+    pub fn from_triton(name: &str) -> Option<DataType> {
+        DataType::ALL.into_iter().find(|d| d.triton() == name)
+    }
+
+    /// Whether elements are floating point.
+    pub fn is_float(self) -> bool {
+        matches!(self, DataType::Fp32 | DataType::Fp64)
+    }
+
+    /// Little-endian bytes of `v` as this type; None when it does not fit (or is not an
+    /// integer for an integer type).
+    fn encode_json(self, v: &serde_json::Value, out: &mut Vec<u8>) -> Option<()> {
+        match self {
+            DataType::Bool => out.push(u8::from(v.as_bool()?)),
+            DataType::Fp32 => out.extend_from_slice(&(v.as_f64()? as f32).to_le_bytes()),
+            DataType::Fp64 => out.extend_from_slice(&v.as_f64()?.to_le_bytes()),
+            DataType::Uint8 => out.push(u8::try_from(v.as_i64()?).ok()?),
+            DataType::Int8 => out.extend_from_slice(&i8::try_from(v.as_i64()?).ok()?.to_le_bytes()),
+            DataType::Int16 => {
+                out.extend_from_slice(&i16::try_from(v.as_i64()?).ok()?.to_le_bytes())
+            }
+            DataType::Int32 => {
+                out.extend_from_slice(&i32::try_from(v.as_i64()?).ok()?.to_le_bytes())
+            }
+            DataType::Int64 => out.extend_from_slice(&v.as_i64()?.to_le_bytes()),
+        }
+        Some(())
+    }
+}
+
+impl std::fmt::Display for DataType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A tensor: its type, its shape and its elements as row-major little-endian bytes (what the
+/// binary protocols carry, so requests and batches are cut and joined without converting).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    /// The element type.
+    pub datatype: DataType,
+    /// The shape, batch dimension first for a model that batches.
+    pub shape: Vec<usize>,
+    /// `shape.product() * datatype.size()` bytes.
+    pub data: Vec<u8>,
+}
+
+impl Tensor {
+    /// An FP32 tensor.
+    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Tensor {
+        Tensor {
+            datatype: DataType::Fp32,
+            shape,
+            data: values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// An INT64 tensor.
+    pub fn from_i64(shape: Vec<usize>, values: &[i64]) -> Tensor {
+        Tensor {
+            datatype: DataType::Int64,
+            shape,
+            data: values.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The INT64 elements; None for another type.
+    pub fn i64s(&self) -> Option<Vec<i64>> {
+        (self.datatype == DataType::Int64).then(|| {
+            self.data
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8-byte chunk")))
+                .collect()
+        })
+    }
+
+    /// The elements as f64 (exact for every type but INT64 beyond 2^53), for JSON answers and
+    /// comparisons.
+    pub fn to_f64s(&self) -> Vec<f64> {
+        let n = self.datatype.size();
+        self.data
+            .chunks_exact(n)
+            .map(|c| match self.datatype {
+                DataType::Bool | DataType::Uint8 => f64::from(c[0]),
+                DataType::Int8 => f64::from(c[0] as i8),
+                DataType::Int16 => f64::from(i16::from_le_bytes([c[0], c[1]])),
+                DataType::Int32 => f64::from(i32::from_le_bytes(c.try_into().expect("4 bytes"))),
+                DataType::Int64 => i64::from_le_bytes(c.try_into().expect("8 bytes")) as f64,
+                DataType::Fp32 => f64::from(f32::from_le_bytes(c.try_into().expect("4 bytes"))),
+                DataType::Fp64 => f64::from_le_bytes(c.try_into().expect("8 bytes")),
+            })
+            .collect()
+    }
+
+    /// The elements as a flat JSON array of the type's natural JSON values.
+    pub fn json(&self) -> serde_json::Value {
+        match self.datatype {
+            DataType::Bool => {
+                serde_json::json!(self.data.iter().map(|&b| b != 0).collect::<Vec<_>>())
+            }
+            DataType::Int64 => serde_json::json!(self.i64s().unwrap_or_default()),
+            DataType::Fp32 => serde_json::json!(self
+                .data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect::<Vec<_>>()),
+            DataType::Fp64 => serde_json::json!(self.to_f64s()),
+            _ => serde_json::json!(self
+                .to_f64s()
+                .into_iter()
+                .map(|x| x as i64)
+                .collect::<Vec<_>>()),
+        }
+    }
+
+    /// The shape as the protocols write it.
+    pub fn wire_shape(&self) -> Vec<i64> {
+        self.shape.iter().map(|&d| d as i64).collect()
+    }
+
+    /// Bytes per row of the first (batch) dimension.
+    fn row_bytes(&self) -> usize {
+        self.shape[1..].iter().product::<usize>() * self.datatype.size()
+    }
+
+    /// Rows `rows` of the first dimension.
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> Tensor {
+        let rb = self.row_bytes();
+        let mut shape = self.shape.clone();
+        shape[0] = rows.len();
+        Tensor {
+            datatype: self.datatype,
+            shape,
+            data: self.data[rows.start * rb..rows.end * rb].to_vec(),
+        }
+    }
+
+    /// `parts` joined along the first dimension (they agree on type and the other dimensions).
+    pub fn concat(parts: &[&Tensor]) -> Tensor {
+        let first = parts[0];
+        let mut shape = first.shape.clone();
+        shape[0] = parts.iter().map(|t| t.shape[0]).sum();
+        let mut data = Vec::with_capacity(parts.iter().map(|t| t.data.len()).sum());
+        for t in parts {
+            data.extend_from_slice(&t.data);
+        }
+        Tensor {
+            datatype: first.datatype,
+            shape,
+            data,
+        }
+    }
+}
+
+/// What a model declares about one of its tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct TokenBatch {
-    pub batch: usize,
-    pub seq: usize,
-    pub ids: Vec<u32>,
+pub struct TensorSpec {
+    /// The tensor's name.
+    pub name: String,
+    /// Its element type.
+    pub datatype: DataType,
+    /// Its shape with the batch dimension first; -1: any size.
+    pub shape: Vec<i64>,
 }
 
-/// Where a request's `input_ids` data is.
+impl TensorSpec {
+    /// A spec.
+    pub fn new(name: &str, datatype: DataType, shape: Vec<i64>) -> TensorSpec {
+        TensorSpec {
+            name: name.to_string(),
+            datatype,
+            shape,
+        }
+    }
+
+    /// The dims a Triton config writes for it: without the batch dimension, `[1]` for a
+    /// tensor that has no other dimension (Triton allows no empty dims).
+    pub fn config_dims(&self) -> Vec<i64> {
+        match &self.shape[1..] {
+            [] => vec![1],
+            dims => dims.to_vec(),
+        }
+    }
+}
+
+/// The names of `specs`, for error messages.
+pub(crate) fn names(specs: &[TensorSpec]) -> String {
+    specs
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Where a request's input data is.
 pub(crate) enum InputData<'a> {
-    /// Row-major little-endian INT64 bytes (HTTP binary extension, gRPC raw contents).
+    /// Row-major little-endian bytes (HTTP binary extension, gRPC raw contents).
     Raw(&'a [u8]),
-    /// Typed values (gRPC `int64_contents`).
-    Int64(&'a [i64]),
+    /// Typed protobuf contents, already as little-endian bytes of the tensor's type, and how
+    /// many elements they held.
+    Typed(Vec<u8>, usize),
     /// JSON `data`, flat or nested.
     Json(&'a serde_json::Value),
 }
 
-/// Which outputs a request wants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Wanted {
-    pub logits: bool,
-    pub next_token: bool,
+/// A checked request: one tensor per model input, in the model's input order, all with the
+/// same number of rows.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Request {
+    /// Rows (the batch dimension every input shares).
+    pub batch: usize,
+    pub inputs: Vec<Tensor>,
 }
 
-/// One output tensor of the model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Output {
-    Logits,
-    NextToken,
-}
-
-impl Output {
-    pub const ALL: [Output; 2] = [Output::Logits, Output::NextToken];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Output::Logits => LOGITS,
-            Output::NextToken => NEXT_TOKEN,
-        }
-    }
-
-    pub fn datatype(self) -> &'static str {
-        match self {
-            Output::Logits => FP32,
-            Output::NextToken => INT64,
-        }
-    }
-
-    /// The output named `name`, or the error a request naming it gets.
-    pub fn parse(model: &str, name: &str) -> Result<Output, ServeError> {
-        Output::ALL
-            .into_iter()
-            .find(|o| o.name() == name)
-            .ok_or_else(|| ServeError::UnknownTensor {
-                model: model.to_string(),
-                direction: "output",
-                name: name.to_string(),
-                known: format!("{LOGITS}, {NEXT_TOKEN}"),
-            })
+impl Request {
+    /// Whether `self` and `other` can run in one batch: every input agrees beyond the batch
+    /// dimension (Triton's rule for dynamic batching).
+    pub fn batches_with(&self, other: &Request) -> bool {
+        self.inputs
+            .iter()
+            .zip(&other.inputs)
+            .all(|(a, b)| a.shape[1..] == b.shape[1..])
     }
 }
 
-/// The one input a cohort model takes, out of a request's `inputs`.
-pub(crate) fn single_input<'a, T>(model: &str, inputs: &'a [T]) -> Result<&'a T, ServeError> {
-    match inputs {
-        [input] => Ok(input),
-        _ => Err(ServeError::InputCount {
-            model: model.to_string(),
-            expected: 1,
-            found: inputs.len(),
-        }),
-    }
+/// One input as a request names it, before checking.
+pub(crate) struct WireInput<'a> {
+    pub name: &'a str,
+    pub datatype: &'a str,
+    pub shape: &'a [i64],
+    pub data: InputData<'a>,
 }
 
-/// Checks a request's one input and returns its token ids.
-pub(crate) fn token_batch(
+/// Checks a request's inputs against the model's `specs` (every input exactly once, each of
+/// its declared type and shape, `1..=max_batch` rows shared by all) and returns them in the
+/// model's order.
+pub(crate) fn request(
     model: &str,
-    limits: Limits,
-    name: &str,
-    datatype: &str,
-    shape: &[i64],
-    data: InputData<'_>,
-) -> Result<TokenBatch, ServeError> {
-    if name != INPUT_IDS {
-        return Err(ServeError::UnknownTensor {
+    specs: &[TensorSpec],
+    max_batch: usize,
+    wire: Vec<WireInput<'_>>,
+) -> Result<Request, ServeError> {
+    if wire.len() != specs.len() {
+        return Err(ServeError::InputCount {
             model: model.to_string(),
-            direction: "input",
-            name: name.to_string(),
-            known: INPUT_IDS.to_string(),
+            expected: specs.len(),
+            found: wire.len(),
         });
     }
-    if datatype != INT64 {
+    let mut slots: Vec<Option<Tensor>> = vec![None; specs.len()];
+    for w in wire {
+        let Some(i) = specs.iter().position(|s| s.name == w.name) else {
+            return Err(ServeError::UnknownTensor {
+                model: model.to_string(),
+                direction: "input",
+                name: w.name.to_string(),
+                known: names(specs),
+            });
+        };
+        if slots[i].is_some() {
+            return Err(ServeError::malformed(format!(
+                "input {:?} is given twice",
+                w.name
+            )));
+        }
+        slots[i] = Some(input(&specs[i], max_batch, w)?);
+    }
+    let inputs: Vec<Tensor> = slots.into_iter().flatten().collect();
+    let batch = inputs[0].shape[0];
+    if let Some((t, s)) = inputs.iter().zip(specs).find(|(t, _)| t.shape[0] != batch) {
+        return Err(ServeError::Shape {
+            tensor: s.name.clone(),
+            shape: t.wire_shape(),
+            reason: format!(
+                "its batch dimension differs from {:?}'s ({batch})",
+                specs[0].name
+            ),
+        });
+    }
+    Ok(Request { batch, inputs })
+}
+
+/// Checks one input against its spec.
+fn input(spec: &TensorSpec, max_batch: usize, w: WireInput<'_>) -> Result<Tensor, ServeError> {
+    let name = w.name;
+    let shape = w.shape;
+    let dt = spec.datatype;
+    if w.datatype != dt.name() {
         return Err(ServeError::Datatype {
             tensor: name.to_string(),
-            found: datatype.to_string(),
-            expected: INT64,
+            found: w.datatype.to_string(),
+            expected: dt.name(),
         });
     }
     let shape_err = |reason: String| ServeError::Shape {
@@ -134,23 +408,33 @@ pub(crate) fn token_batch(
         shape: shape.to_vec(),
         reason,
     };
-    let &[b, t] = shape else {
-        return Err(shape_err("expected 2 dimensions, [batch, seq]".into()));
-    };
-    if b < 1 || b as u64 > limits.max_batch as u64 {
+    if shape.len() != spec.shape.len() {
         return Err(shape_err(format!(
-            "batch must be in 1..={} (max_batch_size)",
-            limits.max_batch
+            "expected {} dimensions, the model's are {:?} (-1: any size, the first is the batch)",
+            spec.shape.len(),
+            spec.shape
         )));
     }
-    if t < 1 || t as u64 > limits.max_seq as u64 {
+    let b = shape[0];
+    if b < 1 || b as u64 > max_batch as u64 {
         return Err(shape_err(format!(
-            "seq must be in 1..={} (the model's max_position_embeddings)",
-            limits.max_seq
+            "batch must be in 1..={max_batch} (max_batch_size)"
         )));
     }
-    let (batch, seq) = (b as usize, t as usize);
-    let n = batch * seq;
+    for (i, (&got, &want)) in shape.iter().zip(&spec.shape).enumerate().skip(1) {
+        if got < 0 || (want >= 0 && got != want) {
+            return Err(shape_err(format!(
+                "dimension {i} must be {}",
+                if want >= 0 {
+                    want.to_string()
+                } else {
+                    "at least 0".into()
+                }
+            )));
+        }
+    }
+    let dims: Vec<usize> = shape.iter().map(|&d| d as usize).collect();
+    let n: usize = dims.iter().product();
     let size_err = |found: usize, expected: usize, unit| ServeError::DataSize {
         tensor: name.to_string(),
         shape: shape.to_vec(),
@@ -158,35 +442,18 @@ pub(crate) fn token_batch(
         found,
         unit,
     };
-    let mut ids = Vec::with_capacity(n);
-    let mut push = |index: usize, value: i64| {
-        if value < 0 || value as u64 >= limits.vocab as u64 {
-            return Err(ServeError::TokenOutOfRange {
-                tensor: name.to_string(),
-                index,
-                value,
-                vocab: limits.vocab,
-            });
-        }
-        ids.push(value as u32);
-        Ok(())
-    };
-    match data {
+    let data = match w.data {
         InputData::Raw(bytes) => {
-            if bytes.len() != n * 8 {
-                return Err(size_err(bytes.len(), n * 8, "bytes"));
+            if bytes.len() != n * dt.size() {
+                return Err(size_err(bytes.len(), n * dt.size(), "bytes"));
             }
-            for (i, c) in bytes.chunks_exact(8).enumerate() {
-                push(i, i64::from_le_bytes(c.try_into().expect("8-byte chunk")))?;
-            }
+            bytes.to_vec()
         }
-        InputData::Int64(values) => {
-            if values.len() != n {
-                return Err(size_err(values.len(), n, "elements"));
+        InputData::Typed(bytes, count) => {
+            if count != n {
+                return Err(size_err(count, n, "elements"));
             }
-            for (i, &v) in values.iter().enumerate() {
-                push(i, v)?;
-            }
+            bytes
         }
         InputData::Json(value) => {
             let mut flat = Vec::with_capacity(n);
@@ -196,17 +463,27 @@ pub(crate) fn token_batch(
             if flat.len() != n {
                 return Err(size_err(flat.len(), n, "elements"));
             }
+            let mut bytes = Vec::with_capacity(n * dt.size());
             for (i, v) in flat.into_iter().enumerate() {
-                let value = v.as_i64().ok_or_else(|| ServeError::Datatype {
-                    tensor: format!("{name}[{i}] = {v}"),
-                    found: "a non-integer".into(),
-                    expected: INT64,
-                })?;
-                push(i, value)?;
+                dt.encode_json(v, &mut bytes)
+                    .ok_or_else(|| ServeError::Datatype {
+                        tensor: format!("{name}[{i}] = {v}"),
+                        found: if v.is_f64() && !dt.is_float() {
+                            "a non-integer".into()
+                        } else {
+                            "a value that does not fit".into()
+                        },
+                        expected: dt.name(),
+                    })?;
             }
+            bytes
         }
-    }
-    Ok(TokenBatch { batch, seq, ids })
+    };
+    Ok(Tensor {
+        datatype: dt,
+        shape: dims,
+        data,
+    })
 }
 
 /// Row-major leaves of a (possibly nested) JSON array.
@@ -223,7 +500,7 @@ fn flatten<'v>(
             Ok(())
         }
         serde_json::Value::Array(_) => Err("is nested deeper than 8 levels".into()),
-        serde_json::Value::Number(_) if depth > 0 => {
+        serde_json::Value::Number(_) | serde_json::Value::Bool(_) if depth > 0 => {
             out.push(v);
             Ok(())
         }
@@ -232,161 +509,112 @@ fn flatten<'v>(
     }
 }
 
-/// What one request gets back from an execution.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct InferResult {
-    pub batch: usize,
-    pub seq: usize,
-    pub vocab: usize,
-    /// `[batch, seq, vocab]` when wanted.
-    pub logits: Option<Vec<f32>>,
-    /// `[batch]` when wanted.
-    pub next_token: Option<Vec<i64>>,
+/// The outputs one request asked for, by index into the model's outputs, in the order the
+/// answer lists them.
+pub(crate) fn wanted_outputs<'n>(
+    model: &str,
+    specs: &[TensorSpec],
+    requested: impl Iterator<Item = &'n str>,
+) -> Result<Vec<usize>, ServeError> {
+    let mut out = Vec::new();
+    for name in requested {
+        let i =
+            specs
+                .iter()
+                .position(|s| s.name == name)
+                .ok_or_else(|| ServeError::UnknownTensor {
+                    model: model.to_string(),
+                    direction: "output",
+                    name: name.to_string(),
+                    known: names(specs),
+                })?;
+        out.push(i);
+    }
+    if out.is_empty() {
+        out = (0..specs.len()).collect();
+    }
+    Ok(out)
 }
 
-impl InferResult {
-    /// The rows `rows` of a batch's logits `(rows_total * seq, vocab)`, as a request wants.
-    pub fn from_logits(
-        logits: &[f32],
-        rows: std::ops::Range<usize>,
-        seq: usize,
-        vocab: usize,
-        want: Wanted,
-    ) -> InferResult {
-        let mine = &logits[rows.start * seq * vocab..rows.end * seq * vocab];
-        let next_token = want.next_token.then(|| {
-            mine.chunks_exact(seq * vocab)
-                .map(|row| cohort_gpt::sample::argmax(&row[(seq - 1) * vocab..]) as i64)
-                .collect()
-        });
-        InferResult {
-            batch: rows.len(),
-            seq,
-            vocab,
-            logits: want.logits.then(|| mine.to_vec()),
-            next_token,
-        }
-    }
-
-    pub fn shape(&self, o: Output) -> Vec<i64> {
-        match o {
-            Output::Logits => vec![self.batch as i64, self.seq as i64, self.vocab as i64],
-            Output::NextToken => vec![self.batch as i64],
-        }
-    }
-
-    /// Row-major little-endian bytes of `o` (empty when not computed).
-    pub fn le_bytes(&self, o: Output) -> Vec<u8> {
-        match o {
-            Output::Logits => self
-                .logits
-                .iter()
-                .flatten()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-            Output::NextToken => self
-                .next_token
-                .iter()
-                .flatten()
-                .flat_map(|x| x.to_le_bytes())
-                .collect(),
-        }
-    }
-
-    /// `o` as a flat JSON array.
-    pub fn json(&self, o: Output) -> serde_json::Value {
-        match o {
-            Output::Logits => serde_json::json!(self.logits.as_deref().unwrap_or_default()),
-            Output::NextToken => serde_json::json!(self.next_token.as_deref().unwrap_or_default()),
-        }
-    }
-}
+/// What one request gets back: the outputs it asked for, in its order, with their names.
+pub(crate) type InferResult = Vec<(String, Tensor)>;
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
 
-    const LIM: Limits = Limits {
-        vocab: 10,
-        max_seq: 4,
-        max_batch: 2,
-    };
+    fn specs() -> Vec<TensorSpec> {
+        vec![TensorSpec::new(INPUT_IDS, DataType::Int64, vec![-1, -1])]
+    }
 
-    fn ok(shape: &[i64], data: InputData<'_>) -> Result<TokenBatch, ServeError> {
-        token_batch("m", LIM, INPUT_IDS, INT64, shape, data)
+    fn one(shape: &[i64], data: InputData<'_>) -> Result<Request, ServeError> {
+        let w = WireInput {
+            name: INPUT_IDS,
+            datatype: INT64,
+            shape,
+            data,
+        };
+        request("m", &specs(), 2, vec![w])
     }
 
     #[test]
-    fn the_three_encodings_give_the_same_ids() {
-        let want = TokenBatch {
-            batch: 2,
-            seq: 3,
-            ids: vec![1, 2, 3, 4, 5, 9],
-        };
-        let raw: Vec<u8> = [1i64, 2, 3, 4, 5, 9]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        assert_eq!(ok(&[2, 3], InputData::Raw(&raw)).unwrap(), want);
+    fn the_three_encodings_give_the_same_tensor() {
+        let want = Tensor::from_i64(vec![2, 3], &[1, 2, 3, 4, 5, 9]);
+        let raw = want.data.clone();
+        assert_eq!(one(&[2, 3], InputData::Raw(&raw)).unwrap().inputs[0], want);
         assert_eq!(
-            ok(&[2, 3], InputData::Int64(&[1, 2, 3, 4, 5, 9])).unwrap(),
+            one(&[2, 3], InputData::Typed(raw.clone(), 6))
+                .unwrap()
+                .inputs[0],
             want
         );
         let nested = json!([[1, 2, 3], [4, 5, 9]]);
-        assert_eq!(ok(&[2, 3], InputData::Json(&nested)).unwrap(), want);
+        assert_eq!(
+            one(&[2, 3], InputData::Json(&nested)).unwrap().inputs[0],
+            want
+        );
         let flat = json!([1, 2, 3, 4, 5, 9]);
-        assert_eq!(ok(&[2, 3], InputData::Json(&flat)).unwrap(), want);
+        let r = one(&[2, 3], InputData::Json(&flat)).unwrap();
+        assert_eq!((r.batch, &r.inputs[0]), (2, &want));
     }
 
     #[test]
     fn bad_inputs_are_refused_with_what_was_wrong() {
         let three = json!([1, 2, 3]);
-        let cases: Vec<(Result<TokenBatch, ServeError>, &str)> = vec![
+        let named = |name: &'static str, datatype: &'static str| {
+            let w = WireInput {
+                name,
+                datatype,
+                shape: &[1, 3],
+                data: InputData::Json(&three),
+            };
+            request("m", &specs(), 2, vec![w])
+        };
+        let cases: Vec<(Result<Request, ServeError>, &str)> = vec![
+            (named("ids", INT64), "no input tensor \"ids\""),
+            (named(INPUT_IDS, "FP32"), "datatype FP32"),
+            (one(&[3], InputData::Json(&three)), "2 dimensions"),
             (
-                token_batch("m", LIM, "ids", INT64, &[1, 3], InputData::Json(&three)),
-                "no input tensor \"ids\"",
-            ),
-            (
-                token_batch(
-                    "m",
-                    LIM,
-                    INPUT_IDS,
-                    "FP32",
-                    &[1, 3],
-                    InputData::Json(&three),
-                ),
-                "datatype FP32",
-            ),
-            (ok(&[3], InputData::Json(&three)), "2 dimensions"),
-            (
-                ok(&[3, 1], InputData::Json(&three)),
+                one(&[3, 1], InputData::Json(&three)),
                 "batch must be in 1..=2",
             ),
+            (one(&[0, 3], InputData::Json(&three)), "batch"),
+            (one(&[1, 4], InputData::Json(&three)), "needs 4 elements"),
+            (one(&[1, 3], InputData::Raw(&[0; 20])), "needs 24 bytes"),
             (
-                ok(&[1, 5], InputData::Int64(&[0; 5])),
-                "seq must be in 1..=4",
-            ),
-            (ok(&[0, 3], InputData::Json(&three)), "batch"),
-            (ok(&[1, 4], InputData::Json(&three)), "needs 4 elements"),
-            (ok(&[1, 3], InputData::Raw(&[0; 20])), "needs 24 bytes"),
-            (
-                ok(&[1, 3], InputData::Int64(&[1, 10, 2])),
-                "[1] = 10 is outside the vocabulary 0..10",
-            ),
-            (
-                ok(&[1, 3], InputData::Int64(&[1, 2, -1])),
-                "[2] = -1 is outside",
-            ),
-            (
-                ok(&[1, 3], InputData::Json(&json!([1, 2.5, 3]))),
+                one(&[1, 3], InputData::Json(&json!([1, 2.5, 3]))),
                 "non-integer",
             ),
             (
-                ok(&[1, 3], InputData::Json(&json!([1, "a", 3]))),
+                one(&[1, 3], InputData::Json(&json!([1, "a", 3]))),
                 "expected numbers",
             ),
-            (ok(&[1, 3], InputData::Json(&json!(7))), "must be an array"),
+            (one(&[1, 3], InputData::Json(&json!(7))), "must be an array"),
+            (
+                request("m", &specs(), 2, Vec::new()),
+                "expects 1 input(s), the request has 0",
+            ),
         ];
         for (got, needle) in cases {
             let err = got.unwrap_err().to_string();
@@ -395,33 +623,22 @@ mod tests {
     }
 
     #[test]
-    fn results_slice_rows_and_take_the_last_positions_argmax() {
-        // 3 rows, seq 2, vocab 3
-        let logits: Vec<f32> = vec![
-            0., 1., 0., /* */ 5., 0., 0., // row 0: next token 0
-            0., 0., 1., /* */ 0., 9., 1., // row 1: next token 1
-            1., 0., 0., /* */ 0., 0., 2., // row 2: next token 2
-        ];
-        let all = Wanted {
-            logits: true,
-            next_token: true,
+    fn fixed_dimensions_are_checked_and_rows_cut_and_join() {
+        let spec = vec![TensorSpec::new("x", DataType::Fp32, vec![-1, 2])];
+        let data = json!([[1.0, 2.0], [3.0, 4.5]]);
+        let w = |shape: &'static [i64]| WireInput {
+            name: "x",
+            datatype: FP32,
+            shape,
+            data: InputData::Json(&data),
         };
-        let r = InferResult::from_logits(&logits, 1..3, 2, 3, all);
-        assert_eq!(r.next_token, Some(vec![1, 2]));
-        assert_eq!(r.logits.as_deref(), Some(&logits[6..]));
-        assert_eq!(r.shape(Output::Logits), [2, 2, 3]);
-        assert_eq!(r.le_bytes(Output::NextToken).len(), 16);
-        let only = InferResult::from_logits(
-            &logits,
-            0..1,
-            2,
-            3,
-            Wanted {
-                logits: false,
-                next_token: true,
-            },
-        );
-        assert_eq!(only.logits, None);
-        assert_eq!(only.json(Output::NextToken), json!([0]));
+        let err = request("m", &spec, 4, vec![w(&[1, 4])]).unwrap_err();
+        assert!(err.to_string().contains("dimension 1 must be 2"), "{err}");
+        let r = request("m", &spec, 4, vec![w(&[2, 2])]).unwrap();
+        let t = &r.inputs[0];
+        assert_eq!(t.rows(1..2).json(), json!([3.0, 4.5]));
+        let both = Tensor::concat(&[&t.rows(1..2), &t.rows(0..1)]);
+        assert_eq!(both.json(), json!([3.0, 4.5, 1.0, 2.0]));
+        assert_eq!(both.shape, [2, 2]);
     }
 }

@@ -1,0 +1,342 @@
+//! ONNX models as a backend (`platform: "onnxruntime_onnx"`, or `backend: "onnxruntime"`, as
+//! Triton's configs say), executed by tract, a pure-Rust ONNX runtime: `model.onnx` in the
+//! version directory. The model's inputs and outputs, their names, datatypes and shapes come
+//! from the file; the config's `input` / `output`, when given, must agree with them. The first
+//! dimension of every input and output is the batch dimension and must be dynamic in the file
+//! (an ONNX `dim_param` or an unnamed dimension), so that dynamic batching can join requests:
+//! the model is optimized once with that dimension symbolic and runs any batch size, and each
+//! instance also optimizes it for the first few batch sizes it meets, which tract runs faster.
+//!
+//! A model using an operator tract does not implement fails its load with one line naming the
+//! operator and the node. This module never reads a request off the wire and never writes to
+//! the repository.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use tract_linalg::multithread::{multithread_tract_scope, Executor};
+use tract_onnx::prelude::{
+    DatumType, Framework, InferenceModelExt, OutletId, Symbol, TDim, TValue, TVec,
+    Tensor as TractTensor, TractError, TypedFact, TypedModel, TypedSimplePlan, TypedSimpleState,
+};
+
+use super::{Backend, Instance, Loaded, Version};
+use crate::config::ModelConfig;
+use crate::error::ServeError;
+use crate::tensor::{DataType, Tensor, TensorSpec};
+use crate::text::TextCodec;
+
+/// The model file of an ONNX version directory, as Triton names it.
+pub const MODEL_FILE: &str = "model.onnx";
+
+/// A loaded ONNX model.
+struct OnnxBackend {
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+}
+
+impl Backend for OnnxBackend {
+    fn inputs(&self) -> &[TensorSpec] {
+        &self.inputs
+    }
+
+    fn outputs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    fn text(&self) -> Result<TextCodec, String> {
+        Err("an ONNX model does not generate text".into())
+    }
+}
+
+/// Plans an instance keeps with the batch dimension made concrete, one per batch size (tract
+/// picks kernels and packs operands for a known size): the first sizes it meets; others run
+/// the plan with the symbolic batch dimension.
+const CONCRETE_PLANS: usize = 4;
+
+/// The model before optimization, with its batch dimension's symbol, to make concrete plans.
+struct Decluttered {
+    model: TypedModel,
+    batch: Option<Symbol>,
+}
+
+/// One instance: its own execution states over the shared optimized plan (and its concrete
+/// plans), and its thread pool when it has more than one thread.
+struct OnnxInstance {
+    state: TypedSimpleState,
+    /// (batch size, its plan's state; None: it could not be built, the symbolic one serves)
+    concrete: Vec<(usize, Option<TypedSimpleState>)>,
+    decluttered: Arc<Decluttered>,
+    executor: Option<Executor>,
+    /// Each output's type, checked against what the plan returns.
+    outputs: Vec<TensorSpec>,
+}
+
+impl OnnxInstance {
+    /// An execution state of the model with `rows` as its batch size.
+    fn concretize(&self, rows: usize) -> Option<TypedSimpleState> {
+        let sym = self.decluttered.batch.as_ref()?;
+        let subs = HashMap::from([(sym.clone(), TDim::Val(rows as i64))]);
+        let model = self.decluttered.model.set_symbols(&subs).ok()?;
+        let optimized = model.into_optimized().ok()?;
+        TypedSimpleState::new(&TypedSimplePlan::new(optimized).ok()?).ok()
+    }
+
+    /// The state that runs a batch of `rows`.
+    fn state_for(&mut self, rows: usize) -> &mut TypedSimpleState {
+        let known = self.concrete.iter().position(|(n, _)| *n == rows);
+        let at = match known {
+            Some(i) => Some(i),
+            None if self.concrete.len() < CONCRETE_PLANS => {
+                let state = self.concretize(rows);
+                self.concrete.push((rows, state));
+                Some(self.concrete.len() - 1)
+            }
+            None => None,
+        };
+        match at {
+            Some(i) if self.concrete[i].1.is_some() => {
+                self.concrete[i].1.as_mut().expect("checked")
+            }
+            _ => &mut self.state,
+        }
+    }
+}
+
+impl Instance for OnnxInstance {
+    fn execute(&mut self, inputs: &[Tensor], want: &[bool]) -> Result<Vec<Option<Tensor>>, String> {
+        let mut values: TVec<TValue> = TVec::new();
+        for t in inputs {
+            let mut tt =
+                TractTensor::zero_dt(datum(t.datatype), &t.shape).map_err(|e| format!("{e:#}"))?;
+            tt.as_bytes_mut().copy_from_slice(&t.data);
+            values.push(tt.into());
+        }
+        let rows = inputs.first().map_or(0, |t| t.shape[0]);
+        let executor = self.executor.clone();
+        let state = self.state_for(rows);
+        let ran = match executor {
+            Some(pool) => multithread_tract_scope(pool, || state.run(values)),
+            None => state.run(values),
+        };
+        let outs = ran.map_err(|e| format!("{e:#}"))?;
+        let mut answer = Vec::with_capacity(outs.len());
+        for ((out, spec), &wanted) in outs.iter().zip(&self.outputs).zip(want) {
+            if !wanted {
+                answer.push(None);
+                continue;
+            }
+            if out.datum_type() != datum(spec.datatype) {
+                return Err(format!(
+                    "output {:?} came out as {:?}, the model declares {}",
+                    spec.name,
+                    out.datum_type(),
+                    spec.datatype
+                ));
+            }
+            if out.shape().first() != Some(&rows) {
+                return Err(format!(
+                    "output {:?} has shape {:?}, not {rows} rows like the inputs",
+                    spec.name,
+                    out.shape()
+                ));
+            }
+            answer.push(Some(Tensor {
+                datatype: spec.datatype,
+                shape: out.shape().to_vec(),
+                data: out.as_bytes().to_vec(),
+            }));
+        }
+        Ok(answer)
+    }
+}
+
+/// tract's type of `d`.
+fn datum(d: DataType) -> DatumType {
+    match d {
+        DataType::Bool => DatumType::Bool,
+        DataType::Uint8 => DatumType::U8,
+        DataType::Int8 => DatumType::I8,
+        DataType::Int16 => DatumType::I16,
+        DataType::Int32 => DatumType::I32,
+        DataType::Int64 => DatumType::I64,
+        DataType::Fp32 => DatumType::F32,
+        DataType::Fp64 => DatumType::F64,
+    }
+}
+
+/// The served type of tract's `d`, if cohort serves it.
+fn served(d: DatumType) -> Option<DataType> {
+    DataType::ALL.into_iter().find(|&t| datum(t) == d)
+}
+
+/// The spec of a model tensor `name` with `fact`, checking that its first dimension is a
+/// dynamic batch dimension.
+fn spec(direction: &str, name: &str, fact: &TypedFact) -> Result<TensorSpec, String> {
+    let datatype = served(fact.datum_type).ok_or_else(|| {
+        format!(
+            "{direction} {name:?} has element type {:?}, which cohort does not serve (it serves {})",
+            fact.datum_type,
+            DataType::ALL.map(DataType::name).join(", ")
+        )
+    })?;
+    let shape: Vec<i64> = fact
+        .shape
+        .iter()
+        .map(|d| d.to_i64().unwrap_or(-1))
+        .collect();
+    match shape.first() {
+        Some(-1) => Ok(TensorSpec {
+            name: name.to_string(),
+            datatype,
+            shape,
+        }),
+        _ => Err(format!(
+            "{direction} {name:?} has shape {shape:?}; its first dimension must be a dynamic \
+             batch dimension (an ONNX dim_param such as \"N\"), since max_batch_size > 0"
+        )),
+    }
+}
+
+/// Reads `model.onnx` from `version_dir`, checks it against `cfg`, optimizes it once and
+/// builds `count` instances of `threads` threads each.
+pub(crate) fn load(
+    what: &Version<'_>,
+    version_dir: &Path,
+    cfg: &ModelConfig,
+    count: usize,
+    threads: usize,
+) -> Result<Loaded, ServeError> {
+    let path = version_dir.join(MODEL_FILE);
+    let err = |reason: String| what.error(format!("{MODEL_FILE}: {reason}"));
+    if !path.is_file() {
+        return Err(err(format!("not found in {}", version_dir.display())));
+    }
+    let onnx = tract_onnx::onnx();
+    let mut proto = onnx
+        .proto_model_for_path(&path)
+        .map_err(|e| err(format!("{e:#}")))?;
+    let graph = proto
+        .graph
+        .as_mut()
+        .ok_or_else(|| err("the file holds no graph".into()))?;
+    // tract would read an operator it lacks into a placeholder and fail later, without its
+    // name: name it here, with the node, as the file has them
+    if let Some(node) = graph
+        .node
+        .iter()
+        .find(|n| !onnx.op_register.0.contains_key(&n.op_type))
+    {
+        return Err(err(format!(
+            "unsupported ONNX operator {:?} (node {:?})",
+            node.op_type, node.name
+        )));
+    }
+    distinct_node_names(graph);
+    let dir = version_dir.to_str();
+    let parsed = onnx.parse(&proto, dir).map_err(|e| err(format!("{e:#}")))?;
+    if let Some(name) = parsed.unresolved_inputs.first() {
+        return Err(err(format!(
+            "tensor {name:?} is used by a node but is no input, initializer or node output"
+        )));
+    }
+    let inference = parsed.model;
+    let decluttered = inference
+        .into_typed()
+        .and_then(|m| m.into_decluttered())
+        .map_err(|e| err(format!("{e:#}")))?;
+    let batch = decluttered
+        .input_fact(0)
+        .ok()
+        .and_then(|f| f.shape.iter().next().cloned())
+        .and_then(|d| match d {
+            TDim::Sym(s) => Some(s),
+            _ => None,
+        });
+    let typed = decluttered
+        .clone()
+        .into_optimized()
+        .map_err(|e| err(format!("{e:#}")))?;
+    let decluttered = Arc::new(Decluttered {
+        model: decluttered,
+        batch,
+    });
+    let (inputs, outputs) = tensors(&typed).map_err(err)?;
+    let backend = OnnxBackend { inputs, outputs };
+    super::check_declared(cfg, &backend).map_err(|e| err(format!("config {e}")))?;
+    let plan: Arc<TypedSimplePlan> =
+        TypedSimplePlan::new(typed).map_err(|e| err(format!("{e:#}")))?;
+    let mut instances: Vec<Box<dyn Instance>> = Vec::with_capacity(count);
+    for i in 0..count {
+        let state =
+            TypedSimpleState::new(&plan).map_err(|e| err(format!("instance {i}: {e:#}")))?;
+        let executor = (threads > 1)
+            .then(|| Executor::multithread_with_name(threads, &format!("onnx-{}", what.model)));
+        instances.push(Box::new(OnnxInstance {
+            state,
+            concrete: Vec::new(),
+            decluttered: decluttered.clone(),
+            executor,
+            outputs: backend.outputs.clone(),
+        }));
+    }
+    Ok(Loaded {
+        backend: Box::new(backend),
+        instances,
+    })
+}
+
+/// Renames nodes whose name is also an input's or an initializer's, or another node's. ONNX
+/// keeps node and tensor names apart, but tract names its graph nodes after both, and refuses
+/// the model on a clash ("duplicate name for node").
+fn distinct_node_names(graph: &mut tract_onnx::pb::GraphProto) {
+    use std::collections::HashSet;
+    let mut taken: HashSet<String> = graph
+        .input
+        .iter()
+        .map(|i| i.name.clone())
+        .chain(graph.initializer.iter().map(|t| t.name.clone()))
+        .collect();
+    for node in &mut graph.node {
+        if node.name.is_empty() {
+            continue;
+        }
+        if taken.contains(&node.name) {
+            let mut i = 1;
+            while taken.contains(&format!("{}.{i}", node.name)) {
+                i += 1;
+            }
+            node.name = format!("{}.{i}", node.name);
+        }
+        taken.insert(node.name.clone());
+    }
+}
+
+/// The specs of `model`'s inputs and outputs.
+fn tensors(model: &TypedModel) -> Result<(Vec<TensorSpec>, Vec<TensorSpec>), String> {
+    let name = |o: &OutletId| {
+        model
+            .outlet_label(*o)
+            .map_or_else(|| model.node(o.node).name.clone(), str::to_string)
+    };
+    let text = |e: TractError| format!("{e:#}");
+    let mut inputs = Vec::new();
+    for (i, o) in model.input_outlets().map_err(text)?.iter().enumerate() {
+        // an input's node is named after the graph input
+        let n = model.node(o.node).name.clone();
+        inputs.push(spec("input", &n, model.input_fact(i).map_err(text)?)?);
+    }
+    let mut outputs = Vec::new();
+    for (i, o) in model.output_outlets().map_err(text)?.iter().enumerate() {
+        outputs.push(spec(
+            "output",
+            &name(o),
+            model.output_fact(i).map_err(text)?,
+        )?);
+    }
+    if inputs.is_empty() {
+        return Err("the model has no inputs".into());
+    }
+    Ok((inputs, outputs))
+}

@@ -1,0 +1,272 @@
+//! Ensembles (`platform: "ensemble"`), as Triton's: a model whose config lists steps, each
+//! executing another loaded model; `input_map` feeds a step's inputs from ensemble tensors (the
+//! ensemble's inputs or earlier steps' outputs), `output_map` names the ensemble tensors its
+//! outputs become, and the ensemble's outputs are some of those. The config declares the
+//! ensemble's inputs and outputs with their types and dims (there is no model file).
+//!
+//! A step goes through its model's own queue, batcher and instances, so dynamic batching
+//! applies per step and each step's model counts the request in its own statistics (Triton's
+//! per-composing-model statistics); the ensemble's statistics count whole requests. A step
+//! resolves its model when the request runs (version -1: the newest ready), so a step model
+//! can be reloaded without reloading the ensemble. Steps run one after another in an order
+//! where each step's inputs exist; a step whose model is itself an ensemble is refused, which
+//! also rules out cycles. This module never parses requests off the wire.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::pin::Pin;
+
+use crate::backend::Kind;
+use crate::config::{EnsembleStep, ModelConfig, TensorConfig};
+use crate::error::ServeError;
+use crate::repository::Repository;
+use crate::tensor::{
+    self, DataType, InferResult, InputData, Request, Tensor, TensorSpec, WireInput,
+};
+
+/// A loaded ensemble: its tensors and its steps in execution order.
+pub(crate) struct Ensemble {
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+    steps: Vec<EnsembleStep>,
+}
+
+/// The specs a config section declares (the batch dimension added first).
+fn specs(section: &str, entries: &[TensorConfig]) -> Result<Vec<TensorSpec>, String> {
+    let mut out = Vec::with_capacity(entries.len());
+    for t in entries {
+        let dt = t.data_type.as_deref().ok_or_else(|| {
+            format!(
+                "ensemble {section} {:?} needs a data_type (an ensemble has no model file to \
+                 read it from)",
+                t.name
+            )
+        })?;
+        let datatype = DataType::from_triton(dt).ok_or_else(|| {
+            format!(
+                "ensemble {section} {:?} has data_type {dt}, which cohort does not serve (it \
+                 serves {})",
+                t.name,
+                DataType::ALL.map(DataType::triton).join(", ")
+            )
+        })?;
+        if out.iter().any(|s: &TensorSpec| s.name == t.name) {
+            return Err(format!("ensemble {section} {:?} is declared twice", t.name));
+        }
+        let mut shape = vec![-1];
+        shape.extend_from_slice(&t.dims);
+        out.push(TensorSpec {
+            name: t.name.clone(),
+            datatype,
+            shape,
+        });
+    }
+    if out.is_empty() {
+        return Err(format!("an ensemble must declare its {section}s"));
+    }
+    Ok(out)
+}
+
+/// The steps of `cfg` in an order where every step's inputs exist before it runs, checking
+/// that every tensor is produced once and every ensemble output is produced.
+fn order(
+    cfg: &ModelConfig,
+    inputs: &[TensorSpec],
+    outputs: &[TensorSpec],
+) -> Result<Vec<EnsembleStep>, String> {
+    let steps = cfg
+        .ensemble_scheduling
+        .as_ref()
+        .map(|e| e.step.clone())
+        .unwrap_or_default();
+    if steps.is_empty() {
+        return Err(
+            "platform \"ensemble\" needs ensemble_scheduling with at least one step".into(),
+        );
+    }
+    let mut produced: BTreeMap<&str, String> = BTreeMap::new();
+    for s in inputs {
+        produced.insert(&s.name, "the ensemble's input".into());
+    }
+    for (i, step) in steps.iter().enumerate() {
+        if step.model_name.is_empty() {
+            return Err(format!("step {i} names no model_name"));
+        }
+        if step.input_map.is_empty() {
+            return Err(format!("step {i} ({:?}) has no input_map", step.model_name));
+        }
+        for tensor in step.output_map.values() {
+            let by = format!("step {i} ({:?})", step.model_name);
+            if let Some(first) = produced.insert(tensor, by.clone()) {
+                return Err(format!(
+                    "ensemble tensor {tensor:?} is produced twice: by {first} and by {by}"
+                ));
+            }
+        }
+    }
+    for o in outputs {
+        if !produced.contains_key(o.name.as_str()) {
+            return Err(format!(
+                "ensemble output {:?} is in no step's output_map",
+                o.name
+            ));
+        }
+    }
+    let mut available: BTreeSet<&str> = inputs.iter().map(|s| s.name.as_str()).collect();
+    let mut left: Vec<(usize, &EnsembleStep)> = steps.iter().enumerate().collect();
+    let mut ordered = Vec::with_capacity(steps.len());
+    while !left.is_empty() {
+        let Some(pos) = left
+            .iter()
+            .position(|(_, s)| s.input_map.values().all(|t| available.contains(t.as_str())))
+        else {
+            let (i, s) = left[0];
+            let missing = s
+                .input_map
+                .iter()
+                .find(|(_, t)| !available.contains(t.as_str()))
+                .map(|(input, t)| format!("input {input:?} is fed ensemble tensor {t:?}"))
+                .unwrap_or_default();
+            return Err(format!(
+                "step {i} ({:?}) can never run: {missing}, which no ensemble input or other \
+                 step produces (or the steps feed each other in a cycle)",
+                s.model_name
+            ));
+        };
+        let (_, step) = left.remove(pos);
+        available.extend(step.output_map.values().map(String::as_str));
+        ordered.push(step.clone());
+    }
+    Ok(ordered)
+}
+
+/// Checks an ensemble's config without loading anything.
+pub(crate) fn check_config(cfg: &ModelConfig) -> Result<(), String> {
+    Ensemble::new(cfg).map(|_| ())
+}
+
+impl Ensemble {
+    /// The ensemble `cfg` describes.
+    pub fn new(cfg: &ModelConfig) -> Result<Ensemble, String> {
+        let inputs = specs("input", &cfg.input)?;
+        let outputs = specs("output", &cfg.output)?;
+        let steps = order(cfg, &inputs, &outputs)?;
+        Ok(Ensemble {
+            inputs,
+            outputs,
+            steps,
+        })
+    }
+
+    /// Runs a checked request through the steps, resolving their models in `repo`, and
+    /// returns the outputs `want` (indices into the ensemble's outputs), or why a step failed.
+    /// (Boxed: a step runs a model, which the type checker cannot rule out being an ensemble.)
+    pub fn run<'a>(
+        &'a self,
+        repo: &'a Repository,
+        request: Request,
+        want: &'a [usize],
+    ) -> Pin<Box<dyn Future<Output = Result<InferResult, String>> + Send + 'a>> {
+        Box::pin(self.run_steps(repo, request, want))
+    }
+
+    async fn run_steps(
+        &self,
+        repo: &Repository,
+        request: Request,
+        want: &[usize],
+    ) -> Result<InferResult, String> {
+        let mut values: BTreeMap<String, Tensor> = self
+            .inputs
+            .iter()
+            .map(|s| s.name.clone())
+            .zip(request.inputs)
+            .collect();
+        for step in &self.steps {
+            self.run_step(repo, step, &mut values)
+                .await
+                .map_err(|e| format!("step {:?}: {e}", step.model_name))?;
+        }
+        want.iter()
+            .map(|&o| {
+                let spec = &self.outputs[o];
+                let t = values
+                    .get(&spec.name)
+                    .ok_or_else(|| format!("no step produced output {:?}", spec.name))?;
+                if t.datatype != spec.datatype {
+                    return Err(format!(
+                        "output {:?} is {} from its step; the ensemble declares {}",
+                        spec.name, t.datatype, spec.datatype
+                    ));
+                }
+                Ok((spec.name.clone(), t.clone()))
+            })
+            .collect()
+    }
+
+    /// One step: its model's inputs from `values`, its mapped outputs into `values`.
+    async fn run_step(
+        &self,
+        repo: &Repository,
+        step: &EnsembleStep,
+        values: &mut BTreeMap<String, Tensor>,
+    ) -> Result<(), ServeError> {
+        let version = (step.model_version >= 0).then(|| step.model_version.to_string());
+        let lv = repo.resolve(&step.model_name, version.as_deref())?;
+        if lv.kind == Kind::Ensemble {
+            return Err(ServeError::malformed(
+                "a step's model may not itself be an ensemble",
+            ));
+        }
+        let mut shapes = Vec::with_capacity(lv.inputs().len());
+        let mut feeds = Vec::with_capacity(lv.inputs().len());
+        for spec in lv.inputs() {
+            let tensor = step.input_map.get(&spec.name).ok_or_else(|| {
+                ServeError::malformed(format!(
+                    "the step's input_map feeds nothing to its model's input {:?}",
+                    spec.name
+                ))
+            })?;
+            let t = values.get(tensor).ok_or_else(|| {
+                ServeError::malformed(format!("ensemble tensor {tensor:?} has no value"))
+            })?;
+            shapes.push(t.wire_shape());
+            feeds.push((spec.name.as_str(), t));
+        }
+        if let Some(extra) = step
+            .input_map
+            .keys()
+            .find(|k| !lv.inputs().iter().any(|s| &s.name == *k))
+        {
+            return Err(ServeError::UnknownTensor {
+                model: lv.model.clone(),
+                direction: "input",
+                name: extra.clone(),
+                known: tensor::names(lv.inputs()),
+            });
+        }
+        let wire = feeds
+            .iter()
+            .zip(&shapes)
+            .map(|((name, t), shape)| WireInput {
+                name,
+                datatype: t.datatype.name(),
+                shape,
+                data: InputData::Raw(&t.data),
+            })
+            .collect();
+        let req = tensor::request(&lv.model, lv.inputs(), lv.config.max_batch_size, wire)?;
+        lv.check(&req)?;
+        let want = tensor::wanted_outputs(
+            &lv.model,
+            lv.outputs(),
+            step.output_map.keys().map(String::as_str),
+        )?;
+        for (name, t) in lv.infer(repo, req, want).await? {
+            if let Some(tensor) = step.output_map.get(&name) {
+                values.insert(tensor.clone(), t);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,368 @@
+//! The ONNX backend and ensembles end to end in one process, without Python: ONNX files written
+//! here with the ONNX protobuf types tract reads, served from a repository on disk, answered
+//! over gRPC and compared with the same arithmetic done in Rust. (The checks against
+//! onnxruntime with Triton's own client are crates/serve/tests/onnx_check.py, driven by the
+//! `cohort` binary's tests.)
+
+use std::path::Path;
+use std::time::Duration;
+
+use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use cohort_serve::proto::{model_infer_request, ModelInferRequest, ModelInferResponse};
+use cohort_serve::{Server, ServerOptions};
+use prost::Message;
+use tract_onnx::pb;
+
+const FEATURES: usize = 3;
+const CLASSES: usize = 2;
+const W: [f32; FEATURES * CLASSES] = [0.5, -1.0, 2.0, 0.25, -0.75, 1.5];
+const B: [f32; CLASSES] = [0.1, -0.2];
+const MEAN: [f32; FEATURES] = [1.0, -2.0, 0.5];
+
+/// A float tensor value info with a dynamic first dimension `N`.
+fn value(name: &str, dims: &[i64]) -> pb::ValueInfoProto {
+    use pb::tensor_shape_proto::{dimension, Dimension};
+    let mut dim = vec![Dimension {
+        value: Some(dimension::Value::DimParam("N".into())),
+        ..Default::default()
+    }];
+    dim.extend(dims.iter().map(|&d| Dimension {
+        value: Some(dimension::Value::DimValue(d)),
+        ..Default::default()
+    }));
+    pb::ValueInfoProto {
+        name: name.into(),
+        r#type: Some(pb::TypeProto {
+            value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
+                elem_type: pb::tensor_proto::DataType::Float as i32,
+                shape: Some(pb::TensorShapeProto { dim }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn node(op: &str, name: &str, inputs: &[&str], outputs: &[&str]) -> pb::NodeProto {
+    pb::NodeProto {
+        op_type: op.into(),
+        name: name.into(),
+        input: inputs.iter().map(|s| s.to_string()).collect(),
+        output: outputs.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
+    }
+}
+
+fn constant(name: &str, dims: &[i64], values: &[f32]) -> pb::TensorProto {
+    pb::TensorProto {
+        name: name.into(),
+        dims: dims.to_vec(),
+        data_type: pb::tensor_proto::DataType::Float as i32,
+        float_data: values.to_vec(),
+        ..Default::default()
+    }
+}
+
+/// Writes version 1 of `repo/name`: `model.onnx` of the graph, and `config`.
+fn put(
+    repo: &Path,
+    name: &str,
+    config: &str,
+    graph: (
+        Vec<pb::NodeProto>,
+        Vec<pb::ValueInfoProto>,
+        Vec<pb::ValueInfoProto>,
+    ),
+    initializer: Vec<pb::TensorProto>,
+) {
+    let (node, input, output) = graph;
+    let model = pb::ModelProto {
+        ir_version: 8,
+        opset_import: vec![pb::OperatorSetIdProto {
+            domain: String::new(),
+            version: 13,
+        }],
+        graph: Some(pb::GraphProto {
+            name: name.into(),
+            node,
+            input,
+            output,
+            initializer,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let dir = repo.join(name).join("1");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("model.onnx"), model.encode_to_vec()).unwrap();
+    std::fs::write(repo.join(name).join("config.pbtxt"), config).unwrap();
+}
+
+/// `center` (X - MEAN), `linear` (Relu(X W + B)), the ensemble `pipeline` of the two, and
+/// `fancy` (an operator no runtime has).
+fn repository(repo: &Path) {
+    put(
+        repo,
+        "center",
+        "backend: \"onnxruntime\"\nmax_batch_size: 8\n",
+        (
+            vec![node("Sub", "sub", &["RAW", "mean"], &["CENTERED"])],
+            vec![value("RAW", &[FEATURES as i64])],
+            vec![value("CENTERED", &[FEATURES as i64])],
+        ),
+        vec![constant("mean", &[FEATURES as i64], &MEAN)],
+    );
+    put(
+        repo,
+        "linear",
+        "platform: \"onnxruntime_onnx\"\nmax_batch_size: 8\n\
+         input [ { name: \"X\" data_type: TYPE_FP32 dims: [ 3 ] } ]\n\
+         dynamic_batching { max_queue_delay_microseconds: 100000 }\n",
+        (
+            vec![
+                node("Gemm", "fc", &["X", "w", "b"], &["h"]),
+                node("Relu", "relu", &["h"], &["Y"]),
+            ],
+            vec![value("X", &[FEATURES as i64])],
+            vec![value("Y", &[CLASSES as i64])],
+        ),
+        vec![
+            constant("w", &[FEATURES as i64, CLASSES as i64], &W),
+            constant("b", &[CLASSES as i64], &B),
+        ],
+    );
+    std::fs::create_dir_all(repo.join("pipeline/1")).unwrap();
+    std::fs::write(
+        repo.join("pipeline/config.pbtxt"),
+        "platform: \"ensemble\"\nmax_batch_size: 8\n\
+         input [ { name: \"RAW\" data_type: TYPE_FP32 dims: [ 3 ] } ]\n\
+         output [ { name: \"SCORES\" data_type: TYPE_FP32 dims: [ 2 ] } ]\n\
+         ensemble_scheduling { step [\n\
+           { model_name: \"center\" model_version: -1\n\
+             input_map { key: \"RAW\" value: \"RAW\" } output_map { key: \"CENTERED\" value: \"c\" } },\n\
+           { model_name: \"linear\" model_version: -1\n\
+             input_map { key: \"X\" value: \"c\" } output_map { key: \"Y\" value: \"SCORES\" } }\n\
+         ] }\n",
+    )
+    .unwrap();
+    put(
+        repo,
+        "fancy",
+        "platform: \"onnxruntime_onnx\"\nmax_batch_size: 2\n",
+        (
+            vec![
+                node("Relu", "n1", &["X"], &["r"]),
+                node("FancyOp", "n3", &["r"], &["Y"]),
+            ],
+            vec![value("X", &[2])],
+            vec![value("Y", &[2])],
+        ),
+        Vec::new(),
+    );
+}
+
+/// Relu(x W + B) of each row of `x`.
+fn linear(x: &[f32]) -> Vec<f32> {
+    x.chunks(FEATURES)
+        .flat_map(|row| {
+            (0..CLASSES).map(move |j| {
+                let dot: f32 = (0..FEATURES).map(|i| row[i] * W[i * CLASSES + j]).sum();
+                (dot + B[j]).max(0.0)
+            })
+        })
+        .collect()
+}
+
+fn request(model: &str, input: &str, x: &[f32]) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: model.into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: input.into(),
+            datatype: "FP32".into(),
+            shape: vec![(x.len() / FEATURES) as i64, FEATURES as i64],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![x.iter().flat_map(|v| v.to_le_bytes()).collect()],
+        ..Default::default()
+    }
+}
+
+fn floats(r: &ModelInferResponse) -> Vec<f32> {
+    r.raw_output_contents[0]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn close(got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len());
+    for (a, b) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-5, "{got:?} vs {want:?}");
+    }
+}
+
+#[test]
+fn onnx_models_and_an_ensemble_serve_while_an_unsupported_operator_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    repository(dir.path());
+    let mut opts = ServerOptions::loopback(dir.path().to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    let server = Server::start(opts).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("http://{}", server.grpc_addr().unwrap());
+    let client = rt
+        .block_on(GrpcInferenceServiceClient::connect(url))
+        .unwrap();
+
+    // the unsupported operator fails its model's load, named with its node; the rest serve
+    let fancy = server
+        .index()
+        .into_iter()
+        .find(|e| e.name == "fancy")
+        .unwrap();
+    assert!(
+        fancy
+            .reason
+            .contains("model.onnx: unsupported ONNX operator \"FancyOp\" (node \"n3\")"),
+        "{fancy:?}"
+    );
+    for m in ["center", "linear", "pipeline"] {
+        assert!(server.is_model_ready(m), "{m}: {:?}", server.index());
+    }
+
+    // unbatched and batched requests, and concurrent ones joined by the dynamic batcher
+    let xs: Vec<Vec<f32>> = (0..6)
+        .map(|r| {
+            (0..FEATURES * (1 + r % 3))
+                .map(|i| (i as f32 - 2.0) * 0.7 + r as f32)
+                .collect()
+        })
+        .collect();
+    let answers = rt.block_on(async {
+        let calls = xs.iter().map(|x| {
+            let mut c = client.clone();
+            let req = request("linear", "X", x);
+            tokio::spawn(async move { c.model_infer(req).await })
+        });
+        let mut out = Vec::new();
+        for call in calls.collect::<Vec<_>>() {
+            out.push(call.await.unwrap().unwrap().into_inner());
+        }
+        out
+    });
+    for (x, a) in xs.iter().zip(&answers) {
+        assert_eq!(a.outputs[0].name, "Y");
+        assert_eq!(
+            a.outputs[0].shape,
+            [(x.len() / FEATURES) as i64, CLASSES as i64]
+        );
+        close(&floats(a), &linear(x));
+    }
+    let (executions, rows) = server.metrics().version("linear", 1).batches();
+    assert_eq!(rows, 12);
+    assert!(
+        executions < 6,
+        "{executions} executions: nothing was batched"
+    );
+
+    // the ensemble equals its steps in turn
+    let raw = [0.5f32, 1.0, -1.0, 2.0, 0.0, 3.0];
+    let mut c = client.clone();
+    let centered = rt
+        .block_on(c.model_infer(request("center", "RAW", &raw)))
+        .unwrap()
+        .into_inner();
+    let stepwise = rt
+        .block_on(c.model_infer(request("linear", "X", &floats(&centered))))
+        .unwrap()
+        .into_inner();
+    let whole = rt
+        .block_on(c.model_infer(request("pipeline", "RAW", &raw)))
+        .unwrap()
+        .into_inner();
+    assert_eq!(whole.outputs[0].name, "SCORES");
+    assert_eq!(floats(&whole), floats(&stepwise));
+    let want: Vec<f32> = raw
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v - MEAN[i % FEATURES])
+        .collect();
+    close(&floats(&whole), &linear(&want));
+
+    // a request the step model cannot take is refused before it reaches an instance
+    let err = rt
+        .block_on(c.model_infer(request("linear", "RAW", &raw)))
+        .unwrap_err();
+    assert!(err.message().contains("no input tensor \"RAW\""), "{err:?}");
+    drop(c);
+    drop(client);
+    rt.shutdown_timeout(Duration::from_secs(1));
+    server.shutdown();
+}
+
+#[test]
+fn a_model_without_a_dynamic_batch_dimension_or_unlike_its_config_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixed = |name: &str, config: &str, first: i64| {
+        use pb::tensor_shape_proto::{dimension, Dimension};
+        let mut x = value("X", &[2]);
+        if let Some(pb::type_proto::Value::TensorType(t)) =
+            x.r#type.as_mut().and_then(|t| t.value.as_mut())
+        {
+            t.shape.as_mut().unwrap().dim[0] = Dimension {
+                value: Some(dimension::Value::DimValue(first)),
+                ..Default::default()
+            };
+        }
+        let mut y = x.clone();
+        y.name = "Y".into();
+        put(
+            dir.path(),
+            name,
+            config,
+            (vec![node("Relu", "r", &["X"], &["Y"])], vec![x], vec![y]),
+            Vec::new(),
+        );
+    };
+    fixed("fixed", "platform: \"onnxruntime_onnx\"\n", 1);
+    put(
+        dir.path(),
+        "mistyped",
+        "platform: \"onnxruntime_onnx\"\ninput [ { name: \"X\" data_type: TYPE_INT64 } ]\n",
+        (
+            vec![node("Relu", "r", &["X"], &["Y"])],
+            vec![value("X", &[2])],
+            vec![value("Y", &[2])],
+        ),
+        Vec::new(),
+    );
+    let mut opts = ServerOptions::loopback(dir.path().to_path_buf());
+    opts.poll_interval = None;
+    let server = Server::start(opts).unwrap();
+    let reason = |m: &str| {
+        server
+            .index()
+            .into_iter()
+            .find(|e| e.name == m)
+            .unwrap()
+            .reason
+    };
+    let fixed = reason("fixed");
+    assert!(
+        fixed.contains(
+            "input \"X\" has shape [1, 2]; its first dimension must be a dynamic batch dimension"
+        ),
+        "{fixed}"
+    );
+    let mistyped = reason("mistyped");
+    assert!(
+        mistyped.contains("config input \"X\" has data_type TYPE_INT64; the model's is TYPE_FP32"),
+        "{mistyped}"
+    );
+    server.shutdown();
+}

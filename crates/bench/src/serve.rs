@@ -272,65 +272,88 @@ struct Cell {
 impl Cell {
     /// Sends `total` requests from `clients` concurrent clients; returns each latency in ms.
     async fn drive(&self, total: usize) -> Result<Vec<f64>, ServeError> {
-        let next = Arc::new(AtomicUsize::new(0));
-        let mut handles = Vec::with_capacity(self.clients);
-        for c in 0..self.clients {
-            let channel = tonic::transport::Endpoint::from_shared(self.url.clone())
-                .map_err(|e| ServeError::malformed(format!("endpoint {}: {e}", self.url)))?
-                .connect()
-                .await
-                .map_err(|e| ServeError::NotReady {
-                    model: self.model.into(),
-                    reason: format!("connecting client {c} to {}: {e}", self.url),
-                })?;
-            let mut client = GrpcInferenceServiceClient::new(channel);
-            let (next, model, seq, vocab) = (next.clone(), self.model, self.seq, self.vocab);
+        let (model, seq, vocab) = (self.model, self.seq, self.vocab);
+        drive_infer(&self.url, model, 1, self.clients, total, |c| {
             let mut rng = SplitMix64::new(self.seed ^ (c as u64).wrapping_mul(GOLDEN_GAMMA));
-            handles.push(tokio::spawn(async move {
-                let mut lat = Vec::new();
-                while next.fetch_add(1, Ordering::Relaxed) < total {
-                    let raw: Vec<u8> = (0..seq)
-                        .flat_map(|_| (rng.below(vocab) as i64).to_le_bytes())
-                        .collect();
-                    let req = ModelInferRequest {
-                        model_name: model.into(),
-                        inputs: vec![model_infer_request::InferInputTensor {
-                            name: INPUT_IDS.into(),
-                            datatype: INT64.into(),
-                            shape: vec![1, seq as i64],
-                            ..Default::default()
-                        }],
-                        outputs: vec![model_infer_request::InferRequestedOutputTensor {
-                            name: NEXT_TOKEN.into(),
-                            ..Default::default()
-                        }],
-                        raw_input_contents: vec![raw],
+            Box::new(move || {
+                let raw: Vec<u8> = (0..seq)
+                    .flat_map(|_| (rng.below(vocab) as i64).to_le_bytes())
+                    .collect();
+                ModelInferRequest {
+                    model_name: model.into(),
+                    inputs: vec![model_infer_request::InferInputTensor {
+                        name: INPUT_IDS.into(),
+                        datatype: INT64.into(),
+                        shape: vec![1, seq as i64],
                         ..Default::default()
-                    };
-                    let t0 = Instant::now();
-                    client
-                        .model_infer(req)
-                        .await
-                        .map_err(|s| s.message().to_string())?;
-                    lat.push(t0.elapsed().as_secs_f64() * 1e3);
+                    }],
+                    outputs: vec![model_infer_request::InferRequestedOutputTensor {
+                        name: NEXT_TOKEN.into(),
+                        ..Default::default()
+                    }],
+                    raw_input_contents: vec![raw],
+                    ..Default::default()
                 }
-                Ok::<_, String>(lat)
-            }));
-        }
-        let mut all = Vec::with_capacity(total);
-        for h in handles {
-            let lat = h
-                .await
-                .map_err(|e| ServeError::malformed(format!("client task: {e}")))?
-                .map_err(|reason| ServeError::Execution {
-                    model: self.model.into(),
-                    version: 1,
-                    reason,
-                })?;
-            all.extend(lat);
-        }
-        Ok(all)
+            })
+        })
+        .await
     }
+}
+
+/// Makes one client's requests, one call per request.
+pub(crate) type RequestMaker = Box<dyn FnMut() -> ModelInferRequest + Send>;
+
+/// `clients` concurrent gRPC clients of the server at `url`, each on its own connection and
+/// sending the requests `maker(client index)` makes, `total` requests in all; each latency in
+/// ms. Failures name `model` (version `version`).
+pub(crate) async fn drive_infer(
+    url: &str,
+    model: &str,
+    version: u64,
+    clients: usize,
+    total: usize,
+    mut maker: impl FnMut(usize) -> RequestMaker,
+) -> Result<Vec<f64>, ServeError> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut handles = Vec::with_capacity(clients);
+    for c in 0..clients {
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+            .map_err(|e| ServeError::malformed(format!("endpoint {url}: {e}")))?
+            .connect()
+            .await
+            .map_err(|e| ServeError::NotReady {
+                model: model.into(),
+                reason: format!("connecting client {c} to {url}: {e}"),
+            })?;
+        let mut client = GrpcInferenceServiceClient::new(channel);
+        let (next, mut make) = (next.clone(), maker(c));
+        handles.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let req = make();
+                let t0 = Instant::now();
+                client
+                    .model_infer(req)
+                    .await
+                    .map_err(|s| s.message().to_string())?;
+                lat.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            Ok::<_, String>(lat)
+        }));
+    }
+    let mut all = Vec::with_capacity(total);
+    for h in handles {
+        let lat = h
+            .await
+            .map_err(|e| ServeError::malformed(format!("client task: {e}")))?
+            .map_err(|reason| ServeError::Execution {
+                model: model.into(),
+                version,
+                reason,
+            })?;
+        all.extend(lat);
+    }
+    Ok(all)
 }
 
 /// A generation load test in the style of genai-perf: `streams` concurrent clients, each
@@ -512,7 +535,7 @@ pub fn run_generate(
 }
 
 /// The `p` quantile (nearest rank) of `v`; 0 when empty.
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

@@ -13,8 +13,6 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_rng::{SplitMix64, GOLDEN_GAMMA};
@@ -23,6 +21,8 @@ use serde::Serialize;
 use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use cohort_serve::proto::{model_infer_request, ModelInferRequest, ModelMetadataRequest};
 use cohort_serve::{DataType, ServeError, Server, ServerOptions};
+
+use crate::serve::{drive_infer, percentile};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -145,9 +145,6 @@ pub fn run(
                 let mut lat = rt.block_on(cell.drive(t.requests))?;
                 let seconds = started.elapsed().as_secs_f64();
                 let after = metrics.batches();
-                lat.sort_by(|a, b| a.total_cmp(b));
-                let pct =
-                    |p: f64| lat[((lat.len() as f64 * p).ceil() as usize).clamp(1, lat.len()) - 1];
                 let row = ModelLoadRow {
                     model: t.model.clone(),
                     batch_size,
@@ -155,8 +152,8 @@ pub fn run(
                     requests: t.requests,
                     seconds,
                     infer_per_s: (t.requests * batch_size) as f64 / seconds,
-                    p50_ms: pct(0.50),
-                    p99_ms: pct(0.99),
+                    p50_ms: percentile(&mut lat, 0.50),
+                    p99_ms: percentile(&mut lat, 0.99),
                     mean_batch: (after.1 - before.1) as f64 / (after.0 - before.0).max(1) as f64,
                 };
                 on_row(&row);
@@ -299,10 +296,7 @@ struct Cell {
 impl Cell {
     /// Sends `total` requests from `concurrency` clients; returns each latency in ms.
     async fn drive(&self, total: usize) -> Result<Vec<f64>, ServeError> {
-        let next = Arc::new(AtomicUsize::new(0));
-        let mut handles = Vec::with_capacity(self.concurrency);
-        for c in 0..self.concurrency {
-            let mut client = connect(&self.url, &self.model).await?;
+        drive_infer(&self.url, &self.model, 0, self.concurrency, total, |c| {
             let mut rng = SplitMix64::new(self.seed ^ (c as u64).wrapping_mul(GOLDEN_GAMMA));
             // one random request per client, sent again and again (as perf_analyzer does by
             // default): the measure is the server, not the generator
@@ -323,32 +317,8 @@ impl Cell {
                 req.raw_input_contents
                     .push(random_bytes(i.datatype, n, &mut rng));
             }
-            let next = next.clone();
-            handles.push(tokio::spawn(async move {
-                let mut lat = Vec::new();
-                while next.fetch_add(1, Ordering::Relaxed) < total {
-                    let t0 = Instant::now();
-                    client
-                        .model_infer(req.clone())
-                        .await
-                        .map_err(|s| s.message().to_string())?;
-                    lat.push(t0.elapsed().as_secs_f64() * 1e3);
-                }
-                Ok::<_, String>(lat)
-            }));
-        }
-        let mut all = Vec::with_capacity(total);
-        for h in handles {
-            let lat = h
-                .await
-                .map_err(|e| ServeError::malformed(format!("client task: {e}")))?
-                .map_err(|reason| ServeError::Execution {
-                    model: self.model.clone(),
-                    version: 0,
-                    reason,
-                })?;
-            all.extend(lat);
-        }
-        Ok(all)
+            Box::new(move || req.clone())
+        })
+        .await
     }
 }

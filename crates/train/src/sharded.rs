@@ -819,7 +819,9 @@ impl<'a> ZeroSharded<'a> {
         let mut zero = ShardedDp::new(pg, &mut model, stage, cfg.adamw())?;
         zero.set_compression(cfg.compression());
         let threads = model.backend().num_threads();
-        let overlap = cfg.overlap.enabled(world, pg.local_world_size(), threads);
+        // Compressed reduce-scatters run in place (see `set_compression`).
+        let overlap =
+            cfg.overlap.enabled(world, pg.local_world_size(), threads) && !cfg.bf16_compress;
         zero.set_overlap(overlap);
         // A checkpoint of any kind and world size: this rank reads its own
         // shards of it.

@@ -300,6 +300,22 @@ impl Cell {
     }
 }
 
+/// A gRPC client of the server at `url`, on its own connection; failures name `model`.
+pub(crate) async fn connect(
+    url: &str,
+    model: &str,
+) -> Result<GrpcInferenceServiceClient<tonic::transport::Channel>, ServeError> {
+    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| ServeError::malformed(format!("endpoint {url}: {e}")))?
+        .connect()
+        .await
+        .map_err(|e| ServeError::NotReady {
+            model: model.into(),
+            reason: format!("connecting to {url}: {e}"),
+        })?;
+    Ok(GrpcInferenceServiceClient::new(channel))
+}
+
 /// Makes one client's requests, one call per request.
 pub(crate) type RequestMaker = Box<dyn FnMut() -> ModelInferRequest + Send>;
 
@@ -317,15 +333,7 @@ pub(crate) async fn drive_infer(
     let next = Arc::new(AtomicUsize::new(0));
     let mut handles = Vec::with_capacity(clients);
     for c in 0..clients {
-        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-            .map_err(|e| ServeError::malformed(format!("endpoint {url}: {e}")))?
-            .connect()
-            .await
-            .map_err(|e| ServeError::NotReady {
-                model: model.into(),
-                reason: format!("connecting client {c} to {url}: {e}"),
-            })?;
-        let mut client = GrpcInferenceServiceClient::new(channel);
+        let mut client = connect(url, model).await?;
         let (next, mut make) = (next.clone(), maker(c));
         handles.push(tokio::spawn(async move {
             let mut lat = Vec::new();

@@ -18,11 +18,10 @@ use std::time::{Duration, Instant};
 use cohort_rng::{SplitMix64, GOLDEN_GAMMA};
 use serde::Serialize;
 
-use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use cohort_serve::proto::{model_infer_request, ModelInferRequest, ModelMetadataRequest};
 use cohort_serve::{DataType, ServeError, Server, ServerOptions};
 
-use crate::serve::{drive_infer, percentile};
+use crate::serve::{connect, drive_infer, percentile};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -246,21 +245,6 @@ async fn input_shapes(
             })
         })
         .collect()
-}
-
-async fn connect(
-    url: &str,
-    model: &str,
-) -> Result<GrpcInferenceServiceClient<tonic::transport::Channel>, ServeError> {
-    let channel = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| ServeError::malformed(format!("endpoint {url}: {e}")))?
-        .connect()
-        .await
-        .map_err(|e| ServeError::NotReady {
-            model: model.into(),
-            reason: format!("connecting to {url}: {e}"),
-        })?;
-    Ok(GrpcInferenceServiceClient::new(channel))
 }
 
 /// Little-endian bytes of `n` random values of `dt`.

@@ -504,17 +504,39 @@ fn emit_new(a: &mut Active) -> bool {
     listening && !a.job.done.is_closed() && !a.generation.is_finished()
 }
 
-/// Checks a queued generation and adds it to those in flight (the next step feeds its
-/// prompt), or answers it at once: its client left, its request was bad, or it asked for no
-/// tokens.
-fn admit(gpt: &GPT, job: GenerateJob, active: &mut Vec<Active>, ctx: &InstanceCtx<'_>) {
+/// Takes a generation off the queue: counts its queue time and returns when it started, or
+/// counts it cancelled (None) when its client has already gone.
+fn dequeue(job: &GenerateJob, ctx: &InstanceCtx<'_>) -> Option<Instant> {
     let started = Instant::now();
     ctx.metrics.dequeued(started - job.enqueued);
     if job.tokens.is_closed() || job.done.is_closed() {
         ctx.metrics
             .failure(Failure::Cancelled, job.enqueued.elapsed());
-        return;
+        return None;
     }
+    Some(started)
+}
+
+/// Counts a finished generation of `n` tokens that started at `started`.
+fn count_generated(ctx: &InstanceCtx<'_>, started: Instant, n: usize) {
+    ctx.metrics.executed(
+        1,
+        1,
+        Phases {
+            infer: started.elapsed(),
+            ..Phases::default()
+        },
+    );
+    ctx.metrics.generated(n);
+}
+
+/// Checks a queued generation and adds it to those in flight (the next step feeds its
+/// prompt), or answers it at once: its client left, its request was bad, or it asked for no
+/// tokens.
+fn admit(gpt: &GPT, job: GenerateJob, active: &mut Vec<Active>, ctx: &InstanceCtx<'_>) {
+    let Some(started) = dequeue(&job, ctx) else {
+        return;
+    };
     match Decoding::new(gpt, &job.prompt, &job.opts) {
         Ok(generation) => {
             let a = Active {
@@ -545,15 +567,7 @@ fn admit(gpt: &GPT, job: GenerateJob, active: &mut Vec<Active>, ctx: &InstanceCt
 /// Answers a generation that left the batch with every token it produced.
 fn finish(a: Active, ctx: &InstanceCtx<'_>) {
     let ids = a.generation.into_tokens();
-    ctx.metrics.executed(
-        1,
-        1,
-        Phases {
-            infer: a.started.elapsed(),
-            ..Phases::default()
-        },
-    );
-    ctx.metrics.generated(ids.len());
+    count_generated(ctx, a.started, ids.len());
     if a.job.done.send(Ok(ids)).is_err() {
         ctx.metrics
             .failure(Failure::Cancelled, a.job.enqueued.elapsed());
@@ -562,13 +576,9 @@ fn finish(a: Active, ctx: &InstanceCtx<'_>) {
 
 /// One generation alone on the instance, start to end (in-flight batching off).
 fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
-    let started = Instant::now();
-    ctx.metrics.dequeued(started - job.enqueued);
-    if job.tokens.is_closed() || job.done.is_closed() {
-        ctx.metrics
-            .failure(Failure::Cancelled, job.enqueued.elapsed());
+    let Some(started) = dequeue(&job, ctx) else {
         return;
-    }
+    };
     let (tokens, done) = (&job.tokens, &job.done);
     let ran = catch_unwind(AssertUnwindSafe(|| {
         generate_while(gpt, &job.prompt, &job.opts, |id| {
@@ -582,15 +592,7 @@ fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
     }));
     let out = match ran {
         Ok(Ok(ids)) => {
-            ctx.metrics.executed(
-                1,
-                1,
-                Phases {
-                    infer: started.elapsed(),
-                    ..Phases::default()
-                },
-            );
-            ctx.metrics.generated(ids.len());
+            count_generated(ctx, started, ids.len());
             Ok(ids)
         }
         Ok(Err(source)) => Err(ServeError::Generate {

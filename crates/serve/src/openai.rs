@@ -31,6 +31,7 @@ use cohort_gpt::sample::SampleOptions;
 use serde_json::{json, Value};
 
 use crate::error::{ErrorKind, ServeError};
+use crate::http::stream_pieces;
 use crate::text::Detokenizer;
 use crate::{AppState, MAX_GENERATE_TOKENS};
 
@@ -332,7 +333,7 @@ async fn completions(
         Err(e) => return Err(ApiError::from(lv.reject(e, start)).with_param("prompt")),
     };
     let prompt_tokens = prompt.len();
-    let (mut tokens, done) = lv.generate(prompt, req.opts.clone())?;
+    let (tokens, done) = lv.generate(prompt, req.opts.clone())?;
     let id = format!("cmpl-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
     let created = now_secs();
     if !req.stream {
@@ -375,29 +376,11 @@ async fn completions(
             }
             Ok(Event::default().data(v.to_string()))
         };
-        let mut done = done;
-        loop {
-            let id = tokio::select! {
-                id = tokens.recv() => id,
-                // the client went away (the server dropped the event stream)
-                _ = tx.closed() => None,
-            };
-            let Some(id) = id else { break };
-            let piece = detok.push(id);
-            if !piece.is_empty() && tx.send(chunk(&piece, None)).await.is_err() {
-                break;
-            }
-        }
-        if tx.is_closed() {
-            // dropping the receivers stops the generation after its current step
-            drop(tokens);
-            if let Ok(out) = done.try_recv() {
-                lv.account(&out, start);
-            }
+        let pieces = |text: &str| chunk(text, None);
+        let Some(out) = stream_pieces(&lv, tokens, done, start, &mut detok, &tx, pieces).await
+        else {
             return;
-        }
-        let out = (&mut done).await.unwrap_or_else(|_| Err(lv.lost()));
-        lv.account(&out, start);
+        };
         match out {
             Ok(ids) => {
                 let rest = detok.finish();

@@ -73,11 +73,10 @@ use crate::memory::Sharding;
 use crate::pages::release;
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
-use crate::train::{
-    apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_shard, save_shard,
+use crate::train::{global_batch_line, memory_line, resume_shard, save_shard};
+use crate::zero::{
+    agree_on_size, norm_over_shards, replicated_start, shard_mask, ReplicatedStart, Shard,
 };
-use crate::zero::{agree_on_size, norm_over_shards, shard_mask, Shard};
 use crate::TrainError;
 
 /// Which of the sharded ZeRO stages.
@@ -800,22 +799,13 @@ impl<'a> ZeroSharded<'a> {
         stage: ZeroStage,
     ) -> Result<Self, TrainError> {
         let (rank, world) = (pg.rank(), pg.size());
-        let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
-        let t = data.seq_len();
-        let mut header = step_loop::data_lines(&*data);
-        let model_cfg = model_config(cfg, data.vocab_size())?;
-        model_cfg.validate()?;
         let sharding = sharding(stage, world);
-        check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
-        let (mut model, init_line) = crate::train::new_model(cfg, model_cfg, rank == 0)?;
-        header.extend(init_line);
-        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
-        header.extend(apply_checkpointing(cfg, &mut model, t));
-        let n = model.num_params();
-        agree_on_size(pg, n)?;
-        // Rank 0's parameters (as drawn) are every rank's.
-        pg.broadcast(model.params_mut(), 0)
-            .map_err(TrainError::comm("initial parameters broadcast"))?;
+        let ReplicatedStart {
+            data,
+            mut model,
+            mut header,
+        } = replicated_start(cfg, pg, sharding)?;
+        let (t, n) = (data.seq_len(), model.num_params());
         let mut zero = ShardedDp::new(pg, &mut model, stage, cfg.adamw())?;
         zero.set_compression(cfg.compression());
         let threads = model.backend().num_threads();

@@ -315,28 +315,13 @@ pub(crate) struct ZeroOne<'a> {
 impl<'a> ZeroOne<'a> {
     pub(crate) fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup) -> Result<Self, TrainError> {
         let (rank, world) = (pg.rank(), pg.size());
-        let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
-        let t = data.seq_len();
-        let mut header = step_loop::data_lines(&*data);
-        let model_cfg = model_config(cfg, data.vocab_size())?;
-        model_cfg.validate()?;
-        check_memory(
-            cfg,
-            &model_cfg,
-            t,
-            pg.local_world_size(),
-            Sharding::Zero1 { world },
-        )?;
-        let (mut model, init_line) = crate::train::new_model(cfg, model_cfg, rank == 0)?;
-        header.extend(init_line);
-        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
-        header.extend(apply_checkpointing(cfg, &mut model, t));
-        let n = model.num_params();
-        agree_on_size(pg, n)?;
+        let ReplicatedStart {
+            data,
+            mut model,
+            mut header,
+        } = replicated_start(cfg, pg, Sharding::Zero1 { world })?;
+        let (t, n) = (data.seq_len(), model.num_params());
         let full_mask = decay_mask(model.param_views());
-        // Rank 0's parameters (as drawn) are every rank's.
-        pg.broadcast(model.params_mut(), 0)
-            .map_err(TrainError::comm("initial parameters broadcast"))?;
         let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
         zero.set_compression(cfg.compression());
         // A checkpoint of any kind and world size: this rank reads its own
@@ -390,6 +375,45 @@ impl<'a> ZeroOne<'a> {
             data,
         })
     }
+}
+
+/// What a sharded strategy starts from on each rank, before it shards
+/// anything: the run's data, the whole model with rank 0's parameters, and
+/// the startup lines so far.
+pub(crate) struct ReplicatedStart {
+    pub data: Arc<dyn Dataset>,
+    pub model: GPT,
+    pub header: Vec<String>,
+}
+
+/// Builds the data and the model (checked to fit in memory under
+/// `sharding`, in the run's precision, with activation checkpointing as
+/// asked), makes sure every rank built the same size, and broadcasts rank
+/// 0's parameters. Collective.
+pub(crate) fn replicated_start(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    sharding: Sharding,
+) -> Result<ReplicatedStart, TrainError> {
+    let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
+    let t = data.seq_len();
+    let mut header = step_loop::data_lines(&*data);
+    let model_cfg = model_config(cfg, data.vocab_size())?;
+    model_cfg.validate()?;
+    check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
+    let (mut model, init_line) = crate::train::new_model(cfg, model_cfg, pg.rank() == 0)?;
+    header.extend(init_line);
+    header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+    header.extend(apply_checkpointing(cfg, &mut model, t));
+    agree_on_size(pg, model.num_params())?;
+    // Rank 0's parameters (as drawn) are every rank's.
+    pg.broadcast(model.params_mut(), 0)
+        .map_err(TrainError::comm("initial parameters broadcast"))?;
+    Ok(ReplicatedStart {
+        data,
+        model,
+        header,
+    })
 }
 
 /// Fails unless every rank built a model of `n` parameters: the shards cut

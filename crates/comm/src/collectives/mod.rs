@@ -83,7 +83,13 @@ impl Comm<'_> {
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let words = scratch_bytes.div_ceil(8);
         if guard.len() < words {
-            guard.resize(words, 0.0);
+            // A fresh zeroed allocation, not `resize`: a large one comes from
+            // the kernel as untouched pages, resident only once a collective
+            // writes them. Some algorithms lay out more scratch than they use
+            // (a two-rank ring reduce_scatter only ever writes its receive
+            // segment), and `resize` would hold all of it resident for the
+            // life of the group.
+            *guard = vec![0.0; words];
         }
         let scratch = crate::element::as_bytes_mut(&mut guard[..]);
         let mut bufs = Bufs {

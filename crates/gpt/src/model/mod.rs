@@ -51,7 +51,8 @@ pub enum Part {
 /// [`GPT::forward_with`] or [`GPT::backward_with`], once for each range of
 /// the flat parameter buffer the part reads, `params` being exactly that
 /// range: its own ([`GPT::part_range`]), and for a tied head first wte's,
-/// which it reads as its weight. This is the seam for sharded
+/// which it reads as its weight. The embeddings' backward reads no parameter
+/// and is not announced. This is the seam for sharded
 /// parameters: a strategy that keeps only a shard of each part on this rank
 /// gathers the part's parameters into `params` here (and may prefetch the
 /// next part's). It runs on an engine thread, hence `Send`.
@@ -508,7 +509,7 @@ impl GPT {
     }
 
     /// [`GPT::backward`], calling `before` just before each [`Part`]'s
-    /// backward runs (head first, embeddings last).
+    /// backward runs that reads parameters (head first, block 0 last).
     pub fn backward_with<'g, F>(
         &'g mut self,
         before: &mut PartHook<'_>,
@@ -521,7 +522,8 @@ impl GPT {
     }
 
     /// [`GPT::backward`], calling `hooks` just before and just after each
-    /// [`Part`]'s backward runs (head first, embeddings last); a part's
+    /// [`Part`]'s backward that reads parameters (head first, block 0 last;
+    /// the embeddings' backward reads none); a part's
     /// `after` comes before its gradients are handed to `hook`.
     pub fn backward_parts<'g, F>(
         &'g mut self,
@@ -788,7 +790,9 @@ fn backward_pass<'g>(
     }
 
     let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
-    enter(hooks, Part::Embeddings, p);
+    // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
+    // used and reads no parameter, so it has no range to ask the hooks for: a sharded strategy
+    // would gather the largest part of the model (wte) for nothing.
     embed_backward(
         &mut dwte[lay.wte.clone()],
         dwpe,
@@ -799,6 +803,5 @@ fn backward_pass<'g>(
         drop,
         prof,
     );
-    leave(hooks, Part::Embeddings, p);
     hook(0..lay.wpe.end, rest);
 }

@@ -21,7 +21,8 @@
 //!    buffer just before the part runs and releases them (see `pages`)
 //!    right after; stage 2 holds the whole model, as DDP;
 //! 2. backward: stage 3 gathers and releases each part again around its
-//!    backward; as each part's gradient becomes final, it is
+//!    backward (but the embeddings, whose backward reads no parameter); as
+//!    each part's gradient becomes final, it is
 //!    reduce-scattered (averaged over ranks), this rank's shard is added to
 //!    the flat shard's gradient and the part's range of the model's
 //!    gradient buffer is released. Every micro-batch does this (DeepSpeed's
@@ -703,9 +704,13 @@ impl ShardedDp {
         &mut self.shards_mut().grads
     }
 
-    /// Zeroes the flat shard's gradient, for the next step's backwards.
+    /// Zeroes the flat shard's gradient, for the next step's backwards. Its
+    /// pages go back to the system rather than being written with zeros: a
+    /// part's shard is resident again only once backward adds to it, so the
+    /// head's backward, the peak of a tied model (wte and its gradient held
+    /// whole), does not also hold the gradient shards of parts not reached yet.
     pub fn clear_grads(&mut self) {
-        self.shards_mut().grads.fill(0.0);
+        release(&mut self.shards_mut().grads);
     }
 
     /// This rank's flat shard of the parameters and optimizer state from a

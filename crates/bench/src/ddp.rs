@@ -79,6 +79,11 @@ pub struct BenchDdpArgs {
     /// all-reduce, ZeRO's reduce-scatter.
     #[arg(long)]
     pub bf16_compress: bool,
+    /// Keep only each block's input in forward and recompute the block inside backward
+    /// (PyTorch's `torch.utils.checkpoint` per block), on the ranks and the single-rank
+    /// baseline alike.
+    #[arg(long)]
+    pub activation_checkpointing: bool,
     /// The data-parallel step: DDP, ZeRO-1 (optimizer state sharded), ZeRO-2
     /// (gradients too) or ZeRO-3 (parameters too, gathered per block).
     #[arg(long, value_enum, default_value_t = BenchStrategy::Ddp)]
@@ -131,6 +136,8 @@ pub struct BenchDdpResult {
     pub precision: String,
     /// The data-parallel step timed: `ddp`, `zero1`, `zero2` or `zero3`.
     pub strategy: BenchStrategy,
+    /// Whether each block was recomputed in backward instead of keeping its activations.
+    pub activation_checkpointing: bool,
     /// Ranks.
     pub world: usize,
     /// Median step time of the slowest rank, ms.
@@ -249,6 +256,7 @@ pub fn run_ddp_bench(
         GPT::zeroed(cfg.clone(), 1234)?
     };
     model.set_precision(args.precision)?;
+    model.set_activation_checkpointing(args.activation_checkpointing);
     // ZeRO-1 has nothing to overlap: its collectives run after backward.
     let overlap = args.strategy != BenchStrategy::Zero1
         && args
@@ -341,7 +349,13 @@ pub fn run_ddp_bench(
             // Built after the first DDP segment, not to delay the first step.
             let single = match &mut single {
                 Some(s) => s,
-                None => single.insert(SingleRank::new(&cfg, b, rank, args.precision)?),
+                None => single.insert(SingleRank::new(
+                    &cfg,
+                    b,
+                    rank,
+                    args.precision,
+                    args.activation_checkpointing,
+                )?),
             };
             // Rank 0 alone, plain backward, while the others wait here.
             if rank == 0 {
@@ -399,6 +413,7 @@ pub fn run_ddp_bench(
         config: args.config.to_uppercase(),
         precision: model.backend().dtype().to_string(),
         strategy: args.strategy,
+        activation_checkpointing: args.activation_checkpointing,
         world,
         ms_per_step: slowest * 1e3,
         tokens_per_s,
@@ -695,9 +710,11 @@ impl SingleRank {
         batch: usize,
         rank: usize,
         precision: cohort_engine::DType,
+        activation_checkpointing: bool,
     ) -> Result<Self, TrainError> {
         let mut model = GPT::new(cfg.clone(), 1234)?;
         model.set_precision(precision)?;
+        model.set_activation_checkpointing(activation_checkpointing);
         let opt = AdamW::new(AdamWConfig::default(), decay_mask(model.param_views()))?;
         Ok(Self {
             model,

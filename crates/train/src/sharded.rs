@@ -19,7 +19,9 @@
 //!
 //! 1. forward: stage 3 all-gathers each part's parameters into the model's
 //!    buffer just before the part runs and releases them (see `pages`)
-//!    right after; stage 2 holds the whole model, as DDP;
+//!    right after, but the head's, whose backward comes next and uses them
+//!    (FSDP does not reshard the last module either); stage 2 holds the
+//!    whole model, as DDP;
 //! 2. backward: stage 3 gathers and releases each part again around its
 //!    backward (but the embeddings, whose backward reads no parameter); as
 //!    each part's gradient becomes final, it is
@@ -50,7 +52,8 @@
 //!
 //! This module must never keep a part's gradient beyond this rank's shard
 //! once the part was reduce-scattered, never (stage 3) keep a part's
-//! gathered parameters outside the part's forward or backward, and never
+//! gathered parameters outside the part's forward or backward (but the
+//! head's, from its forward to its backward, which follows it), and never
 //! let one rank's parameters differ from another's after a step.
 
 use std::collections::VecDeque;
@@ -254,6 +257,12 @@ struct Shards {
     /// The collectives in flight while the model computes (boxed: it is
     /// large and rarely touched).
     flight: Box<InFlight>,
+    /// Ranges of the model's parameter buffer still holding what the last
+    /// forward gathered for the head: its backward runs first, right after,
+    /// and uses them instead of gathering again (FSDP's
+    /// `reshard_after_forward=False` for the last module). Released before
+    /// any other forward.
+    kept: Vec<Range<usize>>,
 }
 
 /// A collective in flight: (this rank's shard or a padded part in, the
@@ -531,8 +540,16 @@ fn lock(st: &Mutex<Shards>) -> MutexGuard<'_, Shards> {
     st.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Releases the parameters the last forward kept for the head's backward.
+fn release_kept(st: &mut Shards, model: &mut GPT) {
+    for range in st.kept.drain(..) {
+        release(&mut model.params_mut()[range]);
+    }
+}
+
 /// Stage 3's part hooks: gather a part's parameters before it runs, release
-/// them after.
+/// them after (the head's after its backward: its forward is last and its
+/// backward first, so what its forward gathered serves both).
 struct Gather<'s> {
     pg: &'s ProcessGroup,
     st: &'s Mutex<Shards>,
@@ -540,10 +557,22 @@ struct Gather<'s> {
 
 impl PartHooks for Gather<'_> {
     fn before(&mut self, _: Part, range: Range<usize>, params: &mut [f32]) {
-        lock(self.st).gather(self.pg, range, params);
+        let mut st = lock(self.st);
+        if let Some(i) = st.kept.iter().position(|k| *k == range) {
+            // The head's parameters, kept from its forward.
+            st.kept.swap_remove(i);
+            return;
+        }
+        st.gather(self.pg, range, params);
     }
 
-    fn after(&mut self, _: Part, _: Range<usize>, params: &mut [f32]) {
+    fn after(&mut self, part: Part, range: Range<usize>, params: &mut [f32]) {
+        let mut st = lock(self.st);
+        if part == Part::Head && st.flight.pass == Some(0) {
+            st.kept.push(range);
+            return;
+        }
+        drop(st);
         release(params);
     }
 }
@@ -597,6 +626,7 @@ impl ShardedDp {
                 error: None,
                 comm: Duration::ZERO,
                 flight: Box::default(),
+                kept: Vec::new(),
             }),
             opt,
         })
@@ -666,7 +696,9 @@ impl ShardedDp {
         if self.stage == ZeroStage::Two {
             return Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?);
         }
-        self.shards_mut().begin_pass(pg, 0);
+        let shards = self.shards_mut();
+        release_kept(shards, model);
+        shards.begin_pass(pg, 0);
         let hooks = &mut Gather { pg, st: &self.st };
         let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
         let shards = self.shards_mut();
@@ -692,6 +724,8 @@ impl ShardedDp {
         };
         let shards = self.shards_mut();
         shards.end_pass();
+        // Used by the head's backward; anything else kept is stale.
+        release_kept(shards, model);
         shards.check()?;
         done?;
         Ok(shards.comm)

@@ -74,7 +74,7 @@ use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
-use crate::pages::release;
+use crate::pages::{prefer_huge_pages, release};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
 use crate::train::{global_batch_line, memory_line, resume_shard, save_shard};
@@ -613,10 +613,18 @@ impl ShardedDp {
         // Nothing of the gradient buffer is kept: each part's is released
         // once reduce-scattered.
         release(model.grads_mut());
+        prefer_huge_pages(model.grads_mut());
+        if stage == ZeroStage::Three {
+            prefer_huge_pages(model.params_mut());
+        }
         Ok(ShardedDp {
             stage,
             st: Mutex::new(Shards {
-                grads: vec![0f32; parts.len],
+                grads: {
+                    let mut g = vec![0f32; parts.len];
+                    prefer_huge_pages(&mut g);
+                    g
+                },
                 parts,
                 params,
                 staging: Vec::new(),

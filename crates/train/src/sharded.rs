@@ -263,6 +263,10 @@ struct Shards {
     /// `reshard_after_forward=False` for the last module). Released before
     /// any other forward.
     kept: Vec<Range<usize>>,
+    /// Whether the flat shard's gradient is all zero (cleared, and no
+    /// backward has added to it since): a part's reduce-scatter then lands
+    /// in it directly instead of in `scratch` and being added.
+    grads_zero: bool,
 }
 
 /// A collective in flight: (this rank's shard or a padded part in, the
@@ -510,7 +514,12 @@ impl Shards {
             self.finish_reduces(REDUCES_IN_FLIGHT);
             return Ok(());
         }
-        let out = staged(&mut self.scratch, p.shard.len);
+        let into_shard = self.grads_zero;
+        let out = if into_shard {
+            &mut self.grads[p.own()]
+        } else {
+            staged(&mut self.scratch, p.shard.len)
+        };
         let (how, scratch) = (self.compression, &mut self.compression_scratch);
         if p.padded() {
             let whole = staged(&mut self.staging, p.shard.padded());
@@ -522,8 +531,10 @@ impl Shards {
             how.reduce_scatter_mean(pg, grads, out, scratch)
                 .map_err(comm)?;
         }
-        for (g, x) in self.grads[p.own()].iter_mut().zip(out.iter()) {
-            *g += x;
+        if !into_shard {
+            for (g, x) in self.grads[p.own()].iter_mut().zip(self.scratch.iter()) {
+                *g += x;
+            }
         }
         Ok(())
     }
@@ -635,6 +646,7 @@ impl ShardedDp {
                 comm: Duration::ZERO,
                 flight: Box::default(),
                 kept: Vec::new(),
+                grads_zero: true,
             }),
             opt,
         })
@@ -732,6 +744,7 @@ impl ShardedDp {
         };
         let shards = self.shards_mut();
         shards.end_pass();
+        shards.grads_zero = false;
         // Used by the head's backward; anything else kept is stale.
         release_kept(shards, model);
         shards.check()?;
@@ -743,7 +756,9 @@ impl ShardedDp {
     /// backwards since [`ShardedDp::clear_grads`] (padding zero): for the
     /// loop to scale, check and clip.
     pub fn shard_grads_mut(&mut self) -> &mut [f32] {
-        &mut self.shards_mut().grads
+        let st = self.shards_mut();
+        st.grads_zero = false;
+        &mut st.grads
     }
 
     /// Zeroes the flat shard's gradient, for the next step's backwards. Its
@@ -752,7 +767,9 @@ impl ShardedDp {
     /// head's backward, the peak of a tied model (wte and its gradient held
     /// whole), does not also hold the gradient shards of parts not reached yet.
     pub fn clear_grads(&mut self) {
-        release(&mut self.shards_mut().grads);
+        let st = self.shards_mut();
+        release(&mut st.grads);
+        st.grads_zero = true;
     }
 
     /// This rank's flat shard of the parameters and optimizer state from a

@@ -213,7 +213,8 @@ pub(crate) fn load(
     if !path.is_file() {
         return Err(err(format!("not found in {}", version_dir.display())));
     }
-    let onnx = tract_onnx::onnx();
+    let mut onnx = tract_onnx::onnx();
+    super::onnx_dense::register(&mut onnx);
     let mut proto = onnx
         .proto_model_for_path(&path)
         .map_err(|e| err(format!("{e:#}")))?;

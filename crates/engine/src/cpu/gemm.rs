@@ -12,8 +12,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Columns of the register tile (two zmm registers).
-const NR: usize = 32;
+/// Columns of the register tile (two zmm registers), and the width of a packed panel.
+pub(crate) const NR: usize = 32;
 /// Rows of the register tile.
 const MR: usize = 12;
 /// Rows of B per packed panel: KC x NR floats = 32 KB, which stays in L1.
@@ -112,6 +112,143 @@ pub(crate) unsafe fn sgemm(
                 }
             }
         }
+    }
+}
+
+/// `c (m, n) = a (m, k) · b (k, n) + bias (n)` for columns `j0..j1` of c only, with b packed
+/// beforehand ([`PackedMatrix`](super::PackedMatrix)): panel p (columns p·NR..p·NR+NR) is k
+/// rows of NR floats at `b + p·k·NR`, zeros past n. Nothing is packed here, so a product
+/// with a constant b reads each weight once, straight from its panel. With `vector` (the
+/// caller's whole product is one row, m = 1) it runs the vector kernel [`gemv_panel`], whose
+/// sums are in another order; otherwise each output element is summed in the same order
+/// whichever rows and columns of c a call covers.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `a` must describe a readable (m, k) matrix; `b` a packed
+/// matrix of k rows and at least j1 columns, 64-byte aligned; `j0` a multiple of NR; `c` a
+/// writable (m, j1) matrix of row stride `rsc`, not overlapping `a`, `b` or `bias`; `bias`, if
+/// any, j1 readable floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn sgemm_prepacked(
+    m: usize,
+    k: usize,
+    a: Strided,
+    b: *const f32,
+    j0: usize,
+    j1: usize,
+    c: *mut f32,
+    rsc: usize,
+    bias: Option<*const f32>,
+    vector: bool,
+) {
+    if k == 0 {
+        for i in 0..m {
+            for j in j0..j1 {
+                // safety: inside c and bias per the contract.
+                unsafe { *c.add(i * rsc + j) = bias.map_or(0.0, |b| *b.add(j)) };
+            }
+        }
+        return;
+    }
+    if vector && m == 1 {
+        for j in (j0..j1).step_by(NR) {
+            // safety: panel j / NR holds k rows of NR floats; c and bias have columns j..j1.
+            unsafe {
+                gemv_panel(
+                    k,
+                    a.ptr,
+                    a.cs,
+                    b.add(j / NR * k * NR),
+                    c.add(j),
+                    NR.min(j1 - j),
+                    bias.map(|b| b.add(j)),
+                )
+            };
+        }
+        return;
+    }
+    for k0 in (0..k).step_by(KC) {
+        let kc = KC.min(k - k0);
+        // The first K block starts C from the bias (or zero); later blocks add to it.
+        let (acc, bias) = if k0 == 0 { (false, bias) } else { (true, None) };
+        for i0 in (0..m).step_by(MC) {
+            let mc = MC.min(m - i0);
+            for j in (j0..j1).step_by(NR) {
+                let nr = NR.min(j1 - j);
+                let pp = b.wrapping_add((j / NR * k + k0) * NR);
+                for i in (i0..i0 + mc).step_by(MR) {
+                    let rows = MR.min(i0 + mc - i);
+                    // safety: the tile is rows i..i+rows, columns j..j+nr of c, inside it; pp
+                    // is rows k0..k0+kc of panel j / NR.
+                    unsafe {
+                        tile(
+                            rows,
+                            kc,
+                            a.ptr.add(i * a.rs + k0 * a.cs),
+                            a.rs,
+                            a.cs,
+                            pp,
+                            c.add(i * rsc + j),
+                            rsc,
+                            nr,
+                            acc,
+                            bias.map(|b| b.add(j)),
+                        )
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// One row against one packed panel: c[0..nr] = a[0..k] · panel + bias. The register tile's
+/// one-row kernel would wait on a single chain of FMAs (their latency, not the loads, would
+/// bound it): this one keeps four chains over interleaved k and adds them at the end.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `a` must have k readable floats at stride `csa`; `b` a packed
+/// panel of k x NR floats, 64-byte aligned; `c` nr (≤ NR) writable floats, not overlapping the
+/// others; `bias`, if any, nr readable floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn gemv_panel(
+    k: usize,
+    a: *const f32,
+    csa: usize,
+    b: *const f32,
+    c: *mut f32,
+    nr: usize,
+    bias: Option<*const f32>,
+) {
+    const U: usize = 4;
+    let mut c0 = [_mm512_setzero_ps(); U];
+    let mut c1 = [_mm512_setzero_ps(); U];
+    // SAFETY: a has k floats at stride csa and b k rows of NR aligned floats, per the caller;
+    // every read below is at p < k.
+    unsafe {
+        let mut p = 0;
+        while p + U <= k {
+            for u in 0..U {
+                let av = _mm512_set1_ps(*a.add((p + u) * csa));
+                let bp = b.add((p + u) * NR);
+                c0[u] = _mm512_fmadd_ps(av, _mm512_load_ps(bp), c0[u]);
+                c1[u] = _mm512_fmadd_ps(av, _mm512_load_ps(bp.add(16)), c1[u]);
+            }
+            p += U;
+        }
+        while p < k {
+            let av = _mm512_set1_ps(*a.add(p * csa));
+            let bp = b.add(p * NR);
+            c0[0] = _mm512_fmadd_ps(av, _mm512_load_ps(bp), c0[0]);
+            c1[0] = _mm512_fmadd_ps(av, _mm512_load_ps(bp.add(16)), c1[0]);
+            p += 1;
+        }
+        let s0 = _mm512_add_ps(_mm512_add_ps(c0[0], c0[1]), _mm512_add_ps(c0[2], c0[3]));
+        let s1 = _mm512_add_ps(_mm512_add_ps(c1[0], c1[1]), _mm512_add_ps(c1[2], c1[3]));
+        store_row(c, nr, (s0, s1), false, bias_row(bias, nr));
     }
 }
 

@@ -67,7 +67,40 @@ unsafe fn gemm(
     accumulate: bool,
     bias: Option<&[f32]>,
 ) {
-    let threads = rayon::current_num_threads();
+    // safety: forwarded from the caller.
+    unsafe {
+        gemm_on(
+            rayon::current_num_threads(),
+            dtype,
+            m,
+            k,
+            n,
+            a,
+            b,
+            c,
+            accumulate,
+            bias,
+        )
+    }
+}
+
+/// [`gemm`] split over at most `threads` tasks of the current rayon pool (1: the calling
+/// thread alone).
+///
+/// # Safety
+/// As [`gemm`].
+unsafe fn gemm_on(
+    threads: usize,
+    dtype: DType,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Mat,
+    b: Mat,
+    c: Mat,
+    accumulate: bool,
+    bias: Option<&[f32]>,
+) {
     let parts = if m * n * k < PAR_MIN_MACS {
         1
     } else {
@@ -184,6 +217,187 @@ pub fn matmul_forward(
             false,
             bias.map(|b| &b[..oc]),
         )
+    }
+}
+
+/// A constant right-hand matrix `w` (K, N) of [`packed_matmul_forward`], laid out once for
+/// every later product: on a CPU with AVX-512, in the panels the sgemm kernel reads (N split
+/// into 32-column panels, each K rows of 32 floats, zero-padded, 64-byte aligned), so that no
+/// product packs it again; elsewhere, row-major as given. For inference with fixed weights
+/// (an ONNX Gemm's B); training's weights change every step and take [`matmul_forward`].
+pub struct PackedMatrix {
+    k: usize,
+    n: usize,
+    /// Panels (AVX-512) or the row-major matrix; `Line`s keep the panels 64-byte aligned.
+    data: PackedData,
+}
+
+/// 16 floats, one cache line, so that a `Vec<Line>` is 64-byte aligned.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+enum PackedData {
+    #[cfg(target_arch = "x86_64")]
+    Panels(Vec<Line>),
+    RowMajor(Vec<f32>),
+}
+
+impl std::fmt::Debug for PackedMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PackedMatrix")
+            .field("k", &self.k)
+            .field("n", &self.n)
+            .finish()
+    }
+}
+
+impl PackedMatrix {
+    /// Packs `w`: row-major (K, N), or with `transposed` row-major (N, K) standing for its
+    /// transpose (nn.Linear's `[out, in]`, an ONNX Gemm's `transB = 1`).
+    pub fn new(w: &[f32], k: usize, n: usize, transposed: bool) -> PackedMatrix {
+        check("packed w", w.len(), k * n);
+        let at = |r: usize, c: usize| {
+            if transposed {
+                w[c * k + r]
+            } else {
+                w[r * n + c]
+            }
+        };
+        #[cfg(target_arch = "x86_64")]
+        if simd_level() == SimdLevel::Avx512 {
+            use super::gemm::NR;
+            let panels = n.div_ceil(NR);
+            let mut lines = vec![Line([0.0; 16]); panels * k * NR / 16];
+            for (i, line) in lines.iter_mut().enumerate() {
+                // line i holds floats 16i..16i+16: panel p, row r, columns c0..c0+16 of it
+                let (p, within) = ((i * 16) / (k * NR), (i * 16) % (k * NR));
+                let (r, c0) = (within / NR, p * NR + within % NR);
+                for (x, c) in line.0.iter_mut().zip(c0..(c0 + 16).min(n)) {
+                    *x = at(r, c);
+                }
+            }
+            return PackedMatrix {
+                k,
+                n,
+                data: PackedData::Panels(lines),
+            };
+        }
+        let data = (0..k)
+            .flat_map(|r| (0..n).map(move |c| (r, c)))
+            .map(|(r, c)| at(r, c))
+            .collect();
+        PackedMatrix {
+            k,
+            n,
+            data: PackedData::RowMajor(data),
+        }
+    }
+
+    /// Rows (the products' inner dimension).
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Columns (the products' output width).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+}
+
+/// out (M, N) = inp (M, K) · w (K, N) + bias (N), with `w` packed beforehand. Called from
+/// inside a rayon pool (`Cpu::install`, or any pool's `install`) it splits over that pool's
+/// threads; from anywhere else it runs on the calling thread alone, without a hand-off (a
+/// batch-1 inference is over in tens of microseconds). The result does not depend on the
+/// thread count.
+pub fn packed_matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    w: &PackedMatrix,
+    bias: Option<&[f32]>,
+    m: usize,
+) {
+    let (k, n) = (w.k, w.n);
+    check("packed out", out.len(), m * n);
+    check("packed inp", inp.len(), m * k);
+    if let Some(b) = bias {
+        check("packed bias", b.len(), n);
+    }
+    let threads = match rayon::current_thread_index() {
+        Some(_) => rayon::current_num_threads(),
+        None => 1,
+    };
+    match &w.data {
+        #[cfg(target_arch = "x86_64")]
+        PackedData::Panels(lines) => {
+            use super::gemm::{sgemm_prepacked, NR};
+            let parts = if m * n * k < PAR_MIN_MACS {
+                1
+            } else {
+                threads.min(m.max(n) / 16).max(1)
+            };
+            let (a, b) = (SendPtr(inp.as_ptr() as *mut f32), lines.as_ptr() as usize);
+            let (c, bias) = (SendPtr(out.as_mut_ptr()), bias.map(|b| b.as_ptr() as usize));
+            let call = |r0: usize, r1: usize, j0: usize, j1: usize| {
+                let sa = Strided {
+                    ptr: a.get().wrapping_add(r0 * k),
+                    rs: k,
+                    cs: 1,
+                };
+                // safety: sizes checked above; the panels cover k rows and n columns, 64-byte
+                // aligned (Line); distinct calls write disjoint blocks of out (rows r0..r1,
+                // columns j0..j1, j0 a multiple of NR), and out is a distinct &mut.
+                unsafe {
+                    sgemm_prepacked(
+                        r1 - r0,
+                        k,
+                        sa,
+                        b as *const f32,
+                        j0,
+                        j1,
+                        c.get().add(r0 * n),
+                        n,
+                        bias.map(|b| b as *const f32),
+                        m == 1,
+                    )
+                }
+            };
+            if parts == 1 {
+                call(0, m, 0, n);
+                return;
+            }
+            (0..parts).into_par_iter().for_each(|p| {
+                if m >= n {
+                    let step = m.div_ceil(parts);
+                    let (r0, r1) = ((p * step).min(m), ((p + 1) * step).min(m));
+                    if r0 < r1 {
+                        call(r0, r1, 0, n);
+                    }
+                } else {
+                    let step = n.div_ceil(parts).div_ceil(NR) * NR;
+                    let (j0, j1) = ((p * step).min(n), ((p + 1) * step).min(n));
+                    if j0 < j1 {
+                        call(0, m, j0, j1);
+                    }
+                }
+            });
+        }
+        // safety: sizes checked above; out is a distinct &mut.
+        PackedData::RowMajor(b) => unsafe {
+            gemm_on(
+                threads,
+                DType::F32,
+                m,
+                k,
+                n,
+                Mat::rm(inp.as_ptr(), k),
+                Mat::rm(b.as_ptr(), n),
+                Mat::rm(out.as_mut_ptr(), n),
+                false,
+                bias.map(|b| &b[..n]),
+            )
+        },
     }
 }
 
@@ -408,6 +622,57 @@ mod tests {
 
     fn f64s(x: &[f32]) -> Vec<f64> {
         x.iter().map(|&v| v as f64).collect()
+    }
+
+    #[test]
+    fn packed_matmul_matches_f64_and_not_the_thread_count() {
+        // one row (the vector kernel), a few, and more than a tile and a K block; N below,
+        // at and past a 32-column panel
+        for &(m, k, n) in &[
+            (1, 5, 7),
+            (1, 300, 70),
+            (1, 600, 300),
+            (3, 33, 32),
+            (13, 257, 65),
+            (40, 64, 1030),
+            (260, 20, 33),
+        ] {
+            let inp = rand_vec(m * k, 1);
+            let w = rand_vec(k * n, 2);
+            let b = rand_vec(n, 3);
+            let mut want = naive(&f64s(&inp), &f64s(&w), m, k, n);
+            for (i, v) in want.iter_mut().enumerate() {
+                *v += b[i % n] as f64;
+            }
+            let wt: Vec<f32> = (0..k * n).map(|i| w[(i % k) * n + i / k]).collect();
+            let mut first: Option<Vec<f32>> = None;
+            for (packed, what) in [
+                (PackedMatrix::new(&w, k, n, false), "w"),
+                (PackedMatrix::new(&wt, k, n, true), "transposed w"),
+            ] {
+                assert_eq!((packed.k(), packed.n()), (k, n));
+                let mut alone = vec![f32::NAN; m * n];
+                packed_matmul_forward(&mut alone, &inp, &packed, Some(&b), m);
+                assert_close(&alone, &want, 1e-5, what);
+                let mut pooled = vec![f32::NAN; m * n];
+                within_pool(2, || {
+                    packed_matmul_forward(&mut pooled, &inp, &packed, Some(&b), m)
+                });
+                assert_eq!(alone, pooled, "{what}: 1 thread against 2, ({m}, {k}, {n})");
+                let mut plain = vec![f32::NAN; m * n];
+                packed_matmul_forward(&mut plain, &inp, &packed, None, m);
+                let unbiased: Vec<f64> = want
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v - b[i % n] as f64)
+                    .collect();
+                assert_close(&plain, &unbiased, 1e-5, what);
+                match &first {
+                    Some(f) => assert_eq!(f, &alone, "{what}: packed from the transpose"),
+                    None => first = Some(alone),
+                }
+            }
+        }
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub use encoder::{encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
-    matmul_forward,
+    matmul_forward, packed_matmul_forward, PackedMatrix,
 };
 
 use crate::{DType, EngineError};

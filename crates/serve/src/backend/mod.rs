@@ -11,6 +11,7 @@
 
 pub(crate) mod gpt;
 pub(crate) mod onnx;
+mod onnx_dense;
 
 use std::path::Path;
 

@@ -6,6 +6,9 @@
 //! (an ONNX `dim_param` or an unnamed dimension), so that dynamic batching can join requests:
 //! the model is optimized once with that dimension symbolic and runs any batch size, and each
 //! instance also optimizes it for the first few batch sizes it meets, which tract runs faster.
+//! `Gemm` nodes with constant weights (dense layers) run on cohort-engine's sgemm instead, with
+//! their weights packed once at load ([`onnx_dense`](super::onnx_dense)); tract runs the rest.
+//! With more than one thread an instance has a private pool, which both use.
 //!
 //! A model using an operator tract does not implement fails its load with one line naming the
 //! operator and the node. This module never reads a request off the wire and never writes to
@@ -213,7 +216,8 @@ pub(crate) fn load(
     if !path.is_file() {
         return Err(err(format!("not found in {}", version_dir.display())));
     }
-    let onnx = tract_onnx::onnx();
+    let mut onnx = tract_onnx::onnx();
+    super::onnx_dense::register(&mut onnx);
     let mut proto = onnx
         .proto_model_for_path(&path)
         .map_err(|e| err(format!("{e:#}")))?;

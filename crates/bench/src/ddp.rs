@@ -299,7 +299,7 @@ pub fn run_ddp_bench(
             let mut zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
             zero.set_compression(compression);
             zero.set_overlap(overlap);
-            DataParallel::Sharded(zero)
+            DataParallel::Sharded(Box::new(zero))
         }
     };
 
@@ -497,7 +497,7 @@ enum DataParallel<'a> {
     /// ZeRO-1: AdamW over this rank's shard only.
     Zero1(Zero1),
     /// ZeRO-2 or ZeRO-3: gradients (and parameters) sharded by part too.
-    Sharded(ShardedDp),
+    Sharded(Box<ShardedDp>),
 }
 
 impl DataParallel<'_> {

@@ -91,25 +91,8 @@ pub(crate) unsafe fn sgemm(
                 let nr = NR.min(n - j);
                 // safety: the panel covers rows k0..k0+kc and columns j..j+nr of b.
                 unsafe { pack_panel(pp, b.ptr.add(k0 * b.rs + j * b.cs), b.rs, b.cs, kc, nr) };
-                for i in (i0..i0 + mc).step_by(MR) {
-                    let rows = MR.min(i0 + mc - i);
-                    // safety: the tile is rows i..i+rows, columns j..j+nr of c, inside it.
-                    unsafe {
-                        tile(
-                            rows,
-                            kc,
-                            a.ptr.add(i * a.rs + k0 * a.cs),
-                            a.rs,
-                            a.cs,
-                            pp,
-                            c.add(i * rsc + j),
-                            rsc,
-                            nr,
-                            acc,
-                            bias.map(|b| b.add(j)),
-                        )
-                    };
-                }
+                // safety: rows i0..i0+mc, columns j..j+nr of c are inside it; pp was just packed.
+                unsafe { panel_tiles(i0, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
             }
         }
     }
@@ -178,28 +161,59 @@ pub(crate) unsafe fn sgemm_prepacked(
             for j in (j0..j1).step_by(NR) {
                 let nr = NR.min(j1 - j);
                 let pp = b.wrapping_add((j / NR * k + k0) * NR);
-                for i in (i0..i0 + mc).step_by(MR) {
-                    let rows = MR.min(i0 + mc - i);
-                    // safety: the tile is rows i..i+rows, columns j..j+nr of c, inside it; pp
-                    // is rows k0..k0+kc of panel j / NR.
-                    unsafe {
-                        tile(
-                            rows,
-                            kc,
-                            a.ptr.add(i * a.rs + k0 * a.cs),
-                            a.rs,
-                            a.cs,
-                            pp,
-                            c.add(i * rsc + j),
-                            rsc,
-                            nr,
-                            acc,
-                            bias.map(|b| b.add(j)),
-                        )
-                    };
-                }
+                // safety: rows i0..i0+mc, columns j..j+nr of c are inside it; pp is rows
+                // k0..k0+kc of panel j / NR.
+                unsafe { panel_tiles(i0, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
             }
         }
+    }
+}
+
+/// Rows `i0..i0 + mc` of c's columns `j..j + nr` from A's K block `k0..k0 + kc` against the
+/// packed panel `pp` (kc rows of NR floats), a register tile of MR rows at a time: the inner
+/// loops of [`sgemm`] and [`sgemm_prepacked`], which differ only in where the panel comes from.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `a` must describe a readable matrix with rows
+/// `i0..i0 + mc` and columns `k0..k0 + kc`; `pp` kc x NR readable floats, 64-byte aligned; `c`
+/// a writable matrix of row stride `rsc` with those rows and columns `j..j + nr` (nr ≤ NR), not
+/// overlapping the others; `bias`, if any, readable at columns `j..j + nr`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn panel_tiles(
+    i0: usize,
+    mc: usize,
+    k0: usize,
+    kc: usize,
+    a: Strided,
+    pp: *const f32,
+    c: *mut f32,
+    rsc: usize,
+    j: usize,
+    nr: usize,
+    acc: bool,
+    bias: Option<*const f32>,
+) {
+    for i in (i0..i0 + mc).step_by(MR) {
+        let rows = MR.min(i0 + mc - i);
+        // safety: the tile is rows i..i+rows, columns j..j+nr of c, inside it per the contract.
+        unsafe {
+            tile(
+                rows,
+                kc,
+                a.ptr.add(i * a.rs + k0 * a.cs),
+                a.rs,
+                a.cs,
+                pp,
+                c.add(i * rsc + j),
+                rsc,
+                nr,
+                acc,
+                bias.map(|b| b.add(j)),
+            )
+        };
     }
 }
 

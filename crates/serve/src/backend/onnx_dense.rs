@@ -142,6 +142,12 @@ impl Expansion for Gemm {
     }
 }
 
+/// A constant's floats, when it is an f32 tensor held in plain memory.
+fn f32_values(t: &Tensor) -> Option<Vec<f32>> {
+    let view = t.try_as_plain_ram().ok()?;
+    view.as_slice::<f32>().ok().map(<[f32]>::to_vec)
+}
+
 impl Gemm {
     /// The engine op computing this node, if it is a case the engine runs: FP32, A not
     /// transposed, B a constant matrix, C absent, unused (beta = 0) or a constant of N, 1 x N
@@ -166,10 +172,7 @@ impl Gemm {
         if a.shape[1].to_usize().ok() != Some(k) {
             return Ok(None);
         }
-        let Ok(values) = w
-            .try_as_plain_ram()
-            .and_then(|v| v.as_slice::<f32>().map(<[f32]>::to_vec))
-        else {
+        let Some(values) = f32_values(w) else {
             return Ok(None);
         };
         let bias = match inputs.get(2) {
@@ -182,10 +185,7 @@ impl Gemm {
                 else {
                     return Ok(None);
                 };
-                let Ok(cv) = c
-                    .try_as_plain_ram()
-                    .and_then(|v| v.as_slice::<f32>().map(<[f32]>::to_vec))
-                else {
+                let Some(cv) = f32_values(c) else {
                     return Ok(None);
                 };
                 let row: Vec<f32> = match (c.shape(), cv.len()) {

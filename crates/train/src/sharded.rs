@@ -74,7 +74,7 @@ use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::memory::Sharding;
-use crate::pages::{prefer_huge_pages, release};
+use crate::pages::{prefer_huge_pages, release, SparePages, SPARE_PAGES_MIN_BUFFER};
 use crate::phases::{Phase, Phases};
 use crate::step_loop::{self, MicroBatches, Start, StepGradients, Strategy};
 use crate::train::{global_batch_line, memory_line, resume_shard, save_shard};
@@ -213,6 +213,14 @@ impl PartShards {
             .collect()
     }
 
+    /// The elements of the second-largest part (the largest being the
+    /// embeddings, which run once a pass): a block, on a GPT.
+    fn second_largest(&self) -> usize {
+        let mut lens: Vec<_> = self.parts.iter().map(|p| p.range.len()).collect();
+        lens.sort_unstable();
+        lens.iter().rev().nth(1).copied().unwrap_or(0)
+    }
+
     /// The largest padded part: what the staging buffer may have to hold.
     fn largest_padded(&self) -> usize {
         self.parts
@@ -267,7 +275,25 @@ struct Shards {
     /// backward has added to it since): a part's reduce-scatter then lands
     /// in it directly instead of in `scratch` and being added.
     grads_zero: bool,
+    /// Pages given back by a part's parameters or gradient, or by the
+    /// gradient shard at the step's end, kept resident for the next range
+    /// to be filled (see [`SparePages`]): every range released and filled
+    /// again each step would otherwise cost the kernel's page faults and
+    /// zero-filling, on a VM several percent of a GPT-2 small step. The pool
+    /// is given back before the step's peak (the embeddings' backward),
+    /// so the peak stays what it was.
+    spare: SparePages,
+    /// Whether the gradient shard is large enough for the pool.
+    shard_spare: bool,
 }
+
+/// Blocks' worth of pages [`Shards::spare`] keeps besides the largest
+/// part's: a block's parameters and its gradient, released just before the
+/// next block's are filled. Under stage 3 it also holds the largest part's
+/// (the embeddings): the gradient shard's pages, given back at the step's
+/// end, hold the embeddings' parameters next, theirs the tied head's wte,
+/// and wte's after the head's backward the gradient shard's parts again.
+const SPARE_PARTS: usize = 2;
 
 /// A collective in flight: (this rank's shard or a padded part in, the
 /// padded part or this rank's shard out).
@@ -392,19 +418,44 @@ impl Shards {
             if *range == p.range && !p.padded() {
                 return pg.all_gather(own, dest).map_err(comm);
             }
+            if *range != p.range {
+                return self.gather_slice(pg, &p, range, dest);
+            }
             let whole = staged(&mut self.staging, p.shard.padded());
             pg.all_gather(own, whole).map_err(comm)?;
-            let at = range.start - p.range.start;
-            dest.copy_from_slice(&whole[at..at + range.len()]);
-            if *range != p.range {
-                // A tied head's read of wte: the whole embeddings part was
-                // gathered for it, the largest part of all, and the model
-                // now holds wte besides. Give the copy back at once rather
-                // than hold both while the head computes.
-                release(whole);
-            }
+            dest.copy_from_slice(&whole[..range.len()]);
             Ok(())
         }
+    }
+
+    /// `range`, a slice of part `p` (a tied head's read of wte, in the
+    /// embeddings part), into `dest`: each rank's share of the slice
+    /// broadcast by it straight into place, rather than the whole part (the
+    /// largest of all) gathered into staging and copied. Collective.
+    fn gather_slice(
+        &self,
+        pg: &ProcessGroup,
+        p: &PartShard,
+        range: &Range<usize>,
+        dest: &mut [f32],
+    ) -> Result<(), TrainError> {
+        let len = p.shard.len;
+        for root in 0..p.shard.world {
+            let owned =
+                p.range.start + root * len..(p.range.start + (root + 1) * len).min(p.range.end);
+            let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            let piece = &mut dest[lo - range.start..hi - range.start];
+            if root == p.shard.rank {
+                let at = p.offset + (lo - owned.start);
+                piece.copy_from_slice(&self.params[at..at + piece.len()]);
+            }
+            pg.broadcast(piece, root)
+                .map_err(TrainError::comm("parameter broadcast"))?;
+        }
+        Ok(())
     }
 
     /// Starts a pass of the model (0: forward, 1: backward) whose gathers
@@ -484,7 +535,7 @@ impl Shards {
             }
         }
         // Zero for the next backward, which accumulates into it.
-        release(grads);
+        self.spare.release(grads);
     }
 
     /// [`Shards::reduce`]'s collective: started and left in flight with
@@ -516,7 +567,12 @@ impl Shards {
         }
         let into_shard = self.grads_zero;
         let out = if into_shard {
-            &mut self.grads[p.own()]
+            let out = &mut self.grads[p.own()];
+            if self.shard_spare {
+                // Released at the step's end, and overwritten whole now.
+                self.spare.refill(out, false);
+            }
+            out
         } else {
             staged(&mut self.scratch, p.shard.len)
         };
@@ -554,37 +610,62 @@ fn lock(st: &Mutex<Shards>) -> MutexGuard<'_, Shards> {
 /// Releases the parameters the last forward kept for the head's backward.
 fn release_kept(st: &mut Shards, model: &mut GPT) {
     for range in st.kept.drain(..) {
-        release(&mut model.params_mut()[range]);
+        st.spare.release(&mut model.params_mut()[range]);
     }
 }
 
-/// Stage 3's part hooks: gather a part's parameters before it runs, release
-/// them after (the head's after its backward: its forward is last and its
-/// backward first, so what its forward gathered serves both).
-struct Gather<'s> {
+/// The part hooks: a part's gradient made resident again (from the spare
+/// pages) just before its backward writes it; under stage 3 also each part's
+/// parameters gathered before it runs and released after (the head's after
+/// its backward: its forward is last and its backward first, so what its
+/// forward gathered serves both).
+struct PartMemory<'s> {
     pg: &'s ProcessGroup,
     st: &'s Mutex<Shards>,
+    /// Stage 3: the parameters are sharded too.
+    gather: bool,
 }
 
-impl PartHooks for Gather<'_> {
+impl PartHooks for PartMemory<'_> {
     fn before(&mut self, _: Part, range: Range<usize>, params: &mut [f32]) {
+        if !self.gather {
+            return;
+        }
         let mut st = lock(self.st);
         if let Some(i) = st.kept.iter().position(|k| *k == range) {
             // The head's parameters, kept from its forward.
             st.kept.swap_remove(i);
             return;
         }
+        // The gather overwrites every element, so the spare pages' old
+        // contents need no zeroing.
+        st.spare.refill(params, false);
         st.gather(self.pg, range, params);
     }
 
     fn after(&mut self, part: Part, range: Range<usize>, params: &mut [f32]) {
+        if !self.gather {
+            return;
+        }
         let mut st = lock(self.st);
         if part == Part::Head && st.flight.pass == Some(0) {
             st.kept.push(range);
             return;
         }
-        drop(st);
-        release(params);
+        st.spare.release(params);
+    }
+
+    fn before_grads(&mut self, part: Part, _: Range<usize>, grads: &mut [f32]) {
+        // Released after the last reduce-scatter, so all zeros, as the
+        // backward needs them: zero again what the spare pages bring.
+        let mut st = lock(self.st);
+        st.spare.refill(grads, true);
+        if part == Part::Embeddings {
+            // The backward's last part: nothing is refilled after it this
+            // step, and the step's peak (the whole gradient shard written,
+            // wte's gradient held) lies here.
+            st.spare.give_back();
+        }
     }
 }
 
@@ -618,6 +699,14 @@ impl ShardedDp {
         let parts = PartShards::new(&ranges, pg.size(), pg.rank());
         let opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
         let params = parts.take(model.params());
+        let f32s = std::mem::size_of::<f32>();
+        let mut spare = SPARE_PARTS * parts.second_largest() * f32s;
+        if stage == ZeroStage::Three {
+            spare += parts.largest_padded() * f32s;
+        }
+        let big_enough = |floats: usize| floats * f32s >= SPARE_PAGES_MIN_BUFFER;
+        let spare = SparePages::new(if big_enough(parts.n) { spare } else { 0 });
+        let shard_spare = big_enough(parts.len);
         if stage == ZeroStage::Three {
             release(model.params_mut());
         }
@@ -647,6 +736,8 @@ impl ShardedDp {
                 flight: Box::default(),
                 kept: Vec::new(),
                 grads_zero: true,
+                spare,
+                shard_spare,
             }),
             opt,
         })
@@ -719,7 +810,11 @@ impl ShardedDp {
         let shards = self.shards_mut();
         release_kept(shards, model);
         shards.begin_pass(pg, 0);
-        let hooks = &mut Gather { pg, st: &self.st };
+        let hooks = &mut PartMemory {
+            pg,
+            st: &self.st,
+            gather: true,
+        };
         let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
         let shards = self.shards_mut();
         shards.end_pass();
@@ -738,10 +833,8 @@ impl ShardedDp {
         shards.begin_pass(pg, 1);
         let st = &self.st;
         let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
-        let done = match self.stage {
-            ZeroStage::Two => model.backward(ready),
-            ZeroStage::Three => model.backward_parts(&mut Gather { pg, st }, ready),
-        };
+        let gather = self.stage == ZeroStage::Three;
+        let done = model.backward_parts(&mut PartMemory { pg, st, gather }, ready);
         let shards = self.shards_mut();
         shards.end_pass();
         shards.grads_zero = false;
@@ -766,9 +859,15 @@ impl ShardedDp {
     /// part's shard is resident again only once backward adds to it, so the
     /// head's backward, the peak of a tied model (wte and its gradient held
     /// whole), does not also hold the gradient shards of parts not reached yet.
+    /// (Some are kept for the next forward's first gathers: see
+    /// [`Shards::spare`].)
     pub fn clear_grads(&mut self) {
         let st = self.shards_mut();
-        release(&mut st.grads);
+        if st.shard_spare {
+            st.spare.release(&mut st.grads);
+        } else {
+            release(&mut st.grads);
+        }
         st.grads_zero = true;
     }
 

@@ -278,7 +278,7 @@ fn the_memory_line_shows_sharded_gradients_and_parameters() {
 /// and the step's parameters are DDP's mean-gradient AdamW step.
 #[test]
 fn sharded_passes_leave_only_the_shards_behind() {
-    let cfg = GPTConfig {
+    check_passes(GPTConfig {
         vocab_size: 17,
         max_position_embeddings: 8,
         n_layers: 2,
@@ -286,7 +286,27 @@ fn sharded_passes_leave_only_the_shards_behind() {
         d_model: 33,
         d_ff: 64,
         ..GPTConfig::default()
-    };
+    });
+}
+
+/// The same with a model whose buffers are large enough (over 64 MiB) for
+/// the sharded step to keep released pages and move them to the next part:
+/// parameters gathered into pages that held another part's, gradients
+/// written into pages that held parameters, and the results unchanged.
+#[test]
+fn sharded_passes_reusing_released_pages_give_the_same_step() {
+    check_passes(GPTConfig {
+        vocab_size: 70_000,
+        max_position_embeddings: 8,
+        n_layers: 2,
+        n_heads: 4,
+        d_model: 256,
+        d_ff: 1024,
+        ..GPTConfig::default()
+    });
+}
+
+fn check_passes(cfg: GPTConfig) {
     let (b, t) = (2, 8);
     let ids = |rank: usize| -> Vec<u32> {
         (0..b * t)

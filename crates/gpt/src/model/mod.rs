@@ -71,6 +71,18 @@ pub trait PartHooks: Send {
     /// [`PartHooks::before`]: the part will not read `params` again until the
     /// next `before`.
     fn after(&mut self, part: Part, range: Range<usize>, params: &mut [f32]);
+    /// Called in backward just before `part` first adds into `grads`, the
+    /// range `range` of the flat gradient buffer, once for each range a
+    /// backward writes: the head's own (and a tied head's wte, to which the
+    /// embeddings' backward adds later), each block's, then the embeddings'
+    /// wpe (and wte when untied). The backward then adds into what `grads`
+    /// holds, so its values must stay as they are; a strategy that released
+    /// the range's memory (all zeros) can make it resident again here, which
+    /// is cheaper than the page faults of the backward's first writes.
+    /// Does nothing unless implemented.
+    fn before_grads(&mut self, part: Part, range: Range<usize>, grads: &mut [f32]) {
+        let _ = (part, range, grads);
+    }
 }
 
 /// A plain [`PartHook`] as [`PartHooks`] that does nothing after a part.
@@ -744,6 +756,10 @@ fn backward_pass<'g>(
     let (mut rest, top) = grads.split_at_mut(head_start);
     enter(hooks, Part::Head, p);
     {
+        if cfg.tie_word_embeddings {
+            hooks.before_grads(Part::Head, lay.wte.clone(), &mut rest[lay.wte.clone()]);
+        }
+        hooks.before_grads(Part::Head, head_start..lay.total, top);
         let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
         let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
             &mut rest[lay.wte.clone()]
@@ -779,6 +795,7 @@ fn backward_pass<'g>(
         let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
         rest = lower;
         enter(hooks, Part::Block(l), p);
+        hooks.before_grads(Part::Block(l), bl.all.clone(), g);
         if a.checkpoint {
             // The block's activations were not kept: recompute them from its input (the same
             // dropout masks, so the same values).
@@ -789,7 +806,15 @@ fn backward_pass<'g>(
         hook(bl.all.clone(), g);
     }
 
+    if !cfg.tie_word_embeddings {
+        hooks.before_grads(
+            Part::Embeddings,
+            lay.wte.clone(),
+            &mut rest[lay.wte.clone()],
+        );
+    }
     let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
     // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
     // used and reads no parameter, so it has no range to ask the hooks for: a sharded strategy
     // would gather the largest part of the model (wte) for nothing.

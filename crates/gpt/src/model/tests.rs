@@ -438,6 +438,59 @@ fn part_hooks_after_each_part_can_free_what_before_gathered() {
     }
 }
 
+/// Records each gradient range announced before it is written, and whether it still read zero.
+#[derive(Default)]
+struct GradsSeen {
+    calls: Vec<(Part, Range<usize>, bool)>,
+}
+
+impl PartHooks for GradsSeen {
+    fn before(&mut self, _: Part, _: Range<usize>, _: &mut [f32]) {}
+    fn after(&mut self, _: Part, _: Range<usize>, _: &mut [f32]) {}
+    fn before_grads(&mut self, part: Part, range: Range<usize>, grads: &mut [f32]) {
+        assert_eq!(grads.len(), range.len());
+        self.calls
+            .push((part, range, grads.iter().all(|&g| g == 0.0)));
+    }
+}
+
+#[test]
+fn each_gradient_range_is_announced_once_before_the_backward_writes_it() {
+    for tied in [true, false] {
+        let cfg = tiny(true, tied, 0.0);
+        let (ids, mask, labels) = batch();
+        let mut m = model(cfg.clone(), 2, 5);
+        loss_at(&mut m, &ids, &mask, &labels);
+        m.zero_grad();
+        let mut seen = GradsSeen::default();
+        m.backward_parts(&mut seen, |_, _| {}).unwrap();
+        let mut want = model(cfg.clone(), 2, 5);
+        loss_at(&mut want, &ids, &mask, &labels);
+        want.backward(|_, _| {}).unwrap();
+        assert_eq!(m.grads(), want.grads(), "the hook changes nothing");
+        assert!(
+            seen.calls.iter().all(|c| c.2),
+            "untouched when announced: {:?}",
+            seen.calls
+        );
+        // Head first, the blocks from the last, the embeddings last.
+        let parts: Vec<Part> = seen.calls.iter().map(|c| c.0).collect();
+        let mut order = vec![Part::Head; if tied { 2 } else { 1 }];
+        order.extend((0..cfg.n_layers).rev().map(Part::Block));
+        order.extend(vec![Part::Embeddings; if tied { 1 } else { 2 }]);
+        assert_eq!(parts, order, "tied {tied}");
+        // Every element of the gradient buffer exactly once.
+        let mut ranges: Vec<_> = seen.calls.iter().map(|c| c.1.clone()).collect();
+        ranges.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for r in ranges {
+            assert_eq!(r.start, at, "tied {tied}: ranges tile the buffer");
+            at = r.end;
+        }
+        assert_eq!(at, m.num_params());
+    }
+}
+
 /// With bf16 products the loss and every gradient stay within bf16's rounding of fp32's (8
 /// significant bits per operand, f32 sums): the loss within 1%, the gradient within 5% in
 /// norm and pointing the same way, and not bitwise equal (the bf16 path really ran).

@@ -335,6 +335,18 @@ const REDUCES_IN_FLIGHT: usize = 1;
 /// Spare buffers kept for the works (each at most a padded part).
 const SPARES: usize = 2;
 
+/// A part whose shard is at least this many elements (the embeddings of a
+/// GPT-2-sized vocabulary) is reduce-scattered [`REDUCE_PIECE`] elements of
+/// each rank's slot at a time, each piece of its gradient released as soon
+/// as it is sent: its gradient and its new shard are then never resident
+/// whole together, which is the step's memory peak (the end of backward).
+const PIECEWISE_SLOT: usize = 4 * REDUCE_PIECE;
+
+/// Elements of each rank's slot one piece of a piecewise reduce-scatter
+/// carries (8 MB): large enough that the collective runs at full speed,
+/// small enough that the staging copy costs no memory to speak of.
+const REDUCE_PIECE: usize = 2 << 20;
+
 impl InFlight {
     /// A buffer of `len` elements (contents unspecified), reusing a spare.
     fn buffer(&mut self, len: usize) -> Vec<f32> {
@@ -526,26 +538,31 @@ impl Shards {
     /// backward) averaged over ranks; this rank's shard of it is added to
     /// the flat shard's gradient, and `grads` released. Collective.
     fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
+        let mut released = false;
         if self.error.is_none() {
             let t = Instant::now();
             let result = self.reduce_now(pg, range, grads);
             self.comm += t.elapsed();
-            if let Err(e) = result {
-                self.fail(e);
+            match result {
+                Ok(done) => released = done,
+                Err(e) => self.fail(e),
             }
         }
         // Zero for the next backward, which accumulates into it.
-        self.spare.release(grads);
+        if !released {
+            self.spare.release(grads);
+        }
     }
 
     /// [`Shards::reduce`]'s collective: started and left in flight with
     /// overlap, else run now and added to the flat shard's gradient.
+    /// Returns whether `grads` was released on the way.
     fn reduce_now(
         &mut self,
         pg: &ProcessGroup,
         range: Range<usize>,
-        grads: &[f32],
-    ) -> Result<(), TrainError> {
+        grads: &mut [f32],
+    ) -> Result<bool, TrainError> {
         let p = self.parts.find(&range)?.clone();
         if range != p.range {
             return Err(TrainError::UnknownPart {
@@ -563,7 +580,7 @@ impl Shards {
             let work = pg.reduce_scatter_async(whole, out, ReduceOp::Avg);
             self.flight.reduces.push_back((p.own(), work));
             self.finish_reduces(REDUCES_IN_FLIGHT);
-            return Ok(());
+            return Ok(false);
         }
         let into_shard = self.grads_zero;
         let out = if into_shard {
@@ -577,7 +594,28 @@ impl Shards {
             staged(&mut self.scratch, p.shard.len)
         };
         let (how, scratch) = (self.compression, &mut self.compression_scratch);
-        if p.padded() {
+        let in_pieces = p.shard.len >= PIECEWISE_SLOT;
+        if in_pieces {
+            let (slot, world) = (p.shard.len, p.shard.world);
+            for start in (0..slot).step_by(REDUCE_PIECE) {
+                let k = REDUCE_PIECE.min(slot - start);
+                // Slot s's piece, for each rank s, clipped to the part
+                // (the last slot may end in padding).
+                let len = grads.len();
+                let piece = |s: usize| (s * slot + start).min(len)..(s * slot + start + k).min(len);
+                let whole = staged(&mut self.staging, world * k);
+                for (s, dst) in whole.chunks_mut(k).enumerate() {
+                    let src = &grads[piece(s)];
+                    dst[..src.len()].copy_from_slice(src);
+                    dst[src.len()..].fill(0.0);
+                }
+                how.reduce_scatter_mean(pg, whole, &mut out[start..start + k], scratch)
+                    .map_err(&comm)?;
+                for s in 0..world {
+                    release(&mut grads[piece(s)]);
+                }
+            }
+        } else if p.padded() {
             let whole = staged(&mut self.staging, p.shard.padded());
             whole[..grads.len()].copy_from_slice(grads);
             whole[grads.len()..].fill(0.0);
@@ -592,7 +630,7 @@ impl Shards {
                 *g += x;
             }
         }
-        Ok(())
+        Ok(in_pieces)
     }
 
     /// The first error a hook met, clearing it.
@@ -837,6 +875,9 @@ impl ShardedDp {
         let done = model.backward_parts(&mut PartMemory { pg, st, gather }, ready);
         let shards = self.shards_mut();
         shards.end_pass();
+        // Nothing more is filled before the optimizer, which runs at the
+        // step's peak; the gradient shard's pages are parked after it.
+        shards.spare.give_back();
         shards.grads_zero = false;
         // Used by the head's backward; anything else kept is stale.
         release_kept(shards, model);

@@ -292,7 +292,8 @@ fn sharded_passes_leave_only_the_shards_behind() {
 /// The same with a model whose buffers are large enough (over 64 MiB) for
 /// the sharded step to keep released pages and move them to the next part:
 /// parameters gathered into pages that held another part's, gradients
-/// written into pages that held parameters, and the results unchanged.
+/// written into pages that held parameters, and the results unchanged. Its
+/// embeddings are large enough to be reduce-scattered piece by piece.
 #[test]
 fn sharded_passes_reusing_released_pages_give_the_same_step() {
     check_passes(GPTConfig {

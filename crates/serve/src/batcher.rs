@@ -19,6 +19,7 @@
 //! dropped. This module never parses requests and never touches the network.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -88,10 +89,28 @@ struct State {
     closed: bool,
 }
 
+/// How long an idle instance keeps checking for new work before it sleeps on the condition
+/// variable, and how long a request's task keeps checking for its answer before it awaits it.
+///
+/// A thread that sleeps has to be woken by another, and on a small (virtual) machine a wake-up
+/// costs tens of microseconds before the thread runs again: with one client sending request
+/// after request, each request paid for two (the instance woken by the request, the request's
+/// async worker woken by the answer), as much as a small model's execution. One round trip
+/// from the answer to the client's next request (through both ends' protocol stacks) takes
+/// a few hundred microseconds, hence this bound. Both waits yield the CPU between checks
+/// ([`std::thread::yield_now`]) rather than spin in place, so that on a busy host they give
+/// way to threads with work (measured: spinning in place lost throughput there); after the
+/// bound they sleep as before, and an idle server uses no CPU.
+const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(500);
+
 /// One model version's bounded request queue.
 pub(crate) struct Queue {
     state: Mutex<State>,
     ready: Condvar,
+    /// Jobs ever pushed: what an instance checking for work before it sleeps watches.
+    pushed: AtomicU64,
+    /// A request's task is checking for its answer (see [`Queue::spin_for_reply`]).
+    reply_spinning: AtomicBool,
     policy: BatchPolicy,
     capacity: usize,
 }
@@ -109,6 +128,8 @@ impl Queue {
                 closed: false,
             }),
             ready: Condvar::new(),
+            pushed: AtomicU64::new(0),
+            reply_spinning: AtomicBool::new(false),
             policy,
             capacity: capacity.max(1),
         }
@@ -133,6 +154,7 @@ impl Queue {
             return Err((job, Refused::Full));
         }
         st.jobs.push_back(job);
+        self.pushed.fetch_add(1, Ordering::Release);
         drop(st);
         // every waiting instance re-evaluates: one may now have a full batch
         self.ready.notify_all();
@@ -179,10 +201,21 @@ impl Queue {
 
     fn next_within(&self, block: bool) -> Option<Work> {
         let mut st = self.lock();
+        let mut checked = false;
         loop {
             let Some(front) = st.jobs.front() else {
                 if st.closed || !block {
                     return None;
+                }
+                if !checked {
+                    // before sleeping, keep checking a while: the next request usually comes
+                    // soon, and then no one has to wake this thread (see SPIN_BEFORE_SLEEP)
+                    checked = true;
+                    let seen = self.pushed.load(Ordering::Acquire);
+                    drop(st);
+                    spin_until(|| self.pushed.load(Ordering::Acquire) != seen);
+                    st = self.lock();
+                    continue;
                 }
                 st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
                 continue;
@@ -222,6 +255,29 @@ impl Queue {
         }
     }
 
+    /// The answer on `rx` if it comes within [`SPIN_BEFORE_SLEEP`], checked without
+    /// registering a waker: the caller awaits `rx` only when this returns None. Awaiting at once
+    /// would have the instance's answer wake the async worker thread, which has usually gone to
+    /// sleep by then. It blocks the calling async worker meanwhile, so only one request of this
+    /// queue checks at a time; the others await at once.
+    pub fn spin_for_reply<T>(&self, rx: &mut oneshot::Receiver<T>) -> Option<T> {
+        if self.reply_spinning.swap(true, Ordering::Acquire) {
+            return None;
+        }
+        let mut answer = None;
+        spin_until(|| match rx.try_recv() {
+            Ok(v) => {
+                answer = Some(v);
+                true
+            }
+            Err(oneshot::error::TryRecvError::Empty) => false,
+            // the instance dropped the sender: awaiting reports it
+            Err(oneshot::error::TryRecvError::Closed) => true,
+        });
+        self.reply_spinning.store(false, Ordering::Release);
+        answer
+    }
+
     /// Indices of the queued inference jobs that can join `key` in one batch (same shapes
     /// beyond the batch dimension) and fit, in order, and their rows.
     fn gather(&self, jobs: &VecDeque<Job>, key: &Request) -> (Vec<usize>, usize) {
@@ -240,6 +296,15 @@ impl Queue {
             }
         }
         (picked, rows)
+    }
+}
+
+/// Checks `done` until it holds or [`SPIN_BEFORE_SLEEP`] has passed, yielding the CPU between
+/// checks.
+fn spin_until(mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + SPIN_BEFORE_SLEEP;
+    while !done() && Instant::now() < until {
+        std::thread::yield_now();
     }
 }
 

@@ -303,7 +303,7 @@ impl LoadedVersion {
                 })
             }
             Serving::Instances { queue, .. } => {
-                let (reply, rx) = oneshot::channel();
+                let (reply, mut rx) = oneshot::channel();
                 let job = Job::Infer(InferJob {
                     input,
                     want,
@@ -314,7 +314,10 @@ impl LoadedVersion {
                 queue
                     .push(job)
                     .map_err(|(_, why)| self.refused(why, queue.capacity()))?;
-                rx.await.unwrap_or_else(|_| Err(self.lost()))
+                match queue.spin_for_reply(&mut rx) {
+                    Some(out) => out,
+                    None => rx.await.unwrap_or_else(|_| Err(self.lost())),
+                }
             }
         };
         self.account(&out, start);

@@ -280,8 +280,8 @@ struct Shards {
     /// to be filled (see [`SparePages`]): every range released and filled
     /// again each step would otherwise cost the kernel's page faults and
     /// zero-filling, on a VM several percent of a GPT-2 small step. The pool
-    /// is given back before the step's peak (the embeddings' backward),
-    /// so the peak stays what it was.
+    /// is given back before the step's peaks (the embeddings' backward and
+    /// the optimizer), so the peak stays what it was.
     spare: SparePages,
     /// Whether the gradient shard is large enough for the pool.
     shard_spare: bool,
@@ -596,12 +596,11 @@ impl Shards {
         let (how, scratch) = (self.compression, &mut self.compression_scratch);
         let in_pieces = p.shard.len >= PIECEWISE_SLOT;
         if in_pieces {
-            let (slot, world) = (p.shard.len, p.shard.world);
+            let (slot, world, len) = (p.shard.len, p.shard.world, grads.len());
             for start in (0..slot).step_by(REDUCE_PIECE) {
                 let k = REDUCE_PIECE.min(slot - start);
                 // Slot s's piece, for each rank s, clipped to the part
                 // (the last slot may end in padding).
-                let len = grads.len();
                 let piece = |s: usize| (s * slot + start).min(len)..(s * slot + start + k).min(len);
                 let whole = staged(&mut self.staging, world * k);
                 for (s, dst) in whole.chunks_mut(k).enumerate() {

@@ -816,8 +816,8 @@ fn backward_pass<'g>(
     let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
     hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
     // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
-    // used and reads no parameter, so it has no range to ask the hooks for: a sharded strategy
-    // would gather the largest part of the model (wte) for nothing.
+    // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
+    // strategy would gather the largest part of the model (wte) for nothing.
     embed_backward(
         &mut dwte[lay.wte.clone()],
         dwpe,

@@ -1,9 +1,10 @@
-//! GFLOP/s of the matrix kernels on config B's shapes (2048 tokens; d 384; d_ff 1536), one
-//! thread: the forward product, the input gradient and the weight gradient of each of a block's
-//! four Linear layers, in the precision given (`fp32` or `bf16`).
+//! GFLOP/s of the matrix kernels on config B's shapes (2048 tokens; d 384; d_ff 1536) or config
+//! G's (1024 tokens; d 768; d_ff 3072), one thread: the forward product, the input gradient and
+//! the weight gradient of each of a block's four Linear layers, in the precision given (`fp32`
+//! or `bf16`).
 //!
 //! ```sh
-//! cargo run --release -p cohort-engine --example matmul_rates -- bf16
+//! cargo run --release -p cohort-engine --example matmul_rates -- bf16 [B|G]
 //! COHORT_AMX=0 cargo run --release -p cohort-engine --example matmul_rates -- bf16  # zmm kernel
 //! ```
 
@@ -29,7 +30,14 @@ fn main() {
         (DType::Bf16, Some(kernel)) => println!("bf16 on {kernel}"),
         (d, _) => println!("{d}"),
     }
-    let (n, c) = (2048usize, 384usize);
+    let (n, c) = match std::env::args().nth(2).as_deref() {
+        None | Some("B") => (2048usize, 384usize),
+        Some("G") => (1024, 768),
+        Some(other) => {
+            eprintln!("matmul_rates: unknown config {other:?} (expected B or G)");
+            std::process::exit(2);
+        }
+    };
     for (k, oc) in [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)] {
         let inp: Vec<f32> = (0..n * k).map(|i| (i % 17) as f32 * 0.01).collect();
         let w: Vec<f32> = (0..k * oc).map(|i| (i % 13) as f32 * 0.01).collect();

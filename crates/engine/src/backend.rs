@@ -141,6 +141,8 @@ kernels! {
     fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_forward;
     /// dinp = dout · w (overwritten), dw += doutᵀ · inp.
     fn head_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
+    /// `pre (N, OC) = inp · w + bias`, `out = gelu(pre)` in one pass (same bits as `matmul_forward` then `gelu_forward`).
+    fn matmul_gelu_forward(pre: &mut [f32], out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
     /// out = gelu(inp) (tanh form).
     fn gelu_forward(out: &mut [f32], inp: &[f32]) => cpu::gelu_forward;
     /// dinout *= gelu'(inp).

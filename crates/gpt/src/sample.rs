@@ -451,8 +451,7 @@ fn forward_rows<C: Caches + ?Sized>(
             n,
             c,
         );
-        dev.matmul_forward(fc, ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f);
-        dev.gelu_forward(gelu, fc);
+        dev.matmul_gelu_forward(fc, gelu, ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f);
         let (wp, bp) = (&p[bl.fcproj_w.clone()], opt(p, &bl.fcproj_b));
         dev.matmul_forward(proj, gelu, wp, bp, n, f, c);
         add(x, proj);

@@ -12,6 +12,8 @@
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
+use super::epilogue::Epilogue;
+#[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
 use super::gemm_bf16::bgemm;
@@ -88,9 +90,9 @@ unsafe fn mm(
         // `a` and `b`), which is `sgemm`'s; AVX-512 was detected just above.
         unsafe {
             if bf16 {
-                bgemm(m, k, n, a, b, c, rsc, beta == 1.0, None)
+                bgemm(m, k, n, a, b, c, rsc, beta == 1.0, None, Epilogue::None)
             } else {
-                sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None)
+                sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None, Epilogue::None)
             }
         };
         if alpha != 1.0 {

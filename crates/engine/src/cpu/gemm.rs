@@ -12,6 +12,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::epilogue::Epilogue;
+
 /// Columns of the register tile (two zmm registers), and the width of a packed panel.
 pub(crate) const NR: usize = 32;
 /// Rows of the register tile.
@@ -32,11 +35,13 @@ pub(crate) struct Strided {
 }
 
 /// `c (m, n) = a (m, k) · b (k, n) + bias (n)` or, with `accumulate`, `c += a · b` (bias unused).
-/// `c` is row-major with row stride `rsc`.
+/// `c` is row-major with row stride `rsc`. `ep` finishes each block of c once its sums are
+/// final.
 ///
 /// # Safety
 /// The CPU must support AVX-512F; the operands must describe valid matrices of these sizes;
-/// `c` must be writable and not overlap `a`, `b` or `bias`.
+/// `c` must be writable and not overlap `a`, `b` or `bias`; `ep`'s operand must hold an
+/// (m, n) matrix.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
@@ -50,6 +55,7 @@ pub(crate) unsafe fn sgemm(
     rsc: usize,
     accumulate: bool,
     bias: Option<*const f32>,
+    ep: Epilogue,
 ) {
     #[repr(align(64))]
     struct Panel([f32; KC * NR]);
@@ -68,6 +74,8 @@ pub(crate) unsafe fn sgemm(
                 }
             }
         }
+        // SAFETY: the whole of c, per the contract.
+        unsafe { ep.apply(c, rsc, m, n) };
         return;
     }
     // A transposed B packs element by element, which costs as much as a tenth of the product
@@ -93,6 +101,12 @@ pub(crate) unsafe fn sgemm(
                 unsafe { pack_panel(pp, b.ptr.add(k0 * b.rs + j * b.cs), b.rs, b.cs, kc, nr) };
                 // safety: rows i0..i0+mc, columns j..j+nr of c are inside it; pp was just packed.
                 unsafe { panel_tiles(i0, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
+            }
+            if k0 + kc == k {
+                // The strip's rows are final and in L2; the epilogue reads and writes whole
+                // rows (see the epilogue module on why not block by block).
+                // SAFETY: rows i0..i0+mc of c and of ep's operand.
+                unsafe { ep.at(i0, 0).apply(c.add(i0 * rsc), rsc, mc, n) };
             }
         }
     }

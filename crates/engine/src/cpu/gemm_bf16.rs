@@ -12,9 +12,11 @@
 //!   columns) contiguous so it stays in L1 while the A micro-panels stream past.
 //!
 //! The loops are BLIS's: NC columns of B (in L3), KC rows of them packed, MC rows of A packed (in
-//! L2), then NR x MR register tiles. Packing converts with the rounding instruction
-//! (round-to-nearest-even), vectorised for both unit-stride layouts the model uses; a transposed
-//! operand goes through a 16 x 16 register transpose. An odd K is padded with a zero pair half.
+//! L2), then NR x MR register tiles (the AMX kernel takes a strip of 32 rows across a sweep of
+//! panels before the next strip, so that C is written a row at a time). Packing converts with
+//! the rounding instruction (round-to-nearest-even), vectorised for both unit-stride layouts the
+//! model uses; a transposed operand goes through a 16 x 16 register transpose. An odd K is
+//! padded with a zero pair half.
 //!
 //! Each output element sums its K in the same order whatever block of C a call covers, so the
 //! result does not depend on how C is split over threads. The packing buffers are per thread,
@@ -25,6 +27,7 @@ use std::cell::RefCell;
 
 mod amx;
 
+use super::epilogue::Epilogue;
 use super::gemm::{bias_row, store_row, Strided};
 
 /// Columns of a register tile (two zmm registers, or two AMX tiles).
@@ -55,6 +58,9 @@ struct Blocking {
     nc: usize,
 }
 
+/// u32 of packed B that the AMX kernel sweeps with each strip of A's rows (1 MB): it stays
+/// in L2 beside A's block.
+const AMX_SWEEP_B_BUDGET: usize = 1 << 18;
 /// u32 of packed A per block under AMX (512 KB): as many rows as fit share each B micro-panel.
 const AMX_A_BUDGET: usize = 1 << 17;
 /// u32 of packed B per block under AMX (4 MB). Against 256 KB and 1 MB (both blocks in L2),
@@ -187,11 +193,12 @@ pub(crate) fn bf16_bits(x: f32) -> u16 {
 
 /// `c (m, n) = a (m, k) · b (k, n) + bias (n)` or, with `accumulate`, `c += a · b` (bias
 /// unused), with a and b rounded to bf16 and the sums kept in f32. `c` is row-major with row
-/// stride `rsc`.
+/// stride `rsc`. `ep` finishes each block of c once its sums are final.
 ///
 /// # Safety
 /// [`supported`] must be true; the operands must describe valid matrices of these sizes; `c`
-/// must be writable and not overlap `a`, `b` or `bias`.
+/// must be writable and not overlap `a`, `b` or `bias`; `ep`'s operand must hold an (m, n)
+/// matrix.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn bgemm(
     m: usize,
@@ -203,10 +210,11 @@ pub(crate) unsafe fn bgemm(
     rsc: usize,
     accumulate: bool,
     bias: Option<*const f32>,
+    ep: Epilogue,
 ) {
     let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
     // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
-    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias) }
+    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep) }
 }
 
 /// [`bgemm`] on a chosen kernel (the tests run each one the CPU has).
@@ -225,6 +233,7 @@ unsafe fn bgemm_with(
     rsc: usize,
     accumulate: bool,
     bias: Option<*const f32>,
+    ep: Epilogue,
 ) {
     if k == 0 {
         if !accumulate {
@@ -235,6 +244,8 @@ unsafe fn bgemm_with(
                 }
             }
         }
+        // SAFETY: the whole of c, per the contract.
+        unsafe { ep.apply(c, rsc, m, n) };
         return;
     }
     let bl = kernel.blocking(k);
@@ -255,7 +266,11 @@ unsafe fn bgemm_with(
         );
         // SAFETY: the buffers hold mc x kcp and nc x kcp u32 of this kernel's blocking, the
         // largest blocks packed below; the caller's contract covers the rest.
-        unsafe { blocks(kernel, &bl, m, k, n, a, b, c, rsc, accumulate, bias, pa, pb) }
+        unsafe {
+            blocks(
+                kernel, &bl, m, k, n, a, b, c, rsc, accumulate, bias, ep, pa, pb,
+            )
+        }
     })
 }
 
@@ -278,6 +293,7 @@ unsafe fn blocks(
     rsc: usize,
     accumulate: bool,
     bias: Option<*const f32>,
+    ep: Epilogue,
     pa: *mut u32,
     pb: *mut u32,
 ) {
@@ -288,6 +304,9 @@ unsafe fn blocks(
     }
     // C tiles go through this buffer on their way to C under AMX.
     let mut scratch = amx::Scratch([0.0; MR_AMX * NR]);
+    // Under AMX, columns of a packed block of B per sweep of A's strips: what stays in L2
+    // beside A's block (see below).
+    let sweep = (AMX_SWEEP_B_BUDGET / bl.kcp / NR).max(1) * NR;
     // SAFETY: for the whole body, every pointer offset stays inside the caller's matrices (rows
     // i < m, columns j < n, k < k) or the packing buffers (at most mc x kcp and nc x kcp).
     unsafe {
@@ -304,6 +323,7 @@ unsafe fn blocks(
                 };
                 pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride);
                 // The first K block starts C from the bias (or zero) unless accumulating.
+                let last = pc + kc == k;
                 let (acc, bias) = if pc == 0 && !accumulate {
                     (false, bias.map(|b| b.add(jc)))
                 } else {
@@ -312,30 +332,60 @@ unsafe fn blocks(
                 for ic in (0..m).step_by(bl.mc) {
                     let mc = bl.mc.min(m - ic);
                     pack_a(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride);
-                    for jr in (0..nc).step_by(NR) {
-                        let nr = NR.min(nc - jr);
-                        let panel = pb.add(jr * stride);
-                        let rows_per = if amx { MR_AMX } else { MR };
-                        for ir in (0..mc).step_by(rows_per) {
-                            let rows = rows_per.min(mc - ir);
-                            let (ap, cp) = (pa.add(ir * stride), c.add((ic + ir) * rsc + jc + jr));
-                            let bias = bias.map(|b| b.add(jr));
-                            if amx {
-                                amx::block(
-                                    stride,
-                                    ap,
-                                    panel,
-                                    cp,
-                                    rsc,
-                                    rows,
-                                    nr,
-                                    acc,
-                                    bias,
-                                    &mut scratch,
-                                );
-                            } else {
+                    if amx {
+                        // Strips of 32 rows across a sweep of B's panels, then the next
+                        // strip: C is written row by row, a run of the sweep's width in each
+                        // row, which the hardware prefetchers follow (going down 32-row blocks
+                        // of one panel instead writes 128 bytes to each of 32 distant rows,
+                        // and those misses cost as much as the products on config B's
+                        // shapes). A strip of C is final at the end of its last K block and
+                        // gets its epilogue while it is in cache. The sweep's panels (1 MB)
+                        // stay in L2 beside A's block; one strip of A stays in L1.
+                        for js in (0..nc).step_by(sweep) {
+                            let ns = sweep.min(nc - js);
+                            for ir in (0..mc).step_by(MR_AMX) {
+                                let rows = MR_AMX.min(mc - ir);
+                                let ap = pa.add(ir * stride);
+                                for jr in (js..js + ns).step_by(NR) {
+                                    let nr = NR.min(nc - jr);
+                                    let cp = c.add((ic + ir) * rsc + jc + jr);
+                                    let bias = bias.map(|b| b.add(jr));
+                                    let panel = pb.add(jr * stride);
+                                    amx::block(
+                                        stride,
+                                        ap,
+                                        panel,
+                                        cp,
+                                        rsc,
+                                        rows,
+                                        nr,
+                                        acc,
+                                        bias,
+                                        &mut scratch,
+                                    );
+                                }
+                                if last {
+                                    let cp = c.add((ic + ir) * rsc + jc + js);
+                                    ep.at(ic + ir, jc + js).apply(cp, rsc, rows, ns);
+                                }
+                            }
+                        }
+                    } else {
+                        // BLIS's order: each micro-panel of B stays in L1 while A's stream by.
+                        for jr in (0..nc).step_by(NR) {
+                            let nr = NR.min(nc - jr);
+                            let panel = pb.add(jr * stride);
+                            for ir in (0..mc).step_by(MR) {
+                                let rows = MR.min(mc - ir);
+                                let (ap, cp) =
+                                    (pa.add(ir * stride), c.add((ic + ir) * rsc + jc + jr));
+                                let bias = bias.map(|b| b.add(jr));
                                 tile(rows, stride, ap, stride, panel, cp, rsc, nr, acc, bias);
                             }
+                        }
+                        if last {
+                            let cp = c.add(ic * rsc + jc);
+                            ep.at(ic, jc).apply(cp, rsc, mc, nc);
                         }
                     }
                 }
@@ -773,7 +823,21 @@ mod tests {
             for (sa, sb) in cases {
                 let mut c = vec![f32::NAN; m * n];
                 // SAFETY: the descriptors cover the test's buffers; AVX512_BF16 checked above.
-                unsafe { bgemm_with(kernel, m, k, n, sa, sb, c.as_mut_ptr(), n, false, None) };
+                unsafe {
+                    bgemm_with(
+                        kernel,
+                        m,
+                        k,
+                        n,
+                        sa,
+                        sb,
+                        c.as_mut_ptr(),
+                        n,
+                        false,
+                        None,
+                        Epilogue::None,
+                    )
+                };
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
                     assert!(
                         (g as f64 - w).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
@@ -788,8 +852,20 @@ mod tests {
                 // SAFETY: as above.
                 unsafe {
                     let c = c.as_mut_ptr();
-                    bgemm_with(kernel, m, k, n, sa, sb, c, n, false, Some(bias.as_ptr()));
-                    bgemm_with(kernel, m, k, n, sa, sb, c, n, true, None);
+                    bgemm_with(
+                        kernel,
+                        m,
+                        k,
+                        n,
+                        sa,
+                        sb,
+                        c,
+                        n,
+                        false,
+                        Some(bias.as_ptr()),
+                        Epilogue::None,
+                    );
+                    bgemm_with(kernel, m, k, n, sa, sb, c, n, true, None, Epilogue::None);
                 }
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
                     let w = 2.0 * w + bias[i % n] as f64;

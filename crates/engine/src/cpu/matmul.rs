@@ -8,6 +8,7 @@
 
 use rayon::prelude::*;
 
+use super::epilogue::Epilogue;
 #[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
@@ -51,11 +52,12 @@ const PAR_MIN_MACS: usize = 1 << 17;
 
 /// c (m, n) = a (m, k) · b (k, n) + bias (n), or `c += a · b` with `accumulate` (no bias),
 /// split over the current rayon pool. With `DType::Bf16` (on a CPU that has the bf16 product)
-/// a and b are rounded to bf16 and the sums kept in f32.
+/// a and b are rounded to bf16 and the sums kept in f32. `ep` finishes each block of c once
+/// its sums are final.
 ///
 /// # Safety
 /// The three descriptors must describe valid matrices of the given sizes, `c` must not overlap
-/// `a`, `b` or `bias`, and `c` must be writable.
+/// `a`, `b` or `bias`, and `c` must be writable; `ep`'s operand must hold an (m, n) matrix.
 unsafe fn gemm(
     dtype: DType,
     m: usize,
@@ -66,6 +68,7 @@ unsafe fn gemm(
     c: Mat,
     accumulate: bool,
     bias: Option<&[f32]>,
+    ep: Epilogue,
 ) {
     // safety: forwarded from the caller.
     unsafe {
@@ -80,6 +83,7 @@ unsafe fn gemm(
             c,
             accumulate,
             bias,
+            ep,
         )
     }
 }
@@ -100,6 +104,7 @@ unsafe fn gemm_on(
     c: Mat,
     accumulate: bool,
     bias: Option<&[f32]>,
+    ep: Epilogue,
 ) {
     let parts = if m * n * k < PAR_MIN_MACS {
         1
@@ -129,10 +134,11 @@ unsafe fn gemm_on(
                 let (sa, sb, cc) = (s(a, r0, 0), s(b, 0, c0), c.at(r0, c0));
                 let bias = bias.map(|b| b.get().add(c0) as *const f32);
                 let (m, n, rsc) = (r1 - r0, c1 - c0, c.rs as usize);
+                let ep = ep.at(r0, c0);
                 if bf16 {
-                    bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias);
+                    bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
                 } else {
-                    sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias);
+                    sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
                 }
                 return;
             }
@@ -156,7 +162,10 @@ unsafe fn gemm_on(
                 c.at(r0, c0),
                 c.rs,
                 c.cs,
-            )
+            );
+            // c is row-major here (every caller's c is).
+            ep.at(r0, c0)
+                .apply(c.at(r0, c0), c.rs as usize, r1 - r0, c1 - c0);
         }
     };
     if parts == 1 {
@@ -216,6 +225,50 @@ pub fn matmul_forward(
             Mat::rm(out.as_mut_ptr(), oc),
             false,
             bias.map(|b| &b[..oc]),
+            Epilogue::None,
+        )
+    }
+}
+
+/// `pre (N, OC) = inp (N, C) · w (C, OC) + bias (OC)` and `out = gelu(pre)`: the MLP's first
+/// layer and its activation in one pass, each block of `out` computed while the product's block
+/// is still in cache. Both results are the same bits as [`matmul_forward`] then
+/// [`gelu_forward`](super::gelu_forward).
+pub fn matmul_gelu_forward(
+    dtype: DType,
+    pre: &mut [f32],
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul pre", pre.len(), n * oc);
+    check("matmul gelu out", out.len(), n * oc);
+    check("matmul inp", inp.len(), n * c);
+    check("matmul w", w.len(), c * oc);
+    if let Some(b) = bias {
+        check("matmul bias", b.len(), oc);
+    }
+    let ep = Epilogue::Gelu {
+        out: SendPtr(out.as_mut_ptr()),
+        rs: oc,
+    };
+    // safety: sizes checked above; pre and out are distinct &mut slices of (n, oc).
+    unsafe {
+        gemm(
+            dtype,
+            n,
+            c,
+            oc,
+            Mat::rm(inp.as_ptr(), c),
+            Mat::rm(w.as_ptr(), oc),
+            Mat::rm(pre.as_mut_ptr(), oc),
+            false,
+            bias.map(|b| &b[..oc]),
+            ep,
         )
     }
 }
@@ -396,6 +449,7 @@ pub fn packed_matmul_forward(
                 Mat::rm(out.as_mut_ptr(), n),
                 false,
                 bias.map(|b| &b[..n]),
+                Epilogue::None,
             )
         },
     }
@@ -446,6 +500,7 @@ pub fn matmul_backward(
                 Mat::rm(dinp.as_mut_ptr(), c),
                 false,
                 None,
+                Epilogue::None,
             );
         }
         gemm(
@@ -458,6 +513,7 @@ pub fn matmul_backward(
             Mat::rm(dw.as_mut_ptr(), oc),
             true,
             None,
+            Epilogue::None,
         );
     }
     if let Some(db) = dbias {
@@ -492,6 +548,7 @@ pub fn matmul_backward_input(
             Mat::rm(dinp.as_mut_ptr(), c),
             false,
             None,
+            Epilogue::None,
         );
     }
 }
@@ -521,6 +578,7 @@ pub fn head_forward(
             Mat::rm(out.as_mut_ptr(), v),
             false,
             None,
+            Epilogue::None,
         )
     }
 }
@@ -556,6 +614,7 @@ pub fn head_backward(
             Mat::rm(dinp.as_mut_ptr(), c),
             false,
             None,
+            Epilogue::None,
         );
         gemm(
             dtype,
@@ -567,6 +626,7 @@ pub fn head_backward(
             Mat::rm(dw.as_mut_ptr(), c),
             true,
             None,
+            Epilogue::None,
         );
     }
 }
@@ -726,6 +786,51 @@ mod tests {
                     .map(|j| 1.0 + (0..n).map(|i| dout[i * oc + j] as f64).sum::<f64>())
                     .collect();
                 assert_close(&db, &want_db, 1e-5, "db");
+            }
+        }
+    }
+
+    #[test]
+    fn fused_gelu_products_are_the_unfused_bits() {
+        use crate::cpu::gelu_forward;
+        let mut dtypes = vec![DType::F32];
+        if crate::cpu::bf16_supported() {
+            dtypes.push(DType::Bf16);
+        }
+        for dtype in dtypes {
+            for threads in [1, 2] {
+                // Below and past a register tile and a 32-column panel; K past one K block of
+                // every kernel (256 for fp32, 2048 under AMX).
+                for &(n, c, oc) in &[(5, 3, 7), (70, 33, 65), (130, 300, 96), (40, 2100, 50)] {
+                    let inp: Vec<f32> = rand_vec(n * c, 1).iter().map(|v| v * 3.0).collect();
+                    let w = rand_vec(c * oc, 2);
+                    let b = rand_vec(oc, 3);
+                    let (mut pre, mut out) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+                    let (mut want_pre, mut want_out) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+                    within_pool(threads, || {
+                        matmul_gelu_forward(
+                            dtype,
+                            &mut pre,
+                            &mut out,
+                            &inp,
+                            &w,
+                            Some(&b),
+                            n,
+                            c,
+                            oc,
+                        );
+                        matmul_forward(dtype, &mut want_pre, &inp, &w, Some(&b), n, c, oc);
+                        gelu_forward(&mut want_out, &want_pre);
+                    });
+                    let what = format!("{dtype} {threads} threads {n}x{c}x{oc}");
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&pre), bits(&want_pre), "pre, {what}");
+                    assert_eq!(bits(&out), bits(&want_out), "gelu out, {what}");
+                    assert!(
+                        out.iter().zip(&pre).any(|(o, p)| o != p),
+                        "gelu applied, {what}"
+                    );
+                }
             }
         }
     }

@@ -17,6 +17,7 @@ mod attention_decode;
 mod crossentropy;
 mod elementwise;
 mod encoder;
+mod epilogue;
 mod gemm;
 #[cfg(target_arch = "x86_64")]
 mod gemm_bf16;
@@ -34,7 +35,7 @@ pub use encoder::{encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
-    matmul_forward, packed_matmul_forward, PackedMatrix,
+    matmul_forward, matmul_gelu_forward, packed_matmul_forward, PackedMatrix,
 };
 
 use crate::{DType, EngineError};

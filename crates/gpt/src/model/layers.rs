@@ -178,10 +178,20 @@ pub(crate) fn block_forward(
             c,
         )
     });
+    // The GELU runs on each strip of the product's rows while the strip is in cache (its time
+    // counted with the product's), rather than as a pass of its own over [n, f].
     prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(fch, s_ln, &p[bl.fc_w.clone()], opt(p, &bl.fc_b), n, c, f)
+        dev.matmul_gelu_forward(
+            fch,
+            s_big,
+            s_ln,
+            &p[bl.fc_w.clone()],
+            opt(p, &bl.fc_b),
+            n,
+            c,
+            f,
+        )
     });
-    prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
     prof.time(K::MatmulFwd, || {
         dev.matmul_forward(x_next, s_big, &p[bl.fcproj_w.clone()], None, n, f, c)
     });

@@ -124,6 +124,15 @@ pub enum ServeError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A BYTES tensor's elements are unusable: a 4-byte length prefix cut short, a length
+    /// running past the data, an element that is not UTF-8 where text is required.
+    #[error("tensor {tensor:?}: {reason}")]
+    Bytes {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong, naming the element.
+        reason: String,
+    },
     /// A request parameter has an unusable value.
     #[error("parameter {name:?}: {reason}")]
     Parameter {
@@ -253,6 +262,7 @@ impl ServeError {
             | Shape { .. }
             | DataSize { .. }
             | TokenOutOfRange { .. }
+            | Bytes { .. }
             | Parameter { .. }
             | Text { .. }
             | Generate { .. }

@@ -511,7 +511,14 @@ fn stream_error(e: impl std::fmt::Display) -> proto::ModelStreamInferResponse {
 
 /// Answers one request of a ModelStreamInfer stream on `tx`.
 async fn stream_one(app: &AppState, r: proto::ModelInferRequest, tx: &StreamTx) {
-    if !r.inputs.iter().any(|i| i.name == TEXT_INPUT) {
+    // a model whose own input is called text_input (a tokenizer, say) is inferred, not asked
+    // to generate
+    let own_input = || {
+        app.repo
+            .resolve(&r.model_name, opt(&r.model_version))
+            .is_ok_and(|lv| lv.inputs().iter().any(|s| s.name == TEXT_INPUT))
+    };
+    if !r.inputs.iter().any(|i| i.name == TEXT_INPUT) || own_input() {
         let resp = match infer_one(app, r).await {
             Ok(resp) => proto::ModelStreamInferResponse {
                 error_message: String::new(),

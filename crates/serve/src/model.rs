@@ -75,6 +75,13 @@ impl Stamp {
                 dir: version_dir.to_path_buf(),
                 mtimes: Vec::new(),
             }),
+            Kind::Tokenizer => Some(Stamp {
+                dir: version_dir.to_path_buf(),
+                mtimes: vec![
+                    mtime(version_dir, cohort_tokenizer::TOKENIZER_FILE),
+                    mtime(version_dir, cohort_tokenizer::char_vocab::VOCAB_FILE),
+                ],
+            }),
         }
     }
 }

@@ -476,4 +476,28 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn a_version_directory_gives_its_tokenizer_json_else_its_vocab_json() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = Codec::load(dir.path()).err().unwrap();
+        assert!(
+            err.contains("has neither tokenizer.json nor vocab.json"),
+            "{err}"
+        );
+        let vocab = CharVocab::new("xyz".chars()).unwrap();
+        std::fs::write(dir.path().join(VOCAB_FILE), vocab.to_json()).unwrap();
+        let chars = Codec::load(dir.path()).unwrap();
+        assert!(matches!(chars, Codec::Chars(_)));
+        assert_eq!(chars.vocab_size(), 3);
+        assert_eq!(chars.decode(&chars.encode("zyx").unwrap()).unwrap(), "zyx");
+        let tok = Tokenizer::char_level("ab".chars());
+        tok.save(dir.path().join(TOKENIZER_FILE)).unwrap();
+        let hf = Codec::load(dir.path()).unwrap();
+        assert!(matches!(hf, Codec::Tokenizer(_)));
+        assert_eq!(hf.vocab_size(), 2);
+        std::fs::write(dir.path().join(TOKENIZER_FILE), "{").unwrap();
+        let err = Codec::load(dir.path()).err().unwrap();
+        assert!(err.contains("tokenizer.json"), "{err}");
+    }
 }

@@ -77,7 +77,7 @@ fn repository(repo: &Path, m: &GPT, tok: &Tokenizer) {
         "detokenizer_seq",
         "input [ { name: \"ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n\
          output [ { name: \"TEXT\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
-         dynamic_batching { max_queue_delay_microseconds: 1000 }\n",
+         dynamic_batching { max_queue_delay_microseconds: 50000 }\n",
     );
     std::fs::create_dir_all(repo.join("textgen/1")).unwrap();
     std::fs::write(
@@ -512,6 +512,46 @@ fn text_goes_through_tokenizer_gpt_and_detokenizer_as_one_ensemble() {
     for step in ["tokenizer", "gpt", "detokenizer", "detokenizer_seq"] {
         assert_eq!(successes(addr, step), ensemble_requests + direct, "{step}");
     }
+
+    // concurrent decodes are joined by the dynamic batcher, and each request gets exactly its
+    // own rows of the BYTES output back (cut by walking the length prefixes)
+    let executions = || {
+        let r = http(addr, "GET", "/v2/models/detokenizer_seq/stats", None, b"");
+        let n = &r.json()["model_stats"][0]["execution_count"];
+        n.as_u64()
+            .or_else(|| n.as_str().and_then(|s| s.parse().ok()))
+            .unwrap()
+    };
+    let before = executions();
+    let words: Vec<String> = (0..8)
+        .map(|i| CHARS.chars().cycle().skip(i).take(3 + i % 2 * 2).collect())
+        .collect();
+    std::thread::scope(|s| {
+        let calls: Vec<_> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let ids: Vec<i64> = tok.encode(w).unwrap().into_iter().map(i64::from).collect();
+                // rows of one request are the same word, so a row cut wrongly shows
+                let rows = 1 + i % 3;
+                let data: Vec<i64> = (0..rows).flat_map(|_| ids.clone()).collect();
+                s.spawn(move || {
+                    let inputs = json!([{"name": "ids", "datatype": "INT64",
+                                         "shape": [rows, ids.len()], "data": data}]);
+                    (rows, infer_json(addr, "detokenizer_seq", inputs))
+                })
+            })
+            .collect();
+        for (w, call) in words.iter().zip(calls) {
+            let (rows, a) = call.join().unwrap();
+            assert_eq!(output(&a, "TEXT"), &json!(vec![w; rows]), "{w:?}");
+        }
+    });
+    let ran = executions() - before;
+    assert!(
+        ran < words.len() as u64,
+        "8 requests in {ran} executions: no batching?"
+    );
     drop((rt, client));
     server.shutdown();
 }

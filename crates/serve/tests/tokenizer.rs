@@ -67,6 +67,12 @@ fn repository(repo: &Path, m: &GPT, tok: &Tokenizer) {
         "input [ { name: \"TEXT\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
          output [ { name: \"input_ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n",
     );
+    // an input named as the generate extension's is still this model's input
+    tokenizer(
+        "encoder",
+        "input [ { name: \"text_input\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
+         output [ { name: \"ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n",
+    );
     // one id per row: the GPT's next_token, INT64 [batch]
     tokenizer(
         "detokenizer",
@@ -237,6 +243,7 @@ fn text_goes_through_tokenizer_gpt_and_detokenizer_as_one_ensemble() {
     for name in [
         "gpt",
         "tokenizer",
+        "encoder",
         "detokenizer",
         "detokenizer_seq",
         "textgen",
@@ -552,6 +559,38 @@ fn text_goes_through_tokenizer_gpt_and_detokenizer_as_one_ensemble() {
         ran < words.len() as u64,
         "8 requests in {ran} executions: no batching?"
     );
+
+    // on a gRPC stream, a model whose own input is text_input is inferred, not generated with
+    let request = ModelInferRequest {
+        model_name: "encoder".into(),
+        id: "enc".into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: "text_input".into(),
+            datatype: "BYTES".into(),
+            shape: vec![1, 1],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![serialize(&[b"bad"])],
+        ..Default::default()
+    };
+    let resp = rt.block_on(async {
+        let mut responses = client
+            .model_stream_infer(tokio_stream::iter(vec![request]))
+            .await
+            .unwrap()
+            .into_inner();
+        responses.message().await.unwrap().unwrap()
+    });
+    assert_eq!(resp.error_message, "");
+    let r = resp.infer_response.unwrap();
+    assert_eq!((r.id.as_str(), r.outputs[0].name.as_str()), ("enc", "ids"));
+    let want: Vec<i64> = tok
+        .encode("bad")
+        .unwrap()
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    assert_eq!(i64s(&r.raw_output_contents[0]), want);
     drop((rt, client));
     server.shutdown();
 }

@@ -247,9 +247,10 @@ async fn input_shapes(
         .collect()
 }
 
-/// Little-endian bytes of `n` random values of `dt`.
+/// Little-endian bytes of `n` random values of `dt` (BYTES: one-letter texts, a to h, each
+/// after its 4-byte length as Triton serializes them).
 fn random_bytes(dt: DataType, n: usize, rng: &mut SplitMix64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(n * dt.size());
+    let mut out = Vec::with_capacity(n * dt.size().unwrap_or(5));
     for _ in 0..n {
         let small = rng.below(8) as i64;
         let uniform = (rng.below(1 << 24) as f64 / f64::from(1 << 23)) - 1.0;
@@ -262,6 +263,10 @@ fn random_bytes(dt: DataType, n: usize, rng: &mut SplitMix64) -> Vec<u8> {
             DataType::Int64 => out.extend_from_slice(&small.to_le_bytes()),
             DataType::Fp32 => out.extend_from_slice(&(uniform as f32).to_le_bytes()),
             DataType::Fp64 => out.extend_from_slice(&uniform.to_le_bytes()),
+            DataType::Bytes => {
+                out.extend_from_slice(&1u32.to_le_bytes());
+                out.push(b'a' + small as u8);
+            }
         }
     }
     out

@@ -2,7 +2,9 @@
 //! checked with Triton's own Python client (crates/serve/tests/tritonclient_check.py) when
 //! `tritonclient` is importable, and generate compared with `cohort sample` in any case; ONNX
 //! models and an ensemble checked against onnxruntime (crates/serve/tests/onnx_check.py) when
-//! `onnx`, `onnxruntime` and `tritonclient` are importable.
+//! `onnx`, `onnxruntime` and `tritonclient` are importable; the ensemble tokenizer -> GPT ->
+//! detokenizer checked against its steps and cohort's forward pass
+//! (crates/serve/tests/tokenizer_check.py) when `tritonclient` is.
 
 mod support;
 
@@ -394,5 +396,114 @@ fn onnx_models_and_an_ensemble_answer_tritonclient_as_onnxruntime_does() {
     let spec_file = dir.path().join("onnx.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
     python_check("onnx_check.py", &spec_file);
+    server.stop();
+}
+
+/// Writes the tokenizer models and the ensemble `textgen` (tokenizer -> gpt -> detokenizer, and
+/// the prompt's ids decoded again) beside `repo/gpt`, with the tokenizer of `save`.
+fn text_pipeline(repo: &Path) {
+    let json = Tokenizer::char_level(CHARS.chars()).to_json().unwrap();
+    let tokenizer = |name: &str, tensors: &str| {
+        std::fs::create_dir_all(repo.join(name).join("1")).unwrap();
+        std::fs::write(repo.join(name).join("1").join(TOKENIZER_FILE), &json).unwrap();
+        std::fs::write(
+            repo.join(name).join("config.pbtxt"),
+            format!("backend: \"cohort_tokenizer\"\nmax_batch_size: 4\n{tensors}"),
+        )
+        .unwrap();
+    };
+    tokenizer(
+        "tokenizer",
+        "input [ { name: \"TEXT\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
+         output [ { name: \"input_ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n",
+    );
+    tokenizer(
+        "detokenizer",
+        "input [ { name: \"ids\" data_type: TYPE_INT64 dims: [ 1 ] reshape: { shape: [ ] } } ]\n\
+         output [ { name: \"TEXT\" data_type: TYPE_STRING dims: [ 1 ] } ]\n",
+    );
+    tokenizer(
+        "detokenizer_seq",
+        "input [ { name: \"ids\" data_type: TYPE_INT64 dims: [ -1 ] } ]\n\
+         output [ { name: \"TEXT\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
+         dynamic_batching { max_queue_delay_microseconds: 1000 }\n",
+    );
+    std::fs::create_dir_all(repo.join("textgen/1")).unwrap();
+    std::fs::write(
+        repo.join("textgen/config.pbtxt"),
+        "platform: \"ensemble\"\nmax_batch_size: 4\n\
+         input [ { name: \"PROMPT\" data_type: TYPE_STRING dims: [ 1 ] } ]\n\
+         output [\n\
+           { name: \"NEXT_TEXT\" data_type: TYPE_STRING dims: [ 1 ] },\n\
+           { name: \"NEXT_ID\" data_type: TYPE_INT64 dims: [ 1 ] },\n\
+           { name: \"ECHO\" data_type: TYPE_STRING dims: [ 1 ] }\n\
+         ]\n\
+         ensemble_scheduling { step [\n\
+           { model_name: \"tokenizer\" model_version: -1\n\
+             input_map { key: \"TEXT\" value: \"PROMPT\" }\n\
+             output_map { key: \"input_ids\" value: \"ids\" } },\n\
+           { model_name: \"gpt\" model_version: -1\n\
+             input_map { key: \"input_ids\" value: \"ids\" }\n\
+             output_map { key: \"next_token\" value: \"NEXT_ID\" } },\n\
+           { model_name: \"detokenizer\" model_version: -1\n\
+             input_map { key: \"ids\" value: \"NEXT_ID\" }\n\
+             output_map { key: \"TEXT\" value: \"NEXT_TEXT\" } },\n\
+           { model_name: \"detokenizer_seq\" model_version: -1\n\
+             input_map { key: \"ids\" value: \"ids\" }\n\
+             output_map { key: \"TEXT\" value: \"ECHO\" } }\n\
+         ] }\n",
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_tokenizer_gpt_detokenizer_ensemble_answers_tritonclient_as_its_steps_do() {
+    let test = "a_tokenizer_gpt_detokenizer_ensemble_answers_tritonclient_as_its_steps_do";
+    let modules = ["tritonclient.http", "tritonclient.grpc", "numpy"];
+    if !python_imports(
+        test,
+        &modules,
+        "pip install 'tritonclient[http,grpc]' numpy",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let mut m = model(8);
+    save(&repo.join("gpt/1"), &m);
+    std::fs::write(repo.join("gpt/config.pbtxt"), "max_batch_size: 4\n").unwrap();
+    text_pipeline(&repo);
+
+    // what the pipeline must answer, by cohort's own tokenizer and forward pass
+    let tok = Tokenizer::char_level(CHARS.chars());
+    let vocab = tiny().vocab_size;
+    let cases: Vec<serde_json::Value> = ["bad cafe", "a", "head, bag.\nfade"]
+        .iter()
+        .map(|prompt| {
+            let ids = tok.encode(prompt).unwrap();
+            m.forward(&ids, None, None, 1, ids.len()).unwrap();
+            let next = cohort_gpt::sample::argmax(&m.logits()[(ids.len() - 1) * vocab..]);
+            json!({
+                "prompt": prompt,
+                "ids": ids,
+                "next_id": next,
+                "next_text": tok.decode(&[next as u32]).unwrap(),
+            })
+        })
+        .collect();
+    assert!(
+        cases.iter().any(|c| c["next_id"] != cases[0]["next_id"]),
+        "every prompt has the same next token: a row mixed up would go unnoticed"
+    );
+    let server = Serving::start(&repo);
+    let spec = json!({
+        "http": server.http,
+        "grpc": server.grpc,
+        "cases": cases,
+        "same_length": ["bad cafe", "fed, ace"],
+    });
+    let spec_file = dir.path().join("tokenizer.json");
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    python_check("tokenizer_check.py", &spec_file);
     server.stop();
 }

@@ -1,18 +1,19 @@
 //! A model's serving configuration, read from `REPO/<model>/config.pbtxt` (Triton's protobuf
 //! text) or `REPO/<model>/config.toml` (the same fields in TOML). Only Triton's fields that mean
 //! something for cohort are read: `name`, `platform` / `backend` (which backend serves the
-//! model: `cohort_gpt`, `onnxruntime_onnx`, `ensemble`), `max_batch_size`, `dynamic_batching`
-//! (`preferred_batch_size`, `max_queue_delay_microseconds`, `default_queue_policy.max_queue_size`),
-//! `instance_group` (`count`, `kind`), `version_policy`, `parameters` (`inflight_batching`:
-//! whether concurrent generations share batched decode steps), `ensemble_scheduling` (steps
-//! with `input_map` / `output_map`), and `input` / `output`, which must name the model's own
-//! tensors with their types (a GPT's `input_ids`; `logits`, `next_token`; an ONNX model's are
-//! checked when `model.onnx` is read; an ensemble's declare its tensors): a config that
-//! declares a tensor the model does not have is refused at load, naming it. Other fields Triton
-//! writes are accepted and ignored with a warning. A misspelt field
-//! inside a known section is an error. A configuration can also come as JSON (Triton's
-//! `load_model(config=...)` override), where an unused field is refused instead of ignored. This
-//! module never loads a model.
+//! model: `cohort_gpt`, `onnxruntime_onnx`, `ensemble`, `cohort_tokenizer`), `max_batch_size`,
+//! `dynamic_batching` (`preferred_batch_size`, `max_queue_delay_microseconds`,
+//! `default_queue_policy.max_queue_size`), `instance_group` (`count`, `kind`),
+//! `version_policy`, `parameters` (`inflight_batching`: whether concurrent generations share
+//! batched decode steps), `ensemble_scheduling` (steps with `input_map` / `output_map`), and
+//! `input` / `output`, which must name the model's own tensors with their types (a GPT's
+//! `input_ids`; `logits`, `next_token`; an ONNX model's are checked when `model.onnx` is read;
+//! an ensemble's and a tokenizer's declare their tensors, BYTES ones as `TYPE_STRING`): a
+//! config that declares a tensor the model does not have is refused at load, naming it. Other
+//! fields Triton writes are accepted and ignored with a warning. A misspelt field inside a
+//! known section is an error. A configuration can also come as JSON (Triton's
+//! `load_model(config=...)` override), where an unused field is refused instead of ignored.
+//! This module never loads a model.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -63,11 +64,11 @@ pub struct ModelConfig {
     /// Must equal the model's directory name when given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// Triton's platform: `cohort_gpt`, `onnxruntime_onnx` or `ensemble` (see
-    /// [`ModelConfig::kind`]).
+    /// Triton's platform: `cohort_gpt`, `onnxruntime_onnx`, `ensemble` or `cohort_tokenizer`
+    /// (see [`ModelConfig::kind`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub platform: Option<String>,
-    /// Triton's backend: `cohort` or `onnxruntime`.
+    /// Triton's backend: `cohort`, `onnxruntime` or `cohort_tokenizer`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,
     /// The steps of an ensemble (`platform: "ensemble"`).
@@ -473,6 +474,10 @@ impl ModelConfig {
             }
             // checked against model.onnx when it is loaded
             Kind::Onnx => {}
+            // the config is where a tokenizer model's tensors come from
+            Kind::Tokenizer => {
+                crate::backend::tokenizer::layout(&self).map_err(|e| config_err(path, e))?;
+            }
             Kind::Ensemble => {
                 crate::ensemble::check_config(&self).map_err(|e| config_err(path, e))?;
             }

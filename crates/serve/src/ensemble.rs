@@ -10,7 +10,9 @@
 //! resolves its model when the request runs (version -1: the newest ready), so a step model
 //! can be reloaded without reloading the ensemble. Steps run one after another in an order
 //! where each step's inputs exist; a step whose model is itself an ensemble is refused, which
-//! also rules out cycles. This module never parses requests off the wire.
+//! also rules out cycles. A step that fails answers for the ensemble, named: a request its
+//! model refuses (text a tokenizer step cannot encode, say) is still a bad request. This module
+//! never parses requests off the wire.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -159,15 +161,18 @@ impl Ensemble {
     }
 
     /// Runs a checked request through the steps, resolving their models in `repo`, and
-    /// returns the outputs `want` (indices into the ensemble's outputs), or why a step failed.
-    /// (Boxed: a step runs a model, which the type checker cannot rule out being an ensemble.)
+    /// returns the outputs `want` (indices into the ensemble's outputs), or why a step failed
+    /// (the step's own error inside, so a request at fault is still a bad request). `me` is
+    /// the ensemble's name and version, for errors. (Boxed: a step runs a model, which the
+    /// type checker cannot rule out being an ensemble.)
     pub fn run<'a>(
         &'a self,
         repo: &'a Repository,
         request: Request,
         want: &'a [usize],
-    ) -> Pin<Box<dyn Future<Output = Result<InferResult, String>> + Send + 'a>> {
-        Box::pin(self.run_steps(repo, request, want))
+        me: (&'a str, u64),
+    ) -> Pin<Box<dyn Future<Output = Result<InferResult, ServeError>> + Send + 'a>> {
+        Box::pin(self.run_steps(repo, request, want, me))
     }
 
     async fn run_steps(
@@ -175,7 +180,8 @@ impl Ensemble {
         repo: &Repository,
         request: Request,
         want: &[usize],
-    ) -> Result<InferResult, String> {
+        (model, version): (&str, u64),
+    ) -> Result<InferResult, ServeError> {
         let mut values: BTreeMap<String, Tensor> = self
             .inputs
             .iter()
@@ -185,19 +191,29 @@ impl Ensemble {
         for step in &self.steps {
             self.run_step(repo, step, &mut values)
                 .await
-                .map_err(|e| format!("step {:?}: {e}", step.model_name))?;
+                .map_err(|e| ServeError::Step {
+                    model: model.to_string(),
+                    version,
+                    step: step.model_name.clone(),
+                    source: Box::new(e),
+                })?;
         }
+        let failed = |reason: String| ServeError::Execution {
+            model: model.to_string(),
+            version,
+            reason,
+        };
         want.iter()
             .map(|&o| {
                 let spec = &self.outputs[o];
                 let t = values
                     .get(&spec.name)
-                    .ok_or_else(|| format!("no step produced output {:?}", spec.name))?;
+                    .ok_or_else(|| failed(format!("no step produced output {:?}", spec.name)))?;
                 if t.datatype != spec.datatype {
-                    return Err(format!(
+                    return Err(failed(format!(
                         "output {:?} is {} from its step; the ensemble declares {}",
                         spec.name, t.datatype, spec.datatype
-                    ));
+                    )));
                 }
                 Ok((spec.name.clone(), t.clone()))
             })

@@ -124,6 +124,15 @@ pub enum ServeError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A BYTES tensor's elements are unusable: a 4-byte length prefix cut short, a length
+    /// running past the data, an element that is not UTF-8 where text is required.
+    #[error("tensor {tensor:?}: {reason}")]
+    Bytes {
+        /// The tensor.
+        tensor: String,
+        /// What is wrong, naming the element.
+        reason: String,
+    },
     /// A request parameter has an unusable value.
     #[error("parameter {name:?}: {reason}")]
     Parameter {
@@ -171,6 +180,19 @@ pub enum ServeError {
         model: String,
         /// The version.
         version: u64,
+    },
+    /// A step of an ensemble failed. The ensemble answers with the step's class where the
+    /// request was at fault or a step's model is busy, and as a server failure otherwise.
+    #[error("model {model:?} version {version}: step {step:?}: {source}")]
+    Step {
+        /// The ensemble.
+        model: String,
+        /// Its version.
+        version: u64,
+        /// The step's model.
+        step: String,
+        /// The step's error.
+        source: Box<ServeError>,
     },
     /// A model instance failed while executing the request.
     #[error("model {model:?} version {version}: execution failed: {reason}")]
@@ -253,6 +275,7 @@ impl ServeError {
             | Shape { .. }
             | DataSize { .. }
             | TokenOutOfRange { .. }
+            | Bytes { .. }
             | Parameter { .. }
             | Text { .. }
             | Generate { .. }
@@ -262,6 +285,11 @@ impl ServeError {
             BodyTooLarge { .. } => ErrorKind::TooLarge,
             NotReady { .. } | QueueFull { .. } | ShuttingDown { .. } => ErrorKind::Unavailable,
             Execution { .. } | Io { .. } | Bind { .. } | Instance { .. } => ErrorKind::Internal,
+            // a step model that is missing is the ensemble's failure, not an unknown model
+            Step { source, .. } => match source.kind() {
+                k @ (ErrorKind::BadRequest | ErrorKind::TooLarge | ErrorKind::Unavailable) => k,
+                ErrorKind::NotFound | ErrorKind::Internal => ErrorKind::Internal,
+            },
         }
     }
 

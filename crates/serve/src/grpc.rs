@@ -1,6 +1,7 @@
 //! The gRPC front end: KServe v2's `inference.GRPCInferenceService` (the service Triton's gRPC
 //! clients call) on tonic: liveness, readiness, server and model metadata, inference (typed
-//! `contents` or `raw_input_contents` in; `raw_output_contents` out, as Triton answers), the
+//! `contents` or `raw_input_contents` in; `raw_output_contents` out, as Triton answers; BYTES
+//! elements length-prefixed in raw contents, one per entry in `bytes_contents`), the
 //! streaming inference of Triton's decoupled models (a `text_input` request generates, one
 //! response per piece of text, `triton_final_response` on the last), the served configuration
 //! and statistics, and the repository index / load / unload. Errors are gRPC statuses mapped
@@ -468,8 +469,9 @@ async fn infer_one(
     Ok(resp)
 }
 
-/// The little-endian bytes of typed protobuf contents of KServe type `datatype`, and how many
-/// elements they held (none for a type cohort does not serve: the datatype check refuses it).
+/// The little-endian bytes of typed protobuf contents of KServe type `datatype` (BYTES in the
+/// serialized form tensors keep), and how many elements they held (none for a type cohort does
+/// not serve: the datatype check refuses it).
 fn typed_contents(datatype: &str, c: &proto::InferTensorContents) -> (Vec<u8>, usize) {
     use crate::tensor::DataType as D;
     fn le<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> (Vec<u8>, usize) {
@@ -484,6 +486,10 @@ fn typed_contents(datatype: &str, c: &proto::InferTensorContents) -> (Vec<u8>, u
         Some(D::Int64) => le(&c.int64_contents, i64::to_le_bytes),
         Some(D::Fp32) => le(&c.fp32_contents, f32::to_le_bytes),
         Some(D::Fp64) => le(&c.fp64_contents, f64::to_le_bytes),
+        Some(D::Bytes) => (
+            crate::tensor::Tensor::from_bytes(vec![], &c.bytes_contents).data,
+            c.bytes_contents.len(),
+        ),
         None => (Vec::new(), 0),
     }
 }
@@ -505,7 +511,14 @@ fn stream_error(e: impl std::fmt::Display) -> proto::ModelStreamInferResponse {
 
 /// Answers one request of a ModelStreamInfer stream on `tx`.
 async fn stream_one(app: &AppState, r: proto::ModelInferRequest, tx: &StreamTx) {
-    if !r.inputs.iter().any(|i| i.name == TEXT_INPUT) {
+    // a model whose own input is called text_input (a tokenizer, say) is inferred, not asked
+    // to generate
+    let own_input = || {
+        app.repo
+            .resolve(&r.model_name, opt(&r.model_version))
+            .is_ok_and(|lv| lv.inputs().iter().any(|s| s.name == TEXT_INPUT))
+    };
+    if !r.inputs.iter().any(|i| i.name == TEXT_INPUT) || own_input() {
         let resp = match infer_one(app, r).await {
             Ok(resp) => proto::ModelStreamInferResponse {
                 error_message: String::new(),

@@ -1,6 +1,7 @@
 //! The HTTP front end: KServe v2 / Triton's REST protocol on axum. Health, server and model
-//! metadata, model readiness and config, inference (JSON tensors, and Triton's binary tensor
-//! extension that `tritonclient.http` uses by default), the generate extension with its
+//! metadata, model readiness and config, inference (JSON tensors, BYTES elements as JSON
+//! strings, and Triton's binary tensor extension that `tritonclient.http` uses by default, BYTES
+//! elements each a 4-byte little-endian length then the bytes), the generate extension with its
 //! server-sent-events stream, the model repository API, the statistics extension, and
 //! `/metrics` (also served alone on the metrics port, [`metrics_router`]); the OpenAI-compatible
 //! `/v1` routes of the `openai` module are merged in.

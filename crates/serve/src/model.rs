@@ -35,7 +35,7 @@ use crate::backend::{self, Backend, Instance, Kind};
 use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
 use crate::config::ModelConfig;
 use crate::ensemble::Ensemble;
-use crate::error::ServeError;
+use crate::error::{ErrorKind, ServeError};
 use crate::metrics::{Failure, Phases, VersionMetrics};
 use crate::repository::Repository;
 use crate::tensor::{InferResult, Request, Tensor, TensorSpec};
@@ -74,6 +74,13 @@ impl Stamp {
             Kind::Ensemble => Some(Stamp {
                 dir: version_dir.to_path_buf(),
                 mtimes: Vec::new(),
+            }),
+            Kind::Tokenizer => Some(Stamp {
+                dir: version_dir.to_path_buf(),
+                mtimes: vec![
+                    mtime(version_dir, cohort_tokenizer::TOKENIZER_FILE),
+                    mtime(version_dir, cohort_tokenizer::char_vocab::VOCAB_FILE),
+                ],
             }),
         }
     }
@@ -288,7 +295,7 @@ impl LoadedVersion {
         let out = match &self.serving {
             Serving::Ensemble(e) => {
                 let rows = input.batch;
-                let out = e.run(repo, input, &want).await;
+                let out = e.run(repo, input, &want, (&self.model, self.version)).await;
                 if out.is_ok() {
                     let phases = Phases {
                         infer: start.elapsed(),
@@ -296,11 +303,7 @@ impl LoadedVersion {
                     };
                     self.metrics.executed(rows, 1, phases);
                 }
-                out.map_err(|reason| ServeError::Execution {
-                    model: self.model.clone(),
-                    version: self.version,
-                    reason,
-                })
+                out
             }
             Serving::Instances { queue, .. } => {
                 let (reply, mut rx) = oneshot::channel();
@@ -368,6 +371,9 @@ impl LoadedVersion {
         match out {
             Ok(_) => self.metrics.success(start.elapsed()),
             Err(ServeError::Execution { .. }) => {
+                self.metrics.failure(Failure::Backend, start.elapsed())
+            }
+            Err(e @ ServeError::Step { .. }) if e.kind() == ErrorKind::Internal => {
                 self.metrics.failure(Failure::Backend, start.elapsed())
             }
             Err(_) => self.metrics.failure(Failure::Invalid, start.elapsed()),

@@ -1,10 +1,17 @@
 //! Tensors independent of the wire and of any backend: the KServe datatypes a model may take,
 //! a tensor as row-major little-endian bytes with its shape, what a model declares about each
 //! of its tensors (name, datatype, shape with -1 for any size, the batch dimension first), and
-//! the checks that turn a request's inputs (JSON numbers, typed protobuf contents or raw
-//! little-endian bytes) into a [`Request`] of that model. Every check a request can fail that
-//! does not depend on a tensor's values happens here, before anything is queued; this module
-//! never touches a model.
+//! the checks that turn a request's inputs (JSON numbers or strings, typed protobuf contents or
+//! raw little-endian bytes) into a [`Request`] of that model. Every check a request can fail
+//! that does not depend on a tensor's values happens here, before anything is queued; this
+//! module never touches a model.
+//!
+//! BYTES tensors (Triton's `TYPE_STRING`) have elements of any length. They are kept in
+//! Triton's serialized form, each element a 4-byte little-endian length then its bytes: what
+//! the HTTP binary extension and gRPC's raw contents carry, so they pass through unconverted,
+//! and rows are cut and joined by walking the prefixes. A BYTES tensor's data is checked to be
+//! exactly its shape's elements in that form when it is built from a request, so the walks
+//! after that never meet a cut-short prefix.
 
 use crate::error::ServeError;
 
@@ -39,11 +46,13 @@ pub enum DataType {
     Fp32,
     /// f64.
     Fp64,
+    /// Byte strings of any length (text, usually UTF-8); stored serialized (module doc).
+    Bytes,
 }
 
 impl DataType {
     /// Every datatype served.
-    pub const ALL: [DataType; 8] = [
+    pub const ALL: [DataType; 9] = [
         DataType::Bool,
         DataType::Uint8,
         DataType::Int8,
@@ -52,6 +61,7 @@ impl DataType {
         DataType::Int64,
         DataType::Fp32,
         DataType::Fp64,
+        DataType::Bytes,
     ];
 
     /// KServe's name (`FP32`).
@@ -65,6 +75,7 @@ impl DataType {
             DataType::Int64 => INT64,
             DataType::Fp32 => FP32,
             DataType::Fp64 => "FP64",
+            DataType::Bytes => "BYTES",
         }
     }
 
@@ -79,16 +90,18 @@ impl DataType {
             DataType::Int64 => "TYPE_INT64",
             DataType::Fp32 => "TYPE_FP32",
             DataType::Fp64 => "TYPE_FP64",
+            DataType::Bytes => "TYPE_STRING",
         }
     }
 
-    /// Bytes per element.
-    pub fn size(self) -> usize {
+    /// Bytes per element; None for BYTES, whose elements vary.
+    pub fn size(self) -> Option<usize> {
         match self {
-            DataType::Bool | DataType::Uint8 | DataType::Int8 => 1,
-            DataType::Int16 => 2,
-            DataType::Int32 | DataType::Fp32 => 4,
-            DataType::Int64 | DataType::Fp64 => 8,
+            DataType::Bool | DataType::Uint8 | DataType::Int8 => Some(1),
+            DataType::Int16 => Some(2),
+            DataType::Int32 | DataType::Fp32 => Some(4),
+            DataType::Int64 | DataType::Fp64 => Some(8),
+            DataType::Bytes => None,
         }
     }
 
@@ -107,10 +120,15 @@ impl DataType {
         matches!(self, DataType::Fp32 | DataType::Fp64)
     }
 
-    /// Little-endian bytes of `v` as this type; None when it does not fit (or is not an
-    /// integer for an integer type).
+    /// Little-endian bytes of `v` as this type (a string's serialized form for BYTES); None
+    /// when it does not fit (or is not an integer for an integer type, or not a string for
+    /// BYTES, or a string for another type).
     fn encode_json(self, v: &serde_json::Value, out: &mut Vec<u8>) -> Option<()> {
+        if v.is_string() != (self == DataType::Bytes) {
+            return None;
+        }
         match self {
+            DataType::Bytes => push_element(out, v.as_str()?.as_bytes())?,
             DataType::Bool => out.push(u8::from(v.as_bool()?)),
             DataType::Fp32 => out.extend_from_slice(&(v.as_f64()? as f32).to_le_bytes()),
             DataType::Fp64 => out.extend_from_slice(&v.as_f64()?.to_le_bytes()),
@@ -142,8 +160,59 @@ pub struct Tensor {
     pub datatype: DataType,
     /// The shape, batch dimension first for a model that batches.
     pub shape: Vec<usize>,
-    /// `shape.product() * datatype.size()` bytes.
+    /// `shape.product() * datatype.size()` bytes; for BYTES, `shape.product()` elements in
+    /// the serialized form (module doc).
     pub data: Vec<u8>,
+}
+
+/// Appends `element` in BYTES' serialized form; None when it is 4 GiB or longer, which the
+/// 4-byte prefix cannot say.
+fn push_element(out: &mut Vec<u8>, element: &[u8]) -> Option<()> {
+    out.extend_from_slice(&u32::try_from(element.len()).ok()?.to_le_bytes());
+    out.extend_from_slice(element);
+    Some(())
+}
+
+/// The elements of BYTES data in the serialized form, or why it is not exactly such
+/// elements (naming the element at fault).
+pub(crate) fn bytes_elements(data: &[u8]) -> Result<Vec<&[u8]>, String> {
+    let mut out = Vec::new();
+    let mut rest = data;
+    while !rest.is_empty() {
+        let i = out.len();
+        let Some((len, tail)) = rest.split_first_chunk::<4>() else {
+            return Err(format!(
+                "BYTES element {i}'s 4-byte length prefix is cut short ({} byte(s) left)",
+                rest.len()
+            ));
+        };
+        let n = u32::from_le_bytes(*len) as usize;
+        let Some((element, tail)) = tail.split_at_checked(n) else {
+            return Err(format!(
+                "BYTES element {i}'s length prefix says {n} bytes, only {} follow",
+                tail.len()
+            ));
+        };
+        out.push(element);
+        rest = tail;
+    }
+    Ok(out)
+}
+
+/// Where each of the first `count` elements of serialized BYTES data ends (the walk stops early
+/// at data that is cut short, which a checked tensor never has).
+fn bytes_ends(data: &[u8], count: usize) -> Vec<usize> {
+    let mut ends = Vec::with_capacity(count);
+    let mut at = 0;
+    while ends.len() < count {
+        let Some(len) = data.get(at..at + 4) else {
+            break;
+        };
+        let n = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        at = (at + 4 + n).min(data.len());
+        ends.push(at);
+    }
+    ends
 }
 
 impl Tensor {
@@ -163,6 +232,37 @@ impl Tensor {
             shape,
             data: values.iter().flat_map(|x| x.to_le_bytes()).collect(),
         }
+    }
+
+    /// A BYTES tensor of `elements` (row-major).
+    pub fn from_bytes<E: AsRef<[u8]>>(shape: Vec<usize>, elements: &[E]) -> Tensor {
+        let mut data = Vec::new();
+        for e in elements {
+            // an element of 4 GiB or more is beyond any request cohort accepts
+            let e = e.as_ref();
+            data.extend_from_slice(&(e.len() as u32).to_le_bytes());
+            data.extend_from_slice(e);
+        }
+        Tensor {
+            datatype: DataType::Bytes,
+            shape,
+            data,
+        }
+    }
+
+    /// The elements of a BYTES tensor; None for another type.
+    pub fn byte_elements(&self) -> Option<Vec<&[u8]>> {
+        (self.datatype == DataType::Bytes).then(|| {
+            let mut start = 0;
+            bytes_ends(&self.data, self.len())
+                .into_iter()
+                .map(|end| {
+                    let e = &self.data[start + 4..end];
+                    start = end;
+                    e
+                })
+                .collect()
+        })
     }
 
     /// Elements.
@@ -186,9 +286,11 @@ impl Tensor {
     }
 
     /// The elements as f64 (exact for every type but INT64 beyond 2^53), for JSON answers and
-    /// comparisons.
+    /// comparisons; none for BYTES.
     pub fn to_f64s(&self) -> Vec<f64> {
-        let n = self.datatype.size();
+        let Some(n) = self.datatype.size() else {
+            return Vec::new();
+        };
         self.data
             .chunks_exact(n)
             .map(|c| match self.datatype {
@@ -199,13 +301,22 @@ impl Tensor {
                 DataType::Int64 => i64::from_le_bytes(c.try_into().expect("8 bytes")) as f64,
                 DataType::Fp32 => f64::from(f32::from_le_bytes(c.try_into().expect("4 bytes"))),
                 DataType::Fp64 => f64::from_le_bytes(c.try_into().expect("8 bytes")),
+                DataType::Bytes => f64::NAN,
             })
             .collect()
     }
 
-    /// The elements as a flat JSON array of the type's natural JSON values.
+    /// The elements as a flat JSON array of the type's natural JSON values (strings for BYTES:
+    /// JSON cannot carry other bytes, so an element that is not UTF-8 has its bad sequences
+    /// replaced by U+FFFD; the binary forms carry it exactly).
     pub fn json(&self) -> serde_json::Value {
         match self.datatype {
+            DataType::Bytes => serde_json::json!(self
+                .byte_elements()
+                .unwrap_or_default()
+                .into_iter()
+                .map(String::from_utf8_lossy)
+                .collect::<Vec<_>>()),
             DataType::Bool => {
                 serde_json::json!(self.data.iter().map(|&b| b != 0).collect::<Vec<_>>())
             }
@@ -229,20 +340,31 @@ impl Tensor {
         self.shape.iter().map(|&d| d as i64).collect()
     }
 
-    /// Bytes per row of the first (batch) dimension.
-    fn row_bytes(&self) -> usize {
-        self.shape[1..].iter().product::<usize>() * self.datatype.size()
+    /// Where the data of rows `rows` of the first dimension lies.
+    fn row_span(&self, rows: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let per_row = self.shape[1..].iter().product::<usize>();
+        match self.datatype.size() {
+            Some(size) => rows.start * per_row * size..rows.end * per_row * size,
+            None => {
+                let ends = bytes_ends(&self.data, rows.end * per_row);
+                let at = |elements: usize| match elements {
+                    0 => 0,
+                    e => ends.get(e - 1).copied().unwrap_or(self.data.len()),
+                };
+                at(rows.start * per_row)..at(rows.end * per_row)
+            }
+        }
     }
 
     /// Rows `rows` of the first dimension.
     pub fn rows(&self, rows: std::ops::Range<usize>) -> Tensor {
-        let rb = self.row_bytes();
+        let span = self.row_span(&rows);
         let mut shape = self.shape.clone();
         shape[0] = rows.len();
         Tensor {
             datatype: self.datatype,
             shape,
-            data: self.data[rows.start * rb..rows.end * rb].to_vec(),
+            data: self.data[span].to_vec(),
         }
     }
 
@@ -305,12 +427,13 @@ pub(crate) fn names(specs: &[TensorSpec]) -> String {
 
 /// Where a request's input data is.
 pub(crate) enum InputData<'a> {
-    /// Row-major little-endian bytes (HTTP binary extension, gRPC raw contents).
+    /// Row-major little-endian bytes (HTTP binary extension, gRPC raw contents); BYTES
+    /// elements serialized (module doc).
     Raw(&'a [u8]),
-    /// Typed protobuf contents, already as little-endian bytes of the tensor's type, and how
-    /// many elements they held.
+    /// Typed protobuf contents, already as little-endian bytes of the tensor's type (BYTES
+    /// serialized), and how many elements they held.
     Typed(Vec<u8>, usize),
-    /// JSON `data`, flat or nested.
+    /// JSON `data`, flat or nested (strings for BYTES).
     Json(&'a serde_json::Value),
 }
 
@@ -443,12 +566,23 @@ fn input(spec: &TensorSpec, max_batch: usize, w: WireInput<'_>) -> Result<Tensor
         unit,
     };
     let data = match w.data {
-        InputData::Raw(bytes) => {
-            if bytes.len() != n * dt.size() {
-                return Err(size_err(bytes.len(), n * dt.size(), "bytes"));
+        InputData::Raw(bytes) => match dt.size() {
+            Some(size) if bytes.len() != n * size => {
+                return Err(size_err(bytes.len(), n * size, "bytes"))
             }
-            bytes.to_vec()
-        }
+            Some(_) => bytes.to_vec(),
+            // the byte count says nothing about BYTES elements: walk them
+            None => {
+                let elements = bytes_elements(bytes).map_err(|reason| ServeError::Bytes {
+                    tensor: name.to_string(),
+                    reason,
+                })?;
+                if elements.len() != n {
+                    return Err(size_err(elements.len(), n, "elements"));
+                }
+                bytes.to_vec()
+            }
+        },
         InputData::Typed(bytes, count) => {
             if count != n {
                 return Err(size_err(count, n, "elements"));
@@ -463,12 +597,16 @@ fn input(spec: &TensorSpec, max_batch: usize, w: WireInput<'_>) -> Result<Tensor
             if flat.len() != n {
                 return Err(size_err(flat.len(), n, "elements"));
             }
-            let mut bytes = Vec::with_capacity(n * dt.size());
+            let mut bytes = Vec::with_capacity(n * dt.size().unwrap_or(8));
             for (i, v) in flat.into_iter().enumerate() {
                 dt.encode_json(v, &mut bytes)
                     .ok_or_else(|| ServeError::Datatype {
                         tensor: format!("{name}[{i}] = {v}"),
-                        found: if v.is_f64() && !dt.is_float() {
+                        found: if dt == DataType::Bytes && !v.is_string() {
+                            "a non-string".into()
+                        } else if v.is_string() && dt != DataType::Bytes {
+                            "a string".into()
+                        } else if v.is_f64() && !dt.is_float() {
                             "a non-integer".into()
                         } else {
                             "a value that does not fit".into()
@@ -500,12 +638,16 @@ fn flatten<'v>(
             Ok(())
         }
         serde_json::Value::Array(_) => Err("is nested deeper than 8 levels".into()),
-        serde_json::Value::Number(_) | serde_json::Value::Bool(_) if depth > 0 => {
+        serde_json::Value::Number(_)
+        | serde_json::Value::Bool(_)
+        | serde_json::Value::String(_)
+            if depth > 0 =>
+        {
             out.push(v);
             Ok(())
         }
         _ if depth == 0 => Err("must be an array".into()),
-        other => Err(format!("holds {other}, expected numbers")),
+        other => Err(format!("holds {other}, expected numbers or strings")),
     }
 }
 
@@ -607,8 +749,12 @@ mod tests {
                 "non-integer",
             ),
             (
-                one(&[1, 3], InputData::Json(&json!([1, "a", 3]))),
+                one(&[1, 3], InputData::Json(&json!([1, null, 3]))),
                 "expected numbers",
+            ),
+            (
+                one(&[1, 3], InputData::Json(&json!([1, "a", 3]))),
+                "datatype a string",
             ),
             (one(&[1, 3], InputData::Json(&json!(7))), "must be an array"),
             (
@@ -640,5 +786,77 @@ mod tests {
         let both = Tensor::concat(&[&t.rows(1..2), &t.rows(0..1)]);
         assert_eq!(both.json(), json!([3.0, 4.5, 1.0, 2.0]));
         assert_eq!(both.shape, [2, 2]);
+    }
+
+    #[test]
+    fn bytes_tensors_come_in_every_encoding_and_cut_and_join_by_their_prefixes() {
+        let spec = vec![TensorSpec::new("TEXT", DataType::Bytes, vec![-1, 2])];
+        let words = ["", "héllo", "a", "longer text"];
+        let want = Tensor::from_bytes(vec![2, 2], &words);
+        let req = |shape: &'static [i64], data| {
+            let w = WireInput {
+                name: "TEXT",
+                datatype: "BYTES",
+                shape,
+                data,
+            };
+            request("m", &spec, 4, vec![w])
+        };
+        let raw = want.data.clone();
+        assert_eq!(req(&[2, 2], InputData::Raw(&raw)).unwrap().inputs[0], want);
+        let json = json!([["", "héllo"], ["a", "longer text"]]);
+        let t = req(&[2, 2], InputData::Json(&json))
+            .unwrap()
+            .inputs
+            .remove(0);
+        assert_eq!(t, want);
+        assert_eq!(t.json(), json!(words));
+        assert_eq!(
+            t.byte_elements().unwrap(),
+            words.map(str::as_bytes).to_vec()
+        );
+        // rows are found by walking the prefixes, whatever the elements' lengths
+        assert_eq!(t.rows(1..2).json(), json!(["a", "longer text"]));
+        assert_eq!(t.rows(0..1).json(), json!(["", "héllo"]));
+        let both = Tensor::concat(&[&t.rows(1..2), &t.rows(0..1), &t.rows(1..2)]);
+        assert_eq!(both.shape, [3, 2]);
+        assert_eq!(
+            both.rows(1..3).json(),
+            json!(["", "héllo", "a", "longer text"])
+        );
+
+        let cut = &raw[..raw.len() - 2];
+        let err = req(&[2, 2], InputData::Raw(cut)).unwrap_err().to_string();
+        assert!(
+            err.contains("\"TEXT\"") && err.contains("element 3's length prefix says 11"),
+            "{err}"
+        );
+        let err = req(&[2, 2], InputData::Raw(&raw[..raw.len() - 13]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("element 3's 4-byte length prefix is cut short"),
+            "{err}"
+        );
+        let err = req(&[2, 2], InputData::Raw(&raw[..raw.len() - 15]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("needs 4 elements, the request holds 3"),
+            "{err}"
+        );
+        let mixed = json!(["a", 1, "b", "c"]);
+        let err = req(&[2, 2], InputData::Json(&mixed))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a non-string"), "{err}");
+        let err = req(&[1, 2], InputData::Typed(raw.clone(), 4))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("needs 2 elements"), "{err}");
+        // JSON cannot carry bytes that are not UTF-8; the binary forms do, unchanged
+        let odd = Tensor::from_bytes(vec![1], &[&b"\xffok"[..]]);
+        assert_eq!(odd.json(), json!(["\u{fffd}ok"]));
+        assert_eq!(odd.byte_elements().unwrap(), [&b"\xffok"[..]]);
     }
 }

@@ -12,6 +12,7 @@
 pub(crate) mod gpt;
 pub(crate) mod onnx;
 mod onnx_dense;
+pub(crate) mod tokenizer;
 
 use std::path::Path;
 
@@ -27,6 +28,9 @@ pub const GPT_PLATFORM: &str = "cohort_gpt";
 pub const ONNX_PLATFORM: &str = "onnxruntime_onnx";
 /// Triton's platform of a pipeline of other models.
 pub const ENSEMBLE_PLATFORM: &str = "ensemble";
+/// cohort's tokenizer models' backend (and platform) name: text <-> token ids, as Triton users
+/// write a Python model for.
+pub const TOKENIZER_BACKEND: &str = tokenizer::BACKEND;
 
 /// Which backend serves a model, from its config's `platform` / `backend`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,6 +42,9 @@ pub enum Kind {
     Onnx,
     /// Steps through other models (`platform: "ensemble"`).
     Ensemble,
+    /// Text <-> token ids with a `tokenizer.json` or `vocab.json` (`backend:
+    /// "cohort_tokenizer"`).
+    Tokenizer,
 }
 
 impl Kind {
@@ -48,10 +55,11 @@ impl Kind {
             Some(GPT_PLATFORM) => Some(Kind::Gpt),
             Some(ONNX_PLATFORM) => Some(Kind::Onnx),
             Some(ENSEMBLE_PLATFORM) => Some(Kind::Ensemble),
+            Some(TOKENIZER_BACKEND) => Some(Kind::Tokenizer),
             Some(other) => {
                 return Err(format!(
                     "platform {other:?} is not served by cohort (it serves {GPT_PLATFORM}, \
-                     {ONNX_PLATFORM}, {ENSEMBLE_PLATFORM})"
+                     {ONNX_PLATFORM}, {ENSEMBLE_PLATFORM}, {TOKENIZER_BACKEND})"
                 ))
             }
         };
@@ -59,9 +67,11 @@ impl Kind {
             None => None,
             Some("cohort") => Some(Kind::Gpt),
             Some("onnxruntime") => Some(Kind::Onnx),
+            Some(TOKENIZER_BACKEND) => Some(Kind::Tokenizer),
             Some(other) => {
                 return Err(format!(
-                    "backend {other:?} is not served by cohort (it serves cohort, onnxruntime)"
+                    "backend {other:?} is not served by cohort (it serves cohort, onnxruntime, \
+                     {TOKENIZER_BACKEND})"
                 ))
             }
         };
@@ -82,6 +92,7 @@ impl Kind {
             Kind::Gpt => GPT_PLATFORM,
             Kind::Onnx => ONNX_PLATFORM,
             Kind::Ensemble => ENSEMBLE_PLATFORM,
+            Kind::Tokenizer => TOKENIZER_BACKEND,
         }
     }
 
@@ -91,6 +102,7 @@ impl Kind {
             Kind::Gpt => "cohort",
             Kind::Onnx => "onnxruntime",
             Kind::Ensemble => "",
+            Kind::Tokenizer => TOKENIZER_BACKEND,
         }
     }
 }
@@ -143,6 +155,7 @@ pub(crate) fn load(
     match kind {
         Kind::Gpt => gpt::load(what, version_dir, cfg, count, threads),
         Kind::Onnx => onnx::load(what, version_dir, cfg, count, threads),
+        Kind::Tokenizer => tokenizer::load(what, version_dir, cfg, count),
         Kind::Ensemble => Err(what
             .error("an ensemble has no model file to load (the ensemble module serves it)".into())),
     }

@@ -25,6 +25,11 @@ pub(crate) enum Epilogue {
     None,
     /// `out[i][j] = gelu(c[i][j])`: C is the pre-activation, kept for backward.
     Gelu { out: SendPtr, rs: usize },
+    /// The same with `out` in bf16 (its bits; `out` points at u16), rounded to nearest even
+    /// by the instruction the bf16 products round their operands with: the next product reads
+    /// the same bits it would have rounded from the f32 GELU. Only where the CPU has the bf16
+    /// product.
+    GeluBf16 { out: SendPtr, rs: usize },
 }
 
 impl Epilogue {
@@ -34,6 +39,10 @@ impl Epilogue {
             Epilogue::None => Epilogue::None,
             Epilogue::Gelu { out, rs } => Epilogue::Gelu {
                 out: SendPtr(out.get().wrapping_add(r * rs + c)),
+                rs,
+            },
+            Epilogue::GeluBf16 { out, rs } => Epilogue::GeluBf16 {
+                out: SendPtr((out.get() as *mut u16).wrapping_add(r * rs + c) as *mut f32),
                 rs,
             },
         }
@@ -63,6 +72,54 @@ impl Epilogue {
                         *o = gelu(x);
                     }
                 }
+            }
+            Epilogue::GeluBf16 { out, rs } => {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the block, per the contract; the variant is only made where the CPU
+                // has the bf16 product (AVX512_BF16, with AVX-512BW and VL).
+                unsafe {
+                    gelu_rows_bf16(c, rsc, out.get() as *mut u16, rs, rows, cols)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                unreachable!("bf16 activations without the bf16 product");
+            }
+        }
+    }
+}
+
+/// `out[i][j] = bf16(gelu(c[i][j]))` over a block (see [`Epilogue::GeluBf16`]).
+///
+/// # Safety
+/// AVX512_BF16, AVX-512BW and VL must be present; `c` rows x cols readable floats at row stride
+/// `rsc`; `out` rows x cols writable u16 at row stride `rs`, not overlapping c.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn gelu_rows_bf16(
+    c: *const f32,
+    rsc: usize,
+    out: *mut u16,
+    rs: usize,
+    rows: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    for i in 0..rows {
+        for j0 in (0..cols).step_by(16) {
+            let m = (cols - j0).min(16);
+            // A fixed 16 lanes (zero past m), so the GELU compiles to one vector pass.
+            let mut g = [0f32; 16];
+            // SAFETY: columns j0..j0 + m of row i, inside c per the contract.
+            g[..m].copy_from_slice(unsafe { std::slice::from_raw_parts(c.add(i * rsc + j0), m) });
+            for x in g.iter_mut() {
+                *x = gelu(*x);
+            }
+            // SAFETY: g is 16 floats; the masked store writes the m u16 of row i's columns
+            // j0..j0 + m, inside out per the contract. __m256bh and __m256i are both 256 bits.
+            unsafe {
+                let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(g.as_ptr()));
+                let v = std::mem::transmute::<__m256bh, __m256i>(v);
+                let mask = if m == 16 { 0xffff } else { (1u16 << m) - 1 };
+                _mm256_mask_storeu_epi16(out.add(i * rs + j0) as *mut i16, mask, v);
             }
         }
     }

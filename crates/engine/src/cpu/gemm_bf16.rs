@@ -30,6 +30,22 @@ mod amx;
 use super::epilogue::Epilogue;
 use super::gemm::{bias_row, store_row, Strided};
 
+/// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct StridedBf16 {
+    pub(crate) ptr: *const u16,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
+}
+
+/// The left operand: f32, rounded to bf16 as it is packed, or bf16 already (an activation
+/// kept in bf16), copied as it is packed. Both give the same bits for the same bf16 values.
+#[derive(Clone, Copy)]
+pub(crate) enum AOperand {
+    F32(Strided),
+    Bf16(StridedBf16),
+}
+
 /// Columns of a register tile (two zmm registers, or two AMX tiles).
 const NR: usize = 32;
 /// Rows of the AVX-512 register tile.
@@ -213,6 +229,30 @@ pub(crate) unsafe fn bgemm(
     ep: Epilogue,
 ) {
     let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
+    let a = AOperand::F32(a);
+    // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
+    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep) }
+}
+
+/// [`bgemm`] with a left operand already in bf16.
+///
+/// # Safety
+/// As [`bgemm`], `a` describing an (m, k) matrix of bf16 bits.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn bgemm_bf16_a(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: StridedBf16,
+    b: Strided,
+    c: *mut f32,
+    rsc: usize,
+    accumulate: bool,
+    bias: Option<*const f32>,
+    ep: Epilogue,
+) {
+    let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
+    let a = AOperand::Bf16(a);
     // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
     unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep) }
 }
@@ -227,7 +267,7 @@ unsafe fn bgemm_with(
     m: usize,
     k: usize,
     n: usize,
-    a: Strided,
+    a: AOperand,
     b: Strided,
     c: *mut f32,
     rsc: usize,
@@ -287,7 +327,7 @@ unsafe fn blocks(
     m: usize,
     k: usize,
     n: usize,
-    a: Strided,
+    a: AOperand,
     b: Strided,
     c: *mut f32,
     rsc: usize,
@@ -331,7 +371,12 @@ unsafe fn blocks(
                 };
                 for ic in (0..m).step_by(bl.mc) {
                     let mc = bl.mc.min(m - ic);
-                    pack_a(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride);
+                    match a {
+                        AOperand::F32(a) => pack_a(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride),
+                        AOperand::Bf16(a) => {
+                            pack_a_bf16(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride)
+                        }
+                    }
                     if amx {
                         // Strips of 32 rows across a sweep of B's panels, then the next
                         // strip: C is written row by row, a run of the sweep's width in each
@@ -400,6 +445,13 @@ unsafe fn blocks(
 impl Strided {
     /// Pointer to element (r, c).
     fn at(self, r: usize, c: usize) -> *const f32 {
+        self.ptr.wrapping_add(r * self.rs + c * self.cs)
+    }
+}
+
+impl StridedBf16 {
+    /// Pointer to element (r, c).
+    fn at(self, r: usize, c: usize) -> *const u16 {
         self.ptr.wrapping_add(r * self.rs + c * self.cs)
     }
 }
@@ -540,6 +592,93 @@ unsafe fn pack_a(
                     let at = |e: usize| {
                         if e < kc {
                             bf16_bits(*a.add(i * rs + e * cs)) as u32
+                        } else {
+                            0
+                        }
+                    };
+                    *pa.add(i * stride + p) = at(2 * p) | (at(2 * p + 1) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// [`pack_a`] of an operand already in bf16: the pairs are copied, not converted.
+///
+/// # Safety
+/// As [`pack_a`], `a` holding mc x kc readable bf16 at these strides.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn pack_a_bf16(
+    pa: *mut u32,
+    a: *const u16,
+    rs: usize,
+    cs: usize,
+    mc: usize,
+    kc: usize,
+    stride: usize,
+) {
+    let kcp = kc.div_ceil(2);
+    // Mask of the first `n` (≤ 32) u16 lanes.
+    let halves = |n: usize| -> __mmask32 {
+        if n >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << n) - 1
+        }
+    };
+    // SAFETY: for the whole body, reads stay inside the caller's block (row < mc, column < kc, via
+    // masks at the edges); writes inside pa's mc x stride.
+    unsafe {
+        if cs == 1 {
+            // A row's K run is already its pairs, low half first.
+            for i in 0..mc {
+                let (src, dst) = (a.add(i * rs), pa.add(i * stride));
+                for p0 in (0..stride).step_by(16) {
+                    let n = kc.saturating_sub(2 * p0).min(32);
+                    let v = _mm512_maskz_loadu_epi16(halves(n), src.add(2 * p0) as *const i16);
+                    _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
+                }
+            }
+        } else if rs == 1 {
+            // As pack_a's transposed case: two K rows of 16 A rows become 16 pairs, and a
+            // register transpose makes each A row's pairs contiguous.
+            let mut r = [_mm512_setzero_si512(); 16];
+            for i0 in (0..mc).step_by(16) {
+                let rows = (mc - i0).min(16);
+                let load = |e: usize| {
+                    let v =
+                        _mm512_maskz_loadu_epi16(halves(rows), a.add(e * cs + i0) as *const i16);
+                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v))
+                };
+                for p0 in (0..stride).step_by(16) {
+                    let pairs = kcp.saturating_sub(p0).min(16);
+                    for (q, v) in r.iter_mut().enumerate() {
+                        let e = 2 * (p0 + q);
+                        *v = if q < pairs {
+                            let lo = load(e);
+                            let hi = if e + 1 < kc {
+                                load(e + 1)
+                            } else {
+                                _mm512_setzero_si512()
+                            };
+                            _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (i, v) in r.iter().enumerate().take(rows) {
+                        let dst = pa.add((i0 + i) * stride + p0) as *mut i32;
+                        _mm512_mask_storeu_epi32(dst, lanes(stride - p0), *v);
+                    }
+                }
+            }
+        } else {
+            for i in 0..mc {
+                for p in 0..stride {
+                    let at = |e: usize| {
+                        if e < kc {
+                            *a.add(i * rs + e * cs) as u32
                         } else {
                             0
                         }
@@ -829,7 +968,7 @@ mod tests {
                         m,
                         k,
                         n,
-                        sa,
+                        AOperand::F32(sa),
                         sb,
                         c.as_mut_ptr(),
                         n,
@@ -857,7 +996,7 @@ mod tests {
                         m,
                         k,
                         n,
-                        sa,
+                        AOperand::F32(sa),
                         sb,
                         c,
                         n,
@@ -865,7 +1004,19 @@ mod tests {
                         Some(bias.as_ptr()),
                         Epilogue::None,
                     );
-                    bgemm_with(kernel, m, k, n, sa, sb, c, n, true, None, Epilogue::None);
+                    bgemm_with(
+                        kernel,
+                        m,
+                        k,
+                        n,
+                        AOperand::F32(sa),
+                        sb,
+                        c,
+                        n,
+                        true,
+                        None,
+                        Epilogue::None,
+                    );
                 }
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
                     let w = 2.0 * w + bias[i % n] as f64;

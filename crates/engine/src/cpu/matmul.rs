@@ -12,16 +12,18 @@ use super::epilogue::Epilogue;
 #[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
-use super::gemm_bf16::bgemm;
+use super::gemm_bf16::{bgemm, bgemm_bf16_a, StridedBf16};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::DType;
 
-/// A matrix operand: pointer plus row and column strides (in elements).
+/// A matrix operand: pointer plus row and column strides (in elements), of f32 or, for a left
+/// operand kept in bf16, of bf16 bits (`bf16`; the pointer then points at u16).
 #[derive(Clone, Copy)]
 struct Mat {
     ptr: SendPtr,
     rs: isize,
     cs: isize,
+    bf16: bool,
 }
 
 impl Mat {
@@ -30,20 +32,32 @@ impl Mat {
             ptr: SendPtr(ptr as *mut f32),
             rs: cols as isize,
             cs: 1,
+            bf16: false,
+        }
+    }
+    fn rm_bf16(ptr: *const u16, cols: usize) -> Mat {
+        Mat {
+            ptr: SendPtr(ptr as *mut f32),
+            rs: cols as isize,
+            cs: 1,
+            bf16: true,
         }
     }
     fn t(self) -> Mat {
         Mat {
-            ptr: self.ptr,
             rs: self.cs,
             cs: self.rs,
+            ..self
         }
     }
     fn at(self, r: usize, c: usize) -> *mut f32 {
         // safety of the offset is the caller's: r and c stay inside the matrix it describes.
-        self.ptr
-            .0
-            .wrapping_offset(r as isize * self.rs + c as isize * self.cs)
+        let off = r as isize * self.rs + c as isize * self.cs;
+        if self.bf16 {
+            (self.ptr.0 as *mut u16).wrapping_offset(off) as *mut f32
+        } else {
+            self.ptr.0.wrapping_offset(off)
+        }
     }
 }
 
@@ -114,6 +128,10 @@ unsafe fn gemm_on(
     let bias = bias.map(|b| SendPtr(b.as_ptr() as *mut f32));
     let avx512 = simd_level() == SimdLevel::Avx512;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
+    assert!(
+        bf16 || !a.bf16,
+        "a bf16 operand needs the bf16 product (a backend of DType::Bf16)"
+    );
     if !avx512 && !accumulate {
         if let Some(b) = bias {
             // safety: the caller's bias has n elements and c is (m, n) with row stride c.rs.
@@ -135,7 +153,14 @@ unsafe fn gemm_on(
                 let bias = bias.map(|b| b.get().add(c0) as *const f32);
                 let (m, n, rsc) = (r1 - r0, c1 - c0, c.rs as usize);
                 let ep = ep.at(r0, c0);
-                if bf16 {
+                if a.bf16 {
+                    let sa = StridedBf16 {
+                        ptr: sa.ptr as *const u16,
+                        rs: sa.rs,
+                        cs: sa.cs,
+                    };
+                    bgemm_bf16_a(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
+                } else if bf16 {
                     bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
                 } else {
                     sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
@@ -270,6 +295,124 @@ pub fn matmul_gelu_forward(
             bias.map(|b| &b[..oc]),
             ep,
         )
+    }
+}
+
+/// [`matmul_gelu_forward`] keeping the GELU's output in bf16 (`out` holds its bits): the
+/// products that read it (the next layer's forward and its weight gradient) round their left
+/// operand to bf16 anyway, so they read the same values from half the bytes, and a forward
+/// can keep them for backward at half the memory. Needs a backend of `DType::Bf16`.
+pub fn matmul_gelu_forward_bf16(
+    dtype: DType,
+    pre: &mut [f32],
+    out: &mut [u16],
+    inp: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul pre", pre.len(), n * oc);
+    check("matmul gelu out", out.len(), n * oc);
+    check("matmul inp", inp.len(), n * c);
+    check("matmul w", w.len(), c * oc);
+    if let Some(b) = bias {
+        check("matmul bias", b.len(), oc);
+    }
+    assert!(
+        dtype == DType::Bf16 && super::bf16_supported(),
+        "bf16 activations need a backend of DType::Bf16"
+    );
+    let ep = Epilogue::GeluBf16 {
+        out: SendPtr(out.as_mut_ptr() as *mut f32),
+        rs: oc,
+    };
+    // safety: sizes checked above; pre and out are distinct &mut slices of (n, oc).
+    unsafe {
+        gemm(
+            dtype,
+            n,
+            c,
+            oc,
+            Mat::rm(inp.as_ptr(), c),
+            Mat::rm(w.as_ptr(), oc),
+            Mat::rm(pre.as_mut_ptr(), oc),
+            false,
+            bias.map(|b| &b[..oc]),
+            ep,
+        )
+    }
+}
+
+/// [`matmul_forward`] of an input kept in bf16 (its bits): the same bits as [`matmul_forward`]
+/// in `DType::Bf16` of the f32 values they round from. Needs a backend of `DType::Bf16`.
+pub fn matmul_forward_bf16_input(
+    dtype: DType,
+    out: &mut [f32],
+    inp: &[u16],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul out", out.len(), n * oc);
+    check("matmul inp", inp.len(), n * c);
+    check("matmul w", w.len(), c * oc);
+    if let Some(b) = bias {
+        check("matmul bias", b.len(), oc);
+    }
+    // safety: sizes checked above; out is a distinct &mut.
+    unsafe {
+        gemm(
+            dtype,
+            n,
+            c,
+            oc,
+            Mat::rm_bf16(inp.as_ptr(), c),
+            Mat::rm(w.as_ptr(), oc),
+            Mat::rm(out.as_mut_ptr(), oc),
+            false,
+            bias.map(|b| &b[..oc]),
+            Epilogue::None,
+        )
+    }
+}
+
+/// The weight half of [`matmul_backward`] for an input kept in bf16: `dw += inpᵀ · dout`,
+/// `dbias += column sums of dout`. Needs a backend of `DType::Bf16`.
+pub fn matmul_backward_weight_bf16_input(
+    dtype: DType,
+    dw: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[u16],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul dout", dout.len(), n * oc);
+    check("matmul inp", inp.len(), n * c);
+    check("matmul dw", dw.len(), c * oc);
+    // safety: sizes checked; dw is a distinct &mut.
+    unsafe {
+        gemm(
+            dtype,
+            c,
+            n,
+            oc,
+            Mat::rm_bf16(inp.as_ptr(), c).t(),
+            Mat::rm(dout.as_ptr(), oc),
+            Mat::rm(dw.as_mut_ptr(), oc),
+            true,
+            None,
+            Epilogue::None,
+        );
+    }
+    if let Some(db) = dbias {
+        check("matmul dbias", db.len(), oc);
+        column_sums(&mut db[..oc], &dout[..n * oc]);
     }
 }
 
@@ -831,6 +974,80 @@ mod tests {
                         "gelu applied, {what}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_inputs_give_the_bits_of_their_f32_values() {
+        if !crate::cpu::bf16_supported() {
+            eprintln!("skipped: this CPU has no bf16 product");
+            return;
+        }
+        use crate::cpu::gelu_forward;
+        let d = DType::Bf16;
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let round = |x: &[f32]| -> Vec<u16> {
+            x.iter()
+                .map(|&v| crate::cpu::gemm_bf16::bf16_bits(v))
+                .collect()
+        };
+        let widen = |x: &[u16]| -> Vec<f32> {
+            x.iter()
+                .map(|&h| f32::from_bits((h as u32) << 16))
+                .collect()
+        };
+        for threads in [1, 2] {
+            // Odd K (a half pair), K past a 16-pair AMX row and past a K block, rows and
+            // columns off every tile size.
+            for &(n, c, oc) in &[(5, 3, 7), (70, 33, 65), (130, 300, 96), (40, 2100, 50)] {
+                let what = format!("{threads} threads {n}x{c}x{oc}");
+                let inp16 = round(&rand_vec(n * c, 1));
+                let inp = widen(&inp16);
+                let w = rand_vec(c * oc, 2);
+                let b = rand_vec(oc, 3);
+                let dout = rand_vec(n * oc, 4);
+                let (mut out, mut want) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+                let (mut dw, mut want_dw) = (rand_vec(c * oc, 5), rand_vec(c * oc, 5));
+                let (mut db, mut want_db) = (vec![1.0; oc], vec![1.0; oc]);
+                // The GELU kept in bf16 against the f32 GELU rounded.
+                let x: Vec<f32> = rand_vec(n * c, 6).iter().map(|v| v * 3.0).collect();
+                let (mut pre, mut g16) = (vec![0.0; n * oc], vec![0u16; n * oc]);
+                let (mut want_pre, mut g) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+                within_pool(threads, || {
+                    matmul_forward_bf16_input(d, &mut out, &inp16, &w, Some(&b), n, c, oc);
+                    matmul_forward(d, &mut want, &inp, &w, Some(&b), n, c, oc);
+                    matmul_backward_weight_bf16_input(
+                        d,
+                        &mut dw,
+                        Some(&mut db),
+                        &dout,
+                        &inp16,
+                        n,
+                        c,
+                        oc,
+                    );
+                    matmul_backward(
+                        d,
+                        None,
+                        &mut want_dw,
+                        Some(&mut want_db),
+                        &dout,
+                        &inp,
+                        &w,
+                        n,
+                        c,
+                        oc,
+                    );
+                    matmul_gelu_forward_bf16(d, &mut pre, &mut g16, &x, &w, Some(&b), n, c, oc);
+                    matmul_forward(d, &mut want_pre, &x, &w, Some(&b), n, c, oc);
+                    gelu_forward(&mut g, &want_pre);
+                });
+                assert_eq!(bits(&out), bits(&want), "forward, {what}");
+                assert_eq!(bits(&dw), bits(&want_dw), "weight grad, {what}");
+                assert_eq!(bits(&db), bits(&want_db), "bias grad, {what}");
+                assert_eq!(bits(&pre), bits(&want_pre), "pre, {what}");
+                assert_eq!(g16, round(&g), "bf16 gelu, {what}");
             }
         }
     }

@@ -35,7 +35,8 @@ pub use encoder::{encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
-    matmul_forward, matmul_gelu_forward, packed_matmul_forward, PackedMatrix,
+    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
+    matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
 };
 
 use crate::{DType, EngineError};

@@ -124,10 +124,15 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         );
     }
     let precision = cpu.dtype().to_string();
-    let activations_mb =
-        GPT::memory_estimate(&cfg, batch * t, spec.threads, spec.activation_checkpointing)
-            .activations as f64
-            / (1 << 20) as f64;
+    let activations_mb = GPT::memory_estimate(
+        &cfg,
+        batch * t,
+        spec.threads,
+        spec.activation_checkpointing,
+        cpu.dtype(),
+    )
+    .activations as f64
+        / (1 << 20) as f64;
     let mut model = GPT::with_backend(cfg, spec.seed, Box::new(cpu))?;
     model.set_activation_checkpointing(spec.activation_checkpointing);
     let n = model.num_params();

@@ -441,7 +441,7 @@ impl GptStage {
             .is_none_or(|al| al.n < n || al.logit_cols != cols)
         {
             s.arena = Vec::new();
-            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false);
+            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, false);
             s.arena = vec![0.0; al.total];
             s.act_layout = Some(al);
         }

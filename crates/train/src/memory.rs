@@ -7,6 +7,7 @@
 //! and never count for one strategy what another strategy holds (a ZeRO
 //! figure is the sharded one, not DDP's divided after the fact).
 
+use cohort_engine::DType;
 use cohort_gpt::{GPTConfig, GPT};
 
 /// How a data-parallel strategy splits the training state over `world` ranks.
@@ -124,15 +125,17 @@ impl MemoryPerRank {
 }
 
 /// One rank's bytes for `model` under `sharding`, with `tokens` tokens per
-/// forward on `threads` threads (the attention scratch is per thread).
+/// forward on `threads` threads (the attention scratch is per thread), products in
+/// `precision`.
 pub fn memory_per_rank(
     model: &GPTConfig,
     tokens: usize,
     threads: usize,
     activation_checkpointing: bool,
+    precision: DType,
     sharding: Sharding,
 ) -> MemoryPerRank {
-    let m = GPT::memory_estimate(model, tokens, threads, activation_checkpointing);
+    let m = GPT::memory_estimate(model, tokens, threads, activation_checkpointing, precision);
     let n = m.parameters / 4;
     let ddp_optimizer = 2 * m.parameters;
     let world = sharding.world();
@@ -217,12 +220,19 @@ mod tests {
 
     #[test]
     fn zero1_holds_one_nth_of_the_padded_optimizer_state_and_ddps_rest() {
-        let ddp = memory_per_rank(&odd(), 64, 2, false, Sharding::Replicated);
+        let ddp = memory_per_rank(&odd(), 64, 2, false, DType::F32, Sharding::Replicated);
         let n = ddp.parameters / 4;
         assert_eq!(ddp.optimizer, 2 * 4 * n);
         assert_eq!(ddp.staging, 0);
         for world in [1u64, 2, 3, 7] {
-            let z = memory_per_rank(&odd(), 64, 2, false, Sharding::Zero1 { world: world as _ });
+            let z = memory_per_rank(
+                &odd(),
+                64,
+                2,
+                false,
+                DType::F32,
+                Sharding::Zero1 { world: world as _ },
+            );
             let padded = n.div_ceil(world) * world;
             assert_eq!(z.optimizer * world, 2 * 4 * padded, "world {world}");
             assert!(z.optimizer * world - ddp.optimizer < 8 * world);
@@ -242,7 +252,7 @@ mod tests {
             n_layers: 6,
             ..odd()
         };
-        let ddp = memory_per_rank(&cfg, 64, 2, false, Sharding::Replicated);
+        let ddp = memory_per_rank(&cfg, 64, 2, false, DType::F32, Sharding::Replicated);
         assert_eq!(ddp.parameters / 4, 1089 + 6 * 8941 + 66);
         for world in [2u64, 3] {
             let w = world as usize;
@@ -250,8 +260,9 @@ mod tests {
                 1089u64.div_ceil(world) + 6 * 8941u64.div_ceil(world) + 66u64.div_ceil(world);
             // A block's gradient, with wte's that the tied head left behind.
             let in_backward = 8941 + 561;
-            let two = memory_per_rank(&cfg, 64, 2, false, Sharding::Zero2 { world: w });
-            let three = memory_per_rank(&cfg, 64, 2, false, Sharding::Zero3 { world: w });
+            let two = memory_per_rank(&cfg, 64, 2, false, DType::F32, Sharding::Zero2 { world: w });
+            let three =
+                memory_per_rank(&cfg, 64, 2, false, DType::F32, Sharding::Zero3 { world: w });
             for z in [two, three] {
                 assert_eq!(z.optimizer, 2 * 4 * flat, "world {world}");
                 assert_eq!(z.gradients, 4 * (flat + in_backward), "world {world}");
@@ -268,7 +279,14 @@ mod tests {
 
     #[test]
     fn the_line_names_every_part_and_the_share_of_ddps_state() {
-        let z = memory_per_rank(&odd(), 64, 2, false, Sharding::Zero1 { world: 2 });
+        let z = memory_per_rank(
+            &odd(),
+            64,
+            2,
+            false,
+            DType::F32,
+            Sharding::Zero1 { world: 2 },
+        );
         let line = z.line();
         for part in [
             "memory per rank: parameters ",
@@ -280,7 +298,7 @@ mod tests {
         ] {
             assert!(line.contains(part), "{part:?} missing in {line}");
         }
-        let ddp = memory_per_rank(&odd(), 64, 2, false, Sharding::Replicated).line();
+        let ddp = memory_per_rank(&odd(), 64, 2, false, DType::F32, Sharding::Replicated).line();
         assert!(!ddp.contains("DDP's") && !ddp.contains("shard"), "{ddp}");
     }
 }

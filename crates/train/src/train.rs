@@ -273,7 +273,8 @@ pub(crate) fn apply_checkpointing(
     model.set_activation_checkpointing(true);
     let threads = model.backend().num_threads();
     let tokens = cfg.batch_size * seq_len;
-    let acts = |on| GPT::memory_estimate(model.config(), tokens, threads, on).activations;
+    let dtype = model.backend().dtype();
+    let acts = |on| GPT::memory_estimate(model.config(), tokens, threads, on, dtype).activations;
     let (off, on) = (acts(false), acts(true));
     let mb = |b: u64| b as f64 / (1 << 20) as f64;
     Some(format!(
@@ -316,6 +317,7 @@ pub(crate) fn check_memory(
         tokens,
         threads,
         cfg.activation_checkpointing,
+        cfg.precision.dtype(),
         sharding,
     );
     let per_rank = m.total();
@@ -356,6 +358,7 @@ pub(crate) fn memory_line(
         cfg.batch_size * seq_len,
         model.backend().num_threads(),
         cfg.activation_checkpointing,
+        model.backend().dtype(),
         sharding,
     )
     .line()

@@ -9,6 +9,9 @@ use super::*;
 pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
+    /// Products in bf16: unless the GELU outputs are kept in f32 (`keep`), they are kept in
+    /// bf16 (`gelu16`).
+    pub(crate) bf16: bool,
     /// Activation checkpointing: the per-layer buffers hold one layer, and backward recomputes
     /// each block's forward from its input (`res`, kept for every layer) before its backward.
     pub(crate) checkpoint: bool,
@@ -21,7 +24,7 @@ pub(crate) struct ActLayout {
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
-pub(super) const ACT_BUFFERS: usize = 23;
+pub(super) const ACT_BUFFERS: usize = 24;
 
 /// The arena split into its buffers; per-layer buffers hold all L layers back to back.
 pub(crate) struct Acts<'a> {
@@ -48,6 +51,9 @@ pub(crate) struct Acts<'a> {
     pub(crate) dres: &'a mut [f32], // (N, C) gradient of the residual stream
     pub(super) dlogits: &'a mut [f32], // (N, V')
     pub(super) gelu: &'a mut [f32], // (L, N, F) kept GELU outputs (empty unless kept)
+    /// (L, ⌈N·F/2⌉) GELU outputs kept in bf16, two to a float (empty unless bf16 and not
+    /// `keep`); see [`bf16_layer`].
+    pub(super) gelu16: &'a mut [f32],
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
     /// Columns of `logits` and `dlogits`.
@@ -122,6 +128,7 @@ impl ActLayout {
         keep_max_bytes: usize,
         logit_cols: usize,
         checkpoint: bool,
+        bf16: bool,
     ) -> ActLayout {
         let (layers, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
         // Layers the per-layer buffers hold.
@@ -153,6 +160,15 @@ impl ActLayout {
             n * c,
             n * logit_cols,
             kept(l * n * f),
+            // Under bf16 products, the MLP's GELU outputs are kept in bf16 rather than
+            // recomputed in backward: the products that read them round them to bf16 anyway,
+            // so this costs half of what keeping them in f32 would, changes no bit of the
+            // step, and saves a GELU pass and half the bytes of the next product's reads.
+            if bf16 && !keep {
+                l * (n * f).div_ceil(2)
+            } else {
+                0
+            },
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {
@@ -163,6 +179,7 @@ impl ActLayout {
         ActLayout {
             n,
             keep,
+            bf16,
             checkpoint,
             logit_cols,
             ranges,
@@ -178,7 +195,7 @@ impl ActLayout {
             *p = head;
             rest = tail;
         }
-        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu] =
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16] =
             parts;
         Acts {
             res,
@@ -204,11 +221,23 @@ impl ActLayout {
             dres,
             dlogits,
             gelu,
+            gelu16,
             keep: self.keep,
             logit_cols: self.logit_cols,
             checkpoint: self.checkpoint,
         }
     }
+}
+
+/// Layer slot `l` of `gelu16` (each slot ⌈len/2⌉ floats) as `len` bf16 values (their bits).
+pub(super) fn bf16_layer(gelu16: &mut [f32], l: usize, len: usize) -> &mut [u16] {
+    let per = len.div_ceil(2);
+    let slot = &mut gelu16[l * per..(l + 1) * per];
+    // SAFETY: u16 has no invalid bit patterns and an alignment that divides f32's; the view
+    // covers exactly the slot's bytes (2 u16 per f32) and borrows the slot mutably for as long
+    // as it lives.
+    let halves = unsafe { std::slice::from_raw_parts_mut(slot.as_mut_ptr() as *mut u16, 2 * per) };
+    &mut halves[..len]
 }
 
 /// What the last forward saw, kept for backward (buffers reused across steps).

@@ -180,21 +180,28 @@ pub(crate) fn block_forward(
     });
     // The GELU runs on each strip of the product's rows while the strip is in cache (its time
     // counted with the product's), rather than as a pass of its own over [n, f].
-    prof.time(K::MatmulFwd, || {
-        dev.matmul_gelu_forward(
-            fch,
-            s_big,
-            s_ln,
-            &p[bl.fc_w.clone()],
-            opt(p, &bl.fc_b),
-            n,
-            c,
-            f,
-        )
-    });
-    prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(x_next, s_big, &p[bl.fcproj_w.clone()], None, n, f, c)
-    });
+    let (fc_w, fc_b, fcproj_w) = (
+        &p[bl.fc_w.clone()],
+        opt(p, &bl.fc_b),
+        &p[bl.fcproj_w.clone()],
+    );
+    if a.gelu16.is_empty() {
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_gelu_forward(fch, s_big, s_ln, fc_w, fc_b, n, c, f)
+        });
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_forward(x_next, s_big, fcproj_w, None, n, f, c)
+        });
+    } else {
+        // Under bf16 products the GELU output is kept in bf16 for backward (see the arena).
+        let g16 = bf16_layer(a.gelu16, sl, n * f);
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_gelu_forward_bf16(fch, g16, s_ln, fc_w, fc_b, n, c, f)
+        });
+        prof.time(K::MatmulFwd, || {
+            dev.matmul_forward_bf16_input(x_next, g16, fcproj_w, None, n, f, c)
+        });
+    }
     prof.time(K::ResidualFwd, || {
         dev.residual_forward(x_next, x_mid, opt(p, &bl.fcproj_b), c, drop.site(ld + 2))
     });
@@ -431,27 +438,34 @@ pub(crate) fn block_backward(
             }
             None => dres,
         };
-        let s_big = &mut a.s_big[..n * f];
-        let gelu_out: &[f32] = if keep {
-            layer(a.gelu, l, n * f)
-        } else {
-            prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
-            s_big
-        };
         let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
-        prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(
-                None,
-                dw,
-                db,
-                dproj,
-                gelu_out,
-                &p[bl.fcproj_w.clone()],
-                n,
-                f,
-                c,
-            )
-        });
+        if a.gelu16.is_empty() {
+            let s_big = &mut a.s_big[..n * f];
+            let gelu_out: &[f32] = if keep {
+                layer(a.gelu, l, n * f)
+            } else {
+                prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+                s_big
+            };
+            prof.time(K::MatmulBwd, || {
+                dev.matmul_backward(
+                    None,
+                    dw,
+                    db,
+                    dproj,
+                    gelu_out,
+                    &p[bl.fcproj_w.clone()],
+                    n,
+                    f,
+                    c,
+                )
+            });
+        } else {
+            let g16 = bf16_layer(a.gelu16, sl, n * f);
+            prof.time(K::MatmulBwd, || {
+                dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
+            });
+        }
         let s_big = &mut a.s_big[..n * f];
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward_input(s_big, dproj, &p[bl.fcproj_w.clone()], n, f, c)

@@ -165,13 +165,15 @@ pub struct MemoryEstimate {
 impl GPT {
     /// What a model of `config` holds training on `tokens` (batch x
     /// sequence) tokens per forward with `threads` engine threads, with or
-    /// without activation checkpointing. The config must be valid
+    /// without activation checkpointing, its products in `precision` (bf16 keeps
+    /// the MLP's GELU outputs in bf16). The config must be valid
     /// ([`GPTConfig::validate`]).
     pub fn memory_estimate(
         config: &GPTConfig,
         tokens: usize,
         threads: usize,
         activation_checkpointing: bool,
+        precision: DType,
     ) -> MemoryEstimate {
         let params = Layout::new(config).total as u64 * 4;
         let cols = logit_cols(tokens, config.vocab_size, true, LOGITS_MAX_BYTES);
@@ -181,6 +183,7 @@ impl GPT {
             KEEP_MAX_BYTES,
             cols,
             activation_checkpointing,
+            precision == DType::Bf16 && cohort_engine::cpu::bf16_supported(),
         )
         .total as u64
             * 4;
@@ -441,8 +444,12 @@ impl GPT {
             labels.is_some(),
             self.logits_max_bytes,
         );
+        let bf16 = self.dev.dtype() == DType::Bf16;
         if self.act_layout.as_ref().is_none_or(|al| {
-            al.n < n || al.logit_cols != cols || al.checkpoint != self.activation_checkpointing
+            al.n < n
+                || al.logit_cols != cols
+                || al.checkpoint != self.activation_checkpointing
+                || al.bf16 != bf16
         }) {
             // Free the old arena first so peak memory is one arena, not two.
             self.arena = Vec::new();
@@ -452,6 +459,7 @@ impl GPT {
                 self.keep_max_bytes,
                 cols,
                 self.activation_checkpointing,
+                bf16,
             );
             self.arena = vec![0.0; al.total];
             self.attn_scratch = vec![

@@ -545,6 +545,61 @@ fn bf16_products_track_fp32_within_bf16_rounding() {
     assert_ne!(g32, g16, "bf16 gradients equal fp32's: bf16 not in use?");
 }
 
+/// Under bf16 products the MLP's GELU outputs are kept in bf16 instead of recomputed: the
+/// loss and every gradient are the same bits as keeping them in f32 (the products round them
+/// to bf16 either way), with and without activation checkpointing, with dropout.
+#[test]
+fn bf16_kept_gelu_outputs_give_the_bits_of_f32_kept_ones() {
+    if !cohort_engine::cpu::bf16_supported() {
+        eprintln!("skipped: this CPU has neither AMX nor AVX512_BF16");
+        return;
+    }
+    let cfg = GPTConfig {
+        vocab_size: 50,
+        max_position_embeddings: 16,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 32,
+        d_ff: 72, // rows of an odd number of pairs' halves: 16 x 72 / 2 per layer
+        dropout: 0.1,
+        bias: true,
+        tie_word_embeddings: true,
+    };
+    let ids: Vec<u32> = (0..30).map(|i| (i * 13 % 50) as u32).collect();
+    let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
+    let run = |keep_max_bytes: usize, checkpointing: bool| {
+        let mut m = model(cfg.clone(), 2, 9);
+        assert_eq!(m.set_precision(DType::Bf16).unwrap(), DType::Bf16);
+        m.keep_max_bytes = keep_max_bytes;
+        m.set_activation_checkpointing(checkpointing);
+        m.set_dropout_key(3, 1, 9);
+        let loss = m
+            .forward(&ids, None, Some(&labels), 2, 15)
+            .unwrap()
+            .unwrap();
+        m.zero_grad();
+        m.backward(|_, _| {}).unwrap();
+        let al = m.act_layout.as_ref().unwrap();
+        let kept16 = !al.keep && al.bf16;
+        (
+            loss.to_bits(),
+            m.grads().iter().map(|g| g.to_bits()).collect::<Vec<_>>(),
+            kept16,
+        )
+    };
+    let (loss, grads, kept16) = run(usize::MAX, false);
+    assert!(!kept16, "a large budget keeps the GELU outputs in f32");
+    for checkpointing in [false, true] {
+        let (l, g, kept16) = run(0, checkpointing);
+        assert!(
+            kept16,
+            "bf16 GELU outputs in use (checkpointing {checkpointing})"
+        );
+        assert_eq!(l, loss, "loss, checkpointing {checkpointing}");
+        assert_eq!(g, grads, "gradients, checkpointing {checkpointing}");
+    }
+}
+
 /// The head in blocks of the vocabulary (logits too large to keep whole) gives the same loss
 /// and gradients up to summation order (the log-sum-exp folded block by block, d(ln_f out)
 /// summed over blocks); it holds only one block of logits, and no logits are readable
@@ -625,7 +680,7 @@ fn activation_checkpointing_gives_the_same_bits_in_less_memory() {
         assert!(arena_ckpt < arena_all, "{arena_ckpt} vs {arena_all}");
     }
     let cfg = GPTConfig::config_b();
-    let est = |on| GPT::memory_estimate(&cfg, 8 * 256, 1, on).activations;
+    let est = |on| GPT::memory_estimate(&cfg, 8 * 256, 1, on, DType::F32).activations;
     assert!(
         est(true) * 2 < est(false),
         "{} vs {}",

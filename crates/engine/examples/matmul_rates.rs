@@ -70,4 +70,31 @@ fn main() {
             gflop / bw
         );
     }
+    // The LM head over one block of the vocabulary (the weight is nn.Linear's [out, in]).
+    let v = 4096;
+    let inp: Vec<f32> = (0..n * c).map(|i| (i % 17) as f32 * 0.01).collect();
+    let w: Vec<f32> = (0..v * c).map(|i| (i % 13) as f32 * 0.01).collect();
+    let (mut out, mut dinp, mut dw) = (vec![0.0; n * v], vec![0.0; n * c], vec![0.0; v * c]);
+    let reps = 10;
+    let time = |f: &mut dyn FnMut()| {
+        f();
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        t0.elapsed().as_secs_f64() / reps as f64
+    };
+    let d = cpu.dtype();
+    let fwd = cpu.install(|| time(&mut || cpu::head_forward(d, &mut out, &inp, &w, n, c, v)));
+    let bwd = cpu.install(|| {
+        time(&mut || cpu::head_backward(d, &mut dinp, &mut dw, &out, &inp, &w, n, c, v))
+    });
+    let gflop = 2.0 * (n * c * v) as f64 / 1e9;
+    println!(
+        "head {n}x{c}x{v}: forward {:.2} ms ({:.0} GFLOP/s), backward (two products) {:.2} ms ({:.0})",
+        fwd * 1e3,
+        gflop / fwd,
+        bwd * 1e3,
+        2.0 * gflop / bwd
+    );
 }

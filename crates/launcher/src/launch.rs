@@ -456,7 +456,9 @@ fn watch(
             return Ok(RoundEnd::Stopped(signal));
         }
         let exited = group.reap();
-        if let Some(&first) = exited.iter().find(|&&i| !group.exit_of(i).success()) {
+        let exits: Vec<(usize, ExitReason)> =
+            exited.into_iter().map(|i| (i, group.exit_of(i))).collect();
+        if let Some(first) = reported_failure(&exits) {
             let interrupted = group.stop(libc::SIGTERM, config.stop_grace, events);
             let failure = group.failure(first);
             report(&failure);
@@ -497,6 +499,18 @@ fn watch(
             None => end,
         });
     }
+}
+
+/// Which of the workers reaped in one look to report as the round's failure: one killed by a
+/// signal if any, else the first that failed. When a worker is killed, its peers fail too, as
+/// soon as their connections to it close; a loaded host can let several exits pile up before
+/// the launcher looks, and naming a peer would hide the cause.
+fn reported_failure(exits: &[(usize, ExitReason)]) -> Option<usize> {
+    let failed = || exits.iter().filter(|(_, e)| !e.success());
+    failed()
+        .find(|(_, e)| matches!(e, ExitReason::Signal(_)))
+        .or_else(|| failed().next())
+        .map(|&(i, _)| i)
 }
 
 /// Whether the other nodes end the round early: a failure they reported, a
@@ -631,5 +645,22 @@ fn hostname() -> String {
         String::from_utf8_lossy(&buf[..end]).into_owned()
     } else {
         "unknown".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_killed_worker_is_reported_before_the_peers_that_lost_it() {
+        use ExitReason::{Code, Signal, Silent};
+        // rank 0 exited because rank 1, killed, closed its connection: both reaped in one look
+        assert_eq!(reported_failure(&[(0, Code(1)), (1, Signal(9))]), Some(1));
+        assert_eq!(reported_failure(&[(0, Code(0)), (2, Code(3))]), Some(2));
+        assert_eq!(reported_failure(&[(1, Code(3)), (2, Code(1))]), Some(1));
+        assert_eq!(reported_failure(&[(0, Silent(5))]), Some(0));
+        assert_eq!(reported_failure(&[(0, Code(0)), (1, Code(0))]), None);
+        assert_eq!(reported_failure(&[]), None);
     }
 }

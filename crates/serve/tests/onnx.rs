@@ -21,6 +21,11 @@ const MEAN: [f32; FEATURES] = [1.0, -2.0, 0.5];
 
 /// A float tensor value info with a dynamic first dimension `N`.
 fn value(name: &str, dims: &[i64]) -> pb::ValueInfoProto {
+    typed_value(name, dims, pb::tensor_proto::DataType::Float)
+}
+
+/// A tensor value info of element type `elem` with a dynamic first dimension `N`.
+fn typed_value(name: &str, dims: &[i64], elem: pb::tensor_proto::DataType) -> pb::ValueInfoProto {
     use pb::tensor_shape_proto::{dimension, Dimension};
     let mut dim = vec![Dimension {
         value: Some(dimension::Value::DimParam("N".into())),
@@ -34,7 +39,7 @@ fn value(name: &str, dims: &[i64]) -> pb::ValueInfoProto {
         name: name.into(),
         r#type: Some(pb::TypeProto {
             value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
-                elem_type: pb::tensor_proto::DataType::Float as i32,
+                elem_type: elem as i32,
                 shape: Some(pb::TensorShapeProto { dim }),
             })),
             ..Default::default()
@@ -364,5 +369,140 @@ fn a_model_without_a_dynamic_batch_dimension_or_unlike_its_config_is_refused_by_
         mistyped.contains("config input \"X\" has data_type TYPE_INT64; the model's is TYPE_FP32"),
         "{mistyped}"
     );
+    server.shutdown();
+}
+
+/// What the FP16 model multiplies its input by, per column: halves whose products with halves
+/// are exact in f32, so one rounding to half gives the correctly rounded product.
+const HALF_SCALE: [f32; 4] = [0.5, -3.0, 1.25, 1000.0];
+
+/// `half` of one input: Y = X * S, all float16.
+fn half_repository(repo: &Path) {
+    use pb::tensor_proto::DataType as Pb;
+    let bits: Vec<u8> = HALF_SCALE
+        .iter()
+        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+        .collect();
+    put(
+        repo,
+        "half",
+        "platform: \"onnxruntime_onnx\"\nmax_batch_size: 8\n\
+         input [ { name: \"X\" data_type: TYPE_FP16 dims: [ 4 ] } ]\n\
+         output [ { name: \"Y\" data_type: TYPE_FP16 dims: [ 4 ] } ]\n\
+         dynamic_batching { max_queue_delay_microseconds: 100000 }\n",
+        (
+            vec![node("Mul", "scale", &["X", "s"], &["Y"])],
+            vec![typed_value("X", &[4], Pb::Float16)],
+            vec![typed_value("Y", &[4], Pb::Float16)],
+        ),
+        vec![pb::TensorProto {
+            name: "s".into(),
+            dims: vec![4],
+            data_type: Pb::Float16 as i32,
+            raw_data: bits,
+            ..Default::default()
+        }],
+    );
+}
+
+fn half_request(x: &[half::f16]) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: "half".into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: "X".into(),
+            datatype: "FP16".into(),
+            shape: vec![(x.len() / 4) as i64, 4],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![x.iter().flat_map(|v| v.to_le_bytes()).collect()],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn fp16_tensors_pass_as_little_endian_halves_batched_and_unbatched() {
+    use half::f16;
+    let dir = tempfile::tempdir().unwrap();
+    half_repository(dir.path());
+    let mut opts = ServerOptions::loopback(dir.path().to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    let server = Server::start(opts).unwrap();
+    assert!(server.is_model_ready("half"), "{:?}", server.index());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("http://{}", server.grpc_addr().unwrap());
+    let client = rt
+        .block_on(GrpcInferenceServiceClient::connect(url))
+        .unwrap();
+
+    // values whose products round (0.1 is not a half; x * 1000 overflows past 65504 for
+    // the larger rows), in requests of 1 to 3 rows joined by the dynamic batcher
+    let xs: Vec<Vec<f16>> = (0..6)
+        .map(|r| {
+            (0..4 * (1 + r % 3))
+                .map(|i| f16::from_f32(0.1 + i as f32 * 7.3 - r as f32 * 2.9))
+                .collect()
+        })
+        .collect();
+    let answers = rt.block_on(async {
+        let calls = xs.iter().map(|x| {
+            let mut c = client.clone();
+            let req = half_request(x);
+            tokio::spawn(async move { c.model_infer(req).await })
+        });
+        let mut out = Vec::new();
+        for call in calls.collect::<Vec<_>>() {
+            out.push(call.await.unwrap().unwrap().into_inner());
+        }
+        out
+    });
+    for (x, a) in xs.iter().zip(&answers) {
+        assert_eq!(
+            (a.outputs[0].name.as_str(), a.outputs[0].datatype.as_str()),
+            ("Y", "FP16")
+        );
+        assert_eq!(a.outputs[0].shape, [(x.len() / 4) as i64, 4]);
+        let got: Vec<f16> = a.raw_output_contents[0]
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        // a product of two halves is exact in f32, so rounding it once is the half product
+        let want: Vec<f16> = x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| f16::from_f32(v.to_f32() * HALF_SCALE[i % 4]))
+            .collect();
+        let bits = |v: &[f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{got:?} vs {want:?}");
+    }
+    let (executions, rows) = server.metrics().version("half", 1).batches();
+    assert_eq!(rows, 12);
+    assert!(
+        executions < 6,
+        "{executions} executions: nothing was batched"
+    );
+
+    // typed contents have no FP16 field: refused by name, not read as no elements
+    let mut typed = half_request(&[f16::ONE; 4]);
+    typed.raw_input_contents.clear();
+    typed.inputs[0].contents = Some(cohort_serve::proto::InferTensorContents {
+        fp32_contents: vec![1.0; 4],
+        ..Default::default()
+    });
+    let mut c = client.clone();
+    let err = rt.block_on(c.model_infer(typed)).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message()
+            .contains("input \"X\": FP16 has no typed contents"),
+        "{err:?}"
+    );
+    drop(c);
+    drop(client);
+    rt.shutdown_timeout(Duration::from_secs(1));
     server.shutdown();
 }

@@ -506,3 +506,131 @@ fn fp16_tensors_pass_as_little_endian_halves_batched_and_unbatched() {
     rt.shutdown_timeout(Duration::from_secs(1));
     server.shutdown();
 }
+
+/// An ensemble config of one FP32 `[3]` input `i` and output `o` (dims `out`), of `steps`.
+fn ensemble(repo: &Path, name: &str, out: i64, steps: &str) {
+    std::fs::create_dir_all(repo.join(name).join("1")).unwrap();
+    std::fs::write(
+        repo.join(name).join("config.pbtxt"),
+        format!(
+            "platform: \"ensemble\"\nmax_batch_size: 8\n\
+             input [ {{ name: \"i\" data_type: TYPE_FP32 dims: [ 3 ] }} ]\n\
+             output [ {{ name: \"o\" data_type: TYPE_FP32 dims: [ {out} ] }} ]\n\
+             ensemble_scheduling {{ step [ {steps} ] }}\n"
+        ),
+    )
+    .unwrap();
+}
+
+/// A step running `model` from ensemble tensor `from` (as its input `input`) to `to` (from its
+/// output `output`).
+fn step(model: &str, input: &str, from: &str, output: &str, to: &str) -> String {
+    format!(
+        "{{ model_name: \"{model}\" model_version: -1 \
+         input_map {{ key: \"{input}\" value: \"{from}\" }} \
+         output_map {{ key: \"{output}\" value: \"{to}\" }} }}"
+    )
+}
+
+#[test]
+fn a_nested_ensemble_equals_its_steps_in_turn_and_a_cycle_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path();
+    repository(repo);
+    // outer: center, then the ensemble pipeline (itself center then linear)
+    ensemble(
+        repo,
+        "outer",
+        2,
+        &[
+            step("center", "RAW", "i", "CENTERED", "c"),
+            step("pipeline", "RAW", "c", "SCORES", "o"),
+        ]
+        .join(", "),
+    );
+    // two ensembles through each other, and one through itself
+    ensemble(repo, "loop_a", 3, &step("loop_b", "i", "i", "o", "o"));
+    ensemble(repo, "loop_b", 3, &step("loop_a", "i", "i", "o", "o"));
+    ensemble(repo, "selfish", 3, &step("selfish", "i", "i", "o", "o"));
+    let mut opts = ServerOptions::loopback(repo.to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    let server = Server::start(opts).unwrap();
+    let reason = |m: &str| {
+        server
+            .index()
+            .into_iter()
+            .find(|e| e.name == m)
+            .map(|e| e.reason)
+            .unwrap_or_default()
+    };
+    // the loop is refused where it closes, named; whichever of the two loaded first serves
+    // (and fails its requests, its step being unavailable)
+    let (a, b) = (reason("loop_a"), reason("loop_b"));
+    assert!(
+        a.contains("reach themselves through their steps: loop_a -> loop_b -> loop_a")
+            || b.contains("reach themselves through their steps: loop_b -> loop_a -> loop_b"),
+        "{a:?} / {b:?}"
+    );
+    assert!(
+        reason("selfish").contains("through their steps: selfish -> selfish"),
+        "{:?}",
+        server.index()
+    );
+    for m in ["center", "linear", "pipeline", "outer"] {
+        assert!(server.is_model_ready(m), "{m}: {:?}", server.index());
+    }
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("http://{}", server.grpc_addr().unwrap());
+    let mut c = rt
+        .block_on(GrpcInferenceServiceClient::connect(url))
+        .unwrap();
+    let mut infer = |model: &str, input: &str, x: &[f32]| {
+        rt.block_on(c.model_infer(request(model, input, x)))
+            .map(|r| r.into_inner())
+    };
+    let stats = |m: &str| server.metrics().version(m, 1).batches().1;
+    let before: Vec<u64> = ["outer", "pipeline", "center", "linear"]
+        .map(stats)
+        .to_vec();
+    let raw = [0.5f32, 1.0, -1.0, 2.0, 0.0, 3.0];
+    let whole = infer("outer", "i", &raw).unwrap();
+    let after: Vec<u64> = ["outer", "pipeline", "center", "linear"]
+        .map(stats)
+        .to_vec();
+    // every model on the way counted the request's two rows: center twice (outer's step and
+    // pipeline's)
+    let rows: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(rows, [2, 2, 4, 2]);
+    let once = infer("center", "RAW", &raw).unwrap();
+    let twice = infer("center", "RAW", &floats(&once)).unwrap();
+    let scores = infer("linear", "X", &floats(&twice)).unwrap();
+    assert_eq!(whole.outputs[0].name, "o");
+    assert_eq!(whole.outputs[0].shape, [2, 2]);
+    assert_eq!(floats(&whole), floats(&scores));
+    let want: Vec<f32> = raw
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v - 2.0 * MEAN[i % FEATURES])
+        .collect();
+    close(&floats(&whole), &linear(&want));
+
+    // the loop's survivor fails its requests by name; the rest keep serving
+    let survivor = if server.is_model_ready("loop_a") {
+        "loop_a"
+    } else {
+        "loop_b"
+    };
+    let err = infer(survivor, "i", &raw).unwrap_err();
+    assert!(err.message().contains("loop_"), "{err:?}");
+    assert!(infer("outer", "i", &raw).is_ok());
+    drop(infer);
+    drop(c);
+    rt.shutdown_timeout(Duration::from_secs(1));
+    server.shutdown();
+}

@@ -872,7 +872,7 @@ mod tests {
         assert_eq!(t.data, [0x66, 0x2e, 0xff, 0x7b, 0x02, 0x68]);
         assert_eq!(t.to_f64s(), [0.0999755859375, 65504.0, 2052.0]);
         // written as the f32 of the same value, which reads back as the same half
-        assert_eq!(t.json(), json!([0.0999755859375f32, 65504.0, 2052.0]));
+        assert_eq!(t.json(), json!([halves[0].to_f32(), 65504.0, 2052.0]));
         let back = req(&t.json(), "FP16").unwrap().inputs.remove(0);
         assert_eq!(back, t);
         let raw = req(&json!([0.1, 65519, 2051.5]), "FP16").unwrap().inputs[0]

@@ -629,7 +629,6 @@ fn a_nested_ensemble_equals_its_steps_in_turn_and_a_cycle_is_refused_by_name() {
     let err = infer(survivor, "i", &raw).unwrap_err();
     assert!(err.message().contains("loop_"), "{err:?}");
     assert!(infer("outer", "i", &raw).is_ok());
-    drop(infer);
     drop(c);
     rt.shutdown_timeout(Duration::from_secs(1));
     server.shutdown();

@@ -738,3 +738,30 @@ async fn stream_generate(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_contents_of_the_unsigned_types_are_little_endian_and_fp16_is_refused_by_name() {
+        let c = proto::InferTensorContents {
+            uint_contents: vec![65535, 1],
+            uint64_contents: vec![u64::MAX],
+            ..Default::default()
+        };
+        let (b, n) = typed_contents("U", "UINT16", &c).unwrap();
+        assert_eq!((b, n), (vec![0xff, 0xff, 1, 0], 2));
+        let (b, n) = typed_contents("U", "UINT32", &c).unwrap();
+        assert_eq!((b, n), (vec![0xff, 0xff, 0, 0, 1, 0, 0, 0], 2));
+        let (b, n) = typed_contents("U", "UINT64", &c).unwrap();
+        assert_eq!((b, n), (u64::MAX.to_le_bytes().to_vec(), 1));
+        let err = typed_contents("H", "FP16", &c).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::BadRequest);
+        assert!(
+            err.to_string()
+                .contains("input \"H\": FP16 has no typed contents"),
+            "{err}"
+        );
+    }
+}

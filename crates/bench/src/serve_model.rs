@@ -261,6 +261,10 @@ fn random_bytes(dt: DataType, n: usize, rng: &mut SplitMix64) -> Vec<u8> {
             DataType::Int16 => out.extend_from_slice(&(small as i16).to_le_bytes()),
             DataType::Int32 => out.extend_from_slice(&(small as i32).to_le_bytes()),
             DataType::Int64 => out.extend_from_slice(&small.to_le_bytes()),
+            DataType::Uint16 => out.extend_from_slice(&(small as u16).to_le_bytes()),
+            DataType::Uint32 => out.extend_from_slice(&(small as u32).to_le_bytes()),
+            DataType::Uint64 => out.extend_from_slice(&(small as u64).to_le_bytes()),
+            DataType::Fp16 => out.extend_from_slice(&half::f16::from_f64(uniform).to_le_bytes()),
             DataType::Fp32 => out.extend_from_slice(&(uniform as f32).to_le_bytes()),
             DataType::Fp64 => out.extend_from_slice(&uniform.to_le_bytes()),
             DataType::Bytes => {

@@ -9,10 +9,14 @@
 //! per-composing-model statistics); the ensemble's statistics count whole requests. A step
 //! resolves its model when the request runs (version -1: the newest ready), so a step model
 //! can be reloaded without reloading the ensemble. Steps run one after another in an order
-//! where each step's inputs exist; a step whose model is itself an ensemble is refused, which
-//! also rules out cycles. A step that fails answers for the ensemble, named: a request its
-//! model refuses (text a tokenizer step cannot encode, say) is still a bad request. This module
-//! never parses requests off the wire.
+//! where each step's inputs exist. A step's model may itself be an ensemble (nested, as
+//! Triton's): its steps run the same way and every model on the way counts the request. An
+//! ensemble must never reach itself through its steps: [`cycle`] finds such a loop, which the
+//! repository refuses at load from the configs it knows, and which a request is refused on
+//! if one slips past that (a step resolved at run time, a config reloaded since), naming the
+//! loop rather than recursing forever. A step that fails answers for the ensemble, named: a
+//! request its model refuses (text a tokenizer step cannot encode, say) is still a bad request.
+//! This module never parses requests off the wire.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -142,6 +146,59 @@ fn order(
     Ok(ordered)
 }
 
+/// The models `cfg`'s steps name, in step order.
+pub(crate) fn step_models(cfg: &ModelConfig) -> Vec<&str> {
+    cfg.ensemble_scheduling
+        .as_ref()
+        .map(|e| e.step.iter().map(|s| s.model_name.as_str()).collect())
+        .unwrap_or_default()
+}
+
+/// The loop `model` closes when it is entered from inside the ensembles `chain` (outermost
+/// first), written `a -> b -> a`; None when it is not in the chain.
+pub(crate) fn cycle(chain: &[&str], model: &str) -> Option<String> {
+    let at = chain.iter().position(|&m| m == model)?;
+    let mut names = chain[at..].to_vec();
+    names.push(model);
+    Some(names.join(" -> "))
+}
+
+/// A loop through `model`'s steps back to itself, following the steps of the ensembles
+/// `config_of` knows (it answers None for a model that is not an ensemble or not known);
+/// None when there is none.
+pub(crate) fn load_cycle<'c>(
+    model: &'c str,
+    cfg: &'c ModelConfig,
+    config_of: &dyn Fn(&str) -> Option<&'c ModelConfig>,
+) -> Option<String> {
+    fn walk<'c>(
+        chain: &mut Vec<&'c str>,
+        seen: &mut BTreeSet<&'c str>,
+        cfg: &'c ModelConfig,
+        config_of: &dyn Fn(&str) -> Option<&'c ModelConfig>,
+    ) -> Option<String> {
+        for step in step_models(cfg) {
+            // only a loop back to where the walk started is this model's; a loop among
+            // other models is theirs to be refused for
+            if step == chain[0] {
+                return cycle(chain, step);
+            }
+            if !seen.insert(step) {
+                continue;
+            }
+            if let Some(inner) = config_of(step) {
+                chain.push(step);
+                if let Some(c) = walk(chain, seen, inner, config_of) {
+                    return Some(c);
+                }
+                chain.pop();
+            }
+        }
+        None
+    }
+    walk(&mut vec![model], &mut BTreeSet::new(), cfg, config_of)
+}
+
 /// Checks an ensemble's config without loading anything.
 pub(crate) fn check_config(cfg: &ModelConfig) -> Result<(), String> {
     Ensemble::new(cfg).map(|_| ())
@@ -163,16 +220,18 @@ impl Ensemble {
     /// Runs a checked request through the steps, resolving their models in `repo`, and
     /// returns the outputs `want` (indices into the ensemble's outputs), or why a step failed
     /// (the step's own error inside, so a request at fault is still a bad request). `me` is
-    /// the ensemble's name and version, for errors. (Boxed: a step runs a model, which the
-    /// type checker cannot rule out being an ensemble.)
+    /// the ensemble's name and version, for errors; `via` the ensembles the request is
+    /// already inside, outermost first. (Boxed: a step may run an ensemble, so the future
+    /// contains itself.)
     pub fn run<'a>(
         &'a self,
         repo: &'a Repository,
         request: Request,
         want: &'a [usize],
         me: (&'a str, u64),
+        via: &'a [&'a str],
     ) -> Pin<Box<dyn Future<Output = Result<InferResult, ServeError>> + Send + 'a>> {
-        Box::pin(self.run_steps(repo, request, want, me))
+        Box::pin(self.run_steps(repo, request, want, me, via))
     }
 
     async fn run_steps(
@@ -181,7 +240,10 @@ impl Ensemble {
         request: Request,
         want: &[usize],
         (model, version): (&str, u64),
+        via: &[&str],
     ) -> Result<InferResult, ServeError> {
+        let mut chain = via.to_vec();
+        chain.push(model);
         let mut values: BTreeMap<String, Tensor> = self
             .inputs
             .iter()
@@ -189,7 +251,7 @@ impl Ensemble {
             .zip(request.inputs)
             .collect();
         for step in &self.steps {
-            self.run_step(repo, step, &mut values)
+            self.run_step(repo, step, &mut values, &chain)
                 .await
                 .map_err(|e| ServeError::Step {
                     model: model.to_string(),
@@ -226,13 +288,18 @@ impl Ensemble {
         repo: &Repository,
         step: &EnsembleStep,
         values: &mut BTreeMap<String, Tensor>,
+        chain: &[&str],
     ) -> Result<(), ServeError> {
         let version = (step.model_version >= 0).then(|| step.model_version.to_string());
         let lv = repo.resolve(&step.model_name, version.as_deref())?;
         if lv.kind == Kind::Ensemble {
-            return Err(ServeError::malformed(
-                "a step's model may not itself be an ensemble",
-            ));
+            if let Some(loop_) = cycle(chain, &lv.model) {
+                return Err(ServeError::Execution {
+                    model: lv.model.clone(),
+                    version: lv.version,
+                    reason: format!("ensembles reach themselves through their steps: {loop_}"),
+                });
+            }
         }
         let mut shapes = Vec::with_capacity(lv.inputs().len());
         let mut feeds = Vec::with_capacity(lv.inputs().len());
@@ -278,11 +345,79 @@ impl Ensemble {
             lv.outputs(),
             step.output_map.keys().map(String::as_str),
         )?;
-        for (name, t) in lv.infer(repo, req, want).await? {
+        for (name, t) in lv.infer_via(repo, req, want, chain).await? {
             if let Some(tensor) = step.output_map.get(&name) {
                 values.insert(tensor.clone(), t);
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn ens(steps: &[&str]) -> ModelConfig {
+        // step k reads t{k} (the input i first) and writes t{k+1} (the output o last)
+        let tensor = |k: usize| match k {
+            0 => "i".to_string(),
+            k if k == steps.len() => "o".to_string(),
+            k => format!("t{k}"),
+        };
+        let steps: Vec<String> = steps
+            .iter()
+            .enumerate()
+            .map(|(k, m)| {
+                format!(
+                    "{{ model_name: \"{m}\" input_map {{ key: \"i\" value: \"{}\" }} \
+                     output_map {{ key: \"o\" value: \"{}\" }} }}",
+                    tensor(k),
+                    tensor(k + 1)
+                )
+            })
+            .collect();
+        let text = format!(
+            "platform: \"ensemble\"\n\
+             input [ {{ name: \"i\" data_type: TYPE_FP32 dims: [ 1 ] }} ]\n\
+             output [ {{ name: \"o\" data_type: TYPE_FP32 dims: [ 1 ] }} ]\n\
+             ensemble_scheduling {{ step [ {} ] }}\n",
+            steps.join(", ")
+        );
+        ModelConfig::from_pbtxt(&text, Path::new("config.pbtxt")).unwrap()
+    }
+
+    #[test]
+    fn a_loop_is_named_from_where_it_closes() {
+        assert_eq!(cycle(&["x", "a", "b"], "a").as_deref(), Some("a -> b -> a"));
+        assert_eq!(cycle(&["a"], "a").as_deref(), Some("a -> a"));
+        assert_eq!(cycle(&["a", "b"], "c"), None);
+        assert_eq!(cycle(&[], "a"), None);
+    }
+
+    #[test]
+    fn load_finds_a_loop_back_to_the_model_through_known_ensembles_only() {
+        let configs: BTreeMap<&str, ModelConfig> = [
+            ("b", ens(&["onnx", "c"])),
+            ("c", ens(&["d", "a"])),
+            ("d", ens(&["onnx"])),
+            ("e", ens(&["f"])),
+            ("f", ens(&["e"])),
+        ]
+        .into_iter()
+        .collect();
+        let config_of = |m: &str| configs.get(m);
+        let a = ens(&["x", "b"]);
+        assert_eq!(
+            load_cycle("a", &a, &config_of).as_deref(),
+            Some("a -> b -> c -> a")
+        );
+        let (s, g) = (ens(&["s"]), ens(&["e", "d"]));
+        assert_eq!(load_cycle("s", &s, &config_of).as_deref(), Some("s -> s"));
+        // a loop among others (e <-> f) is not this model's, and the walk still ends
+        assert_eq!(load_cycle("g", &g, &config_of), None);
+        // unknown models (not loaded yet) are not followed
+        assert_eq!(load_cycle("a", &a, &|_| None), None);
     }
 }

@@ -420,7 +420,7 @@ async fn infer_one(
                 }
                 (Some(raw), None) => InputData::Raw(raw),
                 (None, Some(c)) => {
-                    let (bytes, n) = typed_contents(&input.datatype, c);
+                    let (bytes, n) = typed_contents(&input.name, &input.datatype, c)?;
                     InputData::Typed(bytes, n)
                 }
                 (None, None) => InputData::Typed(Vec::new(), 0),
@@ -471,19 +471,33 @@ async fn infer_one(
 
 /// The little-endian bytes of typed protobuf contents of KServe type `datatype` (BYTES in the
 /// serialized form tensors keep), and how many elements they held (none for a type cohort does
-/// not serve: the datatype check refuses it).
-fn typed_contents(datatype: &str, c: &proto::InferTensorContents) -> (Vec<u8>, usize) {
+/// not serve: the datatype check refuses it). FP16 has no field in KServe's contents, so typed
+/// FP16 contents are refused by the input's `name` rather than read as empty.
+fn typed_contents(
+    name: &str,
+    datatype: &str,
+    c: &proto::InferTensorContents,
+) -> Result<(Vec<u8>, usize), ServeError> {
     use crate::tensor::DataType as D;
     fn le<T: Copy, const N: usize>(v: &[T], f: impl Fn(T) -> [u8; N]) -> (Vec<u8>, usize) {
         (v.iter().flat_map(|&x| f(x)).collect(), v.len())
     }
-    match D::from_name(datatype) {
+    Ok(match D::from_name(datatype) {
         Some(D::Bool) => le(&c.bool_contents, |b| [u8::from(b)]),
         Some(D::Uint8) => le(&c.uint_contents, |x| [x as u8]),
         Some(D::Int8) => le(&c.int_contents, |x| (x as i8).to_le_bytes()),
         Some(D::Int16) => le(&c.int_contents, |x| (x as i16).to_le_bytes()),
         Some(D::Int32) => le(&c.int_contents, i32::to_le_bytes),
         Some(D::Int64) => le(&c.int64_contents, i64::to_le_bytes),
+        Some(D::Uint16) => le(&c.uint_contents, |x| (x as u16).to_le_bytes()),
+        Some(D::Uint32) => le(&c.uint_contents, u32::to_le_bytes),
+        Some(D::Uint64) => le(&c.uint64_contents, u64::to_le_bytes),
+        Some(D::Fp16) => {
+            return Err(ServeError::malformed(format!(
+                "input {name:?}: FP16 has no typed contents in KServe's protocol; send its \
+                 little-endian halves as raw_input_contents (as Triton's clients do)"
+            )))
+        }
         Some(D::Fp32) => le(&c.fp32_contents, f32::to_le_bytes),
         Some(D::Fp64) => le(&c.fp64_contents, f64::to_le_bytes),
         Some(D::Bytes) => (
@@ -491,7 +505,7 @@ fn typed_contents(datatype: &str, c: &proto::InferTensorContents) -> (Vec<u8>, u
             c.bytes_contents.len(),
         ),
         None => (Vec::new(), 0),
-    }
+    })
 }
 
 /// The request parameter asking for an empty last response that carries only the final flag
@@ -723,4 +737,31 @@ async fn stream_generate(
         let _ = tx.send(response(held.as_deref(), true)).await;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_contents_of_the_unsigned_types_are_little_endian_and_fp16_is_refused_by_name() {
+        let c = proto::InferTensorContents {
+            uint_contents: vec![65535, 1],
+            uint64_contents: vec![u64::MAX],
+            ..Default::default()
+        };
+        let (b, n) = typed_contents("U", "UINT16", &c).unwrap();
+        assert_eq!((b, n), (vec![0xff, 0xff, 1, 0], 2));
+        let (b, n) = typed_contents("U", "UINT32", &c).unwrap();
+        assert_eq!((b, n), (vec![0xff, 0xff, 0, 0, 1, 0, 0, 0], 2));
+        let (b, n) = typed_contents("U", "UINT64", &c).unwrap();
+        assert_eq!((b, n), (u64::MAX.to_le_bytes().to_vec(), 1));
+        let err = typed_contents("H", "FP16", &c).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::BadRequest);
+        assert!(
+            err.to_string()
+                .contains("input \"H\": FP16 has no typed contents"),
+            "{err}"
+        );
+    }
 }

@@ -291,11 +291,24 @@ impl LoadedVersion {
         input: Request,
         want: Vec<usize>,
     ) -> Result<InferResult, ServeError> {
+        self.infer_via(repo, input, want, &[]).await
+    }
+
+    /// [`LoadedVersion::infer`] as a step of the ensembles `via` (outermost first), which an
+    /// ensemble's steps must not lead back to.
+    pub async fn infer_via(
+        &self,
+        repo: &Repository,
+        input: Request,
+        want: Vec<usize>,
+        via: &[&str],
+    ) -> Result<InferResult, ServeError> {
         let start = Instant::now();
         let out = match &self.serving {
             Serving::Ensemble(e) => {
                 let rows = input.batch;
-                let out = e.run(repo, input, &want, (&self.model, self.version)).await;
+                let me = (self.model.as_str(), self.version);
+                let out = e.run(repo, input, &want, me, via).await;
                 if out.is_ok() {
                     let phases = Phases {
                         infer: start.elapsed(),

@@ -385,6 +385,20 @@ impl Repository {
             tracing::warn!(model, ignored = ?cfg.ignored_fields(), "config fields not used by cohort");
         }
         let config_changed = old.config.as_ref().is_some_and(|c| **c != *cfg);
+        // an ensemble that reaches itself through the ensembles loaded so far is refused here
+        // (the one loaded last in a loop is the one refused); requests catch what slips past
+        let cycle = (cfg.kind() == Ok(crate::backend::Kind::Ensemble))
+            .then(|| {
+                let models = self.read();
+                let config_of = |m: &str| {
+                    models
+                        .get(m)
+                        .and_then(|e| e.config.as_deref())
+                        .filter(|c| c.kind() == Ok(crate::backend::Kind::Ensemble))
+                };
+                crate::ensemble::load_cycle(model, &cfg, &config_of)
+            })
+            .flatten();
         let present = version_dirs(&dir);
         let wanted = cfg.version_policy.select(&present);
         let mut versions = BTreeMap::new();
@@ -398,8 +412,16 @@ impl Repository {
                     continue;
                 }
             }
-            let metrics = self.metrics.version(model, v);
-            match LoadedVersion::load(model, v, &vdir, &cfg, self.build, metrics) {
+            let loaded = match &cycle {
+                Some(loop_) => Err(crate::backend::Version { model, version: v }.error(format!(
+                    "ensembles may not reach themselves through their steps: {loop_}"
+                ))),
+                None => {
+                    let metrics = self.metrics.version(model, v);
+                    LoadedVersion::load(model, v, &vdir, &cfg, self.build, metrics)
+                }
+            };
+            match loaded {
                 Ok(lv) => {
                     tracing::info!(model, version = v, platform = lv.kind.platform(),
                         instances = lv.instances, dir = %lv.stamp.dir.display(), "loaded");

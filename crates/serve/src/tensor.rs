@@ -12,6 +12,13 @@
 //! and rows are cut and joined by walking the prefixes. A BYTES tensor's data is checked to be
 //! exactly its shape's elements in that form when it is built from a request, so the walks
 //! after that never meet a cut-short prefix.
+//!
+//! FP16 tensors hold IEEE 754 half-precision elements, two little-endian bytes each (what
+//! Triton's clients send for numpy's float16). JSON carries them as numbers: a request's are
+//! rounded to the nearest half (one that would round to infinity is refused, as an integer
+//! that does not fit its type is), and an answer's are written as the f32 of the same value,
+//! which rounds back to the same half. KServe's typed protobuf contents have no field for
+//! them; only raw contents carry them over gRPC.
 
 use crate::error::ServeError;
 
@@ -42,6 +49,14 @@ pub enum DataType {
     Int32,
     /// i64.
     Int64,
+    /// u16.
+    Uint16,
+    /// u32.
+    Uint32,
+    /// u64.
+    Uint64,
+    /// IEEE 754 half precision (`half::f16`); see the module doc.
+    Fp16,
     /// f32.
     Fp32,
     /// f64.
@@ -52,13 +67,17 @@ pub enum DataType {
 
 impl DataType {
     /// Every datatype served.
-    pub const ALL: [DataType; 9] = [
+    pub const ALL: [DataType; 13] = [
         DataType::Bool,
         DataType::Uint8,
         DataType::Int8,
         DataType::Int16,
         DataType::Int32,
         DataType::Int64,
+        DataType::Uint16,
+        DataType::Uint32,
+        DataType::Uint64,
+        DataType::Fp16,
         DataType::Fp32,
         DataType::Fp64,
         DataType::Bytes,
@@ -73,6 +92,10 @@ impl DataType {
             DataType::Int16 => "INT16",
             DataType::Int32 => "INT32",
             DataType::Int64 => INT64,
+            DataType::Uint16 => "UINT16",
+            DataType::Uint32 => "UINT32",
+            DataType::Uint64 => "UINT64",
+            DataType::Fp16 => "FP16",
             DataType::Fp32 => FP32,
             DataType::Fp64 => "FP64",
             DataType::Bytes => "BYTES",
@@ -88,6 +111,10 @@ impl DataType {
             DataType::Int16 => "TYPE_INT16",
             DataType::Int32 => "TYPE_INT32",
             DataType::Int64 => "TYPE_INT64",
+            DataType::Uint16 => "TYPE_UINT16",
+            DataType::Uint32 => "TYPE_UINT32",
+            DataType::Uint64 => "TYPE_UINT64",
+            DataType::Fp16 => "TYPE_FP16",
             DataType::Fp32 => "TYPE_FP32",
             DataType::Fp64 => "TYPE_FP64",
             DataType::Bytes => "TYPE_STRING",
@@ -98,9 +125,9 @@ impl DataType {
     pub fn size(self) -> Option<usize> {
         match self {
             DataType::Bool | DataType::Uint8 | DataType::Int8 => Some(1),
-            DataType::Int16 => Some(2),
-            DataType::Int32 | DataType::Fp32 => Some(4),
-            DataType::Int64 | DataType::Fp64 => Some(8),
+            DataType::Int16 | DataType::Uint16 | DataType::Fp16 => Some(2),
+            DataType::Int32 | DataType::Uint32 | DataType::Fp32 => Some(4),
+            DataType::Int64 | DataType::Uint64 | DataType::Fp64 => Some(8),
             DataType::Bytes => None,
         }
     }
@@ -117,12 +144,13 @@ impl DataType {
 
     /// Whether elements are floating point.
     pub fn is_float(self) -> bool {
-        matches!(self, DataType::Fp32 | DataType::Fp64)
+        matches!(self, DataType::Fp16 | DataType::Fp32 | DataType::Fp64)
     }
 
-    /// Little-endian bytes of `v` as this type (a string's serialized form for BYTES); None
-    /// when it does not fit (or is not an integer for an integer type, or not a string for
-    /// BYTES, or a string for another type).
+    /// Little-endian bytes of `v` as this type (a string's serialized form for BYTES, floats
+    /// rounded to the nearest value of their type); None when it does not fit (a float that
+    /// would round to infinity, or an integer out of range; or is not an integer for an
+    /// integer type, or not a string for BYTES, or a string for another type).
     fn encode_json(self, v: &serde_json::Value, out: &mut Vec<u8>) -> Option<()> {
         if v.is_string() != (self == DataType::Bytes) {
             return None;
@@ -130,7 +158,15 @@ impl DataType {
         match self {
             DataType::Bytes => push_element(out, v.as_str()?.as_bytes())?,
             DataType::Bool => out.push(u8::from(v.as_bool()?)),
-            DataType::Fp32 => out.extend_from_slice(&(v.as_f64()? as f32).to_le_bytes()),
+            // JSON numbers are finite, so an infinity here is an overflow
+            DataType::Fp16 => {
+                let h = half::f16::from_f64(v.as_f64()?);
+                out.extend_from_slice(&h.is_finite().then_some(h)?.to_le_bytes())
+            }
+            DataType::Fp32 => {
+                let f = v.as_f64()? as f32;
+                out.extend_from_slice(&f.is_finite().then_some(f)?.to_le_bytes())
+            }
             DataType::Fp64 => out.extend_from_slice(&v.as_f64()?.to_le_bytes()),
             DataType::Uint8 => out.push(u8::try_from(v.as_i64()?).ok()?),
             DataType::Int8 => out.extend_from_slice(&i8::try_from(v.as_i64()?).ok()?.to_le_bytes()),
@@ -141,6 +177,13 @@ impl DataType {
                 out.extend_from_slice(&i32::try_from(v.as_i64()?).ok()?.to_le_bytes())
             }
             DataType::Int64 => out.extend_from_slice(&v.as_i64()?.to_le_bytes()),
+            DataType::Uint16 => {
+                out.extend_from_slice(&u16::try_from(v.as_u64()?).ok()?.to_le_bytes())
+            }
+            DataType::Uint32 => {
+                out.extend_from_slice(&u32::try_from(v.as_u64()?).ok()?.to_le_bytes())
+            }
+            DataType::Uint64 => out.extend_from_slice(&v.as_u64()?.to_le_bytes()),
         }
         Some(())
     }
@@ -285,8 +328,8 @@ impl Tensor {
         })
     }
 
-    /// The elements as f64 (exact for every type but INT64 beyond 2^53), for JSON answers and
-    /// comparisons; none for BYTES.
+    /// The elements as f64 (exact for every type but INT64 and UINT64 beyond 2^53), for JSON
+    /// answers and comparisons; none for BYTES.
     pub fn to_f64s(&self) -> Vec<f64> {
         let Some(n) = self.datatype.size() else {
             return Vec::new();
@@ -299,6 +342,10 @@ impl Tensor {
                 DataType::Int16 => f64::from(i16::from_le_bytes([c[0], c[1]])),
                 DataType::Int32 => f64::from(i32::from_le_bytes(c.try_into().expect("4 bytes"))),
                 DataType::Int64 => i64::from_le_bytes(c.try_into().expect("8 bytes")) as f64,
+                DataType::Uint16 => f64::from(u16::from_le_bytes([c[0], c[1]])),
+                DataType::Uint32 => f64::from(u32::from_le_bytes(c.try_into().expect("4 bytes"))),
+                DataType::Uint64 => u64::from_le_bytes(c.try_into().expect("8 bytes")) as f64,
+                DataType::Fp16 => half::f16::from_le_bytes([c[0], c[1]]).to_f64(),
                 DataType::Fp32 => f64::from(f32::from_le_bytes(c.try_into().expect("4 bytes"))),
                 DataType::Fp64 => f64::from_le_bytes(c.try_into().expect("8 bytes")),
                 DataType::Bytes => f64::NAN,
@@ -321,6 +368,17 @@ impl Tensor {
                 serde_json::json!(self.data.iter().map(|&b| b != 0).collect::<Vec<_>>())
             }
             DataType::Int64 => serde_json::json!(self.i64s().unwrap_or_default()),
+            DataType::Uint64 => serde_json::json!(self
+                .data
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect::<Vec<_>>()),
+            // the f32 of the same value: its shortest decimal rounds back to the same half
+            DataType::Fp16 => serde_json::json!(self
+                .data
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect::<Vec<_>>()),
             DataType::Fp32 => serde_json::json!(self
                 .data
                 .chunks_exact(4)
@@ -786,6 +844,131 @@ mod tests {
         let both = Tensor::concat(&[&t.rows(1..2), &t.rows(0..1)]);
         assert_eq!(both.json(), json!([3.0, 4.5, 1.0, 2.0]));
         assert_eq!(both.shape, [2, 2]);
+    }
+
+    #[test]
+    fn fp16_rounds_json_to_the_nearest_half_and_refuses_what_overflows_by_name() {
+        use half::f16;
+        let spec = vec![TensorSpec::new("H", DataType::Fp16, vec![-1, 3])];
+        let req = |data: &serde_json::Value, datatype: &'static str| {
+            let w = WireInput {
+                name: "H",
+                datatype,
+                shape: &[1, 3],
+                data: InputData::Json(data),
+            };
+            request("m", &spec, 4, vec![w])
+        };
+        // 0.1 is no half: the nearest is 0.0999755859375; 65519 rounds down to the largest
+        // half, 65504; 2051.5 lies between 2050 and 2052 and rounds up (truncation would not)
+        let t = req(&json!([0.1, 65519, 2051.5]), "FP16")
+            .unwrap()
+            .inputs
+            .remove(0);
+        let halves: Vec<f16> = [0.1, 65504.0, 2052.0].map(f16::from_f64).to_vec();
+        let want: Vec<u8> = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
+        assert_eq!(t.data, want);
+        // little-endian, low byte first: 0x2e66, 0x7bff, 0x6802
+        assert_eq!(t.data, [0x66, 0x2e, 0xff, 0x7b, 0x02, 0x68]);
+        assert_eq!(t.to_f64s(), [0.0999755859375, 65504.0, 2052.0]);
+        // written as the f32 of the same value, which reads back as the same half
+        assert_eq!(t.json(), json!([halves[0].to_f32(), 65504.0, 2052.0]));
+        let back = req(&t.json(), "FP16").unwrap().inputs.remove(0);
+        assert_eq!(back, t);
+        let raw = req(&json!([0.1, 65519, 2051.5]), "FP16").unwrap().inputs[0]
+            .data
+            .clone();
+        let w = WireInput {
+            name: "H",
+            datatype: "FP16",
+            shape: &[2, 3],
+            data: InputData::Raw(&[raw.clone(), raw].concat()),
+        };
+        let two = request("m", &spec, 4, vec![w]).unwrap().inputs.remove(0);
+        assert_eq!(two.rows(1..2), t);
+        assert_eq!(Tensor::concat(&[&t, &t]), two);
+        let w = WireInput {
+            name: "H",
+            datatype: "FP16",
+            shape: &[1, 3],
+            data: InputData::Raw(&[0; 12]),
+        };
+        let err = request("m", &spec, 4, vec![w]).unwrap_err().to_string();
+        assert!(err.contains("needs 6 bytes"), "{err}");
+
+        for (data, needle) in [
+            (
+                json!([1, 65520, 2]),
+                "\"H[1] = 65520\" has datatype a value that does not fit",
+            ),
+            (json!([1, 2, -1e6]), "\"H[2] = -1000000.0\""),
+            (
+                json!([1, "2", 3]),
+                "\"H[1] = \\\"2\\\"\" has datatype a string",
+            ),
+        ] {
+            let err = req(&data, "FP16").unwrap_err().to_string();
+            assert!(
+                err.contains(needle) && err.contains("FP16"),
+                "{needle:?} not in {err}"
+            );
+        }
+        let err = req(&json!([1, 2, 3]), FP32).unwrap_err().to_string();
+        assert!(
+            err.contains("datatype FP32, the model expects FP16"),
+            "{err}"
+        );
+        // FP32 overflows are refused the same way rather than turned into infinities
+        let spec32 = vec![TensorSpec::new("F", DataType::Fp32, vec![-1])];
+        let big = json!([1e39]);
+        let w = WireInput {
+            name: "F",
+            datatype: FP32,
+            shape: &[1],
+            data: InputData::Json(&big),
+        };
+        let err = request("m", &spec32, 4, vec![w]).unwrap_err().to_string();
+        assert!(err.contains("\"F[0] = 1e+39\""), "{err}");
+    }
+
+    #[test]
+    fn unsigned_types_take_their_whole_range_and_refuse_the_rest() {
+        let one = |dt: DataType, data: serde_json::Value| {
+            let spec = vec![TensorSpec::new("U", dt, vec![-1])];
+            let w = WireInput {
+                name: "U",
+                datatype: dt.name(),
+                shape: &[2],
+                data: InputData::Json(&data),
+            };
+            request("m", &spec, 4, vec![w]).map(|mut r| r.inputs.remove(0))
+        };
+        let t = one(DataType::Uint64, json!([u64::MAX, 7])).unwrap();
+        assert_eq!(t.data[..8], u64::MAX.to_le_bytes());
+        assert_eq!(t.json(), json!([u64::MAX, 7]));
+        let t = one(DataType::Uint32, json!([u32::MAX, 0])).unwrap();
+        assert_eq!(t.json(), json!([u32::MAX, 0]));
+        let t = one(DataType::Uint16, json!([65535, 1])).unwrap();
+        assert_eq!(t.data, [0xff, 0xff, 1, 0]);
+        assert_eq!(t.to_f64s(), [65535.0, 1.0]);
+        for (dt, bad) in [
+            (DataType::Uint16, json!([65536, 0])),
+            (DataType::Uint32, json!([0, 4294967296u64])),
+            (DataType::Uint64, json!([-1, 0])),
+            (DataType::Uint16, json!([1.5, 0])),
+        ] {
+            let err = one(dt, bad.clone()).unwrap_err().to_string();
+            assert!(
+                err.contains(dt.name()) && err.contains("\"U["),
+                "{bad}: {err}"
+            );
+        }
+        for dt in DataType::ALL {
+            assert_eq!(DataType::from_name(dt.name()), Some(dt));
+            assert_eq!(DataType::from_triton(dt.triton()), Some(dt));
+        }
+        assert_eq!(DataType::from_triton("TYPE_FP16"), Some(DataType::Fp16));
+        assert_eq!(DataType::Fp16.size(), Some(2));
     }
 
     #[test]

@@ -21,6 +21,11 @@ const MEAN: [f32; FEATURES] = [1.0, -2.0, 0.5];
 
 /// A float tensor value info with a dynamic first dimension `N`.
 fn value(name: &str, dims: &[i64]) -> pb::ValueInfoProto {
+    typed_value(name, dims, pb::tensor_proto::DataType::Float)
+}
+
+/// A tensor value info of element type `elem` with a dynamic first dimension `N`.
+fn typed_value(name: &str, dims: &[i64], elem: pb::tensor_proto::DataType) -> pb::ValueInfoProto {
     use pb::tensor_shape_proto::{dimension, Dimension};
     let mut dim = vec![Dimension {
         value: Some(dimension::Value::DimParam("N".into())),
@@ -34,7 +39,7 @@ fn value(name: &str, dims: &[i64]) -> pb::ValueInfoProto {
         name: name.into(),
         r#type: Some(pb::TypeProto {
             value: Some(pb::type_proto::Value::TensorType(pb::type_proto::Tensor {
-                elem_type: pb::tensor_proto::DataType::Float as i32,
+                elem_type: elem as i32,
                 shape: Some(pb::TensorShapeProto { dim }),
             })),
             ..Default::default()
@@ -364,5 +369,267 @@ fn a_model_without_a_dynamic_batch_dimension_or_unlike_its_config_is_refused_by_
         mistyped.contains("config input \"X\" has data_type TYPE_INT64; the model's is TYPE_FP32"),
         "{mistyped}"
     );
+    server.shutdown();
+}
+
+/// What the FP16 model multiplies its input by, per column: halves whose products with halves
+/// are exact in f32, so one rounding to half gives the correctly rounded product.
+const HALF_SCALE: [f32; 4] = [0.5, -3.0, 1.25, 1000.0];
+
+/// `half` of one input: Y = X * S, all float16.
+fn half_repository(repo: &Path) {
+    use pb::tensor_proto::DataType as Pb;
+    let bits: Vec<u8> = HALF_SCALE
+        .iter()
+        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+        .collect();
+    put(
+        repo,
+        "half",
+        "platform: \"onnxruntime_onnx\"\nmax_batch_size: 8\n\
+         input [ { name: \"X\" data_type: TYPE_FP16 dims: [ 4 ] } ]\n\
+         output [ { name: \"Y\" data_type: TYPE_FP16 dims: [ 4 ] } ]\n\
+         dynamic_batching { max_queue_delay_microseconds: 100000 }\n",
+        (
+            vec![node("Mul", "scale", &["X", "s"], &["Y"])],
+            vec![typed_value("X", &[4], Pb::Float16)],
+            vec![typed_value("Y", &[4], Pb::Float16)],
+        ),
+        vec![pb::TensorProto {
+            name: "s".into(),
+            dims: vec![4],
+            data_type: Pb::Float16 as i32,
+            raw_data: bits,
+            ..Default::default()
+        }],
+    );
+}
+
+fn half_request(x: &[half::f16]) -> ModelInferRequest {
+    ModelInferRequest {
+        model_name: "half".into(),
+        inputs: vec![model_infer_request::InferInputTensor {
+            name: "X".into(),
+            datatype: "FP16".into(),
+            shape: vec![(x.len() / 4) as i64, 4],
+            ..Default::default()
+        }],
+        raw_input_contents: vec![x.iter().flat_map(|v| v.to_le_bytes()).collect()],
+        ..Default::default()
+    }
+}
+
+#[test]
+fn fp16_tensors_pass_as_little_endian_halves_batched_and_unbatched() {
+    use half::f16;
+    let dir = tempfile::tempdir().unwrap();
+    half_repository(dir.path());
+    let mut opts = ServerOptions::loopback(dir.path().to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    let server = Server::start(opts).unwrap();
+    assert!(server.is_model_ready("half"), "{:?}", server.index());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("http://{}", server.grpc_addr().unwrap());
+    let client = rt
+        .block_on(GrpcInferenceServiceClient::connect(url))
+        .unwrap();
+
+    // values whose products round (0.1 is not a half; x * 1000 overflows past 65504 for
+    // the larger rows), in requests of 1 to 3 rows joined by the dynamic batcher
+    let xs: Vec<Vec<f16>> = (0..6)
+        .map(|r| {
+            (0..4 * (1 + r % 3))
+                .map(|i| f16::from_f32(0.1 + i as f32 * 7.3 - r as f32 * 2.9))
+                .collect()
+        })
+        .collect();
+    let answers = rt.block_on(async {
+        let calls = xs.iter().map(|x| {
+            let mut c = client.clone();
+            let req = half_request(x);
+            tokio::spawn(async move { c.model_infer(req).await })
+        });
+        let mut out = Vec::new();
+        for call in calls.collect::<Vec<_>>() {
+            out.push(call.await.unwrap().unwrap().into_inner());
+        }
+        out
+    });
+    for (x, a) in xs.iter().zip(&answers) {
+        assert_eq!(
+            (a.outputs[0].name.as_str(), a.outputs[0].datatype.as_str()),
+            ("Y", "FP16")
+        );
+        assert_eq!(a.outputs[0].shape, [(x.len() / 4) as i64, 4]);
+        let got: Vec<f16> = a.raw_output_contents[0]
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        // a product of two halves is exact in f32, so rounding it once is the half product
+        let want: Vec<f16> = x
+            .iter()
+            .enumerate()
+            .map(|(i, v)| f16::from_f32(v.to_f32() * HALF_SCALE[i % 4]))
+            .collect();
+        let bits = |v: &[f16]| v.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{got:?} vs {want:?}");
+    }
+    let (executions, rows) = server.metrics().version("half", 1).batches();
+    assert_eq!(rows, 12);
+    assert!(
+        executions < 6,
+        "{executions} executions: nothing was batched"
+    );
+
+    // typed contents have no FP16 field: refused by name, not read as no elements
+    let mut typed = half_request(&[f16::ONE; 4]);
+    typed.raw_input_contents.clear();
+    typed.inputs[0].contents = Some(cohort_serve::proto::InferTensorContents {
+        fp32_contents: vec![1.0; 4],
+        ..Default::default()
+    });
+    let mut c = client.clone();
+    let err = rt.block_on(c.model_infer(typed)).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message()
+            .contains("input \"X\": FP16 has no typed contents"),
+        "{err:?}"
+    );
+    drop(c);
+    drop(client);
+    rt.shutdown_timeout(Duration::from_secs(1));
+    server.shutdown();
+}
+
+/// An ensemble config of one FP32 `[3]` input `i` and output `o` (dims `out`), of `steps`.
+fn ensemble(repo: &Path, name: &str, out: i64, steps: &str) {
+    std::fs::create_dir_all(repo.join(name).join("1")).unwrap();
+    std::fs::write(
+        repo.join(name).join("config.pbtxt"),
+        format!(
+            "platform: \"ensemble\"\nmax_batch_size: 8\n\
+             input [ {{ name: \"i\" data_type: TYPE_FP32 dims: [ 3 ] }} ]\n\
+             output [ {{ name: \"o\" data_type: TYPE_FP32 dims: [ {out} ] }} ]\n\
+             ensemble_scheduling {{ step [ {steps} ] }}\n"
+        ),
+    )
+    .unwrap();
+}
+
+/// A step running `model` from ensemble tensor `from` (as its input `input`) to `to` (from its
+/// output `output`).
+fn step(model: &str, input: &str, from: &str, output: &str, to: &str) -> String {
+    format!(
+        "{{ model_name: \"{model}\" model_version: -1 \
+         input_map {{ key: \"{input}\" value: \"{from}\" }} \
+         output_map {{ key: \"{output}\" value: \"{to}\" }} }}"
+    )
+}
+
+#[test]
+fn a_nested_ensemble_equals_its_steps_in_turn_and_a_cycle_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path();
+    repository(repo);
+    // outer: center, then the ensemble pipeline (itself center then linear)
+    ensemble(
+        repo,
+        "outer",
+        2,
+        &[
+            step("center", "RAW", "i", "CENTERED", "c"),
+            step("pipeline", "RAW", "c", "SCORES", "o"),
+        ]
+        .join(", "),
+    );
+    // two ensembles through each other, and one through itself
+    ensemble(repo, "loop_a", 3, &step("loop_b", "i", "i", "o", "o"));
+    ensemble(repo, "loop_b", 3, &step("loop_a", "i", "i", "o", "o"));
+    ensemble(repo, "selfish", 3, &step("selfish", "i", "i", "o", "o"));
+    let mut opts = ServerOptions::loopback(repo.to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    let server = Server::start(opts).unwrap();
+    let reason = |m: &str| {
+        server
+            .index()
+            .into_iter()
+            .find(|e| e.name == m)
+            .map(|e| e.reason)
+            .unwrap_or_default()
+    };
+    // the loop is refused where it closes, named; whichever of the two loaded first serves
+    // (and fails its requests, its step being unavailable)
+    let (a, b) = (reason("loop_a"), reason("loop_b"));
+    assert!(
+        a.contains("reach themselves through their steps: loop_a -> loop_b -> loop_a")
+            || b.contains("reach themselves through their steps: loop_b -> loop_a -> loop_b"),
+        "{a:?} / {b:?}"
+    );
+    assert!(
+        reason("selfish").contains("through their steps: selfish -> selfish"),
+        "{:?}",
+        server.index()
+    );
+    for m in ["center", "linear", "pipeline", "outer"] {
+        assert!(server.is_model_ready(m), "{m}: {:?}", server.index());
+    }
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let url = format!("http://{}", server.grpc_addr().unwrap());
+    let mut c = rt
+        .block_on(GrpcInferenceServiceClient::connect(url))
+        .unwrap();
+    let mut infer = |model: &str, input: &str, x: &[f32]| {
+        rt.block_on(c.model_infer(request(model, input, x)))
+            .map(|r| r.into_inner())
+    };
+    let stats = |m: &str| server.metrics().version(m, 1).batches().1;
+    let before: Vec<u64> = ["outer", "pipeline", "center", "linear"]
+        .map(stats)
+        .to_vec();
+    let raw = [0.5f32, 1.0, -1.0, 2.0, 0.0, 3.0];
+    let whole = infer("outer", "i", &raw).unwrap();
+    let after: Vec<u64> = ["outer", "pipeline", "center", "linear"]
+        .map(stats)
+        .to_vec();
+    // every model on the way counted the request's two rows: center twice (outer's step and
+    // pipeline's)
+    let rows: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(rows, [2, 2, 4, 2]);
+    let once = infer("center", "RAW", &raw).unwrap();
+    let twice = infer("center", "RAW", &floats(&once)).unwrap();
+    let scores = infer("linear", "X", &floats(&twice)).unwrap();
+    assert_eq!(whole.outputs[0].name, "o");
+    assert_eq!(whole.outputs[0].shape, [2, 2]);
+    assert_eq!(floats(&whole), floats(&scores));
+    let want: Vec<f32> = raw
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v - 2.0 * MEAN[i % FEATURES])
+        .collect();
+    close(&floats(&whole), &linear(&want));
+
+    // the loop's survivor fails its requests by name; the rest keep serving
+    let survivor = if server.is_model_ready("loop_a") {
+        "loop_a"
+    } else {
+        "loop_b"
+    };
+    let err = infer(survivor, "i", &raw).unwrap_err();
+    assert!(err.message().contains("loop_"), "{err:?}");
+    assert!(infer("outer", "i", &raw).is_ok());
+    drop(c);
+    rt.shutdown_timeout(Duration::from_secs(1));
     server.shutdown();
 }

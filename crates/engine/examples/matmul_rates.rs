@@ -42,15 +42,7 @@ fn main() {
         let inp: Vec<f32> = (0..n * k).map(|i| (i % 17) as f32 * 0.01).collect();
         let w: Vec<f32> = (0..k * oc).map(|i| (i % 13) as f32 * 0.01).collect();
         let (mut out, mut dinp, mut dw) = (vec![0.0; n * oc], vec![0.0; n * k], vec![0.0; k * oc]);
-        let reps = 20;
-        let time = |f: &mut dyn FnMut()| {
-            f();
-            let t0 = Instant::now();
-            for _ in 0..reps {
-                f();
-            }
-            t0.elapsed().as_secs_f64() / reps as f64
-        };
+        let time = |f: &mut dyn FnMut()| seconds_per_call(20, f);
         let d = cpu.dtype();
         let fwd = cpu
             .install(|| time(&mut || cpu::matmul_forward(d, &mut out, &inp, &w, None, n, k, oc)));
@@ -75,15 +67,7 @@ fn main() {
     let inp: Vec<f32> = (0..n * c).map(|i| (i % 17) as f32 * 0.01).collect();
     let w: Vec<f32> = (0..v * c).map(|i| (i % 13) as f32 * 0.01).collect();
     let (mut out, mut dinp, mut dw) = (vec![0.0; n * v], vec![0.0; n * c], vec![0.0; v * c]);
-    let reps = 10;
-    let time = |f: &mut dyn FnMut()| {
-        f();
-        let t0 = Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        t0.elapsed().as_secs_f64() / reps as f64
-    };
+    let time = |f: &mut dyn FnMut()| seconds_per_call(10, f);
     let d = cpu.dtype();
     let fwd = cpu.install(|| time(&mut || cpu::head_forward(d, &mut out, &inp, &w, n, c, v)));
     let bwd = cpu.install(|| {
@@ -97,4 +81,14 @@ fn main() {
         bwd * 1e3,
         2.0 * gflop / bwd
     );
+}
+
+/// Seconds per call of `f` over `reps` calls, after one untimed call.
+fn seconds_per_call(reps: usize, f: &mut dyn FnMut()) -> f64 {
+    f();
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    t0.elapsed().as_secs_f64() / reps as f64
 }

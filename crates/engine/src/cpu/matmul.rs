@@ -221,6 +221,45 @@ fn check(what: &str, len: usize, want: usize) {
     assert!(len >= want, "{what}: {len} elements, need {want}");
 }
 
+/// The forward product of a Conv1D layer, whatever its input's type and epilogue:
+/// `out (N, OC) = a (N, C) · w (C, OC) + bias (OC)`, `ep` applied to C as the kernels finish it.
+///
+/// # Safety
+/// `a` must describe `a_len` readable elements (checked against N x C here); `ep`'s operand
+/// must hold an (N, OC) matrix that overlaps nothing else.
+unsafe fn conv1d_product(
+    dtype: DType,
+    out: &mut [f32],
+    a: Mat,
+    a_len: usize,
+    w: &[f32],
+    bias: Option<&[f32]>,
+    (n, c, oc): (usize, usize, usize),
+    ep: Epilogue,
+) {
+    check("matmul out", out.len(), n * oc);
+    check("matmul inp", a_len, n * c);
+    check("matmul w", w.len(), c * oc);
+    if let Some(b) = bias {
+        check("matmul bias", b.len(), oc);
+    }
+    // SAFETY: sizes checked above; out is a distinct &mut; a and ep per the contract.
+    unsafe {
+        gemm(
+            dtype,
+            n,
+            c,
+            oc,
+            a,
+            Mat::rm(w.as_ptr(), oc),
+            Mat::rm(out.as_mut_ptr(), oc),
+            false,
+            bias.map(|b| &b[..oc]),
+            ep,
+        )
+    }
+}
+
 /// out (N, OC) = inp (N, C) · w (C, OC) + bias (OC). `w` is in Conv1D layout `[in, out]`.
 pub fn matmul_forward(
     dtype: DType,
@@ -232,32 +271,25 @@ pub fn matmul_forward(
     c: usize,
     oc: usize,
 ) {
-    check("matmul out", out.len(), n * oc);
-    check("matmul inp", inp.len(), n * c);
-    check("matmul w", w.len(), c * oc);
-    if let Some(b) = bias {
-        check("matmul bias", b.len(), oc);
-    }
-    // safety: sizes checked above; out is a distinct &mut.
+    let a = Mat::rm(inp.as_ptr(), c);
+    // SAFETY: `a` is `inp`; no epilogue.
     unsafe {
-        gemm(
+        conv1d_product(
             dtype,
-            n,
-            c,
-            oc,
-            Mat::rm(inp.as_ptr(), c),
-            Mat::rm(w.as_ptr(), oc),
-            Mat::rm(out.as_mut_ptr(), oc),
-            false,
-            bias.map(|b| &b[..oc]),
+            out,
+            a,
+            inp.len(),
+            w,
+            bias,
+            (n, c, oc),
             Epilogue::None,
         )
     }
 }
 
 /// `pre (N, OC) = inp (N, C) · w (C, OC) + bias (OC)` and `out = gelu(pre)`: the MLP's first
-/// layer and its activation in one pass, each block of `out` computed while the product's block
-/// is still in cache. Both results are the same bits as [`matmul_forward`] then
+/// layer and its activation in one pass, each strip of `out` computed while the product's
+/// strip is still in cache. Both results are the same bits as [`matmul_forward`] then
 /// [`gelu_forward`](super::gelu_forward).
 pub fn matmul_gelu_forward(
     dtype: DType,
@@ -270,32 +302,14 @@ pub fn matmul_gelu_forward(
     c: usize,
     oc: usize,
 ) {
-    check("matmul pre", pre.len(), n * oc);
     check("matmul gelu out", out.len(), n * oc);
-    check("matmul inp", inp.len(), n * c);
-    check("matmul w", w.len(), c * oc);
-    if let Some(b) = bias {
-        check("matmul bias", b.len(), oc);
-    }
     let ep = Epilogue::Gelu {
         out: SendPtr(out.as_mut_ptr()),
         rs: oc,
     };
-    // safety: sizes checked above; pre and out are distinct &mut slices of (n, oc).
-    unsafe {
-        gemm(
-            dtype,
-            n,
-            c,
-            oc,
-            Mat::rm(inp.as_ptr(), c),
-            Mat::rm(w.as_ptr(), oc),
-            Mat::rm(pre.as_mut_ptr(), oc),
-            false,
-            bias.map(|b| &b[..oc]),
-            ep,
-        )
-    }
+    let a = Mat::rm(inp.as_ptr(), c);
+    // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) as checked, a distinct &mut.
+    unsafe { conv1d_product(dtype, pre, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
 /// [`matmul_gelu_forward`] keeping the GELU's output in bf16 (`out` holds its bits): the
@@ -313,13 +327,7 @@ pub fn matmul_gelu_forward_bf16(
     c: usize,
     oc: usize,
 ) {
-    check("matmul pre", pre.len(), n * oc);
     check("matmul gelu out", out.len(), n * oc);
-    check("matmul inp", inp.len(), n * c);
-    check("matmul w", w.len(), c * oc);
-    if let Some(b) = bias {
-        check("matmul bias", b.len(), oc);
-    }
     assert!(
         dtype == DType::Bf16 && super::bf16_supported(),
         "bf16 activations need a backend of DType::Bf16"
@@ -328,21 +336,9 @@ pub fn matmul_gelu_forward_bf16(
         out: SendPtr(out.as_mut_ptr() as *mut f32),
         rs: oc,
     };
-    // safety: sizes checked above; pre and out are distinct &mut slices of (n, oc).
-    unsafe {
-        gemm(
-            dtype,
-            n,
-            c,
-            oc,
-            Mat::rm(inp.as_ptr(), c),
-            Mat::rm(w.as_ptr(), oc),
-            Mat::rm(pre.as_mut_ptr(), oc),
-            false,
-            bias.map(|b| &b[..oc]),
-            ep,
-        )
-    }
+    let a = Mat::rm(inp.as_ptr(), c);
+    // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
+    unsafe { conv1d_product(dtype, pre, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
 /// [`matmul_forward`] of an input kept in bf16 (its bits): the same bits as [`matmul_forward`]
@@ -357,24 +353,17 @@ pub fn matmul_forward_bf16_input(
     c: usize,
     oc: usize,
 ) {
-    check("matmul out", out.len(), n * oc);
-    check("matmul inp", inp.len(), n * c);
-    check("matmul w", w.len(), c * oc);
-    if let Some(b) = bias {
-        check("matmul bias", b.len(), oc);
-    }
-    // safety: sizes checked above; out is a distinct &mut.
+    let a = Mat::rm_bf16(inp.as_ptr(), c);
+    // SAFETY: `a` is `inp`; no epilogue.
     unsafe {
-        gemm(
+        conv1d_product(
             dtype,
-            n,
-            c,
-            oc,
-            Mat::rm_bf16(inp.as_ptr(), c),
-            Mat::rm(w.as_ptr(), oc),
-            Mat::rm(out.as_mut_ptr(), oc),
-            false,
-            bias.map(|b| &b[..oc]),
+            out,
+            a,
+            inp.len(),
+            w,
+            bias,
+            (n, c, oc),
             Epilogue::None,
         )
     }

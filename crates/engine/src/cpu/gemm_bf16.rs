@@ -707,28 +707,43 @@ unsafe fn pack_b(
     stride: usize,
 ) {
     let kcp = kc.div_ceil(2);
+    // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
+    let panel_of = |j0: usize| pb.wrapping_add((j0 / NR) * NR * stride + j0 % NR);
     // SAFETY: for the whole body, reads stay inside the caller's block (masked at the edges); writes
     // inside pb's panels.
     unsafe {
+        if cs == 1 {
+            // Row-major B: each pair of K rows is read along its whole width, two contiguous
+            // streams the prefetchers follow. Going down 16 columns at a time instead reads 64
+            // bytes from every row in turn, rows kilobytes apart, and on a weight gradient's B
+            // (thousands of rows) each of those loads waited on memory.
+            for p in 0..kcp {
+                let (x_row, y_row) = (b.add(2 * p * rs), b.wrapping_add((2 * p + 1) * rs));
+                let odd = 2 * p + 1 < kc;
+                for j0 in (0..nc).step_by(16) {
+                    let cols = lanes(nc - j0);
+                    let x = _mm512_maskz_loadu_ps(cols, x_row.add(j0));
+                    let y = if odd {
+                        _mm512_maskz_loadu_ps(cols, y_row.add(j0))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    let dst = panel_of(j0).add(p * NR) as *mut __m512i;
+                    _mm512_store_si512(dst, pair_up(x, y));
+                }
+            }
+        }
         for j0 in (0..nc).step_by(16) {
             let cols = (nc - j0).min(16);
-            // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
-            let panel = pb.add((j0 / NR) * NR * stride + j0 % NR);
+            let panel = panel_of(j0);
             // Zero pairs past kc (AMX's padding).
             for p in kcp..stride {
                 _mm512_store_si512(panel.add(p * NR) as *mut __m512i, _mm512_setzero_si512());
             }
             if cs == 1 {
-                for p in 0..kcp {
-                    let x = _mm512_maskz_loadu_ps(lanes(cols), b.add(2 * p * rs + j0));
-                    let y = if 2 * p + 1 < kc {
-                        _mm512_maskz_loadu_ps(lanes(cols), b.add((2 * p + 1) * rs + j0))
-                    } else {
-                        _mm512_setzero_ps()
-                    };
-                    _mm512_store_si512(panel.add(p * NR) as *mut __m512i, pair_up(x, y));
-                }
-            } else if rs == 1 {
+                continue; // packed above
+            }
+            if rs == 1 {
                 // Each column is contiguous along K: pairs come straight from it, then a
                 // transpose puts 16 columns side by side.
                 let mut r = [_mm512_setzero_si512(); 16];

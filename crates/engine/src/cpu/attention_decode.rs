@@ -2,54 +2,126 @@
 //! generating with a KV cache, where each sequence of a batched decode step attends over its
 //! own cache (so rows cannot share one matrix product as a training step's do).
 //!
-//! It is bound by reading the cache (a row at position p reads 2·p·C floats per layer), so it
-//! is written for bandwidth: each key and value row is read once, contiguously, by 16-lane
-//! loops that `simd_fn!` compiles for AVX-512. Softmax uses the engine's `exp`, not libm's,
-//! which keeps it vectorized and gives the same bits on every code path. It never allocates
-//! and never writes the cache.
+//! It reads the cache (a row at position p reads 2·p·C floats per layer) and does a few
+//! operations per float read, so both the reads and the arithmetic around them count: each key
+//! and value row is read once, contiguously, all heads at once. On AVX-512 the two passes over
+//! the cache are written with intrinsics: the scores of 16 positions are summed across lanes
+//! together (a register transpose, not 16 reductions one after another), and a group of up to
+//! 16 output vectors stays in registers while the values stream by. Elsewhere the same
+//! arithmetic runs as portable code, in the same order, so both give the same bits (a test
+//! holds them to it). Softmax uses the engine's `exp`, not libm's. It never allocates and never
+//! writes the cache.
+//!
+//! The order of every sum (which the results' bits depend on):
+//! - a score: lane l of 16 sums q·k over dimensions l, l+16, ... of the head, from zero, in
+//!   order; the 16 lanes are then added as a tree, l with l+8, then l+4, then l+2, then l+1;
+//!   the sum is multiplied by the scale;
+//! - softmax: `exp(s - max)`, summed by [`math::sum`](super::math::sum), each divided by the sum
+//!   through one reciprocal;
+//! - an output element: p·v over positions in order, from zero, each product rounded before it
+//!   is added (no fused multiply-add).
 
-use super::math::{dot, exp, max};
+use super::math::{exp, max, sum, LANES};
 use super::simd_fn;
 
+/// `out` (C) = softmax(q·kᵀ · scale) · v for each of `nh` heads of size `hs` (C = nh·hs),
+/// over the first `ctx` rows of `k` and `v` (row stride `c`). `scores` needs `nh·ctx`
+/// floats.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_row(
+    out: &mut [f32],
+    scores: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    ctx: usize,
+    nh: usize,
+    hs: usize,
+    c: usize,
+    scale: f32,
+) {
+    let w = nh * hs;
+    let cache = ctx.saturating_sub(1) * c + w;
+    assert!(
+        q.len() >= w
+            && out.len() >= w
+            && scores.len() >= nh * ctx
+            && k.len() >= cache
+            && v.len() >= cache
+            && c >= w
+            && ctx > 0,
+        "attention_decode_row: buffers too short for {ctx} positions of {nh} x {hs}"
+    );
+    let (out, scores) = (&mut out[..w], &mut scores[..nh * ctx]);
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_level() == super::SimdLevel::Avx512 && hs.is_multiple_of(LANES) {
+        // SAFETY: AVX-512F was detected; the sizes were checked above (q and out hold w
+        // floats, scores nh·ctx, k and v ctx rows of stride c ≥ w), and hs is a multiple of 16.
+        unsafe {
+            avx512::scores(scores, q, k, ctx, nh, hs, c, scale);
+            softmax_rows(scores, ctx);
+            avx512::weighted_values(out, scores, v, ctx, hs, c);
+        }
+        return;
+    }
+    portable_scores(scores, q, k, ctx, nh, hs, c, scale);
+    softmax_rows(scores, ctx);
+    portable_weighted_values(out, scores, v, ctx, hs, c);
+}
+
+/// The 16 lanes of a score's partial sums added as the module doc says.
+#[inline(always)]
+fn lane_tree(mut a: [f32; LANES]) -> f32 {
+    for half in [8, 4, 2] {
+        for l in 0..half {
+            a[l] += a[l + half];
+        }
+    }
+    a[0] + a[1]
+}
+
 simd_fn! {
-    /// `out` (C) = softmax(q·kᵀ · scale) · v for each of `nh` heads of size `hs` (C = nh·hs),
-    /// over the first `ctx` rows of `k` and `v` (row stride `c`). `scores` needs `nh·ctx`
-    /// floats. Keys and values are walked position by position, all heads at once, so each
-    /// cached row is one contiguous read (the prefetcher's best case), not `nh` strided ones.
-    pub fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
-        let w = nh * hs;
-        let cache = ctx.saturating_sub(1) * c + w;
-        assert!(
-            q.len() >= w && out.len() >= w && scores.len() >= nh * ctx
-                && k.len() >= cache && v.len() >= cache,
-            "attention_decode_row: buffers too short for {ctx} positions of {nh} x {hs}"
-        );
-        let scores = &mut scores[..nh * ctx];
+    /// scores[h·ctx + j] = (q_h · k_j,h) · scale, in the module doc's order.
+    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
         for j in 0..ctx {
-            let kj = &k[j * c..j * c + w];
             for h in 0..nh {
-                scores[h * ctx + j] = dot(&q[h * hs..(h + 1) * hs], &kj[h * hs..(h + 1) * hs]) * scale;
+                let (qh, kh) = (&q[h * hs..(h + 1) * hs], &k[j * c + h * hs..j * c + (h + 1) * hs]);
+                let mut acc = [0f32; LANES];
+                for (d, (&x, &y)) in qh.iter().zip(kh).enumerate() {
+                    acc[d % LANES] += x * y;
+                }
+                scores[h * ctx + j] = lane_tree(acc) * scale;
             }
         }
+    }
+}
+
+simd_fn! {
+    /// Each row of `ctx` scores becomes its softmax.
+    fn softmax_rows(scores: &mut [f32], ctx: usize) {
         for s in scores.chunks_exact_mut(ctx) {
             let m = max(s);
-            let mut sum = 0.0f32;
             for x in s.iter_mut() {
                 *x = exp(*x - m);
-                sum += *x;
             }
-            let inv = 1.0 / sum;
+            let inv = 1.0 / sum(s);
             for x in s.iter_mut() {
                 *x *= inv;
             }
         }
-        let out = &mut out[..w];
+    }
+}
+
+simd_fn! {
+    /// out[e] = Σ_j p[head(e)][j] · v[j][e], positions in order.
+    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[f32], ctx: usize, hs: usize, c: usize) {
         out.fill(0.0);
+        let w = out.len();
         for j in 0..ctx {
             let vj = &v[j * c..j * c + w];
-            for h in 0..nh {
-                let p = scores[h * ctx + j];
-                for (o, &x) in out[h * hs..(h + 1) * hs].iter_mut().zip(&vj[h * hs..(h + 1) * hs]) {
+            for (h, (o, x)) in out.chunks_exact_mut(hs).zip(vj.chunks_exact(hs)).enumerate() {
+                let p = probs[h * ctx + j];
+                for (o, &x) in o.iter_mut().zip(x) {
                     *o += p * x;
                 }
             }
@@ -57,42 +129,250 @@ simd_fn! {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::LANES;
+
+    /// Lane i of the result is the tree sum (l + l+8, + l+4, + l+2, + l+1) of `v[i]`'s lanes.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn lane_trees(v: &[__m512; 16]) -> __m512 {
+        // l + l+8: 128-bit quarters 0,1 of each vector against 2,3; two vectors per result.
+        let a: [__m512; 8] = std::array::from_fn(|i| {
+            let (x, y) = (v[2 * i], v[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+            )
+        });
+        // l + l+4: quarters 0,2 against 1,3; quarter q of b[i] is vector 4i + q.
+        let b: [__m512; 4] = std::array::from_fn(|i| {
+            let (x, y) = (a[2 * i], a[2 * i + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        });
+        // l + l+2 inside each quarter: quarter q of c[i] holds vectors 8i + q (lanes 0, 1) and
+        // 8i + 4 + q (lanes 2, 3).
+        let c: [__m512; 2] = std::array::from_fn(|i| {
+            let (x, y) = (_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+            _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+            )
+        });
+        // l + l+1: lane 4q + p of r is vector 4p + q.
+        let r = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(c[0], c[1]),
+            _mm512_shuffle_ps::<0xDD>(c[0], c[1]),
+        );
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, r)
+    }
+
+    /// [`super::portable_scores`] on AVX-512, 16 positions at a time.
+    ///
+    /// # Safety
+    /// AVX-512F; `hs` a multiple of 16; `q` nh·hs floats, `scores` nh·ctx, `k` ctx rows of
+    /// stride `c` ≥ nh·hs.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    ) {
+        let (q, k, s) = (q.as_ptr(), k.as_ptr(), scores.as_mut_ptr());
+        let scale = _mm512_set1_ps(scale);
+        for j0 in (0..ctx).step_by(16) {
+            let n = (ctx - j0).min(16);
+            let mask = ((1u32 << n) - 1) as u16;
+            // The block's rows (16 x C) stay in L1 while each head goes over them.
+            for h in 0..nh {
+                let mut acc = [_mm512_setzero_ps(); 16];
+                for (jj, a) in acc.iter_mut().enumerate().take(n) {
+                    // SAFETY: row j0 + jj < ctx of k, columns h·hs .. (h+1)·hs ≤ c; q's
+                    // head h; all inside the caller's slices.
+                    unsafe {
+                        let kr = k.add((j0 + jj) * c + h * hs);
+                        let qh = q.add(h * hs);
+                        for d in (0..hs).step_by(LANES) {
+                            let p = _mm512_mul_ps(
+                                _mm512_loadu_ps(qh.add(d)),
+                                _mm512_loadu_ps(kr.add(d)),
+                            );
+                            *a = _mm512_add_ps(*a, p);
+                        }
+                    }
+                }
+                let row = _mm512_mul_ps(lane_trees(&acc), scale);
+                // SAFETY: scores h·ctx + j0 .. + n are inside the caller's nh·ctx.
+                unsafe { _mm512_mask_storeu_ps(s.add(h * ctx + j0), mask, row) };
+            }
+        }
+    }
+
+    /// [`super::portable_weighted_values`] on AVX-512: up to 16 output vectors stay in
+    /// registers while every position's values go by.
+    ///
+    /// # Safety
+    /// AVX-512F; `hs` a multiple of 16; `out` a multiple of 16 floats (its length is w, the
+    /// heads' width); `probs` (w / hs)·ctx floats; `v` ctx rows of stride `c` ≥ w.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[f32],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    ) {
+        let vectors = out.len() / LANES;
+        let mut e = 0;
+        while e < vectors {
+            // SAFETY: forwarded; each group stays inside out's vectors.
+            unsafe {
+                e += match vectors - e {
+                    16.. => group::<16>(out, probs, v, ctx, hs, c, e),
+                    8.. => group::<8>(out, probs, v, ctx, hs, c, e),
+                    4.. => group::<4>(out, probs, v, ctx, hs, c, e),
+                    2.. => group::<2>(out, probs, v, ctx, hs, c, e),
+                    _ => group::<1>(out, probs, v, ctx, hs, c, e),
+                };
+            }
+        }
+    }
+
+    /// Output vectors e0 .. e0 + G; returns G.
+    ///
+    /// # Safety
+    /// As [`weighted_values`], with e0 + G ≤ out.len() / 16.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn group<const G: usize>(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[f32],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+        e0: usize,
+    ) -> usize {
+        let mut acc = [_mm512_setzero_ps(); G];
+        // The head of each vector: which row of probabilities scales it.
+        let heads: [usize; G] = std::array::from_fn(|g| (e0 + g) * LANES / hs * ctx);
+        let (p, v) = (probs.as_ptr(), v.as_ptr());
+        for j in 0..ctx {
+            // SAFETY: row j < ctx of v, vectors e0.. e0+G inside its first w floats; the
+            // probability of head(e) at position j inside probs.
+            unsafe {
+                let row = v.add(j * c + e0 * LANES);
+                for g in 0..G {
+                    let pj = _mm512_set1_ps(*p.add(heads[g] + j));
+                    let x = _mm512_loadu_ps(row.add(g * LANES));
+                    acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(pj, x));
+                }
+            }
+        }
+        for (g, a) in acc.iter().enumerate() {
+            // SAFETY: vector e0 + g of out, inside it per the contract.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add((e0 + g) * LANES), *a) };
+        }
+        G
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn matches_a_softmax_attention_in_f64() {
-        let (nh, hs, ctx) = (3usize, 24usize, 37usize);
-        let c = nh * hs;
+    fn inputs(nh: usize, hs: usize, ctx: usize, c: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let val = |i: usize, m: usize| ((i * m % 101) as f32 - 50.0) * 0.02;
-        let q: Vec<f32> = (0..c).map(|i| val(i, 7)).collect();
+        let q: Vec<f32> = (0..nh * hs).map(|i| val(i, 7)).collect();
         let k: Vec<f32> = (0..ctx * c).map(|i| val(i, 13)).collect();
         let v: Vec<f32> = (0..ctx * c).map(|i| val(i, 29)).collect();
-        let scale = 1.0 / (hs as f32).sqrt();
-        let (mut out, mut scores) = (vec![f32::NAN; c], vec![0.0; nh * ctx]);
-        attention_decode_row(&mut out, &mut scores, &q, &k, &v, ctx, nh, hs, c, scale);
-        for h in 0..nh {
-            let s: Vec<f64> = (0..ctx)
-                .map(|j| {
-                    (0..hs)
-                        .map(|d| q[h * hs + d] as f64 * k[j * c + h * hs + d] as f64)
-                        .sum::<f64>()
-                        * scale as f64
-                })
-                .collect();
-            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-            let z: f64 = e.iter().sum();
-            for d in 0..hs {
-                let want: f64 = (0..ctx)
-                    .map(|j| e[j] / z * v[j * c + h * hs + d] as f64)
-                    .sum();
-                let got = out[h * hs + d] as f64;
-                assert!(
-                    (got - want).abs() < 1e-5,
-                    "head {h} dim {d}: {got} vs {want}"
+        (q, k, v)
+    }
+
+    #[test]
+    fn matches_a_softmax_attention_in_f64() {
+        // hs 24 runs the portable code everywhere; hs 32 the AVX-512 code where the CPU has it
+        for (nh, hs, ctx, pad) in [
+            (3usize, 24usize, 37usize, 0usize),
+            (3, 32, 37, 16),
+            (2, 64, 5, 0),
+        ] {
+            let c = nh * hs + pad;
+            let (q, k, v) = inputs(nh, hs, ctx, c);
+            let scale = 1.0 / (hs as f32).sqrt();
+            let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
+            attention_decode_row(&mut out, &mut scores, &q, &k, &v, ctx, nh, hs, c, scale);
+            for h in 0..nh {
+                let s: Vec<f64> = (0..ctx)
+                    .map(|j| {
+                        (0..hs)
+                            .map(|d| q[h * hs + d] as f64 * k[j * c + h * hs + d] as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hs {
+                    let want: f64 = (0..ctx)
+                        .map(|j| e[j] / z * v[j * c + h * hs + d] as f64)
+                        .sum();
+                    let got = out[h * hs + d] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "{nh}x{hs} ctx {ctx}: head {h} dim {d}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn avx512_and_portable_code_give_the_same_bits() {
+        if crate::cpu::simd_level() != crate::cpu::SimdLevel::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        // every group width (6 x 64 = 24 vectors: 16 + 8; 7 x 16: 4 + 2 + 1) and partial
+        // blocks of positions
+        for (nh, hs, pad) in [(6usize, 64usize, 0usize), (7, 16, 32)] {
+            for ctx in [1usize, 15, 16, 17, 66, 130] {
+                let c = nh * hs + pad;
+                let (q, k, v) = inputs(nh, hs, ctx, c);
+                let scale = 1.0 / (hs as f32).sqrt();
+                let (mut fast, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
+                attention_decode_row(&mut fast, &mut scores, &q, &k, &v, ctx, nh, hs, c, scale);
+                let fast_scores = scores.clone();
+                let mut slow = vec![f32::NAN; nh * hs];
+                portable_scores(&mut scores, &q, &k, ctx, nh, hs, c, scale);
+                softmax_rows(&mut scores, ctx);
+                assert_eq!(
+                    fast_scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "{nh}x{hs} ctx {ctx}: probabilities"
                 );
+                portable_weighted_values(&mut slow, &scores, &v, ctx, hs, c);
+                for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{nh}x{hs} ctx {ctx}: out[{i}] {a} vs {b}"
+                    );
+                }
             }
         }
     }

@@ -6,8 +6,10 @@
 //! Work is split by (batch, head); each task walks its queries in blocks of `RB` rows, and a
 //! block only looks at the keys the causal mask lets it see, in per-thread scratch that stays
 //! in L1/L2. Products go through `matrixmultiply`'s sgemm on strided views of the qkv buffer
-//! (no transposes are copied). A query with no visible key (a padding position at the start of
-//! a left-padded row) gets a zero output and zero gradients.
+//! (no transposes are copied); under bf16 on AMX, a head's products are instead fused in
+//! `attention_amx`, with the same softmax, mask and dropout code. A query with no visible key
+//! (a padding position at the start of a left-padded row) gets a zero output and zero
+//! gradients.
 
 use rayon::prelude::*;
 
@@ -142,16 +144,73 @@ pub fn attention_forward(
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
+    forward_with(
+        amx_heads(),
+        dtype,
+        out,
+        lse,
+        qkv,
+        mask,
+        dims,
+        dropout,
+        scratch,
+    )
+}
+
+/// [`attention_forward`], its bf16 heads fused on AMX when `amx_ok` (and AMX is the kernel).
+#[allow(clippy::too_many_arguments)]
+fn forward_with(
+    amx_ok: bool,
+    dtype: DType,
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
     let AttnDims { b, t, c, nh } = dims;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     assert!(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t);
     assert!(mask.is_none_or(|m| m.len() >= b * t));
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
+    let amx = bf16 && amx_ok && amx_kernel();
     for_each_head(dims, scratch, |bh, scr| {
-        // safety: task bh writes only its own head's columns of out and its own lse row.
-        unsafe { head_forward(bf16, out_p, lse_p, qkv, mask, dims, dropout, bh, scr) }
+        // safety: task bh writes only its own head's columns of out and its own lse row; the
+        // AMX path runs only where AMX is the bf16 kernel.
+        unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if amx {
+                return super::attention_amx::head_forward(
+                    out_p, lse_p, qkv, mask, dims, dropout, bh,
+                );
+            }
+            head_forward(bf16, out_p, lse_p, qkv, mask, dims, dropout, bh, scr)
+        }
     });
+}
+
+/// Whether bf16 heads run fused on AMX tiles (`attention_amx`): where AMX is the
+/// bf16 kernel, unless `COHORT_AMX_ATTENTION=0` asks for the general product per block.
+fn amx_heads() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| !std::env::var("COHORT_AMX_ATTENTION").is_ok_and(|v| v.trim() == "0"))
+        && amx_kernel()
+}
+
+/// Whether AMX is this process's bf16 kernel.
+fn amx_kernel() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::gemm_bf16::{chosen_kernel, Kernel};
+        chosen_kernel() == Some(Kernel::Amx)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads.
@@ -172,7 +231,7 @@ fn for_each_head(dims: AttnDims, scratch: &mut [f32], f: impl Fn(usize, &mut [f3
 }
 
 /// The mask row of batch `bi` as 1.0 / 0.0 floats.
-fn mask_row(mf: &mut [f32], mask: Option<&[u8]>, bi: usize, t: usize) {
+pub(super) fn mask_row(mf: &mut [f32], mask: Option<&[u8]>, bi: usize, t: usize) {
     match mask {
         Some(m) => {
             for (f, &v) in mf.iter_mut().zip(&m[bi * t..(bi + 1) * t]) {
@@ -269,7 +328,7 @@ unsafe fn head_forward(
 simd_fn! {
     /// Masked softmax of `row` in place over keys 0..=tq with `mf[j]` = 1 for real keys; zeros
     /// elsewhere. Returns the log-sum-exp, or -inf when no key is visible (row all zeros).
-    fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize) -> f32 {
+    pub(super) fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize) -> f32 {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
         let mf = &mf[..=tq];
@@ -295,7 +354,7 @@ simd_fn! {
 
 simd_fn! {
     /// Probabilities from scores and a stored log-sum-exp (the forward's softmax, recomputed).
-    fn probs_row(row: &mut [f32], mf: &[f32], tq: usize, lse: f32) {
+    pub(super) fn probs_row(row: &mut [f32], mf: &[f32], tq: usize, lse: f32) {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
         if lse == f32::NEG_INFINITY {
@@ -310,7 +369,7 @@ simd_fn! {
 
 simd_fn! {
     /// dS = P * (dP - Σ_j P dP) * scale, written over dP.
-    fn softmax_back_row(dp: &mut [f32], p: &[f32], scale: f32) {
+    pub(super) fn softmax_back_row(dp: &mut [f32], p: &[f32], scale: f32) {
         let mut acc = [0f32; 16];
         for (j, (&d, &p)) in dp.iter().zip(p).enumerate() {
             acc[j % 16] += d * p;
@@ -338,6 +397,36 @@ pub fn attention_backward(
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
+    backward_with(
+        amx_heads(),
+        dtype,
+        dqkv,
+        recompute_out,
+        dout,
+        qkv,
+        lse,
+        mask,
+        dims,
+        dropout,
+        scratch,
+    )
+}
+
+/// [`attention_backward`], its bf16 heads fused on AMX when `amx_ok` (and AMX is the kernel).
+#[allow(clippy::too_many_arguments)]
+fn backward_with(
+    amx_ok: bool,
+    dtype: DType,
+    dqkv: &mut [f32],
+    recompute_out: Option<&mut [f32]>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
     let AttnDims { b, t, c, nh } = dims;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     assert!(dqkv.len() >= b * t * 3 * c && qkv.len() >= b * t * 3 * c && dout.len() >= b * t * c);
@@ -347,9 +436,17 @@ pub fn attention_backward(
         assert!(o.len() >= b * t * c);
         SendPtr(o.as_mut_ptr())
     });
+    let amx = bf16 && amx_ok && amx_kernel();
     for_each_head(dims, scratch, |bh, scr| {
-        // safety: task bh writes only its own head's columns of dqkv and of the output.
+        // safety: task bh writes only its own head's columns of dqkv and of the output; the
+        // AMX path runs only where AMX is the bf16 kernel.
         unsafe {
+            #[cfg(target_arch = "x86_64")]
+            if amx {
+                return super::attention_amx::head_backward(
+                    dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh,
+                );
+            }
             head_backward(
                 bf16, dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh, scr,
             )
@@ -678,6 +775,84 @@ mod tests {
 
     /// bf16 products (q kᵀ, p v and the backward's) stay within bf16 rounding of the f64
     /// reference, and really differ from the f32 kernel's results.
+    #[test]
+    fn amx_heads_give_the_general_products_results() {
+        if !amx_kernel() {
+            eprintln!("skipped: AMX is not this CPU's bf16 kernel");
+            return;
+        }
+        // T not a multiple of a strip, left padding, dropout, a recomputed output, two head
+        // sizes (16 and 64)
+        for (t, c, nh) in [(70usize, 32usize, 2usize), (45, 128, 2)] {
+            let dims = AttnDims { b: 2, t, c, nh };
+            let b = dims.b;
+            let qkv = rand_vec(b * t * 3 * c, 5);
+            let dout = rand_vec(b * t * c, 6);
+            let mut mask = vec![1u8; b * t];
+            mask[t..t + 3].fill(0);
+            let drop = Some(Dropout { p: 0.1, key: 77 });
+            let run = |amx: bool| {
+                let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
+                // dqkv and the output are overwritten, whatever they held
+                let (mut dqkv, mut again) =
+                    (vec![f32::NAN; b * t * 3 * c], vec![f32::NAN; b * t * c]);
+                let mut scratch = vec![0.0; attention_scratch_len(t, 2)];
+                within_pool(2, || {
+                    let m = Some(&mask[..]);
+                    forward_with(
+                        amx,
+                        DType::Bf16,
+                        &mut out,
+                        &mut lse,
+                        &qkv,
+                        m,
+                        dims,
+                        drop,
+                        &mut scratch,
+                    );
+                    backward_with(
+                        amx,
+                        DType::Bf16,
+                        &mut dqkv,
+                        Some(&mut again),
+                        &dout,
+                        &qkv,
+                        &lse,
+                        m,
+                        dims,
+                        drop,
+                        &mut scratch,
+                    );
+                });
+                (out, lse, dqkv, again)
+            };
+            let (fused, general) = (run(true), run(false));
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            // the same products, the same pairs in the same order: the same bits
+            assert_eq!(bits(&fused.0), bits(&general.0), "t {t} c {c}: out");
+            assert_eq!(bits(&fused.1), bits(&general.1), "t {t} c {c}: lse");
+            assert_eq!(
+                bits(&fused.3),
+                bits(&general.3),
+                "t {t} c {c}: recomputed out"
+            );
+            // dK and dV sum over strips of 32 queries instead of blocks of 64: f32 rounding
+            let scale = general.2.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (i, (a, g)) in fused.2.iter().zip(&general.2).enumerate() {
+                let (row, col) = (i / (3 * c), i % (3 * c));
+                if col < c {
+                    assert_eq!(a.to_bits(), g.to_bits(), "t {t} c {c}: dq[{row}][{col}]");
+                } else {
+                    assert!(
+                        (a - g).abs() <= 1e-5 * scale,
+                        "t {t} c {c}: dqkv[{row}][{col}] {a} vs {g}"
+                    );
+                }
+            }
+            assert!(fused.2.iter().any(|x| *x != 0.0));
+        }
+    }
+
     #[test]
     fn bf16_attention_tracks_the_reference() {
         if !crate::cpu::bf16_supported() {

@@ -25,7 +25,7 @@
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-mod amx;
+pub(crate) mod amx;
 
 use super::epilogue::Epilogue;
 use super::gemm::{bias_row, store_row, Strided};
@@ -47,7 +47,7 @@ pub(crate) enum AOperand {
 }
 
 /// Columns of a register tile (two zmm registers, or two AMX tiles).
-const NR: usize = 32;
+pub(crate) const NR: usize = 32;
 /// Rows of the AVX-512 register tile.
 const MR: usize = 12;
 /// Rows of the AMX tile block: two tiles of 16 rows.
@@ -126,7 +126,7 @@ impl Kernel {
 /// aligned for the kernel's loads.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u32; 16]);
+pub(crate) struct Line(pub(crate) [u32; 16]);
 
 /// One thread's packing buffers.
 struct Packs {
@@ -535,7 +535,7 @@ fn transpose16(r: &mut [__m512i; 16]) {
 /// # Safety
 /// `a` must have mc x kc readable floats at these strides; `pa` mc x stride writable u32.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pack_a(
+pub(crate) unsafe fn pack_a(
     pa: *mut u32,
     a: *const f32,
     rs: usize,
@@ -697,7 +697,7 @@ unsafe fn pack_a_bf16(
 /// `b` must have kc x nc readable floats at these strides; `pb` ⌈nc/NR⌉ x NR x stride writable
 /// u32, 64-byte aligned.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pack_b(
+pub(crate) unsafe fn pack_b(
     pb: *mut u32,
     b: *const f32,
     rs: usize,

@@ -13,6 +13,8 @@
 #![allow(clippy::too_many_arguments)]
 
 mod attention;
+#[cfg(target_arch = "x86_64")]
+mod attention_amx;
 mod attention_decode;
 mod crossentropy;
 mod elementwise;

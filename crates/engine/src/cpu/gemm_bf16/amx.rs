@@ -16,7 +16,7 @@ use crate::cpu::gemm::{bias_row, store_row};
 
 /// C's block on its way from the tiles to C (row-major, NR columns).
 #[repr(C, align(64))]
-pub(super) struct Scratch(pub(super) [f32; 32 * NR]);
+pub(crate) struct Scratch(pub(crate) [f32; 32 * NR]);
 
 /// The 64-byte operand of LDTILECFG (palette 1).
 #[repr(C, align(64))]
@@ -32,7 +32,7 @@ struct TileConfig {
 ///
 /// # Safety
 /// The CPU must have AMX and the OS must have granted this process the tile state.
-pub(super) unsafe fn configure() {
+pub(crate) unsafe fn configure() {
     let mut cfg = TileConfig {
         palette: 1,
         start_row: 0,
@@ -53,7 +53,7 @@ pub(super) unsafe fn configure() {
 ///
 /// # Safety
 /// As [`configure`].
-pub(super) unsafe fn release() {
+pub(crate) unsafe fn release() {
     // SAFETY: TILERELEASE only resets tile state; AMX is available per the caller.
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
@@ -68,7 +68,7 @@ pub(super) unsafe fn release() {
 /// the rest; `bias`, if any, nr readable floats.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn block(
+pub(crate) unsafe fn block(
     stride: usize,
     a: *const u32,
     b: *const u32,

@@ -1,0 +1,422 @@
+//! Causal attention of one (batch, head) on AMX tiles, for bf16 training: the same arithmetic
+//! as [`attention`](super::attention)'s bf16 path (operands rounded to bf16, sums in f32, the
+//! same softmax, mask and dropout code), with the products fused per head instead of one
+//! general product call each.
+//!
+//! A head is small (T x 64 for each of Q, K and V), so the general product's fixed costs
+//! (a call, a tile configuration, packing both operands every time) outweighed its
+//! arithmetic: the keys were packed again for every block of queries. Here Q, K and V are
+//! packed into bf16 pairs once per head, in the layouts each product reads, and the queries go
+//! by in strips of 32 rows (one AMX block high), each product of a strip one AMX block per 32
+//! output columns. A strip attends to keys up to its last row, rounded up to 32.
+//!
+//! Each output element sums its K in the same order as the general product (pairs in order,
+//! 16 at a time, in one tile), so results are the general path's bits (a test holds them to
+//! it). It never allocates after a thread's first call: its packing buffers are per thread.
+
+use std::cell::RefCell;
+
+use super::attention::{mask_row, probs_row, softmax_back_row, softmax_row, AttnDims};
+use super::gemm_bf16::amx::{self, Scratch};
+use super::gemm_bf16::{pack_a, pack_b, Line, NR};
+use super::SendPtr;
+use crate::Dropout;
+
+/// Query rows per strip: one AMX block.
+const S: usize = 32;
+
+/// One thread's packed operands and strip buffers, grown to the largest head seen.
+#[derive(Default)]
+struct Bufs {
+    lines: Vec<Line>,
+    floats: Vec<f32>,
+}
+
+thread_local! {
+    static BUFS: RefCell<Bufs> = RefCell::new(Bufs::default());
+}
+
+/// Pairs of a K of `k` elements, padded to the 16 pairs one tile row holds.
+fn pairs(k: usize) -> usize {
+    k.div_ceil(32) * 16
+}
+
+/// `n` rounded up to a whole number of strips.
+fn strips(n: usize) -> usize {
+    n.div_ceil(S) * S
+}
+
+/// Carves 64-byte aligned u32 regions of the given sizes (in u32) out of `lines`.
+fn carve<const N: usize>(lines: &mut Vec<Line>, sizes: [usize; N]) -> [*mut u32; N] {
+    let total: usize = sizes.iter().map(|n| n.div_ceil(16)).sum();
+    if lines.len() < total {
+        lines.resize(total, Line([0; 16]));
+    }
+    let base = lines.as_mut_ptr();
+    let mut at = 0;
+    sizes.map(|n| {
+        // SAFETY: at + ⌈n/16⌉ ≤ total ≤ lines.len(): the region lies inside the buffer.
+        let p = unsafe { base.add(at) } as *mut u32;
+        at += n.div_ceil(16);
+        p
+    })
+}
+
+/// The head's matrices: Q, K, V and their gradients at row stride 3C, dY and out at C.
+struct Head {
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    t: usize,
+    hd: usize,
+    /// Row stride of q, k, v (and of dq, dk, dv): 3C.
+    rs: usize,
+    scale: f32,
+}
+
+/// `c[0..rows, 0..n] (+)= a · b`: `a` packed as 32 rows of `kp` pairs, `b` as panels of `kp`
+/// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read).
+///
+/// # Safety
+/// AMX configured on this thread; the packed operands as described (a: 32 readable rows); c
+/// rows x n writable floats at row stride rsc.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    kp: usize,
+    a: *const u32,
+    b: *const u32,
+    bstride: usize,
+    c: *mut f32,
+    rsc: usize,
+    rows: usize,
+    n: usize,
+    acc: bool,
+    scratch: &mut Scratch,
+) {
+    for j in (0..n).step_by(NR) {
+        // SAFETY: forwarded; panel j / 32 and columns j.. of c lie inside the caller's.
+        unsafe {
+            amx::block(
+                kp,
+                a,
+                b.add(j * bstride),
+                c.add(j),
+                rsc,
+                rows,
+                NR.min(n - j),
+                acc,
+                None,
+                scratch,
+            )
+        };
+    }
+}
+
+/// `c[0..keys, 0..n] (+)= a · b` for an `a` of `keys` rows packed as rows of `kp` pairs: one
+/// [`product`] per strip of 32 rows; strips before `fresh` accumulate, the rest are written.
+///
+/// # Safety
+/// As [`product`], `a` holding [`strips`]`(keys)` rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tall_product(
+    kp: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    rsc: usize,
+    keys: usize,
+    n: usize,
+    fresh: usize,
+    scratch: &mut Scratch,
+) {
+    for j0 in (0..keys).step_by(S) {
+        // SAFETY: forwarded; rows j0.. of a and c.
+        unsafe {
+            product(
+                kp,
+                a.add(j0 * kp),
+                b,
+                kp,
+                c.add(j0 * rsc),
+                rsc,
+                S.min(keys - j0),
+                n,
+                j0 < fresh,
+                scratch,
+            )
+        };
+    }
+}
+
+/// Forward of head `bh`: as `head_forward` in the attention module, on AMX.
+///
+/// # Safety
+/// AMX is this process's bf16 kernel; `out` and `lse` hold the sizes `attention_forward`
+/// checked and head `bh`'s parts of them belong to this task alone.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn head_forward(
+    out: SendPtr,
+    lse: SendPtr,
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    bh: usize,
+) {
+    let AttnDims { t, c, nh, .. } = dims;
+    let (bi, h) = (bh / nh, bh % nh);
+    let hd = c / nh;
+    let head = Head::at(qkv, dims, bh);
+    let (pd, pt) = (pairs(hd), pairs(t));
+    let (tp, hp) = (strips(t), hd.div_ceil(NR) * NR);
+    BUFS.with(|bufs| {
+        let bufs = &mut *bufs.borrow_mut();
+        let [qa, kb, vb, pa] = carve(&mut bufs.lines, [tp * pd, tp * pd, hp * pt, S * pt]);
+        grow(&mut bufs.floats, t + S * t);
+        let (mf, s) = bufs.floats.split_at_mut(t);
+        mask_row(mf, mask, bi, t);
+        let mut scratch = Scratch([0.0; S * NR]);
+        // SAFETY: the packs read Q, K and V of this head (t rows of hd at stride 3C) and write
+        // the regions carved for them; AMX is the chosen kernel (the caller's contract), and
+        // every product writes this task's strip buffer or head `bh`'s columns of out.
+        unsafe {
+            head.pack(qa, kb, None, Some(vb), None);
+            amx::configure();
+            for r0 in (0..t).step_by(S) {
+                let (rows, keys) = (S.min(t - r0), (r0 + S).min(t));
+                // S = Q[r0..] · K[0..keys]ᵀ
+                product(
+                    pd,
+                    qa.add(r0 * pd),
+                    kb,
+                    pd,
+                    s.as_mut_ptr(),
+                    t,
+                    rows,
+                    keys,
+                    false,
+                    &mut scratch,
+                );
+                for i in 0..rows {
+                    let tq = r0 + i;
+                    let row = &mut s[i * t..i * t + keys];
+                    scale_row(row, head.scale);
+                    let l = softmax_row(row, &mf[..keys], tq);
+                    *lse.0.add(bh * t + tq) = l;
+                    if let Some(d) = dropout {
+                        d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
+                    }
+                }
+                // out[r0..] = P · V[0..keys]
+                let kp = pairs(keys);
+                pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
+                let o = out.0.add((bi * t + r0) * c + h * hd);
+                product(kp, pa, vb, pt, o, c, rows, hd, false, &mut scratch);
+            }
+            amx::release();
+        }
+    });
+}
+
+/// Backward of head `bh`: as `head_backward` in the attention module, on AMX.
+///
+/// # Safety
+/// As [`head_forward`], for `dqkv` and `out`.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn head_backward(
+    dqkv: SendPtr,
+    out: Option<SendPtr>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    dropout: Option<Dropout>,
+    bh: usize,
+) {
+    let AttnDims { t, c, nh, .. } = dims;
+    let (bi, h) = (bh / nh, bh % nh);
+    let hd = c / nh;
+    let head = Head::at(qkv, dims, bh);
+    let rs = head.rs;
+    let base = bi * t * 3 * c + h * hd;
+    let dq = dqkv.0.wrapping_add(base);
+    let (dk, dv) = (dq.wrapping_add(c), dq.wrapping_add(2 * c));
+    let dy = dout[bi * t * c + h * hd..].as_ptr();
+    let (pd, pt, ps) = (pairs(hd), pairs(t), pairs(S));
+    let (tp, hp) = (strips(t), hd.div_ceil(NR) * NR);
+    BUFS.with(|bufs| {
+        let bufs = &mut *bufs.borrow_mut();
+        let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, tall] = carve(
+            &mut bufs.lines,
+            [
+                tp * pd,
+                tp * pd,
+                tp * pd,
+                hp * pt,
+                if out.is_some() { hp * pt } else { 0 },
+                S * pd,
+                hp * ps,
+                hp * ps,
+                S * pt,
+                tp * ps,
+            ],
+        );
+        grow(&mut bufs.floats, t + 3 * S * t);
+        let (mf, rest) = bufs.floats.split_at_mut(t);
+        let (p, rest) = rest.split_at_mut(S * t);
+        let (dp, pdrop) = rest.split_at_mut(S * t);
+        mask_row(mf, mask, bi, t);
+        let mut scratch = Scratch([0.0; S * NR]);
+        // SAFETY: as in head_forward; the products write this task's strip buffers or head
+        // `bh`'s columns of dqkv and out.
+        unsafe {
+            head.pack(qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
+            amx::configure();
+            for r0 in (0..t).step_by(S) {
+                let (rows, keys) = (S.min(t - r0), (r0 + S).min(t));
+                let kp = pairs(keys);
+                // P recomputed from S = Q·Kᵀ and the stored log-sum-exp; dPd = dY · Vᵀ
+                product(
+                    pd,
+                    qa.add(r0 * pd),
+                    kb,
+                    pd,
+                    p.as_mut_ptr(),
+                    t,
+                    rows,
+                    keys,
+                    false,
+                    &mut scratch,
+                );
+                pack_a(dya, dy.add(r0 * c), c, 1, rows, hd, pd);
+                product(
+                    pd,
+                    dya,
+                    vtb,
+                    pd,
+                    dp.as_mut_ptr(),
+                    t,
+                    rows,
+                    keys,
+                    false,
+                    &mut scratch,
+                );
+                for i in 0..rows {
+                    let tq = r0 + i;
+                    let row = &mut p[i * t..i * t + keys];
+                    scale_row(row, head.scale);
+                    probs_row(row, &mf[..keys], tq, lse[bh * t + tq]);
+                }
+                // The probabilities as the forward used them (after dropout), and dP from dPd.
+                let used: &[f32] = match dropout {
+                    Some(d) => {
+                        for i in 0..rows {
+                            let off = ((bh * t + r0 + i) * t) as u64;
+                            let (from, to) = (i * t..i * t + keys, &mut pdrop[i * t..i * t + keys]);
+                            to.copy_from_slice(&p[from]);
+                            d.apply(to, off);
+                            d.apply(&mut dp[i * t..i * t + keys], off);
+                        }
+                        pdrop
+                    }
+                    None => p,
+                };
+                // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
+                pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
+                pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps);
+                tall_product(ps, tall, dyb, dv, rs, keys, hd, r0, &mut scratch);
+                if let Some(o) = out {
+                    pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
+                    let o = o.0.add((bi * t + r0) * c + h * hd);
+                    product(kp, wide, vb, pt, o, c, rows, hd, false, &mut scratch);
+                }
+                for i in 0..rows {
+                    let (d, pr) = (&mut dp[i * t..i * t + keys], &p[i * t..i * t + keys]);
+                    softmax_back_row(d, pr, head.scale);
+                }
+                // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
+                pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);
+                product(
+                    kp,
+                    wide,
+                    kbk,
+                    pt,
+                    dq.add(r0 * rs),
+                    rs,
+                    rows,
+                    hd,
+                    false,
+                    &mut scratch,
+                );
+                pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
+                pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps);
+                tall_product(ps, tall, qb, dk, rs, keys, hd, r0, &mut scratch);
+            }
+            amx::release();
+        }
+    });
+}
+
+impl Head {
+    fn at(qkv: &[f32], dims: AttnDims, bh: usize) -> Head {
+        let AttnDims { t, c, nh, .. } = dims;
+        let hd = c / nh;
+        let q = qkv[(bh / nh) * t * 3 * c + (bh % nh) * hd..].as_ptr();
+        Head {
+            q,
+            k: q.wrapping_add(c),
+            v: q.wrapping_add(2 * c),
+            t,
+            hd,
+            rs: 3 * c,
+            scale: 1.0 / (hd as f32).sqrt(),
+        }
+    }
+
+    /// Packs what the products read: Q as rows of pairs along its dimensions (`qa`); Kᵀ (`kb`)
+    /// and Vᵀ (`vtb`) as panels of 32 keys, pairs along the dimensions; V (`vb`) and K (`kbk`)
+    /// as panels of 32 dimensions, pairs along the keys.
+    ///
+    /// # Safety
+    /// Each region as carved by the callers for this head's sizes.
+    unsafe fn pack(
+        &self,
+        qa: *mut u32,
+        kb: *mut u32,
+        vtb: Option<*mut u32>,
+        vb: Option<*mut u32>,
+        kbk: Option<*mut u32>,
+    ) {
+        let (t, hd, rs) = (self.t, self.hd, self.rs);
+        let (pd, pt) = (pairs(hd), pairs(t));
+        // SAFETY: q, k and v hold t rows of hd at stride rs; the regions are the callers'.
+        unsafe {
+            pack_a(qa, self.q, rs, 1, t, hd, pd);
+            pack_b(kb, self.k, 1, rs, hd, t, pd);
+            if let Some(vtb) = vtb {
+                pack_b(vtb, self.v, 1, rs, hd, t, pd);
+            }
+            if let Some(vb) = vb {
+                pack_b(vb, self.v, rs, 1, t, hd, pt);
+            }
+            if let Some(kbk) = kbk {
+                pack_b(kbk, self.k, rs, 1, t, hd, pt);
+            }
+        }
+    }
+}
+
+/// Grows `v` to at least `n` floats.
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}
+
+/// The scores' scale, applied after the product as the general path does.
+fn scale_row(row: &mut [f32], scale: f32) {
+    for x in row {
+        *x *= scale;
+    }
+}

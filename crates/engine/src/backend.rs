@@ -143,8 +143,8 @@ kernels! {
     fn head_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
     /// `pre (N, OC) = inp · w + bias`, `out = gelu(pre)` in one pass (same bits as `matmul_forward` then `gelu_forward`).
     fn matmul_gelu_forward(pre: &mut [f32], out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
-    /// `matmul_gelu_forward` with `out` kept in bf16 (its bits). Only on a backend of `DType::Bf16`.
-    fn matmul_gelu_forward_bf16(pre: &mut [f32], out: &mut [u16], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
+    /// `matmul_gelu_forward` with `out` kept in bf16 (its bits) and `grad` = gelu'(pre-activation) instead of the pre-activation. Only on a backend of `DType::Bf16`.
+    fn matmul_gelu_forward_bf16(grad: &mut [f32], out: &mut [u16], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
     /// `matmul_forward` of an input kept in bf16 (its bits). Only on a backend of `DType::Bf16`.
     fn matmul_forward_bf16_input(out: &mut [f32], inp: &[u16], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
     /// dw += inpᵀ · dout, dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.
@@ -153,6 +153,8 @@ kernels! {
     fn gelu_forward(out: &mut [f32], inp: &[f32]) => cpu::gelu_forward;
     /// dinout *= gelu'(inp).
     fn gelu_backward(dinout: &mut [f32], inp: &[f32]) => cpu::gelu_backward;
+    /// dinout *= grad, where the forward kept GELU's derivative `grad` (see matmul_gelu_forward_bf16).
+    fn gelu_backward_with_grad(dinout: &mut [f32], grad: &[f32]) => cpu::gelu_backward_with_grad;
     /// out = residual + dropout(out + bias), rows of c.
     fn residual_forward(out: &mut [f32], residual: &[f32], bias: Option<&[f32]>, c: usize, dropout: Option<Dropout>) => cpu::residual_forward;
     /// x = dropout(x).

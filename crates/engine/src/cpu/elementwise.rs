@@ -43,6 +43,28 @@ simd_fn! {
     }
 }
 
+/// `dinout *= grad`: [`gelu_backward`] when the forward kept GELU's derivative (`grad`, see
+/// `matmul_gelu_forward_bf16`) instead of its input; the same bits, without the tanh.
+pub fn gelu_backward_with_grad(dinout: &mut [f32], grad: &[f32]) {
+    assert_eq!(
+        dinout.len(),
+        grad.len(),
+        "gelu backward: gradient and derivative lengths"
+    );
+    dinout
+        .par_chunks_mut(CHUNK)
+        .zip(grad.par_chunks(CHUNK))
+        .for_each(|(d, g)| mul_block(d, g));
+}
+
+simd_fn! {
+    fn mul_block(d: &mut [f32], g: &[f32]) {
+        for (d, &g) in d.iter_mut().zip(g) {
+            *d *= g;
+        }
+    }
+}
+
 /// `out = residual + dropout(out + bias)`, rows of `bias.len()` (or of `c` without bias):
 /// finishes a residual branch whose matmul wrote `out` without bias. Dropout element `i` is
 /// the flat index in `out`.

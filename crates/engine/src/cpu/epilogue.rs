@@ -7,14 +7,17 @@
 //! epilogue's own output is written whole rows at a time, which the hardware prefetchers follow.
 //! (Finishing each 32 x 32 block as the kernel stores it was slower than the separate pass: it
 //! touches 128 bytes of each of 32 distant rows, and those misses cost more than the pass.)
-//! GELU's backward is not fused: it reads the pre-activation from memory either way, and fused
-//! it measured no faster.
+//! GELU's backward is not fused into the product before it: it reads the pre-activation from
+//! memory either way, and fused it measured no faster. Under bf16 the forward epilogue instead
+//! leaves GELU's derivative where the pre-activation was, so backward only multiplies.
 //!
 //! Every epilogue computes exactly what the unfused pass computes (the same scalar functions
 //! of [`math`](super::math), the same order of operations), so fused and unfused results are
 //! the same bits. An epilogue never reads or writes outside the block it is handed.
 
 use super::math::gelu;
+#[cfg(target_arch = "x86_64")]
+use super::math::gelu_and_grad;
 use super::SendPtr;
 
 /// The epilogue of one product, with pointers to its own operands (the same shape as the
@@ -27,8 +30,10 @@ pub(crate) enum Epilogue {
     Gelu { out: SendPtr, rs: usize },
     /// The same with `out` in bf16 (its bits; `out` points at u16), rounded to nearest even
     /// by the instruction the bf16 products round their operands with: the next product reads
-    /// the same bits it would have rounded from the f32 GELU. Only where the CPU has the bf16
-    /// product.
+    /// the same bits it would have rounded from the f32 GELU. C is then overwritten with
+    /// GELU's derivative at the pre-activation, all that backward needs of it: the tanh is
+    /// computed once, here, instead of again in a backward pass. Only where the CPU has the
+    /// bf16 product.
     GeluBf16 { out: SendPtr, rs: usize },
 }
 
@@ -87,15 +92,16 @@ impl Epilogue {
     }
 }
 
-/// `out[i][j] = bf16(gelu(c[i][j]))` over a block (see [`Epilogue::GeluBf16`]).
+/// `out[i][j] = bf16(gelu(c[i][j]))` and `c[i][j] = gelu'(c[i][j])` over a block (see
+/// [`Epilogue::GeluBf16`]).
 ///
 /// # Safety
-/// AVX512_BF16, AVX-512BW and VL must be present; `c` rows x cols readable floats at row stride
-/// `rsc`; `out` rows x cols writable u16 at row stride `rs`, not overlapping c.
+/// AVX512_BF16, AVX-512BW and VL must be present; `c` rows x cols readable and writable floats
+/// at row stride `rsc`; `out` rows x cols writable u16 at row stride `rs`, not overlapping c.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn gelu_rows_bf16(
-    c: *const f32,
+    c: *mut f32,
     rsc: usize,
     out: *mut u16,
     rs: usize,
@@ -107,12 +113,14 @@ unsafe fn gelu_rows_bf16(
         for j0 in (0..cols).step_by(16) {
             let m = (cols - j0).min(16);
             // A fixed 16 lanes (zero past m), so the GELU compiles to one vector pass.
-            let mut g = [0f32; 16];
+            let (mut g, mut d) = ([0f32; 16], [0f32; 16]);
             // SAFETY: columns j0..j0 + m of row i, inside c per the contract.
-            g[..m].copy_from_slice(unsafe { std::slice::from_raw_parts(c.add(i * rsc + j0), m) });
-            for x in g.iter_mut() {
-                *x = gelu(*x);
+            let row = unsafe { std::slice::from_raw_parts_mut(c.add(i * rsc + j0), m) };
+            g[..m].copy_from_slice(row);
+            for (x, d) in g.iter_mut().zip(d.iter_mut()) {
+                (*x, *d) = gelu_and_grad(*x);
             }
+            row.copy_from_slice(&d[..m]);
             // SAFETY: g is 16 floats; the masked store writes the m u16 of row i's columns
             // j0..j0 + m, inside out per the contract. __m256bh and __m256i are both 256 bits.
             unsafe {

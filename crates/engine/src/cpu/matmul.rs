@@ -315,10 +315,13 @@ pub fn matmul_gelu_forward(
 /// [`matmul_gelu_forward`] keeping the GELU's output in bf16 (`out` holds its bits): the
 /// products that read it (the next layer's forward and its weight gradient) round their left
 /// operand to bf16 anyway, so they read the same values from half the bytes, and a forward
-/// can keep them for backward at half the memory. Needs a backend of `DType::Bf16`.
+/// can keep them for backward at half the memory. `grad` receives GELU's derivative at the
+/// pre-activation, not the pre-activation: backward needs nothing else of it
+/// ([`gelu_backward_with_grad`](super::gelu_backward_with_grad)). Needs a backend of
+/// `DType::Bf16`.
 pub fn matmul_gelu_forward_bf16(
     dtype: DType,
-    pre: &mut [f32],
+    grad: &mut [f32],
     out: &mut [u16],
     inp: &[f32],
     w: &[f32],
@@ -338,7 +341,7 @@ pub fn matmul_gelu_forward_bf16(
     };
     let a = Mat::rm(inp.as_ptr(), c);
     // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
-    unsafe { conv1d_product(dtype, pre, a, inp.len(), w, bias, (n, c, oc), ep) }
+    unsafe { conv1d_product(dtype, grad, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
 /// [`matmul_forward`] of an input kept in bf16 (its bits): the same bits as [`matmul_forward`]
@@ -1032,10 +1035,13 @@ mod tests {
                     matmul_forward(d, &mut want_pre, &x, &w, Some(&b), n, c, oc);
                     gelu_forward(&mut g, &want_pre);
                 });
+                // `pre` holds GELU's derivative at the pre-activation: 1 · gelu'(x), exactly
+                let mut want_grad = vec![1.0; n * oc];
+                crate::cpu::gelu_backward(&mut want_grad, &want_pre);
                 assert_eq!(bits(&out), bits(&want), "forward, {what}");
                 assert_eq!(bits(&dw), bits(&want_dw), "weight grad, {what}");
                 assert_eq!(bits(&db), bits(&want_db), "bias grad, {what}");
-                assert_eq!(bits(&pre), bits(&want_pre), "pre, {what}");
+                assert_eq!(bits(&pre), bits(&want_grad), "gelu derivative, {what}");
                 assert_eq!(g16, round(&g), "bf16 gelu, {what}");
             }
         }

@@ -31,7 +31,8 @@ pub use attention::{attention_backward, attention_forward, attention_scratch_len
 pub use attention_decode::attention_decode_row;
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
 pub use elementwise::{
-    dropout_backward, dropout_forward, gelu_backward, gelu_forward, residual_forward,
+    dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad, gelu_forward,
+    residual_forward,
 };
 pub use encoder::{encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};

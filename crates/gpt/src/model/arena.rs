@@ -31,7 +31,7 @@ pub(crate) struct Acts<'a> {
     pub(crate) res: &'a mut [f32], // (L+1, N, C) block inputs; res[L] feeds ln_f
     pub(super) res_mid: &'a mut [f32], // (L, N, C) residual after attention
     pub(super) qkv: &'a mut [f32], // (L, N, 3C)
-    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation
+    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation; GELU's derivative at it when gelu16 is kept
     pub(super) ln1_mean: &'a mut [f32], // (L, N)
     pub(super) ln1_rstd: &'a mut [f32], // (L, N)
     pub(super) ln2_mean: &'a mut [f32], // (L, N)

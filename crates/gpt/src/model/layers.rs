@@ -470,7 +470,12 @@ pub(crate) fn block_backward(
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward_input(s_big, dproj, &p[bl.fcproj_w.clone()], n, f, c)
         });
-        prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
+        if a.gelu16.is_empty() {
+            prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
+        } else {
+            // under bf16 the forward left GELU's derivative in `fch` (see the arena)
+            prof.time(K::GeluBwd, || dev.gelu_backward_with_grad(s_big, fch));
+        }
         if !keep {
             let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
             prof.time(K::LnFwd, || {

@@ -83,10 +83,16 @@ const AMX_A_BUDGET: usize = 1 << 17;
 /// weight gradients (K = 2048) ran 20-30% faster and the rest no slower: reusing each B panel
 /// over more rows of A matters more than keeping all of B in L2.
 const AMX_B_BUDGET: usize = 1 << 20;
+/// Above this many bytes of B packed at full K (all of the product's columns), AMX K blocks are
+/// [`AMX_SHORT_KCP`] pairs long: see [`Kernel::blocking`].
+const AMX_SHORT_K_ABOVE: usize = 3 << 19;
+/// Pairs of K per block when B is wide (512 of K).
+const AMX_SHORT_KCP: usize = 256;
 
 impl Kernel {
-    /// The blocks for a product of inner dimension `k`.
-    fn blocking(self, k: usize) -> Blocking {
+    /// The blocks for a product of inner dimension `k` whose whole output (before any split
+    /// over threads, so that the split never changes a result's bits) has `n_whole` columns.
+    fn blocking(self, k: usize, n_whole: usize) -> Blocking {
         match self {
             // A micro-panel of B is 256 pairs x 32 columns = 32 KB (L1); A's block 192 KB (L2).
             Kernel::Avx512 => Blocking {
@@ -97,8 +103,20 @@ impl Kernel {
             // AMX consumes a K block 20x faster than the zmm kernel, so what limits it is
             // memory: the blocks are sized to K within the budgets above, and the K blocks are
             // long (C's tiles go through memory once per block).
+            // Where all of B packed at full K would not stay in L2 beside A's block, the K
+            // blocks are shorter: a strip of A (32 rows of 256 pairs, 32 KB) then stays in L1
+            // and one block of A's rows covers more of them, so B's panels are read from beyond
+            // L2 fewer times, for one more pass of C per K block. On config B's weight
+            // gradients (K = 2048) and most of config G's products that was 10-35% faster;
+            // where B fits (config B's products of K 1152 and 1536 into 384 columns) it was
+            // 10-20% slower, hence the test on B's size.
             Kernel::Amx => {
-                let kcp = k.div_ceil(32).clamp(1, 64) * 16;
+                let full = k.div_ceil(32).clamp(1, 64) * 16;
+                let kcp = if n_whole * full * 4 > AMX_SHORT_K_ABOVE {
+                    full.min(AMX_SHORT_KCP)
+                } else {
+                    full
+                };
                 Blocking {
                     kcp,
                     mc: (AMX_A_BUDGET / kcp / MR_AMX).clamp(1, 64) * MR_AMX,
@@ -112,7 +130,7 @@ impl Kernel {
     fn buffers(self) -> (usize, usize) {
         match self {
             Kernel::Avx512 => {
-                let bl = self.blocking(0);
+                let bl = self.blocking(0, 0);
                 (bl.mc * bl.kcp, bl.nc * bl.kcp)
             }
             // Every AMX blocking stays within the budgets, plus one A block of 32 rows for K
@@ -209,7 +227,9 @@ pub(crate) fn bf16_bits(x: f32) -> u16 {
 
 /// `c (m, n) = a (m, k) · b (k, n) + bias (n)` or, with `accumulate`, `c += a · b` (bias
 /// unused), with a and b rounded to bf16 and the sums kept in f32. `c` is row-major with row
-/// stride `rsc`. `ep` finishes each block of c once its sums are final.
+/// stride `rsc`. `ep` finishes each block of c once its sums are final. `n_whole` is the
+/// columns of the whole product this call is a part of (its own n when it is all of it): the
+/// blocking depends on it, never on the part.
 ///
 /// # Safety
 /// [`supported`] must be true; the operands must describe valid matrices of these sizes; `c`
@@ -227,11 +247,12 @@ pub(crate) unsafe fn bgemm(
     accumulate: bool,
     bias: Option<*const f32>,
     ep: Epilogue,
+    n_whole: usize,
 ) {
     let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
     let a = AOperand::F32(a);
     // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
-    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep) }
+    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep, n_whole) }
 }
 
 /// [`bgemm`] with a left operand already in bf16.
@@ -250,11 +271,12 @@ pub(crate) unsafe fn bgemm_bf16_a(
     accumulate: bool,
     bias: Option<*const f32>,
     ep: Epilogue,
+    n_whole: usize,
 ) {
     let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
     let a = AOperand::Bf16(a);
     // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
-    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep) }
+    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep, n_whole) }
 }
 
 /// [`bgemm`] on a chosen kernel (the tests run each one the CPU has).
@@ -274,6 +296,7 @@ unsafe fn bgemm_with(
     accumulate: bool,
     bias: Option<*const f32>,
     ep: Epilogue,
+    n_whole: usize,
 ) {
     if k == 0 {
         if !accumulate {
@@ -288,7 +311,7 @@ unsafe fn bgemm_with(
         unsafe { ep.apply(c, rsc, m, n) };
         return;
     }
-    let bl = kernel.blocking(k);
+    let bl = kernel.blocking(k, n_whole);
     PACKS.with(|packs| {
         let mut packs = packs.borrow_mut();
         let packs = &mut *packs;
@@ -990,6 +1013,7 @@ mod tests {
                         false,
                         None,
                         Epilogue::None,
+                        n,
                     )
                 };
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
@@ -1018,6 +1042,7 @@ mod tests {
                         false,
                         Some(bias.as_ptr()),
                         Epilogue::None,
+                        n,
                     );
                     bgemm_with(
                         kernel,
@@ -1031,6 +1056,7 @@ mod tests {
                         true,
                         None,
                         Epilogue::None,
+                        n,
                     );
                 }
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {

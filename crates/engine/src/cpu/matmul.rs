@@ -144,6 +144,7 @@ unsafe fn gemm_on(
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if avx512 {
+                let n_whole = n;
                 let s = |x: Mat, r: usize, cc: usize| Strided {
                     ptr: x.at(r, cc),
                     rs: x.rs as usize,
@@ -159,9 +160,9 @@ unsafe fn gemm_on(
                         rs: sa.rs,
                         cs: sa.cs,
                     };
-                    bgemm_bf16_a(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
+                    bgemm_bf16_a(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole);
                 } else if bf16 {
-                    bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
+                    bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole);
                 } else {
                     sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
                 }
@@ -1044,6 +1045,44 @@ mod tests {
                 assert_eq!(bits(&pre), bits(&want_grad), "gelu derivative, {what}");
                 assert_eq!(g16, round(&g), "bf16 gelu, {what}");
             }
+        }
+    }
+
+    #[test]
+    fn bf16_products_do_not_depend_on_the_thread_count() {
+        if !crate::cpu::bf16_supported() {
+            eprintln!("skipped: this CPU has no bf16 product");
+            return;
+        }
+        // Split by rows (tall) and by columns (wide); the wide one's B, packed at full K, is
+        // past the size where the AMX kernel shortens its K blocks, which must not change
+        // with the columns a thread gets.
+        for &(n, c, oc) in &[(300, 64, 48), (40, 2100, 500)] {
+            let inp = rand_vec(n * c, 1);
+            let w = rand_vec(c * oc, 2);
+            let dout = rand_vec(n * oc, 3);
+            let run = |threads: usize| {
+                let (mut out, mut dinp) = (vec![0.0; n * oc], vec![0.0; n * c]);
+                let mut dw = vec![0.0; c * oc];
+                within_pool(threads, || {
+                    matmul_forward(DType::Bf16, &mut out, &inp, &w, None, n, c, oc);
+                    matmul_backward(
+                        DType::Bf16,
+                        Some(&mut dinp),
+                        &mut dw,
+                        None,
+                        &dout,
+                        &inp,
+                        &w,
+                        n,
+                        c,
+                        oc,
+                    );
+                });
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                (bits(&out), bits(&dinp), bits(&dw))
+            };
+            assert_eq!(run(1), run(2), "{n}x{c}x{oc}");
         }
     }
 

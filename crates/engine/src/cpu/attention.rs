@@ -277,7 +277,7 @@ unsafe fn head_forward(
                 rows,
                 hd,
                 keys,
-                scale,
+                1.0,
                 q.add(r0 * 3 * c),
                 3 * c,
                 1,
@@ -292,7 +292,7 @@ unsafe fn head_forward(
         for i in 0..rows {
             let tq = r0 + i;
             let row = &mut s[i * keys..(i + 1) * keys];
-            let l = softmax_row(row, &mf[..keys], tq);
+            let l = softmax_row(row, &mf[..keys], tq, scale);
             // SAFETY: `lse` has b*nh*t floats (checked by `attention_forward`) and entry
             // (bh, tq) belongs to this task alone.
             unsafe { *lse.0.add(bh * t + tq) = l };
@@ -326,14 +326,15 @@ unsafe fn head_forward(
 }
 
 simd_fn! {
-    /// Masked softmax of `row` in place over keys 0..=tq with `mf[j]` = 1 for real keys; zeros
-    /// elsewhere. Returns the log-sum-exp, or -inf when no key is visible (row all zeros).
-    pub(super) fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize) -> f32 {
+    /// Masked softmax of `scale` times `row`, in place, over keys 0..=tq with `mf[j]` = 1 for
+    /// real keys; zeros elsewhere. Returns the log-sum-exp, or -inf when no key is visible (row
+    /// all zeros). The scale is applied in the masking pass, not as a pass of its own.
+    pub(super) fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize, scale: f32) -> f32 {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
         let mf = &mf[..=tq];
         for (x, &m) in vis.iter_mut().zip(mf) {
-            *x = if m > 0.0 { *x } else { f32::NEG_INFINITY };
+            *x = if m > 0.0 { *x * scale } else { f32::NEG_INFINITY };
         }
         let mx = max(vis);
         if mx == f32::NEG_INFINITY {
@@ -353,8 +354,9 @@ simd_fn! {
 }
 
 simd_fn! {
-    /// Probabilities from scores and a stored log-sum-exp (the forward's softmax, recomputed).
-    pub(super) fn probs_row(row: &mut [f32], mf: &[f32], tq: usize, lse: f32) {
+    /// Probabilities from `scale` times the scores and a stored log-sum-exp (the forward's
+    /// softmax, recomputed).
+    pub(super) fn probs_row(row: &mut [f32], mf: &[f32], tq: usize, lse: f32, scale: f32) {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
         if lse == f32::NEG_INFINITY {
@@ -362,7 +364,7 @@ simd_fn! {
             return;
         }
         for (x, &m) in vis.iter_mut().zip(&mf[..=tq]) {
-            *x = exp(*x - lse) * m;
+            *x = exp(*x * scale - lse) * m;
         }
     }
 }
@@ -497,7 +499,7 @@ unsafe fn head_backward(
                 rows,
                 hd,
                 keys,
-                scale,
+                1.0,
                 q.add(r0 * 3 * c),
                 3 * c,
                 1,
@@ -533,6 +535,7 @@ unsafe fn head_backward(
                 &mf[..keys],
                 tq,
                 lse[bh * t + tq],
+                scale,
             );
         }
         // The probabilities as used in the forward product (after dropout), and dP from dPd.

@@ -200,8 +200,7 @@ pub(super) unsafe fn head_forward(
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
-                    scale_row(row, head.scale);
-                    let l = softmax_row(row, &mf[..keys], tq);
+                    let l = softmax_row(row, &mf[..keys], tq, head.scale);
                     *lse.0.add(bh * t + tq) = l;
                     if let Some(d) = dropout {
                         d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
@@ -305,8 +304,7 @@ pub(super) unsafe fn head_backward(
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut p[i * t..i * t + keys];
-                    scale_row(row, head.scale);
-                    probs_row(row, &mf[..keys], tq, lse[bh * t + tq]);
+                    probs_row(row, &mf[..keys], tq, lse[bh * t + tq], head.scale);
                 }
                 // The probabilities as the forward used them (after dropout), and dP from dPd.
                 let used: &[f32] = match dropout {
@@ -411,12 +409,5 @@ impl Head {
 fn grow(v: &mut Vec<f32>, n: usize) {
     if v.len() < n {
         v.resize(n, 0.0);
-    }
-}
-
-/// The scores' scale, applied after the product as the general path does.
-fn scale_row(row: &mut [f32], scale: f32) {
-    for x in row {
-        *x *= scale;
     }
 }

@@ -14,6 +14,7 @@
 
 mod attention;
 mod attention_decode;
+mod bf16;
 mod crossentropy;
 mod elementwise;
 mod encoder;
@@ -26,7 +27,8 @@ pub(crate) mod math;
 mod matmul;
 
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
-pub use attention_decode::attention_decode_row;
+pub use attention_decode::{attention_decode_row, attention_decode_row_bf16};
+pub use bf16::{bf16_to_f32, round_to_bf16};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
 pub use elementwise::{
     dropout_backward, dropout_forward, gelu_backward, gelu_forward, residual_forward,

@@ -15,7 +15,7 @@
 //! The cache may be kept in bf16 ([`attention_decode_row_bf16`], a bf16 KV cache as vLLM's
 //! `--kv-cache-dtype`): half the bytes to read. Each element is widened to f32 as it is loaded
 //! (exactly: its bits shifted left by 16), and everything after that is the f32 code's, in the
-//! same order. Both element types go through one generic implementation ([`KvElement`]).
+//! same order. Both element types go through one generic implementation (over `KvElement`).
 //!
 //! The order of every sum (which the results' bits depend on):
 //! - a score: lane l of 16 sums q·k over dimensions l, l+16, ... of the head, from zero, in
@@ -29,19 +29,34 @@
 use super::math::{exp, max, sum, LANES};
 use super::simd_fn;
 
-/// How a cache element becomes the f32 the arithmetic uses: f32 as it is, bf16 bits (u16)
-/// shifted into an f32's top half. Implemented for `f32` and `u16` only.
-pub trait KvElement: Copy + Send + Sync + sealed::Sealed + 'static {
+/// What the code needs of a cache element type (f32, or bf16 bits as u16): its f32 value
+/// (exact), whether the AVX-512 code must widen it, and its clones of the portable code.
+trait KvElement: Copy + Send + Sync + 'static {
     /// True for bf16 bits (the AVX-512 code loads 16 of them as 32 bytes and widens them).
     const BF16: bool;
     /// The element's f32 value (exact).
     fn to_f32(self) -> f32;
-}
-
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for f32 {}
-    impl Sealed for u16 {}
+    /// [`scores_of`] for this type, compiled by `simd_fn!`.
+    #[allow(clippy::too_many_arguments)]
+    fn portable_scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[Self],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    );
+    /// [`weighted_values_of`] for this type, compiled by `simd_fn!`.
+    fn portable_weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[Self],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    );
 }
 
 impl KvElement for f32 {
@@ -50,6 +65,28 @@ impl KvElement for f32 {
     fn to_f32(self) -> f32 {
         self
     }
+    fn portable_scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    ) {
+        portable_scores(scores, q, k, ctx, nh, hs, c, scale)
+    }
+    fn portable_weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[f32],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    ) {
+        portable_weighted_values(out, probs, v, ctx, hs, c)
+    }
 }
 
 impl KvElement for u16 {
@@ -57,6 +94,28 @@ impl KvElement for u16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         super::bf16::bf16_to_f32(self)
+    }
+    fn portable_scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[u16],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    ) {
+        portable_scores_bf16(scores, q, k, ctx, nh, hs, c, scale)
+    }
+    fn portable_weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[u16],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    ) {
+        portable_weighted_values_bf16(out, probs, v, ctx, hs, c)
     }
 }
 
@@ -100,7 +159,7 @@ pub fn attention_decode_row_bf16(
 
 /// Both public functions: checks the sizes, then the AVX-512 code or the portable code.
 #[allow(clippy::too_many_arguments)]
-fn attention_decode<T: Portable>(
+fn attention_decode<T: KvElement>(
     out: &mut [f32],
     scores: &mut [f32],
     q: &[f32],
@@ -250,80 +309,6 @@ simd_fn! {
     /// [`weighted_values_of`] over a bf16 cache.
     fn portable_weighted_values_bf16(out: &mut [f32], probs: &[f32], v: &[u16], ctx: usize, hs: usize, c: usize) {
         weighted_values_of(out, probs, v, ctx, hs, c)
-    }
-}
-
-/// The portable functions of each element type (the `simd_fn!` clones above), so the generic
-/// code can name them.
-trait Portable: KvElement {
-    #[allow(clippy::too_many_arguments)]
-    fn portable_scores(
-        scores: &mut [f32],
-        q: &[f32],
-        k: &[Self],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
-    );
-    fn portable_weighted_values(
-        out: &mut [f32],
-        probs: &[f32],
-        v: &[Self],
-        ctx: usize,
-        hs: usize,
-        c: usize,
-    );
-}
-
-impl Portable for f32 {
-    fn portable_scores(
-        scores: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
-    ) {
-        portable_scores(scores, q, k, ctx, nh, hs, c, scale)
-    }
-    fn portable_weighted_values(
-        out: &mut [f32],
-        probs: &[f32],
-        v: &[f32],
-        ctx: usize,
-        hs: usize,
-        c: usize,
-    ) {
-        portable_weighted_values(out, probs, v, ctx, hs, c)
-    }
-}
-
-impl Portable for u16 {
-    fn portable_scores(
-        scores: &mut [f32],
-        q: &[f32],
-        k: &[u16],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
-    ) {
-        portable_scores_bf16(scores, q, k, ctx, nh, hs, c, scale)
-    }
-    fn portable_weighted_values(
-        out: &mut [f32],
-        probs: &[f32],
-        v: &[u16],
-        ctx: usize,
-        hs: usize,
-        c: usize,
-    ) {
-        portable_weighted_values_bf16(out, probs, v, ctx, hs, c)
     }
 }
 

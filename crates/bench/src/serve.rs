@@ -3,7 +3,8 @@
 //! dynamic batching; reports throughput and p50 / p99 latency per (mode, clients). Generation
 //! ([`run_generate`], genai-perf's measures): N concurrent token streams against the same model
 //! with in-flight batching on and off; reports aggregate output tokens/s, time to first token and
-//! inter-token latency.
+//! inter-token latency. Both generation models keep their KV caches in the load test's
+//! `kv_cache_dtype` (fp32 or bf16), which each row reports.
 //!
 //! Setup: a temporary repository holding one checkpoint (given, or a randomly initialised model
 //! of the given config) under two models, `batched` (dynamic batching) and `unbatched` (each
@@ -19,6 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_gpt::checkpoint::{self, Checkpoint};
+use cohort_gpt::sample::KvDtype;
 use cohort_gpt::{GPTConfig, GPT};
 use serde::Serialize;
 
@@ -392,10 +394,12 @@ pub struct GenerateLoad {
     pub temperature: f32,
     /// Seed of the random model, prompts and sampling.
     pub seed: u64,
+    /// The number format of the generations' KV caches (the models' `kv_cache_dtype`).
+    pub kv_cache_dtype: KvDtype,
 }
 
 impl Default for GenerateLoad {
-    /// Config B, 16-token prompts, 128 new tokens, 1 and 32 streams, one round.
+    /// Config B, 16-token prompts, 128 new tokens, 1 and 32 streams, one round, f32 KV caches.
     fn default() -> Self {
         GenerateLoad {
             checkpoint: None,
@@ -409,6 +413,7 @@ impl Default for GenerateLoad {
             threads: None,
             temperature: 0.8,
             seed: 1234,
+            kv_cache_dtype: KvDtype::F32,
         }
     }
 }
@@ -418,6 +423,8 @@ impl Default for GenerateLoad {
 pub struct GenerateRow {
     /// Whether concurrent generations shared decode steps.
     pub inflight_batching: bool,
+    /// The KV caches' number format: "fp32" or "bf16".
+    pub kv_cache_dtype: String,
     /// Concurrent streams.
     pub streams: usize,
     /// Requests completed.
@@ -468,6 +475,10 @@ pub fn run_generate(
         if !inflight {
             cfg += "parameters { key: \"inflight_batching\" value: { string_value: \"false\" } }\n";
         }
+        cfg += &format!(
+            "parameters {{ key: \"kv_cache_dtype\" value: {{ string_value: \"{}\" }} }}\n",
+            t.kv_cache_dtype
+        );
         configs.push((model, cfg));
     }
     let vocab = write_models(
@@ -517,6 +528,7 @@ pub fn run_generate(
                 let steps = after.0 - before.0;
                 let row = GenerateRow {
                     inflight_batching: inflight,
+                    kv_cache_dtype: t.kv_cache_dtype.to_string(),
                     streams,
                     requests: samples.len(),
                     seconds,

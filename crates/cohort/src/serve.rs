@@ -148,6 +148,10 @@ pub struct BenchServeArgs {
     /// Generation: sampling temperature (0: greedy).
     #[arg(long, default_value_t = 0.8)]
     temperature: f32,
+    /// Generation: the number format of the models' KV caches (their `kv_cache_dtype`
+    /// parameter): fp32 or bf16.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    kv_cache_dtype: String,
     /// Load-test a model of this repository (with --model) instead of a GPT: random inputs of
     /// the model's declared shapes and datatypes, like perf_analyzer.
     #[arg(long, requires = "model")]
@@ -239,12 +243,23 @@ fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
         threads: a.threads,
         temperature: a.temperature,
         seed: a.seed,
+        kv_cache_dtype: a
+            .kv_cache_dtype
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--kv-cache-dtype: {e}"))?,
     };
     if !a.json {
         println!(
             "bench serve --generate: config {}, {}-token prompts, {} new tokens, {} request(s) \
-             per stream, max_batch_size {}, {} instance(s), HTTP generate_stream on loopback",
-            a.config, t.prompt_tokens, t.new_tokens, t.rounds, t.max_batch_size, t.instances
+             per stream, max_batch_size {}, {} instance(s), {} KV cache, HTTP generate_stream \
+             on loopback",
+            a.config,
+            t.prompt_tokens,
+            t.new_tokens,
+            t.rounds,
+            t.max_batch_size,
+            t.instances,
+            t.kv_cache_dtype
         );
         println!(
             "{:>9} {:>8} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",

@@ -5,13 +5,14 @@
 //! cargo run --release -p cohort-gpt --example decode_rate -- [threads] [fp32|bf16]
 //! ROWS=32 cargo run ...      # one batch size only (for a profiler)
 //! PRODUCTS=1 cargo run ...   # the block's four matrix products alone, at 1, 8 and 32 rows
+//! KV=bf16 cargo run ...      # the generations' KV caches in bf16 (default fp32)
 //! ```
 
 use std::time::Instant;
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::DType;
-use cohort_gpt::sample::{decode_step, Generation, SampleOptions, Workspace};
+use cohort_gpt::sample::{decode_step, Generation, KvDtype, SampleOptions, Workspace};
 use cohort_gpt::{GPTConfig, GPT};
 
 fn main() {
@@ -24,7 +25,8 @@ fn main() {
     let cfg = GPTConfig::config_b();
     let mut model = GPT::with_backend(cfg, 0, Box::new(Cpu::new(threads).unwrap())).unwrap();
     let got = model.set_precision(dtype).unwrap();
-    println!("config B, {threads} threads, {got:?}");
+    let kv: KvDtype = std::env::var("KV").map_or(KvDtype::F32, |k| k.parse().expect("KV"));
+    println!("config B, {threads} threads, {got:?}, KV cache {kv}");
     if std::env::var_os("PRODUCTS").is_some() {
         for rows in [1, 8, 32] {
             products(rows, got);
@@ -46,7 +48,7 @@ fn main() {
                     top_k: None,
                     seed: i as u64,
                 };
-                Generation::new(&model, &prompt, &opts).unwrap()
+                Generation::with_kv_dtype(&model, &prompt, &opts, kv).unwrap()
             })
             .collect();
         // the prompt step, then decode steps only

@@ -22,10 +22,18 @@
 //! row the same way whatever other rows share the product. [`generate`] is this same path with
 //! one row.
 //!
+//! The cache keeps keys and values in f32 unless asked for bf16 ([`KvDtype`], as vLLM's
+//! `--kv-cache-dtype`): half the bytes, which a batched decode step's attention reads once per
+//! row per layer (a memory-bound read that grows with the cached positions). Keys and values
+//! are rounded to bf16 (to nearest even) as they are appended, and attention reads them back
+//! exactly; everything else stays f32. With a bf16 cache a sequence still gets, in a batch,
+//! bit-for-bit what it gets alone; its logits differ from an f32 cache's by the rounding.
+//!
 //! This module never changes the model and never allocates per token: a [`Workspace`]'s
 //! buffers are sized for a full window when it is built (and grown only for a batch wider than
 //! that).
 
+use cohort_engine::cpu::round_to_bf16;
 use cohort_rng::SplitMix64;
 use rayon::prelude::*;
 
@@ -92,24 +100,110 @@ pub enum SampleError {
     BadTopK,
 }
 
-/// The keys and values of the tokens one sequence has fed: (L, max_t, C) each. It borrows
-/// nothing, so a server can hold one per request and still use the model between steps.
+/// The number format a [`KvCache`] keeps keys and values in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KvDtype {
+    /// f32, as the forward computes them (the default).
+    #[default]
+    F32,
+    /// bf16, rounded to nearest even when appended: half the bytes.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per cached element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    /// `fp32` or `bf16` (also `f32`, `float32`, `bfloat16`).
+    fn from_str(s: &str) -> Result<KvDtype, String> {
+        match s {
+            "fp32" | "f32" | "float32" => Ok(KvDtype::F32),
+            "bf16" | "bfloat16" => Ok(KvDtype::Bf16),
+            _ => Err(format!(
+                "unknown KV cache dtype {s:?} (expected fp32 or bf16)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F32 => "fp32",
+            KvDtype::Bf16 => "bf16",
+        })
+    }
+}
+
+/// A cache's keys and values, (L, max_t, C) each, in its number format.
+enum KvStore {
+    F32 {
+        k: Vec<f32>,
+        v: Vec<f32>,
+    },
+    /// bf16 bits.
+    Bf16 {
+        k: Vec<u16>,
+        v: Vec<u16>,
+    },
+}
+
+/// The keys and values of the tokens one sequence has fed: (L, max_t, C) each, in f32 or
+/// bf16 ([`KvDtype`]). It borrows nothing, so a server can hold one per request and still use
+/// the model between steps.
 pub struct KvCache {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    store: KvStore,
     /// Positions filled.
     len: usize,
 }
 
 impl KvCache {
-    /// An empty cache for a full window of `cfg`.
+    /// An empty f32 cache for a full window of `cfg`.
     pub fn new(cfg: &GPTConfig) -> KvCache {
+        KvCache::with_dtype(cfg, KvDtype::F32)
+    }
+
+    /// An empty cache for a full window of `cfg`, keeping keys and values in `dtype`.
+    pub fn with_dtype(cfg: &GPTConfig, dtype: KvDtype) -> KvCache {
         let n = cfg.n_layers * cfg.max_position_embeddings * cfg.d_model;
-        KvCache {
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-            len: 0,
+        let store = match dtype {
+            KvDtype::F32 => KvStore::F32 {
+                k: vec![0.0; n],
+                v: vec![0.0; n],
+            },
+            KvDtype::Bf16 => KvStore::Bf16 {
+                k: vec![0; n],
+                v: vec![0; n],
+            },
+        };
+        KvCache { store, len: 0 }
+    }
+
+    /// The format it keeps keys and values in.
+    pub fn dtype(&self) -> KvDtype {
+        match self.store {
+            KvStore::F32 { .. } => KvDtype::F32,
+            KvStore::Bf16 { .. } => KvDtype::Bf16,
         }
+    }
+
+    /// Bytes its keys and values take (allocated for the full window when it was made).
+    pub fn bytes(&self) -> usize {
+        let (k, v) = match &self.store {
+            KvStore::F32 { k, v } => (std::mem::size_of_val(&k[..]), std::mem::size_of_val(&v[..])),
+            KvStore::Bf16 { k, v } => {
+                (std::mem::size_of_val(&k[..]), std::mem::size_of_val(&v[..]))
+            }
+        };
+        k + v
     }
 
     /// Tokens in the cache.
@@ -125,6 +219,22 @@ impl KvCache {
     /// Forgets every cached token.
     pub fn reset(&mut self) {
         self.len = 0;
+    }
+
+    /// Stores one row's key and value (C each) at flat offset `at`, rounding them to bf16 in a
+    /// bf16 cache.
+    fn put(&mut self, at: usize, key: &[f32], value: &[f32]) {
+        let c = key.len();
+        match &mut self.store {
+            KvStore::F32 { k, v } => {
+                k[at..at + c].copy_from_slice(key);
+                v[at..at + c].copy_from_slice(value);
+            }
+            KvStore::Bf16 { k, v } => {
+                round_to_bf16(&mut k[at..at + c], key);
+                round_to_bf16(&mut v[at..at + c], value);
+            }
+        }
     }
 }
 
@@ -289,13 +399,23 @@ pub struct Decoder<'m> {
 }
 
 impl<'m> Decoder<'m> {
-    /// An empty decoder for `model` (buffers for a full window).
+    /// An empty decoder for `model` (buffers for a full window), with an f32 cache.
     pub fn new(model: &'m GPT) -> Decoder<'m> {
+        Decoder::with_kv_dtype(model, KvDtype::F32)
+    }
+
+    /// An empty decoder for `model` whose cache keeps keys and values in `kv_dtype`.
+    pub fn with_kv_dtype(model: &'m GPT, kv_dtype: KvDtype) -> Decoder<'m> {
         Decoder {
             model,
-            cache: KvCache::new(model.config()),
+            cache: KvCache::with_dtype(model.config(), kv_dtype),
             ws: Workspace::new(model),
         }
+    }
+
+    /// The decoder's cache (its format and size).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
     }
 
     /// Tokens in the cache.
@@ -412,10 +532,9 @@ fn forward_rows<C: Caches + ?Sized>(
         // every row's key and value first: a prompt's row i attends to rows before it
         for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
             let (ci, pos) = rows.at(i);
-            let cache = caches.cache(ci);
-            let at = layer.start + pos * c;
-            cache.k[at..at + c].copy_from_slice(&row[c..2 * c]);
-            cache.v[at..at + c].copy_from_slice(&row[2 * c..]);
+            caches
+                .cache(ci)
+                .put(layer.start + pos * c, &row[c..2 * c], &row[2 * c..]);
         }
         // attention, each row over its own cache, rows in parallel (they only read the caches)
         let shared: &C = caches;
@@ -426,9 +545,17 @@ fn forward_rows<C: Caches + ?Sized>(
             .enumerate()
             .for_each(|(i, ((row, out), scores))| {
                 let (ci, pos) = rows.at(i);
-                let cache = shared.cache_ref(ci);
-                let (kc, vc) = (&cache.k[layer.clone()], &cache.v[layer.clone()]);
-                dev.attention_decode_row(out, scores, &row[..c], kc, vc, pos + 1, nh, hs, c, scale);
+                let (q, ctx) = (&row[..c], pos + 1);
+                match &shared.cache_ref(ci).store {
+                    KvStore::F32 { k, v } => {
+                        let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
+                        dev.attention_decode_row(out, scores, q, k, v, ctx, nh, hs, c, scale);
+                    }
+                    KvStore::Bf16 { k, v } => {
+                        let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
+                        dev.attention_decode_row_bf16(out, scores, q, k, v, ctx, nh, hs, c, scale);
+                    }
+                }
             });
         dev.matmul_forward(
             proj,
@@ -565,10 +692,21 @@ pub fn generate_while(
     model: &GPT,
     prompt: &[u32],
     opts: &SampleOptions,
+    on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
+) -> Result<Vec<u32>, SampleError> {
+    generate_while_with(model, prompt, opts, KvDtype::F32, on_token)
+}
+
+/// [`generate_while`] with the cache keeping keys and values in `kv_dtype`.
+pub fn generate_while_with(
+    model: &GPT,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    kv_dtype: KvDtype,
     mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<Vec<u32>, SampleError> {
     let mut ws = Workspace::new(model);
-    let mut g = Generation::new(model, prompt, opts)?;
+    let mut g = Generation::with_kv_dtype(model, prompt, opts, kv_dtype)?;
     while !g.is_finished() {
         decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
         let Some(&next) = g.tokens().last() else {
@@ -610,10 +748,21 @@ impl AsRef<Generation> for Generation {
 impl Generation {
     /// Checks `opts` and `prompt` (cropped to the [`context_window`]); nothing runs yet: the
     /// first [`decode_step`] that includes it feeds the prompt and samples the first token.
+    /// Its cache is f32.
     pub fn new(
         model: &GPT,
         prompt: &[u32],
         opts: &SampleOptions,
+    ) -> Result<Generation, SampleError> {
+        Generation::with_kv_dtype(model, prompt, opts, KvDtype::F32)
+    }
+
+    /// [`Generation::new`] with the cache keeping keys and values in `kv_dtype`.
+    pub fn with_kv_dtype(
+        model: &GPT,
+        prompt: &[u32],
+        opts: &SampleOptions,
+        kv_dtype: KvDtype,
     ) -> Result<Generation, SampleError> {
         if !(opts.temperature >= 0.0 && opts.temperature.is_finite()) {
             return Err(SampleError::BadTemperature(opts.temperature));
@@ -631,7 +780,7 @@ impl Generation {
         Ok(Generation {
             opts: opts.clone(),
             out: Vec::with_capacity(opts.max_new_tokens),
-            cache: KvCache::new(cfg),
+            cache: KvCache::with_dtype(cfg, kv_dtype),
             rng: SplitMix64::new(opts.seed),
             scratch: Vec::with_capacity(cfg.vocab_size),
             seq,
@@ -656,6 +805,11 @@ impl Generation {
     /// What it samples with.
     pub fn options(&self) -> &SampleOptions {
         &self.opts
+    }
+
+    /// The format its cache keeps keys and values in.
+    pub fn kv_dtype(&self) -> KvDtype {
+        self.cache.dtype()
     }
 
     /// The tokens generated (without the prompt).
@@ -773,6 +927,21 @@ mod tests {
         m
     }
 
+    /// [`peaked`], but with the inputs of q, k and v (ln_1 and the qkv weights) as initialised:
+    /// confident logits over attention scores of order 1, as a trained model has (the peaked
+    /// model's scores run to hundreds, so its attention is one-hot on whichever key wins by
+    /// a hair).
+    fn calm_attention(cfg: GPTConfig, seed: u64) -> GPT {
+        let init = GPT::new(cfg.clone(), seed).unwrap();
+        let mut m = peaked(cfg.clone(), seed);
+        for bl in &Layout::new(&cfg).blocks {
+            for r in [&bl.ln_1_w, &bl.ln_1_b, &bl.attn_w, &bl.attn_b] {
+                m.params_mut()[r.clone()].copy_from_slice(&init.params()[r.clone()]);
+            }
+        }
+        m
+    }
+
     /// Greedy decoding by re-running the full forward on the (cropped) sequence every step.
     fn greedy_full(model: &mut GPT, prompt: &[u32], steps: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
         let (max_t, v) = (context_window(model.config()), model.config().vocab_size);
@@ -817,6 +986,15 @@ mod tests {
     /// would: joiners are prefilled between steps, every step is one `decode_step` over all
     /// active generations, finished ones leave at once.
     fn continuous(model: &GPT, jobs: &[(Vec<u32>, SampleOptions, usize)]) -> Vec<Vec<u32>> {
+        continuous_with(model, jobs, KvDtype::F32)
+    }
+
+    /// [`continuous`] with caches in `kv`.
+    fn continuous_with(
+        model: &GPT,
+        jobs: &[(Vec<u32>, SampleOptions, usize)],
+        kv: KvDtype,
+    ) -> Vec<Vec<u32>> {
         let mut ws = Workspace::new(model);
         let mut done: Vec<Option<Vec<u32>>> = vec![None; jobs.len()];
         let mut active: Vec<(usize, Generation)> = Vec::new();
@@ -824,7 +1002,8 @@ mod tests {
         while done.iter().any(Option::is_none) {
             for (i, (prompt, opts, at)) in jobs.iter().enumerate() {
                 if *at == step {
-                    active.push((i, Generation::new(model, prompt, opts).unwrap()));
+                    let g = Generation::with_kv_dtype(model, prompt, opts, kv).unwrap();
+                    active.push((i, g));
                 }
             }
             active.retain_mut(|(i, g)| {
@@ -929,6 +1108,152 @@ mod tests {
                 };
             }
         }
+    }
+
+    #[test]
+    fn under_a_bf16_cache_batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
+        let wide = GPTConfig {
+            d_model: 128,
+            d_ff: 512,
+            max_position_embeddings: 48,
+            ..tiny(48, true, true)
+        };
+        for cfg in [tiny(13, true, false), wide] {
+            let model = peaked(cfg, 5);
+            let o = |n, temperature, top_k, seed| SampleOptions {
+                max_new_tokens: n,
+                temperature,
+                top_k,
+                seed,
+            };
+            let mut jobs = vec![
+                (vec![1, 2, 3], o(30, 0.0, None, 0), 0),
+                (vec![4], o(7, 0.9, Some(5), 11), 0),
+                (vec![5, 6, 7, 8, 9, 10, 11], o(20, 1.3, None, 12), 2),
+                ((0..20).map(|i| i % 37).collect(), o(12, 0.0, None, 0), 3),
+                (vec![2, 7], o(25, 0.8, Some(20), 14), 9),
+            ];
+            for j in 0..7u64 {
+                let prompt = (0..40)
+                    .map(|i| ((i * 7 + j as usize) % 37) as u32)
+                    .collect();
+                jobs.push((prompt, o(5 + j as usize, 0.9, Some(8), 20 + j), 1));
+            }
+            let together = continuous_with(&model, &jobs, KvDtype::Bf16);
+            let mut differs = false;
+            for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
+                let alone = generate_while_with(&model, prompt, opts, KvDtype::Bf16, |_| {
+                    std::ops::ControlFlow::Continue(())
+                })
+                .unwrap();
+                assert_eq!(got, &alone, "{opts:?}");
+                differs |= alone != generate(&model, prompt, opts, |_| {}).unwrap();
+            }
+            // the cache really is bf16: somewhere a sampled token moves (the temperature-1.3
+            // sequence samples from a wide distribution, 20 tokens long)
+            assert!(differs, "no sequence changed with a bf16 cache");
+        }
+    }
+
+    #[test]
+    fn a_bf16_cache_gives_logits_close_to_an_f32_caches_and_the_same_greedy_tokens() {
+        // 13 positions and 30 new tokens: the window slides for most of the run. The peaked
+        // model's attention is one-hot on keys that win by less than bf16 moves a score, so
+        // the model here has its confident logits over ordinary attention (`calm_attention`).
+        let greedy = SampleOptions {
+            max_new_tokens: 30,
+            temperature: 0.0,
+            top_k: None,
+            seed: 0,
+        };
+        let mut seen = std::collections::HashSet::new();
+        for (bias, tied) in [(true, true), (false, false)] {
+            let model = calm_attention(tiny(13, bias, tied), 11);
+            let window = context_window(model.config());
+            for prompt in [
+                &[3u32, 14, 15, 9, 2][..],
+                &[7, 1, 30],
+                &[22, 22, 5, 11, 36, 0],
+            ] {
+                let f32_tokens = generate(&model, prompt, &greedy, |_| {}).unwrap();
+                let bf16_tokens =
+                    generate_while_with(&model, prompt, &greedy, KvDtype::Bf16, |_| {
+                        std::ops::ControlFlow::Continue(())
+                    })
+                    .unwrap();
+                assert_eq!(
+                    bf16_tokens, f32_tokens,
+                    "bias {bias} tied {tied} {prompt:?}"
+                );
+                seen.extend(f32_tokens.iter().copied());
+
+                // the logits at every step. bf16 keeps 8 significant bits, so a key or value
+                // moves by at most 2^-9 of itself; attention mixes values (a convex
+                // combination) and the scores (of order 1 here) move by about 2^-9 of
+                // themselves, so no logit should move by 2^-9 of the logits' scale (about
+                // 2^-12 is seen); an f32 cache gives 0, a wrong cache far more.
+                let (mut a, mut b) = (
+                    Decoder::new(&model),
+                    Decoder::with_kv_dtype(&model, KvDtype::Bf16),
+                );
+                assert_eq!(
+                    (a.cache().dtype(), b.cache().dtype()),
+                    (KvDtype::F32, KvDtype::Bf16)
+                );
+                let mut seq = prompt.to_vec();
+                let mut la = a.feed(&seq).unwrap().to_vec();
+                let mut lb = b.feed(&seq).unwrap().to_vec();
+                let mut moved = false;
+                for (step, &next) in f32_tokens.iter().enumerate() {
+                    let worst = la
+                        .iter()
+                        .zip(&lb)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0.0, f32::max);
+                    let scale = la.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                    assert!(
+                        worst < scale / 512.0,
+                        "{prompt:?} step {step}: max |logit diff| {worst} of {scale}"
+                    );
+                    moved |= worst > 0.0;
+                    seq.push(next);
+                    if a.len() < window {
+                        la = a.feed(&[next]).unwrap().to_vec();
+                        lb = b.feed(&[next]).unwrap().to_vec();
+                    } else {
+                        let w = &seq[seq.len() - window..];
+                        a.reset();
+                        b.reset();
+                        la = a.feed(w).unwrap().to_vec();
+                        lb = b.feed(w).unwrap().to_vec();
+                    }
+                }
+                assert!(moved, "the bf16 rounding never reached the logits");
+            }
+        }
+        assert!(
+            seen.len() > 8,
+            "greedy tokens too uniform to tell: {seen:?}"
+        );
+    }
+
+    #[test]
+    fn a_bf16_cache_takes_half_the_bytes() {
+        let cfg = tiny(13, true, true);
+        let n = cfg.n_layers * cfg.max_position_embeddings * cfg.d_model;
+        let f = KvCache::new(&cfg);
+        let b = KvCache::with_dtype(&cfg, KvDtype::Bf16);
+        assert_eq!((f.dtype(), b.dtype()), (KvDtype::F32, KvDtype::Bf16));
+        assert_eq!(f.bytes(), 2 * n * 4);
+        assert_eq!(b.bytes(), 2 * n * 2);
+        assert_eq!(KvDtype::Bf16.size() * 2, KvDtype::F32.size());
+        assert_eq!("bf16".parse::<KvDtype>(), Ok(KvDtype::Bf16));
+        assert_eq!("fp32".parse::<KvDtype>(), Ok(KvDtype::F32));
+        assert!("fp16"
+            .parse::<KvDtype>()
+            .unwrap_err()
+            .contains("fp32 or bf16"));
+        assert_eq!(KvDtype::default(), KvDtype::F32);
     }
 
     #[test]

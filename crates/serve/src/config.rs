@@ -5,7 +5,8 @@
 //! `dynamic_batching` (`preferred_batch_size`, `max_queue_delay_microseconds`,
 //! `default_queue_policy.max_queue_size`), `instance_group` (`count`, `kind`),
 //! `version_policy`, `parameters` (`inflight_batching`: whether concurrent generations share
-//! batched decode steps), `ensemble_scheduling` (steps with `input_map` / `output_map`), and
+//! batched decode steps; `kv_cache_dtype`: `fp32` or `bf16` keys and values in generation's
+//! KV caches), `ensemble_scheduling` (steps with `input_map` / `output_map`), and
 //! `input` / `output`, which must name the model's own tensors with their types (a GPT's
 //! `input_ids`; `logits`, `next_token`; an ONNX model's are checked when `model.onnx` is read;
 //! an ensemble's and a tokenizer's declare their tensors, BYTES ones as `TYPE_STRING`): a
@@ -19,6 +20,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use cohort_gpt::sample::KvDtype;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{check_section, Kind};
@@ -46,14 +48,24 @@ const REPEATED: &[&str] = &[
 ];
 
 /// The `parameters` keys cohort reads, and what each takes.
-const PARAMETERS: &[(&str, &str)] = &[(
-    INFLIGHT_BATCHING,
-    "\"true\" (the default: concurrent generations share decode steps) or \"false\" (each \
-     generation has an instance to itself)",
-)];
+const PARAMETERS: &[(&str, &str)] = &[
+    (
+        INFLIGHT_BATCHING,
+        "\"true\" (the default: concurrent generations share decode steps) or \"false\" (each \
+         generation has an instance to itself)",
+    ),
+    (
+        KV_CACHE_DTYPE,
+        "\"fp32\" (the default) or \"bf16\" (generation's KV caches in bf16: half the bytes)",
+    ),
+];
 
 /// The `parameters` key that switches in-flight batching of generation.
 pub const INFLIGHT_BATCHING: &str = "inflight_batching";
+
+/// The `parameters` key that picks the number format of generation's KV caches (vLLM's
+/// `--kv-cache-dtype`).
+pub const KV_CACHE_DTYPE: &str = "kv_cache_dtype";
 
 /// `max_batch_size` when the config does not say.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 8;
@@ -539,7 +551,12 @@ impl ModelConfig {
                     ),
                 ));
             };
-            if k == INFLIGHT_BATCHING && !matches!(v.as_str(), "true" | "false") {
+            let allowed = match k.as_str() {
+                INFLIGHT_BATCHING => matches!(v.as_str(), "true" | "false"),
+                KV_CACHE_DTYPE => matches!(v.as_str(), "fp32" | "bf16"),
+                _ => true,
+            };
+            if !allowed {
                 return Err(config_err(
                     path,
                     format!("parameter {k} is {v:?}; it takes {takes}"),
@@ -573,6 +590,15 @@ impl ModelConfig {
     /// on unless it is "false").
     pub fn inflight_batching(&self) -> bool {
         self.parameters.get(INFLIGHT_BATCHING).map(String::as_str) != Some("false")
+    }
+
+    /// The number format of generation's KV caches (the `kv_cache_dtype` parameter: bf16 when
+    /// it is "bf16", else f32; [`ModelConfig`]'s checks refuse any other value).
+    pub fn kv_cache_dtype(&self) -> KvDtype {
+        match self.parameters.get(KV_CACHE_DTYPE).map(String::as_str) {
+            Some("bf16") => KvDtype::Bf16,
+            _ => KvDtype::F32,
+        }
     }
 
     /// Instances to run: the sum of the instance groups' counts (1 without groups).
@@ -741,6 +767,21 @@ mod tests {
     }
 
     #[test]
+    fn the_kv_cache_dtype_parameter_reads_in_every_spelling() {
+        let bf16 = "parameters { key: \"kv_cache_dtype\" value: { string_value: \"bf16\" } }";
+        let p = ModelConfig::from_pbtxt(bf16, Path::new("c")).unwrap();
+        assert_eq!(p.kv_cache_dtype(), KvDtype::Bf16);
+        let t = "[parameters]\nkv_cache_dtype = \"bf16\"\n";
+        assert_eq!(ModelConfig::from_toml(t, Path::new("c")).unwrap(), p);
+        let j = r#"{"parameters": {"kv_cache_dtype": {"string_value": "bf16"}}}"#;
+        assert_eq!(ModelConfig::from_json(j, "m").unwrap(), p);
+        let fp32 = "parameters { key: \"kv_cache_dtype\" value: { string_value: \"fp32\" } }";
+        let p = ModelConfig::from_pbtxt(fp32, Path::new("c")).unwrap();
+        assert_eq!(p.kv_cache_dtype(), KvDtype::F32);
+        assert_eq!(ModelConfig::default().kv_cache_dtype(), KvDtype::F32);
+    }
+
+    #[test]
     fn bad_configs_are_clear_errors() {
         for (text, needle) in [
             ("max_batch_size: 0", "at least 1"),
@@ -767,6 +808,10 @@ mod tests {
                 "\"beam_width\" is not one cohort reads",
             ),
             ("parameters { key: \"inflight_batching\" }", "is not { key"),
+            (
+                "parameters { key: \"kv_cache_dtype\" value: { string_value: \"fp16\" } }",
+                "parameter kv_cache_dtype is \"fp16\"; it takes \"fp32\" (the default) or \"bf16\"",
+            ),
         ] {
             let err = ModelConfig::from_pbtxt(text, Path::new("m/config.pbtxt")).unwrap_err();
             let msg = err.to_string();

@@ -16,8 +16,9 @@
 //! over all of them; a new request joins between two steps and a finished or cancelled one
 //! leaves at once, so a long generation never holds a short one back. Each keeps its own KV
 //! cache and sampler, so it produces exactly the tokens it would alone. With the parameter
-//! "false", a generation holds its instance until it ends. This module never parses a request
-//! off the wire.
+//! "false", a generation holds its instance until it ends. Either way the KV caches keep keys
+//! and values in the `kv_cache_dtype` parameter's format (f32 unless it is "bf16"). This
+//! module never parses a request off the wire.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -26,7 +27,7 @@ use std::time::{Instant, SystemTime};
 
 use cohort_gpt::checkpoint::{self, MODEL_FILE};
 use cohort_gpt::sample::{
-    decode_step, generate_while, Generation as Decoding, SampleOptions, Workspace,
+    decode_step, generate_while_with, Generation as Decoding, KvDtype, SampleOptions, Workspace,
 };
 use cohort_gpt::GPT;
 use tokio::sync::{mpsc, oneshot};
@@ -182,6 +183,7 @@ impl LoadedVersion {
         let capacity = cfg.max_queue_size().unwrap_or(opts.default_queue_size);
         let queue = Arc::new(Queue::new(policy, capacity));
         let (inflight, max_inflight) = (cfg.inflight_batching(), cfg.max_batch_size.max(1));
+        let kv_dtype = cfg.kv_cache_dtype();
         let outputs: Arc<Vec<String>> = Arc::new(
             loaded
                 .backend
@@ -207,6 +209,7 @@ impl LoadedVersion {
                         version,
                         inflight,
                         max_inflight,
+                        kv_dtype,
                         outputs: &outputs,
                     };
                     run_instance(instance, &ctx)
@@ -404,6 +407,8 @@ struct InstanceCtx<'a> {
     inflight: bool,
     /// Most generations in flight on this instance.
     max_inflight: usize,
+    /// The number format of each generation's KV cache (the `kv_cache_dtype` parameter).
+    kv_dtype: KvDtype,
     /// The model's output names, in order.
     outputs: &'a [String],
 }
@@ -559,7 +564,7 @@ fn admit(gpt: &GPT, job: GenerateJob, active: &mut Vec<Active>, ctx: &InstanceCt
     let Some(started) = dequeue(&job, ctx) else {
         return;
     };
-    match Decoding::new(gpt, &job.prompt, &job.opts) {
+    match Decoding::with_kv_dtype(gpt, &job.prompt, &job.opts, ctx.kv_dtype) {
         Ok(generation) => {
             let a = Active {
                 job,
@@ -603,7 +608,7 @@ fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
     };
     let (tokens, done) = (&job.tokens, &job.done);
     let ran = catch_unwind(AssertUnwindSafe(|| {
-        generate_while(gpt, &job.prompt, &job.opts, |id| {
+        generate_while_with(gpt, &job.prompt, &job.opts, ctx.kv_dtype, |id| {
             // nobody is listening any more: stop after this step
             if tokens.send(id).is_err() || done.is_closed() {
                 std::ops::ControlFlow::Break(())

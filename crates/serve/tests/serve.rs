@@ -1492,3 +1492,105 @@ fn concurrent_generations_share_decode_steps_and_get_exactly_their_solo_tokens()
     );
     server.shutdown();
 }
+
+#[test]
+fn a_bf16_kv_cache_serves_its_own_tokens_and_a_bad_kv_cache_dtype_is_refused_at_load() {
+    use cohort_gpt::sample::{generate, generate_while_with, KvDtype, SampleOptions};
+    let repo = tempfile::tempdir().unwrap();
+    let cfg = GPTConfig {
+        vocab_size: 23,
+        max_position_embeddings: 32,
+        n_layers: 2,
+        n_heads: 4,
+        d_model: 64,
+        d_ff: 256,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    };
+    // large weights: attention is sharp, so bf16's rounding of keys shows in the tokens
+    let mut gpt = GPT::new(cfg, 7).unwrap();
+    for p in gpt.params_mut() {
+        *p *= 20.0;
+    }
+    let bf16 = "parameters { key: \"kv_cache_dtype\" value: { string_value: \"bf16\" } }\n";
+    let solo = "parameters { key: \"inflight_batching\" value: { string_value: \"false\" } }\n";
+    for (name, config) in [
+        ("bf16", bf16.to_string()),
+        ("bf16_solo", format!("{bf16}{solo}")),
+        (
+            "fp16",
+            "parameters { key: \"kv_cache_dtype\" value: { string_value: \"fp16\" } }\n".into(),
+        ),
+    ] {
+        put_version(repo.path(), name, 1, &gpt);
+        std::fs::write(repo.path().join(name).join("config.pbtxt"), config).unwrap();
+    }
+    let server = start(repo.path(), |o| {
+        o.load_models = Some(vec!["bf16".into(), "bf16_solo".into()])
+    });
+    let addr = server.http_addr();
+    // (prompt, max_tokens, temperature, top_k, seed), all at once
+    let reqs: Vec<(&str, usize, f64, i64, u64)> = vec![
+        ("1 2 3", 50, 0.0, 0, 0),
+        ("4", 20, 0.9, 5, 11),
+        ("5 6 7 8 9 10 11", 40, 1.2, 0, 12),
+        ("7 1 7 1 7 1", 45, 0.8, 10, 14),
+    ];
+    let mut differs = false;
+    for model in ["bf16", "bf16_solo"] {
+        let handles: Vec<_> = reqs
+            .iter()
+            .map(|&(prompt, n, t, k, seed)| {
+                std::thread::spawn(move || {
+                    let body = json!({"text_input": prompt, "parameters": {
+                        "max_tokens": n, "temperature": t, "top_k": k, "seed": seed,
+                        "exclude_input_in_output": true}});
+                    let r = post_json(addr, &format!("/v2/models/{model}/generate"), &body);
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    ids_of(r.json()["text_output"].as_str().unwrap())
+                })
+            })
+            .collect();
+        for (&(prompt, n, t, k, seed), h) in reqs.iter().zip(handles) {
+            let got = h.join().unwrap();
+            let opts = SampleOptions {
+                max_new_tokens: n,
+                temperature: t as f32,
+                top_k: (k > 0).then_some(k as usize),
+                seed,
+            };
+            let want = generate_while_with(&gpt, &ids_of(prompt), &opts, KvDtype::Bf16, |_| {
+                std::ops::ControlFlow::Continue(())
+            })
+            .unwrap();
+            assert_eq!(got, want, "{model} {prompt:?} {opts:?}");
+            differs |= got != generate(&gpt, &ids_of(prompt), &opts, |_| {}).unwrap();
+        }
+    }
+    assert!(
+        differs,
+        "every request got its f32-cache tokens: was the cache bf16?"
+    );
+    let (steps, rows) = server.metrics().version("bf16", 1).decode_steps();
+    assert!(
+        rows > steps,
+        "no step had two generations: {rows} rows in {steps} steps"
+    );
+    // a value other than fp32 or bf16 fails that model's load, in one line naming the model,
+    // the key and the values it takes; the others keep serving
+    let r = post_json(addr, "/v2/repository/models/fp16/load", &json!({}));
+    assert_eq!(r.status, 400);
+    let err = r.json()["error"].as_str().unwrap().to_string();
+    assert!(
+        err.contains("fp16/config.pbtxt")
+            && err.contains("parameter kv_cache_dtype is \"fp16\"")
+            && err.contains("\"fp32\" (the default) or \"bf16\"")
+            && !err.contains('\n'),
+        "{err}"
+    );
+    assert_ne!(get(addr, "/v2/models/fp16/ready").status, 200);
+    assert_eq!(get(addr, "/v2/models/bf16/ready").status, 200);
+    let c = get(addr, "/v2/models/bf16/config").json();
+    assert_eq!(c["parameters"]["kv_cache_dtype"]["string_value"], "bf16");
+    server.shutdown();
+}

@@ -12,6 +12,11 @@
 //! holds them to it). Softmax uses the engine's `exp`, not libm's. It never allocates and never
 //! writes the cache.
 //!
+//! The cache may be kept in bf16 ([`attention_decode_row_bf16`], a bf16 KV cache as vLLM's
+//! `--kv-cache-dtype`): half the bytes to read. Each element is widened to f32 as it is loaded
+//! (exactly: its bits shifted left by 16), and everything after that is the f32 code's, in the
+//! same order. Both element types go through one generic implementation (over `KvElement`).
+//!
 //! The order of every sum (which the results' bits depend on):
 //! - a score: lane l of 16 sums q·k over dimensions l, l+16, ... of the head, from zero, in
 //!   order; the 16 lanes are then added as a tree, l with l+8, then l+4, then l+2, then l+1;
@@ -24,6 +29,96 @@
 use super::math::{exp, max, sum, LANES};
 use super::simd_fn;
 
+/// What the code needs of a cache element type (f32, or bf16 bits as u16): its f32 value
+/// (exact), whether the AVX-512 code must widen it, and its clones of the portable code.
+trait KvElement: Copy + Send + Sync + 'static {
+    /// True for bf16 bits (the AVX-512 code loads 16 of them as 32 bytes and widens them).
+    const BF16: bool;
+    /// The element's f32 value (exact).
+    fn to_f32(self) -> f32;
+    /// [`scores_of`] for this type, compiled by `simd_fn!`.
+    #[allow(clippy::too_many_arguments)]
+    fn portable_scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[Self],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    );
+    /// [`weighted_values_of`] for this type, compiled by `simd_fn!`.
+    fn portable_weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[Self],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    );
+}
+
+impl KvElement for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn portable_scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[f32],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    ) {
+        portable_scores(scores, q, k, ctx, nh, hs, c, scale)
+    }
+    fn portable_weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[f32],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    ) {
+        portable_weighted_values(out, probs, v, ctx, hs, c)
+    }
+}
+
+impl KvElement for u16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        super::bf16::bf16_to_f32(self)
+    }
+    fn portable_scores(
+        scores: &mut [f32],
+        q: &[f32],
+        k: &[u16],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+        scale: f32,
+    ) {
+        portable_scores_bf16(scores, q, k, ctx, nh, hs, c, scale)
+    }
+    fn portable_weighted_values(
+        out: &mut [f32],
+        probs: &[f32],
+        v: &[u16],
+        ctx: usize,
+        hs: usize,
+        c: usize,
+    ) {
+        portable_weighted_values_bf16(out, probs, v, ctx, hs, c)
+    }
+}
+
 /// `out` (C) = softmax(q·kᵀ · scale) · v for each of `nh` heads of size `hs` (C = nh·hs),
 /// over the first `ctx` rows of `k` and `v` (row stride `c`). `scores` needs `nh·ctx`
 /// floats.
@@ -34,6 +129,42 @@ pub fn attention_decode_row(
     q: &[f32],
     k: &[f32],
     v: &[f32],
+    ctx: usize,
+    nh: usize,
+    hs: usize,
+    c: usize,
+    scale: f32,
+) {
+    attention_decode(out, scores, q, k, v, ctx, nh, hs, c, scale);
+}
+
+/// [`attention_decode_row`] over a cache kept in bf16: `k` and `v` are bf16 bits (see
+/// [`round_to_bf16`](super::round_to_bf16)). The result is the f32 function's on the f32
+/// values of those elements, bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_row_bf16(
+    out: &mut [f32],
+    scores: &mut [f32],
+    q: &[f32],
+    k: &[u16],
+    v: &[u16],
+    ctx: usize,
+    nh: usize,
+    hs: usize,
+    c: usize,
+    scale: f32,
+) {
+    attention_decode(out, scores, q, k, v, ctx, nh, hs, c, scale);
+}
+
+/// Both public functions: checks the sizes, then the AVX-512 code or the portable code.
+#[allow(clippy::too_many_arguments)]
+fn attention_decode<T: KvElement>(
+    out: &mut [f32],
+    scores: &mut [f32],
+    q: &[f32],
+    k: &[T],
+    v: &[T],
     ctx: usize,
     nh: usize,
     hs: usize,
@@ -64,9 +195,9 @@ pub fn attention_decode_row(
         }
         return;
     }
-    portable_scores(scores, q, k, ctx, nh, hs, c, scale);
+    T::portable_scores(scores, q, k, ctx, nh, hs, c, scale);
     softmax_rows(scores, ctx);
-    portable_weighted_values(out, scores, v, ctx, hs, c);
+    T::portable_weighted_values(out, scores, v, ctx, hs, c);
 }
 
 /// The 16 lanes of a score's partial sums added as the module doc says.
@@ -80,19 +211,46 @@ fn lane_tree(mut a: [f32; LANES]) -> f32 {
     a[0] + a[1]
 }
 
-simd_fn! {
-    /// scores[h·ctx + j] = (q_h · k_j,h) · scale, in the module doc's order.
-    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
-        for j in 0..ctx {
-            for h in 0..nh {
-                let (qh, kh) = (&q[h * hs..(h + 1) * hs], &k[j * c + h * hs..j * c + (h + 1) * hs]);
-                let mut acc = [0f32; LANES];
-                for (d, (&x, &y)) in qh.iter().zip(kh).enumerate() {
-                    acc[d % LANES] += x * y;
-                }
-                scores[h * ctx + j] = lane_tree(acc) * scale;
+/// scores[h·ctx + j] = (q_h · k_j,h) · scale, in the module doc's order; inlined into the
+/// `simd_fn!` clones below, one per element type (the macro takes no generics).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn scores_of<T: KvElement>(
+    scores: &mut [f32],
+    q: &[f32],
+    k: &[T],
+    ctx: usize,
+    nh: usize,
+    hs: usize,
+    c: usize,
+    scale: f32,
+) {
+    for j in 0..ctx {
+        for h in 0..nh {
+            let (qh, kh) = (
+                &q[h * hs..(h + 1) * hs],
+                &k[j * c + h * hs..j * c + (h + 1) * hs],
+            );
+            let mut acc = [0f32; LANES];
+            for (d, (&x, &y)) in qh.iter().zip(kh).enumerate() {
+                acc[d % LANES] += x * y.to_f32();
             }
+            scores[h * ctx + j] = lane_tree(acc) * scale;
         }
+    }
+}
+
+simd_fn! {
+    /// [`scores_of`] over an f32 cache.
+    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
+        scores_of(scores, q, k, ctx, nh, hs, c, scale)
+    }
+}
+
+simd_fn! {
+    /// [`scores_of`] over a bf16 cache.
+    fn portable_scores_bf16(scores: &mut [f32], q: &[f32], k: &[u16], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
+        scores_of(scores, q, k, ctx, nh, hs, c, scale)
     }
 }
 
@@ -112,20 +270,45 @@ simd_fn! {
     }
 }
 
-simd_fn! {
-    /// out[e] = Σ_j p[head(e)][j] · v[j][e], positions in order.
-    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[f32], ctx: usize, hs: usize, c: usize) {
-        out.fill(0.0);
-        let w = out.len();
-        for j in 0..ctx {
-            let vj = &v[j * c..j * c + w];
-            for (h, (o, x)) in out.chunks_exact_mut(hs).zip(vj.chunks_exact(hs)).enumerate() {
-                let p = probs[h * ctx + j];
-                for (o, &x) in o.iter_mut().zip(x) {
-                    *o += p * x;
-                }
+/// out[e] = Σ_j p[head(e)][j] · v[j][e], positions in order; inlined into the `simd_fn!`
+/// clones below.
+#[inline(always)]
+fn weighted_values_of<T: KvElement>(
+    out: &mut [f32],
+    probs: &[f32],
+    v: &[T],
+    ctx: usize,
+    hs: usize,
+    c: usize,
+) {
+    out.fill(0.0);
+    let w = out.len();
+    for j in 0..ctx {
+        let vj = &v[j * c..j * c + w];
+        for (h, (o, x)) in out
+            .chunks_exact_mut(hs)
+            .zip(vj.chunks_exact(hs))
+            .enumerate()
+        {
+            let p = probs[h * ctx + j];
+            for (o, &x) in o.iter_mut().zip(x) {
+                *o += p * x.to_f32();
             }
         }
+    }
+}
+
+simd_fn! {
+    /// [`weighted_values_of`] over an f32 cache.
+    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[f32], ctx: usize, hs: usize, c: usize) {
+        weighted_values_of(out, probs, v, ctx, hs, c)
+    }
+}
+
+simd_fn! {
+    /// [`weighted_values_of`] over a bf16 cache.
+    fn portable_weighted_values_bf16(out: &mut [f32], probs: &[f32], v: &[u16], ctx: usize, hs: usize, c: usize) {
+        weighted_values_of(out, probs, v, ctx, hs, c)
     }
 }
 
@@ -133,7 +316,26 @@ simd_fn! {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::LANES;
+    use super::{KvElement, LANES};
+
+    /// Elements p .. p+16 of a cache as f32: 64 bytes of f32, or 32 bytes of bf16 bits
+    /// zero-extended to 32 bits and shifted into the top half (exact).
+    ///
+    /// # Safety
+    /// AVX-512F; p .. p+16 readable.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load<T: KvElement>(p: *const T) -> __m512 {
+        // SAFETY: 16 elements at p are readable (the caller's contract); unaligned loads.
+        unsafe {
+            if T::BF16 {
+                let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+            } else {
+                _mm512_loadu_ps(p.cast())
+            }
+        }
+    }
 
     /// Lane i of the result is the tree sum (l + l+8, + l+4, + l+2, + l+1) of `v[i]`'s lanes.
     #[target_feature(enable = "avx512f")]
@@ -180,10 +382,10 @@ mod avx512 {
     /// stride `c` ≥ nh·hs.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn scores(
+    pub(super) unsafe fn scores<T: KvElement>(
         scores: &mut [f32],
         q: &[f32],
-        k: &[f32],
+        k: &[T],
         ctx: usize,
         nh: usize,
         hs: usize,
@@ -205,10 +407,7 @@ mod avx512 {
                         let kr = k.add((j0 + jj) * c + h * hs);
                         let qh = q.add(h * hs);
                         for d in (0..hs).step_by(LANES) {
-                            let p = _mm512_mul_ps(
-                                _mm512_loadu_ps(qh.add(d)),
-                                _mm512_loadu_ps(kr.add(d)),
-                            );
+                            let p = _mm512_mul_ps(_mm512_loadu_ps(qh.add(d)), load(kr.add(d)));
                             *a = _mm512_add_ps(*a, p);
                         }
                     }
@@ -227,10 +426,10 @@ mod avx512 {
     /// AVX-512F; `hs` a multiple of 16; `out` a multiple of 16 floats (its length is w, the
     /// heads' width); `probs` (w / hs)·ctx floats; `v` ctx rows of stride `c` ≥ w.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn weighted_values(
+    pub(super) unsafe fn weighted_values<T: KvElement>(
         out: &mut [f32],
         probs: &[f32],
-        v: &[f32],
+        v: &[T],
         ctx: usize,
         hs: usize,
         c: usize,
@@ -241,11 +440,11 @@ mod avx512 {
             // SAFETY: forwarded; each group stays inside out's vectors.
             unsafe {
                 e += match vectors - e {
-                    16.. => group::<16>(out, probs, v, ctx, hs, c, e),
-                    8.. => group::<8>(out, probs, v, ctx, hs, c, e),
-                    4.. => group::<4>(out, probs, v, ctx, hs, c, e),
-                    2.. => group::<2>(out, probs, v, ctx, hs, c, e),
-                    _ => group::<1>(out, probs, v, ctx, hs, c, e),
+                    16.. => group::<T, 16>(out, probs, v, ctx, hs, c, e),
+                    8.. => group::<T, 8>(out, probs, v, ctx, hs, c, e),
+                    4.. => group::<T, 4>(out, probs, v, ctx, hs, c, e),
+                    2.. => group::<T, 2>(out, probs, v, ctx, hs, c, e),
+                    _ => group::<T, 1>(out, probs, v, ctx, hs, c, e),
                 };
             }
         }
@@ -257,10 +456,10 @@ mod avx512 {
     /// As [`weighted_values`], with e0 + G ≤ out.len() / 16.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn group<const G: usize>(
+    unsafe fn group<T: KvElement, const G: usize>(
         out: &mut [f32],
         probs: &[f32],
-        v: &[f32],
+        v: &[T],
         ctx: usize,
         hs: usize,
         c: usize,
@@ -277,7 +476,7 @@ mod avx512 {
                 let row = v.add(j * c + e0 * LANES);
                 for g in 0..G {
                     let pj = _mm512_set1_ps(*p.add(heads[g] + j));
-                    let x = _mm512_loadu_ps(row.add(g * LANES));
+                    let x = load(row.add(g * LANES));
                     acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(pj, x));
                 }
             }
@@ -302,6 +501,49 @@ mod tests {
         (q, k, v)
     }
 
+    /// Softmax attention in f64 of query row `q` over `ctx` rows of `k`, `v` (stride `c`).
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        ctx: usize,
+        nh: usize,
+        hs: usize,
+        c: usize,
+    ) -> Vec<f64> {
+        let scale = 1.0 / (hs as f32).sqrt();
+        let mut out = vec![0.0; nh * hs];
+        for h in 0..nh {
+            let s: Vec<f64> = (0..ctx)
+                .map(|j| {
+                    (0..hs)
+                        .map(|d| q[h * hs + d] as f64 * k[j * c + h * hs + d] as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hs {
+                out[h * hs + d] = (0..ctx)
+                    .map(|j| e[j] / z * v[j * c + h * hs + d] as f64)
+                    .sum();
+            }
+        }
+        out
+    }
+
+    fn to_bf16(x: &[f32]) -> Vec<u16> {
+        let mut out = vec![0; x.len()];
+        crate::cpu::round_to_bf16(&mut out, x);
+        out
+    }
+
+    fn widen(x: &[u16]) -> Vec<f32> {
+        x.iter().map(|&b| crate::cpu::bf16_to_f32(b)).collect()
+    }
+
     #[test]
     fn matches_a_softmax_attention_in_f64() {
         // hs 24 runs the portable code everywhere; hs 32 the AVX-512 code where the CPU has it
@@ -315,29 +557,61 @@ mod tests {
             let scale = 1.0 / (hs as f32).sqrt();
             let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
             attention_decode_row(&mut out, &mut scores, &q, &k, &v, ctx, nh, hs, c, scale);
-            for h in 0..nh {
-                let s: Vec<f64> = (0..ctx)
-                    .map(|j| {
-                        (0..hs)
-                            .map(|d| q[h * hs + d] as f64 * k[j * c + h * hs + d] as f64)
-                            .sum::<f64>()
-                            * scale as f64
-                    })
-                    .collect();
-                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..hs {
-                    let want: f64 = (0..ctx)
-                        .map(|j| e[j] / z * v[j * c + h * hs + d] as f64)
-                        .sum();
-                    let got = out[h * hs + d] as f64;
-                    assert!(
-                        (got - want).abs() < 1e-5,
-                        "{nh}x{hs} ctx {ctx}: head {h} dim {d}: {got} vs {want}"
-                    );
-                }
+            let want = reference(&q, &k, &v, ctx, nh, hs, c);
+            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "{nh}x{hs} ctx {ctx}: out[{i}] {got} vs {want}"
+                );
             }
+        }
+    }
+
+    #[test]
+    fn a_bf16_cache_matches_a_softmax_attention_in_f64_over_its_rounded_values() {
+        // the same shapes; the reference is exact attention over the bf16-rounded K and V, so
+        // the only error left is the f32 arithmetic's (the rounding itself is not error here)
+        for (nh, hs, ctx, pad) in [
+            (3usize, 24usize, 37usize, 0usize),
+            (3, 32, 37, 16),
+            (2, 64, 5, 0),
+        ] {
+            let c = nh * hs + pad;
+            let (q, k, v) = inputs(nh, hs, ctx, c);
+            // values that bf16 rounds (the inputs' multiples of 0.02 are mostly not bf16)
+            let k: Vec<f32> = k.iter().map(|x| x * 1.2345).collect();
+            let (kb, vb) = (to_bf16(&k), to_bf16(&v));
+            assert_ne!(widen(&kb), k, "the test's keys must round");
+            let scale = 1.0 / (hs as f32).sqrt();
+            let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
+            attention_decode_row_bf16(&mut out, &mut scores, &q, &kb, &vb, ctx, nh, hs, c, scale);
+            let want = reference(&q, &widen(&kb), &widen(&vb), ctx, nh, hs, c);
+            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "{nh}x{hs} ctx {ctx}: out[{i}] {got} vs {want}"
+                );
+            }
+            // and it is the f32 function's result on the widened cache, bit for bit
+            let mut f32_out = vec![f32::NAN; nh * hs];
+            let (kw, vw) = (widen(&kb), widen(&vb));
+            attention_decode_row(
+                &mut f32_out,
+                &mut scores,
+                &q,
+                &kw,
+                &vw,
+                ctx,
+                nh,
+                hs,
+                c,
+                scale,
+            );
+            assert_eq!(
+                out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                f32_out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{nh}x{hs} ctx {ctx}"
+            );
         }
     }
 
@@ -348,30 +622,67 @@ mod tests {
             return;
         }
         // every group width (6 x 64 = 24 vectors: 16 + 8; 7 x 16: 4 + 2 + 1) and partial
-        // blocks of positions
-        for (nh, hs, pad) in [(6usize, 64usize, 0usize), (7, 16, 32)] {
-            for ctx in [1usize, 15, 16, 17, 66, 130] {
-                let c = nh * hs + pad;
-                let (q, k, v) = inputs(nh, hs, ctx, c);
-                let scale = 1.0 / (hs as f32).sqrt();
-                let (mut fast, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
-                attention_decode_row(&mut fast, &mut scores, &q, &k, &v, ctx, nh, hs, c, scale);
-                let fast_scores = scores.clone();
-                let mut slow = vec![f32::NAN; nh * hs];
-                portable_scores(&mut scores, &q, &k, ctx, nh, hs, c, scale);
-                softmax_rows(&mut scores, ctx);
-                assert_eq!(
-                    fast_scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                    "{nh}x{hs} ctx {ctx}: probabilities"
-                );
-                portable_weighted_values(&mut slow, &scores, &v, ctx, hs, c);
-                for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+        // blocks of positions; for an f32 cache and a bf16 one
+        for bf16 in [false, true] {
+            for (nh, hs, pad) in [(6usize, 64usize, 0usize), (7, 16, 32)] {
+                for ctx in [1usize, 15, 16, 17, 66, 130] {
+                    let c = nh * hs + pad;
+                    let (q, k, v) = inputs(nh, hs, ctx, c);
+                    let (kb, vb) = (to_bf16(&k), to_bf16(&v));
+                    let scale = 1.0 / (hs as f32).sqrt();
+                    let (mut fast, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
+                    if bf16 {
+                        attention_decode_row_bf16(
+                            &mut fast,
+                            &mut scores,
+                            &q,
+                            &kb,
+                            &vb,
+                            ctx,
+                            nh,
+                            hs,
+                            c,
+                            scale,
+                        );
+                    } else {
+                        attention_decode_row(
+                            &mut fast,
+                            &mut scores,
+                            &q,
+                            &k,
+                            &v,
+                            ctx,
+                            nh,
+                            hs,
+                            c,
+                            scale,
+                        );
+                    }
+                    let fast_scores = scores.clone();
+                    let mut slow = vec![f32::NAN; nh * hs];
+                    if bf16 {
+                        portable_scores_bf16(&mut scores, &q, &kb, ctx, nh, hs, c, scale);
+                    } else {
+                        portable_scores(&mut scores, &q, &k, ctx, nh, hs, c, scale);
+                    }
+                    softmax_rows(&mut scores, ctx);
                     assert_eq!(
-                        a.to_bits(),
-                        b.to_bits(),
-                        "{nh}x{hs} ctx {ctx}: out[{i}] {a} vs {b}"
+                        fast_scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "bf16 {bf16} {nh}x{hs} ctx {ctx}: probabilities"
                     );
+                    if bf16 {
+                        portable_weighted_values_bf16(&mut slow, &scores, &vb, ctx, hs, c);
+                    } else {
+                        portable_weighted_values(&mut slow, &scores, &v, ctx, hs, c);
+                    }
+                    for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "bf16 {bf16} {nh}x{hs} ctx {ctx}: out[{i}] {a} vs {b}"
+                        );
+                    }
                 }
             }
         }

@@ -27,6 +27,7 @@ use std::cell::RefCell;
 
 pub(crate) mod amx;
 
+use super::bf16::bf16_bits;
 use super::epilogue::Epilogue;
 use super::gemm::{bias_row, store_row, Strided};
 
@@ -212,17 +213,6 @@ fn amx_granted() -> bool {
     {
         false
     }
-}
-
-/// The bf16 bits of `x`, rounded to nearest even (the packing instruction's rounding), for the
-/// strided operands the vector packers do not cover.
-pub(crate) fn bf16_bits(x: f32) -> u16 {
-    let u = x.to_bits();
-    if x.is_nan() {
-        return ((u >> 16) | 0x40) as u16;
-    }
-    let round = 0x7fff + ((u >> 16) & 1);
-    (u.wrapping_add(round) >> 16) as u16
 }
 
 /// `c (m, n) = a (m, k) · b (k, n) + bias (n)` or, with `accumulate`, `c += a · b` (bias
@@ -1068,15 +1058,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn rounding_is_to_nearest_even() {
-        assert_eq!(bf16_bits(1.0), 0x3f80);
-        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one (1.0).
-        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
-        // 1 + 3·2^-8 is halfway too: the even neighbour is 1 + 2^-6.
-        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
-        assert!(f32::from_bits((bf16_bits(f32::NAN) as u32) << 16).is_nan());
     }
 }

@@ -980,11 +980,8 @@ mod tests {
         use crate::cpu::gelu_forward;
         let d = DType::Bf16;
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        let round = |x: &[f32]| -> Vec<u16> {
-            x.iter()
-                .map(|&v| crate::cpu::gemm_bf16::bf16_bits(v))
-                .collect()
-        };
+        let round =
+            |x: &[f32]| -> Vec<u16> { x.iter().map(|&v| crate::cpu::bf16::bf16_bits(v)).collect() };
         let widen = |x: &[u16]| -> Vec<f32> {
             x.iter()
                 .map(|&h| f32::from_bits((h as u32) << 16))

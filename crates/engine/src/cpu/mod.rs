@@ -16,6 +16,7 @@ mod attention;
 #[cfg(target_arch = "x86_64")]
 mod attention_amx;
 mod attention_decode;
+mod bf16;
 mod crossentropy;
 mod elementwise;
 mod encoder;
@@ -28,7 +29,8 @@ pub(crate) mod math;
 mod matmul;
 
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
-pub use attention_decode::attention_decode_row;
+pub use attention_decode::{attention_decode_row, attention_decode_row_bf16};
+pub use bf16::{bf16_to_f32, round_to_bf16};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
 pub use elementwise::{
     dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad, gelu_forward,

@@ -983,13 +983,8 @@ mod tests {
     }
 
     /// Runs `jobs` (prompt, options, the step each joins at) as a server's continuous batch
-    /// would: joiners are prefilled between steps, every step is one `decode_step` over all
-    /// active generations, finished ones leave at once.
-    fn continuous(model: &GPT, jobs: &[(Vec<u32>, SampleOptions, usize)]) -> Vec<Vec<u32>> {
-        continuous_with(model, jobs, KvDtype::F32)
-    }
-
-    /// [`continuous`] with caches in `kv`.
+    /// would, over caches in `kv`: joiners are prefilled between steps, every step is one
+    /// `decode_step` over all active generations, finished ones leave at once.
     fn continuous_with(
         model: &GPT,
         jobs: &[(Vec<u32>, SampleOptions, usize)],
@@ -1020,8 +1015,10 @@ mod tests {
         done.into_iter().map(Option::unwrap).collect()
     }
 
-    #[test]
-    fn batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
+    /// Runs generations together in decode steps over caches of `kv` and checks each gets
+    /// bit for bit its tokens alone (over the same cache type); returns whether any differs
+    /// from what an f32 cache gives it.
+    fn batched_equals_solo(kv: KvDtype) -> bool {
         // two shapes: the tiny one (windows slide mid-batch) and one whose products are big
         // enough to be split over threads
         let wide = GPTConfig {
@@ -1030,6 +1027,7 @@ mod tests {
             max_position_embeddings: 48,
             ..tiny(48, true, true)
         };
+        let mut differs = false;
         for cfg in [tiny(13, true, false), wide] {
             let model = peaked(cfg, 5);
             let o = |n, temperature, top_k, seed| SampleOptions {
@@ -1055,13 +1053,33 @@ mod tests {
                     .collect();
                 jobs.push((prompt, o(5 + j as usize, 0.9, Some(8), 20 + j), 1));
             }
-            let together = continuous(&model, &jobs);
+            let together = continuous_with(&model, &jobs, kv);
             for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
-                let alone = generate(&model, prompt, opts, |_| {}).unwrap();
-                assert_eq!(got, &alone, "{opts:?}");
+                let alone = generate_while_with(&model, prompt, opts, kv, |_| {
+                    std::ops::ControlFlow::Continue(())
+                })
+                .unwrap();
+                assert_eq!(got, &alone, "{kv:?} {opts:?}");
+                differs |= alone != generate(&model, prompt, opts, |_| {}).unwrap();
             }
             assert_eq!(together[0].len(), 30);
         }
+        differs
+    }
+
+    #[test]
+    fn batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
+        assert!(!batched_equals_solo(KvDtype::F32));
+    }
+
+    #[test]
+    fn under_a_bf16_cache_batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
+        // the cache really is bf16: somewhere a sampled token moves (the temperature-1.3
+        // sequence samples from a wide distribution, 20 tokens long)
+        assert!(
+            batched_equals_solo(KvDtype::Bf16),
+            "no sequence changed with a bf16 cache"
+        );
     }
 
     #[test]
@@ -1107,51 +1125,6 @@ mod tests {
                     dec.feed(&seq[seq.len() - window..]).unwrap().to_vec()
                 };
             }
-        }
-    }
-
-    #[test]
-    fn under_a_bf16_cache_batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
-        let wide = GPTConfig {
-            d_model: 128,
-            d_ff: 512,
-            max_position_embeddings: 48,
-            ..tiny(48, true, true)
-        };
-        for cfg in [tiny(13, true, false), wide] {
-            let model = peaked(cfg, 5);
-            let o = |n, temperature, top_k, seed| SampleOptions {
-                max_new_tokens: n,
-                temperature,
-                top_k,
-                seed,
-            };
-            let mut jobs = vec![
-                (vec![1, 2, 3], o(30, 0.0, None, 0), 0),
-                (vec![4], o(7, 0.9, Some(5), 11), 0),
-                (vec![5, 6, 7, 8, 9, 10, 11], o(20, 1.3, None, 12), 2),
-                ((0..20).map(|i| i % 37).collect(), o(12, 0.0, None, 0), 3),
-                (vec![2, 7], o(25, 0.8, Some(20), 14), 9),
-            ];
-            for j in 0..7u64 {
-                let prompt = (0..40)
-                    .map(|i| ((i * 7 + j as usize) % 37) as u32)
-                    .collect();
-                jobs.push((prompt, o(5 + j as usize, 0.9, Some(8), 20 + j), 1));
-            }
-            let together = continuous_with(&model, &jobs, KvDtype::Bf16);
-            let mut differs = false;
-            for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
-                let alone = generate_while_with(&model, prompt, opts, KvDtype::Bf16, |_| {
-                    std::ops::ControlFlow::Continue(())
-                })
-                .unwrap();
-                assert_eq!(got, &alone, "{opts:?}");
-                differs |= alone != generate(&model, prompt, opts, |_| {}).unwrap();
-            }
-            // the cache really is bf16: somewhere a sampled token moves (the temperature-1.3
-            // sequence samples from a wide distribution, 20 tokens long)
-            assert!(differs, "no sequence changed with a bf16 cache");
         }
     }
 

@@ -48,7 +48,7 @@ pub struct AttnDims {
     pub nh: usize,
 }
 
-/// Raw strided product on one thread: c = alpha * a·b + beta * c, on bf16-rounded operands
+/// Raw strided product on one thread: c = a·b + beta * c, on bf16-rounded operands
 /// with f32 sums when `bf16` (and the CPU has the bf16 product).
 ///
 /// # Safety
@@ -60,7 +60,6 @@ unsafe fn mm(
     m: usize,
     k: usize,
     n: usize,
-    alpha: f32,
     a: *const f32,
     rsa: usize,
     csa: usize,
@@ -97,17 +96,6 @@ unsafe fn mm(
                 sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None, Epilogue::None)
             }
         };
-        if alpha != 1.0 {
-            assert!(beta == 0.0, "attention scales only fresh products");
-            for i in 0..m {
-                // SAFETY: row i of `c` (n floats, stride rsc) was just written by sgemm and
-                // nothing else refers to it while it is scaled.
-                let row = unsafe { std::slice::from_raw_parts_mut(c.add(i * rsc), n) };
-                for x in row {
-                    *x *= alpha;
-                }
-            }
-        }
         return;
     }
     // SAFETY: the caller upholds `mm`'s contract, which is exactly `matrixmultiply::sgemm`'s.
@@ -116,7 +104,7 @@ unsafe fn mm(
             m,
             k,
             n,
-            alpha,
+            1.0,
             a,
             rsa as isize,
             csa as isize,
@@ -277,7 +265,6 @@ unsafe fn head_forward(
                 rows,
                 hd,
                 keys,
-                1.0,
                 q.add(r0 * 3 * c),
                 3 * c,
                 1,
@@ -310,7 +297,6 @@ unsafe fn head_forward(
                 rows,
                 keys,
                 hd,
-                1.0,
                 s.as_ptr(),
                 keys,
                 1,
@@ -499,7 +485,6 @@ unsafe fn head_backward(
                 rows,
                 hd,
                 keys,
-                1.0,
                 q.add(r0 * 3 * c),
                 3 * c,
                 1,
@@ -516,7 +501,6 @@ unsafe fn head_backward(
                 rows,
                 hd,
                 keys,
-                1.0,
                 dy.add(r0 * c),
                 c,
                 1,
@@ -560,7 +544,6 @@ unsafe fn head_backward(
                 r0,
                 rows,
                 hd,
-                1.0,
                 used.as_ptr(),
                 1,
                 keys,
@@ -576,7 +559,6 @@ unsafe fn head_backward(
                 rows,
                 rows,
                 hd,
-                1.0,
                 used.as_ptr().add(r0),
                 1,
                 keys,
@@ -594,7 +576,6 @@ unsafe fn head_backward(
                     rows,
                     keys,
                     hd,
-                    1.0,
                     used.as_ptr(),
                     keys,
                     1,
@@ -623,7 +604,6 @@ unsafe fn head_backward(
                 rows,
                 keys,
                 hd,
-                1.0,
                 dp.as_ptr(),
                 keys,
                 1,
@@ -639,7 +619,6 @@ unsafe fn head_backward(
                 r0,
                 rows,
                 hd,
-                1.0,
                 dp.as_ptr(),
                 1,
                 keys,
@@ -655,7 +634,6 @@ unsafe fn head_backward(
                 rows,
                 rows,
                 hd,
-                1.0,
                 dp.as_ptr().add(r0),
                 1,
                 keys,

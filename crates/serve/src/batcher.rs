@@ -103,6 +103,13 @@ struct State {
 /// bound they sleep as before, and an idle server uses no CPU.
 const SPIN_BEFORE_SLEEP: Duration = Duration::from_micros(500);
 
+/// The longest a request's task checks for its answer when the model's recent answers took
+/// longer than [`SPIN_BEFORE_SLEEP`] (a batch of 32 rows through a small MLP takes about
+/// 550 us): checking until just before such an answer and then sleeping paid for the wake-up
+/// after all, a quarter of the request's time. Past this bound a wake-up (tens of
+/// microseconds) is a few percent of the answer, not worth holding an async worker for.
+const MAX_REPLY_SPIN: Duration = Duration::from_millis(2);
+
 /// One model version's bounded request queue.
 pub(crate) struct Queue {
     state: Mutex<State>,
@@ -111,6 +118,10 @@ pub(crate) struct Queue {
     pushed: AtomicU64,
     /// A request's task is checking for its answer (see [`Queue::spin_for_reply`]).
     reply_spinning: AtomicBool,
+    /// How long recent inference batches took from being taken off the queue to their answers
+    /// (a running average, microseconds; 0 before the first): how long
+    /// [`Queue::spin_for_reply`] keeps checking.
+    answer_us: AtomicU64,
     policy: BatchPolicy,
     capacity: usize,
 }
@@ -130,6 +141,7 @@ impl Queue {
             ready: Condvar::new(),
             pushed: AtomicU64::new(0),
             reply_spinning: AtomicBool::new(false),
+            answer_us: AtomicU64::new(0),
             policy,
             capacity: capacity.max(1),
         }
@@ -213,7 +225,9 @@ impl Queue {
                     checked = true;
                     let seen = self.pushed.load(Ordering::Acquire);
                     drop(st);
-                    spin_until(|| self.pushed.load(Ordering::Acquire) != seen);
+                    spin_until(SPIN_BEFORE_SLEEP, || {
+                        self.pushed.load(Ordering::Acquire) != seen
+                    });
                     st = self.lock();
                     continue;
                 }
@@ -255,7 +269,33 @@ impl Queue {
         }
     }
 
-    /// The answer on `rx` if it comes within [`SPIN_BEFORE_SLEEP`], checked without
+    /// Records that an instance answered a batch `took` after taking it off the queue.
+    pub fn answered_after(&self, took: Duration) {
+        let took = (took.as_micros() as u64).max(1);
+        // a running average over about four batches: one slow batch (a page fault, a
+        // preempted thread) barely moves it
+        let _ = self
+            .answer_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |avg| {
+                Some(if avg == 0 { took } else { (3 * avg + took) / 4 })
+            });
+    }
+
+    /// How long [`Queue::spin_for_reply`] checks: [`SPIN_BEFORE_SLEEP`], or half as long
+    /// again as recent answers took where that is longer, up to [`MAX_REPLY_SPIN`]; where
+    /// answers take longer than that bound, checking would not reach them, so the bound is
+    /// [`SPIN_BEFORE_SLEEP`] again (as for an answer that is late for its model).
+    fn reply_spin(&self) -> Duration {
+        let expected = Duration::from_micros(self.answer_us.load(Ordering::Relaxed));
+        let bound = expected + expected / 2;
+        if expected > MAX_REPLY_SPIN {
+            SPIN_BEFORE_SLEEP
+        } else {
+            bound.clamp(SPIN_BEFORE_SLEEP, MAX_REPLY_SPIN)
+        }
+    }
+
+    /// The answer on `rx` if it comes within [`Queue::reply_spin`], checked without
     /// registering a waker: the caller awaits `rx` only when this returns None. Awaiting at once
     /// would have the instance's answer wake the async worker thread, which has usually gone to
     /// sleep by then. It blocks the calling async worker meanwhile, so only one request of this
@@ -265,7 +305,7 @@ impl Queue {
             return None;
         }
         let mut answer = None;
-        spin_until(|| match rx.try_recv() {
+        spin_until(self.reply_spin(), || match rx.try_recv() {
             Ok(v) => {
                 answer = Some(v);
                 true
@@ -299,10 +339,9 @@ impl Queue {
     }
 }
 
-/// Checks `done` until it holds or [`SPIN_BEFORE_SLEEP`] has passed, yielding the CPU between
-/// checks.
-fn spin_until(mut done: impl FnMut() -> bool) {
-    let until = Instant::now() + SPIN_BEFORE_SLEEP;
+/// Checks `done` until it holds or `bound` has passed, yielding the CPU between checks.
+fn spin_until(bound: Duration, mut done: impl FnMut() -> bool) {
+    let until = Instant::now() + bound;
     while !done() && Instant::now() < until {
         std::thread::yield_now();
     }
@@ -489,5 +528,58 @@ mod tests {
         assert!(matches!(q.push(d), Err((_, Refused::Closed))));
         assert_eq!(sizes(q.next().unwrap()).len(), 2);
         assert!(q.next().is_none());
+    }
+
+    #[test]
+    fn a_request_checks_for_its_answer_about_as_long_as_recent_answers_took() {
+        let us = Duration::from_micros;
+        let q = queue(4, &[], 0, 10);
+        assert_eq!(q.reply_spin(), SPIN_BEFORE_SLEEP, "nothing answered yet");
+        q.answered_after(us(600));
+        assert_eq!(q.reply_spin(), us(900));
+        // one slow batch moves the average a quarter of the way: (3 * 600 + 1400) / 4 = 800
+        q.answered_after(us(1400));
+        assert_eq!(q.reply_spin(), us(1200));
+        for _ in 0..40 {
+            q.answered_after(us(1800));
+        }
+        assert_eq!(q.reply_spin(), MAX_REPLY_SPIN, "capped");
+        for _ in 0..40 {
+            q.answered_after(Duration::from_millis(10));
+        }
+        assert_eq!(
+            q.reply_spin(),
+            SPIN_BEFORE_SLEEP,
+            "answers past the cap are slept for"
+        );
+        for _ in 0..40 {
+            q.answered_after(us(100));
+        }
+        assert_eq!(
+            q.reply_spin(),
+            SPIN_BEFORE_SLEEP,
+            "never below the base bound"
+        );
+
+        // an answer later than the base bound but within the model's usual time is caught by
+        // checking (no waker registered); timing on a busy host varies, so a few tries
+        let caught = (0..5).any(|_| {
+            let q = queue(4, &[], 0, 10);
+            for _ in 0..40 {
+                q.answered_after(us(1800));
+            }
+            let (tx, mut rx) = oneshot::channel::<u32>();
+            let sender = std::thread::spawn(move || {
+                std::thread::sleep(us(900));
+                let _ = tx.send(7);
+            });
+            let got = q.spin_for_reply(&mut rx);
+            sender.join().unwrap();
+            got == Some(7)
+        });
+        assert!(
+            caught,
+            "an answer at 0.9 ms was never caught within a 2 ms bound"
+        );
     }
 }

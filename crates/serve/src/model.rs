@@ -737,4 +737,5 @@ fn run_infer(instance: &mut dyn Instance, mut jobs: Vec<InferJob>, ctx: &Instanc
             metrics.failure(Failure::Cancelled, enqueued.elapsed());
         }
     }
+    ctx.queue.answered_after(started.elapsed());
 }

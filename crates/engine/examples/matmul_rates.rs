@@ -1,7 +1,7 @@
 //! GFLOP/s of the matrix kernels on config B's shapes (2048 tokens; d 384; d_ff 1536) or config
 //! G's (1024 tokens; d 768; d_ff 3072), one thread: the forward product, the input gradient and
 //! the weight gradient of each of a block's four Linear layers, in the precision given (`fp32`
-//! or `bf16`).
+//! or `bf16`). `THREADS=2` runs them on a pool of two (the thread split of a training step).
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example matmul_rates -- bf16 [B|G]
@@ -25,7 +25,12 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let cpu = Cpu::with_dtype(1, dtype).expect("a one-thread pool");
+    let threads = std::env::var("THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    let cpu = Cpu::with_dtype(threads, dtype).expect("a thread pool");
+    println!("{threads} thread(s)");
     match (cpu.dtype(), cpu::bf16_kernel_name()) {
         (DType::Bf16, Some(kernel)) => println!("bf16 on {kernel}"),
         (d, _) => println!("{d}"),

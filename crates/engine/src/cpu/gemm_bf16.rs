@@ -574,10 +574,10 @@ pub(crate) unsafe fn pack_a(
             // Rows are contiguous down each column: pair up two K rows of 16 A rows, then
             // transpose so each A row's pairs are contiguous.
             let mut r = [_mm512_setzero_si512(); 16];
-            for i0 in (0..mc).step_by(16) {
-                let rows = (mc - i0).min(16);
-                for p0 in (0..stride).step_by(16) {
-                    let pairs = kcp.saturating_sub(p0).min(16);
+            for p0 in (0..stride).step_by(16) {
+                let pairs = kcp.saturating_sub(p0).min(16);
+                for i0 in (0..mc).step_by(16) {
+                    let rows = (mc - i0).min(16);
                     for (q, v) in r.iter_mut().enumerate() {
                         let e = 2 * (p0 + q);
                         *v = if q < pairs {
@@ -656,15 +656,17 @@ unsafe fn pack_a_bf16(
             // As pack_a's transposed case: two K rows of 16 A rows become 16 pairs, and a
             // register transpose makes each A row's pairs contiguous.
             let mut r = [_mm512_setzero_si512(); 16];
-            for i0 in (0..mc).step_by(16) {
-                let rows = (mc - i0).min(16);
-                let load = |e: usize| {
-                    let v =
-                        _mm512_maskz_loadu_epi16(halves(rows), a.add(e * cs + i0) as *const i16);
-                    _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v))
-                };
-                for p0 in (0..stride).step_by(16) {
-                    let pairs = kcp.saturating_sub(p0).min(16);
+            for p0 in (0..stride).step_by(16) {
+                let pairs = kcp.saturating_sub(p0).min(16);
+                for i0 in (0..mc).step_by(16) {
+                    let rows = (mc - i0).min(16);
+                    let load = |e: usize| {
+                        let v = _mm512_maskz_loadu_epi16(
+                            halves(rows),
+                            a.add(e * cs + i0) as *const i16,
+                        );
+                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v))
+                    };
                     for (q, v) in r.iter_mut().enumerate() {
                         let e = 2 * (p0 + q);
                         *v = if q < pairs {

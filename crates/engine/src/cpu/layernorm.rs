@@ -1,8 +1,12 @@
 //! LayerNorm over the last dimension (eps 1e-5, as PyTorch and GPT-2) and its backward.
 //!
 //! Forward caches mean and 1/std per row; backward takes them instead of recomputing. Rows are
-//! independent, so they split over threads; the weight and bias gradients are column sums,
-//! computed in a second pass split by columns so the result never depends on the thread count.
+//! independent, so they split over threads in fixed groups of rows. The weight and bias
+//! gradients are column sums: each group sums its own rows' terms while it has them in cache,
+//! and the groups' sums are added in group order at the end, so the result never depends on the
+//! thread count. (A second pass over the rows, split by columns, read the gradient and the input
+//! again: on a training step's [tokens x d] matrices that pass cost as much as the first and did
+//! not get faster with a second thread.)
 
 use rayon::prelude::*;
 
@@ -82,36 +86,39 @@ pub fn layernorm_backward(
 ) {
     let (dinp, dout, inp) = (&mut dinp[..n * c], &dout[..n * c], &inp[..n * c]);
     let (mean, rstd, w) = (&mean[..n], &rstd[..n], &w[..c]);
+    // Per group of rows: its sums of norm * dout (the weight's gradient), then of dout (the
+    // bias's).
+    let mut sums = vec![0f32; n.div_ceil(ROWS_PER_TASK) * 2 * c];
     dinp.par_chunks_mut(ROWS_PER_TASK * c)
         .zip(dout.par_chunks(ROWS_PER_TASK * c))
         .zip(inp.par_chunks(ROWS_PER_TASK * c))
         .zip(mean.par_chunks(ROWS_PER_TASK))
         .zip(rstd.par_chunks(ROWS_PER_TASK))
-        .for_each(|((((di, d), x), m), r)| rows_backward(di, d, x, m, r, w));
-    let parts = if n * c < 1 << 15 {
-        1
-    } else {
-        rayon::current_num_threads()
-    };
-    let block = c.div_ceil(parts).div_ceil(16) * 16;
-    match db {
-        Some(db) => dw[..c]
-            .par_chunks_mut(block)
-            .zip(db[..c].par_chunks_mut(block))
-            .enumerate()
-            .for_each(|(p, (dw, db))| {
-                params_backward(dw, Some(db), p * block, c, dout, inp, mean, rstd)
-            }),
-        None => dw[..c]
-            .par_chunks_mut(block)
-            .enumerate()
-            .for_each(|(p, dw)| params_backward(dw, None, p * block, c, dout, inp, mean, rstd)),
+        .zip(sums.par_chunks_mut(2 * c))
+        .for_each(|(((((di, d), x), m), r), s)| rows_backward(di, d, x, m, r, w, s));
+    let dw = &mut dw[..c];
+    let mut db = db.map(|db| &mut db[..c]);
+    for group in sums.chunks_exact(2 * c) {
+        let (gw, gb) = group.split_at(c);
+        add_to(dw, gw);
+        if let Some(db) = db.as_deref_mut() {
+            add_to(db, gb);
+        }
     }
 }
 
 simd_fn! {
-    fn rows_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32], w: &[f32]) {
+    fn add_to(acc: &mut [f32], x: &[f32]) {
+        for (a, &v) in acc.iter_mut().zip(x) {
+            *a += v;
+        }
+    }
+}
+
+simd_fn! {
+    fn rows_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32], w: &[f32], sums: &mut [f32]) {
         let c = w.len();
+        let (sum_w, sum_b) = sums.split_at_mut(c);
         for (i, ((di, d), x)) in dinp
             .chunks_exact_mut(c)
             .zip(dout.chunks_exact(c))
@@ -143,30 +150,17 @@ simd_fn! {
             }
             let dnorm_mean = acc_d.iter().sum::<f32>() / c as f32;
             let dnorm_norm_mean = acc_dn.iter().sum::<f32>() / c as f32;
-            for (((di, &d), &x), &w) in di.iter_mut().zip(d).zip(x).zip(w) {
+            for ((((di, &d), &x), &w), (sw, sb)) in di
+                .iter_mut()
+                .zip(d)
+                .zip(x)
+                .zip(w)
+                .zip(sum_w.iter_mut().zip(sum_b.iter_mut()))
+            {
                 let norm = (x - m) * s;
                 *di += (w * d - dnorm_mean - norm * dnorm_norm_mean) * s;
-            }
-        }
-    }
-}
-
-simd_fn! {
-    #[allow(clippy::too_many_arguments)]
-    fn params_backward(dw: &mut [f32], db: Option<&mut [f32]>, c0: usize, c: usize, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32]) {
-        let wlen = dw.len();
-        for (i, (&m, &s)) in mean.iter().zip(rstd).enumerate() {
-            let d = &dout[i * c + c0..i * c + c0 + wlen];
-            let x = &inp[i * c + c0..i * c + c0 + wlen];
-            for ((dw, &d), &x) in dw.iter_mut().zip(d).zip(x) {
-                *dw += (x - m) * s * d;
-            }
-        }
-        if let Some(db) = db {
-            for i in 0..mean.len() {
-                for (db, &d) in db.iter_mut().zip(&dout[i * c + c0..i * c + c0 + wlen]) {
-                    *db += d;
-                }
+                *sw += norm * d;
+                *sb += d;
             }
         }
     }
@@ -227,6 +221,39 @@ mod tests {
             check_grad("dx", &dx, 0.5, &x64, &dout, |x| f(x, &w64, &b64));
             check_grad("dw", &dw, 0.25, &w64, &dout, |w| f(&x64, w, &b64));
             check_grad("db", &db, 0.0, &b64, &dout, |b| f(&x64, &w64, b));
+        }
+    }
+
+    #[test]
+    fn backward_gives_the_same_bits_at_any_thread_count() {
+        // rows past one group and not a multiple of it; the gradients start non-zero (they
+        // accumulate)
+        let (n, c) = (3 * ROWS_PER_TASK + 5, 48);
+        let (x, w, dout) = (rand_vec(n * c, 5), rand_vec(c, 6), rand_vec(n * c, 7));
+        let run = |threads: usize| {
+            let (mut mean, mut rstd, mut out) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * c]);
+            let (mut dx, mut dw, mut db) = (vec![0.5; n * c], vec![0.25; c], vec![-1.0; c]);
+            within_pool(threads, || {
+                layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, None, n, c);
+                layernorm_backward(
+                    &mut dx,
+                    &mut dw,
+                    Some(&mut db),
+                    &dout,
+                    &x,
+                    &mean,
+                    &rstd,
+                    &w,
+                    n,
+                    c,
+                );
+            });
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            (bits(&dx), bits(&dw), bits(&db))
+        };
+        let one = run(1);
+        for threads in [2, 3] {
+            assert!(run(threads) == one, "{threads} threads changed the bits");
         }
     }
 }

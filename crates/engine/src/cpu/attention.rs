@@ -91,7 +91,20 @@ unsafe fn mm(
         // `a` and `b`), which is `sgemm`'s; AVX-512 was detected just above.
         unsafe {
             if bf16 {
-                bgemm(m, k, n, a, b, c, rsc, beta == 1.0, None, Epilogue::None, n)
+                bgemm(
+                    m,
+                    k,
+                    n,
+                    a,
+                    b,
+                    c,
+                    rsc,
+                    beta == 1.0,
+                    None,
+                    Epilogue::None,
+                    n,
+                    None,
+                )
             } else {
                 sgemm(m, k, n, a, b, c, rsc, beta == 1.0, None, Epilogue::None)
             }

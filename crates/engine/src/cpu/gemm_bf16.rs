@@ -219,7 +219,10 @@ fn amx_granted() -> bool {
 /// unused), with a and b rounded to bf16 and the sums kept in f32. `c` is row-major with row
 /// stride `rsc`. `ep` finishes each block of c once its sums are final. `n_whole` is the
 /// columns of the whole product this call is a part of (its own n when it is all of it): the
-/// blocking depends on it, never on the part.
+/// blocking depends on it, never on the part. With `b_sums` (n floats), each column's sum over
+/// b's k rows is added to it, row by row in order (the bits of [`column_sums`](super::column_sums)), by the pass
+/// that packs b: a layer's bias gradient, from the weight gradient's read of the output
+/// gradient, instead of a pass of its own over a matrix that is beyond the caches.
 ///
 /// # Safety
 /// [`supported`] must be true; the operands must describe valid matrices of these sizes; `c`
@@ -238,11 +241,16 @@ pub(crate) unsafe fn bgemm(
     bias: Option<*const f32>,
     ep: Epilogue,
     n_whole: usize,
+    b_sums: Option<*mut f32>,
 ) {
     let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
     let a = AOperand::F32(a);
     // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
-    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep, n_whole) }
+    unsafe {
+        bgemm_with(
+            kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep, n_whole, b_sums,
+        )
+    }
 }
 
 /// [`bgemm`] with a left operand already in bf16.
@@ -262,11 +270,16 @@ pub(crate) unsafe fn bgemm_bf16_a(
     bias: Option<*const f32>,
     ep: Epilogue,
     n_whole: usize,
+    b_sums: Option<*mut f32>,
 ) {
     let kernel = chosen_kernel().expect("bgemm called on a CPU without the bf16 product");
     let a = AOperand::Bf16(a);
     // SAFETY: forwarded from the caller; `kernel` is what this CPU supports.
-    unsafe { bgemm_with(kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep, n_whole) }
+    unsafe {
+        bgemm_with(
+            kernel, m, k, n, a, b, c, rsc, accumulate, bias, ep, n_whole, b_sums,
+        )
+    }
 }
 
 /// [`bgemm`] on a chosen kernel (the tests run each one the CPU has).
@@ -287,6 +300,7 @@ unsafe fn bgemm_with(
     bias: Option<*const f32>,
     ep: Epilogue,
     n_whole: usize,
+    b_sums: Option<*mut f32>,
 ) {
     if k == 0 {
         if !accumulate {
@@ -321,7 +335,7 @@ unsafe fn bgemm_with(
         // largest blocks packed below; the caller's contract covers the rest.
         unsafe {
             blocks(
-                kernel, &bl, m, k, n, a, b, c, rsc, accumulate, bias, ep, pa, pb,
+                kernel, &bl, m, k, n, a, b, c, rsc, accumulate, bias, ep, pa, pb, b_sums,
             )
         }
     })
@@ -349,6 +363,7 @@ unsafe fn blocks(
     ep: Epilogue,
     pa: *mut u32,
     pb: *mut u32,
+    b_sums: Option<*mut f32>,
 ) {
     let amx = kernel == Kernel::Amx;
     if amx {
@@ -374,7 +389,8 @@ unsafe fn blocks(
                 } else {
                     kc.div_ceil(2)
                 };
-                pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride);
+                let sums = b_sums.map(|s| s.add(jc));
+                pack_b_summing(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride, sums);
                 // The first K block starts C from the bias (or zero) unless accumulating.
                 let last = pc + kc == k;
                 let (acc, bias) = if pc == 0 && !accumulate {
@@ -721,6 +737,27 @@ pub(crate) unsafe fn pack_b(
     nc: usize,
     stride: usize,
 ) {
+    // SAFETY: forwarded from the caller.
+    unsafe { pack_b_summing(pb, b, rs, cs, kc, nc, stride, None) }
+}
+
+/// [`pack_b`], also adding the block's kc rows, in order, to `sums` (nc floats) when given:
+/// see [`bgemm`]'s `b_sums`.
+///
+/// # Safety
+/// As [`pack_b`], `sums` (if any) nc writable floats not overlapping the others.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_b_summing(
+    pb: *mut u32,
+    b: *const f32,
+    rs: usize,
+    cs: usize,
+    kc: usize,
+    nc: usize,
+    stride: usize,
+    sums: Option<*mut f32>,
+) {
     let kcp = kc.div_ceil(2);
     // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
     let panel_of = |j0: usize| pb.wrapping_add((j0 / NR) * NR * stride + j0 % NR);
@@ -745,6 +782,21 @@ pub(crate) unsafe fn pack_b(
                     };
                     let dst = panel_of(j0).add(p * NR) as *mut __m512i;
                     _mm512_store_si512(dst, pair_up(x, y));
+                    if let Some(s) = sums {
+                        // row 2p, then row 2p + 1 (if the block has it): the rows in order
+                        let mut acc = _mm512_add_ps(_mm512_maskz_loadu_ps(cols, s.add(j0)), x);
+                        if odd {
+                            acc = _mm512_add_ps(acc, y);
+                        }
+                        _mm512_mask_storeu_ps(s.add(j0), cols, acc);
+                    }
+                }
+            }
+        } else if let Some(s) = sums {
+            // Only row-major Bs (a weight gradient's output gradient) are summed in practice.
+            for r in 0..kc {
+                for j in 0..nc {
+                    *s.add(j) += *b.add(r * rs + j * cs);
                 }
             }
         }
@@ -991,6 +1043,9 @@ mod tests {
             cases.push((ga, gb));
             for (sa, sb) in cases {
                 let mut c = vec![f32::NAN; m * n];
+                // B's column sums on the side: the bits of adding its rows in order
+                let start: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
+                let mut sums = start.clone();
                 // SAFETY: the descriptors cover the test's buffers; AVX512_BF16 checked above.
                 unsafe {
                     bgemm_with(
@@ -1006,8 +1061,20 @@ mod tests {
                         None,
                         Epilogue::None,
                         n,
+                        Some(sums.as_mut_ptr()),
                     )
                 };
+                for (j, (&got, &s0)) in sums.iter().zip(&start).enumerate() {
+                    // SAFETY: row r, column j of the test's B.
+                    let want = (0..k).fold(s0, |acc, r| acc + unsafe { *sb.at(r, j) });
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{kernel:?} m{m} k{k} n{n} b({},{}) column {j}: sum {got}, want {want}",
+                        sb.rs,
+                        sb.cs
+                    );
+                }
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
                     assert!(
                         (g as f64 - w).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
@@ -1035,6 +1102,7 @@ mod tests {
                         Some(bias.as_ptr()),
                         Epilogue::None,
                         n,
+                        None,
                     );
                     bgemm_with(
                         kernel,
@@ -1049,6 +1117,7 @@ mod tests {
                         None,
                         Epilogue::None,
                         n,
+                        None,
                     );
                 }
                 for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {

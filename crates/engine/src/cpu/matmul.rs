@@ -98,6 +98,43 @@ unsafe fn gemm(
             accumulate,
             bias,
             ep,
+            None,
+        )
+    }
+}
+
+/// [`gemm`] with `accumulate` and no bias or epilogue that also adds each column's sum over b's
+/// k rows to `b_sums` (n floats), in row order: the bits of [`column_sums`] of b. Under bf16
+/// the pass that packs b does it (see [`bgemm`]), so a weight gradient's product yields its
+/// layer's bias gradient without another read of the output gradient.
+///
+/// # Safety
+/// As [`gemm`]; `b_sums` must not overlap the matrices.
+unsafe fn gemm_summing_b(
+    dtype: DType,
+    (m, k, n): (usize, usize, usize),
+    a: Mat,
+    b: Mat,
+    c: Mat,
+    b_sums: &mut [f32],
+) {
+    check("b's column sums", b_sums.len(), n);
+    let sums = SendPtr(b_sums.as_mut_ptr());
+    // safety: forwarded from the caller.
+    unsafe {
+        gemm_on(
+            rayon::current_num_threads(),
+            dtype,
+            m,
+            k,
+            n,
+            a,
+            b,
+            c,
+            true,
+            None,
+            Epilogue::None,
+            Some(sums),
         )
     }
 }
@@ -119,6 +156,7 @@ unsafe fn gemm_on(
     accumulate: bool,
     bias: Option<&[f32]>,
     ep: Epilogue,
+    b_sums: Option<SendPtr>,
 ) {
     let parts = if m * n * k < PAR_MIN_MACS {
         1
@@ -138,9 +176,20 @@ unsafe fn gemm_on(
             unsafe { fill_rows(c, m, n, std::slice::from_raw_parts(b.get(), n)) };
         }
     }
+    // The bf16 kernels sum b's columns as they pack it; elsewhere a pass of its own does.
+    let sums_in_kernel = avx512 && (a.bf16 || bf16);
+    if let (Some(sums), false) = (b_sums, sums_in_kernel) {
+        // safety: b is (k, n) and sums n floats per the caller.
+        unsafe { add_column_sums(sums.get(), b, k, n) };
+    }
     let call = |r0: usize, r1: usize, c0: usize, c1: usize| {
+        // b's column sums for this part's columns, by the part that has c's first rows (a
+        // split by rows gives every part all of b's columns)
+        let sums = b_sums
+            .filter(|_| r0 == 0 && sums_in_kernel)
+            .map(|s| s.get().wrapping_add(c0));
         // safety: sub-blocks of the caller's valid matrices; distinct calls write disjoint
-        // blocks of c.
+        // blocks of c (and of b_sums).
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if avx512 {
@@ -160,9 +209,13 @@ unsafe fn gemm_on(
                         rs: sa.rs,
                         cs: sa.cs,
                     };
-                    bgemm_bf16_a(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole);
+                    bgemm_bf16_a(
+                        m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole, sums,
+                    );
                 } else if bf16 {
-                    bgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole);
+                    bgemm(
+                        m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole, sums,
+                    );
                 } else {
                     sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
                 }
@@ -216,6 +269,29 @@ unsafe fn gemm_on(
             }
         }
     });
+}
+
+/// `sums[j] += Σ_r b[r, j]` over b's k rows, row by row in order: [`gemm_summing_b`]'s sums
+/// where the product's kernel does not make them.
+///
+/// # Safety
+/// `b` must describe a readable (k, n) matrix; `sums` n writable floats not overlapping it.
+unsafe fn add_column_sums(sums: *mut f32, b: Mat, k: usize, n: usize) {
+    // safety: per the contract.
+    let sums = unsafe { std::slice::from_raw_parts_mut(sums, n) };
+    if b.cs == 1 && b.rs as usize == n {
+        // safety: b's rows are contiguous: k x n floats.
+        column_sums(sums, unsafe {
+            std::slice::from_raw_parts(b.at(0, 0), k * n)
+        });
+        return;
+    }
+    for r in 0..k {
+        for (j, s) in sums.iter_mut().enumerate() {
+            // safety: inside b per the contract.
+            *s += unsafe { *b.at(r, j) };
+        }
+    }
 }
 
 fn check(what: &str, len: usize, want: usize) {
@@ -390,22 +466,15 @@ pub fn matmul_backward_weight_bf16_input(
     check("matmul dw", dw.len(), c * oc);
     // safety: sizes checked; dw is a distinct &mut.
     unsafe {
-        gemm(
-            dtype,
-            c,
-            n,
-            oc,
+        let (a, b, dw) = (
             Mat::rm_bf16(inp.as_ptr(), c).t(),
             Mat::rm(dout.as_ptr(), oc),
             Mat::rm(dw.as_mut_ptr(), oc),
-            true,
-            None,
-            Epilogue::None,
         );
-    }
-    if let Some(db) = dbias {
-        check("matmul dbias", db.len(), oc);
-        column_sums(&mut db[..oc], &dout[..n * oc]);
+        match dbias {
+            Some(db) => gemm_summing_b(dtype, (c, n, oc), a, b, dw, &mut db[..oc]),
+            None => gemm(dtype, c, n, oc, a, b, dw, true, None, Epilogue::None),
+        }
     }
 }
 
@@ -586,6 +655,7 @@ pub fn packed_matmul_forward(
                 false,
                 bias.map(|b| &b[..n]),
                 Epilogue::None,
+                None,
             )
         },
     }
@@ -639,22 +709,11 @@ pub fn matmul_backward(
                 Epilogue::None,
             );
         }
-        gemm(
-            dtype,
-            c,
-            n,
-            oc,
-            Mat::rm(inp.as_ptr(), c).t(),
-            dout_m,
-            Mat::rm(dw.as_mut_ptr(), oc),
-            true,
-            None,
-            Epilogue::None,
-        );
-    }
-    if let Some(db) = dbias {
-        check("matmul dbias", db.len(), oc);
-        column_sums(&mut db[..oc], &dout[..n * oc]);
+        let (a, dw) = (Mat::rm(inp.as_ptr(), c).t(), Mat::rm(dw.as_mut_ptr(), oc));
+        match dbias {
+            Some(db) => gemm_summing_b(dtype, (c, n, oc), a, dout_m, dw, &mut db[..oc]),
+            None => gemm(dtype, c, n, oc, a, dout_m, dw, true, None, Epilogue::None),
+        }
     }
 }
 
@@ -1106,5 +1165,63 @@ mod tests {
         );
         let dt = transpose(&f64s(&dout), n, v);
         assert_close(&dw, &naive(&dt, &f64s(&inp), v, n, c), 1e-5, "dw");
+    }
+
+    #[test]
+    fn bias_gradients_are_the_bits_of_column_sums_at_any_thread_count() {
+        let mut dtypes = vec![DType::F32];
+        if crate::cpu::bf16_supported() {
+            dtypes.push(DType::Bf16);
+        }
+        // the weight gradient (c x oc) split by rows (c >= oc) and by columns (c < oc)
+        for &(n, c, oc) in &[(300, 200, 40), (300, 64, 96)] {
+            let inp = rand_vec(n * c, 1);
+            let inp16: Vec<u16> = inp
+                .iter()
+                .map(|&v| crate::cpu::bf16::bf16_bits(v))
+                .collect();
+            let dout = rand_vec(n * oc, 4);
+            let db0 = rand_vec(oc, 6);
+            let mut want = db0.clone();
+            column_sums(&mut want, &dout);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for &dtype in &dtypes {
+                for threads in [1, 2, 3] {
+                    let (mut dw, mut db) = (vec![0.0; c * oc], db0.clone());
+                    within_pool(threads, || {
+                        matmul_backward(
+                            dtype,
+                            None,
+                            &mut dw,
+                            Some(&mut db),
+                            &dout,
+                            &inp,
+                            &inp,
+                            n,
+                            c,
+                            oc,
+                        )
+                    });
+                    let at = format!("{dtype:?} {threads} threads c{c} oc{oc}");
+                    assert_eq!(bits(&db), bits(&want), "{at}");
+                    if dtype == DType::Bf16 {
+                        let mut db = db0.clone();
+                        within_pool(threads, || {
+                            matmul_backward_weight_bf16_input(
+                                dtype,
+                                &mut dw,
+                                Some(&mut db),
+                                &dout,
+                                &inp16,
+                                n,
+                                c,
+                                oc,
+                            )
+                        });
+                        assert_eq!(bits(&db), bits(&want), "{at}, bf16 input");
+                    }
+                }
+            }
+        }
     }
 }

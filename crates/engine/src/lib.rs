@@ -24,11 +24,13 @@
 
 #![deny(missing_docs)]
 
+mod aligned;
 mod backend;
 pub mod cpu;
 mod dropout;
 pub mod optim;
 
+pub use aligned::AlignedFloats;
 pub use backend::{Backend, DType, Device};
 pub use dropout::Dropout;
 

@@ -20,7 +20,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use cohort_engine::cpu::AttnDims;
-use cohort_engine::{Backend, DType};
+use cohort_engine::{AlignedFloats, Backend, DType};
 
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
@@ -92,7 +92,7 @@ pub enum StageOutput<'a> {
 /// One micro-batch in flight: its activations, what it saw and its dropout key.
 struct Slot {
     act_layout: Option<ActLayout>,
-    arena: Vec<f32>,
+    arena: AlignedFloats,
     batch: Batch,
     drop: DropKey,
     /// A forward ran and its backward has not.
@@ -109,11 +109,11 @@ pub struct GptStage {
     global: Vec<ParamView>,
     whole_total: usize,
     tied: Option<Range<usize>>,
-    params: Vec<f32>,
-    grads: Vec<f32>,
+    params: AlignedFloats,
+    grads: AlignedFloats,
     dev: Box<dyn Backend>,
     slots: Vec<Slot>,
-    attn_scratch: Vec<f32>,
+    attn_scratch: AlignedFloats,
     training: bool,
     drop: DropKey,
     profile: Profile,
@@ -226,7 +226,7 @@ impl GptStage {
             vocab_size: if part.head { config.vocab_size } else { 0 },
             ..config.clone()
         };
-        let mut params = vec![0.0; total];
+        let mut params = AlignedFloats::zeroed(total);
         init_tensors(&full.views, config.n_layers, seed, &mut params, |v| {
             if v.name == "wte.weight" {
                 if let Some(r) = &copy {
@@ -236,7 +236,9 @@ impl GptStage {
             inside(&v.range).then(|| shift(&v.range, lo))
         });
         Ok(GptStage {
-            attn_scratch: vec![0.0; dev.attention_scratch_len(config.max_position_embeddings)],
+            attn_scratch: AlignedFloats::zeroed(
+                dev.attention_scratch_len(config.max_position_embeddings),
+            ),
             drop: DropKey {
                 on: false,
                 p: config.dropout,
@@ -247,7 +249,7 @@ impl GptStage {
             config,
             arena_config,
             part,
-            grads: vec![0.0; total],
+            grads: AlignedFloats::zeroed(total),
             params,
             layout,
             global,
@@ -421,7 +423,7 @@ impl GptStage {
             let drop = self.drop;
             self.slots.resize_with(slot + 1, || Slot {
                 act_layout: None,
-                arena: Vec::new(),
+                arena: AlignedFloats::default(),
                 batch: Batch::default(),
                 drop,
                 pending: false,
@@ -440,9 +442,9 @@ impl GptStage {
             .as_ref()
             .is_none_or(|al| al.n < n || al.logit_cols != cols)
         {
-            s.arena = Vec::new();
+            s.arena = AlignedFloats::default();
             let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, false);
-            s.arena = vec![0.0; al.total];
+            s.arena = AlignedFloats::zeroed(al.total);
             s.act_layout = Some(al);
         }
         s.batch

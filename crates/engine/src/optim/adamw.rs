@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use super::kernels::{self, AdamCoeffs};
 use super::{check_len, parallel, DecayMask, OptimError, Optimizer, OptimizerState, BLOCK};
+use crate::AlignedFloats;
 
 /// AdamW hyperparameters; the defaults are PyTorch's, except that the learning rate is passed to
 /// every [`Optimizer::step`] (it comes from an [`LrSchedule`](super::LrSchedule)).
@@ -75,8 +76,8 @@ pub struct AdamW {
     cfg: AdamWConfig,
     mask: DecayMask,
     step: u64,
-    exp_avg: Vec<f32>,
-    exp_avg_sq: Vec<f32>,
+    exp_avg: AlignedFloats,
+    exp_avg_sq: AlignedFloats,
 }
 
 impl AdamW {
@@ -88,8 +89,8 @@ impl AdamW {
             cfg,
             mask,
             step: 0,
-            exp_avg: vec![0.0; n],
-            exp_avg_sq: vec![0.0; n],
+            exp_avg: AlignedFloats::zeroed(n),
+            exp_avg_sq: AlignedFloats::zeroed(n),
         })
     }
 

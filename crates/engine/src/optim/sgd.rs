@@ -5,6 +5,7 @@ use rayon::prelude::*;
 
 use super::kernels::{self, SgdCoeffs};
 use super::{check_len, parallel, DecayMask, OptimError, Optimizer, OptimizerState, BLOCK};
+use crate::AlignedFloats;
 
 /// SGD hyperparameters; defaults are PyTorch's (plain SGD). The learning rate is passed to every
 /// [`Optimizer::step`].
@@ -56,7 +57,7 @@ pub struct Sgd {
     cfg: SgdConfig,
     mask: DecayMask,
     step: u64,
-    momentum_buffer: Vec<f32>,
+    momentum_buffer: AlignedFloats,
 }
 
 impl Sgd {
@@ -68,7 +69,7 @@ impl Sgd {
             cfg,
             mask,
             step: 0,
-            momentum_buffer: vec![0.0; n],
+            momentum_buffer: AlignedFloats::zeroed(n),
         })
     }
 

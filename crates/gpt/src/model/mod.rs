@@ -16,7 +16,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{AttnDims, Cpu};
-use cohort_engine::{Backend, DType, Dropout};
+use cohort_engine::{AlignedFloats, Backend, DType, Dropout};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
@@ -99,12 +99,12 @@ impl PartHooks for BeforeOnly<'_, '_> {
 pub struct GPT {
     config: GPTConfig,
     layout: Layout,
-    params: Vec<f32>,
-    grads: Vec<f32>,
+    params: AlignedFloats,
+    grads: AlignedFloats,
     dev: Box<dyn Backend>,
     act_layout: Option<ActLayout>,
-    arena: Vec<f32>,
-    attn_scratch: Vec<f32>,
+    arena: AlignedFloats,
+    attn_scratch: AlignedFloats,
     batch: Batch,
     training: bool,
     dropout_seed: u64,
@@ -230,14 +230,14 @@ impl GPT {
         config.validate()?;
         let layout = Layout::new(&config);
         Ok(GPT {
-            params: vec![0.0; layout.total],
-            grads: vec![0.0; layout.total],
+            params: AlignedFloats::zeroed(layout.total),
+            grads: AlignedFloats::zeroed(layout.total),
             layout,
             config,
             dev,
             act_layout: None,
-            arena: Vec::new(),
-            attn_scratch: Vec::new(),
+            arena: AlignedFloats::default(),
+            attn_scratch: AlignedFloats::default(),
             batch: Batch::default(),
             training: true,
             dropout_seed: seed,
@@ -452,7 +452,7 @@ impl GPT {
                 || al.bf16 != bf16
         }) {
             // Free the old arena first so peak memory is one arena, not two.
-            self.arena = Vec::new();
+            self.arena = AlignedFloats::default();
             let al = ActLayout::new(
                 &self.config,
                 n,
@@ -461,12 +461,11 @@ impl GPT {
                 self.activation_checkpointing,
                 bf16,
             );
-            self.arena = vec![0.0; al.total];
-            self.attn_scratch = vec![
-                0.0;
+            self.arena = AlignedFloats::zeroed(al.total);
+            self.attn_scratch = AlignedFloats::zeroed(
                 self.dev
-                    .attention_scratch_len(self.config.max_position_embeddings)
-            ];
+                    .attention_scratch_len(self.config.max_position_embeddings),
+            );
             self.act_layout = Some(al);
         }
         self.batch.set(input_ids, attention_mask, labels, b, t);

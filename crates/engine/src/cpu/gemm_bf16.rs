@@ -220,9 +220,10 @@ fn amx_granted() -> bool {
 /// stride `rsc`. `ep` finishes each block of c once its sums are final. `n_whole` is the
 /// columns of the whole product this call is a part of (its own n when it is all of it): the
 /// blocking depends on it, never on the part. With `b_sums` (n floats), each column's sum over
-/// b's k rows is added to it, row by row in order (the bits of [`column_sums`](super::column_sums)), by the pass
-/// that packs b: a layer's bias gradient, from the weight gradient's read of the output
-/// gradient, instead of a pass of its own over a matrix that is beyond the caches.
+/// b's k rows is added to it, row by row in order (the bits of
+/// [`column_sums`](super::column_sums)), by the pass that packs b: a layer's bias gradient, from
+/// the weight gradient's read of the output gradient, instead of a pass of its own over a
+/// matrix that is beyond the caches.
 ///
 /// # Safety
 /// [`supported`] must be true; the operands must describe valid matrices of these sizes; `c`
@@ -588,7 +589,10 @@ pub(crate) unsafe fn pack_a(
             }
         } else if rs == 1 {
             // Rows are contiguous down each column: pair up two K rows of 16 A rows, then
-            // transpose so each A row's pairs are contiguous.
+            // transpose so each A row's pairs are contiguous. K goes outermost: 32 K rows are
+            // read across the whole block before the next 32 (going down all of K for 16
+            // columns at a time touched a new page with every row, and a weight gradient's A
+            // has thousands).
             let mut r = [_mm512_setzero_si512(); 16];
             for p0 in (0..stride).step_by(16) {
                 let pairs = kcp.saturating_sub(p0).min(16);

@@ -86,25 +86,44 @@ pub fn layernorm_backward(
 ) {
     let (dinp, dout, inp) = (&mut dinp[..n * c], &dout[..n * c], &inp[..n * c]);
     let (mean, rstd, w) = (&mean[..n], &rstd[..n], &w[..c]);
+    let (dw, mut db) = (&mut dw[..c], db.map(|db| &mut db[..c]));
     // Per group of rows: its sums of norm * dout (the weight's gradient), then of dout (the
     // bias's).
-    let mut sums = vec![0f32; n.div_ceil(ROWS_PER_TASK) * 2 * c];
-    dinp.par_chunks_mut(ROWS_PER_TASK * c)
-        .zip(dout.par_chunks(ROWS_PER_TASK * c))
-        .zip(inp.par_chunks(ROWS_PER_TASK * c))
-        .zip(mean.par_chunks(ROWS_PER_TASK))
-        .zip(rstd.par_chunks(ROWS_PER_TASK))
-        .zip(sums.par_chunks_mut(2 * c))
-        .for_each(|(((((di, d), x), m), r), s)| rows_backward(di, d, x, m, r, w, s));
-    let dw = &mut dw[..c];
-    let mut db = db.map(|db| &mut db[..c]);
-    for group in sums.chunks_exact(2 * c) {
-        let (gw, gb) = group.split_at(c);
-        add_to(dw, gw);
-        if let Some(db) = db.as_deref_mut() {
-            add_to(db, gb);
+    let mut run = |sums: &mut [f32]| {
+        sums.fill(0.0);
+        dinp.par_chunks_mut(ROWS_PER_TASK * c)
+            .zip(dout.par_chunks(ROWS_PER_TASK * c))
+            .zip(inp.par_chunks(ROWS_PER_TASK * c))
+            .zip(mean.par_chunks(ROWS_PER_TASK))
+            .zip(rstd.par_chunks(ROWS_PER_TASK))
+            .zip(sums.par_chunks_mut(2 * c))
+            .for_each(|(((((di, d), x), m), r), s)| rows_backward(di, d, x, m, r, w, s));
+        for group in sums.chunks_exact(2 * c) {
+            let (gw, gb) = group.split_at(c);
+            add_to(dw, gw);
+            if let Some(db) = db.as_deref_mut() {
+                add_to(db, gb);
+            }
         }
-    }
+    };
+    let len = n.div_ceil(ROWS_PER_TASK) * 2 * c;
+    GROUP_SUMS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buf) => {
+            if buf.len() < len {
+                buf.resize(len, 0.0);
+            }
+            run(&mut buf[..len])
+        }
+        // This thread is already inside a LayerNorm backward (it took another job of the pool
+        // while waiting for its own tasks): that call's sums are in use.
+        Err(_) => run(&mut vec![0.0; len]),
+    });
+}
+
+thread_local! {
+    /// The groups' sums of [`layernorm_backward`], kept per calling thread so that a training
+    /// step does not allocate them for every call (the first call of a size grows it).
+    static GROUP_SUMS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 simd_fn! {

@@ -472,7 +472,10 @@ pub fn matmul_backward_weight_bf16_input(
             Mat::rm(dw.as_mut_ptr(), oc),
         );
         match dbias {
-            Some(db) => gemm_summing_b(dtype, (c, n, oc), a, b, dw, &mut db[..oc]),
+            Some(db) => {
+                check("matmul dbias", db.len(), oc);
+                gemm_summing_b(dtype, (c, n, oc), a, b, dw, &mut db[..oc])
+            }
             None => gemm(dtype, c, n, oc, a, b, dw, true, None, Epilogue::None),
         }
     }
@@ -711,7 +714,10 @@ pub fn matmul_backward(
         }
         let (a, dw) = (Mat::rm(inp.as_ptr(), c).t(), Mat::rm(dw.as_mut_ptr(), oc));
         match dbias {
-            Some(db) => gemm_summing_b(dtype, (c, n, oc), a, dout_m, dw, &mut db[..oc]),
+            Some(db) => {
+                check("matmul dbias", db.len(), oc);
+                gemm_summing_b(dtype, (c, n, oc), a, dout_m, dw, &mut db[..oc])
+            }
             None => gemm(dtype, c, n, oc, a, dout_m, dw, true, None, Epilogue::None),
         }
     }

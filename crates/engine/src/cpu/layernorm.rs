@@ -204,6 +204,35 @@ mod tests {
         out
     }
 
+    /// Forward with bias `b`, then backward into dx, dw and db starting at 0.5, 0.25 and 0.0
+    /// (they accumulate), on `threads` threads: (out, dx, dw, db).
+    fn forward_backward(
+        threads: usize,
+        (x, w, b, dout): (&[f32], &[f32], &[f32], &[f32]),
+        n: usize,
+        c: usize,
+    ) -> [Vec<f32>; 4] {
+        let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+        let mut dx = vec![0.5; n * c];
+        let (mut dw, mut db) = (vec![0.25; c], vec![0.0; c]);
+        within_pool(threads, || {
+            layernorm_forward(&mut out, &mut mean, &mut rstd, x, w, Some(b), n, c);
+            layernorm_backward(
+                &mut dx,
+                &mut dw,
+                Some(&mut db),
+                dout,
+                x,
+                &mean,
+                &rstd,
+                w,
+                n,
+                c,
+            );
+        });
+        [out, dx, dw, db]
+    }
+
     #[test]
     fn layernorm_matches_f64_and_finite_differences() {
         for threads in [1, 2] {
@@ -212,24 +241,7 @@ mod tests {
             let w = rand_vec(c, 2);
             let b = rand_vec(c, 3);
             let dout = rand_vec(n * c, 4);
-            let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
-            let mut dx = vec![0.5; n * c];
-            let (mut dw, mut db) = (vec![0.25; c], vec![0.0; c]);
-            within_pool(threads, || {
-                layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, Some(&b), n, c);
-                layernorm_backward(
-                    &mut dx,
-                    &mut dw,
-                    Some(&mut db),
-                    &dout,
-                    &x,
-                    &mean,
-                    &rstd,
-                    &w,
-                    n,
-                    c,
-                );
-            });
+            let [out, dx, dw, db] = forward_backward(threads, (&x, &w, &b, &dout), n, c);
             let f = |x: &[f64], w: &[f64], b: &[f64]| reference(x, w, b, n, c);
             let (x64, w64, b64) = (
                 crate::cpu::testing::f64s(&x),
@@ -245,34 +257,21 @@ mod tests {
 
     #[test]
     fn backward_gives_the_same_bits_at_any_thread_count() {
-        // rows past one group and not a multiple of it; the gradients start non-zero (they
-        // accumulate)
+        // rows past one group and not a multiple of it
         let (n, c) = (3 * ROWS_PER_TASK + 5, 48);
-        let (x, w, dout) = (rand_vec(n * c, 5), rand_vec(c, 6), rand_vec(n * c, 7));
-        let run = |threads: usize| {
-            let (mut mean, mut rstd, mut out) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * c]);
-            let (mut dx, mut dw, mut db) = (vec![0.5; n * c], vec![0.25; c], vec![-1.0; c]);
-            within_pool(threads, || {
-                layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, None, n, c);
-                layernorm_backward(
-                    &mut dx,
-                    &mut dw,
-                    Some(&mut db),
-                    &dout,
-                    &x,
-                    &mean,
-                    &rstd,
-                    &w,
-                    n,
-                    c,
-                );
-            });
-            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            (bits(&dx), bits(&dw), bits(&db))
+        let (x, w, b, dout) = (
+            rand_vec(n * c, 5),
+            rand_vec(c, 6),
+            rand_vec(c, 8),
+            rand_vec(n * c, 7),
+        );
+        let bits = |threads: usize| {
+            forward_backward(threads, (&x, &w, &b, &dout), n, c)
+                .map(|v| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>())
         };
-        let one = run(1);
+        let one = bits(1);
         for threads in [2, 3] {
-            assert!(run(threads) == one, "{threads} threads changed the bits");
+            assert!(bits(threads) == one, "{threads} threads changed the bits");
         }
     }
 }

@@ -322,7 +322,7 @@ pub(super) unsafe fn head_backward(
                 };
                 // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
                 pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
-                pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps);
+                pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
                 tall_product(ps, tall, dyb, dv, rs, keys, hd, r0, &mut scratch);
                 if let Some(o) = out {
                     pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
@@ -348,7 +348,7 @@ pub(super) unsafe fn head_backward(
                     &mut scratch,
                 );
                 pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
-                pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps);
+                pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
                 tall_product(ps, tall, qb, dk, rs, keys, hd, r0, &mut scratch);
             }
             amx::release();
@@ -391,15 +391,15 @@ impl Head {
         // SAFETY: q, k and v hold t rows of hd at stride rs; the regions are the callers'.
         unsafe {
             pack_a(qa, self.q, rs, 1, t, hd, pd);
-            pack_b(kb, self.k, 1, rs, hd, t, pd);
+            pack_b(kb, self.k, 1, rs, hd, t, pd, None);
             if let Some(vtb) = vtb {
-                pack_b(vtb, self.v, 1, rs, hd, t, pd);
+                pack_b(vtb, self.v, 1, rs, hd, t, pd, None);
             }
             if let Some(vb) = vb {
-                pack_b(vb, self.v, rs, 1, t, hd, pt);
+                pack_b(vb, self.v, rs, 1, t, hd, pt, None);
             }
             if let Some(kbk) = kbk {
-                pack_b(kbk, self.k, rs, 1, t, hd, pt);
+                pack_b(kbk, self.k, rs, 1, t, hd, pt, None);
             }
         }
     }

@@ -391,7 +391,7 @@ unsafe fn blocks(
                     kc.div_ceil(2)
                 };
                 let sums = b_sums.map(|s| s.add(jc));
-                pack_b_summing(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride, sums);
+                pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride, sums);
                 // The first K block starts C from the bias (or zero) unless accumulating.
                 let last = pc + kc == k;
                 let (acc, bias) = if pc == 0 && !accumulate {
@@ -726,33 +726,15 @@ unsafe fn pack_a_bf16(
 }
 
 /// Packs a (kc, nc) block of B at strides (rs, cs) as micro-panels of `stride` pairs (at least
-/// ⌈kc/2⌉) x NR columns, zero past kc and nc.
+/// ⌈kc/2⌉) x NR columns, zero past kc and nc. With `sums` (nc floats), also adds the block's kc
+/// rows to it, in order: see [`bgemm`]'s `b_sums`.
 ///
 /// # Safety
 /// `b` must have kc x nc readable floats at these strides; `pb` ⌈nc/NR⌉ x NR x stride writable
-/// u32, 64-byte aligned.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn pack_b(
-    pb: *mut u32,
-    b: *const f32,
-    rs: usize,
-    cs: usize,
-    kc: usize,
-    nc: usize,
-    stride: usize,
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe { pack_b_summing(pb, b, rs, cs, kc, nc, stride, None) }
-}
-
-/// [`pack_b`], also adding the block's kc rows, in order, to `sums` (nc floats) when given:
-/// see [`bgemm`]'s `b_sums`.
-///
-/// # Safety
-/// As [`pack_b`], `sums` (if any) nc writable floats not overlapping the others.
+/// u32, 64-byte aligned; `sums`, if any, nc writable floats not overlapping the others.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack_b_summing(
+pub(crate) unsafe fn pack_b(
     pb: *mut u32,
     b: *const f32,
     rs: usize,

@@ -8,6 +8,8 @@
 //! - [`Dropout`] derives every dropout decision from (seed, rank, step, site, index), so masks
 //!   are reproducible and never stored.
 //! - [`optim`] holds AdamW, SGD, the LR schedule and gradient clipping over flat buffers.
+//! - [`AlignedFloats`] is the f32 buffer the kernels stream through (activations, parameters,
+//!   gradients, optimizer state): it starts on a cache line, so no vector of a row straddles two.
 //!
 //! The engine knows buffers and dimensions, never models or networks: it must never allocate
 //! inside a kernel, and no result may depend on the number of threads.

@@ -53,14 +53,6 @@ impl DerefMut for AlignedFloats {
     }
 }
 
-impl From<&[f32]> for AlignedFloats {
-    fn from(values: &[f32]) -> AlignedFloats {
-        let mut buf = AlignedFloats::zeroed(values.len());
-        buf.copy_from_slice(values);
-        buf
-    }
-}
-
 impl std::fmt::Debug for AlignedFloats {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AlignedFloats")
@@ -85,7 +77,5 @@ mod tests {
             assert_eq!(&c[..], &b[..]);
             assert_eq!(c.as_ptr() as usize % 64, 0);
         }
-        let v = [1.0, 2.0, 3.0];
-        assert_eq!(&AlignedFloats::from(&v[..])[..], &v);
     }
 }

@@ -343,6 +343,37 @@ pub(crate) unsafe fn store_row(
     }
 }
 
+/// Transposes a 16 x 16 block of 32-bit elements (f32, or bf16 pairs) in registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) fn transpose16(r: &mut [__m512i; 16]) {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for q in 0..8 {
+        t[2 * q] = _mm512_unpacklo_epi32(r[2 * q], r[2 * q + 1]);
+        t[2 * q + 1] = _mm512_unpackhi_epi32(r[2 * q], r[2 * q + 1]);
+    }
+    // u[4g + c], 128-bit lane l: rows 4g..4g+4 of column 4l + c.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let b = 4 * g;
+        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    for c in 0..4 {
+        let v = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
+        let w = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
+        r[c] = _mm512_shuffle_i32x4::<0x88>(v, w);
+        r[4 + c] = _mm512_shuffle_i32x4::<0xDD>(v, w);
+        let v = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
+        let w = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
+        r[8 + c] = _mm512_shuffle_i32x4::<0x88>(v, w);
+        r[12 + c] = _mm512_shuffle_i32x4::<0xDD>(v, w);
+    }
+}
+
 /// Copies b rows 0..kc, columns 0..nr into `pp` as kc rows of NR floats (zeros past nr).
 ///
 /// # Safety
@@ -362,8 +393,40 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
                 _mm512_store_ps(pp.add(p * NR), _mm512_maskz_loadu_ps(m0, src));
                 _mm512_store_ps(pp.add(p * NR + 16), _mm512_maskz_loadu_ps(m1, src.add(16)));
             }
+        } else if rs == 1 {
+            // A transposed B (a weight read as its transpose, by an input gradient): each of
+            // its columns is contiguous along K, so 16 columns x 16 rows are loaded as vectors
+            // and turned in registers (an element at a time, this pack cost as much as a sixth
+            // of the product where it repeats for every block of A's rows).
+            let mut r = [_mm512_setzero_si512(); 16];
+            for j0 in (0..nr).step_by(16) {
+                let cols = (nr - j0).min(16);
+                for p0 in (0..kc).step_by(16) {
+                    let rows = (kc - p0).min(16);
+                    let m = masks(rows).0;
+                    for (jj, v) in r.iter_mut().enumerate() {
+                        *v = if jj < cols {
+                            _mm512_castps_si512(_mm512_maskz_loadu_ps(
+                                m,
+                                b.add((j0 + jj) * cs + p0),
+                            ))
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (q, v) in r.iter().enumerate().take(rows) {
+                        _mm512_store_si512(pp.add((p0 + q) * NR + j0) as *mut __m512i, *v);
+                    }
+                }
+            }
+            if nr <= 16 {
+                for p in 0..kc {
+                    _mm512_store_ps(pp.add(p * NR + 16), _mm512_setzero_ps());
+                }
+            }
         } else {
-            // A transposed B: read down its contiguous columns.
+            // Neither layout is unit-stride: element by element.
             for p in 0..kc {
                 _mm512_store_ps(pp.add(p * NR), _mm512_setzero_ps());
                 _mm512_store_ps(pp.add(p * NR + 16), _mm512_setzero_ps());

@@ -29,7 +29,7 @@ pub(crate) mod amx;
 
 use super::bf16::bf16_bits;
 use super::epilogue::Epilogue;
-use super::gemm::{bias_row, store_row, Strided};
+use super::gemm::{bias_row, store_row, transpose16, Strided};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
 #[derive(Clone, Copy)]
@@ -541,36 +541,6 @@ unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
         let hi = _mm512_maskz_loadu_ps(lanes(n.saturating_sub(16)), src.add(16.min(n)));
         // SAFETY: __m512bh and __m512i are both 512-bit vectors.
         std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
-    }
-}
-
-/// Transposes a 16 x 16 block of u32 in registers.
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn transpose16(r: &mut [__m512i; 16]) {
-    let mut t = [_mm512_setzero_si512(); 16];
-    for q in 0..8 {
-        t[2 * q] = _mm512_unpacklo_epi32(r[2 * q], r[2 * q + 1]);
-        t[2 * q + 1] = _mm512_unpackhi_epi32(r[2 * q], r[2 * q + 1]);
-    }
-    // u[4g + c], 128-bit lane l: rows 4g..4g+4 of column 4l + c.
-    let mut u = [_mm512_setzero_si512(); 16];
-    for g in 0..4 {
-        let b = 4 * g;
-        u[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
-        u[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
-        u[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
-        u[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
-    }
-    for c in 0..4 {
-        let v = _mm512_shuffle_i32x4::<0x44>(u[c], u[4 + c]);
-        let w = _mm512_shuffle_i32x4::<0x44>(u[8 + c], u[12 + c]);
-        r[c] = _mm512_shuffle_i32x4::<0x88>(v, w);
-        r[4 + c] = _mm512_shuffle_i32x4::<0xDD>(v, w);
-        let v = _mm512_shuffle_i32x4::<0xEE>(u[c], u[4 + c]);
-        let w = _mm512_shuffle_i32x4::<0xEE>(u[8 + c], u[12 + c]);
-        r[8 + c] = _mm512_shuffle_i32x4::<0x88>(v, w);
-        r[12 + c] = _mm512_shuffle_i32x4::<0xDD>(v, w);
     }
 }
 

@@ -343,6 +343,16 @@ pub(crate) unsafe fn store_row(
     }
 }
 
+/// Asks for the cache lines of `bytes` bytes from `p` (a hint: no fault, no effect on results).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_run(p: *const u8, bytes: usize) {
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+    }
+}
+
 /// Transposes a 16 x 16 block of 32-bit elements (f32, or bf16 pairs) in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -507,9 +517,7 @@ unsafe fn kernel<const R: usize>(
         // 1.5%; where the tile adds to C, the same hint made the head's backward slower.
         if !acc {
             for i in 0..R {
-                let row = c.add(i * rsc) as *const i8;
-                _mm_prefetch::<_MM_HINT_T0>(row);
-                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(4 * nr.min(NR) - 4));
+                prefetch_run(c.add(i * rsc) as *const u8, 4 * nr);
             }
         }
         let (mut ap, mut bp) = (a, b);

@@ -29,7 +29,7 @@ pub(crate) mod amx;
 
 use super::bf16::bf16_bits;
 use super::epilogue::Epilogue;
-use super::gemm::{bias_row, store_row, transpose16, Strided};
+use super::gemm::{bias_row, prefetch_run, store_row, transpose16, Strided};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
 #[derive(Clone, Copy)]
@@ -502,15 +502,6 @@ fn lanes(n: usize) -> __mmask16 {
 /// (on AMD Zen 5, config B's fc projection 380 -> 426-453 GFLOP/s, the fc input gradient
 /// 391 -> 420-434).
 const PREFETCH_ROWS: usize = 3;
-
-/// Asks for the cache lines of `bytes` bytes from `p` (a hint: no fault, no effect on results).
-#[inline(always)]
-fn prefetch_run(p: *const u8, bytes: usize) {
-    for off in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
-    }
-}
 
 /// Two rows of 16 f32 (`x` the even K index, `y` the odd) as 16 bf16 pairs, `x` in the low half.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]

@@ -6,8 +6,8 @@ step time and the process's peak RSS.
     python3 docs/bench/torch_checkpoint.py --config G --threads 1 [--checkpoint] [--amp bf16]
 
 Peak RSS is the process's high-water mark, so each setting runs in a process of its own. The
-model comes from the reference scripts (`--reference`, default ../shared/reference/pytorch,
-which holds model.py). Prints one JSON line.
+model is the reference GPT of model.py beside this script (`--reference DIR` to take
+another). Prints one JSON line.
 """
 import argparse
 import contextlib
@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--checkpoint", action="store_true", help="recompute each block in backward")
     ap.add_argument("--amp", choices=["none", "bf16"], default="none")
     here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--reference", default=os.path.join(here, "../../../shared/reference/pytorch"))
+    ap.add_argument("--reference", default=here, help="the directory holding model.py")
     args = ap.parse_args()
     sys.path.insert(0, args.reference)
     from model import CONFIGS, GPT

@@ -5,8 +5,8 @@ on the reference GPT (configs B and G), reporting tokens/s and each rank's peak 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 docs/bench/torch_sharded.py \
         --strategy ddp|zero1|fsdp --config B|G [--steps N --warmup W]
 
-The model comes from the reference scripts (`--reference`, default
-../shared/reference/pytorch, which holds model.py). Rank 0 prints one JSON line.
+The model is the reference GPT of model.py beside this script (`--reference DIR` to take
+another). Rank 0 prints one JSON line.
 """
 import argparse
 import json
@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     here = os.path.dirname(os.path.abspath(__file__))
-    ap.add_argument("--reference", default=os.path.join(here, "../../../shared/reference/pytorch"))
+    ap.add_argument("--reference", default=here, help="the directory holding model.py")
     args = ap.parse_args()
     sys.path.insert(0, args.reference)
     from model import CONFIGS, GPT

@@ -1,6 +1,6 @@
 //! The benchmarks behind `cohort bench`, one module per layer: each times a
 //! library from outside, through its public API, and reports a table or JSON
-//! lines whose keys scripts and the README depend on.
+//! lines whose keys scripts and docs/PERFORMANCE.md depend on.
 //!
 //! - [`collectives`]: `cohort bench collectives`, nccl-tests style.
 //! - [`rpc`]: `cohort bench rpc`, round trips and calls per second.

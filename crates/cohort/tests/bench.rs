@@ -1,5 +1,5 @@
 //! `cohort bench ...` end to end: every benchmark that lives in cohort-bench still runs from the
-//! command line and reports the JSON keys that scripts and the README read. (`bench ddp` is
+//! command line and reports the JSON keys that scripts and docs/PERFORMANCE.md read. (`bench ddp` is
 //! checked in train.rs.) Each run is kept to a few steps or calls: these check the reports, not
 //! the speed.
 

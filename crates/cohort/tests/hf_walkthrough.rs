@@ -1,5 +1,5 @@
 //! Adding special tokens to a model and fine-tuning it, end to end with the real binary, as
-//! the README walks it: a GPT-2-format model directory → `cohort tokenizer add-tokens --model`
+//! docs/guides/special-tokens.md walks it: a GPT-2-format model directory → `cohort tokenizer add-tokens --model`
 //! (resize with the mean init) → `cohort run -n 2 train --init-from` (DDP) → the result loads
 //! in Hugging Face `transformers` without a warning and generates what `cohort sample` does
 //! (when `transformers` is importable; CI installs it), and `cohort serve` serves it.

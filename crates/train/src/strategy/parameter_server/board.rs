@@ -2,7 +2,14 @@
 //! server, and the server's answers (parameters, or the reason it stopped) wait here for the
 //! handlers to send. Handlers only pass data through it; the server thread owns the model.
 
-use super::*;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cohort_rpc::{Floats, Registry};
+
+use super::messages::{Params, Push};
+use crate::config::PsMode;
 
 /// What the handlers and the server's thread share.
 pub(super) struct Board {

@@ -1,7 +1,7 @@
 //! The order of one stage's forwards and backwards in a step: GPipe (all forwards, then all
 //! backwards) or 1F1B (warm-up forwards, then one forward and one backward in turn).
 
-use super::*;
+use crate::config::PipelineSchedule;
 
 /// One unit of a stage's work in a step: the forward or backward of a micro-batch, in an
 /// activation slot.

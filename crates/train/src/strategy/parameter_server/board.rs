@@ -1,6 +1,7 @@
 //! The board between the RPC handlers and the server thread: workers' pushes wait here for the
 //! server, and the server's answers (parameters, or the reason it stopped) wait here for the
-//! handlers to send. Handlers only pass data through it; the server thread owns the model.
+//! handlers to send. Handlers only pass data through it; the server thread owns the model, and
+//! the board never touches it.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -1,6 +1,7 @@
 //! The server (rank 0): holds the parameters, AdamW and the schedule, applies the workers'
 //! gradients (sync: averaged per step; async: one update per push if fresh enough), evaluates,
-//! logs and checkpoints.
+//! logs and checkpoints, as a strategy of the one training loop ([`ServerStrategy`]). It
+//! never computes a gradient: the workers do.
 
 use std::collections::VecDeque;
 use std::io::Write;

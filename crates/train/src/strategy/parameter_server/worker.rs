@@ -1,5 +1,6 @@
 //! A worker (ranks 1..K-1): pulls parameters, computes the gradient of its own shard's batch
-//! and pushes it; the answer is the parameters for its next step.
+//! and pushes it; the answer is the parameters for its next step. A worker never steps the
+//! optimizer, logs or saves: the server does.
 
 use std::sync::Arc;
 use std::time::Instant;

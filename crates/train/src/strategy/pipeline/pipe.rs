@@ -1,5 +1,6 @@
 //! Where each stage and replica sits among the ranks, and the pipe between neighbouring stages:
-//! activations forward, their gradients backward, tagged by micro-batch, timed per phase.
+//! activations forward, their gradients backward, tagged by micro-batch, timed per phase. It
+//! never decides the order of the micro-batches: the schedule does.
 
 use std::time::{Duration, Instant};
 

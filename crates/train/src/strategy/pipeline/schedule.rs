@@ -1,5 +1,6 @@
 //! The order of one stage's forwards and backwards in a step: GPipe (all forwards, then all
-//! backwards) or 1F1B (warm-up forwards, then one forward and one backward in turn).
+//! backwards) or 1F1B (warm-up forwards, then one forward and one backward in turn). A pure
+//! function of the stage and counts: it never communicates or computes.
 
 use crate::config::PipelineSchedule;
 

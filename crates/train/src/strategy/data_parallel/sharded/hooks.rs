@@ -1,7 +1,8 @@
 //! The part hooks of a sharded pass: what happens to a part's memory
 //! around its forward and backward (parameters gathered and released under
 //! stage 3, gradients made resident again from the spare pages). The hooks
-//! cannot fail: their first error waits in the shared state.
+//! never decide the order of the parts (the model calls them) and cannot
+//! fail: their first error waits in the shared state.
 
 use std::ops::Range;
 use std::sync::Mutex;

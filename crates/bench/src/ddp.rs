@@ -12,25 +12,24 @@
 //! segment has every rank train alone at the same time: DDP's throughput
 //! against theirs is the efficiency of DDP itself on this machine. The launch time
 //! comes from `COHORT_LAUNCH_TIME_US`, set by `cohort run`.
-//! With `--strategy zero1` the step is ZeRO-1's instead of DDP's (plain
-//! backward, then cohort-train's [`Zero1`]: reduce-scatter, AdamW on the
-//! shard, all-gather), and the peak resident memory of each rank shows what
-//! sharding the optimizer state saves. With `--strategy zero2` or `zero3`
-//! the step is cohort-train's [`ShardedDp`]'s: each part's gradient
-//! reduce-scattered as backward hands it out and released (and, for zero3,
-//! each part's parameters gathered around its forward and backward), then
-//! AdamW on the shard; the peak resident memory shows what sharding the
-//! gradients and parameters saves.
+//! The step is cohort-train's data-parallel step ([`DataParallel`]), the one
+//! `cohort train` runs, with the gradient sync `--strategy` names: DDP's
+//! bucketed all-reduce, ZeRO-1 (plain backward, then [`Zero1`]:
+//! reduce-scatter, AdamW on the shard, all-gather) or ZeRO-2/3
+//! ([`ShardedDp`]: each part's gradient reduce-scattered as backward hands
+//! it out and released, and for zero3 each part's parameters gathered
+//! around its forward and backward, then AdamW on the shard). The peak
+//! resident memory of each rank shows what sharding saves.
 //! It reports; it never changes what it measures.
 
 use cohort_comm::ProcessGroup;
-use cohort_ddp::{Ddp, DdpOptions};
+use cohort_ddp::DdpOptions;
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{GPTConfig, Labels, GPT};
 use cohort_train::{
-    param_specs, peak_rss_mb, process_cpu_ms, ConfigError, Overlap, ShardedDp, TrainError, Zero1,
-    ZeroStage, TUNED_BUCKET_CAP_MB,
+    peak_rss_mb, process_cpu_ms, share_rank0_params, ConfigError, DataParallel, GradSync, Overlap,
+    ShardedDp, TrainError, Zero1, ZeroStage, TUNED_BUCKET_CAP_MB,
 };
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -249,7 +248,7 @@ pub fn run_ddp_bench(
     let t = cfg.max_position_embeddings;
     let (rank, world) = (pg.rank(), pg.size());
 
-    // Only rank 0's draws survive DDP's broadcast.
+    // Only rank 0's draws survive: DDP broadcasts them, ZeRO shares them first.
     let mut model = if rank == 0 {
         GPT::new(cfg.clone(), 1234)?
     } else {
@@ -268,7 +267,7 @@ pub fn run_ddp_bench(
     } else {
         cohort_ddp::Compression::None
     };
-    let mut sync = match args.strategy {
+    let sync = match args.strategy {
         BenchStrategy::Ddp => {
             let options = DdpOptions {
                 bucket_cap_mb: args.bucket_cap_mb,
@@ -277,20 +276,17 @@ pub fn run_ddp_bench(
                 compression,
                 ..DdpOptions::default()
             };
-            let ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), options)?;
             let opt = AdamW::new(AdamWConfig::default(), mask)?;
-            DataParallel::Ddp { ddp, opt }
+            GradSync::ddp(pg, &mut model, opt, options)?
         }
         BenchStrategy::Zero1 => {
-            pg.broadcast(model.params_mut(), 0)
-                .map_err(TrainError::comm("initial parameters broadcast"))?;
+            share_rank0_params(pg, &mut model)?;
             let mut zero = Zero1::new(pg, model.params(), &mask, AdamWConfig::default())?;
             zero.set_compression(compression);
-            DataParallel::Zero1(zero)
+            GradSync::Zero1(zero)
         }
         BenchStrategy::Zero2 | BenchStrategy::Zero3 => {
-            pg.broadcast(model.params_mut(), 0)
-                .map_err(TrainError::comm("initial parameters broadcast"))?;
+            share_rank0_params(pg, &mut model)?;
             let stage = if args.strategy == BenchStrategy::Zero2 {
                 ZeroStage::Two
             } else {
@@ -299,9 +295,10 @@ pub fn run_ddp_bench(
             let mut zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
             zero.set_compression(compression);
             zero.set_overlap(overlap);
-            DataParallel::Sharded(Box::new(zero))
+            GradSync::Sharded(Box::new(zero))
         }
     };
+    let mut dp = DataParallel::new(pg, model, sync);
 
     // DDP and the single-rank baseline run in alternating segments, so that
     // drift in the host's speed (seconds long on a shared VM) weighs on both
@@ -328,17 +325,10 @@ pub fn run_ddp_bench(
             if j == warmup {
                 ddp_times.start_segment();
             }
-            let t0 = Instant::now();
             first_step_start.get_or_insert_with(SystemTime::now);
-            sync.forward(pg, &mut model, &ids, &labels, b, t)?;
-            let forward = t0.elapsed();
-            let phases = sync.step(pg, &mut model)?;
+            let phases = timed_step(&mut dp, &ids, &labels, b, t)?;
             if j >= warmup {
-                ddp_times.push(Phases {
-                    step: t0.elapsed(),
-                    forward,
-                    ..phases
-                });
+                ddp_times.push(phases);
             }
         }
         ddp_times.end_segment();
@@ -411,7 +401,7 @@ pub fn run_ddp_bench(
     let result = BenchDdpResult {
         bench: "ddp",
         config: args.config.to_uppercase(),
-        precision: model.backend().dtype().to_string(),
+        precision: dp.model().backend().dtype().to_string(),
         strategy: args.strategy,
         activation_checkpointing: args.activation_checkpointing,
         world,
@@ -431,10 +421,10 @@ pub fn run_ddp_bench(
         baseline_cpu_ms_per_step: baseline_cpu,
         cpu_efficiency: baseline_cpu.map(|c| c / cpu_ms),
         peak_rss_mb_per_rank: peak_rss_per_rank,
-        optimizer_floats_per_rank: sync.optimizer_floats(model.num_params()),
-        buckets: sync.buckets(),
+        optimizer_floats_per_rank: dp.optimizer_floats(),
+        buckets: dp.buckets(),
         overlap,
-        params: model.num_params(),
+        params: dp.model().num_params(),
         batch_per_rank: b,
         seq: t,
         steps,
@@ -490,122 +480,39 @@ pub fn run_ddp_bench(
     Ok(result)
 }
 
-/// The data-parallel step being timed, with what it keeps between steps.
-enum DataParallel<'a> {
-    /// DDP's bucketed all-reduce and AdamW over the whole model.
-    Ddp { ddp: Ddp<'a>, opt: AdamW },
-    /// ZeRO-1: AdamW over this rank's shard only.
-    Zero1(Zero1),
-    /// ZeRO-2 or ZeRO-3: gradients (and parameters) sharded by part too.
-    Sharded(Box<ShardedDp>),
-}
-
-impl DataParallel<'_> {
-    /// The step's forward of `ids` with `labels` (B = `b`, T = `t`), the
-    /// gradients cleared first where the backward accumulates into them.
-    /// Collective under ZeRO-3.
-    fn forward(
-        &mut self,
-        pg: &ProcessGroup,
-        model: &mut GPT,
-        ids: &[u32],
-        labels: &[i32],
-        b: usize,
-        t: usize,
-    ) -> Result<(), TrainError> {
-        let labels = Some(Labels::Aligned(labels));
-        match self {
-            DataParallel::Sharded(zero) => {
-                // The model's gradient buffer is already zero (released part
-                // by part): zeroing it would only bring its pages back.
-                zero.forward(pg, model, ids, None, labels, b, t)?;
-            }
-            _ => {
-                model.zero_grad();
-                model.forward_labels(ids, None, labels, b, t)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Backward of the forward just run, the gradients' synchronisation and
-    /// the update, on `model`; the phases it timed (not the whole step's or
-    /// the forward's, which the caller knows). Collective.
-    fn step(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Phases, TrainError> {
-        match self {
-            DataParallel::Ddp { ddp, opt } => {
-                let stats = ddp
-                    .backward(|ready| model.backward(ready))?
-                    .finish(model.grads_mut())?;
-                let t_opt = Instant::now();
-                let (params, grads) = model.params_and_grads_mut();
-                opt.step(params, grads, 1e-3)?;
-                Ok(Phases {
-                    backward: stats.backward,
-                    comm_wait: stats.comm_wait,
-                    comm_busy: stats.comm_busy,
-                    optimizer: t_opt.elapsed(),
-                    ..Phases::default()
-                })
-            }
-            DataParallel::Zero1(zero) => {
-                let t = Instant::now();
-                model.backward(|_, _| {})?;
-                let backward = t.elapsed();
-                let (params, grads) = model.params_and_grads_mut();
-                let times = zero.step(pg, grads, params, 1e-3)?;
-                // Nothing overlaps the collectives here: all of their time
-                // is waited for.
-                Ok(Phases {
-                    backward,
-                    comm_wait: times.comm,
-                    comm_busy: times.comm,
-                    optimizer: times.optimizer,
-                    ..Phases::default()
-                })
-            }
-            DataParallel::Sharded(zero) => {
-                let t = Instant::now();
-                let reduce = zero.backward(pg, model)?;
-                let backward = t.elapsed().saturating_sub(reduce);
-                let t = Instant::now();
-                let gather = zero.update(pg, model, 1e-3)?;
-                zero.clear_grads();
-                let optimizer = t.elapsed().saturating_sub(gather);
-                // The reduce-scatters run between the parts' backwards (with
-                // overlap, beside them: what is counted is the time waited
-                // for them), ZeRO-2's all-gathers after AdamW.
-                Ok(Phases {
-                    backward,
-                    comm_wait: reduce + gather,
-                    comm_busy: reduce + gather,
-                    optimizer,
-                    ..Phases::default()
-                })
-            }
-        }
-    }
-
-    /// Floats of AdamW state this rank keeps for a model of `n` parameters.
-    fn optimizer_floats(&self, n: usize) -> usize {
-        match self {
-            DataParallel::Ddp { .. } => 2 * n,
-            DataParallel::Zero1(zero) => 2 * zero.shard_len(),
-            DataParallel::Sharded(zero) => 2 * zero.shard_len(),
-        }
-    }
-
-    fn buckets(&self) -> usize {
-        match self {
-            DataParallel::Ddp { ddp, .. } => ddp.buckets().len(),
-            DataParallel::Zero1(_) | DataParallel::Sharded(_) => 0,
-        }
-    }
+/// One timed data-parallel step of `ids` with `labels` (B = `b`, T = `t`)
+/// through cohort-train's step: the gradients cleared, forward, backward
+/// with the strategy's synchronisation, and the update. Collective.
+fn timed_step(
+    dp: &mut DataParallel<'_>,
+    ids: &[u32],
+    labels: &[i32],
+    b: usize,
+    t: usize,
+) -> Result<StepPhases, TrainError> {
+    let t0 = Instant::now();
+    dp.clear_grads();
+    dp.forward(ids, None, Some(Labels::Aligned(labels)), b, t)?;
+    let forward = t0.elapsed();
+    let sync = dp.backward(true)?;
+    let t_opt = Instant::now();
+    // ZeRO-1 and 2 all-gather the updated shards here; nothing overlaps
+    // those collectives, so all of their time is waited for.
+    let gather = dp.update(1e-3)?;
+    let optimizer = t_opt.elapsed().saturating_sub(gather);
+    Ok(StepPhases {
+        step: t0.elapsed(),
+        forward,
+        backward: sync.backward,
+        comm_wait: sync.comm_wait + gather,
+        comm_busy: sync.comm_busy + gather,
+        optimizer,
+    })
 }
 
 /// Where the time of one training step went.
 #[derive(Debug, Clone, Copy, Default)]
-struct Phases {
+struct StepPhases {
     step: Duration,
     forward: Duration,
     /// The model's backward (with overlap, the reduction it hid included).
@@ -650,7 +557,7 @@ impl std::fmt::Display for PhasesMs {
 /// one or more segments.
 #[derive(Default)]
 struct StepTimes {
-    steps: Vec<Phases>,
+    steps: Vec<StepPhases>,
     cpu_ms: f64,
     segment_cpu0: Option<f64>,
 }
@@ -666,12 +573,12 @@ impl StepTimes {
         }
     }
 
-    fn push(&mut self, step: Phases) {
+    fn push(&mut self, step: StepPhases) {
         self.steps.push(step);
     }
 
     fn medians_ms(&self) -> PhasesMs {
-        let of = |f: fn(&Phases) -> Duration| {
+        let of = |f: fn(&StepPhases) -> Duration| {
             let mut v: Vec<f64> = self
                 .steps
                 .iter()
@@ -750,12 +657,12 @@ impl SingleRank {
             let (params, grads) = self.model.params_and_grads_mut();
             self.opt.step(params, grads, 1e-3)?;
             if j >= warmup {
-                times.push(Phases {
+                times.push(StepPhases {
                     step: t0.elapsed(),
                     forward,
                     backward,
                     optimizer: t_opt.elapsed(),
-                    ..Phases::default()
+                    ..StepPhases::default()
                 });
             }
         }

@@ -7,7 +7,8 @@
 //! are merged through their serde forms, key by key, so a new setting is one
 //! field in each struct and nothing else. This module never starts training.
 
-use crate::fault::NanInjection;
+use crate::error::ConfigError;
+use crate::grad_guard::NanInjection;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -369,46 +370,6 @@ impl Default for TrainConfig {
             pipeline_schedule: PipelineSchedule::OneFOneB,
         }
     }
-}
-
-/// Why a configuration could not be built.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The TOML file could not be read.
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The TOML file is malformed or has unknown keys.
-    #[error("config file {path}: {message}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said.
-        message: String,
-    },
-    /// `--init-from` names a directory whose model the run cannot take.
-    #[error("--init-from {path}: {why}")]
-    Pretrained {
-        /// The directory.
-        path: PathBuf,
-        /// What is wrong.
-        why: String,
-    },
-    /// A setting is out of range.
-    #[error("invalid setting {key} = {value}: {why}")]
-    Invalid {
-        /// The setting.
-        key: &'static str,
-        /// Its value.
-        value: String,
-        /// What it must be.
-        why: &'static str,
-    },
 }
 
 /// `cohort train`'s flags: every setting of [`TrainConfig`], optional.

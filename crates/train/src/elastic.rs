@@ -15,7 +15,7 @@
 //!   multiple of `batch_size x new world`, cohort keeps `grad_accum`, the
 //!   global batch changes, and the log says so.
 //!
-//! This module decides; it never loads weights (`checkpoint.rs` does) and
+//! This module decides; it never loads weights (`checkpoint` does) and
 //! never talks to other ranks.
 
 use std::path::Path;
@@ -23,8 +23,9 @@ use std::path::Path;
 use cohort_gpt::checkpoint as ckpt;
 use serde_json::Value;
 
-use crate::config::{ConfigError, TrainConfig};
-use crate::TrainError;
+use crate::checkpoint::trainer_files;
+use crate::config::TrainConfig;
+use crate::error::{ConfigError, TrainError};
 
 /// Set by the launcher: how many times it restarted the job's workers.
 pub const RESTART_COUNT_VAR: &str = "COHORT_RESTART_COUNT";
@@ -83,7 +84,7 @@ struct SavedShape {
 /// cannot be read (loading it reports why).
 fn saved_shape(path: &Path) -> Option<SavedShape> {
     let dir = ckpt::resolve(path).ok()?;
-    let trainer = crate::trainer_files::load_trainer_state(&dir).ok()??;
+    let trainer = trainer_files::load_trainer_state(&dir).ok()??;
     let field = |key: &str| {
         trainer
             .extra
@@ -124,13 +125,6 @@ fn rescale(saved: &SavedShape, batch_size: usize, world: usize, accum: usize) ->
     )
 }
 
-/// This rank's offset in the epoch after a change of world size: the
-/// samples all `from` ranks consumed together, shared among `to` ranks
-/// (rounded down, so at most `to - 1` samples are read twice, none skipped).
-pub(crate) fn remap_offset(offset: usize, from: usize, to: usize) -> usize {
-    offset * from / to.max(1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,14 +146,6 @@ mod tests {
         let (accum, note) = rescale(&saved, 2, 3, 1);
         assert_eq!(accum, 1);
         assert!(note.contains("changes to 6"), "{note}");
-    }
-
-    #[test]
-    fn the_position_is_the_samples_all_ranks_consumed() {
-        assert_eq!(remap_offset(10, 2, 1), 20);
-        assert_eq!(remap_offset(10, 1, 2), 5);
-        assert_eq!(remap_offset(7, 2, 3), 4);
-        assert_eq!(remap_offset(7, 3, 3), 7);
     }
 
     #[test]

@@ -63,7 +63,7 @@ impl Phase {
 /// Accumulated time per phase.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Phases {
-    times: [Duration; 6],
+    times: [Duration; PHASES.len()],
 }
 
 impl Phases {
@@ -107,7 +107,7 @@ impl Phases {
     }
 
     /// Milliseconds per step over `steps` steps, in the order of [`PHASES`].
-    pub fn ms_per_step(&self, steps: u64) -> [f64; 6] {
+    pub fn ms_per_step(&self, steps: u64) -> [f64; PHASES.len()] {
         self.times
             .map(|t| t.as_secs_f64() * 1e3 / steps.max(1) as f64)
     }

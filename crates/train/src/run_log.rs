@@ -40,7 +40,7 @@ pub(crate) struct TrainFigures {
     pub tokens_per_s: f64,
     /// Each rank's milliseconds per step in each phase (rank 0's first), in
     /// the order of `PHASES`.
-    pub rank_ms: Vec<[f64; 6]>,
+    pub rank_ms: Vec<[f64; PHASES.len()]>,
 }
 
 /// An open run log.

@@ -1,65 +1,28 @@
-//! Data-parallel training, nanoGPT's train.py in Rust: build the data and
-//! the model, wrap it in DDP, and hand it to the one training loop
-//! (`step_loop`) as its strategy: micro-batches, backward with gradient
-//! averaging; the loop clips, steps AdamW, logs, evaluates and checkpoints.
-//! The same code runs alone (a world of one) and as one rank of many; only
-//! rank 0 writes the log and checkpoints. It never parses flags and never
-//! opens sockets itself: it is handed a config and a process group.
+//! What every strategy that holds a whole model replica shares: the model a
+//! config asks for ([`model_config`], [`new_model`], rank 0's parameters
+//! shared with [`share_rank0_params`]), its precision and activation
+//! checkpointing, the memory check before anything is allocated, the
+//! header lines, and resuming and saving a replica (whole, DDP's format) or
+//! a rank's shard (the ZeRO stages' sharded format).
+//!
+//! It is the bottom of the strategies: data parallel, pipeline and
+//! parameter server use it, and it uses none of them nor the loop. It never
+//! runs a step and never decides when to save.
 
-use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{self, SaveReport, TrainState};
-use crate::config::{Precision, Strategy as Parallelism, TrainConfig};
-use crate::memory::{memory_per_rank, Sharding};
-use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, Start, StepGradients, Strategy};
-use crate::TrainError;
-use cohort_comm::ProcessGroup;
-use cohort_data::Dataset;
-use cohort_ddp::{Ddp, DdpOptions, ParamSpec};
-use cohort_engine::optim::{AdamW, Optimizer};
-use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GPTConfig, GptError, GPT};
-use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 
-/// What a finished run reports (on every rank; losses are averaged over ranks).
-#[derive(Debug, Clone)]
-pub struct Outcome {
-    /// Optimizer steps run in this process (not counting resumed ones).
-    pub steps_run: u64,
-    /// The step the run ended at.
-    pub final_step: u64,
-    /// Mean training loss over ranks of each logged step, as `(step, loss)`.
-    pub train_losses: Vec<(u64, f32)>,
-    /// Validation losses, as `(step, loss)`.
-    pub val_losses: Vec<(u64, f32)>,
-    /// The data set's loss floor, if known.
-    pub loss_floor: Option<f64>,
-    /// Tokens per second over the whole job (all ranks), excluding the first step.
-    pub tokens_per_s: f64,
-    /// Time per phase on this rank, summed over the run.
-    pub phases: Phases,
-    /// The parameters at the end (identical on every rank).
-    pub params: Vec<f32>,
-}
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_data::Dataset;
+use cohort_ddp::ParamSpec;
+use cohort_engine::optim::AdamW;
+use cohort_gpt::{GPTConfig, GptError, GPT};
 
-impl Outcome {
-    /// A run at `step` with nothing run yet, on data whose loss floor is
-    /// `loss_floor`.
-    pub(crate) fn starting_at(step: u64, loss_floor: Option<f64>) -> Outcome {
-        Outcome {
-            steps_run: 0,
-            final_step: step,
-            train_losses: Vec::new(),
-            val_losses: Vec::new(),
-            loss_floor,
-            tokens_per_s: 0.0,
-            phases: Phases::default(),
-            params: Vec::new(),
-        }
-    }
-}
+use crate::checkpoint::{self, SaveReport, TrainState};
+use crate::config::{Precision, TrainConfig};
+use crate::error::TrainError;
+use crate::input::{self, TrainBatches};
+use crate::memory::{memory_per_rank, Sharding};
 
 /// The model a config asks for, over `vocab_size` tokens: the shape flags', or with
 /// `init_from` the shape in that directory's config.json (the flags were checked against it
@@ -399,193 +362,60 @@ pub fn param_specs(model: &GPT) -> Vec<ParamSpec> {
         .collect()
 }
 
-/// Trains as configured, data parallel (DDP, or ZeRO stage 1, 2 or 3 with
-/// `--strategy zero1|zero2|zero3`), as rank `pg.rank()` of `pg.size()`; rank 0 writes
-/// the log to `log`. Collective: every rank must call it with the same config.
-pub fn train(
+/// What a replicated strategy starts from on each rank, before it wraps or
+/// shards anything: the run's data, the whole model (rank 0's parameters
+/// drawn or loaded; the other ranks' zeros until [`share_rank0_params`] or
+/// DDP's broadcast), and the header lines so far.
+pub(crate) struct ReplicatedStart {
+    pub data: Arc<dyn Dataset>,
+    pub model: GPT,
+    pub header: Vec<String>,
+}
+
+/// Builds the data and the model (checked to fit in memory under
+/// `sharding`, in the run's precision, with activation checkpointing as
+/// asked). Collective only where rank 0 prepares data files first.
+pub(crate) fn replicated_start(
     cfg: &TrainConfig,
     pg: &ProcessGroup,
-    log: &mut dyn Write,
-) -> Result<Outcome, TrainError> {
-    cfg.validate()?;
-    let stage = match cfg.strategy {
-        Parallelism::Zero1 => {
-            let mut strategy = crate::zero::ZeroOne::new(cfg, pg)?;
-            return step_loop::run(cfg, &mut strategy, log, 1);
-        }
-        Parallelism::Zero2 => Some(crate::sharded::ZeroStage::Two),
-        Parallelism::Zero3 => Some(crate::sharded::ZeroStage::Three),
-        _ => None,
-    };
-    if let Some(stage) = stage {
-        let mut strategy = crate::sharded::ZeroSharded::new(cfg, pg, stage)?;
-        return step_loop::run(cfg, &mut strategy, log, 1);
-    }
-    let mut strategy = DataParallel::new(cfg, pg)?;
-    step_loop::run(cfg, &mut strategy, log, 1)
+    sharding: Sharding,
+) -> Result<ReplicatedStart, TrainError> {
+    let data: Arc<dyn Dataset> = input::build(cfg, pg)?.into();
+    let t = data.seq_len();
+    let mut header = input::data_lines(&*data);
+    let model_cfg = model_config(cfg, data.vocab_size())?;
+    model_cfg.validate()?;
+    check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
+    // Only rank 0 draws (or loads) the initial parameters; the others
+    // receive them.
+    let (mut model, init_line) = new_model(cfg, model_cfg, pg.rank() == 0)?;
+    header.extend(init_line);
+    header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+    header.extend(apply_checkpointing(cfg, &mut model, t));
+    Ok(ReplicatedStart {
+        data,
+        model,
+        header,
+    })
 }
 
-/// Data parallelism, PyTorch's DDP: every rank holds the whole model and
-/// trains on its own shard of the data; the gradients are averaged across
-/// ranks during the last micro-batch's backward.
-struct DataParallel<'a> {
-    cfg: &'a TrainConfig,
-    pg: &'a ProcessGroup,
-    data: Arc<dyn Dataset>,
-    model: GPT,
-    opt: AdamW,
-    ddp: Ddp<'a>,
-    batches: TrainBatches,
-    /// This rank's share of the job's validation batches.
-    val: ValBatches,
-    start: Start,
+/// Makes sure every rank built the same size of model and gives every rank
+/// rank 0's parameters (as drawn). Collective.
+pub fn share_rank0_params(pg: &ProcessGroup, model: &mut GPT) -> Result<(), TrainError> {
+    agree_on_size(pg, model.num_params())?;
+    pg.broadcast(model.params_mut(), 0)
+        .map_err(TrainError::comm("initial parameters broadcast"))
 }
 
-impl<'a> DataParallel<'a> {
-    fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup) -> Result<Self, TrainError> {
-        let (rank, world) = (pg.rank(), pg.size());
-        let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
-        let t = data.seq_len();
-        let mut header = step_loop::data_lines(&*data);
-        let model_cfg = model_config(cfg, data.vocab_size())?;
-        model_cfg.validate()?;
-        check_memory(
-            cfg,
-            &model_cfg,
-            t,
-            pg.local_world_size(),
-            Sharding::Replicated,
-        )?;
-        // Only rank 0 draws (or loads) the initial parameters: DDP checks that
-        // the shapes agree and broadcasts rank 0's to the others.
-        let (mut model, init_line) = new_model(cfg, model_cfg, rank == 0)?;
-        header.extend(init_line);
-        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
-        header.extend(apply_checkpointing(cfg, &mut model, t));
-        let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
-        let state = resume_replica(cfg, pg, &mut model, &mut opt, &mut header)?;
-        let overlap =
-            cfg.overlap
-                .enabled(world, pg.local_world_size(), model.backend().num_threads());
-        let ddp_options = DdpOptions {
-            bucket_cap_mb: cfg.bucket_cap_mb,
-            overlap,
-            compression: cfg.compression(),
-            ..DdpOptions::default()
-        };
-        let ddp = Ddp::new(pg, param_specs(&model), model.params_mut(), ddp_options)?;
-        header.push(format!(
-            "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
-             DDP buckets: {} (cap {} MB, overlap {})",
-            cfg.n_layers,
-            cfg.n_heads,
-            cfg.d_model,
-            cfg.d_ff,
-            data.vocab_size(),
-            t,
-            model.num_params(),
-            ddp.buckets().len(),
-            cfg.bucket_cap_mb,
-            if overlap { "on" } else { "off" },
-        ));
-        header.push(memory_line(cfg, &model, t, Sharding::Replicated));
-        header.push(global_batch_line(cfg, world, t));
-        let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
-        let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
-        Ok(DataParallel {
-            cfg,
-            pg,
-            model,
-            opt,
-            ddp,
-            batches,
-            val,
-            start: Start {
-                step: state.step,
-                header,
-                loss_floor: data.loss_floor(),
-            },
-            data,
-        })
+/// Fails unless every rank built a model of `n` parameters: the shards cut
+/// one flat buffer that all ranks must agree on. Collective.
+pub(crate) fn agree_on_size(pg: &ProcessGroup, n: usize) -> Result<(), TrainError> {
+    let mut range = [n as i64, -(n as i64)];
+    pg.all_reduce(&mut range, ReduceOp::Max)
+        .map_err(TrainError::comm("parameter count all_reduce"))?;
+    let (max, min) = (range[0] as usize, (-range[1]) as usize);
+    if min != max {
+        return Err(TrainError::ModelMismatch { min, max });
     }
-}
-
-impl Strategy for DataParallel<'_> {
-    fn group(&self) -> &ProcessGroup {
-        self.pg
-    }
-
-    fn start(&self) -> Start {
-        self.start.clone()
-    }
-
-    fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
-        let ddp = &mut self.ddp;
-        let (loss_sum, tokens) = step_loop::accumulate(
-            &mut self.model,
-            &mut self.batches,
-            self.cfg,
-            self.pg.rank(),
-            step,
-            phases,
-            // Only the last micro-step communicates: the gradients of the
-            // others accumulate locally and are averaged with it at once.
-            &mut |model, phases| {
-                let stats = ddp
-                    .backward(|ready| model.backward(ready))?
-                    .finish(model.grads_mut())?;
-                phases.add(Phase::Backward, stats.backward);
-                phases.add(Phase::Comm, stats.comm_wait);
-                Ok(())
-            },
-        )?;
-        Ok(StepGradients::data_parallel(
-            loss_sum,
-            tokens,
-            self.cfg.grad_accum,
-            self.pg.size(),
-        ))
-    }
-
-    fn grads_mut(&mut self) -> &mut [f32] {
-        self.model.grads_mut()
-    }
-
-    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
-        if let Some(lr) = lr {
-            let (params, grads) = self.model.params_and_grads_mut();
-            self.opt.step(params, grads, lr)?;
-        }
-        self.model.zero_grad();
-        Ok(())
-    }
-
-    fn evaluate(&mut self) -> Result<f32, TrainError> {
-        let mine = step_loop::batch_losses(&self.val.mine, &mut self.model)?;
-        step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
-    }
-
-    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
-        if self.pg.rank() != 0 {
-            return Ok(SaveReport::default());
-        }
-        Ok(save_replica(
-            out,
-            self.cfg,
-            self.pg,
-            &self.model,
-            &self.opt,
-            &self.batches,
-            &*self.data,
-            step,
-        ))
-    }
-
-    fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.model.params().to_vec())
-    }
-
-    fn who(&self) -> String {
-        format!("{} rank(s)", self.pg.size())
-    }
+    Ok(())
 }

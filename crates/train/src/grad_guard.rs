@@ -1,7 +1,6 @@
-//! What a training step survives (catch what is not fatal): a
-//! NaN or infinite loss or gradient skips that update on every rank at once,
-//! gradients are clipped by value then by global norm, and a log that cannot
-//! be written is reported on stderr while training goes on.
+//! The gradient guard of every training step: the gradients scaled by the
+//! micro-batch count and clipped by value then by global norm, and a NaN or
+//! infinite loss or gradient skipping that update on every rank at once.
 //!
 //! The skip is decided collectively: each rank contributes whether its loss
 //! and its (averaged) gradient were finite, one all_reduce sums the flags,
@@ -20,14 +19,11 @@
 //! steps STEP..=LAST (0-based, as the loop counts them), so the tests can
 //! make one rank see what the others do not. It exists for tests only.
 //!
-//! This module must never let one rank update while another skips, and never
-//! stop a run for a log line.
+//! This module must never let one rank update while another skips.
 
-use crate::TrainError;
+use crate::error::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_engine::optim::grad_norm;
-use std::cell::Cell;
-use std::io::Write;
 
 /// The environment variable of the NaN test hook.
 pub const INJECT_NAN_VAR: &str = "COHORT_INJECT_NAN";
@@ -318,37 +314,6 @@ impl StepGuard {
     }
 }
 
-/// Writes log lines without ever failing the run: a failed write (a full
-/// disk, a closed pipe) is reported on stderr (the first one, then every
-/// 100th) and counted.
-#[derive(Debug, Default)]
-pub(crate) struct LogGuard {
-    failures: Cell<u64>,
-}
-
-impl LogGuard {
-    /// Writes `line` and a newline to `log`.
-    pub(crate) fn write(&self, log: &mut dyn Write, line: &str) {
-        if let Err(e) = writeln!(log, "{line}") {
-            let n = self.failures.get() + 1;
-            self.failures.set(n);
-            if n == 1 || n.is_multiple_of(100) {
-                // stderr may be gone too; there is nowhere left to report that.
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "cohort train: writing the log failed ({e}; {n} line(s) lost so far); \
-                     training continues"
-                );
-            }
-        }
-    }
-
-    /// Lines lost so far.
-    pub(crate) fn failures(&self) -> u64 {
-        self.failures.get()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,24 +416,5 @@ mod tests {
                 "{bad}: {err}"
             );
         }
-    }
-
-    #[test]
-    fn a_log_that_cannot_be_written_is_counted_not_fatal() {
-        let guard = LogGuard::default();
-        let mut full = match std::fs::OpenOptions::new().write(true).open("/dev/full") {
-            Ok(f) => f,
-            Err(e) => {
-                eprintln!("skipping: no /dev/full ({e})");
-                return;
-            }
-        };
-        guard.write(&mut full, "lost");
-        guard.write(&mut full, "lost too");
-        assert_eq!(guard.failures(), 2);
-        let mut ok = Vec::new();
-        guard.write(&mut ok, "kept");
-        assert_eq!(ok, b"kept\n");
-        assert_eq!(guard.failures(), 2);
     }
 }

@@ -1,8 +1,32 @@
 //! The server (rank 0): holds the parameters, AdamW and the schedule, applies the workers'
 //! gradients (sync: averaged per step; async: one update per push if fresh enough), evaluates,
-//! logs and checkpoints.
+//! logs and checkpoints, as a strategy of the one training loop ([`ServerStrategy`]). It
+//! never computes a gradient: the workers do.
 
-use super::*;
+use std::collections::VecDeque;
+use std::io::Write;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use cohort_comm::{GroupOptions, ProcessGroup};
+use cohort_data::Dataset;
+use cohort_engine::optim::{AdamW, Optimizer};
+use cohort_gpt::optim_groups::decay_mask;
+use cohort_gpt::GPT;
+use cohort_rpc::{Rpc, RpcError};
+use cohort_store::HashStore;
+
+use super::board::{Board, BoardState};
+use super::messages::rpc_err;
+use crate::checkpoint::{self, Resumed, SaveReport, TrainState};
+use crate::config::{PsMode, TrainConfig};
+use crate::error::TrainError;
+use crate::input::{val_batches, ValBatches};
+use crate::phases::{Phase, Phases};
+use crate::replica::model_config;
+use crate::step_loop::{
+    self, batch_losses, mean_val_loss, Outcome, ParallelStrategy, Start, StepGradients,
+};
 
 /// The server: the model, the optimizer, and the board its handlers fill.
 pub(super) struct Server<'c> {
@@ -24,7 +48,7 @@ pub(super) struct Server<'c> {
 
 /// The server running its updates: [`Server`] as a strategy of the one
 /// training loop. Its "gradients" are the workers' pushes.
-struct Serving<'s, 'c> {
+struct ServerStrategy<'s, 'c> {
     server: Server<'c>,
     rpc: &'s Rpc,
     /// The workers' data position after the last sync step (for checkpoints).
@@ -64,7 +88,7 @@ impl<'c> Server<'c> {
     ) -> Result<Self, TrainError> {
         let model_cfg = model_config(cfg, data.vocab_size())?;
         model_cfg.validate()?;
-        crate::train::check_memory(
+        crate::replica::check_memory(
             cfg,
             &model_cfg,
             data.seq_len(),
@@ -72,8 +96,8 @@ impl<'c> Server<'c> {
             crate::memory::Sharding::Replicated,
         )?;
         // The server's parameters are the workers' (they pull them before each step).
-        let (mut model, _) = crate::train::new_model(cfg, model_cfg, true)?;
-        crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
+        let (mut model, _) = crate::replica::new_model(cfg, model_cfg, true)?;
+        crate::replica::apply_precision(cfg, |d| model.set_precision(d))?;
         let adamw = cfg.adamw();
         let mut opt = AdamW::new(adamw, decay_mask(model.param_views()))?;
         let resumed = match &cfg.resume {
@@ -126,7 +150,7 @@ impl<'c> Server<'c> {
         let board = self.board.clone();
         let cfg = self.cfg;
         let start = self.resumed.as_ref().map(|r| r.state).unwrap_or_default();
-        let mut serving = Serving {
+        let mut strategy = ServerStrategy {
             server: self,
             rpc,
             position: (start.epoch, start.offset),
@@ -134,7 +158,7 @@ impl<'c> Server<'c> {
             window: Staleness::default(),
             total: Staleness::default(),
         };
-        let r = step_loop::run(cfg, &mut serving, log, untimed_steps);
+        let r = step_loop::run(cfg, &mut strategy, log, untimed_steps);
         let mut st = board.lock();
         st.done = true;
         if let Err(e) = &r {
@@ -145,7 +169,7 @@ impl<'c> Server<'c> {
     }
 }
 
-impl Strategy for Serving<'_, '_> {
+impl ParallelStrategy for ServerStrategy<'_, '_> {
     fn group(&self) -> &ProcessGroup {
         // The workers' results are gathered here: the loop's checks and
         // sums run in a world of one.
@@ -156,7 +180,7 @@ impl Strategy for Serving<'_, '_> {
         let s = &self.server;
         let (cfg, workers) = (s.cfg, s.board.workers);
         let (b, t) = (cfg.batch_size, s.data.seq_len());
-        let mut lines: Vec<String> = crate::train::precision_line(cfg).into_iter().collect();
+        let mut lines: Vec<String> = crate::replica::precision_line(cfg).into_iter().collect();
         if let Some(resumed) = &s.resumed {
             lines.extend(resumed.notes.iter().cloned());
             lines.push(format!(
@@ -165,7 +189,7 @@ impl Strategy for Serving<'_, '_> {
                 resumed.state.step
             ));
         }
-        lines.extend(step_loop::data_lines(&*s.data));
+        lines.extend(crate::input::data_lines(&*s.data));
         lines.push(format!(
             "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
              parameter server on rank 0, {workers} worker(s), {}",

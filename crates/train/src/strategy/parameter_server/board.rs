@@ -1,8 +1,16 @@
 //! The board between the RPC handlers and the server thread: workers' pushes wait here for the
 //! server, and the server's answers (parameters, or the reason it stopped) wait here for the
-//! handlers to send. Handlers only pass data through it; the server thread owns the model.
+//! handlers to send. Handlers only pass data through it; the server thread owns the model, and
+//! the board never touches it.
 
-use super::*;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cohort_rpc::{Floats, Registry};
+
+use super::messages::{Params, Push};
+use crate::config::PsMode;
 
 /// What the handlers and the server's thread share.
 pub(super) struct Board {

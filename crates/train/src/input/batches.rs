@@ -20,7 +20,7 @@ use cohort_data::TokenBudgetSampler;
 use cohort_data::{collate, Batch, BudgetConfig, DataLoader, LoaderConfig, Samples};
 
 use crate::config::TrainConfig;
-use crate::TrainError;
+use crate::error::TrainError;
 use cohort_data::{Dataset, Split};
 
 /// Batches planned at a time for fixed-length data (a plan is a few KB of indices).

@@ -11,7 +11,7 @@ use cohort_engine::optim::{Optimizer, OptimizerState};
 use cohort_gpt::checkpoint::{self as ckpt, CheckpointError, TensorFile};
 use serde::{Deserialize, Serialize};
 
-use crate::TrainError;
+use crate::error::TrainError;
 
 /// The optimizer's state buffers.
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";

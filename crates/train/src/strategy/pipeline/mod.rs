@@ -31,24 +31,24 @@ use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::DistributedSampler;
-use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer, OptimizerState};
+use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GPTConfig, GptStage, Labels, StageInput, StageOutput, StagePart, GPT};
+use cohort_gpt::{GPTConfig, GptStage, StagePart, GPT};
 
-use crate::batches::{val_rows, val_share};
 use crate::checkpoint::{self, SaveReport, TrainState};
 use crate::config::{PipelineSchedule, TrainConfig};
+use crate::error::{ConfigError, TrainError};
+use crate::input::{val_rows, val_share};
 use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, Start, StepGradients, Strategy};
-use crate::train::{model_config, Outcome};
-use crate::{ConfigError, TrainError};
+use crate::replica::model_config;
+use crate::step_loop::{self, Outcome, ParallelStrategy, Start, StepGradients};
 use cohort_data::{Dataset, Split};
 
 mod pipe;
 mod schedule;
 
-use pipe::*;
-use schedule::*;
+use pipe::{adamw_state, Pipe, RunTimes, Topology};
+use schedule::{schedule, Op};
 
 fn invalid(key: &'static str, value: String, why: &'static str) -> TrainError {
     TrainError::Config(ConfigError::Invalid { key, value, why })
@@ -72,18 +72,6 @@ fn stage_count(stages: usize, world: usize, n_layers: usize) -> Result<usize, Tr
         ));
     }
     Ok(s)
-}
-
-/// AdamW's state after `step` steps, from its two moment buffers.
-fn adamw_state<'a>(step: u64, exp_avg: &'a [f32], exp_avg_sq: &'a [f32]) -> OptimizerState<'a> {
-    OptimizerState {
-        optimizer: "adamw".to_string(),
-        step,
-        buffers: vec![
-            ("exp_avg".to_string(), exp_avg),
-            ("exp_avg_sq".to_string(), exp_avg_sq),
-        ],
-    }
 }
 
 /// A stage's optimizer: AdamW with the whole model's decay rules, on the stage's buffer.
@@ -202,7 +190,7 @@ impl<'a> Pipeline<'a> {
                 "must be 1 with --strategy pipeline (use micro_batches)",
             ));
         }
-        let data = crate::file_data::build(cfg, pg)?;
+        let data = crate::input::build(cfg, pg)?;
         if data.variable_length() {
             return Err(invalid(
                 "data",
@@ -220,7 +208,7 @@ impl<'a> Pipeline<'a> {
         let mut opt = optimizer(cfg, &stage)?;
         let replicas = topo.replicas;
         let mut header = Vec::new();
-        header.extend(crate::train::apply_precision(cfg, |d| {
+        header.extend(crate::replica::apply_precision(cfg, |d| {
             stage.set_precision(d)
         })?);
         let mut start = TrainState::default();
@@ -234,7 +222,7 @@ impl<'a> Pipeline<'a> {
             ));
             start = resumed.state;
         }
-        header.extend(step_loop::data_lines(&*data));
+        header.extend(crate::input::data_lines(&*data));
         let blocks: Vec<usize> = StagePart::split(model_cfg.n_layers, stages)?
             .iter()
             .map(|p| p.blocks.len())
@@ -291,7 +279,7 @@ impl<'a> Pipeline<'a> {
     }
 }
 
-impl Strategy for Pipeline<'_> {
+impl ParallelStrategy for Pipeline<'_> {
     fn group(&self) -> &ProcessGroup {
         self.pipe.pg
     }

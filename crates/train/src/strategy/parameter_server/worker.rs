@@ -1,7 +1,21 @@
 //! A worker (ranks 1..K-1): pulls parameters, computes the gradient of its own shard's batch
-//! and pushes it; the answer is the parameters for its next step.
+//! and pushes it; the answer is the parameters for its next step. A worker never steps the
+//! optimizer, logs or saves: the server does.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cohort_data::Dataset;
+use cohort_gpt::GPT;
+use cohort_rpc::{Floats, Rpc, RpcError};
+
+use super::messages::{rpc_err, Params, Push};
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::input::TrainBatches;
+use crate::phases::{Phase, Phases};
+use crate::replica::model_config;
+use crate::step_loop::{self, Outcome, Unsynchronised};
 
 /// A worker: pull the parameters, compute a step's gradient on this
 /// worker's shard, push it, repeat with the parameters of the answer.
@@ -15,7 +29,7 @@ pub(super) fn work(
     // The server's parameters replace these at every step.
     let mut model = GPT::zeroed(model_config(cfg, data.vocab_size())?, cfg.seed)?;
     // The server's header says what precision is in effect (the same CPU check as here).
-    crate::train::apply_precision(cfg, |d| model.set_precision(d))?;
+    crate::replica::apply_precision(cfg, |d| model.set_precision(d))?;
     model.set_activation_checkpointing(cfg.activation_checkpointing);
     let mut phases = Phases::default();
     let mut reply: Params = rpc.rpc_sync(0, "ps.pull", ()).map_err(rpc_err("ps.pull"))?;
@@ -48,13 +62,12 @@ pub(super) fn work(
         model.params_mut().copy_from_slice(&reply.params.0);
         // DDP's rank r is worker r here: the same batches and dropout masks.
         let (loss_sum, tokens) = step_loop::accumulate(
-            &mut model,
+            &mut Unsynchronised(&mut model),
             &mut batches,
             cfg,
             worker,
             step,
             &mut phases,
-            &mut |model, phases| Ok(phases.time(Phase::Backward, || model.backward(|_, _| {}))?),
         )?;
         let (epoch, offset) = batches.position();
         let push = Push {

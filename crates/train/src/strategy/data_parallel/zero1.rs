@@ -34,29 +34,16 @@
 //! another's after a step.
 
 use std::ops::Range;
-use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cohort_comm::{ProcessGroup, ReduceOp};
-use cohort_data::Dataset;
+use cohort_comm::ProcessGroup;
 use cohort_ddp::{Compression, CompressionScratch};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_gpt::checkpoint::Piece;
-use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::GPT;
 
-use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
-use crate::config::TrainConfig;
-use crate::memory::Sharding;
-use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, Start, StepGradients, Strategy};
-use crate::train::{
-    apply_checkpointing, apply_precision, check_memory, global_batch_line, memory_line,
-    model_config, resume_shard, save_shard,
-};
-use crate::TrainError;
+use crate::checkpoint::{OwnedShard, ShardTarget};
+use crate::error::TrainError;
+use crate::replica::agree_on_size;
 
 /// Where one rank's shard lies in the flat buffer of `n` parameters split
 /// over `world` ranks.
@@ -100,6 +87,16 @@ impl Shard {
     }
 }
 
+/// The model (not padding) elements of `shard`, at the start of its buffers.
+fn pieces(shard: Shard) -> Vec<Piece> {
+    let real = shard.real();
+    vec![Piece {
+        start: real.start,
+        end: real.end,
+        at: 0,
+    }]
+}
+
 /// The weight-decay mask of the elements `range` of a buffer whose mask is
 /// `full`, re-based to start at 0; elements past `full`'s end (padding) are
 /// exempt, so that they stay zero.
@@ -119,8 +116,8 @@ pub(crate) fn shard_mask(full: &DecayMask, range: Range<usize>) -> DecayMask {
 
 /// ZeRO-1's step on flat buffers, for any model whose parameters and
 /// gradients are one flat buffer each: steps 2, 4 and 5 of the module's
-/// scheme. The training strategy below runs it inside the training loop;
-/// `cohort bench ddp --strategy zero1` drives it directly.
+/// scheme. The data-parallel strategy ([`GradSync::Zero1`](super::GradSync))
+/// runs it; callers with their own loop may drive it directly.
 ///
 /// It holds AdamW's moments for this rank's shard only, a copy of the
 /// shard's parameters and its mean gradient, and, when the parameter count
@@ -253,6 +250,25 @@ impl Zero1 {
             .map_err(TrainError::comm("gradient reduce_scatter"))
     }
 
+    /// Where this rank's shard lies in the model's buffer (what a resume
+    /// reads into).
+    pub(crate) fn pieces(&self) -> Vec<Piece> {
+        pieces(self.shard)
+    }
+
+    /// Hands `save` this rank's share of a sharded checkpoint: its slice of
+    /// the parameters and its moments.
+    pub(crate) fn with_owned_shard<R>(&self, save: impl FnOnce(&OwnedShard<'_>) -> R) -> R {
+        let Shard { n, world, .. } = self.shard;
+        let pieces_of = |rank: usize| pieces(Shard::new(n, world, rank));
+        save(&OwnedShard {
+            pieces_of: &pieces_of,
+            params: &self.params,
+            optimizer: self.opt.state(),
+            strategy: "zero1",
+        })
+    }
+
     /// This rank's shard of the parameters and optimizer state from a
     /// checkpoint (`target`, restored), and every rank's shard into `params`
     /// (the whole model). Collective.
@@ -295,247 +311,6 @@ impl Zero1 {
         let n = self.shard.n;
         params.copy_from_slice(&self.padded[..n]);
         Ok(())
-    }
-}
-
-/// ZeRO-1 as a strategy of the training loop (see the module docs).
-pub(crate) struct ZeroOne<'a> {
-    cfg: &'a TrainConfig,
-    pg: &'a ProcessGroup,
-    data: Arc<dyn Dataset>,
-    model: GPT,
-    /// The sharded optimizer and its buffers.
-    zero: Zero1,
-    batches: TrainBatches,
-    /// This rank's share of the job's validation batches.
-    val: ValBatches,
-    start: Start,
-}
-
-impl<'a> ZeroOne<'a> {
-    pub(crate) fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup) -> Result<Self, TrainError> {
-        let (rank, world) = (pg.rank(), pg.size());
-        let ReplicatedStart {
-            data,
-            mut model,
-            mut header,
-        } = replicated_start(cfg, pg, Sharding::Zero1 { world })?;
-        let (t, n) = (data.seq_len(), model.num_params());
-        let full_mask = decay_mask(model.param_views());
-        let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
-        zero.set_compression(cfg.compression());
-        // A checkpoint of any kind and world size: this rank reads its own
-        // shard of it, and the ranks' shards make the model again.
-        let config = model.config().clone();
-        let real = zero.shard.real();
-        let piece = Piece {
-            start: real.start,
-            end: real.end,
-            at: 0,
-        };
-        let mut target = ShardTarget::new(&config, vec![piece], zero.shard.len);
-        let state = match resume_shard(cfg, pg, &mut target, &mut header)? {
-            Some(state) => {
-                zero.restore(pg, &target, model.params_mut())?;
-                state
-            }
-            None => TrainState::default(),
-        };
-        let shard = zero.shard;
-        header.push(format!(
-            "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {} parameters; \
-             ZeRO-1: {} shards of {} ({} padding)",
-            cfg.n_layers,
-            cfg.n_heads,
-            cfg.d_model,
-            cfg.d_ff,
-            data.vocab_size(),
-            t,
-            n,
-            world,
-            shard.len,
-            shard.padded() - n,
-        ));
-        header.push(memory_line(cfg, &model, t, Sharding::Zero1 { world }));
-        header.push(global_batch_line(cfg, world, t));
-        let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
-        let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
-        Ok(ZeroOne {
-            cfg,
-            pg,
-            model,
-            zero,
-            batches,
-            val,
-            start: Start {
-                step: state.step,
-                header,
-                loss_floor: data.loss_floor(),
-            },
-            data,
-        })
-    }
-}
-
-/// What a sharded strategy starts from on each rank, before it shards
-/// anything: the run's data, the whole model with rank 0's parameters, and
-/// the startup lines so far.
-pub(crate) struct ReplicatedStart {
-    pub data: Arc<dyn Dataset>,
-    pub model: GPT,
-    pub header: Vec<String>,
-}
-
-/// Builds the data and the model (checked to fit in memory under
-/// `sharding`, in the run's precision, with activation checkpointing as
-/// asked), makes sure every rank built the same size, and broadcasts rank
-/// 0's parameters. Collective.
-pub(crate) fn replicated_start(
-    cfg: &TrainConfig,
-    pg: &ProcessGroup,
-    sharding: Sharding,
-) -> Result<ReplicatedStart, TrainError> {
-    let data: Arc<dyn Dataset> = crate::file_data::build(cfg, pg)?.into();
-    let t = data.seq_len();
-    let mut header = step_loop::data_lines(&*data);
-    let model_cfg = model_config(cfg, data.vocab_size())?;
-    model_cfg.validate()?;
-    check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
-    let (mut model, init_line) = crate::train::new_model(cfg, model_cfg, pg.rank() == 0)?;
-    header.extend(init_line);
-    header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
-    header.extend(apply_checkpointing(cfg, &mut model, t));
-    agree_on_size(pg, model.num_params())?;
-    // Rank 0's parameters (as drawn) are every rank's.
-    pg.broadcast(model.params_mut(), 0)
-        .map_err(TrainError::comm("initial parameters broadcast"))?;
-    Ok(ReplicatedStart {
-        data,
-        model,
-        header,
-    })
-}
-
-/// Fails unless every rank built a model of `n` parameters: the shards cut
-/// one flat buffer that all ranks must agree on. Collective.
-pub(crate) fn agree_on_size(pg: &ProcessGroup, n: usize) -> Result<(), TrainError> {
-    let mut range = [n as i64, -(n as i64)];
-    pg.all_reduce(&mut range, ReduceOp::Max)
-        .map_err(TrainError::comm("parameter count all_reduce"))?;
-    let (max, min) = (range[0] as usize, (-range[1]) as usize);
-    if min != max {
-        return Err(TrainError::ModelMismatch { min, max });
-    }
-    Ok(())
-}
-
-/// The norm of a gradient sharded over `pg`'s ranks, given this rank's
-/// shard's norm `local`: the square root of the shards' summed squares.
-/// Collective.
-pub(crate) fn norm_over_shards(pg: &ProcessGroup, local: f32) -> Result<f32, TrainError> {
-    let mut squares = [f64::from(local) * f64::from(local)];
-    pg.all_reduce(&mut squares, ReduceOp::Sum)
-        .map_err(TrainError::comm("gradient norm all_reduce"))?;
-    Ok(squares[0].sqrt() as f32)
-}
-
-impl Strategy for ZeroOne<'_> {
-    fn group(&self) -> &ProcessGroup {
-        self.pg
-    }
-
-    fn start(&self) -> Start {
-        self.start.clone()
-    }
-
-    fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
-        // Every micro-batch's gradient sums locally, the last one's too; the
-        // sum is reduce-scattered once, after it.
-        let (loss_sum, tokens) = step_loop::accumulate(
-            &mut self.model,
-            &mut self.batches,
-            self.cfg,
-            self.pg.rank(),
-            step,
-            phases,
-            &mut |model, phases| {
-                phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
-                Ok(())
-            },
-        )?;
-        let t = Instant::now();
-        self.zero.reduce_scatter(self.pg, self.model.grads())?;
-        phases.add(Phase::Comm, t.elapsed());
-        Ok(StepGradients::data_parallel(
-            loss_sum,
-            tokens,
-            self.cfg.grad_accum,
-            self.pg.size(),
-        ))
-    }
-
-    /// This rank's shard of the mean gradient (its padding is zero, and
-    /// counts for nothing in the norm).
-    fn grads_mut(&mut self) -> &mut [f32] {
-        self.zero.shard_grads_mut()
-    }
-
-    /// The whole gradient's norm: the square root of the shards' summed
-    /// squares.
-    fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
-        norm_over_shards(self.pg, local)
-    }
-
-    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
-        // A skipped step changes no shard: nothing to gather.
-        if let Some(lr) = lr {
-            self.zero.update(lr)?;
-            self.zero.all_gather(self.pg, self.model.params_mut())?;
-        }
-        self.model.zero_grad();
-        Ok(())
-    }
-
-    fn evaluate(&mut self) -> Result<f32, TrainError> {
-        let mine = step_loop::batch_losses(&self.val.mine, &mut self.model)?;
-        step_loop::mean_val_loss(Some(self.pg), self.val.total, &mine)
-    }
-
-    /// Each rank writes its own shard: its slice of the parameters and its moments.
-    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
-        let (n, world) = (self.zero.shard.n, self.zero.shard.world);
-        let pieces_of = |rank: usize| {
-            let real = Shard::new(n, world, rank).real();
-            vec![Piece {
-                start: real.start,
-                end: real.end,
-                at: 0,
-            }]
-        };
-        let shard = OwnedShard {
-            pieces_of: &pieces_of,
-            params: &self.zero.params,
-            optimizer: self.zero.opt.state(),
-            strategy: "zero1",
-        };
-        save_shard(
-            out,
-            self.cfg,
-            self.pg,
-            &self.model,
-            &shard,
-            &self.batches,
-            &*self.data,
-            step,
-        )
-    }
-
-    fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
-        Ok(self.model.params().to_vec())
-    }
-
-    fn who(&self) -> String {
-        format!("{} rank(s), ZeRO-1", self.pg.size())
     }
 }
 

@@ -1,7 +1,17 @@
 //! Where each stage and replica sits among the ranks, and the pipe between neighbouring stages:
-//! activations forward, their gradients backward, tagged by micro-batch, timed per phase.
+//! activations forward, their gradients backward, tagged by micro-batch, timed per phase. It
+//! never decides the order of the micro-batches: the schedule does.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use cohort_comm::{ProcessGroup, ReduceOp};
+use cohort_engine::optim::{AdamW, Optimizer, OptimizerState};
+use cohort_gpt::optim_groups::decay_mask;
+use cohort_gpt::{GPTConfig, GptStage, Labels, StageInput, StageOutput, GPT};
+
+use super::schedule::Op;
+use crate::config::TrainConfig;
+use crate::error::TrainError;
 
 /// Where this rank sits: its stage and replica, its neighbours, and the groups it reduces in.
 pub(super) struct Topology {
@@ -282,5 +292,21 @@ impl Pipe<'_> {
         let mut whole = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
         whole.load_state(&adamw_state(opt.steps_taken(), &exp_avg, &exp_avg_sq))?;
         Ok(Some((model, whole)))
+    }
+}
+
+/// AdamW's state after `step` steps, from its two moment buffers.
+pub(super) fn adamw_state<'a>(
+    step: u64,
+    exp_avg: &'a [f32],
+    exp_avg_sq: &'a [f32],
+) -> OptimizerState<'a> {
+    OptimizerState {
+        optimizer: "adamw".to_string(),
+        step,
+        buffers: vec![
+            ("exp_avg".to_string(), exp_avg),
+            ("exp_avg_sq".to_string(), exp_avg_sq),
+        ],
     }
 }

@@ -1,7 +1,8 @@
 //! The order of one stage's forwards and backwards in a step: GPipe (all forwards, then all
-//! backwards) or 1F1B (warm-up forwards, then one forward and one backward in turn).
+//! backwards) or 1F1B (warm-up forwards, then one forward and one backward in turn). A pure
+//! function of the stage and counts: it never communicates or computes.
 
-use super::*;
+use crate::config::PipelineSchedule;
 
 /// One unit of a stage's work in a step: the forward or backward of a micro-batch, in an
 /// activation slot.

@@ -30,36 +30,26 @@
 //! workers' data positions drift apart. This module never opens a socket
 //! itself.
 
-use std::collections::VecDeque;
 use std::io::Write;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use cohort_comm::{GroupOptions, ProcessGroup};
-use cohort_engine::optim::{AdamW, Optimizer};
-use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::GPT;
-use cohort_rpc::{Floats, Registry, Rpc, RpcError, RpcOptions};
-use cohort_store::{HashStore, Store};
-use serde::{Deserialize, Serialize};
-
-use crate::batches::{val_batches, TrainBatches, ValBatches};
-use crate::checkpoint::{self, Resumed, SaveReport, TrainState};
-use crate::config::{ConfigError, PsMode, TrainConfig};
-use crate::file_data::build_dataset;
-use crate::phases::{Phase, Phases};
-use crate::step_loop::{self, batch_losses, mean_val_loss, Start, StepGradients, Strategy};
-use crate::train::{model_config, Outcome};
-use crate::{FileData, TrainError};
 use cohort_data::Dataset;
+use cohort_rpc::{Registry, Rpc, RpcOptions};
+use cohort_store::Store;
+
+use crate::config::{PsMode, TrainConfig};
+use crate::error::{ConfigError, TrainError};
+use crate::input::{build_dataset, FileData};
+use crate::step_loop::Outcome;
 
 mod board;
+mod messages;
 mod server;
 mod worker;
 
-use board::*;
-use server::*;
-use worker::*;
+use messages::rpc_err;
+use server::Server;
+use worker::work;
 
 /// How the processes of a parameter-server job find each other.
 pub enum Rendezvous {
@@ -88,41 +78,6 @@ impl Rendezvous {
             Rendezvous::Store { rank, world, .. } => (*rank, *world),
         })
     }
-}
-
-/// A worker's gradient of one step.
-#[derive(Serialize, Deserialize)]
-struct Push {
-    /// 0-based worker index (rank - 1).
-    worker: u32,
-    /// The parameters' version the gradient was computed on.
-    version: u64,
-    /// Summed over the step's micro-batches.
-    grads: Floats,
-    /// Summed over the micro-batches.
-    loss: f32,
-    /// Tokens trained on (padding excluded).
-    tokens: u64,
-    /// This worker's data position (epoch, offset) after the step.
-    epoch: u64,
-    offset: u64,
-}
-
-/// The parameters to compute the next gradient on.
-#[derive(Serialize, Deserialize)]
-struct Params {
-    /// Updates applied so far.
-    version: u64,
-    /// No more steps: the worker stops.
-    done: bool,
-    params: Floats,
-    /// Where the workers' data start: a resumed run's position, else 0, 0.
-    epoch: u64,
-    offset: u64,
-}
-
-fn rpc_err(what: &'static str) -> impl Fn(RpcError) -> TrainError {
-    move |error| TrainError::Rpc { what, error }
 }
 
 /// Trains with a parameter server: rank 0 serves, the other ranks push

@@ -1,0 +1,431 @@
+//! The state the sharded passes work on while the model runs (the flat
+//! shard's parameters and gradient, staging buffers, the collectives in
+//! flight), and the two collectives of a part: its parameters all-gathered
+//! (prefetched with overlap) and its gradient reduce-scattered into the
+//! flat shard (left in flight with overlap, piece by piece for the largest
+//! part). It never decides when a part runs: the model's part hooks do.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cohort_comm::{ProcessGroup, ReduceOp, Work};
+use cohort_ddp::{Compression, CompressionScratch};
+use cohort_gpt::GPT;
+
+use super::parts::{staged, PartShard, PartShards};
+use crate::error::TrainError;
+use crate::pages::{release, SparePages};
+
+/// What the part hooks work on: everything the model's forward and
+/// backward hand to the sharded step while they run.
+pub(super) struct Shards {
+    pub(super) parts: PartShards,
+    /// This rank's flat shard of the parameters, which AdamW steps.
+    pub(super) params: Vec<f32>,
+    /// This rank's flat shard of the job's mean gradient, summed over the
+    /// step's micro-batches (padding stays zero).
+    pub(super) grads: Vec<f32>,
+    /// A padded part, for the collectives of a part that does not divide
+    /// into the ranks (and a tied head's read of wte, a slice of a part);
+    /// empty until one needs it.
+    pub(super) staging: Vec<f32>,
+    /// One part's shard of a reduce-scatter, before it is added to `grads`.
+    pub(super) scratch: Vec<f32>,
+    /// How gradients travel in the reduce-scatters (`--bf16-compress`).
+    pub(super) compression: Compression,
+    pub(super) compression_scratch: CompressionScratch,
+    /// The first error inside a hook (hooks cannot return one); the
+    /// collectives after it are not started.
+    pub(super) error: Option<TrainError>,
+    /// Time spent in the collectives (with overlap: waiting for them).
+    pub(super) comm: Duration,
+    /// The collectives in flight while the model computes (boxed: it is
+    /// large and rarely touched).
+    pub(super) flight: Box<InFlight>,
+    /// Ranges of the model's parameter buffer still holding what the last
+    /// forward gathered for the head: its backward runs first, right after,
+    /// and uses them instead of gathering again (FSDP's
+    /// `reshard_after_forward=False` for the last module). Released before
+    /// any other forward.
+    pub(super) kept: Vec<Range<usize>>,
+    /// Whether the flat shard's gradient is all zero (cleared, and no
+    /// backward has added to it since): a part's reduce-scatter then lands
+    /// in it directly instead of in `scratch` and being added.
+    pub(super) grads_zero: bool,
+    /// Pages given back by a part's parameters or gradient, or by the
+    /// gradient shard at the step's end, kept resident for the next range
+    /// to be filled (see [`SparePages`]): every range released and filled
+    /// again each step would otherwise cost the kernel's page faults and
+    /// zero-filling, on a VM several percent of a GPT-2 small step. The pool
+    /// is given back before the step's peaks (the embeddings' backward and
+    /// the optimizer), so the peak stays what it was.
+    pub(super) spare: SparePages,
+    /// Whether the gradient shard is large enough for the pool.
+    pub(super) shard_spare: bool,
+}
+
+/// Blocks' worth of pages [`Shards::spare`] keeps besides the largest
+/// part's: a block's parameters and its gradient, released just before the
+/// next block's are filled. Under stage 3 it also holds the largest part's
+/// (the embeddings): the gradient shard's pages, given back at the step's
+/// end, hold the embeddings' parameters next, theirs the tied head's wte,
+/// and wte's after the head's backward the gradient shard's parts again.
+pub(super) const SPARE_PARTS: usize = 2;
+
+/// A collective in flight: (this rank's shard or a padded part in, the
+/// padded part or this rank's shard out).
+pub(super) type PartWork = Work<(Vec<f32>, Vec<f32>)>;
+
+/// Overlap of the collectives with the model's computation (as DDP's
+/// overlap, and under the same `auto` rule): while a part computes, the
+/// next part's all-gather runs (prefetch), and the reduce-scatter of the
+/// part whose backward just finished runs while the part before it
+/// computes its backward. The collectives are the same as without overlap,
+/// issued in the same order on every rank, so the results are bitwise the
+/// same; only the waiting moves.
+#[derive(Default)]
+pub(super) struct InFlight {
+    /// Whether to overlap at all.
+    pub(super) on: bool,
+    /// The pass being run (0: forward, 1: backward), if any.
+    pub(super) pass: Option<usize>,
+    /// The ranges each kind of pass gathered last time, in order: every
+    /// pass of a kind gathers the same ones, so the range after the one
+    /// just gathered is the one to prefetch.
+    pub(super) trace: [Vec<Range<usize>>; 2],
+    /// The ranges the current pass gathered so far.
+    pub(super) recording: Vec<Range<usize>>,
+    /// The prefetched all-gather: the part's range and its work.
+    pub(super) gather: Option<(Range<usize>, PartWork)>,
+    /// Reduce-scatters not yet added to the flat shard's gradient: the
+    /// part's shard in the flat shard, and its work.
+    pub(super) reduces: VecDeque<(Range<usize>, PartWork)>,
+    /// Buffers that finished works handed back, for the next ones.
+    pub(super) spare: Vec<Vec<f32>>,
+}
+
+/// Reduce-scatters left in flight when the next one starts: one, so that
+/// each overlaps the backward of the part before it, and at most two parts'
+/// gradients are held besides the shard's.
+pub(super) const REDUCES_IN_FLIGHT: usize = 1;
+
+/// Spare buffers kept for the works (each at most a padded part).
+pub(super) const SPARES: usize = 2;
+
+/// A part whose shard is at least this many elements (the embeddings of a
+/// GPT-2-sized vocabulary) is reduce-scattered [`REDUCE_PIECE`] elements of
+/// each rank's slot at a time, each piece of its gradient released as soon
+/// as it is sent: its gradient and its new shard are then never resident
+/// whole together, which is the step's memory peak (the end of backward).
+pub(super) const PIECEWISE_SLOT: usize = 4 * REDUCE_PIECE;
+
+/// Elements of each rank's slot one piece of a piecewise reduce-scatter
+/// carries (8 MB): large enough that the collective runs at full speed,
+/// small enough that the staging copy costs no memory to speak of.
+pub(super) const REDUCE_PIECE: usize = 2 << 20;
+
+impl InFlight {
+    /// A buffer of `len` elements (contents unspecified), reusing a spare.
+    pub(super) fn buffer(&mut self, len: usize) -> Vec<f32> {
+        let mut buf = self.spare.pop().unwrap_or_default();
+        buf.resize(len, 0.0);
+        buf
+    }
+
+    /// Keeps `buf` for a later work, unless enough are kept.
+    pub(super) fn recycle(&mut self, buf: Vec<f32>) {
+        if self.spare.len() < SPARES {
+            self.spare.push(buf);
+        }
+    }
+}
+
+impl Shards {
+    /// Every rank's shard of the part holding `range` into `dest`, exactly
+    /// `range` of the model's buffer (from the prefetched all-gather when it
+    /// fetched that part); within a pass, the next range is prefetched.
+    /// Collective.
+    pub(super) fn gather(&mut self, pg: &ProcessGroup, range: Range<usize>, dest: &mut [f32]) {
+        if self.error.is_some() {
+            return;
+        }
+        let t = Instant::now();
+        let result = self.gather_now(pg, &range, dest);
+        self.comm += t.elapsed();
+        if let Err(e) = result {
+            self.error = Some(e);
+            return;
+        }
+        if let Some(pass) = self.flight.pass {
+            self.flight.recording.push(range);
+            let next = self.flight.trace[pass]
+                .get(self.flight.recording.len())
+                .cloned();
+            if let Some(next) = next.filter(|_| self.flight.on) {
+                self.prefetch(pg, &next);
+            }
+        }
+    }
+
+    /// Starts the all-gather of the part holding `range`.
+    pub(super) fn prefetch(&mut self, pg: &ProcessGroup, range: &Range<usize>) {
+        let Ok(p) = self.parts.find(range).cloned() else {
+            return;
+        };
+        let mut own = self.flight.buffer(p.shard.len);
+        own.copy_from_slice(&self.params[p.own()]);
+        let whole = self.flight.buffer(p.shard.padded());
+        self.flight.gather = Some((p.range.clone(), pg.all_gather_async(own, whole)));
+    }
+
+    /// [`Shards::gather`]'s collective: the prefetched one if it fetched the
+    /// part holding `range`, else one now (after waiting out a prefetch that
+    /// fetched another part: the ranks all run the same passes, so they all
+    /// mispredict alike).
+    pub(super) fn gather_now(
+        &mut self,
+        pg: &ProcessGroup,
+        range: &Range<usize>,
+        dest: &mut [f32],
+    ) -> Result<(), TrainError> {
+        let comm = TrainError::comm("parameter all_gather");
+        let p = self.parts.find(range)?.clone();
+        if let Some((fetched, work)) = self.flight.gather.take() {
+            let (own, whole) = work.wait().map_err(&comm)?;
+            self.flight.recycle(own);
+            if fetched == p.range {
+                let at = range.start - p.range.start;
+                dest.copy_from_slice(&whole[at..at + range.len()]);
+                self.flight.recycle(whole);
+                return Ok(());
+            }
+            self.flight.recycle(whole);
+        }
+        {
+            let own = &self.params[p.own()];
+            let comm = TrainError::comm("parameter all_gather");
+            if *range == p.range && !p.padded() {
+                return pg.all_gather(own, dest).map_err(comm);
+            }
+            if *range != p.range {
+                return self.gather_slice(pg, &p, range, dest);
+            }
+            let whole = staged(&mut self.staging, p.shard.padded());
+            pg.all_gather(own, whole).map_err(comm)?;
+            dest.copy_from_slice(&whole[..range.len()]);
+            Ok(())
+        }
+    }
+
+    /// `range`, a slice of part `p` (a tied head's read of wte, in the
+    /// embeddings part), into `dest`: each rank's share of the slice
+    /// broadcast by it straight into place, rather than the whole part (the
+    /// largest of all) gathered into staging and copied. Collective.
+    pub(super) fn gather_slice(
+        &self,
+        pg: &ProcessGroup,
+        p: &PartShard,
+        range: &Range<usize>,
+        dest: &mut [f32],
+    ) -> Result<(), TrainError> {
+        let len = p.shard.len;
+        for root in 0..p.shard.world {
+            let owned =
+                p.range.start + root * len..(p.range.start + (root + 1) * len).min(p.range.end);
+            let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
+            if lo >= hi {
+                continue;
+            }
+            let piece = &mut dest[lo - range.start..hi - range.start];
+            if root == p.shard.rank {
+                let at = p.offset + (lo - owned.start);
+                piece.copy_from_slice(&self.params[at..at + piece.len()]);
+            }
+            pg.broadcast(piece, root)
+                .map_err(TrainError::comm("parameter broadcast"))?;
+        }
+        Ok(())
+    }
+
+    /// Starts a pass of the model (0: forward, 1: backward) whose gathers
+    /// are traced, the first one prefetched when the last pass of the kind
+    /// says what it is.
+    pub(super) fn begin_pass(&mut self, pg: &ProcessGroup, pass: usize) {
+        self.flight.pass = Some(pass);
+        self.flight.recording.clear();
+        let first = self.flight.trace[pass].first().cloned();
+        if let Some(first) = first.filter(|_| self.flight.on && self.error.is_none()) {
+            self.prefetch(pg, &first);
+        }
+    }
+
+    /// Ends the pass: waits for what is still in flight (its reduce-scatters
+    /// added to the shard's gradient) and keeps the pass's trace.
+    pub(super) fn end_pass(&mut self) {
+        let t = Instant::now();
+        self.finish_reduces(0);
+        if let Some((_, work)) = self.flight.gather.take() {
+            match work.wait() {
+                Ok((own, whole)) => {
+                    self.flight.recycle(own);
+                    self.flight.recycle(whole);
+                }
+                Err(e) => self.fail(TrainError::comm("parameter all_gather")(e)),
+            }
+        }
+        self.comm += t.elapsed();
+        // The staging copies are as large as the largest part (the
+        // embeddings): needed again only in the next pass, so not held
+        // through the other pass's peak.
+        release(&mut self.staging);
+        release(&mut self.scratch);
+        if let Some(pass) = self.flight.pass.take() {
+            self.flight.trace[pass] = std::mem::take(&mut self.flight.recording);
+        }
+    }
+
+    /// Waits for the reduce-scatters in flight beyond the newest `keep`,
+    /// oldest first, adding each to the flat shard's gradient.
+    pub(super) fn finish_reduces(&mut self, keep: usize) {
+        while self.flight.reduces.len() > keep {
+            let Some((own, work)) = self.flight.reduces.pop_front() else {
+                break;
+            };
+            match work.wait() {
+                Ok((whole, out)) => {
+                    if self.error.is_none() {
+                        for (g, x) in self.grads[own].iter_mut().zip(out.iter()) {
+                            *g += x;
+                        }
+                    }
+                    self.flight.recycle(whole);
+                    self.flight.recycle(out);
+                }
+                Err(e) => self.fail(TrainError::comm("gradient reduce_scatter")(e)),
+            }
+        }
+    }
+
+    /// Keeps the first error.
+    pub(super) fn fail(&mut self, e: TrainError) {
+        self.error.get_or_insert(e);
+    }
+
+    /// The part `range`'s gradient `grads` (this rank's, final for this
+    /// backward) averaged over ranks; this rank's shard of it is added to
+    /// the flat shard's gradient, and `grads` released. Collective.
+    pub(super) fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
+        let mut released = false;
+        if self.error.is_none() {
+            let t = Instant::now();
+            let result = self.reduce_now(pg, range, grads);
+            self.comm += t.elapsed();
+            match result {
+                Ok(done) => released = done,
+                Err(e) => self.fail(e),
+            }
+        }
+        // Zero for the next backward, which accumulates into it.
+        if !released {
+            self.spare.release(grads);
+        }
+    }
+
+    /// [`Shards::reduce`]'s collective: started and left in flight with
+    /// overlap, else run now and added to the flat shard's gradient.
+    /// Returns whether `grads` was released on the way.
+    pub(super) fn reduce_now(
+        &mut self,
+        pg: &ProcessGroup,
+        range: Range<usize>,
+        grads: &mut [f32],
+    ) -> Result<bool, TrainError> {
+        let p = self.parts.find(&range)?.clone();
+        if range != p.range {
+            return Err(TrainError::UnknownPart {
+                start: range.start,
+                end: range.end,
+            });
+        }
+        let comm = TrainError::comm("gradient reduce_scatter");
+        if self.flight.on {
+            // The work owns a copy, so that `grads` is released now.
+            let mut whole = self.flight.buffer(p.shard.padded());
+            whole[..grads.len()].copy_from_slice(grads);
+            whole[grads.len()..].fill(0.0);
+            let out = self.flight.buffer(p.shard.len);
+            let work = pg.reduce_scatter_async(whole, out, ReduceOp::Avg);
+            self.flight.reduces.push_back((p.own(), work));
+            self.finish_reduces(REDUCES_IN_FLIGHT);
+            return Ok(false);
+        }
+        let into_shard = self.grads_zero;
+        let out = if into_shard {
+            let out = &mut self.grads[p.own()];
+            if self.shard_spare {
+                // Released at the step's end, and overwritten whole now.
+                self.spare.refill(out, false);
+            }
+            out
+        } else {
+            staged(&mut self.scratch, p.shard.len)
+        };
+        let (how, scratch) = (self.compression, &mut self.compression_scratch);
+        let in_pieces = p.shard.len >= PIECEWISE_SLOT;
+        if in_pieces {
+            let (slot, world, len) = (p.shard.len, p.shard.world, grads.len());
+            for start in (0..slot).step_by(REDUCE_PIECE) {
+                let k = REDUCE_PIECE.min(slot - start);
+                // Slot s's piece, for each rank s, clipped to the part
+                // (the last slot may end in padding).
+                let piece = |s: usize| (s * slot + start).min(len)..(s * slot + start + k).min(len);
+                let whole = staged(&mut self.staging, world * k);
+                for (s, dst) in whole.chunks_mut(k).enumerate() {
+                    let src = &grads[piece(s)];
+                    dst[..src.len()].copy_from_slice(src);
+                    dst[src.len()..].fill(0.0);
+                }
+                how.reduce_scatter_mean(pg, whole, &mut out[start..start + k], scratch)
+                    .map_err(&comm)?;
+                for s in 0..world {
+                    release(&mut grads[piece(s)]);
+                }
+            }
+        } else if p.padded() {
+            let whole = staged(&mut self.staging, p.shard.padded());
+            whole[..grads.len()].copy_from_slice(grads);
+            whole[grads.len()..].fill(0.0);
+            how.reduce_scatter_mean(pg, whole, out, scratch)
+                .map_err(comm)?;
+        } else {
+            how.reduce_scatter_mean(pg, grads, out, scratch)
+                .map_err(comm)?;
+        }
+        if !into_shard {
+            for (g, x) in self.grads[p.own()].iter_mut().zip(self.scratch.iter()) {
+                *g += x;
+            }
+        }
+        Ok(in_pieces)
+    }
+
+    /// The first error a hook met, clearing it.
+    pub(super) fn check(&mut self) -> Result<(), TrainError> {
+        self.error.take().map_or(Ok(()), Err)
+    }
+}
+
+/// Locks the hooks' state (a panic elsewhere cannot leave it half-written
+/// in a way that matters: the run fails with the panic).
+pub(super) fn lock(st: &Mutex<Shards>) -> MutexGuard<'_, Shards> {
+    st.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Releases the parameters the last forward kept for the head's backward.
+pub(super) fn release_kept(st: &mut Shards, model: &mut GPT) {
+    for range in st.kept.drain(..) {
+        st.spare.release(&mut model.params_mut()[range]);
+    }
+}

@@ -1,0 +1,310 @@
+//! Data-parallel training as a strategy of the one training loop: the run's
+//! data, the model replica and its gradient sync ([`DataParallel`]) built
+//! from the config (resumed from any checkpoint), the rank's batches, and
+//! the saves (DDP's whole checkpoint by rank 0, or every rank's shard). One
+//! type for DDP and every ZeRO stage: what differs is the [`GradSync`]
+//! value. It never decides when to log, evaluate or save: the loop does.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+use cohort_comm::ProcessGroup;
+use cohort_data::Dataset;
+use cohort_ddp::DdpOptions;
+use cohort_engine::optim::AdamW;
+use cohort_gpt::optim_groups::decay_mask;
+use cohort_gpt::GPT;
+
+use super::sharded::{ShardedDp, ZeroStage};
+use super::step::{DataParallel, GradSync};
+use super::zero1::Zero1;
+use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
+use crate::config::TrainConfig;
+use crate::error::TrainError;
+use crate::input::{val_batches, TrainBatches, ValBatches};
+use crate::memory::Sharding;
+use crate::phases::Phases;
+use crate::replica::{
+    global_batch_line, memory_line, replicated_start, resume_replica, resume_shard, save_replica,
+    save_shard, share_rank0_params, ReplicatedStart,
+};
+use crate::step_loop::{self, Outcome, ParallelStrategy, Start, StepGradients};
+
+/// Which gradient sync a data-parallel run uses (`--strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SyncKind {
+    /// DDP.
+    Ddp,
+    /// ZeRO stage 1.
+    Zero1,
+    /// ZeRO stage 2 or 3.
+    Sharded(ZeroStage),
+}
+
+impl SyncKind {
+    /// The memory accounting's name for the sync over `world` ranks.
+    fn sharding(self, world: usize) -> Sharding {
+        match self {
+            SyncKind::Ddp => Sharding::Replicated,
+            SyncKind::Zero1 => Sharding::Zero1 { world },
+            SyncKind::Sharded(ZeroStage::Two) => Sharding::Zero2 { world },
+            SyncKind::Sharded(ZeroStage::Three) => Sharding::Zero3 { world },
+        }
+    }
+}
+
+/// Trains as configured, data parallel with the gradient sync `kind`, as
+/// rank `pg.rank()` of `pg.size()`; rank 0 writes the log to `log`.
+/// Collective: every rank must call it with the same config.
+pub(crate) fn train(
+    cfg: &TrainConfig,
+    pg: &ProcessGroup,
+    log: &mut dyn Write,
+    kind: SyncKind,
+) -> Result<Outcome, TrainError> {
+    cfg.validate()?;
+    let mut run = DataParallelRun::new(cfg, pg, kind)?;
+    step_loop::run(cfg, &mut run, log, 1)
+}
+
+/// Data parallelism as a strategy of the training loop: every rank trains
+/// its replica on its own shard of the data.
+struct DataParallelRun<'a> {
+    cfg: &'a TrainConfig,
+    data: Arc<dyn Dataset>,
+    step: DataParallel<'a>,
+    batches: TrainBatches,
+    /// This rank's share of the job's validation batches.
+    val: ValBatches,
+    start: Start,
+}
+
+impl<'a> DataParallelRun<'a> {
+    fn new(cfg: &'a TrainConfig, pg: &'a ProcessGroup, kind: SyncKind) -> Result<Self, TrainError> {
+        let (rank, world) = (pg.rank(), pg.size());
+        let sharding = kind.sharding(world);
+        let ReplicatedStart {
+            data,
+            mut model,
+            mut header,
+        } = replicated_start(cfg, pg, sharding)?;
+        let t = data.seq_len();
+        let threads = model.backend().num_threads();
+        let overlap = match kind {
+            SyncKind::Zero1 => false,
+            // Compressed reduce-scatters run in place (see `set_compression`).
+            SyncKind::Sharded(_) if cfg.bf16_compress => false,
+            _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
+        };
+        let (sync, state) = build_sync(cfg, pg, kind, overlap, &mut model, &mut header)?;
+        header.push(model_line(cfg, &data, &model, &sync, world, overlap));
+        header.push(memory_line(cfg, &model, t, sharding));
+        header.push(global_batch_line(cfg, world, t));
+        let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
+        let val = val_batches(&data, cfg, world, rank, cfg.eval_batches)?;
+        Ok(DataParallelRun {
+            cfg,
+            step: DataParallel::new(pg, model, sync),
+            batches,
+            val,
+            start: Start {
+                step: state.step,
+                header,
+                loss_floor: data.loss_floor(),
+            },
+            data,
+        })
+    }
+}
+
+/// The gradient sync `kind` over `model` (rank 0's parameters made every
+/// rank's), its collectives overlapping the model's work when `overlap`, resumed from `cfg.resume` when set (any checkpoint: a sharded
+/// sync reads only its own shard), noting it in `header`. Returns where the
+/// run starts. Collective.
+fn build_sync<'a>(
+    cfg: &TrainConfig,
+    pg: &'a ProcessGroup,
+    kind: SyncKind,
+    overlap: bool,
+    model: &mut GPT,
+    header: &mut Vec<String>,
+) -> Result<(GradSync<'a>, TrainState), TrainError> {
+    if kind == SyncKind::Ddp {
+        // Every rank resumes the whole state; DDP checks that the shapes
+        // agree and broadcasts rank 0's parameters to the others.
+        let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
+        let state = resume_replica(cfg, pg, model, &mut opt, header)?;
+        let options = DdpOptions {
+            bucket_cap_mb: cfg.bucket_cap_mb,
+            overlap,
+            compression: cfg.compression(),
+            ..DdpOptions::default()
+        };
+        return Ok((GradSync::ddp(pg, model, opt, options)?, state));
+    }
+    share_rank0_params(pg, model)?;
+    let sync = match kind {
+        SyncKind::Sharded(stage) => {
+            let mut zero = ShardedDp::new(pg, model, stage, cfg.adamw())?;
+            zero.set_compression(cfg.compression());
+            zero.set_overlap(overlap);
+            GradSync::Sharded(Box::new(zero))
+        }
+        _ => {
+            let full_mask = decay_mask(model.param_views());
+            let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
+            zero.set_compression(cfg.compression());
+            GradSync::Zero1(zero)
+        }
+    };
+    // A checkpoint of any kind and world size: this rank reads its own
+    // shard of it, and the ranks' shards make the model again.
+    let config = model.config().clone();
+    let (pieces, len) = match &sync {
+        GradSync::Zero1(zero) => (zero.pieces(), zero.shard_len()),
+        GradSync::Sharded(zero) => (zero.pieces(), zero.shard_len()),
+        GradSync::Ddp { .. } => unreachable!("DDP resumed above"),
+    };
+    let mut target = ShardTarget::new(&config, pieces, len);
+    let Some(state) = resume_shard(cfg, pg, &mut target, header)? else {
+        return Ok((sync, TrainState::default()));
+    };
+    let mut sync = sync;
+    match &mut sync {
+        GradSync::Zero1(zero) => zero.restore(pg, &target, model.params_mut())?,
+        GradSync::Sharded(zero) => zero.restore(pg, model, &target)?,
+        GradSync::Ddp { .. } => unreachable!("DDP resumed above"),
+    }
+    Ok((sync, state))
+}
+
+/// The header line that describes the model and how it is spread.
+fn model_line(
+    cfg: &TrainConfig,
+    data: &Arc<dyn Dataset>,
+    model: &GPT,
+    sync: &GradSync<'_>,
+    world: usize,
+    overlap: bool,
+) -> String {
+    let n = model.num_params();
+    let spread = match sync {
+        GradSync::Ddp { ddp, .. } => format!(
+            "DDP buckets: {} (cap {} MB, overlap {})",
+            ddp.buckets().len(),
+            cfg.bucket_cap_mb,
+            on_off(overlap)
+        ),
+        GradSync::Zero1(zero) => format!(
+            "ZeRO-1: {world} shards of {} ({} padding)",
+            zero.shard_len(),
+            zero.shard_len() * world - n,
+        ),
+        GradSync::Sharded(zero) => {
+            let (name, what) = match zero.stage() {
+                ZeroStage::Two => ("ZeRO-2", "optimizer state and gradients"),
+                ZeroStage::Three => ("ZeRO-3", "parameters, gradients and optimizer state"),
+            };
+            format!(
+                "{name}: {what} in {world} shards by part, {} elements per rank ({} padding); \
+                 overlap {}",
+                zero.shard_len(),
+                zero.shard_len() * world - n,
+                on_off(overlap),
+            )
+        }
+    };
+    format!(
+        "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {n} parameters; \
+         {spread}",
+        cfg.n_layers,
+        cfg.n_heads,
+        cfg.d_model,
+        cfg.d_ff,
+        data.vocab_size(),
+        data.seq_len(),
+    )
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+impl ParallelStrategy for DataParallelRun<'_> {
+    fn group(&self) -> &ProcessGroup {
+        self.step.group()
+    }
+
+    fn start(&self) -> Start {
+        self.start.clone()
+    }
+
+    fn gradients(&mut self, step: u64, phases: &mut Phases) -> Result<StepGradients, TrainError> {
+        let (cfg, rank, world) = (self.cfg, self.group().rank(), self.group().size());
+        let (loss_sum, tokens) =
+            step_loop::accumulate(&mut self.step, &mut self.batches, cfg, rank, step, phases)?;
+        Ok(StepGradients::data_parallel(
+            loss_sum,
+            tokens,
+            cfg.grad_accum,
+            world,
+        ))
+    }
+
+    fn grads_mut(&mut self) -> &mut [f32] {
+        self.step.grads_mut()
+    }
+
+    fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
+        self.step.global_norm(local)
+    }
+
+    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
+        // A skipped step changes nothing: nothing to gather either.
+        if let Some(lr) = lr {
+            self.step.update(lr)?;
+        }
+        self.step.clear_grads();
+        Ok(())
+    }
+
+    fn evaluate(&mut self) -> Result<f32, TrainError> {
+        let mine = self.step.val_losses(&self.val.mine)?;
+        step_loop::mean_val_loss(Some(self.group()), self.val.total, &mine)
+    }
+
+    /// DDP: rank 0 writes the whole model and optimizer. ZeRO: every rank
+    /// writes its own shard (its slice of the parameters and its moments),
+    /// rank 0 the index that commits them.
+    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
+        let (cfg, pg, data) = (self.cfg, self.step.group(), &*self.data);
+        let (model, batches) = (self.step.model(), &self.batches);
+        let save =
+            |shard: &OwnedShard<'_>| save_shard(out, cfg, pg, model, shard, batches, data, step);
+        match self.step.sync() {
+            GradSync::Ddp { .. } if pg.rank() != 0 => Ok(SaveReport::default()),
+            GradSync::Ddp { opt, .. } => {
+                Ok(save_replica(out, cfg, pg, model, opt, batches, data, step))
+            }
+            GradSync::Zero1(zero) => zero.with_owned_shard(save),
+            GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
+        }
+    }
+
+    fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
+        self.step.final_params()
+    }
+
+    fn who(&self) -> String {
+        let ranks = self.group().size();
+        match self.step.zero_stage() {
+            None => format!("{ranks} rank(s)"),
+            Some(stage) => format!("{ranks} rank(s), ZeRO-{stage}"),
+        }
+    }
+}

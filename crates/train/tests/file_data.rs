@@ -1,0 +1,189 @@
+//! Training on data files (`--data PATH`): text with a char tokenizer,
+//! nanoGPT's directory with its `meta.pkl`, and JSON lines of documents
+//! batched by token budget, end to end through `cohort_train::train`.
+
+use cohort_tokenizer::Tokenizer;
+use cohort_train::TrainConfig;
+
+/// `--data text --tokenizer char`: trains, the loss falls, every checkpoint has the
+/// tokenizer.json, and a second run reuses the token cache.
+#[test]
+fn trains_on_a_text_file_and_saves_the_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "to be or not to be, that is the question.\n".repeat(200);
+    let src = dir.path().join("input.txt");
+    std::fs::write(&src, &text).unwrap();
+    let out = dir.path().join("out");
+    let cfg = TrainConfig {
+        data: src.to_str().unwrap().into(),
+        seq_len: 16,
+        n_layers: 1,
+        d_model: 32,
+        d_ff: 64,
+        n_heads: 2,
+        batch_size: 4,
+        steps: 30,
+        lr: 1e-2,
+        warmup_steps: 2,
+        eval_interval: 30,
+        log_interval: 10,
+        out: Some(out.clone()),
+        ..TrainConfig::default()
+    };
+    let pg = cohort_train::process_group_from_env().unwrap();
+    let mut log = Vec::new();
+    let outcome = cohort_train::train(&cfg, &pg, &mut log).unwrap();
+    let log = String::from_utf8(log).unwrap();
+    assert!(log.contains("char tokenizer, vocab 16"), "{log}");
+    let val = outcome.val_losses.last().unwrap().1;
+    assert!(val < 0.8 * 16f32.ln(), "learns: val loss {val}\n{log}");
+    let saved = Tokenizer::from_file(out.join("step-000030").join("tokenizer.json")).unwrap();
+    assert_eq!(saved.vocab_size(), 16);
+    let cache = out.join("data-cache");
+    assert!(cache.join("input.txt.char.tokenizer.json").is_file());
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        2,
+        "nothing beside the data"
+    );
+    // A missing file is a config error naming it.
+    let bad = TrainConfig {
+        data: dir.path().join("nope.txt").to_str().unwrap().into(),
+        ..cfg
+    };
+    let err = cohort_train::train(&bad, &pg, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nope.txt"), "{err}");
+}
+
+/// nanoGPT's directory with a character-level `meta.pkl`: the run's vocabulary and
+/// tokenizer come from it (checkpoints decode text), and an id the data holds beyond it is
+/// an error naming the file.
+#[test]
+fn a_nanogpt_directory_brings_its_vocabulary_from_meta_pkl() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = "first citizen: before we proceed any further, hear me speak.\n".repeat(60);
+    let chars: std::collections::BTreeSet<char> = text.chars().collect();
+    let stoi: std::collections::HashMap<String, u32> = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let ids: Vec<u16> = text.chars().map(|c| stoi[&c.to_string()] as u16).collect();
+    let write_bins = |ids: &[u16]| {
+        let bytes: Vec<u8> = ids.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let cut = bytes.len() * 9 / 10 / 2 * 2;
+        std::fs::write(dir.path().join("train.bin"), &bytes[..cut]).unwrap();
+        std::fs::write(dir.path().join("val.bin"), &bytes[cut..]).unwrap();
+    };
+    write_bins(&ids);
+    #[derive(serde::Serialize)]
+    struct Meta {
+        vocab_size: usize,
+        stoi: std::collections::HashMap<String, u32>,
+    }
+    let meta = Meta {
+        vocab_size: stoi.len(),
+        stoi,
+    };
+    let pickle = serde_pickle::to_vec(&meta, serde_pickle::SerOptions::new()).unwrap();
+    std::fs::write(dir.path().join("meta.pkl"), pickle).unwrap();
+    let out = dir.path().join("out");
+    let cfg = TrainConfig {
+        data: dir.path().to_str().unwrap().into(),
+        seq_len: 16,
+        n_layers: 1,
+        d_model: 16,
+        d_ff: 32,
+        n_heads: 2,
+        batch_size: 2,
+        steps: 2,
+        eval_interval: 2,
+        out: Some(out.clone()),
+        ..TrainConfig::default()
+    };
+    let pg = cohort_train::process_group_from_env().unwrap();
+    let mut log = Vec::new();
+    cohort_train::train(&cfg, &pg, &mut log).unwrap();
+    let log = String::from_utf8(log).unwrap();
+    let vocab = chars.len();
+    assert!(
+        log.contains(&format!("char tokenizer, vocab {vocab}")),
+        "{log}"
+    );
+    let saved = Tokenizer::from_file(out.join("step-000002").join("tokenizer.json")).unwrap();
+    assert_eq!(saved.encode("hear me").unwrap(), {
+        let t = cohort_tokenizer::Tokenizer::char_level(chars.iter().copied());
+        t.encode("hear me").unwrap()
+    });
+    // An id past meta.pkl's vocabulary is an error naming the file.
+    let mut bad = ids.clone();
+    bad[3] = vocab as u16;
+    write_bins(&bad);
+    let cfg = TrainConfig { out: None, ..cfg };
+    let err = cohort_train::train(&cfg, &pg, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("train.bin") && err.contains("outside the vocabulary"),
+        "{err}"
+    );
+}
+
+/// `--data docs.jsonl`: one sample per document, batched by token budget with padding; the
+/// loss falls, and a document longer than the context is an error naming file and line.
+#[test]
+fn trains_on_jsonl_documents_of_different_lengths() {
+    let dir = tempfile::tempdir().unwrap();
+    let words = [
+        "to be",
+        "or not to be",
+        "that is the question",
+        "whether tis nobler",
+    ];
+    let lines: Vec<String> = (0..400)
+        .map(|i| {
+            let text = words[..1 + i % words.len()].join(", ");
+            serde_json::json!({ "text": text }).to_string()
+        })
+        .collect();
+    let src = dir.path().join("docs.jsonl");
+    std::fs::write(&src, lines.join("\n")).unwrap();
+    let cfg = TrainConfig {
+        data: src.to_str().unwrap().into(),
+        seq_len: 64,
+        n_layers: 1,
+        d_model: 32,
+        d_ff: 64,
+        n_heads: 2,
+        batch_size: 4,
+        steps: 40,
+        lr: 1e-2,
+        warmup_steps: 2,
+        eval_interval: 40,
+        log_interval: 10,
+        out: Some(dir.path().join("out")),
+        ..TrainConfig::default()
+    };
+    let pg = cohort_train::process_group_from_env().unwrap();
+    let mut log = Vec::new();
+    let outcome = cohort_train::train(&cfg, &pg, &mut log).unwrap();
+    let log = String::from_utf8(log).unwrap();
+    assert!(log.contains("360 train documents"), "{log}");
+    let val = outcome.val_losses.last().unwrap().1;
+    assert!(val < 0.6 * 30f32.ln(), "learns: val loss {val}\n{log}");
+
+    let long = TrainConfig {
+        seq_len: 16,
+        out: Some(dir.path().join("out-short")),
+        ..cfg
+    };
+    let err = cohort_train::train(&long, &pg, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("docs.jsonl:") && err.contains("longer than 17, the most a sample holds"),
+        "{err}"
+    );
+}

@@ -4,7 +4,7 @@
 
 use cohort_gpt::GPTConfig;
 use cohort_train::{
-    train_parameter_server_timed, ConfigError, PsMode, Rendezvous, TrainConfig, TrainError,
+    train_parameter_server_timed, ConfigError, PsMode, RpcJoin, TrainConfig, TrainError,
 };
 use serde::Serialize;
 use std::io::Write;
@@ -90,9 +90,9 @@ pub fn run_ps_bench(args: &BenchPsArgs, out: &mut dyn Write) -> Result<(), Train
         ps_mode: args.mode,
         ..TrainConfig::default()
     };
-    let (rank, world) = Rendezvous::Env.rank_and_world()?;
+    let (rank, world) = RpcJoin::Env.rank_and_world()?;
     let outcome =
-        train_parameter_server_timed(&cfg, Rendezvous::Env, &mut std::io::sink(), args.warmup)?;
+        train_parameter_server_timed(&cfg, RpcJoin::Env, &mut std::io::sink(), args.warmup)?;
     if rank != 0 {
         return Ok(());
     }

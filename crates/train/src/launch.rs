@@ -13,7 +13,7 @@ use crate::elastic;
 use crate::error::{ConfigError, TrainError};
 use crate::step_loop::Outcome;
 use crate::strategy::data_parallel::{self, SyncKind, ZeroStage};
-use crate::strategy::parameter_server::{train_parameter_server, Rendezvous};
+use crate::strategy::parameter_server::{train_parameter_server, RpcJoin};
 use crate::strategy::pipeline::train_pipeline;
 
 /// The process group of this process: the job's, when a launcher (or the
@@ -65,13 +65,13 @@ pub fn run(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
 /// resumed run keeps its global batch over another number of workers as
 /// DDP's does over another number of ranks, and says so.
 fn run_parameter_server(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
-    let (rank, world) = Rendezvous::Env.rank_and_world()?;
+    let (rank, world) = RpcJoin::Env.rank_and_world()?;
     let workers = world.saturating_sub(1).max(1);
     let (cfg, notes) = elastic::prepare_resume(cfg, workers, elastic::restart_count_from_env()?);
     if rank == 0 {
         notes.iter().for_each(|note| println!("{note}"));
     }
-    train_parameter_server(&cfg, Rendezvous::Env, &mut std::io::stdout())
+    train_parameter_server(&cfg, RpcJoin::Env, &mut std::io::stdout())
 }
 
 /// Trains as configured, as rank `pg.rank()` of `pg.size()`, with the

@@ -92,6 +92,6 @@ pub use strategy::data_parallel::{
     DataParallel, GradSync, ShardedDp, SyncTimes, Zero1, Zero1Times, ZeroStage,
 };
 pub use strategy::parameter_server::{
-    train_parameter_server, train_parameter_server_timed, Rendezvous,
+    train_parameter_server, train_parameter_server_timed, RpcJoin,
 };
 pub use strategy::pipeline::{train_pipeline, PipelineRank, PipelineStepTimes};

@@ -11,7 +11,7 @@ mod common;
 
 use cohort_rpc::RpcOptions;
 use cohort_store::{HashStore, Store};
-use cohort_train::{train_parameter_server, Outcome, PsMode, Rendezvous, TrainConfig};
+use cohort_train::{train_parameter_server, Outcome, PsMode, RpcJoin, TrainConfig};
 use common::{max_abs_diff, run_world, tiny};
 
 /// Runs a server and `world - 1` workers; returns every rank's outcome and
@@ -29,7 +29,7 @@ fn run_ps(world: usize, cfg: &TrainConfig) -> (Vec<Outcome>, String) {
                 let (store, options) = (store.clone(), options.clone());
                 s.spawn(move || {
                     let mut log = Vec::new();
-                    let how = Rendezvous::Store {
+                    let how = RpcJoin::Store {
                         store,
                         rank,
                         world,
@@ -202,7 +202,7 @@ fn async_mode_keeps_its_staleness_bound_and_learns() {
 #[test]
 fn impossible_settings_are_clear_errors() {
     let store: Arc<dyn Store> = Arc::new(HashStore::new());
-    let how = |world| Rendezvous::Store {
+    let how = |world| RpcJoin::Store {
         store: store.clone(),
         rank: 0,
         world,

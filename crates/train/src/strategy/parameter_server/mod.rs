@@ -51,8 +51,9 @@ use messages::rpc_err;
 use server::Server;
 use worker::work;
 
-/// How the processes of a parameter-server job find each other.
-pub enum Rendezvous {
+/// How the processes of a parameter-server job join one RPC group (named
+/// for that, not `Rendezvous`, which is the launcher's round of joining).
+pub enum RpcJoin {
     /// The `env://` variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), as
     /// `cohort run` sets them.
     Env,
@@ -70,12 +71,12 @@ pub enum Rendezvous {
     },
 }
 
-impl Rendezvous {
+impl RpcJoin {
     /// This process's rank (0: the server) and the number of processes.
     pub fn rank_and_world(&self) -> Result<(usize, usize), TrainError> {
         Ok(match self {
-            Rendezvous::Env => (env_usize("RANK")?, env_usize("WORLD_SIZE")?),
-            Rendezvous::Store { rank, world, .. } => (*rank, *world),
+            RpcJoin::Env => (env_usize("RANK")?, env_usize("WORLD_SIZE")?),
+            RpcJoin::Store { rank, world, .. } => (*rank, *world),
         })
     }
 }
@@ -87,7 +88,7 @@ impl Rendezvous {
 /// phases, the parameters it last received).
 pub fn train_parameter_server(
     cfg: &TrainConfig,
-    how: Rendezvous,
+    how: RpcJoin,
     log: &mut dyn Write,
 ) -> Result<Outcome, TrainError> {
     cfg.validate()?;
@@ -107,7 +108,7 @@ pub fn train_parameter_server(
 /// `untimed_steps` steps (a benchmark's warm-up) instead of after the first.
 pub fn train_parameter_server_timed(
     cfg: &TrainConfig,
-    how: Rendezvous,
+    how: RpcJoin,
     log: &mut dyn Write,
     untimed_steps: u64,
 ) -> Result<Outcome, TrainError> {
@@ -126,7 +127,7 @@ pub fn train_parameter_server_timed(
 /// Serves (rank 0) or works; throughput is timed after `untimed_steps` steps.
 fn run_role(
     cfg: &TrainConfig,
-    how: Rendezvous,
+    how: RpcJoin,
     rank: usize,
     world: usize,
     log: &mut dyn Write,
@@ -176,7 +177,7 @@ fn env_usize(name: &'static str) -> Result<usize, TrainError> {
 }
 
 fn join(
-    how: Rendezvous,
+    how: RpcJoin,
     rank: usize,
     world: usize,
     registry: Registry,
@@ -188,8 +189,8 @@ fn join(
         format!("worker{rank}")
     };
     match how {
-        Rendezvous::Env => cohort_rpc::init_rpc_with_options(&name, rank, world, registry, options),
-        Rendezvous::Store { store, .. } => {
+        RpcJoin::Env => cohort_rpc::init_rpc_with_options(&name, rank, world, registry, options),
+        RpcJoin::Store { store, .. } => {
             cohort_rpc::init_rpc_with_store(store, &name, rank, world, registry, options)
         }
     }
@@ -198,10 +199,10 @@ fn join(
 
 /// The RPC settings of `how`, with a handler thread per worker to spare:
 /// a sync push holds one on the server until every worker's gradient is in.
-fn rpc_options(how: &Rendezvous, world: usize) -> Result<RpcOptions, TrainError> {
+fn rpc_options(how: &RpcJoin, world: usize) -> Result<RpcOptions, TrainError> {
     let mut o = match how {
-        Rendezvous::Env => RpcOptions::from_env().map_err(rpc_err("reading the RPC settings"))?,
-        Rendezvous::Store { options, .. } => options.clone(),
+        RpcJoin::Env => RpcOptions::from_env().map_err(rpc_err("reading the RPC settings"))?,
+        RpcJoin::Store { options, .. } => options.clone(),
     };
     o.num_worker_threads = o.num_worker_threads.max(world + 2);
     Ok(o)

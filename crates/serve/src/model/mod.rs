@@ -44,7 +44,7 @@ use crate::backend::{self, Backend, Instance};
 use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
 use crate::config::{Kind, ModelConfig};
 use crate::error::{ErrorKind, ServeError};
-use crate::metrics::{Phases, Failure, VersionMetrics};
+use crate::metrics::{ComputeTimes, Failure, VersionMetrics};
 use crate::tensor::{InferResult, Request, Tensor, TensorSpec};
 use crate::text::TextCodec;
 use ensemble::Ensemble;
@@ -329,9 +329,9 @@ impl LoadedVersion {
                 let me = (self.model.as_str(), self.version);
                 let out = e.run(repo, input, &want, me, via).await;
                 if out.is_ok() {
-                    let phases = Phases {
+                    let phases = ComputeTimes {
                         infer: start.elapsed(),
-                        ..Phases::default()
+                        ..ComputeTimes::default()
                     };
                     self.metrics.executed(rows, 1, phases);
                 }
@@ -565,9 +565,9 @@ fn count_generated(ctx: &InstanceCtx<'_>, started: Instant, n: usize) {
     ctx.metrics.executed(
         1,
         1,
-        Phases {
+        ComputeTimes {
             infer: started.elapsed(),
-            ..Phases::default()
+            ..ComputeTimes::default()
         },
     );
     ctx.metrics.generated(n);
@@ -734,7 +734,7 @@ fn run_infer(instance: &mut dyn Instance, mut jobs: Vec<InferJob>, ctx: &Instanc
         };
         replies.push((j.reply, j.enqueued, out));
     }
-    let phases = Phases {
+    let phases = ComputeTimes {
         input: gathered - started,
         infer: inferred - gathered,
         output: inferred.elapsed(),

@@ -24,6 +24,7 @@ pub(crate) enum Coding {
 }
 
 impl Coding {
+    /// The coding's name in `Content-Encoding` / `Accept-Encoding`.
     pub(crate) fn name(self) -> &'static str {
         match self {
             Coding::Gzip => "gzip",

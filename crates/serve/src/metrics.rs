@@ -39,7 +39,7 @@ pub(crate) enum Failure {
 /// the requests' inputs into one batch, the model itself, and cutting each request's outputs
 /// out of the batch's.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Phases {
+pub(crate) struct ComputeTimes {
     pub input: Duration,
     pub infer: Duration,
     pub output: Duration,
@@ -141,7 +141,7 @@ impl VersionMetrics {
     }
 
     /// One execution of `rows` rows for `requests` requests, whose phases took `t`.
-    pub(crate) fn executed(&self, rows: usize, requests: usize, t: Phases) {
+    pub(crate) fn executed(&self, rows: usize, requests: usize, t: ComputeTimes) {
         let (rows, requests) = (rows as u64, requests as u64);
         self.exec_count.fetch_add(1, Relaxed);
         self.inference_count.fetch_add(rows, Relaxed);
@@ -504,8 +504,8 @@ fn escape(s: &str) -> String {
 mod tests {
     use super::*;
 
-    fn phases(input: u64, infer: u64, output: u64) -> Phases {
-        Phases {
+    fn phases(input: u64, infer: u64, output: u64) -> ComputeTimes {
+        ComputeTimes {
             input: Duration::from_micros(input),
             infer: Duration::from_micros(infer),
             output: Duration::from_micros(output),

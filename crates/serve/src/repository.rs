@@ -28,10 +28,11 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use serde::Serialize;
 
-use crate::config::ModelConfig;
+use crate::backend;
+use crate::config::{Kind, ModelConfig};
 use crate::error::ServeError;
 use crate::metrics::Metrics;
-use crate::model::{BuildOptions, LoadedVersion, Stamp};
+use crate::model::{ensemble, BuildOptions, LoadedVersion, Models, Stamp};
 
 /// One row of the repository index (Triton's `RepositoryIndex`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -387,16 +388,16 @@ impl Repository {
         let config_changed = old.config.as_ref().is_some_and(|c| **c != *cfg);
         // an ensemble that reaches itself through the ensembles loaded so far is refused here
         // (the one loaded last in a loop is the one refused); requests catch what slips past
-        let cycle = (cfg.kind() == Ok(crate::backend::Kind::Ensemble))
+        let cycle = (cfg.kind() == Ok(Kind::Ensemble))
             .then(|| {
                 let models = self.read();
                 let config_of = |m: &str| {
                     models
                         .get(m)
                         .and_then(|e| e.config.as_deref())
-                        .filter(|c| c.kind() == Ok(crate::backend::Kind::Ensemble))
+                        .filter(|c| c.kind() == Ok(Kind::Ensemble))
                 };
-                crate::ensemble::load_cycle(model, &cfg, &config_of)
+                ensemble::load_cycle(model, &cfg, &config_of)
             })
             .flatten();
         let present = version_dirs(&dir);
@@ -413,7 +414,7 @@ impl Repository {
                 }
             }
             let loaded = match &cycle {
-                Some(loop_) => Err(crate::backend::Version { model, version: v }.error(format!(
+                Some(loop_) => Err(backend::Version { model, version: v }.error(format!(
                     "ensembles may not reach themselves through their steps: {loop_}"
                 ))),
                 None => {
@@ -480,6 +481,16 @@ impl Repository {
                 reason: reason.unwrap_or_default(),
             }),
         }
+    }
+}
+
+impl Models for Repository {
+    fn resolve(
+        &self,
+        model: &str,
+        version: Option<&str>,
+    ) -> Result<Arc<LoadedVersion>, ServeError> {
+        Repository::resolve(self, model, version)
     }
 }
 

@@ -29,6 +29,14 @@ pub(crate) fn tensors(vocab: i64) -> (Vec<TensorSpec>, Vec<TensorSpec>) {
     )
 }
 
+/// Checks a config's declared tensors against a GPT's, before its checkpoint (and so its
+/// vocabulary) is read.
+pub(crate) fn check_config(cfg: &ModelConfig) -> Result<(), String> {
+    let (inputs, outputs) = tensors(-1);
+    super::check_section("input", &cfg.input, &inputs)?;
+    super::check_section("output", &cfg.output, &outputs)
+}
+
 /// A loaded GPT checkpoint.
 pub(crate) struct GptBackend {
     inputs: Vec<TensorSpec>,

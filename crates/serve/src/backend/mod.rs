@@ -4,10 +4,12 @@
 //! queue, the dynamic batcher, the instance threads, the metrics and the repository (the
 //! `model`, `batcher`, `metrics` and `repository` modules) are the same for every backend.
 //! Config `platform:` / `backend:` picks the backend ([`Kind`]); ensembles, which execute other
-//! models rather than a file, are the `ensemble` module's.
+//! models rather than a file, are the `model::ensemble` module's. Each backend also checks the
+//! part of a config only it can judge, before anything is loaded ([`check_config`]); the
+//! fields every model has are the `config` module's.
 //!
-//! A backend never parses a request off the wire and never queues: it is handed checked
-//! tensors, joined along the batch dimension.
+//! A backend never parses a request off the wire, never queues and never reads another
+//! model: it is handed checked tensors, joined along the batch dimension.
 
 pub(crate) mod gpt;
 pub(crate) mod onnx;
@@ -16,96 +18,10 @@ pub(crate) mod tokenizer;
 
 use std::path::Path;
 
-use crate::config::ModelConfig;
+use crate::config::{Kind, ModelConfig, TensorConfig};
 use crate::error::ServeError;
 use crate::tensor::{Request, Tensor, TensorSpec};
 use crate::text::TextCodec;
-
-/// Triton's platform of cohort's GPT checkpoints.
-pub const GPT_PLATFORM: &str = "cohort_gpt";
-/// Triton's platform of ONNX models (Triton runs them with its `onnxruntime` backend; cohort
-/// with tract).
-pub const ONNX_PLATFORM: &str = "onnxruntime_onnx";
-/// Triton's platform of a pipeline of other models.
-pub const ENSEMBLE_PLATFORM: &str = "ensemble";
-/// cohort's tokenizer models' backend (and platform) name: text <-> token ids, as Triton users
-/// write a Python model for.
-pub const TOKENIZER_BACKEND: &str = tokenizer::BACKEND;
-
-/// Which backend serves a model, from its config's `platform` / `backend`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// A cohort GPT checkpoint (`platform: "cohort_gpt"` or `backend: "cohort"`; also a config
-    /// naming neither, as repositories written before there were other backends).
-    Gpt,
-    /// `model.onnx` (`platform: "onnxruntime_onnx"` or `backend: "onnxruntime"`).
-    Onnx,
-    /// Steps through other models (`platform: "ensemble"`).
-    Ensemble,
-    /// Text <-> token ids with a `tokenizer.json` or `vocab.json` (`backend:
-    /// "cohort_tokenizer"`).
-    Tokenizer,
-}
-
-impl Kind {
-    /// The backend `platform` / `backend` name, or why they name none cohort has.
-    pub fn from_config(platform: Option<&str>, backend: Option<&str>) -> Result<Kind, String> {
-        let by_platform = match platform.filter(|p| !p.is_empty()) {
-            None => None,
-            Some(GPT_PLATFORM) => Some(Kind::Gpt),
-            Some(ONNX_PLATFORM) => Some(Kind::Onnx),
-            Some(ENSEMBLE_PLATFORM) => Some(Kind::Ensemble),
-            Some(TOKENIZER_BACKEND) => Some(Kind::Tokenizer),
-            Some(other) => {
-                return Err(format!(
-                    "platform {other:?} is not served by cohort (it serves {GPT_PLATFORM}, \
-                     {ONNX_PLATFORM}, {ENSEMBLE_PLATFORM}, {TOKENIZER_BACKEND})"
-                ))
-            }
-        };
-        let by_backend = match backend.filter(|b| !b.is_empty()) {
-            None => None,
-            Some("cohort") => Some(Kind::Gpt),
-            Some("onnxruntime") => Some(Kind::Onnx),
-            Some(TOKENIZER_BACKEND) => Some(Kind::Tokenizer),
-            Some(other) => {
-                return Err(format!(
-                    "backend {other:?} is not served by cohort (it serves cohort, onnxruntime, \
-                     {TOKENIZER_BACKEND})"
-                ))
-            }
-        };
-        match (by_platform, by_backend) {
-            (Some(p), Some(b)) if p != b => Err(format!(
-                "platform {:?} and backend {:?} name different backends",
-                platform.unwrap_or_default(),
-                backend.unwrap_or_default()
-            )),
-            (Some(k), _) | (None, Some(k)) => Ok(k),
-            (None, None) => Ok(Kind::Gpt),
-        }
-    }
-
-    /// Triton's platform name.
-    pub fn platform(self) -> &'static str {
-        match self {
-            Kind::Gpt => GPT_PLATFORM,
-            Kind::Onnx => ONNX_PLATFORM,
-            Kind::Ensemble => ENSEMBLE_PLATFORM,
-            Kind::Tokenizer => TOKENIZER_BACKEND,
-        }
-    }
-
-    /// Triton's backend name (empty for an ensemble, as Triton writes it).
-    pub fn backend(self) -> &'static str {
-        match self {
-            Kind::Gpt => "cohort",
-            Kind::Onnx => "onnxruntime",
-            Kind::Ensemble => "",
-            Kind::Tokenizer => TOKENIZER_BACKEND,
-        }
-    }
-}
 
 /// What a loaded model version is, whichever backend executes it.
 pub(crate) trait Backend: Send + Sync {
@@ -161,6 +77,21 @@ pub(crate) fn load(
     }
 }
 
+/// Checks what `cfg` says that only backend `kind` can judge, before anything is read: a GPT's
+/// declared tensors (its vocabulary is known once the checkpoint is read; the load checks
+/// that), a tokenizer's layout (its config is where its tensors come from). An ONNX model's
+/// are checked against `model.onnx` when it is loaded.
+pub(crate) fn check_config(kind: Kind, cfg: &ModelConfig) -> Result<(), String> {
+    match kind {
+        Kind::Gpt => gpt::check_config(cfg),
+        Kind::Onnx => Ok(()),
+        Kind::Tokenizer => tokenizer::check_config(cfg),
+        Kind::Ensemble => {
+            Err("an ensemble's config is the ensemble module's to check, not a backend's".into())
+        }
+    }
+}
+
 /// The model version being loaded, to name it in errors.
 pub(crate) struct Version<'a> {
     pub model: &'a str,
@@ -189,7 +120,7 @@ pub(crate) fn check_declared(cfg: &ModelConfig, backend: &dyn Backend) -> Result
 /// One section of [`check_declared`].
 pub(crate) fn check_section(
     section: &str,
-    entries: &[crate::config::TensorConfig],
+    entries: &[TensorConfig],
     known: &[TensorSpec],
 ) -> Result<(), String> {
     for (i, t) in entries.iter().enumerate() {

@@ -43,9 +43,6 @@ use crate::error::ServeError;
 use crate::tensor::{DataType, Request, Tensor, TensorSpec};
 use crate::text::TextCodec;
 
-/// Triton's backend name (and cohort's platform name) of tokenizer models.
-pub const BACKEND: &str = "cohort_tokenizer";
-
 /// Which way a tokenizer model goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -77,6 +74,12 @@ fn scalar_per_row(t: &TensorConfig) -> bool {
             .is_none_or(|s| s.as_array().is_some_and(Vec::is_empty))
     });
     t.dims == [1] && empty_reshape
+}
+
+/// Checks that `cfg` declares a layout a tokenizer can serve (the config is where a tokenizer
+/// model's tensors come from).
+pub(crate) fn check_config(cfg: &ModelConfig) -> Result<(), String> {
+    layout(cfg).map(|_| ())
 }
 
 /// The layout `cfg` declares, or why it declares none a tokenizer can serve.

@@ -3,12 +3,14 @@
 //! strings, and Triton's binary tensor extension that `tritonclient.http` uses by default, BYTES
 //! elements each a 4-byte little-endian length then the bytes), the generate extension with its
 //! server-sent-events stream, the model repository API, the statistics extension, and
-//! `/metrics` (also served alone on the metrics port, [`metrics_router`]); the OpenAI-compatible
-//! `/v1` routes of the `openai` module are merged in.
+//! `/metrics` (also served alone on the metrics port, [`metrics_router`]); other routes on the
+//! same port (the OpenAI-compatible `/v1` routes of the `openai` module) are handed to
+//! [`router`] to be merged in, so this module never imports another front end.
 //!
 //! Request bodies may be gzip- or deflate-compressed (`Content-Encoding`); answers are
 //! compressed when `Accept-Encoding` asks for gzip or deflate (not the event stream, which
-//! must flow piece by piece). A stream whose client went away stops its generation.
+//! must flow piece by piece); see the `body` module. A stream whose client went away stops its
+//! generation (the `sse` module).
 //!
 //! Every failure is a JSON body `{"error": "..."}` with the status of [`ErrorKind`]; a handler
 //! never panics on input. Bodies are read up to a fixed limit, which also bounds what a
@@ -21,8 +23,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use std::io::Read;
-
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -33,18 +33,24 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::body::{accepted_coding, read_body};
+use super::metadata::{config_json, metadata, served_config};
+use super::params::{generate_options, unsupported_load_parameter};
+use super::sse::stream_pieces;
+use super::AppState;
 use crate::error::{ErrorKind, ServeError};
 use crate::metrics::statistics_json;
 use crate::model::LoadedVersion;
-use crate::tensor::{self, InputData, WireInput};
+use crate::tensor::{self, InputData, TensorSpec, WireInput};
 use crate::text::Detokenizer;
-use crate::{config_json, generate_options, metadata, AppState, SERVER_NAME};
+use crate::{EXTENSIONS, SERVER_NAME};
 
 /// The header carrying the JSON part's length in the binary tensor extension.
 const HEADER_LEN: &str = "inference-header-content-length";
 
-/// The router with every endpoint.
-pub(crate) fn router(app: Arc<AppState>) -> Router {
+/// The router with every endpoint, and `also` (routes of another protocol served on the same
+/// port, answered and compressed alike).
+pub(crate) fn router(app: Arc<AppState>, also: Router<Arc<AppState>>) -> Router {
     Router::new()
         .route("/v2", get(server_metadata))
         .route("/v2/health/live", get(live))
@@ -86,7 +92,7 @@ pub(crate) fn router(app: Arc<AppState>) -> Router {
             post(repository_unload),
         )
         .route("/metrics", get(metrics))
-        .merge(crate::openai::routes())
+        .merge(also)
         .fallback(not_found)
         .layer(axum::middleware::from_fn(compress_response))
         .with_state(app)
@@ -105,7 +111,7 @@ pub(crate) fn metrics_router(app: Arc<AppState>) -> Router {
 }
 
 /// A failure as the protocol writes it.
-pub(crate) struct HttpError(pub(crate) ServeError);
+struct HttpError(ServeError);
 
 impl From<ServeError> for HttpError {
     fn from(e: ServeError) -> Self {
@@ -166,7 +172,7 @@ async fn server_metadata() -> Json<Value> {
     Json(json!({
         "name": SERVER_NAME,
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": crate::EXTENSIONS,
+        "extensions": EXTENSIONS,
     }))
 }
 
@@ -182,7 +188,7 @@ async fn model_metadata(State(app): State<Arc<AppState>>, Path(p): Params) -> Re
             .collect(),
     };
     let m = metadata(&lv, versions);
-    let tensors = |ts: &[crate::TensorSpec]| {
+    let tensors = |ts: &[TensorSpec]| {
         ts.iter()
             .map(|t| json!({"name": t.name, "datatype": t.datatype.name(), "shape": t.shape}))
             .collect::<Vec<_>>()
@@ -203,7 +209,7 @@ async fn model_ready(State(app): State<Arc<AppState>>, Path(p): Params) -> Resul
 
 async fn model_config(State(app): State<Arc<AppState>>, Path(p): Params) -> Result<Json<Value>> {
     let lv = app.repo.resolve(model_of(&p), version_of(&p))?;
-    Ok(Json(config_json(&crate::model_config(&lv))))
+    Ok(Json(config_json(&served_config(&lv))))
 }
 
 async fn statistics(State(app): State<Arc<AppState>>, Path(p): Params) -> Result<Json<Value>> {
@@ -227,109 +233,6 @@ async fn metrics(State(app): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
-/// Past the limit, this much more of a body is still read (and dropped) so that the client,
-/// still sending, receives the 413 instead of a reset connection.
-const DRAIN_BYTES: u64 = 64 << 20;
-
-/// A compression the protocol's clients use: tritonclient's `request_compression_algorithm`
-/// and `response_compression_algorithm` ("gzip", "deflate"; HTTP's deflate is the zlib format).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Coding {
-    Gzip,
-    Deflate,
-}
-
-impl Coding {
-    fn name(self) -> &'static str {
-        match self {
-            Coding::Gzip => "gzip",
-            Coding::Deflate => "deflate",
-        }
-    }
-}
-
-/// The body's `Content-Encoding`: None for identity; an error naming an unsupported one.
-fn content_coding(headers: &HeaderMap) -> std::result::Result<Option<Coding>, ServeError> {
-    let Some(enc) = headers.get(header::CONTENT_ENCODING) else {
-        return Ok(None);
-    };
-    match enc
-        .to_str()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase()
-        .as_str()
-    {
-        "" | "identity" => Ok(None),
-        "gzip" | "x-gzip" => Ok(Some(Coding::Gzip)),
-        "deflate" => Ok(Some(Coding::Deflate)),
-        _ => Err(ServeError::malformed(format!(
-            "Content-Encoding {enc:?} is not supported (gzip, deflate or identity)"
-        ))),
-    }
-}
-
-/// Inflates `body`, refusing (413) what inflates past `limit` bytes without inflating more.
-fn inflate(body: &[u8], coding: Coding, limit: usize) -> std::result::Result<Vec<u8>, ServeError> {
-    let reader: Box<dyn Read + '_> = match coding {
-        Coding::Gzip => Box::new(flate2::read::MultiGzDecoder::new(body)),
-        Coding::Deflate => Box::new(flate2::read::ZlibDecoder::new(body)),
-    };
-    let mut out = Vec::new();
-    reader
-        .take(limit as u64 + 1)
-        .read_to_end(&mut out)
-        .map_err(|e| {
-            ServeError::malformed(format!("the {} body does not inflate: {e}", coding.name()))
-        })?;
-    if out.len() > limit {
-        return Err(ServeError::BodyTooLarge { limit });
-    }
-    Ok(out)
-}
-
-/// The body, inflated if it is compressed, refused past `limit` bytes (either way).
-pub(crate) async fn read_body(
-    headers: &HeaderMap,
-    body: Body,
-    limit: usize,
-) -> Result<axum::body::Bytes> {
-    let coding = content_coding(headers)?;
-    let raw = read_raw_body(headers, body, limit).await?;
-    match coding {
-        None => Ok(raw),
-        Some(c) => Ok(inflate(&raw, c, limit)?.into()),
-    }
-}
-
-/// Which compression the client accepts for the answer, by `Accept-Encoding` (gzip first).
-fn accepted_coding(headers: &HeaderMap) -> Option<Coding> {
-    let mut best: Option<Coding> = None;
-    for v in headers.get_all(header::ACCEPT_ENCODING) {
-        for item in v.to_str().unwrap_or("").split(',') {
-            let mut parts = item.split(';');
-            let name = parts.next().unwrap_or("").trim().to_ascii_lowercase();
-            // "gzip;q=0" refuses gzip
-            let refused = parts.any(|p| {
-                p.trim()
-                    .strip_prefix("q=")
-                    .and_then(|q| q.trim().parse::<f32>().ok())
-                    == Some(0.0)
-            });
-            let c = match name.as_str() {
-                "gzip" | "x-gzip" => Coding::Gzip,
-                "deflate" => Coding::Deflate,
-                _ => continue,
-            };
-            if !refused && best != Some(Coding::Gzip) {
-                best = Some(c);
-            }
-        }
-    }
-    best
-}
-
-/// Compresses an answer the client accepts compressed. Event streams pass untouched: they
 /// must reach the client piece by piece.
 async fn compress_response(req: Request, next: axum::middleware::Next) -> Response {
     let coding = accepted_coding(req.headers());
@@ -351,19 +254,7 @@ async fn compress_response(req: Request, next: axum::middleware::Next) -> Respon
                 .into_response()
         }
     };
-    use std::io::Write;
-    let level = flate2::Compression::fast();
-    let packed = match coding {
-        Coding::Gzip => {
-            let mut w = flate2::write::GzEncoder::new(Vec::new(), level);
-            w.write_all(&bytes).and_then(|()| w.finish())
-        }
-        Coding::Deflate => {
-            let mut w = flate2::write::ZlibEncoder::new(Vec::new(), level);
-            w.write_all(&bytes).and_then(|()| w.finish())
-        }
-    };
-    let Ok(packed) = packed else {
+    let Ok(packed) = coding.compress(&bytes) else {
         // writing into memory does not fail; should it, the plain answer is still right
         return Response::from_parts(parts, Body::from(bytes));
     };
@@ -376,35 +267,6 @@ async fn compress_response(req: Request, next: axum::middleware::Next) -> Respon
         .headers
         .append(header::VARY, HeaderValue::from_static("accept-encoding"));
     Response::from_parts(parts, Body::from(packed))
-}
-
-/// The body as sent, refused past `limit` bytes.
-async fn read_raw_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<axum::body::Bytes> {
-    use tokio_stream::StreamExt;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64 + DRAIN_BYTES) {
-        return Err(ServeError::BodyTooLarge { limit }.into());
-    }
-    let mut stream = body.into_data_stream();
-    let mut buf = Vec::with_capacity(declared.map_or(0, |n| n.min(limit as u64) as usize));
-    let mut seen = 0u64;
-    while let Some(chunk) = stream.next().await {
-        let chunk = chunk.map_err(|e| ServeError::malformed(format!("reading the body: {e}")))?;
-        seen += chunk.len() as u64;
-        if seen > limit as u64 + DRAIN_BYTES {
-            break;
-        }
-        if seen <= limit as u64 {
-            buf.extend_from_slice(&chunk);
-        }
-    }
-    if seen > limit as u64 {
-        return Err(ServeError::BodyTooLarge { limit }.into());
-    }
-    Ok(buf.into())
 }
 
 #[derive(Deserialize)]
@@ -577,7 +439,7 @@ async fn infer(
         Err(e) => return Err(lv.reject(e, start).into()),
     };
     let want = parsed.outputs.iter().map(|&(o, _)| o).collect();
-    let result = lv.infer(&app.repo, parsed.input, want).await?;
+    let result = lv.infer(app.repo.as_ref(), parsed.input, want).await?;
     let mut outputs = Vec::with_capacity(parsed.outputs.len());
     let mut binary = Vec::new();
     for ((name, t), (_, as_binary)) in result.iter().zip(&parsed.outputs) {
@@ -778,47 +640,6 @@ async fn generate_stream(
     Ok(Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response())
 }
 
-/// Where a streamed generation's server-sent events go.
-pub(crate) type EventSender = tokio::sync::mpsc::Sender<std::result::Result<Event, Infallible>>;
-
-/// Sends each decoded piece of a generation's `tokens` on `tx` as `event(piece)` until the
-/// generation ends, then accounts for it and returns its outcome (the detokenizer keeps what
-/// it has not emitted yet). None when the client went away: dropping the receivers stops the
-/// generation after its current step, and the instance counts it as cancelled unless it had
-/// finished anyway.
-pub(crate) async fn stream_pieces(
-    lv: &LoadedVersion,
-    mut tokens: tokio::sync::mpsc::UnboundedReceiver<u32>,
-    mut done: tokio::sync::oneshot::Receiver<std::result::Result<Vec<u32>, ServeError>>,
-    start: Instant,
-    detok: &mut Detokenizer<'_>,
-    tx: &EventSender,
-    event: impl Fn(&str) -> std::result::Result<Event, Infallible>,
-) -> Option<std::result::Result<Vec<u32>, ServeError>> {
-    loop {
-        let id = tokio::select! {
-            id = tokens.recv() => id,
-            // the client went away (the server dropped the event stream)
-            _ = tx.closed() => None,
-        };
-        let Some(id) = id else { break };
-        let piece = detok.push(id);
-        if !piece.is_empty() && tx.send(event(&piece)).await.is_err() {
-            break;
-        }
-    }
-    if tx.is_closed() {
-        drop(tokens);
-        if let Ok(out) = done.try_recv() {
-            lv.account(&out, start);
-        }
-        return None;
-    }
-    let out = (&mut done).await.unwrap_or_else(|_| Err(lv.lost()));
-    lv.account(&out, start);
-    Some(out)
-}
-
 #[derive(Deserialize, Default)]
 struct IndexRequest {
     #[serde(default)]
@@ -870,7 +691,7 @@ async fn repository_load(
                     ServeError::parameter(k, format!("{other} is not a string of JSON")).into(),
                 )
             }
-            _ => return Err(crate::unsupported_load_parameter(k).into()),
+            _ => return Err(unsupported_load_parameter(k).into()),
         }
     }
     let override_cfg = config

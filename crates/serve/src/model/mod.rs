@@ -17,8 +17,13 @@
 //! leaves at once, so a long generation never holds a short one back. Each keeps its own KV
 //! cache and sampler, so it produces exactly the tokens it would alone. With the parameter
 //! "false", a generation holds its instance until it ends. Either way the KV caches keep keys
-//! and values in the `kv_cache_dtype` parameter's format (f32 unless it is "bf16"). This
-//! module never parses a request off the wire.
+//! and values in the `kv_cache_dtype` parameter's format (f32 unless it is "bf16").
+//!
+//! Its children: `ensemble` (a version that runs other models' versions as steps) and
+//! `config_check` (reading a config checked by the backend that will serve it). An ensemble's
+//! steps find their models through [`Models`], which the repository implements, so this
+//! module never imports the repository that holds its versions. This module never parses a
+//! request off the wire.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -32,15 +37,26 @@ use cohort_gpt::sample::{
 use cohort_gpt::GPT;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::backend::{self, Backend, Instance, Kind};
+mod config_check;
+pub(crate) mod ensemble;
+
+use crate::backend::{self, Backend, Instance};
 use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
-use crate::config::ModelConfig;
-use crate::ensemble::Ensemble;
+use crate::config::{Kind, ModelConfig};
 use crate::error::{ErrorKind, ServeError};
-use crate::metrics::{Failure, Phases, VersionMetrics};
-use crate::repository::Repository;
+use crate::metrics::{ComputeTimes, Failure, VersionMetrics};
 use crate::tensor::{InferResult, Request, Tensor, TensorSpec};
 use crate::text::TextCodec;
+use ensemble::Ensemble;
+
+/// Where the versions being served are found by name: what an ensemble's steps resolve their
+/// models in when a request runs. The repository is the one there is; a trait so that a
+/// version, which may be an ensemble, does not import the repository that holds it.
+pub(crate) trait Models: Send + Sync {
+    /// The version that serves a request for `model` (`version` empty or None: the newest).
+    fn resolve(&self, model: &str, version: Option<&str>)
+        -> Result<Arc<LoadedVersion>, ServeError>;
+}
 
 /// What identifies the files a version was loaded from: the resolved directory and the
 /// modification times of its model files. A change means "reload".
@@ -290,7 +306,7 @@ impl LoadedVersion {
     /// instance, or through an ensemble's steps (which resolve their models in `repo`).
     pub async fn infer(
         &self,
-        repo: &Repository,
+        repo: &dyn Models,
         input: Request,
         want: Vec<usize>,
     ) -> Result<InferResult, ServeError> {
@@ -301,7 +317,7 @@ impl LoadedVersion {
     /// ensemble's steps must not lead back to.
     pub async fn infer_via(
         &self,
-        repo: &Repository,
+        repo: &dyn Models,
         input: Request,
         want: Vec<usize>,
         via: &[&str],
@@ -313,9 +329,9 @@ impl LoadedVersion {
                 let me = (self.model.as_str(), self.version);
                 let out = e.run(repo, input, &want, me, via).await;
                 if out.is_ok() {
-                    let phases = Phases {
+                    let phases = ComputeTimes {
                         infer: start.elapsed(),
-                        ..Phases::default()
+                        ..ComputeTimes::default()
                     };
                     self.metrics.executed(rows, 1, phases);
                 }
@@ -549,9 +565,9 @@ fn count_generated(ctx: &InstanceCtx<'_>, started: Instant, n: usize) {
     ctx.metrics.executed(
         1,
         1,
-        Phases {
+        ComputeTimes {
             infer: started.elapsed(),
-            ..Phases::default()
+            ..ComputeTimes::default()
         },
     );
     ctx.metrics.generated(n);
@@ -718,7 +734,7 @@ fn run_infer(instance: &mut dyn Instance, mut jobs: Vec<InferJob>, ctx: &Instanc
         };
         replies.push((j.reply, j.enqueued, out));
     }
-    let phases = Phases {
+    let phases = ComputeTimes {
         input: gathered - started,
         infer: inferred - gathered,
         output: inferred.elapsed(),

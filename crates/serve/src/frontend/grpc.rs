@@ -24,11 +24,15 @@ use tokio::sync::mpsc;
 use tonic::codegen::http;
 use tonic::{Code, Request, Response, Status};
 
+use super::metadata::{metadata, served_config};
+use super::params::{generate_options, unsupported_load_parameter};
+use super::AppState;
 use crate::error::{ErrorKind, ServeError};
 use crate::proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::proto::{self, model_infer_response, model_metadata_response};
+use crate::tensor::TensorSpec;
 use crate::tensor::{self, InputData, WireInput};
-use crate::{metadata, model_config, unsupported_load_parameter, AppState, SERVER_NAME};
+use crate::{EXTENSIONS, SERVER_NAME};
 
 /// How much earlier than the caller's deadline the answer is given up: tonic's own timer, with
 /// the same deadline, answers CANCELLED; this one must fire first.
@@ -197,7 +201,7 @@ impl GrpcInferenceService for Service {
         Ok(Response::new(proto::ServerMetadataResponse {
             name: SERVER_NAME.into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            extensions: crate::EXTENSIONS.iter().map(|s| s.to_string()).collect(),
+            extensions: EXTENSIONS.iter().map(|s| s.to_string()).collect(),
         }))
     }
 
@@ -223,7 +227,7 @@ impl GrpcInferenceService for Service {
                 .collect(),
         };
         let m = metadata(&lv, versions);
-        let tensors = |ts: &[crate::TensorSpec]| {
+        let tensors = |ts: &[TensorSpec]| {
             ts.iter()
                 .map(|t| model_metadata_response::TensorMetadata {
                     name: t.name.clone(),
@@ -261,7 +265,7 @@ impl GrpcInferenceService for Service {
             .resolve(&r.name, opt(&r.version))
             .map_err(status)?;
         Ok(Response::new(proto::ModelConfigResponse {
-            config: Some(model_config(&lv)),
+            config: Some(served_config(&lv)),
         }))
     }
 
@@ -450,7 +454,10 @@ async fn infer_one(
         Ok(x) => x,
         Err(e) => return Err(status(lv.reject(e, start))),
     };
-    let result = lv.infer(&app.repo, request, want).await.map_err(status)?;
+    let result = lv
+        .infer(app.repo.as_ref(), request, want)
+        .await
+        .map_err(status)?;
     let mut resp = proto::ModelInferResponse {
         model_name: lv.model.clone(),
         model_version: lv.version.to_string(),
@@ -650,7 +657,7 @@ async fn stream_generate(
             )));
         }
         let text = one_string(input, r.raw_input_contents.first())?;
-        let (opts, _) = crate::generate_options(&params, true)?;
+        let (opts, _) = generate_options(&params, true)?;
         let codec = lv.text.as_ref().map_err(|reason| ServeError::Text {
             model: lv.model.clone(),
             reason: reason.clone(),

@@ -22,10 +22,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::pin::Pin;
 
-use crate::backend::Kind;
-use crate::config::{EnsembleStep, ModelConfig, TensorConfig};
+use super::Models;
+use crate::config::{EnsembleStep, Kind, ModelConfig, TensorConfig};
 use crate::error::ServeError;
-use crate::repository::Repository;
 use crate::tensor::{
     self, DataType, InferResult, InputData, Request, Tensor, TensorSpec, WireInput,
 };
@@ -225,7 +224,7 @@ impl Ensemble {
     /// contains itself.)
     pub fn run<'a>(
         &'a self,
-        repo: &'a Repository,
+        repo: &'a dyn Models,
         request: Request,
         want: &'a [usize],
         me: (&'a str, u64),
@@ -236,7 +235,7 @@ impl Ensemble {
 
     async fn run_steps(
         &self,
-        repo: &Repository,
+        repo: &dyn Models,
         request: Request,
         want: &[usize],
         (model, version): (&str, u64),
@@ -285,7 +284,7 @@ impl Ensemble {
     /// One step: its model's inputs from `values`, its mapped outputs into `values`.
     async fn run_step(
         &self,
-        repo: &Repository,
+        repo: &dyn Models,
         step: &EnsembleStep,
         values: &mut BTreeMap<String, Tensor>,
         chain: &[&str],

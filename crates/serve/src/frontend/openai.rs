@@ -30,10 +30,12 @@ use axum::{Json, Router};
 use cohort_gpt::sample::SampleOptions;
 use serde_json::{json, Value};
 
+use super::body::read_body;
+use super::sse::stream_pieces;
+use super::AppState;
 use crate::error::{ErrorKind, ServeError};
-use crate::http::stream_pieces;
 use crate::text::Detokenizer;
-use crate::{AppState, MAX_GENERATE_TOKENS};
+use crate::{MAX_GENERATE_TOKENS, SERVER_NAME};
 
 /// The routes, merged into the HTTP router.
 pub(crate) fn routes() -> Router<Arc<AppState>> {
@@ -80,12 +82,6 @@ impl From<ServeError> for ApiError {
     }
 }
 
-impl From<crate::http::HttpError> for ApiError {
-    fn from(e: crate::http::HttpError) -> ApiError {
-        e.0.into()
-    }
-}
-
 impl ApiError {
     fn body(&self) -> Value {
         let kind = if self.status.is_client_error() {
@@ -123,7 +119,7 @@ async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
     names.dedup();
     let data: Vec<Value> = names
         .iter()
-        .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": crate::SERVER_NAME}))
+        .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": SERVER_NAME}))
         .collect();
     Json(json!({"object": "list", "data": data}))
 }
@@ -303,7 +299,7 @@ async fn completions(
     body: Body,
 ) -> Result<Response> {
     let start = Instant::now();
-    let body = crate::http::read_body(&headers, body, app.max_body_bytes).await?;
+    let body = read_body(&headers, body, app.max_body_bytes).await?;
     let req = parse_completion(&body)?;
     let lv = app.repo.resolve(&req.model, None)?;
     let codec = match &lv.text {

@@ -522,7 +522,7 @@ impl DataParallel<'_> {
             }
             _ => {
                 model.zero_grad();
-                model.forward_labels(ids, None, labels, b, t)?;
+                model.forward(cohort_gpt::Forward::new(ids, b, t).labels(labels))?;
             }
         }
         Ok(())
@@ -535,7 +535,7 @@ impl DataParallel<'_> {
         match self {
             DataParallel::Ddp { ddp, opt } => {
                 let stats = ddp
-                    .backward(|ready| model.backward(ready))?
+                    .backward(|ready| model.backward(cohort_gpt::Backward::new().on_ready(ready)))?
                     .finish(model.grads_mut())?;
                 let t_opt = Instant::now();
                 let (params, grads) = model.params_and_grads_mut();
@@ -550,7 +550,7 @@ impl DataParallel<'_> {
             }
             DataParallel::Zero1(zero) => {
                 let t = Instant::now();
-                model.backward(|_, _| {})?;
+                model.backward(cohort_gpt::Backward::new())?;
                 let backward = t.elapsed();
                 let (params, grads) = model.params_and_grads_mut();
                 let times = zero.step(pg, grads, params, 1e-3)?;
@@ -742,9 +742,10 @@ impl SingleRank {
             }
             let t0 = Instant::now();
             self.model.zero_grad();
-            self.model.forward(&ids, None, Some(&labels), b, t)?;
+            self.model
+                .forward(cohort_gpt::Forward::new(&ids, b, t).labels(Labels::Aligned(&labels)))?;
             let forward = t0.elapsed();
-            self.model.backward(|_, _| {})?;
+            self.model.backward(cohort_gpt::Backward::new())?;
             let backward = t0.elapsed() - forward;
             let t_opt = Instant::now();
             let (params, grads) = self.model.params_and_grads_mut();

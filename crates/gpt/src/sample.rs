@@ -904,6 +904,7 @@ pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Forward;
 
     fn tiny(max_t: usize, bias: bool, tied: bool) -> GPTConfig {
         GPTConfig {
@@ -951,7 +952,7 @@ mod tests {
         let (mut out, mut all_logits) = (Vec::new(), Vec::new());
         for _ in 0..steps {
             let ctx = &seq[seq.len().saturating_sub(max_t)..];
-            model.forward(ctx, None, None, 1, ctx.len()).unwrap();
+            model.forward(Forward::new(ctx, 1, ctx.len())).unwrap();
             let last = model.logits()[(ctx.len() - 1) * v..ctx.len() * v].to_vec();
             let next = argmax(&last) as u32;
             all_logits.push(last);

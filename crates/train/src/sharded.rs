@@ -68,7 +68,7 @@ use cohort_ddp::{Compression, CompressionScratch};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{Labels, Part, PartHooks, GPT};
+use cohort_gpt::{Backward, Forward, Labels, Part, PartHooks, GPT};
 
 use crate::batches::{val_batches, TrainBatches, ValBatches};
 use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
@@ -842,7 +842,11 @@ impl ShardedDp {
         t: usize,
     ) -> Result<Option<f32>, TrainError> {
         if self.stage == ZeroStage::Two {
-            return Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?);
+            return Ok(model.forward(
+                Forward::new(input_ids, b, t)
+                    .attention_mask(attention_mask)
+                    .labels(labels),
+            )?);
         }
         let shards = self.shards_mut();
         release_kept(shards, model);
@@ -852,7 +856,11 @@ impl ShardedDp {
             st: &self.st,
             gather: true,
         };
-        let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
+        let pass = Forward::new(input_ids, b, t)
+            .attention_mask(attention_mask)
+            .labels(labels)
+            .parts(hooks);
+        let loss = model.forward(pass);
         let shards = self.shards_mut();
         shards.end_pass();
         shards.check()?;
@@ -871,7 +879,8 @@ impl ShardedDp {
         let st = &self.st;
         let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
         let gather = self.stage == ZeroStage::Three;
-        let done = model.backward_parts(&mut PartMemory { pg, st, gather }, ready);
+        let hooks = &mut PartMemory { pg, st, gather };
+        let done = model.backward(Backward::new().parts(hooks).on_ready(ready));
         let shards = self.shards_mut();
         shards.end_pass();
         // Nothing more is filled before the optimizer, which runs at the

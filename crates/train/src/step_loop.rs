@@ -510,12 +510,10 @@ pub(crate) trait MicroBatches {
 
 /// The plain forward with labels, as every replicated strategy runs it.
 pub(crate) fn forward_batch(model: &mut GPT, batch: &Batch) -> Result<Option<f32>, TrainError> {
-    Ok(model.forward_labels(
-        &batch.input_ids,
-        padding_mask(batch),
-        Some(Labels::Next(&batch.targets)),
-        batch.batch,
-        batch.seq,
+    Ok(model.forward(
+        cohort_gpt::Forward::new(&batch.input_ids, batch.batch, batch.seq)
+            .attention_mask(padding_mask(batch))
+            .labels(Labels::Next(&batch.targets)),
     )?)
 }
 
@@ -538,7 +536,9 @@ impl MicroBatches for SyncOnLast<'_> {
         if last {
             return (self.last_backward)(model, phases);
         }
-        phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
+        phases.time(Phase::Backward, || {
+            model.backward(cohort_gpt::Backward::new())
+        })?;
         Ok(())
     }
 }

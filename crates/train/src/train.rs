@@ -532,7 +532,7 @@ impl Strategy for DataParallel<'_> {
             // others accumulate locally and are averaged with it at once.
             &mut |model, phases| {
                 let stats = ddp
-                    .backward(|ready| model.backward(ready))?
+                    .backward(|ready| model.backward(cohort_gpt::Backward::new().on_ready(ready)))?
                     .finish(model.grads_mut())?;
                 phases.add(Phase::Backward, stats.backward);
                 phases.add(Phase::Comm, stats.comm_wait);

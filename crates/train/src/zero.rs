@@ -459,7 +459,9 @@ impl Strategy for ZeroOne<'_> {
             step,
             phases,
             &mut |model, phases| {
-                phases.time(Phase::Backward, || model.backward(|_, _| {}))?;
+                phases.time(Phase::Backward, || {
+                    model.backward(cohort_gpt::Backward::new())
+                })?;
                 Ok(())
             },
         )?;

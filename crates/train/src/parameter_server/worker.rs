@@ -54,7 +54,11 @@ pub(super) fn work(
             worker,
             step,
             &mut phases,
-            &mut |model, phases| Ok(phases.time(Phase::Backward, || model.backward(|_, _| {}))?),
+            &mut |model, phases| {
+                Ok(phases.time(Phase::Backward, || {
+                    model.backward(cohort_gpt::Backward::new())
+                })?)
+            },
         )?;
         let (epoch, offset) = batches.position();
         let push = Push {

@@ -1,9 +1,10 @@
-//! The GPT-2 model: flat parameters and gradients, the activation arena, forward and the
-//! layer-wise backward with its readiness hook.
+//! The GPT-2 model: flat parameters and gradients, the activation arena, and the one forward
+//! and one backward entry point ([`GPT::forward`], [`GPT::backward`]) with their options.
 //!
 //! Dims, named once: B batch, T sequence, C d_model, F d_ff, V vocab, L layers, NH heads,
-//! N = B*T tokens. All compute goes through the engine's `Backend`; this file decides only what
-//! is computed, in which order, and into which buffer. It never allocates after the first
+//! N = B*T tokens. All compute goes through the engine's `Backend`; this module decides only
+//! what is computed, in which order (`passes`, `layers`, `block`), and into which buffer
+//! (`arena`). It never allocates after the first
 //! forward for a given token count (a larger B*T reallocates the arena once).
 //!
 //! Memory: per layer the arena keeps the block input, the residual after attention, qkv, the MLP

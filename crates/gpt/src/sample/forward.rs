@@ -10,6 +10,7 @@
 //! This module never changes the model, never advances a cache's length (its caller does) and
 //! never allocates: it works in the workspace's buffers.
 
+use cohort_engine::cpu::DecodeDims;
 use rayon::prelude::*;
 
 use super::cache::{Buffers, Caches, KvStore};
@@ -92,17 +93,22 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                 .enumerate()
                 .for_each(|(i, ((row, out), scores))| {
                     let (ci, pos) = rows.at(i);
-                    let (q, ctx) = (&row[..c], pos + 1);
+                    let q = &row[..c];
+                    let dims = DecodeDims {
+                        ctx: pos + 1,
+                        nh,
+                        hs,
+                        c,
+                        scale,
+                    };
                     match &shared.cache_ref(ci).store {
                         KvStore::F32 { k, v } => {
                             let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
-                            dev.attention_decode_row(out, scores, q, k, v, ctx, nh, hs, c, scale);
+                            dev.attention_decode_row(out, scores, q, k, v, dims);
                         }
                         KvStore::Bf16 { k, v } => {
                             let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
-                            dev.attention_decode_row_bf16(
-                                out, scores, q, k, v, ctx, nh, hs, c, scale,
-                            );
+                            dev.attention_decode_row_bf16(out, scores, q, k, v, dims);
                         }
                     }
                 });

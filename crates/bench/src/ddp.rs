@@ -26,7 +26,7 @@ use cohort_comm::ProcessGroup;
 use cohort_ddp::DdpOptions;
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{GPTConfig, Labels, GPT};
+use cohort_gpt::{Backward, Forward, GPTConfig, Labels, GPT};
 use cohort_train::{
     peak_rss_mb, process_cpu_ms, share_rank0_params, ConfigError, DataParallel, GradSync, Overlap,
     ShardedDp, TrainError, Zero1, ZeroStage, TUNED_BUCKET_CAP_MB,
@@ -649,9 +649,10 @@ impl SingleRank {
             }
             let t0 = Instant::now();
             self.model.zero_grad();
-            self.model.forward(&ids, None, Some(&labels), b, t)?;
+            self.model
+                .forward(Forward::new(&ids, b, t).labels(Labels::Aligned(&labels)))?;
             let forward = t0.elapsed();
-            self.model.backward(|_, _| {})?;
+            self.model.backward(Backward::new())?;
             let backward = t0.elapsed() - forward;
             let t_opt = Instant::now();
             let (params, grads) = self.model.params_and_grads_mut();

@@ -11,7 +11,7 @@ use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_engine::DType;
 use serde::Serialize;
 
-use cohort_gpt::{GPTConfig, GptError, GPT};
+use cohort_gpt::{Backward, Forward, GPTConfig, GptError, Labels, GPT};
 use cohort_train::{peak_rss_mb, process_cpu_ms};
 
 /// The benchmark configurations A, B and G (model config and batch size), as PyTorch's
@@ -168,10 +168,10 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         let t0 = Instant::now();
         model.zero_grad();
         loss = model
-            .forward(&ids, None, Some(&labels), batch, t)?
+            .forward(Forward::new(&ids, batch, t).labels(Labels::Aligned(&labels)))?
             .unwrap_or(0.0);
         let t1 = Instant::now();
-        model.backward(|_, _| {})?;
+        model.backward(Backward::new())?;
         let t2 = Instant::now();
         let (params, grads) = model.params_and_grads_mut();
         opt.step(params, grads, 1e-3)

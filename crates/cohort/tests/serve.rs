@@ -14,7 +14,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use cohort_gpt::checkpoint::{self, Checkpoint};
-use cohort_gpt::{GPTConfig, GPT};
+use cohort_gpt::{Forward, GPTConfig, GPT};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 use serde_json::json;
 use support::{post_json, python_imports};
@@ -246,7 +246,7 @@ fn triton_clients_and_cohort_sample_agree_with_cohort_serve() {
     let (rows, seq) = (2, 7);
     let ids: Vec<u32> = (0..rows * seq).map(|i| (i * 5 % 12) as u32).collect();
     let logits = |m: &mut GPT| {
-        m.forward(&ids, None, None, rows, seq).unwrap();
+        m.forward(Forward::new(&ids, rows, seq)).unwrap();
         m.logits().to_vec()
     };
     let spec = json!({
@@ -481,7 +481,7 @@ fn a_tokenizer_gpt_detokenizer_ensemble_answers_tritonclient_as_its_steps_do() {
         .iter()
         .map(|prompt| {
             let ids = tok.encode(prompt).unwrap();
-            m.forward(&ids, None, None, 1, ids.len()).unwrap();
+            m.forward(Forward::new(&ids, 1, ids.len())).unwrap();
             let next = cohort_gpt::sample::argmax(&m.logits()[(ids.len() - 1) * vocab..]);
             json!({
                 "prompt": prompt,

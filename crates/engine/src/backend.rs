@@ -20,7 +20,7 @@
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
 //! activation gradient instead, its doc says so.
 
-use crate::cpu::{self, AttnDims, Cpu};
+use crate::cpu::{self, AttnDims, Cpu, DecodeDims};
 use crate::Dropout;
 
 /// Where a backend's buffers live and its kernels run.
@@ -169,10 +169,10 @@ kernels! {
     fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
     /// One query row (C) over `ctx` cached key and value rows (stride c): a decode step's
     /// attention for one sequence; `scores` holds `nh·ctx` floats.
-    fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) => cpu::attention_decode_row;
+    fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: DecodeDims) => cpu::attention_decode_row;
     /// `attention_decode_row` over a cache kept in bf16 (`k` and `v` are bf16 bits), in the
     /// same order on their f32 values.
-    fn attention_decode_row_bf16(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[u16], v: &[u16], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) => cpu::attention_decode_row_bf16;
+    fn attention_decode_row_bf16(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[u16], v: &[u16], dims: DecodeDims) => cpu::attention_decode_row_bf16;
     /// Per-row loss (0 for ignored targets) and log-sum-exp.
     fn crossentropy_forward(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize) => cpu::crossentropy_forward;
     /// One block of vocabulary columns v0..v0+v: lse (start at -inf) takes in the block's

@@ -1,5 +1,6 @@
 //! [`Labels`]: what the loss scores each position on, in the two conventions users arrive
-//! with. Only the meaning of the ids lives here; the model applies it.
+//! with. Only the meaning of the ids lives here; it never computes a loss (the model applies
+//! it).
 
 /// Labels of a (batch, seq) row-major batch; -100 marks a position the loss ignores.
 #[derive(Debug, Clone, Copy)]

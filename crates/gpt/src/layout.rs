@@ -64,11 +64,15 @@ impl Layout {
 }
 
 impl Layout {
+    /// Whether the head's weight is wte (tied embeddings).
+    pub(crate) fn tied(&self) -> bool {
+        self.lm_head == self.wte
+    }
+
     /// The ranges `part` reads when it runs: its own, and wte's before it for a tied head.
     pub(crate) fn part_reads(&self, part: crate::Part) -> Vec<Range<usize>> {
-        let tied = self.lm_head == self.wte;
         match part {
-            crate::Part::Head if tied => vec![self.wte.clone(), self.part_range(part)],
+            crate::Part::Head if self.tied() => vec![self.wte.clone(), self.part_range(part)],
             _ => vec![self.part_range(part)],
         }
     }

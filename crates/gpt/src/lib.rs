@@ -3,24 +3,29 @@
 //! [`GPTConfig`] holds the hyper-parameters of a nanoGPT-style `GPTConfig`. [`GPT`] owns one flat parameter buffer, one
 //! gradient buffer with the same layout (named by [`ParamView`]s, Hugging Face GPT-2 names and
 //! Conv1D `[in, out]` weights, see `docs/GPT_LAYOUT.md`) and an activation arena allocated at the first
-//! forward. `forward(input_ids, attention_mask, labels)` follows Hugging Face's
-//! `GPT2LMHeadModel`; `backward` runs top-down and hands each finished range of gradients to a
-//! hook, which is how data-parallel training overlaps communication with backward.
+//! forward. [`GPT::forward`] of a [`Forward`] (input ids, attention mask, labels) follows Hugging
+//! Face's `GPT2LMHeadModel`; [`GPT::backward`] runs top-down and hands each finished range of
+//! gradients to the readiness hook of its [`Backward`], which is how data-parallel training
+//! overlaps communication with backward.
 //! This crate never talks to the network or the file system except through checkpoints.
 //!
 //! ```
-//! use cohort_gpt::{GPTConfig, GPT};
+//! use cohort_gpt::{Backward, Forward, GPTConfig, Labels, GPT};
 //!
 //! let cfg = GPTConfig { vocab_size: 11, max_position_embeddings: 8, n_layers: 1, n_heads: 2,
 //!     d_model: 8, d_ff: 16, dropout: 0.0, ..GPTConfig::default() };
 //! let mut model = GPT::new(cfg, 42).unwrap();
 //! let ids = [1u32, 2, 3, 4];
 //! let labels = [1i32, 2, 3, 4];
-//! let loss = model.forward(&ids, None, Some(&labels), 1, 4).unwrap().unwrap();
+//! let loss = model.forward(Forward::new(&ids, 1, 4).labels(Labels::Aligned(&labels))).unwrap().unwrap();
 //! assert!((loss - (11f32).ln()).abs() < 0.1);
 //! model.zero_grad();
 //! let mut finished = 0;
-//! model.backward(|range, grads| { assert_eq!(range.len(), grads.len()); finished += range.len(); }).unwrap();
+//! let ready = |range: std::ops::Range<usize>, grads: &mut [f32]| {
+//!     assert_eq!(range.len(), grads.len());
+//!     finished += range.len();
+//! };
+//! model.backward(Backward::new().on_ready(ready)).unwrap();
 //! assert_eq!(finished, model.num_params());
 //! ```
 
@@ -39,7 +44,7 @@ mod stage;
 pub use config::GPTConfig;
 pub use labels::Labels;
 pub use layout::ParamView;
-pub use model::{MemoryEstimate, Part, PartHook, PartHooks, GPT};
+pub use model::{Backward, Forward, MemoryEstimate, NoReadyHook, Part, PartHooks, GPT};
 pub use resize::{resize_token_embeddings, ResizeError, RowInit};
 pub use stage::{GptStage, StageInput, StageOutput, StagePart};
 

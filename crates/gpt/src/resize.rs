@@ -158,6 +158,7 @@ pub fn resize_token_embeddings(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Forward;
 
     fn small(tied: bool) -> GPT {
         let cfg = GPTConfig {
@@ -226,7 +227,7 @@ mod tests {
         let m = small(true);
         let mut r = resize_token_embeddings(&m, 12, &[RowInit::Copy(4)], 1).unwrap();
         // With row 10 and 11 equal to row 4, their logits equal token 4's at every position.
-        r.forward(&[1, 2, 3], None, None, 1, 3).unwrap();
+        r.forward(Forward::new(&[1, 2, 3], 1, 3)).unwrap();
         let logits = r.logits();
         for p in 0..3 {
             let l = &logits[p * 12..(p + 1) * 12];

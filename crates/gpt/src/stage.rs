@@ -19,14 +19,13 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use cohort_engine::cpu::AttnDims;
 use cohort_engine::{AlignedFloats, Backend, DType};
 
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
     block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
     head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
-    DropKey, HeadLayout, Profile, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
+    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
@@ -381,7 +380,7 @@ impl GptStage {
     /// Forward of one micro-batch into activation slot `slot` (any index; a slot holds one
     /// micro-batch from its forward to its backward). `input` is token ids on the first stage
     /// and the previous stage's output on the others; `attention_mask` (every stage) and
-    /// `labels` (last stage) follow [`GPT::forward_labels`](crate::GPT::forward_labels). Returns the output
+    /// `labels` (last stage) follow [`Forward`](crate::Forward). Returns the output
     /// activations, or on the last stage the mean loss.
     pub fn forward(
         &mut self,
@@ -459,44 +458,33 @@ impl GptStage {
         if let StageInput::Activations(x) = input {
             a.res[..n * c].copy_from_slice(x);
         }
-        let (cfg, lay, p, dev) = (&self.config, &self.layout, &self.params, &*self.dev);
+        let (lay, p, dev) = (&self.layout, &self.params, &*self.dev);
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
         let (scratch, prof) = (&mut self.attn_scratch, &mut self.profile);
-        let mask = batch.has_mask.then_some(&batch.mask[..]);
-        let dims = AttnDims {
-            b,
-            t,
-            c,
-            nh: cfg.n_heads,
-        };
+        let dims = Dims::new(&self.config, b, t);
         let mut loss = None;
         dev.install(&mut || {
+            let pass = &mut Pass {
+                dev,
+                dims,
+                batch,
+                drop,
+                scratch,
+                prof,
+            };
             if part.embeddings {
-                embed_forward(p, &lay.wte, &lay.wpe, dev, &mut a, batch, c, drop, prof);
+                embed_forward(pass, lay, p, &mut a);
             }
             for (l, bl) in lay.blocks.iter().enumerate() {
-                block_forward(
-                    l,
-                    first + l,
-                    bl,
-                    p,
-                    dev,
-                    &mut a,
-                    scratch,
-                    mask,
-                    dims,
-                    cfg.d_ff,
-                    drop,
-                    prof,
-                );
+                let at = BlockAt {
+                    local: l,
+                    global: first + l,
+                    layout: bl,
+                };
+                block_forward(pass, at, p, &mut a);
             }
             if part.head {
-                let head = HeadLayout {
-                    ln_f_w: &lay.ln_f_w,
-                    ln_f_b: &lay.ln_f_b,
-                    lm_head: &lay.lm_head,
-                };
-                loss = head_forward(nb, &head, p, dev, &mut a, batch, c, cfg.vocab_size, prof);
+                loss = head_forward(pass, lay, p, &mut a);
             }
         });
         if self.part.head {
@@ -545,7 +533,6 @@ impl GptStage {
                 ))
             }
         }
-        let nb = self.part.blocks.len();
         let first = self.part.blocks.start;
         let s = &mut self.slots[slot];
         s.pending = false;
@@ -554,19 +541,21 @@ impl GptStage {
         if let Some(d) = grad_output {
             a.dres[..nc].copy_from_slice(d);
         }
-        let (cfg, lay, p, dev) = (&self.config, &self.layout, &self.params, &*self.dev);
+        let (lay, p, dev) = (&self.layout, &self.params, &*self.dev);
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
         let (scratch, prof) = (&mut self.attn_scratch, &mut self.profile);
-        let mask = batch.has_mask.then_some(&batch.mask[..]);
-        let dims = AttnDims {
-            b,
-            t,
-            c,
-            nh: cfg.n_heads,
-        };
+        let dims = Dims::new(&self.config, b, t);
         let mut grads = Some(self.grads.as_mut_slice());
         dev.install(&mut || {
             let grads = grads.take().expect("runs once");
+            let pass = &mut Pass {
+                dev,
+                dims,
+                batch,
+                drop,
+                scratch,
+                prof,
+            };
             let (rest, top) = if part.head {
                 grads.split_at_mut(lay.ln_f_w.start)
             } else {
@@ -576,62 +565,34 @@ impl GptStage {
             if part.head {
                 let (lnf_g, head_g) = top.split_at_mut(lay.ln_f_b.end - lay.ln_f_w.start);
                 // Tied on a stage with the embeddings: the head's gradient is wte's.
-                let dw_head: &mut [f32] = if head_g.is_empty() {
+                let head: &mut [f32] = if head_g.is_empty() {
                     &mut rest[lay.wte.clone()]
                 } else {
                     head_g
                 };
-                let dw_lnf = wb(lnf_g, lay.ln_f_w.start, &lay.ln_f_w, &lay.ln_f_b);
-                let head = HeadLayout {
-                    ln_f_w: &lay.ln_f_w,
-                    ln_f_b: &lay.ln_f_b,
-                    lm_head: &lay.lm_head,
+                let (ln_f_w, ln_f_b) = wb(lnf_g, lay.ln_f_w.start, &lay.ln_f_w, &lay.ln_f_b);
+                let grads = HeadGrads {
+                    head,
+                    ln_f_w,
+                    ln_f_b,
                 };
-                let counted = batch.counted.unwrap_or(0);
-                head_backward(
-                    nb,
-                    &head,
-                    p,
-                    dw_head,
-                    dw_lnf,
-                    dev,
-                    &mut a,
-                    batch,
-                    counted,
-                    c,
-                    cfg.vocab_size,
-                    prof,
-                );
+                head_backward(pass, lay, p, grads, &mut a);
             }
             for (l, bl) in lay.blocks.iter().enumerate().rev() {
-                let g = &mut rest[bl.all.clone()];
-                block_backward(
-                    l,
-                    first + l,
-                    bl,
-                    p,
-                    g,
-                    dev,
-                    &mut a,
-                    scratch,
-                    mask,
-                    dims,
-                    cfg.d_ff,
-                    drop,
-                    prof,
-                );
+                let at = BlockAt {
+                    local: l,
+                    global: first + l,
+                    layout: bl,
+                };
+                block_backward(pass, at, p, &mut rest[bl.all.clone()], &mut a);
             }
             if part.embeddings {
                 let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
                 embed_backward(
+                    pass,
                     &mut dwte[lay.wte.clone()],
                     &mut dwpe[..lay.wpe.len()],
-                    dev,
                     &mut a,
-                    batch,
-                    c,
-                    drop,
-                    prof,
                 );
             }
         });
@@ -664,7 +625,7 @@ fn shift_block(b: &BlockLayout, off: usize) -> BlockLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::GPT;
+    use crate::{Backward, Forward, GPT};
     use cohort_engine::cpu::Cpu;
 
     fn tiny(bias: bool, tied: bool, dropout: f32) -> GPTConfig {
@@ -759,10 +720,14 @@ mod tests {
             let (ids, mask, labels) = micro_batch(k);
             full.set_dropout_key(5, 0, k as u64);
             want_losses.push(
-                full.forward(&ids, Some(&mask), Some(&labels), 2, 7)
-                    .unwrap(),
+                full.forward(
+                    Forward::new(&ids, 2, 7)
+                        .attention_mask(Some(&mask))
+                        .labels(Labels::Aligned(&labels)),
+                )
+                .unwrap(),
             );
-            full.backward(|_, _| {}).unwrap();
+            full.backward(Backward::new()).unwrap();
         }
         let mut losses = vec![];
         for k in 0..2 {

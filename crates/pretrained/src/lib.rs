@@ -130,7 +130,7 @@ pub fn load_pretrained(path: &Path) -> Result<(GPT, Tokenizer), PretrainedError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cohort_gpt::{resize_token_embeddings, GPTConfig, RowInit};
+    use cohort_gpt::{resize_token_embeddings, Backward, Forward, GPTConfig, Labels, RowInit};
 
     fn train_steps(model: &mut GPT, ids: &[u32], steps: usize) -> (f32, f32) {
         let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
@@ -139,7 +139,7 @@ mod tests {
         let mut last = 0.0;
         for s in 0..steps {
             let loss = model
-                .forward(ids, None, Some(&labels), 1, t)
+                .forward(Forward::new(ids, 1, t).labels(Labels::Aligned(&labels)))
                 .unwrap()
                 .unwrap();
             if s == 0 {
@@ -147,7 +147,7 @@ mod tests {
             }
             last = loss;
             model.zero_grad();
-            model.backward(|_, _| {}).unwrap();
+            model.backward(Backward::new()).unwrap();
             let (p, g) = model.params_and_grads_mut();
             p.iter_mut().zip(g).for_each(|(p, g)| *p -= 0.5 * g);
         }

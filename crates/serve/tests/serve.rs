@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cohort_gpt::checkpoint::{self, Checkpoint};
-use cohort_gpt::{GPTConfig, GPT};
+use cohort_gpt::{Forward, GPTConfig, GPT};
 use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use cohort_serve::proto::{model_infer_request, ModelInferRequest};
 use cohort_serve::{Server, ServerOptions};
@@ -50,7 +50,7 @@ fn put_version(repo: &Path, name: &str, version: u64, m: &GPT) {
 
 /// cohort's forward: logits (rows * seq, vocab) of `ids`.
 fn forward(m: &mut GPT, ids: &[u32], rows: usize, seq: usize) -> Vec<f32> {
-    m.forward(ids, None, None, rows, seq).unwrap();
+    m.forward(Forward::new(ids, rows, seq)).unwrap();
     m.logits().to_vec()
 }
 

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use cohort_gpt::checkpoint::{self, Checkpoint};
-use cohort_gpt::{GPTConfig, GPT};
+use cohort_gpt::{Forward, GPTConfig, GPT};
 use cohort_serve::proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use cohort_serve::proto::{model_infer_request, InferTensorContents, ModelInferRequest};
 use cohort_serve::{Server, ServerOptions};
@@ -267,7 +267,7 @@ fn text_goes_through_tokenizer_gpt_and_detokenizer_as_one_ensemble() {
         .iter()
         .map(|p| {
             let ids = tok.encode(p).unwrap();
-            m.forward(&ids, None, None, 1, ids.len()).unwrap();
+            m.forward(Forward::new(&ids, 1, ids.len())).unwrap();
             let vocab = m.config().vocab_size;
             let next = cohort_gpt::sample::argmax(&m.logits()[(ids.len() - 1) * vocab..]);
             let text = tok.decode(&[next as u32]).unwrap();
@@ -331,7 +331,7 @@ fn text_goes_through_tokenizer_gpt_and_detokenizer_as_one_ensemble() {
         .iter()
         .map(|p| {
             let ids = tok.encode(p).unwrap();
-            m.forward(&ids, None, None, 1, ids.len()).unwrap();
+            m.forward(Forward::new(&ids, 1, ids.len())).unwrap();
             let vocab = m.config().vocab_size;
             let next = cohort_gpt::sample::argmax(&m.logits()[(ids.len() - 1) * vocab..]);
             (next as i64, tok.decode(&[next as u32]).unwrap())

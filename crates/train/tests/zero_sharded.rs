@@ -13,7 +13,7 @@ mod common;
 use cohort_comm::{spawn, ProcessGroup};
 use cohort_engine::optim::AdamWConfig;
 use cohort_gpt::checkpoint as ckpt;
-use cohort_gpt::{GPTConfig, Labels, GPT};
+use cohort_gpt::{Backward, Forward, GPTConfig, Labels, GPT};
 use cohort_train::{
     train, NanInjection, Outcome, Overlap, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
 };
@@ -321,17 +321,11 @@ fn check_passes(cfg: GPTConfig) {
         let x = ids(rank);
         whole.zero_grad();
         whole
-            .forward_labels(
-                &x,
-                None,
-                Some(Labels::Aligned(
-                    &x.iter().map(|&v| v as i32).collect::<Vec<_>>(),
-                )),
-                b,
-                t,
-            )
+            .forward(Forward::new(&x, b, t).labels(Labels::Aligned(
+                &x.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+            )))
             .unwrap();
-        whole.backward(|_, _| {}).unwrap();
+        whole.backward(Backward::new()).unwrap();
         for (m, g) in mean.iter_mut().zip(whole.grads()) {
             *m += g / 2.0;
         }

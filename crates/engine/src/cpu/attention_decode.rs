@@ -37,17 +37,7 @@ trait KvElement: Copy + Send + Sync + 'static {
     /// The element's f32 value (exact).
     fn to_f32(self) -> f32;
     /// [`scores_of`] for this type, compiled by `simd_fn!`.
-    #[allow(clippy::too_many_arguments)]
-    fn portable_scores(
-        scores: &mut [f32],
-        q: &[f32],
-        k: &[Self],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
-    );
+    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[Self], dims: DecodeDims);
     /// [`weighted_values_of`] for this type, compiled by `simd_fn!`.
     fn portable_weighted_values(
         out: &mut [f32],
@@ -65,17 +55,8 @@ impl KvElement for f32 {
     fn to_f32(self) -> f32 {
         self
     }
-    fn portable_scores(
-        scores: &mut [f32],
-        q: &[f32],
-        k: &[f32],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
-    ) {
-        portable_scores(scores, q, k, ctx, nh, hs, c, scale)
+    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], dims: DecodeDims) {
+        portable_scores(scores, q, k, dims)
     }
     fn portable_weighted_values(
         out: &mut [f32],
@@ -95,17 +76,8 @@ impl KvElement for u16 {
     fn to_f32(self) -> f32 {
         super::bf16::bf16_to_f32(self)
     }
-    fn portable_scores(
-        scores: &mut [f32],
-        q: &[f32],
-        k: &[u16],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
-    ) {
-        portable_scores_bf16(scores, q, k, ctx, nh, hs, c, scale)
+    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[u16], dims: DecodeDims) {
+        portable_scores_bf16(scores, q, k, dims)
     }
     fn portable_weighted_values(
         out: &mut [f32],
@@ -119,58 +91,60 @@ impl KvElement for u16 {
     }
 }
 
+/// The shape of one decode row's attention: `ctx` cached positions, `nh` heads of size `hs`,
+/// cache rows of stride `c` (≥ nh·hs), scores multiplied by `scale` (1/√hs in GPT-2).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeDims {
+    /// Cached positions attended over (the new row's included).
+    pub ctx: usize,
+    /// Heads.
+    pub nh: usize,
+    /// Head size.
+    pub hs: usize,
+    /// Row stride of the cache (C).
+    pub c: usize,
+    /// The scores' scale.
+    pub scale: f32,
+}
+
 /// `out` (C) = softmax(q·kᵀ · scale) · v for each of `nh` heads of size `hs` (C = nh·hs),
 /// over the first `ctx` rows of `k` and `v` (row stride `c`). `scores` needs `nh·ctx`
 /// floats.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_decode_row(
     out: &mut [f32],
     scores: &mut [f32],
     q: &[f32],
     k: &[f32],
     v: &[f32],
-    ctx: usize,
-    nh: usize,
-    hs: usize,
-    c: usize,
-    scale: f32,
+    dims: DecodeDims,
 ) {
-    attention_decode(out, scores, q, k, v, ctx, nh, hs, c, scale);
+    attention_decode(out, scores, q, k, v, dims);
 }
 
 /// [`attention_decode_row`] over a cache kept in bf16: `k` and `v` are bf16 bits (see
 /// [`round_to_bf16`](super::round_to_bf16)). The result is the f32 function's on the f32
 /// values of those elements, bit for bit.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_decode_row_bf16(
     out: &mut [f32],
     scores: &mut [f32],
     q: &[f32],
     k: &[u16],
     v: &[u16],
-    ctx: usize,
-    nh: usize,
-    hs: usize,
-    c: usize,
-    scale: f32,
+    dims: DecodeDims,
 ) {
-    attention_decode(out, scores, q, k, v, ctx, nh, hs, c, scale);
+    attention_decode(out, scores, q, k, v, dims);
 }
 
 /// Both public functions: checks the sizes, then the AVX-512 code or the portable code.
-#[allow(clippy::too_many_arguments)]
 fn attention_decode<T: KvElement>(
     out: &mut [f32],
     scores: &mut [f32],
     q: &[f32],
     k: &[T],
     v: &[T],
-    ctx: usize,
-    nh: usize,
-    hs: usize,
-    c: usize,
-    scale: f32,
+    dims: DecodeDims,
 ) {
+    let DecodeDims { ctx, nh, hs, c, .. } = dims;
     let w = nh * hs;
     let cache = ctx.saturating_sub(1) * c + w;
     assert!(
@@ -189,13 +163,13 @@ fn attention_decode<T: KvElement>(
         // SAFETY: AVX-512F was detected; the sizes were checked above (q and out hold w
         // floats, scores nh·ctx, k and v ctx rows of stride c ≥ w), and hs is a multiple of 16.
         unsafe {
-            avx512::scores(scores, q, k, ctx, nh, hs, c, scale);
+            avx512::scores(scores, q, k, dims);
             softmax_rows(scores, ctx);
             avx512::weighted_values(out, scores, v, ctx, hs, c);
         }
         return;
     }
-    T::portable_scores(scores, q, k, ctx, nh, hs, c, scale);
+    T::portable_scores(scores, q, k, dims);
     softmax_rows(scores, ctx);
     T::portable_weighted_values(out, scores, v, ctx, hs, c);
 }
@@ -214,17 +188,14 @@ fn lane_tree(mut a: [f32; LANES]) -> f32 {
 /// scores[h·ctx + j] = (q_h · k_j,h) · scale, in the module doc's order; inlined into the
 /// `simd_fn!` clones below, one per element type (the macro takes no generics).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn scores_of<T: KvElement>(
-    scores: &mut [f32],
-    q: &[f32],
-    k: &[T],
-    ctx: usize,
-    nh: usize,
-    hs: usize,
-    c: usize,
-    scale: f32,
-) {
+fn scores_of<T: KvElement>(scores: &mut [f32], q: &[f32], k: &[T], dims: DecodeDims) {
+    let DecodeDims {
+        ctx,
+        nh,
+        hs,
+        c,
+        scale,
+    } = dims;
     for j in 0..ctx {
         for h in 0..nh {
             let (qh, kh) = (
@@ -242,15 +213,15 @@ fn scores_of<T: KvElement>(
 
 simd_fn! {
     /// [`scores_of`] over an f32 cache.
-    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
-        scores_of(scores, q, k, ctx, nh, hs, c, scale)
+    fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], dims: DecodeDims) {
+        scores_of(scores, q, k, dims)
     }
 }
 
 simd_fn! {
     /// [`scores_of`] over a bf16 cache.
-    fn portable_scores_bf16(scores: &mut [f32], q: &[f32], k: &[u16], ctx: usize, nh: usize, hs: usize, c: usize, scale: f32) {
-        scores_of(scores, q, k, ctx, nh, hs, c, scale)
+    fn portable_scores_bf16(scores: &mut [f32], q: &[f32], k: &[u16], dims: DecodeDims) {
+        scores_of(scores, q, k, dims)
     }
 }
 
@@ -316,7 +287,7 @@ simd_fn! {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{KvElement, LANES};
+    use super::{DecodeDims, KvElement, LANES};
 
     /// Elements p .. p+16 of a cache as f32: 64 bytes of f32, or 32 bytes of bf16 bits
     /// zero-extended to 32 bits and shifted into the top half (exact).
@@ -381,17 +352,19 @@ mod avx512 {
     /// AVX-512F; `hs` a multiple of 16; `q` nh·hs floats, `scores` nh·ctx, `k` ctx rows of
     /// stride `c` ≥ nh·hs.
     #[target_feature(enable = "avx512f")]
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn scores<T: KvElement>(
         scores: &mut [f32],
         q: &[f32],
         k: &[T],
-        ctx: usize,
-        nh: usize,
-        hs: usize,
-        c: usize,
-        scale: f32,
+        dims: DecodeDims,
     ) {
+        let DecodeDims {
+            ctx,
+            nh,
+            hs,
+            c,
+            scale,
+        } = dims;
         let (q, k, s) = (q.as_ptr(), k.as_ptr(), scores.as_mut_ptr());
         let scale = _mm512_set1_ps(scale);
         for j0 in (0..ctx).step_by(16) {
@@ -556,7 +529,20 @@ mod tests {
             let (q, k, v) = inputs(nh, hs, ctx, c);
             let scale = 1.0 / (hs as f32).sqrt();
             let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
-            attention_decode_row(&mut out, &mut scores, &q, &k, &v, ctx, nh, hs, c, scale);
+            attention_decode_row(
+                &mut out,
+                &mut scores,
+                &q,
+                &k,
+                &v,
+                DecodeDims {
+                    ctx,
+                    nh,
+                    hs,
+                    c,
+                    scale,
+                },
+            );
             let want = reference(&q, &k, &v, ctx, nh, hs, c);
             for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
                 assert!(
@@ -584,7 +570,20 @@ mod tests {
             assert_ne!(widen(&kb), k, "the test's keys must round");
             let scale = 1.0 / (hs as f32).sqrt();
             let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
-            attention_decode_row_bf16(&mut out, &mut scores, &q, &kb, &vb, ctx, nh, hs, c, scale);
+            attention_decode_row_bf16(
+                &mut out,
+                &mut scores,
+                &q,
+                &kb,
+                &vb,
+                DecodeDims {
+                    ctx,
+                    nh,
+                    hs,
+                    c,
+                    scale,
+                },
+            );
             let want = reference(&q, &widen(&kb), &widen(&vb), ctx, nh, hs, c);
             for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
                 assert!(
@@ -601,11 +600,13 @@ mod tests {
                 &q,
                 &kw,
                 &vw,
-                ctx,
-                nh,
-                hs,
-                c,
-                scale,
+                DecodeDims {
+                    ctx,
+                    nh,
+                    hs,
+                    c,
+                    scale,
+                },
             );
             assert_eq!(
                 out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -638,11 +639,13 @@ mod tests {
                             &q,
                             &kb,
                             &vb,
-                            ctx,
-                            nh,
-                            hs,
-                            c,
-                            scale,
+                            DecodeDims {
+                                ctx,
+                                nh,
+                                hs,
+                                c,
+                                scale,
+                            },
                         );
                     } else {
                         attention_decode_row(
@@ -651,19 +654,43 @@ mod tests {
                             &q,
                             &k,
                             &v,
-                            ctx,
-                            nh,
-                            hs,
-                            c,
-                            scale,
+                            DecodeDims {
+                                ctx,
+                                nh,
+                                hs,
+                                c,
+                                scale,
+                            },
                         );
                     }
                     let fast_scores = scores.clone();
                     let mut slow = vec![f32::NAN; nh * hs];
                     if bf16 {
-                        portable_scores_bf16(&mut scores, &q, &kb, ctx, nh, hs, c, scale);
+                        portable_scores_bf16(
+                            &mut scores,
+                            &q,
+                            &kb,
+                            DecodeDims {
+                                ctx,
+                                nh,
+                                hs,
+                                c,
+                                scale,
+                            },
+                        );
                     } else {
-                        portable_scores(&mut scores, &q, &k, ctx, nh, hs, c, scale);
+                        portable_scores(
+                            &mut scores,
+                            &q,
+                            &k,
+                            DecodeDims {
+                                ctx,
+                                nh,
+                                hs,
+                                c,
+                                scale,
+                            },
+                        );
                     }
                     softmax_rows(&mut scores, ctx);
                     assert_eq!(

@@ -29,7 +29,7 @@ pub(crate) mod math;
 mod matmul;
 
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
-pub use attention_decode::{attention_decode_row, attention_decode_row_bf16};
+pub use attention_decode::{attention_decode_row, attention_decode_row_bf16, DecodeDims};
 pub use bf16::{bf16_to_f32, round_to_bf16};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
 pub use elementwise::{

@@ -1,7 +1,8 @@
 //! Further files a caller stores in a checkpoint beside the model: safetensors files of flat
 //! f32 tensors with string metadata (a trainer keeps its optimizer state this way), and the
 //! verified reading of any file. They are written and checksummed like the model's own files,
-//! so a checkpoint is complete or absent as a whole; what they mean is the caller's business.
+//! so a checkpoint is complete or absent as a whole; what they mean is the caller's business:
+//! this module never interprets their contents.
 
 use super::*;
 

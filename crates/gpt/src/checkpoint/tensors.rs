@@ -1,5 +1,6 @@
 //! The tensors: model.safetensors written from the flat parameter buffer under GPT-2's names,
-//! and read back with every name, dtype and shape checked against the model's layout.
+//! and read back with every name, dtype and shape checked against the model's layout. It never
+//! loads a tensor whose name, dtype or shape does not match: a mismatch is an error, not a cast.
 
 use super::*;
 

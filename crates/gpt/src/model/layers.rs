@@ -23,7 +23,8 @@ pub(crate) fn wb<'a>(
     (wg, bg)
 }
 
-pub(super) fn opt<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
+/// `p[r]`, or None for an empty range (a model without biases).
+pub(crate) fn opt<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
     if r.is_empty() {
         None
     } else {
@@ -67,163 +68,192 @@ pub(super) fn layer_pair(buf: &mut [f32], l: usize, len: usize) -> (&[f32], &mut
     (&lo[l * len..], &mut hi[..len])
 }
 
-/// Where the final LayerNorm and the head's weight live in a parameter buffer.
-pub(crate) struct HeadLayout<'l> {
-    pub(crate) ln_f_w: &'l Range<usize>,
-    pub(crate) ln_f_b: &'l Range<usize>,
-    pub(crate) lm_head: &'l Range<usize>,
+/// The shapes of one pass, named once: B batch, T sequence, C d_model, F d_ff, NH heads,
+/// V vocab.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub(crate) b: usize,
+    pub(crate) t: usize,
+    pub(crate) c: usize,
+    pub(crate) f: usize,
+    pub(crate) nh: usize,
+    pub(crate) v: usize,
+}
+
+impl Dims {
+    /// The shapes of a (`b`, `t`) batch through a model of `cfg`.
+    pub(crate) fn new(cfg: &GPTConfig, b: usize, t: usize) -> Dims {
+        Dims {
+            b,
+            t,
+            c: cfg.d_model,
+            f: cfg.d_ff,
+            nh: cfg.n_heads,
+            v: cfg.vocab_size,
+        }
+    }
+    /// N = B*T tokens.
+    pub(crate) fn n(self) -> usize {
+        self.b * self.t
+    }
+    /// What the attention kernels take.
+    pub(crate) fn attn(self) -> AttnDims {
+        AttnDims {
+            b: self.b,
+            t: self.t,
+            c: self.c,
+            nh: self.nh,
+        }
+    }
+    /// What one block's products take.
+    pub(crate) fn block(self) -> BlockDims {
+        BlockDims {
+            n: self.n(),
+            c: self.c,
+            f: self.f,
+        }
+    }
+}
+
+/// What every layer function of one pass shares: the backend, the shapes, the batch forward
+/// saw, the dropout key, and the attention scratch and profiler the pass writes to.
+pub(crate) struct Pass<'a> {
+    pub(crate) dev: &'a dyn Backend,
+    pub(crate) dims: Dims,
+    pub(crate) batch: &'a Batch,
+    pub(crate) drop: DropKey,
+    /// The attention kernels' scratch.
+    pub(crate) scratch: &'a mut [f32],
+    pub(crate) prof: &'a mut Profile,
+}
+
+impl<'a> Pass<'a> {
+    /// The batch's padding mask (None when every position is a token).
+    pub(crate) fn mask(&self) -> Option<&'a [u8]> {
+        let batch: &'a Batch = self.batch;
+        batch.has_mask.then_some(&batch.mask[..])
+    }
+}
+
+/// Which block a layer function runs, and where its parameters are.
+#[derive(Clone, Copy)]
+pub(crate) struct BlockAt<'l> {
+    /// Its index in the arena's per-layer buffers (among the blocks the arena holds).
+    pub(crate) local: usize,
+    /// Its index in the whole model: it keys the dropout sites.
+    pub(crate) global: usize,
+    pub(crate) layout: &'l BlockLayout,
+}
+
+impl BlockAt<'_> {
+    /// The dropout site of the block's attention probabilities; its two residual branches
+    /// are the next two.
+    fn drop_site(self) -> u64 {
+        1 + 3 * self.global as u64
+    }
+}
+
+/// Where the head's backward writes: the head weight's gradient (wte's when tied) and ln_f's.
+pub(crate) struct HeadGrads<'g> {
+    pub(crate) head: &'g mut [f32],
+    pub(crate) ln_f_w: &'g mut [f32],
+    pub(crate) ln_f_b: Option<&'g mut [f32]>,
 }
 
 /// Token + position embeddings (and their dropout) into `a.res[0]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn embed_forward(
-    p: &[f32],
-    wte: &Range<usize>,
-    wpe: &Range<usize>,
-    dev: &dyn Backend,
-    a: &mut Acts,
-    batch: &Batch,
-    c: usize,
-    drop: DropKey,
-    prof: &mut Profile,
-) {
-    let (b, t) = (batch.b, batch.t);
+pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Acts) {
+    let Dims { b, t, c, .. } = pass.dims;
+    let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let x0 = &mut a.res[..b * t * c];
     prof.time(K::EncoderFwd, || {
-        dev.encoder_forward(x0, &batch.ids, &p[wte.clone()], &p[wpe.clone()], b, t, c)
+        dev.encoder_forward(
+            x0,
+            &batch.ids,
+            &p[lay.wte.clone()],
+            &p[lay.wpe.clone()],
+            b,
+            t,
+            c,
+        )
     });
-    if let Some(d) = drop.site(0) {
+    if let Some(d) = pass.drop.site(0) {
         prof.time(K::ResidualFwd, || dev.dropout_forward(x0, d));
     }
 }
 
-/// One block's forward from `a.res[l]` into `a.res[l + 1]`; `l` indexes the arena's per-layer
-/// buffers, `lg` is the block's index in the whole model (it keys the dropout sites).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn block_forward(
-    l: usize,
-    lg: usize,
-    bl: &BlockLayout,
-    p: &[f32],
-    dev: &dyn Backend,
-    a: &mut Acts,
-    scratch: &mut [f32],
-    mask: Option<&[u8]>,
-    dims: AttnDims,
-    f: usize,
-    drop: DropKey,
-    prof: &mut Profile,
-) {
-    let AttnDims { b, t, c, nh } = dims;
-    let n = b * t;
+/// One block's forward from `a.res[l]` into `a.res[l + 1]` (`l` = `at.local`), keeping in the
+/// arena what its backward reads.
+pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Acts) {
+    let dims = pass.dims;
+    let Dims { c, f, nh, .. } = dims;
+    let n = dims.n();
     let nc = n * c;
-    let ld = 1 + 3 * lg as u64;
+    let l = at.local;
+    let ld = at.drop_site();
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
     // This layer's slot of the per-layer buffers (the one slot under activation checkpointing).
     let sl = a.layer_slot(l);
     let (x, x_next) = layer_pair(a.res, l, nc);
-    let x_mid = layer_mut(a.res_mid, sl, nc);
-    let qkv = layer_mut(a.qkv, sl, 3 * nc);
-    let fch = layer_mut(a.fch, sl, n * f);
-    let s_atty = layer_mut(a.s_atty, atty_slot, nc);
-    let s_big = if a.keep {
-        layer_mut(a.gelu, l, n * f)
+    let ln = if ln1_slot == ln2_slot {
+        LnOut::Shared(layer_mut(a.s_ln, ln1_slot, nc))
     } else {
-        &mut a.s_big[..n * f]
+        // kept: ln_1's and ln_2's outputs are the two slots 2l and 2l + 1
+        let (ln_1, ln_2) = layer_mut(a.s_ln, l, 2 * nc).split_at_mut(nc);
+        LnOut::Each { ln_1, ln_2 }
+    };
+    let gelu = if !a.gelu16.is_empty() {
+        // Under bf16 products the GELU output is kept in bf16 for backward (see the arena).
+        GeluOut::Bf16(bf16_layer(a.gelu16, sl, n * f))
+    } else if a.keep {
+        GeluOut::F32(layer_mut(a.gelu, l, n * f))
+    } else {
+        GeluOut::F32(&mut a.s_big[..n * f])
+    };
+    let acts = BlockActs {
+        x,
+        x_mid: layer_mut(a.res_mid, sl, nc),
+        x_next,
+        ln,
+        ln_1: LnStats {
+            mean: layer_mut(a.ln1_mean, sl, n),
+            rstd: layer_mut(a.ln1_rstd, sl, n),
+        },
+        ln_2: LnStats {
+            mean: layer_mut(a.ln2_mean, sl, n),
+            rstd: layer_mut(a.ln2_rstd, sl, n),
+        },
+        qkv: layer_mut(a.qkv, sl, 3 * nc),
+        att: layer_mut(a.s_atty, atty_slot, nc),
+        fch: layer_mut(a.fch, sl, n * f),
+        gelu,
     };
     let lse = layer_mut(a.att_lse, sl, n * nh);
-    let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
-    prof.time(K::LnFwd, || {
-        dev.layernorm_forward(
-            s_ln,
-            layer_mut(a.ln1_mean, sl, n),
-            layer_mut(a.ln1_rstd, sl, n),
-            x,
-            &p[bl.ln_1_w.clone()],
-            opt(p, &bl.ln_1_b),
-            n,
-            c,
-        )
-    });
-    prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(
-            qkv,
-            s_ln,
-            &p[bl.attn_w.clone()],
-            opt(p, &bl.attn_b),
-            n,
-            c,
-            3 * c,
-        )
-    });
-    prof.time(K::AttnFwd, || {
-        dev.attention_forward(s_atty, lse, qkv, mask, dims, drop.site(ld), scratch)
-    });
-    prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(x_mid, s_atty, &p[bl.proj_w.clone()], None, n, c, c)
-    });
-    prof.time(K::ResidualFwd, || {
-        dev.residual_forward(x_mid, x, opt(p, &bl.proj_b), c, drop.site(ld + 1))
-    });
-    let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
-    prof.time(K::LnFwd, || {
-        dev.layernorm_forward(
-            s_ln,
-            layer_mut(a.ln2_mean, sl, n),
-            layer_mut(a.ln2_rstd, sl, n),
-            x_mid,
-            &p[bl.ln_2_w.clone()],
-            opt(p, &bl.ln_2_b),
-            n,
-            c,
-        )
-    });
-    // The GELU runs on each strip of the product's rows while the strip is in cache (its time
-    // counted with the product's), rather than as a pass of its own over [n, f].
-    let (fc_w, fc_b, fcproj_w) = (
-        &p[bl.fc_w.clone()],
-        opt(p, &bl.fc_b),
-        &p[bl.fcproj_w.clone()],
+    let (mask, drop, scratch) = (pass.mask(), pass.drop, &mut *pass.scratch);
+    let dev = pass.dev;
+    let branches = BranchDropout {
+        attn: drop.site(ld + 1),
+        mlp: drop.site(ld + 2),
+    };
+    let w = BlockWeights::new(p, at.layout);
+    block_forward_rows(
+        dev,
+        pass.prof,
+        &w,
+        acts,
+        dims.block(),
+        branches,
+        |qkv, att| dev.attention_forward(att, lse, qkv, mask, dims.attn(), drop.site(ld), scratch),
     );
-    if a.gelu16.is_empty() {
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_gelu_forward(fch, s_big, s_ln, fc_w, fc_b, n, c, f)
-        });
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_forward(x_next, s_big, fcproj_w, None, n, f, c)
-        });
-    } else {
-        // Under bf16 products the GELU output is kept in bf16 for backward (see the arena).
-        let g16 = bf16_layer(a.gelu16, sl, n * f);
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_gelu_forward_bf16(fch, g16, s_ln, fc_w, fc_b, n, c, f)
-        });
-        prof.time(K::MatmulFwd, || {
-            dev.matmul_forward_bf16_input(x_next, g16, fcproj_w, None, n, f, c)
-        });
-    }
-    prof.time(K::ResidualFwd, || {
-        dev.residual_forward(x_next, x_mid, opt(p, &bl.fcproj_b), c, drop.site(ld + 2))
-    });
 }
 
-/// ln_f, the head and (with targets) the cross-entropy, from `a.res[l_out]`; returns the mean
-/// loss over counted positions.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn head_forward(
-    l_out: usize,
-    lay: &HeadLayout,
-    p: &[f32],
-    dev: &dyn Backend,
-    a: &mut Acts,
-    batch: &Batch,
-    c: usize,
-    v: usize,
-    prof: &mut Profile,
-) -> Option<f32> {
-    let n = batch.b * batch.t;
+/// ln_f, the head and (with targets) the cross-entropy, from `a.res[L]` (L the blocks of
+/// `lay`); returns the mean loss over counted positions.
+pub(crate) fn head_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Acts) -> Option<f32> {
+    let Dims { c, v, .. } = pass.dims;
+    let n = pass.dims.n();
     let nc = n * c;
-    let x_last = layer(a.res, l_out, nc);
+    let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
+    let x_last = layer(a.res, lay.blocks.len(), nc);
     let lnf_out = &mut a.lnf_out[..nc];
     prof.time(K::LnFwd, || {
         dev.layernorm_forward(
@@ -232,7 +262,7 @@ pub(crate) fn head_forward(
             &mut a.lnf_rstd[..n],
             x_last,
             &p[lay.ln_f_w.clone()],
-            opt(p, lay.ln_f_b),
+            opt(p, &lay.ln_f_b),
             n,
             c,
         )
@@ -283,25 +313,20 @@ pub(crate) fn head_forward(
     Some((total / counted as f64) as f32)
 }
 
-/// Backward of the cross-entropy, the head and ln_f: `a.dres` is set to d(`a.res[l_out]`).
-/// `dw_head` receives the head weight's gradient (wte's when tied), `dw_lnf` ln_f's.
-#[allow(clippy::too_many_arguments)]
+/// Backward of the cross-entropy, the head and ln_f: `a.dres` is set to d(`a.res[L]`) (L the
+/// blocks of `lay`).
 pub(crate) fn head_backward(
-    l_out: usize,
-    lay: &HeadLayout,
+    pass: &mut Pass,
+    lay: &Layout,
     p: &[f32],
-    dw_head: &mut [f32],
-    dw_lnf: (&mut [f32], Option<&mut [f32]>),
-    dev: &dyn Backend,
+    grads: HeadGrads,
     a: &mut Acts,
-    batch: &Batch,
-    counted: usize,
-    c: usize,
-    v: usize,
-    prof: &mut Profile,
 ) {
-    let n = batch.b * batch.t;
+    let Dims { c, v, .. } = pass.dims;
+    let n = pass.dims.n();
     let nc = n * c;
+    let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
+    let counted = batch.counted.unwrap_or(0);
     let scale = if counted == 0 {
         0.0
     } else {
@@ -333,7 +358,7 @@ pub(crate) fn head_backward(
         } else {
             &mut a.s_big[..nc]
         };
-        let dwb = &mut dw_head[v0 * c..(v0 + vc) * c];
+        let dwb = &mut grads.head[v0 * c..(v0 + vc) * c];
         prof.time(K::HeadBwd, || {
             dev.head_backward(dinp, dwb, dlogits, lnf_out, wb, n, c, vc)
         });
@@ -345,8 +370,8 @@ pub(crate) fn head_backward(
     }
     let dres = &mut a.dres[..nc];
     dres.fill(0.0);
-    let (dw, db) = dw_lnf;
-    let x_last = layer(a.res, l_out, nc);
+    let (dw, db) = (grads.ln_f_w, grads.ln_f_b);
+    let x_last = layer(a.res, lay.blocks.len(), nc);
     let dlnf = &a.s_dl[..nc];
     prof.time(K::LnBwd, || {
         dev.layernorm_backward(
@@ -364,22 +389,14 @@ pub(crate) fn head_backward(
     });
 }
 
-/// Backward of the embeddings (and their dropout) from d(`a.res[0]`) in `a.dres`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn embed_backward(
-    dwte: &mut [f32],
-    dwpe: &mut [f32],
-    dev: &dyn Backend,
-    a: &mut Acts,
-    batch: &Batch,
-    c: usize,
-    drop: DropKey,
-    prof: &mut Profile,
-) {
-    let (b, t) = (batch.b, batch.t);
+/// Backward of the embeddings (and their dropout) from d(`a.res[0]`) in `a.dres`, into
+/// wte's and wpe's gradients.
+pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32], a: &mut Acts) {
+    let Dims { b, t, c, .. } = pass.dims;
+    let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let nc = b * t * c;
     let dres = &a.dres[..nc];
-    let demb: &[f32] = match drop.site(0) {
+    let demb: &[f32] = match pass.drop.site(0) {
         Some(d) => {
             let s = &mut a.s_drop[..nc];
             prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
@@ -393,30 +410,18 @@ pub(crate) fn embed_backward(
 }
 
 /// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
-/// `g` is the block's gradient range (offset `bl.all.start`). `l` indexes the arena's per-layer
-/// buffers, `lg` is the block's index in the whole model (it keys the dropout sites).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn block_backward(
-    l: usize,
-    lg: usize,
-    bl: &BlockLayout,
-    p: &[f32],
-    g: &mut [f32],
-    dev: &dyn Backend,
-    a: &mut Acts,
-    scratch: &mut [f32],
-    mask: Option<&[u8]>,
-    dims: AttnDims,
-    f: usize,
-    drop: DropKey,
-    prof: &mut Profile,
-) {
-    let AttnDims { b, t, c, .. } = dims;
-    let n = b * t;
+/// `g` is the block's gradient range (offset `at.layout.all.start`).
+pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f32], a: &mut Acts) {
+    let dims = pass.dims;
+    let Dims { c, f, nh, .. } = dims;
+    let n = dims.n();
     let nc = n * c;
-    let nh = dims.nh;
+    let (dev, drop, mask) = (pass.dev, pass.drop, pass.mask());
+    let (scratch, prof) = (&mut *pass.scratch, &mut *pass.prof);
+    let (l, bl) = (at.local, at.layout);
+    let w = BlockWeights::new(p, bl);
     let off = bl.all.start;
-    let ld = 1 + 3 * lg as u64;
+    let ld = at.drop_site();
     let x = layer(a.res, l, nc);
     let sl = a.layer_slot(l);
     let x_mid = layer(a.res_mid, sl, nc);
@@ -448,17 +453,7 @@ pub(crate) fn block_backward(
                 s_big
             };
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward(
-                    None,
-                    dw,
-                    db,
-                    dproj,
-                    gelu_out,
-                    &p[bl.fcproj_w.clone()],
-                    n,
-                    f,
-                    c,
-                )
+                dev.matmul_backward(None, dw, db, dproj, gelu_out, w.fcproj_w, n, f, c)
             });
         } else {
             let g16 = bf16_layer(a.gelu16, sl, n * f);
@@ -468,7 +463,7 @@ pub(crate) fn block_backward(
         }
         let s_big = &mut a.s_big[..n * f];
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward_input(s_big, dproj, &p[bl.fcproj_w.clone()], n, f, c)
+            dev.matmul_backward_input(s_big, dproj, w.fcproj_w, n, f, c)
         });
         if a.gelu16.is_empty() {
             prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
@@ -484,8 +479,8 @@ pub(crate) fn block_backward(
                     layer_mut(a.ln2_mean, sl, n),
                     layer_mut(a.ln2_rstd, sl, n),
                     x_mid,
-                    &p[bl.ln_2_w.clone()],
-                    opt(p, &bl.ln_2_b),
+                    w.ln_2_w,
+                    w.ln_2_b,
                     n,
                     c,
                 )
@@ -494,17 +489,7 @@ pub(crate) fn block_backward(
         let s_ln = layer(a.s_ln, ln2_slot, nc);
         let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(
-                Some(s_dl),
-                dw,
-                db,
-                s_big,
-                s_ln,
-                &p[bl.fc_w.clone()],
-                n,
-                c,
-                f,
-            )
+            dev.matmul_backward(Some(s_dl), dw, db, s_big, s_ln, w.fc_w, n, c, f)
         });
     }
     {
@@ -519,7 +504,7 @@ pub(crate) fn block_backward(
                 x_mid,
                 layer(a.ln2_mean, sl, n),
                 layer(a.ln2_rstd, sl, n),
-                &p[bl.ln_2_w.clone()],
+                w.ln_2_w,
                 n,
                 c,
             )
@@ -538,7 +523,7 @@ pub(crate) fn block_backward(
             None => dres,
         };
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward_input(s_dl, dproj, &p[bl.proj_w.clone()], n, c, c)
+            dev.matmul_backward_input(s_dl, dproj, w.proj_w, n, c, c)
         });
         let dqkv = &mut a.s_big[..3 * nc];
         // Without kept outputs, backward recomputes the attention output the projection's
@@ -552,7 +537,7 @@ pub(crate) fn block_backward(
                 qkv,
                 lse,
                 mask,
-                dims,
+                dims.attn(),
                 drop.site(ld),
                 scratch,
             )
@@ -560,7 +545,7 @@ pub(crate) fn block_backward(
         let (dw, db) = wb(g, off, &bl.proj_w, &bl.proj_b);
         let s_atty = layer(a.s_atty, atty_slot, nc);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(None, dw, db, dproj, s_atty, &p[bl.proj_w.clone()], n, c, c)
+            dev.matmul_backward(None, dw, db, dproj, s_atty, w.proj_w, n, c, c)
         });
         if !keep {
             let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
@@ -570,8 +555,8 @@ pub(crate) fn block_backward(
                     layer_mut(a.ln1_mean, sl, n),
                     layer_mut(a.ln1_rstd, sl, n),
                     x,
-                    &p[bl.ln_1_w.clone()],
-                    opt(p, &bl.ln_1_b),
+                    w.ln_1_w,
+                    w.ln_1_b,
                     n,
                     c,
                 )
@@ -580,17 +565,7 @@ pub(crate) fn block_backward(
         let s_ln = layer(a.s_ln, ln1_slot, nc);
         let (dw, db) = wb(g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(
-                Some(s_dl),
-                dw,
-                db,
-                dqkv,
-                s_ln,
-                &p[bl.attn_w.clone()],
-                n,
-                c,
-                3 * c,
-            )
+            dev.matmul_backward(Some(s_dl), dw, db, dqkv, s_ln, w.attn_w, n, c, 3 * c)
         });
     }
     let (dw, db) = wb(g, off, &bl.ln_1_w, &bl.ln_1_b);
@@ -604,7 +579,7 @@ pub(crate) fn block_backward(
             x,
             layer(a.ln1_mean, sl, n),
             layer(a.ln1_rstd, sl, n),
-            &p[bl.ln_1_w.clone()],
+            w.ln_1_w,
             n,
             c,
         )

@@ -1,9 +1,10 @@
-//! The GPT-2 model: flat parameters and gradients, the activation arena, forward and the
-//! layer-wise backward with its readiness hook.
+//! The GPT-2 model: flat parameters and gradients, the activation arena, and the one forward
+//! and one backward entry point ([`GPT::forward`], [`GPT::backward`]) with their options.
 //!
 //! Dims, named once: B batch, T sequence, C d_model, F d_ff, V vocab, L layers, NH heads,
-//! N = B*T tokens. All compute goes through the engine's `Backend`; this file decides only what
-//! is computed, in which order, and into which buffer. It never allocates after the first
+//! N = B*T tokens. All compute goes through the engine's `Backend`; this module decides only
+//! what is computed, in which order (`passes`, `layers`, `block`), and into which buffer
+//! (`arena`). It never allocates after the first
 //! forward for a given token count (a larger B*T reallocates the arena once).
 //!
 //! Memory: per layer the arena keeps the block input, the residual after attention, qkv, the MLP
@@ -23,77 +24,23 @@ use crate::layout::{BlockLayout, Layout};
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
 mod arena;
+mod block;
 mod init;
 mod layers;
+mod options;
+mod passes;
 mod profile;
 #[cfg(test)]
 mod tests;
 
 pub(crate) use arena::*;
+pub(crate) use block::*;
 pub(crate) use init::*;
 pub(crate) use layers::*;
+pub(crate) use options::NoHooks;
+pub use options::{Backward, Forward, NoReadyHook, Part, PartHooks};
+use passes::{backward_pass, forward_pass};
 pub(crate) use profile::*;
-
-/// A part of the model that runs as one unit, in forward order: what a
-/// [`PartHook`] is told is about to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Part {
-    /// wte and wpe.
-    Embeddings,
-    /// Transformer block `l`.
-    Block(usize),
-    /// ln_f, and lm_head when untied. A tied head also reads wte, which is
-    /// in the embeddings' range.
-    Head,
-}
-
-/// Called with `(part, range, params)` just before `part` runs in
-/// [`GPT::forward_with`] or [`GPT::backward_with`], once for each range of
-/// the flat parameter buffer the part reads, `params` being exactly that
-/// range: its own ([`GPT::part_range`]), and for a tied head first wte's,
-/// which it reads as its weight. The embeddings' backward reads no parameter
-/// and is not announced. This is the seam for sharded
-/// parameters: a strategy that keeps only a shard of each part on this rank
-/// gathers the part's parameters into `params` here (and may prefetch the
-/// next part's). It runs on an engine thread, hence `Send`.
-pub type PartHook<'h> = dyn FnMut(Part, Range<usize>, &mut [f32]) + Send + 'h;
-
-/// A [`PartHook`] with its counterpart after each part: what a strategy
-/// that gathers a part's parameters before it runs needs in order to free
-/// them again once it has run ([`GPT::forward_parts`],
-/// [`GPT::backward_parts`]).
-pub trait PartHooks: Send {
-    /// As a [`PartHook`]: called just before `part` runs, once for each
-    /// range it reads, `params` being exactly that range.
-    fn before(&mut self, part: Part, range: Range<usize>, params: &mut [f32]);
-    /// Called just after `part` ran (in backward: after its gradients are
-    /// computed), once for each range it read, in the same order as
-    /// [`PartHooks::before`]: the part will not read `params` again until the
-    /// next `before`.
-    fn after(&mut self, part: Part, range: Range<usize>, params: &mut [f32]);
-    /// Called in backward just before `part` first adds into `grads`, the
-    /// range `range` of the flat gradient buffer, once for each range a
-    /// backward writes: the head's own (and a tied head's wte, to which the
-    /// embeddings' backward adds later), each block's, then the embeddings'
-    /// wpe (and wte when untied). The backward then adds into what `grads`
-    /// holds, so its values must stay as they are; a strategy that released
-    /// the range's memory (all zeros) can make it resident again here, which
-    /// is cheaper than the page faults of the backward's first writes.
-    /// Does nothing unless implemented.
-    fn before_grads(&mut self, part: Part, range: Range<usize>, grads: &mut [f32]) {
-        let _ = (part, range, grads);
-    }
-}
-
-/// A plain [`PartHook`] as [`PartHooks`] that does nothing after a part.
-struct BeforeOnly<'a, 'h>(&'a mut PartHook<'h>);
-
-impl PartHooks for BeforeOnly<'_, '_> {
-    fn before(&mut self, part: Part, range: Range<usize>, params: &mut [f32]) {
-        (self.0)(part, range, params)
-    }
-    fn after(&mut self, _: Part, _: Range<usize>, _: &mut [f32]) {}
-}
 
 /// The model: config, flat parameters and gradients, activation arena, backend.
 pub struct GPT {
@@ -381,61 +328,20 @@ impl GPT {
         self.grads.fill(0.0);
     }
 
-    /// Forward pass, as Hugging Face's `GPT2LMHeadModel`. `input_ids`, `attention_mask` (1 token,
-    /// 0 padding) and `labels` are (B, T) row-major. Labels are aligned with the inputs: position
-    /// t is scored on `labels[t + 1]`; -100 is ignored, and so is any position where the input
-    /// or the target is padding. Returns the mean loss over counted positions when labels are
-    /// given (0 when none is counted). Logits are readable afterwards with [`GPT::logits`].
-    pub fn forward(
-        &mut self,
-        input_ids: &[u32],
-        attention_mask: Option<&[u8]>,
-        labels: Option<&[i32]>,
-        b: usize,
-        t: usize,
-    ) -> Result<Option<f32>, GptError> {
-        let labels = labels.map(Labels::Aligned);
-        self.forward_with(input_ids, attention_mask, labels, b, t, &mut |_, _, _| {})
-    }
-
-    /// [`GPT::forward`] with the labels in either convention ([`Labels`]): what a training
-    /// loop uses, with [`Labels::Next`] targets so that every position of a window is trained.
-    pub fn forward_labels(
-        &mut self,
-        input_ids: &[u32],
-        attention_mask: Option<&[u8]>,
-        labels: Option<Labels<'_>>,
-        b: usize,
-        t: usize,
-    ) -> Result<Option<f32>, GptError> {
-        self.forward_with(input_ids, attention_mask, labels, b, t, &mut |_, _, _| {})
-    }
-
-    /// [`GPT::forward_labels`], calling `before` just before each [`Part`] runs.
-    pub fn forward_with(
-        &mut self,
-        input_ids: &[u32],
-        attention_mask: Option<&[u8]>,
-        labels: Option<Labels<'_>>,
-        b: usize,
-        t: usize,
-        before: &mut PartHook<'_>,
-    ) -> Result<Option<f32>, GptError> {
-        let hooks = &mut BeforeOnly(before);
-        self.forward_parts(input_ids, attention_mask, labels, b, t, hooks)
-    }
-
-    /// [`GPT::forward_labels`], calling `hooks` just before and just after
-    /// each [`Part`] runs.
-    pub fn forward_parts(
-        &mut self,
-        input_ids: &[u32],
-        attention_mask: Option<&[u8]>,
-        labels: Option<Labels<'_>>,
-        b: usize,
-        t: usize,
-        hooks: &mut dyn PartHooks,
-    ) -> Result<Option<f32>, GptError> {
+    /// Forward pass, as Hugging Face's `GPT2LMHeadModel`: the logits of every position of
+    /// `pass`'s batch, and with labels the mean loss over the positions they count (0 when none
+    /// is counted). Labels follow [`Labels`]; a position is also ignored where its input or its
+    /// target is padding. Logits are readable afterwards with [`GPT::logits`]. See [`Forward`]
+    /// for the options (mask, labels, per-part hooks).
+    pub fn forward(&mut self, pass: Forward<'_>) -> Result<Option<f32>, GptError> {
+        let Forward {
+            input_ids,
+            batch: b,
+            seq: t,
+            attention_mask,
+            labels,
+            parts,
+        } = pass;
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
         let n = b * t;
         let cols = logit_cols(
@@ -485,19 +391,22 @@ impl GPT {
         } = self;
         let al = act_layout.as_ref().expect("arena allocated above");
         let mut acts = al.carve(arena);
+        let mut no_hooks = NoHooks;
+        let hooks: &mut dyn PartHooks = match parts {
+            Some(hooks) => hooks,
+            None => &mut no_hooks,
+        };
+        let (dev, dims): (&dyn Backend, _) = (&**dev, Dims::new(config, b, t));
         let mut run = || {
-            forward_pass(
-                config,
-                layout,
-                params,
-                &**dev,
-                &mut acts,
-                attn_scratch,
+            let pass = &mut Pass {
+                dev,
+                dims,
                 batch,
                 drop,
-                profile,
-                &mut *hooks,
-            )
+                scratch: attn_scratch,
+                prof: profile,
+            };
+            forward_pass(pass, layout, params, &mut acts, &mut *hooks)
         };
         let mut loss = None;
         dev.install(&mut || loss = run());
@@ -515,44 +424,14 @@ impl GPT {
     }
 
     /// Backward pass for the last forward (which must have had labels), accumulating into the
-    /// gradient buffer. Runs from the top block down; as soon as a range of gradients is final
-    /// it calls `hook(range, grads)` with exactly that part of the gradient buffer, which this
-    /// backward will not touch again. Order: [ln_f (+ lm_head if untied)], block L-1, ...,
-    /// block 0, then [wte, wpe] (wte also holds the tied head's gradient). The ranges
-    /// partition the buffer. The hook runs on an engine thread, hence `Send`.
-    pub fn backward<'g, F>(&'g mut self, hook: F) -> Result<(), GptError>
+    /// gradient buffer, from the top block down. See [`Backward`] for the hooks it can call as
+    /// it goes (gradient readiness, per-part).
+    pub fn backward<'g, F>(&'g mut self, pass: Backward<'_, F>) -> Result<(), GptError>
     where
         F: FnMut(Range<usize>, &'g mut [f32]) + Send,
     {
-        self.backward_with(&mut |_, _, _| {}, hook)
-    }
-
-    /// [`GPT::backward`], calling `before` just before each [`Part`]'s
-    /// backward runs that reads parameters (head first, block 0 last).
-    pub fn backward_with<'g, F>(
-        &'g mut self,
-        before: &mut PartHook<'_>,
-        hook: F,
-    ) -> Result<(), GptError>
-    where
-        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
-    {
-        self.backward_parts(&mut BeforeOnly(before), hook)
-    }
-
-    /// [`GPT::backward`], calling `hooks` just before and just after each
-    /// [`Part`]'s backward that reads parameters (head first, block 0 last;
-    /// the embeddings' backward reads none); a part's
-    /// `after` comes before its gradients are handed to `hook`.
-    pub fn backward_parts<'g, F>(
-        &'g mut self,
-        hooks: &mut dyn PartHooks,
-        hook: F,
-    ) -> Result<(), GptError>
-    where
-        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
-    {
-        let counted = self.batch.counted.ok_or(GptError::NoLoss)?;
+        let Backward { ready, parts } = pass;
+        self.batch.counted.ok_or(GptError::NoLoss)?;
         let drop = self.drop_key();
         let GPT {
             config,
@@ -570,28 +449,27 @@ impl GPT {
         let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
         let mut acts = al.carve(arena);
         let mut grads = Some(grads.as_mut_slice());
-        let mut hook = Some(hook);
-        let dev: &dyn Backend = &**dev;
+        let mut ready = Some(ready);
+        let mut no_hooks = NoHooks;
+        let hooks: &mut dyn PartHooks = match parts {
+            Some(hooks) => hooks,
+            None => &mut no_hooks,
+        };
+        let (dev, dims): (&dyn Backend, _) = (&**dev, Dims::new(config, batch.b, batch.t));
         let mut run = || {
-            let (grads, hook) = (
+            let (grads, ready) = (
                 grads.take().expect("runs once"),
-                hook.take().expect("runs once"),
+                ready.take().expect("runs once"),
             );
-            backward_pass(
-                config,
-                layout,
-                params,
-                grads,
+            let pass = &mut Pass {
                 dev,
-                &mut acts,
-                attn_scratch,
+                dims,
                 batch,
-                counted,
                 drop,
-                profile,
-                &mut *hooks,
-                hook,
-            )
+                scratch: attn_scratch,
+                prof: profile,
+            };
+            backward_pass(pass, layout, params, grads, &mut acts, &mut *hooks, ready)
         };
         dev.install(&mut run);
         Ok(())
@@ -668,172 +546,4 @@ pub(crate) fn validate_batch(
         }
     }
     Ok(())
-}
-
-#[allow(clippy::too_many_arguments)]
-fn forward_pass(
-    cfg: &GPTConfig,
-    lay: &Layout,
-    p: &mut [f32],
-    dev: &dyn Backend,
-    a: &mut Acts,
-    scratch: &mut [f32],
-    batch: &Batch,
-    drop: DropKey,
-    prof: &mut Profile,
-    hooks: &mut dyn PartHooks,
-) -> Option<f32> {
-    let (b, t) = (batch.b, batch.t);
-    let (c, f, nh) = (cfg.d_model, cfg.d_ff, cfg.n_heads);
-    let mask = batch.has_mask.then_some(&batch.mask[..]);
-    let dims = AttnDims { b, t, c, nh };
-    let enter = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
-        for range in lay.part_reads(part) {
-            hooks.before(part, range.clone(), &mut p[range]);
-        }
-    };
-    let leave = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
-        for range in lay.part_reads(part) {
-            hooks.after(part, range.clone(), &mut p[range]);
-        }
-    };
-    enter(hooks, Part::Embeddings, p);
-    embed_forward(p, &lay.wte, &lay.wpe, dev, a, batch, c, drop, prof);
-    leave(hooks, Part::Embeddings, p);
-    for (l, bl) in lay.blocks.iter().enumerate() {
-        enter(hooks, Part::Block(l), p);
-        block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
-        leave(hooks, Part::Block(l), p);
-    }
-    enter(hooks, Part::Head, p);
-    let head = HeadLayout {
-        ln_f_w: &lay.ln_f_w,
-        ln_f_b: &lay.ln_f_b,
-        lm_head: &lay.lm_head,
-    };
-    let loss = head_forward(
-        cfg.n_layers,
-        &head,
-        p,
-        dev,
-        a,
-        batch,
-        c,
-        cfg.vocab_size,
-        prof,
-    );
-    leave(hooks, Part::Head, p);
-    loss
-}
-
-#[allow(clippy::too_many_arguments)]
-fn backward_pass<'g>(
-    cfg: &GPTConfig,
-    lay: &Layout,
-    p: &mut [f32],
-    grads: &'g mut [f32],
-    dev: &dyn Backend,
-    a: &mut Acts,
-    scratch: &mut [f32],
-    batch: &Batch,
-    counted: usize,
-    drop: DropKey,
-    prof: &mut Profile,
-    hooks: &mut dyn PartHooks,
-    mut hook: impl FnMut(Range<usize>, &'g mut [f32]),
-) {
-    let enter = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
-        for range in lay.part_reads(part) {
-            hooks.before(part, range.clone(), &mut p[range]);
-        }
-    };
-    let leave = |hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]| {
-        for range in lay.part_reads(part) {
-            hooks.after(part, range.clone(), &mut p[range]);
-        }
-    };
-    let (b, t) = (batch.b, batch.t);
-    let (c, f, v, nh) = (cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_heads);
-    let mask = batch.has_mask.then_some(&batch.mask[..]);
-    let dims = AttnDims { b, t, c, nh };
-
-    // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
-    // handed out last) or to lm_head (in the top range, after ln_f).
-    let head_start = lay.ln_f_w.start;
-    let (mut rest, top) = grads.split_at_mut(head_start);
-    enter(hooks, Part::Head, p);
-    {
-        if cfg.tie_word_embeddings {
-            hooks.before_grads(Part::Head, lay.wte.clone(), &mut rest[lay.wte.clone()]);
-        }
-        hooks.before_grads(Part::Head, head_start..lay.total, top);
-        let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
-        let dw_head: &mut [f32] = if cfg.tie_word_embeddings {
-            &mut rest[lay.wte.clone()]
-        } else {
-            lm_head_g
-        };
-        let (dw, db) = wb(lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
-        let head = HeadLayout {
-            ln_f_w: &lay.ln_f_w,
-            ln_f_b: &lay.ln_f_b,
-            lm_head: &lay.lm_head,
-        };
-        let dw_lnf = (dw, db);
-        head_backward(
-            cfg.n_layers,
-            &head,
-            p,
-            dw_head,
-            dw_lnf,
-            dev,
-            a,
-            batch,
-            counted,
-            c,
-            v,
-            prof,
-        );
-    }
-    leave(hooks, Part::Head, p);
-    hook(head_start..lay.total, top);
-
-    for (l, bl) in lay.blocks.iter().enumerate().rev() {
-        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
-        rest = lower;
-        enter(hooks, Part::Block(l), p);
-        hooks.before_grads(Part::Block(l), bl.all.clone(), g);
-        if a.checkpoint {
-            // The block's activations were not kept: recompute them from its input (the same
-            // dropout masks, so the same values).
-            block_forward(l, l, bl, p, dev, a, scratch, mask, dims, f, drop, prof);
-        }
-        block_backward(l, l, bl, p, g, dev, a, scratch, mask, dims, f, drop, prof);
-        leave(hooks, Part::Block(l), p);
-        hook(bl.all.clone(), g);
-    }
-
-    if !cfg.tie_word_embeddings {
-        hooks.before_grads(
-            Part::Embeddings,
-            lay.wte.clone(),
-            &mut rest[lay.wte.clone()],
-        );
-    }
-    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
-    hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
-    // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
-    // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
-    // strategy would gather the largest part of the model (wte) for nothing.
-    embed_backward(
-        &mut dwte[lay.wte.clone()],
-        dwpe,
-        dev,
-        a,
-        batch,
-        c,
-        drop,
-        prof,
-    );
-    hook(0..lay.wpe.end, rest);
 }

@@ -29,9 +29,13 @@ fn batch() -> (Vec<u32>, Vec<u8>, Vec<i32>) {
 }
 
 fn loss_at(m: &mut GPT, ids: &[u32], mask: &[u8], labels: &[i32]) -> f64 {
-    m.forward(ids, Some(mask), Some(labels), 2, 7)
-        .unwrap()
-        .unwrap() as f64
+    m.forward(
+        Forward::new(ids, 2, 7)
+            .attention_mask(Some(mask))
+            .labels(Labels::Aligned(labels)),
+    )
+    .unwrap()
+    .unwrap() as f64
 }
 
 /// Central differences in f32 on parameters scaled up to N(0, 0.3) (so gradients are O(0.1)
@@ -55,7 +59,7 @@ fn grad_check_keeping(cfg: GPTConfig, keep_max_bytes: usize) {
     m.set_dropout_key(3, 1, 9);
     loss_at(&mut m, &ids, &mask, &labels);
     m.zero_grad();
-    m.backward(|_, _| {}).unwrap();
+    m.backward(Backward::new()).unwrap();
     let g = m.grads().to_vec();
     assert!(g.iter().all(|x| x.is_finite()));
     let eps = 1e-2f32;
@@ -172,7 +176,10 @@ fn initial_loss_is_ln_vocab() {
         .map(|i| ((i * 2_654_435_761usize) >> 7) as u32 % 65)
         .collect();
     let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
-    let loss = m.forward(&ids, None, Some(&labels), b, t).unwrap().unwrap();
+    let loss = m
+        .forward(Forward::new(&ids, b, t).labels(Labels::Aligned(&labels)))
+        .unwrap()
+        .unwrap();
     assert!((loss - 65f32.ln()).abs() < 0.1, "initial loss {loss}");
     // The residual projections are drawn with the smaller std.
     let proj = m
@@ -203,12 +210,16 @@ fn run(threads: usize) -> (Vec<f32>, Vec<f32>) {
         mask[t..t + 5].fill(0);
         m.set_dropout_key(42, 0, step);
         losses.push(
-            m.forward(&ids, Some(&mask), Some(&labels), b, t)
-                .unwrap()
-                .unwrap(),
+            m.forward(
+                Forward::new(&ids, b, t)
+                    .attention_mask(Some(&mask))
+                    .labels(Labels::Aligned(&labels)),
+            )
+            .unwrap()
+            .unwrap(),
         );
         m.zero_grad();
-        m.backward(|_, _| {}).unwrap();
+        m.backward(Backward::new()).unwrap();
         let (p, g) = m.params_and_grads_mut();
         p.iter_mut().zip(g).for_each(|(p, g)| *p -= 0.1 * g);
     }
@@ -245,7 +256,8 @@ fn backward_hands_out_final_ranges_in_order_to_another_thread() {
                 }
                 (got, sums)
             });
-            m.backward(move |r, g| tx.send((r, g)).unwrap()).unwrap();
+            m.backward(Backward::new().on_ready(move |r, g| tx.send((r, g)).unwrap()))
+                .unwrap();
             summer.join().unwrap()
         });
         assert_eq!(got, expected);
@@ -262,14 +274,14 @@ fn backward_hands_out_final_ranges_in_order_to_another_thread() {
 fn arena_is_reused_for_same_or_smaller_batches_and_grows_once() {
     let mut m = model(tiny(true, true, 0.0), 1, 1);
     let ids = vec![1u32; 16];
-    m.forward(&ids, None, None, 2, 8).unwrap();
+    m.forward(Forward::new(&ids, 2, 8)).unwrap();
     let ptr = m.arena.as_ptr();
-    m.forward(&ids[..8], None, None, 1, 8).unwrap();
-    m.forward(&ids, None, None, 2, 8).unwrap();
+    m.forward(Forward::new(&ids[..8], 1, 8)).unwrap();
+    m.forward(Forward::new(&ids, 2, 8)).unwrap();
     assert_eq!(ptr, m.arena.as_ptr());
     assert_eq!(m.logits().len(), 16 * 11);
     let ids = vec![1u32; 24];
-    m.forward(&ids, None, None, 3, 8).unwrap();
+    m.forward(Forward::new(&ids, 3, 8)).unwrap();
     assert_eq!(m.logits().len(), 24 * 11);
 }
 
@@ -277,21 +289,29 @@ fn arena_is_reused_for_same_or_smaller_batches_and_grows_once() {
 fn bad_inputs_are_clear_errors() {
     let mut m = model(tiny(true, true, 0.0), 1, 1);
     let err = |r: Result<Option<f32>, GptError>| r.unwrap_err().to_string();
-    assert!(err(m.forward(&[1, 2, 3], None, None, 2, 2)).contains("input_ids has 3 elements"));
-    assert!(err(m.forward(&[1; 9], None, None, 1, 9)).contains("exceeds max_position_embeddings 8"));
-    assert!(err(m.forward(&[1, 11], None, None, 1, 2)).contains("input_ids[1] = 11"));
-    assert!(err(m.forward(&[1, 2], None, Some(&[1, -5]), 1, 2)).contains("labels[1] = -5"));
-    assert!(err(m.forward(&[1, 2], Some(&[1]), None, 1, 2)).contains("attention_mask"));
-    m.forward(&[1, 2], None, None, 1, 2).unwrap();
-    assert!(matches!(m.backward(|_, _| {}), Err(GptError::NoLoss)));
+    assert!(err(m.forward(Forward::new(&[1, 2, 3], 2, 2))).contains("input_ids has 3 elements"));
+    assert!(
+        err(m.forward(Forward::new(&[1; 9], 1, 9))).contains("exceeds max_position_embeddings 8")
+    );
+    assert!(err(m.forward(Forward::new(&[1, 11], 1, 2))).contains("input_ids[1] = 11"));
+    assert!(
+        err(m.forward(Forward::new(&[1, 2], 1, 2).labels(Labels::Aligned(&[1, -5]))))
+            .contains("labels[1] = -5")
+    );
+    assert!(
+        err(m.forward(Forward::new(&[1, 2], 1, 2).attention_mask(Some(&[1]))))
+            .contains("attention_mask")
+    );
+    m.forward(Forward::new(&[1, 2], 1, 2)).unwrap();
+    assert!(matches!(m.backward(Backward::new()), Err(GptError::NoLoss)));
     // All labels ignored: loss 0 and zero gradients, not NaN.
     let loss = m
-        .forward(&[1, 2], None, Some(&[-100, -100]), 1, 2)
+        .forward(Forward::new(&[1, 2], 1, 2).labels(Labels::Aligned(&[-100, -100])))
         .unwrap()
         .unwrap();
     assert_eq!(loss, 0.0);
     m.zero_grad();
-    m.backward(|_, _| {}).unwrap();
+    m.backward(Backward::new()).unwrap();
     assert!(m.grads().iter().all(|&g| g == 0.0));
 }
 
@@ -306,7 +326,7 @@ fn part_hooks_fill_each_part_just_before_it_runs() {
         let (ids, mask, labels) = batch();
         let mut full = model(cfg.clone(), 2, 5);
         let want_loss = loss_at(&mut full, &ids, &mask, &labels);
-        full.backward(|_, _| {}).unwrap();
+        full.backward(Backward::new()).unwrap();
         let source = full.params().to_vec();
 
         let mut sharded = model(cfg.clone(), 2, 5);
@@ -345,19 +365,14 @@ fn part_hooks_fill_each_part_just_before_it_runs() {
             sharded.params_mut().fill(0.0);
             let loss = if backward {
                 sharded.zero_grad();
-                sharded.backward_with(&mut fill, |_, _| {}).unwrap();
+                sharded.backward(Backward::new().parts(&mut fill)).unwrap();
                 None
             } else {
-                sharded
-                    .forward_with(
-                        &ids,
-                        Some(&mask),
-                        Some(Labels::Aligned(&labels)),
-                        2,
-                        7,
-                        &mut fill,
-                    )
-                    .unwrap()
+                let pass = Forward::new(&ids, 2, 7)
+                    .attention_mask(Some(&mask))
+                    .labels(Labels::Aligned(&labels))
+                    .parts(&mut fill);
+                sharded.forward(pass).unwrap()
             };
             (seen, loss)
         };
@@ -397,7 +412,7 @@ fn part_hooks_after_each_part_can_free_what_before_gathered() {
         let mut full = model(cfg.clone(), 2, 5);
         full.set_activation_checkpointing(checkpoint);
         let want_loss = loss_at(&mut full, &ids, &mask, &labels);
-        full.backward(|_, _| {}).unwrap();
+        full.backward(Backward::new()).unwrap();
         let source = full.params().to_vec();
 
         let mut sharded = model(cfg.clone(), 2, 5);
@@ -407,20 +422,14 @@ fn part_hooks_after_each_part_can_free_what_before_gathered() {
             source: &source,
             calls: Vec::new(),
         };
-        let loss = sharded
-            .forward_parts(
-                &ids,
-                Some(&mask),
-                Some(Labels::Aligned(&labels)),
-                2,
-                7,
-                &mut hooks,
-            )
-            .unwrap()
-            .unwrap();
+        let pass = Forward::new(&ids, 2, 7)
+            .attention_mask(Some(&mask))
+            .labels(Labels::Aligned(&labels))
+            .parts(&mut hooks);
+        let loss = sharded.forward(pass).unwrap().unwrap();
         assert_eq!(loss.to_bits(), (want_loss as f32).to_bits());
         sharded.zero_grad();
-        sharded.backward_parts(&mut hooks, |_, _| {}).unwrap();
+        sharded.backward(Backward::new().parts(&mut hooks)).unwrap();
         assert_eq!(sharded.grads(), full.grads());
         assert!(sharded.params().iter().all(|&x| x == 0.0), "all blanked");
         // Every before has its after, for the same part and range, before the next part's.
@@ -446,7 +455,6 @@ struct GradsSeen {
 
 impl PartHooks for GradsSeen {
     fn before(&mut self, _: Part, _: Range<usize>, _: &mut [f32]) {}
-    fn after(&mut self, _: Part, _: Range<usize>, _: &mut [f32]) {}
     fn before_grads(&mut self, part: Part, range: Range<usize>, grads: &mut [f32]) {
         assert_eq!(grads.len(), range.len());
         self.calls
@@ -463,10 +471,10 @@ fn each_gradient_range_is_announced_once_before_the_backward_writes_it() {
         loss_at(&mut m, &ids, &mask, &labels);
         m.zero_grad();
         let mut seen = GradsSeen::default();
-        m.backward_parts(&mut seen, |_, _| {}).unwrap();
+        m.backward(Backward::new().parts(&mut seen)).unwrap();
         let mut want = model(cfg.clone(), 2, 5);
         loss_at(&mut want, &ids, &mask, &labels);
-        want.backward(|_, _| {}).unwrap();
+        want.backward(Backward::new()).unwrap();
         assert_eq!(m.grads(), want.grads(), "the hook changes nothing");
         assert!(
             seen.calls.iter().all(|c| c.2),
@@ -517,11 +525,11 @@ fn bf16_products_track_fp32_within_bf16_rounding() {
         let mut m = model(cfg.clone(), 2, 9);
         assert_eq!(m.set_precision(dtype).unwrap(), dtype);
         let loss = m
-            .forward(&ids, None, Some(&labels), 2, 16)
+            .forward(Forward::new(&ids, 2, 16).labels(Labels::Aligned(&labels)))
             .unwrap()
             .unwrap();
         m.zero_grad();
-        m.backward(|_, _| {}).unwrap();
+        m.backward(Backward::new()).unwrap();
         (loss as f64, m.grads().to_vec())
     };
     let (l32, g32) = run(DType::F32);
@@ -574,11 +582,11 @@ fn bf16_kept_gelu_outputs_give_the_bits_of_f32_kept_ones() {
         m.set_activation_checkpointing(checkpointing);
         m.set_dropout_key(3, 1, 9);
         let loss = m
-            .forward(&ids, None, Some(&labels), 2, 15)
+            .forward(Forward::new(&ids, 2, 15).labels(Labels::Aligned(&labels)))
             .unwrap()
             .unwrap();
         m.zero_grad();
-        m.backward(|_, _| {}).unwrap();
+        m.backward(Backward::new()).unwrap();
         let al = m.act_layout.as_ref().unwrap();
         let kept16 = !al.keep && al.bf16;
         (
@@ -625,13 +633,13 @@ fn a_head_in_vocabulary_blocks_matches_the_whole_one() {
             let mut m = model(cfg.clone(), 2, 4);
             m.logits_max_bytes = max_bytes;
             let loss = m
-                .forward(&ids, None, Some(&labels), 3, 16)
+                .forward(Forward::new(&ids, 3, 16).labels(Labels::Aligned(&labels)))
                 .unwrap()
                 .unwrap();
             let cols = m.act_layout.as_ref().unwrap().logit_cols;
             let logits = m.logits().len();
             m.zero_grad();
-            m.backward(|_, _| {}).unwrap();
+            m.backward(Backward::new()).unwrap();
             (loss, m.grads().to_vec(), cols, logits)
         };
         let (l_whole, g_whole, cols_whole, logits_whole) = run(LOGITS_MAX_BYTES);
@@ -669,7 +677,7 @@ fn activation_checkpointing_gives_the_same_bits_in_less_memory() {
             m.set_dropout_key(3, 1, 9);
             let loss = loss_at(&mut m, &ids, &mask, &labels);
             m.zero_grad();
-            m.backward(|_, _| {}).unwrap();
+            m.backward(Backward::new()).unwrap();
             (loss, m.grads().to_vec(), m.arena.len())
         };
         let (l_all, g_all, arena_all) = run(false);
@@ -700,23 +708,23 @@ fn next_token_targets_score_every_position_as_aligned_labels_one_longer_do() {
     }
     let mut m = model(tiny(true, true, 0.0), 1, 4);
     let next = m
-        .forward_labels(&inputs, None, Some(Labels::Next(&targets)), 2, 7)
+        .forward(Forward::new(&inputs, 2, 7).labels(Labels::Next(&targets)))
         .unwrap()
         .unwrap();
     let next_grads = {
         m.zero_grad();
-        m.backward(|_, _| {}).unwrap();
+        m.backward(Backward::new()).unwrap();
         m.grads().to_vec()
     };
     // Aligned labels on the whole 8-token windows score the same 7 positions per row
     // (position 7 has no label); causal attention makes positions 0..7 see the same inputs.
     let labels: Vec<i32> = windows.iter().map(|&x| x as i32).collect();
     let aligned = m
-        .forward(&windows, None, Some(&labels), 2, 8)
+        .forward(Forward::new(&windows, 2, 8).labels(Labels::Aligned(&labels)))
         .unwrap()
         .unwrap();
     m.zero_grad();
-    m.backward(|_, _| {}).unwrap();
+    m.backward(Backward::new()).unwrap();
     assert!((next - aligned).abs() < 1e-6, "{next} vs {aligned}");
     let max_diff = next_grads
         .iter()
@@ -729,7 +737,11 @@ fn next_token_targets_score_every_position_as_aligned_labels_one_longer_do() {
     let mut mask = vec![1u8; 14];
     mask[13] = 0;
     let fewer = m
-        .forward_labels(&inputs, Some(&mask), Some(Labels::Next(&targets)), 2, 7)
+        .forward(
+            Forward::new(&inputs, 2, 7)
+                .attention_mask(Some(&mask))
+                .labels(Labels::Next(&targets)),
+        )
         .unwrap()
         .unwrap();
     assert_ne!(fewer, next);

@@ -104,7 +104,7 @@ impl Instance for GptInstance {
             .map(|v| v as u32)
             .collect();
         self.gpt
-            .forward(&tokens, None, None, rows, seq)
+            .forward(cohort_gpt::Forward::new(&tokens, rows, seq))
             .map_err(|e| e.to_string())?;
         let vocab = self.gpt.config().vocab_size;
         let logits = self.gpt.logits();

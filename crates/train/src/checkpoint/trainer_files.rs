@@ -251,10 +251,12 @@ mod tests {
         model.set_dropout_key(77, 0, step);
         model.zero_grad();
         let loss = model
-            .forward(&ids, None, Some(&labels), b, t)
+            .forward(
+                cohort_gpt::Forward::new(&ids, b, t).labels(cohort_gpt::Labels::Aligned(&labels)),
+            )
             .unwrap()
             .unwrap();
-        model.backward(|_, _| {}).unwrap();
+        model.backward(cohort_gpt::Backward::new()).unwrap();
         clip_grad_norm(model.grads_mut(), 1.0).unwrap();
         let (p, g) = model.params_and_grads_mut();
         opt.step(p, g, sched.lr(step)).unwrap();

@@ -7,7 +7,7 @@
 
 use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Batch;
-use cohort_gpt::{Labels, GPT};
+use cohort_gpt::{Backward, Forward, Labels, GPT};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
@@ -32,12 +32,10 @@ pub(crate) trait MicroBatches {
 
 /// The plain forward with labels, as every replicated strategy runs it.
 pub(crate) fn forward_batch(model: &mut GPT, batch: &Batch) -> Result<Option<f32>, TrainError> {
-    Ok(model.forward_labels(
-        &batch.input_ids,
-        padding_mask(batch),
-        Some(Labels::Next(&batch.targets)),
-        batch.batch,
-        batch.seq,
+    Ok(model.forward(
+        Forward::new(&batch.input_ids, batch.batch, batch.seq)
+            .attention_mask(padding_mask(batch))
+            .labels(Labels::Next(&batch.targets)),
     )?)
 }
 
@@ -55,7 +53,7 @@ impl MicroBatches for Unsynchronised<'_> {
     }
 
     fn backward(&mut self, _last: bool, phases: &mut Phases) -> Result<(), TrainError> {
-        phases.time(Phase::Backward, || self.0.backward(|_, _| {}))?;
+        phases.time(Phase::Backward, || self.0.backward(Backward::new()))?;
         Ok(())
     }
 }

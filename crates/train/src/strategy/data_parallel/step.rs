@@ -13,7 +13,7 @@ use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Batch;
 use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, Optimizer};
-use cohort_gpt::{Labels, GPT};
+use cohort_gpt::{Backward, Forward, Labels, GPT};
 
 use super::sharded::{ShardedDp, ZeroStage};
 use super::zero1::Zero1;
@@ -121,7 +121,7 @@ impl<'pg> DataParallel<'pg> {
     }
 
     /// The forward of `input_ids` (B = `b`, T = `t`) with `labels`, as
-    /// [`GPT::forward_labels`]; ZeRO-3 gathers each part's parameters
+    /// [`GPT::forward`]; ZeRO-3 gathers each part's parameters
     /// around it. Collective under ZeRO-3.
     pub fn forward(
         &mut self,
@@ -136,7 +136,10 @@ impl<'pg> DataParallel<'pg> {
             GradSync::Sharded(zero) => {
                 zero.forward(self.pg, model, input_ids, attention_mask, labels, b, t)
             }
-            _ => Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?),
+            _ => {
+                let pass = Forward::new(input_ids, b, t).attention_mask(attention_mask);
+                Ok(model.forward(pass.labels(labels))?)
+            }
         }
     }
 
@@ -157,13 +160,13 @@ impl<'pg> DataParallel<'pg> {
         let (pg, model) = (self.pg, &mut self.model);
         let plain = |model: &mut GPT| -> Result<Duration, TrainError> {
             let t = Instant::now();
-            model.backward(|_, _| {})?;
+            model.backward(Backward::new())?;
             Ok(t.elapsed())
         };
         match &mut self.sync {
             GradSync::Ddp { ddp, .. } if last => {
                 let stats = ddp
-                    .backward(|ready| model.backward(ready))?
+                    .backward(|ready| model.backward(Backward::new().on_ready(ready)))?
                     .finish(model.grads_mut())?;
                 Ok(SyncTimes {
                     backward: stats.backward,

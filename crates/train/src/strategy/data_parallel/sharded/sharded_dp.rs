@@ -13,7 +13,7 @@ use cohort_ddp::{Compression, CompressionScratch};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
-use cohort_gpt::{Labels, GPT};
+use cohort_gpt::{Backward, Forward, Labels, GPT};
 
 use super::hooks::PartMemory;
 use super::parts::PartShards;
@@ -184,7 +184,7 @@ impl ShardedDp {
         self.st.get_mut().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The model's forward (as [`GPT::forward_labels`]), stage 3 gathering
+    /// The model's forward (as [`GPT::forward`] with labels), stage 3 gathering
     /// each part's parameters around it. Collective under stage 3.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
@@ -198,7 +198,8 @@ impl ShardedDp {
         t: usize,
     ) -> Result<Option<f32>, TrainError> {
         if self.stage == ZeroStage::Two {
-            return Ok(model.forward_labels(input_ids, attention_mask, labels, b, t)?);
+            let pass = Forward::new(input_ids, b, t).attention_mask(attention_mask);
+            return Ok(model.forward(pass.labels(labels))?);
         }
         let shards = self.shards_mut();
         release_kept(shards, model);
@@ -208,7 +209,11 @@ impl ShardedDp {
             st: &self.st,
             gather: true,
         };
-        let loss = model.forward_parts(input_ids, attention_mask, labels, b, t, hooks);
+        let pass = Forward::new(input_ids, b, t)
+            .attention_mask(attention_mask)
+            .labels(labels)
+            .parts(hooks);
+        let loss = model.forward(pass);
         let shards = self.shards_mut();
         shards.end_pass();
         shards.check()?;
@@ -227,7 +232,8 @@ impl ShardedDp {
         let st = &self.st;
         let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
         let gather = self.stage == ZeroStage::Three;
-        let done = model.backward_parts(&mut PartMemory { pg, st, gather }, ready);
+        let hooks = &mut PartMemory { pg, st, gather };
+        let done = model.backward(Backward::new().parts(hooks).on_ready(ready));
         let shards = self.shards_mut();
         shards.end_pass();
         // Nothing more is filled before the optimizer, which runs at the

@@ -1,0 +1,202 @@
+//! One transformer block's forward math, shared by every path that runs a block: training
+//! (whole model and pipeline stage, through [`block_forward`](super::block_forward)) and
+//! decoding (`sample`'s forward over KV-cached rows).
+//!
+//! x_mid = x + drop(attend(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
+//! x_next = x_mid + drop(gelu(ln_2(x_mid) · W_fc + b_fc) · W_fcproj + b_fcproj)
+//!
+//! The caller supplies the attention (causal over the batch in training, over each row's KV
+//! cache in decoding) and the buffers; everything else is here, once, in one kernel order.
+//! These functions only call backend kernels on the slices they are given: they never
+//! allocate and never decide where an activation is kept.
+
+use super::*;
+
+/// One block's parameters, sliced out of a parameter buffer: the block as its layer functions
+/// read it. Biases are None in a model without biases.
+pub(crate) struct BlockWeights<'p> {
+    pub(crate) ln_1_w: &'p [f32],
+    pub(crate) ln_1_b: Option<&'p [f32]>,
+    /// (C, 3C) in Conv1D layout.
+    pub(crate) attn_w: &'p [f32],
+    pub(crate) attn_b: Option<&'p [f32]>,
+    /// (C, C).
+    pub(crate) proj_w: &'p [f32],
+    pub(crate) proj_b: Option<&'p [f32]>,
+    pub(crate) ln_2_w: &'p [f32],
+    pub(crate) ln_2_b: Option<&'p [f32]>,
+    /// (C, F).
+    pub(crate) fc_w: &'p [f32],
+    pub(crate) fc_b: Option<&'p [f32]>,
+    /// (F, C).
+    pub(crate) fcproj_w: &'p [f32],
+    pub(crate) fcproj_b: Option<&'p [f32]>,
+}
+
+impl<'p> BlockWeights<'p> {
+    /// The block at `bl` in the parameter buffer `p`.
+    pub(crate) fn new(p: &'p [f32], bl: &BlockLayout) -> BlockWeights<'p> {
+        BlockWeights {
+            ln_1_w: &p[bl.ln_1_w.clone()],
+            ln_1_b: opt(p, &bl.ln_1_b),
+            attn_w: &p[bl.attn_w.clone()],
+            attn_b: opt(p, &bl.attn_b),
+            proj_w: &p[bl.proj_w.clone()],
+            proj_b: opt(p, &bl.proj_b),
+            ln_2_w: &p[bl.ln_2_w.clone()],
+            ln_2_b: opt(p, &bl.ln_2_b),
+            fc_w: &p[bl.fc_w.clone()],
+            fc_b: opt(p, &bl.fc_b),
+            fcproj_w: &p[bl.fcproj_w.clone()],
+            fcproj_b: opt(p, &bl.fcproj_b),
+        }
+    }
+}
+
+/// The shapes of one block's products: N rows, C d_model, F d_ff.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockDims {
+    pub(crate) n: usize,
+    pub(crate) c: usize,
+    pub(crate) f: usize,
+}
+
+/// Where ln_1 and ln_2 write their (N, C) outputs: a buffer each (kept for backward), or one
+/// for both (ln_1's output is dead once the qkv product has read it).
+pub(crate) enum LnOut<'a> {
+    Each {
+        ln_1: &'a mut [f32],
+        ln_2: &'a mut [f32],
+    },
+    Shared(&'a mut [f32]),
+}
+
+impl<'a> LnOut<'a> {
+    /// ln_1's output.
+    fn ln_1(&mut self) -> &mut [f32] {
+        match self {
+            LnOut::Each { ln_1, .. } => ln_1,
+            LnOut::Shared(ln) => ln,
+        }
+    }
+    /// ln_2's output: taken once ln_1's is no longer read.
+    fn ln_2(self) -> &'a mut [f32] {
+        match self {
+            LnOut::Each { ln_2, .. } => ln_2,
+            LnOut::Shared(ln) => ln,
+        }
+    }
+}
+
+/// A LayerNorm's per-row statistics (N each), written by its forward for its backward.
+pub(crate) struct LnStats<'a> {
+    pub(crate) mean: &'a mut [f32],
+    pub(crate) rstd: &'a mut [f32],
+}
+
+/// Where the MLP's GELU output (N, F) goes: f32, or bf16 bits under bf16 products (see the
+/// arena: the products that read it round it to bf16 anyway).
+pub(crate) enum GeluOut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
+}
+
+/// The buffers of one block's forward, each of N rows.
+pub(crate) struct BlockActs<'a> {
+    /// The block's input (N, C).
+    pub(crate) x: &'a [f32],
+    /// The residual stream after attention (N, C).
+    pub(crate) x_mid: &'a mut [f32],
+    /// The block's output (N, C).
+    pub(crate) x_next: &'a mut [f32],
+    pub(crate) ln: LnOut<'a>,
+    pub(crate) ln_1: LnStats<'a>,
+    pub(crate) ln_2: LnStats<'a>,
+    /// (N, 3C): q, k, v as GPT-2 concatenates them.
+    pub(crate) qkv: &'a mut [f32],
+    /// The attention output (N, C).
+    pub(crate) att: &'a mut [f32],
+    /// The MLP pre-activation (N, F); GELU's derivative at it under [`GeluOut::Bf16`].
+    pub(crate) fch: &'a mut [f32],
+    pub(crate) gelu: GeluOut<'a>,
+}
+
+/// The dropouts of a block's two residual branches (None: off).
+#[derive(Clone, Copy)]
+pub(crate) struct BranchDropout {
+    pub(crate) attn: Option<Dropout>,
+    pub(crate) mlp: Option<Dropout>,
+}
+
+/// One block's forward over `acts`' rows: ln_1 -> qkv -> `attend(qkv, att)` -> projection and
+/// residual -> ln_2 -> MLP (the GELU fused into its first product) -> projection and residual.
+/// `attend` is the only step that differs between training and decoding. Each product's bias
+/// is added with its residual (`residual_forward`), after the product, so every path computes
+/// the same bits from the same inputs.
+pub(crate) fn block_forward_rows<T: Timer>(
+    dev: &dyn Backend,
+    prof: &mut T,
+    w: &BlockWeights,
+    acts: BlockActs,
+    dims: BlockDims,
+    drop: BranchDropout,
+    attend: impl FnOnce(&[f32], &mut [f32]),
+) {
+    let BlockDims { n, c, f } = dims;
+    let BlockActs {
+        x,
+        x_mid,
+        x_next,
+        ln,
+        ln_1,
+        ln_2,
+        qkv,
+        att,
+        fch,
+        gelu,
+    } = acts;
+    let mut ln = ln;
+    let ln_1_out = ln.ln_1();
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(ln_1_out, ln_1.mean, ln_1.rstd, x, w.ln_1_w, w.ln_1_b, n, c)
+    });
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(qkv, ln_1_out, w.attn_w, w.attn_b, n, c, 3 * c)
+    });
+    prof.time(K::AttnFwd, || attend(qkv, att));
+    prof.time(K::MatmulFwd, || {
+        dev.matmul_forward(x_mid, att, w.proj_w, None, n, c, c)
+    });
+    prof.time(K::ResidualFwd, || {
+        dev.residual_forward(x_mid, x, w.proj_b, c, drop.attn)
+    });
+    let ln_2_out = ln.ln_2();
+    prof.time(K::LnFwd, || {
+        dev.layernorm_forward(
+            ln_2_out, ln_2.mean, ln_2.rstd, x_mid, w.ln_2_w, w.ln_2_b, n, c,
+        )
+    });
+    // The GELU runs on each strip of the product's rows while the strip is in cache (its time
+    // counted with the product's), rather than as a pass of its own over [n, f].
+    match gelu {
+        GeluOut::F32(gelu) => {
+            prof.time(K::MatmulFwd, || {
+                dev.matmul_gelu_forward(fch, gelu, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+            });
+            prof.time(K::MatmulFwd, || {
+                dev.matmul_forward(x_next, gelu, w.fcproj_w, None, n, f, c)
+            });
+        }
+        GeluOut::Bf16(g16) => {
+            prof.time(K::MatmulFwd, || {
+                dev.matmul_gelu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+            });
+            prof.time(K::MatmulFwd, || {
+                dev.matmul_forward_bf16_input(x_next, g16, w.fcproj_w, None, n, f, c)
+            });
+        }
+    }
+    prof.time(K::ResidualFwd, || {
+        dev.residual_forward(x_next, x_mid, w.fcproj_b, c, drop.mlp)
+    });
+}

@@ -1,0 +1,124 @@
+//! The whole model's forward and backward as sequences of parts (embeddings, blocks, head),
+//! with the per-part hooks around each part and the readiness hook after each finished range
+//! of gradients.
+//!
+//! This module decides only the order of the parts and who is told what when; the math is in
+//! the layer functions, and it never allocates beyond the hooks' range lists.
+
+use super::*;
+
+/// Calls `hooks.before` for each range `part` reads.
+fn enter(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]) {
+    for range in lay.part_reads(part) {
+        hooks.before(part, range.clone(), &mut p[range]);
+    }
+}
+
+/// Calls `hooks.after` for each range `part` read.
+fn leave(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]) {
+    for range in lay.part_reads(part) {
+        hooks.after(part, range.clone(), &mut p[range]);
+    }
+}
+
+/// The forward of every part in order; returns the mean loss when the batch has targets.
+pub(super) fn forward_pass(
+    pass: &mut Pass,
+    lay: &Layout,
+    p: &mut [f32],
+    a: &mut Acts,
+    hooks: &mut dyn PartHooks,
+) -> Option<f32> {
+    enter(lay, hooks, Part::Embeddings, p);
+    embed_forward(pass, lay, p, a);
+    leave(lay, hooks, Part::Embeddings, p);
+    for (l, bl) in lay.blocks.iter().enumerate() {
+        enter(lay, hooks, Part::Block(l), p);
+        let at = BlockAt {
+            local: l,
+            global: l,
+            layout: bl,
+        };
+        block_forward(pass, at, p, a);
+        leave(lay, hooks, Part::Block(l), p);
+    }
+    enter(lay, hooks, Part::Head, p);
+    let loss = head_forward(pass, lay, p, a);
+    leave(lay, hooks, Part::Head, p);
+    loss
+}
+
+/// The backward of every part in reverse order, handing each finished range of `grads` to
+/// `ready`.
+pub(super) fn backward_pass<'g>(
+    pass: &mut Pass,
+    lay: &Layout,
+    p: &mut [f32],
+    grads: &'g mut [f32],
+    a: &mut Acts,
+    hooks: &mut dyn PartHooks,
+    mut ready: impl FnMut(Range<usize>, &'g mut [f32]),
+) {
+    let tied = lay.tied();
+    // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
+    // handed out last) or to lm_head (in the top range, after ln_f).
+    let head_start = lay.ln_f_w.start;
+    let (mut rest, top) = grads.split_at_mut(head_start);
+    enter(lay, hooks, Part::Head, p);
+    {
+        if tied {
+            hooks.before_grads(Part::Head, lay.wte.clone(), &mut rest[lay.wte.clone()]);
+        }
+        hooks.before_grads(Part::Head, head_start..lay.total, top);
+        let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
+        let head: &mut [f32] = if tied {
+            &mut rest[lay.wte.clone()]
+        } else {
+            lm_head_g
+        };
+        let (ln_f_w, ln_f_b) = wb(lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
+        let grads = HeadGrads {
+            head,
+            ln_f_w,
+            ln_f_b,
+        };
+        head_backward(pass, lay, p, grads, a);
+    }
+    leave(lay, hooks, Part::Head, p);
+    ready(head_start..lay.total, top);
+
+    for (l, bl) in lay.blocks.iter().enumerate().rev() {
+        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
+        rest = lower;
+        enter(lay, hooks, Part::Block(l), p);
+        hooks.before_grads(Part::Block(l), bl.all.clone(), g);
+        let at = BlockAt {
+            local: l,
+            global: l,
+            layout: bl,
+        };
+        if a.checkpoint {
+            // The block's activations were not kept: recompute them from its input (the same
+            // dropout masks, so the same values).
+            block_forward(pass, at, p, a);
+        }
+        block_backward(pass, at, p, g, a);
+        leave(lay, hooks, Part::Block(l), p);
+        ready(bl.all.clone(), g);
+    }
+
+    if !tied {
+        hooks.before_grads(
+            Part::Embeddings,
+            lay.wte.clone(),
+            &mut rest[lay.wte.clone()],
+        );
+    }
+    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
+    // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
+    // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
+    // strategy would gather the largest part of the model (wte) for nothing.
+    embed_backward(pass, &mut dwte[lay.wte.clone()], dwpe, a);
+    ready(0..lay.wpe.end, rest);
+}

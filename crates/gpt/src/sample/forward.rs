@@ -1,0 +1,161 @@
+//! The decode forward: new tokens, one per row, through the model against their sequences' KV
+//! caches, with logits only for the rows that will be sampled.
+//!
+//! Each block runs the training forward's block code (`block_forward_rows`: the same kernels in
+//! the same order); only the attention differs: each row's keys and values are appended to its
+//! cache, and each row attends over its own cache. Every kernel computes a row the same way
+//! whatever other rows share the product (the products sum each output over K in one fixed
+//! order), so a sequence decoded in a batch gets bit-for-bit the logits it gets alone.
+//!
+//! This module never changes the model, never advances a cache's length (its caller does) and
+//! never allocates: it works in the workspace's buffers.
+
+use cohort_engine::cpu::DecodeDims;
+use rayon::prelude::*;
+
+use super::cache::{Buffers, Caches, KvStore};
+use crate::layout::Layout;
+use crate::model::{
+    block_forward_rows, opt, BlockActs, BlockDims, BlockWeights, BranchDropout, GeluOut, LnOut,
+    LnStats, Untimed,
+};
+use crate::GPT;
+
+/// Which sequence and position each row of a forward is, and which rows get logits.
+#[derive(Clone, Copy)]
+pub(super) enum Rows<'a> {
+    /// Consecutive tokens of the one cache given, from position `p0`; only the last row's
+    /// logits are computed (a prompt fed through a [`Decoder`]).
+    Sequence { p0: usize },
+    /// Row i is (cache index, position) `place[i]`; logits are computed for the rows in `last`
+    /// (a step of many sequences: one row each for those decoding, all of a prompt or of a
+    /// rebuilt window for the others).
+    Mixed {
+        place: &'a [(usize, usize)],
+        last: &'a [usize],
+    },
+}
+
+impl Rows<'_> {
+    /// (cache index, position) of row `i`.
+    fn at(self, i: usize) -> (usize, usize) {
+        match self {
+            Rows::Sequence { p0 } => (0, p0 + i),
+            Rows::Mixed { place, .. } => place[i],
+        }
+    }
+}
+/// The forward of `tokens` (one per row, placed by `rows`), attending over each row's cache;
+/// writes the logits `rows` asks for into `buf.logits`. The matrix products run once over all
+/// rows; attention runs per row over its own cache. Dims: n rows, C, F, V, NH heads of HS.
+pub(super) fn forward_rows<C: Caches + ?Sized>(
+    model: &GPT,
+    layout: &Layout,
+    caches: &mut C,
+    buf: &mut Buffers,
+    tokens: &[u32],
+    rows: Rows<'_>,
+) {
+    let cfg = model.config();
+    let (n, c, f, v) = (tokens.len(), cfg.d_model, cfg.d_ff, cfg.vocab_size);
+    let (max_t, nh) = (cfg.max_position_embeddings, cfg.n_heads);
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let p = model.params();
+    let dev = model.backend();
+    let (wte, wpe) = (&p[layout.wte.clone()], &p[layout.wpe.clone()]);
+
+    // The residual stream alternates between two buffers: a block reads one, writes the other.
+    let (mut x, mut x_next) = (&mut buf.x[..n * c], &mut buf.x_next[..n * c]);
+    for (i, (row, &id)) in x.chunks_exact_mut(c).zip(tokens).enumerate() {
+        let (_, pos) = rows.at(i);
+        let (te, pe) = (id as usize * c, pos * c);
+        for ((o, a), b) in row.iter_mut().zip(&wte[te..te + c]).zip(&wpe[pe..pe + c]) {
+            *o = a + b;
+        }
+    }
+    for (l, bl) in layout.blocks.iter().enumerate() {
+        let layer = l * max_t * c..(l + 1) * max_t * c;
+        let scores = &mut buf.scores[..n * nh * max_t];
+        let attend = |qkv: &[f32], att: &mut [f32]| {
+            // every row's key and value first: a prompt's row i attends to rows before it
+            for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
+                let (ci, pos) = rows.at(i);
+                caches
+                    .cache(ci)
+                    .put(layer.start + pos * c, &row[c..2 * c], &row[2 * c..]);
+            }
+            // each row over its own cache, rows in parallel (they only read the caches)
+            let shared: &C = caches;
+            qkv.par_chunks_exact(3 * c)
+                .zip(att.par_chunks_exact_mut(c))
+                .zip(scores.par_chunks_exact_mut(nh * max_t))
+                .enumerate()
+                .for_each(|(i, ((row, out), scores))| {
+                    let (ci, pos) = rows.at(i);
+                    let q = &row[..c];
+                    let dims = DecodeDims {
+                        ctx: pos + 1,
+                        nh,
+                        hs,
+                        c,
+                        scale,
+                    };
+                    match &shared.cache_ref(ci).store {
+                        KvStore::F32 { k, v } => {
+                            let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
+                            dev.attention_decode_row(out, scores, q, k, v, dims);
+                        }
+                        KvStore::Bf16 { k, v } => {
+                            let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
+                            dev.attention_decode_row_bf16(out, scores, q, k, v, dims);
+                        }
+                    }
+                });
+        };
+        let acts = BlockActs {
+            x: &*x,
+            x_mid: &mut buf.x_mid[..n * c],
+            x_next: &mut *x_next,
+            ln: LnOut::Shared(&mut buf.ln[..n * c]),
+            ln_1: LnStats {
+                mean: &mut buf.mean[..n],
+                rstd: &mut buf.rstd[..n],
+            },
+            ln_2: LnStats {
+                mean: &mut buf.mean_2[..n],
+                rstd: &mut buf.rstd_2[..n],
+            },
+            qkv: &mut buf.qkv[..n * 3 * c],
+            att: &mut buf.att[..n * c],
+            fch: &mut buf.fc[..n * f],
+            gelu: GeluOut::F32(&mut buf.gelu[..n * f]),
+        };
+        let no_dropout = BranchDropout {
+            attn: None,
+            mlp: None,
+        };
+        let w = BlockWeights::new(p, bl);
+        let dims = BlockDims { n, c, f };
+        block_forward_rows(dev, &mut Untimed, &w, acts, dims, no_dropout, attend);
+        std::mem::swap(&mut x, &mut x_next);
+    }
+    // logits only where a token will be sampled: the last row of each sequence
+    let (lnf_w, lnf_b) = (&p[layout.ln_f_w.clone()], opt(p, &layout.ln_f_b));
+    let head = &p[layout.lm_head.clone()];
+    let gathered = &mut buf.x_mid;
+    let (m, from): (usize, &[f32]) = match rows {
+        Rows::Sequence { .. } => (1, &x[(n - 1) * c..]),
+        Rows::Mixed { last, .. } => {
+            // gathered into the (now free) buffer of the residual after attention, contiguous
+            // for the kernels
+            for (j, &r) in last.iter().enumerate() {
+                gathered[j * c..(j + 1) * c].copy_from_slice(&x[r * c..(r + 1) * c]);
+            }
+            (last.len(), &gathered[..last.len() * c])
+        }
+    };
+    let (ln, mean, rstd) = (&mut buf.ln[..m * c], &mut buf.mean[..m], &mut buf.rstd[..m]);
+    dev.layernorm_forward(ln, mean, rstd, from, lnf_w, lnf_b, m, c);
+    dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
+}

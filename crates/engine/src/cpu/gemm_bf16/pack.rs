@@ -1,0 +1,372 @@
+//! Packing for the bf16 product: f32 (or bf16) operands converted to bf16 pairs along K in the
+//! layouts the kernels read (A as `[row][pair]`, B as micro-panels of `[pair][NR]`), with the
+//! prefetches that keep the conversion fed. It must never compute a product: the kernels in the
+//! parent module do; this file only lays operands out for them. Split from `gemm_bf16.rs` so the
+//! loops and kernels read on their own; the packs are unchanged, bit for bit.
+
+use std::arch::x86_64::*;
+
+use super::NR;
+use crate::cpu::bf16::bf16_bits;
+use crate::cpu::gemm::{prefetch_run, transpose16};
+
+/// Mask of the first `n` (≤ 16) lanes.
+#[inline(always)]
+fn lanes(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        ((1u32 << n) - 1) as u16
+    }
+}
+
+/// Rows of A a packing pass asks for ahead of the row it converts: A comes from beyond the
+/// caches (an activation of megabytes), a row of a K block is 1-2 KB, and the hardware
+/// prefetchers stop at the end of each such run; three rows ahead covers the miss latency
+/// (on AMD Zen 5, config B's fc projection 380 -> 426-453 GFLOP/s, the fc input gradient
+/// 391 -> 420-434).
+const PREFETCH_ROWS: usize = 3;
+
+/// Two rows of 16 f32 (`x` the even K index, `y` the odd) as 16 bf16 pairs, `x` in the low half.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+fn pair_up(x: __m512, y: __m512) -> __m512i {
+    // SAFETY: __m256bh and __m256i are both 256-bit vectors; transmute reinterprets the bits.
+    let (lo, hi): (__m256i, __m256i) = unsafe {
+        (
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(x)),
+            std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(y)),
+        )
+    };
+    _mm512_or_si512(
+        _mm512_cvtepu16_epi32(lo),
+        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)),
+    )
+}
+
+/// 32 consecutive f32 along K as 16 bf16 pairs (`n` of the 32 are read, the rest are zero).
+///
+/// # Safety
+/// `src` must have `n` (≤ 32) readable floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
+    // SAFETY: masked loads read only the first n floats, which the caller guarantees.
+    unsafe {
+        let lo = _mm512_maskz_loadu_ps(lanes(n), src);
+        let hi = _mm512_maskz_loadu_ps(lanes(n.saturating_sub(16)), src.add(16.min(n)));
+        // SAFETY: __m512bh and __m512i are both 512-bit vectors.
+        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+    }
+}
+
+/// Packs a (mc, kc) block of A at strides (rs, cs) as `[row][pair]`, rows `stride` u32 apart
+/// (at least ⌈kc/2⌉; the pairs past kc are zero).
+///
+/// # Safety
+/// `a` must have mc x kc readable floats at these strides; `pa` mc x stride writable u32.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(crate) unsafe fn pack_a(
+    pa: *mut u32,
+    a: *const f32,
+    rs: usize,
+    cs: usize,
+    mc: usize,
+    kc: usize,
+    stride: usize,
+) {
+    let kcp = kc.div_ceil(2);
+    // SAFETY: for the whole body, reads stay inside the caller's block (row < mc, column < kc, via
+    // masks at the edges); writes inside pa's mc x kcp.
+    unsafe {
+        if cs == 1 {
+            for i in 0..mc {
+                let (src, dst) = (a.add(i * rs), pa.add(i * stride));
+                if i + PREFETCH_ROWS < mc {
+                    prefetch_run(
+                        a.wrapping_add((i + PREFETCH_ROWS) * rs) as *const u8,
+                        4 * kc,
+                    );
+                }
+                for p0 in (0..stride).step_by(16) {
+                    // Past kc the loads read nothing and the pairs are zero.
+                    let v = pairs_along(src.add(2 * p0), kc.saturating_sub(2 * p0).min(32));
+                    _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
+                }
+            }
+        } else if rs == 1 {
+            // Rows are contiguous down each column: pair up two K rows of 16 A rows, then
+            // transpose so each A row's pairs are contiguous. K goes outermost: 32 K rows are
+            // read across the whole block before the next 32 (going down all of K for 16
+            // columns at a time touched a new page with every row, and a weight gradient's A
+            // has thousands).
+            // While one band of 32 K rows is converted, the next band's lines at the same
+            // columns are asked for: a band's sweep across the block hides their latency.
+            let mut r = [_mm512_setzero_si512(); 16];
+            for p0 in (0..stride).step_by(16) {
+                let pairs = kcp.saturating_sub(p0).min(16);
+                let next = kc.saturating_sub(2 * (p0 + 16)).min(32);
+                for i0 in (0..mc).step_by(16) {
+                    let rows = (mc - i0).min(16);
+                    for e in 2 * (p0 + 16)..2 * (p0 + 16) + next {
+                        prefetch_run(a.wrapping_add(e * cs + i0) as *const u8, 4 * rows);
+                    }
+                    for (q, v) in r.iter_mut().enumerate() {
+                        let e = 2 * (p0 + q);
+                        *v = if q < pairs {
+                            let x = _mm512_maskz_loadu_ps(lanes(rows), a.add(e * cs + i0));
+                            let y = if e + 1 < kc {
+                                _mm512_maskz_loadu_ps(lanes(rows), a.add((e + 1) * cs + i0))
+                            } else {
+                                _mm512_setzero_ps()
+                            };
+                            pair_up(x, y)
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (i, v) in r.iter().enumerate().take(rows) {
+                        let dst = pa.add((i0 + i) * stride + p0) as *mut i32;
+                        _mm512_mask_storeu_epi32(dst, lanes(stride - p0), *v);
+                    }
+                }
+            }
+        } else {
+            for i in 0..mc {
+                for p in 0..stride {
+                    let at = |e: usize| {
+                        if e < kc {
+                            bf16_bits(*a.add(i * rs + e * cs)) as u32
+                        } else {
+                            0
+                        }
+                    };
+                    *pa.add(i * stride + p) = at(2 * p) | (at(2 * p + 1) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// [`pack_a`] of an operand already in bf16: the pairs are copied, not converted.
+///
+/// # Safety
+/// As [`pack_a`], `a` holding mc x kc readable bf16 at these strides.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn pack_a_bf16(
+    pa: *mut u32,
+    a: *const u16,
+    rs: usize,
+    cs: usize,
+    mc: usize,
+    kc: usize,
+    stride: usize,
+) {
+    let kcp = kc.div_ceil(2);
+    // Mask of the first `n` (≤ 32) u16 lanes.
+    let halves = |n: usize| -> __mmask32 {
+        if n >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << n) - 1
+        }
+    };
+    // SAFETY: for the whole body, reads stay inside the caller's block (row < mc, column < kc, via
+    // masks at the edges); writes inside pa's mc x stride.
+    unsafe {
+        if cs == 1 {
+            // A row's K run is already its pairs, low half first.
+            for i in 0..mc {
+                let (src, dst) = (a.add(i * rs), pa.add(i * stride));
+                if i + PREFETCH_ROWS < mc {
+                    prefetch_run(
+                        a.wrapping_add((i + PREFETCH_ROWS) * rs) as *const u8,
+                        2 * kc,
+                    );
+                }
+                for p0 in (0..stride).step_by(16) {
+                    let n = kc.saturating_sub(2 * p0).min(32);
+                    let v = _mm512_maskz_loadu_epi16(halves(n), src.add(2 * p0) as *const i16);
+                    _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
+                }
+            }
+        } else if rs == 1 {
+            // As pack_a's transposed case: two K rows of 16 A rows become 16 pairs, and a
+            // register transpose makes each A row's pairs contiguous.
+            let mut r = [_mm512_setzero_si512(); 16];
+            for p0 in (0..stride).step_by(16) {
+                let pairs = kcp.saturating_sub(p0).min(16);
+                let next = kc.saturating_sub(2 * (p0 + 16)).min(32);
+                for i0 in (0..mc).step_by(16) {
+                    let rows = (mc - i0).min(16);
+                    for e in 2 * (p0 + 16)..2 * (p0 + 16) + next {
+                        prefetch_run(a.wrapping_add(e * cs + i0) as *const u8, 2 * rows);
+                    }
+                    let load = |e: usize| {
+                        let v = _mm512_maskz_loadu_epi16(
+                            halves(rows),
+                            a.add(e * cs + i0) as *const i16,
+                        );
+                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v))
+                    };
+                    for (q, v) in r.iter_mut().enumerate() {
+                        let e = 2 * (p0 + q);
+                        *v = if q < pairs {
+                            let lo = load(e);
+                            let hi = if e + 1 < kc {
+                                load(e + 1)
+                            } else {
+                                _mm512_setzero_si512()
+                            };
+                            _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (i, v) in r.iter().enumerate().take(rows) {
+                        let dst = pa.add((i0 + i) * stride + p0) as *mut i32;
+                        _mm512_mask_storeu_epi32(dst, lanes(stride - p0), *v);
+                    }
+                }
+            }
+        } else {
+            for i in 0..mc {
+                for p in 0..stride {
+                    let at = |e: usize| {
+                        if e < kc {
+                            *a.add(i * rs + e * cs) as u32
+                        } else {
+                            0
+                        }
+                    };
+                    *pa.add(i * stride + p) = at(2 * p) | (at(2 * p + 1) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// Packs a (kc, nc) block of B at strides (rs, cs) as micro-panels of `stride` pairs (at least
+/// ⌈kc/2⌉) x NR columns, zero past kc and nc. With `sums` (nc floats), also adds the block's kc
+/// rows to it, in order: see [`bgemm`]'s `b_sums`.
+///
+/// # Safety
+/// `b` must have kc x nc readable floats at these strides; `pb` ⌈nc/NR⌉ x NR x stride writable
+/// u32, 64-byte aligned; `sums`, if any, nc writable floats not overlapping the others.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pack_b(
+    pb: *mut u32,
+    b: *const f32,
+    rs: usize,
+    cs: usize,
+    kc: usize,
+    nc: usize,
+    stride: usize,
+    sums: Option<*mut f32>,
+) {
+    let kcp = kc.div_ceil(2);
+    // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
+    let panel_of = |j0: usize| pb.wrapping_add((j0 / NR) * NR * stride + j0 % NR);
+    // SAFETY: for the whole body, reads stay inside the caller's block (masked at the edges); writes
+    // inside pb's panels.
+    unsafe {
+        if cs == 1 {
+            // Row-major B: each pair of K rows is read along its whole width, two contiguous
+            // streams the prefetchers follow. Going down 16 columns at a time instead reads 64
+            // bytes from every row in turn, rows kilobytes apart, and on a weight gradient's B
+            // (thousands of rows) each of those loads waited on memory.
+            // The next pair of rows is asked for while this one is converted: a weight
+            // gradient's B is megabytes, and each pair of rows starts two new streams.
+            for p in 0..kcp {
+                let (x_row, y_row) = (b.add(2 * p * rs), b.wrapping_add((2 * p + 1) * rs));
+                let odd = 2 * p + 1 < kc;
+                for e in 2 * p + 2..(2 * p + 4).min(kc) {
+                    prefetch_run(b.wrapping_add(e * rs) as *const u8, 4 * nc);
+                }
+                for j0 in (0..nc).step_by(16) {
+                    let cols = lanes(nc - j0);
+                    let x = _mm512_maskz_loadu_ps(cols, x_row.add(j0));
+                    let y = if odd {
+                        _mm512_maskz_loadu_ps(cols, y_row.add(j0))
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    let dst = panel_of(j0).add(p * NR) as *mut __m512i;
+                    _mm512_store_si512(dst, pair_up(x, y));
+                    if let Some(s) = sums {
+                        // row 2p, then row 2p + 1 (if the block has it): the rows in order
+                        let mut acc = _mm512_add_ps(_mm512_maskz_loadu_ps(cols, s.add(j0)), x);
+                        if odd {
+                            acc = _mm512_add_ps(acc, y);
+                        }
+                        _mm512_mask_storeu_ps(s.add(j0), cols, acc);
+                    }
+                }
+            }
+        } else if let Some(s) = sums {
+            // Only row-major Bs (a weight gradient's output gradient) are summed in practice.
+            for r in 0..kc {
+                for j in 0..nc {
+                    *s.add(j) += *b.add(r * rs + j * cs);
+                }
+            }
+        }
+        for j0 in (0..nc).step_by(16) {
+            let cols = (nc - j0).min(16);
+            let panel = panel_of(j0);
+            // Zero pairs past kc (AMX's padding).
+            for p in kcp..stride {
+                _mm512_store_si512(panel.add(p * NR) as *mut __m512i, _mm512_setzero_si512());
+            }
+            if cs == 1 {
+                continue; // packed above
+            }
+            if rs == 1 {
+                // Each column is contiguous along K: pairs come straight from it, then a
+                // transpose puts 16 columns side by side.
+                let mut r = [_mm512_setzero_si512(); 16];
+                for p0 in (0..kcp).step_by(16) {
+                    let pairs = (kcp - p0).min(16);
+                    for (q, v) in r.iter_mut().enumerate() {
+                        *v = if q < cols {
+                            pairs_along(b.add((j0 + q) * cs + 2 * p0), (kc - 2 * p0).min(32))
+                        } else {
+                            _mm512_setzero_si512()
+                        };
+                    }
+                    transpose16(&mut r);
+                    for (p, v) in r.iter().enumerate().take(pairs) {
+                        _mm512_store_si512(panel.add((p0 + p) * NR) as *mut __m512i, *v);
+                    }
+                }
+            } else {
+                for p in 0..kcp {
+                    for q in 0..16 {
+                        let v = if q < cols {
+                            let x = bf16_bits(*b.add(2 * p * rs + (j0 + q) * cs)) as u32;
+                            let y = if 2 * p + 1 < kc {
+                                bf16_bits(*b.add((2 * p + 1) * rs + (j0 + q) * cs)) as u32
+                            } else {
+                                0
+                            };
+                            x | (y << 16)
+                        } else {
+                            0
+                        };
+                        *panel.add(p * NR + q) = v;
+                    }
+                }
+            }
+        }
+        // A last panel narrower than NR: zero its missing half so the kernel adds nothing.
+        if !nc.is_multiple_of(NR) && nc % NR <= 16 {
+            let panel = pb.add((nc / NR) * NR * stride + 16);
+            for p in 0..stride {
+                _mm512_store_si512(panel.add(p * NR) as *mut __m512i, _mm512_setzero_si512());
+            }
+        }
+    }
+}

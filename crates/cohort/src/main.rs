@@ -5,6 +5,7 @@ use clap::Parser;
 
 mod bench;
 mod checkpoint;
+mod convert;
 mod demo;
 mod plot;
 mod run;
@@ -30,6 +31,7 @@ enum Cli {
     Tokenizer(tokenizer::TokenizerCmd),
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCmd),
+    Convert(convert::ConvertArgs),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -87,6 +89,7 @@ fn run_command() -> anyhow::Result<()> {
         Cli::Plot(args) => plot::main(args),
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Checkpoint(cmd) => checkpoint::main(cmd),
+        Cli::Convert(args) => convert::main(args),
         Cli::Demo(args) => demo::main(args),
     }
 }

@@ -6,7 +6,7 @@ Usage: gguf_check.py CONVERTED_DIR GGUF_FILE
 
 Prints one JSON object: every warning transformers logged or raised while loading the converted
 directory, load info (missing/unexpected/mismatched keys), the largest logit difference per prompt,
-whether each prompt's 32 greedy tokens agree, and for 20 strings whether the converted
+whether two prompts' 32 greedy tokens agree, and for 20 strings whether the converted
 tokenizer.json (through AutoTokenizer and through `tokenizers` directly) gives the gguf-loaded
 tokenizer's ids. The Rust test decides what passes."""
 
@@ -55,10 +55,13 @@ prompts = [
 logits = []
 greedy = []
 with torch.no_grad():
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = torch.tensor([ref_tok(p)["input_ids"]])
         a, b = model(ids).logits, ref(ids).logits
         logits.append({"max_abs_diff": (a - b).abs().max().item(), "max_abs": b.abs().max().item()})
+        # Generation is the slow part on a busy CPU: two prompts, plain text and chat.
+        if i not in (0, 3):
+            continue
         kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=ref_tok.pad_token_id)
         ga = model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
         gb = ref.generate(ids, **kw)[0, ids.shape[1]:].tolist()

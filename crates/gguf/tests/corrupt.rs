@@ -57,6 +57,40 @@ fn a_well_formed_file_reads() {
 }
 
 #[test]
+fn version_2_reads_as_version_3() {
+    // v3 only added big-endian files (marked by the byte order of this very field).
+    let dir = tempfile::tempdir().unwrap();
+    let mut bytes = small().bytes();
+    bytes[4..8].copy_from_slice(&2u32.to_le_bytes());
+    let f = open(dir.path(), &bytes).unwrap();
+    assert_eq!(f.version(), 2);
+    assert_eq!(f.tensors().len(), 2);
+}
+
+#[test]
+fn a_key_of_another_type_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = open(dir.path(), &small().bytes()).unwrap();
+    let msg = message(dir.path(), f.u64("general.architecture").unwrap_err());
+    assert!(
+        msg.ends_with(
+            "metadata key general.architecture is a STRING, expected a non-negative integer"
+        ),
+        "{msg}"
+    );
+    let msg = message(dir.path(), f.str("tokenizer.ggml.model").unwrap_err());
+    assert!(
+        msg.ends_with("metadata key tokenizer.ggml.model is missing"),
+        "{msg}"
+    );
+    let msg = message(dir.path(), f.opt_ints("tokenizer.ggml.tokens").unwrap_err());
+    assert!(
+        msg.contains("is an ARRAY of 3 elements, expected an ARRAY of integers"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn every_truncation_is_an_error_naming_the_file_and_what_was_read() {
     let dir = tempfile::tempdir().unwrap();
     let bytes = small().bytes();

@@ -269,3 +269,45 @@ fn post_processor(
     b.special_tokens(specials);
     Ok(b.build().map_err(|e| e.to_string())?.into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    fn splits(pre: &str, text: &str) -> Vec<String> {
+        let (pres, _) = pre_tokenizer(pre).unwrap();
+        let mut s = PreTokenizedString::from(text);
+        Sequence::new(pres).pre_tokenize(&mut s).unwrap();
+        let splits = s.get_splits(OffsetReferential::Original, OffsetType::None);
+        splits.into_iter().map(|(p, _, _)| p.to_string()).collect()
+    }
+
+    #[test]
+    fn pre_tokenizers_split_digits_as_their_models_do() {
+        assert_eq!(splits("gpt-2", "a 12345"), ["a", "Ġ12345"]);
+        assert_eq!(
+            splits("smollm", "a 12345"),
+            ["a", "Ġ", "1", "2", "3", "4", "5"]
+        );
+        assert_eq!(splits("llama-bpe", "a 12345"), ["a", "Ġ", "123", "45"]);
+        assert_eq!(
+            splits("qwen2", "a 12345"),
+            ["a", "Ġ", "1", "2", "3", "4", "5"]
+        );
+        assert_eq!(splits("llama3", "I'M fine"), ["I", "'M", "Ġfine"]);
+        assert!(pre_tokenizer("jais").is_none());
+    }
+
+    #[test]
+    fn byte_chars_is_gpt2s_table() {
+        let c = byte_chars();
+        assert_eq!(
+            (c[b'a' as usize], c[b' ' as usize], c[b'\n' as usize]),
+            ('a', 'Ġ', 'Ċ')
+        );
+        assert_eq!((c[0], c[0xad], c[0xff]), ('\u{100}', '\u{143}', 'ÿ'));
+        let distinct: std::collections::HashSet<char> = c.iter().copied().collect();
+        assert_eq!(distinct.len(), 256);
+    }
+}

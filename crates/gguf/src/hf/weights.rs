@@ -95,7 +95,8 @@ pub fn permute_rows(w: &mut [f32], rows: usize, cols: usize, n_head: usize) {
     permute(w, rows, cols, n_head, true);
 }
 
-fn permute(w: &mut [f32], rows: usize, cols: usize, n_head: usize, to_gguf: bool) {
+/// Moves whole rows of `cols` elements (values, or the bytes of values).
+fn permute<T: Copy>(w: &mut [T], rows: usize, cols: usize, n_head: usize, to_gguf: bool) {
     let half = rows / n_head / 2;
     let src = w.to_vec();
     for h in 0..n_head {
@@ -130,12 +131,12 @@ impl View for Lazy<'_> {
 
     fn data(&self) -> Cow<'_, [u8]> {
         let n: usize = self.shape.iter().product();
-        let mut x = vec![0f32; n];
-        self.kernel.run(self.bytes, &mut x);
+        let mut bytes = self.kernel.run_to_le_bytes(self.bytes, n);
         if let Some(heads) = self.heads {
-            unpermute_rows(&mut x, self.shape[0], self.shape[1], heads);
+            // Rows of the f32 bytes: the same moves as rows of values.
+            permute(&mut bytes, self.shape[0], self.shape[1] * 4, heads, false);
         }
-        Cow::Owned(x.iter().flat_map(|v| v.to_le_bytes()).collect())
+        Cow::Owned(bytes)
     }
 
     fn data_len(&self) -> usize {

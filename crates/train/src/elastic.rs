@@ -20,10 +20,9 @@
 
 use std::path::Path;
 
-use cohort_gpt::checkpoint as ckpt;
 use serde_json::Value;
 
-use crate::checkpoint::trainer_files;
+use crate::checkpoint::{self, trainer_files};
 use crate::config::TrainConfig;
 use crate::error::{ConfigError, TrainError};
 
@@ -55,7 +54,7 @@ pub fn prepare_resume(
     let mut cfg = cfg.clone();
     let mut notes = Vec::new();
     if restart_count > 0 && cfg.resume.is_none() {
-        if let Some(out) = cfg.out.as_ref().filter(|out| ckpt::resolve(out).is_ok()) {
+        if let Some(out) = cfg.out.as_ref().filter(|out| checkpoint::choose(out).is_ok()) {
             notes.push(format!(
                 "restart {restart_count} of this job: resuming from {}",
                 out.display()
@@ -80,10 +79,11 @@ struct SavedShape {
     grad_accum: usize,
 }
 
-/// The shape recorded in the checkpoint `path` resumes from; `None` when it
-/// cannot be read (loading it reports why).
+/// The shape recorded in the checkpoint a resume from `path` loads (the one
+/// `latest` names, or the intact one before it that loading falls back to);
+/// `None` when it cannot be read (loading it reports why).
 fn saved_shape(path: &Path) -> Option<SavedShape> {
-    let dir = ckpt::resolve(path).ok()?;
+    let dir = checkpoint::choose(path).ok()?;
     let trainer = trainer_files::load_trainer_state(&dir).ok()??;
     let field = |key: &str| {
         trainer

@@ -513,12 +513,14 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save_interval: Option<u64>,
-    /// Checkpoint directory, written by rank 0 (none by default: no checkpoints).
+    /// Checkpoint directory, written by rank 0 (none by default: no checkpoints; with
+    /// --resume, the run directory it resumes from).
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out: Option<PathBuf>,
     /// Continue from the checkpoint in DIR, bitwise as if never stopped; given a --out
     /// directory, from its latest checkpoint, or the newest one before it that is intact.
+    /// Checkpoints and logs go on in that directory unless --out names another.
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<PathBuf>,
@@ -639,6 +641,8 @@ impl TrainArgs {
                     path,
                     message: e.to_string(),
                 })?;
+        let mut cfg = cfg;
+        cfg.out_to_resumed_run();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -808,6 +812,15 @@ impl TrainConfig {
             return bad("dropout", self.dropout.to_string(), "must be in [0, 1)");
         }
         Ok(())
+    }
+
+    /// Without `out`, a resume goes on writing checkpoints and logs where its run wrote (the
+    /// output directory `resume` lies in), as a Hugging Face Trainer resumed in its
+    /// output_dir does; `elastic::prepare_resume` says so.
+    pub fn out_to_resumed_run(&mut self) {
+        if self.out.is_none() {
+            self.out = (self.resume.as_deref()).and_then(crate::checkpoint::output_root);
+        }
     }
 
     /// The step at which the cosine decay reaches `min_lr`.

@@ -586,3 +586,57 @@ fn a_latest_naming_a_missing_step_resumes_like_a_good_latest() {
     assert_eq!(a.train_losses, b.train_losses);
     assert!(a.params == b.params, "the two resumes differ");
 }
+
+/// r43: a resume without `out` goes on writing in the run directory it resumed from and says
+/// so; more steps than the checkpoint's schedule re-lay the schedule, with a note; a resume
+/// already at its last step says there is nothing to do and trains nothing.
+#[test]
+fn a_resume_without_out_writes_where_it_read_and_says_what_it_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    run_one(&TrainConfig {
+        out: Some(out.clone()),
+        ..tiny()
+    });
+    let resume = |steps: u64| {
+        cohort_train::elastic::prepare_resume(
+            &TrainConfig {
+                steps,
+                resume: Some(out.clone()),
+                ..tiny()
+            },
+            1,
+            0,
+        )
+    };
+    let (more, notes) = resume(6);
+    let notes = notes.join("\n");
+    assert_eq!(more.out.as_deref(), Some(out.as_path()), "{notes}");
+    assert!(
+        notes.contains(&format!("checkpoints and logs go on in {}", out.display())),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("decays over 4 steps, this run's over 6: the cosine schedule is re-laid"),
+        "{notes}"
+    );
+    let (outcome, _) = run_one(&more);
+    assert_eq!(outcome.steps_run, 2);
+    assert_eq!(
+        std::fs::read_to_string(out.join("latest")).unwrap().trim(),
+        "step-000006"
+    );
+    let metrics = std::fs::read_to_string(out.join("logs").join(cohort_train::METRICS_FILE));
+    let last = metrics.unwrap().lines().last().map(str::to_string);
+    let step = |l: String| serde_json::from_str::<serde_json::Value>(&l).unwrap()["step"].clone();
+    assert_eq!(last.map(step), Some(serde_json::json!(6)));
+
+    let (done, _) = resume(5);
+    let (outcome, log) = run_one(&done);
+    assert_eq!(outcome.steps_run, 0);
+    assert!(
+        log.contains("nothing to do: checkpoint is at step 6, --steps 5"),
+        "{log}"
+    );
+    assert!(!log.contains("train loss"), "{log}");
+}

@@ -61,7 +61,11 @@ pub fn prepare_resume(
     let asked = cfg.resume.clone();
     cfg.out_to_resumed_run();
     if restart_count > 0 && cfg.resume.is_none() {
-        if let Some(out) = cfg.out.as_ref().filter(|out| checkpoint::choose(out).is_ok()) {
+        if let Some(out) = cfg
+            .out
+            .as_ref()
+            .filter(|out| checkpoint::choose(out).is_ok())
+        {
             notes.push(format!(
                 "restart {restart_count} of this job: resuming from {}",
                 out.display()

@@ -182,6 +182,16 @@ pub enum PipelineSchedule {
     OneFOneB,
 }
 
+impl std::fmt::Display for PipelineSchedule {
+    /// The schedule's usual name (GPipe, 1F1B), for logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PipelineSchedule::Gpipe => "GPipe",
+            PipelineSchedule::OneFOneB => "1F1B",
+        })
+    }
+}
+
 /// How the ranks of a training job share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -868,6 +878,12 @@ mod tests {
         Cli::try_parse_from(std::iter::once("train").chain(argv.iter().copied()))
             .unwrap()
             .args
+    }
+
+    #[test]
+    fn pipeline_schedules_print_their_usual_names() {
+        assert_eq!(PipelineSchedule::OneFOneB.to_string(), "1F1B");
+        assert_eq!(PipelineSchedule::Gpipe.to_string(), "GPipe");
     }
 
     #[test]

@@ -526,6 +526,8 @@ fn cohort_serve_names_models_that_fail_and_takes_tritons_flags() {
     let repo = dir.path().join("repo");
     save(&repo.join("gpt/1"), &model(5));
     save(&repo.join("versionless/v1"), &model(5));
+    save(&repo.join("broken/1"), &model(5));
+    std::fs::write(repo.join("broken/config.pbtxt"), "max_batch_size: [[").unwrap();
     let serve = |extra: &[&str]| {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
         cmd.args(["serve", "--model-repository"])
@@ -548,9 +550,17 @@ fn cohort_serve_names_models_that_fail_and_takes_tritons_flags() {
     assert!(!out.status.success(), "{err}");
     assert!(!err.contains('\u{1b}'), "colour codes in {err}");
     assert!(err.contains("| versionless |"), "no model table in {err}");
+    // Nothing of it was loaded: nothing is kept.
+    assert!(
+        err.contains("model config unusable; the model is not loaded") && !err.contains("keeping"),
+        "{err}"
+    );
     let last = err.lines().last().unwrap_or_default();
     assert!(
-        last.contains("\"versionless\": no version directory") && last.contains("it has v1"),
+        last.contains("\"versionless\": no version directory")
+            && last.contains("it has v1")
+            && last.contains("\"broken\": ")
+            && last.contains("config.pbtxt"),
         "{err}"
     );
 

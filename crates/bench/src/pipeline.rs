@@ -178,7 +178,7 @@ pub fn run_pipeline_bench(
             serde_json::to_string(&result).unwrap_or_default()
         } else {
             format!(
-                "config {}, {} stage(s) x {} replica(s), {:?}, {} micro-batches of {}: \
+                "config {}, {} stage(s) x {} replica(s), {}, {} micro-batches of {}: \
                  ms_per_step {:.1}, tokens_per_s {:.0}, bubble {:.3} (per rank {:?}, ideal {:.3}), \
                  wait share per rank {:?}, compute ms per rank {:?}",
                 result.config,

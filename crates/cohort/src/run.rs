@@ -33,16 +33,19 @@ use cohort_store::Secret;
 #[derive(clap::Args, Debug)]
 #[command(verbatim_doc_comment)]
 pub struct RunArgs {
-    /// Workers on this node.
-    #[arg(short = 'n', long, alias = "nproc_per_node", default_value_t = 1)]
-    nproc_per_node: usize,
+    /// Workers on this node: a count, or torchrun's auto (one per GPU, else one per core),
+    /// gpu (one per GPU) or cpu (one per core).
+    #[arg(short = 'n', long, alias = "nproc_per_node", default_value = "1")]
+    nproc_per_node: String,
     /// Nodes in the job, N or MIN:MAX (elastic: each round runs on the nodes
     /// that joined, at least MIN); run `cohort run` once per node.
     #[arg(long, value_name = "N|MIN:MAX", default_value = "1")]
     nnodes: String,
-    /// This node's rank, 0..nnodes; node 0 hosts the rendezvous store.
-    #[arg(long, alias = "node_rank", default_value_t = 0)]
-    node_rank: usize,
+    /// This node's rank, 0..nnodes; node 0 hosts the rendezvous store. With
+    /// --rdzv-backend c10d it may be left out: the node on --rdzv-endpoint's
+    /// machine is node 0, the others number themselves as they join.
+    #[arg(long, alias = "node_rank")]
+    node_rank: Option<usize>,
     /// Address of node 0, as the other nodes and the workers reach it.
     #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
     master_addr: String,
@@ -84,6 +87,42 @@ pub struct RunArgs {
     /// Read the job secret (64 hex characters) from this file.
     #[arg(long, value_name = "PATH")]
     secret_file: Option<PathBuf>,
+    /// torchrun's rendezvous endpoint HOST[:PORT] (port 29400 if left out): the
+    /// store's address, as --master-addr and --master-port.
+    #[arg(long, alias = "rdzv_endpoint", value_name = "HOST[:PORT]")]
+    rdzv_endpoint: Option<String>,
+    /// torchrun's rendezvous backend: c10d (node ranks found at the endpoint
+    /// unless --node-rank is given) or static (--node-rank given).
+    #[arg(long, alias = "rdzv_backend", value_name = "c10d|static")]
+    rdzv_backend: Option<String>,
+    /// torchrun's job id: accepted; the job is the store at the endpoint.
+    #[arg(long, alias = "rdzv_id", value_name = "ID")]
+    rdzv_id: Option<String>,
+    /// torchrun's: accepted; cohort runs the program as given, never under python.
+    #[arg(long, alias = "no_python")]
+    no_python: bool,
+    /// torchrun's: accepted with a note; cohort prints the workers' output
+    /// with their rank here instead of writing files.
+    #[arg(long, alias = "log_dir", value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+    /// torchrun's (0-3, or per rank): accepted with a note, as --log-dir.
+    #[arg(long, short = 'r', value_name = "MODE")]
+    redirects: Option<String>,
+    /// torchrun's (0-3, or per rank): accepted with a note, as --log-dir.
+    #[arg(long, short = 't', value_name = "MODE")]
+    tee: Option<String>,
+    /// torchrun's address of this node: accepted with a note (the other
+    /// nodes reach node 0's store; none reaches this one).
+    #[arg(long, alias = "local_addr", value_name = "ADDR")]
+    local_addr: Option<String>,
+    /// torchrun's seconds between looks at the workers: accepted with a note
+    /// (cohort's agent looks every 50 ms).
+    #[arg(long, alias = "monitor_interval", value_name = "SECONDS")]
+    monitor_interval: Option<f64>,
+    /// torchrun's role of the workers: accepted with a note (every worker of
+    /// a cohort job has the one role, "default").
+    #[arg(long, value_name = "NAME")]
+    role: Option<String>,
     /// The worker: a cohort subcommand and its arguments (`train --steps 3`),
     /// or `-- PROGRAM ARGS...` for any program.
     #[arg(trailing_var_arg = true, required = true, value_name = "COMMAND")]
@@ -117,6 +156,9 @@ pub fn main(args: RunArgs) -> anyhow::Result<()> {
 
 impl RunArgs {
     fn into_config(self, after_dashes: bool) -> anyhow::Result<LaunchConfig> {
+        for line in self.torchrun_notes() {
+            eprintln!("cohort run: {line}");
+        }
         let mut command = self.command.into_iter();
         let first = command.next().context("no worker command given")?;
         let rest: Vec<OsString> = command.collect();
@@ -132,11 +174,21 @@ impl RunArgs {
             )
         };
         let mut config = LaunchConfig::new(program, args);
-        config.nproc_per_node = self.nproc_per_node;
+        config.nproc_per_node = nproc(&self.nproc_per_node)?;
         (config.min_nodes, config.nnodes) = node_range(&self.nnodes)?;
-        config.node_rank = self.node_rank;
-        config.master_addr = self.master_addr;
-        config.master_port = self.master_port;
+        (config.master_addr, config.master_port) = match &self.rdzv_endpoint {
+            Some(endpoint) => endpoint_of(endpoint)?,
+            None => (self.master_addr, self.master_port),
+        };
+        config.node_rank = self.node_rank.unwrap_or(0);
+        config.node_rank_from_store = match self.rdzv_backend.as_deref() {
+            None | Some("static") => false,
+            Some("c10d") => self.node_rank.is_none(),
+            Some(other) => bail!(
+                "--rdzv-backend {other}: cohort's rendezvous is c10d (its own store at \
+                 --rdzv-endpoint) or static (with --node-rank)"
+            ),
+        };
         config.standalone = self.standalone;
         config.max_restarts = self.max_restarts;
         config.stop_grace = seconds("--grace-period", self.grace_period)?;
@@ -152,6 +204,102 @@ impl RunArgs {
         };
         Ok(config)
     }
+}
+
+impl RunArgs {
+    /// One line for each torchrun flag given that cohort takes without acting on it.
+    fn torchrun_notes(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        if let Some(id) = &self.rdzv_id {
+            notes.push(format!(
+                "--rdzv-id {id}: the job is the one whose store is at the endpoint; the id is \
+                 not needed"
+            ));
+        }
+        if self.no_python {
+            notes.push("--no-python: cohort runs the program as given, never under python".into());
+        }
+        if self.log_dir.is_some() || self.redirects.is_some() || self.tee.is_some() {
+            notes.push(
+                "--log-dir/--redirects/--tee: each worker's output is printed here with its rank \
+                 (no log files)"
+                    .into(),
+            );
+        }
+        if let Some(addr) = &self.local_addr {
+            notes.push(format!(
+                "--local-addr {addr}: not needed (the other nodes reach node 0's store only)"
+            ));
+        }
+        if let Some(secs) = self.monitor_interval {
+            notes.push(format!(
+                "--monitor-interval {secs}: cohort's agent looks at the workers every 50 ms"
+            ));
+        }
+        if let Some(role) = &self.role {
+            notes.push(format!(
+                "--role {role}: every worker has the one role \"default\""
+            ));
+        }
+        notes
+    }
+}
+
+/// torchrun's `--nproc-per-node`: a count, or auto (one worker per GPU, else one per core),
+/// gpu (one per GPU, which there must be) or cpu (one per core).
+fn nproc(text: &str) -> anyhow::Result<usize> {
+    let cores = || std::thread::available_parallelism().map_or(1, usize::from);
+    let gpus = gpu_count;
+    match text {
+        "cpu" => Ok(cores()),
+        "auto" => Ok(match gpus() {
+            0 => cores(),
+            n => n,
+        }),
+        "gpu" => match gpus() {
+            0 => bail!("--nproc-per-node gpu: this machine has no NVIDIA GPU (/dev/nvidia0)"),
+            n => Ok(n),
+        },
+        n => n
+            .parse()
+            .with_context(|| format!("--nproc-per-node {n:?}: expected a count, auto, gpu or cpu")),
+    }
+}
+
+/// The NVIDIA GPUs this machine shows (`/dev/nvidiaN`).
+fn gpu_count() -> usize {
+    std::fs::read_dir("/dev").map_or(0, |entries| {
+        entries
+            .flatten()
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.strip_prefix("nvidia")
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .count()
+    })
+}
+
+/// torchrun's `--rdzv-endpoint HOST[:PORT]` as (host, port); its default port is 29400.
+fn endpoint_of(text: &str) -> anyhow::Result<(String, u16)> {
+    const TORCHRUN_RDZV_PORT: u16 = 29400;
+    // [v6]:port, host:port, or a host alone (an IPv6 address alone has several colons).
+    let (host, port) = match text.rsplit_once(':') {
+        Some((host, port)) if !host.contains(':') || host.ends_with(']') => (host, Some(port)),
+        _ => (text, None),
+    };
+    let port = match port {
+        Some(p) => p
+            .parse()
+            .with_context(|| format!("--rdzv-endpoint {text:?}: expected HOST:PORT"))?,
+        None => TORCHRUN_RDZV_PORT,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        bail!("--rdzv-endpoint {text:?}: expected HOST:PORT");
+    }
+    Ok((host.to_string(), port))
 }
 
 /// Whether the worker command was written after `--`. clap drops the `--`,
@@ -226,6 +374,20 @@ mod tests {
             3
         ));
         assert!(!command_follows_dashes(argv("cohort run train"), 1));
+    }
+
+    #[test]
+    fn torchruns_endpoint_and_nproc_read_as_torchrun_reads_them() {
+        let ep = |t| endpoint_of(t).unwrap();
+        assert_eq!(ep("10.0.0.1:29500"), ("10.0.0.1".into(), 29500));
+        assert_eq!(ep("node0"), ("node0".into(), 29400));
+        assert_eq!(ep("[::1]:1234"), ("::1".into(), 1234));
+        assert!(endpoint_of("host:port").is_err());
+        assert_eq!(nproc("3").unwrap(), 3);
+        assert!(nproc("cpu").unwrap() >= 1);
+        assert!(nproc("auto").unwrap() >= 1);
+        let e = nproc("many").unwrap_err().to_string();
+        assert!(e.contains("auto, gpu or cpu"), "{e}");
     }
 
     #[test]

@@ -56,25 +56,95 @@ pub struct ServeArgs {
     /// Logs as one JSON object per line (default: text). Level: COHORT_LOG (default info).
     #[arg(long)]
     log_json: bool,
+    /// Serve gRPC (Triton's flag): true or false (false: as --no-grpc).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    allow_grpc: bool,
+    /// Serve HTTP (Triton's flag): cohort always serves HTTP (health, the repository API and
+    /// OpenAI's routes live there), so false is accepted with a note.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    allow_http: bool,
+    /// Address of the HTTP endpoint (Triton's flag; default: --address).
+    #[arg(long)]
+    http_address: Option<IpAddr>,
+    /// Address of the gRPC endpoint (Triton's flag; default: --address).
+    #[arg(long)]
+    grpc_address: Option<IpAddr>,
+    /// Triton's model control: none (read the repository once at start), poll (rescan every
+    /// --repository-poll-secs) or explicit (load only --load-model at start; load and unload
+    /// through the repository API). Default: poll, every model directory.
+    #[arg(long, value_enum)]
+    model_control_mode: Option<ControlMode>,
+    /// Exit, naming each model and why, when a model asked for fails to load at start
+    /// (Triton's flag): true or false.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    exit_on_error: bool,
+    /// /v2/health/ready answers ready only while every model asked for is ready (Triton's
+    /// flag): true or false.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    strict_readiness: bool,
+    /// Refuse a model directory without config.pbtxt / config.toml (Triton's flag) instead of
+    /// serving it with the config its files imply: true or false.
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    strict_model_config: bool,
+    /// Verbose logs (Triton's flag): 0 info, 1 or more debug (COHORT_LOG overrides).
+    #[arg(long, default_value_t = 0)]
+    log_verbose: u32,
+    /// Write the logs to this file (appended; no colour) instead of stderr (Triton's flag).
+    #[arg(long, value_name = "PATH")]
+    log_file: Option<PathBuf>,
+}
+
+/// Triton's `--model-control-mode`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ControlMode {
+    /// The repository is read once at start.
+    None,
+    /// The repository is rescanned every --repository-poll-secs.
+    Poll,
+    /// Only --load-model at start; the repository API loads and unloads.
+    Explicit,
 }
 
 pub fn main(args: ServeArgs) -> anyhow::Result<()> {
-    cohort_serve::init_logging(args.log_json);
+    cohort_serve::init_logging_to(args.log_json, args.log_verbose, args.log_file.as_deref())?;
     if !(args.repository_poll_secs >= 0.0 && args.repository_poll_secs.is_finite()) {
         bail!("--repository-poll-secs must be >= 0");
     }
+    let mode = args.model_control_mode.unwrap_or(ControlMode::Poll);
+    if !args.allow_http {
+        eprintln!(
+            "cohort serve: --allow-http false: cohort always serves HTTP (health, the \
+             repository API and OpenAI's routes live there)"
+        );
+    }
+    if mode == ControlMode::None {
+        eprintln!(
+            "cohort serve: --model-control-mode none: the repository is read once at start \
+             (cohort's repository API still loads and unloads models)"
+        );
+    }
+    let poll = mode == ControlMode::Poll && args.repository_poll_secs > 0.0;
+    let load_models = match mode {
+        // explicit: nothing but the models named is loaded at start, none when none is named
+        ControlMode::Explicit => Some(args.load_model),
+        _ => (!args.load_model.is_empty()).then_some(args.load_model),
+    };
+    let http_ip = args.http_address.unwrap_or(args.address);
+    let grpc_ip = args.grpc_address.unwrap_or(args.address);
     let opts = ServerOptions {
-        http: SocketAddr::new(args.address, args.http_port),
-        grpc: (!args.no_grpc).then(|| SocketAddr::new(args.address, args.grpc_port)),
+        http: SocketAddr::new(http_ip, args.http_port),
+        grpc: (args.allow_grpc && !args.no_grpc).then(|| SocketAddr::new(grpc_ip, args.grpc_port)),
         metrics: args
             .allow_metrics
             .then(|| SocketAddr::new(args.address, args.metrics_port)),
-        poll_interval: (args.repository_poll_secs > 0.0)
-            .then(|| Duration::from_secs_f64(args.repository_poll_secs)),
-        load_models: (!args.load_model.is_empty()).then_some(args.load_model),
+        poll_interval: poll.then(|| Duration::from_secs_f64(args.repository_poll_secs)),
+        load_models,
         max_body_bytes: args.max_body_bytes,
         default_queue_size: args.max_queue_size,
         instance_threads: args.instance_threads,
+        exit_on_error: args.exit_on_error,
+        strict_readiness: args.strict_readiness,
+        strict_model_config: args.strict_model_config,
         ..ServerOptions::new(args.model_repository.clone())
     };
     let server = Server::start(opts)

@@ -550,3 +550,57 @@ fn the_failure_summary_keeps_a_last_line_written_just_before_exit() {
         );
     }
 }
+
+/// r43: a multi-node torchrun command line runs unchanged: c10d rendezvous at
+/// `--rdzv-endpoint` with no `--node-rank` (the node that hosts the endpoint is node 0, the
+/// other numbers itself), and torchrun's flags that do not apply are taken with a note.
+#[test]
+fn a_torchrun_command_line_with_c10d_rendezvous_runs_unchanged() {
+    let endpoint = format!("127.0.0.1:{}", free_port());
+    let node = || {
+        cohort()
+            .args(["run", "--nnodes", "2", "--nproc-per-node", "2"])
+            .args(["--rdzv-id", "456", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &endpoint])
+            .args(["--no-python", "--log-dir", "logs", "--redirects", "3"])
+            .args(["--tee", "3", "--local-addr", "127.0.0.1"])
+            .args(["--monitor-interval", "0.1", "--role", "trainer"])
+            .args(["--join-timeout", "30", "demo", "--timeout", "20"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = node();
+    thread::sleep(Duration::from_millis(300));
+    let second = node();
+    let (out0, out1) = (
+        first.wait_with_output().unwrap(),
+        second.wait_with_output().unwrap(),
+    );
+    let (err0, err1) = (text(&out0.stderr), text(&out1.stderr));
+    assert!(out0.status.success(), "first: {err0}");
+    assert!(out1.status.success(), "second: {err1}");
+    assert!(err0.contains("this is node 0"), "{err0}");
+    assert!(err1.contains("this is node 1"), "{err1}");
+    for note in [
+        "--rdzv-id 456",
+        "--no-python",
+        "--log-dir",
+        "--role trainer",
+    ] {
+        assert!(err0.contains(note), "{note:?} in {err0}");
+    }
+    let stdout = text(&out0.stdout) + &text(&out1.stdout);
+    for rank in 0..4 {
+        assert_eq!(lines_of(&stdout, rank).len(), 1, "rank {rank}: {stdout}");
+    }
+
+    let bad = run(&["run", "--rdzv-backend", "etcd", "demo"]);
+    assert!(!bad.status.success());
+    assert!(
+        text(&bad.stderr).contains("--rdzv-backend etcd"),
+        "{}",
+        text(&bad.stderr)
+    );
+}

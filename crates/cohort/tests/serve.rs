@@ -74,6 +74,11 @@ impl Drop for Serving {
 
 impl Serving {
     fn start(repo: &Path) -> Serving {
+        Serving::start_with(repo, &[])
+    }
+
+    /// [`Serving::start`] with more flags.
+    fn start_with(repo: &Path, extra: &[&str]) -> Serving {
         let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
             .args(["serve", "--model-repository"])
             .arg(repo)
@@ -89,6 +94,7 @@ impl Serving {
             ])
             .args(["--repository-poll-secs", "0.2", "--max-body-bytes", "65536"])
             .args(["--instance-threads", "1"])
+            .args(extra)
             .env("COHORT_LOG", "warn")
             .stdout(Stdio::piped())
             .spawn()
@@ -391,7 +397,9 @@ fn onnx_models_and_an_ensemble_answer_tritonclient_as_onnxruntime_does() {
         "{}",
         String::from_utf8_lossy(&made.stderr)
     );
-    let server = Serving::start(&repo);
+    // The repository holds a model that must fail to load (an unsupported operator), which
+    // the check expects to find unavailable: the server must not exit on it.
+    let server = Serving::start_with(&repo, &["--exit-on-error", "false"]);
     let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
     let spec_file = dir.path().join("onnx.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
@@ -506,4 +514,84 @@ fn a_tokenizer_gpt_detokenizer_ensemble_answers_tritonclient_as_its_steps_do() {
     std::fs::write(&spec_file, spec.to_string()).unwrap();
     python_check("tokenizer_check.py", &spec_file);
     server.stop();
+}
+
+/// r43: `cohort serve` never hides a model that failed to load. By default (Triton's
+/// `--exit-on-error true`) it exits non-zero naming the model and why, after the model
+/// table; Triton's flags are accepted; logs carry no colour codes off a terminal, and say
+/// `grpc=off` rather than Rust's `None`.
+#[test]
+fn cohort_serve_names_models_that_fail_and_takes_tritons_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    save(&repo.join("gpt/1"), &model(5));
+    save(&repo.join("versionless/v1"), &model(5));
+    save(&repo.join("broken/1"), &model(5));
+    std::fs::write(repo.join("broken/config.pbtxt"), "max_batch_size: [[").unwrap();
+    let serve = |extra: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cohort"));
+        cmd.args(["serve", "--model-repository"])
+            .arg(&repo)
+            .args([
+                "--address",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--grpc-port",
+                "0",
+            ])
+            .args(["--metrics-port", "0", "--repository-poll-secs", "0"])
+            .args(extra)
+            .env_remove("COHORT_LOG");
+        cmd
+    };
+    let out = serve(&[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(!err.contains('\u{1b}'), "colour codes in {err}");
+    assert!(err.contains("| versionless |"), "no model table in {err}");
+    // Nothing of it was loaded: nothing is kept.
+    assert!(
+        err.contains("model config unusable; the model is not loaded") && !err.contains("keeping"),
+        "{err}"
+    );
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("\"versionless\": no version directory")
+            && last.contains("it has v1")
+            && last.contains("\"broken\": ")
+            && last.contains("config.pbtxt"),
+        "{err}"
+    );
+
+    // Triton's flags; the one model asked for loads and the server starts.
+    let log = dir.path().join("serve.log");
+    let mut child = serve(&["--allow-grpc", "false", "--allow-http", "true"])
+        .args(["--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1"])
+        .args(["--model-control-mode", "explicit", "--load-model", "gpt"])
+        .args(["--exit-on-error", "true", "--strict-readiness", "true"])
+        .args(["--strict-model-config", "false", "--log-verbose", "1"])
+        .arg("--log-file")
+        .arg(&log)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        line.starts_with("cohort serve: HTTP on 127.0.0.1:"),
+        "{line:?}"
+    );
+    assert!(!line.contains("gRPC"), "{line:?}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("grpc=off"), "{text}");
+    assert!(
+        !text.contains("Some(") && !text.contains('\u{1b}'),
+        "{text}"
+    );
+    assert!(text.contains("| gpt "), "{text}");
 }

@@ -401,3 +401,42 @@ fn checkpoint_consolidate_exports_a_sharded_run_as_one_model() {
         assert!(err.contains(want), "{want:?} in {err}");
     }
 }
+
+/// r43: the README's resume line keeps its work. `cohort run -n 2 train --resume ckpt --steps
+/// N` without `--out` goes on writing checkpoints and logs in ckpt and says so, notes that
+/// the longer run re-lays the cosine schedule, and a resume already at `--steps` says there
+/// is nothing to do and exits 0.
+#[test]
+fn a_resume_without_out_keeps_writing_where_it_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = tmp.path().join("ckpt");
+    let ckpt_s = ckpt.to_str().unwrap();
+    let train = |extra: &[&str]| {
+        let mut args = vec!["run", "--standalone", "-n", "2", "train"];
+        args.extend_from_slice(TINY);
+        args.extend_from_slice(&["--warmup-steps", "1", "--log-interval", "2"]);
+        args.extend_from_slice(extra);
+        run(&args)
+    };
+    succeeded(&train(&["--steps", "4", "--out", ckpt_s]));
+    let more = succeeded(&train(&["--resume", ckpt_s, "--steps", "6"]));
+    assert!(
+        more.contains(&format!("checkpoints and logs go on in {ckpt_s}")),
+        "{more}"
+    );
+    assert!(
+        more.contains("the cosine schedule is re-laid over 6 steps"),
+        "{more}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap().trim(),
+        "step-000006"
+    );
+    let done = train(&["--resume", ckpt_s, "--steps", "5"]);
+    let text = succeeded(&done);
+    assert!(
+        text.contains("nothing to do: checkpoint is at step 6, --steps 5"),
+        "{text}"
+    );
+    assert!(!text.contains("train loss"), "{text}");
+}

@@ -95,6 +95,18 @@ impl Corpus {
                 reason: format!("{} is below 2", opts.seq_len),
             });
         }
+        if path.is_dir() {
+            let missing: Vec<&str> = ["train.bin", "val.bin"]
+                .into_iter()
+                .filter(|f| !path.join(f).is_file())
+                .collect();
+            if !missing.is_empty() {
+                return Err(DataError::NotADataDir {
+                    dir: path.to_path_buf(),
+                    missing: missing.join(" or "),
+                });
+            }
+        }
         let vocab = match (tokenizer, opts.vocab_size) {
             (Some(t), _) => t.vocab_size(),
             (None, Some(v)) => v,
@@ -569,6 +581,20 @@ mod tests {
             .to_string();
         assert!(
             e.contains("train.bin") && e.contains("token 2 is id 2"),
+            "{e}"
+        );
+    }
+
+    /// r43: a directory without nanoGPT's files says what a data directory holds.
+    #[test]
+    fn a_directory_without_token_files_says_what_it_must_hold() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Corpus::open(dir.path(), None, &opts(10))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("not a data directory: it has no train.bin or val.bin")
+                && e.contains("a data directory holds nanoGPT's train.bin and val.bin"),
             "{e}"
         );
     }

@@ -20,6 +20,18 @@ pub enum DataError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// A `--data` directory without nanoGPT's token files.
+    #[error(
+        "{dir}: not a data directory: it has no {missing} (a data directory holds nanoGPT's \
+         train.bin and val.bin, uint16 token ids as its prepare.py writes them, and \
+         optionally meta.pkl; or pass a .txt, .jsonl or .bin file)"
+    )]
+    NotADataDir {
+        /// The directory.
+        dir: PathBuf,
+        /// The files it lacks.
+        missing: String,
+    },
     /// The file has no data.
     #[error("{path}: empty file")]
     Empty {

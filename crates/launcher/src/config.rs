@@ -51,6 +51,12 @@ pub struct LaunchConfig {
     /// an elastic job it only orders the nodes: each round numbers the nodes
     /// that joined it `0..` in the order of their node ranks.
     pub node_rank: usize,
+    /// torchrun's c10d rendezvous (`--rdzv-backend c10d` without `--node-rank`): `node_rank`
+    /// is not given but found. The agent on the machine of `master_addr` that binds the store
+    /// there is node 0; the others take ranks 1.. in the order they reach the store. The rank
+    /// holds for the agent's whole life, so a node that leaves an elastic job and comes back
+    /// is a new node.
+    pub node_rank_from_store: bool,
     /// Address of node 0, as the workers and the other nodes reach it.
     pub master_addr: String,
     /// Port of the rendezvous store on node 0.
@@ -89,6 +95,7 @@ impl LaunchConfig {
             nnodes: 1,
             min_nodes: None,
             node_rank: 0,
+            node_rank_from_store: false,
             master_addr: "127.0.0.1".to_string(),
             master_port: DEFAULT_MASTER_PORT,
             standalone: false,

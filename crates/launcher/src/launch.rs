@@ -121,7 +121,9 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     };
 
     // Binding before anything is spawned turns a taken port into one clear error.
-    let server = if config.node_rank == 0 {
+    let server = if config.node_rank_from_store {
+        host_store_if_here(config, &secret)?
+    } else if config.node_rank == 0 {
         Some(host_store(config, &secret)?)
     } else {
         None
@@ -145,6 +147,13 @@ pub fn launch(config: &LaunchConfig) -> Result<LaunchOutcome, LaunchError> {
     let store = match connect_store(&addr, config, port, &secret, &events)? {
         Wait::Done(store) => store,
         Wait::Stopped(signal) => return Ok(interrupted(signal)),
+    };
+    let found;
+    let config = if config.node_rank_from_store {
+        found = with_node_rank_from_store(config, &*store, server.is_some())?;
+        &found
+    } else {
+        config
     };
     let rdzv = Rendezvous::new(
         store,
@@ -583,6 +592,59 @@ fn host_store(
             source,
         },
     })
+}
+
+/// c10d's rendezvous: hosts the store when `master_addr` is an address of this machine and no
+/// other agent here hosts it already (its port is taken); otherwise `None`, and this agent
+/// reaches the store as a client.
+fn host_store_if_here(
+    config: &LaunchConfig,
+    secret: &Option<Secret>,
+) -> Result<Option<TcpStoreServer>, LaunchError> {
+    use std::net::ToSocketAddrs;
+    let here = (config.master_addr.as_str(), 0)
+        .to_socket_addrs()
+        .map(|mut addrs| addrs.any(|a| TcpListener::bind(a).is_ok()))
+        .unwrap_or(false);
+    if !here {
+        return Ok(None);
+    }
+    match host_store(config, secret) {
+        Ok(server) => Ok(Some(server)),
+        Err(LaunchError::PortInUse { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// `config` with the node rank c10d's rendezvous gives this agent: 0 for the one that hosts
+/// the store, else the next of 1.. from a counter in the store.
+fn with_node_rank_from_store(
+    config: &LaunchConfig,
+    store: &dyn Store,
+    hosts: bool,
+) -> Result<LaunchConfig, LaunchError> {
+    let node_rank = if hosts {
+        0
+    } else {
+        let key = "cohort_launcher/c10d_node_ranks";
+        let n = store.add(key, 1).map_err(|source| LaunchError::Store {
+            addr: config.master_addr.clone(),
+            port: config.master_port,
+            op: format!("add {key}"),
+            source,
+        })?;
+        n as usize
+    };
+    let found = LaunchConfig {
+        node_rank,
+        ..config.clone()
+    };
+    found.validate()?;
+    note(&format!(
+        "c10d rendezvous at {}:{}: this is node {node_rank}",
+        config.master_addr, config.master_port
+    ));
+    Ok(found)
 }
 
 /// Connects to the store at `addr`, retrying until it is up (other nodes may

@@ -65,6 +65,14 @@ pub enum PlotError {
         /// Height asked for.
         height: u32,
     },
+    /// The picture's file cannot be written (its directory missing, no permission).
+    #[error("{path}: cannot write the picture: {source}")]
+    Write {
+        /// The picture.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// Drawing or writing the picture failed.
     #[error("drawing {path}: {detail}")]
     Draw {
@@ -192,6 +200,12 @@ pub fn draw(runs: &[Run], out: &Path, width: u32, height: u32) -> Result<(), Plo
         path: out.to_path_buf(),
         detail: e.to_string(),
     };
+    // The drawing library reports a file it cannot write as nested Rust values: try the file
+    // first, so the error is one line naming it.
+    std::fs::File::create(out).map_err(|source| PlotError::Write {
+        path: out.to_path_buf(),
+        source,
+    })?;
     // Registering twice (a second picture in one process) is harmless.
     let _ = register_font("sans-serif", FontStyle::Normal, FONT);
     let root = BitMapBackend::new(out, (width, height)).into_drawing_area();
@@ -380,6 +394,21 @@ mod tests {
             0,
             "a second run's colour with one run"
         );
+    }
+
+    /// r43: a picture that cannot be written is one line naming its path.
+    #[test]
+    fn a_picture_in_a_missing_directory_is_one_line_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let png = dir.path().join("nonexistent").join("x.png");
+        let e = draw(&[run("a", 1.0, None)], &png, 900, 420)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with(&format!("{}: cannot write the picture: ", png.display())),
+            "{e}"
+        );
+        assert!(!e.contains("IoError") && !e.contains("Os {"), "{e}");
     }
 
     #[test]

@@ -40,6 +40,20 @@ pub enum ServeError {
         /// The versions that are ready.
         ready: Vec<u64>,
     },
+    /// No endpoint answers at this path (HTTP 404).
+    #[error("no such endpoint {path}: {hint}")]
+    NoEndpoint {
+        /// The path asked for.
+        path: String,
+        /// What the port does serve.
+        hint: &'static str,
+    },
+    /// Models asked for at start are not ready (`exit_on_error`).
+    #[error("models failed to load at start (--exit-on-error): {models}")]
+    ModelsNotReady {
+        /// Each model and why, `"name": reason; ...`.
+        models: String,
+    },
     /// The model directory exists but the model is not loaded (unloaded, or its load failed).
     #[error("model {model:?} is not ready: {reason}")]
     NotReady {
@@ -267,7 +281,7 @@ impl ServeError {
     pub fn kind(&self) -> ErrorKind {
         use ServeError::*;
         match self {
-            UnknownModel { .. } | UnknownVersion { .. } => ErrorKind::NotFound,
+            UnknownModel { .. } | UnknownVersion { .. } | NoEndpoint { .. } => ErrorKind::NotFound,
             Malformed { .. }
             | UnknownTensor { .. }
             | InputCount { .. }
@@ -283,7 +297,9 @@ impl ServeError {
             | Load { .. }
             | Backend { .. } => ErrorKind::BadRequest,
             BodyTooLarge { .. } => ErrorKind::TooLarge,
-            NotReady { .. } | QueueFull { .. } | ShuttingDown { .. } => ErrorKind::Unavailable,
+            NotReady { .. } | ModelsNotReady { .. } | QueueFull { .. } | ShuttingDown { .. } => {
+                ErrorKind::Unavailable
+            }
             Execution { .. } | Io { .. } | Bind { .. } | Instance { .. } => ErrorKind::Internal,
             // a step model that is missing is the ensemble's failure, not an unknown model
             Step { source, .. } => match source.kind() {

@@ -93,7 +93,7 @@ pub use config::{
 pub use error::{ErrorKind, ServeError};
 pub use metrics::{Metrics, VersionMetrics};
 pub use repository::IndexEntry;
-pub use server::{init_logging, Server, ServerOptions};
+pub use server::{init_logging, init_logging_to, Server, ServerOptions};
 pub use tensor::{DataType, Tensor, TensorSpec, FP32, INPUT_IDS, INT64, LOGITS, NEXT_TOKEN};
 
 /// The server's name in metadata responses.

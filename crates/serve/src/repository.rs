@@ -70,6 +70,9 @@ pub(crate) struct Repository {
     /// None: every model directory; Some: only these (and those loaded through the API).
     only: Option<Vec<String>>,
     build: BuildOptions,
+    /// A model directory without a config file fails to load (Triton's
+    /// `--strict-model-config`), instead of being served with the config its files imply.
+    strict_config: bool,
     metrics: Arc<Metrics>,
     models: RwLock<BTreeMap<String, ModelEntry>>,
     control: Mutex<()>,
@@ -80,6 +83,7 @@ impl Repository {
         root: PathBuf,
         only: Option<Vec<String>>,
         build: BuildOptions,
+        strict_config: bool,
         metrics: Arc<Metrics>,
     ) -> Result<Repository, ServeError> {
         if !root.is_dir() {
@@ -93,6 +97,7 @@ impl Repository {
             root,
             only,
             build,
+            strict_config,
             metrics,
             models: RwLock::new(BTreeMap::new()),
             control: Mutex::new(()),
@@ -242,6 +247,87 @@ impl Repository {
         out
     }
 
+    /// The models this server was asked to serve (those named at start, or every model
+    /// directory; not those unloaded through the API) that are not ready, with why.
+    pub fn not_ready(&self) -> Vec<(String, String)> {
+        let mut names = match &self.only {
+            Some(only) => only.clone(),
+            None => self.model_dirs(),
+        };
+        let models = self.read();
+        names.extend(
+            models
+                .iter()
+                .filter(|(_, e)| !e.unloaded)
+                .map(|(n, _)| n.clone()),
+        );
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .filter(|n| !models.get(n).is_some_and(|e| e.unloaded))
+            .filter_map(|n| {
+                let why = match models.get(&n) {
+                    None if !self.root.join(&n).is_dir() => {
+                        format!("no model directory {}", self.root.join(&n).display())
+                    }
+                    None => "not loaded".to_string(),
+                    Some(e) if !e.versions.is_empty() => return None,
+                    Some(e) => (e.model_error.clone())
+                        .or_else(|| e.errors.values().next_back().cloned())
+                        .unwrap_or_else(|| "no version is loaded".into()),
+                };
+                Some((n, why))
+            })
+            .collect()
+    }
+
+    /// The model table Triton prints at startup: every model and version with its state and,
+    /// when it is not ready, why.
+    pub fn table(&self) -> String {
+        let mut rows: Vec<[String; 4]> = self
+            .index(false)
+            .into_iter()
+            .map(|e| {
+                let state = if e.state.is_empty() {
+                    "UNLOADED".into()
+                } else {
+                    e.state
+                };
+                [e.name, e.version, state, e.reason]
+            })
+            .collect();
+        // a model named at start whose directory does not exist
+        for (name, why) in self.not_ready() {
+            if !rows.iter().any(|r| r[0] == name) {
+                rows.push([name, String::new(), "UNAVAILABLE".into(), why]);
+            }
+        }
+        let head = ["Model", "Version", "Status", "Reason"].map(String::from);
+        let width = |i: usize| {
+            rows.iter()
+                .chain([&head])
+                .map(|r| r[i].len())
+                .max()
+                .unwrap_or(0)
+        };
+        let widths = [width(0), width(1), width(2), width(3)];
+        let line = |r: &[String; 4]| {
+            let cells: Vec<String> = (0..4)
+                .map(|i| format!("{:w$}", r[i], w = widths[i]))
+                .collect();
+            format!("| {} |", cells.join(" | "))
+        };
+        let rule = format!("+{}+", widths.map(|w| "-".repeat(w + 2)).join("+"));
+        let mut out = vec![rule.clone(), line(&head), rule.clone()];
+        if rows.is_empty() {
+            out.push(format!("| {:w$} |", "(no models)", w = rule.len() - 4));
+        }
+        out.extend(rows.iter().map(line));
+        out.push(rule);
+        out.join("\n")
+    }
+
     /// Names of the model directories in the repository.
     fn model_dirs(&self) -> Vec<String> {
         let Ok(rd) = std::fs::read_dir(&self.root) else {
@@ -364,7 +450,18 @@ impl Repository {
     fn reconcile(&self, model: &str) -> Result<(), ServeError> {
         let dir = self.root.join(model);
         let old = self.read().get(model).cloned().unwrap_or_default();
-        let from_disk = || ModelConfig::load(&dir).and_then(|(c, file)| check_name(c, model, file));
+        let from_disk = || {
+            let (c, file) = ModelConfig::load(&dir)?;
+            if self.strict_config && file.is_none() {
+                return Err(ServeError::Config {
+                    path: dir.clone(),
+                    reason: "no config.pbtxt or config.toml, which --strict-model-config true \
+                             requires"
+                        .into(),
+                });
+            }
+            check_name(c, model, file)
+        };
         let cfg = match old
             .override_config
             .clone()
@@ -374,7 +471,11 @@ impl Repository {
             Err(e) => {
                 let msg = e.to_string();
                 if old.model_error.as_deref() != Some(msg.as_str()) {
-                    tracing::error!(model, error = %msg, "model config unusable; keeping what is loaded");
+                    if old.versions.is_empty() {
+                        tracing::error!(model, error = %msg, "model config unusable; the model is not loaded");
+                    } else {
+                        tracing::error!(model, error = %msg, "model config unusable; keeping the versions loaded before");
+                    }
                 }
                 let mut models = self.write();
                 let entry = models.entry(model.to_string()).or_default();
@@ -454,13 +555,19 @@ impl Repository {
             );
             self.metrics.remove(model, *v);
         }
-        let model_error = if wanted.is_empty() {
-            Some(format!(
+        let model_error = match (wanted.is_empty(), present.is_empty()) {
+            (false, _) => None,
+            (true, true) => Some(no_version_reason(&dir)),
+            (true, false) => Some(format!(
                 "no version directory matches the version policy (present: {present:?})"
-            ))
-        } else {
-            None
+            )),
         };
+        if let Some(why) = model_error
+            .as_ref()
+            .filter(|&m| old.model_error.as_ref() != Some(m))
+        {
+            tracing::error!(model, error = %why, "model not loaded");
+        }
         let ready = !versions.is_empty();
         self.write().insert(
             model.to_string(),
@@ -511,6 +618,29 @@ fn check_name(
         }),
         _ => Ok(cfg),
     }
+}
+
+/// Why model directory `dir` has no version to load: it has no directory named by a positive
+/// integer, with what it has instead (`v1`, a checkpoint's files at the top).
+fn no_version_reason(dir: &Path) -> String {
+    let mut found: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| !n.starts_with('.') && !matches!(n.as_str(), "config.pbtxt" | "config.toml"))
+        .collect();
+    found.sort();
+    let found = if found.is_empty() {
+        "it has none".to_string()
+    } else {
+        format!("it has {}", found.join(", "))
+    };
+    format!(
+        "no version directory: a model's versions are directories named 1, 2, ... ({}/1/model \
+         files); {found}",
+        dir.display()
+    )
 }
 
 /// The version directories of model directory `dir` (positive integer names).

@@ -46,6 +46,17 @@ pub struct ServerOptions {
     pub instance_threads: Option<usize>,
     /// Threads of the async runtime that parses requests and encodes answers.
     pub io_threads: usize,
+    /// Fail [`Server::start`] when a model asked for (named in `load_models`, or any model
+    /// directory) is not ready after the first load, naming each and why (Triton's
+    /// `--exit-on-error`; `cohort serve` sets it by default).
+    pub exit_on_error: bool,
+    /// `/v2/health/ready` answers ready only while every model asked for is ready (Triton's
+    /// `--strict-readiness`; `cohort serve` sets it by default); otherwise once the server
+    /// answers requests.
+    pub strict_readiness: bool,
+    /// A model directory without a config file fails to load (Triton's
+    /// `--strict-model-config`) instead of being served with the config its files imply.
+    pub strict_model_config: bool,
 }
 
 impl ServerOptions {
@@ -63,6 +74,9 @@ impl ServerOptions {
             default_queue_size: 1024,
             instance_threads: None,
             io_threads: 2,
+            exit_on_error: false,
+            strict_readiness: false,
+            strict_model_config: false,
         }
     }
 
@@ -110,13 +124,27 @@ impl Server {
                 default_queue_size: opts.default_queue_size,
                 instance_threads: opts.instance_threads,
             },
+            opts.strict_model_config,
             metrics.clone(),
         )?);
         repo.poll();
+        // Triton's startup table: what loaded, and why the rest did not.
+        tracing::info!("models of {}:\n{}", opts.repository.display(), repo.table());
+        let failed = repo.not_ready();
+        if opts.exit_on_error && !failed.is_empty() {
+            repo.close();
+            return Err(ServeError::ModelsNotReady {
+                models: (failed.iter())
+                    .map(|(model, why)| format!("{model:?}: {why}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            });
+        }
         let app = Arc::new(AppState {
             repo: repo.clone(),
             metrics,
             ready: AtomicBool::new(false),
+            strict_readiness: opts.strict_readiness,
             max_body_bytes: opts.max_body_bytes,
         });
         let (stop, stopped) = watch::channel(false);
@@ -235,7 +263,8 @@ impl Server {
             Ok::<_, ServeError>((http_addr, grpc_addr, metrics_addr))
         })?;
         app.ready.store(true, Ordering::Release);
-        tracing::info!(http = %http_addr, grpc = ?grpc_addr, metrics = ?metrics_addr,
+        let or_off = |a: Option<SocketAddr>| a.map_or_else(|| "off".to_string(), |a| a.to_string());
+        tracing::info!(http = %http_addr, grpc = %or_off(grpc_addr), metrics = %or_off(metrics_addr),
             repository = %opts.repository.display(), "serving");
         Ok(Server {
             runtime,
@@ -272,6 +301,22 @@ impl Server {
     /// `/v2/models/{name}/ready` answers).
     pub fn is_model_ready(&self, name: &str) -> bool {
         self.app.repo.resolve(name, None).is_ok()
+    }
+
+    /// Whether `/v2/health/ready` answers ready: see [`ServerOptions::strict_readiness`].
+    pub fn is_ready(&self) -> bool {
+        self.app.is_ready()
+    }
+
+    /// The models asked for that are not ready, with why (what `--exit-on-error` and
+    /// `--strict-readiness` look at).
+    pub fn not_ready(&self) -> Vec<(String, String)> {
+        self.app.repo.not_ready()
+    }
+
+    /// The model table logged at start: every model and version, its state and why.
+    pub fn model_table(&self) -> String {
+        self.app.repo.table()
     }
 
     /// The repository index (what `/v2/repository/index` answers).
@@ -330,14 +375,50 @@ impl Server {
 /// comes from `COHORT_LOG` (e.g. `debug`, `cohort_serve=debug`), default `info`. A second call
 /// does nothing.
 pub fn init_logging(json: bool) {
+    let _ = init_logging_to(json, 0, None);
+}
+
+/// [`init_logging`], more verbose with `verbose` > 0 (debug; Triton's `--log-verbose`) where
+/// `COHORT_LOG` does not set the level, written to `file` (appended) instead of stderr when
+/// given (Triton's `--log-file`). Colour codes only where the logs reach a terminal.
+pub fn init_logging_to(
+    json: bool,
+    verbose: u32,
+    file: Option<&std::path::Path>,
+) -> Result<(), ServeError> {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_env("COHORT_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let level = if verbose > 0 { "debug" } else { "info" };
+    let filter = EnvFilter::try_from_env("COHORT_LOG").unwrap_or_else(|_| EnvFilter::new(level));
+    let (writer, ansi) = match file {
+        Some(path) => {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|source| ServeError::Io {
+                    op: "open the log file",
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+            (
+                tracing_subscriber::fmt::writer::BoxMakeWriter::new(Arc::new(f)),
+                false,
+            )
+        }
+        None => (
+            tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stderr),
+            std::io::stderr().is_terminal(),
+        ),
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_ansi(ansi)
+        .with_writer(writer);
     let _ = if json {
         builder.json().try_init()
     } else {
         builder.try_init()
     };
+    Ok(())
 }

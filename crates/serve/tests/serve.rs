@@ -490,7 +490,19 @@ fn bad_requests_are_4xx_with_a_json_error_and_never_take_the_server_down() {
             400,
             "outside the vocabulary",
         ),
-        ("/v2/nothing", Vec::new(), 400, "no such endpoint"),
+        (
+            "/v2/nothing",
+            Vec::new(),
+            404,
+            "no such endpoint /v2/nothing",
+        ),
+        ("/nothing", Vec::new(), 404, "serves the KServe v2 protocol"),
+        (
+            "/v1/chat/completions",
+            br#"{"model": "gpt", "messages": []}"#.to_vec(),
+            404,
+            "serves /v1/completions and /v1/models only",
+        ),
     ];
     for (path, body, status, needle) in cases {
         let r = http(addr, "POST", path, &[], &body);
@@ -901,7 +913,7 @@ fn config_and_statistics_agree_over_http_and_grpc_and_metrics_have_their_own_por
         total > 0.0 && used > 0.0 && used <= total,
         "{used} / {total}"
     );
-    assert_eq!(get(maddr, "/v2/health/live").status, 400);
+    assert_eq!(get(maddr, "/v2/health/live").status, 404);
     assert!(String::from_utf8(get(addr, "/metrics").body)
         .unwrap()
         .contains("nv_inference_compute_output_duration_us{"));
@@ -1593,4 +1605,88 @@ fn a_bf16_kv_cache_serves_its_own_tokens_and_a_bad_kv_cache_dtype_is_refused_at_
     let c = get(addr, "/v2/models/bf16/config").json();
     assert_eq!(c["parameters"]["kv_cache_dtype"]["string_value"], "bf16");
     server.shutdown();
+}
+
+/// r43: a model that cannot load is never hidden. Each is named with why (no version
+/// directory, a `v1` directory, a broken config.pbtxt) in the model table, in the error that
+/// stops the start with `exit_on_error`, and by readiness, which with `strict_readiness`
+/// answers not ready while a model asked for is not.
+#[test]
+fn models_that_fail_at_start_are_named_and_readiness_waits_for_them() {
+    let repo = tempfile::tempdir().unwrap();
+    let m = model(3);
+    put_version(repo.path(), "gpt", 1, &m);
+    put_version(repo.path(), "broken", 1, &m);
+    std::fs::write(
+        repo.path().join("broken/config.pbtxt"),
+        "max_batch_size: [[",
+    )
+    .unwrap();
+    std::fs::create_dir_all(repo.path().join("empty")).unwrap();
+    checkpoint::save(
+        &repo.path().join("named_v1/v1"),
+        "step-1",
+        &Checkpoint {
+            model: Some(&m),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+
+    let err = Server::start(ServerOptions {
+        exit_on_error: true,
+        poll_interval: None,
+        ..ServerOptions::loopback(repo.path().to_path_buf())
+    })
+    .err()
+    .expect("a start with models that fail to load fails")
+    .to_string();
+    for want in [
+        "\"broken\": ",
+        "config.pbtxt",
+        "\"empty\": no version directory",
+        "\"named_v1\": no version directory",
+        "it has v1",
+    ] {
+        assert!(err.contains(want), "{want:?} in {err}");
+    }
+    assert!(!err.contains("\"gpt\""), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+
+    let server = start(repo.path(), |o| o.strict_readiness = true);
+    let addr = server.http_addr();
+    assert_eq!(get(addr, "/v2/models/gpt/ready").status, 200);
+    assert_eq!(get(addr, "/v2/health/ready").status, 503);
+    let failed: Vec<String> = server.not_ready().into_iter().map(|(m, _)| m).collect();
+    assert_eq!(failed, ["broken", "empty", "named_v1"]);
+    let table = server.model_table();
+    eprintln!("{table}");
+    for want in ["| gpt ", "READY", "| broken ", "UNAVAILABLE", "it has v1"] {
+        assert!(table.contains(want), "{want:?} in\n{table}");
+    }
+    server.shutdown();
+
+    // Readiness without strictness, or with only the model that loads asked for.
+    let server = start(repo.path(), |_| {});
+    assert_eq!(get(server.http_addr(), "/v2/health/ready").status, 200);
+    server.shutdown();
+    let server = start(repo.path(), |o| {
+        o.strict_readiness = true;
+        o.exit_on_error = true;
+        o.load_models = Some(vec!["gpt".into()]);
+    });
+    assert_eq!(get(server.http_addr(), "/v2/health/ready").status, 200);
+    server.shutdown();
+    let missing = Server::start(ServerOptions {
+        exit_on_error: true,
+        load_models: Some(vec!["nope".into()]),
+        ..ServerOptions::loopback(repo.path().to_path_buf())
+    })
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        missing.contains("\"nope\": no model directory"),
+        "{missing}"
+    );
 }

@@ -182,6 +182,16 @@ pub enum PipelineSchedule {
     OneFOneB,
 }
 
+impl std::fmt::Display for PipelineSchedule {
+    /// The schedule's usual name (GPipe, 1F1B), for logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PipelineSchedule::Gpipe => "GPipe",
+            PipelineSchedule::OneFOneB => "1F1B",
+        })
+    }
+}
+
 /// How the ranks of a training job share the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -513,12 +523,14 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save_interval: Option<u64>,
-    /// Checkpoint directory, written by rank 0 (none by default: no checkpoints).
+    /// Checkpoint directory, written by rank 0 (none by default: no checkpoints; with
+    /// --resume, the run directory it resumes from).
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub out: Option<PathBuf>,
     /// Continue from the checkpoint in DIR, bitwise as if never stopped; given a --out
     /// directory, from its latest checkpoint, or the newest one before it that is intact.
+    /// Checkpoints and logs go on in that directory unless --out names another.
     #[arg(long, value_name = "DIR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resume: Option<PathBuf>,
@@ -639,6 +651,8 @@ impl TrainArgs {
                     path,
                     message: e.to_string(),
                 })?;
+        let mut cfg = cfg;
+        cfg.out_to_resumed_run();
         cfg.validate()?;
         Ok(cfg)
     }
@@ -810,6 +824,15 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Without `out`, a resume goes on writing checkpoints and logs where its run wrote (the
+    /// output directory `resume` lies in), as a Hugging Face Trainer resumed in its
+    /// output_dir does; `elastic::prepare_resume` says so.
+    pub fn out_to_resumed_run(&mut self) {
+        if self.out.is_none() {
+            self.out = (self.resume.as_deref()).and_then(crate::checkpoint::output_root);
+        }
+    }
+
     /// The step at which the cosine decay reaches `min_lr`.
     pub fn decay_steps(&self) -> u64 {
         if self.lr_decay_steps == 0 {
@@ -855,6 +878,12 @@ mod tests {
         Cli::try_parse_from(std::iter::once("train").chain(argv.iter().copied()))
             .unwrap()
             .args
+    }
+
+    #[test]
+    fn pipeline_schedules_print_their_usual_names() {
+        assert_eq!(PipelineSchedule::OneFOneB.to_string(), "1F1B");
+        assert_eq!(PipelineSchedule::Gpipe.to_string(), "GPipe");
     }
 
     #[test]

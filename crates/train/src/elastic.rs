@@ -15,15 +15,19 @@
 //!   multiple of `batch_size x new world`, cohort keeps `grad_accum`, the
 //!   global batch changes, and the log says so.
 //!
+//! - A resume without `--out` goes on writing in the run directory it resumed
+//!   from (or says that nothing will be saved), and a longer schedule than the
+//!   checkpoint's is said in one line.
+//!
 //! This module decides; it never loads weights (`checkpoint` does) and
 //! never talks to other ranks.
 
 use std::path::Path;
 
-use cohort_gpt::checkpoint as ckpt;
+use cohort_engine::optim::LrSchedule;
 use serde_json::Value;
 
-use crate::checkpoint::trainer_files;
+use crate::checkpoint::{self, trainer_files};
 use crate::config::TrainConfig;
 use crate::error::{ConfigError, TrainError};
 
@@ -54,13 +58,34 @@ pub fn prepare_resume(
 ) -> (TrainConfig, Vec<String>) {
     let mut cfg = cfg.clone();
     let mut notes = Vec::new();
+    let asked = cfg.resume.clone();
+    cfg.out_to_resumed_run();
     if restart_count > 0 && cfg.resume.is_none() {
-        if let Some(out) = cfg.out.as_ref().filter(|out| ckpt::resolve(out).is_ok()) {
+        if let Some(out) = cfg
+            .out
+            .as_ref()
+            .filter(|out| checkpoint::choose(out).is_ok())
+        {
             notes.push(format!(
                 "restart {restart_count} of this job: resuming from {}",
                 out.display()
             ));
             cfg.resume = Some(out.clone());
+        }
+    }
+    if let (Some(from), None) = (&asked, &cfg.out) {
+        notes.push(format!(
+            "{} is a checkpoint of no run directory and there is no --out: this run saves no \
+             checkpoint and no logs",
+            from.display()
+        ));
+    } else if let (Some(from), Some(out)) = (&asked, &cfg.out) {
+        if checkpoint::output_root(from).as_ref() == Some(out) {
+            notes.push(format!(
+                "checkpoints and logs go on in {}, where this run resumes from (--out DIR to \
+                 write elsewhere)",
+                out.display()
+            ));
         }
     }
     let saved = cfg.resume.as_deref().and_then(saved_shape);
@@ -69,7 +94,32 @@ pub fn prepare_resume(
         cfg.grad_accum = accum;
         notes.push(note);
     }
+    notes.extend(saved.and_then(|saved| schedule_note(&saved, &cfg)));
     (cfg, notes)
+}
+
+/// The line that says a resume re-lays the cosine schedule over another length than the
+/// checkpoint's (more --steps): the schedule follows this run's settings, as a Hugging Face
+/// Trainer's rebuilt for a new max_steps does, so the learning rate jumps at the resumed
+/// step; `--lr-decay-steps` with the saved length keeps the saved shape instead.
+fn schedule_note(saved: &SavedShape, cfg: &TrainConfig) -> Option<String> {
+    let (was, now) = (saved.decay_steps?, cfg.decay_steps());
+    if was == now || saved.step >= cfg.steps {
+        return None;
+    }
+    let lr = |decay| {
+        LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, decay)
+            .map(|s| s.lr(saved.step))
+            .ok()
+    };
+    Some(format!(
+        "the checkpoint's learning-rate schedule decays over {was} steps, this run's over \
+         {now}: the cosine schedule is re-laid over {now} steps (lr at step {}: {:.2e} -> \
+         {:.2e}); --lr-decay-steps {was} keeps the saved shape",
+        saved.step,
+        lr(was)?,
+        lr(now)?
+    ))
 }
 
 /// The job shape a checkpoint was written with.
@@ -78,12 +128,17 @@ struct SavedShape {
     world: usize,
     batch_size: usize,
     grad_accum: usize,
+    /// The step it was saved at.
+    step: u64,
+    /// The length of its learning-rate schedule (not in checkpoints before it was kept).
+    decay_steps: Option<u64>,
 }
 
-/// The shape recorded in the checkpoint `path` resumes from; `None` when it
-/// cannot be read (loading it reports why).
+/// The shape recorded in the checkpoint a resume from `path` loads (the one
+/// `latest` names, or the intact one before it that loading falls back to);
+/// `None` when it cannot be read (loading it reports why).
 fn saved_shape(path: &Path) -> Option<SavedShape> {
-    let dir = ckpt::resolve(path).ok()?;
+    let dir = checkpoint::choose(path).ok()?;
     let trainer = trainer_files::load_trainer_state(&dir).ok()??;
     let field = |key: &str| {
         trainer
@@ -96,6 +151,8 @@ fn saved_shape(path: &Path) -> Option<SavedShape> {
         world: field("world_size")?,
         batch_size: field("batch_size")?,
         grad_accum: field("grad_accum")?,
+        step: trainer.step,
+        decay_steps: field("lr_decay_steps").map(|v| v as u64),
     })
 }
 
@@ -135,6 +192,8 @@ mod tests {
             world: 4,
             batch_size: 2,
             grad_accum: 1,
+            step: 0,
+            decay_steps: None,
         };
         let (accum, note) = rescale(&saved, 2, 2, 1);
         assert_eq!(accum, 2);

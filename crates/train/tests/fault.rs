@@ -516,3 +516,127 @@ fn an_out_directory_that_cannot_be_written_fails_every_rank_before_the_first_ste
         "{err}"
     );
 }
+
+/// Copies the checkpoint root `from` to `to` (files and one level of step directories).
+fn copy_root(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap().flatten() {
+        let dest = to.join(entry.file_name());
+        if entry.path().is_dir() {
+            copy_root(&entry.path(), &dest);
+        } else {
+            std::fs::copy(entry.path(), dest).unwrap();
+        }
+    }
+}
+
+/// r43: a `latest` that names a missing step resumes from the step before it as a good
+/// `latest` naming that step does, on another world size too: the rescale of `grad_accum`
+/// reads the checkpoint loading reads, so the global batch and every loss are the same; and
+/// the fallback is said in one line.
+#[test]
+fn a_latest_naming_a_missing_step_resumes_like_a_good_latest() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let cfg = TrainConfig {
+        steps: 6,
+        lr_decay_steps: 6,
+        ..tiny()
+    };
+    run_world(
+        2,
+        &TrainConfig {
+            steps: 4,
+            save_interval: 2,
+            out: Some(out.clone()),
+            ..cfg.clone()
+        },
+    )
+    .unwrap();
+    let (good, missing) = (dir.path().join("good"), dir.path().join("missing"));
+    for root in [&good, &missing] {
+        copy_root(&out, root);
+        std::fs::remove_dir_all(root.join("step-000004")).unwrap();
+    }
+    std::fs::write(good.join("latest"), "step-000002\n").unwrap();
+    let resume = |root: &Path| {
+        let (resumed, notes) = cohort_train::elastic::prepare_resume(
+            &TrainConfig {
+                resume: Some(root.to_path_buf()),
+                ..cfg.clone()
+            },
+            1,
+            0,
+        );
+        let (outcome, log) = run_one(&resumed);
+        (outcome, format!("{}\n{log}", notes.join("\n")))
+    };
+    let (a, log_a) = resume(&good);
+    let (b, log_b) = resume(&missing);
+    for log in [&log_a, &log_b] {
+        assert!(log.contains("grad_accum 1 -> 2"), "{log}");
+        assert!(log.contains("global batch: 4 sequences"), "{log}");
+    }
+    assert!(
+        log_b.contains("names step 4 which is missing: resuming from step 2"),
+        "{log_b}"
+    );
+    assert!(!log_a.contains("which is missing"), "{log_a}");
+    assert_eq!(a.steps_run, 4);
+    assert_eq!(a.train_losses, b.train_losses);
+    assert!(a.params == b.params, "the two resumes differ");
+}
+
+/// r43: a resume without `out` goes on writing in the run directory it resumed from and says
+/// so; more steps than the checkpoint's schedule re-lay the schedule, with a note; a resume
+/// already at its last step says there is nothing to do and trains nothing.
+#[test]
+fn a_resume_without_out_writes_where_it_read_and_says_what_it_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    run_one(&TrainConfig {
+        out: Some(out.clone()),
+        ..tiny()
+    });
+    let resume = |steps: u64| {
+        cohort_train::elastic::prepare_resume(
+            &TrainConfig {
+                steps,
+                resume: Some(out.clone()),
+                ..tiny()
+            },
+            1,
+            0,
+        )
+    };
+    let (more, notes) = resume(6);
+    let notes = notes.join("\n");
+    assert_eq!(more.out.as_deref(), Some(out.as_path()), "{notes}");
+    assert!(
+        notes.contains(&format!("checkpoints and logs go on in {}", out.display())),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("decays over 4 steps, this run's over 6: the cosine schedule is re-laid"),
+        "{notes}"
+    );
+    let (outcome, _) = run_one(&more);
+    assert_eq!(outcome.steps_run, 2);
+    assert_eq!(
+        std::fs::read_to_string(out.join("latest")).unwrap().trim(),
+        "step-000006"
+    );
+    let metrics = std::fs::read_to_string(out.join("logs").join(cohort_train::METRICS_FILE));
+    let last = metrics.unwrap().lines().last().map(str::to_string);
+    let step = |l: String| serde_json::from_str::<serde_json::Value>(&l).unwrap()["step"].clone();
+    assert_eq!(last.map(step), Some(serde_json::json!(6)));
+
+    let (done, _) = resume(5);
+    let (outcome, log) = run_one(&done);
+    assert_eq!(outcome.steps_run, 0);
+    assert!(
+        log.contains("nothing to do: checkpoint is at step 6, --steps 5"),
+        "{log}"
+    );
+    assert!(!log.contains("train loss"), "{log}");
+}

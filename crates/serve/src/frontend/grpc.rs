@@ -15,7 +15,6 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -181,7 +180,7 @@ impl GrpcInferenceService for Service {
         _: Request<proto::ServerReadyRequest>,
     ) -> Result<Response<proto::ServerReadyResponse>, Status> {
         Ok(Response::new(proto::ServerReadyResponse {
-            ready: self.app.ready.load(Ordering::Acquire),
+            ready: self.app.is_ready(),
         }))
     }
 

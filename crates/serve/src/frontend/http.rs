@@ -19,7 +19,6 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -102,10 +101,11 @@ pub(crate) fn router(app: Arc<AppState>, also: Router<Arc<AppState>>) -> Router 
 pub(crate) fn metrics_router(app: Arc<AppState>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
-        .fallback(|| async {
-            HttpError(ServeError::malformed(
-                "no such endpoint (the metrics port serves /metrics only)",
-            ))
+        .fallback(|uri: axum::http::Uri| async move {
+            HttpError(ServeError::NoEndpoint {
+                path: uri.path().to_string(),
+                hint: "the metrics port serves /metrics only",
+            })
         })
         .with_state(app)
 }
@@ -150,10 +150,17 @@ fn version_of(p: &HashMap<String, String>) -> Option<&str> {
     p.get("version").map(String::as_str)
 }
 
-async fn not_found() -> HttpError {
-    HttpError(ServeError::malformed(
-        "no such endpoint (see the KServe v2 protocol: /v2/...)",
-    ))
+/// 404 for a path no route serves, saying what the port does serve.
+async fn not_found(uri: axum::http::Uri) -> HttpError {
+    let path = uri.path().to_string();
+    let hint = if path.starts_with("/v1/") {
+        "this server's OpenAI API serves /v1/completions and /v1/models only (no chat \
+         completions: its models have no chat template)"
+    } else {
+        "this port serves the KServe v2 protocol (/v2/...), OpenAI's /v1/completions and \
+         /v1/models, and /metrics"
+    };
+    HttpError(ServeError::NoEndpoint { path, hint })
 }
 
 async fn live() -> StatusCode {
@@ -161,7 +168,7 @@ async fn live() -> StatusCode {
 }
 
 async fn ready(State(app): State<Arc<AppState>>) -> StatusCode {
-    if app.ready.load(Ordering::Acquire) {
+    if app.is_ready() {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

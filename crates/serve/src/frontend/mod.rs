@@ -18,7 +18,7 @@ pub(crate) mod openai;
 pub(crate) mod params;
 pub(crate) mod sse;
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::metrics::Metrics;
@@ -28,6 +28,17 @@ use crate::repository::Repository;
 pub(crate) struct AppState {
     pub repo: Arc<Repository>,
     pub metrics: Arc<Metrics>,
+    /// The server answers requests (false before start and from shutdown on).
     pub ready: AtomicBool,
+    /// Ready also needs every model asked for to be ready.
+    pub strict_readiness: bool,
     pub max_body_bytes: usize,
+}
+
+impl AppState {
+    /// What the server's readiness (HTTP `/v2/health/ready`, gRPC `ServerReady`) answers.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+            && (!self.strict_readiness || self.repo.not_ready().is_empty())
+    }
 }

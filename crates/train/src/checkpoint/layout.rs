@@ -44,6 +44,19 @@ pub(super) fn step_dirs(root: &Path) -> Vec<(u64, PathBuf)> {
     dirs
 }
 
+/// The run's output directory that the checkpoint `path` (a resume's) lies in: `path`
+/// itself when it is one (it has a `latest` pointer or `step-*` checkpoints), else the
+/// directory holding it when that is one; `None` for a checkpoint that stands alone (an
+/// export), which belongs to no run.
+pub(crate) fn output_root(path: &Path) -> Option<PathBuf> {
+    let is_root = |dir: &Path| dir.join(ckpt::LATEST_FILE).is_file() || !step_dirs(dir).is_empty();
+    if is_root(path) {
+        return Some(path.to_path_buf());
+    }
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty())?;
+    is_root(parent).then(|| parent.to_path_buf())
+}
+
 /// Whether file `name` of checkpoint `dir` is a shard of a sharded checkpoint (checked as
 /// it is read, by the ranks that need it, rather than up front by every rank).
 pub(super) fn is_shard_file(dir: &Path, name: &str) -> bool {
@@ -60,6 +73,20 @@ pub(super) fn remap_offset(offset: usize, from: usize, to: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resume_writes_where_its_run_wrote() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("out");
+        let step = root.join(step_name(4));
+        fs::create_dir_all(&step).unwrap();
+        assert_eq!(output_root(&root), Some(root.clone()));
+        assert_eq!(output_root(&step), Some(root.clone()));
+        let export = dir.path().join("export");
+        fs::create_dir_all(&export).unwrap();
+        fs::write(export.join(ckpt::CONFIG_FILE), "{}").unwrap();
+        assert_eq!(output_root(&export), None);
+    }
 
     #[test]
     fn the_position_is_the_samples_all_ranks_consumed() {

@@ -30,6 +30,9 @@ mod save;
 pub(crate) mod trainer_files;
 
 pub use consolidate::consolidate;
+pub(crate) use layout::output_root;
 pub use layout::TrainState;
-pub(crate) use resume::{resume, resume_alone, resume_into, resume_split, Resumed, ShardTarget};
+pub(crate) use resume::{
+    choose, resume, resume_alone, resume_into, resume_split, Resumed, ShardTarget,
+};
 pub(crate) use save::{check_writable, save_or_report, save_sharded, OwnedShard, SaveReport};

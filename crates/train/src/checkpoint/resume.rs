@@ -89,6 +89,65 @@ fn candidates(path: &Path) -> Result<Vec<PathBuf>, TrainError> {
     Ok(out)
 }
 
+/// Whether the files of checkpoint `dir` are intact (a sharded checkpoint's shards are
+/// checked later, as they are read): the first gate of every candidate, for loading and
+/// for [`choose`] alike.
+fn check_files(dir: &Path) -> Result<(), TrainError> {
+    ckpt::verify_except(dir, |name| is_shard_file(dir, name))?;
+    Ok(())
+}
+
+/// The checkpoint a resume from `path` reads: the first of its candidates whose files are
+/// intact (or that fails for another reason than damage, which loading then reports), as
+/// loading walks them. Whoever needs the resumed job's shape before loading (the world-size
+/// rescale) reads it here, so that it reads the checkpoint loading reads.
+pub(crate) fn choose(path: &Path) -> Result<PathBuf, TrainError> {
+    let candidates = candidates(path)?;
+    let single = candidates.len() == 1;
+    let mut last = None;
+    for dir in candidates {
+        match check_files(&dir) {
+            Err(e) if is_damage(&e) && !single => last = Some(e),
+            _ => return Ok(dir),
+        }
+    }
+    Err(TrainError::Resume {
+        path: path.to_path_buf(),
+        reason: format!(
+            "no intact checkpoint in it{}",
+            last.map_or(String::new(), |e| format!(": {e}"))
+        ),
+    })
+}
+
+/// The line that says a resume from the output directory `path` goes on from `dir`, an
+/// older checkpoint than the one its `latest` names (missing, or damaged); `None` when
+/// `dir` is the one `latest` names.
+fn fallback_note(path: &Path, dir: &Path) -> Option<String> {
+    let named = std::fs::read_to_string(path.join(ckpt::LATEST_FILE)).ok()?;
+    let named = named.trim();
+    let got = dir.file_name()?.to_string_lossy().into_owned();
+    if got.trim_start_matches(".old-") == named {
+        return None;
+    }
+    let step = |name: &str| -> String {
+        let n = name.trim_start_matches(".old-");
+        n.strip_prefix(STEP_PREFIX)
+            .and_then(|s| s.parse::<u64>().ok())
+            .map_or_else(|| format!("{n:?}"), |s| s.to_string())
+    };
+    let missing = ![named.to_string(), format!(".old-{named}")]
+        .iter()
+        .any(|n| path.join(n).join(ckpt::CONFIG_FILE).is_file());
+    Some(format!(
+        "{} names step {} which is {}: resuming from step {}",
+        path.join(ckpt::LATEST_FILE).display(),
+        step(named),
+        if missing { "missing" } else { "corrupt" },
+        step(&got)
+    ))
+}
+
 /// Restores model, optimizer and position from `path`: a checkpoint, or an
 /// output directory, whose latest checkpoint is used or, when that one is
 /// damaged (a checksum mismatch, a missing or truncated file), the newest
@@ -126,7 +185,12 @@ fn resume_target(
             None => loaded,
         };
         match loaded {
-            Ok(state) => return Ok(Resumed { state, dir, notes }),
+            Ok(state) => {
+                // Said first and on one line: the run goes on from an older step than the
+                // output directory's `latest` names.
+                notes.splice(0..0, fallback_note(path, &dir));
+                return Ok(Resumed { state, dir, notes });
+            }
             Err(e) if is_damage(&e) && !single => {
                 notes.push(format!(
                     "checkpoint {} is unusable, trying the one before it: {e}",
@@ -481,8 +545,7 @@ fn load(
     target: &mut dyn Restore,
 ) -> Result<TrainState, TrainError> {
     let dir = dir.to_path_buf();
-    // A sharded checkpoint's shards are checked as they are read.
-    ckpt::verify_except(&dir, |name| is_shard_file(&dir, name))?;
+    check_files(&dir)?;
     check_same_model(&dir, target.config())?;
     if !target.restore(&dir)? {
         return Err(TrainError::Resume {

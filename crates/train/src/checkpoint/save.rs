@@ -45,6 +45,8 @@ impl Companions {
         extra.insert("batch_size".into(), json!(cfg.batch_size));
         extra.insert("grad_accum".into(), json!(cfg.grad_accum));
         extra.insert("data".into(), json!(cfg.data));
+        // The schedule's length, so that a resume with more --steps can say it re-lays it.
+        extra.insert("lr_decay_steps".into(), json!(cfg.decay_steps()));
         let trainer = trainer_files::trainer_state_json(&TrainerState {
             step: state.step,
             seed: cfg.seed,

@@ -67,6 +67,18 @@ pub(crate) fn run(
         .header
         .into_iter()
         .for_each(|line| console.line(log, line));
+    if start.step > 0 && start.step >= cfg.steps {
+        // Exit 0, as a Hugging Face Trainer resumed at max_steps does: a finished run is a
+        // success, and an elastic launcher must not spend a restart on it.
+        let line = format!(
+            "nothing to do: checkpoint is at step {}, --steps {}",
+            start.step, cfg.steps
+        );
+        console.line(log, line);
+        let mut outcome = Outcome::starting_at(start.step, start.loss_floor);
+        outcome.params = strategy.final_params()?;
+        return Ok(outcome);
+    }
     let schedule =
         LrSchedule::warmup_cosine(cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps())?;
     let inject = cfg

@@ -229,7 +229,7 @@ impl<'a> Pipeline<'a> {
             .collect();
         header.push(format!(
             "pipeline: {stages} stage(s) x {replicas} replica(s), blocks per stage {blocks:?}, \
-             {m} micro-batches of {b} sequences, {:?} schedule{}",
+             {m} micro-batches of {b} sequences, {} schedule{}",
             cfg.pipeline_schedule,
             if model_cfg.tie_word_embeddings && stages > 1 {
                 "; the last stage holds a copy of the tied wte, its gradient summed with the first's"

@@ -6,6 +6,7 @@ use clap::Parser;
 mod bench;
 mod checkpoint;
 mod demo;
+mod gpu;
 mod plot;
 mod run;
 mod sample;
@@ -30,6 +31,8 @@ enum Cli {
     Tokenizer(tokenizer::TokenizerCmd),
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCmd),
+    #[command(subcommand)]
+    Gpu(gpu::GpuCmd),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -87,6 +90,7 @@ fn run_command() -> anyhow::Result<()> {
         Cli::Plot(args) => plot::main(args),
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Checkpoint(cmd) => checkpoint::main(cmd),
+        Cli::Gpu(cmd) => gpu::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }
 }

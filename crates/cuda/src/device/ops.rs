@@ -225,7 +225,7 @@ impl Device {
         if let Some(b) = bias {
             check(K, "bias", b.len(), c)?;
         }
-        if c == 0 || out.len() % c != 0 {
+        if c == 0 || !out.len().is_multiple_of(c) {
             return Err(CudaError::Unsupported {
                 kernel: K,
                 what: format!("{} elements are not rows of c = {c}", out.len()),
@@ -253,7 +253,7 @@ impl Device {
     ) -> Result<(), CudaError> {
         const K: &str = "column_sums";
         let c = acc.len();
-        if c == 0 || x.len() % c != 0 {
+        if c == 0 || !x.len().is_multiple_of(c) {
             return Err(CudaError::Unsupported {
                 kernel: K,
                 what: format!("{} elements are not rows of c = {c}", x.len()),
@@ -636,7 +636,7 @@ impl Device {
 
     /// The dims of an attention call as the kernels take them, checked: head size at most 128.
     fn attn_dims(kernel: &'static str, d: AttnDims) -> Result<[i32; 4], CudaError> {
-        if d.nh == 0 || d.c % d.nh != 0 || d.c / d.nh > 128 {
+        if d.nh == 0 || !d.c.is_multiple_of(d.nh) || d.c / d.nh > 128 {
             return Err(CudaError::Unsupported {
                 kernel,
                 what: format!(

@@ -115,37 +115,7 @@ impl Compiler {
         arch: Arch,
         extra: &[&str],
     ) -> Result<Compiled, CudaError> {
-        let source = kernels::full_source(family);
-        let src = CString::new(source).map_err(|_| CudaError::Compile {
-            family: family.name,
-            arch: arch.sm(),
-            log: "the source holds a NUL byte".to_string(),
-        })?;
-        let name = CString::new(format!("{}.cu", family.name)).unwrap_or_default();
-        let prog = result::create_program(&src, Some(name.as_c_str()))
-            .map_err(|e| nvrtc_err("create", e))?;
-        let prog = Program(prog);
-        let mut options = vec![
-            format!("--gpu-architecture={}", arch.sm()),
-            format!("--include-path={}", self.headers.display()),
-            "-std=c++17".to_string(),
-            "-lineinfo".to_string(),
-            "--ptxas-options=--verbose".to_string(),
-        ];
-        options.extend(extra.iter().map(|s| s.to_string()));
-        // SAFETY: `prog` was made by create_program and is destroyed only by Program's drop.
-        let compiled = unsafe { result::compile_program(prog.0, &options) };
-        // SAFETY: as above.
-        let log = unsafe { result::get_program_log(prog.0) }
-            .map(|l| c_chars_to_string(&l))
-            .unwrap_or_default();
-        if compiled.is_err() {
-            return Err(CudaError::Compile {
-                family: family.name,
-                arch: arch.sm(),
-                log: first_lines(&log, 12),
-            });
-        }
+        let (prog, log) = self.run(family, &arch.sm(), extra)?;
         let reports = parse_ptxas_log(&log);
         if let Some((kernel, line)) = first_spill(&log) {
             return Err(CudaError::Spill {
@@ -157,12 +127,12 @@ impl Compiler {
         }
         let mut size = 0usize;
         // SAFETY: `prog` compiled successfully; `size` is a valid out-pointer.
-        unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+        unsafe { sys::nvrtcGetCUBINSize(prog.raw, &mut size) }
             .result()
             .map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))?;
         let mut cubin = vec![0u8; size];
         // SAFETY: `cubin` holds the `size` bytes NVRTC just reported.
-        unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr() as *mut c_char) }
+        unsafe { sys::nvrtcGetCUBIN(prog.raw, cubin.as_mut_ptr() as *mut c_char) }
             .result()
             .map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))?;
         Ok(Compiled {
@@ -171,6 +141,60 @@ impl Compiler {
             cubin,
             kernels: reports,
         })
+    }
+
+    /// One family as PTX for the virtual architecture `compute_XX`: what a driver compiles
+    /// itself for a GPU newer than the cubins (no ptxas runs, so no spill report).
+    pub fn compile_ptx(&self, family: &Family, arch: Arch) -> Result<String, CudaError> {
+        let (prog, _) = self.run(family, &format!("compute_{}", arch.0), &[])?;
+        // SAFETY: `prog` compiled successfully.
+        let ptx = unsafe { result::get_ptx(prog.raw) }.map_err(|e| nvrtc_err("nvrtcGetPTX", e))?;
+        Ok(c_chars_to_string(&ptx))
+    }
+
+    /// Compiles `family` for `--gpu-architecture=target`; returns the program and its log.
+    fn run(
+        &self,
+        family: &Family,
+        target: &str,
+        extra: &[&str],
+    ) -> Result<(Program, String), CudaError> {
+        let compile_err = |log: String| CudaError::Compile {
+            family: family.name,
+            arch: target.to_string(),
+            log,
+        };
+        let src = CString::new(kernels::full_source(family))
+            .map_err(|_| compile_err("the source holds a NUL byte".to_string()))?;
+        let name = CString::new(format!("{}.cu", family.name)).unwrap_or_default();
+        let prog = result::create_program(&src, Some(name.as_c_str()))
+            .map_err(|e| nvrtc_err("create", e))?;
+        let prog = Program {
+            raw: prog,
+            _src: src,
+            _name: name,
+        };
+        let mut options = vec![
+            format!("--gpu-architecture={target}"),
+            format!("--include-path={}", self.headers.display()),
+            "-std=c++17".to_string(),
+            "-lineinfo".to_string(),
+        ];
+        // ptxas runs only for a real architecture (sm_XX): ask it for registers and spills.
+        if target.starts_with("sm_") {
+            options.push("--ptxas-options=--verbose".to_string());
+        }
+        options.extend(extra.iter().map(|s| s.to_string()));
+        // SAFETY: `prog` was made by create_program and is destroyed only by Program's drop.
+        let compiled = unsafe { result::compile_program(prog.raw, &options) };
+        // SAFETY: as above.
+        let log = unsafe { result::get_program_log(prog.raw) }
+            .map(|l| c_chars_to_string(&l))
+            .unwrap_or_default();
+        if compiled.is_err() {
+            return Err(compile_err(first_lines(&log, 12)));
+        }
+        Ok((prog, log))
     }
 
     /// Every family for `arch`.
@@ -182,14 +206,19 @@ impl Compiler {
     }
 }
 
-/// Destroys the NVRTC program when dropped, on every return path.
-struct Program(sys::nvrtcProgram);
+/// Destroys the NVRTC program when dropped, on every return path; holds the source and name
+/// the program may point into until then.
+struct Program {
+    raw: sys::nvrtcProgram,
+    _src: CString,
+    _name: CString,
+}
 
 impl Drop for Program {
     fn drop(&mut self) {
         // SAFETY: the program was created by create_program and is destroyed once, here.
         // A failure to free it is not worth a panic.
-        let _ = unsafe { result::destroy_program(self.0) };
+        let _ = unsafe { result::destroy_program(self.raw) };
     }
 }
 

@@ -37,6 +37,29 @@ fn a_spilling_kernel_is_an_error_naming_it() {
 }
 
 #[test]
+fn every_family_compiles_to_ptx_for_compute_80() {
+    let Some(compiler) = compiler() else { return };
+    for family in FAMILIES {
+        let ptx = compiler
+            .compile_ptx(family, Arch(80))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            ptx.contains(".target sm_80"),
+            "{}: {}",
+            family.name,
+            &ptx[..ptx.len().min(300)]
+        );
+        for k in family.kernels {
+            assert!(
+                ptx.contains(&format!(".entry {k}(")),
+                "{}: no entry {k}",
+                family.name
+            );
+        }
+    }
+}
+
+#[test]
 fn every_kernel_compiles_for_sm80_and_sm90_without_spills() {
     let Some(compiler) = compiler() else { return };
     let (major, minor) = compiler.version();

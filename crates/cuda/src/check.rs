@@ -478,18 +478,24 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
     });
     rows.case("matmul", || {
         let (n, c, oc) = (129, 96, 200);
-        let (x, w) = (rand_vec(n * c, 24, 1.0), rand_vec(c * oc, 25, 1.0));
+        let (x, w, bias) = (
+            rand_vec(n * c, 24, 1.0),
+            rand_vec(c * oc, 25, 1.0),
+            rand_vec(oc, 28, 1.0),
+        );
+        let (xd, wd) = (dev.upload(&x)?, dev.upload(&w)?);
         let mut out = poisoned(dev, n * oc)?;
-        dev.matmul(
+        dev.matmul_forward(
             &mut out,
-            Operand::F32(&dev.upload(&x)?),
-            Operand::F32(&dev.upload(&w)?),
+            Operand::F32(&xd),
+            Operand::F32(&wd),
+            Some(&dev.upload(&bias)?),
             n,
             c,
             oc,
         )?;
         let mut want = vec![0.0; n * oc];
-        cpu::matmul_forward(DType::F32, &mut want, &x, &w, None, n, c, oc);
+        cpu::matmul_forward(DType::F32, &mut want, &x, &w, Some(&bias), n, c, oc);
         // bf16: the CPU's fp32 product of the bf16-rounded operands is the exact reference up
         // to the order of the f32 sums.
         let round = |v: &[f32]| -> (Vec<bf16>, Vec<f32>) {
@@ -502,19 +508,85 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
         };
         let ((xb, xr), (wb, wr)) = (round(&x), round(&w));
         let mut outb = poisoned(dev, n * oc)?;
-        dev.matmul(
+        dev.matmul_forward(
             &mut outb,
             Operand::Bf16(&dev.upload(&xb)?),
             Operand::Bf16(&dev.upload(&wb)?),
+            None,
             n,
             c,
             oc,
         )?;
         let mut wantb = vec![0.0; n * oc];
         cpu::matmul_forward(DType::F32, &mut wantb, &xr, &wr, None, n, c, oc);
+        // Backward: dinp overwritten, dw and dbias accumulated onto random values.
+        let dout = rand_vec(n * oc, 29, 1.0);
+        let (g_w, g_b) = (rand_vec(c * oc, 30, 1.0), rand_vec(oc, 31, 1.0));
+        let (mut dinp, mut dw, mut db) =
+            (poisoned(dev, n * c)?, dev.upload(&g_w)?, dev.upload(&g_b)?);
+        dev.matmul_backward(
+            Some(&mut dinp),
+            &mut dw,
+            Some(&mut db),
+            &dev.upload(&dout)?,
+            &xd,
+            &wd,
+            n,
+            c,
+            oc,
+        )?;
+        let (mut w_dinp, mut w_dw, mut w_db) = (vec![0.0; n * c], g_w.clone(), g_b.clone());
+        cpu::matmul_backward(
+            DType::F32,
+            Some(&mut w_dinp),
+            &mut w_dw,
+            Some(&mut w_db),
+            &dout,
+            &x,
+            &w,
+            n,
+            c,
+            oc,
+        );
         Ok(vec![
-            row("matmul fp32 (COMPUTE_32F)", dev.download(&out)?, want, 1e-5),
-            row("matmul bf16 in, f32 out", dev.download(&outb)?, wantb, 1e-4),
+            row(
+                "matmul_forward fp32 (COMPUTE_32F)",
+                dev.download(&out)?,
+                want,
+                1e-5,
+            ),
+            row(
+                "matmul_forward bf16 in, f32 out",
+                dev.download(&outb)?,
+                wantb,
+                1e-4,
+            ),
+            row("matmul_backward.dinp", dev.download(&dinp)?, w_dinp, 1e-5),
+            row("matmul_backward.dw", dev.download(&dw)?, w_dw, 1e-5),
+            row("matmul_backward.dbias", dev.download(&db)?, w_db, 1e-5),
+        ])
+    });
+    rows.case("head", || {
+        let (n, c, v) = (70, 64, 515);
+        let (x, w, dout) = (
+            rand_vec(n * c, 32, 1.0),
+            rand_vec(v * c, 33, 1.0),
+            rand_vec(n * v, 34, 1.0),
+        );
+        let (xd, wd) = (dev.upload(&x)?, dev.upload(&w)?);
+        let mut logits = poisoned(dev, n * v)?;
+        dev.head_forward(&mut logits, Operand::F32(&xd), Operand::F32(&wd), n, c, v)?;
+        let mut want = vec![0.0; n * v];
+        cpu::head_forward(DType::F32, &mut want, &x, &w, n, c, v);
+        let g_w = rand_vec(v * c, 35, 1.0);
+        let (mut dinp, mut dw) = (poisoned(dev, n * c)?, dev.upload(&g_w)?);
+        dev.head_backward(&mut dinp, &mut dw, &dev.upload(&dout)?, &xd, &wd, n, c, v)?;
+        let (mut w_dinp, mut w_dw) = (vec![0.0; n * c], g_w.clone());
+        cpu::head_backward(DType::F32, &mut w_dinp, &mut w_dw, &dout, &x, &w, n, c, v);
+        Ok(vec![
+            row("head_forward", dev.download(&logits)?, want, 1e-5),
+            row("head_backward.dinp", dev.download(&dinp)?, w_dinp, 1e-5),
+            row("head_backward.dw", dev.download(&dw)?, w_dw, 1e-5),
         ])
     });
 }

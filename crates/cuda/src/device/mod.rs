@@ -19,7 +19,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-pub use blas::Operand;
+pub use blas::{Op, Operand};
 pub use ops::AdamWScalars;
 
 use crate::kernels;

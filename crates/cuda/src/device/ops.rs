@@ -245,6 +245,33 @@ impl Device {
         )
     }
 
+    /// out += bias over rows of c = bias's length.
+    pub fn add_bias(
+        &self,
+        out: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "add_bias_f32";
+        let c = bias.len();
+        if c == 0 || !out.len().is_multiple_of(c) {
+            return Err(CudaError::Unsupported {
+                kernel: K,
+                what: format!("{} elements are not rows of c = {c}", out.len()),
+            });
+        }
+        let (o, b) = (self.p(out), self.p(bias));
+        let (ci, n) = (int(K, "c", c)?, out.len() as i64);
+        launch!(
+            self,
+            "add_bias_f32",
+            elementwise(out.len()),
+            &o,
+            &b,
+            &ci,
+            &n
+        )
+    }
+
     /// acc (c) += Σ_rows x (rows, c), with c = acc's length.
     pub fn column_sums(
         &self,

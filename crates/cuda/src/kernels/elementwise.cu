@@ -18,6 +18,11 @@ extern "C" __global__ void add_f32(float* out, const float* x, long long n) {
     FOR_EACH(i, n) out[i] += x[i];
 }
 
+// out += bias, rows of c (a product's bias).
+extern "C" __global__ void add_bias_f32(float* out, const float* bias, int c, long long n) {
+    FOR_EACH(i, n) out[i] += bias[i % c];
+}
+
 #define GELU_S 0.7978845608028654f  // sqrt(2 / pi)
 #define GELU_C 0.044715f
 

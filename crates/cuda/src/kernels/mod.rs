@@ -30,6 +30,7 @@ pub const FAMILIES: &[Family] = &[
             "fill_f32",
             "scale_f32",
             "add_f32",
+            "add_bias_f32",
             "gelu_forward",
             "gelu_backward",
             "gelu_backward_with_grad",

@@ -14,7 +14,7 @@
 
 use cohort_engine::cpu::{self, AttnDims};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
-use cohort_engine::DType;
+use cohort_engine::{DType, Dropout};
 use half::bf16;
 
 use crate::device::Operand;
@@ -164,9 +164,33 @@ fn elementwise(dev: &Device, rows: &mut Rows) {
             rand_vec(c, 6, 1.0),
         );
         let mut od = dev.upload(&o)?;
-        dev.residual_forward(&mut od, &dev.upload(&res)?, Some(&dev.upload(&b)?), c)?;
+        dev.residual_forward(&mut od, &dev.upload(&res)?, Some(&dev.upload(&b)?), c, None)?;
         let mut want = o.clone();
         cpu::residual_forward(&mut want, &res, Some(&b), c, None);
+        let drop = Dropout {
+            p: 0.2,
+            key: Dropout::key(7, 1, 3, 2),
+        };
+        let mut odd = dev.upload(&o)?;
+        dev.residual_forward(
+            &mut odd,
+            &dev.upload(&res)?,
+            Some(&dev.upload(&b)?),
+            c,
+            Some(drop),
+        )?;
+        let mut want_d = o.clone();
+        cpu::residual_forward(&mut want_d, &res, Some(&b), c, Some(drop));
+        // Dropout alone at an offset, and its backward.
+        let offset = 12_345;
+        let mut xd = dev.upload(&o)?;
+        dev.dropout_forward(&mut xd, drop, offset)?;
+        let mut want_x = o.clone();
+        cpu::dropout_forward(&mut want_x, drop, offset);
+        let mut dx = poisoned(dev, r * c)?;
+        dev.dropout_backward(&mut dx, &dev.upload(&res)?, drop, offset)?;
+        let mut want_dx = vec![0.0; r * c];
+        cpu::dropout_backward(&mut want_dx, &res, drop, offset);
         let acc0 = rand_vec(c, 7, 1.0);
         let mut acc = dev.upload(&acc0)?;
         dev.column_sums(&mut acc, &dev.upload(&res)?)?;
@@ -174,6 +198,9 @@ fn elementwise(dev: &Device, rows: &mut Rows) {
         cpu::column_sums(&mut want_acc, &res);
         Ok(vec![
             row("residual_forward", dev.download(&od)?, want, 0.0),
+            row("residual_forward+dropout", dev.download(&odd)?, want_d, 0.0),
+            row("dropout_forward", dev.download(&xd)?, want_x, 0.0),
+            row("dropout_backward", dev.download(&dx)?, want_dx, 0.0),
             row("column_sums", dev.download(&acc)?, want_acc, 1e-5),
         ])
     });

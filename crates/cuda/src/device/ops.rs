@@ -10,6 +10,7 @@
 
 use cohort_engine::cpu::AttnDims;
 use cohort_engine::optim::AdamWConfig;
+use cohort_engine::Dropout;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
@@ -212,13 +213,15 @@ impl Device {
         )
     }
 
-    /// out = residual + (out + bias), rows of `c` (no dropout yet).
+    /// out = residual + dropout(out + bias), rows of `c`; dropout element `i` is the flat
+    /// index in `out`.
     pub fn residual_forward(
         &self,
         out: &mut CudaSlice<f32>,
         residual: &CudaSlice<f32>,
         bias: Option<&CudaSlice<f32>>,
         c: usize,
+        dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
         const K: &str = "residual_forward";
         check(K, "residual", residual.len(), out.len())?;
@@ -233,6 +236,7 @@ impl Device {
         }
         let (o, r, b) = (self.p(out), self.p(residual), self.opt(bias));
         let (ci, n) = (int(K, "c", c)?, out.len() as i64);
+        let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
             "residual_forward",
@@ -241,6 +245,51 @@ impl Device {
             &r,
             &b,
             &ci,
+            &n,
+            &p,
+            &key
+        )
+    }
+
+    /// x = dropout(x), element `i` keyed by `offset + i`.
+    pub fn dropout_forward(
+        &self,
+        x: &mut CudaSlice<f32>,
+        d: Dropout,
+        offset: u64,
+    ) -> Result<(), CudaError> {
+        let (xp, n, off) = (self.p(x), x.len() as i64, offset as i64);
+        launch!(
+            self,
+            "dropout_forward",
+            elementwise(x.len()),
+            &xp,
+            &d.p,
+            &d.key,
+            &off,
+            &n
+        )
+    }
+
+    /// dx = dropout's mask and scale applied to dy (overwritten).
+    pub fn dropout_backward(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        d: Dropout,
+        offset: u64,
+    ) -> Result<(), CudaError> {
+        check("dropout_backward", "dy", dy.len(), dx.len())?;
+        let (dxp, dyp, n, off) = (self.p(dx), self.p(dy), dx.len() as i64, offset as i64);
+        launch!(
+            self,
+            "dropout_backward",
+            elementwise(dx.len()),
+            &dxp,
+            &dyp,
+            &d.p,
+            &d.key,
+            &off,
             &n
         )
     }

@@ -51,6 +51,20 @@ __device__ float block_max(float v) {
     return warp_max(v);
 }
 
+// The engine's dropout decision (crates/engine/src/dropout.rs, cohort_rng::mix64): element i
+// of a site keyed `key` is kept when the top 24 bits of mix64(key + i * GOLDEN_GAMMA) reach
+// p * 2^24; kept elements are scaled by 1 / (1 - p). The same bits as the CPU's.
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+__device__ __forceinline__ bool dropout_keep(unsigned long long key, float p, unsigned long long i) {
+    const unsigned long long h = mix64(key + i * 0x9E3779B97F4A7C15ull);
+    return (float)(h >> 40) >= p * 16777216.0f;
+}
+
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \

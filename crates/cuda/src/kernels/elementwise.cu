@@ -1,7 +1,7 @@
 // Elementwise passes: fills, scaling, adds, GELU (GPT-2's tanh form, as the CPU's
-// cpu::gelu_forward) and its backward, the residual add with the branch's bias, and column
-// sums (the bias gradient). Dropout is not here yet: the CPU's residual and dropout kernels
-// take a Dropout key; the GPU ones run without.
+// cpu::gelu_forward) and its backward, the residual add with the branch's bias and dropout,
+// dropout and its backward (the CPU's keyed decisions, bit for bit), and column sums (the
+// bias gradient).
 
 // out = value.
 extern "C" __global__ void fill_f32(float* out, float value, long long n) {
@@ -51,14 +51,31 @@ extern "C" __global__ void gelu_backward_with_grad(float* dinout, const float* g
     FOR_EACH(i, n) dinout[i] *= grad[i];
 }
 
-// out = residual + (out + bias), rows of c; bias may be 0.
+// out = residual + dropout(out + bias), rows of c; bias may be 0; p = 0: no dropout. The
+// dropout element is the flat index in out.
 extern "C" __global__ void residual_forward(float* out, const float* residual, const float* bias,
-                                            int c, long long n) {
+                                            int c, long long n, float p, unsigned long long key) {
+    const float scale = 1.0f / (1.0f - p);
     FOR_EACH(i, n) {
         float o = out[i];
         if (bias) o += bias[i % c];
+        if (p > 0.0f) o = dropout_keep(key, p, (unsigned long long)i) ? o * scale : 0.0f;
         out[i] = o + residual[i];
     }
+}
+
+// x = dropout(x), element i keyed offset + i.
+extern "C" __global__ void dropout_forward(float* x, float p, unsigned long long key, long long offset,
+                                           long long n) {
+    const float scale = 1.0f / (1.0f - p);
+    FOR_EACH(i, n) x[i] = dropout_keep(key, p, (unsigned long long)(offset + i)) ? x[i] * scale : 0.0f;
+}
+
+// dx = the same mask and scale applied to dy (overwritten).
+extern "C" __global__ void dropout_backward(float* dx, const float* dy, float p, unsigned long long key,
+                                            long long offset, long long n) {
+    const float scale = 1.0f / (1.0f - p);
+    FOR_EACH(i, n) dx[i] = dropout_keep(key, p, (unsigned long long)(offset + i)) ? dy[i] * scale : 0.0f;
 }
 
 // acc (c) += sum over the rows of x (rows, c), one thread per column, rows in order.

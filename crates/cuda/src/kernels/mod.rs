@@ -35,6 +35,8 @@ pub const FAMILIES: &[Family] = &[
             "gelu_backward",
             "gelu_backward_with_grad",
             "residual_forward",
+            "dropout_forward",
+            "dropout_backward",
             "column_sums",
         ],
     },

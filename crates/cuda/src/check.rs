@@ -575,7 +575,43 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
             c,
             oc,
         );
+        let mut dinp2 = poisoned(dev, n * c)?;
+        let dd = dev.upload(&dout)?;
+        dev.matmul_backward_input(&mut dinp2, Operand::F32(&dd), Operand::F32(&wd), n, c, oc)?;
+        let mut w_dinp2 = vec![0.0; n * c];
+        cpu::matmul_backward_input(DType::F32, &mut w_dinp2, &dout, &w, n, c, oc);
+        let (mut pre, mut act) = (poisoned(dev, n * oc)?, poisoned(dev, n * oc)?);
+        dev.matmul_gelu_forward(
+            &mut pre,
+            &mut act,
+            Operand::F32(&xd),
+            Operand::F32(&wd),
+            Some(&dev.upload(&bias)?),
+            n,
+            c,
+            oc,
+        )?;
+        let (mut w_pre, mut w_act) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+        cpu::matmul_gelu_forward(
+            DType::F32,
+            &mut w_pre,
+            &mut w_act,
+            &x,
+            &w,
+            Some(&bias),
+            n,
+            c,
+            oc,
+        );
         Ok(vec![
+            row(
+                "matmul_backward_input",
+                dev.download(&dinp2)?,
+                w_dinp2,
+                1e-5,
+            ),
+            row("matmul_gelu_forward.pre", dev.download(&pre)?, w_pre, 1e-5),
+            row("matmul_gelu_forward.out", dev.download(&act)?, w_act, 1e-5),
             row(
                 "matmul_forward fp32 (COMPUTE_32F)",
                 dev.download(&out)?,

@@ -211,6 +211,37 @@ impl Device {
         }
     }
 
+    /// dinp = dout · wᵀ (overwritten) alone (the engine's `matmul_backward_input`).
+    pub fn matmul_backward_input(
+        &self,
+        dinp: &mut CudaSlice<f32>,
+        dout: Operand<'_>,
+        w: Operand<'_>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> Result<(), CudaError> {
+        let (a, b) = (Op { m: dout, t: false }, Op { m: w, t: true });
+        self.gemm(dinp, a, b, (n, c, oc), false)
+    }
+
+    /// pre (N, OC) = inp · w + bias, out = gelu(pre) (the engine's `matmul_gelu_forward`; a
+    /// cuBLASLt GELU epilogue would fuse the two).
+    pub fn matmul_gelu_forward(
+        &self,
+        pre: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        inp: Operand<'_>,
+        w: Operand<'_>,
+        bias: Option<&CudaSlice<f32>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) -> Result<(), CudaError> {
+        self.matmul_forward(pre, inp, w, bias, n, c, oc)?;
+        self.gelu_forward(out, pre)
+    }
+
     /// logits (N, V) = inp (N, C) · wᵀ, w (V, C) (the engine's `head_forward`).
     pub fn head_forward(
         &self,

@@ -114,8 +114,12 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
     crossentropy(dev, &mut rows);
     optim(dev, &mut rows);
     casts_and_matmul(dev, &mut rows);
-    for (name, mask) in [("attention", false), ("attention+mask", true)] {
-        rows.case(name, || attention(dev, mask));
+    for (name, mask, dropout) in [
+        ("attention", false, false),
+        ("attention+mask", true, false),
+        ("attention+mask+dropout", true, true),
+    ] {
+        rows.case(name, || attention(dev, name, mask, dropout));
     }
     rows.0
 }
@@ -656,7 +660,7 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
 
 type Outputs = Vec<(String, Vec<f32>, Vec<f32>, f64)>;
 
-fn attention(dev: &Device, masked: bool) -> Result<Outputs, CudaError> {
+fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Outputs, CudaError> {
     let dims = AttnDims {
         b: 2,
         t: 70,
@@ -676,8 +680,12 @@ fn attention(dev: &Device, masked: bool) -> Result<Outputs, CudaError> {
         dev.upload(&qkv)?,
         mask.as_ref().map(|m| dev.upload(m)).transpose()?,
     );
+    let drop = dropped.then(|| Dropout {
+        p: 0.25,
+        key: Dropout::key(3, 0, 5, 1),
+    });
     let (mut out, mut lse) = (poisoned(dev, b * t * c)?, poisoned(dev, b * nh * t)?);
-    dev.attention_forward(&mut out, &mut lse, &qd, md.as_ref(), dims)?;
+    dev.attention_forward(&mut out, &mut lse, &qd, md.as_ref(), dims, drop)?;
     let mut scratch = vec![0.0; cpu::attention_scratch_len(t, 1)];
     let (mut w_out, mut w_lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
     cpu::attention_forward(
@@ -687,7 +695,7 @@ fn attention(dev: &Device, masked: bool) -> Result<Outputs, CudaError> {
         &qkv,
         mask.as_deref(),
         dims,
-        None,
+        drop,
         &mut scratch,
     );
     let (mut dqkv, mut rout, mut delta) = (
@@ -706,6 +714,7 @@ fn attention(dev: &Device, masked: bool) -> Result<Outputs, CudaError> {
         &wl,
         md.as_ref(),
         dims,
+        drop,
     )?;
     let (mut w_dqkv, mut w_rout) = (vec![0.0; b * t * 3 * c], vec![0.0; b * t * c]);
     cpu::attention_backward(
@@ -717,14 +726,9 @@ fn attention(dev: &Device, masked: bool) -> Result<Outputs, CudaError> {
         &w_lse,
         mask.as_deref(),
         dims,
-        None,
+        drop,
         &mut scratch,
     );
-    let tag = if masked {
-        "attention+mask"
-    } else {
-        "attention"
-    };
     Ok(vec![
         row(
             &format!("{tag}_forward.out"),

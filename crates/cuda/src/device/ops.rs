@@ -729,8 +729,8 @@ impl Device {
         ])
     }
 
-    /// Causal attention with an optional key padding mask (B, T; 0 = padding); lse (B, NH, T)
-    /// kept for backward. No dropout.
+    /// Causal attention with an optional key padding mask (B, T; 0 = padding) and dropout on
+    /// the probabilities (numbered as the CPU's); lse (B, NH, T) kept for backward.
     pub fn attention_forward(
         &self,
         out: &mut CudaSlice<f32>,
@@ -738,6 +738,7 @@ impl Device {
         qkv: &CudaSlice<f32>,
         mask: Option<&CudaSlice<u8>>,
         dims: AttnDims,
+        dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
         const K: &str = "attention_forward";
         let AttnDims { b, t, c, nh } = dims;
@@ -749,6 +750,7 @@ impl Device {
             check(K, "mask", m.len(), b * t)?;
         }
         let (o, l, q, m) = (self.p(out), self.p(lse), self.p(qkv), self.opt(mask));
+        let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
             "attention_forward",
@@ -760,7 +762,9 @@ impl Device {
             &bi,
             &ti,
             &ci,
-            &hi
+            &hi,
+            &p,
+            &key
         )
     }
 
@@ -776,6 +780,7 @@ impl Device {
         lse: &CudaSlice<f32>,
         mask: Option<&CudaSlice<u8>>,
         dims: AttnDims,
+        dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
         const K: &str = "attention_backward";
         let AttnDims { b, t, c, nh } = dims;
@@ -798,6 +803,7 @@ impl Device {
         );
         let (d, q, l, m) = (self.p(dout), self.p(qkv), self.p(lse), self.opt(mask));
         let cfg = warp_per_row(b * nh * t);
+        let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
             "attention_backward_query",
@@ -812,7 +818,9 @@ impl Device {
             &bi,
             &ti,
             &ci,
-            &hi
+            &hi,
+            &p,
+            &key
         )?;
         launch!(
             self,
@@ -827,7 +835,9 @@ impl Device {
             &bi,
             &ti,
             &ci,
-            &hi
+            &hi,
+            &p,
+            &key
         )
     }
 }

@@ -4,14 +4,24 @@
 // Forward keeps the log-sum-exp (B, NH, T) of the scaled scores, as the CPU's
 // attention_forward; backward recomputes the probabilities from it. A query with no visible
 // key gets a zero output, lse -inf and zero gradients. Head size up to 32 * MAX_EPL, a
-// multiple of 32 not required. No dropout yet. Correct first, not fast: one warp-wide dot
-// product per (query, key).
+// multiple of 32 not required. Dropout on the probabilities, keyed as the CPU's: the output
+// sums the dropped probabilities; backward applies the same mask to dP. Correct first, not
+// fast: one warp-wide dot product per (query, key).
 
 #define MAX_EPL 4  // elements of a head vector per lane: head size <= 128
 
+// x after dropout on the probability (query row, key) = element `at` = (bh * T + tq) * T + key
+// of the site, as the CPU's attention numbers them; p_drop = 0: x.
+__device__ __forceinline__ float kept(unsigned long long key, float p_drop, float drop_scale,
+                                      unsigned long long at, float x) {
+    if (p_drop <= 0.0f) return x;
+    return dropout_keep(key, p_drop, at) ? x * drop_scale : 0.0f;
+}
+
 // out (B, T, C), lse (B, NH, T) from qkv (B, T, 3C); mask may be 0.
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* qkv,
-                                             const unsigned char* mask, int B, int T, int C, int NH) {
+                                             const unsigned char* mask, int B, int T, int C, int NH,
+                                             float p_drop, unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
@@ -20,6 +30,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
     const int h = (int)(bh % NH), b = (int)(bh / NH);
     const int hd = C / NH;
     const float scale = 1.0f / sqrtf((float)hd);
+    const float drop_scale = 1.0f / (1.0f - p_drop);
     const float* base = qkv + (long long)b * T * 3 * C + h * hd;
     float q[MAX_EPL], acc[MAX_EPL];
 #pragma unroll
@@ -42,11 +53,12 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
         const float mn = fmaxf(m, s);
         const float corr = expf(m - mn), p = expf(s - mn);
         l = l * corr + p;
+        const float pv = kept(key, p_drop, drop_scale, row * T + j, p);
         const float* v = k + C;
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
             const int d = lane + 32 * e;
-            if (d < hd) acc[e] = acc[e] * corr + p * v[d];
+            if (d < hd) acc[e] = acc[e] * corr + pv * v[d];
         }
         m = mn;
     }
@@ -66,7 +78,8 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
 extern "C" __global__ void attention_backward_query(float* dqkv, float* recompute_out, float* delta,
                                                     const float* dout, const float* qkv,
                                                     const float* lse, const unsigned char* mask,
-                                                    int B, int T, int C, int NH) {
+                                                    int B, int T, int C, int NH, float p_drop,
+                                                    unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
@@ -75,6 +88,7 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
     const int h = (int)(bh % NH), b = (int)(bh / NH);
     const int hd = C / NH;
     const float scale = 1.0f / sqrtf((float)hd);
+    const float drop_scale = 1.0f / (1.0f - p_drop);
     const float* base = qkv + (long long)b * T * 3 * C + h * hd;
     const float* go = dout + ((long long)b * T + tq) * C + h * hd;
     const float l = lse[row];
@@ -98,11 +112,11 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
             const int d = lane + 32 * e;
             if (d < hd) s += q[e] * k[d];
         }
-        const float p = expf(warp_sum(s) * scale - l);
+        const float pv = kept(key, p_drop, drop_scale, row * T + j, expf(warp_sum(s) * scale - l));
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
             const int d = lane + 32 * e;
-            if (d < hd) o[e] += p * v[d];
+            if (d < hd) o[e] += pv * v[d];
         }
     }
     float dl = 0.0f;
@@ -123,7 +137,7 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
             }
         }
         const float p = expf(warp_sum(s) * scale - l);
-        const float ds = p * (warp_sum(dp) - dl) * scale;
+        const float ds = p * (kept(key, p_drop, drop_scale, row * T + j, warp_sum(dp)) - dl) * scale;
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
             const int d = lane + 32 * e;
@@ -149,7 +163,7 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
 extern "C" __global__ void attention_backward_key(float* dqkv, const float* delta, const float* dout,
                                                   const float* qkv, const float* lse,
                                                   const unsigned char* mask, int B, int T, int C,
-                                                  int NH) {
+                                                  int NH, float p_drop, unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
@@ -158,6 +172,7 @@ extern "C" __global__ void attention_backward_key(float* dqkv, const float* delt
     const int h = (int)(bh % NH), b = (int)(bh / NH);
     const int hd = C / NH;
     const float scale = 1.0f / sqrtf((float)hd);
+    const float drop_scale = 1.0f / (1.0f - p_drop);
     const float* base = qkv + (long long)b * T * 3 * C + h * hd;
     float k[MAX_EPL], v[MAX_EPL], dk[MAX_EPL], dv[MAX_EPL];
 #pragma unroll
@@ -184,13 +199,15 @@ extern "C" __global__ void attention_backward_key(float* dqkv, const float* delt
             }
         }
         const float p = expf(warp_sum(s) * scale - l);
-        const float ds = p * (warp_sum(dp) - delta[bh * T + i]) * scale;
+        const unsigned long long at = (bh * T + i) * T + tk;
+        const float ds = p * (kept(key, p_drop, drop_scale, at, warp_sum(dp)) - delta[bh * T + i]) * scale;
+        const float pv = kept(key, p_drop, drop_scale, at, p);
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
             const int d = lane + 32 * e;
             if (d < hd) {
                 dk[e] += ds * q[d];
-                dv[e] += p * go[d];
+                dv[e] += pv * go[d];
             }
         }
     }

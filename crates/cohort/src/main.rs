@@ -7,6 +7,7 @@ mod bench;
 mod checkpoint;
 mod convert;
 mod demo;
+mod gpu;
 mod plot;
 mod run;
 mod sample;
@@ -32,6 +33,8 @@ enum Cli {
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCmd),
     Convert(convert::ConvertArgs),
+    #[command(subcommand)]
+    Gpu(gpu::GpuCmd),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -90,6 +93,7 @@ fn run_command() -> anyhow::Result<()> {
         Cli::Tokenizer(cmd) => tokenizer::main(cmd),
         Cli::Checkpoint(cmd) => checkpoint::main(cmd),
         Cli::Convert(args) => convert::main(args),
+        Cli::Gpu(cmd) => gpu::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }
 }

@@ -1,0 +1,843 @@
+//! The kernels of `kernels/*.cu` as methods of [`Device`]: each checks its buffers against
+//! its dims (a [`CudaError::Shape`] naming the kernel and argument, before any launch), then
+//! launches once. Arguments follow the engine's kernel list (crates/engine/src/backend.rs):
+//! outputs first, then inputs, weights, dims. Buffers are device buffers; a `None` for an
+//! optional one is passed as a null pointer. Must never launch with a buffer shorter than the
+//! kernel reads or writes: the unsafe launches rest on these checks.
+
+// Kernels take outputs, inputs, weights and dims explicitly, as llm.c does.
+#![allow(clippy::too_many_arguments)]
+
+use cohort_engine::cpu::AttnDims;
+use cohort_engine::optim::AdamWConfig;
+use cohort_engine::Dropout;
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+use super::Device;
+use crate::CudaError;
+
+/// Launches kernel `$k` with `$cfg` and the arguments (each a reference to a value that lives
+/// past the launch: device pointers as `u64`, dims as `i32`/`i64`, scalars as `f32`).
+macro_rules! launch {
+    ($dev:expr, $k:literal, $cfg:expr, $($arg:expr),+ $(,)?) => {{
+        let cfg: LaunchConfig = $cfg;
+        // SAFETY: the arguments match the kernel's parameters in kernels/*.cu in number,
+        // order and type (pointers as u64, `int` as i32, `long long` as i64, `float` as f32),
+        // and the caller checked every buffer's length against the dims before this launch.
+        unsafe {
+            $dev.launch($k, cfg, |a| {
+                $( a.arg($arg); )+
+            })
+        }
+    }};
+}
+
+/// Threads per block of the elementwise and row kernels.
+const THREADS: u32 = 256;
+
+/// A grid-stride launch over `n` elements.
+fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row.
+fn warp_per_row(rows: usize) -> LaunchConfig {
+    let warps = (THREADS / 32) as usize;
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(warps).max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One thread per column.
+fn thread_per_column(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(128).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block per row.
+fn block_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `got >= need`, else a shape error.
+fn check(
+    kernel: &'static str,
+    arg: &'static str,
+    got: usize,
+    need: usize,
+) -> Result<(), CudaError> {
+    if got < need {
+        return Err(CudaError::Shape {
+            kernel,
+            arg,
+            need,
+            got,
+        });
+    }
+    Ok(())
+}
+
+/// A dim as the kernels' `int`.
+fn int(kernel: &'static str, what: &str, v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| CudaError::Unsupported {
+        kernel,
+        what: format!("{what} = {v} does not fit a 32-bit int"),
+    })
+}
+
+/// The scalars of one AdamW step, rounded to f32 as the CPU's `AdamW::step` rounds them
+/// (crates/engine/src/optim/adamw.rs): f64 arithmetic on the hyperparameters, one rounding
+/// where each meets the f32 buffers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWScalars {
+    /// `1 - lr * weight_decay` (1 for segments without decay).
+    pub decay: f32,
+    /// `1 - beta1`.
+    pub lerp_w: f32,
+    /// `beta2`.
+    pub beta2: f32,
+    /// `1 - beta2`.
+    pub one_minus_beta2: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub bc2_sqrt: f32,
+    /// `eps`.
+    pub eps: f32,
+    /// `-lr / (1 - beta1^t)`.
+    pub neg_step_size: f32,
+}
+
+impl AdamWScalars {
+    /// The scalars of step `step` (1-based) at learning rate `lr`, for a segment that is
+    /// decayed or not.
+    pub fn new(cfg: &AdamWConfig, step: u64, lr: f64, decayed: bool) -> AdamWScalars {
+        let t = step as f64;
+        let bias_correction1 = 1.0 - cfg.beta1.powf(t);
+        let bias_correction2 = 1.0 - cfg.beta2.powf(t);
+        AdamWScalars {
+            decay: if decayed && cfg.weight_decay != 0.0 {
+                (1.0 - lr * cfg.weight_decay) as f32
+            } else {
+                1.0
+            },
+            lerp_w: (1.0 - cfg.beta1) as f32,
+            beta2: cfg.beta2 as f32,
+            one_minus_beta2: (1.0 - cfg.beta2) as f32,
+            bc2_sqrt: bias_correction2.sqrt() as f32,
+            eps: cfg.eps as f32,
+            neg_step_size: (-(lr / bias_correction1)) as f32,
+        }
+    }
+}
+
+impl Device {
+    /// The raw device pointer of `s`, for a kernel argument.
+    pub(super) fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// The raw device pointer of `s`, or 0 (null) for `None`.
+    fn opt<T>(&self, s: Option<&CudaSlice<T>>) -> u64 {
+        s.map_or(0, |s| self.p(s))
+    }
+
+    /// out = value.
+    pub fn fill(&self, out: &mut CudaSlice<f32>, value: f32) -> Result<(), CudaError> {
+        let (o, n) = (self.p(out), out.len() as i64);
+        launch!(self, "fill_f32", elementwise(out.len()), &o, &value, &n)
+    }
+
+    /// x *= s.
+    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<(), CudaError> {
+        let (p, n) = (self.p(x), x.len() as i64);
+        launch!(self, "scale_f32", elementwise(x.len()), &p, &s, &n)
+    }
+
+    /// out += x.
+    pub fn add(&self, out: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), CudaError> {
+        check("add_f32", "x", x.len(), out.len())?;
+        let (o, xp, n) = (self.p(out), self.p(x), out.len() as i64);
+        launch!(self, "add_f32", elementwise(out.len()), &o, &xp, &n)
+    }
+
+    /// out = gelu(inp) (tanh form).
+    pub fn gelu_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check("gelu_forward", "inp", inp.len(), out.len())?;
+        let (o, i, n) = (self.p(out), self.p(inp), out.len() as i64);
+        launch!(self, "gelu_forward", elementwise(out.len()), &o, &i, &n)
+    }
+
+    /// dinout *= gelu'(inp).
+    pub fn gelu_backward(
+        &self,
+        dinout: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check("gelu_backward", "inp", inp.len(), dinout.len())?;
+        let (d, i, n) = (self.p(dinout), self.p(inp), dinout.len() as i64);
+        launch!(self, "gelu_backward", elementwise(dinout.len()), &d, &i, &n)
+    }
+
+    /// dinout *= grad (GELU's derivative, kept by the forward).
+    pub fn gelu_backward_with_grad(
+        &self,
+        dinout: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check("gelu_backward_with_grad", "grad", grad.len(), dinout.len())?;
+        let (d, g, n) = (self.p(dinout), self.p(grad), dinout.len() as i64);
+        launch!(
+            self,
+            "gelu_backward_with_grad",
+            elementwise(dinout.len()),
+            &d,
+            &g,
+            &n
+        )
+    }
+
+    /// out = residual + dropout(out + bias), rows of `c`; dropout element `i` is the flat
+    /// index in `out`.
+    pub fn residual_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        residual: &CudaSlice<f32>,
+        bias: Option<&CudaSlice<f32>>,
+        c: usize,
+        dropout: Option<Dropout>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "residual_forward";
+        check(K, "residual", residual.len(), out.len())?;
+        if let Some(b) = bias {
+            check(K, "bias", b.len(), c)?;
+        }
+        if c == 0 || !out.len().is_multiple_of(c) {
+            return Err(CudaError::Unsupported {
+                kernel: K,
+                what: format!("{} elements are not rows of c = {c}", out.len()),
+            });
+        }
+        let (o, r, b) = (self.p(out), self.p(residual), self.opt(bias));
+        let (ci, n) = (int(K, "c", c)?, out.len() as i64);
+        let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
+        launch!(
+            self,
+            "residual_forward",
+            elementwise(out.len()),
+            &o,
+            &r,
+            &b,
+            &ci,
+            &n,
+            &p,
+            &key
+        )
+    }
+
+    /// x = dropout(x), element `i` keyed by `offset + i`.
+    pub fn dropout_forward(
+        &self,
+        x: &mut CudaSlice<f32>,
+        d: Dropout,
+        offset: u64,
+    ) -> Result<(), CudaError> {
+        let (xp, n, off) = (self.p(x), x.len() as i64, offset as i64);
+        launch!(
+            self,
+            "dropout_forward",
+            elementwise(x.len()),
+            &xp,
+            &d.p,
+            &d.key,
+            &off,
+            &n
+        )
+    }
+
+    /// dx = dropout's mask and scale applied to dy (overwritten).
+    pub fn dropout_backward(
+        &self,
+        dx: &mut CudaSlice<f32>,
+        dy: &CudaSlice<f32>,
+        d: Dropout,
+        offset: u64,
+    ) -> Result<(), CudaError> {
+        check("dropout_backward", "dy", dy.len(), dx.len())?;
+        let (dxp, dyp, n, off) = (self.p(dx), self.p(dy), dx.len() as i64, offset as i64);
+        launch!(
+            self,
+            "dropout_backward",
+            elementwise(dx.len()),
+            &dxp,
+            &dyp,
+            &d.p,
+            &d.key,
+            &off,
+            &n
+        )
+    }
+
+    /// out += bias over rows of c = bias's length.
+    pub fn add_bias(
+        &self,
+        out: &mut CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "add_bias_f32";
+        let c = bias.len();
+        if c == 0 || !out.len().is_multiple_of(c) {
+            return Err(CudaError::Unsupported {
+                kernel: K,
+                what: format!("{} elements are not rows of c = {c}", out.len()),
+            });
+        }
+        let (o, b) = (self.p(out), self.p(bias));
+        let (ci, n) = (int(K, "c", c)?, out.len() as i64);
+        launch!(
+            self,
+            "add_bias_f32",
+            elementwise(out.len()),
+            &o,
+            &b,
+            &ci,
+            &n
+        )
+    }
+
+    /// acc (c) += Σ_rows x (rows, c), with c = acc's length.
+    pub fn column_sums(
+        &self,
+        acc: &mut CudaSlice<f32>,
+        x: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "column_sums";
+        let c = acc.len();
+        if c == 0 || !x.len().is_multiple_of(c) {
+            return Err(CudaError::Unsupported {
+                kernel: K,
+                what: format!("{} elements are not rows of c = {c}", x.len()),
+            });
+        }
+        let (a, xp) = (self.p(acc), self.p(x));
+        let (rows, ci) = (int(K, "rows", x.len() / c)?, int(K, "c", c)?);
+        launch!(
+            self,
+            "column_sums",
+            thread_per_column(c),
+            &a,
+            &xp,
+            &rows,
+            &ci
+        )
+    }
+
+    /// out (B,T,C) = wte[ids] + wpe[t].
+    pub fn encoder_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        wte: &CudaSlice<f32>,
+        wpe: &CudaSlice<f32>,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "encoder_forward";
+        check(K, "out", out.len(), b * t * c)?;
+        check(K, "ids", ids.len(), b * t)?;
+        check(K, "wpe", wpe.len(), t * c)?;
+        check(K, "wte", wte.len(), c)?;
+        let (o, i, te, pe) = (self.p(out), self.p(ids), self.p(wte), self.p(wpe));
+        let (bi, ti, ci) = (int(K, "B", b)?, int(K, "T", t)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "encoder_forward",
+            elementwise(b * t * c),
+            &o,
+            &i,
+            &te,
+            &pe,
+            &bi,
+            &ti,
+            &ci
+        )
+    }
+
+    /// dwte[ids] += dout, dwpe[t] += dout. The ids must be rows of dwte (the caller checked
+    /// them against the vocabulary, as the model does on the CPU).
+    pub fn encoder_backward(
+        &self,
+        dwte: &mut CudaSlice<f32>,
+        dwpe: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        ids: &CudaSlice<u32>,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "encoder_backward";
+        check(K, "dout", dout.len(), b * t * c)?;
+        check(K, "ids", ids.len(), b * t)?;
+        check(K, "dwpe", dwpe.len(), t * c)?;
+        check(K, "dwte", dwte.len(), c)?;
+        let (te, pe, d, i) = (self.p(dwte), self.p(dwpe), self.p(dout), self.p(ids));
+        let (bi, ti, ci) = (int(K, "B", b)?, int(K, "T", t)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "encoder_backward",
+            thread_per_column(c),
+            &te,
+            &pe,
+            &d,
+            &i,
+            &bi,
+            &ti,
+            &ci
+        )
+    }
+
+    /// LayerNorm over C of N rows; mean and rstd (N) for backward.
+    pub fn layernorm_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        mean: &mut CudaSlice<f32>,
+        rstd: &mut CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        b: Option<&CudaSlice<f32>>,
+        n: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "layernorm_forward";
+        check(K, "out", out.len(), n * c)?;
+        check(K, "inp", inp.len(), n * c)?;
+        check(K, "mean", mean.len(), n)?;
+        check(K, "rstd", rstd.len(), n)?;
+        check(K, "w", w.len(), c)?;
+        if let Some(b) = b {
+            check(K, "b", b.len(), c)?;
+        }
+        let (o, m, r, x, wp, bp) = (
+            self.p(out),
+            self.p(mean),
+            self.p(rstd),
+            self.p(inp),
+            self.p(w),
+            self.opt(b),
+        );
+        let (ni, ci) = (int(K, "N", n)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "layernorm_forward",
+            warp_per_row(n),
+            &o,
+            &m,
+            &r,
+            &x,
+            &wp,
+            &bp,
+            &ni,
+            &ci
+        )
+    }
+
+    /// dinp, dw, db += LayerNorm backward (two launches: rows, then columns).
+    pub fn layernorm_backward(
+        &self,
+        dinp: &mut CudaSlice<f32>,
+        dw: &mut CudaSlice<f32>,
+        db: Option<&mut CudaSlice<f32>>,
+        dout: &CudaSlice<f32>,
+        inp: &CudaSlice<f32>,
+        mean: &CudaSlice<f32>,
+        rstd: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        n: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "layernorm_backward";
+        check(K, "dinp", dinp.len(), n * c)?;
+        check(K, "dout", dout.len(), n * c)?;
+        check(K, "inp", inp.len(), n * c)?;
+        check(K, "mean", mean.len(), n)?;
+        check(K, "rstd", rstd.len(), n)?;
+        check(K, "w", w.len(), c)?;
+        check(K, "dw", dw.len(), c)?;
+        if let Some(db) = db.as_deref() {
+            check(K, "db", db.len(), c)?;
+        }
+        let (di, d, x, m, r, wp) = (
+            self.p(dinp),
+            self.p(dout),
+            self.p(inp),
+            self.p(mean),
+            self.p(rstd),
+            self.p(w),
+        );
+        let (dwp, dbp) = (self.p(dw), self.opt(db.as_deref()));
+        let (ni, ci) = (int(K, "N", n)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "layernorm_backward_input",
+            warp_per_row(n),
+            &di,
+            &d,
+            &x,
+            &m,
+            &r,
+            &wp,
+            &ni,
+            &ci
+        )?;
+        launch!(
+            self,
+            "layernorm_backward_params",
+            thread_per_column(c),
+            &dwp,
+            &dbp,
+            &d,
+            &x,
+            &m,
+            &r,
+            &ni,
+            &ci
+        )
+    }
+
+    /// Per-row loss (0 for ignored targets) and log-sum-exp over the whole vocabulary.
+    pub fn crossentropy_forward(
+        &self,
+        losses: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        targets: &CudaSlice<i32>,
+        n: usize,
+        v: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "crossentropy_forward";
+        check(K, "losses", losses.len(), n)?;
+        check(K, "lse", lse.len(), n)?;
+        check(K, "logits", logits.len(), n * v)?;
+        check(K, "targets", targets.len(), n)?;
+        let (l, s, x, t) = (self.p(losses), self.p(lse), self.p(logits), self.p(targets));
+        let (ni, vi) = (int(K, "N", n)?, int(K, "V", v)?);
+        launch!(
+            self,
+            "crossentropy_forward",
+            block_per_row(n),
+            &l,
+            &s,
+            &x,
+            &t,
+            &ni,
+            &vi
+        )
+    }
+
+    /// One block of vocabulary columns v0..v0+v: lse (start at -inf) takes in the block's
+    /// log-sum-exp, target_logit the target's logit where it is in the block.
+    pub fn crossentropy_forward_block(
+        &self,
+        lse: &mut CudaSlice<f32>,
+        target_logit: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        targets: &CudaSlice<i32>,
+        n: usize,
+        v: usize,
+        v0: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "crossentropy_forward_block";
+        check(K, "lse", lse.len(), n)?;
+        check(K, "target_logit", target_logit.len(), n)?;
+        check(K, "logits", logits.len(), n * v)?;
+        check(K, "targets", targets.len(), n)?;
+        let (s, tl, x, t) = (
+            self.p(lse),
+            self.p(target_logit),
+            self.p(logits),
+            self.p(targets),
+        );
+        let (ni, vi, v0i) = (int(K, "N", n)?, int(K, "V", v)?, int(K, "v0", v0)?);
+        launch!(
+            self,
+            "crossentropy_forward_block",
+            block_per_row(n),
+            &s,
+            &tl,
+            &x,
+            &t,
+            &ni,
+            &vi,
+            &v0i
+        )
+    }
+
+    /// dlogits = scale * (softmax - onehot) for columns v0..v0+v (overwritten).
+    pub fn crossentropy_backward(
+        &self,
+        dlogits: &mut CudaSlice<f32>,
+        logits: &CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+        targets: &CudaSlice<i32>,
+        scale: f32,
+        n: usize,
+        v: usize,
+        v0: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "crossentropy_backward";
+        check(K, "dlogits", dlogits.len(), n * v)?;
+        check(K, "logits", logits.len(), n * v)?;
+        check(K, "lse", lse.len(), n)?;
+        check(K, "targets", targets.len(), n)?;
+        let (d, x, s, t) = (
+            self.p(dlogits),
+            self.p(logits),
+            self.p(lse),
+            self.p(targets),
+        );
+        let (ni, vi, v0i) = (int(K, "N", n)?, int(K, "V", v)?, int(K, "v0", v0)?);
+        launch!(
+            self,
+            "crossentropy_backward",
+            elementwise(n * v),
+            &d,
+            &x,
+            &s,
+            &t,
+            &scale,
+            &ni,
+            &vi,
+            &v0i
+        )
+    }
+
+    /// One AdamW step over a segment of fp32 master weights `p` with gradients `g` and
+    /// moments `m`, `v` (all of one length).
+    pub fn adamw_step(
+        &self,
+        p: &mut CudaSlice<f32>,
+        g: &CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        s: AdamWScalars,
+    ) -> Result<(), CudaError> {
+        const K: &str = "adamw_step";
+        let n = p.len();
+        check(K, "g", g.len(), n)?;
+        check(K, "m", m.len(), n)?;
+        check(K, "v", v.len(), n)?;
+        let (pp, gp, mp, vp, ni) = (self.p(p), self.p(g), self.p(m), self.p(v), n as i64);
+        launch!(
+            self,
+            "adamw_step",
+            elementwise(n),
+            &pp,
+            &gp,
+            &mp,
+            &vp,
+            &ni,
+            &s.decay,
+            &s.lerp_w,
+            &s.beta2,
+            &s.one_minus_beta2,
+            &s.bc2_sqrt,
+            &s.eps,
+            &s.neg_step_size
+        )
+    }
+
+    /// Σ x² in f64, in a fixed order (blocks of 2^16 elements, then the blocks in order);
+    /// waits for the result.
+    pub fn sum_squares(&self, x: &CudaSlice<f32>) -> Result<f64, CudaError> {
+        const PER_BLOCK: usize = 1 << 16;
+        let blocks = x.len().div_ceil(PER_BLOCK).max(1);
+        let partial = self.zeros::<f64>(blocks)?;
+        let total = self.zeros::<f64>(1)?;
+        let (pp, xp, n, per) = (
+            self.p(&partial),
+            self.p(x),
+            x.len() as i64,
+            PER_BLOCK as i64,
+        );
+        let cfg = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, "sum_squares_partial", cfg, &pp, &xp, &n, &per)?;
+        let (tp, nb) = (self.p(&total), int("sum_f64", "blocks", blocks)?);
+        launch!(self, "sum_f64", block_per_row(1), &tp, &pp, &nb)?;
+        // The download waits for both kernels, so `partial` outlives its last use.
+        Ok(self.download(&total)?[0])
+    }
+
+    /// out = bf16(inp), round to nearest even.
+    pub fn f32_to_bf16(
+        &self,
+        out: &mut CudaSlice<bf16>,
+        inp: &CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        check("f32_to_bf16", "inp", inp.len(), out.len())?;
+        let (o, i, n) = (self.p(out), self.p(inp), out.len() as i64);
+        launch!(self, "f32_to_bf16", elementwise(out.len()), &o, &i, &n)
+    }
+
+    /// out = f32(inp).
+    pub fn bf16_to_f32(
+        &self,
+        out: &mut CudaSlice<f32>,
+        inp: &CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        check("bf16_to_f32", "inp", inp.len(), out.len())?;
+        let (o, i, n) = (self.p(out), self.p(inp), out.len() as i64);
+        launch!(self, "bf16_to_f32", elementwise(out.len()), &o, &i, &n)
+    }
+
+    /// The dims of an attention call as the kernels take them, checked: head size at most 128.
+    fn attn_dims(kernel: &'static str, d: AttnDims) -> Result<[i32; 4], CudaError> {
+        if d.nh == 0 || !d.c.is_multiple_of(d.nh) || d.c / d.nh > 128 {
+            return Err(CudaError::Unsupported {
+                kernel,
+                what: format!(
+                    "C = {} over {} heads (head size must divide C and be <= 128)",
+                    d.c, d.nh
+                ),
+            });
+        }
+        Ok([
+            int(kernel, "B", d.b)?,
+            int(kernel, "T", d.t)?,
+            int(kernel, "C", d.c)?,
+            int(kernel, "NH", d.nh)?,
+        ])
+    }
+
+    /// Causal attention with an optional key padding mask (B, T; 0 = padding) and dropout on
+    /// the probabilities (numbered as the CPU's); lse (B, NH, T) kept for backward.
+    pub fn attention_forward(
+        &self,
+        out: &mut CudaSlice<f32>,
+        lse: &mut CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        mask: Option<&CudaSlice<u8>>,
+        dims: AttnDims,
+        dropout: Option<Dropout>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "attention_forward";
+        let AttnDims { b, t, c, nh } = dims;
+        let [bi, ti, ci, hi] = Self::attn_dims(K, dims)?;
+        check(K, "out", out.len(), b * t * c)?;
+        check(K, "lse", lse.len(), b * nh * t)?;
+        check(K, "qkv", qkv.len(), b * t * 3 * c)?;
+        if let Some(m) = mask {
+            check(K, "mask", m.len(), b * t)?;
+        }
+        let (o, l, q, m) = (self.p(out), self.p(lse), self.p(qkv), self.opt(mask));
+        let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
+        launch!(
+            self,
+            "attention_forward",
+            warp_per_row(b * nh * t),
+            &o,
+            &l,
+            &q,
+            &m,
+            &bi,
+            &ti,
+            &ci,
+            &hi,
+            &p,
+            &key
+        )
+    }
+
+    /// dqkv (B, T, 3C) = attention backward (overwritten); `recompute_out` gets the forward's
+    /// output again when given; `delta` is scratch of B·NH·T floats.
+    pub fn attention_backward(
+        &self,
+        dqkv: &mut CudaSlice<f32>,
+        recompute_out: Option<&mut CudaSlice<f32>>,
+        delta: &mut CudaSlice<f32>,
+        dout: &CudaSlice<f32>,
+        qkv: &CudaSlice<f32>,
+        lse: &CudaSlice<f32>,
+        mask: Option<&CudaSlice<u8>>,
+        dims: AttnDims,
+        dropout: Option<Dropout>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "attention_backward";
+        let AttnDims { b, t, c, nh } = dims;
+        let [bi, ti, ci, hi] = Self::attn_dims(K, dims)?;
+        check(K, "dqkv", dqkv.len(), b * t * 3 * c)?;
+        if let Some(r) = recompute_out.as_deref() {
+            check(K, "recompute_out", r.len(), b * t * c)?;
+        }
+        check(K, "delta", delta.len(), b * nh * t)?;
+        check(K, "dout", dout.len(), b * t * c)?;
+        check(K, "qkv", qkv.len(), b * t * 3 * c)?;
+        check(K, "lse", lse.len(), b * nh * t)?;
+        if let Some(m) = mask {
+            check(K, "mask", m.len(), b * t)?;
+        }
+        let (dq, ro, de) = (
+            self.p(dqkv),
+            self.opt(recompute_out.as_deref()),
+            self.p(delta),
+        );
+        let (d, q, l, m) = (self.p(dout), self.p(qkv), self.p(lse), self.opt(mask));
+        let cfg = warp_per_row(b * nh * t);
+        let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
+        launch!(
+            self,
+            "attention_backward_query",
+            cfg,
+            &dq,
+            &ro,
+            &de,
+            &d,
+            &q,
+            &l,
+            &m,
+            &bi,
+            &ti,
+            &ci,
+            &hi,
+            &p,
+            &key
+        )?;
+        launch!(
+            self,
+            "attention_backward_key",
+            cfg,
+            &dq,
+            &de,
+            &d,
+            &q,
+            &l,
+            &m,
+            &bi,
+            &ti,
+            &ci,
+            &hi,
+            &p,
+            &key
+        )
+    }
+}

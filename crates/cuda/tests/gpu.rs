@@ -1,0 +1,26 @@
+//! Every CUDA kernel against the CPU engine (cohort_cuda::check), where there is a GPU. With
+//! no driver or no device this skips with a one-line message; the GPU script runs the same
+//! checks through the release binary (`cohort gpu check`), which needs no toolchain.
+
+use cohort_cuda::libraries::Search;
+use cohort_cuda::{check, device_count, Device};
+
+#[test]
+fn every_kernel_matches_the_cpu_engine() {
+    let search = Search::from_env();
+    match device_count(&search) {
+        Ok(0) => {
+            eprintln!("skipped: GPU checks: the driver sees no device");
+            return;
+        }
+        Ok(_) => {}
+        Err(e) => {
+            eprintln!("skipped: GPU checks: {e}");
+            return;
+        }
+    }
+    let dev = Device::open(0, &search).unwrap_or_else(|e| panic!("{e}"));
+    let rows = check::run(&dev);
+    eprintln!("{}", check::table(&rows));
+    assert!(rows.iter().all(|r| r.ok), "{}", check::table(&rows));
+}

@@ -41,7 +41,7 @@ mod resize;
 pub mod sample;
 mod stage;
 
-pub use config::GPTConfig;
+pub use config::{GPTConfig, Mlp, Norm, Positions, RopeScaling};
 pub use labels::Labels;
 pub use layout::ParamView;
 pub use model::{Backward, Forward, MemoryEstimate, NoReadyHook, Part, PartHooks, GPT};

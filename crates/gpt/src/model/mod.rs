@@ -16,12 +16,12 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use cohort_engine::cpu::{AttnDims, Cpu};
+use cohort_engine::cpu::{AttnDims, Cpu, KvDims, RopeDims};
 use cohort_engine::{AlignedFloats, Backend, DType, Dropout};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
-use crate::{GPTConfig, GptError, Labels, ParamView};
+use crate::{GPTConfig, GptError, Labels, Mlp, Norm, ParamView};
 
 mod arena;
 mod block;
@@ -64,6 +64,8 @@ pub struct GPT {
     logits_max_bytes: usize,
     /// Keep only each block's input and recompute the block's forward inside backward.
     activation_checkpointing: bool,
+    /// Rotary angle tables (None with learned positions).
+    rope: Option<RopeTables>,
 }
 
 impl std::fmt::Debug for GPT {
@@ -179,6 +181,7 @@ impl GPT {
         Ok(GPT {
             params: AlignedFloats::zeroed(layout.total),
             grads: AlignedFloats::zeroed(layout.total),
+            rope: RopeTables::new(&config),
             layout,
             config,
             dev,
@@ -241,6 +244,10 @@ impl GPT {
     /// The ranges the backward hook reports, in the order it reports them.
     pub fn ready_ranges(&self) -> Vec<Range<usize>> {
         self.layout.ready_order()
+    }
+    /// The rotary angle tables (None with learned positions).
+    pub(crate) fn rope_tables(&self) -> Option<&RopeTables> {
+        self.rope.as_ref()
     }
     /// The compute backend.
     pub fn backend(&self) -> &dyn Backend {
@@ -387,6 +394,7 @@ impl GPT {
             attn_scratch,
             batch,
             profile,
+            rope,
             ..
         } = self;
         let al = act_layout.as_ref().expect("arena allocated above");
@@ -400,6 +408,7 @@ impl GPT {
         let mut run = || {
             let pass = &mut Pass {
                 dev,
+                rope: rope.as_ref(),
                 dims,
                 batch,
                 drop,
@@ -444,6 +453,7 @@ impl GPT {
             attn_scratch,
             batch,
             profile,
+            rope,
             ..
         } = self;
         let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
@@ -463,6 +473,7 @@ impl GPT {
             );
             let pass = &mut Pass {
                 dev,
+                rope: rope.as_ref(),
                 dims,
                 batch,
                 drop,

@@ -1,0 +1,88 @@
+"""The PyTorch side of llama_hf.rs: transformers' own LlamaForCausalLM / Qwen2ForCausalLM as
+the reference cohort's Llama family is checked against.
+
+  make KIND DIR   builds a tiny random model of KIND (llama: grouped heads, tied head; qwen2:
+                  grouped heads, QKV bias, untied head), saves it to DIR with save_pretrained,
+                  and prints one JSON object: the ids it used, the logits of a batch, 8 greedy
+                  tokens after a prompt, and the losses of 5 AdamW steps from the saved init.
+  check DIR       loads DIR as a user would (AutoModelForCausalLM) and prints every warning
+                  transformers logged or raised, and the logits of the same batch.
+"""
+
+import io
+import json
+import logging
+import sys
+import warnings
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+VOCAB, B, T = 96, 2, 12
+IDS = [[(7 * i + 3 * b + 1) % VOCAB for i in range(T)] for b in range(B)]
+PROMPT = [5, 17, 33, 2]
+LR, STEPS = 3e-3, 5
+
+
+def build(kind):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, initializer_range=0.2)
+    if kind == "llama":
+        cfg = LlamaConfig(rms_norm_eps=1e-5, rope_theta=1e5, tie_word_embeddings=True, **common)
+    else:
+        cfg = Qwen2Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, **common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Norm weights and biases away from 1 and 0, so that a swapped or ignored one shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def logits_of(model):
+    with torch.no_grad():
+        return model(torch.tensor(IDS)).logits.flatten().tolist()
+
+
+def make(kind, out):
+    model = build(kind).eval()
+    model.save_pretrained(out)
+    logits = logits_of(model)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[0][len(PROMPT):].tolist()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = model(torch.tensor(IDS), labels=torch.tensor(IDS)).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"ids": IDS, "prompt": PROMPT, "lr": LR, "logits": logits, "greedy": greedy,
+            "losses": losses}
+
+
+def check(path):
+    log = io.StringIO()
+    transformers.logging.set_verbosity_warning()
+    transformers.logging.add_handler(logging.StreamHandler(log))
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+    return {"warnings": [l for l in log.getvalue().splitlines() if l.strip()]
+            + [str(w.message) for w in raised],
+            "class": type(model).__name__, "logits": logits_of(model)}
+
+
+if __name__ == "__main__":
+    result = make(sys.argv[2], sys.argv[3]) if sys.argv[1] == "make" else check(sys.argv[2])
+    print(json.dumps(result))

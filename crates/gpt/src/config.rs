@@ -349,7 +349,10 @@ impl GPTConfig {
             if !self.head_dim().is_multiple_of(2) {
                 return bad(
                     "positions",
-                    format!("rotary embeddings need an even head size, not {}", self.head_dim()),
+                    format!(
+                        "rotary embeddings need an even head size, not {}",
+                        self.head_dim()
+                    ),
                 );
             }
             if !(theta > 1.0 && theta.is_finite()) {
@@ -417,13 +420,19 @@ mod tests {
             n_kv_heads: Some(3),
             ..GPTConfig::llama_like(GPTConfig::config_a())
         };
-        assert!(llama.validate().unwrap_err().to_string().contains("n_kv_heads"));
+        assert!(llama
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("n_kv_heads"));
         let cfg = GPTConfig {
             bias: true,
             ..GPTConfig::llama_like(GPTConfig::config_a())
         };
         assert!(cfg.validate().unwrap_err().to_string().contains("RMSNorm"));
-        GPTConfig::llama_like(GPTConfig::config_a()).validate().unwrap();
+        GPTConfig::llama_like(GPTConfig::config_a())
+            .validate()
+            .unwrap();
     }
 
     #[test]

@@ -25,7 +25,8 @@ use crate::layout::{BlockLayout, Layout};
 use crate::model::{
     block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
     head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
-    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, RopeTables, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
+    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, RopeTables, KEEP_MAX_BYTES, KERNELS,
+    LOGITS_MAX_BYTES,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 

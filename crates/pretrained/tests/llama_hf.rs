@@ -26,7 +26,11 @@ fn reference(args: &[&str]) -> Option<Value> {
         eprintln!("llama_hf: skipped: python3 cannot import torch and transformers (pip install torch transformers)");
         return None;
     }
-    let out = Command::new("python3").arg(SCRIPT).args(args).output().unwrap();
+    let out = Command::new("python3")
+        .arg(SCRIPT)
+        .args(args)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "llama_reference.py {args:?}: {}",
@@ -52,7 +56,10 @@ fn ints(v: &Value) -> Vec<u32> {
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 fn logits(model: &mut GPT, ids: &[u32], b: usize) -> Vec<f32> {
@@ -122,7 +129,10 @@ fn check(kind: &str, class: &str) {
     model.set_training(false);
     let ours = logits(&mut model, &ids, b);
     let d = max_diff(&ours, &floats(&loaded["logits"]));
-    assert!(d <= 1e-4, "{kind}: the written model's logits differ by {d}");
+    assert!(
+        d <= 1e-4,
+        "{kind}: the written model's logits differ by {d}"
+    );
     // and cohort reads its own file back to the same bits
     let (again, _) = checkpoint::load_model(&back).unwrap();
     assert!(again.params() == model.params());

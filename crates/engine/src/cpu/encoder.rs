@@ -175,7 +175,9 @@ mod tests {
                 embedding_backward(&mut dwte, &dout, &ids, n, c);
             });
             let f = |te: &[f64]| -> Vec<f64> {
-                (0..n * c).map(|i| te[ids[i / c] as usize * c + i % c]).collect()
+                (0..n * c)
+                    .map(|i| te[ids[i / c] as usize * c + i % c])
+                    .collect()
             };
             crate::cpu::testing::assert_close(&out, &f(&f64s(&wte)), 0.0, "out");
             check_grad("dwte", &dwte, 0.5, &f64s(&wte), &dout, f);

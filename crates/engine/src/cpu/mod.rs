@@ -41,17 +41,17 @@ pub use elementwise::{
 };
 pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
+pub use matmul::{
+    column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
+    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
+    matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
+};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{
     kv_expand_backward, kv_expand_forward, rope_backward, rope_forward, rope_tables, KvDims,
     RopeDims,
 };
 pub use swiglu::{swiglu_backward, swiglu_forward};
-pub use matmul::{
-    column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
-    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
-    matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
-};
 
 use crate::{DType, EngineError};
 

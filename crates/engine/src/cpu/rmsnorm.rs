@@ -127,7 +127,10 @@ mod tests {
             check_grad("dx", &dx, 0.5, &x64, &dout, |x| f(x, &w64));
             check_grad("dw", &dw, 0.25, &w64, &dout, |w| f(&x64, w));
             let bits: Vec<u32> = dx.iter().chain(&dw).map(|v| v.to_bits()).collect();
-            assert!(one.get_or_insert(bits.clone()) == &bits, "{threads} threads");
+            assert!(
+                one.get_or_insert(bits.clone()) == &bits,
+                "{threads} threads"
+            );
         }
     }
 }

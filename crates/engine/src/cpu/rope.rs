@@ -39,14 +39,21 @@ pub struct RopeDims {
 const ROWS_PER_TASK: usize = 16;
 
 fn rotate(x: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims, sign: f32) {
-    let RopeDims { n, width, heads, hs } = dims;
+    let RopeDims {
+        n,
+        width,
+        heads,
+        hs,
+    } = dims;
     let half = hs / 2;
     assert!(
         hs.is_multiple_of(2) && heads * hs <= width && x.len() >= n * width && pos.len() >= n,
         "rope: {n} rows of {width} with {heads} heads of {hs} do not fit the buffers"
     );
     assert!(
-        pos[..n].iter().all(|&p| (p as usize + 1) * half <= cos.len().min(sin.len())),
+        pos[..n]
+            .iter()
+            .all(|&p| (p as usize + 1) * half <= cos.len().min(sin.len())),
         "rope: a position is past the angle tables"
     );
     x[..n * width]
@@ -187,13 +194,18 @@ mod tests {
         let pos: Vec<u32> = (0..n).map(|i| (i * 7 % 64) as u32).collect();
         let x = rand_vec(n * width, 1);
         let dout = rand_vec(n * width, 2);
-        let dims = RopeDims { n, width, heads, hs };
+        let dims = RopeDims {
+            n,
+            width,
+            heads,
+            hs,
+        };
         let reference = |x: &[f64]| -> Vec<f64> {
             let mut out = x.to_vec();
-            for r in 0..n {
+            for (r, &p) in pos.iter().enumerate() {
                 for h in 0..heads {
-                    for i in 0..hs / 2 {
-                        let a = (pos[r] as f32 * inv[i]) as f64;
+                    for (i, &f) in inv.iter().enumerate() {
+                        let a = (p as f32 * f) as f64;
                         let (j, k) = (r * width + h * hs + i, r * width + h * hs + i + hs / 2);
                         out[j] = x[j] * a.cos() - x[k] * a.sin();
                         out[k] = x[k] * a.cos() + x[j] * a.sin();

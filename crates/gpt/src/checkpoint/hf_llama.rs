@@ -103,7 +103,11 @@ pub(super) fn llama_to_config(path: &Path, bytes: &[u8]) -> Result<GPTConfig, Ch
         ));
     }
     if hf.mlp_bias {
-        return Err(unsupported("mlp_bias", "true".into(), "MLP biases are not supported"));
+        return Err(unsupported(
+            "mlp_bias",
+            "true".into(),
+            "MLP biases are not supported",
+        ));
     }
     if hf.use_sliding_window {
         return Err(unsupported(
@@ -144,15 +148,18 @@ pub(super) fn llama_to_config(path: &Path, bytes: &[u8]) -> Result<GPTConfig, Ch
         "llama3" => {
             let num = |name: &'static str| {
                 field(name).and_then(Value::as_f64).ok_or_else(|| {
-                    unsupported("rope_scaling", format!("{params:?}"), "llama3 scaling lacks a field")
+                    unsupported(
+                        "rope_scaling",
+                        format!("{params:?}"),
+                        "llama3 scaling lacks a field",
+                    )
                 })
             };
             Some(RopeScaling {
                 factor: num("factor")? as f32,
                 low_freq_factor: num("low_freq_factor")? as f32,
                 high_freq_factor: num("high_freq_factor")? as f32,
-                original_max_position_embeddings: num("original_max_position_embeddings")?
-                    as usize,
+                original_max_position_embeddings: num("original_max_position_embeddings")? as usize,
             })
         }
         other => {
@@ -315,9 +322,19 @@ pub(super) fn hf_tensors(cfg: &GPTConfig, views: &[ParamView]) -> Vec<HfTensor> 
         };
         let slice = |off: usize, len: usize| Source::Slice(r.start + off..r.start + off + len);
         match parts.as_slice() {
-            ["wte", "weight"] => push("model.embed_tokens.weight".into(), v.shape.clone(), slice(0, r.len())),
-            ["ln_f", "weight"] => push("model.norm.weight".into(), v.shape.clone(), slice(0, r.len())),
-            ["lm_head", "weight"] => push("lm_head.weight".into(), v.shape.clone(), slice(0, r.len())),
+            ["wte", "weight"] => push(
+                "model.embed_tokens.weight".into(),
+                v.shape.clone(),
+                slice(0, r.len()),
+            ),
+            ["ln_f", "weight"] => push(
+                "model.norm.weight".into(),
+                v.shape.clone(),
+                slice(0, r.len()),
+            ),
+            ["lm_head", "weight"] => {
+                push("lm_head.weight".into(), v.shape.clone(), slice(0, r.len()))
+            }
             ["h", l, rest @ ..] => {
                 let p = |s: &str| format!("model.layers.{l}.{s}");
                 match rest {
@@ -470,7 +487,11 @@ fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
 
 /// IEEE half precision to single, exactly.
 fn f16_to_f32(h: u16) -> f32 {
-    let (sign, exp, man) = ((h >> 15) as u32, ((h >> 10) & 0x1f) as u32, (h & 0x3ff) as u32);
+    let (sign, exp, man) = (
+        (h >> 15) as u32,
+        ((h >> 10) & 0x1f) as u32,
+        (h & 0x3ff) as u32,
+    );
     let bits = match (exp, man) {
         (0, 0) => sign << 31,
         (0, _) => {
@@ -534,7 +555,10 @@ pub(super) fn load_llama_params(dir: &Path, model: &mut GPT) -> Result<(), Check
             if let Some(i) = v.iter().position(|x| !x.is_finite()) {
                 return Err(format_err(
                     &path,
-                    format!("tensor {name:?} holds a non-finite value ({} at element {i})", v[i]),
+                    format!(
+                        "tensor {name:?} holds a non-finite value ({} at element {i})",
+                        v[i]
+                    ),
                 ));
             }
             plan.push((h, v));
@@ -550,7 +574,9 @@ pub(super) fn load_llama_params(dir: &Path, model: &mut GPT) -> Result<(), Check
     }
     if let Some((path, head)) = tied_head {
         // Files written with the head tied may still store it; accept an identical copy only.
-        let wte = plan.iter().find(|(t, _)| t.name == "model.embed_tokens.weight");
+        let wte = plan
+            .iter()
+            .find(|(t, _)| t.name == "model.embed_tokens.weight");
         if wte.map(|(_, d)| d) != Some(&head) {
             return Err(CheckpointError::UntiedHead { path });
         }
@@ -583,13 +609,21 @@ mod tests {
         };
         let model = GPT::new(cfg.clone(), 3).unwrap();
         let table = hf_tensors(&cfg, model.param_views());
-        let total: usize = table.iter().map(|t| t.shape.iter().product::<usize>()).sum();
+        let total: usize = table
+            .iter()
+            .map(|t| t.shape.iter().product::<usize>())
+            .sum();
         assert_eq!(total, model.num_params());
-        let q = table.iter().find(|t| t.name == "model.layers.1.self_attn.k_proj.weight");
+        let q = table
+            .iter()
+            .find(|t| t.name == "model.layers.1.self_attn.k_proj.weight");
         let q = q.unwrap();
         assert_eq!(q.shape, vec![4, 8]); // 2 key/value heads of 2
         let data = gather(model.params(), q);
-        let view = &model.param_views().iter().find(|v| v.name == "h.1.attn.c_attn.weight");
+        let view = &model
+            .param_views()
+            .iter()
+            .find(|v| v.name == "h.1.attn.c_attn.weight");
         let w = &model.params()[view.unwrap().range.clone()];
         // k's row o, input i is the flat (C, W) matrix's row i, column C + o
         assert_eq!(data[3 * 8 + 5], w[5 * 16 + 8 + 3]);
@@ -602,7 +636,12 @@ mod tests {
 
     #[test]
     fn half_precision_converts_exactly() {
-        for (h, f) in [(0x3c00u16, 1.0f32), (0xc000, -2.0), (0x0001, 5.960_464_5e-8), (0x7bff, 65504.0)] {
+        for (h, f) in [
+            (0x3c00u16, 1.0f32),
+            (0xc000, -2.0),
+            (0x0001, 5.960_464_5e-8),
+            (0x7bff, 65504.0),
+        ] {
             assert_eq!(f16_to_f32(h), f);
         }
     }

@@ -78,8 +78,7 @@ pub(crate) fn norm_forward(
     stats: LnStats,
     inp: &[f32],
     (w, b): (&[f32], Option<&[f32]>),
-    n: usize,
-    c: usize,
+    (n, c): (usize, usize),
 ) {
     match norm {
         Norm::LayerNorm => dev.layernorm_forward(out, stats.mean, stats.rstd, inp, w, b, n, c),
@@ -87,17 +86,15 @@ pub(crate) fn norm_forward(
     }
 }
 
-/// Backward of [`norm_forward`]: dinp, dw (and db) += ...
+/// Backward of [`norm_forward`] from d(output) `dout` at input `inp`: dinp, dw (and db) += ...
 pub(crate) fn norm_backward(
     dev: &dyn Backend,
     norm: Norm,
     (dinp, dw, db): (&mut [f32], &mut [f32], Option<&mut [f32]>),
-    dout: &[f32],
-    inp: &[f32],
+    (dout, inp): (&[f32], &[f32]),
     (mean, rstd): (&[f32], &[f32]),
     w: &[f32],
-    n: usize,
-    c: usize,
+    (n, c): (usize, usize),
 ) {
     match norm {
         Norm::LayerNorm => dev.layernorm_backward(dinp, dw, db, dout, inp, mean, rstd, w, n, c),
@@ -211,7 +208,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
     let mut ln = ln;
     let ln_1_out = ln.ln_1();
     prof.time(K::LnFwd, || {
-        norm_forward(dev, norm, ln_1_out, ln_1, x, (w.ln_1_w, w.ln_1_b), n, c)
+        norm_forward(dev, norm, ln_1_out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
     });
     prof.time(K::MatmulFwd, || {
         dev.matmul_forward(qkv, ln_1_out, w.attn_w, w.attn_b, n, c, qkv_w)
@@ -225,7 +222,15 @@ pub(crate) fn block_forward_rows<T: Timer>(
     });
     let ln_2_out = ln.ln_2();
     prof.time(K::LnFwd, || {
-        norm_forward(dev, norm, ln_2_out, ln_2, x_mid, (w.ln_2_w, w.ln_2_b), n, c)
+        norm_forward(
+            dev,
+            norm,
+            ln_2_out,
+            ln_2,
+            x_mid,
+            (w.ln_2_w, w.ln_2_b),
+            (n, c),
+        )
     });
     // The GELU runs on each strip of the product's rows while the strip is in cache (its time
     // counted with the product's), rather than as a pass of its own over [n, f].

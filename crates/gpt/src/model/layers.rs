@@ -345,7 +345,7 @@ pub(crate) fn head_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Act
     };
     let lnf = (&p[lay.ln_f_w.clone()], opt(p, &lay.ln_f_b));
     prof.time(K::LnFwd, || {
-        norm_forward(dev, pass.dims.norm, lnf_out, stats, x_last, lnf, n, c)
+        norm_forward(dev, pass.dims.norm, lnf_out, stats, x_last, lnf, (n, c))
     });
     let w = &p[lay.lm_head.clone()];
     let cols = a.logit_cols;
@@ -456,7 +456,15 @@ pub(crate) fn head_backward(
     let stats = (&a.lnf_mean[..n], &a.lnf_rstd[..n]);
     let lnf_w = &p[lay.ln_f_w.clone()];
     prof.time(K::LnBwd, || {
-        norm_backward(dev, pass.dims.norm, (dres, dw, db), dlnf, x_last, stats, lnf_w, n, c)
+        norm_backward(
+            dev,
+            pass.dims.norm,
+            (dres, dw, db),
+            (dlnf, x_last),
+            stats,
+            lnf_w,
+            (n, c),
+        )
     });
 }
 
@@ -573,7 +581,15 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 rstd: layer_mut(a.ln2_rstd, sl, n),
             };
             prof.time(K::LnFwd, || {
-                norm_forward(dev, dims.norm, s_ln, stats, x_mid, (w.ln_2_w, w.ln_2_b), n, c)
+                norm_forward(
+                    dev,
+                    dims.norm,
+                    s_ln,
+                    stats,
+                    x_mid,
+                    (w.ln_2_w, w.ln_2_b),
+                    (n, c),
+                )
             });
         }
         let s_ln = layer(a.s_ln, ln2_slot, nc);
@@ -587,7 +603,15 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
         let dres = &mut a.dres[..nc];
         let stats = (layer(a.ln2_mean, sl, n), layer(a.ln2_rstd, sl, n));
         prof.time(K::LnBwd, || {
-            norm_backward(dev, dims.norm, (dres, dw, db), s_dl, x_mid, stats, w.ln_2_w, n, c)
+            norm_backward(
+                dev,
+                dims.norm,
+                (dres, dw, db),
+                (s_dl, x_mid),
+                stats,
+                w.ln_2_w,
+                (n, c),
+            )
         });
     }
 
@@ -634,7 +658,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 rstd: layer_mut(a.ln1_rstd, sl, n),
             };
             prof.time(K::LnFwd, || {
-                norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), n, c)
+                norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
             });
         }
         // Back through the key/value expansion and the rotation to the product's rows.
@@ -660,6 +684,14 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
     let dres = &mut a.dres[..nc];
     let stats = (layer(a.ln1_mean, sl, n), layer(a.ln1_rstd, sl, n));
     prof.time(K::LnBwd, || {
-        norm_backward(dev, dims.norm, (dres, dw, db), s_dl, x, stats, w.ln_1_w, n, c)
+        norm_backward(
+            dev,
+            dims.norm,
+            (dres, dw, db),
+            (s_dl, x),
+            stats,
+            w.ln_1_w,
+            (n, c),
+        )
     });
 }

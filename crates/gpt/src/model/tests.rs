@@ -785,7 +785,10 @@ fn llama_activation_checkpointing_and_thread_count_keep_the_bits() {
     };
     let base = run(1, false);
     assert!(run(2, false) == base, "thread count changed the bits");
-    assert!(run(2, true) == base, "activation checkpointing changed the bits");
+    assert!(
+        run(2, true) == base,
+        "activation checkpointing changed the bits"
+    );
 }
 
 #[test]

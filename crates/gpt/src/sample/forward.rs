@@ -196,7 +196,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     };
     let (ln, mean, rstd) = (&mut buf.ln[..m * c], &mut buf.mean[..m], &mut buf.rstd[..m]);
     let stats = LnStats { mean, rstd };
-    norm_forward(dev, cfg.norm, ln, stats, from, (lnf_w, lnf_b), m, c);
+    norm_forward(dev, cfg.norm, ln, stats, from, (lnf_w, lnf_b), (m, c));
     dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
 }
 

@@ -480,7 +480,16 @@ fn a_llama_with_grouped_heads_decodes_with_its_cache_as_its_full_forward_does() 
             assert_eq!(cached.len(), full.len());
         }
         // the cache holds 2 of the 4 heads
-        let full_heads = KvCache::with_dtype(&GPTConfig { n_kv_heads: None, ..cfg.clone() }, kv);
-        assert_eq!(2 * KvCache::with_dtype(&cfg, kv).bytes(), full_heads.bytes());
+        let full_heads = KvCache::with_dtype(
+            &GPTConfig {
+                n_kv_heads: None,
+                ..cfg.clone()
+            },
+            kv,
+        );
+        assert_eq!(
+            2 * KvCache::with_dtype(&cfg, kv).bytes(),
+            full_heads.bytes()
+        );
     }
 }

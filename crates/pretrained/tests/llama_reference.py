@@ -1,7 +1,8 @@
 """The PyTorch side of llama_hf.rs: transformers' own LlamaForCausalLM / Qwen2ForCausalLM as
 the reference cohort's Llama family is checked against.
 
-  make KIND DIR   builds a tiny random model of KIND (llama: grouped heads, tied head; qwen2:
+  make KIND DIR [VOCAB]
+                  builds a tiny random model of KIND (llama: grouped heads, tied head; qwen2:
                   grouped heads, QKV bias, untied head), saves it to DIR with save_pretrained,
                   and prints one JSON object: the ids it used, the logits of a batch, 8 greedy
                   tokens after a prompt, and the losses of 5 AdamW steps from the saved init.
@@ -19,14 +20,17 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-VOCAB, B, T = 96, 2, 12
-IDS = [[(7 * i + 3 * b + 1) % VOCAB for i in range(T)] for b in range(B)]
-PROMPT = [5, 17, 33, 2]
+B, T = 2, 12
 LR, STEPS = 3e-3, 5
 
 
-def build(kind):
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+def ids_of(vocab):
+    """The batch (B, T) every mode runs, within a vocabulary of `vocab` ids."""
+    return [[(7 * i + 3 * b + 1) % vocab for i in range(T)] for b in range(B)]
+
+
+def build(kind, vocab):
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=64, initializer_range=0.2)
     if kind == "llama":
@@ -47,27 +51,30 @@ def build(kind):
 
 def logits_of(model):
     with torch.no_grad():
-        return model(torch.tensor(IDS)).logits.flatten().tolist()
+        ids = ids_of(model.config.vocab_size)
+        return model(torch.tensor(ids)).logits.flatten().tolist()
 
 
-def make(kind, out):
-    model = build(kind).eval()
+def make(kind, out, vocab):
+    ids = ids_of(vocab)
+    prompt = [x % vocab for x in (5, 17, 33, 2)]
+    model = build(kind, vocab).eval()
     model.save_pretrained(out)
     logits = logits_of(model)
     with torch.no_grad():
-        greedy = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,
-                                pad_token_id=0)[0][len(PROMPT):].tolist()
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)[0][len(prompt):].tolist()
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
                             weight_decay=0.0)
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = model(torch.tensor(IDS), labels=torch.tensor(IDS)).loss
+        loss = model(torch.tensor(ids), labels=torch.tensor(ids)).loss
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return {"ids": IDS, "prompt": PROMPT, "lr": LR, "logits": logits, "greedy": greedy,
+    return {"ids": ids, "prompt": prompt, "lr": LR, "logits": logits, "greedy": greedy,
             "losses": losses}
 
 
@@ -84,5 +91,8 @@ def check(path):
 
 
 if __name__ == "__main__":
-    result = make(sys.argv[2], sys.argv[3]) if sys.argv[1] == "make" else check(sys.argv[2])
+    if sys.argv[1] == "make":
+        result = make(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 96)
+    else:
+        result = check(sys.argv[2])
     print(json.dumps(result))

@@ -1,6 +1,7 @@
 //! The Llama family against `transformers` itself: a tiny random `LlamaForCausalLM` (grouped
-//! key/value heads, tied head) and `Qwen2ForCausalLM` (grouped heads, QKV bias, untied head),
-//! made and saved by transformers (llama_reference.py), loaded by cohort: the same logits within
+//! key/value heads, tied head), one with Llama 3's rope scaling (multi-query, untied head) and a
+//! `Qwen2ForCausalLM` (grouped heads, QKV bias, untied head, sharded weights), made and saved by
+//! transformers (llama_reference.py), loaded by cohort: the same logits within
 //! 1e-4, the same greedy tokens, 5 AdamW steps whose losses match PyTorch's from the same init
 //! within 1e-4; and the checkpoint cohort writes back loads in transformers without a warning
 //! and computes cohort's logits. Skipped with a message where python3 cannot import
@@ -73,6 +74,12 @@ fn check(kind: &str, class: &str) {
     let Some(r) = reference(&["make", kind, dir.to_str().unwrap()]) else {
         return;
     };
+    if kind == "qwen2" {
+        assert!(
+            dir.join(checkpoint::INDEX_FILE).is_file(),
+            "qwen2 is saved in shards"
+        );
+    }
     let (mut model, _) = checkpoint::load_model(&dir).unwrap();
     let ids = ints(&r["ids"]);
     let b = r["ids"].as_array().unwrap().len();
@@ -146,4 +153,9 @@ fn a_tiny_llama_with_grouped_heads_and_a_tied_head_matches_transformers() {
 #[test]
 fn a_tiny_qwen2_with_qkv_bias_and_an_untied_head_matches_transformers() {
     check("qwen2", "Qwen2ForCausalLM");
+}
+
+#[test]
+fn a_tiny_llama_3_with_rope_scaling_and_one_kv_head_matches_transformers() {
+    check("llama3", "LlamaForCausalLM");
 }

@@ -3,7 +3,9 @@ the reference cohort's Llama family is checked against.
 
   make KIND DIR [VOCAB]
                   builds a tiny random model of KIND (llama: grouped heads, tied head; qwen2:
-                  grouped heads, QKV bias, untied head), saves it to DIR with save_pretrained,
+                  grouped heads, QKV bias, untied head, saved in shards with an index; llama3:
+                  Llama 3's rope scaling, multi-query, untied head), saves it to DIR with
+                  save_pretrained,
                   and prints one JSON object: the ids it used, the logits of a batch, 8 greedy
                   tokens after a prompt, and the losses of 5 AdamW steps from the saved init.
   check DIR       loads DIR as a user would (AutoModelForCausalLM) and prints every warning
@@ -35,6 +37,13 @@ def build(kind, vocab):
                   max_position_embeddings=64, initializer_range=0.2)
     if kind == "llama":
         cfg = LlamaConfig(rms_norm_eps=1e-5, rope_theta=1e5, tie_word_embeddings=True, **common)
+    elif kind == "llama3":
+        # wavelengths 6.3, 63, 628, 6283 against 16 / 4 and 16 / 1: one smoothed, three scaled
+        common["num_key_value_heads"] = 1
+        scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                       high_freq_factor=4.0, original_max_position_embeddings=16)
+        cfg = LlamaConfig(rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=scaling,
+                          tie_word_embeddings=False, **common)
     else:
         cfg = Qwen2Config(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, **common)
     torch.manual_seed(0)
@@ -59,8 +68,11 @@ def make(kind, out, vocab):
     ids = ids_of(vocab)
     prompt = [x % vocab for x in (5, 17, 33, 2)]
     model = build(kind, vocab).eval()
-    model.save_pretrained(out)
+    # qwen2's weights in shards with a model.safetensors.index.json, as large models come
+    model.save_pretrained(out, max_shard_size="30KB" if kind == "qwen2" else "5GB")
     logits = logits_of(model)
+    # all 8 tokens, as cohort's sampler gives them: no stop at the config's eos id
+    model.generation_config.eos_token_id = None
     with torch.no_grad():
         greedy = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                                 pad_token_id=0)[0][len(prompt):].tolist()

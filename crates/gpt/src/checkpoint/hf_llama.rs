@@ -645,4 +645,65 @@ mod tests {
             assert_eq!(f16_to_f32(h), f);
         }
     }
+
+    #[test]
+    fn hub_configs_of_both_transformers_versions_read_as_the_family() {
+        let path = Path::new("config.json");
+        // SmolLM2-135M as transformers 4.x wrote it
+        let smol = br#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-05, "rope_theta": 100000, "rope_scaling": null,
+            "tie_word_embeddings": true, "vocab_size": 49152, "hidden_act": "silu",
+            "torch_dtype": "bfloat16"}"#;
+        let cfg = llama_to_config(path, smol).unwrap();
+        assert_eq!((cfg.n_heads, cfg.kv_heads(), cfg.head_dim()), (9, 3, 64));
+        assert_eq!(cfg.norm, Norm::RmsNorm { eps: 1e-5 });
+        assert_eq!(
+            cfg.positions,
+            Positions::Rope {
+                theta: 1e5,
+                scaling: None
+            }
+        );
+        assert!(cfg.tie_word_embeddings && !cfg.has_qkv_bias() && !cfg.is_gpt2());
+        // Llama 3.2 1B's scaling, 4.x and 5.x spellings
+        let scaling = r#"{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192"#;
+        let base = r#""model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1,
+            "max_position_embeddings": 131072, "vocab_size": 10"#;
+        let v4 = format!(r#"{{{base}, "rope_theta": 500000.0, "rope_scaling": {scaling}}}}}"#);
+        let v5 = format!(r#"{{{base}, "rope_parameters": {scaling}, "rope_theta": 500000.0}}}}"#);
+        let a = llama_to_config(path, v4.as_bytes()).unwrap();
+        let b = llama_to_config(path, v5.as_bytes()).unwrap();
+        assert_eq!(a, b);
+        let Positions::Rope {
+            theta,
+            scaling: Some(s),
+        } = a.positions
+        else {
+            panic!("{:?}", a.positions)
+        };
+        assert_eq!(
+            (theta, s.factor, s.original_max_position_embeddings),
+            (5e5, 32.0, 8192)
+        );
+        // what cohort writes reads back as the same model
+        let written = serde_json::to_vec(&llama_config_json(&a).unwrap()).unwrap();
+        assert_eq!(llama_to_config(path, &written).unwrap(), a);
+        // and what it cannot compute is refused by name
+        for (key, value) in [
+            ("hidden_act", "\"gelu\""),
+            ("mlp_bias", "true"),
+            ("attention_bias", "true"),
+            ("head_dim", "32"),
+        ] {
+            let bad = format!(r#"{{{base}, "{key}": {value}}}"#);
+            match llama_to_config(path, bad.as_bytes()) {
+                Err(CheckpointError::UnsupportedConfig { field, .. }) => assert_eq!(field, key),
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+    }
 }

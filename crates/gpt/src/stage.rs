@@ -811,6 +811,18 @@ mod tests {
     }
 
     #[test]
+    fn stages_compose_to_the_whole_model_as_a_llama() {
+        // RoPE, RMSNorm, SwiGLU, 2 heads over 1 key/value head, QKV bias; tied and untied
+        for tied in [true, false] {
+            let cfg = GPTConfig {
+                qkv_bias: Some(true),
+                ..GPTConfig::llama_like(tiny(false, tied, 0.0))
+            };
+            composition_matches_whole_model(cfg, 2);
+        }
+    }
+
+    #[test]
     fn wrong_buffers_are_clear_errors() {
         let cfg = tiny(true, true, 0.0);
         let mut st = stages(&cfg, 2);

@@ -1,7 +1,7 @@
 //! A Hugging Face Llama directory through the real binary: a tiny random `LlamaForCausalLM` made
 //! by transformers (grouped key/value heads, tied head) beside a cohort tokenizer →
-//! `cohort run -n 2 train --init-from` under DDP and under ZeRO-2 (its sharded checkpoint
-//! consolidated) → `cohort sample` → the result loads in transformers as a `LlamaForCausalLM` without a warning. Skipped with a message where
+//! `cohort run -n 2 train --init-from` under DDP and under ZeRO-3 with bf16 products,
+//! activation checkpointing and accumulation (its sharded checkpoint consolidated) → `cohort sample` → the result loads in transformers as a `LlamaForCausalLM` without a warning. Skipped with a message where
 //! python3 cannot import torch and transformers (CI installs them).
 
 mod support;
@@ -58,7 +58,14 @@ fn a_llama_directory_fine_tunes_on_two_ranks_samples_and_loads_in_transformers()
     reference(&["make", "llama", path(&base), &vocab.to_string()]);
     std::fs::copy(&tok, base.join("tokenizer.json")).unwrap();
 
-    for strategy in ["ddp", "zero2"] {
+    let zero3 = [
+        "--precision",
+        "bf16",
+        "--activation-checkpointing",
+        "--grad-accum",
+        "2",
+    ];
+    for (strategy, extra) in [("ddp", &[][..]), ("zero3", &zero3[..])] {
         let out = at(strategy);
         let log = succeeded(
             &cohort()
@@ -73,6 +80,7 @@ fn a_llama_directory_fine_tunes_on_two_ranks_samples_and_loads_in_transformers()
                     "--out",
                     path(&out),
                 ])
+                .args(extra)
                 .output()
                 .unwrap(),
         );
@@ -81,8 +89,8 @@ fn a_llama_directory_fine_tunes_on_two_ranks_samples_and_loads_in_transformers()
             "{strategy}: {log}"
         );
         let mut ft = out.join("step-000004");
-        if strategy == "zero2" {
-            let whole = at("zero2-whole");
+        if strategy == "zero3" {
+            let whole = at("zero3-whole");
             succeeded(
                 &cohort()
                     .args(["checkpoint", "consolidate", "--from", path(&ft)])

@@ -188,8 +188,12 @@ pub(super) fn llama_to_config(path: &Path, bytes: &[u8]) -> Result<GPTConfig, Ch
             scaling,
         },
         mlp: Mlp::SwiGlu,
-        n_kv_heads: hf.num_key_value_heads,
-        qkv_bias: Some(hf.model_type == "qwen2" || hf.attention_bias),
+        // Set only where they differ from the defaults, as a config built in Rust has them, so
+        // that a model written and read back compares equal.
+        n_kv_heads: hf
+            .num_key_value_heads
+            .filter(|&k| k != hf.num_attention_heads),
+        qkv_bias: (hf.model_type == "qwen2" || hf.attention_bias).then_some(true),
     };
     cfg.validate()?;
     Ok(cfg)

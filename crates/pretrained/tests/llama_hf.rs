@@ -1,5 +1,5 @@
 //! The Llama family against `transformers` itself: a tiny random `LlamaForCausalLM` (grouped
-//! key/value heads, tied head), one with Llama 3's rope scaling (multi-query, untied head) and a
+//! key/value heads, tied head), one with Llama 3's rope scaling (multi-query, untied head, bf16 weights) and a
 //! `Qwen2ForCausalLM` (grouped heads, QKV bias, untied head, sharded weights), made and saved by
 //! transformers (llama_reference.py), loaded by cohort: the same logits within
 //! 1e-4, the same greedy tokens, 5 AdamW steps whose losses match PyTorch's from the same init
@@ -74,6 +74,11 @@ fn check(kind: &str, class: &str) {
     let Some(r) = reference(&["make", kind, dir.to_str().unwrap()]) else {
         return;
     };
+    if kind == "llama3" {
+        let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        let header = String::from_utf8_lossy(&bytes[8..200]).into_owned();
+        assert!(header.contains("BF16"), "llama3 is saved in bf16: {header}");
+    }
     if kind == "qwen2" {
         assert!(
             dir.join(checkpoint::INDEX_FILE).is_file(),

@@ -4,7 +4,8 @@ the reference cohort's Llama family is checked against.
   make KIND DIR [VOCAB]
                   builds a tiny random model of KIND (llama: grouped heads, tied head; qwen2:
                   grouped heads, QKV bias, untied head, saved in shards with an index; llama3:
-                  Llama 3's rope scaling, multi-query, untied head), saves it to DIR with
+                  Llama 3's rope scaling, multi-query, untied head, saved in bf16), saves it to
+                  DIR with
                   save_pretrained,
                   and prints one JSON object: the ids it used, the logits of a batch, 8 greedy
                   tokens after a prompt, and the losses of 5 AdamW steps from the saved init.
@@ -68,8 +69,17 @@ def make(kind, out, vocab):
     ids = ids_of(vocab)
     prompt = [x % vocab for x in (5, 17, 33, 2)]
     model = build(kind, vocab).eval()
-    # qwen2's weights in shards with a model.safetensors.index.json, as large models come
-    model.save_pretrained(out, max_shard_size="30KB" if kind == "qwen2" else "5GB")
+    # qwen2's weights in shards with a model.safetensors.index.json, as large models come;
+    # llama3's in bf16, as most hub models are (its f32 values bf16-exact, so nothing is lost)
+    if kind == "llama3":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.bfloat16().float())
+        # (a copy: casting the model would round its rotary frequencies too)
+        state = {k: v.bfloat16() for k, v in model.state_dict().items()}
+        model.save_pretrained(out, state_dict=state)
+    else:
+        model.save_pretrained(out, max_shard_size="30KB" if kind == "qwen2" else "5GB")
     logits = logits_of(model)
     # all 8 tokens, as cohort's sampler gives them: no stop at the config's eos id
     model.generation_config.eos_token_id = None

@@ -205,6 +205,31 @@ impl GPTConfig {
         }
     }
 
+    /// Benchmark config S, SmolLM2-135M's shape (`LlamaForCausalLM`: 30 layers, d 576, 9 heads
+    /// over 3 key/value heads, SwiGLU 1536, RoPE θ 1e5, RMSNorm 1e-5, tied, vocabulary 49152)
+    /// with a context of 512, dropout 0; batch 4.
+    pub fn config_s() -> Self {
+        GPTConfig {
+            vocab_size: 49152,
+            max_position_embeddings: 512,
+            n_layers: 30,
+            n_heads: 9,
+            d_model: 576,
+            d_ff: 1536,
+            dropout: 0.0,
+            bias: false,
+            tie_word_embeddings: true,
+            norm: Norm::RmsNorm { eps: 1e-5 },
+            positions: Positions::Rope {
+                theta: 1e5,
+                scaling: None,
+            },
+            mlp: Mlp::SwiGlu,
+            n_kv_heads: Some(3),
+            qkv_bias: None,
+        }
+    }
+
     /// `base`'s shape as a Llama: RMSNorm (eps 1e-5), RoPE (θ 10000), SwiGLU, no biases, half
     /// as many key/value heads where that divides (else as many).
     pub fn llama_like(base: GPTConfig) -> GPTConfig {
@@ -456,5 +481,6 @@ mod tests {
         assert_eq!(back, llama);
         assert!(!llama.is_gpt2() && GPTConfig::config_a().is_gpt2());
         assert_eq!(llama.rope_inv_freq().unwrap().len(), 16);
+        GPTConfig::config_s().validate().unwrap();
     }
 }

@@ -202,6 +202,8 @@ mod tests {
         assert_eq!(layout.total, 809_856);
         let b = Layout::new(&GPTConfig::config_b());
         assert_eq!(b.total, 10_770_816);
+        // SmolLM2-135M's count, as transformers reports it
+        assert_eq!(Layout::new(&GPTConfig::config_s()).total, 134_515_008);
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub(super) const ACT_BUFFERS: usize = 25;
 pub(crate) struct Acts<'a> {
     pub(crate) res: &'a mut [f32], // (L+1, N, C) block inputs; res[L] feeds ln_f
     pub(super) res_mid: &'a mut [f32], // (L, N, C) residual after attention
-    pub(super) qkv: &'a mut [f32], // (L, N, 3C) as the attention reads it (rotated, key/value heads expanded)
+    pub(super) qkv: &'a mut [f32], // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
     pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU); GELU's derivative at it when gelu16 is kept
     pub(super) ln1_mean: &'a mut [f32], // (L, N)
     pub(super) ln1_rstd: &'a mut [f32], // (L, N)
@@ -54,8 +54,8 @@ pub(crate) struct Acts<'a> {
     /// (L, ⌈N·F/2⌉) GELU outputs kept in bf16, two to a float (empty unless bf16 and not
     /// `keep`); see [`bf16_layer`].
     pub(super) gelu16: &'a mut [f32],
-    /// (N, (NH+2·NKV)·HS) scratch: the qkv product's rows and their gradient before the
-    /// key/value expansion (empty with as many key/value heads as query heads).
+    /// (N, 3C) scratch: grouped rows expanded for the attention kernels, then the gradient of
+    /// the grouped rows (empty with as many key/value heads as query heads).
     pub(super) s_qkv: &'a mut [f32],
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
@@ -146,7 +146,7 @@ impl ActLayout {
         let sizes = [
             (layers + 1) * n * c,
             l * n * c,
-            l * n * 3 * c,
+            l * n * cfg.qkv_width(),
             l * n * fx,
             l * n,
             l * n,
@@ -176,7 +176,7 @@ impl ActLayout {
             } else {
                 0
             },
-            if grouped { n * cfg.qkv_width() } else { 0 },
+            if grouped { n * 3 * c } else { 0 },
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {

@@ -270,17 +270,12 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
     } else {
         GeluOut::F32(&mut a.s_big[..n * f])
     };
-    // The attention kernels read (N, 3C) rows; a model with grouped key/value heads has the
-    // product write its narrower rows to scratch, expanded into the kept rows in `attend`.
-    let grouped = dims.nkv != dims.nh;
-    let (qkv, expanded) = if grouped {
-        (
-            &mut a.s_qkv[..n * dims.qkv_width()],
-            Some(layer_mut(a.qkv, sl, 3 * nc)),
-        )
-    } else {
-        (layer_mut(a.qkv, sl, 3 * nc), None)
-    };
+    // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS); the attention
+    // kernels read (N, 3C) rows, which a model with grouped key/value heads expands into scratch
+    // in `attend` (and backward again): one pass over N·C floats instead of keeping them.
+    let qkv_w = dims.qkv_width();
+    let expanded = (dims.nkv != dims.nh).then(|| &mut a.s_qkv[..3 * nc]);
+    let qkv = layer_mut(a.qkv, sl, n * qkv_w);
     let acts = BlockActs {
         x,
         x_mid: layer_mut(a.res_mid, sl, nc),
@@ -508,7 +503,8 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
     let x = layer(a.res, l, nc);
     let sl = a.layer_slot(l);
     let x_mid = layer(a.res_mid, sl, nc);
-    let qkv = layer(a.qkv, sl, 3 * nc);
+    let qkv_w = dims.qkv_width();
+    let qkv = layer(a.qkv, sl, n * qkv_w);
     let fx = dims.fc_width();
     let fch = layer(a.fch, sl, n * fx);
     let lse = layer(a.att_lse, sl, n * nh);
@@ -630,6 +626,15 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
             dev.matmul_backward_input(s_dl, dproj, w.proj_w, n, c, c)
         });
         let dqkv = &mut a.s_big[..3 * nc];
+        // Grouped key/value heads: the attention reads the kept rows expanded, as forward did.
+        let grouped = dims.nkv != dims.nh;
+        let att_qkv: &[f32] = if grouped {
+            let expanded = &mut a.s_qkv[..3 * nc];
+            dev.kv_expand_forward(expanded, qkv, dims.kv(n));
+            expanded
+        } else {
+            qkv
+        };
         // Without kept outputs, backward recomputes the attention output the projection's
         // weight gradient needs.
         let recompute = (!keep).then(|| layer_mut(a.s_atty, atty_slot, nc));
@@ -638,7 +643,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 dqkv,
                 recompute,
                 s_dl,
-                qkv,
+                att_qkv,
                 lse,
                 mask,
                 dims.attn(),
@@ -661,12 +666,12 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
             });
         }
-        // Back through the key/value expansion and the rotation to the product's rows.
-        let qkv_w = dims.qkv_width();
-        let dqkv: &mut [f32] = if dims.nkv != dims.nh {
-            let grouped = &mut a.s_qkv[..n * qkv_w];
-            dev.kv_expand_backward(grouped, dqkv, dims.kv(n));
-            grouped
+        // Back through the key/value expansion (into the scratch the expanded rows held) and
+        // the rotation to the product's rows.
+        let dqkv: &mut [f32] = if grouped {
+            let rows = &mut a.s_qkv[..n * qkv_w];
+            dev.kv_expand_backward(rows, dqkv, dims.kv(n));
+            rows
         } else {
             dqkv
         };

@@ -173,9 +173,8 @@ pub(crate) struct BranchDropout {
 /// One block's forward over `acts`' rows: ln_1 -> qkv -> `attend(qkv, att)` -> projection and
 /// residual -> ln_2 -> MLP (the GELU fused into its first product) -> projection and residual.
 /// `attend` is the only step that differs between training and decoding (it may rotate q and k
-/// in place). Each product's bias
-/// is added with its residual (`residual_forward`), after the product, so every path computes
-/// the same bits from the same inputs.
+/// in place). Each product's bias is added with its residual (`residual_forward`), after the
+/// product, so every path computes the same bits from the same inputs.
 pub(crate) fn block_forward_rows<T: Timer>(
     dev: &dyn Backend,
     prof: &mut T,

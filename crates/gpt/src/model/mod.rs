@@ -1,8 +1,9 @@
-//! The GPT-2 model: flat parameters and gradients, the activation arena, and the one forward
-//! and one backward entry point ([`GPT::forward`], [`GPT::backward`]) with their options.
+//! The model (GPT-2, or another point of the decoder family: Llama, Qwen2): flat parameters
+//! and gradients, the activation arena, and the one forward and one backward entry point
+//! ([`GPT::forward`], [`GPT::backward`]) with their options.
 //!
 //! Dims, named once: B batch, T sequence, C d_model, F d_ff, V vocab, L layers, NH heads,
-//! N = B*T tokens. All compute goes through the engine's `Backend`; this module decides only
+//! NKV key/value heads, HS head size, N = B*T tokens. All compute goes through the engine's `Backend`; this module decides only
 //! what is computed, in which order (`passes`, `layers`, `block`), and into which buffer
 //! (`arena`). It never allocates after the first
 //! forward for a given token count (a larger B*T reallocates the arena once).

@@ -22,6 +22,8 @@
 
 use rayon::prelude::*;
 
+use super::simd_fn;
+
 /// The shape of a [`rope_forward`]: `n` rows of stride `width`, whose first `heads` heads of
 /// size `hs` are rotated (q's heads then k's, which sit side by side in a qkv row).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,17 +65,24 @@ fn rotate(x: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims, 
             for (row, &p) in rows.chunks_exact_mut(width).zip(pos) {
                 let at = p as usize * half;
                 let (cos, sin) = (&cos[at..at + half], &sin[at..at + half]);
-                for head in row[..heads * hs].chunks_exact_mut(hs) {
-                    let (lo, hi) = head.split_at_mut(half);
-                    for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(cos).zip(sin) {
-                        let s = sign * s;
-                        let (x0, x1) = (*a, *b);
-                        *a = x0 * c - x1 * s;
-                        *b = x1 * c + x0 * s;
-                    }
-                }
+                rotate_row(&mut row[..heads * hs], cos, sin, sign);
             }
         });
+}
+
+simd_fn! {
+    /// Turns each head (of size 2·cos.len()) of `row` by the angles `cos`, `sin` times `sign`.
+    fn rotate_row(row: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
+        for head in row.chunks_exact_mut(2 * cos.len()) {
+            let (lo, hi) = head.split_at_mut(cos.len());
+            for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(cos).zip(sin) {
+                let s = sign * s;
+                let (x0, x1) = (*a, *b);
+                *a = x0 * c - x1 * s;
+                *b = x1 * c + x0 * s;
+            }
+        }
+    }
 }
 
 /// Rotates, in place, the first `dims.heads` heads of each row of `x` by the angles of the

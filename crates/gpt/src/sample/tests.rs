@@ -132,8 +132,13 @@ fn batched_equals_solo(kv: KvDtype) -> bool {
         max_position_embeddings: 48,
         ..tiny(48, true, true)
     };
+    // and a Llama: rotary positions and 4 query heads over 2 cached key/value heads
+    let llama = GPTConfig {
+        n_kv_heads: Some(2),
+        ..GPTConfig::llama_like(tiny(13, false, false))
+    };
     let mut differs = false;
-    for cfg in [tiny(13, true, false), wide] {
+    for cfg in [tiny(13, true, false), wide, llama] {
         let model = peaked(cfg, 5);
         let o = |n, temperature, top_k, seed| SampleOptions {
             max_new_tokens: n,

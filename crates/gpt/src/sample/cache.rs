@@ -3,8 +3,8 @@
 //! and workspace together.
 //!
 //! Nothing here computes a forward (that is `forward`) or samples; it never allocates per token:
-//! a cache is allocated for a full window when made, a workspace's buffers when built (and grown
-//! only for a batch wider than a window).
+//! a cache is allocated for a full window when made, a workspace's buffers when built for up to
+//! [`WORKSPACE_ROWS`] rows (and grown only for a step of more rows than that).
 
 use cohort_engine::cpu::round_to_bf16;
 
@@ -178,8 +178,13 @@ impl<G: AsMut<Generation> + AsRef<Generation> + Sync> Caches for [G] {
     }
 }
 
-/// Scratch rows for forwards (activations of every row, the logits asked for), sized for a full
-/// window when built and grown only when a batched step has more rows than that.
+/// Rows a workspace holds when built: a full window of GPT-2's 1024 positions, but not of a
+/// Llama's 8192 or a Qwen2's 32768, whose logits and scores rows for a full window would reserve
+/// tens of gigabytes for prompts that never come. A longer step grows the buffers once.
+pub const WORKSPACE_ROWS: usize = 1024;
+
+/// Scratch rows for forwards (activations of every row, the logits asked for), sized for a
+/// window (at most [`WORKSPACE_ROWS`]) when built and grown only when a step has more rows.
 pub(super) struct Buffers {
     /// Rows the buffers hold.
     pub(super) rows: usize,
@@ -248,12 +253,12 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    /// Scratch for `model`, sized for a full window.
+    /// Scratch for `model`, sized for a full window of up to [`WORKSPACE_ROWS`] rows.
     pub fn new(model: &GPT) -> Workspace {
         let cfg = model.config();
         Workspace {
             layout: Layout::new(cfg),
-            buf: Buffers::new(cfg, cfg.max_position_embeddings.max(1)),
+            buf: Buffers::new(cfg, cfg.max_position_embeddings.clamp(1, WORKSPACE_ROWS)),
             place: Vec::new(),
             tokens: Vec::new(),
             last: Vec::new(),

@@ -98,6 +98,9 @@ pub(crate) fn cpu_in(threads: usize, dtype: DType) -> Result<Box<dyn Backend>, G
     Ok(Box::new(cpu))
 }
 
+/// Positions the attention scratch covers at least (see [`GPT::forward`]).
+const SCRATCH_POSITIONS: usize = 1024;
+
 /// The bytes a model holds while training, known before anything is
 /// allocated: what turns an impossible setting into an error naming it
 /// instead of an aborted allocation.
@@ -137,11 +140,13 @@ impl GPT {
         )
         .total as u64
             * 4;
-        let scratch = cohort_engine::cpu::attention_scratch_len(
-            config.max_position_embeddings,
-            threads.max(1),
-        ) as u64
-            * 4;
+        // Sized for the window up to SCRATCH_POSITIONS, and beyond for the sequences seen (see
+        // `forward`): no sequence is longer than the tokens of a forward.
+        let positions = config
+            .max_position_embeddings
+            .min(tokens.max(SCRATCH_POSITIONS));
+        let scratch =
+            cohort_engine::cpu::attention_scratch_len(positions, threads.max(1)) as u64 * 4;
         MemoryEstimate {
             parameters: params,
             gradients: params,
@@ -376,11 +381,16 @@ impl GPT {
                 bf16,
             );
             self.arena = AlignedFloats::zeroed(al.total);
-            self.attn_scratch = AlignedFloats::zeroed(
-                self.dev
-                    .attention_scratch_len(self.config.max_position_embeddings),
-            );
             self.act_layout = Some(al);
+        }
+        // The attention scratch covers the model's window up to GPT-2's 1024 positions (what it
+        // always did), and beyond that only the sequences actually seen: a Llama of 131072
+        // positions fine-tuned on 512 would otherwise fill gigabytes it never reads.
+        let window = self.config.max_position_embeddings.min(SCRATCH_POSITIONS);
+        let scratch = self.dev.attention_scratch_len(t.max(window));
+        if self.attn_scratch.len() < scratch {
+            self.attn_scratch = AlignedFloats::default();
+            self.attn_scratch = AlignedFloats::zeroed(scratch);
         }
         self.batch.set(input_ids, attention_mask, labels, b, t);
 

@@ -204,16 +204,17 @@ fn bad_config(name: &str) -> TrainError {
     TrainError::Config(ConfigError::Invalid {
         key: "config",
         value: name.to_string(),
-        why: "must be A, B or G",
+        why: "must be A, B, G or S",
     })
 }
 
-/// The model and per-rank batch of config A, B or G, and the default steps.
+/// The model and per-rank batch of config A, B, G or S, and the default steps.
 fn bench_config(name: &str) -> Result<(GPTConfig, usize, usize), TrainError> {
     match name {
         "A" | "a" => Ok((GPTConfig::config_a(), 12, 100)),
         "B" | "b" => Ok((GPTConfig::config_b(), 8, 10)),
         "G" | "g" => Ok((GPTConfig::config_g(), 4, 3)),
+        "S" | "s" => Ok((GPTConfig::config_s(), 4, 3)),
         _ => Err(bad_config(name)),
     }
 }

@@ -14,13 +14,15 @@ use serde::Serialize;
 use cohort_gpt::{Backward, Forward, GPTConfig, GptError, Labels, GPT};
 use cohort_train::{peak_rss_mb, process_cpu_ms};
 
-/// The benchmark configurations A, B and G (model config and batch size), as PyTorch's
-/// reference scripts define them.
+/// The benchmark configurations A, B, G and S (model config and batch size), as PyTorch's
+/// reference scripts define them (S: `transformers`' `LlamaForCausalLM` of SmolLM2-135M's shape,
+/// docs/bench/bench_llama.py).
 pub fn bench_config(name: &str) -> Option<(GPTConfig, usize)> {
     match name {
         "A" | "a" => Some((GPTConfig::config_a(), 12)),
         "B" | "b" => Some((GPTConfig::config_b(), 8)),
         "G" | "g" => Some((GPTConfig::config_g(), 4)),
+        "S" | "s" => Some((GPTConfig::config_s(), 4)),
         _ => None,
     }
 }
@@ -28,7 +30,7 @@ pub fn bench_config(name: &str) -> Option<(GPTConfig, usize)> {
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct TrainBench {
-    /// "A", "B" or "G".
+    /// "A", "B", "G" or "S".
     pub config: String,
     /// Intra-op threads.
     pub threads: usize,
@@ -49,7 +51,7 @@ pub struct TrainBench {
 pub struct BenchReport {
     /// Always "train".
     pub bench: &'static str,
-    /// "A", "B" or "G".
+    /// "A", "B", "G" or "S".
     pub config: String,
     /// Intra-op threads.
     pub threads: usize,
@@ -102,7 +104,7 @@ fn median(x: &mut [f64]) -> f64 {
 pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
     let (cfg, batch) = bench_config(&spec.config).ok_or_else(|| GptError::Config {
         field: "bench config",
-        reason: format!("{:?} is not A, B or G", spec.config),
+        reason: format!("{:?} is not A, B, G or S", spec.config),
     })?;
     let t = cfg.max_position_embeddings;
     let v = cfg.vocab_size as u64;

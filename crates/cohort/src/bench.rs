@@ -38,7 +38,8 @@ enum BenchWhat {
 #[derive(clap::Args, Debug)]
 struct TrainArgs {
     /// Model and batch: A (4 layers, d 128, seq 64, batch 12), B (6 layers, d 384, seq 256,
-    /// batch 8) or G (GPT-2 small's shape: 12 layers, d 768, vocab 50304, seq 256, batch 4).
+    /// batch 8), G (GPT-2 small's shape: 12 layers, d 768, vocab 50304, seq 256, batch 4) or S
+    /// (SmolLM2-135M's Llama shape: 30 layers, d 576, 9 heads over 3, seq 512, batch 4).
     #[arg(long, default_value = "A")]
     config: String,
     /// Intra-op threads (default: COHORT_NUM_THREADS, else the cores this process may use).

@@ -20,7 +20,7 @@
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
 //! activation gradient instead, its doc says so.
 
-use crate::cpu::{self, AttnDims, Cpu, DecodeDims};
+use crate::cpu::{self, AttnDims, Cpu, DecodeDims, KvDims, RopeDims};
 use crate::Dropout;
 
 /// Where a backend's buffers live and its kernels run.
@@ -127,6 +127,26 @@ kernels! {
     fn encoder_forward(out: &mut [f32], ids: &[u32], wte: &[f32], wpe: &[f32], b: usize, t: usize, c: usize) => cpu::encoder_forward;
     /// dwte[ids] += dout, dwpe[t] += dout.
     fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], ids: &[u32], b: usize, t: usize, c: usize) => cpu::encoder_backward;
+    /// out (N,C) = wte[ids]: the token embedding alone (models with rotary positions).
+    fn embedding_forward(out: &mut [f32], ids: &[u32], wte: &[f32], n: usize, c: usize) => cpu::embedding_forward;
+    /// dwte[ids] += dout.
+    fn embedding_backward(dwte: &mut [f32], dout: &[f32], ids: &[u32], n: usize, c: usize) => cpu::embedding_backward;
+    /// RMSNorm over C (out = inp · rstd · w); writes rstd (N) for backward.
+    fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32, n: usize, c: usize) => cpu::rmsnorm_forward;
+    /// dinp, dw += RMSNorm backward.
+    fn rmsnorm_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], rstd: &[f32], w: &[f32], n: usize, c: usize) => cpu::rmsnorm_backward;
+    /// Rotary embedding in place (rotate_half convention): each row's first `dims.heads` heads turned by the angles of position `pos[row]` (tables positions × HS/2).
+    fn rope_forward(x: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims) => cpu::rope_forward;
+    /// Backward of `rope_forward`, in place (the opposite angles).
+    fn rope_backward(dx: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims) => cpu::rope_backward;
+    /// out (N, 3C) = grouped qkv (N, (NH+2·NKV)·HS) with each key/value head copied to its query group (GQA/MQA before the attention kernels).
+    fn kv_expand_forward(out: &mut [f32], qkv: &[f32], dims: KvDims) => cpu::kv_expand_forward;
+    /// dqkv (N, (NH+2·NKV)·HS) = dout's queries and each group's key/value gradients summed (overwritten).
+    fn kv_expand_backward(dqkv: &mut [f32], dout: &[f32], dims: KvDims) => cpu::kv_expand_backward;
+    /// out (N, F) = silu(inp[:, :F]) · inp[:, F:], inp (N, 2F) (gate | up).
+    fn swiglu_forward(out: &mut [f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_forward;
+    /// dinp (N, 2F) = SwiGLU backward (overwritten).
+    fn swiglu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_backward;
     /// LayerNorm over C; writes mean and rstd (N) for backward.
     fn layernorm_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize) => cpu::layernorm_forward;
     /// dinp, dw, db += LayerNorm backward.

@@ -1,4 +1,5 @@
-//! `GPTConfig`: the model's hyper-parameters, with nanoGPT-style field names and defaults.
+//! `GPTConfig`: the model's hyper-parameters, with nanoGPT-style field names and defaults, and
+//! the axes of the decoder family it describes (GPT-2, Llama, Qwen2, SmolLM2...).
 //!
 //! It only describes a model; it never allocates one. `validate` is the single place that decides
 //! whether a configuration is usable, so every constructor reports the same clear errors.
@@ -7,10 +8,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::GptError;
 
-/// Hyper-parameters of the GPT-2 style model (a nanoGPT-style `GPTConfig` plus `bias` and tying).
+/// Hyper-parameters of a decoder-only transformer (a nanoGPT-style `GPTConfig` plus `bias`,
+/// tying, and the family's axes: normalisation, positions, MLP, key/value heads, QKV bias).
 ///
-/// Missing fields in a serialized config take the defaults below, so the original seven-field
-/// config deserializes as is.
+/// Missing fields in a serialized config take the defaults below, which are GPT-2's, so the
+/// original seven-field config deserializes as is; the family's fields are written only where
+/// they differ from GPT-2, so a GPT-2 config serializes as it always did.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GPTConfig {
@@ -33,7 +36,106 @@ pub struct GPTConfig {
     pub bias: bool,
     /// Whether the LM head shares the token embedding matrix (GPT-2: true).
     pub tie_word_embeddings: bool,
+    /// The normalisation of each block's two inputs and of the final output.
+    #[serde(skip_serializing_if = "is_default")]
+    pub norm: Norm,
+    /// How positions enter: learned embeddings added to the tokens', or rotary embeddings of q
+    /// and k.
+    #[serde(skip_serializing_if = "is_default")]
+    pub positions: Positions,
+    /// The MLP's activation: GELU (d_ff wide) or SwiGLU (gate and up, d_ff wide each).
+    #[serde(skip_serializing_if = "is_default")]
+    pub mlp: Mlp,
+    /// Key/value heads (NKV; grouped-query attention when fewer than `n_heads`, which they
+    /// must divide; 1 is multi-query). None: as many as query heads.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
+    /// Whether the q, k, v projections have a bias; None: as `bias` (Qwen2: true with `bias`
+    /// false).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qkv_bias: Option<bool>,
 }
+
+fn is_default<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
+}
+
+/// The normalisation layers of the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum Norm {
+    /// LayerNorm (eps 1e-5), with a bias where `bias` is set (GPT-2).
+    #[default]
+    LayerNorm,
+    /// RMSNorm (Llama), no bias.
+    RmsNorm {
+        /// Added to the mean square (Llama 1e-5 or 1e-6).
+        eps: f32,
+    },
+}
+
+/// How the model knows positions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum Positions {
+    /// A learned embedding per position, added to the token's (GPT-2's `wpe`).
+    #[default]
+    Learned,
+    /// Rotary embeddings of q and k (Hugging Face's rotate_half convention).
+    Rope {
+        /// The base of the frequencies (Llama 10000, SmolLM2 1e5, Llama 3 5e5).
+        theta: f32,
+        /// Llama 3's frequency scaling (`rope_scaling` with `rope_type` "llama3"); None: plain.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scaling: Option<RopeScaling>,
+    },
+}
+
+/// Llama 3's rope scaling (`rope_type: "llama3"`): low frequencies divided by `factor`, high
+/// ones kept, a smooth blend between.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RopeScaling {
+    /// How much longer the context is than the one trained with.
+    pub factor: f32,
+    /// Wavelengths above original_max_position_embeddings / low_freq_factor are scaled.
+    pub low_freq_factor: f32,
+    /// Wavelengths below original_max_position_embeddings / high_freq_factor are kept.
+    pub high_freq_factor: f32,
+    /// The context the model was trained with.
+    pub original_max_position_embeddings: usize,
+}
+
+/// The MLP's activation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mlp {
+    /// gelu(x · W_fc) · W_proj, GELU's tanh form (GPT-2).
+    #[default]
+    Gelu,
+    /// (silu(x · W_gate) · (x · W_up)) · W_down (Llama); W_gate and W_up are one (C, 2F)
+    /// matrix, gate's columns first.
+    #[serde(rename = "swiglu")]
+    SwiGlu,
+}
+
+/// GPT-2's point on the family's axes.
+const GPT2_AXES: GPTConfig = GPTConfig {
+    vocab_size: 0,
+    max_position_embeddings: 0,
+    n_layers: 0,
+    n_heads: 0,
+    d_model: 0,
+    d_ff: 0,
+    dropout: 0.0,
+    bias: true,
+    tie_word_embeddings: true,
+    norm: Norm::LayerNorm,
+    positions: Positions::Learned,
+    mlp: Mlp::Gelu,
+    n_kv_heads: None,
+    qkv_bias: None,
+};
 
 impl Default for GPTConfig {
     /// Seed 000's configuration (vocab 10000, 128 positions, 2 layers, 4 heads, 128 wide).
@@ -48,6 +150,7 @@ impl Default for GPTConfig {
             dropout: 0.1,
             bias: true,
             tie_word_embeddings: true,
+            ..GPT2_AXES
         }
     }
 }
@@ -65,6 +168,7 @@ impl GPTConfig {
             dropout: 0.0,
             bias: true,
             tie_word_embeddings: true,
+            ..GPT2_AXES
         }
     }
 
@@ -80,6 +184,7 @@ impl GPTConfig {
             dropout: 0.0,
             bias: true,
             tie_word_embeddings: true,
+            ..GPT2_AXES
         }
     }
 
@@ -96,12 +201,121 @@ impl GPTConfig {
             dropout: 0.0,
             bias: true,
             tie_word_embeddings: true,
+            ..GPT2_AXES
+        }
+    }
+
+    /// Benchmark config S, SmolLM2-135M's shape (`LlamaForCausalLM`: 30 layers, d 576, 9 heads
+    /// over 3 key/value heads, SwiGLU 1536, RoPE θ 1e5, RMSNorm 1e-5, tied, vocabulary 49152)
+    /// with a context of 512, dropout 0; batch 4.
+    pub fn config_s() -> Self {
+        GPTConfig {
+            vocab_size: 49152,
+            max_position_embeddings: 512,
+            n_layers: 30,
+            n_heads: 9,
+            d_model: 576,
+            d_ff: 1536,
+            dropout: 0.0,
+            bias: false,
+            tie_word_embeddings: true,
+            norm: Norm::RmsNorm { eps: 1e-5 },
+            positions: Positions::Rope {
+                theta: 1e5,
+                scaling: None,
+            },
+            mlp: Mlp::SwiGlu,
+            n_kv_heads: Some(3),
+            qkv_bias: None,
+        }
+    }
+
+    /// `base`'s shape as a Llama: RMSNorm (eps 1e-5), RoPE (θ 10000), SwiGLU, no biases, half
+    /// as many key/value heads where that divides (else as many).
+    pub fn llama_like(base: GPTConfig) -> GPTConfig {
+        let nkv = if base.n_heads.is_multiple_of(2) {
+            base.n_heads / 2
+        } else {
+            base.n_heads
+        };
+        GPTConfig {
+            bias: false,
+            norm: Norm::RmsNorm { eps: 1e-5 },
+            positions: Positions::Rope {
+                theta: 10000.0,
+                scaling: None,
+            },
+            mlp: Mlp::SwiGlu,
+            n_kv_heads: Some(nkv),
+            qkv_bias: None,
+            ..base
         }
     }
 
     /// Width of one attention head (C / NH).
     pub fn head_dim(&self) -> usize {
         self.d_model / self.n_heads
+    }
+
+    /// Key/value heads (NKV): `n_kv_heads`, or NH.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Width of a row of the q, k, v product: (NH + 2·NKV)·HS (3C with multi-head attention).
+    pub fn qkv_width(&self) -> usize {
+        (self.n_heads + 2 * self.kv_heads()) * self.head_dim()
+    }
+
+    /// Width of the MLP's first product: F for GELU, 2F (gate and up) for SwiGLU.
+    pub fn fc_width(&self) -> usize {
+        match self.mlp {
+            Mlp::Gelu => self.d_ff,
+            Mlp::SwiGlu => 2 * self.d_ff,
+        }
+    }
+
+    /// Whether the q, k, v projections have a bias.
+    pub fn has_qkv_bias(&self) -> bool {
+        self.qkv_bias.unwrap_or(self.bias)
+    }
+
+    /// Whether this is GPT-2's architecture (learned positions, LayerNorm, GELU, multi-head
+    /// attention, biases everywhere or nowhere): the checkpoints' GPT-2 format applies.
+    pub fn is_gpt2(&self) -> bool {
+        self.norm == Norm::LayerNorm
+            && self.positions == Positions::Learned
+            && self.mlp == Mlp::Gelu
+            && self.kv_heads() == self.n_heads
+            && self.has_qkv_bias() == self.bias
+    }
+
+    /// RoPE's inverse frequencies (HS/2), as `transformers` computes them (f32), with Llama
+    /// 3's scaling applied; None with learned positions.
+    pub fn rope_inv_freq(&self) -> Option<Vec<f32>> {
+        let Positions::Rope { theta, scaling } = self.positions else {
+            return None;
+        };
+        let hs = self.head_dim();
+        let mut inv: Vec<f32> = (0..hs / 2)
+            .map(|i| (1.0 / (theta as f64).powf((2 * i) as f64 / hs as f64)) as f32)
+            .collect();
+        if let Some(s) = scaling {
+            // transformers' _compute_llama3_parameters
+            let old = s.original_max_position_embeddings as f32;
+            let (low_wavelen, high_wavelen) = (old / s.low_freq_factor, old / s.high_freq_factor);
+            for f in &mut inv {
+                let wavelen = 2.0 * std::f32::consts::PI / *f;
+                if wavelen > low_wavelen {
+                    *f /= s.factor;
+                } else if wavelen >= high_wavelen {
+                    let smooth = (old / wavelen - s.low_freq_factor)
+                        / (s.high_freq_factor - s.low_freq_factor);
+                    *f = (1.0 - smooth) * *f / s.factor + smooth * *f;
+                }
+            }
+        }
+        Some(inv)
     }
 
     /// Checks that the configuration describes a model that can be built.
@@ -134,6 +348,56 @@ impl GPTConfig {
                 "vocab_size",
                 format!("{} exceeds i32::MAX", self.vocab_size),
             );
+        }
+        let nkv = self.kv_heads();
+        if nkv == 0 || !self.n_heads.is_multiple_of(nkv) {
+            return bad(
+                "n_kv_heads",
+                format!(
+                    "{nkv} key/value heads do not divide {} query heads",
+                    self.n_heads
+                ),
+            );
+        }
+        if let Norm::RmsNorm { eps } = self.norm {
+            if self.bias {
+                return bad(
+                    "bias",
+                    "RMSNorm has no bias: set bias false (qkv_bias true for Qwen2-style)".into(),
+                );
+            }
+            if !(eps > 0.0 && eps.is_finite()) {
+                return bad("norm", format!("RMSNorm eps {eps} is not positive"));
+            }
+        }
+        if let Positions::Rope { theta, scaling } = self.positions {
+            if !self.head_dim().is_multiple_of(2) {
+                return bad(
+                    "positions",
+                    format!(
+                        "rotary embeddings need an even head size, not {}",
+                        self.head_dim()
+                    ),
+                );
+            }
+            if !(theta > 1.0 && theta.is_finite()) {
+                return bad("positions", format!("rope theta {theta} must be above 1"));
+            }
+            if let Some(s) = scaling {
+                if !(s.factor >= 1.0
+                    && s.low_freq_factor > 0.0
+                    && s.high_freq_factor > s.low_freq_factor
+                    && s.original_max_position_embeddings > 0)
+                {
+                    return bad(
+                        "positions",
+                        format!(
+                            "rope scaling {s:?} needs factor >= 1, 0 < low_freq_factor < \
+                             high_freq_factor and original_max_position_embeddings > 0"
+                        ),
+                    );
+                }
+            }
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad(
@@ -177,5 +441,46 @@ mod tests {
             ..GPTConfig::config_a()
         };
         assert!(cfg.validate().unwrap_err().to_string().contains("n_layers"));
+        let llama = GPTConfig {
+            n_kv_heads: Some(3),
+            ..GPTConfig::llama_like(GPTConfig::config_a())
+        };
+        assert!(llama
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("n_kv_heads"));
+        let cfg = GPTConfig {
+            bias: true,
+            ..GPTConfig::llama_like(GPTConfig::config_a())
+        };
+        assert!(cfg.validate().unwrap_err().to_string().contains("RMSNorm"));
+        GPTConfig::llama_like(GPTConfig::config_a())
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
+    fn gpt2_configs_serialize_as_before_and_llama_round_trips() {
+        let json = serde_json::to_string(&GPTConfig::config_a()).unwrap();
+        assert!(!json.contains("norm") && !json.contains("rope"), "{json}");
+        let llama = GPTConfig {
+            positions: Positions::Rope {
+                theta: 1e5,
+                scaling: Some(RopeScaling {
+                    factor: 32.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original_max_position_embeddings: 8192,
+                }),
+            },
+            ..GPTConfig::llama_like(GPTConfig::config_a())
+        };
+        let back: GPTConfig =
+            serde_json::from_str(&serde_json::to_string(&llama).unwrap()).unwrap();
+        assert_eq!(back, llama);
+        assert!(!llama.is_gpt2() && GPTConfig::config_a().is_gpt2());
+        assert_eq!(llama.rope_inv_freq().unwrap().len(), 16);
+        GPTConfig::config_s().validate().unwrap();
     }
 }

@@ -2,7 +2,11 @@
 //!
 //! The order is the contract in `docs/GPT_LAYOUT.md`: wte, wpe, then one contiguous range per block,
 //! then ln_f and (untied only) lm_head. Names and shapes are Hugging Face GPT-2's, weights in
-//! Conv1D layout [in, out]. This module only computes offsets; it never touches the buffers.
+//! Conv1D layout [in, out], for every model of the family: a Llama's tensors take the GPT-2
+//! name of the tensor in their place (no `wpe` with rotary positions; `attn.c_attn` is q, k, v
+//! side by side, (C, (NH+2·NKV)·HS); `mlp.c_fc` is gate and up side by side, (C, 2F)), and the
+//! checkpoint module translates to Hugging Face's Llama names. This module only computes
+//! offsets; it never touches the buffers.
 
 use std::ops::Range;
 
@@ -112,27 +116,33 @@ impl Layout {
             cfg.d_model,
             cfg.d_ff,
         );
-        let bias = cfg.bias;
+        let (bias, qkv_bias) = (cfg.bias, cfg.has_qkv_bias());
+        let (w, fx) = (cfg.qkv_width(), cfg.fc_width());
+        let learned = cfg.positions == crate::Positions::Learned;
         let mut cv = Carver {
             views: Vec::new(),
             next: 0,
         };
         let wte = cv.take("wte.weight".into(), &[v, c]);
-        let wpe = cv.take("wpe.weight".into(), &[t, c]);
+        let wpe = if learned {
+            cv.take("wpe.weight".into(), &[t, c])
+        } else {
+            cv.next..cv.next
+        };
         let blocks = (0..cfg.n_layers)
             .map(|l| {
                 let start = cv.next;
                 let p = |s: &str| format!("h.{l}.{s}");
                 let ln_1_w = cv.take(p("ln_1.weight"), &[c]);
                 let ln_1_b = cv.bias(bias, p("ln_1.bias"), c);
-                let attn_w = cv.take(p("attn.c_attn.weight"), &[c, 3 * c]);
-                let attn_b = cv.bias(bias, p("attn.c_attn.bias"), 3 * c);
+                let attn_w = cv.take(p("attn.c_attn.weight"), &[c, w]);
+                let attn_b = cv.bias(qkv_bias, p("attn.c_attn.bias"), w);
                 let proj_w = cv.take(p("attn.c_proj.weight"), &[c, c]);
                 let proj_b = cv.bias(bias, p("attn.c_proj.bias"), c);
                 let ln_2_w = cv.take(p("ln_2.weight"), &[c]);
                 let ln_2_b = cv.bias(bias, p("ln_2.bias"), c);
-                let fc_w = cv.take(p("mlp.c_fc.weight"), &[c, f]);
-                let fc_b = cv.bias(bias, p("mlp.c_fc.bias"), f);
+                let fc_w = cv.take(p("mlp.c_fc.weight"), &[c, fx]);
+                let fc_b = cv.bias(bias, p("mlp.c_fc.bias"), fx);
                 let fcproj_w = cv.take(p("mlp.c_proj.weight"), &[f, c]);
                 let fcproj_b = cv.bias(bias, p("mlp.c_proj.bias"), c);
                 BlockLayout {
@@ -192,6 +202,8 @@ mod tests {
         assert_eq!(layout.total, 809_856);
         let b = Layout::new(&GPTConfig::config_b());
         assert_eq!(b.total, 10_770_816);
+        // SmolLM2-135M's count, as transformers reports it
+        assert_eq!(Layout::new(&GPTConfig::config_s()).total, 134_515_008);
     }
 
     #[test]
@@ -224,5 +236,27 @@ mod tests {
             }
             assert_eq!(next, layout.total);
         }
+    }
+
+    #[test]
+    fn a_llama_has_grouped_qkv_fused_gate_up_and_no_wpe() {
+        let cfg = GPTConfig {
+            qkv_bias: Some(true),
+            tie_word_embeddings: false,
+            ..GPTConfig::llama_like(GPTConfig::config_a())
+        };
+        let layout = Layout::new(&cfg);
+        let shape = |name: &str| {
+            let v = layout.views.iter().find(|v| v.name == name);
+            v.map(|v| v.shape.clone())
+        };
+        // 4 heads of 32, 2 key/value heads: (4 + 2·2)·32 = 256 columns
+        assert_eq!(shape("h.0.attn.c_attn.weight"), Some(vec![128, 256]));
+        assert_eq!(shape("h.0.attn.c_attn.bias"), Some(vec![256]));
+        assert_eq!(shape("h.0.mlp.c_fc.weight"), Some(vec![128, 1024]));
+        assert_eq!(shape("wpe.weight"), None);
+        assert_eq!(shape("h.0.ln_1.bias"), None);
+        assert_eq!(shape("lm_head.weight"), Some(vec![65, 128]));
+        assert!(layout.wpe.is_empty() && layout.wpe.start == layout.wte.end);
     }
 }

@@ -1,6 +1,8 @@
-//! The mini-GPT that cohort trains: GPT-2's architecture on the `cohort-engine` kernels.
+//! The mini-GPT that cohort trains: a decoder family on the `cohort-engine` kernels, of which
+//! GPT-2's architecture is one point and Llama / Qwen2 / SmolLM2 (RMSNorm, RoPE, SwiGLU,
+//! grouped key/value heads, [`Norm`], [`Positions`], [`Mlp`]) are others.
 //!
-//! [`GPTConfig`] holds the hyper-parameters of a nanoGPT-style `GPTConfig`. [`GPT`] owns one flat parameter buffer, one
+//! [`GPTConfig`] holds the hyper-parameters of a nanoGPT-style `GPTConfig` and the family's axes. [`GPT`] owns one flat parameter buffer, one
 //! gradient buffer with the same layout (named by [`ParamView`]s, Hugging Face GPT-2 names and
 //! Conv1D `[in, out]` weights, see `docs/GPT_LAYOUT.md`) and an activation arena allocated at the first
 //! forward. [`GPT::forward`] of a [`Forward`] (input ids, attention mask, labels) follows Hugging
@@ -41,7 +43,7 @@ mod resize;
 pub mod sample;
 mod stage;
 
-pub use config::GPTConfig;
+pub use config::{GPTConfig, Mlp, Norm, Positions, RopeScaling};
 pub use labels::Labels;
 pub use layout::ParamView;
 pub use model::{Backward, Forward, MemoryEstimate, NoReadyHook, Part, PartHooks, GPT};

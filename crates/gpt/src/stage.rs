@@ -25,7 +25,8 @@ use crate::layout::{BlockLayout, Layout};
 use crate::model::{
     block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
     head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
-    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
+    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, RopeTables, KEEP_MAX_BYTES, KERNELS,
+    LOGITS_MAX_BYTES,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
@@ -116,6 +117,8 @@ pub struct GptStage {
     training: bool,
     drop: DropKey,
     profile: Profile,
+    /// Rotary angle tables (None with learned positions).
+    rope: Option<RopeTables>,
 }
 
 impl std::fmt::Debug for GptStage {
@@ -198,7 +201,12 @@ impl GptStage {
         let layout = Layout {
             views,
             wte: held(&full.wte),
-            wpe: held(&full.wpe),
+            // (empty under rotary positions: then wte's end, as in the whole model)
+            wpe: if part.embeddings {
+                shift(&full.wpe, lo)
+            } else {
+                0..0
+            },
             blocks: full.blocks[part.blocks.clone()]
                 .iter()
                 .map(|b| shift_block(b, lo))
@@ -245,6 +253,7 @@ impl GptStage {
                 rank: 0,
                 step: 0,
             },
+            rope: RopeTables::new(&config),
             config,
             arena_config,
             part,
@@ -461,11 +470,12 @@ impl GptStage {
         let (lay, p, dev) = (&self.layout, &self.params, &*self.dev);
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
         let (scratch, prof) = (&mut self.attn_scratch, &mut self.profile);
-        let dims = Dims::new(&self.config, b, t);
+        let (dims, rope) = (Dims::new(&self.config, b, t), self.rope.as_ref());
         let mut loss = None;
         dev.install(&mut || {
             let pass = &mut Pass {
                 dev,
+                rope,
                 dims,
                 batch,
                 drop,
@@ -544,12 +554,13 @@ impl GptStage {
         let (lay, p, dev) = (&self.layout, &self.params, &*self.dev);
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
         let (scratch, prof) = (&mut self.attn_scratch, &mut self.profile);
-        let dims = Dims::new(&self.config, b, t);
+        let (dims, rope) = (Dims::new(&self.config, b, t), self.rope.as_ref());
         let mut grads = Some(self.grads.as_mut_slice());
         dev.install(&mut || {
             let grads = grads.take().expect("runs once");
             let pass = &mut Pass {
                 dev,
+                rope,
                 dims,
                 batch,
                 drop,
@@ -639,6 +650,7 @@ mod tests {
             dropout,
             bias,
             tie_word_embeddings: tied,
+            ..GPTConfig::default()
         }
     }
 
@@ -795,6 +807,18 @@ mod tests {
     fn stages_compose_to_the_whole_model_untied_without_bias() {
         for n in 1..=3 {
             composition_matches_whole_model(tiny(false, false, 0.0), n);
+        }
+    }
+
+    #[test]
+    fn stages_compose_to_the_whole_model_as_a_llama() {
+        // RoPE, RMSNorm, SwiGLU, 2 heads over 1 key/value head, QKV bias; tied and untied
+        for tied in [true, false] {
+            let cfg = GPTConfig {
+                qkv_bias: Some(true),
+                ..GPTConfig::llama_like(tiny(false, tied, 0.0))
+            };
+            composition_matches_whole_model(cfg, 2);
         }
     }
 

@@ -214,4 +214,41 @@ mod tests {
             tok.vocab_size()
         );
     }
+
+    /// Seed 002's story on a Llama (grouped heads, untied head): both the embedding and the
+    /// head grow, the directory is Hugging Face's Llama format, and it loads back whole.
+    #[test]
+    fn a_llama_with_added_tokens_saves_and_loads_in_llama_format() {
+        let text = "start of entity end of entity two llamas walk";
+        let mut tok = Tokenizer::char_level(text.chars());
+        let cfg = GPTConfig {
+            n_heads: 4,
+            n_kv_heads: Some(2),
+            tie_word_embeddings: false,
+            ..GPTConfig::llama_like(GPTConfig {
+                vocab_size: tok.vocab_size(),
+                max_position_embeddings: 32,
+                n_layers: 1,
+                d_model: 16,
+                d_ff: 24,
+                dropout: 0.0,
+                ..GPTConfig::default()
+            })
+        };
+        let model = GPT::new(cfg, 3).unwrap();
+        tok.add_special_tokens(&["[ENT_START]"]).unwrap();
+        let init = [RowInit::Mean(tok.encode("start of entity").unwrap())];
+        let mut model = resize_token_embeddings(&model, tok.vocab_size(), &init, 5).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = save_pretrained(dir.path(), "ent", &model, &tok).unwrap();
+        let config = std::fs::read_to_string(out.join("config.json")).unwrap();
+        assert!(config.contains("LlamaForCausalLM") && config.contains("num_key_value_heads"));
+        let (mut back, back_tok) = load_pretrained(&out).unwrap();
+        assert_eq!(back.config(), model.config());
+        assert_eq!(back.params(), model.params());
+        let ids = back_tok.encode("two [ENT_START]llamas").unwrap();
+        let (a, b) = train_steps(&mut back, &ids, 4);
+        assert_eq!((a, b), train_steps(&mut model, &ids, 4));
+        assert!(b < a, "loss falls: {a} -> {b}");
+    }
 }

@@ -14,7 +14,7 @@ use super::math::{dot, sum};
 use super::simd_fn;
 
 const EPS: f32 = 1e-5;
-const ROWS_PER_TASK: usize = 32;
+pub(super) const ROWS_PER_TASK: usize = 32;
 
 /// out (N, C) = (inp - mean) / sqrt(var + eps) * w + b; mean, rstd (N) are written for backward.
 #[allow(clippy::too_many_arguments)]
@@ -89,7 +89,7 @@ pub fn layernorm_backward(
     let (dw, mut db) = (&mut dw[..c], db.map(|db| &mut db[..c]));
     // Per group of rows: its sums of norm * dout (the weight's gradient), then of dout (the
     // bias's).
-    let mut run = |sums: &mut [f32]| {
+    let run = |sums: &mut [f32]| {
         sums.fill(0.0);
         dinp.par_chunks_mut(ROWS_PER_TASK * c)
             .zip(dout.par_chunks(ROWS_PER_TASK * c))
@@ -106,17 +106,21 @@ pub fn layernorm_backward(
             }
         }
     };
-    let len = n.div_ceil(ROWS_PER_TASK) * 2 * c;
+    with_group_sums(n.div_ceil(ROWS_PER_TASK) * 2 * c, run);
+}
+
+/// Runs `f` on `len` floats of this thread's group-sum buffer (its contents undefined), grown
+/// to `len` on first use; a nested call (a thread that took another normalisation's job while
+/// waiting for its own tasks) gets a fresh buffer instead of the one in use.
+pub(super) fn with_group_sums(len: usize, f: impl FnOnce(&mut [f32])) {
     GROUP_SUMS.with(|cell| match cell.try_borrow_mut() {
         Ok(mut buf) => {
             if buf.len() < len {
                 buf.resize(len, 0.0);
             }
-            run(&mut buf[..len])
+            f(&mut buf[..len])
         }
-        // This thread is already inside a LayerNorm backward (it took another job of the pool
-        // while waiting for its own tasks): that call's sums are in use.
-        Err(_) => run(&mut vec![0.0; len]),
+        Err(_) => f(&mut vec![0.0; len]),
     });
 }
 
@@ -127,7 +131,7 @@ thread_local! {
 }
 
 simd_fn! {
-    fn add_to(acc: &mut [f32], x: &[f32]) {
+    pub(super) fn add_to(acc: &mut [f32], x: &[f32]) {
         for (a, &v) in acc.iter_mut().zip(x) {
             *a += v;
         }

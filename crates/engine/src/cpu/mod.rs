@@ -27,6 +27,9 @@ mod gemm_bf16;
 mod layernorm;
 pub(crate) mod math;
 mod matmul;
+mod rmsnorm;
+mod rope;
+mod swiglu;
 
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
 pub use attention_decode::{attention_decode_row, attention_decode_row_bf16, DecodeDims};
@@ -36,13 +39,19 @@ pub use elementwise::{
     dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad, gelu_forward,
     residual_forward,
 };
-pub use encoder::{encoder_backward, encoder_forward};
+pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
     matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
     matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
 };
+pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use rope::{
+    kv_expand_backward, kv_expand_forward, rope_backward, rope_forward, rope_tables, KvDims,
+    RopeDims,
+};
+pub use swiglu::{swiglu_backward, swiglu_forward};
 
 use crate::{DType, EngineError};
 

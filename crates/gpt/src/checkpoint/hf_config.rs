@@ -1,5 +1,5 @@
 //! config.json as Hugging Face's `GPT2Config` writes and reads it, and its translation to and
-//! from [`GPTConfig`]. Settings this model cannot honour are refused by name, never ignored.
+//! from [`GPTConfig`] (Llama-family configs are `hf_llama`'s). Settings this model cannot honour are refused by name, never ignored.
 
 use super::*;
 
@@ -99,7 +99,7 @@ impl HfGpt2Config {
             return Err(unsupported(
                 "model_type",
                 self.model_type.clone(),
-                "only GPT-2 checkpoints",
+                "only GPT-2, Llama and Qwen2 checkpoints",
             ));
         }
         // Both names denote GPT-2's tanh approximation, which is what the engine computes.
@@ -150,6 +150,7 @@ impl HfGpt2Config {
             dropout: self.resid_pdrop,
             bias: self.bias,
             tie_word_embeddings: self.tie_word_embeddings,
+            ..GPTConfig::default()
         };
         cfg.validate()?;
         Ok(cfg)
@@ -160,6 +161,9 @@ impl HfGpt2Config {
 pub fn load_config(dir: &Path) -> Result<GPTConfig, CheckpointError> {
     let path = dir.join(CONFIG_FILE);
     let bytes = read_verified(dir, CONFIG_FILE)?;
+    if is_llama_family(&bytes) {
+        return llama_to_config(&path, &bytes);
+    }
     let hf: HfGpt2Config = serde_json::from_slice(&bytes).map_err(|e| format_err(&path, e))?;
     hf.to_config(&path)
 }

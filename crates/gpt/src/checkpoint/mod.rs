@@ -35,6 +35,11 @@
 //! [`CheckpointError::Corrupt`], naming the file. Directories without `SHA256SUMS` (Hugging Face
 //! downloads, checkpoints of older versions) load unverified.
 //!
+//! The rest of the family (Llama, Qwen2: RMSNorm, RoPE, SwiGLU, grouped key/value heads) is
+//! written and read in Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` format instead
+//! (`hf_llama.rs`: their config.json, their tensor names, [out, in] matrices, a sharded
+//! `model.safetensors.index.json` and bf16/f16 weights read too).
+//!
 //! This module must never write a file in place, never load a tensor whose name, dtype or shape
 //! differs from what the config expects, and never hand out bytes that contradict `SHA256SUMS`.
 
@@ -52,6 +57,7 @@ use crate::{GPTConfig, GptError, ParamView, GPT};
 
 mod further_files;
 mod hf_config;
+mod hf_llama;
 mod integrity;
 mod sharded;
 mod tensors;
@@ -60,12 +66,14 @@ mod tests;
 
 use further_files::*;
 use hf_config::*;
+use hf_llama::*;
 use integrity::*;
 use sharded::*;
 use tensors::*;
 
 pub use further_files::{read_file_verified, read_tensor_file, LoadedTensors, TensorFile};
 pub use hf_config::load_config;
+pub use hf_llama::INDEX_FILE;
 pub use integrity::{verify, verify_except, write_file_atomic};
 pub use sharded::{
     abort_sharded, begin_sharded, commit_sharded, read_index, read_ranges, shard_file_name,

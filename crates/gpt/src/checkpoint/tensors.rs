@@ -123,10 +123,14 @@ pub(super) fn write_config(
     config: &GPTConfig,
     config_extra: &[(&str, serde_json::Value)],
 ) -> Result<(), CheckpointError> {
-    let hf = HfGpt2Config::from_config(config);
-    let mut fields = match serde_json::to_value(&hf).map_err(|e| format_err(dir, e))? {
-        serde_json::Value::Object(fields) => fields,
-        _ => unreachable!("a struct serializes to an object"),
+    let mut fields = if config.is_gpt2() {
+        let hf = HfGpt2Config::from_config(config);
+        match serde_json::to_value(&hf).map_err(|e| format_err(dir, e))? {
+            serde_json::Value::Object(fields) => fields,
+            _ => unreachable!("a struct serializes to an object"),
+        }
+    } else {
+        llama_config_json(config)?
     };
     for (key, value) in config_extra {
         fields.entry(*key).or_insert_with(|| value.clone());
@@ -141,6 +145,9 @@ pub(super) fn write_model_files(
     config_extra: &[(&str, serde_json::Value)],
 ) -> Result<(), CheckpointError> {
     write_config(dir, model.config(), config_extra)?;
+    if !model.config().is_gpt2() {
+        return write_llama_tensors(dir, model);
+    }
     let params = model.params();
     let tensors = model
         .param_views()
@@ -186,11 +193,14 @@ pub(super) fn is_mask_buffer(name: &str) -> bool {
 /// dtype, shape) before any parameter is written, so a failed load leaves the model unchanged.
 pub fn load_params_into(dir: &Path, model: &mut GPT) -> Result<(), CheckpointError> {
     let path = dir.join(MODEL_FILE);
-    if !path.exists() {
+    if !path.exists() && !dir.join(INDEX_FILE).exists() {
         // A sharded checkpoint keeps its parameters in the ranks' shards.
         if let Some(index) = read_index(dir)? {
             return load_sharded_params(dir, &index, model);
         }
+    }
+    if !model.config().is_gpt2() {
+        return load_llama_params(dir, model);
     }
     let bytes = read_verified(dir, MODEL_FILE)?;
     let st = parse_safetensors(&path, &bytes)?;

@@ -15,6 +15,7 @@ fn tiny(bias: bool, tied: bool) -> GPTConfig {
         dropout: 0.0,
         bias,
         tie_word_embeddings: tied,
+        ..GPTConfig::default()
     }
 }
 
@@ -572,7 +573,7 @@ fn unsupported_configs_are_rejected_by_name() {
             serde_json::json!(1e-6),
             "layer_norm_epsilon",
         ),
-        ("model_type", serde_json::json!("llama"), "model_type"),
+        ("model_type", serde_json::json!("mistral"), "model_type"),
         (
             "scale_attn_by_inverse_layer_idx",
             serde_json::json!(true),

@@ -24,14 +24,14 @@ pub(crate) struct ActLayout {
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
-pub(super) const ACT_BUFFERS: usize = 24;
+pub(super) const ACT_BUFFERS: usize = 25;
 
 /// The arena split into its buffers; per-layer buffers hold all L layers back to back.
 pub(crate) struct Acts<'a> {
     pub(crate) res: &'a mut [f32], // (L+1, N, C) block inputs; res[L] feeds ln_f
     pub(super) res_mid: &'a mut [f32], // (L, N, C) residual after attention
-    pub(super) qkv: &'a mut [f32], // (L, N, 3C)
-    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation; GELU's derivative at it when gelu16 is kept
+    pub(super) qkv: &'a mut [f32], // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
+    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU); GELU's derivative at it when gelu16 is kept
     pub(super) ln1_mean: &'a mut [f32], // (L, N)
     pub(super) ln1_rstd: &'a mut [f32], // (L, N)
     pub(super) ln2_mean: &'a mut [f32], // (L, N)
@@ -45,7 +45,7 @@ pub(crate) struct Acts<'a> {
     pub(super) ce_lse: &'a mut [f32], // (N)
     pub(super) s_ln: &'a mut [f32], // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
     pub(super) s_atty: &'a mut [f32], // (L, N, C) kept attention outputs, or (N, C) scratch
-    pub(super) s_big: &'a mut [f32], // (N, max(F, 3C)) scratch: GELU output, dG, dqkv
+    pub(super) s_big: &'a mut [f32], // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU
     pub(super) s_dl: &'a mut [f32], // (N, C) scratch: gradient of a LayerNorm output / attention out
     pub(super) s_drop: &'a mut [f32], // (N, C) scratch: dropout backward (empty without dropout)
     pub(crate) dres: &'a mut [f32], // (N, C) gradient of the residual stream
@@ -54,6 +54,9 @@ pub(crate) struct Acts<'a> {
     /// (L, ⌈N·F/2⌉) GELU outputs kept in bf16, two to a float (empty unless bf16 and not
     /// `keep`); see [`bf16_layer`].
     pub(super) gelu16: &'a mut [f32],
+    /// (N, 3C) scratch: grouped rows expanded for the attention kernels, then the gradient of
+    /// the grouped rows (empty with as many key/value heads as query heads).
+    pub(super) s_qkv: &'a mut [f32],
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
     /// Columns of `logits` and `dlogits`.
@@ -131,6 +134,10 @@ impl ActLayout {
         bf16: bool,
     ) -> ActLayout {
         let (layers, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
+        let (swiglu, grouped) = (cfg.mlp == crate::Mlp::SwiGlu, cfg.kv_heads() != nh);
+        // The MLP's first product: (N, F), or gate and up (N, 2F); its backward scratch holds
+        // d(output) and the recomputed SwiGLU output below it.
+        let (fx, big_f) = if swiglu { (2 * f, 3 * f) } else { (f, f) };
         // Layers the per-layer buffers hold.
         let l = if checkpoint { 1 } else { layers };
         let drop = if cfg.dropout > 0.0 { n * c } else { 0 };
@@ -139,8 +146,8 @@ impl ActLayout {
         let sizes = [
             (layers + 1) * n * c,
             l * n * c,
-            l * n * 3 * c,
-            l * n * f,
+            l * n * cfg.qkv_width(),
+            l * n * fx,
             l * n,
             l * n,
             l * n,
@@ -154,7 +161,7 @@ impl ActLayout {
             n,
             if keep { 2 * l * n * c } else { n * c },
             if keep { l * n * c } else { n * c },
-            n * f.max(3 * c),
+            n * big_f.max(3 * c),
             n * c,
             drop,
             n * c,
@@ -164,11 +171,12 @@ impl ActLayout {
             // recomputed in backward: the products that read them round them to bf16 anyway,
             // so this costs half of what keeping them in f32 would, changes no bit of the
             // step, and saves a GELU pass and half the bytes of the next product's reads.
-            if bf16 && !keep {
+            if bf16 && !keep && !swiglu {
                 l * (n * f).div_ceil(2)
             } else {
                 0
             },
+            if grouped { n * 3 * c } else { 0 },
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {
@@ -195,7 +203,7 @@ impl ActLayout {
             *p = head;
             rest = tail;
         }
-        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16] =
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16, s_qkv] =
             parts;
         Acts {
             res,
@@ -222,6 +230,7 @@ impl ActLayout {
             dlogits,
             gelu,
             gelu16,
+            s_qkv,
             keep: self.keep,
             logit_cols: self.logit_cols,
             checkpoint: self.checkpoint,
@@ -246,6 +255,8 @@ pub(crate) struct Batch {
     pub(crate) b: usize,
     pub(crate) t: usize,
     pub(crate) ids: Vec<u32>,
+    /// Each row's position in its sequence (row mod T), for rotary embeddings.
+    pub(crate) pos: Vec<u32>,
     pub(crate) mask: Vec<u8>,
     pub(crate) has_mask: bool,
     /// Per position: the id it must predict, or -1 when not counted.
@@ -270,6 +281,8 @@ impl Batch {
         self.t = t;
         self.ids.clear();
         self.ids.extend_from_slice(ids);
+        self.pos.clear();
+        self.pos.extend((0..n).map(|i| (i % t) as u32));
         self.has_mask = attention_mask.is_some();
         self.mask.clear();
         if let Some(m) = attention_mask {

@@ -5,6 +5,10 @@
 //! x_mid = x + drop(attend(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
 //! x_next = x_mid + drop(gelu(ln_2(x_mid) · W_fc + b_fc) · W_fcproj + b_fcproj)
 //!
+//! For the rest of the family, ln_1/ln_2 may be RMSNorms, the qkv product (N, (NH+2·NKV)·HS)
+//! goes to `attend` as it is (the caller rotates q and k and serves grouped heads), and the
+//! MLP may be SwiGLU: silu(gate) · up of the (N, 2F) product, then W_fcproj.
+//!
 //! The caller supplies the attention (causal over the batch in training, over each row's KV
 //! cache in decoding) and the buffers; everything else is here, once, in one kernel order.
 //! These functions only call backend kernels on the slices they are given: they never
@@ -53,12 +57,49 @@ impl<'p> BlockWeights<'p> {
     }
 }
 
-/// The shapes of one block's products: N rows, C d_model, F d_ff.
+/// The shapes of one block's products: N rows, C d_model, F d_ff, W the qkv row; and the
+/// block's kind of normalisation and MLP.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BlockDims {
     pub(crate) n: usize,
     pub(crate) c: usize,
     pub(crate) f: usize,
+    pub(crate) w: usize,
+    pub(crate) norm: Norm,
+    pub(crate) mlp: Mlp,
+}
+
+/// The normalisation `norm` over `n` rows of `c`: LayerNorm (writing mean and rstd) or RMSNorm
+/// (writing rstd).
+pub(crate) fn norm_forward(
+    dev: &dyn Backend,
+    norm: Norm,
+    out: &mut [f32],
+    stats: LnStats,
+    inp: &[f32],
+    (w, b): (&[f32], Option<&[f32]>),
+    (n, c): (usize, usize),
+) {
+    match norm {
+        Norm::LayerNorm => dev.layernorm_forward(out, stats.mean, stats.rstd, inp, w, b, n, c),
+        Norm::RmsNorm { eps } => dev.rmsnorm_forward(out, stats.rstd, inp, w, eps, n, c),
+    }
+}
+
+/// Backward of [`norm_forward`] from d(output) `dout` at input `inp`: dinp, dw (and db) += ...
+pub(crate) fn norm_backward(
+    dev: &dyn Backend,
+    norm: Norm,
+    (dinp, dw, db): (&mut [f32], &mut [f32], Option<&mut [f32]>),
+    (dout, inp): (&[f32], &[f32]),
+    (mean, rstd): (&[f32], &[f32]),
+    w: &[f32],
+    (n, c): (usize, usize),
+) {
+    match norm {
+        Norm::LayerNorm => dev.layernorm_backward(dinp, dw, db, dout, inp, mean, rstd, w, n, c),
+        Norm::RmsNorm { .. } => dev.rmsnorm_backward(dinp, dw, dout, inp, rstd, w, n, c),
+    }
 }
 
 /// Where ln_1 and ln_2 write their (N, C) outputs: a buffer each (kept for backward), or one
@@ -94,8 +135,8 @@ pub(crate) struct LnStats<'a> {
     pub(crate) rstd: &'a mut [f32],
 }
 
-/// Where the MLP's GELU output (N, F) goes: f32, or bf16 bits under bf16 products (see the
-/// arena: the products that read it round it to bf16 anyway).
+/// Where the MLP's activation output (N, F) goes: f32, or (GELU only) bf16 bits under bf16
+/// products (see the arena: the products that read it round it to bf16 anyway).
 pub(crate) enum GeluOut<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [u16]),
@@ -112,11 +153,12 @@ pub(crate) struct BlockActs<'a> {
     pub(crate) ln: LnOut<'a>,
     pub(crate) ln_1: LnStats<'a>,
     pub(crate) ln_2: LnStats<'a>,
-    /// (N, 3C): q, k, v as GPT-2 concatenates them.
+    /// (N, W): q, k, v as GPT-2 concatenates them (W = 3C), or with NKV key/value heads.
     pub(crate) qkv: &'a mut [f32],
     /// The attention output (N, C).
     pub(crate) att: &'a mut [f32],
-    /// The MLP pre-activation (N, F); GELU's derivative at it under [`GeluOut::Bf16`].
+    /// The MLP pre-activation (N, F), (N, 2F) under SwiGLU; GELU's derivative at it under
+    /// [`GeluOut::Bf16`].
     pub(crate) fch: &'a mut [f32],
     pub(crate) gelu: GeluOut<'a>,
 }
@@ -130,9 +172,9 @@ pub(crate) struct BranchDropout {
 
 /// One block's forward over `acts`' rows: ln_1 -> qkv -> `attend(qkv, att)` -> projection and
 /// residual -> ln_2 -> MLP (the GELU fused into its first product) -> projection and residual.
-/// `attend` is the only step that differs between training and decoding. Each product's bias
-/// is added with its residual (`residual_forward`), after the product, so every path computes
-/// the same bits from the same inputs.
+/// `attend` is the only step that differs between training and decoding (it may rotate q and k
+/// in place). Each product's bias is added with its residual (`residual_forward`), after the
+/// product, so every path computes the same bits from the same inputs.
 pub(crate) fn block_forward_rows<T: Timer>(
     dev: &dyn Backend,
     prof: &mut T,
@@ -140,9 +182,16 @@ pub(crate) fn block_forward_rows<T: Timer>(
     acts: BlockActs,
     dims: BlockDims,
     drop: BranchDropout,
-    attend: impl FnOnce(&[f32], &mut [f32]),
+    attend: impl FnOnce(&mut [f32], &mut [f32]),
 ) {
-    let BlockDims { n, c, f } = dims;
+    let BlockDims {
+        n,
+        c,
+        f,
+        w: qkv_w,
+        norm,
+        mlp,
+    } = dims;
     let BlockActs {
         x,
         x_mid,
@@ -158,10 +207,10 @@ pub(crate) fn block_forward_rows<T: Timer>(
     let mut ln = ln;
     let ln_1_out = ln.ln_1();
     prof.time(K::LnFwd, || {
-        dev.layernorm_forward(ln_1_out, ln_1.mean, ln_1.rstd, x, w.ln_1_w, w.ln_1_b, n, c)
+        norm_forward(dev, norm, ln_1_out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
     });
     prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(qkv, ln_1_out, w.attn_w, w.attn_b, n, c, 3 * c)
+        dev.matmul_forward(qkv, ln_1_out, w.attn_w, w.attn_b, n, c, qkv_w)
     });
     prof.time(K::AttnFwd, || attend(qkv, att));
     prof.time(K::MatmulFwd, || {
@@ -172,13 +221,28 @@ pub(crate) fn block_forward_rows<T: Timer>(
     });
     let ln_2_out = ln.ln_2();
     prof.time(K::LnFwd, || {
-        dev.layernorm_forward(
-            ln_2_out, ln_2.mean, ln_2.rstd, x_mid, w.ln_2_w, w.ln_2_b, n, c,
+        norm_forward(
+            dev,
+            norm,
+            ln_2_out,
+            ln_2,
+            x_mid,
+            (w.ln_2_w, w.ln_2_b),
+            (n, c),
         )
     });
     // The GELU runs on each strip of the product's rows while the strip is in cache (its time
     // counted with the product's), rather than as a pass of its own over [n, f].
     match gelu {
+        GeluOut::F32(act) if mlp == Mlp::SwiGlu => {
+            prof.time(K::MatmulFwd, || {
+                dev.matmul_forward(fch, ln_2_out, w.fc_w, w.fc_b, n, c, 2 * f)
+            });
+            prof.time(K::GeluFwd, || dev.swiglu_forward(act, fch, n, f));
+            prof.time(K::MatmulFwd, || {
+                dev.matmul_forward(x_next, act, w.fcproj_w, None, n, f, c)
+            });
+        }
         GeluOut::F32(gelu) => {
             prof.time(K::MatmulFwd, || {
                 dev.matmul_gelu_forward(fch, gelu, ln_2_out, w.fc_w, w.fc_b, n, c, f)
@@ -188,6 +252,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
             });
         }
         GeluOut::Bf16(g16) => {
+            debug_assert_eq!(mlp, Mlp::Gelu, "SwiGLU keeps its output in f32");
             prof.time(K::MatmulFwd, || {
                 dev.matmul_gelu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f)
             });

@@ -69,7 +69,7 @@ pub(super) fn layer_pair(buf: &mut [f32], l: usize, len: usize) -> (&[f32], &mut
 }
 
 /// The shapes of one pass, named once: B batch, T sequence, C d_model, F d_ff, NH heads,
-/// V vocab.
+/// NKV key/value heads, V vocab; and the model's kind of normalisation, positions and MLP.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
     pub(crate) b: usize,
@@ -77,7 +77,12 @@ pub(crate) struct Dims {
     pub(crate) c: usize,
     pub(crate) f: usize,
     pub(crate) nh: usize,
+    pub(crate) nkv: usize,
     pub(crate) v: usize,
+    pub(crate) norm: Norm,
+    pub(crate) mlp: Mlp,
+    /// Rotary positions (else learned).
+    pub(crate) rope: bool,
 }
 
 impl Dims {
@@ -89,7 +94,44 @@ impl Dims {
             c: cfg.d_model,
             f: cfg.d_ff,
             nh: cfg.n_heads,
+            nkv: cfg.kv_heads(),
             v: cfg.vocab_size,
+            norm: cfg.norm,
+            mlp: cfg.mlp,
+            rope: cfg.positions != crate::Positions::Learned,
+        }
+    }
+    /// Head size.
+    pub(crate) fn hs(self) -> usize {
+        self.c / self.nh
+    }
+    /// Width of the qkv product's rows: (NH + 2·NKV)·HS.
+    pub(crate) fn qkv_width(self) -> usize {
+        (self.nh + 2 * self.nkv) * self.hs()
+    }
+    /// Width of the MLP's first product: F, or 2F (gate and up) under SwiGLU.
+    pub(crate) fn fc_width(self) -> usize {
+        match self.mlp {
+            Mlp::Gelu => self.f,
+            Mlp::SwiGlu => 2 * self.f,
+        }
+    }
+    /// What the rotary kernels take for the qkv rows: q's and k's heads.
+    pub(crate) fn rope_dims(self, n: usize) -> RopeDims {
+        RopeDims {
+            n,
+            width: self.qkv_width(),
+            heads: self.nh + self.nkv,
+            hs: self.hs(),
+        }
+    }
+    /// What the key/value expansion takes.
+    pub(crate) fn kv(self, n: usize) -> KvDims {
+        KvDims {
+            n,
+            nh: self.nh,
+            nkv: self.nkv,
+            hs: self.hs(),
         }
     }
     /// N = B*T tokens.
@@ -111,14 +153,36 @@ impl Dims {
             n: self.n(),
             c: self.c,
             f: self.f,
+            w: self.qkv_width(),
+            norm: self.norm,
+            mlp: self.mlp,
         }
     }
 }
 
+/// Rotary embeddings' angle tables (positions × HS/2 each), computed once per model.
+#[derive(Debug, Clone)]
+pub(crate) struct RopeTables {
+    pub(crate) cos: Vec<f32>,
+    pub(crate) sin: Vec<f32>,
+}
+
+impl RopeTables {
+    /// The tables of `cfg`'s positions; None with learned positions.
+    pub(crate) fn new(cfg: &GPTConfig) -> Option<RopeTables> {
+        let inv = cfg.rope_inv_freq()?;
+        let (cos, sin) = cohort_engine::cpu::rope_tables(&inv, cfg.max_position_embeddings);
+        Some(RopeTables { cos, sin })
+    }
+}
+
 /// What every layer function of one pass shares: the backend, the shapes, the batch forward
-/// saw, the dropout key, and the attention scratch and profiler the pass writes to.
+/// saw, the dropout key, the rotary tables, and the attention scratch and profiler the pass
+/// writes to.
 pub(crate) struct Pass<'a> {
     pub(crate) dev: &'a dyn Backend,
+    /// The model's rotary tables (None with learned positions).
+    pub(crate) rope: Option<&'a RopeTables>,
     pub(crate) dims: Dims,
     pub(crate) batch: &'a Batch,
     pub(crate) drop: DropKey,
@@ -165,16 +229,13 @@ pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Ac
     let Dims { b, t, c, .. } = pass.dims;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let x0 = &mut a.res[..b * t * c];
+    let wte = &p[lay.wte.clone()];
     prof.time(K::EncoderFwd, || {
-        dev.encoder_forward(
-            x0,
-            &batch.ids,
-            &p[lay.wte.clone()],
-            &p[lay.wpe.clone()],
-            b,
-            t,
-            c,
-        )
+        if pass.dims.rope {
+            dev.embedding_forward(x0, &batch.ids, wte, b * t, c)
+        } else {
+            dev.encoder_forward(x0, &batch.ids, wte, &p[lay.wpe.clone()], b, t, c)
+        }
     });
     if let Some(d) = pass.drop.site(0) {
         prof.time(K::ResidualFwd, || dev.dropout_forward(x0, d));
@@ -209,6 +270,12 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
     } else {
         GeluOut::F32(&mut a.s_big[..n * f])
     };
+    // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS); the attention
+    // kernels read (N, 3C) rows, which a model with grouped key/value heads expands into scratch
+    // in `attend` (and backward again): one pass over N·C floats instead of keeping them.
+    let qkv_w = dims.qkv_width();
+    let expanded = (dims.nkv != dims.nh).then(|| &mut a.s_qkv[..3 * nc]);
+    let qkv = layer_mut(a.qkv, sl, n * qkv_w);
     let acts = BlockActs {
         x,
         x_mid: layer_mut(a.res_mid, sl, nc),
@@ -222,14 +289,14 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
             mean: layer_mut(a.ln2_mean, sl, n),
             rstd: layer_mut(a.ln2_rstd, sl, n),
         },
-        qkv: layer_mut(a.qkv, sl, 3 * nc),
+        qkv,
         att: layer_mut(a.s_atty, atty_slot, nc),
-        fch: layer_mut(a.fch, sl, n * f),
+        fch: layer_mut(a.fch, sl, n * dims.fc_width()),
         gelu,
     };
     let lse = layer_mut(a.att_lse, sl, n * nh);
     let (mask, drop, scratch) = (pass.mask(), pass.drop, &mut *pass.scratch);
-    let dev = pass.dev;
+    let (dev, rope, pos) = (pass.dev, pass.rope, &pass.batch.pos[..]);
     let branches = BranchDropout {
         attn: drop.site(ld + 1),
         mlp: drop.site(ld + 2),
@@ -242,7 +309,19 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
         acts,
         dims.block(),
         branches,
-        |qkv, att| dev.attention_forward(att, lse, qkv, mask, dims.attn(), drop.site(ld), scratch),
+        |qkv, att| {
+            if let Some(r) = rope {
+                dev.rope_forward(qkv, pos, &r.cos, &r.sin, dims.rope_dims(n));
+            }
+            let qkv: &[f32] = match expanded {
+                Some(out) => {
+                    dev.kv_expand_forward(out, qkv, dims.kv(n));
+                    out
+                }
+                None => qkv,
+            };
+            dev.attention_forward(att, lse, qkv, mask, dims.attn(), drop.site(ld), scratch)
+        },
     );
 }
 
@@ -255,17 +334,13 @@ pub(crate) fn head_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Act
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let x_last = layer(a.res, lay.blocks.len(), nc);
     let lnf_out = &mut a.lnf_out[..nc];
+    let stats = LnStats {
+        mean: &mut a.lnf_mean[..n],
+        rstd: &mut a.lnf_rstd[..n],
+    };
+    let lnf = (&p[lay.ln_f_w.clone()], opt(p, &lay.ln_f_b));
     prof.time(K::LnFwd, || {
-        dev.layernorm_forward(
-            lnf_out,
-            &mut a.lnf_mean[..n],
-            &mut a.lnf_rstd[..n],
-            x_last,
-            &p[lay.ln_f_w.clone()],
-            opt(p, &lay.ln_f_b),
-            n,
-            c,
-        )
+        norm_forward(dev, pass.dims.norm, lnf_out, stats, x_last, lnf, (n, c))
     });
     let w = &p[lay.lm_head.clone()];
     let cols = a.logit_cols;
@@ -373,18 +448,17 @@ pub(crate) fn head_backward(
     let (dw, db) = (grads.ln_f_w, grads.ln_f_b);
     let x_last = layer(a.res, lay.blocks.len(), nc);
     let dlnf = &a.s_dl[..nc];
+    let stats = (&a.lnf_mean[..n], &a.lnf_rstd[..n]);
+    let lnf_w = &p[lay.ln_f_w.clone()];
     prof.time(K::LnBwd, || {
-        dev.layernorm_backward(
-            dres,
-            dw,
-            db,
-            dlnf,
-            x_last,
-            &a.lnf_mean[..n],
-            &a.lnf_rstd[..n],
-            &p[lay.ln_f_w.clone()],
-            n,
-            c,
+        norm_backward(
+            dev,
+            pass.dims.norm,
+            (dres, dw, db),
+            (dlnf, x_last),
+            stats,
+            lnf_w,
+            (n, c),
         )
     });
 }
@@ -405,7 +479,11 @@ pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32]
         None => dres,
     };
     prof.time(K::EncoderBwd, || {
-        dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c)
+        if pass.dims.rope {
+            dev.embedding_backward(dwte, demb, &batch.ids, b * t, c)
+        } else {
+            dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c)
+        }
     });
 }
 
@@ -425,14 +503,16 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
     let x = layer(a.res, l, nc);
     let sl = a.layer_slot(l);
     let x_mid = layer(a.res_mid, sl, nc);
-    let qkv = layer(a.qkv, sl, 3 * nc);
-    let fch = layer(a.fch, sl, n * f);
+    let qkv_w = dims.qkv_width();
+    let qkv = layer(a.qkv, sl, n * qkv_w);
+    let fx = dims.fc_width();
+    let fch = layer(a.fch, sl, n * fx);
     let lse = layer(a.att_lse, sl, n * nh);
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
     let keep = a.keep;
     let s_dl = &mut a.s_dl[..nc];
 
-    // MLP: x_next = x_mid + drop(gelu(ln_2(x_mid) · W_fc + b_fc) · W_proj + b_proj)
+    // MLP: x_next = x_mid + drop(act(ln_2(x_mid) · W_fc + b_fc) · W_proj + b_proj)
     {
         let dres = &a.dres[..nc];
         let dproj: &[f32] = match drop.site(ld + 2) {
@@ -444,69 +524,89 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
             None => dres,
         };
         let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
-        if a.gelu16.is_empty() {
-            let s_big = &mut a.s_big[..n * f];
-            let gelu_out: &[f32] = if keep {
-                layer(a.gelu, l, n * f)
+        // d(first product's output): (N, F) under GELU, in place of d(GELU output); (N, 2F)
+        // under SwiGLU, below d(SwiGLU output) in the scratch.
+        let dfc: &[f32] = if dims.mlp == Mlp::SwiGlu {
+            let (dfc, act) = a.s_big[..3 * n * f].split_at_mut(2 * n * f);
+            if !keep {
+                prof.time(K::GeluFwd, || dev.swiglu_forward(act, fch, n, f));
+            }
+            let act_in: &[f32] = if keep { layer(a.gelu, l, n * f) } else { act };
+            prof.time(K::MatmulBwd, || {
+                dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
+            });
+            prof.time(K::MatmulBwd, || {
+                dev.matmul_backward_input(act, dproj, w.fcproj_w, n, f, c)
+            });
+            prof.time(K::GeluBwd, || dev.swiglu_backward(dfc, act, fch, n, f));
+            dfc
+        } else {
+            if a.gelu16.is_empty() {
+                let s_big = &mut a.s_big[..n * f];
+                let gelu_out: &[f32] = if keep {
+                    layer(a.gelu, l, n * f)
+                } else {
+                    prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
+                    s_big
+                };
+                prof.time(K::MatmulBwd, || {
+                    dev.matmul_backward(None, dw, db, dproj, gelu_out, w.fcproj_w, n, f, c)
+                });
             } else {
-                prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
-                s_big
-            };
+                let g16 = bf16_layer(a.gelu16, sl, n * f);
+                prof.time(K::MatmulBwd, || {
+                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
+                });
+            }
+            let s_big = &mut a.s_big[..n * f];
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward(None, dw, db, dproj, gelu_out, w.fcproj_w, n, f, c)
+                dev.matmul_backward_input(s_big, dproj, w.fcproj_w, n, f, c)
             });
-        } else {
-            let g16 = bf16_layer(a.gelu16, sl, n * f);
-            prof.time(K::MatmulBwd, || {
-                dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
-            });
-        }
-        let s_big = &mut a.s_big[..n * f];
-        prof.time(K::MatmulBwd, || {
-            dev.matmul_backward_input(s_big, dproj, w.fcproj_w, n, f, c)
-        });
-        if a.gelu16.is_empty() {
-            prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
-        } else {
-            // under bf16 the forward left GELU's derivative in `fch` (see the arena)
-            prof.time(K::GeluBwd, || dev.gelu_backward_with_grad(s_big, fch));
-        }
+            if a.gelu16.is_empty() {
+                prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
+            } else {
+                // under bf16 the forward left GELU's derivative in `fch` (see the arena)
+                prof.time(K::GeluBwd, || dev.gelu_backward_with_grad(s_big, fch));
+            }
+            s_big
+        };
         if !keep {
             let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
+            let stats = LnStats {
+                mean: layer_mut(a.ln2_mean, sl, n),
+                rstd: layer_mut(a.ln2_rstd, sl, n),
+            };
             prof.time(K::LnFwd, || {
-                dev.layernorm_forward(
+                norm_forward(
+                    dev,
+                    dims.norm,
                     s_ln,
-                    layer_mut(a.ln2_mean, sl, n),
-                    layer_mut(a.ln2_rstd, sl, n),
+                    stats,
                     x_mid,
-                    w.ln_2_w,
-                    w.ln_2_b,
-                    n,
-                    c,
+                    (w.ln_2_w, w.ln_2_b),
+                    (n, c),
                 )
             });
         }
         let s_ln = layer(a.s_ln, ln2_slot, nc);
         let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(Some(s_dl), dw, db, s_big, s_ln, w.fc_w, n, c, f)
+            dev.matmul_backward(Some(s_dl), dw, db, dfc, s_ln, w.fc_w, n, c, fx)
         });
     }
     {
         let (dw, db) = wb(g, off, &bl.ln_2_w, &bl.ln_2_b);
         let dres = &mut a.dres[..nc];
+        let stats = (layer(a.ln2_mean, sl, n), layer(a.ln2_rstd, sl, n));
         prof.time(K::LnBwd, || {
-            dev.layernorm_backward(
-                dres,
-                dw,
-                db,
-                s_dl,
-                x_mid,
-                layer(a.ln2_mean, sl, n),
-                layer(a.ln2_rstd, sl, n),
+            norm_backward(
+                dev,
+                dims.norm,
+                (dres, dw, db),
+                (s_dl, x_mid),
+                stats,
                 w.ln_2_w,
-                n,
-                c,
+                (n, c),
             )
         });
     }
@@ -526,6 +626,15 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
             dev.matmul_backward_input(s_dl, dproj, w.proj_w, n, c, c)
         });
         let dqkv = &mut a.s_big[..3 * nc];
+        // Grouped key/value heads: the attention reads the kept rows expanded, as forward did.
+        let grouped = dims.nkv != dims.nh;
+        let att_qkv: &[f32] = if grouped {
+            let expanded = &mut a.s_qkv[..3 * nc];
+            dev.kv_expand_forward(expanded, qkv, dims.kv(n));
+            expanded
+        } else {
+            qkv
+        };
         // Without kept outputs, backward recomputes the attention output the projection's
         // weight gradient needs.
         let recompute = (!keep).then(|| layer_mut(a.s_atty, atty_slot, nc));
@@ -534,7 +643,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 dqkv,
                 recompute,
                 s_dl,
-                qkv,
+                att_qkv,
                 lse,
                 mask,
                 dims.attn(),
@@ -549,39 +658,45 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
         });
         if !keep {
             let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
+            let stats = LnStats {
+                mean: layer_mut(a.ln1_mean, sl, n),
+                rstd: layer_mut(a.ln1_rstd, sl, n),
+            };
             prof.time(K::LnFwd, || {
-                dev.layernorm_forward(
-                    s_ln,
-                    layer_mut(a.ln1_mean, sl, n),
-                    layer_mut(a.ln1_rstd, sl, n),
-                    x,
-                    w.ln_1_w,
-                    w.ln_1_b,
-                    n,
-                    c,
-                )
+                norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
             });
+        }
+        // Back through the key/value expansion (into the scratch the expanded rows held) and
+        // the rotation to the product's rows.
+        let dqkv: &mut [f32] = if grouped {
+            let rows = &mut a.s_qkv[..n * qkv_w];
+            dev.kv_expand_backward(rows, dqkv, dims.kv(n));
+            rows
+        } else {
+            dqkv
+        };
+        if let Some(r) = pass.rope {
+            let pos = &pass.batch.pos[..];
+            dev.rope_backward(dqkv, pos, &r.cos, &r.sin, dims.rope_dims(n));
         }
         let s_ln = layer(a.s_ln, ln1_slot, nc);
         let (dw, db) = wb(g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(Some(s_dl), dw, db, dqkv, s_ln, w.attn_w, n, c, 3 * c)
+            dev.matmul_backward(Some(s_dl), dw, db, dqkv, s_ln, w.attn_w, n, c, qkv_w)
         });
     }
     let (dw, db) = wb(g, off, &bl.ln_1_w, &bl.ln_1_b);
     let dres = &mut a.dres[..nc];
+    let stats = (layer(a.ln1_mean, sl, n), layer(a.ln1_rstd, sl, n));
     prof.time(K::LnBwd, || {
-        dev.layernorm_backward(
-            dres,
-            dw,
-            db,
-            s_dl,
-            x,
-            layer(a.ln1_mean, sl, n),
-            layer(a.ln1_rstd, sl, n),
+        norm_backward(
+            dev,
+            dims.norm,
+            (dres, dw, db),
+            (s_dl, x),
+            stats,
             w.ln_1_w,
-            n,
-            c,
+            (n, c),
         )
     });
 }

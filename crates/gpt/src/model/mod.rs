@@ -1,8 +1,9 @@
-//! The GPT-2 model: flat parameters and gradients, the activation arena, and the one forward
-//! and one backward entry point ([`GPT::forward`], [`GPT::backward`]) with their options.
+//! The model (GPT-2, or another point of the decoder family: Llama, Qwen2): flat parameters
+//! and gradients, the activation arena, and the one forward and one backward entry point
+//! ([`GPT::forward`], [`GPT::backward`]) with their options.
 //!
 //! Dims, named once: B batch, T sequence, C d_model, F d_ff, V vocab, L layers, NH heads,
-//! N = B*T tokens. All compute goes through the engine's `Backend`; this module decides only
+//! NKV key/value heads, HS head size, N = B*T tokens. All compute goes through the engine's `Backend`; this module decides only
 //! what is computed, in which order (`passes`, `layers`, `block`), and into which buffer
 //! (`arena`). It never allocates after the first
 //! forward for a given token count (a larger B*T reallocates the arena once).
@@ -16,12 +17,12 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use cohort_engine::cpu::{AttnDims, Cpu};
+use cohort_engine::cpu::{AttnDims, Cpu, KvDims, RopeDims};
 use cohort_engine::{AlignedFloats, Backend, DType, Dropout};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
-use crate::{GPTConfig, GptError, Labels, ParamView};
+use crate::{GPTConfig, GptError, Labels, Mlp, Norm, ParamView};
 
 mod arena;
 mod block;
@@ -64,6 +65,8 @@ pub struct GPT {
     logits_max_bytes: usize,
     /// Keep only each block's input and recompute the block's forward inside backward.
     activation_checkpointing: bool,
+    /// Rotary angle tables (None with learned positions).
+    rope: Option<RopeTables>,
 }
 
 impl std::fmt::Debug for GPT {
@@ -94,6 +97,9 @@ pub(crate) fn cpu_in(threads: usize, dtype: DType) -> Result<Box<dyn Backend>, G
     })?;
     Ok(Box::new(cpu))
 }
+
+/// Positions the attention scratch covers at least (see [`GPT::forward`]).
+const SCRATCH_POSITIONS: usize = 1024;
 
 /// The bytes a model holds while training, known before anything is
 /// allocated: what turns an impossible setting into an error naming it
@@ -134,11 +140,13 @@ impl GPT {
         )
         .total as u64
             * 4;
-        let scratch = cohort_engine::cpu::attention_scratch_len(
-            config.max_position_embeddings,
-            threads.max(1),
-        ) as u64
-            * 4;
+        // Sized for the window up to SCRATCH_POSITIONS, and beyond for the sequences seen (see
+        // `forward`): no sequence is longer than the tokens of a forward.
+        let positions = config
+            .max_position_embeddings
+            .min(tokens.max(SCRATCH_POSITIONS));
+        let scratch =
+            cohort_engine::cpu::attention_scratch_len(positions, threads.max(1)) as u64 * 4;
         MemoryEstimate {
             parameters: params,
             gradients: params,
@@ -179,6 +187,7 @@ impl GPT {
         Ok(GPT {
             params: AlignedFloats::zeroed(layout.total),
             grads: AlignedFloats::zeroed(layout.total),
+            rope: RopeTables::new(&config),
             layout,
             config,
             dev,
@@ -241,6 +250,10 @@ impl GPT {
     /// The ranges the backward hook reports, in the order it reports them.
     pub fn ready_ranges(&self) -> Vec<Range<usize>> {
         self.layout.ready_order()
+    }
+    /// The rotary angle tables (None with learned positions).
+    pub(crate) fn rope_tables(&self) -> Option<&RopeTables> {
+        self.rope.as_ref()
     }
     /// The compute backend.
     pub fn backend(&self) -> &dyn Backend {
@@ -368,11 +381,16 @@ impl GPT {
                 bf16,
             );
             self.arena = AlignedFloats::zeroed(al.total);
-            self.attn_scratch = AlignedFloats::zeroed(
-                self.dev
-                    .attention_scratch_len(self.config.max_position_embeddings),
-            );
             self.act_layout = Some(al);
+        }
+        // The attention scratch covers the model's window up to GPT-2's 1024 positions (what it
+        // always did), and beyond that only the sequences actually seen: a Llama of 131072
+        // positions fine-tuned on 512 would otherwise fill gigabytes it never reads.
+        let window = self.config.max_position_embeddings.min(SCRATCH_POSITIONS);
+        let scratch = self.dev.attention_scratch_len(t.max(window));
+        if self.attn_scratch.len() < scratch {
+            self.attn_scratch = AlignedFloats::default();
+            self.attn_scratch = AlignedFloats::zeroed(scratch);
         }
         self.batch.set(input_ids, attention_mask, labels, b, t);
 
@@ -387,6 +405,7 @@ impl GPT {
             attn_scratch,
             batch,
             profile,
+            rope,
             ..
         } = self;
         let al = act_layout.as_ref().expect("arena allocated above");
@@ -400,6 +419,7 @@ impl GPT {
         let mut run = || {
             let pass = &mut Pass {
                 dev,
+                rope: rope.as_ref(),
                 dims,
                 batch,
                 drop,
@@ -444,6 +464,7 @@ impl GPT {
             attn_scratch,
             batch,
             profile,
+            rope,
             ..
         } = self;
         let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
@@ -463,6 +484,7 @@ impl GPT {
             );
             let pass = &mut Pass {
                 dev,
+                rope: rope.as_ref(),
                 dims,
                 batch,
                 drop,

@@ -115,7 +115,9 @@ pub(super) fn backward_pass<'g>(
         );
     }
     let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
-    hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
+    if !lay.wpe.is_empty() {
+        hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
+    }
     // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
     // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
     // strategy would gather the largest part of the model (wte) for nothing.

@@ -11,6 +11,7 @@ fn tiny(bias: bool, tied: bool, dropout: f32) -> GPTConfig {
         dropout,
         bias,
         tie_word_embeddings: tied,
+        ..GPTConfig::default()
     }
 }
 
@@ -518,6 +519,7 @@ fn bf16_products_track_fp32_within_bf16_rounding() {
         dropout: 0.0,
         bias: true,
         tie_word_embeddings: true,
+        ..GPTConfig::default()
     };
     let ids: Vec<u32> = (0..32).map(|i| (i * 13 % 50) as u32).collect();
     let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
@@ -572,6 +574,7 @@ fn bf16_kept_gelu_outputs_give_the_bits_of_f32_kept_ones() {
         dropout: 0.1,
         bias: true,
         tie_word_embeddings: true,
+        ..GPTConfig::default()
     };
     let ids: Vec<u32> = (0..30).map(|i| (i * 13 % 50) as u32).collect();
     let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
@@ -625,6 +628,7 @@ fn a_head_in_vocabulary_blocks_matches_the_whole_one() {
             dropout: 0.0,
             bias: true,
             tie_word_embeddings: tied,
+            ..GPTConfig::default()
         };
         let ids: Vec<u32> = (0..48).map(|i| (i * 37 % 300) as u32).collect();
         let mut labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
@@ -745,4 +749,59 @@ fn next_token_targets_score_every_position_as_aligned_labels_one_longer_do() {
         .unwrap()
         .unwrap();
     assert_ne!(fewer, next);
+}
+
+/// `tiny`'s shape as a Llama (RMSNorm, RoPE, SwiGLU) with `heads` query heads over `kv` key/value
+/// heads.
+fn tiny_llama(heads: usize, kv: usize, qkv_bias: bool, tied: bool) -> GPTConfig {
+    GPTConfig {
+        n_heads: heads,
+        n_kv_heads: Some(kv),
+        qkv_bias: Some(qkv_bias),
+        tie_word_embeddings: tied,
+        ..GPTConfig::llama_like(tiny(false, tied, 0.0))
+    }
+}
+
+#[test]
+fn llama_gradients_match_finite_differences_with_grouped_and_shared_heads() {
+    // grouped (4 heads over 2), multi-query (2 over 1) and multi-head (2 over 2)
+    grad_check(tiny_llama(4, 2, false, true));
+    grad_check(tiny_llama(2, 1, true, false));
+    grad_check(tiny_llama(2, 2, true, true));
+}
+
+#[test]
+fn llama_activation_checkpointing_and_thread_count_keep_the_bits() {
+    let (ids, mask, labels) = batch();
+    let run = |threads: usize, ckpt: bool| {
+        let mut m = model(tiny_llama(4, 2, true, false), threads, 6);
+        m.keep_max_bytes = 0;
+        m.set_activation_checkpointing(ckpt);
+        let loss = loss_at(&mut m, &ids, &mask, &labels);
+        m.zero_grad();
+        m.backward(Backward::new()).unwrap();
+        (loss, m.grads().to_vec())
+    };
+    let base = run(1, false);
+    assert!(run(2, false) == base, "thread count changed the bits");
+    assert!(
+        run(2, true) == base,
+        "activation checkpointing changed the bits"
+    );
+}
+
+#[test]
+fn llama_bf16_products_track_fp32() {
+    let (ids, mask, labels) = batch();
+    let mut losses = Vec::new();
+    for dtype in [DType::F32, DType::Bf16] {
+        let mut m = model(tiny_llama(4, 2, true, true), 2, 8);
+        m.set_precision(dtype).unwrap();
+        losses.push(loss_at(&mut m, &ids, &mask, &labels));
+        m.zero_grad();
+        m.backward(Backward::new()).unwrap();
+        assert!(m.grads().iter().all(|g| g.is_finite()));
+    }
+    assert!((losses[0] - losses[1]).abs() < 1e-2, "{losses:?}");
 }

@@ -3,8 +3,8 @@
 //! and workspace together.
 //!
 //! Nothing here computes a forward (that is `forward`) or samples; it never allocates per token:
-//! a cache is allocated for a full window when made, a workspace's buffers when built (and grown
-//! only for a batch wider than a window).
+//! a cache is allocated for a full window when made, a workspace's buffers when built for up to
+//! [`WORKSPACE_ROWS`] rows (and grown only for a step of more rows than that).
 
 use cohort_engine::cpu::round_to_bf16;
 
@@ -57,7 +57,8 @@ impl std::fmt::Display for KvDtype {
     }
 }
 
-/// A cache's keys and values, (L, max_t, C) each, in its number format.
+/// A cache's keys and values, (L, max_t, NKV·HS) each (C with as many key/value heads as
+/// query heads), in its number format.
 pub(super) enum KvStore {
     F32 {
         k: Vec<f32>,
@@ -87,7 +88,8 @@ impl KvCache {
 
     /// An empty cache for a full window of `cfg`, keeping keys and values in `dtype`.
     pub fn with_dtype(cfg: &GPTConfig, dtype: KvDtype) -> KvCache {
-        let n = cfg.n_layers * cfg.max_position_embeddings * cfg.d_model;
+        // One cached head per key/value head: a grouped model caches NH/NKV times less.
+        let n = cfg.n_layers * cfg.max_position_embeddings * cfg.kv_heads() * cfg.head_dim();
         let store = match dtype {
             KvDtype::F32 => KvStore::F32 {
                 k: vec![0.0; n],
@@ -135,7 +137,7 @@ impl KvCache {
         self.len = 0;
     }
 
-    /// Stores one row's key and value (C each) at flat offset `at`, rounding them to bf16 in a
+    /// Stores one row's key and value (NKV·HS each) at flat offset `at`, rounding them to bf16 in a
     /// bf16 cache.
     pub(super) fn put(&mut self, at: usize, key: &[f32], value: &[f32]) {
         let c = key.len();
@@ -176,8 +178,13 @@ impl<G: AsMut<Generation> + AsRef<Generation> + Sync> Caches for [G] {
     }
 }
 
-/// Scratch rows for forwards (activations of every row, the logits asked for), sized for a full
-/// window when built and grown only when a batched step has more rows than that.
+/// Rows a workspace holds when built: a full window of GPT-2's 1024 positions, but not of a
+/// Llama's 8192 or a Qwen2's 32768, whose logits and scores rows for a full window would reserve
+/// tens of gigabytes for prompts that never come. A longer step grows the buffers once.
+pub const WORKSPACE_ROWS: usize = 1024;
+
+/// Scratch rows for forwards (activations of every row, the logits asked for), sized for a
+/// window (at most [`WORKSPACE_ROWS`]) when built and grown only when a step has more rows.
 pub(super) struct Buffers {
     /// Rows the buffers hold.
     pub(super) rows: usize,
@@ -192,17 +199,19 @@ pub(super) struct Buffers {
     pub(super) rstd: Vec<f32>,
     pub(super) mean_2: Vec<f32>,
     pub(super) rstd_2: Vec<f32>,
-    /// (n, 3C): q, k, v as GPT-2 concatenates them.
+    /// (n, (NH+2·NKV)·HS): q, k, v as GPT-2 concatenates them.
     pub(super) qkv: Vec<f32>,
     /// Attention output (n, C).
     pub(super) att: Vec<f32>,
-    /// MLP hidden pre- and post-GELU (n, F).
+    /// MLP hidden pre- (n, F; n, 2F under SwiGLU) and post-activation (n, F).
     pub(super) fc: Vec<f32>,
     pub(super) gelu: Vec<f32>,
     /// Attention weights of each row's query over its cache (n, max_t).
     pub(super) scores: Vec<f32>,
     /// Logits of the rows asked for (n, V).
     pub(super) logits: Vec<f32>,
+    /// Each row's position (n), for rotary embeddings.
+    pub(super) pos: Vec<u32>,
 }
 
 impl Buffers {
@@ -218,12 +227,13 @@ impl Buffers {
             rstd: vec![0.0; rows],
             mean_2: vec![0.0; rows],
             rstd_2: vec![0.0; rows],
-            qkv: vec![0.0; rows * 3 * c],
+            qkv: vec![0.0; rows * cfg.qkv_width()],
             att: vec![0.0; rows * c],
-            fc: vec![0.0; rows * f],
+            fc: vec![0.0; rows * cfg.fc_width()],
             gelu: vec![0.0; rows * f],
             scores: vec![0.0; rows * cfg.n_heads * cfg.max_position_embeddings],
             logits: vec![0.0; rows * cfg.vocab_size],
+            pos: vec![0; rows],
         }
     }
 }
@@ -243,12 +253,12 @@ pub struct Workspace {
 }
 
 impl Workspace {
-    /// Scratch for `model`, sized for a full window.
+    /// Scratch for `model`, sized for a full window of up to [`WORKSPACE_ROWS`] rows.
     pub fn new(model: &GPT) -> Workspace {
         let cfg = model.config();
         Workspace {
             layout: Layout::new(cfg),
-            buf: Buffers::new(cfg, cfg.max_position_embeddings.max(1)),
+            buf: Buffers::new(cfg, cfg.max_position_embeddings.clamp(1, WORKSPACE_ROWS)),
             place: Vec::new(),
             tokens: Vec::new(),
             last: Vec::new(),

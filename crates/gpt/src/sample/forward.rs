@@ -16,8 +16,8 @@ use rayon::prelude::*;
 use super::cache::{Buffers, Caches, KvStore};
 use crate::layout::Layout;
 use crate::model::{
-    block_forward_rows, opt, BlockActs, BlockDims, BlockWeights, BranchDropout, GeluOut, LnOut,
-    LnStats, Untimed,
+    block_forward_rows, norm_forward, opt, BlockActs, BlockDims, BlockWeights, BranchDropout,
+    GeluOut, LnOut, LnStats, Untimed,
 };
 use crate::GPT;
 
@@ -47,7 +47,8 @@ impl Rows<'_> {
 }
 /// The forward of `tokens` (one per row, placed by `rows`), attending over each row's cache;
 /// writes the logits `rows` asks for into `buf.logits`. The matrix products run once over all
-/// rows; attention runs per row over its own cache. Dims: n rows, C, F, V, NH heads of HS.
+/// rows; attention runs per row over its own cache. Dims: n rows, C, F, V, NH heads of HS,
+/// NKV key/value heads (KW = NKV·HS floats per cached row), W = (NH+2·NKV)·HS per qkv row.
 pub(super) fn forward_rows<C: Caches + ?Sized>(
     model: &GPT,
     layout: &Layout,
@@ -60,56 +61,87 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     let (n, c, f, v) = (tokens.len(), cfg.d_model, cfg.d_ff, cfg.vocab_size);
     let (max_t, nh) = (cfg.max_position_embeddings, cfg.n_heads);
     let hs = c / nh;
+    let nkv = cfg.kv_heads();
+    let (kw, w) = (nkv * hs, cfg.qkv_width());
     let scale = 1.0 / (hs as f32).sqrt();
     let p = model.params();
     let dev = model.backend();
     let (wte, wpe) = (&p[layout.wte.clone()], &p[layout.wpe.clone()]);
+    let rope = model.rope_tables();
+    let pos = &mut buf.pos[..n];
+    for (i, p) in pos.iter_mut().enumerate() {
+        *p = rows.at(i).1 as u32;
+    }
+    let pos = &*pos;
 
     // The residual stream alternates between two buffers: a block reads one, writes the other.
     let (mut x, mut x_next) = (&mut buf.x[..n * c], &mut buf.x_next[..n * c]);
     for (i, (row, &id)) in x.chunks_exact_mut(c).zip(tokens).enumerate() {
-        let (_, pos) = rows.at(i);
-        let (te, pe) = (id as usize * c, pos * c);
+        let te = id as usize * c;
+        if wpe.is_empty() {
+            row.copy_from_slice(&wte[te..te + c]);
+            continue;
+        }
+        let pe = pos[i] as usize * c;
         for ((o, a), b) in row.iter_mut().zip(&wte[te..te + c]).zip(&wpe[pe..pe + c]) {
             *o = a + b;
         }
     }
     for (l, bl) in layout.blocks.iter().enumerate() {
-        let layer = l * max_t * c..(l + 1) * max_t * c;
+        let layer = l * max_t * kw..(l + 1) * max_t * kw;
         let scores = &mut buf.scores[..n * nh * max_t];
-        let attend = |qkv: &[f32], att: &mut [f32]| {
+        let attend = |qkv: &mut [f32], att: &mut [f32]| {
+            if let Some(r) = rope {
+                let dims = cohort_engine::cpu::RopeDims {
+                    n,
+                    width: w,
+                    heads: nh + nkv,
+                    hs,
+                };
+                dev.rope_forward(qkv, pos, &r.cos, &r.sin, dims);
+            }
             // every row's key and value first: a prompt's row i attends to rows before it
-            for (i, row) in qkv.chunks_exact(3 * c).enumerate() {
+            for (i, row) in qkv.chunks_exact(w).enumerate() {
                 let (ci, pos) = rows.at(i);
                 caches
                     .cache(ci)
-                    .put(layer.start + pos * c, &row[c..2 * c], &row[2 * c..]);
+                    .put(layer.start + pos * kw, &row[c..c + kw], &row[c + kw..]);
             }
             // each row over its own cache, rows in parallel (they only read the caches)
             let shared: &C = caches;
-            qkv.par_chunks_exact(3 * c)
+            qkv.par_chunks_exact(w)
                 .zip(att.par_chunks_exact_mut(c))
                 .zip(scores.par_chunks_exact_mut(nh * max_t))
                 .enumerate()
                 .for_each(|(i, ((row, out), scores))| {
                     let (ci, pos) = rows.at(i);
                     let q = &row[..c];
+                    let store = &shared.cache_ref(ci).store;
+                    if nkv == nh {
+                        let dims = DecodeDims {
+                            ctx: pos + 1,
+                            nh,
+                            hs,
+                            c,
+                            scale,
+                        };
+                        attend_row(dev, store, layer.clone(), out, scores, q, dims);
+                        return;
+                    }
+                    // Grouped heads: each query head attends alone over its group's cached
+                    // head (a one-head call of the kernel on cache rows of stride KW).
                     let dims = DecodeDims {
                         ctx: pos + 1,
-                        nh,
+                        nh: 1,
                         hs,
-                        c,
+                        c: kw,
                         scale,
                     };
-                    match &shared.cache_ref(ci).store {
-                        KvStore::F32 { k, v } => {
-                            let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
-                            dev.attention_decode_row(out, scores, q, k, v, dims);
-                        }
-                        KvStore::Bf16 { k, v } => {
-                            let (k, v) = (&k[layer.clone()], &v[layer.clone()]);
-                            dev.attention_decode_row_bf16(out, scores, q, k, v, dims);
-                        }
+                    for h in 0..nh {
+                        let kv = (h / (nh / nkv)) * hs;
+                        let cached = layer.start + kv..layer.end;
+                        let (out, q) = (&mut out[h * hs..(h + 1) * hs], &q[h * hs..]);
+                        attend_row(dev, store, cached, out, scores, q, dims);
                     }
                 });
         };
@@ -126,18 +158,25 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                 mean: &mut buf.mean_2[..n],
                 rstd: &mut buf.rstd_2[..n],
             },
-            qkv: &mut buf.qkv[..n * 3 * c],
+            qkv: &mut buf.qkv[..n * w],
             att: &mut buf.att[..n * c],
-            fch: &mut buf.fc[..n * f],
+            fch: &mut buf.fc[..n * cfg.fc_width()],
             gelu: GeluOut::F32(&mut buf.gelu[..n * f]),
         };
         let no_dropout = BranchDropout {
             attn: None,
             mlp: None,
         };
-        let w = BlockWeights::new(p, bl);
-        let dims = BlockDims { n, c, f };
-        block_forward_rows(dev, &mut Untimed, &w, acts, dims, no_dropout, attend);
+        let weights = BlockWeights::new(p, bl);
+        let dims = BlockDims {
+            n,
+            c,
+            f,
+            w,
+            norm: cfg.norm,
+            mlp: cfg.mlp,
+        };
+        block_forward_rows(dev, &mut Untimed, &weights, acts, dims, no_dropout, attend);
         std::mem::swap(&mut x, &mut x_next);
     }
     // logits only where a token will be sampled: the last row of each sequence
@@ -156,6 +195,29 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
         }
     };
     let (ln, mean, rstd) = (&mut buf.ln[..m * c], &mut buf.mean[..m], &mut buf.rstd[..m]);
-    dev.layernorm_forward(ln, mean, rstd, from, lnf_w, lnf_b, m, c);
+    let stats = LnStats { mean, rstd };
+    norm_forward(dev, cfg.norm, ln, stats, from, (lnf_w, lnf_b), (m, c));
     dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
+}
+
+/// One decode row's attention over the cached rows `at` of one layer, in the cache's format.
+fn attend_row(
+    dev: &dyn cohort_engine::Backend,
+    store: &KvStore,
+    at: std::ops::Range<usize>,
+    out: &mut [f32],
+    scores: &mut [f32],
+    q: &[f32],
+    dims: DecodeDims,
+) {
+    match store {
+        KvStore::F32 { k, v } => {
+            let (k, v) = (&k[at.clone()], &v[at]);
+            dev.attention_decode_row(out, scores, q, k, v, dims);
+        }
+        KvStore::Bf16 { k, v } => {
+            let (k, v) = (&k[at.clone()], &v[at]);
+            dev.attention_decode_row_bf16(out, scores, q, k, v, dims);
+        }
+    }
 }

@@ -30,8 +30,8 @@
 //! bit-for-bit what it gets alone; its logits differ from an f32 cache's by the rounding.
 //!
 //! This module never changes the model and never allocates per token: a [`Workspace`]'s
-//! buffers are sized for a full window when it is built (and grown only for a batch wider than
-//! that).
+//! buffers are sized for a full window (of up to [`WORKSPACE_ROWS`] rows) when it is built, and
+//! grown only for a step of more rows than that.
 //!
 //! The module is laid out as: `cache` (the KV cache, the workspace a thread decodes in, the
 //! one-sequence [`Decoder`]), `forward` (the forward of cached rows, whose blocks run the
@@ -48,7 +48,7 @@ mod sampler;
 mod tests;
 
 pub use batching::{decode_step, Generation};
-pub use cache::{Decoder, KvCache, KvDtype, Workspace};
+pub use cache::{Decoder, KvCache, KvDtype, Workspace, WORKSPACE_ROWS};
 pub use sampler::{argmax, context_window};
 
 /// What to generate.

@@ -518,11 +518,29 @@ fn check_same_model(dir: &Path, run: &GPTConfig) -> Result<(), TrainError> {
             run.tie_word_embeddings as usize,
         ),
     ];
-    let differ: Vec<String> = pairs
+    let mut differ: Vec<String> = pairs
         .iter()
         .filter(|(_, theirs, ours)| theirs != ours)
         .map(|(key, theirs, ours)| format!("{key} {theirs} in its config.json, {ours} in this run"))
         .collect();
+    // The family's axes (a Llama resumed as a GPT-2 would load no tensor by name).
+    let axes = |c: &GPTConfig| {
+        format!(
+            "{:?} / {:?} / {:?} / {} key/value heads / qkv bias {}",
+            c.norm,
+            c.positions,
+            c.mlp,
+            c.kv_heads(),
+            c.has_qkv_bias()
+        )
+    };
+    if axes(&stored) != axes(run) {
+        differ.push(format!(
+            "architecture {} in its config.json, {} in this run",
+            axes(&stored),
+            axes(run)
+        ));
+    }
     if differ.is_empty() {
         return Ok(());
     }

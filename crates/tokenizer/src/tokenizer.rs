@@ -282,6 +282,20 @@ impl Tokenizer {
         }
     }
 
+    /// Token ids of `text` and each token's byte range in it (no special tokens inserted).
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), TokenizerError> {
+        match self.inner.encode(text, false) {
+            Ok(enc) => Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec())),
+            Err(e) => Err(self.unknown_char(text).unwrap_or(TokenizerError::Op {
+                op: "encode",
+                reason: e.to_string(),
+            })),
+        }
+    }
+
     /// For a character-level vocabulary: the first character of `text` it lacks.
     fn unknown_char(&self, text: &str) -> Option<TokenizerError> {
         if !matches!(self.inner.get_model(), ModelWrapper::WordLevel(_)) {

@@ -261,6 +261,8 @@ pub struct ChatTemplate {
     names: Vec<String>,
     has_generation: bool,
     special: Vec<(String, String)>,
+    /// The templates as written, for [`ChatTemplate::fingerprint`].
+    sources: Vec<(String, String)>,
 }
 
 impl ChatTemplate {
@@ -277,6 +279,7 @@ impl ChatTemplate {
         let mut env = environment();
         let mut has_generation = false;
         let mut names = Vec::new();
+        let sources = templates.clone();
         for (name, source) in templates {
             let (source, generation) = rewrite_generation_blocks(&source);
             has_generation |= generation;
@@ -295,7 +298,21 @@ impl ChatTemplate {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            sources,
         })
+    }
+
+    /// Everything a render depends on (templates and special tokens) in one string, for caches
+    /// keyed by it: two templates with the same fingerprint render alike.
+    pub fn fingerprint(&self) -> String {
+        let mut s = String::new();
+        for (name, source) in &self.sources {
+            s.push_str(&format!("{name}\0{source}\0"));
+        }
+        for (name, text) in &self.special {
+            s.push_str(&format!("{name}={text}\0"));
+        }
+        s
     }
 
     /// The template of a model directory: `chat_template.jinja` when present (transformers

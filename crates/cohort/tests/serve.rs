@@ -370,14 +370,25 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
 
 /// What `/v1/chat/completions` must answer: `cohort sample` on the rendered conversation, cut
 /// at the end-of-turn token and at the first stop string.
-fn chat_answer(ckpt: &Path, template: &ChatTemplate, case: &serde_json::Value) -> (String, &'static str) {
+fn chat_answer(
+    ckpt: &Path,
+    template: &ChatTemplate,
+    case: &serde_json::Value,
+) -> (String, &'static str) {
     let chat = Chat::from_json(&case["messages"].to_string()).unwrap();
     let prompt = template.render(&chat, true).unwrap().text;
     let n = case["max_tokens"].to_string();
     let t = case["temperature"].to_string();
     let seed = case["seed"].to_string();
     let k = case["top_k"].to_string();
-    let mut args = vec!["--prompt", &prompt, "--max-new-tokens", &n, "--temperature", &t];
+    let mut args = vec![
+        "--prompt",
+        &prompt,
+        "--max-new-tokens",
+        &n,
+        "--temperature",
+        &t,
+    ];
     args.extend(["--seed", &seed]);
     if case["top_k"].as_u64().unwrap_or(0) > 0 {
         args.extend(["--top-k", &k]);
@@ -400,14 +411,17 @@ fn chat_answer(ckpt: &Path, template: &ChatTemplate, case: &serde_json::Value) -
 #[test]
 fn the_openai_client_chats_with_the_models_template() {
     if !openai_available() {
-        eprintln!("skipping the OpenAI chat checks: python3 cannot import openai (pip install openai)");
+        eprintln!(
+            "skipping the OpenAI chat checks: python3 cannot import openai (pip install openai)"
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let repo = dir.path().join("repo");
     let ckpt = repo.join("chat/1");
     let mut tok = Tokenizer::char_level(CHAT_CHARS.chars());
-    tok.add_special_tokens(&["<|im_start|>", "<|im_end|>"]).unwrap();
+    tok.add_special_tokens(&["<|im_start|>", "<|im_end|>"])
+        .unwrap();
     let cfg = GPTConfig {
         vocab_size: tok.vocab_size(),
         max_position_embeddings: 128,
@@ -454,7 +468,10 @@ fn the_openai_client_chats_with_the_models_template() {
     // A stop string taken from the middle of the first answer.
     let (first, _) = chat_answer(&ckpt, &template, &cases[0]);
     let chars: Vec<char> = first.chars().collect();
-    assert!(chars.len() >= 8, "answer too short for a stop string: {first:?}");
+    assert!(
+        chars.len() >= 8,
+        "answer too short for a stop string: {first:?}"
+    );
     let stop: String = chars[4..6].iter().collect();
     let mut stopped = cases[0].clone();
     stopped["stop"] = json!([stop, "zz"]);

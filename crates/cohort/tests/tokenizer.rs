@@ -145,7 +145,14 @@ fn chat_renders_a_conversation_with_the_models_template() {
     )
     .unwrap();
     let model = p(dir.path());
-    let (ok, err) = cohort(&["tokenizer", "chat", "--model", &model, "--messages", &p(&messages)]);
+    let (ok, err) = cohort(&[
+        "tokenizer",
+        "chat",
+        "--model",
+        &model,
+        "--messages",
+        &p(&messages),
+    ]);
     assert!(!ok && err.contains("no chat template"), "{err}");
     let template = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
     let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": template});
@@ -161,7 +168,12 @@ fn chat_renders_a_conversation_with_the_models_template() {
     ]);
     let text = "<|im_start|>user\nhi!<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>assistant\n";
     assert!(ok && out.starts_with(text), "{out}");
-    let ids: Vec<String> = tok.encode(text).unwrap().iter().map(u32::to_string).collect();
+    let ids: Vec<String> = tok
+        .encode(text)
+        .unwrap()
+        .iter()
+        .map(u32::to_string)
+        .collect();
     assert!(out.contains(&format!("ids: {}", ids.join(" "))), "{out}");
     let (ok, out) = cohort(&[
         "tokenizer",
@@ -184,7 +196,14 @@ fn chat_renders_a_conversation_with_the_models_template() {
         .collect();
     assert_eq!(tok.decode(&marked).unwrap(), "hello<|im_end|>\n");
     std::fs::write(&messages, r#"[{"role": "user"}, 3]"#).unwrap();
-    let (ok, err) = cohort(&["tokenizer", "chat", "--model", &model, "--messages", &p(&messages)]);
+    let (ok, err) = cohort(&[
+        "tokenizer",
+        "chat",
+        "--model",
+        &model,
+        "--messages",
+        &p(&messages),
+    ]);
     assert!(
         !ok && err.contains("chat.json") && err.contains("message 1 is not an object"),
         "{err}"

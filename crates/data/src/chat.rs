@@ -32,7 +32,9 @@ pub(crate) fn encode_line(
     let tokens = encode_chat(tokenizer, &rendered).map_err(|e| e.to_string())?;
     // Token 0 is never a target (nothing comes before it to predict it from).
     if !tokens.assistant_mask.iter().skip(1).any(|&m| m == 1) {
-        return Err("no assistant token to train on (the loss would ignore the whole conversation)".into());
+        return Err(
+            "no assistant token to train on (the loss would ignore the whole conversation)".into(),
+        );
     }
     Ok((tokens.ids, tokens.assistant_mask))
 }
@@ -53,13 +55,20 @@ impl MaskWriter {
 
     /// Appends `mask` for the tokens after the first `before` (a text document's tokens are all
     /// trained: `mask` None).
-    pub(crate) fn write(&mut self, before: u64, mask: Option<&[u8]>, len: usize) -> Result<(), DataError> {
+    pub(crate) fn write(
+        &mut self,
+        before: u64,
+        mask: Option<&[u8]>,
+        len: usize,
+    ) -> Result<(), DataError> {
         if self.out.is_none() {
             let Some(mask) = mask else { return Ok(()) };
-            let f = std::fs::File::create(&self.path).map_err(DataError::io("create", &self.path))?;
+            let f =
+                std::fs::File::create(&self.path).map_err(DataError::io("create", &self.path))?;
             let mut w = BufWriter::new(f);
             write_ones(&mut w, before, &self.path)?;
-            w.write_all(mask).map_err(DataError::io("write", &self.path))?;
+            w.write_all(mask)
+                .map_err(DataError::io("write", &self.path))?;
             self.out = Some(w);
             return Ok(());
         }
@@ -87,7 +96,8 @@ fn write_ones(w: &mut impl Write, n: u64, path: &Path) -> Result<(), DataError> 
     let mut left = n;
     while left > 0 {
         let k = left.min(ones.len() as u64) as usize;
-        w.write_all(&ones[..k]).map_err(DataError::io("write", path))?;
+        w.write_all(&ones[..k])
+            .map_err(DataError::io("write", path))?;
         left -= k as u64;
     }
     Ok(())

@@ -438,8 +438,8 @@ pub fn tokenize_jsonl(
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
         let (ids, mask) = if value.get("messages").is_some() {
-            let (ids, mask) = crate::chat::encode_line(opts.chat.as_deref(), tokenizer, text)
-                .map_err(bad)?;
+            let (ids, mask) =
+                crate::chat::encode_line(opts.chat.as_deref(), tokenizer, text).map_err(bad)?;
             (ids, Some(mask))
         } else {
             let doc = value

@@ -246,7 +246,10 @@ impl Samples for Documents {
         let Some(mask) = &self.mask else {
             return false;
         };
-        let (start, end) = (self.offsets[index] as usize, self.offsets[index + 1] as usize);
+        let (start, end) = (
+            self.offsets[index] as usize,
+            self.offsets[index + 1] as usize,
+        );
         out[..end - start].copy_from_slice(&mask[start..end]);
         true
     }

@@ -112,7 +112,11 @@ fn targets_are_the_assistant_tokens_with_and_without_generation_blocks() {
                     }
                 })
                 .collect();
-            assert_eq!(&batch.targets[r], &want[..], "conversation {i} gen {generation}");
+            assert_eq!(
+                &batch.targets[r],
+                &want[..],
+                "conversation {i} gen {generation}"
+            );
         }
         // A second open reuses the cache, mask included.
         let (again, _) = open(&path, template).unwrap();

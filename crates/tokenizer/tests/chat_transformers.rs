@@ -246,7 +246,13 @@ fn templates_render_and_tokenize_as_transformers_does() {
         ("smollm2", SMOLLM2, "<|im_start|>", "<|im_end|>", false),
         ("llama3", LLAMA3, "<|begin_of_text|>", "<|eot_id|>", false),
         ("qwen2", QWEN2, "<|endoftext|>", "<|im_end|>", false),
-        ("chatml-gen", CHATML_GENERATION, "<|im_start|>", "<|im_end|>", true),
+        (
+            "chatml-gen",
+            CHATML_GENERATION,
+            "<|im_start|>",
+            "<|im_end|>",
+            true,
+        ),
     ];
     let mut cases = Vec::new();
     for (name, template, bos, eos, mask) in templates {
@@ -288,7 +294,10 @@ fn templates_render_and_tokenize_as_transformers_does() {
         let chat = Chat::from_json(&case["conversation"].to_string()).unwrap();
         let gen = case["add_generation_prompt"].as_bool().unwrap();
         let rendered = template.render(&chat, gen).unwrap();
-        let what = format!("{} conversation {} gen {gen}", case["name"], case["conversation"]);
+        let what = format!(
+            "{} conversation {} gen {gen}",
+            case["name"], case["conversation"]
+        );
         assert_eq!(rendered.text, want["text"].as_str().unwrap(), "{what}");
         let ours = encode_chat(&tok, &rendered).unwrap();
         let ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).unwrap();

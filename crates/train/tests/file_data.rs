@@ -239,7 +239,10 @@ fn trains_on_chat_conversations_with_the_tokenizers_template() {
     assert!(log.contains("270 train documents"), "{log}");
     let vocab = tok.vocab_size() as f32;
     let val = outcome.val_losses.last().unwrap().1;
-    assert!(val < 0.4 * vocab.ln(), "learns the answers: val loss {val}\n{log}");
+    assert!(
+        val < 0.4 * vocab.ln(),
+        "learns the answers: val loss {val}\n{log}"
+    );
 
     // A conversation with nothing for the assistant stops the run, naming its line.
     std::fs::write(

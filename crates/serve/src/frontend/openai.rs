@@ -45,10 +45,7 @@ pub(crate) fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
-        .route(
-            "/v1/chat/completions",
-            post(chat::chat_completions),
-        )
+        .route("/v1/chat/completions", post(chat::chat_completions))
 }
 
 /// An error as OpenAI's API writes it.

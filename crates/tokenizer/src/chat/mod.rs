@@ -130,9 +130,8 @@ impl Chat {
         let (messages, tools, documents, kwargs) = match value.kind() {
             minijinja::value::ValueKind::Seq => (value.clone(), None, None, Vec::new()),
             minijinja::value::ValueKind::Map => {
-                let messages = field("messages").ok_or_else(|| {
-                    ChatError::Conversation("no \"messages\" list".to_string())
-                })?;
+                let messages = field("messages")
+                    .ok_or_else(|| ChatError::Conversation("no \"messages\" list".to_string()))?;
                 let mut kwargs = Vec::new();
                 if let Some(extra) = field("chat_template_kwargs") {
                     for key in extra.try_iter().map_err(|_| {
@@ -422,7 +421,10 @@ impl ChatTemplate {
             .collect();
         vars.extend(chat.kwargs.iter().cloned());
         vars.push(("messages".into(), Value::from(chat.messages.clone())));
-        vars.push(("tools".into(), chat.tools.clone().unwrap_or(Value::from(()))));
+        vars.push((
+            "tools".into(),
+            chat.tools.clone().unwrap_or(Value::from(())),
+        ));
         vars.push((
             "documents".into(),
             chat.documents.clone().unwrap_or(Value::from(())),
@@ -533,10 +535,15 @@ fn environment() -> Environment<'static> {
     env.set_undefined_behavior(UndefinedBehavior::Lenient);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_filter("tojson", python::tojson);
-    env.add_function("raise_exception", |message: String| -> Result<Value, Error> {
-        Err(Error::new(ErrorKind::InvalidOperation, message))
+    env.add_function(
+        "raise_exception",
+        |message: String| -> Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, message))
+        },
+    );
+    env.add_function("strftime_now", |format: String| {
+        python::strftime_now(&format)
     });
-    env.add_function("strftime_now", |format: String| python::strftime_now(&format));
     env.add_filter(GEN_FILTER, |body: String| -> String {
         format!("{GEN_START}{body}{GEN_END}")
     });

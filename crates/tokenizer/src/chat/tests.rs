@@ -76,11 +76,7 @@ fn a_template_list_picks_default_or_tool_use() {
             {"name": "default", "template": "D{{ eos_token }}"},
         ],
     });
-    std::fs::write(
-        dir.path().join("tokenizer_config.json"),
-        config.to_string(),
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
     let t = ChatTemplate::from_dir(dir.path()).unwrap();
     assert_eq!(t.render(&chat("[]"), false).unwrap().text, "D</s>");
     let with_tools = chat(r#"{"messages": [], "tools": [{"name": "f"}]}"#);
@@ -90,7 +86,9 @@ fn a_template_list_picks_default_or_tool_use() {
     let t = ChatTemplate::from_dir(dir.path()).unwrap();
     assert_eq!(t.render(&chat("[]"), false).unwrap().text, "J");
     let empty = tempfile::tempdir().unwrap();
-    let e = ChatTemplate::from_dir(empty.path()).unwrap_err().to_string();
+    let e = ChatTemplate::from_dir(empty.path())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("no chat template"), "{e}");
 }
 

@@ -79,7 +79,12 @@ fn parse(body: &[u8]) -> Result<ChatRequest> {
                         .iter()
                         .filter_map(|s| s.as_str().map(str::to_string))
                         .collect(),
-                    _ => return Err(ApiError::invalid(k, "stop must be a string or a list of strings")),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            k,
+                            "stop must be a string or a list of strings",
+                        ))
+                    }
                 };
                 if stop.len() > MAX_STOPS || stop.iter().any(String::is_empty) {
                     return Err(ApiError::invalid(
@@ -93,11 +98,18 @@ fn parse(body: &[u8]) -> Result<ChatRequest> {
                     return Err(unsupported(k, "not supported by cohort"));
                 }
             }
-            "tools" | "tool_choice" | "functions" | "function_call" | "parallel_tool_calls"
-            | "response_format" | "logit_bias" | "top_logprobs" | "modalities" | "audio"
-            | "prediction" | "reasoning_effort" => {
-                return Err(unsupported(k, "not supported by cohort"))
-            }
+            "tools"
+            | "tool_choice"
+            | "functions"
+            | "function_call"
+            | "parallel_tool_calls"
+            | "response_format"
+            | "logit_bias"
+            | "top_logprobs"
+            | "modalities"
+            | "audio"
+            | "prediction"
+            | "reasoning_effort" => return Err(unsupported(k, "not supported by cohort")),
             _ if sampling.field(k, v)? => {}
             other => return Err(ApiError::invalid(other, format!("unknown field {other}"))),
         }
@@ -248,7 +260,10 @@ pub(super) async fn chat_completions(
         Ok(p) if !p.is_empty() => p,
         Ok(_) => {
             lv.reject(ServeError::malformed("empty prompt"), start);
-            return Err(ApiError::invalid("messages", "the conversation renders to no token"));
+            return Err(ApiError::invalid(
+                "messages",
+                "the conversation renders to no token",
+            ));
         }
         Err(reason) => {
             return Err(ApiError::from(lv.reject(text_err(reason), start)).with_param("messages"))
@@ -302,8 +317,11 @@ pub(super) async fn chat_completions(
             }
             Event::default().data(v.to_string())
         };
-        let _ = tx.send(Ok(chunk(json!({"role": "assistant", "content": ""}), None))).await;
-        let piece = |text: String| (!text.is_empty()).then(|| chunk(json!({"content": text}), None));
+        let _ = tx
+            .send(Ok(chunk(json!({"role": "assistant", "content": ""}), None)))
+            .await;
+        let piece =
+            |text: String| (!text.is_empty()).then(|| chunk(json!({"content": text}), None));
         match run(&lv, tokens, done, start, stopper, Some((&tx, &piece))).await {
             Ok((mut stopper, finish)) => {
                 let rest = stopper.take(true);
@@ -318,7 +336,9 @@ pub(super) async fn chat_completions(
                 }
             }
             Err(e) => {
-                let _ = tx.send(Ok(Event::default().data(e.body().to_string()))).await;
+                let _ = tx
+                    .send(Ok(Event::default().data(e.body().to_string())))
+                    .await;
             }
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
@@ -344,7 +364,10 @@ async fn run(
     mut stopper: Stopper,
     sink: Option<(&EventTx, &PieceEvent<'_>)>,
 ) -> Result<(Stopper, Finish)> {
-    let codec = lv.text.as_ref().map_err(|r| ApiError::invalid("model", r.clone()))?;
+    let codec = lv
+        .text
+        .as_ref()
+        .map_err(|r| ApiError::invalid("model", r.clone()))?;
     let mut detok = Detokenizer::new(codec);
     while let Some(id) = tokens.recv().await {
         let piece = detok.push(id);
@@ -427,7 +450,12 @@ mod tests {
             "max_completion_tokens": 7, "temperature": 0, "seed": 2, "stop": ["a", "b"], "stream": true, "top_k": 3}))
         .unwrap();
         assert_eq!(
-            (r.sampling.opts.max_new_tokens, r.sampling.opts.top_k, r.stop.len(), r.sampling.stream),
+            (
+                r.sampling.opts.max_new_tokens,
+                r.sampling.opts.top_k,
+                r.stop.len(),
+                r.sampling.stream
+            ),
             (7, Some(3), 2, true)
         );
         let m = json!([{"role": "user", "content": "x"}]);
@@ -436,7 +464,10 @@ mod tests {
             (json!({"top_p": 0.5}), "top_p"),
             (json!({"n": 3}), "n"),
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
-            (json!({"response_format": {"type": "json_object"}}), "response_format"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
             (json!({"frobnicate": 1}), "frobnicate"),
             (json!({"logprobs": true}), "logprobs"),
         ] {

@@ -33,7 +33,7 @@ fn conversation(i: usize) -> Vec<(&'static str, String)> {
         ("user", format!("what is {i} plus {i}?")),
         ("assistant", format!("it is {}.", 2 * i)),
     ];
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         turns.push(("user", "and twice that?".into()));
         turns.push(("assistant", format!("{}!", 4 * i)));
     }

@@ -33,7 +33,7 @@ mod utf8;
 
 pub use chat::{encode_chat, Chat, ChatError, ChatTemplate, ChatTokens, Rendered};
 pub use hf_files::{hf_files, HfFiles};
-pub use tokenizer::{Tokenizer, TokenizerError};
+pub use tokenizer::{ByteSpan, Tokenizer, TokenizerError};
 pub use utf8::Utf8Chunks;
 
 /// The tokenizer's file name inside a checkpoint or pretrained directory.

@@ -7,8 +7,8 @@
 //! e.g. `<|im_end|>`), which is not part of the answer, or at the first of up to four `stop`
 //! strings, which is cut off with what follows (`finish_reason` "stop"), else after
 //! `max_tokens` ("length"). Streamed text is held back while it could be the start of a stop
-//! string, so no event ever carries part of one. Stopping drops the generation's receivers, so
-//! the instance stops it after its current step. Refused by name, as for completions: `tools`,
+//! string, so no event ever carries part of one. Stopping closes the generation's token
+//! channel, so the instance ends it after its current step. Refused by name, as for completions: `tools`,
 //! `tool_choice`, `functions`, `response_format`, `logprobs`, `logit_bias`, `n` > 1, `top_p` < 1,
 //! penalties. This module never runs a model.
 
@@ -354,8 +354,9 @@ type PieceEvent<'a> = dyn Fn(String) -> Option<Event> + Send + Sync + 'a;
 
 /// Reads the generation's tokens into `stopper` until it stops or the generation ends; when
 /// streaming (`sink`), sends `event(text)` on the channel for each piece that is safe to send.
-/// Stopping early drops the receivers, which ends the generation after its current step; it is
-/// counted a success. A client gone (the event stream closed) ends it the same way.
+/// Stopping early closes the token channel, which ends the generation after its current step
+/// (counted a success); a client gone (the event stream closed) drops both receivers, which
+/// counts it cancelled.
 async fn run(
     lv: &LoadedVersion,
     mut tokens: Tokens,
@@ -372,9 +373,11 @@ async fn run(
     while let Some(id) = tokens.recv().await {
         let piece = detok.push(id);
         if let Some(finish) = stopper.push(id, &piece) {
+            // Closing the token channel ends the generation after its current step; the
+            // instance then answers `done` as for a finished one, so it counts as a success.
             drop(tokens);
-            drop(done);
-            lv.account(&Ok::<(), ServeError>(()), start);
+            let out = done.await.unwrap_or_else(|_| Err(lv.lost()));
+            lv.account(&out, start);
             return Ok((stopper, finish));
         }
         if let Some((tx, event)) = sink {

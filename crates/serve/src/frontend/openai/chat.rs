@@ -6,11 +6,12 @@
 //! Generation stops at the template's end of turn (the `eos_token` of tokenizer_config.json,
 //! e.g. `<|im_end|>`), which is not part of the answer, or at the first of up to four `stop`
 //! strings, which is cut off with what follows (`finish_reason` "stop"), else after
-//! `max_tokens` ("length"). Streamed text is held back while it could be the start of a stop
-//! string, so no event ever carries part of one. Stopping closes the generation's token
-//! channel, so the instance ends it after its current step. Refused by name, as for completions: `tools`,
-//! `tool_choice`, `functions`, `response_format`, `logprobs`, `logit_bias`, `n` > 1, `top_p` < 1,
-//! penalties. This module never runs a model.
+//! `max_tokens` ("length"; 256 when the request does not say). Streamed text is held back
+//! while it could be the start of a stop string, so no event ever carries part of one.
+//! Stopping closes the generation's token channel, so the instance ends it after its current
+//! step. Refused by name, as for completions: `tools`, `tool_choice`, `functions`,
+//! `response_format`, `logprobs`, `logit_bias`, `n` > 1, `top_p` < 1, penalties. This module
+//! never runs a model.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -33,6 +34,10 @@ use crate::frontend::body::read_body;
 use crate::frontend::AppState;
 use crate::model::LoadedVersion;
 use crate::text::Detokenizer;
+
+/// Tokens an answer may take when the request sets no `max_tokens`: OpenAI's chat has no limit
+/// (the answer ends at the end of turn), but a model that never says it would run 4096 steps.
+const DEFAULT_MAX_TOKENS: usize = 256;
 
 /// OpenAI's most stop strings per request.
 const MAX_STOPS: usize = 4;
@@ -65,6 +70,7 @@ fn parse(body: &[u8]) -> Result<ChatRequest> {
         }
     };
     let mut sampling = Sampling::default();
+    sampling.opts.max_new_tokens = DEFAULT_MAX_TOKENS;
     let mut stop = Vec::new();
     for (k, v) in m {
         if v.is_null() {

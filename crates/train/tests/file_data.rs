@@ -243,6 +243,17 @@ fn trains_on_chat_conversations_with_the_tokenizers_template() {
         val < 0.4 * vocab.ln(),
         "learns the answers: val loss {val}\n{log}"
     );
+    // The checkpoint keeps the template and its end of turn, so it chats as it was taught.
+    let step = dir.path().join("out").join("step-000060");
+    let saved = cohort_tokenizer::ChatTemplate::from_dir(&step).unwrap();
+    assert_eq!(saved.special_token("eos_token"), Some("<|im_end|>"));
+    let generation: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step.join("generation_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        generation["eos_token_id"],
+        serde_json::json!(tok.token_to_id("<|im_end|>").unwrap())
+    );
 
     // A conversation with nothing for the assistant stops the run, naming its line.
     std::fs::write(

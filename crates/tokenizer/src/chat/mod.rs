@@ -377,6 +377,36 @@ impl ChatTemplate {
         }
     }
 
+    /// A model directory's template as written (tokenizer_config.json's `chat_template` value,
+    /// or chat_template.jinja's text) and its `eos_token`, to copy into another directory; None
+    /// when it has no template.
+    pub fn source_in_dir(
+        dir: impl AsRef<Path>,
+    ) -> Result<Option<(serde_json::Value, Option<String>)>, ChatError> {
+        let dir = dir.as_ref();
+        // Loading it checks that it compiles: a broken template is not copied.
+        match ChatTemplate::from_dir(dir) {
+            Err(ChatError::NoTemplate { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+            Ok(_) => {}
+        }
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = std::fs::read(&config_path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or(serde_json::Value::Null);
+        let eos = special_tokens(&config)
+            .into_iter()
+            .find(|(k, _)| k == "eos_token")
+            .map(|(_, v)| v);
+        let jinja = dir.join("chat_template.jinja");
+        let template = match std::fs::read_to_string(&jinja) {
+            Ok(text) => serde_json::Value::String(text),
+            Err(_) => config["chat_template"].clone(),
+        };
+        Ok(Some((template, eos)))
+    }
+
     /// Whether the template marks the assistant's text with `{% generation %}` blocks.
     pub fn has_generation_blocks(&self) -> bool {
         self.has_generation

@@ -112,18 +112,39 @@ fn tokenizer_file(path: &Path) -> PathBuf {
     }
 }
 
+/// The directory a `--tokenizer PATH` names the model of (None for the built-in tokenizers).
+fn tokenizer_dir(cfg: &TrainConfig) -> Option<&Path> {
+    if matches!(cfg.tokenizer.as_str(), "char" | "bpe") {
+        return None;
+    }
+    let path = Path::new(&cfg.tokenizer);
+    Some(if path.is_dir() {
+        path
+    } else {
+        path.parent().unwrap_or(Path::new("."))
+    })
+}
+
+/// The chat template beside `--tokenizer` as written, with its end-of-turn token, for
+/// checkpoints to carry; None without one.
+pub fn chat_template_source(
+    cfg: &TrainConfig,
+) -> Result<Option<(serde_json::Value, Option<String>)>, TrainError> {
+    let Some(dir) = tokenizer_dir(cfg) else {
+        return Ok(None);
+    };
+    ChatTemplate::source_in_dir(dir).map_err(|source| TrainError::ChatTemplate {
+        path: cfg.tokenizer.clone(),
+        source,
+    })
+}
+
 /// The chat template beside a `--tokenizer PATH` (the model directory's tokenizer_config.json or
 /// chat_template.jinja), which renders JSONL conversations; None for the built-in tokenizers or
 /// a directory without one.
 fn chat_template(cfg: &TrainConfig) -> Result<Option<Arc<ChatTemplate>>, TrainError> {
-    if matches!(cfg.tokenizer.as_str(), "char" | "bpe") {
+    let Some(dir) = tokenizer_dir(cfg) else {
         return Ok(None);
-    }
-    let path = Path::new(&cfg.tokenizer);
-    let dir = if path.is_dir() {
-        path
-    } else {
-        path.parent().unwrap_or(Path::new("."))
     };
     match ChatTemplate::from_dir(dir) {
         Ok(t) => Ok(Some(Arc::new(t))),

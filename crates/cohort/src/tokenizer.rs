@@ -1,10 +1,11 @@
 //! `cohort tokenizer`: build a tokenizer.json from a corpus, add (special) tokens to one (or to a
-//! model directory, resizing its embeddings), or encode and decode text with one. Wiring only: parse flags, call `cohort-tokenizer`, print.
+//! model directory, resizing its embeddings), encode and decode text with one, or render a
+//! conversation with a model's chat template. Wiring only: parse flags, call `cohort-tokenizer`, print.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
-use cohort_tokenizer::Tokenizer;
+use cohort_tokenizer::{encode_chat, Chat, ChatTemplate, Tokenizer};
 
 /// Build or edit a tokenizer.json.
 #[derive(clap::Subcommand, Debug)]
@@ -18,6 +19,28 @@ pub enum TokenizerCmd {
     Encode(EncodeArgs),
     /// Print the text of token ids (`tokenizer.decode(ids)`).
     Decode(DecodeArgs),
+    /// Render a conversation with a model's chat template (`apply_chat_template`): the text,
+    /// then its ids.
+    Chat(ChatArgs),
+}
+
+/// `cohort tokenizer chat`.
+#[derive(clap::Args, Debug)]
+pub struct ChatArgs {
+    /// The model directory: tokenizer.json, and the template in tokenizer_config.json or
+    /// chat_template.jinja.
+    #[arg(long)]
+    model: PathBuf,
+    /// A JSON file: a list of messages, or {"messages": [...], "tools": [...]} ("-": standard
+    /// input).
+    #[arg(long)]
+    messages: PathBuf,
+    /// End with the assistant's header, ready for the model to answer.
+    #[arg(long)]
+    add_generation_prompt: bool,
+    /// One JSON object instead: text, ids and the assistant mask (1 for the assistant's tokens).
+    #[arg(long)]
+    json: bool,
 }
 
 /// `cohort tokenizer encode`.
@@ -229,6 +252,39 @@ fn row_inits(
         .collect()
 }
 
+fn chat(a: ChatArgs) -> anyhow::Result<()> {
+    let tok = open(&a.model)?;
+    let template = ChatTemplate::from_dir(&a.model)?;
+    let json = if a.messages.as_os_str() == "-" {
+        text_or_stdin(None)?
+    } else {
+        std::fs::read_to_string(&a.messages)
+            .with_context(|| format!("reading {}", a.messages.display()))?
+    };
+    let conversation = Chat::from_json(&json).with_context(|| a.messages.display().to_string())?;
+    // The assistant's spans need the whole conversation rendered without the prompt; with it,
+    // only the text and ids are asked for.
+    let rendered = if a.add_generation_prompt {
+        template.render(&conversation, true)?
+    } else {
+        template.assistant_spans(&conversation)?
+    };
+    let out = encode_chat(&tok, &rendered)?;
+    if a.json {
+        let v = serde_json::json!({
+            "text": rendered.text,
+            "ids": out.ids,
+            "assistant_mask": out.assistant_mask,
+        });
+        println!("{v}");
+    } else {
+        println!("{}", rendered.text);
+        let ids: Vec<String> = out.ids.iter().map(u32::to_string).collect();
+        println!("ids: {}", ids.join(" "));
+    }
+    Ok(())
+}
+
 pub fn main(cmd: TokenizerCmd) -> anyhow::Result<()> {
     match cmd {
         TokenizerCmd::Train(a) => {
@@ -259,6 +315,7 @@ pub fn main(cmd: TokenizerCmd) -> anyhow::Result<()> {
                 println!("{}", ids.join(" "));
             }
         }
+        TokenizerCmd::Chat(a) => chat(a)?,
         TokenizerCmd::Decode(a) => {
             let tok = open(&a.tokenizer)?;
             let ids = parse_ids(&text_or_stdin(a.ids)?, tok.vocab_size())?;

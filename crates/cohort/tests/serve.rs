@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use cohort_gpt::checkpoint::{self, Checkpoint};
 use cohort_gpt::{Forward, GPTConfig, GPT};
-use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
+use cohort_tokenizer::{Chat, ChatTemplate, Tokenizer, TOKENIZER_FILE};
 use serde_json::json;
 use support::{post_json, python_imports};
 
@@ -366,6 +366,133 @@ fn the_openai_client_gets_what_cohort_sample_prints() {
     let spec_file = dir.path().join("openai.json");
     std::fs::write(&spec_file, spec.to_string()).unwrap();
     python_check("openai_check.py", &spec_file);
+    server.stop();
+}
+
+/// The characters of the chat test's vocabulary (ChatML's role names among them), before the
+/// two special tokens.
+const CHAT_CHARS: &str = "\nabcdefghilmnorstuy ,.";
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// What `/v1/chat/completions` must answer: `cohort sample` on the rendered conversation, cut
+/// at the end-of-turn token and at the first stop string.
+fn chat_answer(
+    ckpt: &Path,
+    template: &ChatTemplate,
+    case: &serde_json::Value,
+) -> (String, &'static str) {
+    let chat = Chat::from_json(&case["messages"].to_string()).unwrap();
+    let prompt = template.render(&chat, true).unwrap().text;
+    let n = case["max_tokens"].to_string();
+    let t = case["temperature"].to_string();
+    let seed = case["seed"].to_string();
+    let k = case["top_k"].to_string();
+    let mut args = vec![
+        "--prompt",
+        &prompt,
+        "--max-new-tokens",
+        &n,
+        "--temperature",
+        &t,
+    ];
+    args.extend(["--seed", &seed]);
+    if case["top_k"].as_u64().unwrap_or(0) > 0 {
+        args.extend(["--top-k", &k]);
+    }
+    let printed = cohort_sample(ckpt, &args);
+    let mut text = printed.strip_prefix(prompt.as_str()).unwrap().to_string();
+    let mut cuts: Vec<usize> = text.find("<|im_end|>").into_iter().collect();
+    for stop in case["stop"].as_array().into_iter().flatten() {
+        cuts.extend(text.find(stop.as_str().unwrap()));
+    }
+    match cuts.into_iter().min() {
+        Some(at) => {
+            text.truncate(at);
+            (text, "stop")
+        }
+        None => (text, "length"),
+    }
+}
+
+#[test]
+fn the_openai_client_chats_with_the_models_template() {
+    if !openai_available() {
+        eprintln!(
+            "skipping the OpenAI chat checks: python3 cannot import openai (pip install openai)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let ckpt = repo.join("chat/1");
+    let mut tok = Tokenizer::char_level(CHAT_CHARS.chars());
+    tok.add_special_tokens(&["<|im_start|>", "<|im_end|>"])
+        .unwrap();
+    let cfg = GPTConfig {
+        vocab_size: tok.vocab_size(),
+        max_position_embeddings: 128,
+        ..tiny()
+    };
+    let mut m = GPT::new(cfg, 11).unwrap();
+    for p in m.params_mut() {
+        *p *= 6.0;
+    }
+    let json = tok.to_json().unwrap();
+    let config = json!({"eos_token": "<|im_end|>", "chat_template": CHATML}).to_string();
+    checkpoint::save(
+        &ckpt,
+        "step-1",
+        &Checkpoint {
+            model: Some(&m),
+            extra_files: vec![
+                (TOKENIZER_FILE, json.as_bytes()),
+                ("tokenizer_config.json", config.as_bytes()),
+            ],
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let template = ChatTemplate::from_dir(ckpt.join("step-1")).unwrap();
+    let user = json!([{"role": "user", "content": "hello there"}]);
+    let turns = json!([
+        {"role": "system", "content": "be brief."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello."},
+        {"role": "user", "content": "tell a story"}
+    ]);
+    let mut cases = vec![
+        json!({"messages": user, "max_tokens": 40, "temperature": 1.0, "seed": 7, "top_k": 0}),
+        json!({"messages": turns, "max_tokens": 30, "temperature": 0.9, "seed": 3, "top_k": 5}),
+        json!({"messages": turns, "max_tokens": 24, "temperature": 0.0, "seed": 0, "top_k": 0}),
+    ];
+    // A seed whose answer ends at the end-of-turn token, so that stopping there is checked.
+    let eos_case = (0..60)
+        .map(|seed| json!({"messages": user, "max_tokens": 60, "temperature": 1.0, "seed": seed, "top_k": 0}))
+        .find(|c| chat_answer(&ckpt, &template, c).1 == "stop")
+        .expect("some seed ends its answer with <|im_end|>");
+    cases.push(eos_case);
+    // A stop string taken from the middle of the first answer.
+    let (first, _) = chat_answer(&ckpt, &template, &cases[0]);
+    let chars: Vec<char> = first.chars().collect();
+    assert!(
+        chars.len() >= 8,
+        "answer too short for a stop string: {first:?}"
+    );
+    let stop: String = chars[4..6].iter().collect();
+    let mut stopped = cases[0].clone();
+    stopped["stop"] = json!([stop, "zz"]);
+    cases.push(stopped);
+    for case in &mut cases {
+        let (content, finish) = chat_answer(&ckpt, &template, case);
+        case["content"] = json!(content);
+        case["finish_reason"] = json!(finish);
+    }
+    assert_eq!(cases[4]["finish_reason"], "stop");
+    let server = Serving::start(&repo);
+    let spec = json!({"http": server.http, "model": "chat", "cases": cases});
+    let spec_file = dir.path().join("openai_chat.json");
+    std::fs::write(&spec_file, spec.to_string()).unwrap();
+    python_check("openai_chat_check.py", &spec_file);
     server.stop();
 }
 

@@ -126,3 +126,86 @@ fn encode_then_decode_gives_the_text_back_and_bad_input_is_named() {
         "{err}"
     );
 }
+
+/// `cohort tokenizer chat`: the model directory's template renders the conversation; the text,
+/// then its ids (with `--add-generation-prompt` the assistant's header ends it); `--json` adds
+/// the assistant mask; a directory without a template and a bad conversation are named.
+#[test]
+fn chat_renders_a_conversation_with_the_models_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut tok = cohort_tokenizer::Tokenizer::char_level("abcdehilnorstuy!\n".chars());
+    tok.add_special_tokens(&["<|im_start|>", "<|im_end|>"])
+        .unwrap();
+    tok.save(dir.path().join("tokenizer.json")).unwrap();
+    let p = |x: &std::path::Path| x.to_str().unwrap().to_string();
+    let messages = dir.path().join("chat.json");
+    std::fs::write(
+        &messages,
+        r#"[{"role": "user", "content": "hi!"}, {"role": "assistant", "content": "hello"}]"#,
+    )
+    .unwrap();
+    let model = p(dir.path());
+    let (ok, err) = cohort(&[
+        "tokenizer",
+        "chat",
+        "--model",
+        &model,
+        "--messages",
+        &p(&messages),
+    ]);
+    assert!(!ok && err.contains("no chat template"), "{err}");
+    let template = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+    let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": template});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let (ok, out) = cohort(&[
+        "tokenizer",
+        "chat",
+        "--model",
+        &model,
+        "--messages",
+        &p(&messages),
+        "--add-generation-prompt",
+    ]);
+    let text = "<|im_start|>user\nhi!<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n<|im_start|>assistant\n";
+    assert!(ok && out.starts_with(text), "{out}");
+    let ids: Vec<String> = tok
+        .encode(text)
+        .unwrap()
+        .iter()
+        .map(u32::to_string)
+        .collect();
+    assert!(out.contains(&format!("ids: {}", ids.join(" "))), "{out}");
+    let (ok, out) = cohort(&[
+        "tokenizer",
+        "chat",
+        "--model",
+        &model,
+        "--messages",
+        &p(&messages),
+        "--json",
+    ]);
+    assert!(ok, "{out}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let mask: Vec<u64> = serde_json::from_value(v["assistant_mask"].clone()).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(v["ids"].clone()).unwrap();
+    let marked: Vec<u32> = ids
+        .iter()
+        .zip(&mask)
+        .filter(|(_, &m)| m == 1)
+        .map(|(&id, _)| id)
+        .collect();
+    assert_eq!(tok.decode(&marked).unwrap(), "hello<|im_end|>\n");
+    std::fs::write(&messages, r#"[{"role": "user"}, 3]"#).unwrap();
+    let (ok, err) = cohort(&[
+        "tokenizer",
+        "chat",
+        "--model",
+        &model,
+        "--messages",
+        &p(&messages),
+    ]);
+    assert!(
+        !ok && err.contains("chat.json") && err.contains("message 1 is not an object"),
+        "{err}"
+    );
+}

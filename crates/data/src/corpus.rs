@@ -4,7 +4,10 @@
 //! - a directory with nanoGPT's `train.bin` and `val.bin` (uint16, used as they are);
 //! - a single token file (`.bin`): the last `val_fraction` of its tokens is the validation split;
 //! - a JSONL file (`.jsonl`): one document per line, text in `text_field`, streamed line by line
-//!   and tokenized once into a token file plus a document index (u64 LE offsets);
+//!   and tokenized once into a token file plus a document index (u64 LE offsets); a line with
+//!   `messages` instead is a conversation, rendered with `chat` (the model's chat template) and
+//!   trained on the assistant's tokens only (a loss mask file beside the tokens, see
+//!   [`chat`](crate::chat));
 //! - any other file: UTF-8 text, tokenized once in 1 MiB chunks (cut at line breaks) into a token
 //!   file; the last `val_fraction` of the tokens is the validation split (nanoGPT's split).
 //!
@@ -18,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
 
-use cohort_tokenizer::{Tokenizer, Utf8Chunks};
+use cohort_tokenizer::{ChatTemplate, Tokenizer, Utf8Chunks};
 use serde::{Deserialize, Serialize};
 
 use crate::dataset::{Documents, Samples, TokenWindows};
@@ -41,6 +44,8 @@ pub struct CorpusOptions {
     pub cache_dir: Option<PathBuf>,
     /// Vocabulary of token files when no tokenizer is given (ids at or above are errors).
     pub vocab_size: Option<usize>,
+    /// The chat template JSONL conversations (`{"messages": [...]}`) are rendered with.
+    pub chat: Option<Arc<ChatTemplate>>,
 }
 
 impl Default for CorpusOptions {
@@ -52,6 +57,7 @@ impl Default for CorpusOptions {
             text_field: "text".into(),
             cache_dir: None,
             vocab_size: None,
+            chat: None,
         }
     }
 }
@@ -144,6 +150,12 @@ impl Corpus {
                 let tokenizer = tokenizer.ok_or_else(needs_tokenizer)?;
                 let (tok_path, idx_path) = tokenize_jsonl(path, tokenizer, opts)?;
                 let tokens = Arc::new(TokenFile::open(&tok_path, vocab)?);
+                let mask_path = tok_path.with_extension("mask");
+                let mask = if mask_path.is_file() {
+                    Some(crate::chat::open_mask(&mask_path, tokens.len())?)
+                } else {
+                    None
+                };
                 let offsets = read_index(&idx_path, tokens.len())?;
                 let docs = offsets.len() - 1;
                 let n_train = docs - (docs as f64 * opts.val_fraction) as usize;
@@ -154,8 +166,8 @@ impl Corpus {
                 let mut train_offsets = offsets;
                 train_offsets.truncate(n_train + 1);
                 Ok(Corpus::Documents {
-                    train: Documents::new(tokens.clone(), train_offsets),
-                    val: Documents::new(tokens, val_offsets),
+                    train: Documents::new(tokens.clone(), train_offsets).with_mask(mask.clone()),
+                    val: Documents::new(tokens, val_offsets).with_mask(mask),
                 })
             }
             _ => {
@@ -210,6 +222,9 @@ struct CacheMeta {
     tokens: u64,
     documents: Option<u64>,
     max_len: Option<usize>,
+    /// Whether a loss mask file was written (a JSONL file with conversations).
+    #[serde(default)]
+    loss_mask: bool,
 }
 
 fn fnv64(bytes: &[u8]) -> u64 {
@@ -235,7 +250,12 @@ fn cache_for(
     let json = tokenizer
         .to_json()
         .map_err(|e| DataError::tokenizer(source, e))?;
-    let hash = format!("{:016x}", fnv64(json.as_bytes()));
+    // Conversations render with the template: it is part of what the cache was built from.
+    let mut key = json.into_bytes();
+    if let Some(chat) = &opts.chat {
+        key.extend_from_slice(chat.fingerprint().as_bytes());
+    }
+    let hash = format!("{:016x}", fnv64(&key));
     let name = source
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -254,6 +274,7 @@ fn cache_for(
         tokens: 0,
         documents: None,
         max_len: None,
+        loss_mask: false,
     };
     let file = format!("{name}.{}.{ext}", &hash[..12]);
     if let Some(d) = &opts.cache_dir {
@@ -338,6 +359,7 @@ fn cache_valid(cache: &Path, want: &CacheMeta) -> bool {
         && have.source_mtime_ns == want.source_mtime_ns
         && have.tokenizer == want.tokenizer
         && have.max_len == want.max_len
+        && (!have.loss_mask || cache.with_extension("mask").is_file())
 }
 
 fn write_meta(cache: &Path, meta: &CacheMeta) -> Result<(), DataError> {
@@ -398,6 +420,7 @@ pub fn tokenize_jsonl(
     let file = std::fs::File::open(source).map_err(DataError::io("open", source))?;
     let mut reader = BufReader::with_capacity(1 << 20, file);
     let mut out = TokenWriter::create(&cache, tokenizer.vocab_size())?;
+    let mut masks = crate::chat::MaskWriter::new(cache.with_extension("mask"));
     let mut offsets: Vec<u8> = Vec::new();
     let mut line_buf = Vec::new();
     let (mut line, mut byte) = (0u64, 0u64);
@@ -426,12 +449,18 @@ pub fn tokenize_jsonl(
         };
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-        let doc = value
-            .get(&opts.text_field)
-            .ok_or_else(|| bad(format!("no \"{}\" field", opts.text_field)))?
-            .as_str()
-            .ok_or_else(|| bad(format!("\"{}\" is not a string", opts.text_field)))?;
-        let ids = tokenizer.encode(doc).map_err(|e| bad(e.to_string()))?;
+        let (ids, mask) = if value.get("messages").is_some() {
+            let (ids, mask) =
+                crate::chat::encode_line(opts.chat.as_deref(), tokenizer, text).map_err(bad)?;
+            (ids, Some(mask))
+        } else {
+            let doc = value
+                .get(&opts.text_field)
+                .ok_or_else(|| bad(format!("no \"{}\" field", opts.text_field)))?
+                .as_str()
+                .ok_or_else(|| bad(format!("\"{}\" is not a string", opts.text_field)))?;
+            (tokenizer.encode(doc).map_err(|e| bad(e.to_string()))?, None)
+        };
         if ids.len() > opts.max_len {
             return Err(DataError::TooLong {
                 path: source.into(),
@@ -444,6 +473,7 @@ pub fn tokenize_jsonl(
             continue;
         }
         offsets.extend_from_slice(&out.count().to_le_bytes());
+        masks.write(out.count(), mask.as_deref(), ids.len())?;
         out.write(&ids)?;
         docs += 1;
     }
@@ -455,6 +485,7 @@ pub fn tokenize_jsonl(
     offsets.extend_from_slice(&out.count().to_le_bytes());
     meta.tokens = out.count();
     meta.documents = Some(docs);
+    meta.loss_mask = masks.finish()?;
     let cache = out.finish()?;
     let mut f = std::fs::File::create(&index).map_err(DataError::io("create", &index))?;
     f.write_all(&offsets)

@@ -53,6 +53,12 @@ pub trait Dataset: Send + Sync {
     fn loss_floor(&self) -> Option<f64>;
     /// One line saying what the data is, for the log.
     fn describe(&self) -> String;
+    /// Writes which tokens of sequence `index` of `split` are trained as targets (1) or ignored
+    /// (0) into `out` (length `sample_len`); false, writing nothing, when every token is
+    /// (the default: only conversations carry a loss mask).
+    fn read_loss_mask(&self, _split: Split, _index: usize, _out: &mut [u8]) -> bool {
+        false
+    }
     /// The tokenizer.json of file data, saved with every checkpoint.
     fn tokenizer_json(&self) -> Option<String> {
         None
@@ -71,6 +77,11 @@ pub trait Samples: Send + Sync {
     fn sample_len(&self, index: usize) -> usize;
     /// Writes sample `index` into `out` (length `sample_len(index)`).
     fn read(&self, index: usize, out: &mut [u32]);
+    /// Writes which tokens of sample `index` are targets (1) or ignored (0) into `out`; false,
+    /// writing nothing, when every token is (see [`Dataset::read_loss_mask`]).
+    fn read_loss_mask(&self, _index: usize, _out: &mut [u8]) -> bool {
+        false
+    }
 }
 
 /// Windows of `seq_len + 1` tokens (`seq_len` trained positions) over a range of a token file,
@@ -172,18 +183,31 @@ impl Samples for TokenWindows {
     }
 }
 
-/// Documents of a token file, delimited by an offset index.
+/// Documents of a token file, delimited by an offset index, with their loss mask when they
+/// are conversations.
 #[derive(Debug, Clone)]
 pub struct Documents {
     file: Arc<TokenFile>,
     /// n + 1 increasing token offsets.
     offsets: Vec<u64>,
+    /// One byte per token of `file`: 1 where the token is a target (the assistant's).
+    mask: Option<Arc<memmap2::Mmap>>,
 }
 
 impl Documents {
     /// Documents `offsets[i]..offsets[i + 1]` of `file`.
     pub fn new(file: Arc<TokenFile>, offsets: Vec<u64>) -> Documents {
-        Documents { file, offsets }
+        Documents {
+            file,
+            offsets,
+            mask: None,
+        }
+    }
+
+    /// The same documents with a loss mask (one byte per token of the file; None: none).
+    pub fn with_mask(mut self, mask: Option<Arc<memmap2::Mmap>>) -> Documents {
+        self.mask = mask;
+        self
     }
 
     /// The token file.
@@ -216,6 +240,18 @@ impl Samples for Documents {
     fn read(&self, index: usize, out: &mut [u32]) {
         let n = self.sample_len(index);
         self.file.read(self.offsets[index] as usize, &mut out[..n]);
+    }
+
+    fn read_loss_mask(&self, index: usize, out: &mut [u8]) -> bool {
+        let Some(mask) = &self.mask else {
+            return false;
+        };
+        let (start, end) = (
+            self.offsets[index] as usize,
+            self.offsets[index + 1] as usize,
+        );
+        out[..end - start].copy_from_slice(&mask[start..end]);
+        true
     }
 }
 

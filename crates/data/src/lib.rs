@@ -10,7 +10,8 @@
 //!   JSONL once into cached token files ([`TokenFile`], uint16 or uint32, see
 //!   [`token_file`](TokenWriter)).
 //! - [`TokenWindows`] (fixed windows of a stream) and [`Documents`] (one sample per JSONL
-//!   document) implement [`Samples`].
+//!   document or conversation, with the conversation's loss mask: only the assistant's tokens
+//!   are targets) implement [`Samples`].
 //! - [`DistributedSampler`]: torch's `DistributedSampler`, the indices each rank reads in an
 //!   epoch.
 //! - [`TokenBudgetSampler`]: sort-buffer, token-budget dynamic batching across ranks (documents
@@ -43,6 +44,7 @@
 
 #![deny(missing_docs)]
 
+mod chat;
 mod corpus;
 mod dataset;
 mod distributed_sampler;

@@ -25,7 +25,8 @@ pub struct Batch {
     /// 1 for a token, 0 for padding.
     pub attention_mask: Vec<u8>,
     /// Per position, the token it must predict (the sample shifted by one, as nanoGPT's `y`;
-    /// the model's `Labels::Next`), -100 at padding.
+    /// the model's `Labels::Next`), -100 at padding and where the sample's loss mask ignores
+    /// the token (a conversation's user and system turns).
     pub targets: Vec<i32>,
     /// Rows.
     pub batch: usize,
@@ -49,6 +50,7 @@ pub fn collate(samples: &dyn Samples, indices: &[usize]) -> Batch {
     let mut attention_mask = vec![0u8; n];
     let mut targets = vec![IGNORE_INDEX; n];
     let mut tokens = Vec::with_capacity(longest);
+    let mut mask = Vec::with_capacity(longest);
     for (row, &i) in indices.iter().enumerate() {
         let len = samples.sample_len(i);
         tokens.resize(len, 0);
@@ -57,8 +59,13 @@ pub fn collate(samples: &dyn Samples, indices: &[usize]) -> Batch {
         let r = row * seq..row * seq + positions;
         input_ids[r.clone()].copy_from_slice(&tokens[..positions]);
         attention_mask[r.clone()].fill(1);
-        for (y, &x) in targets[r].iter_mut().zip(&tokens[1..]) {
-            *y = x as i32;
+        mask.resize(len, 1);
+        let masked = samples.read_loss_mask(i, &mut mask);
+        // Position p predicts token p + 1: it is scored only where that token is trained.
+        for (p, (y, &x)) in targets[r].iter_mut().zip(&tokens[1..]).enumerate() {
+            if !masked || mask[p + 1] == 1 {
+                *y = x as i32;
+            }
         }
     }
     Batch {

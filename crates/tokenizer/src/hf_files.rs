@@ -39,6 +39,53 @@ impl HfFiles {
     }
 }
 
+impl HfFiles {
+    /// The same files carrying a chat template (`template`: tokenizer_config.json's
+    /// `chat_template` value, a string or a list of named templates) and, when `eos` is one of
+    /// the tokenizer's tokens, that end-of-turn token as the end of text everywhere (
+    /// tokenizer_config.json, generation_config.json, config.json's `eos_token_id`), so that a
+    /// server stops where the template ends a turn.
+    pub fn with_chat_template(
+        mut self,
+        tokenizer: &Tokenizer,
+        template: Value,
+        eos: Option<&str>,
+    ) -> HfFiles {
+        let eos = eos.and_then(|t| tokenizer.token_to_id(t).map(|id| (t, id)));
+        for (name, bytes) in &mut self.files {
+            let Ok(mut v) = serde_json::from_slice::<Value>(bytes) else {
+                continue;
+            };
+            match *name {
+                "tokenizer_config.json" => {
+                    v["chat_template"] = template.clone();
+                    if let Some((t, _)) = eos {
+                        v["eos_token"] = json!(t);
+                    }
+                }
+                "special_tokens_map.json" => match eos {
+                    Some((t, _)) => v["eos_token"] = json!(t),
+                    None => continue,
+                },
+                "generation_config.json" => match eos {
+                    Some((_, id)) => v["eos_token_id"] = json!(id),
+                    None => continue,
+                },
+                _ => continue,
+            }
+            *bytes = serde_json::to_vec_pretty(&v).expect("JSON values serialize");
+        }
+        if let Some((_, id)) = eos {
+            for (key, value) in &mut self.config_keys {
+                if *key == "eos_token_id" {
+                    *value = json!(id);
+                }
+            }
+        }
+        self
+    }
+}
+
 /// The files and config.json keys for `tokenizer` in front of a model of `positions` positions.
 pub fn hf_files(tokenizer: &Tokenizer, positions: usize) -> HfFiles {
     // GPT-2's convention: <|endoftext|> begins and ends a text. A tokenizer without it has no
@@ -117,6 +164,30 @@ mod tests {
             Value::Null
         );
         assert_eq!(files.config_keys[0], ("bos_token_id", Value::Null));
+    }
+
+    #[test]
+    fn a_chat_template_comes_with_its_end_of_turn_as_eos() {
+        let mut tok = Tokenizer::char_level("abc".chars());
+        tok.add_special_tokens(&["<|im_end|>"]).unwrap();
+        let id = tok.token_to_id("<|im_end|>").unwrap();
+        let files = hf_files(&tok, 8).with_chat_template(&tok, json!("T"), Some("<|im_end|>"));
+        let config = file(&files, "tokenizer_config.json");
+        assert_eq!(
+            (
+                config["chat_template"].as_str(),
+                config["eos_token"].as_str()
+            ),
+            (Some("T"), Some("<|im_end|>"))
+        );
+        assert_eq!(file(&files, "generation_config.json")["eos_token_id"], id);
+        assert_eq!(files.config_keys[1], ("eos_token_id", json!(id)));
+        // An end of turn the tokenizer lacks changes no eos.
+        let files = hf_files(&tok, 8).with_chat_template(&tok, json!("T"), Some("<x>"));
+        assert_eq!(
+            file(&files, "tokenizer_config.json")["eos_token"],
+            Value::Null
+        );
     }
 
     #[test]

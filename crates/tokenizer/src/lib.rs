@@ -7,6 +7,8 @@
 //!   many were new; special tokens are never split, normalised or lowercased.
 //! - [`char_vocab::CharVocab`]: the minimal character vocabulary (`vocab.json`) that older
 //!   checkpoints carry instead of a tokenizer.json.
+//! - [`chat`]: chat templates rendered as transformers renders them ([`ChatTemplate`],
+//!   [`Chat`]), and the assistant's tokens of a conversation ([`encode_chat`]).
 //! - [`Utf8Chunks`]: reads a UTF-8 corpus in bounded chunks with exact error offsets.
 //!
 //! This crate knows nothing of models: growing a model's embeddings after adding tokens is the
@@ -24,12 +26,14 @@
 #![deny(missing_docs)]
 
 pub mod char_vocab;
+pub mod chat;
 mod hf_files;
 mod tokenizer;
 mod utf8;
 
+pub use chat::{encode_chat, Chat, ChatError, ChatTemplate, ChatTokens, Rendered};
 pub use hf_files::{hf_files, HfFiles};
-pub use tokenizer::{Tokenizer, TokenizerError};
+pub use tokenizer::{ByteSpan, Tokenizer, TokenizerError};
 pub use utf8::Utf8Chunks;
 
 /// The tokenizer's file name inside a checkpoint or pretrained directory.

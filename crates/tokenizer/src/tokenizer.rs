@@ -85,6 +85,9 @@ fn op_err(op: &'static str) -> impl Fn(tokenizers::Error) -> TokenizerError {
     }
 }
 
+/// A token's byte range `(start, end)` in the text it was encoded from.
+pub type ByteSpan = (usize, usize);
+
 /// A tokenizer: a Hugging Face `tokenizers::Tokenizer` plus the vocabulary size a model needs.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -275,6 +278,20 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match self.inner.encode_fast(text, false) {
             Ok(enc) => Ok(enc.get_ids().to_vec()),
+            Err(e) => Err(self.unknown_char(text).unwrap_or(TokenizerError::Op {
+                op: "encode",
+                reason: e.to_string(),
+            })),
+        }
+    }
+
+    /// Token ids of `text` and each token's byte range in it (no special tokens inserted).
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+    ) -> Result<(Vec<u32>, Vec<ByteSpan>), TokenizerError> {
+        match self.inner.encode(text, false) {
+            Ok(enc) => Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec())),
             Err(e) => Err(self.unknown_char(text).unwrap_or(TokenizerError::Op {
                 op: "encode",
                 reason: e.to_string(),

@@ -27,7 +27,8 @@ pub struct TrainConfig {
     /// text, `.jsonl`, a `.bin` token file, nanoGPT's train.bin/val.bin directory.
     pub data: String,
     /// For `data` files: `char`, `bpe` (trained on the data, `vocab_size` ids)
-    /// or the path of a tokenizer.json.
+    /// or the path of a tokenizer.json or of a model directory holding one (whose chat template
+    /// renders JSONL conversations).
     pub tokenizer: String,
     /// Tokens in the Markov chain's alphabet (the model's vocabulary).
     pub markov_vocab: usize,
@@ -395,7 +396,8 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data: Option<String>,
-    /// With --data PATH: `char`, `bpe` or a tokenizer.json path [default: char].
+    /// With --data PATH: `char`, `bpe`, a tokenizer.json or a model directory (its chat
+    /// template renders `{"messages": [...]}` lines) [default: char].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,

@@ -107,6 +107,15 @@ pub enum TrainError {
     /// The tokenizer (`--tokenizer`) could not be built, loaded or saved.
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] cohort_tokenizer::TokenizerError),
+
+    /// The chat template beside `--tokenizer` does not load.
+    #[error("--tokenizer {path}: {source}")]
+    ChatTemplate {
+        /// The tokenizer path given.
+        path: String,
+        /// Why the template does not load.
+        source: cohort_tokenizer::ChatError,
+    },
     /// Writing the log failed.
     #[error("writing the log: {0}")]
     Log(std::io::Error),
@@ -204,6 +213,7 @@ impl TrainError {
             TrainError::Config(_)
                 | TrainError::Data(_)
                 | TrainError::Tokenizer(_)
+                | TrainError::ChatTemplate { .. }
                 | TrainError::Hook { .. }
                 | TrainError::TooBig(_)
                 | TrainError::ModelMismatch { .. }

@@ -187,3 +187,89 @@ fn trains_on_jsonl_documents_of_different_lengths() {
         "{err}"
     );
 }
+
+/// `--data chat.jsonl --tokenizer DIR`: conversations rendered with the chat template in DIR's
+/// tokenizer_config.json, trained on the assistant's tokens only (the loss is over those alone,
+/// so it falls far below the uniform guess on a small answer set), on a tiny GPT-2-style model.
+#[test]
+fn trains_on_chat_conversations_with_the_tokenizers_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir_all(&model).unwrap();
+    let mut tok = Tokenizer::char_level("abcdefghijklmnopqrstuvwxyz ?.0123456789\n".chars());
+    tok.add_special_tokens(&["<|im_start|>", "<|im_end|>"])
+        .unwrap();
+    tok.save(model.join("tokenizer.json")).unwrap();
+    let template = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": template});
+    std::fs::write(model.join("tokenizer_config.json"), config.to_string()).unwrap();
+    let lines: Vec<String> = (0..300)
+        .map(|i| {
+            let n = i % 10;
+            serde_json::json!({"messages": [
+                {"role": "user", "content": format!("what is {n} times two?")},
+                {"role": "assistant", "content": format!("it is {}.", 2 * n)},
+            ]})
+            .to_string()
+        })
+        .collect();
+    let src = dir.path().join("chat.jsonl");
+    std::fs::write(&src, lines.join("\n")).unwrap();
+    let cfg = TrainConfig {
+        data: src.to_str().unwrap().into(),
+        tokenizer: model.to_str().unwrap().into(),
+        seq_len: 64,
+        n_layers: 1,
+        d_model: 32,
+        d_ff: 64,
+        n_heads: 2,
+        batch_size: 4,
+        steps: 60,
+        lr: 1e-2,
+        warmup_steps: 2,
+        eval_interval: 60,
+        log_interval: 20,
+        out: Some(dir.path().join("out")),
+        ..TrainConfig::default()
+    };
+    let pg = cohort_train::process_group_from_env().unwrap();
+    let mut log = Vec::new();
+    let outcome = cohort_train::train(&cfg, &pg, &mut log).unwrap();
+    let log = String::from_utf8(log).unwrap();
+    assert!(log.contains("270 train documents"), "{log}");
+    let vocab = tok.vocab_size() as f32;
+    let val = outcome.val_losses.last().unwrap().1;
+    assert!(
+        val < 0.4 * vocab.ln(),
+        "learns the answers: val loss {val}\n{log}"
+    );
+    // The checkpoint keeps the template and its end of turn, so it chats as it was taught.
+    let step = dir.path().join("out").join("step-000060");
+    let saved = cohort_tokenizer::ChatTemplate::from_dir(&step).unwrap();
+    assert_eq!(saved.special_token("eos_token"), Some("<|im_end|>"));
+    let generation: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(step.join("generation_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        generation["eos_token_id"],
+        serde_json::json!(tok.token_to_id("<|im_end|>").unwrap())
+    );
+
+    // A conversation with nothing for the assistant stops the run, naming its line.
+    std::fs::write(
+        &src,
+        format!(
+            "{}\n{}\n",
+            lines[0],
+            serde_json::json!({"messages": [{"role": "user", "content": "hi"}]})
+        ),
+    )
+    .unwrap();
+    let err = cohort_train::train(&cfg, &pg, &mut Vec::new())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat.jsonl:2") && err.contains("no assistant token"),
+        "{err}"
+    );
+}

@@ -85,6 +85,12 @@ impl Backend for GptBackend {
     fn text(&self) -> Result<TextCodec, String> {
         TextCodec::load(&self.dir)
     }
+
+    fn chat_template(&self) -> Result<std::sync::Arc<cohort_tokenizer::ChatTemplate>, String> {
+        cohort_tokenizer::ChatTemplate::from_dir(&self.dir)
+            .map(std::sync::Arc::new)
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// One GPT instance.

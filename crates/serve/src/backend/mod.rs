@@ -36,6 +36,11 @@ pub(crate) trait Backend: Send + Sync {
     }
     /// The text codec for the generate extension, or why the model has none.
     fn text(&self) -> Result<TextCodec, String>;
+    /// The chat template `/v1/chat/completions` renders conversations with, or why the model
+    /// has none.
+    fn chat_template(&self) -> Result<std::sync::Arc<cohort_tokenizer::ChatTemplate>, String> {
+        Err("this model has no chat template".into())
+    }
 }
 
 /// One copy of a model, executing on one thread (with its own thread pool, if any).

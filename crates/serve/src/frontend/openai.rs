@@ -1,7 +1,8 @@
 //! An OpenAI-compatible front end on the HTTP port, as vLLM's and Triton's OpenAI frontends:
-//! `GET /v1/models` and `POST /v1/completions` (non-streaming, and streaming as server-sent
-//! events `data: {chunk}` ending with `data: [DONE]`), so that the official `openai` clients
-//! work against cohort unchanged.
+//! `GET /v1/models`, `POST /v1/completions` (non-streaming, and streaming as server-sent
+//! events `data: {chunk}` ending with `data: [DONE]`) and `POST /v1/chat/completions` (the
+//! model's chat template, see [`chat`]), so that the official `openai` clients work against
+//! cohort unchanged.
 //!
 //! Completions run through the same queue, in-flight batching and sampler as the generate
 //! extension. What OpenAI's API has and a cohort GPT cannot honour is refused with a 400 that
@@ -30,6 +31,8 @@ use axum::{Json, Router};
 use cohort_gpt::sample::SampleOptions;
 use serde_json::{json, Value};
 
+mod chat;
+
 use super::body::read_body;
 use super::sse::stream_pieces;
 use super::AppState;
@@ -42,6 +45,7 @@ pub(crate) fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat::chat_completions))
 }
 
 /// An error as OpenAI's API writes it.
@@ -54,7 +58,7 @@ pub(crate) struct ApiError {
 }
 
 impl ApiError {
-    fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    pub(crate) fn invalid(param: &str, message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -83,7 +87,7 @@ impl From<ServeError> for ApiError {
 }
 
 impl ApiError {
-    fn body(&self) -> Value {
+    pub(crate) fn body(&self) -> Value {
         let kind = if self.status.is_client_error() {
             "invalid_request_error"
         } else {
@@ -105,9 +109,9 @@ impl IntoResponse for ApiError {
     }
 }
 
-type Result<T> = std::result::Result<T, ApiError>;
+pub(crate) type Result<T> = std::result::Result<T, ApiError>;
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -122,6 +126,119 @@ async fn models(State(app): State<Arc<AppState>>) -> Json<Value> {
         .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": SERVER_NAME}))
         .collect();
     Json(json!({"object": "list", "data": data}))
+}
+
+/// The sampling and streaming fields completions and chat completions share.
+pub(crate) struct Sampling {
+    pub opts: SampleOptions,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl Default for Sampling {
+    /// Without `seed` the seed is `cohort sample`'s fixed 1337; 16 tokens as OpenAI's default.
+    fn default() -> Sampling {
+        Sampling {
+            opts: SampleOptions {
+                max_new_tokens: 16,
+                temperature: 1.0,
+                top_k: None,
+                seed: 1337,
+            },
+            stream: false,
+            include_usage: false,
+        }
+    }
+}
+
+/// `k: why` as a 400 naming field `k`.
+pub(crate) fn unsupported(k: &str, why: &str) -> ApiError {
+    ApiError::invalid(k, format!("{k}: {why}"))
+}
+
+impl Sampling {
+    /// Reads field `k` if it is one of the shared ones (true), refusing what cannot be honoured.
+    pub(crate) fn field(&mut self, k: &str, v: &Value) -> Result<bool> {
+        let number = || {
+            v.as_f64()
+                .ok_or_else(|| ApiError::invalid(k, format!("{k} must be a number, not {v}")))
+        };
+        match k {
+            "max_tokens" | "max_completion_tokens" => {
+                let n = v
+                    .as_u64()
+                    .filter(|&n| n >= 1 && n as usize <= MAX_GENERATE_TOKENS);
+                self.opts.max_new_tokens = n.ok_or_else(|| {
+                    ApiError::invalid(
+                        k,
+                        format!("{k} must be an integer in 1..={MAX_GENERATE_TOKENS}, not {v}"),
+                    )
+                })? as usize;
+            }
+            "temperature" => {
+                let t = number()?;
+                if !(0.0..=2.0).contains(&t) {
+                    return Err(ApiError::invalid(
+                        k,
+                        format!("temperature must be in 0..=2 (0 = greedy), not {t}"),
+                    ));
+                }
+                self.opts.temperature = t as f32;
+            }
+            "top_p" => {
+                if number()? != 1.0 {
+                    return Err(unsupported(k, "only 1 (no nucleus sampling); use top_k"));
+                }
+            }
+            "top_k" => {
+                let k_ = v.as_i64().ok_or_else(|| {
+                    ApiError::invalid(k, format!("top_k must be an integer, not {v}"))
+                })?;
+                self.opts.top_k = usize::try_from(k_).ok().filter(|&k| k > 0);
+            }
+            "seed" => {
+                self.opts.seed = v
+                    .as_u64()
+                    .or_else(|| v.as_i64().map(|s| s as u64))
+                    .ok_or_else(|| {
+                        ApiError::invalid(k, format!("seed must be an integer, not {v}"))
+                    })?;
+            }
+            "stream" => {
+                self.stream = v.as_bool().ok_or_else(|| {
+                    ApiError::invalid(k, format!("stream must be a boolean, not {v}"))
+                })?;
+            }
+            "stream_options" => {
+                let Some(o) = v.as_object() else {
+                    return Err(ApiError::invalid(k, "stream_options must be an object"));
+                };
+                for (ok, ov) in o {
+                    match (ok.as_str(), ov.as_bool()) {
+                        ("include_usage", Some(b)) => self.include_usage = b,
+                        _ => {
+                            return Err(unsupported(
+                                &format!("stream_options.{ok}"),
+                                "only include_usage (a boolean) is supported",
+                            ))
+                        }
+                    }
+                }
+            }
+            "n" | "best_of" => {
+                if v.as_u64() != Some(1) {
+                    return Err(unsupported(k, "only 1 completion per request"));
+                }
+            }
+            "presence_penalty" | "frequency_penalty" => {
+                if number()? != 0.0 {
+                    return Err(unsupported(k, "only 0 (no penalties)"));
+                }
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
 }
 
 /// A parsed completion request.
@@ -172,98 +289,14 @@ fn parse_completion(body: &[u8]) -> Result<Completion> {
                 ))
             }
         };
-    let mut opts = SampleOptions {
-        max_new_tokens: 16,
-        temperature: 1.0,
-        top_k: None,
-        seed: 1337,
-    };
-    let (mut stream, mut include_usage) = (false, false);
-    let unsupported = |k: &str, why: &str| ApiError::invalid(k, format!("{k}: {why}"));
+    let mut common = Sampling::default();
     for (k, v) in &m {
         // null is what clients send for "not set"
         if v.is_null() {
             continue;
         }
-        let number = || {
-            v.as_f64()
-                .ok_or_else(|| ApiError::invalid(k, format!("{k} must be a number, not {v}")))
-        };
         match k.as_str() {
             "model" | "prompt" | "user" => {}
-            "max_tokens" => {
-                let n = v
-                    .as_u64()
-                    .filter(|&n| n >= 1 && n as usize <= MAX_GENERATE_TOKENS);
-                opts.max_new_tokens = n.ok_or_else(|| {
-                    ApiError::invalid(
-                        k,
-                        format!(
-                            "max_tokens must be an integer in 1..={MAX_GENERATE_TOKENS}, not {v}"
-                        ),
-                    )
-                })? as usize;
-            }
-            "temperature" => {
-                let t = number()?;
-                if !(0.0..=2.0).contains(&t) {
-                    return Err(ApiError::invalid(
-                        k,
-                        format!("temperature must be in 0..=2 (0 = greedy), not {t}"),
-                    ));
-                }
-                opts.temperature = t as f32;
-            }
-            "top_p" => {
-                if number()? != 1.0 {
-                    return Err(unsupported(k, "only 1 (no nucleus sampling); use top_k"));
-                }
-            }
-            "top_k" => {
-                let k_ = v.as_i64().ok_or_else(|| {
-                    ApiError::invalid(k, format!("top_k must be an integer, not {v}"))
-                })?;
-                opts.top_k = usize::try_from(k_).ok().filter(|&k| k > 0);
-            }
-            "seed" => {
-                opts.seed = v
-                    .as_u64()
-                    .or_else(|| v.as_i64().map(|s| s as u64))
-                    .ok_or_else(|| {
-                        ApiError::invalid(k, format!("seed must be an integer, not {v}"))
-                    })?;
-            }
-            "stream" => {
-                stream = v.as_bool().ok_or_else(|| {
-                    ApiError::invalid(k, format!("stream must be a boolean, not {v}"))
-                })?;
-            }
-            "stream_options" => {
-                let Some(o) = v.as_object() else {
-                    return Err(ApiError::invalid(k, "stream_options must be an object"));
-                };
-                for (ok, ov) in o {
-                    match (ok.as_str(), ov.as_bool()) {
-                        ("include_usage", Some(b)) => include_usage = b,
-                        _ => {
-                            return Err(unsupported(
-                                &format!("stream_options.{ok}"),
-                                "only include_usage (a boolean) is supported",
-                            ))
-                        }
-                    }
-                }
-            }
-            "n" | "best_of" => {
-                if v.as_u64() != Some(1) {
-                    return Err(unsupported(k, "only 1 completion per request"));
-                }
-            }
-            "presence_penalty" | "frequency_penalty" => {
-                if number()? != 0.0 {
-                    return Err(unsupported(k, "only 0 (no penalties)"));
-                }
-            }
             "echo" => {
                 if v.as_bool() != Some(false) {
                     return Err(unsupported(k, "not supported (the prompt is never echoed)"));
@@ -272,9 +305,15 @@ fn parse_completion(body: &[u8]) -> Result<Completion> {
             "logprobs" | "stop" | "suffix" | "logit_bias" => {
                 return Err(unsupported(k, "not supported by cohort"))
             }
+            _ if common.field(k, v)? => {}
             other => return Err(ApiError::invalid(other, format!("unknown field {other}"))),
         }
     }
+    let Sampling {
+        opts,
+        stream,
+        include_usage,
+    } = common;
     if include_usage && !stream {
         return Err(ApiError::invalid(
             "stream_options",
@@ -290,7 +329,7 @@ fn parse_completion(body: &[u8]) -> Result<Completion> {
     })
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+pub(crate) static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// `POST /v1/completions`.
 async fn completions(
@@ -408,7 +447,7 @@ async fn completions(
 }
 
 impl ApiError {
-    fn with_param(mut self, param: &str) -> ApiError {
+    pub(crate) fn with_param(mut self, param: &str) -> ApiError {
         self.param = Some(param.to_string());
         self
     }

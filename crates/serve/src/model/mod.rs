@@ -136,6 +136,8 @@ pub(crate) struct LoadedVersion {
     pub kind: Kind,
     pub stamp: Stamp,
     pub text: Result<TextCodec, String>,
+    /// The chat template of `/v1/chat/completions`, or why there is none.
+    pub chat: Result<Arc<cohort_tokenizer::ChatTemplate>, String>,
     pub metrics: Arc<VersionMetrics>,
     pub instances: usize,
     /// The configuration it was loaded with.
@@ -177,6 +179,7 @@ impl LoadedVersion {
                 kind,
                 stamp,
                 text: Err("an ensemble does not generate text".into()),
+                chat: Err("an ensemble does not generate text".into()),
                 metrics,
                 instances: 0,
                 config: cfg.clone(),
@@ -241,6 +244,7 @@ impl LoadedVersion {
             kind,
             stamp,
             text: loaded.backend.text(),
+            chat: loaded.backend.chat_template(),
             metrics,
             instances: count,
             config: cfg.clone(),

@@ -55,7 +55,15 @@ impl Companions {
         let hf = match tokenizer_json {
             Some(json) => {
                 let tokenizer = cohort_tokenizer::Tokenizer::from_json(json)?;
-                cohort_tokenizer::hf_files(&tokenizer, model.max_position_embeddings)
+                let hf = cohort_tokenizer::hf_files(&tokenizer, model.max_position_embeddings);
+                // A run on conversations keeps the template they were rendered with, so the
+                // checkpoint chats (`/v1/chat/completions`) as the data was written.
+                match crate::input::chat_template_source(cfg)? {
+                    Some((template, eos)) => {
+                        hf.with_chat_template(&tokenizer, template, eos.as_deref())
+                    }
+                    None => hf,
+                }
             }
             None => cohort_tokenizer::HfFiles::without_tokenizer(),
         };

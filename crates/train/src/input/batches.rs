@@ -56,6 +56,9 @@ impl Samples for SplitSamples {
     fn read(&self, index: usize, out: &mut [u32]) {
         self.data.read(self.split, index, out)
     }
+    fn read_loss_mask(&self, index: usize, out: &mut [u8]) -> bool {
+        self.data.read_loss_mask(self.split, index, out)
+    }
 }
 
 /// How the next plan is made.

@@ -5,15 +5,18 @@
 //! `.bin` token file or nanoGPT's directory with `train.bin`/`val.bin` (and, for character-level
 //! data, the vocabulary in `meta.pkl`). `--tokenizer` is `char` (vocabulary from the corpus, or
 //! nanoGPT's meta.pkl), `bpe` (trained on the corpus, `vocab_size` ids) or the path of a
-//! tokenizer.json. Rank 0 builds the tokenizer and the token cache first, then the other
+//! tokenizer.json or of a model directory holding one. JSONL lines `{"messages": [...]}` are
+//! conversations, rendered with the chat template beside that tokenizer.json and trained on the
+//! assistant's tokens only. Rank 0 builds the tokenizer and the token cache first, then the other
 //! ranks load what it wrote, so no two processes write the same file. This module never touches
 //! the model.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use cohort_comm::ProcessGroup;
 use cohort_data::{Corpus, CorpusOptions, Samples};
-use cohort_tokenizer::Tokenizer;
+use cohort_tokenizer::{ChatError, ChatTemplate, Tokenizer};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
@@ -94,9 +97,62 @@ fn tokenizer(
             tok.save(&cache)?;
             Ok(Some(tok))
         }
-        path => Tokenizer::from_file(path)
+        path => Tokenizer::from_file(tokenizer_file(Path::new(path)))
             .map(Some)
             .map_err(TrainError::from),
+    }
+}
+
+/// A `--tokenizer PATH`'s tokenizer.json: the file, or the one inside a model directory.
+fn tokenizer_file(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join(cohort_tokenizer::TOKENIZER_FILE)
+    } else {
+        path.to_path_buf()
+    }
+}
+
+/// The directory a `--tokenizer PATH` names the model of (None for the built-in tokenizers).
+fn tokenizer_dir(cfg: &TrainConfig) -> Option<&Path> {
+    if matches!(cfg.tokenizer.as_str(), "char" | "bpe") {
+        return None;
+    }
+    let path = Path::new(&cfg.tokenizer);
+    Some(if path.is_dir() {
+        path
+    } else {
+        path.parent().unwrap_or(Path::new("."))
+    })
+}
+
+/// The chat template beside `--tokenizer` as written, with its end-of-turn token, for
+/// checkpoints to carry; None without one.
+pub fn chat_template_source(
+    cfg: &TrainConfig,
+) -> Result<Option<(serde_json::Value, Option<String>)>, TrainError> {
+    let Some(dir) = tokenizer_dir(cfg) else {
+        return Ok(None);
+    };
+    ChatTemplate::source_in_dir(dir).map_err(|source| TrainError::ChatTemplate {
+        path: cfg.tokenizer.clone(),
+        source,
+    })
+}
+
+/// The chat template beside a `--tokenizer PATH` (the model directory's tokenizer_config.json or
+/// chat_template.jinja), which renders JSONL conversations; None for the built-in tokenizers or
+/// a directory without one.
+fn chat_template(cfg: &TrainConfig) -> Result<Option<Arc<ChatTemplate>>, TrainError> {
+    let Some(dir) = tokenizer_dir(cfg) else {
+        return Ok(None);
+    };
+    match ChatTemplate::from_dir(dir) {
+        Ok(t) => Ok(Some(Arc::new(t))),
+        Err(ChatError::NoTemplate { .. }) => Ok(None),
+        Err(source) => Err(TrainError::ChatTemplate {
+            path: cfg.tokenizer.clone(),
+            source,
+        }),
     }
 }
 
@@ -115,6 +171,7 @@ impl FileData {
             // for nanoGPT's directory), else vocab_size.
             vocab_size: Some(vocab_size),
             cache_dir: Some(cache_dir(cfg, data)?),
+            chat: chat_template(cfg)?,
             ..CorpusOptions::default()
         };
         let corpus = Corpus::open(data, tokenizer.as_ref(), &opts)?;
@@ -172,6 +229,9 @@ impl Dataset for FileData {
     }
     fn read(&self, split: Split, index: usize, tokens: &mut [u32]) {
         self.split(split).read(index, tokens)
+    }
+    fn read_loss_mask(&self, split: Split, index: usize, out: &mut [u8]) -> bool {
+        self.split(split).read_loss_mask(index, out)
     }
     fn loss_floor(&self) -> Option<f64> {
         None

@@ -498,10 +498,10 @@ fn bad_requests_are_4xx_with_a_json_error_and_never_take_the_server_down() {
         ),
         ("/nothing", Vec::new(), 404, "serves the KServe v2 protocol"),
         (
-            "/v1/chat/completions",
-            br#"{"model": "gpt", "messages": []}"#.to_vec(),
+            "/v1/embeddings",
+            br#"{"model": "gpt", "input": "x"}"#.to_vec(),
             404,
-            "serves /v1/completions and /v1/models only",
+            "serves /v1/completions, /v1/chat/completions and /v1/models only",
         ),
     ];
     for (path, body, status, needle) in cases {

@@ -154,11 +154,11 @@ fn version_of(p: &HashMap<String, String>) -> Option<&str> {
 async fn not_found(uri: axum::http::Uri) -> HttpError {
     let path = uri.path().to_string();
     let hint = if path.starts_with("/v1/") {
-        "this server's OpenAI API serves /v1/completions and /v1/models only (no chat \
-         completions: its models have no chat template)"
+        "this server's OpenAI API serves /v1/completions, /v1/chat/completions and /v1/models \
+         only"
     } else {
-        "this port serves the KServe v2 protocol (/v2/...), OpenAI's /v1/completions and \
-         /v1/models, and /metrics"
+        "this port serves the KServe v2 protocol (/v2/...), OpenAI's /v1/completions, \
+         /v1/chat/completions and /v1/models, and /metrics"
     };
     HttpError(ServeError::NoEndpoint { path, hint })
 }

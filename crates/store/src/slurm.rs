@@ -139,6 +139,64 @@ impl SlurmTask {
     pub fn master_port(&self) -> Option<u16> {
         self.job_id.map(port_for_job)
     }
+
+    /// One line saying what was `taken` from Slurm (`from Slurm: rank 3,
+    /// world size 4, ..., master address node07 (first host of
+    /// SLURM_JOB_NODELIST), port 18456 (from job 123456)`); `None` when
+    /// nothing was.
+    pub fn note(&self, taken: Taken) -> Option<String> {
+        let mut parts = Vec::new();
+        let mut push = |on: bool, value: Option<String>| {
+            if let (true, Some(v)) = (on, value) {
+                parts.push(v);
+            }
+        };
+        push(taken.rank, Some(format!("rank {}", self.rank)));
+        push(
+            taken.world_size,
+            self.world_size.map(|w| format!("world size {w}")),
+        );
+        push(
+            taken.local_rank,
+            self.local_rank.map(|r| format!("local rank {r}")),
+        );
+        push(taken.nnodes, self.nnodes.map(|n| format!("{n} node(s)")));
+        push(
+            taken.node_rank,
+            self.node_rank.map(|n| format!("node rank {n}")),
+        );
+        push(
+            taken.master_addr,
+            self.first_host
+                .as_ref()
+                .map(|(host, var)| format!("master address {host} (first host of {var})")),
+        );
+        push(
+            taken.master_port,
+            self.job_id
+                .map(|id| format!("port {} (from job {id})", port_for_job(id))),
+        );
+        (!parts.is_empty()).then(|| format!("from Slurm: {}", parts.join(", ")))
+    }
+}
+
+/// Which of a task's values a caller took from Slurm, for [`SlurmTask::note`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Taken {
+    /// The rank.
+    pub rank: bool,
+    /// The world size.
+    pub world_size: bool,
+    /// The local rank.
+    pub local_rank: bool,
+    /// The node count.
+    pub nnodes: bool,
+    /// The node rank.
+    pub node_rank: bool,
+    /// The master address.
+    pub master_addr: bool,
+    /// The master port.
+    pub master_port: bool,
 }
 
 /// The store port of Slurm job `job_id` (see [`SlurmTask::master_port`]).
@@ -350,6 +408,19 @@ mod tests {
             }
         );
         assert_eq!(task.master_port(), Some(15000 + 3456));
+        let all = Taken {
+            rank: true,
+            world_size: true,
+            master_addr: true,
+            master_port: true,
+            ..Taken::default()
+        };
+        assert_eq!(
+            task.note(all).unwrap(),
+            "from Slurm: rank 3, world size 4, master address node07 (first host of \
+             SLURM_JOB_NODELIST), port 18456 (from job 123456)"
+        );
+        assert_eq!(task.note(Taken::default()), None);
         // The step's own list wins over the job's.
         let mut with_step = vars.to_vec();
         with_step.push(("SLURM_STEP_NODELIST", "node08"));

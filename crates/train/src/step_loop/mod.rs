@@ -10,7 +10,7 @@
 //! (scale by the micro-batch count, clamp, skip on a NaN/Inf anywhere,
 //! clip by the global norm); applies or skips the update at the schedule's
 //! learning rate; then logs, evaluates and saves on the configured
-//! intervals. The pieces beside it: the log window and its reduction over
+//! intervals, or saves and stops when a signal asked (`stop_request`). The pieces beside it: the log window and its reduction over
 //! the ranks (`log_window`), evaluation (`evaluation`), the save policy
 //! (`save_policy`), the run log (`metrics`), the console with its progress
 //! bar (`console`) and the summary (`summary`); `micro_batches` holds what
@@ -45,6 +45,7 @@ use crate::error::TrainError;
 use crate::grad_guard::{clip_to_norm, NanInjection, StepGuard};
 use crate::phases::Phase;
 use crate::run_log::METRICS_FILE;
+use crate::stop_request;
 use console::Console;
 use log_window::Window;
 use metrics::Metrics;
@@ -104,7 +105,14 @@ pub(crate) fn run(
         let t_opt = Instant::now();
         let rank = strategy.group().rank();
         let stats = guard.scale(step, rank, strategy.grads_mut(), grads.micro_batches);
-        let skip = guard.decide(strategy.group(), step, grads.loss_finite, stats)?;
+        let stop_wanted = stop_request::requested().is_some();
+        let (skip, stop) = guard.decide(
+            strategy.group(),
+            step,
+            grads.loss_finite,
+            stats,
+            stop_wanted,
+        )?;
         // The norm before clipping, for the logs and for clipping (a
         // collective for strategies whose ranks hold parts of the gradient).
         let norm = strategy.global_norm(stats.norm)?;
@@ -144,8 +152,28 @@ pub(crate) fn run(
         }
         let val_loss =
             evaluation::evaluate_if_due(cfg, done, strategy, &mut outcome, &console, log)?;
-        saves.save_if_due(cfg, done, strategy, &console, log)?;
+        saves.save_if_due(cfg, done, stop, strategy, &console, log)?;
         metrics.record(done, figures.as_ref(), val_loss, outcome.loss_floor);
+        if stop {
+            let signal = stop_request::requested()
+                .map_or_else(|| "a signal to another rank".into(), stop_request::name);
+            let saved = match &cfg.out {
+                Some(out) => format!(
+                    "checkpoint saved in {0}; --resume {0} continues it (a requeued Slurm job \
+                     resumes by itself)",
+                    out.display()
+                ),
+                None => "no --out, so nothing was saved".into(),
+            };
+            console.finish_progress();
+            let line = format!("[step {done} / {}] stopped by {signal}: {saved}", cfg.steps);
+            console.line(log, line);
+            return Err(TrainError::Stopped {
+                signal,
+                step: done,
+                saved,
+            });
+        }
         window.phases.add(Phase::Logging, t_log.elapsed());
         console.progress(done);
     }

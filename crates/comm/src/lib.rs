@@ -65,6 +65,7 @@ mod config;
 mod element;
 mod engine;
 mod error;
+pub mod flight;
 mod group;
 mod init;
 mod kinds;

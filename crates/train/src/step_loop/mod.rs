@@ -38,6 +38,7 @@ pub(crate) use parallel_strategy::{ParallelStrategy, Start, StepGradients};
 use std::io::Write;
 use std::time::Instant;
 
+use cohort_comm::flight;
 use cohort_engine::optim::LrSchedule;
 
 use crate::config::TrainConfig;
@@ -88,6 +89,10 @@ pub(crate) fn run(
     let (clip_value, clip_norm) = (cfg.clip_value, cfg.grad_clip);
     let mut guard = StepGuard::new(clip_value, clip_norm, cfg.max_consecutive_skips, inject);
     console.start_progress(start.step, cfg.steps);
+    if let Some(out) = &cfg.out {
+        // A hang's rings land beside the checkpoints.
+        flight::set_dump_dir(out);
+    }
     let mut saves = SavePolicy::before_first_step(cfg, strategy.group())?;
     let mut metrics = Metrics::open(cfg, master, start.step)?;
     if let Some(dir) = metrics.dir() {
@@ -101,7 +106,10 @@ pub(crate) fn run(
     for step in start.step..cfg.steps {
         // -- the step: gradients, the guard, the update ---------------------
         let lr = schedule.lr(step);
+        // The flight recorder notes each collective's phase and step.
+        flight::set_context("forward", step);
         let grads = strategy.gradients(step, &mut window.phases)?;
+        flight::set_context("optimizer", step);
         let t_opt = Instant::now();
         let rank = strategy.group().rank();
         let stats = guard.scale(step, rank, strategy.grads_mut(), grads.micro_batches);
@@ -133,6 +141,7 @@ pub(crate) fn run(
 
         // -- log, evaluate, save (every rank takes part in the collectives) -
         let t_log = Instant::now();
+        flight::set_context("log", step);
         let mut figures = None;
         if done % cfg.log_interval == 0 || done == cfg.steps {
             let rank_ms = cfg.log_dir().is_some();
@@ -150,8 +159,10 @@ pub(crate) fn run(
             outcome.phases.merge(&window.phases);
             window = Window::new();
         }
+        flight::set_context("eval", step);
         let val_loss =
             evaluation::evaluate_if_due(cfg, done, strategy, &mut outcome, &console, log)?;
+        flight::set_context("save", step);
         saves.save_if_due(cfg, done, stop, strategy, &console, log)?;
         metrics.record(done, figures.as_ref(), val_loss, outcome.loss_floor);
         if stop {

@@ -67,6 +67,24 @@ pub fn set_context(phase: &str, step: u64) {
     STEP.store(step, Ordering::Relaxed);
 }
 
+/// A test hook: `COHORT_TEST_SKIP_ALL_REDUCE=R:N` makes the process that is
+/// rank `R` of the calling group skip its `N`-th blocking all-reduce
+/// (counting from 0 over the groups where it is rank `R`), as host code
+/// that diverged would, so that tests can make a real hang. Read once.
+pub(crate) fn skip_this_all_reduce(rank: usize) -> bool {
+    static HOOK: std::sync::OnceLock<Option<(usize, u64)>> = std::sync::OnceLock::new();
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let hook = HOOK.get_or_init(|| {
+        let v = std::env::var("COHORT_TEST_SKIP_ALL_REDUCE").ok()?;
+        let (r, n) = v.split_once(':')?;
+        Some((r.trim().parse().ok()?, n.trim().parse().ok()?))
+    });
+    match hook {
+        Some((r, n)) if *r == rank => CALLS.fetch_add(1, Ordering::Relaxed) == *n,
+        _ => false,
+    }
+}
+
 /// Where a collective is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {

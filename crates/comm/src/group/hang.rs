@@ -16,7 +16,8 @@ impl Inner {
     /// seconds and says in one line which rank diverged (see
     /// [`flight::verdict`]), on stderr and in [`ProcessGroup::flight_verdict`];
     /// with a dump directory ([`flight::dump_dir`]), every rank's ring is
-    /// also written there as JSON. Best effort: a store that fails only loses the diagnosis.
+    /// also written there as JSON; the other failing ranks wait (briefly)
+    /// until it has. Best effort: a store that fails only loses the diagnosis.
     pub(super) fn explain_hang(&self) {
         let name = &self.opts.name;
         let key = |rank: usize| format!("flight/{name}/{rank}");
@@ -28,16 +29,23 @@ impl Inner {
         {
             return;
         }
+        // The others fail soon after this rank aborts (their sockets close),
+        // or at their own timeout; a dead rank never publishes, so the wait is
+        // short (it delays only the failing ranks' errors).
+        let window = (self.opts.timeout / 2).min(Duration::from_secs(2));
+        let explained = format!("flight/{name}/explained");
         if !matches!(
             self.store.add(&format!("flight/{name}/explainer"), 1),
             Ok(1)
         ) {
+            // Stay until the explainer has spoken: a rank that exits now
+            // would have a launcher stop the explainer mid-sentence.
+            let _ = self
+                .store
+                .wait(&[&explained], window + Duration::from_secs(1));
             return;
         }
-        // The others fail soon after this rank aborts (their sockets close),
-        // or at their own timeout; a dead rank never publishes, so the wait is
-        // short (it delays only this failing rank's error).
-        let deadline = Instant::now() + (self.opts.timeout / 2).min(Duration::from_secs(2));
+        let deadline = Instant::now() + window;
         let mut dumps = vec![dump];
         for rank in (0..self.size).filter(|r| *r != self.rank) {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -68,5 +76,6 @@ impl Inner {
             eprintln!("flight recorder (group {name}): {line}");
             *self.verdict.lock().unwrap_or_else(|e| e.into_inner()) = Some(line);
         }
+        let _ = self.store.set(&explained, b"1");
     }
 }

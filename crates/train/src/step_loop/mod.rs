@@ -26,6 +26,7 @@ mod metrics;
 mod micro_batches;
 mod parallel_strategy;
 mod save_policy;
+mod straggler;
 mod summary;
 
 pub(crate) use micro_batches::{
@@ -34,6 +35,7 @@ pub(crate) use micro_batches::{
 };
 pub use parallel_strategy::Outcome;
 pub(crate) use parallel_strategy::{ParallelStrategy, Start, StepGradients};
+pub(crate) use straggler::test_delay;
 
 use std::io::Write;
 use std::time::Instant;
@@ -145,7 +147,10 @@ pub(crate) fn run(
         let mut figures = None;
         if done % cfg.log_interval == 0 || done == cfg.steps {
             let rank_ms = cfg.log_dir().is_some();
-            let (totals, note) = window.reduce(strategy, rank_ms)?;
+            let (totals, mut note) = window.reduce(strategy, rank_ms)?;
+            if let Some(straggler) = straggler::straggler_note(&totals.rank_ms) {
+                note.push_str(&format!(" | {straggler}"));
+            }
             outcome.train_losses.push((done, totals.loss));
             let line = format!(
                 "[step {done} / {}] loss = {:.4} | lr {lr:.2e} | {:.0} tok/s | {}{note}",

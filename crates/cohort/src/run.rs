@@ -164,7 +164,7 @@ impl RunArgs {
         for line in self.torchrun_notes() {
             eprintln!("cohort run: {line}");
         }
-        let slurm = self.from_slurm()?;
+        let slurm = self.slurm_defaults()?;
         let mut command = self.command.into_iter();
         let first = command.next().context("no worker command given")?;
         let rest: Vec<OsString> = command.collect();
@@ -235,7 +235,7 @@ impl RunArgs {
     /// Inside an `srun` step (one `cohort run` per node), the node count, node rank, master
     /// address and port for the flags left out (MASTER_ADDR and MASTER_PORT, when set, before
     /// Slurm's), saying in one line what was taken.
-    fn from_slurm(&self) -> anyhow::Result<FromSlurm> {
+    fn slurm_defaults(&self) -> anyhow::Result<FromSlurm> {
         use cohort_store::slurm::{SlurmTask, Taken};
         let Some(task) = SlurmTask::from_process_env()? else {
             return Ok(FromSlurm::default());

@@ -145,7 +145,7 @@ fn srun_tasks_train_save_on_sigusr1_and_a_requeue_resumes_byte_equal() {
         "{out0}\n---\n{out1}"
     );
     let step = checkpoint_step(&cut).expect("a checkpoint at the stop");
-    assert!(step >= 10 && step < 1000, "stopped at {step}");
+    assert!((10..1000).contains(&step), "stopped at {step}");
     assert!(
         out0.contains(&format!(
             "[step {step} / 1000] stopped by a signal to another rank"
@@ -198,7 +198,7 @@ fn the_launcher_forwards_sigusr1_and_exits_75_without_restarting() {
     );
     assert!(!out.contains("restarting the workers"), "{out}");
     let step = checkpoint_step(tmp.path()).expect("a checkpoint at the stop");
-    assert!(step >= 10 && step < 1000, "stopped at {step}");
+    assert!((10..1000).contains(&step), "stopped at {step}");
 }
 
 #[test]

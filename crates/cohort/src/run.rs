@@ -39,19 +39,24 @@ pub struct RunArgs {
     nproc_per_node: String,
     /// Nodes in the job, N or MIN:MAX (elastic: each round runs on the nodes
     /// that joined, at least MIN); run `cohort run` once per node.
-    #[arg(long, value_name = "N|MIN:MAX", default_value = "1")]
-    nnodes: String,
+    /// Default 1; under srun, Slurm's node count.
+    #[arg(long, value_name = "N|MIN:MAX")]
+    nnodes: Option<String>,
     /// This node's rank, 0..nnodes; node 0 hosts the rendezvous store. With
     /// --rdzv-backend c10d it may be left out: the node on --rdzv-endpoint's
     /// machine is node 0, the others number themselves as they join.
+    /// Under srun (one `cohort run` per node), Slurm's node rank.
     #[arg(long, alias = "node_rank")]
     node_rank: Option<usize>,
     /// Address of node 0, as the other nodes and the workers reach it.
-    #[arg(long, alias = "master_addr", default_value = "127.0.0.1")]
-    master_addr: String,
+    /// Default 127.0.0.1; under srun, MASTER_ADDR if set, else the first host of Slurm's
+    /// node list.
+    #[arg(long, alias = "master_addr")]
+    master_addr: Option<String>,
     /// Port of the rendezvous store on node 0.
-    #[arg(long, alias = "master_port", default_value_t = DEFAULT_MASTER_PORT)]
-    master_port: u16,
+    /// Default 29500; under srun, MASTER_PORT if set, else 15000 + the job id mod 10000.
+    #[arg(long, alias = "master_port")]
+    master_port: Option<u16>,
     /// Single node on a free port (--master-port is ignored).
     #[arg(long)]
     standalone: bool,
@@ -159,6 +164,7 @@ impl RunArgs {
         for line in self.torchrun_notes() {
             eprintln!("cohort run: {line}");
         }
+        let slurm = self.slurm_defaults()?;
         let mut command = self.command.into_iter();
         let first = command.next().context("no worker command given")?;
         let rest: Vec<OsString> = command.collect();
@@ -175,15 +181,24 @@ impl RunArgs {
         };
         let mut config = LaunchConfig::new(program, args);
         config.nproc_per_node = nproc(&self.nproc_per_node)?;
-        (config.min_nodes, config.nnodes) = node_range(&self.nnodes)?;
+        let nnodes = self.nnodes.or(slurm.nnodes).unwrap_or_else(|| "1".into());
+        (config.min_nodes, config.nnodes) = node_range(&nnodes)?;
         (config.master_addr, config.master_port) = match &self.rdzv_endpoint {
             Some(endpoint) => endpoint_of(endpoint)?,
-            None => (self.master_addr, self.master_port),
+            None => (
+                self.master_addr
+                    .or(slurm.master_addr)
+                    .unwrap_or_else(|| "127.0.0.1".into()),
+                self.master_port
+                    .or(slurm.master_port)
+                    .unwrap_or(DEFAULT_MASTER_PORT),
+            ),
         };
-        config.node_rank = self.node_rank.unwrap_or(0);
+        let node_rank = self.node_rank.or(slurm.node_rank);
+        config.node_rank = node_rank.unwrap_or(0);
         config.node_rank_from_store = match self.rdzv_backend.as_deref() {
             None | Some("static") => false,
-            Some("c10d") => self.node_rank.is_none(),
+            Some("c10d") => node_rank.is_none(),
             Some(other) => bail!(
                 "--rdzv-backend {other}: cohort's rendezvous is c10d (its own store at \
                  --rdzv-endpoint) or static (with --node-rank)"
@@ -203,6 +218,67 @@ impl RunArgs {
             (None, None) => None,
         };
         Ok(config)
+    }
+}
+
+/// What `cohort run` takes from Slurm inside an `srun` step for the flags
+/// not given (`None`: given, or not under srun).
+#[derive(Default)]
+struct FromSlurm {
+    nnodes: Option<String>,
+    node_rank: Option<usize>,
+    master_addr: Option<String>,
+    master_port: Option<u16>,
+}
+
+impl RunArgs {
+    /// Inside an `srun` step (one `cohort run` per node), the node count, node rank, master
+    /// address and port for the flags left out (MASTER_ADDR and MASTER_PORT, when set, before
+    /// Slurm's), saying in one line what was taken.
+    fn slurm_defaults(&self) -> anyhow::Result<FromSlurm> {
+        use cohort_store::slurm::{SlurmTask, Taken};
+        let Some(task) = SlurmTask::from_process_env()? else {
+            return Ok(FromSlurm::default());
+        };
+        if let (Some(tasks), Some(nodes)) = (task.world_size, task.nnodes) {
+            if tasks != nodes && self.nnodes.is_none() {
+                bail!(
+                    "under srun, `cohort run` is one launcher per node, but the step has {tasks}                      task(s) on {nodes} node(s): run it with srun --ntasks-per-node=1 (-n sets                      the workers per node)"
+                );
+            }
+        }
+        let endpoint = self.rdzv_endpoint.is_some();
+        let env = |name| std::env::var(name).ok().filter(|v: &String| !v.is_empty());
+        let taken = Taken {
+            nnodes: self.nnodes.is_none(),
+            node_rank: self.node_rank.is_none(),
+            master_addr: !endpoint && self.master_addr.is_none() && env("MASTER_ADDR").is_none(),
+            master_port: !endpoint && self.master_port.is_none() && env("MASTER_PORT").is_none(),
+            ..Taken::default()
+        };
+        let from = FromSlurm {
+            nnodes: task.nnodes.filter(|_| taken.nnodes).map(|n| n.to_string()),
+            node_rank: task.node_rank.filter(|_| taken.node_rank),
+            master_addr: match env("MASTER_ADDR") {
+                Some(addr) if self.master_addr.is_none() => Some(addr),
+                _ => task
+                    .first_host
+                    .clone()
+                    .filter(|_| taken.master_addr)
+                    .map(|h| h.0),
+            },
+            master_port: match env("MASTER_PORT") {
+                Some(port) if self.master_port.is_none() => Some(
+                    port.parse()
+                        .with_context(|| format!("MASTER_PORT={port:?} is not a port"))?,
+                ),
+                _ => task.master_port().filter(|_| taken.master_port),
+            },
+        };
+        if let Some(line) = task.note(taken) {
+            eprintln!("cohort run: {line}");
+        }
+        Ok(from)
     }
 }
 

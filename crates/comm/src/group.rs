@@ -31,12 +31,14 @@ use crate::backend::{nodes, Backend, MeshBackend, OpContext};
 use crate::config::GroupOptions;
 use crate::element::{as_bytes, as_bytes_mut, DType, Element};
 use crate::error::CommError;
+use crate::flight;
 use crate::kinds::{Algorithm, OpKind};
 use crate::reduce_op::ReduceOp;
 use crate::transport;
 use crate::work::Work;
 
 mod async_collectives;
+mod hang;
 
 type Job = Box<dyn FnOnce() + Send>;
 type BackendCall<R> = dyn FnOnce(&dyn Backend, &OpContext) -> Result<R, CommError> + Send;
@@ -67,6 +69,38 @@ struct Inner {
     store: Arc<dyn Store>,
     subgroups: AtomicU64,
     worker: Mutex<Option<mpsc::Sender<Job>>>,
+    /// The flight recorder's ring of this group's last collectives.
+    flight: flight::Ring,
+    /// The hang diagnosis this rank made, if it made one.
+    verdict: Mutex<Option<String>>,
+}
+
+/// What the flight recorder notes of a collective when it is issued.
+pub(crate) struct Issue {
+    op: OpKind,
+    bytes: u64,
+    dtype: Option<DType>,
+}
+
+impl Issue {
+    /// Collective `op` over `buf`.
+    pub(crate) fn of<T: Element>(op: OpKind, buf: &[T]) -> Issue {
+        Issue {
+            op,
+            bytes: std::mem::size_of_val(buf) as u64,
+            dtype: Some(T::DTYPE),
+        }
+    }
+}
+
+impl From<OpKind> for Issue {
+    fn from(op: OpKind) -> Issue {
+        Issue {
+            op,
+            bytes: 0,
+            dtype: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -155,6 +189,8 @@ impl ProcessGroup {
                 store,
                 subgroups: AtomicU64::new(0),
                 worker: Mutex::new(None),
+                flight: flight::Ring::from_env(),
+                verdict: Mutex::new(None),
             }),
         }
     }
@@ -385,16 +421,25 @@ impl ProcessGroup {
     /// Runs a collective now, on this thread, in its turn.
     fn collective<R>(
         &self,
-        op: OpKind,
+        issue: impl Into<Issue>,
         f: impl FnOnce(&dyn Backend, &OpContext) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
+        let issue = issue.into();
+        let op = issue.op;
         self.inner.alive(op)?;
         let seq = self.inner.issued.fetch_add(1, Ordering::SeqCst);
+        self.inner.flight.issued(seq, op, issue.bytes, issue.dtype);
         self.inner.execute(op, seq, f)
     }
 
     /// Queues a collective on the worker thread; it runs in its turn.
-    fn submit<R: Send + 'static>(&self, op: OpKind, f: Box<BackendCall<R>>) -> Work<R> {
+    fn submit<R: Send + 'static>(
+        &self,
+        issue: impl Into<Issue>,
+        f: Box<BackendCall<R>>,
+    ) -> Work<R> {
+        let issue = issue.into();
+        let op = issue.op;
         if let Err(e) = self.inner.alive(op) {
             return Work::failed(op, e);
         }
@@ -403,6 +448,7 @@ impl ProcessGroup {
             Err(e) => return Work::failed(op, e),
         };
         let seq = self.inner.issued.fetch_add(1, Ordering::SeqCst);
+        self.inner.flight.issued(seq, op, issue.bytes, issue.dtype);
         let (work, done) = Work::new(op, seq);
         let inner = self.inner.clone();
         let job: Job = Box::new(move || {
@@ -546,7 +592,7 @@ impl ProcessGroup {
     /// Copies `root`'s `buf` into every rank's `buf`.
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), CommError> {
         self.check_rank(OpKind::Broadcast, "root", root)?;
-        self.collective(OpKind::Broadcast, |b, ctx| {
+        self.collective(Issue::of(OpKind::Broadcast, buf), |b, ctx| {
             b.broadcast(ctx, as_bytes_mut(buf), T::DTYPE, root)
         })
     }
@@ -561,7 +607,7 @@ impl ProcessGroup {
     ) -> Result<(), CommError> {
         self.check_rank(OpKind::Reduce, "root", root)?;
         self.check_reduce(OpKind::Reduce, T::DTYPE, op)?;
-        self.collective(OpKind::Reduce, |b, ctx| {
+        self.collective(Issue::of(OpKind::Reduce, buf), |b, ctx| {
             b.reduce(ctx, as_bytes_mut(buf), T::DTYPE, op, root)
         })
     }
@@ -569,7 +615,10 @@ impl ProcessGroup {
     /// Combines every rank's `buf` with `op`, in place, on every rank.
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         self.check_reduce(OpKind::AllReduce, T::DTYPE, op)?;
-        self.collective(OpKind::AllReduce, |b, ctx| {
+        if flight::skip_this_all_reduce(self.rank()) {
+            return Ok(());
+        }
+        self.collective(Issue::of(OpKind::AllReduce, buf), |b, ctx| {
             b.all_reduce(ctx, as_bytes_mut(buf), T::DTYPE, op)
         })
     }
@@ -589,7 +638,7 @@ impl ProcessGroup {
             output.len() * self.size(),
         )?;
         self.check_reduce(OpKind::ReduceScatter, T::DTYPE, op)?;
-        self.collective(OpKind::ReduceScatter, |b, ctx| {
+        self.collective(Issue::of(OpKind::ReduceScatter, input), |b, ctx| {
             b.reduce_scatter(ctx, as_bytes(input), as_bytes_mut(output), T::DTYPE, op)
         })
     }
@@ -603,7 +652,7 @@ impl ProcessGroup {
             output.len(),
             input.len() * self.size(),
         )?;
-        self.collective(OpKind::AllGather, |b, ctx| {
+        self.collective(Issue::of(OpKind::AllGather, input), |b, ctx| {
             b.all_gather(ctx, as_bytes(input), as_bytes_mut(output), T::DTYPE)
         })
     }
@@ -652,9 +701,24 @@ impl ProcessGroup {
     /// (equal slots: the length must divide by the group size).
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<(), CommError> {
         self.check_all_to_all(input.len(), output.len())?;
-        self.collective(OpKind::AllToAll, |b, ctx| {
+        self.collective(Issue::of(OpKind::AllToAll, input), |b, ctx| {
             b.all_to_all(ctx, as_bytes(input), as_bytes_mut(output), T::DTYPE)
         })
+    }
+
+    /// The hang diagnosis this rank made from every rank's flight recorder
+    /// when a collective failed (only the first rank to fail makes one).
+    pub fn flight_verdict(&self) -> Option<String> {
+        self.inner
+            .verdict
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// This rank's flight recorder now: its last collectives, oldest first.
+    pub fn flight_dump(&self) -> flight::Dump {
+        self.inner.flight.dump(self.inner.rank)
     }
 
     /// Returns once every rank has entered the barrier.
@@ -751,12 +815,16 @@ impl Inner {
         drop(turn);
         let _next = Turn { inner: self, seq };
         self.alive(op)?;
+        self.flight.started(seq);
         let ctx = self.ctx(op, seq, self.algorithm());
         let r = f(&*self.backend, &ctx);
         if let Err(e) = &r {
             if e.is_fatal() {
                 self.abort(e.to_string());
+                self.explain_hang();
             }
+        } else {
+            self.flight.completed(seq);
         }
         r
     }

@@ -9,8 +9,10 @@
 //!   a launcher that restarts workers, `COHORT_RESTART_COUNT` keeps each
 //!   incarnation's keys apart. Under Slurm (`srun`), SLURM_PROCID,
 //!   SLURM_NTASKS and SLURM_LOCALID stand in for RANK, WORLD_SIZE and
-//!   LOCAL_RANK where those are unset; MASTER_ADDR and MASTER_PORT are
-//!   still needed.
+//!   LOCAL_RANK where those are unset, and inside an `srun` step the first
+//!   host of the step's node list and a port from the job id stand in for
+//!   MASTER_ADDR and MASTER_PORT (`cohort_store::slurm`); set variables
+//!   always win.
 //! - `tcp://host:port` with rank and world size from [`InitOptions`] or the
 //!   query (`?rank=0&world_size=2`); rank 0 hosts the store server.
 //! - `file:///path` with rank and world size likewise; the file must be
@@ -28,6 +30,7 @@ use std::sync::Arc;
 
 use cohort_store::auth::{Secret, SECRET_ENV};
 use cohort_store::endpoint::store_vars;
+use cohort_store::slurm::SlurmTask;
 use cohort_store::{FileStore, PrefixStore, Store, TcpStore};
 
 use crate::config::{bad, var, GroupOptions, InitOptions};
@@ -49,8 +52,11 @@ fn init_err(name: &str, detail: impl Into<String>) -> CommError {
     }
 }
 
-fn required(name: &str) -> Result<String, CommError> {
-    var(name)?.ok_or_else(|| init_err(name, "not set (run under `cohort run`, or set it by hand)"))
+fn not_set(name: &str) -> CommError {
+    init_err(
+        name,
+        "not set (run under `cohort run` or srun, or set it by hand)",
+    )
 }
 
 /// `name` from the environment, else Slurm's variable for it (`srun` sets
@@ -72,6 +78,12 @@ fn required_or_slurm(name: &str, slurm: &str) -> Result<usize, CommError> {
             ),
         )
     })
+}
+
+/// This task of an `srun` step, if it is one; a malformed Slurm variable
+/// is an error about `name`, the value it was to stand in for.
+fn slurm_task(name: &str) -> Result<Option<SlurmTask>, CommError> {
+    SlurmTask::from_process_env().map_err(|e| init_err(name, format!("from Slurm: {e}")))
 }
 
 fn parse_num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T, CommError> {
@@ -110,8 +122,20 @@ fn init_sockets(init_method: &str, opts: InitOptions) -> Result<ProcessGroup, Co
 
     let (store, rank, world): (Arc<dyn Store>, usize, usize) = if init_method == "env://" {
         let (addr_var, port_var) = store_vars(|name| std::env::var(name).ok());
-        let addr = required(addr_var)?;
-        let port_s = required(port_var)?;
+        let addr = match var(addr_var)? {
+            Some(addr) => addr,
+            None => slurm_task(addr_var)?
+                .and_then(|t| t.first_host)
+                .map(|(host, _)| host)
+                .ok_or_else(|| not_set(addr_var))?,
+        };
+        let port_s = match var(port_var)? {
+            Some(port) => port,
+            None => slurm_task(port_var)?
+                .and_then(|t| t.master_port())
+                .map(|p| p.to_string())
+                .ok_or_else(|| not_set(port_var))?,
+        };
         let port: u16 = port_s
             .parse()
             .map_err(|_| bad(port_var, &port_s, "a port number (0-65535)"))?;
@@ -215,6 +239,9 @@ fn init_sockets(init_method: &str, opts: InitOptions) -> Result<ProcessGroup, Co
     let local_rank = var_or_slurm("LOCAL_RANK", "SLURM_LOCALID")?.unwrap_or(rank);
     let local_world = match var("LOCAL_WORLD_SIZE")? {
         Some(v) => parse_num("LOCAL_WORLD_SIZE", &v)?,
+        None if var("RANK")?.is_none() => slurm_task("LOCAL_WORLD_SIZE")?
+            .and_then(|t| t.local_world_size)
+            .unwrap_or(world),
         None => world,
     };
     check_world("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world)?;

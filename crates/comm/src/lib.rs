@@ -34,8 +34,11 @@
 //! 10 minutes by default, as NCCL's, `COHORT_TIMEOUT`), a dead peer fails pending calls
 //! at once, mismatched calls are reported by a header check on every frame
 //! (and a full cross-check under `COHORT_DEBUG=detail`), and an aborted
-//! group refuses further calls. This crate knows nothing of models or
-//! training.
+//! group refuses further calls. The [`flight`] recorder keeps each group's
+//! last collectives; when one fails, the ranks pool their rings through the
+//! store and the first to fail names, in one line, the rank that diverged.
+//! This crate knows nothing of models or training (the phase and step it
+//! records are set by its caller, [`flight::set_context`]).
 //!
 //! Environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK,
 //! LOCAL_WORLD_SIZE (`env://`); `COHORT_STORE_HOSTED=1` (a launcher hosts
@@ -45,6 +48,10 @@
 //! `COHORT_SOCKET_ADDR` and `COHORT_TRANSPORT=auto|shm|unix|tcp` (see
 //! [`GroupOptions::from_env`] and [`transport`]); `COHORT_NODE_ID` names
 //! this process's node for the hierarchical all_reduce (default: the host).
+//! Under `srun`, Slurm's variables stand in for the unset ones
+//! (`cohort_store::slurm`); `COHORT_FLIGHT_RECORDER` sizes the flight
+//! recorder's ring (0: off), `COHORT_FLIGHT_DIR` is where rings are
+//! written as JSON.
 //!
 //! ```
 //! use cohort_comm::{spawn, CommError, ReduceOp};
@@ -65,6 +72,7 @@ mod config;
 mod element;
 mod engine;
 mod error;
+pub mod flight;
 mod group;
 mod init;
 mod kinds;

@@ -1,5 +1,5 @@
 //! What the launcher's loop waits for: a signal asking the launcher to stop,
-//! or a child that exited (SIGCHLD), delivered through one channel so the
+//! one to pass on to the workers (SIGUSR1), or a child that exited (SIGCHLD), delivered through one channel so the
 //! loop sleeps until something happens instead of polling. Signal handlers
 //! only write to a pipe (signal-hook); everything else runs on normal threads.
 
@@ -8,7 +8,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use signal_hook::consts::signal::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+use signal_hook::consts::signal::{SIGCHLD, SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::{Handle, Signals};
 
 /// Something the launcher must react to.
@@ -18,6 +18,9 @@ pub(crate) enum Event {
     ChildExited,
     /// The launcher was asked to stop by this signal.
     Stop(i32),
+    /// A signal for the workers, not the launcher (SIGUSR1, Slurm's "time
+    /// is nearly up": a cohort worker saves at its next step and stops).
+    Forward(i32),
 }
 
 /// The launcher's signal subscription and the channel its events arrive on.
@@ -28,11 +31,12 @@ pub(crate) struct Events {
 }
 
 impl Events {
-    /// Subscribes to SIGCHLD and to the signals torchrun's agent handles
-    /// (SIGINT, SIGTERM, SIGHUP, SIGQUIT). From here until the process exits,
-    /// those no longer kill the process: this launcher decides.
+    /// Subscribes to SIGCHLD, to the signals torchrun's agent handles
+    /// (SIGINT, SIGTERM, SIGHUP, SIGQUIT) and to SIGUSR1, which it forwards.
+    /// From here until the process exits, those no longer kill the process:
+    /// this launcher decides.
     pub fn install() -> io::Result<Self> {
-        let mut signals = Signals::new([SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT])?;
+        let mut signals = Signals::new([SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1])?;
         let handle = signals.handle();
         let (tx, rx) = mpsc::channel();
         let thread = thread::Builder::new()
@@ -41,6 +45,7 @@ impl Events {
                 for signal in signals.forever() {
                     let event = match signal {
                         SIGCHLD => Event::ChildExited,
+                        SIGUSR1 => Event::Forward(SIGUSR1),
                         other => Event::Stop(other),
                     };
                     if tx.send(event).is_err() {
@@ -69,7 +74,7 @@ impl Events {
     pub fn pending_stop(&self) -> Option<i32> {
         self.rx.try_iter().find_map(|event| match event {
             Event::Stop(signal) => Some(signal),
-            Event::ChildExited => None,
+            Event::ChildExited | Event::Forward(_) => None,
         })
     }
 }

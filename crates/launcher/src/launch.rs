@@ -18,7 +18,7 @@ use crate::group::{WorkerFailure, WorkerGroup, REAP_INTERVAL};
 use crate::health::{AgentStatus, HealthServer, Phase};
 use crate::heartbeat::{beat_interval, Heartbeat, Liveness};
 use crate::output::note;
-use crate::process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE};
+use crate::process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE, EXIT_SAVED_AND_STOPPED};
 use crate::rendezvous::{
     lost_detail, Interruption, JobEnd, Joined, Membership, NodeInfo, Rendezvous, RoundResult, Wait,
     PEER_POLL,
@@ -58,16 +58,24 @@ pub enum LaunchOutcome {
         /// The signal.
         signal: i32,
     },
+    /// The workers saved a checkpoint and stopped because a signal asked
+    /// them to (exit code [`EXIT_SAVED_AND_STOPPED`]); not restarted.
+    SavedAndStopped {
+        /// Restarts before the last round.
+        restarts: u32,
+    },
 }
 
 impl LaunchOutcome {
-    /// The launcher's exit code: 0, 1 for a failed job (as torchrun), or
-    /// 128 + the signal that stopped it (as a shell reports it).
+    /// The launcher's exit code: 0, 1 for a failed job (as torchrun),
+    /// [`EXIT_SAVED_AND_STOPPED`] when the workers saved and stopped on a
+    /// signal, or 128 + the signal that stopped it (as a shell reports it).
     pub fn exit_code(&self) -> i32 {
         match self {
             LaunchOutcome::Succeeded { .. } => 0,
             LaunchOutcome::WorkerFailed { .. } | LaunchOutcome::NodeFailed { .. } => 1,
             LaunchOutcome::Interrupted { signal } => 128 + signal,
+            LaunchOutcome::SavedAndStopped { .. } => EXIT_SAVED_AND_STOPPED,
         }
     }
 }
@@ -80,6 +88,9 @@ enum RoundEnd {
     /// A node waits to join and the round has room for it.
     Regroup,
     Stopped(i32),
+    /// The workers saved and stopped on a signal (exit code
+    /// [`EXIT_SAVED_AND_STOPPED`]).
+    SavedAndStopped,
 }
 
 /// Why a round failed, as this node saw it.
@@ -343,6 +354,18 @@ impl Agent<'_> {
                     continue;
                 }
                 RoundEnd::Stopped(signal) => return self.stop_job(round, signal),
+                RoundEnd::SavedAndStopped => {
+                    // The store stays open: the other nodes' workers are
+                    // stopping after the same step and must not be hurried.
+                    note(&format!(
+                        "the workers saved a checkpoint and stopped on request (exit code \
+                         {EXIT_SAVED_AND_STOPPED}); not restarting: the same command resumes"
+                    ));
+                    let outcome = LaunchOutcome::SavedAndStopped {
+                        restarts: members.restarts,
+                    };
+                    return Ok((outcome, None));
+                }
             };
             let permanent = matches!(&failure,
                 Failed::Worker(f) if f.reason == ExitReason::Code(EXIT_NOT_RETRYABLE));
@@ -456,17 +479,34 @@ fn watch(
     let multi_node = config.nnodes > 1;
     let tick = if multi_node { PEER_POLL } else { REAP_INTERVAL };
     loop {
-        if let Some(Event::Stop(signal)) = events.next(tick) {
-            note(&format!(
-                "received {}, stopping the workers",
-                signal_name(signal)
-            ));
-            group.stop(signal, config.stop_grace, events);
-            return Ok(RoundEnd::Stopped(signal));
+        match events.next(tick) {
+            Some(Event::Stop(signal)) => {
+                note(&format!(
+                    "received {}, stopping the workers",
+                    signal_name(signal)
+                ));
+                group.stop(signal, config.stop_grace, events);
+                return Ok(RoundEnd::Stopped(signal));
+            }
+            Some(Event::Forward(signal)) => {
+                note(&format!(
+                    "received {}, forwarded to the workers (cohort's save at their next step \
+                     and stop)",
+                    signal_name(signal)
+                ));
+                group.signal(signal);
+            }
+            Some(Event::ChildExited) | None => {}
         }
         let exited = group.reap();
         let exits: Vec<(usize, ExitReason)> =
             exited.into_iter().map(|i| (i, group.exit_of(i))).collect();
+        if exits
+            .iter()
+            .any(|(_, e)| *e == ExitReason::Code(EXIT_SAVED_AND_STOPPED))
+        {
+            return Ok(saved_and_stopped(group, config, events));
+        }
         if let Some(first) = reported_failure(&exits) {
             let interrupted = group.stop(libc::SIGTERM, config.stop_grace, events);
             let failure = group.failure(first);
@@ -508,6 +548,32 @@ fn watch(
             None => end,
         });
     }
+}
+
+/// How long the other workers get to finish their save and exit once one
+/// worker exited with [`EXIT_SAVED_AND_STOPPED`], before they are stopped.
+const SAVE_WAIT: Duration = Duration::from_secs(120);
+
+/// A worker saved and stopped on a signal: the others stop after the same
+/// step (the ranks agree on it), so they are left to finish their save and
+/// exit on their own, up to [`SAVE_WAIT`], not hurried with SIGTERM.
+fn saved_and_stopped(group: &mut WorkerGroup, config: &LaunchConfig, events: &Events) -> RoundEnd {
+    let deadline = std::time::Instant::now() + SAVE_WAIT;
+    while !group.all_exited() && std::time::Instant::now() < deadline {
+        if let Some(Event::Stop(signal)) = events.next(REAP_INTERVAL) {
+            group.stop(signal, config.stop_grace, events);
+            return RoundEnd::Stopped(signal);
+        }
+        group.reap();
+    }
+    if !group.all_exited() {
+        note("a worker did not exit after the others saved and stopped; stopping it");
+        if let Some(signal) = group.stop(libc::SIGTERM, config.stop_grace, events) {
+            return RoundEnd::Stopped(signal);
+        }
+    }
+    group.drain_output();
+    RoundEnd::SavedAndStopped
 }
 
 /// Which of the workers reaped in one look to report as the round's failure: one killed by a

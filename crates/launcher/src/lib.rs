@@ -29,7 +29,10 @@
 //! ends. Each agent can serve its health over HTTP (`health_check_port`). Each worker leads its own
 //! process group and is SIGKILLed by the kernel if the launcher dies, so no
 //! worker outlives the launcher; SIGINT and SIGTERM to the launcher are
-//! forwarded to the workers. Worker output is forwarded line by line behind a
+//! forwarded to the workers, and so is SIGUSR1, without stopping them: a
+//! cohort worker saves at its next step and exits with
+//! [`EXIT_SAVED_AND_STOPPED`], which ends the job with that code, not a
+//! restart. Worker output is forwarded line by line behind a
 //! `[rank<N>]: ` prefix. Linux is the target (the parent-death signal is
 //! Linux-only). This crate knows nothing of collectives or models.
 //!
@@ -68,7 +71,7 @@ pub use env::{EnvError, WorkerEnv};
 pub use error::LaunchError;
 pub use group::WorkerFailure;
 pub use launch::{launch, LaunchOutcome};
-pub use process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE};
+pub use process::{signal_name, ExitReason, EXIT_NOT_RETRYABLE, EXIT_SAVED_AND_STOPPED};
 pub use worker_beat::{start_beating_from_env, HEARTBEAT_FILE_VAR};
 
 /// Names of the environment variables the launcher sets for each worker.

@@ -86,6 +86,13 @@ pub(crate) fn signal_group(pid: u32, signal: i32) {
 /// the launcher does not restart the workers for it.
 pub const EXIT_NOT_RETRYABLE: i32 = 78;
 
+/// The exit code of a worker that saved a checkpoint and stopped because a
+/// signal asked it to (SIGUSR1, or SIGTERM under Slurm; sysexits'
+/// `EX_TEMPFAIL`, "try again later"): the launcher does not restart the
+/// workers for it and exits with it too, so that a requeue script can test
+/// `$? -eq 75` and resubmit the same command, which resumes.
+pub const EXIT_SAVED_AND_STOPPED: i32 = 75;
+
 /// How a worker process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExitReason {

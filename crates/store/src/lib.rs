@@ -56,6 +56,7 @@ mod error;
 mod file;
 mod hash;
 mod prefix;
+pub mod slurm;
 mod tcp;
 
 pub use auth::Secret;

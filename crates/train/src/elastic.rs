@@ -2,7 +2,8 @@
 //! it: the restarted workers of a job resume from the checkpoints it
 //! wrote, possibly on another number of ranks.
 //!
-//! - A worker with `COHORT_RESTART_COUNT` > 0 and no `--resume` resumes from
+//! - A worker with `COHORT_RESTART_COUNT` (or Slurm's `SLURM_RESTART_COUNT`,
+//!   a requeued job) > 0 and no `--resume` resumes from
 //!   its `--out` directory when that holds a checkpoint (a first start, or a
 //!   restart before the first checkpoint, starts from scratch).
 //! - When the world size differs from the checkpoint's, the data are
@@ -34,18 +35,33 @@ use crate::error::{ConfigError, TrainError};
 /// Set by the launcher: how many times it restarted the job's workers.
 pub const RESTART_COUNT_VAR: &str = "COHORT_RESTART_COUNT";
 
-/// The launcher's restart count from the environment (0 when not set).
+/// Set by Slurm in a job that was requeued (`scontrol requeue`, or
+/// preemption with requeue): how many times it was.
+pub const SLURM_RESTART_COUNT_VAR: &str = "SLURM_RESTART_COUNT";
+
+/// The job's restart count from the environment: the launcher's, or Slurm's
+/// for a requeued job (the larger; 0 when neither is set), so that a job
+/// that saved and stopped on SIGUSR1 resumes when Slurm runs it again.
 pub fn restart_count_from_env() -> Result<u32, TrainError> {
-    match std::env::var(RESTART_COUNT_VAR) {
-        Ok(v) => v.trim().parse().map_err(|_| {
+    let count = |name: &'static str, why: &'static str| match std::env::var(name) {
+        Ok(v) => v.trim().parse::<u32>().map_err(|_| {
             TrainError::Config(ConfigError::Invalid {
-                key: RESTART_COUNT_VAR,
+                key: name,
                 value: v,
-                why: "must be a whole number (the launcher's restart count)",
+                why,
             })
         }),
         Err(_) => Ok(0),
-    }
+    };
+    let launcher = count(
+        RESTART_COUNT_VAR,
+        "must be a whole number (the launcher's restart count)",
+    )?;
+    let slurm = count(
+        SLURM_RESTART_COUNT_VAR,
+        "must be a whole number (Slurm's requeue count)",
+    )?;
+    Ok(launcher.max(slurm))
 }
 
 /// The settings a (re)started worker trains with: `cfg`, plus `resume` set

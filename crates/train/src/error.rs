@@ -46,6 +46,9 @@ pub enum ConfigError {
         /// What it must be.
         why: &'static str,
     },
+    /// A Slurm variable of an `srun` task is malformed.
+    #[error("Slurm: {0}")]
+    Slurm(#[from] cohort_store::slurm::SlurmError),
 }
 
 /// What can stop a training run.
@@ -80,6 +83,17 @@ pub enum TrainError {
     /// since the last good checkpoint would be lost.
     #[error("{0}")]
     CheckpointLost(String),
+    /// A signal (SIGUSR1, or SIGTERM when asked) stopped the run at a step
+    /// boundary, the same step on every rank, after saving there.
+    #[error("stopped by {signal} after step {step}: {saved}")]
+    Stopped {
+        /// The signal's name, or where it came from.
+        signal: String,
+        /// The step every rank stopped after.
+        step: u64,
+        /// Where the checkpoint went (or why there is none).
+        saved: String,
+    },
     /// The settings need more memory than this host has available (known
     /// before anything is allocated).
     #[error("{0}")]

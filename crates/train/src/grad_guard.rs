@@ -272,10 +272,11 @@ impl StepGuard {
     }
 
     /// Decides with the other ranks of `pg` whether the update of `step` is
-    /// applied: `Ok(None)`, apply it (clip by the global norm first, with
-    /// [`clip_to_norm`]); `Ok(Some(skip))`, every rank skips it because some
+    /// applied: `None`, apply it (clip by the global norm first, with
+    /// [`clip_to_norm`]); `Some(skip)`, every rank skips it because some
     /// rank's loss (`loss_finite`) or gradients (`stats`) were not finite;
-    /// an error when the skips in a row reach the limit. Collective: every
+    /// an error when the skips in a row reach the limit. The `bool` beside
+    /// it: whether any rank wanted to stop (`stop_wanted`). Collective: every
     /// rank calls it once per step.
     pub(crate) fn decide(
         &mut self,
@@ -283,13 +284,21 @@ impl StepGuard {
         step: u64,
         loss_finite: bool,
         stats: GradStats,
-    ) -> Result<Option<Skip>, TrainError> {
-        let mut flags = [i32::from(!loss_finite), i32::from(!stats.finite)];
+        stop_wanted: bool,
+    ) -> Result<(Option<Skip>, bool), TrainError> {
+        // The third flag is a request to save and stop (`stop_request`): it
+        // rides on this all-reduce so that every rank stops after the same step.
+        let mut flags = [
+            i32::from(!loss_finite),
+            i32::from(!stats.finite),
+            i32::from(stop_wanted),
+        ];
         pg.all_reduce(&mut flags, ReduceOp::Sum)
             .map_err(TrainError::comm("non-finite check all_reduce"))?;
-        if flags == [0, 0] {
+        let stop = flags[2] > 0;
+        if flags[..2] == [0, 0] {
             self.consecutive = 0;
-            return Ok(None);
+            return Ok((None, stop));
         }
         self.consecutive += 1;
         self.total += 1;
@@ -300,12 +309,13 @@ impl StepGuard {
                 total: self.total,
             });
         }
-        Ok(Some(Skip {
+        let skip = Skip {
             loss_ranks: flags[0],
             grad_ranks: flags[1],
             consecutive: self.consecutive,
             total: self.total,
-        }))
+        };
+        Ok((Some(skip), stop))
     }
 
     /// The norm gradients are clipped to (0: no clipping).

@@ -7,6 +7,7 @@ use std::io::Write;
 use std::sync::Arc;
 
 use cohort_comm::{init_process_group, GroupOptions, InitOptions, ProcessGroup};
+use cohort_store::slurm::{SlurmTask, Taken};
 
 use crate::config::{Strategy, TrainConfig};
 use crate::elastic;
@@ -18,19 +19,40 @@ use crate::strategy::pipeline::train_pipeline;
 
 /// The process group of this process: the job's, when a launcher (or the
 /// user) set `RANK` (`env://`: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
-/// or Slurm set SLURM_PROCID and the user MASTER_ADDR (srun; SLURM_PROCID
-/// alone is also set in a batch script's own step); otherwise a world of
-/// one, which opens no socket.
+/// or this is a task of an `srun` step (`cohort_store::slurm`: rank, world
+/// size and master from Slurm wherever those variables are unset; a batch
+/// script's own shell is no task), or Slurm set SLURM_PROCID and the user
+/// MASTER_ADDR; otherwise a world of one, which opens no socket. Rank 0
+/// says in one line what it took from Slurm.
 pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
     let var = |name| std::env::var_os(name).is_some();
-    let pg = if var("RANK") || (var("SLURM_PROCID") && var("MASTER_ADDR")) {
+    let slurm = if var("RANK") {
+        None
+    } else {
+        SlurmTask::from_process_env().map_err(ConfigError::from)?
+    };
+    let pg = if var("RANK") || slurm.is_some() || (var("SLURM_PROCID") && var("MASTER_ADDR")) {
         init_process_group("tcp", "env://", InitOptions::default())
     } else {
         GroupOptions::from_env().and_then(|opts| {
             ProcessGroup::new(Arc::new(cohort_store::HashStore::new()), 0, 1, opts)
         })
     };
-    pg.map_err(TrainError::comm("joining the process group"))
+    let pg = pg.map_err(TrainError::comm("joining the process group"))?;
+    let taken = Taken {
+        rank: true,
+        world_size: !var("WORLD_SIZE"),
+        local_rank: !var("LOCAL_RANK"),
+        master_addr: !var("MASTER_ADDR"),
+        master_port: !var("MASTER_PORT"),
+        ..Taken::default()
+    };
+    if let Some(line) = slurm.and_then(|task| task.note(taken)) {
+        if pg.rank() == 0 {
+            println!("{line}");
+        }
+    }
+    Ok(pg)
 }
 
 /// The process group `cfg.backend` asks for: [`process_group_from_env`]

@@ -27,7 +27,8 @@
 //! this list, never back):
 //!
 //! - `error`, `phases`, `memory`, `pages`, `grad_guard` (scaling, clipping
-//!   and the NaN/Inf skip of a step), `config`, `run_log`;
+//!   and the NaN/Inf skip of a step), `config`, `run_log`, `stop_request`
+//!   (SIGUSR1/SIGTERM: save at the next step and stop);
 //! - `input` (the data set and a rank's batches), `checkpoint` (saving,
 //!   resuming, consolidating; the trainer's files), `elastic` (resuming
 //!   after a launcher's restart);
@@ -67,6 +68,7 @@ mod phases;
 mod replica;
 mod run_log;
 mod step_loop;
+mod stop_request;
 mod strategy;
 
 pub use checkpoint::trainer_files::{
@@ -88,6 +90,7 @@ pub use phases::{peak_rss_mb, process_cpu_ms, Phase, Phases, PHASES};
 pub use replica::{model_config, param_specs, share_rank0_params};
 pub use run_log::METRICS_FILE;
 pub use step_loop::Outcome;
+pub use stop_request::stop_on_signals;
 pub use strategy::data_parallel::{
     DataParallel, GradSync, ShardedDp, SyncTimes, Zero1, Zero1Times, ZeroStage,
 };

@@ -40,6 +40,13 @@ pub fn clean(cmd: &mut Command) {
     ] {
         cmd.env_remove(var);
     }
+    // A test run under srun must not make every `cohort` it starts a task of
+    // that Slurm step.
+    for (name, _) in std::env::vars_os() {
+        if name.to_string_lossy().starts_with("SLURM_") {
+            cmd.env_remove(name);
+        }
+    }
 }
 
 /// The job secret the nodes of a multi-node test share (a multi-node job on

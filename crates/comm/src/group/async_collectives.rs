@@ -10,7 +10,7 @@ use crate::kinds::OpKind;
 use crate::reduce_op::ReduceOp;
 use crate::work::Work;
 
-use super::ProcessGroup;
+use super::{Issue, ProcessGroup};
 
 impl ProcessGroup {
     /// Async [`broadcast`](Self::broadcast); the work gives `buf` back.
@@ -19,7 +19,7 @@ impl ProcessGroup {
             return Work::failed(OpKind::Broadcast, e);
         }
         self.submit(
-            OpKind::Broadcast,
+            Issue::of(OpKind::Broadcast, &buf),
             Box::new(move |b, ctx| {
                 b.broadcast(ctx, as_bytes_mut(&mut buf), T::DTYPE, root)
                     .map(|()| buf)
@@ -41,7 +41,7 @@ impl ProcessGroup {
             return Work::failed(OpKind::Reduce, e);
         }
         self.submit(
-            OpKind::Reduce,
+            Issue::of(OpKind::Reduce, &buf),
             Box::new(move |b, ctx| {
                 b.reduce(ctx, as_bytes_mut(&mut buf), T::DTYPE, op, root)
                     .map(|()| buf)
@@ -55,7 +55,7 @@ impl ProcessGroup {
             return Work::failed(OpKind::AllReduce, e);
         }
         self.submit(
-            OpKind::AllReduce,
+            Issue::of(OpKind::AllReduce, &buf),
             Box::new(move |b, ctx| {
                 b.all_reduce(ctx, as_bytes_mut(&mut buf), T::DTYPE, op)
                     .map(|()| buf)

@@ -74,7 +74,12 @@ pub(crate) fn accumulate(
 ) -> Result<(f32, u64), TrainError> {
     let (mut loss_sum, mut tokens) = (0f32, 0u64);
     for micro in 0..cfg.grad_accum {
-        let batch = phases.time(Phase::Data, || batches.next_batch());
+        let batch = phases.time(Phase::Data, || {
+            if let Some(delay) = super::test_delay(replica) {
+                std::thread::sleep(delay);
+            }
+            batches.next_batch()
+        });
         tokens += batch.attention_mask.iter().filter(|&&m| m == 1).count() as u64;
         let model = passes.model();
         model.set_training(true);

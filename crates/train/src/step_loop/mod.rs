@@ -10,7 +10,7 @@
 //! (scale by the micro-batch count, clamp, skip on a NaN/Inf anywhere,
 //! clip by the global norm); applies or skips the update at the schedule's
 //! learning rate; then logs, evaluates and saves on the configured
-//! intervals. The pieces beside it: the log window and its reduction over
+//! intervals, or saves and stops when a signal asked (`stop_request`). The pieces beside it: the log window and its reduction over
 //! the ranks (`log_window`), evaluation (`evaluation`), the save policy
 //! (`save_policy`), the run log (`metrics`), the console with its progress
 //! bar (`console`) and the summary (`summary`); `micro_batches` holds what
@@ -26,6 +26,7 @@ mod metrics;
 mod micro_batches;
 mod parallel_strategy;
 mod save_policy;
+mod straggler;
 mod summary;
 
 pub(crate) use micro_batches::{
@@ -34,10 +35,12 @@ pub(crate) use micro_batches::{
 };
 pub use parallel_strategy::Outcome;
 pub(crate) use parallel_strategy::{ParallelStrategy, Start, StepGradients};
+pub(crate) use straggler::test_delay;
 
 use std::io::Write;
 use std::time::Instant;
 
+use cohort_comm::flight;
 use cohort_engine::optim::LrSchedule;
 
 use crate::config::TrainConfig;
@@ -45,6 +48,7 @@ use crate::error::TrainError;
 use crate::grad_guard::{clip_to_norm, NanInjection, StepGuard};
 use crate::phases::Phase;
 use crate::run_log::METRICS_FILE;
+use crate::stop_request;
 use console::Console;
 use log_window::Window;
 use metrics::Metrics;
@@ -87,6 +91,10 @@ pub(crate) fn run(
     let (clip_value, clip_norm) = (cfg.clip_value, cfg.grad_clip);
     let mut guard = StepGuard::new(clip_value, clip_norm, cfg.max_consecutive_skips, inject);
     console.start_progress(start.step, cfg.steps);
+    if let Some(out) = &cfg.out {
+        // A hang's rings land beside the checkpoints.
+        flight::set_dump_dir(out);
+    }
     let mut saves = SavePolicy::before_first_step(cfg, strategy.group())?;
     let mut metrics = Metrics::open(cfg, master, start.step)?;
     if let Some(dir) = metrics.dir() {
@@ -100,11 +108,21 @@ pub(crate) fn run(
     for step in start.step..cfg.steps {
         // -- the step: gradients, the guard, the update ---------------------
         let lr = schedule.lr(step);
+        // The flight recorder notes each collective's phase and step.
+        flight::set_context("forward", step);
         let grads = strategy.gradients(step, &mut window.phases)?;
+        flight::set_context("optimizer", step);
         let t_opt = Instant::now();
         let rank = strategy.group().rank();
         let stats = guard.scale(step, rank, strategy.grads_mut(), grads.micro_batches);
-        let skip = guard.decide(strategy.group(), step, grads.loss_finite, stats)?;
+        let stop_wanted = stop_request::requested().is_some();
+        let (skip, stop) = guard.decide(
+            strategy.group(),
+            step,
+            grads.loss_finite,
+            stats,
+            stop_wanted,
+        )?;
         // The norm before clipping, for the logs and for clipping (a
         // collective for strategies whose ranks hold parts of the gradient).
         let norm = strategy.global_norm(stats.norm)?;
@@ -125,10 +143,14 @@ pub(crate) fn run(
 
         // -- log, evaluate, save (every rank takes part in the collectives) -
         let t_log = Instant::now();
+        flight::set_context("log", step);
         let mut figures = None;
         if done % cfg.log_interval == 0 || done == cfg.steps {
             let rank_ms = cfg.log_dir().is_some();
-            let (totals, note) = window.reduce(strategy, rank_ms)?;
+            let (totals, mut note) = window.reduce(strategy, rank_ms)?;
+            if let Some(straggler) = straggler::straggler_note(&totals.rank_ms) {
+                note.push_str(&format!(" | {straggler}"));
+            }
             outcome.train_losses.push((done, totals.loss));
             let line = format!(
                 "[step {done} / {}] loss = {:.4} | lr {lr:.2e} | {:.0} tok/s | {}{note}",
@@ -142,10 +164,32 @@ pub(crate) fn run(
             outcome.phases.merge(&window.phases);
             window = Window::new();
         }
+        flight::set_context("eval", step);
         let val_loss =
             evaluation::evaluate_if_due(cfg, done, strategy, &mut outcome, &console, log)?;
-        saves.save_if_due(cfg, done, strategy, &console, log)?;
+        flight::set_context("save", step);
+        saves.save_if_due(cfg, done, stop, strategy, &console, log)?;
         metrics.record(done, figures.as_ref(), val_loss, outcome.loss_floor);
+        if stop {
+            let signal = stop_request::requested()
+                .map_or_else(|| "a signal to another rank".into(), stop_request::name);
+            let saved = match &cfg.out {
+                Some(out) => format!(
+                    "checkpoint saved in {0}; --resume {0} continues it (a requeued Slurm job \
+                     resumes by itself)",
+                    out.display()
+                ),
+                None => "no --out, so nothing was saved".into(),
+            };
+            console.finish_progress();
+            let line = format!("[step {done} / {}] stopped by {signal}: {saved}", cfg.steps);
+            console.line(log, line);
+            return Err(TrainError::Stopped {
+                signal,
+                step: done,
+                saved,
+            });
+        }
         window.phases.add(Phase::Logging, t_log.elapsed());
         console.progress(done);
     }

@@ -43,19 +43,21 @@ impl SavePolicy {
         Ok(SavePolicy { failed_in_a_row: 0 })
     }
 
-    /// Saves after step `done` when one is due, logging what the save
-    /// reports; fails the run when the policy says the loss is too great.
-    /// Collective.
+    /// Saves after step `done` when one is due (or `last`: the run stops
+    /// there, on a signal), logging what the save reports; fails the run
+    /// when the policy says the loss is too great. Collective.
     pub(super) fn save_if_due(
         &mut self,
         cfg: &TrainConfig,
         done: u64,
+        last: bool,
         strategy: &mut dyn ParallelStrategy,
         console: &Console,
         log: &mut dyn Write,
     ) -> Result<(), TrainError> {
         let due = cfg.save_interval > 0 && done.is_multiple_of(cfg.save_interval);
-        let (true, Some(out)) = (due || done == cfg.steps, &cfg.out) else {
+        let last = last || done == cfg.steps;
+        let (true, Some(out)) = (due || last, &cfg.out) else {
             return Ok(());
         };
         let report = strategy.save(out, done)?;
@@ -75,7 +77,7 @@ impl SavePolicy {
         };
         self.failed_in_a_row += 1;
         let (failed, limit) = (self.failed_in_a_row, cfg.max_failed_saves);
-        if done == cfg.steps {
+        if last {
             return Err(TrainError::CheckpointLost(format!(
                 "{why}; it was the final checkpoint, so the run fails"
             )));

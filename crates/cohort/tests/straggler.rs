@@ -1,0 +1,35 @@
+//! Straggler naming end to end: in a 3-rank job where rank 1 is slowed by a
+//! test hook, the log lines name rank 1; an even job names nobody.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{cohort, Proc, TINY};
+
+fn job(slow: Option<&str>) -> String {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = cohort();
+    cmd.args(["run", "--standalone", "-n", "3", "train", "--steps", "20"])
+        .args(["--log-interval", "10", "--warmup-steps", "2"])
+        .args(["--out", tmp.path().to_str().unwrap()])
+        .args(TINY);
+    if let Some(hook) = slow {
+        cmd.env("COHORT_TEST_SLOW_RANK", hook);
+    }
+    let (status, out) = Proc::spawn(cmd).finish(Duration::from_secs(120));
+    assert!(status.success(), "{out}");
+    out
+}
+
+#[test]
+fn a_slowed_rank_is_named_the_straggler_and_an_even_run_names_none() {
+    let out = job(Some("1:60"));
+    let named: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("[rank0]: [step") && l.contains("straggler: rank 1 computes"))
+        .collect();
+    assert_eq!(named.len(), 2, "both log lines name rank 1:\n{out}");
+    let even = job(None);
+    assert!(!even.contains("straggler"), "{even}");
+}

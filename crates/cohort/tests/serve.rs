@@ -404,13 +404,17 @@ fn onnx_models_and_an_ensemble_answer_tritonclient_as_onnxruntime_does() {
         String::from_utf8_lossy(&made.stderr)
     );
     // The repository holds a model that must fail to load (an unsupported operator), which
-    // the check expects to find unavailable: the server must not exit on it.
-    let server = Serving::start_with(&repo, &["--exit-on-error", "false"]);
-    let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
-    let spec_file = dir.path().join("onnx.json");
-    std::fs::write(&spec_file, spec.to_string()).unwrap();
-    python_check("onnx_check.py", &spec_file);
-    server.stop();
+    // the check expects to find unavailable: the server must not exit on it. Both ONNX
+    // runtimes: the ONNX Runtime library where it loads (auto), and tract.
+    for backend in ["auto", "tract"] {
+        let env = [("COHORT_ONNX_BACKEND", backend)];
+        let server = Serving::start_env(&repo, &["--exit-on-error", "false"], &env);
+        let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
+        let spec_file = dir.path().join("onnx.json");
+        std::fs::write(&spec_file, spec.to_string()).unwrap();
+        python_check("onnx_check.py", &spec_file);
+        server.stop();
+    }
 }
 
 /// The convolutional and attention models of onnx_runtimes_check.py on both ONNX runtimes
@@ -434,7 +438,8 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
     }
     let dir = tempfile::tempdir().unwrap();
     let repo = dir.path().join("repo");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/onnx_runtimes_check.py");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/onnx_runtimes_check.py");
     let made = Command::new("python3")
         .arg(&script)
         .arg("make")
@@ -473,7 +478,10 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
         let (n, text) = loads(backend);
         assert_eq!(n, 3, "one load line per model naming {backend}:\n{text}");
         if backend == "onnxruntime" {
-            assert!(text.contains("libonnxruntime.so"), "the library path:\n{text}");
+            assert!(
+                text.contains("libonnxruntime.so"),
+                "the library path:\n{text}"
+            );
         }
     }
     let bad = "/nonexistent/libonnxruntime.so";
@@ -487,8 +495,14 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
             .any(|l| l.contains("WARN") && l.contains(bad) && l.contains("tract serves")),
         "a warning naming the library:\n{text}"
     );
-    let server = serve(&[("ORT_DYLIB_PATH", bad), ("COHORT_ONNX_BACKEND", "onnxruntime")]);
-    assert!(!server_ready(&server, "cnn"), "no fallback when onnxruntime is asked for");
+    let server = serve(&[
+        ("ORT_DYLIB_PATH", bad),
+        ("COHORT_ONNX_BACKEND", "onnxruntime"),
+    ]);
+    assert!(
+        !server_ready(&server, "cnn"),
+        "no fallback when onnxruntime is asked for"
+    );
     server.stop();
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(

@@ -63,9 +63,8 @@ impl Choice {
             });
         }
         match std::env::var(BACKEND_ENV) {
-            Ok(v) if !v.is_empty() => Choice::parse(&v).ok_or_else(|| {
-                format!("{BACKEND_ENV}={v:?}: expected auto, tract or onnxruntime")
-            }),
+            Ok(v) if !v.is_empty() => Choice::parse(&v)
+                .ok_or_else(|| format!("{BACKEND_ENV}={v:?}: expected auto, tract or onnxruntime")),
             _ => Ok(Choice::Auto),
         }
     }
@@ -213,9 +212,9 @@ pub(crate) fn load(
         )));
     }
     if choice != Choice::Tract {
-        let tried = runtime().map_err(Unusable::Runtime).and_then(|rt| {
-            load_ort(rt, &path, cfg, count, threads).map(|l| (rt, l))
-        });
+        let tried = runtime()
+            .map_err(Unusable::Runtime)
+            .and_then(|rt| load_ort(rt, &path, cfg, count, threads).map(|l| (rt, l)));
         match tried {
             Ok((rt, loaded)) => {
                 tracing::info!(
@@ -234,11 +233,12 @@ pub(crate) fn load(
             Err(Unusable::Runtime(e)) if choice == Choice::OnnxRuntime => {
                 return Err(what.error(format!("onnxruntime: {e}")))
             }
-            Err(Unusable::Runtime(e)) => tracing::warn!(
+            Err(Unusable::Runtime(e)) if first_time(&e) => tracing::warn!(
                 model = what.model,
                 version = what.version,
                 "onnxruntime: {e}; tract serves the model"
             ),
+            Err(Unusable::Runtime(_)) => {}
         }
     }
     let loaded = super::onnx::load(what, version_dir, cfg, count, threads)?;
@@ -250,6 +250,18 @@ pub(crate) fn load(
         "ONNX backend"
     );
     Ok(loaded)
+}
+
+/// Whether `warning` is new to this process: a model that fails to load is retried at each
+/// repository poll, and says why once (as the repository's load errors do).
+fn first_time(warning: &str) -> bool {
+    static SAID: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    if said.iter().any(|s| s == warning) {
+        return false;
+    }
+    said.push(warning.to_string());
+    true
 }
 
 /// Why onnxruntime does not serve a model.
@@ -312,7 +324,7 @@ fn load_ort(
         let session = Session::builder(&rt.env)
             .and_then(|b| b.with_intra_threads(threads).map_err(Into::into))
             .and_then(|mut b| b.commit_from_file(path))
-            .map_err(|e| refused(e.to_string()))?;
+            .map_err(|e| refused(e.to_string().replace('\n', " ")))?;
         sessions.push(session);
     }
     let first = &sessions[0];
@@ -398,8 +410,8 @@ impl Instance for OrtInstance {
         for t in inputs {
             let ty = element(t.datatype)
                 .ok_or_else(|| format!("input of type {} reached the ONNX backend", t.datatype))?;
-            let mut value = DynTensor::new(&self.allocator, ty, t.shape.clone())
-                .map_err(|e| e.to_string())?;
+            let mut value =
+                DynTensor::new(&self.allocator, ty, t.shape.clone()).map_err(|e| e.to_string())?;
             if !t.data.is_empty() {
                 let dst = value.data_ptr_mut().cast::<u8>();
                 // SAFETY: the tensor was just allocated on the CPU with t.shape and t's element

@@ -23,6 +23,7 @@ numpy, onnx, onnxruntime and tritonclient[http].
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,9 +107,9 @@ def build(repo):
     import onnx_runtimes_check
     import onnx_vs_ort
 
-    cnn_repo = os.path.join(repo, "_cnn")
-    onnx_runtimes_check.make(cnn_repo)
-    os.rename(os.path.join(cnn_repo, "cnn"), os.path.join(repo, "cnn"))
+    with tempfile.TemporaryDirectory() as others:
+        onnx_runtimes_check.make(others)
+        shutil.move(os.path.join(others, "cnn"), os.path.join(repo, "cnn"))
     # one client, one request at a time: no batcher delay
     with open(os.path.join(repo, "cnn", "config.pbtxt"), "w") as f:
         f.write('platform: "onnxruntime_onnx"\nmax_batch_size: 8\n')

@@ -484,6 +484,38 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
             );
         }
     }
+    // `cohort bench serve` names the runtime
+    for (backend, named) in [
+        ("onnxruntime", "onnxruntime 1."),
+        ("tract", "tract, 1 thread"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+            .args(["bench", "serve", "--repository", repo.to_str().unwrap()])
+            .args([
+                "--model",
+                "cnn",
+                "--batch-size",
+                "2",
+                "--requests",
+                "3",
+                "--threads",
+                "1",
+            ])
+            .env("COHORT_ONNX_BACKEND", backend)
+            .env("COHORT_LOG", "warn")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains(&format!("backend: {named}")),
+            "{backend}:\n{text}"
+        );
+    }
     let bad = "/nonexistent/libonnxruntime.so";
     let server = serve(&[("ORT_DYLIB_PATH", bad), ("COHORT_ONNX_BACKEND", "auto")]);
     assert!(server_ready(&server, "cnn"), "tract serves under auto");

@@ -1,6 +1,7 @@
 //! ONNX models as a backend (`platform: "onnxruntime_onnx"`, or `backend: "onnxruntime"`, as
 //! Triton's configs say), executed by tract, a pure-Rust ONNX runtime: `model.onnx` in the
-//! version directory. The model's inputs and outputs, their names, datatypes and shapes come
+//! version directory. This is the fallback where the ONNX Runtime library does not serve the
+//! model, or the choice when asked for ([`onnx_ort`](super::onnx_ort) picks). The model's inputs and outputs, their names, datatypes and shapes come
 //! from the file; the config's `input` / `output`, when given, must agree with them. The first
 //! dimension of every input and output is the batch dimension and must be dynamic in the file
 //! (an ONNX `dim_param` or an unnamed dimension), so that dynamic batching can join requests:

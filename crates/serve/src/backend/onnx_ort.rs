@@ -116,7 +116,11 @@ fn open() -> Result<Runtime, String> {
 fn open_at(path: &Path) -> Result<Runtime, String> {
     let shown = path.display();
     let builder = ort::init_from(path).map_err(|e| match e {
-        ort::LoadDynamicError::Dlopen { error, .. } => format!("{shown}: {error}"),
+        // libloading keeps dlerror's text (which file is missing) in the error's source
+        ort::LoadDynamicError::Dlopen { error, .. } => match std::error::Error::source(&error) {
+            Some(why) => format!("{shown}: {error}: {why}"),
+            None => format!("{shown}: {error}"),
+        },
         other => format!("{shown}: {other}"),
     })?;
     let env = builder

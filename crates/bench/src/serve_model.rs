@@ -51,6 +51,9 @@ pub struct ModelLoad {
 pub struct ModelLoadRow {
     /// The model.
     pub model: String,
+    /// What executes it (an ONNX model's runtime, library and threads); empty where its
+    /// backend has one way only.
+    pub backend: String,
     /// Rows per request.
     pub batch_size: usize,
     /// Concurrent clients.
@@ -109,6 +112,7 @@ pub fn run(
             reason: format!("it did not load from the repository: {why:?}"),
         });
     }
+    let backend = server.backend_of(&t.model).unwrap_or_default();
     let url = format!(
         "http://{}",
         server.grpc_addr().expect("loopback options serve gRPC")
@@ -146,6 +150,7 @@ pub fn run(
                 let after = metrics.batches();
                 let row = ModelLoadRow {
                     model: t.model.clone(),
+                    backend: backend.clone(),
                     batch_size,
                     concurrency,
                     requests: t.requests,

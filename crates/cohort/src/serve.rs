@@ -280,10 +280,14 @@ fn bench_model(a: BenchServeArgs, repository: PathBuf, model: String) -> anyhow:
             "batch", "concurrency", "infer/s", "p50 ms", "p99 ms", "mean batch"
         );
     }
+    let mut named = false;
     let print = |r: &ModelLoadRow| {
         if a.json {
             println!("{}", serde_json::to_string(r).unwrap_or_default());
         } else {
+            if !std::mem::replace(&mut named, true) && !r.backend.is_empty() {
+                println!("backend: {}", r.backend);
+            }
             println!(
                 "{:>6} {:>11} {:>11.1} {:>9.3} {:>9.3} {:>10.2}",
                 r.batch_size, r.concurrency, r.infer_per_s, r.p50_ms, r.p99_ms, r.mean_batch

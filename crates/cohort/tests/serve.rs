@@ -79,6 +79,11 @@ impl Serving {
 
     /// [`Serving::start`] with more flags.
     fn start_with(repo: &Path, extra: &[&str]) -> Serving {
+        Serving::start_env(repo, extra, &[])
+    }
+
+    /// [`Serving::start_with`] with more environment variables.
+    fn start_env(repo: &Path, extra: &[&str], env: &[(&str, &str)]) -> Serving {
         let mut child = Command::new(env!("CARGO_BIN_EXE_cohort"))
             .args(["serve", "--model-repository"])
             .arg(repo)
@@ -96,6 +101,7 @@ impl Serving {
             .args(["--instance-threads", "1"])
             .args(extra)
             .env("COHORT_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -525,13 +531,157 @@ fn onnx_models_and_an_ensemble_answer_tritonclient_as_onnxruntime_does() {
         String::from_utf8_lossy(&made.stderr)
     );
     // The repository holds a model that must fail to load (an unsupported operator), which
-    // the check expects to find unavailable: the server must not exit on it.
-    let server = Serving::start_with(&repo, &["--exit-on-error", "false"]);
-    let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
-    let spec_file = dir.path().join("onnx.json");
-    std::fs::write(&spec_file, spec.to_string()).unwrap();
-    python_check("onnx_check.py", &spec_file);
+    // the check expects to find unavailable: the server must not exit on it. Both ONNX
+    // runtimes: the ONNX Runtime library where it loads (auto), and tract.
+    for backend in ["auto", "tract"] {
+        let env = [("COHORT_ONNX_BACKEND", backend)];
+        let server = Serving::start_env(&repo, &["--exit-on-error", "false"], &env);
+        let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
+        let spec_file = dir.path().join("onnx.json");
+        std::fs::write(&spec_file, spec.to_string()).unwrap();
+        python_check("onnx_check.py", &spec_file);
+        server.stop();
+    }
+}
+
+/// The convolutional and attention models of onnx_runtimes_check.py on both ONNX runtimes
+/// (the ONNX Runtime library, found in the onnxruntime wheel, and tract), each equal to
+/// onnxruntime in process through tritonclient; each load names its runtime in one line, and a
+/// library that does not load is one line naming its path: a failed load when onnxruntime is
+/// asked for, tract serving under auto.
+#[test]
+fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
+    let test = "onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes";
+    let modules = [
+        "onnx",
+        "onnxruntime",
+        "tritonclient.http",
+        "tritonclient.grpc",
+        "numpy",
+    ];
+    let pip = "pip install onnx onnxruntime 'tritonclient[http,grpc]' numpy";
+    if !python_imports(test, &modules, pip) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("repo");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../serve/tests/onnx_runtimes_check.py");
+    let made = Command::new("python3")
+        .arg(&script)
+        .arg("make")
+        .arg(&repo)
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let log = dir.path().join("serve.log");
+    let log_s = log.to_str().unwrap();
+    let flags = ["--exit-on-error", "false", "--log-file", log_s];
+    let serve = |env: &[(&str, &str)]| {
+        std::fs::write(&log, "").unwrap();
+        let mut env = env.to_vec();
+        env.push(("COHORT_LOG", "info"));
+        Serving::start_env(&repo, &flags, &env)
+    };
+    let loads = |backend: &str| {
+        let text = std::fs::read_to_string(&log).unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.contains("ONNX backend") && l.contains(&format!("backend=\"{backend}\"")))
+            .collect();
+        (lines.len(), text.clone())
+    };
+    for backend in ["onnxruntime", "tract"] {
+        let server = serve(&[("COHORT_ONNX_BACKEND", backend)]);
+        let spec = json!({"http": server.http, "grpc": server.grpc, "repo": repo});
+        let spec_file = dir.path().join("runtimes.json");
+        std::fs::write(&spec_file, spec.to_string()).unwrap();
+        python_check("onnx_runtimes_check.py", &spec_file);
+        server.stop();
+        let (n, text) = loads(backend);
+        assert_eq!(n, 3, "one load line per model naming {backend}:\n{text}");
+        if backend == "onnxruntime" {
+            assert!(
+                text.contains("libonnxruntime.so"),
+                "the library path:\n{text}"
+            );
+        }
+    }
+    // `cohort bench serve` names the runtime
+    for (backend, named) in [
+        ("onnxruntime", "onnxruntime 1."),
+        ("tract", "tract, 1 thread"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+            .args(["bench", "serve", "--repository", repo.to_str().unwrap()])
+            .args([
+                "--model",
+                "cnn",
+                "--batch-size",
+                "2",
+                "--requests",
+                "3",
+                "--threads",
+                "1",
+            ])
+            .env("COHORT_ONNX_BACKEND", backend)
+            .env("COHORT_LOG", "warn")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains(&format!("backend: {named}")),
+            "{backend}:\n{text}"
+        );
+    }
+    let bad = "/nonexistent/libonnxruntime.so";
+    let server = serve(&[("ORT_DYLIB_PATH", bad), ("COHORT_ONNX_BACKEND", "auto")]);
+    assert!(server_ready(&server, "cnn"), "tract serves under auto");
     server.stop();
+    let (n, text) = loads("tract");
+    assert_eq!(n, 3, "tract serves each model under auto:\n{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("WARN") && l.contains(bad) && l.contains("tract serves")),
+        "a warning naming the library:\n{text}"
+    );
+    let server = serve(&[
+        ("ORT_DYLIB_PATH", bad),
+        ("COHORT_ONNX_BACKEND", "onnxruntime"),
+    ]);
+    assert!(
+        !server_ready(&server, "cnn"),
+        "no fallback when onnxruntime is asked for"
+    );
+    server.stop();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("load failed") && l.contains(bad) && l.contains("ORT_DYLIB_PATH")),
+        "the load error names the library:\n{text}"
+    );
+}
+
+/// Whether `server` answers model `name` ready over HTTP.
+fn server_ready(server: &Serving, name: &str) -> bool {
+    let url = format!("http://{}/v2/models/{name}/ready", server.http);
+    Command::new("python3")
+        .args([
+            "-c",
+            "import sys, urllib.request as u\ntry:\n    u.urlopen(sys.argv[1])\nexcept Exception:\n    sys.exit(1)",
+            &url,
+        ])
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// Writes the tokenizer models and the ensemble `textgen` (tokenizer -> gpt -> detokenizer, and

@@ -88,7 +88,7 @@ pub mod proto {
 pub use config::{
     DynamicBatching, EnsembleScheduling, EnsembleStep, InstanceGroup, Kind, ModelConfig,
     QueuePolicy, TensorConfig, VersionPolicy, ENSEMBLE_PLATFORM, GPT_PLATFORM, INFLIGHT_BATCHING,
-    ONNX_PLATFORM, PBTXT_FILE, TOML_FILE,
+    ONNX_BACKEND, ONNX_PLATFORM, PBTXT_FILE, TOML_FILE,
 };
 pub use error::{ErrorKind, ServeError};
 pub use metrics::{Metrics, VersionMetrics};

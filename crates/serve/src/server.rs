@@ -303,6 +303,12 @@ impl Server {
         self.app.repo.resolve(name, None).is_ok()
     }
 
+    /// What executes the latest version of model `name` (an ONNX model's runtime and threads),
+    /// if it is loaded; empty where its backend has one way only.
+    pub fn backend_of(&self, name: &str) -> Option<String> {
+        self.app.repo.resolve(name, None).ok().map(|v| v.describe())
+    }
+
     /// Whether `/v2/health/ready` answers ready: see [`ServerOptions::strict_readiness`].
     pub fn is_ready(&self) -> bool {
         self.app.is_ready()

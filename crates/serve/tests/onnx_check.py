@@ -377,7 +377,11 @@ def check(spec_file):
             equal += int((got == defined).sum())
             ort_equal += int((got == want).sum())
             total += got.size
-        assert equal >= 0.99 * total, f"only {equal} of {total} halves equal the graph's"
+        # tract runs the graph as written; the ONNX Runtime library (cohort's runtime where it
+        # loads) rounds as onnxruntime in this process does
+        assert max(equal, ort_equal) >= 0.99 * total, (
+            f"only {equal} of {total} halves equal the graph's, {ort_equal} onnxruntime's"
+        )
         print(
             f"     fp16: {equal} of {total} outputs bit-equal to the graph as defined, "
             f"{ort_equal} to onnxruntime's (which rounds once, see HALF_RTOL)"

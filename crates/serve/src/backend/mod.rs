@@ -14,6 +14,7 @@
 pub(crate) mod gpt;
 pub(crate) mod onnx;
 mod onnx_dense;
+pub(crate) mod onnx_ort;
 pub(crate) mod tokenizer;
 
 use std::path::Path;
@@ -40,6 +41,11 @@ pub(crate) trait Backend: Send + Sync {
     /// has none.
     fn chat_template(&self) -> Result<std::sync::Arc<cohort_tokenizer::ChatTemplate>, String> {
         Err("this model has no chat template".into())
+    }
+    /// What executes the model, for reports (`cohort bench serve`): the runtime and its
+    /// threads; empty where there is one way only.
+    fn describe(&self) -> String {
+        String::new()
     }
 }
 
@@ -75,7 +81,7 @@ pub(crate) fn load(
 ) -> Result<Loaded, ServeError> {
     match kind {
         Kind::Gpt => gpt::load(what, version_dir, cfg, count, threads),
-        Kind::Onnx => onnx::load(what, version_dir, cfg, count, threads),
+        Kind::Onnx => onnx_ort::load(what, version_dir, cfg, count, threads),
         Kind::Tokenizer => tokenizer::load(what, version_dir, cfg, count),
         Kind::Ensemble => Err(what
             .error("an ensemble has no model file to load (the ensemble module serves it)".into())),

@@ -1,6 +1,7 @@
 //! ONNX models as a backend (`platform: "onnxruntime_onnx"`, or `backend: "onnxruntime"`, as
 //! Triton's configs say), executed by tract, a pure-Rust ONNX runtime: `model.onnx` in the
-//! version directory. The model's inputs and outputs, their names, datatypes and shapes come
+//! version directory. This is the fallback where the ONNX Runtime library does not serve the
+//! model, or the choice when asked for ([`onnx_ort`](super::onnx_ort) picks). The model's inputs and outputs, their names, datatypes and shapes come
 //! from the file; the config's `input` / `output`, when given, must agree with them. The first
 //! dimension of every input and output is the batch dimension and must be dynamic in the file
 //! (an ONNX `dim_param` or an unnamed dimension), so that dynamic batching can join requests:
@@ -37,6 +38,7 @@ pub const MODEL_FILE: &str = "model.onnx";
 struct OnnxBackend {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
+    threads: usize,
 }
 
 impl Backend for OnnxBackend {
@@ -50,6 +52,10 @@ impl Backend for OnnxBackend {
 
     fn text(&self) -> Result<TextCodec, String> {
         Err("an ONNX model does not generate text".into())
+    }
+
+    fn describe(&self) -> String {
+        format!("tract, {} thread(s) per instance", self.threads)
     }
 }
 
@@ -186,15 +192,11 @@ fn served(d: DatumType) -> Option<DataType> {
 /// dynamic batch dimension.
 fn spec(direction: &str, name: &str, fact: &TypedFact) -> Result<TensorSpec, String> {
     let datatype = served(fact.datum_type).ok_or_else(|| {
-        format!(
-            "{direction} {name:?} has element type {:?}, which cohort does not serve (it serves {})",
-            fact.datum_type,
-            DataType::ALL
-                .into_iter()
-                .filter(|&t| datum(t).is_some())
-                .map(DataType::name)
-                .collect::<Vec<_>>()
-                .join(", ")
+        unserved(
+            direction,
+            name,
+            &format!("{:?}", fact.datum_type),
+            DataType::ALL.into_iter().filter(|&t| datum(t).is_some()),
         )
     })?;
     let shape: Vec<i64> = fact
@@ -202,6 +204,32 @@ fn spec(direction: &str, name: &str, fact: &TypedFact) -> Result<TensorSpec, Str
         .iter()
         .map(|d| d.to_i64().unwrap_or(-1))
         .collect();
+    batch_spec(direction, name, datatype, shape)
+}
+
+/// Why `direction` `name` of element type `ty` cannot be served; `served` are the types that
+/// can.
+pub(super) fn unserved(
+    direction: &str,
+    name: &str,
+    ty: &str,
+    served: impl Iterator<Item = DataType>,
+) -> String {
+    let names: Vec<&str> = served.map(DataType::name).collect();
+    format!(
+        "{direction} {name:?} has element type {ty}, which cohort does not serve (it serves {})",
+        names.join(", ")
+    )
+}
+
+/// The spec of model tensor `name` (`shape` from the file, -1 where dynamic), checking that its
+/// first dimension is a dynamic batch dimension: both ONNX runtimes' tensors pass here.
+pub(super) fn batch_spec(
+    direction: &str,
+    name: &str,
+    datatype: DataType,
+    shape: Vec<i64>,
+) -> Result<TensorSpec, String> {
     match shape.first() {
         Some(-1) => Ok(TensorSpec {
             name: name.to_string(),
@@ -280,7 +308,11 @@ pub(crate) fn load(
         batch,
     });
     let (inputs, outputs) = tensors(&typed).map_err(err)?;
-    let backend = OnnxBackend { inputs, outputs };
+    let backend = OnnxBackend {
+        inputs,
+        outputs,
+        threads,
+    };
     super::check_declared(cfg, &backend).map_err(|e| err(format!("config {e}")))?;
     let plan: Arc<TypedSimplePlan> =
         TypedSimplePlan::new(typed).map_err(|e| err(format!("{e:#}")))?;

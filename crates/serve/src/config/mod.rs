@@ -6,7 +6,8 @@
 //! `default_queue_policy.max_queue_size`), `instance_group` (`count`, `kind`),
 //! `version_policy`, `parameters` (`inflight_batching`: whether concurrent generations share
 //! batched decode steps; `kv_cache_dtype`: `fp32` or `bf16` keys and values in generation's
-//! KV caches), `ensemble_scheduling` (steps with `input_map` / `output_map`), and
+//! KV caches; `backend`: `auto`, `onnxruntime` or `tract` runs an ONNX model),
+//! `ensemble_scheduling` (steps with `input_map` / `output_map`), and
 //! `input` / `output`, which must name the model's own tensors with their types (a GPT's
 //! `input_ids`; `logits`, `next_token`; an ONNX model's are checked when `model.onnx` is read;
 //! an ensemble's and a tokenizer's declare their tensors, BYTES ones as `TYPE_STRING`): a
@@ -70,7 +71,16 @@ const PARAMETERS: &[(&str, &str)] = &[
         KV_CACHE_DTYPE,
         "\"fp32\" (the default) or \"bf16\" (generation's KV caches in bf16: half the bytes)",
     ),
+    (
+        ONNX_BACKEND,
+        "\"auto\" (the default: the ONNX Runtime library when it loads, else tract), \
+         \"onnxruntime\" or \"tract\" (ONNX models only)",
+    ),
 ];
+
+/// The `parameters` key that picks the runtime of an ONNX model (the environment's
+/// `COHORT_ONNX_BACKEND` when absent).
+pub const ONNX_BACKEND: &str = "backend";
 
 /// The `parameters` key that switches in-flight batching of generation.
 pub const INFLIGHT_BATCHING: &str = "inflight_batching";
@@ -458,6 +468,7 @@ impl ModelConfig {
             let allowed = match k.as_str() {
                 INFLIGHT_BATCHING => matches!(v.as_str(), "true" | "false"),
                 KV_CACHE_DTYPE => matches!(v.as_str(), "fp32" | "bf16"),
+                ONNX_BACKEND => matches!(v.as_str(), "auto" | "onnxruntime" | "tract"),
                 _ => true,
             };
             if !allowed {

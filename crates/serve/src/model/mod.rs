@@ -271,6 +271,14 @@ impl LoadedVersion {
         }
     }
 
+    /// What executes the model (see [`Backend::describe`]); empty for an ensemble.
+    pub fn describe(&self) -> String {
+        match &self.serving {
+            Serving::Instances { backend, .. } => backend.describe(),
+            Serving::Ensemble(_) => String::new(),
+        }
+    }
+
     /// Checks a request's values as the backend requires (see [`Backend::check`]).
     pub fn check(&self, request: &Request) -> Result<(), ServeError> {
         match &self.serving {

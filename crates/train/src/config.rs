@@ -729,7 +729,31 @@ fn read_table(path: &Path) -> Result<toml::Table, ConfigError> {
     if let Some(v) = table.remove("clip_norm") {
         table.entry("grad_clip").or_insert(v);
     }
+    inputs_relative_to(&mut table, path.parent().unwrap_or(Path::new("")));
     Ok(table)
+}
+
+/// The keys of a config file that name files the run reads, with the words that are not paths.
+const INPUT_PATHS: [(&str, &[&str]); 4] = [
+    ("data", &["markov", "random"]),
+    ("tokenizer", &["char", "bpe"]),
+    ("init_from", &[]),
+    ("resume", &[]),
+];
+
+/// Makes the relative input paths of a config file relative to the file, so that
+/// `cohort train --config configs/x.toml` finds `data = "../text.txt"` from any directory, as
+/// Cargo and Compose read their files. Outputs (`out`, `log_dir`) stay relative to where the run
+/// starts: a shared config should not fill the directory it lives in with runs.
+fn inputs_relative_to(table: &mut toml::Table, dir: &Path) {
+    for (key, words) in INPUT_PATHS {
+        let Some(toml::Value::String(value)) = table.get_mut(key) else {
+            continue;
+        };
+        if !words.contains(&value.as_str()) && Path::new(value.as_str()).is_relative() {
+            *value = dir.join(&*value).to_string_lossy().into_owned();
+        }
+    }
 }
 
 impl TrainConfig {
@@ -880,6 +904,35 @@ mod tests {
         Cli::try_parse_from(std::iter::once("train").chain(argv.iter().copied()))
             .unwrap()
             .args
+    }
+
+    #[test]
+    fn a_config_files_inputs_are_relative_to_it_and_its_outputs_to_the_run() {
+        let dir = std::env::temp_dir().join(format!("cohort-config-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("configs")).unwrap();
+        std::fs::write(dir.join("text.txt"), "abc").unwrap();
+        let file = dir.join("configs/run.toml");
+        std::fs::write(
+            &file,
+            "data = \"../text.txt\"\ntokenizer = \"char\"\nout = \"runs/a\"\nsteps = 3\n",
+        )
+        .unwrap();
+        let cfg = parse(&["--config", file.to_str().unwrap()])
+            .resolve()
+            .unwrap();
+        assert_eq!(
+            Path::new(&cfg.data),
+            dir.join("configs").join("../text.txt"),
+            "data"
+        );
+        assert_eq!(cfg.tokenizer, "char", "a tokenizer kind is not a path");
+        assert_eq!(cfg.out.as_deref(), Some(Path::new("runs/a")), "out");
+        // A flag is relative to where the run starts, as every flag is.
+        let cfg = parse(&["--config", file.to_str().unwrap(), "--data", "markov"])
+            .resolve()
+            .unwrap();
+        assert_eq!(cfg.data, "markov");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

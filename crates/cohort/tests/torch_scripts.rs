@@ -14,7 +14,7 @@ use std::time::Duration;
 use support::{cohort, free_port, Nodes, Proc, SECRET};
 
 fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/torch_ddp_script.py")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/examples/torch_ddp.py")
 }
 
 /// Whether torch is importable; says why not when it is not.

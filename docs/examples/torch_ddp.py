@@ -1,6 +1,10 @@
-"""A torch.distributed program as a user writes it, run by the tests under
-`cohort run` and under `torchrun` so their outputs can be compared: env://
-rendezvous with gloo, a DistributedSampler, all_reduce and a few DDP steps.
+"""A torch.distributed program as a user writes it: env:// rendezvous with
+gloo, a DistributedSampler, all_reduce and a few DDP steps.
+
+    cohort run -n 2 -- python3 docs/examples/torch_ddp.py
+    torchrun --nproc-per-node 2 docs/examples/torch_ddp.py
+
+The tests run it under both launchers and compare their outputs.
 Every line it prints starts with its rank and is the same under any launcher
 that sets torchrun's environment."""
 

@@ -14,7 +14,9 @@
 //! the training loop makes at each phase.
 //!
 //! This module records and explains; it never talks to peers or the store
-//! itself and never blocks a collective beyond the lock of its own ring.
+//! itself (its [`live`] part publishes and gathers rings through the store,
+//! off the collectives' path) and never blocks a collective beyond the lock
+//! of its own ring.
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -24,6 +26,8 @@ use std::time::Instant;
 
 use crate::element::DType;
 use crate::kinds::OpKind;
+
+pub mod live;
 
 /// Records kept per group unless `COHORT_FLIGHT_RECORDER` says otherwise.
 pub const DEFAULT_ENTRIES: usize = 2048;
@@ -217,12 +221,27 @@ impl Ring {
 
     /// This rank's ring now, oldest first, for `rank`.
     pub fn dump(&self, rank: usize) -> Dump {
+        self.tail(rank, usize::MAX)
+    }
+
+    /// The newest `n` records of [`Ring::dump`] (a live publication copies only these
+    /// under the lock).
+    pub fn tail(&self, rank: usize, n: usize) -> Dump {
         let records = self.records.lock().unwrap_or_else(|e| e.into_inner());
         Dump {
             rank,
             now_us: self.now_us(),
-            records: records.iter().copied().collect(),
+            records: records
+                .iter()
+                .skip(records.len().saturating_sub(n))
+                .copied()
+                .collect(),
         }
+    }
+
+    /// Whether it records anything (`COHORT_FLIGHT_RECORDER=0` turns it off).
+    pub fn is_on(&self) -> bool {
+        self.capacity > 0
     }
 }
 
@@ -307,7 +326,7 @@ impl Dump {
     }
 
     /// The oldest collective not completed.
-    fn pending(&self) -> Option<&Record> {
+    pub fn pending(&self) -> Option<&Record> {
         self.records.iter().find(|r| r.state != State::Completed)
     }
 

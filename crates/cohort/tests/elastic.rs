@@ -237,6 +237,11 @@ fn a_stopped_worker_is_found_by_its_missing_heartbeat_and_the_group_restarts() {
         "{out}"
     );
     assert!(!out.contains("no progress with rank"), "{out}");
+    // Before stopping the group, the launcher read the rings the ranks last published.
+    assert!(
+        out.contains("cohort run: flight recorder (group default): "),
+        "{out}"
+    );
 }
 
 /// Raises this process's soft limit on open files to `want` (or its hard

@@ -555,4 +555,23 @@ mod tests {
         assert!(line.contains("rank 2 published no record"), "{line}");
         assert_eq!(verdict("g", 1, &[dump(0, &[(AllReduce, 4)], 0)]), None);
     }
+
+    /// The recorder's cost per collective (issue, start, completion on a full ring), for
+    /// the module doc's figure: `cargo test -p cohort-comm --lib flight_recorder_cost --
+    /// --ignored --nocapture`. Ignored: a measurement, not a check.
+    #[test]
+    #[ignore]
+    fn flight_recorder_cost() {
+        let ring = Ring::new(DEFAULT_ENTRIES);
+        let n = 1_000_000u64;
+        let t = Instant::now();
+        for seq in 0..n {
+            ring.issued(seq, OpKind::AllReduce, 4096, Some(DType::F32));
+            ring.started(seq);
+            ring.completed(seq);
+        }
+        let ns = t.elapsed().as_nanos() as f64 / n as f64;
+        println!("flight recorder: {ns:.0} ns per collective (issued + started + completed)");
+        assert_eq!(ring.dump(0).records.len(), DEFAULT_ENTRIES);
+    }
 }

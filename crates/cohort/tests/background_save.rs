@@ -5,10 +5,10 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use support::{checkpoint_step, cohort, kill, params, worker_pid, Proc, TINY};
+use support::{checkpoint_files, checkpoint_step, cohort, kill, params, worker_pid, Proc, TINY};
 
 /// `cohort run --standalone -n 2 train` for 20 steps, a checkpoint every 5, into `out`.
 fn train(out: &Path, extra: &[&str]) -> Proc {
@@ -42,22 +42,8 @@ fn finished(proc: Proc) -> String {
     out
 }
 
-/// Every file of checkpoint directory `dir`, by name, with its bytes.
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| {
-            let path: PathBuf = entry.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&path).unwrap())
-        })
-        .collect();
-    files.sort();
-    files
-}
-
 fn same_files(a: &Path, b: &Path) {
-    let (fa, fb) = (files(a), files(b));
+    let (fa, fb) = (checkpoint_files(a), checkpoint_files(b));
     let names = |f: &[(String, Vec<u8>)]| f.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
     assert_eq!(names(&fa), names(&fb), "{} vs {}", a.display(), b.display());
     for ((name, x), (_, y)) in fa.iter().zip(&fb) {

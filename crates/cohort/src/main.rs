@@ -6,6 +6,7 @@ use clap::Parser;
 mod bench;
 mod checkpoint;
 mod convert;
+mod debug;
 mod demo;
 mod gpu;
 mod plot;
@@ -35,6 +36,8 @@ enum Cli {
     Convert(convert::ConvertArgs),
     #[command(subcommand)]
     Gpu(gpu::GpuCmd),
+    #[command(subcommand)]
+    Debug(debug::DebugCmd),
     #[command(hide = true)]
     Demo(demo::DemoArgs),
 }
@@ -94,6 +97,7 @@ fn run_command() -> anyhow::Result<()> {
         Cli::Checkpoint(cmd) => checkpoint::main(cmd),
         Cli::Convert(args) => convert::main(args),
         Cli::Gpu(cmd) => gpu::main(cmd),
+        Cli::Debug(cmd) => debug::main(cmd),
         Cli::Demo(args) => demo::main(args),
     }
 }

@@ -212,6 +212,7 @@ impl RunArgs {
         config.heartbeat_timeout = seconds("--heartbeat-timeout", self.heartbeat_timeout)?;
         config.worker_timeout = seconds("--worker-timeout", self.worker_timeout)?;
         config.health_check_port = self.health_check_port;
+        config.explain_silence = Some(crate::debug::explain_silence);
         config.secret = match (self.secret, self.secret_file) {
             (Some(hex), _) => Some(Secret::from_hex(&hex, "--secret")?),
             (None, Some(path)) => Some(Secret::from_file(&path)?),

@@ -9,15 +9,15 @@ mod support;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use support::{
-    checkpoint_step, cohort, free_port, kill, params, wait_for_checkpoint, worker_pid, Nodes, Proc,
-    SECRET, TINY,
+    checkpoint_files, checkpoint_step, cohort, free_port, kill, params, wait_for_checkpoint,
+    worker_pid, Nodes, Proc, SECRET, TINY,
 };
 
 const STEPS: &str = "200";
@@ -85,20 +85,6 @@ fn baseline() -> &'static Baseline {
             files: checkpoint_files(&tmp.path().join(format!("step-000{STEPS}"))),
         }
     })
-}
-
-/// Every file of checkpoint directory `dir`, by name, with its bytes.
-fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| {
-            let path: PathBuf = entry.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&path).unwrap())
-        })
-        .collect();
-    files.sort();
-    files
 }
 
 /// `cohort run --standalone -n 2 --max-restarts 1 train ...`, started.
@@ -237,6 +223,11 @@ fn a_stopped_worker_is_found_by_its_missing_heartbeat_and_the_group_restarts() {
         "{out}"
     );
     assert!(!out.contains("no progress with rank"), "{out}");
+    // Before stopping the group, the launcher read the rings the ranks last published.
+    assert!(
+        out.contains("cohort run: flight recorder (group default): "),
+        "{out}"
+    );
 }
 
 /// Raises this process's soft limit on open files to `want` (or its hard

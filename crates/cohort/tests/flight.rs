@@ -2,12 +2,14 @@
 //! one all-reduce (a test hook) fails within the collective timeout, and
 //! one line of the job's output names rank 1, the op and its sequence
 //! number; every rank's ring is written as JSON beside the checkpoints.
+//! `cohort debug dump` reads a live job's rings from its store and lists
+//! every rank without stopping it.
 
 mod support;
 
 use std::time::{Duration, Instant};
 
-use support::{cohort, Proc, TINY};
+use support::{cohort, free_port, Proc, SECRET, TINY};
 
 #[test]
 fn a_rank_that_skips_an_all_reduce_is_named_by_the_flight_recorder() {
@@ -46,4 +48,67 @@ fn a_rank_that_skips_an_all_reduce_is_named_by_the_flight_recorder() {
         .filter(|e| e.file_name().to_string_lossy().starts_with("flight-"))
         .count();
     assert_eq!(rings, 3, "{out}");
+}
+
+#[test]
+fn debug_dump_lists_every_rank_of_a_live_job() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let mut cmd = cohort();
+    cmd.args([
+        "run",
+        "-n",
+        "2",
+        "--master-port",
+        &port,
+        "train",
+        "--steps",
+        "100000",
+    ])
+    .args(["--log-interval", "10", "--warmup-steps", "2"])
+    .args(["--out", tmp.path().to_str().unwrap()])
+    .args(TINY)
+    .env("COHORT_SECRET", SECRET);
+    let job = Proc::spawn(cmd);
+    job.wait_for("[step 10 / 100000]", Duration::from_secs(60));
+    let store = format!("127.0.0.1:{port}");
+    // The ranks publish every 2 s from their first collective.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let listed = loop {
+        let out = cohort()
+            .args(["debug", "dump", "--store", &store])
+            .env("COHORT_SECRET", SECRET)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if out.status.success() && text.contains("rank 0: ") && text.contains("rank 1: ") {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no dump of both ranks: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    for rank in ["rank 0: ", "rank 1: "] {
+        let line = listed.lines().find(|l| l.starts_with(rank)).unwrap();
+        // Each names a collective with the phase and step it came from.
+        assert!(line.contains(" #") && line.contains("at step "), "{listed}");
+    }
+    // Without the secret the store refuses the dump, saying so in one line.
+    let refused = cohort()
+        .args(["debug", "dump", "--store", &store, "--timeout", "2"])
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    // The job was never stopped: it still trains.
+    let logged = || job.output().matches("loss = ").count();
+    let (before, deadline) = (logged(), Instant::now() + Duration::from_secs(60));
+    while logged() < before + 2 {
+        assert!(Instant::now() < deadline, "{}", job.output());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    job.signal(libc::SIGTERM);
+    let _ = job.finish(Duration::from_secs(60));
 }

@@ -10,12 +10,12 @@
 mod support;
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use support::{checkpoint_step, cohort, Nodes, Proc, SECRET, TINY};
+use support::{checkpoint_files, checkpoint_step, cohort, Nodes, Proc, SECRET, TINY};
 
 const STEPS: &str = "1000";
 const EXIT_SAVED_AND_STOPPED: i32 = 75;
@@ -95,20 +95,6 @@ fn two_tasks(job: u64, args: &[String], extra_env: &[(&str, &str)]) -> [Proc; 2]
         cmd.args(args).envs(extra_env.iter().copied());
         Proc::spawn(cmd)
     })
-}
-
-/// Every file of checkpoint directory `dir`, by name, with its bytes.
-fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| {
-            let path: PathBuf = entry.unwrap().path();
-            let name = path.file_name().unwrap().to_string_lossy().into_owned();
-            (name, std::fs::read(&path).unwrap())
-        })
-        .collect();
-    files.sort();
-    files
 }
 
 fn finish_both(tasks: [Proc; 2]) -> [(i32, String); 2] {

@@ -429,6 +429,10 @@ impl ProcessGroup {
         self.inner.alive(op)?;
         let seq = self.inner.issued.fetch_add(1, Ordering::SeqCst);
         self.inner.flight.issued(seq, op, issue.bytes, issue.dtype);
+        if seq == 0 {
+            // Not at construction: `with_local` needs the only reference to the group.
+            hang::publish_live(&self.inner);
+        }
         self.inner.execute(op, seq, f)
     }
 
@@ -449,6 +453,10 @@ impl ProcessGroup {
         };
         let seq = self.inner.issued.fetch_add(1, Ordering::SeqCst);
         self.inner.flight.issued(seq, op, issue.bytes, issue.dtype);
+        if seq == 0 {
+            // Not at construction: `with_local` needs the only reference to the group.
+            hang::publish_live(&self.inner);
+        }
         let (work, done) = Work::new(op, seq);
         let inner = self.inner.clone();
         let job: Job = Box::new(move || {

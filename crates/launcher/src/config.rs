@@ -3,9 +3,10 @@
 
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use cohort_store::Secret;
+use cohort_store::{Secret, Store};
 
 use crate::LaunchError;
 
@@ -29,6 +30,10 @@ pub const DEFAULT_WORKER_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long an elastic round stays open for more nodes once `min_nodes` have
 /// joined, unless set (torchrun's `last_call_timeout` is 30 s).
 pub const DEFAULT_LAST_CALL: Duration = Duration::from_secs(10);
+
+/// Given the job's store, a line explaining why a worker went silent (see
+/// [`LaunchConfig::explain_silence`]).
+pub type ExplainSilence = fn(Arc<dyn Store>) -> Option<String>;
 
 /// Everything [`launch`](crate::launch) needs to run one node's share of a job.
 ///
@@ -83,6 +88,11 @@ pub struct LaunchConfig {
     /// The job secret (`--secret`, `--secret-file`); `None`: from
     /// `COHORT_SECRET`, or made up for a single-node job (see `secret.rs`).
     pub secret: Option<Secret>,
+    /// Explains a hang when a worker is found silent: given the job's store (which the
+    /// workers publish their flight recorder rings in), a line to print, e.g. which rank
+    /// never issued the collective the others wait in. The binary supplies it (the
+    /// launcher knows no collectives); `None`: the silent worker alone is named.
+    pub explain_silence: Option<ExplainSilence>,
 }
 
 impl LaunchConfig {
@@ -107,6 +117,7 @@ impl LaunchConfig {
             worker_timeout: DEFAULT_WORKER_TIMEOUT,
             health_check_port: None,
             secret: None,
+            explain_silence: None,
         }
     }
 

@@ -522,6 +522,10 @@ fn watch(
             return Ok(RoundEnd::Succeeded);
         }
         if let Some((index, silent)) = group.silent_worker(config.worker_timeout) {
+            // Before the group is stopped: the others' rings still say where they wait.
+            if let Some(line) = config.explain_silence.and_then(|f| f(rdzv.root_store())) {
+                note(&line);
+            }
             let interrupted = group.stop(libc::SIGTERM, config.stop_grace, events);
             let failure = group.silent_failure(index, silent);
             report(&failure);

@@ -64,8 +64,8 @@ mod worker_beat;
 mod worker_error;
 
 pub use config::{
-    LaunchConfig, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL,
-    DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE,
+    ExplainSilence, LaunchConfig, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOIN_TIMEOUT,
+    DEFAULT_LAST_CALL, DEFAULT_MASTER_PORT, DEFAULT_STOP_GRACE,
 };
 pub use env::{EnvError, WorkerEnv};
 pub use error::LaunchError;

@@ -173,6 +173,8 @@ pub(crate) enum Interruption {
 /// One node agent's view of the rendezvous.
 pub(crate) struct Rendezvous {
     store: Arc<PrefixStore>,
+    /// The whole store, where the workers meet (under their own prefixes).
+    root: Arc<dyn Store>,
     /// For error messages.
     addr: String,
     port: u16,
@@ -189,12 +191,18 @@ impl Rendezvous {
         last_call: Duration,
     ) -> Self {
         Rendezvous {
-            store: Arc::new(PrefixStore::new(PREFIX, store)),
+            store: Arc::new(PrefixStore::new(PREFIX, store.clone())),
+            root: store,
             addr: addr.to_string(),
             port,
             me,
             last_call,
         }
+    }
+
+    /// The whole store, as the workers see it (their flight recorder rings are there).
+    pub fn root_store(&self) -> Arc<dyn Store> {
+        self.root.clone()
     }
 
     /// The launcher's namespace of the store, for the heartbeat thread.

@@ -113,6 +113,9 @@ pub struct TrainConfig {
     /// Periodic checkpoints that may fail in a row before the run stops
     /// (0: never stop for them). A failed final checkpoint always stops it.
     pub max_failed_saves: u32,
+    /// Whether a save writes on the training thread or on a writer thread
+    /// from a copy of the state (see [`SaveMode`]).
+    pub save_mode: SaveMode,
     /// Test hook, never read from a file or a flag: NaN written into the
     /// averaged gradient at these steps (`COHORT_INJECT_NAN`, see
     /// [`NanInjection`]).
@@ -280,6 +283,19 @@ impl Precision {
     }
 }
 
+/// Where a periodic checkpoint is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum SaveMode {
+    /// The state is copied at the step boundary and a writer thread hashes, fsyncs and
+    /// commits it while training goes on; one save at a time. ZeRO's sharded saves, whose
+    /// ranks agree on the commit, stay on the training thread.
+    #[default]
+    Background,
+    /// On the training thread: every rank waits for the save.
+    Sync,
+}
+
 /// When DDP reduces gradient buckets: on a communication thread during
 /// backward, or on the training thread after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
@@ -363,6 +379,7 @@ impl Default for TrainConfig {
             log_dir: None,
             keep_checkpoints: 3,
             max_failed_saves: 3,
+            save_mode: SaveMode::Background,
             inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
             overlap: Overlap::Auto,
@@ -557,6 +574,12 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_failed_saves: Option<u32>,
+    /// Write periodic checkpoints from a copy of the state on a writer thread while training
+    /// goes on (background), or on the training thread (sync) [default: background]. The
+    /// final checkpoint and a signal's are always complete before the run exits.
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub save_mode: Option<SaveMode>,
     /// DDP gradient bucket size in MB; PyTorch's default is 25 [default: 0.5].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

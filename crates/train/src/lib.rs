@@ -78,7 +78,7 @@ pub use checkpoint::trainer_files::{
 pub use checkpoint::{consolidate, TrainState};
 pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use config::{
-    Overlap, PipelineSchedule, Precision, PsMode, Strategy, TrainArgs, TrainConfig,
+    Overlap, PipelineSchedule, Precision, PsMode, SaveMode, Strategy, TrainArgs, TrainConfig,
     TUNED_BUCKET_CAP_MB,
 };
 pub use error::{ConfigError, TrainError};

@@ -143,6 +143,7 @@ pub(crate) fn resume_shard(
 /// batches stand and the tokenizer, in DDP's checkpoint format.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn save_replica(
+    saver: &mut checkpoint::Saver,
     out: &Path,
     cfg: &TrainConfig,
     pg: &ProcessGroup,
@@ -159,7 +160,7 @@ pub(crate) fn save_replica(
         offset,
     };
     let tokenizer = data.tokenizer_json();
-    checkpoint::save_or_report(
+    saver.save_whole(
         out,
         cfg,
         pg.size(),

@@ -41,6 +41,9 @@ pub(crate) struct TrainFigures {
     /// Each rank's milliseconds per step in each phase (rank 0's first), in
     /// the order of `PHASES`.
     pub rank_ms: Vec<[f64; PHASES.len()]>,
+    /// The rank named the straggler over the last steps and how much slower than the
+    /// median it computes (0.18: 18%), if one is.
+    pub straggler: Option<(usize, f64)>,
 }
 
 /// An open run log.
@@ -137,6 +140,18 @@ impl RunLog {
                 o.insert("ms_per_step".into(), first.clone());
             }
             o.insert("rank_ms_per_step".into(), Value::Array(ranks));
+            if t.rank_ms.len() > 1 {
+                // -1: nobody, so that TensorBoard draws the verdict over the whole run.
+                let (rank, slower) = t.straggler.map_or((-1.0, 0.0), |(r, s)| (r as f32, s));
+                scalars.push(("straggler/rank".into(), rank));
+                scalars.push(("straggler/slower_pct".into(), (100.0 * slower) as f32));
+                if let Some((rank, slower)) = t.straggler {
+                    o.insert(
+                        "straggler".into(),
+                        json!({"rank": rank, "slower_pct": num(100.0 * slower)}),
+                    );
+                }
+            }
         }
         if let Some(v) = val_loss {
             o.insert("val_loss".into(), num(v as f64));
@@ -242,6 +257,7 @@ mod tests {
             skipped: 0,
             tokens_per_s: 1000.0,
             rank_ms: vec![[1.0; 6], [2.0; 6]],
+            straggler: Some((1, 0.18)),
         };
         let mut log = RunLog::open(dir.path(), 0, 0).unwrap();
         for step in [5, 10, 15] {
@@ -262,6 +278,7 @@ mod tests {
         assert_eq!(all[3]["val_loss"], 1.25);
         assert_eq!(all[1]["rank_ms_per_step"][1]["comm_wait"], 2.0);
         assert_eq!(all[1]["ms_per_step"]["forward"], 1.0);
+        assert_eq!(all[1]["straggler"]["rank"], 1);
         // Two event files; the second opens with a session start after step 10.
         let mut files: Vec<_> = fs::read_dir(dir.path())
             .unwrap()

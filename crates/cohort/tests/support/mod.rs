@@ -164,6 +164,20 @@ pub fn assert_resume_is_seamless(train: impl Fn(&[&str]) -> String) {
     assert_ne!(params(&half), a, "training after step 6 changed nothing");
 }
 
+/// Every file of checkpoint directory `dir`, by name, with its bytes.
+pub fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            (name, std::fs::read(&path).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
 /// The step of the newest checkpoint in `dir`, if any.
 pub fn checkpoint_step(dir: &Path) -> Option<u64> {
     let latest = std::fs::read_to_string(dir.join("latest")).ok()?;

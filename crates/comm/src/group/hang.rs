@@ -1,13 +1,50 @@
 //! What a rank does after a collective of its group failed for good: it
 //! publishes its flight recorder's ring in the group's store, and the first
 //! rank to fail gathers the others' and says in one line who diverged
-//! ([`flight::verdict`]). It must never run or retry a collective.
+//! ([`flight::verdict`]). While the group lives, a thread of its own
+//! publishes the tail of its ring in the store ([`flight::live`]), for a
+//! launcher or `cohort debug dump` to read. It must never run or retry a
+//! collective.
 
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use crate::flight;
 
 use super::Inner;
+
+/// Starts the thread that publishes `inner`'s ring every [`flight::live::INTERVAL`] while
+/// the group lives (groups of two or more ranks with the recorder on). Best effort: a
+/// store write that fails is tried again at the next interval.
+pub(super) fn publish_live(inner: &Arc<Inner>) {
+    if inner.size < 2 || !inner.flight.is_on() {
+        return;
+    }
+    let weak: Weak<Inner> = Arc::downgrade(inner);
+    let _ = std::thread::Builder::new()
+        .name("cohort-flight".into())
+        .spawn(move || {
+            let mut announced = false;
+            loop {
+                let Some(inner) = weak.upgrade() else {
+                    return;
+                };
+                let name = &inner.opts.name;
+                if !announced {
+                    let world = inner.size.to_string();
+                    announced = inner
+                        .store
+                        .set(&flight::live::world_key(name), world.as_bytes())
+                        .is_ok();
+                }
+                let tail = inner.flight.tail(inner.rank, flight::live::TAIL);
+                let key = flight::live::key(name, inner.rank);
+                let _ = inner.store.set(&key, tail.to_lines().as_bytes());
+                drop(inner);
+                std::thread::sleep(flight::live::INTERVAL);
+            }
+        });
+}
 
 impl Inner {
     /// After a collective failed for good: publishes this rank's ring in the

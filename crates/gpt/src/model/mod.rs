@@ -169,6 +169,16 @@ impl GPT {
         GPT::build(config, seed, cpu_from_env()?)
     }
 
+    /// A model that only holds parameters to be written: a checkpoint staged off the
+    /// training thread, whose writer thread needs a `GPT` to save. It has no gradient buffer
+    /// and a one-thread backend, so a staged copy costs the parameters' memory alone; never
+    /// run it forward or backward. Its parameters are zero until written.
+    pub fn staging(config: GPTConfig) -> Result<GPT, GptError> {
+        let mut model = GPT::build(config, 0, cpu_in(1, DType::F32)?)?;
+        model.grads = AlignedFloats::default();
+        Ok(model)
+    }
+
     /// A model on the given backend.
     pub fn with_backend(
         config: GPTConfig,

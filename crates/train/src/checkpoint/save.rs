@@ -24,14 +24,14 @@ use crate::error::TrainError;
 /// What a checkpoint stores beside the model's tensors: the trainer's position and job shape
 /// (`trainer_state.json`) and, with a tokenizer, what Hugging Face needs beside the model to
 /// load the checkpoint without a warning.
-struct Companions {
+pub(super) struct Companions {
     trainer: Vec<u8>,
     tokenizer_json: Option<String>,
     hf: cohort_tokenizer::HfFiles,
 }
 
 impl Companions {
-    fn new(
+    pub(super) fn new(
         cfg: &TrainConfig,
         world: usize,
         model: &GPTConfig,
@@ -90,41 +90,47 @@ impl Companions {
     }
 }
 
-/// Writes `out/step-NNNNNN` (and points `out/latest` at it).
-fn save(
+/// Writes `out/step-NNNNNN` (and points `out/latest` at it) from `model`, the optimizer's
+/// `optimizer` state and the `companions`, then deletes the checkpoints beyond `keep`: what a
+/// save does once its state is at hand, on the training thread or on the writer's
+/// (`background`). A failure is reported, not returned.
+pub(super) fn write_and_prune(
     out: &Path,
-    cfg: &TrainConfig,
-    world: usize,
+    keep: usize,
+    step: u64,
     model: &GPT,
-    opt: &dyn Optimizer,
-    state: &TrainState,
-    tokenizer_json: Option<&str>,
-) -> Result<(), TrainError> {
-    let optimizer = opt.state();
-    let companions = Companions::new(cfg, world, model.config(), state, tokenizer_json)?;
-    ckpt::save(
+    optimizer: &OptimizerState<'_>,
+    companions: &Companions,
+) -> SaveReport {
+    let written = ckpt::save(
         out,
-        &step_name(state.step),
+        &step_name(step),
         &Checkpoint {
             config_extra: companions.hf.config_keys.clone(),
             model: Some(model),
-            tensor_files: vec![trainer_files::optimizer_file(&optimizer)],
+            tensor_files: vec![trainer_files::optimizer_file(optimizer)],
             extra_files: companions.files(),
         },
-    )?;
-    Ok(())
+    );
+    if let Err(e) = written {
+        return failed_save(out, step, e);
+    }
+    SaveReport {
+        lines: prune(out, keep),
+        ..SaveReport::default()
+    }
 }
 
 /// The report of a save that failed, naming the last good checkpoint.
-fn failed_save(out: &Path, step: u64, why: impl std::fmt::Display) -> SaveReport {
+pub(super) fn failed_save(out: &Path, step: u64, why: impl std::fmt::Display) -> SaveReport {
     let last = ckpt::resolve(out)
         .map(|dir| dir.display().to_string())
         .unwrap_or_else(|_| "none".into());
     SaveReport {
-        lines: Vec::new(),
         failed: Some(format!(
             "checkpoint of step {step} NOT saved (last good checkpoint: {last}): {why}"
         )),
+        ..SaveReport::default()
     }
 }
 
@@ -281,7 +287,7 @@ pub(crate) fn save_sharded(
     }
     Ok(SaveReport {
         lines: prune(out, cfg.keep_checkpoints),
-        failed: None,
+        ..SaveReport::default()
     })
 }
 
@@ -297,6 +303,9 @@ pub(crate) struct SaveReport {
     /// the last good checkpoint; the training loop decides whether the run
     /// goes on.
     pub failed: Option<String>,
+    /// The state was copied and a writer thread is writing it (`background`): whether it
+    /// failed is known later, from [`super::Saver::finished`].
+    pub pending: bool,
 }
 
 /// Checks, before the first step, that checkpoints can be written to `out`:
@@ -310,9 +319,9 @@ pub(crate) fn check_writable(out: &Path) -> Result<(), String> {
 }
 
 /// Saves the checkpoint of `state` into `out` and deletes the checkpoints
-/// beyond `cfg.keep_checkpoints`; a failure is reported, not returned, so
-/// that the caller (with the other ranks) decides what it costs.
-pub(crate) fn save_or_report(
+/// beyond `cfg.keep_checkpoints`, on this thread; a failure is reported, not
+/// returned, so that the caller (with the other ranks) decides what it costs.
+pub(super) fn save_or_report(
     out: &Path,
     cfg: &TrainConfig,
     world: usize,
@@ -321,13 +330,19 @@ pub(crate) fn save_or_report(
     state: &TrainState,
     tokenizer_json: Option<&str>,
 ) -> SaveReport {
-    if let Err(e) = save(out, cfg, world, model, opt, state, tokenizer_json) {
-        return failed_save(out, state.step, e);
-    }
-    SaveReport {
-        lines: prune(out, cfg.keep_checkpoints),
-        failed: None,
-    }
+    let companions = match Companions::new(cfg, world, model.config(), state, tokenizer_json) {
+        Ok(companions) => companions,
+        Err(e) => return failed_save(out, state.step, e),
+    };
+    let optimizer = opt.state();
+    write_and_prune(
+        out,
+        cfg.keep_checkpoints,
+        state.step,
+        model,
+        &optimizer,
+        &companions,
+    )
 }
 
 /// Deletes the checkpoints of `root` beyond the newest `keep` (0: none),

@@ -45,6 +45,8 @@ pub(super) struct WindowTotals {
     /// Each rank's milliseconds per step in each phase (rank 0's first);
     /// empty unless asked for.
     pub rank_ms: Vec<PhaseMs>,
+    /// The straggler over the last steps, if one is named (`straggler`).
+    pub straggler: Option<super::straggler::Straggler>,
 }
 
 impl WindowTotals {
@@ -57,6 +59,7 @@ impl WindowTotals {
             skipped: self.skipped,
             tokens_per_s: self.tokens_per_s,
             rank_ms: self.rank_ms.clone(),
+            straggler: (self.straggler.as_ref()).map(|s| (s.rank, s.slower())),
         }
     }
 }
@@ -84,6 +87,11 @@ impl Window {
         }
         self.steps += 1;
         self.tokens += grads.tokens;
+    }
+
+    /// The steps of the window.
+    pub(super) fn steps(&self) -> u64 {
+        self.steps
     }
 
     /// This rank's time per phase, per step of the window.
@@ -130,6 +138,7 @@ impl Window {
             grad_norm: (self.grad_norm / self.steps.max(1) as f64) as f32,
             skipped: self.steps - self.updates,
             rank_ms: all,
+            straggler: None,
         };
         Ok((totals, note))
     }

@@ -53,6 +53,7 @@ use console::Console;
 use log_window::Window;
 use metrics::Metrics;
 use save_policy::SavePolicy;
+use straggler::Stragglers;
 use summary::Throughput;
 
 /// Trains `strategy` for `cfg.steps` steps; rank 0 of its group logs to
@@ -104,6 +105,8 @@ pub(crate) fn run(
     let mut outcome = Outcome::starting_at(start.step, start.loss_floor);
     let mut window = Window::new();
     let mut throughput = Throughput::new(untimed_steps);
+    let group = strategy.group();
+    let mut stragglers = Stragglers::new(group.size(), group.local_world_size());
 
     for step in start.step..cfg.steps {
         // -- the step: gradients, the guard, the update ---------------------
@@ -146,10 +149,12 @@ pub(crate) fn run(
         flight::set_context("log", step);
         let mut figures = None;
         if done % cfg.log_interval == 0 || done == cfg.steps {
-            let rank_ms = cfg.log_dir().is_some();
-            let (totals, mut note) = window.reduce(strategy, rank_ms)?;
-            if let Some(straggler) = straggler::straggler_note(&totals.rank_ms) {
-                note.push_str(&format!(" | {straggler}"));
+            // Every rank's phases: for the run log, and to name a straggler.
+            let rank_ms = cfg.log_dir().is_some() || strategy.group().size() > 1;
+            let (mut totals, mut note) = window.reduce(strategy, rank_ms)?;
+            totals.straggler = stragglers.add(window.steps(), &totals.rank_ms).cloned();
+            if let Some(straggler) = &totals.straggler {
+                note.push_str(&format!(" | straggler: {straggler}"));
             }
             outcome.train_losses.push((done, totals.loss));
             let line = format!(
@@ -197,7 +202,12 @@ pub(crate) fn run(
     console.finish_progress();
     outcome.tokens_per_s = throughput.tokens_per_s(strategy.group(), outcome.steps_run)?;
     outcome.params = strategy.final_params()?;
-    summary::log_summary(cfg, &outcome, strategy, guard.skipped(), &console, log);
+    let straggler = stragglers.last().map(|s| format!("straggler: {s}"));
+    let ends = summary::Ends {
+        skipped: guard.skipped(),
+        straggler,
+    };
+    summary::log_summary(cfg, &outcome, strategy, &ends, &console, log);
     console.report_lost_lines();
     Ok(outcome)
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use cohort_comm::ProcessGroup;
 
-use crate::checkpoint::SaveReport;
+use crate::checkpoint::{SaveReport, Saver};
 use crate::error::TrainError;
 use crate::phases::Phases;
 
@@ -96,8 +96,9 @@ pub(crate) trait ParallelStrategy {
 
     /// Saves a checkpoint of the state after `step` steps under `out` (rank
     /// 0 of the group writes it), reporting what to log and, on rank 0,
-    /// whether it failed. Collective.
-    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError>;
+    /// whether it failed. A whole model goes through `saver`, which may write it from a
+    /// copy on its writer thread (the report is then `pending`). Collective.
+    fn save(&mut self, out: &Path, step: u64, saver: &mut Saver) -> Result<SaveReport, TrainError>;
 
     /// The whole model's parameters at the end. Collective.
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError>;

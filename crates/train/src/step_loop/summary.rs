@@ -63,14 +63,22 @@ impl Throughput {
     }
 }
 
+/// What the loop knows at the end beyond the outcome.
+pub(super) struct Ends {
+    /// Updates skipped for a non-finite loss or gradient.
+    pub skipped: u64,
+    /// The straggler over the last steps, as a line, if one is named.
+    pub straggler: Option<String>,
+}
+
 /// Logs the run's summary: the last losses against the floor and the
 /// throughput, the time per phase, where the checkpoints are, the
-/// strategy's own lines and the skipped updates.
+/// strategy's own lines, the straggler and the skipped updates.
 pub(super) fn log_summary(
     cfg: &TrainConfig,
     outcome: &Outcome,
     strategy: &dyn ParallelStrategy,
-    skipped: u64,
+    ends: &Ends,
     console: &Console,
     log: &mut dyn Write,
 ) {
@@ -104,8 +112,14 @@ pub(super) fn log_summary(
     for line in strategy.summary() {
         console.line(log, line);
     }
-    if skipped > 0 {
-        let line = format!("skipped {skipped} update(s) for a non-finite loss or gradient");
+    if let Some(line) = &ends.straggler {
+        console.line(log, line.clone());
+    }
+    if ends.skipped > 0 {
+        let line = format!(
+            "skipped {} update(s) for a non-finite loss or gradient",
+            ends.skipped
+        );
         console.line(log, line);
     }
 }

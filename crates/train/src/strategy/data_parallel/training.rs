@@ -19,7 +19,7 @@ use cohort_gpt::GPT;
 use super::sharded::{ShardedDp, ZeroStage};
 use super::step::{DataParallel, GradSync};
 use super::zero1::Zero1;
-use crate::checkpoint::{OwnedShard, SaveReport, ShardTarget, TrainState};
+use crate::checkpoint::{OwnedShard, SaveReport, Saver, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::input::{val_batches, TrainBatches, ValBatches};
@@ -281,16 +281,16 @@ impl ParallelStrategy for DataParallelRun<'_> {
     /// DDP: rank 0 writes the whole model and optimizer. ZeRO: every rank
     /// writes its own shard (its slice of the parameters and its moments),
     /// rank 0 the index that commits them.
-    fn save(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
+    fn save(&mut self, out: &Path, step: u64, saver: &mut Saver) -> Result<SaveReport, TrainError> {
         let (cfg, pg, data) = (self.cfg, self.step.group(), &*self.data);
         let (model, batches) = (self.step.model(), &self.batches);
         let save =
             |shard: &OwnedShard<'_>| save_shard(out, cfg, pg, model, shard, batches, data, step);
         match self.step.sync() {
             GradSync::Ddp { .. } if pg.rank() != 0 => Ok(SaveReport::default()),
-            GradSync::Ddp { opt, .. } => {
-                Ok(save_replica(out, cfg, pg, model, opt, batches, data, step))
-            }
+            GradSync::Ddp { opt, .. } => Ok(save_replica(
+                saver, out, cfg, pg, model, opt, batches, data, step,
+            )),
             GradSync::Zero1(zero) => zero.with_owned_shard(save),
             GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
         }

@@ -324,7 +324,12 @@ impl ParallelStrategy for ServerStrategy<'_, '_> {
         mean_val_loss(None, s.val.total, &losses)
     }
 
-    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<SaveReport, TrainError> {
+    fn save(
+        &mut self,
+        out: &std::path::Path,
+        step: u64,
+        saver: &mut checkpoint::Saver,
+    ) -> Result<SaveReport, TrainError> {
         let s = &self.server;
         let state = TrainState {
             step,
@@ -332,7 +337,7 @@ impl ParallelStrategy for ServerStrategy<'_, '_> {
             offset: self.position.1,
         };
         let tokenizer = s.data.tokenizer_json();
-        Ok(checkpoint::save_or_report(
+        Ok(saver.save_whole(
             out,
             s.cfg,
             s.board.workers,

@@ -369,7 +369,12 @@ impl ParallelStrategy for Pipeline<'_> {
         evaluate(self.cfg, &*self.data, &mut self.pipe, b, t)
     }
 
-    fn save(&mut self, out: &std::path::Path, step: u64) -> Result<SaveReport, TrainError> {
+    fn save(
+        &mut self,
+        out: &std::path::Path,
+        step: u64,
+        saver: &mut checkpoint::Saver,
+    ) -> Result<SaveReport, TrainError> {
         let Some((model, whole)) = self
             .pipe
             .gather_model(&self.opt, &self.model_cfg, self.cfg)?
@@ -383,7 +388,7 @@ impl ParallelStrategy for Pipeline<'_> {
             offset: self.samples.next,
         };
         let tokenizer = self.data.tokenizer_json();
-        Ok(checkpoint::save_or_report(
+        Ok(saver.save_whole(
             out,
             self.cfg,
             self.pipe.topo.replicas,

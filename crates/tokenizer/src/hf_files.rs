@@ -322,10 +322,17 @@ mod tests {
         let tc = file(&files, "tokenizer_config.json");
         assert_eq!(
             (&tc["bos_token"], &tc["eos_token"], &tc["pad_token"]),
-            (&json!("<|im_start|>"), &json!("<|im_end|>"), &json!("<|im_end|>"))
+            (
+                &json!("<|im_start|>"),
+                &json!("<|im_end|>"),
+                &json!("<|im_end|>")
+            )
         );
         // A token the tokenizer lacks is not carried; the template is.
-        assert_eq!((&tc["unk_token"], &tc["chat_template"]), (&Value::Null, &json!("T")));
+        assert_eq!(
+            (&tc["unk_token"], &tc["chat_template"]),
+            (&Value::Null, &json!("T"))
+        );
         let g = file(&files, "generation_config.json");
         assert_eq!(g["eos_token_id"], json!([end, 1]));
         assert_eq!(g["bos_token_id"], json!(start));

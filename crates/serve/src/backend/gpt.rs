@@ -158,7 +158,8 @@ pub(crate) fn load(
     if let Some(&id) = eos.iter().find(|&&id| id as usize >= gpt_cfg.vocab_size) {
         return Err(what.error(format!(
             "{}: eos_token_id {id} is outside the vocabulary 0..{}",
-            dir.join(cohort_pretrained::GENERATION_CONFIG_FILE).display(),
+            dir.join(cohort_pretrained::GENERATION_CONFIG_FILE)
+                .display(),
             gpt_cfg.vocab_size
         )));
     }

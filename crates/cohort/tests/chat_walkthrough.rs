@@ -10,6 +10,8 @@
 //!   chatted with through the official `openai` client; its greedy answer is `cohort sample`'s
 //!   on the rendered conversation, cut at the model's end of turn.
 
+// Shared with the GGUF tests, which use more of it.
+#[allow(dead_code)]
 #[path = "../../gguf/tests/support/python.rs"]
 mod python;
 mod support;

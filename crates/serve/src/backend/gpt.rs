@@ -153,16 +153,10 @@ pub(crate) fn load(
     let dir = checkpoint::resolve(version_dir).map_err(load_err)?;
     let gpt_cfg = checkpoint::load_config(&dir).map_err(load_err)?;
     // A malformed generation_config.json is refused at load, naming the file, rather than
-    // generating past the model's end of text.
-    let eos = cohort_pretrained::eos_token_ids(&dir).map_err(|e| what.error(e.to_string()))?;
-    if let Some(&id) = eos.iter().find(|&&id| id as usize >= gpt_cfg.vocab_size) {
-        return Err(what.error(format!(
-            "{}: eos_token_id {id} is outside the vocabulary 0..{}",
-            dir.join(cohort_pretrained::GENERATION_CONFIG_FILE)
-                .display(),
-            gpt_cfg.vocab_size
-        )));
-    }
+    // generating past the model's end of text. An id outside the vocabulary (GPT-2's 50256
+    // left in a small model's config.json) can never be generated: it is dropped, not fatal.
+    let mut eos = cohort_pretrained::eos_token_ids(&dir).map_err(|e| what.error(e.to_string()))?;
+    eos.retain(|&id| (id as usize) < gpt_cfg.vocab_size);
     let build = |i: usize| -> Result<GPT, ServeError> {
         let cpu = Cpu::new(threads).map_err(|e| ServeError::Instance {
             model: what.model.to_string(),

@@ -38,6 +38,10 @@ pub struct SampleArgs {
     /// Sample among the K most likely tokens only.
     #[arg(long)]
     top_k: Option<usize>,
+    /// Nucleus sampling: among the most likely tokens whose probabilities first reach P in
+    /// sum (1 = all tokens).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
     /// Seed of the sampler (same seed, same text).
     #[arg(long, default_value_t = 1337)]
     seed: u64,
@@ -103,6 +107,7 @@ pub fn main(args: SampleArgs) -> anyhow::Result<()> {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,
         top_k: args.top_k,
+        top_p: args.top_p,
         seed: args.seed,
     };
     let mut out = std::io::stdout().lock();

@@ -179,6 +179,7 @@ fn cohort_runs_the_converted_directory(r: &Value, logits_dir: &Path, out: &Path)
         max_new_tokens: 32,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     for (i, g) in r["greedy"].as_array().unwrap().iter().enumerate() {

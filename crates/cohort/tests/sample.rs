@@ -72,6 +72,7 @@ fn samples_text_with_the_checkpoints_vocab() {
         max_new_tokens: 25,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     let want = generate(&m, &vocab.encode("ab").unwrap(), &greedy, |_| {}).unwrap();
@@ -133,6 +134,7 @@ fn samples_ids_without_a_vocab_and_reports_bad_input() {
         max_new_tokens: 30,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     let want = generate(&m, &[1, 2, 3], &greedy, |_| {}).unwrap();
@@ -187,6 +189,7 @@ fn samples_text_with_a_tokenizer_json() {
         max_new_tokens: 20,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     let want = generate(&m, &tok.encode("ba").unwrap(), &greedy, |_| {}).unwrap();

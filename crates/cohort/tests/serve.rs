@@ -393,7 +393,12 @@ fn chat_answer(
     let t = case["temperature"].to_string();
     let seed = case["seed"].to_string();
     let k = case["top_k"].to_string();
+    let top_p = case["top_p"].as_f64().unwrap_or(1.0).to_string();
+    // All the tokens, the end of turn printed, so that this cuts where the server must.
     let mut args = vec![
+        "--ignore-eos",
+        "--top-p",
+        &top_p,
         "--prompt",
         &prompt,
         "--max-new-tokens",
@@ -445,6 +450,9 @@ fn the_openai_client_chats_with_the_models_template() {
     }
     let json = tok.to_json().unwrap();
     let config = json!({"eos_token": "<|im_end|>", "chat_template": CHATML}).to_string();
+    // The model's own end of text, which completions and Triton's generate stop at too.
+    let end = tok.token_to_id("<|im_end|>").unwrap();
+    let generation = json!({"eos_token_id": [end]}).to_string();
     checkpoint::save(
         &ckpt,
         "step-1",
@@ -453,6 +461,7 @@ fn the_openai_client_chats_with_the_models_template() {
             extra_files: vec![
                 (TOKENIZER_FILE, json.as_bytes()),
                 ("tokenizer_config.json", config.as_bytes()),
+                ("generation_config.json", generation.as_bytes()),
             ],
             ..Default::default()
         },
@@ -488,7 +497,12 @@ fn the_openai_client_chats_with_the_models_template() {
     let mut stopped = cases[0].clone();
     stopped["stop"] = json!([stop, "zz"]);
     cases.push(stopped);
+    // Nucleus sampling, alone and after top-k.
+    cases.push(json!({"messages": turns, "max_tokens": 30, "temperature": 1.0, "seed": 5, "top_k": 0, "top_p": 0.7}));
+    cases.push(json!({"messages": user, "max_tokens": 30, "temperature": 1.2, "seed": 9, "top_k": 6, "top_p": 0.5}));
     for case in &mut cases {
+        let chat = Chat::from_json(&case["messages"].to_string()).unwrap();
+        case["prompt"] = json!(template.render(&chat, true).unwrap().text);
         let (content, finish) = chat_answer(&ckpt, &template, case);
         case["content"] = json!(content);
         case["finish_reason"] = json!(finish);

@@ -46,6 +46,7 @@ fn main() {
                     max_new_tokens: 128,
                     temperature: 0.8,
                     top_k: None,
+                    top_p: 1.0,
                     seed: i as u64,
                 };
                 Generation::with_kv_dtype(&model, &prompt, &opts, kv).unwrap()

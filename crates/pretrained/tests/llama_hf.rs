@@ -98,6 +98,7 @@ fn check(kind: &str, class: &str) {
         max_new_tokens: 8,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     let tokens = generate(&model, &ints(&r["prompt"]), &greedy, |_| {}).unwrap();

@@ -41,6 +41,8 @@ pub(crate) struct InferJob {
 pub(crate) struct GenerateJob {
     pub prompt: Vec<u32>,
     pub opts: cohort_gpt::sample::SampleOptions,
+    /// Ids that end the generation (the one generated is its last token).
+    pub stop: std::sync::Arc<[u32]>,
     /// Each token as it is produced (the receiver may be gone: the client left).
     pub tokens: mpsc::UnboundedSender<u32>,
     /// All generated tokens, or why generation failed.

@@ -7,8 +7,10 @@ at the end-of-turn token and the stop strings). Spec:
     python3 openai_chat_check.py SPEC.json
 
 Checks plain and streamed chats (streams end with `data: [DONE]`), two concurrent streamed chats
-that must each get their solo answer, and fields cohort refuses (OpenAI's error JSON naming the
-field). Prints one line per check and "openai chat checks: N passed, M failed"; exits 1 if any
+that must each get their solo answer, fields cohort refuses (OpenAI's error JSON naming the
+field), completions of the rendered conversation (which stop at generation_config.json's eos ids
+and the stop strings as the chat does), and Triton's generate and generate_stream with
+`messages`. Prints one line per check and "openai chat checks: N passed, M failed"; exits 1 if any
 failed.
 """
 
@@ -46,6 +48,8 @@ def args(case):
         kw["stop"] = case["stop"]
     if case.get("top_k"):
         kw["extra_body"] = {"top_k": case["top_k"]}
+    if case.get("top_p") is not None:
+        kw["top_p"] = case["top_p"]
     return kw
 
 
@@ -103,7 +107,7 @@ def two_concurrent_chats_each_get_their_solo_answer():
 @check
 def refused_fields_come_back_as_openai_errors_naming_them():
     base = args(spec["cases"][0])
-    for extra, param in [({"top_p": 0.5}, "top_p"), ({"n": 2}, "n"),
+    for extra, param in [({"top_p": 1.5}, "top_p"), ({"n": 2}, "n"),
                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
                          ({"extra_body": {"frobnicate": 1}}, "frobnicate")]:
         try:
@@ -114,6 +118,50 @@ def refused_fields_come_back_as_openai_errors_naming_them():
             assert e.body["type"] == "invalid_request_error"
         else:
             raise AssertionError(f"{param} was accepted")
+
+
+@check
+def completions_of_the_rendered_prompt_stop_as_the_chat_does():
+    # The same sampling on the rendered conversation: the model's end of text
+    # (generation_config.json's eos ids) and the stop strings end a completion as they end a chat.
+    for case in spec["cases"]:
+        kw = args(case)
+        del kw["messages"]
+        r = client.completions.create(prompt=case["prompt"], **kw)
+        got = (r.choices[0].text, r.choices[0].finish_reason)
+        assert got == (case["content"], case["finish_reason"]), (got, case)
+        text, finish = "", None
+        for chunk in client.completions.create(prompt=case["prompt"], stream=True, **kw):
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        assert (text, finish) == (case["content"], case["finish_reason"]), (text, case)
+
+
+def generate(case, stream):
+    params = {"max_tokens": case["max_tokens"], "temperature": case["temperature"],
+              "seed": case["seed"], "exclude_input_in_output": True}
+    for k in ("top_k", "top_p"):
+        if case.get(k) is not None:
+            params[k] = case[k]
+    body = json.dumps({"messages": case["messages"], "parameters": params}).encode()
+    route = "generate_stream" if stream else "generate"
+    req = urllib.request.Request(f"http://{HTTP}/v2/models/{MODEL}/{route}", body,
+                                 {"Content-Type": "application/json"})
+    text = urllib.request.urlopen(req).read().decode()
+    if not stream:
+        return json.loads(text)["text_output"]
+    return "".join(json.loads(line[len("data: "):])["text_output"]
+                   for line in text.splitlines() if line.startswith("data: "))
+
+
+@check
+def tritons_generate_takes_messages_and_stops_at_the_end_of_turn():
+    # Stop strings are the OpenAI routes' own; the rest answers as the chat does.
+    for case in spec["cases"]:
+        if case.get("stop"):
+            continue
+        assert generate(case, False) == case["content"], case
+        assert generate(case, True) == case["content"], case
 
 
 print(f"openai chat checks: {passed} passed, {failed} failed")

@@ -112,9 +112,10 @@ def refused(status_cls, needle, **kw):
 
 @check
 def unsupported_and_bad_fields_are_openai_errors():
-    refused(openai.BadRequestError, "top_p", top_p=0.5)
+    refused(openai.BadRequestError, "top_p", top_p=1.5)
     refused(openai.BadRequestError, "only 1 completion", n=2)
-    refused(openai.BadRequestError, "stop", stop=["\n"])
+    refused(openai.BadRequestError, "stop", stop=["a", "b", "c", "d", "e"])
+    refused(openai.BadRequestError, "suffix", suffix="x")
     refused(openai.BadRequestError, "max_tokens", max_tokens=0)
     refused(openai.BadRequestError, "temperature", temperature=-1)
     try:

@@ -1460,6 +1460,7 @@ fn concurrent_generations_share_decode_steps_and_get_exactly_their_solo_tokens()
             max_new_tokens: *n,
             temperature: *t as f32,
             top_k: (*k > 0).then_some(*k as usize),
+            top_p: 1.0,
             seed: *seed,
         };
         let want = generate(&gpt, &ids_of(prompt), &opts, |_| {}).unwrap();
@@ -1569,6 +1570,7 @@ fn a_bf16_kv_cache_serves_its_own_tokens_and_a_bad_kv_cache_dtype_is_refused_at_
                 max_new_tokens: n,
                 temperature: t as f32,
                 top_k: (k > 0).then_some(k as usize),
+                top_p: 1.0,
                 seed,
             };
             let want = generate_while_with(&gpt, &ids_of(prompt), &opts, KvDtype::Bf16, |_| {

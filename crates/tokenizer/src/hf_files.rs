@@ -68,7 +68,8 @@ impl HfFiles {
                     None => continue,
                 },
                 "generation_config.json" => match eos {
-                    Some((_, id)) => v["eos_token_id"] = json!(id),
+                    // A list (Llama 3's three ends) keeps its other ids: each still ends text.
+                    Some((_, id)) => v["eos_token_id"] = with_eos(&v["eos_token_id"], id),
                     None => continue,
                 },
                 _ => continue,
@@ -78,11 +79,124 @@ impl HfFiles {
         if let Some((_, id)) = eos {
             for (key, value) in &mut self.config_keys {
                 if *key == "eos_token_id" {
-                    *value = json!(id);
+                    *value = with_eos(value, id);
                 }
             }
         }
         self
+    }
+
+    /// The same files saying what a model directory's own files say of its special tokens, so
+    /// that a model fine-tuned from that directory keeps them: from its tokenizer_config.json
+    /// (`tokenizer_config`) the bos/eos/unk/pad tokens and the chat template, from its
+    /// generation_config.json (`generation_config`) the whole file (its eos ids, one or a
+    /// list, and any sampling defaults), and config.json's ids from the latter. A token
+    /// `tokenizer` lacks, or an id outside its vocabulary, is not carried (the computed value
+    /// stays): the files never name what the tokenizer cannot produce.
+    pub fn carrying(
+        mut self,
+        tokenizer: &Tokenizer,
+        tokenizer_config: Option<&Value>,
+        generation_config: Option<&Value>,
+    ) -> HfFiles {
+        let known = |v: &Value| -> Option<Value> {
+            let text = match v {
+                Value::Null => return Some(Value::Null),
+                Value::String(s) => s.as_str(),
+                Value::Object(o) => o.get("content")?.as_str()?,
+                _ => return None,
+            };
+            tokenizer.token_to_id(text).map(|_| json!(text))
+        };
+        let vocab = tokenizer.vocab_size() as u64;
+        let valid_ids = |v: &Value| match v {
+            Value::Null => true,
+            Value::Array(ids) => ids.iter().all(|id| id.as_u64().is_some_and(|i| i < vocab)),
+            one => one.as_u64().is_some_and(|i| i < vocab),
+        };
+        let mut generation = None;
+        for (name, bytes) in &mut self.files {
+            let Ok(mut v) = serde_json::from_slice::<Value>(bytes) else {
+                continue;
+            };
+            match (*name, tokenizer_config, generation_config) {
+                ("tokenizer_config.json", Some(src), _) => {
+                    for key in SPECIAL_KEYS {
+                        if let Some(t) = src.get(key).and_then(known) {
+                            v[key] = t;
+                        }
+                    }
+                    if let Some(t) = src.get("chat_template").filter(|t| !t.is_null()) {
+                        v["chat_template"] = t.clone();
+                    }
+                }
+                ("generation_config.json", _, Some(Value::Object(src))) => {
+                    for (key, value) in src {
+                        let id_key = ID_KEYS.contains(&key.as_str());
+                        if !id_key || valid_ids(value) {
+                            v[key.as_str()] = value.clone();
+                        }
+                    }
+                    generation = Some(v.clone());
+                }
+                _ => continue,
+            }
+            *bytes = serde_json::to_vec_pretty(&v).expect("JSON values serialize");
+        }
+        if let Some(generation) = generation {
+            for (key, value) in &mut self.config_keys {
+                *value = generation[*key].clone();
+            }
+        }
+        // special_tokens_map.json says what tokenizer_config.json now says.
+        let config = self
+            .files
+            .iter()
+            .find(|(n, _)| *n == "tokenizer_config.json")
+            .and_then(|(_, b)| serde_json::from_slice::<Value>(b).ok());
+        if let (Some(config), Some((_, bytes))) = (
+            config,
+            self.files
+                .iter_mut()
+                .find(|(n, _)| *n == "special_tokens_map.json"),
+        ) {
+            let mut map = serde_json::Map::new();
+            for key in SPECIAL_KEYS {
+                if !config[key].is_null() {
+                    map.insert(key.into(), config[key].clone());
+                }
+            }
+            if config["additional_special_tokens"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty())
+            {
+                map.insert(
+                    "additional_special_tokens".into(),
+                    config["additional_special_tokens"].clone(),
+                );
+            }
+            *bytes = serde_json::to_vec_pretty(&Value::Object(map)).expect("JSON values serialize");
+        }
+        self
+    }
+}
+
+/// tokenizer_config.json's keys that name a special token.
+const SPECIAL_KEYS: [&str; 4] = ["bos_token", "eos_token", "unk_token", "pad_token"];
+
+/// generation_config.json's (and config.json's) keys that hold token ids.
+const ID_KEYS: [&str; 3] = ["bos_token_id", "eos_token_id", "pad_token_id"];
+
+/// An `eos_token_id` value that ends text at `id` too: a list gains it, anything else becomes it.
+fn with_eos(old: &Value, id: u32) -> Value {
+    match old {
+        Value::Array(ids) if ids.iter().any(|x| x.as_u64() == Some(u64::from(id))) => old.clone(),
+        Value::Array(ids) => {
+            let mut ids = ids.clone();
+            ids.push(json!(id));
+            Value::Array(ids)
+        }
+        _ => json!(id),
     }
 }
 
@@ -187,6 +301,53 @@ mod tests {
         assert_eq!(
             file(&files, "tokenizer_config.json")["eos_token"],
             Value::Null
+        );
+    }
+
+    #[test]
+    fn a_model_directorys_special_tokens_and_eos_ids_are_carried() {
+        let mut tok = Tokenizer::char_level("abc".chars());
+        tok.add_special_tokens(&[END_OF_TEXT, "<|im_start|>", "<|im_end|>"])
+            .unwrap();
+        let (start, end) = (
+            tok.token_to_id("<|im_start|>").unwrap(),
+            tok.token_to_id("<|im_end|>").unwrap(),
+        );
+        let config = json!({"bos_token": "<|im_start|>",
+            "eos_token": {"content": "<|im_end|>", "special": true},
+            "pad_token": "<|im_end|>", "unk_token": "<nope>", "chat_template": "T"});
+        let generation = json!({"bos_token_id": start, "eos_token_id": [end, 1],
+            "pad_token_id": 9999, "temperature": 0.2});
+        let files = hf_files(&tok, 8).carrying(&tok, Some(&config), Some(&generation));
+        let tc = file(&files, "tokenizer_config.json");
+        assert_eq!(
+            (&tc["bos_token"], &tc["eos_token"], &tc["pad_token"]),
+            (
+                &json!("<|im_start|>"),
+                &json!("<|im_end|>"),
+                &json!("<|im_end|>")
+            )
+        );
+        // A token the tokenizer lacks is not carried; the template is.
+        assert_eq!(
+            (&tc["unk_token"], &tc["chat_template"]),
+            (&Value::Null, &json!("T"))
+        );
+        let g = file(&files, "generation_config.json");
+        assert_eq!(g["eos_token_id"], json!([end, 1]));
+        assert_eq!(g["bos_token_id"], json!(start));
+        // An id outside the vocabulary is not carried either.
+        assert_eq!(g["pad_token_id"], Value::Null);
+        assert_eq!(g["temperature"], json!(0.2));
+        assert_eq!(files.config_keys[1], ("eos_token_id", json!([end, 1])));
+        let map = file(&files, "special_tokens_map.json");
+        assert_eq!(map["eos_token"], "<|im_end|>");
+        // The template's end of turn joins a list of eos ids rather than replacing it.
+        let files = files.with_chat_template(&tok, json!("T"), Some(END_OF_TEXT));
+        let eot = tok.token_to_id(END_OF_TEXT).unwrap();
+        assert_eq!(
+            file(&files, "generation_config.json")["eos_token_id"],
+            json!([end, 1, eot])
         );
     }
 

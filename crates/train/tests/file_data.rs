@@ -273,3 +273,101 @@ fn trains_on_chat_conversations_with_the_tokenizers_template() {
         "{err}"
     );
 }
+
+/// `--init-from DIR` of a model that names its own special tokens (SmolLM2's bos
+/// `<|im_start|>`, eos and pad `<|im_end|>`, a chat template, generation_config.json's list of
+/// eos ids): a run on plain text keeps all of them in every checkpoint, so the fine-tuned model
+/// stops where its origin did.
+#[test]
+fn a_fine_tuned_model_keeps_its_origins_special_tokens_and_eos_ids() {
+    use serde_json::{json, Value};
+    let dir = tempfile::tempdir().unwrap();
+    let mut tok = Tokenizer::char_level("abcdefghijklmnopqrstuvwxyz .\n".chars());
+    tok.add_special_tokens(&["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+        .unwrap();
+    let (start, end) = (
+        tok.token_to_id("<|im_start|>").unwrap(),
+        tok.token_to_id("<|im_end|>").unwrap(),
+    );
+    let tokenizer_dir = dir.path().join("tok");
+    std::fs::create_dir_all(&tokenizer_dir).unwrap();
+    tok.save(tokenizer_dir.join("tokenizer.json")).unwrap();
+    let src = dir.path().join("input.txt");
+    std::fs::write(&src, "the cat sat on the mat.\n".repeat(100)).unwrap();
+    let mut cfg = TrainConfig {
+        data: src.to_str().unwrap().into(),
+        tokenizer: tokenizer_dir.to_str().unwrap().into(),
+        seq_len: 16,
+        n_layers: 1,
+        d_model: 32,
+        d_ff: 64,
+        n_heads: 2,
+        batch_size: 2,
+        steps: 2,
+        warmup_steps: 1,
+        eval_interval: 2,
+        log_interval: 1,
+        out: Some(dir.path().join("first")),
+        ..TrainConfig::default()
+    };
+    let pg = cohort_train::process_group_from_env().unwrap();
+    cohort_train::train(&cfg, &pg, &mut Vec::new()).unwrap();
+    // The "pretrained" model: that checkpoint, with a model's own files as SmolLM2 has them.
+    let base = dir.path().join("base");
+    std::fs::create_dir_all(&base).unwrap();
+    for e in std::fs::read_dir(dir.path().join("first").join("step-000002")).unwrap() {
+        let e = e.unwrap();
+        if e.file_name() != "SHA256SUMS" {
+            std::fs::copy(e.path(), base.join(e.file_name())).unwrap();
+        }
+    }
+    let template = "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}";
+    std::fs::write(
+        base.join("tokenizer_config.json"),
+        json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+               "eos_token": "<|im_end|>", "pad_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+               "chat_template": template})
+        .to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        base.join("generation_config.json"),
+        json!({"bos_token_id": start, "eos_token_id": [end], "pad_token_id": end}).to_string(),
+    )
+    .unwrap();
+    cfg.init_from = Some(base.clone());
+    cfg.tokenizer = base.join("tokenizer.json").to_str().unwrap().into();
+    cfg.out = Some(dir.path().join("tuned"));
+    cohort_train::train(&cfg, &pg, &mut Vec::new()).unwrap();
+    let step = dir.path().join("tuned").join("step-000002");
+    let read = |name: &str| -> Value {
+        serde_json::from_slice(&std::fs::read(step.join(name)).unwrap()).unwrap()
+    };
+    let config = read("tokenizer_config.json");
+    assert_eq!(
+        (
+            &config["bos_token"],
+            &config["eos_token"],
+            &config["pad_token"],
+            &config["unk_token"]
+        ),
+        (
+            &json!("<|im_start|>"),
+            &json!("<|im_end|>"),
+            &json!("<|im_end|>"),
+            &json!("<|endoftext|>")
+        )
+    );
+    assert_eq!(config["chat_template"], json!(template));
+    let generation = read("generation_config.json");
+    assert_eq!(generation["eos_token_id"], json!([end]));
+    assert_eq!(generation["bos_token_id"], json!(start));
+    assert_eq!(read("config.json")["eos_token_id"], json!([end]));
+    assert_eq!(read("special_tokens_map.json")["eos_token"], "<|im_end|>");
+    assert_eq!(
+        cohort_tokenizer::ChatTemplate::from_dir(&step)
+            .unwrap()
+            .special_token("eos_token"),
+        Some("<|im_end|>")
+    );
+}

@@ -64,6 +64,9 @@ impl Generation {
         if opts.top_k == Some(0) {
             return Err(SampleError::BadTopK);
         }
+        if !(0.0..=1.0).contains(&opts.top_p) {
+            return Err(SampleError::BadTopP(opts.top_p));
+        }
         if prompt.is_empty() {
             return Err(SampleError::EmptyPrompt);
         }

@@ -60,6 +60,10 @@ pub struct SampleOptions {
     pub temperature: f32,
     /// Sample only among the `k` most likely tokens (ties with the k-th kept, as nanoGPT).
     pub top_k: Option<usize>,
+    /// Nucleus sampling: only among the most likely tokens whose probabilities (after the
+    /// temperature and top-k) first reach `top_p` in sum (ties with the last kept); 1 keeps
+    /// all, 0 only the most likely.
+    pub top_p: f32,
     /// Seed of the sampler's random numbers: the same seed gives the same tokens.
     pub seed: u64,
 }
@@ -71,6 +75,7 @@ impl Default for SampleOptions {
             max_new_tokens: 100,
             temperature: 0.8,
             top_k: Some(200),
+            top_p: 1.0,
             seed: 1337,
         }
     }
@@ -109,6 +114,9 @@ pub enum SampleError {
     /// `top_k` is 0.
     #[error("top_k must be at least 1")]
     BadTopK,
+    /// `top_p` is outside 0..=1.
+    #[error("top_p {0} must be in 0..=1 (1 = all tokens)")]
+    BadTopP(f32),
 }
 
 /// The first token outside `0..vocab`, as an error.

@@ -1,5 +1,6 @@
 //! Turning logits into a token as nanoGPT's `sample.py` does: temperature, top-k (ties with
-//! the k-th kept), a seeded draw; and the window a prediction conditions on.
+//! the k-th kept), then top-p (nucleus, as `transformers`' `TopPLogitsWarper`), a seeded draw;
+//! and the window a prediction conditions on.
 //!
 //! These functions only read logits and advance the random generator they are given; they never
 //! run the model.
@@ -42,9 +43,29 @@ pub(super) fn sample_token(
     };
     let t = f64::from(opts.temperature);
     let max = f64::from(logits[argmax(logits)]);
+    let unnormalised = |x: f32| ((f64::from(x) - max) / t).exp();
+    let threshold = if opts.top_p < 1.0 {
+        // The nucleus: the most likely of the tokens top-k kept, until their probabilities
+        // reach top_p; its least likely logit is the new threshold (ties with it kept).
+        scratch.clear();
+        scratch.extend(logits.iter().copied().filter(|&x| x >= threshold));
+        scratch.sort_unstable_by(|a, b| b.total_cmp(a));
+        let total: f64 = scratch.iter().map(|&x| unnormalised(x)).sum();
+        let (mut sum, mut cut) = (0.0, scratch[0]);
+        for &x in scratch.iter() {
+            cut = x;
+            sum += unnormalised(x);
+            if sum >= f64::from(opts.top_p) * total {
+                break;
+            }
+        }
+        cut
+    } else {
+        threshold
+    };
     let weight = |x: f32| {
         if x >= threshold {
-            ((f64::from(x) - max) / t).exp()
+            unnormalised(x)
         } else {
             0.0
         }
@@ -70,4 +91,41 @@ pub(super) fn sample_token(
 /// doc).
 pub fn context_window(cfg: &GPTConfig) -> usize {
     cfg.max_position_embeddings.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Draws from probabilities .5, .3, .15, .05 with `top_p`: how often each token came.
+    fn counts(top_p: f32, top_k: Option<usize>) -> [usize; 4] {
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let opts = SampleOptions {
+            max_new_tokens: 1,
+            temperature: 1.0,
+            top_k,
+            top_p,
+            seed: 0,
+        };
+        let (mut rng, mut scratch, mut seen) = (SplitMix64::new(7), Vec::new(), [0; 4]);
+        for _ in 0..4000 {
+            seen[sample_token(&logits, &opts, &mut rng, &mut scratch) as usize] += 1;
+        }
+        seen
+    }
+
+    #[test]
+    fn top_p_keeps_the_nucleus_and_renormalises_it() {
+        // .5 + .3 reaches .75: the nucleus is the first two, drawn 5:3.
+        let seen = counts(0.75, None);
+        assert_eq!((seen[2], seen[3]), (0, 0), "{seen:?}");
+        let share = seen[0] as f64 / 4000.0;
+        assert!((share - 0.625).abs() < 0.03, "{seen:?}");
+        // 0 keeps only the most likely; 1 keeps all.
+        assert_eq!(counts(0.0, None), [4000, 0, 0, 0]);
+        assert!(counts(1.0, None).iter().all(|&n| n > 0));
+        // After top-k = 3 the third is 15/95 of what is left: .5/.95 + .3/.95 < .9, so it stays.
+        let seen = counts(0.9, Some(3));
+        assert!(seen[2] > 0 && seen[3] == 0, "{seen:?}");
+    }
 }

@@ -71,6 +71,7 @@ fn generate_while_stops_on_the_token_it_breaks_on() {
         max_new_tokens: 20,
         temperature: 0.8,
         top_k: None,
+        top_p: 1.0,
         seed: 9,
     };
     let all = generate(&model, &[1, 2], &opts, |_| {}).unwrap();
@@ -144,6 +145,7 @@ fn batched_equals_solo(kv: KvDtype) -> bool {
             max_new_tokens: n,
             temperature,
             top_k,
+            top_p: 1.0,
             seed,
         };
         let mut jobs = vec![
@@ -202,6 +204,7 @@ fn kv_cache_greedy_equals_full_forward_greedy() {
             max_new_tokens: 30,
             temperature: 0.0,
             top_k: None,
+            top_p: 1.0,
             seed: 0,
         };
         let cached_model = peaked(cfg.clone(), 11);
@@ -247,6 +250,7 @@ fn a_bf16_cache_gives_logits_close_to_an_f32_caches_and_the_same_greedy_tokens()
         max_new_tokens: 30,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     let mut seen = std::collections::HashSet::new();
@@ -345,6 +349,7 @@ fn same_seed_same_sample_other_seed_other_sample() {
         max_new_tokens: 40,
         temperature: 1.0,
         top_k: Some(10),
+        top_p: 1.0,
         seed: 42,
     };
     let prompt = [1u32, 2, 3];
@@ -377,6 +382,7 @@ fn top_k_and_temperature_shape_the_distribution() {
         max_new_tokens: 1,
         temperature: 1.0,
         top_k: Some(2),
+        top_p: 1.0,
         seed: 0,
     };
     for _ in 0..3000 {
@@ -391,6 +397,7 @@ fn top_k_and_temperature_shape_the_distribution() {
     let cold = SampleOptions {
         temperature: 0.05,
         top_k: None,
+        top_p: 1.0,
         ..opts
     };
     for _ in 0..100 {
@@ -424,6 +431,7 @@ fn bad_requests_are_errors() {
     ));
     let k0 = SampleOptions {
         top_k: Some(0),
+        top_p: 1.0,
         ..opts
     };
     assert_eq!(
@@ -446,6 +454,7 @@ fn bad_requests_are_errors() {
         max_new_tokens: 3,
         temperature: 0.0,
         top_k: None,
+        top_p: 1.0,
         seed: 0,
     };
     assert_eq!(
@@ -469,6 +478,7 @@ fn a_llama_with_grouped_heads_decodes_with_its_cache_as_its_full_forward_does() 
             max_new_tokens: 30,
             temperature: 0.0,
             top_k: None,
+            top_p: 1.0,
             seed: 0,
         };
         let cached_model = peaked(cfg.clone(), 11);

@@ -45,6 +45,8 @@ pub(crate) struct GptBackend {
     max_seq: usize,
     /// The resolved checkpoint directory (its text codec is read from there).
     dir: PathBuf,
+    /// The ids generation stops at.
+    eos: Vec<u32>,
 }
 
 impl Backend for GptBackend {
@@ -84,6 +86,10 @@ impl Backend for GptBackend {
 
     fn text(&self) -> Result<TextCodec, String> {
         TextCodec::load(&self.dir)
+    }
+
+    fn eos_ids(&self) -> Vec<u32> {
+        self.eos.clone()
     }
 
     fn chat_template(&self) -> Result<std::sync::Arc<cohort_tokenizer::ChatTemplate>, String> {
@@ -146,6 +152,11 @@ pub(crate) fn load(
     };
     let dir = checkpoint::resolve(version_dir).map_err(load_err)?;
     let gpt_cfg = checkpoint::load_config(&dir).map_err(load_err)?;
+    // A malformed generation_config.json is refused at load, naming the file, rather than
+    // generating past the model's end of text. An id outside the vocabulary (GPT-2's 50256
+    // left in a small model's config.json) can never be generated: it is dropped, not fatal.
+    let mut eos = cohort_pretrained::eos_token_ids(&dir).map_err(|e| what.error(e.to_string()))?;
+    eos.retain(|&id| (id as usize) < gpt_cfg.vocab_size);
     let build = |i: usize| -> Result<GPT, ServeError> {
         let cpu = Cpu::new(threads).map_err(|e| ServeError::Instance {
             model: what.model.to_string(),
@@ -171,6 +182,7 @@ pub(crate) fn load(
         vocab: gpt_cfg.vocab_size,
         max_seq: gpt_cfg.max_position_embeddings,
         dir,
+        eos,
     };
     super::check_declared(cfg, &backend).map_err(|e| what.error(e))?;
     Ok(Loaded {

@@ -42,6 +42,11 @@ pub(crate) trait Backend: Send + Sync {
     fn chat_template(&self) -> Result<std::sync::Arc<cohort_tokenizer::ChatTemplate>, String> {
         Err("this model has no chat template".into())
     }
+    /// The token ids generation stops at (generation_config.json's `eos_token_id`, as
+    /// `transformers`' `generate` and `cohort sample` read it); empty: none.
+    fn eos_ids(&self) -> Vec<u32> {
+        Vec::new()
+    }
     /// What executes the model, for reports (`cohort bench serve`): the runtime and its
     /// threads; empty where there is one way only.
     fn describe(&self) -> String {

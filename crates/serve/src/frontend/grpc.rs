@@ -656,7 +656,7 @@ async fn stream_generate(
             )));
         }
         let text = one_string(input, r.raw_input_contents.first())?;
-        let (opts, _) = generate_options(&params, true)?;
+        let g = generate_options(&params, true)?;
         let codec = lv.text.as_ref().map_err(|reason| ServeError::Text {
             model: lv.model.clone(),
             reason: reason.clone(),
@@ -665,10 +665,10 @@ async fn stream_generate(
             model: lv.model.clone(),
             reason,
         })?;
-        Ok((prompt, opts))
+        Ok((prompt, g))
     })();
-    let (prompt, opts) = prepared.map_err(|e| lv.reject(e, start))?;
-    let (mut tokens, mut done) = lv.generate(prompt, opts)?;
+    let (prompt, g) = prepared.map_err(|e| lv.reject(e, start))?;
+    let (mut tokens, mut done) = lv.generate(prompt, g.opts, !g.ignore_eos)?;
     let codec = lv.text.as_ref().expect("checked before queueing");
     let mut detok = crate::text::Detokenizer::new(codec);
     let response = |text: Option<&str>, last: bool| {
@@ -709,6 +709,10 @@ async fn stream_generate(
             _ = tx.closed() => None,
         };
         let Some(id) = id else { break };
+        // The end of text a generation stops at is not text.
+        if lv.eos.contains(&id) {
+            continue;
+        }
         let piece = detok.push(id);
         if piece.is_empty() {
             continue;

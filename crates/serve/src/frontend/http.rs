@@ -2,7 +2,8 @@
 //! metadata, model readiness and config, inference (JSON tensors, BYTES elements as JSON
 //! strings, and Triton's binary tensor extension that `tritonclient.http` uses by default, BYTES
 //! elements each a 4-byte little-endian length then the bytes), the generate extension with its
-//! server-sent-events stream, the model repository API, the statistics extension, and
+//! server-sent-events stream (`text_input`, or `messages` rendered with the model's chat
+//! template; generation ends at the model's end of text unless `ignore_eos`), the model repository API, the statistics extension, and
 //! `/metrics` (also served alone on the metrics port, [`metrics_router`]); other routes on the
 //! same port (the OpenAI-compatible `/v1` routes of the `openai` module) are handed to
 //! [`router`] to be merged in, so this module never imports another front end.
@@ -488,10 +489,17 @@ async fn infer(
     Ok(resp)
 }
 
-/// A generate request: `text_input`, and the sampling parameters in `parameters` or beside it.
+/// A generate request: `text_input` (or `messages`, a conversation the model's chat template
+/// renders, with the generation prompt), and the sampling parameters in `parameters` or
+/// beside it.
 struct GenerateRequest {
-    text_input: String,
+    input: GenerateInput,
     params: Map<String, Value>,
+}
+
+enum GenerateInput {
+    Text(String),
+    Messages(cohort_tokenizer::Chat),
 }
 
 fn parse_generate(body: &[u8]) -> std::result::Result<GenerateRequest, ServeError> {
@@ -502,14 +510,32 @@ fn parse_generate(body: &[u8]) -> std::result::Result<GenerateRequest, ServeErro
             "generate request must be a JSON object",
         ));
     };
-    let text_input = match obj.remove("text_input") {
-        Some(Value::String(s)) => s,
-        Some(other) => {
+    let input = match (obj.remove("text_input"), obj.remove("messages")) {
+        (Some(Value::String(s)), None) => GenerateInput::Text(s),
+        (Some(other), None) => {
             return Err(ServeError::malformed(format!(
                 "text_input must be a string, got {other}"
             )))
         }
-        None => return Err(ServeError::malformed("generate request has no text_input")),
+        (None, Some(m @ Value::Array(_))) => GenerateInput::Messages(
+            cohort_tokenizer::Chat::from_json(&m.to_string())
+                .map_err(|e| ServeError::malformed(format!("messages: {e}")))?,
+        ),
+        (None, Some(other)) => {
+            return Err(ServeError::malformed(format!(
+                "messages must be a list of {{role, content}}, got {other}"
+            )))
+        }
+        (Some(_), Some(_)) => {
+            return Err(ServeError::malformed(
+                "generate request has both text_input and messages; send one",
+            ))
+        }
+        (None, None) => {
+            return Err(ServeError::malformed(
+                "generate request has neither text_input nor messages",
+            ))
+        }
     };
     let mut params = match obj.remove("parameters") {
         None => Map::new(),
@@ -525,7 +551,7 @@ fn parse_generate(body: &[u8]) -> std::result::Result<GenerateRequest, ServeErro
     for (k, v) in obj {
         params.insert(k, v);
     }
-    Ok(GenerateRequest { text_input, params })
+    Ok(GenerateRequest { input, params })
 }
 
 /// Resolves, parses and queues a generation; what both generate endpoints share.
@@ -549,25 +575,34 @@ async fn start_generate(
     let lv = app.repo.resolve(model_of(p), version_of(p))?;
     let prepared = (|| {
         let req = parse_generate(&body)?;
-        let (opts, exclude_input) = generate_options(&req.params, stream)?;
+        let g = generate_options(&req.params, stream)?;
         let codec = lv.text.as_ref().map_err(|reason| ServeError::Text {
             model: lv.model.clone(),
             reason: reason.clone(),
         })?;
-        let prompt = codec
-            .encode(&req.text_input)
-            .map_err(|reason| ServeError::Text {
-                model: lv.model.clone(),
-                reason,
-            })?;
-        let echo = (!exclude_input).then(|| codec.echo_prompt(&req.text_input, &prompt));
-        Ok((prompt, opts, echo))
+        let text_err = |reason: String| ServeError::Text {
+            model: lv.model.clone(),
+            reason,
+        };
+        let text = match req.input {
+            GenerateInput::Text(t) => t,
+            GenerateInput::Messages(chat) => {
+                let template = lv.chat.as_ref().map_err(|r| text_err(r.clone()))?;
+                template
+                    .render(&chat, true)
+                    .map_err(|e| text_err(e.to_string()))?
+                    .text
+            }
+        };
+        let prompt = codec.encode(&text).map_err(text_err)?;
+        let echo = (!g.exclude_input).then(|| codec.echo_prompt(&text, &prompt));
+        Ok((prompt, g, echo))
     })();
-    let (prompt, opts, prompt_echo) = match prepared {
+    let (prompt, g, prompt_echo) = match prepared {
         Ok(x) => x,
         Err(e) => return Err(lv.reject(e, start).into()),
     };
-    let (tokens, done) = lv.generate(prompt, opts)?;
+    let (tokens, done) = lv.generate(prompt, g.opts, !g.ignore_eos)?;
     Ok(Started {
         lv,
         prompt_echo,
@@ -586,7 +621,11 @@ async fn generate(
     let s = start_generate(&app, &p, &headers, body, false).await?;
     let out = s.done.await.unwrap_or_else(|_| Err(s.lv.lost()));
     s.lv.account(&out, s.start);
-    let ids = out?;
+    let mut ids = out?;
+    // The end of text it stopped at is not text.
+    if ids.last().is_some_and(|id| s.lv.eos.contains(id)) {
+        ids.pop();
+    }
     let codec = s.lv.text.as_ref().expect("checked before queueing");
     let text = codec.decode_all(&ids).map_err(|reason| ServeError::Text {
         model: s.lv.model.clone(),

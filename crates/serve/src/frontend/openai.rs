@@ -5,13 +5,15 @@
 //! cohort unchanged.
 //!
 //! Completions run through the same queue, in-flight batching and sampler as the generate
-//! extension. What OpenAI's API has and a cohort GPT cannot honour is refused with a 400 that
-//! names the field, never silently ignored: `n` and `best_of` other than 1, `top_p` other than
-//! 1, `logprobs`, `stop`, `suffix`, `echo`, non-zero presence/frequency penalties, `logit_bias`,
-//! more than one prompt. `user` is accepted and ignored (it only labels the caller). `top_k`
-//! is accepted as vLLM's extension. Without `seed` the seed is `cohort sample`'s fixed 1337, so
-//! an unseeded completion is reproducible (OpenAI's would vary). `finish_reason` is always
-//! "length": cohort's models have no end-of-text token to stop on.
+//! extension, and end as chat answers do ([`stop`]): at the model's end of text
+//! (generation_config.json's eos ids; vLLM's `ignore_eos` runs past it), at a `stop` string, or
+//! after `max_tokens`. Sampling takes `temperature`, `top_p` (nucleus), `top_k` (vLLM's
+//! extension) and `seed`. What OpenAI's API has and a cohort GPT cannot honour is refused with
+//! a 400 that names the field, never silently ignored: `n` and `best_of` other than 1,
+//! `logprobs`, `suffix`, `echo`, non-zero presence/frequency penalties, `logit_bias`, more than
+//! one prompt. `user` is accepted and ignored (it only labels the caller). Without `seed` the
+//! seed is `cohort sample`'s fixed 1337, so an unseeded completion is reproducible (OpenAI's
+//! would vary).
 //!
 //! Every failure is OpenAI's error JSON, `{"error": {"message", "type", "param", "code"}}`, with
 //! a 4xx status for the caller's mistakes. This module never runs a model.
@@ -32,12 +34,11 @@ use cohort_gpt::sample::SampleOptions;
 use serde_json::{json, Value};
 
 mod chat;
+mod stop;
 
 use super::body::read_body;
-use super::sse::stream_pieces;
 use super::AppState;
 use crate::error::{ErrorKind, ServeError};
-use crate::text::Detokenizer;
 use crate::{MAX_GENERATE_TOKENS, SERVER_NAME};
 
 /// The routes, merged into the HTTP router.
@@ -133,7 +134,14 @@ pub(crate) struct Sampling {
     pub opts: SampleOptions,
     pub stream: bool,
     pub include_usage: bool,
+    /// Strings that end the answer (cut off with what follows).
+    pub stop: Vec<String>,
+    /// vLLM's `ignore_eos`: generate past the model's end of text.
+    pub ignore_eos: bool,
 }
+
+/// OpenAI's most stop strings per request.
+const MAX_STOPS: usize = 4;
 
 impl Default for Sampling {
     /// Without `seed` the seed is `cohort sample`'s fixed 1337; 16 tokens as OpenAI's default.
@@ -143,10 +151,13 @@ impl Default for Sampling {
                 max_new_tokens: 16,
                 temperature: 1.0,
                 top_k: None,
+                top_p: 1.0,
                 seed: 1337,
             },
             stream: false,
             include_usage: false,
+            stop: Vec::new(),
+            ignore_eos: false,
         }
     }
 }
@@ -157,6 +168,17 @@ pub(crate) fn unsupported(k: &str, why: &str) -> ApiError {
 }
 
 impl Sampling {
+    /// What reads the answer's tokens until it ends: this request's stop strings, and the
+    /// model's end of text unless `ignore_eos`.
+    fn stopper(&self, lv: &crate::model::LoadedVersion) -> stop::Stopper {
+        let eos = if self.ignore_eos {
+            Arc::from(Vec::new())
+        } else {
+            lv.eos.clone()
+        };
+        stop::Stopper::new(self.stop.clone(), eos)
+    }
+
     /// Reads field `k` if it is one of the shared ones (true), refusing what cannot be honoured.
     pub(crate) fn field(&mut self, k: &str, v: &Value) -> Result<bool> {
         let number = || {
@@ -186,9 +208,14 @@ impl Sampling {
                 self.opts.temperature = t as f32;
             }
             "top_p" => {
-                if number()? != 1.0 {
-                    return Err(unsupported(k, "only 1 (no nucleus sampling); use top_k"));
+                let p = number()?;
+                if !(0.0..=1.0).contains(&p) {
+                    return Err(ApiError::invalid(
+                        k,
+                        format!("top_p must be in 0..=1 (1 = all tokens), not {p}"),
+                    ));
                 }
+                self.opts.top_p = p as f32;
             }
             "top_k" => {
                 let k_ = v.as_i64().ok_or_else(|| {
@@ -203,6 +230,32 @@ impl Sampling {
                     .ok_or_else(|| {
                         ApiError::invalid(k, format!("seed must be an integer, not {v}"))
                     })?;
+            }
+            "stop" => {
+                self.stop = match v {
+                    Value::String(s) => vec![s.clone()],
+                    Value::Array(a) if a.iter().all(Value::is_string) => a
+                        .iter()
+                        .filter_map(|s| s.as_str().map(str::to_string))
+                        .collect(),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            k,
+                            "stop must be a string or a list of strings",
+                        ))
+                    }
+                };
+                if self.stop.len() > MAX_STOPS || self.stop.iter().any(String::is_empty) {
+                    return Err(ApiError::invalid(
+                        k,
+                        format!("stop: at most {MAX_STOPS} non-empty strings"),
+                    ));
+                }
+            }
+            "ignore_eos" => {
+                self.ignore_eos = v.as_bool().ok_or_else(|| {
+                    ApiError::invalid(k, format!("ignore_eos must be a boolean, not {v}"))
+                })?;
             }
             "stream" => {
                 self.stream = v.as_bool().ok_or_else(|| {
@@ -245,9 +298,7 @@ impl Sampling {
 struct Completion {
     model: String,
     prompt: Prompt,
-    opts: SampleOptions,
-    stream: bool,
-    include_usage: bool,
+    sampling: Sampling,
 }
 
 enum Prompt {
@@ -302,19 +353,14 @@ fn parse_completion(body: &[u8]) -> Result<Completion> {
                     return Err(unsupported(k, "not supported (the prompt is never echoed)"));
                 }
             }
-            "logprobs" | "stop" | "suffix" | "logit_bias" => {
+            "logprobs" | "suffix" | "logit_bias" => {
                 return Err(unsupported(k, "not supported by cohort"))
             }
             _ if common.field(k, v)? => {}
             other => return Err(ApiError::invalid(other, format!("unknown field {other}"))),
         }
     }
-    let Sampling {
-        opts,
-        stream,
-        include_usage,
-    } = common;
-    if include_usage && !stream {
+    if common.include_usage && !common.stream {
         return Err(ApiError::invalid(
             "stream_options",
             "stream_options is only allowed with stream: true",
@@ -323,9 +369,7 @@ fn parse_completion(body: &[u8]) -> Result<Completion> {
     Ok(Completion {
         model,
         prompt,
-        opts,
-        stream,
-        include_usage,
+        sampling: common,
     })
 }
 
@@ -368,36 +412,32 @@ async fn completions(
         Err(e) => return Err(ApiError::from(lv.reject(e, start)).with_param("prompt")),
     };
     let prompt_tokens = prompt.len();
-    let (tokens, done) = lv.generate(prompt, req.opts.clone())?;
+    let sampling = req.sampling;
+    let (tokens, done) = lv.generate(prompt, sampling.opts.clone(), !sampling.ignore_eos)?;
     let id = format!("cmpl-{}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
     let created = now_secs();
-    if !req.stream {
-        let out = done.await.unwrap_or_else(|_| Err(lv.lost()));
-        lv.account(&out, start);
-        let ids = out?;
-        let text = codec.decode_all(&ids).map_err(|reason| ServeError::Text {
-            model: lv.model.clone(),
-            reason,
-        })?;
+    let stopper = sampling.stopper(&lv);
+    let usage = move |n: usize| {
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": n,
+               "total_tokens": prompt_tokens + n})
+    };
+    if !sampling.stream {
+        let (mut stopper, finish) = stop::run(&lv, tokens, done, start, stopper, None).await?;
+        let text = stopper.take(true);
         return Ok(Json(json!({
             "id": id,
             "object": "text_completion",
             "created": created,
             "model": lv.model,
-            "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": ids.len(),
-                "total_tokens": prompt_tokens + ids.len(),
-            },
+            "choices": [{"index": 0, "text": text, "logprobs": null,
+                         "finish_reason": finish.as_str()}],
+            "usage": usage(stopper.tokens),
         }))
         .into_response());
     }
     let (tx, rx) = tokio::sync::mpsc::channel::<std::result::Result<Event, Infallible>>(64);
-    let include_usage = req.include_usage;
+    let include_usage = sampling.include_usage;
     tokio::spawn(async move {
-        let Ok(codec) = lv.text.as_ref() else { return };
-        let mut detok = Detokenizer::new(codec);
         let chunk = |text: &str, finish: Option<&str>| {
             let mut v = json!({
                 "id": id,
@@ -409,36 +449,23 @@ async fn completions(
             if include_usage {
                 v["usage"] = Value::Null;
             }
-            Ok(Event::default().data(v.to_string()))
+            Event::default().data(v.to_string())
         };
-        let pieces = |text: &str| chunk(text, None);
-        let Some(out) = stream_pieces(&lv, tokens, done, start, &mut detok, &tx, pieces).await
-        else {
-            return;
-        };
-        match out {
-            Ok(ids) => {
-                let rest = detok.finish();
-                let _ = tx.send(chunk(&rest, Some("length"))).await;
+        let piece = |text: String| (!text.is_empty()).then(|| chunk(&text, None));
+        match stop::run(&lv, tokens, done, start, stopper, Some((&tx, &piece))).await {
+            Ok((mut stopper, finish)) => {
+                let rest = stopper.take(true);
+                let _ = tx.send(Ok(chunk(&rest, Some(finish.as_str())))).await;
                 if include_usage {
-                    let usage = json!({
-                        "id": id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": lv.model,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": prompt_tokens,
-                            "completion_tokens": ids.len(),
-                            "total_tokens": prompt_tokens + ids.len(),
-                        },
-                    });
-                    let _ = tx.send(Ok(Event::default().data(usage.to_string()))).await;
+                    let v = json!({"id": id, "object": "text_completion", "created": created,
+                        "model": lv.model, "choices": [], "usage": usage(stopper.tokens)});
+                    let _ = tx.send(Ok(Event::default().data(v.to_string()))).await;
                 }
             }
             Err(e) => {
-                let body = ApiError::from(e).body();
-                let _ = tx.send(Ok(Event::default().data(body.to_string()))).await;
+                let _ = tx
+                    .send(Ok(Event::default().data(e.body().to_string())))
+                    .await;
             }
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
@@ -470,10 +497,10 @@ mod tests {
         .unwrap();
         assert_eq!(
             (
-                c.opts.max_new_tokens,
-                c.opts.temperature,
-                c.opts.seed,
-                c.stream
+                c.sampling.opts.max_new_tokens,
+                c.sampling.opts.temperature,
+                c.sampling.opts.seed,
+                c.sampling.stream
             ),
             (5, 0.0, 3, true)
         );
@@ -481,7 +508,7 @@ mod tests {
             (json!({"prompt": "x"}), "model"),
             (json!({"model": "m"}), "prompt"),
             (json!({"model": "m", "prompt": ["a", "b"]}), "prompt"),
-            (json!({"model": "m", "prompt": "x", "top_p": 0.9}), "top_p"),
+            (json!({"model": "m", "prompt": "x", "top_p": 1.5}), "top_p"),
             (json!({"model": "m", "prompt": "x", "n": 2}), "n"),
             (
                 json!({"model": "m", "prompt": "x", "max_tokens": 0}),
@@ -491,7 +518,7 @@ mod tests {
                 json!({"model": "m", "prompt": "x", "temperature": -1}),
                 "temperature",
             ),
-            (json!({"model": "m", "prompt": "x", "stop": ["\n"]}), "stop"),
+            (json!({"model": "m", "prompt": "x", "stop": 3}), "stop"),
             (
                 json!({"model": "m", "prompt": "x", "logprobs": 2}),
                 "logprobs",

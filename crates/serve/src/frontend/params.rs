@@ -20,20 +20,29 @@ pub(crate) fn unsupported_load_parameter(name: &str) -> ServeError {
     ServeError::parameter(name, why)
 }
 
+/// A generate request's parameters.
+pub(crate) struct GenerateOptions {
+    pub opts: SampleOptions,
+    /// The prompt is left out of `text_output`.
+    pub exclude_input: bool,
+    /// vLLM's `ignore_eos`: generate past the model's end of text.
+    pub ignore_eos: bool,
+}
+
 /// The sampling options of a generate request's parameters, with `cohort sample`'s defaults
-/// (100 tokens, temperature 0.8, no top-k, seed 1337), and whether the prompt is left out of
-/// `text_output`.
+/// (100 tokens, temperature 0.8, no top-k, seed 1337).
 pub(crate) fn generate_options(
     params: &Map<String, Value>,
     streaming: bool,
-) -> Result<(SampleOptions, bool), ServeError> {
+) -> Result<GenerateOptions, ServeError> {
     let mut opts = SampleOptions {
         max_new_tokens: 100,
         temperature: 0.8,
         top_k: None,
+        top_p: 1.0,
         seed: 1337,
     };
-    let mut exclude_input = false;
+    let (mut exclude_input, mut ignore_eos) = (false, false);
     for (k, v) in params {
         let int = || {
             v.as_i64()
@@ -62,6 +71,13 @@ pub(crate) fn generate_options(
                 }
                 opts.temperature = t as f32;
             }
+            "top_p" => {
+                let p = v
+                    .as_f64()
+                    .filter(|p| (0.0..=1.0).contains(p))
+                    .ok_or_else(|| ServeError::parameter(k, format!("{v} is not in 0..=1")))?;
+                opts.top_p = p as f32;
+            }
             // 0 and -1 mean "no top-k", as Hugging Face's and vLLM's conventions
             "top_k" => opts.top_k = usize::try_from(int()?).ok().filter(|&k| k > 0),
             "seed" => {
@@ -71,6 +87,11 @@ pub(crate) fn generate_options(
             }
             "exclude_input_in_output" => {
                 exclude_input = v
+                    .as_bool()
+                    .ok_or_else(|| ServeError::parameter(k, format!("{v} is not a boolean")))?
+            }
+            "ignore_eos" => {
+                ignore_eos = v
                     .as_bool()
                     .ok_or_else(|| ServeError::parameter(k, format!("{v} is not a boolean")))?
             }
@@ -88,11 +109,15 @@ pub(crate) fn generate_options(
             _ => {
                 return Err(ServeError::parameter(
                     k,
-                    "unknown; generate takes max_tokens, temperature, top_k, seed, \
-                     exclude_input_in_output, stream",
+                    "unknown; generate takes max_tokens, temperature, top_k, top_p, seed, \
+                     ignore_eos, exclude_input_in_output, stream",
                 ))
             }
         }
     }
-    Ok((opts, exclude_input))
+    Ok(GenerateOptions {
+        opts,
+        exclude_input,
+        ignore_eos,
+    })
 }

@@ -36,6 +36,10 @@ pub(crate) async fn stream_pieces(
             _ = tx.closed() => None,
         };
         let Some(id) = id else { break };
+        // The end of text a generation stops at is not text.
+        if lv.eos.contains(&id) {
+            continue;
+        }
         let piece = detok.push(id);
         if !piece.is_empty() && tx.send(event(&piece)).await.is_err() {
             break;

@@ -138,6 +138,10 @@ pub(crate) struct LoadedVersion {
     pub text: Result<TextCodec, String>,
     /// The chat template of `/v1/chat/completions`, or why there is none.
     pub chat: Result<Arc<cohort_tokenizer::ChatTemplate>, String>,
+    /// The ids a generation stops at unless asked not to: generation_config.json's eos ids and
+    /// the chat template's end of turn. The id stopped at is the last one generated; the front
+    /// ends leave it out of the text.
+    pub eos: Arc<[u32]>,
     pub metrics: Arc<VersionMetrics>,
     pub instances: usize,
     /// The configuration it was loaded with.
@@ -180,6 +184,7 @@ impl LoadedVersion {
                 stamp,
                 text: Err("an ensemble does not generate text".into()),
                 chat: Err("an ensemble does not generate text".into()),
+                eos: Arc::from(Vec::new()),
                 metrics,
                 instances: 0,
                 config: cfg.clone(),
@@ -238,13 +243,26 @@ impl LoadedVersion {
                     reason: format!("spawning instance {i}: {e}"),
                 })?;
         }
+        let (text, chat) = (loaded.backend.text(), loaded.backend.chat_template());
+        let mut eos = loaded.backend.eos_ids();
+        let end_of_turn = (chat.as_ref().ok())
+            .and_then(|t| t.special_token("eos_token"))
+            .zip(text.as_ref().ok())
+            .and_then(|(t, codec)| codec.encode(t).ok())
+            .filter(|ids| ids.len() == 1);
+        if let Some(id) = end_of_turn.map(|ids| ids[0]) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
         Ok(LoadedVersion {
             model: model.to_string(),
             version,
             kind,
             stamp,
-            text: loaded.backend.text(),
-            chat: loaded.backend.chat_template(),
+            text,
+            chat,
+            eos: Arc::from(eos),
             metrics,
             instances: count,
             config: cfg.clone(),
@@ -372,11 +390,13 @@ impl LoadedVersion {
     }
 
     /// Queues a generation; tokens arrive on the returned receiver as they are produced, and
-    /// the oneshot resolves with all of them (or the error) at the end.
+    /// the oneshot resolves with all of them (or the error) at the end. With `stop_at_eos` it
+    /// ends after the first of [`LoadedVersion::eos`] (which is the last token sent).
     pub fn generate(
         &self,
         prompt: Vec<u32>,
         opts: SampleOptions,
+        stop_at_eos: bool,
     ) -> Result<Generation, ServeError> {
         let queue = self.queue()?;
         let (tokens, token_rx) = mpsc::unbounded_channel();
@@ -384,6 +404,11 @@ impl LoadedVersion {
         let job = Job::Generate(GenerateJob {
             prompt,
             opts,
+            stop: if stop_at_eos {
+                self.eos.clone()
+            } else {
+                Arc::from(Vec::new())
+            },
             tokens,
             done,
             enqueued: Instant::now(),
@@ -551,12 +576,13 @@ fn run_instance(mut instance: Box<dyn Instance>, ctx: &InstanceCtx<'_>) {
 /// any more, in which case it stops here).
 fn emit_new(a: &mut Active) -> bool {
     let tokens = a.generation.tokens();
-    let mut listening = true;
+    let (mut listening, mut ended) = (true, false);
     for &id in &tokens[a.sent.min(tokens.len())..] {
         listening &= a.job.tokens.send(id).is_ok();
+        ended |= a.job.stop.contains(&id);
     }
     a.sent = tokens.len();
-    listening && !a.job.done.is_closed() && !a.generation.is_finished()
+    listening && !ended && !a.job.done.is_closed() && !a.generation.is_finished()
 }
 
 /// Takes a generation off the queue: counts its queue time and returns when it started, or
@@ -637,8 +663,8 @@ fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
     let (tokens, done) = (&job.tokens, &job.done);
     let ran = catch_unwind(AssertUnwindSafe(|| {
         generate_while_with(gpt, &job.prompt, &job.opts, ctx.kv_dtype, |id| {
-            // nobody is listening any more: stop after this step
-            if tokens.send(id).is_err() || done.is_closed() {
+            // nobody is listening any more, or the end of text: stop after this step
+            if tokens.send(id).is_err() || done.is_closed() || job.stop.contains(&id) {
                 std::ops::ControlFlow::Break(())
             } else {
                 std::ops::ControlFlow::Continue(())

@@ -55,7 +55,12 @@ impl Companions {
         let hf = match tokenizer_json {
             Some(json) => {
                 let tokenizer = cohort_tokenizer::Tokenizer::from_json(json)?;
-                let hf = cohort_tokenizer::hf_files(&tokenizer, model.max_position_embeddings);
+                // A model fine-tuned from a directory keeps what that directory says of its
+                // special tokens (SmolLM2's `<|im_end|>` eos, Llama 3's list of eos ids), so it
+                // stops where its origin did.
+                let (tokenizer_config, generation) = crate::input::model_dir_files(cfg)?;
+                let hf = cohort_tokenizer::hf_files(&tokenizer, model.max_position_embeddings)
+                    .carrying(&tokenizer, tokenizer_config.as_ref(), generation.as_ref());
                 // A run on conversations keeps the template they were rendered with, so the
                 // checkpoint chats (`/v1/chat/completions`) as the data was written.
                 match crate::input::chat_template_source(cfg)? {

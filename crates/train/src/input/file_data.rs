@@ -139,6 +139,49 @@ pub fn chat_template_source(
     })
 }
 
+/// What the model directory a run starts from says of its special tokens, for checkpoints to
+/// carry: tokenizer_config.json beside `--tokenizer` (the `--init-from` directory's unless
+/// another is named), and generation_config.json of the `--init-from` directory (else beside
+/// `--tokenizer`). None for a file that is absent; a file that is not JSON is an error naming it.
+pub fn model_dir_files(
+    cfg: &TrainConfig,
+) -> Result<(Option<serde_json::Value>, Option<serde_json::Value>), TrainError> {
+    let read = |path: PathBuf| -> Result<Option<serde_json::Value>, TrainError> {
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => {
+                return Err(TrainError::InitFrom {
+                    reason: format!("cannot read it: {e}"),
+                    path,
+                })
+            }
+        };
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| TrainError::InitFrom {
+                reason: format!("not JSON: {e}"),
+                path,
+            })
+    };
+    let tokenizer_dir = tokenizer_dir(cfg);
+    let tokenizer_config = match tokenizer_dir {
+        Some(dir) => read(dir.join("tokenizer_config.json"))?,
+        None => None,
+    };
+    // The model's directory, or the checkpoint a root's `latest` names.
+    let init = (cfg.init_from.as_deref())
+        .map(|d| cohort_gpt::checkpoint::resolve(d).unwrap_or_else(|_| d.to_path_buf()));
+    let mut generation = None;
+    for dir in init.as_deref().into_iter().chain(tokenizer_dir) {
+        generation = read(dir.join("generation_config.json"))?;
+        if generation.is_some() {
+            break;
+        }
+    }
+    Ok((tokenizer_config, generation))
+}
+
 /// The chat template beside a `--tokenizer PATH` (the model directory's tokenizer_config.json or
 /// chat_template.jinja), which renders JSONL conversations; None for the built-in tokenizers or
 /// a directory without one.

@@ -9,7 +9,7 @@ mod batches;
 mod file_data;
 
 pub(crate) use batches::{val_batches, val_rows, val_share, TrainBatches, ValBatches};
-pub use file_data::{build, build_dataset, chat_template_source, FileData};
+pub use file_data::{build, build_dataset, chat_template_source, model_dir_files, FileData};
 
 use cohort_data::Dataset;
 

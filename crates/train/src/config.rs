@@ -483,7 +483,7 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lr: Option<f64>,
-    /// Final learning rate of the cosine [default: 2e-4].
+    /// Final learning rate of the cosine (unless set: a tenth of --lr, so 2e-4 by default).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_lr: Option<f64>,
@@ -662,6 +662,13 @@ impl TrainArgs {
             message: e.to_string(),
         })?;
         table.extend(flags);
+        // nanoGPT's rule (the cosine ends at a tenth of the peak), so that `--lr 1e-5` alone
+        // is a run and not an error about a floor above the peak; the defaults are this rule.
+        if !table.contains_key("min_lr") {
+            if let Some(lr) = table.get("lr").and_then(toml::Value::as_float) {
+                table.insert("min_lr".into(), (lr / 10.0).into());
+            }
+        }
         if let Some(dir) = &self.init_from {
             shape_from_pretrained(&mut table, dir)?;
         }
@@ -956,6 +963,17 @@ mod tests {
             .unwrap();
         assert_eq!(cfg.data, "markov");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_cosine_ends_at_a_tenth_of_the_peak_unless_told() {
+        assert_eq!(parse(&[]).resolve().unwrap().min_lr, 2e-4);
+        assert_eq!(
+            parse(&["--lr", "1e-5"]).resolve().unwrap().min_lr,
+            1e-5 / 10.0
+        );
+        let cfg = parse(&["--lr", "1e-5", "--min-lr", "0"]).resolve().unwrap();
+        assert_eq!(cfg.min_lr, 0.0);
     }
 
     #[test]

@@ -46,10 +46,12 @@ mod forward;
 mod sampler;
 #[cfg(test)]
 mod tests;
+mod weights;
 
 pub use batching::{decode_step, Generation};
 pub use cache::{Decoder, KvCache, KvDtype, Workspace, WORKSPACE_ROWS};
 pub use sampler::{argmax, context_window};
+pub use weights::{DecodeWeights, WeightFormat};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,6 +111,9 @@ pub enum SampleError {
     /// `top_k` is 0.
     #[error("top_k must be at least 1")]
     BadTopK,
+    /// A workspace was given decode weights copied from a model of another config.
+    #[error("the decode weights were copied from a model of another config")]
+    WeightsOfAnotherModel,
 }
 
 /// The first token outside `0..vocab`, as an error.
@@ -156,12 +161,31 @@ pub fn generate_while_with(
     prompt: &[u32],
     opts: &SampleOptions,
     kv_dtype: KvDtype,
+    on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
+) -> Result<Vec<u32>, SampleError> {
+    generate_while_in(
+        &mut Workspace::new(model),
+        model,
+        prompt,
+        opts,
+        kv_dtype,
+        on_token,
+    )
+}
+
+/// [`generate_while_with`] in the workspace `ws` (whose weights the products read: see
+/// [`Workspace::with_weights`]).
+pub fn generate_while_in(
+    ws: &mut Workspace,
+    model: &GPT,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    kv_dtype: KvDtype,
     mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<Vec<u32>, SampleError> {
-    let mut ws = Workspace::new(model);
     let mut g = Generation::with_kv_dtype(model, prompt, opts, kv_dtype)?;
     while !g.is_finished() {
-        decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
+        decode_step(model, std::slice::from_mut(&mut g), ws)?;
         let Some(&next) = g.tokens().last() else {
             break;
         };

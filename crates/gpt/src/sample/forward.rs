@@ -121,32 +121,17 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                     let (ci, pos) = rows.at(i);
                     let q = &row[..c];
                     let store = &shared.cache_ref(ci).store;
-                    if nkv == nh {
-                        let dims = DecodeDims {
-                            ctx: pos + 1,
-                            nh,
-                            hs,
-                            c,
-                            scale,
-                        };
-                        attend_row(dev, store, layer.clone(), out, scores, q, dims);
-                        return;
-                    }
-                    // Grouped heads: each query head attends alone over its group's cached
-                    // head (a one-head call of the kernel on cache rows of stride KW).
+                    // Grouped heads read their cached head in place: NH/NKV query heads to
+                    // one cached head of the rows of stride KW.
                     let dims = DecodeDims {
                         ctx: pos + 1,
-                        nh: 1,
+                        nh,
                         hs,
                         c: kw,
                         scale,
+                        group: nh / nkv,
                     };
-                    for h in 0..nh {
-                        let kv = (h / (nh / nkv)) * hs;
-                        let cached = layer.start + kv..layer.end;
-                        let (out, q) = (&mut out[h * hs..(h + 1) * hs], &q[h * hs..]);
-                        attend_row(dev, store, cached, out, scores, q, dims);
-                    }
+                    attend_row(dev, store, layer.clone(), out, scores, q, dims);
                 });
         };
         let acts = BlockActs {

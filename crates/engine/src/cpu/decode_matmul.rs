@@ -37,6 +37,9 @@ use super::SendPtr;
 
 /// Elements per block: a bf16 row is padded to a multiple of it, a Q8 block holds it.
 const BLOCK: usize = 32;
+/// Output rows converted together when a matrix is made (a transpose reads runs of this many
+/// floats from each input row).
+const BUILD_ROWS: usize = 64;
 /// Output rows computed together (the input row is loaded once for all of them).
 const TILE: usize = 4;
 
@@ -81,37 +84,68 @@ impl DecodeMatrix {
     /// `matmul_forward` keep them, in `format`.
     pub fn from_input_major(w: &[f32], c: usize, oc: usize, format: DecodeFormat) -> DecodeMatrix {
         assert!(w.len() >= c * oc, "weights: {} < {c} x {oc}", w.len());
-        DecodeMatrix::build(oc, c, format, |o, k| w[k * oc + o])
+        // rows o0.. of the transpose, read a run of them from each input row in turn
+        DecodeMatrix::build(oc, c, format, |o0, rows| {
+            let r = rows.len() / c;
+            for k in 0..c {
+                for (i, &v) in w[k * oc + o0..][..r].iter().enumerate() {
+                    rows[i * c + k] = v;
+                }
+            }
+        })
     }
 
     /// The matrix `w` (OC, C) output-major, as `head_forward`'s (V, C) weights, in `format`.
     pub fn from_output_major(w: &[f32], oc: usize, c: usize, format: DecodeFormat) -> DecodeMatrix {
         assert!(w.len() >= c * oc, "weights: {} < {oc} x {c}", w.len());
-        DecodeMatrix::build(oc, c, format, |o, k| w[o * c + k])
+        DecodeMatrix::build(oc, c, format, |o0, rows| {
+            rows.copy_from_slice(&w[o0 * c..o0 * c + rows.len()])
+        })
     }
 
-    fn build(oc: usize, c: usize, format: DecodeFormat, at: impl Fn(usize, usize) -> f32) -> Self {
+    /// Converts the rows in runs of [`BUILD_ROWS`], runs in parallel (on the caller's rayon
+    /// pool): `rows(o0, f32s)` fills f32s with rows o0.. (C each, as many as it holds).
+    fn build(
+        oc: usize,
+        c: usize,
+        format: DecodeFormat,
+        rows: impl Fn(usize, &mut [f32]) + Sync,
+    ) -> Self {
         let cp = c.div_ceil(BLOCK).max(1) * BLOCK;
+        let run = |o0: usize, f: &mut dyn FnMut(usize, &[f32])| {
+            let r = BUILD_ROWS.min(oc - o0);
+            let mut f32s = vec![0f32; r * c];
+            rows(o0, &mut f32s);
+            for i in 0..r {
+                f(i, &f32s[i * c..(i + 1) * c]);
+            }
+        };
         let data = match format {
             DecodeFormat::Bf16 => {
                 let mut bits = vec![0u16; oc * cp];
-                for (o, row) in bits.chunks_exact_mut(cp).enumerate() {
-                    for (k, b) in row[..c].iter_mut().enumerate() {
-                        *b = bf16_bits(at(o, k));
-                    }
-                }
+                bits.par_chunks_mut(BUILD_ROWS * cp)
+                    .enumerate()
+                    .for_each(|(b, out)| {
+                        run(b * BUILD_ROWS, &mut |i, row| {
+                            for (o, &v) in out[i * cp..].iter_mut().zip(row) {
+                                *o = bf16_bits(v);
+                            }
+                        })
+                    });
                 Data::Bf16(bits)
             }
             DecodeFormat::Q8 => {
                 let (mut qs, mut scales) = (vec![0i8; oc * cp], vec![0f32; oc * cp / BLOCK]);
-                let mut row = vec![0f32; cp];
-                for o in 0..oc {
-                    for (k, x) in row[..c].iter_mut().enumerate() {
-                        *x = at(o, k);
-                    }
-                    let (q, d) = (&mut qs[o * cp..(o + 1) * cp], &mut scales[o * cp / BLOCK..]);
-                    quantize_row(q, d, &row);
-                }
+                let blocks = cp / BLOCK;
+                qs.par_chunks_mut(BUILD_ROWS * cp)
+                    .zip(scales.par_chunks_mut(BUILD_ROWS * blocks))
+                    .enumerate()
+                    .for_each(|(b, (q, d))| {
+                        run(b * BUILD_ROWS, &mut |i, row| {
+                            let q = &mut q[i * cp..(i + 1) * cp];
+                            quantize_row(q, &mut d[i * blocks..], row)
+                        })
+                    });
                 Data::Q8 { qs, scales }
             }
         };
@@ -215,10 +249,11 @@ pub fn decode_matmul_forward(
     }
 }
 
-/// Runs `part(o0, o1)` over the output rows 0..oc split in tiles among the pool's threads.
+/// Runs `part(o0, o1)` over the output rows 0..oc split in tiles among the pool's threads:
+/// four parts a thread, so that a thread the OS holds up leaves less for the others to wait on.
 fn for_each_part(oc: usize, part: impl Fn(usize, usize) + Sync) {
     let tiles = oc.div_ceil(TILE);
-    let parts = rayon::current_num_threads().clamp(1, tiles);
+    let parts = (4 * rayon::current_num_threads()).clamp(1, tiles);
     let per = tiles.div_ceil(parts);
     (0..parts).into_par_iter().for_each(|p| {
         let (o0, o1) = ((p * per * TILE).min(oc), ((p + 1) * per * TILE).min(oc));

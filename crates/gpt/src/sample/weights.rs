@@ -87,8 +87,17 @@ impl std::fmt::Debug for DecodeWeights {
 }
 
 impl DecodeWeights {
-    /// A copy of `model`'s matrices in `format` (the model's parameters as they are now).
+    /// A copy of `model`'s matrices in `format` (the model's parameters as they are now),
+    /// converted on the model's threads.
     pub fn new(model: &GPT, format: DecodeFormat) -> DecodeWeights {
+        let mut made = None;
+        model
+            .backend()
+            .install(&mut || made = Some(DecodeWeights::convert(model, format)));
+        made.expect("install runs its closure")
+    }
+
+    fn convert(model: &GPT, format: DecodeFormat) -> DecodeWeights {
         let cfg = model.config();
         let layout = Layout::new(cfg);
         let p = model.params();

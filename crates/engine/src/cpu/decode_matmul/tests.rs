@@ -4,8 +4,9 @@
 use super::*;
 use crate::cpu::testing::{rand_vec, within_pool};
 
-/// (N, C, OC) with tails on every side.
-const SHAPES: [(usize, usize, usize); 6] = [
+/// (N, C, OC) with tails on every side (and more output rows than one run of a build).
+const SHAPES: [(usize, usize, usize); 7] = [
+    (2, 40, 150),
     (1, 1, 1),
     (1, 31, 5),
     (3, 33, 7),

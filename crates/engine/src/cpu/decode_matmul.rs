@@ -40,7 +40,7 @@ const BLOCK: usize = 32;
 /// Output rows converted together when a matrix is made (a transpose reads runs of this many
 /// floats from each input row).
 const BUILD_ROWS: usize = 64;
-/// Output rows computed together (the input row is loaded once for all of them).
+/// Output rows a part of a product's split over threads takes at least.
 const TILE: usize = 4;
 
 /// The number format of a [`DecodeMatrix`].
@@ -63,8 +63,9 @@ pub struct DecodeMatrix {
 }
 
 enum Data {
-    /// (OC, cp) bf16 bits.
-    Bf16(Vec<u16>),
+    /// (OC, cp) bf16 bits, from `buf[at]` (the first element on a 64-byte boundary, so
+    /// that no 64-byte load of a row straddles two cache lines).
+    Bf16 { buf: Vec<u16>, at: usize },
     /// (OC, cp) int8 and (OC, cp / 32) scales.
     Q8 { qs: Vec<i8>, scales: Vec<f32> },
 }
@@ -122,8 +123,10 @@ impl DecodeMatrix {
         };
         let data = match format {
             DecodeFormat::Bf16 => {
-                let mut bits = vec![0u16; oc * cp];
-                bits.par_chunks_mut(BUILD_ROWS * cp)
+                let mut buf = vec![0u16; oc * cp + 32];
+                let at = buf.as_ptr().align_offset(64).min(32);
+                buf[at..at + oc * cp]
+                    .par_chunks_mut(BUILD_ROWS * cp)
                     .enumerate()
                     .for_each(|(b, out)| {
                         run(b * BUILD_ROWS, &mut |i, row| {
@@ -132,7 +135,7 @@ impl DecodeMatrix {
                             }
                         })
                     });
-                Data::Bf16(bits)
+                Data::Bf16 { buf, at }
             }
             DecodeFormat::Q8 => {
                 let (mut qs, mut scales) = (vec![0i8; oc * cp], vec![0f32; oc * cp / BLOCK]);
@@ -155,7 +158,7 @@ impl DecodeMatrix {
     /// Its format.
     pub fn format(&self) -> DecodeFormat {
         match self.data {
-            Data::Bf16(_) => DecodeFormat::Bf16,
+            Data::Bf16 { .. } => DecodeFormat::Bf16,
             Data::Q8 { .. } => DecodeFormat::Q8,
         }
     }
@@ -173,7 +176,7 @@ impl DecodeMatrix {
     /// Bytes its weights take.
     pub fn bytes(&self) -> usize {
         match &self.data {
-            Data::Bf16(b) => 2 * b.len(),
+            Data::Bf16 { .. } => 2 * self.oc * self.cp,
             Data::Q8 { qs, scales } => qs.len() + 4 * scales.len(),
         }
     }
@@ -224,7 +227,8 @@ pub fn decode_matmul_forward(
     }
     let ptr = SendPtr(out.as_mut_ptr());
     match &w.data {
-        Data::Bf16(bits) => {
+        Data::Bf16 { buf, at } => {
+            let bits = &buf[*at..*at + oc * w.cp];
             let kernel = bf16_kernel();
             for_each_part(oc, |o0, o1| kernel(ptr, inp, bits, w, bias, n, o0..o1));
         }
@@ -343,10 +347,11 @@ fn bf16_portable_part(
 
 #[cfg(target_arch = "x86_64")]
 mod bf16_avx512 {
-    //! VDPBF16PS over tiles of up to 4 output rows.
+    //! VDPBF16PS, one output row at a time (each weight row read straight through: four rows
+    //! read side by side streamed at a half to a third of the rate on Zen 5).
     use std::arch::x86_64::*;
 
-    use super::{store, DecodeMatrix, SendPtr, BLOCK, TILE};
+    use super::{store, DecodeMatrix, SendPtr, BLOCK};
 
     /// # Safety
     /// The CPU must have AVX512F, AVX512BW and AVX512_BF16; sizes as `decode_matmul_forward`
@@ -361,32 +366,22 @@ mod bf16_avx512 {
         n: usize,
         o: std::ops::Range<usize>,
     ) {
-        let mut o0 = o.start;
-        while o0 < o.end {
-            let r = (o.end - o0).min(TILE);
-            // SAFETY: as this function's (rows o0..o0+r are this part's).
-            unsafe {
-                match r {
-                    4 => tile::<4>(out, inp, bits, w, bias, n, o0),
-                    3 => tile::<3>(out, inp, bits, w, bias, n, o0),
-                    2 => tile::<2>(out, inp, bits, w, bias, n, o0),
-                    _ => tile::<1>(out, inp, bits, w, bias, n, o0),
-                }
-            }
-            o0 += r;
+        for o in o {
+            // SAFETY: as this function's (row o is this part's).
+            unsafe { row(out, inp, bits, w, bias, n, o) };
         }
     }
 
-    /// Output rows o0..o0+R for every input row.
+    /// Output row o for every input row.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn tile<const R: usize>(
+    unsafe fn row(
         out: SendPtr,
         inp: &[f32],
         bits: &[u16],
         w: &DecodeMatrix,
         bias: Option<&[f32]>,
         n: usize,
-        o0: usize,
+        o: usize,
     ) {
         let (c, cp) = (w.c, w.cp);
         let blocks = cp / BLOCK;
@@ -396,13 +391,13 @@ mod bf16_avx512 {
             ((1u32 << tail.min(16)) - 1) as u16,
             ((1u32 << tail.saturating_sub(16)) - 1) as u16,
         );
-        let rows: [*const u16; R] = std::array::from_fn(|i| bits[(o0 + i) * cp..].as_ptr());
+        let wrow = bits[o * cp..].as_ptr();
         for m in 0..n {
             let x = inp[m * c..].as_ptr();
-            let mut acc = [_mm512_setzero_ps(); R];
+            let mut acc = _mm512_setzero_ps();
             for b in 0..blocks {
                 // SAFETY: the input row has c elements: the last block reads only `tail` of
-                // them (masked); each weight row has cp = 32·blocks elements.
+                // them (masked); the weight row has cp = 32·blocks elements.
                 unsafe {
                     let at = x.add(b * BLOCK);
                     let (lo, hi) = if b + 1 < blocks {
@@ -414,20 +409,12 @@ mod bf16_avx512 {
                         )
                     };
                     let xb = _mm512_cvtne2ps_pbh(hi, lo);
-                    for i in 0..R {
-                        let wb = _mm512_loadu_si512(rows[i].add(b * BLOCK) as *const _);
-                        acc[i] = _mm512_dpbf16_ps(
-                            acc[i],
-                            xb,
-                            std::mem::transmute::<__m512i, __m512bh>(wb),
-                        );
-                    }
+                    let wb = _mm512_loadu_si512(wrow.add(b * BLOCK) as *const _);
+                    acc = _mm512_dpbf16_ps(acc, xb, std::mem::transmute::<__m512i, __m512bh>(wb));
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                // SAFETY: m < n, o0 + i < OC, this part's column.
-                unsafe { store(out, w, bias, m, o0 + i, _mm512_reduce_add_ps(*a)) };
-            }
+            // SAFETY: m < n, o < OC, this part's column.
+            unsafe { store(out, w, bias, m, o, _mm512_reduce_add_ps(acc)) };
         }
     }
 }
@@ -499,7 +486,7 @@ mod q8_x86 {
     //! (signed), four products to an int32 lane, by VPDPBUSD or by VPMADDUBSW + VPMADDWD.
     use std::arch::x86_64::*;
 
-    use super::{store, sum8, DecodeMatrix, Q8Rows, SendPtr, BLOCK, TILE};
+    use super::{store, sum8, DecodeMatrix, Q8Rows, SendPtr, BLOCK};
 
     /// # Safety
     /// The CPU must have AVX512-VNNI and AVX512VL; this part owns the columns `o`.
@@ -543,9 +530,9 @@ mod q8_x86 {
         }
     }
 
-    /// Every (input row, output row) of the part, in tiles of up to 4 output rows (independent
-    /// sums, the input block loaded once), with `dot4(|x|, w·sign(x))` giving the eight int32
-    /// sums of a block.
+    /// Every (input row, output row) of the part, one output row at a time (each weight row
+    /// read straight through), with `dot4(|x|, w·sign(x))` giving the eight int32 sums of a
+    /// block.
     #[inline(always)]
     unsafe fn part(
         out: SendPtr,
@@ -557,60 +544,44 @@ mod q8_x86 {
         o: std::ops::Range<usize>,
         dot4: impl Fn(__m256i, __m256i) -> __m256i + Copy,
     ) {
-        let mut o0 = o.start;
-        while o0 < o.end {
-            let r = (o.end - o0).min(TILE);
-            // SAFETY: as this function's (rows o0..o0+r are this part's).
-            unsafe {
-                match r {
-                    4 => tile::<4>(out, x, wq, w, bias, n, o0, dot4),
-                    3 => tile::<3>(out, x, wq, w, bias, n, o0, dot4),
-                    2 => tile::<2>(out, x, wq, w, bias, n, o0, dot4),
-                    _ => tile::<1>(out, x, wq, w, bias, n, o0, dot4),
-                }
-            }
-            o0 += r;
+        for o in o {
+            // SAFETY: as this function's (row o is this part's).
+            unsafe { row(out, x, wq, w, bias, n, o, dot4) };
         }
     }
 
-    /// Output rows o0..o0+R for every input row.
+    /// Output row o for every input row.
     #[inline(always)]
-    unsafe fn tile<const R: usize>(
+    unsafe fn row(
         out: SendPtr,
         x: Q8Rows,
         wq: Q8Rows,
         w: &DecodeMatrix,
         bias: Option<&[f32]>,
         n: usize,
-        o0: usize,
+        o: usize,
         dot4: impl Fn(__m256i, __m256i) -> __m256i,
     ) {
         let (cp, blocks) = (w.cp, w.cp / BLOCK);
-        let wrow: [*const i8; R] = std::array::from_fn(|i| wq.qs[(o0 + i) * cp..].as_ptr());
-        let wd: [&[f32]; R] = std::array::from_fn(|i| &wq.scales[(o0 + i) * blocks..]);
+        let (wrow, wd) = (wq.qs[o * cp..].as_ptr(), &wq.scales[o * blocks..]);
         for m in 0..n {
             let (xrow, xd) = (x.qs[m * cp..].as_ptr(), &x.scales[m * blocks..]);
-            let mut acc = [_mm256_setzero_ps(); R];
+            let mut acc = _mm256_setzero_ps();
             for b in 0..blocks {
-                // SAFETY: every row holds cp = 32·blocks int8.
+                // SAFETY: both rows hold cp = 32·blocks int8.
                 unsafe {
                     let xv = _mm256_loadu_si256(xrow.add(b * BLOCK) as *const __m256i);
-                    let ax = _mm256_abs_epi8(xv);
-                    for i in 0..R {
-                        let wv = _mm256_loadu_si256(wrow[i].add(b * BLOCK) as *const __m256i);
-                        let p = dot4(ax, _mm256_sign_epi8(wv, xv));
-                        let d = _mm256_set1_ps(wd[i][b] * xd[b]);
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[i]);
-                    }
+                    let wv = _mm256_loadu_si256(wrow.add(b * BLOCK) as *const __m256i);
+                    let p = dot4(_mm256_abs_epi8(xv), _mm256_sign_epi8(wv, xv));
+                    let d = _mm256_set1_ps(wd[b] * xd[b]);
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc);
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                let mut lanes = [0f32; 8];
-                // SAFETY: 8 floats to an array of 8.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-                // SAFETY: m < n, o0 + i < OC, and this part owns the column.
-                unsafe { store(out, w, bias, m, o0 + i, sum8(lanes)) };
-            }
+            let mut lanes = [0f32; 8];
+            // SAFETY: 8 floats to an array of 8.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+            // SAFETY: m < n, o < OC, and this part owns the column.
+            unsafe { store(out, w, bias, m, o, sum8(lanes)) };
         }
     }
 }

@@ -88,7 +88,8 @@ fn bf16_sums_the_rounded_operands() {
         );
         // the portable path agrees with whichever ran to rounding
         let mut portable = vec![f32::NAN; n * oc];
-        if let Data::Bf16(bits) = &dm.data {
+        if let Data::Bf16 { buf, at } = &dm.data {
+            let bits = &buf[*at..];
             bf16_portable_part(
                 SendPtr(portable.as_mut_ptr()),
                 &x,

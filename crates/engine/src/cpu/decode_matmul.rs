@@ -26,7 +26,8 @@
 //! bf16 path may differ in the last bits between a CPU with AVX512_BF16 and one without.
 //!
 //! It never allocates per call after the first on a thread (the quantised input rows of Q8
-//! live in a per-thread buffer grown once) and never changes the weights.
+//! live in a per-thread buffer grown once, taken for a call and put back) and never changes
+//! the weights.
 
 use std::cell::RefCell;
 
@@ -232,9 +233,11 @@ pub fn decode_matmul_forward(
             let kernel = bf16_kernel();
             for_each_part(oc, |o0, o1| kernel(ptr, inp, bits, w, bias, n, o0..o1));
         }
-        Data::Q8 { qs, scales } => QUANTISED.with(|cell| {
-            let mut held = cell.borrow_mut();
-            let (xq, xd) = &mut *held;
+        Data::Q8 { qs, scales } => {
+            // Taken out of the thread's slot for the call rather than borrowed across it: while
+            // this thread waits for the parts it may run another call's work (a pool shared by
+            // two forwards), which then finds the slot empty and uses a buffer of its own.
+            let (mut xq, mut xd) = QUANTISED.with(|slot| std::mem::take(&mut *slot.borrow_mut()));
             let blocks = w.cp / BLOCK;
             xq.resize(xq.len().max(n * w.cp), 0);
             xd.resize(xd.len().max(n * blocks), 0.0);
@@ -249,7 +252,8 @@ pub fn decode_matmul_forward(
             let wq = Q8Rows { qs, scales };
             let kernel = q8_kernel();
             for_each_part(oc, |o0, o1| kernel(ptr, x, wq, w, bias, n, o0..o1));
-        }),
+            QUANTISED.with(|slot| *slot.borrow_mut() = (xq, xd));
+        }
     }
 }
 

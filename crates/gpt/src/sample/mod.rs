@@ -29,14 +29,22 @@
 //! exactly; everything else stays f32. With a bf16 cache a sequence still gets, in a batch,
 //! bit-for-bit what it gets alone; its logits differ from an f32 cache's by the rounding.
 //!
+//! The matrix products read the model's f32 parameters unless the [`Workspace`] was made
+//! [`with_weights`](Workspace::with_weights): a [`DecodeWeights`] copy of the matrices in bf16
+//! or in 8-bit blocks ([`WeightFormat`], `cohort sample --weights`), half or about a quarter of
+//! the bytes a decode step reads per token. The rest of the forward stays f32, and a sequence
+//! still gets in a batch bit-for-bit what it gets alone; its logits differ from the f32
+//! weights' by the rounding.
+//!
 //! This module never changes the model and never allocates per token: a [`Workspace`]'s
 //! buffers are sized for a full window (of up to [`WORKSPACE_ROWS`] rows) when it is built, and
 //! grown only for a step of more rows than that.
 //!
 //! The module is laid out as: `cache` (the KV cache, the workspace a thread decodes in, the
 //! one-sequence [`Decoder`]), `forward` (the forward of cached rows, whose blocks run the
-//! training forward's block code), `sampler` (turning logits into a token) and `batching`
-//! (one [`Generation`] per sequence and [`decode_step`] over many).
+//! training forward's block code), `weights` (the bf16 / 8-bit copies), `sampler` (turning
+//! logits into a token) and `batching` (one [`Generation`] per sequence and [`decode_step`]
+//! over many).
 
 use crate::GPT;
 

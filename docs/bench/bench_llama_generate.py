@@ -3,6 +3,8 @@
 Usage: python bench_llama_generate.py --generate 128 --threads 2 --model DIR [--amp none|bf16]
        python bench_llama_generate.py --threads 2 [--seq 512 --batch 4 --steps 5 --warmup 2]
 (bench_llama.py is the training-step anchor the README quotes.)
+Compared with: COHORT_NUM_THREADS=2 cohort sample --checkpoint DIR --prompt P --max-new-tokens 128
+       --ignore-eos --temperature 0 --weights fp32|bf16|q8 (docs/PERFORMANCE.md, the generation row)
 
 Training: a step of LlamaForCausalLM built from SmolLM2-135M's config (random init; the weights do
 not change the time), forward under torch.autocast("cpu", torch.bfloat16) with --amp bf16, AdamW.

@@ -8,6 +8,13 @@
 //! Generation stops, as `transformers`' `generate` does, at an `eos_token_id` of the
 //! directory's generation_config.json (else config.json), which is not printed; `--ignore-eos`
 //! runs the full `--max-new-tokens`.
+//!
+//! `--weights` picks what the decode's matrix products read: fp32 (the default: the logits of
+//! the training forward, which the tests hold to `transformers`' within 1e-4, the same on every
+//! machine), or a copy made at load in bf16 or q8 (8-bit blocks): a decode step reads every
+//! weight once per token, so half or about a quarter of the bytes is that much faster, for
+//! logits that move by the rounding (see `cohort_gpt::sample::WeightFormat`). Opt-in, not
+//! picked by the CPU: the text of a checkpoint does not change with the machine it runs on.
 
 use std::io::Write;
 use std::ops::ControlFlow;
@@ -15,7 +22,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use cohort_gpt::checkpoint;
-use cohort_gpt::sample::{generate_while, SampleOptions};
+use cohort_gpt::sample::{
+    generate_while_in, DecodeWeights, KvDtype, SampleOptions, WeightFormat, Workspace,
+};
 use cohort_tokenizer::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
 
@@ -48,6 +57,11 @@ pub struct SampleArgs {
     /// Keep generating past an end-of-sequence id (vLLM's flag): all --max-new-tokens tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// What the decode's matrix products read: the checkpoint's f32 weights (fp32, exact), or
+    /// a copy made at load in bf16 (half the bytes per token; VDPBF16PS where the CPU has
+    /// AVX512_BF16) or in 8-bit blocks (q8, llama.cpp's Q8_0: about a quarter).
+    #[arg(long, default_value_t = WeightFormat::F32)]
+    weights: WeightFormat,
 }
 
 /// How the checkpoint maps text to token ids.
@@ -126,7 +140,14 @@ pub fn main(args: SampleArgs) -> anyhow::Result<()> {
         Text::Ids => emit(&join_ids(&prompt)),
         _ => emit(&args.prompt),
     }
-    let mut generated = generate_while(&model, &prompt, &opts, |id| {
+    let mut ws = match args.weights.decode_format() {
+        None => Workspace::new(&model),
+        Some(format) => {
+            let copy = std::sync::Arc::new(DecodeWeights::new(&model, format));
+            Workspace::with_weights(&model, copy).context("preparing the decode weights")?
+        }
+    };
+    let mut generated = generate_while_in(&mut ws, &model, &prompt, &opts, KvDtype::F32, |id| {
         if eos.contains(&id) {
             return ControlFlow::Break(());
         }

@@ -3,8 +3,11 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
+use cohort_engine::cpu::DecodeFormat;
 use cohort_gpt::checkpoint::{self, Checkpoint};
-use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_gpt::sample::{
+    generate, generate_while_in, DecodeWeights, KvDtype, SampleOptions, Workspace,
+};
 use cohort_gpt::{GPTConfig, GPT};
 use cohort_tokenizer::char_vocab::{CharVocab, VOCAB_FILE};
 use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
@@ -151,6 +154,31 @@ fn samples_ids_without_a_vocab_and_reports_bad_input() {
         ],
     );
     assert_eq!(stdout(&out), format!("{}\n", want.join(" ")));
+
+    // --weights bf16 / q8: the tokens of the library's decode over the same copy
+    for (flag, format) in [("bf16", DecodeFormat::Bf16), ("q8", DecodeFormat::Q8)] {
+        let copy = std::sync::Arc::new(DecodeWeights::new(&m, format));
+        let mut ws = Workspace::with_weights(&m, copy).unwrap();
+        let go = |_| std::ops::ControlFlow::Continue(());
+        let want = generate_while_in(&mut ws, &m, &[1, 2, 3], &greedy, KvDtype::F32, go).unwrap();
+        let want: Vec<String> = [1, 2, 3].iter().chain(&want).map(u32::to_string).collect();
+        let args = [
+            "--prompt",
+            "1 2 3",
+            "--max-new-tokens",
+            "30",
+            "--temperature",
+            "0",
+        ];
+        let out = sample(&dir, &[&args[..], &["--weights", flag]].concat());
+        assert_eq!(stdout(&out), format!("{}\n", want.join(" ")), "{flag}");
+    }
+    let out = sample(&dir, &["--prompt", "1", "--weights", "q4"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("fp32, bf16 or q8"),
+        "{err}"
+    );
 
     for (prompt, needle) in [("1 x", "token ids"), ("1 99", "outside the vocabulary")] {
         let out = sample(&dir, &["--prompt", prompt]);

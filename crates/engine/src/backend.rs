@@ -20,7 +20,7 @@
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
 //! activation gradient instead, its doc says so.
 
-use crate::cpu::{self, AttnDims, Cpu, DecodeDims, KvDims, RopeDims};
+use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, KvDims, RopeDims};
 use crate::Dropout;
 
 /// Where a backend's buffers live and its kernels run.
@@ -157,6 +157,8 @@ kernels! {
     fn matmul_backward(dinp: Option<&mut [f32]>, dw: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward;
     /// dinp = dout · wᵀ (overwritten) alone, for a dinp buffer that still holds the input.
     fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_input;
+    /// out (N,OC) = inp (N,C) · wᵀ + bias for weights kept in a decode format (bf16 or 8-bit blocks, see `DecodeMatrix`): a decode step's product of a few rows.
+    fn decode_matmul_forward(out: &mut [f32], inp: &[f32], w: &DecodeMatrix, bias: Option<&[f32]>, n: usize) => cpu::decode_matmul_forward;
     /// logits (N,V) = inp (N,C) · wᵀ, w (V,C).
     fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_forward;
     /// dinp = dout · w (overwritten), dw += doutᵀ · inp.

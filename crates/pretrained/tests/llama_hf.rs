@@ -9,9 +9,10 @@
 
 use std::process::Command;
 
+use cohort_engine::cpu::DecodeFormat;
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::checkpoint::{self, Checkpoint};
-use cohort_gpt::sample::{generate, SampleOptions};
+use cohort_gpt::sample::{argmax, generate, DecodeWeights, Decoder, KvDtype, SampleOptions};
 use cohort_gpt::{optim_groups::decay_mask, Backward, Forward, Labels, GPT};
 use serde_json::Value;
 
@@ -103,6 +104,7 @@ fn check(kind: &str, class: &str) {
     };
     let tokens = generate(&model, &ints(&r["prompt"]), &greedy, |_| {}).unwrap();
     assert_eq!(tokens, ints(&r["greedy"]), "{kind}: greedy tokens");
+    compact_weights_decode_as_f32(kind, &model, &ints(&r["prompt"]));
 
     model.set_training(true);
     let labels: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
@@ -149,6 +151,43 @@ fn check(kind: &str, class: &str) {
     // and cohort reads its own file back to the same bits
     let (again, _) = checkpoint::load_model(&back).unwrap();
     assert!(again.params() == model.params());
+}
+
+/// Decoding with bf16 and Q8 copies of the weights against the f32 weights, along the f32
+/// greedy tokens: the logits within 1/32 (bf16) and 1/8 (Q8) of their largest magnitude
+/// (bf16 keeps 8 significant bits of weights and inputs, Q8 about 7 of each block's largest
+/// element), and the bf16 argmax the f32 one at every step but at most one (a random tiny
+/// model's logits are close together).
+fn compact_weights_decode_as_f32(kind: &str, model: &GPT, prompt: &[u32]) {
+    for (format, tol) in [
+        (DecodeFormat::Bf16, 1.0 / 32.0),
+        (DecodeFormat::Q8, 1.0 / 8.0),
+    ] {
+        let copy = std::sync::Arc::new(DecodeWeights::new(model, format));
+        let mut a = Decoder::new(model);
+        let mut b = Decoder::with_weights(model, copy, KvDtype::F32).unwrap();
+        let (mut la, mut lb) = (
+            a.feed(prompt).unwrap().to_vec(),
+            b.feed(prompt).unwrap().to_vec(),
+        );
+        let (mut worst, mut agree, steps) = (0f32, 0, 12);
+        for _ in 0..steps {
+            let scale = la.iter().fold(0f32, |m, x| m.max(x.abs()));
+            worst = worst.max(max_diff(&la, &lb) / scale);
+            let next = argmax(&la) as u32;
+            agree += usize::from(argmax(&lb) as u32 == next);
+            la = a.feed(&[next]).unwrap().to_vec();
+            lb = b.feed(&[next]).unwrap().to_vec();
+        }
+        eprintln!("{kind}: {format:?} weights: worst |logit diff| {worst:e} of the scale, top-1 {agree}/{steps}");
+        assert!(
+            worst < tol,
+            "{kind}: {format:?} weights move the logits by {worst} of their scale"
+        );
+        if format == DecodeFormat::Bf16 {
+            assert!(agree + 1 >= steps, "{kind}: bf16 top-1 {agree}/{steps}");
+        }
+    }
 }
 
 #[test]

@@ -12,6 +12,13 @@
 //! holds them to it). Softmax uses the engine's `exp`, not libm's. It never allocates and never
 //! writes the cache.
 //!
+//! Under grouped-query attention ([`DecodeDims::group`] query heads to a cached head, as
+//! Llama's and SmolLM2's) each query head reads its group's cached head in place: nothing is
+//! copied out per query head, and the heads of a group read the same cached rows one after
+//! another, while those rows are in L1. With one query head per cached head the code is the
+//! multi-head one; a grouped call gives, bit for bit, what one call per query head over its
+//! cached head gives.
+//!
 //! The cache may be kept in bf16 ([`attention_decode_row_bf16`], a bf16 KV cache as vLLM's
 //! `--kv-cache-dtype`): half the bytes to read. Each element is widened to f32 as it is loaded
 //! (exactly: its bits shifted left by 16), and everything after that is the f32 code's, in the
@@ -39,14 +46,7 @@ trait KvElement: Copy + Send + Sync + 'static {
     /// [`scores_of`] for this type, compiled by `simd_fn!`.
     fn portable_scores(scores: &mut [f32], q: &[f32], k: &[Self], dims: DecodeDims);
     /// [`weighted_values_of`] for this type, compiled by `simd_fn!`.
-    fn portable_weighted_values(
-        out: &mut [f32],
-        probs: &[f32],
-        v: &[Self],
-        ctx: usize,
-        hs: usize,
-        c: usize,
-    );
+    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[Self], dims: DecodeDims);
 }
 
 impl KvElement for f32 {
@@ -58,15 +58,8 @@ impl KvElement for f32 {
     fn portable_scores(scores: &mut [f32], q: &[f32], k: &[f32], dims: DecodeDims) {
         portable_scores(scores, q, k, dims)
     }
-    fn portable_weighted_values(
-        out: &mut [f32],
-        probs: &[f32],
-        v: &[f32],
-        ctx: usize,
-        hs: usize,
-        c: usize,
-    ) {
-        portable_weighted_values(out, probs, v, ctx, hs, c)
+    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[f32], dims: DecodeDims) {
+        portable_weighted_values(out, probs, v, dims)
     }
 }
 
@@ -79,15 +72,8 @@ impl KvElement for u16 {
     fn portable_scores(scores: &mut [f32], q: &[f32], k: &[u16], dims: DecodeDims) {
         portable_scores_bf16(scores, q, k, dims)
     }
-    fn portable_weighted_values(
-        out: &mut [f32],
-        probs: &[f32],
-        v: &[u16],
-        ctx: usize,
-        hs: usize,
-        c: usize,
-    ) {
-        portable_weighted_values_bf16(out, probs, v, ctx, hs, c)
+    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[u16], dims: DecodeDims) {
+        portable_weighted_values_bf16(out, probs, v, dims)
     }
 }
 
@@ -105,6 +91,11 @@ pub struct DecodeDims {
     pub c: usize,
     /// The scores' scale.
     pub scale: f32,
+    /// Query heads per cached key/value head: 1 for multi-head attention, NH/NKV under
+    /// grouped-query attention, where query head h reads cached head h / group and a cache
+    /// row holds nh / group heads (each cached head is read for its whole group, never
+    /// copied out per query head).
+    pub group: usize,
 }
 
 /// `out` (C) = softmax(q·kᵀ · scale) · v for each of `nh` heads of size `hs` (C = nh·hs),
@@ -144,16 +135,29 @@ fn attention_decode<T: KvElement>(
     v: &[T],
     dims: DecodeDims,
 ) {
-    let DecodeDims { ctx, nh, hs, c, .. } = dims;
+    let DecodeDims {
+        ctx,
+        nh,
+        hs,
+        c,
+        group,
+        ..
+    } = dims;
     let w = nh * hs;
-    let cache = ctx.saturating_sub(1) * c + w;
+    assert!(
+        group > 0 && nh.is_multiple_of(group),
+        "attention_decode_row: {nh} query heads in groups of {group}"
+    );
+    // the cached heads' width
+    let kw = nh / group * hs;
+    let cache = ctx.saturating_sub(1) * c + kw;
     assert!(
         q.len() >= w
             && out.len() >= w
             && scores.len() >= nh * ctx
             && k.len() >= cache
             && v.len() >= cache
-            && c >= w
+            && c >= kw
             && ctx > 0,
         "attention_decode_row: buffers too short for {ctx} positions of {nh} x {hs}"
     );
@@ -161,17 +165,18 @@ fn attention_decode<T: KvElement>(
     #[cfg(target_arch = "x86_64")]
     if super::simd_level() == super::SimdLevel::Avx512 && hs.is_multiple_of(LANES) {
         // SAFETY: AVX-512F was detected; the sizes were checked above (q and out hold w
-        // floats, scores nh·ctx, k and v ctx rows of stride c ≥ w), and hs is a multiple of 16.
+        // floats, scores nh·ctx, k and v ctx rows of stride c ≥ kw, the cached heads that
+        // query heads / group index), and hs is a multiple of 16.
         unsafe {
             avx512::scores(scores, q, k, dims);
             softmax_rows(scores, ctx);
-            avx512::weighted_values(out, scores, v, ctx, hs, c);
+            avx512::weighted_values(out, scores, v, dims);
         }
         return;
     }
     T::portable_scores(scores, q, k, dims);
     softmax_rows(scores, ctx);
-    T::portable_weighted_values(out, scores, v, ctx, hs, c);
+    T::portable_weighted_values(out, scores, v, dims);
 }
 
 /// The 16 lanes of a score's partial sums added as the module doc says.
@@ -195,13 +200,12 @@ fn scores_of<T: KvElement>(scores: &mut [f32], q: &[f32], k: &[T], dims: DecodeD
         hs,
         c,
         scale,
+        group,
     } = dims;
     for j in 0..ctx {
         for h in 0..nh {
-            let (qh, kh) = (
-                &q[h * hs..(h + 1) * hs],
-                &k[j * c + h * hs..j * c + (h + 1) * hs],
-            );
+            let kv = j * c + h / group * hs;
+            let (qh, kh) = (&q[h * hs..(h + 1) * hs], &k[kv..kv + hs]);
             let mut acc = [0f32; LANES];
             for (d, (&x, &y)) in qh.iter().zip(kh).enumerate() {
                 acc[d % LANES] += x * y.to_f32();
@@ -241,26 +245,17 @@ simd_fn! {
     }
 }
 
-/// out[e] = Σ_j p[head(e)][j] · v[j][e], positions in order; inlined into the `simd_fn!`
-/// clones below.
+/// out[h, d] = Σ_j p[h][j] · v[j][h / group, d], positions in order; inlined into the
+/// `simd_fn!` clones below.
 #[inline(always)]
-fn weighted_values_of<T: KvElement>(
-    out: &mut [f32],
-    probs: &[f32],
-    v: &[T],
-    ctx: usize,
-    hs: usize,
-    c: usize,
-) {
+fn weighted_values_of<T: KvElement>(out: &mut [f32], probs: &[f32], v: &[T], dims: DecodeDims) {
+    let DecodeDims {
+        ctx, hs, c, group, ..
+    } = dims;
     out.fill(0.0);
-    let w = out.len();
     for j in 0..ctx {
-        let vj = &v[j * c..j * c + w];
-        for (h, (o, x)) in out
-            .chunks_exact_mut(hs)
-            .zip(vj.chunks_exact(hs))
-            .enumerate()
-        {
+        for (h, o) in out.chunks_exact_mut(hs).enumerate() {
+            let x = &v[j * c + h / group * hs..][..hs];
             let p = probs[h * ctx + j];
             for (o, &x) in o.iter_mut().zip(x) {
                 *o += p * x.to_f32();
@@ -271,15 +266,15 @@ fn weighted_values_of<T: KvElement>(
 
 simd_fn! {
     /// [`weighted_values_of`] over an f32 cache.
-    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[f32], ctx: usize, hs: usize, c: usize) {
-        weighted_values_of(out, probs, v, ctx, hs, c)
+    fn portable_weighted_values(out: &mut [f32], probs: &[f32], v: &[f32], dims: DecodeDims) {
+        weighted_values_of(out, probs, v, dims)
     }
 }
 
 simd_fn! {
     /// [`weighted_values_of`] over a bf16 cache.
-    fn portable_weighted_values_bf16(out: &mut [f32], probs: &[f32], v: &[u16], ctx: usize, hs: usize, c: usize) {
-        weighted_values_of(out, probs, v, ctx, hs, c)
+    fn portable_weighted_values_bf16(out: &mut [f32], probs: &[f32], v: &[u16], dims: DecodeDims) {
+        weighted_values_of(out, probs, v, dims)
     }
 }
 
@@ -364,6 +359,7 @@ mod avx512 {
             hs,
             c,
             scale,
+            group,
         } = dims;
         let (q, k, s) = (q.as_ptr(), k.as_ptr(), scores.as_mut_ptr());
         let scale = _mm512_set1_ps(scale);
@@ -374,10 +370,10 @@ mod avx512 {
             for h in 0..nh {
                 let mut acc = [_mm512_setzero_ps(); 16];
                 for (jj, a) in acc.iter_mut().enumerate().take(n) {
-                    // SAFETY: row j0 + jj < ctx of k, columns h·hs .. (h+1)·hs ≤ c; q's
-                    // head h; all inside the caller's slices.
+                    // SAFETY: row j0 + jj < ctx of k, columns of cached head h / group,
+                    // inside c; q's head h; all inside the caller's slices.
                     unsafe {
-                        let kr = k.add((j0 + jj) * c + h * hs);
+                        let kr = k.add((j0 + jj) * c + h / group * hs);
                         let qh = q.add(h * hs);
                         for d in (0..hs).step_by(LANES) {
                             let p = _mm512_mul_ps(_mm512_loadu_ps(qh.add(d)), load(kr.add(d)));
@@ -397,15 +393,14 @@ mod avx512 {
     ///
     /// # Safety
     /// AVX-512F; `hs` a multiple of 16; `out` a multiple of 16 floats (its length is w, the
-    /// heads' width); `probs` (w / hs)·ctx floats; `v` ctx rows of stride `c` ≥ w.
+    /// query heads' width); `probs` (w / hs)·ctx floats; `v` ctx rows of stride `c` holding
+    /// the (w / hs) / group cached heads.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn weighted_values<T: KvElement>(
         out: &mut [f32],
         probs: &[f32],
         v: &[T],
-        ctx: usize,
-        hs: usize,
-        c: usize,
+        dims: DecodeDims,
     ) {
         let vectors = out.len() / LANES;
         let mut e = 0;
@@ -413,11 +408,11 @@ mod avx512 {
             // SAFETY: forwarded; each group stays inside out's vectors.
             unsafe {
                 e += match vectors - e {
-                    16.. => group::<T, 16>(out, probs, v, ctx, hs, c, e),
-                    8.. => group::<T, 8>(out, probs, v, ctx, hs, c, e),
-                    4.. => group::<T, 4>(out, probs, v, ctx, hs, c, e),
-                    2.. => group::<T, 2>(out, probs, v, ctx, hs, c, e),
-                    _ => group::<T, 1>(out, probs, v, ctx, hs, c, e),
+                    16.. => group::<T, 16>(out, probs, v, dims, e),
+                    8.. => group::<T, 8>(out, probs, v, dims, e),
+                    4.. => group::<T, 4>(out, probs, v, dims, e),
+                    2.. => group::<T, 2>(out, probs, v, dims, e),
+                    _ => group::<T, 1>(out, probs, v, dims, e),
                 };
             }
         }
@@ -433,23 +428,29 @@ mod avx512 {
         out: &mut [f32],
         probs: &[f32],
         v: &[T],
-        ctx: usize,
-        hs: usize,
-        c: usize,
+        dims: DecodeDims,
         e0: usize,
     ) -> usize {
+        let DecodeDims {
+            ctx, hs, c, group, ..
+        } = dims;
         let mut acc = [_mm512_setzero_ps(); G];
-        // The head of each vector: which row of probabilities scales it.
+        // The query head of each vector: which row of probabilities scales it; and where in a
+        // cache row its elements are (its head's cached head, the same offset in the head).
         let heads: [usize; G] = std::array::from_fn(|g| (e0 + g) * LANES / hs * ctx);
+        let at: [usize; G] = std::array::from_fn(|g| {
+            let e = (e0 + g) * LANES;
+            e / hs / group * hs + e % hs
+        });
         let (p, v) = (probs.as_ptr(), v.as_ptr());
         for j in 0..ctx {
-            // SAFETY: row j < ctx of v, vectors e0.. e0+G inside its first w floats; the
-            // probability of head(e) at position j inside probs.
+            // SAFETY: row j < ctx of v, each vector inside its cached heads; the probability
+            // of head(e) at position j inside probs.
             unsafe {
-                let row = v.add(j * c + e0 * LANES);
+                let row = v.add(j * c);
                 for g in 0..G {
                     let pj = _mm512_set1_ps(*p.add(heads[g] + j));
-                    let x = load(row.add(g * LANES));
+                    let x = load(row.add(at[g]));
                     acc[g] = _mm512_add_ps(acc[g], _mm512_mul_ps(pj, x));
                 }
             }
@@ -525,7 +526,7 @@ mod tests {
             (3, 32, 37, 16),
             (2, 64, 5, 0),
         ] {
-            let c = nh * hs + pad;
+            let (c, group) = (nh * hs + pad, 1);
             let (q, k, v) = inputs(nh, hs, ctx, c);
             let scale = 1.0 / (hs as f32).sqrt();
             let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
@@ -541,6 +542,7 @@ mod tests {
                     hs,
                     c,
                     scale,
+                    group,
                 },
             );
             let want = reference(&q, &k, &v, ctx, nh, hs, c);
@@ -562,7 +564,7 @@ mod tests {
             (3, 32, 37, 16),
             (2, 64, 5, 0),
         ] {
-            let c = nh * hs + pad;
+            let (c, group) = (nh * hs + pad, 1);
             let (q, k, v) = inputs(nh, hs, ctx, c);
             // values that bf16 rounds (the inputs' multiples of 0.02 are mostly not bf16)
             let k: Vec<f32> = k.iter().map(|x| x * 1.2345).collect();
@@ -582,6 +584,7 @@ mod tests {
                     hs,
                     c,
                     scale,
+                    group,
                 },
             );
             let want = reference(&q, &widen(&kb), &widen(&vb), ctx, nh, hs, c);
@@ -606,6 +609,7 @@ mod tests {
                     hs,
                     c,
                     scale,
+                    group,
                 },
             );
             assert_eq!(
@@ -623,11 +627,17 @@ mod tests {
             return;
         }
         // every group width (6 x 64 = 24 vectors: 16 + 8; 7 x 16: 4 + 2 + 1) and partial
-        // blocks of positions; for an f32 cache and a bf16 one
+        // blocks of positions; for an f32 cache and a bf16 one; multi-head, grouped
+        // (3 query heads a cached head) and multi-query
         for bf16 in [false, true] {
-            for (nh, hs, pad) in [(6usize, 64usize, 0usize), (7, 16, 32)] {
+            for (nh, hs, pad, group) in [
+                (6usize, 64usize, 0usize, 1usize),
+                (7, 16, 32, 1),
+                (6, 64, 0, 3),
+                (7, 16, 32, 7),
+            ] {
                 for ctx in [1usize, 15, 16, 17, 66, 130] {
-                    let c = nh * hs + pad;
+                    let c = nh / group * hs + pad;
                     let (q, k, v) = inputs(nh, hs, ctx, c);
                     let (kb, vb) = (to_bf16(&k), to_bf16(&v));
                     let scale = 1.0 / (hs as f32).sqrt();
@@ -645,6 +655,7 @@ mod tests {
                                 hs,
                                 c,
                                 scale,
+                                group,
                             },
                         );
                     } else {
@@ -660,6 +671,7 @@ mod tests {
                                 hs,
                                 c,
                                 scale,
+                                group,
                             },
                         );
                     }
@@ -676,6 +688,7 @@ mod tests {
                                 hs,
                                 c,
                                 scale,
+                                group,
                             },
                         );
                     } else {
@@ -689,6 +702,7 @@ mod tests {
                                 hs,
                                 c,
                                 scale,
+                                group,
                             },
                         );
                     }
@@ -698,10 +712,18 @@ mod tests {
                         scores.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                         "bf16 {bf16} {nh}x{hs} ctx {ctx}: probabilities"
                     );
+                    let dims = DecodeDims {
+                        ctx,
+                        nh,
+                        hs,
+                        c,
+                        scale,
+                        group,
+                    };
                     if bf16 {
-                        portable_weighted_values_bf16(&mut slow, &scores, &vb, ctx, hs, c);
+                        portable_weighted_values_bf16(&mut slow, &scores, &vb, dims);
                     } else {
-                        portable_weighted_values(&mut slow, &scores, &v, ctx, hs, c);
+                        portable_weighted_values(&mut slow, &scores, &v, dims);
                     }
                     for (i, (a, b)) in fast.iter().zip(&slow).enumerate() {
                         assert_eq!(
@@ -711,6 +733,60 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn grouped_heads_read_their_cached_head_as_one_head_calls_do() {
+        // 6 query heads over 2 cached heads (and over 1: multi-query), against the f64
+        // reference on the cache expanded per query head, and bit for bit against one call per
+        // query head over its cached head (cache rows of stride c, one head each)
+        for (hs, group) in [(32usize, 3usize), (24, 3), (16, 6)] {
+            let (nh, ctx) = (6, 21);
+            let nkv = nh / group;
+            let c = nkv * hs;
+            let (q, k, v) = inputs(nh, hs, ctx, c);
+            let scale = 1.0 / (hs as f32).sqrt();
+            let dims = DecodeDims {
+                ctx,
+                nh,
+                hs,
+                c,
+                scale,
+                group,
+            };
+            let (mut out, mut scores) = (vec![f32::NAN; nh * hs], vec![0.0; nh * ctx]);
+            attention_decode_row(&mut out, &mut scores, &q, &k, &v, dims);
+            let expand = |x: &[f32]| -> Vec<f32> {
+                (0..ctx * nh * hs)
+                    .map(|i| {
+                        let (j, h, d) = (i / (nh * hs), i / hs % nh, i % hs);
+                        x[j * c + h / group * hs + d]
+                    })
+                    .collect()
+            };
+            let want = reference(&q, &expand(&k), &expand(&v), ctx, nh, hs, nh * hs);
+            for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "hs {hs}: out[{i}] {got} vs {want}"
+                );
+            }
+            for h in 0..nh {
+                let one = DecodeDims {
+                    nh: 1,
+                    group: 1,
+                    ..dims
+                };
+                let (mut o, at) = (vec![f32::NAN; hs], h / group * hs);
+                attention_decode_row(&mut o, &mut scores, &q[h * hs..], &k[at..], &v[at..], one);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&o),
+                    bits(&out[h * hs..(h + 1) * hs]),
+                    "hs {hs} head {h}"
+                );
             }
         }
     }

@@ -18,6 +18,7 @@ mod attention_amx;
 mod attention_decode;
 mod bf16;
 mod crossentropy;
+mod decode_matmul;
 mod elementwise;
 mod encoder;
 mod epilogue;
@@ -35,6 +36,7 @@ pub use attention::{attention_backward, attention_forward, attention_scratch_len
 pub use attention_decode::{attention_decode_row, attention_decode_row_bf16, DecodeDims};
 pub use bf16::{bf16_to_f32, round_to_bf16};
 pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
+pub use decode_matmul::{decode_matmul_forward, DecodeFormat, DecodeMatrix};
 pub use elementwise::{
     dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad, gelu_forward,
     residual_forward,

@@ -15,6 +15,7 @@
 //! allocate and never decide where an activation is kept.
 
 use super::*;
+use cohort_engine::cpu::DecodeMatrix;
 
 /// One block's parameters, sliced out of a parameter buffer: the block as its layer functions
 /// read it. Biases are None in a model without biases.
@@ -35,6 +36,22 @@ pub(crate) struct BlockWeights<'p> {
     /// (F, C).
     pub(crate) fcproj_w: &'p [f32],
     pub(crate) fcproj_b: Option<&'p [f32]>,
+    /// The same four matrices in a decode format (a decode with bf16 or 8-bit weights): the
+    /// forward's products read these instead of the f32 ones. None in training.
+    pub(crate) decode: Option<&'p DecodeBlock>,
+}
+
+/// One block's four matrices kept for decode-time products (see `sample::DecodeWeights`),
+/// each output-major.
+pub(crate) struct DecodeBlock {
+    /// (W, C).
+    pub(crate) attn: DecodeMatrix,
+    /// (C, C).
+    pub(crate) proj: DecodeMatrix,
+    /// (F or 2F, C).
+    pub(crate) fc: DecodeMatrix,
+    /// (C, F).
+    pub(crate) fcproj: DecodeMatrix,
 }
 
 impl<'p> BlockWeights<'p> {
@@ -53,6 +70,7 @@ impl<'p> BlockWeights<'p> {
             fc_b: opt(p, &bl.fc_b),
             fcproj_w: &p[bl.fcproj_w.clone()],
             fcproj_b: opt(p, &bl.fcproj_b),
+            decode: None,
         }
     }
 }
@@ -204,17 +222,29 @@ pub(crate) fn block_forward_rows<T: Timer>(
         fch,
         gelu,
     } = acts;
+    // A product over the f32 weights, or over the decode copy where there is one (which
+    // adds the bias itself, as matmul_forward does).
+    let product = |out: &mut [f32],
+                   inp: &[f32],
+                   (f32_w, decode): (&[f32], Option<&DecodeMatrix>),
+                   bias: Option<&[f32]>,
+                   (c_in, oc): (usize, usize)| match decode {
+        Some(m) => dev.decode_matmul_forward(out, inp, m, bias, n),
+        None => dev.matmul_forward(out, inp, f32_w, bias, n, c_in, oc),
+    };
+    let d = w.decode;
     let mut ln = ln;
     let ln_1_out = ln.ln_1();
     prof.time(K::LnFwd, || {
         norm_forward(dev, norm, ln_1_out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
     });
     prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(qkv, ln_1_out, w.attn_w, w.attn_b, n, c, qkv_w)
+        let attn_w = (w.attn_w, d.map(|d| &d.attn));
+        product(qkv, ln_1_out, attn_w, w.attn_b, (c, qkv_w))
     });
     prof.time(K::AttnFwd, || attend(qkv, att));
     prof.time(K::MatmulFwd, || {
-        dev.matmul_forward(x_mid, att, w.proj_w, None, n, c, c)
+        product(x_mid, att, (w.proj_w, d.map(|d| &d.proj)), None, (c, c))
     });
     prof.time(K::ResidualFwd, || {
         dev.residual_forward(x_mid, x, w.proj_b, c, drop.attn)
@@ -231,16 +261,31 @@ pub(crate) fn block_forward_rows<T: Timer>(
             (n, c),
         )
     });
+    let (fc_w, fcproj_w) = (
+        (w.fc_w, d.map(|d| &d.fc)),
+        (w.fcproj_w, d.map(|d| &d.fcproj)),
+    );
     // The GELU runs on each strip of the product's rows while the strip is in cache (its time
     // counted with the product's), rather than as a pass of its own over [n, f].
     match gelu {
         GeluOut::F32(act) if mlp == Mlp::SwiGlu => {
             prof.time(K::MatmulFwd, || {
-                dev.matmul_forward(fch, ln_2_out, w.fc_w, w.fc_b, n, c, 2 * f)
+                product(fch, ln_2_out, fc_w, w.fc_b, (c, 2 * f))
             });
             prof.time(K::GeluFwd, || dev.swiglu_forward(act, fch, n, f));
             prof.time(K::MatmulFwd, || {
-                dev.matmul_forward(x_next, act, w.fcproj_w, None, n, f, c)
+                product(x_next, act, fcproj_w, None, (f, c))
+            });
+        }
+        GeluOut::F32(gelu) if d.is_some() => {
+            // the decode copy's product, then the GELU (the same bits as the fused kernel's
+            // over the same product)
+            prof.time(K::MatmulFwd, || {
+                product(fch, ln_2_out, fc_w, w.fc_b, (c, f))
+            });
+            prof.time(K::GeluFwd, || dev.gelu_forward(gelu, fch));
+            prof.time(K::MatmulFwd, || {
+                product(x_next, gelu, fcproj_w, None, (f, c))
             });
         }
         GeluOut::F32(gelu) => {
@@ -253,6 +298,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
         }
         GeluOut::Bf16(g16) => {
             debug_assert_eq!(mlp, Mlp::Gelu, "SwiGLU keeps its output in f32");
+            debug_assert!(d.is_none(), "a decode keeps its activations in f32");
             prof.time(K::MatmulFwd, || {
                 dev.matmul_gelu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f)
             });

@@ -6,10 +6,13 @@
 //! a cache is allocated for a full window when made, a workspace's buffers when built for up to
 //! [`WORKSPACE_ROWS`] rows (and grown only for a step of more rows than that).
 
+use std::sync::Arc;
+
 use cohort_engine::cpu::round_to_bf16;
 
 use super::batching::Generation;
 use super::forward::{forward_rows, Rows};
+use super::weights::DecodeWeights;
 use super::{check_vocab, SampleError};
 use crate::layout::Layout;
 use crate::{GPTConfig, GPT};
@@ -243,6 +246,8 @@ impl Buffers {
 /// [`KvCache`] and sampler state).
 pub struct Workspace {
     layout: Layout,
+    /// The bf16 or 8-bit copy of the matrices the products read, if any (else the model's).
+    weights: Option<Arc<DecodeWeights>>,
     pub(super) buf: Buffers,
     /// A step's rows: (generation, position) and token of each, the last row of each
     /// generation fed, and those generations (indices into the caller's slice).
@@ -258,12 +263,33 @@ impl Workspace {
         let cfg = model.config();
         Workspace {
             layout: Layout::new(cfg),
+            weights: None,
             buf: Buffers::new(cfg, cfg.max_position_embeddings.clamp(1, WORKSPACE_ROWS)),
             place: Vec::new(),
             tokens: Vec::new(),
             last: Vec::new(),
             sel: Vec::new(),
         }
+    }
+
+    /// Scratch for `model` whose forwards' matrix products read `weights` (a bf16 or 8-bit
+    /// copy of `model`'s matrices) instead of its f32 parameters.
+    pub fn with_weights(
+        model: &GPT,
+        weights: Arc<DecodeWeights>,
+    ) -> Result<Workspace, SampleError> {
+        if &weights.config != model.config() {
+            return Err(SampleError::WeightsOfAnotherModel);
+        }
+        Ok(Workspace {
+            weights: Some(weights),
+            ..Workspace::new(model)
+        })
+    }
+
+    /// The copy of the matrices its forwards read, if not the model's f32 parameters.
+    pub fn weights(&self) -> Option<&Arc<DecodeWeights>> {
+        self.weights.as_ref()
     }
 
     /// Runs `tokens` at positions `cache.len()..` of one sequence through `model`, appending
@@ -303,10 +329,10 @@ impl Workspace {
         if tokens.len() > self.buf.rows {
             self.buf = Buffers::new(model.config(), tokens.len());
         }
-        let (layout, buf) = (&self.layout, &mut self.buf);
+        let (layout, buf, decode) = (&self.layout, &mut self.buf, self.weights.as_deref());
         model
             .backend()
-            .install(&mut || forward_rows(model, layout, caches, buf, tokens, rows));
+            .install(&mut || forward_rows(model, layout, decode, caches, buf, tokens, rows));
     }
 }
 
@@ -330,6 +356,20 @@ impl<'m> Decoder<'m> {
             cache: KvCache::with_dtype(model.config(), kv_dtype),
             ws: Workspace::new(model),
         }
+    }
+
+    /// An empty decoder for `model` whose products read `weights` (see
+    /// [`Workspace::with_weights`]) and whose cache keeps keys and values in `kv_dtype`.
+    pub fn with_weights(
+        model: &'m GPT,
+        weights: Arc<DecodeWeights>,
+        kv_dtype: KvDtype,
+    ) -> Result<Decoder<'m>, SampleError> {
+        Ok(Decoder {
+            model,
+            cache: KvCache::with_dtype(model.config(), kv_dtype),
+            ws: Workspace::with_weights(model, weights)?,
+        })
     }
 
     /// The decoder's cache (its format and size).

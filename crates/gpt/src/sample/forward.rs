@@ -14,6 +14,7 @@ use cohort_engine::cpu::DecodeDims;
 use rayon::prelude::*;
 
 use super::cache::{Buffers, Caches, KvStore};
+use super::weights::DecodeWeights;
 use crate::layout::Layout;
 use crate::model::{
     block_forward_rows, norm_forward, opt, BlockActs, BlockDims, BlockWeights, BranchDropout,
@@ -49,9 +50,12 @@ impl Rows<'_> {
 /// writes the logits `rows` asks for into `buf.logits`. The matrix products run once over all
 /// rows; attention runs per row over its own cache. Dims: n rows, C, F, V, NH heads of HS,
 /// NKV key/value heads (KW = NKV·HS floats per cached row), W = (NH+2·NKV)·HS per qkv row.
+/// With `decode` weights the matrix products (and the head) read them instead of the f32
+/// parameters.
 pub(super) fn forward_rows<C: Caches + ?Sized>(
     model: &GPT,
     layout: &Layout,
+    decode: Option<&DecodeWeights>,
     caches: &mut C,
     buf: &mut Buffers,
     tokens: &[u32],
@@ -117,32 +121,17 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                     let (ci, pos) = rows.at(i);
                     let q = &row[..c];
                     let store = &shared.cache_ref(ci).store;
-                    if nkv == nh {
-                        let dims = DecodeDims {
-                            ctx: pos + 1,
-                            nh,
-                            hs,
-                            c,
-                            scale,
-                        };
-                        attend_row(dev, store, layer.clone(), out, scores, q, dims);
-                        return;
-                    }
-                    // Grouped heads: each query head attends alone over its group's cached
-                    // head (a one-head call of the kernel on cache rows of stride KW).
+                    // Grouped heads read their cached head in place: NH/NKV query heads to
+                    // one cached head of the rows of stride KW.
                     let dims = DecodeDims {
                         ctx: pos + 1,
-                        nh: 1,
+                        nh,
                         hs,
                         c: kw,
                         scale,
+                        group: nh / nkv,
                     };
-                    for h in 0..nh {
-                        let kv = (h / (nh / nkv)) * hs;
-                        let cached = layer.start + kv..layer.end;
-                        let (out, q) = (&mut out[h * hs..(h + 1) * hs], &q[h * hs..]);
-                        attend_row(dev, store, cached, out, scores, q, dims);
-                    }
+                    attend_row(dev, store, layer.clone(), out, scores, q, dims);
                 });
         };
         let acts = BlockActs {
@@ -167,7 +156,10 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
             attn: None,
             mlp: None,
         };
-        let weights = BlockWeights::new(p, bl);
+        let weights = BlockWeights {
+            decode: decode.map(|d| &d.blocks[l]),
+            ..BlockWeights::new(p, bl)
+        };
         let dims = BlockDims {
             n,
             c,
@@ -197,7 +189,11 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     let (ln, mean, rstd) = (&mut buf.ln[..m * c], &mut buf.mean[..m], &mut buf.rstd[..m]);
     let stats = LnStats { mean, rstd };
     norm_forward(dev, cfg.norm, ln, stats, from, (lnf_w, lnf_b), (m, c));
-    dev.head_forward(&mut buf.logits[..m * v], ln, head, m, c, v);
+    let logits = &mut buf.logits[..m * v];
+    match decode {
+        Some(d) => dev.decode_matmul_forward(logits, ln, &d.head, None, m),
+        None => dev.head_forward(logits, ln, head, m, c, v),
+    }
 }
 
 /// One decode row's attention over the cached rows `at` of one layer, in the cache's format.

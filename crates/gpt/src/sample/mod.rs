@@ -29,14 +29,22 @@
 //! exactly; everything else stays f32. With a bf16 cache a sequence still gets, in a batch,
 //! bit-for-bit what it gets alone; its logits differ from an f32 cache's by the rounding.
 //!
+//! The matrix products read the model's f32 parameters unless the [`Workspace`] was made
+//! [`with_weights`](Workspace::with_weights): a [`DecodeWeights`] copy of the matrices in bf16
+//! or in 8-bit blocks ([`WeightFormat`], `cohort sample --weights`), half or about a quarter of
+//! the bytes a decode step reads per token. The rest of the forward stays f32, and a sequence
+//! still gets in a batch bit-for-bit what it gets alone; its logits differ from the f32
+//! weights' by the rounding.
+//!
 //! This module never changes the model and never allocates per token: a [`Workspace`]'s
 //! buffers are sized for a full window (of up to [`WORKSPACE_ROWS`] rows) when it is built, and
 //! grown only for a step of more rows than that.
 //!
 //! The module is laid out as: `cache` (the KV cache, the workspace a thread decodes in, the
 //! one-sequence [`Decoder`]), `forward` (the forward of cached rows, whose blocks run the
-//! training forward's block code), `sampler` (turning logits into a token) and `batching`
-//! (one [`Generation`] per sequence and [`decode_step`] over many).
+//! training forward's block code), `weights` (the bf16 / 8-bit copies), `sampler` (turning
+//! logits into a token) and `batching` (one [`Generation`] per sequence and [`decode_step`]
+//! over many).
 
 use crate::GPT;
 
@@ -46,10 +54,12 @@ mod forward;
 mod sampler;
 #[cfg(test)]
 mod tests;
+mod weights;
 
 pub use batching::{decode_step, Generation};
 pub use cache::{Decoder, KvCache, KvDtype, Workspace, WORKSPACE_ROWS};
 pub use sampler::{argmax, context_window};
+pub use weights::{DecodeWeights, WeightFormat};
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,6 +127,9 @@ pub enum SampleError {
     /// `top_p` is outside 0..=1.
     #[error("top_p {0} must be in 0..=1 (1 = all tokens)")]
     BadTopP(f32),
+    /// A workspace was given decode weights copied from a model of another config.
+    #[error("the decode weights were copied from a model of another config")]
+    WeightsOfAnotherModel,
 }
 
 /// The first token outside `0..vocab`, as an error.
@@ -164,12 +177,31 @@ pub fn generate_while_with(
     prompt: &[u32],
     opts: &SampleOptions,
     kv_dtype: KvDtype,
+    on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
+) -> Result<Vec<u32>, SampleError> {
+    generate_while_in(
+        &mut Workspace::new(model),
+        model,
+        prompt,
+        opts,
+        kv_dtype,
+        on_token,
+    )
+}
+
+/// [`generate_while_with`] in the workspace `ws` (whose weights the products read: see
+/// [`Workspace::with_weights`]).
+pub fn generate_while_in(
+    ws: &mut Workspace,
+    model: &GPT,
+    prompt: &[u32],
+    opts: &SampleOptions,
+    kv_dtype: KvDtype,
     mut on_token: impl FnMut(u32) -> std::ops::ControlFlow<()>,
 ) -> Result<Vec<u32>, SampleError> {
-    let mut ws = Workspace::new(model);
     let mut g = Generation::with_kv_dtype(model, prompt, opts, kv_dtype)?;
     while !g.is_finished() {
-        decode_step(model, std::slice::from_mut(&mut g), &mut ws)?;
+        decode_step(model, std::slice::from_mut(&mut g), ws)?;
         let Some(&next) = g.tokens().last() else {
             break;
         };

@@ -5,6 +5,7 @@ use super::sampler::sample_token;
 use super::*;
 use crate::layout::Layout;
 use crate::{Forward, GPTConfig, GPT};
+use cohort_engine::cpu::DecodeFormat;
 use cohort_rng::SplitMix64;
 
 fn tiny(max_t: usize, bias: bool, tied: bool) -> GPTConfig {
@@ -507,4 +508,170 @@ fn a_llama_with_grouped_heads_decodes_with_its_cache_as_its_full_forward_does() 
             full_heads.bytes()
         );
     }
+}
+
+/// Logits of `model`'s f32 weights and of its copy in `format`, step by step along the f32
+/// weights' greedy tokens: (the worst |logit diff| over a step's largest |logit|, steps
+/// whose argmax agrees, steps).
+fn copy_against_f32(model: &GPT, format: DecodeFormat, prompt: &[u32]) -> (f32, usize, usize) {
+    let weights = std::sync::Arc::new(DecodeWeights::new(model, format));
+    let (mut a, mut b) = (
+        Decoder::new(model),
+        Decoder::with_weights(model, weights, KvDtype::F32).unwrap(),
+    );
+    let (mut la, mut lb) = (
+        a.feed(prompt).unwrap().to_vec(),
+        b.feed(prompt).unwrap().to_vec(),
+    );
+    let (mut worst, mut agree, steps) = (0f32, 0, 20);
+    for _ in 0..steps {
+        let diff = la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        let scale = la.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        worst = worst.max(diff / scale);
+        let next = argmax(&la) as u32;
+        agree += usize::from(argmax(&lb) as u32 == next);
+        la = a.feed(&[next]).unwrap().to_vec();
+        lb = b.feed(&[next]).unwrap().to_vec();
+    }
+    (worst, agree, steps)
+}
+
+/// A GPT-2 (LayerNorm, GELU, biases, tied head) and a Llama (RMSNorm, SwiGLU, RoPE, 4 query
+/// heads over 2 key/value heads, untied head), with room for 20 steps after the prompt.
+fn gpt2_and_llama() -> [(&'static str, GPT); 2] {
+    let llama = GPTConfig {
+        n_kv_heads: Some(2),
+        ..GPTConfig::llama_like(tiny(32, false, false))
+    };
+    [
+        ("gpt2", calm_attention(tiny(32, true, true), 11)),
+        ("llama", calm_attention(llama, 12)),
+    ]
+}
+
+#[test]
+fn bf16_and_q8_weights_give_logits_near_f32_weights() {
+    // bf16 keeps 8 significant bits of each weight and input: a product moves by about 2^-8
+    // of itself, sums of many cancel some of that, and the layers compound it: about 2^-7 of
+    // the logits' scale is seen (0.007-0.009). Q8 keeps about 7 bits of each block's largest
+    // element (the rest of a block lose more): 0.03-0.05 is seen on these models, whose
+    // weights were scaled up with an offset that quantises poorly. Either way a broken
+    // product is off by the logits' whole scale.
+    for (name, model) in gpt2_and_llama() {
+        for prompt in [&[3u32, 14, 15, 9, 2][..], &[7, 1, 30]] {
+            for (format, tol) in [
+                (DecodeFormat::Bf16, 1.0 / 64.0),
+                (DecodeFormat::Q8, 1.0 / 10.0),
+            ] {
+                let (worst, agree, steps) = copy_against_f32(&model, format, prompt);
+                assert!(
+                    worst > 0.0 && worst < tol,
+                    "{name} {format:?} {prompt:?}: {worst}"
+                );
+                // the top token may change at a near tie, rarely
+                assert!(
+                    agree + 2 >= steps,
+                    "{name} {format:?} {prompt:?}: top-1 {agree}/{steps}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_weights_give_the_greedy_tokens_of_f32_weights() {
+    let greedy = SampleOptions {
+        max_new_tokens: 20,
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        seed: 0,
+    };
+    for (name, model) in gpt2_and_llama() {
+        let weights = std::sync::Arc::new(DecodeWeights::new(&model, DecodeFormat::Bf16));
+        let mut ws = Workspace::with_weights(&model, weights).unwrap();
+        let go = |_| std::ops::ControlFlow::Continue(());
+        let prompt = [3u32, 14, 15, 9, 2];
+        let want = generate(&model, &prompt, &greedy, |_| {}).unwrap();
+        let got = generate_while_in(&mut ws, &model, &prompt, &greedy, KvDtype::F32, go).unwrap();
+        assert_eq!(got, want, "{name}");
+    }
+}
+
+#[test]
+fn with_compact_weights_batched_steps_give_each_sequence_its_solo_tokens() {
+    let opts = |seed| SampleOptions {
+        max_new_tokens: 12,
+        temperature: 0.9,
+        top_k: Some(10),
+        top_p: 1.0,
+        seed,
+    };
+    let prompts: [&[u32]; 3] = [&[3, 14, 15], &[7], &[22, 22, 5, 11, 36, 0, 4]];
+    for (name, model) in gpt2_and_llama() {
+        for format in [DecodeFormat::Bf16, DecodeFormat::Q8] {
+            let weights = std::sync::Arc::new(DecodeWeights::new(&model, format));
+            let mut ws = Workspace::with_weights(&model, weights.clone()).unwrap();
+            let mut gens: Vec<Generation> = prompts
+                .iter()
+                .enumerate()
+                .map(|(i, p)| Generation::new(&model, p, &opts(i as u64)).unwrap())
+                .collect();
+            while gens.iter().any(|g| !g.is_finished()) {
+                decode_step(&model, &mut gens, &mut ws).unwrap();
+            }
+            for (i, (g, p)) in gens.iter().zip(prompts).enumerate() {
+                let mut solo = Workspace::with_weights(&model, weights.clone()).unwrap();
+                let go = |_| std::ops::ControlFlow::Continue(());
+                let alone =
+                    generate_while_in(&mut solo, &model, p, &opts(i as u64), KvDtype::F32, go);
+                assert_eq!(
+                    g.tokens(),
+                    &alone.unwrap()[..],
+                    "{name} {format:?} sequence {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn decode_weights_formats_sizes_and_mismatch() {
+    let model = GPT::new(tiny(13, true, true), 1).unwrap();
+    let f32_bytes: usize = {
+        let cfg = model.config();
+        let (c, f, l) = (cfg.d_model, cfg.d_ff, cfg.n_layers);
+        4 * (l * (c * 3 * c + c * c + 2 * c * f) + cfg.vocab_size * c)
+    };
+    let bf16 = DecodeWeights::new(&model, DecodeFormat::Bf16);
+    let q8 = DecodeWeights::new(&model, DecodeFormat::Q8);
+    // d_model 32: rows are whole blocks, so exactly half and 36/128 of f32's bytes
+    assert_eq!(bf16.bytes() * 2, f32_bytes);
+    assert_eq!(q8.bytes() * 128, f32_bytes * 36);
+    assert_eq!(
+        (bf16.format(), q8.format()),
+        (DecodeFormat::Bf16, DecodeFormat::Q8)
+    );
+    let other = GPT::new(tiny(13, false, true), 1).unwrap();
+    assert_eq!(
+        Workspace::with_weights(&other, std::sync::Arc::new(q8)).err(),
+        Some(SampleError::WeightsOfAnotherModel)
+    );
+    for (s, w) in [
+        ("fp32", WeightFormat::F32),
+        ("bf16", WeightFormat::Bf16),
+        ("q8", WeightFormat::Q8),
+    ] {
+        assert_eq!(s.parse::<WeightFormat>(), Ok(w));
+        assert_eq!(w.to_string(), s);
+    }
+    assert_eq!(WeightFormat::Q8.decode_format(), Some(DecodeFormat::Q8));
+    assert!("q4"
+        .parse::<WeightFormat>()
+        .unwrap_err()
+        .contains("fp32, bf16 or q8"));
 }

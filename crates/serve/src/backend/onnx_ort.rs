@@ -312,10 +312,8 @@ impl Backend for OrtBackend {
     fn profile(&self, inputs: &[Tensor], runs: usize) -> Result<OpProfile, String> {
         static PROFILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         let n = PROFILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let prefix = std::env::temp_dir().join(format!(
-            "cohort-ort-profile-{}-{n}",
-            std::process::id()
-        ));
+        let prefix =
+            std::env::temp_dir().join(format!("cohort-ort-profile-{}-{n}", std::process::id()));
         let mut session = Session::builder(&self.rt.env)
             .and_then(|b| b.with_intra_threads(self.threads).map_err(Into::into))
             .and_then(|b| b.with_profiling(&prefix).map_err(Into::into))
@@ -326,9 +324,7 @@ impl Backend for OrtBackend {
         for i in 0..=runs {
             let values = ort_values(&allocator, inputs)?;
             let started = Instant::now();
-            let outs = session
-                .run(values.as_slice())
-                .map_err(|e| e.to_string())?;
+            let outs = session.run(values.as_slice()).map_err(|e| e.to_string())?;
             drop(outs);
             if i > 0 {
                 walls.push(started.elapsed().as_secs_f64());
@@ -338,7 +334,8 @@ impl Backend for OrtBackend {
         let text = std::fs::read_to_string(&file);
         let _ = std::fs::remove_file(&file);
         let text = text.map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;
-        let mut tally = tally_trace(&text).map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;
+        let mut tally =
+            tally_trace(&text).map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;
         for w in walls {
             tally.run(w);
         }
@@ -514,7 +511,8 @@ fn ort_values(
     for t in inputs {
         let ty = element(t.datatype)
             .ok_or_else(|| format!("input of type {} reached the ONNX backend", t.datatype))?;
-        let mut value = DynTensor::new(allocator, ty, t.shape.clone()).map_err(|e| e.to_string())?;
+        let mut value =
+            DynTensor::new(allocator, ty, t.shape.clone()).map_err(|e| e.to_string())?;
         if !t.data.is_empty() {
             let dst = value.data_ptr_mut().cast::<u8>();
             // SAFETY: the tensor was just allocated on the CPU with t.shape and t's element

@@ -302,8 +302,13 @@ impl LoadedVersion {
         for (t, spec) in inputs.iter().zip(specs) {
             let fits = t.datatype == spec.datatype
                 && t.shape.len() == spec.shape.len()
-                && t.shape.iter().zip(&spec.shape).all(|(&g, &m)| m < 0 || g as i64 == m)
-                && t.datatype.size().map(|s| s * t.shape.iter().product::<usize>())
+                && t.shape
+                    .iter()
+                    .zip(&spec.shape)
+                    .all(|(&g, &m)| m < 0 || g as i64 == m)
+                && t.datatype
+                    .size()
+                    .map(|s| s * t.shape.iter().product::<usize>())
                     == Some(t.data.len());
             if !fits {
                 return Err(what.error(format!(

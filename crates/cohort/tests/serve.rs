@@ -652,7 +652,13 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
         let convs: usize = text
             .lines()
             .filter(|l| l.starts_with("Conv") || l.starts_with("FusedConv"))
-            .map(|l| l.split_whitespace().nth(1).unwrap().parse::<usize>().unwrap())
+            .map(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .unwrap()
+                    .parse::<usize>()
+                    .unwrap()
+            })
             .sum();
         assert_eq!(convs, 2, "{backend}: two Conv nodes:\n{text}");
     }

@@ -321,18 +321,28 @@ impl Backend for OrtBackend {
             .map_err(|e| format!("{}: {e}", self.path.display()))?;
         let allocator = Allocator::default();
         let mut walls = Vec::with_capacity(runs);
+        let mut ran = Ok(());
         for i in 0..=runs {
-            let values = ort_values(&allocator, inputs)?;
             let started = Instant::now();
-            let outs = session.run(values.as_slice()).map_err(|e| e.to_string())?;
-            drop(outs);
+            ran = ort_values(&allocator, inputs).and_then(|values| {
+                session
+                    .run(values.as_slice())
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            });
+            if ran.is_err() {
+                break;
+            }
             if i > 0 {
                 walls.push(started.elapsed().as_secs_f64());
             }
         }
+        // the trace is written when profiling ends (or the session is dropped): end it and
+        // delete it whether the runs succeeded or not
         let file = session.end_profiling().map_err(|e| e.to_string())?;
         let text = std::fs::read_to_string(&file);
         let _ = std::fs::remove_file(&file);
+        ran?;
         let text = text.map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;
         let mut tally =
             tally_trace(&text).map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;

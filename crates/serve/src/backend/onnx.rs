@@ -10,6 +10,8 @@
 //! `Gemm` nodes with constant weights (dense layers) run on cohort-engine's sgemm instead, with
 //! their weights packed once at load ([`onnx_dense`](super::onnx_dense)); tract runs the rest.
 //! With more than one thread an instance has a private pool, which both use.
+//! A profile ([`Backend::profile`]) times each node of the plan an instance would run, each
+//! named after the ONNX node it was made from.
 //!
 //! A model using an operator tract does not implement fails its load with one line naming the
 //! operator and the node. This module never reads a request off the wire and never writes to

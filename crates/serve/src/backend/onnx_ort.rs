@@ -12,7 +12,8 @@
 //!
 //! Sessions get onnxruntime's default options (full graph optimization, sequential execution,
 //! spinning intra-op pool) but for the intra-op thread count, which is the instance's threads
-//! as tract gets them. This module never reads a request off the wire and never writes to the
+//! as tract gets them. A profile ([`Backend::profile`]) runs its own session with onnxruntime's
+//! profiler on. This module never reads a request off the wire and never writes to the
 //! repository.
 
 use std::path::{Path, PathBuf};

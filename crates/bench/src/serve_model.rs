@@ -5,7 +5,10 @@
 //! holding `batch_size` rows of random values of the declared shapes and datatypes (a dynamic
 //! dimension other than the batch takes the size `--shape` gives, else 1). Reports inferences
 //! (rows) per second, p50 / p99 request latency and the mean rows per model execution, per
-//! (batch size, concurrency) cell.
+//! (batch size, concurrency) cell. With profiling on, each batch size then gets the model's
+//! operator time split ([`cohort_serve::OpProfile`], on a private copy of the model the server
+//! makes) beside the request's latency, so that both a slow operator and the time outside the
+//! model (the wire, the queue) are visible.
 //!
 //! Random values: floats uniform in [-1, 1), integers uniform in [0, 8) (in range for
 //! token ids and class indices alike), booleans either. The load test never writes to the
@@ -19,7 +22,7 @@ use cohort_rng::{SplitMix64, GOLDEN_GAMMA};
 use serde::Serialize;
 
 use cohort_serve::proto::{model_infer_request, ModelInferRequest, ModelMetadataRequest};
-use cohort_serve::{DataType, ServeError, Server, ServerOptions};
+use cohort_serve::{DataType, OpProfile, ServeError, Server, ServerOptions, Tensor};
 
 use crate::serve::{connect, drive_infer, percentile};
 
@@ -44,6 +47,36 @@ pub struct ModelLoad {
     pub threads: Option<usize>,
     /// Seed of the random inputs.
     pub seed: u64,
+    /// Timed executions of each batch size's operator profile; 0: no profile.
+    pub profile_runs: usize,
+}
+
+/// Where a request of one batch size spends its time: in the model, per operator, and outside.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelProfile {
+    /// The model.
+    pub model: String,
+    /// What executes it (see [`ModelLoadRow::backend`]).
+    pub backend: String,
+    /// Rows per request (and per execution profiled).
+    pub batch_size: usize,
+    /// The model's compute per request: one execution's wall time in the runtime, ms.
+    pub model_ms: f64,
+    /// The request's median latency through the server at the lowest concurrency measured, ms.
+    pub request_ms: f64,
+    /// `request_ms - model_ms`: the wire, (de)serialization, the queue and the batcher, ms.
+    pub outside_model_ms: f64,
+    /// The time per operator type.
+    pub profile: OpProfile,
+}
+
+/// What a load test measured.
+#[derive(Debug, Clone)]
+pub struct ModelLoadReport {
+    /// One per (batch size, concurrency) cell.
+    pub rows: Vec<ModelLoadRow>,
+    /// One per batch size when profiling is on.
+    pub profiles: Vec<ModelProfile>,
 }
 
 /// One measured cell.
@@ -82,11 +115,12 @@ struct InputShape {
     dims: Vec<usize>,
 }
 
-/// Runs every (batch size, concurrency) cell, calling `on_row` as each finishes.
+/// Runs every (batch size, concurrency) cell, calling `on_row` as each finishes, then profiles
+/// each batch size if asked.
 pub fn run(
     t: &ModelLoad,
     mut on_row: impl FnMut(&ModelLoadRow),
-) -> Result<Vec<ModelLoadRow>, ServeError> {
+) -> Result<ModelLoadReport, ServeError> {
     if t.requests == 0 || t.batch_sizes.contains(&0) || t.concurrency.contains(&0) {
         return Err(ServeError::parameter(
             "load test",
@@ -164,7 +198,39 @@ pub fn run(
                 rows.push(row);
             }
         }
-        Ok::<_, ServeError>(rows)
+        let mut profiles = Vec::new();
+        for &batch_size in t.batch_sizes.iter().filter(|_| t.profile_runs > 0) {
+            let mut rng = SplitMix64::new(t.seed);
+            let inputs: Vec<Tensor> = inputs
+                .iter()
+                .map(|i| {
+                    let mut shape = vec![batch_size];
+                    shape.extend(&i.dims);
+                    let n = shape.iter().product();
+                    Tensor {
+                        datatype: i.datatype,
+                        shape,
+                        data: random_bytes(i.datatype, n, &mut rng),
+                    }
+                })
+                .collect();
+            let profile = server.profile(&t.model, &inputs, t.profile_runs)?;
+            let request_ms = rows
+                .iter()
+                .filter(|r| r.batch_size == batch_size)
+                .min_by_key(|r| r.concurrency)
+                .map_or(0.0, |r| r.p50_ms);
+            profiles.push(ModelProfile {
+                model: t.model.clone(),
+                backend: backend.clone(),
+                batch_size,
+                model_ms: profile.run_ms,
+                request_ms,
+                outside_model_ms: request_ms - profile.run_ms,
+                profile,
+            });
+        }
+        Ok::<_, ServeError>(ModelLoadReport { rows, profiles })
     })();
     rt.shutdown_timeout(Duration::from_secs(1));
     server.shutdown();

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cohort_bench::serve::{GenerateLoad, GenerateRow, LoadRow, LoadTest};
-use cohort_bench::serve_model::{ModelLoad, ModelLoadRow};
+use cohort_bench::serve_model::{ModelLoad, ModelLoadRow, ModelProfile};
 use cohort_gpt::GPTConfig;
 use cohort_serve::{Server, ServerOptions};
 
@@ -239,7 +239,14 @@ pub struct BenchServeArgs {
     /// NAME:D1,D2 (repeatable; default 1 for each).
     #[arg(long)]
     shape: Vec<String>,
+    /// With --repository: then time the model's operators at each batch size (an ONNX
+    /// model's, on the runtime serving it) beside the request's latency.
+    #[arg(long, requires = "repository")]
+    profile: bool,
 }
+
+/// Timed executions of each batch size's operator profile.
+const PROFILE_RUNS: usize = 20;
 
 /// Comma-separated counts of `flag`.
 fn counts(flag: &str, text: &str) -> anyhow::Result<Vec<usize>> {
@@ -267,6 +274,7 @@ fn bench_model(a: BenchServeArgs, repository: PathBuf, model: String) -> anyhow:
         warmup: 16,
         threads: a.threads,
         seed: a.seed,
+        profile_runs: if a.profile { PROFILE_RUNS } else { 0 },
     };
     if !a.json {
         println!(
@@ -294,8 +302,39 @@ fn bench_model(a: BenchServeArgs, repository: PathBuf, model: String) -> anyhow:
             );
         }
     };
-    cohort_bench::serve_model::run(&t, print).context("bench serve")?;
+    let report = cohort_bench::serve_model::run(&t, print).context("bench serve")?;
+    for p in &report.profiles {
+        if a.json {
+            println!("{}", serde_json::to_string(p).unwrap_or_default());
+        } else {
+            print_profile(p);
+        }
+    }
     Ok(())
+}
+
+/// The operator table of one batch size, and the model's time against the request's.
+fn print_profile(p: &ModelProfile) {
+    let o = &p.profile;
+    println!(
+        "\nprofile: batch {} on {}, {} runs: model {:.3} ms per request ({:.3} ms in \
+         operators), request p50 {:.3} ms, outside the model {:.3} ms",
+        p.batch_size, o.runtime, o.runs, p.model_ms, o.op_ms, p.request_ms, p.outside_model_ms
+    );
+    println!(
+        "{:<24} {:>6} {:>7} {:>10} {:>7}",
+        "op", "nodes", "calls", "ms total", "share"
+    );
+    for op in &o.ops {
+        println!(
+            "{:<24} {:>6} {:>7} {:>10.3} {:>6.1}%",
+            op.op,
+            op.nodes,
+            op.calls,
+            op.ms,
+            op.share * 100.0
+        );
+    }
 }
 
 fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {

@@ -625,7 +625,8 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
             );
         }
     }
-    // `cohort bench serve` names the runtime
+    // `cohort bench serve` names the runtime, and --profile splits the model's time by
+    // operator (both convolutions in the Conv rows) beside the request's
     for (backend, named) in [
         ("onnxruntime", "onnxruntime 1."),
         ("tract", "tract, 1 thread"),
@@ -641,6 +642,7 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
                 "3",
                 "--threads",
                 "1",
+                "--profile",
             ])
             .env("COHORT_ONNX_BACKEND", backend)
             .env("COHORT_LOG", "warn")
@@ -656,6 +658,23 @@ fn onnx_models_answer_tritonclient_as_onnxruntime_does_on_both_runtimes() {
             text.contains(&format!("backend: {named}")),
             "{backend}:\n{text}"
         );
+        let runtime = format!("profile: batch 2 on {backend}, 20 runs: model ");
+        assert!(
+            text.contains(&runtime) && text.contains("outside the model"),
+            "{backend}:\n{text}"
+        );
+        let convs: usize = text
+            .lines()
+            .filter(|l| l.starts_with("Conv") || l.starts_with("FusedConv"))
+            .map(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .unwrap()
+                    .parse::<usize>()
+                    .unwrap()
+            })
+            .sum();
+        assert_eq!(convs, 2, "{backend}: two Conv nodes:\n{text}");
     }
     let bad = "/nonexistent/libonnxruntime.so";
     let server = serve(&[("ORT_DYLIB_PATH", bad), ("COHORT_ONNX_BACKEND", "auto")]);

@@ -48,8 +48,9 @@
 //!   `ensemble` and `config_check`), `batcher` (the queue and dynamic batching), `metrics`,
 //!   `tensor` (typed tensors; its child `wire` checks a request's inputs) and `text` (a
 //!   model's text codec).
-//! - **Backends** (`backend`): `gpt`, `onnx` (with `onnx_dense`), `tokenizer`, behind the
-//!   `Backend` / `Instance` seam; each also checks the part of a config only it can judge.
+//! - **Backends** (`backend`): `gpt`, `onnx` (with `onnx_dense`), `onnx_ort`, `tokenizer`,
+//!   behind the `Backend` / `Instance` seam; each also checks the part of a config only it can
+//!   judge. `profile` sums a backend's operator times ([`OpProfile`]).
 //!
 //! At the bottom, `config` (with `pbtxt`, `platform`, `spellings`) reads a model's
 //! configuration and names none of the above, and `error` is [`ServeError`].
@@ -85,6 +86,7 @@ pub mod proto {
     tonic::include_proto!("inference");
 }
 
+pub use backend::profile::{OpProfile, OpTime};
 pub use config::{
     DynamicBatching, EnsembleScheduling, EnsembleStep, InstanceGroup, Kind, ModelConfig,
     QueuePolicy, TensorConfig, VersionPolicy, ENSEMBLE_PLATFORM, GPT_PLATFORM, INFLIGHT_BATCHING,

@@ -14,12 +14,14 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::backend::profile::OpProfile;
 use crate::error::ServeError;
 use crate::frontend::{grpc, http, openai, AppState};
 use crate::metrics::Metrics;
 use crate::model::BuildOptions;
 use crate::proto;
 use crate::repository::{IndexEntry, Repository};
+use crate::tensor::Tensor;
 
 /// How to run a [`Server`].
 #[derive(Debug, Clone)]
@@ -307,6 +309,19 @@ impl Server {
     /// if it is loaded; empty where its backend has one way only.
     pub fn backend_of(&self, name: &str) -> Option<String> {
         self.app.repo.resolve(name, None).ok().map(|v| v.describe())
+    }
+
+    /// Where the latest version of model `name` spends its time, per operator type: `runs`
+    /// executions of one batch of `inputs` (its inputs in the model's order, batch dimension
+    /// first) on a private copy of the model, beside the instances serving requests (an ONNX
+    /// model's; other backends do not time their operators).
+    pub fn profile(
+        &self,
+        name: &str,
+        inputs: &[Tensor],
+        runs: usize,
+    ) -> Result<OpProfile, ServeError> {
+        self.app.repo.resolve(name, None)?.profile(inputs, runs)
     }
 
     /// Whether `/v2/health/ready` answers ready: see [`ServerOptions::strict_readiness`].

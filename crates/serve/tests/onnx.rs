@@ -633,3 +633,105 @@ fn a_nested_ensemble_equals_its_steps_in_turn_and_a_cycle_is_refused_by_name() {
     rt.shutdown_timeout(Duration::from_secs(1));
     server.shutdown();
 }
+
+/// onnx_runtimes_check.py's CNN (made by the `onnx` package) profiled on each runtime: the
+/// convolutions show as 2 nodes, every row's nodes are the graph's, and the shares sum to 1.
+#[test]
+fn a_cnn_profiled_on_both_runtimes_shows_its_convolutions() {
+    let have = std::process::Command::new("python3")
+        .args(["-c", "import onnx, onnxruntime, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have {
+        eprintln!(
+            "a_cnn_profiled_on_both_runtimes_shows_its_convolutions: skipped, python3 cannot \
+             import onnx, onnxruntime and numpy (pip install onnx onnxruntime numpy)"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let made = std::process::Command::new("python3")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/onnx_runtimes_check.py"))
+        .arg("make")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    // the CNN once per runtime, each named in its config
+    for runtime in ["tract", "onnxruntime"] {
+        let to = dir.path().join(format!("cnn_{runtime}"));
+        std::fs::create_dir_all(to.join("1")).unwrap();
+        std::fs::copy(dir.path().join("cnn/1/model.onnx"), to.join("1/model.onnx")).unwrap();
+        let cfg = std::fs::read_to_string(dir.path().join("cnn/config.pbtxt")).unwrap();
+        let param =
+            format!("parameters {{ key: \"backend\" value: {{ string_value: \"{runtime}\" }} }}\n");
+        std::fs::write(to.join("config.pbtxt"), cfg + &param).unwrap();
+    }
+    let mut opts = ServerOptions::loopback(dir.path().to_path_buf());
+    opts.poll_interval = None;
+    opts.instance_threads = Some(1);
+    let server = Server::start(opts).unwrap();
+    let rows = 2;
+    let x: Vec<u8> = (0..rows * 3 * 32 * 32)
+        .flat_map(|i| ((i % 17) as f32 / 17.0 - 0.5).to_le_bytes())
+        .collect();
+    let input = cohort_serve::Tensor {
+        datatype: cohort_serve::DataType::Fp32,
+        shape: vec![rows, 3, 32, 32],
+        data: x,
+    };
+    let graph_nodes = 9;
+    for runtime in ["tract", "onnxruntime"] {
+        let model = format!("cnn_{runtime}");
+        assert!(server.is_model_ready(&model), "{:?}", server.index());
+        let p = server
+            .profile(&model, std::slice::from_ref(&input), 3)
+            .unwrap();
+        let table: Vec<_> = p.ops.iter().map(|o| (&o.op, o.nodes, o.calls)).collect();
+        assert_eq!(
+            (p.runtime.as_str(), p.rows, p.runs),
+            (runtime, rows, 3),
+            "{table:?}"
+        );
+        let share: f64 = p.ops.iter().map(|o| o.share).sum();
+        assert!(
+            (share - 1.0).abs() < 1e-9,
+            "shares sum to {share}: {table:?}"
+        );
+        assert!(p.op_ms > 0.0 && p.run_ms >= p.op_ms * 0.5, "{p:?}");
+        // onnxruntime fuses each Conv with its Relu (FusedConv); tract names each of its
+        // nodes after the ONNX node it came from
+        let convs: usize = p
+            .ops
+            .iter()
+            .filter(|o| o.op.contains("Conv"))
+            .map(|o| o.nodes)
+            .sum();
+        assert_eq!(convs, 2, "{runtime}: {table:?}");
+        let onnx_nodes: usize = p
+            .ops
+            .iter()
+            .filter(|o| !o.op.ends_with("(tract)"))
+            .map(|o| o.nodes)
+            .sum();
+        assert!(onnx_nodes <= graph_nodes, "{runtime}: {table:?}");
+        for o in &p.ops {
+            assert!(o.calls >= o.nodes * p.runs, "{runtime}: {table:?}");
+        }
+        if runtime == "tract" {
+            let gemm = p.ops.iter().find(|o| o.op == "Gemm");
+            assert_eq!(gemm.map(|o| o.nodes), Some(1), "{table:?}");
+        }
+        println!("{runtime}: {table:?}");
+    }
+    // a model whose backend does not time operators says so
+    let err = server
+        .profile("nope", std::slice::from_ref(&input), 1)
+        .unwrap_err();
+    assert!(err.to_string().contains("nope"), "{err}");
+    server.shutdown();
+}

@@ -15,6 +15,7 @@ pub(crate) mod gpt;
 pub(crate) mod onnx;
 mod onnx_dense;
 pub(crate) mod onnx_ort;
+pub(crate) mod profile;
 pub(crate) mod tokenizer;
 
 use std::path::Path;
@@ -51,6 +52,11 @@ pub(crate) trait Backend: Send + Sync {
     /// threads; empty where there is one way only.
     fn describe(&self) -> String {
         String::new()
+    }
+    /// Executes `inputs` (one batch) `runs` times on a private copy of the model, timing each
+    /// operator (`cohort bench serve --profile`); the serving instances are not involved.
+    fn profile(&self, _inputs: &[Tensor], _runs: usize) -> Result<profile::OpProfile, String> {
+        Err("its backend does not time its operators (only ONNX models' do)".into())
     }
 }
 

@@ -10,6 +10,8 @@
 //! `Gemm` nodes with constant weights (dense layers) run on cohort-engine's sgemm instead, with
 //! their weights packed once at load ([`onnx_dense`](super::onnx_dense)); tract runs the rest.
 //! With more than one thread an instance has a private pool, which both use.
+//! A profile ([`Backend::profile`]) times each node of the plan an instance would run, each
+//! named after the ONNX node it was made from.
 //!
 //! A model using an operator tract does not implement fails its load with one line naming the
 //! operator and the node. This module never reads a request off the wire and never writes to
@@ -18,6 +20,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 use tract_linalg::multithread::{multithread_tract_scope, Executor};
 use tract_onnx::prelude::{
@@ -25,6 +28,7 @@ use tract_onnx::prelude::{
     Tensor as TractTensor, TractError, TypedFact, TypedModel, TypedSimplePlan, TypedSimpleState,
 };
 
+use super::profile::{OpProfile, Tally};
 use super::{Backend, Instance, Loaded, Version};
 use crate::config::ModelConfig;
 use crate::error::ServeError;
@@ -39,6 +43,11 @@ struct OnnxBackend {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
     threads: usize,
+    /// The optimized plan and the model to make concrete plans from: a profile's own state.
+    plan: Arc<TypedSimplePlan>,
+    decluttered: Arc<Decluttered>,
+    /// ONNX node name (as tract names its nodes) -> its operator, to name a profile's rows.
+    origins: HashMap<String, String>,
 }
 
 impl Backend for OnnxBackend {
@@ -56,6 +65,70 @@ impl Backend for OnnxBackend {
 
     fn describe(&self) -> String {
         format!("tract, {} thread(s) per instance", self.threads)
+    }
+
+    /// Times each node's evaluation of the plan an instance would run for this batch; a row
+    /// is the ONNX operator the node was made from (tract's own name for nodes it added).
+    fn profile(&self, inputs: &[Tensor], runs: usize) -> Result<OpProfile, String> {
+        let rows = inputs.first().map_or(0, |t| t.shape[0]);
+        let mut state = match concrete_state(&self.decluttered, rows) {
+            Some(state) => state,
+            None => TypedSimpleState::new(&self.plan).map_err(|e| format!("{e:#}"))?,
+        };
+        let values = tract_values(inputs)?;
+        let executor = (self.threads > 1)
+            .then(|| Executor::multithread_with_name(self.threads, "onnx-profile"));
+        let mut tally = Tally::default();
+        let mut run = |tally: Option<&mut Tally>| {
+            let started = Instant::now();
+            let ran = match tally {
+                None => state.run(values.clone()).map(drop),
+                Some(tally) => {
+                    let ran = state
+                        .run_plan_with_eval(values.clone(), |ctx, op_state, node, ins| {
+                            let t = Instant::now();
+                            let out = tract_onnx::tract_core::plan::eval(ctx, op_state, node, ins);
+                            let (op, origin) = self.origin(&node.name, node.op().name());
+                            tally.node(&op, origin, t.elapsed().as_secs_f64());
+                            out
+                        })
+                        .map(drop);
+                    tally.run(started.elapsed().as_secs_f64());
+                    ran
+                }
+            };
+            ran.map_err(|e| format!("{e:#}"))
+        };
+        let mut timed = || {
+            run(None)?;
+            for _ in 0..runs {
+                run(Some(&mut tally))?;
+            }
+            Ok::<_, String>(())
+        };
+        match executor {
+            Some(pool) => multithread_tract_scope(pool, timed)?,
+            None => timed()?,
+        }
+        Ok(tally.finish("tract", rows))
+    }
+}
+
+impl OnnxBackend {
+    /// The ONNX operator and node tract's node `name` was made from: the longest ONNX node
+    /// name that is `name` or a prefix of it before a '.' (tract names the nodes it derives
+    /// `node.step`); else tract's operator `op`, marked as tract's.
+    fn origin<'a>(&'a self, name: &'a str, op: impl std::fmt::Display) -> (String, &'a str) {
+        let mut at = name.len();
+        loop {
+            if let Some(onnx_op) = self.origins.get(&name[..at]) {
+                return (onnx_op.clone(), &name[..at]);
+            }
+            match name[..at].rfind('.') {
+                Some(dot) => at = dot,
+                None => return (format!("{op} (tract)"), name),
+            }
+        }
     }
 }
 
@@ -82,23 +155,36 @@ struct OnnxInstance {
     outputs: Vec<TensorSpec>,
 }
 
-impl OnnxInstance {
-    /// An execution state of the model with `rows` as its batch size.
-    fn concretize(&self, rows: usize) -> Option<TypedSimpleState> {
-        let sym = self.decluttered.batch.as_ref()?;
-        let subs = HashMap::from([(sym.clone(), TDim::Val(rows as i64))]);
-        let model = self.decluttered.model.set_symbols(&subs).ok()?;
-        let optimized = model.into_optimized().ok()?;
-        TypedSimpleState::new(&TypedSimplePlan::new(optimized).ok()?).ok()
-    }
+/// An execution state of the model with `rows` as its batch size, if it can be made.
+fn concrete_state(decluttered: &Decluttered, rows: usize) -> Option<TypedSimpleState> {
+    let sym = decluttered.batch.as_ref()?;
+    let subs = HashMap::from([(sym.clone(), TDim::Val(rows as i64))]);
+    let model = decluttered.model.set_symbols(&subs).ok()?;
+    let optimized = model.into_optimized().ok()?;
+    TypedSimpleState::new(&TypedSimplePlan::new(optimized).ok()?).ok()
+}
 
+/// `inputs` as tract's values.
+fn tract_values(inputs: &[Tensor]) -> Result<TVec<TValue>, String> {
+    let mut values: TVec<TValue> = TVec::new();
+    for t in inputs {
+        let dt = datum(t.datatype)
+            .ok_or_else(|| format!("input of type {} reached the ONNX backend", t.datatype))?;
+        let mut tt = TractTensor::zero_dt(dt, &t.shape).map_err(|e| format!("{e:#}"))?;
+        tt.as_bytes_mut().copy_from_slice(&t.data);
+        values.push(tt.into());
+    }
+    Ok(values)
+}
+
+impl OnnxInstance {
     /// The state that runs a batch of `rows`.
     fn state_for(&mut self, rows: usize) -> &mut TypedSimpleState {
         let known = self.concrete.iter().position(|(n, _)| *n == rows);
         let at = match known {
             Some(i) => Some(i),
             None if self.concrete.len() < CONCRETE_PLANS => {
-                let state = self.concretize(rows);
+                let state = concrete_state(&self.decluttered, rows);
                 self.concrete.push((rows, state));
                 Some(self.concrete.len() - 1)
             }
@@ -115,14 +201,7 @@ impl OnnxInstance {
 
 impl Instance for OnnxInstance {
     fn execute(&mut self, inputs: &[Tensor], want: &[bool]) -> Result<Vec<Option<Tensor>>, String> {
-        let mut values: TVec<TValue> = TVec::new();
-        for t in inputs {
-            let dt = datum(t.datatype)
-                .ok_or_else(|| format!("input of type {} reached the ONNX backend", t.datatype))?;
-            let mut tt = TractTensor::zero_dt(dt, &t.shape).map_err(|e| format!("{e:#}"))?;
-            tt.as_bytes_mut().copy_from_slice(&t.data);
-            values.push(tt.into());
-        }
+        let values = tract_values(inputs)?;
         let rows = inputs.first().map_or(0, |t| t.shape[0]);
         let executor = self.executor.clone();
         let state = self.state_for(rows);
@@ -279,6 +358,17 @@ pub(crate) fn load(
         )));
     }
     distinct_node_names(graph);
+    // the names tract gives the graph's nodes (their own, else their first output's)
+    let origins: HashMap<String, String> = graph
+        .node
+        .iter()
+        .filter_map(|n| {
+            let name = (!n.name.is_empty())
+                .then(|| n.name.clone())
+                .or_else(|| n.output.first().filter(|o| !o.is_empty()).cloned())?;
+            Some((name, n.op_type.clone()))
+        })
+        .collect();
     let dir = version_dir.to_str();
     let parsed = onnx.parse(&proto, dir).map_err(|e| err(format!("{e:#}")))?;
     if let Some(name) = parsed.unresolved_inputs.first() {
@@ -308,14 +398,17 @@ pub(crate) fn load(
         batch,
     });
     let (inputs, outputs) = tensors(&typed).map_err(err)?;
+    let plan: Arc<TypedSimplePlan> =
+        TypedSimplePlan::new(typed).map_err(|e| err(format!("{e:#}")))?;
     let backend = OnnxBackend {
         inputs,
         outputs,
         threads,
+        plan: plan.clone(),
+        decluttered: decluttered.clone(),
+        origins,
     };
     super::check_declared(cfg, &backend).map_err(|e| err(format!("config {e}")))?;
-    let plan: Arc<TypedSimplePlan> =
-        TypedSimplePlan::new(typed).map_err(|e| err(format!("{e:#}")))?;
     let mut instances: Vec<Box<dyn Instance>> = Vec::with_capacity(count);
     for i in 0..count {
         let state =

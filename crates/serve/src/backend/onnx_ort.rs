@@ -12,11 +12,13 @@
 //!
 //! Sessions get onnxruntime's default options (full graph optimization, sequential execution,
 //! spinning intra-op pool) but for the intra-op thread count, which is the instance's threads
-//! as tract gets them. This module never reads a request off the wire and never writes to the
+//! as tract gets them. A profile ([`Backend::profile`]) runs its own session with onnxruntime's
+//! profiler on. This module never reads a request off the wire and never writes to the
 //! repository.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
+use std::time::Instant;
 
 use ort::environment::Environment;
 use ort::memory::Allocator;
@@ -24,6 +26,7 @@ use ort::session::{Session, SessionInputValue};
 use ort::value::{DynTensor, DynTensorValueType, TensorElementType, ValueType};
 
 use super::onnx::{batch_spec, unserved, MODEL_FILE};
+use super::profile::{OpProfile, Tally};
 use super::{Backend, Instance, Loaded, Version};
 use crate::config::{ModelConfig, ONNX_BACKEND};
 use crate::error::ServeError;
@@ -281,6 +284,10 @@ struct OrtBackend {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
     describe: String,
+    /// What a profile's own session is made of.
+    rt: &'static Runtime,
+    path: PathBuf,
+    threads: usize,
 }
 
 impl Backend for OrtBackend {
@@ -299,6 +306,101 @@ impl Backend for OrtBackend {
     fn describe(&self) -> String {
         self.describe.clone()
     }
+
+    /// Runs a session made with onnxruntime's profiler on: it writes a Chrome trace whose
+    /// "Node" events are each kernel's time (`args.op_name`, `dur` in µs), read back here and
+    /// deleted. The first run is untimed.
+    fn profile(&self, inputs: &[Tensor], runs: usize) -> Result<OpProfile, String> {
+        static PROFILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = PROFILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let prefix =
+            std::env::temp_dir().join(format!("cohort-ort-profile-{}-{n}", std::process::id()));
+        let mut session = Session::builder(&self.rt.env)
+            .and_then(|b| b.with_intra_threads(self.threads).map_err(Into::into))
+            .and_then(|b| b.with_profiling(&prefix).map_err(Into::into))
+            .and_then(|mut b| b.commit_from_file(&self.path))
+            .map_err(|e| format!("{}: {e}", self.path.display()))?;
+        let allocator = Allocator::default();
+        let mut walls = Vec::with_capacity(runs);
+        let mut ran = Ok(());
+        for i in 0..=runs {
+            let started = Instant::now();
+            ran = ort_values(&allocator, inputs).and_then(|values| {
+                session
+                    .run(values.as_slice())
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            });
+            if ran.is_err() {
+                break;
+            }
+            if i > 0 {
+                walls.push(started.elapsed().as_secs_f64());
+            }
+        }
+        // the trace is written when profiling ends (or the session is dropped): end it and
+        // delete it whether the runs succeeded or not
+        let file = session.end_profiling().map_err(|e| e.to_string())?;
+        let text = std::fs::read_to_string(&file);
+        let _ = std::fs::remove_file(&file);
+        ran?;
+        let text = text.map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;
+        let mut tally =
+            tally_trace(&text).map_err(|e| format!("onnxruntime's profile {file}: {e}"))?;
+        for w in walls {
+            tally.run(w);
+        }
+        let rows = inputs.first().map_or(0, |t| t.shape[0]);
+        Ok(tally.finish("onnxruntime", rows))
+    }
+}
+
+/// The kernel times of onnxruntime's profile `trace` (a JSON array of Chrome trace events),
+/// but for the first run's.
+fn tally_trace(trace: &str) -> Result<Tally, String> {
+    use serde_json::Value;
+    let events: Vec<Value> = serde_json::from_str(trace).map_err(|e| e.to_string())?;
+    let field = |e: &Value, k: &str| e.get(k).and_then(Value::as_f64).unwrap_or(0.0);
+    let text = |e: &Value, k: &str| e.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    // each run's span, in µs: the events of a run fall inside its "model_run"
+    let mut spans: Vec<(f64, f64)> = events
+        .iter()
+        .filter(|e| text(e, "cat") == "Session" && text(e, "name") == "model_run")
+        .map(|e| (field(e, "ts"), field(e, "ts") + field(e, "dur")))
+        .collect();
+    spans.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut tally = Tally::default();
+    let mut nth_in_run = vec![0usize; spans.len()];
+    for e in &events {
+        let name = text(e, "name");
+        let Some(node) = name.strip_suffix("_kernel_time") else {
+            continue;
+        };
+        if text(e, "cat") != "Node" {
+            continue;
+        }
+        let ts = field(e, "ts");
+        let Some(run) = spans.iter().position(|&(a, b)| ts >= a && ts <= b) else {
+            continue;
+        };
+        nth_in_run[run] += 1;
+        if run == 0 {
+            continue;
+        }
+        let op = e
+            .get("args")
+            .and_then(|a| a.get("op_name"))
+            .and_then(Value::as_str)
+            .unwrap_or("?");
+        // an unnamed node is told apart by its place in the run
+        let node = if node.is_empty() {
+            format!("#{}", nth_in_run[run])
+        } else {
+            node.to_string()
+        };
+        tally.node(op, &node, field(e, "dur") * 1e-6);
+    }
+    Ok(tally)
 }
 
 /// One instance: its own session (onnxruntime's run is not `&self` in ort).
@@ -310,7 +412,7 @@ struct OrtInstance {
 
 /// Builds `count` sessions of `threads` intra-op threads each over the model at `path`.
 fn load_ort(
-    rt: &Runtime,
+    rt: &'static Runtime,
     path: &Path,
     cfg: &ModelConfig,
     count: usize,
@@ -351,6 +453,9 @@ fn load_ort(
             rt.version,
             rt.path.display()
         ),
+        rt,
+        path: path.to_path_buf(),
+        threads,
     };
     super::check_declared(cfg, &backend).map_err(|e| Unusable::Config(format!("config {e}")))?;
     let instances = sessions
@@ -408,23 +513,33 @@ fn element(d: DataType) -> Option<TensorElementType> {
     })
 }
 
+/// `inputs` as onnxruntime's values, allocated with `allocator`.
+fn ort_values(
+    allocator: &Allocator,
+    inputs: &[Tensor],
+) -> Result<Vec<SessionInputValue<'static>>, String> {
+    let mut values: Vec<SessionInputValue<'static>> = Vec::with_capacity(inputs.len());
+    for t in inputs {
+        let ty = element(t.datatype)
+            .ok_or_else(|| format!("input of type {} reached the ONNX backend", t.datatype))?;
+        let mut value =
+            DynTensor::new(allocator, ty, t.shape.clone()).map_err(|e| e.to_string())?;
+        if !t.data.is_empty() {
+            let dst = value.data_ptr_mut().cast::<u8>();
+            // SAFETY: the tensor was just allocated on the CPU with t.shape and t's element
+            // type, so it holds exactly t.data.len() bytes (the batcher checked the request's
+            // byte size against its shape and type, a profile's caller its own); the regions
+            // are distinct.
+            unsafe { std::ptr::copy_nonoverlapping(t.data.as_ptr(), dst, t.data.len()) };
+        }
+        values.push(value.into_dyn().into());
+    }
+    Ok(values)
+}
+
 impl Instance for OrtInstance {
     fn execute(&mut self, inputs: &[Tensor], want: &[bool]) -> Result<Vec<Option<Tensor>>, String> {
-        let mut values: Vec<SessionInputValue<'_>> = Vec::with_capacity(inputs.len());
-        for t in inputs {
-            let ty = element(t.datatype)
-                .ok_or_else(|| format!("input of type {} reached the ONNX backend", t.datatype))?;
-            let mut value =
-                DynTensor::new(&self.allocator, ty, t.shape.clone()).map_err(|e| e.to_string())?;
-            if !t.data.is_empty() {
-                let dst = value.data_ptr_mut().cast::<u8>();
-                // SAFETY: the tensor was just allocated on the CPU with t.shape and t's element
-                // type, so it holds exactly t.data.len() bytes (the batcher checked the
-                // request's byte size against its shape and type); the regions are distinct.
-                unsafe { std::ptr::copy_nonoverlapping(t.data.as_ptr(), dst, t.data.len()) };
-            }
-            values.push(value.into_dyn().into());
-        }
+        let values = ort_values(&self.allocator, inputs)?;
         let rows = inputs.first().map_or(0, |t| t.shape[0]);
         let outs = self
             .session

@@ -40,6 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 mod config_check;
 pub(crate) mod ensemble;
 
+use crate::backend::profile::OpProfile;
 use crate::backend::{self, Backend, Instance};
 use crate::batcher::{BatchPolicy, Dynamic, GenerateJob, InferJob, Job, Queue, Refused, Work};
 use crate::config::{Kind, ModelConfig};
@@ -295,6 +296,53 @@ impl LoadedVersion {
             Serving::Instances { backend, .. } => backend.describe(),
             Serving::Ensemble(_) => String::new(),
         }
+    }
+
+    /// The time in each operator type of `runs` executions of one batch of `inputs` (the
+    /// model's inputs in its order, batch dimension first) on a private copy of the model; see
+    /// [`Backend::profile`].
+    pub fn profile(&self, inputs: &[Tensor], runs: usize) -> Result<OpProfile, ServeError> {
+        let what = backend::Version {
+            model: &self.model,
+            version: self.version,
+        };
+        let Serving::Instances { backend, .. } = &self.serving else {
+            return Err(what.error("an ensemble has no operators of its own to time".into()));
+        };
+        let specs = backend.inputs();
+        if inputs.len() != specs.len() {
+            return Err(what.error(format!(
+                "profile: {} input(s) given, the model takes {}",
+                inputs.len(),
+                specs.len()
+            )));
+        }
+        for (t, spec) in inputs.iter().zip(specs) {
+            let fits = t.datatype == spec.datatype
+                && t.shape.len() == spec.shape.len()
+                && t.shape
+                    .iter()
+                    .zip(&spec.shape)
+                    .all(|(&g, &m)| m < 0 || g as i64 == m)
+                && t.datatype
+                    .size()
+                    .map(|s| s * t.shape.iter().product::<usize>())
+                    == Some(t.data.len());
+            if !fits {
+                return Err(what.error(format!(
+                    "profile: input {:?} is {} {:?} in {} bytes; the model's is {} {:?}",
+                    spec.name,
+                    t.datatype,
+                    t.shape,
+                    t.data.len(),
+                    spec.datatype,
+                    spec.shape
+                )));
+            }
+        }
+        backend
+            .profile(inputs, runs.max(1))
+            .map_err(|e| what.error(format!("profile: {e}")))
     }
 
     /// Checks a request's values as the backend requires (see [`Backend::check`]).

@@ -1609,6 +1609,102 @@ fn a_bf16_kv_cache_serves_its_own_tokens_and_a_bad_kv_cache_dtype_is_refused_at_
     server.shutdown();
 }
 
+#[test]
+fn decode_weights_serve_their_copys_tokens_batched_or_alone_and_a_bad_format_is_refused() {
+    use cohort_gpt::sample::{
+        generate, generate_while_in, DecodeWeights, KvDtype, SampleOptions, WeightFormat, Workspace,
+    };
+    let repo = tempfile::tempdir().unwrap();
+    let cfg = GPTConfig {
+        vocab_size: 23,
+        max_position_embeddings: 32,
+        n_layers: 2,
+        n_heads: 4,
+        d_model: 64,
+        d_ff: 256,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    };
+    // large weights: sharp attention, so the copies' rounding shows in the tokens
+    let mut gpt = GPT::new(cfg, 9).unwrap();
+    for p in gpt.params_mut() {
+        *p *= 20.0;
+    }
+    let weights = |w: &str| {
+        format!("parameters {{ key: \"decode_weights\" value: {{ string_value: \"{w}\" }} }}\n")
+    };
+    let solo = "parameters { key: \"inflight_batching\" value: { string_value: \"false\" } }\n";
+    for (name, config) in [
+        ("q8", weights("q8")),
+        ("q8_solo", format!("{}{solo}", weights("q8"))),
+        ("bf16", weights("bf16")),
+        ("q4", weights("q4")),
+    ] {
+        put_version(repo.path(), name, 1, &gpt);
+        std::fs::write(repo.path().join(name).join("config.pbtxt"), config).unwrap();
+    }
+    let server = start(repo.path(), |o| {
+        o.load_models = Some(vec!["q8".into(), "q8_solo".into(), "bf16".into()])
+    });
+    let addr = server.http_addr();
+    let mut differs = false;
+    let reqs: Vec<(&str, usize, f64, u64)> = vec![
+        ("1 2 3", 30, 0.0, 0),
+        ("4", 20, 0.9, 11),
+        ("5 6 7 8", 25, 1.1, 12),
+    ];
+    for (model, format) in [
+        ("q8", WeightFormat::Q8),
+        ("q8_solo", WeightFormat::Q8),
+        ("bf16", WeightFormat::Bf16),
+    ] {
+        let copy = std::sync::Arc::new(DecodeWeights::new(&gpt, format.decode_format().unwrap()));
+        let handles: Vec<_> = reqs
+            .iter()
+            .map(|&(prompt, n, t, seed)| {
+                std::thread::spawn(move || {
+                    let body = json!({"text_input": prompt, "parameters": {
+                        "max_tokens": n, "temperature": t, "seed": seed,
+                        "exclude_input_in_output": true}});
+                    let r = post_json(addr, &format!("/v2/models/{model}/generate"), &body);
+                    assert_eq!(r.status, 200, "{}", String::from_utf8_lossy(&r.body));
+                    ids_of(r.json()["text_output"].as_str().unwrap())
+                })
+            })
+            .collect();
+        for (&(prompt, n, t, seed), h) in reqs.iter().zip(handles) {
+            let opts = SampleOptions {
+                max_new_tokens: n,
+                temperature: t as f32,
+                top_k: None,
+                top_p: 1.0,
+                seed,
+            };
+            let mut ws = Workspace::with_weights(&gpt, copy.clone()).unwrap();
+            let go = |_| std::ops::ControlFlow::Continue(());
+            let want =
+                generate_while_in(&mut ws, &gpt, &ids_of(prompt), &opts, KvDtype::F32, go).unwrap();
+            assert_eq!(h.join().unwrap(), want, "{model} {prompt:?} {opts:?}");
+            differs |= want != generate(&gpt, &ids_of(prompt), &opts, |_| {}).unwrap();
+        }
+    }
+    assert!(
+        differs,
+        "every request got the f32 weights' tokens: was a copy read?"
+    );
+    // another value fails that model's load in one line naming the key and the values
+    let r = post_json(addr, "/v2/repository/models/q4/load", &json!({}));
+    assert_eq!(r.status, 400);
+    let err = r.json()["error"].as_str().unwrap().to_string();
+    assert!(
+        err.contains("parameter decode_weights is \"q4\"")
+            && err.contains("\"bf16\" or \"q8\"")
+            && !err.contains('\n'),
+        "{err}"
+    );
+    server.shutdown();
+}
+
 /// r43: a model that cannot load is never hidden. Each is named with why (no version
 /// directory, a `v1` directory, a broken config.pbtxt) in the model table, in the error that
 /// stops the start with `exit_on_error`, and by readiness, which with `strict_readiness`

@@ -6,7 +6,8 @@
 //! `default_queue_policy.max_queue_size`), `instance_group` (`count`, `kind`),
 //! `version_policy`, `parameters` (`inflight_batching`: whether concurrent generations share
 //! batched decode steps; `kv_cache_dtype`: `fp32` or `bf16` keys and values in generation's
-//! KV caches; `backend`: `auto`, `onnxruntime` or `tract` runs an ONNX model),
+//! KV caches; `decode_weights`: `fp32`, `bf16` or `q8` matrices read by decode steps;
+//! `backend`: `auto`, `onnxruntime` or `tract` runs an ONNX model),
 //! `ensemble_scheduling` (steps with `input_map` / `output_map`), and
 //! `input` / `output`, which must name the model's own tensors with their types (a GPT's
 //! `input_ids`; `logits`, `next_token`; an ONNX model's are checked when `model.onnx` is read;
@@ -28,7 +29,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use cohort_gpt::sample::KvDtype;
+use cohort_gpt::sample::{KvDtype, WeightFormat};
 use serde::{Deserialize, Serialize};
 
 mod pbtxt;
@@ -72,6 +73,11 @@ const PARAMETERS: &[(&str, &str)] = &[
         "\"fp32\" (the default) or \"bf16\" (generation's KV caches in bf16: half the bytes)",
     ),
     (
+        DECODE_WEIGHTS,
+        "\"fp32\" (the default: the model's weights), \"bf16\" or \"q8\" (a copy of the matrices \
+         that generation's decode steps read: a half or about a quarter of the bytes)",
+    ),
+    (
         ONNX_BACKEND,
         "\"auto\" (the default: the ONNX Runtime library when it loads, else tract), \
          \"onnxruntime\" or \"tract\" (ONNX models only)",
@@ -88,6 +94,10 @@ pub const INFLIGHT_BATCHING: &str = "inflight_batching";
 /// The `parameters` key that picks the number format of generation's KV caches (vLLM's
 /// `--kv-cache-dtype`).
 pub const KV_CACHE_DTYPE: &str = "kv_cache_dtype";
+
+/// The `parameters` key that picks the weights generation's decode steps read (`cohort sample
+/// --weights`; vLLM's `--quantization` for a served model).
+pub const DECODE_WEIGHTS: &str = "decode_weights";
 
 /// `max_batch_size` when the config does not say.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 8;
@@ -468,6 +478,7 @@ impl ModelConfig {
             let allowed = match k.as_str() {
                 INFLIGHT_BATCHING => matches!(v.as_str(), "true" | "false"),
                 KV_CACHE_DTYPE => matches!(v.as_str(), "fp32" | "bf16"),
+                DECODE_WEIGHTS => matches!(v.as_str(), "fp32" | "bf16" | "q8"),
                 ONNX_BACKEND => matches!(v.as_str(), "auto" | "onnxruntime" | "tract"),
                 _ => true,
             };
@@ -514,6 +525,15 @@ impl ModelConfig {
             Some("bf16") => KvDtype::Bf16,
             _ => KvDtype::F32,
         }
+    }
+
+    /// The weights generation's decode steps read (the `decode_weights` parameter: the model's
+    /// f32 weights unless it names a copy; [`ModelConfig`]'s checks refuse other values).
+    pub fn decode_weights(&self) -> WeightFormat {
+        self.parameters
+            .get(DECODE_WEIGHTS)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_default()
     }
 
     /// Instances to run: the sum of the instance groups' counts (1 without groups).

@@ -32,7 +32,8 @@ use std::time::{Instant, SystemTime};
 
 use cohort_gpt::checkpoint::{self, MODEL_FILE};
 use cohort_gpt::sample::{
-    decode_step, generate_while_with, Generation as Decoding, KvDtype, SampleOptions, Workspace,
+    decode_step, generate_while_in, DecodeWeights, Generation as Decoding, KvDtype, SampleOptions,
+    Workspace,
 };
 use cohort_gpt::GPT;
 use tokio::sync::{mpsc, oneshot};
@@ -209,6 +210,13 @@ impl LoadedVersion {
         let queue = Arc::new(Queue::new(policy, capacity));
         let (inflight, max_inflight) = (cfg.inflight_batching(), cfg.max_batch_size.max(1));
         let kv_dtype = cfg.kv_cache_dtype();
+        // One copy for every instance: they serve the same checkpoint.
+        let decode_weights = cfg.decode_weights().decode_format().and_then(|format| {
+            let gpt = loaded.instances.first()?.decoder()?;
+            let copy = DecodeWeights::new(gpt, format);
+            tracing::info!(model, version, weights = %cfg.decode_weights(), bytes = copy.bytes(), "decode weights copied");
+            Some(Arc::new(copy))
+        });
         let outputs: Arc<Vec<String>> = Arc::new(
             loaded
                 .backend
@@ -218,11 +226,12 @@ impl LoadedVersion {
                 .collect(),
         );
         for (i, instance) in loaded.instances.into_iter().enumerate() {
-            let (q, m, name, outputs) = (
+            let (q, m, name, outputs, weights) = (
                 queue.clone(),
                 metrics.clone(),
                 model.to_string(),
                 outputs.clone(),
+                decode_weights.clone(),
             );
             std::thread::Builder::new()
                 .name(format!("serve-{model}-{version}-{i}"))
@@ -235,6 +244,7 @@ impl LoadedVersion {
                         inflight,
                         max_inflight,
                         kv_dtype,
+                        decode_weights: weights,
                         outputs: &outputs,
                     };
                     run_instance(instance, &ctx)
@@ -510,6 +520,8 @@ struct InstanceCtx<'a> {
     max_inflight: usize,
     /// The number format of each generation's KV cache (the `kv_cache_dtype` parameter).
     kv_dtype: KvDtype,
+    /// The copy of the matrices decode steps read (the `decode_weights` parameter), if any.
+    decode_weights: Option<Arc<DecodeWeights>>,
     /// The model's output names, in order.
     outputs: &'a [String],
 }
@@ -552,7 +564,7 @@ impl AsRef<Decoding> for Active {
 /// client left are answered and dropped; each step advances every generation in flight by one
 /// token (feeding a newcomer's prompt in the same forward) with one batched product per layer.
 fn run_instance(mut instance: Box<dyn Instance>, ctx: &InstanceCtx<'_>) {
-    let mut ws = instance.decoder().map(Workspace::new);
+    let mut ws = instance.decoder().map(|gpt| workspace(gpt, ctx));
     let mut active: Vec<Active> = Vec::new();
     loop {
         // with generations in flight, never wait for work: the next step is due now
@@ -568,7 +580,10 @@ fn run_instance(mut instance: Box<dyn Instance>, ctx: &InstanceCtx<'_>) {
             Some(Work::Infer(jobs)) => run_infer(instance.as_mut(), jobs, ctx),
             Some(Work::Generate(job)) => match instance.decoder() {
                 Some(gpt) if ctx.inflight => admit(gpt, job, &mut active, ctx),
-                Some(gpt) => run_alone(gpt, job, ctx),
+                Some(gpt) => match ws.as_mut() {
+                    Some(ws) => run_alone(gpt, ws, job, ctx),
+                    None => refuse_generate(job, ctx),
+                },
                 None => refuse_generate(job, ctx),
             },
             None => {}
@@ -704,13 +719,13 @@ fn finish(a: Active, ctx: &InstanceCtx<'_>) {
 }
 
 /// One generation alone on the instance, start to end (in-flight batching off).
-fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
+fn run_alone(gpt: &GPT, ws: &mut Workspace, job: GenerateJob, ctx: &InstanceCtx<'_>) {
     let Some(started) = dequeue(&job, ctx) else {
         return;
     };
     let (tokens, done) = (&job.tokens, &job.done);
     let ran = catch_unwind(AssertUnwindSafe(|| {
-        generate_while_with(gpt, &job.prompt, &job.opts, ctx.kv_dtype, |id| {
+        generate_while_in(ws, gpt, &job.prompt, &job.opts, ctx.kv_dtype, |id| {
             // nobody is listening any more, or the end of text: stop after this step
             if tokens.send(id).is_err() || done.is_closed() || job.stop.contains(&id) {
                 std::ops::ControlFlow::Break(())
@@ -733,6 +748,18 @@ fn run_alone(gpt: &GPT, job: GenerateJob, ctx: &InstanceCtx<'_>) {
     if job.done.send(out).is_err() {
         ctx.metrics
             .failure(Failure::Cancelled, job.enqueued.elapsed());
+    }
+}
+
+/// An instance's decode workspace, reading the model's copy of its matrices when it has one.
+fn workspace(gpt: &GPT, ctx: &InstanceCtx<'_>) -> Workspace {
+    match ctx.decode_weights.clone() {
+        // The copy was made from this checkpoint, so its config is this instance's.
+        Some(copy) => Workspace::with_weights(gpt, copy).unwrap_or_else(|e| {
+            tracing::warn!(model = ctx.model, "decode weights not used: {e}");
+            Workspace::new(gpt)
+        }),
+        None => Workspace::new(gpt),
     }
 }
 

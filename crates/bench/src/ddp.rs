@@ -24,6 +24,7 @@
 
 use cohort_comm::ProcessGroup;
 use cohort_ddp::DdpOptions;
+use cohort_engine::cpu::{self, Cpu};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{Backward, Forward, GPTConfig, Labels, GPT};
@@ -197,6 +198,14 @@ pub struct BenchDdpResult {
     pub seq: usize,
     /// Measured steps.
     pub steps: usize,
+    /// Model FLOPs of one rank's step (llm.c's count, as `cohort bench train`).
+    pub flops_per_step_per_rank: f64,
+    /// Each rank's peak of the instruction its products use, measured on its threads at start,
+    /// all ranks at once (GFLOP/s; None without FMA).
+    pub peak_gflops_per_rank: Option<Vec<f64>>,
+    /// Model FLOPs utilisation of the job: world x flops_per_step_per_rank at the slowest
+    /// rank's median step, over the ranks' peaks summed.
+    pub mfu: Option<f64>,
 }
 
 /// Why the benchmark could not run.
@@ -300,6 +309,19 @@ pub fn run_ddp_bench(
         }
     };
     let mut dp = DataParallel::new(pg, model, sync);
+    // The instruction's peak on this rank's threads, every rank at once (what they get of the
+    // machine together), before the first step.
+    pg.barrier()
+        .map_err(TrainError::comm("waiting to measure the peak"))?;
+    let backend = dp.model().backend();
+    let peak = Cpu::with_dtype(backend.num_threads(), backend.dtype())
+        .ok()
+        .and_then(|cpu| cpu::product_peak(&cpu));
+    let mut peaks = vec![0f64; world];
+    pg.all_gather(&[peak.map_or(f64::NAN, |p| p.gflops)], &mut peaks)
+        .map_err(TrainError::comm("gathering the peaks"))?;
+    let peaks = peaks.iter().all(|p| p.is_finite()).then_some(peaks);
+    let flops_per_step = cfg.train_flops_per_token(t) * (b * t) as f64;
 
     // DDP and the single-rank baseline run in alternating segments, so that
     // drift in the host's speed (seconds long on a shared VM) weighs on both
@@ -429,6 +451,11 @@ pub fn run_ddp_bench(
         batch_per_rank: b,
         seq: t,
         steps,
+        flops_per_step_per_rank: flops_per_step,
+        mfu: peaks
+            .as_ref()
+            .map(|p| world as f64 * flops_per_step / slowest / 1e9 / p.iter().sum::<f64>()),
+        peak_gflops_per_rank: peaks,
     };
     if rank == 0 {
         let line = if args.json {
@@ -439,7 +466,7 @@ pub fn run_ddp_bench(
                  (baseline {:.0} tokens/s on 1 rank; {} against the ranks training \
                  independently), launch_to_first_step_s {}, \
                  {} bucket(s); rank 0 ms: {}{}; CPU ms/step {:.2} vs {} alone (cpu efficiency {}); \
-                 peak RSS MB per rank {}, AdamW state {} floats per rank",
+                 peak RSS MB per rank {}, AdamW state {} floats per rank; MFU {}",
                 result.config,
                 args.strategy.name(),
                 world,
@@ -474,6 +501,10 @@ pub fn run_ddp_bench(
                     .collect::<Vec<_>>()
                     .join("/"),
                 result.optimizer_floats_per_rank,
+                result
+                    .mfu
+                    .map(|m| format!("{:.1}%", 100.0 * m))
+                    .unwrap_or("-".into()),
             )
         };
         writeln!(out, "{line}").map_err(TrainError::Log)?;

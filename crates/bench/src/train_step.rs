@@ -2,11 +2,18 @@
 //! optimizer as PyTorch's reference script (`bench_single.py`): random token
 //! ids, AdamW lr 1e-3 with PyTorch's defaults, dropout 0.
 //!
+//! Beside the times it reports the model FLOPs utilisation: the step's FLOPs by llm.c's count
+//! ([`GPTConfig::train_flops_per_token`]) over the median step time, as a share of the peak of
+//! the instruction the products use, measured at start in this process on the same threads
+//! ([`cpu::product_peak`]); and, per phase, the time outside the matrix products (the kernels
+//! the profile names `matmul_*` and `head_*`, with what is fused into them) as a share of the
+//! step.
+//!
 //! It only measures; it never writes files. Peak RSS comes from /proc/self/status (VmHWM).
 
 use std::time::{Duration, Instant};
 
-use cohort_engine::cpu::Cpu;
+use cohort_engine::cpu::{self, Cpu};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
 use cohort_engine::DType;
 use serde::Serialize;
@@ -93,6 +100,52 @@ pub struct BenchReport {
     pub activation_checkpointing: bool,
     /// Activation bytes (MB) the model holds, from its memory estimate.
     pub activations_mb: f64,
+    /// Model FLOPs of one step (llm.c's count: 6·N + 6·L·C·T per token, N the weights of the
+    /// products).
+    pub flops_per_step: f64,
+    /// flops_per_step over the median step time (GFLOP/s).
+    pub gflops: f64,
+    /// The instruction the products use, whose peak `mfu` is a share of (None without FMA).
+    pub peak_instruction: Option<String>,
+    /// Its peak on this run's threads at once, measured at start (GFLOP/s).
+    pub peak_gflops: Option<f64>,
+    /// Model FLOPs utilisation: gflops / peak_gflops.
+    pub mfu: Option<f64>,
+    /// The time outside the matrix products, per phase, as shares of the step.
+    pub outside_products: OutsideProducts,
+}
+
+/// The time outside the matrix products (the Linear layers' and the LM head's kernels, with
+/// what is fused into them) per phase, as a share of the whole step (means over the timed
+/// steps). Attention (its T x T products interleaved with the softmax) counts outside;
+/// `attention` says how much of it that is.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct OutsideProducts {
+    /// Forward (with zero_grad).
+    pub fwd: f64,
+    /// Backward (with the forward recomputed under activation checkpointing).
+    pub bwd: f64,
+    /// The optimizer step (all of it).
+    pub opt: f64,
+    /// The three together.
+    pub total: f64,
+    /// The attention kernels, forward and backward.
+    pub attention: f64,
+}
+
+/// Whether a profiled kernel is a matrix product.
+fn is_product(kernel: &str) -> bool {
+    kernel.starts_with("matmul_") || kernel.starts_with("head_")
+}
+
+/// Seconds the product kernels have taken so far.
+fn product_secs(model: &GPT) -> f64 {
+    model
+        .kernel_times()
+        .iter()
+        .filter(|(k, _)| is_product(k))
+        .map(|(_, d)| d.as_secs_f64())
+        .sum()
 }
 
 fn median(x: &mut [f64]) -> f64 {
@@ -108,6 +161,7 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
     })?;
     let t = cfg.max_position_embeddings;
     let v = cfg.vocab_size as u64;
+    let cfg_flops_per_token = cfg.train_flops_per_token(t);
     if spec.steps == 0 {
         return Err(GptError::Config {
             field: "bench steps",
@@ -126,6 +180,8 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         );
     }
     let precision = cpu.dtype().to_string();
+    // Before the model's arena exists, on the threads the step will use.
+    let peak = cpu::product_peak(&cpu);
     let activations_mb = GPT::memory_estimate(
         &cfg,
         batch * t,
@@ -155,6 +211,8 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
     let mut ids = vec![0u32; batch * t];
     let mut labels = vec![0i32; batch * t];
     let (mut fwd, mut bwd, mut optm, mut total) = (vec![], vec![], vec![], vec![]);
+    // Seconds summed over the timed steps: forward and backward, and their products.
+    let (mut fwd_s, mut bwd_s, mut fwd_prod_s, mut bwd_prod_s) = (0.0, 0.0, 0.0, 0.0);
     let mut loss = 0.0;
     let mut cpu0 = 0.0;
     for step in 0..spec.warmup + spec.steps {
@@ -167,14 +225,17 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             model.reset_kernel_times();
             cpu0 = process_cpu_ms();
         }
+        let p0 = product_secs(&model);
         let t0 = Instant::now();
         model.zero_grad();
         loss = model
             .forward(Forward::new(&ids, batch, t).labels(Labels::Aligned(&labels)))?
             .unwrap_or(0.0);
         let t1 = Instant::now();
+        let p1 = product_secs(&model);
         model.backward(Backward::new())?;
         let t2 = Instant::now();
+        let p2 = product_secs(&model);
         let (params, grads) = model.params_and_grads_mut();
         opt.step(params, grads, 1e-3)
             .map_err(|e| GptError::Engine {
@@ -188,11 +249,32 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             bwd.push(ms(t2 - t1));
             optm.push(ms(t3 - t2));
             total.push(ms(t3 - t0));
+            fwd_s += (t1 - t0).as_secs_f64();
+            bwd_s += (t2 - t1).as_secs_f64();
+            fwd_prod_s += p1 - p0;
+            bwd_prod_s += p2 - p1;
         }
     }
     let steps = spec.steps.max(1) as f64;
     let cpu_ms_per_step = (process_cpu_ms() - cpu0) / steps;
     let ms_per_step = median(&mut total);
+    let opt_s = optm.iter().sum::<f64>() / 1e3;
+    let step_s = (fwd_s + bwd_s + opt_s).max(1e-12);
+    let attention_s: f64 = model
+        .kernel_times()
+        .iter()
+        .filter(|(k, _)| k.starts_with("attention_"))
+        .map(|(_, d)| d.as_secs_f64())
+        .sum();
+    let outside_products = OutsideProducts {
+        fwd: (fwd_s - fwd_prod_s).max(0.0) / step_s,
+        bwd: (bwd_s - bwd_prod_s).max(0.0) / step_s,
+        opt: opt_s / step_s,
+        total: (step_s - fwd_prod_s - bwd_prod_s).max(0.0) / step_s,
+        attention: attention_s / step_s,
+    };
+    let flops_per_step = cfg_flops_per_token * (batch * t) as f64;
+    let gflops = flops_per_step / (ms_per_step / 1e3) / 1e9;
     Ok(BenchReport {
         bench: "train",
         config: spec.config.to_uppercase(),
@@ -219,5 +301,11 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         precision,
         activation_checkpointing: spec.activation_checkpointing,
         activations_mb,
+        flops_per_step,
+        gflops,
+        peak_instruction: peak.map(|p| p.instruction.to_string()),
+        peak_gflops: peak.map(|p| p.gflops),
+        mfu: peak.map(|p| gflops / p.gflops),
+        outside_products,
     })
 }

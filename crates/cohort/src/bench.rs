@@ -241,6 +241,23 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         },
         r.final_loss
     );
+    let o = &r.outside_products;
+    println!(
+        "MFU {} ({:.1} GFLOP/step at {:.1} GFLOP/s; {}); outside the products: \
+         fwd {:.1}% bwd {:.1}% opt {:.1}% = {:.1}% of the step (attention {:.1}%)",
+        r.mfu.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m)),
+        r.flops_per_step / 1e9,
+        r.gflops,
+        match (&r.peak_instruction, r.peak_gflops) {
+            (Some(i), Some(p)) => format!("peak of {i} on {} thread(s): {p:.1} GFLOP/s", r.threads),
+            _ => "no FMA on this CPU: no peak to compare with".into(),
+        },
+        100.0 * o.fwd,
+        100.0 * o.bwd,
+        100.0 * o.opt,
+        100.0 * o.total,
+        100.0 * o.attention
+    );
     println!("per kernel (ms/step):");
     for (k, ms) in &r.kernels_ms {
         println!("  {k:<18} {ms:8.3}");

@@ -68,6 +68,25 @@ fn bench_train_reports_the_step_and_its_phases() {
         v["kernels_ms"].as_array().is_some_and(|k| !k.is_empty()),
         "{v}"
     );
+    // Config A's step: 768 tokens of llm.c's 6N + 6LCT = 4,965,120 FLOPs each.
+    assert_eq!(
+        v["flops_per_step"].as_f64(),
+        Some(768.0 * 4_965_120.0),
+        "{v}"
+    );
+    assert_positive(v, &["gflops"]);
+    // The peak and MFU wherever the CPU has FMA (every x86-64 CPU with AVX2).
+    if v["peak_gflops"].is_number() {
+        assert_positive(v, &["peak_gflops", "mfu"]);
+        assert!(v["peak_instruction"].is_string(), "{v}");
+    }
+    let o = &v["outside_products"];
+    for phase in ["fwd", "bwd", "opt", "total", "attention"] {
+        let x = o[phase]
+            .as_f64()
+            .unwrap_or_else(|| panic!("outside_products.{phase} missing in {v}"));
+        assert!((0.0..=1.0).contains(&x), "outside_products.{phase} = {x}");
+    }
 }
 
 #[test]

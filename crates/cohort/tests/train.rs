@@ -106,6 +106,13 @@ fn bench_ddp_reports_the_figures_as_json() {
     // target is 0.3 s, a loaded CI machine gets some slack.
     assert!(v["launch_to_first_step_s"].as_f64().unwrap() < 10.0);
     assert_eq!(v["strategy"], "ddp");
+    // Model FLOPs utilisation beside the times (where the CPU has FMA).
+    assert!(v["flops_per_step_per_rank"]
+        .as_f64()
+        .is_some_and(|f| f > 0.0));
+    if v["peak_gflops_per_rank"].is_array() {
+        assert!(v["mfu"].as_f64().is_some_and(|m| m > 0.0), "{v}");
+    }
     let params = v["params"].as_u64().unwrap();
     assert_eq!(v["optimizer_floats_per_rank"], 2 * params, "{v}");
     assert_peak_rss_of_each_rank(&v, 2);

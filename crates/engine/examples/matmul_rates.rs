@@ -2,9 +2,9 @@
 //! G's (1024 tokens; d 768; d_ff 3072), one thread: the forward product, the input gradient and
 //! the weight gradient of each of a block's four Linear layers, in the precision given (`fp32`
 //! or `bf16`). `THREADS=2` runs them on a pool of two (the thread split of a training step).
-//! Each figure is the median of 20 calls. On AVX512_BF16 without AMX it first measures the
-//! instruction's peak on one core, and it reports the twelve products of a block together as a
-//! fraction of it.
+//! Each figure is the median of 20 calls. It first measures the peak of the instruction the
+//! products use (FMA, VDPBF16PS or AMX tiles; [`cpu::product_peak`]) on all the threads at once,
+//! and it reports the twelve products of a block together as a fraction of it.
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example matmul_rates -- bf16 [B|G]
@@ -34,18 +34,17 @@ fn main() {
         .unwrap_or(1);
     let cpu = Cpu::with_dtype(threads, dtype).expect("a thread pool");
     println!("{threads} thread(s)");
-    let mut peak = None;
     match (cpu.dtype(), cpu::bf16_kernel_name()) {
-        (DType::Bf16, Some(kernel)) => {
-            println!("bf16 on {kernel}");
-            if kernel == "AVX512_BF16" {
-                peak = dpbf16_peak_gflops();
-            }
-            if let Some(peak) = peak {
-                println!("VDPBF16PS peak, one core: {peak:.0} GFLOP/s (24 independent zmm chains, registers only)");
-            }
-        }
+        (DType::Bf16, Some(kernel)) => println!("bf16 on {kernel}"),
         (d, _) => println!("{d}"),
+    }
+    // The peak of the instruction the products use, all threads at once, registers only.
+    let peak = cpu::product_peak(&cpu);
+    if let Some(p) = peak {
+        println!(
+            "{} peak, {} thread(s): {:.0} GFLOP/s (registers only)",
+            p.instruction, p.threads, p.gflops
+        );
     }
     // The block's twelve products together: their flops over the sum of their times.
     let (mut block_gflop, mut block_s) = (0.0, 0.0);
@@ -86,8 +85,8 @@ fn main() {
     let block = block_gflop / block_s;
     match peak {
         Some(p) => println!(
-            "block (12 products): {block:.0} GFLOP/s, {:.0}% of {threads} x the one-core peak",
-            100.0 * block / (p * threads as f64)
+            "block (12 products): {block:.0} GFLOP/s, {:.0}% of the peak",
+            100.0 * block / p.gflops
         ),
         None => println!("block (12 products): {block:.0} GFLOP/s"),
     }
@@ -125,72 +124,4 @@ fn seconds_per_call(reps: usize, f: &mut dyn FnMut()) -> f64 {
         .collect();
     times.sort_by(f64::total_cmp);
     times[reps / 2]
-}
-
-/// The AVX512_BF16 instruction's peak on one core: 24 independent accumulators (enough to
-/// cover its latency at two issues a cycle) each take VDPBF16PS on operands already in
-/// registers, 2^20 rounds; 64 flops per instruction (16 lanes x 2 multiply-adds). What the
-/// product kernel's rates are a fraction of. None without AVX512_BF16.
-fn dpbf16_peak_gflops() -> Option<f64> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if !std::arch::is_x86_feature_detected!("avx512bf16") {
-            return None;
-        }
-        // SAFETY: the CPU has AVX512_BF16 (checked above); the loop touches registers only.
-        let (secs, flops) = unsafe { dpbf16_loop(1 << 20) };
-        Some(flops / secs / 1e9)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        None
-    }
-}
-
-/// Seconds and flops of `rounds` rounds of 24 independent VDPBF16PS (the best of three runs),
-/// written in assembly so that the 24 accumulators stay in registers (the compiler spilled some
-/// of an intrinsics loop to the stack).
-///
-/// # Safety
-/// The CPU must have AVX512F and AVX512_BF16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn dpbf16_loop(rounds: usize) -> (f64, f64) {
-    let mut best = f64::INFINITY;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        // SAFETY: registers only; every zmm register written is declared clobbered.
-        unsafe {
-            std::arch::asm!(
-                "vpxord zmm30, zmm30, zmm30",
-                "vpxord zmm31, zmm31, zmm31",
-                "2:",
-                "vdpbf16ps zmm0, zmm30, zmm31", "vdpbf16ps zmm1, zmm30, zmm31",
-                "vdpbf16ps zmm2, zmm30, zmm31", "vdpbf16ps zmm3, zmm30, zmm31",
-                "vdpbf16ps zmm4, zmm30, zmm31", "vdpbf16ps zmm5, zmm30, zmm31",
-                "vdpbf16ps zmm6, zmm30, zmm31", "vdpbf16ps zmm7, zmm30, zmm31",
-                "vdpbf16ps zmm8, zmm30, zmm31", "vdpbf16ps zmm9, zmm30, zmm31",
-                "vdpbf16ps zmm10, zmm30, zmm31", "vdpbf16ps zmm11, zmm30, zmm31",
-                "vdpbf16ps zmm12, zmm30, zmm31", "vdpbf16ps zmm13, zmm30, zmm31",
-                "vdpbf16ps zmm14, zmm30, zmm31", "vdpbf16ps zmm15, zmm30, zmm31",
-                "vdpbf16ps zmm16, zmm30, zmm31", "vdpbf16ps zmm17, zmm30, zmm31",
-                "vdpbf16ps zmm18, zmm30, zmm31", "vdpbf16ps zmm19, zmm30, zmm31",
-                "vdpbf16ps zmm20, zmm30, zmm31", "vdpbf16ps zmm21, zmm30, zmm31",
-                "vdpbf16ps zmm22, zmm30, zmm31", "vdpbf16ps zmm23, zmm30, zmm31",
-                "dec {n}",
-                "jnz 2b",
-                n = inout(reg) rounds => _,
-                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _,
-                out("zmm16") _, out("zmm17") _, out("zmm18") _, out("zmm19") _,
-                out("zmm20") _, out("zmm21") _, out("zmm22") _, out("zmm23") _,
-                out("zmm30") _, out("zmm31") _,
-                options(nostack, nomem),
-            );
-        }
-        best = best.min(t0.elapsed().as_secs_f64());
-    }
-    (best, rounds as f64 * 24.0 * 64.0)
 }

@@ -8,26 +8,34 @@
 
 use std::ops::{Deref, DerefMut};
 
-/// 16 floats, one cache line: a `Vec` of these starts 64-byte aligned.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
+/// Floats in a 64-byte line.
+const LINE: usize = 16;
 
 /// A zero-initialised `[f32]` of a fixed length whose first element is 64-byte aligned. Use it
 /// as a slice (it derefs to one); offsets that are multiples of 16 floats stay aligned.
-#[derive(Clone, Default)]
+///
+/// The zeros cost no memory until written: the buffer is a `Vec<f32>` of up to 15 floats more
+/// (the allocator's `calloc`, which for a large buffer maps fresh pages and writes nothing),
+/// used from its first 64-byte boundary. A `Vec` of 64-byte-aligned lines would be written
+/// zero by zero at allocation: every page resident at once, the model's parameters, gradients,
+/// activation arena and AdamW's moments included, whatever the step later uses of them (ZeRO-3's
+/// peak was its construction, ~0.5 GB above the step's on GPT-2 small).
+#[derive(Default)]
 pub struct AlignedFloats {
-    lines: Vec<Line>,
+    buf: Vec<f32>,
+    /// Where the aligned floats start in `buf`.
+    start: usize,
     len: usize,
 }
 
 impl AlignedFloats {
     /// `len` zeros.
     pub fn zeroed(len: usize) -> AlignedFloats {
-        AlignedFloats {
-            lines: vec![Line([0.0; 16]); len.div_ceil(16)],
-            len,
-        }
+        let buf = vec![0f32; len + LINE - 1];
+        // Floats to the first 64-byte boundary: the allocation is at least f32-aligned.
+        let misalign = buf.as_ptr() as usize % (LINE * 4);
+        let start = ((LINE * 4 - misalign) % (LINE * 4)) / 4;
+        AlignedFloats { buf, start, len }
     }
 
     /// The whole buffer as a slice (what `Vec::as_mut_slice` is for a `Vec`).
@@ -36,20 +44,26 @@ impl AlignedFloats {
     }
 }
 
+impl Clone for AlignedFloats {
+    /// An aligned copy (a cloned `Vec` may sit elsewhere relative to a line boundary).
+    fn clone(&self) -> Self {
+        let mut c = AlignedFloats::zeroed(self.len);
+        c.copy_from_slice(self);
+        c
+    }
+}
+
 impl Deref for AlignedFloats {
     type Target = [f32];
 
     fn deref(&self) -> &[f32] {
-        // SAFETY: a Line is 16 f32 with no padding (repr(C), size 64), so `lines` holds
-        // 16 * lines.len() >= len initialised, contiguous f32, borrowed for self's lifetime.
-        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const f32, self.len) }
+        &self.buf[self.start..self.start + self.len]
     }
 }
 
 impl DerefMut for AlignedFloats {
     fn deref_mut(&mut self) -> &mut [f32] {
-        // SAFETY: as in deref, borrowed mutably and exclusively for self's lifetime.
-        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut f32, self.len) }
+        &mut self.buf[self.start..self.start + self.len]
     }
 }
 
@@ -67,7 +81,7 @@ mod tests {
 
     #[test]
     fn starts_on_a_cache_line_and_holds_exactly_its_length() {
-        for len in [0, 1, 15, 16, 17, 1000] {
+        for len in [0, 1, 15, 16, 17, 1000, 1 << 22] {
             let mut b = AlignedFloats::zeroed(len);
             assert_eq!(b.len(), len);
             assert!(b.iter().all(|&x| x == 0.0));

@@ -275,6 +275,30 @@ impl GPTConfig {
         }
     }
 
+    /// Parameters that enter matrix products: each block's q/k/v, attention output, MLP up
+    /// (gate and up for SwiGLU) and down weights, and the LM head (V x C, tied or not). Position
+    /// and input embeddings (lookups), norms and biases (adds) are left out.
+    pub fn product_params(&self) -> usize {
+        let (c, f) = (self.d_model, self.d_ff);
+        let block = c * self.qkv_width() + c * c + c * self.fc_width() + f * c;
+        self.n_layers * block + self.vocab_size * c
+    }
+
+    /// Model FLOPs of one training token (forward and backward) in sequences of `t`: llm.c's
+    /// `6·N + 6·L·C·T`. 6·N: every product weight takes 2 FLOPs per token forward and 4
+    /// backward, with N = [`product_params`](Self::product_params) (llm.c counts all of its
+    /// parameters, positions and norms included, ~0.7% more on config G; the weights of the
+    /// products are what the step computes with, and they carry grouped-query attention's
+    /// narrower q/k/v and SwiGLU's third matrix). 6·L·C·T: attention's two products (scores,
+    /// weighted values), forward and backward, over the causal half of the T x T scores
+    /// (the exact causal count is 6·L·C·(T+1)), the same for any number of key/value heads,
+    /// since every query head attends. What is not a product (softmax, norms, activations,
+    /// AdamW) counts zero, as in llm.c.
+    pub fn train_flops_per_token(&self, t: usize) -> f64 {
+        let attention = self.n_layers * self.n_heads * self.head_dim() * t;
+        6.0 * self.product_params() as f64 + 6.0 * attention as f64
+    }
+
     /// Whether the q, k, v projections have a bias.
     pub fn has_qkv_bias(&self) -> bool {
         self.qkv_bias.unwrap_or(self.bias)
@@ -482,5 +506,34 @@ mod tests {
         assert!(!llama.is_gpt2() && GPTConfig::config_a().is_gpt2());
         assert_eq!(llama.rope_inv_freq().unwrap().len(), 16);
         GPTConfig::config_s().validate().unwrap();
+    }
+
+    /// The FLOP count of configs A, B, G and S against a hand computation (per block: q/k/v,
+    /// output, up, down weights; then the head; then 6·L·C·T).
+    #[test]
+    fn train_flops_per_token_by_hand() {
+        // A: 4 x (128·384 + 128·128 + 128·512 + 512·128) + 65·128.
+        let a = GPTConfig::config_a();
+        assert_eq!(a.product_params(), 4 * 196_608 + 8_320);
+        assert_eq!(
+            a.train_flops_per_token(64),
+            (6 * 794_752 + 6 * 4 * 128 * 64) as f64
+        );
+        // B: 6 x (384·1152 + 384·384 + 384·1536 + 1536·384) + 65·384.
+        let b = GPTConfig::config_b();
+        assert_eq!(b.product_params(), 6 * 1_769_472 + 24_960);
+        assert_eq!(b.train_flops_per_token(256), 67_389_696.0);
+        // ~138 GFLOP in a step of 8 x 256 tokens.
+        assert_eq!(b.train_flops_per_token(256) * 2048.0, 138_014_097_408.0);
+        // G: 12 x (768·2304 + 768·768 + 2 x 768·3072) + 50304·768.
+        let g = GPTConfig::config_g();
+        assert_eq!(g.product_params(), 12 * 7_077_888 + 38_633_472);
+        assert_eq!(g.train_flops_per_token(256), 755_564_544.0);
+        // S: q/k/v (9 + 2·3) x 64 = 960 wide, SwiGLU's gate and up 2 x 1536: 30 x (576·960 +
+        // 576·576 + 576·3072 + 1536·576) + 49152·576 (134.5M, SmolLM2-135M less its norms).
+        let s = GPTConfig::config_s();
+        assert_eq!(s.product_params(), 30 * 3_538_944 + 28_311_552);
+        assert_eq!(s.product_params(), 134_479_872);
+        assert_eq!(s.train_flops_per_token(512), 859_963_392.0);
     }
 }

@@ -28,6 +28,7 @@ mod gemm_bf16;
 mod layernorm;
 pub(crate) mod math;
 mod matmul;
+mod peak;
 mod rmsnorm;
 mod rope;
 mod swiglu;
@@ -48,6 +49,7 @@ pub use matmul::{
     matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
     matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
 };
+pub use peak::{product_peak, Peak};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{
     kv_expand_backward, kv_expand_forward, rope_backward, rope_forward, rope_tables, KvDims,

@@ -140,6 +140,14 @@ impl PartShards {
         lens.iter().rev().nth(1).copied().unwrap_or(0)
     }
 
+    /// The largest padded part but one (a block, on a GPT): the largest
+    /// buffer of a collective in flight worth keeping for the next part.
+    pub(super) fn second_largest_padded(&self) -> usize {
+        let mut lens: Vec<_> = self.parts.iter().map(|p| p.shard.padded()).collect();
+        lens.sort_unstable();
+        lens.iter().rev().nth(1).copied().unwrap_or(0)
+    }
+
     /// The largest padded part: what the staging buffer may have to hold.
     pub(super) fn largest_padded(&self) -> usize {
         self.parts

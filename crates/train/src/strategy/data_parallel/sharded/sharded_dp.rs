@@ -17,7 +17,7 @@ use cohort_gpt::{Backward, Forward, Labels, GPT};
 
 use super::hooks::PartMemory;
 use super::parts::PartShards;
-use super::shards::{lock, release_kept, Shards, SPARE_PARTS};
+use super::shards::{lock, release_kept, InFlight, Shards, SPARE_PARTS};
 use crate::checkpoint::{OwnedShard, ShardTarget};
 use crate::error::TrainError;
 use crate::pages::{prefer_huge_pages, release, SparePages, SPARE_PAGES_MIN_BUFFER};
@@ -81,6 +81,7 @@ impl ShardedDp {
         if stage == ZeroStage::Three {
             prefer_huge_pages(model.params_mut());
         }
+        let keep_max = parts.second_largest_padded();
         Ok(ShardedDp {
             stage,
             st: Mutex::new(Shards {
@@ -97,7 +98,10 @@ impl ShardedDp {
                 compression_scratch: CompressionScratch::default(),
                 error: None,
                 comm: Duration::ZERO,
-                flight: Box::default(),
+                flight: Box::new(InFlight {
+                    keep_max,
+                    ..InFlight::default()
+                }),
                 kept: Vec::new(),
                 grads_zero: true,
                 spare,

@@ -104,6 +104,11 @@ pub(super) struct InFlight {
     pub(super) reduces: VecDeque<(Range<usize>, PartWork)>,
     /// Buffers that finished works handed back, for the next ones.
     pub(super) spare: Vec<Vec<f32>>,
+    /// The largest buffer kept in `spare` (elements): a block's padded
+    /// part. The embeddings' buffers (on GPT-2 small 154 MB gathered, 77 MB
+    /// a shard) are freed after use instead: kept, two of them stayed
+    /// resident through the whole step, the peaks included.
+    pub(super) keep_max: usize,
 }
 
 /// Reduce-scatters left in flight when the next one starts: one, so that
@@ -134,9 +139,10 @@ impl InFlight {
         buf
     }
 
-    /// Keeps `buf` for a later work, unless enough are kept.
+    /// Keeps `buf` for a later work, unless enough are kept or it is larger
+    /// than any but the largest part needs.
     pub(super) fn recycle(&mut self, buf: Vec<f32>) {
-        if self.spare.len() < SPARES {
+        if self.spare.len() < SPARES && buf.capacity() <= self.keep_max {
             self.spare.push(buf);
         }
     }
@@ -169,11 +175,20 @@ impl Shards {
         }
     }
 
-    /// Starts the all-gather of the part holding `range`.
+    /// Starts the all-gather of the part holding `range`, unless it is the
+    /// largest part (the embeddings), which is gathered when needed: in
+    /// flight it would hold its own copy and the whole gathered part
+    /// (231 MB on GPT-2 small) beside what the model holds, through the
+    /// head's backward, the step's peak; the tied head needs only a slice
+    /// of it (broadcast into place), and the embeddings run first in
+    /// forward and last in backward, with little to overlap.
     pub(super) fn prefetch(&mut self, pg: &ProcessGroup, range: &Range<usize>) {
         let Ok(p) = self.parts.find(range).cloned() else {
             return;
         };
+        if p.shard.padded() > self.flight.keep_max {
+            return;
+        }
         let mut own = self.flight.buffer(p.shard.len);
         own.copy_from_slice(&self.params[p.own()]);
         let whole = self.flight.buffer(p.shard.padded());
@@ -296,8 +311,21 @@ impl Shards {
             match work.wait() {
                 Ok((whole, out)) => {
                     if self.error.is_none() {
-                        for (g, x) in self.grads[own].iter_mut().zip(out.iter()) {
-                            *g += x;
+                        let g = &mut self.grads[own];
+                        if self.grads_zero {
+                            // As without overlap: the shard's range takes the
+                            // parked pages (else they stay resident beside
+                            // fresh ones until backward ends, the pool's
+                            // whole capacity above the step's peak) and the
+                            // result is written, not added to zeros.
+                            if self.shard_spare {
+                                self.spare.refill(g, false);
+                            }
+                            g.copy_from_slice(&out);
+                        } else {
+                            for (g, x) in g.iter_mut().zip(out.iter()) {
+                                *g += x;
+                            }
                         }
                     }
                     self.flight.recycle(whole);
@@ -350,7 +378,21 @@ impl Shards {
             });
         }
         let comm = TrainError::comm("gradient reduce_scatter");
-        if self.flight.on {
+        let in_pieces = p.shard.len >= PIECEWISE_SLOT;
+        // The largest part (the embeddings) is reduced piece by piece even
+        // with overlap, after the works in flight: in flight it would need
+        // a copy of its whole gradient besides the gradient itself at the
+        // step's peak, and, the last part of backward, it has nothing left
+        // to overlap with. (Not while a gather is in flight, which a sync
+        // collective must not overtake; the embeddings are gathered last.)
+        let in_pieces = in_pieces && (!self.flight.on || self.flight.gather.is_none());
+        if self.flight.on && in_pieces {
+            self.finish_reduces(0);
+            if self.error.is_some() {
+                return Ok(false);
+            }
+        }
+        if self.flight.on && !in_pieces {
             // The work owns a copy, so that `grads` is released now.
             let mut whole = self.flight.buffer(p.shard.padded());
             whole[..grads.len()].copy_from_slice(grads);
@@ -373,7 +415,6 @@ impl Shards {
             staged(&mut self.scratch, p.shard.len)
         };
         let (how, scratch) = (self.compression, &mut self.compression_scratch);
-        let in_pieces = p.shard.len >= PIECEWISE_SLOT;
         if in_pieces {
             let (slot, world, len) = (p.shard.len, p.shard.world, grads.len());
             for start in (0..slot).step_by(REDUCE_PIECE) {

@@ -33,6 +33,8 @@ pub use consolidate::consolidate;
 pub(crate) use layout::output_root;
 pub use layout::TrainState;
 pub(crate) use resume::{
-    choose, resume, resume_alone, resume_into, resume_split, Resumed, ShardTarget,
+    choose, resume, resume_alone, resume_into, resume_split, Restore, Resumed, ShardTarget,
 };
-pub(crate) use save::{check_writable, save_or_report, save_sharded, OwnedShard, SaveReport};
+pub(crate) use save::{
+    check_writable, save_file_or_report, save_or_report, save_sharded, OwnedShard, SaveReport,
+};

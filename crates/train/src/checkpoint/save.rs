@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 
 use cohort_comm::ProcessGroup;
 use cohort_engine::optim::{Optimizer, OptimizerState};
-use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, Piece, ShardIndex, ShardRecord};
+use cohort_gpt::checkpoint::{
+    self as ckpt, Checkpoint, Piece, ShardIndex, ShardRecord, TensorFile,
+};
 use cohort_gpt::{GPTConfig, GPT};
 use serde_json::json;
 
@@ -90,17 +92,17 @@ impl Companions {
     }
 }
 
-/// Writes `out/step-NNNNNN` (and points `out/latest` at it).
+/// Writes `out/step-NNNNNN` (and points `out/latest` at it), with `optimizer` as the
+/// optimizer's file.
 fn save(
     out: &Path,
     cfg: &TrainConfig,
     world: usize,
     model: &GPT,
-    opt: &dyn Optimizer,
+    optimizer: TensorFile<'_>,
     state: &TrainState,
     tokenizer_json: Option<&str>,
 ) -> Result<(), TrainError> {
-    let optimizer = opt.state();
     let companions = Companions::new(cfg, world, model.config(), state, tokenizer_json)?;
     ckpt::save(
         out,
@@ -108,7 +110,7 @@ fn save(
         &Checkpoint {
             config_extra: companions.hf.config_keys.clone(),
             model: Some(model),
-            tensor_files: vec![trainer_files::optimizer_file(&optimizer)],
+            tensor_files: vec![optimizer],
             extra_files: companions.files(),
         },
     )?;
@@ -321,7 +323,23 @@ pub(crate) fn save_or_report(
     state: &TrainState,
     tokenizer_json: Option<&str>,
 ) -> SaveReport {
-    if let Err(e) = save(out, cfg, world, model, opt, state, tokenizer_json) {
+    let optimizer = opt.state();
+    let file = trainer_files::optimizer_file(&optimizer);
+    save_file_or_report(out, cfg, world, model, file, state, tokenizer_json)
+}
+
+/// [`save_or_report`] with the optimizer's file as the caller made it (DiLoCo's holds its
+/// outer state and every rank's inner state beside rank 0's AdamW state).
+pub(crate) fn save_file_or_report(
+    out: &Path,
+    cfg: &TrainConfig,
+    world: usize,
+    model: &GPT,
+    optimizer: TensorFile<'_>,
+    state: &TrainState,
+    tokenizer_json: Option<&str>,
+) -> SaveReport {
+    if let Err(e) = save(out, cfg, world, model, optimizer, state, tokenizer_json) {
         return failed_save(out, state.step, e);
     }
     SaveReport {

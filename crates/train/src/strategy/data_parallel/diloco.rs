@@ -435,7 +435,7 @@ mod tests {
             let opt = AdamW::new(Default::default(), DecayMask::all(1)).unwrap();
             let ranks = vec![0f32; 6];
             let file = optimizer_file(&opt, &outer, &ranks, 2);
-            assert_eq!(file.tensors.len(), 2 + 2 * 3, "AdamW's, then 3 per rank");
+            assert_eq!(file.tensors.len(), 2 + 1 + 2 * 3, "AdamW, the momentum, 3 per rank");
             file.metadata.get(WORLD_KEY).cloned()
         };
         assert_eq!(file_meta.as_deref(), Some("2"));

@@ -272,14 +272,15 @@ impl<'pg> DataParallel<'pg> {
 
     /// What ends step `step` of `steps` (0-based), updated or skipped:
     /// DiLoCo's outer sync when it is due (every rank takes part, whether
-    /// its step was skipped or not). Returns the time spent in collectives.
-    /// Collective under DiLoCo at a sync.
-    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<Duration, TrainError> {
+    /// its step was skipped or not). Returns the time spent in the sync's
+    /// all-reduce, or `None` when nothing was due. Collective under DiLoCo
+    /// at a sync.
+    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<Option<Duration>, TrainError> {
         match &mut self.sync {
             GradSync::Diloco { outer, .. } if outer.due(step, steps) => {
-                outer.sync(self.pg, self.model.params_mut())
+                outer.sync(self.pg, self.model.params_mut()).map(Some)
             }
-            _ => Ok(Duration::ZERO),
+            _ => Ok(None),
         }
     }
 

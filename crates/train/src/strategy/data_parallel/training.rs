@@ -81,6 +81,8 @@ struct DataParallelRun<'a> {
     /// This rank's share of the job's validation batches.
     val: ValBatches,
     start: Start,
+    /// DiLoCo: the outer syncs so far in this process and their all-reduces' time.
+    outer_syncs: (u64, std::time::Duration),
 }
 
 impl<'a> DataParallelRun<'a> {
@@ -117,6 +119,7 @@ impl<'a> DataParallelRun<'a> {
                 loss_floor: data.loss_floor(),
             },
             data,
+            outer_syncs: Default::default(),
         })
     }
 }
@@ -350,7 +353,10 @@ impl ParallelStrategy for DataParallelRun<'_> {
             self.step.update(lr)?;
         }
         self.step.clear_grads();
-        self.step.end_step(step, self.cfg.steps)?;
+        if let Some(comm) = self.step.end_step(step, self.cfg.steps)? {
+            self.outer_syncs.0 += 1;
+            self.outer_syncs.1 += comm;
+        }
         Ok(())
     }
 
@@ -380,6 +386,17 @@ impl ParallelStrategy for DataParallelRun<'_> {
 
     fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
         self.step.final_params()
+    }
+
+    fn summary(&self) -> Vec<String> {
+        let (syncs, comm) = self.outer_syncs;
+        if syncs == 0 {
+            return Vec::new();
+        }
+        vec![format!(
+            "outer syncs (rank 0): {syncs}, {:.1} ms each in the pseudo-gradient all-reduce              (exposed: the ranks wait for it)",
+            comm.as_secs_f64() * 1e3 / syncs as f64
+        )]
     }
 
     fn who(&self) -> String {

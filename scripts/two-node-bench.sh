@@ -73,7 +73,8 @@ cleanup() {
   for n in "${ns[@]}"; do ip netns del "$n" 2>/dev/null || true; done
   rm -rf "$work"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'echo "two-node-bench: interrupted" >&2; for f in "$work"/torch*.log; do tail -n 8 "$f" >&2; done; exit 130' INT TERM
 
 for n in "${ns[@]}"; do
   ip netns add "$n" || { echo "two-node-bench: skipped: ip netns add failed" >&2; exit 2; }
@@ -112,7 +113,7 @@ cohort_two_nodes() {
       --master-addr "${ips[0]}" --master-port "$port" --join-timeout 60 -n 1 \
       "${train[@]}" "$@" >"$work/node$i.log" 2>&1 &
   done
-  wait
+  wait || true
   cat "$work/node0.log"
 }
 
@@ -121,13 +122,13 @@ torch_two_nodes() {
   local i
   for i in 1 0; do
     (cd "$here/docs/bench" && OMP_NUM_THREADS=1 ip netns exec "${ns[$i]}" \
-      python3 -m torch.distributed.run --nnodes 2 --node-rank "$i" --nproc-per-node 1 \
+      setsid python3 -m torch.distributed.run --nnodes 2 --node-rank "$i" --nproc-per-node 1 \
       --master-addr "${ips[0]}" --master-port "$port" \
       bench_ddp.py --config "$torch_config" --steps "$torch_steps" --warmup 1 \
       >"$work/torch$i.log" 2>&1) &
   done
-  wait
-  grep '^{' "$work/torch0.log" | tail -1
+  wait || true
+  grep '^{' "$work/torch0.log" | tail -1 || true
 }
 
 # Figures from a cohort log: tokens/s, the comm phase (ms/step), DiLoCo's ms per outer sync.
@@ -141,7 +142,7 @@ single=$(OMP_NUM_THREADS=1 ip netns exec "${ns[0]}" "$cohort" "${train[@]}" 2>&1
 torch_single=""
 if [ "$torch" = 1 ]; then
   torch_single=$(cd "$here/docs/bench" && OMP_NUM_THREADS=1 ip netns exec "${ns[0]}" \
-    python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench_ddp.py \
+    setsid python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench_ddp.py \
     --config "$torch_config" --steps "$torch_steps" --warmup 1 2>/dev/null | grep '^{' | tail -1 |
     python3 -c 'import json,sys; print(round(json.load(sys.stdin)["tokens_per_s_total"]))')
 fi
@@ -166,8 +167,12 @@ for rate in $rates; do
     echo "link $link: PyTorch gloo DDP" >&2
     json=$(torch_two_nodes)
     t=$(python3 -c 'import json,sys; print(round(json.loads(sys.argv[1])["tokens_per_s_total"]))' "$json" 2>/dev/null || true)
-    [ -n "$t" ] || { cat "$work/torch0.log" >&2; echo "two-node-bench: PyTorch DDP failed" >&2; exit 1; }
-    rows+=("| $link | PyTorch gloo DDP | $t | $(ratio "$t" $(( 2 * torch_single ))) | - |")
+    if [ -n "$t" ]; then
+      rows+=("| $link | PyTorch gloo DDP | $t | $(ratio "$t" $(( 2 * torch_single ))) | - |")
+    else
+      tail -n 20 "$work/torch0.log" "$work/torch1.log" >&2
+      rows+=("| $link | PyTorch gloo DDP | failed (its log above) | - | - |")
+    fi
   fi
 done
 

@@ -33,7 +33,9 @@ fn local_sgd_averages_bf16_pseudo_gradients() {
     );
     let out = succeeded(&run(&args));
     assert!(
-        out.contains("local SGD: inner AdamW on each rank, every 3 steps parameters averaged over the bf16"),
+        out.contains(
+            "local SGD: inner AdamW on each rank, every 3 steps parameters averaged over the bf16"
+        ),
         "{out}"
     );
     assert!(out.contains("done: 12 steps"), "{out}");

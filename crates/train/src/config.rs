@@ -832,7 +832,11 @@ impl TrainConfig {
             return bad("sync_every", "0".into(), "must be at least 1");
         }
         if !(self.outer_lr > 0.0 && self.outer_lr.is_finite()) {
-            return bad("outer_lr", self.outer_lr.to_string(), "must be finite and > 0");
+            return bad(
+                "outer_lr",
+                self.outer_lr.to_string(),
+                "must be finite and > 0",
+            );
         }
         if !(0.0..1.0).contains(&self.outer_momentum) {
             let why = "must be in [0, 1)";

@@ -92,8 +92,7 @@ pub use run_log::METRICS_FILE;
 pub use step_loop::Outcome;
 pub use stop_request::stop_on_signals;
 pub use strategy::data_parallel::{
-    DataParallel, GradSync, Outer, OuterConfig, ShardedDp, SyncTimes, Zero1, Zero1Times,
-    ZeroStage,
+    DataParallel, GradSync, Outer, OuterConfig, ShardedDp, SyncTimes, Zero1, Zero1Times, ZeroStage,
 };
 pub use strategy::parameter_server::{
     train_parameter_server, train_parameter_server_timed, RpcJoin,

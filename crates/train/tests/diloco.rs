@@ -27,10 +27,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// stepped twice would be off by a whole update, ~1e-3).
 #[test]
 fn local_sgd_on_one_rank_is_plain_training() {
-    let cfg = TrainConfig {
-        steps: 6,
-        ..tiny()
-    };
+    let cfg = TrainConfig { steps: 6, ..tiny() };
     let plain = run_world(1, &cfg).swap_remove(0);
     for h in [1, 4] {
         let local = TrainConfig {
@@ -82,7 +79,12 @@ fn the_ranks_leave_every_sync_with_one_model() {
         .unwrap();
     let own = |r: usize| {
         let name = format!("diloco.rank{r}.params");
-        file.tensors.iter().find(|(n, _)| *n == name).unwrap().1.clone()
+        file.tensors
+            .iter()
+            .find(|(n, _)| *n == name)
+            .unwrap()
+            .1
+            .clone()
     };
     assert!(own(0) != own(1), "ranks train apart between syncs");
 }

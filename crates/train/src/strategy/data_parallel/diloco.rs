@@ -312,7 +312,12 @@ impl Restore for DilocoTarget<'_> {
         let (params, m, v) = (own("params")?, own("exp_avg")?, own("exp_avg_sq")?);
         if params.len() != self.model.num_params() {
             let n = self.model.num_params();
-            return Err(bad(format!("{} has {} elements, the model {n}", "params", params.len())).into());
+            return Err(bad(format!(
+                "{} has {} elements, the model {n}",
+                "params",
+                params.len()
+            ))
+            .into());
         }
         self.model.params_mut().copy_from_slice(params);
         let inner = OptimizerState {
@@ -388,7 +393,12 @@ mod tests {
             }
             for i in 0..3 {
                 let err = (got[0][sync][i] as f64 - theta[i]).abs();
-                assert!(err < 1e-6, "sync {sync} [{i}]: {} vs {}", got[0][sync][i], theta[i]);
+                assert!(
+                    err < 1e-6,
+                    "sync {sync} [{i}]: {} vs {}",
+                    got[0][sync][i],
+                    theta[i]
+                );
             }
         }
     }
@@ -407,13 +417,20 @@ mod tests {
             };
             let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
                 let mut outer = Outer::new(cfg, &[0.0, 1.0])?;
-                let mut p = if pg.rank() == 0 { vec![1.0, 3.0] } else { vec![2.0, 5.0] };
+                let mut p = if pg.rank() == 0 {
+                    vec![1.0, 3.0]
+                } else {
+                    vec![2.0, 5.0]
+                };
                 outer.sync(pg, &mut p)?;
                 Ok::<_, TrainError>(p)
             })
             .unwrap();
             let tol = if bf16 { 2e-2 } else { 1e-6 };
-            assert!((got[0][0] - 1.5).abs() < tol && (got[0][1] - 4.0).abs() < tol, "{got:?}");
+            assert!(
+                (got[0][0] - 1.5).abs() < tol && (got[0][1] - 4.0).abs() < tol,
+                "{got:?}"
+            );
             assert_eq!(got[0], got[1]);
         }
     }
@@ -435,7 +452,11 @@ mod tests {
             let opt = AdamW::new(Default::default(), DecayMask::all(1)).unwrap();
             let ranks = vec![0f32; 6];
             let file = optimizer_file(&opt, &outer, &ranks, 2);
-            assert_eq!(file.tensors.len(), 2 + 1 + 2 * 3, "AdamW, the momentum, 3 per rank");
+            assert_eq!(
+                file.tensors.len(),
+                2 + 1 + 2 * 3,
+                "AdamW, the momentum, 3 per rank"
+            );
             file.metadata.get(WORLD_KEY).cloned()
         };
         assert_eq!(file_meta.as_deref(), Some("2"));

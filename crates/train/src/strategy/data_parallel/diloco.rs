@@ -148,7 +148,7 @@ impl Outer {
     /// Whether the end of step `step` (0-based) syncs, in a run of `steps`:
     /// every `sync_every` steps, and at the last.
     pub fn due(&self, step: u64, steps: u64) -> bool {
-        (step + 1) % self.cfg.sync_every == 0 || step + 1 == steps
+        (step + 1).is_multiple_of(self.cfg.sync_every) || step + 1 == steps
     }
 
     /// The sync: averages the ranks' pseudo-gradients θ − `params`, steps θ
@@ -383,8 +383,8 @@ mod tests {
         assert_eq!(got[0], got[1], "the ranks agree bitwise");
         let (lr, mu) = (0.7f64, 0.9f64);
         let mut theta: Vec<f64> = theta0.iter().map(|&x| x as f64).collect();
-        let mut b = vec![0f64; 3];
-        for sync in 0..2 {
+        let mut b = [0f64; 3];
+        for (sync, seen) in got[0].iter().enumerate() {
             for i in 0..3 {
                 let mean = (local(0, sync)[i] as f64 + local(1, sync)[i] as f64) / 2.0;
                 let d = theta[i] - mean;
@@ -392,13 +392,8 @@ mod tests {
                 theta[i] -= lr * (d + mu * b[i]);
             }
             for i in 0..3 {
-                let err = (got[0][sync][i] as f64 - theta[i]).abs();
-                assert!(
-                    err < 1e-6,
-                    "sync {sync} [{i}]: {} vs {}",
-                    got[0][sync][i],
-                    theta[i]
-                );
+                let err = (seen[i] as f64 - theta[i]).abs();
+                assert!(err < 1e-6, "sync {sync} [{i}]: {} vs {}", seen[i], theta[i]);
             }
         }
     }

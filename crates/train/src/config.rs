@@ -664,7 +664,7 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub outer_momentum: Option<f64>,
-    /// DiLoCo: Nesterov outer momentum (false: heavy ball) [default: true].
+    /// DiLoCo: Nesterov outer momentum, on unless given false (heavy ball).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub outer_nesterov: Option<bool>,

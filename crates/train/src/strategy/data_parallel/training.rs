@@ -394,7 +394,8 @@ impl ParallelStrategy for DataParallelRun<'_> {
             return Vec::new();
         }
         vec![format!(
-            "outer syncs (rank 0): {syncs}, {:.1} ms each in the pseudo-gradient all-reduce              (exposed: the ranks wait for it)",
+            "outer syncs (rank 0): {syncs}, {:.1} ms each in the pseudo-gradient all-reduce \
+             (exposed: the ranks wait for it)",
             comm.as_secs_f64() * 1e3 / syncs as f64
         )]
     }

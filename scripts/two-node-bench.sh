@@ -94,10 +94,12 @@ shape_link() {
   local rate=$1 i
   for i in 0 1; do
     tc -n "${ns[$i]}" qdisc del dev "${veth[$i]}" root 2>/dev/null || true
-    tc -n "${ns[$i]}" qdisc add dev "${veth[$i]}" root handle 1: htb default 10
-    tc -n "${ns[$i]}" class add dev "${veth[$i]}" parent 1: classid 1:10 htb rate "$rate" ceil "$rate"
+    tc -n "${ns[$i]}" qdisc add dev "${veth[$i]}" root handle 1: htb default 10 || return 1
+    tc -n "${ns[$i]}" class add dev "${veth[$i]}" parent 1: classid 1:10 htb \
+      rate "$rate" ceil "$rate" || return 1
     if [ -n "$delay" ]; then
-      tc -n "${ns[$i]}" qdisc add dev "${veth[$i]}" parent 1:10 handle 10: netem delay "$delay"
+      tc -n "${ns[$i]}" qdisc add dev "${veth[$i]}" parent 1:10 handle 10: netem delay "$delay" \
+        || return 1
     fi
   done
 }
@@ -150,7 +152,7 @@ echo "  cohort $single tokens/s${torch_single:+, PyTorch $torch_single tokens/s}
 
 rows=()
 for rate in $rates; do
-  shape_link "$rate"
+  shape_link "$rate" || { echo "two-node-bench: skipped: tc cannot shape the link (no HTB or netem in this kernel?)" >&2; exit 2; }
   link="$rate${delay:+ +$delay}"
   echo "link $link: cohort DDP" >&2
   log=$(cohort_two_nodes --strategy ddp --overlap on)

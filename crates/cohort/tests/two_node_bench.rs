@@ -33,6 +33,14 @@ fn the_two_node_bench_prints_its_table() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
+    if out.status.code() == Some(2) {
+        // The script says why in one line (a kernel without HTB, say).
+        eprintln!(
+            "two-node bench skipped: {}",
+            stderr.trim().lines().last().unwrap_or("")
+        );
+        return;
+    }
     assert!(out.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("| link | system | tokens/s | efficiency | exposed comm per step |"),

@@ -169,6 +169,16 @@ pub struct TrainConfig {
     pub micro_batches: usize,
     /// Pipeline: `gpipe` (all forwards, then all backwards) or `1f1b`.
     pub pipeline_schedule: PipelineSchedule,
+    /// DiLoCo and local SGD: inner steps between two outer syncs (H).
+    pub sync_every: u64,
+    /// DiLoCo: the outer optimizer's learning rate (local SGD: 1).
+    pub outer_lr: f64,
+    /// DiLoCo: the outer optimizer's momentum (local SGD: 0).
+    pub outer_momentum: f64,
+    /// DiLoCo: Nesterov momentum in the outer optimizer (the paper's), else heavy ball.
+    pub outer_nesterov: bool,
+    /// DiLoCo and local SGD: what the averaged pseudo-gradients travel in.
+    pub pseudo_grad_dtype: Precision,
 }
 
 /// The order of a pipeline stage's forwards and backwards in a step.
@@ -203,6 +213,14 @@ pub enum Strategy {
     /// Every rank holds the model; gradients are averaged by all-reduce.
     #[default]
     Ddp,
+    /// DiLoCo (Douillard et al. 2023): every rank takes `sync_every` AdamW
+    /// steps on its own, then the ranks average their pseudo-gradients
+    /// (parameters at the last sync minus now) and take one outer SGD step
+    /// with Nesterov momentum on the global parameters.
+    Diloco,
+    /// Local SGD: DiLoCo's special case with outer lr 1 and no momentum,
+    /// the ranks' parameters averaged every `sync_every` steps.
+    LocalSgd,
     /// Rank 0 holds the parameters and the optimizer; the other ranks
     /// compute gradients and push them over RPC.
     ParameterServer,
@@ -240,6 +258,8 @@ impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
             Strategy::Ddp => "ddp",
+            Strategy::Diloco => "diloco",
+            Strategy::LocalSgd => "local-sgd",
             Strategy::ParameterServer => "parameter-server",
             Strategy::Pipeline => "pipeline",
             Strategy::Zero1 => "zero1",
@@ -396,6 +416,11 @@ impl Default for TrainConfig {
             stages: 0,
             micro_batches: 4,
             pipeline_schedule: PipelineSchedule::OneFOneB,
+            sync_every: 50,
+            outer_lr: 0.7,
+            outer_momentum: 0.9,
+            outer_nesterov: true,
+            pseudo_grad_dtype: Precision::Fp32,
         }
     }
 }
@@ -619,7 +644,9 @@ pub struct TrainArgs {
     pub sort_size: Option<usize>,
     /// How ranks share the work: ddp, parameter-server (rank 0 serves), pipeline, zero1
     /// (DDP with the optimizer state sharded, ZeRO stage 1), zero2 (gradients sharded too) or
-    /// zero3 (parameters sharded too, gathered per block: FSDP) [default: ddp].
+    /// zero3 (parameters sharded too, gathered per block: FSDP), diloco (local AdamW steps,
+    /// an outer Nesterov step every --sync-every) or local-sgd (the same, averaging only)
+    /// [default: ddp].
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strategy: Option<Strategy>,
@@ -648,6 +675,26 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_schedule: Option<PipelineSchedule>,
+    /// DiLoCo, local SGD: inner steps between outer syncs, H [default: 50].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_every: Option<u64>,
+    /// DiLoCo: outer learning rate [default: 0.7].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_lr: Option<f64>,
+    /// DiLoCo: outer momentum [default: 0.9].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_momentum: Option<f64>,
+    /// DiLoCo: Nesterov outer momentum, on unless given false (heavy ball).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_nesterov: Option<bool>,
+    /// DiLoCo, local SGD: pseudo-gradients averaged in fp32 or bf16 [default: fp32].
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pseudo_grad_dtype: Option<Precision>,
 }
 
 impl TrainArgs {
@@ -834,6 +881,20 @@ impl TrainConfig {
                 "is a pipeline setting: --strategy zero2 and zero3 shard one data-parallel \
                  model and do not combine with pipeline stages",
             );
+        }
+        if self.sync_every == 0 {
+            return bad("sync_every", "0".into(), "must be at least 1");
+        }
+        if !(self.outer_lr > 0.0 && self.outer_lr.is_finite()) {
+            return bad(
+                "outer_lr",
+                self.outer_lr.to_string(),
+                "must be finite and > 0",
+            );
+        }
+        if !(0.0..1.0).contains(&self.outer_momentum) {
+            let why = "must be in [0, 1)";
+            return bad("outer_momentum", self.outer_momentum.to_string(), why);
         }
         if self.grad_accum == 0 {
             return bad("grad_accum", "0".into(), "must be at least 1");

@@ -97,8 +97,8 @@ fn run_parameter_server(cfg: &TrainConfig) -> Result<Outcome, TrainError> {
 }
 
 /// Trains as configured, as rank `pg.rank()` of `pg.size()`, with the
-/// strategy `cfg.strategy` names: data parallel (DDP, or ZeRO stage 1, 2 or
-/// 3) or pipeline; rank 0 writes the log to `log`. The parameter server
+/// strategy `cfg.strategy` names: data parallel (DDP, ZeRO stage 1, 2 or
+/// 3, DiLoCo or local SGD) or pipeline; rank 0 writes the log to `log`. The parameter server
 /// needs no process group: see [`train_parameter_server`]. Collective:
 /// every rank must call it with the same config.
 pub fn train(
@@ -108,6 +108,7 @@ pub fn train(
 ) -> Result<Outcome, TrainError> {
     let sync = match cfg.strategy {
         Strategy::Ddp => SyncKind::Ddp,
+        Strategy::Diloco | Strategy::LocalSgd => SyncKind::Diloco,
         Strategy::Zero1 => SyncKind::Zero1,
         Strategy::Zero2 => SyncKind::Sharded(ZeroStage::Two),
         Strategy::Zero3 => SyncKind::Sharded(ZeroStage::Three),

@@ -18,7 +18,7 @@
 //!   strategy whose ranks meet over RPC instead.
 //! - [`DataParallel`]: one rank of data parallelism, its gradient sync a
 //!   value ([`GradSync`]: DDP, ZeRO-1 with [`Zero1`], ZeRO-2/3 with
-//!   [`ShardedDp`]), stepped by the training loop or from outside it
+//!   [`ShardedDp`], DiLoCo and local SGD with [`Outer`]), stepped by the training loop or from outside it
 //!   (`cohort bench ddp`). [`PipelineRank`]: one pipeline rank stepped from
 //!   outside the loop (`cohort bench pipeline`). [`memory_per_rank`] counts
 //!   what a rank holds under each sharding.
@@ -92,7 +92,7 @@ pub use run_log::METRICS_FILE;
 pub use step_loop::Outcome;
 pub use stop_request::stop_on_signals;
 pub use strategy::data_parallel::{
-    DataParallel, GradSync, ShardedDp, SyncTimes, Zero1, Zero1Times, ZeroStage,
+    DataParallel, GradSync, Outer, OuterConfig, ShardedDp, SyncTimes, Zero1, Zero1Times, ZeroStage,
 };
 pub use strategy::parameter_server::{
     train_parameter_server, train_parameter_server_timed, RpcJoin,

@@ -22,6 +22,7 @@ use cohort_gpt::GPT;
 
 use super::layout::TrainState;
 use super::save::{failed_save, save_or_report, write_and_prune, Companions, SaveReport};
+use super::trainer_files;
 use crate::config::{SaveMode, TrainConfig};
 
 /// The test hook `COHORT_TEST_SAVE_DELAY=STEP:SECS`: the writer of step `STEP`'s background
@@ -232,13 +233,14 @@ impl Job {
             &self.state,
             tokenizer,
         );
+        let optimizer = staging.optimizer_state();
         let report = match companions {
             Ok(companions) => write_and_prune(
                 &self.out,
                 self.cfg.keep_checkpoints,
                 step,
                 model,
-                &staging.optimizer_state(),
+                trainer_files::optimizer_file(&optimizer),
                 &companions,
             ),
             Err(e) => failed_save(&self.out, step, e),

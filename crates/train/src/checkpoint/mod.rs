@@ -37,6 +37,6 @@ pub use consolidate::consolidate;
 pub(crate) use layout::output_root;
 pub use layout::TrainState;
 pub(crate) use resume::{
-    choose, resume, resume_alone, resume_into, resume_split, Resumed, ShardTarget,
+    choose, resume, resume_alone, resume_into, resume_split, Restore, Resumed, ShardTarget,
 };
-pub(crate) use save::{check_writable, save_sharded, OwnedShard, SaveReport};
+pub(crate) use save::{check_writable, save_file_or_report, save_sharded, OwnedShard, SaveReport};

@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 
 use cohort_comm::ProcessGroup;
 use cohort_engine::optim::{Optimizer, OptimizerState};
-use cohort_gpt::checkpoint::{self as ckpt, Checkpoint, Piece, ShardIndex, ShardRecord};
+use cohort_gpt::checkpoint::{
+    self as ckpt, Checkpoint, Piece, ShardIndex, ShardRecord, TensorFile,
+};
 use cohort_gpt::{GPTConfig, GPT};
 use serde_json::json;
 
@@ -96,7 +98,7 @@ impl Companions {
 }
 
 /// Writes `out/step-NNNNNN` (and points `out/latest` at it) from `model`, the optimizer's
-/// `optimizer` state and the `companions`, then deletes the checkpoints beyond `keep`: what a
+/// file (`optimizer`) and the `companions`, then deletes the checkpoints beyond `keep`: what a
 /// save does once its state is at hand, on the training thread or on the writer's
 /// (`background`). A failure is reported, not returned.
 pub(super) fn write_and_prune(
@@ -104,7 +106,7 @@ pub(super) fn write_and_prune(
     keep: usize,
     step: u64,
     model: &GPT,
-    optimizer: &OptimizerState<'_>,
+    optimizer: TensorFile<'_>,
     companions: &Companions,
 ) -> SaveReport {
     let written = ckpt::save(
@@ -113,7 +115,7 @@ pub(super) fn write_and_prune(
         &Checkpoint {
             config_extra: companions.hf.config_keys.clone(),
             model: Some(model),
-            tensor_files: vec![trainer_files::optimizer_file(optimizer)],
+            tensor_files: vec![optimizer],
             extra_files: companions.files(),
         },
     );
@@ -335,19 +337,33 @@ pub(super) fn save_or_report(
     state: &TrainState,
     tokenizer_json: Option<&str>,
 ) -> SaveReport {
-    let companions = match Companions::new(cfg, world, model.config(), state, tokenizer_json) {
-        Ok(companions) => companions,
-        Err(e) => return failed_save(out, state.step, e),
-    };
     let optimizer = opt.state();
-    write_and_prune(
-        out,
-        cfg.keep_checkpoints,
-        state.step,
-        model,
-        &optimizer,
-        &companions,
-    )
+    let file = trainer_files::optimizer_file(&optimizer);
+    save_file_or_report(out, cfg, world, model, file, state, tokenizer_json)
+}
+
+/// [`save_or_report`] with the optimizer's file as the caller made it (DiLoCo's holds its
+/// outer state and every rank's inner state beside rank 0's AdamW state).
+pub(crate) fn save_file_or_report(
+    out: &Path,
+    cfg: &TrainConfig,
+    world: usize,
+    model: &GPT,
+    optimizer: TensorFile<'_>,
+    state: &TrainState,
+    tokenizer_json: Option<&str>,
+) -> SaveReport {
+    match Companions::new(cfg, world, model.config(), state, tokenizer_json) {
+        Ok(companions) => write_and_prune(
+            out,
+            cfg.keep_checkpoints,
+            state.step,
+            model,
+            optimizer,
+            &companions,
+        ),
+        Err(e) => failed_save(out, state.step, e),
+    }
 }
 
 /// Deletes the checkpoints of `root` beyond the newest `keep` (0: none),

@@ -3,7 +3,9 @@
 //! [`GradSync`] value says: PyTorch's DDP (all-reduce in buckets during the
 //! last micro-batch's backward), ZeRO-1 (`ZeroRedundancyOptimizer`: the
 //! optimizer state sharded, see `zero1`) or ZeRO-2/3 (gradients, and under
-//! stage 3 parameters, sharded by part too, see `sharded`).
+//! stage 3 parameters, sharded by part too, see `sharded`), or none but
+//! DiLoCo's outer step every H steps (local SGD its special case, see
+//! `diloco`).
 //!
 //! - `step`: [`DataParallel`], a rank's replica and its sync, with the
 //!   pieces of a step (forward, backward with the sync, update), used by
@@ -11,17 +13,19 @@
 //! - `training`: the strategy of the training loop built from a config
 //!   (data, resume, batches, saves);
 //! - `zero1`, `sharded`: the ZeRO machinery on flat buffers and over the
-//!   model's parts.
+//!   model's parts; `diloco`: the outer optimizer and its checkpoint state.
 //!
 //! This module never lets one rank's parameters differ from another's
-//! after a step, and never keeps sharded state beyond a rank's own shard
+//! after a step (DiLoCo: after a sync), and never keeps sharded state beyond a rank's own shard
 //! between steps.
 
+mod diloco;
 mod sharded;
 mod step;
 mod training;
 mod zero1;
 
+pub use diloco::{Outer, OuterConfig};
 pub use sharded::{ShardedDp, ZeroStage};
 pub use step::{DataParallel, GradSync, SyncTimes};
 pub(crate) use training::{train, SyncKind};

@@ -1,7 +1,8 @@
 //! The data-parallel step: a model replica on every rank, and how its
 //! gradients are synchronised, as a value ([`GradSync`]): DDP's bucketed
 //! all-reduce, ZeRO-1's reduce-scatter into a sharded optimizer, or ZeRO-2/3's
-//! reduce-scatter part by part (parameters sharded too under stage 3).
+//! reduce-scatter part by part (parameters sharded too under stage 3), or
+//! DiLoCo's outer step every H steps (local SGD its special case).
 //! [`DataParallel`] runs a step's pieces (forward, backward with the sync,
 //! update) the same way for the training loop and for callers with their
 //! own loop (`cohort bench ddp`). It never reads data, logs or decides
@@ -15,6 +16,7 @@ use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, Optimizer};
 use cohort_gpt::{Backward, Forward, Labels, GPT};
 
+use super::diloco::Outer;
 use super::sharded::{ShardedDp, ZeroStage};
 use super::zero1::Zero1;
 use crate::error::TrainError;
@@ -40,6 +42,15 @@ pub enum GradSync<'pg> {
     /// backward finishes it (stage 3: each part's parameters gathered
     /// around its forward and backward); AdamW over this rank's flat shard.
     Sharded(Box<ShardedDp>),
+    /// DiLoCo or local SGD: no gradient sync at all; AdamW over the whole
+    /// model on each rank's own gradient, and every `sync_every` steps the
+    /// outer step over the averaged pseudo-gradient (see `diloco`).
+    Diloco {
+        /// The inner AdamW over the whole model, this rank's own.
+        opt: AdamW,
+        /// The global parameters and the outer optimizer.
+        outer: Box<Outer>,
+    },
 }
 
 /// Where the time of a backward and its synchronisation went.
@@ -77,7 +88,7 @@ impl<'pg> GradSync<'pg> {
     /// The ZeRO stage, if any.
     fn zero_stage(&self) -> Option<u8> {
         match self {
-            GradSync::Ddp { .. } => None,
+            GradSync::Ddp { .. } | GradSync::Diloco { .. } => None,
             GradSync::Zero1(_) => Some(1),
             GradSync::Sharded(zero) => Some(match zero.stage() {
                 ZeroStage::Two => 2,
@@ -113,6 +124,12 @@ impl<'pg> DataParallel<'pg> {
     /// The gradient sync.
     pub fn sync(&self) -> &GradSync<'pg> {
         &self.sync
+    }
+
+    /// The model and the gradient sync, both to change (a save that puts
+    /// DiLoCo's global parameters in the model for a moment).
+    pub(crate) fn model_and_sync_mut(&mut self) -> (&mut GPT, &mut GradSync<'pg>) {
+        (&mut self.model, &mut self.sync)
     }
 
     /// The ZeRO stage (1, 2 or 3), or `None` for DDP.
@@ -174,7 +191,7 @@ impl<'pg> DataParallel<'pg> {
                     comm_busy: stats.comm_busy,
                 })
             }
-            GradSync::Ddp { .. } => Ok(SyncTimes {
+            GradSync::Ddp { .. } | GradSync::Diloco { .. } => Ok(SyncTimes {
                 backward: plain(model)?,
                 ..SyncTimes::default()
             }),
@@ -209,7 +226,7 @@ impl<'pg> DataParallel<'pg> {
     /// under ZeRO (its padding zero, counting for nothing in the norm).
     pub fn grads_mut(&mut self) -> &mut [f32] {
         match &mut self.sync {
-            GradSync::Ddp { .. } => self.model.grads_mut(),
+            GradSync::Ddp { .. } | GradSync::Diloco { .. } => self.model.grads_mut(),
             GradSync::Zero1(zero) => zero.shard_grads_mut(),
             GradSync::Sharded(zero) => zero.shard_grads_mut(),
         }
@@ -217,10 +234,11 @@ impl<'pg> DataParallel<'pg> {
 
     /// The whole gradient's norm given this rank's norm of
     /// [`DataParallel::grads_mut`]: DDP's ranks hold the same whole
-    /// gradient, so theirs is it; the ZeRO shards' squares are summed.
-    /// Collective under ZeRO.
+    /// gradient, so theirs is it; DiLoCo's ranks step on their own
+    /// gradients, clipped by their own norms; the ZeRO shards' squares are
+    /// summed. Collective under ZeRO.
     pub fn global_norm(&self, local: f32) -> Result<f32, TrainError> {
-        if let GradSync::Ddp { .. } = self.sync {
+        if let GradSync::Ddp { .. } | GradSync::Diloco { .. } = self.sync {
             return Ok(local);
         }
         let mut squares = [f64::from(local) * f64::from(local)];
@@ -237,7 +255,7 @@ impl<'pg> DataParallel<'pg> {
     pub fn update(&mut self, lr: f64) -> Result<Duration, TrainError> {
         let (pg, model) = (self.pg, &mut self.model);
         match &mut self.sync {
-            GradSync::Ddp { opt, .. } => {
+            GradSync::Ddp { opt, .. } | GradSync::Diloco { opt, .. } => {
                 let (params, grads) = model.params_and_grads_mut();
                 opt.step(params, grads, lr)?;
                 Ok(Duration::ZERO)
@@ -249,6 +267,20 @@ impl<'pg> DataParallel<'pg> {
                 Ok(t.elapsed())
             }
             GradSync::Sharded(zero) => zero.update(pg, model, lr),
+        }
+    }
+
+    /// What ends step `step` of `steps` (0-based), updated or skipped:
+    /// DiLoCo's outer sync when it is due (every rank takes part, whether
+    /// its step was skipped or not). Returns the time spent in the sync's
+    /// all-reduce, or `None` when nothing was due. Collective under DiLoCo
+    /// at a sync.
+    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<Option<Duration>, TrainError> {
+        match &mut self.sync {
+            GradSync::Diloco { outer, .. } if outer.due(step, steps) => {
+                outer.sync(self.pg, self.model.params_mut()).map(Some)
+            }
+            _ => Ok(None),
         }
     }
 
@@ -322,6 +354,11 @@ impl<'pg> DataParallel<'pg> {
     pub fn optimizer_floats(&self) -> usize {
         match &self.sync {
             GradSync::Ddp { .. } => 2 * self.model.num_params(),
+            // The inner moments, the global parameters and the outer momentum.
+            GradSync::Diloco { outer, .. } => {
+                let momentum = usize::from(outer.config().momentum > 0.0);
+                (3 + momentum) * self.model.num_params()
+            }
             GradSync::Zero1(zero) => 2 * zero.shard_len(),
             GradSync::Sharded(zero) => 2 * zero.shard_len(),
         }
@@ -332,7 +369,7 @@ impl<'pg> DataParallel<'pg> {
     pub fn buckets(&self) -> usize {
         match &self.sync {
             GradSync::Ddp { ddp, .. } => ddp.buckets().len(),
-            GradSync::Zero1(_) | GradSync::Sharded(_) => 0,
+            GradSync::Zero1(_) | GradSync::Sharded(_) | GradSync::Diloco { .. } => 0,
         }
     }
 }

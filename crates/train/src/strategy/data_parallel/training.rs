@@ -2,7 +2,7 @@
 //! data, the model replica and its gradient sync ([`DataParallel`]) built
 //! from the config (resumed from any checkpoint), the rank's batches, and
 //! the saves (DDP's whole checkpoint by rank 0, or every rank's shard). One
-//! type for DDP and every ZeRO stage: what differs is the [`GradSync`]
+//! type for DDP, every ZeRO stage and DiLoCo: what differs is the [`GradSync`]
 //! value. It never decides when to log, evaluate or save: the loop does.
 
 use std::io::Write;
@@ -16,10 +16,11 @@ use cohort_engine::optim::AdamW;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
+use super::diloco::{self, DilocoTarget, Outer, OuterConfig};
 use super::sharded::{ShardedDp, ZeroStage};
 use super::step::{DataParallel, GradSync};
 use super::zero1::Zero1;
-use crate::checkpoint::{OwnedShard, SaveReport, Saver, ShardTarget, TrainState};
+use crate::checkpoint::{self, OwnedShard, SaveReport, Saver, ShardTarget, TrainState};
 use crate::config::TrainConfig;
 use crate::error::TrainError;
 use crate::input::{val_batches, TrainBatches, ValBatches};
@@ -40,13 +41,15 @@ pub(crate) enum SyncKind {
     Zero1,
     /// ZeRO stage 2 or 3.
     Sharded(ZeroStage),
+    /// DiLoCo or local SGD (no gradient sync; an outer step every H steps).
+    Diloco,
 }
 
 impl SyncKind {
     /// The memory accounting's name for the sync over `world` ranks.
     fn sharding(self, world: usize) -> Sharding {
         match self {
-            SyncKind::Ddp => Sharding::Replicated,
+            SyncKind::Ddp | SyncKind::Diloco => Sharding::Replicated,
             SyncKind::Zero1 => Sharding::Zero1 { world },
             SyncKind::Sharded(ZeroStage::Two) => Sharding::Zero2 { world },
             SyncKind::Sharded(ZeroStage::Three) => Sharding::Zero3 { world },
@@ -78,6 +81,8 @@ struct DataParallelRun<'a> {
     /// This rank's share of the job's validation batches.
     val: ValBatches,
     start: Start,
+    /// DiLoCo: the outer syncs so far in this process and their all-reduces' time.
+    outer_syncs: (u64, std::time::Duration),
 }
 
 impl<'a> DataParallelRun<'a> {
@@ -92,7 +97,7 @@ impl<'a> DataParallelRun<'a> {
         let t = data.seq_len();
         let threads = model.backend().num_threads();
         let overlap = match kind {
-            SyncKind::Zero1 => false,
+            SyncKind::Zero1 | SyncKind::Diloco => false,
             // Compressed reduce-scatters run in place (see `set_compression`).
             SyncKind::Sharded(_) if cfg.bf16_compress => false,
             _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
@@ -114,6 +119,7 @@ impl<'a> DataParallelRun<'a> {
                 loss_floor: data.loss_floor(),
             },
             data,
+            outer_syncs: Default::default(),
         })
     }
 }
@@ -144,6 +150,9 @@ fn build_sync<'a>(
         return Ok((GradSync::ddp(pg, model, opt, options)?, state));
     }
     share_rank0_params(pg, model)?;
+    if kind == SyncKind::Diloco {
+        return build_diloco(cfg, pg, model, header);
+    }
     let sync = match kind {
         SyncKind::Sharded(stage) => {
             let mut zero = ShardedDp::new(pg, model, stage, cfg.adamw())?;
@@ -164,7 +173,7 @@ fn build_sync<'a>(
     let (pieces, len) = match &sync {
         GradSync::Zero1(zero) => (zero.pieces(), zero.shard_len()),
         GradSync::Sharded(zero) => (zero.pieces(), zero.shard_len()),
-        GradSync::Ddp { .. } => unreachable!("DDP resumed above"),
+        GradSync::Ddp { .. } | GradSync::Diloco { .. } => unreachable!("resumed above"),
     };
     let mut target = ShardTarget::new(&config, pieces, len);
     let Some(state) = resume_shard(cfg, pg, &mut target, header)? else {
@@ -174,9 +183,43 @@ fn build_sync<'a>(
     match &mut sync {
         GradSync::Zero1(zero) => zero.restore(pg, &target, model.params_mut())?,
         GradSync::Sharded(zero) => zero.restore(pg, model, &target)?,
-        GradSync::Ddp { .. } => unreachable!("DDP resumed above"),
+        GradSync::Ddp { .. } | GradSync::Diloco { .. } => unreachable!("resumed above"),
     }
     Ok((sync, state))
+}
+
+/// DiLoCo's sync over `model` (rank 0's parameters already every rank's):
+/// the inner AdamW and the outer optimizer, resumed from `cfg.resume` when
+/// set (see `diloco`: bitwise on as many ranks, regrouped on another
+/// number). Collective.
+fn build_diloco<'a>(
+    cfg: &TrainConfig,
+    pg: &'a ProcessGroup,
+    model: &mut GPT,
+    header: &mut Vec<String>,
+) -> Result<(GradSync<'a>, TrainState), TrainError> {
+    let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
+    let mut outer = Box::new(Outer::new(OuterConfig::of(cfg), model.params())?);
+    let Some(dir) = &cfg.resume else {
+        return Ok((GradSync::Diloco { opt, outer }, TrainState::default()));
+    };
+    let mut target = DilocoTarget {
+        model,
+        opt: &mut opt,
+        outer: &mut outer,
+        rank: pg.rank(),
+        world: pg.size(),
+        notes: Vec::new(),
+    };
+    let resumed = checkpoint::resume_into(dir, cfg, pg, pg.size(), &mut target)?;
+    header.extend(resumed.notes);
+    header.extend(target.notes);
+    header.push(format!(
+        "resumed from {} at step {}",
+        resumed.dir.display(),
+        resumed.state.step
+    ));
+    Ok((GradSync::Diloco { opt, outer }, resumed.state))
 }
 
 /// The header line that describes the model and how it is spread.
@@ -214,6 +257,7 @@ fn model_line(
                 on_off(overlap),
             )
         }
+        GradSync::Diloco { outer, .. } => outer.config().line(),
     };
     format!(
         "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {n} parameters; \
@@ -232,6 +276,45 @@ fn on_off(on: bool) -> &'static str {
         "on"
     } else {
         "off"
+    }
+}
+
+impl DataParallelRun<'_> {
+    /// DiLoCo's save: every rank's own parameters and moments gathered to
+    /// rank 0, which writes them beside the global parameters (the model)
+    /// and the outer momentum (see `diloco`). Collective.
+    fn save_diloco(&mut self, out: &Path, step: u64) -> Result<SaveReport, TrainError> {
+        let (cfg, pg) = (self.cfg, self.step.group());
+        let (model, sync) = self.step.model_and_sync_mut();
+        let GradSync::Diloco { opt, outer } = sync else {
+            unreachable!("only DiLoCo saves this way")
+        };
+        let Some(ranks) = diloco::gather_ranks(pg, model.params(), opt)? else {
+            return Ok(SaveReport::default());
+        };
+        // The checkpoint's model is the global one; this rank's own (the
+        // first of the gathered) goes back after.
+        model.params_mut().copy_from_slice(outer.global());
+        let file = diloco::optimizer_file(opt, outer, &ranks, pg.size());
+        let (epoch, offset) = self.batches.position();
+        let state = TrainState {
+            step,
+            epoch,
+            offset,
+        };
+        let tokenizer = self.data.tokenizer_json();
+        let report = checkpoint::save_file_or_report(
+            out,
+            cfg,
+            pg.size(),
+            model,
+            file,
+            &state,
+            tokenizer.as_deref(),
+        );
+        let n = model.num_params();
+        model.params_mut().copy_from_slice(&ranks[..n]);
+        Ok(report)
     }
 }
 
@@ -264,12 +347,16 @@ impl ParallelStrategy for DataParallelRun<'_> {
         self.step.global_norm(local)
     }
 
-    fn apply(&mut self, _step: u64, lr: Option<f64>) -> Result<(), TrainError> {
+    fn apply(&mut self, step: u64, lr: Option<f64>) -> Result<(), TrainError> {
         // A skipped step changes nothing: nothing to gather either.
         if let Some(lr) = lr {
             self.step.update(lr)?;
         }
         self.step.clear_grads();
+        if let Some(comm) = self.step.end_step(step, self.cfg.steps)? {
+            self.outer_syncs.0 += 1;
+            self.outer_syncs.1 += comm;
+        }
         Ok(())
     }
 
@@ -293,6 +380,7 @@ impl ParallelStrategy for DataParallelRun<'_> {
             )),
             GradSync::Zero1(zero) => zero.with_owned_shard(save),
             GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
+            GradSync::Diloco { .. } => self.save_diloco(out, step),
         }
     }
 
@@ -300,9 +388,24 @@ impl ParallelStrategy for DataParallelRun<'_> {
         self.step.final_params()
     }
 
+    fn summary(&self) -> Vec<String> {
+        let (syncs, comm) = self.outer_syncs;
+        if syncs == 0 {
+            return Vec::new();
+        }
+        vec![format!(
+            "outer syncs (rank 0): {syncs}, {:.1} ms each in the pseudo-gradient all-reduce \
+             (exposed: the ranks wait for it)",
+            comm.as_secs_f64() * 1e3 / syncs as f64
+        )]
+    }
+
     fn who(&self) -> String {
         let ranks = self.group().size();
         match self.step.zero_stage() {
+            None if self.cfg.strategy != crate::config::Strategy::Ddp => {
+                format!("{ranks} rank(s), {}", self.cfg.strategy.name())
+            }
             None => format!("{ranks} rank(s)"),
             Some(stage) => format!("{ranks} rank(s), ZeRO-{stage}"),
         }

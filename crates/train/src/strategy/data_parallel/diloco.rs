@@ -1,0 +1,459 @@
+//! DiLoCo and local SGD, the data-parallel sync for slow links: every rank
+//! takes its own AdamW steps (the inner optimizer) without communicating,
+//! and every `sync_every` (H) steps the ranks meet once:
+//!
+//! 1. each rank's pseudo-gradient is Δ_r = θ − θ_r, the global parameters of
+//!    the last sync minus its own now;
+//! 2. the ranks average them (one all-reduce of the model's size, in fp32
+//!    or bf16): Δ = mean_r Δ_r;
+//! 3. the outer optimizer, SGD with Nesterov momentum as in the DiLoCo
+//!    paper (Douillard et al. 2023, `torch.optim.SGD(nesterov=True)`),
+//!    steps θ by Δ at the outer learning rate;
+//! 4. every rank sets its parameters to the new θ. The inner AdamW
+//!    moments stay each rank's own.
+//!
+//! Local SGD is the special case outer lr 1 and no momentum: θ − 1·(θ −
+//! mean θ_r) is the ranks' mean parameters (to rounding). The last step of
+//! a run always syncs, so a run ends with one model.
+//!
+//! The outer all-reduce is synchronous: the ranks wait for it at the sync
+//! step. It moves the model once per H steps, where DDP moves its gradient
+//! every step, so at H = 50 the wire carries 1/50th of DDP's bytes.
+//!
+//! A checkpoint (DDP's format, written by rank 0) holds the global θ as its
+//! model, rank 0's AdamW moments as its optimizer (so DDP and ZeRO resume
+//! it), and beside them the outer momentum and every rank's own parameters
+//! and moments ([`DILOCO_PREFIX`] buffers), gathered to rank 0: a resume on
+//! the same number of ranks continues bitwise. A resume on another number
+//! of ranks regroups at the last sync: every rank starts from θ with rank
+//! 0's moments and the outer momentum, and the local steps since the last
+//! sync are dropped.
+//!
+//! This module never communicates between syncs, and never leaves the
+//! ranks with different parameters after one.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cohort_comm::{bf16, ProcessGroup, ReduceOp};
+use cohort_engine::optim::{AdamW, DecayMask, Optimizer, OptimizerState, Sgd, SgdConfig};
+use cohort_gpt::checkpoint::{self as ckpt, CheckpointError, TensorFile};
+use cohort_gpt::{GPTConfig, GPT};
+
+use crate::checkpoint::trainer_files::{self, OPTIMIZER_FILE};
+use crate::checkpoint::Restore;
+use crate::config::{Precision, Strategy, TrainConfig};
+use crate::error::TrainError;
+
+/// The prefix of the optimizer file's DiLoCo buffers and metadata keys.
+pub(crate) const DILOCO_PREFIX: &str = "diloco.";
+
+/// The outer optimizer's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct OuterConfig {
+    /// Inner steps between syncs (H).
+    pub sync_every: u64,
+    /// The outer learning rate.
+    pub lr: f64,
+    /// The outer momentum (0: none).
+    pub momentum: f64,
+    /// Nesterov momentum (only with a momentum).
+    pub nesterov: bool,
+    /// Average the pseudo-gradients in bf16 rather than fp32.
+    pub bf16: bool,
+}
+
+impl OuterConfig {
+    /// The settings of `cfg`: `--strategy local-sgd` fixes lr 1 and no momentum.
+    pub fn of(cfg: &TrainConfig) -> OuterConfig {
+        let local = cfg.strategy == Strategy::LocalSgd;
+        let momentum = if local { 0.0 } else { cfg.outer_momentum };
+        OuterConfig {
+            sync_every: cfg.sync_every,
+            lr: if local { 1.0 } else { cfg.outer_lr },
+            momentum,
+            nesterov: cfg.outer_nesterov && momentum > 0.0,
+            bf16: cfg.pseudo_grad_dtype == Precision::Bf16,
+        }
+    }
+
+    /// How the header describes it.
+    pub fn line(&self) -> String {
+        let (kind, outer) = if self.lr == 1.0 && self.momentum == 0.0 {
+            ("local SGD", "parameters averaged".to_string())
+        } else {
+            let nesterov = if self.nesterov { "Nesterov " } else { "" };
+            let outer = format!(
+                "outer SGD lr {} with {nesterov}momentum {}",
+                self.lr, self.momentum
+            );
+            ("DiLoCo", outer)
+        };
+        let dtype = if self.bf16 { "bf16" } else { "fp32" };
+        format!(
+            "{kind}: inner AdamW on each rank, every {} steps {outer} over the {dtype} \
+             pseudo-gradient (synchronous all-reduce)",
+            self.sync_every
+        )
+    }
+}
+
+/// The outer half of DiLoCo: the global parameters of the last sync and the
+/// outer optimizer over them.
+pub struct Outer {
+    cfg: OuterConfig,
+    /// θ: the global parameters as of the last sync.
+    global: Vec<f32>,
+    /// The outer SGD (its momentum buffer, and how many outer steps it took).
+    sgd: Sgd,
+    /// The pseudo-gradient, reused between syncs.
+    pseudo: Vec<f32>,
+}
+
+impl Outer {
+    /// The outer optimizer of `cfg` for a model whose parameters (the same
+    /// on every rank) are `params`.
+    pub fn new(cfg: OuterConfig, params: &[f32]) -> Result<Outer, TrainError> {
+        let sgd = Sgd::new(
+            SgdConfig {
+                momentum: cfg.momentum,
+                nesterov: cfg.nesterov,
+                ..SgdConfig::default()
+            },
+            DecayMask::all(params.len()),
+        )?;
+        Ok(Outer {
+            cfg,
+            global: params.to_vec(),
+            sgd,
+            pseudo: vec![0.0; params.len()],
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &OuterConfig {
+        &self.cfg
+    }
+
+    /// The global parameters of the last sync.
+    pub fn global(&self) -> &[f32] {
+        &self.global
+    }
+
+    /// Outer steps taken.
+    pub fn syncs(&self) -> u64 {
+        self.sgd.steps_taken()
+    }
+
+    /// Whether the end of step `step` (0-based) syncs, in a run of `steps`:
+    /// every `sync_every` steps, and at the last.
+    pub fn due(&self, step: u64, steps: u64) -> bool {
+        (step + 1).is_multiple_of(self.cfg.sync_every) || step + 1 == steps
+    }
+
+    /// The sync: averages the ranks' pseudo-gradients θ − `params`, steps θ
+    /// and sets `params` to it. Returns the time spent in the all-reduce.
+    /// Collective.
+    pub fn sync(&mut self, pg: &ProcessGroup, params: &mut [f32]) -> Result<Duration, TrainError> {
+        for ((d, g), p) in self.pseudo.iter_mut().zip(&self.global).zip(&*params) {
+            *d = g - p;
+        }
+        let t = Instant::now();
+        if self.cfg.bf16 {
+            let mut wire: Vec<bf16> = self.pseudo.iter().map(|&x| bf16::from_f32(x)).collect();
+            pg.all_reduce(&mut wire, ReduceOp::Avg)
+                .map_err(TrainError::comm("DiLoCo pseudo-gradient all_reduce"))?;
+            for (d, w) in self.pseudo.iter_mut().zip(&wire) {
+                *d = w.to_f32();
+            }
+        } else {
+            pg.all_reduce(&mut self.pseudo, ReduceOp::Avg)
+                .map_err(TrainError::comm("DiLoCo pseudo-gradient all_reduce"))?;
+        }
+        let comm = t.elapsed();
+        self.sgd.step(&mut self.global, &self.pseudo, self.cfg.lr)?;
+        params.copy_from_slice(&self.global);
+        Ok(comm)
+    }
+}
+
+/// The name of rank `r`'s buffer `what` in the optimizer file.
+fn rank_buffer(r: usize, what: &str) -> String {
+    format!("{DILOCO_PREFIX}rank{r}.{what}")
+}
+
+const MOMENTUM_BUFFER: &str = "diloco.outer_momentum";
+const WORLD_KEY: &str = "diloco.world_size";
+const SYNCS_KEY: &str = "diloco.outer_steps";
+
+/// Every rank's own parameters and AdamW moments, gathered to rank 0
+/// (`None` on the others), for the checkpoint. Collective.
+pub(crate) fn gather_ranks(
+    pg: &ProcessGroup,
+    params: &[f32],
+    opt: &AdamW,
+) -> Result<Option<Vec<f32>>, TrainError> {
+    let mine: Vec<f32> = [params, opt.exp_avg(), opt.exp_avg_sq()].concat();
+    let master = pg.rank() == 0;
+    let mut all = vec![0f32; if master { mine.len() * pg.size() } else { 0 }];
+    pg.gather(&mine, master.then_some(&mut all[..]), 0)
+        .map_err(TrainError::comm("DiLoCo checkpoint gather"))?;
+    Ok(master.then_some(all))
+}
+
+/// The optimizer file of a DiLoCo checkpoint: rank 0's AdamW state under
+/// its own names (DDP reads those), the outer momentum and `ranks` (from
+/// [`gather_ranks`]: each rank's parameters and moments) as
+/// [`DILOCO_PREFIX`] buffers.
+pub(crate) fn optimizer_file<'a>(
+    opt: &'a AdamW,
+    outer: &'a Outer,
+    ranks: &'a [f32],
+    world: usize,
+) -> TensorFile<'a> {
+    let mut file = trainer_files::optimizer_file(&opt.state());
+    let momentum = outer.sgd.momentum_buffer();
+    if !momentum.is_empty() {
+        file.tensors.push((MOMENTUM_BUFFER.to_string(), momentum));
+    }
+    let n = outer.global.len();
+    for (r, own) in ranks.chunks(3 * n).enumerate() {
+        for (i, what) in ["params", "exp_avg", "exp_avg_sq"].into_iter().enumerate() {
+            file.tensors
+                .push((rank_buffer(r, what), &own[i * n..(i + 1) * n]));
+        }
+    }
+    let meta = [(WORLD_KEY, world as u64), (SYNCS_KEY, outer.syncs())];
+    file.metadata
+        .extend(meta.map(|(k, v)| (k.to_string(), v.to_string())));
+    file
+}
+
+/// What a resume of DiLoCo restores into: the model (this rank's own
+/// parameters), the inner AdamW, and the outer state. Any checkpoint of
+/// DDP's format resumes; the notes say how.
+pub(crate) struct DilocoTarget<'a> {
+    pub model: &'a mut GPT,
+    pub opt: &'a mut AdamW,
+    pub outer: &'a mut Outer,
+    pub rank: usize,
+    pub world: usize,
+    /// What the resume did beyond the plain restore, for the header.
+    pub notes: Vec<String>,
+}
+
+impl Restore for DilocoTarget<'_> {
+    fn config(&self) -> &GPTConfig {
+        self.model.config()
+    }
+
+    fn restore(&mut self, dir: &Path) -> Result<bool, TrainError> {
+        ckpt::load_params_into(dir, self.model)?;
+        self.outer.global.copy_from_slice(self.model.params());
+        if !trainer_files::load_optimizer_into(dir, self.opt)? {
+            return Ok(false);
+        }
+        let Some(file) = ckpt::read_tensor_file(dir, OPTIMIZER_FILE)? else {
+            // A sharded checkpoint (ZeRO): a new outer optimizer from its model.
+            self.notes.push(outer_fresh(dir));
+            return Ok(true);
+        };
+        let bad = |reason: String| CheckpointError::Format {
+            path: file.path.clone(),
+            reason,
+        };
+        let meta = |key: &str| -> Result<Option<u64>, CheckpointError> {
+            (file.metadata.get(key))
+                .map(|v| v.parse().map_err(|e| bad(format!("metadata {key}: {e}"))))
+                .transpose()
+        };
+        let Some(saved_world) = meta(WORLD_KEY)? else {
+            self.notes.push(outer_fresh(dir));
+            return Ok(true);
+        };
+        let syncs = meta(SYNCS_KEY)?.unwrap_or(0);
+        let tensor = |name: &str| file.tensors.iter().find(|(n, _)| n == name);
+        let none: &[f32] = &[];
+        let momentum = match (tensor(MOMENTUM_BUFFER), self.outer.cfg.momentum > 0.0) {
+            (Some((_, b)), true) => b.as_slice(),
+            _ => none,
+        };
+        let mut zeros = Vec::new();
+        let momentum = if self.outer.cfg.momentum > 0.0 && momentum.is_empty() {
+            zeros.resize(self.outer.global.len(), 0.0);
+            &zeros[..]
+        } else {
+            momentum
+        };
+        let state = OptimizerState {
+            optimizer: "sgd".into(),
+            step: syncs,
+            buffers: vec![("momentum_buffer".into(), momentum)],
+        };
+        self.outer
+            .sgd
+            .load_state(&state)
+            .map_err(|e| bad(format!("outer momentum: {e}")))?;
+        if saved_world as usize != self.world {
+            self.notes.push(format!(
+                "DiLoCo regrouped from {saved_world} to {} ranks: every rank starts from the \
+                 global parameters of the last sync with rank 0's AdamW moments and the outer \
+                 momentum (the local steps since that sync are dropped)",
+                self.world
+            ));
+            return Ok(true);
+        }
+        let own = |what| {
+            let name = rank_buffer(self.rank, what);
+            tensor(&name)
+                .map(|(_, b)| b.as_slice())
+                .ok_or_else(|| bad(format!("no tensor {name:?}")))
+        };
+        let (params, m, v) = (own("params")?, own("exp_avg")?, own("exp_avg_sq")?);
+        if params.len() != self.model.num_params() {
+            let n = self.model.num_params();
+            return Err(bad(format!(
+                "{} has {} elements, the model {n}",
+                "params",
+                params.len()
+            ))
+            .into());
+        }
+        self.model.params_mut().copy_from_slice(params);
+        let inner = OptimizerState {
+            optimizer: self.opt.name().into(),
+            step: self.opt.steps_taken(),
+            buffers: vec![("exp_avg".into(), m), ("exp_avg_sq".into(), v)],
+        };
+        self.opt
+            .load_state(&inner)
+            .map_err(|e| bad(format!("rank {}'s AdamW state: {e}", self.rank)))?;
+        Ok(true)
+    }
+}
+
+/// The note of a resume from a checkpoint without DiLoCo's state.
+fn outer_fresh(dir: &Path) -> String {
+    format!(
+        "{} holds no DiLoCo state: the outer optimizer starts afresh from its model",
+        dir.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_comm::{spawn, GroupOptions};
+
+    fn opts() -> GroupOptions {
+        GroupOptions {
+            timeout: Duration::from_secs(60),
+            ..GroupOptions::from_env().unwrap()
+        }
+    }
+
+    /// Two syncs of two ranks against the update written out by hand in f64:
+    /// Δ = θ − mean θ_r; b = μ b + Δ (b = Δ the first time); θ −= lr (Δ + μ b).
+    #[test]
+    fn the_outer_nesterov_step_is_the_papers() {
+        let cfg = OuterConfig {
+            sync_every: 1,
+            lr: 0.7,
+            momentum: 0.9,
+            nesterov: true,
+            bf16: false,
+        };
+        let theta0 = [1.0f32, -2.0, 0.5];
+        // Each rank's parameters before the first and the second sync.
+        let local = |r: usize, sync: usize| -> Vec<f32> {
+            let s = (r as f32 + 1.0) * 0.25 + sync as f32 * 0.125;
+            vec![1.0 - s, -2.0 + 2.0 * s, 0.5 + s * s]
+        };
+        let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let mut outer = Outer::new(cfg, &theta0)?;
+            let mut seen = Vec::new();
+            for sync in 0..2 {
+                let mut p = local(pg.rank(), sync);
+                outer.sync(pg, &mut p)?;
+                seen.push(p);
+            }
+            Ok::<_, TrainError>(seen)
+        })
+        .unwrap();
+        assert_eq!(got[0], got[1], "the ranks agree bitwise");
+        let (lr, mu) = (0.7f64, 0.9f64);
+        let mut theta: Vec<f64> = theta0.iter().map(|&x| x as f64).collect();
+        let mut b = [0f64; 3];
+        for (sync, seen) in got[0].iter().enumerate() {
+            for i in 0..3 {
+                let mean = (local(0, sync)[i] as f64 + local(1, sync)[i] as f64) / 2.0;
+                let d = theta[i] - mean;
+                b[i] = if sync == 0 { d } else { mu * b[i] + d };
+                theta[i] -= lr * (d + mu * b[i]);
+            }
+            for i in 0..3 {
+                let err = (seen[i] as f64 - theta[i]).abs();
+                assert!(err < 1e-6, "sync {sync} [{i}]: {} vs {}", seen[i], theta[i]);
+            }
+        }
+    }
+
+    /// Local SGD: every rank leaves the sync with the ranks' mean parameters,
+    /// in fp32 to rounding and in bf16 to bf16's precision.
+    #[test]
+    fn local_sgd_averages_the_parameters() {
+        for bf16 in [false, true] {
+            let cfg = OuterConfig {
+                sync_every: 4,
+                lr: 1.0,
+                momentum: 0.0,
+                nesterov: false,
+                bf16,
+            };
+            let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+                let mut outer = Outer::new(cfg, &[0.0, 1.0])?;
+                let mut p = if pg.rank() == 0 {
+                    vec![1.0, 3.0]
+                } else {
+                    vec![2.0, 5.0]
+                };
+                outer.sync(pg, &mut p)?;
+                Ok::<_, TrainError>(p)
+            })
+            .unwrap();
+            let tol = if bf16 { 2e-2 } else { 1e-6 };
+            assert!(
+                (got[0][0] - 1.5).abs() < tol && (got[0][1] - 4.0).abs() < tol,
+                "{got:?}"
+            );
+            assert_eq!(got[0], got[1]);
+        }
+    }
+
+    #[test]
+    fn syncs_fall_every_h_steps_and_at_the_end() {
+        let cfg = OuterConfig {
+            sync_every: 3,
+            lr: 0.7,
+            momentum: 0.9,
+            nesterov: true,
+            bf16: false,
+        };
+        let outer = Outer::new(cfg, &[0.0]).unwrap();
+        let due: Vec<u64> = (0..8).filter(|&s| outer.due(s, 8)).collect();
+        assert_eq!(due, [2, 5, 7]);
+        let outer = Outer::new(cfg, &[0.0]).unwrap();
+        let file_meta = {
+            let opt = AdamW::new(Default::default(), DecayMask::all(1)).unwrap();
+            let ranks = vec![0f32; 6];
+            let file = optimizer_file(&opt, &outer, &ranks, 2);
+            assert_eq!(
+                file.tensors.len(),
+                2 + 1 + 2 * 3,
+                "AdamW, the momentum, 3 per rank"
+            );
+            file.metadata.get(WORLD_KEY).cloned()
+        };
+        assert_eq!(file_meta.as_deref(), Some("2"));
+    }
+}

@@ -7,8 +7,9 @@
 # every rate: cohort DDP and DiLoCo (`cohort run --nnodes 2 --node-rank R --master-addr
 # <node 0>`, rank 0 on node 0) and PyTorch DDP (`torchrun --nnodes 2`, docs/bench/bench_ddp.py).
 # Efficiency is tokens/s over 2x a single rank's, measured in node 0 first (the same script,
-# one process). Exposed comm is what rank 0 waited for communication per step: DDP's comm
-# phase; DiLoCo's outer all-reduce over H steps. Both "nodes" share this machine's cores.
+# one process). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
+# Exposed comm is what rank 0 waited for communication per step: DDP's comm phase; DiLoCo's
+# outer all-reduce over H steps. Both "nodes" share this machine's cores.
 #
 #   sudo scripts/two-node-bench.sh                           # 1 and 10 Gbit/s, config B
 #   sudo scripts/two-node-bench.sh --rates 1gbit --delay 1ms --steps 100 --sync-every 50
@@ -111,7 +112,7 @@ cohort_two_nodes() {
   local i
   for i in 1 0; do
     COHORT_SECRET=${COHORT_SECRET:-5ec12e75ec12e75ec12e75ec12e75ec12e75ec12e75ec12e75ec12e75ec12e7b} OMP_NUM_THREADS=1 \
-      ip netns exec "${ns[$i]}" "$cohort" run --nnodes 2 --node-rank "$i" \
+      COHORT_NUM_THREADS=1 ip netns exec "${ns[$i]}" "$cohort" run --nnodes 2 --node-rank "$i" \
       --master-addr "${ips[0]}" --master-port "$port" --join-timeout 60 -n 1 \
       "${train[@]}" "$@" >"$work/node$i.log" 2>&1 &
   done
@@ -123,7 +124,8 @@ torch_two_nodes() {
   port=$(( port + 1 ))
   local i
   for i in 1 0; do
-    (cd "$here/docs/bench" && OMP_NUM_THREADS=1 ip netns exec "${ns[$i]}" \
+    # gloo picks its interface from the hostname, which names no address inside a namespace
+    (cd "$here/docs/bench" && OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME="${veth[$i]}" ip netns exec "${ns[$i]}" \
       setsid python3 -m torch.distributed.run --nnodes 2 --node-rank "$i" --nproc-per-node 1 \
       --master-addr "${ips[0]}" --master-port "$port" \
       bench_ddp.py --config "$torch_config" --steps "$torch_steps" --warmup 1 \
@@ -140,7 +142,7 @@ sync_ms() { sed -n 's/.*outer syncs (rank 0): [0-9]*, \([0-9.]*\) ms each.*/\1/p
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0 && a != "") printf "%.2f", a / b; else print "-" }'; }
 
 echo "single rank (node 0, no link):" >&2
-single=$(OMP_NUM_THREADS=1 ip netns exec "${ns[0]}" "$cohort" "${train[@]}" 2>&1 | tok_s)
+single=$(COHORT_NUM_THREADS=1 OMP_NUM_THREADS=1 ip netns exec "${ns[0]}" "$cohort" "${train[@]}" 2>&1 | tok_s)
 torch_single=""
 if [ "$torch" = 1 ]; then
   torch_single=$(cd "$here/docs/bench" && OMP_NUM_THREADS=1 ip netns exec "${ns[0]}" \

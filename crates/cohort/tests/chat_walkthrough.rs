@@ -16,12 +16,11 @@
 mod python;
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use serde_json::{json, Value};
-use support::{cohort, succeeded};
+use support::{cohort, serve, succeeded};
 
 const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
@@ -207,51 +206,6 @@ fn chat_tokens_added_to_a_gpt2_style_model_are_learned_on_two_ranks() {
     assert!(loss < 0.5, "the chat set is learned: loss {loss}\n{log}");
 }
 
-/// `cohort serve` on `repo`, killed when dropped; its HTTP address.
-struct Server(Child, String);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn serve(repo: &Path) -> Server {
-    let mut child = cohort()
-        .args([
-            "serve",
-            "--model-repository",
-            path(repo),
-            "--address",
-            "127.0.0.1",
-        ])
-        .args([
-            "--http-port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ])
-        .args(["--instance-threads", "1"])
-        .env("COHORT_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    // "cohort serve: HTTP on 127.0.0.1:P, gRPC on ..."
-    let http = line
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .map(|w| w.trim_end_matches(',').to_string())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    Server(child, http)
-}
-
 #[test]
 fn the_chat_guide_walkthrough_runs_on_smollm2_from_pypi() {
     let test = "the_chat_guide_walkthrough_runs_on_smollm2_from_pypi";
@@ -320,7 +274,7 @@ fn the_chat_guide_walkthrough_runs_on_smollm2_from_pypi() {
          r = c.chat.completions.create(model='chat', messages={messages}, max_tokens=24, \
          temperature=0)\n\
          print(json.dumps([r.choices[0].message.content, r.choices[0].finish_reason]))",
-        server.1
+        server.http
     );
     let out = python::run_python_code("", &code);
     let got: Value = serde_json::from_str(out.trim()).unwrap();

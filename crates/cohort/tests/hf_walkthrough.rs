@@ -6,12 +6,11 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use serde_json::{json, Value};
-use support::{cohort, post_json, python_imports, succeeded};
+use support::{cohort, post_json, python_imports, serve, succeeded};
 
 const STEPS: &str = "60";
 
@@ -25,35 +24,6 @@ fn path(p: &Path) -> &str {
 
 fn run(args: &[&str]) -> String {
     succeeded(&cohort().args(args).output().unwrap())
-}
-
-/// `cohort serve` on free ports; returns it and its HTTP address.
-fn serve(repo: &Path) -> (std::process::Child, String) {
-    let mut child = cohort()
-        .args(["serve", "--model-repository", path(repo)])
-        .args([
-            "--address",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--grpc-port",
-            "0",
-        ])
-        .env("COHORT_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    // "cohort serve: HTTP on 127.0.0.1:P, gRPC on ..."
-    let http = line
-        .split_whitespace()
-        .find(|w| w.starts_with("127.0.0.1:"))
-        .map(|w| w.trim_end_matches(',').to_string())
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
-    (child, http)
 }
 
 #[test]
@@ -171,14 +141,14 @@ fn special_tokens_added_resized_fine_tuned_loaded_by_transformers_and_served() {
     std::fs::create_dir_all(repo.join("ent")).unwrap();
     std::fs::rename(&ft, repo.join("ent/1")).unwrap();
     std::fs::write(repo.join("ent/config.pbtxt"), "name: \"ent\"\n").unwrap();
-    let (mut server, http) = serve(&repo);
+    let server = serve(&repo);
+    let http = server.http.clone();
     let (status, got) = post_json(
         &http,
         "/v2/models/ent/generate",
         &json!({"text_input": prompt, "parameters": {"max_tokens": 12, "temperature": 0}}),
     );
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["text_output"], sample.trim_end_matches('\n'));
 }

@@ -511,3 +511,48 @@ pub fn post_json(addr: &str, path: &str, body: &serde_json::Value) -> (u16, serd
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, serde_json::from_str(body).unwrap())
 }
+
+/// A `cohort serve` of a model repository on free loopback ports, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    /// Its HTTP address, `127.0.0.1:PORT`.
+    pub http: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `cohort serve --model-repository repo` on free ports, one engine thread an instance,
+/// and returns once it has printed where it listens.
+pub fn serve(repo: &Path) -> Server {
+    let mut child = cohort()
+        .args(["serve", "--model-repository", repo.to_str().unwrap()])
+        .args([
+            "--address",
+            "127.0.0.1",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+        ])
+        .args(["--metrics-port", "0", "--instance-threads", "1"])
+        .env("COHORT_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // "cohort serve: HTTP on 127.0.0.1:P, gRPC on ..."
+    let http = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .map(|w| w.trim_end_matches(',').to_string())
+        .unwrap_or_else(|| panic!("unexpected first line of cohort serve: {line:?}"));
+    Server { child, http }
+}

@@ -8,20 +8,27 @@
 //!
 //! Precision and device are part of a backend's type: [`Backend::device`] says where its
 //! buffers live and [`Backend::dtype`] what its matrix products compute in. Buffers stay `f32`
-//! slices in both precisions: with [`DType::Bf16`] the products round their operands to bf16
-//! and sum in f32 over the same f32 master weights, as PyTorch's CPU autocast does, so the
-//! model does not change. Kernels whose result depends on the precision are marked `@dtype`
-//! in the list below and receive the backend's dtype first.
-//! A GPU backend adds a [`Device`] variant; its buffers live in device memory, so the kernel
-//! arguments then become a buffer type of the engine instead of host slices (one edit of the
-//! list below, since every kernel is declared there once).
+//! in both precisions: with [`DType::Bf16`] the products round their operands to bf16 and sum
+//! in f32 over the same f32 master weights, as PyTorch's CPU autocast does, so the model does
+//! not change. Kernels whose result depends on the precision are marked `@dtype` in the list
+//! below and receive the backend's dtype first.
+//!
+//! Kernels take [`View`]s and [`ViewMut`]s of [`Buffer`]s the backend allocated
+//! ([`Backend::alloc`]), never host slices (the two decode-row kernels excepted: a decode's KV
+//! caches are host memory). The CPU backend turns each view into the slice it is (a check of
+//! its device tag, O(1) per call); a device backend passes the views' addresses to its kernels.
+//! Kernels may run asynchronously on a device: [`Backend::sync`] waits for them and reports
+//! the first error, and the few kernels that return a value to the host wait by themselves.
+//! A device backend implements the trait by hand (the list's CPU bodies are the CPU's own);
+//! it lives in its own crate, which may depend on the engine but never the reverse.
 //!
 //! Conventions (llm.c's): outputs first, then inputs, then weights, then dims. Backward
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
 //! activation gradient instead, its doc says so.
 
 use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, KvDims, RopeDims};
-use crate::Dropout;
+use crate::optim::{self, AdamCoeffs};
+use crate::{Buffer, Dropout, Elem, EngineError, View, ViewMut};
 
 /// Where a backend's buffers live and its kernels run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -29,6 +36,8 @@ use crate::Dropout;
 pub enum Device {
     /// Host memory and the host's cores.
     Cpu,
+    /// The CUDA device of this ordinal (as `cuda:N` counts them).
+    Cuda(u32),
 }
 
 /// The number format a backend's kernels compute in.
@@ -55,9 +64,10 @@ impl std::str::FromStr for DType {
 
 impl std::fmt::Display for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Device::Cpu => "cpu",
-        })
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
     }
 }
 
@@ -71,12 +81,13 @@ impl std::fmt::Display for DType {
 }
 
 /// Generates the [`Backend`] trait and the CPU backend's implementation from one list of
-/// kernels: `doc; fn name(args) => cpu function;`. The CPU function takes the same arguments
-/// in the same order (a closure adapts the one that takes more); after `=> @dtype` it takes the
-/// backend's [`DType`] first.
+/// kernels: `doc; fn name(args) [-> ret] => cpu function;`. The CPU function takes the same
+/// arguments in the same order, each view as the host slice it is ([`HostArg`]); a closure
+/// adapts one that takes more. After `=> @dtype` it takes the backend's [`DType`] first.
 macro_rules! kernels {
-    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) => $(@$dtype:ident)? $cpu:expr; )*) => {
-        /// The kernels of a GPT-2 training step, on one device in one precision.
+    ($( $(#[$doc:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $(@$dtype:ident)? $cpu:expr; )*) => {
+        /// The kernels of a training step (and a decode step), on one device in one precision,
+        /// with the memory they work on.
         #[allow(clippy::too_many_arguments)]
         pub trait Backend: Send + Sync + std::fmt::Debug {
             /// Short name for logs ("cpu").
@@ -92,7 +103,16 @@ macro_rules! kernels {
             fn install(&self, f: &mut (dyn FnMut() + Send));
             /// Scratch floats the attention kernels need for sequence length `t`.
             fn attention_scratch_len(&self, t: usize) -> usize;
-            $( $(#[$doc])* fn $name(&self, $($arg: $ty),*); )*
+            /// `len` zeroed f32s in this backend's memory (on the host 64-byte aligned).
+            fn alloc(&self, len: usize) -> Result<Buffer, EngineError>;
+            /// Copies host bytes into a view of this backend's memory (equal lengths).
+            fn copy_from_host(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError>;
+            /// Copies a view of this backend's memory to host bytes (equal lengths), after the
+            /// kernels before it.
+            fn copy_to_host(&self, dst: &mut [u8], src: View<'_, u8>) -> Result<(), EngineError>;
+            /// Waits for every kernel launched so far; the first error any of them met.
+            fn sync(&self) -> Result<(), EngineError>;
+            $( $(#[$doc])* fn $name(&self, $($arg: $ty),*) $(-> $ret)?; )*
         }
 
         #[allow(clippy::too_many_arguments)]
@@ -115,80 +135,196 @@ macro_rules! kernels {
             fn attention_scratch_len(&self, t: usize) -> usize {
                 cpu::attention_scratch_len(t, self.num_threads())
             }
-            $( #[inline] fn $name(&self, $($arg: $ty),*) {
-                ($cpu)($(Cpu::$dtype(self),)? $($arg),*)
+            fn alloc(&self, len: usize) -> Result<Buffer, EngineError> {
+                Ok(Buffer::host(len))
+            }
+            fn copy_from_host(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError> {
+                dst.host().copy_from_slice(src);
+                Ok(())
+            }
+            fn copy_to_host(&self, dst: &mut [u8], src: View<'_, u8>) -> Result<(), EngineError> {
+                dst.copy_from_slice(src.host());
+                Ok(())
+            }
+            fn sync(&self) -> Result<(), EngineError> {
+                Ok(())
+            }
+            $( #[inline] fn $name(&self, $($arg: $ty),*) $(-> $ret)? {
+                ($cpu)($(Cpu::$dtype(self),)? $(HostArg::host($arg)),*)
             } )*
         }
     };
 }
 
+impl dyn Backend + '_ {
+    /// Copies `src` into `dst` (equal lengths), in the backend's memory.
+    pub fn upload<T: Elem>(&self, dst: ViewMut<'_, T>, src: &[T]) -> Result<(), EngineError> {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "upload: destination and source lengths"
+        );
+        self.copy_from_host(dst.cast(), View::from(src).cast().host())
+    }
+
+    /// Copies `src` from the backend's memory into `dst` (equal lengths).
+    pub fn download<T: Elem>(&self, dst: &mut [T], src: View<'_, T>) -> Result<(), EngineError> {
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "download: destination and source lengths"
+        );
+        self.copy_to_host(ViewMut::from(dst).cast().host(), src.cast())
+    }
+}
+
+/// A kernel argument as the CPU body takes it: a view as the host slice it is, anything else
+/// as it is. O(1): a view's conversion checks its device tag (a device view never reaches the
+/// CPU backend, whose model allocates every buffer it hands a kernel through it).
+pub(crate) trait HostArg {
+    type Host;
+    fn host(self) -> Self::Host;
+}
+
+impl<'a, T: Elem> HostArg for View<'a, T> {
+    type Host = &'a [T];
+    #[inline(always)]
+    fn host(self) -> &'a [T] {
+        View::host(self)
+    }
+}
+
+impl<'a, T: Elem> HostArg for ViewMut<'a, T> {
+    type Host = &'a mut [T];
+    #[inline(always)]
+    fn host(self) -> &'a mut [T] {
+        ViewMut::host(self)
+    }
+}
+
+impl<'a, T: Elem> HostArg for Option<View<'a, T>> {
+    type Host = Option<&'a [T]>;
+    #[inline(always)]
+    fn host(self) -> Option<&'a [T]> {
+        self.map(View::host)
+    }
+}
+
+impl<'a, T: Elem> HostArg for Option<ViewMut<'a, T>> {
+    type Host = Option<&'a mut [T]>;
+    #[inline(always)]
+    fn host(self) -> Option<&'a mut [T]> {
+        self.map(ViewMut::host)
+    }
+}
+
+/// Arguments that are the same on every device: references to host data, dims and scalars.
+macro_rules! as_is {
+    ($($t:ty),*) => { $(
+        impl HostArg for $t {
+            type Host = $t;
+            #[inline(always)]
+            fn host(self) -> $t {
+                self
+            }
+        }
+    )* };
+}
+as_is!(
+    usize,
+    f32,
+    Option<Dropout>,
+    Dropout,
+    AttnDims,
+    RopeDims,
+    KvDims,
+    DecodeDims,
+    AdamCoeffs
+);
+
+impl<'a, T: ?Sized> HostArg for &'a T {
+    type Host = &'a T;
+    #[inline(always)]
+    fn host(self) -> &'a T {
+        self
+    }
+}
+
+impl<'a, T: ?Sized> HostArg for &'a mut T {
+    type Host = &'a mut T;
+    #[inline(always)]
+    fn host(self) -> &'a mut T {
+        self
+    }
+}
+
 kernels! {
     /// out (B,T,C) = wte[ids] + wpe[t].
-    fn encoder_forward(out: &mut [f32], ids: &[u32], wte: &[f32], wpe: &[f32], b: usize, t: usize, c: usize) => cpu::encoder_forward;
+    fn encoder_forward(out: ViewMut<f32>, ids: View<u32>, wte: View<f32>, wpe: View<f32>, b: usize, t: usize, c: usize) => cpu::encoder_forward;
     /// dwte[ids] += dout, dwpe[t] += dout.
-    fn encoder_backward(dwte: &mut [f32], dwpe: &mut [f32], dout: &[f32], ids: &[u32], b: usize, t: usize, c: usize) => cpu::encoder_backward;
+    fn encoder_backward(dwte: ViewMut<f32>, dwpe: ViewMut<f32>, dout: View<f32>, ids: View<u32>, b: usize, t: usize, c: usize) => cpu::encoder_backward;
     /// out (N,C) = wte[ids]: the token embedding alone (models with rotary positions).
-    fn embedding_forward(out: &mut [f32], ids: &[u32], wte: &[f32], n: usize, c: usize) => cpu::embedding_forward;
+    fn embedding_forward(out: ViewMut<f32>, ids: View<u32>, wte: View<f32>, n: usize, c: usize) => cpu::embedding_forward;
     /// dwte[ids] += dout.
-    fn embedding_backward(dwte: &mut [f32], dout: &[f32], ids: &[u32], n: usize, c: usize) => cpu::embedding_backward;
+    fn embedding_backward(dwte: ViewMut<f32>, dout: View<f32>, ids: View<u32>, n: usize, c: usize) => cpu::embedding_backward;
     /// RMSNorm over C (out = inp · rstd · w); writes rstd (N) for backward.
-    fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32, n: usize, c: usize) => cpu::rmsnorm_forward;
+    fn rmsnorm_forward(out: ViewMut<f32>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, eps: f32, n: usize, c: usize) => cpu::rmsnorm_forward;
     /// dinp, dw += RMSNorm backward.
-    fn rmsnorm_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], rstd: &[f32], w: &[f32], n: usize, c: usize) => cpu::rmsnorm_backward;
+    fn rmsnorm_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, dout: View<f32>, inp: View<f32>, rstd: View<f32>, w: View<f32>, n: usize, c: usize) => cpu::rmsnorm_backward;
     /// Rotary embedding in place (rotate_half convention): each row's first `dims.heads` heads turned by the angles of position `pos[row]` (tables positions × HS/2).
-    fn rope_forward(x: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims) => cpu::rope_forward;
+    fn rope_forward(x: ViewMut<f32>, pos: View<u32>, cos: View<f32>, sin: View<f32>, dims: RopeDims) => cpu::rope_forward;
     /// Backward of `rope_forward`, in place (the opposite angles).
-    fn rope_backward(dx: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims) => cpu::rope_backward;
+    fn rope_backward(dx: ViewMut<f32>, pos: View<u32>, cos: View<f32>, sin: View<f32>, dims: RopeDims) => cpu::rope_backward;
     /// out (N, 3C) = grouped qkv (N, (NH+2·NKV)·HS) with each key/value head copied to its query group (GQA/MQA before the attention kernels).
-    fn kv_expand_forward(out: &mut [f32], qkv: &[f32], dims: KvDims) => cpu::kv_expand_forward;
+    fn kv_expand_forward(out: ViewMut<f32>, qkv: View<f32>, dims: KvDims) => cpu::kv_expand_forward;
     /// dqkv (N, (NH+2·NKV)·HS) = dout's queries and each group's key/value gradients summed (overwritten).
-    fn kv_expand_backward(dqkv: &mut [f32], dout: &[f32], dims: KvDims) => cpu::kv_expand_backward;
+    fn kv_expand_backward(dqkv: ViewMut<f32>, dout: View<f32>, dims: KvDims) => cpu::kv_expand_backward;
     /// out (N, F) = silu(inp[:, :F]) · inp[:, F:], inp (N, 2F) (gate | up).
-    fn swiglu_forward(out: &mut [f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_forward;
+    fn swiglu_forward(out: ViewMut<f32>, inp: View<f32>, n: usize, f: usize) => cpu::swiglu_forward;
     /// dinp (N, 2F) = SwiGLU backward (overwritten).
-    fn swiglu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_backward;
+    fn swiglu_backward(dinp: ViewMut<f32>, dout: View<f32>, inp: View<f32>, n: usize, f: usize) => cpu::swiglu_backward;
     /// LayerNorm over C; writes mean and rstd (N) for backward.
-    fn layernorm_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize) => cpu::layernorm_forward;
+    fn layernorm_forward(out: ViewMut<f32>, mean: ViewMut<f32>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, b: Option<View<f32>>, n: usize, c: usize) => cpu::layernorm_forward;
     /// dinp, dw, db += LayerNorm backward.
-    fn layernorm_backward(dinp: &mut [f32], dw: &mut [f32], db: Option<&mut [f32]>, dout: &[f32], inp: &[f32], mean: &[f32], rstd: &[f32], w: &[f32], n: usize, c: usize) => cpu::layernorm_backward;
+    fn layernorm_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, db: Option<ViewMut<f32>>, dout: View<f32>, inp: View<f32>, mean: View<f32>, rstd: View<f32>, w: View<f32>, n: usize, c: usize) => cpu::layernorm_backward;
     /// out (N,OC) = inp (N,C) · w (C,OC) + bias.
-    fn matmul_forward(out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward;
+    fn matmul_forward(out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward;
     /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout, dbias += Σ_rows dout.
-    fn matmul_backward(dinp: Option<&mut [f32]>, dw: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward;
+    fn matmul_backward(dinp: Option<ViewMut<f32>>, dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward;
     /// dinp = dout · wᵀ (overwritten) alone, for a dinp buffer that still holds the input.
-    fn matmul_backward_input(dinp: &mut [f32], dout: &[f32], w: &[f32], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_input;
+    fn matmul_backward_input(dinp: ViewMut<f32>, dout: View<f32>, w: View<f32>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_input;
     /// out (N,OC) = inp (N,C) · wᵀ + bias for weights kept in a decode format (bf16 or 8-bit blocks, see `DecodeMatrix`): a decode step's product of a few rows.
-    fn decode_matmul_forward(out: &mut [f32], inp: &[f32], w: &DecodeMatrix, bias: Option<&[f32]>, n: usize) => cpu::decode_matmul_forward;
+    fn decode_matmul_forward(out: ViewMut<f32>, inp: View<f32>, w: &DecodeMatrix, bias: Option<View<f32>>, n: usize) => cpu::decode_matmul_forward;
     /// logits (N,V) = inp (N,C) · wᵀ, w (V,C).
-    fn head_forward(out: &mut [f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_forward;
+    fn head_forward(out: ViewMut<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, v: usize) => @dtype cpu::head_forward;
     /// dinp = dout · w (overwritten), dw += doutᵀ · inp.
-    fn head_backward(dinp: &mut [f32], dw: &mut [f32], dout: &[f32], inp: &[f32], w: &[f32], n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
+    fn head_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
     /// `pre (N, OC) = inp · w + bias`, `out = gelu(pre)` in one pass (same bits as `matmul_forward` then `gelu_forward`).
-    fn matmul_gelu_forward(pre: &mut [f32], out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
+    fn matmul_gelu_forward(pre: ViewMut<f32>, out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
     /// `matmul_gelu_forward` with `out` kept in bf16 (its bits) and `grad` = gelu'(pre-activation) instead of the pre-activation. Only on a backend of `DType::Bf16`.
-    fn matmul_gelu_forward_bf16(grad: &mut [f32], out: &mut [u16], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
+    fn matmul_gelu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
     /// `matmul_forward` of an input kept in bf16 (its bits). Only on a backend of `DType::Bf16`.
-    fn matmul_forward_bf16_input(out: &mut [f32], inp: &[u16], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
+    fn matmul_forward_bf16_input(out: ViewMut<f32>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
     /// dw += inpᵀ · dout, dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.
-    fn matmul_backward_weight_bf16_input(dw: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[u16], n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_weight_bf16_input;
+    fn matmul_backward_weight_bf16_input(dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<u16>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_weight_bf16_input;
     /// out = gelu(inp) (tanh form).
-    fn gelu_forward(out: &mut [f32], inp: &[f32]) => cpu::gelu_forward;
+    fn gelu_forward(out: ViewMut<f32>, inp: View<f32>) => cpu::gelu_forward;
     /// dinout *= gelu'(inp).
-    fn gelu_backward(dinout: &mut [f32], inp: &[f32]) => cpu::gelu_backward;
+    fn gelu_backward(dinout: ViewMut<f32>, inp: View<f32>) => cpu::gelu_backward;
     /// dinout *= grad, where the forward kept GELU's derivative `grad` (see matmul_gelu_forward_bf16).
-    fn gelu_backward_with_grad(dinout: &mut [f32], grad: &[f32]) => cpu::gelu_backward_with_grad;
+    fn gelu_backward_with_grad(dinout: ViewMut<f32>, grad: View<f32>) => cpu::gelu_backward_with_grad;
     /// out = residual + dropout(out + bias), rows of c.
-    fn residual_forward(out: &mut [f32], residual: &[f32], bias: Option<&[f32]>, c: usize, dropout: Option<Dropout>) => cpu::residual_forward;
+    fn residual_forward(out: ViewMut<f32>, residual: View<f32>, bias: Option<View<f32>>, c: usize, dropout: Option<Dropout>) => cpu::residual_forward;
     /// x = dropout(x).
-    fn dropout_forward(x: &mut [f32], d: Dropout) => |x, d| cpu::dropout_forward(x, d, 0);
+    fn dropout_forward(x: ViewMut<f32>, d: Dropout) => |x, d| cpu::dropout_forward(x, d, 0);
     /// dx = dropout mask applied to dy (overwritten).
-    fn dropout_backward(dx: &mut [f32], dy: &[f32], d: Dropout) => |dx, dy, d| cpu::dropout_backward(dx, dy, d, 0);
+    fn dropout_backward(dx: ViewMut<f32>, dy: View<f32>, d: Dropout) => |dx, dy, d| cpu::dropout_backward(dx, dy, d, 0);
     /// acc += Σ_rows x.
-    fn column_sums(acc: &mut [f32], x: &[f32]) => cpu::column_sums;
+    fn column_sums(acc: ViewMut<f32>, x: View<f32>) => cpu::column_sums;
     /// Causal attention with key padding mask; lse (B,NH,T) kept for backward.
-    fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward;
+    fn attention_forward(out: ViewMut<f32>, lse: ViewMut<f32>, qkv: View<f32>, mask: Option<View<u8>>, dims: AttnDims, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_forward;
     /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
-    fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
+    fn attention_backward(dqkv: ViewMut<f32>, recompute_out: Option<ViewMut<f32>>, dout: View<f32>, qkv: View<f32>, lse: View<f32>, mask: Option<View<u8>>, dims: AttnDims, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_backward;
     /// One query row (C) over `ctx` cached key and value rows (stride c): a decode step's
     /// attention for one sequence; `scores` holds `nh·ctx` floats.
     fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: DecodeDims) => cpu::attention_decode_row;
@@ -196,11 +332,60 @@ kernels! {
     /// same order on their f32 values.
     fn attention_decode_row_bf16(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[u16], v: &[u16], dims: DecodeDims) => cpu::attention_decode_row_bf16;
     /// Per-row loss (0 for ignored targets) and log-sum-exp.
-    fn crossentropy_forward(losses: &mut [f32], lse: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize) => cpu::crossentropy_forward;
+    fn crossentropy_forward(losses: ViewMut<f32>, lse: ViewMut<f32>, logits: View<f32>, targets: View<i32>, n: usize, v: usize) => cpu::crossentropy_forward;
     /// One block of vocabulary columns v0..v0+v: lse (start at -inf) takes in the block's
     /// log-sum-exp; target_logit gets the target's logit where it is in the block.
-    fn crossentropy_forward_block(lse: &mut [f32], target_logit: &mut [f32], logits: &[f32], targets: &[i32], n: usize, v: usize, v0: usize) => cpu::crossentropy_forward_block;
+    fn crossentropy_forward_block(lse: ViewMut<f32>, target_logit: ViewMut<f32>, logits: View<f32>, targets: View<i32>, n: usize, v: usize, v0: usize) => cpu::crossentropy_forward_block;
     /// dlogits = scale * (softmax - onehot) for vocabulary columns v0..v0+v (overwritten; zero
     /// rows for ignored targets).
-    fn crossentropy_backward(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, n: usize, v: usize, v0: usize) => cpu::crossentropy_backward;
+    fn crossentropy_backward(dlogits: ViewMut<f32>, logits: View<f32>, lse: View<f32>, targets: View<i32>, scale: f32, n: usize, v: usize, v0: usize) => cpu::crossentropy_backward;
+    /// x = value.
+    fn fill(x: ViewMut<f32>, value: f32) => |x: &mut [f32], value| x.fill(value);
+    /// acc += x, elementwise.
+    fn add_into(acc: ViewMut<f32>, x: View<f32>) => cpu::add_into;
+    /// The blocked cross-entropy's last step: `losses` holds each row's target logit and becomes
+    /// its loss, lse - target logit (0 for ignored targets, < 0).
+    fn crossentropy_fold(losses: ViewMut<f32>, lse: View<f32>, targets: View<i32>) => cpu::crossentropy_fold;
+    /// Σ losses in f64, in order (the same bits whatever the thread count). Returns to the host:
+    /// a device backend waits for the kernels before it.
+    fn loss_sum(losses: View<f32>) -> f64 => cpu::loss_sum;
+    /// One AdamW step on one segment of the flat buffers (`p`, `g`, moments `m` and `v` of equal
+    /// length) with the step's coefficients ([`AdamW::coeffs`](crate::optim::AdamW::coeffs)).
+    fn adamw_step(p: ViewMut<f32>, g: View<f32>, m: ViewMut<f32>, v: ViewMut<f32>, c: AdamCoeffs) => optim::adamw_segment;
+    /// Σ x² in f64, in fixed blocks added in order (the squared global norm clipping takes).
+    /// Returns to the host: a device backend waits for the kernels before it.
+    fn sum_squares(x: View<f32>) -> f64 => optim::sum_squares;
+    /// x *= s (clipping's scale).
+    fn scale(x: ViewMut<f32>, s: f32) => optim::scale;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels that replaced the model's host loops compute what those loops did.
+    #[test]
+    fn host_loops_as_kernels() {
+        let cpu = Cpu::new(2).unwrap();
+        let dev: &dyn Backend = &cpu;
+        let mut buf = dev.alloc(12).unwrap();
+        let (mut a, mut b) = buf.view_mut().split_at_mut(6);
+        dev.fill(a.reborrow(), 1.5);
+        dev.upload(b.reborrow(), &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+            .unwrap();
+        dev.add_into(a.reborrow(), b.as_view());
+        assert_eq!(a.as_view().host(), &[2.5, 3.5, 4.5, 5.5, 6.5, 7.5]);
+        // losses hold target logits; fold against lse with the second target ignored
+        let targets = [3i32, -1, 0];
+        let (mut losses, lse) = a.split_at_mut(3);
+        dev.crossentropy_fold(losses.reborrow(), lse.as_view(), View::from(&targets[..]));
+        assert_eq!(losses.as_view().host(), &[5.5 - 2.5, 0.0, 7.5 - 4.5]);
+        assert_eq!(dev.loss_sum(losses.as_view()), 6.0);
+        assert_eq!(dev.sum_squares(b.as_view()), 91.0);
+        dev.scale(b.reborrow(), 0.5);
+        let mut out = [0f32; 6];
+        dev.download(&mut out, buf.view().slice(6..)).unwrap();
+        assert_eq!(out, [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]);
+        assert_eq!(Device::Cuda(1).to_string(), "cuda:1");
+    }
 }

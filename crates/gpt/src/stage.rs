@@ -19,14 +19,14 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use cohort_engine::{AlignedFloats, Backend, DType};
+use cohort_engine::{AlignedFloats, Backend, DType, ViewMut};
 
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
     block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
     head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
-    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, RopeTables, KEEP_MAX_BYTES, KERNELS,
-    LOGITS_MAX_BYTES,
+    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES,
+    KERNELS, LOGITS_MAX_BYTES,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
@@ -463,13 +463,18 @@ impl GptStage {
         };
         s.pending = labels.is_some() || !self.part.head;
         let al = s.act_layout.as_ref().expect("allocated above");
-        let mut a = al.carve(&mut s.arena);
+        let mut a = al.carve(ViewMut::from(&mut s.arena[..]));
         if let StageInput::Activations(x) = input {
-            a.res[..n * c].copy_from_slice(x);
+            a.res.slice_mut(..n * c).host().copy_from_slice(x);
         }
-        let (lay, p, dev) = (&self.layout, &self.params, &*self.dev);
+        let (lay, p, dev) = (
+            &self.layout,
+            ViewMut::from(&mut self.params[..]),
+            &*self.dev,
+        );
+        let p = p.as_view();
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
-        let (scratch, prof) = (&mut self.attn_scratch, &mut self.profile);
+        let (mut scratch, prof) = (ViewMut::from(&mut self.attn_scratch[..]), &mut self.profile);
         let (dims, rope) = (Dims::new(&self.config, b, t), self.rope.as_ref());
         let mut loss = None;
         dev.install(&mut || {
@@ -479,7 +484,7 @@ impl GptStage {
                 dims,
                 batch,
                 drop,
-                scratch,
+                scratch: scratch.reborrow(),
                 prof,
             };
             if part.embeddings {
@@ -500,7 +505,7 @@ impl GptStage {
         if self.part.head {
             return Ok(StageOutput::Loss(loss));
         }
-        let res: &[f32] = al.carve(&mut s.arena).res;
+        let res = &s.arena[..al.total];
         Ok(StageOutput::Activations(&res[nb * n * c..(nb + 1) * n * c]))
     }
 
@@ -547,15 +552,20 @@ impl GptStage {
         let s = &mut self.slots[slot];
         s.pending = false;
         let al = s.act_layout.as_ref().expect("a forward allocated it");
-        let mut a = al.carve(&mut s.arena);
+        let mut a = al.carve(ViewMut::from(&mut s.arena[..]));
         if let Some(d) = grad_output {
-            a.dres[..nc].copy_from_slice(d);
+            a.dres.slice_mut(..nc).host().copy_from_slice(d);
         }
-        let (lay, p, dev) = (&self.layout, &self.params, &*self.dev);
+        let (lay, p, dev) = (
+            &self.layout,
+            ViewMut::from(&mut self.params[..]),
+            &*self.dev,
+        );
+        let p = p.as_view();
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
-        let (scratch, prof) = (&mut self.attn_scratch, &mut self.profile);
+        let (mut scratch, prof) = (ViewMut::from(&mut self.attn_scratch[..]), &mut self.profile);
         let (dims, rope) = (Dims::new(&self.config, b, t), self.rope.as_ref());
-        let mut grads = Some(self.grads.as_mut_slice());
+        let mut grads = Some(ViewMut::from(self.grads.as_mut_slice()));
         dev.install(&mut || {
             let grads = grads.take().expect("runs once");
             let pass = &mut Pass {
@@ -564,24 +574,24 @@ impl GptStage {
                 dims,
                 batch,
                 drop,
-                scratch,
+                scratch: scratch.reborrow(),
                 prof,
             };
-            let (rest, top) = if part.head {
+            let (mut rest, top) = if part.head {
                 grads.split_at_mut(lay.ln_f_w.start)
             } else {
                 let len = grads.len();
                 grads.split_at_mut(len)
             };
             if part.head {
-                let (lnf_g, head_g) = top.split_at_mut(lay.ln_f_b.end - lay.ln_f_w.start);
+                let (mut lnf_g, head_g) = top.split_at_mut(lay.ln_f_b.end - lay.ln_f_w.start);
                 // Tied on a stage with the embeddings: the head's gradient is wte's.
-                let head: &mut [f32] = if head_g.is_empty() {
-                    &mut rest[lay.wte.clone()]
+                let head = if head_g.is_empty() {
+                    rest.slice_mut(lay.wte.clone())
                 } else {
                     head_g
                 };
-                let (ln_f_w, ln_f_b) = wb(lnf_g, lay.ln_f_w.start, &lay.ln_f_w, &lay.ln_f_b);
+                let (ln_f_w, ln_f_b) = wb(&mut lnf_g, lay.ln_f_w.start, &lay.ln_f_w, &lay.ln_f_b);
                 let grads = HeadGrads {
                     head,
                     ln_f_w,
@@ -595,14 +605,14 @@ impl GptStage {
                     global: first + l,
                     layout: bl,
                 };
-                block_backward(pass, at, p, &mut rest[bl.all.clone()], &mut a);
+                block_backward(pass, at, p, rest.slice_mut(bl.all.clone()), &mut a);
             }
             if part.embeddings {
                 let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
                 embed_backward(
                     pass,
-                    &mut dwte[lay.wte.clone()],
-                    &mut dwpe[..lay.wpe.len()],
+                    dwte.into_slice(lay.wte.clone()),
+                    dwpe.into_slice(..lay.wpe.len()),
                     &mut a,
                 );
             }
@@ -610,8 +620,8 @@ impl GptStage {
         if self.part.embeddings {
             return Ok(&[]);
         }
-        let dres: &[f32] = al.carve(&mut s.arena).dres;
-        Ok(&dres[..nc])
+        let dres = al.ranges[ACT_DRES].start;
+        Ok(&s.arena[dres..dres + nc])
     }
 }
 

@@ -141,6 +141,19 @@ simd_fn! {
     }
 }
 
+/// After [`crossentropy_forward_block`] over every block: `losses` holds each row's target
+/// logit and becomes its loss `lse - target logit`, 0 where the target is ignored (< 0).
+pub fn crossentropy_fold(losses: &mut [f32], lse: &[f32], targets: &[i32]) {
+    for ((l, &s), &t) in losses.iter_mut().zip(lse).zip(targets) {
+        *l = if t < 0 { 0.0 } else { s - *l };
+    }
+}
+
+/// Σ losses in f64 and in order: the same bits whatever the thread count.
+pub fn loss_sum(losses: &[f32]) -> f64 {
+    losses.iter().map(|&x| x as f64).sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -103,6 +103,14 @@ simd_fn! {
     }
 }
 
+/// `acc += x`, elementwise (a gradient's second contribution added to its first).
+pub fn add_into(acc: &mut [f32], x: &[f32]) {
+    assert_eq!(acc.len(), x.len(), "add_into: lengths");
+    for (d, &x) in acc.iter_mut().zip(x) {
+        *d += x;
+    }
+}
+
 /// `x = dropout(x)` in place, element `i` keyed by `offset + i`.
 pub fn dropout_forward(x: &mut [f32], d: Dropout, offset: u64) {
     x.par_chunks_mut(CHUNK).enumerate().for_each(|(k, ch)| {

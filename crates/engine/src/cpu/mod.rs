@@ -36,11 +36,14 @@ mod swiglu;
 pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
 pub use attention_decode::{attention_decode_row, attention_decode_row_bf16, DecodeDims};
 pub use bf16::{bf16_to_f32, round_to_bf16};
-pub use crossentropy::{crossentropy_backward, crossentropy_forward, crossentropy_forward_block};
+pub use crossentropy::{
+    crossentropy_backward, crossentropy_fold, crossentropy_forward, crossentropy_forward_block,
+    loss_sum,
+};
 pub use decode_matmul::{decode_matmul_forward, DecodeFormat, DecodeMatrix};
 pub use elementwise::{
-    dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad, gelu_forward,
-    residual_forward,
+    add_into, dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad,
+    gelu_forward, residual_forward,
 };
 pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encoder_forward};
 pub use layernorm::{layernorm_backward, layernorm_forward};

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::kernels::{self, AdamCoeffs};
 use super::{check_len, parallel, DecayMask, OptimError, Optimizer, OptimizerState, BLOCK};
-use crate::AlignedFloats;
+use crate::{Backend, Buffer, View, ViewMut};
 
 /// AdamW hyperparameters; the defaults are PyTorch's, except that the learning rate is passed to
 /// every [`Optimizer::step`] (it comes from an [`LrSchedule`](super::LrSchedule)).
@@ -59,7 +59,9 @@ impl AdamWConfig {
     }
 }
 
-/// AdamW over a flat parameter buffer, with its two moment buffers.
+/// AdamW over a flat parameter buffer, with its two moment buffers: in host memory
+/// ([`AdamW::new`], stepped by [`Optimizer::step`]) or in a backend's ([`AdamW::new_on`],
+/// stepped by [`AdamW::step_on`], one kernel per segment; the same bits on the CPU).
 ///
 /// ```
 /// use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
@@ -71,17 +73,17 @@ impl AdamWConfig {
 /// opt.step(&mut params, &grads, 1e-3).unwrap();
 /// assert!(params[0] < params[7]);
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct AdamW {
     cfg: AdamWConfig,
     mask: DecayMask,
     step: u64,
-    exp_avg: AlignedFloats,
-    exp_avg_sq: AlignedFloats,
+    exp_avg: Buffer,
+    exp_avg_sq: Buffer,
 }
 
 impl AdamW {
-    /// An optimizer for `mask.len()` parameters with zeroed moments.
+    /// An optimizer for `mask.len()` parameters with zeroed moments in host memory.
     pub fn new(cfg: AdamWConfig, mask: DecayMask) -> Result<Self, OptimError> {
         cfg.validate()?;
         let n = mask.len();
@@ -89,8 +91,32 @@ impl AdamW {
             cfg,
             mask,
             step: 0,
-            exp_avg: AlignedFloats::zeroed(n),
-            exp_avg_sq: AlignedFloats::zeroed(n),
+            exp_avg: Buffer::host(n),
+            exp_avg_sq: Buffer::host(n),
+        })
+    }
+
+    /// An optimizer whose zeroed moments `dev` allocates, for parameters and gradients in its
+    /// memory ([`AdamW::step_on`]).
+    pub fn new_on(
+        dev: &dyn Backend,
+        cfg: AdamWConfig,
+        mask: DecayMask,
+    ) -> Result<Self, OptimError> {
+        cfg.validate()?;
+        let n = mask.len();
+        let alloc = || {
+            dev.alloc(n).map_err(|e| OptimError::Engine {
+                op: "AdamW moments",
+                reason: e.to_string(),
+            })
+        };
+        Ok(Self {
+            cfg,
+            step: 0,
+            exp_avg: alloc()?,
+            exp_avg_sq: alloc()?,
+            mask,
         })
     }
 
@@ -99,29 +125,26 @@ impl AdamW {
         &self.cfg
     }
 
-    /// First moments (PyTorch's `exp_avg`).
+    /// First moments (PyTorch's `exp_avg`). Panics for moments in a device's memory.
     pub fn exp_avg(&self) -> &[f32] {
-        &self.exp_avg
+        host(&self.exp_avg)
     }
 
-    /// Second moments (PyTorch's `exp_avg_sq`).
+    /// Second moments (PyTorch's `exp_avg_sq`). Panics for moments in a device's memory.
     pub fn exp_avg_sq(&self) -> &[f32] {
-        &self.exp_avg_sq
-    }
-}
-
-impl Optimizer for AdamW {
-    fn name(&self) -> &'static str {
-        "adamw"
+        host(&self.exp_avg_sq)
     }
 
-    fn len(&self) -> usize {
-        self.mask.len()
-    }
-
-    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
-        check_len("AdamW::step", "params", self.len(), params.len())?;
-        check_len("AdamW::step", "grads", self.len(), grads.len())?;
+    /// Checks a step's arguments and advances the step count; the coefficients of the step for
+    /// segments without and with weight decay.
+    fn begin_step(
+        &mut self,
+        params: usize,
+        grads: usize,
+        lr: f64,
+    ) -> Result<(AdamCoeffs, AdamCoeffs), OptimError> {
+        check_len("AdamW::step", "params", self.len(), params)?;
+        check_len("AdamW::step", "grads", self.len(), grads)?;
         if !(lr >= 0.0 && lr.is_finite()) {
             return Err(OptimError::InvalidHyperparameter {
                 optimizer: "AdamW",
@@ -156,26 +179,86 @@ impl Optimizer for AdamW {
             decay: (1.0 - lr * weight_decay) as f32,
             ..coeffs
         };
+        Ok((coeffs, if weight_decay != 0.0 { decayed } else { coeffs }))
+    }
+
+    /// One update of `params` from `grads` in `dev`'s memory (where [`AdamW::new_on`] put the
+    /// moments), one [`Backend::adamw_step`] per segment of the decay mask.
+    pub fn step_on(
+        &mut self,
+        dev: &dyn Backend,
+        mut params: ViewMut<'_, f32>,
+        grads: View<'_, f32>,
+        lr: f64,
+    ) -> Result<(), OptimError> {
+        let (plain, decayed) = self.begin_step(params.len(), grads.len(), lr)?;
+        let (mut m, mut v) = (self.exp_avg.view_mut(), self.exp_avg_sq.view_mut());
         for (r, decay) in self.mask.segments() {
-            let c = if *decay && weight_decay != 0.0 {
-                decayed
-            } else {
-                coeffs
-            };
-            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
-            let (m, v) = (
-                &mut self.exp_avg[r.clone()],
-                &mut self.exp_avg_sq[r.clone()],
+            let c = if *decay { decayed } else { plain };
+            dev.adamw_step(
+                params.slice_mut(r.clone()),
+                grads.slice(r.clone()),
+                m.slice_mut(r.clone()),
+                v.slice_mut(r.clone()),
+                c,
             );
-            if parallel() {
-                p.par_chunks_mut(BLOCK)
-                    .zip(g.par_chunks(BLOCK))
-                    .zip(m.par_chunks_mut(BLOCK))
-                    .zip(v.par_chunks_mut(BLOCK))
-                    .for_each(|(((p, g), m), v)| kernels::adamw(p, g, m, v, c));
-            } else {
-                kernels::adamw(p, g, m, v, c);
-            }
+        }
+        Ok(())
+    }
+}
+
+/// A moment buffer's floats, for the host calls.
+fn host(b: &Buffer) -> &[f32] {
+    match b.host_slice() {
+        Some(s) => s,
+        None => panic!(
+            "AdamW moments on {}: copy them to the host to read them",
+            b.device()
+        ),
+    }
+}
+
+/// One AdamW update of a segment (`p`, `g`, moments `m`, `v` of equal length) with the step's
+/// coefficients, split over the pool's threads when called inside one (the CPU body of
+/// [`Backend::adamw_step`]).
+pub fn adamw_segment(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {
+    if parallel() {
+        p.par_chunks_mut(BLOCK)
+            .zip(g.par_chunks(BLOCK))
+            .zip(m.par_chunks_mut(BLOCK))
+            .zip(v.par_chunks_mut(BLOCK))
+            .for_each(|(((p, g), m), v)| kernels::adamw(p, g, m, v, c));
+    } else {
+        kernels::adamw(p, g, m, v, c);
+    }
+}
+
+impl Optimizer for AdamW {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
+    fn len(&self) -> usize {
+        self.mask.len()
+    }
+
+    fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<(), OptimError> {
+        if self.exp_avg.host_slice().is_none() {
+            return Err(OptimError::OnDevice {
+                op: "AdamW::step",
+                device: self.exp_avg.device(),
+            });
+        }
+        let (plain, decayed) = self.begin_step(params.len(), grads.len(), lr)?;
+        let m = self.exp_avg.host_slice_mut().expect("checked above");
+        let v = self
+            .exp_avg_sq
+            .host_slice_mut()
+            .expect("allocated with exp_avg");
+        for (r, decay) in self.mask.segments() {
+            let c = if *decay { decayed } else { plain };
+            let (p, g) = (&mut params[r.clone()], &grads[r.clone()]);
+            adamw_segment(p, g, &mut m[r.clone()], &mut v[r.clone()], c);
         }
         Ok(())
     }
@@ -189,8 +272,8 @@ impl Optimizer for AdamW {
             optimizer: self.name().to_string(),
             step: self.step,
             buffers: vec![
-                ("exp_avg".to_string(), &self.exp_avg[..]),
-                ("exp_avg_sq".to_string(), &self.exp_avg_sq[..]),
+                ("exp_avg".to_string(), self.exp_avg()),
+                ("exp_avg_sq".to_string(), self.exp_avg_sq()),
             ],
         }
     }
@@ -206,8 +289,15 @@ impl Optimizer for AdamW {
         let v = state.buffer("adamw", "exp_avg_sq")?;
         check_len("AdamW::load_state", "exp_avg", self.len(), m.len())?;
         check_len("AdamW::load_state", "exp_avg_sq", self.len(), v.len())?;
-        self.exp_avg.copy_from_slice(m);
-        self.exp_avg_sq.copy_from_slice(v);
+        let device = self.exp_avg.device();
+        let on_device = || OptimError::OnDevice {
+            op: "AdamW::load_state",
+            device,
+        };
+        let em = self.exp_avg.host_slice_mut().ok_or_else(on_device)?;
+        em.copy_from_slice(m);
+        let ev = self.exp_avg_sq.host_slice_mut().ok_or_else(on_device)?;
+        ev.copy_from_slice(v);
         self.step = state.step;
         Ok(())
     }

@@ -6,14 +6,16 @@ use rayon::prelude::*;
 
 use super::kernels;
 use super::{parallel, OptimError, BLOCK};
+use crate::{Backend, View, ViewMut};
 
 /// Elements per block of the norm reduction. Fixed (not derived from a thread count) so the sum's
 /// rounding is the same however the blocks are scheduled.
 const NORM_BLOCK: usize = 1 << 16;
 
-/// Global L2 norm of `grads`, summed in f64 and rounded to f32.
-pub fn grad_norm(grads: &[f32]) -> f32 {
-    let sum: f64 = if parallel() {
+/// Σ x² over `grads` in f64, in fixed blocks added in order (the CPU body of
+/// [`Backend::sum_squares`](crate::Backend::sum_squares)).
+pub fn sum_squares(grads: &[f32]) -> f64 {
+    if parallel() {
         // Block sums in parallel, then added in block order: the same bits as sequentially.
         let sums: Vec<f64> = grads
             .par_chunks(NORM_BLOCK)
@@ -22,8 +24,28 @@ pub fn grad_norm(grads: &[f32]) -> f32 {
         sums.iter().sum()
     } else {
         grads.chunks(NORM_BLOCK).map(kernels::sum_squares).sum()
-    };
-    sum.sqrt() as f32
+    }
+}
+
+/// `grads *= s` (the CPU body of [`Backend::scale`](crate::Backend::scale)).
+pub fn scale(grads: &mut [f32], s: f32) {
+    if parallel() {
+        grads
+            .par_chunks_mut(BLOCK)
+            .for_each(|g| kernels::scale(g, s));
+    } else {
+        kernels::scale(grads, s);
+    }
+}
+
+/// Global L2 norm of `grads`, summed in f64 and rounded to f32.
+pub fn grad_norm(grads: &[f32]) -> f32 {
+    sum_squares(grads).sqrt() as f32
+}
+
+/// [`grad_norm`] of gradients in `dev`'s memory, by its kernel: the same bits on the CPU.
+pub fn grad_norm_on(dev: &dyn Backend, grads: View<'_, f32>) -> f32 {
+    dev.sum_squares(grads).sqrt() as f32
 }
 
 /// Scale `grads` so that their global L2 norm is at most `max_norm`, like
@@ -33,6 +55,21 @@ pub fn grad_norm(grads: &[f32]) -> f32 {
 /// [`OptimError::NonFiniteGradNorm`] and leaves `grads` unchanged, so the caller can skip the
 /// step (PyTorch would scale everything to NaN).
 pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> Result<f32, OptimError> {
+    clip_by(grad_norm(grads), max_norm, |coef| scale(grads, coef))
+}
+
+/// [`clip_grad_norm`] of gradients in `dev`'s memory, by its kernels: the same bits on the CPU.
+pub fn clip_grad_norm_on(
+    dev: &dyn Backend,
+    grads: ViewMut<'_, f32>,
+    max_norm: f32,
+) -> Result<f32, OptimError> {
+    let norm = grad_norm_on(dev, grads.as_view());
+    clip_by(norm, max_norm, |coef| dev.scale(grads, coef))
+}
+
+/// The clipping rule around a norm: checks, and scales by `max_norm / (norm + 1e-6)` when below 1.
+fn clip_by(norm: f32, max_norm: f32, scale: impl FnOnce(f32)) -> Result<f32, OptimError> {
     if !(max_norm >= 0.0 && max_norm.is_finite()) {
         return Err(OptimError::InvalidHyperparameter {
             optimizer: "clip_grad_norm",
@@ -41,19 +78,12 @@ pub fn clip_grad_norm(grads: &mut [f32], max_norm: f32) -> Result<f32, OptimErro
             why: "must be finite and >= 0",
         });
     }
-    let norm = grad_norm(grads);
     if !norm.is_finite() {
         return Err(OptimError::NonFiniteGradNorm { norm });
     }
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
-        if parallel() {
-            grads
-                .par_chunks_mut(BLOCK)
-                .for_each(|g| kernels::scale(g, coef));
-        } else {
-            kernels::scale(grads, coef);
-        }
+        scale(coef);
     }
     Ok(norm)
 }

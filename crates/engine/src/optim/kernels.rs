@@ -12,17 +12,21 @@
 /// Accumulator lanes of [`sum_squares`] (one AVX-512 register of f32, two of f64).
 const LANES: usize = 16;
 
-/// Scalars of one AdamW step, already rounded to f32 the way PyTorch passes them to its kernels.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct AdamCoeffs {
+/// Scalars of one AdamW step, already rounded to f32 the way PyTorch passes them to its kernels
+/// (what [`Backend::adamw_step`](crate::Backend::adamw_step) takes).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamCoeffs {
     /// `1 - lr * weight_decay` (1.0 for exempt segments: multiplying by 1 is exact).
     pub decay: f32,
     /// `1 - beta1`, the `lerp_` weight.
     pub lerp_w: f32,
+    /// `beta2`.
     pub beta2: f32,
+    /// `1 - beta2`.
     pub one_minus_beta2: f32,
     /// `sqrt(1 - beta2^t)`.
     pub bc2_sqrt: f32,
+    /// `eps`.
     pub eps: f32,
     /// `-lr / (1 - beta1^t)`.
     pub neg_step_size: f32,

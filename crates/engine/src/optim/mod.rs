@@ -22,9 +22,12 @@ mod kernels;
 mod schedule;
 mod sgd;
 
-pub use adamw::{AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, clip_grad_value, grad_norm};
+pub use adamw::{adamw_segment, AdamW, AdamWConfig};
+pub use clip::{
+    clip_grad_norm, clip_grad_norm_on, clip_grad_value, grad_norm, grad_norm_on, scale, sum_squares,
+};
 pub use decay::DecayMask;
+pub use kernels::AdamCoeffs;
 pub use schedule::LrSchedule;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -80,6 +83,22 @@ pub enum OptimError {
         expected: &'static str,
         /// The name recorded in the state.
         found: String,
+    },
+    /// The optimizer's state is in a device's memory, where a host call cannot reach it.
+    #[error("{op}: the optimizer state is on {device}; use the backend's kernels (step_on) or copy it to the host")]
+    OnDevice {
+        /// The host call.
+        op: &'static str,
+        /// Where the state is.
+        device: crate::Device,
+    },
+    /// The backend could not allocate or reach the optimizer's state.
+    #[error("{op}: {reason}")]
+    Engine {
+        /// What was being done.
+        op: &'static str,
+        /// The backend's error.
+        reason: String,
     },
     /// Loaded state lacks a buffer this optimizer needs.
     #[error("loading {optimizer} state: buffer {name:?} is missing")]
@@ -181,6 +200,52 @@ mod tests {
         let norm = clip_grad_norm(&mut gc, 0.5).unwrap();
         clip_grad_value(&mut gc, 1e-3).unwrap();
         (p, norm, gc)
+    }
+
+    /// AdamW and clipping through the backend's kernels (the path of state in a device's
+    /// memory) against the host calls: the same bits, inside and outside a pool.
+    #[test]
+    fn kernel_path_equals_host_path() {
+        use crate::{Backend, Buffer};
+        let n = 3 * BLOCK + 77;
+        let p0: Vec<f32> = (0..n)
+            .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
+            .collect();
+        let g0: Vec<f32> = (0..n)
+            .map(|i| ((i * 53) % 97) as f32 / 97.0 - 0.5)
+            .collect();
+        let mask = DecayMask::with_exempt(n, [BLOCK + 5..2 * BLOCK + 17, n - 40..n]).unwrap();
+        let cpu = Cpu::new(3).unwrap();
+        let dev: &dyn Backend = &cpu;
+        for pooled in [false, true] {
+            let mut host = AdamW::new(AdamWConfig::default(), mask.clone()).unwrap();
+            let mut on = AdamW::new_on(dev, AdamWConfig::default(), mask.clone()).unwrap();
+            let (mut p, mut g) = (p0.clone(), g0.clone());
+            let (mut pb, mut gb) = (Buffer::host(n), Buffer::host(n));
+            dev.upload(pb.view_mut(), &p0).unwrap();
+            dev.upload(gb.view_mut(), &g0).unwrap();
+            let mut run = || {
+                for step in 0..3 {
+                    let lr = 1e-2 / (step as f64 + 1.0);
+                    host.step(&mut p, &g, lr).unwrap();
+                    on.step_on(dev, pb.view_mut(), gb.view(), lr).unwrap();
+                }
+                let norm = clip_grad_norm(&mut g, 0.5).unwrap();
+                let norm_on = clip_grad_norm_on(dev, gb.view_mut(), 0.5).unwrap();
+                assert_eq!(norm.to_bits(), norm_on.to_bits());
+            };
+            if pooled {
+                dev.install(&mut run);
+            } else {
+                run();
+            }
+            dev.sync().unwrap();
+            assert_eq!(pb.host_slice().unwrap(), &p[..], "params");
+            assert_eq!(gb.host_slice().unwrap(), &g[..], "clipped grads");
+            assert_eq!(on.exp_avg(), host.exp_avg());
+            assert_eq!(on.exp_avg_sq(), host.exp_avg_sq());
+            assert_eq!(on.steps_taken(), 3);
+        }
     }
 
     #[test]

@@ -19,44 +19,48 @@ pub(crate) struct ActLayout {
     /// when the forward has labels and the whole (N, V) matrix would be large (see
     /// [`logit_cols`]).
     pub(crate) logit_cols: usize,
-    pub(super) ranges: [Range<usize>; ACT_BUFFERS],
+    pub(crate) ranges: [Range<usize>; ACT_BUFFERS],
     pub(crate) total: usize,
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
 pub(super) const ACT_BUFFERS: usize = 25;
+/// Where the logits are in the carve order (read after a forward).
+pub(crate) const ACT_LOGITS: usize = 12;
+/// Where d(residual) is in the carve order (a stage's input gradient, read after a backward).
+pub(crate) const ACT_DRES: usize = 20;
 
 /// The arena split into its buffers; per-layer buffers hold all L layers back to back.
 pub(crate) struct Acts<'a> {
-    pub(crate) res: &'a mut [f32], // (L+1, N, C) block inputs; res[L] feeds ln_f
-    pub(super) res_mid: &'a mut [f32], // (L, N, C) residual after attention
-    pub(super) qkv: &'a mut [f32], // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
-    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU); GELU's derivative at it when gelu16 is kept
-    pub(super) ln1_mean: &'a mut [f32], // (L, N)
-    pub(super) ln1_rstd: &'a mut [f32], // (L, N)
-    pub(super) ln2_mean: &'a mut [f32], // (L, N)
-    pub(super) ln2_rstd: &'a mut [f32], // (L, N)
-    pub(super) att_lse: &'a mut [f32], // (L, B, NH, T)
-    pub(super) lnf_out: &'a mut [f32], // (N, C)
-    pub(super) lnf_mean: &'a mut [f32], // (N)
-    pub(super) lnf_rstd: &'a mut [f32], // (N)
-    pub(super) logits: &'a mut [f32], // (N, V'), V' = logit_cols: V, or a block of it
-    pub(super) losses: &'a mut [f32], // (N)
-    pub(super) ce_lse: &'a mut [f32], // (N)
-    pub(super) s_ln: &'a mut [f32], // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
-    pub(super) s_atty: &'a mut [f32], // (L, N, C) kept attention outputs, or (N, C) scratch
-    pub(super) s_big: &'a mut [f32], // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU
-    pub(super) s_dl: &'a mut [f32], // (N, C) scratch: gradient of a LayerNorm output / attention out
-    pub(super) s_drop: &'a mut [f32], // (N, C) scratch: dropout backward (empty without dropout)
-    pub(crate) dres: &'a mut [f32], // (N, C) gradient of the residual stream
-    pub(super) dlogits: &'a mut [f32], // (N, V')
-    pub(super) gelu: &'a mut [f32], // (L, N, F) kept GELU outputs (empty unless kept)
+    pub(crate) res: ViewMut<'a, f32>, // (L+1, N, C) block inputs; res[L] feeds ln_f
+    pub(super) res_mid: ViewMut<'a, f32>, // (L, N, C) residual after attention
+    pub(super) qkv: ViewMut<'a, f32>, // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
+    pub(super) fch: ViewMut<'a, f32>, // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU); GELU's derivative at it when gelu16 is kept
+    pub(super) ln1_mean: ViewMut<'a, f32>, // (L, N)
+    pub(super) ln1_rstd: ViewMut<'a, f32>, // (L, N)
+    pub(super) ln2_mean: ViewMut<'a, f32>, // (L, N)
+    pub(super) ln2_rstd: ViewMut<'a, f32>, // (L, N)
+    pub(super) att_lse: ViewMut<'a, f32>, // (L, B, NH, T)
+    pub(super) lnf_out: ViewMut<'a, f32>, // (N, C)
+    pub(super) lnf_mean: ViewMut<'a, f32>, // (N)
+    pub(super) lnf_rstd: ViewMut<'a, f32>, // (N)
+    pub(super) logits: ViewMut<'a, f32>, // (N, V'), V' = logit_cols: V, or a block of it
+    pub(super) losses: ViewMut<'a, f32>, // (N)
+    pub(super) ce_lse: ViewMut<'a, f32>, // (N)
+    pub(super) s_ln: ViewMut<'a, f32>, // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
+    pub(super) s_atty: ViewMut<'a, f32>, // (L, N, C) kept attention outputs, or (N, C) scratch
+    pub(super) s_big: ViewMut<'a, f32>, // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU
+    pub(super) s_dl: ViewMut<'a, f32>, // (N, C) scratch: gradient of a LayerNorm output / attention out
+    pub(super) s_drop: ViewMut<'a, f32>, // (N, C) scratch: dropout backward (empty without dropout)
+    pub(crate) dres: ViewMut<'a, f32>, // (N, C) gradient of the residual stream
+    pub(super) dlogits: ViewMut<'a, f32>, // (N, V')
+    pub(super) gelu: ViewMut<'a, f32>, // (L, N, F) kept GELU outputs (empty unless kept)
     /// (L, ⌈N·F/2⌉) GELU outputs kept in bf16, two to a float (empty unless bf16 and not
     /// `keep`); see [`bf16_layer`].
-    pub(super) gelu16: &'a mut [f32],
+    pub(super) gelu16: ViewMut<'a, f32>,
     /// (N, 3C) scratch: grouped rows expanded for the attention kernels, then the gradient of
     /// the grouped rows (empty with as many key/value heads as query heads).
-    pub(super) s_qkv: &'a mut [f32],
+    pub(super) s_qkv: ViewMut<'a, f32>,
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
     /// Columns of `logits` and `dlogits`.
@@ -195,14 +199,13 @@ impl ActLayout {
         }
     }
 
-    pub(crate) fn carve<'a>(&self, arena: &'a mut [f32]) -> Acts<'a> {
+    pub(crate) fn carve<'a>(&self, arena: ViewMut<'a, f32>) -> Acts<'a> {
         let mut rest = arena;
-        let mut parts: [&'a mut [f32]; ACT_BUFFERS] = Default::default();
-        for (p, r) in parts.iter_mut().zip(&self.ranges) {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(r.len());
-            *p = head;
+        let parts: [ViewMut<'a, f32>; ACT_BUFFERS] = std::array::from_fn(|i| {
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(self.ranges[i].len());
             rest = tail;
-        }
+            head
+        });
         let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16, s_qkv] =
             parts;
         Acts {
@@ -239,14 +242,14 @@ impl ActLayout {
 }
 
 /// Layer slot `l` of `gelu16` (each slot ⌈len/2⌉ floats) as `len` bf16 values (their bits).
-pub(super) fn bf16_layer(gelu16: &mut [f32], l: usize, len: usize) -> &mut [u16] {
+pub(super) fn bf16_layer<'b>(
+    gelu16: &'b mut ViewMut<'_, f32>,
+    l: usize,
+    len: usize,
+) -> ViewMut<'b, u16> {
     let per = len.div_ceil(2);
-    let slot = &mut gelu16[l * per..(l + 1) * per];
-    // SAFETY: u16 has no invalid bit patterns and an alignment that divides f32's; the view
-    // covers exactly the slot's bytes (2 u16 per f32) and borrows the slot mutably for as long
-    // as it lives.
-    let halves = unsafe { std::slice::from_raw_parts_mut(slot.as_mut_ptr() as *mut u16, 2 * per) };
-    &mut halves[..len]
+    let slot = gelu16.slice_mut(l * per..(l + 1) * per);
+    slot.cast::<u16>().into_slice(..len)
 }
 
 /// What the last forward saw, kept for backward (buffers reused across steps).
@@ -266,6 +269,19 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
+    /// The token ids (empty on a stage fed activations).
+    pub(crate) fn ids(&self) -> View<'_, u32> {
+        View::from(&self.ids[..])
+    }
+    /// Each row's position in its sequence.
+    pub(crate) fn pos(&self) -> View<'_, u32> {
+        View::from(&self.pos[..])
+    }
+    /// The targets (empty without labels).
+    pub(crate) fn targets(&self) -> View<'_, i32> {
+        View::from(&self.targets[..])
+    }
+
     /// Records a validated batch; the targets follow the label shift and masking rules of
     /// [`Labels`]. `ids` may be empty (a pipeline stage fed activations).
     pub(crate) fn set(

@@ -11,7 +11,7 @@
 //!
 //! The caller supplies the attention (causal over the batch in training, over each row's KV
 //! cache in decoding) and the buffers; everything else is here, once, in one kernel order.
-//! These functions only call backend kernels on the slices they are given: they never
+//! These functions only call backend kernels on the views they are given: they never
 //! allocate and never decide where an activation is kept.
 
 use super::*;
@@ -20,22 +20,22 @@ use cohort_engine::cpu::DecodeMatrix;
 /// One block's parameters, sliced out of a parameter buffer: the block as its layer functions
 /// read it. Biases are None in a model without biases.
 pub(crate) struct BlockWeights<'p> {
-    pub(crate) ln_1_w: &'p [f32],
-    pub(crate) ln_1_b: Option<&'p [f32]>,
+    pub(crate) ln_1_w: View<'p, f32>,
+    pub(crate) ln_1_b: Option<View<'p, f32>>,
     /// (C, 3C) in Conv1D layout.
-    pub(crate) attn_w: &'p [f32],
-    pub(crate) attn_b: Option<&'p [f32]>,
+    pub(crate) attn_w: View<'p, f32>,
+    pub(crate) attn_b: Option<View<'p, f32>>,
     /// (C, C).
-    pub(crate) proj_w: &'p [f32],
-    pub(crate) proj_b: Option<&'p [f32]>,
-    pub(crate) ln_2_w: &'p [f32],
-    pub(crate) ln_2_b: Option<&'p [f32]>,
+    pub(crate) proj_w: View<'p, f32>,
+    pub(crate) proj_b: Option<View<'p, f32>>,
+    pub(crate) ln_2_w: View<'p, f32>,
+    pub(crate) ln_2_b: Option<View<'p, f32>>,
     /// (C, F).
-    pub(crate) fc_w: &'p [f32],
-    pub(crate) fc_b: Option<&'p [f32]>,
+    pub(crate) fc_w: View<'p, f32>,
+    pub(crate) fc_b: Option<View<'p, f32>>,
     /// (F, C).
-    pub(crate) fcproj_w: &'p [f32],
-    pub(crate) fcproj_b: Option<&'p [f32]>,
+    pub(crate) fcproj_w: View<'p, f32>,
+    pub(crate) fcproj_b: Option<View<'p, f32>>,
     /// The same four matrices in a decode format (a decode with bf16 or 8-bit weights): the
     /// forward's products read these instead of the f32 ones. None in training.
     pub(crate) decode: Option<&'p DecodeBlock>,
@@ -56,19 +56,19 @@ pub(crate) struct DecodeBlock {
 
 impl<'p> BlockWeights<'p> {
     /// The block at `bl` in the parameter buffer `p`.
-    pub(crate) fn new(p: &'p [f32], bl: &BlockLayout) -> BlockWeights<'p> {
+    pub(crate) fn new(p: View<'p, f32>, bl: &BlockLayout) -> BlockWeights<'p> {
         BlockWeights {
-            ln_1_w: &p[bl.ln_1_w.clone()],
+            ln_1_w: p.slice(bl.ln_1_w.clone()),
             ln_1_b: opt(p, &bl.ln_1_b),
-            attn_w: &p[bl.attn_w.clone()],
+            attn_w: p.slice(bl.attn_w.clone()),
             attn_b: opt(p, &bl.attn_b),
-            proj_w: &p[bl.proj_w.clone()],
+            proj_w: p.slice(bl.proj_w.clone()),
             proj_b: opt(p, &bl.proj_b),
-            ln_2_w: &p[bl.ln_2_w.clone()],
+            ln_2_w: p.slice(bl.ln_2_w.clone()),
             ln_2_b: opt(p, &bl.ln_2_b),
-            fc_w: &p[bl.fc_w.clone()],
+            fc_w: p.slice(bl.fc_w.clone()),
             fc_b: opt(p, &bl.fc_b),
-            fcproj_w: &p[bl.fcproj_w.clone()],
+            fcproj_w: p.slice(bl.fcproj_w.clone()),
             fcproj_b: opt(p, &bl.fcproj_b),
             decode: None,
         }
@@ -92,10 +92,10 @@ pub(crate) struct BlockDims {
 pub(crate) fn norm_forward(
     dev: &dyn Backend,
     norm: Norm,
-    out: &mut [f32],
+    out: ViewMut<f32>,
     stats: LnStats,
-    inp: &[f32],
-    (w, b): (&[f32], Option<&[f32]>),
+    inp: View<f32>,
+    (w, b): (View<f32>, Option<View<f32>>),
     (n, c): (usize, usize),
 ) {
     match norm {
@@ -108,10 +108,10 @@ pub(crate) fn norm_forward(
 pub(crate) fn norm_backward(
     dev: &dyn Backend,
     norm: Norm,
-    (dinp, dw, db): (&mut [f32], &mut [f32], Option<&mut [f32]>),
-    (dout, inp): (&[f32], &[f32]),
-    (mean, rstd): (&[f32], &[f32]),
-    w: &[f32],
+    (dinp, dw, db): (ViewMut<f32>, ViewMut<f32>, Option<ViewMut<f32>>),
+    (dout, inp): (View<f32>, View<f32>),
+    (mean, rstd): (View<f32>, View<f32>),
+    w: View<f32>,
     (n, c): (usize, usize),
 ) {
     match norm {
@@ -124,22 +124,22 @@ pub(crate) fn norm_backward(
 /// for both (ln_1's output is dead once the qkv product has read it).
 pub(crate) enum LnOut<'a> {
     Each {
-        ln_1: &'a mut [f32],
-        ln_2: &'a mut [f32],
+        ln_1: ViewMut<'a, f32>,
+        ln_2: ViewMut<'a, f32>,
     },
-    Shared(&'a mut [f32]),
+    Shared(ViewMut<'a, f32>),
 }
 
 impl<'a> LnOut<'a> {
     /// ln_1's output.
-    fn ln_1(&mut self) -> &mut [f32] {
+    fn ln_1(&mut self) -> ViewMut<'_, f32> {
         match self {
-            LnOut::Each { ln_1, .. } => ln_1,
-            LnOut::Shared(ln) => ln,
+            LnOut::Each { ln_1, .. } => ln_1.reborrow(),
+            LnOut::Shared(ln) => ln.reborrow(),
         }
     }
     /// ln_2's output: taken once ln_1's is no longer read.
-    fn ln_2(self) -> &'a mut [f32] {
+    fn ln_2(self) -> ViewMut<'a, f32> {
         match self {
             LnOut::Each { ln_2, .. } => ln_2,
             LnOut::Shared(ln) => ln,
@@ -149,35 +149,35 @@ impl<'a> LnOut<'a> {
 
 /// A LayerNorm's per-row statistics (N each), written by its forward for its backward.
 pub(crate) struct LnStats<'a> {
-    pub(crate) mean: &'a mut [f32],
-    pub(crate) rstd: &'a mut [f32],
+    pub(crate) mean: ViewMut<'a, f32>,
+    pub(crate) rstd: ViewMut<'a, f32>,
 }
 
 /// Where the MLP's activation output (N, F) goes: f32, or (GELU only) bf16 bits under bf16
 /// products (see the arena: the products that read it round it to bf16 anyway).
 pub(crate) enum GeluOut<'a> {
-    F32(&'a mut [f32]),
-    Bf16(&'a mut [u16]),
+    F32(ViewMut<'a, f32>),
+    Bf16(ViewMut<'a, u16>),
 }
 
 /// The buffers of one block's forward, each of N rows.
 pub(crate) struct BlockActs<'a> {
     /// The block's input (N, C).
-    pub(crate) x: &'a [f32],
+    pub(crate) x: View<'a, f32>,
     /// The residual stream after attention (N, C).
-    pub(crate) x_mid: &'a mut [f32],
+    pub(crate) x_mid: ViewMut<'a, f32>,
     /// The block's output (N, C).
-    pub(crate) x_next: &'a mut [f32],
+    pub(crate) x_next: ViewMut<'a, f32>,
     pub(crate) ln: LnOut<'a>,
     pub(crate) ln_1: LnStats<'a>,
     pub(crate) ln_2: LnStats<'a>,
     /// (N, W): q, k, v as GPT-2 concatenates them (W = 3C), or with NKV key/value heads.
-    pub(crate) qkv: &'a mut [f32],
+    pub(crate) qkv: ViewMut<'a, f32>,
     /// The attention output (N, C).
-    pub(crate) att: &'a mut [f32],
+    pub(crate) att: ViewMut<'a, f32>,
     /// The MLP pre-activation (N, F), (N, 2F) under SwiGLU; GELU's derivative at it under
     /// [`GeluOut::Bf16`].
-    pub(crate) fch: &'a mut [f32],
+    pub(crate) fch: ViewMut<'a, f32>,
     pub(crate) gelu: GeluOut<'a>,
 }
 
@@ -200,7 +200,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
     acts: BlockActs,
     dims: BlockDims,
     drop: BranchDropout,
-    attend: impl FnOnce(&mut [f32], &mut [f32]),
+    attend: impl FnOnce(ViewMut<f32>, ViewMut<f32>),
 ) {
     let BlockDims {
         n,
@@ -212,55 +212,64 @@ pub(crate) fn block_forward_rows<T: Timer>(
     } = dims;
     let BlockActs {
         x,
-        x_mid,
-        x_next,
+        mut x_mid,
+        mut x_next,
         ln,
         ln_1,
         ln_2,
-        qkv,
-        att,
-        fch,
+        mut qkv,
+        mut att,
+        mut fch,
         gelu,
     } = acts;
     // A product over the f32 weights, or over the decode copy where there is one (which
     // adds the bias itself, as matmul_forward does).
-    let product = |out: &mut [f32],
-                   inp: &[f32],
-                   (f32_w, decode): (&[f32], Option<&DecodeMatrix>),
-                   bias: Option<&[f32]>,
+    let product = |out: ViewMut<f32>,
+                   inp: View<f32>,
+                   (f32_w, decode): (View<f32>, Option<&DecodeMatrix>),
+                   bias: Option<View<f32>>,
                    (c_in, oc): (usize, usize)| match decode {
         Some(m) => dev.decode_matmul_forward(out, inp, m, bias, n),
         None => dev.matmul_forward(out, inp, f32_w, bias, n, c_in, oc),
     };
     let d = w.decode;
     let mut ln = ln;
-    let ln_1_out = ln.ln_1();
+    let mut ln_1_out = ln.ln_1();
     prof.time(K::LnFwd, || {
-        norm_forward(dev, norm, ln_1_out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
+        let out = ln_1_out.reborrow();
+        norm_forward(dev, norm, out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
     });
     prof.time(K::MatmulFwd, || {
         let attn_w = (w.attn_w, d.map(|d| &d.attn));
-        product(qkv, ln_1_out, attn_w, w.attn_b, (c, qkv_w))
+        product(
+            qkv.reborrow(),
+            ln_1_out.as_view(),
+            attn_w,
+            w.attn_b,
+            (c, qkv_w),
+        )
     });
-    prof.time(K::AttnFwd, || attend(qkv, att));
+    prof.time(K::AttnFwd, || attend(qkv, att.reborrow()));
     prof.time(K::MatmulFwd, || {
-        product(x_mid, att, (w.proj_w, d.map(|d| &d.proj)), None, (c, c))
+        let proj_w = (w.proj_w, d.map(|d| &d.proj));
+        product(x_mid.reborrow(), att.as_view(), proj_w, None, (c, c))
     });
     prof.time(K::ResidualFwd, || {
-        dev.residual_forward(x_mid, x, w.proj_b, c, drop.attn)
+        dev.residual_forward(x_mid.reborrow(), x, w.proj_b, c, drop.attn)
     });
-    let ln_2_out = ln.ln_2();
+    let mut ln_2_out = ln.ln_2();
     prof.time(K::LnFwd, || {
         norm_forward(
             dev,
             norm,
-            ln_2_out,
+            ln_2_out.reborrow(),
             ln_2,
-            x_mid,
+            x_mid.as_view(),
             (w.ln_2_w, w.ln_2_b),
             (n, c),
         )
     });
+    let ln_2_out = ln_2_out.as_view();
     let (fc_w, fcproj_w) = (
         (w.fc_w, d.map(|d| &d.fc)),
         (w.fcproj_w, d.map(|d| &d.fcproj)),
@@ -268,46 +277,54 @@ pub(crate) fn block_forward_rows<T: Timer>(
     // The GELU runs on each strip of the product's rows while the strip is in cache (its time
     // counted with the product's), rather than as a pass of its own over [n, f].
     match gelu {
-        GeluOut::F32(act) if mlp == Mlp::SwiGlu => {
+        GeluOut::F32(mut act) if mlp == Mlp::SwiGlu => {
             prof.time(K::MatmulFwd, || {
-                product(fch, ln_2_out, fc_w, w.fc_b, (c, 2 * f))
+                product(fch.reborrow(), ln_2_out, fc_w, w.fc_b, (c, 2 * f))
             });
-            prof.time(K::GeluFwd, || dev.swiglu_forward(act, fch, n, f));
+            prof.time(K::GeluFwd, || {
+                dev.swiglu_forward(act.reborrow(), fch.as_view(), n, f)
+            });
             prof.time(K::MatmulFwd, || {
-                product(x_next, act, fcproj_w, None, (f, c))
+                product(x_next.reborrow(), act.as_view(), fcproj_w, None, (f, c))
             });
         }
-        GeluOut::F32(gelu) if d.is_some() => {
+        GeluOut::F32(mut gelu) if d.is_some() => {
             // the decode copy's product, then the GELU (the same bits as the fused kernel's
             // over the same product)
             prof.time(K::MatmulFwd, || {
-                product(fch, ln_2_out, fc_w, w.fc_b, (c, f))
+                product(fch.reborrow(), ln_2_out, fc_w, w.fc_b, (c, f))
             });
-            prof.time(K::GeluFwd, || dev.gelu_forward(gelu, fch));
+            prof.time(K::GeluFwd, || {
+                dev.gelu_forward(gelu.reborrow(), fch.as_view())
+            });
             prof.time(K::MatmulFwd, || {
-                product(x_next, gelu, fcproj_w, None, (f, c))
+                product(x_next.reborrow(), gelu.as_view(), fcproj_w, None, (f, c))
             });
         }
-        GeluOut::F32(gelu) => {
+        GeluOut::F32(mut gelu) => {
             prof.time(K::MatmulFwd, || {
-                dev.matmul_gelu_forward(fch, gelu, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+                let (pre, out) = (fch.reborrow(), gelu.reborrow());
+                dev.matmul_gelu_forward(pre, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
             });
             prof.time(K::MatmulFwd, || {
-                dev.matmul_forward(x_next, gelu, w.fcproj_w, None, n, f, c)
+                let out = x_next.reborrow();
+                dev.matmul_forward(out, gelu.as_view(), w.fcproj_w, None, n, f, c)
             });
         }
-        GeluOut::Bf16(g16) => {
+        GeluOut::Bf16(mut g16) => {
             debug_assert_eq!(mlp, Mlp::Gelu, "SwiGLU keeps its output in f32");
             debug_assert!(d.is_none(), "a decode keeps its activations in f32");
             prof.time(K::MatmulFwd, || {
-                dev.matmul_gelu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+                let (grad, out) = (fch.reborrow(), g16.reborrow());
+                dev.matmul_gelu_forward_bf16(grad, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
             });
             prof.time(K::MatmulFwd, || {
-                dev.matmul_forward_bf16_input(x_next, g16, w.fcproj_w, None, n, f, c)
+                let out = x_next.reborrow();
+                dev.matmul_forward_bf16_input(out, g16.as_view(), w.fcproj_w, None, n, f, c)
             });
         }
     }
     prof.time(K::ResidualFwd, || {
-        dev.residual_forward(x_next, x_mid, w.fcproj_b, c, drop.mlp)
+        dev.residual_forward(x_next, x_mid.as_view(), w.fcproj_b, c, drop.mlp)
     });
 }

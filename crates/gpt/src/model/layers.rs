@@ -3,32 +3,33 @@
 //! model and a pipeline stage run the same functions, which is why their results agree bit for
 //! bit.
 //!
-//! These functions only call backend kernels on slices they are given; they never allocate.
+//! These functions only call backend kernels on the views they are given; they never allocate
+//! and never touch an activation on the host.
 
 use super::*;
 
 /// `g[w]` and the bias right after it (empty range: None), as two disjoint slices.
 pub(crate) fn wb<'a>(
-    g: &'a mut [f32],
+    g: &'a mut ViewMut<'_, f32>,
     off: usize,
     w: &Range<usize>,
     b: &Range<usize>,
-) -> (&'a mut [f32], Option<&'a mut [f32]>) {
-    let (wg, rest) = g[w.start - off..].split_at_mut(w.len());
+) -> (ViewMut<'a, f32>, Option<ViewMut<'a, f32>>) {
+    let (wg, rest) = g.slice_mut(w.start - off..).split_at_mut(w.len());
     let bg = if b.is_empty() {
         None
     } else {
-        Some(&mut rest[..b.len()])
+        Some(rest.into_slice(..b.len()))
     };
     (wg, bg)
 }
 
 /// `p[r]`, or None for an empty range (a model without biases).
-pub(crate) fn opt<'a>(p: &'a [f32], r: &Range<usize>) -> Option<&'a [f32]> {
+pub(crate) fn opt<'a>(p: View<'a, f32>, r: &Range<usize>) -> Option<View<'a, f32>> {
     if r.is_empty() {
         None
     } else {
-        Some(&p[r.clone()])
+        Some(p.slice(r.clone()))
     }
 }
 
@@ -54,18 +55,26 @@ impl DropKey {
 }
 
 /// Block `l`'s slice of a per-layer buffer whose layers are `len` long.
-pub(crate) fn layer(buf: &[f32], l: usize, len: usize) -> &[f32] {
-    &buf[l * len..(l + 1) * len]
+pub(crate) fn layer<'b>(buf: &'b ViewMut<'_, f32>, l: usize, len: usize) -> View<'b, f32> {
+    buf.slice(l * len..(l + 1) * len)
 }
 
-pub(super) fn layer_mut(buf: &mut [f32], l: usize, len: usize) -> &mut [f32] {
-    &mut buf[l * len..(l + 1) * len]
+pub(super) fn layer_mut<'b>(
+    buf: &'b mut ViewMut<'_, f32>,
+    l: usize,
+    len: usize,
+) -> ViewMut<'b, f32> {
+    buf.slice_mut(l * len..(l + 1) * len)
 }
 
 /// (layer l, read-only) and (layer l + 1, writable) of a per-layer buffer.
-pub(super) fn layer_pair(buf: &mut [f32], l: usize, len: usize) -> (&[f32], &mut [f32]) {
-    let (lo, hi) = buf.split_at_mut((l + 1) * len);
-    (&lo[l * len..], &mut hi[..len])
+pub(super) fn layer_pair<'b>(
+    buf: &'b mut ViewMut<'_, f32>,
+    l: usize,
+    len: usize,
+) -> (View<'b, f32>, ViewMut<'b, f32>) {
+    let (lo, hi) = buf.reborrow().split_at_mut((l + 1) * len);
+    (View::from(lo).slice(l * len..), hi.into_slice(..len))
 }
 
 /// The shapes of one pass, named once: B batch, T sequence, C d_model, F d_ff, NH heads,
@@ -168,6 +177,14 @@ pub(crate) struct RopeTables {
 }
 
 impl RopeTables {
+    /// The cosine table.
+    pub(crate) fn cos(&self) -> View<'_, f32> {
+        View::from(&self.cos[..])
+    }
+    /// The sine table.
+    pub(crate) fn sin(&self) -> View<'_, f32> {
+        View::from(&self.sin[..])
+    }
     /// The tables of `cfg`'s positions; None with learned positions.
     pub(crate) fn new(cfg: &GPTConfig) -> Option<RopeTables> {
         let inv = cfg.rope_inv_freq()?;
@@ -187,15 +204,15 @@ pub(crate) struct Pass<'a> {
     pub(crate) batch: &'a Batch,
     pub(crate) drop: DropKey,
     /// The attention kernels' scratch.
-    pub(crate) scratch: &'a mut [f32],
+    pub(crate) scratch: ViewMut<'a, f32>,
     pub(crate) prof: &'a mut Profile,
 }
 
 impl<'a> Pass<'a> {
     /// The batch's padding mask (None when every position is a token).
-    pub(crate) fn mask(&self) -> Option<&'a [u8]> {
+    pub(crate) fn mask(&self) -> Option<View<'a, u8>> {
         let batch: &'a Batch = self.batch;
-        batch.has_mask.then_some(&batch.mask[..])
+        batch.has_mask.then(|| View::from(&batch.mask[..]))
     }
 }
 
@@ -219,22 +236,23 @@ impl BlockAt<'_> {
 
 /// Where the head's backward writes: the head weight's gradient (wte's when tied) and ln_f's.
 pub(crate) struct HeadGrads<'g> {
-    pub(crate) head: &'g mut [f32],
-    pub(crate) ln_f_w: &'g mut [f32],
-    pub(crate) ln_f_b: Option<&'g mut [f32]>,
+    pub(crate) head: ViewMut<'g, f32>,
+    pub(crate) ln_f_w: ViewMut<'g, f32>,
+    pub(crate) ln_f_b: Option<ViewMut<'g, f32>>,
 }
 
 /// Token + position embeddings (and their dropout) into `a.res[0]`.
-pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Acts) {
+pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: View<f32>, a: &mut Acts) {
     let Dims { b, t, c, .. } = pass.dims;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
-    let x0 = &mut a.res[..b * t * c];
-    let wte = &p[lay.wte.clone()];
+    let mut x0 = a.res.slice_mut(..b * t * c);
+    let wte = p.slice(lay.wte.clone());
     prof.time(K::EncoderFwd, || {
+        let x0 = x0.reborrow();
         if pass.dims.rope {
-            dev.embedding_forward(x0, &batch.ids, wte, b * t, c)
+            dev.embedding_forward(x0, batch.ids(), wte, b * t, c)
         } else {
-            dev.encoder_forward(x0, &batch.ids, wte, &p[lay.wpe.clone()], b, t, c)
+            dev.encoder_forward(x0, batch.ids(), wte, p.slice(lay.wpe.clone()), b, t, c)
         }
     });
     if let Some(d) = pass.drop.site(0) {
@@ -244,7 +262,7 @@ pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Ac
 
 /// One block's forward from `a.res[l]` into `a.res[l + 1]` (`l` = `at.local`), keeping in the
 /// arena what its backward reads.
-pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Acts) {
+pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut Acts) {
     let dims = pass.dims;
     let Dims { c, f, nh, .. } = dims;
     let n = dims.n();
@@ -254,49 +272,49 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
     // This layer's slot of the per-layer buffers (the one slot under activation checkpointing).
     let sl = a.layer_slot(l);
-    let (x, x_next) = layer_pair(a.res, l, nc);
+    let (x, x_next) = layer_pair(&mut a.res, l, nc);
     let ln = if ln1_slot == ln2_slot {
-        LnOut::Shared(layer_mut(a.s_ln, ln1_slot, nc))
+        LnOut::Shared(layer_mut(&mut a.s_ln, ln1_slot, nc))
     } else {
         // kept: ln_1's and ln_2's outputs are the two slots 2l and 2l + 1
-        let (ln_1, ln_2) = layer_mut(a.s_ln, l, 2 * nc).split_at_mut(nc);
+        let (ln_1, ln_2) = layer_mut(&mut a.s_ln, l, 2 * nc).split_at_mut(nc);
         LnOut::Each { ln_1, ln_2 }
     };
     let gelu = if !a.gelu16.is_empty() {
         // Under bf16 products the GELU output is kept in bf16 for backward (see the arena).
-        GeluOut::Bf16(bf16_layer(a.gelu16, sl, n * f))
+        GeluOut::Bf16(bf16_layer(&mut a.gelu16, sl, n * f))
     } else if a.keep {
-        GeluOut::F32(layer_mut(a.gelu, l, n * f))
+        GeluOut::F32(layer_mut(&mut a.gelu, l, n * f))
     } else {
-        GeluOut::F32(&mut a.s_big[..n * f])
+        GeluOut::F32(a.s_big.slice_mut(..n * f))
     };
     // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS); the attention
     // kernels read (N, 3C) rows, which a model with grouped key/value heads expands into scratch
     // in `attend` (and backward again): one pass over N·C floats instead of keeping them.
     let qkv_w = dims.qkv_width();
-    let expanded = (dims.nkv != dims.nh).then(|| &mut a.s_qkv[..3 * nc]);
-    let qkv = layer_mut(a.qkv, sl, n * qkv_w);
+    let expanded = (dims.nkv != dims.nh).then(|| a.s_qkv.slice_mut(..3 * nc));
+    let qkv = layer_mut(&mut a.qkv, sl, n * qkv_w);
     let acts = BlockActs {
         x,
-        x_mid: layer_mut(a.res_mid, sl, nc),
+        x_mid: layer_mut(&mut a.res_mid, sl, nc),
         x_next,
         ln,
         ln_1: LnStats {
-            mean: layer_mut(a.ln1_mean, sl, n),
-            rstd: layer_mut(a.ln1_rstd, sl, n),
+            mean: layer_mut(&mut a.ln1_mean, sl, n),
+            rstd: layer_mut(&mut a.ln1_rstd, sl, n),
         },
         ln_2: LnStats {
-            mean: layer_mut(a.ln2_mean, sl, n),
-            rstd: layer_mut(a.ln2_rstd, sl, n),
+            mean: layer_mut(&mut a.ln2_mean, sl, n),
+            rstd: layer_mut(&mut a.ln2_rstd, sl, n),
         },
         qkv,
-        att: layer_mut(a.s_atty, atty_slot, nc),
-        fch: layer_mut(a.fch, sl, n * dims.fc_width()),
+        att: layer_mut(&mut a.s_atty, atty_slot, nc),
+        fch: layer_mut(&mut a.fch, sl, n * dims.fc_width()),
         gelu,
     };
-    let lse = layer_mut(a.att_lse, sl, n * nh);
-    let (mask, drop, scratch) = (pass.mask(), pass.drop, &mut *pass.scratch);
-    let (dev, rope, pos) = (pass.dev, pass.rope, &pass.batch.pos[..]);
+    let lse = layer_mut(&mut a.att_lse, sl, n * nh);
+    let (mask, drop, scratch) = (pass.mask(), pass.drop, pass.scratch.reborrow());
+    let (dev, rope, pos) = (pass.dev, pass.rope, pass.batch.pos());
     let branches = BranchDropout {
         attn: drop.site(ld + 1),
         mlp: drop.site(ld + 2),
@@ -309,16 +327,16 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
         acts,
         dims.block(),
         branches,
-        |qkv, att| {
+        |mut qkv, att| {
             if let Some(r) = rope {
-                dev.rope_forward(qkv, pos, &r.cos, &r.sin, dims.rope_dims(n));
+                dev.rope_forward(qkv.reborrow(), pos, r.cos(), r.sin(), dims.rope_dims(n));
             }
-            let qkv: &[f32] = match expanded {
-                Some(out) => {
-                    dev.kv_expand_forward(out, qkv, dims.kv(n));
-                    out
+            let qkv: View<f32> = match expanded {
+                Some(mut out) => {
+                    dev.kv_expand_forward(out.reborrow(), qkv.as_view(), dims.kv(n));
+                    out.into()
                 }
-                None => qkv,
+                None => qkv.into(),
             };
             dev.attention_forward(att, lse, qkv, mask, dims.attn(), drop.site(ld), scratch)
         },
@@ -327,64 +345,76 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
 
 /// ln_f, the head and (with targets) the cross-entropy, from `a.res[L]` (L the blocks of
 /// `lay`); returns the mean loss over counted positions.
-pub(crate) fn head_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Acts) -> Option<f32> {
+pub(crate) fn head_forward(
+    pass: &mut Pass,
+    lay: &Layout,
+    p: View<f32>,
+    a: &mut Acts,
+) -> Option<f32> {
     let Dims { c, v, .. } = pass.dims;
     let n = pass.dims.n();
     let nc = n * c;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
-    let x_last = layer(a.res, lay.blocks.len(), nc);
-    let lnf_out = &mut a.lnf_out[..nc];
+    let x_last = layer(&a.res, lay.blocks.len(), nc);
+    let mut lnf_out = a.lnf_out.slice_mut(..nc);
     let stats = LnStats {
-        mean: &mut a.lnf_mean[..n],
-        rstd: &mut a.lnf_rstd[..n],
+        mean: a.lnf_mean.slice_mut(..n),
+        rstd: a.lnf_rstd.slice_mut(..n),
     };
-    let lnf = (&p[lay.ln_f_w.clone()], opt(p, &lay.ln_f_b));
+    let lnf = (p.slice(lay.ln_f_w.clone()), opt(p, &lay.ln_f_b));
     prof.time(K::LnFwd, || {
-        norm_forward(dev, pass.dims.norm, lnf_out, stats, x_last, lnf, (n, c))
+        norm_forward(
+            dev,
+            pass.dims.norm,
+            lnf_out.reborrow(),
+            stats,
+            x_last,
+            lnf,
+            (n, c),
+        )
     });
-    let w = &p[lay.lm_head.clone()];
+    let lnf_out = lnf_out.as_view();
+    let w = p.slice(lay.lm_head.clone());
     let cols = a.logit_cols;
+    let targets = batch.targets();
     if cols < v {
         // Blocks of the vocabulary: each block's logits fold into each row's log-sum-exp, and
         // the target's logit is picked up in its block; only those two stay.
-        let lse = &mut a.ce_lse[..n];
-        lse.fill(f32::NEG_INFINITY);
-        let target_logit = &mut a.losses[..n];
+        let mut lse = a.ce_lse.slice_mut(..n);
+        dev.fill(lse.reborrow(), f32::NEG_INFINITY);
+        let mut target_logit = a.losses.slice_mut(..n);
         for v0 in (0..v).step_by(cols) {
             let vc = cols.min(v - v0);
-            let logits = &mut a.logits[..n * vc];
-            let wb = &w[v0 * c..(v0 + vc) * c];
+            let mut logits = a.logits.slice_mut(..n * vc);
+            let wb = w.slice(v0 * c..(v0 + vc) * c);
             prof.time(K::HeadFwd, || {
-                dev.head_forward(logits, lnf_out, wb, n, c, vc)
+                dev.head_forward(logits.reborrow(), lnf_out, wb, n, c, vc)
             });
             prof.time(K::CeFwd, || {
-                dev.crossentropy_forward_block(lse, target_logit, logits, &batch.targets, n, vc, v0)
+                let (lse, tl) = (lse.reborrow(), target_logit.reborrow());
+                dev.crossentropy_forward_block(lse, tl, logits.as_view(), targets, n, vc, v0)
             });
         }
-        for ((l, &s), &t) in a.losses[..n]
-            .iter_mut()
-            .zip(&a.ce_lse[..n])
-            .zip(&batch.targets)
-        {
-            *l = if t < 0 { 0.0 } else { s - *l };
-        }
+        dev.crossentropy_fold(target_logit, lse.as_view(), targets);
     } else {
-        let logits = &mut a.logits[..n * v];
-        prof.time(K::HeadFwd, || dev.head_forward(logits, lnf_out, w, n, c, v));
+        let mut logits = a.logits.slice_mut(..n * v);
+        prof.time(K::HeadFwd, || {
+            dev.head_forward(logits.reborrow(), lnf_out, w, n, c, v)
+        });
         if batch.counted.is_some() {
-            let losses = &mut a.losses[..n];
+            let losses = a.losses.slice_mut(..n);
             prof.time(K::CeFwd, || {
-                dev.crossentropy_forward(losses, &mut a.ce_lse[..n], logits, &batch.targets, n, v)
+                let lse = a.ce_lse.slice_mut(..n);
+                dev.crossentropy_forward(losses, lse, logits.as_view(), targets, n, v)
             });
         }
     }
     let counted = batch.counted?;
-    let losses = &a.losses[..n];
     if counted == 0 {
         return Some(0.0);
     }
     // f64 and a fixed order: the loss is the same bits whatever the thread count.
-    let total: f64 = losses.iter().map(|&x| x as f64).sum();
+    let total = dev.loss_sum(a.losses.slice(..n));
     Some((total / counted as f64) as f32)
 }
 
@@ -393,8 +423,8 @@ pub(crate) fn head_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Act
 pub(crate) fn head_backward(
     pass: &mut Pass,
     lay: &Layout,
-    p: &[f32],
-    grads: HeadGrads,
+    p: View<f32>,
+    mut grads: HeadGrads,
     a: &mut Acts,
 ) {
     let Dims { c, v, .. } = pass.dims;
@@ -407,49 +437,48 @@ pub(crate) fn head_backward(
     } else {
         1.0 / counted as f32
     };
-    let lnf_out = &a.lnf_out[..nc];
-    let w = &p[lay.lm_head.clone()];
+    let lnf_out = a.lnf_out.slice(..nc);
+    let w = p.slice(lay.lm_head.clone());
     // Whole, or block by block of the vocabulary with each block's logits recomputed (see
     // `LOGITS_MAX_BYTES`): each block adds its part of d(ln_f out) and writes its rows of the
     // head's weight gradient.
     let cols = a.logit_cols.min(v);
     for v0 in (0..v).step_by(cols) {
         let vc = cols.min(v - v0);
-        let wb = &w[v0 * c..(v0 + vc) * c];
-        let logits = &mut a.logits[..n * vc];
+        let wb = w.slice(v0 * c..(v0 + vc) * c);
+        let mut logits = a.logits.slice_mut(..n * vc);
         if cols < v {
             prof.time(K::HeadFwd, || {
-                dev.head_forward(logits, lnf_out, wb, n, c, vc)
+                dev.head_forward(logits.reborrow(), lnf_out, wb, n, c, vc)
             });
         }
-        let dlogits = &mut a.dlogits[..n * vc];
-        let (lse, targets) = (&a.ce_lse[..n], &batch.targets[..n]);
+        let mut dlogits = a.dlogits.slice_mut(..n * vc);
+        let (lse, targets) = (a.ce_lse.slice(..n), batch.targets().slice(..n));
         prof.time(K::CeBwd, || {
-            dev.crossentropy_backward(dlogits, logits, lse, targets, scale, n, vc, v0)
+            let (dl, lg) = (dlogits.reborrow(), logits.as_view());
+            dev.crossentropy_backward(dl, lg, lse, targets, scale, n, vc, v0)
         });
         // The first block writes d(ln_f out); later ones go through scratch and add to it.
         let dinp = if v0 == 0 {
-            &mut a.s_dl[..nc]
+            a.s_dl.slice_mut(..nc)
         } else {
-            &mut a.s_big[..nc]
+            a.s_big.slice_mut(..nc)
         };
-        let dwb = &mut grads.head[v0 * c..(v0 + vc) * c];
+        let dwb = grads.head.slice_mut(v0 * c..(v0 + vc) * c);
         prof.time(K::HeadBwd, || {
-            dev.head_backward(dinp, dwb, dlogits, lnf_out, wb, n, c, vc)
+            dev.head_backward(dinp, dwb, dlogits.as_view(), lnf_out, wb, n, c, vc)
         });
         if v0 > 0 {
-            for (d, &x) in a.s_dl[..nc].iter_mut().zip(&a.s_big[..nc]) {
-                *d += x;
-            }
+            dev.add_into(a.s_dl.slice_mut(..nc), a.s_big.slice(..nc));
         }
     }
-    let dres = &mut a.dres[..nc];
-    dres.fill(0.0);
+    let mut dres = a.dres.slice_mut(..nc);
+    dev.fill(dres.reborrow(), 0.0);
     let (dw, db) = (grads.ln_f_w, grads.ln_f_b);
-    let x_last = layer(a.res, lay.blocks.len(), nc);
-    let dlnf = &a.s_dl[..nc];
-    let stats = (&a.lnf_mean[..n], &a.lnf_rstd[..n]);
-    let lnf_w = &p[lay.ln_f_w.clone()];
+    let x_last = layer(&a.res, lay.blocks.len(), nc);
+    let dlnf = a.s_dl.slice(..nc);
+    let stats = (a.lnf_mean.slice(..n), a.lnf_rstd.slice(..n));
+    let lnf_w = p.slice(lay.ln_f_w.clone());
     prof.time(K::LnBwd, || {
         norm_backward(
             dev,
@@ -465,116 +494,161 @@ pub(crate) fn head_backward(
 
 /// Backward of the embeddings (and their dropout) from d(`a.res[0]`) in `a.dres`, into
 /// wte's and wpe's gradients.
-pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32], a: &mut Acts) {
+pub(crate) fn embed_backward(
+    pass: &mut Pass,
+    dwte: ViewMut<f32>,
+    dwpe: ViewMut<f32>,
+    a: &mut Acts,
+) {
     let Dims { b, t, c, .. } = pass.dims;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let nc = b * t * c;
-    let dres = &a.dres[..nc];
-    let demb: &[f32] = match pass.drop.site(0) {
+    let dres = a.dres.slice(..nc);
+    let demb: View<f32> = match pass.drop.site(0) {
         Some(d) => {
-            let s = &mut a.s_drop[..nc];
-            prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
-            s
+            let mut s = a.s_drop.slice_mut(..nc);
+            prof.time(K::DropoutBwd, || {
+                dev.dropout_backward(s.reborrow(), dres, d)
+            });
+            s.into()
         }
         None => dres,
     };
     prof.time(K::EncoderBwd, || {
         if pass.dims.rope {
-            dev.embedding_backward(dwte, demb, &batch.ids, b * t, c)
+            dev.embedding_backward(dwte, demb, batch.ids(), b * t, c)
         } else {
-            dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c)
+            dev.encoder_backward(dwte, dwpe, demb, batch.ids(), b, t, c)
         }
     });
 }
 
 /// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
 /// `g` is the block's gradient range (offset `at.layout.all.start`).
-pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f32], a: &mut Acts) {
+pub(crate) fn block_backward(
+    pass: &mut Pass,
+    at: BlockAt,
+    p: View<f32>,
+    mut g: ViewMut<f32>,
+    a: &mut Acts,
+) {
     let dims = pass.dims;
     let Dims { c, f, nh, .. } = dims;
     let n = dims.n();
     let nc = n * c;
     let (dev, drop, mask) = (pass.dev, pass.drop, pass.mask());
-    let (scratch, prof) = (&mut *pass.scratch, &mut *pass.prof);
+    let (mut scratch, prof) = (pass.scratch.reborrow(), &mut *pass.prof);
     let (l, bl) = (at.local, at.layout);
     let w = BlockWeights::new(p, bl);
     let off = bl.all.start;
     let ld = at.drop_site();
-    let x = layer(a.res, l, nc);
     let sl = a.layer_slot(l);
-    let x_mid = layer(a.res_mid, sl, nc);
     let qkv_w = dims.qkv_width();
-    let qkv = layer(a.qkv, sl, n * qkv_w);
     let fx = dims.fc_width();
-    let fch = layer(a.fch, sl, n * fx);
-    let lse = layer(a.att_lse, sl, n * nh);
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
     let keep = a.keep;
-    let s_dl = &mut a.s_dl[..nc];
+    // The activations backward reads, each borrowed apart from the scratch it writes.
+    let Acts {
+        res,
+        res_mid,
+        qkv,
+        fch,
+        ln1_mean,
+        ln1_rstd,
+        ln2_mean,
+        ln2_rstd,
+        att_lse,
+        s_ln,
+        s_atty,
+        s_big,
+        s_dl,
+        s_drop,
+        dres,
+        gelu,
+        gelu16,
+        s_qkv,
+        ..
+    } = a;
+    let x = layer(res, l, nc);
+    let x_mid = layer(res_mid, sl, nc);
+    let qkv = layer(qkv, sl, n * qkv_w);
+    let fch = layer(fch, sl, n * fx);
+    let lse = layer(att_lse, sl, n * nh);
+    let mut s_dl = s_dl.slice_mut(..nc);
 
     // MLP: x_next = x_mid + drop(act(ln_2(x_mid) · W_fc + b_fc) · W_proj + b_proj)
     {
-        let dres = &a.dres[..nc];
-        let dproj: &[f32] = match drop.site(ld + 2) {
+        let dres = dres.slice(..nc);
+        let dproj: View<f32> = match drop.site(ld + 2) {
             Some(d) => {
-                let s = &mut a.s_drop[..nc];
-                prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
-                s
+                let mut s = s_drop.slice_mut(..nc);
+                prof.time(K::DropoutBwd, || {
+                    dev.dropout_backward(s.reborrow(), dres, d)
+                });
+                s.into()
             }
             None => dres,
         };
-        let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
+        let (dw, db) = wb(&mut g, off, &bl.fcproj_w, &bl.fcproj_b);
         // d(first product's output): (N, F) under GELU, in place of d(GELU output); (N, 2F)
         // under SwiGLU, below d(SwiGLU output) in the scratch.
-        let dfc: &[f32] = if dims.mlp == Mlp::SwiGlu {
-            let (dfc, act) = a.s_big[..3 * n * f].split_at_mut(2 * n * f);
+        let dfc: View<f32> = if dims.mlp == Mlp::SwiGlu {
+            let (mut dfc, mut act) = s_big.slice_mut(..3 * n * f).split_at_mut(2 * n * f);
             if !keep {
-                prof.time(K::GeluFwd, || dev.swiglu_forward(act, fch, n, f));
+                prof.time(K::GeluFwd, || dev.swiglu_forward(act.reborrow(), fch, n, f));
             }
-            let act_in: &[f32] = if keep { layer(a.gelu, l, n * f) } else { act };
+            let act_in: View<f32> = if keep {
+                layer(gelu, l, n * f)
+            } else {
+                act.as_view()
+            };
             prof.time(K::MatmulBwd, || {
                 dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
             });
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward_input(act, dproj, w.fcproj_w, n, f, c)
+                dev.matmul_backward_input(act.reborrow(), dproj, w.fcproj_w, n, f, c)
             });
-            prof.time(K::GeluBwd, || dev.swiglu_backward(dfc, act, fch, n, f));
-            dfc
+            prof.time(K::GeluBwd, || {
+                dev.swiglu_backward(dfc.reborrow(), act.as_view(), fch, n, f)
+            });
+            dfc.into()
         } else {
-            if a.gelu16.is_empty() {
-                let s_big = &mut a.s_big[..n * f];
-                let gelu_out: &[f32] = if keep {
-                    layer(a.gelu, l, n * f)
+            if gelu16.is_empty() {
+                let mut s_big = s_big.slice_mut(..n * f);
+                let gelu_out: View<f32> = if keep {
+                    layer(gelu, l, n * f)
                 } else {
-                    prof.time(K::GeluFwd, || dev.gelu_forward(s_big, fch));
-                    s_big
+                    prof.time(K::GeluFwd, || dev.gelu_forward(s_big.reborrow(), fch));
+                    s_big.into()
                 };
                 prof.time(K::MatmulBwd, || {
                     dev.matmul_backward(None, dw, db, dproj, gelu_out, w.fcproj_w, n, f, c)
                 });
             } else {
-                let g16 = bf16_layer(a.gelu16, sl, n * f);
+                let g16 = bf16_layer(gelu16, sl, n * f).into();
                 prof.time(K::MatmulBwd, || {
                     dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
                 });
             }
-            let s_big = &mut a.s_big[..n * f];
+            let mut s_big = s_big.slice_mut(..n * f);
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward_input(s_big, dproj, w.fcproj_w, n, f, c)
+                dev.matmul_backward_input(s_big.reborrow(), dproj, w.fcproj_w, n, f, c)
             });
-            if a.gelu16.is_empty() {
-                prof.time(K::GeluBwd, || dev.gelu_backward(s_big, fch));
+            if gelu16.is_empty() {
+                prof.time(K::GeluBwd, || dev.gelu_backward(s_big.reborrow(), fch));
             } else {
                 // under bf16 the forward left GELU's derivative in `fch` (see the arena)
-                prof.time(K::GeluBwd, || dev.gelu_backward_with_grad(s_big, fch));
+                prof.time(K::GeluBwd, || {
+                    dev.gelu_backward_with_grad(s_big.reborrow(), fch)
+                });
             }
-            s_big
+            s_big.into()
         };
         if !keep {
-            let s_ln = layer_mut(a.s_ln, ln2_slot, nc);
+            let s_ln = layer_mut(s_ln, ln2_slot, nc);
             let stats = LnStats {
-                mean: layer_mut(a.ln2_mean, sl, n),
-                rstd: layer_mut(a.ln2_rstd, sl, n),
+                mean: layer_mut(ln2_mean, sl, n),
+                rstd: layer_mut(ln2_rstd, sl, n),
             };
             prof.time(K::LnFwd, || {
                 norm_forward(
@@ -588,22 +662,22 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 )
             });
         }
-        let s_ln = layer(a.s_ln, ln2_slot, nc);
-        let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
+        let s_ln = layer(s_ln, ln2_slot, nc);
+        let (dw, db) = wb(&mut g, off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(Some(s_dl), dw, db, dfc, s_ln, w.fc_w, n, c, fx)
+            dev.matmul_backward(Some(s_dl.reborrow()), dw, db, dfc, s_ln, w.fc_w, n, c, fx)
         });
     }
     {
-        let (dw, db) = wb(g, off, &bl.ln_2_w, &bl.ln_2_b);
-        let dres = &mut a.dres[..nc];
-        let stats = (layer(a.ln2_mean, sl, n), layer(a.ln2_rstd, sl, n));
+        let (dw, db) = wb(&mut g, off, &bl.ln_2_w, &bl.ln_2_b);
+        let dres = dres.slice_mut(..nc);
+        let stats = (layer(ln2_mean, sl, n), layer(ln2_rstd, sl, n));
         prof.time(K::LnBwd, || {
             norm_backward(
                 dev,
                 dims.norm,
                 (dres, dw, db),
-                (s_dl, x_mid),
+                (s_dl.as_view(), x_mid),
                 stats,
                 w.ln_2_w,
                 (n, c),
@@ -613,54 +687,56 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
 
     // Attention: x_mid = x + drop(attn(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
     {
-        let dres = &a.dres[..nc];
-        let dproj: &[f32] = match drop.site(ld + 1) {
+        let dres = dres.slice(..nc);
+        let dproj: View<f32> = match drop.site(ld + 1) {
             Some(d) => {
-                let s = &mut a.s_drop[..nc];
-                prof.time(K::DropoutBwd, || dev.dropout_backward(s, dres, d));
-                s
+                let mut s = s_drop.slice_mut(..nc);
+                prof.time(K::DropoutBwd, || {
+                    dev.dropout_backward(s.reborrow(), dres, d)
+                });
+                s.into()
             }
             None => dres,
         };
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward_input(s_dl, dproj, w.proj_w, n, c, c)
+            dev.matmul_backward_input(s_dl.reborrow(), dproj, w.proj_w, n, c, c)
         });
-        let dqkv = &mut a.s_big[..3 * nc];
+        let mut dqkv = s_big.slice_mut(..3 * nc);
         // Grouped key/value heads: the attention reads the kept rows expanded, as forward did.
         let grouped = dims.nkv != dims.nh;
-        let att_qkv: &[f32] = if grouped {
-            let expanded = &mut a.s_qkv[..3 * nc];
-            dev.kv_expand_forward(expanded, qkv, dims.kv(n));
-            expanded
+        let att_qkv: View<f32> = if grouped {
+            let mut expanded = s_qkv.slice_mut(..3 * nc);
+            dev.kv_expand_forward(expanded.reborrow(), qkv, dims.kv(n));
+            expanded.into()
         } else {
             qkv
         };
         // Without kept outputs, backward recomputes the attention output the projection's
         // weight gradient needs.
-        let recompute = (!keep).then(|| layer_mut(a.s_atty, atty_slot, nc));
+        let recompute = (!keep).then(|| layer_mut(s_atty, atty_slot, nc));
         prof.time(K::AttnBwd, || {
             dev.attention_backward(
-                dqkv,
+                dqkv.reborrow(),
                 recompute,
-                s_dl,
+                s_dl.as_view(),
                 att_qkv,
                 lse,
                 mask,
                 dims.attn(),
                 drop.site(ld),
-                scratch,
+                scratch.reborrow(),
             )
         });
-        let (dw, db) = wb(g, off, &bl.proj_w, &bl.proj_b);
-        let s_atty = layer(a.s_atty, atty_slot, nc);
+        let (dw, db) = wb(&mut g, off, &bl.proj_w, &bl.proj_b);
+        let s_atty = layer(s_atty, atty_slot, nc);
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(None, dw, db, dproj, s_atty, w.proj_w, n, c, c)
         });
         if !keep {
-            let s_ln = layer_mut(a.s_ln, ln1_slot, nc);
+            let s_ln = layer_mut(s_ln, ln1_slot, nc);
             let stats = LnStats {
-                mean: layer_mut(a.ln1_mean, sl, n),
-                rstd: layer_mut(a.ln1_rstd, sl, n),
+                mean: layer_mut(ln1_mean, sl, n),
+                rstd: layer_mut(ln1_rstd, sl, n),
             };
             prof.time(K::LnFwd, || {
                 norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
@@ -668,32 +744,43 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
         }
         // Back through the key/value expansion (into the scratch the expanded rows held) and
         // the rotation to the product's rows.
-        let dqkv: &mut [f32] = if grouped {
-            let rows = &mut a.s_qkv[..n * qkv_w];
-            dev.kv_expand_backward(rows, dqkv, dims.kv(n));
+        let mut dqkv: ViewMut<f32> = if grouped {
+            let mut rows = s_qkv.slice_mut(..n * qkv_w);
+            dev.kv_expand_backward(rows.reborrow(), dqkv.as_view(), dims.kv(n));
             rows
         } else {
             dqkv
         };
         if let Some(r) = pass.rope {
-            let pos = &pass.batch.pos[..];
-            dev.rope_backward(dqkv, pos, &r.cos, &r.sin, dims.rope_dims(n));
+            let pos = pass.batch.pos();
+            dev.rope_backward(dqkv.reborrow(), pos, r.cos(), r.sin(), dims.rope_dims(n));
         }
-        let s_ln = layer(a.s_ln, ln1_slot, nc);
-        let (dw, db) = wb(g, off, &bl.attn_w, &bl.attn_b);
+        let s_ln = layer(s_ln, ln1_slot, nc);
+        let (dw, db) = wb(&mut g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(Some(s_dl), dw, db, dqkv, s_ln, w.attn_w, n, c, qkv_w)
+            let dq = dqkv.as_view();
+            dev.matmul_backward(
+                Some(s_dl.reborrow()),
+                dw,
+                db,
+                dq,
+                s_ln,
+                w.attn_w,
+                n,
+                c,
+                qkv_w,
+            )
         });
     }
-    let (dw, db) = wb(g, off, &bl.ln_1_w, &bl.ln_1_b);
-    let dres = &mut a.dres[..nc];
-    let stats = (layer(a.ln1_mean, sl, n), layer(a.ln1_rstd, sl, n));
+    let (dw, db) = wb(&mut g, off, &bl.ln_1_w, &bl.ln_1_b);
+    let dres = dres.slice_mut(..nc);
+    let stats = (layer(ln1_mean, sl, n), layer(ln1_rstd, sl, n));
     prof.time(K::LnBwd, || {
         norm_backward(
             dev,
             dims.norm,
             (dres, dw, db),
-            (s_dl, x),
+            (s_dl.as_view(), x),
             stats,
             w.ln_1_w,
             (n, c),

@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{AttnDims, Cpu, KvDims, RopeDims};
-use cohort_engine::{AlignedFloats, Backend, DType, Dropout};
+use cohort_engine::{AlignedFloats, Backend, DType, Dropout, View, ViewMut};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
@@ -282,9 +282,7 @@ impl GPT {
         let n = self.batch.b * self.batch.t;
         match &self.act_layout {
             Some(al) if al.logit_cols < self.config.vocab_size => &[],
-            Some(al) => {
-                &self.arena[al.ranges[12].start..al.ranges[12].start + n * self.config.vocab_size]
-            }
+            Some(al) => &self.arena[al.ranges[ACT_LOGITS].start..][..n * self.config.vocab_size],
             None => &[],
         }
     }
@@ -419,7 +417,7 @@ impl GPT {
             ..
         } = self;
         let al = act_layout.as_ref().expect("arena allocated above");
-        let mut acts = al.carve(arena);
+        let mut acts = al.carve(ViewMut::from(&mut arena[..]));
         let mut no_hooks = NoHooks;
         let hooks: &mut dyn PartHooks = match parts {
             Some(hooks) => hooks,
@@ -433,9 +431,10 @@ impl GPT {
                 dims,
                 batch,
                 drop,
-                scratch: attn_scratch,
+                scratch: ViewMut::from(&mut attn_scratch[..]),
                 prof: profile,
             };
+            let params = ViewMut::from(&mut params[..]);
             forward_pass(pass, layout, params, &mut acts, &mut *hooks)
         };
         let mut loss = None;
@@ -478,8 +477,8 @@ impl GPT {
             ..
         } = self;
         let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
-        let mut acts = al.carve(arena);
-        let mut grads = Some(grads.as_mut_slice());
+        let mut acts = al.carve(ViewMut::from(&mut arena[..]));
+        let mut grads = Some(ViewMut::from(grads.as_mut_slice()));
         let mut ready = Some(ready);
         let mut no_hooks = NoHooks;
         let hooks: &mut dyn PartHooks = match parts {
@@ -498,9 +497,10 @@ impl GPT {
                 dims,
                 batch,
                 drop,
-                scratch: attn_scratch,
+                scratch: ViewMut::from(&mut attn_scratch[..]),
                 prof: profile,
             };
+            let params = ViewMut::from(&mut params[..]);
             backward_pass(pass, layout, params, grads, &mut acts, &mut *hooks, ready)
         };
         dev.install(&mut run);

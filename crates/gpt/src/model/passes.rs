@@ -3,21 +3,22 @@
 //! of gradients.
 //!
 //! This module decides only the order of the parts and who is told what when; the math is in
-//! the layer functions, and it never allocates beyond the hooks' range lists.
+//! the layer functions, and it never allocates beyond the hooks' range lists. The hooks take
+//! host slices, so these passes run on host buffers only until the hooks take views.
 
 use super::*;
 
 /// Calls `hooks.before` for each range `part` reads.
-fn enter(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]) {
+fn enter(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut ViewMut<f32>) {
     for range in lay.part_reads(part) {
-        hooks.before(part, range.clone(), &mut p[range]);
+        hooks.before(part, range.clone(), p.slice_mut(range).host());
     }
 }
 
 /// Calls `hooks.after` for each range `part` read.
-fn leave(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]) {
+fn leave(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut ViewMut<f32>) {
     for range in lay.part_reads(part) {
-        hooks.after(part, range.clone(), &mut p[range]);
+        hooks.after(part, range.clone(), p.slice_mut(range).host());
     }
 }
 
@@ -25,12 +26,13 @@ fn leave(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut [f32]) {
 pub(super) fn forward_pass(
     pass: &mut Pass,
     lay: &Layout,
-    p: &mut [f32],
+    mut p: ViewMut<f32>,
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
 ) -> Option<f32> {
+    let p = &mut p;
     enter(lay, hooks, Part::Embeddings, p);
-    embed_forward(pass, lay, p, a);
+    embed_forward(pass, lay, p.as_view(), a);
     leave(lay, hooks, Part::Embeddings, p);
     for (l, bl) in lay.blocks.iter().enumerate() {
         enter(lay, hooks, Part::Block(l), p);
@@ -39,11 +41,11 @@ pub(super) fn forward_pass(
             global: l,
             layout: bl,
         };
-        block_forward(pass, at, p, a);
+        block_forward(pass, at, p.as_view(), a);
         leave(lay, hooks, Part::Block(l), p);
     }
     enter(lay, hooks, Part::Head, p);
-    let loss = head_forward(pass, lay, p, a);
+    let loss = head_forward(pass, lay, p.as_view(), a);
     leave(lay, hooks, Part::Head, p);
     loss
 }
@@ -53,45 +55,48 @@ pub(super) fn forward_pass(
 pub(super) fn backward_pass<'g>(
     pass: &mut Pass,
     lay: &Layout,
-    p: &mut [f32],
-    grads: &'g mut [f32],
+    mut p: ViewMut<f32>,
+    grads: ViewMut<'g, f32>,
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
     mut ready: impl FnMut(Range<usize>, &'g mut [f32]),
 ) {
+    let p = &mut p;
     let tied = lay.tied();
     // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
     // handed out last) or to lm_head (in the top range, after ln_f).
     let head_start = lay.ln_f_w.start;
-    let (mut rest, top) = grads.split_at_mut(head_start);
+    let (mut rest, mut top) = grads.split_at_mut(head_start);
     enter(lay, hooks, Part::Head, p);
     {
         if tied {
-            hooks.before_grads(Part::Head, lay.wte.clone(), &mut rest[lay.wte.clone()]);
+            let wte = rest.slice_mut(lay.wte.clone()).host();
+            hooks.before_grads(Part::Head, lay.wte.clone(), wte);
         }
-        hooks.before_grads(Part::Head, head_start..lay.total, top);
-        let (lnf_g, lm_head_g) = top.split_at_mut(lay.ln_f_b.end - head_start);
-        let head: &mut [f32] = if tied {
-            &mut rest[lay.wte.clone()]
+        hooks.before_grads(Part::Head, head_start..lay.total, top.reborrow().host());
+        let (lnf_g, lm_head_g) = top.reborrow().split_at_mut(lay.ln_f_b.end - head_start);
+        let head = if tied {
+            rest.slice_mut(lay.wte.clone())
         } else {
             lm_head_g
         };
-        let (ln_f_w, ln_f_b) = wb(lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
+        let mut lnf_g = lnf_g;
+        let (ln_f_w, ln_f_b) = wb(&mut lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
         let grads = HeadGrads {
             head,
             ln_f_w,
             ln_f_b,
         };
-        head_backward(pass, lay, p, grads, a);
+        head_backward(pass, lay, p.as_view(), grads, a);
     }
     leave(lay, hooks, Part::Head, p);
-    ready(head_start..lay.total, top);
+    ready(head_start..lay.total, top.host());
 
     for (l, bl) in lay.blocks.iter().enumerate().rev() {
-        let (lower, g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
+        let (lower, mut g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
         rest = lower;
         enter(lay, hooks, Part::Block(l), p);
-        hooks.before_grads(Part::Block(l), bl.all.clone(), g);
+        hooks.before_grads(Part::Block(l), bl.all.clone(), g.reborrow().host());
         let at = BlockAt {
             local: l,
             global: l,
@@ -100,27 +105,24 @@ pub(super) fn backward_pass<'g>(
         if a.checkpoint {
             // The block's activations were not kept: recompute them from its input (the same
             // dropout masks, so the same values).
-            block_forward(pass, at, p, a);
+            block_forward(pass, at, p.as_view(), a);
         }
-        block_backward(pass, at, p, g, a);
+        block_backward(pass, at, p.as_view(), g.reborrow(), a);
         leave(lay, hooks, Part::Block(l), p);
-        ready(bl.all.clone(), g);
+        ready(bl.all.clone(), g.host());
     }
 
     if !tied {
-        hooks.before_grads(
-            Part::Embeddings,
-            lay.wte.clone(),
-            &mut rest[lay.wte.clone()],
-        );
+        let wte = rest.slice_mut(lay.wte.clone()).host();
+        hooks.before_grads(Part::Embeddings, lay.wte.clone(), wte);
     }
-    let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);
+    let (mut dwte, mut dwpe) = rest.reborrow().split_at_mut(lay.wpe.start);
     if !lay.wpe.is_empty() {
-        hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe);
+        hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe.reborrow().host());
     }
     // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
     // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
     // strategy would gather the largest part of the model (wte) for nothing.
-    embed_backward(pass, &mut dwte[lay.wte.clone()], dwpe, a);
-    ready(0..lay.wpe.end, rest);
+    embed_backward(pass, dwte.slice_mut(lay.wte.clone()), dwpe, a);
+    ready(0..lay.wpe.end, rest.host());
 }

@@ -11,6 +11,7 @@
 //! never allocates: it works in the workspace's buffers.
 
 use cohort_engine::cpu::DecodeDims;
+use cohort_engine::{View, ViewMut};
 use rayon::prelude::*;
 
 use super::cache::{Buffers, Caches, KvStore};
@@ -69,6 +70,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     let (kw, w) = (nkv * hs, cfg.qkv_width());
     let scale = 1.0 / (hs as f32).sqrt();
     let p = model.params();
+    let pv = View::from(p);
     let dev = model.backend();
     let (wte, wpe) = (&p[layout.wte.clone()], &p[layout.wpe.clone()]);
     let rope = model.rope_tables();
@@ -94,7 +96,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     for (l, bl) in layout.blocks.iter().enumerate() {
         let layer = l * max_t * kw..(l + 1) * max_t * kw;
         let scores = &mut buf.scores[..n * nh * max_t];
-        let attend = |qkv: &mut [f32], att: &mut [f32]| {
+        let attend = |mut qkv: ViewMut<f32>, att: ViewMut<f32>| {
             if let Some(r) = rope {
                 let dims = cohort_engine::cpu::RopeDims {
                     n,
@@ -102,8 +104,10 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                     heads: nh + nkv,
                     hs,
                 };
-                dev.rope_forward(qkv, pos, &r.cos, &r.sin, dims);
+                dev.rope_forward(qkv.reborrow(), View::from(pos), r.cos(), r.sin(), dims);
             }
+            // the decode's attention runs on the host, row by row over host caches
+            let (qkv, att) = (qkv.host(), att.host());
             // every row's key and value first: a prompt's row i attends to rows before it
             for (i, row) in qkv.chunks_exact(w).enumerate() {
                 let (ci, pos) = rows.at(i);
@@ -135,22 +139,22 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                 });
         };
         let acts = BlockActs {
-            x: &*x,
-            x_mid: &mut buf.x_mid[..n * c],
-            x_next: &mut *x_next,
-            ln: LnOut::Shared(&mut buf.ln[..n * c]),
+            x: View::from(&*x),
+            x_mid: ViewMut::from(&mut buf.x_mid[..n * c]),
+            x_next: ViewMut::from(&mut *x_next),
+            ln: LnOut::Shared(ViewMut::from(&mut buf.ln[..n * c])),
             ln_1: LnStats {
-                mean: &mut buf.mean[..n],
-                rstd: &mut buf.rstd[..n],
+                mean: ViewMut::from(&mut buf.mean[..n]),
+                rstd: ViewMut::from(&mut buf.rstd[..n]),
             },
             ln_2: LnStats {
-                mean: &mut buf.mean_2[..n],
-                rstd: &mut buf.rstd_2[..n],
+                mean: ViewMut::from(&mut buf.mean_2[..n]),
+                rstd: ViewMut::from(&mut buf.rstd_2[..n]),
             },
-            qkv: &mut buf.qkv[..n * w],
-            att: &mut buf.att[..n * c],
-            fch: &mut buf.fc[..n * cfg.fc_width()],
-            gelu: GeluOut::F32(&mut buf.gelu[..n * f]),
+            qkv: ViewMut::from(&mut buf.qkv[..n * w]),
+            att: ViewMut::from(&mut buf.att[..n * c]),
+            fch: ViewMut::from(&mut buf.fc[..n * cfg.fc_width()]),
+            gelu: GeluOut::F32(ViewMut::from(&mut buf.gelu[..n * f])),
         };
         let no_dropout = BranchDropout {
             attn: None,
@@ -158,7 +162,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
         };
         let weights = BlockWeights {
             decode: decode.map(|d| &d.blocks[l]),
-            ..BlockWeights::new(p, bl)
+            ..BlockWeights::new(pv, bl)
         };
         let dims = BlockDims {
             n,
@@ -172,8 +176,8 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
         std::mem::swap(&mut x, &mut x_next);
     }
     // logits only where a token will be sampled: the last row of each sequence
-    let (lnf_w, lnf_b) = (&p[layout.ln_f_w.clone()], opt(p, &layout.ln_f_b));
-    let head = &p[layout.lm_head.clone()];
+    let (lnf_w, lnf_b) = (pv.slice(layout.ln_f_w.clone()), opt(pv, &layout.ln_f_b));
+    let head = pv.slice(layout.lm_head.clone());
     let gathered = &mut buf.x_mid;
     let (m, from): (usize, &[f32]) = match rows {
         Rows::Sequence { .. } => (1, &x[(n - 1) * c..]),
@@ -186,10 +190,22 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
             (last.len(), &gathered[..last.len() * c])
         }
     };
-    let (ln, mean, rstd) = (&mut buf.ln[..m * c], &mut buf.mean[..m], &mut buf.rstd[..m]);
-    let stats = LnStats { mean, rstd };
-    norm_forward(dev, cfg.norm, ln, stats, from, (lnf_w, lnf_b), (m, c));
-    let logits = &mut buf.logits[..m * v];
+    let mut ln = ViewMut::from(&mut buf.ln[..m * c]);
+    let stats = LnStats {
+        mean: ViewMut::from(&mut buf.mean[..m]),
+        rstd: ViewMut::from(&mut buf.rstd[..m]),
+    };
+    let from = View::from(from);
+    norm_forward(
+        dev,
+        cfg.norm,
+        ln.reborrow(),
+        stats,
+        from,
+        (lnf_w, lnf_b),
+        (m, c),
+    );
+    let (ln, logits) = (ln.as_view(), ViewMut::from(&mut buf.logits[..m * v]));
     match decode {
         Some(d) => dev.decode_matmul_forward(logits, ln, &d.head, None, m),
         None => dev.head_forward(logits, ln, head, m, c, v),

@@ -19,14 +19,14 @@
 use std::ops::Range;
 use std::time::Duration;
 
-use cohort_engine::{AlignedFloats, Backend, DType, ViewMut};
+use cohort_engine::{Backend, Buffer, DType};
 
 use crate::layout::{BlockLayout, Layout};
 use crate::model::{
-    block_backward, block_forward, cpu_from_env, cpu_in, embed_backward, embed_forward,
-    head_backward, head_forward, init_tensors, logit_cols, validate_batch, wb, ActLayout, Batch,
-    BlockAt, Dims, DropKey, HeadGrads, Pass, Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES,
-    KERNELS, LOGITS_MAX_BYTES,
+    alloc, block_backward, block_forward, cpu_from_env, cpu_with_precision, embed_backward,
+    embed_forward, head_backward, head_forward, host, host_mut, init_tensors, logit_cols,
+    validate_batch, wb, write_on_host, ActLayout, Batch, BlockAt, Dims, DropKey, HeadGrads, Pass,
+    Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
@@ -92,7 +92,7 @@ pub enum StageOutput<'a> {
 /// One micro-batch in flight: its activations, what it saw and its dropout key.
 struct Slot {
     act_layout: Option<ActLayout>,
-    arena: AlignedFloats,
+    arena: Buffer,
     batch: Batch,
     drop: DropKey,
     /// A forward ran and its backward has not.
@@ -109,11 +109,11 @@ pub struct GptStage {
     global: Vec<ParamView>,
     whole_total: usize,
     tied: Option<Range<usize>>,
-    params: AlignedFloats,
-    grads: AlignedFloats,
+    params: Buffer,
+    grads: Buffer,
     dev: Box<dyn Backend>,
     slots: Vec<Slot>,
-    attn_scratch: AlignedFloats,
+    attn_scratch: Buffer,
     training: bool,
     drop: DropKey,
     profile: Profile,
@@ -233,19 +233,20 @@ impl GptStage {
             vocab_size: if part.head { config.vocab_size } else { 0 },
             ..config.clone()
         };
-        let mut params = AlignedFloats::zeroed(total);
-        init_tensors(&full.views, config.n_layers, seed, &mut params, |v| {
-            if v.name == "wte.weight" {
-                if let Some(r) = &copy {
-                    return Some(r.clone());
+        let mut params = alloc(&*dev, total, "allocate the parameters")?;
+        write_on_host(&*dev, &mut params, |p| {
+            init_tensors(&full.views, config.n_layers, seed, p, |v| {
+                if v.name == "wte.weight" {
+                    if let Some(r) = &copy {
+                        return Some(r.clone());
+                    }
                 }
-            }
-            inside(&v.range).then(|| shift(&v.range, lo))
-        });
+                inside(&v.range).then(|| shift(&v.range, lo))
+            })
+        })?;
+        let scratch = dev.attention_scratch_len(config.max_position_embeddings);
         Ok(GptStage {
-            attn_scratch: AlignedFloats::zeroed(
-                dev.attention_scratch_len(config.max_position_embeddings),
-            ),
+            attn_scratch: alloc(&*dev, scratch, "allocate the attention scratch")?,
             drop: DropKey {
                 on: false,
                 p: config.dropout,
@@ -257,7 +258,7 @@ impl GptStage {
             config,
             arena_config,
             part,
-            grads: AlignedFloats::zeroed(total),
+            grads: alloc(&*dev, total, "allocate the gradients")?,
             params,
             layout,
             global,
@@ -277,7 +278,7 @@ impl GptStage {
     /// Computes this stage's matrix products in `dtype` from now on, as
     /// [`GPT::set_precision`](crate::GPT::set_precision) does; returns the precision in effect.
     pub fn set_precision(&mut self, dtype: DType) -> Result<DType, GptError> {
-        self.dev = cpu_in(self.dev.num_threads(), dtype)?;
+        self.dev = cpu_with_precision(&*self.dev, dtype)?;
         Ok(self.dev.dtype())
     }
 
@@ -314,25 +315,28 @@ impl GptStage {
     pub fn holds_tied_copy(&self) -> bool {
         self.tied.is_some() && !self.part.embeddings
     }
-    /// The flat parameter buffer.
+    /// The flat parameter buffer (host memory only, as [`GPT::params`](crate::GPT::params)).
     pub fn params(&self) -> &[f32] {
-        &self.params
+        host(&self.params, "params")
     }
     /// The flat parameter buffer, writable.
     pub fn params_mut(&mut self) -> &mut [f32] {
-        &mut self.params
+        host_mut(&mut self.params, "params")
     }
     /// The flat gradient buffer.
     pub fn grads(&self) -> &[f32] {
-        &self.grads
+        host(&self.grads, "grads")
     }
     /// The flat gradient buffer, writable (summing the tied gradient, clipping).
     pub fn grads_mut(&mut self) -> &mut [f32] {
-        &mut self.grads
+        host_mut(&mut self.grads, "grads")
     }
     /// Parameters and gradients at once (an optimizer step needs both).
     pub fn params_and_grads_mut(&mut self) -> (&mut [f32], &[f32]) {
-        (&mut self.params, &self.grads)
+        (
+            host_mut(&mut self.params, "params"),
+            host(&self.grads, "grads"),
+        )
     }
     /// Copies this stage's tensors out of a whole model's flat parameter buffer.
     pub fn load_from_full(&mut self, full: &[f32]) -> Result<(), GptError> {
@@ -346,14 +350,16 @@ impl GptStage {
                 ),
             });
         }
-        for (local, global) in self.layout.views.iter().zip(&self.global) {
-            self.params[local.range.clone()].copy_from_slice(&full[global.range.clone()]);
-        }
-        Ok(())
+        let (views, global) = (&self.layout.views, &self.global);
+        write_on_host(&*self.dev, &mut self.params, |p| {
+            for (local, global) in views.iter().zip(global) {
+                p[local.range.clone()].copy_from_slice(&full[global.range.clone()]);
+            }
+        })
     }
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        self.dev.fill(self.grads.view_mut(), 0.0);
     }
     /// Floats of one activation tensor (B, T, C) passed between stages.
     pub fn activation_len(&self, b: usize, t: usize) -> usize {
@@ -431,7 +437,7 @@ impl GptStage {
             let drop = self.drop;
             self.slots.resize_with(slot + 1, || Slot {
                 act_layout: None,
-                arena: AlignedFloats::default(),
+                arena: Buffer::default(),
                 batch: Batch::default(),
                 drop,
                 pending: false,
@@ -450,9 +456,9 @@ impl GptStage {
             .as_ref()
             .is_none_or(|al| al.n < n || al.logit_cols != cols)
         {
-            s.arena = AlignedFloats::default();
+            s.arena = Buffer::default();
             let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, false);
-            s.arena = AlignedFloats::zeroed(al.total);
+            s.arena = alloc(&*self.dev, al.total, "allocate the activations")?;
             s.act_layout = Some(al);
         }
         s.batch
@@ -463,18 +469,13 @@ impl GptStage {
         };
         s.pending = labels.is_some() || !self.part.head;
         let al = s.act_layout.as_ref().expect("allocated above");
-        let mut a = al.carve(ViewMut::from(&mut s.arena[..]));
+        let mut a = al.carve(s.arena.view_mut());
+        let (lay, p, dev) = (&self.layout, self.params.view(), &*self.dev);
         if let StageInput::Activations(x) = input {
-            a.res.slice_mut(..n * c).host().copy_from_slice(x);
+            upload(dev, a.res.slice_mut(..n * c), x)?;
         }
-        let (lay, p, dev) = (
-            &self.layout,
-            ViewMut::from(&mut self.params[..]),
-            &*self.dev,
-        );
-        let p = p.as_view();
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
-        let (mut scratch, prof) = (ViewMut::from(&mut self.attn_scratch[..]), &mut self.profile);
+        let (mut scratch, prof) = (self.attn_scratch.view_mut(), &mut self.profile);
         let (dims, rope) = (Dims::new(&self.config, b, t), self.rope.as_ref());
         let mut loss = None;
         dev.install(&mut || {
@@ -505,7 +506,7 @@ impl GptStage {
         if self.part.head {
             return Ok(StageOutput::Loss(loss));
         }
-        let res = &s.arena[..al.total];
+        let res = host(&s.arena, "activations");
         Ok(StageOutput::Activations(&res[nb * n * c..(nb + 1) * n * c]))
     }
 
@@ -552,20 +553,15 @@ impl GptStage {
         let s = &mut self.slots[slot];
         s.pending = false;
         let al = s.act_layout.as_ref().expect("a forward allocated it");
-        let mut a = al.carve(ViewMut::from(&mut s.arena[..]));
+        let mut a = al.carve(s.arena.view_mut());
+        let (lay, p, dev) = (&self.layout, self.params.view(), &*self.dev);
         if let Some(d) = grad_output {
-            a.dres.slice_mut(..nc).host().copy_from_slice(d);
+            upload(dev, a.dres.slice_mut(..nc), d)?;
         }
-        let (lay, p, dev) = (
-            &self.layout,
-            ViewMut::from(&mut self.params[..]),
-            &*self.dev,
-        );
-        let p = p.as_view();
         let (batch, drop, part) = (&s.batch, s.drop, &self.part);
-        let (mut scratch, prof) = (ViewMut::from(&mut self.attn_scratch[..]), &mut self.profile);
+        let (mut scratch, prof) = (self.attn_scratch.view_mut(), &mut self.profile);
         let (dims, rope) = (Dims::new(&self.config, b, t), self.rope.as_ref());
-        let mut grads = Some(ViewMut::from(self.grads.as_mut_slice()));
+        let mut grads = Some(self.grads.view_mut());
         dev.install(&mut || {
             let grads = grads.take().expect("runs once");
             let pass = &mut Pass {
@@ -621,8 +617,20 @@ impl GptStage {
             return Ok(&[]);
         }
         let dres = al.ranges[ACT_DRES].start;
-        Ok(&s.arena[dres..dres + nc])
+        Ok(&host(&s.arena, "activations")[dres..dres + nc])
     }
+}
+
+/// Copies a stage's input (activations or their gradient) into its arena.
+fn upload(
+    dev: &dyn Backend,
+    dst: cohort_engine::ViewMut<f32>,
+    src: &[f32],
+) -> Result<(), GptError> {
+    dev.upload(dst, src).map_err(|e| GptError::Engine {
+        op: "copy a stage's input to its backend",
+        reason: e.to_string(),
+    })
 }
 
 fn shift_block(b: &BlockLayout, off: usize) -> BlockLayout {

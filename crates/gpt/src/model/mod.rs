@@ -18,7 +18,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{AttnDims, Cpu, KvDims, RopeDims};
-use cohort_engine::{AlignedFloats, Backend, DType, Dropout, View, ViewMut};
+use cohort_engine::{Backend, Buffer, DType, Device, Dropout, View, ViewMut};
 use cohort_rng::SplitMix64;
 
 use crate::layout::{BlockLayout, Layout};
@@ -28,6 +28,7 @@ mod arena;
 mod block;
 mod init;
 mod layers;
+mod memory;
 mod options;
 mod passes;
 mod profile;
@@ -38,21 +39,25 @@ pub(crate) use arena::*;
 pub(crate) use block::*;
 pub(crate) use init::*;
 pub(crate) use layers::*;
+pub(crate) use memory::*;
 pub(crate) use options::NoHooks;
 pub use options::{Backward, Forward, NoReadyHook, Part, PartHooks};
 use passes::{backward_pass, forward_pass};
 pub(crate) use profile::*;
 
-/// The model: config, flat parameters and gradients, activation arena, backend.
+/// The model: config, flat parameters and gradients, activation arena, backend. Every buffer
+/// is allocated by the backend: host memory on the CPU, where the host API (`params()`,
+/// `grads_mut()`, ...) borrows it in place; a device's memory elsewhere, reached through the
+/// `copy_*_to_host` / `copy_*_from_host` calls.
 pub struct GPT {
     config: GPTConfig,
     layout: Layout,
-    params: AlignedFloats,
-    grads: AlignedFloats,
+    params: Buffer,
+    grads: Buffer,
     dev: Box<dyn Backend>,
     act_layout: Option<ActLayout>,
-    arena: AlignedFloats,
-    attn_scratch: AlignedFloats,
+    arena: Buffer,
+    attn_scratch: Buffer,
     batch: Batch,
     training: bool,
     dropout_seed: u64,
@@ -96,6 +101,21 @@ pub(crate) fn cpu_in(threads: usize, dtype: DType) -> Result<Box<dyn Backend>, G
         reason: e.to_string(),
     })?;
     Ok(Box::new(cpu))
+}
+
+/// A CPU backend like `dev` (its threads) computing its products in `dtype`: what
+/// `set_precision` switches to. Only a CPU model switches backends this way.
+pub(crate) fn cpu_with_precision(
+    dev: &dyn Backend,
+    dtype: DType,
+) -> Result<Box<dyn Backend>, GptError> {
+    if dev.device() != Device::Cpu {
+        return Err(GptError::Engine {
+            op: "set_precision",
+            reason: format!("a model on {} keeps its backend's precision", dev.device()),
+        });
+    }
+    cpu_in(dev.num_threads(), dtype)
 }
 
 /// Positions the attention scratch covers at least (see [`GPT::forward`]).
@@ -175,7 +195,7 @@ impl GPT {
     /// run it forward or backward. Its parameters are zero until written.
     pub fn staging(config: GPTConfig) -> Result<GPT, GptError> {
         let mut model = GPT::build(config, 0, cpu_in(1, DType::F32)?)?;
-        model.grads = AlignedFloats::default();
+        model.grads = Buffer::default();
         Ok(model)
     }
 
@@ -186,7 +206,7 @@ impl GPT {
         dev: Box<dyn Backend>,
     ) -> Result<GPT, GptError> {
         let mut model = GPT::build(config, seed, dev)?;
-        model.init_weights(seed);
+        model.init_weights(seed)?;
         Ok(model)
     }
 
@@ -195,15 +215,15 @@ impl GPT {
         config.validate()?;
         let layout = Layout::new(&config);
         Ok(GPT {
-            params: AlignedFloats::zeroed(layout.total),
-            grads: AlignedFloats::zeroed(layout.total),
+            params: alloc(&*dev, layout.total, "allocate the parameters")?,
+            grads: alloc(&*dev, layout.total, "allocate the gradients")?,
             rope: RopeTables::new(&config),
             layout,
             config,
             dev,
             act_layout: None,
-            arena: AlignedFloats::default(),
-            attn_scratch: AlignedFloats::default(),
+            arena: Buffer::default(),
+            attn_scratch: Buffer::default(),
             batch: Batch::default(),
             training: true,
             dropout_seed: seed,
@@ -217,12 +237,13 @@ impl GPT {
     }
 
     /// GPT-2 / nanoGPT init: weights N(0, 0.02), the two residual projections
-    /// N(0, 0.02 / sqrt(2 L)), LayerNorm weights 1, biases 0; drawn in layout order.
-    pub fn init_weights(&mut self, seed: u64) {
-        let n_layers = self.config.n_layers;
-        init_tensors(&self.layout.views, n_layers, seed, &mut self.params, |v| {
-            Some(v.range.clone())
-        });
+    /// N(0, 0.02 / sqrt(2 L)), LayerNorm weights 1, biases 0; drawn in layout order (on the
+    /// host, then copied to a device's memory).
+    pub fn init_weights(&mut self, seed: u64) -> Result<(), GptError> {
+        let (n_layers, views) = (self.config.n_layers, &self.layout.views);
+        write_on_host(&*self.dev, &mut self.params, |p| {
+            init_tensors(views, n_layers, seed, p, |v| Some(v.range.clone()))
+        })
     }
 
     /// The configuration.
@@ -237,25 +258,76 @@ impl GPT {
     pub fn num_params(&self) -> usize {
         self.layout.total
     }
-    /// The flat parameter buffer.
+    /// The flat parameter buffer. Panics for a model on a device (see
+    /// [`GPT::copy_params_to_host`]), as do the other host borrows below.
     pub fn params(&self) -> &[f32] {
-        &self.params
+        host(&self.params, "params")
     }
     /// The flat parameter buffer, writable (optimizers, checkpoint loading).
     pub fn params_mut(&mut self) -> &mut [f32] {
-        &mut self.params
+        host_mut(&mut self.params, "params")
     }
     /// The flat gradient buffer.
     pub fn grads(&self) -> &[f32] {
-        &self.grads
+        host(&self.grads, "grads")
     }
     /// The flat gradient buffer, writable (all-reduce, clipping).
     pub fn grads_mut(&mut self) -> &mut [f32] {
-        &mut self.grads
+        host_mut(&mut self.grads, "grads")
     }
     /// Parameters and gradients at once (an optimizer step needs both).
     pub fn params_and_grads_mut(&mut self) -> (&mut [f32], &[f32]) {
-        (&mut self.params, &self.grads)
+        (
+            host_mut(&mut self.params, "params"),
+            host(&self.grads, "grads"),
+        )
+    }
+    /// The parameter buffer as the backend's kernels take it (host or device).
+    pub fn params_view(&mut self) -> ViewMut<'_, f32> {
+        self.params.view_mut()
+    }
+    /// Parameters and gradients as the backend's kernels take them (an optimizer step on the
+    /// backend, [`AdamW::step_on`](cohort_engine::optim::AdamW::step_on)), with the backend.
+    pub fn params_and_grads_views(&mut self) -> (&dyn Backend, ViewMut<'_, f32>, View<'_, f32>) {
+        (&*self.dev, self.params.view_mut(), self.grads.view())
+    }
+    /// Copies the parameters into `out` (`num_params()` floats), wherever they live: what
+    /// checkpoints and logs of a model on a device read.
+    pub fn copy_params_to_host(&self, out: &mut [f32]) -> Result<(), GptError> {
+        copy_out(
+            &*self.dev,
+            &self.params,
+            out,
+            "copy the parameters to the host",
+        )
+    }
+    /// Sets the parameters from `src` (`num_params()` floats), wherever they live.
+    pub fn copy_params_from_host(&mut self, src: &[f32]) -> Result<(), GptError> {
+        copy_in(
+            &*self.dev,
+            &mut self.params,
+            src,
+            "copy the parameters from the host",
+        )
+    }
+    /// Copies the gradients into `out` (`num_params()` floats): what a collective over a
+    /// model on a device sends.
+    pub fn copy_grads_to_host(&self, out: &mut [f32]) -> Result<(), GptError> {
+        copy_out(
+            &*self.dev,
+            &self.grads,
+            out,
+            "copy the gradients to the host",
+        )
+    }
+    /// Sets the gradients from `src` (`num_params()` floats): a collective's result.
+    pub fn copy_grads_from_host(&mut self, src: &[f32]) -> Result<(), GptError> {
+        copy_in(
+            &*self.dev,
+            &mut self.grads,
+            src,
+            "copy the gradients from the host",
+        )
     }
     /// The ranges the backward hook reports, in the order it reports them.
     pub fn ready_ranges(&self) -> Vec<Range<usize>> {
@@ -273,7 +345,7 @@ impl GPT {
     /// as PyTorch's autocast does around a forward: parameters, gradients and activations stay
     /// f32. Returns the precision in effect, which is f32 where the CPU lacks the bf16 product.
     pub fn set_precision(&mut self, dtype: DType) -> Result<DType, GptError> {
-        self.dev = cpu_in(self.dev.num_threads(), dtype)?;
+        self.dev = cpu_with_precision(&*self.dev, dtype)?;
         Ok(self.dev.dtype())
     }
     /// Logits (B, T, V) of the last forward; empty after a forward with labels whose logits
@@ -282,7 +354,10 @@ impl GPT {
         let n = self.batch.b * self.batch.t;
         match &self.act_layout {
             Some(al) if al.logit_cols < self.config.vocab_size => &[],
-            Some(al) => &self.arena[al.ranges[ACT_LOGITS].start..][..n * self.config.vocab_size],
+            Some(al) => {
+                let logits = &host(&self.arena, "logits")[al.ranges[ACT_LOGITS].start..];
+                &logits[..n * self.config.vocab_size]
+            }
             None => &[],
         }
     }
@@ -346,7 +421,7 @@ impl GPT {
 
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
-        self.grads.fill(0.0);
+        self.dev.fill(self.grads.view_mut(), 0.0);
     }
 
     /// Forward pass, as Hugging Face's `GPT2LMHeadModel`: the logits of every position of
@@ -379,7 +454,7 @@ impl GPT {
                 || al.bf16 != bf16
         }) {
             // Free the old arena first so peak memory is one arena, not two.
-            self.arena = AlignedFloats::default();
+            self.arena = Buffer::default();
             let al = ActLayout::new(
                 &self.config,
                 n,
@@ -388,7 +463,7 @@ impl GPT {
                 self.activation_checkpointing,
                 bf16,
             );
-            self.arena = AlignedFloats::zeroed(al.total);
+            self.arena = alloc(&*self.dev, al.total, "allocate the activations")?;
             self.act_layout = Some(al);
         }
         // The attention scratch covers the model's window up to GPT-2's 1024 positions (what it
@@ -397,8 +472,8 @@ impl GPT {
         let window = self.config.max_position_embeddings.min(SCRATCH_POSITIONS);
         let scratch = self.dev.attention_scratch_len(t.max(window));
         if self.attn_scratch.len() < scratch {
-            self.attn_scratch = AlignedFloats::default();
-            self.attn_scratch = AlignedFloats::zeroed(scratch);
+            self.attn_scratch = Buffer::default();
+            self.attn_scratch = alloc(&*self.dev, scratch, "allocate the attention scratch")?;
         }
         self.batch.set(input_ids, attention_mask, labels, b, t);
 
@@ -417,7 +492,7 @@ impl GPT {
             ..
         } = self;
         let al = act_layout.as_ref().expect("arena allocated above");
-        let mut acts = al.carve(ViewMut::from(&mut arena[..]));
+        let mut acts = al.carve(arena.view_mut());
         let mut no_hooks = NoHooks;
         let hooks: &mut dyn PartHooks = match parts {
             Some(hooks) => hooks,
@@ -431,10 +506,10 @@ impl GPT {
                 dims,
                 batch,
                 drop,
-                scratch: ViewMut::from(&mut attn_scratch[..]),
+                scratch: attn_scratch.view_mut(),
                 prof: profile,
             };
-            let params = ViewMut::from(&mut params[..]);
+            let params = params.view_mut();
             forward_pass(pass, layout, params, &mut acts, &mut *hooks)
         };
         let mut loss = None;
@@ -477,8 +552,8 @@ impl GPT {
             ..
         } = self;
         let al = act_layout.as_ref().ok_or(GptError::NoLoss)?;
-        let mut acts = al.carve(ViewMut::from(&mut arena[..]));
-        let mut grads = Some(ViewMut::from(grads.as_mut_slice()));
+        let mut acts = al.carve(arena.view_mut());
+        let mut grads = Some(grads.view_mut());
         let mut ready = Some(ready);
         let mut no_hooks = NoHooks;
         let hooks: &mut dyn PartHooks = match parts {
@@ -497,10 +572,10 @@ impl GPT {
                 dims,
                 batch,
                 drop,
-                scratch: ViewMut::from(&mut attn_scratch[..]),
+                scratch: attn_scratch.view_mut(),
                 prof: profile,
             };
-            let params = ViewMut::from(&mut params[..]);
+            let params = params.view_mut();
             backward_pass(pass, layout, params, grads, &mut acts, &mut *hooks, ready)
         };
         dev.install(&mut run);

@@ -276,10 +276,10 @@ fn arena_is_reused_for_same_or_smaller_batches_and_grows_once() {
     let mut m = model(tiny(true, true, 0.0), 1, 1);
     let ids = vec![1u32; 16];
     m.forward(Forward::new(&ids, 2, 8)).unwrap();
-    let ptr = m.arena.as_ptr();
+    let ptr = m.arena.view().addr();
     m.forward(Forward::new(&ids[..8], 1, 8)).unwrap();
     m.forward(Forward::new(&ids, 2, 8)).unwrap();
-    assert_eq!(ptr, m.arena.as_ptr());
+    assert_eq!(ptr, m.arena.view().addr());
     assert_eq!(m.logits().len(), 16 * 11);
     let ids = vec![1u32; 24];
     m.forward(Forward::new(&ids, 3, 8)).unwrap();
@@ -804,4 +804,29 @@ fn llama_bf16_products_track_fp32() {
         assert!(m.grads().iter().all(|g| g.is_finite()));
     }
     assert!((losses[0] - losses[1]).abs() < 1e-2, "{losses:?}");
+}
+
+#[test]
+fn parameters_and_gradients_copy_to_and_from_the_host() {
+    let mut m = model(tiny(true, true, 0.0), 1, 1);
+    let n = m.num_params();
+    let mut out = vec![0f32; n];
+    m.copy_params_to_host(&mut out).unwrap();
+    assert_eq!(out, m.params());
+    let new: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    m.copy_params_from_host(&new).unwrap();
+    assert_eq!(m.params(), &new[..]);
+    m.copy_grads_from_host(&new).unwrap();
+    m.copy_grads_to_host(&mut out).unwrap();
+    assert_eq!(out, new);
+    m.zero_grad();
+    assert!(m.grads().iter().all(|&g| g == 0.0));
+    let err = m
+        .copy_params_to_host(&mut out[1..])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("has {} floats, the model's {n}", n - 1)),
+        "{err}"
+    );
 }

@@ -254,7 +254,7 @@ impl GptStage {
                 rank: 0,
                 step: 0,
             },
-            rope: RopeTables::new(&config),
+            rope: RopeTables::on(&config, &*dev)?,
             config,
             arena_config,
             part,
@@ -463,6 +463,7 @@ impl GptStage {
         }
         s.batch
             .set(ids.unwrap_or_default(), attention_mask, labels, b, t);
+        s.batch.upload(&*self.dev)?;
         s.drop = DropKey {
             on: self.training && self.config.dropout > 0.0,
             ..self.drop

@@ -266,20 +266,91 @@ pub(crate) struct Batch {
     pub(crate) targets: Vec<i32>,
     /// Counted positions; None when the forward had no labels.
     pub(crate) counted: Option<usize>,
+    /// The vectors above in a device's memory, for a backend that cannot read the host's
+    /// (None on the CPU, whose kernels read the vectors in place).
+    device: Option<DeviceInputs>,
+}
+
+/// A batch's inputs in a device's memory: ids, positions and targets (one float each), then the
+/// mask (four bytes to a float); `at` says where each is, in floats.
+struct DeviceInputs {
+    buf: Buffer,
+    at: [Range<usize>; 4],
 }
 
 impl Batch {
+    /// Input `i` (0 ids, 1 positions, 2 targets, 3 mask) in the device's copy, if there is one.
+    fn on_device(&self, i: usize) -> Option<View<'_, f32>> {
+        self.device
+            .as_ref()
+            .map(|d| d.buf.view().slice(d.at[i].clone()))
+    }
     /// The token ids (empty on a stage fed activations).
     pub(crate) fn ids(&self) -> View<'_, u32> {
-        View::from(&self.ids[..])
+        self.on_device(0)
+            .map_or_else(|| View::from(&self.ids[..]), View::cast)
     }
     /// Each row's position in its sequence.
     pub(crate) fn pos(&self) -> View<'_, u32> {
-        View::from(&self.pos[..])
+        self.on_device(1)
+            .map_or_else(|| View::from(&self.pos[..]), View::cast)
     }
     /// The targets (empty without labels).
     pub(crate) fn targets(&self) -> View<'_, i32> {
-        View::from(&self.targets[..])
+        self.on_device(2)
+            .map_or_else(|| View::from(&self.targets[..]), View::cast)
+    }
+    /// The padding mask (None when every position is a token).
+    pub(crate) fn mask(&self) -> Option<View<'_, u8>> {
+        let len = self.mask.len();
+        self.has_mask.then(|| match self.on_device(3) {
+            Some(m) => m.cast::<u8>().slice(..len),
+            None => View::from(&self.mask[..]),
+        })
+    }
+
+    /// Copies the batch [`Batch::set`] recorded into `dev`'s memory, where the backend's
+    /// kernels read it; nothing on the CPU.
+    pub(crate) fn upload(&mut self, dev: &dyn Backend) -> Result<(), GptError> {
+        if dev.device() == Device::Cpu {
+            self.device = None;
+            return Ok(());
+        }
+        let lens = [
+            self.ids.len(),
+            self.pos.len(),
+            self.targets.len(),
+            self.mask.len().div_ceil(4),
+        ];
+        let mut next = 0;
+        let at = lens.map(|len| {
+            next += len;
+            next - len..next
+        });
+        if self.device.as_ref().is_none_or(|d| d.buf.len() < next) {
+            self.device = None;
+            let buf = alloc(dev, next, "allocate the batch's inputs")?;
+            self.device = Some(DeviceInputs {
+                buf,
+                at: at.clone(),
+            });
+        }
+        let d = self.device.as_mut().expect("allocated above");
+        d.at = at;
+        let mut v = d.buf.view_mut();
+        let err = |e: cohort_engine::EngineError| GptError::Engine {
+            op: "copy the batch to the device",
+            reason: e.to_string(),
+        };
+        dev.upload(v.slice_mut(d.at[0].clone()).cast(), &self.ids)
+            .map_err(err)?;
+        dev.upload(v.slice_mut(d.at[1].clone()).cast(), &self.pos)
+            .map_err(err)?;
+        dev.upload(v.slice_mut(d.at[2].clone()).cast(), &self.targets)
+            .map_err(err)?;
+        let mask = v.slice_mut(d.at[3].clone()).cast::<u8>();
+        dev.upload(mask.into_slice(..self.mask.len()), &self.mask)
+            .map_err(err)
     }
 
     /// Records a validated batch; the targets follow the label shift and masking rules of

@@ -170,26 +170,51 @@ impl Dims {
 }
 
 /// Rotary embeddings' angle tables (positions × HS/2 each), computed once per model.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct RopeTables {
     pub(crate) cos: Vec<f32>,
     pub(crate) sin: Vec<f32>,
+    /// cos then sin in a device's memory (None on the CPU, whose kernels read the vectors).
+    device: Option<Buffer>,
 }
 
 impl RopeTables {
     /// The cosine table.
     pub(crate) fn cos(&self) -> View<'_, f32> {
-        View::from(&self.cos[..])
+        match &self.device {
+            Some(b) => b.view().slice(..self.cos.len()),
+            None => View::from(&self.cos[..]),
+        }
     }
     /// The sine table.
     pub(crate) fn sin(&self) -> View<'_, f32> {
-        View::from(&self.sin[..])
+        match &self.device {
+            Some(b) => b.view().slice(self.cos.len()..),
+            None => View::from(&self.sin[..]),
+        }
+    }
+    /// The tables of `cfg` where `dev`'s kernels read them; None with learned positions.
+    pub(crate) fn on(cfg: &GPTConfig, dev: &dyn Backend) -> Result<Option<RopeTables>, GptError> {
+        let Some(mut r) = RopeTables::new(cfg) else {
+            return Ok(None);
+        };
+        if dev.device() != Device::Cpu {
+            let both = [&r.cos[..], &r.sin[..]].concat();
+            let mut b = alloc(dev, both.len(), "allocate the rotary tables")?;
+            copy_in(dev, &mut b, &both, "copy the rotary tables to the device")?;
+            r.device = Some(b);
+        }
+        Ok(Some(r))
     }
     /// The tables of `cfg`'s positions; None with learned positions.
     pub(crate) fn new(cfg: &GPTConfig) -> Option<RopeTables> {
         let inv = cfg.rope_inv_freq()?;
         let (cos, sin) = cohort_engine::cpu::rope_tables(&inv, cfg.max_position_embeddings);
-        Some(RopeTables { cos, sin })
+        Some(RopeTables {
+            cos,
+            sin,
+            device: None,
+        })
     }
 }
 
@@ -212,7 +237,7 @@ impl<'a> Pass<'a> {
     /// The batch's padding mask (None when every position is a token).
     pub(crate) fn mask(&self) -> Option<View<'a, u8>> {
         let batch: &'a Batch = self.batch;
-        batch.has_mask.then(|| View::from(&batch.mask[..]))
+        batch.mask()
     }
 }
 

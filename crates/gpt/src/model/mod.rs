@@ -217,7 +217,7 @@ impl GPT {
         Ok(GPT {
             params: alloc(&*dev, layout.total, "allocate the parameters")?,
             grads: alloc(&*dev, layout.total, "allocate the gradients")?,
-            rope: RopeTables::new(&config),
+            rope: RopeTables::on(&config, &*dev)?,
             layout,
             config,
             dev,
@@ -439,6 +439,7 @@ impl GPT {
             parts,
         } = pass;
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
+        host_hooks(&*self.dev, parts.is_some())?;
         let n = b * t;
         let cols = logit_cols(
             n,
@@ -476,6 +477,7 @@ impl GPT {
             self.attn_scratch = alloc(&*self.dev, scratch, "allocate the attention scratch")?;
         }
         self.batch.set(input_ids, attention_mask, labels, b, t);
+        self.batch.upload(&*self.dev)?;
 
         let drop = self.drop_key();
         let GPT {
@@ -536,6 +538,7 @@ impl GPT {
     {
         let Backward { ready, parts } = pass;
         self.batch.counted.ok_or(GptError::NoLoss)?;
+        host_hooks(&*self.dev, parts.is_some())?;
         let drop = self.drop_key();
         let GPT {
             config,
@@ -581,6 +584,20 @@ impl GPT {
         dev.install(&mut run);
         Ok(())
     }
+}
+
+/// Per-part hooks take host slices: an error for a model on a device.
+fn host_hooks(dev: &dyn Backend, hooks: bool) -> Result<(), GptError> {
+    if hooks && dev.device() != Device::Cpu {
+        return Err(GptError::Engine {
+            op: "per-part hooks",
+            reason: format!(
+                "they take host slices; not yet for a model on {}",
+                dev.device()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// Checks a batch's shapes and token ids; `ids` is `None` for a stage fed activations.

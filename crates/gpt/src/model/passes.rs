@@ -4,21 +4,33 @@
 //!
 //! This module decides only the order of the parts and who is told what when; the math is in
 //! the layer functions, and it never allocates beyond the hooks' range lists. The hooks take
-//! host slices, so these passes run on host buffers only until the hooks take views.
+//! host slices: on a device they are not called (the model refuses per-part hooks there, and
+//! a readiness hook is left out: its gradients are read with `copy_grads_to_host`).
 
 use super::*;
 
 /// Calls `hooks.before` for each range `part` reads.
 fn enter(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut ViewMut<f32>) {
     for range in lay.part_reads(part) {
-        hooks.before(part, range.clone(), p.slice_mut(range).host());
+        if let Some(p) = p.slice_mut(range.clone()).try_host() {
+            hooks.before(part, range, p);
+        }
     }
 }
 
 /// Calls `hooks.after` for each range `part` read.
 fn leave(lay: &Layout, hooks: &mut dyn PartHooks, part: Part, p: &mut ViewMut<f32>) {
     for range in lay.part_reads(part) {
-        hooks.after(part, range.clone(), p.slice_mut(range).host());
+        if let Some(p) = p.slice_mut(range.clone()).try_host() {
+            hooks.after(part, range, p);
+        }
+    }
+}
+
+/// Calls `hooks.before_grads` for `range` of the gradients, `g` (host memory only).
+fn grads_hook(hooks: &mut dyn PartHooks, part: Part, range: Range<usize>, g: ViewMut<f32>) {
+    if let Some(g) = g.try_host() {
+        hooks.before_grads(part, range, g);
     }
 }
 
@@ -70,10 +82,14 @@ pub(super) fn backward_pass<'g>(
     enter(lay, hooks, Part::Head, p);
     {
         if tied {
-            let wte = rest.slice_mut(lay.wte.clone()).host();
-            hooks.before_grads(Part::Head, lay.wte.clone(), wte);
+            grads_hook(
+                hooks,
+                Part::Head,
+                lay.wte.clone(),
+                rest.slice_mut(lay.wte.clone()),
+            );
         }
-        hooks.before_grads(Part::Head, head_start..lay.total, top.reborrow().host());
+        grads_hook(hooks, Part::Head, head_start..lay.total, top.reborrow());
         let (lnf_g, lm_head_g) = top.reborrow().split_at_mut(lay.ln_f_b.end - head_start);
         let head = if tied {
             rest.slice_mut(lay.wte.clone())
@@ -90,13 +106,15 @@ pub(super) fn backward_pass<'g>(
         head_backward(pass, lay, p.as_view(), grads, a);
     }
     leave(lay, hooks, Part::Head, p);
-    ready(head_start..lay.total, top.host());
+    if let Some(top) = top.try_host() {
+        ready(head_start..lay.total, top);
+    }
 
     for (l, bl) in lay.blocks.iter().enumerate().rev() {
         let (lower, mut g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
         rest = lower;
         enter(lay, hooks, Part::Block(l), p);
-        hooks.before_grads(Part::Block(l), bl.all.clone(), g.reborrow().host());
+        grads_hook(hooks, Part::Block(l), bl.all.clone(), g.reborrow());
         let at = BlockAt {
             local: l,
             global: l,
@@ -109,20 +127,24 @@ pub(super) fn backward_pass<'g>(
         }
         block_backward(pass, at, p.as_view(), g.reborrow(), a);
         leave(lay, hooks, Part::Block(l), p);
-        ready(bl.all.clone(), g.host());
+        if let Some(g) = g.try_host() {
+            ready(bl.all.clone(), g);
+        }
     }
 
     if !tied {
-        let wte = rest.slice_mut(lay.wte.clone()).host();
-        hooks.before_grads(Part::Embeddings, lay.wte.clone(), wte);
+        let wte = rest.slice_mut(lay.wte.clone());
+        grads_hook(hooks, Part::Embeddings, lay.wte.clone(), wte);
     }
     let (mut dwte, mut dwpe) = rest.reborrow().split_at_mut(lay.wpe.start);
     if !lay.wpe.is_empty() {
-        hooks.before_grads(Part::Embeddings, lay.wpe.clone(), dwpe.reborrow().host());
+        grads_hook(hooks, Part::Embeddings, lay.wpe.clone(), dwpe.reborrow());
     }
     // The embeddings' backward adds each position's gradient into the rows of wte and wpe it
     // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
     // strategy would gather the largest part of the model (wte) for nothing.
     embed_backward(pass, dwte.slice_mut(lay.wte.clone()), dwpe, a);
-    ready(0..lay.wpe.end, rest.host());
+    if let Some(rest) = rest.try_host() {
+        ready(0..lay.wpe.end, rest);
+    }
 }

@@ -28,7 +28,7 @@
 
 use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, KvDims, RopeDims};
 use crate::optim::{self, AdamCoeffs};
-use crate::{Buffer, Dropout, Elem, EngineError, View, ViewMut};
+use crate::{Buffer, Dropout, Elem, Emulated, EngineError, View, ViewMut};
 
 /// Where a backend's buffers live and its kernels run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -38,6 +38,8 @@ pub enum Device {
     Cpu,
     /// The CUDA device of this ordinal (as `cuda:N` counts them).
     Cuda(u32),
+    /// A device emulated in host memory ([`Emulated`]): device code paths tested without one.
+    Emulated,
 }
 
 /// The number format a backend's kernels compute in.
@@ -67,6 +69,7 @@ impl std::fmt::Display for Device {
         match self {
             Device::Cpu => f.write_str("cpu"),
             Device::Cuda(n) => write!(f, "cuda:{n}"),
+            Device::Emulated => f.write_str("emulated"),
         }
     }
 }
@@ -153,6 +156,46 @@ macro_rules! kernels {
                 ($cpu)($(Cpu::$dtype(self),)? $(HostArg::host($arg)),*)
             } )*
         }
+
+        // The same CPU bodies on the emulated device's buffers (see `emulated.rs`).
+        #[allow(clippy::too_many_arguments)]
+        impl Backend for Emulated {
+            fn name(&self) -> &'static str {
+                "emulated"
+            }
+            fn device(&self) -> Device {
+                Device::Emulated
+            }
+            fn dtype(&self) -> DType {
+                self.cpu().dtype()
+            }
+            fn num_threads(&self) -> usize {
+                self.cpu().num_threads()
+            }
+            fn install(&self, f: &mut (dyn FnMut() + Send)) {
+                self.cpu().install(f)
+            }
+            fn attention_scratch_len(&self, t: usize) -> usize {
+                cpu::attention_scratch_len(t, self.num_threads())
+            }
+            fn alloc(&self, len: usize) -> Result<Buffer, EngineError> {
+                Ok(self.alloc_buffer(len))
+            }
+            fn copy_from_host(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError> {
+                HostArg::emulated(dst, self).copy_from_slice(src);
+                Ok(())
+            }
+            fn copy_to_host(&self, dst: &mut [u8], src: View<'_, u8>) -> Result<(), EngineError> {
+                dst.copy_from_slice(HostArg::emulated(src, self));
+                Ok(())
+            }
+            fn sync(&self) -> Result<(), EngineError> {
+                Ok(())
+            }
+            $( fn $name(&self, $($arg: $ty),*) $(-> $ret)? {
+                ($cpu)($(Cpu::$dtype(self.cpu()),)? $(HostArg::emulated($arg, self)),*)
+            } )*
+        }
     };
 }
 
@@ -181,9 +224,13 @@ impl dyn Backend + '_ {
 /// A kernel argument as the CPU body takes it: a view as the host slice it is, anything else
 /// as it is. O(1): a view's conversion checks its device tag (a device view never reaches the
 /// CPU backend, whose model allocates every buffer it hands a kernel through it).
-pub(crate) trait HostArg {
+pub(crate) trait HostArg: Sized {
     type Host;
     fn host(self) -> Self::Host;
+    /// The same for the emulated device, whose device views are host memory it checks.
+    fn emulated(self, _dev: &Emulated) -> Self::Host {
+        self.host()
+    }
 }
 
 impl<'a, T: Elem> HostArg for View<'a, T> {
@@ -191,6 +238,19 @@ impl<'a, T: Elem> HostArg for View<'a, T> {
     #[inline(always)]
     fn host(self) -> &'a [T] {
         View::host(self)
+    }
+    fn emulated(self, dev: &Emulated) -> &'a [T] {
+        if self.device() == Device::Cpu {
+            return self.host();
+        }
+        dev.check(
+            self.device(),
+            self.addr(),
+            self.len() * std::mem::size_of::<T>(),
+        );
+        // SAFETY: `check` found the view inside a live allocation of this emulated device
+        // (host memory whose address was exposed), and the view borrows it as a `&[T]` would.
+        unsafe { self.emulated_host() }
     }
 }
 
@@ -200,6 +260,18 @@ impl<'a, T: Elem> HostArg for ViewMut<'a, T> {
     fn host(self) -> &'a mut [T] {
         ViewMut::host(self)
     }
+    fn emulated(self, dev: &Emulated) -> &'a mut [T] {
+        if self.device() == Device::Cpu {
+            return self.host();
+        }
+        dev.check(
+            self.device(),
+            self.addr(),
+            self.len() * std::mem::size_of::<T>(),
+        );
+        // SAFETY: as for `View`, and the view borrows its elements exclusively.
+        unsafe { self.emulated_host() }
+    }
 }
 
 impl<'a, T: Elem> HostArg for Option<View<'a, T>> {
@@ -208,6 +280,9 @@ impl<'a, T: Elem> HostArg for Option<View<'a, T>> {
     fn host(self) -> Option<&'a [T]> {
         self.map(View::host)
     }
+    fn emulated(self, dev: &Emulated) -> Option<&'a [T]> {
+        self.map(|v| v.emulated(dev))
+    }
 }
 
 impl<'a, T: Elem> HostArg for Option<ViewMut<'a, T>> {
@@ -215,6 +290,9 @@ impl<'a, T: Elem> HostArg for Option<ViewMut<'a, T>> {
     #[inline(always)]
     fn host(self) -> Option<&'a mut [T]> {
         self.map(ViewMut::host)
+    }
+    fn emulated(self, dev: &Emulated) -> Option<&'a mut [T]> {
+        self.map(|v| v.emulated(dev))
     }
 }
 

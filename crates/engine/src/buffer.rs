@@ -395,6 +395,33 @@ impl<'a, T: Elem> View<'a, T> {
     }
 }
 
+impl<'a, T: Elem> View<'a, T> {
+    /// The elements of a device view whose device memory is host memory (the emulated
+    /// device's).
+    ///
+    /// # Safety
+    /// The view's bytes must lie in a live host allocation whose address was exposed
+    /// (`expose_provenance`), borrowed as this view is.
+    pub(crate) unsafe fn emulated_host(self) -> &'a [T] {
+        let ptr = std::ptr::with_exposed_provenance::<T>(self.ptr as usize);
+        // SAFETY: the caller's contract: `len` elements at `ptr` in a live, exposed host
+        // allocation, aligned (views are carved from aligned floats and cast checks alignment).
+        unsafe { std::slice::from_raw_parts(ptr, self.len) }
+    }
+}
+
+impl<'a, T: Elem> ViewMut<'a, T> {
+    /// [`View::emulated_host`], writable.
+    ///
+    /// # Safety
+    /// As for [`View::emulated_host`], and no other view of these bytes lives while it does.
+    pub(crate) unsafe fn emulated_host(self) -> &'a mut [T] {
+        let ptr = std::ptr::with_exposed_provenance_mut::<T>(self.ptr as usize);
+        // SAFETY: the caller's contract, and a `ViewMut` borrows its elements exclusively.
+        unsafe { std::slice::from_raw_parts_mut(ptr, self.len) }
+    }
+}
+
 impl<'a, T: Elem> ViewMut<'a, T> {
     /// A shorter-lived view of the same elements (what `&mut *slice` is for a slice).
     #[inline]

@@ -10,7 +10,9 @@
 //!   (an address and an owner object the device backend supplies, so the engine links no device
 //!   library). Kernels take [`View`]s / [`ViewMut`]s of buffers, carved as slices are (ranges,
 //!   `split_at_mut`) under the same borrow rules; the CPU turns each into its slice in O(1).
-//!   A device backend (`cohort-cuda`) implements [`Backend`] over [`Device::Cuda`] buffers.
+//!   A device backend (`cohort-cuda`) implements [`Backend`] over [`Device::Cuda`] buffers;
+//!   [`Emulated`] is one whose device memory is host memory, to test device code paths (a
+//!   model that never reads its buffers on the host) on machines without a GPU.
 //! - [`Dropout`] derives every dropout decision from (seed, rank, step, site, index), so masks
 //!   are reproducible and never stored.
 //! - [`optim`] holds AdamW, SGD, the LR schedule and gradient clipping over flat buffers; AdamW's
@@ -46,12 +48,14 @@ mod backend;
 mod buffer;
 pub mod cpu;
 mod dropout;
+mod emulated;
 pub mod optim;
 
 pub use aligned::AlignedFloats;
 pub use backend::{Backend, DType, Device};
 pub use buffer::{Buffer, Elem, View, ViewMut};
 pub use dropout::Dropout;
+pub use emulated::Emulated;
 
 /// What went wrong setting up the engine.
 #[derive(Debug, thiserror::Error)]

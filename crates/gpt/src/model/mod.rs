@@ -26,6 +26,8 @@ use crate::{GPTConfig, GptError, Labels, Mlp, Norm, ParamView};
 
 mod arena;
 mod block;
+#[cfg(test)]
+mod device_tests;
 mod init;
 mod layers;
 mod memory;

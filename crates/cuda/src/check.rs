@@ -18,7 +18,7 @@ use cohort_engine::{DType, Dropout};
 use half::bf16;
 
 use crate::device::Operand;
-use crate::{CudaError, Device};
+use crate::{CudaError, Device, Mem};
 
 /// One compared output.
 #[derive(Debug, Clone)]
@@ -685,7 +685,8 @@ fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Out
         key: Dropout::key(3, 0, 5, 1),
     });
     let (mut out, mut lse) = (poisoned(dev, b * t * c)?, poisoned(dev, b * nh * t)?);
-    dev.attention_forward(&mut out, &mut lse, &qd, md.as_ref(), dims, drop)?;
+    let dmask = md.as_ref().map(|m| m as &dyn Mem<u8>);
+    dev.attention_forward(&mut out, &mut lse, &qd, dmask, dims, drop)?;
     let mut scratch = vec![0.0; cpu::attention_scratch_len(t, 1)];
     let (mut w_out, mut w_lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
     cpu::attention_forward(
@@ -712,7 +713,7 @@ fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Out
         &dev.upload(&dout)?,
         &qd,
         &wl,
-        md.as_ref(),
+        dmask,
         dims,
         drop,
     )?;

@@ -41,5 +41,5 @@ pub mod kernels;
 pub mod libraries;
 pub mod nvrtc;
 
-pub use device::{device_count, AdamWScalars, Device, DeviceInfo, Op, Operand};
+pub use device::{device_count, AdamWScalars, Device, DeviceInfo, Mem, Op, Operand, Raw};
 pub use error::CudaError;

@@ -10,10 +10,10 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{result as cublas, sys, CudaBlas};
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaStream;
 use half::bf16;
 
-use super::Device;
+use super::{Device, Mem};
 use crate::CudaError;
 
 /// The cuBLAS handle bound to the device's stream.
@@ -34,9 +34,9 @@ impl Blas {
 #[derive(Clone, Copy)]
 pub enum Operand<'a> {
     /// fp32.
-    F32(&'a CudaSlice<f32>),
+    F32(&'a dyn Mem<f32>),
     /// bf16.
-    Bf16(&'a CudaSlice<bf16>),
+    Bf16(&'a dyn Mem<bf16>),
 }
 
 impl Operand<'_> {
@@ -56,8 +56,8 @@ impl Operand<'_> {
 
     fn ptr(&self, dev: &Device) -> u64 {
         match self {
-            Operand::F32(s) => dev.p(s),
-            Operand::Bf16(s) => dev.p(s),
+            Operand::F32(s) => s.ptr(dev),
+            Operand::Bf16(s) => s.ptr(dev),
         }
     }
 }
@@ -81,7 +81,7 @@ impl Device {
     /// a transposed use flips the operation instead of copying.
     pub fn gemm(
         &self,
-        out: &mut CudaSlice<f32>,
+        out: &mut dyn Mem<f32>,
         a: Op<'_>,
         b: Op<'_>,
         (m, n, k): (usize, usize, usize),
@@ -128,7 +128,7 @@ impl Device {
         let ldb = if b.t { ki } else { ni };
         let lda = if a.t { mi } else { ki };
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        let (ap, bp, o) = (a.m.ptr(self), b.m.ptr(self), self.p(out));
+        let (ap, bp, o) = (a.m.ptr(self), b.m.ptr(self), out.ptr(self));
         *self.last.lock().unwrap_or_else(|p| p.into_inner()) = "gemm";
         // SAFETY: the handle is bound to this device's stream; the operands' shapes and
         // leading dimensions are those derived above from buffers whose lengths were checked;
@@ -167,10 +167,10 @@ impl Device {
     /// `matmul_forward`).
     pub fn matmul_forward(
         &self,
-        out: &mut CudaSlice<f32>,
+        out: &mut dyn Mem<f32>,
         inp: Operand<'_>,
         w: Operand<'_>,
-        bias: Option<&CudaSlice<f32>>,
+        bias: Option<&dyn Mem<f32>>,
         n: usize,
         c: usize,
         oc: usize,
@@ -187,12 +187,12 @@ impl Device {
     /// `matmul_backward`), in true fp32.
     pub fn matmul_backward(
         &self,
-        dinp: Option<&mut CudaSlice<f32>>,
-        dw: &mut CudaSlice<f32>,
-        dbias: Option<&mut CudaSlice<f32>>,
-        dout: &CudaSlice<f32>,
-        inp: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
+        dinp: Option<&mut dyn Mem<f32>>,
+        dw: &mut dyn Mem<f32>,
+        dbias: Option<&mut dyn Mem<f32>>,
+        dout: &dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
         n: usize,
         c: usize,
         oc: usize,
@@ -214,7 +214,7 @@ impl Device {
     /// dinp = dout · wᵀ (overwritten) alone (the engine's `matmul_backward_input`).
     pub fn matmul_backward_input(
         &self,
-        dinp: &mut CudaSlice<f32>,
+        dinp: &mut dyn Mem<f32>,
         dout: Operand<'_>,
         w: Operand<'_>,
         n: usize,
@@ -229,11 +229,11 @@ impl Device {
     /// cuBLASLt GELU epilogue would fuse the two).
     pub fn matmul_gelu_forward(
         &self,
-        pre: &mut CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
+        pre: &mut dyn Mem<f32>,
+        out: &mut dyn Mem<f32>,
         inp: Operand<'_>,
         w: Operand<'_>,
-        bias: Option<&CudaSlice<f32>>,
+        bias: Option<&dyn Mem<f32>>,
         n: usize,
         c: usize,
         oc: usize,
@@ -245,7 +245,7 @@ impl Device {
     /// logits (N, V) = inp (N, C) · wᵀ, w (V, C) (the engine's `head_forward`).
     pub fn head_forward(
         &self,
-        out: &mut CudaSlice<f32>,
+        out: &mut dyn Mem<f32>,
         inp: Operand<'_>,
         w: Operand<'_>,
         n: usize,
@@ -260,11 +260,11 @@ impl Device {
     /// true fp32.
     pub fn head_backward(
         &self,
-        dinp: &mut CudaSlice<f32>,
-        dw: &mut CudaSlice<f32>,
-        dout: &CudaSlice<f32>,
-        inp: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
+        dinp: &mut dyn Mem<f32>,
+        dw: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
         n: usize,
         c: usize,
         v: usize,

@@ -8,6 +8,7 @@
 //! another stream writes: everything runs on the one stream.
 
 mod blas;
+mod mem;
 mod ops;
 
 use std::collections::HashMap;
@@ -20,6 +21,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 pub use blas::{Op, Operand};
+pub use mem::{Mem, Raw};
 pub use ops::AdamWScalars;
 
 use crate::kernels;

@@ -11,10 +11,10 @@
 use cohort_engine::cpu::AttnDims;
 use cohort_engine::optim::AdamWConfig;
 use cohort_engine::Dropout;
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::Device;
+use super::{Device, Mem};
 use crate::CudaError;
 
 /// Launches kernel `$k` with `$cfg` and the arguments (each a reference to a value that lives
@@ -144,65 +144,60 @@ impl AdamWScalars {
 }
 
 impl Device {
-    /// The raw device pointer of `s`, for a kernel argument.
-    pub(super) fn p<T>(&self, s: &CudaSlice<T>) -> u64 {
-        s.device_ptr(&self.stream).0
-    }
-
     /// The raw device pointer of `s`, or 0 (null) for `None`.
-    fn opt<T>(&self, s: Option<&CudaSlice<T>>) -> u64 {
-        s.map_or(0, |s| self.p(s))
+    fn opt<T>(&self, s: Option<&dyn Mem<T>>) -> u64 {
+        s.map_or(0, |s| s.ptr(self))
     }
 
     /// out = value.
-    pub fn fill(&self, out: &mut CudaSlice<f32>, value: f32) -> Result<(), CudaError> {
-        let (o, n) = (self.p(out), out.len() as i64);
+    pub fn fill(&self, out: &mut dyn Mem<f32>, value: f32) -> Result<(), CudaError> {
+        let (o, n) = (out.ptr(self), out.len() as i64);
         launch!(self, "fill_f32", elementwise(out.len()), &o, &value, &n)
     }
 
     /// x *= s.
-    pub fn scale(&self, x: &mut CudaSlice<f32>, s: f32) -> Result<(), CudaError> {
-        let (p, n) = (self.p(x), x.len() as i64);
+    pub fn scale(&self, x: &mut dyn Mem<f32>, s: f32) -> Result<(), CudaError> {
+        let (p, n) = (x.ptr(self), x.len() as i64);
         launch!(self, "scale_f32", elementwise(x.len()), &p, &s, &n)
     }
 
     /// out += x.
-    pub fn add(&self, out: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> Result<(), CudaError> {
+    pub fn add(&self, out: &mut dyn Mem<f32>, x: &dyn Mem<f32>) -> Result<(), CudaError> {
         check("add_f32", "x", x.len(), out.len())?;
-        let (o, xp, n) = (self.p(out), self.p(x), out.len() as i64);
+        let (o, xp, n) = (out.ptr(self), x.ptr(self), out.len() as i64);
         launch!(self, "add_f32", elementwise(out.len()), &o, &xp, &n)
     }
 
     /// out = gelu(inp) (tanh form).
     pub fn gelu_forward(
         &self,
-        out: &mut CudaSlice<f32>,
-        inp: &CudaSlice<f32>,
+        out: &mut dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
     ) -> Result<(), CudaError> {
         check("gelu_forward", "inp", inp.len(), out.len())?;
-        let (o, i, n) = (self.p(out), self.p(inp), out.len() as i64);
+        let (o, i, n) = (out.ptr(self), inp.ptr(self), out.len() as i64);
         launch!(self, "gelu_forward", elementwise(out.len()), &o, &i, &n)
     }
 
     /// dinout *= gelu'(inp).
     pub fn gelu_backward(
         &self,
-        dinout: &mut CudaSlice<f32>,
-        inp: &CudaSlice<f32>,
+        dinout: &mut dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
     ) -> Result<(), CudaError> {
         check("gelu_backward", "inp", inp.len(), dinout.len())?;
-        let (d, i, n) = (self.p(dinout), self.p(inp), dinout.len() as i64);
+        let (d, i, n) = (dinout.ptr(self), inp.ptr(self), dinout.len() as i64);
         launch!(self, "gelu_backward", elementwise(dinout.len()), &d, &i, &n)
     }
 
     /// dinout *= grad (GELU's derivative, kept by the forward).
     pub fn gelu_backward_with_grad(
         &self,
-        dinout: &mut CudaSlice<f32>,
-        grad: &CudaSlice<f32>,
+        dinout: &mut dyn Mem<f32>,
+        grad: &dyn Mem<f32>,
     ) -> Result<(), CudaError> {
         check("gelu_backward_with_grad", "grad", grad.len(), dinout.len())?;
-        let (d, g, n) = (self.p(dinout), self.p(grad), dinout.len() as i64);
+        let (d, g, n) = (dinout.ptr(self), grad.ptr(self), dinout.len() as i64);
         launch!(
             self,
             "gelu_backward_with_grad",
@@ -217,9 +212,9 @@ impl Device {
     /// index in `out`.
     pub fn residual_forward(
         &self,
-        out: &mut CudaSlice<f32>,
-        residual: &CudaSlice<f32>,
-        bias: Option<&CudaSlice<f32>>,
+        out: &mut dyn Mem<f32>,
+        residual: &dyn Mem<f32>,
+        bias: Option<&dyn Mem<f32>>,
         c: usize,
         dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
@@ -234,7 +229,7 @@ impl Device {
                 what: format!("{} elements are not rows of c = {c}", out.len()),
             });
         }
-        let (o, r, b) = (self.p(out), self.p(residual), self.opt(bias));
+        let (o, r, b) = (out.ptr(self), residual.ptr(self), self.opt(bias));
         let (ci, n) = (int(K, "c", c)?, out.len() as i64);
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
@@ -254,11 +249,11 @@ impl Device {
     /// x = dropout(x), element `i` keyed by `offset + i`.
     pub fn dropout_forward(
         &self,
-        x: &mut CudaSlice<f32>,
+        x: &mut dyn Mem<f32>,
         d: Dropout,
         offset: u64,
     ) -> Result<(), CudaError> {
-        let (xp, n, off) = (self.p(x), x.len() as i64, offset as i64);
+        let (xp, n, off) = (x.ptr(self), x.len() as i64, offset as i64);
         launch!(
             self,
             "dropout_forward",
@@ -274,13 +269,13 @@ impl Device {
     /// dx = dropout's mask and scale applied to dy (overwritten).
     pub fn dropout_backward(
         &self,
-        dx: &mut CudaSlice<f32>,
-        dy: &CudaSlice<f32>,
+        dx: &mut dyn Mem<f32>,
+        dy: &dyn Mem<f32>,
         d: Dropout,
         offset: u64,
     ) -> Result<(), CudaError> {
         check("dropout_backward", "dy", dy.len(), dx.len())?;
-        let (dxp, dyp, n, off) = (self.p(dx), self.p(dy), dx.len() as i64, offset as i64);
+        let (dxp, dyp, n, off) = (dx.ptr(self), dy.ptr(self), dx.len() as i64, offset as i64);
         launch!(
             self,
             "dropout_backward",
@@ -295,11 +290,7 @@ impl Device {
     }
 
     /// out += bias over rows of c = bias's length.
-    pub fn add_bias(
-        &self,
-        out: &mut CudaSlice<f32>,
-        bias: &CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
+    pub fn add_bias(&self, out: &mut dyn Mem<f32>, bias: &dyn Mem<f32>) -> Result<(), CudaError> {
         const K: &str = "add_bias_f32";
         let c = bias.len();
         if c == 0 || !out.len().is_multiple_of(c) {
@@ -308,7 +299,7 @@ impl Device {
                 what: format!("{} elements are not rows of c = {c}", out.len()),
             });
         }
-        let (o, b) = (self.p(out), self.p(bias));
+        let (o, b) = (out.ptr(self), bias.ptr(self));
         let (ci, n) = (int(K, "c", c)?, out.len() as i64);
         launch!(
             self,
@@ -322,11 +313,7 @@ impl Device {
     }
 
     /// acc (c) += Σ_rows x (rows, c), with c = acc's length.
-    pub fn column_sums(
-        &self,
-        acc: &mut CudaSlice<f32>,
-        x: &CudaSlice<f32>,
-    ) -> Result<(), CudaError> {
+    pub fn column_sums(&self, acc: &mut dyn Mem<f32>, x: &dyn Mem<f32>) -> Result<(), CudaError> {
         const K: &str = "column_sums";
         let c = acc.len();
         if c == 0 || !x.len().is_multiple_of(c) {
@@ -335,7 +322,7 @@ impl Device {
                 what: format!("{} elements are not rows of c = {c}", x.len()),
             });
         }
-        let (a, xp) = (self.p(acc), self.p(x));
+        let (a, xp) = (acc.ptr(self), x.ptr(self));
         let (rows, ci) = (int(K, "rows", x.len() / c)?, int(K, "c", c)?);
         launch!(
             self,
@@ -351,10 +338,10 @@ impl Device {
     /// out (B,T,C) = wte[ids] + wpe[t].
     pub fn encoder_forward(
         &self,
-        out: &mut CudaSlice<f32>,
-        ids: &CudaSlice<u32>,
-        wte: &CudaSlice<f32>,
-        wpe: &CudaSlice<f32>,
+        out: &mut dyn Mem<f32>,
+        ids: &dyn Mem<u32>,
+        wte: &dyn Mem<f32>,
+        wpe: &dyn Mem<f32>,
         b: usize,
         t: usize,
         c: usize,
@@ -364,7 +351,7 @@ impl Device {
         check(K, "ids", ids.len(), b * t)?;
         check(K, "wpe", wpe.len(), t * c)?;
         check(K, "wte", wte.len(), c)?;
-        let (o, i, te, pe) = (self.p(out), self.p(ids), self.p(wte), self.p(wpe));
+        let (o, i, te, pe) = (out.ptr(self), ids.ptr(self), wte.ptr(self), wpe.ptr(self));
         let (bi, ti, ci) = (int(K, "B", b)?, int(K, "T", t)?, int(K, "C", c)?);
         launch!(
             self,
@@ -384,10 +371,10 @@ impl Device {
     /// them against the vocabulary, as the model does on the CPU).
     pub fn encoder_backward(
         &self,
-        dwte: &mut CudaSlice<f32>,
-        dwpe: &mut CudaSlice<f32>,
-        dout: &CudaSlice<f32>,
-        ids: &CudaSlice<u32>,
+        dwte: &mut dyn Mem<f32>,
+        dwpe: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        ids: &dyn Mem<u32>,
         b: usize,
         t: usize,
         c: usize,
@@ -397,7 +384,12 @@ impl Device {
         check(K, "ids", ids.len(), b * t)?;
         check(K, "dwpe", dwpe.len(), t * c)?;
         check(K, "dwte", dwte.len(), c)?;
-        let (te, pe, d, i) = (self.p(dwte), self.p(dwpe), self.p(dout), self.p(ids));
+        let (te, pe, d, i) = (
+            dwte.ptr(self),
+            dwpe.ptr(self),
+            dout.ptr(self),
+            ids.ptr(self),
+        );
         let (bi, ti, ci) = (int(K, "B", b)?, int(K, "T", t)?, int(K, "C", c)?);
         launch!(
             self,
@@ -416,12 +408,12 @@ impl Device {
     /// LayerNorm over C of N rows; mean and rstd (N) for backward.
     pub fn layernorm_forward(
         &self,
-        out: &mut CudaSlice<f32>,
-        mean: &mut CudaSlice<f32>,
-        rstd: &mut CudaSlice<f32>,
-        inp: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        b: Option<&CudaSlice<f32>>,
+        out: &mut dyn Mem<f32>,
+        mean: &mut dyn Mem<f32>,
+        rstd: &mut dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
+        b: Option<&dyn Mem<f32>>,
         n: usize,
         c: usize,
     ) -> Result<(), CudaError> {
@@ -435,11 +427,11 @@ impl Device {
             check(K, "b", b.len(), c)?;
         }
         let (o, m, r, x, wp, bp) = (
-            self.p(out),
-            self.p(mean),
-            self.p(rstd),
-            self.p(inp),
-            self.p(w),
+            out.ptr(self),
+            mean.ptr(self),
+            rstd.ptr(self),
+            inp.ptr(self),
+            w.ptr(self),
             self.opt(b),
         );
         let (ni, ci) = (int(K, "N", n)?, int(K, "C", c)?);
@@ -461,14 +453,14 @@ impl Device {
     /// dinp, dw, db += LayerNorm backward (two launches: rows, then columns).
     pub fn layernorm_backward(
         &self,
-        dinp: &mut CudaSlice<f32>,
-        dw: &mut CudaSlice<f32>,
-        db: Option<&mut CudaSlice<f32>>,
-        dout: &CudaSlice<f32>,
-        inp: &CudaSlice<f32>,
-        mean: &CudaSlice<f32>,
-        rstd: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
+        dinp: &mut dyn Mem<f32>,
+        dw: &mut dyn Mem<f32>,
+        db: Option<&mut dyn Mem<f32>>,
+        dout: &dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        mean: &dyn Mem<f32>,
+        rstd: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
         n: usize,
         c: usize,
     ) -> Result<(), CudaError> {
@@ -484,14 +476,14 @@ impl Device {
             check(K, "db", db.len(), c)?;
         }
         let (di, d, x, m, r, wp) = (
-            self.p(dinp),
-            self.p(dout),
-            self.p(inp),
-            self.p(mean),
-            self.p(rstd),
-            self.p(w),
+            dinp.ptr(self),
+            dout.ptr(self),
+            inp.ptr(self),
+            mean.ptr(self),
+            rstd.ptr(self),
+            w.ptr(self),
         );
-        let (dwp, dbp) = (self.p(dw), self.opt(db.as_deref()));
+        let (dwp, dbp) = (dw.ptr(self), self.opt(db.as_deref()));
         let (ni, ci) = (int(K, "N", n)?, int(K, "C", c)?);
         launch!(
             self,
@@ -524,10 +516,10 @@ impl Device {
     /// Per-row loss (0 for ignored targets) and log-sum-exp over the whole vocabulary.
     pub fn crossentropy_forward(
         &self,
-        losses: &mut CudaSlice<f32>,
-        lse: &mut CudaSlice<f32>,
-        logits: &CudaSlice<f32>,
-        targets: &CudaSlice<i32>,
+        losses: &mut dyn Mem<f32>,
+        lse: &mut dyn Mem<f32>,
+        logits: &dyn Mem<f32>,
+        targets: &dyn Mem<i32>,
         n: usize,
         v: usize,
     ) -> Result<(), CudaError> {
@@ -536,7 +528,12 @@ impl Device {
         check(K, "lse", lse.len(), n)?;
         check(K, "logits", logits.len(), n * v)?;
         check(K, "targets", targets.len(), n)?;
-        let (l, s, x, t) = (self.p(losses), self.p(lse), self.p(logits), self.p(targets));
+        let (l, s, x, t) = (
+            losses.ptr(self),
+            lse.ptr(self),
+            logits.ptr(self),
+            targets.ptr(self),
+        );
         let (ni, vi) = (int(K, "N", n)?, int(K, "V", v)?);
         launch!(
             self,
@@ -555,10 +552,10 @@ impl Device {
     /// log-sum-exp, target_logit the target's logit where it is in the block.
     pub fn crossentropy_forward_block(
         &self,
-        lse: &mut CudaSlice<f32>,
-        target_logit: &mut CudaSlice<f32>,
-        logits: &CudaSlice<f32>,
-        targets: &CudaSlice<i32>,
+        lse: &mut dyn Mem<f32>,
+        target_logit: &mut dyn Mem<f32>,
+        logits: &dyn Mem<f32>,
+        targets: &dyn Mem<i32>,
         n: usize,
         v: usize,
         v0: usize,
@@ -569,10 +566,10 @@ impl Device {
         check(K, "logits", logits.len(), n * v)?;
         check(K, "targets", targets.len(), n)?;
         let (s, tl, x, t) = (
-            self.p(lse),
-            self.p(target_logit),
-            self.p(logits),
-            self.p(targets),
+            lse.ptr(self),
+            target_logit.ptr(self),
+            logits.ptr(self),
+            targets.ptr(self),
         );
         let (ni, vi, v0i) = (int(K, "N", n)?, int(K, "V", v)?, int(K, "v0", v0)?);
         launch!(
@@ -592,10 +589,10 @@ impl Device {
     /// dlogits = scale * (softmax - onehot) for columns v0..v0+v (overwritten).
     pub fn crossentropy_backward(
         &self,
-        dlogits: &mut CudaSlice<f32>,
-        logits: &CudaSlice<f32>,
-        lse: &CudaSlice<f32>,
-        targets: &CudaSlice<i32>,
+        dlogits: &mut dyn Mem<f32>,
+        logits: &dyn Mem<f32>,
+        lse: &dyn Mem<f32>,
+        targets: &dyn Mem<i32>,
         scale: f32,
         n: usize,
         v: usize,
@@ -607,10 +604,10 @@ impl Device {
         check(K, "lse", lse.len(), n)?;
         check(K, "targets", targets.len(), n)?;
         let (d, x, s, t) = (
-            self.p(dlogits),
-            self.p(logits),
-            self.p(lse),
-            self.p(targets),
+            dlogits.ptr(self),
+            logits.ptr(self),
+            lse.ptr(self),
+            targets.ptr(self),
         );
         let (ni, vi, v0i) = (int(K, "N", n)?, int(K, "V", v)?, int(K, "v0", v0)?);
         launch!(
@@ -628,14 +625,35 @@ impl Device {
         )
     }
 
+    /// After [`Device::crossentropy_forward_block`] over every block: `losses` holds each
+    /// row's target logit and becomes its loss, lse - target logit (0 where ignored).
+    pub fn crossentropy_fold(
+        &self,
+        losses: &mut dyn Mem<f32>,
+        lse: &dyn Mem<f32>,
+        targets: &dyn Mem<i32>,
+    ) -> Result<(), CudaError> {
+        const K: &str = "crossentropy_fold";
+        let n = losses.len();
+        check(K, "lse", lse.len(), n)?;
+        check(K, "targets", targets.len(), n)?;
+        let (l, s, t, ni) = (
+            losses.ptr(self),
+            lse.ptr(self),
+            targets.ptr(self),
+            int(K, "N", n)?,
+        );
+        launch!(self, "crossentropy_fold", elementwise(n), &l, &s, &t, &ni)
+    }
+
     /// One AdamW step over a segment of fp32 master weights `p` with gradients `g` and
     /// moments `m`, `v` (all of one length).
     pub fn adamw_step(
         &self,
-        p: &mut CudaSlice<f32>,
-        g: &CudaSlice<f32>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
+        p: &mut dyn Mem<f32>,
+        g: &dyn Mem<f32>,
+        m: &mut dyn Mem<f32>,
+        v: &mut dyn Mem<f32>,
         s: AdamWScalars,
     ) -> Result<(), CudaError> {
         const K: &str = "adamw_step";
@@ -643,7 +661,7 @@ impl Device {
         check(K, "g", g.len(), n)?;
         check(K, "m", m.len(), n)?;
         check(K, "v", v.len(), n)?;
-        let (pp, gp, mp, vp, ni) = (self.p(p), self.p(g), self.p(m), self.p(v), n as i64);
+        let (pp, gp, mp, vp, ni) = (p.ptr(self), g.ptr(self), m.ptr(self), v.ptr(self), n as i64);
         launch!(
             self,
             "adamw_step",
@@ -665,14 +683,14 @@ impl Device {
 
     /// Σ x² in f64, in a fixed order (blocks of 2^16 elements, then the blocks in order);
     /// waits for the result.
-    pub fn sum_squares(&self, x: &CudaSlice<f32>) -> Result<f64, CudaError> {
+    pub fn sum_squares(&self, x: &dyn Mem<f32>) -> Result<f64, CudaError> {
         const PER_BLOCK: usize = 1 << 16;
         let blocks = x.len().div_ceil(PER_BLOCK).max(1);
         let partial = self.zeros::<f64>(blocks)?;
         let total = self.zeros::<f64>(1)?;
         let (pp, xp, n, per) = (
-            self.p(&partial),
-            self.p(x),
+            partial.ptr(self),
+            x.ptr(self),
             x.len() as i64,
             PER_BLOCK as i64,
         );
@@ -682,7 +700,7 @@ impl Device {
             shared_mem_bytes: 0,
         };
         launch!(self, "sum_squares_partial", cfg, &pp, &xp, &n, &per)?;
-        let (tp, nb) = (self.p(&total), int("sum_f64", "blocks", blocks)?);
+        let (tp, nb) = (total.ptr(self), int("sum_f64", "blocks", blocks)?);
         launch!(self, "sum_f64", block_per_row(1), &tp, &pp, &nb)?;
         // The download waits for both kernels, so `partial` outlives its last use.
         Ok(self.download(&total)?[0])
@@ -691,22 +709,22 @@ impl Device {
     /// out = bf16(inp), round to nearest even.
     pub fn f32_to_bf16(
         &self,
-        out: &mut CudaSlice<bf16>,
-        inp: &CudaSlice<f32>,
+        out: &mut dyn Mem<bf16>,
+        inp: &dyn Mem<f32>,
     ) -> Result<(), CudaError> {
         check("f32_to_bf16", "inp", inp.len(), out.len())?;
-        let (o, i, n) = (self.p(out), self.p(inp), out.len() as i64);
+        let (o, i, n) = (out.ptr(self), inp.ptr(self), out.len() as i64);
         launch!(self, "f32_to_bf16", elementwise(out.len()), &o, &i, &n)
     }
 
     /// out = f32(inp).
     pub fn bf16_to_f32(
         &self,
-        out: &mut CudaSlice<f32>,
-        inp: &CudaSlice<bf16>,
+        out: &mut dyn Mem<f32>,
+        inp: &dyn Mem<bf16>,
     ) -> Result<(), CudaError> {
         check("bf16_to_f32", "inp", inp.len(), out.len())?;
-        let (o, i, n) = (self.p(out), self.p(inp), out.len() as i64);
+        let (o, i, n) = (out.ptr(self), inp.ptr(self), out.len() as i64);
         launch!(self, "bf16_to_f32", elementwise(out.len()), &o, &i, &n)
     }
 
@@ -733,10 +751,10 @@ impl Device {
     /// the probabilities (numbered as the CPU's); lse (B, NH, T) kept for backward.
     pub fn attention_forward(
         &self,
-        out: &mut CudaSlice<f32>,
-        lse: &mut CudaSlice<f32>,
-        qkv: &CudaSlice<f32>,
-        mask: Option<&CudaSlice<u8>>,
+        out: &mut dyn Mem<f32>,
+        lse: &mut dyn Mem<f32>,
+        qkv: &dyn Mem<f32>,
+        mask: Option<&dyn Mem<u8>>,
         dims: AttnDims,
         dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
@@ -749,7 +767,7 @@ impl Device {
         if let Some(m) = mask {
             check(K, "mask", m.len(), b * t)?;
         }
-        let (o, l, q, m) = (self.p(out), self.p(lse), self.p(qkv), self.opt(mask));
+        let (o, l, q, m) = (out.ptr(self), lse.ptr(self), qkv.ptr(self), self.opt(mask));
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
@@ -772,13 +790,13 @@ impl Device {
     /// output again when given; `delta` is scratch of B·NH·T floats.
     pub fn attention_backward(
         &self,
-        dqkv: &mut CudaSlice<f32>,
-        recompute_out: Option<&mut CudaSlice<f32>>,
-        delta: &mut CudaSlice<f32>,
-        dout: &CudaSlice<f32>,
-        qkv: &CudaSlice<f32>,
-        lse: &CudaSlice<f32>,
-        mask: Option<&CudaSlice<u8>>,
+        dqkv: &mut dyn Mem<f32>,
+        recompute_out: Option<&mut dyn Mem<f32>>,
+        delta: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        qkv: &dyn Mem<f32>,
+        lse: &dyn Mem<f32>,
+        mask: Option<&dyn Mem<u8>>,
         dims: AttnDims,
         dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
@@ -797,11 +815,11 @@ impl Device {
             check(K, "mask", m.len(), b * t)?;
         }
         let (dq, ro, de) = (
-            self.p(dqkv),
+            dqkv.ptr(self),
             self.opt(recompute_out.as_deref()),
-            self.p(delta),
+            delta.ptr(self),
         );
-        let (d, q, l, m) = (self.p(dout), self.p(qkv), self.p(lse), self.opt(mask));
+        let (d, q, l, m) = (dout.ptr(self), qkv.ptr(self), lse.ptr(self), self.opt(mask));
         let cfg = warp_per_row(b * nh * t);
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(

@@ -67,3 +67,12 @@ extern "C" __global__ void crossentropy_backward(float* dlogits, const float* lo
         dlogits[k] = d;
     }
 }
+
+// After crossentropy_forward_block over every block: losses holds each row's target logit and
+// becomes lse - target logit (0 where the target is ignored), as the CPU's crossentropy_fold.
+extern "C" __global__ void crossentropy_fold(float* losses, const float* lse, const int* targets,
+                                             int N) {
+    FOR_EACH(i, (long long)N) {
+        losses[i] = targets[i] < 0 ? 0.0f : lse[i] - losses[i];
+    }
+}

@@ -61,6 +61,7 @@ pub const FAMILIES: &[Family] = &[
             "crossentropy_forward",
             "crossentropy_forward_block",
             "crossentropy_backward",
+            "crossentropy_fold",
         ],
     },
     Family {

@@ -115,8 +115,17 @@ macro_rules! kernels {
             fn copy_to_host(&self, dst: &mut [u8], src: View<'_, u8>) -> Result<(), EngineError>;
             /// Waits for every kernel launched so far; the first error any of them met.
             fn sync(&self) -> Result<(), EngineError>;
+            /// The kernels of [`KERNELS`] this backend has no body for yet: a model checks the
+            /// ones it needs when it is built, so that a missing one is an error there (a
+            /// call of one anyway is an error at the next [`Backend::sync`], never a panic).
+            fn missing_kernels(&self) -> &'static [&'static str] {
+                &[]
+            }
             $( $(#[$doc])* fn $name(&self, $($arg: $ty),*) $(-> $ret)?; )*
         }
+
+        /// The name of every kernel of [`Backend`], in the list's order.
+        pub const KERNELS: &[&str] = &[$(stringify!($name)),*];
 
         #[allow(clippy::too_many_arguments)]
         impl Backend for Cpu {
@@ -191,6 +200,9 @@ macro_rules! kernels {
             }
             fn sync(&self) -> Result<(), EngineError> {
                 Ok(())
+            }
+            fn missing_kernels(&self) -> &'static [&'static str] {
+                self.missing()
             }
             $( fn $name(&self, $($arg: $ty),*) $(-> $ret)? {
                 ($cpu)($(Cpu::$dtype(self.cpu()),)? $(HostArg::emulated($arg, self)),*)

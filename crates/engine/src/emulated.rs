@@ -22,6 +22,8 @@ type Live = Arc<Mutex<BTreeMap<u64, u64>>>;
 pub struct Emulated {
     cpu: Cpu,
     live: Live,
+    /// What [`Backend::missing_kernels`](crate::Backend::missing_kernels) reports.
+    missing: &'static [&'static str],
 }
 
 /// One allocation: its floats, and its entry in the live map while it lives.
@@ -49,7 +51,22 @@ impl Emulated {
         Ok(Emulated {
             cpu: Cpu::with_dtype(threads, dtype)?,
             live: Live::default(),
+            missing: &[],
         })
+    }
+
+    /// The same, reporting `kernels` as missing (as a device backend without their bodies
+    /// does); it still runs them.
+    pub fn lacking(self, kernels: &'static [&'static str]) -> Emulated {
+        Emulated {
+            missing: kernels,
+            ..self
+        }
+    }
+
+    /// The kernels it reports as missing.
+    pub(crate) fn missing(&self) -> &'static [&'static str] {
+        self.missing
     }
 
     /// The CPU that runs its kernels.

@@ -52,7 +52,7 @@ mod emulated;
 pub mod optim;
 
 pub use aligned::AlignedFloats;
-pub use backend::{Backend, DType, Device};
+pub use backend::{Backend, DType, Device, KERNELS};
 pub use buffer::{Buffer, Elem, View, ViewMut};
 pub use dropout::Dropout;
 pub use emulated::Emulated;

@@ -150,6 +150,7 @@ impl GptStage {
         dev: Box<dyn Backend>,
     ) -> Result<GptStage, GptError> {
         config.validate()?;
+        crate::model::check_kernels(&config, &*dev)?;
         let bad = |reason: String| GptError::Stage {
             blocks: part.blocks.clone(),
             reason,

@@ -93,3 +93,25 @@ fn the_host_api_of_a_model_on_a_device_names_the_copy_to_use() {
     let err = m.set_precision(DType::Bf16).unwrap_err().to_string();
     assert!(err.contains("keeps its backend's precision"), "{err}");
 }
+
+#[test]
+fn a_backend_without_a_kernel_the_model_needs_is_refused_at_build() {
+    let lacking = |kernels| -> Box<dyn Backend> {
+        Box::new(Emulated::new(1, DType::F32).unwrap().lacking(kernels))
+    };
+    const NO_LLAMA: &[&str] = &["rmsnorm_forward", "rope_backward", "swiglu_forward"];
+    let err = GPT::with_backend(config(true, 0.0), 5, lacking(NO_LLAMA))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("not yet on emulated: rmsnorm_forward, rope_backward, swiglu_forward"),
+        "{err}"
+    );
+    // GPT-2 runs none of them
+    GPT::with_backend(config(false, 0.0), 5, lacking(NO_LLAMA)).unwrap();
+    let part = crate::StagePart::split(2, 1).unwrap().remove(0);
+    let err = crate::GptStage::with_backend(config(true, 0.0), 5, part, lacking(NO_LLAMA))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not yet on emulated"), "{err}");
+}

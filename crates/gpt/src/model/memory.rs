@@ -1,13 +1,51 @@
-//! The model's buffers as its backend allocated them: allocation with the model's errors, host
-//! access for the host API (`params()`, `grads()`, ...), and copies to and from the host for a
-//! model whose buffers live on a device. Shared by the whole model and pipeline stages.
+//! What the model needs of its backend: the kernels its configuration runs, and its buffers as
+//! the backend allocated them (allocation with the model's errors, host access for the host API
+//! `params()`, `grads()`, ..., and copies to and from the host for a model whose buffers live on
+//! a device). Shared by the whole model and pipeline stages.
 //!
 //! This module never computes; a host reference into a device buffer is a panic that names
 //! the buffer and the call to use instead, never a read of device memory.
 
-use cohort_engine::{Backend, Buffer};
+use cohort_engine::{Backend, Buffer, DType};
 
-use crate::GptError;
+use crate::{GPTConfig, GptError, Mlp, Norm, Positions};
+
+/// An error unless `dev` has a body for every kernel a model of `cfg` runs in training (see
+/// [`Backend::missing_kernels`]): a backend that lacks one fails here, at build, naming it.
+pub(crate) fn check_kernels(cfg: &GPTConfig, dev: &dyn Backend) -> Result<(), GptError> {
+    let rope = cfg.positions != Positions::Learned;
+    let (swiglu, rms) = (
+        cfg.mlp == Mlp::SwiGlu,
+        matches!(cfg.norm, Norm::RmsNorm { .. }),
+    );
+    let bf16 = dev.dtype() == DType::Bf16 && !swiglu;
+    let needed = |k: &str| match k {
+        _ if k.starts_with("rmsnorm") => rms,
+        _ if k.starts_with("layernorm") => !rms,
+        _ if k.starts_with("rope") || k.starts_with("embedding") => rope,
+        _ if k.starts_with("encoder") => !rope,
+        _ if k.starts_with("kv_expand") => cfg.kv_heads() != cfg.n_heads,
+        _ if k.starts_with("swiglu") => swiglu,
+        _ if k.starts_with("decode") || k.starts_with("attention_decode") => false,
+        _ if k.ends_with("_bf16") || k.ends_with("_bf16_input") || k.ends_with("with_grad") => bf16,
+        _ if k.contains("gelu") => !swiglu,
+        _ if k.starts_with("dropout") => cfg.dropout > 0.0,
+        _ => true,
+    };
+    let missing: Vec<&str> = dev
+        .missing_kernels()
+        .iter()
+        .copied()
+        .filter(|k| needed(k))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(GptError::Engine {
+        op: "build the model",
+        reason: format!("not yet on {}: {}", dev.device(), missing.join(", ")),
+    })
+}
 
 /// `len` zeroed floats from `dev` for the model's `what`.
 pub(crate) fn alloc(dev: &dyn Backend, len: usize, what: &'static str) -> Result<Buffer, GptError> {

@@ -215,6 +215,7 @@ impl GPT {
     /// A model with zero parameters.
     fn build(config: GPTConfig, seed: u64, dev: Box<dyn Backend>) -> Result<GPT, GptError> {
         config.validate()?;
+        check_kernels(&config, &*dev)?;
         let layout = Layout::new(&config);
         Ok(GPT {
             params: alloc(&*dev, layout.total, "allocate the parameters")?,

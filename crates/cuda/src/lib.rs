@@ -1,7 +1,7 @@
 //! The CUDA device: finding the NVIDIA libraries at run time, compiling the kernels with NVRTC,
-//! launching them. It becomes the engine's CUDA backend once the engine's kernels take buffer
-//! views (host or device) instead of host slices; until then it stands beside the engine, and
-//! its kernels are checked one by one against the CPU backend's ([`check`]).
+//! launching them, and the engine's [`Backend`](cohort_engine::Backend) on a GPU
+//! ([`CudaBackend`]), whose buffers are device memory; its kernels are checked one by one
+//! against the CPU backend's ([`check`]).
 //!
 //! - [`libraries`] finds libcuda, NVRTC, cuBLAS(Lt) and NCCL (system paths, `LD_LIBRARY_PATH`,
 //!   the `nvidia/*/lib` folders of Python environments) and the CUDA runtime headers, and
@@ -11,6 +11,9 @@
 //! - [`nvrtc`] compiles them for an `sm_XX`, failing on an error or a register spill (CI does
 //!   this for sm_80 and sm_90 with no GPU).
 //! - [`Device`] opens a GPU, loads the compiled kernels, copies buffers and launches.
+//! - [`CudaBackend`] maps each kernel of the engine's list to the device's kernel for the same
+//!   job, on the views of buffers it allocated; the kernels without a CUDA body yet are
+//!   [`backend::MISSING`] (a model that needs one refuses to build on it).
 //! - [`check`] runs every kernel against the CPU engine on random inputs (`cohort gpu check`).
 //!
 //! This crate builds and its tests pass with no GPU and no CUDA installed: nothing is linked
@@ -33,6 +36,7 @@
 
 #![deny(missing_docs)]
 
+pub mod backend;
 pub mod check;
 mod device;
 mod error;
@@ -41,5 +45,6 @@ pub mod kernels;
 pub mod libraries;
 pub mod nvrtc;
 
+pub use backend::CudaBackend;
 pub use device::{device_count, AdamWScalars, Device, DeviceInfo, Mem, Op, Operand, Raw};
 pub use error::CudaError;

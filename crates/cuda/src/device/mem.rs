@@ -50,6 +50,13 @@ impl<T> Raw<T> {
     }
 }
 
+impl<T> Raw<T> {
+    /// The same memory as bytes.
+    pub fn bytes(&self) -> Raw<u8> {
+        Raw::new(self.addr, self.len * std::mem::size_of::<T>())
+    }
+}
+
 impl<T> Mem<T> for Raw<T> {
     fn len(&self) -> usize {
         self.len

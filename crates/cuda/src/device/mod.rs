@@ -212,6 +212,46 @@ impl Device {
             .map_err(|e| CudaError::driver("copy to the device", e))
     }
 
+    /// Copies host bytes into device memory `dst` of the same length, in stream order (the
+    /// host bytes may be reused on return: pageable memory is staged before it).
+    pub fn copy_from_host(&self, dst: &dyn Mem<u8>, src: &[u8]) -> Result<(), CudaError> {
+        if dst.len() != src.len() {
+            return Err(CudaError::Shape {
+                kernel: "copy to the device",
+                arg: "host bytes",
+                need: dst.len(),
+                got: src.len(),
+            });
+        }
+        // SAFETY: `dst` is `src.len()` bytes of this context's memory (checked above), kept
+        // allocated by its owner while the copy is queued on this stream, which is the only
+        // stream that touches it.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst.ptr(self), src, self.stream.cu_stream())
+        }
+        .map_err(|e| CudaError::driver("copy to the device", e))
+    }
+
+    /// Copies device memory `src` into host bytes of the same length, after every kernel
+    /// before it on the stream.
+    pub fn copy_to_host(&self, dst: &mut [u8], src: &dyn Mem<u8>) -> Result<(), CudaError> {
+        if dst.len() != src.len() {
+            return Err(CudaError::Shape {
+                kernel: "copy to the host",
+                arg: "host bytes",
+                need: src.len(),
+                got: dst.len(),
+            });
+        }
+        // SAFETY: `src` is `dst.len()` bytes of this context's memory (checked above), alive
+        // until the sync below, and `dst` is not touched until the copy has completed.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(self), self.stream.cu_stream())
+        }
+        .map_err(|e| self.after_last("copy to the host", e))?;
+        self.sync()
+    }
+
     /// Waits for every launch so far; a fault is reported with the last kernel's name.
     pub fn sync(&self) -> Result<(), CudaError> {
         self.stream

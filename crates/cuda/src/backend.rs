@@ -1,0 +1,796 @@
+//! [`CudaBackend`]: the engine's [`Backend`] on one GPU, each kernel of the engine's list mapped
+//! to the [`Device`]'s kernel of the same job, on the views of buffers it allocated.
+//!
+//! Buffers are cudarc allocations handed to the engine as [`Buffer::on_device`] (the cudarc
+//! buffer is the owner: dropping the engine buffer frees it). A kernel call checks that every
+//! view is memory of this device, then launches on the views' addresses ([`Raw`]); launches are
+//! asynchronous, so a kernel's error (a shape the device refuses, a launch that fails, a kernel
+//! with no CUDA body yet) is kept and returned by the next [`Backend::sync`]. The kernels
+//! without a CUDA body are listed in [`MISSING`] (the model refuses to build on this backend
+//! when it needs one of them). Matrix products are true fp32 only for now: bf16 products need
+//! bf16 copies of their operands, which come with cuBLASLt's epilogues.
+//!
+//! This module never panics on a device error and never reads device memory on the host
+//! except through an explicit copy; it knows buffers and dimensions only.
+
+#![allow(clippy::too_many_arguments)]
+
+use std::sync::Mutex;
+
+use cohort_engine::cpu::{AttnDims, DecodeDims, DecodeMatrix, KvDims, RopeDims};
+use cohort_engine::optim::AdamCoeffs;
+use cohort_engine::{
+    Backend, Buffer, DType, Device as EngineDevice, Dropout, Elem, EngineError, View, ViewMut,
+};
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use crate::device::{AdamWScalars, Device, Mem, Operand, Raw};
+use crate::libraries::Search;
+use crate::CudaError;
+
+/// The kernels of the engine's list with no CUDA body yet.
+pub const MISSING: &[&str] = &[
+    "embedding_forward",
+    "embedding_backward",
+    "rmsnorm_forward",
+    "rmsnorm_backward",
+    "rope_forward",
+    "rope_backward",
+    "kv_expand_forward",
+    "kv_expand_backward",
+    "swiglu_forward",
+    "swiglu_backward",
+    "decode_matmul_forward",
+    "matmul_gelu_forward_bf16",
+    "matmul_forward_bf16_input",
+    "matmul_backward_weight_bf16_input",
+    "attention_decode_row",
+    "attention_decode_row_bf16",
+];
+
+/// The engine's backend on one GPU (see the module doc).
+pub struct CudaBackend {
+    dev: Device,
+    /// The engine's name of the device (`cuda:N`).
+    device: EngineDevice,
+    /// The first error of a kernel since the last sync.
+    error: Mutex<Option<EngineError>>,
+    /// The attention backward's per-row scratch (B·NH·T floats), grown on demand.
+    delta: Mutex<Option<CudaSlice<f32>>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.device)
+            .field("name", &self.dev.info().name)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` ([`Device::open`]) as a backend computing in `dtype`. bf16 products
+    /// are not on the GPU yet: asking for them is an error naming what is missing.
+    pub fn open(ordinal: usize, dtype: DType, search: &Search) -> Result<CudaBackend, CudaError> {
+        if dtype != DType::F32 {
+            return Err(CudaError::Unsupported {
+                kernel: "matrix products",
+                what: format!("not yet on cuda: {dtype} products (only fp32 for now)"),
+            });
+        }
+        let dev = Device::open(ordinal, search)?;
+        Ok(CudaBackend {
+            device: EngineDevice::Cuda(ordinal as u32),
+            dev,
+            error: Mutex::new(None),
+            delta: Mutex::new(None),
+        })
+    }
+
+    /// The device it launches on.
+    pub fn device_handle(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Keeps the first error for the next sync.
+    fn fail(&self, e: EngineError) {
+        let mut first = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert(e);
+    }
+
+    fn device_error(&self, kernel: &str, e: CudaError) -> EngineError {
+        EngineError::Device {
+            device: self.device,
+            reason: format!("{kernel}: {e}"),
+        }
+    }
+
+    /// Runs one kernel's launches, keeping an error for the next sync.
+    fn run(&self, kernel: &'static str, f: impl FnOnce() -> Result<(), CudaError>) {
+        if let Err(e) = f() {
+            self.fail(self.device_error(kernel, e));
+        }
+    }
+
+    /// A kernel with no CUDA body: an error for the next sync.
+    fn missing(&self, kernel: &'static str) {
+        self.fail(EngineError::Unsupported {
+            device: self.device,
+            kernel,
+        });
+    }
+
+    /// The memory of a view, if it is this device's.
+    fn mem<T: Elem>(
+        &self,
+        what: &'static str,
+        device: EngineDevice,
+        addr: u64,
+        len: usize,
+    ) -> Result<Raw<T>, CudaError> {
+        if device != self.device {
+            return Err(CudaError::Unsupported {
+                kernel: what,
+                what: format!("a view on {device} given to {}", self.device),
+            });
+        }
+        Ok(Raw::new(addr, len))
+    }
+
+    fn r<T: Elem>(&self, v: View<'_, T>) -> Result<Raw<T>, CudaError> {
+        self.mem("a kernel", v.device(), v.addr(), v.len())
+    }
+
+    fn w<T: Elem>(&self, v: ViewMut<'_, T>) -> Result<Raw<T>, CudaError> {
+        self.mem("a kernel", v.device(), v.addr(), v.len())
+    }
+
+    fn ro<T: Elem>(&self, v: Option<View<'_, T>>) -> Result<Option<Raw<T>>, CudaError> {
+        v.map(|v| self.r(v)).transpose()
+    }
+
+    fn wo<T: Elem>(&self, v: Option<ViewMut<'_, T>>) -> Result<Option<Raw<T>>, CudaError> {
+        v.map(|v| self.w(v)).transpose()
+    }
+
+    /// A value computed on the device and read back (after the kernels before it).
+    fn value(&self, kernel: &'static str, f: impl FnOnce() -> Result<f64, CudaError>) -> f64 {
+        f().unwrap_or_else(|e| {
+            self.fail(self.device_error(kernel, e));
+            f64::NAN
+        })
+    }
+}
+
+/// `Option<Raw<T>>` as the kernel methods take optional memory.
+fn opt<T>(m: &Option<Raw<T>>) -> Option<&dyn Mem<T>> {
+    m.as_ref().map(|m| m as &dyn Mem<T>)
+}
+
+fn opt_mut<T>(m: &mut Option<Raw<T>>) -> Option<&mut dyn Mem<T>> {
+    m.as_mut().map(|m| m as &mut dyn Mem<T>)
+}
+
+/// A buffer of `len` zeroed elements on `dev`, owned by the engine buffer.
+fn engine_buffer<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Send + Sync + 'static>(
+    backend: &CudaBackend,
+    len: usize,
+) -> Result<Buffer, EngineError> {
+    let s: CudaSlice<T> = backend.dev.zeros(len).map_err(|e| EngineError::Alloc {
+        device: backend.device,
+        bytes: len * std::mem::size_of::<T>(),
+        reason: e.to_string(),
+    })?;
+    let addr = s.ptr(&backend.dev);
+    Ok(Buffer::on_device(backend.device, addr, len, Box::new(s)))
+}
+
+impl Backend for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn device(&self) -> EngineDevice {
+        self.device
+    }
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+    fn num_threads(&self) -> usize {
+        1
+    }
+    fn install(&self, f: &mut (dyn FnMut() + Send)) {
+        f()
+    }
+    fn attention_scratch_len(&self, _t: usize) -> usize {
+        // The flash-style kernels keep no T×T scratch; the backward's row scratch is the
+        // backend's own (it depends on B and NH, which this size does not see).
+        0
+    }
+    fn alloc(&self, len: usize) -> Result<Buffer, EngineError> {
+        engine_buffer::<f32>(self, len)
+    }
+    fn copy_from_host(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError> {
+        let dst = self
+            .w(dst)
+            .map_err(|e| self.device_error("copy to the device", e))?;
+        self.dev
+            .copy_from_host(&dst, src)
+            .map_err(|e| self.device_error("copy to the device", e))
+    }
+    fn copy_to_host(&self, dst: &mut [u8], src: View<'_, u8>) -> Result<(), EngineError> {
+        let src = self
+            .r(src)
+            .map_err(|e| self.device_error("copy to the host", e))?;
+        self.sync()?;
+        self.dev
+            .copy_to_host(dst, &src)
+            .map_err(|e| self.device_error("copy to the host", e))
+    }
+    fn sync(&self) -> Result<(), EngineError> {
+        let synced = self.dev.sync().map_err(|e| self.device_error("sync", e));
+        let first = self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+        match first {
+            Some(e) => Err(e),
+            None => synced,
+        }
+    }
+    fn missing_kernels(&self) -> &'static [&'static str] {
+        MISSING
+    }
+
+    fn encoder_forward(
+        &self,
+        out: ViewMut<f32>,
+        ids: View<u32>,
+        wte: View<f32>,
+        wpe: View<f32>,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        self.run("encoder_forward", || {
+            let (mut o, i, te, pe) = (self.w(out)?, self.r(ids)?, self.r(wte)?, self.r(wpe)?);
+            self.dev.encoder_forward(&mut o, &i, &te, &pe, b, t, c)
+        })
+    }
+    fn encoder_backward(
+        &self,
+        dwte: ViewMut<f32>,
+        dwpe: ViewMut<f32>,
+        dout: View<f32>,
+        ids: View<u32>,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        self.run("encoder_backward", || {
+            let (mut te, mut pe) = (self.w(dwte)?, self.w(dwpe)?);
+            let (d, i) = (self.r(dout)?, self.r(ids)?);
+            self.dev.encoder_backward(&mut te, &mut pe, &d, &i, b, t, c)
+        })
+    }
+    fn embedding_forward(&self, _: ViewMut<f32>, _: View<u32>, _: View<f32>, _: usize, _: usize) {
+        self.missing("embedding_forward")
+    }
+    fn embedding_backward(&self, _: ViewMut<f32>, _: View<f32>, _: View<u32>, _: usize, _: usize) {
+        self.missing("embedding_backward")
+    }
+    fn rmsnorm_forward(
+        &self,
+        _: ViewMut<f32>,
+        _: ViewMut<f32>,
+        _: View<f32>,
+        _: View<f32>,
+        _: f32,
+        _: usize,
+        _: usize,
+    ) {
+        self.missing("rmsnorm_forward")
+    }
+    fn rmsnorm_backward(
+        &self,
+        _: ViewMut<f32>,
+        _: ViewMut<f32>,
+        _: View<f32>,
+        _: View<f32>,
+        _: View<f32>,
+        _: View<f32>,
+        _: usize,
+        _: usize,
+    ) {
+        self.missing("rmsnorm_backward")
+    }
+    fn rope_forward(&self, _: ViewMut<f32>, _: View<u32>, _: View<f32>, _: View<f32>, _: RopeDims) {
+        self.missing("rope_forward")
+    }
+    fn rope_backward(
+        &self,
+        _: ViewMut<f32>,
+        _: View<u32>,
+        _: View<f32>,
+        _: View<f32>,
+        _: RopeDims,
+    ) {
+        self.missing("rope_backward")
+    }
+    fn kv_expand_forward(&self, _: ViewMut<f32>, _: View<f32>, _: KvDims) {
+        self.missing("kv_expand_forward")
+    }
+    fn kv_expand_backward(&self, _: ViewMut<f32>, _: View<f32>, _: KvDims) {
+        self.missing("kv_expand_backward")
+    }
+    fn swiglu_forward(&self, _: ViewMut<f32>, _: View<f32>, _: usize, _: usize) {
+        self.missing("swiglu_forward")
+    }
+    fn swiglu_backward(&self, _: ViewMut<f32>, _: View<f32>, _: View<f32>, _: usize, _: usize) {
+        self.missing("swiglu_backward")
+    }
+    fn layernorm_forward(
+        &self,
+        out: ViewMut<f32>,
+        mean: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        b: Option<View<f32>>,
+        n: usize,
+        c: usize,
+    ) {
+        self.run("layernorm_forward", || {
+            let (mut o, mut m, mut r) = (self.w(out)?, self.w(mean)?, self.w(rstd)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(b)?);
+            self.dev
+                .layernorm_forward(&mut o, &mut m, &mut r, &i, &w, opt(&b), n, c)
+        })
+    }
+    fn layernorm_backward(
+        &self,
+        dinp: ViewMut<f32>,
+        dw: ViewMut<f32>,
+        db: Option<ViewMut<f32>>,
+        dout: View<f32>,
+        inp: View<f32>,
+        mean: View<f32>,
+        rstd: View<f32>,
+        w: View<f32>,
+        n: usize,
+        c: usize,
+    ) {
+        self.run("layernorm_backward", || {
+            let (mut di, mut dw, mut db) = (self.w(dinp)?, self.w(dw)?, self.wo(db)?);
+            let (d, i, m, r, w) = (
+                self.r(dout)?,
+                self.r(inp)?,
+                self.r(mean)?,
+                self.r(rstd)?,
+                self.r(w)?,
+            );
+            self.dev.layernorm_backward(
+                &mut di,
+                &mut dw,
+                opt_mut(&mut db),
+                &d,
+                &i,
+                &m,
+                &r,
+                &w,
+                n,
+                c,
+            )
+        })
+    }
+    fn matmul_forward(
+        &self,
+        out: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        self.run("matmul_forward", || {
+            let (mut o, i, w, b) = (self.w(out)?, self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            let (i, w) = (Operand::F32(&i), Operand::F32(&w));
+            self.dev.matmul_forward(&mut o, i, w, opt(&b), n, c, oc)
+        })
+    }
+    fn matmul_backward(
+        &self,
+        dinp: Option<ViewMut<f32>>,
+        dw: ViewMut<f32>,
+        dbias: Option<ViewMut<f32>>,
+        dout: View<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        self.run("matmul_backward", || {
+            let (mut di, mut dw, mut db) = (self.wo(dinp)?, self.w(dw)?, self.wo(dbias)?);
+            let (d, i, w) = (self.r(dout)?, self.r(inp)?, self.r(w)?);
+            self.dev.matmul_backward(
+                opt_mut(&mut di),
+                &mut dw,
+                opt_mut(&mut db),
+                &d,
+                &i,
+                &w,
+                n,
+                c,
+                oc,
+            )
+        })
+    }
+    fn matmul_backward_input(
+        &self,
+        dinp: ViewMut<f32>,
+        dout: View<f32>,
+        w: View<f32>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        self.run("matmul_backward_input", || {
+            let (mut di, d, w) = (self.w(dinp)?, self.r(dout)?, self.r(w)?);
+            self.dev
+                .matmul_backward_input(&mut di, Operand::F32(&d), Operand::F32(&w), n, c, oc)
+        })
+    }
+    fn decode_matmul_forward(
+        &self,
+        _: ViewMut<f32>,
+        _: View<f32>,
+        _: &DecodeMatrix,
+        _: Option<View<f32>>,
+        _: usize,
+    ) {
+        self.missing("decode_matmul_forward")
+    }
+    fn head_forward(
+        &self,
+        out: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        n: usize,
+        c: usize,
+        v: usize,
+    ) {
+        self.run("head_forward", || {
+            let (mut o, i, w) = (self.w(out)?, self.r(inp)?, self.r(w)?);
+            self.dev
+                .head_forward(&mut o, Operand::F32(&i), Operand::F32(&w), n, c, v)
+        })
+    }
+    fn head_backward(
+        &self,
+        dinp: ViewMut<f32>,
+        dw: ViewMut<f32>,
+        dout: View<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        n: usize,
+        c: usize,
+        v: usize,
+    ) {
+        self.run("head_backward", || {
+            let (mut di, mut dw) = (self.w(dinp)?, self.w(dw)?);
+            let (d, i, w) = (self.r(dout)?, self.r(inp)?, self.r(w)?);
+            self.dev
+                .head_backward(&mut di, &mut dw, &d, &i, &w, n, c, v)
+        })
+    }
+    fn matmul_gelu_forward(
+        &self,
+        pre: ViewMut<f32>,
+        out: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        self.run("matmul_gelu_forward", || {
+            let (mut p, mut o) = (self.w(pre)?, self.w(out)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            let (i, w) = (Operand::F32(&i), Operand::F32(&w));
+            self.dev
+                .matmul_gelu_forward(&mut p, &mut o, i, w, opt(&b), n, c, oc)
+        })
+    }
+    fn matmul_gelu_forward_bf16(
+        &self,
+        _: ViewMut<f32>,
+        _: ViewMut<u16>,
+        _: View<f32>,
+        _: View<f32>,
+        _: Option<View<f32>>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+        self.missing("matmul_gelu_forward_bf16")
+    }
+    fn matmul_forward_bf16_input(
+        &self,
+        _: ViewMut<f32>,
+        _: View<u16>,
+        _: View<f32>,
+        _: Option<View<f32>>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+        self.missing("matmul_forward_bf16_input")
+    }
+    fn matmul_backward_weight_bf16_input(
+        &self,
+        _: ViewMut<f32>,
+        _: Option<ViewMut<f32>>,
+        _: View<f32>,
+        _: View<u16>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+        self.missing("matmul_backward_weight_bf16_input")
+    }
+    fn gelu_forward(&self, out: ViewMut<f32>, inp: View<f32>) {
+        self.run("gelu_forward", || {
+            let (mut o, i) = (self.w(out)?, self.r(inp)?);
+            self.dev.gelu_forward(&mut o, &i)
+        })
+    }
+    fn gelu_backward(&self, dinout: ViewMut<f32>, inp: View<f32>) {
+        self.run("gelu_backward", || {
+            let (mut d, i) = (self.w(dinout)?, self.r(inp)?);
+            self.dev.gelu_backward(&mut d, &i)
+        })
+    }
+    fn gelu_backward_with_grad(&self, dinout: ViewMut<f32>, grad: View<f32>) {
+        self.run("gelu_backward_with_grad", || {
+            let (mut d, g) = (self.w(dinout)?, self.r(grad)?);
+            self.dev.gelu_backward_with_grad(&mut d, &g)
+        })
+    }
+    fn residual_forward(
+        &self,
+        out: ViewMut<f32>,
+        residual: View<f32>,
+        bias: Option<View<f32>>,
+        c: usize,
+        dropout: Option<Dropout>,
+    ) {
+        self.run("residual_forward", || {
+            let (mut o, r, b) = (self.w(out)?, self.r(residual)?, self.ro(bias)?);
+            self.dev.residual_forward(&mut o, &r, opt(&b), c, dropout)
+        })
+    }
+    fn dropout_forward(&self, x: ViewMut<f32>, d: Dropout) {
+        self.run("dropout_forward", || {
+            let mut x = self.w(x)?;
+            self.dev.dropout_forward(&mut x, d, 0)
+        })
+    }
+    fn dropout_backward(&self, dx: ViewMut<f32>, dy: View<f32>, d: Dropout) {
+        self.run("dropout_backward", || {
+            let (mut dx, dy) = (self.w(dx)?, self.r(dy)?);
+            self.dev.dropout_backward(&mut dx, &dy, d, 0)
+        })
+    }
+    fn column_sums(&self, acc: ViewMut<f32>, x: View<f32>) {
+        self.run("column_sums", || {
+            let (mut a, x) = (self.w(acc)?, self.r(x)?);
+            self.dev.column_sums(&mut a, &x)
+        })
+    }
+    fn attention_forward(
+        &self,
+        out: ViewMut<f32>,
+        lse: ViewMut<f32>,
+        qkv: View<f32>,
+        mask: Option<View<u8>>,
+        dims: AttnDims,
+        dropout: Option<Dropout>,
+        _scratch: ViewMut<f32>,
+    ) {
+        self.run("attention_forward", || {
+            let (mut o, mut l) = (self.w(out)?, self.w(lse)?);
+            let (q, m) = (self.r(qkv)?, self.ro(mask)?);
+            self.dev
+                .attention_forward(&mut o, &mut l, &q, opt(&m), dims, dropout)
+        })
+    }
+    fn attention_backward(
+        &self,
+        dqkv: ViewMut<f32>,
+        recompute_out: Option<ViewMut<f32>>,
+        dout: View<f32>,
+        qkv: View<f32>,
+        lse: View<f32>,
+        mask: Option<View<u8>>,
+        dims: AttnDims,
+        dropout: Option<Dropout>,
+        _scratch: ViewMut<f32>,
+    ) {
+        self.run("attention_backward", || {
+            let (mut dq, mut ro) = (self.w(dqkv)?, self.wo(recompute_out)?);
+            let (d, q, l, m) = (self.r(dout)?, self.r(qkv)?, self.r(lse)?, self.ro(mask)?);
+            let rows = dims.b * dims.nh * dims.t;
+            let mut delta = self.delta.lock().unwrap_or_else(|p| p.into_inner());
+            if delta.as_ref().is_none_or(|s| s.len() < rows) {
+                *delta = None;
+                *delta = Some(self.dev.zeros(rows)?);
+            }
+            let delta = delta.as_mut().expect("allocated above");
+            let (ro, m) = (opt_mut(&mut ro), opt(&m));
+            self.dev
+                .attention_backward(&mut dq, ro, delta, &d, &q, &l, m, dims, dropout)
+        })
+    }
+    fn attention_decode_row(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[f32],
+        _: &[f32],
+        _: DecodeDims,
+    ) {
+        self.missing("attention_decode_row")
+    }
+    fn attention_decode_row_bf16(
+        &self,
+        _: &mut [f32],
+        _: &mut [f32],
+        _: &[f32],
+        _: &[u16],
+        _: &[u16],
+        _: DecodeDims,
+    ) {
+        self.missing("attention_decode_row_bf16")
+    }
+    fn crossentropy_forward(
+        &self,
+        losses: ViewMut<f32>,
+        lse: ViewMut<f32>,
+        logits: View<f32>,
+        targets: View<i32>,
+        n: usize,
+        v: usize,
+    ) {
+        self.run("crossentropy_forward", || {
+            let (mut lo, mut ls) = (self.w(losses)?, self.w(lse)?);
+            let (x, t) = (self.r(logits)?, self.r(targets)?);
+            self.dev
+                .crossentropy_forward(&mut lo, &mut ls, &x, &t, n, v)
+        })
+    }
+    fn crossentropy_forward_block(
+        &self,
+        lse: ViewMut<f32>,
+        target_logit: ViewMut<f32>,
+        logits: View<f32>,
+        targets: View<i32>,
+        n: usize,
+        v: usize,
+        v0: usize,
+    ) {
+        self.run("crossentropy_forward_block", || {
+            let (mut ls, mut tl) = (self.w(lse)?, self.w(target_logit)?);
+            let (x, t) = (self.r(logits)?, self.r(targets)?);
+            self.dev
+                .crossentropy_forward_block(&mut ls, &mut tl, &x, &t, n, v, v0)
+        })
+    }
+    fn crossentropy_backward(
+        &self,
+        dlogits: ViewMut<f32>,
+        logits: View<f32>,
+        lse: View<f32>,
+        targets: View<i32>,
+        scale: f32,
+        n: usize,
+        v: usize,
+        v0: usize,
+    ) {
+        self.run("crossentropy_backward", || {
+            let mut d = self.w(dlogits)?;
+            let (x, l, t) = (self.r(logits)?, self.r(lse)?, self.r(targets)?);
+            self.dev
+                .crossentropy_backward(&mut d, &x, &l, &t, scale, n, v, v0)
+        })
+    }
+    fn fill(&self, x: ViewMut<f32>, value: f32) {
+        self.run("fill", || self.dev.fill(&mut self.w(x)?, value))
+    }
+    fn add_into(&self, acc: ViewMut<f32>, x: View<f32>) {
+        self.run("add_into", || {
+            let (mut a, x) = (self.w(acc)?, self.r(x)?);
+            self.dev.add(&mut a, &x)
+        })
+    }
+    fn crossentropy_fold(&self, losses: ViewMut<f32>, lse: View<f32>, targets: View<i32>) {
+        self.run("crossentropy_fold", || {
+            let (mut lo, l, t) = (self.w(losses)?, self.r(lse)?, self.r(targets)?);
+            self.dev.crossentropy_fold(&mut lo, &l, &t)
+        })
+    }
+    fn loss_sum(&self, losses: View<f32>) -> f64 {
+        // The N per-row losses come to the host and are summed there in the CPU's order:
+        // the same bits as the CPU's for the same losses, for N floats of traffic.
+        self.value("loss_sum", || {
+            let l = self.r(losses)?;
+            let mut host = vec![0f32; l.len()];
+            self.dev.copy_to_host(host_bytes(&mut host), &l.bytes())?;
+            Ok(cohort_engine::cpu::loss_sum(&host))
+        })
+    }
+    fn adamw_step(
+        &self,
+        p: ViewMut<f32>,
+        g: View<f32>,
+        m: ViewMut<f32>,
+        v: ViewMut<f32>,
+        c: AdamCoeffs,
+    ) {
+        let s = AdamWScalars {
+            decay: c.decay,
+            lerp_w: c.lerp_w,
+            beta2: c.beta2,
+            one_minus_beta2: c.one_minus_beta2,
+            bc2_sqrt: c.bc2_sqrt,
+            eps: c.eps,
+            neg_step_size: c.neg_step_size,
+        };
+        self.run("adamw_step", || {
+            let (mut p, g, mut m, mut v) = (self.w(p)?, self.r(g)?, self.w(m)?, self.w(v)?);
+            self.dev.adamw_step(&mut p, &g, &mut m, &mut v, s)
+        })
+    }
+    fn sum_squares(&self, x: View<f32>) -> f64 {
+        self.value("sum_squares", || self.dev.sum_squares(&self.r(x)?))
+    }
+    fn scale(&self, x: ViewMut<f32>, s: f32) {
+        self.run("scale", || self.dev.scale(&mut self.w(x)?, s))
+    }
+}
+
+/// `host` as bytes.
+fn host_bytes(host: &mut [f32]) -> &mut [u8] {
+    ViewMut::from(host).cast::<u8>().host()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_missing_kernels_are_kernels_of_the_engines_list() {
+        for k in MISSING {
+            assert!(
+                cohort_engine::KERNELS.contains(k),
+                "{k} is not an engine kernel"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_products_are_refused_by_name_before_any_library_is_touched() {
+        let search = Search::from_env();
+        let err = CudaBackend::open(0, DType::Bf16, &search)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not yet on cuda: bf16 products"), "{err}");
+    }
+
+    #[test]
+    fn opening_without_a_gpu_is_an_error_not_a_panic() {
+        match CudaBackend::open(0, DType::F32, &Search::from_env()) {
+            Ok(b) => eprintln!("a GPU is here: {b:?}"),
+            Err(e) => assert!(!e.to_string().contains('\n'), "one line: {e}"),
+        }
+    }
+}

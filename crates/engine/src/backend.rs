@@ -1,10 +1,13 @@
 //! The device boundary: every kernel the model calls, as one trait. The model holds a
-//! `Box<dyn Backend>` and never names a device; [`Cpu`](crate::cpu::Cpu) is the only
-//! implementation today.
+//! `Box<dyn Backend>` and never names a device. [`Cpu`](crate::cpu::Cpu) implements it, and so
+//! do [`Emulated`] (a test device in host memory) and, outside the engine, `cohort-cuda`'s
+//! `CudaBackend`.
 //!
 //! Each kernel is declared once, in the [`kernels!`] list below: its doc, its arguments and the
-//! CPU function that runs it. The list generates both the [`Backend`] trait and the CPU
-//! backend's implementation, so a kernel is added in one place (plus its CPU body).
+//! CPU function that runs it. The list generates the [`Backend`] trait, [`KERNELS`] and the CPU
+//! and emulated backends' implementations, so a kernel is added in one place (plus its CPU
+//! body; a device backend then implements it or lists it in
+//! [`Backend::missing_kernels`]).
 //!
 //! Precision and device are part of a backend's type: [`Backend::device`] says where its
 //! buffers live and [`Backend::dtype`] what its matrix products compute in. Buffers stay `f32`
@@ -440,7 +443,7 @@ kernels! {
     /// a device backend waits for the kernels before it.
     fn loss_sum(losses: View<f32>) -> f64 => cpu::loss_sum;
     /// One AdamW step on one segment of the flat buffers (`p`, `g`, moments `m` and `v` of equal
-    /// length) with the step's coefficients ([`AdamW::coeffs`](crate::optim::AdamW::coeffs)).
+    /// length) with the step's coefficients (what [`AdamW::step_on`](crate::optim::AdamW::step_on) passes).
     fn adamw_step(p: ViewMut<f32>, g: View<f32>, m: ViewMut<f32>, v: ViewMut<f32>, c: AdamCoeffs) => optim::adamw_segment;
     /// Σ x² in f64, in fixed blocks added in order (the squared global norm clipping takes).
     /// Returns to the host: a device backend waits for the kernels before it.

@@ -8,7 +8,7 @@
 
 use super::*;
 
-/// `g[w]` and the bias right after it (empty range: None), as two disjoint slices.
+/// `g[w]` and the bias right after it (empty range: None), as two disjoint views.
 pub(crate) fn wb<'a>(
     g: &'a mut ViewMut<'_, f32>,
     off: usize,

@@ -4,7 +4,7 @@
 //! on a GPU machine that has no Rust toolchain (scripts/gpu-check.sh).
 
 use anyhow::{bail, Context};
-use cohort_cuda::{check, info::Info, libraries::Search, Device};
+use cohort_cuda::{check, info::Info, libraries::Search, CudaBackend, Device};
 
 /// The CUDA device: libraries, kernels.
 #[derive(clap::Subcommand, Debug)]
@@ -12,7 +12,8 @@ pub enum GpuCmd {
     /// Print which CUDA libraries and headers were found where, NVRTC's version and device 0
     /// (name, SMs, memory, compute capability); fails when there is no usable GPU.
     Info,
-    /// Run every CUDA kernel against the CPU engine on random inputs and print a table
+    /// Run every CUDA kernel against the CPU engine on random inputs, then a short sequence of
+    /// them through the engine's CUDA backend against the CPU backend, and print a table
     /// (kernel, max error, tolerance, ok); fails when any output differs.
     Check {
         /// The device ordinal.
@@ -45,7 +46,9 @@ pub fn main(cmd: GpuCmd) -> anyhow::Result<()> {
                 dev.compiler().version().0,
                 dev.compiler().version().1
             );
-            let rows = check::run(&dev);
+            let mut rows = check::run(&dev);
+            // then the engine's backend on the same device, against the CPU backend
+            rows.extend(check::engine_backend(&CudaBackend::on(dev)));
             print!("{}", check::table(&rows));
             let failed = rows.iter().filter(|r| !r.ok).count();
             if failed > 0 {

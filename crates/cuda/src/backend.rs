@@ -78,13 +78,17 @@ impl CudaBackend {
                 what: format!("not yet on cuda: {dtype} products (only fp32 for now)"),
             });
         }
-        let dev = Device::open(ordinal, search)?;
-        Ok(CudaBackend {
-            device: EngineDevice::Cuda(ordinal as u32),
+        Ok(CudaBackend::on(Device::open(ordinal, search)?))
+    }
+
+    /// The fp32 backend on an opened device.
+    pub fn on(dev: Device) -> CudaBackend {
+        CudaBackend {
+            device: EngineDevice::Cuda(dev.info().ordinal as u32),
             dev,
             error: Mutex::new(None),
             delta: Mutex::new(None),
-        })
+        }
     }
 
     /// The device it launches on.

@@ -20,6 +20,9 @@ use half::bf16;
 use crate::device::Operand;
 use crate::{CudaError, Device, Mem};
 
+mod engine;
+pub use engine::engine_backend;
+
 /// One compared output.
 #[derive(Debug, Clone)]
 pub struct CheckRow {
@@ -369,6 +372,9 @@ fn crossentropy(dev: &Device, rows: &mut Rows) {
         );
         // Rows whose target is ignored leave target_logit unwritten on both sides (NaN = NaN).
         let (got_tl, want_tl) = counted_only(&dev.download(&btl)?, &wbtl, &targets);
+        // The fold turns the target logits into losses (0 where ignored).
+        dev.crossentropy_fold(&mut btl, &blse, &td)?;
+        cpu::crossentropy_fold(&mut wbtl, &wblse, &targets);
         Ok(vec![
             row(
                 "crossentropy_forward.losses",
@@ -390,6 +396,7 @@ fn crossentropy(dev: &Device, rows: &mut Rows) {
                 0.0,
             ),
             row("crossentropy_backward", dev.download(&dl)?, wdl, 1e-5),
+            row("crossentropy_fold", dev.download(&btl)?, wbtl, 1e-5),
         ])
     });
 }

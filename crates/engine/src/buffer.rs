@@ -53,8 +53,9 @@ pub struct Buffer {
 }
 
 impl Default for Buffer {
+    /// Empty, allocating nothing (what a released buffer is replaced by).
     fn default() -> Buffer {
-        Buffer::host(0)
+        AlignedFloats::default().into()
     }
 }
 

@@ -71,7 +71,10 @@ fn a_checkpoint_with_sha256sums_still_loads_and_is_still_checked() {
         .current_dir(&dir)
         .status()
     {
-        Ok(status) => assert!(status.success(), "sha256sum -c rejects the test's SHA256SUMS"),
+        Ok(status) => assert!(
+            status.success(),
+            "sha256sum -c rejects the test's SHA256SUMS"
+        ),
         Err(e) => eprintln!("skipping the sha256sum -c cross-check: {e}"),
     }
     assert!(verify(&dir).unwrap());
@@ -89,7 +92,14 @@ fn a_checkpoint_with_sha256sums_still_loads_and_is_still_checked() {
     let err = load_model(root.path()).unwrap_err();
     let msg = err.to_string();
     assert!(
-        matches!(&err, CheckpointError::Corrupt { what: "SHA-256", list: SHA256SUMS_FILE, .. }),
+        matches!(
+            &err,
+            CheckpointError::Corrupt {
+                what: "SHA-256",
+                list: SHA256SUMS_FILE,
+                ..
+            }
+        ),
         "{msg}"
     );
     assert!(msg.contains(MODEL_FILE), "{msg}");
@@ -149,7 +159,10 @@ fn the_writer_writes_the_bytes_the_safetensors_crate_writes() {
             ("empty".to_string(), (vec![0, 5], &c[..])),
         ]
     };
-    for metadata in [HashMap::new(), HashMap::from([("format".into(), "pt".into())])] {
+    for metadata in [
+        HashMap::new(),
+        HashMap::from([("format".into(), "pt".into())]),
+    ] {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.safetensors");
         let tensors = (views().into_iter())
@@ -198,11 +211,17 @@ fn a_sharded_checkpoint_of_format_1_still_loads_and_is_still_checked() {
     }];
     let record = write_shard(&staging, 0, 1, &pieces, &[(PARAMS_BUFFER, model.params())]).unwrap();
     assert!(record.digest.starts_with("crc32c:"), "{record:?}");
-    let index = ShardIndex::new(n, vec![PARAMS_BUFFER.into()], BTreeMap::new(), vec![record])
-        .unwrap();
+    let index =
+        ShardIndex::new(n, vec![PARAMS_BUFFER.into()], BTreeMap::new(), vec![record]).unwrap();
     let config = model.config();
-    let dir = commit_sharded(root.path(), "step-1", config, &Checkpoint::default(), &index)
-        .unwrap();
+    let dir = commit_sharded(
+        root.path(),
+        "step-1",
+        config,
+        &Checkpoint::default(),
+        &index,
+    )
+    .unwrap();
 
     // What an older version wrote: the index of format 1 with SHA-256 digests, SHA256SUMS.
     let shard = dir.join(&index.shards[0].file);
@@ -229,7 +248,14 @@ fn a_sharded_checkpoint_of_format_1_still_loads_and_is_still_checked() {
         panic!("{err}");
     };
     assert!(
-        matches!(**source, CheckpointError::Corrupt { what: "SHA-256", list: SHARD_INDEX_FILE, .. }),
+        matches!(
+            **source,
+            CheckpointError::Corrupt {
+                what: "SHA-256",
+                list: SHARD_INDEX_FILE,
+                ..
+            }
+        ),
         "{err}"
     );
 }

@@ -54,7 +54,10 @@ fn save_cpu_seconds_per_gb() {
     rows.push((
         "f32 -> LE bytes, new Vec (before: every tensor)",
         per_gb(bytes, || {
-            le = src.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>()
+            le = src
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect::<Vec<u8>>()
         }),
     ));
     let raw = root.path().join("raw");

@@ -51,7 +51,8 @@ impl Digest {
 
     /// A digest as [`Digest::to_string`] writes it; `None` when it is neither form.
     pub(super) fn parse(text: &str) -> Option<Digest> {
-        let hex_digits = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+        let hex_digits =
+            |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
         if let Some(h) = text.strip_prefix("crc32c:") {
             let crc = hex_digits(h, 8).then(|| u32::from_str_radix(h, 16).ok())??;
             return Some(Digest::Crc32c(crc));
@@ -114,7 +115,12 @@ pub(super) struct Sum {
 
 impl Sum {
     /// Checks `bytes`, read from `path`, against this sum (recorded in `list`).
-    pub(super) fn check(&self, path: &Path, list: &'static str, bytes: &[u8]) -> Result<(), CheckpointError> {
+    pub(super) fn check(
+        &self,
+        path: &Path,
+        list: &'static str,
+        bytes: &[u8],
+    ) -> Result<(), CheckpointError> {
         let size = bytes.len() as u64;
         self.check_size(path, list, size)?;
         self.check_digest(path, list, self.digest.of(bytes), size)
@@ -127,7 +133,12 @@ impl Sum {
         self.check_digest(path, list, self.digest.of_file(path)?, size)
     }
 
-    fn check_size(&self, path: &Path, list: &'static str, size: u64) -> Result<(), CheckpointError> {
+    fn check_size(
+        &self,
+        path: &Path,
+        list: &'static str,
+        size: u64,
+    ) -> Result<(), CheckpointError> {
         match self.size {
             Some(expected) if expected != size => Err(CheckpointError::Corrupt {
                 path: path.to_path_buf(),
@@ -301,7 +312,12 @@ pub(super) struct Sums {
 
 impl Sums {
     /// Checks `bytes`, read from `dir/name`, against the sum of `name` (if listed).
-    pub(super) fn check(&self, dir: &Path, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+    pub(super) fn check(
+        &self,
+        dir: &Path,
+        name: &str,
+        bytes: &[u8],
+    ) -> Result<(), CheckpointError> {
         match self.sums.get(name) {
             Some(sum) => sum.check(&dir.join(name), self.list, bytes),
             None => Ok(()),
@@ -313,7 +329,10 @@ impl Sums {
 /// checkpoint); `None` when it has neither.
 pub(super) fn read_checksums(dir: &Path) -> Result<Option<Sums>, CheckpointError> {
     for (list, parse) in [
-        (CHECKSUMS_FILE, parse_checksums as fn(&str) -> Option<(String, Sum)>),
+        (
+            CHECKSUMS_FILE,
+            parse_checksums as fn(&str) -> Option<(String, Sum)>,
+        ),
         (SHA256SUMS_FILE, parse_sha256sums),
     ] {
         let path = dir.join(list);

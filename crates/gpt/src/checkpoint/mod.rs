@@ -84,8 +84,8 @@ pub use hf_llama::INDEX_FILE;
 pub use integrity::{verify, verify_except, write_file_atomic, SHA256SUMS_FILE};
 pub use sharded::{
     abort_sharded, begin_sharded, commit_sharded, crc32c_digest, digest_crc32c, read_index,
-    read_ranges, shard_file_name,
-    staging_dir, write_shard, Piece, ShardIndex, ShardRecord, PARAMS_BUFFER, SHARD_INDEX_FILE,
+    read_ranges, shard_file_name, staging_dir, write_shard, Piece, ShardIndex, ShardRecord,
+    PARAMS_BUFFER, SHARD_INDEX_FILE,
 };
 pub use tensors::load_params_into;
 

@@ -380,7 +380,10 @@ fn shard_sum(shard: &ShardRecord, dir: &Path) -> Result<Sum, CheckpointError> {
     let digest = Digest::parse(&shard.digest).ok_or_else(|| {
         format_err(
             &dir.join(SHARD_INDEX_FILE),
-            format!("shard {}'s digest {:?} is not one", shard.rank, shard.digest),
+            format!(
+                "shard {}'s digest {:?} is not one",
+                shard.rank, shard.digest
+            ),
         )
     })?;
     Ok(Sum {

@@ -60,7 +60,11 @@ fn safetensors_header(
         if header.len() > 1 {
             header.push(',');
         }
-        header.push_str(&format!("{}:{}", to_json(path, name)?, to_json(path, &info)?));
+        header.push_str(&format!(
+            "{}:{}",
+            to_json(path, name)?,
+            to_json(path, &info)?
+        ));
     }
     header.push('}');
     let mut header = header.into_bytes();

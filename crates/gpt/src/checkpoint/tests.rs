@@ -281,7 +281,10 @@ fn checksums_are_written_with_the_files_and_checked_by_every_reader() {
         CheckpointError::Corrupt { path, .. } if *path == dir.join(name) => {
             let msg = err.to_string();
             assert!(msg.contains(name) && msg.contains("corrupt"), "{msg}");
-            assert!(msg.contains("CRC-32C") && msg.contains(CHECKSUMS_FILE), "{msg}");
+            assert!(
+                msg.contains("CRC-32C") && msg.contains(CHECKSUMS_FILE),
+                "{msg}"
+            );
         }
         other => panic!("{name}: expected Corrupt, got {other:?}"),
     };

@@ -304,6 +304,10 @@ mod tests {
         .join()
         .unwrap();
         assert!(writer.0 || writer.1 == 19, "writer: {writer:?}");
-        assert_eq!(idle_or_nice(), before, "the calling thread keeps its priority");
+        assert_eq!(
+            idle_or_nice(),
+            before,
+            "the calling thread keeps its priority"
+        );
     }
 }

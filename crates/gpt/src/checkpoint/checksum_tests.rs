@@ -150,7 +150,7 @@ fn crc32c_finds_one_flipped_bit_anywhere_in_a_large_file() {
 #[test]
 fn the_writer_writes_the_bytes_the_safetensors_crate_writes() {
     let a: Vec<f32> = (0..24).map(|i| i as f32 - 3.5).collect();
-    let b = vec![f32::MIN_POSITIVE, -0.0, 1e30];
+    let b = [f32::MIN_POSITIVE, -0.0, 1e30];
     let c: Vec<f32> = Vec::new();
     let views = || {
         vec![

@@ -288,13 +288,15 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn the_writer_yields_to_training() {
-        // SAFETY (both closures): scheduling queries on the calling thread, no memory passed.
-        let idle_or_nice = || unsafe {
-            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-            (
-                libc::sched_getscheduler(0) == libc::SCHED_IDLE,
-                libc::getpriority(libc::PRIO_PROCESS, tid),
-            )
+        let idle_or_nice = || {
+            // SAFETY: scheduling queries on the calling thread; no memory is passed.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                (
+                    libc::sched_getscheduler(0) == libc::SCHED_IDLE,
+                    libc::getpriority(libc::PRIO_PROCESS, tid),
+                )
+            }
         };
         let before = idle_or_nice();
         let writer = std::thread::spawn(move || {

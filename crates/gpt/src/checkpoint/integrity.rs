@@ -179,9 +179,11 @@ pub(super) fn fsync(path: &Path) -> Result<(), CheckpointError> {
         .map_err(io("fsync", path))
 }
 
-/// The bytes a large write hands to the kernel at a time, and the window whose writeback is
-/// started, then waited for and its pages dropped, one window behind.
+/// The bytes a write hands to the kernel at a time, summed just before (small enough to stay
+/// in the CPU's cache between the two).
 const PIECE: usize = 1 << 20;
+/// The bytes whose writeback is started together; each window is waited for and dropped from
+/// the page cache one window later, so a file in writing holds about two windows of it.
 const WINDOW: u64 = 8 << 20;
 
 /// A file being written: every byte goes into its CRC-32C and to the file in one pass, and
@@ -231,7 +233,7 @@ impl SumWriter {
             use std::os::fd::AsRawFd;
             let fd = self.file.as_raw_fd();
             let (done, now) = (self.started, self.started + WINDOW);
-            let len = (WINDOW) as libc::off64_t;
+            let len = WINDOW as libc::off64_t;
             // SAFETY: plain syscalls on a file descriptor this writer owns; they read no memory
             // of ours.
             unsafe {

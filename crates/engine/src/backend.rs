@@ -173,6 +173,10 @@ kernels! {
     fn matmul_swiglu_forward(pre: &mut [f32], out: &mut [f32], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward;
     /// `matmul_swiglu_forward` with `out` kept in bf16 (its bits) and `grad` (interleaved) = (silu(gate), up · silu'(gate)) instead of the pre-activation. Only on a backend of `DType::Bf16`.
     fn matmul_swiglu_forward_bf16(grad: &mut [f32], out: &mut [u16], inp: &[f32], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward_bf16;
+    /// dinp (N, 2F), gate then up, = SwiGLU backward at the interleaved `pre` of d(output) = dout (N, C) · wᵀ (w (F, C)), which `dact` (N, F) receives on the way: `matmul_backward_input` and `swiglu_interleaved_backward` in one pass (the same bits).
+    fn matmul_backward_input_swiglu(dinp: &mut [f32], dact: &mut [f32], dout: &[f32], w: &[f32], pre: &[f32], n: usize, f: usize, c: usize) => @dtype cpu::matmul_backward_input_swiglu;
+    /// `matmul_backward_input_swiglu` from the derivatives `matmul_swiglu_forward_bf16` kept in `grad` (`swiglu_backward_with_grad` fused, the same bits).
+    fn matmul_backward_input_swiglu_with_grad(dinp: &mut [f32], dact: &mut [f32], dout: &[f32], w: &[f32], grad: &[f32], n: usize, f: usize, c: usize) => @dtype cpu::matmul_backward_input_swiglu_with_grad;
     /// `matmul_forward` of an input kept in bf16 (its bits). Only on a backend of `DType::Bf16`.
     fn matmul_forward_bf16_input(out: &mut [f32], inp: &[u16], w: &[f32], bias: Option<&[f32]>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
     /// dw += inpᵀ · dout, dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.

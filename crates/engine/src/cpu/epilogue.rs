@@ -25,7 +25,7 @@
 use super::math::gelu;
 #[cfg(target_arch = "x86_64")]
 use super::math::{gelu_and_grad, swiglu_grads};
-use super::math::swiglu;
+use super::math::{swiglu, swiglu_backward_pair};
 use super::swiglu::TILE;
 use super::SendPtr;
 
@@ -52,6 +52,16 @@ pub(crate) enum Epilogue {
     /// overwritten by what SwiGLU's backward needs (`swiglu_grads`: silu(gate) where gate
     /// was, up · silu'(gate) where up was), so backward computes no sigmoid.
     SwiGluBf16 { out: SendPtr, rs: usize, half: usize },
+    /// SwiGLU's backward, on the product that gives d(SwiGLU output) (C, (N, F) natural): from
+    /// `src` (N, 2F), the forward's interleaved pre-activation, or with `kept` the derivatives
+    /// the bf16 forward left there, into `dinp` (N, 2F) gate then up, both of row stride 2F.
+    /// C's blocks start at multiples of 16 columns (a tile of `src`), as every kernel's do.
+    SwiGluBwd {
+        dinp: SendPtr,
+        src: SendPtr,
+        f: usize,
+        kept: bool,
+    },
 }
 
 impl Epilogue {
@@ -77,6 +87,13 @@ impl Epilogue {
                 out: SendPtr((out.get() as *mut u16).wrapping_add(r * rs + c / 2) as *mut f32),
                 rs,
                 half,
+            },
+            // c is a multiple of TILE: natural column c, interleaved tile at 2·c.
+            Epilogue::SwiGluBwd { dinp, src, f, kept } => Epilogue::SwiGluBwd {
+                dinp: SendPtr(dinp.get().wrapping_add(r * 2 * f + c)),
+                src: SendPtr(src.get().wrapping_add(r * 2 * f + 2 * c)),
+                f,
+                kept,
             },
         }
     }
@@ -142,6 +159,36 @@ impl Epilogue {
                         let (g, u) = x.split_at(TILE);
                         for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
                             *o = swiglu(g, u);
+                        }
+                    }
+                }
+            }
+            Epilogue::SwiGluBwd { dinp, src, f, kept } => {
+                for i in 0..rows {
+                    // SAFETY: row i of the block: cols floats of C, 2·cols of src from the
+                    // block's tile, cols of dinp's gate and of its up half, inside the matrices
+                    // per the contract; dinp overlaps neither.
+                    let (d, x, dg, du) = unsafe {
+                        let dg = dinp.get().add(i * 2 * f);
+                        (
+                            std::slice::from_raw_parts(c.add(i * rsc), cols),
+                            std::slice::from_raw_parts(src.get().add(i * 2 * f), 2 * cols),
+                            std::slice::from_raw_parts_mut(dg, cols),
+                            std::slice::from_raw_parts_mut(dg.add(f), cols),
+                        )
+                    };
+                    // Tiles of TILE columns (the last one narrower where the block ends at F).
+                    for t0 in (0..cols).step_by(TILE) {
+                        let w = TILE.min(cols - t0);
+                        let (a, b) = x[2 * t0..2 * t0 + 2 * w].split_at(w);
+                        let r = t0..t0 + w;
+                        let (dg, du, d) = (&mut dg[r.clone()], &mut du[r.clone()], &d[r]);
+                        for j in 0..w {
+                            (dg[j], du[j]) = if kept {
+                                (d[j] * b[j], d[j] * a[j])
+                            } else {
+                                swiglu_backward_pair(d[j], a[j], b[j])
+                            };
                         }
                     }
                 }

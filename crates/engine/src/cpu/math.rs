@@ -78,6 +78,14 @@ pub(crate) fn swiglu_grads(g: f32, u: f32) -> (f32, f32) {
     (g * s, u * s * (1.0 + g * (1.0 - s)))
 }
 
+/// SwiGLU's backward at one (gate, up) pair for d(output) `d`: (d gate, d up), in the order of
+/// operations every SwiGLU backward uses.
+#[inline(always)]
+pub(crate) fn swiglu_backward_pair(d: f32, g: f32, u: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+}
+
 /// Sum in a fixed order: 16 strided partial sums, then those in order.
 #[inline(always)]
 pub(crate) fn sum(x: &[f32]) -> f32 {

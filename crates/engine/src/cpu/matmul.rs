@@ -766,6 +766,24 @@ pub fn matmul_backward_input(
     c: usize,
     oc: usize,
 ) {
+    // SAFETY: no epilogue.
+    unsafe { matmul_backward_input_with(dtype, dinp, dout, w, (n, c, oc), Epilogue::None) }
+}
+
+/// [`matmul_backward_input`] with `ep` applied to dinp as the kernels finish it: the fused
+/// backward products of other modules (SwiGLU's).
+///
+/// # Safety
+/// `ep`'s operands must hold what it reads and writes for an (N, C) dinp and overlap nothing
+/// it does not read.
+pub(super) unsafe fn matmul_backward_input_with(
+    dtype: DType,
+    dinp: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    (n, c, oc): (usize, usize, usize),
+    ep: Epilogue,
+) {
     check("matmul dout", dout.len(), n * oc);
     check("matmul w", w.len(), c * oc);
     check("matmul dinp", dinp.len(), n * c);
@@ -781,7 +799,7 @@ pub fn matmul_backward_input(
             Mat::rm(dinp.as_mut_ptr(), c),
             false,
             None,
-            Epilogue::None,
+            ep,
         );
     }
 }

@@ -56,8 +56,9 @@ pub use peak::{product_peak, Peak};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward, rope_tables, RopeDims};
 pub use swiglu::{
-    matmul_swiglu_forward, matmul_swiglu_forward_bf16, swiglu_backward, swiglu_backward_with_grad,
-    swiglu_forward, swiglu_interleaved_backward, swiglu_interleaved_forward,
+    matmul_backward_input_swiglu, matmul_backward_input_swiglu_with_grad, matmul_swiglu_forward,
+    matmul_swiglu_forward_bf16, swiglu_backward, swiglu_backward_with_grad, swiglu_forward,
+    swiglu_interleaved_backward, swiglu_interleaved_forward,
 };
 
 use crate::{DType, EngineError};

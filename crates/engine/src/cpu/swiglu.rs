@@ -19,8 +19,8 @@ use rayon::prelude::*;
 
 use super::bf16::bf16_bits;
 use super::epilogue::Epilogue;
-use super::math::{sigmoid, swiglu, swiglu_grads};
-use super::matmul::{matmul_forward, matmul_forward_with};
+use super::math::{swiglu, swiglu_backward_pair as pair_backward, swiglu_grads};
+use super::matmul::{matmul_backward_input_with, matmul_forward, matmul_forward_with};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::DType;
 
@@ -101,13 +101,6 @@ pub fn swiglu_interleaved_backward(
         .zip(dout[..n * f].par_chunks(ROWS_PER_TASK * f))
         .zip(inp[..2 * n * f].par_chunks(ROWS_PER_TASK * 2 * f))
         .for_each(|((di, d), x)| rows_backward(di, d, x, f, true));
-}
-
-/// d(gate), d(up) of one pair: the order of operations every SwiGLU backward here uses.
-#[inline(always)]
-fn pair_backward(d: f32, g: f32, u: f32) -> (f32, f32) {
-    let s = sigmoid(g);
-    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
 simd_fn! {
@@ -243,6 +236,68 @@ pub fn matmul_swiglu_forward_bf16(
     };
     // SAFETY: ep's operand is `out`, (n, f) u16 as checked, a distinct &mut.
     unsafe { matmul_forward_with(dtype, grad, inp, w, None, (n, c, 2 * f), ep) }
+}
+
+/// `dinp` (N, 2F), gate then up, = SwiGLU's backward at the interleaved pre-activation `pre`
+/// (as [`matmul_swiglu_forward`] left it) for d(output) = `dout` (N, C) · `w`ᵀ, `w` (F, C) the
+/// next layer's weight: the product (which `dact` (N, F) receives on the way) and
+/// [`swiglu_interleaved_backward`] in one pass, each strip of the product turned into its
+/// gradients while in cache. The same bits as the two.
+pub fn matmul_backward_input_swiglu(
+    dtype: DType,
+    dinp: &mut [f32],
+    dact: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    pre: &[f32],
+    n: usize,
+    f: usize,
+    c: usize,
+) {
+    backward_input(dtype, (dinp, dact), dout, w, (pre, false), (n, f, c))
+}
+
+/// [`matmul_backward_input_swiglu`] from the derivatives [`matmul_swiglu_forward_bf16`] kept
+/// in `grad`: the product and [`swiglu_backward_with_grad`] in one pass, the same bits.
+pub fn matmul_backward_input_swiglu_with_grad(
+    dtype: DType,
+    dinp: &mut [f32],
+    dact: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    grad: &[f32],
+    n: usize,
+    f: usize,
+    c: usize,
+) {
+    backward_input(dtype, (dinp, dact), dout, w, (grad, true), (n, f, c))
+}
+
+/// The two above: `src` is the pre-activation, or the kept derivatives with `kept`.
+fn backward_input(
+    dtype: DType,
+    (dinp, dact): (&mut [f32], &mut [f32]),
+    dout: &[f32],
+    w: &[f32],
+    (src, kept): (&[f32], bool),
+    (n, f, c): (usize, usize, usize),
+) {
+    let need = 2 * n * f;
+    assert!(
+        dinp.len() >= need && src.len() >= need,
+        "swiglu backward: {} and {} floats, need {need}",
+        dinp.len(),
+        src.len()
+    );
+    let ep = Epilogue::SwiGluBwd {
+        dinp: SendPtr(dinp.as_mut_ptr()),
+        src: SendPtr(src.as_ptr() as *mut f32),
+        f,
+        kept,
+    };
+    // SAFETY: ep reads `src` and writes `dinp`, each (n, 2f) as checked, distinct from each
+    // other and from the product's operands (dinp is a &mut; src is only read).
+    unsafe { matmul_backward_input_with(dtype, dact, dout, w, (n, f, c), ep) }
 }
 
 /// Where the fused product's fallback writes SwiGLU's output.
@@ -446,6 +501,45 @@ mod tests {
                         let want_grad = interleave(&want_grad, f);
                         assert_eq!(bits(&grad), bits(&want_grad), "kept derivatives, {what}");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fused_backward_products_are_the_unfused_bits() {
+        use crate::cpu::matmul_backward_input;
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let mut dtypes = vec![DType::F32];
+        if crate::cpu::bf16_supported() {
+            dtypes.push(DType::Bf16);
+        }
+        for dtype in dtypes {
+            for threads in [1, 2] {
+                // split by rows and by columns (at 16), F off a tile, K past a K block
+                for &(n, c, f) in &[(5, 3, 16), (70, 33, 48), (20, 300, 80), (40, 21, 24)] {
+                    let what = format!("{dtype} {threads} threads {n}x{c}x{f}");
+                    let pre: Vec<f32> = rand_vec(2 * n * f, 1).iter().map(|v| v * 3.0).collect();
+                    let (w, dout) = (rand_vec(f * c, 2), rand_vec(n * c, 3));
+                    let mut dact = vec![0.0; n * f];
+                    let (mut want_dact, mut want) = (vec![0.0; n * f], vec![0.0; 2 * n * f]);
+                    let (mut d1, mut d2, mut want2) =
+                        (vec![9.0; 2 * n * f], vec![9.0; 2 * n * f], vec![0.0; 2 * n * f]);
+                    within_pool(threads, || {
+                        matmul_backward_input(dtype, &mut want_dact, &dout, &w, n, f, c);
+                        swiglu_interleaved_backward(&mut want, &want_dact, &pre, n, f);
+                        swiglu_backward_with_grad(&mut want2, &want_dact, &pre, n, f);
+                        let args = (&dout, &w, &pre);
+                        matmul_backward_input_swiglu(
+                            dtype, &mut d1, &mut dact, args.0, args.1, args.2, n, f, c,
+                        );
+                        matmul_backward_input_swiglu_with_grad(
+                            dtype, &mut d2, &mut dact, args.0, args.1, args.2, n, f, c,
+                        );
+                    });
+                    assert_eq!(bits(&dact), bits(&want_dact), "d(output), {what}");
+                    assert_eq!(bits(&d1), bits(&want), "from pre, {what}");
+                    assert_eq!(bits(&d2), bits(&want2), "from kept derivatives, {what}");
                 }
             }
         }

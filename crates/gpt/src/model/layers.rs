@@ -527,17 +527,19 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                     dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
                 });
             }
+            // d(SwiGLU output) into `act` (its value is spent), SwiGLU's backward applied to
+            // each strip of it while in cache; under bf16 from the derivatives the forward left
+            // in `fch` (see the arena)
+            let fcproj_w = w.fcproj_w;
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward_input(act, dproj, w.fcproj_w, n, f, c)
+                if a.gelu16.is_empty() {
+                    dev.matmul_backward_input_swiglu(dfc, act, dproj, fcproj_w, fch, n, f, c)
+                } else {
+                    dev.matmul_backward_input_swiglu_with_grad(
+                        dfc, act, dproj, fcproj_w, fch, n, f, c,
+                    )
+                }
             });
-            if a.gelu16.is_empty() {
-                prof.time(K::GeluBwd, || {
-                    dev.swiglu_interleaved_backward(dfc, act, fch, n, f)
-                });
-            } else {
-                // under bf16 the forward left SwiGLU's derivatives in `fch` (see the arena)
-                prof.time(K::GeluBwd, || dev.swiglu_backward_with_grad(dfc, act, fch, n, f));
-            }
             dfc
         } else {
             if a.gelu16.is_empty() {

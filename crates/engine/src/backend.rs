@@ -141,14 +141,8 @@ kernels! {
     fn rope_backward(dx: &mut [f32], pos: &[u32], cos: &[f32], sin: &[f32], dims: RopeDims) => cpu::rope_backward;
     /// out (N, F) = silu(inp[:, :F]) · inp[:, F:], inp (N, 2F) (gate | up).
     fn swiglu_forward(out: &mut [f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_forward;
-    /// dinp (N, 2F) = SwiGLU backward (overwritten).
-    fn swiglu_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_backward;
     /// out (N, F) = silu(inp[:, :F]) · inp[:, F:] of a product kept interleaved (tiles of 16 gate then 16 up columns, see `matmul_swiglu_forward`).
     fn swiglu_interleaved_forward(out: &mut [f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_interleaved_forward;
-    /// dinp (N, 2F), gate then up, = SwiGLU backward at an interleaved inp (overwritten).
-    fn swiglu_interleaved_backward(dinp: &mut [f32], dout: &[f32], inp: &[f32], n: usize, f: usize) => cpu::swiglu_interleaved_backward;
-    /// dinp (N, 2F), gate then up, = SwiGLU backward from the derivatives `matmul_swiglu_forward_bf16` kept in `grad` (overwritten).
-    fn swiglu_backward_with_grad(dinp: &mut [f32], dout: &[f32], grad: &[f32], n: usize, f: usize) => cpu::swiglu_backward_with_grad;
     /// LayerNorm over C; writes mean and rstd (N) for backward.
     fn layernorm_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>, n: usize, c: usize) => cpu::layernorm_forward;
     /// dinp, dw, db += LayerNorm backward.

@@ -336,7 +336,11 @@ unsafe fn head_forward(
     mask_row(mf, mask, bi, t);
     let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
     let row0 = qkv[bi * t * rs..].as_ptr();
-    let (q, k, v) = (row0.wrapping_add(qo), row0.wrapping_add(ko), row0.wrapping_add(vo));
+    let (q, k, v) = (
+        row0.wrapping_add(qo),
+        row0.wrapping_add(ko),
+        row0.wrapping_add(vo),
+    );
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
         let (rows, keys) = (r1 - r0, r1);
@@ -612,8 +616,15 @@ unsafe fn head_backward(
     let pd = &mut rest[..blk];
     mask_row(mf, mask, bi, t);
     let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
-    let (row0, drow0) = (qkv[bi * t * rs..].as_ptr(), dqkv.0.wrapping_add(bi * t * rs));
-    let (q, k, v) = (row0.wrapping_add(qo), row0.wrapping_add(ko), row0.wrapping_add(vo));
+    let (row0, drow0) = (
+        qkv[bi * t * rs..].as_ptr(),
+        dqkv.0.wrapping_add(bi * t * rs),
+    );
+    let (q, k, v) = (
+        row0.wrapping_add(qo),
+        row0.wrapping_add(ko),
+        row0.wrapping_add(vo),
+    );
     let (dq, dk, dv) = (
         drow0.wrapping_add(qo),
         drow0.wrapping_add(ko),
@@ -918,11 +929,15 @@ mod tests {
             return;
         }
         // T not a multiple of a strip, left padding, dropout, a recomputed output, two head
-        // sizes (16 and 64)
-        for (t, c, nh) in [(70usize, 32usize, 2usize), (45, 128, 2)] {
+        // sizes (16 and 64), grouped key/value heads
+        for (t, c, nh, nkv) in [
+            (70usize, 32usize, 2usize, 2usize),
+            (45, 128, 2, 1),
+            (45, 64, 4, 2),
+        ] {
             let dims = AttnDims { b: 2, t, c, nh };
-            let b = dims.b;
-            let qkv = rand_vec(b * t * 3 * c, 5);
+            let (b, w) = (dims.b, (nh + 2 * nkv) * (c / nh));
+            let qkv = rand_vec(b * t * w, 5);
             let dout = rand_vec(b * t * c, 6);
             let mut mask = vec![1u8; b * t];
             mask[t..t + 3].fill(0);
@@ -930,8 +945,7 @@ mod tests {
             let run = |amx: bool| {
                 let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
                 // dqkv and the output are overwritten, whatever they held
-                let (mut dqkv, mut again) =
-                    (vec![f32::NAN; b * t * 3 * c], vec![f32::NAN; b * t * c]);
+                let (mut dqkv, mut again) = (vec![f32::NAN; b * t * w], vec![f32::NAN; b * t * c]);
                 let mut scratch = vec![0.0; attention_scratch_len(t, 2)];
                 within_pool(2, || {
                     let m = Some(&mask[..]);
@@ -942,7 +956,7 @@ mod tests {
                         &mut lse,
                         &qkv,
                         m,
-                        (dims, dims.nh),
+                        (dims, nkv),
                         drop,
                         &mut scratch,
                     );
@@ -955,7 +969,7 @@ mod tests {
                         &qkv,
                         &lse,
                         m,
-                        (dims, dims.nh),
+                        (dims, nkv),
                         drop,
                         &mut scratch,
                     );
@@ -975,7 +989,7 @@ mod tests {
             // dK and dV sum over strips of 32 queries instead of blocks of 64: f32 rounding
             let scale = general.2.iter().fold(0f32, |m, x| m.max(x.abs()));
             for (i, (a, g)) in fused.2.iter().zip(&general.2).enumerate() {
-                let (row, col) = (i / (3 * c), i % (3 * c));
+                let (row, col) = (i / w, i % w);
                 if col < c {
                     assert_eq!(a.to_bits(), g.to_bits(), "t {t} c {c}: dq[{row}][{col}]");
                 } else {

@@ -16,9 +16,7 @@
 
 use std::cell::RefCell;
 
-use super::attention::{
-    head_cols, mask_row, probs_row, softmax_back_row, softmax_row, AttnDims,
-};
+use super::attention::{head_cols, mask_row, probs_row, softmax_back_row, softmax_row, AttnDims};
 use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm_bf16::{pack_a, pack_b, Line, NR};
 use super::SendPtr;

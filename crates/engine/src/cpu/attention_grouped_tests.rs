@@ -41,7 +41,11 @@ fn grouped_heads_match_expanded_heads_and_finite_differences() {
         let m = Some(&mask[..]);
         let run = |threads: usize, grouped: bool| {
             let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-            let x = if grouped { qkv.clone() } else { expand(&qkv, dims, nkv) };
+            let x = if grouped {
+                qkv.clone()
+            } else {
+                expand(&qkv, dims, nkv)
+            };
             let mut dx = vec![f32::NAN; x.len()];
             let mut scratch = vec![0.0; attention_scratch_len(t, threads)];
             let kv = if grouped { nkv } else { nh };
@@ -49,9 +53,7 @@ fn grouped_heads_match_expanded_heads_and_finite_differences() {
                 let d = DType::F32;
                 let s = &mut scratch;
                 attention_forward_grouped(d, &mut out, &mut lse, &x, m, dims, kv, drop, s);
-                attention_backward_grouped(
-                    d, &mut dx, None, &dout, &x, &lse, m, dims, kv, drop, s,
-                );
+                attention_backward_grouped(d, &mut dx, None, &dout, &x, &lse, m, dims, kv, drop, s);
             });
             (out, lse, dx)
         };

@@ -18,6 +18,10 @@
 //! 16 outputs, and C (the kept pre-activation) stays in that order. The weight is never copied
 //! or reordered in memory: the kernels' packing reads the two halves (see `gemm.rs`).
 //!
+//! SwiGLU's backward is fused into the product that gives d(SwiGLU output)
+//! ([`Epilogue::SwiGluBwd`]): nothing else reads that product's result back, so the pass it
+//! saves is a whole read of an (N, F) matrix (not yet timed against the separate pass).
+//!
 //! Every epilogue computes exactly what the unfused pass computes (the same scalar functions
 //! of [`math`](super::math), the same order of operations), so fused and unfused results are
 //! the same bits. An epilogue never reads or writes outside the block it is handed.
@@ -47,11 +51,19 @@ pub(crate) enum Epilogue {
     /// SwiGLU of C in the interleaved order (see the module doc): for each tile of C's row,
     /// `out[i][t0 + j] = swiglu(gate j, up j)`, `out` (N, F) in the natural order. `half` is
     /// F: the columns between B's gate and up halves. C is the pre-activation, kept.
-    SwiGlu { out: SendPtr, rs: usize, half: usize },
+    SwiGlu {
+        out: SendPtr,
+        rs: usize,
+        half: usize,
+    },
     /// The same with `out` in bf16 bits (rounded as [`Epilogue::GeluBf16`]'s), and C
     /// overwritten by what SwiGLU's backward needs (`swiglu_grads`: silu(gate) where gate
     /// was, up · silu'(gate) where up was), so backward computes no sigmoid.
-    SwiGluBf16 { out: SendPtr, rs: usize, half: usize },
+    SwiGluBf16 {
+        out: SendPtr,
+        rs: usize,
+        half: usize,
+    },
     /// SwiGLU's backward, on the product that gives d(SwiGLU output) (C, (N, F) natural): from
     /// `src` (N, 2F), the forward's interleaved pre-activation, or with `kept` the derivatives
     /// the bf16 forward left there, into `dinp` (N, 2F) gate then up, both of row stride 2F.

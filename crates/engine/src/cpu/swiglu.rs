@@ -3,17 +3,17 @@
 //!
 //! Two row layouts of that product:
 //! - natural, gate first (`[gate | up]`), as the weight (C, 2F) and its gradient are kept;
-//! - interleaved, as the product fused with its SwiGLU writes it
-//!   ([`matmul_swiglu_forward`]): tiles of [`TILE`] gate
-//!   columns each followed by the same columns of up (the last tile narrower when F is not a
-//!   multiple of [`TILE`]), so that one block of the product holds both halves of its outputs.
+//! - interleaved, as the product fused with its SwiGLU writes it ([`matmul_swiglu_forward`]):
+//!   tiles of [`TILE`] gate columns each followed by the same columns of up (the last tile
+//!   narrower when F is not a multiple of [`TILE`]), so that one block of the product holds
+//!   both halves of its outputs.
 //!
-//! The kernels here are the passes of their own: the unfused SwiGLU on the natural layout, and
-//! backward's passes over the interleaved one, whose gradients come out in the natural layout
-//! (what the weight gradient's product reads). Rows are independent and split over threads;
-//! nothing here keeps state, and only the fallback of the fused product allocates (a row).
-//! The fused product itself ([`matmul_swiglu_forward`]) is here too, on the matrix kernels'
-//! epilogue (see `epilogue.rs`).
+//! Here are the fused products (forward, and backward's product that gives d(SwiGLU output)),
+//! on the matrix kernels' epilogues (see `epilogue.rs`), and the passes of their own: the
+//! unfused SwiGLU on the natural layout (decoding), the recomputation of the output from the
+//! interleaved layout, and backward passes whose gradients come out in the natural layout (what
+//! the weight gradient's product reads). Rows are independent and split over threads; nothing
+//! here keeps state, and only the fallback of the fused forward allocates (a row per task).
 
 use rayon::prelude::*;
 
@@ -130,13 +130,7 @@ simd_fn! {
 /// ([`matmul_swiglu_forward_bf16`](super::matmul_swiglu_forward_bf16)): `grad` (N, 2F)
 /// interleaved holds silu(gate) where gate was and up · silu'(gate) where up was, so
 /// dinp (N, 2F) natural = (dout · grad[up] | dout · grad[gate]), overwritten. No sigmoid here.
-pub fn swiglu_backward_with_grad(
-    dinp: &mut [f32],
-    dout: &[f32],
-    grad: &[f32],
-    n: usize,
-    f: usize,
-) {
+pub fn swiglu_backward_with_grad(dinp: &mut [f32], dout: &[f32], grad: &[f32], n: usize, f: usize) {
     dinp[..2 * n * f]
         .par_chunks_mut(ROWS_PER_TASK * 2 * f)
         .zip(dout[..n * f].par_chunks(ROWS_PER_TASK * f))
@@ -170,10 +164,8 @@ fn swiglu_fusable(f: usize, bias: Option<&[f32]>) -> bool {
 /// `pre (N, 2F) = inp (N, C) · w (C, 2F) + bias` and `out (N, F) = silu(gate) · up` in one
 /// pass: the SwiGLU MLP's first layer (w's columns gate then up, as the model keeps them) and
 /// its activation, each strip of `out` computed while the product's strip is in cache. `pre`
-/// is left in the interleaved order (see the module doc) (tiles of 16 gate columns,
-/// each followed by the same up columns), which the backward kernels
-/// [`swiglu_interleaved_forward`] and
-/// [`swiglu_interleaved_backward`] read. Each value is the
+/// is left in the interleaved order (see the module doc), which
+/// [`swiglu_interleaved_forward`] and [`matmul_backward_input_swiglu`] read. Each value is the
 /// bits of [`matmul_forward`](super::matmul_forward) then [`swiglu_forward`].
 pub fn matmul_swiglu_forward(
     dtype: DType,
@@ -186,7 +178,12 @@ pub fn matmul_swiglu_forward(
     c: usize,
     f: usize,
 ) {
-    assert!(out.len() >= n * f, "matmul swiglu out: {} elements, need {}", out.len(), n * f);
+    assert!(
+        out.len() >= n * f,
+        "matmul swiglu out: {} elements, need {}",
+        out.len(),
+        n * f
+    );
     if !swiglu_fusable(f, bias) {
         matmul_forward(dtype, pre, inp, w, bias, n, c, 2 * f);
         swiglu_finish_unfused(pre, SwiGluOut::F32(out), n, f);
@@ -219,7 +216,12 @@ pub fn matmul_swiglu_forward_bf16(
     c: usize,
     f: usize,
 ) {
-    assert!(out.len() >= n * f, "matmul swiglu out: {} elements, need {}", out.len(), n * f);
+    assert!(
+        out.len() >= n * f,
+        "matmul swiglu out: {} elements, need {}",
+        out.len(),
+        n * f
+    );
     assert!(
         dtype == DType::Bf16 && super::bf16_supported(),
         "bf16 activations need a backend of DType::Bf16"
@@ -523,8 +525,11 @@ mod tests {
                     let (w, dout) = (rand_vec(f * c, 2), rand_vec(n * c, 3));
                     let mut dact = vec![0.0; n * f];
                     let (mut want_dact, mut want) = (vec![0.0; n * f], vec![0.0; 2 * n * f]);
-                    let (mut d1, mut d2, mut want2) =
-                        (vec![9.0; 2 * n * f], vec![9.0; 2 * n * f], vec![0.0; 2 * n * f]);
+                    let (mut d1, mut d2, mut want2) = (
+                        vec![9.0; 2 * n * f],
+                        vec![9.0; 2 * n * f],
+                        vec![0.0; 2 * n * f],
+                    );
                     within_pool(threads, || {
                         matmul_backward_input(dtype, &mut want_dact, &dout, &w, n, f, c);
                         swiglu_interleaved_backward(&mut want, &want_dact, &pre, n, f);

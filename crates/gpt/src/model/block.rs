@@ -310,7 +310,9 @@ pub(crate) fn block_forward_rows<T: Timer>(
         GeluOut::Bf16(g16) => {
             debug_assert!(d.is_none(), "a decode keeps its activations in f32");
             prof.time(K::MatmulFwd, || match mlp {
-                Mlp::Gelu => dev.matmul_gelu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f),
+                Mlp::Gelu => {
+                    dev.matmul_gelu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+                }
                 Mlp::SwiGlu => {
                     dev.matmul_swiglu_forward_bf16(fch, g16, ln_2_out, w.fc_w, w.fc_b, n, c, f)
                 }

@@ -801,7 +801,10 @@ fn llama_activation_checkpointing_and_thread_count_keep_the_bits() {
             continue;
         };
         let what = format!("F {d_ff}, {dtype}");
-        assert!(run(2, false) == Some(base.clone()), "thread count changed the bits, {what}");
+        assert!(
+            run(2, false) == Some(base.clone()),
+            "thread count changed the bits, {what}"
+        );
         assert!(
             run(2, true) == Some(base),
             "activation checkpointing changed the bits, {what}"
@@ -831,7 +834,10 @@ fn llama_bf16_products_track_fp32() {
         // the gradients within bf16's rounding of fp32's, relative to their scale
         let scale = grads[0].iter().fold(0f32, |m, g| m.max(g.abs()));
         for (a, b) in grads[0].iter().zip(&grads[1]) {
-            assert!((a - b).abs() <= 0.05 * scale, "F {d_ff}: {a} vs {b} (scale {scale})");
+            assert!(
+                (a - b).abs() <= 0.05 * scale,
+                "F {d_ff}: {a} vs {b} (scale {scale})"
+            );
         }
     }
 }

@@ -586,8 +586,12 @@ fn backward_with(
     });
 }
 
+/// `first`: head `bh` is the first of its key/value group, and writes the group's dK and dV
+/// (the others add to them).
+///
 /// # Safety
-/// As `head_forward`, for `dqkv` and `out`.
+/// As `head_forward`, for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
+/// touched by its group's heads only, run in order on this task.
 #[allow(clippy::too_many_arguments)]
 unsafe fn head_backward(
     bf16: bool,

@@ -217,10 +217,12 @@ pub(super) unsafe fn head_forward(
     });
 }
 
-/// Backward of head `bh`: as `head_backward` in the attention module, on AMX.
+/// Backward of head `bh`: as `head_backward` in the attention module, on AMX (`first`: the
+/// first head of its key/value group, which writes the group's dK and dV; the others add).
 ///
 /// # Safety
-/// As [`head_forward`], for `dqkv` and `out`.
+/// As [`head_forward`], for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
+/// touched by its group's heads only, run in order on this task.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn head_backward(
     dqkv: SendPtr,
@@ -273,8 +275,8 @@ pub(super) unsafe fn head_backward(
         let (dp, pdrop) = rest.split_at_mut(S * t);
         mask_row(mf, mask, bi, t);
         let mut scratch = Scratch([0.0; S * NR]);
-        // SAFETY: as in head_forward; the products write this task's strip buffers or head
-        // `bh`'s columns of dqkv and out.
+        // SAFETY: as in head_forward; the products write this task's strip buffers, head
+        // `bh`'s columns of dq and out, or its key/value head's columns of dk and dv.
         unsafe {
             head.pack(qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
             amx::configure();

@@ -310,11 +310,14 @@ unsafe fn pack_b_cols(
     sums: Option<*mut f32>,
     half: Option<usize>,
 ) {
-    // Where the block's 16 columns from j0 start in B's row.
-    let col = |j0: usize| match half {
-        None => j0,
-        Some(h) => (j0 / 32) * 16 + if (j0 / 16) % 2 == 1 { h } else { 0 },
+    // Where the block's 16 columns from j0 (a multiple of 16) start in B's row: j0 itself, or
+    // in the interleaved order 16 per 32 columns plus `half` for the second 16; one formula
+    // for both, so the loop below has no branch.
+    let (per_32, second_16) = match half {
+        None => (32, 16),
+        Some(h) => (16, h),
     };
+    let col = |j0: usize| (j0 / 32) * per_32 + ((j0 / 16) % 2) * second_16;
     let kcp = kc.div_ceil(2);
     // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
     let panel_of = |j0: usize| pb.wrapping_add((j0 / NR) * NR * stride + j0 % NR);

@@ -3,7 +3,13 @@
 //! stored. Forward keeps one log-sum-exp per query; backward recomputes the probabilities block
 //! by block (and, for free, the attention output the projection's weight gradient needs).
 //!
-//! Work is split by (batch, head); each task walks its queries in blocks of `RB` rows, and a
+//! Grouped key/value heads (GQA, MQA) are read where the qkv product put them, rows of
+//! (NH + 2·NKV)·HS: query head h reads key/value head h / (NH/NKV), and backward writes each
+//! key/value head's gradient once, the sum over its query group taken in the group's order by
+//! the one task that owns the group. With NKV = NH this is GPT-2's (N, 3C) and the same work.
+//!
+//! Work is split by (batch, head) (by (batch, key/value head) in backward, which is the same
+//! split without grouping); each task walks its queries in blocks of `RB` rows, and a
 //! block only looks at the keys the causal mask lets it see, in per-thread scratch that stays
 //! in L1/L2. Products go through `matrixmultiply`'s sgemm on strided views of the qkv buffer
 //! (no transposes are copied); under bf16 on AMX, a head's products are instead fused in
@@ -46,6 +52,26 @@ pub struct AttnDims {
     pub c: usize,
     /// Number of heads.
     pub nh: usize,
+}
+
+/// Where query head `h`'s q, k and v start in a row of a qkv buffer with `nkv` key/value
+/// heads, and the row's length: (row stride, q, k, v) in floats. q's NH heads come first, then
+/// k's NKV, then v's NKV; with `nkv` = NH, GPT-2's order.
+pub(super) fn head_cols(dims: AttnDims, nkv: usize, h: usize) -> (usize, usize, usize, usize) {
+    let AttnDims { c, nh, .. } = dims;
+    let hd = c / nh;
+    let kv = h / (nh / nkv);
+    let rs = (nh + 2 * nkv) * hd;
+    (rs, h * hd, (nh + kv) * hd, (nh + nkv + kv) * hd)
+}
+
+/// Checks a key/value head count against the query heads.
+fn check_groups(dims: AttnDims, nkv: usize) {
+    assert!(
+        nkv > 0 && dims.nh.is_multiple_of(nkv),
+        "{} query heads do not split into groups over {nkv} key/value heads",
+        dims.nh
+    );
 }
 
 /// Raw strided product on one thread: c = a·b + beta * c, on bf16-rounded operands
@@ -152,7 +178,34 @@ pub fn attention_forward(
         lse,
         qkv,
         mask,
-        dims,
+        (dims, dims.nh),
+        dropout,
+        scratch,
+    )
+}
+
+/// [`attention_forward`] with `nkv` key/value heads: qkv (B, T, (NH + 2·NKV)·HS), query head h
+/// attending with key/value head h / (NH/NKV) (GQA; MQA with one). `nkv` = NH is
+/// [`attention_forward`].
+pub fn attention_forward_grouped(
+    dtype: DType,
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    nkv: usize,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
+    forward_with(
+        amx_heads(),
+        dtype,
+        out,
+        lse,
+        qkv,
+        mask,
+        (dims, nkv),
         dropout,
         scratch,
     )
@@ -167,28 +220,36 @@ fn forward_with(
     lse: &mut [f32],
     qkv: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
     let AttnDims { b, t, c, nh } = dims;
+    check_groups(dims, nkv);
+    let rs = head_cols(dims, nkv, 0).0;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
-    assert!(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t);
+    assert!(out.len() >= b * t * c && qkv.len() >= b * t * rs && lse.len() >= b * nh * t);
     assert!(mask.is_none_or(|m| m.len() >= b * t));
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
     let amx = bf16 && amx_ok && amx_kernel();
-    for_each_head(dims, scratch, |bh, scr| {
+    for_each_head(dims, 1, scratch, |bh, scr| {
         // safety: task bh writes only its own head's columns of out and its own lse row; the
         // AMX path runs only where AMX is the bf16 kernel.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if amx {
                 return super::attention_amx::head_forward(
-                    out_p, lse_p, qkv, mask, dims, dropout, bh,
+                    out_p,
+                    lse_p,
+                    qkv,
+                    mask,
+                    (dims, nkv),
+                    dropout,
+                    bh,
                 );
             }
-            head_forward(bf16, out_p, lse_p, qkv, mask, dims, dropout, bh, scr)
+            head_forward(bf16, out_p, lse_p, qkv, mask, (dims, nkv), dropout, bh, scr)
         }
     });
 }
@@ -214,9 +275,15 @@ fn amx_kernel() -> bool {
     }
 }
 
-/// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads.
-fn for_each_head(dims: AttnDims, scratch: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let n = dims.b * dims.nh;
+/// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads,
+/// in units of `group` consecutive heads (one task runs a unit's heads in order).
+fn for_each_head(
+    dims: AttnDims,
+    group: usize,
+    scratch: &mut [f32],
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let n = dims.b * dims.nh / group;
     let per = per_thread(dims.t);
     let threads = (scratch.len() / per).min(n).max(1);
     assert!(scratch.len() >= per, "attention scratch too small");
@@ -225,8 +292,10 @@ fn for_each_head(dims: AttnDims, scratch: &mut [f32], f: impl Fn(usize, &mut [f3
         .par_chunks_mut(per)
         .enumerate()
         .for_each(|(p, scr)| {
-            for bh in p * chunk..((p + 1) * chunk).min(n) {
-                f(bh, scr);
+            for unit in p * chunk..((p + 1) * chunk).min(n) {
+                for bh in unit * group..(unit + 1) * group {
+                    f(bh, scr);
+                }
             }
         });
 }
@@ -253,7 +322,7 @@ unsafe fn head_forward(
     lse: SendPtr,
     qkv: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     bh: usize,
     scr: &mut [f32],
@@ -265,8 +334,13 @@ unsafe fn head_forward(
     let (mf, rest) = scr.split_at_mut(t);
     let s = &mut rest[..RB.min(t) * t];
     mask_row(mf, mask, bi, t);
-    let q = qkv[bi * t * 3 * c + h * hd..].as_ptr();
-    let (k, v) = (q.wrapping_add(c), q.wrapping_add(2 * c));
+    let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+    let row0 = qkv[bi * t * rs..].as_ptr();
+    let (q, k, v) = (
+        row0.wrapping_add(qo),
+        row0.wrapping_add(ko),
+        row0.wrapping_add(vo),
+    );
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
         let (rows, keys) = (r1 - r0, r1);
@@ -278,12 +352,12 @@ unsafe fn head_forward(
                 rows,
                 hd,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
                 k,
                 1,
-                3 * c,
+                rs,
                 0.0,
                 s.as_mut_ptr(),
                 keys,
@@ -314,7 +388,7 @@ unsafe fn head_forward(
                 keys,
                 1,
                 v,
-                3 * c,
+                rs,
                 1,
                 0.0,
                 o,
@@ -407,7 +481,38 @@ pub fn attention_backward(
         qkv,
         lse,
         mask,
-        dims,
+        (dims, dims.nh),
+        dropout,
+        scratch,
+    )
+}
+
+/// Backward of [`attention_forward_grouped`]: `dqkv` (B, T, (NH + 2·NKV)·HS) is overwritten;
+/// each key/value head's gradient is the sum of its query group's, added head after head in
+/// the group's order (the same bits whatever the thread count).
+pub fn attention_backward_grouped(
+    dtype: DType,
+    dqkv: &mut [f32],
+    recompute_out: Option<&mut [f32]>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    dims: AttnDims,
+    nkv: usize,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
+    backward_with(
+        amx_heads(),
+        dtype,
+        dqkv,
+        recompute_out,
+        dout,
+        qkv,
+        lse,
+        mask,
+        (dims, nkv),
         dropout,
         scratch,
     )
@@ -424,13 +529,15 @@ fn backward_with(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
     let AttnDims { b, t, c, nh } = dims;
+    check_groups(dims, nkv);
+    let rs = head_cols(dims, nkv, 0).0;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
-    assert!(dqkv.len() >= b * t * 3 * c && qkv.len() >= b * t * 3 * c && dout.len() >= b * t * c);
+    assert!(dqkv.len() >= b * t * rs && qkv.len() >= b * t * rs && dout.len() >= b * t * c);
     assert!(lse.len() >= b * nh * t && mask.is_none_or(|m| m.len() >= b * t));
     let dqkv_p = SendPtr(dqkv.as_mut_ptr());
     let out_p = recompute_out.map(|o| {
@@ -438,25 +545,53 @@ fn backward_with(
         SendPtr(o.as_mut_ptr())
     });
     let amx = bf16 && amx_ok && amx_kernel();
-    for_each_head(dims, scratch, |bh, scr| {
-        // safety: task bh writes only its own head's columns of dqkv and of the output; the
-        // AMX path runs only where AMX is the bf16 kernel.
+    // One task per (batch, key/value head): its query group's heads in order.
+    let group = nh / nkv;
+    for_each_head(dims, group, scratch, |bh, scr| {
+        // The first head of a group writes its key/value head's gradient, the others add to
+        // it, in order, on this task.
+        let first = (bh % dims.nh).is_multiple_of(group);
+        // safety: the task of group bh / group writes only its heads' columns of dq and of the
+        // output and its key/value head's columns of dk and dv; the AMX path runs only where
+        // AMX is the bf16 kernel.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if amx {
                 return super::attention_amx::head_backward(
-                    dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh,
+                    dqkv_p,
+                    out_p,
+                    dout,
+                    qkv,
+                    lse,
+                    mask,
+                    (dims, nkv),
+                    dropout,
+                    (bh, first),
                 );
             }
             head_backward(
-                bf16, dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh, scr,
+                bf16,
+                dqkv_p,
+                out_p,
+                dout,
+                qkv,
+                lse,
+                mask,
+                (dims, nkv),
+                dropout,
+                (bh, first),
+                scr,
             )
         }
     });
 }
 
+/// `first`: head `bh` is the first of its key/value group, and writes the group's dK and dV
+/// (the others add to them).
+///
 /// # Safety
-/// As `head_forward`, for `dqkv` and `out`.
+/// As `head_forward`, for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
+/// touched by its group's heads only, run in order on this task.
 #[allow(clippy::too_many_arguments)]
 unsafe fn head_backward(
     bf16: bool,
@@ -466,26 +601,39 @@ unsafe fn head_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
-    bh: usize,
+    (bh, first): (usize, bool),
     scr: &mut [f32],
 ) {
     let AttnDims { t, c, nh, .. } = dims;
     let (bi, h) = (bh / nh, bh % nh);
     let hd = c / nh;
     let scale = 1.0 / (hd as f32).sqrt();
+    // dK and dV rows a block touches for the first time are written by the group's first
+    // head, added to by the others.
+    let fresh = if first { 0.0 } else { 1.0 };
     let blk = RB.min(t) * t;
     let (mf, rest) = scr.split_at_mut(t);
     let (p, rest) = rest.split_at_mut(blk);
     let (dp, rest) = rest.split_at_mut(blk);
     let pd = &mut rest[..blk];
     mask_row(mf, mask, bi, t);
-    let base = bi * t * 3 * c + h * hd;
-    let q = qkv[base..].as_ptr();
-    let (k, v) = (q.wrapping_add(c), q.wrapping_add(2 * c));
-    let dq = dqkv.0.wrapping_add(base);
-    let (dk, dv) = (dq.wrapping_add(c), dq.wrapping_add(2 * c));
+    let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+    let (row0, drow0) = (
+        qkv[bi * t * rs..].as_ptr(),
+        dqkv.0.wrapping_add(bi * t * rs),
+    );
+    let (q, k, v) = (
+        row0.wrapping_add(qo),
+        row0.wrapping_add(ko),
+        row0.wrapping_add(vo),
+    );
+    let (dq, dk, dv) = (
+        drow0.wrapping_add(qo),
+        drow0.wrapping_add(ko),
+        drow0.wrapping_add(vo),
+    );
     let dy = dout[bi * t * c + h * hd..].as_ptr();
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
@@ -498,12 +646,12 @@ unsafe fn head_backward(
                 rows,
                 hd,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
                 k,
                 1,
-                3 * c,
+                rs,
                 0.0,
                 p.as_mut_ptr(),
                 keys,
@@ -519,7 +667,7 @@ unsafe fn head_backward(
                 1,
                 v,
                 1,
-                3 * c,
+                rs,
                 0.0,
                 dp.as_mut_ptr(),
                 keys,
@@ -549,7 +697,7 @@ unsafe fn head_backward(
             None => &p[..rows * keys],
         };
         // SAFETY: head `bh`'s dV columns for keys 0..r1 lie inside `dqkv` and belong to this
-        // task alone; the probabilities and dY are read-only and disjoint from `dqkv`.
+        // task alone (its key/value head's, shared only by its group, run on this task); the probabilities and dY are read-only and disjoint from `dqkv`.
         unsafe {
             // dV[0..keys] += usedᵀ · dY; keys r0..r1 are touched for the first time here.
             mm(
@@ -565,7 +713,7 @@ unsafe fn head_backward(
                 1,
                 1.0,
                 dv,
-                3 * c,
+                rs,
             );
             mm(
                 bf16,
@@ -578,9 +726,9 @@ unsafe fn head_backward(
                 dy.add(r0 * c),
                 c,
                 1,
-                0.0,
-                dv.add(r0 * 3 * c),
-                3 * c,
+                fresh,
+                dv.add(r0 * rs),
+                rs,
             );
             if let Some(o) = out {
                 let o = o.0.add((bi * t + r0) * c + h * hd);
@@ -593,7 +741,7 @@ unsafe fn head_backward(
                     keys,
                     1,
                     v,
-                    3 * c,
+                    rs,
                     1,
                     0.0,
                     o,
@@ -621,11 +769,11 @@ unsafe fn head_backward(
                 keys,
                 1,
                 k,
-                3 * c,
+                rs,
                 1,
                 0.0,
-                dq.add(r0 * 3 * c),
-                3 * c,
+                dq.add(r0 * rs),
+                rs,
             );
             mm(
                 bf16,
@@ -635,12 +783,12 @@ unsafe fn head_backward(
                 dp.as_ptr(),
                 1,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
                 1.0,
                 dk,
-                3 * c,
+                rs,
             );
             mm(
                 bf16,
@@ -650,16 +798,20 @@ unsafe fn head_backward(
                 dp.as_ptr().add(r0),
                 1,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
-                0.0,
-                dk.add(r0 * 3 * c),
-                3 * c,
+                fresh,
+                dk.add(r0 * rs),
+                rs,
             );
         }
     }
 }
+
+#[cfg(test)]
+#[path = "attention_grouped_tests.rs"]
+mod grouped_tests;
 
 #[cfg(test)]
 mod tests {
@@ -667,7 +819,12 @@ mod tests {
     use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
 
     /// f64 reference: plain softmax attention per head, dropout mask from the same keys.
-    fn reference(qkv: &[f64], mask: &[u8], d: AttnDims, drop: Option<Dropout>) -> Vec<f64> {
+    pub(super) fn reference(
+        qkv: &[f64],
+        mask: &[u8],
+        d: AttnDims,
+        drop: Option<Dropout>,
+    ) -> Vec<f64> {
         let AttnDims { b, t, c, nh } = d;
         let hd = c / nh;
         let mut out = vec![0.0; b * t * c];
@@ -776,11 +933,15 @@ mod tests {
             return;
         }
         // T not a multiple of a strip, left padding, dropout, a recomputed output, two head
-        // sizes (16 and 64)
-        for (t, c, nh) in [(70usize, 32usize, 2usize), (45, 128, 2)] {
+        // sizes (16 and 64), grouped key/value heads
+        for (t, c, nh, nkv) in [
+            (70usize, 32usize, 2usize, 2usize),
+            (45, 128, 2, 1),
+            (45, 64, 4, 2),
+        ] {
             let dims = AttnDims { b: 2, t, c, nh };
-            let b = dims.b;
-            let qkv = rand_vec(b * t * 3 * c, 5);
+            let (b, w) = (dims.b, (nh + 2 * nkv) * (c / nh));
+            let qkv = rand_vec(b * t * w, 5);
             let dout = rand_vec(b * t * c, 6);
             let mut mask = vec![1u8; b * t];
             mask[t..t + 3].fill(0);
@@ -788,8 +949,7 @@ mod tests {
             let run = |amx: bool| {
                 let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
                 // dqkv and the output are overwritten, whatever they held
-                let (mut dqkv, mut again) =
-                    (vec![f32::NAN; b * t * 3 * c], vec![f32::NAN; b * t * c]);
+                let (mut dqkv, mut again) = (vec![f32::NAN; b * t * w], vec![f32::NAN; b * t * c]);
                 let mut scratch = vec![0.0; attention_scratch_len(t, 2)];
                 within_pool(2, || {
                     let m = Some(&mask[..]);
@@ -800,7 +960,7 @@ mod tests {
                         &mut lse,
                         &qkv,
                         m,
-                        dims,
+                        (dims, nkv),
                         drop,
                         &mut scratch,
                     );
@@ -813,7 +973,7 @@ mod tests {
                         &qkv,
                         &lse,
                         m,
-                        dims,
+                        (dims, nkv),
                         drop,
                         &mut scratch,
                     );
@@ -833,7 +993,7 @@ mod tests {
             // dK and dV sum over strips of 32 queries instead of blocks of 64: f32 rounding
             let scale = general.2.iter().fold(0f32, |m, x| m.max(x.abs()));
             for (i, (a, g)) in fused.2.iter().zip(&general.2).enumerate() {
-                let (row, col) = (i / (3 * c), i % (3 * c));
+                let (row, col) = (i / w, i % w);
                 if col < c {
                     assert_eq!(a.to_bits(), g.to_bits(), "t {t} c {c}: dq[{row}][{col}]");
                 } else {

@@ -9,8 +9,8 @@ use super::*;
 pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
-    /// Products in bf16: unless the GELU outputs are kept in f32 (`keep`), they are kept in
-    /// bf16 (`gelu16`).
+    /// Products in bf16: unless the GELU (SwiGLU) outputs are kept in f32 (`keep`), they are
+    /// kept in bf16 (`gelu16`).
     pub(crate) bf16: bool,
     /// Activation checkpointing: the per-layer buffers hold one layer, and backward recomputes
     /// each block's forward from its input (`res`, kept for every layer) before its backward.
@@ -24,14 +24,14 @@ pub(crate) struct ActLayout {
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
-pub(super) const ACT_BUFFERS: usize = 25;
+pub(super) const ACT_BUFFERS: usize = 24;
 
 /// The arena split into its buffers; per-layer buffers hold all L layers back to back.
 pub(crate) struct Acts<'a> {
     pub(crate) res: &'a mut [f32], // (L+1, N, C) block inputs; res[L] feeds ln_f
     pub(super) res_mid: &'a mut [f32], // (L, N, C) residual after attention
     pub(super) qkv: &'a mut [f32], // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
-    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU); GELU's derivative at it when gelu16 is kept
+    pub(super) fch: &'a mut [f32], // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU, interleaved); the activation's derivatives at it when gelu16 is kept
     pub(super) ln1_mean: &'a mut [f32], // (L, N)
     pub(super) ln1_rstd: &'a mut [f32], // (L, N)
     pub(super) ln2_mean: &'a mut [f32], // (L, N)
@@ -45,18 +45,15 @@ pub(crate) struct Acts<'a> {
     pub(super) ce_lse: &'a mut [f32], // (N)
     pub(super) s_ln: &'a mut [f32], // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
     pub(super) s_atty: &'a mut [f32], // (L, N, C) kept attention outputs, or (N, C) scratch
-    pub(super) s_big: &'a mut [f32], // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU
+    pub(super) s_big: &'a mut [f32], // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU (d(product) beside the SwiGLU output or its gradient)
     pub(super) s_dl: &'a mut [f32], // (N, C) scratch: gradient of a LayerNorm output / attention out
     pub(super) s_drop: &'a mut [f32], // (N, C) scratch: dropout backward (empty without dropout)
     pub(crate) dres: &'a mut [f32], // (N, C) gradient of the residual stream
     pub(super) dlogits: &'a mut [f32], // (N, V')
-    pub(super) gelu: &'a mut [f32], // (L, N, F) kept GELU outputs (empty unless kept)
-    /// (L, ⌈N·F/2⌉) GELU outputs kept in bf16, two to a float (empty unless bf16 and not
-    /// `keep`); see [`bf16_layer`].
+    pub(super) gelu: &'a mut [f32], // (L, N, F) kept GELU (SwiGLU) outputs (empty unless kept)
+    /// (L, ⌈N·F/2⌉) GELU (SwiGLU) outputs kept in bf16, two to a float (empty unless bf16 and
+    /// not `keep`); see [`bf16_layer`].
     pub(super) gelu16: &'a mut [f32],
-    /// (N, 3C) scratch: grouped rows expanded for the attention kernels, then the gradient of
-    /// the grouped rows (empty with as many key/value heads as query heads).
-    pub(super) s_qkv: &'a mut [f32],
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
     /// Columns of `logits` and `dlogits`.
@@ -134,7 +131,7 @@ impl ActLayout {
         bf16: bool,
     ) -> ActLayout {
         let (layers, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
-        let (swiglu, grouped) = (cfg.mlp == crate::Mlp::SwiGlu, cfg.kv_heads() != nh);
+        let swiglu = cfg.mlp == crate::Mlp::SwiGlu;
         // The MLP's first product: (N, F), or gate and up (N, 2F); its backward scratch holds
         // d(output) and the recomputed SwiGLU output below it.
         let (fx, big_f) = if swiglu { (2 * f, 3 * f) } else { (f, f) };
@@ -167,16 +164,16 @@ impl ActLayout {
             n * c,
             n * logit_cols,
             kept(l * n * f),
-            // Under bf16 products, the MLP's GELU outputs are kept in bf16 rather than
-            // recomputed in backward: the products that read them round them to bf16 anyway,
-            // so this costs half of what keeping them in f32 would, changes no bit of the
-            // step, and saves a GELU pass and half the bytes of the next product's reads.
-            if bf16 && !keep && !swiglu {
+            // Under bf16 products, the MLP's GELU (SwiGLU) outputs are kept in bf16 rather
+            // than recomputed in backward: the products that read them round them to bf16
+            // anyway, so this costs half of what keeping them in f32 would, changes no bit of
+            // the forward, and saves an activation pass and half the bytes of the next
+            // product's reads.
+            if bf16 && !keep {
                 l * (n * f).div_ceil(2)
             } else {
                 0
             },
-            if grouped { n * 3 * c } else { 0 },
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {
@@ -203,7 +200,7 @@ impl ActLayout {
             *p = head;
             rest = tail;
         }
-        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16, s_qkv] =
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16] =
             parts;
         Acts {
             res,
@@ -230,7 +227,6 @@ impl ActLayout {
             dlogits,
             gelu,
             gelu16,
-            s_qkv,
             keep: self.keep,
             logit_cols: self.logit_cols,
             checkpoint: self.checkpoint,

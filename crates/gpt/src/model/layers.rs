@@ -125,15 +125,6 @@ impl Dims {
             hs: self.hs(),
         }
     }
-    /// What the key/value expansion takes.
-    pub(crate) fn kv(self, n: usize) -> KvDims {
-        KvDims {
-            n,
-            nh: self.nh,
-            nkv: self.nkv,
-            hs: self.hs(),
-        }
-    }
     /// N = B*T tokens.
     pub(crate) fn n(self) -> usize {
         self.b * self.t
@@ -270,11 +261,9 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
     } else {
         GeluOut::F32(&mut a.s_big[..n * f])
     };
-    // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS); the attention
-    // kernels read (N, 3C) rows, which a model with grouped key/value heads expands into scratch
-    // in `attend` (and backward again): one pass over N·C floats instead of keeping them.
+    // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS), and the attention
+    // kernels read grouped key/value heads where they are.
     let qkv_w = dims.qkv_width();
-    let expanded = (dims.nkv != dims.nh).then(|| &mut a.s_qkv[..3 * nc]);
     let qkv = layer_mut(a.qkv, sl, n * qkv_w);
     let acts = BlockActs {
         x,
@@ -313,14 +302,8 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
             if let Some(r) = rope {
                 dev.rope_forward(qkv, pos, &r.cos, &r.sin, dims.rope_dims(n));
             }
-            let qkv: &[f32] = match expanded {
-                Some(out) => {
-                    dev.kv_expand_forward(out, qkv, dims.kv(n));
-                    out
-                }
-                None => qkv,
-            };
-            dev.attention_forward(att, lse, qkv, mask, dims.attn(), drop.site(ld), scratch)
+            let (attn, nkv) = (dims.attn(), dims.nkv);
+            dev.attention_forward_grouped(att, lse, qkv, mask, attn, nkv, drop.site(ld), scratch)
         },
     );
 }
@@ -525,20 +508,38 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
         };
         let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
         // d(first product's output): (N, F) under GELU, in place of d(GELU output); (N, 2F)
-        // under SwiGLU, below d(SwiGLU output) in the scratch.
+        // under SwiGLU (gate then up, as the weight), below d(SwiGLU output) in the scratch.
         let dfc: &[f32] = if dims.mlp == Mlp::SwiGlu {
             let (dfc, act) = a.s_big[..3 * n * f].split_at_mut(2 * n * f);
-            if !keep {
-                prof.time(K::GeluFwd, || dev.swiglu_forward(act, fch, n, f));
+            if a.gelu16.is_empty() {
+                if !keep {
+                    prof.time(K::GeluFwd, || {
+                        dev.swiglu_interleaved_forward(act, fch, n, f)
+                    });
+                }
+                let act_in: &[f32] = if keep { layer(a.gelu, l, n * f) } else { act };
+                prof.time(K::MatmulBwd, || {
+                    dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
+                });
+            } else {
+                let g16 = bf16_layer(a.gelu16, sl, n * f);
+                prof.time(K::MatmulBwd, || {
+                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
+                });
             }
-            let act_in: &[f32] = if keep { layer(a.gelu, l, n * f) } else { act };
+            // d(SwiGLU output) into `act` (its value is spent), SwiGLU's backward applied to
+            // each strip of it while in cache; under bf16 from the derivatives the forward left
+            // in `fch` (see the arena)
+            let fcproj_w = w.fcproj_w;
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
+                if a.gelu16.is_empty() {
+                    dev.matmul_backward_input_swiglu(dfc, act, dproj, fcproj_w, fch, n, f, c)
+                } else {
+                    dev.matmul_backward_input_swiglu_with_grad(
+                        dfc, act, dproj, fcproj_w, fch, n, f, c,
+                    )
+                }
             });
-            prof.time(K::MatmulBwd, || {
-                dev.matmul_backward_input(act, dproj, w.fcproj_w, n, f, c)
-            });
-            prof.time(K::GeluBwd, || dev.swiglu_backward(dfc, act, fch, n, f));
             dfc
         } else {
             if a.gelu16.is_empty() {
@@ -625,28 +626,21 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward_input(s_dl, dproj, w.proj_w, n, c, c)
         });
-        let dqkv = &mut a.s_big[..3 * nc];
-        // Grouped key/value heads: the attention reads the kept rows expanded, as forward did.
-        let grouped = dims.nkv != dims.nh;
-        let att_qkv: &[f32] = if grouped {
-            let expanded = &mut a.s_qkv[..3 * nc];
-            dev.kv_expand_forward(expanded, qkv, dims.kv(n));
-            expanded
-        } else {
-            qkv
-        };
+        // d(qkv rows), grouped key/value heads' gradients summed over their query groups.
+        let dqkv = &mut a.s_big[..n * qkv_w];
         // Without kept outputs, backward recomputes the attention output the projection's
         // weight gradient needs.
         let recompute = (!keep).then(|| layer_mut(a.s_atty, atty_slot, nc));
         prof.time(K::AttnBwd, || {
-            dev.attention_backward(
+            dev.attention_backward_grouped(
                 dqkv,
                 recompute,
                 s_dl,
-                att_qkv,
+                qkv,
                 lse,
                 mask,
                 dims.attn(),
+                dims.nkv,
                 drop.site(ld),
                 scratch,
             )
@@ -666,15 +660,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
             });
         }
-        // Back through the key/value expansion (into the scratch the expanded rows held) and
-        // the rotation to the product's rows.
-        let dqkv: &mut [f32] = if grouped {
-            let rows = &mut a.s_qkv[..n * qkv_w];
-            dev.kv_expand_backward(rows, dqkv, dims.kv(n));
-            rows
-        } else {
-            dqkv
-        };
+        // Back through the rotation to the product's rows.
         if let Some(r) = pass.rope {
             let pos = &pass.batch.pos[..];
             dev.rope_backward(dqkv, pos, &r.cos, &r.sin, dims.rope_dims(n));

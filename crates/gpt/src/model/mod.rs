@@ -17,7 +17,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use cohort_engine::cpu::{AttnDims, Cpu, KvDims, RopeDims};
+use cohort_engine::cpu::{AttnDims, Cpu, RopeDims};
 use cohort_engine::{AlignedFloats, Backend, DType, Dropout};
 use cohort_rng::SplitMix64;
 

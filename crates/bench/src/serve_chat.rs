@@ -73,6 +73,9 @@ pub struct ChatLoad {
     pub kv_cache_dtype: KvDtype,
     /// The decode steps' weights (the `decode_weights` parameter): fp32, bf16 or q8.
     pub decode_weights: String,
+    /// The prompt tokens a decode step feeds besides its first prompt (the
+    /// `max_prefill_tokens` parameter); None: the server's default.
+    pub prefill_tokens: Option<usize>,
 }
 
 /// One measured cell.
@@ -106,6 +109,8 @@ pub struct ChatRow {
     pub kv_cache_dtype: String,
     /// The decode weights' format.
     pub decode_weights: String,
+    /// The prefill budget set (`max_prefill_tokens`); null: the server's default.
+    pub max_prefill_tokens: Option<usize>,
 }
 
 /// Runs every stream count's cell, calling `on_row` as each finishes.
@@ -117,6 +122,12 @@ pub fn run_chat(
         return Err(ServeError::parameter(
             "chat load test",
             "max tokens, rounds and streams must be at least 1",
+        ));
+    }
+    if t.prefill_tokens == Some(0) {
+        return Err(ServeError::parameter(
+            "max_prefill_tokens",
+            "must be at least 1",
         ));
     }
     if !matches!(t.decode_weights.as_str(), "fp32" | "bf16" | "q8") {
@@ -131,7 +142,7 @@ pub fn run_chat(
         source,
     })?;
     let most = t.streams.iter().copied().max().unwrap_or(1);
-    let config = format!(
+    let mut config = format!(
         "max_batch_size: {}\ninstance_group [ {{ count: 1 kind: KIND_CPU }} ]\n\
          parameters {{ key: \"kv_cache_dtype\" value: {{ string_value: \"{}\" }} }}\n\
          parameters {{ key: \"decode_weights\" value: {{ string_value: \"{}\" }} }}\n",
@@ -139,6 +150,11 @@ pub fn run_chat(
         t.kv_cache_dtype,
         t.decode_weights
     );
+    if let Some(n) = t.prefill_tokens {
+        config += &format!(
+            "parameters {{ key: \"max_prefill_tokens\" value: {{ string_value: \"{n}\" }} }}\n"
+        );
+    }
     // with a checkpoint, write_models reads its config and uses neither this nor the seed
     let unused = GPTConfig::default();
     write_models(
@@ -202,6 +218,7 @@ pub fn run_chat(
                 },
                 kv_cache_dtype: t.kv_cache_dtype.to_string(),
                 decode_weights: t.decode_weights.clone(),
+                max_prefill_tokens: t.prefill_tokens,
             };
             on_row(&row);
             rows.push(row);

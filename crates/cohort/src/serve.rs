@@ -227,13 +227,18 @@ pub struct BenchServeArgs {
     /// Measure chat serving instead: streamed /v1/chat/completions requests over HTTP against
     /// --checkpoint (a model directory with a chat template, e.g. SmolLM2 from `cohort
     /// convert`), in-flight batching on; uses --streams, --rounds, --new-tokens (max_tokens),
-    /// --temperature, --max-batch-size, --threads, --kv-cache-dtype and --decode-weights.
+    /// --temperature, --max-batch-size, --threads, --kv-cache-dtype, --decode-weights and
+    /// --max-prefill-tokens.
     #[arg(long, requires = "checkpoint")]
     chat: bool,
     /// Chat: the decode steps' weights (the model's `decode_weights` parameter): fp32, bf16
     /// or q8.
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "q8"])]
     decode_weights: String,
+    /// Chat: the most prompt tokens a decode step feeds besides its first prompt (the model's
+    /// `max_prefill_tokens` parameter; default: the server's, 32).
+    #[arg(long)]
+    max_prefill_tokens: Option<usize>,
     /// Load-test a model of this repository (with --model) instead of a GPT: random inputs of
     /// the model's declared shapes and datatypes, like perf_analyzer.
     #[arg(long, requires = "model")]
@@ -378,6 +383,7 @@ fn bench_chat(a: BenchServeArgs) -> anyhow::Result<()> {
         threads: a.threads,
         kv_cache_dtype: kv_dtype(&a)?,
         decode_weights: a.decode_weights.clone(),
+        prefill_tokens: a.max_prefill_tokens,
     };
     if !a.json {
         println!(

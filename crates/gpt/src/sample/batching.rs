@@ -130,14 +130,15 @@ impl Generation {
 /// inter-token latency the same way). With 32 streams of 16-token prompts on config B, 32
 /// against 64 lowered the p99 inter-token gap by about 8% and raised time to first token by
 /// 10-20%.
-const STEP_PREFILL_TOKENS: usize = 32;
+/// [`Workspace::set_prefill_tokens`] changes it for the steps of one workspace.
+pub const STEP_PREFILL_TOKENS: usize = 32;
 
 /// One step of every unfinished generation in `gens`, as one forward: a generation that has
 /// not started feeds its prompt, one whose window is full feeds its last window again (at
 /// positions 0.., as [`generate`] does), every other one feeds its last token; each then
 /// samples its next token. The rows of all of them go through each matrix product together;
 /// attention runs per row over the row's own cache. Prompts and windows beyond
-/// [`STEP_PREFILL_TOKENS`] wait for a later step. Each generation gets exactly the tokens it
+/// the workspace's prefill budget ([`STEP_PREFILL_TOKENS`] unless set) wait for a later step. Each generation gets exactly the tokens it
 /// would get stepped alone. Finished generations are left as they are.
 pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
     model: &GPT,
@@ -145,7 +146,7 @@ pub fn decode_step<G: AsMut<Generation> + AsRef<Generation> + Send + Sync>(
     ws: &mut Workspace,
 ) -> Result<(), SampleError> {
     let (max_t, vocab) = (context_window(model.config()), model.config().vocab_size);
-    let budget = STEP_PREFILL_TOKENS;
+    let budget = ws.prefill_tokens;
     let (mut place, mut tokens, mut last, mut sel) = (
         std::mem::take(&mut ws.place),
         std::mem::take(&mut ws.tokens),

@@ -289,6 +289,8 @@ pub struct Workspace {
     pub(super) tokens: Vec<u32>,
     pub(super) last: Vec<usize>,
     pub(super) sel: Vec<usize>,
+    /// Most prompt tokens a step feeds besides the first prompt ([`Workspace::set_prefill_tokens`]).
+    pub(super) prefill_tokens: usize,
 }
 
 impl Workspace {
@@ -303,7 +305,18 @@ impl Workspace {
             tokens: Vec::new(),
             last: Vec::new(),
             sel: Vec::new(),
+            prefill_tokens: super::batching::STEP_PREFILL_TOKENS,
         }
+    }
+
+    /// The most prompt tokens a [`decode_step`](super::decode_step) on this workspace feeds
+    /// besides its decoding rows (the step's first prompt is fed whatever its length, so none
+    /// waits for ever): fewer holds the decoding sequences up less while prompts join, more
+    /// starts a burst of prompts in fewer steps (vLLM's `max_num_batched_tokens`). Default
+    /// [`STEP_PREFILL_TOKENS`](super::STEP_PREFILL_TOKENS). It changes when a sequence starts,
+    /// never its tokens.
+    pub fn set_prefill_tokens(&mut self, tokens: usize) {
+        self.prefill_tokens = tokens;
     }
 
     /// Scratch for `model` whose forwards' matrix products read `weights` (a bf16 or 8-bit

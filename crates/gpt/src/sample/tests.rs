@@ -211,6 +211,40 @@ fn a_prompt_sharing_a_start_with_a_sequence_in_flight_feeds_only_the_rest() {
     assert_eq!(cached, [14, 12, 0, 0]);
 }
 
+/// The prefill budget decides how many prompts a step starts, never their tokens.
+#[test]
+fn the_prefill_budget_starts_more_prompts_per_step_with_the_same_tokens() {
+    let model = peaked(tiny(48, true, true), 5);
+    let opts = SampleOptions {
+        max_new_tokens: 6,
+        temperature: 0.9,
+        top_k: Some(8),
+        top_p: 1.0,
+        seed: 3,
+    };
+    let run = |budget: usize| {
+        let mut ws = Workspace::new(&model);
+        ws.set_prefill_tokens(budget);
+        let mut gens: Vec<Generation> = (0..5u32)
+            .map(|j| {
+                let prompt: Vec<u32> = (0..10).map(|i| (i * 3 + j * 7) % 37).collect();
+                Generation::new(&model, &prompt, &opts).unwrap()
+            })
+            .collect();
+        decode_step(&model, &mut gens, &mut ws).unwrap();
+        let started = gens.iter().filter(|g| !g.tokens().is_empty()).count();
+        while gens.iter().any(|g| !g.is_finished()) {
+            decode_step(&model, &mut gens, &mut ws).unwrap();
+        }
+        let out: Vec<Vec<u32>> = gens.into_iter().map(Generation::into_tokens).collect();
+        (started, out)
+    };
+    let (few, a) = run(1);
+    let (many, b) = run(1000);
+    assert_eq!((few, many), (1, 5));
+    assert_eq!(a, b);
+}
+
 #[test]
 fn batched_decode_steps_give_each_sequence_its_solo_tokens_bit_for_bit() {
     assert!(!batched_equals_solo(KvDtype::F32));

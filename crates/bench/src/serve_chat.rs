@@ -7,8 +7,8 @@
 //! questions, rendered by the model's template on the server. Reports per stream count the
 //! aggregate output tokens/s (the `usage` chunk's completion tokens), the tokens/s per
 //! stream, time to first token (the first chunk with content; the role chunk the server sends
-//! at once does not count) p50 / p99, the gap between content chunks p50 / p99, and the mean
-//! generations per decode step.
+//! at once does not count) p50 / p99, the gap between content chunks p50 / p99, the mean
+//! generations per decode step and the wall time per step.
 //!
 //! The streams start together, so the first request of each stream arrives in one burst
 //! (every prompt waiting to be fed); later rounds arrive as earlier answers end. Each cell is
@@ -105,6 +105,11 @@ pub struct ChatRow {
     pub itl_p99_ms: f64,
     /// Mean generations per decode step during the cell.
     pub mean_inflight: f64,
+    /// Decode steps during the cell (each one forward over every generation in flight).
+    pub decode_steps: u64,
+    /// Wall time per decode step (the cell's time over its steps): with `mean_inflight`, where
+    /// the tokens/s comes from.
+    pub ms_per_step: f64,
     /// The KV cache's format.
     pub kv_cache_dtype: String,
     /// The decode weights' format.
@@ -216,6 +221,8 @@ pub fn run_chat(
                 } else {
                     (after.1 - before.1) as f64 / steps as f64
                 },
+                decode_steps: steps,
+                ms_per_step: seconds * 1e3 / steps.max(1) as f64,
                 kv_cache_dtype: t.kv_cache_dtype.to_string(),
                 decode_weights: t.decode_weights.clone(),
                 max_prefill_tokens: t.prefill_tokens,

@@ -397,7 +397,7 @@ fn bench_chat(a: BenchServeArgs) -> anyhow::Result<()> {
             t.decode_weights
         );
         println!(
-            "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9}",
+            "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
             "streams",
             "tokens/s",
             "per strm",
@@ -406,7 +406,8 @@ fn bench_chat(a: BenchServeArgs) -> anyhow::Result<()> {
             "ttft p99",
             "itl p50",
             "itl p99",
-            "mean rows"
+            "mean rows",
+            "ms/step"
         );
     }
     let print = |r: &ChatRow| {
@@ -414,7 +415,7 @@ fn bench_chat(a: BenchServeArgs) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(r).unwrap_or_default());
         } else {
             println!(
-                "{:>8} {:>10.1} {:>10.1} {:>8.1} {:>10.1} {:>10.1} {:>9.2} {:>9.2} {:>9.2}",
+                "{:>8} {:>10.1} {:>10.1} {:>8.1} {:>10.1} {:>10.1} {:>9.2} {:>9.2} {:>9.2} {:>8.2}",
                 r.streams,
                 r.tokens_per_s,
                 r.tokens_per_s_per_stream,
@@ -423,7 +424,8 @@ fn bench_chat(a: BenchServeArgs) -> anyhow::Result<()> {
                 r.ttft_p99_ms,
                 r.itl_p50_ms,
                 r.itl_p99_ms,
-                r.mean_inflight
+                r.mean_inflight,
+                r.ms_per_step
             );
         }
     };

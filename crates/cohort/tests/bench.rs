@@ -302,6 +302,8 @@ fn bench_serve_chat_streams_chat_completions_of_a_model_directory() {
                 "tokens_per_s_per_stream",
                 "prompt_tokens",
                 "ttft_p50_ms",
+                "mean_inflight",
+                "ms_per_step",
             ],
         );
         assert!(

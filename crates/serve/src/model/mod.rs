@@ -15,8 +15,10 @@
 //! to `max_batch_size`) together, one token each per step, with one matrix product per layer
 //! over all of them; a new request joins between two steps and a finished or cancelled one
 //! leaves at once, so a long generation never holds a short one back. Each keeps its own KV
-//! cache and sampler, so it produces exactly the tokens it would alone. With the parameter
-//! "false", a generation holds its instance until it ends. Either way the KV caches keep keys
+//! cache and sampler, so it produces exactly the tokens it would alone (a prompt that starts
+//! as one in flight did copies those keys and values; `max_prefill_tokens` bounds the prompt
+//! tokens a step feeds). With the parameter "false", a generation holds its instance until it
+//! ends. Either way the KV caches keep keys
 //! and values in the `kv_cache_dtype` parameter's format (f32 unless it is "bf16").
 //!
 //! Its children: `ensemble` (a version that runs other models' versions as steps) and

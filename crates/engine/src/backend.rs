@@ -189,14 +189,14 @@ kernels! {
     fn dropout_backward(dx: &mut [f32], dy: &[f32], d: Dropout) => |dx, dy, d| cpu::dropout_backward(dx, dy, d, 0);
     /// acc += Σ_rows x.
     fn column_sums(acc: &mut [f32], x: &[f32]) => cpu::column_sums;
-    /// Causal attention with key padding mask; lse (B,NH,T) kept for backward.
-    fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward;
+    /// Causal attention with key padding mask, within each row's segments (runs of equal ids) when given; lse (B,NH,T) kept for backward.
+    fn attention_forward(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, segments: Option<&[u32]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward;
     /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
-    fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
+    fn attention_backward(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, segments: Option<&[u32]>, dims: AttnDims, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward;
     /// `attention_forward` of grouped rows (N, (NH+2·NKV)·HS) as the qkv product writes them: query head h attends with key/value head h / (NH/NKV); `nkv` = NH is `attention_forward`.
-    fn attention_forward_grouped(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward_grouped;
+    fn attention_forward_grouped(out: &mut [f32], lse: &mut [f32], qkv: &[f32], mask: Option<&[u8]>, segments: Option<&[u32]>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_forward_grouped;
     /// Backward of `attention_forward_grouped`: dqkv (N, (NH+2·NKV)·HS) overwritten, each key/value head's gradient summed over its query group in the group's order.
-    fn attention_backward_grouped(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward_grouped;
+    fn attention_backward_grouped(dqkv: &mut [f32], recompute_out: Option<&mut [f32]>, dout: &[f32], qkv: &[f32], lse: &[f32], mask: Option<&[u8]>, segments: Option<&[u32]>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: &mut [f32]) => @dtype cpu::attention_backward_grouped;
     /// One query row (C) over `ctx` cached key and value rows (stride c): a decode step's
     /// attention for one sequence; `scores` holds `nh·ctx` floats.
     fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: DecodeDims) => cpu::attention_decode_row;

@@ -15,7 +15,9 @@
 //! (no transposes are copied); under bf16 on AMX, a head's products are instead fused in
 //! `attention_amx`, with the same softmax, mask and dropout code. A query with no visible key
 //! (a padding position at the start of a left-padded row) gets a zero output and zero
-//! gradients.
+//! gradients. With segment ids (several sequences packed in one row), a query sees only the
+//! keys of its own segment, causally: the keys before its segment's start are masked as
+//! padding is.
 
 use rayon::prelude::*;
 
@@ -161,12 +163,16 @@ unsafe fn mm(
 /// out (B, T, C) = softmax(mask(q kᵀ / sqrt(hd))) v per head, with q, k, v read from qkv
 /// (B, T, 3C) in GPT-2's order; `lse` (B, NH, T) receives the log-sum-exp of each query.
 /// `mask` (B, T) is 1 for tokens and 0 for padding (padding keys are never attended to).
+/// `segments` (B, T): each run of equal ids in a row is one sequence, and a query attends only
+/// to the keys of its own run ([`segment_start`]); None: each row is one sequence.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     dtype: DType,
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     dims: AttnDims,
     dropout: Option<Dropout>,
     scratch: &mut [f32],
@@ -178,6 +184,7 @@ pub fn attention_forward(
         lse,
         qkv,
         mask,
+        segments,
         (dims, dims.nh),
         dropout,
         scratch,
@@ -193,6 +200,7 @@ pub fn attention_forward_grouped(
     lse: &mut [f32],
     qkv: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     dims: AttnDims,
     nkv: usize,
     dropout: Option<Dropout>,
@@ -205,6 +213,7 @@ pub fn attention_forward_grouped(
         lse,
         qkv,
         mask,
+        segments,
         (dims, nkv),
         dropout,
         scratch,
@@ -220,6 +229,7 @@ fn forward_with(
     lse: &mut [f32],
     qkv: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     scratch: &mut [f32],
@@ -230,6 +240,7 @@ fn forward_with(
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     assert!(out.len() >= b * t * c && qkv.len() >= b * t * rs && lse.len() >= b * nh * t);
     assert!(mask.is_none_or(|m| m.len() >= b * t));
+    assert!(segments.is_none_or(|s| s.len() >= b * t));
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
     let amx = bf16 && amx_ok && amx_kernel();
@@ -244,12 +255,24 @@ fn forward_with(
                     lse_p,
                     qkv,
                     mask,
+                    segments,
                     (dims, nkv),
                     dropout,
                     bh,
                 );
             }
-            head_forward(bf16, out_p, lse_p, qkv, mask, (dims, nkv), dropout, bh, scr)
+            head_forward(
+                bf16,
+                out_p,
+                lse_p,
+                qkv,
+                mask,
+                segments,
+                (dims, nkv),
+                dropout,
+                bh,
+                scr,
+            )
         }
     });
 }
@@ -312,6 +335,32 @@ pub(super) fn mask_row(mf: &mut [f32], mask: Option<&[u8]>, bi: usize, t: usize)
     }
 }
 
+/// The first key query `tq` of batch row `bi` may see: the start of its segment (the run of
+/// equal ids that ends at `tq`), 0 without segments. Scanning back costs no more than the
+/// softmax over the same keys.
+pub(super) fn segment_start(segments: Option<&[u32]>, bi: usize, t: usize, tq: usize) -> usize {
+    let Some(s) = segments else { return 0 };
+    let row = &s[bi * t..(bi + 1) * t];
+    let mut lo = tq;
+    while lo > 0 && row[lo - 1] == row[tq] {
+        lo -= 1;
+    }
+    lo
+}
+
+/// [`softmax_row`] over the keys `lo..=tq` of query `tq`'s segment; the keys before `lo`
+/// get probability 0.
+pub(super) fn softmax_in(row: &mut [f32], mf: &[f32], tq: usize, lo: usize, scale: f32) -> f32 {
+    row[..lo].fill(0.0);
+    softmax_row(&mut row[lo..], &mf[lo..], tq - lo, scale)
+}
+
+/// [`probs_row`] over the keys `lo..=tq` of query `tq`'s segment; 0 before `lo`.
+pub(super) fn probs_in(row: &mut [f32], mf: &[f32], tq: usize, lo: usize, lse: f32, scale: f32) {
+    row[..lo].fill(0.0);
+    probs_row(&mut row[lo..], &mf[lo..], tq - lo, lse, scale)
+}
+
 /// # Safety
 /// `out` and `lse` point at buffers of the sizes `attention_forward` checked, and no other task
 /// touches head `bh`'s part of them.
@@ -322,6 +371,7 @@ unsafe fn head_forward(
     lse: SendPtr,
     qkv: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     bh: usize,
@@ -366,7 +416,8 @@ unsafe fn head_forward(
         for i in 0..rows {
             let tq = r0 + i;
             let row = &mut s[i * keys..(i + 1) * keys];
-            let l = softmax_row(row, &mf[..keys], tq, scale);
+            let lo = segment_start(segments, bi, t, tq);
+            let l = softmax_in(row, &mf[..keys], tq, lo, scale);
             // SAFETY: `lse` has b*nh*t floats (checked by `attention_forward`) and entry
             // (bh, tq) belongs to this task alone.
             unsafe { *lse.0.add(bh * t + tq) = l };
@@ -468,6 +519,7 @@ pub fn attention_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     dims: AttnDims,
     dropout: Option<Dropout>,
     scratch: &mut [f32],
@@ -481,6 +533,7 @@ pub fn attention_backward(
         qkv,
         lse,
         mask,
+        segments,
         (dims, dims.nh),
         dropout,
         scratch,
@@ -498,6 +551,7 @@ pub fn attention_backward_grouped(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     dims: AttnDims,
     nkv: usize,
     dropout: Option<Dropout>,
@@ -512,6 +566,7 @@ pub fn attention_backward_grouped(
         qkv,
         lse,
         mask,
+        segments,
         (dims, nkv),
         dropout,
         scratch,
@@ -529,6 +584,7 @@ fn backward_with(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     scratch: &mut [f32],
@@ -539,6 +595,7 @@ fn backward_with(
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
     assert!(dqkv.len() >= b * t * rs && qkv.len() >= b * t * rs && dout.len() >= b * t * c);
     assert!(lse.len() >= b * nh * t && mask.is_none_or(|m| m.len() >= b * t));
+    assert!(segments.is_none_or(|s| s.len() >= b * t));
     let dqkv_p = SendPtr(dqkv.as_mut_ptr());
     let out_p = recompute_out.map(|o| {
         assert!(o.len() >= b * t * c);
@@ -564,6 +621,7 @@ fn backward_with(
                     qkv,
                     lse,
                     mask,
+                    segments,
                     (dims, nkv),
                     dropout,
                     (bh, first),
@@ -577,6 +635,7 @@ fn backward_with(
                 qkv,
                 lse,
                 mask,
+                segments,
                 (dims, nkv),
                 dropout,
                 (bh, first),
@@ -601,6 +660,7 @@ unsafe fn head_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     (bh, first): (usize, bool),
@@ -675,10 +735,11 @@ unsafe fn head_backward(
         }
         for i in 0..rows {
             let tq = r0 + i;
-            probs_row(
+            probs_in(
                 &mut p[i * keys..(i + 1) * keys],
                 &mf[..keys],
                 tq,
+                segment_start(segments, bi, t, tq),
                 lse[bh * t + tq],
                 scale,
             );
@@ -818,10 +879,12 @@ mod tests {
     use super::*;
     use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
 
-    /// f64 reference: plain softmax attention per head, dropout mask from the same keys.
+    /// f64 reference: plain softmax attention per head, dropout mask from the same keys; with
+    /// `segs`, a query sees only the keys of its own run of equal ids.
     pub(super) fn reference(
         qkv: &[f64],
         mask: &[u8],
+        segs: Option<&[u32]>,
         d: AttnDims,
         drop: Option<Dropout>,
     ) -> Vec<f64> {
@@ -836,7 +899,12 @@ mod tests {
                         qkv[(bi * t + i) * 3 * c + o + h * hd..][..hd].to_vec()
                     };
                     let q = qv(tq, 0);
-                    let vis: Vec<usize> = (0..=tq).filter(|&j| mask[bi * t + j] != 0).collect();
+                    let same = |j: usize| {
+                        segs.is_none_or(|s| (j..=tq).all(|i| s[bi * t + i] == s[bi * t + tq]))
+                    };
+                    let vis: Vec<usize> = (0..=tq)
+                        .filter(|&j| mask[bi * t + j] != 0 && same(j))
+                        .collect();
                     if vis.is_empty() {
                         continue;
                     }
@@ -871,7 +939,10 @@ mod tests {
 
     #[test]
     fn attention_matches_f64_and_finite_differences() {
-        // t = 70 spans two query blocks; batch 1 is left-padded, batch 0 has a hole.
+        // t = 70 spans two query blocks; batch 1 is left-padded, batch 0 has a hole; then the
+        // same with segments: row 0 packs sequences of 30, 1, 25 and 14 positions (the last
+        // crosses a query block), row 1 two sequences, the same id coming back after another
+        // (a new run, a new sequence).
         let dims = AttnDims {
             b: 2,
             t: 70,
@@ -887,7 +958,26 @@ mod tests {
         }
         let qkv: Vec<f32> = rand_vec(b * t * 3 * c, 1).iter().map(|x| x * 2.0).collect();
         let dout = rand_vec(b * t * c, 2);
-        for (drop, threads) in [(None, 1), (None, 2), (Some(Dropout { p: 0.2, key: 7 }), 2)] {
+        let mut packed = vec![0u32; b * t];
+        for (i, s) in packed[..t].iter_mut().enumerate() {
+            *s = match i {
+                0..30 => 4,
+                30 => 5,
+                31..56 => 6,
+                _ => 7,
+            };
+        }
+        for (i, s) in packed[t..].iter_mut().enumerate() {
+            *s = if (40..60).contains(&i) { 1 } else { 0 };
+        }
+        let drop = Some(Dropout { p: 0.2, key: 7 });
+        for (drop, threads, segs) in [
+            (None, 1, None),
+            (None, 2, None),
+            (drop, 2, None),
+            (None, 2, Some(packed.clone())),
+            (drop, 1, Some(packed.clone())),
+        ] {
             let mut out = vec![0.0; b * t * c];
             let mut again = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
@@ -900,6 +990,7 @@ mod tests {
                     &mut lse,
                     &qkv,
                     Some(&mask),
+                    segs.as_deref(),
                     dims,
                     drop,
                     &mut scratch,
@@ -912,12 +1003,13 @@ mod tests {
                     &qkv,
                     &lse,
                     Some(&mask),
+                    segs.as_deref(),
                     dims,
                     drop,
                     &mut scratch,
                 );
             });
-            let f = |x: &[f64]| reference(x, &mask, dims, drop);
+            let f = |x: &[f64]| reference(x, &mask, segs.as_deref(), dims, drop);
             assert_close(&out, &f(&f64s(&qkv)), 1e-5, "out");
             assert_close(&again, &f(&f64s(&qkv)), 1e-5, "recomputed out");
             check_grad("dqkv", &dqkv, 0.0, &f64s(&qkv), &dout, f);
@@ -946,6 +1038,9 @@ mod tests {
             let mut mask = vec![1u8; b * t];
             mask[t..t + 3].fill(0);
             let drop = Some(Dropout { p: 0.1, key: 77 });
+            // the second shape packs three sequences per row (segment ids)
+            let segs: Vec<u32> = (0..b * t).map(|i| ((i % t) / 17) as u32).collect();
+            let segs = (t == 45).then_some(&segs[..]);
             let run = |amx: bool| {
                 let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
                 // dqkv and the output are overwritten, whatever they held
@@ -960,6 +1055,7 @@ mod tests {
                         &mut lse,
                         &qkv,
                         m,
+                        segs,
                         (dims, nkv),
                         drop,
                         &mut scratch,
@@ -973,6 +1069,7 @@ mod tests {
                         &qkv,
                         &lse,
                         m,
+                        segs,
                         (dims, nkv),
                         drop,
                         &mut scratch,
@@ -1022,6 +1119,8 @@ mod tests {
         let AttnDims { b, t, c, nh } = dims;
         let qkv = rand_vec(b * t * 3 * c, 3);
         let dout = rand_vec(b * t * c, 4);
+        // two sequences per row, the second crossing the query block boundary
+        let segs: Vec<u32> = (0..b * t).map(|i| (i % t >= 20) as u32).collect();
         let run = |dtype: DType| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
@@ -1034,6 +1133,7 @@ mod tests {
                     &mut lse,
                     &qkv,
                     None,
+                    Some(&segs),
                     dims,
                     None,
                     &mut scratch,
@@ -1046,6 +1146,7 @@ mod tests {
                     &qkv,
                     &lse,
                     None,
+                    Some(&segs),
                     dims,
                     None,
                     &mut scratch,
@@ -1058,7 +1159,7 @@ mod tests {
         let mask = vec![1u8; b * t];
         assert_close(
             &out16,
-            &reference(&f64s(&qkv), &mask, dims, None),
+            &reference(&f64s(&qkv), &mask, Some(&segs), dims, None),
             2e-2,
             "bf16 out",
         );

@@ -16,7 +16,9 @@
 
 use std::cell::RefCell;
 
-use super::attention::{head_cols, mask_row, probs_row, softmax_back_row, softmax_row, AttnDims};
+use super::attention::{
+    head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
+};
 use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm_bf16::{pack_a, pack_b, Line, NR};
 use super::SendPtr;
@@ -159,6 +161,7 @@ pub(super) unsafe fn head_forward(
     lse: SendPtr,
     qkv: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     bh: usize,
@@ -200,7 +203,8 @@ pub(super) unsafe fn head_forward(
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
-                    let l = softmax_row(row, &mf[..keys], tq, head.scale);
+                    let lo = segment_start(segments, bi, t, tq);
+                    let l = softmax_in(row, &mf[..keys], tq, lo, head.scale);
                     *lse.0.add(bh * t + tq) = l;
                     if let Some(d) = dropout {
                         d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
@@ -231,6 +235,7 @@ pub(super) unsafe fn head_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     (bh, first): (usize, bool),
@@ -312,7 +317,8 @@ pub(super) unsafe fn head_backward(
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut p[i * t..i * t + keys];
-                    probs_row(row, &mf[..keys], tq, lse[bh * t + tq], head.scale);
+                    let lo = segment_start(segments, bi, t, tq);
+                    probs_in(row, &mf[..keys], tq, lo, lse[bh * t + tq], head.scale);
                 }
                 // The probabilities as the forward used them (after dropout), and dP from dPd.
                 let used: &[f32] = match dropout {

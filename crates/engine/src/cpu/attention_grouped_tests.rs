@@ -52,8 +52,10 @@ fn grouped_heads_match_expanded_heads_and_finite_differences() {
             within_pool(threads, || {
                 let d = DType::F32;
                 let s = &mut scratch;
-                attention_forward_grouped(d, &mut out, &mut lse, &x, m, dims, kv, drop, s);
-                attention_backward_grouped(d, &mut dx, None, &dout, &x, &lse, m, dims, kv, drop, s);
+                attention_forward_grouped(d, &mut out, &mut lse, &x, m, None, dims, kv, drop, s);
+                attention_backward_grouped(
+                    d, &mut dx, None, &dout, &x, &lse, m, None, dims, kv, drop, s,
+                );
             });
             (out, lse, dx)
         };
@@ -84,7 +86,7 @@ fn grouped_heads_match_expanded_heads_and_finite_differences() {
             }
         }
         assert_close(&g1.2, &summed, 1e-5 * scale as f64, "dk, dv summed");
-        let f = |x: &[f64]| reference(&expand(x, dims, nkv), &mask, dims, drop);
+        let f = |x: &[f64]| reference(&expand(x, dims, nkv), &mask, None, dims, drop);
         check_grad("grouped dqkv", &g1.2, 0.0, &f64s(&qkv), &dout, f);
     }
 }

@@ -251,10 +251,13 @@ pub(crate) struct Batch {
     pub(crate) b: usize,
     pub(crate) t: usize,
     pub(crate) ids: Vec<u32>,
-    /// Each row's position in its sequence (row mod T), for rotary embeddings.
+    /// Each row's position in its sequence (row mod T, or from its segment's start), for
+    /// rotary embeddings.
     pub(crate) pos: Vec<u32>,
     pub(crate) mask: Vec<u8>,
     pub(crate) has_mask: bool,
+    /// Segment ids (B, T) of packed rows; empty when each row is one sequence.
+    pub(crate) segments: Vec<u32>,
     /// Per position: the id it must predict, or -1 when not counted.
     pub(crate) targets: Vec<i32>,
     /// Counted positions; None when the forward had no labels.
@@ -268,6 +271,7 @@ impl Batch {
         &mut self,
         ids: &[u32],
         attention_mask: Option<&[u8]>,
+        segments: Option<&[u32]>,
         labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
@@ -278,7 +282,16 @@ impl Batch {
         self.ids.clear();
         self.ids.extend_from_slice(ids);
         self.pos.clear();
-        self.pos.extend((0..n).map(|i| (i % t) as u32));
+        self.segments.clear();
+        // Whether position i starts a sequence (a row's start, or a new segment id).
+        let starts = |i: usize| i.is_multiple_of(t) || segments.is_some_and(|s| s[i] != s[i - 1]);
+        let mut p = 0;
+        self.pos.extend((0..n).map(|i| {
+            p = if starts(i) { 0 } else { p + 1 };
+            p
+        }));
+        self.segments
+            .extend_from_slice(segments.unwrap_or_default());
         self.has_mask = attention_mask.is_some();
         self.mask.clear();
         if let Some(m) = attention_mask {
@@ -292,7 +305,12 @@ impl Batch {
             self.targets.extend((0..n).map(|i| match labels {
                 Labels::Aligned(labels) => {
                     let next = i + 1;
-                    if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
+                    if i % t + 1 < t
+                        && !starts(next)
+                        && labels[next] != -100
+                        && real(i)
+                        && real(next)
+                    {
                         labels[next]
                     } else {
                         -1

@@ -188,6 +188,25 @@ impl<'a> Pass<'a> {
         let batch: &'a Batch = self.batch;
         batch.has_mask.then_some(&batch.mask[..])
     }
+
+    /// The batch's segment ids (None when each row is one sequence).
+    pub(crate) fn segments(&self) -> Option<&'a [u32]> {
+        let batch: &'a Batch = self.batch;
+        (!batch.segments.is_empty()).then_some(&batch.segments[..])
+    }
+}
+
+/// The (start, length) of each sequence of a packed batch's rows: runs of equal segment ids.
+fn segment_runs(segments: &[u32], t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let start = i;
+        i += 1;
+        while i < segments.len() && !i.is_multiple_of(t) && segments[i] == segments[start] {
+            i += 1;
+        }
+        (start < segments.len()).then_some((start, i - start))
+    })
 }
 
 /// Which block a layer function runs, and where its parameters are.
@@ -218,14 +237,22 @@ pub(crate) struct HeadGrads<'g> {
 /// Token + position embeddings (and their dropout) into `a.res[0]`.
 pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: &[f32], a: &mut Acts) {
     let Dims { b, t, c, .. } = pass.dims;
+    let segments = pass.segments();
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let x0 = &mut a.res[..b * t * c];
     let wte = &p[lay.wte.clone()];
     prof.time(K::EncoderFwd, || {
-        if pass.dims.rope {
-            dev.embedding_forward(x0, &batch.ids, wte, b * t, c)
-        } else {
-            dev.encoder_forward(x0, &batch.ids, wte, &p[lay.wpe.clone()], b, t, c)
+        let wpe = &p[lay.wpe.clone()];
+        match segments {
+            _ if pass.dims.rope => dev.embedding_forward(x0, &batch.ids, wte, b * t, c),
+            // Learned positions restart at each packed sequence: one row of its own length each.
+            Some(segments) => {
+                for (i, len) in segment_runs(segments, t) {
+                    let ids = &batch.ids[i..i + len];
+                    dev.encoder_forward(&mut x0[i * c..(i + len) * c], ids, wte, wpe, 1, len, c)
+                }
+            }
+            None => dev.encoder_forward(x0, &batch.ids, wte, wpe, b, t, c),
         }
     });
     if let Some(d) = pass.drop.site(0) {
@@ -284,6 +311,7 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
         gelu,
     };
     let lse = layer_mut(a.att_lse, sl, n * nh);
+    let segments = pass.segments();
     let (mask, drop, scratch) = (pass.mask(), pass.drop, &mut *pass.scratch);
     let (dev, rope, pos) = (pass.dev, pass.rope, &pass.batch.pos[..]);
     let branches = BranchDropout {
@@ -303,7 +331,17 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: &[f32], a: &mut Act
                 dev.rope_forward(qkv, pos, &r.cos, &r.sin, dims.rope_dims(n));
             }
             let (attn, nkv) = (dims.attn(), dims.nkv);
-            dev.attention_forward_grouped(att, lse, qkv, mask, attn, nkv, drop.site(ld), scratch)
+            dev.attention_forward_grouped(
+                att,
+                lse,
+                qkv,
+                mask,
+                segments,
+                attn,
+                nkv,
+                drop.site(ld),
+                scratch,
+            )
         },
     );
 }
@@ -450,6 +488,7 @@ pub(crate) fn head_backward(
 /// wte's and wpe's gradients.
 pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32], a: &mut Acts) {
     let Dims { b, t, c, .. } = pass.dims;
+    let segments = pass.segments();
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let nc = b * t * c;
     let dres = &a.dres[..nc];
@@ -461,12 +500,15 @@ pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32]
         }
         None => dres,
     };
-    prof.time(K::EncoderBwd, || {
-        if pass.dims.rope {
-            dev.embedding_backward(dwte, demb, &batch.ids, b * t, c)
-        } else {
-            dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c)
+    prof.time(K::EncoderBwd, || match segments {
+        _ if pass.dims.rope => dev.embedding_backward(dwte, demb, &batch.ids, b * t, c),
+        Some(segments) => {
+            for (i, len) in segment_runs(segments, t) {
+                let (ids, d) = (&batch.ids[i..i + len], &demb[i * c..(i + len) * c]);
+                dev.encoder_backward(dwte, dwpe, d, ids, 1, len, c)
+            }
         }
+        None => dev.encoder_backward(dwte, dwpe, demb, &batch.ids, b, t, c),
     });
 }
 
@@ -477,7 +519,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
     let Dims { c, f, nh, .. } = dims;
     let n = dims.n();
     let nc = n * c;
-    let (dev, drop, mask) = (pass.dev, pass.drop, pass.mask());
+    let (dev, drop, mask, segments) = (pass.dev, pass.drop, pass.mask(), pass.segments());
     let (scratch, prof) = (&mut *pass.scratch, &mut *pass.prof);
     let (l, bl) = (at.local, at.layout);
     let w = BlockWeights::new(p, bl);
@@ -639,6 +681,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 qkv,
                 lse,
                 mask,
+                segments,
                 dims.attn(),
                 dims.nkv,
                 drop.site(ld),

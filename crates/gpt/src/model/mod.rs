@@ -362,10 +362,19 @@ impl GPT {
             batch: b,
             seq: t,
             attention_mask,
+            segments,
             labels,
             parts,
         } = pass;
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
+        if segments.is_some_and(|s| s.len() != b * t) {
+            return Err(GptError::InputShape {
+                what: "segments",
+                found: segments.map_or(0, <[u32]>::len),
+                batch: b,
+                seq: t,
+            });
+        }
         let n = b * t;
         let cols = logit_cols(
             n,
@@ -402,7 +411,8 @@ impl GPT {
             self.attn_scratch = AlignedFloats::default();
             self.attn_scratch = AlignedFloats::zeroed(scratch);
         }
-        self.batch.set(input_ids, attention_mask, labels, b, t);
+        self.batch
+            .set(input_ids, attention_mask, segments, labels, b, t);
 
         let drop = self.drop_key();
         let GPT {

@@ -524,7 +524,7 @@ fn timed_step(
 ) -> Result<StepPhases, TrainError> {
     let t0 = Instant::now();
     dp.clear_grads();
-    dp.forward(ids, None, Some(Labels::Aligned(labels)), b, t)?;
+    dp.forward(ids, None, None, Some(Labels::Aligned(labels)), b, t)?;
     let forward = t0.elapsed();
     let sync = dp.backward(true)?;
     let t_opt = Instant::now();

@@ -5,6 +5,8 @@
 //! - [`collectives`]: `cohort bench collectives`, nccl-tests style.
 //! - [`rpc`]: `cohort bench rpc`, round trips and calls per second.
 //! - [`serve`]: `cohort bench serve`, the serving load test.
+//! - [`serve_model`]: `cohort bench serve --repository`, any model of a repository.
+//! - [`serve_chat`]: `cohort bench serve --chat`, streamed `/v1/chat/completions`.
 //! - [`train_step`]: `cohort bench train`, one process's training step.
 //! - [`ddp`]: `cohort bench ddp`, DDP's step time and scaling efficiency.
 //! - [`pipeline`]: `cohort bench pipeline`, the pipeline's step time and bubble.
@@ -19,6 +21,7 @@ pub mod pipeline;
 pub mod ps;
 pub mod rpc;
 pub mod serve;
+pub mod serve_chat;
 pub mod serve_model;
 pub mod train_step;
 

@@ -205,7 +205,7 @@ fn write_repository(repo: &Path, t: &LoadTest) -> Result<usize, ServeError> {
 
 /// Writes one checkpoint (`checkpoint`, or a random model of `cfg`) and a model directory per
 /// (name, config.pbtxt) linking to it; returns the vocabulary size.
-fn write_models(
+pub(crate) fn write_models(
     repo: &Path,
     checkpoint: Option<&Path>,
     cfg: &GPTConfig,
@@ -564,10 +564,10 @@ pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// What one streamed request saw.
-struct StreamSample {
-    ttft_ms: f64,
-    gaps_ms: Vec<f64>,
-    tokens: usize,
+pub(crate) struct StreamSample {
+    pub(crate) ttft_ms: f64,
+    pub(crate) gaps_ms: Vec<f64>,
+    pub(crate) tokens: usize,
 }
 
 /// `streams` threads, each sending `rounds` streamed requests one after another.
@@ -620,6 +620,29 @@ fn drive_streams(
 
 /// One `generate_stream` request on its own connection, timing each event as it arrives.
 fn stream_one(addr: std::net::SocketAddr, model: &str, body: &str) -> Result<StreamSample, String> {
+    let path = format!("/v2/models/{model}/generate_stream");
+    let times: Vec<f64> = stream_events(addr, &path, body)?
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    let Some(&first) = times.first() else {
+        return Err("the stream ended without a token".into());
+    };
+    Ok(StreamSample {
+        ttft_ms: first,
+        gaps_ms: times.windows(2).map(|w| w[1] - w[0]).collect(),
+        tokens: times.len(),
+    })
+}
+
+/// POSTs `body` (JSON) to `path` on its own connection and reads the server-sent events of the
+/// answer: each `data: ...` line's payload with the ms since the request was sent. An event
+/// holding an `"error":` key or a status other than 200 is an error.
+pub(crate) fn stream_events(
+    addr: std::net::SocketAddr,
+    path: &str,
+    body: &str,
+) -> Result<Vec<(f64, Vec<u8>)>, String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).map_err(|e| format!("connect {addr}: {e}"))?;
     s.set_nodelay(true).map_err(|e| e.to_string())?;
@@ -628,14 +651,15 @@ fn stream_one(addr: std::net::SocketAddr, model: &str, body: &str) -> Result<Str
     let t0 = Instant::now();
     write!(
         s,
-        "POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\
          Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .map_err(|e| format!("send: {e}"))?;
-    let mut times = Vec::new();
+    let mut events = Vec::new();
     let mut pending = Vec::new();
     let mut buf = [0u8; 16 << 10];
+    let mut refused: Option<String> = None;
     loop {
         let n = s.read(&mut buf).map_err(|e| format!("read: {e}"))?;
         if n == 0 {
@@ -646,22 +670,29 @@ fn stream_one(addr: std::net::SocketAddr, model: &str, body: &str) -> Result<Str
         // each event is one `data: {...}` line; chunk framing lines never start with "data: "
         while let Some(end) = pending.iter().position(|&b| b == b'\n') {
             let line: Vec<u8> = pending.drain(..=end).collect();
-            if let Some(data) = line.strip_prefix(b"data: ") {
+            let text = || String::from_utf8_lossy(&line).trim().to_string();
+            if let Some(why) = refused.as_mut() {
+                // a refusal: its body says why
+                if line.starts_with(b"{") {
+                    why.push_str(&format!(": {}", text()));
+                }
+            } else if let Some(data) = line.strip_prefix(b"data: ") {
                 if data.windows(8).any(|w| w == b"\"error\":") {
                     return Err(String::from_utf8_lossy(data).trim().to_string());
                 }
-                times.push(now);
+                events.push((now, data.trim_ascii_end().to_vec()));
             } else if line.starts_with(b"HTTP/1.1 ") && !line.starts_with(b"HTTP/1.1 200") {
-                return Err(String::from_utf8_lossy(&line).trim().to_string());
+                refused = Some(text());
             }
         }
     }
-    let Some(&first) = times.first() else {
-        return Err("the stream ended without a token".into());
-    };
-    Ok(StreamSample {
-        ttft_ms: first,
-        gaps_ms: times.windows(2).map(|w| w[1] - w[0]).collect(),
-        tokens: times.len(),
-    })
+    if let Some(why) = refused {
+        let body = String::from_utf8_lossy(&pending);
+        return Err(if body.trim().is_empty() {
+            why
+        } else {
+            format!("{why}: {}", body.trim())
+        });
+    }
+    Ok(events)
 }

@@ -13,6 +13,17 @@ pub enum CheckpointCmd {
     /// and the trainer's and tokenizer's files, which `from_pretrained` loads and `--resume`
     /// continues at any world size.
     Consolidate(ConsolidateArgs),
+    /// Check every file of a checkpoint against its checksums (CHECKSUMS, or SHA256SUMS of an
+    /// older checkpoint), reading it whole: what `sha256sum -c` did for the older ones. A
+    /// checkpoint without checksums is an error, so that a script never takes it for intact.
+    Verify(VerifyArgs),
+}
+
+/// `cohort checkpoint verify`.
+#[derive(clap::Args, Debug)]
+pub struct VerifyArgs {
+    /// A checkpoint directory, or a run's output directory (its latest checkpoint).
+    path: PathBuf,
 }
 
 /// `cohort checkpoint consolidate`.
@@ -37,6 +48,23 @@ pub fn main(cmd: CheckpointCmd) -> anyhow::Result<()> {
                 )
             })?;
             println!("consolidated {} into {}", dir.display(), a.out.display());
+            Ok(())
+        }
+        CheckpointCmd::Verify(a) => {
+            let context = || format!("cohort checkpoint verify {}", a.path.display());
+            let dir = cohort_gpt::checkpoint::resolve(&a.path).with_context(context)?;
+            if !cohort_gpt::checkpoint::verify(&dir).with_context(context)? {
+                anyhow::bail!(
+                    "{}: no {} nor {}: nothing to verify it against",
+                    dir.display(),
+                    cohort_gpt::checkpoint::CHECKSUMS_FILE,
+                    cohort_gpt::checkpoint::SHA256SUMS_FILE
+                );
+            }
+            println!(
+                "verified {}: every file matches its checksum",
+                dir.display()
+            );
             Ok(())
         }
     }

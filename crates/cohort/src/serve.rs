@@ -1,7 +1,7 @@
 //! `cohort serve` and `cohort bench serve`: wiring only. Parse the flags (Triton's names where it
 //! has one), start `cohort_serve::Server`, print where it listens, wait for Ctrl-C / SIGTERM; or
-//! run `cohort_bench::serve` (or, with `--repository`, `cohort_bench::serve_model`) and print
-//! its table.
+//! run `cohort_bench::serve` (or, with `--repository`, `cohort_bench::serve_model`; with
+//! `--chat`, `cohort_bench::serve_chat`) and print its table.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cohort_bench::serve::{GenerateLoad, GenerateRow, LoadRow, LoadTest};
+use cohort_bench::serve_chat::{run_chat, ChatLoad, ChatRow};
 use cohort_bench::serve_model::{ModelLoad, ModelLoadRow, ModelProfile};
+use cohort_gpt::sample::KvDtype;
 use cohort_gpt::GPTConfig;
 use cohort_serve::{Server, ServerOptions};
 
@@ -222,6 +224,21 @@ pub struct BenchServeArgs {
     /// parameter): fp32 or bf16.
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
     kv_cache_dtype: String,
+    /// Measure chat serving instead: streamed /v1/chat/completions requests over HTTP against
+    /// --checkpoint (a model directory with a chat template, e.g. SmolLM2 from `cohort
+    /// convert`), in-flight batching on; uses --streams, --rounds, --new-tokens (max_tokens),
+    /// --temperature, --max-batch-size, --threads, --kv-cache-dtype, --decode-weights and
+    /// --max-prefill-tokens.
+    #[arg(long, requires = "checkpoint")]
+    chat: bool,
+    /// Chat: the decode steps' weights (the model's `decode_weights` parameter): fp32, bf16
+    /// or q8.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16", "q8"])]
+    decode_weights: String,
+    /// Chat: the most prompt tokens a decode step feeds besides its first prompt (the model's
+    /// `max_prefill_tokens` parameter; default: the server's, 32).
+    #[arg(long)]
+    max_prefill_tokens: Option<usize>,
     /// Load-test a model of this repository (with --model) instead of a GPT: random inputs of
     /// the model's declared shapes and datatypes, like perf_analyzer.
     #[arg(long, requires = "model")]
@@ -337,15 +354,102 @@ fn print_profile(p: &ModelProfile) {
     }
 }
 
-fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
-    let streams = a
-        .streams
+/// `--streams` as numbers.
+fn stream_counts(a: &BenchServeArgs) -> anyhow::Result<Vec<usize>> {
+    a.streams
         .split(',')
         .map(|s| s.trim().parse::<usize>())
         .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("--streams {:?}: expected numbers like 1,32", a.streams))?;
+        .with_context(|| format!("--streams {:?}: expected numbers like 1,32", a.streams))
+}
+
+/// `--kv-cache-dtype` as the KV caches' format.
+fn kv_dtype(a: &BenchServeArgs) -> anyhow::Result<KvDtype> {
+    a.kv_cache_dtype
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--kv-cache-dtype: {e}"))
+}
+
+/// `cohort bench serve --chat`: streamed chat completions against a model directory.
+fn bench_chat(a: BenchServeArgs) -> anyhow::Result<()> {
+    let t = ChatLoad {
+        checkpoint: a.checkpoint.clone().context("--chat needs --checkpoint")?,
+        streams: stream_counts(&a)?,
+        rounds: a.rounds,
+        max_tokens: a.new_tokens,
+        temperature: a.temperature,
+        seed: a.seed,
+        max_batch_size: a.max_batch_size,
+        threads: a.threads,
+        kv_cache_dtype: kv_dtype(&a)?,
+        decode_weights: a.decode_weights.clone(),
+        prefill_tokens: a.max_prefill_tokens,
+    };
+    if !a.json {
+        println!(
+            "bench serve --chat: {}, streamed /v1/chat/completions over HTTP on loopback, \
+             max_tokens {}, {} request(s) per stream, in-flight batching, {} KV cache, {} \
+             decode weights",
+            t.checkpoint.display(),
+            t.max_tokens,
+            t.rounds,
+            t.kv_cache_dtype,
+            t.decode_weights
+        );
+        println!(
+            "{:>8} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
+            "streams",
+            "tokens/s",
+            "per strm",
+            "prompt",
+            "ttft p50",
+            "ttft p99",
+            "itl p50",
+            "itl p99",
+            "mean rows",
+            "ms/step"
+        );
+    }
+    let print = |r: &ChatRow| {
+        if a.json {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        } else {
+            println!(
+                "{:>8} {:>10.1} {:>10.1} {:>8.1} {:>10.1} {:>10.1} {:>9.2} {:>9.2} {:>9.2} {:>8.2}",
+                r.streams,
+                r.tokens_per_s,
+                r.tokens_per_s_per_stream,
+                r.prompt_tokens,
+                r.ttft_p50_ms,
+                r.ttft_p99_ms,
+                r.itl_p50_ms,
+                r.itl_p99_ms,
+                r.mean_inflight,
+                r.ms_per_step
+            );
+        }
+    };
+    let rows = run_chat(&t, print).context("bench serve --chat")?;
+    let least = rows.iter().min_by_key(|r| r.streams);
+    let most = rows.iter().max_by_key(|r| r.streams);
+    if let (false, Some(one), Some(many)) = (a.json, least, most) {
+        if many.streams > one.streams {
+            println!(
+                "{} streams: {:.2}x the tokens/s of {} stream(s); time to first token p50 {:.3} s",
+                many.streams,
+                many.tokens_per_s / one.tokens_per_s,
+                one.streams,
+                many.ttft_p50_ms / 1e3
+            );
+        }
+    }
+    Ok(())
+}
+
+fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
+    let streams = stream_counts(&a)?;
     let t = GenerateLoad {
-        checkpoint: a.checkpoint,
+        checkpoint: a.checkpoint.clone(),
         model,
         prompt_tokens: a.prompt_tokens,
         new_tokens: a.new_tokens,
@@ -356,10 +460,7 @@ fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
         threads: a.threads,
         temperature: a.temperature,
         seed: a.seed,
-        kv_cache_dtype: a
-            .kv_cache_dtype
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--kv-cache-dtype: {e}"))?,
+        kv_cache_dtype: kv_dtype(&a)?,
     };
     if !a.json {
         println!(
@@ -432,6 +533,9 @@ fn bench_generate(a: BenchServeArgs, model: GPTConfig) -> anyhow::Result<()> {
 pub fn bench(a: BenchServeArgs) -> anyhow::Result<()> {
     if let (Some(repository), Some(model)) = (a.repository.clone(), a.model.clone()) {
         return bench_model(a, repository, model);
+    }
+    if a.chat {
+        return bench_chat(a);
     }
     let model = match a.config.as_str() {
         "A" | "a" => GPTConfig::config_a(),

@@ -241,3 +241,94 @@ fn bench_ps_reports_the_update_time_of_both_modes() {
         assert_positive(v, &["ms_per_update", "tokens_per_s", "params"]);
     }
 }
+
+/// `bench serve --chat`: streamed `/v1/chat/completions` against a model directory with a chat
+/// template, one row per stream count with the keys docs/PERFORMANCE.md reads.
+#[test]
+fn bench_serve_chat_streams_chat_completions_of_a_model_directory() {
+    use cohort_gpt::checkpoint::{self, Checkpoint};
+    use cohort_gpt::{GPTConfig, GPT};
+    use cohort_tokenizer::{Tokenizer, TOKENIZER_FILE};
+    let chatml = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + \
+                  message['content'] + '<|im_end|>' + '\n'}}{% endfor %}\
+                  {% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    let mut tok = Tokenizer::char_level((32u8..127).map(char::from).chain(['\n']));
+    tok.add_special_tokens(&["<|im_start|>", "<|im_end|>"])
+        .unwrap();
+    let cfg = GPTConfig {
+        vocab_size: tok.vocab_size(),
+        max_position_embeddings: 160,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 16,
+        d_ff: 32,
+        dropout: 0.0,
+        ..GPTConfig::default()
+    };
+    let model = GPT::new(cfg, 5).unwrap();
+    let json = tok.to_json().unwrap();
+    let config = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": chatml});
+    let config = config.to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = Checkpoint {
+        model: Some(&model),
+        extra_files: vec![
+            (TOKENIZER_FILE, json.as_bytes()),
+            ("tokenizer_config.json", config.as_bytes()),
+        ],
+        ..Default::default()
+    };
+    let at = checkpoint::save(dir.path(), "step-1", &ckpt).unwrap();
+    let at = at.to_str().unwrap();
+    let mut args = vec!["bench", "serve", "--chat", "--checkpoint", at];
+    args.extend(["--streams", "1,3", "--new-tokens", "5", "--rounds", "2"]);
+    args.extend(["--temperature", "0", "--decode-weights", "bf16", "--json"]);
+    let rows = json_lines(&succeeded(&run(&args)));
+    let streams: Vec<u64> = rows
+        .iter()
+        .map(|r| r["streams"].as_u64().unwrap())
+        .collect();
+    assert_eq!(streams, [1, 3], "{rows:?}");
+    for r in &rows {
+        assert_eq!(
+            r["requests"].as_u64(),
+            Some(2 * r["streams"].as_u64().unwrap())
+        );
+        assert_eq!(r["decode_weights"], "bf16");
+        assert_positive(
+            r,
+            &[
+                "tokens_per_s",
+                "tokens_per_s_per_stream",
+                "prompt_tokens",
+                "ttft_p50_ms",
+                "mean_inflight",
+                "ms_per_step",
+            ],
+        );
+        assert!(
+            r["ttft_p99_ms"].as_f64() >= r["ttft_p50_ms"].as_f64(),
+            "{r}"
+        );
+    }
+    // a model directory without a chat template is refused, naming why
+    let plain = tempfile::tempdir().unwrap();
+    let ckpt = Checkpoint {
+        model: Some(&model),
+        extra_files: vec![(TOKENIZER_FILE, json.as_bytes())],
+        ..Default::default()
+    };
+    let at = checkpoint::save(plain.path(), "step-1", &ckpt).unwrap();
+    let mut args = vec![
+        "bench",
+        "serve",
+        "--chat",
+        "--checkpoint",
+        at.to_str().unwrap(),
+    ];
+    args.extend(["--streams", "1", "--new-tokens", "2"]);
+    let out = run(&args);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("template"), "{err}");
+}

@@ -111,7 +111,7 @@ fn chat_tokens_added_to_a_gpt2_style_model_are_learned_on_two_ranks() {
     config["chat_template"] = json!(CHATML);
     config["eos_token"] = json!("<|im_end|>");
     std::fs::write(base.join("tokenizer_config.json"), config.to_string()).unwrap();
-    let _ = std::fs::remove_file(base.join("SHA256SUMS"));
+    let _ = std::fs::remove_file(base.join(cohort_gpt::checkpoint::CHECKSUMS_FILE));
 
     write_jsonl(&at("chat.jsonl"), &chats);
     let log = succeeded(

@@ -363,7 +363,8 @@ fn a_new_run_starts_from_a_pretrained_model_and_takes_its_shape() {
 
 /// `cohort checkpoint consolidate` turns a ZeRO-3 run's sharded checkpoint
 /// (a shard per rank) into one model with the same parameters; a damaged
-/// shard is one line naming its file and rank.
+/// shard is one line naming its file and rank. `cohort checkpoint verify`
+/// passes the intact checkpoint and names the damaged shard.
 #[test]
 fn checkpoint_consolidate_exports_a_sharded_run_as_one_model() {
     let tmp = tempfile::tempdir().unwrap();
@@ -396,6 +397,14 @@ fn checkpoint_consolidate_exports_a_sharded_run_as_one_model() {
     succeeded(&consolidate(&out));
     assert!(export.join("model.safetensors").is_file());
     assert_eq!(params(&export), params(&step));
+    let verify = |path: &std::path::Path| run(&["checkpoint", "verify", path.to_str().unwrap()]);
+    let verified = verify(&out);
+    assert!(verified.status.success(), "{verified:?}");
+    let said = String::from_utf8_lossy(&verified.stdout);
+    assert!(
+        said.contains("verified") && said.contains("step-000004"),
+        "{said}"
+    );
 
     let shard = step.join("shard-00001-of-00002.safetensors");
     let bytes = std::fs::read(&shard).unwrap();
@@ -407,6 +416,14 @@ fn checkpoint_consolidate_exports_a_sharded_run_as_one_model() {
     for want in ["shard of rank 1 of 2", "shard-00001-of-00002.safetensors"] {
         assert!(err.contains(want), "{want:?} in {err}");
     }
+    let failed = verify(&step);
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert!(!failed.status.success());
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("shard-00001-of-00002.safetensors") && err.contains("corrupt"),
+        "{err}"
+    );
 }
 
 /// r43: the README's resume line keeps its work. `cohort run -n 2 train --resume ckpt --steps

@@ -51,6 +51,7 @@ mod distributed_sampler;
 mod error;
 mod loader;
 mod nanogpt_meta;
+mod pack;
 mod sampler;
 mod synthetic;
 mod token_file;
@@ -59,8 +60,9 @@ pub use corpus::{default_cache_dir, tokenize_jsonl, tokenize_text, Corpus, Corpu
 pub use dataset::{Dataset, Documents, Samples, Split, TokenWindows};
 pub use distributed_sampler::DistributedSampler;
 pub use error::DataError;
-pub use loader::{collate, Batch, DataLoader, LoaderConfig, IGNORE_INDEX};
+pub use loader::{collate, collate_as, Batch, DataLoader, LoaderConfig, IGNORE_INDEX};
 pub use nanogpt_meta::{nanogpt_tokenizer, META_FILE};
+pub use pack::collate_packed;
 pub use sampler::{BudgetConfig, TokenBudgetSampler};
 pub use synthetic::{MarkovCorpus, MarkovSpec, RandomTokens};
 pub use token_file::{write_token_file, TokenFile, TokenWriter};

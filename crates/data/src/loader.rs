@@ -12,6 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::dataset::Samples;
+use crate::pack::collate_packed;
 
 /// Label of positions the loss ignores (padding), as Hugging Face's -100.
 pub const IGNORE_INDEX: i32 = -100;
@@ -30,10 +31,15 @@ pub struct Batch {
     pub targets: Vec<i32>,
     /// Rows.
     pub batch: usize,
-    /// Columns: positions of the longest sample of the batch (its tokens less one).
+    /// Columns: positions of the longest sample of the batch (its tokens less one), or the
+    /// packing width ([`collate_packed`]).
     pub seq: usize,
-    /// The sample indices of the rows.
+    /// The sample indices of the rows (packed: of the batch, in plan order).
     pub indices: Vec<usize>,
+    /// Packed rows ([`collate_packed`]): per position, its sequence's number within the row
+    /// (the model's segment ids), the row's padding a segment of its own; None: one sample a
+    /// row.
+    pub segments: Option<Vec<u32>>,
 }
 
 /// Collates samples `indices` into a right-padded batch of inputs and next-token targets.
@@ -45,36 +51,57 @@ pub fn collate(samples: &dyn Samples, indices: &[usize]) -> Batch {
         .unwrap_or(0);
     // A one-token sample has no target; it still takes a (padding) row, never a zero-width batch.
     let seq = longest.saturating_sub(1).max(1);
-    let n = indices.len() * seq;
-    let mut input_ids = vec![0u32; n];
-    let mut attention_mask = vec![0u8; n];
-    let mut targets = vec![IGNORE_INDEX; n];
-    let mut tokens = Vec::with_capacity(longest);
-    let mut mask = Vec::with_capacity(longest);
+    let mut batch = Batch::padding(indices.len(), seq, indices);
+    let mut buf = SampleBuf::default();
     for (row, &i) in indices.iter().enumerate() {
+        buf.place(samples, i, &mut batch, row * seq);
+    }
+    batch
+}
+
+impl Batch {
+    /// `rows` rows of `seq` padding positions, for the samples `indices`.
+    pub(crate) fn padding(rows: usize, seq: usize, indices: &[usize]) -> Batch {
+        let n = rows * seq;
+        Batch {
+            input_ids: vec![0; n],
+            attention_mask: vec![0; n],
+            targets: vec![IGNORE_INDEX; n],
+            batch: rows,
+            seq,
+            indices: indices.to_vec(),
+            segments: None,
+        }
+    }
+}
+
+/// The buffers one sample is read through.
+#[derive(Default)]
+pub(crate) struct SampleBuf {
+    tokens: Vec<u32>,
+    mask: Vec<u8>,
+}
+
+impl SampleBuf {
+    /// Writes sample `i`'s inputs and next-token targets (its tokens less one positions) into
+    /// `batch` from flat position `at` on.
+    pub(crate) fn place(&mut self, samples: &dyn Samples, i: usize, batch: &mut Batch, at: usize) {
         let len = samples.sample_len(i);
+        let (tokens, mask) = (&mut self.tokens, &mut self.mask);
         tokens.resize(len, 0);
-        samples.read(i, &mut tokens);
+        samples.read(i, tokens);
         let positions = len.saturating_sub(1);
-        let r = row * seq..row * seq + positions;
-        input_ids[r.clone()].copy_from_slice(&tokens[..positions]);
-        attention_mask[r.clone()].fill(1);
+        let r = at..at + positions;
+        batch.input_ids[r.clone()].copy_from_slice(&tokens[..positions]);
+        batch.attention_mask[r.clone()].fill(1);
         mask.resize(len, 1);
-        let masked = samples.read_loss_mask(i, &mut mask);
+        let masked = samples.read_loss_mask(i, mask);
         // Position p predicts token p + 1: it is scored only where that token is trained.
-        for (p, (y, &x)) in targets[r].iter_mut().zip(&tokens[1..]).enumerate() {
+        for (p, (y, &x)) in batch.targets[r].iter_mut().zip(&tokens[1..]).enumerate() {
             if !masked || mask[p + 1] == 1 {
                 *y = x as i32;
             }
         }
-    }
-    Batch {
-        input_ids,
-        attention_mask,
-        targets,
-        batch: indices.len(),
-        seq,
-        indices: indices.to_vec(),
     }
 }
 
@@ -85,6 +112,17 @@ pub struct LoaderConfig {
     pub workers: usize,
     /// Batches prepared ahead of the consumer (at least 1).
     pub prefetch: usize,
+    /// Pack each batch's samples into rows of this many positions ([`collate_packed`]);
+    /// None: one sample a row ([`collate`]).
+    pub pack: Option<usize>,
+}
+
+/// Collates `indices` as `pack` says: packed into rows of that width, or one sample a row.
+pub fn collate_as(samples: &dyn Samples, indices: &[usize], pack: Option<usize>) -> Batch {
+    match pack {
+        Some(width) => collate_packed(samples, indices, width),
+        None => collate(samples, indices),
+    }
 }
 
 impl Default for LoaderConfig {
@@ -92,6 +130,7 @@ impl Default for LoaderConfig {
         LoaderConfig {
             workers: 2,
             prefetch: 4,
+            pack: None,
         }
     }
 }
@@ -118,6 +157,7 @@ pub struct DataLoader {
     workers: Vec<JoinHandle<()>>,
     /// Used when there are no workers.
     position: usize,
+    pack: Option<usize>,
 }
 
 impl std::fmt::Debug for DataLoader {
@@ -142,11 +182,11 @@ impl DataLoader {
             }),
             cv: Condvar::new(),
         });
-        let prefetch = cfg.prefetch.max(1);
+        let (prefetch, pack) = (cfg.prefetch.max(1), cfg.pack);
         let workers = (0..cfg.workers)
             .map(|_| {
                 let (samples, plan, shared) = (samples.clone(), plan.clone(), shared.clone());
-                std::thread::spawn(move || worker(&*samples, &plan, &shared, prefetch))
+                std::thread::spawn(move || worker(&*samples, &plan, &shared, prefetch, pack))
             })
             .collect();
         DataLoader {
@@ -155,6 +195,7 @@ impl DataLoader {
             shared,
             workers,
             position: 0,
+            pack,
         }
     }
 
@@ -169,7 +210,13 @@ impl DataLoader {
     }
 }
 
-fn worker(samples: &dyn Samples, plan: &[Vec<usize>], shared: &Shared, prefetch: usize) {
+fn worker(
+    samples: &dyn Samples,
+    plan: &[Vec<usize>],
+    shared: &Shared,
+    prefetch: usize,
+    pack: Option<usize>,
+) {
     loop {
         let k = {
             let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -182,7 +229,7 @@ fn worker(samples: &dyn Samples, plan: &[Vec<usize>], shared: &Shared, prefetch:
             st.next += 1;
             st.next - 1
         };
-        let batch = collate(samples, &plan[k]);
+        let batch = collate_as(samples, &plan[k], pack);
         let mut st = shared.state.lock().unwrap_or_else(|e| e.into_inner());
         st.ready.insert(k, batch);
         shared.cv.notify_all();
@@ -196,7 +243,7 @@ impl Iterator for DataLoader {
         if self.workers.is_empty() {
             let indices = self.plan.get(self.position)?;
             self.position += 1;
-            return Some(collate(&*self.samples, indices));
+            return Some(collate_as(&*self.samples, indices, self.pack));
         }
         let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
         let k = st.consumed;
@@ -279,6 +326,7 @@ mod tests {
             LoaderConfig {
                 workers: 0,
                 prefetch: 1,
+                pack: None,
             },
         )
         .collect();
@@ -287,7 +335,11 @@ mod tests {
             let got: Vec<Batch> = DataLoader::new(
                 data.clone(),
                 plan(&data, 1, 0),
-                LoaderConfig { workers, prefetch },
+                LoaderConfig {
+                    workers,
+                    prefetch,
+                    pack: None,
+                },
             )
             .collect();
             assert_eq!(got, reference, "workers {workers}, prefetch {prefetch}");
@@ -341,6 +393,7 @@ mod tests {
             LoaderConfig {
                 workers: 3,
                 prefetch: 2,
+                pack: None,
             },
         );
         assert!(loader.next().is_some());

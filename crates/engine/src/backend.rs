@@ -29,7 +29,7 @@
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
 //! activation gradient instead, its doc says so.
 
-use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, KvDims, RopeDims};
+use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, RopeDims};
 use crate::optim::{self, AdamCoeffs};
 use crate::{Buffer, Dropout, Elem, Emulated, EngineError, View, ViewMut};
 
@@ -330,7 +330,6 @@ as_is!(
     Dropout,
     AttnDims,
     RopeDims,
-    KvDims,
     DecodeDims,
     AdamCoeffs
 );
@@ -368,14 +367,10 @@ kernels! {
     fn rope_forward(x: ViewMut<f32>, pos: View<u32>, cos: View<f32>, sin: View<f32>, dims: RopeDims) => cpu::rope_forward;
     /// Backward of `rope_forward`, in place (the opposite angles).
     fn rope_backward(dx: ViewMut<f32>, pos: View<u32>, cos: View<f32>, sin: View<f32>, dims: RopeDims) => cpu::rope_backward;
-    /// out (N, 3C) = grouped qkv (N, (NH+2·NKV)·HS) with each key/value head copied to its query group (GQA/MQA before the attention kernels).
-    fn kv_expand_forward(out: ViewMut<f32>, qkv: View<f32>, dims: KvDims) => cpu::kv_expand_forward;
-    /// dqkv (N, (NH+2·NKV)·HS) = dout's queries and each group's key/value gradients summed (overwritten).
-    fn kv_expand_backward(dqkv: ViewMut<f32>, dout: View<f32>, dims: KvDims) => cpu::kv_expand_backward;
     /// out (N, F) = silu(inp[:, :F]) · inp[:, F:], inp (N, 2F) (gate | up).
     fn swiglu_forward(out: ViewMut<f32>, inp: View<f32>, n: usize, f: usize) => cpu::swiglu_forward;
-    /// dinp (N, 2F) = SwiGLU backward (overwritten).
-    fn swiglu_backward(dinp: ViewMut<f32>, dout: View<f32>, inp: View<f32>, n: usize, f: usize) => cpu::swiglu_backward;
+    /// out (N, F) = silu(inp[:, :F]) · inp[:, F:] of a product kept interleaved (tiles of 16 gate then 16 up columns, see `matmul_swiglu_forward`).
+    fn swiglu_interleaved_forward(out: ViewMut<f32>, inp: View<f32>, n: usize, f: usize) => cpu::swiglu_interleaved_forward;
     /// LayerNorm over C; writes mean and rstd (N) for backward.
     fn layernorm_forward(out: ViewMut<f32>, mean: ViewMut<f32>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, b: Option<View<f32>>, n: usize, c: usize) => cpu::layernorm_forward;
     /// dinp, dw, db += LayerNorm backward.
@@ -396,6 +391,14 @@ kernels! {
     fn matmul_gelu_forward(pre: ViewMut<f32>, out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
     /// `matmul_gelu_forward` with `out` kept in bf16 (its bits) and `grad` = gelu'(pre-activation) instead of the pre-activation. Only on a backend of `DType::Bf16`.
     fn matmul_gelu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
+    /// `pre (N, 2F) = inp · w + bias` (w's columns gate then up), `out (N, F) = silu(gate) · up` in one pass; `pre` is left interleaved (tiles of 16 gate then 16 up columns), each value the bits of `matmul_forward` then `swiglu_forward`.
+    fn matmul_swiglu_forward(pre: ViewMut<f32>, out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward;
+    /// `matmul_swiglu_forward` with `out` kept in bf16 (its bits) and `grad` (interleaved) = (silu(gate), up · silu'(gate)) instead of the pre-activation. Only on a backend of `DType::Bf16`.
+    fn matmul_swiglu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward_bf16;
+    /// dinp (N, 2F), gate then up, = SwiGLU backward at the interleaved `pre` of d(output) = dout (N, C) · wᵀ (w (F, C)), which `dact` (N, F) receives on the way: `matmul_backward_input` and `swiglu_interleaved_backward` in one pass (the same bits).
+    fn matmul_backward_input_swiglu(dinp: ViewMut<f32>, dact: ViewMut<f32>, dout: View<f32>, w: View<f32>, pre: View<f32>, n: usize, f: usize, c: usize) => @dtype cpu::matmul_backward_input_swiglu;
+    /// `matmul_backward_input_swiglu` from the derivatives `matmul_swiglu_forward_bf16` kept in `grad` (`swiglu_backward_with_grad` fused, the same bits).
+    fn matmul_backward_input_swiglu_with_grad(dinp: ViewMut<f32>, dact: ViewMut<f32>, dout: View<f32>, w: View<f32>, grad: View<f32>, n: usize, f: usize, c: usize) => @dtype cpu::matmul_backward_input_swiglu_with_grad;
     /// `matmul_forward` of an input kept in bf16 (its bits). Only on a backend of `DType::Bf16`.
     fn matmul_forward_bf16_input(out: ViewMut<f32>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
     /// dw += inpᵀ · dout, dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.
@@ -414,10 +417,14 @@ kernels! {
     fn dropout_backward(dx: ViewMut<f32>, dy: View<f32>, d: Dropout) => |dx, dy, d| cpu::dropout_backward(dx, dy, d, 0);
     /// acc += Σ_rows x.
     fn column_sums(acc: ViewMut<f32>, x: View<f32>) => cpu::column_sums;
-    /// Causal attention with key padding mask; lse (B,NH,T) kept for backward.
-    fn attention_forward(out: ViewMut<f32>, lse: ViewMut<f32>, qkv: View<f32>, mask: Option<View<u8>>, dims: AttnDims, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_forward;
+    /// Causal attention with key padding mask, within each row's segments (runs of equal ids) when given; lse (B,NH,T) kept for backward.
+    fn attention_forward(out: ViewMut<f32>, lse: ViewMut<f32>, qkv: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_forward;
     /// dqkv = attention backward (overwritten); optionally recomputes the forward output.
-    fn attention_backward(dqkv: ViewMut<f32>, recompute_out: Option<ViewMut<f32>>, dout: View<f32>, qkv: View<f32>, lse: View<f32>, mask: Option<View<u8>>, dims: AttnDims, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_backward;
+    fn attention_backward(dqkv: ViewMut<f32>, recompute_out: Option<ViewMut<f32>>, dout: View<f32>, qkv: View<f32>, lse: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_backward;
+    /// `attention_forward` of grouped rows (N, (NH+2·NKV)·HS) as the qkv product writes them: query head h attends with key/value head h / (NH/NKV); `nkv` = NH is `attention_forward`.
+    fn attention_forward_grouped(out: ViewMut<f32>, lse: ViewMut<f32>, qkv: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_forward_grouped;
+    /// Backward of `attention_forward_grouped`: dqkv (N, (NH+2·NKV)·HS) overwritten, each key/value head's gradient summed over its query group in the group's order.
+    fn attention_backward_grouped(dqkv: ViewMut<f32>, recompute_out: Option<ViewMut<f32>>, dout: View<f32>, qkv: View<f32>, lse: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_backward_grouped;
     /// One query row (C) over `ctx` cached key and value rows (stride c): a decode step's
     /// attention for one sequence; `scores` holds `nh·ctx` floats.
     fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: DecodeDims) => cpu::attention_decode_row;

@@ -463,7 +463,7 @@ impl GptStage {
             s.act_layout = Some(al);
         }
         s.batch
-            .set(ids.unwrap_or_default(), attention_mask, labels, b, t);
+            .set(ids.unwrap_or_default(), attention_mask, None, labels, b, t);
         s.batch.upload(&*self.dev)?;
         s.drop = DropKey {
             on: self.training && self.config.dropout > 0.0,

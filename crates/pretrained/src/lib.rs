@@ -142,7 +142,7 @@ pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
 /// The ids generation stops at, as `transformers`' `generate` reads them: `eos_token_id` (one id
 /// or a list) of generation_config.json, else of config.json; empty when neither names one (a
 /// model without a tokenizer: generation runs its full length). Both files are read through the
-/// checkpoint module, so a directory with SHA256SUMS is checked against it.
+/// checkpoint module, so a directory with checksums is checked against them.
 pub fn eos_token_ids(dir: &Path) -> Result<Vec<u32>, PretrainedError> {
     for name in [GENERATION_CONFIG_FILE, checkpoint::CONFIG_FILE] {
         let Some(bytes) = checkpoint::read_file_verified(dir, name)? else {

@@ -145,6 +145,10 @@ pub struct TrainConfig {
     /// Documents (JSONL): samples per rank sorted by length together before
     /// being cut into token-budget batches (the sort buffer).
     pub sort_size: usize,
+    /// Documents (JSONL, chat): pack each batch's samples into rows of
+    /// `seq_len` positions, each attending only to itself (segment ids),
+    /// instead of one padded row each.
+    pub pack: bool,
     /// How the ranks share the work: data parallel (`ddp`), a parameter
     /// server on rank 0 (`parameter-server`), pipeline stages (`pipeline`)
     /// or data parallel with sharded optimizer state (`zero1`: ZeRO stage
@@ -409,6 +413,7 @@ impl Default for TrainConfig {
             loader_workers: 1,
             prefetch: 4,
             sort_size: 1024,
+            pack: false,
             strategy: Strategy::Ddp,
             ps_mode: PsMode::Sync,
             max_staleness: 4,
@@ -642,6 +647,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sort_size: Option<usize>,
+    /// JSONL documents: pack short samples (conversations) into rows of --seq-len positions,
+    /// attention, positions and loss kept inside each (off: one padded row per sample).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pack: Option<bool>,
     /// How ranks share the work: ddp, parameter-server (rank 0 serves), pipeline, zero1
     /// (DDP with the optimizer state sharded, ZeRO stage 1), zero2 (gradients sharded too) or
     /// zero3 (parameters sharded too, gathered per block: FSDP), diloco (local AdamW steps,
@@ -863,6 +873,14 @@ impl TrainConfig {
                 self.init_from
                     .as_ref()
                     .map_or(String::new(), |p| p.display().to_string()),
+                "is not supported with --strategy pipeline yet (use ddp, zero1, zero2, zero3 \
+                 or parameter-server)",
+            );
+        }
+        if self.pack && self.strategy == Strategy::Pipeline {
+            return bad(
+                "pack",
+                "true".into(),
                 "is not supported with --strategy pipeline yet (use ddp, zero1, zero2, zero3 \
                  or parameter-server)",
             );

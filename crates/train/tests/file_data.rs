@@ -317,7 +317,7 @@ fn a_fine_tuned_model_keeps_its_origins_special_tokens_and_eos_ids() {
     std::fs::create_dir_all(&base).unwrap();
     for e in std::fs::read_dir(dir.path().join("first").join("step-000002")).unwrap() {
         let e = e.unwrap();
-        if e.file_name() != "SHA256SUMS" {
+        if e.file_name() != cohort_gpt::checkpoint::CHECKSUMS_FILE {
             std::fs::copy(e.path(), base.join(e.file_name())).unwrap();
         }
     }

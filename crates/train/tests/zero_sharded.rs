@@ -343,6 +343,7 @@ fn check_passes(cfg: GPTConfig) {
                 &mut model,
                 &x,
                 None,
+                None,
                 Some(Labels::Aligned(&labels)),
                 b,
                 t,

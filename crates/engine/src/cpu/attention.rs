@@ -3,13 +3,21 @@
 //! stored. Forward keeps one log-sum-exp per query; backward recomputes the probabilities block
 //! by block (and, for free, the attention output the projection's weight gradient needs).
 //!
-//! Work is split by (batch, head); each task walks its queries in blocks of `RB` rows, and a
+//! Grouped key/value heads (GQA, MQA) are read where the qkv product put them, rows of
+//! (NH + 2·NKV)·HS: query head h reads key/value head h / (NH/NKV), and backward writes each
+//! key/value head's gradient once, the sum over its query group taken in the group's order by
+//! the one task that owns the group. With NKV = NH this is GPT-2's (N, 3C) and the same work.
+//!
+//! Work is split by (batch, head) (by (batch, key/value head) in backward, which is the same
+//! split without grouping); each task walks its queries in blocks of `RB` rows, and a
 //! block only looks at the keys the causal mask lets it see, in per-thread scratch that stays
 //! in L1/L2. Products go through `matrixmultiply`'s sgemm on strided views of the qkv buffer
 //! (no transposes are copied); under bf16 on AMX, a head's products are instead fused in
 //! `attention_amx`, with the same softmax, mask and dropout code. A query with no visible key
 //! (a padding position at the start of a left-padded row) gets a zero output and zero
-//! gradients.
+//! gradients. With segment ids (several sequences packed in one row), a query sees only the
+//! keys of its own segment, causally: the keys before its segment's start are masked as
+//! padding is.
 
 use rayon::prelude::*;
 
@@ -46,6 +54,26 @@ pub struct AttnDims {
     pub c: usize,
     /// Number of heads.
     pub nh: usize,
+}
+
+/// Where query head `h`'s q, k and v start in a row of a qkv buffer with `nkv` key/value
+/// heads, and the row's length: (row stride, q, k, v) in floats. q's NH heads come first, then
+/// k's NKV, then v's NKV; with `nkv` = NH, GPT-2's order.
+pub(super) fn head_cols(dims: AttnDims, nkv: usize, h: usize) -> (usize, usize, usize, usize) {
+    let AttnDims { c, nh, .. } = dims;
+    let hd = c / nh;
+    let kv = h / (nh / nkv);
+    let rs = (nh + 2 * nkv) * hd;
+    (rs, h * hd, (nh + kv) * hd, (nh + nkv + kv) * hd)
+}
+
+/// Checks a key/value head count against the query heads.
+fn check_groups(dims: AttnDims, nkv: usize) {
+    assert!(
+        nkv > 0 && dims.nh.is_multiple_of(nkv),
+        "{} query heads do not split into groups over {nkv} key/value heads",
+        dims.nh
+    );
 }
 
 /// Raw strided product on one thread: c = a·b + beta * c, on bf16-rounded operands
@@ -135,12 +163,16 @@ unsafe fn mm(
 /// out (B, T, C) = softmax(mask(q kᵀ / sqrt(hd))) v per head, with q, k, v read from qkv
 /// (B, T, 3C) in GPT-2's order; `lse` (B, NH, T) receives the log-sum-exp of each query.
 /// `mask` (B, T) is 1 for tokens and 0 for padding (padding keys are never attended to).
+/// `segments` (B, T): each run of equal ids in a row is one sequence, and a query attends only
+/// to the keys of its own run ([`segment_start`]); None: each row is one sequence.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     dtype: DType,
     out: &mut [f32],
     lse: &mut [f32],
     qkv: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     dims: AttnDims,
     dropout: Option<Dropout>,
     scratch: &mut [f32],
@@ -152,7 +184,37 @@ pub fn attention_forward(
         lse,
         qkv,
         mask,
-        dims,
+        segments,
+        (dims, dims.nh),
+        dropout,
+        scratch,
+    )
+}
+
+/// [`attention_forward`] with `nkv` key/value heads: qkv (B, T, (NH + 2·NKV)·HS), query head h
+/// attending with key/value head h / (NH/NKV) (GQA; MQA with one). `nkv` = NH is
+/// [`attention_forward`].
+pub fn attention_forward_grouped(
+    dtype: DType,
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
+    dims: AttnDims,
+    nkv: usize,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
+    forward_with(
+        amx_heads(),
+        dtype,
+        out,
+        lse,
+        qkv,
+        mask,
+        segments,
+        (dims, nkv),
         dropout,
         scratch,
     )
@@ -167,28 +229,50 @@ fn forward_with(
     lse: &mut [f32],
     qkv: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
     let AttnDims { b, t, c, nh } = dims;
+    check_groups(dims, nkv);
+    let rs = head_cols(dims, nkv, 0).0;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
-    assert!(out.len() >= b * t * c && qkv.len() >= b * t * 3 * c && lse.len() >= b * nh * t);
+    assert!(out.len() >= b * t * c && qkv.len() >= b * t * rs && lse.len() >= b * nh * t);
     assert!(mask.is_none_or(|m| m.len() >= b * t));
+    assert!(segments.is_none_or(|s| s.len() >= b * t));
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
     let amx = bf16 && amx_ok && amx_kernel();
-    for_each_head(dims, scratch, |bh, scr| {
+    for_each_head(dims, 1, scratch, |bh, scr| {
         // safety: task bh writes only its own head's columns of out and its own lse row; the
         // AMX path runs only where AMX is the bf16 kernel.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if amx {
                 return super::attention_amx::head_forward(
-                    out_p, lse_p, qkv, mask, dims, dropout, bh,
+                    out_p,
+                    lse_p,
+                    qkv,
+                    mask,
+                    segments,
+                    (dims, nkv),
+                    dropout,
+                    bh,
                 );
             }
-            head_forward(bf16, out_p, lse_p, qkv, mask, dims, dropout, bh, scr)
+            head_forward(
+                bf16,
+                out_p,
+                lse_p,
+                qkv,
+                mask,
+                segments,
+                (dims, nkv),
+                dropout,
+                bh,
+                scr,
+            )
         }
     });
 }
@@ -214,9 +298,15 @@ fn amx_kernel() -> bool {
     }
 }
 
-/// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads.
-fn for_each_head(dims: AttnDims, scratch: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let n = dims.b * dims.nh;
+/// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads,
+/// in units of `group` consecutive heads (one task runs a unit's heads in order).
+fn for_each_head(
+    dims: AttnDims,
+    group: usize,
+    scratch: &mut [f32],
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let n = dims.b * dims.nh / group;
     let per = per_thread(dims.t);
     let threads = (scratch.len() / per).min(n).max(1);
     assert!(scratch.len() >= per, "attention scratch too small");
@@ -225,8 +315,10 @@ fn for_each_head(dims: AttnDims, scratch: &mut [f32], f: impl Fn(usize, &mut [f3
         .par_chunks_mut(per)
         .enumerate()
         .for_each(|(p, scr)| {
-            for bh in p * chunk..((p + 1) * chunk).min(n) {
-                f(bh, scr);
+            for unit in p * chunk..((p + 1) * chunk).min(n) {
+                for bh in unit * group..(unit + 1) * group {
+                    f(bh, scr);
+                }
             }
         });
 }
@@ -243,6 +335,32 @@ pub(super) fn mask_row(mf: &mut [f32], mask: Option<&[u8]>, bi: usize, t: usize)
     }
 }
 
+/// The first key query `tq` of batch row `bi` may see: the start of its segment (the run of
+/// equal ids that ends at `tq`), 0 without segments. Scanning back costs no more than the
+/// softmax over the same keys.
+pub(super) fn segment_start(segments: Option<&[u32]>, bi: usize, t: usize, tq: usize) -> usize {
+    let Some(s) = segments else { return 0 };
+    let row = &s[bi * t..(bi + 1) * t];
+    let mut lo = tq;
+    while lo > 0 && row[lo - 1] == row[tq] {
+        lo -= 1;
+    }
+    lo
+}
+
+/// [`softmax_row`] over the keys `lo..=tq` of query `tq`'s segment; the keys before `lo`
+/// get probability 0.
+pub(super) fn softmax_in(row: &mut [f32], mf: &[f32], tq: usize, lo: usize, scale: f32) -> f32 {
+    row[..lo].fill(0.0);
+    softmax_row(&mut row[lo..], &mf[lo..], tq - lo, scale)
+}
+
+/// [`probs_row`] over the keys `lo..=tq` of query `tq`'s segment; 0 before `lo`.
+pub(super) fn probs_in(row: &mut [f32], mf: &[f32], tq: usize, lo: usize, lse: f32, scale: f32) {
+    row[..lo].fill(0.0);
+    probs_row(&mut row[lo..], &mf[lo..], tq - lo, lse, scale)
+}
+
 /// # Safety
 /// `out` and `lse` point at buffers of the sizes `attention_forward` checked, and no other task
 /// touches head `bh`'s part of them.
@@ -253,7 +371,8 @@ unsafe fn head_forward(
     lse: SendPtr,
     qkv: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     bh: usize,
     scr: &mut [f32],
@@ -265,8 +384,13 @@ unsafe fn head_forward(
     let (mf, rest) = scr.split_at_mut(t);
     let s = &mut rest[..RB.min(t) * t];
     mask_row(mf, mask, bi, t);
-    let q = qkv[bi * t * 3 * c + h * hd..].as_ptr();
-    let (k, v) = (q.wrapping_add(c), q.wrapping_add(2 * c));
+    let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+    let row0 = qkv[bi * t * rs..].as_ptr();
+    let (q, k, v) = (
+        row0.wrapping_add(qo),
+        row0.wrapping_add(ko),
+        row0.wrapping_add(vo),
+    );
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
         let (rows, keys) = (r1 - r0, r1);
@@ -278,12 +402,12 @@ unsafe fn head_forward(
                 rows,
                 hd,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
                 k,
                 1,
-                3 * c,
+                rs,
                 0.0,
                 s.as_mut_ptr(),
                 keys,
@@ -292,7 +416,8 @@ unsafe fn head_forward(
         for i in 0..rows {
             let tq = r0 + i;
             let row = &mut s[i * keys..(i + 1) * keys];
-            let l = softmax_row(row, &mf[..keys], tq, scale);
+            let lo = segment_start(segments, bi, t, tq);
+            let l = softmax_in(row, &mf[..keys], tq, lo, scale);
             // SAFETY: `lse` has b*nh*t floats (checked by `attention_forward`) and entry
             // (bh, tq) belongs to this task alone.
             unsafe { *lse.0.add(bh * t + tq) = l };
@@ -314,7 +439,7 @@ unsafe fn head_forward(
                 keys,
                 1,
                 v,
-                3 * c,
+                rs,
                 1,
                 0.0,
                 o,
@@ -394,6 +519,7 @@ pub fn attention_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
     dims: AttnDims,
     dropout: Option<Dropout>,
     scratch: &mut [f32],
@@ -407,7 +533,41 @@ pub fn attention_backward(
         qkv,
         lse,
         mask,
-        dims,
+        segments,
+        (dims, dims.nh),
+        dropout,
+        scratch,
+    )
+}
+
+/// Backward of [`attention_forward_grouped`]: `dqkv` (B, T, (NH + 2·NKV)·HS) is overwritten;
+/// each key/value head's gradient is the sum of its query group's, added head after head in
+/// the group's order (the same bits whatever the thread count).
+pub fn attention_backward_grouped(
+    dtype: DType,
+    dqkv: &mut [f32],
+    recompute_out: Option<&mut [f32]>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
+    dims: AttnDims,
+    nkv: usize,
+    dropout: Option<Dropout>,
+    scratch: &mut [f32],
+) {
+    backward_with(
+        amx_heads(),
+        dtype,
+        dqkv,
+        recompute_out,
+        dout,
+        qkv,
+        lse,
+        mask,
+        segments,
+        (dims, nkv),
         dropout,
         scratch,
     )
@@ -424,39 +584,73 @@ fn backward_with(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
     let AttnDims { b, t, c, nh } = dims;
+    check_groups(dims, nkv);
+    let rs = head_cols(dims, nkv, 0).0;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
-    assert!(dqkv.len() >= b * t * 3 * c && qkv.len() >= b * t * 3 * c && dout.len() >= b * t * c);
+    assert!(dqkv.len() >= b * t * rs && qkv.len() >= b * t * rs && dout.len() >= b * t * c);
     assert!(lse.len() >= b * nh * t && mask.is_none_or(|m| m.len() >= b * t));
+    assert!(segments.is_none_or(|s| s.len() >= b * t));
     let dqkv_p = SendPtr(dqkv.as_mut_ptr());
     let out_p = recompute_out.map(|o| {
         assert!(o.len() >= b * t * c);
         SendPtr(o.as_mut_ptr())
     });
     let amx = bf16 && amx_ok && amx_kernel();
-    for_each_head(dims, scratch, |bh, scr| {
-        // safety: task bh writes only its own head's columns of dqkv and of the output; the
-        // AMX path runs only where AMX is the bf16 kernel.
+    // One task per (batch, key/value head): its query group's heads in order.
+    let group = nh / nkv;
+    for_each_head(dims, group, scratch, |bh, scr| {
+        // The first head of a group writes its key/value head's gradient, the others add to
+        // it, in order, on this task.
+        let first = (bh % dims.nh).is_multiple_of(group);
+        // safety: the task of group bh / group writes only its heads' columns of dq and of the
+        // output and its key/value head's columns of dk and dv; the AMX path runs only where
+        // AMX is the bf16 kernel.
         unsafe {
             #[cfg(target_arch = "x86_64")]
             if amx {
                 return super::attention_amx::head_backward(
-                    dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh,
+                    dqkv_p,
+                    out_p,
+                    dout,
+                    qkv,
+                    lse,
+                    mask,
+                    segments,
+                    (dims, nkv),
+                    dropout,
+                    (bh, first),
                 );
             }
             head_backward(
-                bf16, dqkv_p, out_p, dout, qkv, lse, mask, dims, dropout, bh, scr,
+                bf16,
+                dqkv_p,
+                out_p,
+                dout,
+                qkv,
+                lse,
+                mask,
+                segments,
+                (dims, nkv),
+                dropout,
+                (bh, first),
+                scr,
             )
         }
     });
 }
 
+/// `first`: head `bh` is the first of its key/value group, and writes the group's dK and dV
+/// (the others add to them).
+///
 /// # Safety
-/// As `head_forward`, for `dqkv` and `out`.
+/// As `head_forward`, for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
+/// touched by its group's heads only, run in order on this task.
 #[allow(clippy::too_many_arguments)]
 unsafe fn head_backward(
     bf16: bool,
@@ -466,26 +660,40 @@ unsafe fn head_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
-    bh: usize,
+    (bh, first): (usize, bool),
     scr: &mut [f32],
 ) {
     let AttnDims { t, c, nh, .. } = dims;
     let (bi, h) = (bh / nh, bh % nh);
     let hd = c / nh;
     let scale = 1.0 / (hd as f32).sqrt();
+    // dK and dV rows a block touches for the first time are written by the group's first
+    // head, added to by the others.
+    let fresh = if first { 0.0 } else { 1.0 };
     let blk = RB.min(t) * t;
     let (mf, rest) = scr.split_at_mut(t);
     let (p, rest) = rest.split_at_mut(blk);
     let (dp, rest) = rest.split_at_mut(blk);
     let pd = &mut rest[..blk];
     mask_row(mf, mask, bi, t);
-    let base = bi * t * 3 * c + h * hd;
-    let q = qkv[base..].as_ptr();
-    let (k, v) = (q.wrapping_add(c), q.wrapping_add(2 * c));
-    let dq = dqkv.0.wrapping_add(base);
-    let (dk, dv) = (dq.wrapping_add(c), dq.wrapping_add(2 * c));
+    let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+    let (row0, drow0) = (
+        qkv[bi * t * rs..].as_ptr(),
+        dqkv.0.wrapping_add(bi * t * rs),
+    );
+    let (q, k, v) = (
+        row0.wrapping_add(qo),
+        row0.wrapping_add(ko),
+        row0.wrapping_add(vo),
+    );
+    let (dq, dk, dv) = (
+        drow0.wrapping_add(qo),
+        drow0.wrapping_add(ko),
+        drow0.wrapping_add(vo),
+    );
     let dy = dout[bi * t * c + h * hd..].as_ptr();
     for r0 in (0..t).step_by(RB) {
         let r1 = (r0 + RB).min(t);
@@ -498,12 +706,12 @@ unsafe fn head_backward(
                 rows,
                 hd,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
                 k,
                 1,
-                3 * c,
+                rs,
                 0.0,
                 p.as_mut_ptr(),
                 keys,
@@ -519,7 +727,7 @@ unsafe fn head_backward(
                 1,
                 v,
                 1,
-                3 * c,
+                rs,
                 0.0,
                 dp.as_mut_ptr(),
                 keys,
@@ -527,10 +735,11 @@ unsafe fn head_backward(
         }
         for i in 0..rows {
             let tq = r0 + i;
-            probs_row(
+            probs_in(
                 &mut p[i * keys..(i + 1) * keys],
                 &mf[..keys],
                 tq,
+                segment_start(segments, bi, t, tq),
                 lse[bh * t + tq],
                 scale,
             );
@@ -549,7 +758,7 @@ unsafe fn head_backward(
             None => &p[..rows * keys],
         };
         // SAFETY: head `bh`'s dV columns for keys 0..r1 lie inside `dqkv` and belong to this
-        // task alone; the probabilities and dY are read-only and disjoint from `dqkv`.
+        // task alone (its key/value head's, shared only by its group, run on this task); the probabilities and dY are read-only and disjoint from `dqkv`.
         unsafe {
             // dV[0..keys] += usedᵀ · dY; keys r0..r1 are touched for the first time here.
             mm(
@@ -565,7 +774,7 @@ unsafe fn head_backward(
                 1,
                 1.0,
                 dv,
-                3 * c,
+                rs,
             );
             mm(
                 bf16,
@@ -578,9 +787,9 @@ unsafe fn head_backward(
                 dy.add(r0 * c),
                 c,
                 1,
-                0.0,
-                dv.add(r0 * 3 * c),
-                3 * c,
+                fresh,
+                dv.add(r0 * rs),
+                rs,
             );
             if let Some(o) = out {
                 let o = o.0.add((bi * t + r0) * c + h * hd);
@@ -593,7 +802,7 @@ unsafe fn head_backward(
                     keys,
                     1,
                     v,
-                    3 * c,
+                    rs,
                     1,
                     0.0,
                     o,
@@ -621,11 +830,11 @@ unsafe fn head_backward(
                 keys,
                 1,
                 k,
-                3 * c,
+                rs,
                 1,
                 0.0,
-                dq.add(r0 * 3 * c),
-                3 * c,
+                dq.add(r0 * rs),
+                rs,
             );
             mm(
                 bf16,
@@ -635,12 +844,12 @@ unsafe fn head_backward(
                 dp.as_ptr(),
                 1,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
                 1.0,
                 dk,
-                3 * c,
+                rs,
             );
             mm(
                 bf16,
@@ -650,24 +859,35 @@ unsafe fn head_backward(
                 dp.as_ptr().add(r0),
                 1,
                 keys,
-                q.add(r0 * 3 * c),
-                3 * c,
+                q.add(r0 * rs),
+                rs,
                 1,
-                0.0,
-                dk.add(r0 * 3 * c),
-                3 * c,
+                fresh,
+                dk.add(r0 * rs),
+                rs,
             );
         }
     }
 }
 
 #[cfg(test)]
+#[path = "attention_grouped_tests.rs"]
+mod grouped_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
 
-    /// f64 reference: plain softmax attention per head, dropout mask from the same keys.
-    fn reference(qkv: &[f64], mask: &[u8], d: AttnDims, drop: Option<Dropout>) -> Vec<f64> {
+    /// f64 reference: plain softmax attention per head, dropout mask from the same keys; with
+    /// `segs`, a query sees only the keys of its own run of equal ids.
+    pub(super) fn reference(
+        qkv: &[f64],
+        mask: &[u8],
+        segs: Option<&[u32]>,
+        d: AttnDims,
+        drop: Option<Dropout>,
+    ) -> Vec<f64> {
         let AttnDims { b, t, c, nh } = d;
         let hd = c / nh;
         let mut out = vec![0.0; b * t * c];
@@ -679,7 +899,12 @@ mod tests {
                         qkv[(bi * t + i) * 3 * c + o + h * hd..][..hd].to_vec()
                     };
                     let q = qv(tq, 0);
-                    let vis: Vec<usize> = (0..=tq).filter(|&j| mask[bi * t + j] != 0).collect();
+                    let same = |j: usize| {
+                        segs.is_none_or(|s| (j..=tq).all(|i| s[bi * t + i] == s[bi * t + tq]))
+                    };
+                    let vis: Vec<usize> = (0..=tq)
+                        .filter(|&j| mask[bi * t + j] != 0 && same(j))
+                        .collect();
                     if vis.is_empty() {
                         continue;
                     }
@@ -714,7 +939,10 @@ mod tests {
 
     #[test]
     fn attention_matches_f64_and_finite_differences() {
-        // t = 70 spans two query blocks; batch 1 is left-padded, batch 0 has a hole.
+        // t = 70 spans two query blocks; batch 1 is left-padded, batch 0 has a hole; then the
+        // same with segments: row 0 packs sequences of 30, 1, 25 and 14 positions (the last
+        // crosses a query block), row 1 two sequences, the same id coming back after another
+        // (a new run, a new sequence).
         let dims = AttnDims {
             b: 2,
             t: 70,
@@ -730,7 +958,26 @@ mod tests {
         }
         let qkv: Vec<f32> = rand_vec(b * t * 3 * c, 1).iter().map(|x| x * 2.0).collect();
         let dout = rand_vec(b * t * c, 2);
-        for (drop, threads) in [(None, 1), (None, 2), (Some(Dropout { p: 0.2, key: 7 }), 2)] {
+        let mut packed = vec![0u32; b * t];
+        for (i, s) in packed[..t].iter_mut().enumerate() {
+            *s = match i {
+                0..30 => 4,
+                30 => 5,
+                31..56 => 6,
+                _ => 7,
+            };
+        }
+        for (i, s) in packed[t..].iter_mut().enumerate() {
+            *s = if (40..60).contains(&i) { 1 } else { 0 };
+        }
+        let drop = Some(Dropout { p: 0.2, key: 7 });
+        for (drop, threads, segs) in [
+            (None, 1, None),
+            (None, 2, None),
+            (drop, 2, None),
+            (None, 2, Some(packed.clone())),
+            (drop, 1, Some(packed.clone())),
+        ] {
             let mut out = vec![0.0; b * t * c];
             let mut again = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
@@ -743,6 +990,7 @@ mod tests {
                     &mut lse,
                     &qkv,
                     Some(&mask),
+                    segs.as_deref(),
                     dims,
                     drop,
                     &mut scratch,
@@ -755,12 +1003,13 @@ mod tests {
                     &qkv,
                     &lse,
                     Some(&mask),
+                    segs.as_deref(),
                     dims,
                     drop,
                     &mut scratch,
                 );
             });
-            let f = |x: &[f64]| reference(x, &mask, dims, drop);
+            let f = |x: &[f64]| reference(x, &mask, segs.as_deref(), dims, drop);
             assert_close(&out, &f(&f64s(&qkv)), 1e-5, "out");
             assert_close(&again, &f(&f64s(&qkv)), 1e-5, "recomputed out");
             check_grad("dqkv", &dqkv, 0.0, &f64s(&qkv), &dout, f);
@@ -776,20 +1025,26 @@ mod tests {
             return;
         }
         // T not a multiple of a strip, left padding, dropout, a recomputed output, two head
-        // sizes (16 and 64)
-        for (t, c, nh) in [(70usize, 32usize, 2usize), (45, 128, 2)] {
+        // sizes (16 and 64), grouped key/value heads
+        for (t, c, nh, nkv) in [
+            (70usize, 32usize, 2usize, 2usize),
+            (45, 128, 2, 1),
+            (45, 64, 4, 2),
+        ] {
             let dims = AttnDims { b: 2, t, c, nh };
-            let b = dims.b;
-            let qkv = rand_vec(b * t * 3 * c, 5);
+            let (b, w) = (dims.b, (nh + 2 * nkv) * (c / nh));
+            let qkv = rand_vec(b * t * w, 5);
             let dout = rand_vec(b * t * c, 6);
             let mut mask = vec![1u8; b * t];
             mask[t..t + 3].fill(0);
             let drop = Some(Dropout { p: 0.1, key: 77 });
+            // the second shape packs three sequences per row (segment ids)
+            let segs: Vec<u32> = (0..b * t).map(|i| ((i % t) / 17) as u32).collect();
+            let segs = (t == 45).then_some(&segs[..]);
             let run = |amx: bool| {
                 let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
                 // dqkv and the output are overwritten, whatever they held
-                let (mut dqkv, mut again) =
-                    (vec![f32::NAN; b * t * 3 * c], vec![f32::NAN; b * t * c]);
+                let (mut dqkv, mut again) = (vec![f32::NAN; b * t * w], vec![f32::NAN; b * t * c]);
                 let mut scratch = vec![0.0; attention_scratch_len(t, 2)];
                 within_pool(2, || {
                     let m = Some(&mask[..]);
@@ -800,7 +1055,8 @@ mod tests {
                         &mut lse,
                         &qkv,
                         m,
-                        dims,
+                        segs,
+                        (dims, nkv),
                         drop,
                         &mut scratch,
                     );
@@ -813,7 +1069,8 @@ mod tests {
                         &qkv,
                         &lse,
                         m,
-                        dims,
+                        segs,
+                        (dims, nkv),
                         drop,
                         &mut scratch,
                     );
@@ -833,7 +1090,7 @@ mod tests {
             // dK and dV sum over strips of 32 queries instead of blocks of 64: f32 rounding
             let scale = general.2.iter().fold(0f32, |m, x| m.max(x.abs()));
             for (i, (a, g)) in fused.2.iter().zip(&general.2).enumerate() {
-                let (row, col) = (i / (3 * c), i % (3 * c));
+                let (row, col) = (i / w, i % w);
                 if col < c {
                     assert_eq!(a.to_bits(), g.to_bits(), "t {t} c {c}: dq[{row}][{col}]");
                 } else {
@@ -862,6 +1119,8 @@ mod tests {
         let AttnDims { b, t, c, nh } = dims;
         let qkv = rand_vec(b * t * 3 * c, 3);
         let dout = rand_vec(b * t * c, 4);
+        // two sequences per row, the second crossing the query block boundary
+        let segs: Vec<u32> = (0..b * t).map(|i| (i % t >= 20) as u32).collect();
         let run = |dtype: DType| {
             let mut out = vec![0.0; b * t * c];
             let mut lse = vec![0.0; b * nh * t];
@@ -874,6 +1133,7 @@ mod tests {
                     &mut lse,
                     &qkv,
                     None,
+                    Some(&segs),
                     dims,
                     None,
                     &mut scratch,
@@ -886,6 +1146,7 @@ mod tests {
                     &qkv,
                     &lse,
                     None,
+                    Some(&segs),
                     dims,
                     None,
                     &mut scratch,
@@ -898,7 +1159,7 @@ mod tests {
         let mask = vec![1u8; b * t];
         assert_close(
             &out16,
-            &reference(&f64s(&qkv), &mask, dims, None),
+            &reference(&f64s(&qkv), &mask, Some(&segs), dims, None),
             2e-2,
             "bf16 out",
         );

@@ -16,7 +16,9 @@
 
 use std::cell::RefCell;
 
-use super::attention::{mask_row, probs_row, softmax_back_row, softmax_row, AttnDims};
+use super::attention::{
+    head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
+};
 use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm_bf16::{pack_a, pack_b, Line, NR};
 use super::SendPtr;
@@ -159,14 +161,15 @@ pub(super) unsafe fn head_forward(
     lse: SendPtr,
     qkv: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
     bh: usize,
 ) {
     let AttnDims { t, c, nh, .. } = dims;
     let (bi, h) = (bh / nh, bh % nh);
     let hd = c / nh;
-    let head = Head::at(qkv, dims, bh);
+    let head = Head::at(qkv, (dims, nkv), bh);
     let (pd, pt) = (pairs(hd), pairs(t));
     let (tp, hp) = (strips(t), hd.div_ceil(NR) * NR);
     BUFS.with(|bufs| {
@@ -200,7 +203,8 @@ pub(super) unsafe fn head_forward(
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
-                    let l = softmax_row(row, &mf[..keys], tq, head.scale);
+                    let lo = segment_start(segments, bi, t, tq);
+                    let l = softmax_in(row, &mf[..keys], tq, lo, head.scale);
                     *lse.0.add(bh * t + tq) = l;
                     if let Some(d) = dropout {
                         d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
@@ -217,10 +221,12 @@ pub(super) unsafe fn head_forward(
     });
 }
 
-/// Backward of head `bh`: as `head_backward` in the attention module, on AMX.
+/// Backward of head `bh`: as `head_backward` in the attention module, on AMX (`first`: the
+/// first head of its key/value group, which writes the group's dK and dV; the others add).
 ///
 /// # Safety
-/// As [`head_forward`], for `dqkv` and `out`.
+/// As [`head_forward`], for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
+/// touched by its group's heads only, run in order on this task.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn head_backward(
     dqkv: SendPtr,
@@ -229,18 +235,25 @@ pub(super) unsafe fn head_backward(
     qkv: &[f32],
     lse: &[f32],
     mask: Option<&[u8]>,
-    dims: AttnDims,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
     dropout: Option<Dropout>,
-    bh: usize,
+    (bh, first): (usize, bool),
 ) {
     let AttnDims { t, c, nh, .. } = dims;
     let (bi, h) = (bh / nh, bh % nh);
     let hd = c / nh;
-    let head = Head::at(qkv, dims, bh);
-    let rs = head.rs;
-    let base = bi * t * 3 * c + h * hd;
-    let dq = dqkv.0.wrapping_add(base);
-    let (dk, dv) = (dq.wrapping_add(c), dq.wrapping_add(2 * c));
+    let head = Head::at(qkv, (dims, nkv), bh);
+    let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+    let drow0 = dqkv.0.wrapping_add(bi * t * rs);
+    let (dq, dk, dv) = (
+        drow0.wrapping_add(qo),
+        drow0.wrapping_add(ko),
+        drow0.wrapping_add(vo),
+    );
+    // dK and dV strips from `fresh` on are written (by a group's first head), earlier ones
+    // added to; the group's other heads add to all of them.
+    let fresh = |r0: usize| if first { r0 } else { t };
     let dy = dout[bi * t * c + h * hd..].as_ptr();
     let (pd, pt, ps) = (pairs(hd), pairs(t), pairs(S));
     let (tp, hp) = (strips(t), hd.div_ceil(NR) * NR);
@@ -267,8 +280,8 @@ pub(super) unsafe fn head_backward(
         let (dp, pdrop) = rest.split_at_mut(S * t);
         mask_row(mf, mask, bi, t);
         let mut scratch = Scratch([0.0; S * NR]);
-        // SAFETY: as in head_forward; the products write this task's strip buffers or head
-        // `bh`'s columns of dqkv and out.
+        // SAFETY: as in head_forward; the products write this task's strip buffers, head
+        // `bh`'s columns of dq and out, or its key/value head's columns of dk and dv.
         unsafe {
             head.pack(qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
             amx::configure();
@@ -304,7 +317,8 @@ pub(super) unsafe fn head_backward(
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut p[i * t..i * t + keys];
-                    probs_row(row, &mf[..keys], tq, lse[bh * t + tq], head.scale);
+                    let lo = segment_start(segments, bi, t, tq);
+                    probs_in(row, &mf[..keys], tq, lo, lse[bh * t + tq], head.scale);
                 }
                 // The probabilities as the forward used them (after dropout), and dP from dPd.
                 let used: &[f32] = match dropout {
@@ -323,7 +337,7 @@ pub(super) unsafe fn head_backward(
                 // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
                 pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
-                tall_product(ps, tall, dyb, dv, rs, keys, hd, r0, &mut scratch);
+                tall_product(ps, tall, dyb, dv, rs, keys, hd, fresh(r0), &mut scratch);
                 if let Some(o) = out {
                     pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
                     let o = o.0.add((bi * t + r0) * c + h * hd);
@@ -349,7 +363,7 @@ pub(super) unsafe fn head_backward(
                 );
                 pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
-                tall_product(ps, tall, qb, dk, rs, keys, hd, r0, &mut scratch);
+                tall_product(ps, tall, qb, dk, rs, keys, hd, fresh(r0), &mut scratch);
             }
             amx::release();
         }
@@ -357,17 +371,18 @@ pub(super) unsafe fn head_backward(
 }
 
 impl Head {
-    fn at(qkv: &[f32], dims: AttnDims, bh: usize) -> Head {
+    fn at(qkv: &[f32], (dims, nkv): (AttnDims, usize), bh: usize) -> Head {
         let AttnDims { t, c, nh, .. } = dims;
         let hd = c / nh;
-        let q = qkv[(bh / nh) * t * 3 * c + (bh % nh) * hd..].as_ptr();
+        let (rs, qo, ko, vo) = head_cols(dims, nkv, bh % nh);
+        let row0 = qkv[(bh / nh) * t * rs..].as_ptr();
         Head {
-            q,
-            k: q.wrapping_add(c),
-            v: q.wrapping_add(2 * c),
+            q: row0.wrapping_add(qo),
+            k: row0.wrapping_add(ko),
+            v: row0.wrapping_add(vo),
             t,
             hd,
-            rs: 3 * c,
+            rs,
             scale: 1.0 / (hd as f32).sqrt(),
         }
     }

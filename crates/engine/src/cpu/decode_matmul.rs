@@ -7,9 +7,11 @@
 //! [`DecodeMatrix`] is a weight matrix kept output-major, (OC, C) with each row padded with
 //! zeros to a multiple of 32, in one of the [`DecodeFormat`]s; [`decode_matmul_forward`]
 //! computes out (N, OC) = inp (N, C) · Wᵀ + bias with it:
-//! - **bf16**: each input row is rounded to bf16 (to nearest even) as it is loaded and the
-//!   products are summed in f32, by AVX512_BF16's VDPBF16PS where the CPU has it (16 lanes, two
-//!   products each; the lanes then summed by `_mm512_reduce_add_ps`), else by portable code
+//! - **bf16**: each input row is rounded to bf16 (to nearest even; once per call, into a
+//!   per-thread buffer, where the CPU has AVX512_BF16, rather than again for every output row)
+//!   and the products are summed in f32, by AVX512_BF16's VDPBF16PS where the CPU has it (16
+//!   lanes, two products each; the lanes then summed by `_mm512_reduce_add_ps`), else by
+//!   portable code
 //!   (the same pairs in the same lanes, summed in a fixed tree). Products of two bf16 are exact
 //!   in f32, but the instruction flushes subnormals and the two paths add lanes in different
 //!   orders: the results agree to rounding, not to the bit.
@@ -204,6 +206,8 @@ fn quantize_row(q: &mut [i8], d: &mut [f32], x: &[f32]) {
 thread_local! {
     /// The calling thread's quantised input rows (Q8): int8 values and block scales.
     static QUANTISED: RefCell<(Vec<i8>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// The calling thread's input rows rounded to bf16 (rows of cp, zero-padded).
+    static ROUNDED: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
 }
 
 /// out (N, OC) = inp (N, C) · wᵀ + bias, for `w` kept in a [`DecodeFormat`] (see the module
@@ -230,8 +234,27 @@ pub fn decode_matmul_forward(
     match &w.data {
         Data::Bf16 { buf, at } => {
             let bits = &buf[*at..*at + oc * w.cp];
-            let kernel = bf16_kernel();
-            for_each_part(oc, |o0, o1| kernel(ptr, inp, bits, w, bias, n, o0..o1));
+            #[cfg(target_arch = "x86_64")]
+            if super::bf16_supported() {
+                // The rows rounded once, not once per output row; taken out of the thread's
+                // slot for the call as QUANTISED is (see there).
+                let mut xb = ROUNDED.with(|slot| std::mem::take(&mut *slot.borrow_mut()));
+                xb.resize(xb.len().max(n * w.cp), 0);
+                let xb_rows = &mut xb[..n * w.cp];
+                // SAFETY: AVX512F/BW/BF16 were detected at run time (bf16_supported); the
+                // sizes are the ones checked above.
+                unsafe { bf16_avx512::round_rows(xb_rows, inp, w, n) };
+                let xb_rows = &*xb_rows;
+                for_each_part(oc, |o0, o1| {
+                    // SAFETY: as round_rows; each part owns its columns o0..o1.
+                    unsafe { bf16_avx512::part(ptr, xb_rows, bits, w, bias, n, o0..o1) }
+                });
+                ROUNDED.with(|slot| *slot.borrow_mut() = xb);
+                return;
+            }
+            for_each_part(oc, |o0, o1| {
+                bf16_portable_part(ptr, inp, bits, w, bias, n, o0..o1)
+            });
         }
         Data::Q8 { qs, scales } => {
             // Taken out of the thread's slot for the call rather than borrowed across it: while
@@ -272,9 +295,6 @@ fn for_each_part(oc: usize, part: impl Fn(usize, usize) + Sync) {
 }
 
 /// One part's outputs: rows `o` of W for every input row, written through `out` (N, OC).
-type Bf16Kernel =
-    fn(SendPtr, &[f32], &[u16], &DecodeMatrix, Option<&[f32]>, usize, std::ops::Range<usize>);
-
 /// Quantised rows: int8 values (rows of cp) and their block scales (rows of cp / 32).
 #[derive(Clone, Copy)]
 struct Q8Rows<'a> {
@@ -295,17 +315,6 @@ unsafe fn store(out: SendPtr, w: &DecodeMatrix, bias: Option<&[f32]>, m: usize, 
     let b = bias.map_or(0.0, |b| b[o]);
     // SAFETY: the caller's contract: in bounds, and this part's column.
     unsafe { *out.get().add(m * w.oc + o) = v + b };
-}
-
-fn bf16_kernel() -> Bf16Kernel {
-    #[cfg(target_arch = "x86_64")]
-    if super::bf16_supported() {
-        return |out, inp, bits, w, bias, n, o| {
-            // SAFETY: AVX512F/BW/BF16 were detected at run time (bf16_supported).
-            unsafe { bf16_avx512::part(out, inp, bits, w, bias, n, o) }
-        };
-    }
-    bf16_portable_part
 }
 
 /// The bf16 product without AVX512_BF16: lane i of 16 takes the pair (2i, 2i+1) of each block
@@ -352,41 +361,19 @@ fn bf16_portable_part(
 #[cfg(target_arch = "x86_64")]
 mod bf16_avx512 {
     //! VDPBF16PS, one output row at a time (each weight row read straight through: four rows
-    //! read side by side streamed at a half to a third of the rate on Zen 5).
+    //! read side by side streamed at a half to a third of the rate on Zen 5), over input rows
+    //! rounded to bf16 once per call ([`round_rows`]).
     use std::arch::x86_64::*;
 
     use super::{store, DecodeMatrix, SendPtr, BLOCK};
 
+    /// `xb` (N, cp) = the input rows (N, C) rounded to bf16 by VCVTNE2PS2BF16, zero-padded.
+    ///
     /// # Safety
-    /// The CPU must have AVX512F, AVX512BW and AVX512_BF16; sizes as `decode_matmul_forward`
-    /// checked them; this part owns the columns `o`.
+    /// The CPU must have AVX512F, AVX512BW and AVX512_BF16; `inp` holds n rows of w.c and `xb`
+    /// n rows of w.cp.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    pub(super) unsafe fn part(
-        out: SendPtr,
-        inp: &[f32],
-        bits: &[u16],
-        w: &DecodeMatrix,
-        bias: Option<&[f32]>,
-        n: usize,
-        o: std::ops::Range<usize>,
-    ) {
-        for o in o {
-            // SAFETY: as this function's (row o is this part's).
-            unsafe { row(out, inp, bits, w, bias, n, o) };
-        }
-    }
-
-    /// Output row o for every input row.
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn row(
-        out: SendPtr,
-        inp: &[f32],
-        bits: &[u16],
-        w: &DecodeMatrix,
-        bias: Option<&[f32]>,
-        n: usize,
-        o: usize,
-    ) {
+    pub(super) unsafe fn round_rows(xb: &mut [u16], inp: &[f32], w: &DecodeMatrix, n: usize) {
         let (c, cp) = (w.c, w.cp);
         let blocks = cp / BLOCK;
         // the last block's input elements (1..=32): loaded under a mask, the rest read as 0
@@ -395,13 +382,11 @@ mod bf16_avx512 {
             ((1u32 << tail.min(16)) - 1) as u16,
             ((1u32 << tail.saturating_sub(16)) - 1) as u16,
         );
-        let wrow = bits[o * cp..].as_ptr();
         for m in 0..n {
-            let x = inp[m * c..].as_ptr();
-            let mut acc = _mm512_setzero_ps();
+            let (x, out) = (inp[m * c..].as_ptr(), xb[m * cp..(m + 1) * cp].as_mut_ptr());
             for b in 0..blocks {
                 // SAFETY: the input row has c elements: the last block reads only `tail` of
-                // them (masked); the weight row has cp = 32·blocks elements.
+                // them (masked); the output row has cp = 32·blocks elements.
                 unsafe {
                     let at = x.add(b * BLOCK);
                     let (lo, hi) = if b + 1 < blocks {
@@ -413,12 +398,75 @@ mod bf16_avx512 {
                         )
                     };
                     let xb = _mm512_cvtne2ps_pbh(hi, lo);
-                    let wb = _mm512_loadu_si512(wrow.add(b * BLOCK) as *const _);
-                    acc = _mm512_dpbf16_ps(acc, xb, std::mem::transmute::<__m512i, __m512bh>(wb));
+                    _mm512_storeu_si512(
+                        out.add(b * BLOCK) as *mut _,
+                        std::mem::transmute::<__m512bh, __m512i>(xb),
+                    );
                 }
             }
-            // SAFETY: m < n, o < OC, this part's column.
-            unsafe { store(out, w, bias, m, o, _mm512_reduce_add_ps(acc)) };
+        }
+    }
+
+    /// Input rows a weight row is multiplied with at once: one weight load for four products,
+    /// and four independent chains of VDPBF16PS (one chain waits out each instruction's
+    /// latency; four keep the unit busy). Each row still sums its blocks in the same order.
+    const ROWS: usize = 4;
+
+    /// # Safety
+    /// As [`round_rows`], `xb` holding its output; sizes as `decode_matmul_forward` checked
+    /// them; this part owns the columns `o`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn part(
+        out: SendPtr,
+        xb: &[u16],
+        bits: &[u16],
+        w: &DecodeMatrix,
+        bias: Option<&[f32]>,
+        n: usize,
+        o: std::ops::Range<usize>,
+    ) {
+        let cp = w.cp;
+        let blocks = cp / BLOCK;
+        let bh = |v: __m512i| -> __m512bh {
+            // SAFETY: the same 512 bits, read as 32 bf16.
+            unsafe { std::mem::transmute::<__m512i, __m512bh>(v) }
+        };
+        for o in o {
+            let wrow = bits[o * cp..].as_ptr();
+            let mut m = 0;
+            while m + ROWS <= n {
+                let x: [*const u16; ROWS] = std::array::from_fn(|r| xb[(m + r) * cp..].as_ptr());
+                let mut acc = [_mm512_setzero_ps(); ROWS];
+                for b in 0..blocks {
+                    // SAFETY: every row has cp = 32·blocks elements.
+                    unsafe {
+                        let wv = bh(_mm512_loadu_si512(wrow.add(b * BLOCK) as *const _));
+                        for r in 0..ROWS {
+                            let xv = bh(_mm512_loadu_si512(x[r].add(b * BLOCK) as *const _));
+                            acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
+                        }
+                    }
+                }
+                for (r, acc) in acc.into_iter().enumerate() {
+                    // SAFETY: m + r < n, o < OC, this part's column.
+                    unsafe { store(out, w, bias, m + r, o, _mm512_reduce_add_ps(acc)) };
+                }
+                m += ROWS;
+            }
+            for m in m..n {
+                let x = xb[m * cp..].as_ptr();
+                let mut acc = _mm512_setzero_ps();
+                for b in 0..blocks {
+                    // SAFETY: both rows have cp = 32·blocks elements.
+                    unsafe {
+                        let xv = bh(_mm512_loadu_si512(x.add(b * BLOCK) as *const _));
+                        let wv = bh(_mm512_loadu_si512(wrow.add(b * BLOCK) as *const _));
+                        acc = _mm512_dpbf16_ps(acc, xv, wv);
+                    }
+                }
+                // SAFETY: m < n, o < OC, this part's column.
+                unsafe { store(out, w, bias, m, o, _mm512_reduce_add_ps(acc)) };
+            }
         }
     }
 }

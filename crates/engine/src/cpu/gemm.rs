@@ -97,8 +97,17 @@ pub(crate) unsafe fn sgemm(
             let mc = mc_max.min(m - i0);
             for j in (0..n).step_by(NR) {
                 let nr = NR.min(n - j);
-                // safety: the panel covers rows k0..k0+kc and columns j..j+nr of b.
-                unsafe { pack_panel(pp, b.ptr.add(k0 * b.rs + j * b.cs), b.rs, b.cs, kc, nr) };
+                // safety: the panel covers rows k0..k0+kc and columns j..j+nr of b (read in
+                // SwiGLU's interleaved order with `b_halves`: gate column j / 2 on; see
+                // `Epilogue::b_halves`).
+                unsafe {
+                    match ep.b_halves() {
+                        Some(half) => {
+                            pack_panel_halves(pp, b.ptr.add(k0 * b.rs + j / 2), b.rs, half, kc)
+                        }
+                        None => pack_panel(pp, b.ptr.add(k0 * b.rs + j * b.cs), b.rs, b.cs, kc, nr),
+                    }
+                };
                 // safety: rows i0..i0+mc, columns j..j+nr of c are inside it; pp was just packed.
                 unsafe { panel_tiles(i0, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
             }
@@ -447,6 +456,25 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
                     *pp.add(p * NR + jj) = *src.add(p * rs);
                 }
             }
+        }
+    }
+}
+
+/// [`pack_panel`] of a whole panel of a row-major b read in SwiGLU's interleaved order: its
+/// first 16 columns from `b`, its last 16 from `b + half` (see `Epilogue::b_halves`).
+///
+/// # Safety
+/// The CPU must support AVX-512F; `b` and `b + half` must each have kc rows (stride rs) of 16
+/// readable floats; `pp` as [`pack_panel`]'s.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_panel_halves(pp: *mut f32, b: *const f32, rs: usize, half: usize, kc: usize) {
+    for p in 0..kc {
+        // SAFETY: row p's 16 gate and 16 up floats, per the contract; pp's row p.
+        unsafe {
+            let src = b.add(p * rs);
+            _mm512_store_ps(pp.add(p * NR), _mm512_loadu_ps(src));
+            _mm512_store_ps(pp.add(p * NR + 16), _mm512_loadu_ps(src.add(half)));
         }
     }
 }

@@ -31,6 +31,7 @@ mod pack;
 use super::epilogue::Epilogue;
 use super::gemm::{bias_row, prefetch_run, store_row, Strided};
 use pack::pack_a_bf16;
+use pack::pack_b_halves;
 pub(crate) use pack::{pack_a, pack_b};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
@@ -393,7 +394,12 @@ unsafe fn blocks(
                     kc.div_ceil(2)
                 };
                 let sums = b_sums.map(|s| s.add(jc));
-                pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride, sums);
+                match ep.b_halves() {
+                    // SwiGLU's interleaved columns: block column jc (a multiple of 32) starts
+                    // at B's gate column jc / 2 (see `Epilogue::b_halves`).
+                    Some(half) => pack_b_halves(pb, b.at(pc, jc / 2), b.rs, kc, nc, stride, half),
+                    None => pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride, sums),
+                }
                 // The first K block starts C from the bias (or zero) unless accumulating.
                 let last = pc + kc == k;
                 let (acc, bias) = if pc == 0 && !accumulate {

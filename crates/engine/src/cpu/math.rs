@@ -58,6 +58,34 @@ pub(crate) fn gelu_and_grad(x: f32) -> (f32, f32) {
     )
 }
 
+/// The logistic sigmoid 1 / (1 + e^-x), through [`exp`] (so it vectorizes).
+#[inline(always)]
+pub(crate) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+/// SwiGLU of one gate and up pair: silu(g) · u = g · sigmoid(g) · u, in that order.
+#[inline(always)]
+pub(crate) fn swiglu(g: f32, u: f32) -> f32 {
+    g * sigmoid(g) * u
+}
+
+/// What SwiGLU's backward needs of one (gate, up) pair, from one sigmoid: (d out / d up,
+/// d out / d gate) = (silu(g), u · silu'(g)), silu'(g) = s · (1 + g · (1 - s)).
+#[inline(always)]
+pub(crate) fn swiglu_grads(g: f32, u: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (g * s, u * s * (1.0 + g * (1.0 - s)))
+}
+
+/// SwiGLU's backward at one (gate, up) pair for d(output) `d`: (d gate, d up), in the order of
+/// operations every SwiGLU backward uses.
+#[inline(always)]
+pub(crate) fn swiglu_backward_pair(d: f32, g: f32, u: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+}
+
 /// Sum in a fixed order: 16 strided partial sums, then those in order.
 #[inline(always)]
 pub(crate) fn sum(x: &[f32]) -> f32 {

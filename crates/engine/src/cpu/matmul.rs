@@ -163,6 +163,10 @@ unsafe fn gemm_on(
     } else {
         threads.min(m.max(n) / 16).max(1)
     };
+    assert!(
+        ep.b_halves().is_none() || (bias.is_none() && b.cs == 1),
+        "SwiGLU's interleaved product takes no bias and a row-major B"
+    );
     let bias = bias.map(|b| SendPtr(b.as_ptr() as *mut f32));
     let avx512 = simd_level() == SimdLevel::Avx512;
     let bf16 = dtype == DType::Bf16 && super::bf16_supported();
@@ -199,7 +203,10 @@ unsafe fn gemm_on(
                     rs: x.rs as usize,
                     cs: x.cs as usize,
                 };
-                let (sa, sb, cc) = (s(a, r0, 0), s(b, 0, c0), c.at(r0, c0));
+                // Under SwiGLU's interleaved order, c's column c0 (a multiple of 32) reads
+                // from B's gate column c0 / 2 on (see `Epilogue::b_halves`).
+                let b_col = if ep.b_halves().is_some() { c0 / 2 } else { c0 };
+                let (sa, sb, cc) = (s(a, r0, 0), s(b, 0, b_col), c.at(r0, c0));
                 let bias = bias.map(|b| b.get().add(c0) as *const f32);
                 let (m, n, rsc) = (r1 - r0, c1 - c0, c.rs as usize);
                 let ep = ep.at(r0, c0);
@@ -221,6 +228,10 @@ unsafe fn gemm_on(
                 }
                 return;
             }
+            assert!(
+                ep.b_halves().is_none(),
+                "SwiGLU's interleaved product needs AVX-512"
+            );
             let beta = if accumulate || bias.is_some() {
                 1.0
             } else {
@@ -251,9 +262,11 @@ unsafe fn gemm_on(
         call(0, m, 0, n);
         return;
     }
-    // Split the longer output side, in multiples of 16 (the kernel's register tile).
+    // Split the longer output side, in multiples of 16 (the kernel's register tile), or of 32
+    // columns under SwiGLU's interleaved order (whole tiles of gate and up).
+    let unit = if ep.b_halves().is_some() { 32 } else { 16 };
     let split = |len: usize, p: usize| {
-        let step = len.div_ceil(parts).div_ceil(16) * 16;
+        let step = len.div_ceil(parts).div_ceil(unit) * unit;
         ((p * step).min(len), ((p + 1) * step).min(len))
     };
     (0..parts).into_par_iter().for_each(|p| {
@@ -419,6 +432,25 @@ pub fn matmul_gelu_forward_bf16(
     let a = Mat::rm(inp.as_ptr(), c);
     // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
     unsafe { conv1d_product(dtype, grad, a, inp.len(), w, bias, (n, c, oc), ep) }
+}
+
+/// [`matmul_forward`] with `ep` applied to the product as the kernels finish it: the fused
+/// products of other modules (SwiGLU's).
+///
+/// # Safety
+/// `ep`'s operand must hold what it writes for an (N, OC) product and overlap nothing else.
+pub(super) unsafe fn matmul_forward_with(
+    dtype: DType,
+    out: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    (n, c, oc): (usize, usize, usize),
+    ep: Epilogue,
+) {
+    let a = Mat::rm(inp.as_ptr(), c);
+    // SAFETY: `a` is `inp`; ep per the contract.
+    unsafe { conv1d_product(dtype, out, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
 /// [`matmul_forward`] of an input kept in bf16 (its bits): the same bits as [`matmul_forward`]
@@ -734,6 +766,24 @@ pub fn matmul_backward_input(
     c: usize,
     oc: usize,
 ) {
+    // SAFETY: no epilogue.
+    unsafe { matmul_backward_input_with(dtype, dinp, dout, w, (n, c, oc), Epilogue::None) }
+}
+
+/// [`matmul_backward_input`] with `ep` applied to dinp as the kernels finish it: the fused
+/// backward products of other modules (SwiGLU's).
+///
+/// # Safety
+/// `ep`'s operands must hold what it reads and writes for an (N, C) dinp and overlap nothing
+/// it does not read.
+pub(super) unsafe fn matmul_backward_input_with(
+    dtype: DType,
+    dinp: &mut [f32],
+    dout: &[f32],
+    w: &[f32],
+    (n, c, oc): (usize, usize, usize),
+    ep: Epilogue,
+) {
     check("matmul dout", dout.len(), n * oc);
     check("matmul w", w.len(), c * oc);
     check("matmul dinp", dinp.len(), n * c);
@@ -749,7 +799,7 @@ pub fn matmul_backward_input(
             Mat::rm(dinp.as_mut_ptr(), c),
             false,
             None,
-            Epilogue::None,
+            ep,
         );
     }
 }

@@ -33,7 +33,10 @@ mod rmsnorm;
 mod rope;
 mod swiglu;
 
-pub use attention::{attention_backward, attention_forward, attention_scratch_len, AttnDims};
+pub use attention::{
+    attention_backward, attention_backward_grouped, attention_forward, attention_forward_grouped,
+    attention_scratch_len, AttnDims,
+};
 pub use attention_decode::{attention_decode_row, attention_decode_row_bf16, DecodeDims};
 pub use bf16::{bf16_to_f32, round_to_bf16};
 pub use crossentropy::{
@@ -54,11 +57,12 @@ pub use matmul::{
 };
 pub use peak::{product_peak, Peak};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-pub use rope::{
-    kv_expand_backward, kv_expand_forward, rope_backward, rope_forward, rope_tables, KvDims,
-    RopeDims,
+pub use rope::{rope_backward, rope_forward, rope_tables, RopeDims};
+pub use swiglu::{
+    matmul_backward_input_swiglu, matmul_backward_input_swiglu_with_grad, matmul_swiglu_forward,
+    matmul_swiglu_forward_bf16, swiglu_backward, swiglu_backward_with_grad, swiglu_forward,
+    swiglu_interleaved_backward, swiglu_interleaved_forward,
 };
-pub use swiglu::{swiglu_backward, swiglu_forward};
 
 use crate::{DType, EngineError};
 

@@ -27,7 +27,8 @@ pub struct LoadedTensors {
     pub tensors: Vec<(String, Vec<f32>)>,
 }
 
-pub(super) fn write_tensor_file(dir: &Path, file: &TensorFile<'_>) -> Result<(), CheckpointError> {
+/// Writes `file` into `dir`; returns its sum.
+pub(super) fn write_tensor_file(dir: &Path, file: &TensorFile<'_>) -> Result<Sum, CheckpointError> {
     let tensors = file
         .tensors
         .iter()
@@ -45,7 +46,7 @@ pub(super) fn write_tensor_file(dir: &Path, file: &TensorFile<'_>) -> Result<(),
     write_safetensors(&dir.join(file.name), tensors, metadata)
 }
 
-/// Reads the tensor file `name` of checkpoint `dir`, checked against SHA256SUMS; `None` when
+/// Reads the tensor file `name` of checkpoint `dir`, checked against the checkpoint's checksums; `None` when
 /// the checkpoint has no such file. Every tensor must be f32 and 1-D.
 pub fn read_tensor_file(dir: &Path, name: &str) -> Result<Option<LoadedTensors>, CheckpointError> {
     let path = dir.join(name);
@@ -76,7 +77,7 @@ pub fn read_tensor_file(dir: &Path, name: &str) -> Result<Option<LoadedTensors>,
     }))
 }
 
-/// The bytes of file `name` of checkpoint `dir`, checked against SHA256SUMS; `None` when the
+/// The bytes of file `name` of checkpoint `dir`, checked against the checkpoint's checksums; `None` when the
 /// checkpoint has no such file.
 pub fn read_file_verified(dir: &Path, name: &str) -> Result<Option<Vec<u8>>, CheckpointError> {
     let path = dir.join(name);

@@ -420,13 +420,13 @@ fn scatter(params: &mut [f32], t: &HfTensor, data: &[f32]) {
     }
 }
 
-/// Writes model.safetensors of a Llama-family `model` into `dir` under Hugging Face's names.
-pub(super) fn write_llama_tensors(dir: &Path, model: &GPT) -> Result<(), CheckpointError> {
+/// Writes model.safetensors of a Llama-family `model` into `dir` under Hugging Face's names;
+/// returns its sum.
+pub(super) fn write_llama_tensors(dir: &Path, model: &GPT) -> Result<Sum, CheckpointError> {
     let params = model.params();
     let table = hf_tensors(model.config(), model.param_views());
-    // The transposed matrices need a copy each: one at a time would need a writer that pulls
-    // tensors lazily, which the safetensors crate lacks; a model's worth of copies is what
-    // PyTorch's save_pretrained holds too.
+    // The transposed matrices need a copy each (one at a time would need a writer that pulls
+    // tensors lazily); a model's worth of copies is what PyTorch's save_pretrained holds too.
     let data: Vec<Vec<f32>> = table.iter().map(|t| gather(params, t)).collect();
     let tensors = table
         .iter()

@@ -9,7 +9,8 @@
 //!     model.safetensors        GPT-2's tensor names and shapes (GPT2Model's, no prefix)
 //!     *.safetensors, *.json    optional further files the caller hands in (a trainer's
 //!                              optimizer.safetensors and trainer_state.json, vocab.json, ...)
-//!     SHA256SUMS               SHA-256 of every file above, in `sha256sum` format (written last)
+//!     CHECKSUMS                CRC-32C and size of every file above (written last; older
+//!                              checkpoints have SHA256SUMS, SHA-256 in `sha256sum` format)
 //! ```
 //!
 //! A sharded checkpoint (written by several ranks at once, see `sharded.rs`) has the same
@@ -29,11 +30,13 @@
 //! back to it. A save that fails (disk full, permissions) removes its temp directory and leaves
 //! the previous checkpoints and `latest` as they were.
 //!
-//! Verification: `SHA256SUMS` is written after every other file, so a checkpoint that has it was
-//! written whole, and `cd step-000100 && sha256sum -c SHA256SUMS` checks it by hand. Every reader
-//! here checks the bytes it read against it and reports a mismatch as
-//! [`CheckpointError::Corrupt`], naming the file. Directories without `SHA256SUMS` (Hugging Face
-//! downloads, checkpoints of older versions) load unverified.
+//! Verification: `CHECKSUMS` is written after every other file, so a checkpoint that has it was
+//! written whole. Every reader here checks the bytes it read against it and reports a mismatch
+//! as [`CheckpointError::Corrupt`], naming the file. The sums are computed as the files are
+//! written (see `integrity.rs` for why CRC-32C suffices, and for `SHA256SUMS`, the format of
+//! older checkpoints, which every reader still checks; `sha256sum -c SHA256SUMS` checks those
+//! by hand). Directories with neither (Hugging Face downloads, checkpoints of the oldest
+//! versions) load unverified.
 //!
 //! The rest of the family (Llama, Qwen2: RMSNorm, RoPE, SwiGLU, grouped key/value heads) is
 //! written and read in Hugging Face's `LlamaForCausalLM` / `Qwen2ForCausalLM` format instead
@@ -41,7 +44,7 @@
 //! `model.safetensors.index.json` and bf16/f16 weights read too).
 //!
 //! This module must never write a file in place, never load a tensor whose name, dtype or shape
-//! differs from what the config expects, and never hand out bytes that contradict `SHA256SUMS`.
+//! differs from what the config expects, and never hand out bytes that contradict the checksums.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -49,12 +52,16 @@ use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, View};
+use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 use crate::{GPTConfig, GptError, ParamView, GPT};
 
+#[cfg(test)]
+mod checksum_tests;
+#[cfg(test)]
+mod cpu_cost;
 mod further_files;
 mod hf_config;
 mod hf_llama;
@@ -74,10 +81,11 @@ use tensors::*;
 pub use further_files::{read_file_verified, read_tensor_file, LoadedTensors, TensorFile};
 pub use hf_config::load_config;
 pub use hf_llama::INDEX_FILE;
-pub use integrity::{verify, verify_except, write_file_atomic};
+pub use integrity::{verify, verify_except, write_file_atomic, SHA256SUMS_FILE};
 pub use sharded::{
-    abort_sharded, begin_sharded, commit_sharded, read_index, read_ranges, shard_file_name,
-    staging_dir, write_shard, Piece, ShardIndex, ShardRecord, PARAMS_BUFFER, SHARD_INDEX_FILE,
+    abort_sharded, begin_sharded, commit_sharded, crc32c_digest, digest_crc32c, read_index,
+    read_ranges, shard_file_name, staging_dir, write_shard, Piece, ShardIndex, ShardRecord,
+    PARAMS_BUFFER, SHARD_INDEX_FILE,
 };
 pub use tensors::load_params_into;
 
@@ -87,8 +95,9 @@ pub const CONFIG_FILE: &str = "config.json";
 pub const MODEL_FILE: &str = "model.safetensors";
 /// In a checkpoint root: the name of the newest complete checkpoint.
 pub const LATEST_FILE: &str = "latest";
-/// The SHA-256 of every other file of a checkpoint, as `sha256sum` writes them.
-pub const CHECKSUMS_FILE: &str = "SHA256SUMS";
+/// The CRC-32C and size of every other file of a checkpoint (format 2; older checkpoints have
+/// [`SHA256SUMS_FILE`] instead, still read).
+pub const CHECKSUMS_FILE: &str = "CHECKSUMS";
 
 /// What went wrong saving or loading a checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -170,19 +179,24 @@ pub enum CheckpointError {
         /// The file.
         path: PathBuf,
     },
-    /// A file's bytes contradict the checkpoint's `SHA256SUMS`: it was truncated, overwritten or
-    /// damaged after the checkpoint was written.
+    /// A file's bytes contradict the checkpoint's checksums (`CHECKSUMS`, or an older
+    /// checkpoint's `SHA256SUMS`, or a shard index): it was truncated, overwritten or damaged
+    /// after the checkpoint was written.
     #[error(
-        "{path}: corrupt: SHA-256 {found} does not match {expected} in {CHECKSUMS_FILE} \
+        "{path}: corrupt: {what} {found} does not match {expected} in {list} \
          ({size} bytes; truncated or damaged after it was written)"
     )]
     Corrupt {
         /// The file.
         path: PathBuf,
-        /// The digest `SHA256SUMS` records (hex).
+        /// What differs: the digest's algorithm (`CRC-32C`, `SHA-256`) or `size`.
+        what: &'static str,
+        /// What the checksums record (a digest as written there, or a size).
         expected: String,
-        /// The digest of the bytes read (hex).
+        /// What the bytes read have.
         found: String,
+        /// The file that records it.
+        list: &'static str,
         /// The file's size.
         size: u64,
     },
@@ -242,20 +256,20 @@ pub struct Checkpoint<'a> {
     pub config_extra: Vec<(&'a str, serde_json::Value)>,
 }
 
-/// Writes every file of `ckpt` into the fresh directory `dir`, `SHA256SUMS` last, and fsyncs
+/// Writes every file of `ckpt` into the fresh directory `dir`, `CHECKSUMS` last, and fsyncs
 /// them and `dir`.
 fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError> {
-    let mut written = Vec::new();
+    let mut written: Vec<(String, Sum)> = Vec::new();
     if let Some(model) = ckpt.model {
-        write_model_files(dir, model, &ckpt.config_extra)?;
-        written.extend([CONFIG_FILE.to_string(), MODEL_FILE.to_string()]);
+        written.extend(write_model_files(dir, model, &ckpt.config_extra)?);
     }
-    let bad_name = |file: &str, written: &[String]| {
+    let bad_name = |file: &str, written: &[(String, Sum)]| {
         file.is_empty()
             || file.contains(['/', '\\'])
             || file.starts_with('.')
             || file == CHECKSUMS_FILE
-            || written.iter().any(|w| w == file)
+            || file == SHA256SUMS_FILE
+            || written.iter().any(|(w, _)| w == file)
     };
     for file in &ckpt.tensor_files {
         if bad_name(file.name, &written) {
@@ -263,8 +277,8 @@ fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError>
                 name: file.name.to_string(),
             });
         }
-        write_tensor_file(dir, file)?;
-        written.push(file.name.to_string());
+        let sum = write_tensor_file(dir, file)?;
+        written.push((file.name.to_string(), sum));
     }
     for (file, bytes) in &ckpt.extra_files {
         if bad_name(file, &written) {
@@ -272,8 +286,8 @@ fn write_files(dir: &Path, ckpt: &Checkpoint<'_>) -> Result<(), CheckpointError>
                 name: file.to_string(),
             });
         }
-        write_bytes(&dir.join(file), bytes)?;
-        written.push(file.to_string());
+        let sum = write_bytes(&dir.join(file), bytes)?;
+        written.push((file.to_string(), sum));
     }
     write_checksums(dir, &written)?;
     fsync(dir)

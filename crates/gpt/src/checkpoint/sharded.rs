@@ -8,11 +8,11 @@
 //!
 //! ```text
 //! shards.json                          the index: world size, buffer names and length, each
-//!                                      shard's file, SHA-256, size and pieces (the ranges of
+//!                                      shard's file, CRC-32C, size and pieces (the ranges of
 //!                                      the flat buffers it stores, in order)
 //! shard-00000-of-00002.safetensors     rank 0's pieces of every buffer, one 1-D f32 tensor
 //! shard-00001-of-00002.safetensors     per buffer (the rank's flat shard, padding and all)
-//! SHA256SUMS                           every file above, shards included
+//! CHECKSUMS                            every file above, shards included
 //! ```
 //!
 //! The commit protocol. Rank 0 creates the staging directory `ROOT/.tmp-NAME`
@@ -41,8 +41,24 @@ use super::*;
 pub const SHARD_INDEX_FILE: &str = "shards.json";
 /// The name of the model's parameter buffer in a sharded checkpoint.
 pub const PARAMS_BUFFER: &str = "params";
-/// The `format` of the index this module writes and reads.
-const FORMAT: &str = "cohort-flat-shards/1";
+/// The `format` of the index this module writes (its shards' digests are CRC-32C's).
+const FORMAT: &str = "cohort-flat-shards/2";
+/// The format of older indexes, still read: the same but for SHA-256 digests, in a field
+/// named `sha256`.
+const FORMAT_1: &str = "cohort-flat-shards/1";
+
+/// A CRC-32C as a [`ShardRecord`] holds it, from the number a rank hands rank 0.
+pub fn crc32c_digest(crc: u32) -> String {
+    Digest::Crc32c(crc).to_string()
+}
+
+/// The number of a [`ShardRecord`]'s digest when it is a CRC-32C (what a rank hands rank 0).
+pub fn digest_crc32c(digest: &str) -> Option<u32> {
+    match Digest::parse(digest)? {
+        Digest::Crc32c(crc) => Some(crc),
+        Digest::Sha256(_) => None,
+    }
+}
 
 /// The file of rank `rank`'s shard among `world`.
 pub fn shard_file_name(rank: usize, world: usize) -> String {
@@ -60,7 +76,7 @@ pub struct Piece {
     pub at: usize,
 }
 
-/// What one rank wrote: its file, the file's SHA-256 and size, and the ranges of the flat
+/// What one rank wrote: its file, the file's digest and size, and the ranges of the flat
 /// buffers it stores. Its tensors may hold more than the pieces (a sharding's padding), which
 /// readers pass over.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,8 +85,10 @@ pub struct ShardRecord {
     pub rank: usize,
     /// The file's name in the checkpoint directory.
     pub file: String,
-    /// SHA-256 of the file (hex).
-    pub sha256: String,
+    /// The file's digest: `crc32c:` and 8 hex digits (in an index of format 1, the field
+    /// `sha256`: 64 hex digits).
+    #[serde(alias = "sha256")]
+    pub digest: String,
     /// The file's size in bytes.
     pub bytes: u64,
     /// Elements of each of the shard's tensors.
@@ -119,10 +137,16 @@ impl ShardIndex {
 
     /// Fails unless the shards are in rank order and their pieces tile `0..len`.
     fn check(&self, path: &Path) -> Result<(), CheckpointError> {
-        if self.format != FORMAT {
+        if self.format != FORMAT && self.format != FORMAT_1 {
             return Err(format_err(
                 path,
                 format!("format {:?}, expected {FORMAT:?}", self.format),
+            ));
+        }
+        if let Some(s) = (self.shards.iter()).find(|s| Digest::parse(&s.digest).is_none()) {
+            return Err(format_err(
+                path,
+                format!("shard {}'s digest {:?} is not one", s.rank, s.digest),
             ));
         }
         if self.shards.len() != self.world_size {
@@ -262,13 +286,12 @@ pub fn write_shard(
             serde_json::to_string(&pieces).map_err(|e| format_err(&path, e))?,
         ),
     ]);
-    write_safetensors(&path, tensors, metadata)?;
-    let bytes = fs::metadata(&path).map_err(io("stat", &path))?.len();
+    let sum = write_safetensors(&path, tensors, metadata)?;
     Ok(ShardRecord {
         rank,
         file,
-        sha256: sha256_file(&path)?,
-        bytes,
+        digest: sum.digest.to_string(),
+        bytes: sum.size.unwrap_or_default(),
         len,
         pieces,
     })
@@ -277,7 +300,7 @@ pub fn write_shard(
 /// Rank 0's last step of a sharded save, once every rank's shard is in `staging_dir(root,
 /// name)`: writes `config.json` of `config` (with `ckpt.config_extra`), `ckpt`'s further files
 /// (its `model` must be `None`: the parameters are in the shards), the index and
-/// `SHA256SUMS` (the shards' digests taken from the index), then renames the directory into
+/// `CHECKSUMS` (the shards' sums taken from the index), then renames the directory into
 /// `root/name` and points `root/latest` at it. Returns the checkpoint's directory.
 pub fn commit_sharded(
     root: &Path,
@@ -295,30 +318,32 @@ pub fn commit_sharded(
         ));
     }
     let result = (|| {
-        write_config(&tmp, config, &ckpt.config_extra)?;
+        let config = write_config(&tmp, config, &ckpt.config_extra)?;
         let index_json = serde_json::to_vec_pretty(index).map_err(|e| format_err(&tmp, e))?;
         let mut extra_files: Vec<(&str, &[u8])> = vec![(SHARD_INDEX_FILE, &index_json[..])];
         extra_files.extend(ckpt.extra_files.iter().copied());
-        let mut written = vec![CONFIG_FILE.to_string()];
+        let mut written = vec![(CONFIG_FILE.to_string(), config)];
         for file in &ckpt.tensor_files {
-            write_tensor_file(&tmp, file)?;
-            written.push(file.name.to_string());
+            let sum = write_tensor_file(&tmp, file)?;
+            written.push((file.name.to_string(), sum));
         }
         for (file, bytes) in &extra_files {
-            if file.contains(['/', '\\']) || file.starts_with('.') || *file == CHECKSUMS_FILE {
+            if file.contains(['/', '\\'])
+                || file.starts_with('.')
+                || *file == CHECKSUMS_FILE
+                || *file == SHA256SUMS_FILE
+            {
                 return Err(CheckpointError::BadName {
                     name: file.to_string(),
                 });
             }
-            write_bytes(&tmp.join(file), bytes)?;
-            written.push(file.to_string());
+            let sum = write_bytes(&tmp.join(file), bytes)?;
+            written.push((file.to_string(), sum));
         }
-        let known: Vec<(String, String)> = index
-            .shards
-            .iter()
-            .map(|s| (s.file.clone(), s.sha256.clone()))
-            .collect();
-        write_checksums_with(&tmp, &written, &known)?;
+        for shard in &index.shards {
+            written.push((shard.file.clone(), shard_sum(shard, &tmp)?));
+        }
+        write_checksums(&tmp, &written)?;
         fsync(&tmp)
     })();
     if let Err(e) = result {
@@ -338,7 +363,7 @@ pub fn abort_sharded(root: &Path, name: &str) {
     let _ = fs::remove_dir_all(staging_dir(root, name));
 }
 
-/// The index of the sharded checkpoint `dir`, checked against `SHA256SUMS`; `None` when `dir`
+/// The index of the sharded checkpoint `dir`, checked against its checksums; `None` when `dir`
 /// is not sharded.
 pub fn read_index(dir: &Path) -> Result<Option<ShardIndex>, CheckpointError> {
     let Some(bytes) = read_file_verified(dir, SHARD_INDEX_FILE)? else {
@@ -348,6 +373,23 @@ pub fn read_index(dir: &Path) -> Result<Option<ShardIndex>, CheckpointError> {
     let index: ShardIndex = serde_json::from_slice(&bytes).map_err(|e| format_err(&path, e))?;
     index.check(&path)?;
     Ok(Some(index))
+}
+
+/// What the index records of `shard`'s file (in checkpoint `dir`), as a checksums file would.
+fn shard_sum(shard: &ShardRecord, dir: &Path) -> Result<Sum, CheckpointError> {
+    let digest = Digest::parse(&shard.digest).ok_or_else(|| {
+        format_err(
+            &dir.join(SHARD_INDEX_FILE),
+            format!(
+                "shard {}'s digest {:?} is not one",
+                shard.rank, shard.digest
+            ),
+        )
+    })?;
+    Ok(Sum {
+        digest,
+        size: Some(shard.bytes),
+    })
 }
 
 /// The error of shard `rank`'s file, naming the rank.
@@ -406,15 +448,9 @@ pub fn read_ranges(
         let err = shard_err(index, shard.rank);
         let path = dir.join(&shard.file);
         let bytes = read_file(&path).map_err(&err)?;
-        let found = hex(&Sha256::digest(&bytes));
-        if found != shard.sha256 {
-            return Err(err(CheckpointError::Corrupt {
-                path,
-                expected: shard.sha256.clone(),
-                found,
-                size: bytes.len() as u64,
-            }));
-        }
+        (shard_sum(shard, dir).map_err(&err)?)
+            .check(&path, SHARD_INDEX_FILE, &bytes)
+            .map_err(&err)?;
         let st = parse_safetensors(&path, &bytes).map_err(&err)?;
         for (name, dst) in names.iter().zip(out.iter_mut()) {
             let t = st.tensor(name).map_err(|e| err(format_err(&path, e)))?;

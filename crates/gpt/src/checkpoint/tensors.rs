@@ -2,127 +2,111 @@
 //! and read back with every name, dtype and shape checked against the model's layout. It never
 //! loads a tensor whose name, dtype or shape does not match: a mismatch is an error, not a cast.
 
+use std::collections::BTreeMap;
+
 use super::*;
 
-/// A borrowed f32 tensor for the safetensors writer (little-endian, as the format requires).
+/// A borrowed f32 tensor for the safetensors writer.
 pub(super) struct F32View<'a> {
     pub(super) shape: Vec<usize>,
     pub(super) data: &'a [f32],
 }
 
-impl View for F32View<'_> {
-    fn dtype(&self) -> Dtype {
-        Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        // One tensor at a time is converted, so the copy costs one tensor's size, not the model's.
-        Cow::Owned(self.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-    }
-    fn data_len(&self) -> usize {
-        self.data.len() * 4
+/// `data`'s bytes, little-endian as safetensors requires: the values' own memory on a
+/// little-endian machine (no copy), a converted copy elsewhere.
+fn le_bytes(data: &[f32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: an f32 is 4 initialised bytes with no padding, u8 has alignment 1, and the
+        // slice covers exactly the memory of `data`, which it borrows.
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data))
+        })
+    } else {
+        Cow::Owned(data.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
 }
 
-/// Writes a safetensors file at `path` and fsyncs it.
-pub(super) fn write_safetensors(
+/// The header of a safetensors file of `tensors` (stored in this order) and `metadata`,
+/// as the safetensors crate lays it out: `__metadata__` first, then each tensor's dtype,
+/// shape and offsets, padded with spaces to a multiple of 8 bytes.
+fn safetensors_header(
     path: &Path,
-    tensors: Vec<(String, F32View<'_>)>,
-    metadata: HashMap<String, String>,
-) -> Result<(), CheckpointError> {
-    safetensors::serialize_to_file(tensors, Some(metadata), path).map_err(|e| match e {
-        safetensors::SafeTensorError::IoError(source) => CheckpointError::Io {
-            op: "write",
-            path: path.to_path_buf(),
-            source,
-        },
-        other => format_err(path, other),
-    })?;
-    // safetensors writes through a temp file, which is created 0600: give
-    // the file the mode every other file of the checkpoint has.
-    let mode = 0o666 & !process_umask();
-    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).map_err(
-        |source| CheckpointError::Io {
-            op: "set the mode of",
-            path: path.to_path_buf(),
-            source,
-        },
-    )?;
-    sort_header_metadata(path)?;
-    fsync(path)
-}
-
-/// Rewrites the `__metadata__` entries of the safetensors file at `path` in key order, in
-/// place. The safetensors crate writes them in the order of a `HashMap`, which differs from
-/// process to process, so the same state saved twice (a resumed run and an unbroken one) would
-/// differ in bytes and checksums. The sorted object is the same JSON at the same length; the
-/// tensors and the rest of the header are untouched.
-fn sort_header_metadata(path: &Path) -> Result<(), CheckpointError> {
-    use std::io::{Seek, SeekFrom};
-    const PREFIX: &[u8] = b"{\"__metadata__\":";
-    let io = |op| {
-        move |source| CheckpointError::Io {
-            op,
-            path: path.to_path_buf(),
-            source,
+    tensors: &[(String, F32View<'_>)],
+    metadata: &BTreeMap<String, String>,
+) -> Result<Vec<u8>, CheckpointError> {
+    let mut header = String::from("{");
+    if !metadata.is_empty() {
+        header.push_str(&format!("\"__metadata__\":{}", to_json(path, metadata)?));
+    }
+    let mut offset = 0;
+    for (name, view) in tensors {
+        if view.shape.iter().product::<usize>() != view.data.len() {
+            return Err(format_err(
+                path,
+                format!(
+                    "tensor {name:?} of shape {:?} given {} values",
+                    view.shape,
+                    view.data.len()
+                ),
+            ));
         }
-    };
-    let mut file = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(io("open"))?;
-    let mut len = [0u8; 8];
-    file.read_exact(&mut len).map_err(io("read"))?;
-    // The header was just written by the safetensors crate; it is as long as it says.
-    let mut header = vec![0u8; u64::from_le_bytes(len) as usize];
-    file.read_exact(&mut header).map_err(io("read"))?;
-    let Some(rest) = header.strip_prefix(PREFIX) else {
-        return Ok(()); // no metadata
-    };
-    let mut stream = serde_json::Deserializer::from_slice(rest)
-        .into_iter::<std::collections::BTreeMap<String, String>>();
-    let sorted = match stream.next() {
-        Some(Ok(sorted)) => sorted,
-        Some(Err(e)) => return Err(format_err(path, e)),
-        None => return Err(format_err(path, "an empty __metadata__")),
-    };
-    let end = stream.byte_offset();
-    let bytes = serde_json::to_vec(&sorted).map_err(|e| format_err(path, e))?;
-    if bytes.len() != end {
-        return Err(format_err(
-            path,
-            format!("__metadata__ of {end} bytes rewritten as {}", bytes.len()),
+        let bytes = std::mem::size_of_val(view.data);
+        let info = TensorInfo {
+            dtype: Dtype::F32,
+            shape: view.shape.clone(),
+            data_offsets: (offset, offset + bytes),
+        };
+        offset += bytes;
+        if header.len() > 1 {
+            header.push(',');
+        }
+        header.push_str(&format!(
+            "{}:{}",
+            to_json(path, name)?,
+            to_json(path, &info)?
         ));
     }
-    file.seek(SeekFrom::Start((len.len() + PREFIX.len()) as u64))
-        .map_err(io("seek in"))?;
-    file.write_all(&bytes).map_err(io("write"))
+    header.push('}');
+    let mut header = header.into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    Ok(header)
 }
 
-/// The process's umask, from `/proc/self/status` (022 where it cannot be
-/// read): reading it this way, unlike umask(2), changes nothing.
-fn process_umask() -> u32 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let line = s.lines().find(|l| l.starts_with("Umask:"))?;
-            u32::from_str_radix(line.split_whitespace().nth(1)?, 8).ok()
-        })
-        .unwrap_or(0o022)
+fn to_json<T: Serialize + ?Sized>(path: &Path, value: &T) -> Result<String, CheckpointError> {
+    serde_json::to_string(value).map_err(|e| format_err(path, e))
 }
 
-/// Writes config.json and model.safetensors for `model` into the existing directory `dir`
-/// (each file fsynced, not renamed: callers write into a directory they rename afterwards).
+/// Writes a safetensors file of `tensors` (sorted by name, as the safetensors crate stores
+/// them) with `metadata` at `path`, and fsyncs it. The values are written from their own
+/// memory, summed on the way (nothing is copied into a buffer, nothing read back); the
+/// metadata is stored in key order, so the same state always makes the same bytes. Returns
+/// the file's sum.
+pub(super) fn write_safetensors(
+    path: &Path,
+    mut tensors: Vec<(String, F32View<'_>)>,
+    metadata: HashMap<String, String>,
+) -> Result<Sum, CheckpointError> {
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(w) = tensors.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(format_err(path, format!("tensor {:?} given twice", w[0].0)));
+    }
+    let header = safetensors_header(path, &tensors, &metadata.into_iter().collect())?;
+    let mut file = SumWriter::create(path)?;
+    file.write(&(header.len() as u64).to_le_bytes())?;
+    file.write(&header)?;
+    for (_, view) in &tensors {
+        file.write(&le_bytes(view.data))?;
+    }
+    file.finish()
+}
+
 /// Writes `dir/config.json` of `config` in Hugging Face's format, with the further keys
-/// `config_extra` (never overriding one of the model's own).
+/// `config_extra` (never overriding one of the model's own); returns its sum.
 pub(super) fn write_config(
     dir: &Path,
     config: &GPTConfig,
     config_extra: &[(&str, serde_json::Value)],
-) -> Result<(), CheckpointError> {
+) -> Result<Sum, CheckpointError> {
     let mut fields = if config.is_gpt2() {
         let hf = HfGpt2Config::from_config(config);
         match serde_json::to_value(&hf).map_err(|e| format_err(dir, e))? {
@@ -139,15 +123,28 @@ pub(super) fn write_config(
     write_bytes(&dir.join(CONFIG_FILE), &json)
 }
 
+/// Writes config.json and model.safetensors for `model` into the existing directory `dir`
+/// (each file fsynced, not renamed: callers write into a directory they rename afterwards);
+/// returns each file's name and sum.
 pub(super) fn write_model_files(
     dir: &Path,
     model: &GPT,
     config_extra: &[(&str, serde_json::Value)],
-) -> Result<(), CheckpointError> {
-    write_config(dir, model.config(), config_extra)?;
-    if !model.config().is_gpt2() {
-        return write_llama_tensors(dir, model);
-    }
+) -> Result<Vec<(String, Sum)>, CheckpointError> {
+    let config = write_config(dir, model.config(), config_extra)?;
+    let tensors = if model.config().is_gpt2() {
+        write_gpt2_tensors(dir, model)?
+    } else {
+        write_llama_tensors(dir, model)?
+    };
+    Ok(vec![
+        (CONFIG_FILE.to_string(), config),
+        (MODEL_FILE.to_string(), tensors),
+    ])
+}
+
+/// Writes model.safetensors of a GPT-2 `model` into `dir`; returns its sum.
+fn write_gpt2_tensors(dir: &Path, model: &GPT) -> Result<Sum, CheckpointError> {
     let params = model.params();
     let tensors = model
         .param_views()

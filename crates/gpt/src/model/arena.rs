@@ -9,8 +9,8 @@ use super::*;
 pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
-    /// Products in bf16: unless the GELU outputs are kept in f32 (`keep`), they are kept in
-    /// bf16 (`gelu16`).
+    /// Products in bf16: unless the GELU (SwiGLU) outputs are kept in f32 (`keep`), they are
+    /// kept in bf16 (`gelu16`).
     pub(crate) bf16: bool,
     /// Activation checkpointing: the per-layer buffers hold one layer, and backward recomputes
     /// each block's forward from its input (`res`, kept for every layer) before its backward.
@@ -24,7 +24,7 @@ pub(crate) struct ActLayout {
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
-pub(super) const ACT_BUFFERS: usize = 25;
+pub(super) const ACT_BUFFERS: usize = 24;
 /// Where the logits are in the carve order (read after a forward).
 pub(crate) const ACT_LOGITS: usize = 12;
 /// Where d(residual) is in the carve order (a stage's input gradient, read after a backward).
@@ -35,7 +35,7 @@ pub(crate) struct Acts<'a> {
     pub(crate) res: ViewMut<'a, f32>, // (L+1, N, C) block inputs; res[L] feeds ln_f
     pub(super) res_mid: ViewMut<'a, f32>, // (L, N, C) residual after attention
     pub(super) qkv: ViewMut<'a, f32>, // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
-    pub(super) fch: ViewMut<'a, f32>, // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU); GELU's derivative at it when gelu16 is kept
+    pub(super) fch: ViewMut<'a, f32>, // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU, interleaved); the activation's derivatives at it when gelu16 is kept
     pub(super) ln1_mean: ViewMut<'a, f32>, // (L, N)
     pub(super) ln1_rstd: ViewMut<'a, f32>, // (L, N)
     pub(super) ln2_mean: ViewMut<'a, f32>, // (L, N)
@@ -49,18 +49,15 @@ pub(crate) struct Acts<'a> {
     pub(super) ce_lse: ViewMut<'a, f32>, // (N)
     pub(super) s_ln: ViewMut<'a, f32>, // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
     pub(super) s_atty: ViewMut<'a, f32>, // (L, N, C) kept attention outputs, or (N, C) scratch
-    pub(super) s_big: ViewMut<'a, f32>, // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU
+    pub(super) s_big: ViewMut<'a, f32>, // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU (d(product) beside the SwiGLU output or its gradient)
     pub(super) s_dl: ViewMut<'a, f32>, // (N, C) scratch: gradient of a LayerNorm output / attention out
     pub(super) s_drop: ViewMut<'a, f32>, // (N, C) scratch: dropout backward (empty without dropout)
     pub(crate) dres: ViewMut<'a, f32>, // (N, C) gradient of the residual stream
     pub(super) dlogits: ViewMut<'a, f32>, // (N, V')
-    pub(super) gelu: ViewMut<'a, f32>, // (L, N, F) kept GELU outputs (empty unless kept)
-    /// (L, ⌈N·F/2⌉) GELU outputs kept in bf16, two to a float (empty unless bf16 and not
-    /// `keep`); see [`bf16_layer`].
+    pub(super) gelu: ViewMut<'a, f32>, // (L, N, F) kept GELU (SwiGLU) outputs (empty unless kept)
+    /// (L, ⌈N·F/2⌉) GELU (SwiGLU) outputs kept in bf16, two to a float (empty unless bf16 and
+    /// not `keep`); see [`bf16_layer`].
     pub(super) gelu16: ViewMut<'a, f32>,
-    /// (N, 3C) scratch: grouped rows expanded for the attention kernels, then the gradient of
-    /// the grouped rows (empty with as many key/value heads as query heads).
-    pub(super) s_qkv: ViewMut<'a, f32>,
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
     /// Columns of `logits` and `dlogits`.
@@ -138,7 +135,7 @@ impl ActLayout {
         bf16: bool,
     ) -> ActLayout {
         let (layers, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
-        let (swiglu, grouped) = (cfg.mlp == crate::Mlp::SwiGlu, cfg.kv_heads() != nh);
+        let swiglu = cfg.mlp == crate::Mlp::SwiGlu;
         // The MLP's first product: (N, F), or gate and up (N, 2F); its backward scratch holds
         // d(output) and the recomputed SwiGLU output below it.
         let (fx, big_f) = if swiglu { (2 * f, 3 * f) } else { (f, f) };
@@ -171,16 +168,16 @@ impl ActLayout {
             n * c,
             n * logit_cols,
             kept(l * n * f),
-            // Under bf16 products, the MLP's GELU outputs are kept in bf16 rather than
-            // recomputed in backward: the products that read them round them to bf16 anyway,
-            // so this costs half of what keeping them in f32 would, changes no bit of the
-            // step, and saves a GELU pass and half the bytes of the next product's reads.
-            if bf16 && !keep && !swiglu {
+            // Under bf16 products, the MLP's GELU (SwiGLU) outputs are kept in bf16 rather
+            // than recomputed in backward: the products that read them round them to bf16
+            // anyway, so this costs half of what keeping them in f32 would, changes no bit of
+            // the forward, and saves an activation pass and half the bytes of the next
+            // product's reads.
+            if bf16 && !keep {
                 l * (n * f).div_ceil(2)
             } else {
                 0
             },
-            if grouped { n * 3 * c } else { 0 },
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {
@@ -206,7 +203,7 @@ impl ActLayout {
             rest = tail;
             head
         });
-        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16, s_qkv] =
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16] =
             parts;
         Acts {
             res,
@@ -233,7 +230,6 @@ impl ActLayout {
             dlogits,
             gelu,
             gelu16,
-            s_qkv,
             keep: self.keep,
             logit_cols: self.logit_cols,
             checkpoint: self.checkpoint,
@@ -258,10 +254,13 @@ pub(crate) struct Batch {
     pub(crate) b: usize,
     pub(crate) t: usize,
     pub(crate) ids: Vec<u32>,
-    /// Each row's position in its sequence (row mod T), for rotary embeddings.
+    /// Each row's position in its sequence (row mod T, or from its segment's start), for
+    /// rotary embeddings.
     pub(crate) pos: Vec<u32>,
     pub(crate) mask: Vec<u8>,
     pub(crate) has_mask: bool,
+    /// Segment ids (B, T) of packed rows; empty when each row is one sequence.
+    pub(crate) segments: Vec<u32>,
     /// Per position: the id it must predict, or -1 when not counted.
     pub(crate) targets: Vec<i32>,
     /// Counted positions; None when the forward had no labels.
@@ -271,15 +270,16 @@ pub(crate) struct Batch {
     device: Option<DeviceInputs>,
 }
 
-/// A batch's inputs in a device's memory: ids, positions and targets (one float each), then the
-/// mask (four bytes to a float); `at` says where each is, in floats.
+/// A batch's inputs in a device's memory: ids, positions, targets and segment ids (one float
+/// each), then the mask (four bytes to a float); `at` says where each is, in floats.
 struct DeviceInputs {
     buf: Buffer,
-    at: [Range<usize>; 4],
+    at: [Range<usize>; 5],
 }
 
 impl Batch {
-    /// Input `i` (0 ids, 1 positions, 2 targets, 3 mask) in the device's copy, if there is one.
+    /// Input `i` (0 ids, 1 positions, 2 targets, 3 segments, 4 mask) in the device's copy, if
+    /// there is one.
     fn on_device(&self, i: usize) -> Option<View<'_, f32>> {
         self.device
             .as_ref()
@@ -300,10 +300,21 @@ impl Batch {
         self.on_device(2)
             .map_or_else(|| View::from(&self.targets[..]), View::cast)
     }
+    /// The segment ids of packed rows, for the kernels (None when each row is one sequence).
+    pub(crate) fn segments(&self) -> Option<View<'_, u32>> {
+        (!self.segments.is_empty()).then(|| {
+            self.on_device(3)
+                .map_or_else(|| View::from(&self.segments[..]), View::cast)
+        })
+    }
+    /// The segment ids of packed rows on the host (where the passes find each sequence's rows).
+    pub(crate) fn segment_ids(&self) -> Option<&[u32]> {
+        (!self.segments.is_empty()).then_some(&self.segments[..])
+    }
     /// The padding mask (None when every position is a token).
     pub(crate) fn mask(&self) -> Option<View<'_, u8>> {
         let len = self.mask.len();
-        self.has_mask.then(|| match self.on_device(3) {
+        self.has_mask.then(|| match self.on_device(4) {
             Some(m) => m.cast::<u8>().slice(..len),
             None => View::from(&self.mask[..]),
         })
@@ -320,6 +331,7 @@ impl Batch {
             self.ids.len(),
             self.pos.len(),
             self.targets.len(),
+            self.segments.len(),
             self.mask.len().div_ceil(4),
         ];
         let mut next = 0;
@@ -348,7 +360,9 @@ impl Batch {
             .map_err(err)?;
         dev.upload(v.slice_mut(d.at[2].clone()).cast(), &self.targets)
             .map_err(err)?;
-        let mask = v.slice_mut(d.at[3].clone()).cast::<u8>();
+        dev.upload(v.slice_mut(d.at[3].clone()).cast(), &self.segments)
+            .map_err(err)?;
+        let mask = v.slice_mut(d.at[4].clone()).cast::<u8>();
         dev.upload(mask.into_slice(..self.mask.len()), &self.mask)
             .map_err(err)
     }
@@ -359,6 +373,7 @@ impl Batch {
         &mut self,
         ids: &[u32],
         attention_mask: Option<&[u8]>,
+        segments: Option<&[u32]>,
         labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
@@ -369,7 +384,16 @@ impl Batch {
         self.ids.clear();
         self.ids.extend_from_slice(ids);
         self.pos.clear();
-        self.pos.extend((0..n).map(|i| (i % t) as u32));
+        self.segments.clear();
+        // Whether position i starts a sequence (a row's start, or a new segment id).
+        let starts = |i: usize| i.is_multiple_of(t) || segments.is_some_and(|s| s[i] != s[i - 1]);
+        let mut p = 0;
+        self.pos.extend((0..n).map(|i| {
+            p = if starts(i) { 0 } else { p + 1 };
+            p
+        }));
+        self.segments
+            .extend_from_slice(segments.unwrap_or_default());
         self.has_mask = attention_mask.is_some();
         self.mask.clear();
         if let Some(m) = attention_mask {
@@ -383,7 +407,12 @@ impl Batch {
             self.targets.extend((0..n).map(|i| match labels {
                 Labels::Aligned(labels) => {
                     let next = i + 1;
-                    if i % t + 1 < t && labels[next] != -100 && real(i) && real(next) {
+                    if i % t + 1 < t
+                        && !starts(next)
+                        && labels[next] != -100
+                        && real(i)
+                        && real(next)
+                    {
                         labels[next]
                     } else {
                         -1

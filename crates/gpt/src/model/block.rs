@@ -153,8 +153,8 @@ pub(crate) struct LnStats<'a> {
     pub(crate) rstd: ViewMut<'a, f32>,
 }
 
-/// Where the MLP's activation output (N, F) goes: f32, or (GELU only) bf16 bits under bf16
-/// products (see the arena: the products that read it round it to bf16 anyway).
+/// Where the MLP's activation output (N, F) goes: f32, or bf16 bits under bf16 products (see
+/// the arena: the products that read it round it to bf16 anyway).
 pub(crate) enum GeluOut<'a> {
     F32(ViewMut<'a, f32>),
     Bf16(ViewMut<'a, u16>),
@@ -175,8 +175,9 @@ pub(crate) struct BlockActs<'a> {
     pub(crate) qkv: ViewMut<'a, f32>,
     /// The attention output (N, C).
     pub(crate) att: ViewMut<'a, f32>,
-    /// The MLP pre-activation (N, F), (N, 2F) under SwiGLU; GELU's derivative at it under
-    /// [`GeluOut::Bf16`].
+    /// The MLP pre-activation (N, F), (N, 2F) under SwiGLU (in the fused product's interleaved
+    /// order, see `matmul_swiglu_forward`); under [`GeluOut::Bf16`], the activation's
+    /// derivatives at it instead (see `matmul_gelu_forward_bf16`, `matmul_swiglu_forward_bf16`).
     pub(crate) fch: ViewMut<'a, f32>,
     pub(crate) gelu: GeluOut<'a>,
 }
@@ -189,7 +190,8 @@ pub(crate) struct BranchDropout {
 }
 
 /// One block's forward over `acts`' rows: ln_1 -> qkv -> `attend(qkv, att)` -> projection and
-/// residual -> ln_2 -> MLP (the GELU fused into its first product) -> projection and residual.
+/// residual -> ln_2 -> MLP (the GELU or SwiGLU fused into its first product) -> projection and
+/// residual.
 /// `attend` is the only step that differs between training and decoding (it may rotate q and k
 /// in place). Each product's bias is added with its residual (`residual_forward`), after the
 /// product, so every path computes the same bits from the same inputs.
@@ -274,10 +276,11 @@ pub(crate) fn block_forward_rows<T: Timer>(
         (w.fc_w, d.map(|d| &d.fc)),
         (w.fcproj_w, d.map(|d| &d.fcproj)),
     );
-    // The GELU runs on each strip of the product's rows while the strip is in cache (its time
-    // counted with the product's), rather than as a pass of its own over [n, f].
+    // The GELU (SwiGLU) runs on each strip of the product's rows while the strip is in cache
+    // (its time counted with the product's), rather than as a pass of its own over [n, f].
     match gelu {
-        GeluOut::F32(mut act) if mlp == Mlp::SwiGlu => {
+        GeluOut::F32(mut act) if mlp == Mlp::SwiGlu && d.is_some() => {
+            // the decode copy's product, then the SwiGLU (nothing keeps `fch` in a decode)
             prof.time(K::MatmulFwd, || {
                 product(fch.reborrow(), ln_2_out, fc_w, w.fc_b, (c, 2 * f))
             });
@@ -286,6 +289,16 @@ pub(crate) fn block_forward_rows<T: Timer>(
             });
             prof.time(K::MatmulFwd, || {
                 product(x_next.reborrow(), act.as_view(), fcproj_w, None, (f, c))
+            });
+        }
+        GeluOut::F32(mut act) if mlp == Mlp::SwiGlu => {
+            prof.time(K::MatmulFwd, || {
+                let (pre, out) = (fch.reborrow(), act.reborrow());
+                dev.matmul_swiglu_forward(pre, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+            });
+            prof.time(K::MatmulFwd, || {
+                let out = x_next.reborrow();
+                dev.matmul_forward(out, act.as_view(), w.fcproj_w, None, n, f, c)
             });
         }
         GeluOut::F32(mut gelu) if d.is_some() => {
@@ -312,11 +325,17 @@ pub(crate) fn block_forward_rows<T: Timer>(
             });
         }
         GeluOut::Bf16(mut g16) => {
-            debug_assert_eq!(mlp, Mlp::Gelu, "SwiGLU keeps its output in f32");
             debug_assert!(d.is_none(), "a decode keeps its activations in f32");
             prof.time(K::MatmulFwd, || {
                 let (grad, out) = (fch.reborrow(), g16.reborrow());
-                dev.matmul_gelu_forward_bf16(grad, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+                match mlp {
+                    Mlp::Gelu => {
+                        dev.matmul_gelu_forward_bf16(grad, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+                    }
+                    Mlp::SwiGlu => {
+                        dev.matmul_swiglu_forward_bf16(grad, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
+                    }
+                }
             });
             prof.time(K::MatmulFwd, || {
                 let out = x_next.reborrow();

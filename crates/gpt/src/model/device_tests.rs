@@ -30,7 +30,12 @@ fn config(llama: bool, dropout: f32) -> GPTConfig {
 
 /// Two steps (forward with padding and labels, backward, AdamW) on `dev`; the losses, and the
 /// parameters and gradients after them, read back through the copies.
-fn steps(cfg: &GPTConfig, dev: Box<dyn Backend>, blocked: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+fn steps(
+    cfg: &GPTConfig,
+    dev: Box<dyn Backend>,
+    blocked: bool,
+    packed: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut m = GPT::with_backend(cfg.clone(), 5, dev).unwrap();
     if blocked {
         m.logits_max_bytes = 64; // the head in vocabulary blocks
@@ -40,6 +45,8 @@ fn steps(cfg: &GPTConfig, dev: Box<dyn Backend>, blocked: bool) -> (Vec<f32>, Ve
     let mask = [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1];
     let mut labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
     labels[3] = -100;
+    // two sequences packed in the first row, one in the second
+    let segments = [0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0];
     let mut opt = AdamW::new_on(m.backend(), AdamWConfig::default(), DecayMask::all(n)).unwrap();
     let mut losses = vec![];
     for step in 0..2 {
@@ -47,6 +54,7 @@ fn steps(cfg: &GPTConfig, dev: Box<dyn Backend>, blocked: bool) -> (Vec<f32>, Ve
         m.zero_grad();
         let pass = Forward::new(&ids, 2, 7)
             .attention_mask(Some(&mask))
+            .segments(packed.then_some(&segments[..]))
             .labels(Labels::Aligned(&labels));
         losses.push(m.forward(pass).unwrap().unwrap());
         m.backward(Backward::new()).unwrap();
@@ -62,15 +70,19 @@ fn steps(cfg: &GPTConfig, dev: Box<dyn Backend>, blocked: bool) -> (Vec<f32>, Ve
 
 #[test]
 fn a_model_on_a_device_computes_the_cpus_bits_without_reading_device_memory() {
-    for (llama, dropout, blocked) in [(false, 0.1, false), (false, 0.0, true), (true, 0.0, false)] {
+    let cases = [
+        (false, 0.1, false, false),
+        (false, 0.0, true, true),
+        (true, 0.0, false, false),
+        (true, 0.0, false, true),
+    ];
+    for (llama, dropout, blocked, packed) in cases {
         let cfg = config(llama, dropout);
-        let cpu = steps(&cfg, Box::new(Cpu::new(2).unwrap()), blocked);
+        let cpu = steps(&cfg, Box::new(Cpu::new(2).unwrap()), blocked, packed);
         let dev = Box::new(Emulated::new(2, DType::F32).unwrap());
-        let emulated = steps(&cfg, dev, blocked);
-        assert_eq!(
-            cpu, emulated,
-            "llama {llama}, dropout {dropout}, blocked {blocked}"
-        );
+        let emulated = steps(&cfg, dev, blocked, packed);
+        let case = format!("llama {llama}, dropout {dropout}, blocked {blocked}, packed {packed}");
+        assert_eq!(cpu, emulated, "{case}");
     }
 }
 

@@ -134,15 +134,6 @@ impl Dims {
             hs: self.hs(),
         }
     }
-    /// What the key/value expansion takes.
-    pub(crate) fn kv(self, n: usize) -> KvDims {
-        KvDims {
-            n,
-            nh: self.nh,
-            nkv: self.nkv,
-            hs: self.hs(),
-        }
-    }
     /// N = B*T tokens.
     pub(crate) fn n(self) -> usize {
         self.b * self.t
@@ -239,6 +230,25 @@ impl<'a> Pass<'a> {
         let batch: &'a Batch = self.batch;
         batch.mask()
     }
+
+    /// The batch's segment ids (None when each row is one sequence).
+    pub(crate) fn segments(&self) -> Option<View<'a, u32>> {
+        let batch: &'a Batch = self.batch;
+        batch.segments()
+    }
+}
+
+/// The (start, length) of each sequence of a packed batch's rows: runs of equal segment ids.
+fn segment_runs(segments: &[u32], t: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let start = i;
+        i += 1;
+        while i < segments.len() && !i.is_multiple_of(t) && segments[i] == segments[start] {
+            i += 1;
+        }
+        (start < segments.len()).then_some((start, i - start))
+    })
 }
 
 /// Which block a layer function runs, and where its parameters are.
@@ -273,11 +283,17 @@ pub(crate) fn embed_forward(pass: &mut Pass, lay: &Layout, p: View<f32>, a: &mut
     let mut x0 = a.res.slice_mut(..b * t * c);
     let wte = p.slice(lay.wte.clone());
     prof.time(K::EncoderFwd, || {
-        let x0 = x0.reborrow();
-        if pass.dims.rope {
-            dev.embedding_forward(x0, batch.ids(), wte, b * t, c)
-        } else {
-            dev.encoder_forward(x0, batch.ids(), wte, p.slice(lay.wpe.clone()), b, t, c)
+        let (wpe, ids) = (p.slice(lay.wpe.clone()), batch.ids());
+        match batch.segment_ids() {
+            _ if pass.dims.rope => dev.embedding_forward(x0.reborrow(), ids, wte, b * t, c),
+            // Learned positions restart at each packed sequence: one row of its own length each.
+            Some(segments) => {
+                for (i, len) in segment_runs(segments, t) {
+                    let (x, ids) = (x0.slice_mut(i * c..(i + len) * c), ids.slice(i..i + len));
+                    dev.encoder_forward(x, ids, wte, wpe, 1, len, c)
+                }
+            }
+            None => dev.encoder_forward(x0.reborrow(), ids, wte, wpe, b, t, c),
         }
     });
     if let Some(d) = pass.drop.site(0) {
@@ -313,11 +329,9 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut 
     } else {
         GeluOut::F32(a.s_big.slice_mut(..n * f))
     };
-    // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS); the attention
-    // kernels read (N, 3C) rows, which a model with grouped key/value heads expands into scratch
-    // in `attend` (and backward again): one pass over N·C floats instead of keeping them.
+    // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS), and the attention
+    // kernels read grouped key/value heads where they are.
     let qkv_w = dims.qkv_width();
-    let expanded = (dims.nkv != dims.nh).then(|| a.s_qkv.slice_mut(..3 * nc));
     let qkv = layer_mut(&mut a.qkv, sl, n * qkv_w);
     let acts = BlockActs {
         x,
@@ -338,6 +352,7 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut 
         gelu,
     };
     let lse = layer_mut(&mut a.att_lse, sl, n * nh);
+    let segments = pass.segments();
     let (mask, drop, scratch) = (pass.mask(), pass.drop, pass.scratch.reborrow());
     let (dev, rope, pos) = (pass.dev, pass.rope, pass.batch.pos());
     let branches = BranchDropout {
@@ -356,14 +371,18 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut 
             if let Some(r) = rope {
                 dev.rope_forward(qkv.reborrow(), pos, r.cos(), r.sin(), dims.rope_dims(n));
             }
-            let qkv: View<f32> = match expanded {
-                Some(mut out) => {
-                    dev.kv_expand_forward(out.reborrow(), qkv.as_view(), dims.kv(n));
-                    out.into()
-                }
-                None => qkv.into(),
-            };
-            dev.attention_forward(att, lse, qkv, mask, dims.attn(), drop.site(ld), scratch)
+            let (attn, nkv) = (dims.attn(), dims.nkv);
+            dev.attention_forward_grouped(
+                att,
+                lse,
+                qkv.into(),
+                mask,
+                segments,
+                attn,
+                nkv,
+                drop.site(ld),
+                scratch,
+            )
         },
     );
 }
@@ -539,12 +558,17 @@ pub(crate) fn embed_backward(
         }
         None => dres,
     };
-    prof.time(K::EncoderBwd, || {
-        if pass.dims.rope {
-            dev.embedding_backward(dwte, demb, batch.ids(), b * t, c)
-        } else {
-            dev.encoder_backward(dwte, dwpe, demb, batch.ids(), b, t, c)
+    let ids = batch.ids();
+    prof.time(K::EncoderBwd, || match batch.segment_ids() {
+        _ if pass.dims.rope => dev.embedding_backward(dwte, demb, ids, b * t, c),
+        Some(segments) => {
+            let (mut dwte, mut dwpe) = (dwte, dwpe);
+            for (i, len) in segment_runs(segments, t) {
+                let (ids, d) = (ids.slice(i..i + len), demb.slice(i * c..(i + len) * c));
+                dev.encoder_backward(dwte.reborrow(), dwpe.reborrow(), d, ids, 1, len, c)
+            }
         }
+        None => dev.encoder_backward(dwte, dwpe, demb, ids, b, t, c),
     });
 }
 
@@ -561,7 +585,7 @@ pub(crate) fn block_backward(
     let Dims { c, f, nh, .. } = dims;
     let n = dims.n();
     let nc = n * c;
-    let (dev, drop, mask) = (pass.dev, pass.drop, pass.mask());
+    let (dev, drop, mask, segments) = (pass.dev, pass.drop, pass.mask(), pass.segments());
     let (mut scratch, prof) = (pass.scratch.reborrow(), &mut *pass.prof);
     let (l, bl) = (at.local, at.layout);
     let w = BlockWeights::new(p, bl);
@@ -591,7 +615,6 @@ pub(crate) fn block_backward(
         dres,
         gelu,
         gelu16,
-        s_qkv,
         ..
     } = a;
     let x = layer(res, l, nc);
@@ -616,25 +639,42 @@ pub(crate) fn block_backward(
         };
         let (dw, db) = wb(&mut g, off, &bl.fcproj_w, &bl.fcproj_b);
         // d(first product's output): (N, F) under GELU, in place of d(GELU output); (N, 2F)
-        // under SwiGLU, below d(SwiGLU output) in the scratch.
+        // under SwiGLU (gate then up, as the weight), below d(SwiGLU output) in the scratch.
         let dfc: View<f32> = if dims.mlp == Mlp::SwiGlu {
             let (mut dfc, mut act) = s_big.slice_mut(..3 * n * f).split_at_mut(2 * n * f);
-            if !keep {
-                prof.time(K::GeluFwd, || dev.swiglu_forward(act.reborrow(), fch, n, f));
-            }
-            let act_in: View<f32> = if keep {
-                layer(gelu, l, n * f)
+            if gelu16.is_empty() {
+                if !keep {
+                    prof.time(K::GeluFwd, || {
+                        dev.swiglu_interleaved_forward(act.reborrow(), fch, n, f)
+                    });
+                }
+                let act_in: View<f32> = if keep {
+                    layer(gelu, l, n * f)
+                } else {
+                    act.as_view()
+                };
+                prof.time(K::MatmulBwd, || {
+                    dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
+                });
             } else {
-                act.as_view()
-            };
+                let g16 = bf16_layer(gelu16, sl, n * f).into();
+                prof.time(K::MatmulBwd, || {
+                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
+                });
+            }
+            // d(SwiGLU output) into `act` (its value is spent), SwiGLU's backward applied to
+            // each strip of it while in cache; under bf16 from the derivatives the forward left
+            // in `fch` (see the arena)
+            let fcproj_w = w.fcproj_w;
             prof.time(K::MatmulBwd, || {
-                dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
-            });
-            prof.time(K::MatmulBwd, || {
-                dev.matmul_backward_input(act.reborrow(), dproj, w.fcproj_w, n, f, c)
-            });
-            prof.time(K::GeluBwd, || {
-                dev.swiglu_backward(dfc.reborrow(), act.as_view(), fch, n, f)
+                let (dfc, act) = (dfc.reborrow(), act.reborrow());
+                if gelu16.is_empty() {
+                    dev.matmul_backward_input_swiglu(dfc, act, dproj, fcproj_w, fch, n, f, c)
+                } else {
+                    dev.matmul_backward_input_swiglu_with_grad(
+                        dfc, act, dproj, fcproj_w, fch, n, f, c,
+                    )
+                }
             });
             dfc.into()
         } else {
@@ -726,28 +766,22 @@ pub(crate) fn block_backward(
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward_input(s_dl.reborrow(), dproj, w.proj_w, n, c, c)
         });
-        let mut dqkv = s_big.slice_mut(..3 * nc);
-        // Grouped key/value heads: the attention reads the kept rows expanded, as forward did.
-        let grouped = dims.nkv != dims.nh;
-        let att_qkv: View<f32> = if grouped {
-            let mut expanded = s_qkv.slice_mut(..3 * nc);
-            dev.kv_expand_forward(expanded.reborrow(), qkv, dims.kv(n));
-            expanded.into()
-        } else {
-            qkv
-        };
+        // d(qkv rows), grouped key/value heads' gradients summed over their query groups.
+        let mut dqkv = s_big.slice_mut(..n * qkv_w);
         // Without kept outputs, backward recomputes the attention output the projection's
         // weight gradient needs.
         let recompute = (!keep).then(|| layer_mut(s_atty, atty_slot, nc));
         prof.time(K::AttnBwd, || {
-            dev.attention_backward(
+            dev.attention_backward_grouped(
                 dqkv.reborrow(),
                 recompute,
                 s_dl.as_view(),
-                att_qkv,
+                qkv,
                 lse,
                 mask,
+                segments,
                 dims.attn(),
+                dims.nkv,
                 drop.site(ld),
                 scratch.reborrow(),
             )
@@ -767,15 +801,7 @@ pub(crate) fn block_backward(
                 norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
             });
         }
-        // Back through the key/value expansion (into the scratch the expanded rows held) and
-        // the rotation to the product's rows.
-        let mut dqkv: ViewMut<f32> = if grouped {
-            let mut rows = s_qkv.slice_mut(..n * qkv_w);
-            dev.kv_expand_backward(rows.reborrow(), dqkv.as_view(), dims.kv(n));
-            rows
-        } else {
-            dqkv
-        };
+        // Back through the rotation to the product's rows.
         if let Some(r) = pass.rope {
             let pos = pass.batch.pos();
             dev.rope_backward(dqkv.reborrow(), pos, r.cos(), r.sin(), dims.rope_dims(n));

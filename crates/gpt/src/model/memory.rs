@@ -18,19 +18,22 @@ pub(crate) fn check_kernels(cfg: &GPTConfig, dev: &dyn Backend) -> Result<(), Gp
         cfg.mlp == Mlp::SwiGlu,
         matches!(cfg.norm, Norm::RmsNorm { .. }),
     );
-    let bf16 = dev.dtype() == DType::Bf16 && !swiglu;
-    let needed = |k: &str| match k {
-        _ if k.starts_with("rmsnorm") => rms,
-        _ if k.starts_with("layernorm") => !rms,
-        _ if k.starts_with("rope") || k.starts_with("embedding") => rope,
-        _ if k.starts_with("encoder") => !rope,
-        _ if k.starts_with("kv_expand") => cfg.kv_heads() != cfg.n_heads,
-        _ if k.starts_with("swiglu") => swiglu,
-        _ if k.starts_with("decode") || k.starts_with("attention_decode") => false,
-        _ if k.ends_with("_bf16") || k.ends_with("_bf16_input") || k.ends_with("with_grad") => bf16,
-        _ if k.contains("gelu") => !swiglu,
-        _ if k.starts_with("dropout") => cfg.dropout > 0.0,
-        _ => true,
+    let bf16 = dev.dtype() == DType::Bf16;
+    let needed = |k: &str| {
+        let family = match k {
+            _ if k.starts_with("rmsnorm") => rms,
+            _ if k.starts_with("layernorm") => !rms,
+            _ if k.starts_with("rope") || k.starts_with("embedding") => rope,
+            _ if k.starts_with("encoder") => !rope,
+            _ if k.contains("swiglu") => swiglu,
+            _ if k.contains("gelu") => !swiglu,
+            _ if k.starts_with("decode") || k.starts_with("attention_decode") => false,
+            _ if k.starts_with("dropout") => cfg.dropout > 0.0,
+            _ => true,
+        };
+        let bf16_only =
+            k.ends_with("_bf16") || k.ends_with("_bf16_input") || k.ends_with("with_grad");
+        family && (bf16 || !bf16_only)
     };
     let missing: Vec<&str> = dev
         .missing_kernels()

@@ -17,7 +17,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use cohort_engine::cpu::{AttnDims, Cpu, KvDims, RopeDims};
+use cohort_engine::cpu::{AttnDims, Cpu, RopeDims};
 use cohort_engine::{Backend, Buffer, DType, Device, Dropout, View, ViewMut};
 use cohort_rng::SplitMix64;
 
@@ -438,11 +438,20 @@ impl GPT {
             batch: b,
             seq: t,
             attention_mask,
+            segments,
             labels,
             parts,
         } = pass;
         validate_batch(&self.config, Some(input_ids), attention_mask, labels, b, t)?;
         host_hooks(&*self.dev, parts.is_some())?;
+        if segments.is_some_and(|s| s.len() != b * t) {
+            return Err(GptError::InputShape {
+                what: "segments",
+                found: segments.map_or(0, <[u32]>::len),
+                batch: b,
+                seq: t,
+            });
+        }
         let n = b * t;
         let cols = logit_cols(
             n,
@@ -479,7 +488,8 @@ impl GPT {
             self.attn_scratch = Buffer::default();
             self.attn_scratch = alloc(&*self.dev, scratch, "allocate the attention scratch")?;
         }
-        self.batch.set(input_ids, attention_mask, labels, b, t);
+        self.batch
+            .set(input_ids, attention_mask, segments, labels, b, t);
         self.batch.upload(&*self.dev)?;
 
         let drop = self.drop_key();

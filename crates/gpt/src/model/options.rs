@@ -1,5 +1,5 @@
 //! What a caller can ask of one forward or backward pass: [`Forward`] (the batch, its padding
-//! mask and labels, per-part hooks) and [`Backward`] (the gradient-readiness hook, per-part
+//! mask, segment ids and labels, per-part hooks) and [`Backward`] (the gradient-readiness hook, per-part
 //! hooks), and the [`Part`]s those hooks are told about.
 //!
 //! This module only describes a pass; it never computes, and an option left out costs the pass
@@ -92,6 +92,7 @@ pub struct Forward<'a> {
     pub(crate) batch: usize,
     pub(crate) seq: usize,
     pub(crate) attention_mask: Option<&'a [u8]>,
+    pub(crate) segments: Option<&'a [u32]>,
     pub(crate) labels: Option<Labels<'a>>,
     pub(crate) parts: Option<&'a mut dyn PartHooks>,
 }
@@ -105,6 +106,7 @@ impl<'a> Forward<'a> {
             batch,
             seq,
             attention_mask: None,
+            segments: None,
             labels: None,
             parts: None,
         }
@@ -114,6 +116,16 @@ impl<'a> Forward<'a> {
     /// and the loss ignores. None: every position is a token.
     pub fn attention_mask(mut self, mask: Option<&'a [u8]>) -> Forward<'a> {
         self.attention_mask = mask;
+        self
+    }
+
+    /// Segment ids (B, T) of rows that pack several sequences (packed short conversations):
+    /// each run of equal ids in a row is one sequence, which attends only to itself (causally),
+    /// whose positions (rotary or learned) restart at 0, and whose last position predicts
+    /// nothing of the next one (`Labels::Aligned`; `Labels::Next` targets are the caller's).
+    /// None: each row is one sequence.
+    pub fn segments(mut self, segments: Option<&'a [u32]>) -> Forward<'a> {
+        self.segments = segments;
         self
     }
 

@@ -140,6 +140,40 @@ impl KvCache {
         self.len = 0;
     }
 
+    /// Makes positions 0..p of every layer (of `layers`, each `max_t` positions long) a copy of
+    /// `from`'s: the keys and values of a prompt's start that another sequence of the same
+    /// model already fed. Both must be in the same format (the caller checks).
+    pub(super) fn copy_prefix(&mut self, from: &KvCache, p: usize, layers: usize, max_t: usize) {
+        fn copy<T: Copy>(to: &mut [T], from: &[T], span: usize, layer: usize, layers: usize) {
+            for l in 0..layers {
+                let at = l * layer..l * layer + span;
+                to[at.clone()].copy_from_slice(&from[at]);
+            }
+        }
+        let layer = self.store_len() / layers;
+        let span = p * (layer / max_t);
+        match (&mut self.store, &from.store) {
+            (KvStore::F32 { k, v }, KvStore::F32 { k: fk, v: fv }) => {
+                copy(k, fk, span, layer, layers);
+                copy(v, fv, span, layer, layers);
+            }
+            (KvStore::Bf16 { k, v }, KvStore::Bf16 { k: fk, v: fv }) => {
+                copy(k, fk, span, layer, layers);
+                copy(v, fv, span, layer, layers);
+            }
+            _ => unreachable!("copy_prefix between caches of different formats"),
+        }
+        self.len = p;
+    }
+
+    /// Elements of its keys (as of its values).
+    fn store_len(&self) -> usize {
+        match &self.store {
+            KvStore::F32 { k, .. } => k.len(),
+            KvStore::Bf16 { k, .. } => k.len(),
+        }
+    }
+
     /// Stores one row's key and value (NKV·HS each) at flat offset `at`, rounding them to bf16 in a
     /// bf16 cache.
     pub(super) fn put(&mut self, at: usize, key: &[f32], value: &[f32]) {
@@ -255,6 +289,8 @@ pub struct Workspace {
     pub(super) tokens: Vec<u32>,
     pub(super) last: Vec<usize>,
     pub(super) sel: Vec<usize>,
+    /// Most prompt tokens a step feeds besides the first prompt ([`Workspace::set_prefill_tokens`]).
+    pub(super) prefill_tokens: usize,
 }
 
 impl Workspace {
@@ -269,7 +305,18 @@ impl Workspace {
             tokens: Vec::new(),
             last: Vec::new(),
             sel: Vec::new(),
+            prefill_tokens: super::batching::STEP_PREFILL_TOKENS,
         }
+    }
+
+    /// The most prompt tokens a [`decode_step`](super::decode_step) on this workspace feeds
+    /// besides its decoding rows (the step's first prompt is fed whatever its length, so none
+    /// waits for ever): fewer holds the decoding sequences up less while prompts join, more
+    /// starts a burst of prompts in fewer steps (vLLM's `max_num_batched_tokens`). Default
+    /// [`STEP_PREFILL_TOKENS`](super::STEP_PREFILL_TOKENS). It changes when a sequence starts,
+    /// never its tokens.
+    pub fn set_prefill_tokens(&mut self, tokens: usize) {
+        self.prefill_tokens = tokens;
     }
 
     /// Scratch for `model` whose forwards' matrix products read `weights` (a bf16 or 8-bit

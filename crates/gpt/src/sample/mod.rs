@@ -56,7 +56,7 @@ mod sampler;
 mod tests;
 mod weights;
 
-pub use batching::{decode_step, Generation};
+pub use batching::{decode_step, Generation, STEP_PREFILL_TOKENS};
 pub use cache::{Decoder, KvCache, KvDtype, Workspace, WORKSPACE_ROWS};
 pub use sampler::{argmax, context_window};
 pub use weights::{DecodeWeights, WeightFormat};

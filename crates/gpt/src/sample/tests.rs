@@ -166,6 +166,12 @@ fn batched_equals_solo(kv: KvDtype) -> bool {
                 .collect();
             jobs.push((prompt, o(5 + j as usize, 0.9, Some(8), 20 + j), 1));
         }
+        // prompts sharing a start with a sequence in flight (a copied prefix): job 0's
+        // prompt, job 3's 20 tokens, and job 2's whole prompt again
+        jobs.push((vec![1, 2, 3, 5, 8], o(9, 0.0, None, 0), 2));
+        let longer: Vec<u32> = (0..20).map(|i| i % 37).chain([30, 31]).collect();
+        jobs.push((longer, o(6, 0.9, Some(8), 15), 5));
+        jobs.push((vec![5, 6, 7, 8, 9, 10, 11], o(8, 1.3, None, 16), 4));
         let together = continuous_with(&model, &jobs, kv);
         for ((prompt, opts, _), got) in jobs.iter().zip(&together) {
             let alone = generate_while_with(&model, prompt, opts, kv, |_| {
@@ -178,6 +184,65 @@ fn batched_equals_solo(kv: KvDtype) -> bool {
         assert_eq!(together[0].len(), 30);
     }
     differs
+}
+
+/// A prompt that starts as a sequence in flight did gets that start's keys and values copied
+/// and feeds only the rest; one that shares nothing, or only its last token, feeds all.
+#[test]
+fn a_prompt_sharing_a_start_with_a_sequence_in_flight_feeds_only_the_rest() {
+    let model = peaked(tiny(48, true, true), 5);
+    let opts = SampleOptions {
+        max_new_tokens: 4,
+        temperature: 0.0,
+        top_k: None,
+        top_p: 1.0,
+        seed: 0,
+    };
+    let mut ws = Workspace::new(&model);
+    let system: Vec<u32> = (0..12).map(|i| (i * 5 + 1) % 37).collect();
+    let ask = |tail: &[u32]| [&system[..], tail].concat();
+    let mut gens = vec![Generation::new(&model, &ask(&[3, 4]), &opts).unwrap()];
+    decode_step(&model, &mut gens, &mut ws).unwrap();
+    gens.push(Generation::new(&model, &ask(&[9, 9, 9]), &opts).unwrap());
+    gens.push(Generation::new(&model, &[20, 21], &opts).unwrap());
+    gens.push(Generation::new(&model, &system[..1], &opts).unwrap());
+    super::batching::share_prefixes(&model, &mut gens);
+    let cached: Vec<usize> = gens.iter().map(|g| g.cache.len()).collect();
+    assert_eq!(cached, [14, 12, 0, 0]);
+}
+
+/// The prefill budget decides how many prompts a step starts, never their tokens.
+#[test]
+fn the_prefill_budget_starts_more_prompts_per_step_with_the_same_tokens() {
+    let model = peaked(tiny(48, true, true), 5);
+    let opts = SampleOptions {
+        max_new_tokens: 6,
+        temperature: 0.9,
+        top_k: Some(8),
+        top_p: 1.0,
+        seed: 3,
+    };
+    let run = |budget: usize| {
+        let mut ws = Workspace::new(&model);
+        ws.set_prefill_tokens(budget);
+        let mut gens: Vec<Generation> = (0..5u32)
+            .map(|j| {
+                let prompt: Vec<u32> = (0..10).map(|i| (i * 3 + j * 7) % 37).collect();
+                Generation::new(&model, &prompt, &opts).unwrap()
+            })
+            .collect();
+        decode_step(&model, &mut gens, &mut ws).unwrap();
+        let started = gens.iter().filter(|g| !g.tokens().is_empty()).count();
+        while gens.iter().any(|g| !g.is_finished()) {
+            decode_step(&model, &mut gens, &mut ws).unwrap();
+        }
+        let out: Vec<Vec<u32>> = gens.into_iter().map(Generation::into_tokens).collect();
+        (started, out)
+    };
+    let (few, a) = run(1);
+    let (many, b) = run(1000);
+    assert_eq!((few, many), (1, 5));
+    assert_eq!(a, b);
 }
 
 #[test]

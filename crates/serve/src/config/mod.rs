@@ -78,6 +78,11 @@ const PARAMETERS: &[(&str, &str)] = &[
          that generation's decode steps read: a half or about a quarter of the bytes)",
     ),
     (
+        MAX_PREFILL_TOKENS,
+        "a positive integer: the most prompt tokens an in-flight decode step feeds besides the \
+         step's first prompt (default 32; vLLM's max_num_batched_tokens)",
+    ),
+    (
         ONNX_BACKEND,
         "\"auto\" (the default: the ONNX Runtime library when it loads, else tract), \
          \"onnxruntime\" or \"tract\" (ONNX models only)",
@@ -98,6 +103,9 @@ pub const KV_CACHE_DTYPE: &str = "kv_cache_dtype";
 /// The `parameters` key that picks the weights generation's decode steps read (`cohort sample
 /// --weights`; vLLM's `--quantization` for a served model).
 pub const DECODE_WEIGHTS: &str = "decode_weights";
+
+/// The `parameters` key that bounds the prompt tokens an in-flight decode step feeds.
+pub const MAX_PREFILL_TOKENS: &str = "max_prefill_tokens";
 
 /// `max_batch_size` when the config does not say.
 pub const DEFAULT_MAX_BATCH_SIZE: usize = 8;
@@ -479,6 +487,7 @@ impl ModelConfig {
                 INFLIGHT_BATCHING => matches!(v.as_str(), "true" | "false"),
                 KV_CACHE_DTYPE => matches!(v.as_str(), "fp32" | "bf16"),
                 DECODE_WEIGHTS => matches!(v.as_str(), "fp32" | "bf16" | "q8"),
+                MAX_PREFILL_TOKENS => v.parse::<usize>().is_ok_and(|n| n > 0),
                 ONNX_BACKEND => matches!(v.as_str(), "auto" | "onnxruntime" | "tract"),
                 _ => true,
             };
@@ -525,6 +534,12 @@ impl ModelConfig {
             Some("bf16") => KvDtype::Bf16,
             _ => KvDtype::F32,
         }
+    }
+
+    /// The prompt tokens an in-flight decode step feeds besides its first prompt (the
+    /// `max_prefill_tokens` parameter), if the config sets them.
+    pub fn max_prefill_tokens(&self) -> Option<usize> {
+        self.parameters.get(MAX_PREFILL_TOKENS)?.parse().ok()
     }
 
     /// The weights generation's decode steps read (the `decode_weights` parameter: the model's

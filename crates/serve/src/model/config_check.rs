@@ -161,6 +161,10 @@ mod tests {
         let p = ModelConfig::from_pbtxt(fp32, Path::new("c")).unwrap();
         assert_eq!(p.kv_cache_dtype(), KvDtype::F32);
         assert_eq!(ModelConfig::default().kv_cache_dtype(), KvDtype::F32);
+        let budget = "parameters { key: \"max_prefill_tokens\" value: { string_value: \"96\" } }";
+        let p = ModelConfig::from_pbtxt(budget, Path::new("c")).unwrap();
+        assert_eq!(p.max_prefill_tokens(), Some(96));
+        assert_eq!(ModelConfig::default().max_prefill_tokens(), None);
     }
 
     #[test]
@@ -193,6 +197,10 @@ mod tests {
             (
                 "parameters { key: \"kv_cache_dtype\" value: { string_value: \"fp16\" } }",
                 "parameter kv_cache_dtype is \"fp16\"; it takes \"fp32\" (the default) or \"bf16\"",
+            ),
+            (
+                "parameters { key: \"max_prefill_tokens\" value: { string_value: \"0\" } }",
+                "parameter max_prefill_tokens is \"0\"; it takes a positive integer",
             ),
         ] {
             let err = ModelConfig::from_pbtxt(text, Path::new("m/config.pbtxt")).unwrap_err();

@@ -15,8 +15,10 @@
 //! to `max_batch_size`) together, one token each per step, with one matrix product per layer
 //! over all of them; a new request joins between two steps and a finished or cancelled one
 //! leaves at once, so a long generation never holds a short one back. Each keeps its own KV
-//! cache and sampler, so it produces exactly the tokens it would alone. With the parameter
-//! "false", a generation holds its instance until it ends. Either way the KV caches keep keys
+//! cache and sampler, so it produces exactly the tokens it would alone (a prompt that starts
+//! as one in flight did copies those keys and values; `max_prefill_tokens` bounds the prompt
+//! tokens a step feeds). With the parameter "false", a generation holds its instance until it
+//! ends. Either way the KV caches keep keys
 //! and values in the `kv_cache_dtype` parameter's format (f32 unless it is "bf16").
 //!
 //! Its children: `ensemble` (a version that runs other models' versions as steps) and
@@ -209,7 +211,7 @@ impl LoadedVersion {
         let capacity = cfg.max_queue_size().unwrap_or(opts.default_queue_size);
         let queue = Arc::new(Queue::new(policy, capacity));
         let (inflight, max_inflight) = (cfg.inflight_batching(), cfg.max_batch_size.max(1));
-        let kv_dtype = cfg.kv_cache_dtype();
+        let (kv_dtype, prefill_tokens) = (cfg.kv_cache_dtype(), cfg.max_prefill_tokens());
         // One copy for every instance: they serve the same checkpoint.
         let decode_weights = cfg.decode_weights().decode_format().and_then(|format| {
             let gpt = loaded.instances.first()?.decoder()?;
@@ -244,6 +246,7 @@ impl LoadedVersion {
                         inflight,
                         max_inflight,
                         kv_dtype,
+                        prefill_tokens,
                         decode_weights: weights,
                         outputs: &outputs,
                     };
@@ -520,6 +523,8 @@ struct InstanceCtx<'a> {
     max_inflight: usize,
     /// The number format of each generation's KV cache (the `kv_cache_dtype` parameter).
     kv_dtype: KvDtype,
+    /// The prompt tokens a decode step feeds (the `max_prefill_tokens` parameter), if set.
+    prefill_tokens: Option<usize>,
     /// The copy of the matrices decode steps read (the `decode_weights` parameter), if any.
     decode_weights: Option<Arc<DecodeWeights>>,
     /// The model's output names, in order.
@@ -751,16 +756,21 @@ fn run_alone(gpt: &GPT, ws: &mut Workspace, job: GenerateJob, ctx: &InstanceCtx<
     }
 }
 
-/// An instance's decode workspace, reading the model's copy of its matrices when it has one.
+/// An instance's decode workspace, reading the model's copy of its matrices when it has one,
+/// with the config's prefill budget when it sets one.
 fn workspace(gpt: &GPT, ctx: &InstanceCtx<'_>) -> Workspace {
-    match ctx.decode_weights.clone() {
+    let mut ws = match ctx.decode_weights.clone() {
         // The copy was made from this checkpoint, so its config is this instance's.
         Some(copy) => Workspace::with_weights(gpt, copy).unwrap_or_else(|e| {
             tracing::warn!(model = ctx.model, "decode weights not used: {e}");
             Workspace::new(gpt)
         }),
         None => Workspace::new(gpt),
+    };
+    if let Some(tokens) = ctx.prefill_tokens {
+        ws.set_prefill_tokens(tokens);
     }
+    ws
 }
 
 /// Answers a generation request on a model that does not generate (the front ends refuse

@@ -4,6 +4,11 @@
 //! a save on the training thread does (`save::write_and_prune`: the same
 //! atomic directory and `latest` pointer), while training goes on.
 //!
+//! The writer runs at the lowest priority (`SCHED_IDLE`, else nice 19): where the
+//! training threads keep every core busy, it takes the time they leave (waits in
+//! collectives, the step's serial parts) rather than time from the step, and when
+//! the next save waits for it, the cores the waiting ranks leave idle are its.
+//!
 //! At most one save is in flight: the next one, and the final one, wait for it
 //! ([`Saver::finished`]). The staging buffers are allocated at the first save
 //! and reused after. Whether a save failed is learnt from [`Saver::finished`];
@@ -221,6 +226,7 @@ struct Job {
 
 impl Job {
     fn run(self, staging: Staging) -> (SaveReport, Staging) {
+        yield_to_training();
         if let Some(delay) = self.delay {
             std::thread::sleep(delay);
         }
@@ -249,6 +255,22 @@ impl Job {
     }
 }
 
+/// Puts the calling thread (the writer) at the lowest CPU priority: `SCHED_IDLE`, or nice 19
+/// where that is refused. Lowering one's own priority needs no privilege; should both be
+/// refused, the writer runs as before.
+fn yield_to_training() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: scheduling syscalls on the calling thread (pid 0 / its own tid), reading only the
+    // `sched_param` we own for the duration of the call.
+    unsafe {
+        let param = libc::sched_param { sched_priority: 0 };
+        if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
+            let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+            libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+        }
+    }
+}
+
 /// [`SAVE_DELAY_VAR`]'s delay for the save of `step`, if it names that step.
 fn test_delay(step: u64) -> Option<Duration> {
     let value = std::env::var(SAVE_DELAY_VAR).ok()?;
@@ -256,4 +278,38 @@ fn test_delay(step: u64) -> Option<Duration> {
     (at.trim().parse::<u64>().ok()? == step)
         .then(|| secs.trim().parse::<f64>().ok().map(Duration::from_secs_f64))
         .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The writer thread ends up below the training threads, and only it does.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn the_writer_yields_to_training() {
+        let idle_or_nice = || {
+            // SAFETY: scheduling queries on the calling thread; no memory is passed.
+            unsafe {
+                let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                (
+                    libc::sched_getscheduler(0) == libc::SCHED_IDLE,
+                    libc::getpriority(libc::PRIO_PROCESS, tid),
+                )
+            }
+        };
+        let before = idle_or_nice();
+        let writer = std::thread::spawn(move || {
+            yield_to_training();
+            idle_or_nice()
+        })
+        .join()
+        .unwrap();
+        assert!(writer.0 || writer.1 == 19, "writer: {writer:?}");
+        assert_eq!(
+            idle_or_nice(),
+            before,
+            "the calling thread keeps its priority"
+        );
+    }
 }

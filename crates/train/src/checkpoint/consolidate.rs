@@ -55,6 +55,7 @@ pub fn consolidate(from: &Path, out: &Path) -> Result<PathBuf, TrainError> {
         ckpt::CONFIG_FILE,
         ckpt::MODEL_FILE,
         ckpt::CHECKSUMS_FILE,
+        ckpt::SHA256SUMS_FILE,
         ckpt::SHARD_INDEX_FILE,
         trainer_files::OPTIMIZER_FILE,
     ];

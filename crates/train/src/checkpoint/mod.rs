@@ -7,7 +7,7 @@
 //! and dropout keys are functions of the step, the data of (epoch, offset).
 //!
 //! Checkpoints are `OUT/step-NNNNNN` directories, written atomically and
-//! verified by `cohort_gpt::checkpoint` (SHA-256 of every file). A whole-model
+//! verified by `cohort_gpt::checkpoint` (CRC-32C of every file). A whole-model
 //! save may be written by a writer thread from a copy of the state
 //! (`background`, [`Saver`]) while training goes on. What goes
 //! wrong on the way is not fatal (say, the disk fills up): a failed

@@ -1,5 +1,5 @@
 //! Saving a training run: the model through `cohort_gpt::checkpoint`
-//! (atomic writes, SHA-256 of every file) with the optimizer's state and the
+//! (atomic writes, a checksum of every file) with the optimizer's state and the
 //! trainer's position as further files, whole by rank 0
 //! ([`save_or_report`], DDP's format) or sharded by every rank
 //! ([`save_sharded`], the ZeRO stages), and the pruning of old checkpoints.
@@ -155,24 +155,8 @@ pub(crate) struct OwnedShard<'a> {
 }
 
 /// Integers per rank that rank 0 gathers after the shards are written: whether the write
-/// succeeded, the file's size, its tensors' length and its SHA-256 as four words.
-const RECORD_WORDS: usize = 7;
-
-/// A hex SHA-256 as four words, and back.
-fn digest_words(hex: &str) -> [i64; 4] {
-    let mut words = [0i64; 4];
-    for (i, w) in words.iter_mut().enumerate() {
-        *w = u64::from_str_radix(&hex[i * 16..(i + 1) * 16], 16).unwrap_or(0) as i64;
-    }
-    words
-}
-
-fn digest_hex(words: &[i64]) -> String {
-    words
-        .iter()
-        .map(|w| format!("{:016x}", *w as u64))
-        .collect()
-}
+/// succeeded, the file's size, its tensors' length and its CRC-32C.
+const RECORD_WORDS: usize = 4;
 
 /// Saves a sharded checkpoint of `state` into `out`: every rank writes its own shard
 /// (`shard`), and rank 0, once all are written, `model`'s config, the index and the
@@ -218,10 +202,16 @@ pub(crate) fn save_sharded(
     let written = ckpt::write_shard(&staging, rank, world, &(shard.pieces_of)(rank), &buffers);
     let mut mine = [0i64; RECORD_WORDS];
     match &written {
-        Ok(record) => {
-            mine[..3].copy_from_slice(&[1, record.bytes as i64, record.len as i64]);
-            mine[3..].copy_from_slice(&digest_words(&record.sha256));
-        }
+        // A shard is written with a CRC-32C; should it ever not be, the save fails.
+        Ok(record) => match ckpt::digest_crc32c(&record.digest) {
+            Some(crc) => {
+                mine = [1, record.bytes as i64, record.len as i64, i64::from(crc)];
+            }
+            None => eprintln!(
+                "[rank{rank}]: checkpoint of step {}: shard digest {:?} is no CRC-32C",
+                state.step, record.digest
+            ),
+        },
         // Rank 0 reports the failure; only this rank knows why.
         Err(e) if !master => eprintln!(
             "[rank{rank}]: checkpoint of step {}: writing this rank's shard failed: {e}",
@@ -260,7 +250,7 @@ pub(crate) fn save_sharded(
             .map(|(r, w)| ShardRecord {
                 rank: r,
                 file: ckpt::shard_file_name(r, world),
-                sha256: digest_hex(&w[3..]),
+                digest: ckpt::crc32c_digest(w[3] as u32),
                 bytes: w[1] as u64,
                 len: w[2] as usize,
                 pieces: (shard.pieces_of)(r),

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use cohort_data::DistributedSampler;
 use cohort_data::TokenBudgetSampler;
-use cohort_data::{collate, Batch, BudgetConfig, DataLoader, LoaderConfig, Samples};
+use cohort_data::{collate_as, Batch, BudgetConfig, DataLoader, LoaderConfig, Samples};
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
@@ -38,6 +38,11 @@ fn budget(cfg: &TrainConfig, data: &dyn Dataset, shuffle: bool) -> BudgetConfig 
         shuffle,
         seed: cfg.seed,
     }
+}
+
+/// The width packed rows have (`--pack`): the model's sequence length.
+fn pack_width(cfg: &TrainConfig, data: &dyn Dataset) -> Option<usize> {
+    cfg.pack.then(|| data.seq_len())
 }
 
 /// One split of a [`Dataset`] as the loader's [`Samples`].
@@ -124,6 +129,7 @@ impl TrainBatches {
             loader_config: LoaderConfig {
                 workers: cfg.loader_workers,
                 prefetch: cfg.prefetch,
+                pack: pack_width(cfg, &*data),
             },
             loader: None,
             after: Vec::new(),
@@ -265,7 +271,7 @@ pub(crate) fn val_batches(
     };
     let mine = val_share(plan.len(), world, rank)
         .into_iter()
-        .map(|k| (k, collate(&samples, &plan[k])))
+        .map(|k| (k, collate_as(&samples, &plan[k], pack_width(cfg, &**data))))
         .collect();
     Ok(ValBatches {
         total: plan.len(),
@@ -352,6 +358,36 @@ mod tests {
                 let tail = take(&mut rest, 177);
                 assert_eq!([head, tail].concat(), all, "world {world} rank {rank}");
             }
+        }
+    }
+
+    /// Packed documents (`--pack`): the same stream across a resume, batch for batch (ids,
+    /// targets and segment ids), for one rank of several; each batch's rows are packed.
+    #[test]
+    fn a_resumed_packed_stream_continues_exactly_where_it_stopped() {
+        let docs: Arc<dyn Dataset> = Arc::new(Docs {
+            lens: (0..101).map(|i| 2 + (i * 5) % 9).collect(),
+            seq_len: 16,
+        });
+        let packed = |workers| TrainConfig {
+            pack: true,
+            ..cfg(workers)
+        };
+        for (world, rank) in [(1, 0), (3, 2)] {
+            let mut whole = TrainBatches::new(docs.clone(), &packed(2), world, rank, 0, 0).unwrap();
+            let all: Vec<Batch> = (0..150).map(|_| whole.next_batch()).collect();
+            let mut first = TrainBatches::new(docs.clone(), &packed(0), world, rank, 0, 0).unwrap();
+            let head: Vec<Batch> = (0..61).map(|_| first.next_batch()).collect();
+            let (epoch, offset) = first.position();
+            assert!(epoch > 0, "the test crosses an epoch");
+            let mut rest =
+                TrainBatches::new(docs.clone(), &packed(1), world, rank, epoch, offset).unwrap();
+            let tail: Vec<Batch> = (0..89).map(|_| rest.next_batch()).collect();
+            assert_eq!([head, tail].concat(), all, "world {world} rank {rank}");
+            assert!(all.iter().all(|b| b.seq == 16 && b.segments.is_some()));
+            let rows: usize = all.iter().map(|b| b.batch).sum();
+            let samples: usize = all.iter().map(|b| b.indices.len()).sum();
+            assert!(2 * rows < samples, "{rows} rows for {samples} samples");
         }
     }
 

@@ -35,6 +35,7 @@ pub(crate) fn forward_batch(model: &mut GPT, batch: &Batch) -> Result<Option<f32
     Ok(model.forward(
         Forward::new(&batch.input_ids, batch.batch, batch.seq)
             .attention_mask(padding_mask(batch))
+            .segments(batch.segments.as_deref())
             .labels(Labels::Next(&batch.targets)),
     )?)
 }

@@ -267,6 +267,57 @@ pub(crate) unsafe fn pack_b(
     stride: usize,
     sums: Option<*mut f32>,
 ) {
+    // SAFETY: the caller's contract, with B's columns in order.
+    unsafe { pack_b_cols(pb, b, rs, cs, kc, nc, stride, sums, None) }
+}
+
+/// [`pack_b`] of a row-major B whose block columns are read in SwiGLU's interleaved order
+/// (see `Epilogue::b_halves`): column 32·t + j of the block is B's column 16·t + j for j < 16,
+/// else 16·t + j - 16 + `half`, `b` pointing at the block's first gate column.
+///
+/// # Safety
+/// As [`pack_b`] with cs = 1, nc a multiple of 32, and the block's nc / 2 gate columns (and the
+/// same columns `half` further) readable in each of kc rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(crate) unsafe fn pack_b_halves(
+    pb: *mut u32,
+    b: *const f32,
+    rs: usize,
+    kc: usize,
+    nc: usize,
+    stride: usize,
+    half: usize,
+) {
+    debug_assert!(nc.is_multiple_of(2 * 16));
+    // SAFETY: the caller's contract.
+    unsafe { pack_b_cols(pb, b, rs, 1, kc, nc, stride, None, Some(half)) }
+}
+
+/// [`pack_b`], or [`pack_b_halves`] with `half`.
+///
+/// # Safety
+/// As those.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_b_cols(
+    pb: *mut u32,
+    b: *const f32,
+    rs: usize,
+    cs: usize,
+    kc: usize,
+    nc: usize,
+    stride: usize,
+    sums: Option<*mut f32>,
+    half: Option<usize>,
+) {
+    // Where the block's 16 columns from j0 (a multiple of 16) start in B's row: j0 itself, or
+    // in the interleaved order 16 per 32 columns plus `half` for the second 16; one formula
+    // for both, so the loop below has no branch.
+    let (per_32, second_16) = match half {
+        None => (32, 16),
+        Some(h) => (16, h),
+    };
+    let col = |j0: usize| (j0 / 32) * per_32 + ((j0 / 16) % 2) * second_16;
     let kcp = kc.div_ceil(2);
     // Column j0 lives in panel j0 / NR, at lane offset j0 % NR.
     let panel_of = |j0: usize| pb.wrapping_add((j0 / NR) * NR * stride + j0 % NR);
@@ -284,13 +335,20 @@ pub(crate) unsafe fn pack_b(
                 let (x_row, y_row) = (b.add(2 * p * rs), b.wrapping_add((2 * p + 1) * rs));
                 let odd = 2 * p + 1 < kc;
                 for e in 2 * p + 2..(2 * p + 4).min(kc) {
-                    prefetch_run(b.wrapping_add(e * rs) as *const u8, 4 * nc);
+                    match half {
+                        None => prefetch_run(b.wrapping_add(e * rs) as *const u8, 4 * nc),
+                        Some(h) => {
+                            for at in [e * rs, e * rs + h] {
+                                prefetch_run(b.wrapping_add(at) as *const u8, 2 * nc);
+                            }
+                        }
+                    }
                 }
                 for j0 in (0..nc).step_by(16) {
                     let cols = lanes(nc - j0);
-                    let x = _mm512_maskz_loadu_ps(cols, x_row.add(j0));
+                    let x = _mm512_maskz_loadu_ps(cols, x_row.add(col(j0)));
                     let y = if odd {
-                        _mm512_maskz_loadu_ps(cols, y_row.add(j0))
+                        _mm512_maskz_loadu_ps(cols, y_row.add(col(j0)))
                     } else {
                         _mm512_setzero_ps()
                     };

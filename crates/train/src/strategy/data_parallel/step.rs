@@ -137,24 +137,34 @@ impl<'pg> DataParallel<'pg> {
         self.sync.zero_stage()
     }
 
-    /// The forward of `input_ids` (B = `b`, T = `t`) with `labels`, as
-    /// [`GPT::forward`]; ZeRO-3 gathers each part's parameters
+    /// The forward of `input_ids` (B = `b`, T = `t`) with `labels` (and
+    /// the segment ids of packed rows), as [`GPT::forward`]; ZeRO-3 gathers each part's parameters
     /// around it. Collective under ZeRO-3.
     pub fn forward(
         &mut self,
         input_ids: &[u32],
         attention_mask: Option<&[u8]>,
+        segments: Option<&[u32]>,
         labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
     ) -> Result<Option<f32>, TrainError> {
         let model = &mut self.model;
         match &mut self.sync {
-            GradSync::Sharded(zero) => {
-                zero.forward(self.pg, model, input_ids, attention_mask, labels, b, t)
-            }
+            GradSync::Sharded(zero) => zero.forward(
+                self.pg,
+                model,
+                input_ids,
+                attention_mask,
+                segments,
+                labels,
+                b,
+                t,
+            ),
             _ => {
-                let pass = Forward::new(input_ids, b, t).attention_mask(attention_mask);
+                let pass = Forward::new(input_ids, b, t)
+                    .attention_mask(attention_mask)
+                    .segments(segments);
                 Ok(model.forward(pass.labels(labels))?)
             }
         }
@@ -164,7 +174,15 @@ impl<'pg> DataParallel<'pg> {
     fn forward_batch(&mut self, batch: &Batch) -> Result<Option<f32>, TrainError> {
         let labels = Some(Labels::Next(&batch.targets));
         let mask = step_loop::padding_mask(batch);
-        self.forward(&batch.input_ids, mask, labels, batch.batch, batch.seq)
+        let segments = batch.segments.as_deref();
+        self.forward(
+            &batch.input_ids,
+            mask,
+            segments,
+            labels,
+            batch.batch,
+            batch.seq,
+        )
     }
 
     /// The backward of the last forward, accumulating into the gradients;
@@ -321,6 +339,7 @@ impl<'pg> DataParallel<'pg> {
                 model,
                 &batch.input_ids,
                 mask,
+                batch.segments.as_deref(),
                 labels,
                 batch.batch,
                 batch.seq,
@@ -331,7 +350,7 @@ impl<'pg> DataParallel<'pg> {
         for _ in val.len() as i64..most[0] {
             let ran = match val.first() {
                 Some((_, batch)) => forward(zero, model, batch),
-                None => zero.forward(pg, model, &[0], None, None, 1, 1),
+                None => zero.forward(pg, model, &[0], None, None, None, 1, 1),
             };
             ran?;
         }

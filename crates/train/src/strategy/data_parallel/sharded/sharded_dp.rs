@@ -197,12 +197,15 @@ impl ShardedDp {
         model: &mut GPT,
         input_ids: &[u32],
         attention_mask: Option<&[u8]>,
+        segments: Option<&[u32]>,
         labels: Option<Labels<'_>>,
         b: usize,
         t: usize,
     ) -> Result<Option<f32>, TrainError> {
         if self.stage == ZeroStage::Two {
-            let pass = Forward::new(input_ids, b, t).attention_mask(attention_mask);
+            let pass = Forward::new(input_ids, b, t)
+                .attention_mask(attention_mask)
+                .segments(segments);
             return Ok(model.forward(pass.labels(labels))?);
         }
         let shards = self.shards_mut();
@@ -215,6 +218,7 @@ impl ShardedDp {
         };
         let pass = Forward::new(input_ids, b, t)
             .attention_mask(attention_mask)
+            .segments(segments)
             .labels(labels)
             .parts(hooks);
         let loss = model.forward(pass);

@@ -1,0 +1,306 @@
+//! [`CudaBackend`]: the engine's [`Backend`](cohort_engine::Backend) on one GPU, each kernel of
+//! the engine's list mapped to the [`Device`]'s kernel of the same job, on the views of buffers
+//! it allocated (the mapping is in `kernels.rs`).
+//!
+//! Buffers are cudarc allocations handed to the engine as [`Buffer::on_device`] (the cudarc
+//! buffer is the owner: dropping the engine buffer frees it). A kernel call checks that every
+//! view is memory of this device, then launches on the views' addresses ([`Raw`]); launches are
+//! asynchronous, so a kernel's error (a shape the device refuses, a launch that fails, a kernel
+//! with no CUDA body yet) is kept and returned by the next
+//! [`Backend::sync`](cohort_engine::Backend::sync). The kernels without a CUDA body are listed
+//! in [`MISSING`] (the model refuses to build on this backend when it needs one of them); the
+//! attention kernels serve one key/value head per query head and no packed segments yet.
+//! Matrix products are true fp32 only for now: bf16 products need bf16 copies of their
+//! operands, which come with cuBLASLt's epilogues.
+//!
+//! This module never panics on a device error and never reads device memory on the host
+//! except through an explicit copy; it knows buffers and dimensions only.
+
+#![allow(clippy::too_many_arguments)]
+
+mod kernels;
+
+use std::sync::Mutex;
+
+use cohort_engine::cpu::AttnDims;
+use cohort_engine::{
+    Buffer, DType, Device as EngineDevice, Dropout, Elem, EngineError, View, ViewMut,
+};
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use crate::device::{Device, Mem, Raw};
+use crate::libraries::Search;
+use crate::CudaError;
+
+/// The kernels of the engine's list with no CUDA body yet.
+pub const MISSING: &[&str] = &[
+    "embedding_forward",
+    "embedding_backward",
+    "rmsnorm_forward",
+    "rmsnorm_backward",
+    "rope_forward",
+    "rope_backward",
+    "swiglu_forward",
+    "swiglu_interleaved_forward",
+    "matmul_swiglu_forward",
+    "matmul_swiglu_forward_bf16",
+    "matmul_backward_input_swiglu",
+    "matmul_backward_input_swiglu_with_grad",
+    "decode_matmul_forward",
+    "matmul_gelu_forward_bf16",
+    "matmul_forward_bf16_input",
+    "matmul_backward_weight_bf16_input",
+    "attention_decode_row",
+    "attention_decode_row_bf16",
+];
+
+/// The engine's backend on one GPU (see the module doc).
+pub struct CudaBackend {
+    dev: Device,
+    /// The engine's name of the device (`cuda:N`).
+    device: EngineDevice,
+    /// The first error of a kernel since the last sync.
+    error: Mutex<Option<EngineError>>,
+    /// The attention backward's per-row scratch (B·NH·T floats), grown on demand.
+    delta: Mutex<Option<CudaSlice<f32>>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.device)
+            .field("name", &self.dev.info().name)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` ([`Device::open`]) as a backend computing in `dtype`. bf16 products
+    /// are not on the GPU yet: asking for them is an error naming what is missing.
+    pub fn open(ordinal: usize, dtype: DType, search: &Search) -> Result<CudaBackend, CudaError> {
+        if dtype != DType::F32 {
+            return Err(CudaError::Unsupported {
+                kernel: "matrix products",
+                what: format!("not yet on cuda: {dtype} products (only fp32 for now)"),
+            });
+        }
+        Ok(CudaBackend::on(Device::open(ordinal, search)?))
+    }
+
+    /// The fp32 backend on an opened device.
+    pub fn on(dev: Device) -> CudaBackend {
+        CudaBackend {
+            device: EngineDevice::Cuda(dev.info().ordinal as u32),
+            dev,
+            error: Mutex::new(None),
+            delta: Mutex::new(None),
+        }
+    }
+
+    /// The device it launches on.
+    pub fn device_handle(&self) -> &Device {
+        &self.dev
+    }
+
+    /// Keeps the first error for the next sync.
+    fn fail(&self, e: EngineError) {
+        let mut first = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert(e);
+    }
+
+    fn device_error(&self, kernel: &str, e: CudaError) -> EngineError {
+        EngineError::Device {
+            device: self.device,
+            reason: format!("{kernel}: {e}"),
+        }
+    }
+
+    /// Runs one kernel's launches, keeping an error for the next sync.
+    fn run(&self, kernel: &'static str, f: impl FnOnce() -> Result<(), CudaError>) {
+        if let Err(e) = f() {
+            self.fail(self.device_error(kernel, e));
+        }
+    }
+
+    /// A kernel with no CUDA body: an error for the next sync.
+    fn missing(&self, kernel: &'static str) {
+        self.fail(EngineError::Unsupported {
+            device: self.device,
+            kernel,
+        });
+    }
+
+    /// The memory of a view, if it is this device's.
+    fn mem<T: Elem>(
+        &self,
+        what: &'static str,
+        device: EngineDevice,
+        addr: u64,
+        len: usize,
+    ) -> Result<Raw<T>, CudaError> {
+        if device != self.device {
+            return Err(CudaError::Unsupported {
+                kernel: what,
+                what: format!("a view on {device} given to {}", self.device),
+            });
+        }
+        Ok(Raw::new(addr, len))
+    }
+
+    fn r<T: Elem>(&self, v: View<'_, T>) -> Result<Raw<T>, CudaError> {
+        self.mem("a kernel", v.device(), v.addr(), v.len())
+    }
+
+    fn w<T: Elem>(&self, v: ViewMut<'_, T>) -> Result<Raw<T>, CudaError> {
+        self.mem("a kernel", v.device(), v.addr(), v.len())
+    }
+
+    fn ro<T: Elem>(&self, v: Option<View<'_, T>>) -> Result<Option<Raw<T>>, CudaError> {
+        v.map(|v| self.r(v)).transpose()
+    }
+
+    fn wo<T: Elem>(&self, v: Option<ViewMut<'_, T>>) -> Result<Option<Raw<T>>, CudaError> {
+        v.map(|v| self.w(v)).transpose()
+    }
+
+    /// A value computed on the device and read back (after the kernels before it).
+    fn value(&self, kernel: &'static str, f: impl FnOnce() -> Result<f64, CudaError>) -> f64 {
+        f().unwrap_or_else(|e| {
+            self.fail(self.device_error(kernel, e));
+            f64::NAN
+        })
+    }
+}
+
+/// What an attention call attends with, besides its buffers.
+struct Attention<'a> {
+    mask: Option<View<'a, u8>>,
+    segments: Option<View<'a, u32>>,
+    dims: AttnDims,
+    nkv: usize,
+    dropout: Option<Dropout>,
+}
+
+impl CudaBackend {
+    /// Whether the device's attention kernels serve `a`: one key/value head per query head and
+    /// no packed segments for now (an error for the next sync otherwise).
+    fn attention_served(&self, a: &Attention<'_>) -> bool {
+        if a.nkv != a.dims.nh {
+            self.missing("attention with grouped key/value heads");
+        } else if a.segments.is_some() {
+            self.missing("attention within packed segments");
+        } else {
+            return true;
+        }
+        false
+    }
+
+    fn attention_fwd(
+        &self,
+        kernel: &'static str,
+        out: ViewMut<'_, f32>,
+        lse: ViewMut<'_, f32>,
+        qkv: View<'_, f32>,
+        a: Attention<'_>,
+    ) {
+        if !self.attention_served(&a) {
+            return;
+        }
+        self.run(kernel, || {
+            let (mut o, mut l) = (self.w(out)?, self.w(lse)?);
+            let (q, m) = (self.r(qkv)?, self.ro(a.mask)?);
+            self.dev
+                .attention_forward(&mut o, &mut l, &q, opt(&m), a.dims, a.dropout)
+        })
+    }
+
+    fn attention_bwd(
+        &self,
+        kernel: &'static str,
+        dqkv: ViewMut<'_, f32>,
+        recompute_out: Option<ViewMut<'_, f32>>,
+        dout: View<'_, f32>,
+        qkv: View<'_, f32>,
+        lse: View<'_, f32>,
+        a: Attention<'_>,
+    ) {
+        if !self.attention_served(&a) {
+            return;
+        }
+        self.run(kernel, || {
+            let (mut dq, mut ro) = (self.w(dqkv)?, self.wo(recompute_out)?);
+            let (d, q, l, m) = (self.r(dout)?, self.r(qkv)?, self.r(lse)?, self.ro(a.mask)?);
+            let dims = a.dims;
+            let rows = dims.b * dims.nh * dims.t;
+            let mut delta = self.delta.lock().unwrap_or_else(|p| p.into_inner());
+            if delta.as_ref().is_none_or(|s| s.len() < rows) {
+                *delta = None;
+                *delta = Some(self.dev.zeros(rows)?);
+            }
+            let delta = delta.as_mut().expect("allocated above");
+            let (ro, m) = (opt_mut(&mut ro), opt(&m));
+            self.dev
+                .attention_backward(&mut dq, ro, delta, &d, &q, &l, m, dims, a.dropout)
+        })
+    }
+}
+
+/// `Option<Raw<T>>` as the kernel methods take optional memory.
+fn opt<T>(m: &Option<Raw<T>>) -> Option<&dyn Mem<T>> {
+    m.as_ref().map(|m| m as &dyn Mem<T>)
+}
+
+fn opt_mut<T>(m: &mut Option<Raw<T>>) -> Option<&mut dyn Mem<T>> {
+    m.as_mut().map(|m| m as &mut dyn Mem<T>)
+}
+
+/// A buffer of `len` zeroed elements on `dev`, owned by the engine buffer.
+fn engine_buffer<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Send + Sync + 'static>(
+    backend: &CudaBackend,
+    len: usize,
+) -> Result<Buffer, EngineError> {
+    let s: CudaSlice<T> = backend.dev.zeros(len).map_err(|e| EngineError::Alloc {
+        device: backend.device,
+        bytes: len * std::mem::size_of::<T>(),
+        reason: e.to_string(),
+    })?;
+    let addr = s.ptr(&backend.dev);
+    Ok(Buffer::on_device(backend.device, addr, len, Box::new(s)))
+}
+
+/// `host` as bytes.
+fn host_bytes(host: &mut [f32]) -> &mut [u8] {
+    ViewMut::from(host).cast::<u8>().host()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_missing_kernels_are_kernels_of_the_engines_list() {
+        for k in MISSING {
+            assert!(
+                cohort_engine::KERNELS.contains(k),
+                "{k} is not an engine kernel"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_products_are_refused_by_name_before_any_library_is_touched() {
+        let search = Search::from_env();
+        let err = CudaBackend::open(0, DType::Bf16, &search)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not yet on cuda: bf16 products"), "{err}");
+    }
+
+    #[test]
+    fn opening_without_a_gpu_is_an_error_not_a_panic() {
+        match CudaBackend::open(0, DType::F32, &Search::from_env()) {
+            Ok(b) => eprintln!("a GPU is here: {b:?}"),
+            Err(e) => assert!(!e.to_string().contains('\n'), "one line: {e}"),
+        }
+    }
+}

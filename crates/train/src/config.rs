@@ -179,6 +179,9 @@ pub struct TrainConfig {
     pub outer_nesterov: bool,
     /// DiLoCo and local SGD: what the averaged pseudo-gradients travel in.
     pub pseudo_grad_dtype: Precision,
+    /// DiLoCo and local SGD: run the outer all-reduce during the next H
+    /// inner steps and take the outer step one round late.
+    pub outer_overlap: bool,
 }
 
 /// The order of a pipeline stage's forwards and backwards in a step.
@@ -421,6 +424,7 @@ impl Default for TrainConfig {
             outer_momentum: 0.9,
             outer_nesterov: true,
             pseudo_grad_dtype: Precision::Fp32,
+            outer_overlap: false,
         }
     }
 }
@@ -695,6 +699,11 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pseudo_grad_dtype: Option<Precision>,
+    /// DiLoCo, local SGD: all-reduce the pseudo-gradients while the next H inner steps run
+    /// and take the outer step one round late (docs/guides/slow-links.md).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_overlap: Option<bool>,
 }
 
 impl TrainArgs {

@@ -174,3 +174,105 @@ fn a_checkpoint_regroups_on_another_world_and_resumes_under_ddp() {
         assert!(loss.is_finite() && loss < 3.0, "{then:?}: {loss}");
     }
 }
+
+fn overlapped(sync_every: u64, cfg: &TrainConfig) -> TrainConfig {
+    TrainConfig {
+        outer_overlap: true,
+        ..diloco(sync_every, cfg)
+    }
+}
+
+/// Overlapped local SGD on one rank is plain training too: the outer step
+/// one round late gives θ the previous round's end, and θ − d this round's
+/// end again (to the rounding of the subtractions).
+#[test]
+fn overlapped_local_sgd_on_one_rank_is_plain_training() {
+    let cfg = TrainConfig { steps: 7, ..tiny() };
+    let plain = run_world(1, &cfg).swap_remove(0);
+    let local = TrainConfig {
+        strategy: Strategy::LocalSgd,
+        ..overlapped(2, &cfg)
+    };
+    let got = run_world(1, &local).swap_remove(0);
+    let d = max_abs_diff(&got.params, &plain.params);
+    assert!(d < 1e-5, "max |diff| {d}");
+}
+
+/// Overlapped DiLoCo on 2 ranks ends with one model, in fp32 and bf16; a
+/// run saved just after a sync (its all-reduce in flight) and one saved
+/// mid-round (the average arrived, not yet applied) resume on as many
+/// ranks to bitwise the run that went on, and the checkpoint resumes
+/// synchronously and on 3 ranks too.
+#[test]
+fn overlapped_diloco_ends_as_one_model_and_resumes_bitwise() {
+    for dtype in [Precision::Fp32, Precision::Bf16] {
+        let cfg = TrainConfig {
+            steps: 5,
+            pseudo_grad_dtype: dtype,
+            ..overlapped(2, &tiny())
+        };
+        let ranks = run_world(2, &cfg);
+        assert!(ranks[0].params == ranks[1].params, "{dtype:?}");
+        let loss = ranks[0].train_losses.last().unwrap().1;
+        assert!(loss.is_finite() && loss < 3.0, "{dtype:?}: {loss}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig {
+        steps: 8,
+        ..overlapped(3, &tiny())
+    };
+    // Syncs at steps 3 (starts round 0's all-reduce), 6 (applies it) and 8.
+    for save_at in [3, 4] {
+        let straight = run_world(
+            2,
+            &TrainConfig {
+                save_interval: save_at,
+                out: Some(dir.path().join(format!("straight{save_at}"))),
+                ..cfg.clone()
+            },
+        );
+        let ckpt = dir
+            .path()
+            .join(format!("straight{save_at}/step-{save_at:06}"));
+        let file = cohort_gpt::checkpoint::read_tensor_file(&ckpt, "optimizer.safetensors")
+            .unwrap()
+            .unwrap();
+        let has = |name: &str| file.tensors.iter().any(|(n, _)| n == name);
+        assert!(has("diloco.pending") && has("diloco.rank1.start"));
+        let resumed = run_world(
+            2,
+            &TrainConfig {
+                resume: Some(ckpt.clone()),
+                out: Some(dir.path().join(format!("resumed{save_at}"))),
+                ..cfg.clone()
+            },
+        );
+        assert_eq!(resumed[0].steps_run, 8 - save_at);
+        for r in 0..2 {
+            assert_eq!(
+                bits(&resumed[r].params),
+                bits(&straight[r].params),
+                "saved at {save_at}: rank {r}"
+            );
+        }
+        if save_at != 4 {
+            continue;
+        }
+        for (overlap, world) in [(false, 2), (true, 3)] {
+            let (resume, _) = elastic::prepare_resume(
+                &TrainConfig {
+                    resume: Some(ckpt.clone()),
+                    out: Some(dir.path().join(format!("other{overlap}{world}"))),
+                    outer_overlap: overlap,
+                    ..cfg.clone()
+                },
+                world,
+                0,
+            );
+            let ranks = run_world(world, &resume);
+            for r in 1..world {
+                assert!(ranks[r].params == ranks[0].params, "{overlap} x{world}");
+            }
+        }
+    }
+}

@@ -272,13 +272,14 @@ impl<'pg> DataParallel<'pg> {
 
     /// What ends step `step` of `steps` (0-based), updated or skipped:
     /// DiLoCo's outer sync when it is due (every rank takes part, whether
-    /// its step was skipped or not). Returns the time spent in the sync's
-    /// all-reduce, or `None` when nothing was due. Collective under DiLoCo
+    /// its step was skipped or not). Returns the time the sync waited for
+    /// all-reduces, or `None` when nothing was due. Collective under DiLoCo
     /// at a sync.
     pub fn end_step(&mut self, step: u64, steps: u64) -> Result<Option<Duration>, TrainError> {
         match &mut self.sync {
             GradSync::Diloco { outer, .. } if outer.due(step, steps) => {
-                outer.sync(self.pg, self.model.params_mut()).map(Some)
+                let last = step + 1 == steps;
+                outer.sync(self.pg, self.model.params_mut(), last).map(Some)
             }
             _ => Ok(None),
         }
@@ -354,10 +355,12 @@ impl<'pg> DataParallel<'pg> {
     pub fn optimizer_floats(&self) -> usize {
         match &self.sync {
             GradSync::Ddp { .. } => 2 * self.model.num_params(),
-            // The inner moments, the global parameters and the outer momentum.
+            // The inner moments, the global parameters and the outer
+            // momentum; overlapped, the round's start and the average in flight.
             GradSync::Diloco { outer, .. } => {
                 let momentum = usize::from(outer.config().momentum > 0.0);
-                (3 + momentum) * self.model.num_params()
+                let overlap = 2 * usize::from(outer.config().overlap);
+                (3 + momentum + overlap) * self.model.num_params()
             }
             GradSync::Zero1(zero) => 2 * zero.shard_len(),
             GradSync::Sharded(zero) => 2 * zero.shard_len(),

@@ -199,7 +199,18 @@ fn build_diloco<'a>(
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
     let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
-    let mut outer = Box::new(Outer::new(OuterConfig::of(cfg), model.params())?);
+    let outer_cfg = OuterConfig::of(cfg);
+    // Overlapped, the outer all-reduces get a group of their own, so that
+    // the training group's per-step collectives never queue behind them.
+    let side = match outer_cfg.overlap {
+        true => {
+            let all: Vec<usize> = (0..pg.size()).collect();
+            pg.new_group(&all)
+                .map_err(TrainError::comm("DiLoCo's all-reduce group"))?
+        }
+        false => None,
+    };
+    let mut outer = Box::new(Outer::new(outer_cfg, model.params(), side)?);
     let Some(dir) = &cfg.resume else {
         return Ok((GradSync::Diloco { opt, outer }, TrainState::default()));
     };
@@ -289,7 +300,9 @@ impl DataParallelRun<'_> {
         let GradSync::Diloco { opt, outer } = sync else {
             unreachable!("only DiLoCo saves this way")
         };
-        let Some(ranks) = diloco::gather_ranks(pg, model.params(), opt)? else {
+        // An overlapped all-reduce in flight is waited for, and saved.
+        self.outer_syncs.1 += outer.drain()?;
+        let Some(ranks) = diloco::gather_ranks(pg, model.params(), opt, outer)? else {
             return Ok(SaveReport::default());
         };
         // The checkpoint's model is the global one; this rank's own (the
@@ -390,12 +403,20 @@ impl ParallelStrategy for DataParallelRun<'_> {
 
     fn summary(&self) -> Vec<String> {
         let (syncs, comm) = self.outer_syncs;
+        let GradSync::Diloco { outer, .. } = self.step.sync() else {
+            return Vec::new();
+        };
         if syncs == 0 {
             return Vec::new();
         }
+        let what = if outer.config().overlap {
+            "waited for the pseudo-gradient all-reduce (overlapped with the next round; the \
+             last sync's and checkpoints' waits included)"
+        } else {
+            "in the pseudo-gradient all-reduce (exposed: the ranks wait for it)"
+        };
         vec![format!(
-            "outer syncs (rank 0): {syncs}, {:.1} ms each in the pseudo-gradient all-reduce \
-             (exposed: the ranks wait for it)",
+            "outer syncs (rank 0): {syncs}, {:.1} ms each {what}",
             comm.as_secs_f64() * 1e3 / syncs as f64
         )]
     }

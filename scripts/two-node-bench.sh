@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Two "nodes" on one machine, joined by a shaped link: cohort DDP, cohort DiLoCo and PyTorch's
-# gloo DDP side by side, one rank per node, and the table of issue 41 (docs/guides/slow-links.md).
+# Two "nodes" on one machine, joined by a shaped link: cohort DDP, cohort DiLoCo (synchronous
+# and overlapped) and PyTorch's gloo DDP side by side, one rank per node, and the table of
+# issue 41 (docs/guides/slow-links.md).
 #
 # Each node is a network namespace with its own IP; a veth pair joins them, and HTB on both
 # ends caps the link at each --rates value (netem adds --delay, one way, on both ends). For
@@ -9,7 +10,8 @@
 # Efficiency is tokens/s over 2x a single rank's, measured in node 0 first (the same script,
 # one process). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
 # Exposed comm is what rank 0 waited for communication per step: DDP's comm phase; DiLoCo's
-# outer all-reduce over H steps. Both "nodes" share this machine's cores.
+# outer all-reduce over H steps (overlapped: what the syncs waited for it). Both "nodes" share
+# this machine's cores.
 #
 #   sudo scripts/two-node-bench.sh                           # 1 and 10 Gbit/s, config B
 #   sudo scripts/two-node-bench.sh --rates 1gbit --delay 1ms --steps 100 --sync-every 50
@@ -37,7 +39,7 @@ while [ $# -gt 0 ]; do
     --sync-every) sync_every=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --no-torch) torch=0; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "two-node-bench: unknown argument $1 (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -167,6 +169,12 @@ for rate in $rates; do
   [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo failed" >&2; exit 1; }
   per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
   rows+=("| $link | cohort DiLoCo, H = $sync_every | $t | $(ratio "$t" $(( 2 * single ))) | $per ms (${s:-?} ms per sync) |")
+  echo "link $link: cohort DiLoCo H=$sync_every, overlapped" >&2
+  log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every" --outer-overlap)
+  t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
+  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo overlapped failed" >&2; exit 1; }
+  per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
+  rows+=("| $link | cohort DiLoCo, H = $sync_every, overlapped | $t | $(ratio "$t" $(( 2 * single ))) | $per ms (${s:-?} ms waited per sync) |")
   if [ "$torch" = 1 ]; then
     echo "link $link: PyTorch gloo DDP" >&2
     json=$(torch_two_nodes)

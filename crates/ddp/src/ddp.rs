@@ -10,8 +10,8 @@
 //! the model computes.
 
 use crate::bucket::{
-    assign_buckets, assign_buckets_aligned, buckets_from_bounds, check_layout, GradientBucket,
-    ParamSpec,
+    assign_buckets, assign_buckets_aligned, buckets_from_bounds, check_layout, split_last_bucket,
+    GradientBucket, ParamSpec,
 };
 use crate::error::DdpError;
 use crate::reducer::Reducer;
@@ -26,6 +26,10 @@ pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
 /// PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`, in MB: the first bucket is kept
 /// small so that communication starts early in backward.
 pub const DEFAULT_FIRST_BUCKET_MB: f64 = 1.0;
+/// The most the last bucket holds where it can be cut (MB): its gradients
+/// are final only when backward ends, so all of its all-reduce is exposed.
+/// PyTorch's first-bucket size, for the bucket at the other end.
+pub const DEFAULT_LAST_BUCKET_MB: f64 = 1.0;
 
 /// How gradients travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,6 +86,10 @@ pub struct DdpOptions {
     pub bucket_cap_mb: f64,
     /// Size of the first bucket in MB, capped at `bucket_cap_mb`.
     pub first_bucket_mb: f64,
+    /// The most the last bucket (ready when backward ends) holds, in MB,
+    /// where a parameter (after the first backward, a ready range) boundary
+    /// allows the cut; else it is cut as small as they allow.
+    pub last_bucket_mb: f64,
     /// Reduce buckets during backward (true) or the whole buffer at once
     /// after it (false).
     pub overlap: bool,
@@ -97,6 +105,7 @@ impl Default for DdpOptions {
         Self {
             bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
             first_bucket_mb: DEFAULT_FIRST_BUCKET_MB,
+            last_bucket_mb: DEFAULT_LAST_BUCKET_MB,
             overlap: true,
             find_unused_parameters: false,
             compression: Compression::None,
@@ -174,6 +183,8 @@ impl<'pg> Ddp<'pg> {
             mb(options.first_bucket_mb),
             mb(options.bucket_cap_mb),
         );
+        let starts = params.iter().map(|p| p.range.start);
+        let buckets = split_last_bucket(&params, &buckets, starts, mb(options.last_bucket_mb));
         Ok(Self {
             pg,
             params,
@@ -336,11 +347,7 @@ impl<'pg> Ddp<'pg> {
         self.rebuilt = true;
         let mut bounds: Vec<i64> = Vec::new();
         if self.pg.rank() == 0 {
-            let (first, cap) = (
-                mb(self.options.first_bucket_mb),
-                mb(self.options.bucket_cap_mb),
-            );
-            if let Some(b) = assign_buckets_aligned(&self.params, ready, first, cap) {
+            if let Some(b) = self.aligned(ready) {
                 bounds.push(self.total as i64);
                 bounds.extend(b.iter().map(|b| b.range.start as i64));
             }
@@ -364,6 +371,28 @@ impl<'pg> Ddp<'pg> {
 }
 
 impl Ddp<'_> {
+    /// The buckets along `ready` (the ranges backward reports, in order),
+    /// the last one cut small: `None` if they do not tile the buffer.
+    fn aligned(&self, ready: &[Range<usize>]) -> Option<Vec<GradientBucket>> {
+        let o = &self.options;
+        let (first, cap) = (mb(o.first_bucket_mb), mb(o.bucket_cap_mb));
+        let b = assign_buckets_aligned(&self.params, ready, first, cap)?;
+        let cuts = ready.iter().map(|r| r.start);
+        Some(split_last_bucket(&self.params, &b, cuts, mb(o.last_bucket_mb)))
+    }
+
+    /// Cuts the buckets along `ready`, the ranges the model's backward will
+    /// report, in order (a model that knows them, as cohort-gpt's
+    /// `ready_ranges`), so that the layout is known before the first step;
+    /// it is still checked and agreed on after the first backward. Not
+    /// collective: every rank holds the same model. Ignored (the layout by
+    /// parameters stays) when the ranges do not tile the buffer top down.
+    pub fn plan_along(&mut self, ready: &[Range<usize>]) {
+        if let Some(b) = self.aligned(ready) {
+            self.buckets = b;
+        }
+    }
+
     /// Backward with a communication thread that all-reduces each bucket as
     /// soon as the reducer launches it.
     fn backward_overlapped<'g, E>(

@@ -81,7 +81,10 @@ impl<'pg> GradSync<'pg> {
         opt: AdamW,
         options: DdpOptions,
     ) -> Result<Self, TrainError> {
-        let ddp = Ddp::new(pg, param_specs(model), model.params_mut(), options)?;
+        let mut ddp = Ddp::new(pg, param_specs(model), model.params_mut(), options)?;
+        // The buckets along the ranges backward will report, from the
+        // start: the header states the sizes the run uses.
+        ddp.plan_along(&model.ready_ranges());
         Ok(GradSync::Ddp { ddp, opt })
     }
 

@@ -11,12 +11,13 @@ use std::sync::Arc;
 
 use cohort_comm::ProcessGroup;
 use cohort_data::Dataset;
-use cohort_ddp::DdpOptions;
+use cohort_ddp::{Compression, DdpOptions};
 use cohort_engine::optim::AdamW;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
 use super::diloco::{self, DilocoTarget, Outer, OuterConfig};
+use super::link;
 use super::sharded::{ShardedDp, ZeroStage};
 use super::step::{DataParallel, GradSync};
 use super::zero1::Zero1;
@@ -96,13 +97,23 @@ impl<'a> DataParallelRun<'a> {
         } = replicated_start(cfg, pg, sharding)?;
         let t = data.seq_len();
         let threads = model.backend().num_threads();
+        // DiLoCo sends no gradients (its pseudo-gradients' dtype is a flag).
+        let compression = match kind {
+            SyncKind::Diloco => Compression::None,
+            _ => {
+                let choice = link::choose(cfg.compression(), pg, model.num_params())?;
+                header.extend(choice.line);
+                choice.compression
+            }
+        };
         let overlap = match kind {
             SyncKind::Zero1 | SyncKind::Diloco => false,
             // Compressed reduce-scatters run in place (see `set_compression`).
-            SyncKind::Sharded(_) if cfg.bf16_compress => false,
+            SyncKind::Sharded(_) if compression == Compression::Bf16 => false,
             _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
         };
-        let (sync, state) = build_sync(cfg, pg, kind, overlap, &mut model, &mut header)?;
+        let built = build_sync(cfg, pg, kind, (overlap, compression), &mut model, &mut header);
+        let (sync, state) = built?;
         header.push(model_line(cfg, &data, &model, &sync, world, overlap));
         header.push(memory_line(cfg, &model, t, sharding));
         header.push(global_batch_line(cfg, world, t));
@@ -125,14 +136,15 @@ impl<'a> DataParallelRun<'a> {
 }
 
 /// The gradient sync `kind` over `model` (rank 0's parameters made every
-/// rank's), its collectives overlapping the model's work when `overlap`, resumed from `cfg.resume` when set (any checkpoint: a sharded
+/// rank's), its collectives overlapping the model's work when `overlap`,
+/// its gradients travelling as `compression` says, resumed from `cfg.resume` when set (any checkpoint: a sharded
 /// sync reads only its own shard), noting it in `header`. Returns where the
 /// run starts. Collective.
 fn build_sync<'a>(
     cfg: &TrainConfig,
     pg: &'a ProcessGroup,
     kind: SyncKind,
-    overlap: bool,
+    (overlap, compression): (bool, Compression),
     model: &mut GPT,
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
@@ -144,7 +156,7 @@ fn build_sync<'a>(
         let options = DdpOptions {
             bucket_cap_mb: cfg.bucket_cap_mb,
             overlap,
-            compression: cfg.compression(),
+            compression,
             ..DdpOptions::default()
         };
         return Ok((GradSync::ddp(pg, model, opt, options)?, state));
@@ -156,14 +168,14 @@ fn build_sync<'a>(
     let sync = match kind {
         SyncKind::Sharded(stage) => {
             let mut zero = ShardedDp::new(pg, model, stage, cfg.adamw())?;
-            zero.set_compression(cfg.compression());
+            zero.set_compression(compression);
             zero.set_overlap(overlap);
             GradSync::Sharded(Box::new(zero))
         }
         _ => {
             let full_mask = decay_mask(model.param_views());
             let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
-            zero.set_compression(cfg.compression());
+            zero.set_compression(compression);
             GradSync::Zero1(zero)
         }
     };
@@ -245,9 +257,12 @@ fn model_line(
     let n = model.num_params();
     let spread = match sync {
         GradSync::Ddp { ddp, .. } => format!(
-            "DDP buckets: {} (cap {} MB, overlap {})",
+            "DDP buckets: {} in launch order of {} (cap {} MB, the last at most {} MB where it \
+             can be cut; overlap {})",
             ddp.buckets().len(),
+            cohort_ddp::describe_sizes(ddp.buckets()),
             cfg.bucket_cap_mb,
+            ddp.options().last_bucket_mb,
             on_off(overlap)
         ),
         GradSync::Zero1(zero) => format!(

@@ -38,7 +38,7 @@ pub(crate) struct BlockLayout {
     pub fc_b: Range<usize>,
     pub fcproj_w: Range<usize>,
     pub fcproj_b: Range<usize>,
-    /// The whole block: what the readiness hook reports.
+    /// The whole block (the readiness hook reports it in two: from `ln_2_w` up, then below).
     pub all: Range<usize>,
 }
 
@@ -184,9 +184,13 @@ impl Layout {
     /// The ranges the readiness hook reports, in backward order; they partition `0..total`.
     pub(crate) fn ready_order(&self) -> Vec<Range<usize>> {
         let head_start = self.ln_f_w.start;
-        let mut order = Vec::with_capacity(self.blocks.len() + 2);
+        let mut order = Vec::with_capacity(2 * self.blocks.len() + 2);
         order.push(head_start..self.total);
-        order.extend(self.blocks.iter().rev().map(|b| b.all.clone()));
+        // Each block in two: its MLP (from ln_2 up) is final before its attention.
+        for b in self.blocks.iter().rev() {
+            order.push(b.ln_2_w.start..b.all.end);
+            order.push(b.all.start..b.ln_2_w.start);
+        }
         order.push(self.wte.start..self.wpe.end);
         order
     }

@@ -36,6 +36,8 @@ pub fn clean(cmd: &mut Command) {
         "COHORT_TIMEOUT",
         "COHORT_SECRET",
         "COHORT_INJECT_NAN",
+        "COHORT_NODE_ID",
+        "COHORT_LINK_GBITS",
         "TORCHELASTIC_HEALTH_CHECK_PORT",
     ] {
         cmd.env_remove(var);

@@ -102,9 +102,8 @@ pub(super) fn backward_pass<'g>(
             // dropout masks, so the same values).
             block_forward(pass, at, p, a);
         }
-        block_backward(pass, at, p, g, a);
+        block_backward(pass, at, p, g, a, &mut ready);
         leave(lay, hooks, Part::Block(l), p);
-        ready(bl.all.clone(), g);
     }
 
     if !tied {

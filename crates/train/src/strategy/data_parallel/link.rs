@@ -126,6 +126,20 @@ pub(crate) fn choose(
     })
 }
 
+/// The header line of a group whose all-reduces run hierarchically (the
+/// ranks span nodes and share them: cohort-comm does it by itself under
+/// the `auto` algorithm), or `None` when they run flat.
+pub(crate) fn hierarchy_line(pg: &ProcessGroup) -> Option<String> {
+    let sizes = pg.hierarchy()?;
+    let nodes: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    Some(format!(
+        "all-reduce: hierarchical over {} nodes of {} ranks: each node reduces among its own \
+         ranks first, and one rank per node crosses the link (COHORT_ALGO=ring runs it flat)",
+        sizes.len(),
+        nodes.join(" + ")
+    ))
+}
+
 /// `COHORT_LINK_GBITS`, when set: a link speed in Gbit/s above 0.
 fn forced_gbits() -> Result<Option<f64>, TrainError> {
     let Ok(value) = std::env::var(LINK_VAR) else {

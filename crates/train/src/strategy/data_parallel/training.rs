@@ -97,6 +97,9 @@ impl<'a> DataParallelRun<'a> {
         } = replicated_start(cfg, pg, sharding)?;
         let t = data.seq_len();
         let threads = model.backend().num_threads();
+        if matches!(kind, SyncKind::Ddp | SyncKind::Diloco) {
+            header.extend(link::hierarchy_line(pg));
+        }
         // DiLoCo sends no gradients (its pseudo-gradients' dtype is a flag).
         let compression = match kind {
             SyncKind::Diloco => Compression::None,

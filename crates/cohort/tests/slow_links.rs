@@ -83,13 +83,15 @@ fn the_header_states_the_buckets_and_the_last_is_small() {
     let t = train(&["--bucket-cap-mb", "25"]);
     args.extend(t.iter().map(String::as_str));
     let out = succeeded(&run(&args));
-    // PyTorch's 25 MB cap puts the whole model (3.2 MB) in one bucket; the
-    // last is cut at the highest block boundary that leaves it under 1 MB:
-    // block 0 and the embeddings (0.04 + 0.79 MB), launched when backward
-    // ends; blocks 1-3 and the head go first.
+    // PyTorch's caps (1 MB first, then 25 MB), along the ranges backward
+    // reports (each block's MLP half, 0.50 MB, then its attention half,
+    // 0.25 MB): the head, block 3 and block 2's MLP close the first bucket
+    // at 1.26 MB; the rest would be one 1.78 MB bucket, ready only when
+    // backward ends, so it is cut at the highest boundary that leaves the
+    // last under 1 MB: block 0 and the embeddings (0.77 MB).
     let model = line(&out, "model:");
     assert!(
-        model.contains("DDP buckets: 2 in launch order of 2.37 + 0.80 MB (cap 25 MB"),
+        model.contains("DDP buckets: 3 in launch order of 1.26 + 1.01 + 0.77 MB (cap 25 MB"),
         "{model}"
     );
     // One node: fp32, and said why.

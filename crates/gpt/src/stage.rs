@@ -596,7 +596,7 @@ impl GptStage {
                     layout: bl,
                 };
                 let g = &mut rest[bl.all.clone()];
-                block_backward(pass, at, p, g, &mut a, &mut |_, _| {});
+                block_backward(pass, at, p, g, &mut a, None);
             }
             if part.embeddings {
                 let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);

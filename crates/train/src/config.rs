@@ -624,8 +624,8 @@ pub struct TrainArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap: Option<Overlap>,
     /// Send gradients in bf16 (PyTorch's bf16_compress_hook): DDP's all-reduce, ZeRO's
-    /// reduce-scatter [default: bf16 only where the ranks span nodes and a timed all-reduce
-    /// at the start says a step's fp32 gradients would take over 50 ms on the link].
+    /// reduce-scatter. Not given: bf16 only where the ranks span nodes and a timed all-reduce
+    /// at the start says a step's fp32 gradients would take over 50 ms on the link.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_compress: Option<bool>,

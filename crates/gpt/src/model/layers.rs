@@ -488,18 +488,17 @@ pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32]
 }
 
 /// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
-/// `g` is the block's gradient range (offset `at.layout.all.start`). It hands `ready` the MLP's
-/// half (from `ln_2`, the top of the range: [`Layout::ready_order`]) as soon as `ln_2`'s backward
-/// has finished it, while attention's backward still runs, then the attention's half: a data-
-/// parallel reduction of the MLP's gradients overlaps the attention's backward, and of the first
-/// block less is left when backward ends.
+/// `g` is the block's gradient range (offset `at.layout.all.start`). With `ready` it hands it the
+/// MLP's half (from `ln_2`, the top of the range: [`Layout::ready_order`]) as soon as `ln_2`'s
+/// backward has finished it, while attention's backward still runs, then the attention's half
+/// (see [`Backward::split_blocks`]); without, the caller hands over the whole block after.
 pub(crate) fn block_backward<'g>(
     pass: &mut Pass,
     at: BlockAt,
     p: &[f32],
     g: &'g mut [f32],
     a: &mut Acts,
-    ready: &mut dyn FnMut(Range<usize>, &'g mut [f32]),
+    mut ready: Option<&mut dyn FnMut(Range<usize>, &'g mut [f32])>,
 ) {
     let dims = pass.dims;
     let Dims { c, f, nh, .. } = dims;
@@ -623,7 +622,9 @@ pub(crate) fn block_backward<'g>(
             )
         });
     }
-    ready(mlp_off..bl.all.end, g_mlp);
+    if let Some(ready) = ready.as_mut() {
+        ready(mlp_off..bl.all.end, g_mlp);
+    }
 
     // Attention: x_mid = x + drop(attn(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
     {
@@ -712,5 +713,7 @@ pub(crate) fn block_backward<'g>(
             w.ln_1_w,
             (n, c),
         )
-    });    ready(off..mlp_off, g);
+    });    if let Some(ready) = ready {
+        ready(off..mlp_off, g);
+    }
 }

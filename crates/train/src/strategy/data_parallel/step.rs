@@ -84,7 +84,7 @@ impl<'pg> GradSync<'pg> {
         let mut ddp = Ddp::new(pg, param_specs(model), model.params_mut(), options)?;
         // The buckets along the ranges backward will report, from the
         // start: the header states the sizes the run uses.
-        ddp.plan_along(&model.ready_ranges());
+        ddp.plan_along(&model.split_ready_ranges());
         Ok(GradSync::Ddp { ddp, opt })
     }
 
@@ -186,7 +186,9 @@ impl<'pg> DataParallel<'pg> {
         match &mut self.sync {
             GradSync::Ddp { ddp, .. } if last => {
                 let stats = ddp
-                    .backward(|ready| model.backward(Backward::new().on_ready(ready)))?
+                    .backward(|ready| {
+                        model.backward(Backward::new().on_ready(ready).split_blocks())
+                    })?
                     .finish(model.grads_mut())?;
                 Ok(SyncTimes {
                     backward: stats.backward,

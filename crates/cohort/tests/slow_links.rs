@@ -6,6 +6,8 @@
 //! timed all-reduce), in fp32 when it is fast or when every rank is on one
 //! node, and an explicit flag wins. Two launchers of two ranks each reduce
 //! hierarchically by themselves, and train as four ranks on one node do.
+//! Where the engine takes every core, DDP's reducer thread runs a few nice
+//! steps below it (`COHORT_REDUCER_NICE` overrides).
 
 mod support;
 
@@ -155,4 +157,25 @@ fn two_launchers_of_two_reduce_hierarchically_by_themselves() {
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
     assert!(d < 1e-5, "max |diff| {d}");
+}
+
+#[test]
+fn the_reducer_yields_where_the_engine_takes_every_core() {
+    // The launcher gives each of n ranks cores / n threads: every core.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let n = cores.clamp(2, 4).to_string();
+    let mut args = vec!["run", "--standalone", "-n", &n];
+    let t = train(&["--overlap", "on"]);
+    args.extend(t.iter().map(String::as_str));
+    let out = succeeded(&run(&args));
+    let model = line(&out, "model:");
+    assert!(
+        model.contains("overlap on, its thread 5 nice steps below backward's (no core free"),
+        "{model}"
+    );
+    // COHORT_REDUCER_NICE overrides the budget.
+    let out = cohort().args(&args).env("COHORT_REDUCER_NICE", "0").output();
+    let out = succeeded(&out.expect("cohort runs"));
+    let model = line(&out, "model:");
+    assert!(model.contains("overlap on)"), "{model}");
 }

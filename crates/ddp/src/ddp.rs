@@ -98,6 +98,12 @@ pub struct DdpOptions {
     pub find_unused_parameters: bool,
     /// Gradient compression.
     pub compression: Compression,
+    /// How many nice steps the overlapped reduction's thread runs below
+    /// the caller's priority (Linux, per thread; 0: the same). Above 0 it
+    /// yields to backward's threads where they take every core, so that it
+    /// does not stall their fork-join kernels, and runs in their gaps and
+    /// after backward.
+    pub reducer_nice: u8,
 }
 
 impl Default for DdpOptions {
@@ -109,6 +115,7 @@ impl Default for DdpOptions {
             overlap: true,
             find_unused_parameters: false,
             compression: Compression::None,
+            reducer_nice: 0,
         }
     }
 }
@@ -132,6 +139,10 @@ pub struct SyncStats {
     pub comm_busy: Duration,
     /// Buckets whose reduction started before backward returned.
     pub overlapped_buckets: usize,
+    /// How many nice steps below the caller the reduction's thread ran,
+    /// as it read its priority back (`None` without an overlapped
+    /// reduction thread).
+    pub reducer_nice: Option<i32>,
 }
 
 /// Data-parallel wrapper state for one model replica in a process group.
@@ -406,17 +417,19 @@ impl Ddp<'_> {
         let world = self.pg.size();
         let (pg, params, buckets, total) = (self.pg, &self.params, &self.buckets, self.total);
         let compression = self.options.compression;
+        let nice = self.options.reducer_nice;
         let scratch = &mut self.scratch;
         std::thread::scope(|s| {
             let (tx, rx) = mpsc::channel::<(usize, &'g mut [f32])>();
-            let comm = s.spawn(move || -> Result<Duration, DdpError> {
+            let comm = s.spawn(move || -> Result<(Duration, i32), DdpError> {
+                let nice = set_thread_nice(nice);
                 let mut busy = Duration::ZERO;
                 for (b, grads) in rx {
                     let t = Instant::now();
                     reduce_bucket(pg, Some(b), grads, compression, world, scratch)?;
                     busy += t.elapsed();
                 }
-                Ok(busy)
+                Ok((busy, nice))
             });
             let mut reducer = Reducer::new(params, buckets, total, true);
             let t = Instant::now();
@@ -431,11 +444,12 @@ impl Ddp<'_> {
             drop(tx);
             let end = BackwardEnd::of(reducer);
             let t = Instant::now();
-            let busy = comm
+            let (busy, nice) = comm
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
             stats.comm_wait = t.elapsed();
             stats.comm_busy = busy;
+            stats.reducer_nice = Some(nice);
             result.map_err(|e| DdpError::Backward(e.into()))?;
             end
         })
@@ -486,6 +500,26 @@ impl BackwardEnd {
             covered,
             ready,
         })
+    }
+}
+
+/// Raises the calling thread's nice value by `steps` (Linux: nice values
+/// are per thread, and a new thread starts at its creator's), and returns
+/// by how much it runs above its creator's. A value the system refuses
+/// leaves it as it was: the reduction runs either way.
+fn set_thread_nice(steps: u8) -> i32 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+    // SAFETY: getpriority and setpriority only read their integer
+    // arguments, and `tid` is this live thread: they read or change this
+    // thread's priority alone. (getpriority's -1 error value is also a
+    // nice value, but it cannot fail for this thread.)
+    unsafe {
+        let base = libc::getpriority(libc::PRIO_PROCESS, tid);
+        if steps > 0 {
+            libc::setpriority(libc::PRIO_PROCESS, tid, base + i32::from(steps));
+        }
+        libc::getpriority(libc::PRIO_PROCESS, tid) - base
     }
 }
 

@@ -140,6 +140,45 @@ pub(crate) fn hierarchy_line(pg: &ProcessGroup) -> Option<String> {
     ))
 }
 
+/// The variable that sets the reducer's nice steps (0 to 19) instead of the
+/// core budget's choice, to measure either.
+pub(crate) const REDUCER_NICE_VAR: &str = "COHORT_REDUCER_NICE";
+
+/// The nice steps DDP's overlapped reduction thread runs below backward's
+/// threads: a core budget. Where a core is free of compute threads
+/// (`threads` per rank x `local_ranks` under the cores) the scheduler gives
+/// the reducer that core: 0. Where the engine takes every core, each burst
+/// of the reducer (a bucket's bf16 conversion, a chunk's sum, ~ms) at equal
+/// priority preempts one engine worker and so stalls a whole fork-join
+/// kernel on the others; giving it one core of the engine's instead would
+/// cost backward 1/threads of its speed for good (half, on a 2-core host),
+/// for a thread that on a slow link needs a few percent of a core. So it
+/// runs [`REDUCER_NICE_BUSY`] steps lower: in the engine's gaps (every
+/// kernel's join), and freely once backward ends. `COHORT_REDUCER_NICE`
+/// overrides it.
+pub(crate) fn reducer_nice(threads: usize, local_ranks: usize) -> Result<u8, TrainError> {
+    if let Ok(value) = std::env::var(REDUCER_NICE_VAR) {
+        return match value.trim().parse::<u8>() {
+            Ok(n) if n <= 19 => Ok(n),
+            _ => Err(TrainError::Hook {
+                var: REDUCER_NICE_VAR,
+                value,
+                expected: "nice steps from 0 to 19",
+            }),
+        };
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(if threads * local_ranks.max(1) >= cores {
+        REDUCER_NICE_BUSY
+    } else {
+        0
+    })
+}
+
+/// The reducer's nice steps where the engine takes every core: CFS then
+/// gives it about a third of a busy core's share, when it asks.
+pub(crate) const REDUCER_NICE_BUSY: u8 = 5;
+
 /// `COHORT_LINK_GBITS`, when set: a link speed in Gbit/s above 0.
 fn forced_gbits() -> Result<Option<f64>, TrainError> {
     let Ok(value) = std::env::var(LINK_VAR) else {
@@ -175,5 +214,20 @@ mod tests {
         assert_eq!(*auto, Compression::None);
         let auto_line = auto_line.as_deref().unwrap_or_default();
         assert!(auto_line.contains("every rank on one node"), "{auto_line}");
+    }
+
+    /// A core free of compute threads is the reducer's; with none, it runs
+    /// below backward's threads (the variable's override is tested end to end).
+    #[test]
+    fn the_reducer_yields_only_where_the_engine_takes_every_core() {
+        if std::env::var_os(REDUCER_NICE_VAR).is_some() {
+            return;
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(reducer_nice(cores, 1).unwrap(), REDUCER_NICE_BUSY);
+        assert_eq!(reducer_nice(1, cores).unwrap(), REDUCER_NICE_BUSY);
+        if cores > 1 {
+            assert_eq!(reducer_nice(1, 1).unwrap(), 0);
+        }
     }
 }

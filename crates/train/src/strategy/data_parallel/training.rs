@@ -115,7 +115,12 @@ impl<'a> DataParallelRun<'a> {
             SyncKind::Sharded(_) if compression == Compression::Bf16 => false,
             _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
         };
-        let built = build_sync(cfg, pg, kind, (overlap, compression), &mut model, &mut header);
+        let nice = match kind {
+            SyncKind::Ddp if overlap => link::reducer_nice(threads, pg.local_world_size())?,
+            _ => 0,
+        };
+        let wire = (overlap, compression, nice);
+        let built = build_sync(cfg, pg, kind, wire, &mut model, &mut header);
         let (sync, state) = built?;
         header.push(model_line(cfg, &data, &model, &sync, world, overlap));
         header.push(memory_line(cfg, &model, t, sharding));
@@ -140,14 +145,15 @@ impl<'a> DataParallelRun<'a> {
 
 /// The gradient sync `kind` over `model` (rank 0's parameters made every
 /// rank's), its collectives overlapping the model's work when `overlap`,
-/// its gradients travelling as `compression` says, resumed from `cfg.resume` when set (any checkpoint: a sharded
+/// its gradients travelling as `compression` says (DDP's reducer thread
+/// `reducer_nice` steps below backward's), resumed from `cfg.resume` when set (any checkpoint: a sharded
 /// sync reads only its own shard), noting it in `header`. Returns where the
 /// run starts. Collective.
 fn build_sync<'a>(
     cfg: &TrainConfig,
     pg: &'a ProcessGroup,
     kind: SyncKind,
-    (overlap, compression): (bool, Compression),
+    (overlap, compression, reducer_nice): (bool, Compression, u8),
     model: &mut GPT,
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
@@ -160,6 +166,7 @@ fn build_sync<'a>(
             bucket_cap_mb: cfg.bucket_cap_mb,
             overlap,
             compression,
+            reducer_nice,
             ..DdpOptions::default()
         };
         return Ok((GradSync::ddp(pg, model, opt, options)?, state));
@@ -259,15 +266,22 @@ fn model_line(
 ) -> String {
     let n = model.num_params();
     let spread = match sync {
-        GradSync::Ddp { ddp, .. } => format!(
-            "DDP buckets: {} in launch order of {} (cap {} MB, the last at most {} MB where it \
-             can be cut; overlap {})",
-            ddp.buckets().len(),
-            cohort_ddp::describe_sizes(ddp.buckets()),
-            cfg.bucket_cap_mb,
-            ddp.options().last_bucket_mb,
-            on_off(overlap)
-        ),
+        GradSync::Ddp { ddp, .. } => {
+            let nice = ddp.options().reducer_nice;
+            let reducer = match nice {
+                0 => String::new(),
+                n => format!(", its thread {n} nice steps below backward's (no core free for it)"),
+            };
+            format!(
+                "DDP buckets: {} in launch order of {} (cap {} MB, the last at most {} MB where \
+                 it can be cut; overlap {}{reducer})",
+                ddp.buckets().len(),
+                cohort_ddp::describe_sizes(ddp.buckets()),
+                cfg.bucket_cap_mb,
+                ddp.options().last_bucket_mb,
+                on_off(overlap)
+            )
+        }
         GradSync::Zero1(zero) => format!(
             "ZeRO-1: {world} shards of {} ({} padding)",
             zero.shard_len(),

@@ -98,7 +98,10 @@ fn the_header_states_the_buckets_and_the_last_is_small() {
     );
     // One node: fp32, and said why.
     let grads = line(&out, "gradients:");
-    assert!(grads.contains("fp32 (auto: every rank on one node"), "{grads}");
+    assert!(
+        grads.contains("fp32 (auto: every rank on one node"),
+        "{grads}"
+    );
 }
 
 #[test]
@@ -112,7 +115,10 @@ fn gradients_go_in_bf16_by_themselves_across_a_slow_link_only() {
     );
     let fast = two_launchers("1", &[("COHORT_LINK_GBITS", "100")], &[]);
     let grads = line(&fast, "gradients:");
-    assert!(grads.contains("gradients: fp32 (auto: the ranks span 2 nodes"), "{grads}");
+    assert!(
+        grads.contains("gradients: fp32 (auto: the ranks span 2 nodes"),
+        "{grads}"
+    );
     assert!(grads.contains("within 50 ms"), "{grads}");
     // The flag wins over the link.
     let forced = two_launchers(
@@ -121,7 +127,10 @@ fn gradients_go_in_bf16_by_themselves_across_a_slow_link_only() {
         &["--bf16-compress", "false"],
     );
     let grads = line(&forced, "gradients:");
-    assert!(grads.contains("gradients: fp32 (--bf16-compress false)"), "{grads}");
+    assert!(
+        grads.contains("gradients: fp32 (--bf16-compress false)"),
+        "{grads}"
+    );
     // Timed: a line either way, with what the probe measured.
     let timed = two_launchers("1", &[], &[]);
     let grads = line(&timed, "gradients:");
@@ -174,7 +183,10 @@ fn the_reducer_yields_where_the_engine_takes_every_core() {
         "{model}"
     );
     // COHORT_REDUCER_NICE overrides the budget.
-    let out = cohort().args(&args).env("COHORT_REDUCER_NICE", "0").output();
+    let out = cohort()
+        .args(&args)
+        .env("COHORT_REDUCER_NICE", "0")
+        .output();
     let out = succeeded(&out.expect("cohort runs"));
     let model = line(&out, "model:");
     assert!(model.contains("overlap on)"), "{model}");

@@ -163,9 +163,10 @@ pub fn split_last_bucket(
         .into_iter()
         .filter(|c| last.range.start < *c && *c < last.range.end && starts.contains(c))
         .collect();
-    let fits = inside.iter().copied().filter(|c| {
-        (c - last.range.start) * ELEM_BYTES <= last_cap_bytes
-    });
+    let fits = inside
+        .iter()
+        .copied()
+        .filter(|c| (c - last.range.start) * ELEM_BYTES <= last_cap_bytes);
     let Some(cut) = fits.max().or_else(|| inside.iter().copied().min()) else {
         return buckets.to_vec();
     };
@@ -322,7 +323,10 @@ mod tests {
         assert_eq!(sizes(&cut), vec![2000, 1200, 800]);
         assert_eq!(cut[2].params, 0..2);
         // Cap 100 B: no cut keeps it under, so the smallest there is.
-        assert_eq!(sizes(&split_last_bucket(&p, &b, starts.clone(), 100)), vec![2000, 1600, 400]);
+        assert_eq!(
+            sizes(&split_last_bucket(&p, &b, starts.clone(), 100)),
+            vec![2000, 1600, 400]
+        );
         // Within the cap, or nothing to cut at: unchanged.
         assert_eq!(split_last_bucket(&p, &b, starts, 4000), b);
         assert_eq!(split_last_bucket(&p, &b, [0, 350], 800), b);

@@ -389,7 +389,12 @@ impl Ddp<'_> {
         let (first, cap) = (mb(o.first_bucket_mb), mb(o.bucket_cap_mb));
         let b = assign_buckets_aligned(&self.params, ready, first, cap)?;
         let cuts = ready.iter().map(|r| r.start);
-        Some(split_last_bucket(&self.params, &b, cuts, mb(o.last_bucket_mb)))
+        Some(split_last_bucket(
+            &self.params,
+            &b,
+            cuts,
+            mb(o.last_bucket_mb),
+        ))
     }
 
     /// Cuts the buckets along `ready`, the ranges the model's backward will

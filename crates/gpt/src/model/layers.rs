@@ -713,7 +713,8 @@ pub(crate) fn block_backward<'g>(
             w.ln_1_w,
             (n, c),
         )
-    });    if let Some(ready) = ready {
+    });
+    if let Some(ready) = ready {
         ready(off..mlp_off, g);
     }
 }

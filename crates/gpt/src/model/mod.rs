@@ -510,7 +510,8 @@ impl GPT {
                 prof: profile,
             };
             let hooks = &mut *hooks;
-            backward_pass(pass, layout, params, grads, &mut acts, hooks, ready, split_blocks)
+            let ready = (ready, split_blocks);
+            backward_pass(pass, layout, params, grads, &mut acts, hooks, ready)
         };
         dev.install(&mut run);
         Ok(())

@@ -57,8 +57,7 @@ pub(super) fn backward_pass<'g>(
     grads: &'g mut [f32],
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
-    mut ready: impl FnMut(Range<usize>, &'g mut [f32]),
-    split_blocks: bool,
+    (mut ready, split_blocks): (impl FnMut(Range<usize>, &'g mut [f32]), bool),
 ) {
     let tied = lay.tied();
     // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,

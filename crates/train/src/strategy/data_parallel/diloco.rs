@@ -634,7 +634,9 @@ mod tests {
         let inner = |x: f64, t: f64| x + (t - x) / 3.0;
         let rounds = 4;
         let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
-            let side = pg.new_group(&[0, 1]).map_err(TrainError::comm("new_group"))?;
+            let side = pg
+                .new_group(&[0, 1])
+                .map_err(TrainError::comm("new_group"))?;
             assert!(side.is_some());
             let mut outer = Outer::new(cfg, &theta0, side)?;
             let mut p = theta0.to_vec();
@@ -657,7 +659,11 @@ mod tests {
         let mut steps = 0;
         let mut outer_step = |theta: &mut Vec<f64>, avg: &[f64]| {
             for i in 0..3 {
-                b[i] = if steps == 0 { avg[i] } else { mu * b[i] + avg[i] };
+                b[i] = if steps == 0 {
+                    avg[i]
+                } else {
+                    mu * b[i] + avg[i]
+                };
                 theta[i] -= lr * (avg[i] + mu * b[i]);
             }
             steps += 1;
@@ -691,9 +697,9 @@ mod tests {
             }
             s = x.clone();
         }
-        for i in 0..3 {
-            let err = (got[0].0[i] as f64 - theta[i]).abs();
-            assert!(err < 1e-5, "[{i}]: {} vs {}", got[0].0[i], theta[i]);
+        for (i, (g, t)) in got[0].0.iter().zip(&theta).enumerate() {
+            let err = (*g as f64 - t).abs();
+            assert!(err < 1e-5, "[{i}]: {g} vs {t}");
         }
         assert_eq!(got[0].0, got[0].1, "the run ends on θ");
     }

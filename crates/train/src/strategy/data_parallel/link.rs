@@ -61,7 +61,9 @@ pub(crate) fn choose(
     }
     let fp32 = |why: &str| Choice {
         compression: Compression::None,
-        line: Some(format!("gradients: fp32 (auto: {why}; --bf16-compress sends bf16)")),
+        line: Some(format!(
+            "gradients: fp32 (auto: {why}; --bf16-compress sends bf16)"
+        )),
     };
     let (world, local) = (pg.size(), pg.local_world_size().max(1));
     if world == 1 {
@@ -209,7 +211,10 @@ mod tests {
         .unwrap();
         let (c, line, auto, auto_line) = &got[0];
         assert_eq!(*c, Compression::Bf16);
-        assert_eq!(line.as_deref(), Some("gradients: bf16 (--bf16-compress true)"));
+        assert_eq!(
+            line.as_deref(),
+            Some("gradients: bf16 (--bf16-compress true)")
+        );
         // Threads of one process: one node.
         assert_eq!(*auto, Compression::None);
         let auto_line = auto_line.as_deref().unwrap_or_default();

@@ -183,9 +183,13 @@ pub struct TrainConfig {
     pub outer_nesterov: bool,
     /// DiLoCo and local SGD: what the averaged pseudo-gradients travel in.
     pub pseudo_grad_dtype: Precision,
-    /// DiLoCo and local SGD: run the outer all-reduce during the next H
-    /// inner steps and take the outer step one round late.
+    /// DiLoCo and local SGD: run the outer all-reduce during the next inner
+    /// steps and take the outer step `outer_overlap_steps` steps late.
     pub outer_overlap: bool,
+    /// DiLoCo and local SGD, overlapped: the inner steps the outer
+    /// all-reduce has before its step is taken (τ; `sync_every` or more:
+    /// one round late).
+    pub outer_overlap_steps: u64,
 }
 
 /// The order of a pipeline stage's forwards and backwards in a step.
@@ -429,6 +433,7 @@ impl Default for TrainConfig {
             outer_nesterov: true,
             pseudo_grad_dtype: Precision::Fp32,
             outer_overlap: false,
+            outer_overlap_steps: 5,
         }
     }
 }
@@ -709,6 +714,11 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub outer_overlap: Option<bool>,
+    /// DiLoCo, local SGD, overlapped: inner steps the outer all-reduce has before its outer
+    /// step is taken; --sync-every or more: one round late [default: 5].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_overlap_steps: Option<u64>,
 }
 
 impl TrainArgs {
@@ -898,6 +908,9 @@ impl TrainConfig {
         }
         if self.sync_every == 0 {
             return bad("sync_every", "0".into(), "must be at least 1");
+        }
+        if self.outer_overlap_steps == 0 {
+            return bad("outer_overlap_steps", "0".into(), "must be at least 1");
         }
         if !(self.outer_lr > 0.0 && self.outer_lr.is_finite()) {
             return bad(

@@ -182,20 +182,23 @@ fn overlapped(sync_every: u64, cfg: &TrainConfig) -> TrainConfig {
     }
 }
 
-/// Overlapped local SGD on one rank is plain training too: the outer step
-/// one round late gives θ the previous round's end, and θ − d this round's
-/// end again (to the rounding of the subtractions).
+/// Overlapped local SGD on one rank is plain training too, τ steps or a
+/// round late: the outer step gives θ the sync's parameters, and θ − (s −
+/// x) the rank's own again (to the rounding of the subtractions).
 #[test]
 fn overlapped_local_sgd_on_one_rank_is_plain_training() {
     let cfg = TrainConfig { steps: 7, ..tiny() };
     let plain = run_world(1, &cfg).swap_remove(0);
-    let local = TrainConfig {
-        strategy: Strategy::LocalSgd,
-        ..overlapped(2, &cfg)
-    };
-    let got = run_world(1, &local).swap_remove(0);
-    let d = max_abs_diff(&got.params, &plain.params);
-    assert!(d < 1e-5, "max |diff| {d}");
+    for delay in [1, 3] {
+        let local = TrainConfig {
+            strategy: Strategy::LocalSgd,
+            outer_overlap_steps: delay,
+            ..overlapped(3, &cfg)
+        };
+        let got = run_world(1, &local).swap_remove(0);
+        let d = max_abs_diff(&got.params, &plain.params);
+        assert!(d < 1e-5, "τ {delay}: max |diff| {d}");
+    }
 }
 
 /// Overlapped DiLoCo on 2 ranks ends with one model, in fp32 and bf16; a
@@ -217,33 +220,37 @@ fn overlapped_diloco_ends_as_one_model_and_resumes_bitwise() {
         assert!(loss.is_finite() && loss < 3.0, "{dtype:?}: {loss}");
     }
     let dir = tempfile::tempdir().unwrap();
-    let cfg = TrainConfig {
-        steps: 8,
-        ..overlapped(3, &tiny())
-    };
-    // Syncs at steps 3 (starts round 0's all-reduce), 6 (applies it) and 8.
-    for save_at in [3, 4] {
+    // Syncs after steps 3, 6 and 8. One round late (τ = H = 3), the outer
+    // step started at 3 is taken at 6; with τ = 1 it is taken after step 4
+    // and the one of 6 after 7. Saved at 3 (in flight), at 4 (arrived, or
+    // just taken) and at 5 (τ = 1: nothing pending).
+    for (delay, save_at) in [(3, 3), (3, 4), (1, 3), (1, 5)] {
+        let cfg = TrainConfig {
+            steps: 8,
+            outer_overlap_steps: delay,
+            ..overlapped(3, &tiny())
+        };
         let straight = run_world(
             2,
             &TrainConfig {
                 save_interval: save_at,
-                out: Some(dir.path().join(format!("straight{save_at}"))),
+                out: Some(dir.path().join(format!("straight{delay}-{save_at}"))),
                 ..cfg.clone()
             },
         );
-        let ckpt = dir
-            .path()
-            .join(format!("straight{save_at}/step-{save_at:06}"));
+        let ckpt = (dir.path())
+            .join(format!("straight{delay}-{save_at}/step-{save_at:06}"));
         let file = cohort_gpt::checkpoint::read_tensor_file(&ckpt, "optimizer.safetensors")
             .unwrap()
             .unwrap();
         let has = |name: &str| file.tensors.iter().any(|(n, _)| n == name);
-        assert!(has("diloco.pending") && has("diloco.rank1.start"));
+        assert!(has("diloco.rank1.start"));
+        assert_eq!(has("diloco.pending"), save_at < 3 + delay, "τ {delay}, {save_at}");
         let resumed = run_world(
             2,
             &TrainConfig {
                 resume: Some(ckpt.clone()),
-                out: Some(dir.path().join(format!("resumed{save_at}"))),
+                out: Some(dir.path().join(format!("resumed{delay}-{save_at}"))),
                 ..cfg.clone()
             },
         );
@@ -252,10 +259,10 @@ fn overlapped_diloco_ends_as_one_model_and_resumes_bitwise() {
             assert_eq!(
                 bits(&resumed[r].params),
                 bits(&straight[r].params),
-                "saved at {save_at}: rank {r}"
+                "τ {delay}, saved at {save_at}: rank {r}"
             );
         }
-        if save_at != 4 {
+        if (delay, save_at) != (3, 4) {
             continue;
         }
         for (overlap, world) in [(false, 2), (true, 3)] {
@@ -263,6 +270,7 @@ fn overlapped_diloco_ends_as_one_model_and_resumes_bitwise() {
                 &TrainConfig {
                     resume: Some(ckpt.clone()),
                     out: Some(dir.path().join(format!("other{overlap}{world}"))),
+                    outer_overlap_steps: delay,
                     outer_overlap: overlap,
                     ..cfg.clone()
                 },

@@ -86,9 +86,12 @@ pub struct OuterConfig {
     pub nesterov: bool,
     /// Average the pseudo-gradients in bf16 rather than fp32.
     pub bf16: bool,
-    /// Overlap the outer all-reduce with the next round, the outer step
-    /// delayed by one round (see the module docs).
+    /// Overlap the outer all-reduce with the next inner steps, the outer
+    /// step delayed (see the module docs).
     pub overlap: bool,
+    /// Overlapped: the inner steps after a sync at whose end its outer
+    /// step is taken (τ), at most `sync_every` (one round late).
+    pub delay: u64,
 }
 
 impl OuterConfig {
@@ -103,6 +106,7 @@ impl OuterConfig {
             nesterov: cfg.outer_nesterov && momentum > 0.0,
             bf16: cfg.pseudo_grad_dtype == Precision::Bf16,
             overlap: cfg.outer_overlap,
+            delay: cfg.outer_overlap_steps.clamp(1, cfg.sync_every.max(1)),
         }
     }
 
@@ -119,10 +123,15 @@ impl OuterConfig {
             ("DiLoCo", outer)
         };
         let dtype = if self.bf16 { "bf16" } else { "fp32" };
-        let how = if self.overlap {
-            "all-reduce overlapped with the next round, applied one round late"
-        } else {
-            "synchronous all-reduce"
+        let how = match self.overlap {
+            true if self.delay >= self.sync_every => {
+                "all-reduce overlapped with the next round, applied one round late".to_string()
+            }
+            true => format!(
+                "all-reduce overlapped with the next inner steps, applied {} steps late",
+                self.delay
+            ),
+            false => "synchronous all-reduce".to_string(),
         };
         format!(
             "{kind}: inner AdamW on each rank, every {} steps {outer} over the {dtype} \
@@ -275,6 +284,33 @@ impl Outer {
             });
         }
         self.start.copy_from_slice(params);
+        Ok(waited)
+    }
+
+    /// Whether the end of step `step` takes the overlapped outer step in
+    /// flight: `delay` steps after the sync that started it, when that
+    /// comes before the next sync (which takes it otherwise).
+    pub fn apply_due(&self, step: u64) -> bool {
+        let (h, delay) = (self.cfg.sync_every, self.cfg.delay);
+        self.pending.is_some() && delay < h && (step + 1) % h == delay
+    }
+
+    /// The overlapped outer step in flight, `delay` steps after its sync:
+    /// waits for the average, steps θ by it, and sets `params` to θ plus
+    /// this rank's progress since the sync, which its next pseudo-gradient
+    /// (from θ) then holds. Returns the wait.
+    pub fn apply_pending(&mut self, params: &mut [f32]) -> Result<Duration, TrainError> {
+        let t = Instant::now();
+        let Some(pending) = self.pending.take() else {
+            return Ok(Duration::ZERO);
+        };
+        let avg = pending.wait()?;
+        let waited = t.elapsed();
+        self.sgd.step(&mut self.global, &avg, self.cfg.lr)?;
+        for ((p, g), s) in params.iter_mut().zip(&self.global).zip(&self.start) {
+            *p = g - (s - *p);
+        }
+        self.start.copy_from_slice(&self.global);
         Ok(waited)
     }
 
@@ -543,6 +579,7 @@ mod tests {
             nesterov: true,
             bf16: false,
             overlap: false,
+            delay: 1,
         };
         let theta0 = [1.0f32, -2.0, 0.5];
         // Each rank's parameters before the first and the second sync.
@@ -591,6 +628,7 @@ mod tests {
                 nesterov: false,
                 bf16,
                 overlap: false,
+                delay: 1,
             };
             let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
                 let mut outer = Outer::new(cfg, &[0.0, 1.0], None)?;
@@ -625,6 +663,7 @@ mod tests {
             nesterov: true,
             bf16: false,
             overlap: true,
+            delay: 1,
         };
         let theta0 = [1.0f32, -2.0, 0.5];
         let target = |r: usize, round: usize| -> [f64; 3] {
@@ -704,6 +743,94 @@ mod tests {
         assert_eq!(got[0].0, got[0].1, "the run ends on θ");
     }
 
+    /// Overlapped with a delay under H (H = 3, τ = 1; 8 steps: syncs after
+    /// steps 3, 6 and 8, outer steps taken after 4 and 7), step by step as
+    /// the training loop's `end_step` runs it, against the rules in f64: at
+    /// a sync d = s − x is sent and s = x; τ steps later θ takes the
+    /// average and x = θ − (s − x), s = θ; the last sync drains.
+    #[test]
+    fn the_overlapped_outer_step_is_taken_tau_steps_late() {
+        let cfg = OuterConfig {
+            sync_every: 3,
+            lr: 0.7,
+            momentum: 0.9,
+            nesterov: true,
+            bf16: false,
+            overlap: true,
+            delay: 1,
+        };
+        let steps = 8u64;
+        let theta0 = [0.5f32, -1.0];
+        let target = |r: usize, step: u64| [r as f64 + 0.1 * step as f64, -(r as f64)];
+        let inner = |x: f64, t: f64| x + (t - x) / 4.0;
+        let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let side = pg.new_group(&[0, 1]).map_err(TrainError::comm("new_group"))?;
+            let mut outer = Outer::new(cfg, &theta0, side)?;
+            let mut p = theta0.to_vec();
+            for step in 0..steps {
+                for (x, t) in p.iter_mut().zip(target(pg.rank(), step)) {
+                    *x = inner(*x as f64, t) as f32;
+                }
+                if outer.apply_due(step) {
+                    outer.apply_pending(&mut p)?;
+                }
+                if outer.due(step, steps) {
+                    outer.sync(pg, &mut p, step + 1 == steps)?;
+                }
+            }
+            Ok::<_, TrainError>((p, outer.syncs()))
+        })
+        .unwrap();
+        assert_eq!(got[0], got[1], "the ranks agree bitwise");
+        assert_eq!(got[0].1, 3, "two delayed outer steps and the last sync's");
+        let (lr, mu) = (0.7f64, 0.9f64);
+        let mut theta: Vec<f64> = theta0.iter().map(|&x| x as f64).collect();
+        let (mut b, mut taken) = (vec![0f64; 2], 0);
+        let mut outer_step = |theta: &mut [f64], avg: &[f64]| {
+            for ((th, bi), a) in theta.iter_mut().zip(b.iter_mut()).zip(avg) {
+                *bi = if taken == 0 { *a } else { mu * *bi + a };
+                *th -= lr * (a + mu * *bi);
+            }
+            taken += 1;
+        };
+        let mut x = [theta.clone(), theta.clone()];
+        let mut s = x.clone();
+        let mut pending: Option<Vec<f64>> = None;
+        for step in 0..steps {
+            for (r, xr) in x.iter_mut().enumerate() {
+                for (xi, t) in xr.iter_mut().zip(target(r, step)) {
+                    *xi = inner(*xi, t);
+                }
+            }
+            if pending.is_some() && (step + 1) % 3 == 1 {
+                outer_step(&mut theta, &pending.take().unwrap());
+                for (xr, sr) in x.iter_mut().zip(s.iter_mut()) {
+                    for ((xi, si), th) in xr.iter_mut().zip(sr.iter()).zip(&theta) {
+                        *xi = th - (si - *xi);
+                    }
+                    sr.clone_from(&theta);
+                }
+            }
+            if (step + 1) % 3 == 0 || step + 1 == steps {
+                let d: Vec<Vec<f64>> = (0..2)
+                    .map(|r| s[r].iter().zip(&x[r]).map(|(si, xi)| si - xi).collect())
+                    .collect();
+                let avg: Vec<f64> = (0..2).map(|i| (d[0][i] + d[1][i]) / 2.0).collect();
+                if step + 1 == steps {
+                    outer_step(&mut theta, &avg);
+                    x = [theta.clone(), theta.clone()];
+                } else {
+                    pending = Some(avg);
+                }
+                s = x.clone();
+            }
+        }
+        for (i, (g, t)) in got[0].0.iter().zip(&theta).enumerate() {
+            let err = (*g as f64 - t).abs();
+            assert!(err < 1e-5, "[{i}]: {g} vs {t}");
+        }
+    }
+
     #[test]
     fn syncs_fall_every_h_steps_and_at_the_end() {
         let cfg = OuterConfig {
@@ -713,6 +840,7 @@ mod tests {
             nesterov: true,
             bf16: false,
             overlap: false,
+            delay: 1,
         };
         let outer = Outer::new(cfg, &[0.0], None).unwrap();
         let due: Vec<u64> = (0..8).filter(|&s| outer.due(s, 8)).collect();

@@ -276,18 +276,24 @@ impl<'pg> DataParallel<'pg> {
     }
 
     /// What ends step `step` of `steps` (0-based), updated or skipped:
-    /// DiLoCo's outer sync when it is due (every rank takes part, whether
-    /// its step was skipped or not). Returns the time the sync waited for
-    /// all-reduces, or `None` when nothing was due. Collective under DiLoCo
-    /// at a sync.
-    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<Option<Duration>, TrainError> {
-        match &mut self.sync {
-            GradSync::Diloco { outer, .. } if outer.due(step, steps) => {
-                let last = step + 1 == steps;
-                outer.sync(self.pg, self.model.params_mut(), last).map(Some)
-            }
-            _ => Ok(None),
+    /// DiLoCo's overlapped outer step when its delay is up, and its outer
+    /// sync when it is due (every rank takes part, whether its step was
+    /// skipped or not). Returns whether it synced and the time it waited
+    /// for all-reduces. Collective under DiLoCo at a sync.
+    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<(bool, Duration), TrainError> {
+        let GradSync::Diloco { outer, .. } = &mut self.sync else {
+            return Ok((false, Duration::ZERO));
+        };
+        let params = self.model.params_mut();
+        let mut waited = Duration::ZERO;
+        if outer.apply_due(step) {
+            waited += outer.apply_pending(params)?;
         }
+        let due = outer.due(step, steps);
+        if due {
+            waited += outer.sync(self.pg, params, step + 1 == steps)?;
+        }
+        Ok((due, waited))
     }
 
     /// Clears the gradients for the next step. ZeRO-2/3 give the shard's

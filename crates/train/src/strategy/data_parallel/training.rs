@@ -398,10 +398,9 @@ impl ParallelStrategy for DataParallelRun<'_> {
             self.step.update(lr)?;
         }
         self.step.clear_grads();
-        if let Some(comm) = self.step.end_step(step, self.cfg.steps)? {
-            self.outer_syncs.0 += 1;
-            self.outer_syncs.1 += comm;
-        }
+        let (synced, waited) = self.step.end_step(step, self.cfg.steps)?;
+        self.outer_syncs.0 += u64::from(synced);
+        self.outer_syncs.1 += waited;
         Ok(())
     }
 

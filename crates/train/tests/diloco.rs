@@ -238,14 +238,17 @@ fn overlapped_diloco_ends_as_one_model_and_resumes_bitwise() {
                 ..cfg.clone()
             },
         );
-        let ckpt = (dir.path())
-            .join(format!("straight{delay}-{save_at}/step-{save_at:06}"));
+        let ckpt = (dir.path()).join(format!("straight{delay}-{save_at}/step-{save_at:06}"));
         let file = cohort_gpt::checkpoint::read_tensor_file(&ckpt, "optimizer.safetensors")
             .unwrap()
             .unwrap();
         let has = |name: &str| file.tensors.iter().any(|(n, _)| n == name);
         assert!(has("diloco.rank1.start"));
-        assert_eq!(has("diloco.pending"), save_at < 3 + delay, "τ {delay}, {save_at}");
+        assert_eq!(
+            has("diloco.pending"),
+            save_at < 3 + delay,
+            "τ {delay}, {save_at}"
+        );
         let resumed = run_world(
             2,
             &TrainConfig {

@@ -20,29 +20,30 @@
 //! the sync step. It moves the model once per H steps, where DDP moves its
 //! gradient every step, so at H = 50 the wire carries 1/50th of DDP's bytes.
 //!
-//! **Overlapped** (`--outer-overlap`), the outer step is delayed by one
-//! round, so that its all-reduce runs while the next H inner steps do (on a
-//! group of its own, beside the training group's per-step collectives).
-//! Each rank keeps s_r, its parameters at the start of the current round.
-//! At the end of round k (its parameters x_r):
+//! **Overlapped** (`--outer-overlap`), the outer step is delayed by τ inner
+//! steps (`--outer-overlap-steps`, default 5, at most H), so that its
+//! all-reduce runs while they do (on a group of its own, beside the
+//! training group's per-step collectives). Each rank keeps s_r, the
+//! reference of its next pseudo-gradient. With x_r its parameters:
 //!
-//! 1. d_r = s_r − x_r, the rank's pseudo-gradient of this round alone;
-//! 2. if round k−1's average p (started one round ago) is pending: wait for
-//!    it, step θ by p with the outer optimizer, and set x_r = θ − d_r: the
-//!    new global parameters plus this rank's own progress of round k, which
-//!    is still on the wire. After the first round nothing is pending and
-//!    x_r is left as it is;
-//! 3. s_r = x_r, and the all-reduce of d_r starts; round k+1 runs.
+//! 1. at a sync: d_r = s_r − x_r is the rank's pseudo-gradient; s_r = x_r;
+//!    the all-reduce of d_r starts and the inner steps go on;
+//! 2. τ steps later: wait for the average p (normally long arrived), step
+//!    θ by p with the outer optimizer, and set x_r = θ − (s_r − x_r): the
+//!    new global parameters plus this rank's own progress since the sync;
+//!    s_r = θ, so the next pseudo-gradient holds that progress too.
 //!
-//! At the run's last step it ends the same way and then drains: round k's
-//! average is all-reduced at once and applied too, and every rank takes θ.
-//! On one rank with lr 1 and no momentum this is plain training (to
-//! rounding): θ becomes the previous round's end, and θ − d_r this
-//! round's end again. A checkpoint
-//! waits for the all-reduce in flight and saves its result (the same on
-//! every rank) with each rank's s_r: the resume applies it where the run
-//! would have, bitwise.
-//!
+//! With τ = H, step 2 falls on the next sync, one round late: there d_r is
+//! taken first, x_r = θ − d_r, and step 1 goes on from there. At the run's
+//! last step an outer step still pending is taken as in step 2, then the
+//! last pseudo-gradient is all-reduced at once and applied, and every rank
+//! takes θ. On one rank with lr 1 and no momentum this is plain training
+//! (to rounding). A checkpoint waits for the all-reduce in flight and saves
+//! its result (the same on every rank) with each rank's s_r: the resume
+//! takes the outer step where the run would have, bitwise. One round late,
+//! DiLoCo's Nesterov momentum on a stale average lost the loss on the
+//! Markov corpus, where local SGD kept it (docs/guides/slow-links.md).
+
 //! A checkpoint (DDP's format, written by rank 0) holds the global θ as its
 //! model, rank 0's AdamW moments as its optimizer (so DDP and ZeRO resume
 //! it), and beside them the outer momentum and every rank's own parameters
@@ -764,7 +765,9 @@ mod tests {
         let target = |r: usize, step: u64| [r as f64 + 0.1 * step as f64, -(r as f64)];
         let inner = |x: f64, t: f64| x + (t - x) / 4.0;
         let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
-            let side = pg.new_group(&[0, 1]).map_err(TrainError::comm("new_group"))?;
+            let side = pg
+                .new_group(&[0, 1])
+                .map_err(TrainError::comm("new_group"))?;
             let mut outer = Outer::new(cfg, &theta0, side)?;
             let mut p = theta0.to_vec();
             for step in 0..steps {

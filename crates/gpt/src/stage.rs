@@ -595,7 +595,8 @@ impl GptStage {
                     global: first + l,
                     layout: bl,
                 };
-                block_backward(pass, at, p, &mut rest[bl.all.clone()], &mut a);
+                let g = &mut rest[bl.all.clone()];
+                block_backward(pass, at, p, g, &mut a, None);
             }
             if part.embeddings {
                 let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);

@@ -513,8 +513,18 @@ pub(crate) fn embed_backward(pass: &mut Pass, dwte: &mut [f32], dwpe: &mut [f32]
 }
 
 /// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
-/// `g` is the block's gradient range (offset `at.layout.all.start`).
-pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f32], a: &mut Acts) {
+/// `g` is the block's gradient range (offset `at.layout.all.start`). With `ready` it hands it the
+/// MLP's half (from `ln_2`, the top of the range: [`Layout::ready_order`]) as soon as `ln_2`'s
+/// backward has finished it, while attention's backward still runs, then the attention's half
+/// (see [`Backward::split_blocks`]); without, the caller hands over the whole block after.
+pub(crate) fn block_backward<'g>(
+    pass: &mut Pass,
+    at: BlockAt,
+    p: &[f32],
+    g: &'g mut [f32],
+    a: &mut Acts,
+    mut ready: Option<&mut dyn FnMut(Range<usize>, &'g mut [f32])>,
+) {
     let dims = pass.dims;
     let Dims { c, f, nh, .. } = dims;
     let n = dims.n();
@@ -524,6 +534,8 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
     let (l, bl) = (at.local, at.layout);
     let w = BlockWeights::new(p, bl);
     let off = bl.all.start;
+    let mlp_off = bl.ln_2_w.start;
+    let (g, g_mlp) = g.split_at_mut(mlp_off - off);
     let ld = at.drop_site();
     let x = layer(a.res, l, nc);
     let sl = a.layer_slot(l);
@@ -548,7 +560,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
             }
             None => dres,
         };
-        let (dw, db) = wb(g, off, &bl.fcproj_w, &bl.fcproj_b);
+        let (dw, db) = wb(g_mlp, mlp_off, &bl.fcproj_w, &bl.fcproj_b);
         // d(first product's output): (N, F) under GELU, in place of d(GELU output); (N, 2F)
         // under SwiGLU (gate then up, as the weight), below d(SwiGLU output) in the scratch.
         let dfc: &[f32] = if dims.mlp == Mlp::SwiGlu {
@@ -632,13 +644,13 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
             });
         }
         let s_ln = layer(a.s_ln, ln2_slot, nc);
-        let (dw, db) = wb(g, off, &bl.fc_w, &bl.fc_b);
+        let (dw, db) = wb(g_mlp, mlp_off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(Some(s_dl), dw, db, dfc, s_ln, w.fc_w, n, c, fx)
         });
     }
     {
-        let (dw, db) = wb(g, off, &bl.ln_2_w, &bl.ln_2_b);
+        let (dw, db) = wb(g_mlp, mlp_off, &bl.ln_2_w, &bl.ln_2_b);
         let dres = &mut a.dres[..nc];
         let stats = (layer(a.ln2_mean, sl, n), layer(a.ln2_rstd, sl, n));
         prof.time(K::LnBwd, || {
@@ -652,6 +664,9 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
                 (n, c),
             )
         });
+    }
+    if let Some(ready) = ready.as_mut() {
+        ready(mlp_off..bl.all.end, g_mlp);
     }
 
     // Attention: x_mid = x + drop(attn(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
@@ -728,4 +743,7 @@ pub(crate) fn block_backward(pass: &mut Pass, at: BlockAt, p: &[f32], g: &mut [f
             (n, c),
         )
     });
+    if let Some(ready) = ready {
+        ready(off..mlp_off, g);
+    }
 }

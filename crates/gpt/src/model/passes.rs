@@ -49,7 +49,7 @@ pub(super) fn forward_pass(
 }
 
 /// The backward of every part in reverse order, handing each finished range of `grads` to
-/// `ready`.
+/// `ready` (each block in two with `split_blocks`).
 pub(super) fn backward_pass<'g>(
     pass: &mut Pass,
     lay: &Layout,
@@ -57,7 +57,7 @@ pub(super) fn backward_pass<'g>(
     grads: &'g mut [f32],
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
-    mut ready: impl FnMut(Range<usize>, &'g mut [f32]),
+    (mut ready, split_blocks): (impl FnMut(Range<usize>, &'g mut [f32]), bool),
 ) {
     let tied = lay.tied();
     // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
@@ -102,9 +102,14 @@ pub(super) fn backward_pass<'g>(
             // dropout masks, so the same values).
             block_forward(pass, at, p, a);
         }
-        block_backward(pass, at, p, g, a);
-        leave(lay, hooks, Part::Block(l), p);
-        ready(bl.all.clone(), g);
+        if split_blocks {
+            block_backward(pass, at, p, g, a, Some(&mut ready));
+            leave(lay, hooks, Part::Block(l), p);
+        } else {
+            block_backward(pass, at, p, &mut *g, a, None);
+            leave(lay, hooks, Part::Block(l), p);
+            ready(bl.all.clone(), g);
+        }
     }
 
     if !tied {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Two "nodes" on one machine, joined by a shaped link: cohort DDP, cohort DiLoCo and PyTorch's
-# gloo DDP side by side, one rank per node, and the table of issue 41 (docs/guides/slow-links.md).
+# Two "nodes" on one machine, joined by a shaped link: cohort DDP, cohort DiLoCo (synchronous
+# and overlapped) and PyTorch's gloo DDP side by side, one rank per node, and the table of
+# issue 41 (docs/guides/slow-links.md).
 #
 # Each node is a network namespace with its own IP; a veth pair joins them, and HTB on both
 # ends caps the link at each --rates value (netem adds --delay, one way, on both ends). For
@@ -8,8 +9,11 @@
 # <node 0>`, rank 0 on node 0) and PyTorch DDP (`torchrun --nnodes 2`, docs/bench/bench_ddp.py).
 # Efficiency is tokens/s over 2x a single rank's, measured in node 0 first (the same script,
 # one process). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
+# DDP's row says what its gradients travelled in (chosen by the link, as the header says why);
+# where that was bf16, a second row forces fp32 to show what it saved.
 # Exposed comm is what rank 0 waited for communication per step: DDP's comm phase; DiLoCo's
-# outer all-reduce over H steps. Both "nodes" share this machine's cores.
+# outer all-reduce over H steps (overlapped: what the syncs waited for it). Both "nodes" share
+# this machine's cores.
 #
 #   sudo scripts/two-node-bench.sh                           # 1 and 10 Gbit/s, config B
 #   sudo scripts/two-node-bench.sh --rates 1gbit --delay 1ms --steps 100 --sync-every 50
@@ -37,7 +41,7 @@ while [ $# -gt 0 ]; do
     --sync-every) sync_every=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --no-torch) torch=0; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) echo "two-node-bench: unknown argument $1 (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -139,6 +143,8 @@ torch_two_nodes() {
 tok_s() { sed -n 's/.*done: .* \([0-9]*\) tokens\/s on .*/\1/p' | tail -1; }
 comm_ms() { sed -n 's/.*time per step (rank 0): .* comm \([0-9.]*\) .*/\1/p' | tail -1; }
 sync_ms() { sed -n 's/.*outer syncs (rank 0): [0-9]*, \([0-9.]*\) ms each.*/\1/p' | tail -1; }
+# bf16 or fp32: what DDP's gradients travelled in (the header says, and why).
+grads() { sed -n 's/.*gradients: \(bf16\|fp32\) .*/\1/p' | tail -1; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0 && a != "") printf "%.2f", a / b; else print "-" }'; }
 
 echo "single rank (node 0, no link):" >&2
@@ -158,15 +164,29 @@ for rate in $rates; do
   link="$rate${delay:+ +$delay}"
   echo "link $link: cohort DDP" >&2
   log=$(cohort_two_nodes --strategy ddp --overlap on)
-  t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log")
+  t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log")
   [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP failed" >&2; exit 1; }
-  rows+=("| $link | cohort DDP, overlap on | $t | $(ratio "$t" $(( 2 * single ))) | ${c:-?} ms |")
+  rows+=("| $link | cohort DDP, overlap on, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | ${c:-?} ms |")
+  if [ "$g" = bf16 ]; then
+    # What the automatic choice saved: the same run in fp32.
+    echo "link $link: cohort DDP, fp32" >&2
+    log=$(cohort_two_nodes --strategy ddp --overlap on --bf16-compress false)
+    t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log")
+    [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP fp32 failed" >&2; exit 1; }
+    rows+=("| $link | cohort DDP, overlap on, fp32 gradients | $t | $(ratio "$t" $(( 2 * single ))) | ${c:-?} ms |")
+  fi
   echo "link $link: cohort DiLoCo H=$sync_every" >&2
   log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every")
   t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
   [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo failed" >&2; exit 1; }
   per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
   rows+=("| $link | cohort DiLoCo, H = $sync_every | $t | $(ratio "$t" $(( 2 * single ))) | $per ms (${s:-?} ms per sync) |")
+  echo "link $link: cohort DiLoCo H=$sync_every, overlapped" >&2
+  log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every" --outer-overlap)
+  t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
+  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo overlapped failed" >&2; exit 1; }
+  per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
+  rows+=("| $link | cohort DiLoCo, H = $sync_every, overlapped | $t | $(ratio "$t" $(( 2 * single ))) | $per ms (${s:-?} ms waited per sync) |")
   if [ "$torch" = 1 ]; then
     echo "link $link: PyTorch gloo DDP" >&2
     json=$(torch_two_nodes)

@@ -195,6 +195,17 @@ impl ProcessGroup {
         }
     }
 
+    /// The ranks of each node when this group's all_reduce runs
+    /// hierarchically: the group spans several nodes, one of them with more
+    /// than one rank, and the algorithm is `auto` or `hierarchical`. `None`
+    /// when it runs flat.
+    pub fn hierarchy(&self) -> Option<Vec<usize>> {
+        match self.algorithm() {
+            Algorithm::Auto | Algorithm::Hierarchical => self.inner.backend.node_sizes(),
+            _ => None,
+        }
+    }
+
     /// Records where this rank sits on its node (from LOCAL_RANK and
     /// LOCAL_WORLD_SIZE, or from the backend, as cohort-mpi does); only
     /// before the group is shared (cloned), else it changes nothing.

@@ -143,6 +143,9 @@ fn child(role: &str) -> Result<(), Box<dyn std::error::Error>> {
             }
             let mut x = vec![r as i64 + 1; 999];
             pg.set_algorithm(Algorithm::Auto);
+            if pg.hierarchy() != Some(vec![2, 2]) {
+                return Err(format!("hierarchy {:?}, not 2 nodes of 2", pg.hierarchy()).into());
+            }
             pg.all_reduce(&mut x, ReduceOp::Sum)?;
             let want = (n * (n + 1) / 2) as i64;
             if x.iter().any(|&v| v != want) {

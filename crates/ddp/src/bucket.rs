@@ -6,8 +6,11 @@
 //! `compute_bucket_assignment_by_size` does: walk the parameters in reverse
 //! order (the order backward produces their gradients), close a bucket as soon
 //! as it holds at least its limit, with a smaller limit for the first bucket so
-//! that communication starts early. This module only computes ranges; it must
-//! never touch gradient values.
+//! that communication starts early. The last bucket, whose gradients are
+//! final only when backward ends, is then cut small too
+//! ([`split_last_bucket`]): whatever is still on the wire after backward is
+//! exposed, and a small last bucket leaves little. This module only computes
+//! ranges; it must never touch gradient values.
 
 use crate::error::DdpError;
 use std::ops::Range;
@@ -137,6 +140,58 @@ pub fn assign_buckets_aligned(
     Some(buckets_from_bounds(params, &bounds))
 }
 
+/// `buckets` with the last one (the lowest offsets, ready last) cut at one
+/// of `cuts` (offsets where a cut is allowed: parameter starts, or ready
+/// range starts that are also parameter starts) so that it holds at most
+/// `last_cap_bytes`: at the highest cut that keeps it under the cap, else at
+/// the lowest (the smallest last bucket there can be). Unchanged when the
+/// last bucket is already within the cap or nothing can cut it.
+pub fn split_last_bucket(
+    params: &[ParamSpec],
+    buckets: &[GradientBucket],
+    cuts: impl IntoIterator<Item = usize>,
+    last_cap_bytes: usize,
+) -> Vec<GradientBucket> {
+    let Some(last) = buckets.last() else {
+        return Vec::new();
+    };
+    if last.bytes() <= last_cap_bytes {
+        return buckets.to_vec();
+    }
+    let starts: std::collections::HashSet<usize> = params.iter().map(|p| p.range.start).collect();
+    let inside: Vec<usize> = cuts
+        .into_iter()
+        .filter(|c| last.range.start < *c && *c < last.range.end && starts.contains(c))
+        .collect();
+    let fits = inside
+        .iter()
+        .copied()
+        .filter(|c| (c - last.range.start) * ELEM_BYTES <= last_cap_bytes);
+    let Some(cut) = fits.max().or_else(|| inside.iter().copied().min()) else {
+        return buckets.to_vec();
+    };
+    let mut bounds: Vec<usize> = std::iter::once(buckets[0].range.end)
+        .chain(buckets.iter().map(|b| b.range.start))
+        .collect();
+    bounds.insert(bounds.len() - 1, cut);
+    buckets_from_bounds(params, &bounds)
+}
+
+/// The bucket sizes in launch order, for a log line: `7.08 + 7.08 + ... +
+/// 0.50 MB` (the middle elided beyond eight buckets).
+pub fn describe_sizes(buckets: &[GradientBucket]) -> String {
+    let mb = |b: &GradientBucket| format!("{:.2}", b.bytes() as f64 / (1024.0 * 1024.0));
+    let sizes: Vec<String> = if buckets.len() > 8 {
+        let n = buckets.len();
+        let head = buckets[..3].iter().map(mb);
+        let tail = buckets[n - 2..].iter().map(mb);
+        head.chain(["...".to_string()]).chain(tail).collect()
+    } else {
+        buckets.iter().map(mb).collect()
+    };
+    format!("{} MB", sizes.join(" + "))
+}
+
 /// Buckets between descending offsets `bounds` (from the total down to 0),
 /// each a whole number of parameters.
 pub(crate) fn buckets_from_bounds(params: &[ParamSpec], bounds: &[usize]) -> Vec<GradientBucket> {
@@ -252,6 +307,30 @@ mod tests {
         // Ranges that do not tile the buffer top-down: no rebuild.
         assert!(assign_buckets_aligned(&p, &[0..300, 300..1000], 0, 0).is_none());
         assert!(assign_buckets_aligned(&p, &[700..1000, 0..300], 0, 0).is_none());
+    }
+
+    #[test]
+    fn the_last_bucket_is_cut_small() {
+        // 10 params of 100 floats, one 2000 B bucket then the rest (4000 B).
+        let p = layout(&[100; 10]);
+        let b = assign_buckets(&p, 2000, 2000);
+        let sizes = |b: &[GradientBucket]| b.iter().map(|b| b.bytes()).collect::<Vec<_>>();
+        assert_eq!(sizes(&b), vec![2000, 2000]);
+        let starts = p.iter().map(|p| p.range.start);
+        // Cap 800 B: the last bucket is the two lowest parameters.
+        let cut = split_last_bucket(&p, &b, starts.clone(), 800);
+        assert_partition(&cut, 1000);
+        assert_eq!(sizes(&cut), vec![2000, 1200, 800]);
+        assert_eq!(cut[2].params, 0..2);
+        // Cap 100 B: no cut keeps it under, so the smallest there is.
+        assert_eq!(
+            sizes(&split_last_bucket(&p, &b, starts.clone(), 100)),
+            vec![2000, 1600, 400]
+        );
+        // Within the cap, or nothing to cut at: unchanged.
+        assert_eq!(split_last_bucket(&p, &b, starts, 4000), b);
+        assert_eq!(split_last_bucket(&p, &b, [0, 350], 800), b);
+        assert_eq!(describe_sizes(&cut[..2]), "0.00 + 0.00 MB");
     }
 
     #[test]

@@ -10,8 +10,8 @@
 //! the model computes.
 
 use crate::bucket::{
-    assign_buckets, assign_buckets_aligned, buckets_from_bounds, check_layout, GradientBucket,
-    ParamSpec,
+    assign_buckets, assign_buckets_aligned, buckets_from_bounds, check_layout, split_last_bucket,
+    GradientBucket, ParamSpec,
 };
 use crate::error::DdpError;
 use crate::reducer::Reducer;
@@ -26,6 +26,10 @@ pub const DEFAULT_BUCKET_CAP_MB: f64 = 25.0;
 /// PyTorch's `_DEFAULT_FIRST_BUCKET_BYTES`, in MB: the first bucket is kept
 /// small so that communication starts early in backward.
 pub const DEFAULT_FIRST_BUCKET_MB: f64 = 1.0;
+/// The most the last bucket holds where it can be cut (MB): its gradients
+/// are final only when backward ends, so all of its all-reduce is exposed.
+/// PyTorch's first-bucket size, for the bucket at the other end.
+pub const DEFAULT_LAST_BUCKET_MB: f64 = 1.0;
 
 /// How gradients travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,6 +86,10 @@ pub struct DdpOptions {
     pub bucket_cap_mb: f64,
     /// Size of the first bucket in MB, capped at `bucket_cap_mb`.
     pub first_bucket_mb: f64,
+    /// The most the last bucket (ready when backward ends) holds, in MB,
+    /// where a parameter (after the first backward, a ready range) boundary
+    /// allows the cut; else it is cut as small as they allow.
+    pub last_bucket_mb: f64,
     /// Reduce buckets during backward (true) or the whole buffer at once
     /// after it (false).
     pub overlap: bool,
@@ -90,6 +98,12 @@ pub struct DdpOptions {
     pub find_unused_parameters: bool,
     /// Gradient compression.
     pub compression: Compression,
+    /// How many nice steps the overlapped reduction's thread runs below
+    /// the caller's priority (Linux, per thread; 0: the same). Above 0 it
+    /// yields to backward's threads where they take every core, so that it
+    /// does not stall their fork-join kernels, and runs in their gaps and
+    /// after backward.
+    pub reducer_nice: u8,
 }
 
 impl Default for DdpOptions {
@@ -97,9 +111,11 @@ impl Default for DdpOptions {
         Self {
             bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
             first_bucket_mb: DEFAULT_FIRST_BUCKET_MB,
+            last_bucket_mb: DEFAULT_LAST_BUCKET_MB,
             overlap: true,
             find_unused_parameters: false,
             compression: Compression::None,
+            reducer_nice: 0,
         }
     }
 }
@@ -123,6 +139,10 @@ pub struct SyncStats {
     pub comm_busy: Duration,
     /// Buckets whose reduction started before backward returned.
     pub overlapped_buckets: usize,
+    /// How many nice steps below the caller the reduction's thread ran,
+    /// as it read its priority back (`None` without an overlapped
+    /// reduction thread).
+    pub reducer_nice: Option<i32>,
 }
 
 /// Data-parallel wrapper state for one model replica in a process group.
@@ -174,6 +194,8 @@ impl<'pg> Ddp<'pg> {
             mb(options.first_bucket_mb),
             mb(options.bucket_cap_mb),
         );
+        let starts = params.iter().map(|p| p.range.start);
+        let buckets = split_last_bucket(&params, &buckets, starts, mb(options.last_bucket_mb));
         Ok(Self {
             pg,
             params,
@@ -336,11 +358,7 @@ impl<'pg> Ddp<'pg> {
         self.rebuilt = true;
         let mut bounds: Vec<i64> = Vec::new();
         if self.pg.rank() == 0 {
-            let (first, cap) = (
-                mb(self.options.first_bucket_mb),
-                mb(self.options.bucket_cap_mb),
-            );
-            if let Some(b) = assign_buckets_aligned(&self.params, ready, first, cap) {
+            if let Some(b) = self.aligned(ready) {
                 bounds.push(self.total as i64);
                 bounds.extend(b.iter().map(|b| b.range.start as i64));
             }
@@ -364,6 +382,33 @@ impl<'pg> Ddp<'pg> {
 }
 
 impl Ddp<'_> {
+    /// The buckets along `ready` (the ranges backward reports, in order),
+    /// the last one cut small: `None` if they do not tile the buffer.
+    fn aligned(&self, ready: &[Range<usize>]) -> Option<Vec<GradientBucket>> {
+        let o = &self.options;
+        let (first, cap) = (mb(o.first_bucket_mb), mb(o.bucket_cap_mb));
+        let b = assign_buckets_aligned(&self.params, ready, first, cap)?;
+        let cuts = ready.iter().map(|r| r.start);
+        Some(split_last_bucket(
+            &self.params,
+            &b,
+            cuts,
+            mb(o.last_bucket_mb),
+        ))
+    }
+
+    /// Cuts the buckets along `ready`, the ranges the model's backward will
+    /// report, in order (a model that knows them, as cohort-gpt's
+    /// `ready_ranges`), so that the layout is known before the first step;
+    /// it is still checked and agreed on after the first backward. Not
+    /// collective: every rank holds the same model. Ignored (the layout by
+    /// parameters stays) when the ranges do not tile the buffer top down.
+    pub fn plan_along(&mut self, ready: &[Range<usize>]) {
+        if let Some(b) = self.aligned(ready) {
+            self.buckets = b;
+        }
+    }
+
     /// Backward with a communication thread that all-reduces each bucket as
     /// soon as the reducer launches it.
     fn backward_overlapped<'g, E>(
@@ -377,17 +422,19 @@ impl Ddp<'_> {
         let world = self.pg.size();
         let (pg, params, buckets, total) = (self.pg, &self.params, &self.buckets, self.total);
         let compression = self.options.compression;
+        let nice = self.options.reducer_nice;
         let scratch = &mut self.scratch;
         std::thread::scope(|s| {
             let (tx, rx) = mpsc::channel::<(usize, &'g mut [f32])>();
-            let comm = s.spawn(move || -> Result<Duration, DdpError> {
+            let comm = s.spawn(move || -> Result<(Duration, i32), DdpError> {
+                let nice = set_thread_nice(nice);
                 let mut busy = Duration::ZERO;
                 for (b, grads) in rx {
                     let t = Instant::now();
                     reduce_bucket(pg, Some(b), grads, compression, world, scratch)?;
                     busy += t.elapsed();
                 }
-                Ok(busy)
+                Ok((busy, nice))
             });
             let mut reducer = Reducer::new(params, buckets, total, true);
             let t = Instant::now();
@@ -402,11 +449,12 @@ impl Ddp<'_> {
             drop(tx);
             let end = BackwardEnd::of(reducer);
             let t = Instant::now();
-            let busy = comm
+            let (busy, nice) = comm
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p))?;
             stats.comm_wait = t.elapsed();
             stats.comm_busy = busy;
+            stats.reducer_nice = Some(nice);
             result.map_err(|e| DdpError::Backward(e.into()))?;
             end
         })
@@ -457,6 +505,26 @@ impl BackwardEnd {
             covered,
             ready,
         })
+    }
+}
+
+/// Raises the calling thread's nice value by `steps` (Linux: nice values
+/// are per thread, and a new thread starts at its creator's), and returns
+/// by how much it runs above its creator's. A value the system refuses
+/// leaves it as it was: the reduction runs either way.
+fn set_thread_nice(steps: u8) -> i32 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+    // SAFETY: getpriority and setpriority only read their integer
+    // arguments, and `tid` is this live thread: they read or change this
+    // thread's priority alone. (getpriority's -1 error value is also a
+    // nice value, but it cannot fail for this thread.)
+    unsafe {
+        let base = libc::getpriority(libc::PRIO_PROCESS, tid);
+        if steps > 0 {
+            libc::setpriority(libc::PRIO_PROCESS, tid, base + i32::from(steps));
+        }
+        libc::getpriority(libc::PRIO_PROCESS, tid) - base
     }
 }
 

@@ -12,7 +12,9 @@
 //!   all-reduce starting on a communication thread as soon as backward has
 //!   finished its gradients, while backward goes on with the layers below.
 //!   After the first backward the buckets are re-cut along the ranges the
-//!   model reported, so that no bucket waits for a range finished later.
+//!   model reported, so that no bucket waits for a range finished later
+//!   (or before it, with [`Ddp::plan_along`]), and the last bucket, ready
+//!   only when backward ends, is cut small: its all-reduce is all exposed.
 //!   [`PendingSync::finish`], given the gradient buffer, reduces the rest.
 //!   Gradient accumulation (`no_sync`) is the model's own backward.
 //!
@@ -58,9 +60,12 @@ mod ddp;
 mod error;
 mod reducer;
 
-pub use bucket::{assign_buckets, assign_buckets_aligned, GradientBucket, ParamSpec};
+pub use bucket::{
+    assign_buckets, assign_buckets_aligned, describe_sizes, split_last_bucket, GradientBucket,
+    ParamSpec,
+};
 pub use ddp::{
     Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook, SyncStats,
-    DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB,
+    DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, DEFAULT_LAST_BUCKET_MB,
 };
 pub use error::DdpError;

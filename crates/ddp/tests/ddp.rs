@@ -466,3 +466,36 @@ fn a_compressed_reduce_scatter_is_the_bf16_rounded_mean_of_each_share() {
         }
     }
 }
+
+/// The reduction thread's priority budget: with `reducer_nice` the thread
+/// runs that many nice steps below the training thread (it read its own
+/// priority back), the training thread keeps its own, and the result is
+/// bitwise the same as at equal priority.
+#[test]
+fn a_lower_priority_reducer_changes_nothing_but_its_priority() {
+    let run = |nice: u8| {
+        spawn::threads_with(2, opts(), move |pg| {
+            // SAFETY: getpriority only reads its arguments (0: this thread).
+            let before = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+            let mut m = Toy::new(&LENS, data(pg.rank()));
+            let o = DdpOptions {
+                reducer_nice: nice,
+                ..DdpOptions::default()
+            };
+            let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, o)?;
+            let stats = m.sync_backward(&mut ddp)?;
+            m.step(0.1);
+            // SAFETY: as above.
+            let after = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+            assert_eq!(before, after, "the training thread keeps its priority");
+            Ok::<_, DdpError>((m.w, stats.reducer_nice))
+        })
+        .unwrap()
+    };
+    let (same, lower) = (run(0), run(5));
+    assert_eq!(same[0].1, Some(0));
+    // Nice values stop at 19: a test run already at 15 gets 4 steps.
+    let got = lower[0].1.unwrap();
+    assert!(got > 0 && got <= 5, "{got}");
+    assert_eq!(same[0].0, lower[0].0);
+}

@@ -38,7 +38,7 @@ pub(crate) struct BlockLayout {
     pub fc_b: Range<usize>,
     pub fcproj_w: Range<usize>,
     pub fcproj_b: Range<usize>,
-    /// The whole block: what the readiness hook reports.
+    /// The whole block: what the readiness hook reports (or its two halves, split at `ln_2_w`).
     pub all: Range<usize>,
 }
 
@@ -182,11 +182,19 @@ impl Layout {
     }
 
     /// The ranges the readiness hook reports, in backward order; they partition `0..total`.
-    pub(crate) fn ready_order(&self) -> Vec<Range<usize>> {
+    /// `split`: each block in two, its MLP's (from ln_2 up) final before its attention's.
+    pub(crate) fn ready_order(&self, split: bool) -> Vec<Range<usize>> {
         let head_start = self.ln_f_w.start;
-        let mut order = Vec::with_capacity(self.blocks.len() + 2);
+        let mut order = Vec::with_capacity(2 * self.blocks.len() + 2);
         order.push(head_start..self.total);
-        order.extend(self.blocks.iter().rev().map(|b| b.all.clone()));
+        for b in self.blocks.iter().rev() {
+            if split {
+                order.push(b.ln_2_w.start..b.all.end);
+                order.push(b.all.start..b.ln_2_w.start);
+            } else {
+                order.push(b.all.clone());
+            }
+        }
         order.push(self.wte.start..self.wpe.end);
         order
     }
@@ -227,14 +235,16 @@ mod tests {
                 !tied
             );
             assert_eq!(layout.views.iter().any(|v| v.name.ends_with("bias")), bias);
-            let mut covered: Vec<Range<usize>> = layout.ready_order();
-            covered.sort_by_key(|r| r.start);
-            let mut next = 0;
-            for r in covered {
-                assert_eq!(r.start, next);
-                next = r.end;
+            for split in [false, true] {
+                let mut covered: Vec<Range<usize>> = layout.ready_order(split);
+                covered.sort_by_key(|r| r.start);
+                let mut next = 0;
+                for r in covered {
+                    assert_eq!(r.start, next);
+                    next = r.end;
+                }
+                assert_eq!(next, layout.total);
             }
-            assert_eq!(next, layout.total);
         }
     }
 

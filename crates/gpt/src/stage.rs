@@ -603,7 +603,8 @@ impl GptStage {
                     global: first + l,
                     layout: bl,
                 };
-                block_backward(pass, at, p, rest.slice_mut(bl.all.clone()), &mut a);
+                let g = rest.slice_mut(bl.all.clone());
+                block_backward(pass, at, p, g, &mut a, None);
             }
             if part.embeddings {
                 let (dwte, dwpe) = rest.split_at_mut(lay.wpe.start);

@@ -18,6 +18,9 @@ pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
 pub const GROUP_RANK: &str = "GROUP_RANK";
 /// Nodes in the job.
 pub const GROUP_WORLD_SIZE: &str = "GROUP_WORLD_SIZE";
+/// What the collectives count as a node (cohort-comm's hierarchical
+/// all_reduce); see [`JobShape::node_id`].
+pub const NODE_ID: &str = "COHORT_NODE_ID";
 /// Rank among workers of the same role; every cohort worker has one role, so it equals `RANK`.
 pub const ROLE_RANK: &str = "ROLE_RANK";
 /// Workers of the same role; equals `WORLD_SIZE`.
@@ -92,6 +95,15 @@ pub(crate) struct JobShape {
 }
 
 impl JobShape {
+    /// The node its workers are on, for the collectives, in a job of
+    /// several launchers (`None` with one): each launcher is a node, as
+    /// `LOCAL_WORLD_SIZE` says, so that ranks of one launcher reduce among
+    /// themselves first and one of them crosses to the others, also where
+    /// two launchers share a host (tests, network namespaces).
+    pub fn node_id(&self) -> Option<String> {
+        (self.nnodes > 1).then(|| format!("{}/node{}", self.run_id, self.group_rank))
+    }
+
     /// Global rank of local worker `local_rank`.
     pub fn rank(&self, local_rank: usize) -> usize {
         self.group_rank * self.nproc_per_node + local_rank

@@ -10,7 +10,7 @@ use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::env::JobShape;
+use crate::env::{JobShape, NODE_ID};
 use crate::events::{Event, Events};
 use crate::output::{self, Sink, Tail};
 use crate::process::{self, ExitReason};
@@ -105,6 +105,10 @@ impl WorkerGroup {
             let error_file = group.beats.error_file(rank).to_string_lossy().into_owned();
             let mut vars = job.worker_vars(local_rank, restart, &error_file);
             vars.extend_from_slice(thread_vars);
+            // A node the user named stays theirs.
+            if std::env::var_os(NODE_ID).is_none() {
+                vars.extend(job.node_id().map(|id| (NODE_ID, id)));
+            }
             let beat = group.beats.file(rank).to_string_lossy().into_owned();
             vars.push((HEARTBEAT_FILE_VAR, beat));
             let spawned = process::spawn(&config.program, &config.args, &vars)

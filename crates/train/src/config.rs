@@ -131,8 +131,12 @@ pub struct TrainConfig {
     /// Whether DDP all-reduces buckets while backward runs, and ZeRO-2/3
     /// overlap their gathers and reduce-scatters (see [`Overlap`]).
     pub overlap: Overlap,
-    /// Send gradients in bf16 (PyTorch's bf16_compress_hook).
-    pub bf16_compress: bool,
+    /// Send gradients in bf16 (PyTorch's bf16_compress_hook): `true`,
+    /// `false`, or unset: bf16 where the ranks span nodes and the measured
+    /// link would make a step's fp32 gradients the bottleneck (see
+    /// `strategy::data_parallel::link`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_compress: Option<bool>,
     /// What the model's matrix products compute in.
     pub precision: Precision,
     /// Keep only each block's input in forward and recompute the block inside backward.
@@ -183,6 +187,13 @@ pub struct TrainConfig {
     pub outer_nesterov: bool,
     /// DiLoCo and local SGD: what the averaged pseudo-gradients travel in.
     pub pseudo_grad_dtype: Precision,
+    /// DiLoCo and local SGD: run the outer all-reduce during the next inner
+    /// steps and take the outer step `outer_overlap_steps` steps late.
+    pub outer_overlap: bool,
+    /// DiLoCo and local SGD, overlapped: the inner steps the outer
+    /// all-reduce has before its step is taken (τ; `sync_every` or more:
+    /// one round late).
+    pub outer_overlap_steps: u64,
 }
 
 /// The order of a pipeline stage's forwards and backwards in a step.
@@ -407,7 +418,7 @@ impl Default for TrainConfig {
             inject_nan: None,
             bucket_cap_mb: TUNED_BUCKET_CAP_MB,
             overlap: Overlap::Auto,
-            bf16_compress: false,
+            bf16_compress: None,
             precision: Precision::Fp32,
             activation_checkpointing: false,
             loader_workers: 1,
@@ -426,6 +437,8 @@ impl Default for TrainConfig {
             outer_momentum: 0.9,
             outer_nesterov: true,
             pseudo_grad_dtype: Precision::Fp32,
+            outer_overlap: false,
+            outer_overlap_steps: 5,
         }
     }
 }
@@ -621,7 +634,8 @@ pub struct TrainArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub overlap: Option<Overlap>,
     /// Send gradients in bf16 (PyTorch's bf16_compress_hook): DDP's all-reduce, ZeRO's
-    /// reduce-scatter.
+    /// reduce-scatter. Not given: bf16 only where the ranks span nodes and a timed all-reduce
+    /// at the start says a step's fp32 gradients would take over 50 ms on the link.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_compress: Option<bool>,
@@ -705,6 +719,16 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pseudo_grad_dtype: Option<Precision>,
+    /// DiLoCo, local SGD: all-reduce the pseudo-gradients while the next H inner steps run
+    /// and take the outer step one round late (docs/guides/slow-links.md).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_overlap: Option<bool>,
+    /// DiLoCo, local SGD, overlapped: inner steps the outer all-reduce has before its outer
+    /// step is taken; --sync-every or more: one round late [default: 5].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outer_overlap_steps: Option<u64>,
 }
 
 impl TrainArgs {
@@ -903,6 +927,9 @@ impl TrainConfig {
         if self.sync_every == 0 {
             return bad("sync_every", "0".into(), "must be at least 1");
         }
+        if self.outer_overlap_steps == 0 {
+            return bad("outer_overlap_steps", "0".into(), "must be at least 1");
+        }
         if !(self.outer_lr > 0.0 && self.outer_lr.is_finite()) {
             return bad(
                 "outer_lr",
@@ -977,14 +1004,14 @@ impl TrainConfig {
         }
     }
 
-    /// How gradients travel between ranks (`--bf16-compress`), for DDP's
-    /// all-reduce and ZeRO's reduce-scatter alike.
-    pub fn compression(&self) -> cohort_ddp::Compression {
-        if self.bf16_compress {
-            cohort_ddp::Compression::Bf16
-        } else {
-            cohort_ddp::Compression::None
-        }
+    /// How gradients travel between ranks as `--bf16-compress` asks, for
+    /// DDP's all-reduce and ZeRO's reduce-scatter alike; `None` when it was
+    /// not given (the run decides by the link).
+    pub fn compression(&self) -> Option<cohort_ddp::Compression> {
+        self.bf16_compress.map(|bf16| match bf16 {
+            true => cohort_ddp::Compression::Bf16,
+            false => cohort_ddp::Compression::None,
+        })
     }
 
     /// The optimizer settings of the run (AdamW's other defaults are PyTorch's).
@@ -1086,7 +1113,7 @@ mod tests {
             let cfg = parse(&["--strategy", name, "--bf16-compress"])
                 .resolve()
                 .unwrap();
-            assert_eq!(cfg.compression(), cohort_ddp::Compression::Bf16);
+            assert_eq!(cfg.compression(), Some(cohort_ddp::Compression::Bf16));
         }
     }
 
@@ -1130,7 +1157,7 @@ mod tests {
         let cfg = parse(&["--bf16-compress", "--out", "/tmp/x"])
             .resolve()
             .unwrap();
-        assert!(cfg.bf16_compress);
+        assert_eq!(cfg.bf16_compress, Some(true));
         assert_eq!(cfg.out, Some(PathBuf::from("/tmp/x")));
     }
 

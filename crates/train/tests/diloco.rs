@@ -174,3 +174,116 @@ fn a_checkpoint_regroups_on_another_world_and_resumes_under_ddp() {
         assert!(loss.is_finite() && loss < 3.0, "{then:?}: {loss}");
     }
 }
+
+fn overlapped(sync_every: u64, cfg: &TrainConfig) -> TrainConfig {
+    TrainConfig {
+        outer_overlap: true,
+        ..diloco(sync_every, cfg)
+    }
+}
+
+/// Overlapped local SGD on one rank is plain training too, τ steps or a
+/// round late: the outer step gives θ the sync's parameters, and θ − (s −
+/// x) the rank's own again (to the rounding of the subtractions).
+#[test]
+fn overlapped_local_sgd_on_one_rank_is_plain_training() {
+    let cfg = TrainConfig { steps: 7, ..tiny() };
+    let plain = run_world(1, &cfg).swap_remove(0);
+    for delay in [1, 3] {
+        let local = TrainConfig {
+            strategy: Strategy::LocalSgd,
+            outer_overlap_steps: delay,
+            ..overlapped(3, &cfg)
+        };
+        let got = run_world(1, &local).swap_remove(0);
+        let d = max_abs_diff(&got.params, &plain.params);
+        assert!(d < 1e-5, "τ {delay}: max |diff| {d}");
+    }
+}
+
+/// Overlapped DiLoCo on 2 ranks ends with one model, in fp32 and bf16; a
+/// run saved just after a sync (its all-reduce in flight) and one saved
+/// mid-round (the average arrived, not yet applied) resume on as many
+/// ranks to bitwise the run that went on, and the checkpoint resumes
+/// synchronously and on 3 ranks too.
+#[test]
+fn overlapped_diloco_ends_as_one_model_and_resumes_bitwise() {
+    for dtype in [Precision::Fp32, Precision::Bf16] {
+        let cfg = TrainConfig {
+            steps: 5,
+            pseudo_grad_dtype: dtype,
+            ..overlapped(2, &tiny())
+        };
+        let ranks = run_world(2, &cfg);
+        assert!(ranks[0].params == ranks[1].params, "{dtype:?}");
+        let loss = ranks[0].train_losses.last().unwrap().1;
+        assert!(loss.is_finite() && loss < 3.0, "{dtype:?}: {loss}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Syncs after steps 3, 6 and 8. One round late (τ = H = 3), the outer
+    // step started at 3 is taken at 6; with τ = 1 it is taken after step 4
+    // and the one of 6 after 7. Saved at 3 (in flight), at 4 (arrived, or
+    // just taken) and at 5 (τ = 1: nothing pending).
+    for (delay, save_at) in [(3, 3), (3, 4), (1, 3), (1, 5)] {
+        let cfg = TrainConfig {
+            steps: 8,
+            outer_overlap_steps: delay,
+            ..overlapped(3, &tiny())
+        };
+        let straight = run_world(
+            2,
+            &TrainConfig {
+                save_interval: save_at,
+                out: Some(dir.path().join(format!("straight{delay}-{save_at}"))),
+                ..cfg.clone()
+            },
+        );
+        let ckpt = (dir.path()).join(format!("straight{delay}-{save_at}/step-{save_at:06}"));
+        let file = cohort_gpt::checkpoint::read_tensor_file(&ckpt, "optimizer.safetensors")
+            .unwrap()
+            .unwrap();
+        let has = |name: &str| file.tensors.iter().any(|(n, _)| n == name);
+        assert!(has("diloco.rank1.start"));
+        assert_eq!(
+            has("diloco.pending"),
+            save_at < 3 + delay,
+            "τ {delay}, {save_at}"
+        );
+        let resumed = run_world(
+            2,
+            &TrainConfig {
+                resume: Some(ckpt.clone()),
+                out: Some(dir.path().join(format!("resumed{delay}-{save_at}"))),
+                ..cfg.clone()
+            },
+        );
+        assert_eq!(resumed[0].steps_run, 8 - save_at);
+        for r in 0..2 {
+            assert_eq!(
+                bits(&resumed[r].params),
+                bits(&straight[r].params),
+                "τ {delay}, saved at {save_at}: rank {r}"
+            );
+        }
+        if (delay, save_at) != (3, 4) {
+            continue;
+        }
+        for (overlap, world) in [(false, 2), (true, 3)] {
+            let (resume, _) = elastic::prepare_resume(
+                &TrainConfig {
+                    resume: Some(ckpt.clone()),
+                    out: Some(dir.path().join(format!("other{overlap}{world}"))),
+                    outer_overlap_steps: delay,
+                    outer_overlap: overlap,
+                    ..cfg.clone()
+                },
+                world,
+                0,
+            );
+            let ranks = run_world(world, &resume);
+            for r in 1..world {
+                assert!(ranks[r].params == ranks[0].params, "{overlap} x{world}");
+            }
+        }
+    }
+}

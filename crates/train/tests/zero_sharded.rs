@@ -619,7 +619,7 @@ fn a_save_killed_midway_leaves_the_previous_checkpoint_in_charge() {
 #[test]
 fn bf16_compressed_gradients_under_every_zero_stage_match_compressed_ddp() {
     let cfg = TrainConfig {
-        bf16_compress: true,
+        bf16_compress: Some(true),
         ..odd()
     };
     let exact = run_world(2, &odd()).swap_remove(0).params;

@@ -36,6 +36,9 @@ pub fn clean(cmd: &mut Command) {
         "COHORT_TIMEOUT",
         "COHORT_SECRET",
         "COHORT_INJECT_NAN",
+        "COHORT_NODE_ID",
+        "COHORT_LINK_GBITS",
+        "COHORT_REDUCER_NICE",
         "TORCHELASTIC_HEALTH_CHECK_PORT",
     ] {
         cmd.env_remove(var);

@@ -135,6 +135,10 @@ impl Backend for MeshBackend {
         self.transport.size()
     }
 
+    fn node_sizes(&self) -> Option<Vec<usize>> {
+        self.nodes.as_ref().map(|n| n.sizes.clone())
+    }
+
     fn send(
         &self,
         ctx: &OpContext,

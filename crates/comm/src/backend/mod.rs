@@ -143,6 +143,12 @@ pub trait Backend: Send + Sync {
     ) -> Result<(), CommError>;
     /// Returns once every rank has entered the barrier.
     fn barrier(&self, ctx: &OpContext) -> Result<(), CommError>;
+    /// The ranks of each node (nodes ordered by their lowest rank) when
+    /// this backend runs all_reduce hierarchically under the `auto` and
+    /// `hierarchical` algorithms; `None` (the default) when it never does.
+    fn node_sizes(&self) -> Option<Vec<usize>> {
+        None
+    }
     /// Breaks every connection so that peers blocked on this process fail
     /// fast; called once when the group fails or is dropped.
     fn abort(&self);

@@ -51,6 +51,8 @@ pub(crate) struct Nodes {
     pub local: MeshBackend,
     /// The leaders' mesh, on leaders only.
     pub leaders: Option<MeshBackend>,
+    /// How many ranks each node holds, nodes ordered by their lowest rank.
+    pub sizes: Vec<usize>,
 }
 
 /// Publishes this rank's host and node and reads everybody's.
@@ -162,5 +164,10 @@ pub(crate) fn connect(
         seq: 1,
         ..ctx("node")
     })?;
-    Ok(Some(Box::new(Nodes { local, leaders })))
+    let sizes = nodes.iter().map(Vec::len).collect();
+    Ok(Some(Box::new(Nodes {
+        local,
+        leaders,
+        sizes,
+    })))
 }

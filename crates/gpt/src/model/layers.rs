@@ -573,13 +573,18 @@ pub(crate) fn embed_backward(
 }
 
 /// One block's backward: `a.dres` holds d(block output) on entry and d(block input) on exit;
-/// `g` is the block's gradient range (offset `at.layout.all.start`).
-pub(crate) fn block_backward(
+/// `g` is the block's gradient range (offset `at.layout.all.start`). With `ready` it hands it the
+/// MLP's half (from `ln_2`, the top of the range: [`Layout::ready_order`]) as soon as `ln_2`'s
+/// backward has finished it, while attention's backward still runs, then the attention's half
+/// (see [`Backward::split_blocks`]); without, the caller hands over the whole block after. The
+/// halves are handed over only in host memory (the hook takes host slices).
+pub(crate) fn block_backward<'g>(
     pass: &mut Pass,
     at: BlockAt,
     p: View<f32>,
-    mut g: ViewMut<f32>,
+    g: ViewMut<'g, f32>,
     a: &mut Acts,
+    mut ready: Option<&mut dyn FnMut(Range<usize>, &'g mut [f32])>,
 ) {
     let dims = pass.dims;
     let Dims { c, f, nh, .. } = dims;
@@ -590,6 +595,8 @@ pub(crate) fn block_backward(
     let (l, bl) = (at.local, at.layout);
     let w = BlockWeights::new(p, bl);
     let off = bl.all.start;
+    let mlp_off = bl.ln_2_w.start;
+    let (mut g, mut g_mlp) = g.split_at_mut(mlp_off - off);
     let ld = at.drop_site();
     let sl = a.layer_slot(l);
     let qkv_w = dims.qkv_width();
@@ -637,7 +644,7 @@ pub(crate) fn block_backward(
             }
             None => dres,
         };
-        let (dw, db) = wb(&mut g, off, &bl.fcproj_w, &bl.fcproj_b);
+        let (dw, db) = wb(&mut g_mlp, mlp_off, &bl.fcproj_w, &bl.fcproj_b);
         // d(first product's output): (N, F) under GELU, in place of d(GELU output); (N, 2F)
         // under SwiGLU (gate then up, as the weight), below d(SwiGLU output) in the scratch.
         let dfc: View<f32> = if dims.mlp == Mlp::SwiGlu {
@@ -728,13 +735,13 @@ pub(crate) fn block_backward(
             });
         }
         let s_ln = layer(s_ln, ln2_slot, nc);
-        let (dw, db) = wb(&mut g, off, &bl.fc_w, &bl.fc_b);
+        let (dw, db) = wb(&mut g_mlp, mlp_off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(Some(s_dl.reborrow()), dw, db, dfc, s_ln, w.fc_w, n, c, fx)
         });
     }
     {
-        let (dw, db) = wb(&mut g, off, &bl.ln_2_w, &bl.ln_2_b);
+        let (dw, db) = wb(&mut g_mlp, mlp_off, &bl.ln_2_w, &bl.ln_2_b);
         let dres = dres.slice_mut(..nc);
         let stats = (layer(ln2_mean, sl, n), layer(ln2_rstd, sl, n));
         prof.time(K::LnBwd, || {
@@ -748,6 +755,9 @@ pub(crate) fn block_backward(
                 (n, c),
             )
         });
+    }
+    if let (Some(ready), Some(g_mlp)) = (ready.as_mut(), g_mlp.try_host()) {
+        ready(mlp_off..bl.all.end, g_mlp);
     }
 
     // Attention: x_mid = x + drop(attn(ln_1(x) · W_attn + b_attn) · W_proj + b_proj)
@@ -837,4 +847,7 @@ pub(crate) fn block_backward(
             (n, c),
         )
     });
+    if let (Some(ready), Some(g)) = (ready, g.try_host()) {
+        ready(off..mlp_off, g);
+    }
 }

@@ -334,7 +334,11 @@ impl GPT {
     }
     /// The ranges the backward hook reports, in the order it reports them.
     pub fn ready_ranges(&self) -> Vec<Range<usize>> {
-        self.layout.ready_order()
+        self.layout.ready_order(false)
+    }
+    /// The ranges the backward hook reports with [`Backward::split_blocks`], in order.
+    pub fn split_ready_ranges(&self) -> Vec<Range<usize>> {
+        self.layout.ready_order(true)
     }
     /// The rotary angle tables (None with learned positions).
     pub(crate) fn rope_tables(&self) -> Option<&RopeTables> {
@@ -549,7 +553,11 @@ impl GPT {
     where
         F: FnMut(Range<usize>, &'g mut [f32]) + Send,
     {
-        let Backward { ready, parts } = pass;
+        let Backward {
+            ready,
+            parts,
+            split_blocks,
+        } = pass;
         self.batch.counted.ok_or(GptError::NoLoss)?;
         host_hooks(&*self.dev, parts.is_some())?;
         let drop = self.drop_key();
@@ -591,8 +599,9 @@ impl GPT {
                 scratch: attn_scratch.view_mut(),
                 prof: profile,
             };
-            let params = params.view_mut();
-            backward_pass(pass, layout, params, grads, &mut acts, &mut *hooks, ready)
+            let (params, hooks) = (params.view_mut(), &mut *hooks);
+            let ready = (ready, split_blocks);
+            backward_pass(pass, layout, params, grads, &mut acts, hooks, ready)
         };
         dev.install(&mut run);
         Ok(())

@@ -151,6 +151,7 @@ pub type NoReadyHook = fn(Range<usize>, &mut [f32]);
 pub struct Backward<'h, F = NoReadyHook> {
     pub(crate) ready: F,
     pub(crate) parts: Option<&'h mut dyn PartHooks>,
+    pub(crate) split_blocks: bool,
 }
 
 impl Backward<'static> {
@@ -159,6 +160,7 @@ impl Backward<'static> {
         Backward {
             ready: |_, _| {},
             parts: None,
+            split_blocks: false,
         }
     }
 }
@@ -179,6 +181,7 @@ impl<'h, F> Backward<'h, F> {
         Backward {
             ready,
             parts: self.parts,
+            split_blocks: self.split_blocks,
         }
     }
 
@@ -190,6 +193,19 @@ impl<'h, F> Backward<'h, F> {
         Backward {
             ready: self.ready,
             parts: Some(hooks),
+            split_blocks: self.split_blocks,
         }
+    }
+
+    /// Hands each block to the readiness hook in two ranges rather than one: its MLP's (from
+    /// `ln_2` up, the top of its range) as soon as `ln_2`'s backward has finished it, while the
+    /// attention's backward still runs, then the rest ([`GPT::split_ready_ranges`]
+    /// (crate::GPT::split_ready_ranges) gives the order). For a reducer that takes any ranges
+    /// (DDP): a reduction of the MLP's gradients overlaps the attention's backward, and of
+    /// block 0 only the attention's third is left when backward ends. With it, a block's part
+    /// hooks' `after` comes after its MLP half's hand-over.
+    pub fn split_blocks(mut self) -> Self {
+        self.split_blocks = true;
+        self
     }
 }

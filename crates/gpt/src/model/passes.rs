@@ -63,7 +63,7 @@ pub(super) fn forward_pass(
 }
 
 /// The backward of every part in reverse order, handing each finished range of `grads` to
-/// `ready`.
+/// `ready` (each block in two with `split_blocks`).
 pub(super) fn backward_pass<'g>(
     pass: &mut Pass,
     lay: &Layout,
@@ -71,7 +71,7 @@ pub(super) fn backward_pass<'g>(
     grads: ViewMut<'g, f32>,
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
-    mut ready: impl FnMut(Range<usize>, &'g mut [f32]),
+    (mut ready, split_blocks): (impl FnMut(Range<usize>, &'g mut [f32]), bool),
 ) {
     let p = &mut p;
     let tied = lay.tied();
@@ -125,10 +125,15 @@ pub(super) fn backward_pass<'g>(
             // dropout masks, so the same values).
             block_forward(pass, at, p.as_view(), a);
         }
-        block_backward(pass, at, p.as_view(), g.reborrow(), a);
-        leave(lay, hooks, Part::Block(l), p);
-        if let Some(g) = g.try_host() {
-            ready(bl.all.clone(), g);
+        if split_blocks {
+            block_backward(pass, at, p.as_view(), g, a, Some(&mut ready));
+            leave(lay, hooks, Part::Block(l), p);
+        } else {
+            block_backward(pass, at, p.as_view(), g.reborrow(), a, None);
+            leave(lay, hooks, Part::Block(l), p);
+            if let Some(g) = g.try_host() {
+                ready(bl.all.clone(), g);
+            }
         }
     }
 

@@ -237,12 +237,15 @@ fn training_is_bitwise_reproducible_and_independent_of_thread_count() {
 
 #[test]
 fn backward_hands_out_final_ranges_in_order_to_another_thread() {
-    for tied in [true, false] {
+    for (tied, split) in [(true, false), (false, false), (true, true), (false, true)] {
         let mut m = model(tiny(true, tied, 0.0), 2, 9);
         let (ids, mask, labels) = batch();
         loss_at(&mut m, &ids, &mask, &labels);
         m.zero_grad();
-        let expected = m.ready_ranges();
+        let expected = match split {
+            true => m.split_ready_ranges(),
+            false => m.ready_ranges(),
+        };
         let (got, sums) = std::thread::scope(|s| {
             let (tx, rx) = std::sync::mpsc::channel::<(Range<usize>, &mut [f32])>();
             let summer = s.spawn(move || {
@@ -257,8 +260,9 @@ fn backward_hands_out_final_ranges_in_order_to_another_thread() {
                 }
                 (got, sums)
             });
-            m.backward(Backward::new().on_ready(move |r, g| tx.send((r, g)).unwrap()))
-                .unwrap();
+            let pass = Backward::new().on_ready(move |r, g| tx.send((r, g)).unwrap());
+            let pass = if split { pass.split_blocks() } else { pass };
+            m.backward(pass).unwrap();
             summer.join().unwrap()
         });
         assert_eq!(got, expected);

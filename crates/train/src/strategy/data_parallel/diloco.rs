@@ -16,10 +16,34 @@
 //! mean θ_r) is the ranks' mean parameters (to rounding). The last step of
 //! a run always syncs, so a run ends with one model.
 //!
-//! The outer all-reduce is synchronous: the ranks wait for it at the sync
-//! step. It moves the model once per H steps, where DDP moves its gradient
-//! every step, so at H = 50 the wire carries 1/50th of DDP's bytes.
+//! By default the outer all-reduce is synchronous: the ranks wait for it at
+//! the sync step. It moves the model once per H steps, where DDP moves its
+//! gradient every step, so at H = 50 the wire carries 1/50th of DDP's bytes.
 //!
+//! **Overlapped** (`--outer-overlap`), the outer step is delayed by τ inner
+//! steps (`--outer-overlap-steps`, default 5, at most H), so that its
+//! all-reduce runs while they do (on a group of its own, beside the
+//! training group's per-step collectives). Each rank keeps s_r, the
+//! reference of its next pseudo-gradient. With x_r its parameters:
+//!
+//! 1. at a sync: d_r = s_r − x_r is the rank's pseudo-gradient; s_r = x_r;
+//!    the all-reduce of d_r starts and the inner steps go on;
+//! 2. τ steps later: wait for the average p (normally long arrived), step
+//!    θ by p with the outer optimizer, and set x_r = θ − (s_r − x_r): the
+//!    new global parameters plus this rank's own progress since the sync;
+//!    s_r = θ, so the next pseudo-gradient holds that progress too.
+//!
+//! With τ = H, step 2 falls on the next sync, one round late: there d_r is
+//! taken first, x_r = θ − d_r, and step 1 goes on from there. At the run's
+//! last step an outer step still pending is taken as in step 2, then the
+//! last pseudo-gradient is all-reduced at once and applied, and every rank
+//! takes θ. On one rank with lr 1 and no momentum this is plain training
+//! (to rounding). A checkpoint waits for the all-reduce in flight and saves
+//! its result (the same on every rank) with each rank's s_r: the resume
+//! takes the outer step where the run would have, bitwise. One round late,
+//! DiLoCo's Nesterov momentum on a stale average lost the loss on the
+//! Markov corpus, where local SGD kept it (docs/guides/slow-links.md).
+
 //! A checkpoint (DDP's format, written by rank 0) holds the global θ as its
 //! model, rank 0's AdamW moments as its optimizer (so DDP and ZeRO resume
 //! it), and beside them the outer momentum and every rank's own parameters
@@ -27,15 +51,17 @@
 //! the same number of ranks continues bitwise. A resume on another number
 //! of ranks regroups at the last sync: every rank starts from θ with rank
 //! 0's moments and the outer momentum, and the local steps since the last
-//! sync are dropped.
+//! sync are dropped (an overlapped run keeps the average in flight, which
+//! every rank had a share in, and applies it at the next sync).
 //!
-//! This module never communicates between syncs, and never leaves the
-//! ranks with different parameters after one.
+//! This module never communicates between syncs (an overlapped all-reduce
+//! only runs on), and never leaves the ranks with different parameters
+//! after a synchronous sync or the last one.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cohort_comm::{bf16, ProcessGroup, ReduceOp};
+use cohort_comm::{bf16, ProcessGroup, ReduceOp, Work};
 use cohort_engine::optim::{AdamW, DecayMask, Optimizer, OptimizerState, Sgd, SgdConfig};
 use cohort_gpt::checkpoint::{self as ckpt, CheckpointError, TensorFile};
 use cohort_gpt::{GPTConfig, GPT};
@@ -61,6 +87,12 @@ pub struct OuterConfig {
     pub nesterov: bool,
     /// Average the pseudo-gradients in bf16 rather than fp32.
     pub bf16: bool,
+    /// Overlap the outer all-reduce with the next inner steps, the outer
+    /// step delayed (see the module docs).
+    pub overlap: bool,
+    /// Overlapped: the inner steps after a sync at whose end its outer
+    /// step is taken (τ), at most `sync_every` (one round late).
+    pub delay: u64,
 }
 
 impl OuterConfig {
@@ -74,6 +106,8 @@ impl OuterConfig {
             momentum,
             nesterov: cfg.outer_nesterov && momentum > 0.0,
             bf16: cfg.pseudo_grad_dtype == Precision::Bf16,
+            overlap: cfg.outer_overlap,
+            delay: cfg.outer_overlap_steps.clamp(1, cfg.sync_every.max(1)),
         }
     }
 
@@ -90,9 +124,19 @@ impl OuterConfig {
             ("DiLoCo", outer)
         };
         let dtype = if self.bf16 { "bf16" } else { "fp32" };
+        let how = match self.overlap {
+            true if self.delay >= self.sync_every => {
+                "all-reduce overlapped with the next round, applied one round late".to_string()
+            }
+            true => format!(
+                "all-reduce overlapped with the next inner steps, applied {} steps late",
+                self.delay
+            ),
+            false => "synchronous all-reduce".to_string(),
+        };
         format!(
             "{kind}: inner AdamW on each rank, every {} steps {outer} over the {dtype} \
-             pseudo-gradient (synchronous all-reduce)",
+             pseudo-gradient ({how})",
             self.sync_every
         )
     }
@@ -102,18 +146,54 @@ impl OuterConfig {
 /// outer optimizer over them.
 pub struct Outer {
     cfg: OuterConfig,
-    /// θ: the global parameters as of the last sync.
+    /// θ: the global parameters as of the last outer step.
     global: Vec<f32>,
     /// The outer SGD (its momentum buffer, and how many outer steps it took).
     sgd: Sgd,
     /// The pseudo-gradient, reused between syncs.
     pseudo: Vec<f32>,
+    /// Overlapped: this rank's parameters at the start of the round, the
+    /// reference of its next pseudo-gradient (empty when synchronous).
+    start: Vec<f32>,
+    /// Overlapped: the group the all-reduces run on, beside the training
+    /// group (whose blocking collectives would queue behind them).
+    side: Option<ProcessGroup>,
+    /// Overlapped: the last round's averaged pseudo-gradient, on the wire
+    /// or arrived, applied at the next sync.
+    pending: Option<Pending>,
+}
+
+/// An overlapped all-reduce of the averaged pseudo-gradient.
+enum Pending {
+    F32(Work<Vec<f32>>),
+    Bf16(Work<Vec<bf16>>),
+    Arrived(Vec<f32>),
+}
+
+impl Pending {
+    /// The average, once the all-reduce has finished.
+    fn wait(self) -> Result<Vec<f32>, TrainError> {
+        let what = "DiLoCo overlapped pseudo-gradient all_reduce";
+        match self {
+            Pending::F32(work) => work.wait().map_err(TrainError::comm(what)),
+            Pending::Bf16(work) => {
+                let wire = work.wait().map_err(TrainError::comm(what))?;
+                Ok(wire.iter().map(|w| w.to_f32()).collect())
+            }
+            Pending::Arrived(avg) => Ok(avg),
+        }
+    }
 }
 
 impl Outer {
     /// The outer optimizer of `cfg` for a model whose parameters (the same
-    /// on every rank) are `params`.
-    pub fn new(cfg: OuterConfig, params: &[f32]) -> Result<Outer, TrainError> {
+    /// on every rank) are `params`. Overlapped, its all-reduces run on
+    /// `side` (a group of the same ranks), else on the training group.
+    pub fn new(
+        cfg: OuterConfig,
+        params: &[f32],
+        side: Option<ProcessGroup>,
+    ) -> Result<Outer, TrainError> {
         let sgd = Sgd::new(
             SgdConfig {
                 momentum: cfg.momentum,
@@ -127,6 +207,13 @@ impl Outer {
             global: params.to_vec(),
             sgd,
             pseudo: vec![0.0; params.len()],
+            start: if cfg.overlap {
+                params.to_vec()
+            } else {
+                Vec::new()
+            },
+            side,
+            pending: None,
         })
     }
 
@@ -151,13 +238,96 @@ impl Outer {
         (step + 1).is_multiple_of(self.cfg.sync_every) || step + 1 == steps
     }
 
-    /// The sync: averages the ranks' pseudo-gradients θ − `params`, steps θ
-    /// and sets `params` to it. Returns the time spent in the all-reduce.
-    /// Collective.
-    pub fn sync(&mut self, pg: &ProcessGroup, params: &mut [f32]) -> Result<Duration, TrainError> {
-        for ((d, g), p) in self.pseudo.iter_mut().zip(&self.global).zip(&*params) {
-            *d = g - p;
+    /// The sync at the end of a round, `last` at the end of the run: the
+    /// ranks' pseudo-gradients averaged and θ stepped, synchronously or
+    /// overlapped as the module says; `params`, this rank's parameters, set
+    /// to what the next round starts from. Returns the time this rank
+    /// waited for all-reduces. Collective.
+    pub fn sync(
+        &mut self,
+        pg: &ProcessGroup,
+        params: &mut [f32],
+        last: bool,
+    ) -> Result<Duration, TrainError> {
+        if !self.cfg.overlap {
+            for ((d, g), p) in self.pseudo.iter_mut().zip(&self.global).zip(&*params) {
+                *d = g - p;
+            }
+            let waited = self.average(pg)?;
+            self.sgd.step(&mut self.global, &self.pseudo, self.cfg.lr)?;
+            params.copy_from_slice(&self.global);
+            return Ok(waited);
         }
+        for ((d, s), p) in self.pseudo.iter_mut().zip(&self.start).zip(&*params) {
+            *d = s - p;
+        }
+        let t = Instant::now();
+        let arrived = self.pending.take().map(Pending::wait).transpose()?;
+        let mut waited = t.elapsed();
+        if let Some(avg) = arrived {
+            self.sgd.step(&mut self.global, &avg, self.cfg.lr)?;
+            for ((p, g), d) in params.iter_mut().zip(&self.global).zip(&self.pseudo) {
+                *p = g - d;
+            }
+        }
+        if last {
+            let side = self.side.clone();
+            waited += self.average(side.as_ref().unwrap_or(pg))?;
+            self.sgd.step(&mut self.global, &self.pseudo, self.cfg.lr)?;
+            params.copy_from_slice(&self.global);
+        } else {
+            let group = self.side.as_ref().unwrap_or(pg);
+            self.pending = Some(if self.cfg.bf16 {
+                let wire = self.pseudo.iter().map(|&x| bf16::from_f32(x)).collect();
+                Pending::Bf16(group.all_reduce_async(wire, ReduceOp::Avg))
+            } else {
+                Pending::F32(group.all_reduce_async(self.pseudo.clone(), ReduceOp::Avg))
+            });
+        }
+        self.start.copy_from_slice(params);
+        Ok(waited)
+    }
+
+    /// Whether the end of step `step` takes the overlapped outer step in
+    /// flight: `delay` steps after the sync that started it, when that
+    /// comes before the next sync (which takes it otherwise).
+    pub fn apply_due(&self, step: u64) -> bool {
+        let (h, delay) = (self.cfg.sync_every, self.cfg.delay);
+        self.pending.is_some() && delay < h && (step + 1) % h == delay
+    }
+
+    /// The overlapped outer step in flight, `delay` steps after its sync:
+    /// waits for the average, steps θ by it, and sets `params` to θ plus
+    /// this rank's progress since the sync, which its next pseudo-gradient
+    /// (from θ) then holds. Returns the wait.
+    pub fn apply_pending(&mut self, params: &mut [f32]) -> Result<Duration, TrainError> {
+        let t = Instant::now();
+        let Some(pending) = self.pending.take() else {
+            return Ok(Duration::ZERO);
+        };
+        let avg = pending.wait()?;
+        let waited = t.elapsed();
+        self.sgd.step(&mut self.global, &avg, self.cfg.lr)?;
+        for ((p, g), s) in params.iter_mut().zip(&self.global).zip(&self.start) {
+            *p = g - (s - *p);
+        }
+        self.start.copy_from_slice(&self.global);
+        Ok(waited)
+    }
+
+    /// Waits for the overlapped all-reduce in flight, if any, keeping its
+    /// result for the next sync (a checkpoint saves it). Returns the wait.
+    pub fn drain(&mut self) -> Result<Duration, TrainError> {
+        let t = Instant::now();
+        if let Some(pending) = self.pending.take() {
+            self.pending = Some(Pending::Arrived(pending.wait()?));
+        }
+        Ok(t.elapsed())
+    }
+
+    /// Averages `self.pseudo` over `pg` in place, in fp32 or bf16. Returns
+    /// the all-reduce's time. Collective.
+    fn average(&mut self, pg: &ProcessGroup) -> Result<Duration, TrainError> {
         let t = Instant::now();
         if self.cfg.bf16 {
             let mut wire: Vec<bf16> = self.pseudo.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -170,10 +340,7 @@ impl Outer {
             pg.all_reduce(&mut self.pseudo, ReduceOp::Avg)
                 .map_err(TrainError::comm("DiLoCo pseudo-gradient all_reduce"))?;
         }
-        let comm = t.elapsed();
-        self.sgd.step(&mut self.global, &self.pseudo, self.cfg.lr)?;
-        params.copy_from_slice(&self.global);
-        Ok(comm)
+        Ok(t.elapsed())
     }
 }
 
@@ -183,17 +350,21 @@ fn rank_buffer(r: usize, what: &str) -> String {
 }
 
 const MOMENTUM_BUFFER: &str = "diloco.outer_momentum";
+/// An overlapped run's averaged pseudo-gradient not yet applied.
+const PENDING_BUFFER: &str = "diloco.pending";
 const WORLD_KEY: &str = "diloco.world_size";
 const SYNCS_KEY: &str = "diloco.outer_steps";
 
-/// Every rank's own parameters and AdamW moments, gathered to rank 0
-/// (`None` on the others), for the checkpoint. Collective.
+/// Every rank's own parameters and AdamW moments (overlapped: and its
+/// round's start), gathered to rank 0 (`None` on the others), for the
+/// checkpoint. Collective.
 pub(crate) fn gather_ranks(
     pg: &ProcessGroup,
     params: &[f32],
     opt: &AdamW,
+    outer: &Outer,
 ) -> Result<Option<Vec<f32>>, TrainError> {
-    let mine: Vec<f32> = [params, opt.exp_avg(), opt.exp_avg_sq()].concat();
+    let mine: Vec<f32> = [params, opt.exp_avg(), opt.exp_avg_sq(), &outer.start].concat();
     let master = pg.rank() == 0;
     let mut all = vec![0f32; if master { mine.len() * pg.size() } else { 0 }];
     pg.gather(&mine, master.then_some(&mut all[..]), 0)
@@ -201,10 +372,14 @@ pub(crate) fn gather_ranks(
     Ok(master.then_some(all))
 }
 
+/// The buffers of each rank in a checkpoint, in [`gather_ranks`]' order.
+const RANK_BUFFERS: [&str; 4] = ["params", "exp_avg", "exp_avg_sq", "start"];
+
 /// The optimizer file of a DiLoCo checkpoint: rank 0's AdamW state under
 /// its own names (DDP reads those), the outer momentum and `ranks` (from
-/// [`gather_ranks`]: each rank's parameters and moments) as
-/// [`DILOCO_PREFIX`] buffers.
+/// [`gather_ranks`]: each rank's parameters and moments, overlapped its
+/// round's start) as [`DILOCO_PREFIX`] buffers, and overlapped the average
+/// in flight ([`Outer::drain`] first: a save never holds a half-done one).
 pub(crate) fn optimizer_file<'a>(
     opt: &'a AdamW,
     outer: &'a Outer,
@@ -216,9 +391,13 @@ pub(crate) fn optimizer_file<'a>(
     if !momentum.is_empty() {
         file.tensors.push((MOMENTUM_BUFFER.to_string(), momentum));
     }
+    if let Some(Pending::Arrived(avg)) = &outer.pending {
+        file.tensors.push((PENDING_BUFFER.to_string(), avg));
+    }
     let n = outer.global.len();
-    for (r, own) in ranks.chunks(3 * n).enumerate() {
-        for (i, what) in ["params", "exp_avg", "exp_avg_sq"].into_iter().enumerate() {
+    let per = if outer.cfg.overlap { 4 } else { 3 };
+    for (r, own) in ranks.chunks(per * n).enumerate() {
+        for (i, what) in RANK_BUFFERS[..per].iter().enumerate() {
             file.tensors
                 .push((rank_buffer(r, what), &own[i * n..(i + 1) * n]));
         }
@@ -250,6 +429,9 @@ impl Restore for DilocoTarget<'_> {
     fn restore(&mut self, dir: &Path) -> Result<bool, TrainError> {
         ckpt::load_params_into(dir, self.model)?;
         self.outer.global.copy_from_slice(self.model.params());
+        if self.outer.cfg.overlap {
+            self.outer.start.copy_from_slice(self.model.params());
+        }
         if !trainer_files::load_optimizer_into(dir, self.opt)? {
             return Ok(false);
         }
@@ -294,11 +476,36 @@ impl Restore for DilocoTarget<'_> {
             .sgd
             .load_state(&state)
             .map_err(|e| bad(format!("outer momentum: {e}")))?;
+        if let Some((_, avg)) = tensor(PENDING_BUFFER) {
+            let n = self.outer.global.len();
+            if avg.len() != n {
+                let got = avg.len();
+                let why = format!("{PENDING_BUFFER} has {got} elements, the model {n}");
+                return Err(bad(why).into());
+            }
+            if self.outer.cfg.overlap {
+                self.outer.pending = Some(Pending::Arrived(avg.clone()));
+            } else {
+                // A synchronous round starts from θ: the outer step the
+                // overlapped run had in flight is taken now.
+                let outer = &mut *self.outer;
+                outer.sgd.step(&mut outer.global, avg, outer.cfg.lr)?;
+                self.model.params_mut().copy_from_slice(&outer.global);
+                self.notes.push(format!(
+                    "DiLoCo resumed an overlapped run synchronously: its outer step in flight \
+                     was taken, and every rank starts from the global parameters with rank \
+                     0's AdamW moments (the local steps since the last sync of {} are dropped)",
+                    dir.display()
+                ));
+                return Ok(true);
+            }
+        }
         if saved_world as usize != self.world {
             self.notes.push(format!(
                 "DiLoCo regrouped from {saved_world} to {} ranks: every rank starts from the \
                  global parameters of the last sync with rank 0's AdamW moments and the outer \
-                 momentum (the local steps since that sync are dropped)",
+                 momentum (the local steps since that sync are dropped; an outer step in \
+                 flight is kept)",
                 self.world
             ));
             return Ok(true);
@@ -320,6 +527,16 @@ impl Restore for DilocoTarget<'_> {
             .into());
         }
         self.model.params_mut().copy_from_slice(params);
+        if self.outer.cfg.overlap {
+            // A synchronous run's round started from θ, set above.
+            if let Some((_, start)) = tensor(&rank_buffer(self.rank, "start")) {
+                if start.len() != params.len() {
+                    let why = format!("{} elements, the model {}", start.len(), params.len());
+                    return Err(bad(format!("rank {}'s start has {why}", self.rank)).into());
+                }
+                self.outer.start.copy_from_slice(start);
+            }
+        }
         let inner = OptimizerState {
             optimizer: self.opt.name().into(),
             step: self.opt.steps_taken(),
@@ -362,6 +579,8 @@ mod tests {
             momentum: 0.9,
             nesterov: true,
             bf16: false,
+            overlap: false,
+            delay: 1,
         };
         let theta0 = [1.0f32, -2.0, 0.5];
         // Each rank's parameters before the first and the second sync.
@@ -370,11 +589,11 @@ mod tests {
             vec![1.0 - s, -2.0 + 2.0 * s, 0.5 + s * s]
         };
         let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
-            let mut outer = Outer::new(cfg, &theta0)?;
+            let mut outer = Outer::new(cfg, &theta0, None)?;
             let mut seen = Vec::new();
             for sync in 0..2 {
                 let mut p = local(pg.rank(), sync);
-                outer.sync(pg, &mut p)?;
+                outer.sync(pg, &mut p, false)?;
                 seen.push(p);
             }
             Ok::<_, TrainError>(seen)
@@ -409,15 +628,17 @@ mod tests {
                 momentum: 0.0,
                 nesterov: false,
                 bf16,
+                overlap: false,
+                delay: 1,
             };
             let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
-                let mut outer = Outer::new(cfg, &[0.0, 1.0])?;
+                let mut outer = Outer::new(cfg, &[0.0, 1.0], None)?;
                 let mut p = if pg.rank() == 0 {
                     vec![1.0, 3.0]
                 } else {
                     vec![2.0, 5.0]
                 };
-                outer.sync(pg, &mut p)?;
+                outer.sync(pg, &mut p, false)?;
                 Ok::<_, TrainError>(p)
             })
             .unwrap();
@@ -430,6 +651,189 @@ mod tests {
         }
     }
 
+    /// Overlapped, against the delayed update written out by hand in f64
+    /// (the module's steps 1-3, then the drain at the last sync), over four
+    /// rounds of two ranks whose inner "training" pulls each parameter a
+    /// third of the way to a target of its own, and on its own group.
+    #[test]
+    fn the_overlapped_outer_step_is_one_round_late() {
+        let cfg = OuterConfig {
+            sync_every: 1,
+            lr: 0.7,
+            momentum: 0.9,
+            nesterov: true,
+            bf16: false,
+            overlap: true,
+            delay: 1,
+        };
+        let theta0 = [1.0f32, -2.0, 0.5];
+        let target = |r: usize, round: usize| -> [f64; 3] {
+            let s = (r as f64 + 1.0) * 0.5 + round as f64 * 0.25;
+            [s, -s, 2.0 * s]
+        };
+        let inner = |x: f64, t: f64| x + (t - x) / 3.0;
+        let rounds = 4;
+        let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let side = pg
+                .new_group(&[0, 1])
+                .map_err(TrainError::comm("new_group"))?;
+            assert!(side.is_some());
+            let mut outer = Outer::new(cfg, &theta0, side)?;
+            let mut p = theta0.to_vec();
+            for round in 0..rounds {
+                let t = target(pg.rank(), round);
+                for (x, t) in p.iter_mut().zip(t) {
+                    *x = inner(*x as f64, t) as f32;
+                }
+                outer.sync(pg, &mut p, round + 1 == rounds)?;
+            }
+            Ok::<_, TrainError>((p, outer.global().to_vec(), outer.syncs()))
+        })
+        .unwrap();
+        assert_eq!(got[0], got[1], "the ranks agree bitwise");
+        assert_eq!(got[0].2, rounds as u64, "one outer step per round");
+        // The reference: every rank's x and s, θ and the momentum b.
+        let (lr, mu) = (0.7f64, 0.9f64);
+        let mut theta: Vec<f64> = theta0.iter().map(|&x| x as f64).collect();
+        let mut b = [0f64; 3];
+        let mut steps = 0;
+        let mut outer_step = |theta: &mut Vec<f64>, avg: &[f64]| {
+            for i in 0..3 {
+                b[i] = if steps == 0 {
+                    avg[i]
+                } else {
+                    mu * b[i] + avg[i]
+                };
+                theta[i] -= lr * (avg[i] + mu * b[i]);
+            }
+            steps += 1;
+        };
+        let mut x = [theta.clone(), theta.clone()];
+        let mut s = x.clone();
+        let mut pending: Option<Vec<f64>> = None;
+        for round in 0..rounds {
+            let mut d = [vec![0.0; 3], vec![0.0; 3]];
+            for r in 0..2 {
+                let t = target(r, round);
+                for i in 0..3 {
+                    x[r][i] = inner(x[r][i], t[i]);
+                    d[r][i] = s[r][i] - x[r][i];
+                }
+            }
+            if let Some(avg) = pending.take() {
+                outer_step(&mut theta, &avg);
+                for r in 0..2 {
+                    for i in 0..3 {
+                        x[r][i] = theta[i] - d[r][i];
+                    }
+                }
+            }
+            let avg: Vec<f64> = (0..3).map(|i| (d[0][i] + d[1][i]) / 2.0).collect();
+            if round + 1 == rounds {
+                outer_step(&mut theta, &avg);
+                x = [theta.clone(), theta.clone()];
+            } else {
+                pending = Some(avg);
+            }
+            s = x.clone();
+        }
+        for (i, (g, t)) in got[0].0.iter().zip(&theta).enumerate() {
+            let err = (*g as f64 - t).abs();
+            assert!(err < 1e-5, "[{i}]: {g} vs {t}");
+        }
+        assert_eq!(got[0].0, got[0].1, "the run ends on θ");
+    }
+
+    /// Overlapped with a delay under H (H = 3, τ = 1; 8 steps: syncs after
+    /// steps 3, 6 and 8, outer steps taken after 4 and 7), step by step as
+    /// the training loop's `end_step` runs it, against the rules in f64: at
+    /// a sync d = s − x is sent and s = x; τ steps later θ takes the
+    /// average and x = θ − (s − x), s = θ; the last sync drains.
+    #[test]
+    fn the_overlapped_outer_step_is_taken_tau_steps_late() {
+        let cfg = OuterConfig {
+            sync_every: 3,
+            lr: 0.7,
+            momentum: 0.9,
+            nesterov: true,
+            bf16: false,
+            overlap: true,
+            delay: 1,
+        };
+        let steps = 8u64;
+        let theta0 = [0.5f32, -1.0];
+        let target = |r: usize, step: u64| [r as f64 + 0.1 * step as f64, -(r as f64)];
+        let inner = |x: f64, t: f64| x + (t - x) / 4.0;
+        let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let side = pg
+                .new_group(&[0, 1])
+                .map_err(TrainError::comm("new_group"))?;
+            let mut outer = Outer::new(cfg, &theta0, side)?;
+            let mut p = theta0.to_vec();
+            for step in 0..steps {
+                for (x, t) in p.iter_mut().zip(target(pg.rank(), step)) {
+                    *x = inner(*x as f64, t) as f32;
+                }
+                if outer.apply_due(step) {
+                    outer.apply_pending(&mut p)?;
+                }
+                if outer.due(step, steps) {
+                    outer.sync(pg, &mut p, step + 1 == steps)?;
+                }
+            }
+            Ok::<_, TrainError>((p, outer.syncs()))
+        })
+        .unwrap();
+        assert_eq!(got[0], got[1], "the ranks agree bitwise");
+        assert_eq!(got[0].1, 3, "two delayed outer steps and the last sync's");
+        let (lr, mu) = (0.7f64, 0.9f64);
+        let mut theta: Vec<f64> = theta0.iter().map(|&x| x as f64).collect();
+        let (mut b, mut taken) = (vec![0f64; 2], 0);
+        let mut outer_step = |theta: &mut [f64], avg: &[f64]| {
+            for ((th, bi), a) in theta.iter_mut().zip(b.iter_mut()).zip(avg) {
+                *bi = if taken == 0 { *a } else { mu * *bi + a };
+                *th -= lr * (a + mu * *bi);
+            }
+            taken += 1;
+        };
+        let mut x = [theta.clone(), theta.clone()];
+        let mut s = x.clone();
+        let mut pending: Option<Vec<f64>> = None;
+        for step in 0..steps {
+            for (r, xr) in x.iter_mut().enumerate() {
+                for (xi, t) in xr.iter_mut().zip(target(r, step)) {
+                    *xi = inner(*xi, t);
+                }
+            }
+            if pending.is_some() && (step + 1) % 3 == 1 {
+                outer_step(&mut theta, &pending.take().unwrap());
+                for (xr, sr) in x.iter_mut().zip(s.iter_mut()) {
+                    for ((xi, si), th) in xr.iter_mut().zip(sr.iter()).zip(&theta) {
+                        *xi = th - (si - *xi);
+                    }
+                    sr.clone_from(&theta);
+                }
+            }
+            if (step + 1) % 3 == 0 || step + 1 == steps {
+                let d: Vec<Vec<f64>> = (0..2)
+                    .map(|r| s[r].iter().zip(&x[r]).map(|(si, xi)| si - xi).collect())
+                    .collect();
+                let avg: Vec<f64> = (0..2).map(|i| (d[0][i] + d[1][i]) / 2.0).collect();
+                if step + 1 == steps {
+                    outer_step(&mut theta, &avg);
+                    x = [theta.clone(), theta.clone()];
+                } else {
+                    pending = Some(avg);
+                }
+                s = x.clone();
+            }
+        }
+        for (i, (g, t)) in got[0].0.iter().zip(&theta).enumerate() {
+            let err = (*g as f64 - t).abs();
+            assert!(err < 1e-5, "[{i}]: {g} vs {t}");
+        }
+    }
+
     #[test]
     fn syncs_fall_every_h_steps_and_at_the_end() {
         let cfg = OuterConfig {
@@ -438,11 +842,13 @@ mod tests {
             momentum: 0.9,
             nesterov: true,
             bf16: false,
+            overlap: false,
+            delay: 1,
         };
-        let outer = Outer::new(cfg, &[0.0]).unwrap();
+        let outer = Outer::new(cfg, &[0.0], None).unwrap();
         let due: Vec<u64> = (0..8).filter(|&s| outer.due(s, 8)).collect();
         assert_eq!(due, [2, 5, 7]);
-        let outer = Outer::new(cfg, &[0.0]).unwrap();
+        let outer = Outer::new(cfg, &[0.0], None).unwrap();
         let file_meta = {
             let opt = AdamW::new(Default::default(), DecayMask::all(1)).unwrap();
             let ranks = vec![0f32; 6];

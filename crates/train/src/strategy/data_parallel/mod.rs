@@ -13,13 +13,15 @@
 //! - `training`: the strategy of the training loop built from a config
 //!   (data, resume, batches, saves);
 //! - `zero1`, `sharded`: the ZeRO machinery on flat buffers and over the
-//!   model's parts; `diloco`: the outer optimizer and its checkpoint state.
+//!   model's parts; `diloco`: the outer optimizer and its checkpoint state;
+//! - `link`: whether gradients travel in bf16 when not told (by the link).
 //!
 //! This module never lets one rank's parameters differ from another's
 //! after a step (DiLoCo: after a sync), and never keeps sharded state beyond a rank's own shard
 //! between steps.
 
 mod diloco;
+mod link;
 mod sharded;
 mod step;
 mod training;

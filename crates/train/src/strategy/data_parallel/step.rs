@@ -81,7 +81,10 @@ impl<'pg> GradSync<'pg> {
         opt: AdamW,
         options: DdpOptions,
     ) -> Result<Self, TrainError> {
-        let ddp = Ddp::new(pg, param_specs(model), model.params_mut(), options)?;
+        let mut ddp = Ddp::new(pg, param_specs(model), model.params_mut(), options)?;
+        // The buckets along the ranges backward will report, from the
+        // start: the header states the sizes the run uses.
+        ddp.plan_along(&model.split_ready_ranges());
         Ok(GradSync::Ddp { ddp, opt })
     }
 
@@ -201,7 +204,9 @@ impl<'pg> DataParallel<'pg> {
         match &mut self.sync {
             GradSync::Ddp { ddp, .. } if last => {
                 let stats = ddp
-                    .backward(|ready| model.backward(Backward::new().on_ready(ready)))?
+                    .backward(|ready| {
+                        model.backward(Backward::new().on_ready(ready).split_blocks())
+                    })?
                     .finish(model.grads_mut())?;
                 Ok(SyncTimes {
                     backward: stats.backward,
@@ -289,17 +294,24 @@ impl<'pg> DataParallel<'pg> {
     }
 
     /// What ends step `step` of `steps` (0-based), updated or skipped:
-    /// DiLoCo's outer sync when it is due (every rank takes part, whether
-    /// its step was skipped or not). Returns the time spent in the sync's
-    /// all-reduce, or `None` when nothing was due. Collective under DiLoCo
-    /// at a sync.
-    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<Option<Duration>, TrainError> {
-        match &mut self.sync {
-            GradSync::Diloco { outer, .. } if outer.due(step, steps) => {
-                outer.sync(self.pg, self.model.params_mut()).map(Some)
-            }
-            _ => Ok(None),
+    /// DiLoCo's overlapped outer step when its delay is up, and its outer
+    /// sync when it is due (every rank takes part, whether its step was
+    /// skipped or not). Returns whether it synced and the time it waited
+    /// for all-reduces. Collective under DiLoCo at a sync.
+    pub fn end_step(&mut self, step: u64, steps: u64) -> Result<(bool, Duration), TrainError> {
+        let GradSync::Diloco { outer, .. } = &mut self.sync else {
+            return Ok((false, Duration::ZERO));
+        };
+        let params = self.model.params_mut();
+        let mut waited = Duration::ZERO;
+        if outer.apply_due(step) {
+            waited += outer.apply_pending(params)?;
         }
+        let due = outer.due(step, steps);
+        if due {
+            waited += outer.sync(self.pg, params, step + 1 == steps)?;
+        }
+        Ok((due, waited))
     }
 
     /// Clears the gradients for the next step. ZeRO-2/3 give the shard's
@@ -373,10 +385,12 @@ impl<'pg> DataParallel<'pg> {
     pub fn optimizer_floats(&self) -> usize {
         match &self.sync {
             GradSync::Ddp { .. } => 2 * self.model.num_params(),
-            // The inner moments, the global parameters and the outer momentum.
+            // The inner moments, the global parameters and the outer
+            // momentum; overlapped, the round's start and the average in flight.
             GradSync::Diloco { outer, .. } => {
                 let momentum = usize::from(outer.config().momentum > 0.0);
-                (3 + momentum) * self.model.num_params()
+                let overlap = 2 * usize::from(outer.config().overlap);
+                (3 + momentum + overlap) * self.model.num_params()
             }
             GradSync::Zero1(zero) => 2 * zero.shard_len(),
             GradSync::Sharded(zero) => 2 * zero.shard_len(),

@@ -11,12 +11,13 @@ use std::sync::Arc;
 
 use cohort_comm::ProcessGroup;
 use cohort_data::Dataset;
-use cohort_ddp::DdpOptions;
+use cohort_ddp::{Compression, DdpOptions};
 use cohort_engine::optim::AdamW;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
 use super::diloco::{self, DilocoTarget, Outer, OuterConfig};
+use super::link;
 use super::sharded::{ShardedDp, ZeroStage};
 use super::step::{DataParallel, GradSync};
 use super::zero1::Zero1;
@@ -96,13 +97,31 @@ impl<'a> DataParallelRun<'a> {
         } = replicated_start(cfg, pg, sharding)?;
         let t = data.seq_len();
         let threads = model.backend().num_threads();
+        if matches!(kind, SyncKind::Ddp | SyncKind::Diloco) {
+            header.extend(link::hierarchy_line(pg));
+        }
+        // DiLoCo sends no gradients (its pseudo-gradients' dtype is a flag).
+        let compression = match kind {
+            SyncKind::Diloco => Compression::None,
+            _ => {
+                let choice = link::choose(cfg.compression(), pg, model.num_params())?;
+                header.extend(choice.line);
+                choice.compression
+            }
+        };
         let overlap = match kind {
             SyncKind::Zero1 | SyncKind::Diloco => false,
             // Compressed reduce-scatters run in place (see `set_compression`).
-            SyncKind::Sharded(_) if cfg.bf16_compress => false,
+            SyncKind::Sharded(_) if compression == Compression::Bf16 => false,
             _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
         };
-        let (sync, state) = build_sync(cfg, pg, kind, overlap, &mut model, &mut header)?;
+        let nice = match kind {
+            SyncKind::Ddp if overlap => link::reducer_nice(threads, pg.local_world_size())?,
+            _ => 0,
+        };
+        let wire = (overlap, compression, nice);
+        let built = build_sync(cfg, pg, kind, wire, &mut model, &mut header);
+        let (sync, state) = built?;
         header.push(model_line(cfg, &data, &model, &sync, world, overlap));
         header.push(memory_line(cfg, &model, t, sharding));
         header.push(global_batch_line(cfg, world, t));
@@ -125,14 +144,16 @@ impl<'a> DataParallelRun<'a> {
 }
 
 /// The gradient sync `kind` over `model` (rank 0's parameters made every
-/// rank's), its collectives overlapping the model's work when `overlap`, resumed from `cfg.resume` when set (any checkpoint: a sharded
+/// rank's), its collectives overlapping the model's work when `overlap`,
+/// its gradients travelling as `compression` says (DDP's reducer thread
+/// `reducer_nice` steps below backward's), resumed from `cfg.resume` when set (any checkpoint: a sharded
 /// sync reads only its own shard), noting it in `header`. Returns where the
 /// run starts. Collective.
 fn build_sync<'a>(
     cfg: &TrainConfig,
     pg: &'a ProcessGroup,
     kind: SyncKind,
-    overlap: bool,
+    (overlap, compression, reducer_nice): (bool, Compression, u8),
     model: &mut GPT,
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
@@ -144,7 +165,8 @@ fn build_sync<'a>(
         let options = DdpOptions {
             bucket_cap_mb: cfg.bucket_cap_mb,
             overlap,
-            compression: cfg.compression(),
+            compression,
+            reducer_nice,
             ..DdpOptions::default()
         };
         return Ok((GradSync::ddp(pg, model, opt, options)?, state));
@@ -156,14 +178,14 @@ fn build_sync<'a>(
     let sync = match kind {
         SyncKind::Sharded(stage) => {
             let mut zero = ShardedDp::new(pg, model, stage, cfg.adamw())?;
-            zero.set_compression(cfg.compression());
+            zero.set_compression(compression);
             zero.set_overlap(overlap);
             GradSync::Sharded(Box::new(zero))
         }
         _ => {
             let full_mask = decay_mask(model.param_views());
             let mut zero = Zero1::new(pg, model.params(), &full_mask, cfg.adamw())?;
-            zero.set_compression(cfg.compression());
+            zero.set_compression(compression);
             GradSync::Zero1(zero)
         }
     };
@@ -199,7 +221,18 @@ fn build_diloco<'a>(
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
     let mut opt = AdamW::new(cfg.adamw(), decay_mask(model.param_views()))?;
-    let mut outer = Box::new(Outer::new(OuterConfig::of(cfg), model.params())?);
+    let outer_cfg = OuterConfig::of(cfg);
+    // Overlapped, the outer all-reduces get a group of their own, so that
+    // the training group's per-step collectives never queue behind them.
+    let side = match outer_cfg.overlap {
+        true => {
+            let all: Vec<usize> = (0..pg.size()).collect();
+            pg.new_group(&all)
+                .map_err(TrainError::comm("DiLoCo's all-reduce group"))?
+        }
+        false => None,
+    };
+    let mut outer = Box::new(Outer::new(outer_cfg, model.params(), side)?);
     let Some(dir) = &cfg.resume else {
         return Ok((GradSync::Diloco { opt, outer }, TrainState::default()));
     };
@@ -233,12 +266,22 @@ fn model_line(
 ) -> String {
     let n = model.num_params();
     let spread = match sync {
-        GradSync::Ddp { ddp, .. } => format!(
-            "DDP buckets: {} (cap {} MB, overlap {})",
-            ddp.buckets().len(),
-            cfg.bucket_cap_mb,
-            on_off(overlap)
-        ),
+        GradSync::Ddp { ddp, .. } => {
+            let nice = ddp.options().reducer_nice;
+            let reducer = match nice {
+                0 => String::new(),
+                n => format!(", its thread {n} nice steps below backward's (no core free for it)"),
+            };
+            format!(
+                "DDP buckets: {} in launch order of {} (cap {} MB, the last at most {} MB where \
+                 it can be cut; overlap {}{reducer})",
+                ddp.buckets().len(),
+                cohort_ddp::describe_sizes(ddp.buckets()),
+                cfg.bucket_cap_mb,
+                ddp.options().last_bucket_mb,
+                on_off(overlap)
+            )
+        }
         GradSync::Zero1(zero) => format!(
             "ZeRO-1: {world} shards of {} ({} padding)",
             zero.shard_len(),
@@ -289,7 +332,9 @@ impl DataParallelRun<'_> {
         let GradSync::Diloco { opt, outer } = sync else {
             unreachable!("only DiLoCo saves this way")
         };
-        let Some(ranks) = diloco::gather_ranks(pg, model.params(), opt)? else {
+        // An overlapped all-reduce in flight is waited for, and saved.
+        self.outer_syncs.1 += outer.drain()?;
+        let Some(ranks) = diloco::gather_ranks(pg, model.params(), opt, outer)? else {
             return Ok(SaveReport::default());
         };
         // The checkpoint's model is the global one; this rank's own (the
@@ -353,10 +398,9 @@ impl ParallelStrategy for DataParallelRun<'_> {
             self.step.update(lr)?;
         }
         self.step.clear_grads();
-        if let Some(comm) = self.step.end_step(step, self.cfg.steps)? {
-            self.outer_syncs.0 += 1;
-            self.outer_syncs.1 += comm;
-        }
+        let (synced, waited) = self.step.end_step(step, self.cfg.steps)?;
+        self.outer_syncs.0 += u64::from(synced);
+        self.outer_syncs.1 += waited;
         Ok(())
     }
 
@@ -390,12 +434,20 @@ impl ParallelStrategy for DataParallelRun<'_> {
 
     fn summary(&self) -> Vec<String> {
         let (syncs, comm) = self.outer_syncs;
+        let GradSync::Diloco { outer, .. } = self.step.sync() else {
+            return Vec::new();
+        };
         if syncs == 0 {
             return Vec::new();
         }
+        let what = if outer.config().overlap {
+            "waited for the pseudo-gradient all-reduce (overlapped with the next round; the \
+             last sync's and checkpoints' waits included)"
+        } else {
+            "in the pseudo-gradient all-reduce (exposed: the ranks wait for it)"
+        };
         vec![format!(
-            "outer syncs (rank 0): {syncs}, {:.1} ms each in the pseudo-gradient all-reduce \
-             (exposed: the ranks wait for it)",
+            "outer syncs (rank 0): {syncs}, {:.1} ms each {what}",
             comm.as_secs_f64() * 1e3 / syncs as f64
         )]
     }

@@ -207,6 +207,44 @@ impl AdamW {
     }
 }
 
+impl AdamW {
+    /// A host copy of this optimizer (its step count and moments, copied from `dev`'s memory):
+    /// what a checkpoint of an optimizer on a device writes.
+    pub fn to_host(&self, dev: &dyn Backend) -> Result<AdamW, OptimError> {
+        let mut host = AdamW::new(self.cfg, self.mask.clone())?;
+        host.step = self.step;
+        let copy = |dst: &mut Buffer, src: &Buffer| {
+            let out = dst.host_slice_mut().expect("allocated on the host above");
+            dev.download(out, src.view())
+                .map_err(|e| OptimError::Engine {
+                    op: "AdamW moments to the host",
+                    reason: e.to_string(),
+                })
+        };
+        copy(&mut host.exp_avg, &self.exp_avg)?;
+        copy(&mut host.exp_avg_sq, &self.exp_avg_sq)?;
+        Ok(host)
+    }
+
+    /// Takes the step count and moments of `host` (an optimizer in host memory, say resumed
+    /// from a checkpoint) into this one's buffers in `dev`'s memory.
+    pub fn load_from_host(&mut self, dev: &dyn Backend, host: &AdamW) -> Result<(), OptimError> {
+        check_len("AdamW::load_from_host", "moments", self.len(), host.len())?;
+        let (m, v) = (host.exp_avg(), host.exp_avg_sq());
+        let copy = |dst: &mut Buffer, src: &[f32]| {
+            dev.upload(dst.view_mut(), src)
+                .map_err(|e| OptimError::Engine {
+                    op: "AdamW moments from the host",
+                    reason: e.to_string(),
+                })
+        };
+        copy(&mut self.exp_avg, m)?;
+        copy(&mut self.exp_avg_sq, v)?;
+        self.step = host.step;
+        Ok(())
+    }
+}
+
 /// A moment buffer's floats, for the host calls.
 fn host(b: &Buffer) -> &[f32] {
     match b.host_slice() {

@@ -134,7 +134,7 @@ if [ -x "$COHORT" ]; then
     for b in 8 16; do
       before=${#SUMMARY[@]}
       run_part "cohort bench train B=$b $prec" 40 "$COHORT" bench train --device "$DEV" "${G124[@]}" --batch "$b" --precision "$prec" --json > >(tee -a "$RESULTS")
-      # A precision the backend refuses at B=8 is refused at 16 too: no time spent on it.
+      # A precision that fails at B=8 fails at 16 too: no time spent on it.
       case ${SUMMARY[$before]:-} in *FAILED*) [ "$b" = 8 ] && SUMMARY+=("cohort bench train B=16 $prec: skipped (B=8 failed)") && break ;; esac
     done
   done

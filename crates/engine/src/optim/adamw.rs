@@ -497,6 +497,40 @@ mod tests {
         assert_eq!(b.steps_taken(), 6);
     }
 
+    /// Moments on a device come to the host and go back with the step count: a host copy
+    /// continues the device's run bitwise, and so does a device optimizer loaded from it.
+    #[test]
+    fn device_state_round_trips_through_host_copies() {
+        let emulated = crate::Emulated::new(1, crate::DType::F32).unwrap();
+        let dev: &dyn Backend = &emulated;
+        let n = 40;
+        let mask = DecayMask::with_exempt(n, std::iter::once(0..5)).unwrap();
+        let mut on_dev = AdamW::new_on(dev, AdamWConfig::default(), mask.clone()).unwrap();
+        let mut params = dev.alloc(n).unwrap();
+        let mut grads = dev.alloc(n).unwrap();
+        let mut host_p = values(n, 3);
+        dev.upload(params.view_mut(), &host_p).unwrap();
+        for s in 0..2 {
+            dev.upload(grads.view_mut(), &values(n, 30 + s)).unwrap();
+            on_dev
+                .step_on(dev, params.view_mut(), grads.view(), 1e-2)
+                .unwrap();
+        }
+        dev.download(&mut host_p, params.view()).unwrap();
+        let mut host = on_dev.to_host(dev).unwrap();
+        assert_eq!(host.steps_taken(), 2);
+        let mut back = AdamW::new_on(dev, AdamWConfig::default(), mask).unwrap();
+        back.load_from_host(dev, &host).unwrap();
+        let g = values(n, 40);
+        host.step(&mut host_p, &g, 1e-2).unwrap();
+        dev.upload(grads.view_mut(), &g).unwrap();
+        back.step_on(dev, params.view_mut(), grads.view(), 1e-2)
+            .unwrap();
+        let mut got = vec![0.0; n];
+        dev.download(&mut got, params.view()).unwrap();
+        assert_eq!(got, host_p);
+    }
+
     #[test]
     fn bad_input_is_an_error() {
         let mut opt = AdamW::new(AdamWConfig::default(), DecayMask::all(4)).unwrap();

@@ -8,13 +8,20 @@
 # 1. versions: nvidia-smi, the driver, torch, CUDA, NCCL, cuDNN, the nvidia-* wheels;
 # 2. `cohort gpu info`: which CUDA libraries and headers cohort found where, and the device;
 # 3. `cohort gpu check`: every CUDA kernel against the CPU engine (a table, nonzero on a miss);
-# 4. PyTorch's anchors on the same GPU: GPT-2 124M at T=1024, batch 8 and 16, bf16 autocast,
+# 4. `cohort train --device cuda` against `--device cpu`: the same 20 steps, their losses side
+#    by side (a table, and a JSON line);
+# 5. `cohort bench train --device cuda`: GPT-2 124M (config G's shape) at T=1024, batch 8 and
+#    16, fp32 and bf16 products, and config G itself (T=256, batch 4);
+# 6. PyTorch's anchors on the same GPU: GPT-2 124M at T=1024, batch 8 and 16, bf16 autocast,
 #    eager and torch.compile (tokens/s, ms/step, peak memory, MFU against a bf16 GEMM rate
 #    measured here; docs/bench/bench_gpu.py);
-# 5. one closing table.
+# 7. one closing table, cohort's rows and PyTorch's.
 # Each part runs under a hard timeout cut to what is left of the 8 minutes, so a slow part
-# costs its own figures only. Everything printed also goes to $OUT/gpu-check.log (and the
-# anchors' JSON lines to $OUT/bench.jsonl) when OUT is set. Exit status: nonzero when the
+# costs its own figures only; the parts run in order of what is worth most, so the last
+# (torch.compile at batch 16) is the first to go when time runs short. Everything printed also
+# goes to $OUT/gpu-check.log (and every part's JSON line, cohort's and PyTorch's, to
+# $OUT/bench.jsonl) when OUT is set. GPU_CHECK_SMOKE=1 checks the script itself without a GPU:
+# cohort runs on the CPU (and its emulated device) and PyTorch on a tiny model. Exit status: nonzero when the
 # kernel check or a part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,28 +90,69 @@ PYEOF
 section "cohort gpu info"
 if [ -x "$COHORT" ]; then
   "$COHORT" --version
-  run_part "cohort gpu info" 45 "$COHORT" gpu info
+  run_part "cohort gpu info" 30 "$COHORT" gpu info
   section "cohort gpu check"
-  run_part "cohort gpu check" 75 "$COHORT" gpu check
+  run_part "cohort gpu check" 60 "$COHORT" gpu check
 else
   echo "no cohort binary at $COHORT (pass its path as the first argument)"
   SUMMARY+=("cohort gpu info/check: no binary at $COHORT")
   FAILED=1
 fi
 
-section "PyTorch anchors"
-# GPU_CHECK_SMOKE=1: a tiny model on the CPU instead, to check this script without a GPU.
-BENCH=(docs/bench/bench_gpu.py)
 SMOKE=()
-[ "${GPU_CHECK_SMOKE:-0}" = 1 ] && SMOKE=(--smoke)
-run_part "bf16 GEMM rate" 30 "$PY" "${BENCH[@]}" matmul --budget-s 8 "${SMOKE[@]}" --out "$RESULTS"
-run_part "PyTorch eager B=8" 45 "$PY" "${BENCH[@]}" train --mode eager --batch 8 "${SMOKE[@]}" --budget-s 30 --out "$RESULTS"
-run_part "PyTorch eager B=16" 50 "$PY" "${BENCH[@]}" train --mode eager --batch 16 "${SMOKE[@]}" --budget-s 35 --out "$RESULTS"
-run_part "PyTorch compile B=8" 120 "$PY" "${BENCH[@]}" train --mode compile --batch 8 "${SMOKE[@]}" --budget-s 100 --out "$RESULTS"
-run_part "PyTorch compile B=16" 95 "$PY" "${BENCH[@]}" train --mode compile --batch 16 "${SMOKE[@]}" --budget-s 80 --out "$RESULTS"
+EXPECT_COHORT=()
+DEV=cuda
+if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
+  SMOKE=(--smoke)
+  # No GPU: the device path on the emulated device (host memory, the CPU's kernels).
+  DEV=emulated
+fi
+BENCH=(docs/bench/bench_gpu.py)
+
+section "cohort train --device $DEV against --device cpu (20 steps)"
+if [ -x "$COHORT" ]; then
+  # A small model on the embedded corpus, one step per log line; the run log keeps each loss
+  # in full (metrics.jsonl), which the comparison reads.
+  TRAIN=(train --steps 20 --log-interval 1 --n-layers 2 --n-heads 4 --d-model 128 --d-ff 512
+    --seq-len 64 --batch-size 8 --dropout 0)
+  rm -rf "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV"
+  run_part "cohort train --device cpu" 30 "$COHORT" "${TRAIN[@]}" --device cpu --log-dir "$OUT_DIR/train-cpu"
+  run_part "cohort train --device $DEV" 45 "$COHORT" "${TRAIN[@]}" --device "$DEV" --log-dir "$OUT_DIR/train-$DEV"
+  run_part "loss curves cpu vs $DEV" 15 "$PY" "${BENCH[@]}" compare "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV" --label "$DEV" --out "$RESULTS"
+
+  section "cohort bench train --device $DEV"
+  # JSON lines into the results the table reads (and the log).
+  if [ "$DEV" = cuda ]; then
+    G124=(--config G --seq 1024 --steps 4 --warmup 1)
+    CONFIG_G=(--config G --steps 8 --warmup 2)
+    EXPECT_COHORT=(G:1024:8:fp32 G:1024:16:fp32 G:1024:8:bf16 G:1024:16:bf16 G:256:4:fp32)
+  else
+    G124=(--config A --steps 2 --warmup 1)
+    CONFIG_G=(--config A --seq 32 --steps 2 --warmup 1)
+  fi
+  for prec in fp32 bf16; do
+    for b in 8 16; do
+      before=${#SUMMARY[@]}
+      run_part "cohort bench train B=$b $prec" 40 "$COHORT" bench train --device "$DEV" "${G124[@]}" --batch "$b" --precision "$prec" --json > >(tee -a "$RESULTS")
+      # A precision that fails at B=8 fails at 16 too: no time spent on it.
+      case ${SUMMARY[$before]:-} in *FAILED*) [ "$b" = 8 ] && SUMMARY+=("cohort bench train B=16 $prec: skipped (B=8 failed)") && break ;; esac
+    done
+  done
+  run_part "cohort bench train config G" 30 "$COHORT" bench train --device "$DEV" "${CONFIG_G[@]}" --json > >(tee -a "$RESULTS")
+fi
+
+section "PyTorch anchors"
+run_part "bf16 GEMM rate" 20 "$PY" "${BENCH[@]}" matmul --budget-s 6 "${SMOKE[@]}" --out "$RESULTS"
+run_part "PyTorch eager B=8" 35 "$PY" "${BENCH[@]}" train --mode eager --batch 8 "${SMOKE[@]}" --budget-s 25 --out "$RESULTS"
+run_part "PyTorch eager B=16" 40 "$PY" "${BENCH[@]}" train --mode eager --batch 16 "${SMOKE[@]}" --budget-s 30 --out "$RESULTS"
+run_part "PyTorch compile B=8" 90 "$PY" "${BENCH[@]}" train --mode compile --batch 8 "${SMOKE[@]}" --budget-s 75 --out "$RESULTS"
+run_part "PyTorch compile B=16" 70 "$PY" "${BENCH[@]}" train --mode compile --batch 16 "${SMOKE[@]}" --budget-s 55 --out "$RESULTS"
 
 section "table"
-timeout 20 "$PY" "${BENCH[@]}" table "$RESULTS" --expect eager:8 eager:16 compile:8 compile:16
+# Let the tee of the last JSON line finish writing.
+sleep 1
+timeout 20 "$PY" "${BENCH[@]}" table "$RESULTS" --expect eager:8 eager:16 compile:8 compile:16 \
+  --expect-cohort "${EXPECT_COHORT[@]}"
 echo
 for s in "${SUMMARY[@]}"; do echo "  $s"; done
 echo "total: $(($(date +%s) - START))s; log and results in $OUT_DIR"

@@ -8,6 +8,7 @@ Parts (each prints one JSON line; --out appends it to a file):
   python bench_gpu.py train --batch 8 --mode eager --budget-s 40
   python bench_gpu.py train --batch 16 --mode compile --budget-s 110
   python bench_gpu.py table results.jsonl         # the closing table, MFU included
+  python bench_gpu.py compare CPU_LOGS DEV_LOGS   # two `cohort train` runs' losses, step by step
   python bench_gpu.py train --smoke               # a tiny model on the CPU: checks the script
 
 MFU = tokens/s x FLOPs per token / the measured bf16 GEMM rate, with llm.c's count of FLOPs per
@@ -128,6 +129,49 @@ def part_train(args):
     }, args.out)
 
 
+def read_losses(log_dir):
+    """(step, train_loss) of a cohort run log's metrics.jsonl, in step order."""
+    losses = {}
+    with open(os.path.join(log_dir, "metrics.jsonl")) as f:
+        for line in f:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            r = json.loads(line)
+            if "train_loss" in r and r["train_loss"] is not None:
+                losses[r["step"]] = float(r["train_loss"])
+    return sorted(losses.items())
+
+
+def part_compare(args):
+    """The losses of `cohort train --device cpu` and of the same run on a device, side by side."""
+    try:
+        cpu = dict(read_losses(args.cpu))
+        dev = dict(read_losses(args.device))
+    except OSError as e:
+        print(f"compare: {e}")
+        sys.exit(1)
+    steps = sorted(set(cpu) | set(dev))
+    print(f"{'step':>5} {'cpu loss':>12} {args.label + ' loss':>14} {'|diff|':>10} {'rel':>9}")
+    diffs = []
+    for s in steps:
+        a, b = cpu.get(s), dev.get(s)
+        if a is None or b is None:
+            print(f"{s:>5} {a if a is not None else '-':>12} {b if b is not None else '-':>14}")
+            continue
+        d = abs(a - b)
+        diffs.append((d, d / max(abs(a), 1e-12)))
+        print(f"{s:>5} {a:>12.6f} {b:>14.6f} {d:>10.2e} {d / max(abs(a), 1e-12):>9.2e}")
+    ok = bool(diffs) and len(diffs) == len(steps)
+    rec = {"part": "compare", "label": args.label, "steps": len(steps), "compared": len(diffs),
+           "max_abs_diff": max((d for d, _ in diffs), default=None),
+           "max_rel_diff": max((r for _, r in diffs), default=None),
+           "final_cpu": cpu.get(steps[-1]) if steps else None,
+           "final_device": dev.get(steps[-1]) if steps else None, "complete": ok}
+    emit(rec, args.out)
+    sys.exit(0 if ok else 1)
+
+
 def part_table(args):
     recs = []
     with open(args.results) as f:
@@ -152,7 +196,27 @@ def part_table(args):
         mode, batch = want.split(":")
         if not any(r.get("part") == "train" and r["mode"] == mode and str(r["batch"]) == batch for r in recs):
             print(f"{'PyTorch ' + mode + ' bf16 autocast':<34} {batch:>5}  did not finish in its time budget")
-    print(f"{'cohort (GPU)':<34} {'':>5}  waits for device buffers in the engine (issue 36)")
+    # `cohort bench train --json` lines: "bench": "train"; no device memory figure yet.
+    for r in recs:
+        if r.get("bench") != "train":
+            continue
+        fpt = r["flops_per_step"] / (r["batch"] * r["seq"])
+        mfu = (r["tokens_per_s"] * fpt / (rate * 1e12)) if rate else None
+        what = f"cohort {r['config']} T={r['seq']} {r['precision']} ({r['device']})"
+        print(f"{what:<34} {r['batch']:>5} {r['ms_per_step']:>9.1f} {r['tokens_per_s']:>10.0f} "
+              f"{'-':>9} {('%.1f%%' % (100 * mfu)) if mfu else '-':>6}")
+    for want in args.expect_cohort:
+        config, seq, batch, prec = want.split(":")
+        if not any(r.get("bench") == "train" and r["config"] == config and str(r["seq"]) == seq
+                   and str(r["batch"]) == batch and r["precision"] == prec for r in recs):
+            what = f"cohort {config} T={seq} {prec}"
+            print(f"{what:<34} {batch:>5}  did not run (see its part above)")
+    for r in recs:
+        if r.get("part") == "compare":
+            verdict = "complete" if r["complete"] else "INCOMPLETE"
+            mx = r["max_abs_diff"]
+            print(f"cohort train, {r['compared']} steps {r['label']} vs cpu: max |loss diff| "
+                  f"{mx if mx is None else '%.2e' % mx} ({verdict})")
 
 
 def main():
@@ -172,8 +236,16 @@ def main():
     tb = sub.add_parser("table")
     tb.add_argument("results")
     tb.add_argument("--expect", nargs="*", default=[], help="mode:batch parts that should be there")
+    tb.add_argument("--expect-cohort", nargs="*", default=[],
+                    help="config:seq:batch:precision cohort rows that should be there")
+    c = sub.add_parser("compare")
+    c.add_argument("cpu", help="the --log-dir of the cpu run")
+    c.add_argument("device", help="the --log-dir of the device run")
+    c.add_argument("--label", default="cuda")
+    c.add_argument("--out", help="append the JSON line to this file")
     args = ap.parse_args()
-    {"matmul": part_matmul, "train": part_train, "table": part_table}[args.part](args)
+    parts = {"matmul": part_matmul, "train": part_train, "table": part_table, "compare": part_compare}
+    parts[args.part](args)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,11 @@ use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{self, Cpu};
 use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
-use cohort_engine::DType;
+use cohort_engine::{Backend, DType};
 use serde::Serialize;
 
 use cohort_gpt::{Backward, Forward, GPTConfig, GptError, Labels, GPT};
-use cohort_train::{peak_rss_mb, process_cpu_ms};
+use cohort_train::{device_backend, peak_rss_mb, process_cpu_ms, DeviceChoice};
 
 /// The benchmark configurations A, B, G and S (model config and batch size), as PyTorch's
 /// reference scripts define them (S: `transformers`' `LlamaForCausalLM` of SmolLM2-135M's shape,
@@ -51,6 +51,13 @@ pub struct TrainBench {
     pub precision: DType,
     /// Keep only each block's input and recompute the block inside backward.
     pub activation_checkpointing: bool,
+    /// Where the step computes (`--device`): on a device, each phase ends with a sync, so
+    /// that its host clock covers the kernels it launched; no product peak or kernel profile.
+    pub device: DeviceChoice,
+    /// Sequences per step instead of the config's.
+    pub batch: Option<usize>,
+    /// Sequence length instead of the config's (the model's positions follow it).
+    pub seq: Option<usize>,
 }
 
 /// Median of one phase (ms) and the time per kernel (ms per step, mean over timed steps).
@@ -113,6 +120,8 @@ pub struct BenchReport {
     pub mfu: Option<f64>,
     /// The time outside the matrix products, per phase, as shares of the step.
     pub outside_products: OutsideProducts,
+    /// Where it ran (`cpu`, `cuda:0`, ...).
+    pub device: String,
 }
 
 /// The time outside the matrix products (the Linear layers' and the LM head's kernels, with
@@ -155,10 +164,14 @@ fn median(x: &mut [f64]) -> f64 {
 
 /// Runs the benchmark.
 pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
-    let (cfg, batch) = bench_config(&spec.config).ok_or_else(|| GptError::Config {
+    let (mut cfg, batch) = bench_config(&spec.config).ok_or_else(|| GptError::Config {
         field: "bench config",
         reason: format!("{:?} is not A, B, G or S", spec.config),
     })?;
+    let batch = spec.batch.unwrap_or(batch);
+    if let Some(seq) = spec.seq {
+        cfg.max_position_embeddings = seq;
+    }
     let t = cfg.max_position_embeddings;
     let v = cfg.vocab_size as u64;
     let cfg_flops_per_token = cfg.train_flops_per_token(t);
@@ -168,37 +181,70 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             reason: "must be at least 1".into(),
         });
     }
-    let cpu = Cpu::with_dtype(spec.threads, spec.precision).map_err(|e| GptError::Engine {
-        op: "thread pool",
-        reason: e.to_string(),
-    })?;
-    if cpu.dtype() != spec.precision {
-        eprintln!(
-            "bench train: {} needs AVX-512 with AVX512_BF16, which this CPU lacks; timing {}",
-            spec.precision,
-            cpu.dtype()
-        );
-    }
-    let precision = cpu.dtype().to_string();
-    // Before the model's arena exists, on the threads the step will use.
-    let peak = cpu::product_peak(&cpu);
+    let on_device = spec.device.is_device();
+    // A CPU's product peak is measured before the model's arena exists, on the threads the
+    // step will use; a device has none here.
+    let (dev, peak): (Box<dyn Backend>, _) = if on_device {
+        let dev = device_backend(spec.device, spec.threads, spec.precision).map_err(|e| {
+            GptError::Engine {
+                op: "device",
+                reason: e.to_string(),
+            }
+        })?;
+        (dev, None)
+    } else {
+        let cpu = Cpu::with_dtype(spec.threads, spec.precision).map_err(|e| GptError::Engine {
+            op: "thread pool",
+            reason: e.to_string(),
+        })?;
+        if cpu.dtype() != spec.precision {
+            eprintln!(
+                "bench train: {} needs AVX-512 with AVX512_BF16, which this CPU lacks; timing {}",
+                spec.precision,
+                cpu.dtype()
+            );
+        }
+        let peak = cpu::product_peak(&cpu);
+        (Box::new(cpu), peak)
+    };
+    let precision = dev.dtype().to_string();
+    let device = dev.device().to_string();
     let activations_mb = GPT::memory_estimate(
         &cfg,
         batch * t,
         spec.threads,
         spec.activation_checkpointing,
-        cpu.dtype(),
+        dev.dtype(),
     )
     .activations as f64
         / (1 << 20) as f64;
-    let mut model = GPT::with_backend(cfg, spec.seed, Box::new(cpu))?;
+    let mut model = if on_device {
+        // Drawn on the host, as every run's initial parameters are, then uploaded.
+        GPT::new(cfg, spec.seed)?.to_backend(dev)?
+    } else {
+        GPT::with_backend(cfg, spec.seed, dev)?
+    };
     model.set_activation_checkpointing(spec.activation_checkpointing);
     let n = model.num_params();
-    let mut opt =
-        AdamW::new(AdamWConfig::default(), DecayMask::all(n)).map_err(|e| GptError::Engine {
-            op: "AdamW",
-            reason: e.to_string(),
-        })?;
+    let opt_err = |e: cohort_engine::optim::OptimError| GptError::Engine {
+        op: "AdamW",
+        reason: e.to_string(),
+    };
+    let mut opt = match on_device {
+        true => AdamW::new_on(model.backend(), AdamWConfig::default(), DecayMask::all(n)),
+        false => AdamW::new(AdamWConfig::default(), DecayMask::all(n)),
+    }
+    .map_err(opt_err)?;
+    // On a device, a phase's time runs to the end of its kernels.
+    let sync = |model: &GPT| -> Result<(), GptError> {
+        if on_device {
+            model.backend().sync().map_err(|e| GptError::Engine {
+                op: "sync",
+                reason: e.to_string(),
+            })?;
+        }
+        Ok(())
+    };
     // Random ids with targets = the next id, as the reference (data[:, :-1], data[:, 1:]):
     // labels aligned with the inputs and shifted inside the model.
     let mut state = spec.seed ^ 0x5eed;
@@ -234,14 +280,17 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         let t1 = Instant::now();
         let p1 = product_secs(&model);
         model.backward(Backward::new())?;
+        sync(&model)?;
         let t2 = Instant::now();
         let p2 = product_secs(&model);
-        let (params, grads) = model.params_and_grads_mut();
-        opt.step(params, grads, 1e-3)
-            .map_err(|e| GptError::Engine {
-                op: "AdamW step",
-                reason: e.to_string(),
-            })?;
+        if on_device {
+            let (dev, params, grads) = model.params_and_grads_views();
+            opt.step_on(dev, params, grads, 1e-3).map_err(opt_err)?;
+        } else {
+            let (params, grads) = model.params_and_grads_mut();
+            opt.step(params, grads, 1e-3).map_err(opt_err)?;
+        }
+        sync(&model)?;
         let t3 = Instant::now();
         if step >= spec.warmup {
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
@@ -307,5 +356,6 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
         peak_gflops: peak.map(|p| p.gflops),
         mfu: peak.map(|p| gflops / p.gflops),
         outside_products,
+        device,
     })
 }

@@ -61,6 +61,16 @@ struct TrainArgs {
     /// Keep only each block's input and recompute the block inside backward.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// Where the step computes: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N")]
+    device: cohort_train::DeviceChoice,
+    /// Sequences per step instead of the config's (GPT-2 124M at T=1024: --config G --seq 1024
+    /// --batch 8).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Sequence length instead of the config's.
+    #[arg(long)]
+    seq: Option<usize>,
     /// One JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -212,6 +222,9 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         seed: a.seed,
         precision: a.precision,
         activation_checkpointing: a.activation_checkpointing,
+        device: a.device,
+        batch: a.batch,
+        seq: a.seq,
     };
     let r = cohort_bench::train_step::run_train_bench(&spec)
         .with_context(|| format!("bench train --config {}", a.config))?;
@@ -220,8 +233,8 @@ fn train(a: TrainArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "config {} ({} params, batch {} x seq {}), {} thread(s), {} steps, {}, {}",
-        r.config, r.params, r.batch, r.seq, r.threads, r.steps, r.simd, r.precision
+        "config {} ({} params, batch {} x seq {}), {} thread(s), {} steps, {}, {}, on {}",
+        r.config, r.params, r.batch, r.seq, r.threads, r.steps, r.simd, r.precision, r.device
     );
     println!(
         "ms/step {:.2} (min {:.2}): forward {:.2}, backward {:.2}, optimizer {:.2}",

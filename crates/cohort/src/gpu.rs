@@ -48,7 +48,10 @@ pub fn main(cmd: GpuCmd) -> anyhow::Result<()> {
             );
             let mut rows = check::run(&dev);
             // then the engine's backend on the same device, against the CPU backend
-            rows.extend(check::engine_backend(&CudaBackend::on(dev)));
+            let backend = CudaBackend::on(dev);
+            rows.extend(check::engine_backend(&backend));
+            // and its bf16 products, against the CPU's fp32 at bf16's tolerance
+            rows.extend(check::engine_backend_bf16(backend));
             print!("{}", check::table(&rows));
             let failed = rows.iter().filter(|r| !r.ok).count();
             if failed > 0 {

@@ -8,6 +8,7 @@ mod checkpoint;
 mod convert;
 mod debug;
 mod demo;
+mod device;
 mod gpu;
 mod plot;
 mod run;
@@ -75,6 +76,8 @@ fn run_command() -> anyhow::Result<()> {
     // Backends beyond cohort-comm's own are registered here, the one place
     // that links them; the libraries only name them.
     cohort_mpi::register()?;
+    // `--device cuda`: the GPU backend, which only this binary links.
+    device::register();
     // A command line that does not parse fails the same way every time: the
     // launcher must not restart workers for it.
     let cli = Cli::try_parse().unwrap_or_else(|e| {

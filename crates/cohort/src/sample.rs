@@ -62,6 +62,9 @@ pub struct SampleArgs {
     /// AVX512_BF16) or in 8-bit blocks (q8, llama.cpp's Q8_0: about a quarter).
     #[arg(long, default_value_t = WeightFormat::F32)]
     weights: WeightFormat,
+    /// Where the decode computes: cpu (a device's decode comes later).
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda|cuda:N")]
+    device: cohort_train::DeviceChoice,
 }
 
 /// How the checkpoint maps text to token ids.
@@ -108,6 +111,13 @@ impl Text {
 }
 
 pub fn main(args: SampleArgs) -> anyhow::Result<()> {
+    if args.device.is_device() {
+        anyhow::bail!(
+            "cohort sample --device {}: decoding is not on a device yet (its KV caches and \
+             per-row attention take host memory); use --device cpu",
+            args.device
+        );
+    }
     let (model, dir) = checkpoint::load_model(&args.checkpoint)
         .with_context(|| format!("loading checkpoint {}", args.checkpoint.display()))?;
     let text = Text::load(&dir)?;

@@ -35,3 +35,83 @@ fn gpu_subcommands_without_a_driver_fail_in_one_line() {
         );
     }
 }
+
+/// `--device cuda` where there is no driver: one line naming the flag and what was looked for,
+/// and for `cohort train` the exit code that tells `cohort run` not to restart the worker.
+#[test]
+fn device_cuda_without_a_driver_fails_in_one_line() {
+    let runs: [(&[&str], i32); 3] = [
+        (
+            &["train", "--steps", "1", "--device", "cuda:0"],
+            cohort_launcher::EXIT_NOT_RETRYABLE,
+        ),
+        (
+            &[
+                "bench", "train", "--config", "A", "--steps", "1", "--device", "cuda",
+            ],
+            1,
+        ),
+        (
+            &[
+                "sample",
+                "--checkpoint",
+                ".",
+                "--prompt",
+                "1",
+                "--device",
+                "cuda",
+            ],
+            1,
+        ),
+    ];
+    for (args, code) in runs {
+        let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if args[0] != "sample" && !stderr.contains("no GPU/driver") {
+            eprintln!(
+                "skipped: {args:?} found a driver here (status {})",
+                out.status
+            );
+            continue;
+        }
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("Error:")).collect();
+        assert_eq!(errors.len(), 1, "{args:?}: {stderr}");
+        assert!(
+            errors[0].contains("--device cuda"),
+            "{args:?}: {}",
+            errors[0]
+        );
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
+    }
+}
+
+/// `cohort bench train` on the emulated device (the device path on the host): it runs and says
+/// where.
+#[test]
+fn bench_train_runs_on_the_emulated_device() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
+        .args(["bench", "train", "--config", "A", "--threads", "1"])
+        .args([
+            "--steps", "2", "--warmup", "1", "--seq", "32", "--batch", "2",
+        ])
+        .args(["--device", "emulated", "--json"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(v["device"], "emulated", "{v}");
+    assert_eq!(
+        (v["seq"].as_u64(), v["batch"].as_u64()),
+        (Some(32), Some(2))
+    );
+    assert!(v["final_loss"].as_f64().unwrap().is_finite(), "{v}");
+}

@@ -20,7 +20,9 @@ use half::bf16;
 use crate::device::Operand;
 use crate::{CudaError, Device, Mem};
 
+mod bf16_products;
 mod engine;
+pub use bf16_products::engine_backend_bf16;
 pub use engine::engine_backend;
 
 /// One compared output.

@@ -7,6 +7,7 @@
 //! are merged through their serde forms, key by key, so a new setting is one
 //! field in each struct and nothing else. This module never starts training.
 
+use crate::device::DeviceChoice;
 use crate::error::ConfigError;
 use crate::grad_guard::NanInjection;
 use serde::{Deserialize, Serialize};
@@ -139,6 +140,9 @@ pub struct TrainConfig {
     pub bf16_compress: Option<bool>,
     /// What the model's matrix products compute in.
     pub precision: Precision,
+    /// Where the model computes: `cpu`, `cuda` (under `cohort run`, the local rank modulo the
+    /// visible GPUs) or `cuda:N`.
+    pub device: DeviceChoice,
     /// Keep only each block's input in forward and recompute the block inside backward.
     pub activation_checkpointing: bool,
     /// Loader threads reading batches ahead of the training loop (0: read
@@ -420,6 +424,7 @@ impl Default for TrainConfig {
             overlap: Overlap::Auto,
             bf16_compress: None,
             precision: Precision::Fp32,
+            device: DeviceChoice::Cpu,
             activation_checkpointing: false,
             loader_workers: 1,
             prefetch: 4,
@@ -644,6 +649,11 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub precision: Option<Precision>,
+    /// Where the model computes: cpu, cuda (under `cohort run`: the local rank modulo the
+    /// visible GPUs, CUDA_VISIBLE_DEVICES honoured) or cuda:N [default: cpu].
+    #[arg(long, value_name = "cpu|cuda|cuda:N")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceChoice>,
     /// Keep only each block's input in forward and recompute the block inside backward (less
     /// activation memory for one more forward's compute).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -982,6 +992,30 @@ impl TrainConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return bad("dropout", self.dropout.to_string(), "must be in [0, 1)");
+        }
+        self.validate_device()
+    }
+
+    /// What a model in a device's memory cannot do yet: only the DDP strategy steps it, and
+    /// its gradient guard has no clamp kernel.
+    fn validate_device(&self) -> Result<(), ConfigError> {
+        if !self.device.is_device() {
+            return Ok(());
+        }
+        let refuse = |why: &str| {
+            Err(ConfigError::Device {
+                device: self.device.to_string(),
+                why: why.to_string(),
+            })
+        };
+        if self.strategy != Strategy::Ddp {
+            return refuse(&format!(
+                "--strategy {} is not on a device yet: only ddp trains a model in a device's memory",
+                self.strategy.name()
+            ));
+        }
+        if self.clip_value > 0.0 {
+            return refuse("clip_value is not on a device yet (grad_clip, by norm, is)");
         }
         Ok(())
     }

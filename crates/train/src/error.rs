@@ -46,6 +46,15 @@ pub enum ConfigError {
         /// What it must be.
         why: &'static str,
     },
+    /// `--device` names a device this process cannot compute on, or a setting the device
+    /// path does not support yet.
+    #[error("--device {device}: {why}")]
+    Device {
+        /// The device asked for (`cuda:0`).
+        device: String,
+        /// Why it cannot be used.
+        why: String,
+    },
     /// A Slurm variable of an `srun` task is malformed.
     #[error("Slurm: {0}")]
     Slurm(#[from] cohort_store::slurm::SlurmError),

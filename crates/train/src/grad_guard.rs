@@ -23,7 +23,8 @@
 
 use crate::error::TrainError;
 use cohort_comm::{ProcessGroup, ReduceOp};
-use cohort_engine::optim::grad_norm;
+use cohort_engine::optim::{grad_norm, grad_norm_on};
+use cohort_engine::{Backend, ViewMut};
 
 /// The environment variable of the NaN test hook.
 pub const INJECT_NAN_VAR: &str = "COHORT_INJECT_NAN";
@@ -193,6 +194,25 @@ pub(crate) fn clip_to_norm(grads: &mut [f32], norm: f32, max_norm: f32) -> f32 {
     coef
 }
 
+/// [`clip_to_norm`] of gradients in `dev`'s memory, by its `scale` kernel (the same bits on
+/// the CPU).
+pub(crate) fn clip_to_norm_on(
+    dev: &dyn Backend,
+    grads: ViewMut<'_, f32>,
+    norm: f32,
+    max_norm: f32,
+) -> f32 {
+    if max_norm <= 0.0 {
+        return 1.0;
+    }
+    let coef = max_norm / (norm + 1e-6);
+    if coef >= 1.0 {
+        return 1.0;
+    }
+    dev.scale(grads, coef);
+    coef
+}
+
 /// Decides, with the other ranks, whether each step's update is applied,
 /// and counts the skipped ones.
 #[derive(Debug)]
@@ -269,6 +289,39 @@ impl StepGuard {
             }
         }
         scale_clamp_norm(grads, 1.0 / accum as f32, self.clip_value)
+    }
+
+    /// [`StepGuard::scale`] of gradients in `dev`'s memory, by its kernels: the scale, then
+    /// the f64 sum of squares, read back as one float (finite exactly when every element is).
+    /// No clamp: the config refuses `clip_value` on a device. With one micro-batch, the CPU's
+    /// bits; with more, the norm's sum runs in another order than the host's fused pass.
+    pub(crate) fn scale_on(
+        &self,
+        step: u64,
+        rank: usize,
+        dev: &dyn Backend,
+        mut grads: ViewMut<'_, f32>,
+        accum: usize,
+    ) -> Result<GradStats, TrainError> {
+        if let Some(hook) = &self.inject {
+            if hook.hits(step, rank) && !grads.is_empty() {
+                dev.upload(grads.slice_mut(0..1), &[f32::NAN])
+                    .map_err(|e| {
+                        TrainError::Model(cohort_gpt::GptError::Engine {
+                            op: "poison the gradient (COHORT_INJECT_NAN)",
+                            reason: e.to_string(),
+                        })
+                    })?;
+            }
+        }
+        if accum != 1 {
+            dev.scale(grads.reborrow(), 1.0 / accum as f32);
+        }
+        let norm = grad_norm_on(dev, grads.as_view());
+        Ok(GradStats {
+            finite: norm.is_finite(),
+            norm,
+        })
     }
 
     /// Decides with the other ranks of `pg` whether the update of `step` is

@@ -26,7 +26,7 @@
 //! The layout, by concern (each module depends only on those above it in
 //! this list, never back):
 //!
-//! - `error`, `phases`, `memory`, `pages`, `grad_guard` (scaling, clipping
+//! - `error`, `device` (`--device`: the choice and the backend it builds), `phases`, `memory`, `pages`, `grad_guard` (scaling, clipping
 //!   and the NaN/Inf skip of a step), `config`, `run_log`, `stop_request`
 //!   (SIGUSR1/SIGTERM: save at the next step and stop);
 //! - `input` (the data set and a rank's batches), `checkpoint` (saving,
@@ -57,6 +57,7 @@
 
 mod checkpoint;
 mod config;
+mod device;
 pub mod elastic;
 mod error;
 mod grad_guard;
@@ -80,6 +81,9 @@ pub use cohort_data::{Dataset, MarkovCorpus, MarkovSpec, RandomTokens, Split};
 pub use config::{
     Overlap, PipelineSchedule, Precision, PsMode, SaveMode, Strategy, TrainArgs, TrainConfig,
     TUNED_BUCKET_CAP_MB,
+};
+pub use device::{
+    device_backend, local_cuda_ordinal, register_device_backend, DeviceBackendFn, DeviceChoice,
 };
 pub use error::{ConfigError, TrainError};
 pub use grad_guard::{NanInjection, INJECT_NAN_VAR};

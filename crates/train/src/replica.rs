@@ -386,18 +386,47 @@ pub(crate) fn replicated_start(
     let mut header = input::data_lines(&*data);
     let model_cfg = model_config(cfg, data.vocab_size())?;
     model_cfg.validate()?;
-    check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
+    if !cfg.device.is_device() {
+        // Host memory; a device's is its backend's to refuse.
+        check_memory(cfg, &model_cfg, t, pg.local_world_size(), sharding)?;
+    }
     // Only rank 0 draws (or loads) the initial parameters; the others
     // receive them.
     let (mut model, init_line) = new_model(cfg, model_cfg, pg.rank() == 0)?;
     header.extend(init_line);
-    header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+    if cfg.device.is_device() {
+        model = to_device(cfg, &model)?;
+        header.push(device_line(cfg, &model));
+    } else {
+        header.extend(apply_precision(cfg, |d| model.set_precision(d))?);
+    }
     header.extend(apply_checkpointing(cfg, &mut model, t));
     Ok(ReplicatedStart {
         data,
         model,
         header,
     })
+}
+
+/// `model` (drawn or loaded on the host) moved to the device `cfg.device` names, its products
+/// in `cfg.precision`: the parameters uploaded once; gradients, activations and AdamW's moments
+/// allocated there.
+pub(crate) fn to_device(cfg: &TrainConfig, model: &GPT) -> Result<GPT, TrainError> {
+    let threads = model.backend().num_threads();
+    let dev = crate::device::device_backend(cfg.device, threads, cfg.precision.dtype())?;
+    Ok(model.to_backend(dev)?)
+}
+
+/// The header line of a run on a device: which, and what its products compute in.
+fn device_line(cfg: &TrainConfig, model: &GPT) -> String {
+    let dev = model.backend();
+    format!(
+        "device {} (--device {}): matrix products in {}; parameters, gradients, activations \
+         and AdamW state in its memory, copied to the host only for checkpoints",
+        dev.device(),
+        cfg.device,
+        dev.dtype()
+    )
 }
 
 /// Makes sure every rank built the same size of model and gives every rank

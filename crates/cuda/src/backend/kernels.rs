@@ -10,8 +10,9 @@ use cohort_engine::{
     Backend, Buffer, DType, Device as EngineDevice, Dropout, EngineError, View, ViewMut,
 };
 
+use super::bf16::as_bf16;
 use super::{engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, MISSING};
-use crate::device::{AdamWScalars, Mem, Operand};
+use crate::device::{AdamWScalars, Mem};
 
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
@@ -21,7 +22,7 @@ impl Backend for CudaBackend {
         self.device
     }
     fn dtype(&self) -> DType {
-        DType::F32
+        self.dtype
     }
     fn num_threads(&self) -> usize {
         1
@@ -265,8 +266,9 @@ impl Backend for CudaBackend {
     ) {
         self.run("matmul_forward", || {
             let (mut o, i, w, b) = (self.w(out)?, self.r(inp)?, self.r(w)?, self.ro(bias)?);
-            let (i, w) = (Operand::F32(&i), Operand::F32(&w));
-            self.dev.matmul_forward(&mut o, i, w, opt(&b), n, c, oc)
+            self.operands(&i, &w, |i, w| {
+                self.dev.matmul_forward(&mut o, i, w, opt(&b), n, c, oc)
+            })
         })
     }
     fn matmul_backward(
@@ -308,8 +310,9 @@ impl Backend for CudaBackend {
     ) {
         self.run("matmul_backward_input", || {
             let (mut di, d, w) = (self.w(dinp)?, self.r(dout)?, self.r(w)?);
-            self.dev
-                .matmul_backward_input(&mut di, Operand::F32(&d), Operand::F32(&w), n, c, oc)
+            self.operands(&d, &w, |d, w| {
+                self.dev.matmul_backward_input(&mut di, d, w, n, c, oc)
+            })
         })
     }
     fn decode_matmul_forward(
@@ -333,8 +336,7 @@ impl Backend for CudaBackend {
     ) {
         self.run("head_forward", || {
             let (mut o, i, w) = (self.w(out)?, self.r(inp)?, self.r(w)?);
-            self.dev
-                .head_forward(&mut o, Operand::F32(&i), Operand::F32(&w), n, c, v)
+            self.operands(&i, &w, |i, w| self.dev.head_forward(&mut o, i, w, n, c, v))
         })
     }
     fn head_backward(
@@ -369,47 +371,62 @@ impl Backend for CudaBackend {
         self.run("matmul_gelu_forward", || {
             let (mut p, mut o) = (self.w(pre)?, self.w(out)?);
             let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
-            let (i, w) = (Operand::F32(&i), Operand::F32(&w));
-            self.dev
-                .matmul_gelu_forward(&mut p, &mut o, i, w, opt(&b), n, c, oc)
+            self.operands(&i, &w, |i, w| {
+                self.dev
+                    .matmul_gelu_forward(&mut p, &mut o, i, w, opt(&b), n, c, oc)
+            })
         })
     }
     fn matmul_gelu_forward_bf16(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<u16>,
-        _: View<f32>,
-        _: View<f32>,
-        _: Option<View<f32>>,
-        _: usize,
-        _: usize,
-        _: usize,
+        grad: ViewMut<f32>,
+        out: ViewMut<u16>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        oc: usize,
     ) {
-        self.missing("matmul_gelu_forward_bf16")
+        self.run("matmul_gelu_forward_bf16", || {
+            let (mut g, o) = (self.w(grad)?, self.w(out)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            let mut o = as_bf16(&o, &self.dev);
+            self.gelu_forward_bf16_out(&mut g, &mut o, &i, &w, opt(&b), (n, c, oc))
+        })
     }
     fn matmul_forward_bf16_input(
         &self,
-        _: ViewMut<f32>,
-        _: View<u16>,
-        _: View<f32>,
-        _: Option<View<f32>>,
-        _: usize,
-        _: usize,
-        _: usize,
+        out: ViewMut<f32>,
+        inp: View<u16>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        oc: usize,
     ) {
-        self.missing("matmul_forward_bf16_input")
+        self.run("matmul_forward_bf16_input", || {
+            let (mut o, i, w, b) = (self.w(out)?, self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            let i = as_bf16(&i, &self.dev);
+            self.forward_bf16_input(&mut o, &i, &w, opt(&b), (n, c, oc))
+        })
     }
     fn matmul_backward_weight_bf16_input(
         &self,
-        _: ViewMut<f32>,
-        _: Option<ViewMut<f32>>,
-        _: View<f32>,
-        _: View<u16>,
-        _: usize,
-        _: usize,
-        _: usize,
+        dw: ViewMut<f32>,
+        dbias: Option<ViewMut<f32>>,
+        dout: View<f32>,
+        inp: View<u16>,
+        n: usize,
+        c: usize,
+        oc: usize,
     ) {
-        self.missing("matmul_backward_weight_bf16_input")
+        self.run("matmul_backward_weight_bf16_input", || {
+            let (mut dw, mut db) = (self.w(dw)?, self.wo(dbias)?);
+            let (d, i) = (self.r(dout)?, self.r(inp)?);
+            let i = as_bf16(&i, &self.dev);
+            self.backward_weight_bf16_input(&mut dw, opt_mut(&mut db), &d, &i, (n, c, oc))
+        })
     }
     fn gelu_forward(&self, out: ViewMut<f32>, inp: View<f32>) {
         self.run("gelu_forward", || {

@@ -10,14 +10,16 @@
 //! [`Backend::sync`](cohort_engine::Backend::sync). The kernels without a CUDA body are listed
 //! in [`MISSING`] (the model refuses to build on this backend when it needs one of them); the
 //! attention kernels serve one key/value head per query head and no packed segments yet.
-//! Matrix products are true fp32 only for now: bf16 products need bf16 copies of their
-//! operands, which come with cuBLASLt's epilogues.
+//! Matrix products are true fp32, or on a backend of `DType::Bf16` bf16 copies of their
+//! operands multiplied on tensor cores with f32 accumulation (`bf16.rs`; the weight gradients
+//! of fp32 inputs stay fp32).
 //!
 //! This module never panics on a device error and never reads device memory on the host
 //! except through an explicit copy; it knows buffers and dimensions only.
 
 #![allow(clippy::too_many_arguments)]
 
+mod bf16;
 mod kernels;
 
 use std::sync::Mutex;
@@ -47,9 +49,6 @@ pub const MISSING: &[&str] = &[
     "matmul_backward_input_swiglu",
     "matmul_backward_input_swiglu_with_grad",
     "decode_matmul_forward",
-    "matmul_gelu_forward_bf16",
-    "matmul_forward_bf16_input",
-    "matmul_backward_weight_bf16_input",
     "attention_decode_row",
     "attention_decode_row_bf16",
 ];
@@ -63,6 +62,10 @@ pub struct CudaBackend {
     error: Mutex<Option<EngineError>>,
     /// The attention backward's per-row scratch (B·NH·T floats), grown on demand.
     delta: Mutex<Option<CudaSlice<f32>>>,
+    /// What the matrix products compute in.
+    dtype: DType,
+    /// The bf16 products' operand copies, grown on demand.
+    scratch: Mutex<bf16::Scratch>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -75,16 +78,20 @@ impl std::fmt::Debug for CudaBackend {
 }
 
 impl CudaBackend {
-    /// Opens GPU `ordinal` ([`Device::open`]) as a backend computing in `dtype`. bf16 products
-    /// are not on the GPU yet: asking for them is an error naming what is missing.
+    /// Opens GPU `ordinal` ([`Device::open`]) as a backend whose matrix products compute in
+    /// `dtype` (bf16: bf16 copies of the operands, f32 accumulation).
     pub fn open(ordinal: usize, dtype: DType, search: &Search) -> Result<CudaBackend, CudaError> {
-        if dtype != DType::F32 {
-            return Err(CudaError::Unsupported {
-                kernel: "matrix products",
-                what: format!("not yet on cuda: {dtype} products (only fp32 for now)"),
-            });
-        }
-        Ok(CudaBackend::on(Device::open(ordinal, search)?))
+        Ok(CudaBackend::on(Device::open(ordinal, search)?).with_dtype(dtype))
+    }
+
+    /// The same backend with its products in `dtype`.
+    pub fn with_dtype(self, dtype: DType) -> CudaBackend {
+        CudaBackend { dtype, ..self }
+    }
+
+    /// Whether the products take bf16 copies of their operands.
+    fn bf16_products(&self) -> bool {
+        self.dtype == DType::Bf16
     }
 
     /// The fp32 backend on an opened device.
@@ -94,6 +101,8 @@ impl CudaBackend {
             dev,
             error: Mutex::new(None),
             delta: Mutex::new(None),
+            dtype: DType::F32,
+            scratch: bf16::scratch(),
         }
     }
 
@@ -288,19 +297,12 @@ mod tests {
     }
 
     #[test]
-    fn bf16_products_are_refused_by_name_before_any_library_is_touched() {
-        let search = Search::from_env();
-        let err = CudaBackend::open(0, DType::Bf16, &search)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("not yet on cuda: bf16 products"), "{err}");
-    }
-
-    #[test]
     fn opening_without_a_gpu_is_an_error_not_a_panic() {
-        match CudaBackend::open(0, DType::F32, &Search::from_env()) {
-            Ok(b) => eprintln!("a GPU is here: {b:?}"),
-            Err(e) => assert!(!e.to_string().contains('\n'), "one line: {e}"),
+        for dtype in [DType::F32, DType::Bf16] {
+            match CudaBackend::open(0, dtype, &Search::from_env()) {
+                Ok(b) => eprintln!("a GPU is here: {b:?}"),
+                Err(e) => assert!(!e.to_string().contains('\n'), "one line: {e}"),
+            }
         }
     }
 }

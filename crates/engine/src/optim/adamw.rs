@@ -207,6 +207,44 @@ impl AdamW {
     }
 }
 
+impl AdamW {
+    /// A host copy of this optimizer (its step count and moments, copied from `dev`'s memory):
+    /// what a checkpoint of an optimizer on a device writes.
+    pub fn to_host(&self, dev: &dyn Backend) -> Result<AdamW, OptimError> {
+        let mut host = AdamW::new(self.cfg, self.mask.clone())?;
+        host.step = self.step;
+        let copy = |dst: &mut Buffer, src: &Buffer| {
+            let out = dst.host_slice_mut().expect("allocated on the host above");
+            dev.download(out, src.view())
+                .map_err(|e| OptimError::Engine {
+                    op: "AdamW moments to the host",
+                    reason: e.to_string(),
+                })
+        };
+        copy(&mut host.exp_avg, &self.exp_avg)?;
+        copy(&mut host.exp_avg_sq, &self.exp_avg_sq)?;
+        Ok(host)
+    }
+
+    /// Takes the step count and moments of `host` (an optimizer in host memory, say resumed
+    /// from a checkpoint) into this one's buffers in `dev`'s memory.
+    pub fn load_from_host(&mut self, dev: &dyn Backend, host: &AdamW) -> Result<(), OptimError> {
+        check_len("AdamW::load_from_host", "moments", self.len(), host.len())?;
+        let (m, v) = (host.exp_avg(), host.exp_avg_sq());
+        let copy = |dst: &mut Buffer, src: &[f32]| {
+            dev.upload(dst.view_mut(), src)
+                .map_err(|e| OptimError::Engine {
+                    op: "AdamW moments from the host",
+                    reason: e.to_string(),
+                })
+        };
+        copy(&mut self.exp_avg, m)?;
+        copy(&mut self.exp_avg_sq, v)?;
+        self.step = host.step;
+        Ok(())
+    }
+}
+
 /// A moment buffer's floats, for the host calls.
 fn host(b: &Buffer) -> &[f32] {
     match b.host_slice() {
@@ -457,6 +495,40 @@ mod tests {
         assert_eq!(pa, pb);
         assert_eq!(a.exp_avg_sq(), b.exp_avg_sq());
         assert_eq!(b.steps_taken(), 6);
+    }
+
+    /// Moments on a device come to the host and go back with the step count: a host copy
+    /// continues the device's run bitwise, and so does a device optimizer loaded from it.
+    #[test]
+    fn device_state_round_trips_through_host_copies() {
+        let emulated = crate::Emulated::new(1, crate::DType::F32).unwrap();
+        let dev: &dyn Backend = &emulated;
+        let n = 40;
+        let mask = DecayMask::with_exempt(n, std::iter::once(0..5)).unwrap();
+        let mut on_dev = AdamW::new_on(dev, AdamWConfig::default(), mask.clone()).unwrap();
+        let mut params = dev.alloc(n).unwrap();
+        let mut grads = dev.alloc(n).unwrap();
+        let mut host_p = values(n, 3);
+        dev.upload(params.view_mut(), &host_p).unwrap();
+        for s in 0..2 {
+            dev.upload(grads.view_mut(), &values(n, 30 + s)).unwrap();
+            on_dev
+                .step_on(dev, params.view_mut(), grads.view(), 1e-2)
+                .unwrap();
+        }
+        dev.download(&mut host_p, params.view()).unwrap();
+        let mut host = on_dev.to_host(dev).unwrap();
+        assert_eq!(host.steps_taken(), 2);
+        let mut back = AdamW::new_on(dev, AdamWConfig::default(), mask).unwrap();
+        back.load_from_host(dev, &host).unwrap();
+        let g = values(n, 40);
+        host.step(&mut host_p, &g, 1e-2).unwrap();
+        dev.upload(grads.view_mut(), &g).unwrap();
+        back.step_on(dev, params.view_mut(), grads.view(), 1e-2)
+            .unwrap();
+        let mut got = vec![0.0; n];
+        dev.download(&mut got, params.view()).unwrap();
+        assert_eq!(got, host_p);
     }
 
     #[test]

@@ -212,6 +212,16 @@ impl GPT {
         Ok(model)
     }
 
+    /// This model's parameters in a model on `dev` (its memory allocated there, the
+    /// parameters copied over): how a model drawn or loaded on the host moves to a device.
+    /// Dropout's seed and activation checkpointing go with it.
+    pub fn to_backend(&self, dev: Box<dyn Backend>) -> Result<GPT, GptError> {
+        let mut moved = GPT::build(self.config.clone(), self.dropout_seed, dev)?;
+        moved.activation_checkpointing = self.activation_checkpointing;
+        moved.copy_params_from_host(self.params())?;
+        Ok(moved)
+    }
+
     /// A model with zero parameters.
     fn build(config: GPTConfig, seed: u64, dev: Box<dyn Backend>) -> Result<GPT, GptError> {
         config.validate()?;
@@ -293,6 +303,11 @@ impl GPT {
     /// backend, [`AdamW::step_on`](cohort_engine::optim::AdamW::step_on)), with the backend.
     pub fn params_and_grads_views(&mut self) -> (&dyn Backend, ViewMut<'_, f32>, View<'_, f32>) {
         (&*self.dev, self.params.view_mut(), self.grads.view())
+    }
+    /// The gradients as the backend's kernels take them (scaled, checked and clipped where
+    /// they live), with the backend.
+    pub fn grads_view_mut(&mut self) -> (&dyn Backend, ViewMut<'_, f32>) {
+        (&*self.dev, self.grads.view_mut())
     }
     /// Copies the parameters into `out` (`num_params()` floats), wherever they live: what
     /// checkpoints and logs of a model on a device read.

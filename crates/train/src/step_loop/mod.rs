@@ -45,7 +45,7 @@ use cohort_engine::optim::LrSchedule;
 
 use crate::config::TrainConfig;
 use crate::error::TrainError;
-use crate::grad_guard::{clip_to_norm, NanInjection, StepGuard};
+use crate::grad_guard::{clip_to_norm, clip_to_norm_on, NanInjection, StepGuard};
 use crate::phases::Phase;
 use crate::run_log::METRICS_FILE;
 use crate::stop_request;
@@ -117,7 +117,10 @@ pub(crate) fn run(
         flight::set_context("optimizer", step);
         let t_opt = Instant::now();
         let rank = strategy.group().rank();
-        let stats = guard.scale(step, rank, strategy.grads_mut(), grads.micro_batches);
+        let stats = match strategy.device_grads() {
+            Some((dev, g)) => guard.scale_on(step, rank, dev, g, grads.micro_batches)?,
+            None => guard.scale(step, rank, strategy.grads_mut(), grads.micro_batches),
+        };
         let stop_wanted = stop_request::requested().is_some();
         let (skip, stop) = guard.decide(
             strategy.group(),
@@ -131,7 +134,10 @@ pub(crate) fn run(
         let norm = strategy.global_norm(stats.norm)?;
         let applied = skip.is_none();
         if applied && guard.clip_norm() > 0.0 {
-            clip_to_norm(strategy.grads_mut(), norm, guard.clip_norm());
+            match strategy.device_grads() {
+                Some((dev, g)) => clip_to_norm_on(dev, g, norm, guard.clip_norm()),
+                None => clip_to_norm(strategy.grads_mut(), norm, guard.clip_norm()),
+            };
         }
         strategy.apply(step, applied.then_some(lr))?;
         window.phases.add(Phase::Optimizer, t_opt.elapsed());

@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use cohort_comm::ProcessGroup;
+use cohort_engine::{Backend, ViewMut};
 
 use crate::checkpoint::{SaveReport, Saver};
 use crate::error::TrainError;
@@ -71,6 +72,15 @@ pub(crate) trait ParallelStrategy {
     /// This rank's gradient buffer, which the guard scales, checks and clips
     /// in place before [`ParallelStrategy::apply`] reads it.
     fn grads_mut(&mut self) -> &mut [f32];
+
+    /// This rank's gradient where it lives in a device's memory, with the backend whose
+    /// kernels scale, check and clip it; `None` (the default): it is [`grads_mut`]'s, on the
+    /// host.
+    ///
+    /// [`grads_mut`]: ParallelStrategy::grads_mut
+    fn device_grads(&mut self) -> Option<(&dyn Backend, ViewMut<'_, f32>)> {
+        None
+    }
 
     /// The norm to clip by, given this rank's norm of its (scaled) gradient
     /// buffer. DDP's ranks hold identical whole gradients, so their own

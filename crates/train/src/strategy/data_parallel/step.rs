@@ -14,6 +14,7 @@ use cohort_comm::{ProcessGroup, ReduceOp};
 use cohort_data::Batch;
 use cohort_ddp::{Ddp, DdpOptions};
 use cohort_engine::optim::{AdamW, Optimizer};
+use cohort_engine::{Backend, ViewMut};
 use cohort_gpt::{Backward, Forward, Labels, GPT};
 
 use super::diloco::Outer;
@@ -50,6 +51,15 @@ pub enum GradSync<'pg> {
         opt: AdamW,
         /// The global parameters and the outer optimizer.
         outer: Box<Outer>,
+    },
+    /// A model in a device's memory (`--device`): forward, backward, the gradient guard and
+    /// AdamW as its backend's kernels. Over several ranks the gradients are staged through
+    /// the host after the last backward and averaged there (no overlap, no buckets).
+    Device {
+        /// AdamW with its moments in the device's memory.
+        opt: AdamW,
+        /// The host staging buffer of the gradients' all-reduce (empty on one rank).
+        staging: Vec<f32>,
     },
 }
 
@@ -91,7 +101,7 @@ impl<'pg> GradSync<'pg> {
     /// The ZeRO stage, if any.
     fn zero_stage(&self) -> Option<u8> {
         match self {
-            GradSync::Ddp { .. } | GradSync::Diloco { .. } => None,
+            GradSync::Ddp { .. } | GradSync::Diloco { .. } | GradSync::Device { .. } => None,
             GradSync::Zero1(_) => Some(1),
             GradSync::Sharded(zero) => Some(match zero.stage() {
                 ZeroStage::Two => 2,
@@ -214,10 +224,23 @@ impl<'pg> DataParallel<'pg> {
                     comm_busy: stats.comm_busy,
                 })
             }
-            GradSync::Ddp { .. } | GradSync::Diloco { .. } => Ok(SyncTimes {
-                backward: plain(model)?,
-                ..SyncTimes::default()
-            }),
+            GradSync::Device { staging, .. } if last && pg.size() > 1 => {
+                let backward = plain(model)?;
+                let t = Instant::now();
+                all_reduce_staged(pg, model, staging)?;
+                let comm = t.elapsed();
+                Ok(SyncTimes {
+                    backward,
+                    comm_wait: comm,
+                    comm_busy: comm,
+                })
+            }
+            GradSync::Ddp { .. } | GradSync::Diloco { .. } | GradSync::Device { .. } => {
+                Ok(SyncTimes {
+                    backward: plain(model)?,
+                    ..SyncTimes::default()
+                })
+            }
             GradSync::Zero1(zero) => {
                 let backward = plain(model)?;
                 let mut comm = Duration::ZERO;
@@ -249,9 +272,20 @@ impl<'pg> DataParallel<'pg> {
     /// under ZeRO (its padding zero, counting for nothing in the norm).
     pub fn grads_mut(&mut self) -> &mut [f32] {
         match &mut self.sync {
-            GradSync::Ddp { .. } | GradSync::Diloco { .. } => self.model.grads_mut(),
+            GradSync::Ddp { .. } | GradSync::Diloco { .. } | GradSync::Device { .. } => {
+                self.model.grads_mut()
+            }
             GradSync::Zero1(zero) => zero.shard_grads_mut(),
             GradSync::Sharded(zero) => zero.shard_grads_mut(),
+        }
+    }
+
+    /// The gradient in a device's memory, with its backend, where the model lives on one
+    /// (`None`: [`DataParallel::grads_mut`] is the host's).
+    pub(crate) fn device_grads(&mut self) -> Option<(&dyn Backend, ViewMut<'_, f32>)> {
+        match self.sync {
+            GradSync::Device { .. } => Some(self.model.grads_view_mut()),
+            _ => None,
         }
     }
 
@@ -261,7 +295,8 @@ impl<'pg> DataParallel<'pg> {
     /// gradients, clipped by their own norms; the ZeRO shards' squares are
     /// summed. Collective under ZeRO.
     pub fn global_norm(&self, local: f32) -> Result<f32, TrainError> {
-        if let GradSync::Ddp { .. } | GradSync::Diloco { .. } = self.sync {
+        if let GradSync::Ddp { .. } | GradSync::Diloco { .. } | GradSync::Device { .. } = self.sync
+        {
             return Ok(local);
         }
         let mut squares = [f64::from(local) * f64::from(local)];
@@ -281,6 +316,11 @@ impl<'pg> DataParallel<'pg> {
             GradSync::Ddp { opt, .. } | GradSync::Diloco { opt, .. } => {
                 let (params, grads) = model.params_and_grads_mut();
                 opt.step(params, grads, lr)?;
+                Ok(Duration::ZERO)
+            }
+            GradSync::Device { opt, .. } => {
+                let (dev, params, grads) = model.params_and_grads_views();
+                opt.step_on(dev, params, grads, lr)?;
                 Ok(Duration::ZERO)
             }
             GradSync::Zero1(zero) => {
@@ -376,6 +416,11 @@ impl<'pg> DataParallel<'pg> {
             GradSync::Sharded(zero) if zero.stage() == ZeroStage::Three => {
                 zero.gather_params(self.pg)
             }
+            GradSync::Device { .. } => {
+                let mut params = vec![0f32; self.model.num_params()];
+                self.model.copy_params_to_host(&mut params)?;
+                Ok(params)
+            }
             _ => Ok(self.model.params().to_vec()),
         }
     }
@@ -384,7 +429,7 @@ impl<'pg> DataParallel<'pg> {
     /// model under DDP, of one shard under ZeRO.
     pub fn optimizer_floats(&self) -> usize {
         match &self.sync {
-            GradSync::Ddp { .. } => 2 * self.model.num_params(),
+            GradSync::Ddp { .. } | GradSync::Device { .. } => 2 * self.model.num_params(),
             // The inner moments, the global parameters and the outer
             // momentum; overlapped, the round's start and the average in flight.
             GradSync::Diloco { outer, .. } => {
@@ -402,9 +447,29 @@ impl<'pg> DataParallel<'pg> {
     pub fn buckets(&self) -> usize {
         match &self.sync {
             GradSync::Ddp { ddp, .. } => ddp.buckets().len(),
-            GradSync::Zero1(_) | GradSync::Sharded(_) | GradSync::Diloco { .. } => 0,
+            GradSync::Zero1(_)
+            | GradSync::Sharded(_)
+            | GradSync::Diloco { .. }
+            | GradSync::Device { .. } => 0,
         }
     }
+}
+
+/// DDP's average of a device model's gradients, staged through the host: copied to `staging`,
+/// averaged over `pg`, copied back. Collective.
+fn all_reduce_staged(
+    pg: &ProcessGroup,
+    model: &mut GPT,
+    staging: &mut Vec<f32>,
+) -> Result<(), TrainError> {
+    staging.resize(model.num_params(), 0.0);
+    model.copy_grads_to_host(staging)?;
+    pg.all_reduce(staging, ReduceOp::Avg)
+        .map_err(TrainError::comm(
+            "device gradients all_reduce (staged on the host)",
+        ))?;
+    model.copy_grads_from_host(staging)?;
+    Ok(())
 }
 
 /// The training loop's micro-batches through the step: each backward times

@@ -13,6 +13,7 @@ use cohort_comm::ProcessGroup;
 use cohort_data::Dataset;
 use cohort_ddp::{Compression, DdpOptions};
 use cohort_engine::optim::AdamW;
+use cohort_engine::{Backend, ViewMut};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::GPT;
 
@@ -157,6 +158,9 @@ fn build_sync<'a>(
     model: &mut GPT,
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
+    if kind == SyncKind::Ddp && cfg.device.is_device() {
+        return build_device(cfg, pg, model, header);
+    }
     if kind == SyncKind::Ddp {
         // Every rank resumes the whole state; DDP checks that the shapes
         // agree and broadcasts rank 0's parameters to the others.
@@ -195,7 +199,7 @@ fn build_sync<'a>(
     let (pieces, len) = match &sync {
         GradSync::Zero1(zero) => (zero.pieces(), zero.shard_len()),
         GradSync::Sharded(zero) => (zero.pieces(), zero.shard_len()),
-        GradSync::Ddp { .. } | GradSync::Diloco { .. } => unreachable!("resumed above"),
+        _ => unreachable!("resumed above"),
     };
     let mut target = ShardTarget::new(&config, pieces, len);
     let Some(state) = resume_shard(cfg, pg, &mut target, header)? else {
@@ -205,9 +209,44 @@ fn build_sync<'a>(
     match &mut sync {
         GradSync::Zero1(zero) => zero.restore(pg, &target, model.params_mut())?,
         GradSync::Sharded(zero) => zero.restore(pg, model, &target)?,
-        GradSync::Ddp { .. } | GradSync::Diloco { .. } => unreachable!("resumed above"),
+        _ => unreachable!("resumed above"),
     }
     Ok((sync, state))
+}
+
+/// DDP over a model in a device's memory: AdamW's moments allocated there; rank 0's
+/// parameters (and, with `cfg.resume`, every rank's whole state, read into host copies and
+/// uploaded) made every rank's through the host. Collective.
+fn build_device<'a>(
+    cfg: &TrainConfig,
+    pg: &'a ProcessGroup,
+    model: &mut GPT,
+    header: &mut Vec<String>,
+) -> Result<(GradSync<'a>, TrainState), TrainError> {
+    let mask = decay_mask(model.param_views());
+    let mut opt = AdamW::new_on(model.backend(), cfg.adamw(), mask.clone())?;
+    let n = model.num_params();
+    let mut host = vec![0f32; n];
+    let state = match &cfg.resume {
+        Some(_) => {
+            let mut staged = GPT::staging(model.config().clone())?;
+            let mut host_opt = AdamW::new(cfg.adamw(), mask)?;
+            let state = resume_replica(cfg, pg, &mut staged, &mut host_opt, header)?;
+            model.copy_params_from_host(staged.params())?;
+            opt.load_from_host(model.backend(), &host_opt)?;
+            state
+        }
+        None => TrainState::default(),
+    };
+    if pg.size() > 1 {
+        crate::replica::agree_on_size(pg, n)?;
+        model.copy_params_to_host(&mut host)?;
+        pg.broadcast(&mut host, 0)
+            .map_err(TrainError::comm("initial parameters broadcast"))?;
+        model.copy_params_from_host(&host)?;
+    }
+    let staging = if pg.size() > 1 { host } else { Vec::new() };
+    Ok((GradSync::Device { opt, staging }, state))
 }
 
 /// DiLoCo's sync over `model` (rank 0's parameters already every rank's):
@@ -301,6 +340,15 @@ fn model_line(
             )
         }
         GradSync::Diloco { outer, .. } => outer.config().line(),
+        GradSync::Device { .. } => format!(
+            "on {}: forward, backward, the gradient norm and AdamW as its kernels{}",
+            model.backend().device(),
+            if world > 1 {
+                "; DDP's gradients averaged through the host after backward (no overlap)"
+            } else {
+                ""
+            }
+        ),
     };
     format!(
         "model: {} layers, {} heads, d_model {}, d_ff {}, vocab {}, seq {}: {n} parameters; \
@@ -388,6 +436,10 @@ impl ParallelStrategy for DataParallelRun<'_> {
         self.step.grads_mut()
     }
 
+    fn device_grads(&mut self) -> Option<(&dyn Backend, ViewMut<'_, f32>)> {
+        self.step.device_grads()
+    }
+
     fn global_norm(&mut self, local: f32) -> Result<f32, TrainError> {
         self.step.global_norm(local)
     }
@@ -425,6 +477,16 @@ impl ParallelStrategy for DataParallelRun<'_> {
             GradSync::Zero1(zero) => zero.with_owned_shard(save),
             GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
             GradSync::Diloco { .. } => self.save_diloco(out, step),
+            GradSync::Device { .. } if pg.rank() != 0 => Ok(SaveReport::default()),
+            GradSync::Device { opt, .. } => {
+                // Host copies of the model and the optimizer, which the saver writes.
+                let mut staged = GPT::staging(model.config().clone())?;
+                model.copy_params_to_host(staged.params_mut())?;
+                let host_opt = opt.to_host(model.backend())?;
+                Ok(save_replica(
+                    saver, out, cfg, pg, &staged, &host_opt, batches, data, step,
+                ))
+            }
         }
     }
 

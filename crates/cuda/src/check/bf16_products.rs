@@ -1,0 +1,179 @@
+//! The engine's backend on the GPU with bf16 products ([`CudaBackend`] of `DType::Bf16`)
+//! against the CPU backend in fp32: an MLP's products as a bf16 model runs them (the product,
+//! the GELU kept in bf16 with its derivative, the product of that bf16 input, its weight
+//! gradient), at bf16's tolerance. It has not run on a GPU yet.
+
+use cohort_engine::cpu::Cpu;
+use cohort_engine::{Backend, DType, EngineError};
+
+use super::{max_err, rand_vec, CheckRow};
+use crate::CudaBackend;
+
+/// What one backend computed: (name, values), in order.
+type Outputs = Vec<(&'static str, Vec<f32>)>;
+
+/// f32 of bf16 bits.
+fn widen(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|&b| f32::from_bits(u32::from(b) << 16))
+        .collect()
+}
+
+/// The MLP's products on `dev`: its bf16 kernels on a backend of `DType::Bf16`, else the fp32
+/// kernels they stand for.
+fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
+    let (n, c, f) = (64, 48, 80);
+    let bf16 = dev.dtype() == DType::Bf16;
+    let host = [
+        rand_vec(n * c, 50, 1.0),
+        rand_vec(c * f, 51, 0.3),
+        rand_vec(f, 52, 0.1),
+        rand_vec(f * c, 53, 0.3),
+        rand_vec(c, 54, 0.1),
+        rand_vec(n * c, 55, 1.0),
+    ];
+    let sizes = [
+        n * c,
+        c * f,
+        f,
+        f * c,
+        c,
+        n * c,
+        n * f,
+        n * f,
+        n * f,
+        n * c,
+        f * c,
+        c,
+        n * f,
+    ];
+    let mut buf = dev.alloc(sizes.iter().sum::<usize>() + n * f)?;
+    let mut rest = buf.view_mut();
+    let mut v = Vec::new();
+    for len in sizes {
+        let (head, tail) = rest.split_at_mut(len);
+        v.push(head);
+        rest = tail;
+    }
+    let mut out16 = rest.cast::<u16>();
+    for (dst, src) in v.iter_mut().zip(&host) {
+        dev.upload(dst.reborrow(), src)?;
+    }
+    let [x, w1, b1, w2, b2, dy, y1, grad, act, y2, dw2, db2, pre] = &mut v[..] else {
+        unreachable!("thirteen views")
+    };
+    let (x, w1, b1, w2, b2, dy) = (
+        x.as_view(),
+        w1.as_view(),
+        b1.as_view(),
+        w2.as_view(),
+        b2.as_view(),
+        dy.as_view(),
+    );
+    dev.matmul_forward(y1.reborrow(), x, w1, None, n, c, f);
+    let mut out16 = out16.slice_mut(..n * f);
+    if bf16 {
+        let o = out16.reborrow();
+        dev.matmul_gelu_forward_bf16(grad.reborrow(), o, x, w1, Some(b1), n, c, f);
+        dev.matmul_forward_bf16_input(y2.reborrow(), out16.as_view(), w2, Some(b2), n, f, c);
+        let (d, o) = (db2.reborrow(), out16.as_view());
+        dev.matmul_backward_weight_bf16_input(dw2.reborrow(), Some(d), dy, o, n, f, c);
+    } else {
+        dev.matmul_gelu_forward(pre.reborrow(), act.reborrow(), x, w1, Some(b1), n, c, f);
+        dev.matmul_forward(y2.reborrow(), act.as_view(), w2, Some(b2), n, f, c);
+        let (d, a) = (db2.reborrow(), act.as_view());
+        dev.matmul_backward(None, dw2.reborrow(), Some(d), dy, a, w2, n, f, c);
+        // gelu'(pre) = 1 · gelu'(pre)
+        dev.fill(grad.reborrow(), 1.0);
+        dev.gelu_backward(grad.reborrow(), pre.as_view());
+    }
+    dev.sync()?;
+    let read = |view: cohort_engine::View<'_, f32>| -> Result<Vec<f32>, EngineError> {
+        let mut h = vec![0.0; view.len()];
+        dev.download(&mut h, view)?;
+        Ok(h)
+    };
+    let activation = if bf16 {
+        let mut bits = vec![0u16; n * f];
+        dev.download(&mut bits, out16.as_view())?;
+        widen(&bits)
+    } else {
+        read(act.as_view())?
+    };
+    Ok(vec![
+        ("bf16.matmul_forward", read(y1.as_view())?),
+        ("bf16.matmul_gelu_forward_bf16.grad", read(grad.as_view())?),
+        ("bf16.matmul_gelu_forward_bf16.out", activation),
+        ("bf16.matmul_forward_bf16_input", read(y2.as_view())?),
+        (
+            "bf16.matmul_backward_weight_bf16_input.dw",
+            read(dw2.as_view())?,
+        ),
+        (
+            "bf16.matmul_backward_weight_bf16_input.dbias",
+            read(db2.as_view())?,
+        ),
+    ])
+}
+
+/// The bf16 sequence on `gpu` (switched to bf16 products) against a CPU backend in fp32:
+/// one row per output, at bf16's tolerance.
+pub fn engine_backend_bf16(gpu: CudaBackend) -> Vec<CheckRow> {
+    let cpu = Cpu::new(1).expect("a one-thread pool");
+    let want = sequence(&cpu).expect("the CPU backend cannot fail here");
+    let gpu = gpu.with_dtype(DType::Bf16);
+    compare(sequence(&gpu), want)
+}
+
+fn compare(got: Result<Outputs, EngineError>, want: Outputs) -> Vec<CheckRow> {
+    const TOL: f64 = 3e-2;
+    let got = match got {
+        Ok(got) => got,
+        Err(e) => {
+            return vec![CheckRow {
+                kernel: "bf16 products".to_string(),
+                max_err: f64::NAN,
+                tolerance: TOL,
+                ok: false,
+                error: Some(e.to_string()),
+            }]
+        }
+    };
+    got.into_iter()
+        .zip(want)
+        .map(|((kernel, got), (_, want))| {
+            let e = max_err(&got, &want);
+            CheckRow {
+                kernel: kernel.to_string(),
+                max_err: e,
+                tolerance: TOL,
+                ok: e <= TOL,
+                error: None,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cohort_engine::Emulated;
+
+    /// The sequence on the CPU's bf16 kernels (emulated device) against fp32: within bf16's
+    /// tolerance, so on a GPU only the GPU's kernels can miss it. Skipped where the CPU has no
+    /// bf16 product.
+    #[test]
+    fn the_bf16_sequence_is_within_tolerance_of_fp32_on_the_cpu() {
+        let emu = Emulated::new(2, DType::Bf16).unwrap();
+        if emu.dtype() != DType::Bf16 {
+            eprintln!("skipped: this CPU has no bf16 product (AVX512_BF16 or AMX)");
+            return;
+        }
+        let want = sequence(&Cpu::new(2).unwrap()).unwrap();
+        let rows = compare(sequence(&emu), want);
+        assert_eq!(rows.len(), 6);
+        for r in rows {
+            assert!(r.ok, "{}: {} > {}", r.kernel, r.max_err, r.tolerance);
+        }
+    }
+}

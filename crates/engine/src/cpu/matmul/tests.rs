@@ -1,0 +1,358 @@
+use super::*;
+use crate::cpu::testing::{assert_close, rand_vec, within_pool};
+
+fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for p in 0..k {
+            for j in 0..n {
+                c[i * n + j] += a[i * k + p] * b[p * n + j];
+            }
+        }
+    }
+    c
+}
+
+fn transpose(a: &[f64], r: usize, c: usize) -> Vec<f64> {
+    (0..r * c).map(|i| a[(i % r) * c + i / r]).collect()
+}
+
+fn f64s(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| v as f64).collect()
+}
+
+#[test]
+fn packed_matmul_matches_f64_and_not_the_thread_count() {
+    // one row (the vector kernel), a few, and more than a tile and a K block; N below,
+    // at and past a 32-column panel
+    for &(m, k, n) in &[
+        (1, 5, 7),
+        (1, 300, 70),
+        (1, 600, 300),
+        (3, 33, 32),
+        (13, 257, 65),
+        (40, 64, 1030),
+        (260, 20, 33),
+    ] {
+        let inp = rand_vec(m * k, 1);
+        let w = rand_vec(k * n, 2);
+        let b = rand_vec(n, 3);
+        let mut want = naive(&f64s(&inp), &f64s(&w), m, k, n);
+        for (i, v) in want.iter_mut().enumerate() {
+            *v += b[i % n] as f64;
+        }
+        let wt: Vec<f32> = (0..k * n).map(|i| w[(i % k) * n + i / k]).collect();
+        let mut first: Option<Vec<f32>> = None;
+        for (packed, what) in [
+            (PackedMatrix::new(&w, k, n, false), "w"),
+            (PackedMatrix::new(&wt, k, n, true), "transposed w"),
+        ] {
+            assert_eq!((packed.k(), packed.n()), (k, n));
+            let mut alone = vec![f32::NAN; m * n];
+            packed_matmul_forward(&mut alone, &inp, &packed, Some(&b), m);
+            assert_close(&alone, &want, 1e-5, what);
+            let mut pooled = vec![f32::NAN; m * n];
+            within_pool(2, || {
+                packed_matmul_forward(&mut pooled, &inp, &packed, Some(&b), m)
+            });
+            assert_eq!(alone, pooled, "{what}: 1 thread against 2, ({m}, {k}, {n})");
+            let mut plain = vec![f32::NAN; m * n];
+            packed_matmul_forward(&mut plain, &inp, &packed, None, m);
+            let unbiased: Vec<f64> = want
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v - b[i % n] as f64)
+                .collect();
+            assert_close(&plain, &unbiased, 1e-5, what);
+            match &first {
+                Some(f) => assert_eq!(f, &alone, "{what}: packed from the transpose"),
+                None => first = Some(alone),
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_forward_and_backward_match_f64() {
+    for threads in [1, 2] {
+        for &(n, c, oc) in &[
+            (5, 3, 7),
+            (70, 33, 65),
+            (130, 64, 96),
+            (37, 300, 45),
+            (260, 20, 33),
+        ] {
+            let inp = rand_vec(n * c, 1);
+            let w = rand_vec(c * oc, 2);
+            let b = rand_vec(oc, 3);
+            let dout = rand_vec(n * oc, 4);
+            let mut out = vec![0.0; n * oc];
+            let mut dinp = vec![0.0; n * c];
+            let mut dw = rand_vec(c * oc, 5);
+            let dw0 = dw.clone();
+            let mut db = vec![1.0; oc];
+            within_pool(threads, || {
+                matmul_forward(DType::F32, &mut out, &inp, &w, Some(&b), n, c, oc);
+                matmul_backward(
+                    DType::F32,
+                    Some(&mut dinp),
+                    &mut dw,
+                    Some(&mut db),
+                    &dout,
+                    &inp,
+                    &w,
+                    n,
+                    c,
+                    oc,
+                );
+            });
+            let mut want = naive(&f64s(&inp), &f64s(&w), n, c, oc);
+            for (i, v) in want.iter_mut().enumerate() {
+                *v += b[i % oc] as f64;
+            }
+            assert_close(&out, &want, 1e-5, "out");
+            let wt = transpose(&f64s(&w), c, oc);
+            assert_close(&dinp, &naive(&f64s(&dout), &wt, n, oc, c), 1e-5, "dinp");
+            let it = transpose(&f64s(&inp), n, c);
+            let mut want_dw = naive(&it, &f64s(&dout), c, n, oc);
+            for (d, v) in want_dw.iter_mut().zip(&dw0) {
+                *d += *v as f64;
+            }
+            assert_close(&dw, &want_dw, 1e-5, "dw");
+            let want_db: Vec<f64> = (0..oc)
+                .map(|j| 1.0 + (0..n).map(|i| dout[i * oc + j] as f64).sum::<f64>())
+                .collect();
+            assert_close(&db, &want_db, 1e-5, "db");
+        }
+    }
+}
+
+#[test]
+fn fused_gelu_products_are_the_unfused_bits() {
+    use crate::cpu::gelu_forward;
+    let mut dtypes = vec![DType::F32];
+    if crate::cpu::bf16_supported() {
+        dtypes.push(DType::Bf16);
+    }
+    for dtype in dtypes {
+        for threads in [1, 2] {
+            // Below and past a register tile and a 32-column panel; K past one K block of
+            // every kernel (256 for fp32, 2048 under AMX).
+            for &(n, c, oc) in &[(5, 3, 7), (70, 33, 65), (130, 300, 96), (40, 2100, 50)] {
+                let inp: Vec<f32> = rand_vec(n * c, 1).iter().map(|v| v * 3.0).collect();
+                let w = rand_vec(c * oc, 2);
+                let b = rand_vec(oc, 3);
+                let (mut pre, mut out) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+                let (mut want_pre, mut want_out) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+                within_pool(threads, || {
+                    matmul_gelu_forward(dtype, &mut pre, &mut out, &inp, &w, Some(&b), n, c, oc);
+                    matmul_forward(dtype, &mut want_pre, &inp, &w, Some(&b), n, c, oc);
+                    gelu_forward(&mut want_out, &want_pre);
+                });
+                let what = format!("{dtype} {threads} threads {n}x{c}x{oc}");
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&pre), bits(&want_pre), "pre, {what}");
+                assert_eq!(bits(&out), bits(&want_out), "gelu out, {what}");
+                assert!(
+                    out.iter().zip(&pre).any(|(o, p)| o != p),
+                    "gelu applied, {what}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_inputs_give_the_bits_of_their_f32_values() {
+    if !crate::cpu::bf16_supported() {
+        eprintln!("skipped: this CPU has no bf16 product");
+        return;
+    }
+    use crate::cpu::gelu_forward;
+    let d = DType::Bf16;
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let round =
+        |x: &[f32]| -> Vec<u16> { x.iter().map(|&v| crate::cpu::bf16::bf16_bits(v)).collect() };
+    let widen = |x: &[u16]| -> Vec<f32> {
+        x.iter()
+            .map(|&h| f32::from_bits((h as u32) << 16))
+            .collect()
+    };
+    for threads in [1, 2] {
+        // Odd K (a half pair), K past a 16-pair AMX row and past a K block, rows and
+        // columns off every tile size.
+        for &(n, c, oc) in &[(5, 3, 7), (70, 33, 65), (130, 300, 96), (40, 2100, 50)] {
+            let what = format!("{threads} threads {n}x{c}x{oc}");
+            let inp16 = round(&rand_vec(n * c, 1));
+            let inp = widen(&inp16);
+            let w = rand_vec(c * oc, 2);
+            let b = rand_vec(oc, 3);
+            let dout = rand_vec(n * oc, 4);
+            let (mut out, mut want) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+            let (mut dw, mut want_dw) = (rand_vec(c * oc, 5), rand_vec(c * oc, 5));
+            let (mut db, mut want_db) = (vec![1.0; oc], vec![1.0; oc]);
+            // The GELU kept in bf16 against the f32 GELU rounded.
+            let x: Vec<f32> = rand_vec(n * c, 6).iter().map(|v| v * 3.0).collect();
+            let (mut pre, mut g16) = (vec![0.0; n * oc], vec![0u16; n * oc]);
+            let (mut want_pre, mut g) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+            within_pool(threads, || {
+                matmul_forward_bf16_input(d, &mut out, &inp16, &w, Some(&b), n, c, oc);
+                matmul_forward(d, &mut want, &inp, &w, Some(&b), n, c, oc);
+                matmul_backward_weight_bf16_input(
+                    d,
+                    &mut dw,
+                    Some(&mut db),
+                    &dout,
+                    &inp16,
+                    n,
+                    c,
+                    oc,
+                );
+                matmul_backward(
+                    d,
+                    None,
+                    &mut want_dw,
+                    Some(&mut want_db),
+                    &dout,
+                    &inp,
+                    &w,
+                    n,
+                    c,
+                    oc,
+                );
+                matmul_gelu_forward_bf16(d, &mut pre, &mut g16, &x, &w, Some(&b), n, c, oc);
+                matmul_forward(d, &mut want_pre, &x, &w, Some(&b), n, c, oc);
+                gelu_forward(&mut g, &want_pre);
+            });
+            // `pre` holds GELU's derivative at the pre-activation: 1 · gelu'(x), exactly
+            let mut want_grad = vec![1.0; n * oc];
+            crate::cpu::gelu_backward(&mut want_grad, &want_pre);
+            assert_eq!(bits(&out), bits(&want), "forward, {what}");
+            assert_eq!(bits(&dw), bits(&want_dw), "weight grad, {what}");
+            assert_eq!(bits(&db), bits(&want_db), "bias grad, {what}");
+            assert_eq!(bits(&pre), bits(&want_grad), "gelu derivative, {what}");
+            assert_eq!(g16, round(&g), "bf16 gelu, {what}");
+        }
+    }
+}
+
+#[test]
+fn bf16_products_do_not_depend_on_the_thread_count() {
+    if !crate::cpu::bf16_supported() {
+        eprintln!("skipped: this CPU has no bf16 product");
+        return;
+    }
+    // Split by rows (tall) and by columns (wide); the wide one's B, packed at full K, is
+    // past the size where the AMX kernel shortens its K blocks, which must not change
+    // with the columns a thread gets.
+    for &(n, c, oc) in &[(300, 64, 48), (40, 2100, 500)] {
+        let inp = rand_vec(n * c, 1);
+        let w = rand_vec(c * oc, 2);
+        let dout = rand_vec(n * oc, 3);
+        let run = |threads: usize| {
+            let (mut out, mut dinp) = (vec![0.0; n * oc], vec![0.0; n * c]);
+            let mut dw = vec![0.0; c * oc];
+            within_pool(threads, || {
+                matmul_forward(DType::Bf16, &mut out, &inp, &w, None, n, c, oc);
+                matmul_backward(
+                    DType::Bf16,
+                    Some(&mut dinp),
+                    &mut dw,
+                    None,
+                    &dout,
+                    &inp,
+                    &w,
+                    n,
+                    c,
+                    oc,
+                );
+            });
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (bits(&out), bits(&dinp), bits(&dw))
+        };
+        assert_eq!(run(1), run(2), "{n}x{c}x{oc}");
+    }
+}
+
+#[test]
+fn head_forward_and_backward_match_f64() {
+    let (n, c, v) = (50, 24, 13);
+    let inp = rand_vec(n * c, 1);
+    let w = rand_vec(v * c, 2);
+    let dout = rand_vec(n * v, 3);
+    let mut out = vec![0.0; n * v];
+    let mut dinp = vec![0.0; n * c];
+    let mut dw = vec![0.0; v * c];
+    within_pool(2, || {
+        head_forward(DType::F32, &mut out, &inp, &w, n, c, v);
+        head_backward(DType::F32, &mut dinp, &mut dw, &dout, &inp, &w, n, c, v);
+    });
+    let wt = transpose(&f64s(&w), v, c);
+    assert_close(&out, &naive(&f64s(&inp), &wt, n, c, v), 1e-5, "logits");
+    assert_close(
+        &dinp,
+        &naive(&f64s(&dout), &f64s(&w), n, v, c),
+        1e-5,
+        "dinp",
+    );
+    let dt = transpose(&f64s(&dout), n, v);
+    assert_close(&dw, &naive(&dt, &f64s(&inp), v, n, c), 1e-5, "dw");
+}
+
+#[test]
+fn bias_gradients_are_the_bits_of_column_sums_at_any_thread_count() {
+    let mut dtypes = vec![DType::F32];
+    if crate::cpu::bf16_supported() {
+        dtypes.push(DType::Bf16);
+    }
+    // the weight gradient (c x oc) split by rows (c >= oc) and by columns (c < oc)
+    for &(n, c, oc) in &[(300, 200, 40), (300, 64, 96)] {
+        let inp = rand_vec(n * c, 1);
+        let inp16: Vec<u16> = inp
+            .iter()
+            .map(|&v| crate::cpu::bf16::bf16_bits(v))
+            .collect();
+        let dout = rand_vec(n * oc, 4);
+        let db0 = rand_vec(oc, 6);
+        let mut want = db0.clone();
+        column_sums(&mut want, &dout);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for &dtype in &dtypes {
+            for threads in [1, 2, 3] {
+                let (mut dw, mut db) = (vec![0.0; c * oc], db0.clone());
+                within_pool(threads, || {
+                    matmul_backward(
+                        dtype,
+                        None,
+                        &mut dw,
+                        Some(&mut db),
+                        &dout,
+                        &inp,
+                        &inp,
+                        n,
+                        c,
+                        oc,
+                    )
+                });
+                let at = format!("{dtype:?} {threads} threads c{c} oc{oc}");
+                assert_eq!(bits(&db), bits(&want), "{at}");
+                if dtype == DType::Bf16 {
+                    let mut db = db0.clone();
+                    within_pool(threads, || {
+                        matmul_backward_weight_bf16_input(
+                            dtype,
+                            &mut dw,
+                            Some(&mut db),
+                            &dout,
+                            &inp16,
+                            n,
+                            c,
+                            oc,
+                        )
+                    });
+                    assert_eq!(bits(&db), bits(&want), "{at}, bf16 input");
+                }
+            }
+        }
+    }
+}

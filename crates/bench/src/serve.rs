@@ -603,6 +603,15 @@ fn drive_streams(
             })
         })
         .collect();
+    join_streams(handles, model)
+}
+
+/// Every stream thread's samples in thread order; a thread's failure is the load test's,
+/// named as `model`'s.
+pub(crate) fn join_streams<T>(
+    handles: Vec<std::thread::JoinHandle<Result<Vec<T>, String>>>,
+    model: &str,
+) -> Result<Vec<T>, ServeError> {
     let mut all = Vec::new();
     for h in handles {
         let samples = h

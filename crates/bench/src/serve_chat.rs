@@ -25,7 +25,7 @@ use serde_json::Value;
 
 use cohort_serve::{ServeError, Server, ServerOptions};
 
-use crate::serve::{percentile, stream_events, write_models, StreamSample};
+use crate::serve::{join_streams, percentile, stream_events, write_models, StreamSample};
 
 /// The user turns the streams ask, in turn: short questions with answers of a few sentences.
 const QUESTIONS: [&str; 16] = [
@@ -267,19 +267,7 @@ fn drive_chats(
             })
         })
         .collect();
-    let mut all = Vec::new();
-    for h in handles {
-        let samples = h
-            .join()
-            .map_err(|_| ServeError::malformed("a stream thread panicked"))?
-            .map_err(|reason| ServeError::Execution {
-                model: MODEL.into(),
-                version: 1,
-                reason,
-            })?;
-        all.extend(samples);
-    }
-    Ok(all)
+    join_streams(handles, MODEL)
 }
 
 /// One streamed chat request: the arrival of each content chunk, and the usage chunk's

@@ -36,14 +36,6 @@ use crate::CudaError;
 
 /// The kernels of the engine's list with no CUDA body yet.
 pub const MISSING: &[&str] = &[
-    "embedding_forward",
-    "embedding_backward",
-    "rmsnorm_forward",
-    "rmsnorm_backward",
-    "rope_forward",
-    "rope_backward",
-    "swiglu_forward",
-    "swiglu_interleaved_forward",
     "matmul_swiglu_forward",
     "matmul_swiglu_forward_bf16",
     "matmul_backward_input_swiglu",

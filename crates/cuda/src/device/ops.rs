@@ -33,6 +33,9 @@ macro_rules! launch {
     }};
 }
 
+mod llama;
+pub use llama::SwiGluLayout;
+
 /// Threads per block of the elementwise and row kernels.
 const THREADS: u32 = 256;
 

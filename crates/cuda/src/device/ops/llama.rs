@@ -1,0 +1,301 @@
+//! The Llama-style block's kernels (`kernels/llama.cu`, and the token embedding alone on
+//! `encoder.cu`'s kernels) as methods of [`Device`], with the parent module's rules: every
+//! buffer checked against the dims before the one launch, never a launch on a shorter buffer.
+
+use cohort_engine::cpu::RopeDims;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::{block_per_row, check, elementwise, int, thread_per_column};
+use crate::device::{Device, Mem};
+use crate::CudaError;
+
+/// The row layout of a SwiGLU input (N, 2F).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwiGluLayout {
+    /// `[gate | up]`.
+    Natural,
+    /// Tiles of 16 gate columns, each followed by the same columns of up (the fused
+    /// product's layout, `cohort_engine::cpu::matmul_swiglu_forward`).
+    Interleaved,
+}
+
+impl SwiGluLayout {
+    fn flag(self) -> i32 {
+        (self == SwiGluLayout::Interleaved) as i32
+    }
+}
+
+impl Device {
+    /// out (N, C) = wte[ids[n]]. The ids must be rows of wte (the caller checked them against
+    /// the vocabulary, as the model does on the CPU).
+    pub fn embedding_forward(
+        &self,
+        out: &mut dyn Mem<f32>,
+        ids: &dyn Mem<u32>,
+        wte: &dyn Mem<f32>,
+        n: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "embedding_forward";
+        check(K, "out", out.len(), n * c)?;
+        check(K, "ids", ids.len(), n)?;
+        check(K, "wte", wte.len(), c)?;
+        let (o, i, te, pe) = (out.ptr(self), ids.ptr(self), wte.ptr(self), 0u64);
+        let (one, ni, ci) = (1i32, int(K, "N", n)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "encoder_forward",
+            elementwise(n * c),
+            &o,
+            &i,
+            &te,
+            &pe,
+            &one,
+            &ni,
+            &ci
+        )
+    }
+
+    /// dwte[ids[n]] += dout[n], one thread per column, tokens in order (the CPU's sums, bit
+    /// for bit). The ids must be rows of dwte.
+    pub fn embedding_backward(
+        &self,
+        dwte: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        ids: &dyn Mem<u32>,
+        n: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "embedding_backward";
+        check(K, "dout", dout.len(), n * c)?;
+        check(K, "ids", ids.len(), n)?;
+        check(K, "dwte", dwte.len(), c)?;
+        let (te, pe, d, i) = (dwte.ptr(self), 0u64, dout.ptr(self), ids.ptr(self));
+        let (one, ni, ci) = (1i32, int(K, "N", n)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "encoder_backward",
+            thread_per_column(c),
+            &te,
+            &pe,
+            &d,
+            &i,
+            &one,
+            &ni,
+            &ci
+        )
+    }
+
+    /// RMSNorm over C of N rows (one block per row); rstd (N) for backward.
+    pub fn rmsnorm_forward(
+        &self,
+        out: &mut dyn Mem<f32>,
+        rstd: &mut dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
+        eps: f32,
+        n: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "rmsnorm_forward";
+        check(K, "out", out.len(), n * c)?;
+        check(K, "rstd", rstd.len(), n)?;
+        check(K, "inp", inp.len(), n * c)?;
+        check(K, "w", w.len(), c)?;
+        let (o, r, x, wp) = (out.ptr(self), rstd.ptr(self), inp.ptr(self), w.ptr(self));
+        let (ni, ci) = (int(K, "N", n)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "rmsnorm_forward",
+            block_per_row(n),
+            &o,
+            &r,
+            &x,
+            &wp,
+            &eps,
+            &ni,
+            &ci
+        )
+    }
+
+    /// dinp, dw += RMSNorm backward (two launches: rows, then the weight's columns in row
+    /// order).
+    pub fn rmsnorm_backward(
+        &self,
+        dinp: &mut dyn Mem<f32>,
+        dw: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        rstd: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
+        n: usize,
+        c: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "rmsnorm_backward";
+        check(K, "dinp", dinp.len(), n * c)?;
+        check(K, "dw", dw.len(), c)?;
+        check(K, "dout", dout.len(), n * c)?;
+        check(K, "inp", inp.len(), n * c)?;
+        check(K, "rstd", rstd.len(), n)?;
+        check(K, "w", w.len(), c)?;
+        let (di, d, x, r, wp) = (
+            dinp.ptr(self),
+            dout.ptr(self),
+            inp.ptr(self),
+            rstd.ptr(self),
+            w.ptr(self),
+        );
+        let dwp = dw.ptr(self);
+        let (ni, ci) = (int(K, "N", n)?, int(K, "C", c)?);
+        launch!(
+            self,
+            "rmsnorm_backward_input",
+            block_per_row(n),
+            &di,
+            &d,
+            &x,
+            &r,
+            &wp,
+            &ni,
+            &ci
+        )?;
+        launch!(
+            self,
+            "rmsnorm_backward_weight",
+            thread_per_column(c),
+            &dwp,
+            &d,
+            &x,
+            &r,
+            &ni,
+            &ci
+        )
+    }
+
+    /// RoPE in place (rotate_half): the first `dims.heads` heads of each row turned by the
+    /// angles of `pos[row]` (tables positions × HS/2). A position past the tables makes its
+    /// pairs NaN (the CPU refuses it; the device cannot see the positions without a copy).
+    pub fn rope_forward(
+        &self,
+        x: &mut dyn Mem<f32>,
+        pos: &dyn Mem<u32>,
+        cos: &dyn Mem<f32>,
+        sin: &dyn Mem<f32>,
+        dims: RopeDims,
+    ) -> Result<(), CudaError> {
+        self.rope("rope_forward", x, pos, cos, sin, dims, 1.0)
+    }
+
+    /// Backward of [`Device::rope_forward`], in place: the opposite angles.
+    pub fn rope_backward(
+        &self,
+        dx: &mut dyn Mem<f32>,
+        pos: &dyn Mem<u32>,
+        cos: &dyn Mem<f32>,
+        sin: &dyn Mem<f32>,
+        dims: RopeDims,
+    ) -> Result<(), CudaError> {
+        self.rope("rope_backward", dx, pos, cos, sin, dims, -1.0)
+    }
+
+    fn rope(
+        &self,
+        kernel: &'static str,
+        x: &mut dyn Mem<f32>,
+        pos: &dyn Mem<u32>,
+        cos: &dyn Mem<f32>,
+        sin: &dyn Mem<f32>,
+        dims: RopeDims,
+        sign: f32,
+    ) -> Result<(), CudaError> {
+        let RopeDims {
+            n,
+            width,
+            heads,
+            hs,
+        } = dims;
+        if !hs.is_multiple_of(2) || heads * hs > width {
+            return Err(CudaError::Unsupported {
+                kernel,
+                what: format!("{heads} heads of {hs} in rows of {width}"),
+            });
+        }
+        check(kernel, "x", x.len(), n * width)?;
+        check(kernel, "pos", pos.len(), n)?;
+        let table = cos.len().min(sin.len()) as i64;
+        let (xp, pp, cp, sp) = (x.ptr(self), pos.ptr(self), cos.ptr(self), sin.ptr(self));
+        let (ni, wi) = (int(kernel, "N", n)?, int(kernel, "width", width)?);
+        let (hi, si) = (int(kernel, "heads", heads)?, int(kernel, "HS", hs)?);
+        launch!(
+            self,
+            "rope_rotate",
+            elementwise(n * heads * hs / 2),
+            &xp,
+            &pp,
+            &cp,
+            &sp,
+            &sign,
+            &table,
+            &ni,
+            &wi,
+            &hi,
+            &si
+        )
+    }
+
+    /// out (N, F) = silu(gate) · up of inp (N, 2F) in `layout`.
+    pub fn swiglu_forward(
+        &self,
+        out: &mut dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        layout: SwiGluLayout,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "swiglu_forward";
+        check(K, "out", out.len(), n * f)?;
+        check(K, "inp", inp.len(), 2 * n * f)?;
+        let (o, x, l) = (out.ptr(self), inp.ptr(self), layout.flag());
+        let (ni, fi) = (int(K, "N", n)?, int(K, "2F", 2 * f).map(|_| f as i32)?);
+        launch!(
+            self,
+            "swiglu_forward",
+            elementwise(n * f),
+            &o,
+            &x,
+            &l,
+            &ni,
+            &fi
+        )
+    }
+
+    /// dinp (N, 2F) natural, overwritten = SwiGLU backward of dout (N, F) at inp (N, 2F) in
+    /// `layout`.
+    pub fn swiglu_backward(
+        &self,
+        dinp: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        layout: SwiGluLayout,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        const K: &str = "swiglu_backward";
+        check(K, "dinp", dinp.len(), 2 * n * f)?;
+        check(K, "dout", dout.len(), n * f)?;
+        check(K, "inp", inp.len(), 2 * n * f)?;
+        let (di, d, x, l) = (dinp.ptr(self), dout.ptr(self), inp.ptr(self), layout.flag());
+        let (ni, fi) = (int(K, "N", n)?, int(K, "2F", 2 * f).map(|_| f as i32)?);
+        launch!(
+            self,
+            "swiglu_backward",
+            elementwise(n * f),
+            &di,
+            &d,
+            &x,
+            &l,
+            &ni,
+            &fi
+        )
+    }
+}

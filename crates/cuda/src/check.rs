@@ -22,6 +22,7 @@ use crate::{CudaError, Device, Mem};
 
 mod bf16_products;
 mod engine;
+mod llama;
 pub use bf16_products::engine_backend_bf16;
 pub use engine::engine_backend;
 
@@ -116,6 +117,7 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
     let mut rows = Rows(Vec::new());
     elementwise(dev, &mut rows);
     encoder_and_layernorm(dev, &mut rows);
+    llama::run(dev, &mut rows);
     crossentropy(dev, &mut rows);
     optim(dev, &mut rows);
     casts_and_matmul(dev, &mut rows);

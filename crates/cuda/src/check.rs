@@ -23,6 +23,7 @@ use crate::{CudaError, Device, Mem};
 mod bf16_products;
 mod engine;
 mod llama;
+mod swiglu_products;
 pub use bf16_products::engine_backend_bf16;
 pub use engine::engine_backend;
 

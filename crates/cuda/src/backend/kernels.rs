@@ -199,55 +199,83 @@ impl Backend for CudaBackend {
     }
     fn matmul_swiglu_forward(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: Option<View<f32>>,
-        _: usize,
-        _: usize,
-        _: usize,
+        pre: ViewMut<f32>,
+        out: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        f: usize,
     ) {
-        self.missing("matmul_swiglu_forward")
+        self.run("matmul_swiglu_forward", || {
+            let (mut p, mut o) = (self.w(pre)?, self.w(out)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            self.product_in_scratch(&i, &w, opt(&b), (n, c, 2 * f), |src| {
+                self.dev.swiglu_interleave(&mut p, &mut o, src, n, f)
+            })
+        })
     }
     fn matmul_swiglu_forward_bf16(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<u16>,
-        _: View<f32>,
-        _: View<f32>,
-        _: Option<View<f32>>,
-        _: usize,
-        _: usize,
-        _: usize,
+        grad: ViewMut<f32>,
+        out: ViewMut<u16>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        f: usize,
     ) {
-        self.missing("matmul_swiglu_forward_bf16")
+        self.run("matmul_swiglu_forward_bf16", || {
+            let (mut g, o) = (self.w(grad)?, self.w(out)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            let mut o = as_bf16(&o, &self.dev);
+            self.product_in_scratch(&i, &w, opt(&b), (n, c, 2 * f), |src| {
+                self.dev.swiglu_interleave_bf16(&mut g, &mut o, src, n, f)
+            })
+        })
     }
     fn matmul_backward_input_swiglu(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: usize,
-        _: usize,
-        _: usize,
+        dinp: ViewMut<f32>,
+        dact: ViewMut<f32>,
+        dout: View<f32>,
+        w: View<f32>,
+        pre: View<f32>,
+        n: usize,
+        f: usize,
+        c: usize,
     ) {
-        self.missing("matmul_backward_input_swiglu")
+        self.run("matmul_backward_input_swiglu", || {
+            let (mut di, mut da) = (self.w(dinp)?, self.w(dact)?);
+            let (d, w, p) = (self.r(dout)?, self.r(w)?, self.r(pre)?);
+            self.operands(&d, &w, |d, w| {
+                self.dev.matmul_backward_input(&mut da, d, w, n, f, c)
+            })?;
+            let layout = SwiGluLayout::Interleaved;
+            self.dev.swiglu_backward(&mut di, &da, &p, layout, n, f)
+        })
     }
     fn matmul_backward_input_swiglu_with_grad(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: usize,
-        _: usize,
-        _: usize,
+        dinp: ViewMut<f32>,
+        dact: ViewMut<f32>,
+        dout: View<f32>,
+        w: View<f32>,
+        grad: View<f32>,
+        n: usize,
+        f: usize,
+        c: usize,
     ) {
-        self.missing("matmul_backward_input_swiglu_with_grad")
+        self.run("matmul_backward_input_swiglu_with_grad", || {
+            let (mut di, mut da) = (self.w(dinp)?, self.w(dact)?);
+            let (d, w, g) = (self.r(dout)?, self.r(w)?, self.r(grad)?);
+            self.operands(&d, &w, |d, w| {
+                self.dev.matmul_backward_input(&mut da, d, w, n, f, c)
+            })?;
+            self.dev.swiglu_backward_with_grad(&mut di, &da, &g, n, f)
+        })
     }
     fn layernorm_forward(
         &self,

@@ -36,10 +36,6 @@ use crate::CudaError;
 
 /// The kernels of the engine's list with no CUDA body yet.
 pub const MISSING: &[&str] = &[
-    "matmul_swiglu_forward",
-    "matmul_swiglu_forward_bf16",
-    "matmul_backward_input_swiglu",
-    "matmul_backward_input_swiglu_with_grad",
     "decode_matmul_forward",
     "attention_decode_row",
     "attention_decode_row_bf16",

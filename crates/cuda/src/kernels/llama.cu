@@ -99,17 +99,54 @@ extern "C" __global__ void swiglu_forward(float* out, const float* inp, int inte
 }
 
 // dinp (N, 2F) natural, overwritten: (dout * up * silu'(gate) | dout * silu(gate)), with
-// silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g); inp natural or interleaved.
+// silu'(g) = s * (1 + g * (1 - s)), s = sigmoid(g); inp natural or interleaved. With `kept`,
+// inp (interleaved) holds what swiglu_interleave kept instead of (gate, up): (silu(gate),
+// up * silu'(gate)), so that dinp = (dout * kept[up], dout * kept[gate]).
 extern "C" __global__ void swiglu_backward(float* dinp, const float* dout, const float* inp,
-                                           int interleaved, int N, int F) {
+                                           int interleaved, int kept, int N, int F) {
     const long long n = (long long)N * F;
     FOR_EACH(e, n) {
         const long long r = e / F;
         const int j = (int)(e % F);
         int width;
         const float* x = inp + 2 * r * F + swiglu_gate_at(j, F, interleaved, &width);
-        const float g = x[0], u = x[width], d = dout[e], s = cohort_sigmoid(g);
-        dinp[2 * r * F + j] = d * u * s * (1.0f + g * (1.0f - s));
-        dinp[2 * r * F + F + j] = d * g * s;
+        const float g = x[0], u = x[width], d = dout[e];
+        float dg, du;
+        if (kept) {
+            dg = d * u;
+            du = d * g;
+        } else {
+            const float s = cohort_sigmoid(g);
+            dg = d * u * s * (1.0f + g * (1.0f - s));
+            du = d * g * s;
+        }
+        dinp[2 * r * F + j] = dg;
+        dinp[2 * r * F + F + j] = du;
+    }
+}
+
+// The fused products' SwiGLU after the product src (N, 2F) natural (cpu::swiglu_finish_unfused):
+// pre (N, 2F) interleaved = (gate, up) and out (N, F) = silu(gate) * up; or, with out_bf16 (out
+// then unused), out_bf16 = out rounded to bf16 (nearest even) and pre = (silu(gate),
+// up * silu'(gate)), what the backward with `kept` reads.
+extern "C" __global__ void swiglu_interleave(float* pre, float* out, __nv_bfloat16* out_bf16,
+                                             const float* src, int N, int F) {
+    const long long n = (long long)N * F;
+    FOR_EACH(e, n) {
+        const long long r = e / F;
+        const int j = (int)(e % F);
+        int width;
+        float* p = pre + 2 * r * F + swiglu_gate_at(j, F, 1, &width);
+        const float g = src[2 * r * F + j], u = src[2 * r * F + F + j];
+        if (out_bf16) {
+            const float s = cohort_sigmoid(g);
+            out_bf16[e] = __float2bfloat16_rn(g * cohort_sigmoid(g) * u);
+            p[0] = g * s;
+            p[width] = u * s * (1.0f + g * (1.0f - s));
+        } else {
+            out[e] = g * cohort_sigmoid(g) * u;
+            p[0] = g;
+            p[width] = u;
+        }
     }
 }

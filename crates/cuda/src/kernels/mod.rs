@@ -84,6 +84,7 @@ pub const FAMILIES: &[Family] = &[
             "rope_rotate",
             "swiglu_forward",
             "swiglu_backward",
+            "swiglu_interleave",
         ],
     },
     Family {

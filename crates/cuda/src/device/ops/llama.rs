@@ -4,6 +4,7 @@
 
 use cohort_engine::cpu::RopeDims;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
+use half::bf16;
 
 use super::{block_per_row, check, elementwise, int, thread_per_column};
 use crate::device::{Device, Mem};
@@ -280,12 +281,41 @@ impl Device {
         n: usize,
         f: usize,
     ) -> Result<(), CudaError> {
-        const K: &str = "swiglu_backward";
-        check(K, "dinp", dinp.len(), 2 * n * f)?;
-        check(K, "dout", dout.len(), n * f)?;
-        check(K, "inp", inp.len(), 2 * n * f)?;
+        self.swiglu_bwd("swiglu_backward", dinp, dout, inp, (layout, 0), n, f)
+    }
+
+    /// [`Device::swiglu_backward`] from the derivatives [`Device::swiglu_interleave_bf16`]
+    /// kept in `grad` (N, 2F) interleaved (the CPU's `swiglu_backward_with_grad`).
+    pub fn swiglu_backward_with_grad(
+        &self,
+        dinp: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        grad: &dyn Mem<f32>,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        let kept = (SwiGluLayout::Interleaved, 1);
+        self.swiglu_bwd("swiglu_backward_with_grad", dinp, dout, grad, kept, n, f)
+    }
+
+    fn swiglu_bwd(
+        &self,
+        kernel: &'static str,
+        dinp: &mut dyn Mem<f32>,
+        dout: &dyn Mem<f32>,
+        inp: &dyn Mem<f32>,
+        (layout, kept): (SwiGluLayout, i32),
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        check(kernel, "dinp", dinp.len(), 2 * n * f)?;
+        check(kernel, "dout", dout.len(), n * f)?;
+        check(kernel, "inp", inp.len(), 2 * n * f)?;
         let (di, d, x, l) = (dinp.ptr(self), dout.ptr(self), inp.ptr(self), layout.flag());
-        let (ni, fi) = (int(K, "N", n)?, int(K, "2F", 2 * f).map(|_| f as i32)?);
+        let (ni, fi) = (
+            int(kernel, "N", n)?,
+            int(kernel, "2F", 2 * f).map(|_| f as i32)?,
+        );
         launch!(
             self,
             "swiglu_backward",
@@ -294,6 +324,68 @@ impl Device {
             &d,
             &x,
             &l,
+            &kept,
+            &ni,
+            &fi
+        )
+    }
+
+    /// The fused products' SwiGLU after their product `src` (N, 2F) natural: `pre` (N, 2F)
+    /// the same values interleaved, `out` (N, F) = silu(gate) · up (the CPU's
+    /// `matmul_swiglu_forward` after its product).
+    pub fn swiglu_interleave(
+        &self,
+        pre: &mut dyn Mem<f32>,
+        out: &mut dyn Mem<f32>,
+        src: &dyn Mem<f32>,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        check("swiglu_interleave", "out", out.len(), n * f)?;
+        let o = out.ptr(self);
+        self.interleave("swiglu_interleave", pre, (o, 0), src, n, f)
+    }
+
+    /// [`Device::swiglu_interleave`] keeping `out` in bf16 (rounded to nearest even) and, in
+    /// `grad` (N, 2F) interleaved, (silu(gate), up · silu'(gate)) instead of the product (the
+    /// CPU's `matmul_swiglu_forward_bf16` after its product).
+    pub fn swiglu_interleave_bf16(
+        &self,
+        grad: &mut dyn Mem<f32>,
+        out: &mut dyn Mem<bf16>,
+        src: &dyn Mem<f32>,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        check("swiglu_interleave_bf16", "out", out.len(), n * f)?;
+        let o = out.ptr(self);
+        self.interleave("swiglu_interleave_bf16", grad, (0, o), src, n, f)
+    }
+
+    fn interleave(
+        &self,
+        kernel: &'static str,
+        pre: &mut dyn Mem<f32>,
+        (out, out_bf16): (u64, u64),
+        src: &dyn Mem<f32>,
+        n: usize,
+        f: usize,
+    ) -> Result<(), CudaError> {
+        check(kernel, "pre", pre.len(), 2 * n * f)?;
+        check(kernel, "src", src.len(), 2 * n * f)?;
+        let (p, x) = (pre.ptr(self), src.ptr(self));
+        let (ni, fi) = (
+            int(kernel, "N", n)?,
+            int(kernel, "2F", 2 * f).map(|_| f as i32)?,
+        );
+        launch!(
+            self,
+            "swiglu_interleave",
+            elementwise(n * f),
+            &p,
+            &out,
+            &out_bf16,
+            &x,
             &ni,
             &fi
         )

@@ -140,7 +140,7 @@ extern "C" __global__ void swiglu_interleave(float* pre, float* out, __nv_bfloat
         const float g = src[2 * r * F + j], u = src[2 * r * F + F + j];
         if (out_bf16) {
             const float s = cohort_sigmoid(g);
-            out_bf16[e] = __float2bfloat16_rn(g * cohort_sigmoid(g) * u);
+            out_bf16[e] = __float2bfloat16_rn(g * s * u);
             p[0] = g * s;
             p[width] = u * s * (1.0f + g * (1.0f - s));
         } else {

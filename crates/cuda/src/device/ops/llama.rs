@@ -26,6 +26,12 @@ impl SwiGluLayout {
     }
 }
 
+/// N and F of a SwiGLU kernel as `int`s; 2F (a row's length) must fit one too.
+fn swiglu_dims(kernel: &'static str, n: usize, f: usize) -> Result<(i32, i32), CudaError> {
+    int(kernel, "2F", 2 * f)?;
+    Ok((int(kernel, "N", n)?, int(kernel, "F", f)?))
+}
+
 impl Device {
     /// out (N, C) = wte[ids[n]]. The ids must be rows of wte (the caller checked them against
     /// the vocabulary, as the model does on the CPU).
@@ -257,7 +263,7 @@ impl Device {
         check(K, "out", out.len(), n * f)?;
         check(K, "inp", inp.len(), 2 * n * f)?;
         let (o, x, l) = (out.ptr(self), inp.ptr(self), layout.flag());
-        let (ni, fi) = (int(K, "N", n)?, int(K, "2F", 2 * f).map(|_| f as i32)?);
+        let (ni, fi) = swiglu_dims(K, n, f)?;
         launch!(
             self,
             "swiglu_forward",
@@ -312,10 +318,7 @@ impl Device {
         check(kernel, "dout", dout.len(), n * f)?;
         check(kernel, "inp", inp.len(), 2 * n * f)?;
         let (di, d, x, l) = (dinp.ptr(self), dout.ptr(self), inp.ptr(self), layout.flag());
-        let (ni, fi) = (
-            int(kernel, "N", n)?,
-            int(kernel, "2F", 2 * f).map(|_| f as i32)?,
-        );
+        let (ni, fi) = swiglu_dims(kernel, n, f)?;
         launch!(
             self,
             "swiglu_backward",
@@ -374,10 +377,7 @@ impl Device {
         check(kernel, "pre", pre.len(), 2 * n * f)?;
         check(kernel, "src", src.len(), 2 * n * f)?;
         let (p, x) = (pre.ptr(self), src.ptr(self));
-        let (ni, fi) = (
-            int(kernel, "N", n)?,
-            int(kernel, "2F", 2 * f).map(|_| f as i32)?,
-        );
+        let (ni, fi) = swiglu_dims(kernel, n, f)?;
         launch!(
             self,
             "swiglu_interleave",

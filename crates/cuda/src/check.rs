@@ -22,6 +22,8 @@ use crate::{CudaError, Device, Mem};
 
 mod bf16_products;
 mod engine;
+mod llama;
+mod swiglu_products;
 pub use bf16_products::engine_backend_bf16;
 pub use engine::engine_backend;
 
@@ -116,15 +118,19 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
     let mut rows = Rows(Vec::new());
     elementwise(dev, &mut rows);
     encoder_and_layernorm(dev, &mut rows);
+    llama::run(dev, &mut rows);
     crossentropy(dev, &mut rows);
     optim(dev, &mut rows);
     casts_and_matmul(dev, &mut rows);
-    for (name, mask, dropout) in [
-        ("attention", false, false),
-        ("attention+mask", true, false),
-        ("attention+mask+dropout", true, true),
+    // 4 query heads over 4 key/value heads (GPT-2's), 2 (GQA) or 1 (MQA)
+    for (name, mask, dropout, nkv) in [
+        ("attention", false, false, 4),
+        ("attention+mask", true, false, 4),
+        ("attention+mask+dropout", true, true, 4),
+        ("attention_gqa+mask+dropout", true, true, 2),
+        ("attention_mqa+mask", true, false, 1),
     ] {
-        rows.case(name, || attention(dev, name, mask, dropout));
+        rows.case(name, || attention(dev, name, (mask, dropout), nkv));
     }
     rows.0
 }
@@ -669,15 +675,22 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
 
 type Outputs = Vec<(String, Vec<f32>, Vec<f32>, f64)>;
 
-fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Outputs, CudaError> {
+fn attention(
+    dev: &Device,
+    tag: &str,
+    (masked, dropped): (bool, bool),
+    nkv: usize,
+) -> Result<Outputs, CudaError> {
     let dims = AttnDims {
         b: 2,
         t: 70,
-        c: 128,
-        nh: 2,
+        c: 192,
+        nh: 4,
     };
     let AttnDims { b, t, c, nh } = dims;
-    let qkv = rand_vec(b * t * 3 * c, 26, 1.0);
+    // rows of q's NH heads, then k's and v's NKV (GPT-2's 3C when NKV = NH)
+    let rs = (nh + 2 * nkv) * (c / nh);
+    let qkv = rand_vec(b * t * rs, 26, 1.0);
     let dout = rand_vec(b * t * c, 27, 1.0);
     // Batch row 1 left-padded by 5 (its first queries see no key), row 0 unpadded.
     let mask: Option<Vec<u8>> = masked.then(|| {
@@ -695,10 +708,10 @@ fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Out
     });
     let (mut out, mut lse) = (poisoned(dev, b * t * c)?, poisoned(dev, b * nh * t)?);
     let dmask = md.as_ref().map(|m| m as &dyn Mem<u8>);
-    dev.attention_forward(&mut out, &mut lse, &qd, dmask, dims, drop)?;
+    dev.attention_forward(&mut out, &mut lse, &qd, dmask, dims, nkv, drop)?;
     let mut scratch = vec![0.0; cpu::attention_scratch_len(t, 1)];
     let (mut w_out, mut w_lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-    cpu::attention_forward(
+    cpu::attention_forward_grouped(
         DType::F32,
         &mut w_out,
         &mut w_lse,
@@ -706,11 +719,12 @@ fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Out
         mask.as_deref(),
         None,
         dims,
+        nkv,
         drop,
         &mut scratch,
     );
     let (mut dqkv, mut rout, mut delta) = (
-        poisoned(dev, b * t * 3 * c)?,
+        poisoned(dev, b * t * rs)?,
         poisoned(dev, b * t * c)?,
         poisoned(dev, b * nh * t)?,
     );
@@ -725,10 +739,11 @@ fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Out
         &wl,
         dmask,
         dims,
+        nkv,
         drop,
     )?;
-    let (mut w_dqkv, mut w_rout) = (vec![0.0; b * t * 3 * c], vec![0.0; b * t * c]);
-    cpu::attention_backward(
+    let (mut w_dqkv, mut w_rout) = (vec![0.0; b * t * rs], vec![0.0; b * t * c]);
+    cpu::attention_backward_grouped(
         DType::F32,
         &mut w_dqkv,
         Some(&mut w_rout),
@@ -738,6 +753,7 @@ fn attention(dev: &Device, tag: &str, masked: bool, dropped: bool) -> Result<Out
         mask.as_deref(),
         None,
         dims,
+        nkv,
         drop,
         &mut scratch,
     );

@@ -46,5 +46,7 @@ pub mod libraries;
 pub mod nvrtc;
 
 pub use backend::CudaBackend;
-pub use device::{device_count, AdamWScalars, Device, DeviceInfo, Mem, Op, Operand, Raw};
+pub use device::{
+    device_count, AdamWScalars, Device, DeviceInfo, Mem, Op, Operand, Raw, SwiGluLayout,
+};
 pub use error::CudaError;

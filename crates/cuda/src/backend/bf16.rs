@@ -2,7 +2,9 @@
 //! bf16 in scratch owned by the backend, then `cublasGemmEx` with bf16 inputs and f32
 //! accumulation and output (tensor cores); fp32 master weights, gradients and every other
 //! kernel stay f32. The kernels a bf16 model adds (GELU's output kept in bf16 with its
-//! derivative beside it, products of that bf16 input) are built from the device's kernels.
+//! derivative beside it, products of that bf16 input) are built from the device's kernels, as
+//! are the fused SwiGLU products (the product into scratch, then one kernel that writes the
+//! interleaved layout and the activation).
 //!
 //! It never runs in fp32 (`--precision fp32` stays true fp32) and never reads device memory
 //! on the host. It has not run on a GPU yet.
@@ -70,6 +72,31 @@ impl CudaBackend {
         let mut s = self.scratch();
         let (a16, b16) = (self.to_bf16(&mut s, 0, a)?, self.to_bf16(&mut s, 1, b)?);
         f(Operand::Bf16(&a16), Operand::Bf16(&b16))
+    }
+
+    /// `inp · w + bias` (N, OC) by this backend's products (fp32, or bf16 copies) into its
+    /// f32 scratch, handed to `then` while the scratch is held: the fused SwiGLU products
+    /// rearrange it into their outputs.
+    pub(super) fn product_in_scratch(
+        &self,
+        inp: &dyn Mem<f32>,
+        w: &dyn Mem<f32>,
+        bias: Option<&dyn Mem<f32>>,
+        (n, c, oc): (usize, usize, usize),
+        then: impl FnOnce(&Raw<f32>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let mut s = self.scratch();
+        let mut pre = grown(self, &mut s.f32, n * oc)?;
+        if self.bf16_products() {
+            let (i16, w16) = (self.to_bf16(&mut s, 0, inp)?, self.to_bf16(&mut s, 1, w)?);
+            let (i16, w16) = (Operand::Bf16(&i16), Operand::Bf16(&w16));
+            self.dev
+                .matmul_forward(&mut pre, i16, w16, bias, n, c, oc)?;
+        } else {
+            let (i, w) = (Operand::F32(inp), Operand::F32(w));
+            self.dev.matmul_forward(&mut pre, i, w, bias, n, c, oc)?;
+        }
+        then(&pre)
     }
 
     /// The engine's `matmul_gelu_forward_bf16`: `out` = bf16(gelu(pre)), `grad` = gelu'(pre),

@@ -12,7 +12,7 @@ use cohort_engine::{
 
 use super::bf16::as_bf16;
 use super::{engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, MISSING};
-use crate::device::{AdamWScalars, Mem};
+use crate::device::{AdamWScalars, Mem, SwiGluLayout};
 
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
@@ -98,107 +98,184 @@ impl Backend for CudaBackend {
             self.dev.encoder_backward(&mut te, &mut pe, &d, &i, b, t, c)
         })
     }
-    fn embedding_forward(&self, _: ViewMut<f32>, _: View<u32>, _: View<f32>, _: usize, _: usize) {
-        self.missing("embedding_forward")
+    fn embedding_forward(
+        &self,
+        out: ViewMut<f32>,
+        ids: View<u32>,
+        wte: View<f32>,
+        n: usize,
+        c: usize,
+    ) {
+        self.run("embedding_forward", || {
+            let (mut o, i, te) = (self.w(out)?, self.r(ids)?, self.r(wte)?);
+            self.dev.embedding_forward(&mut o, &i, &te, n, c)
+        })
     }
-    fn embedding_backward(&self, _: ViewMut<f32>, _: View<f32>, _: View<u32>, _: usize, _: usize) {
-        self.missing("embedding_backward")
+    fn embedding_backward(
+        &self,
+        dwte: ViewMut<f32>,
+        dout: View<f32>,
+        ids: View<u32>,
+        n: usize,
+        c: usize,
+    ) {
+        self.run("embedding_backward", || {
+            let (mut te, d, i) = (self.w(dwte)?, self.r(dout)?, self.r(ids)?);
+            self.dev.embedding_backward(&mut te, &d, &i, n, c)
+        })
     }
     fn rmsnorm_forward(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: f32,
-        _: usize,
-        _: usize,
+        out: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        eps: f32,
+        n: usize,
+        c: usize,
     ) {
-        self.missing("rmsnorm_forward")
+        self.run("rmsnorm_forward", || {
+            let (mut o, mut r, x, wp) = (self.w(out)?, self.w(rstd)?, self.r(inp)?, self.r(w)?);
+            self.dev.rmsnorm_forward(&mut o, &mut r, &x, &wp, eps, n, c)
+        })
     }
     fn rmsnorm_backward(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: usize,
-        _: usize,
+        dinp: ViewMut<f32>,
+        dw: ViewMut<f32>,
+        dout: View<f32>,
+        inp: View<f32>,
+        rstd: View<f32>,
+        w: View<f32>,
+        n: usize,
+        c: usize,
     ) {
-        self.missing("rmsnorm_backward")
+        self.run("rmsnorm_backward", || {
+            let (mut di, mut dwp) = (self.w(dinp)?, self.w(dw)?);
+            let (d, x, r, wp) = (self.r(dout)?, self.r(inp)?, self.r(rstd)?, self.r(w)?);
+            self.dev
+                .rmsnorm_backward(&mut di, &mut dwp, &d, &x, &r, &wp, n, c)
+        })
     }
-    fn rope_forward(&self, _: ViewMut<f32>, _: View<u32>, _: View<f32>, _: View<f32>, _: RopeDims) {
-        self.missing("rope_forward")
+    fn rope_forward(
+        &self,
+        x: ViewMut<f32>,
+        pos: View<u32>,
+        cos: View<f32>,
+        sin: View<f32>,
+        dims: RopeDims,
+    ) {
+        self.run("rope_forward", || {
+            let (mut xp, p, c, s) = (self.w(x)?, self.r(pos)?, self.r(cos)?, self.r(sin)?);
+            self.dev.rope_forward(&mut xp, &p, &c, &s, dims)
+        })
     }
     fn rope_backward(
         &self,
-        _: ViewMut<f32>,
-        _: View<u32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: RopeDims,
+        dx: ViewMut<f32>,
+        pos: View<u32>,
+        cos: View<f32>,
+        sin: View<f32>,
+        dims: RopeDims,
     ) {
-        self.missing("rope_backward")
+        self.run("rope_backward", || {
+            let (mut xp, p, c, s) = (self.w(dx)?, self.r(pos)?, self.r(cos)?, self.r(sin)?);
+            self.dev.rope_backward(&mut xp, &p, &c, &s, dims)
+        })
     }
-    fn swiglu_forward(&self, _: ViewMut<f32>, _: View<f32>, _: usize, _: usize) {
-        self.missing("swiglu_forward")
+    fn swiglu_forward(&self, out: ViewMut<f32>, inp: View<f32>, n: usize, f: usize) {
+        self.run("swiglu_forward", || {
+            let (mut o, x) = (self.w(out)?, self.r(inp)?);
+            self.dev
+                .swiglu_forward(&mut o, &x, SwiGluLayout::Natural, n, f)
+        })
     }
-    fn swiglu_interleaved_forward(&self, _: ViewMut<f32>, _: View<f32>, _: usize, _: usize) {
-        self.missing("swiglu_interleaved_forward")
+    fn swiglu_interleaved_forward(&self, out: ViewMut<f32>, inp: View<f32>, n: usize, f: usize) {
+        self.run("swiglu_interleaved_forward", || {
+            let (mut o, x) = (self.w(out)?, self.r(inp)?);
+            self.dev
+                .swiglu_forward(&mut o, &x, SwiGluLayout::Interleaved, n, f)
+        })
     }
     fn matmul_swiglu_forward(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: Option<View<f32>>,
-        _: usize,
-        _: usize,
-        _: usize,
+        pre: ViewMut<f32>,
+        out: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        f: usize,
     ) {
-        self.missing("matmul_swiglu_forward")
+        self.run("matmul_swiglu_forward", || {
+            let (mut p, mut o) = (self.w(pre)?, self.w(out)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            self.product_in_scratch(&i, &w, opt(&b), (n, c, 2 * f), |src| {
+                self.dev.swiglu_interleave(&mut p, &mut o, src, n, f)
+            })
+        })
     }
     fn matmul_swiglu_forward_bf16(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<u16>,
-        _: View<f32>,
-        _: View<f32>,
-        _: Option<View<f32>>,
-        _: usize,
-        _: usize,
-        _: usize,
+        grad: ViewMut<f32>,
+        out: ViewMut<u16>,
+        inp: View<f32>,
+        w: View<f32>,
+        bias: Option<View<f32>>,
+        n: usize,
+        c: usize,
+        f: usize,
     ) {
-        self.missing("matmul_swiglu_forward_bf16")
+        self.run("matmul_swiglu_forward_bf16", || {
+            let (mut g, o) = (self.w(grad)?, self.w(out)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
+            let mut o = as_bf16(&o, &self.dev);
+            self.product_in_scratch(&i, &w, opt(&b), (n, c, 2 * f), |src| {
+                self.dev.swiglu_interleave_bf16(&mut g, &mut o, src, n, f)
+            })
+        })
     }
     fn matmul_backward_input_swiglu(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: usize,
-        _: usize,
-        _: usize,
+        dinp: ViewMut<f32>,
+        dact: ViewMut<f32>,
+        dout: View<f32>,
+        w: View<f32>,
+        pre: View<f32>,
+        n: usize,
+        f: usize,
+        c: usize,
     ) {
-        self.missing("matmul_backward_input_swiglu")
+        self.run("matmul_backward_input_swiglu", || {
+            let (mut di, mut da) = (self.w(dinp)?, self.w(dact)?);
+            let (d, w, p) = (self.r(dout)?, self.r(w)?, self.r(pre)?);
+            self.operands(&d, &w, |d, w| {
+                self.dev.matmul_backward_input(&mut da, d, w, n, f, c)
+            })?;
+            let layout = SwiGluLayout::Interleaved;
+            self.dev.swiglu_backward(&mut di, &da, &p, layout, n, f)
+        })
     }
     fn matmul_backward_input_swiglu_with_grad(
         &self,
-        _: ViewMut<f32>,
-        _: ViewMut<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: View<f32>,
-        _: usize,
-        _: usize,
-        _: usize,
+        dinp: ViewMut<f32>,
+        dact: ViewMut<f32>,
+        dout: View<f32>,
+        w: View<f32>,
+        grad: View<f32>,
+        n: usize,
+        f: usize,
+        c: usize,
     ) {
-        self.missing("matmul_backward_input_swiglu_with_grad")
+        self.run("matmul_backward_input_swiglu_with_grad", || {
+            let (mut di, mut da) = (self.w(dinp)?, self.w(dact)?);
+            let (d, w, g) = (self.r(dout)?, self.r(w)?, self.r(grad)?);
+            self.operands(&d, &w, |d, w| {
+                self.dev.matmul_backward_input(&mut da, d, w, n, f, c)
+            })?;
+            self.dev.swiglu_backward_with_grad(&mut di, &da, &g, n, f)
+        })
     }
     fn layernorm_forward(
         &self,

@@ -9,7 +9,7 @@
 //! with no CUDA body yet) is kept and returned by the next
 //! [`Backend::sync`](cohort_engine::Backend::sync). The kernels without a CUDA body are listed
 //! in [`MISSING`] (the model refuses to build on this backend when it needs one of them); the
-//! attention kernels serve one key/value head per query head and no packed segments yet.
+//! attention kernels serve grouped key/value heads and no packed segments yet.
 //! Matrix products are true fp32, or on a backend of `DType::Bf16` bf16 copies of their
 //! operands multiplied on tensor cores with f32 accumulation (`bf16.rs`; the weight gradients
 //! of fp32 inputs stay fp32).
@@ -36,18 +36,6 @@ use crate::CudaError;
 
 /// The kernels of the engine's list with no CUDA body yet.
 pub const MISSING: &[&str] = &[
-    "embedding_forward",
-    "embedding_backward",
-    "rmsnorm_forward",
-    "rmsnorm_backward",
-    "rope_forward",
-    "rope_backward",
-    "swiglu_forward",
-    "swiglu_interleaved_forward",
-    "matmul_swiglu_forward",
-    "matmul_swiglu_forward_bf16",
-    "matmul_backward_input_swiglu",
-    "matmul_backward_input_swiglu_with_grad",
     "decode_matmul_forward",
     "attention_decode_row",
     "attention_decode_row_bf16",
@@ -191,12 +179,10 @@ struct Attention<'a> {
 }
 
 impl CudaBackend {
-    /// Whether the device's attention kernels serve `a`: one key/value head per query head and
-    /// no packed segments for now (an error for the next sync otherwise).
+    /// Whether the device's attention kernels serve `a`: no packed segments for now (an error
+    /// for the next sync otherwise).
     fn attention_served(&self, a: &Attention<'_>) -> bool {
-        if a.nkv != a.dims.nh {
-            self.missing("attention with grouped key/value heads");
-        } else if a.segments.is_some() {
+        if a.segments.is_some() {
             self.missing("attention within packed segments");
         } else {
             return true;
@@ -219,7 +205,7 @@ impl CudaBackend {
             let (mut o, mut l) = (self.w(out)?, self.w(lse)?);
             let (q, m) = (self.r(qkv)?, self.ro(a.mask)?);
             self.dev
-                .attention_forward(&mut o, &mut l, &q, opt(&m), a.dims, a.dropout)
+                .attention_forward(&mut o, &mut l, &q, opt(&m), a.dims, a.nkv, a.dropout)
         })
     }
 
@@ -249,7 +235,7 @@ impl CudaBackend {
             let delta = delta.as_mut().expect("allocated above");
             let (ro, m) = (opt_mut(&mut ro), opt(&m));
             self.dev
-                .attention_backward(&mut dq, ro, delta, &d, &q, &l, m, dims, a.dropout)
+                .attention_backward(&mut dq, ro, delta, &d, &q, &l, m, dims, a.nkv, a.dropout)
         })
     }
 }

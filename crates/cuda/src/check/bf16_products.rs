@@ -10,10 +10,10 @@ use super::{max_err, rand_vec, CheckRow};
 use crate::CudaBackend;
 
 /// What one backend computed: (name, values), in order.
-type Outputs = Vec<(&'static str, Vec<f32>)>;
+pub(super) type Outputs = Vec<(&'static str, Vec<f32>)>;
 
 /// f32 of bf16 bits.
-fn widen(bits: &[u16]) -> Vec<f32> {
+pub(super) fn widen(bits: &[u16]) -> Vec<f32> {
     bits.iter()
         .map(|&b| f32::from_bits(u32::from(b) << 16))
         .collect()
@@ -117,23 +117,32 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
 }
 
 /// The bf16 sequence on `gpu` (switched to bf16 products) against a CPU backend in fp32:
-/// one row per output, at bf16's tolerance.
+/// one row per output, at bf16's tolerance; then the fused SwiGLU products' bf16 forms.
 pub fn engine_backend_bf16(gpu: CudaBackend) -> Vec<CheckRow> {
     let cpu = Cpu::new(1).expect("a one-thread pool");
     let want = sequence(&cpu).expect("the CPU backend cannot fail here");
     let gpu = gpu.with_dtype(DType::Bf16);
-    compare(sequence(&gpu), want)
+    let mut rows = compare("bf16 products", 3e-2, sequence(&gpu), want);
+    // and the fused SwiGLU products' bf16 forms
+    rows.extend(super::swiglu_products::rows(&gpu));
+    rows
 }
 
-fn compare(got: Result<Outputs, EngineError>, want: Outputs) -> Vec<CheckRow> {
-    const TOL: f64 = 3e-2;
+/// One row per output of `got` against `want` at tolerance `tol`; one failed row named `what`
+/// if `got` is an error.
+pub(super) fn compare(
+    what: &str,
+    tol: f64,
+    got: Result<Outputs, EngineError>,
+    want: Outputs,
+) -> Vec<CheckRow> {
     let got = match got {
         Ok(got) => got,
         Err(e) => {
             return vec![CheckRow {
-                kernel: "bf16 products".to_string(),
+                kernel: what.to_string(),
                 max_err: f64::NAN,
-                tolerance: TOL,
+                tolerance: tol,
                 ok: false,
                 error: Some(e.to_string()),
             }]
@@ -146,8 +155,8 @@ fn compare(got: Result<Outputs, EngineError>, want: Outputs) -> Vec<CheckRow> {
             CheckRow {
                 kernel: kernel.to_string(),
                 max_err: e,
-                tolerance: TOL,
-                ok: e <= TOL,
+                tolerance: tol,
+                ok: e <= tol,
                 error: None,
             }
         })
@@ -170,7 +179,7 @@ mod tests {
             return;
         }
         let want = sequence(&Cpu::new(2).unwrap()).unwrap();
-        let rows = compare(sequence(&emu), want);
+        let rows = compare("bf16 products", 3e-2, sequence(&emu), want);
         assert_eq!(rows.len(), 6);
         for r in rows {
             assert!(r.ok, "{}: {} > {}", r.kernel, r.max_err, r.tolerance);

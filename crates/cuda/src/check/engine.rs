@@ -77,7 +77,14 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
 }
 
 /// The sequence on `gpu` and on a CPU backend: one row per output.
+/// Then the fused SwiGLU products (`swiglu_products.rs`).
 pub fn engine_backend(gpu: &CudaBackend) -> Vec<CheckRow> {
+    let mut rows = sequence_rows(gpu);
+    rows.extend(super::swiglu_products::rows(gpu));
+    rows
+}
+
+fn sequence_rows(gpu: &CudaBackend) -> Vec<CheckRow> {
     let cpu = Cpu::new(1).expect("a one-thread pool");
     let want = sequence(&cpu).expect("the CPU backend cannot fail here");
     let got = match sequence(gpu) {

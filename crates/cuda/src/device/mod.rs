@@ -22,7 +22,7 @@ use cudarc::nvrtc::Ptx;
 
 pub use blas::{Op, Operand};
 pub use mem::{Mem, Raw};
-pub use ops::AdamWScalars;
+pub use ops::{AdamWScalars, SwiGluLayout};
 
 use crate::kernels;
 use crate::libraries::{Library, Search};

@@ -33,6 +33,9 @@ macro_rules! launch {
     }};
 }
 
+mod llama;
+pub use llama::SwiGluLayout;
+
 /// Threads per block of the elementwise and row kernels.
 const THREADS: u32 = 256;
 
@@ -728,8 +731,14 @@ impl Device {
         launch!(self, "bf16_to_f32", elementwise(out.len()), &o, &i, &n)
     }
 
-    /// The dims of an attention call as the kernels take them, checked: head size at most 128.
-    fn attn_dims(kernel: &'static str, d: AttnDims) -> Result<[i32; 4], CudaError> {
+    /// The dims of an attention call with `nkv` key/value heads as the kernels take them,
+    /// checked (head size at most 128, NKV dividing NH), and the qkv row length
+    /// (NH + 2·NKV)·HS.
+    fn attn_dims(
+        kernel: &'static str,
+        d: AttnDims,
+        nkv: usize,
+    ) -> Result<([i32; 5], usize), CudaError> {
         if d.nh == 0 || !d.c.is_multiple_of(d.nh) || d.c / d.nh > 128 {
             return Err(CudaError::Unsupported {
                 kernel,
@@ -739,16 +748,28 @@ impl Device {
                 ),
             });
         }
-        Ok([
+        if nkv == 0 || !d.nh.is_multiple_of(nkv) {
+            return Err(CudaError::Unsupported {
+                kernel,
+                what: format!(
+                    "{} query heads do not split into groups over {nkv} key/value heads",
+                    d.nh
+                ),
+            });
+        }
+        let dims = [
             int(kernel, "B", d.b)?,
             int(kernel, "T", d.t)?,
             int(kernel, "C", d.c)?,
             int(kernel, "NH", d.nh)?,
-        ])
+            int(kernel, "NKV", nkv)?,
+        ];
+        Ok((dims, (d.nh + 2 * nkv) * (d.c / d.nh)))
     }
 
     /// Causal attention with an optional key padding mask (B, T; 0 = padding) and dropout on
-    /// the probabilities (numbered as the CPU's); lse (B, NH, T) kept for backward.
+    /// the probabilities (numbered as the CPU's); lse (B, NH, T) kept for backward. qkv is
+    /// (B, T, (NH + 2·NKV)·HS) with `nkv` key/value heads (NKV = NH: (B, T, 3C)).
     pub fn attention_forward(
         &self,
         out: &mut dyn Mem<f32>,
@@ -756,14 +777,15 @@ impl Device {
         qkv: &dyn Mem<f32>,
         mask: Option<&dyn Mem<u8>>,
         dims: AttnDims,
+        nkv: usize,
         dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
         const K: &str = "attention_forward";
         let AttnDims { b, t, c, nh } = dims;
-        let [bi, ti, ci, hi] = Self::attn_dims(K, dims)?;
+        let ([bi, ti, ci, hi, kvi], rs) = Self::attn_dims(K, dims, nkv)?;
         check(K, "out", out.len(), b * t * c)?;
         check(K, "lse", lse.len(), b * nh * t)?;
-        check(K, "qkv", qkv.len(), b * t * 3 * c)?;
+        check(K, "qkv", qkv.len(), b * t * rs)?;
         if let Some(m) = mask {
             check(K, "mask", m.len(), b * t)?;
         }
@@ -781,12 +803,14 @@ impl Device {
             &ti,
             &ci,
             &hi,
+            &kvi,
             &p,
             &key
         )
     }
 
-    /// dqkv (B, T, 3C) = attention backward (overwritten); `recompute_out` gets the forward's
+    /// dqkv (qkv's layout) = attention backward (overwritten), each key/value head's gradient
+    /// summed over its query group; `recompute_out` gets the forward's
     /// output again when given; `delta` is scratch of B·NH·T floats.
     pub fn attention_backward(
         &self,
@@ -798,18 +822,19 @@ impl Device {
         lse: &dyn Mem<f32>,
         mask: Option<&dyn Mem<u8>>,
         dims: AttnDims,
+        nkv: usize,
         dropout: Option<Dropout>,
     ) -> Result<(), CudaError> {
         const K: &str = "attention_backward";
         let AttnDims { b, t, c, nh } = dims;
-        let [bi, ti, ci, hi] = Self::attn_dims(K, dims)?;
-        check(K, "dqkv", dqkv.len(), b * t * 3 * c)?;
+        let ([bi, ti, ci, hi, kvi], rs) = Self::attn_dims(K, dims, nkv)?;
+        check(K, "dqkv", dqkv.len(), b * t * rs)?;
         if let Some(r) = recompute_out.as_deref() {
             check(K, "recompute_out", r.len(), b * t * c)?;
         }
         check(K, "delta", delta.len(), b * nh * t)?;
         check(K, "dout", dout.len(), b * t * c)?;
-        check(K, "qkv", qkv.len(), b * t * 3 * c)?;
+        check(K, "qkv", qkv.len(), b * t * rs)?;
         check(K, "lse", lse.len(), b * nh * t)?;
         if let Some(m) = mask {
             check(K, "mask", m.len(), b * t)?;
@@ -820,12 +845,11 @@ impl Device {
             delta.ptr(self),
         );
         let (d, q, l, m) = (dout.ptr(self), qkv.ptr(self), lse.ptr(self), self.opt(mask));
-        let cfg = warp_per_row(b * nh * t);
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
             "attention_backward_query",
-            cfg,
+            warp_per_row(b * nh * t),
             &dq,
             &ro,
             &de,
@@ -837,13 +861,14 @@ impl Device {
             &ti,
             &ci,
             &hi,
+            &kvi,
             &p,
             &key
         )?;
         launch!(
             self,
             "attention_backward_key",
-            cfg,
+            warp_per_row(b * nkv * t),
             &dq,
             &de,
             &d,
@@ -854,6 +879,7 @@ impl Device {
             &ti,
             &ci,
             &hi,
+            &kvi,
             &p,
             &key
         )

@@ -1,5 +1,5 @@
-// Causal self-attention on the engine's packed qkv (B, T, 3C) with an optional key padding
-// mask (B, T; 0 = padding), in the flash style: a warp owns one query row, walks the keys it
+// Causal self-attention on the engine's packed qkv (B, T, (NH + 2 NKV) HS) with an optional key
+// padding mask (B, T; 0 = padding), in the flash style: a warp owns one query row, walks the keys it
 // may see with an online softmax (running max and sum), and never stores the (T, T) scores.
 // Forward keeps the log-sum-exp (B, NH, T) of the scaled scores, as the CPU's
 // attention_forward; backward recomputes the probabilities from it. A query with no visible
@@ -7,6 +7,23 @@
 // multiple of 32 not required. Dropout on the probabilities, keyed as the CPU's: the output
 // sums the dropped probabilities; backward applies the same mask to dP. Correct first, not
 // fast: one warp-wide dot product per (query, key).
+// Grouped key/value heads (GQA, MQA) are read where the qkv product put them: q's NH heads,
+// then k's NKV, then v's NKV in each row; query head h attends with key/value head
+// h / (NH / NKV). NKV = NH is GPT-2's (B, T, 3C). dqkv has qkv's layout; each key/value head's
+// gradient is the sum over its query group, head after head in the group's order (the CPU's).
+
+// Where the heads of row `t` of batch `b` start in a qkv (or dqkv) buffer, in floats.
+struct QkvRows {
+    long long rs;  // row stride (NH + 2 NKV) * hd
+    int hd, nh, nkv;
+    __device__ QkvRows(int C, int NH, int NKV) : hd(C / NH), nh(NH), nkv(NKV) {
+        rs = (long long)(NH + 2 * NKV) * hd;
+    }
+    __device__ long long row(int b, int T, int t) const { return ((long long)b * T + t) * rs; }
+    __device__ long long q(int h) const { return (long long)h * hd; }
+    __device__ long long k(int kvh) const { return (long long)(nh + kvh) * hd; }
+    __device__ long long v(int kvh) const { return (long long)(nh + nkv + kvh) * hd; }
+};
 
 #define MAX_EPL 4  // elements of a head vector per lane: head size <= 128
 
@@ -18,31 +35,32 @@ __device__ __forceinline__ float kept(unsigned long long key, float p_drop, floa
     return dropout_keep(key, p_drop, at) ? x * drop_scale : 0.0f;
 }
 
-// out (B, T, C), lse (B, NH, T) from qkv (B, T, 3C); mask may be 0.
+// out (B, T, C), lse (B, NH, T) from qkv (B, T, (NH + 2 NKV) HS); mask may be 0.
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* qkv,
                                              const unsigned char* mask, int B, int T, int C, int NH,
-                                             float p_drop, unsigned long long key) {
+                                             int NKV, float p_drop, unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
     const int tq = (int)(row % T);
     const long long bh = row / T;
     const int h = (int)(bh % NH), b = (int)(bh / NH);
-    const int hd = C / NH;
+    const QkvRows L(C, NH, NKV);
+    const int hd = L.hd, kvh = h / (NH / NKV);
     const float scale = 1.0f / sqrtf((float)hd);
     const float drop_scale = 1.0f / (1.0f - p_drop);
-    const float* base = qkv + (long long)b * T * 3 * C + h * hd;
+    const float* qr = qkv + L.row(b, T, tq) + L.q(h);
     float q[MAX_EPL], acc[MAX_EPL];
 #pragma unroll
     for (int e = 0; e < MAX_EPL; e++) {
         const int d = lane + 32 * e;
-        q[e] = d < hd ? base[(long long)tq * 3 * C + d] : 0.0f;
+        q[e] = d < hd ? qr[d] : 0.0f;
         acc[e] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
     for (int j = 0; j <= tq; j++) {
         if (mask && mask[(long long)b * T + j] == 0) continue;
-        const float* k = base + (long long)j * 3 * C + C;
+        const float* k = qkv + L.row(b, T, j) + L.k(kvh);
         float s = 0.0f;
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
@@ -54,7 +72,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
         const float corr = expf(m - mn), p = expf(s - mn);
         l = l * corr + p;
         const float pv = kept(key, p_drop, drop_scale, row * T + j, p);
-        const float* v = k + C;
+        const float* v = qkv + L.row(b, T, j) + L.v(kvh);
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
             const int d = lane + 32 * e;
@@ -78,25 +96,26 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
 extern "C" __global__ void attention_backward_query(float* dqkv, float* recompute_out, float* delta,
                                                     const float* dout, const float* qkv,
                                                     const float* lse, const unsigned char* mask,
-                                                    int B, int T, int C, int NH, float p_drop,
-                                                    unsigned long long key) {
+                                                    int B, int T, int C, int NH, int NKV,
+                                                    float p_drop, unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
     const int tq = (int)(row % T);
     const long long bh = row / T;
     const int h = (int)(bh % NH), b = (int)(bh / NH);
-    const int hd = C / NH;
+    const QkvRows L(C, NH, NKV);
+    const int hd = L.hd, kvh = h / (NH / NKV);
     const float scale = 1.0f / sqrtf((float)hd);
     const float drop_scale = 1.0f / (1.0f - p_drop);
-    const float* base = qkv + (long long)b * T * 3 * C + h * hd;
+    const float* qr = qkv + L.row(b, T, tq) + L.q(h);
     const float* go = dout + ((long long)b * T + tq) * C + h * hd;
     const float l = lse[row];
     float q[MAX_EPL], g[MAX_EPL], o[MAX_EPL], dq[MAX_EPL];
 #pragma unroll
     for (int e = 0; e < MAX_EPL; e++) {
         const int d = lane + 32 * e;
-        q[e] = d < hd ? base[(long long)tq * 3 * C + d] : 0.0f;
+        q[e] = d < hd ? qr[d] : 0.0f;
         g[e] = d < hd ? go[d] : 0.0f;
         o[e] = 0.0f;
         dq[e] = 0.0f;
@@ -104,8 +123,8 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
     const bool any = l != -INFINITY;
     for (int j = 0; any && j <= tq; j++) {
         if (mask && mask[(long long)b * T + j] == 0) continue;
-        const float* k = base + (long long)j * 3 * C + C;
-        const float* v = k + C;
+        const float* k = qkv + L.row(b, T, j) + L.k(kvh);
+        const float* v = qkv + L.row(b, T, j) + L.v(kvh);
         float s = 0.0f;
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
@@ -125,8 +144,8 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
     dl = warp_sum(dl);
     for (int j = 0; any && j <= tq; j++) {
         if (mask && mask[(long long)b * T + j] == 0) continue;
-        const float* k = base + (long long)j * 3 * C + C;
-        const float* v = k + C;
+        const float* k = qkv + L.row(b, T, j) + L.k(kvh);
+        const float* v = qkv + L.row(b, T, j) + L.v(kvh);
         float s = 0.0f, dp = 0.0f;
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
@@ -144,7 +163,7 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
             if (d < hd) dq[e] += ds * k[d];
         }
     }
-    float* dqr = dqkv + ((long long)b * T + tq) * 3 * C + h * hd;
+    float* dqr = dqkv + L.row(b, T, tq) + L.q(h);
     float* ro = recompute_out ? recompute_out + ((long long)b * T + tq) * C + h * hd : 0;
 #pragma unroll
     for (int e = 0; e < MAX_EPL; e++) {
@@ -157,67 +176,84 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
     if (lane == 0) delta[row] = dl;
 }
 
-// Backward, second pass, a warp per key row j: dk_j = sum_i ds_ij q_i and
-// dv_j = sum_i p_ij dout_i over the queries i >= j that see it, written into dqkv's k and v
+// Backward, second pass, a warp per key row j of a key/value head: dk_j = sum_i ds_ij q_i and
+// dv_j = sum_i p_ij dout_i over the queries i >= j that see it, for each query head of the
+// group in order (each head's sums added to the total in turn), written into dqkv's k and v
 // columns (no atomics: each warp owns its key's columns).
 extern "C" __global__ void attention_backward_key(float* dqkv, const float* delta, const float* dout,
                                                   const float* qkv, const float* lse,
                                                   const unsigned char* mask, int B, int T, int C,
-                                                  int NH, float p_drop, unsigned long long key) {
+                                                  int NH, int NKV, float p_drop,
+                                                  unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    if (row >= (long long)B * NH * T) return;
+    if (row >= (long long)B * NKV * T) return;
     const int tk = (int)(row % T);
-    const long long bh = row / T;
-    const int h = (int)(bh % NH), b = (int)(bh / NH);
-    const int hd = C / NH;
+    const long long bkv = row / T;
+    const int kvh = (int)(bkv % NKV), b = (int)(bkv / NKV);
+    const QkvRows L(C, NH, NKV);
+    const int hd = L.hd, group = NH / NKV;
     const float scale = 1.0f / sqrtf((float)hd);
     const float drop_scale = 1.0f / (1.0f - p_drop);
-    const float* base = qkv + (long long)b * T * 3 * C + h * hd;
+    const float* kr = qkv + L.row(b, T, tk) + L.k(kvh);
+    const float* vr = qkv + L.row(b, T, tk) + L.v(kvh);
     float k[MAX_EPL], v[MAX_EPL], dk[MAX_EPL], dv[MAX_EPL];
 #pragma unroll
     for (int e = 0; e < MAX_EPL; e++) {
         const int d = lane + 32 * e;
-        k[e] = d < hd ? base[(long long)tk * 3 * C + C + d] : 0.0f;
-        v[e] = d < hd ? base[(long long)tk * 3 * C + 2 * C + d] : 0.0f;
+        k[e] = d < hd ? kr[d] : 0.0f;
+        v[e] = d < hd ? vr[d] : 0.0f;
         dk[e] = 0.0f;
         dv[e] = 0.0f;
     }
     const bool visible = !(mask && mask[(long long)b * T + tk] == 0);
-    for (int i = tk; visible && i < T; i++) {
-        const float l = lse[bh * T + i];
-        if (l == -INFINITY) continue;
-        const float* q = base + (long long)i * 3 * C;
-        const float* go = dout + ((long long)b * T + i) * C + h * hd;
-        float s = 0.0f, dp = 0.0f;
+    for (int h = kvh * group; visible && h < (kvh + 1) * group; h++) {
+        const long long bh = (long long)b * NH + h;
+        float hk[MAX_EPL], hv[MAX_EPL];
 #pragma unroll
-        for (int e = 0; e < MAX_EPL; e++) {
-            const int d = lane + 32 * e;
-            if (d < hd) {
-                s += q[d] * k[e];
-                dp += go[d] * v[e];
+        for (int e = 0; e < MAX_EPL; e++) hk[e] = hv[e] = 0.0f;
+        for (int i = tk; i < T; i++) {
+            const float l = lse[bh * T + i];
+            if (l == -INFINITY) continue;
+            const float* q = qkv + L.row(b, T, i) + L.q(h);
+            const float* go = dout + ((long long)b * T + i) * C + h * hd;
+            float s = 0.0f, dp = 0.0f;
+#pragma unroll
+            for (int e = 0; e < MAX_EPL; e++) {
+                const int d = lane + 32 * e;
+                if (d < hd) {
+                    s += q[d] * k[e];
+                    dp += go[d] * v[e];
+                }
+            }
+            const float p = expf(warp_sum(s) * scale - l);
+            const unsigned long long at = (bh * T + i) * T + tk;
+            const float ds =
+                p * (kept(key, p_drop, drop_scale, at, warp_sum(dp)) - delta[bh * T + i]) * scale;
+            const float pv = kept(key, p_drop, drop_scale, at, p);
+#pragma unroll
+            for (int e = 0; e < MAX_EPL; e++) {
+                const int d = lane + 32 * e;
+                if (d < hd) {
+                    hk[e] += ds * q[d];
+                    hv[e] += pv * go[d];
+                }
             }
         }
-        const float p = expf(warp_sum(s) * scale - l);
-        const unsigned long long at = (bh * T + i) * T + tk;
-        const float ds = p * (kept(key, p_drop, drop_scale, at, warp_sum(dp)) - delta[bh * T + i]) * scale;
-        const float pv = kept(key, p_drop, drop_scale, at, p);
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) {
-            const int d = lane + 32 * e;
-            if (d < hd) {
-                dk[e] += ds * q[d];
-                dv[e] += pv * go[d];
-            }
+            dk[e] += hk[e];
+            dv[e] += hv[e];
         }
     }
-    float* dkr = dqkv + ((long long)b * T + tk) * 3 * C + C + h * hd;
+    float* dkr = dqkv + L.row(b, T, tk) + L.k(kvh);
+    float* dvr = dqkv + L.row(b, T, tk) + L.v(kvh);
 #pragma unroll
     for (int e = 0; e < MAX_EPL; e++) {
         const int d = lane + 32 * e;
         if (d < hd) {
             dkr[d] = dk[e];
-            dkr[C + d] = dv[e];
+            dvr[d] = dv[e];
         }
     }
 }

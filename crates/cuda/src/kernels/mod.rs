@@ -75,6 +75,19 @@ pub const FAMILIES: &[Family] = &[
         kernels: &["f32_to_bf16", "bf16_to_f32"],
     },
     Family {
+        name: "llama",
+        source: include_str!("llama.cu"),
+        kernels: &[
+            "rmsnorm_forward",
+            "rmsnorm_backward_input",
+            "rmsnorm_backward_weight",
+            "rope_rotate",
+            "swiglu_forward",
+            "swiglu_backward",
+            "swiglu_interleave",
+        ],
+    },
+    Family {
         name: "attention",
         source: include_str!("attention.cu"),
         kernels: &[

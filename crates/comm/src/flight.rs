@@ -496,6 +496,11 @@ pub fn verdict(group: &str, world: usize, dumps: &[Dump]) -> Option<String> {
     Some(parts.join("; "))
 }
 
+/// Serialises the tests that set the process-wide phase and step and read
+/// them back: tests of one binary run in parallel threads.
+#[cfg(test)]
+pub(crate) static CONTEXT_TEST_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,6 +508,7 @@ mod tests {
     /// Rank `rank` ran `ops` (op, bytes) in order; the last `pending` of
     /// them never completed.
     fn dump(rank: usize, ops: &[(OpKind, u64)], pending: usize) -> Dump {
+        let _context = CONTEXT_TEST_LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let ring = Ring::new(16);
         for (seq, &(op, bytes)) in ops.iter().enumerate() {
             let seq = seq as u64;

@@ -110,6 +110,9 @@ mod tests {
 
     #[test]
     fn published_rings_are_found_under_the_newest_restart_and_summarised() {
+        let _context = crate::flight::CONTEXT_TEST_LOCK
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let root: Arc<dyn Store> = Arc::new(HashStore::new());
         assert!(find(root.clone(), "default").is_none());
         let ring = Ring::new(8);

@@ -122,15 +122,16 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
     crossentropy(dev, &mut rows);
     optim(dev, &mut rows);
     casts_and_matmul(dev, &mut rows);
-    // 4 query heads over 4 key/value heads (GPT-2's), 2 (GQA) or 1 (MQA)
-    for (name, mask, dropout, nkv) in [
-        ("attention", false, false, 4),
-        ("attention+mask", true, false, 4),
-        ("attention+mask+dropout", true, true, 4),
-        ("attention_gqa+mask+dropout", true, true, 2),
-        ("attention_mqa+mask", true, false, 1),
+    // 4 query heads over 4 key/value heads (GPT-2's), 2 (GQA) or 1 (MQA); packed: segment ids
+    for (name, mask, dropout, packed, nkv) in [
+        ("attention", false, false, false, 4),
+        ("attention+mask", true, false, false, 4),
+        ("attention+mask+dropout", true, true, false, 4),
+        ("attention_gqa+mask+dropout", true, true, false, 2),
+        ("attention_mqa+mask", true, false, false, 1),
+        ("attention_gqa+mask+packed", true, false, true, 2),
     ] {
-        rows.case(name, || attention(dev, name, (mask, dropout), nkv));
+        rows.case(name, || attention(dev, name, (mask, dropout, packed), nkv));
     }
     rows.0
 }
@@ -678,7 +679,7 @@ type Outputs = Vec<(String, Vec<f32>, Vec<f32>, f64)>;
 fn attention(
     dev: &Device,
     tag: &str,
-    (masked, dropped): (bool, bool),
+    (masked, dropped, packed): (bool, bool, bool),
     nkv: usize,
 ) -> Result<Outputs, CudaError> {
     let dims = AttnDims {
@@ -698,17 +699,33 @@ fn attention(
             .map(|i| u8::from(!(i / t == 1 && i % t < 5)))
             .collect()
     });
-    let (qd, md) = (
+    // Packed rows: row 0 holds runs of 20, 1, 24 and 25 positions, the last reusing the first's
+    // id (a run, not an id, is a sequence); row 1 a run of 3 inside its padding (queries that
+    // see no key), then runs of 30 and 37.
+    let segments: Option<Vec<u32>> = packed.then(|| {
+        let runs: [&[(u32, usize)]; 2] = [
+            &[(0, 20), (1, 1), (2, 24), (0, 25)],
+            &[(5, 3), (6, 30), (7, 37)],
+        ];
+        runs.iter()
+            .flat_map(|r| r.iter().flat_map(|&(id, n)| std::iter::repeat_n(id, n)))
+            .collect()
+    });
+    let (qd, md, sd) = (
         dev.upload(&qkv)?,
         mask.as_ref().map(|m| dev.upload(m)).transpose()?,
+        segments.as_ref().map(|s| dev.upload(s)).transpose()?,
     );
     let drop = dropped.then(|| Dropout {
         p: 0.25,
         key: Dropout::key(3, 0, 5, 1),
     });
     let (mut out, mut lse) = (poisoned(dev, b * t * c)?, poisoned(dev, b * nh * t)?);
-    let dmask = md.as_ref().map(|m| m as &dyn Mem<u8>);
-    dev.attention_forward(&mut out, &mut lse, &qd, dmask, dims, nkv, drop)?;
+    let keys = (
+        md.as_ref().map(|m| m as &dyn Mem<u8>),
+        sd.as_ref().map(|s| s as &dyn Mem<u32>),
+    );
+    dev.attention_forward(&mut out, &mut lse, &qd, keys, dims, nkv, drop)?;
     let mut scratch = vec![0.0; cpu::attention_scratch_len(t, 1)];
     let (mut w_out, mut w_lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
     cpu::attention_forward_grouped(
@@ -717,7 +734,7 @@ fn attention(
         &mut w_lse,
         &qkv,
         mask.as_deref(),
-        None,
+        segments.as_deref(),
         dims,
         nkv,
         drop,
@@ -737,7 +754,7 @@ fn attention(
         &dev.upload(&dout)?,
         &qd,
         &wl,
-        dmask,
+        keys,
         dims,
         nkv,
         drop,
@@ -751,7 +768,7 @@ fn attention(
         &qkv,
         &w_lse,
         mask.as_deref(),
-        None,
+        segments.as_deref(),
         dims,
         nkv,
         drop,

@@ -9,7 +9,7 @@
 //! with no CUDA body yet) is kept and returned by the next
 //! [`Backend::sync`](cohort_engine::Backend::sync). The kernels without a CUDA body are listed
 //! in [`MISSING`] (the model refuses to build on this backend when it needs one of them); the
-//! attention kernels serve grouped key/value heads and no packed segments yet.
+//! attention kernels serve grouped key/value heads and packed segments.
 //! Matrix products are true fp32, or on a backend of `DType::Bf16` bf16 copies of their
 //! operands multiplied on tensor cores with f32 accumulation (`bf16.rs`; the weight gradients
 //! of fp32 inputs stay fp32).
@@ -179,17 +179,6 @@ struct Attention<'a> {
 }
 
 impl CudaBackend {
-    /// Whether the device's attention kernels serve `a`: no packed segments for now (an error
-    /// for the next sync otherwise).
-    fn attention_served(&self, a: &Attention<'_>) -> bool {
-        if a.segments.is_some() {
-            self.missing("attention within packed segments");
-        } else {
-            return true;
-        }
-        false
-    }
-
     fn attention_fwd(
         &self,
         kernel: &'static str,
@@ -198,14 +187,12 @@ impl CudaBackend {
         qkv: View<'_, f32>,
         a: Attention<'_>,
     ) {
-        if !self.attention_served(&a) {
-            return;
-        }
         self.run(kernel, || {
             let (mut o, mut l) = (self.w(out)?, self.w(lse)?);
-            let (q, m) = (self.r(qkv)?, self.ro(a.mask)?);
+            let (q, m, s) = (self.r(qkv)?, self.ro(a.mask)?, self.ro(a.segments)?);
+            let keys = (opt(&m), opt(&s));
             self.dev
-                .attention_forward(&mut o, &mut l, &q, opt(&m), a.dims, a.nkv, a.dropout)
+                .attention_forward(&mut o, &mut l, &q, keys, a.dims, a.nkv, a.dropout)
         })
     }
 
@@ -219,12 +206,10 @@ impl CudaBackend {
         lse: View<'_, f32>,
         a: Attention<'_>,
     ) {
-        if !self.attention_served(&a) {
-            return;
-        }
         self.run(kernel, || {
             let (mut dq, mut ro) = (self.w(dqkv)?, self.wo(recompute_out)?);
-            let (d, q, l, m) = (self.r(dout)?, self.r(qkv)?, self.r(lse)?, self.ro(a.mask)?);
+            let (d, q, l) = (self.r(dout)?, self.r(qkv)?, self.r(lse)?);
+            let (m, s) = (self.ro(a.mask)?, self.ro(a.segments)?);
             let dims = a.dims;
             let rows = dims.b * dims.nh * dims.t;
             let mut delta = self.delta.lock().unwrap_or_else(|p| p.into_inner());
@@ -233,9 +218,9 @@ impl CudaBackend {
                 *delta = Some(self.dev.zeros(rows)?);
             }
             let delta = delta.as_mut().expect("allocated above");
-            let (ro, m) = (opt_mut(&mut ro), opt(&m));
+            let (ro, keys) = (opt_mut(&mut ro), (opt(&m), opt(&s)));
             self.dev
-                .attention_backward(&mut dq, ro, delta, &d, &q, &l, m, dims, a.nkv, a.dropout)
+                .attention_backward(&mut dq, ro, delta, &d, &q, &l, keys, dims, a.nkv, a.dropout)
         })
     }
 }

@@ -17,6 +17,10 @@ use half::bf16;
 use super::{Device, Mem};
 use crate::CudaError;
 
+/// What an attention call's keys are limited by: the padding mask (B, T; 0 = padding) and the
+/// segment ids (B, T), each optional.
+pub type AttnKeys<'a> = (Option<&'a dyn Mem<u8>>, Option<&'a dyn Mem<u32>>);
+
 /// Launches kernel `$k` with `$cfg` and the arguments (each a reference to a value that lives
 /// past the launch: device pointers as `u64`, dims as `i32`/`i64`, scalars as `f32`).
 macro_rules! launch {
@@ -767,15 +771,34 @@ impl Device {
         Ok((dims, (d.nh + 2 * nkv) * (d.c / d.nh)))
     }
 
-    /// Causal attention with an optional key padding mask (B, T; 0 = padding) and dropout on
-    /// the probabilities (numbered as the CPU's); lse (B, NH, T) kept for backward. qkv is
-    /// (B, T, (NH + 2·NKV)·HS) with `nkv` key/value heads (NKV = NH: (B, T, 3C)).
+    /// The key padding mask and segment ids of an attention call, checked against its B·T
+    /// positions, as the kernels take them (null pointers for None).
+    fn attn_keys(
+        &self,
+        kernel: &'static str,
+        (mask, segments): AttnKeys<'_>,
+        n: usize,
+    ) -> Result<(u64, u64), CudaError> {
+        if let Some(m) = mask {
+            check(kernel, "mask", m.len(), n)?;
+        }
+        if let Some(s) = segments {
+            check(kernel, "segments", s.len(), n)?;
+        }
+        Ok((self.opt(mask), self.opt(segments)))
+    }
+
+    /// Causal attention with an optional key padding mask (B, T; 0 = padding), optional
+    /// segment ids (B, T; a query sees only the keys of its run of equal ids, causally, as the
+    /// CPU's segment_start) and dropout on the probabilities (numbered as the CPU's); lse
+    /// (B, NH, T) kept for backward. qkv is (B, T, (NH + 2·NKV)·HS) with `nkv` key/value heads
+    /// (NKV = NH: (B, T, 3C)).
     pub fn attention_forward(
         &self,
         out: &mut dyn Mem<f32>,
         lse: &mut dyn Mem<f32>,
         qkv: &dyn Mem<f32>,
-        mask: Option<&dyn Mem<u8>>,
+        (mask, segments): AttnKeys<'_>,
         dims: AttnDims,
         nkv: usize,
         dropout: Option<Dropout>,
@@ -786,10 +809,8 @@ impl Device {
         check(K, "out", out.len(), b * t * c)?;
         check(K, "lse", lse.len(), b * nh * t)?;
         check(K, "qkv", qkv.len(), b * t * rs)?;
-        if let Some(m) = mask {
-            check(K, "mask", m.len(), b * t)?;
-        }
-        let (o, l, q, m) = (out.ptr(self), lse.ptr(self), qkv.ptr(self), self.opt(mask));
+        let (m, sg) = self.attn_keys(K, (mask, segments), b * t)?;
+        let (o, l, q) = (out.ptr(self), lse.ptr(self), qkv.ptr(self));
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
@@ -799,6 +820,7 @@ impl Device {
             &l,
             &q,
             &m,
+            &sg,
             &bi,
             &ti,
             &ci,
@@ -820,7 +842,7 @@ impl Device {
         dout: &dyn Mem<f32>,
         qkv: &dyn Mem<f32>,
         lse: &dyn Mem<f32>,
-        mask: Option<&dyn Mem<u8>>,
+        (mask, segments): AttnKeys<'_>,
         dims: AttnDims,
         nkv: usize,
         dropout: Option<Dropout>,
@@ -836,15 +858,13 @@ impl Device {
         check(K, "dout", dout.len(), b * t * c)?;
         check(K, "qkv", qkv.len(), b * t * rs)?;
         check(K, "lse", lse.len(), b * nh * t)?;
-        if let Some(m) = mask {
-            check(K, "mask", m.len(), b * t)?;
-        }
+        let (m, sg) = self.attn_keys(K, (mask, segments), b * t)?;
         let (dq, ro, de) = (
             dqkv.ptr(self),
             self.opt(recompute_out.as_deref()),
             delta.ptr(self),
         );
-        let (d, q, l, m) = (dout.ptr(self), qkv.ptr(self), lse.ptr(self), self.opt(mask));
+        let (d, q, l) = (dout.ptr(self), qkv.ptr(self), lse.ptr(self));
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
         launch!(
             self,
@@ -857,6 +877,7 @@ impl Device {
             &q,
             &l,
             &m,
+            &sg,
             &bi,
             &ti,
             &ci,
@@ -875,6 +896,7 @@ impl Device {
             &q,
             &l,
             &m,
+            &sg,
             &bi,
             &ti,
             &ci,

@@ -1,12 +1,13 @@
 // Causal self-attention on the engine's packed qkv (B, T, (NH + 2 NKV) HS) with an optional key
-// padding mask (B, T; 0 = padding), in the flash style: a warp owns one query row, walks the keys it
-// may see with an online softmax (running max and sum), and never stores the (T, T) scores.
-// Forward keeps the log-sum-exp (B, NH, T) of the scaled scores, as the CPU's
-// attention_forward; backward recomputes the probabilities from it. A query with no visible
-// key gets a zero output, lse -inf and zero gradients. Head size up to 32 * MAX_EPL, a
-// multiple of 32 not required. Dropout on the probabilities, keyed as the CPU's: the output
-// sums the dropped probabilities; backward applies the same mask to dP. Correct first, not
-// fast: one warp-wide dot product per (query, key).
+// padding mask (B, T; 0 = padding) and optional segment ids (B, T; several sequences packed in a
+// row, a run of equal ids being one: a query sees the keys from its run's start to itself), in
+// the flash style: a warp owns one query row, walks the keys it may see with an online softmax
+// (running max and sum), and never stores the (T, T) scores. Forward keeps the log-sum-exp
+// (B, NH, T) of the scaled scores, as the CPU's attention_forward; backward recomputes the
+// probabilities from it. A query with no visible key gets a zero output, lse -inf and zero
+// gradients. Head size up to 32 * MAX_EPL, a multiple of 32 not required. Dropout on the
+// probabilities, keyed as the CPU's: the output sums the dropped probabilities; backward applies
+// the same mask to dP. Correct first, not fast: one warp-wide dot product per (query, key).
 // Grouped key/value heads (GQA, MQA) are read where the qkv product put them: q's NH heads,
 // then k's NKV, then v's NKV in each row; query head h attends with key/value head
 // h / (NH / NKV). NKV = NH is GPT-2's (B, T, 3C). dqkv has qkv's layout; each key/value head's
@@ -25,6 +26,26 @@ struct QkvRows {
     __device__ long long v(int kvh) const { return (long long)(nh + nkv + kvh) * hd; }
 };
 
+// The first key query `tq` of batch row `b` may see: the start of its run of equal segment ids,
+// 0 without segments (the CPU's segment_start).
+__device__ __forceinline__ int segment_start(const unsigned* seg, int b, int T, int tq) {
+    if (!seg) return 0;
+    const unsigned* r = seg + (long long)b * T;
+    int lo = tq;
+    while (lo > 0 && r[lo - 1] == r[tq]) lo--;
+    return lo;
+}
+
+// One past the last query that may see key `tk` of batch row `b`: the end of its run of equal
+// segment ids, T without segments.
+__device__ __forceinline__ int segment_end(const unsigned* seg, int b, int T, int tk) {
+    if (!seg) return T;
+    const unsigned* r = seg + (long long)b * T;
+    int hi = tk + 1;
+    while (hi < T && r[hi] == r[tk]) hi++;
+    return hi;
+}
+
 #define MAX_EPL 4  // elements of a head vector per lane: head size <= 128
 
 // x after dropout on the probability (query row, key) = element `at` = (bh * T + tq) * T + key
@@ -35,10 +56,11 @@ __device__ __forceinline__ float kept(unsigned long long key, float p_drop, floa
     return dropout_keep(key, p_drop, at) ? x * drop_scale : 0.0f;
 }
 
-// out (B, T, C), lse (B, NH, T) from qkv (B, T, (NH + 2 NKV) HS); mask may be 0.
+// out (B, T, C), lse (B, NH, T) from qkv (B, T, (NH + 2 NKV) HS); mask and seg may be 0.
 extern "C" __global__ void attention_forward(float* out, float* lse, const float* qkv,
-                                             const unsigned char* mask, int B, int T, int C, int NH,
-                                             int NKV, float p_drop, unsigned long long key) {
+                                             const unsigned char* mask, const unsigned* seg, int B,
+                                             int T, int C, int NH, int NKV, float p_drop,
+                                             unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
@@ -58,7 +80,7 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
         acc[e] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int j = 0; j <= tq; j++) {
+    for (int j = segment_start(seg, b, T, tq); j <= tq; j++) {
         if (mask && mask[(long long)b * T + j] == 0) continue;
         const float* k = qkv + L.row(b, T, j) + L.k(kvh);
         float s = 0.0f;
@@ -96,8 +118,9 @@ extern "C" __global__ void attention_forward(float* out, float* lse, const float
 extern "C" __global__ void attention_backward_query(float* dqkv, float* recompute_out, float* delta,
                                                     const float* dout, const float* qkv,
                                                     const float* lse, const unsigned char* mask,
-                                                    int B, int T, int C, int NH, int NKV,
-                                                    float p_drop, unsigned long long key) {
+                                                    const unsigned* seg, int B, int T, int C,
+                                                    int NH, int NKV, float p_drop,
+                                                    unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NH * T) return;
@@ -121,7 +144,8 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
         dq[e] = 0.0f;
     }
     const bool any = l != -INFINITY;
-    for (int j = 0; any && j <= tq; j++) {
+    const int lo = segment_start(seg, b, T, tq);
+    for (int j = lo; any && j <= tq; j++) {
         if (mask && mask[(long long)b * T + j] == 0) continue;
         const float* k = qkv + L.row(b, T, j) + L.k(kvh);
         const float* v = qkv + L.row(b, T, j) + L.v(kvh);
@@ -142,7 +166,7 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
 #pragma unroll
     for (int e = 0; e < MAX_EPL; e++) dl += g[e] * o[e];
     dl = warp_sum(dl);
-    for (int j = 0; any && j <= tq; j++) {
+    for (int j = lo; any && j <= tq; j++) {
         if (mask && mask[(long long)b * T + j] == 0) continue;
         const float* k = qkv + L.row(b, T, j) + L.k(kvh);
         const float* v = qkv + L.row(b, T, j) + L.v(kvh);
@@ -177,14 +201,14 @@ extern "C" __global__ void attention_backward_query(float* dqkv, float* recomput
 }
 
 // Backward, second pass, a warp per key row j of a key/value head: dk_j = sum_i ds_ij q_i and
-// dv_j = sum_i p_ij dout_i over the queries i >= j that see it, for each query head of the
-// group in order (each head's sums added to the total in turn), written into dqkv's k and v
-// columns (no atomics: each warp owns its key's columns).
+// dv_j = sum_i p_ij dout_i over the queries i >= j of its segment that see it, for each query
+// head of the group in order (each head's sums added to the total in turn), written into dqkv's
+// k and v columns (no atomics: each warp owns its key's columns).
 extern "C" __global__ void attention_backward_key(float* dqkv, const float* delta, const float* dout,
                                                   const float* qkv, const float* lse,
-                                                  const unsigned char* mask, int B, int T, int C,
-                                                  int NH, int NKV, float p_drop,
-                                                  unsigned long long key) {
+                                                  const unsigned char* mask, const unsigned* seg,
+                                                  int B, int T, int C, int NH, int NKV,
+                                                  float p_drop, unsigned long long key) {
     const int lane = threadIdx.x % 32;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (row >= (long long)B * NKV * T) return;
@@ -207,12 +231,13 @@ extern "C" __global__ void attention_backward_key(float* dqkv, const float* delt
         dv[e] = 0.0f;
     }
     const bool visible = !(mask && mask[(long long)b * T + tk] == 0);
+    const int hi = segment_end(seg, b, T, tk);
     for (int h = kvh * group; visible && h < (kvh + 1) * group; h++) {
         const long long bh = (long long)b * NH + h;
         float hk[MAX_EPL], hv[MAX_EPL];
 #pragma unroll
         for (int e = 0; e < MAX_EPL; e++) hk[e] = hv[e] = 0.0f;
-        for (int i = tk; i < T; i++) {
+        for (int i = tk; i < hi; i++) {
             const float l = lse[bh * T + i];
             if (l == -INFINITY) continue;
             const float* q = qkv + L.row(b, T, i) + L.q(h);

@@ -10,6 +10,11 @@ use std::time::{Duration, Instant};
 use cohort_comm::{flight, spawn, ReduceOp};
 use common::opts;
 
+/// One test at a time: the dump directory and the rings' file names
+/// (`flight-default-rank0.json`) are the process's, and a verdict of one test
+/// would overwrite the files another test is reading.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs `f` on `world` thread ranks (group timeout 10 s) and returns the one
 /// verdict the ranks made, with the time it took.
 fn verdict_of(world: usize, f: impl Fn(&cohort_comm::ProcessGroup) + Sync) -> (String, Duration) {
@@ -26,6 +31,7 @@ fn verdict_of(world: usize, f: impl Fn(&cohort_comm::ProcessGroup) + Sync) -> (S
 
 #[test]
 fn a_rank_that_skipped_an_all_reduce_is_named_with_the_op_and_number() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let (line, took) = verdict_of(3, |pg| {
         let mut x = [1.0f32; 4];
         for i in 0..4 {
@@ -52,6 +58,7 @@ fn a_rank_that_skipped_an_all_reduce_is_named_with_the_op_and_number() {
 
 #[test]
 fn ranks_with_different_sizes_are_named_with_both_sizes() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let dir = std::env::temp_dir().join(format!("cohort-flight-{}", std::process::id()));
     flight::set_dump_dir(&dir);
     let (line, _) = verdict_of(2, |pg| {

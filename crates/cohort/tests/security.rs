@@ -240,10 +240,18 @@ fn strangers_cannot_join_or_disturb_a_training_job() {
         "the intruded run must train exactly as the undisturbed one"
     );
     // The launcher's store summed up the refusals (one line per 10 s), naming the latest
-    // stranger.
+    // stranger and why it was refused. Which of the stranger's attempts comes first and last
+    // is up to the scheduler (a wrong secret, or a connection hung up mid-handshake), so the
+    // line must give a reason, not a particular one.
     assert!(
         stderr.contains("without the job secret (latest 127.0.0.1:")
-            && stderr.contains("failed authentication"),
+            && [
+                "failed authentication",
+                "handshake not completed",
+                "protocol error"
+            ]
+            .iter()
+            .any(|why| stderr.contains(why)),
         "{stderr}"
     );
     // The secret is on no log line.

@@ -177,17 +177,8 @@ pub fn attention_forward(
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
-    forward_with(
-        amx_heads(),
-        dtype,
-        out,
-        lse,
-        qkv,
-        mask,
-        segments,
-        (dims, dims.nh),
-        dropout,
-        scratch,
+    attention_forward_grouped(
+        dtype, out, lse, qkv, mask, segments, dims, dims.nh, dropout, scratch,
     )
 }
 
@@ -524,8 +515,7 @@ pub fn attention_backward(
     dropout: Option<Dropout>,
     scratch: &mut [f32],
 ) {
-    backward_with(
-        amx_heads(),
+    attention_backward_grouped(
         dtype,
         dqkv,
         recompute_out,
@@ -534,7 +524,8 @@ pub fn attention_backward(
         lse,
         mask,
         segments,
-        (dims, dims.nh),
+        dims,
+        dims.nh,
         dropout,
         scratch,
     )

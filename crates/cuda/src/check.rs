@@ -357,10 +357,9 @@ fn crossentropy(dev: &Device, rows: &mut Rows) {
             cpu::crossentropy_forward_block(&mut wblse, &mut wbtl, part, &targets, n, w, v0);
         }
         let scale = 1.0 / 61.0;
-        let mut dl = poisoned(dev, n * (v - split))?;
+        let mut dl = dev.upload(&right)?;
         dev.crossentropy_backward(
             &mut dl,
-            &dev.upload(&right)?,
             &dev.upload(&w_lse)?,
             &td,
             scale,
@@ -368,17 +367,8 @@ fn crossentropy(dev: &Device, rows: &mut Rows) {
             v - split,
             split,
         )?;
-        let mut wdl = vec![0.0; n * (v - split)];
-        cpu::crossentropy_backward(
-            &mut wdl,
-            &right,
-            &w_lse,
-            &targets,
-            scale,
-            n,
-            v - split,
-            split,
-        );
+        let mut wdl = right.clone();
+        cpu::crossentropy_backward(&mut wdl, &w_lse, &targets, scale, n, v - split, split);
         // Rows whose target is ignored leave target_logit unwritten on both sides (NaN = NaN).
         let (got_tl, want_tl) = counted_only(&dev.download(&btl)?, &wbtl, &targets);
         // The fold turns the target logits into losses (0 where ignored).

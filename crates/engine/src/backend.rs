@@ -436,9 +436,9 @@ kernels! {
     /// One block of vocabulary columns v0..v0+v: lse (start at -inf) takes in the block's
     /// log-sum-exp; target_logit gets the target's logit where it is in the block.
     fn crossentropy_forward_block(lse: ViewMut<f32>, target_logit: ViewMut<f32>, logits: View<f32>, targets: View<i32>, n: usize, v: usize, v0: usize) => cpu::crossentropy_forward_block;
-    /// dlogits = scale * (softmax - onehot) for vocabulary columns v0..v0+v (overwritten; zero
-    /// rows for ignored targets).
-    fn crossentropy_backward(dlogits: ViewMut<f32>, logits: View<f32>, lse: View<f32>, targets: View<i32>, scale: f32, n: usize, v: usize, v0: usize) => cpu::crossentropy_backward;
+    /// The logits become dlogits = scale * (softmax - onehot) for vocabulary columns
+    /// v0..v0+v, in place (zero rows for ignored targets).
+    fn crossentropy_backward(logits: ViewMut<f32>, lse: View<f32>, targets: View<i32>, scale: f32, n: usize, v: usize, v0: usize) => cpu::crossentropy_backward;
     /// x = value.
     fn fill(x: ViewMut<f32>, value: f32) => |x: &mut [f32], value| x.fill(value);
     /// acc += x, elementwise.

@@ -26,7 +26,7 @@ use crate::model::{
     alloc, block_backward, block_forward, cpu_from_env, cpu_with_precision, embed_backward,
     embed_forward, head_backward, head_forward, host, host_mut, init_tensors, logit_cols,
     validate_batch, wb, write_on_host, ActLayout, Batch, BlockAt, Dims, DropKey, HeadGrads, Pass,
-    Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES,
+    Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES_CHECKPOINTED,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
@@ -447,11 +447,14 @@ impl GptStage {
         let nb = self.part.blocks.len();
         let first = self.part.blocks.start;
         let s = &mut self.slots[slot];
+        // A stage holds a slot per micro-batch in flight: its logits stay in blocks above the
+        // smaller limit rather than whole in every slot.
         let cols = logit_cols(
             n,
             self.arena_config.vocab_size,
             labels.is_some(),
-            LOGITS_MAX_BYTES,
+            LOGITS_MAX_BYTES_CHECKPOINTED,
+            false,
         );
         if s.act_layout
             .as_ref()

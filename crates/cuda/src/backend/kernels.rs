@@ -705,8 +705,7 @@ impl Backend for CudaBackend {
     }
     fn crossentropy_backward(
         &self,
-        dlogits: ViewMut<f32>,
-        logits: View<f32>,
+        logits: ViewMut<f32>,
         lse: View<f32>,
         targets: View<i32>,
         scale: f32,
@@ -715,10 +714,10 @@ impl Backend for CudaBackend {
         v0: usize,
     ) {
         self.run("crossentropy_backward", || {
-            let mut d = self.w(dlogits)?;
-            let (x, l, t) = (self.r(logits)?, self.r(lse)?, self.r(targets)?);
+            let mut x = self.w(logits)?;
+            let (l, t) = (self.r(lse)?, self.r(targets)?);
             self.dev
-                .crossentropy_backward(&mut d, &x, &l, &t, scale, n, v, v0)
+                .crossentropy_backward(&mut x, &l, &t, scale, n, v, v0)
         })
     }
     fn fill(&self, x: ViewMut<f32>, value: f32) {

@@ -45,8 +45,10 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     let counted = targets.iter().filter(|&&t| t >= 0).count();
     let loss = (dev.loss_sum(losses.as_view()) / counted as f64) as f32;
     let scale = 1.0 / counted as f32;
-    let dl = dlogits.reborrow();
-    dev.crossentropy_backward(dl, out.as_view(), lse.as_view(), tv, scale, n, oc, 0);
+    // The backward turns logits into dlogits in place: on a copy, so the product stays to compare.
+    dev.fill(dlogits.reborrow(), 0.0);
+    dev.add_into(dlogits.reborrow(), out.as_view());
+    dev.crossentropy_backward(dlogits.reborrow(), lse.as_view(), tv, scale, n, oc, 0);
     let norm = grad_norm_on(dev, dlogits.as_view());
     let mut opt =
         AdamW::new_on(dev, AdamWConfig::default(), DecayMask::all(c * oc)).map_err(|e| {

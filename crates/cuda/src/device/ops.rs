@@ -593,11 +593,11 @@ impl Device {
         )
     }
 
-    /// dlogits = scale * (softmax - onehot) for columns v0..v0+v (overwritten).
+    /// The logits become dlogits = scale * (softmax - onehot) for columns v0..v0+v, in place.
+    #[allow(clippy::too_many_arguments)]
     pub fn crossentropy_backward(
         &self,
-        dlogits: &mut dyn Mem<f32>,
-        logits: &dyn Mem<f32>,
+        logits: &mut dyn Mem<f32>,
         lse: &dyn Mem<f32>,
         targets: &dyn Mem<i32>,
         scale: f32,
@@ -606,22 +606,15 @@ impl Device {
         v0: usize,
     ) -> Result<(), CudaError> {
         const K: &str = "crossentropy_backward";
-        check(K, "dlogits", dlogits.len(), n * v)?;
         check(K, "logits", logits.len(), n * v)?;
         check(K, "lse", lse.len(), n)?;
         check(K, "targets", targets.len(), n)?;
-        let (d, x, s, t) = (
-            dlogits.ptr(self),
-            logits.ptr(self),
-            lse.ptr(self),
-            targets.ptr(self),
-        );
+        let (x, s, t) = (logits.ptr(self), lse.ptr(self), targets.ptr(self));
         let (ni, vi, v0i) = (int(K, "N", n)?, int(K, "V", v)?, int(K, "v0", v0)?);
         launch!(
             self,
             "crossentropy_backward",
             elementwise(n * v),
-            &d,
             &x,
             &s,
             &t,

@@ -49,9 +49,9 @@ extern "C" __global__ void crossentropy_forward_block(float* lse, float* target_
     }
 }
 
-// dlogits = scale * (softmax - onehot) for columns v0..v0+V (overwritten; zero rows where
-// the target is ignored).
-extern "C" __global__ void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
+// The logits become dlogits = scale * (softmax - onehot) for columns v0..v0+V, in place (zero
+// rows where the target is ignored): each element is read, then written, by one thread.
+extern "C" __global__ void crossentropy_backward(float* logits, const float* lse,
                                                  const int* targets, float scale, int N, int V,
                                                  int V0) {
     const long long n = (long long)N * V;
@@ -64,7 +64,7 @@ extern "C" __global__ void crossentropy_backward(float* dlogits, const float* lo
             d = expf(logits[k] - lse[i]) * scale;
             if (t - V0 == j) d -= scale;
         }
-        dlogits[k] = d;
+        logits[k] = d;
     }
 }
 

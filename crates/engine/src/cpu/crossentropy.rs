@@ -100,12 +100,13 @@ simd_fn! {
     }
 }
 
-/// `dlogits = scale * (softmax(logits) - onehot(target))` per row (overwritten), for the
-/// vocabulary columns `v0..v0 + v` (`logits` and `dlogits` are (N, v); `lse` is over the whole
-/// vocabulary; 0 and the vocabulary size for all of it). Rows with an ignored target get zeros.
+/// The logits become their gradient, `scale * (softmax(logits) - onehot(target))` per row, for
+/// the vocabulary columns `v0..v0 + v` (`logits` is (N, v); `lse` is over the whole vocabulary;
+/// 0 and the vocabulary size for all of it). Rows with an ignored target get zeros. In place:
+/// nothing reads a training step's logits after its loss, and a second (N, V) buffer would be
+/// config G's largest activation (206 MB).
 pub fn crossentropy_backward(
-    dlogits: &mut [f32],
-    logits: &[f32],
+    logits: &mut [f32],
     lse: &[f32],
     targets: &[i32],
     scale: f32,
@@ -113,25 +114,24 @@ pub fn crossentropy_backward(
     v: usize,
     v0: usize,
 ) {
-    dlogits[..n * v]
+    logits[..n * v]
         .par_chunks_mut(ROWS_PER_TASK * v)
-        .zip(logits[..n * v].par_chunks(ROWS_PER_TASK * v))
         .zip(lse[..n].par_chunks(ROWS_PER_TASK))
         .zip(targets[..n].par_chunks(ROWS_PER_TASK))
-        .for_each(|(((d, x), s), t)| ce_back_rows(d, x, s, t, scale, v, v0));
+        .for_each(|((x, s), t)| ce_back_rows(x, s, t, scale, v, v0));
 }
 
 simd_fn! {
-    fn ce_back_rows(dlogits: &mut [f32], logits: &[f32], lse: &[f32], targets: &[i32], scale: f32, v: usize, v0: usize) {
-        for (i, (d, x)) in dlogits.chunks_exact_mut(v).zip(logits.chunks_exact(v)).enumerate() {
+    fn ce_back_rows(logits: &mut [f32], lse: &[f32], targets: &[i32], scale: f32, v: usize, v0: usize) {
+        for (i, d) in logits.chunks_exact_mut(v).enumerate() {
             let t = targets[i];
             if t < 0 {
                 d.fill(0.0);
                 continue;
             }
             let s = lse[i];
-            for (d, &x) in d.iter_mut().zip(x) {
-                *d = exp(x - s) * scale;
+            for d in d.iter_mut() {
+                *d = exp(*d - s) * scale;
             }
             // The one-hot term, where the target is in this block of columns.
             if let Some(d) = (t as usize).checked_sub(v0).and_then(|j| d.get_mut(j)) {
@@ -174,10 +174,10 @@ mod tests {
             .collect();
         let counted = targets.iter().filter(|&&t| t >= 0).count();
         let scale = 1.0 / counted as f32;
-        let (mut losses, mut lse, mut d) = (vec![0.0; n], vec![0.0; n], vec![0.0; n * v]);
+        let (mut losses, mut lse, mut d) = (vec![0.0; n], vec![0.0; n], logits.clone());
         within_pool(2, || {
             crossentropy_forward(&mut losses, &mut lse, &logits, &targets, n, v);
-            crossentropy_backward(&mut d, &logits, &lse, &targets, scale, n, v, 0);
+            crossentropy_backward(&mut d, &lse, &targets, scale, n, v, 0);
         });
         let f = |x: &[f64]| -> Vec<f64> {
             let mut total = 0.0;

@@ -24,7 +24,7 @@ pub(crate) struct ActLayout {
 }
 
 /// Buffers of the arena, in carve order (see `ActLayout::new` for their shapes).
-pub(super) const ACT_BUFFERS: usize = 24;
+pub(super) const ACT_BUFFERS: usize = 23;
 /// Where the logits are in the carve order (read after a forward).
 pub(crate) const ACT_LOGITS: usize = 12;
 /// Where d(residual) is in the carve order (a stage's input gradient, read after a backward).
@@ -53,14 +53,13 @@ pub(crate) struct Acts<'a> {
     pub(super) s_dl: ViewMut<'a, f32>, // (N, C) scratch: gradient of a LayerNorm output / attention out
     pub(super) s_drop: ViewMut<'a, f32>, // (N, C) scratch: dropout backward (empty without dropout)
     pub(crate) dres: ViewMut<'a, f32>, // (N, C) gradient of the residual stream
-    pub(super) dlogits: ViewMut<'a, f32>, // (N, V')
     pub(super) gelu: ViewMut<'a, f32>, // (L, N, F) kept GELU (SwiGLU) outputs (empty unless kept)
     /// (L, ⌈N·F/2⌉) GELU (SwiGLU) outputs kept in bf16, two to a float (empty unless bf16 and
     /// not `keep`); see [`bf16_layer`].
     pub(super) gelu16: ViewMut<'a, f32>,
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
-    /// Columns of `logits` and `dlogits`.
+    /// Columns of `logits` (which backward turns into their gradient in place).
     pub(super) logit_cols: usize,
     /// Whether the per-layer buffers hold one layer (activation checkpointing).
     pub(crate) checkpoint: bool,
@@ -69,19 +68,33 @@ pub(crate) struct Acts<'a> {
 /// Above this many bytes of logits, a forward with labels works on the head in blocks of the
 /// vocabulary: it computes each block's logits and folds them into each row's log-sum-exp
 /// (and the target's logit), keeping nothing else; backward recomputes each block's logits
-/// (one more head product) and takes its gradients at once. Config G's 1024 x 50304 logits
-/// would be 206 MB, twice (logits and their gradient); in blocks they are 2 x 16 MB. Blocks of
-/// columns rather than of rows, so that each block of the head's weight is packed for the
-/// product once. Below the limit (small vocabularies) the whole matrix is kept and nothing is
-/// recomputed.
-pub(crate) const LOGITS_MAX_BYTES: usize = 64 << 20;
+/// (one more head product) and takes its gradients at once. Below it the whole matrix is kept
+/// and backward turns it into its gradient in place, computing nothing twice: config G's
+/// 1024 x 50304 logits are 206 MB, against 16 MB in blocks, and the recomputed product was
+/// 9% of its step (a product the FLOP count of MFU does not count). Blocks of columns rather
+/// than of rows, so that each block of the head's weight is packed for the product once.
+pub(crate) const LOGITS_MAX_BYTES: usize = 512 << 20;
+/// The limit under activation checkpointing, which asks for memory before speed: config G's
+/// logits stay in blocks there.
+pub(crate) const LOGITS_MAX_BYTES_CHECKPOINTED: usize = 64 << 20;
 /// Bytes of logits per block.
 const LOGITS_BLOCK_BYTES: usize = 16 << 20;
 
 /// Columns of logits a forward over `n` positions and `v` tokens holds: all of them, or a
 /// block when it has labels (then nothing reads its logits but the loss) and they exceed
-/// `max_bytes`.
-pub(crate) fn logit_cols(n: usize, v: usize, labels: bool, max_bytes: usize) -> usize {
+/// `max_bytes` (at most [`LOGITS_MAX_BYTES_CHECKPOINTED`] under activation checkpointing).
+pub(crate) fn logit_cols(
+    n: usize,
+    v: usize,
+    labels: bool,
+    max_bytes: usize,
+    checkpoint: bool,
+) -> usize {
+    let max_bytes = if checkpoint {
+        max_bytes.min(LOGITS_MAX_BYTES_CHECKPOINTED)
+    } else {
+        max_bytes
+    };
     if labels && n * v * 4 > max_bytes {
         (LOGITS_BLOCK_BYTES.min(max_bytes / 2) / (4 * n.max(1))).clamp(1, v)
     } else {
@@ -166,7 +179,6 @@ impl ActLayout {
             n * c,
             drop,
             n * c,
-            n * logit_cols,
             kept(l * n * f),
             // Under bf16 products, the MLP's GELU (SwiGLU) outputs are kept in bf16 rather
             // than recomputed in backward: the products that read them round them to bf16
@@ -203,7 +215,7 @@ impl ActLayout {
             rest = tail;
             head
         });
-        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, dlogits, gelu, gelu16] =
+        let [res, res_mid, qkv, fch, ln1_mean, ln1_rstd, ln2_mean, ln2_rstd, att_lse, lnf_out, lnf_mean, lnf_rstd, logits, losses, ce_lse, s_ln, s_atty, s_big, s_dl, s_drop, dres, gelu, gelu16] =
             parts;
         Acts {
             res,
@@ -227,7 +239,6 @@ impl ActLayout {
             s_dl,
             s_drop,
             dres,
-            dlogits,
             gelu,
             gelu16,
             keep: self.keep,

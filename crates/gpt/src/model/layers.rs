@@ -496,12 +496,12 @@ pub(crate) fn head_backward(
                 dev.head_forward(logits.reborrow(), lnf_out, wb, n, c, vc)
             });
         }
-        let mut dlogits = a.dlogits.slice_mut(..n * vc);
+        // The block's logits become their gradient in place.
         let (lse, targets) = (a.ce_lse.slice(..n), batch.targets().slice(..n));
         prof.time(K::CeBwd, || {
-            let (dl, lg) = (dlogits.reborrow(), logits.as_view());
-            dev.crossentropy_backward(dl, lg, lse, targets, scale, n, vc, v0)
+            dev.crossentropy_backward(logits.reborrow(), lse, targets, scale, n, vc, v0)
         });
+        let dlogits = logits;
         // The first block writes d(ln_f out); later ones go through scratch and add to it.
         let dinp = if v0 == 0 {
             a.s_dl.slice_mut(..nc)

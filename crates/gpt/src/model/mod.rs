@@ -151,7 +151,13 @@ impl GPT {
         precision: DType,
     ) -> MemoryEstimate {
         let params = Layout::new(config).total as u64 * 4;
-        let cols = logit_cols(tokens, config.vocab_size, true, LOGITS_MAX_BYTES);
+        let cols = logit_cols(
+            tokens,
+            config.vocab_size,
+            true,
+            LOGITS_MAX_BYTES,
+            activation_checkpointing,
+        );
         let arena = ActLayout::new(
             config,
             tokens,
@@ -371,7 +377,8 @@ impl GPT {
         Ok(self.dev.dtype())
     }
     /// Logits (B, T, V) of the last forward; empty after a forward with labels whose logits
-    /// were too large to keep whole (over 64 MB: the loss is computed block by block).
+    /// were too large to keep whole (the loss is computed block by block: over 512 MB, or
+    /// 64 MB under activation checkpointing). A backward turns them into their gradient.
     pub fn logits(&self) -> &[f32] {
         let n = self.batch.b * self.batch.t;
         match &self.act_layout {
@@ -477,6 +484,7 @@ impl GPT {
             self.config.vocab_size,
             labels.is_some(),
             self.logits_max_bytes,
+            self.activation_checkpointing,
         );
         let bf16 = self.dev.dtype() == DType::Bf16;
         if self.act_layout.as_ref().is_none_or(|al| {

@@ -90,8 +90,12 @@ fn main() {
         ),
         None => println!("block (12 products): {block:.0} GFLOP/s"),
     }
-    // The LM head over one block of the vocabulary (the weight is nn.Linear's [out, in]).
-    let v = 4096;
+    // The LM head over one block of the vocabulary (the weight is nn.Linear's [out, in]), or
+    // over HEAD_V columns (config G's whole vocabulary: HEAD_V=50304).
+    let v = std::env::var("HEAD_V")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4096);
     let inp: Vec<f32> = (0..n * c).map(|i| (i % 17) as f32 * 0.01).collect();
     let w: Vec<f32> = (0..v * c).map(|i| (i % 13) as f32 * 0.01).collect();
     let (mut out, mut dinp, mut dw) = (vec![0.0; n * v], vec![0.0; n * c], vec![0.0; v * c]);

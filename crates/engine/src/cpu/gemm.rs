@@ -1,5 +1,6 @@
 //! The AVX-512 sgemm behind the matmul kernels: a 12 x 32 register tile (24 accumulators) over
-//! B panels packed on the stack, blocked for L1 (KC rows of B) and L2 (MC rows of A).
+//! B panels packed on the stack, blocked for L2 (K whole up to 1024, else KC rows of B per
+//! panel, for L1) and MC rows of A.
 //!
 //! Written for this model's shapes (K of 128 to 2048, N of 65 to 1536), where
 //! `matrixmultiply`'s 16 x 16 tile reached 60-80% of the core's FMA peak and this one 85-100%
@@ -19,8 +20,25 @@ use super::epilogue::Epilogue;
 pub(crate) const NR: usize = 32;
 /// Rows of the register tile.
 const MR: usize = 12;
-/// Rows of B per packed panel: KC x NR floats = 32 KB, which stays in L1.
+/// Rows of B per packed panel where K is split: KC x NR floats = 32 KB, which stays in L1.
 const KC: usize = 256;
+/// Up to this K, a product takes K whole in one block (a panel of up to 128 KB, read from L2)
+/// rather than in blocks of KC: each element of C is then written once instead of read and
+/// written again per block, which on the block products of config G (K of 768 and 1024, C of
+/// up to 12 MB) and its LM head's forward (C of 206 MB) cost more than the panel's L2 reads.
+/// Config G's twelve block products, one thread, Zen 5: 69-75% of the FMA peak -> 77-82%;
+/// the head's forward 182-188 -> 224-235 GFLOP/s. Fixed per K, so a thread's share of C
+/// never changes any sum.
+const KC_WHOLE: usize = 1024;
+
+/// Rows of B per K block of a product over `k`.
+fn kc_for(k: usize) -> usize {
+    if k <= KC_WHOLE {
+        k
+    } else {
+        KC
+    }
+}
 /// Rows of A per L2 block (a multiple of MR).
 const MC: usize = 240;
 /// Rows of A up to which a transposed B is packed once for all of them (1 MB of A per K block).
@@ -58,7 +76,7 @@ pub(crate) unsafe fn sgemm(
     ep: Epilogue,
 ) {
     #[repr(align(64))]
-    struct Panel([f32; KC * NR]);
+    struct Panel([f32; KC_WHOLE * NR]);
     // Uninitialised: pack_panel writes every float a kernel reads (a memset would cost as much
     // as the product for attention's small blocks).
     let mut panel = std::mem::MaybeUninit::<Panel>::uninit();
@@ -85,8 +103,9 @@ pub(crate) unsafe fn sgemm(
     } else {
         MC
     };
-    for k0 in (0..k).step_by(KC) {
-        let kc = KC.min(k - k0);
+    let kc_max = kc_for(k);
+    for k0 in (0..k).step_by(kc_max) {
+        let kc = kc_max.min(k - k0);
         // The first K block starts C from the bias (or zero) unless accumulating; later blocks add.
         let (acc, bias) = if k0 == 0 && !accumulate {
             (false, bias)
@@ -175,8 +194,9 @@ pub(crate) unsafe fn sgemm_prepacked(
         }
         return;
     }
-    for k0 in (0..k).step_by(KC) {
-        let kc = KC.min(k - k0);
+    let kc_max = kc_for(k);
+    for k0 in (0..k).step_by(kc_max) {
+        let kc = kc_max.min(k - k0);
         // The first K block starts C from the bias (or zero); later blocks add to it.
         let (acc, bias) = if k0 == 0 { (false, bias) } else { (true, None) };
         for i0 in (0..m).step_by(MC) {

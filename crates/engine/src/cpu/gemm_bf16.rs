@@ -57,6 +57,11 @@ const MR: usize = 12;
 /// Rows of the AMX tile block: two tiles of 16 rows.
 const MR_AMX: usize = 32;
 
+/// Pairs of K per block of the zmm kernel where K is split.
+const AVX512_KCP: usize = 256;
+/// Up to this many pairs of K (1024 of K) the zmm kernel takes K in one block.
+const AVX512_WHOLE_KCP: usize = 512;
+
 /// Which instruction computes the products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
@@ -98,9 +103,17 @@ impl Kernel {
     /// over threads, so that the split never changes a result's bits) has `n_whole` columns.
     fn blocking(self, k: usize, n_whole: usize) -> Blocking {
         match self {
-            // A micro-panel of B is 256 pairs x 32 columns = 32 KB (L1); A's block 192 KB (L2).
+            // Up to K = 1024, K whole: a micro-panel of B is up to 512 pairs x 32 columns =
+            // 64 KB (L2) and A's block 384 KB (L2), and each element of C is written once
+            // rather than once per K block (see the fp32 kernel's `KC_WHOLE`: config G's block
+            // products 76-77% -> 79-82% of VDPBF16PS's peak, one thread, Zen 5; its LM head's
+            // forward 367-371 -> 441-453 GFLOP/s). Longer K in blocks of 256 pairs (32 KB, L1).
             Kernel::Avx512 => Blocking {
-                kcp: 256,
+                kcp: if k <= 2 * AVX512_WHOLE_KCP {
+                    k.div_ceil(2)
+                } else {
+                    AVX512_KCP
+                },
                 mc: 192,
                 nc: 2048,
             },
@@ -134,7 +147,7 @@ impl Kernel {
     fn buffers(self) -> (usize, usize) {
         match self {
             Kernel::Avx512 => {
-                let bl = self.blocking(0, 0);
+                let bl = self.blocking(2 * AVX512_WHOLE_KCP, 0);
                 (bl.mc * bl.kcp, bl.nc * bl.kcp)
             }
             // Every AMX blocking stays within the budgets, plus one A block of 32 rows for K

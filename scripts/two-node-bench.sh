@@ -8,7 +8,8 @@
 # every rate: cohort DDP and DiLoCo (`cohort run --nnodes 2 --node-rank R --master-addr
 # <node 0>`, rank 0 on node 0) and PyTorch DDP (`torchrun --nnodes 2`, docs/bench/bench_ddp.py).
 # Efficiency is tokens/s over 2x a single rank's, measured in node 0 first (the same script,
-# one process). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
+# one process); beside it, over two independent ranks run at once (one per node, no
+# communication: what this shared machine allows two ranks at all). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
 # DDP's row says what its gradients travelled in (chosen by the link, as the header says why);
 # where that was bf16, a second row forces fp32 to show what it saved.
 # Exposed comm is what rank 0 waited for communication per step: DDP's comm phase; DiLoCo's
@@ -157,6 +158,19 @@ if [ "$torch" = 1 ]; then
     python3 -c 'import json,sys; print(round(json.load(sys.stdin)["tokens_per_s_total"]))')
 fi
 echo "  cohort $single tokens/s${torch_single:+, PyTorch $torch_single tokens/s}" >&2
+# The same single-rank run in both nodes at once, sharing nothing but this machine: what two
+# ranks that never communicate make here. On two real machines this equals 2x a single rank;
+# where both "nodes" share one machine's cores and memory it is lower, and a job's efficiency
+# against it is what the link and the algorithm cost.
+echo "two independent ranks at once (one per node, no communication):" >&2
+for i in 0 1; do
+  COHORT_NUM_THREADS=1 OMP_NUM_THREADS=1 ip netns exec "${ns[$i]}" "$cohort" "${train[@]}" \
+    >"$work/solo$i.log" 2>&1 &
+done
+wait || true
+s0=$(tok_s <"$work/solo0.log"); s1=$(tok_s <"$work/solo1.log")
+pair=$(( ${s0:-0} + ${s1:-0} ))
+echo "  cohort $pair tokens/s ($(ratio "$pair" $(( 2 * single ))) of 2x a single rank)" >&2
 
 rows=()
 for rate in $rates; do
@@ -166,41 +180,41 @@ for rate in $rates; do
   log=$(cohort_two_nodes --strategy ddp --overlap on)
   t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log")
   [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP failed" >&2; exit 1; }
-  rows+=("| $link | cohort DDP, overlap on, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | ${c:-?} ms |")
+  rows+=("| $link | cohort DDP, overlap on, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
   if [ "$g" = bf16 ]; then
     # What the automatic choice saved: the same run in fp32.
     echo "link $link: cohort DDP, fp32" >&2
     log=$(cohort_two_nodes --strategy ddp --overlap on --bf16-compress false)
     t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log")
     [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP fp32 failed" >&2; exit 1; }
-    rows+=("| $link | cohort DDP, overlap on, fp32 gradients | $t | $(ratio "$t" $(( 2 * single ))) | ${c:-?} ms |")
+    rows+=("| $link | cohort DDP, overlap on, fp32 gradients | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
   fi
   echo "link $link: cohort DiLoCo H=$sync_every" >&2
   log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every")
   t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
   [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo failed" >&2; exit 1; }
   per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
-  rows+=("| $link | cohort DiLoCo, H = $sync_every | $t | $(ratio "$t" $(( 2 * single ))) | $per ms (${s:-?} ms per sync) |")
+  rows+=("| $link | cohort DiLoCo, H = $sync_every | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | $per ms (${s:-?} ms per sync) |")
   echo "link $link: cohort DiLoCo H=$sync_every, overlapped" >&2
   log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every" --outer-overlap)
   t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
   [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo overlapped failed" >&2; exit 1; }
   per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
-  rows+=("| $link | cohort DiLoCo, H = $sync_every, overlapped | $t | $(ratio "$t" $(( 2 * single ))) | $per ms (${s:-?} ms waited per sync) |")
+  rows+=("| $link | cohort DiLoCo, H = $sync_every, overlapped | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | $per ms (${s:-?} ms waited per sync) |")
   if [ "$torch" = 1 ]; then
     echo "link $link: PyTorch gloo DDP" >&2
     json=$(torch_two_nodes)
     t=$(python3 -c 'import json,sys; print(round(json.loads(sys.argv[1])["tokens_per_s_total"]))' "$json" 2>/dev/null || true)
     if [ -n "$t" ]; then
-      rows+=("| $link | PyTorch gloo DDP | $t | $(ratio "$t" $(( 2 * torch_single ))) | - |")
+      rows+=("| $link | PyTorch gloo DDP | $t | $(ratio "$t" $(( 2 * torch_single ))) | - | - |")
     else
       tail -n 20 "$work/torch0.log" "$work/torch1.log" >&2
-      rows+=("| $link | PyTorch gloo DDP | failed (its log above) | - | - |")
+      rows+=("| $link | PyTorch gloo DDP | failed (its log above) | - | - | - |")
     fi
   fi
 done
 
 echo
-echo "| link | system | tokens/s | efficiency | exposed comm per step |"
-echo "|---|---|---|---|---|"
+echo "| link | system | tokens/s | efficiency | against independent ranks | exposed comm per step |"
+echo "|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

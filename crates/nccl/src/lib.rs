@@ -18,6 +18,8 @@
 //!   ranks on one GPU are refused unless the library allows it), then the id exchanged and
 //!   the communicator made; or, when NCCL is only preferred, the reason to stage through the
 //!   host instead, agreed by every rank.
+//! - [`check`] runs every collective against host-computed values (`cohort gpu nccl`, the
+//!   GPU tests).
 //!
 //! This crate must never panic on a missing library or device, never link NCCL or CUDA at
 //! build time, and never know a model, a training loop or a tokenizer: it moves device
@@ -33,6 +35,7 @@
 
 #![deny(missing_docs)]
 
+pub mod check;
 mod comm;
 mod error;
 mod ffi;
@@ -49,7 +52,7 @@ pub use comm::{Binding, Communicator, NcclElem, Reduce};
 pub use error::NcclError;
 pub use ffi::UNIQUE_ID_BYTES;
 pub use id::{exchange_id, UniqueId};
-pub use join::{join, Joined, Policy};
+pub use join::{join, Joined, Policy, MULTI_RANK_GPU_ENV};
 
 /// NCCL, opened: its functions and its version.
 pub struct Nccl {

@@ -31,7 +31,12 @@ fn the_library_is_found_and_reports_its_version() {
     let (major, minor, _) = nccl.version().parts();
     assert_eq!(major, 2, "NCCL {}", nccl.version());
     assert!(minor >= 14, "NCCL {}", nccl.version());
-    let file = nccl.path().file_name().unwrap().to_string_lossy().into_owned();
+    let file = nccl
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     assert!(file.starts_with("libnccl.so"), "{}", nccl.path().display());
     eprintln!("NCCL {} at {}", nccl.version(), nccl.path().display());
 }
@@ -40,7 +45,9 @@ fn the_library_is_found_and_reports_its_version() {
 fn a_missing_library_is_one_line_naming_what_and_where() {
     let dir = std::env::temp_dir().join(format!("cohort-nccl-none-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let e = Nccl::open(&Search::in_dirs([dir.clone()])).unwrap_err().to_string();
+    let e = Nccl::open(&Search::in_dirs([dir.clone()]))
+        .unwrap_err()
+        .to_string();
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(e.starts_with("no NCCL: looked for libnccl.so.2"), "{e}");
     assert!(e.contains(&dir.display().to_string()), "{e}");
@@ -86,7 +93,10 @@ fn a_bad_or_missing_id_is_a_one_line_error_naming_the_key() {
     let e = exchange_id(nccl, &store, "never/set", 1, Duration::from_millis(100))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("\"never/set\"") && e.contains("rank 0 never set it"), "{e}");
+    assert!(
+        e.contains("\"never/set\"") && e.contains("rank 0 never set it"),
+        "{e}"
+    );
     assert!(!e.contains('\n'), "{e}");
 }
 
@@ -119,7 +129,10 @@ fn a_communicator_without_a_gpu_is_a_one_line_error() {
     )
     .unwrap_err();
     let text = e.to_string();
-    assert!(text.starts_with("no GPU/driver: looked for libcuda.so.1"), "{text}");
+    assert!(
+        text.starts_with("no GPU/driver: looked for libcuda.so.1"),
+        "{text}"
+    );
     assert!(!text.contains('\n'), "{text}");
 }
 
@@ -157,10 +170,15 @@ fn ranks_without_a_gpu_agree_to_stage_or_refuse_together() {
             Joined::Staged(why) => assert_eq!(why, "NCCL is not available on rank(s) 0, 1"),
             Joined::Nccl(_) => panic!("rank {rank}: NCCL without a GPU"),
         }
-        assert!(matches!(required, NcclError::Unavailable { .. }), "{required}");
+        assert!(
+            matches!(required, NcclError::Unavailable { .. }),
+            "{required}"
+        );
         let text = required.to_string();
         assert!(
-            text.starts_with(&format!("NCCL on rank {rank}: not available on rank(s) 0, 1: ")),
+            text.starts_with(&format!(
+                "NCCL on rank {rank}: not available on rank(s) 0, 1: "
+            )),
             "{text}"
         );
         assert!(!text.contains('\n'), "{text}");

@@ -151,13 +151,14 @@ def part_table(args):
                 r = json.loads(line)
                 if r.get("part") == "ddp":
                     recs.append(r)
-    hdr = f"{'2 ranks on one GPU, GPT-2 124M T=1024 bf16':<46} {'B/rank':>6} {'ms/step':>9} {'tokens/s':>10} {'exposed comm':>13}"
+    hdr = (f"{'DDP, 2 ranks on one device':<46} {'T':>5} {'B/rank':>6} {'ms/step':>9} {'tokens/s':>10} "
+           f"{'exposed comm':>13}")
     print(hdr)
     print("-" * len(hdr))
     for r in recs:
         share = r.get("exposed_comm_share")
         what = f"{r['who']} {r['how']}"
-        print(f"{what:<46} {r.get('batch_per_rank') or '-':>6} {r['ms_per_step']:>9.1f} "
+        print(f"{what:<46} {r.get('seq') or '-':>5} {r.get('batch_per_rank') or '-':>6} {r['ms_per_step']:>9.1f} "
               f"{r['tokens_per_s']:>10.0f} {('%.1f%%' % (100 * share)) if share is not None else '-':>13}")
     for want in args.expect:
         if not any(f"{r['who']} {r['how']}" == want for r in recs):

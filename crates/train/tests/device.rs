@@ -115,8 +115,10 @@ fn the_header_says_why_gradients_are_staged_and_nccl_needs_cuda() {
     .unwrap();
     let header = logs[0].lines().find(|l| l.starts_with("model:")).unwrap();
     assert!(
-        header.contains("averaged through the host after backward (no overlap; host staging: \
-                         emulated has no NCCL)"),
+        header.contains(
+            "averaged through the host after backward (no overlap; host staging: \
+                         emulated has no NCCL)"
+        ),
         "{header}"
     );
     for device in [DeviceChoice::Emulated, DeviceChoice::Cpu] {

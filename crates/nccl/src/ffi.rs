@@ -128,31 +128,25 @@ impl Api {
                 Ok(p)
             }
         };
-        // SAFETY (every transmute below): each pointer is the address of the NCCL function of
-        // that name, whose C prototype in nccl.h is the field's type (checked by hand against
-        // the 2.30 header: ncclResult_t is a C enum, i.e. an int; size_t is usize; handles
-        // and streams are pointers; ncclUniqueId is 128 bytes passed by value). The library
-        // is never unloaded, so the pointers stay valid for the process's life.
+        // SAFETY: each pointer is the address of the NCCL function of that name, whose C
+        // prototype in nccl.h is the field's type (checked by hand against the 2.30 header:
+        // ncclResult_t is a C enum, i.e. an int; size_t is usize; handles and streams are
+        // pointers; ncclUniqueId is 128 bytes passed by value). The library is never
+        // unloaded, so the pointers stay valid for the process's life.
         unsafe {
             Ok(Api {
                 path: path.to_path_buf(),
-                get_version: std::mem::transmute::<*mut c_void, _>(sym("ncclGetVersion")?),
-                get_unique_id: std::mem::transmute::<*mut c_void, _>(sym("ncclGetUniqueId")?),
-                comm_init_rank_config: std::mem::transmute::<*mut c_void, _>(sym(
-                    "ncclCommInitRankConfig",
-                )?),
-                all_reduce: std::mem::transmute::<*mut c_void, _>(sym("ncclAllReduce")?),
-                reduce_scatter: std::mem::transmute::<*mut c_void, _>(sym("ncclReduceScatter")?),
-                all_gather: std::mem::transmute::<*mut c_void, _>(sym("ncclAllGather")?),
-                broadcast: std::mem::transmute::<*mut c_void, _>(sym("ncclBroadcast")?),
-                comm_get_async_error: std::mem::transmute::<*mut c_void, _>(sym(
-                    "ncclCommGetAsyncError",
-                )?),
-                comm_abort: std::mem::transmute::<*mut c_void, _>(sym("ncclCommAbort")?),
-                get_error_string: std::mem::transmute::<*mut c_void, _>(sym("ncclGetErrorString")?),
-                get_last_error: sym("ncclGetLastError")
-                    .ok()
-                    .map(|p| std::mem::transmute::<*mut c_void, _>(p)),
+                get_version: func(sym("ncclGetVersion")?),
+                get_unique_id: func(sym("ncclGetUniqueId")?),
+                comm_init_rank_config: func(sym("ncclCommInitRankConfig")?),
+                all_reduce: func(sym("ncclAllReduce")?),
+                reduce_scatter: func(sym("ncclReduceScatter")?),
+                all_gather: func(sym("ncclAllGather")?),
+                broadcast: func(sym("ncclBroadcast")?),
+                comm_get_async_error: func(sym("ncclCommGetAsyncError")?),
+                comm_abort: func(sym("ncclCommAbort")?),
+                get_error_string: func(sym("ncclGetErrorString")?),
+                get_last_error: sym("ncclGetLastError").ok().map(|p| func(p)),
             })
         }
     }
@@ -192,4 +186,15 @@ unsafe fn c_text(p: *const c_char) -> String {
         // SAFETY: the caller's contract.
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
+}
+
+/// The function at `p` as the function-pointer type `F`.
+///
+/// # Safety
+/// `p` must be the address of a function whose C prototype is `F`, valid as long as `F` is
+/// used.
+unsafe fn func<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: the caller's contract; `F` is a function pointer, of a pointer's size (asserted).
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
 }

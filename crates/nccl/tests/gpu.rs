@@ -65,7 +65,7 @@ fn every_collective_at_world_1() {
         e.contains("broadcast on rank 0") && e.contains("root 1"),
         "{e}"
     );
-    let mut host = vec![0f32; 4];
+    let mut host = [0f32; 4];
     let e = comm
         .all_reduce(
             cohort_engine::ViewMut::from(&mut host[..]),

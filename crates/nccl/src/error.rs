@@ -105,10 +105,7 @@ pub enum NcclError {
         what: String,
     },
     /// Several ranks on one GPU, which this NCCL refuses.
-    #[error(
-        "NCCL on rank {rank}: ranks {ranks} share one GPU ({gpu}), which NCCL {version} refuses; \
-         {fix}"
-    )]
+    #[error("NCCL on rank {rank}: ranks {ranks} share one GPU ({gpu}); NCCL {version} {fix}")]
     SharedGpu {
         /// This rank.
         rank: usize,
@@ -118,7 +115,7 @@ pub enum NcclError {
         gpu: String,
         /// The library's version.
         version: String,
-        /// What to do instead.
+        /// What the library does with that, and what to do instead.
         fix: String,
     },
 }

@@ -18,7 +18,7 @@ use cohort_cuda::libraries::Search;
 use cudarc::driver::{result, sys};
 
 use crate::comm::{Binding, Communicator};
-use crate::{exchange_id, load, Nccl, NcclError};
+use crate::{exchange_id, load, Nccl, NcclError, Version};
 
 /// How much the caller wants NCCL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,48 +71,22 @@ pub fn join(
             rank,
             reason: e.to_string(),
         })?;
-    let keys: Vec<i64> = all.chunks(2).map(|c| c[0]).collect();
-    let missing: Vec<String> = (0..world)
-        .filter(|&r| keys[r] == 0)
-        .map(|r| r.to_string())
-        .collect();
-    if !missing.is_empty() {
-        let e = NcclError::Unavailable {
-            rank,
-            ranks: missing.join(", "),
-            local: local.as_ref().err().map(|e| e.to_string()),
-        };
-        return match policy {
-            Policy::Required => Err(e),
-            Policy::Preferred => Ok(Joined::Staged(format!(
-                "NCCL is not available on rank(s) {}",
-                missing.join(", ")
-            ))),
-        };
-    }
-    let (nccl, (gpu, _)) = local.expect("every rank has NCCL: checked above");
-    if let Some((a, b)) = shared_pair(&keys) {
-        let everyone_allows = all.chunks(2).all(|c| c[1] == 1);
-        if policy == Policy::Preferred {
-            return Ok(Joined::Staged(format!(
-                "ranks {a} and {b} share a GPU (NCCL is the default for one rank per GPU)"
-            )));
-        }
-        if !everyone_allows {
-            let fix = if nccl.version().at_least(2, 30) {
-                format!("set {MULTI_RANK_GPU_ENV}=1 on every rank, or stage through the host (--backend cohort)")
-            } else {
-                "NCCL 2.30 or later runs it with NCCL_MULTI_RANK_GPU_ENABLE=1; or stage through the host (--backend cohort)".to_string()
-            };
-            return Err(NcclError::SharedGpu {
+    match decide(&all, policy) {
+        Decision::Go => {}
+        Decision::Stage(why) => return Ok(Joined::Staged(why)),
+        Decision::Missing(ranks) => {
+            return Err(NcclError::Unavailable {
                 rank,
-                ranks: format!("{a} and {b}"),
-                gpu,
-                version: nccl.version().to_string(),
-                fix,
-            });
+                ranks,
+                local: local.as_ref().err().map(|e| e.to_string()),
+            })
+        }
+        Decision::Shared(a, b) => {
+            let (nccl, (gpu, _)) = local.expect("every rank has NCCL: decided so");
+            return Err(shared_gpu(rank, (a, b), gpu, nccl.version()));
         }
     }
+    let (nccl, _) = local.expect("every rank has NCCL: decided so");
     let timeout = pg.timeout();
     let id = exchange_id(
         nccl,
@@ -122,6 +96,70 @@ pub fn join(
         timeout,
     )?;
     Communicator::new(nccl, search, &id, (rank, world), binding, timeout).map(Joined::Nccl)
+}
+
+/// What the ranks' (GPU key, allows several ranks per GPU) pairs decide.
+#[derive(Debug, PartialEq, Eq)]
+enum Decision {
+    /// Make the communicator.
+    Go,
+    /// Stage through the host, for this reason.
+    Stage(String),
+    /// Required, but NCCL is missing on these ranks ("1, 3").
+    Missing(String),
+    /// Required, but these ranks share a GPU and some rank's NCCL refuses that.
+    Shared(usize, usize),
+}
+
+/// The same decision on every rank, from every rank's pair (`all`, rank after rank): a GPU
+/// key (0: no NCCL there) and whether its NCCL runs several ranks on one GPU.
+fn decide(all: &[i64], policy: Policy) -> Decision {
+    let keys: Vec<i64> = all.chunks(2).map(|c| c[0]).collect();
+    let missing: Vec<String> = (0..keys.len())
+        .filter(|&r| keys[r] == 0)
+        .map(|r| r.to_string())
+        .collect();
+    if !missing.is_empty() {
+        return match policy {
+            Policy::Required => Decision::Missing(missing.join(", ")),
+            Policy::Preferred => Decision::Stage(format!(
+                "NCCL is not available on rank(s) {}",
+                missing.join(", ")
+            )),
+        };
+    }
+    let Some((a, b)) = shared_pair(&keys) else {
+        return Decision::Go;
+    };
+    match policy {
+        Policy::Preferred => Decision::Stage(format!(
+            "ranks {a} and {b} share a GPU (NCCL is the default for one rank per GPU)"
+        )),
+        Policy::Required if all.chunks(2).all(|c| c[1] == 1) => Decision::Go,
+        Policy::Required => Decision::Shared(a, b),
+    }
+}
+
+/// The refusal of ranks `a` and `b` on one GPU, naming the fix for this NCCL `version`.
+fn shared_gpu(rank: usize, (a, b): (usize, usize), gpu: String, version: Version) -> NcclError {
+    let fix = if version.at_least(2, 30) {
+        format!(
+            "runs that only with {MULTI_RANK_GPU_ENV}=1 on every rank: set it, or stage \
+             through the host (--backend cohort)"
+        )
+    } else {
+        format!(
+            "refuses that (NCCL 2.30 or later runs it with {MULTI_RANK_GPU_ENV}=1): stage \
+             through the host (--backend cohort)"
+        )
+    };
+    NcclError::SharedGpu {
+        rank,
+        ranks: format!("{a} and {b}"),
+        gpu,
+        version: version.to_string(),
+        fix,
+    }
 }
 
 /// The first two ranks with one GPU key, if any.
@@ -192,6 +230,55 @@ mod tests {
         assert_eq!(shared_pair(&[5, 6, 7]), None);
         assert_eq!(shared_pair(&[5, 6, 5, 6]), Some((0, 2)));
         assert_eq!(shared_pair(&[5, 6, 6]), Some((1, 2)));
+    }
+
+    #[test]
+    fn every_rank_decides_the_same_from_the_gathered_pairs() {
+        use Policy::{Preferred, Required};
+        // Two GPUs, NCCL everywhere: NCCL either way.
+        assert_eq!(decide(&[5, 0, 6, 0], Preferred), Decision::Go);
+        assert_eq!(decide(&[5, 0, 6, 0], Required), Decision::Go);
+        // NCCL missing on rank 1.
+        assert_eq!(
+            decide(&[5, 1, 0, 0], Required),
+            Decision::Missing("1".into())
+        );
+        assert_eq!(
+            decide(&[5, 1, 0, 0], Preferred),
+            Decision::Stage("NCCL is not available on rank(s) 1".into())
+        );
+        // One GPU: the default stages; required runs only where every rank allows it.
+        assert!(
+            matches!(decide(&[5, 1, 5, 1], Preferred), Decision::Stage(w) if w.contains("ranks 0 and 1 share a GPU"))
+        );
+        assert_eq!(decide(&[5, 1, 5, 1], Required), Decision::Go);
+        assert_eq!(decide(&[5, 1, 5, 0], Required), Decision::Shared(0, 1));
+        assert_eq!(
+            decide(&[7, 0, 5, 0, 5, 0], Required),
+            Decision::Shared(1, 2)
+        );
+    }
+
+    #[test]
+    fn the_shared_gpu_refusal_names_the_fix_for_each_release() {
+        let old = shared_gpu(1, (0, 1), "h:0000:17:00.0".into(), Version(22803)).to_string();
+        assert_eq!(
+            old,
+            "NCCL on rank 1: ranks 0 and 1 share one GPU (h:0000:17:00.0); NCCL 2.28.3 refuses \
+             that (NCCL 2.30 or later runs it with NCCL_MULTI_RANK_GPU_ENABLE=1): stage through \
+             the host (--backend cohort)"
+        );
+        let new = shared_gpu(0, (0, 1), "h:0000:17:00.0".into(), Version(23007)).to_string();
+        assert!(
+            new.contains(
+                "NCCL 2.30.7 runs that only with NCCL_MULTI_RANK_GPU_ENABLE=1 on every rank"
+            ),
+            "{new}"
+        );
+        assert!(
+            new.contains("--backend cohort") && !new.contains('\n'),
+            "{new}"
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ impl DeviceCollectives for Nccl {
         format!("NCCL {}", self.0.nccl().version())
     }
 
-    fn all_reduce_avg(&self, grads: ViewMut<'_, f32>) -> Result<(), String> {
+    fn all_reduce_avg(&self, _: &dyn Backend, grads: ViewMut<'_, f32>) -> Result<(), String> {
         self.0
             .all_reduce(grads, Reduce::Avg)
             .map_err(|e| e.to_string())
@@ -36,8 +36,18 @@ fn open(
     key: &str,
     required: bool,
 ) -> Result<DeviceSync, String> {
+    // Every rank has the same kind of device: all refuse, or all stage.
     let Some(binding) = Binding::of(backend) else {
-        return Err(format!("{} is not a CUDA GPU", backend.device()));
+        return match required {
+            true => Err(format!(
+                "--backend nccl: {} is not a CUDA GPU",
+                backend.device()
+            )),
+            false => Ok(DeviceSync::Staged(format!(
+                "{} has no NCCL",
+                backend.device()
+            ))),
+        };
     };
     let policy = match required {
         true => Policy::Required,

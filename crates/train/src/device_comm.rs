@@ -15,7 +15,7 @@
 use std::sync::OnceLock;
 
 use cohort_comm::ProcessGroup;
-use cohort_engine::{Backend, Device, ViewMut};
+use cohort_engine::{Backend, ViewMut};
 
 use crate::error::TrainError;
 
@@ -23,11 +23,11 @@ use crate::error::TrainError;
 pub trait DeviceCollectives: Send + Sync {
     /// What moves the gradients, for the header ("NCCL 2.30.7").
     fn name(&self) -> String;
-    /// `grads` (on the model's GPU) averaged over the group in place, queued in order with
-    /// the kernels before it; returns when done. Collective. An error is one line naming
-    /// the rank and the operation, and leaves the collectives unusable (a timeout aborts
-    /// them instead of hanging).
-    fn all_reduce_avg(&self, grads: ViewMut<'_, f32>) -> Result<(), String>;
+    /// `grads` (memory of `backend`, the model's) averaged over the group in place, queued
+    /// in order with the kernels before it; returns when done. Collective. An error is one
+    /// line naming the rank and the operation, and leaves the collectives unusable (a
+    /// timeout aborts them instead of hanging).
+    fn all_reduce_avg(&self, backend: &dyn Backend, grads: ViewMut<'_, f32>) -> Result<(), String>;
 }
 
 /// What the program's library settled on for a group.
@@ -39,8 +39,9 @@ pub enum DeviceSync {
 }
 
 /// Builds the device collectives over `pg` for a model on `backend`: `key` scopes the store
-/// keys of the set-up; `required` is `--backend nccl` (an error rather than staging).
-/// Collective over `pg`.
+/// keys of the set-up; `required` is `--backend nccl` (an error rather than staging). A
+/// backend the library cannot serve (not a CUDA GPU) is its to refuse or stage. Collective
+/// over `pg`.
 pub type DeviceCollectivesFn = fn(
     pg: &ProcessGroup,
     backend: &dyn Backend,
@@ -68,9 +69,6 @@ pub(crate) fn device_sync(
         true => Err(TrainError::DeviceComm(format!("--backend nccl: {why}"))),
         false => Ok(DeviceSync::Staged(why)),
     };
-    if !matches!(backend.device(), Device::Cuda(_)) {
-        return refuse(format!("{} has no NCCL", backend.device()));
-    }
     let Some(build) = REGISTERED.get() else {
         return refuse("this program was built without NCCL (the cohort binary has it)".into());
     };

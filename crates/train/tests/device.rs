@@ -99,8 +99,8 @@ fn two_ranks_stage_a_device_models_gradients_through_the_host() {
 }
 
 /// The default for a model on a device: NCCL where every rank has a GPU and NCCL, else host
-/// staging; the header says which and why (the emulated device has no NCCL), and `--backend
-/// nccl` off a CUDA GPU is refused before anything starts.
+/// staging; the header says which and why (this test program registers no NCCL), and
+/// `--backend nccl` off a CUDA GPU is refused before anything starts.
 #[test]
 fn the_header_says_why_gradients_are_staged_and_nccl_needs_cuda() {
     let cfg = TrainConfig {
@@ -116,8 +116,8 @@ fn the_header_says_why_gradients_are_staged_and_nccl_needs_cuda() {
     let header = logs[0].lines().find(|l| l.starts_with("model:")).unwrap();
     assert!(
         header.contains(
-            "averaged through the host after backward (no overlap; host staging: \
-                         emulated has no NCCL)"
+            "averaged through the host after backward (no overlap; host staging: this program \
+             was built without NCCL (the cohort binary has it))"
         ),
         "{header}"
     );

@@ -237,9 +237,11 @@ impl<'pg> DataParallel<'pg> {
                 let backward = plain(model)?;
                 let t = Instant::now();
                 match collectives {
-                    Some(DeviceSync::Collectives(nccl)) => nccl
-                        .all_reduce_avg(model.grads_view_mut().1)
-                        .map_err(TrainError::DeviceComm)?,
+                    Some(DeviceSync::Collectives(nccl)) => {
+                        let (backend, grads) = model.grads_view_mut();
+                        nccl.all_reduce_avg(backend, grads)
+                            .map_err(TrainError::DeviceComm)?
+                    }
                     _ => all_reduce_staged(pg, model, staging)?,
                 }
                 let comm = t.elapsed();

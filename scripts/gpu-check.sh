@@ -8,6 +8,9 @@
 # 1. versions: nvidia-smi, the driver, torch, CUDA, NCCL, cuDNN, the nvidia-* wheels;
 # 2. `cohort gpu info`: which CUDA libraries and headers cohort found where, and the device;
 # 3. `cohort gpu check`: every CUDA kernel against the CPU engine (a table, nonzero on a miss);
+#    `cohort gpu nccl`: every NCCL collective against its expected values, on one rank, then
+#    two ranks sharing the GPU (`cohort run -n 2`): refused without NCCL_MULTI_RANK_GPU_ENABLE,
+#    run with it where NCCL is 2.30 or later (an older NCCL's refusal is the expected outcome);
 # 4. `cohort train --device cuda` against `--device cpu`: the same 20 steps, their losses side
 #    by side (a table, and a JSON line);
 # 5. `cohort bench train --device cuda`: GPT-2 124M (config G's shape) at T=1024, batch 8 and
@@ -15,10 +18,15 @@
 # 6. PyTorch's anchors on the same GPU: GPT-2 124M at T=1024, batch 8 and 16, bf16 autocast,
 #    eager and torch.compile (tokens/s, ms/step, peak memory, MFU against a bf16 GEMM rate
 #    measured here; docs/bench/bench_gpu.py);
-# 7. one closing table, cohort's rows and PyTorch's.
+# 7. DDP with 2 ranks on one GPU, GPT-2 124M at T=1024, bf16, batch 4 per rank: cohort with
+#    its gradients staged through the host, cohort over NCCL (where NCCL runs two ranks on one
+#    GPU), and PyTorch's DDP over gloo (its host-staged path); tokens/s and the exposed
+#    all-reduce share of a step (docs/bench/bench_gpu_ddp.py);
+# 8. one closing table, cohort's rows and PyTorch's, and the DDP rows.
 # Each part runs under a hard timeout cut to what is left of the 8 minutes, so a slow part
 # costs its own figures only; the parts run in order of what is worth most, so the last
-# (torch.compile at batch 16) is the first to go when time runs short. Everything printed also
+# (torch.compile at batch 16) is the first to go when time runs short; the DDP figures come
+# after the eager anchors and before torch.compile. Everything printed also
 # goes to $OUT/gpu-check.log (and every part's JSON line, cohort's and PyTorch's, to
 # $OUT/bench.jsonl) when OUT is set. GPU_CHECK_SMOKE=1 checks the script itself without a GPU:
 # cohort runs on the CPU (and its emulated device) and PyTorch on a tiny model. Exit status: nonzero when the
@@ -66,6 +74,45 @@ run_part() {
   esac
 }
 
+# run_nccl_part NAME LIMIT MULTI_RANK(0|1) CMD...: as run_part, for NCCL with two ranks on one
+# GPU: without NCCL_MULTI_RANK_GPU_ENABLE (MULTI_RANK=0) cohort must refuse, naming the fix; with
+# it, NCCL 2.30+ must run, and an older NCCL's refusal (which names 2.30) is the expected
+# outcome, not a failure.
+run_nccl_part() {
+  local name=$1 limit=$2 multi=$3 left rc log
+  shift 3
+  left=$((DEADLINE - $(date +%s)))
+  if [ "$left" -lt 15 ]; then
+    SUMMARY+=("$name: skipped (out of time)")
+    FAILED=1
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  log=$(mktemp "$OUT_DIR/nccl.XXXXXX")
+  local t0=$(date +%s)
+  if [ "$multi" = 1 ]; then
+    NCCL_MULTI_RANK_GPU_ENABLE=1 timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$log"
+  else
+    env -u NCCL_MULTI_RANK_GPU_ENABLE timeout --kill-after=5 "$limit" "$@" 2>&1 | tee "$log"
+  fi
+  rc=${PIPESTATUS[0]}
+  local dt=$(($(date +%s) - t0))
+  local refusal
+  refusal=$(grep -m1 -o 'ranks 0 and 1 share one GPU.*' "$log")
+  if [ "$rc" = 0 ] && [ "$multi" = 1 ]; then
+    SUMMARY+=("$name: ok, NCCL ran both ranks (${dt}s)")
+  elif [ "$rc" = 0 ]; then
+    SUMMARY+=("$name: FAILED (not refused without NCCL_MULTI_RANK_GPU_ENABLE)") FAILED=1
+  elif [ -n "$refusal" ] && { [ "$multi" = 0 ] || grep -q 'NCCL 2.30 or later' "$log"; }; then
+    SUMMARY+=("$name: refused as expected: $refusal")
+  else
+    case $rc in
+      124 | 137) SUMMARY+=("$name: TIMEOUT after ${limit}s") FAILED=1 ;;
+      *) SUMMARY+=("$name: FAILED (exit $rc, ${dt}s)") FAILED=1 ;;
+    esac
+  fi
+}
+
 section "versions"
 echo "host: $(uname -srm), $(nproc) cores; cohort binary: $COHORT; python: $PY"
 timeout 20 nvidia-smi || echo "nvidia-smi: unavailable"
@@ -93,6 +140,14 @@ if [ -x "$COHORT" ]; then
   run_part "cohort gpu info" 30 "$COHORT" gpu info
   section "cohort gpu check"
   run_part "cohort gpu check" 60 "$COHORT" gpu check
+  section "cohort gpu nccl"
+  if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
+    SUMMARY+=("cohort gpu nccl: skipped (smoke: no GPU)")
+  else
+    run_part "cohort gpu nccl (1 rank)" 30 "$COHORT" gpu nccl
+    run_nccl_part "cohort gpu nccl (2 ranks, 1 GPU, no variable)" 30 0 "$COHORT" run -n 2 gpu nccl --elements 262147
+    run_nccl_part "cohort gpu nccl (2 ranks, 1 GPU)" 40 1 "$COHORT" run -n 2 gpu nccl --elements 262147
+  fi
 else
   echo "no cohort binary at $COHORT (pass its path as the first argument)"
   SUMMARY+=("cohort gpu info/check: no binary at $COHORT")
@@ -145,6 +200,31 @@ section "PyTorch anchors"
 run_part "bf16 GEMM rate" 20 "$PY" "${BENCH[@]}" matmul --budget-s 6 "${SMOKE[@]}" --out "$RESULTS"
 run_part "PyTorch eager B=8" 35 "$PY" "${BENCH[@]}" train --mode eager --batch 8 "${SMOKE[@]}" --budget-s 25 --out "$RESULTS"
 run_part "PyTorch eager B=16" 40 "$PY" "${BENCH[@]}" train --mode eager --batch 16 "${SMOKE[@]}" --budget-s 30 --out "$RESULTS"
+section "DDP: 2 ranks on one GPU ($DEV), cohort beside PyTorch's gloo DDP"
+DDP_BENCH=(docs/bench/bench_gpu_ddp.py)
+if [ "$DEV" = cuda ]; then
+  # GPT-2 124M (config G's shape) at T=1024 on random tokens, bf16 products, batch 4 per rank.
+  DDP_MODEL=(--n-layers 12 --n-heads 12 --d-model 768 --d-ff 3072 --seq-len 1024 --vocab-size 50304
+    --batch-size 4 --precision bf16)
+  DDP_SEQ=1024 DDP_STEPS=(--steps 8 --log-interval 4)
+else
+  DDP_MODEL=(--n-layers 2 --n-heads 4 --d-model 128 --d-ff 512 --seq-len 64 --batch-size 4)
+  DDP_SEQ=64 DDP_STEPS=(--steps 4 --log-interval 2)
+fi
+DDP_TRAIN=(train --data random "${DDP_MODEL[@]}" "${DDP_STEPS[@]}" --eval-interval 1000 --dropout 0 --device "$DEV")
+EXPECT_DDP=("cohort host-staged" "PyTorch DDP backend=gloo")
+if [ -x "$COHORT" ]; then
+  rm -rf "$OUT_DIR/ddp-staged" "$OUT_DIR/ddp-nccl"
+  # The default with two ranks on one GPU is host staging (the header says so); named here.
+  run_part "cohort DDP host-staged" 50 "$COHORT" run -n 2 "${DDP_TRAIN[@]}" --backend cohort --log-dir "$OUT_DIR/ddp-staged"
+  run_part "cohort DDP host-staged figures" 10 "$PY" "${DDP_BENCH[@]}" cohort "$OUT_DIR/ddp-staged" --label host-staged --batch 4 --seq "$DDP_SEQ" --out "$RESULTS"
+  if [ "$DEV" = cuda ]; then
+    run_nccl_part "cohort DDP NCCL" 50 1 "$COHORT" run -n 2 "${DDP_TRAIN[@]}" --backend nccl --log-dir "$OUT_DIR/ddp-nccl"
+    [ -f "$OUT_DIR/ddp-nccl/metrics.jsonl" ] && run_part "cohort DDP NCCL figures" 10 "$PY" "${DDP_BENCH[@]}" cohort "$OUT_DIR/ddp-nccl" --label NCCL --batch 4 --seq "$DDP_SEQ" --out "$RESULTS"
+  fi
+fi
+run_part "PyTorch DDP gloo" 50 "$PY" "${DDP_BENCH[@]}" torch --backend gloo --batch 4 --budget-s 30 "${SMOKE[@]}" --out "$RESULTS"
+
 run_part "PyTorch compile B=8" 90 "$PY" "${BENCH[@]}" train --mode compile --batch 8 "${SMOKE[@]}" --budget-s 75 --out "$RESULTS"
 run_part "PyTorch compile B=16" 70 "$PY" "${BENCH[@]}" train --mode compile --batch 16 "${SMOKE[@]}" --budget-s 55 --out "$RESULTS"
 
@@ -153,6 +233,8 @@ section "table"
 sleep 1
 timeout 20 "$PY" "${BENCH[@]}" table "$RESULTS" --expect eager:8 eager:16 compile:8 compile:16 \
   --expect-cohort "${EXPECT_COHORT[@]}"
+echo
+timeout 20 "$PY" "${DDP_BENCH[@]}" table "$RESULTS" --expect "${EXPECT_DDP[@]}"
 echo
 for s in "${SUMMARY[@]}"; do echo "  $s"; done
 echo "total: $(($(date +%s) - START))s; log and results in $OUT_DIR"

@@ -10,6 +10,7 @@ mod debug;
 mod demo;
 mod device;
 mod gpu;
+mod nccl;
 mod plot;
 mod run;
 mod sample;
@@ -76,8 +77,10 @@ fn run_command() -> anyhow::Result<()> {
     // Backends beyond cohort-comm's own are registered here, the one place
     // that links them; the libraries only name them.
     cohort_mpi::register()?;
-    // `--device cuda`: the GPU backend, which only this binary links.
+    // `--device cuda`: the GPU backend, which only this binary links, and NCCL for the
+    // gradients of a model on a GPU (`--backend nccl`, or the default where it fits).
     device::register();
+    nccl::register();
     // A command line that does not parse fails the same way every time: the
     // launcher must not restart workers for it.
     let cli = Cli::try_parse().unwrap_or_else(|e| {

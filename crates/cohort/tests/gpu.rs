@@ -1,4 +1,4 @@
-//! `cohort gpu info` and `cohort gpu check` on a machine without a GPU: one line naming the
+//! `cohort gpu info`, `check` and `nccl` on a machine without a GPU: one line naming the
 //! library and the places looked, exit status 1, no panic. Where a driver is found this test has
 //! nothing to check (the GPU script runs the real thing) and says so.
 
@@ -6,7 +6,7 @@ use std::process::Command;
 
 #[test]
 fn gpu_subcommands_without_a_driver_fail_in_one_line() {
-    for sub in ["info", "check"] {
+    for sub in ["info", "check", "nccl"] {
         let out = Command::new(env!("CARGO_BIN_EXE_cohort"))
             .args(["gpu", sub])
             .output()

@@ -195,6 +195,13 @@ impl ProcessGroup {
         }
     }
 
+    /// The store this group's ranks met through (the job's authenticated one under `cohort
+    /// run`), for a library that sets itself up over it, as NCCL hands its unique id round.
+    /// The caller scopes its keys; the group's own live under their own prefixes.
+    pub fn store(&self) -> Arc<dyn Store> {
+        self.inner.store.clone()
+    }
+
     /// The ranks of each node when this group's all_reduce runs
     /// hierarchically: the group spans several nodes, one of them with more
     /// than one rank, and the algorithm is `auto` or `hierarchical`. `None`

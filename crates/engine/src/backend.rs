@@ -124,6 +124,12 @@ macro_rules! kernels {
             fn missing_kernels(&self) -> &'static [&'static str] {
                 &[]
             }
+            /// The native handle of the queue the kernels run on, in order (a `CUstream` for
+            /// CUDA), so that a device collective library (NCCL) can queue its work in order
+            /// with them; `None` where kernels run on the host.
+            fn stream_handle(&self) -> Option<u64> {
+                None
+            }
             $( $(#[$doc])* fn $name(&self, $($arg: $ty),*) $(-> $ret)?; )*
         }
 

@@ -828,6 +828,14 @@ impl TrainConfig {
     /// What a model in a device's memory cannot do yet: only the DDP strategy steps it, and
     /// its gradient guard has no clamp kernel.
     fn validate_device(&self) -> Result<(), ConfigError> {
+        if self.backend == "nccl" && !matches!(self.device, DeviceChoice::Cuda(_)) {
+            return Err(ConfigError::Invalid {
+                key: "backend",
+                value: self.backend.clone(),
+                why: "NCCL moves GPU memory: use --backend nccl with --device cuda (the host's \
+                      collectives are --backend cohort)",
+            });
+        }
         if !self.device.is_device() {
             return Ok(());
         }

@@ -84,6 +84,10 @@ pub enum TrainError {
         /// The error.
         error: CommError,
     },
+    /// A collective on device memory (NCCL) failed or timed out; the line names the rank and
+    /// the operation.
+    #[error("{0}")]
+    DeviceComm(String),
     /// Saving or loading a checkpoint failed.
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] cohort_gpt::checkpoint::CheckpointError),

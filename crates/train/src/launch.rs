@@ -56,12 +56,14 @@ pub fn process_group_from_env() -> Result<ProcessGroup, TrainError> {
 }
 
 /// The process group `cfg.backend` asks for: [`process_group_from_env`]
-/// for `cohort`; any other name is a backend of cohort-comm's registry
-/// (`mpi`, registered by a program built with it), whose group is built
-/// from the environment as `init_process_group(name, "env://")`.
+/// for `cohort`, and for `nccl` (NCCL moves the GPU's gradients; the
+/// group carries everything else and NCCL's set-up, see `device_comm`);
+/// any other name is a backend of cohort-comm's registry (`mpi`, registered
+/// by a program built with it), whose group is built from the environment
+/// as `init_process_group(name, "env://")`.
 pub fn process_group_for(cfg: &TrainConfig) -> Result<ProcessGroup, TrainError> {
     match cfg.backend.as_str() {
-        "cohort" => process_group_from_env(),
+        "cohort" | "nccl" => process_group_from_env(),
         name => init_process_group(name, "env://", InitOptions::default())
             .map_err(TrainError::comm("joining the process group")),
     }

@@ -58,6 +58,7 @@
 mod checkpoint;
 mod config;
 mod device;
+mod device_comm;
 pub mod elastic;
 mod error;
 mod grad_guard;
@@ -84,6 +85,9 @@ pub use config::{
 };
 pub use device::{
     device_backend, local_cuda_ordinal, register_device_backend, DeviceBackendFn, DeviceChoice,
+};
+pub use device_comm::{
+    register_device_collectives, DeviceCollectives, DeviceCollectivesFn, DeviceSync,
 };
 pub use error::{ConfigError, TrainError};
 pub use grad_guard::{NanInjection, INJECT_NAN_VAR};

@@ -98,6 +98,43 @@ fn two_ranks_stage_a_device_models_gradients_through_the_host() {
     assert!(dev[0].params == dev[1].params, "the ranks diverged");
 }
 
+/// The default for a model on a device: NCCL where every rank has a GPU and NCCL, else host
+/// staging; the header says which and why (this test program registers no NCCL), and
+/// `--backend nccl` off a CUDA GPU is refused before anything starts.
+#[test]
+fn the_header_says_why_gradients_are_staged_and_nccl_needs_cuda() {
+    let cfg = TrainConfig {
+        steps: 1,
+        device: DeviceChoice::Emulated,
+        ..tiny()
+    };
+    let logs = cohort_comm::spawn::threads_with(2, common::opts(), |pg| {
+        let mut log = Vec::new();
+        cohort_train::train(&cfg, pg, &mut log).map(|_| String::from_utf8(log).unwrap())
+    })
+    .unwrap();
+    let header = logs[0].lines().find(|l| l.starts_with("model:")).unwrap();
+    assert!(
+        header.contains(
+            "averaged through the host after backward (no overlap; host staging: this program \
+             was built without NCCL (the cohort binary has it))"
+        ),
+        "{header}"
+    );
+    for device in [DeviceChoice::Emulated, DeviceChoice::Cpu] {
+        let nccl = TrainConfig {
+            backend: "nccl".into(),
+            device,
+            ..tiny()
+        };
+        let e = nccl.validate().unwrap_err().to_string();
+        assert!(
+            e.starts_with("invalid setting backend = nccl: NCCL moves GPU memory"),
+            "{e}"
+        );
+    }
+}
+
 #[test]
 fn what_a_device_cannot_do_yet_is_a_one_line_error() {
     let refused = [

@@ -66,6 +66,9 @@ impl Backend for CudaBackend {
     fn missing_kernels(&self) -> &'static [&'static str] {
         MISSING
     }
+    fn stream_handle(&self) -> Option<u64> {
+        Some(self.dev.stream_handle())
+    }
 
     fn encoder_forward(
         &self,

@@ -151,6 +151,12 @@ impl Device {
         self.arch
     }
 
+    /// The stream every kernel and copy runs on, as a raw `CUstream` (0 is the context's
+    /// default stream): what a collective library queues its work on to stay in order.
+    pub fn stream_handle(&self) -> u64 {
+        self.stream.cu_stream() as usize as u64
+    }
+
     /// The NVRTC that compiled them.
     pub fn compiler(&self) -> &Compiler {
         &self.compiler

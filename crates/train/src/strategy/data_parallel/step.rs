@@ -20,6 +20,7 @@ use cohort_gpt::{Backward, Forward, Labels, GPT};
 use super::diloco::Outer;
 use super::sharded::{ShardedDp, ZeroStage};
 use super::zero1::Zero1;
+use crate::device_comm::DeviceSync;
 use crate::error::TrainError;
 use crate::phases::{Phase, Phases};
 use crate::replica::param_specs;
@@ -53,13 +54,17 @@ pub enum GradSync<'pg> {
         outer: Box<Outer>,
     },
     /// A model in a device's memory (`--device`): forward, backward, the gradient guard and
-    /// AdamW as its backend's kernels. Over several ranks the gradients are staged through
-    /// the host after the last backward and averaged there (no overlap, no buckets).
+    /// AdamW as its backend's kernels. Over several ranks the gradients are averaged after
+    /// the last backward, on the device by NCCL or staged through the host (no overlap, no
+    /// buckets).
     Device {
         /// AdamW with its moments in the device's memory.
         opt: AdamW,
-        /// The host staging buffer of the gradients' all-reduce (empty on one rank).
+        /// The host staging buffer of the gradients' all-reduce (empty on one rank or
+        /// under NCCL).
         staging: Vec<f32>,
+        /// NCCL, or why the gradients are staged through the host (`None` on one rank).
+        collectives: Option<DeviceSync>,
     },
 }
 
@@ -224,10 +229,21 @@ impl<'pg> DataParallel<'pg> {
                     comm_busy: stats.comm_busy,
                 })
             }
-            GradSync::Device { staging, .. } if last && pg.size() > 1 => {
+            GradSync::Device {
+                staging,
+                collectives,
+                ..
+            } if last && pg.size() > 1 => {
                 let backward = plain(model)?;
                 let t = Instant::now();
-                all_reduce_staged(pg, model, staging)?;
+                match collectives {
+                    Some(DeviceSync::Collectives(nccl)) => {
+                        let (backend, grads) = model.grads_view_mut();
+                        nccl.all_reduce_avg(backend, grads)
+                            .map_err(TrainError::DeviceComm)?
+                    }
+                    _ => all_reduce_staged(pg, model, staging)?,
+                }
                 let comm = t.elapsed();
                 Ok(SyncTimes {
                     backward,

@@ -24,6 +24,7 @@ use super::step::{DataParallel, GradSync};
 use super::zero1::Zero1;
 use crate::checkpoint::{self, OwnedShard, SaveReport, Saver, ShardTarget, TrainState};
 use crate::config::TrainConfig;
+use crate::device_comm::DeviceSync;
 use crate::error::TrainError;
 use crate::input::{val_batches, TrainBatches, ValBatches};
 use crate::memory::Sharding;
@@ -245,8 +246,22 @@ fn build_device<'a>(
             .map_err(TrainError::comm("initial parameters broadcast"))?;
         model.copy_params_from_host(&host)?;
     }
-    let staging = if pg.size() > 1 { host } else { Vec::new() };
-    Ok((GradSync::Device { opt, staging }, state))
+    let collectives = match pg.size() {
+        1 => None,
+        _ => Some(crate::device_comm::device_sync(
+            &cfg.backend,
+            pg,
+            model.backend(),
+        )?),
+    };
+    let staged = matches!(collectives, Some(DeviceSync::Staged(_)));
+    let staging = if staged { host } else { Vec::new() };
+    let sync = GradSync::Device {
+        opt,
+        staging,
+        collectives,
+    };
+    Ok((sync, state))
 }
 
 /// DiLoCo's sync over `model` (rank 0's parameters already every rank's):
@@ -340,13 +355,19 @@ fn model_line(
             )
         }
         GradSync::Diloco { outer, .. } => outer.config().line(),
-        GradSync::Device { .. } => format!(
+        GradSync::Device { collectives, .. } => format!(
             "on {}: forward, backward, the gradient norm and AdamW as its kernels{}",
             model.backend().device(),
-            if world > 1 {
-                "; DDP's gradients averaged through the host after backward (no overlap)"
-            } else {
-                ""
+            match collectives {
+                None => String::new(),
+                Some(DeviceSync::Collectives(c)) => format!(
+                    "; DDP's gradients averaged on the device by {} after backward (no overlap)",
+                    c.name()
+                ),
+                Some(DeviceSync::Staged(why)) => format!(
+                    "; DDP's gradients averaged through the host after backward (no overlap; \
+                     host staging: {why})"
+                ),
             }
         ),
     };

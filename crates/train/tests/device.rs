@@ -101,7 +101,7 @@ fn two_ranks_stage_a_device_models_gradients_through_the_host() {
 #[test]
 fn what_a_device_cannot_do_yet_is_a_one_line_error() {
     let refused = [
-        with_strategy(Strategy::Zero1),
+        with_strategy(Strategy::Zero3),
         TrainConfig {
             clip_value: 0.5,
             device: DeviceChoice::Emulated,

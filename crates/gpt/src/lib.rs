@@ -24,7 +24,7 @@
 //! model.zero_grad();
 //! let mut finished = 0;
 //! let ready = |range: std::ops::Range<usize>, grads: cohort_engine::ViewMut<'_, f32>| {
-//!     assert_eq!(range.len(), grads.host().len());
+//!     assert_eq!(range.len(), grads.len());
 //!     finished += range.len();
 //! };
 //! model.backward(Backward::new().on_ready(ready)).unwrap();

@@ -1,7 +1,8 @@
 //! The engine's backend on the GPU ([`CudaBackend`]) against the CPU backend: a short sequence
 //! of a training step's kernels (product, cross-entropy, loss sum, its backward, gradient norm,
 //! AdamW) on buffers each backend allocated, read back through the engine's copies. What the
-//! per-kernel checks cannot see: the views' carving, the copies, the kept errors and `sync`.
+//! per-kernel checks cannot see: the views' carving, the copies, the kept errors and `sync`;
+//! and the host-staging seam (an event, a copy after it on another thread, page-locked staging).
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::optim::{grad_norm_on, AdamW, AdamWConfig, DecayMask};
@@ -76,12 +77,73 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     Ok(o)
 }
 
+/// The host-staging seam on `dev`: a region written by 20 kernels, an event after them, then
+/// kernels on another region while a thread copies the first to page-locked staging after the
+/// event (what host-staged DDP does as backward hands a range of gradients over). Returns the
+/// staged floats and the other region's.
+fn staged_copy(dev: &dyn Backend) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+    let m = 4096;
+    let mut buf = dev.alloc(2 * m)?;
+    let (mut a, mut b) = buf.view_mut().split_at_mut(m);
+    dev.fill(a.reborrow(), 1.0);
+    dev.fill(b.reborrow(), 1.0);
+    for _ in 0..20 {
+        dev.add_into(a.reborrow(), b.as_view());
+    }
+    let done = dev.record_event();
+    let mut staging = dev.alloc_staging(m)?;
+    let a = a.as_view();
+    std::thread::scope(|s| {
+        let copier = s.spawn(|| {
+            let bytes = cohort_engine::ViewMut::from(&mut staging[..]).cast::<u8>().host();
+            dev.copy_to_host_after(bytes, a.cast(), &done)
+        });
+        // Kernels after the event, on the other region, while the copy waits and runs.
+        dev.fill(b.reborrow(), -5.0);
+        for _ in 0..20 {
+            dev.add_into(b.reborrow(), a);
+        }
+        copier.join().expect("the copy thread panicked")
+    })?;
+    dev.sync()?;
+    let mut other = vec![0f32; m];
+    dev.download(&mut other, b.as_view())?;
+    Ok((staging.to_vec(), other))
+}
+
 /// The sequence on `gpu` and on a CPU backend: one row per output.
-/// Then the fused SwiGLU products (`swiglu_products.rs`).
+/// Then the host-staging seam and the fused SwiGLU products (`swiglu_products.rs`).
 pub fn engine_backend(gpu: &CudaBackend) -> Vec<CheckRow> {
     let mut rows = sequence_rows(gpu);
+    rows.push(staged_copy_row(gpu));
     rows.extend(super::swiglu_products::rows(gpu));
     rows
+}
+
+/// The staging seam's row: the staged floats and the other region's, exactly the CPU's.
+fn staged_copy_row(gpu: &CudaBackend) -> CheckRow {
+    let cpu = Cpu::new(1).expect("a one-thread pool");
+    let want = staged_copy(&cpu).expect("the CPU backend cannot fail here");
+    let kernel = "backend.copy_to_host_after".to_string();
+    match staged_copy(gpu) {
+        Ok(got) => {
+            let e = max_err(&got.0, &want.0).max(max_err(&got.1, &want.1));
+            CheckRow {
+                kernel,
+                max_err: e,
+                tolerance: 0.0,
+                ok: e == 0.0,
+                error: None,
+            }
+        }
+        Err(e) => CheckRow {
+            kernel,
+            max_err: f64::NAN,
+            tolerance: 0.0,
+            ok: false,
+            error: Some(e.to_string()),
+        },
+    }
 }
 
 fn sequence_rows(gpu: &CudaBackend) -> Vec<CheckRow> {
@@ -137,5 +199,8 @@ mod tests {
         );
         assert_eq!((a.loss, a.norm), (b.loss, b.norm));
         assert!(a.loss > 0.0 && a.norm > 0.0);
+        let (a, b) = (staged_copy(&cpu).unwrap(), staged_copy(&emu).unwrap());
+        assert_eq!(a, b);
+        assert!(a.0.iter().all(|&x| x == 21.0) && a.1.iter().all(|&x| x == 415.0));
     }
 }

@@ -260,9 +260,7 @@ fn backward_hands_out_final_ranges_in_order_to_another_thread() {
                 }
                 (got, sums)
             });
-            let pass = Backward::new().on_ready(move |r, g: ViewMut<'_, f32>| {
-                tx.send((r, g.host())).unwrap()
-            });
+            let pass = Backward::new().on_ready(move |r, g| tx.send((r, ViewMut::host(g))).unwrap());
             let pass = if split { pass.split_blocks() } else { pass };
             m.backward(pass).unwrap();
             summer.join().unwrap()

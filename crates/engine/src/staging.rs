@@ -102,7 +102,11 @@ impl Staging {
     /// same address, until `owner` is dropped; nothing but this `Staging` may read or write
     /// them meanwhile (a device copy into them must have completed before the call that made
     /// it returns), and `owner`'s drop must not touch them before it frees them.
-    pub unsafe fn from_raw(ptr: *mut f32, len: usize, owner: Box<dyn Any + Send + Sync>) -> Staging {
+    pub unsafe fn from_raw(
+        ptr: *mut f32,
+        len: usize,
+        owner: Box<dyn Any + Send + Sync>,
+    ) -> Staging {
         Staging {
             ptr,
             len,

@@ -9,9 +9,7 @@
 mod common;
 
 use cohort_comm::{spawn, ProcessGroup};
-use cohort_train::{
-    train, DeviceChoice, NanInjection, Outcome, Overlap, Strategy, TrainConfig,
-};
+use cohort_train::{train, DeviceChoice, NanInjection, Outcome, Overlap, Strategy, TrainConfig};
 use common::{assert_stopped_run_resumes_like, max_abs_diff, odd, run_world, tiny};
 
 /// See `train.rs`: runs that see the same samples in other batch shapes agree to this.
@@ -51,7 +49,10 @@ fn run_logged(world: usize, cfg: &TrainConfig) -> (Vec<Outcome>, String) {
 fn assert_cpu_bits(what: &str, dev: &[Outcome], cpu: &[Outcome]) {
     assert!(dev[0].params == dev[1].params, "{what}: the ranks diverged");
     let d = max_abs_diff(&dev[0].params, &cpu[0].params);
-    assert!(dev[0].params == cpu[0].params, "{what}: differs from the CPU's by {d:e}");
+    assert!(
+        dev[0].params == cpu[0].params,
+        "{what}: differs from the CPU's by {d:e}"
+    );
     assert_eq!(dev[0].train_losses, cpu[0].train_losses, "{what}");
 }
 
@@ -69,8 +70,14 @@ fn two_device_ranks_are_cpu_ddps_bits_and_one_rank_with_the_doubled_batch() {
         ..cfg.clone()
     };
     let (dev, log) = run_logged(2, &on_device(&small_buckets));
-    assert!(log.contains("gradients: host-staged: each range copied"), "{log}");
-    let buckets = log.split("DDP buckets: ").nth(1).and_then(|s| s.split(' ').next());
+    assert!(
+        log.contains("gradients: host-staged: each range copied"),
+        "{log}"
+    );
+    let buckets = log
+        .split("DDP buckets: ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next());
     let buckets: usize = buckets.and_then(|n| n.parse().ok()).unwrap_or(0);
     assert!(buckets > 2, "{log}");
     let cpu = run_world(2, &on_cpu(&cfg));
@@ -159,7 +166,10 @@ fn two_device_ranks_save_and_resume_bitwise_and_regroup_elastically() {
     );
     assert_eq!(resumed[0].steps_run, 3);
     assert_eq!(resumed[0].train_losses, straight[0].train_losses[3..]);
-    assert!(resumed[0].params == straight[0].params, "resumed differently");
+    assert!(
+        resumed[0].params == straight[0].params,
+        "resumed differently"
+    );
     assert!(resumed[1].params == straight[0].params, "rank 1 diverged");
 
     // The launcher's elastic regroup, 2 ranks -> 1 (grad_accum 3 -> 6): the same samples.
@@ -211,7 +221,10 @@ fn zero1_on_the_device_matches_device_ddp() {
             ..zero.clone()
         },
     );
-    assert!(resumed[0].params == z[0].params, "ZeRO-1 resumed differently");
+    assert!(
+        resumed[0].params == z[0].params,
+        "ZeRO-1 resumed differently"
+    );
 }
 
 #[test]

@@ -16,8 +16,8 @@ use super::bf16::as_bf16;
 use super::{
     engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, PinnedStaging, MISSING,
 };
-use crate::CudaError;
 use crate::device::{AdamWScalars, Mem, SwiGluLayout};
+use crate::CudaError;
 
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {

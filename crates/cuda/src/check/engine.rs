@@ -95,7 +95,9 @@ fn staged_copy(dev: &dyn Backend) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
     let a = a.as_view();
     std::thread::scope(|s| {
         let copier = s.spawn(|| {
-            let bytes = cohort_engine::ViewMut::from(&mut staging[..]).cast::<u8>().host();
+            let bytes = cohort_engine::ViewMut::from(&mut staging[..])
+                .cast::<u8>()
+                .host();
             dev.copy_to_host_after(bytes, a.cast(), &done)
         });
         // Kernels after the event, on the other region, while the copy waits and runs.

@@ -304,8 +304,10 @@ impl Device {
         // the copy stream waits for `after`, the caller's promise that the kernels writing
         // `src` come before it and none after it; `dst` is not touched by the host until the
         // copy has completed (the synchronize below, before return).
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(self), copies.cu_stream()) }
-            .map_err(|e| self.after_last("copy to the host after an event", e))?;
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(self), copies.cu_stream())
+        }
+        .map_err(|e| self.after_last("copy to the host after an event", e))?;
         copies
             .synchronize()
             .map_err(|e| self.after_last("copy to the host after an event", e))

@@ -5,8 +5,8 @@
 //! This module only describes a pass; it never computes, and an option left out costs the pass
 //! nothing (no allocation, the same kernels in the same order).
 
-use std::ops::Range;
 use cohort_engine::ViewMut;
+use std::ops::Range;
 
 use crate::Labels;
 

@@ -93,7 +93,10 @@ impl<'pg> StagedDdp<'pg> {
         // be queued when the copy returns, and the staging is written again next step: wait.
         let t = Instant::now();
         model.copy_grads_from_host(&self.staging)?;
-        model.backend().sync().map_err(engine("upload the averaged gradients"))?;
+        model
+            .backend()
+            .sync()
+            .map_err(engine("upload the averaged gradients"))?;
         stats.comm_wait += t.elapsed();
         Ok(stats)
     }
@@ -129,7 +132,8 @@ impl StagedZero1 {
         let mask = decay_mask(model.param_views());
         let mut zero = Zero1::new(pg, &params, &mask, adamw)?;
         zero.set_compression(compression);
-        let staging = (model.backend().alloc_staging(n)).map_err(engine("allocate host staging"))?;
+        let staging =
+            (model.backend().alloc_staging(n)).map_err(engine("allocate host staging"))?;
         Ok(StagedZero1 {
             zero,
             staging,
@@ -168,7 +172,12 @@ impl StagedZero1 {
 
     /// AdamW at `lr` on the shard, every rank's shard gathered and uploaded to the model.
     /// Returns the all-gather's time. Collective.
-    pub fn update(&mut self, pg: &ProcessGroup, model: &mut GPT, lr: f64) -> Result<Duration, TrainError> {
+    pub fn update(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        lr: f64,
+    ) -> Result<Duration, TrainError> {
         self.zero.update(lr)?;
         let t = Instant::now();
         self.zero.all_gather(pg, &mut self.params)?;
@@ -242,7 +251,9 @@ fn stage_during<'g, 'm>(
     dev: &dyn Backend,
     staging: &'g mut [f32],
     landed: &mut ReadyHook<'_, 'g>,
-    backward: impl FnOnce(&mut (dyn FnMut(Range<usize>, ViewMut<'m, f32>) + Send)) -> Result<(), GptError>,
+    backward: impl FnOnce(
+        &mut (dyn FnMut(Range<usize>, ViewMut<'m, f32>) + Send),
+    ) -> Result<(), GptError>,
 ) -> Result<(), TrainError> {
     std::thread::scope(|s| {
         let (tx, rx) = mpsc::channel::<(Range<usize>, ViewMut<'m, f32>, Event)>();
@@ -327,7 +338,10 @@ mod tests {
         let mut seen = Vec::new();
         let handle = model.backend_handle();
         let mut landed = |r: Range<usize>, g: &mut [f32]| {
-            assert!(g.iter().all(|x| x.is_finite()), "{r:?} seen before it landed");
+            assert!(
+                g.iter().all(|x| x.is_finite()),
+                "{r:?} seen before it landed"
+            );
             seen.push(r);
         };
         stage_during(&*handle, &mut staging, &mut landed, |hook| {
@@ -337,6 +351,9 @@ mod tests {
         assert_eq!(seen, model.split_ready_ranges());
         let mut want = vec![0f32; n];
         model.copy_grads_to_host(&mut want).unwrap();
-        assert!(staging == want, "the staged gradients differ from the device's");
+        assert!(
+            staging == want,
+            "the staged gradients differ from the device's"
+        );
     }
 }

@@ -221,9 +221,8 @@ impl<'pg> DataParallel<'pg> {
                 let stats = ddp
                     .backward(|ready| {
                         // The CPU's gradients: each view is the host slice it is.
-                        let pass = Backward::new().on_ready(|range, grads| {
-                            ready(range, ViewMut::host(grads))
-                        });
+                        let pass = Backward::new()
+                            .on_ready(|range, grads| ready(range, ViewMut::host(grads)));
                         model.backward(pass.split_blocks())
                     })?
                     .finish(model.grads_mut())?;

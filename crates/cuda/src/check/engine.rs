@@ -117,13 +117,15 @@ fn staged_copy(dev: &dyn Backend) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
 /// Then the host-staging seam and the fused SwiGLU products (`swiglu_products.rs`).
 pub fn engine_backend(gpu: &CudaBackend) -> Vec<CheckRow> {
     let mut rows = sequence_rows(gpu);
-    rows.push(staged_copy_row(gpu));
+    rows.push(host_staging(gpu));
     rows.extend(super::swiglu_products::rows(gpu));
     rows
 }
 
-/// The staging seam's row: the staged floats and the other region's, exactly the CPU's.
-fn staged_copy_row(gpu: &CudaBackend) -> CheckRow {
+/// The host-staging seam's row (an event, a copy after it on another thread into page-locked
+/// staging while kernels write elsewhere): the staged floats and the other region's, exactly
+/// the CPU's.
+pub fn host_staging(gpu: &CudaBackend) -> CheckRow {
     let cpu = Cpu::new(1).expect("a one-thread pool");
     let want = staged_copy(&cpu).expect("the CPU backend cannot fail here");
     let kernel = "backend.copy_to_host_after".to_string();

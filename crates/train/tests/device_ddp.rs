@@ -202,6 +202,17 @@ fn zero1_on_the_device_matches_device_ddp() {
     let d = max_abs_diff(&z[0].params, &ddp[0].params);
     eprintln!("device ZeRO-1 vs device DDP: max |diff| {d:e}");
     assert!(d < 1e-5, "{d}");
+    // The shard's guard and AdamW run on the host as the CPU's ZeRO-1 does: its bits, with
+    // bf16 compression too.
+    for bf16 in [false, true] {
+        let zero = TrainConfig {
+            bf16_compress: Some(bf16),
+            ..zero.clone()
+        };
+        let dev = run_world(2, &zero);
+        let cpu = run_world(2, &on_cpu(&zero));
+        assert_cpu_bits(&format!("ZeRO-1, bf16 {bf16}"), &dev, &cpu);
+    }
 
     // Its sharded checkpoint resumes bitwise.
     let dir = tempfile::tempdir().unwrap();

@@ -42,8 +42,8 @@ fn the_engine_backend_on_the_gpu_matches_the_cpu_backend() {
 }
 
 /// The host-staging seam of host-staged DDP on the GPU (cohort_cuda::check::host_staging): an
-/// event after 20 kernels, a copy after it on another thread into page-locked memory while
-/// kernels write another region; both regions exactly the CPU's.
+/// event after 20 kernels, a copy after it on another thread into page-locked memory and back
+/// beside the kernels, while kernels write another region; every region exactly the CPU's.
 #[test]
 fn a_copy_after_an_event_lands_what_the_kernels_before_it_wrote() {
     let search = Search::from_env();

@@ -141,6 +141,19 @@ macro_rules! kernels {
                 let _ = after;
                 self.copy_to_host(dst, src)
             }
+            /// Copies host bytes `src` into `dst` (equal lengths) on a queue apart from the
+            /// kernels' (so that it overlaps the kernels in flight) and returns when they have
+            /// landed: how a host-staged collective hands a reduced bucket back while backward
+            /// goes on. No kernel in flight or launched before it returns may read or write
+            /// `dst`.
+            fn copy_from_host_beside(
+                &self,
+                dst: ViewMut<'_, u8>,
+                src: &[u8],
+            ) -> Result<(), EngineError> {
+                self.copy_from_host(dst, src)?;
+                self.sync()
+            }
             /// `len` zeroed host floats for this backend's copies: page-locked on a GPU, so
             /// that they run at the link's speed; ordinary host memory elsewhere. An upload
             /// from page-locked memory may still be queued when [`Backend::copy_from_host`]

@@ -5,8 +5,9 @@
 //! With them a data-parallel step overlaps its communication with backward on a device
 //! (`Backend::record_event`, then `Backend::copy_to_host_after` on another thread): the copy
 //! of a finished range waits for the kernels before its event only, not for the ones backward
-//! launches after it. On the CPU and the emulated device kernels are done when they return,
-//! so an event is [`Event::done`] and the copy is immediate.
+//! launches after it; `Backend::copy_from_host_beside` brings a reduced bucket back while they
+//! run. On the CPU and the emulated device kernels are done when they return, so an event is
+//! [`Event::done`] and the copies are immediate.
 //!
 //! This module only carries and frees memory and handles; it never computes, and never hands
 //! out host memory a device may still be writing (a copy into a [`Staging`] returns only once

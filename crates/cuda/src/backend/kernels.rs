@@ -97,6 +97,11 @@ impl Backend for CudaBackend {
         }
         .map_err(|e| self.device_error(what, e))
     }
+    fn copy_from_host_beside(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError> {
+        let what = "copy to the device beside the kernels";
+        let dst = self.w(dst).map_err(|e| self.device_error(what, e))?;
+        (self.dev.copy_from_host_beside(&dst, src)).map_err(|e| self.device_error(what, e))
+    }
     fn alloc_staging(&self, len: usize) -> Result<Staging, EngineError> {
         let alloc_error = |e: CudaError| EngineError::Alloc {
             device: self.device,

@@ -2,11 +2,12 @@
 //! of a training step's kernels (product, cross-entropy, loss sum, its backward, gradient norm,
 //! AdamW) on buffers each backend allocated, read back through the engine's copies. What the
 //! per-kernel checks cannot see: the views' carving, the copies, the kept errors and `sync`;
-//! and the host-staging seam (an event, a copy after it on another thread, page-locked staging).
+//! and the host-staging seam (an event, a copy after it on another thread, page-locked staging,
+//! a copy back beside the kernels).
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::optim::{grad_norm_on, AdamW, AdamWConfig, DecayMask};
-use cohort_engine::{Backend, EngineError};
+use cohort_engine::{Backend, EngineError, View, ViewMut};
 
 use super::{max_err, rand_vec, CheckRow};
 use crate::CudaBackend;
@@ -79,9 +80,10 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
 
 /// The host-staging seam on `dev`: a region written by 20 kernels, an event after them, then
 /// kernels on another region while a thread copies the first to page-locked staging after the
-/// event (what host-staged DDP does as backward hands a range of gradients over). Returns the
-/// staged floats and the other region's.
-fn staged_copy(dev: &dyn Backend) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
+/// event, adds 1 there and copies it back beside the kernels (what host-staged DDP does with a
+/// bucket while backward goes on). Returns the staged floats, the first region's and the
+/// other region's.
+fn staged_copy(dev: &dyn Backend) -> Result<[Vec<f32>; 3], EngineError> {
     let m = 4096;
     let mut buf = dev.alloc(2 * m)?;
     let (mut a, mut b) = buf.view_mut().split_at_mut(m);
@@ -92,25 +94,28 @@ fn staged_copy(dev: &dyn Backend) -> Result<(Vec<f32>, Vec<f32>), EngineError> {
     }
     let done = dev.record_event();
     let mut staging = dev.alloc_staging(m)?;
-    let a = a.as_view();
+    let mut staged = vec![0f32; m];
     std::thread::scope(|s| {
         let copier = s.spawn(|| {
-            let bytes = cohort_engine::ViewMut::from(&mut staging[..])
-                .cast::<u8>()
-                .host();
-            dev.copy_to_host_after(bytes, a.cast(), &done)
+            let bytes = ViewMut::from(&mut staging[..]).cast::<u8>().host();
+            dev.copy_to_host_after(bytes, a.as_view().cast(), &done)?;
+            staged.copy_from_slice(&staging);
+            staging.iter_mut().for_each(|x| *x += 1.0);
+            let bytes = View::from(&staging[..]).cast::<u8>().host();
+            dev.copy_from_host_beside(a.reborrow().cast(), bytes)
         });
-        // Kernels after the event, on the other region, while the copy waits and runs.
+        // Kernels after the event, on the other region only, while the copies run.
         dev.fill(b.reborrow(), -5.0);
         for _ in 0..20 {
-            dev.add_into(b.reborrow(), a);
+            dev.scale(b.reborrow(), 2.0);
         }
         copier.join().expect("the copy thread panicked")
     })?;
     dev.sync()?;
-    let mut other = vec![0f32; m];
+    let (mut first, mut other) = (vec![0f32; m], vec![0f32; m]);
+    dev.download(&mut first, a.as_view())?;
     dev.download(&mut other, b.as_view())?;
-    Ok((staging.to_vec(), other))
+    Ok([staged, first, other])
 }
 
 /// The sequence on `gpu` and on a CPU backend: one row per output.
@@ -123,15 +128,14 @@ pub fn engine_backend(gpu: &CudaBackend) -> Vec<CheckRow> {
 }
 
 /// The host-staging seam's row (an event, a copy after it on another thread into page-locked
-/// staging while kernels write elsewhere): the staged floats and the other region's, exactly
-/// the CPU's.
+/// staging and back while kernels write elsewhere): every region exactly the CPU's.
 pub fn host_staging(gpu: &CudaBackend) -> CheckRow {
     let cpu = Cpu::new(1).expect("a one-thread pool");
     let want = staged_copy(&cpu).expect("the CPU backend cannot fail here");
     let kernel = "backend.copy_to_host_after".to_string();
     match staged_copy(gpu) {
         Ok(got) => {
-            let e = max_err(&got.0, &want.0).max(max_err(&got.1, &want.1));
+            let e = (got.iter().zip(&want)).fold(0.0, |e: f64, (g, w)| e.max(max_err(g, w)));
             CheckRow {
                 kernel,
                 max_err: e,
@@ -205,6 +209,7 @@ mod tests {
         assert!(a.loss > 0.0 && a.norm > 0.0);
         let (a, b) = (staged_copy(&cpu).unwrap(), staged_copy(&emu).unwrap());
         assert_eq!(a, b);
-        assert!(a.0.iter().all(|&x| x == 21.0) && a.1.iter().all(|&x| x == 415.0));
+        let all = |v: &[f32], x: f32| v.iter().all(|&y| y == x);
+        assert!(all(&a[0], 21.0) && all(&a[1], 22.0) && all(&a[2], -5.0 * 1048576.0));
     }
 }

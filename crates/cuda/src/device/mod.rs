@@ -5,8 +5,9 @@
 //! [`CudaError`], never a panic. Launches are asynchronous: a kernel's fault surfaces at the
 //! next [`Device::sync`], which names the last kernel launched. The kernels themselves (shape
 //! checks, then one launch each) are in `ops.rs` and `blas.rs`. Must never hand out a buffer
-//! another stream writes: every kernel runs on the one stream; the one other stream, made on
-//! the first [`Device::copy_to_host_after`], only copies to the host after an event of it.
+//! another stream writes: every kernel runs on the one stream; the two others, made on first
+//! use, only copy: to the host after an event of it ([`Device::copy_to_host_after`]), and
+//! to memory no kernel in flight touches ([`Device::copy_from_host_beside`]).
 
 mod blas;
 mod mem;
@@ -63,6 +64,9 @@ pub struct Device {
     /// The stream of [`Device::copy_to_host_after`] (non-blocking: it never waits for the
     /// kernels' stream but through an event), made on its first use.
     copies: OnceLock<Arc<CudaStream>>,
+    /// The stream of [`Device::copy_from_host_beside`], apart from the downloads' so that an
+    /// upload never queues behind a download's wait for the kernels.
+    uploads: OnceLock<Arc<CudaStream>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -143,6 +147,7 @@ impl Device {
             compiler,
             last: Mutex::new("(none)"),
             copies: OnceLock::new(),
+            uploads: OnceLock::new(),
         })
     }
 
@@ -282,16 +287,7 @@ impl Device {
                 got: dst.len(),
             });
         }
-        let copies = match self.copies.get() {
-            Some(s) => s,
-            None => {
-                let made = self
-                    .ctx
-                    .new_stream()
-                    .map_err(|e| CudaError::driver("cuStreamCreate(copies)", e))?;
-                self.copies.get_or_init(|| made)
-            }
-        };
+        let copies = self.side_stream(&self.copies, "copies")?;
         copies
             .wait(after)
             .map_err(|e| self.after_last("cuStreamWaitEvent(copies)", e))?;
@@ -311,6 +307,52 @@ impl Device {
         copies
             .synchronize()
             .map_err(|e| self.after_last("copy to the host after an event", e))
+    }
+
+    /// Copies host bytes into device memory `dst` of the same length on the uploads' stream,
+    /// apart from the kernels' (so that it overlaps them), and returns when they have landed.
+    /// The caller promises that no kernel in flight reads or writes `dst`.
+    pub fn copy_from_host_beside(&self, dst: &dyn Mem<u8>, src: &[u8]) -> Result<(), CudaError> {
+        if dst.len() != src.len() {
+            return Err(CudaError::Shape {
+                kernel: "copy to the device beside the kernels",
+                arg: "host bytes",
+                need: dst.len(),
+                got: src.len(),
+            });
+        }
+        let uploads = self.side_stream(&self.uploads, "uploads")?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `dst` is `src.len()` bytes of this context's memory (checked above), kept
+        // allocated by its owner (the caller's view borrows it) until the synchronize below;
+        // no kernel touches it meanwhile (the caller's promise); `src` is read until the copy
+        // has completed (the synchronize below, before return).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst.ptr(self), src, uploads.cu_stream())
+        }
+        .map_err(|e| self.after_last("copy to the device beside the kernels", e))?;
+        uploads
+            .synchronize()
+            .map_err(|e| self.after_last("copy to the device beside the kernels", e))
+    }
+
+    /// One of the side streams, made on its first use (non-blocking: it waits for the
+    /// kernels' stream only through events).
+    fn side_stream<'a>(
+        &self,
+        slot: &'a OnceLock<Arc<CudaStream>>,
+        name: &str,
+    ) -> Result<&'a Arc<CudaStream>, CudaError> {
+        if let Some(s) = slot.get() {
+            return Ok(s);
+        }
+        let made = self
+            .ctx
+            .new_stream()
+            .map_err(|e| CudaError::driver(format!("cuStreamCreate({name})"), e))?;
+        Ok(slot.get_or_init(|| made))
     }
 
     /// `len` zeroed f32s of page-locked host memory (cacheable: the host reads and writes what

@@ -6,8 +6,10 @@
 //!   readiness hook, each block's MLP half first), the hook records an event on the device; a
 //!   copy thread beside backward waits for that event only, copies the range into page-locked
 //!   staging ([`Backend::copy_to_host_after`]) and hands it to DDP's reducer, whose thread
-//!   all-reduces each bucket as soon as its ranges have landed, while backward goes on. After
-//!   backward the averaged staging goes back to the device, before the optimizer.
+//!   all-reduces each bucket as soon as its ranges have landed, while backward goes on, and
+//!   copies it back into the device's gradients beside the kernels still running
+//!   ([`Backend::copy_from_host_beside`]). What DDP reduces after backward (the last bucket,
+//!   or everything with overlap off) goes back then, before the optimizer.
 //! - [`StagedZero1`]: ZeRO-1 over the same staging: the gradient copied down as backward
 //!   finishes it, reduce-scattered on the host once backward ends (as the CPU's ZeRO-1 does),
 //!   AdamW on this rank's shard on the host, the parameters all-gathered and uploaded.
@@ -16,13 +18,13 @@
 //! the reducer a staged range before the device's copy into it has landed.
 
 use std::ops::Range;
-use std::sync::mpsc;
+use std::sync::{mpsc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cohort_comm::ProcessGroup;
 use cohort_ddp::{Compression, Ddp, DdpOptions, ReadyHook, SyncStats};
 use cohort_engine::optim::AdamWConfig;
-use cohort_engine::{Backend, EngineError, Event, Staging, ViewMut};
+use cohort_engine::{Backend, EngineError, Event, Staging, View, ViewMut};
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{Backward, GptError, GPT};
 
@@ -82,21 +84,40 @@ impl<'pg> StagedDdp<'pg> {
             });
         }
         let dev = model.backend_handle();
+        // The device's view of each range copied down, kept for the bucket's way back, and the
+        // buckets back on the device; both shared by the copy thread and DDP's reduction thread.
+        let kept = Mutex::new(Vec::new());
+        let back = Mutex::new(Uploads::default());
         let staging: &mut [f32] = &mut self.staging;
-        let pending = self.ddp.backward(|ready| {
-            stage_during(&*dev, staging, ready, |hook| {
-                model.backward(Backward::new().on_ready(hook).split_blocks())
-            })
-        })?;
+        let mut reduced = |bucket: Range<usize>, averaged: &[f32]| {
+            upload_bucket(&*dev, &kept, &back, bucket, averaged)
+        };
+        let pending = self.ddp.backward_then(
+            |ready| {
+                stage_during(&*dev, staging, ready, Some(&kept), |hook| {
+                    model.backward(Backward::new().on_ready(hook).split_blocks())
+                })
+            },
+            &mut reduced,
+        )?;
         let mut stats = pending.finish(&mut self.staging)?;
-        // Back to the device before the optimizer; the upload from page-locked memory may still
-        // be queued when the copy returns, and the staging is written again next step: wait.
+        drop(kept);
+        let Uploads { done, error } = back.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = error {
+            return Err(engine("copy averaged gradients to the device")(e));
+        }
+        // What DDP reduced after backward (all of it with overlap off) goes back now; the upload
+        // from page-locked memory may still be queued when the copy returns, and the staging is
+        // written again next step: wait.
         let t = Instant::now();
-        model.copy_grads_from_host(&self.staging)?;
-        model
-            .backend()
-            .sync()
-            .map_err(engine("upload the averaged gradients"))?;
+        let (dev, mut grads) = model.grads_view_mut();
+        for gap in gaps(done, self.staging.len()) {
+            let (dst, src) = (grads.slice_mut(gap.clone()), &self.staging[gap]);
+            dev.upload(dst, src)
+                .map_err(engine("copy averaged gradients to the device"))?;
+        }
+        dev.sync()
+            .map_err(engine("copy averaged gradients to the device"))?;
         stats.comm_wait += t.elapsed();
         Ok(stats)
     }
@@ -161,7 +182,7 @@ impl StagedZero1 {
     ) -> Result<(Duration, Duration), TrainError> {
         let dev = model.backend_handle();
         let t = Instant::now();
-        stage_during(&*dev, &mut self.staging, &mut |_, _| {}, |hook| {
+        stage_during(&*dev, &mut self.staging, &mut |_, _| {}, None, |hook| {
             model.backward(Backward::new().on_ready(hook).split_blocks())
         })?;
         let backward = t.elapsed();
@@ -243,14 +264,84 @@ pub(crate) fn gradients_line(
     Some(line)
 }
 
+/// The buckets a reduction thread copied back to the device, and the first copy that failed.
+#[derive(Default)]
+struct Uploads {
+    done: Vec<Range<usize>>,
+    error: Option<EngineError>,
+}
+
+/// The device's views of the ranges copied down, with their places in the buffer.
+type Kept<'m> = Mutex<Vec<(Range<usize>, ViewMut<'m, f32>)>>;
+
+/// Copies the averaged `bucket` (`averaged`, its staging) back into the device's views of it
+/// in `kept` (every range of it was copied down, so kept, before the bucket was reduced),
+/// beside the kernels of the backward still running; notes it, or the error, in `back`.
+fn upload_bucket(
+    dev: &dyn Backend,
+    kept: &Kept<'_>,
+    back: &Mutex<Uploads>,
+    bucket: Range<usize>,
+    averaged: &[f32],
+) {
+    let mut views = lock(kept);
+    let mut result = Ok(());
+    for (range, view) in views.iter_mut() {
+        let (lo, hi) = (range.start.max(bucket.start), range.end.min(bucket.end));
+        if lo >= hi || result.is_err() {
+            continue;
+        }
+        let dst = view
+            .slice_mut(lo - range.start..hi - range.start)
+            .cast::<u8>();
+        let src = &averaged[lo - bucket.start..hi - bucket.start];
+        result = dev.copy_from_host_beside(dst, View::from(src).cast::<u8>().host());
+    }
+    // A range wholly inside the bucket is done with.
+    views.retain(|(r, _)| !(bucket.start <= r.start && r.end <= bucket.end));
+    drop(views);
+    let mut back = lock(back);
+    match result {
+        Ok(()) => back.done.push(bucket),
+        Err(e) => {
+            back.error.get_or_insert(e);
+        }
+    }
+}
+
+/// The parts of `0..len` that `done` (disjoint ranges) leaves out, ascending.
+fn gaps(mut done: Vec<Range<usize>>, len: usize) -> Vec<Range<usize>> {
+    done.sort_by_key(|r| r.start);
+    let mut out = Vec::new();
+    let mut at = 0;
+    for r in done {
+        if r.start > at {
+            out.push(at..r.start);
+        }
+        at = at.max(r.end);
+    }
+    if at < len {
+        out.push(at..len);
+    }
+    out
+}
+
+/// A mutex's guard, even after a panic elsewhere (each update is one push, one retain or one
+/// assignment: the value stays whole).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Runs `backward` (the model's, given the readiness hook to pass it) and copies each range of
 /// gradients it hands over into the same range of `staging` on a thread beside it, once the
-/// kernels before the range's event have run; there `landed(range, staged)` follows each copy.
-/// The ranges must come top down, tiling the buffer, as the model hands them over.
+/// kernels before the range's event have run; there each range's view goes to `keep` (when
+/// given) and `landed(range, staged)` follows. The ranges must come top down, tiling the
+/// buffer, as the model hands them over.
 fn stage_during<'g, 'm>(
     dev: &dyn Backend,
     staging: &'g mut [f32],
     landed: &mut ReadyHook<'_, 'g>,
+    keep: Option<&Kept<'m>>,
     backward: impl FnOnce(
         &mut (dyn FnMut(Range<usize>, ViewMut<'m, f32>) + Send),
     ) -> Result<(), GptError>,
@@ -278,6 +369,9 @@ fn stage_during<'g, 'm>(
                 let bytes = ViewMut::from(&mut *top).cast::<u8>().host();
                 dev.copy_to_host_after(bytes, grads.as_view().cast(), &done)
                     .map_err(engine("copy gradients to the host"))?;
+                if let Some(keep) = keep {
+                    lock(keep).push((range.clone(), grads));
+                }
                 landed(range, top);
                 rest = lower;
             }
@@ -314,6 +408,33 @@ mod tests {
     use cohort_engine::{DType, Emulated};
     use cohort_gpt::{Forward, GPTConfig, Labels};
 
+    /// A bucket averaged during backward goes back into the device's views of the ranges it
+    /// covers (in part for a range it cuts), and the rest is what is left to upload after.
+    #[test]
+    fn an_averaged_bucket_goes_back_into_the_views_it_covers() {
+        let emu = Emulated::new(1, DType::F32).unwrap();
+        let dev: &dyn Backend = &emu;
+        let mut buf = dev.alloc(10).unwrap();
+        {
+            let (lo, hi) = buf.view_mut().split_at_mut(4);
+            let kept = Mutex::new(vec![(4..10, hi), (0..4, lo)]);
+            let back = Mutex::new(Uploads::default());
+            let averaged: Vec<f32> = (2..10).map(|i| i as f32).collect();
+            upload_bucket(dev, &kept, &back, 2..10, &averaged);
+            // 4..10 is done with; 0..4 waits for the bucket below.
+            let left: Vec<Range<usize>> = lock(&kept).iter().map(|(r, _)| r.clone()).collect();
+            assert_eq!(left, vec![0..4]);
+            let Uploads { done, error } = back.into_inner().unwrap();
+            assert!(error.is_none());
+            assert_eq!(gaps(done, 10), vec![0..2]);
+        }
+        let mut out = [0f32; 10];
+        dev.download(&mut out, buf.view()).unwrap();
+        assert_eq!(out, [0.0, 0.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+        assert_eq!(gaps(vec![4..6, 0..2], 8), vec![2..4, 6..8]);
+        assert_eq!(gaps(Vec::new(), 3), vec![0..3]);
+    }
+
     /// The staging filled range by range as the emulated device's backward hands them over,
     /// each range landed before the reducer sees it: the device's gradients, bit for bit.
     #[test]
@@ -344,7 +465,7 @@ mod tests {
             );
             seen.push(r);
         };
-        stage_during(&*handle, &mut staging, &mut landed, |hook| {
+        stage_during(&*handle, &mut staging, &mut landed, None, |hook| {
             model.backward(Backward::new().on_ready(hook).split_blocks())
         })
         .unwrap();

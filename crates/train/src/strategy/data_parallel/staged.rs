@@ -246,8 +246,8 @@ pub(crate) fn gradients_line(
         GradSync::Device { .. } if overlap => format!(
             "gradients: host-staged: each range copied to page-locked host memory as backward \
              finishes it (an event per range, a copy stream), each bucket all-reduced in {wire} \
-             with cohort's collectives over {world} rank(s) while backward goes on, copied back \
-             before the optimizer"
+             with cohort's collectives over {world} rank(s) and copied back beside the kernels \
+             while backward goes on"
         ),
         GradSync::Device { .. } => format!(
             "gradients: host-staged: copied to page-locked host memory as backward finishes \

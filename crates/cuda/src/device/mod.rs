@@ -372,14 +372,6 @@ impl Device {
         Ok(pinned)
     }
 
-    /// Waits for every operation of the context (both streams): what page-locked memory waits
-    /// for before it is freed, as a copy from it may still be queued.
-    pub fn sync_all(&self) -> Result<(), CudaError> {
-        self.ctx
-            .synchronize()
-            .map_err(|e| self.after_last("cuCtxSynchronize", e))
-    }
-
     /// Waits for every launch so far; a fault is reported with the last kernel's name.
     pub fn sync(&self) -> Result<(), CudaError> {
         self.stream

@@ -12,7 +12,8 @@
 #    two ranks sharing the GPU (`cohort run -n 2`): refused without NCCL_MULTI_RANK_GPU_ENABLE,
 #    run with it where NCCL is 2.30 or later (an older NCCL's refusal is the expected outcome);
 # 4. `cohort train --device cuda` against `--device cpu`: the same 20 steps, their losses side
-#    by side (a table, and a JSON line);
+#    by side (a table, and a JSON line); then two ranks sharing the GPU, host-staged
+#    (`cohort run -n 2 train --device cuda`), against the same CPU run;
 # 5. `cohort bench train --device cuda`: GPT-2 124M (config G's shape) at T=1024, batch 8 and
 #    16, fp32 and bf16 products, and config G itself (T=256, batch 4);
 # 6. PyTorch's anchors on the same GPU: GPT-2 124M at T=1024, batch 8 and 16, bf16 autocast,
@@ -174,6 +175,13 @@ if [ -x "$COHORT" ]; then
   run_part "cohort train --device cpu" 30 "$COHORT" "${TRAIN[@]}" --device cpu --log-dir "$OUT_DIR/train-cpu"
   run_part "cohort train --device $DEV" 45 "$COHORT" "${TRAIN[@]}" --device "$DEV" --log-dir "$OUT_DIR/train-$DEV"
   run_part "loss curves cpu vs $DEV" 15 "$PY" "${BENCH[@]}" compare "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV" --label "$DEV" --out "$RESULTS"
+  # Two ranks sharing the device, their gradients host-staged (DDP's buckets all-reduced on
+  # the host while backward goes on): batch 4 each, the CPU run's global batch of 8.
+  TRAIN_X2=(train --steps 20 --log-interval 1 --n-layers 2 --n-heads 4 --d-model 128 --d-ff 512
+    --seq-len 64 --batch-size 4 --dropout 0)
+  rm -rf "$OUT_DIR/train-$DEV-x2"
+  run_part "cohort run -n 2 train --device $DEV (host-staged)" 60 "$COHORT" run -n 2 "${TRAIN_X2[@]}" --device "$DEV" --log-dir "$OUT_DIR/train-$DEV-x2"
+  run_part "loss curves cpu vs 2 ranks on $DEV" 15 "$PY" "${BENCH[@]}" compare "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV-x2" --label "$DEV x2" --out "$RESULTS"
 
   section "cohort bench train --device $DEV"
   # JSON lines into the results the table reads (and the log).

@@ -25,7 +25,7 @@ mod engine;
 mod llama;
 mod swiglu_products;
 pub use bf16_products::engine_backend_bf16;
-pub use engine::engine_backend;
+pub use engine::{engine_backend, host_staging};
 
 /// One compared output.
 #[derive(Debug, Clone)]

@@ -40,3 +40,21 @@ fn the_engine_backend_on_the_gpu_matches_the_cpu_backend() {
     eprintln!("{}", check::table(&rows));
     assert!(rows.iter().all(|r| r.ok), "{}", check::table(&rows));
 }
+
+/// The host-staging seam of host-staged DDP on the GPU (cohort_cuda::check::host_staging): an
+/// event after 20 kernels, a copy after it on another thread into page-locked memory and back
+/// beside the kernels, while kernels write another region; every region exactly the CPU's.
+#[test]
+fn a_copy_after_an_event_lands_what_the_kernels_before_it_wrote() {
+    let search = Search::from_env();
+    let gpu = match cohort_cuda::CudaBackend::open(0, cohort_engine::DType::F32, &search) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: host staging on the GPU: {e}");
+            return;
+        }
+    };
+    let row = check::host_staging(&gpu);
+    eprintln!("{}", check::table(std::slice::from_ref(&row)));
+    assert!(row.ok, "{}", check::table(&[row]));
+}

@@ -127,6 +127,12 @@ impl Default for DdpOptions {
 /// `Send`.
 pub type ReadyHook<'h, 'g> = dyn FnMut(Range<usize>, &'g mut [f32]) + Send + 'h;
 
+/// The hook [`Ddp::backward_then`] calls on the reduction's thread with `(range, averaged)` as
+/// soon as a bucket's average is in the buffer, `range` being the bucket's place in the flat
+/// buffer: what lets a host-staged caller copy the bucket back to a device while backward goes
+/// on. The buckets that [`PendingSync::finish`] reduces are not reported.
+pub type ReducedHook<'r> = dyn FnMut(Range<usize>, &[f32]) + Send + 'r;
+
 /// Where the time of one synchronising backward went.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SyncStats {
@@ -245,9 +251,22 @@ impl<'pg> Ddp<'pg> {
     where
         E: Into<Box<dyn std::error::Error + Send + Sync>>,
     {
+        self.backward_then(backward, &mut |_, _| {})
+    }
+
+    /// [`Ddp::backward`], telling `reduced` of each bucket averaged during backward (see
+    /// [`ReducedHook`]). Collective.
+    pub fn backward_then<'g, E>(
+        &mut self,
+        backward: impl FnOnce(&mut ReadyHook<'_, 'g>) -> Result<(), E>,
+        reduced: &mut ReducedHook<'_>,
+    ) -> Result<PendingSync<'_, 'pg>, DdpError>
+    where
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let mut stats = SyncStats::default();
         let end = if self.options.overlap && !self.solo() {
-            self.backward_overlapped(backward, &mut stats)?
+            self.backward_overlapped(backward, reduced, &mut stats)?
         } else {
             let mut reducer = Reducer::new(&self.params, &self.buckets, self.total, false);
             let t = Instant::now();
@@ -414,6 +433,7 @@ impl Ddp<'_> {
     fn backward_overlapped<'g, E>(
         &mut self,
         backward: impl FnOnce(&mut ReadyHook<'_, 'g>) -> Result<(), E>,
+        reduced: &mut ReducedHook<'_>,
         stats: &mut SyncStats,
     ) -> Result<BackwardEnd, DdpError>
     where
@@ -433,6 +453,7 @@ impl Ddp<'_> {
                     let t = Instant::now();
                     reduce_bucket(pg, Some(b), grads, compression, world, scratch)?;
                     busy += t.elapsed();
+                    reduced(buckets[b].range.clone(), grads);
                 }
                 Ok((busy, nice))
             });

@@ -65,7 +65,7 @@ pub use bucket::{
     ParamSpec,
 };
 pub use ddp::{
-    Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook, SyncStats,
-    DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, DEFAULT_LAST_BUCKET_MB,
+    Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook, ReducedHook,
+    SyncStats, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, DEFAULT_LAST_BUCKET_MB,
 };
 pub use error::DdpError;

@@ -499,3 +499,44 @@ fn a_lower_priority_reducer_changes_nothing_but_its_priority() {
     assert!(got > 0 && got <= 5, "{got}");
     assert_eq!(same[0].0, lower[0].0);
 }
+
+/// `backward_then` tells of each bucket reduced during backward, on the reduction's thread,
+/// with its range and its averaged gradients (what a host-staged caller copies back to a
+/// device while backward goes on); the buckets reduced after backward are not told.
+#[test]
+fn backward_then_reports_each_bucket_averaged_during_backward() {
+    let small = DdpOptions {
+        bucket_cap_mb: 0.01,
+        first_bucket_mb: 0.01,
+        ..DdpOptions::default()
+    };
+    for overlap in [true, false] {
+        let runs = spawn::threads_with(2, opts(), |pg| {
+            let mut m = Toy::new(&LENS, data(pg.rank()));
+            let options = DdpOptions {
+                overlap,
+                ..small.clone()
+            };
+            let mut ddp = Ddp::new(pg, specs(&LENS), &mut m.w, options)?;
+            let buckets: Vec<Range<usize>> =
+                ddp.buckets().iter().map(|b| b.range.clone()).collect();
+            let mut told: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
+            let mut reduced = |r: Range<usize>, g: &[f32]| told.push((r, g.to_vec()));
+            let stats = ddp
+                .backward_then(|ready| m.backward(ready), &mut reduced)?
+                .finish(&mut m.g)?;
+            Ok::<_, DdpError>((buckets, told, stats.overlapped_buckets, m.g))
+        })
+        .unwrap();
+        let (buckets, told, overlapped, g) = &runs[0];
+        assert_eq!(told.len(), *overlapped, "overlap {overlap}");
+        assert_eq!(told.is_empty(), !overlap);
+        for ((range, averaged), bucket) in told.iter().zip(buckets) {
+            assert_eq!(range, bucket);
+            assert!(averaged[..] == g[range.clone()], "bucket {range:?}");
+        }
+        if overlap {
+            assert!(told.len() > 2, "{}", told.len());
+        }
+    }
+}

@@ -31,7 +31,7 @@
 
 use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, RopeDims};
 use crate::optim::{self, AdamCoeffs};
-use crate::{Buffer, Dropout, Elem, Emulated, EngineError, View, ViewMut};
+use crate::{Buffer, Dropout, Elem, Emulated, EngineError, Event, Staging, View, ViewMut};
 
 /// Where a backend's buffers live and its kernels run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -118,6 +118,49 @@ macro_rules! kernels {
             fn copy_to_host(&self, dst: &mut [u8], src: View<'_, u8>) -> Result<(), EngineError>;
             /// Waits for every kernel launched so far; the first error any of them met.
             fn sync(&self) -> Result<(), EngineError>;
+            /// A point in the queue of kernels, after every kernel launched so far: what
+            /// [`Backend::copy_to_host_after`] waits for (a data-parallel step records one as
+            /// backward hands a range of gradients over). Never fails: a device that cannot
+            /// record one waits for its kernels instead and keeps the error for the next
+            /// [`Backend::sync`]. A backend whose kernels are done when they return (the CPU,
+            /// the emulated device) returns [`Event::done`].
+            fn record_event(&self) -> Event {
+                Event::done()
+            }
+            /// Copies `src` to host bytes `dst` (equal lengths) once the kernels before `after`
+            /// (an event of this backend) have run, on a queue apart from the kernels' so that
+            /// it overlaps the kernels launched since; returns when the bytes have landed
+            /// (blocking the calling thread only: call it from a thread beside the one that
+            /// launches). `src` must not be written by a kernel launched after `after`.
+            fn copy_to_host_after(
+                &self,
+                dst: &mut [u8],
+                src: View<'_, u8>,
+                after: &Event,
+            ) -> Result<(), EngineError> {
+                let _ = after;
+                self.copy_to_host(dst, src)
+            }
+            /// Copies host bytes `src` into `dst` (equal lengths) on a queue apart from the
+            /// kernels' (so that it overlaps the kernels in flight) and returns when they have
+            /// landed: how a host-staged collective hands a reduced bucket back while backward
+            /// goes on. No kernel in flight or launched before it returns may read or write
+            /// `dst`.
+            fn copy_from_host_beside(
+                &self,
+                dst: ViewMut<'_, u8>,
+                src: &[u8],
+            ) -> Result<(), EngineError> {
+                self.copy_from_host(dst, src)?;
+                self.sync()
+            }
+            /// `len` zeroed host floats for this backend's copies: page-locked on a GPU, so
+            /// that they run at the link's speed; ordinary host memory elsewhere. An upload
+            /// from page-locked memory may still be queued when [`Backend::copy_from_host`]
+            /// returns: [`Backend::sync`] before writing the floats again.
+            fn alloc_staging(&self, len: usize) -> Result<Staging, EngineError> {
+                Ok(Staging::host(len))
+            }
             /// The kernels of [`KERNELS`] this backend has no body for yet: a model checks the
             /// ones it needs when it is built, so that a missing one is an error there (a
             /// call of one anyway is an error at the next [`Backend::sync`], never a panic).

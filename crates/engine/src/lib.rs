@@ -13,6 +13,9 @@
 //!   A device backend (`cohort-cuda`) implements [`Backend`] over [`Device::Cuda`] buffers;
 //!   [`Emulated`] is one whose device memory is host memory, to test device code paths (a
 //!   model that never reads its buffers on the host) on machines without a GPU.
+//! - [`Event`] and [`Staging`] are what a host-staged collective needs from a device: a point
+//!   in its queue of kernels and page-locked host memory, for a copy of finished gradients
+//!   that overlaps the kernels still running ([`Backend::copy_to_host_after`]).
 //! - [`Dropout`] derives every dropout decision from (seed, rank, step, site, index), so masks
 //!   are reproducible and never stored.
 //! - [`optim`] holds AdamW, SGD, the LR schedule and gradient clipping over flat buffers; AdamW's
@@ -50,12 +53,14 @@ pub mod cpu;
 mod dropout;
 mod emulated;
 pub mod optim;
+mod staging;
 
 pub use aligned::AlignedFloats;
 pub use backend::{Backend, DType, Device, KERNELS};
 pub use buffer::{Buffer, Elem, View, ViewMut};
 pub use dropout::Dropout;
 pub use emulated::Emulated;
+pub use staging::{Event, Staging};
 
 /// What went wrong setting up the engine.
 #[derive(Debug, thiserror::Error)]

@@ -23,7 +23,7 @@
 //! assert!((loss - (11f32).ln()).abs() < 0.1);
 //! model.zero_grad();
 //! let mut finished = 0;
-//! let ready = |range: std::ops::Range<usize>, grads: &mut [f32]| {
+//! let ready = |range: std::ops::Range<usize>, grads: cohort_engine::ViewMut<'_, f32>| {
 //!     assert_eq!(range.len(), grads.len());
 //!     finished += range.len();
 //! };

@@ -825,8 +825,8 @@ impl TrainConfig {
         self.validate_device()
     }
 
-    /// What a model in a device's memory cannot do yet: only the DDP strategy steps it, and
-    /// its gradient guard has no clamp kernel.
+    /// What a model in a device's memory cannot do yet: only DDP and ZeRO-1 (host-staged)
+    /// step it, and its gradient guard has no clamp kernel.
     fn validate_device(&self) -> Result<(), ConfigError> {
         if self.backend == "nccl" && !matches!(self.device, DeviceChoice::Cuda(_)) {
             return Err(ConfigError::Invalid {
@@ -845,9 +845,10 @@ impl TrainConfig {
                 why: why.to_string(),
             })
         };
-        if self.strategy != Strategy::Ddp {
+        if !matches!(self.strategy, Strategy::Ddp | Strategy::Zero1) {
             return refuse(&format!(
-                "--strategy {} is not on a device yet: only ddp trains a model in a device's memory",
+                "--strategy {} is not on a device yet: ddp and zero1 train a model in a \
+                 device's memory (its gradients staged through the host)",
                 self.strategy.name()
             ));
         }

@@ -422,7 +422,8 @@ fn device_line(cfg: &TrainConfig, model: &GPT) -> String {
     let dev = model.backend();
     format!(
         "device {} (--device {}): matrix products in {}; parameters, gradients, activations \
-         and AdamW state in its memory, copied to the host only for checkpoints",
+         and AdamW state in its memory, copied to the host only for checkpoints and (over \
+         several ranks) the gradients' collectives",
         dev.device(),
         cfg.device,
         dev.dtype()

@@ -7,12 +7,17 @@
 use cohort_engine::cpu::{AttnDims, DecodeDims, DecodeMatrix, RopeDims};
 use cohort_engine::optim::AdamCoeffs;
 use cohort_engine::{
-    Backend, Buffer, DType, Device as EngineDevice, Dropout, EngineError, View, ViewMut,
+    Backend, Buffer, DType, Device as EngineDevice, Dropout, EngineError, Event, Staging, View,
+    ViewMut,
 };
+use cudarc::driver::CudaEvent;
 
 use super::bf16::as_bf16;
-use super::{engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, MISSING};
+use super::{
+    engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, PinnedStaging, MISSING,
+};
 use crate::device::{AdamWScalars, Mem, SwiGluLayout};
+use crate::CudaError;
 
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
@@ -62,6 +67,56 @@ impl Backend for CudaBackend {
             Some(e) => Err(e),
             None => synced,
         }
+    }
+    fn record_event(&self) -> Event {
+        match self.dev.record_event() {
+            Ok(event) => Event::on_device(Box::new(event)),
+            // The contract: wait for the kernels instead, the error kept for the next sync.
+            Err(e) => {
+                self.fail(self.device_error("record an event", e));
+                if let Err(e) = self.dev.sync() {
+                    self.fail(self.device_error("sync in place of an event", e));
+                }
+                Event::done()
+            }
+        }
+    }
+    fn copy_to_host_after(
+        &self,
+        dst: &mut [u8],
+        src: View<'_, u8>,
+        after: &Event,
+    ) -> Result<(), EngineError> {
+        let what = "copy to the host after an event";
+        let src = self.r(src).map_err(|e| self.device_error(what, e))?;
+        match after.device().and_then(|e| e.downcast_ref::<CudaEvent>()) {
+            Some(event) => self.dev.copy_to_host_after(dst, &src, event),
+            // Done already (recorded in place of a failed event, or by another backend):
+            // the ordinary copy, after every kernel so far, is as late as it needs to be.
+            None => self.dev.copy_to_host(dst, &src),
+        }
+        .map_err(|e| self.device_error(what, e))
+    }
+    fn copy_from_host_beside(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError> {
+        let what = "copy to the device beside the kernels";
+        let dst = self.w(dst).map_err(|e| self.device_error(what, e))?;
+        (self.dev.copy_from_host_beside(&dst, src)).map_err(|e| self.device_error(what, e))
+    }
+    fn alloc_staging(&self, len: usize) -> Result<Staging, EngineError> {
+        let alloc_error = |e: CudaError| EngineError::Alloc {
+            device: self.device,
+            bytes: 4 * len,
+            reason: format!("page-locked host memory: {e}"),
+        };
+        let mut pinned = self.dev.alloc_pinned(len).map_err(alloc_error)?;
+        let ptr = pinned
+            .as_mut_ptr()
+            .map_err(|e| alloc_error(CudaError::driver("cuEventSynchronize", e)))?;
+        // SAFETY: `ptr` is the start of `len` zeroed f32s of page-locked memory (alloc_pinned)
+        // that `pinned` keeps allocated at that address until the owner is dropped; the owner's
+        // drop waits for every copy of the context before `pinned` frees them, and this
+        // backend's copies into them return only once the bytes have landed.
+        Ok(unsafe { Staging::from_raw(ptr, len, Box::new(PinnedStaging(pinned))) })
     }
     fn missing_kernels(&self) -> &'static [&'static str] {
         MISSING

@@ -248,6 +248,18 @@ fn engine_buffer<T: DeviceRepr + cudarc::driver::ValidAsZeroBits + Send + Sync +
     Ok(Buffer::on_device(backend.device, addr, len, Box::new(s)))
 }
 
+/// The owner of a [`Staging`](cohort_engine::Staging) in page-locked memory: waits for every
+/// operation of the context before the memory is freed (an upload from it may still be queued:
+/// a copy from page-locked memory runs after the call returns).
+struct PinnedStaging(cudarc::driver::PinnedHostSlice<f32>);
+
+impl Drop for PinnedStaging {
+    fn drop(&mut self) {
+        // An error here is the context's own, which its next call reports.
+        let _ = self.0.context().synchronize();
+    }
+}
+
 /// `host` as bytes.
 fn host_bytes(host: &mut [f32]) -> &mut [u8] {
     ViewMut::from(host).cast::<u8>().host()

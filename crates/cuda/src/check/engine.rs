@@ -1,11 +1,13 @@
 //! The engine's backend on the GPU ([`CudaBackend`]) against the CPU backend: a short sequence
 //! of a training step's kernels (product, cross-entropy, loss sum, its backward, gradient norm,
 //! AdamW) on buffers each backend allocated, read back through the engine's copies. What the
-//! per-kernel checks cannot see: the views' carving, the copies, the kept errors and `sync`.
+//! per-kernel checks cannot see: the views' carving, the copies, the kept errors and `sync`;
+//! and the host-staging seam (an event, a copy after it on another thread, page-locked staging,
+//! a copy back beside the kernels).
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::optim::{grad_norm_on, AdamW, AdamWConfig, DecayMask};
-use cohort_engine::{Backend, EngineError};
+use cohort_engine::{Backend, EngineError, View, ViewMut};
 
 use super::{max_err, rand_vec, CheckRow};
 use crate::CudaBackend;
@@ -78,12 +80,80 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     Ok(o)
 }
 
+/// The host-staging seam on `dev`: a region written by 20 kernels, an event after them, then
+/// kernels on another region while a thread copies the first to page-locked staging after the
+/// event, adds 1 there and copies it back beside the kernels (what host-staged DDP does with a
+/// bucket while backward goes on). Returns the staged floats, the first region's and the
+/// other region's.
+fn staged_copy(dev: &dyn Backend) -> Result<[Vec<f32>; 3], EngineError> {
+    let m = 4096;
+    let mut buf = dev.alloc(2 * m)?;
+    let (mut a, mut b) = buf.view_mut().split_at_mut(m);
+    dev.fill(a.reborrow(), 1.0);
+    dev.fill(b.reborrow(), 1.0);
+    for _ in 0..20 {
+        dev.add_into(a.reborrow(), b.as_view());
+    }
+    let done = dev.record_event();
+    let mut staging = dev.alloc_staging(m)?;
+    let mut staged = vec![0f32; m];
+    std::thread::scope(|s| {
+        let copier = s.spawn(|| {
+            let bytes = ViewMut::from(&mut staging[..]).cast::<u8>().host();
+            dev.copy_to_host_after(bytes, a.as_view().cast(), &done)?;
+            staged.copy_from_slice(&staging);
+            staging.iter_mut().for_each(|x| *x += 1.0);
+            let bytes = View::from(&staging[..]).cast::<u8>().host();
+            dev.copy_from_host_beside(a.reborrow().cast(), bytes)
+        });
+        // Kernels after the event, on the other region only, while the copies run.
+        dev.fill(b.reborrow(), -5.0);
+        for _ in 0..20 {
+            dev.scale(b.reborrow(), 2.0);
+        }
+        copier.join().expect("the copy thread panicked")
+    })?;
+    dev.sync()?;
+    let (mut first, mut other) = (vec![0f32; m], vec![0f32; m]);
+    dev.download(&mut first, a.as_view())?;
+    dev.download(&mut other, b.as_view())?;
+    Ok([staged, first, other])
+}
+
 /// The sequence on `gpu` and on a CPU backend: one row per output.
-/// Then the fused SwiGLU products (`swiglu_products.rs`).
+/// Then the host-staging seam and the fused SwiGLU products (`swiglu_products.rs`).
 pub fn engine_backend(gpu: &CudaBackend) -> Vec<CheckRow> {
     let mut rows = sequence_rows(gpu);
+    rows.push(host_staging(gpu));
     rows.extend(super::swiglu_products::rows(gpu));
     rows
+}
+
+/// The host-staging seam's row (an event, a copy after it on another thread into page-locked
+/// staging and back while kernels write elsewhere): every region exactly the CPU's.
+pub fn host_staging(gpu: &CudaBackend) -> CheckRow {
+    let cpu = Cpu::new(1).expect("a one-thread pool");
+    let want = staged_copy(&cpu).expect("the CPU backend cannot fail here");
+    let kernel = "backend.copy_to_host_after".to_string();
+    match staged_copy(gpu) {
+        Ok(got) => {
+            let e = (got.iter().zip(&want)).fold(0.0, |e: f64, (g, w)| e.max(max_err(g, w)));
+            CheckRow {
+                kernel,
+                max_err: e,
+                tolerance: 0.0,
+                ok: e == 0.0,
+                error: None,
+            }
+        }
+        Err(e) => CheckRow {
+            kernel,
+            max_err: f64::NAN,
+            tolerance: 0.0,
+            ok: false,
+            error: Some(e.to_string()),
+        },
+    }
 }
 
 fn sequence_rows(gpu: &CudaBackend) -> Vec<CheckRow> {
@@ -139,5 +209,9 @@ mod tests {
         );
         assert_eq!((a.loss, a.norm), (b.loss, b.norm));
         assert!(a.loss > 0.0 && a.norm > 0.0);
+        let (a, b) = (staged_copy(&cpu).unwrap(), staged_copy(&emu).unwrap());
+        assert_eq!(a, b);
+        let all = |v: &[f32], x: f32| v.iter().all(|&y| y == x);
+        assert!(all(&a[0], 21.0) && all(&a[1], 22.0) && all(&a[2], -5.0 * 1048576.0));
     }
 }

@@ -5,18 +5,20 @@
 //! [`CudaError`], never a panic. Launches are asynchronous: a kernel's fault surfaces at the
 //! next [`Device::sync`], which names the last kernel launched. The kernels themselves (shape
 //! checks, then one launch each) are in `ops.rs` and `blas.rs`. Must never hand out a buffer
-//! another stream writes: everything runs on the one stream.
+//! another stream writes: every kernel runs on the one stream; the two others, made on first
+//! use, only copy: to the host after an event of it ([`Device::copy_to_host_after`]), and
+//! to memory no kernel in flight touches ([`Device::copy_from_host_beside`]).
 
 mod blas;
 mod mem;
 mod ops;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchArgs, LaunchConfig,
-    ValidAsZeroBits,
+    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchArgs,
+    LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -59,6 +61,12 @@ pub struct Device {
     compiler: Compiler,
     /// The last kernel launched, for the error of the sync that finds it failed.
     last: Mutex<&'static str>,
+    /// The stream of [`Device::copy_to_host_after`] (non-blocking: it never waits for the
+    /// kernels' stream but through an event), made on its first use.
+    copies: OnceLock<Arc<CudaStream>>,
+    /// The stream of [`Device::copy_from_host_beside`], apart from the downloads' so that an
+    /// upload never queues behind a download's wait for the kernels.
+    uploads: OnceLock<Arc<CudaStream>>,
 }
 
 impl std::fmt::Debug for Device {
@@ -138,6 +146,8 @@ impl Device {
             arch,
             compiler,
             last: Mutex::new("(none)"),
+            copies: OnceLock::new(),
+            uploads: OnceLock::new(),
         })
     }
 
@@ -256,6 +266,116 @@ impl Device {
         }
         .map_err(|e| self.after_last("copy to the host", e))?;
         self.sync()
+    }
+
+    /// An event after every launch so far on the kernels' stream.
+    pub fn record_event(&self) -> Result<CudaEvent, CudaError> {
+        self.stream
+            .record_event(None)
+            .map_err(|e| self.after_last("record an event", e))
+    }
+
+    /// Copies device memory `src` into host bytes of the same length once the work before
+    /// `after` (an event of [`Device::record_event`]) is done, on the copy stream, so that the
+    /// copy overlaps the kernels launched after the event; returns when the bytes have landed.
+    /// Into page-locked memory ([`Device::alloc_pinned`]) the copy runs at the link's speed.
+    pub fn copy_to_host_after(
+        &self,
+        dst: &mut [u8],
+        src: &dyn Mem<u8>,
+        after: &CudaEvent,
+    ) -> Result<(), CudaError> {
+        if dst.len() != src.len() {
+            return Err(CudaError::Shape {
+                kernel: "copy to the host after an event",
+                arg: "host bytes",
+                need: src.len(),
+                got: dst.len(),
+            });
+        }
+        let copies = self.side_stream(&self.copies, "copies")?;
+        copies
+            .wait(after)
+            .map_err(|e| self.after_last("cuStreamWaitEvent(copies)", e))?;
+        // The calling thread (a reducer's) may never have used the context.
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `src` is `dst.len()` bytes of this context's memory (checked above), kept
+        // allocated by its owner (the caller's view borrows it) until the synchronize below;
+        // the copy stream waits for `after`, the caller's promise that the kernels writing
+        // `src` come before it and none after it; `dst` is not touched by the host until the
+        // copy has completed (the synchronize below, before return).
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr(self), copies.cu_stream())
+        }
+        .map_err(|e| self.after_last("copy to the host after an event", e))?;
+        copies
+            .synchronize()
+            .map_err(|e| self.after_last("copy to the host after an event", e))
+    }
+
+    /// Copies host bytes into device memory `dst` of the same length on the uploads' stream,
+    /// apart from the kernels' (so that it overlaps them), and returns when they have landed.
+    /// The caller promises that no kernel in flight reads or writes `dst`.
+    pub fn copy_from_host_beside(&self, dst: &dyn Mem<u8>, src: &[u8]) -> Result<(), CudaError> {
+        if dst.len() != src.len() {
+            return Err(CudaError::Shape {
+                kernel: "copy to the device beside the kernels",
+                arg: "host bytes",
+                need: dst.len(),
+                got: src.len(),
+            });
+        }
+        let uploads = self.side_stream(&self.uploads, "uploads")?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| CudaError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: `dst` is `src.len()` bytes of this context's memory (checked above), kept
+        // allocated by its owner (the caller's view borrows it) until the synchronize below;
+        // no kernel touches it meanwhile (the caller's promise); `src` is read until the copy
+        // has completed (the synchronize below, before return).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst.ptr(self), src, uploads.cu_stream())
+        }
+        .map_err(|e| self.after_last("copy to the device beside the kernels", e))?;
+        uploads
+            .synchronize()
+            .map_err(|e| self.after_last("copy to the device beside the kernels", e))
+    }
+
+    /// One of the side streams, made on its first use (non-blocking: it waits for the
+    /// kernels' stream only through events).
+    fn side_stream<'a>(
+        &self,
+        slot: &'a OnceLock<Arc<CudaStream>>,
+        name: &str,
+    ) -> Result<&'a Arc<CudaStream>, CudaError> {
+        if let Some(s) = slot.get() {
+            return Ok(s);
+        }
+        let made = self
+            .ctx
+            .new_stream()
+            .map_err(|e| CudaError::driver(format!("cuStreamCreate({name})"), e))?;
+        Ok(slot.get_or_init(|| made))
+    }
+
+    /// `len` zeroed f32s of page-locked host memory (cacheable: the host reads and writes what
+    /// it stages, which write-combined memory makes slow).
+    pub fn alloc_pinned(&self, len: usize) -> Result<PinnedHostSlice<f32>, CudaError> {
+        let what = || format!("cuMemHostAlloc({} bytes)", 4 * len);
+        // SAFETY: the memory is uninitialised on return: it is zeroed below before anything
+        // reads it. Flags 0: page-locked, cacheable, this context's.
+        let mut pinned = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len, 0) }
+            .map_err(|e| CudaError::driver(what(), e))?;
+        let ptr = pinned
+            .as_mut_ptr()
+            .map_err(|e| CudaError::driver(what(), e))?;
+        // SAFETY: `ptr` is the start of the `len` f32s just allocated (aligned, as the driver
+        // allocates pages), which nothing else reaches yet; all-zero bits are 0.0.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(pinned)
     }
 
     /// Waits for every launch so far; a fault is reported with the last kernel's name.

@@ -576,15 +576,14 @@ pub(crate) fn embed_backward(
 /// `g` is the block's gradient range (offset `at.layout.all.start`). With `ready` it hands it the
 /// MLP's half (from `ln_2`, the top of the range: [`Layout::ready_order`]) as soon as `ln_2`'s
 /// backward has finished it, while attention's backward still runs, then the attention's half
-/// (see [`Backward::split_blocks`]); without, the caller hands over the whole block after. The
-/// halves are handed over only in host memory (the hook takes host slices).
+/// (see [`Backward::split_blocks`]); without, the caller hands over the whole block after.
 pub(crate) fn block_backward<'g>(
     pass: &mut Pass,
     at: BlockAt,
     p: View<f32>,
     g: ViewMut<'g, f32>,
     a: &mut Acts,
-    mut ready: Option<&mut dyn FnMut(Range<usize>, &'g mut [f32])>,
+    mut ready: Option<&mut dyn FnMut(Range<usize>, ViewMut<'g, f32>)>,
 ) {
     let dims = pass.dims;
     let Dims { c, f, nh, .. } = dims;
@@ -756,7 +755,7 @@ pub(crate) fn block_backward<'g>(
             )
         });
     }
-    if let (Some(ready), Some(g_mlp)) = (ready.as_mut(), g_mlp.try_host()) {
+    if let Some(ready) = ready.as_mut() {
         ready(mlp_off..bl.all.end, g_mlp);
     }
 
@@ -847,7 +846,7 @@ pub(crate) fn block_backward<'g>(
             (n, c),
         )
     });
-    if let (Some(ready), Some(g)) = (ready, g.try_host()) {
+    if let Some(ready) = ready {
         ready(off..mlp_off, g);
     }
 }

@@ -15,6 +15,7 @@
 //! probabilities are never stored, which is what keeps config B far below PyTorch's footprint.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cohort_engine::cpu::{AttnDims, Cpu, RopeDims};
@@ -56,7 +57,9 @@ pub struct GPT {
     layout: Layout,
     params: Buffer,
     grads: Buffer,
-    dev: Box<dyn Backend>,
+    /// Shared, so that work beside a pass that borrows the model can reach it
+    /// ([`GPT::backend_handle`]).
+    dev: Arc<dyn Backend>,
     act_layout: Option<ActLayout>,
     arena: Buffer,
     attn_scratch: Buffer,
@@ -239,7 +242,7 @@ impl GPT {
             rope: RopeTables::on(&config, &*dev)?,
             layout,
             config,
-            dev,
+            dev: dev.into(),
             act_layout: None,
             arena: Buffer::default(),
             attn_scratch: Buffer::default(),
@@ -369,11 +372,16 @@ impl GPT {
     pub fn backend(&self) -> &dyn Backend {
         &*self.dev
     }
+    /// The compute backend, shared: for work on another thread beside a pass that borrows the
+    /// model (a host-staged collective copying finished gradients while backward runs).
+    pub fn backend_handle(&self) -> Arc<dyn Backend> {
+        self.dev.clone()
+    }
     /// Computes the matrix products in `dtype` from now on (on the same number of threads),
     /// as PyTorch's autocast does around a forward: parameters, gradients and activations stay
     /// f32. Returns the precision in effect, which is f32 where the CPU lacks the bf16 product.
     pub fn set_precision(&mut self, dtype: DType) -> Result<DType, GptError> {
-        self.dev = cpu_with_precision(&*self.dev, dtype)?;
+        self.dev = cpu_with_precision(&*self.dev, dtype)?.into();
         Ok(self.dev.dtype())
     }
     /// Logits (B, T, V) of the last forward; empty after a forward with labels whose logits
@@ -574,7 +582,7 @@ impl GPT {
     /// it goes (gradient readiness, per-part).
     pub fn backward<'g, F>(&'g mut self, pass: Backward<'_, F>) -> Result<(), GptError>
     where
-        F: FnMut(Range<usize>, &'g mut [f32]) + Send,
+        F: FnMut(Range<usize>, ViewMut<'g, f32>) + Send,
     {
         let Backward {
             ready,

@@ -5,6 +5,7 @@
 //! This module only describes a pass; it never computes, and an option left out costs the pass
 //! nothing (no allocation, the same kernels in the same order).
 
+use cohort_engine::ViewMut;
 use std::ops::Range;
 
 use crate::Labels;
@@ -144,7 +145,7 @@ impl<'a> Forward<'a> {
 }
 
 /// The readiness hook of a [`Backward`] that asked for none.
-pub type NoReadyHook = fn(Range<usize>, &mut [f32]);
+pub type NoReadyHook = fn(Range<usize>, ViewMut<'_, f32>);
 
 /// One backward pass for [`GPT::backward`](crate::GPT::backward): what it tells whom as it goes.
 /// `Backward::new()` asks for nothing.
@@ -177,6 +178,9 @@ impl<'h, F> Backward<'h, F> {
     /// data-parallel training overlap communication with backward. Order: [ln_f (+ lm_head if
     /// untied)], block L-1, ..., block 0, then [wte, wpe] (wte also holds the tied head's
     /// gradient); the ranges partition the buffer. It runs on an engine thread, hence `Send`.
+    /// On the CPU `grads.host()` is the slice; on a device "final" means that the kernels
+    /// writing it have been launched: a reader orders itself after them with an event recorded
+    /// in the hook (`Backend::record_event`, on [`GPT::backend_handle`](crate::GPT::backend_handle)).
     pub fn on_ready<G>(self, ready: G) -> Backward<'h, G> {
         Backward {
             ready,

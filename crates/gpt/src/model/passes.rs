@@ -3,9 +3,9 @@
 //! of gradients.
 //!
 //! This module decides only the order of the parts and who is told what when; the math is in
-//! the layer functions, and it never allocates beyond the hooks' range lists. The hooks take
-//! host slices: on a device they are not called (the model refuses per-part hooks there, and
-//! a readiness hook is left out: its gradients are read with `copy_grads_to_host`).
+//! the layer functions, and it never allocates beyond the hooks' range lists. The per-part
+//! hooks take host slices: on a device they are not called (the model refuses them there); the
+//! readiness hook takes views of the gradient buffer, on any device.
 
 use super::*;
 
@@ -71,7 +71,7 @@ pub(super) fn backward_pass<'g>(
     grads: ViewMut<'g, f32>,
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
-    (mut ready, split_blocks): (impl FnMut(Range<usize>, &'g mut [f32]), bool),
+    (mut ready, split_blocks): (impl FnMut(Range<usize>, ViewMut<'g, f32>), bool),
 ) {
     let p = &mut p;
     let tied = lay.tied();
@@ -106,9 +106,7 @@ pub(super) fn backward_pass<'g>(
         head_backward(pass, lay, p.as_view(), grads, a);
     }
     leave(lay, hooks, Part::Head, p);
-    if let Some(top) = top.try_host() {
-        ready(head_start..lay.total, top);
-    }
+    ready(head_start..lay.total, top);
 
     for (l, bl) in lay.blocks.iter().enumerate().rev() {
         let (lower, mut g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
@@ -131,9 +129,7 @@ pub(super) fn backward_pass<'g>(
         } else {
             block_backward(pass, at, p.as_view(), g.reborrow(), a, None);
             leave(lay, hooks, Part::Block(l), p);
-            if let Some(g) = g.try_host() {
-                ready(bl.all.clone(), g);
-            }
+            ready(bl.all.clone(), g);
         }
     }
 
@@ -149,7 +145,5 @@ pub(super) fn backward_pass<'g>(
     // used and reads no parameter, so it has no parameter range to ask the hooks for: a sharded
     // strategy would gather the largest part of the model (wte) for nothing.
     embed_backward(pass, dwte.slice_mut(lay.wte.clone()), dwpe, a);
-    if let Some(rest) = rest.try_host() {
-        ready(0..lay.wpe.end, rest);
-    }
+    ready(0..lay.wpe.end, rest);
 }

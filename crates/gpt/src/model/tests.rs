@@ -260,7 +260,8 @@ fn backward_hands_out_final_ranges_in_order_to_another_thread() {
                 }
                 (got, sums)
             });
-            let pass = Backward::new().on_ready(move |r, g| tx.send((r, g)).unwrap());
+            let pass =
+                Backward::new().on_ready(move |r, g| tx.send((r, ViewMut::host(g))).unwrap());
             let pass = if split { pass.split_blocks() } else { pass };
             m.backward(pass).unwrap();
             summer.join().unwrap()

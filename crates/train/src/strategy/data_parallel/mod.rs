@@ -14,6 +14,8 @@
 //!   (data, resume, batches, saves);
 //! - `zero1`, `sharded`: the ZeRO machinery on flat buffers and over the
 //!   model's parts; `diloco`: the outer optimizer and its checkpoint state;
+//! - `staged`: DDP and ZeRO-1 of a model in a device's memory, its gradients staged through
+//!   the host as backward finishes them;
 //! - `link`: whether gradients travel in bf16 when not told (by the link).
 //!
 //! This module never lets one rank's parameters differ from another's
@@ -23,6 +25,7 @@
 mod diloco;
 mod link;
 mod sharded;
+mod staged;
 mod step;
 mod training;
 mod zero1;

@@ -19,8 +19,9 @@ use cohort_gpt::{Backward, Forward, Labels, GPT};
 
 use super::diloco::Outer;
 use super::sharded::{ShardedDp, ZeroStage};
+use super::staged::{StagedDdp, StagedZero1};
 use super::zero1::Zero1;
-use crate::device_comm::DeviceSync;
+use crate::device_comm::DeviceCollectives;
 use crate::error::TrainError;
 use crate::phases::{Phase, Phases};
 use crate::replica::param_specs;
@@ -53,19 +54,26 @@ pub enum GradSync<'pg> {
         /// The global parameters and the outer optimizer.
         outer: Box<Outer>,
     },
-    /// A model in a device's memory (`--device`): forward, backward, the gradient guard and
-    /// AdamW as its backend's kernels. Over several ranks the gradients are averaged after
-    /// the last backward, on the device by NCCL or staged through the host (no overlap, no
-    /// buckets).
+    /// DDP of a model in a device's memory (`--device`): forward, backward, the gradient
+    /// guard and AdamW as its backend's kernels; DDP's buckets staged through the host as
+    /// backward finishes them and all-reduced there while it goes on (see `staged`), or, where
+    /// NCCL moves them, the whole gradient averaged on the device after the last backward.
     Device {
+        /// The buckets, their host staging and their all-reduces.
+        ddp: StagedDdp<'pg>,
         /// AdamW with its moments in the device's memory.
         opt: AdamW,
-        /// The host staging buffer of the gradients' all-reduce (empty on one rank or
-        /// under NCCL).
-        staging: Vec<f32>,
-        /// NCCL, or why the gradients are staged through the host (`None` on one rank).
-        collectives: Option<DeviceSync>,
+        /// NCCL's collectives where they average the gradients on the device (then `ddp`
+        /// stages nothing).
+        nccl: Option<Box<dyn DeviceCollectives>>,
+        /// Why the gradients are staged through the host rather than averaged by NCCL (`None`
+        /// on one rank and under NCCL).
+        staged_because: Option<String>,
     },
+    /// ZeRO-1 of a model in a device's memory: the gradient staged through the host and
+    /// reduce-scattered there, AdamW over this rank's shard on the host, the parameters
+    /// all-gathered and uploaded (see `staged`).
+    DeviceZero1(Box<StagedZero1>),
 }
 
 /// Where the time of a backward and its synchronisation went.
@@ -107,7 +115,7 @@ impl<'pg> GradSync<'pg> {
     fn zero_stage(&self) -> Option<u8> {
         match self {
             GradSync::Ddp { .. } | GradSync::Diloco { .. } | GradSync::Device { .. } => None,
-            GradSync::Zero1(_) => Some(1),
+            GradSync::Zero1(_) | GradSync::DeviceZero1(_) => Some(1),
             GradSync::Sharded(zero) => Some(match zero.stage() {
                 ZeroStage::Two => 2,
                 ZeroStage::Three => 3,
@@ -220,7 +228,10 @@ impl<'pg> DataParallel<'pg> {
             GradSync::Ddp { ddp, .. } if last => {
                 let stats = ddp
                     .backward(|ready| {
-                        model.backward(Backward::new().on_ready(ready).split_blocks())
+                        // The CPU's gradients: each view is the host slice it is.
+                        let pass = Backward::new()
+                            .on_ready(|range, grads| ready(range, ViewMut::host(grads)));
+                        model.backward(pass.split_blocks())
                     })?
                     .finish(model.grads_mut())?;
                 Ok(SyncTimes {
@@ -229,34 +240,38 @@ impl<'pg> DataParallel<'pg> {
                     comm_busy: stats.comm_busy,
                 })
             }
-            GradSync::Device {
-                staging,
-                collectives,
-                ..
-            } if last && pg.size() > 1 => {
-                let backward = plain(model)?;
-                let t = Instant::now();
-                match collectives {
-                    Some(DeviceSync::Collectives(nccl)) => {
-                        let (backend, grads) = model.grads_view_mut();
-                        nccl.all_reduce_avg(backend, grads)
-                            .map_err(TrainError::DeviceComm)?
-                    }
-                    _ => all_reduce_staged(pg, model, staging)?,
+            GradSync::Device { ddp, nccl, .. } if last => {
+                let stats = ddp.backward(model)?;
+                let mut times = SyncTimes {
+                    backward: stats.backward,
+                    comm_wait: stats.comm_wait,
+                    comm_busy: stats.comm_busy,
+                };
+                if let Some(nccl) = nccl {
+                    let t = Instant::now();
+                    let (backend, grads) = model.grads_view_mut();
+                    nccl.all_reduce_avg(backend, grads)
+                        .map_err(TrainError::DeviceComm)?;
+                    times.comm_wait = t.elapsed();
+                    times.comm_busy = times.comm_wait;
                 }
-                let comm = t.elapsed();
+                Ok(times)
+            }
+            GradSync::DeviceZero1(zero) if last => {
+                let (backward, comm) = zero.backward(pg, model)?;
                 Ok(SyncTimes {
                     backward,
                     comm_wait: comm,
                     comm_busy: comm,
                 })
             }
-            GradSync::Ddp { .. } | GradSync::Diloco { .. } | GradSync::Device { .. } => {
-                Ok(SyncTimes {
-                    backward: plain(model)?,
-                    ..SyncTimes::default()
-                })
-            }
+            GradSync::Ddp { .. }
+            | GradSync::Diloco { .. }
+            | GradSync::Device { .. }
+            | GradSync::DeviceZero1(_) => Ok(SyncTimes {
+                backward: plain(model)?,
+                ..SyncTimes::default()
+            }),
             GradSync::Zero1(zero) => {
                 let backward = plain(model)?;
                 let mut comm = Duration::ZERO;
@@ -293,6 +308,7 @@ impl<'pg> DataParallel<'pg> {
             }
             GradSync::Zero1(zero) => zero.shard_grads_mut(),
             GradSync::Sharded(zero) => zero.shard_grads_mut(),
+            GradSync::DeviceZero1(zero) => zero.shard_grads_mut(),
         }
     }
 
@@ -339,6 +355,7 @@ impl<'pg> DataParallel<'pg> {
                 opt.step_on(dev, params, grads, lr)?;
                 Ok(Duration::ZERO)
             }
+            GradSync::DeviceZero1(zero) => zero.update(pg, model, lr),
             GradSync::Zero1(zero) => {
                 zero.update(lr)?;
                 let t = Instant::now();
@@ -437,6 +454,7 @@ impl<'pg> DataParallel<'pg> {
                 self.model.copy_params_to_host(&mut params)?;
                 Ok(params)
             }
+            GradSync::DeviceZero1(zero) => Ok(zero.params().to_vec()),
             _ => Ok(self.model.params().to_vec()),
         }
     }
@@ -454,6 +472,7 @@ impl<'pg> DataParallel<'pg> {
                 (3 + momentum + overlap) * self.model.num_params()
             }
             GradSync::Zero1(zero) => 2 * zero.shard_len(),
+            GradSync::DeviceZero1(zero) => 2 * zero.zero().shard_len(),
             GradSync::Sharded(zero) => 2 * zero.shard_len(),
         }
     }
@@ -463,29 +482,13 @@ impl<'pg> DataParallel<'pg> {
     pub fn buckets(&self) -> usize {
         match &self.sync {
             GradSync::Ddp { ddp, .. } => ddp.buckets().len(),
+            GradSync::Device { ddp, .. } => ddp.ddp().buckets().len(),
             GradSync::Zero1(_)
             | GradSync::Sharded(_)
             | GradSync::Diloco { .. }
-            | GradSync::Device { .. } => 0,
+            | GradSync::DeviceZero1(_) => 0,
         }
     }
-}
-
-/// DDP's average of a device model's gradients, staged through the host: copied to `staging`,
-/// averaged over `pg`, copied back. Collective.
-fn all_reduce_staged(
-    pg: &ProcessGroup,
-    model: &mut GPT,
-    staging: &mut Vec<f32>,
-) -> Result<(), TrainError> {
-    staging.resize(model.num_params(), 0.0);
-    model.copy_grads_to_host(staging)?;
-    pg.all_reduce(staging, ReduceOp::Avg)
-        .map_err(TrainError::comm(
-            "device gradients all_reduce (staged on the host)",
-        ))?;
-    model.copy_grads_from_host(staging)?;
-    Ok(())
 }
 
 /// The training loop's micro-batches through the step: each backward times

@@ -20,6 +20,7 @@ use cohort_gpt::GPT;
 use super::diloco::{self, DilocoTarget, Outer, OuterConfig};
 use super::link;
 use super::sharded::{ShardedDp, ZeroStage};
+use super::staged::{self, StagedDdp, StagedZero1};
 use super::step::{DataParallel, GradSync};
 use super::zero1::Zero1;
 use crate::checkpoint::{self, OwnedShard, SaveReport, Saver, ShardTarget, TrainState};
@@ -125,6 +126,7 @@ impl<'a> DataParallelRun<'a> {
         let built = build_sync(cfg, pg, kind, wire, &mut model, &mut header);
         let (sync, state) = built?;
         header.push(model_line(cfg, &data, &model, &sync, world, overlap));
+        header.extend(staged::gradients_line(&sync, world, overlap, compression));
         header.push(memory_line(cfg, &model, t, sharding));
         header.push(global_batch_line(cfg, world, t));
         let batches = TrainBatches::new(data.clone(), cfg, world, rank, state.epoch, state.offset)?;
@@ -159,8 +161,8 @@ fn build_sync<'a>(
     model: &mut GPT,
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
-    if kind == SyncKind::Ddp && cfg.device.is_device() {
-        return build_device(cfg, pg, model, header);
+    if cfg.device.is_device() {
+        return build_device(cfg, pg, kind, (overlap, compression), model, header);
     }
     if kind == SyncKind::Ddp {
         // Every rank resumes the whole state; DDP checks that the shapes
@@ -215,19 +217,35 @@ fn build_sync<'a>(
     Ok((sync, state))
 }
 
-/// DDP over a model in a device's memory: AdamW's moments allocated there; rank 0's
-/// parameters (and, with `cfg.resume`, every rank's whole state, read into host copies and
-/// uploaded) made every rank's through the host. Collective.
+/// DDP or ZeRO-1 (`kind`) over a model in a device's memory, its gradients staged through
+/// the host (see `staged`), overlapped and compressed as `wire` says. DDP: AdamW's moments in
+/// the device's memory; with `cfg.resume`, every rank's whole state read into host copies and
+/// uploaded. ZeRO-1: AdamW over this rank's shard on the host, resumed from its shard of any
+/// checkpoint. Rank 0's parameters are made every rank's through the host. Collective.
 fn build_device<'a>(
     cfg: &TrainConfig,
     pg: &'a ProcessGroup,
+    kind: SyncKind,
+    (overlap, compression): (bool, Compression),
     model: &mut GPT,
     header: &mut Vec<String>,
 ) -> Result<(GradSync<'a>, TrainState), TrainError> {
+    if kind == SyncKind::Zero1 {
+        let mut zero = StagedZero1::new(pg, model, cfg.adamw(), compression)?;
+        let config = model.config().clone();
+        let (pieces, len) = (zero.zero().pieces(), zero.zero().shard_len());
+        let mut target = ShardTarget::new(&config, pieces, len);
+        let state = match resume_shard(cfg, pg, &mut target, header)? {
+            Some(state) => {
+                zero.restore(pg, &target, model)?;
+                state
+            }
+            None => TrainState::default(),
+        };
+        return Ok((GradSync::DeviceZero1(Box::new(zero)), state));
+    }
     let mask = decay_mask(model.param_views());
     let mut opt = AdamW::new_on(model.backend(), cfg.adamw(), mask.clone())?;
-    let n = model.num_params();
-    let mut host = vec![0f32; n];
     let state = match &cfg.resume {
         Some(_) => {
             let mut staged = GPT::staging(model.config().clone())?;
@@ -239,27 +257,26 @@ fn build_device<'a>(
         }
         None => TrainState::default(),
     };
-    if pg.size() > 1 {
-        crate::replica::agree_on_size(pg, n)?;
-        model.copy_params_to_host(&mut host)?;
-        pg.broadcast(&mut host, 0)
-            .map_err(TrainError::comm("initial parameters broadcast"))?;
-        model.copy_params_from_host(&host)?;
-    }
-    let collectives = match pg.size() {
-        1 => None,
-        _ => Some(crate::device_comm::device_sync(
-            &cfg.backend,
-            pg,
-            model.backend(),
-        )?),
+    let options = DdpOptions {
+        bucket_cap_mb: cfg.bucket_cap_mb,
+        overlap,
+        compression,
+        ..DdpOptions::default()
     };
-    let staged = matches!(collectives, Some(DeviceSync::Staged(_)));
-    let staging = if staged { host } else { Vec::new() };
+    // NCCL where every rank has a GPU of its own (or `--backend nccl`), else host staging.
+    let (nccl, staged_because) = match pg.size() {
+        1 => (None, None),
+        _ => match crate::device_comm::device_sync(&cfg.backend, pg, model.backend())? {
+            DeviceSync::Collectives(c) => (Some(c), None),
+            DeviceSync::Staged(why) => (None, Some(why)),
+        },
+    };
+    let ddp = StagedDdp::new(pg, model, options, nccl.is_none())?;
     let sync = GradSync::Device {
+        ddp,
         opt,
-        staging,
-        collectives,
+        nccl,
+        staged_because,
     };
     Ok((sync, state))
 }
@@ -355,20 +372,30 @@ fn model_line(
             )
         }
         GradSync::Diloco { outer, .. } => outer.config().line(),
-        GradSync::Device { collectives, .. } => format!(
-            "on {}: forward, backward, the gradient norm and AdamW as its kernels{}",
+        GradSync::Device { ddp, nccl, .. } => format!(
+            "on {}: forward, backward, the gradient norm and AdamW as its kernels; {}",
             model.backend().device(),
-            match collectives {
-                None => String::new(),
-                Some(DeviceSync::Collectives(c)) => format!(
-                    "; DDP's gradients averaged on the device by {} after backward (no overlap)",
+            match nccl {
+                Some(c) => format!(
+                    "DDP's gradients averaged on the device by {} after backward (no buckets)",
                     c.name()
                 ),
-                Some(DeviceSync::Staged(why)) => format!(
-                    "; DDP's gradients averaged through the host after backward (no overlap; \
-                     host staging: {why})"
+                None => format!(
+                    "DDP buckets: {} in launch order of {} (cap {} MB, the last at most {} MB \
+                     where it can be cut)",
+                    ddp.ddp().buckets().len(),
+                    cohort_ddp::describe_sizes(ddp.ddp().buckets()),
+                    cfg.bucket_cap_mb,
+                    ddp.ddp().options().last_bucket_mb,
                 ),
             }
+        ),
+        GradSync::DeviceZero1(zero) => format!(
+            "on {}: forward, backward and the gradient as its kernels; ZeRO-1: {world} shards of \
+             {} ({} padding), AdamW over this rank's shard on the host",
+            model.backend().device(),
+            zero.zero().shard_len(),
+            zero.zero().shard_len() * world - n,
         ),
     };
     format!(
@@ -496,6 +523,7 @@ impl ParallelStrategy for DataParallelRun<'_> {
                 saver, out, cfg, pg, model, opt, batches, data, step,
             )),
             GradSync::Zero1(zero) => zero.with_owned_shard(save),
+            GradSync::DeviceZero1(zero) => zero.zero().with_owned_shard(save),
             GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
             GradSync::Diloco { .. } => self.save_diloco(out, step),
             GradSync::Device { .. } if pg.rank() != 0 => Ok(SaveReport::default()),

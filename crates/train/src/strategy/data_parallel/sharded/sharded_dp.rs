@@ -11,6 +11,7 @@ use std::time::Duration;
 use cohort_comm::ProcessGroup;
 use cohort_ddp::{Compression, CompressionScratch};
 use cohort_engine::optim::{AdamW, AdamWConfig, Optimizer};
+use cohort_engine::ViewMut;
 use cohort_gpt::checkpoint::Piece;
 use cohort_gpt::optim_groups::decay_mask;
 use cohort_gpt::{Backward, Forward, Labels, GPT};
@@ -238,7 +239,8 @@ impl ShardedDp {
         shards.comm = Duration::ZERO;
         shards.begin_pass(pg, 1);
         let st = &self.st;
-        let ready = |range: Range<usize>, grads: &mut [f32]| lock(st).reduce(pg, range, grads);
+        let ready =
+            |range: Range<usize>, grads: ViewMut<'_, f32>| lock(st).reduce(pg, range, grads.host());
         let gather = self.stage == ZeroStage::Three;
         let hooks = &mut PartMemory { pg, st, gather };
         let done = model.backward(Backward::new().parts(hooks).on_ready(ready));

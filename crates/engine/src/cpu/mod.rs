@@ -14,7 +14,7 @@
 
 mod attention;
 #[cfg(target_arch = "x86_64")]
-mod attention_amx;
+mod attention_fused;
 mod attention_decode;
 mod bf16;
 mod crossentropy;

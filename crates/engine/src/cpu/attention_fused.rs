@@ -1,18 +1,23 @@
-//! Causal attention of one (batch, head) on AMX tiles, for bf16 training: the same arithmetic
-//! as [`attention`](super::attention)'s bf16 path (operands rounded to bf16, sums in f32, the
-//! same softmax, mask and dropout code), with the products fused per head instead of one
-//! general product call each.
+//! Causal attention of one (batch, head) with its products fused, for bf16 training on either
+//! bf16 kernel (AMX tiles, or VDPBF16PS on zmm registers): the same arithmetic as
+//! [`attention`](super::attention)'s bf16 path (operands rounded to bf16, sums in f32, the
+//! same softmax, mask and dropout code), with the products of a head made here instead of one
+//! general product call each. It must never compute anything the general path does not: a
+//! test holds it to that path's results.
 //!
 //! A head is small (T x 64 for each of Q, K and V), so the general product's fixed costs
 //! (a call, a tile configuration, packing both operands every time) outweighed its
 //! arithmetic: the keys were packed again for every block of queries. Here Q, K and V are
 //! packed into bf16 pairs once per head, in the layouts each product reads, and the queries go
-//! by in strips of 32 rows (one AMX block high), each product of a strip one AMX block per 32
-//! output columns. A strip attends to keys up to its last row, rounded up to 32.
+//! by in strips ([`Tiles::strip`]), each product of a strip one kernel call per 32 output
+//! columns (and per 32 rows on AMX, per register tile of up to 12 on zmm). A strip attends to
+//! keys up to its last row.
 //!
-//! Each output element sums its K in the same order as the general product (pairs in order,
-//! 16 at a time, in one tile), so results are the general path's bits (a test holds them to
-//! it). It never allocates after a thread's first call: its packing buffers are per thread.
+//! Each output element sums its K in the same order as the general product (pairs in order, in
+//! the same K blocks), so results are the general path's bits; on AMX, dK and dV sum over
+//! strips of 32 queries rather than the general path's 64 and so differ by f32 rounding (a
+//! test holds each kernel to that). It never allocates after a thread's first call: its
+//! packing buffers are per thread.
 
 use std::cell::RefCell;
 
@@ -20,12 +25,18 @@ use super::attention::{
     head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
 };
 use super::gemm_bf16::amx::{self, Scratch};
-use super::gemm_bf16::{pack_a, pack_b, Line, NR};
+use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, NR};
 use super::SendPtr;
 use crate::Dropout;
 
-/// Query rows per strip: one AMX block.
-const S: usize = 32;
+/// Which kernel a head's products run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tiles {
+    /// AMX tiles: strips of one 32-row block, K padded to 16 pairs.
+    Amx,
+    /// VDPBF16PS on zmm registers (`gemm_bf16`'s register tile), K in whole pairs.
+    Zmm,
+}
 
 /// One thread's packed operands and strip buffers, grown to the largest head seen.
 #[derive(Default)]
@@ -38,14 +49,126 @@ thread_local! {
     static BUFS: RefCell<Bufs> = RefCell::new(Bufs::default());
 }
 
-/// Pairs of a K of `k` elements, padded to the 16 pairs one tile row holds.
-fn pairs(k: usize) -> usize {
-    k.div_ceil(32) * 16
-}
+impl Tiles {
+    /// Query rows per strip. AMX: one block. zmm: the general path's 64-query blocks, so that
+    /// dK and dV (sums over a strip's queries, added strip after strip) keep its bits.
+    fn strip(self) -> usize {
+        match self {
+            Tiles::Amx => 32,
+            Tiles::Zmm => 64,
+        }
+    }
 
-/// `n` rounded up to a whole number of strips.
-fn strips(n: usize) -> usize {
-    n.div_ceil(S) * S
+    /// Pairs of a K of `k` elements as packed: AMX pads to the 16 pairs one tile row holds.
+    fn pairs(self, k: usize) -> usize {
+        match self {
+            Tiles::Amx => k.div_ceil(32) * 16,
+            Tiles::Zmm => k.div_ceil(2),
+        }
+    }
+
+    /// `n` rounded up to a whole number of strips.
+    fn strips(self, n: usize) -> usize {
+        n.div_ceil(self.strip()) * self.strip()
+    }
+
+    /// Readies this thread for [`Tiles::product`] (AMX: loads the tile configuration).
+    ///
+    /// # Safety
+    /// This kernel is this process's bf16 kernel.
+    unsafe fn begin(self) {
+        if self == Tiles::Amx {
+            // SAFETY: AMX is the chosen kernel (the caller's contract), so it is granted.
+            unsafe { amx::configure() };
+        }
+    }
+
+    /// Ends what [`Tiles::begin`] started.
+    ///
+    /// # Safety
+    /// As [`Tiles::begin`].
+    unsafe fn end(self) {
+        if self == Tiles::Amx {
+            // SAFETY: as in `begin`.
+            unsafe { amx::release() };
+        }
+    }
+
+    /// `c[0..rows, 0..n] (+)= a · b`: `a` packed as rows of `kp` pairs, `b` as panels of `kp`
+    /// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read).
+    ///
+    /// # Safety
+    /// [`Tiles::begin`] ran on this thread; the packed operands as described (on AMX, `a`
+    /// readable to a whole number of 32-row blocks); c rows x n writable floats at row stride
+    /// rsc.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn product(
+        self,
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        bstride: usize,
+        c: *mut f32,
+        rsc: usize,
+        rows: usize,
+        n: usize,
+        acc: bool,
+        scratch: &mut Scratch,
+    ) {
+        match self {
+            // SAFETY: forwarded; the zmm kernel is present (it is the chosen one).
+            Tiles::Zmm => unsafe { zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc) },
+            Tiles::Amx => {
+                for i in (0..rows).step_by(32) {
+                    for j in (0..n).step_by(NR) {
+                        // SAFETY: forwarded; rows i.. (32 readable) of a, panel j / 32 of b
+                        // and block (i, j) of c lie inside the caller's.
+                        unsafe {
+                            amx::block(
+                                kp,
+                                a.add(i * kp),
+                                b.add(j * bstride),
+                                c.add(i * rsc + j),
+                                rsc,
+                                32.min(rows - i),
+                                NR.min(n - j),
+                                acc,
+                                None,
+                                scratch,
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Tiles::product`] into `keys` rows of `c` (`b`'s panels `kp` pairs apart): rows before
+    /// `fresh` (a multiple of the strip) accumulate, the rest are written.
+    ///
+    /// # Safety
+    /// As [`Tiles::product`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tall_product(
+        self,
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        rsc: usize,
+        keys: usize,
+        n: usize,
+        fresh: usize,
+        scratch: &mut Scratch,
+    ) {
+        let old = fresh.min(keys);
+        // SAFETY: forwarded; rows 0..old, then old..keys, of a and c.
+        unsafe {
+            self.product(kp, a, b, kp, c, rsc, old, n, true, scratch);
+            let (a, c) = (a.add(old * kp), c.add(old * rsc));
+            self.product(kp, a, b, kp, c, rsc, keys - old, n, false, scratch);
+        }
+    }
 }
 
 /// Carves 64-byte aligned u32 regions of the given sizes (in u32) out of `lines`.
@@ -76,87 +199,14 @@ struct Head {
     scale: f32,
 }
 
-/// `c[0..rows, 0..n] (+)= a · b`: `a` packed as 32 rows of `kp` pairs, `b` as panels of `kp`
-/// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read).
+/// Forward of head `bh`: as `head_forward` in the attention module, on `tiles`.
 ///
 /// # Safety
-/// AMX configured on this thread; the packed operands as described (a: 32 readable rows); c
-/// rows x n writable floats at row stride rsc.
-#[allow(clippy::too_many_arguments)]
-unsafe fn product(
-    kp: usize,
-    a: *const u32,
-    b: *const u32,
-    bstride: usize,
-    c: *mut f32,
-    rsc: usize,
-    rows: usize,
-    n: usize,
-    acc: bool,
-    scratch: &mut Scratch,
-) {
-    for j in (0..n).step_by(NR) {
-        // SAFETY: forwarded; panel j / 32 and columns j.. of c lie inside the caller's.
-        unsafe {
-            amx::block(
-                kp,
-                a,
-                b.add(j * bstride),
-                c.add(j),
-                rsc,
-                rows,
-                NR.min(n - j),
-                acc,
-                None,
-                scratch,
-            )
-        };
-    }
-}
-
-/// `c[0..keys, 0..n] (+)= a · b` for an `a` of `keys` rows packed as rows of `kp` pairs: one
-/// [`product`] per strip of 32 rows; strips before `fresh` accumulate, the rest are written.
-///
-/// # Safety
-/// As [`product`], `a` holding [`strips`]`(keys)` rows.
-#[allow(clippy::too_many_arguments)]
-unsafe fn tall_product(
-    kp: usize,
-    a: *const u32,
-    b: *const u32,
-    c: *mut f32,
-    rsc: usize,
-    keys: usize,
-    n: usize,
-    fresh: usize,
-    scratch: &mut Scratch,
-) {
-    for j0 in (0..keys).step_by(S) {
-        // SAFETY: forwarded; rows j0.. of a and c.
-        unsafe {
-            product(
-                kp,
-                a.add(j0 * kp),
-                b,
-                kp,
-                c.add(j0 * rsc),
-                rsc,
-                S.min(keys - j0),
-                n,
-                j0 < fresh,
-                scratch,
-            )
-        };
-    }
-}
-
-/// Forward of head `bh`: as `head_forward` in the attention module, on AMX.
-///
-/// # Safety
-/// AMX is this process's bf16 kernel; `out` and `lse` hold the sizes `attention_forward`
+/// `tiles` is this process's bf16 kernel; `out` and `lse` hold the sizes `attention_forward`
 /// checked and head `bh`'s parts of them belong to this task alone.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn head_forward(
+    tiles: Tiles,
     out: SendPtr,
     lse: SendPtr,
     qkv: &[f32],
@@ -170,36 +220,27 @@ pub(super) unsafe fn head_forward(
     let (bi, h) = (bh / nh, bh % nh);
     let hd = c / nh;
     let head = Head::at(qkv, (dims, nkv), bh);
-    let (pd, pt) = (pairs(hd), pairs(t));
-    let (tp, hp) = (strips(t), hd.div_ceil(NR) * NR);
+    let s_rows = tiles.strip();
+    let (pd, pt) = (tiles.pairs(hd), tiles.pairs(t));
+    let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
-        let [qa, kb, vb, pa] = carve(&mut bufs.lines, [tp * pd, tp * pd, hp * pt, S * pt]);
-        grow(&mut bufs.floats, t + S * t);
+        let [qa, kb, vb, pa] = carve(&mut bufs.lines, [tp * pd, tp * pd, hp * pt, s_rows * pt]);
+        grow(&mut bufs.floats, t + s_rows * t);
         let (mf, s) = bufs.floats.split_at_mut(t);
         mask_row(mf, mask, bi, t);
-        let mut scratch = Scratch([0.0; S * NR]);
+        let mut scratch = Scratch([0.0; 32 * NR]);
         // SAFETY: the packs read Q, K and V of this head (t rows of hd at stride 3C) and write
-        // the regions carved for them; AMX is the chosen kernel (the caller's contract), and
-        // every product writes this task's strip buffer or head `bh`'s columns of out.
+        // the regions carved for them; `tiles` is the chosen kernel (the caller's contract),
+        // and every product writes this task's strip buffer or head `bh`'s columns of out.
         unsafe {
-            head.pack(qa, kb, None, Some(vb), None);
-            amx::configure();
-            for r0 in (0..t).step_by(S) {
-                let (rows, keys) = (S.min(t - r0), (r0 + S).min(t));
+            head.pack(tiles, qa, kb, None, Some(vb), None);
+            tiles.begin();
+            for r0 in (0..t).step_by(s_rows) {
+                let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
                 // S = Q[r0..] · K[0..keys]ᵀ
-                product(
-                    pd,
-                    qa.add(r0 * pd),
-                    kb,
-                    pd,
-                    s.as_mut_ptr(),
-                    t,
-                    rows,
-                    keys,
-                    false,
-                    &mut scratch,
-                );
+                let (qs, sp) = (qa.add(r0 * pd), s.as_mut_ptr());
+                tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, &mut scratch);
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
@@ -211,24 +252,25 @@ pub(super) unsafe fn head_forward(
                     }
                 }
                 // out[r0..] = P · V[0..keys]
-                let kp = pairs(keys);
+                let kp = tiles.pairs(keys);
                 pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
                 let o = out.0.add((bi * t + r0) * c + h * hd);
-                product(kp, pa, vb, pt, o, c, rows, hd, false, &mut scratch);
+                tiles.product(kp, pa, vb, pt, o, c, rows, hd, false, &mut scratch);
             }
-            amx::release();
+            tiles.end();
         }
     });
 }
 
-/// Backward of head `bh`: as `head_backward` in the attention module, on AMX (`first`: the
-/// first head of its key/value group, which writes the group's dK and dV; the others add).
+/// Backward of head `bh`: as `head_backward` in the attention module, on `tiles` (`first`:
+/// the first head of its key/value group, which writes the group's dK and dV; the others add).
 ///
 /// # Safety
 /// As [`head_forward`], for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
 /// touched by its group's heads only, run in order on this task.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn head_backward(
+    tiles: Tiles,
     dqkv: SendPtr,
     out: Option<SendPtr>,
     dout: &[f32],
@@ -255,8 +297,9 @@ pub(super) unsafe fn head_backward(
     // added to; the group's other heads add to all of them.
     let fresh = |r0: usize| if first { r0 } else { t };
     let dy = dout[bi * t * c + h * hd..].as_ptr();
-    let (pd, pt, ps) = (pairs(hd), pairs(t), pairs(S));
-    let (tp, hp) = (strips(t), hd.div_ceil(NR) * NR);
+    let s_rows = tiles.strip();
+    let (pd, pt, ps) = (tiles.pairs(hd), tiles.pairs(t), tiles.pairs(s_rows));
+    let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
         let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, tall] = carve(
@@ -267,53 +310,33 @@ pub(super) unsafe fn head_backward(
                 tp * pd,
                 hp * pt,
                 if out.is_some() { hp * pt } else { 0 },
-                S * pd,
+                s_rows * pd,
                 hp * ps,
                 hp * ps,
-                S * pt,
+                s_rows * pt,
                 tp * ps,
             ],
         );
-        grow(&mut bufs.floats, t + 3 * S * t);
+        grow(&mut bufs.floats, t + 3 * s_rows * t);
         let (mf, rest) = bufs.floats.split_at_mut(t);
-        let (p, rest) = rest.split_at_mut(S * t);
-        let (dp, pdrop) = rest.split_at_mut(S * t);
+        let (p, rest) = rest.split_at_mut(s_rows * t);
+        let (dp, pdrop) = rest.split_at_mut(s_rows * t);
         mask_row(mf, mask, bi, t);
-        let mut scratch = Scratch([0.0; S * NR]);
+        let mut scratch = Scratch([0.0; 32 * NR]);
         // SAFETY: as in head_forward; the products write this task's strip buffers, head
         // `bh`'s columns of dq and out, or its key/value head's columns of dk and dv.
         unsafe {
-            head.pack(qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
-            amx::configure();
-            for r0 in (0..t).step_by(S) {
-                let (rows, keys) = (S.min(t - r0), (r0 + S).min(t));
-                let kp = pairs(keys);
+            head.pack(tiles, qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
+            tiles.begin();
+            for r0 in (0..t).step_by(s_rows) {
+                let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
+                let (kp, ps) = (tiles.pairs(keys), tiles.pairs(rows));
                 // P recomputed from S = Q·Kᵀ and the stored log-sum-exp; dPd = dY · Vᵀ
-                product(
-                    pd,
-                    qa.add(r0 * pd),
-                    kb,
-                    pd,
-                    p.as_mut_ptr(),
-                    t,
-                    rows,
-                    keys,
-                    false,
-                    &mut scratch,
-                );
+                let (qs, pp) = (qa.add(r0 * pd), p.as_mut_ptr());
+                tiles.product(pd, qs, kb, pd, pp, t, rows, keys, false, &mut scratch);
                 pack_a(dya, dy.add(r0 * c), c, 1, rows, hd, pd);
-                product(
-                    pd,
-                    dya,
-                    vtb,
-                    pd,
-                    dp.as_mut_ptr(),
-                    t,
-                    rows,
-                    keys,
-                    false,
-                    &mut scratch,
-                );
+                let dpp = dp.as_mut_ptr();
+                tiles.product(pd, dya, vtb, pd, dpp, t, rows, keys, false, &mut scratch);
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut p[i * t..i * t + keys];
@@ -337,11 +360,11 @@ pub(super) unsafe fn head_backward(
                 // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
                 pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
-                tall_product(ps, tall, dyb, dv, rs, keys, hd, fresh(r0), &mut scratch);
+                tiles.tall_product(ps, tall, dyb, dv, rs, keys, hd, fresh(r0), &mut scratch);
                 if let Some(o) = out {
                     pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
                     let o = o.0.add((bi * t + r0) * c + h * hd);
-                    product(kp, wide, vb, pt, o, c, rows, hd, false, &mut scratch);
+                    tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, &mut scratch);
                 }
                 for i in 0..rows {
                     let (d, pr) = (&mut dp[i * t..i * t + keys], &p[i * t..i * t + keys]);
@@ -349,23 +372,13 @@ pub(super) unsafe fn head_backward(
                 }
                 // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
                 pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);
-                product(
-                    kp,
-                    wide,
-                    kbk,
-                    pt,
-                    dq.add(r0 * rs),
-                    rs,
-                    rows,
-                    hd,
-                    false,
-                    &mut scratch,
-                );
+                let dqs = dq.add(r0 * rs);
+                tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, &mut scratch);
                 pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
-                tall_product(ps, tall, qb, dk, rs, keys, hd, fresh(r0), &mut scratch);
+                tiles.tall_product(ps, tall, qb, dk, rs, keys, hd, fresh(r0), &mut scratch);
             }
-            amx::release();
+            tiles.end();
         }
     });
 }
@@ -395,6 +408,7 @@ impl Head {
     /// Each region as carved by the callers for this head's sizes.
     unsafe fn pack(
         &self,
+        tiles: Tiles,
         qa: *mut u32,
         kb: *mut u32,
         vtb: Option<*mut u32>,
@@ -402,7 +416,7 @@ impl Head {
         kbk: Option<*mut u32>,
     ) {
         let (t, hd, rs) = (self.t, self.hd, self.rs);
-        let (pd, pt) = (pairs(hd), pairs(t));
+        let (pd, pt) = (tiles.pairs(hd), tiles.pairs(t));
         // SAFETY: q, k and v hold t rows of hd at stride rs; the regions are the callers'.
         unsafe {
             pack_a(qa, self.q, rs, 1, t, hd, pd);

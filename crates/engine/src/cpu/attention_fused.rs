@@ -25,7 +25,8 @@ use super::attention::{
     head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
 };
 use super::gemm_bf16::amx::{self, Scratch};
-use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, NR};
+use super::gemm::prefetch_run;
+use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
 use super::SendPtr;
 use crate::Dropout;
 
@@ -95,7 +96,8 @@ impl Tiles {
     }
 
     /// `c[0..rows, 0..n] (+)= a · b`: `a` packed as rows of `kp` pairs, `b` as panels of `kp`
-    /// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read).
+    /// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read). The
+    /// zmm kernel computes only what `upto` says each row needs (AMX all of it).
     ///
     /// # Safety
     /// [`Tiles::begin`] ran on this thread; the packed operands as described (on AMX, `a`
@@ -113,11 +115,14 @@ impl Tiles {
         rows: usize,
         n: usize,
         acc: bool,
+        upto: Upto,
         scratch: &mut Scratch,
     ) {
         match self {
             // SAFETY: forwarded; the zmm kernel is present (it is the chosen one).
-            Tiles::Zmm => unsafe { zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc) },
+            Tiles::Zmm => unsafe {
+                zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc, upto)
+            },
             Tiles::Amx => {
                 for i in (0..rows).step_by(32) {
                     for j in (0..n).step_by(NR) {
@@ -164,9 +169,9 @@ impl Tiles {
         let old = fresh.min(keys);
         // SAFETY: forwarded; rows 0..old, then old..keys, of a and c.
         unsafe {
-            self.product(kp, a, b, kp, c, rsc, old, n, true, scratch);
+            self.product(kp, a, b, kp, c, rsc, old, n, true, Upto::All, scratch);
             let (a, c) = (a.add(old * kp), c.add(old * rsc));
-            self.product(kp, a, b, kp, c, rsc, keys - old, n, false, scratch);
+            self.product(kp, a, b, kp, c, rsc, keys - old, n, false, Upto::All, scratch);
         }
     }
 }
@@ -199,6 +204,61 @@ struct Head {
     scale: f32,
 }
 
+/// The next head's rows (its Q, K, V, dY, out or gradients: a head's columns of rows
+/// kilobytes apart, beyond the caches, which no hardware prefetcher follows), asked for a
+/// strip's worth at a time while this head computes: packing a head's operands otherwise waited
+/// on memory for as long as its products took (config B's attention, Zen 5).
+struct Ahead {
+    /// (row 0, row stride) of each matrix.
+    runs: [(*const f32, usize); 8],
+    n: usize,
+    /// Bytes of a head's row.
+    bytes: usize,
+}
+
+impl Ahead {
+    fn new(hd: usize) -> Ahead {
+        Ahead {
+            runs: [(std::ptr::null(), 0); 8],
+            n: 0,
+            bytes: 4 * hd,
+        }
+    }
+
+    /// Adds a matrix of rows `stride` floats apart from `row0`.
+    fn push(&mut self, row0: *const f32, stride: usize) {
+        self.runs[self.n] = (row0, stride);
+        self.n += 1;
+    }
+
+    /// Adds head `bh`'s Q, K and V in `qkv`, the same columns of `grads` if given (a matrix of
+    /// qkv's shape), and its columns of each matrix of `per_head` (B, T, C) if given.
+    fn head(&mut self, qkv: *const f32, grads: Option<*const f32>, per_head: &[*const f32],
+            (dims, nkv): (AttnDims, usize), bh: usize) {
+        let AttnDims { t, c, nh, .. } = dims;
+        let (bi, h) = (bh / nh, bh % nh);
+        let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+        for base in std::iter::once(qkv).chain(grads) {
+            let row0 = base.wrapping_add(bi * t * rs);
+            for off in [qo, ko, vo] {
+                self.push(row0.wrapping_add(off), rs);
+            }
+        }
+        for &m in per_head {
+            self.push(m.wrapping_add(bi * t * c + h * (c / nh)), c);
+        }
+    }
+
+    /// Asks for rows r0..r1 of every matrix.
+    fn rows(&self, r0: usize, r1: usize) {
+        for &(row0, stride) in &self.runs[..self.n] {
+            for r in r0..r1 {
+                prefetch_run(row0.wrapping_add(r * stride) as *const u8, self.bytes);
+            }
+        }
+    }
+}
+
 /// Forward of head `bh`: as `head_forward` in the attention module, on `tiles`.
 ///
 /// # Safety
@@ -223,6 +283,11 @@ pub(super) unsafe fn head_forward(
     let s_rows = tiles.strip();
     let (pd, pt) = (tiles.pairs(hd), tiles.pairs(t));
     let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
+    let mut ahead = Ahead::new(hd);
+    if bh + 1 < dims.b * nh {
+        let outs = [out.0 as *const f32];
+        ahead.head(qkv.as_ptr(), None, &outs, (dims, nkv), bh + 1);
+    }
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
         let [qa, kb, vb, pa] = carve(&mut bufs.lines, [tp * pd, tp * pd, hp * pt, s_rows * pt]);
@@ -238,13 +303,16 @@ pub(super) unsafe fn head_forward(
             tiles.begin();
             for r0 in (0..t).step_by(s_rows) {
                 let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
+                ahead.rows(r0, r0 + rows);
                 // S = Q[r0..] · K[0..keys]ᵀ
                 let (qs, sp) = (qa.add(r0 * pd), s.as_mut_ptr());
-                tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, &mut scratch);
+                let cols = Upto::Cols(r0);
+                tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, cols, &mut scratch);
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
                     let lo = segment_start(segments, bi, t, tq);
+                    // (zeros past tq, whatever the product left there)
                     let l = softmax_in(row, &mf[..keys], tq, lo, head.scale);
                     *lse.0.add(bh * t + tq) = l;
                     if let Some(d) = dropout {
@@ -255,7 +323,7 @@ pub(super) unsafe fn head_forward(
                 let kp = tiles.pairs(keys);
                 pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
                 let o = out.0.add((bi * t + r0) * c + h * hd);
-                tiles.product(kp, pa, vb, pt, o, c, rows, hd, false, &mut scratch);
+                tiles.product(kp, pa, vb, pt, o, c, rows, hd, false, Upto::K(r0), &mut scratch);
             }
             tiles.end();
         }
@@ -300,6 +368,11 @@ pub(super) unsafe fn head_backward(
     let s_rows = tiles.strip();
     let (pd, pt, ps) = (tiles.pairs(hd), tiles.pairs(t), tiles.pairs(s_rows));
     let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
+    let mut ahead = Ahead::new(hd);
+    if bh + 1 < dims.b * nh {
+        let grads = Some(dqkv.0 as *const f32);
+        ahead.head(qkv.as_ptr(), grads, &[dout.as_ptr()], (dims, nkv), bh + 1);
+    }
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
         let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, tall] = carve(
@@ -331,17 +404,22 @@ pub(super) unsafe fn head_backward(
             for r0 in (0..t).step_by(s_rows) {
                 let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
                 let (kp, ps) = (tiles.pairs(keys), tiles.pairs(rows));
+                ahead.rows(r0, r0 + rows);
                 // P recomputed from S = Q·Kᵀ and the stored log-sum-exp; dPd = dY · Vᵀ
                 let (qs, pp) = (qa.add(r0 * pd), p.as_mut_ptr());
-                tiles.product(pd, qs, kb, pd, pp, t, rows, keys, false, &mut scratch);
+                let cols = Upto::Cols(r0);
+                tiles.product(pd, qs, kb, pd, pp, t, rows, keys, false, cols, &mut scratch);
                 pack_a(dya, dy.add(r0 * c), c, 1, rows, hd, pd);
                 let dpp = dp.as_mut_ptr();
-                tiles.product(pd, dya, vtb, pd, dpp, t, rows, keys, false, &mut scratch);
+                tiles.product(pd, dya, vtb, pd, dpp, t, rows, keys, false, cols, &mut scratch);
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut p[i * t..i * t + keys];
                     let lo = segment_start(segments, bi, t, tq);
+                    // P is zero past tq, and so dS (P times a finite dP, zeroed there: the
+                    // product may have left anything)
                     probs_in(row, &mf[..keys], tq, lo, lse[bh * t + tq], head.scale);
+                    dp[i * t + tq + 1..i * t + keys].fill(0.0);
                 }
                 // The probabilities as the forward used them (after dropout), and dP from dPd.
                 let used: &[f32] = match dropout {
@@ -364,7 +442,8 @@ pub(super) unsafe fn head_backward(
                 if let Some(o) = out {
                     pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
                     let o = o.0.add((bi * t + r0) * c + h * hd);
-                    tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, &mut scratch);
+                    let k = Upto::K(r0);
+                    tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
                 }
                 for i in 0..rows {
                     let (d, pr) = (&mut dp[i * t..i * t + keys], &p[i * t..i * t + keys]);
@@ -373,7 +452,8 @@ pub(super) unsafe fn head_backward(
                 // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
                 pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);
                 let dqs = dq.add(r0 * rs);
-                tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, &mut scratch);
+                let k = Upto::K(r0);
+                tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);
                 pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
                 tiles.tall_product(ps, tall, qb, dk, rs, keys, hd, fresh(r0), &mut scratch);

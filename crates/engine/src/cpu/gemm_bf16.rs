@@ -514,6 +514,20 @@ impl StridedBf16 {
     }
 }
 
+/// Which part of a [`zmm_product`] each row needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Upto {
+    /// All of it.
+    All,
+    /// Row i needs only its first `d + i + 1` columns (a causal mask's visible scores): the
+    /// others are left as they were.
+    Cols(usize),
+    /// Row i has zeros past its first `d + i + 1` elements of K (causal probabilities): its
+    /// sum stops there. Dropping zero products from the end of a sum that starts at +0 leaves
+    /// its bits as they are, and K is still split where the whole K would be.
+    K(usize),
+}
+
 /// `c[0..m, 0..n] (+)= a · b` on the zmm kernel over operands packed once by the caller: `a`
 /// as rows of pairs `rsa` u32 apart (the first `kp` read), `b` as micro-panels of `bstride`
 /// pairs x NR columns (panel j at `b + j · NR · bstride`, its first `kp` pairs read). K is
@@ -539,6 +553,7 @@ pub(crate) unsafe fn zmm_product(
     m: usize,
     n: usize,
     acc: bool,
+    upto: Upto,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -547,14 +562,18 @@ pub(crate) unsafe fn zmm_product(
     // 12 x 5 + 4: a short tile broadcasts as much B per multiply-add as it does work).
     let tiles = m.div_ceil(MR);
     let kcp = avx512_kcp(kp);
-    for p0 in (0..kp).step_by(kcp) {
-        let kc = kcp.min(kp - p0);
-        let acc = acc || p0 > 0;
-        for j in (0..n).step_by(NR) {
-            let nr = NR.min(n - j);
-            let mut i = 0;
-            for t in 0..tiles {
-                let rows = (m - i) / (tiles - t);
+    let mut i = 0;
+    for t in 0..tiles {
+        let rows = (m - i) / (tiles - t);
+        // The columns and pairs of K this tile's rows need.
+        let (n, kp) = match upto {
+            Upto::All => (n, kp),
+            Upto::Cols(d) => (n.min(d + i + rows), kp),
+            Upto::K(d) => (n, kp.min((d + i + rows).div_ceil(2))),
+        };
+        for p0 in (0..kp).step_by(kcp) {
+            let kc = kcp.min(kp - p0);
+            for j in (0..n).step_by(NR) {
                 // SAFETY: rows i..i + rows < m of a and c, pairs p0..p0 + kc ≤ kp, and panel
                 // j / NR of b, per the contract.
                 unsafe {
@@ -566,14 +585,14 @@ pub(crate) unsafe fn zmm_product(
                         b.add(j * bstride + p0 * NR),
                         c.add(i * rsc + j),
                         rsc,
-                        nr,
-                        acc,
+                        NR.min(n - j),
+                        acc || p0 > 0,
                         None,
                     )
                 };
-                i += rows;
             }
         }
+        i += rows;
     }
 }
 

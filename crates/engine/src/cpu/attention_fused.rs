@@ -24,8 +24,8 @@ use std::cell::RefCell;
 use super::attention::{
     head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
 };
-use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm::prefetch_run;
+use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
 use super::SendPtr;
 use crate::Dropout;
@@ -120,9 +120,7 @@ impl Tiles {
     ) {
         match self {
             // SAFETY: forwarded; the zmm kernel is present (it is the chosen one).
-            Tiles::Zmm => unsafe {
-                zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc, upto)
-            },
+            Tiles::Zmm => unsafe { zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc, upto) },
             Tiles::Amx => {
                 for i in (0..rows).step_by(32) {
                     for j in (0..n).step_by(NR) {
@@ -171,7 +169,19 @@ impl Tiles {
         unsafe {
             self.product(kp, a, b, kp, c, rsc, old, n, true, Upto::All, scratch);
             let (a, c) = (a.add(old * kp), c.add(old * rsc));
-            self.product(kp, a, b, kp, c, rsc, keys - old, n, false, Upto::All, scratch);
+            self.product(
+                kp,
+                a,
+                b,
+                kp,
+                c,
+                rsc,
+                keys - old,
+                n,
+                false,
+                Upto::All,
+                scratch,
+            );
         }
     }
 }
@@ -233,8 +243,14 @@ impl Ahead {
 
     /// Adds head `bh`'s Q, K and V in `qkv`, the same columns of `grads` if given (a matrix of
     /// qkv's shape), and its columns of each matrix of `per_head` (B, T, C) if given.
-    fn head(&mut self, qkv: *const f32, grads: Option<*const f32>, per_head: &[*const f32],
-            (dims, nkv): (AttnDims, usize), bh: usize) {
+    fn head(
+        &mut self,
+        qkv: *const f32,
+        grads: Option<*const f32>,
+        per_head: &[*const f32],
+        (dims, nkv): (AttnDims, usize),
+        bh: usize,
+    ) {
         let AttnDims { t, c, nh, .. } = dims;
         let (bi, h) = (bh / nh, bh % nh);
         let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
@@ -323,7 +339,19 @@ pub(super) unsafe fn head_forward(
                 let kp = tiles.pairs(keys);
                 pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
                 let o = out.0.add((bi * t + r0) * c + h * hd);
-                tiles.product(kp, pa, vb, pt, o, c, rows, hd, false, Upto::K(r0), &mut scratch);
+                tiles.product(
+                    kp,
+                    pa,
+                    vb,
+                    pt,
+                    o,
+                    c,
+                    rows,
+                    hd,
+                    false,
+                    Upto::K(r0),
+                    &mut scratch,
+                );
             }
             tiles.end();
         }
@@ -411,7 +439,19 @@ pub(super) unsafe fn head_backward(
                 tiles.product(pd, qs, kb, pd, pp, t, rows, keys, false, cols, &mut scratch);
                 pack_a(dya, dy.add(r0 * c), c, 1, rows, hd, pd);
                 let dpp = dp.as_mut_ptr();
-                tiles.product(pd, dya, vtb, pd, dpp, t, rows, keys, false, cols, &mut scratch);
+                tiles.product(
+                    pd,
+                    dya,
+                    vtb,
+                    pd,
+                    dpp,
+                    t,
+                    rows,
+                    keys,
+                    false,
+                    cols,
+                    &mut scratch,
+                );
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut p[i * t..i * t + keys];

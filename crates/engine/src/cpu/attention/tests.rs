@@ -217,7 +217,10 @@ fn fused_heads_give_the_general_products_results() {
                     drop,
                     &mut scratch,
                 );
-                assert!(again2.iter().zip(&dqkv).all(|(x, y)| x.to_bits() == y.to_bits()));
+                assert!(again2
+                    .iter()
+                    .zip(&dqkv)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()));
             });
             (out, lse, dqkv, again)
         };

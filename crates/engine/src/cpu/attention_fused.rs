@@ -146,8 +146,10 @@ impl Tiles {
         }
     }
 
-    /// [`Tiles::product`] into `keys` rows of `c` (`b`'s panels `kp` pairs apart): rows before
-    /// `fresh` (a multiple of the strip) accumulate, the rest are written.
+    /// [`Tiles::product`] into `keys` rows of `c` (`b`'s panels `kp` pairs apart), `a` the
+    /// transposed probabilities (or their gradient) of the strip from query `r0`: key j's sum
+    /// skips the strip's queries before it (zeros). Rows before `fresh` (a multiple of the
+    /// strip) accumulate, the rest are written.
     ///
     /// # Safety
     /// As [`Tiles::product`].
@@ -161,27 +163,17 @@ impl Tiles {
         rsc: usize,
         keys: usize,
         n: usize,
-        fresh: usize,
+        (r0, fresh): (usize, usize),
         scratch: &mut Scratch,
     ) {
         let old = fresh.min(keys);
         // SAFETY: forwarded; rows 0..old, then old..keys, of a and c.
         unsafe {
-            self.product(kp, a, b, kp, c, rsc, old, n, true, Upto::All, scratch);
+            let skip = Upto::KFrom(r0);
+            self.product(kp, a, b, kp, c, rsc, old, n, true, skip, scratch);
             let (a, c) = (a.add(old * kp), c.add(old * rsc));
-            self.product(
-                kp,
-                a,
-                b,
-                kp,
-                c,
-                rsc,
-                keys - old,
-                n,
-                false,
-                Upto::All,
-                scratch,
-            );
+            let (rows, skip) = (keys - old, Upto::KFrom(r0.saturating_sub(old)));
+            self.product(kp, a, b, kp, c, rsc, rows, n, false, skip, scratch);
         }
     }
 }
@@ -478,7 +470,17 @@ pub(super) unsafe fn head_backward(
                 // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
                 pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
-                tiles.tall_product(ps, tall, dyb, dv, rs, keys, hd, fresh(r0), &mut scratch);
+                tiles.tall_product(
+                    ps,
+                    tall,
+                    dyb,
+                    dv,
+                    rs,
+                    keys,
+                    hd,
+                    (r0, fresh(r0)),
+                    &mut scratch,
+                );
                 if let Some(o) = out {
                     pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
                     let o = o.0.add((bi * t + r0) * c + h * hd);
@@ -496,7 +498,17 @@ pub(super) unsafe fn head_backward(
                 tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);
                 pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
-                tiles.tall_product(ps, tall, qb, dk, rs, keys, hd, fresh(r0), &mut scratch);
+                tiles.tall_product(
+                    ps,
+                    tall,
+                    qb,
+                    dk,
+                    rs,
+                    keys,
+                    hd,
+                    (r0, fresh(r0)),
+                    &mut scratch,
+                );
             }
             tiles.end();
         }

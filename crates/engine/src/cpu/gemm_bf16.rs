@@ -517,8 +517,6 @@ impl StridedBf16 {
 /// Which part of a [`zmm_product`] each row needs.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Upto {
-    /// All of it.
-    All,
     /// Row i needs only its first `d + i + 1` columns (a causal mask's visible scores): the
     /// others are left as they were.
     Cols(usize),
@@ -526,6 +524,10 @@ pub(crate) enum Upto {
     /// sum stops there. Dropping zero products from the end of a sum that starts at +0 leaves
     /// its bits as they are, and K is still split where the whole K would be.
     K(usize),
+    /// Row i has zeros in its first `i - d` elements of K (a strip's causal probabilities,
+    /// transposed): its sum starts after them. Zero products at the start of a sum from +0
+    /// leave it +0, so its bits are as they were. Only where K is not split.
+    KFrom(usize),
 }
 
 /// `c[0..m, 0..n] (+)= a · b` on the zmm kernel over operands packed once by the caller: `a`
@@ -566,12 +568,25 @@ pub(crate) unsafe fn zmm_product(
     for t in 0..tiles {
         let rows = (m - i) / (tiles - t);
         // The columns and pairs of K this tile's rows need.
-        let (n, kp) = match upto {
-            Upto::All => (n, kp),
-            Upto::Cols(d) => (n.min(d + i + rows), kp),
-            Upto::K(d) => (n, kp.min((d + i + rows).div_ceil(2))),
+        let (n, kp, from) = match upto {
+            Upto::Cols(d) => (n.min(d + i + rows), kp, 0),
+            Upto::K(d) => (n, kp.min((d + i + rows).div_ceil(2)), 0),
+            // (a pair that starts before i - d may hold a nonzero element)
+            Upto::KFrom(d) if kcp == kp => (n, kp, (i.saturating_sub(d) / 2).min(kp)),
+            Upto::KFrom(_) => (n, kp, 0),
         };
-        for p0 in (0..kp).step_by(kcp) {
+        if from == kp {
+            // nothing but zeros: the sums are +0
+            if !acc {
+                for r in 0..rows {
+                    // SAFETY: row i + r < m of c, its first n columns, per the contract.
+                    unsafe { std::slice::from_raw_parts_mut(c.add((i + r) * rsc), n).fill(0.0) };
+                }
+            }
+            i += rows;
+            continue;
+        }
+        for p0 in (from..kp).step_by(kcp) {
             let kc = kcp.min(kp - p0);
             for j in (0..n).step_by(NR) {
                 // SAFETY: rows i..i + rows < m of a and c, pairs p0..p0 + kc ≤ kp, and panel
@@ -586,7 +601,7 @@ pub(crate) unsafe fn zmm_product(
                         c.add(i * rsc + j),
                         rsc,
                         NR.min(n - j),
-                        acc || p0 > 0,
+                        acc || p0 > from,
                         None,
                     )
                 };

@@ -2,8 +2,8 @@
 //! bf16 kernel (AMX tiles, or VDPBF16PS on zmm registers): the same arithmetic as
 //! [`attention`](super::attention)'s bf16 path (operands rounded to bf16, sums in f32, the
 //! same softmax, mask and dropout code), with the products of a head made here instead of one
-//! general product call each. It must never compute anything the general path does not: a
-//! test holds it to that path's results.
+//! general product call each. It must never give other results than the general path (a
+//! test holds it to them).
 //!
 //! A head is small (T x 64 for each of Q, K and V), so the general product's fixed costs
 //! (a call, a tile configuration, packing both operands every time) outweighed its
@@ -11,7 +11,10 @@
 //! packed into bf16 pairs once per head, in the layouts each product reads, and the queries go
 //! by in strips ([`Tiles::strip`]), each product of a strip one kernel call per 32 output
 //! columns (and per 32 rows on AMX, per register tile of up to 12 on zmm). A strip attends to
-//! keys up to its last row.
+//! keys up to its last row; on zmm each register tile also stops at its own last row's keys
+//! (scores past them are never computed, sums over probabilities skip their causal zeros).
+//! Each strip asks for its rows of the next head's operands, which come from beyond the
+//! caches.
 //!
 //! Each output element sums its K in the same order as the general product (pairs in order, in
 //! the same K blocks), so results are the general path's bits; on AMX, dK and dV sum over

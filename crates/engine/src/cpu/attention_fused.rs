@@ -464,7 +464,7 @@ pub(super) unsafe fn head_backward(
                             let (from, to) = (i * t..i * t + keys, &mut pdrop[i * t..i * t + keys]);
                             to.copy_from_slice(&p[from]);
                             d.apply(to, off);
-                            d.apply(&mut dp[i * t..i * t + keys], off);
+                            d.apply(&mut dp[i * t..i * t + r0 + i + 1], off);
                         }
                         pdrop
                     }
@@ -490,9 +490,11 @@ pub(super) unsafe fn head_backward(
                     let k = Upto::K(r0);
                     tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
                 }
+                // Over keys ..=tq only: past them P is 0 and dP was zeroed, so dS is 0 there
+                // as it was, and their zero products never changed the sum.
                 for i in 0..rows {
-                    let (d, pr) = (&mut dp[i * t..i * t + keys], &p[i * t..i * t + keys]);
-                    softmax_back_row(d, pr, head.scale);
+                    let vis = i * t..i * t + r0 + i + 1;
+                    softmax_back_row(&mut dp[vis.clone()], &p[vis], head.scale);
                 }
                 // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
                 pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);

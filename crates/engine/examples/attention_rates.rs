@@ -3,7 +3,7 @@
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example attention_rates -- [fp32|bf16] [threads]
-//! COHORT_AMX_ATTENTION=0 cargo run ...   # bf16 through the general product, not fused heads
+//! COHORT_FUSED_ATTENTION=0 cargo run ...   # bf16 through the general product, not fused heads
 //! ```
 
 use std::time::Instant;

@@ -12,8 +12,8 @@
 //! split without grouping); each task walks its queries in blocks of `RB` rows, and a
 //! block only looks at the keys the causal mask lets it see, in per-thread scratch that stays
 //! in L1/L2. Products go through `matrixmultiply`'s sgemm on strided views of the qkv buffer
-//! (no transposes are copied); under bf16 on AMX, a head's products are instead fused in
-//! `attention_amx`, with the same softmax, mask and dropout code. A query with no visible key
+//! (no transposes are copied); under bf16 (AMX or AVX512_BF16), a head's products are instead
+//! fused in `attention_fused`, with the same softmax, mask and dropout code. A query with no visible key
 //! (a padding position at the start of a left-padded row) gets a zero output and zero
 //! gradients. With segment ids (several sequences packed in one row), a query sees only the
 //! keys of its own segment, causally: the keys before its segment's start are masked as
@@ -198,7 +198,7 @@ pub fn attention_forward_grouped(
     scratch: &mut [f32],
 ) {
     forward_with(
-        amx_heads(),
+        fused_heads(),
         dtype,
         out,
         lse,
@@ -211,10 +211,10 @@ pub fn attention_forward_grouped(
     )
 }
 
-/// [`attention_forward`], its bf16 heads fused on AMX when `amx_ok` (and AMX is the kernel).
+/// [`attention_forward`], its bf16 heads fused (`attention_fused`) when `fused_ok`.
 #[allow(clippy::too_many_arguments)]
 fn forward_with(
-    amx_ok: bool,
+    fused_ok: bool,
     dtype: DType,
     out: &mut [f32],
     lse: &mut [f32],
@@ -234,14 +234,18 @@ fn forward_with(
     assert!(segments.is_none_or(|s| s.len() >= b * t));
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
-    let amx = bf16 && amx_ok && amx_kernel();
+    #[cfg(target_arch = "x86_64")]
+    let fused = fused_tiles().filter(|_| bf16 && fused_ok);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = fused_ok;
     for_each_head(dims, 1, scratch, |bh, scr| {
         // safety: task bh writes only its own head's columns of out and its own lse row; the
-        // AMX path runs only where AMX is the bf16 kernel.
+        // fused path runs on the process's bf16 kernel only.
         unsafe {
             #[cfg(target_arch = "x86_64")]
-            if amx {
-                return super::attention_amx::head_forward(
+            if let Some(tiles) = fused {
+                return super::attention_fused::head_forward(
+                    tiles,
                     out_p,
                     lse_p,
                     qkv,
@@ -268,25 +272,26 @@ fn forward_with(
     });
 }
 
-/// Whether bf16 heads run fused on AMX tiles (`attention_amx`): where AMX is the
-/// bf16 kernel, unless `COHORT_AMX_ATTENTION=0` asks for the general product per block.
-fn amx_heads() -> bool {
+/// Whether bf16 heads run fused (`attention_fused`) on the bf16 kernel, unless
+/// `COHORT_FUSED_ATTENTION=0` (or the older `COHORT_AMX_ATTENTION=0`) asks for the general
+/// product per block: read once per process.
+fn fused_heads() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| !std::env::var("COHORT_AMX_ATTENTION").is_ok_and(|v| v.trim() == "0"))
-        && amx_kernel()
+    *ON.get_or_init(|| {
+        let off = |name| std::env::var(name).is_ok_and(|v| v.trim() == "0");
+        !off("COHORT_FUSED_ATTENTION") && !off("COHORT_AMX_ATTENTION")
+    })
 }
 
-/// Whether AMX is this process's bf16 kernel.
-fn amx_kernel() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use super::gemm_bf16::{chosen_kernel, Kernel};
-        chosen_kernel() == Some(Kernel::Amx)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// The tiles fused heads run on: this process's bf16 kernel's (None without one).
+#[cfg(target_arch = "x86_64")]
+fn fused_tiles() -> Option<super::attention_fused::Tiles> {
+    use super::attention_fused::Tiles;
+    use super::gemm_bf16::{chosen_kernel, Kernel};
+    chosen_kernel().map(|k| match k {
+        Kernel::Amx => Tiles::Amx,
+        Kernel::Avx512 => Tiles::Zmm,
+    })
 }
 
 /// Runs `f(bh, scratch)` for every (batch, head), heads split in contiguous ranges over threads,
@@ -549,7 +554,7 @@ pub fn attention_backward_grouped(
     scratch: &mut [f32],
 ) {
     backward_with(
-        amx_heads(),
+        fused_heads(),
         dtype,
         dqkv,
         recompute_out,
@@ -564,10 +569,10 @@ pub fn attention_backward_grouped(
     )
 }
 
-/// [`attention_backward`], its bf16 heads fused on AMX when `amx_ok` (and AMX is the kernel).
+/// [`attention_backward`], its bf16 heads fused (`attention_fused`) when `fused_ok`.
 #[allow(clippy::too_many_arguments)]
 fn backward_with(
-    amx_ok: bool,
+    fused_ok: bool,
     dtype: DType,
     dqkv: &mut [f32],
     recompute_out: Option<&mut [f32]>,
@@ -592,7 +597,10 @@ fn backward_with(
         assert!(o.len() >= b * t * c);
         SendPtr(o.as_mut_ptr())
     });
-    let amx = bf16 && amx_ok && amx_kernel();
+    #[cfg(target_arch = "x86_64")]
+    let fused = fused_tiles().filter(|_| bf16 && fused_ok);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = fused_ok;
     // One task per (batch, key/value head): its query group's heads in order.
     let group = nh / nkv;
     for_each_head(dims, group, scratch, |bh, scr| {
@@ -600,12 +608,13 @@ fn backward_with(
         // it, in order, on this task.
         let first = (bh % dims.nh).is_multiple_of(group);
         // safety: the task of group bh / group writes only its heads' columns of dq and of the
-        // output and its key/value head's columns of dk and dv; the AMX path runs only where
-        // AMX is the bf16 kernel.
+        // output and its key/value head's columns of dk and dv; the fused path runs on the
+        // process's bf16 kernel only.
         unsafe {
             #[cfg(target_arch = "x86_64")]
-            if amx {
-                return super::attention_amx::head_backward(
+            if let Some(tiles) = fused {
+                return super::attention_fused::head_backward(
+                    tiles,
                     dqkv_p,
                     out_p,
                     dout,

@@ -62,6 +62,17 @@ const AVX512_KCP: usize = 256;
 /// Up to this many pairs of K (1024 of K) the zmm kernel takes K in one block.
 const AVX512_WHOLE_KCP: usize = 512;
 
+/// Pairs per K block of the zmm kernel for a K of `kp` pairs: all of them up to
+/// [`AVX512_WHOLE_KCP`], else [`AVX512_KCP`]. Where K is split decides a result's bits (each
+/// block's sum is added to C), so every caller of [`tile`] on one product splits it here.
+fn avx512_kcp(kp: usize) -> usize {
+    if kp <= AVX512_WHOLE_KCP {
+        kp
+    } else {
+        AVX512_KCP
+    }
+}
+
 /// Which instruction computes the products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
@@ -109,11 +120,7 @@ impl Kernel {
             // products 76-77% -> 79-82% of VDPBF16PS's peak, one thread, Zen 5; its LM head's
             // forward 367-371 -> 441-453 GFLOP/s). Longer K in blocks of 256 pairs (32 KB, L1).
             Kernel::Avx512 => Blocking {
-                kcp: if k <= 2 * AVX512_WHOLE_KCP {
-                    k.div_ceil(2)
-                } else {
-                    AVX512_KCP
-                },
+                kcp: avx512_kcp(k.div_ceil(2)),
                 mc: 192,
                 nc: 2048,
             },
@@ -504,6 +511,103 @@ impl StridedBf16 {
     /// Pointer to element (r, c).
     fn at(self, r: usize, c: usize) -> *const u16 {
         self.ptr.wrapping_add(r * self.rs + c * self.cs)
+    }
+}
+
+/// Which part of a [`zmm_product`] each row needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Upto {
+    /// Row i needs only its first `d + i + 1` columns (a causal mask's visible scores): the
+    /// others are left as they were.
+    Cols(usize),
+    /// Row i has zeros past its first `d + i + 1` elements of K (causal probabilities): its
+    /// sum stops there. Dropping zero products from the end of a sum that starts at +0 leaves
+    /// its bits as they are, and K is still split where the whole K would be.
+    K(usize),
+    /// Row i has zeros in its first `i - d` elements of K (a strip's causal probabilities,
+    /// transposed): its sum starts after them. Zero products at the start of a sum from +0
+    /// leave it +0, so its bits are as they were. Only where K is not split.
+    KFrom(usize),
+}
+
+/// `c[0..m, 0..n] (+)= a · b` on the zmm kernel over operands packed once by the caller: `a`
+/// as rows of pairs `rsa` u32 apart (the first `kp` read), `b` as micro-panels of `bstride`
+/// pairs x NR columns (panel j at `b + j · NR · bstride`, its first `kp` pairs read). K is
+/// split in blocks as [`bgemm`] splits a K of `kp` pairs and every element sums its pairs in
+/// the same order, so the result has `bgemm`'s bits for the same operands; the first block
+/// writes C unless `acc`. For products too small for `bgemm`'s packing to pay (attention's
+/// per-head products, packed once per head).
+///
+/// # Safety
+/// AVX512_BF16 must be present; `a` m rows of at least kp u32 at row stride rsa; `b`
+/// ⌈n/NR⌉ panels of bstride (≥ kp) x NR u32, 64-byte aligned; `c` m x n writable floats at row
+/// stride rsc, not overlapping the rest.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn zmm_product(
+    kp: usize,
+    a: *const u32,
+    rsa: usize,
+    b: *const u32,
+    bstride: usize,
+    c: *mut f32,
+    rsc: usize,
+    m: usize,
+    n: usize,
+    acc: bool,
+    upto: Upto,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Rows in ⌈m/MR⌉ tiles of nearly equal height (64 rows as 11,11,11,11,10,10 rather than
+    // 12 x 5 + 4: a short tile broadcasts as much B per multiply-add as it does work).
+    let tiles = m.div_ceil(MR);
+    let kcp = avx512_kcp(kp);
+    let mut i = 0;
+    for t in 0..tiles {
+        let rows = (m - i) / (tiles - t);
+        // The columns and pairs of K this tile's rows need.
+        let (n, kp, from) = match upto {
+            Upto::Cols(d) => (n.min(d + i + rows), kp, 0),
+            Upto::K(d) => (n, kp.min((d + i + rows).div_ceil(2)), 0),
+            // (a pair that starts before i - d may hold a nonzero element)
+            Upto::KFrom(d) if kcp == kp => (n, kp, (i.saturating_sub(d) / 2).min(kp)),
+            Upto::KFrom(_) => (n, kp, 0),
+        };
+        if from == kp {
+            // nothing but zeros: the sums are +0
+            if !acc {
+                for r in 0..rows {
+                    // SAFETY: row i + r < m of c, its first n columns, per the contract.
+                    unsafe { std::slice::from_raw_parts_mut(c.add((i + r) * rsc), n).fill(0.0) };
+                }
+            }
+            i += rows;
+            continue;
+        }
+        for p0 in (from..kp).step_by(kcp) {
+            let kc = kcp.min(kp - p0);
+            for j in (0..n).step_by(NR) {
+                // SAFETY: rows i..i + rows < m of a and c, pairs p0..p0 + kc ≤ kp, and panel
+                // j / NR of b, per the contract.
+                unsafe {
+                    tile(
+                        rows,
+                        kc,
+                        a.add(i * rsa + p0),
+                        rsa,
+                        b.add(j * bstride + p0 * NR),
+                        c.add(i * rsc + j),
+                        rsc,
+                        NR.min(n - j),
+                        acc || p0 > from,
+                        None,
+                    )
+                };
+            }
+        }
+        i += rows;
     }
 }
 

@@ -13,9 +13,9 @@
 #![allow(clippy::too_many_arguments)]
 
 mod attention;
-#[cfg(target_arch = "x86_64")]
-mod attention_amx;
 mod attention_decode;
+#[cfg(target_arch = "x86_64")]
+mod attention_fused;
 mod bf16;
 mod crossentropy;
 mod decode_matmul;

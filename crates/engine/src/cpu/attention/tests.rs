@@ -136,20 +136,27 @@ fn attention_matches_f64_and_finite_differences() {
     }
 }
 
-/// bf16 products (q kᵀ, p v and the backward's) stay within bf16 rounding of the f64
-/// reference, and really differ from the f32 kernel's results.
+/// Fused heads (`attention_fused`, on this CPU's bf16 kernel) against the general bf16 path:
+/// the same bits on the zmm kernel; on AMX, dK and dV within f32 rounding (they sum over
+/// strips of 32 queries instead of blocks of 64).
+#[cfg(target_arch = "x86_64")]
 #[test]
-fn amx_heads_give_the_general_products_results() {
-    if !amx_kernel() {
-        eprintln!("skipped: AMX is not this CPU's bf16 kernel");
+fn fused_heads_give_the_general_products_results() {
+    let Some(tiles) = fused_tiles() else {
+        eprintln!("skipped: this CPU has no bf16 kernel to fuse heads on");
         return;
-    }
-    // T not a multiple of a strip, left padding, dropout, a recomputed output, two head
-    // sizes (16 and 64), grouped key/value heads
+    };
+    // T not a multiple of a strip (and one past 1024, where the products over keys split K),
+    // left padding, dropout, a recomputed output, head sizes 16, 32 and 64, grouped and
+    // single key/value heads, segments
     for (t, c, nh, nkv) in [
         (70usize, 32usize, 2usize, 2usize),
         (45, 128, 2, 1),
         (45, 64, 4, 2),
+        (130, 96, 3, 3),
+        (200, 128, 4, 1),
+        (256, 64, 2, 2),
+        (1100, 16, 1, 1),
     ] {
         let dims = AttnDims { b: 2, t, c, nh };
         let (b, w) = (dims.b, (nh + 2 * nkv) * (c / nh));
@@ -157,11 +164,11 @@ fn amx_heads_give_the_general_products_results() {
         let dout = rand_vec(b * t * c, 6);
         let mut mask = vec![1u8; b * t];
         mask[t..t + 3].fill(0);
-        let drop = Some(Dropout { p: 0.1, key: 77 });
-        // the second shape packs three sequences per row (segment ids)
+        let drop = (t != 256).then_some(Dropout { p: 0.1, key: 77 });
+        // three shapes pack several sequences per row (segment ids)
         let segs: Vec<u32> = (0..b * t).map(|i| ((i % t) / 17) as u32).collect();
-        let segs = (t == 45).then_some(&segs[..]);
-        let run = |amx: bool| {
+        let segs = (t == 45 || t == 200).then_some(&segs[..]);
+        let run = |fused: bool| {
             let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
             // dqkv and the output are overwritten, whatever they held
             let (mut dqkv, mut again) = (vec![f32::NAN; b * t * w], vec![f32::NAN; b * t * c]);
@@ -169,7 +176,7 @@ fn amx_heads_give_the_general_products_results() {
             within_pool(2, || {
                 let m = Some(&mask[..]);
                 forward_with(
-                    amx,
+                    fused,
                     DType::Bf16,
                     &mut out,
                     &mut lse,
@@ -180,8 +187,24 @@ fn amx_heads_give_the_general_products_results() {
                     drop,
                     &mut scratch,
                 );
+                // once with the output recomputed, once without (what training does)
+                let mut again2 = vec![f32::NAN; b * t * w];
                 backward_with(
-                    amx,
+                    fused,
+                    DType::Bf16,
+                    &mut again2,
+                    None,
+                    &dout,
+                    &qkv,
+                    &lse,
+                    m,
+                    segs,
+                    (dims, nkv),
+                    drop,
+                    &mut scratch,
+                );
+                backward_with(
+                    fused,
                     DType::Bf16,
                     &mut dqkv,
                     Some(&mut again),
@@ -194,6 +217,10 @@ fn amx_heads_give_the_general_products_results() {
                     drop,
                     &mut scratch,
                 );
+                assert!(again2
+                    .iter()
+                    .zip(&dqkv)
+                    .all(|(x, y)| x.to_bits() == y.to_bits()));
             });
             (out, lse, dqkv, again)
         };
@@ -207,12 +234,11 @@ fn amx_heads_give_the_general_products_results() {
             bits(&general.3),
             "t {t} c {c}: recomputed out"
         );
-        // dK and dV sum over strips of 32 queries instead of blocks of 64: f32 rounding
         let scale = general.2.iter().fold(0f32, |m, x| m.max(x.abs()));
         for (i, (a, g)) in fused.2.iter().zip(&general.2).enumerate() {
             let (row, col) = (i / w, i % w);
-            if col < c {
-                assert_eq!(a.to_bits(), g.to_bits(), "t {t} c {c}: dq[{row}][{col}]");
+            if col < c || tiles == crate::cpu::attention_fused::Tiles::Zmm {
+                assert_eq!(a.to_bits(), g.to_bits(), "t {t} c {c}: dqkv[{row}][{col}]");
             } else {
                 assert!(
                     (a - g).abs() <= 1e-5 * scale,
@@ -221,6 +247,8 @@ fn amx_heads_give_the_general_products_results() {
             }
         }
         assert!(fused.2.iter().any(|x| *x != 0.0));
+        // the queries of the left padding see no key: zero output
+        assert!(fused.0[t * c..(t + 3) * c].iter().all(|x| *x == 0.0));
     }
 }
 

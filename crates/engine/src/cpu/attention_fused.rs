@@ -1,0 +1,577 @@
+//! Causal attention of one (batch, head) with its products fused, for bf16 training on either
+//! bf16 kernel (AMX tiles, or VDPBF16PS on zmm registers): the same arithmetic as
+//! [`attention`](super::attention)'s bf16 path (operands rounded to bf16, sums in f32, the
+//! same softmax, mask and dropout code), with the products of a head made here instead of one
+//! general product call each. It must never give other results than the general path (a
+//! test holds it to them).
+//!
+//! A head is small (T x 64 for each of Q, K and V), so the general product's fixed costs
+//! (a call, a tile configuration, packing both operands every time) outweighed its
+//! arithmetic: the keys were packed again for every block of queries. Here Q, K and V are
+//! packed into bf16 pairs once per head, in the layouts each product reads, and the queries go
+//! by in strips ([`Tiles::strip`]), each product of a strip one kernel call per 32 output
+//! columns (and per 32 rows on AMX, per register tile of up to 12 on zmm). A strip attends to
+//! keys up to its last row; on zmm each register tile also stops at its own last row's keys
+//! (scores past them are never computed, sums over probabilities skip their causal zeros).
+//! Each strip asks for its rows of the next head's operands, which come from beyond the
+//! caches.
+//!
+//! Each output element sums its K in the same order as the general product (pairs in order, in
+//! the same K blocks), so results are the general path's bits; on AMX, dK and dV sum over
+//! strips of 32 queries rather than the general path's 64 and so differ by f32 rounding (a
+//! test holds each kernel to that). It never allocates after a thread's first call: its
+//! packing buffers are per thread.
+
+use std::cell::RefCell;
+
+use super::attention::{
+    head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
+};
+use super::gemm::prefetch_run;
+use super::gemm_bf16::amx::{self, Scratch};
+use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
+use super::SendPtr;
+use crate::Dropout;
+
+/// Which kernel a head's products run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Tiles {
+    /// AMX tiles: strips of one 32-row block, K padded to 16 pairs.
+    Amx,
+    /// VDPBF16PS on zmm registers (`gemm_bf16`'s register tile), K in whole pairs.
+    Zmm,
+}
+
+/// One thread's packed operands and strip buffers, grown to the largest head seen.
+#[derive(Default)]
+struct Bufs {
+    lines: Vec<Line>,
+    floats: Vec<f32>,
+}
+
+thread_local! {
+    static BUFS: RefCell<Bufs> = RefCell::new(Bufs::default());
+}
+
+impl Tiles {
+    /// Query rows per strip. AMX: one block. zmm: the general path's 64-query blocks, so that
+    /// dK and dV (sums over a strip's queries, added strip after strip) keep its bits.
+    fn strip(self) -> usize {
+        match self {
+            Tiles::Amx => 32,
+            Tiles::Zmm => 64,
+        }
+    }
+
+    /// Pairs of a K of `k` elements as packed: AMX pads to the 16 pairs one tile row holds.
+    fn pairs(self, k: usize) -> usize {
+        match self {
+            Tiles::Amx => k.div_ceil(32) * 16,
+            Tiles::Zmm => k.div_ceil(2),
+        }
+    }
+
+    /// `n` rounded up to a whole number of strips.
+    fn strips(self, n: usize) -> usize {
+        n.div_ceil(self.strip()) * self.strip()
+    }
+
+    /// Readies this thread for [`Tiles::product`] (AMX: loads the tile configuration).
+    ///
+    /// # Safety
+    /// This kernel is this process's bf16 kernel.
+    unsafe fn begin(self) {
+        if self == Tiles::Amx {
+            // SAFETY: AMX is the chosen kernel (the caller's contract), so it is granted.
+            unsafe { amx::configure() };
+        }
+    }
+
+    /// Ends what [`Tiles::begin`] started.
+    ///
+    /// # Safety
+    /// As [`Tiles::begin`].
+    unsafe fn end(self) {
+        if self == Tiles::Amx {
+            // SAFETY: as in `begin`.
+            unsafe { amx::release() };
+        }
+    }
+
+    /// `c[0..rows, 0..n] (+)= a · b`: `a` packed as rows of `kp` pairs, `b` as panels of `kp`
+    /// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read). The
+    /// zmm kernel computes only what `upto` says each row needs (AMX all of it).
+    ///
+    /// # Safety
+    /// [`Tiles::begin`] ran on this thread; the packed operands as described (on AMX, `a`
+    /// readable to a whole number of 32-row blocks); c rows x n writable floats at row stride
+    /// rsc.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn product(
+        self,
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        bstride: usize,
+        c: *mut f32,
+        rsc: usize,
+        rows: usize,
+        n: usize,
+        acc: bool,
+        upto: Upto,
+        scratch: &mut Scratch,
+    ) {
+        match self {
+            // SAFETY: forwarded; the zmm kernel is present (it is the chosen one).
+            Tiles::Zmm => unsafe { zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc, upto) },
+            Tiles::Amx => {
+                for i in (0..rows).step_by(32) {
+                    for j in (0..n).step_by(NR) {
+                        // SAFETY: forwarded; rows i.. (32 readable) of a, panel j / 32 of b
+                        // and block (i, j) of c lie inside the caller's.
+                        unsafe {
+                            amx::block(
+                                kp,
+                                a.add(i * kp),
+                                b.add(j * bstride),
+                                c.add(i * rsc + j),
+                                rsc,
+                                32.min(rows - i),
+                                NR.min(n - j),
+                                acc,
+                                None,
+                                scratch,
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Tiles::product`] into `keys` rows of `c` (`b`'s panels `kp` pairs apart), `a` the
+    /// transposed probabilities (or their gradient) of the strip from query `r0`: key j's sum
+    /// skips the strip's queries before it (zeros). Rows before `fresh` (a multiple of the
+    /// strip) accumulate, the rest are written.
+    ///
+    /// # Safety
+    /// As [`Tiles::product`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tall_product(
+        self,
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        rsc: usize,
+        keys: usize,
+        n: usize,
+        (r0, fresh): (usize, usize),
+        scratch: &mut Scratch,
+    ) {
+        let old = fresh.min(keys);
+        // SAFETY: forwarded; rows 0..old, then old..keys, of a and c.
+        unsafe {
+            let skip = Upto::KFrom(r0);
+            self.product(kp, a, b, kp, c, rsc, old, n, true, skip, scratch);
+            let (a, c) = (a.add(old * kp), c.add(old * rsc));
+            let (rows, skip) = (keys - old, Upto::KFrom(r0.saturating_sub(old)));
+            self.product(kp, a, b, kp, c, rsc, rows, n, false, skip, scratch);
+        }
+    }
+}
+
+/// Carves 64-byte aligned u32 regions of the given sizes (in u32) out of `lines`.
+fn carve<const N: usize>(lines: &mut Vec<Line>, sizes: [usize; N]) -> [*mut u32; N] {
+    let total: usize = sizes.iter().map(|n| n.div_ceil(16)).sum();
+    if lines.len() < total {
+        lines.resize(total, Line([0; 16]));
+    }
+    let base = lines.as_mut_ptr();
+    let mut at = 0;
+    sizes.map(|n| {
+        // SAFETY: at + ⌈n/16⌉ ≤ total ≤ lines.len(): the region lies inside the buffer.
+        let p = unsafe { base.add(at) } as *mut u32;
+        at += n.div_ceil(16);
+        p
+    })
+}
+
+/// The head's matrices: Q, K, V and their gradients at row stride 3C, dY and out at C.
+struct Head {
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    t: usize,
+    hd: usize,
+    /// Row stride of q, k, v (and of dq, dk, dv): 3C.
+    rs: usize,
+    scale: f32,
+}
+
+/// The next head's rows (its Q, K, V, and dY or out: a head's columns of rows
+/// kilobytes apart, beyond the caches, which no hardware prefetcher follows), asked for a
+/// strip's worth at a time while this head computes: packing a head's operands otherwise
+/// stalled on memory (config B's attention, Zen 5, profiled: packing 32% of the fused heads'
+/// time without this, 22% with it).
+struct Ahead {
+    /// (row 0, row stride) of each matrix.
+    runs: [(*const f32, usize); 4],
+    n: usize,
+    /// Bytes of a head's row.
+    bytes: usize,
+}
+
+impl Ahead {
+    fn new(hd: usize) -> Ahead {
+        Ahead {
+            runs: [(std::ptr::null(), 0); 4],
+            n: 0,
+            bytes: 4 * hd,
+        }
+    }
+
+    /// Adds a matrix of rows `stride` floats apart from `row0`.
+    fn push(&mut self, row0: *const f32, stride: usize) {
+        self.runs[self.n] = (row0, stride);
+        self.n += 1;
+    }
+
+    /// Adds head `bh`'s Q, K and V in `qkv` and its columns of each matrix of `per_head`
+    /// (B, T, C). (Asking for the gradients' rows of the next head too, in backward, pushed
+    /// as much out of L2 as it brought in.)
+    fn head(
+        &mut self,
+        qkv: *const f32,
+        per_head: &[*const f32],
+        (dims, nkv): (AttnDims, usize),
+        bh: usize,
+    ) {
+        let AttnDims { t, c, nh, .. } = dims;
+        let (bi, h) = (bh / nh, bh % nh);
+        let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+        let row0 = qkv.wrapping_add(bi * t * rs);
+        for off in [qo, ko, vo] {
+            self.push(row0.wrapping_add(off), rs);
+        }
+        for &m in per_head {
+            self.push(m.wrapping_add(bi * t * c + h * (c / nh)), c);
+        }
+    }
+
+    /// Asks for rows r0..r1 of every matrix.
+    fn rows(&self, r0: usize, r1: usize) {
+        for &(row0, stride) in &self.runs[..self.n] {
+            for r in r0..r1 {
+                prefetch_run(row0.wrapping_add(r * stride) as *const u8, self.bytes);
+            }
+        }
+    }
+}
+
+/// Forward of head `bh`: as `head_forward` in the attention module, on `tiles`.
+///
+/// # Safety
+/// `tiles` is this process's bf16 kernel; `out` and `lse` hold the sizes `attention_forward`
+/// checked and head `bh`'s parts of them belong to this task alone.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn head_forward(
+    tiles: Tiles,
+    out: SendPtr,
+    lse: SendPtr,
+    qkv: &[f32],
+    mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
+    dropout: Option<Dropout>,
+    bh: usize,
+) {
+    let AttnDims { t, c, nh, .. } = dims;
+    let (bi, h) = (bh / nh, bh % nh);
+    let hd = c / nh;
+    let head = Head::at(qkv, (dims, nkv), bh);
+    let s_rows = tiles.strip();
+    let (pd, pt) = (tiles.pairs(hd), tiles.pairs(t));
+    let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
+    let mut ahead = Ahead::new(hd);
+    if bh + 1 < dims.b * nh {
+        let outs = [out.0 as *const f32];
+        ahead.head(qkv.as_ptr(), &outs, (dims, nkv), bh + 1);
+    }
+    BUFS.with(|bufs| {
+        let bufs = &mut *bufs.borrow_mut();
+        let [qa, kb, vb, pa] = carve(&mut bufs.lines, [tp * pd, tp * pd, hp * pt, s_rows * pt]);
+        grow(&mut bufs.floats, t + s_rows * t);
+        let (mf, s) = bufs.floats.split_at_mut(t);
+        mask_row(mf, mask, bi, t);
+        let mut scratch = Scratch([0.0; 32 * NR]);
+        // SAFETY: the packs read Q, K and V of this head (t rows of hd at stride 3C) and write
+        // the regions carved for them; `tiles` is the chosen kernel (the caller's contract),
+        // and every product writes this task's strip buffer or head `bh`'s columns of out.
+        unsafe {
+            head.pack(tiles, qa, kb, None, Some(vb), None);
+            tiles.begin();
+            for r0 in (0..t).step_by(s_rows) {
+                let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
+                ahead.rows(r0, r0 + rows);
+                // S = Q[r0..] · K[0..keys]ᵀ
+                let (qs, sp) = (qa.add(r0 * pd), s.as_mut_ptr());
+                let cols = Upto::Cols(r0);
+                tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, cols, &mut scratch);
+                for i in 0..rows {
+                    let tq = r0 + i;
+                    let row = &mut s[i * t..i * t + keys];
+                    let lo = segment_start(segments, bi, t, tq);
+                    // (zeros past tq, whatever the product left there)
+                    let l = softmax_in(row, &mf[..keys], tq, lo, head.scale);
+                    *lse.0.add(bh * t + tq) = l;
+                    if let Some(d) = dropout {
+                        d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
+                    }
+                }
+                // out[r0..] = P · V[0..keys]
+                let kp = tiles.pairs(keys);
+                pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
+                let o = out.0.add((bi * t + r0) * c + h * hd);
+                tiles.product(
+                    kp,
+                    pa,
+                    vb,
+                    pt,
+                    o,
+                    c,
+                    rows,
+                    hd,
+                    false,
+                    Upto::K(r0),
+                    &mut scratch,
+                );
+            }
+            tiles.end();
+        }
+    });
+}
+
+/// Backward of head `bh`: as `head_backward` in the attention module, on `tiles` (`first`:
+/// the first head of its key/value group, which writes the group's dK and dV; the others add).
+///
+/// # Safety
+/// As [`head_forward`], for `dqkv` and `out`; head `bh`'s key/value head's columns of dqkv are
+/// touched by its group's heads only, run in order on this task.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn head_backward(
+    tiles: Tiles,
+    dqkv: SendPtr,
+    out: Option<SendPtr>,
+    dout: &[f32],
+    qkv: &[f32],
+    lse: &[f32],
+    mask: Option<&[u8]>,
+    segments: Option<&[u32]>,
+    (dims, nkv): (AttnDims, usize),
+    dropout: Option<Dropout>,
+    (bh, first): (usize, bool),
+) {
+    let AttnDims { t, c, nh, .. } = dims;
+    let (bi, h) = (bh / nh, bh % nh);
+    let hd = c / nh;
+    let head = Head::at(qkv, (dims, nkv), bh);
+    let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
+    let drow0 = dqkv.0.wrapping_add(bi * t * rs);
+    let (dq, dk, dv) = (
+        drow0.wrapping_add(qo),
+        drow0.wrapping_add(ko),
+        drow0.wrapping_add(vo),
+    );
+    // dK and dV strips from `fresh` on are written (by a group's first head), earlier ones
+    // added to; the group's other heads add to all of them.
+    let fresh = |r0: usize| if first { r0 } else { t };
+    let dy = dout[bi * t * c + h * hd..].as_ptr();
+    let s_rows = tiles.strip();
+    let (pd, pt, ps) = (tiles.pairs(hd), tiles.pairs(t), tiles.pairs(s_rows));
+    let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
+    let mut ahead = Ahead::new(hd);
+    if bh + 1 < dims.b * nh {
+        ahead.head(qkv.as_ptr(), &[dout.as_ptr()], (dims, nkv), bh + 1);
+    }
+    BUFS.with(|bufs| {
+        let bufs = &mut *bufs.borrow_mut();
+        let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, tall] = carve(
+            &mut bufs.lines,
+            [
+                tp * pd,
+                tp * pd,
+                tp * pd,
+                hp * pt,
+                if out.is_some() { hp * pt } else { 0 },
+                s_rows * pd,
+                hp * ps,
+                hp * ps,
+                s_rows * pt,
+                tp * ps,
+            ],
+        );
+        grow(&mut bufs.floats, t + 3 * s_rows * t);
+        let (mf, rest) = bufs.floats.split_at_mut(t);
+        let (p, rest) = rest.split_at_mut(s_rows * t);
+        let (dp, pdrop) = rest.split_at_mut(s_rows * t);
+        mask_row(mf, mask, bi, t);
+        let mut scratch = Scratch([0.0; 32 * NR]);
+        // SAFETY: as in head_forward; the products write this task's strip buffers, head
+        // `bh`'s columns of dq and out, or its key/value head's columns of dk and dv.
+        unsafe {
+            head.pack(tiles, qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
+            tiles.begin();
+            for r0 in (0..t).step_by(s_rows) {
+                let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
+                let (kp, ps) = (tiles.pairs(keys), tiles.pairs(rows));
+                ahead.rows(r0, r0 + rows);
+                // P recomputed from S = Q·Kᵀ and the stored log-sum-exp; dPd = dY · Vᵀ
+                let (qs, pp) = (qa.add(r0 * pd), p.as_mut_ptr());
+                let cols = Upto::Cols(r0);
+                tiles.product(pd, qs, kb, pd, pp, t, rows, keys, false, cols, &mut scratch);
+                pack_a(dya, dy.add(r0 * c), c, 1, rows, hd, pd);
+                let dpp = dp.as_mut_ptr();
+                tiles.product(
+                    pd,
+                    dya,
+                    vtb,
+                    pd,
+                    dpp,
+                    t,
+                    rows,
+                    keys,
+                    false,
+                    cols,
+                    &mut scratch,
+                );
+                for i in 0..rows {
+                    let tq = r0 + i;
+                    let row = &mut p[i * t..i * t + keys];
+                    let lo = segment_start(segments, bi, t, tq);
+                    // P is zero past tq, and so dS (P times a finite dP, zeroed there: the
+                    // product may have left anything)
+                    probs_in(row, &mf[..keys], tq, lo, lse[bh * t + tq], head.scale);
+                    dp[i * t + tq + 1..i * t + keys].fill(0.0);
+                }
+                // The probabilities as the forward used them (after dropout), and dP from dPd.
+                let used: &[f32] = match dropout {
+                    Some(d) => {
+                        for i in 0..rows {
+                            let off = ((bh * t + r0 + i) * t) as u64;
+                            let (from, to) = (i * t..i * t + keys, &mut pdrop[i * t..i * t + keys]);
+                            to.copy_from_slice(&p[from]);
+                            d.apply(to, off);
+                            d.apply(&mut dp[i * t..i * t + r0 + i + 1], off);
+                        }
+                        pdrop
+                    }
+                    None => p,
+                };
+                // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
+                pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
+                pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
+                tiles.tall_product(
+                    ps,
+                    tall,
+                    dyb,
+                    dv,
+                    rs,
+                    keys,
+                    hd,
+                    (r0, fresh(r0)),
+                    &mut scratch,
+                );
+                if let Some(o) = out {
+                    pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
+                    let o = o.0.add((bi * t + r0) * c + h * hd);
+                    let k = Upto::K(r0);
+                    tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
+                }
+                // Over keys ..=tq only: past them P is 0 and dP was zeroed, so dS is 0 there
+                // as it was, and their zero products never changed the sum.
+                for i in 0..rows {
+                    let vis = i * t..i * t + r0 + i + 1;
+                    softmax_back_row(&mut dp[vis.clone()], &p[vis], head.scale);
+                }
+                // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
+                pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);
+                let dqs = dq.add(r0 * rs);
+                let k = Upto::K(r0);
+                tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);
+                pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
+                pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
+                tiles.tall_product(
+                    ps,
+                    tall,
+                    qb,
+                    dk,
+                    rs,
+                    keys,
+                    hd,
+                    (r0, fresh(r0)),
+                    &mut scratch,
+                );
+            }
+            tiles.end();
+        }
+    });
+}
+
+impl Head {
+    fn at(qkv: &[f32], (dims, nkv): (AttnDims, usize), bh: usize) -> Head {
+        let AttnDims { t, c, nh, .. } = dims;
+        let hd = c / nh;
+        let (rs, qo, ko, vo) = head_cols(dims, nkv, bh % nh);
+        let row0 = qkv[(bh / nh) * t * rs..].as_ptr();
+        Head {
+            q: row0.wrapping_add(qo),
+            k: row0.wrapping_add(ko),
+            v: row0.wrapping_add(vo),
+            t,
+            hd,
+            rs,
+            scale: 1.0 / (hd as f32).sqrt(),
+        }
+    }
+
+    /// Packs what the products read: Q as rows of pairs along its dimensions (`qa`); Kᵀ (`kb`)
+    /// and Vᵀ (`vtb`) as panels of 32 keys, pairs along the dimensions; V (`vb`) and K (`kbk`)
+    /// as panels of 32 dimensions, pairs along the keys.
+    ///
+    /// # Safety
+    /// Each region as carved by the callers for this head's sizes.
+    unsafe fn pack(
+        &self,
+        tiles: Tiles,
+        qa: *mut u32,
+        kb: *mut u32,
+        vtb: Option<*mut u32>,
+        vb: Option<*mut u32>,
+        kbk: Option<*mut u32>,
+    ) {
+        let (t, hd, rs) = (self.t, self.hd, self.rs);
+        let (pd, pt) = (tiles.pairs(hd), tiles.pairs(t));
+        // SAFETY: q, k and v hold t rows of hd at stride rs; the regions are the callers'.
+        unsafe {
+            pack_a(qa, self.q, rs, 1, t, hd, pd);
+            pack_b(kb, self.k, 1, rs, hd, t, pd, None);
+            if let Some(vtb) = vtb {
+                pack_b(vtb, self.v, 1, rs, hd, t, pd, None);
+            }
+            if let Some(vb) = vb {
+                pack_b(vb, self.v, rs, 1, t, hd, pt, None);
+            }
+            if let Some(kbk) = kbk {
+                pack_b(kbk, self.k, rs, 1, t, hd, pt, None);
+            }
+        }
+    }
+}
+
+/// Grows `v` to at least `n` floats.
+fn grow(v: &mut Vec<f32>, n: usize) {
+    if v.len() < n {
+        v.resize(n, 0.0);
+    }
+}

@@ -53,17 +53,26 @@ FAILED=0
 
 section() { echo; echo "== $1 (t=$(($(date +%s) - START))s)"; }
 
+# part_limit NAME LIMIT_S: sets PART_LIMIT to min(LIMIT_S, time left), or records NAME as
+# skipped and fails when under 15 s are left.
+part_limit() {
+  local left=$((DEADLINE - $(date +%s)))
+  if [ "$left" -lt 15 ]; then
+    SUMMARY+=("$1: skipped (out of time)")
+    FAILED=1
+    return 1
+  fi
+  PART_LIMIT=$2
+  [ "$PART_LIMIT" -gt "$left" ] && PART_LIMIT=$left
+  return 0
+}
+
 # run_part NAME LIMIT_S CMD...: runs CMD under min(LIMIT_S, time left); records the outcome.
 run_part() {
-  local name=$1 limit=$2 left rc
+  local name=$1 limit rc
+  part_limit "$name" "$2" || return 0
+  limit=$PART_LIMIT
   shift 2
-  left=$((DEADLINE - $(date +%s)))
-  if [ "$left" -lt 15 ]; then
-    SUMMARY+=("$name: skipped (out of time)")
-    FAILED=1
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
   local t0=$(date +%s)
   timeout --kill-after=5 "$limit" "$@"
   rc=$?
@@ -80,15 +89,10 @@ run_part() {
 # it, NCCL 2.30+ must run, and an older NCCL's refusal (which names 2.30) is the expected
 # outcome, not a failure.
 run_nccl_part() {
-  local name=$1 limit=$2 multi=$3 left rc log
+  local name=$1 multi=$3 limit rc log
+  part_limit "$name" "$2" || return 0
+  limit=$PART_LIMIT
   shift 3
-  left=$((DEADLINE - $(date +%s)))
-  if [ "$left" -lt 15 ]; then
-    SUMMARY+=("$name: skipped (out of time)")
-    FAILED=1
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
   log=$(mktemp "$OUT_DIR/nccl.XXXXXX")
   local t0=$(date +%s)
   if [ "$multi" = 1 ]; then

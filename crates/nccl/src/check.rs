@@ -40,18 +40,15 @@ fn input(rank: usize, i: usize) -> f32 {
 pub fn run(comm: &Communicator, backend: &dyn Backend, len: usize) -> Result<Vec<Row>, NcclError> {
     let (rank, world) = (comm.rank(), comm.world());
     let sum = |i: usize| (0..world).map(|r| input(r, i) as f64).sum::<f64>();
+    // This rank's first `n` inputs.
+    let mine = |n: usize| (0..n).map(|i| input(rank, i)).collect::<Vec<_>>();
     let mut rows = Vec::new();
     for dtype in ["f32", "bf16"] {
         for (op, name) in [
             (Reduce::Sum, "all_reduce sum"),
             (Reduce::Avg, "all_reduce avg"),
         ] {
-            let mut buf = Staged::upload(
-                backend,
-                dtype,
-                &(0..len).map(|i| input(rank, i)).collect::<Vec<_>>(),
-                rank,
-            )?;
+            let mut buf = Staged::upload(backend, dtype, &mine(len), rank)?;
             let t = Instant::now();
             buf.all_reduce(comm, op)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
@@ -65,12 +62,7 @@ pub fn run(comm: &Communicator, backend: &dyn Backend, len: usize) -> Result<Vec
             rows.push(row(name, dtype, len, &got, &want, ms));
         }
         // reduce_scatter: rank r's `len` = the sum of block r of every rank's world × len.
-        let send = Staged::upload(
-            backend,
-            dtype,
-            &(0..len * world).map(|i| input(rank, i)).collect::<Vec<_>>(),
-            rank,
-        )?;
+        let send = Staged::upload(backend, dtype, &mine(len * world), rank)?;
         let mut recv = Staged::upload(backend, dtype, &vec![f32::NAN; len], rank)?;
         let t = Instant::now();
         recv.reduce_scatter(comm, &send)?;
@@ -79,12 +71,7 @@ pub fn run(comm: &Communicator, backend: &dyn Backend, len: usize) -> Result<Vec
         let want: Vec<f64> = (0..len).map(|i| sum(rank * len + i)).collect();
         rows.push(row("reduce_scatter sum", dtype, len, &got, &want, ms));
         // all_gather: block r of every rank's result = rank r's input.
-        let send = Staged::upload(
-            backend,
-            dtype,
-            &(0..len).map(|i| input(rank, i)).collect::<Vec<_>>(),
-            rank,
-        )?;
+        let send = Staged::upload(backend, dtype, &mine(len), rank)?;
         let mut recv = Staged::upload(backend, dtype, &vec![f32::NAN; len * world], rank)?;
         let t = Instant::now();
         recv.all_gather(comm, &send)?;
@@ -96,12 +83,7 @@ pub fn run(comm: &Communicator, backend: &dyn Backend, len: usize) -> Result<Vec
         rows.push(row("all_gather", dtype, len, &got, &want, ms));
         // broadcast from the last rank: every rank ends with its input.
         let root = world - 1;
-        let mut buf = Staged::upload(
-            backend,
-            dtype,
-            &(0..len).map(|i| input(rank, i)).collect::<Vec<_>>(),
-            rank,
-        )?;
+        let mut buf = Staged::upload(backend, dtype, &mine(len), rank)?;
         let t = Instant::now();
         buf.broadcast(comm, root)?;
         let ms = t.elapsed().as_secs_f64() * 1e3;

@@ -180,14 +180,21 @@ pub fn split_last_bucket(
 /// The bucket sizes in launch order, for a log line: `7.08 + 7.08 + ... +
 /// 0.50 MB` (the middle elided beyond eight buckets).
 pub fn describe_sizes(buckets: &[GradientBucket]) -> String {
-    let mb = |b: &GradientBucket| format!("{:.2}", b.bytes() as f64 / (1024.0 * 1024.0));
-    let sizes: Vec<String> = if buckets.len() > 8 {
-        let n = buckets.len();
-        let head = buckets[..3].iter().map(mb);
-        let tail = buckets[n - 2..].iter().map(mb);
+    let bytes: Vec<usize> = buckets.iter().map(GradientBucket::bytes).collect();
+    describe_bytes(&bytes)
+}
+
+/// Sizes in bytes, in order, for a log line in MB as [`describe_sizes`]
+/// writes them (any collective's pieces: ZeRO's reduce-scatter units too).
+pub fn describe_bytes(bytes: &[usize]) -> String {
+    let mb = |b: &usize| format!("{:.2}", *b as f64 / (1024.0 * 1024.0));
+    let sizes: Vec<String> = if bytes.len() > 8 {
+        let n = bytes.len();
+        let head = bytes[..3].iter().map(mb);
+        let tail = bytes[n - 2..].iter().map(mb);
         head.chain(["...".to_string()]).chain(tail).collect()
     } else {
-        buckets.iter().map(mb).collect()
+        bytes.iter().map(mb).collect()
     };
     format!("{} MB", sizes.join(" + "))
 }

@@ -61,8 +61,8 @@ mod error;
 mod reducer;
 
 pub use bucket::{
-    assign_buckets, assign_buckets_aligned, describe_sizes, split_last_bucket, GradientBucket,
-    ParamSpec,
+    assign_buckets, assign_buckets_aligned, describe_bytes, describe_sizes, split_last_bucket,
+    GradientBucket, ParamSpec,
 };
 pub use ddp::{
     Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook, ReducedHook,

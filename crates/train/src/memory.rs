@@ -10,6 +10,8 @@
 use cohort_engine::DType;
 use cohort_gpt::{GPTConfig, GPT};
 
+use crate::strategy::data_parallel::split_sizes;
+
 /// How a data-parallel strategy splits the training state over `world` ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sharding {
@@ -150,12 +152,13 @@ pub fn memory_per_rank(
             (2 * shard * 4, (2 * shard + padded) * 4)
         }
         Sharding::Zero2 { .. } | Sharding::Zero3 { .. } => {
-            // Each part split on its own, as the strategy splits it.
-            let parts: Vec<u64> = GPT::part_ranges_of(model)
-                .iter()
-                .map(|r| r.len() as u64)
-                .collect();
-            let flat: u64 = parts.iter().map(|p| p.div_ceil(world)).sum();
+            // Each unit split on its own, as the strategy splits it: a
+            // block's attention and MLP apart (the ranges backward hands
+            // over), the embeddings and the head whole.
+            let ranges = GPT::part_ranges_of(model);
+            let split = split_sizes(&ranges, &GPT::split_ready_ranges_of(model), world as usize);
+            let parts: Vec<u64> = ranges.iter().map(|r| r.len() as u64).collect();
+            let flat = split.flat as u64;
             let largest = parts.iter().copied().max().unwrap_or(0);
             let (embeddings, others) = parts.split_first().map_or((0, &[][..]), |(e, o)| (*e, o));
             let others = others.iter().copied().max().unwrap_or(0);
@@ -168,19 +171,17 @@ pub fn memory_per_rank(
             };
             let in_backward = embeddings.max(others + wte);
             gradients = 4 * (flat + in_backward);
-            // A part that does not divide into the ranks (or wte, a slice
-            // of a part) goes through a padded copy of the part; one
-            // reduce-scatter's shard waits in a scratch buffer.
+            // A part gathered through a staging copy (several units, or
+            // one that does not divide into the ranks; or wte, a slice of
+            // a part) needs a padded copy of the part; one reduce-scatter's
+            // shard waits in a scratch buffer.
             let stage3 = matches!(sharding, Sharding::Zero3 { .. });
-            let padded = parts
-                .iter()
-                .enumerate()
-                .map(|(i, &p)| (i, p, p.div_ceil(world) * world))
-                .filter(|&(i, p, padded)| padded != p || (i == 0 && stage3 && wte > 0))
-                .map(|(_, _, padded)| padded)
+            let padded = (split.parts.iter().enumerate())
+                .filter(|&(i, &(_, staged))| staged || (i == 0 && stage3 && wte > 0))
+                .map(|(_, &(padded, _))| padded as u64)
                 .max()
                 .unwrap_or(0);
-            let scratch = parts.iter().map(|p| p.div_ceil(world)).max().unwrap_or(0);
+            let scratch = split.largest_unit_shard as u64;
             let mut staging = padded + scratch;
             if stage3 {
                 parameters = 4 * (flat + largest.max(others + wte));
@@ -246,8 +247,9 @@ mod tests {
 
     #[test]
     fn zero2_and_zero3_shard_each_part_and_hold_one_part_whole() {
-        // Six blocks of 8941, embeddings 33 x (17 + 16) = 1089 (wte 561, tied
-        // to the head), head 66.
+        // Six blocks of 8941 (attention 4554 from ln_1, MLP 4387 from ln_2:
+        // split apart), embeddings 33 x (17 + 16) = 1089 (wte 561, tied to
+        // the head), head 66.
         let cfg = GPTConfig {
             n_layers: 6,
             ..odd()
@@ -256,8 +258,8 @@ mod tests {
         assert_eq!(ddp.parameters / 4, 1089 + 6 * 8941 + 66);
         for world in [2u64, 3] {
             let w = world as usize;
-            let flat =
-                1089u64.div_ceil(world) + 6 * 8941u64.div_ceil(world) + 66u64.div_ceil(world);
+            let block = 4554u64.div_ceil(world) + 4387u64.div_ceil(world);
+            let flat = 1089u64.div_ceil(world) + 6 * block + 66u64.div_ceil(world);
             // A block's gradient, with wte's that the tied head left behind.
             let in_backward = 8941 + 561;
             let two = memory_per_rank(&cfg, 64, 2, false, DType::F32, Sharding::Zero2 { world: w });
@@ -270,6 +272,11 @@ mod tests {
             }
             assert_eq!(two.parameters, ddp.parameters);
             assert_eq!(three.parameters, 4 * (flat + in_backward), "world {world}");
+            // A block's gather goes through a staging copy (its units'
+            // shards come rank by rank), beside a unit's reduce-scatter
+            // shard (the attention's, the largest unit but the embeddings).
+            let staged = block * world + 4554u64.div_ceil(world);
+            assert_eq!(three.staging, 4 * staged, "world {world}");
             // Stage 2 keeps its own copy of the shard's parameters; stage 3's
             // shard is its parameters.
             assert_eq!(two.staging - three.staging, 4 * flat);

@@ -13,7 +13,7 @@ mod common;
 use cohort_comm::{spawn, ProcessGroup};
 use cohort_engine::optim::AdamWConfig;
 use cohort_gpt::checkpoint as ckpt;
-use cohort_gpt::{Backward, Forward, GPTConfig, Labels, GPT};
+use cohort_gpt::{Backward, Forward, GPTConfig, Labels, Part, GPT};
 use cohort_train::{
     train, NanInjection, Outcome, Overlap, ShardedDp, Strategy, TrainConfig, TrainError, ZeroStage,
 };
@@ -229,8 +229,12 @@ fn the_memory_line_shows_sharded_gradients_and_parameters() {
         n_layers: 6,
         ..odd()
     };
+    // Units: the embeddings, each block's attention (from ln_1) and MLP
+    // (from ln_2) apart, the head.
     let mut parts = vec![1089usize];
-    parts.extend([8941; 6]);
+    for _ in 0..6 {
+        parts.extend([4554, 4387]);
+    }
     parts.push(66);
     let line = |h: &str| {
         h.lines()
@@ -305,6 +309,62 @@ fn sharded_passes_reusing_released_pages_give_the_same_step() {
         d_ff: 1024,
         ..GPTConfig::default()
     });
+}
+
+/// ZeRO's reduce-scatters follow backward's finer readiness, as DDP's
+/// buckets do: each block's MLP (from ln_2 up) as its own unit, launched
+/// before the block's attention, so that what is left when backward ends
+/// is block 0's attention (about a third of the block) and the
+/// embeddings. The header says so. (That the results are still DDP's is
+/// every `assert_matches_ddp` above.)
+#[test]
+fn the_reduce_scatters_end_with_block_0s_attention_and_the_embeddings() {
+    let cfg = GPTConfig {
+        vocab_size: 17,
+        max_position_embeddings: 8,
+        n_layers: 3,
+        n_heads: 3,
+        d_model: 33,
+        d_ff: 132,
+        ..GPTConfig::default()
+    };
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let got = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let mut model = GPT::new(cfg.clone(), 3).unwrap();
+            let ready = model.split_ready_ranges();
+            let (block0, embeddings) = (
+                model.part_range(Part::Block(0)),
+                model.part_range(Part::Embeddings),
+            );
+            let zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            Ok::<_, TrainError>((zero.reduce_units(), ready, block0, embeddings))
+        })
+        .unwrap();
+        let (units, ready, block0, embeddings) = got[0].clone();
+        assert_eq!(
+            units, ready,
+            "{stage:?}: the order backward hands them over"
+        );
+        assert_eq!(units.len(), 2 + 2 * cfg.n_layers);
+        let n = units.len();
+        assert_eq!(units[n - 1], embeddings);
+        let attention = units[n - 2].clone();
+        assert_eq!(attention.start, block0.start);
+        assert_eq!(
+            units[n - 3],
+            attention.end..block0.end,
+            "block 0's MLP before"
+        );
+        // ln_1, c_attn and c_proj: 4 C^2 + 6 C of the block's 12 C^2 + 13 C.
+        let c = cfg.d_model;
+        assert_eq!(attention.len(), 4 * c * c + 6 * c);
+        assert_eq!(block0.len(), 12 * c * c + 13 * c);
+    }
+    let h = header(2, &with(Strategy::Zero2, &odd()));
+    assert!(
+        h.contains("ZeRO-2: ") && h.contains("6 reduce-scatters in launch order of "),
+        "{h}"
+    );
 }
 
 fn check_passes(cfg: GPTConfig) {

@@ -456,6 +456,13 @@ impl GPT {
             .collect()
     }
 
+    /// The ranges [`GPT::split_ready_ranges`] gives for a model of `config`,
+    /// known before any model is built (what a memory estimate of a strategy
+    /// sharded by those ranges needs).
+    pub fn split_ready_ranges_of(config: &GPTConfig) -> Vec<Range<usize>> {
+        Layout::new(config).ready_order(true)
+    }
+
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
         self.dev.fill(self.grads.view_mut(), 0.0);

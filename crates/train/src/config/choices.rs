@@ -57,8 +57,9 @@ pub enum Strategy {
     #[value(name = "zero1")]
     Zero1,
     /// ZeRO stage 2 (DeepSpeed ZeRO-2): as ZeRO-1, with the gradients
-    /// sharded too: each part's gradient is reduce-scattered as soon as it
-    /// is final in backward and only this rank's shard is kept.
+    /// sharded too: each part's gradient (a block's in two: its MLP, then
+    /// its attention) is reduce-scattered as soon as it is final in
+    /// backward and only this rank's shard is kept.
     #[serde(rename = "zero2")]
     #[value(name = "zero2")]
     Zero2,

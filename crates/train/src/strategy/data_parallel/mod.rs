@@ -31,6 +31,7 @@ mod training;
 mod zero1;
 
 pub use diloco::{Outer, OuterConfig};
+pub(crate) use sharded::split_sizes;
 pub use sharded::{ShardedDp, ZeroStage};
 pub use step::{DataParallel, GradSync, SyncTimes};
 pub(crate) use training::{train, SyncKind};

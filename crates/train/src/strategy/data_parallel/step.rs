@@ -41,8 +41,8 @@ pub enum GradSync<'pg> {
     /// ZeRO-1: the summed gradient reduce-scattered once after the last
     /// backward; AdamW over this rank's shard; the parameters all-gathered.
     Zero1(Zero1),
-    /// ZeRO-2 or ZeRO-3: each part's gradient reduce-scattered as every
-    /// backward finishes it (stage 3: each part's parameters gathered
+    /// ZeRO-2 or ZeRO-3: each unit's gradient (a block's MLP, then its
+    /// attention) reduce-scattered as every backward finishes it (stage 3: each part's parameters gathered
     /// around its forward and backward); AdamW over this rank's flat shard.
     Sharded(Box<ShardedDp>),
     /// DiLoCo or local SGD: no gradient sync at all; AdamW over the whole

@@ -363,11 +363,17 @@ fn model_line(
                 ZeroStage::Two => ("ZeRO-2", "optimizer state and gradients"),
                 ZeroStage::Three => ("ZeRO-3", "parameters, gradients and optimizer state"),
             };
+            let f32s = std::mem::size_of::<f32>();
+            let units: Vec<usize> = zero.reduce_units().iter().map(|u| u.len() * f32s).collect();
             format!(
-                "{name}: {what} in {world} shards by part, {} elements per rank ({} padding); \
-                 overlap {}",
+                "{name}: {what} in {world} shards by unit, {} elements per rank ({} padding); \
+                 {} reduce-scatters in launch order of {} (each block's MLP apart from its \
+                 attention, so that of block 0 only the attention is left with the embeddings \
+                 when backward ends); overlap {}",
                 zero.shard_len(),
                 zero.shard_len() * world - n,
+                units.len(),
+                cohort_ddp::describe_bytes(&units),
                 on_off(overlap),
             )
         }

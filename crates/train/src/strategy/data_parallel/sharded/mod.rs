@@ -3,17 +3,27 @@
 //! gradients (stage 2), and parameters too (stage 3), are sharded over the
 //! ranks as well as the optimizer state that ZeRO-1 shards.
 //!
-//! Sharding by part. The model runs in parts (embeddings, each block, the
-//! head), each a contiguous range of the flat parameter buffer. Each part is
-//! split over the N ranks on its own, as ZeRO-1 splits the whole buffer: a
-//! part of n_p parameters is padded to N x s_p, s_p = ceil(n_p / N), and rank
-//! r owns its elements `r*s_p .. (r+1)*s_p` (padding is zero, and exempt from
-//! weight decay). A rank's shards of all the parts, one after the other,
-//! are its *flat shard* (about n / N elements): AdamW's moments, the mean
-//! gradient and the parameters it updates live there. Splitting each part
-//! rather than the whole buffer makes every part's collective an even split
-//! that can run while the model works on another part: a reduce-scatter as
-//! soon as a part's gradient is final, an all-gather just before it runs.
+//! Sharding by unit. The model runs in parts (embeddings, each block, the
+//! head), each a contiguous range of the flat parameter buffer; its
+//! backward hands the gradient over in *units*, finer where it can: each
+//! block's MLP (from `ln_2` up) as soon as `ln_2`'s backward has finished
+//! it, then the block's attention (`Backward::split_blocks`, as DDP's
+//! buckets follow). Each unit is split over the N ranks on its own, as
+//! ZeRO-1 splits the whole buffer: a unit of n_u parameters is padded to
+//! N x s_u, s_u = ceil(n_u / N), and rank r owns its elements
+//! `r*s_u .. (r+1)*s_u` (padding is zero, and exempt from weight decay). A
+//! rank's shards of all the units, one after the other, are its *flat
+//! shard* (about n / N elements): AdamW's moments, the mean gradient and
+//! the parameters it updates live there. Splitting each unit rather than
+//! the whole buffer makes every unit's reduce-scatter an even split that
+//! can run as soon as the unit's gradient is final, while backward goes on:
+//! of the first block, whose gradient is final last, only the attention's
+//! third is left with the embeddings when backward ends. A part's units
+//! lie one after the other in the flat shard too, so a part is gathered by
+//! one all-gather (each rank sends its shards of the part's units, and the
+//! gathered buffer, rank after rank, is copied to its places in the model:
+//! `PartShards::unpack`; a part of one unit that divides into the ranks
+//! lands in place), just before it runs.
 //!
 //! Each step:
 //!
@@ -24,12 +34,12 @@
 //!    whole model, as DDP;
 //! 2. backward: stage 3 gathers and releases each part again around its
 //!    backward (but the embeddings, whose backward reads no parameter); as
-//!    each part's gradient becomes final, it is
-//!    reduce-scattered (averaged over ranks), this rank's shard is added to
-//!    the flat shard's gradient and the part's range of the model's
-//!    gradient buffer is released. Every micro-batch does this (DeepSpeed's
-//!    way: the shard accumulates the micro-batches), so that no more than a
-//!    part of the whole gradient is ever resident, accumulation or not;
+//!    each unit's gradient becomes final, it is reduce-scattered (averaged
+//!    over ranks), this rank's shard is added to the flat shard's gradient
+//!    and the unit's range of the model's gradient buffer is released.
+//!    Every micro-batch does this (DeepSpeed's way: the shard accumulates
+//!    the micro-batches), so that no more than a part of the whole gradient
+//!    is ever resident, accumulation or not;
 //! 3. the training loop scales, checks and clips the flat shard's gradient
 //!    (the norm over all shards, as ZeRO-1);
 //! 4. AdamW steps the flat shard's parameters;
@@ -40,18 +50,20 @@
 //! communication thread or the job spans nodes): stage 3 prefetches the
 //! next part's all-gather while a part computes (the order of the parts is
 //! the previous pass's, forward or backward), and both stages leave a
-//! part's reduce-scatter running through the backward of the part before
-//! it. The collectives and their order are the same either way, so the
-//! results are bitwise the same.
+//! unit's reduce-scatter running through the backward of the unit before
+//! it (a block's MLP's through the block's attention). The collectives and
+//! their order are the same either way, so the results are bitwise the
+//! same.
 //!
 //! Checkpoints are sharded, as ZeRO-1's: at a save each rank writes its
-//! flat shard (parameters and moments, with the parts' ranges it holds) and
+//! flat shard (parameters and moments, with the units' ranges it holds) and
 //! rank 0 the index that commits them; nothing is gathered. A resume reads
-//! any checkpoint, sharded (at any world size, by any strategy) or DDP's,
-//! whole, keeps this rank's shards and frees the rest.
+//! any checkpoint, sharded (at any world size, by any strategy, under any
+//! cut of the units: the index says which model range each piece holds) or
+//! DDP's, whole, keeps this rank's shards and frees the rest.
 //!
-//! This module must never keep a part's gradient beyond this rank's shard
-//! once the part was reduce-scattered, never (stage 3) keep a part's
+//! This module must never keep a unit's gradient beyond this rank's shard
+//! once the unit was reduce-scattered, never (stage 3) keep a part's
 //! gathered parameters outside the part's forward or backward (but the
 //! head's, from its forward to its backward, which follows it), and never
 //! let one rank's parameters differ from another's after a step.
@@ -61,4 +73,5 @@ mod parts;
 mod sharded_dp;
 mod shards;
 
+pub(crate) use parts::split_sizes;
 pub use sharded_dp::{ShardedDp, ZeroStage};

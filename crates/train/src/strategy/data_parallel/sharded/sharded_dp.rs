@@ -1,7 +1,7 @@
 //! [`ShardedDp`]: ZeRO-2 or ZeRO-3 over a GPT (see the folder's docs for
 //! the scheme): its construction over the model's parts, the forward and
 //! backward passes with their part hooks, and the optimizer step on the
-//! flat shard. It never keeps a part's gradient beyond this rank's shard
+//! flat shard. It never keeps a unit's gradient beyond this rank's shard
 //! once reduce-scattered.
 
 use std::ops::Range;
@@ -61,7 +61,8 @@ impl ShardedDp {
     ) -> Result<ShardedDp, TrainError> {
         agree_on_size(pg, model.num_params())?;
         let ranges: Vec<_> = model.parts().iter().map(|&p| model.part_range(p)).collect();
-        let parts = PartShards::new(&ranges, pg.size(), pg.rank());
+        let cuts = model.split_ready_ranges();
+        let parts = PartShards::new(&ranges, &cuts, pg.size(), pg.rank());
         let opt = AdamW::new(adamw, parts.mask(&decay_mask(model.param_views()))?)?;
         let params = parts.take(model.params());
         let f32s = std::mem::size_of::<f32>();
@@ -152,6 +153,20 @@ impl ShardedDp {
         self.shards().parts.largest_padded()
     }
 
+    /// The ranges reduce-scattered one by one (the units: the embeddings,
+    /// each block's attention and MLP, the head), in the order backward
+    /// launches them: the head first, then each block's MLP before its
+    /// attention from the last block down, the embeddings last.
+    pub fn reduce_units(&self) -> Vec<Range<usize>> {
+        let st = self.shards();
+        st.parts
+            .units
+            .iter()
+            .rev()
+            .map(|u| u.range.clone())
+            .collect()
+    }
+
     /// Where this rank's shards of the parts lie: each part's model
     /// elements in the model's buffer, at their place in the flat shard
     /// (what a resume reads into).
@@ -168,7 +183,8 @@ impl ShardedDp {
     ) -> R {
         let st = self.shards();
         let ranges: Vec<Range<usize>> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
-        let pieces_of = |rank: usize| PartShards::new(&ranges, world, rank).pieces();
+        let cuts: Vec<Range<usize>> = st.parts.units.iter().map(|u| u.range.clone()).collect();
+        let pieces_of = |rank: usize| PartShards::new(&ranges, &cuts, world, rank).pieces();
         let shard = OwnedShard {
             pieces_of: &pieces_of,
             params: &st.params,
@@ -229,8 +245,8 @@ impl ShardedDp {
         Ok(loss?)
     }
 
-    /// The backward of the last forward: each part's gradient, as soon as it
-    /// is final, reduce-scattered and added to this rank's flat shard of the
+    /// The backward of the last forward: each unit's gradient (a block's
+    /// MLP, then its attention), as soon as it is final, reduce-scattered and added to this rank's flat shard of the
     /// gradient, the rest released (stage 3 gathering each part's
     /// parameters around its backward). Returns the time spent in the
     /// collectives. Collective.
@@ -243,7 +259,8 @@ impl ShardedDp {
             |range: Range<usize>, grads: ViewMut<'_, f32>| lock(st).reduce(pg, range, grads.host());
         let gather = self.stage == ZeroStage::Three;
         let hooks = &mut PartMemory { pg, st, gather };
-        let done = model.backward(Backward::new().parts(hooks).on_ready(ready));
+        let pass = Backward::new().parts(hooks).on_ready(ready);
+        let done = model.backward(pass.split_blocks());
         let shards = self.shards_mut();
         shards.end_pass();
         // Nothing more is filled before the optimizer, which runs at the

@@ -1,9 +1,9 @@
 //! The state the sharded passes work on while the model runs (the flat
 //! shard's parameters and gradient, staging buffers, the collectives in
-//! flight), and the two collectives of a part: its parameters all-gathered
-//! (prefetched with overlap) and its gradient reduce-scattered into the
-//! flat shard (left in flight with overlap, piece by piece for the largest
-//! part). It never decides when a part runs: the model's part hooks do.
+//! flight), and the two collectives: a part's parameters all-gathered
+//! (prefetched with overlap) and a unit's gradient reduce-scattered into
+//! the flat shard (left in flight with overlap, piece by piece for the
+//! largest unit). It never decides when a part runs: the model's part hooks do.
 
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -186,12 +186,12 @@ impl Shards {
         let Ok(p) = self.parts.find(range).cloned() else {
             return;
         };
-        if p.shard.padded() > self.flight.keep_max {
+        if p.padded() > self.flight.keep_max {
             return;
         }
-        let mut own = self.flight.buffer(p.shard.len);
+        let mut own = self.flight.buffer(p.len);
         own.copy_from_slice(&self.params[p.own()]);
-        let whole = self.flight.buffer(p.shard.padded());
+        let whole = self.flight.buffer(p.padded());
         self.flight.gather = Some((p.range.clone(), pg.all_gather_async(own, whole)));
     }
 
@@ -211,8 +211,7 @@ impl Shards {
             let (own, whole) = work.wait().map_err(&comm)?;
             self.flight.recycle(own);
             if fetched == p.range {
-                let at = range.start - p.range.start;
-                dest.copy_from_slice(&whole[at..at + range.len()]);
+                self.parts.unpack(&p, &whole, range, dest);
                 self.flight.recycle(whole);
                 return Ok(());
             }
@@ -221,23 +220,24 @@ impl Shards {
         {
             let own = &self.params[p.own()];
             let comm = TrainError::comm("parameter all_gather");
-            if *range == p.range && !p.padded() {
+            if *range == p.range && self.parts.direct(&p) {
                 return pg.all_gather(own, dest).map_err(comm);
             }
             if *range != p.range {
                 return self.gather_slice(pg, &p, range, dest);
             }
-            let whole = staged(&mut self.staging, p.shard.padded());
+            let whole = staged(&mut self.staging, p.padded());
             pg.all_gather(own, whole).map_err(comm)?;
-            dest.copy_from_slice(&whole[..range.len()]);
+            self.parts.unpack(&p, whole, range, dest);
             Ok(())
         }
     }
 
     /// `range`, a slice of part `p` (a tied head's read of wte, in the
-    /// embeddings part), into `dest`: each rank's share of the slice
-    /// broadcast by it straight into place, rather than the whole part (the
-    /// largest of all) gathered into staging and copied. Collective.
+    /// embeddings part), into `dest`: each rank's share of the slice, unit
+    /// by unit, broadcast by it straight into place, rather than the whole
+    /// part (the largest of all) gathered into staging and copied.
+    /// Collective.
     pub(super) fn gather_slice(
         &self,
         pg: &ProcessGroup,
@@ -245,21 +245,22 @@ impl Shards {
         range: &Range<usize>,
         dest: &mut [f32],
     ) -> Result<(), TrainError> {
-        let len = p.shard.len;
-        for root in 0..p.shard.world {
-            let owned =
-                p.range.start + root * len..(p.range.start + (root + 1) * len).min(p.range.end);
-            let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
-            if lo >= hi {
-                continue;
+        for u in self.parts.units_of(p) {
+            let (len, start) = (u.shard.len, u.range.start);
+            for root in 0..u.shard.world {
+                let owned = start + root * len..(start + (root + 1) * len).min(u.range.end);
+                let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
+                if lo >= hi {
+                    continue;
+                }
+                let piece = &mut dest[lo - range.start..hi - range.start];
+                if root == u.shard.rank {
+                    let at = u.offset + (lo - owned.start);
+                    piece.copy_from_slice(&self.params[at..at + piece.len()]);
+                }
+                pg.broadcast(piece, root)
+                    .map_err(TrainError::comm("parameter broadcast"))?;
             }
-            let piece = &mut dest[lo - range.start..hi - range.start];
-            if root == p.shard.rank {
-                let at = p.offset + (lo - owned.start);
-                piece.copy_from_slice(&self.params[at..at + piece.len()]);
-            }
-            pg.broadcast(piece, root)
-                .map_err(TrainError::comm("parameter broadcast"))?;
         }
         Ok(())
     }
@@ -341,7 +342,7 @@ impl Shards {
         self.error.get_or_insert(e);
     }
 
-    /// The part `range`'s gradient `grads` (this rank's, final for this
+    /// The unit `range`'s gradient `grads` (this rank's, final for this
     /// backward) averaged over ranks; this rank's shard of it is added to
     /// the flat shard's gradient, and `grads` released. Collective.
     pub(super) fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
@@ -370,15 +371,9 @@ impl Shards {
         range: Range<usize>,
         grads: &mut [f32],
     ) -> Result<bool, TrainError> {
-        let p = self.parts.find(&range)?.clone();
-        if range != p.range {
-            return Err(TrainError::UnknownPart {
-                start: range.start,
-                end: range.end,
-            });
-        }
+        let u = self.parts.unit(&range)?.clone();
         let comm = TrainError::comm("gradient reduce_scatter");
-        let in_pieces = p.shard.len >= PIECEWISE_SLOT;
+        let in_pieces = u.shard.len >= PIECEWISE_SLOT;
         // The largest part (the embeddings) is reduced piece by piece even
         // with overlap, after the works in flight: in flight it would need
         // a copy of its whole gradient besides the gradient itself at the
@@ -394,29 +389,29 @@ impl Shards {
         }
         if self.flight.on && !in_pieces {
             // The work owns a copy, so that `grads` is released now.
-            let mut whole = self.flight.buffer(p.shard.padded());
+            let mut whole = self.flight.buffer(u.shard.padded());
             whole[..grads.len()].copy_from_slice(grads);
             whole[grads.len()..].fill(0.0);
-            let out = self.flight.buffer(p.shard.len);
+            let out = self.flight.buffer(u.shard.len);
             let work = pg.reduce_scatter_async(whole, out, ReduceOp::Avg);
-            self.flight.reduces.push_back((p.own(), work));
+            self.flight.reduces.push_back((u.own(), work));
             self.finish_reduces(REDUCES_IN_FLIGHT);
             return Ok(false);
         }
         let into_shard = self.grads_zero;
         let out = if into_shard {
-            let out = &mut self.grads[p.own()];
+            let out = &mut self.grads[u.own()];
             if self.shard_spare {
                 // Released at the step's end, and overwritten whole now.
                 self.spare.refill(out, false);
             }
             out
         } else {
-            staged(&mut self.scratch, p.shard.len)
+            staged(&mut self.scratch, u.shard.len)
         };
         let (how, scratch) = (self.compression, &mut self.compression_scratch);
         if in_pieces {
-            let (slot, world, len) = (p.shard.len, p.shard.world, grads.len());
+            let (slot, world, len) = (u.shard.len, u.shard.world, grads.len());
             for start in (0..slot).step_by(REDUCE_PIECE) {
                 let k = REDUCE_PIECE.min(slot - start);
                 // Slot s's piece, for each rank s, clipped to the part
@@ -434,8 +429,8 @@ impl Shards {
                     release(&mut grads[piece(s)]);
                 }
             }
-        } else if p.padded() {
-            let whole = staged(&mut self.staging, p.shard.padded());
+        } else if u.padded() {
+            let whole = staged(&mut self.staging, u.shard.padded());
             whole[..grads.len()].copy_from_slice(grads);
             whole[grads.len()..].fill(0.0);
             how.reduce_scatter_mean(pg, whole, out, scratch)
@@ -445,7 +440,7 @@ impl Shards {
                 .map_err(comm)?;
         }
         if !into_shard {
-            for (g, x) in self.grads[p.own()].iter_mut().zip(self.scratch.iter()) {
+            for (g, x) in self.grads[u.own()].iter_mut().zip(self.scratch.iter()) {
                 *g += x;
             }
         }

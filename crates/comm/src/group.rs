@@ -202,8 +202,8 @@ impl ProcessGroup {
         self.inner.store.clone()
     }
 
-    /// The ranks of each node when this group's all_reduce runs
-    /// hierarchically: the group spans several nodes, one of them with more
+    /// The ranks of each node when this group's all_reduce, reduce_scatter
+    /// and all_gather run hierarchically: the group spans several nodes, one of them with more
     /// than one rank, and the algorithm is `auto` or `hierarchical`. `None`
     /// when it runs flat.
     pub fn hierarchy(&self) -> Option<Vec<usize>> {

@@ -122,7 +122,10 @@ pub enum Algorithm {
     /// transport has it (otherwise as `Auto`).
     Shm,
     /// all_reduce within each node, then across one leader per node, then
-    /// back within each node (otherwise as `Auto`).
+    /// back within each node; reduce_scatter within each node, then across
+    /// one rank per node and local index (all_gather the reverse). Where
+    /// the group spans several nodes, some with more than one rank
+    /// (otherwise as `Auto`, which also picks these there).
     Hierarchical,
 }
 

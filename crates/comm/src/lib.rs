@@ -47,7 +47,8 @@
 //! `COHORT_ALGO=auto|ring|tree|shm|hierarchical`, `COHORT_DEBUG=detail`,
 //! `COHORT_SOCKET_ADDR` and `COHORT_TRANSPORT=auto|shm|unix|tcp` (see
 //! [`GroupOptions::from_env`] and [`transport`]); `COHORT_NODE_ID` names
-//! this process's node for the hierarchical all_reduce (default: the host).
+//! this process's node for the hierarchical all_reduce, reduce_scatter and
+//! all_gather (default: the host).
 //! Under `srun`, Slurm's variables stand in for the unset ones
 //! (`cohort_store::slurm`); `COHORT_FLIGHT_RECORDER` sizes the flight
 //! recorder's ring (0: off), `COHORT_FLIGHT_DIR` is where rings are

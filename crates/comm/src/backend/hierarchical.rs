@@ -44,7 +44,7 @@ pub(crate) fn run(
     nodes
         .local
         .reduce(&phase(OpKind::Reduce, "node"), buf, dtype, sum, 0)?;
-    if let Some(leaders) = &nodes.leaders {
+    if let Some(leaders) = nodes.leaders() {
         leaders.all_reduce(&phase(OpKind::AllReduce, "leaders"), buf, dtype, sum)?;
     }
     nodes

@@ -9,6 +9,7 @@
 
 use std::sync::Mutex;
 
+use super::hierarchical_scatter;
 use super::nodes::Nodes;
 use super::{Algorithm, Backend, DebugLevel, OpContext, OpKind};
 use crate::collectives::{self, Comm};
@@ -41,8 +42,8 @@ impl MeshBackend {
         }
     }
 
-    /// Runs all_reduce hierarchically over `nodes` (when the algorithm is
-    /// `auto` or `hierarchical`).
+    /// Runs all_reduce, reduce_scatter and all_gather hierarchically over
+    /// `nodes` (when the algorithm is `auto` or `hierarchical`).
     pub(crate) fn with_nodes(mut self, nodes: Option<Box<Nodes>>) -> MeshBackend {
         self.nodes = nodes;
         self
@@ -105,6 +106,13 @@ impl MeshBackend {
             scratch: &mut [],
         };
         engine::run(&env, &sched, &mut bufs, None)
+    }
+
+    /// Whether a collective that has a hierarchical form runs it: with the
+    /// node meshes (the group spans several nodes, some with more than one
+    /// rank) under the `auto` or `hierarchical` algorithm.
+    fn hierarchical(&self, ctx: &OpContext) -> bool {
+        self.nodes.is_some() && matches!(ctx.algorithm, Algorithm::Auto | Algorithm::Hierarchical)
     }
 
     /// Point-to-point frames are matched by tag, not by the group's
@@ -211,8 +219,7 @@ impl Backend for MeshBackend {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let hierarchical = matches!(ctx.algorithm, Algorithm::Auto | Algorithm::Hierarchical);
-        let world = self.size();
+        let (hierarchical, world) = (self.hierarchical(ctx), self.size());
         self.collective(
             ctx,
             Some(dtype),
@@ -236,13 +243,24 @@ impl Backend for MeshBackend {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
+        let (hierarchical, world) = (self.hierarchical(ctx), self.size());
         self.collective(
             ctx,
             Some(dtype),
             output.len() / dtype.size(),
             Some(op),
             0,
-            |c| collectives::reduce_scatter::reduce_scatter(c, input, output, op),
+            |c| match &self.nodes {
+                Some(nodes) if hierarchical => hierarchical_scatter::reduce_scatter(
+                    nodes,
+                    ctx,
+                    world,
+                    (input, output),
+                    dtype,
+                    op,
+                ),
+                _ => collectives::reduce_scatter::reduce_scatter(c, input, output, op),
+            },
         )
     }
 
@@ -253,9 +271,20 @@ impl Backend for MeshBackend {
         output: &mut [u8],
         dtype: DType,
     ) -> Result<(), CommError> {
-        self.collective(ctx, Some(dtype), input.len() / dtype.size(), None, 0, |c| {
-            collectives::all_gather::all_gather(c, input, output)
-        })
+        let hierarchical = self.hierarchical(ctx);
+        self.collective(
+            ctx,
+            Some(dtype),
+            input.len() / dtype.size(),
+            None,
+            0,
+            |c| match &self.nodes {
+                Some(nodes) if hierarchical => {
+                    hierarchical_scatter::all_gather(nodes, ctx, (input, output), dtype)
+                }
+                _ => collectives::all_gather::all_gather(c, input, output),
+            },
+        )
     }
 
     fn gather(
@@ -313,10 +342,7 @@ impl Backend for MeshBackend {
     fn abort(&self) {
         self.transport.shutdown();
         if let Some(nodes) = &self.nodes {
-            nodes.local.abort();
-            if let Some(l) = &nodes.leaders {
-                l.abort();
-            }
+            nodes.meshes().for_each(|m| m.abort());
         }
     }
 }

@@ -11,6 +11,7 @@
 //! group.
 
 pub(crate) mod hierarchical;
+pub(crate) mod hierarchical_scatter;
 pub(crate) mod mesh;
 pub(crate) mod nodes;
 

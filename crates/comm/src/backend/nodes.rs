@@ -1,7 +1,10 @@
 //! Where the ranks of a group run: which share a host (and so can share
-//! memory), which share a node, and the meshes the hierarchical all_reduce
-//! runs on (one among the ranks of each node, one among the node leaders,
-//! the lowest rank of each node).
+//! memory), which share a node, and the meshes the hierarchical collectives
+//! run on: one among the ranks of each node, and one per local index g
+//! (the *peer* meshes), among one rank of each node: local rank g, or
+//! g mod L on a node of L <= g ranks. Peer mesh 0 is the node leaders',
+//! the lowest rank of each node: all_reduce uses it alone, reduce_scatter
+//! and all_gather all of them (see `hierarchical`).
 //!
 //! A node is what `COHORT_NODE_ID` names (so that tests can pretend one
 //! host is several), else the host. A host is the kernel and network
@@ -45,14 +48,38 @@ impl Placement {
     }
 }
 
-/// The node-local and leader meshes of a group that spans several nodes.
+/// The node-local and peer meshes of a group that spans several nodes.
 pub(crate) struct Nodes {
     /// This node's ranks (this rank is `local.rank()`, the leader is 0).
     pub local: MeshBackend,
-    /// The leaders' mesh, on leaders only.
-    pub leaders: Option<MeshBackend>,
+    /// The peer meshes this rank is in, by local index g ascending: g = its
+    /// own local index, then + L, + 2L... below the largest node's size
+    /// (L this node's size). Each has one rank per node, its rank there the
+    /// node's index. Peer mesh 0 is the leaders'.
+    pub peers: Vec<(usize, MeshBackend)>,
+    /// Each node's ranks in rank order, nodes ordered by their lowest rank.
+    pub members: Vec<Vec<usize>>,
+    /// This rank's node, an index into `members`.
+    pub node: usize,
     /// How many ranks each node holds, nodes ordered by their lowest rank.
     pub sizes: Vec<usize>,
+}
+
+impl Nodes {
+    /// The leaders' mesh, on leaders only.
+    pub fn leaders(&self) -> Option<&MeshBackend> {
+        self.peer(0)
+    }
+
+    /// Peer mesh `g`, if this rank is in it.
+    pub fn peer(&self, g: usize) -> Option<&MeshBackend> {
+        self.peers.iter().find(|(h, _)| *h == g).map(|(_, m)| m)
+    }
+
+    /// Every mesh this rank is in, for an abort.
+    pub fn meshes(&self) -> impl Iterator<Item = &MeshBackend> {
+        std::iter::once(&self.local).chain(self.peers.iter().map(|(_, m)| m))
+    }
 }
 
 /// Publishes this rank's host and node and reads everybody's.
@@ -103,9 +130,11 @@ pub(crate) fn find(
     Ok(Placement { hosts, nodes })
 }
 
-/// Connects the node and leader meshes when the group spans several nodes
+/// Connects the node and peer meshes when the group spans several nodes
 /// (`None` otherwise), then waits until every rank has (a barrier through
-/// them), so that nobody leaves the store while others still use it.
+/// them), so that nobody leaves the store while others still use it. Every
+/// rank connects its meshes in the same order (its node's, then the peer
+/// meshes by g ascending), so no two ranks wait on each other.
 pub(crate) fn connect(
     store: Arc<dyn Store>,
     opts: &GroupOptions,
@@ -125,7 +154,6 @@ pub(crate) fn connect(
         .iter()
         .position(|&r| r == rank)
         .expect("a rank is a member of its node");
-    let leaders: Vec<usize> = nodes.iter().map(|m| m[0]).collect();
     let sub = |prefix: String, rank: usize, ranks: &[usize]| -> Result<MeshBackend, CommError> {
         let name = format!("{}/{prefix}", opts.name);
         let scoped = PrefixStore::new(prefix, store.clone());
@@ -142,11 +170,15 @@ pub(crate) fn connect(
         Ok(MeshBackend::new(t))
     };
     let local = sub(format!("node{node}"), local_rank, members)?;
-    let leaders = if local_rank == 0 {
-        Some(sub("leaders".to_string(), node, &leaders)?)
-    } else {
-        None
-    };
+    let largest = nodes.iter().map(Vec::len).max().unwrap_or(1);
+    let mut peers = Vec::new();
+    for g in (local_rank..largest).step_by(members.len()) {
+        // Each node's rank of peer mesh g: local index g, or g mod L.
+        let ranks: Vec<usize> = nodes.iter().map(|m| m[g % m.len()]).collect();
+        let name = super::hierarchical_scatter::peer_name(g);
+        let mesh = sub(name.clone(), node, &ranks)?;
+        peers.push((g, name, mesh));
+    }
     let ctx = |mesh: &str| OpContext {
         op: OpKind::Barrier,
         seq: 0,
@@ -155,10 +187,11 @@ pub(crate) fn connect(
         algorithm: opts.algorithm,
         debug: DebugLevel::Off,
     };
-    // In the node, across leaders, in the node again: a barrier of all.
+    // In the node, across each peer mesh, in the node again: a barrier of
+    // all (every rank is in the peer mesh of its own local index).
     local.barrier(&ctx("node"))?;
-    if let Some(l) = &leaders {
-        l.barrier(&ctx("leaders"))?;
+    for (_, name, mesh) in &peers {
+        mesh.barrier(&ctx(name))?;
     }
     local.barrier(&OpContext {
         seq: 1,
@@ -167,7 +200,9 @@ pub(crate) fn connect(
     let sizes = nodes.iter().map(Vec::len).collect();
     Ok(Some(Box::new(Nodes {
         local,
-        leaders,
+        peers: peers.into_iter().map(|(g, _, m)| (g, m)).collect(),
+        members: nodes.clone(),
+        node,
         sizes,
     })))
 }

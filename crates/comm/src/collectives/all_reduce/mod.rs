@@ -9,7 +9,8 @@
 //! (1 MB: 305 us vs 480 us median). Ranks that share memory reduce large
 //! buffers straight from each other's staging areas (`shm.rs`), and groups
 //! that span several nodes go hierarchical (`hierarchical.rs`, chosen by the
-//! mesh backend, which holds the node meshes). `COHORT_ALGO` (`ring`,
+//! mesh backend, which holds the node meshes; reduce_scatter and all_gather
+//! too, `hierarchical_scatter.rs`). `COHORT_ALGO` (`ring`,
 //! `tree`, `shm`, `hierarchical`) overrides. A world of one has nothing to do.
 //!
 //! The choice depends only on the byte count, the world size and the

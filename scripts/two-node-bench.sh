@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Two "nodes" on one machine, joined by a shaped link: cohort DDP, cohort DiLoCo (synchronous
-# and overlapped) and PyTorch's gloo DDP side by side, one rank per node, and the table of
-# issue 41 (docs/guides/slow-links.md).
+# Two "nodes" on one machine, joined by a shaped link: cohort DDP, cohort ZeRO-2, cohort DiLoCo
+# (synchronous and overlapped) and PyTorch's gloo DDP side by side, one rank per node, and the
+# table of issue 41 (docs/guides/slow-links.md).
 #
 # Each node is a network namespace with its own IP; a veth pair joins them, and HTB on both
 # ends caps the link at each --rates value (netem adds --delay, one way, on both ends). For
@@ -11,10 +11,11 @@
 # one process); beside it, over two independent ranks run at once (one per node, no
 # communication: what this shared machine allows two ranks at all). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
 # DDP's row says what its gradients travelled in (chosen by the link, as the header says why);
-# where that was bf16, a second row forces fp32 to show what it saved.
-# Exposed comm is what rank 0 waited for communication per step: DDP's comm phase; DiLoCo's
-# outer all-reduce over H steps (overlapped: what the syncs waited for it). Both "nodes" share
-# this machine's cores.
+# where that was bf16, a second row forces fp32 to show what it saved. ZeRO-2's row says the same,
+# and whether its overlap stayed on (bf16 reduce-scatters run in place, without it).
+# Exposed comm is what rank 0 waited for communication per step: DDP's and ZeRO-2's comm phase;
+# DiLoCo's outer all-reduce over H steps (overlapped: what the syncs waited for it). Both
+# "nodes" share this machine's cores.
 #
 #   sudo scripts/two-node-bench.sh                           # 1 and 10 Gbit/s, config B
 #   sudo scripts/two-node-bench.sh --rates 1gbit --delay 1ms --steps 100 --sync-every 50
@@ -42,7 +43,7 @@ while [ $# -gt 0 ]; do
     --sync-every) sync_every=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --no-torch) torch=0; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "two-node-bench: unknown argument $1 (see --help)" >&2; exit 1 ;;
   esac
 done
@@ -146,6 +147,8 @@ comm_ms() { sed -n 's/.*time per step (rank 0): .* comm \([0-9.]*\) .*/\1/p' | t
 sync_ms() { sed -n 's/.*outer syncs (rank 0): [0-9]*, \([0-9.]*\) ms each.*/\1/p' | tail -1; }
 # bf16 or fp32: what DDP's gradients travelled in (the header says, and why).
 grads() { sed -n 's/.*gradients: \(bf16\|fp32\) .*/\1/p' | tail -1; }
+# on or off: ZeRO's overlap as its header line says it (off where gradients go in bf16).
+zero_overlap() { sed -n 's/.*ZeRO-[23]: .*; overlap \(on\|off\).*/\1/p' | tail -1; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0 && a != "") printf "%.2f", a / b; else print "-" }'; }
 
 echo "single rank (node 0, no link):" >&2
@@ -189,6 +192,11 @@ for rate in $rates; do
     [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP fp32 failed" >&2; exit 1; }
     rows+=("| $link | cohort DDP, overlap on, fp32 gradients | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
   fi
+  echo "link $link: cohort ZeRO-2" >&2
+  log=$(cohort_two_nodes --strategy zero2 --overlap on)
+  t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log"); o=$(zero_overlap <<<"$log")
+  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort ZeRO-2 failed" >&2; exit 1; }
+  rows+=("| $link | cohort ZeRO-2, overlap ${o:-?}, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
   echo "link $link: cohort DiLoCo H=$sync_every" >&2
   log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every")
   t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")

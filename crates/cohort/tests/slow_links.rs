@@ -5,7 +5,8 @@
 //! loopback) and the link is slow (`COHORT_LINK_GBITS` stands in for the
 //! timed all-reduce), in fp32 when it is fast or when every rank is on one
 //! node, and an explicit flag wins. Two launchers of two ranks each reduce
-//! hierarchically by themselves, and train as four ranks on one node do.
+//! hierarchically by themselves, and train as four ranks on one node do;
+//! so do ZeRO-2's reduce-scatters and all-gathers.
 //! Where the engine takes every core, DDP's reducer thread runs a few nice
 //! steps below it (`COHORT_REDUCER_NICE` overrides).
 
@@ -137,35 +138,64 @@ fn gradients_go_in_bf16_by_themselves_across_a_slow_link_only() {
     assert!(grads.contains("a 4 MiB all-reduce took"), "{grads}");
 }
 
-#[test]
-fn two_launchers_of_two_reduce_hierarchically_by_themselves() {
+/// Trains with `extra` (fp32 gradients) as four ranks of one launcher, then
+/// as two launchers of two; checks that the first says nothing of
+/// `hierarchical` and that both end with the same parameters to rounding
+/// (the same gradients, summed in another order). Node 0's output of the
+/// second.
+fn one_node_and_two(extra: &[&str]) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let (one, two) = (tmp.path().join("one"), tmp.path().join("two"));
     let fp32 = ["--bf16-compress", "false", "--out"];
     let mut args = vec!["run", "--standalone", "-n", "4"];
-    let mut extra = fp32.to_vec();
-    extra.push(one.to_str().unwrap());
-    let t = train(&extra);
+    let mut flags = fp32.to_vec();
+    flags.push(one.to_str().unwrap());
+    flags.extend(extra);
+    let t = train(&flags);
     args.extend(t.iter().map(String::as_str));
     let flat = succeeded(&run(&args));
-    assert!(!flat.contains("all-reduce: hierarchical"), "{flat}");
+    assert!(!flat.contains(": hierarchical"), "{flat}");
 
-    let mut extra = fp32.to_vec();
-    extra.push(two.to_str().unwrap());
-    let out = two_launchers("2", &[], &extra);
-    let hier = line(&out, "all-reduce:");
-    assert!(
-        hier.contains("all-reduce: hierarchical over 2 nodes of 2 + 2 ranks"),
-        "{hier}"
-    );
-    // The same gradients, summed in another order: equal to rounding.
+    let mut flags = fp32.to_vec();
+    flags.push(two.to_str().unwrap());
+    flags.extend(extra);
+    let out = two_launchers("2", &[], &flags);
     let (a, b) = (params(&one), params(&two));
     let d = a
         .iter()
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
         .fold(0f32, f32::max);
-    assert!(d < 1e-5, "max |diff| {d}");
+    assert!(d < 1e-5, "{extra:?}: max |diff| {d}");
+    out
+}
+
+#[test]
+fn two_launchers_of_two_reduce_hierarchically_by_themselves() {
+    let out = one_node_and_two(&[]);
+    let hier = line(&out, "all-reduce:");
+    assert!(
+        hier.contains("all-reduce: hierarchical over 2 nodes of 2 + 2 ranks"),
+        "{hier}"
+    );
+}
+
+/// ZeRO-2's reduce-scatters (each block's MLP apart from its attention)
+/// and all-gathers go hierarchical by themselves across two launchers of
+/// two, and the header says both.
+#[test]
+fn zero2_on_two_launchers_of_two_reduce_scatters_hierarchically() {
+    let out = one_node_and_two(&["--strategy", "zero2"]);
+    let hier = line(&out, "reduce-scatter and all-gather:");
+    assert!(
+        hier.contains("hierarchical over 2 nodes of 2 + 2 ranks"),
+        "{hier}"
+    );
+    let model = line(&out, "model:");
+    assert!(
+        model.contains("ZeRO-2: ") && model.contains("10 reduce-scatters in launch order of"),
+        "{model}"
+    );
 }
 
 #[test]

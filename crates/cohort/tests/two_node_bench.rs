@@ -1,6 +1,6 @@
 //! `scripts/two-node-bench.sh --quick`: two network namespaces joined by an
-//! HTB-shaped veth pair, cohort DDP and DiLoCo (synchronous and overlapped)
-//! one rank per namespace, and
+//! HTB-shaped veth pair, cohort DDP, ZeRO-2 and DiLoCo (synchronous and
+//! overlapped) one rank per namespace, and
 //! the table. Skips with one line where namespaces cannot be made (not root, no `ip` or `tc`, a
 //! container
 //! without the permission).
@@ -50,6 +50,7 @@ fn the_two_node_bench_prints_its_table() {
     for row in [
         // The tiny model's gradients take well under 50 ms at 1 Gbit/s.
         "| 1gbit | cohort DDP, overlap on, fp32 gradients (auto) |",
+        "| 1gbit | cohort ZeRO-2, overlap on, fp32 gradients (auto) |",
         "| 1gbit | cohort DiLoCo, H = 1 |",
         "| 1gbit | cohort DiLoCo, H = 1, overlapped |",
     ] {

@@ -128,18 +128,28 @@ pub(crate) fn choose(
     })
 }
 
-/// The header line of a group whose all-reduces run hierarchically (the
+/// The header line of a group whose collectives run hierarchically (the
 /// ranks span nodes and share them: cohort-comm does it by itself under
-/// the `auto` algorithm), or `None` when they run flat.
-pub(crate) fn hierarchy_line(pg: &ProcessGroup) -> Option<String> {
+/// the `auto` algorithm), or `None` when they run flat: its all-reduces
+/// (DDP, DiLoCo), or with `sharded` its reduce-scatters and all-gathers
+/// (ZeRO).
+pub(crate) fn hierarchy_line(pg: &ProcessGroup, sharded: bool) -> Option<String> {
     let sizes = pg.hierarchy()?;
     let nodes: Vec<String> = sizes.iter().map(usize::to_string).collect();
-    Some(format!(
-        "all-reduce: hierarchical over {} nodes of {} ranks: each node reduces among its own \
-         ranks first, and one rank per node crosses the link (COHORT_ALGO=ring runs it flat)",
-        sizes.len(),
-        nodes.join(" + ")
-    ))
+    let (n, ranks) = (sizes.len(), nodes.join(" + "));
+    Some(if sharded {
+        format!(
+            "reduce-scatter and all-gather: hierarchical over {n} nodes of {ranks} ranks: each \
+             node reduces among its own ranks first, and one rank per node and local index \
+             crosses the link with its share of the chunks (COHORT_ALGO=ring runs them flat)"
+        )
+    } else {
+        format!(
+            "all-reduce: hierarchical over {n} nodes of {ranks} ranks: each node reduces among \
+             its own ranks first, and one rank per node crosses the link (COHORT_ALGO=ring runs \
+             it flat)"
+        )
+    })
 }
 
 /// The variable that sets the reducer's nice steps (0 to 19) instead of the

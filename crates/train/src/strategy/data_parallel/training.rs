@@ -100,9 +100,8 @@ impl<'a> DataParallelRun<'a> {
         } = replicated_start(cfg, pg, sharding)?;
         let t = data.seq_len();
         let threads = model.backend().num_threads();
-        if matches!(kind, SyncKind::Ddp | SyncKind::Diloco) {
-            header.extend(link::hierarchy_line(pg));
-        }
+        let sharded = matches!(kind, SyncKind::Zero1 | SyncKind::Sharded(_));
+        header.extend(link::hierarchy_line(pg, sharded));
         // DiLoCo sends no gradients (its pseudo-gradients' dtype is a flag).
         let compression = match kind {
             SyncKind::Diloco => Compression::None,

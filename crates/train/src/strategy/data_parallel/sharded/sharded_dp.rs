@@ -329,6 +329,10 @@ impl ShardedDp {
         for range in ranges {
             st.gather(pg, range.clone(), &mut params[range]);
         }
+        // A block's units come rank by rank through staging: not held
+        // through the next backward, the step's peak; its pages serve the
+        // first gradients that backward writes.
+        st.spare.release(&mut st.staging);
         st.check()?;
         Ok(st.comm)
     }

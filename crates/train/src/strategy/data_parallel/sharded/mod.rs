@@ -23,7 +23,10 @@
 //! one all-gather (each rank sends its shards of the part's units, and the
 //! gathered buffer, rank after rank, is copied to its places in the model:
 //! `PartShards::unpack`; a part of one unit that divides into the ranks
-//! lands in place), just before it runs.
+//! lands in place), just before it runs. Where the ranks span nodes that
+//! hold several each, cohort-comm runs these reduce-scatters and
+//! all-gathers hierarchically by itself (inside each node, then one rank
+//! per node and local index across the link; the header says so).
 //!
 //! Each step:
 //!

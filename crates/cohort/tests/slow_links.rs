@@ -6,7 +6,7 @@
 //! timed all-reduce), in fp32 when it is fast or when every rank is on one
 //! node, and an explicit flag wins. Two launchers of two ranks each reduce
 //! hierarchically by themselves, and train as four ranks on one node do;
-//! so do ZeRO-2's reduce-scatters and all-gathers.
+//! so do ZeRO-2's and ZeRO-3's reduce-scatters and all-gathers.
 //! Where the engine takes every core, DDP's reducer thread runs a few nice
 //! steps below it (`COHORT_REDUCER_NICE` overrides).
 
@@ -180,22 +180,24 @@ fn two_launchers_of_two_reduce_hierarchically_by_themselves() {
     );
 }
 
-/// ZeRO-2's reduce-scatters (each block's MLP apart from its attention)
-/// and all-gathers go hierarchical by themselves across two launchers of
-/// two, and the header says both.
+/// ZeRO-2's and ZeRO-3's reduce-scatters (each block's MLP apart from its
+/// attention) and all-gathers go hierarchical by themselves across two
+/// launchers of two, and the header says both.
 #[test]
-fn zero2_on_two_launchers_of_two_reduce_scatters_hierarchically() {
-    let out = one_node_and_two(&["--strategy", "zero2"]);
-    let hier = line(&out, "reduce-scatter and all-gather:");
-    assert!(
-        hier.contains("hierarchical over 2 nodes of 2 + 2 ranks"),
-        "{hier}"
-    );
-    let model = line(&out, "model:");
-    assert!(
-        model.contains("ZeRO-2: ") && model.contains("10 reduce-scatters in launch order of"),
-        "{model}"
-    );
+fn zero_on_two_launchers_of_two_reduce_scatters_hierarchically() {
+    for (strategy, name) in [("zero2", "ZeRO-2: "), ("zero3", "ZeRO-3: ")] {
+        let out = one_node_and_two(&["--strategy", strategy]);
+        let hier = line(&out, "reduce-scatter and all-gather:");
+        assert!(
+            hier.contains("hierarchical over 2 nodes of 2 + 2 ranks"),
+            "{hier}"
+        );
+        let model = line(&out, "model:");
+        assert!(
+            model.contains(name) && model.contains("10 reduce-scatters in launch order of"),
+            "{model}"
+        );
+    }
 }
 
 #[test]

@@ -184,7 +184,7 @@ pub struct BenchDdpResult {
     /// under DDP, one shard's under ZeRO.
     pub optimizer_floats_per_rank: usize,
     /// Gradient buckets (0 under ZeRO: ZeRO-1 reduces the buffer at once,
-    /// ZeRO-2 and 3 part by part).
+    /// ZeRO-2 and 3 unit by unit, a block's MLP apart from its attention).
     pub buckets: usize,
     /// Whether the collectives overlapped the computation (DDP: buckets
     /// reduced during backward; ZeRO-2/3: parts' all-gathers prefetched and

@@ -601,7 +601,9 @@ fn a_damaged_or_missing_shard_is_an_error_naming_its_file_and_rank() {
 /// reduce-scatter left running through the backward of the part before
 /// it), ZeRO-2 and ZeRO-3 end bitwise where they do without it: the same
 /// collectives in the same order, only the waiting moved; with
-/// accumulation, clipping and evaluation in the run.
+/// accumulation, clipping and evaluation in the run; with the gradients
+/// sent in bf16 too (each unit's compressed reduce-scatter in flight on
+/// its own bf16 copy).
 #[test]
 fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
     let cfg = TrainConfig {
@@ -612,21 +614,23 @@ fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
         ..odd()
     };
     for strategy in STAGES {
-        for world in [2, 3] {
+        for (world, bf16) in [(2, false), (3, false), (2, true), (3, true)] {
             let at = |overlap| {
                 run_world(
                     world,
                     &TrainConfig {
                         overlap,
+                        bf16_compress: Some(bf16),
                         ..with(strategy, &cfg)
                     },
                 )
             };
             let (on, off) = (at(Overlap::On), at(Overlap::Off));
+            let what = format!("{strategy:?} x{world}, bf16 {bf16}");
             for (a, b) in on.iter().zip(&off) {
-                assert!(a.params == b.params, "{strategy:?} x{world}: params");
-                assert_eq!(a.train_losses, b.train_losses);
-                assert_eq!(a.val_losses, b.val_losses);
+                assert!(a.params == b.params, "{what}: params");
+                assert_eq!(a.train_losses, b.train_losses, "{what}");
+                assert_eq!(a.val_losses, b.val_losses, "{what}");
             }
         }
         assert_matches_ddp(

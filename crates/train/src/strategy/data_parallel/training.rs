@@ -113,8 +113,6 @@ impl<'a> DataParallelRun<'a> {
         };
         let overlap = match kind {
             SyncKind::Zero1 | SyncKind::Diloco => false,
-            // Compressed reduce-scatters run in place (see `set_compression`).
-            SyncKind::Sharded(_) if compression == Compression::Bf16 => false,
             _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
         };
         let nice = match kind {

@@ -120,20 +120,16 @@ impl ShardedDp {
     /// without overlap. Decide as DDP does ([`crate::Overlap::enabled`]):
     /// the communication thread needs a core of its own.
     pub fn set_overlap(&mut self, on: bool) {
-        let st = self.shards_mut();
-        st.flight.on = on && st.compression == Compression::None;
+        self.shards_mut().flight.on = on;
     }
 
     /// Sends the gradients as bf16 (PyTorch's `bf16_compress_hook`: half
     /// the bytes, about three significant digits) or as f32 (the default).
-    /// Compression turns overlap off: compressed reduce-scatters run in
-    /// place, between the model's parts.
+    /// With overlap, a unit's compressed reduce-scatter runs in flight as
+    /// an f32 one does, on its own bf16 copy: the results are bitwise those
+    /// without overlap either way.
     pub fn set_compression(&mut self, compression: Compression) {
-        let st = self.shards_mut();
-        st.compression = compression;
-        if compression != Compression::None {
-            st.flight.on = false;
-        }
+        self.shards_mut().compression = compression;
     }
 
     /// Which stage this is.

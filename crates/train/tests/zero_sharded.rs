@@ -645,6 +645,54 @@ fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
     }
 }
 
+/// ZeRO-2 with overlap leaves the update's all-gathers to the next
+/// forward: a checkpoint saved then (the flat shards) resumes bitwise where
+/// the unbroken run goes, with an evaluation at the save, and both end
+/// bitwise where overlap off does.
+#[test]
+fn zero2_deferred_gathers_save_and_resume_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let cfg = TrainConfig {
+        steps: 6,
+        lr_decay_steps: 6,
+        grad_accum: 2,
+        eval_interval: 3,
+        overlap: Overlap::On,
+        ..with(Strategy::Zero2, &odd())
+    };
+    let straight = run_world(2, &cfg);
+    let off = run_world(
+        2,
+        &TrainConfig {
+            overlap: Overlap::Off,
+            ..cfg.clone()
+        },
+    );
+    assert!(straight[0].params == off[0].params, "overlap on vs off");
+    assert_eq!(straight[0].val_losses, off[0].val_losses);
+    run_world(
+        2,
+        &TrainConfig {
+            steps: 3,
+            save_interval: 3,
+            out: Some(out.clone()),
+            ..cfg.clone()
+        },
+    );
+    let resumed = run_world(
+        2,
+        &TrainConfig {
+            resume: Some(out.clone()),
+            ..cfg.clone()
+        },
+    );
+    assert_eq!(resumed[0].steps_run, 3, "resumed at step 3");
+    for (r, (a, b)) in resumed.iter().zip(&straight).enumerate() {
+        assert!(a.params == b.params, "rank {r}: resumed vs unbroken");
+    }
+}
+
 /// The commit protocol under a crash: a save killed after some shards
 /// were written leaves only its staging directory, which no resume reads
 /// (the latest complete checkpoint is used) and the next save of that step
@@ -693,6 +741,20 @@ fn bf16_compressed_gradients_under_every_zero_stage_match_compressed_ddp() {
     // rounding into a whole step of lr = 1e-3 at most).
     let lost = max_abs_diff(&ddp, &exact);
     assert!(lost > 1e-5 && lost < 1e-2, "compressed vs f32 DDP: {lost}");
+    // The reduce-scatters stay overlapped under compression.
+    for strategy in STAGES {
+        let overlapped = TrainConfig {
+            overlap: Overlap::On,
+            ..with(strategy, &cfg)
+        };
+        let log = header(2, &overlapped);
+        let line = log.lines().find(|l| l.contains("reduce-scatters in launch order"));
+        assert!(
+            line.is_some_and(|l| l.contains("overlap on")),
+            "{strategy:?}: {log}"
+        );
+        assert!(log.contains("gradients: bf16"), "{strategy:?}: {log}");
+    }
     for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let zero = run_world(2, &with(strategy, &cfg));
         assert!(

@@ -527,6 +527,8 @@ impl ParallelStrategy for DataParallelRun<'_> {
             )),
             GradSync::Zero1(zero) => zero.with_owned_shard(save),
             GradSync::DeviceZero1(zero) => zero.zero().with_owned_shard(save),
+            // The flat shards, never the model's buffer (which ZeRO-2 with
+            // overlap leaves stale after an update, for the next forward).
             GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
             GradSync::Diloco { .. } => self.save_diloco(out, step),
             GradSync::Device { .. } if pg.rank() != 0 => Ok(SaveReport::default()),

@@ -748,7 +748,9 @@ fn bf16_compressed_gradients_under_every_zero_stage_match_compressed_ddp() {
             ..with(strategy, &cfg)
         };
         let log = header(2, &overlapped);
-        let line = log.lines().find(|l| l.contains("reduce-scatters in launch order"));
+        let line = log
+            .lines()
+            .find(|l| l.contains("reduce-scatters in launch order"));
         assert!(
             line.is_some_and(|l| l.contains("overlap on")),
             "{strategy:?}: {log}"

@@ -12,7 +12,7 @@
 # communication: what this shared machine allows two ranks at all). Every rank runs one thread (COHORT_NUM_THREADS / OMP_NUM_THREADS = 1).
 # DDP's row says what its gradients travelled in (chosen by the link, as the header says why);
 # where that was bf16, a second row forces fp32 to show what it saved. ZeRO-2's row says the same,
-# and whether its overlap stayed on (bf16 reduce-scatters run in place, without it).
+# and whether its overlap is on (as its header says).
 # Exposed comm is what rank 0 waited for communication per step: DDP's and ZeRO-2's comm phase;
 # DiLoCo's outer all-reduce over H steps (overlapped: what the syncs waited for it). Both
 # "nodes" share this machine's cores.
@@ -20,6 +20,11 @@
 #   sudo scripts/two-node-bench.sh                           # 1 and 10 Gbit/s, config B
 #   sudo scripts/two-node-bench.sh --rates 1gbit --delay 1ms --steps 100 --sync-every 50
 #   sudo scripts/two-node-bench.sh --quick                   # a functional run: tiny, 2 steps
+#   sudo scripts/two-node-bench.sh --only zero2,ddp          # a subset of the systems
+#
+# --only takes a comma list of ddp (with its fp32 row where DDP chose bf16), zero2, diloco,
+# diloco-overlap and torch (default: all); the single-rank and independent-ranks baselines
+# always run.
 #
 # Needs root, `ip` and `tc` (iproute2), and a built cohort (--cohort, default
 # target/release/cohort); the PyTorch rows need python3 with torch (skipped without it). Exits
@@ -34,6 +39,8 @@ steps=60
 sync_every=50
 quick=0
 torch=1
+all_systems="ddp zero2 diloco diloco-overlap torch"
+only=$all_systems
 while [ $# -gt 0 ]; do
   case "$1" in
     --cohort) cohort=$2; shift 2 ;;
@@ -43,10 +50,22 @@ while [ $# -gt 0 ]; do
     --sync-every) sync_every=$2; shift 2 ;;
     --quick) quick=1; shift ;;
     --no-torch) torch=0; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --only) only=${2//,/ }; shift 2 ;;
+    -h|--help) sed -n '/^set -euo/q;2,$p' "$0"; exit 0 ;;
     *) echo "two-node-bench: unknown argument $1 (see --help)" >&2; exit 1 ;;
   esac
 done
+
+for system in $only; do
+  case " $all_systems " in
+    *" $system "*) ;;
+    *) echo "two-node-bench: --only: unknown system $system (one of: ${all_systems// /, })" >&2; exit 1 ;;
+  esac
+done
+[ -n "$only" ] || { echo "two-node-bench: --only names no system (one of: ${all_systems// /, })" >&2; exit 1; }
+# Whether --only selected a system.
+selected() { case " $only " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+selected torch || torch=0
 
 # Config B (docs/PERFORMANCE.md), or a tiny model for --quick.
 if [ "$quick" = 1 ]; then
@@ -147,7 +166,7 @@ comm_ms() { sed -n 's/.*time per step (rank 0): .* comm \([0-9.]*\) .*/\1/p' | t
 sync_ms() { sed -n 's/.*outer syncs (rank 0): [0-9]*, \([0-9.]*\) ms each.*/\1/p' | tail -1; }
 # bf16 or fp32: what DDP's gradients travelled in (the header says, and why).
 grads() { sed -n 's/.*gradients: \(bf16\|fp32\) .*/\1/p' | tail -1; }
-# on or off: ZeRO's overlap as its header line says it (off where gradients go in bf16).
+# on or off: ZeRO's overlap as its header line says it.
 zero_overlap() { sed -n 's/.*ZeRO-[23]: .*; overlap \(on\|off\).*/\1/p' | tail -1; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0 && a != "") printf "%.2f", a / b; else print "-" }'; }
 
@@ -179,36 +198,44 @@ rows=()
 for rate in $rates; do
   shape_link "$rate" || { echo "two-node-bench: skipped: tc cannot shape the link (no HTB or netem in this kernel?)" >&2; exit 2; }
   link="$rate${delay:+ +$delay}"
-  echo "link $link: cohort DDP" >&2
-  log=$(cohort_two_nodes --strategy ddp --overlap on)
-  t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log")
-  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP failed" >&2; exit 1; }
-  rows+=("| $link | cohort DDP, overlap on, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
-  if [ "$g" = bf16 ]; then
-    # What the automatic choice saved: the same run in fp32.
-    echo "link $link: cohort DDP, fp32" >&2
-    log=$(cohort_two_nodes --strategy ddp --overlap on --bf16-compress false)
-    t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log")
-    [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP fp32 failed" >&2; exit 1; }
-    rows+=("| $link | cohort DDP, overlap on, fp32 gradients | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
+  if selected ddp; then
+    echo "link $link: cohort DDP" >&2
+    log=$(cohort_two_nodes --strategy ddp --overlap on)
+    t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log")
+    [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP failed" >&2; exit 1; }
+    rows+=("| $link | cohort DDP, overlap on, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
+    if [ "$g" = bf16 ]; then
+      # What the automatic choice saved: the same run in fp32.
+      echo "link $link: cohort DDP, fp32" >&2
+      log=$(cohort_two_nodes --strategy ddp --overlap on --bf16-compress false)
+      t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log")
+      [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DDP fp32 failed" >&2; exit 1; }
+      rows+=("| $link | cohort DDP, overlap on, fp32 gradients | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
+    fi
   fi
-  echo "link $link: cohort ZeRO-2" >&2
-  log=$(cohort_two_nodes --strategy zero2 --overlap on)
-  t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log"); o=$(zero_overlap <<<"$log")
-  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort ZeRO-2 failed" >&2; exit 1; }
-  rows+=("| $link | cohort ZeRO-2, overlap ${o:-?}, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
-  echo "link $link: cohort DiLoCo H=$sync_every" >&2
-  log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every")
-  t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
-  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo failed" >&2; exit 1; }
-  per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
-  rows+=("| $link | cohort DiLoCo, H = $sync_every | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | $per ms (${s:-?} ms per sync) |")
-  echo "link $link: cohort DiLoCo H=$sync_every, overlapped" >&2
-  log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every" --outer-overlap)
-  t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
-  [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo overlapped failed" >&2; exit 1; }
-  per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
-  rows+=("| $link | cohort DiLoCo, H = $sync_every, overlapped | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | $per ms (${s:-?} ms waited per sync) |")
+  if selected zero2; then
+    echo "link $link: cohort ZeRO-2" >&2
+    log=$(cohort_two_nodes --strategy zero2 --overlap on)
+    t=$(tok_s <<<"$log"); c=$(comm_ms <<<"$log"); g=$(grads <<<"$log"); o=$(zero_overlap <<<"$log")
+    [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort ZeRO-2 failed" >&2; exit 1; }
+    rows+=("| $link | cohort ZeRO-2, overlap ${o:-?}, ${g:-?} gradients (auto) | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | ${c:-?} ms |")
+  fi
+  if selected diloco; then
+    echo "link $link: cohort DiLoCo H=$sync_every" >&2
+    log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every")
+    t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
+    [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo failed" >&2; exit 1; }
+    per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
+    rows+=("| $link | cohort DiLoCo, H = $sync_every | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | $per ms (${s:-?} ms per sync) |")
+  fi
+  if selected diloco-overlap; then
+    echo "link $link: cohort DiLoCo H=$sync_every, overlapped" >&2
+    log=$(cohort_two_nodes --strategy diloco --sync-every "$sync_every" --outer-overlap)
+    t=$(tok_s <<<"$log"); s=$(sync_ms <<<"$log")
+    [ -n "$t" ] || { echo "$log" >&2; echo "two-node-bench: cohort DiLoCo overlapped failed" >&2; exit 1; }
+    per=$(awk -v s="${s:-0}" -v h="$sync_every" 'BEGIN { printf "%.1f", s / h }')
+    rows+=("| $link | cohort DiLoCo, H = $sync_every, overlapped | $t | $(ratio "$t" $(( 2 * single ))) | $(ratio "$t" "$pair") | $per ms (${s:-?} ms waited per sync) |")
+  fi
   if [ "$torch" = 1 ]; then
     echo "link $link: PyTorch gloo DDP" >&2
     json=$(torch_two_nodes)

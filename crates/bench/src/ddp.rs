@@ -529,7 +529,9 @@ fn timed_step(
     let sync = dp.backward(true)?;
     let t_opt = Instant::now();
     // ZeRO-1 and 2 all-gather the updated shards here; nothing overlaps
-    // those collectives, so all of their time is waited for.
+    // those collectives, so all of their time is waited for. (ZeRO-2 with
+    // overlap leaves them to the next forward, prefetched part by part:
+    // what they are not hidden by is in that forward's time.)
     let gather = dp.update(1e-3)?;
     let optimizer = t_opt.elapsed().saturating_sub(gather);
     Ok(StepPhases {

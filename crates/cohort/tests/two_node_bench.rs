@@ -1,9 +1,8 @@
 //! `scripts/two-node-bench.sh --quick`: two network namespaces joined by an
 //! HTB-shaped veth pair, cohort DDP, ZeRO-2 and DiLoCo (synchronous and
-//! overlapped) one rank per namespace, and
-//! the table. Skips with one line where namespaces cannot be made (not root, no `ip` or `tc`, a
-//! container
-//! without the permission).
+//! overlapped) one rank per namespace, and the table; then `--only zero2`,
+//! its row alone. Skips with one line where namespaces cannot be made (not
+//! root, no `ip` or `tc`, a container without the permission).
 
 mod support;
 
@@ -19,30 +18,9 @@ fn the_two_node_bench_prints_its_table() {
         eprintln!("two-node bench skipped: no tc (iproute2)");
         return;
     }
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../scripts/two-node-bench.sh"
-    );
-    let mut cmd = Command::new("bash");
-    // PyTorch's rows are left to the full script: torchrun's start alone
-    // is longer than this whole run.
-    cmd.args([script, "--quick", "--no-torch"])
-        .args(["--cohort", env!("CARGO_BIN_EXE_cohort")]);
-    support::clean(&mut cmd);
-    let out = cmd.output().expect("bash runs");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    if out.status.code() == Some(2) {
-        // The script says why in one line (a kernel without HTB, say).
-        eprintln!(
-            "two-node bench skipped: {}",
-            stderr.trim().lines().last().unwrap_or("")
-        );
+    let Some((stdout, stderr)) = quick(&[]) else {
         return;
-    }
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    };
     assert!(
         stdout.contains("| link | system | tokens/s | efficiency | against independent ranks | exposed comm per step |"),
         "{stdout}"
@@ -68,4 +46,47 @@ fn the_two_node_bench_prints_its_table() {
     for name in names {
         assert!(!listed.contains(name), "{name} left behind:\n{listed}");
     }
+    // `--only` runs the systems named (and the baselines), no others.
+    let Some((stdout, stderr)) = quick(&["--only", "zero2"]) else {
+        return;
+    };
+    assert!(stderr.contains("two independent ranks at once"), "{stderr}");
+    assert!(
+        stdout.contains("| 1gbit | cohort ZeRO-2, overlap on, fp32 gradients (auto) |"),
+        "{stdout}\n{stderr}"
+    );
+    for other in ["DDP", "DiLoCo"] {
+        assert!(!stdout.contains(other), "{other} ran:\n{stdout}");
+    }
+}
+
+/// `scripts/two-node-bench.sh --quick --no-torch` with `args`: its stdout
+/// and stderr, or `None` (said why) where it skipped.
+fn quick(args: &[&str]) -> Option<(String, String)> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../scripts/two-node-bench.sh"
+    );
+    let mut cmd = Command::new("bash");
+    // PyTorch's rows are left to the full script: torchrun's start alone
+    // is longer than this whole run.
+    cmd.args([script, "--quick", "--no-torch"])
+        .args(args)
+        .args(["--cohort", env!("CARGO_BIN_EXE_cohort")]);
+    support::clean(&mut cmd);
+    let out = cmd.output().expect("bash runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    if out.status.code() == Some(2) {
+        // The script says why in one line (a kernel without HTB, say).
+        eprintln!(
+            "two-node bench skipped: {}",
+            stderr.trim().lines().last().unwrap_or("")
+        );
+        return None;
+    }
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    Some((stdout, stderr))
 }

@@ -601,7 +601,9 @@ fn a_damaged_or_missing_shard_is_an_error_naming_its_file_and_rank() {
 /// reduce-scatter left running through the backward of the part before
 /// it), ZeRO-2 and ZeRO-3 end bitwise where they do without it: the same
 /// collectives in the same order, only the waiting moved; with
-/// accumulation, clipping and evaluation in the run.
+/// accumulation, clipping and evaluation in the run; with the gradients
+/// sent in bf16 too (each unit's compressed reduce-scatter in flight on
+/// its own bf16 copy).
 #[test]
 fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
     let cfg = TrainConfig {
@@ -612,21 +614,23 @@ fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
         ..odd()
     };
     for strategy in STAGES {
-        for world in [2, 3] {
+        for (world, bf16) in [(2, false), (3, false), (2, true), (3, true)] {
             let at = |overlap| {
                 run_world(
                     world,
                     &TrainConfig {
                         overlap,
+                        bf16_compress: Some(bf16),
                         ..with(strategy, &cfg)
                     },
                 )
             };
             let (on, off) = (at(Overlap::On), at(Overlap::Off));
+            let what = format!("{strategy:?} x{world}, bf16 {bf16}");
             for (a, b) in on.iter().zip(&off) {
-                assert!(a.params == b.params, "{strategy:?} x{world}: params");
-                assert_eq!(a.train_losses, b.train_losses);
-                assert_eq!(a.val_losses, b.val_losses);
+                assert!(a.params == b.params, "{what}: params");
+                assert_eq!(a.train_losses, b.train_losses, "{what}");
+                assert_eq!(a.val_losses, b.val_losses, "{what}");
             }
         }
         assert_matches_ddp(
@@ -638,6 +642,54 @@ fn zero2_and_zero3_overlap_changes_nothing_but_the_waiting() {
                 ..odd()
             },
         );
+    }
+}
+
+/// ZeRO-2 with overlap leaves the update's all-gathers to the next
+/// forward: a checkpoint saved then (the flat shards) resumes bitwise where
+/// the unbroken run goes, with an evaluation at the save, and both end
+/// bitwise where overlap off does.
+#[test]
+fn zero2_deferred_gathers_save_and_resume_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let cfg = TrainConfig {
+        steps: 6,
+        lr_decay_steps: 6,
+        grad_accum: 2,
+        eval_interval: 3,
+        overlap: Overlap::On,
+        ..with(Strategy::Zero2, &odd())
+    };
+    let straight = run_world(2, &cfg);
+    let off = run_world(
+        2,
+        &TrainConfig {
+            overlap: Overlap::Off,
+            ..cfg.clone()
+        },
+    );
+    assert!(straight[0].params == off[0].params, "overlap on vs off");
+    assert_eq!(straight[0].val_losses, off[0].val_losses);
+    run_world(
+        2,
+        &TrainConfig {
+            steps: 3,
+            save_interval: 3,
+            out: Some(out.clone()),
+            ..cfg.clone()
+        },
+    );
+    let resumed = run_world(
+        2,
+        &TrainConfig {
+            resume: Some(out.clone()),
+            ..cfg.clone()
+        },
+    );
+    assert_eq!(resumed[0].steps_run, 3, "resumed at step 3");
+    for (r, (a, b)) in resumed.iter().zip(&straight).enumerate() {
+        assert!(a.params == b.params, "rank {r}: resumed vs unbroken");
     }
 }
 
@@ -689,6 +741,22 @@ fn bf16_compressed_gradients_under_every_zero_stage_match_compressed_ddp() {
     // rounding into a whole step of lr = 1e-3 at most).
     let lost = max_abs_diff(&ddp, &exact);
     assert!(lost > 1e-5 && lost < 1e-2, "compressed vs f32 DDP: {lost}");
+    // The reduce-scatters stay overlapped under compression.
+    for strategy in STAGES {
+        let overlapped = TrainConfig {
+            overlap: Overlap::On,
+            ..with(strategy, &cfg)
+        };
+        let log = header(2, &overlapped);
+        let line = log
+            .lines()
+            .find(|l| l.contains("reduce-scatters in launch order"));
+        assert!(
+            line.is_some_and(|l| l.contains("overlap on")),
+            "{strategy:?}: {log}"
+        );
+        assert!(log.contains("gradients: bf16"), "{strategy:?}: {log}");
+    }
     for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let zero = run_world(2, &with(strategy, &cfg));
         assert!(

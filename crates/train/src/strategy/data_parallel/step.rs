@@ -137,7 +137,9 @@ impl<'pg> DataParallel<'pg> {
     }
 
     /// The model (under ZeRO-3 its parameter buffer holds only what a pass
-    /// gathered).
+    /// gathered; under ZeRO-2 with overlap, after an update, the previous
+    /// step's parameters until the next forward or
+    /// [`DataParallel::complete_params`]).
     pub fn model(&self) -> &GPT {
         &self.model
     }
@@ -156,6 +158,18 @@ impl<'pg> DataParallel<'pg> {
     /// DiLoCo's global parameters in the model for a moment).
     pub(crate) fn model_and_sync_mut(&mut self) -> (&mut GPT, &mut GradSync<'pg>) {
         (&mut self.model, &mut self.sync)
+    }
+
+    /// Makes the model's parameters whole and current where the last update
+    /// left that to the next forward (ZeRO-2 with overlap: see
+    /// [`ShardedDp::complete_params`]); anything that reads them other than
+    /// the next training forward calls this first. Returns the time spent
+    /// in collectives. Collective under ZeRO-2.
+    pub fn complete_params(&mut self) -> Result<Duration, TrainError> {
+        match &mut self.sync {
+            GradSync::Sharded(zero) => zero.complete_params(self.pg, &mut self.model),
+            _ => Ok(Duration::ZERO),
+        }
     }
 
     /// The ZeRO stage (1, 2 or 3), or `None` for DDP.
@@ -340,8 +354,9 @@ impl<'pg> DataParallel<'pg> {
 
     /// AdamW at `lr` on what this rank holds of the synchronised gradient,
     /// then every rank's parameters made whole again where the sync needs
-    /// it (ZeRO-1 and 2 all-gather; ZeRO-3 gathers in the next forward).
-    /// Returns the time spent in collectives. Collective under ZeRO-1/2.
+    /// it (ZeRO-1 and 2 all-gather; ZeRO-3, and ZeRO-2 with overlap, gather
+    /// in the next forward). Returns the time spent in collectives.
+    /// Collective under ZeRO-1/2.
     pub fn update(&mut self, lr: f64) -> Result<Duration, TrainError> {
         let (pg, model) = (self.pg, &mut self.model);
         match &mut self.sync {
@@ -407,6 +422,9 @@ impl<'pg> DataParallel<'pg> {
         &mut self,
         val: &[(usize, Batch)],
     ) -> Result<Vec<(usize, f32)>, TrainError> {
+        // ZeRO-2's deferred gathers, by every rank: one whose share of the
+        // batches is empty runs no forward to do them in.
+        self.complete_params()?;
         let GradSync::Sharded(zero) = &mut self.sync else {
             return step_loop::batch_losses(val, &mut self.model);
         };
@@ -443,8 +461,10 @@ impl<'pg> DataParallel<'pg> {
         Ok(mine)
     }
 
-    /// The whole model's parameters, on every rank. Collective under ZeRO-3.
+    /// The whole model's parameters, on every rank. Collective under ZeRO-2
+    /// and 3.
     pub fn final_params(&mut self) -> Result<Vec<f32>, TrainError> {
+        self.complete_params()?;
         match &mut self.sync {
             GradSync::Sharded(zero) if zero.stage() == ZeroStage::Three => {
                 zero.gather_params(self.pg)

@@ -113,8 +113,6 @@ impl<'a> DataParallelRun<'a> {
         };
         let overlap = match kind {
             SyncKind::Zero1 | SyncKind::Diloco => false,
-            // Compressed reduce-scatters run in place (see `set_compression`).
-            SyncKind::Sharded(_) if compression == Compression::Bf16 => false,
             _ => cfg.overlap.enabled(world, pg.local_world_size(), threads),
         };
         let nice = match kind {
@@ -529,6 +527,8 @@ impl ParallelStrategy for DataParallelRun<'_> {
             )),
             GradSync::Zero1(zero) => zero.with_owned_shard(save),
             GradSync::DeviceZero1(zero) => zero.zero().with_owned_shard(save),
+            // The flat shards, never the model's buffer (which ZeRO-2 with
+            // overlap leaves stale after an update, for the next forward).
             GradSync::Sharded(zero) => zero.with_owned_shard(pg.size(), save),
             GradSync::Diloco { .. } => self.save_diloco(out, step),
             GradSync::Device { .. } if pg.rank() != 0 => Ok(SaveReport::default()),

@@ -1,6 +1,7 @@
 //! The part hooks of a sharded pass: what happens to a part's memory
 //! around its forward and backward (parameters gathered and released under
-//! stage 3, gradients made resident again from the spare pages). The hooks
+//! stage 3, gathered and kept in the forward after a deferred ZeRO-2
+//! update, gradients made resident again from the spare pages). The hooks
 //! never decide the order of the parts (the model calls them) and cannot
 //! fail: their first error waits in the shared state.
 
@@ -16,12 +17,16 @@ use super::shards::{lock, Shards};
 /// pages) just before its backward writes it; under stage 3 also each part's
 /// parameters gathered before it runs and released after (the head's after
 /// its backward: its forward is last and its backward first, so what its
-/// forward gathered serves both).
+/// forward gathered serves both). Under stage 2, the first forward after an
+/// update whose gathers were deferred gathers each part and keeps it.
 pub(super) struct PartMemory<'s> {
     pub(super) pg: &'s ProcessGroup,
     pub(super) st: &'s Mutex<Shards>,
-    /// Stage 3: the parameters are sharded too.
+    /// Each part's parameters are gathered before it runs: stage 3, or
+    /// stage 2's deferred gathers.
     pub(super) gather: bool,
+    /// And released after it (stage 3; stage 2 holds the whole model).
+    pub(super) release: bool,
 }
 
 impl PartHooks for PartMemory<'_> {
@@ -30,6 +35,15 @@ impl PartHooks for PartMemory<'_> {
             return;
         }
         let mut st = lock(self.st);
+        if !self.release {
+            // Stage 2: the model's buffer stays resident; a tied head's
+            // wte came with the embeddings, gathered first.
+            let held = |r: &Range<usize>| r.start <= range.start && range.end <= r.end;
+            if !st.flight.recording.iter().any(held) {
+                st.gather(self.pg, range, params);
+            }
+            return;
+        }
         if let Some(i) = st.kept.iter().position(|k| *k == range) {
             // The head's parameters, kept from its forward.
             st.kept.swap_remove(i);
@@ -42,7 +56,7 @@ impl PartHooks for PartMemory<'_> {
     }
 
     fn after(&mut self, part: Part, range: Range<usize>, params: &mut [f32]) {
-        if !self.gather {
+        if !self.release {
             return;
         }
         let mut st = lock(self.st);

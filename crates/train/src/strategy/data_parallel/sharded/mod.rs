@@ -34,7 +34,8 @@
 //!    buffer just before the part runs and releases them (see `pages`)
 //!    right after, but the head's, whose backward comes next and uses them
 //!    (FSDP does not reshard the last module either); stage 2 holds the
-//!    whole model, as DDP;
+//!    whole model, as DDP (after a deferred update, see 5, its first
+//!    forward gathers each part just before it runs, and keeps it);
 //! 2. backward: stage 3 gathers and releases each part again around its
 //!    backward (but the embeddings, whose backward reads no parameter); as
 //!    each unit's gradient becomes final, it is reduce-scattered (averaged
@@ -46,17 +47,23 @@
 //! 3. the training loop scales, checks and clips the flat shard's gradient
 //!    (the norm over all shards, as ZeRO-1);
 //! 4. AdamW steps the flat shard's parameters;
-//! 5. stage 2 all-gathers every part's updated shard into the model; stage
-//!    3 does nothing: the next forward gathers what it needs.
+//! 5. stage 2 all-gathers every part's updated shard into the model, or,
+//!    with overlap, leaves that to the next forward (the model's
+//!    parameters are stale until then: whatever else reads them first, an
+//!    evaluation or the end of training, calls
+//!    [`ShardedDp::complete_params`]; a checkpoint writes the flat shards);
+//!    stage 3 does nothing: the next forward gathers what it needs.
 //!
 //! Overlap (`--overlap`, DDP's rule: on when a core is free for the
-//! communication thread or the job spans nodes): stage 3 prefetches the
-//! next part's all-gather while a part computes (the order of the parts is
-//! the previous pass's, forward or backward), and both stages leave a
-//! unit's reduce-scatter running through the backward of the unit before
-//! it (a block's MLP's through the block's attention). The collectives and
-//! their order are the same either way, so the results are bitwise the
-//! same.
+//! communication thread or the job spans nodes): stage 3, and stage 2 in
+//! the forward after an update, prefetch the next part's all-gather while
+//! a part computes (the order of the parts is the previous pass's, forward
+//! or backward), and both stages leave a unit's reduce-scatter running
+//! through the backward of the unit before it (a block's MLP's through the
+//! block's attention), in bf16 too (`--bf16-compress`: the unit's share
+//! cast into a bf16 buffer of its own, summed in bf16 and cast back as the
+//! in-place path does). The collectives and their order are the same
+//! either way, so the results are bitwise the same.
 //!
 //! Checkpoints are sharded, as ZeRO-1's: at a save each rank writes its
 //! flat shard (parameters and moments, with the units' ranges it holds) and
@@ -68,8 +75,10 @@
 //! This module must never keep a unit's gradient beyond this rank's shard
 //! once the unit was reduce-scattered, never (stage 3) keep a part's
 //! gathered parameters outside the part's forward or backward (but the
-//! head's, from its forward to its backward, which follows it), and never
-//! let one rank's parameters differ from another's after a step.
+//! head's, from its forward to its backward, which follows it), never
+//! (stage 2) let anything but the next forward read parameters an update
+//! left stale, and never let one rank's parameters differ from another's
+//! after a step.
 
 mod hooks;
 mod parts;

@@ -44,6 +44,10 @@ pub struct ShardedDp {
     st: Mutex<Shards>,
     /// AdamW over the flat shard.
     opt: AdamW,
+    /// Stage 2 with overlap: the last update left the model's parameters
+    /// stale, for the next forward to gather part by part (prefetched) or
+    /// [`ShardedDp::complete_params`] at once.
+    stale: bool,
 }
 
 impl ShardedDp {
@@ -110,30 +114,30 @@ impl ShardedDp {
                 shard_spare,
             }),
             opt,
+            stale: false,
         })
     }
 
     /// Overlaps the collectives with the model's computation (off at
     /// first): each part's all-gather prefetched while the part before it
     /// computes, each part's reduce-scatter left running while the part
-    /// before it computes its backward. The results are bitwise those
-    /// without overlap. Decide as DDP does ([`crate::Overlap::enabled`]):
+    /// before it computes its backward; under stage 2, the update's
+    /// all-gathers deferred to the next forward, each part's just before
+    /// it runs (the next part's prefetched), rather than all of them at
+    /// once after the optimizer. The results are bitwise those without
+    /// overlap. Decide as DDP does ([`crate::Overlap::enabled`]):
     /// the communication thread needs a core of its own.
     pub fn set_overlap(&mut self, on: bool) {
-        let st = self.shards_mut();
-        st.flight.on = on && st.compression == Compression::None;
+        self.shards_mut().flight.on = on;
     }
 
     /// Sends the gradients as bf16 (PyTorch's `bf16_compress_hook`: half
     /// the bytes, about three significant digits) or as f32 (the default).
-    /// Compression turns overlap off: compressed reduce-scatters run in
-    /// place, between the model's parts.
+    /// With overlap, a unit's compressed reduce-scatter runs in flight as
+    /// an f32 one does, on its own bf16 copy: the results are bitwise those
+    /// without overlap either way.
     pub fn set_compression(&mut self, compression: Compression) {
-        let st = self.shards_mut();
-        st.compression = compression;
-        if compression != Compression::None {
-            st.flight.on = false;
-        }
+        self.shards_mut().compression = compression;
     }
 
     /// Which stage this is.
@@ -206,7 +210,9 @@ impl ShardedDp {
     }
 
     /// The model's forward (as [`GPT::forward`] with labels), stage 3 gathering
-    /// each part's parameters around it. Collective under stage 3.
+    /// each part's parameters around it, stage 2 before it where the last
+    /// update deferred its gathers (and keeping them). Collective under
+    /// stage 3, and under stage 2 after such an update.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -219,7 +225,7 @@ impl ShardedDp {
         b: usize,
         t: usize,
     ) -> Result<Option<f32>, TrainError> {
-        if self.stage == ZeroStage::Two {
+        if self.stage == ZeroStage::Two && !self.stale {
             let pass = Forward::new(input_ids, b, t)
                 .attention_mask(attention_mask)
                 .segments(segments);
@@ -228,10 +234,12 @@ impl ShardedDp {
         let shards = self.shards_mut();
         release_kept(shards, model);
         shards.begin_pass(pg, 0);
+        let three = self.stage == ZeroStage::Three;
         let hooks = &mut PartMemory {
             pg,
             st: &self.st,
             gather: true,
+            release: three,
         };
         let pass = Forward::new(input_ids, b, t)
             .attention_mask(attention_mask)
@@ -242,6 +250,13 @@ impl ShardedDp {
         let shards = self.shards_mut();
         shards.end_pass();
         shards.check()?;
+        if !three {
+            // Every part the forward did not run (none, today) gathered
+            // too: the model is whole from here on.
+            let gathered = shards.flight.trace[0].clone();
+            self.gather_model(pg, model, &gathered)?;
+            self.stale = false;
+        }
         Ok(loss?)
     }
 
@@ -258,7 +273,12 @@ impl ShardedDp {
         let ready =
             |range: Range<usize>, grads: ViewMut<'_, f32>| lock(st).reduce(pg, range, grads.host());
         let gather = self.stage == ZeroStage::Three;
-        let hooks = &mut PartMemory { pg, st, gather };
+        let hooks = &mut PartMemory {
+            pg,
+            st,
+            gather,
+            release: gather,
+        };
         let pass = Backward::new().parts(hooks).on_ready(ready);
         let done = model.backward(pass.split_blocks());
         let shards = self.shards_mut();
@@ -314,17 +334,27 @@ impl ShardedDp {
         }
         self.shards_mut().params.copy_from_slice(&target.params);
         if self.stage == ZeroStage::Two {
-            self.gather_model(pg, model)?;
+            self.gather_model(pg, model, &[])?;
+            self.stale = false;
         }
         Ok(())
     }
 
-    /// Every part's shards into `model`'s parameters (stage 2 holds the
-    /// whole model). Returns the time spent in the collectives. Collective.
-    fn gather_model(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
+    /// Every part's shards (but those of the parts at `skip`) into
+    /// `model`'s parameters (stage 2 holds the whole model). Returns the
+    /// time spent in the collectives. Collective.
+    fn gather_model(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+        skip: &[Range<usize>],
+    ) -> Result<Duration, TrainError> {
         let st = self.shards_mut();
         st.comm = Duration::ZERO;
-        let ranges: Vec<_> = st.parts.parts.iter().map(|p| p.range.clone()).collect();
+        let ranges: Vec<_> = (st.parts.parts.iter())
+            .map(|p| p.range.clone())
+            .filter(|r| !skip.contains(r))
+            .collect();
         let params = model.params_mut();
         for range in ranges {
             st.gather(pg, range.clone(), &mut params[range]);
@@ -338,8 +368,10 @@ impl ShardedDp {
     }
 
     /// AdamW on the flat shard at `lr`; stage 2 then all-gathers every
-    /// part's updated shard into `model`. Returns the time spent in the
-    /// collectives. Collective under stage 2.
+    /// part's updated shard into `model`, or with overlap leaves that to
+    /// the next forward (see [`ShardedDp::complete_params`] for anything
+    /// else that reads the model before it). Returns the time spent in the
+    /// collectives. Collective under stage 2 without overlap.
     pub fn update(
         &mut self,
         pg: &ProcessGroup,
@@ -351,7 +383,33 @@ impl ShardedDp {
         if self.stage == ZeroStage::Three {
             return Ok(Duration::ZERO);
         }
-        self.gather_model(pg, model)
+        if self.shards_mut().flight.on {
+            // The next forward gathers each part as it needs it, the next
+            // one prefetched while a part computes: hidden behind the
+            // forward rather than all exposed here.
+            self.stale = true;
+            return Ok(Duration::ZERO);
+        }
+        self.gather_model(pg, model, &[])
+    }
+
+    /// Makes `model`'s parameters whole and current now, where an update
+    /// left them to the next forward (stage 2 with overlap; else nothing to
+    /// do): for whatever reads them other than the next training forward
+    /// (an evaluation, the end of training, a caller's own use). Returns
+    /// the time spent in the collectives. Collective: every rank calls it
+    /// at the same point (they all updated alike).
+    pub fn complete_params(
+        &mut self,
+        pg: &ProcessGroup,
+        model: &mut GPT,
+    ) -> Result<Duration, TrainError> {
+        if !self.stale {
+            return Ok(Duration::ZERO);
+        }
+        let comm = self.gather_model(pg, model, &[])?;
+        self.stale = false;
+        Ok(comm)
     }
 
     /// The whole model's parameters, on every rank. Collective.

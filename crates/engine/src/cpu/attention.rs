@@ -452,25 +452,46 @@ simd_fn! {
     pub(super) fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize, scale: f32) -> f32 {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
-        let mf = &mf[..=tq];
-        for (x, &m) in vis.iter_mut().zip(mf) {
-            *x = if m > 0.0 { *x * scale } else { f32::NEG_INFINITY };
-        }
-        let mx = max(vis);
-        if mx == f32::NEG_INFINITY {
+        let Some((mx, total)) = softmax_exps(vis, &mf[..=tq], scale) else {
             vis.fill(0.0);
             return f32::NEG_INFINITY;
-        }
-        for (x, &m) in vis.iter_mut().zip(mf) {
-            *x = exp(*x - mx) * m;
-        }
-        let total = sum(vis);
+        };
         let inv = 1.0 / total;
         for x in vis.iter_mut() {
             *x *= inv;
         }
         mx + total.ln()
     }
+}
+
+/// The passes of [`softmax_row`] before its last, over the visible keys `vis` (`mf` as long):
+/// the scores scaled and masked, their max, then exp(x - max) · m in place and their sum.
+/// Returns (max, sum), or None when no key is visible (`vis` is then all -inf). The fused
+/// heads make the last pass (times 1 / sum) themselves, writing bf16 pairs as they go.
+#[inline(always)]
+pub(super) fn softmax_exps(vis: &mut [f32], mf: &[f32], scale: f32) -> Option<(f32, f32)> {
+    for (x, &m) in vis.iter_mut().zip(mf) {
+        *x = if m > 0.0 {
+            *x * scale
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    let mx = max(vis);
+    if mx == f32::NEG_INFINITY {
+        return None;
+    }
+    for (x, &m) in vis.iter_mut().zip(mf) {
+        *x = exp(*x - mx) * m;
+    }
+    Some((mx, sum(vis)))
+}
+
+/// One probability from `scale` times its score `x`, its key's mask `m` and the query's
+/// log-sum-exp (finite): [`probs_row`]'s arithmetic, shared with the fused heads.
+#[inline(always)]
+pub(super) fn prob(x: f32, m: f32, lse: f32, scale: f32) -> f32 {
+    exp(x * scale - lse) * m
 }
 
 simd_fn! {
@@ -484,7 +505,7 @@ simd_fn! {
             return;
         }
         for (x, &m) in vis.iter_mut().zip(&mf[..=tq]) {
-            *x = exp(*x * scale - lse) * m;
+            *x = prob(*x, m, lse, scale);
         }
     }
 }

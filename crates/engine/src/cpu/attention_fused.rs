@@ -24,12 +24,11 @@
 
 use std::cell::RefCell;
 
-use super::attention::{
-    head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
-};
+use super::attention::{head_cols, mask_row, prob, segment_start, softmax_exps, AttnDims};
 use super::gemm::prefetch_run;
 use super::gemm_bf16::amx::{self, Scratch};
-use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
+use super::gemm_bf16::{pack_a, pack_b, store_pairs, zmm_product, Line, Upto, NR};
+use super::math::{sum, LANES};
 use super::SendPtr;
 use crate::Dropout;
 
@@ -197,6 +196,161 @@ fn carve<const N: usize>(lines: &mut Vec<Line>, sizes: [usize; N]) -> [*mut u32;
     })
 }
 
+/// Runs `f(e0, chunk)` over a row of `n` elements 32 at a time (`chunk`: elements e0.. to fill,
+/// 32 or what is left), and with `to` = (row, stride) converts each chunk to bf16 pairs there
+/// as [`pack_a`] would have from the f32 row: `stride` pairs, zero past `n`. The passes
+/// below make a row's values and pack them in one go, never reading them back to pack them.
+///
+/// # Safety
+/// `to`'s row has `stride` (≥ ⌈n/2⌉) writable u32.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+unsafe fn row_pairs(n: usize, to: Option<(*mut u32, usize)>, mut f: impl FnMut(usize, &mut [f32])) {
+    let mut chunk = [0f32; 32];
+    let pairs = to.map_or(n.div_ceil(2), |(_, stride)| stride);
+    for p0 in (0..pairs).step_by(16) {
+        let (e0, m) = (2 * p0, n.saturating_sub(2 * p0).min(32));
+        if m > 0 {
+            f(e0, &mut chunk[..m]);
+        }
+        if let Some((row, stride)) = to {
+            // SAFETY: `chunk` holds m ≤ 32 floats; pairs p0.. < stride of the caller's row.
+            unsafe { store_pairs(row, stride, p0, chunk.as_ptr(), m) };
+        }
+    }
+}
+
+/// The forward's softmax of a strip row (query `tq`, keys `lo..=tq` of its segment visible,
+/// `row` and `mf` as long as the strip's keys): [`softmax_in`](super::attention::softmax_in)'s
+/// probabilities, then dropout (`drop`: the mask and the row's offset in it), but the last
+/// pass writes them straight into `to` as bf16 pairs, without storing P. Returns the
+/// log-sum-exp.
+///
+/// # Safety
+/// As [`row_pairs`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn softmax_pairs(
+    row: &mut [f32],
+    mf: &[f32],
+    (tq, lo): (usize, usize),
+    scale: f32,
+    drop: Option<(Dropout, u64)>,
+    to: (*mut u32, usize),
+) -> f32 {
+    // (keys past tq hold whatever the product left there: only lo..hi is read)
+    let (lse, inv, hi) = match softmax_exps(&mut row[lo..=tq], &mf[lo..=tq], scale) {
+        Some((mx, total)) => (mx + total.ln(), 1.0 / total, tq + 1),
+        // no key visible: all zeros
+        None => (f32::NEG_INFINITY, 0.0, lo),
+    };
+    let (row, ds) = (&*row, drop.map_or(1.0, |(d, _)| d.scale()));
+    // SAFETY: forwarded.
+    unsafe {
+        row_pairs(row.len(), Some(to), |e0, chunk| {
+            for (l, (y, &x)) in chunk.iter_mut().zip(&row[e0..]).enumerate() {
+                let j = e0 + l;
+                let v = if (lo..hi).contains(&j) { x * inv } else { 0.0 };
+                // Dropout::apply's arithmetic, element by element
+                *y = match drop {
+                    Some((d, off)) if !d.keep(off + j as u64) => 0.0,
+                    Some(_) => v * ds,
+                    None => v,
+                };
+            }
+        })
+    };
+    lse
+}
+
+/// The backward's first pass over a strip row (query `tq`, keys `lo..=tq` visible, `l` its
+/// log-sum-exp and the scale): the probabilities from the scores in `p`, in place (as
+/// [`probs_in`](super::attention::probs_in)); dP from dPd in `dp` as the forward's dropout
+/// used it (`drop`: the mask, the row's offset, and where the dropped probabilities go), zero
+/// past tq; the probabilities the forward used as bf16 pairs in `used` when given. Returns
+/// Σ dP·P, summed as [`softmax_back_row`](super::attention::softmax_back_row) sums it.
+///
+/// # Safety
+/// As [`row_pairs`], for `used`.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn probs_pairs(
+    p: &mut [f32],
+    dp: &mut [f32],
+    mf: &[f32],
+    (tq, lo): (usize, usize),
+    (lse, scale): (f32, f32),
+    mut drop: Option<(Dropout, u64, &mut [f32])>,
+    used: Option<(*mut u32, usize)>,
+) -> f32 {
+    let hi = if lse == f32::NEG_INFINITY { lo } else { tq + 1 };
+    let ds = drop.as_ref().map_or(1.0, |(d, ..)| d.scale());
+    // softmax_back_row's lanes: key j adds to acc[j % 16], keys in order. Past tq both P and
+    // dP are zero, and +0 added to a lane (never -0: it starts at +0) leaves it as it was.
+    let mut acc = [0f32; LANES];
+    // SAFETY: forwarded.
+    unsafe {
+        row_pairs(p.len(), used, |e0, chunk| {
+            for (l, y) in chunk.iter_mut().enumerate() {
+                let j = e0 + l;
+                let pj = if (lo..hi).contains(&j) {
+                    prob(p[j], mf[j], lse, scale)
+                } else {
+                    0.0
+                };
+                p[j] = pj;
+                let d = if j <= tq { dp[j] } else { 0.0 };
+                // Dropout::apply's arithmetic on P (all keys) and dP (..=tq)
+                let (u, d) = match &mut drop {
+                    Some((dr, off, to)) => {
+                        let (u, d) = match dr.keep(*off + j as u64) {
+                            true => (pj * ds, d * ds),
+                            false => (0.0, 0.0),
+                        };
+                        to[j] = u;
+                        (u, d)
+                    }
+                    None => (pj, d),
+                };
+                dp[j] = d;
+                acc[l % LANES] += d * pj;
+                *y = u;
+            }
+        })
+    };
+    sum(&acc)
+}
+
+/// dS = P · (dP - Σ dP·P) · scale over keys ..=tq of a strip row, zero past tq (as
+/// [`softmax_back_row`](super::attention::softmax_back_row) leaves it), written over `dp`
+/// (the transposed pack reads it) and as bf16 pairs in `to`.
+///
+/// # Safety
+/// As [`row_pairs`].
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn grad_pairs(
+    p: &[f32],
+    dp: &mut [f32],
+    tq: usize,
+    dsum: f32,
+    scale: f32,
+    to: (*mut u32, usize),
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        row_pairs(p.len(), Some(to), |e0, chunk| {
+            for (l, y) in chunk.iter_mut().enumerate() {
+                let j = e0 + l;
+                let v = if j <= tq {
+                    p[j] * (dp[j] - dsum) * scale
+                } else {
+                    0.0
+                };
+                dp[j] = v;
+                *y = v;
+            }
+        })
+    };
+}
+
 /// The head's matrices: Q, K, V and their gradients at row stride 3C, dY and out at C.
 struct Head {
     q: *const f32,
@@ -318,20 +472,18 @@ pub(super) unsafe fn head_forward(
                 let (qs, sp) = (qa.add(r0 * pd), s.as_mut_ptr());
                 let cols = Upto::Cols(r0);
                 tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, cols, &mut scratch);
+                // P (after dropout) straight into its bf16 pairs, rows of kp pairs
+                let kp = tiles.pairs(keys);
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
                     let lo = segment_start(segments, bi, t, tq);
-                    // (zeros past tq, whatever the product left there)
-                    let l = softmax_in(row, &mf[..keys], tq, lo, head.scale);
+                    let drop = dropout.map(|d| (d, ((bh * t + tq) * t) as u64));
+                    let to = (pa.add(i * kp), kp);
+                    let l = softmax_pairs(row, &mf[..keys], (tq, lo), head.scale, drop, to);
                     *lse.0.add(bh * t + tq) = l;
-                    if let Some(d) = dropout {
-                        d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
-                    }
                 }
                 // out[r0..] = P · V[0..keys]
-                let kp = tiles.pairs(keys);
-                pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
                 let o = out.0.add((bi * t + r0) * c + h * hd);
                 tiles.product(
                     kp,
@@ -396,18 +548,20 @@ pub(super) unsafe fn head_backward(
     }
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
-        let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, tall] = carve(
+        let recompute = if out.is_some() { 1 } else { 0 };
+        let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, uwide, tall] = carve(
             &mut bufs.lines,
             [
                 tp * pd,
                 tp * pd,
                 tp * pd,
                 hp * pt,
-                if out.is_some() { hp * pt } else { 0 },
+                recompute * hp * pt,
                 s_rows * pd,
                 hp * ps,
                 hp * ps,
                 s_rows * pt,
+                recompute * s_rows * pt,
                 tp * ps,
             ],
         );
@@ -445,29 +599,23 @@ pub(super) unsafe fn head_backward(
                     cols,
                     &mut scratch,
                 );
+                // Two passes a row: P, its dropout and dP's, Σ dP·P (and the used
+                // probabilities' pairs for the output); then dS, in f32 and as pairs.
                 for i in 0..rows {
                     let tq = r0 + i;
-                    let row = &mut p[i * t..i * t + keys];
                     let lo = segment_start(segments, bi, t, tq);
-                    // P is zero past tq, and so dS (P times a finite dP, zeroed there: the
-                    // product may have left anything)
-                    probs_in(row, &mf[..keys], tq, lo, lse[bh * t + tq], head.scale);
-                    dp[i * t + tq + 1..i * t + keys].fill(0.0);
+                    let at = i * t..i * t + keys;
+                    let (pr, dpr) = (&mut p[at.clone()], &mut dp[at.clone()]);
+                    let off = ((bh * t + tq) * t) as u64;
+                    let drop = dropout.map(|d| (d, off, &mut pdrop[at]));
+                    let l = (lse[bh * t + tq], head.scale);
+                    let used = out.map(|_| (uwide.add(i * kp), kp));
+                    let dsum = probs_pairs(pr, dpr, &mf[..keys], (tq, lo), l, drop, used);
+                    let to = (wide.add(i * kp), kp);
+                    grad_pairs(pr, dpr, tq, dsum, head.scale, to);
                 }
-                // The probabilities as the forward used them (after dropout), and dP from dPd.
-                let used: &[f32] = match dropout {
-                    Some(d) => {
-                        for i in 0..rows {
-                            let off = ((bh * t + r0 + i) * t) as u64;
-                            let (from, to) = (i * t..i * t + keys, &mut pdrop[i * t..i * t + keys]);
-                            to.copy_from_slice(&p[from]);
-                            d.apply(to, off);
-                            d.apply(&mut dp[i * t..i * t + r0 + i + 1], off);
-                        }
-                        pdrop
-                    }
-                    None => p,
-                };
+                // The probabilities as the forward used them (after dropout)
+                let used: &[f32] = if dropout.is_some() { pdrop } else { p };
                 // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
                 pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
@@ -483,19 +631,11 @@ pub(super) unsafe fn head_backward(
                     &mut scratch,
                 );
                 if let Some(o) = out {
-                    pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
                     let o = o.0.add((bi * t + r0) * c + h * hd);
                     let k = Upto::K(r0);
-                    tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
-                }
-                // Over keys ..=tq only: past them P is 0 and dP was zeroed, so dS is 0 there
-                // as it was, and their zero products never changed the sum.
-                for i in 0..rows {
-                    let vis = i * t..i * t + r0 + i + 1;
-                    softmax_back_row(&mut dp[vis.clone()], &p[vis], head.scale);
+                    tiles.product(kp, uwide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
                 }
                 // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
-                pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);
                 let dqs = dq.add(r0 * rs);
                 let k = Upto::K(r0);
                 tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);

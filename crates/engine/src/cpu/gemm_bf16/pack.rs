@@ -60,6 +60,29 @@ unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
     }
 }
 
+/// Pairs `p0..p0 + 16` of one row of [`pack_a`]'s layout (`stride` pairs a row, so fewer at
+/// its end): the 32 floats at `src` as bf16 pairs, the first `n` read and the rest zero. For
+/// a pass that makes a row's values and packs them as it goes (attention's softmax), with
+/// pack_a's bits.
+///
+/// # Safety
+/// `src` must have `n` (≤ 32) readable floats; `dst` a row of `stride` (> p0) writable u32.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+pub(crate) unsafe fn store_pairs(
+    dst: *mut u32,
+    stride: usize,
+    p0: usize,
+    src: *const f32,
+    n: usize,
+) {
+    // SAFETY: the loads read the caller's n floats; the store writes pairs p0.. < stride.
+    unsafe {
+        let v = pairs_along(src, n);
+        _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
+    }
+}
+
 /// Packs a (mc, kc) block of A at strides (rs, cs) as `[row][pair]`, rows `stride` u32 apart
 /// (at least ⌈kc/2⌉; the pairs past kc are zero).
 ///
@@ -90,8 +113,8 @@ pub(crate) unsafe fn pack_a(
                 }
                 for p0 in (0..stride).step_by(16) {
                     // Past kc the loads read nothing and the pairs are zero.
-                    let v = pairs_along(src.add(2 * p0), kc.saturating_sub(2 * p0).min(32));
-                    _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
+                    let n = kc.saturating_sub(2 * p0).min(32);
+                    store_pairs(dst, stride, p0, src.add(2 * p0), n);
                 }
             }
         } else if rs == 1 {

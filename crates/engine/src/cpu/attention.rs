@@ -27,7 +27,7 @@ use super::epilogue::Epilogue;
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
 use super::gemm_bf16::bgemm;
-use super::math::{exp, max, sum};
+use super::math::{exp, map_fold, max_lanes, sum, sum_lanes};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::{DType, Dropout};
 
@@ -465,26 +465,26 @@ simd_fn! {
 }
 
 /// The passes of [`softmax_row`] before its last, over the visible keys `vis` (`mf` as long):
-/// the scores scaled and masked, their max, then exp(x - max) · m in place and their sum.
+/// the scores scaled and masked and their max in one, then exp(x - max) · m in place and
+/// their sum in another, in the lanes of `max` and `sum` (their bits).
 /// Returns (max, sum), or None when no key is visible (`vis` is then all -inf). The fused
 /// heads make the last pass (times 1 / sum) themselves, writing bf16 pairs as they go.
 #[inline(always)]
 pub(super) fn softmax_exps(vis: &mut [f32], mf: &[f32], scale: f32) -> Option<(f32, f32)> {
-    for (x, &m) in vis.iter_mut().zip(mf) {
-        *x = if m > 0.0 {
-            *x * scale
+    // Two passes, each a map and the reduction of its result (`max`'s lanes, then `sum`'s).
+    let masked = |x, m| {
+        if m > 0.0 {
+            x * scale
         } else {
             f32::NEG_INFINITY
-        };
-    }
-    let mx = max(vis);
+        }
+    };
+    let mx = max_lanes(&map_fold(vis, mf, f32::NEG_INFINITY, masked, f32::max));
     if mx == f32::NEG_INFINITY {
         return None;
     }
-    for (x, &m) in vis.iter_mut().zip(mf) {
-        *x = exp(*x - mx) * m;
-    }
-    Some((mx, sum(vis)))
+    let exps = map_fold(vis, mf, 0.0, |x, m| exp(x - mx) * m, |a, e| a + e);
+    Some((mx, sum_lanes(&exps)))
 }
 
 /// One probability from `scale` times its score `x`, its key's mask `m` and the query's

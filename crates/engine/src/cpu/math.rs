@@ -100,7 +100,53 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
     for (i, v) in tail.iter().enumerate() {
         acc[i] += v;
     }
+    sum_lanes(&acc)
+}
+
+/// [`sum`]'s last step: its 16 partial sums added in order.
+#[inline(always)]
+pub(crate) fn sum_lanes(acc: &[f32; LANES]) -> f32 {
     acc.iter().sum()
+}
+
+/// [`max`]'s last step: the maximum of its 16 lanes.
+#[inline(always)]
+pub(crate) fn max_lanes(acc: &[f32; LANES]) -> f32 {
+    acc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// `x[i] = f(x[i], m[i])` in place, each new value folded into lane i % 16 by `fold`, from
+/// `init`, in order: the lanes of [`sum`] (`fold` an add, `init` 0) and [`max`] (`f32::max`,
+/// -inf), so that a map and the reduction of its result take one pass and give those bits.
+#[inline(always)]
+pub(crate) fn map_fold(
+    x: &mut [f32],
+    m: &[f32],
+    init: f32,
+    f: impl Fn(f32, f32) -> f32,
+    fold: impl Fn(f32, f32) -> f32,
+) -> [f32; LANES] {
+    let mut acc = [init; LANES];
+    let mut ms = m[..x.len()].chunks_exact(LANES);
+    let mut xs = x.chunks_exact_mut(LANES);
+    for (cx, cm) in (&mut xs).zip(&mut ms) {
+        for i in 0..LANES {
+            let v = f(cx[i], cm[i]);
+            cx[i] = v;
+            acc[i] = fold(acc[i], v);
+        }
+    }
+    for (i, (v, &mi)) in xs
+        .into_remainder()
+        .iter_mut()
+        .zip(ms.remainder())
+        .enumerate()
+    {
+        let y = f(*v, mi);
+        *v = y;
+        acc[i] = fold(acc[i], y);
+    }
+    acc
 }
 
 /// Dot product in the same fixed order as [`sum`].
@@ -138,7 +184,7 @@ pub(crate) fn max(x: &[f32]) -> f32 {
     for (i, v) in tail.iter().enumerate() {
         acc[i] = acc[i].max(*v);
     }
-    acc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    max_lanes(&acc)
 }
 
 #[cfg(test)]

@@ -319,3 +319,52 @@ fn bf16_attention_tracks_the_reference() {
         "bf16 attention equals f32's: bf16 not in use?"
     );
 }
+
+/// `softmax_row`'s passes, each now a map fused with the reduction of its result, give the
+/// bits of the plain passes they replaced (mask and scale, max, exp, sum, times 1 / sum): the
+/// fused heads share them, so the test of fused against general heads cannot see a change.
+#[test]
+fn softmax_row_keeps_the_bits_of_its_plain_passes() {
+    use crate::cpu::math::{exp, max, sum};
+    let plain = |row: &mut [f32], mf: &[f32], tq: usize, scale: f32| -> f32 {
+        let (vis, after) = row.split_at_mut(tq + 1);
+        after.fill(0.0);
+        for (x, &m) in vis.iter_mut().zip(mf) {
+            *x = if m > 0.0 {
+                *x * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        let mx = max(vis);
+        if mx == f32::NEG_INFINITY {
+            vis.fill(0.0);
+            return mx;
+        }
+        for (x, &m) in vis.iter_mut().zip(mf) {
+            *x = exp(*x - mx) * m;
+        }
+        let total = sum(vis);
+        let inv = 1.0 / total;
+        for x in vis.iter_mut() {
+            *x *= inv;
+        }
+        mx + total.ln()
+    };
+    let n = 300;
+    let scores: Vec<f32> = rand_vec(n, 9).iter().map(|x| x * 8.0).collect();
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    // no mask, every third key masked, every key masked
+    for every in [0usize, 3, 1] {
+        let mf: Vec<f32> = (0..n)
+            .map(|j| (every == 0 || (every > 1 && j % every != 0)) as u8 as f32)
+            .collect();
+        for tq in [0, 1, 15, 16, 17, 40, 63, 64, 200, n - 1] {
+            let (mut a, mut b) = (scores.clone(), scores.clone());
+            let la = softmax_row(&mut a, &mf, tq, 0.125);
+            let lb = plain(&mut b, &mf, tq, 0.125);
+            assert_eq!(la.to_bits(), lb.to_bits(), "tq {tq}, every {every}: lse");
+            assert_eq!(bits(&a), bits(&b), "tq {tq}, every {every}: probabilities");
+        }
+    }
+}

@@ -16,6 +16,17 @@
 //! Each strip asks for its rows of the next head's operands, which come from beyond the
 //! caches.
 //!
+//! The score matrix of a strip is gone over as few times as the arithmetic allows, each
+//! pass writing the bf16 pairs its product reads as it makes the values (in `pack_a`'s layout
+//! and rounding, for both kernels: only the row stride differs), instead of storing f32 and
+//! packing them in a pass of their own (config B's bf16 step, Zen 5: attention 14% of the step
+//! at a quarter of the machine's peak, its softmax passes and packing half of that). What
+//! remains a row: forward, mask and scale with the max, exp with the sum, then 1/sum and
+//! dropout writing P's pairs; backward, P with both dropouts and Σ dP·P (and, recomputing the
+//! output, the used probabilities' pairs), then dS written in f32 and as pairs. The transposed
+//! layouts (the used probabilities and dS for dV and dK, pairs along queries) stay packs of
+//! their own from f32: a fused transpose would store two rows' pairs at strided addresses.
+//!
 //! Each output element sums its K in the same order as the general product (pairs in order, in
 //! the same K blocks), so results are the general path's bits; on AMX, dK and dV sum over
 //! strips of 32 queries rather than the general path's 64 and so differ by f32 rounding (a
@@ -715,3 +726,6 @@ fn grow(v: &mut Vec<f32>, n: usize) {
         v.resize(n, 0.0);
     }
 }
+
+#[cfg(test)]
+mod row_tests;

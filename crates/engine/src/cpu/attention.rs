@@ -27,7 +27,7 @@ use super::epilogue::Epilogue;
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
 use super::gemm_bf16::bgemm;
-use super::math::{exp, map_fold, max_lanes, sum, sum_lanes};
+use super::math::{exp, max, sum};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::{DType, Dropout};
 
@@ -452,10 +452,16 @@ simd_fn! {
     pub(super) fn softmax_row(row: &mut [f32], mf: &[f32], tq: usize, scale: f32) -> f32 {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
-        let Some((mx, total)) = softmax_exps(vis, &mf[..=tq], scale) else {
+        let mf = &mf[..=tq];
+        let mx = softmax_max(vis, mf, scale);
+        if mx == f32::NEG_INFINITY {
             vis.fill(0.0);
             return f32::NEG_INFINITY;
-        };
+        }
+        for (x, &m) in vis.iter_mut().zip(mf) {
+            *x = exp(*x - mx) * m;
+        }
+        let total = sum(vis);
         let inv = 1.0 / total;
         for x in vis.iter_mut() {
             *x *= inv;
@@ -464,34 +470,19 @@ simd_fn! {
     }
 }
 
-/// The passes of [`softmax_row`] before its last, over the visible keys `vis` (`mf` as long):
-/// the scores scaled and masked and their max in one, then exp(x - max) · m in place and
-/// their sum in another, in the lanes of `max` and `sum` (their bits).
-/// Returns (max, sum), or None when no key is visible (`vis` is then all -inf). The fused
-/// heads make the last pass (times 1 / sum) themselves, writing bf16 pairs as they go.
+/// [`softmax_row`]'s first two passes over the visible keys `vis` (`mf` as long): the
+/// scores scaled, masked ones -inf, in place; returns their max (-inf: no key visible). The
+/// fused heads go on from here with their own passes, of the same bits.
 #[inline(always)]
-pub(super) fn softmax_exps(vis: &mut [f32], mf: &[f32], scale: f32) -> Option<(f32, f32)> {
-    // Two passes, each a map and the reduction of its result (`max`'s lanes, then `sum`'s).
-    let masked = |x, m| {
-        if m > 0.0 {
-            x * scale
+pub(super) fn softmax_max(vis: &mut [f32], mf: &[f32], scale: f32) -> f32 {
+    for (x, &m) in vis.iter_mut().zip(mf) {
+        *x = if m > 0.0 {
+            *x * scale
         } else {
             f32::NEG_INFINITY
-        }
-    };
-    let mx = max_lanes(&map_fold(vis, mf, f32::NEG_INFINITY, masked, f32::max));
-    if mx == f32::NEG_INFINITY {
-        return None;
+        };
     }
-    let exps = map_fold(vis, mf, 0.0, |x, m| exp(x - mx) * m, |a, e| a + e);
-    Some((mx, sum_lanes(&exps)))
-}
-
-/// One probability from `scale` times its score `x`, its key's mask `m` and the query's
-/// log-sum-exp (finite): [`probs_row`]'s arithmetic, shared with the fused heads.
-#[inline(always)]
-pub(super) fn prob(x: f32, m: f32, lse: f32, scale: f32) -> f32 {
-    exp(x * scale - lse) * m
+    max(vis)
 }
 
 simd_fn! {
@@ -505,7 +496,7 @@ simd_fn! {
             return;
         }
         for (x, &m) in vis.iter_mut().zip(&mf[..=tq]) {
-            *x = prob(*x, m, lse, scale);
+            *x = exp(*x * scale - lse) * m;
         }
     }
 }

@@ -7,21 +7,33 @@
 /// Lanes of the fixed-order reductions (one AVX-512 register).
 pub(crate) const LANES: usize = 16;
 
+/// [`exp`]'s constants, shared with the 16-lane copy of it in the fused attention heads:
+/// the range it clamps to, 1.5 · 2^23 (adding it rounds to an integer), ln 2 in two parts, and
+/// the polynomial's coefficients, highest degree first.
+pub(crate) const EXP_RANGE: (f32, f32) = (-87.0, 88.0);
+pub(crate) const EXP_MAGIC: f32 = 12_582_912.0;
+pub(crate) const EXP_LN2: (f32, f32) = (0.693_359_4, -2.121_944_4e-4);
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// e^x with about 1 ulp error for x in [-87, 88]; clamps outside (softmax never needs more).
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let x = x.clamp(-87.0, 88.0);
-    let k = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = k - MAGIC;
-    let ni = (k.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let f = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4;
-    p = p * f + 1.398_199_9e-3;
-    p = p * f + 8.333_452e-3;
-    p = p * f + 4.166_579_6e-2;
-    p = p * f + 1.666_666_5e-1;
-    p = p * f + 0.5;
+    let x = x.clamp(EXP_RANGE.0, EXP_RANGE.1);
+    let k = x * std::f32::consts::LOG2_E + EXP_MAGIC;
+    let n = k - EXP_MAGIC;
+    let ni = (k.to_bits() as i32).wrapping_sub(EXP_MAGIC.to_bits() as i32);
+    let f = x - n * EXP_LN2.0 - n * EXP_LN2.1;
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p * f + c;
+    }
     let ef = p * f * f + f + 1.0;
     ef * f32::from_bits(((ni + 127) << 23) as u32)
 }
@@ -103,50 +115,10 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
     sum_lanes(&acc)
 }
 
-/// [`sum`]'s last step: its 16 partial sums added in order.
+/// [`sum`]'s last step: its 16 partial sums (lane i: elements i, i + 16, ...) added in order.
 #[inline(always)]
 pub(crate) fn sum_lanes(acc: &[f32; LANES]) -> f32 {
     acc.iter().sum()
-}
-
-/// [`max`]'s last step: the maximum of its 16 lanes.
-#[inline(always)]
-pub(crate) fn max_lanes(acc: &[f32; LANES]) -> f32 {
-    acc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
-}
-
-/// `x[i] = f(x[i], m[i])` in place, each new value folded into lane i % 16 by `fold`, from
-/// `init`, in order: the lanes of [`sum`] (`fold` an add, `init` 0) and [`max`] (`f32::max`,
-/// -inf), so that a map and the reduction of its result take one pass and give those bits.
-#[inline(always)]
-pub(crate) fn map_fold(
-    x: &mut [f32],
-    m: &[f32],
-    init: f32,
-    f: impl Fn(f32, f32) -> f32,
-    fold: impl Fn(f32, f32) -> f32,
-) -> [f32; LANES] {
-    let mut acc = [init; LANES];
-    let mut ms = m[..x.len()].chunks_exact(LANES);
-    let mut xs = x.chunks_exact_mut(LANES);
-    for (cx, cm) in (&mut xs).zip(&mut ms) {
-        for i in 0..LANES {
-            let v = f(cx[i], cm[i]);
-            cx[i] = v;
-            acc[i] = fold(acc[i], v);
-        }
-    }
-    for (i, (v, &mi)) in xs
-        .into_remainder()
-        .iter_mut()
-        .zip(ms.remainder())
-        .enumerate()
-    {
-        let y = f(*v, mi);
-        *v = y;
-        acc[i] = fold(acc[i], y);
-    }
-    acc
 }
 
 /// Dot product in the same fixed order as [`sum`].
@@ -184,7 +156,7 @@ pub(crate) fn max(x: &[f32]) -> f32 {
     for (i, v) in tail.iter().enumerate() {
         acc[i] = acc[i].max(*v);
     }
-    max_lanes(&acc)
+    acc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
 #[cfg(test)]

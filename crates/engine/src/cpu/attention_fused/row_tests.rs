@@ -108,3 +108,42 @@ fn row_passes_write_what_the_separate_passes_packed() {
         }
     }
 }
+
+/// The 16-lane exp gives the scalar one's bits everywhere: both clamps, NaN and infinities,
+/// subnormal results, and a sweep of the range softmax uses.
+#[test]
+fn exp16_gives_the_scalar_exps_bits() {
+    if !std::arch::is_x86_feature_detected!("avx512bf16") {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    let mut xs: Vec<f32> = (-9000..9000).map(|i| i as f32 * 0.0101).collect();
+    xs.extend([
+        f32::NAN,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -0.0,
+        0.0,
+        1e-40,
+        -87.0,
+        88.0,
+    ]);
+    xs.extend([
+        -86.9999,
+        88.0001,
+        -1e30,
+        1e30,
+        f32::MIN_POSITIVE,
+        -f32::MIN_POSITIVE,
+    ]);
+    xs.resize(xs.len().div_ceil(16) * 16, 0.5);
+    for ch in xs.chunks(16) {
+        let mut got = [0f32; 16];
+        // SAFETY: 16 floats in, 16 out; AVX512_BF16 (and so AVX-512F) is present.
+        unsafe { _mm512_storeu_ps(got.as_mut_ptr(), exp16(_mm512_loadu_ps(ch.as_ptr()))) };
+        for (x, g) in ch.iter().zip(got) {
+            let want = crate::cpu::math::exp(*x);
+            assert_eq!(g.to_bits(), want.to_bits(), "exp({x}): {g} against {want}");
+        }
+    }
+}

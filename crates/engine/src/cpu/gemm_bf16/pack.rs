@@ -10,9 +10,9 @@ use super::NR;
 use crate::cpu::bf16::bf16_bits;
 use crate::cpu::gemm::{prefetch_run, transpose16};
 
-/// Mask of the first `n` (≤ 16) lanes.
+/// Mask of the first `n` lanes (all 16 from n = 16 on).
 #[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
+pub(crate) fn lanes(n: usize) -> __mmask16 {
     if n >= 16 {
         0xffff
     } else {
@@ -55,32 +55,18 @@ unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
     unsafe {
         let lo = _mm512_maskz_loadu_ps(lanes(n), src);
         let hi = _mm512_maskz_loadu_ps(lanes(n.saturating_sub(16)), src.add(16.min(n)));
-        // SAFETY: __m512bh and __m512i are both 512-bit vectors.
-        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+        pairs_of(lo, hi)
     }
 }
 
-/// Pairs `p0..p0 + 16` of one row of [`pack_a`]'s layout (`stride` pairs a row, so fewer at
-/// its end): the 32 floats at `src` as bf16 pairs, the first `n` read and the rest zero. For
-/// a pass that makes a row's values and packs them as it goes (attention's softmax), with
-/// pack_a's bits.
-///
-/// # Safety
-/// `src` must have `n` (≤ 32) readable floats; `dst` a row of `stride` (> p0) writable u32.
+/// 32 consecutive f32 along K, `lo` the first 16 and `hi` the next, as 16 bf16 pairs (rounded
+/// to nearest even): the conversion of every f32 pack here, and of attention's fused passes
+/// that make a row's values and pack them in one go.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
-pub(crate) unsafe fn store_pairs(
-    dst: *mut u32,
-    stride: usize,
-    p0: usize,
-    src: *const f32,
-    n: usize,
-) {
-    // SAFETY: the loads read the caller's n floats; the store writes pairs p0.. < stride.
-    unsafe {
-        let v = pairs_along(src, n);
-        _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
-    }
+pub(crate) fn pairs_of(lo: __m512, hi: __m512) -> __m512i {
+    // SAFETY: __m512bh and __m512i are both 512-bit vectors; transmute reinterprets the bits.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
 }
 
 /// Packs a (mc, kc) block of A at strides (rs, cs) as `[row][pair]`, rows `stride` u32 apart
@@ -113,8 +99,8 @@ pub(crate) unsafe fn pack_a(
                 }
                 for p0 in (0..stride).step_by(16) {
                     // Past kc the loads read nothing and the pairs are zero.
-                    let n = kc.saturating_sub(2 * p0).min(32);
-                    store_pairs(dst, stride, p0, src.add(2 * p0), n);
+                    let v = pairs_along(src.add(2 * p0), kc.saturating_sub(2 * p0).min(32));
+                    _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
                 }
             }
         } else if rs == 1 {

@@ -31,9 +31,11 @@ pub(crate) fn exp(x: f32) -> f32 {
     let ni = (k.to_bits() as i32).wrapping_sub(EXP_MAGIC.to_bits() as i32);
     let f = x - n * EXP_LN2.0 - n * EXP_LN2.1;
     let mut p = EXP_POLY[0];
-    for c in &EXP_POLY[1..] {
-        p = p * f + c;
-    }
+    p = p * f + EXP_POLY[1];
+    p = p * f + EXP_POLY[2];
+    p = p * f + EXP_POLY[3];
+    p = p * f + EXP_POLY[4];
+    p = p * f + EXP_POLY[5];
     let ef = p * f * f + f + 1.0;
     ef * f32::from_bits(((ni + 127) << 23) as u32)
 }

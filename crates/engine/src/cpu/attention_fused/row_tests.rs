@@ -2,9 +2,11 @@
 //! in f32, then `pack_a`), at both kernels' packed strides: zmm's whole pairs and AMX's 16-pair
 //! padding, so that AMX's layout is checked on machines without AMX too.
 
+use super::rows::{exp16, grad_pairs, probs_pairs, softmax_pairs};
 use super::*;
 use crate::cpu::attention::{probs_in, softmax_back_row, softmax_in};
 use crate::cpu::testing::rand_vec;
+use std::arch::x86_64::{_mm512_loadu_ps, _mm512_storeu_ps};
 
 /// `rows` rows of `keys` f32 at row stride `keys`, packed as `pack_a` packs them, `kp` pairs a
 /// row.

@@ -453,10 +453,7 @@ simd_fn! {
         let (vis, after) = row.split_at_mut(tq + 1);
         after.fill(0.0);
         let mf = &mf[..=tq];
-        for (x, &m) in vis.iter_mut().zip(mf) {
-            *x = if m > 0.0 { *x * scale } else { f32::NEG_INFINITY };
-        }
-        let mx = max(vis);
+        let mx = softmax_max(vis, mf, scale);
         if mx == f32::NEG_INFINITY {
             vis.fill(0.0);
             return f32::NEG_INFINITY;
@@ -471,6 +468,21 @@ simd_fn! {
         }
         mx + total.ln()
     }
+}
+
+/// [`softmax_row`]'s first two passes over the visible keys `vis` (`mf` as long): the
+/// scores scaled, masked ones -inf, in place; returns their max (-inf: no key visible). The
+/// fused heads go on from here with their own passes, of the same bits.
+#[inline(always)]
+pub(super) fn softmax_max(vis: &mut [f32], mf: &[f32], scale: f32) -> f32 {
+    for (x, &m) in vis.iter_mut().zip(mf) {
+        *x = if m > 0.0 {
+            *x * scale
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    max(vis)
 }
 
 simd_fn! {

@@ -16,6 +16,19 @@
 //! Each strip asks for its rows of the next head's operands, which come from beyond the
 //! caches.
 //!
+//! The score matrix of a strip is gone over as few times as the arithmetic allows, each
+//! pass writing the bf16 pairs its product reads as it makes the values (in `pack_a`'s layout
+//! and rounding, for both kernels: only the row stride differs), instead of storing f32 and
+//! packing them in a pass of their own (config B's bf16 step, Zen 5: attention 14% of the step
+//! at a quarter of the machine's peak, its softmax passes and packing half of that). What
+//! remains a row: forward, mask and scale, the max, exp with the sum, then 1/sum and dropout
+//! writing P's pairs; backward, P with both dropouts and Σ dP·P (and, recomputing the output,
+//! the used probabilities' pairs), then dS written in f32 and as pairs. The arithmetic is the
+//! general path's operation for operation, on 16 lanes by hand (exp included; `rows`):
+//! LLVM left loops that both compute and pack scalar. The transposed layouts (the used
+//! probabilities and dS for dV and dK, pairs along queries) stay packs of their own from f32:
+//! a fused transpose would store two rows' pairs at strided addresses.
+//!
 //! Each output element sums its K in the same order as the general product (pairs in order, in
 //! the same K blocks), so results are the general path's bits; on AMX, dK and dV sum over
 //! strips of 32 queries rather than the general path's 64 and so differ by f32 rounding (a
@@ -24,14 +37,15 @@
 
 use std::cell::RefCell;
 
-use super::attention::{
-    head_cols, mask_row, probs_in, segment_start, softmax_back_row, softmax_in, AttnDims,
-};
+use super::attention::{head_cols, mask_row, segment_start, AttnDims};
 use super::gemm::prefetch_run;
 use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
 use super::SendPtr;
 use crate::Dropout;
+use rows::{grad_pairs, probs_pairs, softmax_pairs};
+
+mod rows;
 
 /// Which kernel a head's products run on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -318,20 +332,18 @@ pub(super) unsafe fn head_forward(
                 let (qs, sp) = (qa.add(r0 * pd), s.as_mut_ptr());
                 let cols = Upto::Cols(r0);
                 tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, cols, &mut scratch);
+                // P (after dropout) straight into its bf16 pairs, rows of kp pairs
+                let kp = tiles.pairs(keys);
                 for i in 0..rows {
                     let tq = r0 + i;
                     let row = &mut s[i * t..i * t + keys];
                     let lo = segment_start(segments, bi, t, tq);
-                    // (zeros past tq, whatever the product left there)
-                    let l = softmax_in(row, &mf[..keys], tq, lo, head.scale);
+                    let drop = dropout.map(|d| (d, ((bh * t + tq) * t) as u64));
+                    let to = (pa.add(i * kp), kp);
+                    let l = softmax_pairs(row, &mf[..keys], (tq, lo), head.scale, drop, to);
                     *lse.0.add(bh * t + tq) = l;
-                    if let Some(d) = dropout {
-                        d.apply(&mut row[..=tq], ((bh * t + tq) * t) as u64);
-                    }
                 }
                 // out[r0..] = P · V[0..keys]
-                let kp = tiles.pairs(keys);
-                pack_a(pa, s.as_ptr(), t, 1, rows, keys, kp);
                 let o = out.0.add((bi * t + r0) * c + h * hd);
                 tiles.product(
                     kp,
@@ -396,18 +408,20 @@ pub(super) unsafe fn head_backward(
     }
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
-        let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, tall] = carve(
+        let recompute = if out.is_some() { 1 } else { 0 };
+        let [qa, kb, vtb, kbk, vb, dya, dyb, qb, wide, uwide, tall] = carve(
             &mut bufs.lines,
             [
                 tp * pd,
                 tp * pd,
                 tp * pd,
                 hp * pt,
-                if out.is_some() { hp * pt } else { 0 },
+                recompute * hp * pt,
                 s_rows * pd,
                 hp * ps,
                 hp * ps,
                 s_rows * pt,
+                recompute * s_rows * pt,
                 tp * ps,
             ],
         );
@@ -445,29 +459,23 @@ pub(super) unsafe fn head_backward(
                     cols,
                     &mut scratch,
                 );
+                // Two passes a row: P, its dropout and dP's, Σ dP·P (and the used
+                // probabilities' pairs for the output); then dS, in f32 and as pairs.
                 for i in 0..rows {
                     let tq = r0 + i;
-                    let row = &mut p[i * t..i * t + keys];
                     let lo = segment_start(segments, bi, t, tq);
-                    // P is zero past tq, and so dS (P times a finite dP, zeroed there: the
-                    // product may have left anything)
-                    probs_in(row, &mf[..keys], tq, lo, lse[bh * t + tq], head.scale);
-                    dp[i * t + tq + 1..i * t + keys].fill(0.0);
+                    let at = i * t..i * t + keys;
+                    let (pr, dpr) = (&mut p[at.clone()], &mut dp[at.clone()]);
+                    let off = ((bh * t + tq) * t) as u64;
+                    let drop = dropout.map(|d| (d, off, &mut pdrop[at]));
+                    let l = (lse[bh * t + tq], head.scale);
+                    let used = out.map(|_| (uwide.add(i * kp), kp));
+                    let dsum = probs_pairs(pr, dpr, &mf[..keys], (tq, lo), l, drop, used);
+                    let to = (wide.add(i * kp), kp);
+                    grad_pairs(pr, dpr, tq, dsum, head.scale, to);
                 }
-                // The probabilities as the forward used them (after dropout), and dP from dPd.
-                let used: &[f32] = match dropout {
-                    Some(d) => {
-                        for i in 0..rows {
-                            let off = ((bh * t + r0 + i) * t) as u64;
-                            let (from, to) = (i * t..i * t + keys, &mut pdrop[i * t..i * t + keys]);
-                            to.copy_from_slice(&p[from]);
-                            d.apply(to, off);
-                            d.apply(&mut dp[i * t..i * t + r0 + i + 1], off);
-                        }
-                        pdrop
-                    }
-                    None => p,
-                };
+                // The probabilities as the forward used them (after dropout)
+                let used: &[f32] = if dropout.is_some() { pdrop } else { p };
                 // dV[0..keys] (+)= usedᵀ · dY[r0..]; keys r0.. are touched for the first time
                 pack_a(tall, used.as_ptr(), 1, t, keys, rows, ps);
                 pack_b(dyb, dy.add(r0 * c), c, 1, rows, hd, ps, None);
@@ -483,19 +491,11 @@ pub(super) unsafe fn head_backward(
                     &mut scratch,
                 );
                 if let Some(o) = out {
-                    pack_a(wide, used.as_ptr(), t, 1, rows, keys, kp);
                     let o = o.0.add((bi * t + r0) * c + h * hd);
                     let k = Upto::K(r0);
-                    tiles.product(kp, wide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
-                }
-                // Over keys ..=tq only: past them P is 0 and dP was zeroed, so dS is 0 there
-                // as it was, and their zero products never changed the sum.
-                for i in 0..rows {
-                    let vis = i * t..i * t + r0 + i + 1;
-                    softmax_back_row(&mut dp[vis.clone()], &p[vis], head.scale);
+                    tiles.product(kp, uwide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
                 }
                 // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
-                pack_a(wide, dp.as_ptr(), t, 1, rows, keys, kp);
                 let dqs = dq.add(r0 * rs);
                 let k = Upto::K(r0);
                 tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);
@@ -575,3 +575,6 @@ fn grow(v: &mut Vec<f32>, n: usize) {
         v.resize(n, 0.0);
     }
 }
+
+#[cfg(test)]
+mod row_tests;

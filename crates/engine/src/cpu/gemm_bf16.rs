@@ -32,7 +32,7 @@ use super::epilogue::Epilogue;
 use super::gemm::{bias_row, prefetch_run, store_row, Strided};
 use pack::pack_a_bf16;
 use pack::pack_b_halves;
-pub(crate) use pack::{pack_a, pack_b};
+pub(crate) use pack::{lanes, pack_a, pack_b, pairs_of};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
 #[derive(Clone, Copy)]

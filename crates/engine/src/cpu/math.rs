@@ -7,21 +7,35 @@
 /// Lanes of the fixed-order reductions (one AVX-512 register).
 pub(crate) const LANES: usize = 16;
 
+/// [`exp`]'s constants, shared with the 16-lane copy of it in the fused attention heads:
+/// the range it clamps to, 1.5 · 2^23 (adding it rounds to an integer), ln 2 in two parts, and
+/// the polynomial's coefficients, highest degree first.
+pub(crate) const EXP_RANGE: (f32, f32) = (-87.0, 88.0);
+pub(crate) const EXP_MAGIC: f32 = 12_582_912.0;
+pub(crate) const EXP_LN2: (f32, f32) = (0.693_359_4, -2.121_944_4e-4);
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// e^x with about 1 ulp error for x in [-87, 88]; clamps outside (softmax never needs more).
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let x = x.clamp(-87.0, 88.0);
-    let k = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = k - MAGIC;
-    let ni = (k.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let f = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4;
-    p = p * f + 1.398_199_9e-3;
-    p = p * f + 8.333_452e-3;
-    p = p * f + 4.166_579_6e-2;
-    p = p * f + 1.666_666_5e-1;
-    p = p * f + 0.5;
+    let x = x.clamp(EXP_RANGE.0, EXP_RANGE.1);
+    let k = x * std::f32::consts::LOG2_E + EXP_MAGIC;
+    let n = k - EXP_MAGIC;
+    let ni = (k.to_bits() as i32).wrapping_sub(EXP_MAGIC.to_bits() as i32);
+    let f = x - n * EXP_LN2.0 - n * EXP_LN2.1;
+    let mut p = EXP_POLY[0];
+    p = p * f + EXP_POLY[1];
+    p = p * f + EXP_POLY[2];
+    p = p * f + EXP_POLY[3];
+    p = p * f + EXP_POLY[4];
+    p = p * f + EXP_POLY[5];
     let ef = p * f * f + f + 1.0;
     ef * f32::from_bits(((ni + 127) << 23) as u32)
 }
@@ -100,6 +114,12 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
     for (i, v) in tail.iter().enumerate() {
         acc[i] += v;
     }
+    sum_lanes(&acc)
+}
+
+/// [`sum`]'s last step: its 16 partial sums (lane i: elements i, i + 16, ...) added in order.
+#[inline(always)]
+pub(crate) fn sum_lanes(acc: &[f32; LANES]) -> f32 {
     acc.iter().sum()
 }
 

@@ -10,9 +10,9 @@ use super::NR;
 use crate::cpu::bf16::bf16_bits;
 use crate::cpu::gemm::{prefetch_run, transpose16};
 
-/// Mask of the first `n` (≤ 16) lanes.
+/// Mask of the first `n` lanes (all 16 from n = 16 on).
 #[inline(always)]
-fn lanes(n: usize) -> __mmask16 {
+pub(crate) fn lanes(n: usize) -> __mmask16 {
     if n >= 16 {
         0xffff
     } else {
@@ -55,9 +55,18 @@ unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
     unsafe {
         let lo = _mm512_maskz_loadu_ps(lanes(n), src);
         let hi = _mm512_maskz_loadu_ps(lanes(n.saturating_sub(16)), src.add(16.min(n)));
-        // SAFETY: __m512bh and __m512i are both 512-bit vectors.
-        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+        pairs_of(lo, hi)
     }
+}
+
+/// 32 consecutive f32 along K, `lo` the first 16 and `hi` the next, as 16 bf16 pairs (rounded
+/// to nearest even): the conversion of every f32 pack here, and of attention's fused passes
+/// that make a row's values and pack them in one go.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[inline]
+pub(crate) fn pairs_of(lo: __m512, hi: __m512) -> __m512i {
+    // SAFETY: __m512bh and __m512i are both 512-bit vectors; transmute reinterprets the bits.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
 }
 
 /// Packs a (mc, kc) block of A at strides (rs, cs) as `[row][pair]`, rows `stride` u32 apart

@@ -43,6 +43,16 @@ pub enum Compression {
     Bf16,
 }
 
+/// [`Compression::Bf16`]'s wire for `grads` over `world` ranks: each element
+/// divided by the world size, then cast to bf16 (round to nearest even),
+/// so that the ranks' bf16 sum is their mean. Every bf16 collective of
+/// gradients (DDP's all-reduce, ZeRO's reduce-scatter, in place or in
+/// flight) sends this, so that they agree bit for bit.
+pub fn bf16_shares(grads: &[f32], world: usize) -> impl Iterator<Item = bf16> + '_ {
+    let inv = 1.0 / world as f32;
+    grads.iter().map(move |g| bf16::from_f32(g * inv))
+}
+
 /// Reusable bf16 staging for [`Compression::reduce_scatter_mean`].
 #[derive(Debug, Default)]
 pub struct CompressionScratch(Vec<bf16>);
@@ -63,10 +73,9 @@ impl Compression {
         match self {
             Compression::None => pg.reduce_scatter(input, out, ReduceOp::Avg),
             Compression::Bf16 => {
-                let inv = 1.0 / pg.size() as f32;
                 let buf = &mut scratch.0;
                 buf.clear();
-                buf.extend(input.iter().map(|g| bf16::from_f32(g * inv)));
+                buf.extend(bf16_shares(input, pg.size()));
                 buf.resize(input.len() + out.len(), bf16::ZERO);
                 let (whole, share) = buf.split_at_mut(input.len());
                 pg.reduce_scatter(&*whole, share, ReduceOp::Sum)?;
@@ -573,9 +582,8 @@ fn reduce_bucket(
             .all_reduce(grads, ReduceOp::Avg)
             .map_err(comm(op, bucket)),
         Compression::Bf16 => {
-            let inv = 1.0 / world as f32;
             scratch.clear();
-            scratch.extend(grads.iter().map(|g| bf16::from_f32(g * inv)));
+            scratch.extend(bf16_shares(grads, world));
             pg.all_reduce(scratch.as_mut_slice(), ReduceOp::Sum)
                 .map_err(comm(op, bucket))?;
             grads

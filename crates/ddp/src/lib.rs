@@ -65,7 +65,7 @@ pub use bucket::{
     GradientBucket, ParamSpec,
 };
 pub use ddp::{
-    Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook, ReducedHook,
-    SyncStats, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, DEFAULT_LAST_BUCKET_MB,
+    bf16_shares, Compression, CompressionScratch, Ddp, DdpOptions, PendingSync, ReadyHook,
+    ReducedHook, SyncStats, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB, DEFAULT_LAST_BUCKET_MB,
 };
 pub use error::DdpError;

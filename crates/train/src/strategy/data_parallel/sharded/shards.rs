@@ -11,7 +11,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cohort_comm::{ProcessGroup, ReduceOp, Work};
-use cohort_ddp::{Compression, CompressionScratch};
+use cohort_ddp::{bf16_shares, Compression, CompressionScratch};
 use cohort_gpt::GPT;
 use half::bf16;
 
@@ -449,13 +449,11 @@ impl Shards {
                     ReduceWork::F32(pg.reduce_scatter_async(whole, out, ReduceOp::Avg))
                 }
                 Compression::Bf16 => {
-                    // `Compression::reduce_scatter_mean`'s wire: each share
-                    // divided by the world size and cast, summed in bf16
-                    // (padding zero, as its staging's).
-                    let inv = 1.0 / pg.size() as f32;
+                    // `Compression::reduce_scatter_mean`'s wire, summed in
+                    // bf16 (padding zero, as its staging's).
                     let mut whole = self.flight.buffer_bf16(u.shard.padded());
-                    for (w, g) in whole.iter_mut().zip(grads.iter()) {
-                        *w = bf16::from_f32(g * inv);
+                    for (w, s) in whole.iter_mut().zip(bf16_shares(grads, pg.size())) {
+                        *w = s;
                     }
                     whole[grads.len()..].fill(bf16::ZERO);
                     let out = self.flight.buffer_bf16(u.shard.len);

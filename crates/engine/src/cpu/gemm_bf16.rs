@@ -36,7 +36,7 @@ use super::gemm::{bias_row, prefetch_run, store_row, Strided};
 use pack::pack_a_bf16;
 use pack::pack_b_halves;
 pub(crate) use pack::{lanes, pack_a, pack_b, pairs_of};
-pub(crate) use shared::bgemm_parts;
+pub(crate) use shared::{bgemm_parts, sgemm_parts};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
 #[derive(Clone, Copy)]

@@ -4,9 +4,9 @@
 //!
 //! Threads split the output into disjoint row or column blocks; each output element is always
 //! computed by one thread over the full K, in the same order whatever block it is in, so results
-//! do not depend on the thread count. Under bf16 the operand every block reads (B split by rows,
-//! A by columns) is packed once for all threads (`gemm_bf16::shared`). Transposes are strides,
-//! never copies. Nothing here allocates per call.
+//! do not depend on the thread count. The operand every block reads (B split by rows; A split by
+//! columns, under bf16) is packed once for all threads (`gemm_bf16::shared`). Transposes are
+//! strides, never copies. Nothing here allocates per call.
 
 use rayon::prelude::*;
 
@@ -14,7 +14,7 @@ use super::epilogue::Epilogue;
 #[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
-use super::gemm_bf16::{bgemm, bgemm_bf16_a, bgemm_parts, AOperand, StridedBf16};
+use super::gemm_bf16::{bgemm, bgemm_bf16_a, bgemm_parts, sgemm_parts, AOperand, StridedBf16};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::DType;
 
@@ -271,39 +271,60 @@ unsafe fn gemm_on(
         let step = len.div_ceil(parts).div_ceil(unit) * unit;
         ((p * step).min(len), ((p + 1) * step).min(len))
     };
+    // The operand every part reads (B split by rows, A by columns, where A is packed) packed
+    // once, by all the parts together.
     #[cfg(target_arch = "x86_64")]
-    if sums_in_kernel {
+    if avx512 {
         let whole = |x: Mat| Strided {
             ptr: x.at(0, 0),
             rs: x.rs as usize,
             cs: x.cs as usize,
         };
-        let sa = if a.bf16 {
-            let sa = whole(a);
-            AOperand::Bf16(StridedBf16 {
-                ptr: sa.ptr as *const u16,
-                rs: sa.rs,
-                cs: sa.cs,
-            })
-        } else {
-            AOperand::F32(whole(a))
-        };
         let len = if m >= n { m } else { n };
+        let (sb, cc, bias) = (whole(b), (c.at(0, 0), c.rs as usize), bias.map(|b| b.get()));
+        let bias = bias.map(|b| b as *const f32);
         // safety: forwarded from the caller; the parts are the split below.
         let shared = unsafe {
-            bgemm_parts(
-                parts,
-                &|p| split(len, p),
-                m >= n,
-                (m, k, n),
-                sa,
-                whole(b),
-                (c.at(0, 0), c.rs as usize),
-                accumulate,
-                bias.map(|b| b.get() as *const f32),
-                ep,
-                b_sums.map(|s| s.get()),
-            )
+            if sums_in_kernel {
+                let sa = if a.bf16 {
+                    let sa = whole(a);
+                    AOperand::Bf16(StridedBf16 {
+                        ptr: sa.ptr as *const u16,
+                        rs: sa.rs,
+                        cs: sa.cs,
+                    })
+                } else {
+                    AOperand::F32(whole(a))
+                };
+                let sums = b_sums.map(|s| s.get());
+                let by_rows = m >= n;
+                bgemm_parts(
+                    parts,
+                    &|p| split(len, p),
+                    by_rows,
+                    (m, k, n),
+                    sa,
+                    sb,
+                    cc,
+                    accumulate,
+                    bias,
+                    ep,
+                    sums,
+                )
+            } else {
+                let sa = whole(a);
+                sgemm_parts(
+                    parts,
+                    &|p| split(len, p),
+                    (m, k, n),
+                    sa,
+                    sb,
+                    cc,
+                    accumulate,
+                    bias,
+                    ep,
+                )
+            }
         };
         if shared {
             return;

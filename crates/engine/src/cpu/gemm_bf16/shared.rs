@@ -133,6 +133,7 @@ pub(crate) unsafe fn bgemm_parts(
         b_sums,
     };
     let bl = kernel.blocking(k, n);
+    debug_assert!(bl.nc * bl.kcp <= SHARED_U32 && kernel.buffers().1 <= SHARED_U32);
     let buffer = Buffer::take(SHARED_U32);
     let shared = Shared(buffer.0.as_ptr() as *mut u32);
     let blocks_of_k = |pc: usize| {

@@ -32,7 +32,7 @@ const KC: usize = 256;
 const KC_WHOLE: usize = 1024;
 
 /// Rows of B per K block of a product over `k`.
-fn kc_for(k: usize) -> usize {
+pub(crate) fn kc_for(k: usize) -> usize {
     if k <= KC_WHOLE {
         k
     } else {
@@ -40,7 +40,7 @@ fn kc_for(k: usize) -> usize {
     }
 }
 /// Rows of A per L2 block (a multiple of MR).
-const MC: usize = 240;
+pub(crate) const MC: usize = 240;
 /// Rows of A up to which a transposed B is packed once for all of them (1 MB of A per K block).
 const MC_TRANSPOSED_B: usize = 1024;
 
@@ -106,36 +106,130 @@ pub(crate) unsafe fn sgemm(
     let kc_max = kc_for(k);
     for k0 in (0..k).step_by(kc_max) {
         let kc = kc_max.min(k - k0);
-        // The first K block starts C from the bias (or zero) unless accumulating; later blocks add.
-        let (acc, bias) = if k0 == 0 && !accumulate {
-            (false, bias)
-        } else {
-            (true, None)
+        let (acc, bias) = first_block(k0, accumulate, bias);
+        let panels = Panels::Pack { pp, b, ep };
+        let ep = (k0 + kc == k).then_some(ep);
+        // SAFETY: rows 0..m, columns 0..n of c, K block k0..k0 + kc, per the contract.
+        unsafe {
+            strips(
+                (0, m),
+                mc_max,
+                (k0, kc),
+                a,
+                panels,
+                c,
+                rsc,
+                (0, n),
+                acc,
+                bias,
+                ep,
+            )
         };
-        for i0 in (0..m).step_by(mc_max) {
-            let mc = mc_max.min(m - i0);
-            for j in (0..n).step_by(NR) {
-                let nr = NR.min(n - j);
-                // safety: the panel covers rows k0..k0+kc and columns j..j+nr of b (read in
-                // SwiGLU's interleaved order with `b_halves`: gate column j / 2 on; see
-                // `Epilogue::b_halves`).
-                unsafe {
-                    match ep.b_halves() {
-                        Some(half) => {
-                            pack_panel_halves(pp, b.ptr.add(k0 * b.rs + j / 2), b.rs, half, kc)
-                        }
-                        None => pack_panel(pp, b.ptr.add(k0 * b.rs + j * b.cs), b.rs, b.cs, kc, nr),
-                    }
-                };
-                // safety: rows i0..i0+mc, columns j..j+nr of c are inside it; pp was just packed.
-                unsafe { panel_tiles(i0, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
-            }
-            if k0 + kc == k {
-                // The strip's rows are final and in L2; the epilogue reads and writes whole
-                // rows (see the epilogue module on why not block by block).
-                // SAFETY: rows i0..i0+mc of c and of ep's operand.
-                unsafe { ep.at(i0, 0).apply(c.add(i0 * rsc), rsc, mc, n) };
-            }
+    }
+}
+
+/// How the first K block of a product at `k0` starts C: from the bias (or zero) unless
+/// accumulating (acc false); later blocks add to it.
+pub(crate) fn first_block(
+    k0: usize,
+    accumulate: bool,
+    bias: Option<*const f32>,
+) -> (bool, Option<*const f32>) {
+    if k0 == 0 && !accumulate {
+        (false, bias)
+    } else {
+        (true, None)
+    }
+}
+
+/// Where [`strips`] gets a K block's panels of B.
+#[derive(Clone, Copy)]
+pub(crate) enum Panels {
+    /// Packed here into `pp` (one panel of the K block), for each strip of rows again, from
+    /// `b` (in SwiGLU's interleaved order where `ep` says so).
+    Pack {
+        pp: *mut f32,
+        b: Strided,
+        ep: Epilogue,
+    },
+    /// Packed already: the panel of columns from j at `ptr + (j - first) / NR · step`.
+    Packed {
+        ptr: *const f32,
+        step: usize,
+        first: usize,
+    },
+}
+
+/// C's rows `i0..i1`, columns `j0..j1` (j0 a multiple of NR), over A's K block `k0..k0 + kc`:
+/// strips of `mc` rows, each against every panel of B's block from `panels`, then (with
+/// `ep`, after the last K block) the epilogue on the strip's rows while they are in L2. The
+/// loops of [`sgemm`], [`sgemm_prepacked`] and the products whose B all threads share
+/// (`gemm_bf16::shared`), which differ only in where the panels come from.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `a` must describe a readable matrix with those rows and K;
+/// the panels as [`Panels`] says (B's block inside B, or packed kc x NR floats, 64-byte
+/// aligned); `c` a writable matrix of row stride `rsc` with those rows and columns, not
+/// overlapping the others; `bias`, if any, readable at those columns; `ep`'s operand as C.
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn strips(
+    (i0, i1): (usize, usize),
+    mc: usize,
+    (k0, kc): (usize, usize),
+    a: Strided,
+    panels: Panels,
+    c: *mut f32,
+    rsc: usize,
+    (j0, j1): (usize, usize),
+    acc: bool,
+    bias: Option<*const f32>,
+    ep: Option<Epilogue>,
+) {
+    for i in (i0..i1).step_by(mc) {
+        let mc = mc.min(i1 - i);
+        for j in (j0..j1).step_by(NR) {
+            let nr = NR.min(j1 - j);
+            let pp = match panels {
+                Panels::Pack { pp, b, ep } => {
+                    // SAFETY: the panel covers rows k0..k0+kc and columns j..j+nr of b.
+                    unsafe { pack_panel_of(pp, b, ep, (k0, kc), j, nr) };
+                    pp as *const f32
+                }
+                Panels::Packed { ptr, step, first } => ptr.wrapping_add((j - first) / NR * step),
+            };
+            // safety: rows i..i+mc, columns j..j+nr of c are inside it; pp holds the panel.
+            unsafe { panel_tiles(i, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
+        }
+        if let Some(ep) = ep {
+            // The strip's rows are final and in L2; the epilogue reads and writes whole
+            // rows (see the epilogue module on why not block by block).
+            // SAFETY: rows i..i+mc, columns j0..j1 of c and of ep's operand.
+            unsafe { ep.at(i, j0).apply(c.add(i * rsc + j0), rsc, mc, j1 - j0) };
+        }
+    }
+}
+
+/// Packs B's rows `k0..k0 + kc`, columns `j..j + nr` (nr ≤ NR) into the panel `pp`: read in
+/// SwiGLU's interleaved order where `ep` says so (gate column j / 2 on; see
+/// `Epilogue::b_halves`).
+///
+/// # Safety
+/// As [`pack_panel`], for that block of `b`.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn pack_panel_of(
+    pp: *mut f32,
+    b: Strided,
+    ep: Epilogue,
+    (k0, kc): (usize, usize),
+    j: usize,
+    nr: usize,
+) {
+    // SAFETY: per the contract.
+    unsafe {
+        match ep.b_halves() {
+            Some(half) => pack_panel_halves(pp, b.ptr.add(k0 * b.rs + j / 2), b.rs, half, kc),
+            None => pack_panel(pp, b.ptr.add(k0 * b.rs + j * b.cs), b.rs, b.cs, kc, nr),
         }
     }
 }
@@ -197,24 +291,35 @@ pub(crate) unsafe fn sgemm_prepacked(
     let kc_max = kc_for(k);
     for k0 in (0..k).step_by(kc_max) {
         let kc = kc_max.min(k - k0);
-        // The first K block starts C from the bias (or zero); later blocks add to it.
-        let (acc, bias) = if k0 == 0 { (false, bias) } else { (true, None) };
-        for i0 in (0..m).step_by(MC) {
-            let mc = MC.min(m - i0);
-            for j in (j0..j1).step_by(NR) {
-                let nr = NR.min(j1 - j);
-                let pp = b.wrapping_add((j / NR * k + k0) * NR);
-                // safety: rows i0..i0+mc, columns j..j+nr of c are inside it; pp is rows
-                // k0..k0+kc of panel j / NR.
-                unsafe { panel_tiles(i0, mc, k0, kc, a, pp, c, rsc, j, nr, acc, bias) };
-            }
-        }
+        let (acc, bias) = first_block(k0, false, bias);
+        // Rows k0..k0+kc of panel j / NR.
+        let panels = Panels::Packed {
+            ptr: b.wrapping_add(k0 * NR),
+            step: k * NR,
+            first: 0,
+        };
+        // safety: rows 0..m, columns j0..j1 of c, per the contract.
+        unsafe {
+            strips(
+                (0, m),
+                MC,
+                (k0, kc),
+                a,
+                panels,
+                c,
+                rsc,
+                (j0, j1),
+                acc,
+                bias,
+                None,
+            )
+        };
     }
 }
 
 /// Rows `i0..i0 + mc` of c's columns `j..j + nr` from A's K block `k0..k0 + kc` against the
 /// packed panel `pp` (kc rows of NR floats), a register tile of MR rows at a time: the inner
-/// loops of [`sgemm`] and [`sgemm_prepacked`], which differ only in where the panel comes from.
+/// loop of [`strips`].
 ///
 /// # Safety
 /// The CPU must support AVX-512F; `a` must describe a readable matrix with rows

@@ -21,18 +21,22 @@
 //! Each output element sums its K in the same order whatever block of C a call covers, so the
 //! result does not depend on how C is split over threads. The packing buffers are per thread,
 //! grown once to their fixed block sizes and reused: no allocation per call after the first.
+//! Split over threads, the operand every thread reads is packed once for all of them
+//! ([`shared`]), by the same pieces of the loop nest.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 pub(crate) mod amx;
 mod pack;
+mod shared;
 
 use super::epilogue::Epilogue;
 use super::gemm::{bias_row, prefetch_run, store_row, Strided};
 use pack::pack_a_bf16;
 use pack::pack_b_halves;
 pub(crate) use pack::{lanes, pack_a, pack_b, pairs_of};
+pub(crate) use shared::{bgemm_parts, sgemm_parts};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.
 #[derive(Clone, Copy)]
@@ -340,41 +344,49 @@ unsafe fn bgemm_with(
         return;
     }
     let bl = kernel.blocking(k, n_whole);
+    let p = Product {
+        kernel,
+        m,
+        k,
+        n,
+        a,
+        b,
+        c,
+        rsc,
+        accumulate,
+        bias,
+        ep,
+        b_sums,
+    };
+    // SAFETY: the buffers hold mc x kcp and nc x kcp u32 of this kernel's blocking, the
+    // largest blocks packed below; the caller's contract covers the rest.
+    with_packs(kernel, |pa, pb| unsafe { blocks(&p, &bl, pa, pb) })
+}
+
+/// Runs `f` on this thread's packing buffers (A, B), grown once to `kernel`'s largest blocks.
+/// `f` must not call into rayon (a task run meanwhile on this thread would find them taken).
+fn with_packs<R>(kernel: Kernel, f: impl FnOnce(*mut u32, *mut u32) -> R) -> R {
     PACKS.with(|packs| {
         let mut packs = packs.borrow_mut();
         let packs = &mut *packs;
         let (a_len, b_len) = kernel.buffers();
-        let (a_lines, b_lines) = (a_len / 16, b_len / 16);
-        if packs.a.len() < a_lines {
-            packs.a.resize(a_lines, Line([0; 16]));
+        for (buf, len) in [(&mut packs.a, a_len), (&mut packs.b, b_len)] {
+            if buf.len() < len / 16 {
+                buf.resize(len / 16, Line([0; 16]));
+            }
         }
-        if packs.b.len() < b_lines {
-            packs.b.resize(b_lines, Line([0; 16]));
-        }
-        let (pa, pb) = (
+        f(
             packs.a.as_mut_ptr() as *mut u32,
             packs.b.as_mut_ptr() as *mut u32,
-        );
-        // SAFETY: the buffers hold mc x kcp and nc x kcp u32 of this kernel's blocking, the
-        // largest blocks packed below; the caller's contract covers the rest.
-        unsafe {
-            blocks(
-                kernel, &bl, m, k, n, a, b, c, rsc, accumulate, bias, ep, pa, pb, b_sums,
-            )
-        }
+        )
     })
 }
 
-/// The BLIS loop nest over packed blocks (see the module doc).
-///
-/// # Safety
-/// As [`bgemm_with`], plus `pa` and `pb` writable for mc x kcp and nc x kcp u32 of `bl`,
-/// 64-byte aligned.
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn blocks(
+/// One product's operands and options, as [`bgemm_with`] takes them (for the whole product,
+/// not a thread's part of it): what every piece of the loop nest reads.
+#[derive(Clone, Copy)]
+struct Product {
     kernel: Kernel,
-    bl: &Blocking,
     m: usize,
     k: usize,
     n: usize,
@@ -385,117 +397,214 @@ unsafe fn blocks(
     accumulate: bool,
     bias: Option<*const f32>,
     ep: Epilogue,
-    pa: *mut u32,
-    pb: *mut u32,
     b_sums: Option<*mut f32>,
-) {
-    let amx = kernel == Kernel::Amx;
+}
+
+/// Where the packed rows of A for a block of C come from.
+#[derive(Clone, Copy)]
+enum ARows {
+    /// Packed here, a block of MC rows at a time, into this buffer (the thread's own).
+    Pack(*mut u32),
+    /// Packed already, for every part of the product ([`shared`]): row i at
+    /// `ptr + (i - first) · stride`.
+    Packed { ptr: *const u32, first: usize },
+}
+
+/// The BLIS loop nest over packed blocks (see the module doc), on one thread.
+///
+/// # Safety
+/// As [`bgemm_with`] for `p`, `bl` its blocking, plus `pa` and `pb` writable for mc x kcp and
+/// nc x kcp u32 of `bl`, 64-byte aligned.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn blocks(p: &Product, bl: &Blocking, pa: *mut u32, pb: *mut u32) {
+    let amx = p.kernel == Kernel::Amx;
     if amx {
         // SAFETY: the tile configuration is this thread's; AMX was granted to the process.
         unsafe { amx::configure() };
     }
     // C tiles go through this buffer on their way to C under AMX.
     let mut scratch = amx::Scratch([0.0; MR_AMX * NR]);
-    // Under AMX, columns of a packed block of B per sweep of A's strips: what stays in L2
-    // beside A's block (see below).
-    let sweep = (AMX_SWEEP_B_BUDGET / bl.kcp / NR).max(1) * NR;
-    // SAFETY: for the whole body, every pointer offset stays inside the caller's matrices (rows
-    // i < m, columns j < n, k < k) or the packing buffers (at most mc x kcp and nc x kcp).
-    unsafe {
-        for jc in (0..n).step_by(bl.nc) {
-            let nc = bl.nc.min(n - jc);
-            for pc in (0..k).step_by(2 * bl.kcp) {
-                let kc = (2 * bl.kcp).min(k - pc);
-                // Row stride of the packed pairs: AMX loads 16 pairs at a time, so its rows
-                // are padded with zero pairs to a multiple of 16.
-                let stride = if amx {
-                    kc.div_ceil(32) * 16
-                } else {
-                    kc.div_ceil(2)
-                };
-                let sums = b_sums.map(|s| s.add(jc));
-                match ep.b_halves() {
-                    // SwiGLU's interleaved columns: block column jc (a multiple of 32) starts
-                    // at B's gate column jc / 2 (see `Epilogue::b_halves`).
-                    Some(half) => pack_b_halves(pb, b.at(pc, jc / 2), b.rs, kc, nc, stride, half),
-                    None => pack_b(pb, b.at(pc, jc), b.rs, b.cs, kc, nc, stride, sums),
-                }
-                // The first K block starts C from the bias (or zero) unless accumulating.
-                let last = pc + kc == k;
-                let (acc, bias) = if pc == 0 && !accumulate {
-                    (false, bias.map(|b| b.add(jc)))
-                } else {
-                    (true, None)
-                };
-                for ic in (0..m).step_by(bl.mc) {
-                    let mc = bl.mc.min(m - ic);
-                    match a {
-                        AOperand::F32(a) => pack_a(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride),
-                        AOperand::Bf16(a) => {
-                            pack_a_bf16(pa, a.at(ic, pc), a.rs, a.cs, mc, kc, stride)
-                        }
-                    }
-                    if amx {
-                        // Strips of 32 rows across a sweep of B's panels, then the next
-                        // strip: C is written row by row, a run of the sweep's width in each
-                        // row, which the hardware prefetchers follow (going down 32-row blocks
-                        // of one panel instead writes 128 bytes to each of 32 distant rows,
-                        // and those misses cost as much as the products on config B's
-                        // shapes). A strip of C is final at the end of its last K block and
-                        // gets its epilogue while it is in cache. The sweep's panels (1 MB)
-                        // stay in L2 beside A's block; one strip of A stays in L1.
-                        for js in (0..nc).step_by(sweep) {
-                            let ns = sweep.min(nc - js);
-                            for ir in (0..mc).step_by(MR_AMX) {
-                                let rows = MR_AMX.min(mc - ir);
-                                let ap = pa.add(ir * stride);
-                                for jr in (js..js + ns).step_by(NR) {
-                                    let nr = NR.min(nc - jr);
-                                    let cp = c.add((ic + ir) * rsc + jc + jr);
-                                    let bias = bias.map(|b| b.add(jr));
-                                    let panel = pb.add(jr * stride);
-                                    amx::block(
-                                        stride,
-                                        ap,
-                                        panel,
-                                        cp,
-                                        rsc,
-                                        rows,
-                                        nr,
-                                        acc,
-                                        bias,
-                                        &mut scratch,
-                                    );
-                                }
-                                if last {
-                                    let cp = c.add((ic + ir) * rsc + jc + js);
-                                    ep.at(ic + ir, jc + js).apply(cp, rsc, rows, ns);
-                                }
-                            }
-                        }
-                    } else {
-                        // BLIS's order: each micro-panel of B stays in L1 while A's stream by.
-                        for jr in (0..nc).step_by(NR) {
-                            let nr = NR.min(nc - jr);
-                            let panel = pb.add(jr * stride);
-                            for ir in (0..mc).step_by(MR) {
-                                let rows = MR.min(mc - ir);
-                                let (ap, cp) =
-                                    (pa.add(ir * stride), c.add((ic + ir) * rsc + jc + jr));
-                                let bias = bias.map(|b| b.add(jr));
-                                tile(rows, stride, ap, stride, panel, cp, rsc, nr, acc, bias);
-                            }
-                        }
-                        if last {
-                            let cp = c.add(ic * rsc + jc);
-                            ep.at(ic, jc).apply(cp, rsc, mc, nc);
-                        }
-                    }
+    for jc in (0..p.n).step_by(bl.nc) {
+        let nc = bl.nc.min(p.n - jc);
+        for pc in (0..p.k).step_by(2 * bl.kcp) {
+            let kc = (2 * bl.kcp).min(p.k - pc);
+            let stride = p.stride(kc);
+            // SAFETY: the block is inside B and C; the buffers hold it, per the contract.
+            unsafe {
+                p.pack_b_block(pb, (pc, kc), jc, (0, nc), stride, true);
+                let a = ARows::Pack(pa);
+                p.c_rows(
+                    bl,
+                    (0, p.m),
+                    a,
+                    pb,
+                    (pc, kc),
+                    stride,
+                    (jc, nc),
+                    &mut scratch,
+                );
+            }
+        }
+    }
+    if amx {
+        amx::release();
+    }
+}
+
+impl Product {
+    /// Row stride of a K block of `kc`'s packed pairs: AMX loads 16 pairs at a time, so its
+    /// rows are padded with zero pairs to a multiple of 16.
+    fn stride(&self, kc: usize) -> usize {
+        if self.kernel == Kernel::Amx {
+            kc.div_ceil(32) * 16
+        } else {
+            kc.div_ceil(2)
+        }
+    }
+
+    /// Packs columns `jc + j0..jc + j1` (j0 a multiple of NR) of B's K rows `pc..pc + kc` into
+    /// `pb`'s panels from j0 / NR on; with `sums`, adds those rows to the columns' `b_sums`.
+    ///
+    /// # Safety
+    /// AVX512_BF16 present; the rows and columns inside B; `pb` holding the block's panels,
+    /// 64-byte aligned; no other pack of the same columns of `b_sums` at the same time.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn pack_b_block(
+        &self,
+        pb: *mut u32,
+        (pc, kc): (usize, usize),
+        jc: usize,
+        (j0, j1): (usize, usize),
+        stride: usize,
+        sums: bool,
+    ) {
+        let (b, j, nc) = (self.b, jc + j0, j1 - j0);
+        // SAFETY: per the contract.
+        unsafe {
+            let pb = pb.add(j0 * stride);
+            match self.ep.b_halves() {
+                // SwiGLU's interleaved columns: column j (a multiple of 32) starts at B's
+                // gate column j / 2 (see `Epilogue::b_halves`).
+                Some(half) => pack_b_halves(pb, b.at(pc, j / 2), b.rs, kc, nc, stride, half),
+                None => {
+                    let sums = self.b_sums.filter(|_| sums).map(|s| s.add(j));
+                    pack_b(pb, b.at(pc, j), b.rs, b.cs, kc, nc, stride, sums)
                 }
             }
         }
-        if amx {
-            amx::release();
+    }
+
+    /// Packs A's rows `i0..i1`, K `pc..pc + kc`, into `pa` (row i0 first, `stride` u32 apart).
+    ///
+    /// # Safety
+    /// AVX512_BF16 present; the rows inside A; `pa` (i1 - i0) x stride writable u32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    unsafe fn pack_a_rows(
+        &self,
+        pa: *mut u32,
+        (i0, i1): (usize, usize),
+        (pc, kc): (usize, usize),
+        stride: usize,
+    ) {
+        // SAFETY: per the contract.
+        unsafe {
+            match self.a {
+                AOperand::F32(a) => pack_a(pa, a.at(i0, pc), a.rs, a.cs, i1 - i0, kc, stride),
+                AOperand::Bf16(a) => pack_a_bf16(pa, a.at(i0, pc), a.rs, a.cs, i1 - i0, kc, stride),
+            }
+        }
+    }
+
+    /// C's rows `r0..r1`, columns `jc..jc + nc`, over K block `pc..pc + kc`: B's block packed
+    /// at `pb`, A's rows from `a` (packed here MC rows at a time, or already). The first K block
+    /// starts C from the bias (or zero) unless accumulating; after the last, the epilogue.
+    ///
+    /// # Safety
+    /// AVX512_BF16 present (AMX configured under it); the block inside C; `pb` B's packed
+    /// block, `a`'s buffer per [`ARows`] (MC x kcp u32 to pack into).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn c_rows(
+        &self,
+        bl: &Blocking,
+        (r0, r1): (usize, usize),
+        a: ARows,
+        pb: *const u32,
+        (pc, kc): (usize, usize),
+        stride: usize,
+        (jc, nc): (usize, usize),
+        scratch: &mut amx::Scratch,
+    ) {
+        let (c, rsc, ep) = (self.c, self.rsc, self.ep);
+        let amx = self.kernel == Kernel::Amx;
+        // Under AMX, columns of a packed block of B per sweep of A's strips: what stays in L2
+        // beside A's block (see below).
+        let sweep = (AMX_SWEEP_B_BUDGET / bl.kcp / NR).max(1) * NR;
+        let last = pc + kc == self.k;
+        let (acc, bias) = if pc == 0 && !self.accumulate {
+            (false, self.bias.map(|b| b.wrapping_add(jc)))
+        } else {
+            (true, None)
+        };
+        // SAFETY: for the whole body, every pointer offset stays inside C's block, the caller's
+        // bias and the packed blocks, per the contract.
+        unsafe {
+            for ic in (r0..r1).step_by(bl.mc) {
+                let mc = bl.mc.min(r1 - ic);
+                let pa = match a {
+                    ARows::Pack(pa) => {
+                        self.pack_a_rows(pa, (ic, ic + mc), (pc, kc), stride);
+                        pa as *const u32
+                    }
+                    ARows::Packed { ptr, first } => ptr.add((ic - first) * stride),
+                };
+                if amx {
+                    // Strips of 32 rows across a sweep of B's panels, then the next
+                    // strip: C is written row by row, a run of the sweep's width in each
+                    // row, which the hardware prefetchers follow (going down 32-row blocks
+                    // of one panel instead writes 128 bytes to each of 32 distant rows,
+                    // and those misses cost as much as the products on config B's
+                    // shapes). A strip of C is final at the end of its last K block and
+                    // gets its epilogue while it is in cache. The sweep's panels (1 MB)
+                    // stay in L2 beside A's block; one strip of A stays in L1.
+                    for js in (0..nc).step_by(sweep) {
+                        let ns = sweep.min(nc - js);
+                        for ir in (0..mc).step_by(MR_AMX) {
+                            let rows = MR_AMX.min(mc - ir);
+                            let ap = pa.add(ir * stride);
+                            for jr in (js..js + ns).step_by(NR) {
+                                let nr = NR.min(nc - jr);
+                                let cp = c.add((ic + ir) * rsc + jc + jr);
+                                let bias = bias.map(|b| b.add(jr));
+                                let panel = pb.add(jr * stride);
+                                amx::block(
+                                    stride, ap, panel, cp, rsc, rows, nr, acc, bias, scratch,
+                                );
+                            }
+                            if last {
+                                let cp = c.add((ic + ir) * rsc + jc + js);
+                                ep.at(ic + ir, jc + js).apply(cp, rsc, rows, ns);
+                            }
+                        }
+                    }
+                } else {
+                    // BLIS's order: each micro-panel of B stays in L1 while A's stream by.
+                    for jr in (0..nc).step_by(NR) {
+                        let nr = NR.min(nc - jr);
+                        let panel = pb.add(jr * stride);
+                        for ir in (0..mc).step_by(MR) {
+                            let rows = MR.min(mc - ir);
+                            let (ap, cp) = (pa.add(ir * stride), c.add((ic + ir) * rsc + jc + jr));
+                            let bias = bias.map(|b| b.add(jr));
+                            tile(rows, stride, ap, stride, panel, cp, rsc, nr, acc, bias);
+                        }
+                    }
+                    if last {
+                        let cp = c.add(ic * rsc + jc);
+                        ep.at(ic, jc).apply(cp, rsc, mc, nc);
+                    }
+                }
+            }
         }
     }
 }
@@ -697,198 +806,4 @@ unsafe fn kernel<const R: usize>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cpu::bf16::bf16_bits;
-    use crate::cpu::testing::rand_vec;
-
-    fn round(x: f32) -> f64 {
-        f32::from_bits((bf16_bits(x) as u32) << 16) as f64
-    }
-
-    /// The product of the bf16-rounded operands, summed in f64.
-    fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
-        let mut c = vec![0.0; m * n];
-        for i in 0..m {
-            for p in 0..k {
-                let x = round(a[i * k + p]);
-                for j in 0..n {
-                    c[i * n + j] += x * round(b[p * n + j]);
-                }
-            }
-        }
-        c
-    }
-
-    fn transpose(x: &[f32], r: usize, c: usize) -> Vec<f32> {
-        (0..r * c).map(|i| x[(i % r) * c + i / r]).collect()
-    }
-
-    /// Every layout (plain, transposed and general strides for each operand), odd and even K,
-    /// edges on every block boundary: the result is the exact product of the rounded inputs
-    /// up to f32 summation error.
-    #[test]
-    fn matches_the_product_of_rounded_inputs() {
-        if !avx512_bf16() {
-            eprintln!("skipped: this CPU has no AVX512_BF16");
-            return;
-        }
-        let mut kernels = vec![Kernel::Avx512];
-        if amx_granted() {
-            kernels.push(Kernel::Amx);
-        } else {
-            eprintln!("AMX kernel not tested: this CPU or OS has no AMX");
-        }
-        for kernel in kernels {
-            products_match(kernel);
-        }
-    }
-
-    fn products_match(kernel: Kernel) {
-        for &(m, k, n) in &[
-            (1, 1, 1),
-            (5, 3, 7),
-            (13, 33, 45),
-            (200, 515, 70),
-            (37, 1030, 2100),
-        ] {
-            let a = rand_vec(m * k, 1);
-            let b = rand_vec(k * n, 2);
-            let bias = rand_vec(n, 3);
-            let want = reference(&a, &b, m, k, n);
-            let at = transpose(&a, m, k);
-            let bt = transpose(&b, k, n);
-            let a_layouts = [
-                Strided {
-                    ptr: a.as_ptr(),
-                    rs: k,
-                    cs: 1,
-                },
-                Strided {
-                    ptr: at.as_ptr(),
-                    rs: 1,
-                    cs: m,
-                },
-            ];
-            let b_layouts = [
-                Strided {
-                    ptr: b.as_ptr(),
-                    rs: n,
-                    cs: 1,
-                },
-                Strided {
-                    ptr: bt.as_ptr(),
-                    rs: 1,
-                    cs: k,
-                },
-            ];
-            // A general stride: every other element of a doubled buffer.
-            let a2: Vec<f32> = a.iter().flat_map(|&x| [x, 9.0]).collect();
-            let b2: Vec<f32> = b.iter().flat_map(|&x| [x, 9.0]).collect();
-            let ga = Strided {
-                ptr: a2.as_ptr(),
-                rs: 2 * k,
-                cs: 2,
-            };
-            let gb = Strided {
-                ptr: b2.as_ptr(),
-                rs: 2 * n,
-                cs: 2,
-            };
-            let mut cases: Vec<(Strided, Strided)> = Vec::new();
-            for &sa in &a_layouts {
-                for &sb in &b_layouts {
-                    cases.push((sa, sb));
-                }
-            }
-            cases.push((ga, gb));
-            for (sa, sb) in cases {
-                let mut c = vec![f32::NAN; m * n];
-                // B's column sums on the side: the bits of adding its rows in order
-                let start: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 1.0).collect();
-                let mut sums = start.clone();
-                // SAFETY: the descriptors cover the test's buffers; AVX512_BF16 checked above.
-                unsafe {
-                    bgemm_with(
-                        kernel,
-                        m,
-                        k,
-                        n,
-                        AOperand::F32(sa),
-                        sb,
-                        c.as_mut_ptr(),
-                        n,
-                        false,
-                        None,
-                        Epilogue::None,
-                        n,
-                        Some(sums.as_mut_ptr()),
-                    )
-                };
-                for (j, (&got, &s0)) in sums.iter().zip(&start).enumerate() {
-                    // SAFETY: row r, column j of the test's B.
-                    let want = (0..k).fold(s0, |acc, r| acc + unsafe { *sb.at(r, j) });
-                    assert_eq!(
-                        got.to_bits(),
-                        want.to_bits(),
-                        "{kernel:?} m{m} k{k} n{n} b({},{}) column {j}: sum {got}, want {want}",
-                        sb.rs,
-                        sb.cs
-                    );
-                }
-                for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
-                    assert!(
-                        (g as f64 - w).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
-                        "{kernel:?} m{m} k{k} n{n} a({},{}) b({},{}) [{i}]: got {g}, want {w}",
-                        sa.rs,
-                        sa.cs,
-                        sb.rs,
-                        sb.cs
-                    );
-                }
-                // Bias, then accumulate on top of it.
-                // SAFETY: as above.
-                unsafe {
-                    let c = c.as_mut_ptr();
-                    bgemm_with(
-                        kernel,
-                        m,
-                        k,
-                        n,
-                        AOperand::F32(sa),
-                        sb,
-                        c,
-                        n,
-                        false,
-                        Some(bias.as_ptr()),
-                        Epilogue::None,
-                        n,
-                        None,
-                    );
-                    bgemm_with(
-                        kernel,
-                        m,
-                        k,
-                        n,
-                        AOperand::F32(sa),
-                        sb,
-                        c,
-                        n,
-                        true,
-                        None,
-                        Epilogue::None,
-                        n,
-                        None,
-                    );
-                }
-                for (i, (&g, &w)) in c.iter().zip(&want).enumerate() {
-                    let w = 2.0 * w + bias[i % n] as f64;
-                    assert!(
-                        (g as f64 - w).abs() <= 2e-5 * (k as f64).sqrt() * (1.0 + w.abs()),
-                        "{kernel:?} accumulate m{m} k{k} n{n} [{i}]: got {g}, want {w}"
-                    );
-                }
-            }
-        }
-    }
-}
+mod tests;

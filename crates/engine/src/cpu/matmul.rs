@@ -3,8 +3,10 @@
 //! the CPU has AVX-512 and on `matrixmultiply` elsewhere.
 //!
 //! Threads split the output into disjoint row or column blocks; each output element is always
-//! computed by one sequential sgemm call over the full K, so results do not depend on the thread
-//! count. Transposes are strides, never copies. Nothing here allocates.
+//! computed by one thread over the full K, in the same order whatever block it is in, so results
+//! do not depend on the thread count. The operand every block reads (B split by rows; A split by
+//! columns, under bf16) is packed once for all threads (`gemm_bf16::shared`). Transposes are
+//! strides, never copies. Nothing here allocates per call.
 
 use rayon::prelude::*;
 
@@ -12,7 +14,7 @@ use super::epilogue::Epilogue;
 #[cfg(target_arch = "x86_64")]
 use super::gemm::{sgemm, Strided};
 #[cfg(target_arch = "x86_64")]
-use super::gemm_bf16::{bgemm, bgemm_bf16_a, StridedBf16};
+use super::gemm_bf16::{bgemm, bgemm_bf16_a, bgemm_parts, sgemm_parts, AOperand, StridedBf16};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::DType;
 
@@ -269,6 +271,65 @@ unsafe fn gemm_on(
         let step = len.div_ceil(parts).div_ceil(unit) * unit;
         ((p * step).min(len), ((p + 1) * step).min(len))
     };
+    // The operand every part reads (B split by rows, A by columns, where A is packed) packed
+    // once, by all the parts together.
+    #[cfg(target_arch = "x86_64")]
+    if avx512 {
+        let whole = |x: Mat| Strided {
+            ptr: x.at(0, 0),
+            rs: x.rs as usize,
+            cs: x.cs as usize,
+        };
+        let len = if m >= n { m } else { n };
+        let (sb, cc, bias) = (whole(b), (c.at(0, 0), c.rs as usize), bias.map(|b| b.get()));
+        let bias = bias.map(|b| b as *const f32);
+        // safety: forwarded from the caller; the parts are the split below.
+        let shared = unsafe {
+            if sums_in_kernel {
+                let sa = if a.bf16 {
+                    let sa = whole(a);
+                    AOperand::Bf16(StridedBf16 {
+                        ptr: sa.ptr as *const u16,
+                        rs: sa.rs,
+                        cs: sa.cs,
+                    })
+                } else {
+                    AOperand::F32(whole(a))
+                };
+                let sums = b_sums.map(|s| s.get());
+                let by_rows = m >= n;
+                bgemm_parts(
+                    parts,
+                    &|p| split(len, p),
+                    by_rows,
+                    (m, k, n),
+                    sa,
+                    sb,
+                    cc,
+                    accumulate,
+                    bias,
+                    ep,
+                    sums,
+                )
+            } else {
+                let sa = whole(a);
+                sgemm_parts(
+                    parts,
+                    &|p| split(len, p),
+                    (m, k, n),
+                    sa,
+                    sb,
+                    cc,
+                    accumulate,
+                    bias,
+                    ep,
+                )
+            }
+        };
+        if shared {
+            return;
+        }
+    }
     (0..parts).into_par_iter().for_each(|p| {
         if m >= n {
             let (r0, r1) = split(m, p);
@@ -513,189 +574,6 @@ pub fn matmul_backward_weight_bf16_input(
     }
 }
 
-/// A constant right-hand matrix `w` (K, N) of [`packed_matmul_forward`], laid out once for
-/// every later product: on a CPU with AVX-512, in the panels the sgemm kernel reads (N split
-/// into 32-column panels, each K rows of 32 floats, zero-padded, 64-byte aligned), so that no
-/// product packs it again; elsewhere, row-major as given. For inference with fixed weights
-/// (an ONNX Gemm's B); training's weights change every step and take [`matmul_forward`].
-pub struct PackedMatrix {
-    k: usize,
-    n: usize,
-    /// Panels (AVX-512) or the row-major matrix; `Line`s keep the panels 64-byte aligned.
-    data: PackedData,
-}
-
-/// 16 floats, one cache line, so that a `Vec<Line>` is 64-byte aligned.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
-
-enum PackedData {
-    #[cfg(target_arch = "x86_64")]
-    Panels(Vec<Line>),
-    RowMajor(Vec<f32>),
-}
-
-impl std::fmt::Debug for PackedMatrix {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PackedMatrix")
-            .field("k", &self.k)
-            .field("n", &self.n)
-            .finish()
-    }
-}
-
-impl PackedMatrix {
-    /// Packs `w`: row-major (K, N), or with `transposed` row-major (N, K) standing for its
-    /// transpose (nn.Linear's `[out, in]`, an ONNX Gemm's `transB = 1`).
-    pub fn new(w: &[f32], k: usize, n: usize, transposed: bool) -> PackedMatrix {
-        check("packed w", w.len(), k * n);
-        let at = |r: usize, c: usize| {
-            if transposed {
-                w[c * k + r]
-            } else {
-                w[r * n + c]
-            }
-        };
-        #[cfg(target_arch = "x86_64")]
-        if simd_level() == SimdLevel::Avx512 {
-            use super::gemm::NR;
-            let panels = n.div_ceil(NR);
-            let mut lines = vec![Line([0.0; 16]); panels * k * NR / 16];
-            for (i, line) in lines.iter_mut().enumerate() {
-                // line i holds floats 16i..16i+16: panel p, row r, columns c0..c0+16 of it
-                let (p, within) = ((i * 16) / (k * NR), (i * 16) % (k * NR));
-                let (r, c0) = (within / NR, p * NR + within % NR);
-                for (x, c) in line.0.iter_mut().zip(c0..(c0 + 16).min(n)) {
-                    *x = at(r, c);
-                }
-            }
-            return PackedMatrix {
-                k,
-                n,
-                data: PackedData::Panels(lines),
-            };
-        }
-        let data = (0..k)
-            .flat_map(|r| (0..n).map(move |c| (r, c)))
-            .map(|(r, c)| at(r, c))
-            .collect();
-        PackedMatrix {
-            k,
-            n,
-            data: PackedData::RowMajor(data),
-        }
-    }
-
-    /// Rows (the products' inner dimension).
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
-    /// Columns (the products' output width).
-    pub fn n(&self) -> usize {
-        self.n
-    }
-}
-
-/// out (M, N) = inp (M, K) · w (K, N) + bias (N), with `w` packed beforehand. Called from
-/// inside a rayon pool (`Cpu::install`, or any pool's `install`) it splits over that pool's
-/// threads; from anywhere else it runs on the calling thread alone, without a hand-off (a
-/// batch-1 inference is over in tens of microseconds). The result does not depend on the
-/// thread count.
-pub fn packed_matmul_forward(
-    out: &mut [f32],
-    inp: &[f32],
-    w: &PackedMatrix,
-    bias: Option<&[f32]>,
-    m: usize,
-) {
-    let (k, n) = (w.k, w.n);
-    check("packed out", out.len(), m * n);
-    check("packed inp", inp.len(), m * k);
-    if let Some(b) = bias {
-        check("packed bias", b.len(), n);
-    }
-    let threads = match rayon::current_thread_index() {
-        Some(_) => rayon::current_num_threads(),
-        None => 1,
-    };
-    match &w.data {
-        #[cfg(target_arch = "x86_64")]
-        PackedData::Panels(lines) => {
-            use super::gemm::{sgemm_prepacked, NR};
-            let parts = if m * n * k < PAR_MIN_MACS {
-                1
-            } else {
-                threads.min(m.max(n) / 16).max(1)
-            };
-            let (a, b) = (SendPtr(inp.as_ptr() as *mut f32), lines.as_ptr() as usize);
-            let (c, bias) = (SendPtr(out.as_mut_ptr()), bias.map(|b| b.as_ptr() as usize));
-            let call = |r0: usize, r1: usize, j0: usize, j1: usize| {
-                let sa = Strided {
-                    ptr: a.get().wrapping_add(r0 * k),
-                    rs: k,
-                    cs: 1,
-                };
-                // safety: sizes checked above; the panels cover k rows and n columns, 64-byte
-                // aligned (Line); distinct calls write disjoint blocks of out (rows r0..r1,
-                // columns j0..j1, j0 a multiple of NR), and out is a distinct &mut.
-                unsafe {
-                    sgemm_prepacked(
-                        r1 - r0,
-                        k,
-                        sa,
-                        b as *const f32,
-                        j0,
-                        j1,
-                        c.get().add(r0 * n),
-                        n,
-                        bias.map(|b| b as *const f32),
-                        m == 1,
-                    )
-                }
-            };
-            if parts == 1 {
-                call(0, m, 0, n);
-                return;
-            }
-            (0..parts).into_par_iter().for_each(|p| {
-                if m >= n {
-                    let step = m.div_ceil(parts);
-                    let (r0, r1) = ((p * step).min(m), ((p + 1) * step).min(m));
-                    if r0 < r1 {
-                        call(r0, r1, 0, n);
-                    }
-                } else {
-                    let step = n.div_ceil(parts).div_ceil(NR) * NR;
-                    let (j0, j1) = ((p * step).min(n), ((p + 1) * step).min(n));
-                    if j0 < j1 {
-                        call(0, m, j0, j1);
-                    }
-                }
-            });
-        }
-        // safety: sizes checked above; out is a distinct &mut.
-        PackedData::RowMajor(b) => unsafe {
-            gemm_on(
-                threads,
-                DType::F32,
-                m,
-                k,
-                n,
-                Mat::rm(inp.as_ptr(), k),
-                Mat::rm(b.as_ptr(), n),
-                Mat::rm(out.as_mut_ptr(), n),
-                false,
-                bias.map(|b| &b[..n]),
-                Epilogue::None,
-                None,
-            )
-        },
-    }
-}
-
 /// Every row of the (m, n) matrix `c` becomes `b` (the bias, for the `matrixmultiply` path).
 ///
 /// # Safety
@@ -909,6 +787,9 @@ simd_fn! {
         }
     }
 }
+
+mod packed;
+pub use packed::{packed_matmul_forward, PackedMatrix};
 
 #[cfg(test)]
 mod tests;

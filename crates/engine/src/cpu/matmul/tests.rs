@@ -356,3 +356,218 @@ fn bias_gradients_are_the_bits_of_column_sums_at_any_thread_count() {
         }
     }
 }
+
+/// One product of [`gemm_on`] over `threads` threads: its result, the epilogue's output and
+/// B's column sums, as bits.
+#[derive(Clone, Copy)]
+struct Split {
+    m: usize,
+    k: usize,
+    n: usize,
+    /// A transposed (a weight gradient's), B transposed (an input gradient's).
+    at: bool,
+    bt: bool,
+    /// A in bf16 (its bits).
+    a16: bool,
+    accumulate: bool,
+    bias: bool,
+    /// 0: none, 1: GELU, 2: SwiGLU's interleaved order.
+    ep: u8,
+    sums: bool,
+}
+
+impl Split {
+    fn run(&self, dtype: DType, threads: usize) -> Vec<Vec<u32>> {
+        let (m, k, n) = (self.m, self.k, self.n);
+        let a = rand_vec(m * k, 1);
+        let a16: Vec<u16> = a.iter().map(|&v| crate::cpu::bf16::bf16_bits(v)).collect();
+        let b = rand_vec(k * n, 2);
+        let bias = rand_vec(n, 3);
+        let mut c = if self.accumulate {
+            rand_vec(m * n, 4)
+        } else {
+            vec![f32::NAN; m * n]
+        };
+        let mut out = vec![0.0f32; m * n];
+        let mut sums = rand_vec(n, 5);
+        let am = match (self.a16, self.at) {
+            (true, false) => Mat::rm_bf16(a16.as_ptr(), k),
+            (true, true) => Mat::rm_bf16(a16.as_ptr(), m).t(),
+            (false, false) => Mat::rm(a.as_ptr(), k),
+            (false, true) => Mat::rm(a.as_ptr(), m).t(),
+        };
+        let bm = if self.bt {
+            Mat::rm(b.as_ptr(), k).t()
+        } else {
+            Mat::rm(b.as_ptr(), n)
+        };
+        let ep = match self.ep {
+            0 => Epilogue::None,
+            1 => Epilogue::Gelu {
+                out: SendPtr(out.as_mut_ptr()),
+                rs: n,
+            },
+            _ => Epilogue::SwiGlu {
+                out: SendPtr(out.as_mut_ptr()),
+                rs: n / 2,
+                half: n / 2,
+            },
+        };
+        let sums_ptr = self.sums.then_some(SendPtr(sums.as_mut_ptr()));
+        let cm = Mat::rm(c.as_mut_ptr(), n);
+        let bias = self.bias.then_some(&bias[..]);
+        within_pool(threads, || {
+            // SAFETY: the descriptors cover the buffers above; c, out and sums are distinct.
+            unsafe {
+                gemm_on(
+                    threads,
+                    dtype,
+                    m,
+                    k,
+                    n,
+                    am,
+                    bm,
+                    cm,
+                    self.accumulate,
+                    bias,
+                    ep,
+                    sums_ptr,
+                )
+            }
+        });
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect();
+        vec![bits(&c), bits(&out), bits(&sums)]
+    }
+}
+
+/// Products split over 2 and 3 threads, by rows and by columns (under bf16, the operand every
+/// part reads packed once for all of them), give the bits of one thread: odd sizes, K whole
+/// and split, A's rows in more than one shared chunk, transposed operands, a bias,
+/// accumulating, epilogues, B's column sums, a left operand in bf16, SwiGLU's order.
+#[test]
+fn split_products_have_the_bits_of_one_thread() {
+    let bf16 = crate::cpu::bf16_supported();
+    if !bf16 {
+        eprintln!("bf16 products not tested: this CPU has no bf16 product");
+    }
+    let base = Split {
+        m: 0,
+        k: 0,
+        n: 0,
+        at: false,
+        bt: false,
+        a16: false,
+        accumulate: false,
+        bias: false,
+        ep: 0,
+        sums: false,
+    };
+    let cases = [
+        // by rows, K whole, bias and GELU; and by columns
+        Split {
+            m: 301,
+            k: 77,
+            n: 45,
+            bias: true,
+            ep: 1,
+            ..base
+        },
+        Split {
+            m: 45,
+            k: 77,
+            n: 301,
+            bias: true,
+            ep: 1,
+            ..base
+        },
+        // K split (three blocks), an input gradient's transposed B, accumulating
+        Split {
+            m: 203,
+            k: 1100,
+            n: 70,
+            bt: true,
+            accumulate: true,
+            ..base
+        },
+        Split {
+            m: 70,
+            k: 1100,
+            n: 203,
+            at: true,
+            accumulate: true,
+            sums: true,
+            ..base
+        },
+        // a weight gradient by rows and by columns, with B's sums; the second's A in chunks
+        Split {
+            m: 300,
+            k: 130,
+            n: 61,
+            at: true,
+            accumulate: true,
+            sums: true,
+            ..base
+        },
+        Split {
+            m: 500,
+            k: 60,
+            n: 530,
+            at: true,
+            accumulate: true,
+            sums: true,
+            ..base
+        },
+        // SwiGLU's interleaved columns, by rows and by columns
+        Split {
+            m: 300,
+            k: 64,
+            n: 96,
+            ep: 2,
+            ..base
+        },
+        Split {
+            m: 40,
+            k: 64,
+            n: 320,
+            ep: 2,
+            ..base
+        },
+    ];
+    let a16_cases = [
+        Split {
+            m: 301,
+            k: 77,
+            n: 45,
+            a16: true,
+            bias: true,
+            ..base
+        },
+        Split {
+            m: 45,
+            k: 1100,
+            n: 301,
+            a16: true,
+            at: true,
+            sums: true,
+            accumulate: true,
+            ..base
+        },
+    ];
+    let mut runs: Vec<(&Split, DType)> = cases.iter().map(|s| (s, DType::F32)).collect();
+    if bf16 {
+        runs.extend(cases.iter().chain(&a16_cases).map(|s| (s, DType::Bf16)));
+    }
+    for (s, dtype) in runs {
+        let one = s.run(dtype, 1);
+        for threads in [2, 3] {
+            let what = format!(
+                "{dtype:?} {}x{}x{} (at {} bt {} a16 {} acc {} bias {} ep {} sums {}), {threads} threads",
+                s.m, s.k, s.n, s.at, s.bt, s.a16, s.accumulate, s.bias, s.ep, s.sums
+            );
+            let got = s.run(dtype, threads);
+            for (x, name) in got.iter().zip(&one).zip(["c", "epilogue", "sums"]) {
+                assert!(x.0 == x.1, "{name} of {what}");
+            }
+        }
+    }
+}

@@ -7,13 +7,12 @@
 
 use std::arch::x86_64::*;
 
-use crate::cpu::attention::softmax_max;
 use crate::cpu::gemm_bf16::{lanes, pairs_of};
 use crate::cpu::math::{sum, sum_lanes, EXP_LN2, EXP_MAGIC, EXP_POLY, EXP_RANGE, LANES};
 use crate::Dropout;
 
 #[cfg(doc)]
-use crate::cpu::gemm_bf16::pack_a;
+use crate::cpu::{attention::softmax_max, gemm_bf16::pack_a};
 
 /// The lanes of keys e.. e + 16 that lie in `a..b`.
 #[inline(always)]
@@ -57,21 +56,59 @@ pub(super) fn exp16(x: __m512) -> __m512 {
     _mm512_mul_ps(ef, _mm512_castsi512_ps(two_n))
 }
 
-/// exp(x - mx) · m over `vis` in place (its mask `mf` as long), and their sum: softmax_row's
-/// exp pass and `sum` over its result in one pass, in `sum`'s lanes (element i adds to lane
-/// i % 16, in order), so with its bits.
+/// The scaled score of 16 keys as [`softmax_max`] leaves it: `x · scale` where the mask is
+/// set (m > 0), -inf where it is not.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn exps_sum(vis: &mut [f32], mf: &[f32], mx: f32) -> f32 {
+#[inline]
+fn scaled(x: __m512, m: __m512, scale: __m512) -> __m512 {
+    let set = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_setzero_ps());
+    _mm512_mask_mul_ps(_mm512_set1_ps(f32::NEG_INFINITY), set, x, scale)
+}
+
+/// [`softmax_max`] of the raw scores `vis` (its mask `mf` as long), without writing the
+/// scaled scores back (the next pass makes them again, the same bits): the largest scaled,
+/// unmasked score that is not NaN, or -inf, as `max` finds it. A max is exact, so its lanes
+/// need not be `max`'s; only the sign of a zero max could differ, and no result depends on it
+/// (x - (±0) and exp of ±0 agree, and the log-sum-exp adds ln(sum) ≥ +0 to it).
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn scaled_max(vis: &[f32], mf: &[f32], scale: f32) -> f32 {
+    let n = vis.len();
+    assert!(mf.len() == n);
+    let (mut acc, scale) = (_mm512_set1_ps(f32::NEG_INFINITY), _mm512_set1_ps(scale));
+    for i in (0..n).step_by(16) {
+        let m = lanes(n - i);
+        // SAFETY: the first n - i lanes from i, inside both slices.
+        let (x, k) = unsafe {
+            (
+                _mm512_maskz_loadu_ps(m, vis.as_ptr().wrapping_add(i)),
+                _mm512_maskz_loadu_ps(m, mf.as_ptr().wrapping_add(i)),
+            )
+        };
+        // lanes past n: their mask loads 0, so they are -inf. vmaxps returns its second
+        // operand when the first is NaN: NaN scores are skipped, as `f32::max` skips them.
+        acc = _mm512_max_ps(scaled(x, k, scale), acc);
+    }
+    _mm512_reduce_max_ps(acc)
+}
+
+/// exp(s - mx) · m over `vis` in place, s its raw scores scaled and masked as [`scaled`]
+/// makes them (its mask `mf` as long), and their sum: softmax_row's exp pass and `sum` over
+/// its result in one pass, in `sum`'s lanes (element i adds to lane i % 16, in order), so
+/// with its bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn exps_sum(vis: &mut [f32], mf: &[f32], scale: f32, mx: f32) -> f32 {
     let n = vis.len();
     assert!(mf.len() == n);
     let (mut acc, mx) = (_mm512_setzero_ps(), _mm512_set1_ps(mx));
+    let scale = _mm512_set1_ps(scale);
     for i in (0..n).step_by(16) {
         let m = lanes(n - i);
         let x = vis.as_mut_ptr().wrapping_add(i);
         // SAFETY: the first n - i lanes from i, inside both slices.
         unsafe {
             let k = _mm512_maskz_loadu_ps(m, mf.as_ptr().wrapping_add(i));
-            let e = _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x), mx)), k);
+            let s = scaled(_mm512_maskz_loadu_ps(m, x), k, scale);
+            let e = _mm512_mul_ps(exp16(_mm512_sub_ps(s, mx)), k);
             _mm512_mask_storeu_ps(x, m, e);
             acc = _mm512_mask_add_ps(acc, m, acc, e);
         }
@@ -119,13 +156,14 @@ pub(super) unsafe fn softmax_pairs(
 ) -> f32 {
     // (keys past tq hold whatever the product left there: only lo..hi is read)
     let (vis, mf) = (&mut row[lo..=tq], &mf[lo..=tq]);
-    let mx = softmax_max(vis, mf, scale);
+    // SAFETY: the features are this function's.
+    let mx = unsafe { scaled_max(vis, mf, scale) };
     let (lse, inv, hi) = if mx == f32::NEG_INFINITY {
         // no key visible: all zeros
         (f32::NEG_INFINITY, 0.0, lo)
     } else {
         // SAFETY: the features are this function's.
-        let total = unsafe { exps_sum(vis, mf, mx) };
+        let total = unsafe { exps_sum(vis, mf, scale, mx) };
         (mx + total.ln(), 1.0 / total, tq + 1)
     };
     let (inv, ds) = (_mm512_set1_ps(inv), drop.map_or(1.0, |(d, _)| d.scale()));

@@ -242,9 +242,14 @@ pub(super) unsafe fn probs_pairs(
                     _mm512_maskz_loadu_ps(vis, pe),
                     _mm512_maskz_loadu_ps(vis, mf.as_ptr().wrapping_add(e)),
                 );
-                // probs_row's arithmetic: exp(x · scale - lse) · m, 0 outside lo..=tq
-                let arg = _mm512_sub_ps(_mm512_mul_ps(x, c(scale)), c(lse));
-                let pj = _mm512_maskz_mul_ps(vis, exp16(arg), m);
+                // probs_row's arithmetic: exp(x · scale - lse) · m, 0 outside lo..=tq (a
+                // strip's rows end before its keys do: a block wholly outside is just 0)
+                let pj = if vis == 0 {
+                    _mm512_setzero_ps()
+                } else {
+                    let arg = _mm512_sub_ps(_mm512_mul_ps(x, c(scale)), c(lse));
+                    _mm512_maskz_mul_ps(vis, exp16(arg), m)
+                };
                 _mm512_mask_storeu_ps(pe, all, pj);
                 let d = _mm512_maskz_loadu_ps(causal, dpe);
                 // Dropout::apply's arithmetic on P (all keys) and dP (..=tq)

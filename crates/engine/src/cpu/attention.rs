@@ -472,7 +472,7 @@ simd_fn! {
 
 /// [`softmax_row`]'s first two passes over the visible keys `vis` (`mf` as long): the
 /// scores scaled, masked ones -inf, in place; returns their max (-inf: no key visible). The
-/// fused heads go on from here with their own passes, of the same bits.
+/// fused heads find the same max in a pass that writes nothing (`rows::scaled_max`).
 #[inline(always)]
 pub(super) fn softmax_max(vis: &mut [f32], mf: &[f32], scale: f32) -> f32 {
     for (x, &m) in vis.iter_mut().zip(mf) {

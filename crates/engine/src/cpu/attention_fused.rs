@@ -21,9 +21,12 @@
 //! and rounding, for both kernels: only the row stride differs), instead of storing f32 and
 //! packing them in a pass of their own (config B's bf16 step, Zen 5: attention 14% of the step
 //! at a quarter of the machine's peak, its softmax passes and packing half of that). What
-//! remains a row: forward, mask and scale, the max, exp with the sum, then 1/sum and dropout
-//! writing P's pairs; backward, P with both dropouts and Σ dP·P (and, recomputing the output,
-//! the used probabilities' pairs), then dS written in f32 and as pairs. The arithmetic is the
+//! remains a row: forward, the max of the scaled, masked scores (written nowhere), exp with
+//! the sum (scaling and masking again, the same bits), then 1/sum and dropout writing P's
+//! pairs, four rows through each pass together so that one row's serial steps (the max
+//! across lanes, the sum, ln) overlap the others' vector work; backward, P with both
+//! dropouts and Σ dP·P (and, recomputing the output, the used probabilities' pairs), then dS
+//! written in f32 and as pairs. The arithmetic is the
 //! general path's operation for operation, on 16 lanes by hand (exp included; `rows`):
 //! LLVM left loops that both compute and pack scalar. The transposed layouts (the used
 //! probabilities and dS for dV and dK, pairs along queries) stay packs of their own from f32:
@@ -43,7 +46,7 @@ use super::gemm_bf16::amx::{self, Scratch};
 use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
 use super::SendPtr;
 use crate::Dropout;
-use rows::{grad_pairs, probs_pairs, softmax_pairs};
+use rows::{grad_pairs, probs_pairs, softmax_rows, SoftRow};
 
 mod rows;
 
@@ -334,14 +337,30 @@ pub(super) unsafe fn head_forward(
                 tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, cols, &mut scratch);
                 // P (after dropout) straight into its bf16 pairs, rows of kp pairs
                 let kp = tiles.pairs(keys);
-                for i in 0..rows {
+                let mut strip = s[..rows * t].chunks_mut(t).map(|row| &mut row[..keys]);
+                let soft = |i: usize, row| {
                     let tq = r0 + i;
-                    let row = &mut s[i * t..i * t + keys];
-                    let lo = segment_start(segments, bi, t, tq);
-                    let drop = dropout.map(|d| (d, ((bh * t + tq) * t) as u64));
-                    let to = (pa.add(i * kp), kp);
-                    let l = softmax_pairs(row, &mf[..keys], (tq, lo), head.scale, drop, to);
-                    *lse.0.add(bh * t + tq) = l;
+                    SoftRow {
+                        row,
+                        tq,
+                        lo: segment_start(segments, bi, t, tq),
+                        drop: dropout.map(|d| (d, ((bh * t + tq) * t) as u64)),
+                        to: (pa.wrapping_add(i * kp), kp),
+                    }
+                };
+                // TOGETHER rows at a time (see softmax_rows), the last few alone
+                const TOGETHER: usize = 4;
+                let lse_at = lse.0.add(bh * t + r0);
+                let mut i = 0;
+                while i + TOGETHER <= rows {
+                    let some = std::array::from_fn(|j| soft(i + j, strip.next().expect("row")));
+                    let l = softmax_rows::<TOGETHER>(some, &mf[..keys], head.scale);
+                    lse_at.add(i).copy_from(l.as_ptr(), TOGETHER);
+                    i += TOGETHER;
+                }
+                for (j, row) in strip.enumerate() {
+                    *lse_at.add(i + j) =
+                        softmax_rows([soft(i + j, row)], &mf[..keys], head.scale)[0];
                 }
                 // out[r0..] = P · V[0..keys]
                 let o = out.0.add((bi * t + r0) * c + h * hd);

@@ -2,7 +2,7 @@
 //! in f32, then `pack_a`), at both kernels' packed strides: zmm's whole pairs and AMX's 16-pair
 //! padding, so that AMX's layout is checked on machines without AMX too.
 
-use super::rows::{exp16, grad_pairs, probs_pairs, softmax_pairs};
+use super::rows::{exp16, grad_pairs, probs_pairs, softmax_pairs, softmax_rows, SoftRow};
 use super::*;
 use crate::cpu::attention::{probs_in, softmax_back_row, softmax_in};
 use crate::cpu::testing::rand_vec;
@@ -108,6 +108,56 @@ fn row_passes_write_what_the_separate_passes_packed() {
                 assert_eq!(got_ds, want_ds, "{what}: dS pairs");
             }
         }
+    }
+}
+
+/// Rows taken through the forward's passes together (as the fused heads take them) get the
+/// bits each gets alone: rows of different lengths and segment starts, one that sees no key,
+/// with and without dropout.
+#[test]
+fn rows_together_give_each_rows_bits_alone() {
+    if !std::arch::is_x86_feature_detected!("avx512bf16") {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    let (keys, kp, scale) = (70usize, 35usize, 0.125);
+    let mut mf = vec![1.0f32; keys];
+    mf[..3].fill(0.0);
+    let scores: Vec<f32> = rand_vec(4 * keys, 8).iter().map(|x| x * 6.0).collect();
+    // (tq, lo): a long row, a short one, one seeing only masked keys, one in a late segment
+    let at = [(69usize, 0usize), (20, 0), (2, 0), (50, 33)];
+    for drop in [None, Some(Dropout { p: 0.25, key: 9 })] {
+        let off = |r: usize| (r * keys * 11) as u64;
+        let (mut alone, mut want_pa, mut want_lse) = (scores.clone(), vec![0u32; 4 * kp], [0.0; 4]);
+        for (r, &(tq, lo)) in at.iter().enumerate() {
+            let row = &mut alone[r * keys..(r + 1) * keys];
+            let to = (want_pa[r * kp..].as_mut_ptr(), kp);
+            let d = drop.map(|d| (d, off(r)));
+            // SAFETY: `to` has kp u32; AVX512_BF16 is present.
+            want_lse[r] = unsafe { softmax_pairs(row, &mf, (tq, lo), scale, d, to) };
+        }
+        let (mut together, mut got_pa) = (scores.clone(), vec![0u32; 4 * kp]);
+        let mut rows = together
+            .chunks_mut(keys)
+            .zip(got_pa.chunks_mut(kp))
+            .enumerate();
+        let four = std::array::from_fn(|_| {
+            let (r, (row, to)) = rows.next().expect("four rows");
+            let (tq, lo) = at[r];
+            let drop = drop.map(|d| (d, off(r)));
+            let to = (to.as_mut_ptr(), kp);
+            SoftRow {
+                row,
+                tq,
+                lo,
+                drop,
+                to,
+            }
+        });
+        // SAFETY: each `to` has kp u32; AVX512_BF16 is present.
+        let got_lse = unsafe { softmax_rows::<4>(four, &mf, scale) };
+        assert_eq!(got_lse.map(f32::to_bits), want_lse.map(f32::to_bits), "lse");
+        assert_eq!(got_pa, want_pa, "dropout {}: pairs", drop.is_some());
     }
 }
 

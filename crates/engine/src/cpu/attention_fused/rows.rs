@@ -7,13 +7,12 @@
 
 use std::arch::x86_64::*;
 
-use crate::cpu::attention::softmax_max;
 use crate::cpu::gemm_bf16::{lanes, pairs_of};
 use crate::cpu::math::{sum, sum_lanes, EXP_LN2, EXP_MAGIC, EXP_POLY, EXP_RANGE, LANES};
 use crate::Dropout;
 
 #[cfg(doc)]
-use crate::cpu::gemm_bf16::pack_a;
+use crate::cpu::{attention::softmax_max, gemm_bf16::pack_a};
 
 /// The lanes of keys e.. e + 16 that lie in `a..b`.
 #[inline(always)]
@@ -57,29 +56,13 @@ pub(super) fn exp16(x: __m512) -> __m512 {
     _mm512_mul_ps(ef, _mm512_castsi512_ps(two_n))
 }
 
-/// exp(x - mx) · m over `vis` in place (its mask `mf` as long), and their sum: softmax_row's
-/// exp pass and `sum` over its result in one pass, in `sum`'s lanes (element i adds to lane
-/// i % 16, in order), so with its bits.
+/// The scaled score of 16 keys as [`softmax_max`] leaves it: `x · scale` where the mask is
+/// set (m > 0), -inf where it is not.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn exps_sum(vis: &mut [f32], mf: &[f32], mx: f32) -> f32 {
-    let n = vis.len();
-    assert!(mf.len() == n);
-    let (mut acc, mx) = (_mm512_setzero_ps(), _mm512_set1_ps(mx));
-    for i in (0..n).step_by(16) {
-        let m = lanes(n - i);
-        let x = vis.as_mut_ptr().wrapping_add(i);
-        // SAFETY: the first n - i lanes from i, inside both slices.
-        unsafe {
-            let k = _mm512_maskz_loadu_ps(m, mf.as_ptr().wrapping_add(i));
-            let e = _mm512_mul_ps(exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x), mx)), k);
-            _mm512_mask_storeu_ps(x, m, e);
-            acc = _mm512_mask_add_ps(acc, m, acc, e);
-        }
-    }
-    let mut sums = [0f32; LANES];
-    // SAFETY: 16 floats into a 16-float array.
-    unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), acc) };
-    sum_lanes(&sums)
+#[inline]
+fn scaled(x: __m512, m: __m512, scale: __m512) -> __m512 {
+    let set = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, _mm512_setzero_ps());
+    _mm512_mask_mul_ps(_mm512_set1_ps(f32::NEG_INFINITY), set, x, scale)
 }
 
 /// Stores 32 values (`v`: elements 2·p0.. of a row) as pairs p0.. of a row of [`pack_a`]'s
@@ -100,14 +83,139 @@ unsafe fn store_pairs((row, stride): (*mut u32, usize), p0: usize, v: [__m512; 2
     }
 }
 
-/// The forward's softmax of a strip row (query `tq`, keys `lo..=tq` of its segment visible,
-/// `row` and `mf` as long as the strip's keys): [`softmax_in`](crate::cpu::attention::softmax_in)'s
-/// probabilities, then dropout (`drop`: the mask and the row's offset in it), but the last
-/// pass writes them straight into `to` as bf16 pairs, without storing P. Returns the
-/// log-sum-exp.
+/// One strip row for [`softmax_rows`]: its scores (as long as the strip's keys, `mf` too),
+/// the query `tq` whose keys `lo..=tq` of its segment are visible, its dropout (the mask and
+/// the row's offset in it) and the row of bf16 pairs its probabilities go to.
+pub(super) struct SoftRow<'a> {
+    pub row: &'a mut [f32],
+    pub tq: usize,
+    pub lo: usize,
+    pub drop: Option<(Dropout, u64)>,
+    pub to: (*mut u32, usize),
+}
+
+/// The forward's softmax of `N` strip rows: each row gets
+/// [`softmax_in`](crate::cpu::attention::softmax_in)'s probabilities, then dropout, but the
+/// last pass writes them straight into its `to` as bf16 pairs, without storing P. Returns
+/// each row's log-sum-exp.
+///
+/// The passes: the max of the scaled, masked scores, without writing them back (as
+/// [`softmax_max`] finds it: a max is exact, so its lanes need not be `max`'s; NaN scores are
+/// skipped, as `f32::max` skips them; only the sign of a zero max could differ, and no result
+/// depends on it: x - (±0) and exp of ±0 agree, and the log-sum-exp adds ln(sum) ≥ +0 to it);
+/// exp(s - max) · m in place with their sum, in `sum`'s lanes (element i adds to lane i % 16,
+/// in order), so with its bits; then 1/sum, dropout and the pairs. A row's arithmetic does
+/// not depend on `N`: several rows go through each pass together only so that one row's
+/// serial steps (the max across lanes, the sum, ln) overlap another's vector work (row by
+/// row, those chains left the core waiting).
 ///
 /// # Safety
-/// `to`: a row of `to.1` (≥ ⌈keys/2⌉) writable u32.
+/// Each `to`: a row of `to.1` (≥ ⌈keys/2⌉) writable u32.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn softmax_rows<const N: usize>(
+    mut rows: [SoftRow; N],
+    mf: &[f32],
+    scale: f32,
+) -> [f32; N] {
+    // (keys past tq hold whatever the product left there: only lo..hi is read)
+    for r in &rows {
+        assert!(r.lo <= r.tq && r.tq < r.row.len() && r.row.len() <= mf.len());
+    }
+    let n = rows.each_ref().map(|r| r.tq + 1 - r.lo);
+    let x = rows
+        .each_mut()
+        .map(|r| r.row.as_mut_ptr().wrapping_add(r.lo));
+    let k = rows.each_ref().map(|r| mf.as_ptr().wrapping_add(r.lo));
+    let len = n.iter().copied().max().unwrap_or(0);
+    let sc = _mm512_set1_ps(scale);
+    // (loops, not closures: a closure would not inherit the target features)
+    let mut acc = [_mm512_set1_ps(f32::NEG_INFINITY); N];
+    for i in (0..len).step_by(16) {
+        for r in 0..N {
+            let m = lanes(n[r].saturating_sub(i));
+            // SAFETY: the first n - i lanes from i, inside row r's lo..=tq and its mask.
+            let (s, mk) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(m, x[r].wrapping_add(i)),
+                    _mm512_maskz_loadu_ps(m, k[r].wrapping_add(i)),
+                )
+            };
+            // lanes past n: their mask loads 0, so they are -inf. vmaxps returns its second
+            // operand when the first is NaN.
+            acc[r] = _mm512_max_ps(scaled(s, mk, sc), acc[r]);
+        }
+    }
+    let mx = acc.map(|a| _mm512_reduce_max_ps(a));
+    // no key visible: nothing to exponentiate, all zeros
+    let live =
+        std::array::from_fn::<_, N, _>(|r| if mx[r] == f32::NEG_INFINITY { 0 } else { n[r] });
+    let mut sums = [_mm512_setzero_ps(); N];
+    for i in (0..len).step_by(16) {
+        for r in 0..N {
+            let m = lanes(live[r].saturating_sub(i));
+            if m == 0 {
+                continue;
+            }
+            let at = x[r].wrapping_add(i);
+            // SAFETY: as in the max pass.
+            unsafe {
+                let mk = _mm512_maskz_loadu_ps(m, k[r].wrapping_add(i));
+                let s = scaled(_mm512_maskz_loadu_ps(m, at), mk, sc);
+                let e = _mm512_mul_ps(exp16(_mm512_sub_ps(s, _mm512_set1_ps(mx[r]))), mk);
+                _mm512_mask_storeu_ps(at, m, e);
+                sums[r] = _mm512_mask_add_ps(sums[r], m, sums[r], e);
+            }
+        }
+    }
+    let mut out = [0.0; N];
+    for r in 0..N {
+        let SoftRow {
+            tq, lo, drop, to, ..
+        } = rows[r];
+        let (lse, inv, hi) = if live[r] == 0 {
+            (f32::NEG_INFINITY, 0.0, lo)
+        } else {
+            let mut lanes16 = [0f32; LANES];
+            // SAFETY: 16 floats into a 16-float array.
+            unsafe { _mm512_storeu_ps(lanes16.as_mut_ptr(), sums[r]) };
+            let total = sum_lanes(&lanes16);
+            (mx[r] + total.ln(), 1.0 / total, tq + 1)
+        };
+        out[r] = lse;
+        let (inv, ds) = (_mm512_set1_ps(inv), drop.map_or(1.0, |(d, _)| d.scale()));
+        let row = rows[r].row.as_ptr();
+        for p0 in (0..to.1).step_by(16) {
+            let mut v = [_mm512_setzero_ps(); 2];
+            for (half, vh) in v.iter_mut().enumerate() {
+                let e = 2 * p0 + 16 * half;
+                let vis = span(e, lo, hi);
+                // SAFETY: the lanes loaded lie in lo..hi ⊂ the row (a load of none reads
+                // nothing).
+                let y = _mm512_maskz_mul_ps(
+                    vis,
+                    unsafe { _mm512_maskz_loadu_ps(vis, row.wrapping_add(e)) },
+                    inv,
+                );
+                // Dropout::apply's arithmetic: kept, times the scale; else 0
+                *vh = match drop {
+                    Some((d, off)) => {
+                        _mm512_maskz_mul_ps(kept(&d, off + e as u64), y, _mm512_set1_ps(ds))
+                    }
+                    None => y,
+                };
+            }
+            // SAFETY: p0 < to.1, the caller's row.
+            unsafe { store_pairs(to, p0, v) };
+        }
+    }
+    out
+}
+
+/// [`softmax_rows`] of one row.
+///
+/// # Safety
+/// As [`softmax_rows`].
+#[cfg(test)]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 pub(super) unsafe fn softmax_pairs(
     row: &mut [f32],
@@ -117,43 +225,15 @@ pub(super) unsafe fn softmax_pairs(
     drop: Option<(Dropout, u64)>,
     to: (*mut u32, usize),
 ) -> f32 {
-    // (keys past tq hold whatever the product left there: only lo..hi is read)
-    let (vis, mf) = (&mut row[lo..=tq], &mf[lo..=tq]);
-    let mx = softmax_max(vis, mf, scale);
-    let (lse, inv, hi) = if mx == f32::NEG_INFINITY {
-        // no key visible: all zeros
-        (f32::NEG_INFINITY, 0.0, lo)
-    } else {
-        // SAFETY: the features are this function's.
-        let total = unsafe { exps_sum(vis, mf, mx) };
-        (mx + total.ln(), 1.0 / total, tq + 1)
+    let r = SoftRow {
+        row,
+        tq,
+        lo,
+        drop,
+        to,
     };
-    let (inv, ds) = (_mm512_set1_ps(inv), drop.map_or(1.0, |(d, _)| d.scale()));
-    let x = row.as_ptr();
-    for p0 in (0..to.1).step_by(16) {
-        // (loops, not closures: a closure would not inherit the target features)
-        let mut v = [_mm512_setzero_ps(); 2];
-        for (half, vh) in v.iter_mut().enumerate() {
-            let e = 2 * p0 + 16 * half;
-            let vis = span(e, lo, hi);
-            // SAFETY: the lanes loaded lie in lo..hi ⊂ the row (a load of none reads nothing).
-            let y = _mm512_maskz_mul_ps(
-                vis,
-                unsafe { _mm512_maskz_loadu_ps(vis, x.wrapping_add(e)) },
-                inv,
-            );
-            // Dropout::apply's arithmetic: kept, times the scale; else 0
-            *vh = match drop {
-                Some((d, off)) => {
-                    _mm512_maskz_mul_ps(kept(&d, off + e as u64), y, _mm512_set1_ps(ds))
-                }
-                None => y,
-            };
-        }
-        // SAFETY: p0 < to.1, the caller's row.
-        unsafe { store_pairs(to, p0, v) };
-    }
-    lse
+    // SAFETY: the caller's.
+    unsafe { softmax_rows([r], mf, scale)[0] }
 }
 
 /// The backward's first pass over a strip row (query `tq`, keys `lo..=tq` visible, `l` its
@@ -204,9 +284,14 @@ pub(super) unsafe fn probs_pairs(
                     _mm512_maskz_loadu_ps(vis, pe),
                     _mm512_maskz_loadu_ps(vis, mf.as_ptr().wrapping_add(e)),
                 );
-                // probs_row's arithmetic: exp(x · scale - lse) · m, 0 outside lo..=tq
-                let arg = _mm512_sub_ps(_mm512_mul_ps(x, c(scale)), c(lse));
-                let pj = _mm512_maskz_mul_ps(vis, exp16(arg), m);
+                // probs_row's arithmetic: exp(x · scale - lse) · m, 0 outside lo..=tq (a
+                // strip's rows end before its keys do: a block wholly outside is just 0)
+                let pj = if vis == 0 {
+                    _mm512_setzero_ps()
+                } else {
+                    let arg = _mm512_sub_ps(_mm512_mul_ps(x, c(scale)), c(lse));
+                    _mm512_maskz_mul_ps(vis, exp16(arg), m)
+                };
                 _mm512_mask_storeu_ps(pe, all, pj);
                 let d = _mm512_maskz_loadu_ps(causal, dpe);
                 // Dropout::apply's arithmetic on P (all keys) and dP (..=tq)

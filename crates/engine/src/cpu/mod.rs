@@ -56,6 +56,10 @@ pub use matmul::{
     matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
 };
 pub use peak::{product_peak, Peak};
+/// Timing hooks for `examples/pack_rates.rs`: the bf16 product's packs alone.
+#[cfg(target_arch = "x86_64")]
+#[doc(hidden)]
+pub use gemm_bf16::rates as pack_rates;
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 pub use rope::{rope_backward, rope_forward, rope_tables, RopeDims};
 pub use swiglu::{

@@ -27,6 +27,17 @@ pub(crate) fn lanes(n: usize) -> __mmask16 {
 /// 391 -> 420-434).
 const PREFETCH_ROWS: usize = 3;
 
+/// Pairs of B's rows between the row-major pack's loads and its prefetches: 1 pair was too
+/// close (20-25 GB/s), 3-6 alike (25-30).
+const PREFETCH_PAIRS: usize = 4;
+
+/// Asks for the 64-byte line at `p` into L1.
+#[inline(always)]
+fn prefetch_line(p: *const f32) {
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
+
 /// Two rows of 16 f32 (`x` the even K index, `y` the odd) as 16 bf16 pairs, `x` in the low half.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[inline]
@@ -338,23 +349,22 @@ unsafe fn pack_b_cols(
             // streams the prefetchers follow. Going down 16 columns at a time instead reads 64
             // bytes from every row in turn, rows kilobytes apart, and on a weight gradient's B
             // (thousands of rows) each of those loads waited on memory.
-            // The next pair of rows is asked for while this one is converted: a weight
-            // gradient's B is megabytes, and each pair of rows starts two new streams.
+            // Each 16 columns converted ask for the same columns PREFETCH_PAIRS pairs of rows
+            // further down: one prefetch per line loaded, spread evenly. Asking for the next
+            // pair's whole rows at once (256 lines at NC = 2048, far more than the miss
+            // buffers hold) left the loads waiting on memory: config G's row-major Bs, cold,
+            // 9-11 -> 25-30 GB/s of f32 read (one thread, Zen 5, `examples/pack_rates.rs`).
+            // Rows past the block are asked for too: the next K block's, or nothing (a
+            // prefetch never faults).
+            let ahead = 2 * PREFETCH_PAIRS * rs;
             for p in 0..kcp {
                 let (x_row, y_row) = (b.add(2 * p * rs), b.wrapping_add((2 * p + 1) * rs));
                 let odd = 2 * p + 1 < kc;
-                for e in 2 * p + 2..(2 * p + 4).min(kc) {
-                    match half {
-                        None => prefetch_run(b.wrapping_add(e * rs) as *const u8, 4 * nc),
-                        Some(h) => {
-                            for at in [e * rs, e * rs + h] {
-                                prefetch_run(b.wrapping_add(at) as *const u8, 2 * nc);
-                            }
-                        }
-                    }
-                }
                 for j0 in (0..nc).step_by(16) {
                     let cols = lanes(nc - j0);
+                    for row in [x_row, y_row] {
+                        prefetch_line(row.wrapping_add(ahead + col(j0)));
+                    }
                     let x = _mm512_maskz_loadu_ps(cols, x_row.add(col(j0)));
                     let y = if odd {
                         _mm512_maskz_loadu_ps(cols, y_row.add(col(j0)))

@@ -20,12 +20,14 @@ pub(crate) fn lanes(n: usize) -> __mmask16 {
     }
 }
 
-/// Rows of A a packing pass asks for ahead of the row it converts: A comes from beyond the
-/// caches (an activation of megabytes), a row of a K block is 1-2 KB, and the hardware
-/// prefetchers stop at the end of each such run; three rows ahead covers the miss latency
-/// (on AMD Zen 5, config B's fc projection 380 -> 426-453 GFLOP/s, the fc input gradient
-/// 391 -> 420-434).
-const PREFETCH_ROWS: usize = 3;
+/// Rows of A between a row-major pack's loads and its prefetches. A comes from beyond the
+/// caches (an activation of megabytes) and the hardware prefetchers stop at the end of each
+/// row's run of a K block (1-2 KB), so each line loaded asks for the same line this many rows
+/// further down. Asking for a whole row three rows ahead at once instead (on AMD Zen 5, config
+/// B's fc projection 380 -> 426-453 GFLOP/s against none) left config G's A, cold, at 16 GB/s
+/// of f32 read; a line per line, 3-6 rows ahead: 38-42 (one thread, Zen 5,
+/// `examples/pack_rates.rs`; 21 where K is split, a row's run 2 KB of a 12 KB row).
+const PREFETCH_ROWS: usize = 6;
 
 /// Pairs of B's rows between the row-major pack's loads and its prefetches: 1 pair was too
 /// close (20-25 GB/s), 3-6 alike (25-30).
@@ -102,13 +104,12 @@ pub(crate) unsafe fn pack_a(
         if cs == 1 {
             for i in 0..mc {
                 let (src, dst) = (a.add(i * rs), pa.add(i * stride));
-                if i + PREFETCH_ROWS < mc {
-                    prefetch_run(
-                        a.wrapping_add((i + PREFETCH_ROWS) * rs) as *const u8,
-                        4 * kc,
-                    );
-                }
                 for p0 in (0..stride).step_by(16) {
+                    // Rows past the block are the next block's, or nothing: a prefetch never
+                    // faults.
+                    for e in [2 * p0, 2 * p0 + 16] {
+                        prefetch_line(src.wrapping_add(PREFETCH_ROWS * rs + e));
+                    }
                     // Past kc the loads read nothing and the pairs are zero.
                     let v = pairs_along(src.add(2 * p0), kc.saturating_sub(2 * p0).min(32));
                     _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
@@ -199,13 +200,11 @@ pub(super) unsafe fn pack_a_bf16(
             // A row's K run is already its pairs, low half first.
             for i in 0..mc {
                 let (src, dst) = (a.add(i * rs), pa.add(i * stride));
-                if i + PREFETCH_ROWS < mc {
-                    prefetch_run(
-                        a.wrapping_add((i + PREFETCH_ROWS) * rs) as *const u8,
-                        2 * kc,
-                    );
-                }
                 for p0 in (0..stride).step_by(16) {
+                    // As pack_a's: the line PREFETCH_ROWS further down, for each line loaded.
+                    let ahead = src.wrapping_add(PREFETCH_ROWS * rs + 2 * p0);
+                    // SAFETY: a prefetch never faults, whatever the address.
+                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                     let n = kc.saturating_sub(2 * p0).min(32);
                     let v = _mm512_maskz_loadu_epi16(halves(n), src.add(2 * p0) as *const i16);
                     _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
@@ -404,9 +403,19 @@ unsafe fn pack_b_cols(
             if rs == 1 {
                 // Each column is contiguous along K: pairs come straight from it, then a
                 // transpose puts 16 columns side by side.
+                // While 16 columns are converted, the next 16 columns' same lines are asked
+                // for, a line per line loaded: config G's input gradients' W^T and its head's
+                // wte^T, cold, 12-14 -> 25-28 GB/s of f32 read (one thread, Zen 5,
+                // `examples/pack_rates.rs`); the same column's lines two loads ahead: 18-19.
+                // (Its fc W^T stays at 16: columns 12 KB apart, so 16 of them share an L1 set.)
                 let mut r = [_mm512_setzero_si512(); 16];
                 for p0 in (0..kcp).step_by(16) {
                     let pairs = (kcp - p0).min(16);
+                    for q in 0..16 {
+                        for e in [2 * p0, 2 * p0 + 16] {
+                            prefetch_line(b.wrapping_add((j0 + 16 + q) * cs + e));
+                        }
+                    }
                     for (q, v) in r.iter_mut().enumerate() {
                         *v = if q < cols {
                             pairs_along(b.add((j0 + q) * cs + 2 * p0), (kc - 2 * p0).min(32))

@@ -1,7 +1,7 @@
 //! GB/s of f32 read (and ns per element) of each packing path of the bf16 product, one thread,
 //! on config G's operands (1024 tokens; d 768; d_ff 3072; vocab 50257) as a training step
 //! meets them: cold, beyond L3 (each call packs the next of several copies, > 96 MB in all),
-//! block by block as the zmm kernel packs them. Each figure is the median of 15 calls.
+//! block by block as the zmm kernel packs them, 64-byte aligned as the model's buffers are. Each figure is the median of 15 calls.
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example pack_rates
@@ -10,6 +10,7 @@
 use std::time::Instant;
 
 use cohort_engine::cpu::pack_rates::Packer;
+use cohort_engine::AlignedFloats;
 
 /// Bytes of copies of each operand cycled through: well beyond a 32 MB L3.
 const COLD_BYTES: usize = 96 << 20;
@@ -64,8 +65,15 @@ fn main() {
     for (name, side, rows, cols, transposed) in cases.into_iter().chain(extra) {
         let elems = rows * cols;
         let copies = (COLD_BYTES / (4 * elems)).max(2);
-        let data: Vec<Vec<f32>> = (0..copies)
-            .map(|k| (0..elems).map(|i| ((i + k) % 251) as f32 * 0.01).collect())
+        // 64-byte aligned, as the model's activations and parameters are.
+        let data: Vec<AlignedFloats> = (0..copies)
+            .map(|k| {
+                let mut x = AlignedFloats::zeroed(elems);
+                for (i, v) in x.iter_mut().enumerate() {
+                    *v = ((i + k) % 251) as f32 * 0.01;
+                }
+                x
+            })
             .collect();
         let (rs, cs) = if transposed { (1, rows) } else { (cols, 1) };
         let mut sums = vec![0.0f32; cols];

@@ -56,8 +56,13 @@ fn main() {
         ("B head dgrad wte", Side::B { sums: false }, v, c, false),
         ("B head fwd wte^T", Side::B { sums: false }, c, v, true),
     ];
-    let extra: [(&str, Side, usize, usize, bool); 1] =
-        [("B head wgrad dlogits", Side::B { sums: false }, t, v, false)];
+    // The head's backward: dinp = dlogits · wte (A row-major, K = vocab in blocks), dwte =
+    // dlogitsᵀ · X (A transposed, rows 50257 floats apart).
+    let extra: [(&str, Side, usize, usize, bool); 3] = [
+        ("B head wgrad dlogits", Side::B { sums: false }, t, v, false),
+        ("A head dgrad dlogits", Side::A, t, v, false),
+        ("A head wgrad dlogits^T", Side::A, v, t, true),
+    ];
     println!(
         "{:<24} {:>13} {:>8} {:>8}",
         "operand", "rows x cols", "GB/s", "ns/elem"

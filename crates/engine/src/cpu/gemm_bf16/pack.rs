@@ -24,13 +24,14 @@ pub(crate) fn lanes(n: usize) -> __mmask16 {
 /// caches (an activation of megabytes) and the hardware prefetchers stop at the end of each
 /// row's run of a K block (1-2 KB), so each line loaded asks for the same line this many rows
 /// further down. Asking for a whole row three rows ahead at once instead (on AMD Zen 5, config
-/// B's fc projection 380 -> 426-453 GFLOP/s against none) left config G's A, cold, at 16 GB/s
-/// of f32 read; a line per line, 3-6 rows ahead: 38-42 (one thread, Zen 5,
-/// `examples/pack_rates.rs`; 21 where K is split, a row's run 2 KB of a 12 KB row).
+/// B's fc projection 380 -> 426-453 GFLOP/s against none) left config G's A, cold, at 17 GB/s
+/// of f32 read; a line per line, 3-6 rows ahead alike: 38 (21 -> 28 where K is split, a row's
+/// run 2 KB of a 12 KB row). One thread, Zen 5, `examples/pack_rates.rs`, a busy machine.
 const PREFETCH_ROWS: usize = 6;
 
 /// Pairs of B's rows between the row-major pack's loads and its prefetches: 1 pair was too
-/// close (20-25 GB/s), 3-6 alike (25-30).
+/// close (20-25 GB/s where 4 gave 25-30), 3-6 alike; bands of 2-8 pairs per sweep of the
+/// columns (fewer panels written per row read) were slower (16-23).
 const PREFETCH_PAIRS: usize = 4;
 
 /// Asks for the 64-byte line at `p` into L1.
@@ -352,7 +353,10 @@ unsafe fn pack_b_cols(
             // further down: one prefetch per line loaded, spread evenly. Asking for the next
             // pair's whole rows at once (256 lines at NC = 2048, far more than the miss
             // buffers hold) left the loads waiting on memory: config G's row-major Bs, cold,
-            // 9-11 -> 25-30 GB/s of f32 read (one thread, Zen 5, `examples/pack_rates.rs`).
+            // 9-10 -> 19-30 GB/s of f32 read (one thread, Zen 5, `examples/pack_rates.rs`, a
+            // busy machine). Hints to L2 or L3 instead (T1, T2) were no faster; asking for the
+            // packed lines before writing them (PREFETCHW) and huge pages for the packed block
+            // changed nothing measurable.
             // Rows past the block are asked for too: the next K block's, or nothing (a
             // prefetch never faults).
             let ahead = 2 * PREFETCH_PAIRS * rs;
@@ -405,9 +409,9 @@ unsafe fn pack_b_cols(
                 // transpose puts 16 columns side by side.
                 // While 16 columns are converted, the next 16 columns' same lines are asked
                 // for, a line per line loaded: config G's input gradients' W^T and its head's
-                // wte^T, cold, 12-14 -> 25-28 GB/s of f32 read (one thread, Zen 5,
+                // wte^T, cold, 14-16 -> 23-26 GB/s of f32 read (one thread, Zen 5,
                 // `examples/pack_rates.rs`); the same column's lines two loads ahead: 18-19.
-                // (Its fc W^T stays at 16: columns 12 KB apart, so 16 of them share an L1 set.)
+                // (Its fc W^T gains least, 16 -> 23: columns 12 KB apart share an L1 set.)
                 let mut r = [_mm512_setzero_si512(); 16];
                 for p0 in (0..kcp).step_by(16) {
                     let pairs = (kcp - p0).min(16);

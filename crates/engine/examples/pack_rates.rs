@@ -1,4 +1,4 @@
-//! GB/s of f32 read (and ns per element) of each packing path of the bf16 product, one thread,
+//! GB/s of f32 read (bf16 for an A kept in bf16; and ns per element) of each packing path of the bf16 product, one thread,
 //! on config G's operands (1024 tokens; d 768; d_ff 3072; vocab 50257) as a training step
 //! meets them: cold, beyond L3 (each call packs the next of several copies, > 96 MB in all),
 //! block by block as the zmm kernel packs them, 64-byte aligned as the model's buffers are. Each figure is the median of 15 calls.
@@ -23,6 +23,8 @@ enum Side {
     B { sums: bool },
     /// As A.
     A,
+    /// As A kept in bf16 (an activation the products round anyway): GB/s of bf16 read.
+    ABf16,
 }
 
 fn main() {
@@ -58,10 +60,12 @@ fn main() {
     ];
     // The head's backward: dinp = dlogits · wte (A row-major, K = vocab in blocks), dwte =
     // dlogitsᵀ · X (A transposed, rows 50257 floats apart).
-    let extra: [(&str, Side, usize, usize, bool); 3] = [
+    let extra: [(&str, Side, usize, usize, bool); 5] = [
         ("B head wgrad dlogits", Side::B { sums: false }, t, v, false),
         ("A head dgrad dlogits", Side::A, t, v, false),
         ("A head wgrad dlogits^T", Side::A, v, t, true),
+        ("A bf16 fwd X (fc out)", Side::ABf16, t, f, false),
+        ("A bf16 wgrad X^T", Side::ABf16, c, t, true),
     ];
     println!(
         "{:<24} {:>13} {:>8} {:>8}",
@@ -91,6 +95,12 @@ fn main() {
                     packer.pack_b(x, (rows, cols), (rs, cs), s.then_some(&mut sums[..]))
                 }
                 Side::A => packer.pack_a(x, (rows, cols), (rs, cs)),
+                Side::ABf16 => {
+                    // SAFETY: the floats' memory read as twice as many u16 (any bits are a
+                    // valid u16); the first `elems` of them are the operand.
+                    let h = unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u16, elems) };
+                    packer.pack_a_bf16(h, (rows, cols), (rs, cs))
+                }
             }
             if call >= 2 {
                 times.push(t0.elapsed().as_secs_f64());
@@ -98,10 +108,11 @@ fn main() {
         }
         times.sort_by(f64::total_cmp);
         let s = times[CALLS / 2];
+        let bytes = if matches!(side, Side::ABf16) { 2 } else { 4 };
         println!(
             "{name:<24} {:>13} {:>8.1} {:>8.3}",
             format!("{rows} x {cols}"),
-            4.0 * elems as f64 / s / 1e9,
+            (bytes * elems) as f64 / s / 1e9,
             s * 1e9 / elems as f64
         );
         std::hint::black_box(&sums);

@@ -29,6 +29,9 @@ pub(crate) fn lanes(n: usize) -> __mmask16 {
 /// run 2 KB of a 12 KB row). One thread, Zen 5, `examples/pack_rates.rs`, a busy machine.
 const PREFETCH_ROWS: usize = 6;
 
+/// Rows of a bf16 A between a row-major pack's loads and its prefetch of a whole row's run.
+const PREFETCH_ROWS_BF16: usize = 3;
+
 /// Pairs of B's rows between the row-major pack's loads and its prefetches: 1 pair was too
 /// close (20-25 GB/s where 4 gave 25-30), 3-6 alike; bands of 2-8 pairs per sweep of the
 /// columns (fewer panels written per row read) were slower (16-23).
@@ -201,11 +204,17 @@ pub(super) unsafe fn pack_a_bf16(
             // A row's K run is already its pairs, low half first.
             for i in 0..mc {
                 let (src, dst) = (a.add(i * rs), pa.add(i * stride));
+                // A whole row's run a few rows ahead at once: in bf16 a K block's run is half
+                // pack_a's (16 lines at K = 512), few enough for the miss buffers. pack_a's
+                // line per line, 6 rows ahead, was slower here: config G's fc output, cold,
+                // 28-31 -> 23-26 GB/s of bf16 read (one thread, Zen 5, `pack_rates`).
+                if i + PREFETCH_ROWS_BF16 < mc {
+                    prefetch_run(
+                        a.wrapping_add((i + PREFETCH_ROWS_BF16) * rs) as *const u8,
+                        2 * kc,
+                    );
+                }
                 for p0 in (0..stride).step_by(16) {
-                    // As pack_a's: the line PREFETCH_ROWS further down, for each line loaded.
-                    let ahead = src.wrapping_add(PREFETCH_ROWS * rs + 2 * p0);
-                    // SAFETY: a prefetch never faults, whatever the address.
-                    _mm_prefetch::<_MM_HINT_T0>(ahead as *const i8);
                     let n = kc.saturating_sub(2 * p0).min(32);
                     let v = _mm512_maskz_loadu_epi16(halves(n), src.add(2 * p0) as *const i16);
                     _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);

@@ -59,20 +59,41 @@ impl Packer {
     ///
     /// # Panics
     /// If `a` is shorter than the strides say.
-    pub fn pack_a(&mut self, a: &[f32], (m, k): (usize, usize), (rs, cs): (usize, usize)) {
-        assert!(m > 0 && k > 0 && a.len() > (m - 1) * rs + (k - 1) * cs);
+    pub fn pack_a(&mut self, a: &[f32], mk: (usize, usize), (rs, cs): (usize, usize)) {
+        assert!(mk.0 > 0 && mk.1 > 0 && a.len() > (mk.0 - 1) * rs + (mk.1 - 1) * cs);
+        // SAFETY: AVX512_BF16 checked in `new`; each block is inside a (asserted above); the
+        // buffer holds MC x kcp.
+        self.a_blocks(mk, |pa, (i, e), mc, kc| unsafe {
+            let at = a.as_ptr().add(i * rs + e * cs);
+            pack::pack_a(pa, at, rs, cs, mc, kc, kc.div_ceil(2));
+        });
+    }
+
+    /// [`Packer::pack_a`] of an A already in bf16 (its bits).
+    ///
+    /// # Panics
+    /// If `a` is shorter than the strides say.
+    pub fn pack_a_bf16(&mut self, a: &[u16], mk: (usize, usize), (rs, cs): (usize, usize)) {
+        assert!(mk.0 > 0 && mk.1 > 0 && a.len() > (mk.0 - 1) * rs + (mk.1 - 1) * cs);
+        // SAFETY: as pack_a's.
+        self.a_blocks(mk, |pa, (i, e), mc, kc| unsafe {
+            let at = a.as_ptr().add(i * rs + e * cs);
+            pack::pack_a_bf16(pa, at, rs, cs, mc, kc, kc.div_ceil(2));
+        });
+    }
+
+    /// Calls `pack` on A's blocks in the product's order: (buffer, first (row, K), rows, kc).
+    fn a_blocks(
+        &mut self,
+        (m, k): (usize, usize),
+        mut pack: impl FnMut(*mut u32, (usize, usize), usize, usize),
+    ) {
         let (kcp, mc) = (avx512_kcp(k.div_ceil(2)), 192);
         let pa = self.a.as_mut_ptr() as *mut u32;
         for pc in (0..k).step_by(2 * kcp) {
             let kc = (2 * kcp).min(k - pc);
             for ic in (0..m).step_by(mc) {
-                let mc = mc.min(m - ic);
-                // SAFETY: AVX512_BF16 checked in `new`; the block is inside a (asserted
-                // above); the buffer holds MC x kcp.
-                unsafe {
-                    let at = a.as_ptr().add(ic * rs + pc * cs);
-                    pack::pack_a(pa, at, rs, cs, mc, kc, kc.div_ceil(2));
-                }
+                pack(pa, (ic, pc), mc.min(m - ic), kc);
             }
         }
     }

@@ -296,7 +296,7 @@ fn packs_of_b_hold_the_scalar_packs_bits() {
     }
 }
 
-/// Every pack of A (row-major, transposed, general strides) holds exactly the scalar packing's
+/// Every pack of A (row-major, transposed, general strides; f32 and bf16) holds exactly the scalar packing's
 /// bits, zero past kc.
 #[test]
 fn packs_of_a_hold_the_scalar_packs_bits() {
@@ -337,6 +337,16 @@ fn packs_of_a_hold_the_scalar_packs_bits() {
                 want,
                 "A {mc}x{kc} strides ({rs}, {cs})"
             );
+            // The same A kept in bf16: the same pairs, copied.
+            let a16: Vec<u16> = a.iter().map(|&x| bf16_bits(x)).collect();
+            let mut buf = lines(want.len());
+            // SAFETY: as above, for a16.
+            unsafe {
+                let pa = buf.as_mut_ptr() as *mut u32;
+                pack::pack_a_bf16(pa, a16.as_ptr(), rs, cs, mc, kc, stride);
+            }
+            let what = format!("bf16 A {mc}x{kc} strides ({rs}, {cs})");
+            assert_eq!(u32s(&buf, want.len()), want, "{what}");
         }
     }
 }

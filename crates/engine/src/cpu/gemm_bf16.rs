@@ -29,6 +29,8 @@ use std::cell::RefCell;
 
 pub(crate) mod amx;
 mod pack;
+#[doc(hidden)]
+pub mod rates;
 mod shared;
 
 use super::epilogue::Epilogue;

@@ -49,6 +49,10 @@ pub use elementwise::{
     gelu_forward, residual_forward,
 };
 pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encoder_forward};
+/// Timing hooks for `examples/pack_rates.rs`: the bf16 product's packs alone.
+#[cfg(target_arch = "x86_64")]
+#[doc(hidden)]
+pub use gemm_bf16::rates as pack_rates;
 pub use layernorm::{layernorm_backward, layernorm_forward};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,

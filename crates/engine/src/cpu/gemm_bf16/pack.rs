@@ -20,12 +20,29 @@ pub(crate) fn lanes(n: usize) -> __mmask16 {
     }
 }
 
-/// Rows of A a packing pass asks for ahead of the row it converts: A comes from beyond the
-/// caches (an activation of megabytes), a row of a K block is 1-2 KB, and the hardware
-/// prefetchers stop at the end of each such run; three rows ahead covers the miss latency
-/// (on AMD Zen 5, config B's fc projection 380 -> 426-453 GFLOP/s, the fc input gradient
-/// 391 -> 420-434).
-const PREFETCH_ROWS: usize = 3;
+/// Rows of A between a row-major pack's loads and its prefetches. A comes from beyond the
+/// caches (an activation of megabytes) and the hardware prefetchers stop at the end of each
+/// row's run of a K block (1-2 KB), so each line loaded asks for the same line this many rows
+/// further down. Asking for a whole row three rows ahead at once instead (on AMD Zen 5, config
+/// B's fc projection 380 -> 426-453 GFLOP/s against none) left config G's A, cold, at 17 GB/s
+/// of f32 read; a line per line, 3-6 rows ahead alike: 38 (21 -> 28 where K is split, a row's
+/// run 2 KB of a 12 KB row). One thread, Zen 5, `examples/pack_rates.rs`, a busy machine.
+const PREFETCH_ROWS: usize = 6;
+
+/// Rows of a bf16 A between a row-major pack's loads and its prefetch of a whole row's run.
+const PREFETCH_ROWS_BF16: usize = 3;
+
+/// Pairs of B's rows between the row-major pack's loads and its prefetches: 1 pair was too
+/// close (20-25 GB/s where 4 gave 25-30), 3-6 alike; bands of 2-8 pairs per sweep of the
+/// columns (fewer panels written per row read) were slower (16-23).
+const PREFETCH_PAIRS: usize = 4;
+
+/// Asks for the 64-byte line at `p` into L1.
+#[inline(always)]
+fn prefetch_line(p: *const f32) {
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
 
 /// Two rows of 16 f32 (`x` the even K index, `y` the odd) as 16 bf16 pairs, `x` in the low half.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
@@ -91,13 +108,12 @@ pub(crate) unsafe fn pack_a(
         if cs == 1 {
             for i in 0..mc {
                 let (src, dst) = (a.add(i * rs), pa.add(i * stride));
-                if i + PREFETCH_ROWS < mc {
-                    prefetch_run(
-                        a.wrapping_add((i + PREFETCH_ROWS) * rs) as *const u8,
-                        4 * kc,
-                    );
-                }
                 for p0 in (0..stride).step_by(16) {
+                    // Rows past the block are the next block's, or nothing: a prefetch never
+                    // faults.
+                    for e in [2 * p0, 2 * p0 + 16] {
+                        prefetch_line(src.wrapping_add(PREFETCH_ROWS * rs + e));
+                    }
                     // Past kc the loads read nothing and the pairs are zero.
                     let v = pairs_along(src.add(2 * p0), kc.saturating_sub(2 * p0).min(32));
                     _mm512_mask_storeu_epi32(dst.add(p0) as *mut i32, lanes(stride - p0), v);
@@ -188,9 +204,13 @@ pub(super) unsafe fn pack_a_bf16(
             // A row's K run is already its pairs, low half first.
             for i in 0..mc {
                 let (src, dst) = (a.add(i * rs), pa.add(i * stride));
-                if i + PREFETCH_ROWS < mc {
+                // A whole row's run a few rows ahead at once: in bf16 a K block's run is half
+                // pack_a's (16 lines at K = 512), few enough for the miss buffers. pack_a's
+                // line per line, 6 rows ahead, was slower here: config G's fc output, cold,
+                // 28-31 -> 23-26 GB/s of bf16 read (one thread, Zen 5, `pack_rates`).
+                if i + PREFETCH_ROWS_BF16 < mc {
                     prefetch_run(
-                        a.wrapping_add((i + PREFETCH_ROWS) * rs) as *const u8,
+                        a.wrapping_add((i + PREFETCH_ROWS_BF16) * rs) as *const u8,
                         2 * kc,
                     );
                 }
@@ -338,23 +358,25 @@ unsafe fn pack_b_cols(
             // streams the prefetchers follow. Going down 16 columns at a time instead reads 64
             // bytes from every row in turn, rows kilobytes apart, and on a weight gradient's B
             // (thousands of rows) each of those loads waited on memory.
-            // The next pair of rows is asked for while this one is converted: a weight
-            // gradient's B is megabytes, and each pair of rows starts two new streams.
+            // Each 16 columns converted ask for the same columns PREFETCH_PAIRS pairs of rows
+            // further down: one prefetch per line loaded, spread evenly. Asking for the next
+            // pair's whole rows at once (256 lines at NC = 2048, far more than the miss
+            // buffers hold) left the loads waiting on memory: config G's row-major Bs, cold,
+            // 9-10 -> 19-30 GB/s of f32 read (one thread, Zen 5, `examples/pack_rates.rs`, a
+            // busy machine). Hints to L2 or L3 instead (T1, T2) were no faster; asking for the
+            // packed lines before writing them (PREFETCHW) and huge pages for the packed block
+            // changed nothing measurable.
+            // Rows past the block are asked for too: the next K block's, or nothing (a
+            // prefetch never faults).
+            let ahead = 2 * PREFETCH_PAIRS * rs;
             for p in 0..kcp {
                 let (x_row, y_row) = (b.add(2 * p * rs), b.wrapping_add((2 * p + 1) * rs));
                 let odd = 2 * p + 1 < kc;
-                for e in 2 * p + 2..(2 * p + 4).min(kc) {
-                    match half {
-                        None => prefetch_run(b.wrapping_add(e * rs) as *const u8, 4 * nc),
-                        Some(h) => {
-                            for at in [e * rs, e * rs + h] {
-                                prefetch_run(b.wrapping_add(at) as *const u8, 2 * nc);
-                            }
-                        }
-                    }
-                }
                 for j0 in (0..nc).step_by(16) {
                     let cols = lanes(nc - j0);
+                    for row in [x_row, y_row] {
+                        prefetch_line(row.wrapping_add(ahead + col(j0)));
+                    }
                     let x = _mm512_maskz_loadu_ps(cols, x_row.add(col(j0)));
                     let y = if odd {
                         _mm512_maskz_loadu_ps(cols, y_row.add(col(j0)))
@@ -394,9 +416,19 @@ unsafe fn pack_b_cols(
             if rs == 1 {
                 // Each column is contiguous along K: pairs come straight from it, then a
                 // transpose puts 16 columns side by side.
+                // While 16 columns are converted, the next 16 columns' same lines are asked
+                // for, a line per line loaded: config G's input gradients' W^T and its head's
+                // wte^T, cold, 14-16 -> 23-26 GB/s of f32 read (one thread, Zen 5,
+                // `examples/pack_rates.rs`); the same column's lines two loads ahead: 18-19.
+                // (Its fc W^T gains least, 16 -> 23: columns 12 KB apart share an L1 set.)
                 let mut r = [_mm512_setzero_si512(); 16];
                 for p0 in (0..kcp).step_by(16) {
                     let pairs = (kcp - p0).min(16);
+                    for q in 0..16 {
+                        for e in [2 * p0, 2 * p0 + 16] {
+                            prefetch_line(b.wrapping_add((j0 + 16 + q) * cs + e));
+                        }
+                    }
                     for (q, v) in r.iter_mut().enumerate() {
                         *v = if q < cols {
                             pairs_along(b.add((j0 + q) * cs + 2 * p0), (kc - 2 * p0).min(32))

@@ -191,3 +191,162 @@ fn products_match(kernel: Kernel) {
         }
     }
 }
+
+/// The pair of B's rows (2p, 2p + 1) at one column as the packs lay it out: rounded bf16
+/// bits, the odd row's in the high half, zero past kc.
+fn pair_at(at: impl Fn(usize) -> f32, p: usize, kc: usize) -> u32 {
+    let half = |e: usize| if e < kc { bf16_bits(at(e)) as u32 } else { 0 };
+    half(2 * p) | (half(2 * p + 1) << 16)
+}
+
+/// [`pack::pack_b`] one element at a time: panels of `stride` pairs x NR columns, column j of
+/// the block read at B's column `col(j)`.
+fn scalar_pack_b(
+    b: &[f32],
+    (rs, cs): (usize, usize),
+    (kc, nc, stride): (usize, usize, usize),
+    col: impl Fn(usize) -> usize,
+) -> Vec<u32> {
+    let mut out = vec![0; nc.div_ceil(NR) * NR * stride];
+    for j in 0..nc {
+        for p in 0..kc.div_ceil(2) {
+            let at = |e: usize| b[e * rs + col(j) * cs];
+            out[(j / NR) * NR * stride + p * NR + j % NR] = pair_at(at, p, kc);
+        }
+    }
+    out
+}
+
+fn lines(u32s: usize) -> Vec<Line> {
+    vec![Line([u32::MAX; 16]); u32s.div_ceil(16)]
+}
+
+fn u32s(buf: &[Line], n: usize) -> Vec<u32> {
+    buf.iter().flat_map(|l| l.0).take(n).collect()
+}
+
+/// Every pack of B (row-major with and without sums, SwiGLU's halves, transposed, general
+/// strides) holds exactly the scalar packing's bits, at odd K, edge panels and padded strides.
+#[test]
+fn packs_of_b_hold_the_scalar_packs_bits() {
+    if !avx512_bf16() {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    for &(kc, nc, pad) in &[
+        (1usize, 1usize, 0usize),
+        (7, 45, 3),
+        (64, 96, 0),
+        (33, 2048, 16),
+        (1024, 70, 0),
+    ] {
+        let stride = kc.div_ceil(2) + pad;
+        let n_b = 2 * nc + 64; // room for the halves' second columns
+        let b = rand_vec(3 * kc * n_b, 7);
+        for (rs, cs) in [(n_b, 1), (1, kc), (3 * n_b, 2)] {
+            let src = if rs == 1 {
+                rand_vec(kc * nc, 8)
+            } else {
+                b.clone()
+            };
+            let want = scalar_pack_b(&src, (rs, cs), (kc, nc, stride), |j| j);
+            let mut sums = rand_vec(nc, 9);
+            let mut want_sums = sums.clone();
+            for (j, s) in want_sums.iter_mut().enumerate() {
+                for r in 0..kc {
+                    *s += src[r * rs + j * cs];
+                }
+            }
+            let mut buf = lines(want.len());
+            // SAFETY: AVX512_BF16 checked; src holds the block; buf the panels, aligned.
+            unsafe {
+                let pb = buf.as_mut_ptr() as *mut u32;
+                pack::pack_b(
+                    pb,
+                    src.as_ptr(),
+                    rs,
+                    cs,
+                    kc,
+                    nc,
+                    stride,
+                    Some(sums.as_mut_ptr()),
+                );
+            }
+            assert_eq!(
+                u32s(&buf, want.len()),
+                want,
+                "B {kc}x{nc} strides ({rs}, {cs})"
+            );
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let (got, want) = (bits(&sums), bits(&want_sums));
+            assert_eq!(got, want, "sums of B {kc}x{nc} strides ({rs}, {cs})");
+        }
+        if nc.is_multiple_of(32) {
+            let half = nc + 7;
+            let col = |j: usize| 16 * (j / 32) + j % 16 + if j % 32 < 16 { 0 } else { half };
+            let want = scalar_pack_b(&b, (n_b, 1), (kc, nc, stride), col);
+            let mut buf = lines(want.len());
+            // SAFETY: as above; the gate and up columns are inside b's rows.
+            unsafe {
+                let pb = buf.as_mut_ptr() as *mut u32;
+                pack::pack_b_halves(pb, b.as_ptr(), n_b, kc, nc, stride, half);
+            }
+            assert_eq!(u32s(&buf, want.len()), want, "halves of B {kc}x{nc}");
+        }
+    }
+}
+
+/// Every pack of A (row-major, transposed, general strides; f32 and bf16) holds exactly the scalar packing's
+/// bits, zero past kc.
+#[test]
+fn packs_of_a_hold_the_scalar_packs_bits() {
+    if !avx512_bf16() {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    for &(mc, kc, pad) in &[
+        (1usize, 1usize, 0usize),
+        (5, 7, 3),
+        (192, 1024, 0),
+        (37, 515, 16),
+    ] {
+        let stride = kc.div_ceil(2) + pad;
+        let a = rand_vec(3 * mc * kc, 11);
+        for (rs, cs) in [(kc, 1), (1, mc), (3 * kc, 2)] {
+            let mut want = vec![0; mc * stride];
+            for i in 0..mc {
+                for p in 0..stride {
+                    want[i * stride + p] = pair_at(|e| a[i * rs + e * cs], p, kc);
+                }
+            }
+            let mut buf = lines(want.len());
+            // SAFETY: AVX512_BF16 checked; a holds the block; buf mc x stride u32.
+            unsafe {
+                pack::pack_a(
+                    buf.as_mut_ptr() as *mut u32,
+                    a.as_ptr(),
+                    rs,
+                    cs,
+                    mc,
+                    kc,
+                    stride,
+                )
+            };
+            assert_eq!(
+                u32s(&buf, want.len()),
+                want,
+                "A {mc}x{kc} strides ({rs}, {cs})"
+            );
+            // The same A kept in bf16: the same pairs, copied.
+            let a16: Vec<u16> = a.iter().map(|&x| bf16_bits(x)).collect();
+            let mut buf = lines(want.len());
+            // SAFETY: as above, for a16.
+            unsafe {
+                let pa = buf.as_mut_ptr() as *mut u32;
+                pack::pack_a_bf16(pa, a16.as_ptr(), rs, cs, mc, kc, stride);
+            }
+            let what = format!("bf16 A {mc}x{kc} strides ({rs}, {cs})");
+            assert_eq!(u32s(&buf, want.len()), want, "{what}");
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! Timing hooks for `examples/pack_rates.rs`: each packing path of the bf16 product over a whole
+//! operand, block by block as the zmm kernel's loop nest ([`blocks`](super::blocks)) packs it.
+//! It must never be used by a product: only the example calls it, to time the packs alone.
+
+use super::{avx512_kcp, pack, Kernel, Line, NR};
+
+/// A thread's packing buffers at the zmm kernel's block sizes, as the product's own.
+pub struct Packer {
+    a: Vec<Line>,
+    b: Vec<Line>,
+}
+
+impl Packer {
+    /// The buffers, or `None` where this CPU has no AVX512_BF16.
+    pub fn new() -> Option<Packer> {
+        super::avx512_bf16().then(|| {
+            let (a, b) = Kernel::Avx512.buffers();
+            Packer {
+                a: vec![Line([0; 16]); a.div_ceil(16)],
+                b: vec![Line([0; 16]); b.div_ceil(16)],
+            }
+        })
+    }
+
+    /// Packs all of B, (k, n) at strides (rs, cs), as the product does: NC columns at a time,
+    /// K blocks of the product's length; with `sums` (n floats), adds B's rows to them.
+    ///
+    /// # Panics
+    /// If `b` is shorter than the strides say, or `sums` shorter than n.
+    pub fn pack_b(
+        &mut self,
+        b: &[f32],
+        (k, n): (usize, usize),
+        (rs, cs): (usize, usize),
+        mut sums: Option<&mut [f32]>,
+    ) {
+        assert!(k > 0 && n > 0 && b.len() > (k - 1) * rs + (n - 1) * cs);
+        assert!(sums.as_ref().is_none_or(|s| s.len() >= n));
+        let (kcp, nc) = (avx512_kcp(k.div_ceil(2)), 2048);
+        let pb = self.b.as_mut_ptr() as *mut u32;
+        for jc in (0..n).step_by(nc) {
+            let nc = nc.min(n - jc);
+            debug_assert!(nc.div_ceil(NR) * NR * kcp <= self.b.len() * 16);
+            for pc in (0..k).step_by(2 * kcp) {
+                let kc = (2 * kcp).min(k - pc);
+                let s = sums.as_deref_mut().map(|s| s[jc..].as_mut_ptr());
+                // SAFETY: AVX512_BF16 checked in `new`; the block is inside b (asserted above);
+                // the buffer holds the largest block, 64-byte aligned; `s` n - jc floats.
+                unsafe {
+                    let at = b.as_ptr().add(pc * rs + jc * cs);
+                    pack::pack_b(pb, at, rs, cs, kc, nc, kc.div_ceil(2), s);
+                }
+            }
+        }
+    }
+
+    /// Packs all of A, (m, k) at strides (rs, cs), as the product does: MC rows at a time in
+    /// K blocks of the product's length.
+    ///
+    /// # Panics
+    /// If `a` is shorter than the strides say.
+    pub fn pack_a(&mut self, a: &[f32], mk: (usize, usize), (rs, cs): (usize, usize)) {
+        assert!(mk.0 > 0 && mk.1 > 0 && a.len() > (mk.0 - 1) * rs + (mk.1 - 1) * cs);
+        // SAFETY: AVX512_BF16 checked in `new`; each block is inside a (asserted above); the
+        // buffer holds MC x kcp.
+        self.a_blocks(mk, |pa, (i, e), mc, kc| unsafe {
+            let at = a.as_ptr().add(i * rs + e * cs);
+            pack::pack_a(pa, at, rs, cs, mc, kc, kc.div_ceil(2));
+        });
+    }
+
+    /// [`Packer::pack_a`] of an A already in bf16 (its bits).
+    ///
+    /// # Panics
+    /// If `a` is shorter than the strides say.
+    pub fn pack_a_bf16(&mut self, a: &[u16], mk: (usize, usize), (rs, cs): (usize, usize)) {
+        assert!(mk.0 > 0 && mk.1 > 0 && a.len() > (mk.0 - 1) * rs + (mk.1 - 1) * cs);
+        // SAFETY: as pack_a's.
+        self.a_blocks(mk, |pa, (i, e), mc, kc| unsafe {
+            let at = a.as_ptr().add(i * rs + e * cs);
+            pack::pack_a_bf16(pa, at, rs, cs, mc, kc, kc.div_ceil(2));
+        });
+    }
+
+    /// Calls `pack` on A's blocks in the product's order: (buffer, first (row, K), rows, kc).
+    fn a_blocks(
+        &mut self,
+        (m, k): (usize, usize),
+        mut pack: impl FnMut(*mut u32, (usize, usize), usize, usize),
+    ) {
+        let (kcp, mc) = (avx512_kcp(k.div_ceil(2)), 192);
+        let pa = self.a.as_mut_ptr() as *mut u32;
+        for pc in (0..k).step_by(2 * kcp) {
+            let kc = (2 * kcp).min(k - pc);
+            for ic in (0..m).step_by(mc) {
+                pack(pa, (ic, pc), mc.min(m - ic), kc);
+            }
+        }
+    }
+}

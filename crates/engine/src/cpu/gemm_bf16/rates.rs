@@ -1,8 +1,11 @@
 //! Timing hooks for `examples/pack_rates.rs`: each packing path of the bf16 product over a whole
-//! operand, block by block as the zmm kernel's loop nest ([`blocks`](super::blocks)) packs it.
-//! It must never be used by a product: only the example calls it, to time the packs alone.
+//! operand, block by block as the zmm kernel's loop nest ([`blocks`](super::blocks)) packs it,
+//! and the fp32 product's B panels as [`sgemm`](crate::cpu::gemm::sgemm) packs them. It must
+//! never be used by a product: only the example calls it, to time the packs alone.
 
 use super::{avx512_kcp, pack, Kernel, Line, NR};
+use crate::cpu::epilogue::Epilogue;
+use crate::cpu::gemm::{self, Strided};
 
 /// A thread's packing buffers at the zmm kernel's block sizes, as the product's own.
 pub struct Packer {
@@ -97,4 +100,49 @@ impl Packer {
             }
         }
     }
+}
+
+/// Packs all of B, (k, n) at strides (rs, cs), into fp32 panels as a one-thread
+/// [`sgemm`](crate::cpu::gemm::sgemm) of `m` rows does: for each K block, for each strip of A's
+/// rows, every panel in turn into one buffer (the kernel, which would read it, is left out).
+/// Returns the floats packed (repeats counted), or `None` where this CPU has no AVX-512F.
+///
+/// # Panics
+/// If `b` is shorter than the strides say.
+pub fn pack_panels_f32(
+    b: &[f32],
+    m: usize,
+    (k, n): (usize, usize),
+    (rs, cs): (usize, usize),
+) -> Option<usize> {
+    assert!(k > 0 && n > 0 && m > 0 && b.len() > (k - 1) * rs + (n - 1) * cs);
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        return None;
+    }
+    #[repr(align(64))]
+    struct Panel([f32; 1024 * gemm::NR]);
+    let mut panel = Box::new(Panel([0.0; 1024 * gemm::NR]));
+    let pp = panel.0.as_mut_ptr();
+    let sb = Strided {
+        ptr: b.as_ptr(),
+        rs,
+        cs,
+    };
+    let (kc_max, mc) = (gemm::kc_for(k), gemm::strip_rows(m, sb));
+    let mut packed = 0;
+    for k0 in (0..k).step_by(kc_max) {
+        let kc = kc_max.min(k - k0);
+        for _ in (0..m).step_by(mc) {
+            for j in (0..n).step_by(gemm::NR) {
+                // SAFETY: AVX-512F checked above; the block is inside b (asserted above); the
+                // panel holds kc (≤ 1024) x NR floats, 64-byte aligned.
+                unsafe {
+                    gemm::pack_panel_of(pp, sb, Epilogue::None, (k0, kc), j, gemm::NR.min(n - j))
+                };
+                packed += kc * gemm::NR;
+            }
+            std::hint::black_box(&mut panel);
+        }
+    }
+    Some(packed)
 }

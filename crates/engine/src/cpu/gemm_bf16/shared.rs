@@ -86,9 +86,14 @@ fn share(len: usize, unit: usize, parts: usize, q: usize) -> (usize, usize) {
     ((q * step).min(len), ((q + 1) * step).min(len))
 }
 
-/// One parallel phase: `f(q)` for each part q, returning when all are done.
+/// One parallel phase: `f(q)` for each part q, returning when all are done (one part on the
+/// calling thread, which may be outside any pool).
 fn phase(parts: usize, f: impl Fn(usize) + Sync + Send) {
-    (0..parts).into_par_iter().for_each(f);
+    if parts == 1 {
+        f(0);
+    } else {
+        (0..parts).into_par_iter().for_each(f);
+    }
 }
 
 /// The whole bf16 product of [`bgemm`](super::bgemm) (or `bgemm_bf16_a`'s, as `a` says),
@@ -235,9 +240,10 @@ const FP32_SHARED: usize = 1 << 21;
 
 /// [`sgemm`](crate::cpu::gemm::sgemm)'s product split over `parts` rayon tasks by rows, part q
 /// covering rows `split(q)`: B's K blocks packed once, by all the parts, rather than by each
-/// for each of its strips of rows. Returns false, having done nothing, where this does not
-/// apply (a split by columns, whose parts share no packing: A is never packed; K = 0): the
-/// caller then runs each part as a product of its own.
+/// for each of its strips of rows (with one part, a one-thread product whose A has several
+/// strips). Returns false, having done nothing, where this does not apply (a split by columns,
+/// whose parts share no packing: A is never packed; K = 0): the caller then runs each part as
+/// a product of its own.
 ///
 /// # Safety
 /// As `sgemm` for the whole (m, n) product; `split`'s ranges disjoint, within m.
@@ -253,7 +259,7 @@ pub(crate) unsafe fn sgemm_parts(
     bias: Option<*const f32>,
     ep: Epilogue,
 ) -> bool {
-    if m < n || k == 0 || parts < 2 {
+    if (parts > 1 && m < n) || k == 0 || parts == 0 {
         return false;
     }
     let kc_max = kc_for(k);

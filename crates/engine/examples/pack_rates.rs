@@ -5,7 +5,8 @@
 //!
 //! With `fp32`, instead: the fp32 product's B panels on configs B's and G's operands (tokens
 //! 2048 and 1024; d 384 and 768; d_ff 1536 and 3072), packed as a one-thread product packs them
-//! (again for each strip of A's rows): GB/s of panel floats written, repeats included.
+//! (where A spans several strips of rows, once per K block for all of them): GB/s of panel
+//! floats written.
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example pack_rates [-- fp32]

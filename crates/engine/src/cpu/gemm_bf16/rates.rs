@@ -3,7 +3,7 @@
 //! and the fp32 product's B panels as [`sgemm`](crate::cpu::gemm::sgemm) packs them. It must
 //! never be used by a product: only the example calls it, to time the packs alone.
 
-use super::{avx512_kcp, pack, Kernel, Line, NR};
+use super::{avx512_kcp, pack, shared, Kernel, Line, NR};
 use crate::cpu::epilogue::Epilogue;
 use crate::cpu::gemm::{self, Strided};
 
@@ -102,10 +102,12 @@ impl Packer {
     }
 }
 
-/// Packs all of B, (k, n) at strides (rs, cs), into fp32 panels as a one-thread
-/// [`sgemm`](crate::cpu::gemm::sgemm) of `m` rows does: for each K block, for each strip of A's
-/// rows, every panel in turn into one buffer (the kernel, which would read it, is left out).
-/// Returns the floats packed (repeats counted), or `None` where this CPU has no AVX-512F.
+/// Packs all of B, (k, n) at strides (rs, cs), into fp32 panels as a one-thread product of `m`
+/// rows does (the kernel, which would read them, left out): where A spans several strips of
+/// rows, once per K block into the shared buffer, block of columns by block
+/// ([`sgemm_parts`](super::shared::sgemm_parts) with one part); else panel by panel into one
+/// buffer ([`sgemm`](crate::cpu::gemm::sgemm)). Returns the floats packed, or `None` where this
+/// CPU has no AVX-512F.
 ///
 /// # Panics
 /// If `b` is shorter than the strides say.
@@ -119,30 +121,48 @@ pub fn pack_panels_f32(
     if !std::arch::is_x86_feature_detected!("avx512f") {
         return None;
     }
-    #[repr(align(64))]
-    struct Panel([f32; 1024 * gemm::NR]);
-    let mut panel = Box::new(Panel([0.0; 1024 * gemm::NR]));
-    let pp = panel.0.as_mut_ptr();
     let sb = Strided {
         ptr: b.as_ptr(),
         rs,
         cs,
     };
-    let (kc_max, mc) = (gemm::kc_for(k), gemm::strip_rows(m, sb));
+    let once = m > gemm::strip_rows(m, sb);
+    let (kc_max, width) = if once {
+        shared::fp32_blocks(k, n)
+    } else {
+        (gemm::kc_for(k), n)
+    };
+    thread_local! {
+        // Kept from call to call, as the product's pool keeps its buffers (a fresh one would
+        // time the kernel's first touch of its pages).
+        static BUFFER: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let mut buffer = BUFFER.take();
+    buffer.resize(shared::FP32_SHARED / 16, Line([0; 16]));
+    let pp = buffer.as_mut_ptr() as *mut f32;
     let mut packed = 0;
-    for k0 in (0..k).step_by(kc_max) {
-        let kc = kc_max.min(k - k0);
-        for _ in (0..m).step_by(mc) {
-            for j in (0..n).step_by(gemm::NR) {
+    for j0 in (0..n).step_by(width) {
+        let j1 = (j0 + width).min(n);
+        for k0 in (0..k).step_by(kc_max) {
+            let kc = kc_max.min(k - k0);
+            for j in (j0..j1).step_by(gemm::NR) {
+                let at = if once {
+                    (j - j0) / gemm::NR * kc * gemm::NR
+                } else {
+                    0
+                };
                 // SAFETY: AVX-512F checked above; the block is inside b (asserted above); the
-                // panel holds kc (≤ 1024) x NR floats, 64-byte aligned.
+                // buffer holds the block's panels (kc x width ≤ FP32_SHARED floats, or one
+                // panel), 64-byte aligned.
                 unsafe {
-                    gemm::pack_panel_of(pp, sb, Epilogue::None, (k0, kc), j, gemm::NR.min(n - j))
+                    let nr = gemm::NR.min(j1 - j);
+                    gemm::pack_panel_of(pp.add(at), sb, Epilogue::None, (k0, kc), j, nr)
                 };
                 packed += kc * gemm::NR;
             }
-            std::hint::black_box(&mut panel);
+            std::hint::black_box(&mut buffer);
         }
     }
+    BUFFER.set(buffer);
     Some(packed)
 }

@@ -236,7 +236,18 @@ pub(crate) unsafe fn bgemm_parts(
 
 /// Floats of B packed for all parts of an fp32 product (8 MB): a K block's whole width up to
 /// 2048 columns at K 1024 (the block of the bf16 products' elements), else in blocks of columns.
-const FP32_SHARED: usize = 1 << 21;
+pub(super) const FP32_SHARED: usize = 1 << 21;
+
+/// (rows of B per K block, columns per block) of [`sgemm_parts`] over a (k, n) B: blocks of
+/// columns of nearly equal width (multiples of NR: of 32 under SwiGLU's order) that fit
+/// [`FP32_SHARED`] at the K block's length.
+pub(super) fn fp32_blocks(k: usize, n: usize) -> (usize, usize) {
+    let kc_max = kc_for(k);
+    let fit = FP32_SHARED / kc_max / NR * NR;
+    // (the tests' products are small: blocks of 64 columns, so that they cover blocks too)
+    let fit = if cfg!(test) { fit.min(2 * NR) } else { fit };
+    (kc_max, n.div_ceil(n.div_ceil(fit)).div_ceil(NR) * NR)
+}
 
 /// [`sgemm`](crate::cpu::gemm::sgemm)'s product split over `parts` rayon tasks by rows, part q
 /// covering rows `split(q)`: B's K blocks packed once, by all the parts, rather than by each
@@ -262,12 +273,7 @@ pub(crate) unsafe fn sgemm_parts(
     if (parts > 1 && m < n) || k == 0 || parts == 0 {
         return false;
     }
-    let kc_max = kc_for(k);
-    // Blocks of columns of nearly equal width (multiples of NR: of 32 under SwiGLU's order).
-    let fit = FP32_SHARED / kc_max / NR * NR;
-    // (the tests' products are small: blocks of 64 columns, so that they cover blocks too)
-    let fit = if cfg!(test) { fit.min(2 * NR) } else { fit };
-    let width = n.div_ceil(n.div_ceil(fit)).div_ceil(NR) * NR;
+    let (kc_max, width) = fp32_blocks(k, n);
     let buffer = Buffer::take(FP32_SHARED);
     let shared = Shared(buffer.0.as_ptr() as *mut f32);
     let ops = Shared((a, b, c, bias));

@@ -497,12 +497,10 @@ pub(crate) fn prefetch_run(p: *const u8, bytes: usize) {
 /// bytes of each row, rows kilobytes apart (a page or more): no hardware prefetcher follows
 /// that, and from beyond the caches each row's load waited on memory. Each row loaded asks for
 /// its two lines this many rows further down (rows past the block are the next K block's, or
-/// nothing: a prefetch never faults). Cold operands, one thread, Zen 5
-/// (`examples/pack_rates.rs -- fp32`, GB/s of panel written, repeats per strip of A counted):
-/// config B's weight gradients' dY 19-21 -> 24-33, config G's 18-23 -> 31-37 and its forward
-/// Ws 22-28 -> 35-41; where B is packed again from L3 (config B's forward) unchanged to a
-/// little faster. 4, 8, 16 rows ahead gained less on the cold ones; 32 and 48 about as much as 24 (48
-/// lost on the warm ones); hints to L2 (T1) were slower.
+/// nothing: a prefetch never faults). Configs B's and G's Ws and dYs, cold, packed once per K
+/// block: 8.5-12.7 -> 19-25 GB/s of panel written (one thread, Zen 5, `examples/pack_rates.rs
+/// -- fp32`). 16 rows ahead gained a little less, 40 about as much (48 was slower where B is
+/// packed again from L3, per strip of A); hints to L2 (T1) were slower.
 const PREFETCH_ROWS: usize = 24;
 
 /// Asks for the 64-byte line at `p` into L1.
@@ -574,14 +572,15 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
             for j0 in (0..nr).step_by(16) {
                 let cols = (nr - j0).min(16);
                 // Each line loaded asks for the same line of the column 16 further on: the
-                // next half of the panel, then the first half of the next panel (which the
-                // next call packs; lines evicted meanwhile by the kernel's reads of A go to L3
-                // on the machines here, still nearer than memory). Config G's input gradients'
-                // W^T, cold, packed once per panel: 9-11 -> 21-27 GB/s of panel written (one
-                // thread, Zen 5, `examples/pack_rates.rs -- fp32`); config B's, packed per
-                // strip of A from L3: 25-38 -> 38-47. The same column's lines two loads ahead
-                // instead in the panel's second half: G's 13-15. Going across both halves
-                // per 16 rows of K with each column's line 1-4 loads ahead: 11-16.
+                // next half of the panel, then the first half of the next panel, which the
+                // next call packs (straight after where a product packs a K block once for all
+                // strips of A; else after the kernel's pass, whose reads of A may evict the
+                // lines, to L3 on the machines here, still nearer than memory). Configs B's and
+                // G's input gradients' W^T, cold, packed once: 7-11 -> 21-28 GB/s of panel
+                // written (one thread, Zen 5, `examples/pack_rates.rs -- fp32`). The same
+                // column's lines two loads ahead instead in the panel's second half: G's 13-15
+                // (packed per strip); across both halves per 16 rows of K, each column's line
+                // 1-4 loads ahead: 11-16.
                 let next = 16 * cs;
                 for p0 in (0..kc).step_by(16) {
                     let rows = (kc - p0).min(16);

@@ -225,9 +225,29 @@ unsafe fn gemm_on(
                     bgemm(
                         m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole, sums,
                     );
-                } else {
+                } else if m <= strip_rows(m, sb)
+                    || !sgemm_parts(
+                        1,
+                        &|_| (0, m),
+                        (m, k, n),
+                        sa,
+                        sb,
+                        (cc, rsc),
+                        accumulate,
+                        bias,
+                        ep,
+                    )
+                {
+                    // One strip of A's rows: B packed panel by panel, each read from L1.
                     sgemm(m, k, n, sa, sb, cc, rsc, accumulate, bias, ep);
                 }
+                // Else (a thread's whole product, or its columns of a split by columns) with
+                // A's rows in several strips: B's K blocks packed once for all the strips (the
+                // shared product with one part) rather than again for each strip, its panels
+                // then read contiguously, which the hardware prefetchers follow. Same sums in
+                // the same order. `matmul_rates -- fp32`, one thread, Zen 5: config B's block
+                // products 203-227 -> 228-239 GFLOP/s (77-87% -> 86-91% of the FMA peak),
+                // config G's 192-208 -> 205-221.
                 return;
             }
             assert!(
@@ -260,39 +280,6 @@ unsafe fn gemm_on(
                 .apply(c.at(r0, c0), c.rs as usize, r1 - r0, c1 - c0);
         }
     };
-    #[cfg(target_arch = "x86_64")]
-    let whole = |x: Mat| Strided {
-        ptr: x.at(0, 0),
-        rs: x.rs as usize,
-        cs: x.cs as usize,
-    };
-    // One thread, fp32, A's rows in more than one strip: B's K blocks packed once for all the
-    // strips (the shared product with one part) rather than again for each strip, its panels
-    // then read contiguously, which the hardware prefetchers follow. Same sums in the same
-    // order. `matmul_rates -- fp32`, one thread, Zen 5: config B's block products 217-227 ->
-    // 235-238 GFLOP/s (83-87% -> 89-91% of the FMA peak), config G's 205-208 -> 218-221.
-    #[cfg(target_arch = "x86_64")]
-    if parts == 1 && avx512 && !bf16 && m > strip_rows(m, whole(b)) {
-        let bias = bias.map(|b| b.get() as *const f32);
-        let cc = (c.at(0, 0), c.rs as usize);
-        // safety: forwarded from the caller; the one part is the whole of c.
-        let done = unsafe {
-            sgemm_parts(
-                1,
-                &|_| (0, m),
-                (m, k, n),
-                whole(a),
-                whole(b),
-                cc,
-                accumulate,
-                bias,
-                ep,
-            )
-        };
-        if done {
-            return;
-        }
-    }
     if parts == 1 {
         call(0, m, 0, n);
         return;
@@ -308,6 +295,11 @@ unsafe fn gemm_on(
     // once, by all the parts together.
     #[cfg(target_arch = "x86_64")]
     if avx512 {
+        let whole = |x: Mat| Strided {
+            ptr: x.at(0, 0),
+            rs: x.rs as usize,
+            cs: x.cs as usize,
+        };
         let len = if m >= n { m } else { n };
         let (sb, cc, bias) = (whole(b), (c.at(0, 0), c.rs as usize), bias.map(|b| b.get()));
         let bias = bias.map(|b| b as *const f32);

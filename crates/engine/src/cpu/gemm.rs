@@ -96,13 +96,7 @@ pub(crate) unsafe fn sgemm(
         unsafe { ep.apply(c, rsc, m, n) };
         return;
     }
-    // A transposed B packs element by element, which costs as much as a tenth of the product
-    // when repeated per L2 block of A: pack it once per panel where A's K block fits in L2.
-    let mc_max = if b.cs != 1 && m <= MC_TRANSPOSED_B {
-        m
-    } else {
-        MC
-    };
+    let mc_max = strip_rows(m, b);
     let kc_max = kc_for(k);
     for k0 in (0..k).step_by(kc_max) {
         let kc = kc_max.min(k - k0);
@@ -125,6 +119,18 @@ pub(crate) unsafe fn sgemm(
                 ep,
             )
         };
+    }
+}
+
+/// Rows of A per strip of [`sgemm`] over `m` rows against `b`: its B panels are packed again
+/// for each strip.
+pub(crate) fn strip_rows(m: usize, b: Strided) -> usize {
+    // A transposed B packs element by element, which costs as much as a tenth of the product
+    // when repeated per L2 block of A: pack it once per panel where A's K block fits in L2.
+    if b.cs != 1 && m <= MC_TRANSPOSED_B {
+        m
+    } else {
+        MC
     }
 }
 
@@ -487,6 +493,23 @@ pub(crate) fn prefetch_run(p: *const u8, bytes: usize) {
     }
 }
 
+/// Rows of a row-major B between [`pack_panel`]'s loads and its prefetches. A panel reads 128
+/// bytes of each row, rows kilobytes apart (a page or more): no hardware prefetcher follows
+/// that, and from beyond the caches each row's load waited on memory. Each row loaded asks for
+/// its two lines this many rows further down (rows past the block are the next K block's, or
+/// nothing: a prefetch never faults). Configs B's and G's Ws and dYs, cold, packed once per K
+/// block: 8.5-12.7 -> 19-25 GB/s of panel written (one thread, Zen 5, `examples/pack_rates.rs
+/// -- fp32`). 16 rows ahead gained a little less, 40 about as much (48 was slower where B is
+/// packed again from L3, per strip of A); hints to L2 (T1) were slower.
+const PREFETCH_ROWS: usize = 24;
+
+/// Asks for the 64-byte line at `p` into L1.
+#[inline(always)]
+fn prefetch_line(p: *const f32) {
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+}
+
 /// Transposes a 16 x 16 block of 32-bit elements (f32, or bf16 pairs) in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
@@ -532,8 +555,11 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
     unsafe {
         if cs == 1 {
             let (m0, m1) = masks(nr);
+            let ahead = PREFETCH_ROWS * rs;
             for p in 0..kc {
                 let src = b.add(p * rs);
+                prefetch_line(src.wrapping_add(ahead));
+                prefetch_line(src.wrapping_add(ahead + 16));
                 _mm512_store_ps(pp.add(p * NR), _mm512_maskz_loadu_ps(m0, src));
                 _mm512_store_ps(pp.add(p * NR + 16), _mm512_maskz_loadu_ps(m1, src.add(16)));
             }
@@ -545,15 +571,25 @@ unsafe fn pack_panel(pp: *mut f32, b: *const f32, rs: usize, cs: usize, kc: usiz
             let mut r = [_mm512_setzero_si512(); 16];
             for j0 in (0..nr).step_by(16) {
                 let cols = (nr - j0).min(16);
+                // Each line loaded asks for the same line of the column 16 further on: the
+                // next half of the panel, then the first half of the next panel, which the
+                // next call packs (straight after where a product packs a K block once for all
+                // strips of A; else after the kernel's pass, whose reads of A may evict the
+                // lines, to L3 on the machines here, still nearer than memory). Configs B's and
+                // G's input gradients' W^T, cold, packed once: 7-11 -> 21-28 GB/s of panel
+                // written (one thread, Zen 5, `examples/pack_rates.rs -- fp32`). The same
+                // column's lines two loads ahead instead in the panel's second half: G's 13-15
+                // (packed per strip); across both halves per 16 rows of K, each column's line
+                // 1-4 loads ahead: 11-16.
+                let next = 16 * cs;
                 for p0 in (0..kc).step_by(16) {
                     let rows = (kc - p0).min(16);
                     let m = masks(rows).0;
                     for (jj, v) in r.iter_mut().enumerate() {
+                        let col = b.wrapping_add((j0 + jj) * cs + p0);
+                        prefetch_line(col.wrapping_add(next));
                         *v = if jj < cols {
-                            _mm512_castps_si512(_mm512_maskz_loadu_ps(
-                                m,
-                                b.add((j0 + jj) * cs + p0),
-                            ))
+                            _mm512_castps_si512(_mm512_maskz_loadu_ps(m, col))
                         } else {
                             _mm512_setzero_si512()
                         };
@@ -688,6 +724,77 @@ unsafe fn kernel<const R: usize>(
         let bias = bias_row(bias, nr);
         for i in 0..R {
             store_row(c.add(i * rsc), nr, (c0[i], c1[i]), acc, bias);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The panel a plain copy makes: b's rows k0..k0 + kc, columns j..j + nr, zeros past nr.
+    fn scalar_panel(
+        b: &[f32],
+        (rs, cs): (usize, usize),
+        (k0, kc): (usize, usize),
+        j: usize,
+        nr: usize,
+    ) -> Vec<u32> {
+        let mut out = vec![0u32; kc * NR];
+        for p in 0..kc {
+            for jj in 0..nr {
+                out[p * NR + jj] = b[(k0 + p) * rs + (j + jj) * cs].to_bits();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn panels_hold_the_scalar_packs_bits() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: this CPU has no AVX-512F");
+            return;
+        }
+        #[repr(align(64))]
+        struct Panel([f32; KC_WHOLE * NR]);
+        let mut panel = Box::new(Panel([0.0; KC_WHOLE * NR]));
+        // (k, n): K whole, K split in blocks with a short last one, edges of 16 and 32.
+        for (k, n) in [(1, 1), (5, 7), (17, 33), (64, 48), (300, 95), (1030, 64)] {
+            // Distinct bit patterns, NaN payloads and negative zero among them.
+            let b: Vec<f32> = (0..k * n)
+                .map(|i| f32::from_bits((i as u32).wrapping_mul(2_654_435_761) ^ 0x8000_0001))
+                .collect();
+            // row-major, transposed (column-major), neither unit-stride (a row-major
+            // matrix of 2n columns, every other one)
+            let wide: Vec<f32> = (0..2 * k * n).map(|i| b[i / 2]).collect();
+            let layouts: [(&[f32], usize, usize); 3] = [(&b, n, 1), (&b, 1, k), (&wide, 2 * n, 2)];
+            for (src, rs, cs) in layouts {
+                let sb = Strided {
+                    ptr: src.as_ptr(),
+                    rs,
+                    cs,
+                };
+                let kc_max = kc_for(k);
+                for k0 in (0..k).step_by(kc_max) {
+                    let kc = kc_max.min(k - k0);
+                    for j in (0..n).step_by(NR) {
+                        let nr = NR.min(n - j);
+                        panel.0[..kc * NR].fill(f32::from_bits(0x7fc0_dead));
+                        // SAFETY: AVX-512F checked above; the block is inside src; the panel
+                        // holds kc x NR floats, 64-byte aligned.
+                        unsafe {
+                            pack_panel_of(panel.0.as_mut_ptr(), sb, Epilogue::None, (k0, kc), j, nr)
+                        };
+                        let got: Vec<u32> =
+                            panel.0[..kc * NR].iter().map(|x| x.to_bits()).collect();
+                        assert_eq!(
+                            got,
+                            scalar_panel(src, (rs, cs), (k0, kc), j, nr),
+                            "k {k} n {n} strides ({rs}, {cs}) block {k0} panel {j}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

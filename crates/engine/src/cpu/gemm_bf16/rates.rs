@@ -1,8 +1,11 @@
 //! Timing hooks for `examples/pack_rates.rs`: each packing path of the bf16 product over a whole
-//! operand, block by block as the zmm kernel's loop nest ([`blocks`](super::blocks)) packs it.
-//! It must never be used by a product: only the example calls it, to time the packs alone.
+//! operand, block by block as the zmm kernel's loop nest ([`blocks`](super::blocks)) packs it,
+//! and the fp32 product's B panels as [`sgemm`](crate::cpu::gemm::sgemm) packs them. It must
+//! never be used by a product: only the example calls it, to time the packs alone.
 
-use super::{avx512_kcp, pack, Kernel, Line, NR};
+use super::{avx512_kcp, pack, shared, Kernel, Line, NR};
+use crate::cpu::epilogue::Epilogue;
+use crate::cpu::gemm::{self, Strided};
 
 /// A thread's packing buffers at the zmm kernel's block sizes, as the product's own.
 pub struct Packer {
@@ -97,4 +100,69 @@ impl Packer {
             }
         }
     }
+}
+
+/// Packs all of B, (k, n) at strides (rs, cs), into fp32 panels as a one-thread product of `m`
+/// rows does (the kernel, which would read them, left out): where A spans several strips of
+/// rows, once per K block into the shared buffer, block of columns by block
+/// ([`sgemm_parts`](super::shared::sgemm_parts) with one part); else panel by panel into one
+/// buffer ([`sgemm`](crate::cpu::gemm::sgemm)). Returns the floats packed, or `None` where this
+/// CPU has no AVX-512F.
+///
+/// # Panics
+/// If `b` is shorter than the strides say.
+pub fn pack_panels_f32(
+    b: &[f32],
+    m: usize,
+    (k, n): (usize, usize),
+    (rs, cs): (usize, usize),
+) -> Option<usize> {
+    assert!(k > 0 && n > 0 && m > 0 && b.len() > (k - 1) * rs + (n - 1) * cs);
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        return None;
+    }
+    let sb = Strided {
+        ptr: b.as_ptr(),
+        rs,
+        cs,
+    };
+    let once = m > gemm::strip_rows(m, sb);
+    let (kc_max, width) = if once {
+        shared::fp32_blocks(k, n)
+    } else {
+        (gemm::kc_for(k), n)
+    };
+    thread_local! {
+        // Kept from call to call, as the product's pool keeps its buffers (a fresh one would
+        // time the kernel's first touch of its pages).
+        static BUFFER: std::cell::RefCell<Vec<Line>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let mut buffer = BUFFER.take();
+    buffer.resize(shared::FP32_SHARED / 16, Line([0; 16]));
+    let pp = buffer.as_mut_ptr() as *mut f32;
+    let mut packed = 0;
+    for j0 in (0..n).step_by(width) {
+        let j1 = (j0 + width).min(n);
+        for k0 in (0..k).step_by(kc_max) {
+            let kc = kc_max.min(k - k0);
+            for j in (j0..j1).step_by(gemm::NR) {
+                let at = if once {
+                    (j - j0) / gemm::NR * kc * gemm::NR
+                } else {
+                    0
+                };
+                // SAFETY: AVX-512F checked above; the block is inside b (asserted above); the
+                // buffer holds the block's panels (kc x width ≤ FP32_SHARED floats, or one
+                // panel), 64-byte aligned.
+                unsafe {
+                    let nr = gemm::NR.min(j1 - j);
+                    gemm::pack_panel_of(pp.add(at), sb, Epilogue::None, (k0, kc), j, nr)
+                };
+                packed += kc * gemm::NR;
+            }
+            std::hint::black_box(&mut buffer);
+        }
+    }
+    BUFFER.set(buffer);
+    Some(packed)
 }

@@ -86,9 +86,14 @@ fn share(len: usize, unit: usize, parts: usize, q: usize) -> (usize, usize) {
     ((q * step).min(len), ((q + 1) * step).min(len))
 }
 
-/// One parallel phase: `f(q)` for each part q, returning when all are done.
+/// One parallel phase: `f(q)` for each part q, returning when all are done (one part on the
+/// calling thread, which may be outside any pool).
 fn phase(parts: usize, f: impl Fn(usize) + Sync + Send) {
-    (0..parts).into_par_iter().for_each(f);
+    if parts == 1 {
+        f(0);
+    } else {
+        (0..parts).into_par_iter().for_each(f);
+    }
 }
 
 /// The whole bf16 product of [`bgemm`](super::bgemm) (or `bgemm_bf16_a`'s, as `a` says),
@@ -231,13 +236,25 @@ pub(crate) unsafe fn bgemm_parts(
 
 /// Floats of B packed for all parts of an fp32 product (8 MB): a K block's whole width up to
 /// 2048 columns at K 1024 (the block of the bf16 products' elements), else in blocks of columns.
-const FP32_SHARED: usize = 1 << 21;
+pub(super) const FP32_SHARED: usize = 1 << 21;
+
+/// (rows of B per K block, columns per block) of [`sgemm_parts`] over a (k, n) B: blocks of
+/// columns of nearly equal width (multiples of NR: of 32 under SwiGLU's order) that fit
+/// [`FP32_SHARED`] at the K block's length.
+pub(super) fn fp32_blocks(k: usize, n: usize) -> (usize, usize) {
+    let kc_max = kc_for(k);
+    let fit = FP32_SHARED / kc_max / NR * NR;
+    // (the tests' products are small: blocks of 64 columns, so that they cover blocks too)
+    let fit = if cfg!(test) { fit.min(2 * NR) } else { fit };
+    (kc_max, n.div_ceil(n.div_ceil(fit)).div_ceil(NR) * NR)
+}
 
 /// [`sgemm`](crate::cpu::gemm::sgemm)'s product split over `parts` rayon tasks by rows, part q
 /// covering rows `split(q)`: B's K blocks packed once, by all the parts, rather than by each
-/// for each of its strips of rows. Returns false, having done nothing, where this does not
-/// apply (a split by columns, whose parts share no packing: A is never packed; K = 0): the
-/// caller then runs each part as a product of its own.
+/// for each of its strips of rows (with one part, a one-thread product whose A has several
+/// strips). Returns false, having done nothing, where this does not apply (a split by columns,
+/// whose parts share no packing: A is never packed; K = 0): the caller then runs each part as
+/// a product of its own.
 ///
 /// # Safety
 /// As `sgemm` for the whole (m, n) product; `split`'s ranges disjoint, within m.
@@ -253,15 +270,10 @@ pub(crate) unsafe fn sgemm_parts(
     bias: Option<*const f32>,
     ep: Epilogue,
 ) -> bool {
-    if m < n || k == 0 || parts < 2 {
+    if (parts > 1 && m < n) || k == 0 || parts == 0 {
         return false;
     }
-    let kc_max = kc_for(k);
-    // Blocks of columns of nearly equal width (multiples of NR: of 32 under SwiGLU's order).
-    let fit = FP32_SHARED / kc_max / NR * NR;
-    // (the tests' products are small: blocks of 64 columns, so that they cover blocks too)
-    let fit = if cfg!(test) { fit.min(2 * NR) } else { fit };
-    let width = n.div_ceil(n.div_ceil(fit)).div_ceil(NR) * NR;
+    let (kc_max, width) = fp32_blocks(k, n);
     let buffer = Buffer::take(FP32_SHARED);
     let shared = Shared(buffer.0.as_ptr() as *mut f32);
     let ops = Shared((a, b, c, bias));

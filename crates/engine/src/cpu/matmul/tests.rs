@@ -377,6 +377,7 @@ struct Split {
 }
 
 impl Split {
+    /// With `threads` 0 (fp32 only): `sgemm` called directly, strip by strip.
     fn run(&self, dtype: DType, threads: usize) -> Vec<Vec<u32>> {
         let (m, k, n) = (self.m, self.k, self.n);
         let a = rand_vec(m * k, 1);
@@ -416,6 +417,36 @@ impl Split {
         let sums_ptr = self.sums.then_some(SendPtr(sums.as_mut_ptr()));
         let cm = Mat::rm(c.as_mut_ptr(), n);
         let bias = self.bias.then_some(&bias[..]);
+        #[cfg(target_arch = "x86_64")]
+        if threads == 0 {
+            // sgemm itself, B packed again for each strip of A's rows (fp32, AVX-512 only)
+            let st = |x: Mat| Strided {
+                ptr: x.at(0, 0),
+                rs: x.rs as usize,
+                cs: x.cs as usize,
+            };
+            let bias = bias.map(|b| b.as_ptr());
+            // SAFETY: as below; AVX-512 is the caller's check.
+            unsafe {
+                if let Some(s) = sums_ptr {
+                    add_column_sums(s.get(), bm, k, n);
+                }
+                sgemm(
+                    m,
+                    k,
+                    n,
+                    st(am),
+                    st(bm),
+                    cm.at(0, 0),
+                    n,
+                    self.accumulate,
+                    bias,
+                    ep,
+                );
+            }
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect();
+            return vec![bits(&c), bits(&out), bits(&sums)];
+        }
         within_pool(threads, || {
             // SAFETY: the descriptors cover the buffers above; c, out and sums are distinct.
             unsafe {
@@ -568,6 +599,90 @@ fn split_products_have_the_bits_of_one_thread() {
             for (x, name) in got.iter().zip(&one).zip(["c", "epilogue", "sums"]) {
                 assert!(x.0 == x.1, "{name} of {what}");
             }
+        }
+    }
+}
+
+/// One thread's fp32 product packs B once per K block for all of A's strips of rows (the shared
+/// product with one part): the bits of `sgemm` packing it again for each strip. Several strips
+/// by rows, K whole and split, transposed operands (B transposed past the rows it packs once
+/// for), a bias, accumulating, epilogues, B's column sums, SwiGLU's order.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn one_thread_fp32_products_have_the_bits_of_strip_by_strip() {
+    if simd_level() != SimdLevel::Avx512 {
+        eprintln!("skipped: this CPU has no AVX-512");
+        return;
+    }
+    let base = Split {
+        m: 0,
+        k: 0,
+        n: 0,
+        at: false,
+        bt: false,
+        a16: false,
+        accumulate: false,
+        bias: false,
+        ep: 0,
+        sums: false,
+    };
+    let cases = [
+        Split {
+            m: 601,
+            k: 77,
+            n: 45,
+            bias: true,
+            ep: 1,
+            ..base
+        },
+        Split {
+            m: 500,
+            k: 1100,
+            n: 70,
+            accumulate: true,
+            ..base
+        },
+        Split {
+            m: 1100,
+            k: 300,
+            n: 70,
+            bt: true,
+            accumulate: true,
+            ..base
+        },
+        Split {
+            m: 1100,
+            k: 1030,
+            n: 40,
+            bt: true,
+            bias: true,
+            ..base
+        },
+        Split {
+            m: 500,
+            k: 60,
+            n: 530,
+            at: true,
+            accumulate: true,
+            sums: true,
+            ..base
+        },
+        Split {
+            m: 300,
+            k: 64,
+            n: 96,
+            ep: 2,
+            ..base
+        },
+    ];
+    for s in cases {
+        let what = format!(
+            "{}x{}x{} (at {} bt {} acc {} bias {} ep {} sums {})",
+            s.m, s.k, s.n, s.at, s.bt, s.accumulate, s.bias, s.ep, s.sums
+        );
+        let (want, got) = (s.run(DType::F32, 0), s.run(DType::F32, 1));
+        for (x, name) in got.iter().zip(&want).zip(["c", "epilogue", "sums"]) {
+            assert!(x.0 == x.1, "{name} of {what}");
         }
     }
 }

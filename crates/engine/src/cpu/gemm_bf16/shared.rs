@@ -234,9 +234,12 @@ pub(crate) unsafe fn bgemm_parts(
     true
 }
 
-/// Floats of B packed for all parts of an fp32 product (8 MB): a K block's whole width up to
-/// 2048 columns at K 1024 (the block of the bf16 products' elements), else in blocks of columns.
-pub(super) const FP32_SHARED: usize = 1 << 21;
+/// Floats of B packed for all parts of an fp32 product (2 MB): a K block's whole width up to
+/// 512 columns at K 1024, else in blocks of columns. Every thread that runs an fp32 product
+/// keeps one resident, so it is sized for memory: ZeRO-3's peak per rank on config G
+/// (checkpointing, fp32) was 1,229.6 MB with 8 MB and is 1,226.4 with 2 MB, against DDP's 2,029
+/// (the aim is 0.6x); config G's fp32 step took 0-1% longer, config B's no longer.
+pub(super) const FP32_SHARED: usize = 1 << 19;
 
 /// (rows of B per K block, columns per block) of [`sgemm_parts`] over a (k, n) B: blocks of
 /// columns of nearly equal width (multiples of NR: of 32 under SwiGLU's order) that fit

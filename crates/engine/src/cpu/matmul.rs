@@ -61,6 +61,30 @@ impl Mat {
             self.ptr.0.wrapping_offset(off)
         }
     }
+    /// The AVX-512 kernels' view of the matrix from element (r, c) on (f32; see [`Mat::left`]
+    /// for a left operand that may be bf16).
+    #[cfg(target_arch = "x86_64")]
+    fn strided(self, r: usize, c: usize) -> Strided {
+        Strided {
+            ptr: self.at(r, c),
+            rs: self.rs as usize,
+            cs: self.cs as usize,
+        }
+    }
+    /// A left operand of the bf16 product from row r on: f32, or bf16 bits where `bf16`.
+    #[cfg(target_arch = "x86_64")]
+    fn left(self, r: usize) -> AOperand {
+        let s = self.strided(r, 0);
+        if self.bf16 {
+            AOperand::Bf16(StridedBf16 {
+                ptr: s.ptr as *const u16,
+                rs: s.rs,
+                cs: s.cs,
+            })
+        } else {
+            AOperand::F32(s)
+        }
+    }
 }
 
 /// Below this many multiply-adds a product runs on one thread (a fork costs a few µs).
@@ -183,8 +207,8 @@ unsafe fn gemm_on(
         }
     }
     // The bf16 kernels sum b's columns as they pack it; elsewhere a pass of its own does.
-    let sums_in_kernel = avx512 && (a.bf16 || bf16);
-    if let (Some(sums), false) = (b_sums, sums_in_kernel) {
+    let bf16_product = avx512 && (a.bf16 || bf16);
+    if let (Some(sums), false) = (b_sums, bf16_product) {
         // safety: b is (k, n) and sums n floats per the caller.
         unsafe { add_column_sums(sums.get(), b, k, n) };
     }
@@ -192,7 +216,7 @@ unsafe fn gemm_on(
         // b's column sums for this part's columns, by the part that has c's first rows (a
         // split by rows gives every part all of b's columns)
         let sums = b_sums
-            .filter(|_| r0 == 0 && sums_in_kernel)
+            .filter(|_| r0 == 0 && bf16_product)
             .map(|s| s.get().wrapping_add(c0));
         // safety: sub-blocks of the caller's valid matrices; distinct calls write disjoint
         // blocks of c (and of b_sums).
@@ -200,28 +224,23 @@ unsafe fn gemm_on(
             #[cfg(target_arch = "x86_64")]
             if avx512 {
                 let n_whole = n;
-                let s = |x: Mat, r: usize, cc: usize| Strided {
-                    ptr: x.at(r, cc),
-                    rs: x.rs as usize,
-                    cs: x.cs as usize,
-                };
                 // Under SwiGLU's interleaved order, c's column c0 (a multiple of 32) reads
                 // from B's gate column c0 / 2 on (see `Epilogue::b_halves`).
                 let b_col = if ep.b_halves().is_some() { c0 / 2 } else { c0 };
-                let (sa, sb, cc) = (s(a, r0, 0), s(b, 0, b_col), c.at(r0, c0));
+                let (sb, cc) = (b.strided(0, b_col), c.at(r0, c0));
                 let bias = bias.map(|b| b.get().add(c0) as *const f32);
                 let (m, n, rsc) = (r1 - r0, c1 - c0, c.rs as usize);
                 let ep = ep.at(r0, c0);
-                if a.bf16 {
-                    let sa = StridedBf16 {
-                        ptr: sa.ptr as *const u16,
-                        rs: sa.rs,
-                        cs: sa.cs,
-                    };
-                    bgemm_bf16_a(
-                        m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole, sums,
-                    );
-                } else if bf16 {
+                let sa = match a.left(r0) {
+                    AOperand::Bf16(sa) => {
+                        bgemm_bf16_a(
+                            m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole, sums,
+                        );
+                        return;
+                    }
+                    AOperand::F32(sa) => sa,
+                };
+                if bf16 {
                     bgemm(
                         m, k, n, sa, sb, cc, rsc, accumulate, bias, ep, n_whole, sums,
                     );
@@ -295,27 +314,16 @@ unsafe fn gemm_on(
     // once, by all the parts together.
     #[cfg(target_arch = "x86_64")]
     if avx512 {
-        let whole = |x: Mat| Strided {
-            ptr: x.at(0, 0),
-            rs: x.rs as usize,
-            cs: x.cs as usize,
-        };
         let len = if m >= n { m } else { n };
-        let (sb, cc, bias) = (whole(b), (c.at(0, 0), c.rs as usize), bias.map(|b| b.get()));
+        let (sb, cc, bias) = (
+            b.strided(0, 0),
+            (c.at(0, 0), c.rs as usize),
+            bias.map(|b| b.get()),
+        );
         let bias = bias.map(|b| b as *const f32);
         // safety: forwarded from the caller; the parts are the split below.
         let shared = unsafe {
-            if sums_in_kernel {
-                let sa = if a.bf16 {
-                    let sa = whole(a);
-                    AOperand::Bf16(StridedBf16 {
-                        ptr: sa.ptr as *const u16,
-                        rs: sa.rs,
-                        cs: sa.cs,
-                    })
-                } else {
-                    AOperand::F32(whole(a))
-                };
+            if bf16_product {
                 let sums = b_sums.map(|s| s.get());
                 let by_rows = m >= n;
                 bgemm_parts(
@@ -323,7 +331,7 @@ unsafe fn gemm_on(
                     &|p| split(len, p),
                     by_rows,
                     (m, k, n),
-                    sa,
+                    a.left(0),
                     sb,
                     cc,
                     accumulate,
@@ -332,12 +340,11 @@ unsafe fn gemm_on(
                     sums,
                 )
             } else {
-                let sa = whole(a);
                 sgemm_parts(
                     parts,
                     &|p| split(len, p),
                     (m, k, n),
-                    sa,
+                    a.strided(0, 0),
                     sb,
                     cc,
                     accumulate,

@@ -359,7 +359,7 @@ fn bias_gradients_are_the_bits_of_column_sums_at_any_thread_count() {
 
 /// One product of [`gemm_on`] over `threads` threads: its result, the epilogue's output and
 /// B's column sums, as bits.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Split {
     m: usize,
     k: usize,
@@ -420,11 +420,6 @@ impl Split {
         #[cfg(target_arch = "x86_64")]
         if threads == 0 {
             // sgemm itself, B packed again for each strip of A's rows (fp32, AVX-512 only)
-            let st = |x: Mat| Strided {
-                ptr: x.at(0, 0),
-                rs: x.rs as usize,
-                cs: x.cs as usize,
-            };
             let bias = bias.map(|b| b.as_ptr());
             // SAFETY: as below; AVX-512 is the caller's check.
             unsafe {
@@ -435,8 +430,8 @@ impl Split {
                     m,
                     k,
                     n,
-                    st(am),
-                    st(bm),
+                    am.strided(0, 0),
+                    bm.strided(0, 0),
                     cm.at(0, 0),
                     n,
                     self.accumulate,
@@ -481,18 +476,7 @@ fn split_products_have_the_bits_of_one_thread() {
     if !bf16 {
         eprintln!("bf16 products not tested: this CPU has no bf16 product");
     }
-    let base = Split {
-        m: 0,
-        k: 0,
-        n: 0,
-        at: false,
-        bt: false,
-        a16: false,
-        accumulate: false,
-        bias: false,
-        ep: 0,
-        sums: false,
-    };
+    let base = Split::default();
     let cases = [
         // by rows, K whole, bias and GELU; and by columns
         Split {
@@ -614,18 +598,7 @@ fn one_thread_fp32_products_have_the_bits_of_strip_by_strip() {
         eprintln!("skipped: this CPU has no AVX-512");
         return;
     }
-    let base = Split {
-        m: 0,
-        k: 0,
-        n: 0,
-        at: false,
-        bt: false,
-        a16: false,
-        accumulate: false,
-        bias: false,
-        ep: 0,
-        sums: false,
-    };
+    let base = Split::default();
     let cases = [
         Split {
             m: 601,

@@ -503,9 +503,10 @@ pub(crate) fn prefetch_run(p: *const u8, bytes: usize) {
 /// packed again from L3, per strip of A); hints to L2 (T1) were slower.
 const PREFETCH_ROWS: usize = 24;
 
-/// Asks for the 64-byte line at `p` into L1.
+/// Asks for the 64-byte line at `p` into L1 (a hint: no fault, no effect on results).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_line(p: *const f32) {
+pub(crate) fn prefetch_line(p: *const f32) {
     // SAFETY: a prefetch never faults, whatever the address.
     unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
 }

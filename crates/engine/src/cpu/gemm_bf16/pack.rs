@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 
 use super::NR;
 use crate::cpu::bf16::bf16_bits;
-use crate::cpu::gemm::{prefetch_run, transpose16};
+use crate::cpu::gemm::{prefetch_line, prefetch_run, transpose16};
 
 /// Mask of the first `n` lanes (all 16 from n = 16 on).
 #[inline(always)]
@@ -36,13 +36,6 @@ const PREFETCH_ROWS_BF16: usize = 3;
 /// close (20-25 GB/s where 4 gave 25-30), 3-6 alike; bands of 2-8 pairs per sweep of the
 /// columns (fewer panels written per row read) were slower (16-23).
 const PREFETCH_PAIRS: usize = 4;
-
-/// Asks for the 64-byte line at `p` into L1.
-#[inline(always)]
-fn prefetch_line(p: *const f32) {
-    // SAFETY: a prefetch never faults, whatever the address.
-    unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
-}
 
 /// Two rows of 16 f32 (`x` the even K index, `y` the odd) as 16 bf16 pairs, `x` in the low half.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]

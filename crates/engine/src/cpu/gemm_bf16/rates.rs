@@ -3,7 +3,7 @@
 //! and the fp32 product's B panels as [`sgemm`](crate::cpu::gemm::sgemm) packs them. It must
 //! never be used by a product: only the example calls it, to time the packs alone.
 
-use super::{avx512_kcp, pack, shared, Kernel, Line, NR};
+use super::{pack, shared, Kernel, Line, NR};
 use crate::cpu::epilogue::Epilogue;
 use crate::cpu::gemm::{self, Strided};
 
@@ -39,7 +39,8 @@ impl Packer {
     ) {
         assert!(k > 0 && n > 0 && b.len() > (k - 1) * rs + (n - 1) * cs);
         assert!(sums.as_ref().is_none_or(|s| s.len() >= n));
-        let (kcp, nc) = (avx512_kcp(k.div_ceil(2)), 2048);
+        let bl = Kernel::Avx512.blocking(k, n);
+        let (kcp, nc) = (bl.kcp, bl.nc);
         let pb = self.b.as_mut_ptr() as *mut u32;
         for jc in (0..n).step_by(nc) {
             let nc = nc.min(n - jc);
@@ -91,7 +92,8 @@ impl Packer {
         (m, k): (usize, usize),
         mut pack: impl FnMut(*mut u32, (usize, usize), usize, usize),
     ) {
-        let (kcp, mc) = (avx512_kcp(k.div_ceil(2)), 192);
+        let bl = Kernel::Avx512.blocking(k, m);
+        let (kcp, mc) = (bl.kcp, bl.mc);
         let pa = self.a.as_mut_ptr() as *mut u32;
         for pc in (0..k).step_by(2 * kcp) {
             let kc = (2 * kcp).min(k - pc);

@@ -410,6 +410,8 @@ kernels! {
     fn embedding_backward(dwte: ViewMut<f32>, dout: View<f32>, ids: View<u32>, n: usize, c: usize) => cpu::embedding_backward;
     /// RMSNorm over C (out = inp · rstd · w); writes rstd (N) for backward.
     fn rmsnorm_forward(out: ViewMut<f32>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, eps: f32, n: usize, c: usize) => cpu::rmsnorm_forward;
+    /// `rmsnorm_forward` with `out` in bf16 (the bits of its f32 values rounded to nearest even): the input of bf16 products only. For a backend of `DType::Bf16`.
+    fn rmsnorm_forward_bf16(out: ViewMut<u16>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, eps: f32, n: usize, c: usize) => cpu::rmsnorm_forward_bf16;
     /// dinp, dw += RMSNorm backward.
     fn rmsnorm_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, dout: View<f32>, inp: View<f32>, rstd: View<f32>, w: View<f32>, n: usize, c: usize) => cpu::rmsnorm_backward;
     /// Rotary embedding in place (rotate_half convention): each row's first `dims.heads` heads turned by the angles of position `pos[row]` (tables positions × HS/2).
@@ -422,6 +424,8 @@ kernels! {
     fn swiglu_interleaved_forward(out: ViewMut<f32>, inp: View<f32>, n: usize, f: usize) => cpu::swiglu_interleaved_forward;
     /// LayerNorm over C; writes mean and rstd (N) for backward.
     fn layernorm_forward(out: ViewMut<f32>, mean: ViewMut<f32>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, b: Option<View<f32>>, n: usize, c: usize) => cpu::layernorm_forward;
+    /// `layernorm_forward` with `out` in bf16 (the bits of its f32 values rounded to nearest even): the input of bf16 products only. For a backend of `DType::Bf16`.
+    fn layernorm_forward_bf16(out: ViewMut<u16>, mean: ViewMut<f32>, rstd: ViewMut<f32>, inp: View<f32>, w: View<f32>, b: Option<View<f32>>, n: usize, c: usize) => cpu::layernorm_forward_bf16;
     /// dinp, dw, db += LayerNorm backward.
     fn layernorm_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, db: Option<ViewMut<f32>>, dout: View<f32>, inp: View<f32>, mean: View<f32>, rstd: View<f32>, w: View<f32>, n: usize, c: usize) => cpu::layernorm_backward;
     /// out (N,OC) = inp (N,C) · w (C,OC) + bias.
@@ -438,12 +442,12 @@ kernels! {
     fn head_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
     /// `pre (N, OC) = inp · w + bias`, `out = gelu(pre)` in one pass (same bits as `matmul_forward` then `gelu_forward`).
     fn matmul_gelu_forward(pre: ViewMut<f32>, out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
-    /// `matmul_gelu_forward` with `out` kept in bf16 (its bits) and `grad` = gelu'(pre-activation) instead of the pre-activation. Only on a backend of `DType::Bf16`.
-    fn matmul_gelu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
+    /// `matmul_gelu_forward` of an input in bf16 (its bits), with `out` kept in bf16 (its bits) and `grad` = gelu'(pre-activation) instead of the pre-activation. Only on a backend of `DType::Bf16`.
+    fn matmul_gelu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward_bf16;
     /// `pre (N, 2F) = inp · w + bias` (w's columns gate then up), `out (N, F) = silu(gate) · up` in one pass; `pre` is left interleaved (tiles of 16 gate then 16 up columns), each value the bits of `matmul_forward` then `swiglu_forward`.
     fn matmul_swiglu_forward(pre: ViewMut<f32>, out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward;
-    /// `matmul_swiglu_forward` with `out` kept in bf16 (its bits) and `grad` (interleaved) = (silu(gate), up · silu'(gate)) instead of the pre-activation. Only on a backend of `DType::Bf16`.
-    fn matmul_swiglu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward_bf16;
+    /// `matmul_swiglu_forward` of an input in bf16 (its bits), with `out` kept in bf16 (its bits) and `grad` (interleaved) = (silu(gate), up · silu'(gate)) instead of the pre-activation. Only on a backend of `DType::Bf16`.
+    fn matmul_swiglu_forward_bf16(grad: ViewMut<f32>, out: ViewMut<u16>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, f: usize) => @dtype cpu::matmul_swiglu_forward_bf16;
     /// dinp (N, 2F), gate then up, = SwiGLU backward at the interleaved `pre` of d(output) = dout (N, C) · wᵀ (w (F, C)), which `dact` (N, F) receives on the way: `matmul_backward_input` and `swiglu_interleaved_backward` in one pass (the same bits).
     fn matmul_backward_input_swiglu(dinp: ViewMut<f32>, dact: ViewMut<f32>, dout: View<f32>, w: View<f32>, pre: View<f32>, n: usize, f: usize, c: usize) => @dtype cpu::matmul_backward_input_swiglu;
     /// `matmul_backward_input_swiglu` from the derivatives `matmul_swiglu_forward_bf16` kept in `grad` (`swiglu_backward_with_grad` fused, the same bits).

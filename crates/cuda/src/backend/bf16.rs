@@ -99,28 +99,59 @@ impl CudaBackend {
         then(&pre)
     }
 
+    /// `inp (bf16) · w + bias` (N, OC) in a bf16 product into this backend's f32 scratch,
+    /// handed to `then` while the scratch is held: the bf16 MLP products finish it into their
+    /// outputs.
+    pub(super) fn bf16_product_in_scratch(
+        &self,
+        inp: &Raw<bf16>,
+        w: &dyn Mem<f32>,
+        bias: Option<&dyn Mem<f32>>,
+        (n, c, oc): (usize, usize, usize),
+        then: impl FnOnce(&Raw<f32>) -> Result<(), CudaError>,
+    ) -> Result<(), CudaError> {
+        let mut s = self.scratch();
+        let mut pre = grown(self, &mut s.f32, n * oc)?;
+        let w16 = self.to_bf16(&mut s, 1, w)?;
+        let (i16, w16) = (Operand::Bf16(inp), Operand::Bf16(&w16));
+        self.dev
+            .matmul_forward(&mut pre, i16, w16, bias, n, c, oc)?;
+        then(&pre)
+    }
+
     /// The engine's `matmul_gelu_forward_bf16`: `out` = bf16(gelu(pre)), `grad` = gelu'(pre),
-    /// pre = inp · w + bias in a bf16 product (pre itself in f32 scratch).
+    /// pre = inp (bf16) · w + bias in a bf16 product (pre itself in f32 scratch).
     pub(super) fn gelu_forward_bf16_out(
         &self,
         grad: &mut dyn Mem<f32>,
         out: &mut dyn Mem<bf16>,
-        inp: &dyn Mem<f32>,
+        inp: &Raw<bf16>,
         w: &dyn Mem<f32>,
         bias: Option<&dyn Mem<f32>>,
-        (n, c, oc): (usize, usize, usize),
+        dims: (usize, usize, usize),
+    ) -> Result<(), CudaError> {
+        self.bf16_product_in_scratch(inp, w, bias, dims, |pre| {
+            // grad holds gelu(pre) on the way to out, then the derivative: 1 · gelu'(pre).
+            self.dev.gelu_forward(grad, pre)?;
+            self.dev.f32_to_bf16(out, grad)?;
+            self.dev.fill(grad, 1.0)?;
+            self.dev.gelu_backward(grad, pre)
+        })
+    }
+
+    /// A normalisation's output in bf16 (the engine's `layernorm_forward_bf16`,
+    /// `rmsnorm_forward_bf16`): `norm` writes its `len` f32 values into this backend's f32
+    /// scratch, then `out` receives them rounded to bf16.
+    pub(super) fn norm_to_bf16(
+        &self,
+        out: &mut dyn Mem<bf16>,
+        len: usize,
+        norm: impl FnOnce(&mut Raw<f32>) -> Result<(), CudaError>,
     ) -> Result<(), CudaError> {
         let mut s = self.scratch();
-        let mut pre = grown(self, &mut s.f32, n * oc)?;
-        let (i16, w16) = (self.to_bf16(&mut s, 0, inp)?, self.to_bf16(&mut s, 1, w)?);
-        let (i16, w16) = (Operand::Bf16(&i16), Operand::Bf16(&w16));
-        self.dev
-            .matmul_forward(&mut pre, i16, w16, bias, n, c, oc)?;
-        // grad holds gelu(pre) on the way to out, then the derivative: 1 · gelu'(pre).
-        self.dev.gelu_forward(grad, &pre)?;
-        self.dev.f32_to_bf16(out, grad)?;
-        self.dev.fill(grad, 1.0)?;
-        self.dev.gelu_backward(grad, &pre)
+        let mut x = grown(self, &mut s.f32, len)?;
+        norm(&mut x)?;
+        self.dev.f32_to_bf16(out, &x)
     }
 
     /// The engine's `matmul_forward_bf16_input`: out = inp (bf16) · w + bias.

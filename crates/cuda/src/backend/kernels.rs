@@ -197,6 +197,24 @@ impl Backend for CudaBackend {
             self.dev.rmsnorm_forward(&mut o, &mut r, &x, &wp, eps, n, c)
         })
     }
+    fn rmsnorm_forward_bf16(
+        &self,
+        out: ViewMut<u16>,
+        rstd: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        eps: f32,
+        n: usize,
+        c: usize,
+    ) {
+        self.run("rmsnorm_forward_bf16", || {
+            let (o, mut r, x, wp) = (self.w(out)?, self.w(rstd)?, self.r(inp)?, self.r(w)?);
+            let mut o = as_bf16(&o, &self.dev);
+            self.norm_to_bf16(&mut o, n * c, |y| {
+                self.dev.rmsnorm_forward(y, &mut r, &x, &wp, eps, n, c)
+            })
+        })
+    }
     fn rmsnorm_backward(
         &self,
         dinp: ViewMut<f32>,
@@ -278,7 +296,7 @@ impl Backend for CudaBackend {
         &self,
         grad: ViewMut<f32>,
         out: ViewMut<u16>,
-        inp: View<f32>,
+        inp: View<u16>,
         w: View<f32>,
         bias: Option<View<f32>>,
         n: usize,
@@ -288,8 +306,8 @@ impl Backend for CudaBackend {
         self.run("matmul_swiglu_forward_bf16", || {
             let (mut g, o) = (self.w(grad)?, self.w(out)?);
             let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
-            let mut o = as_bf16(&o, &self.dev);
-            self.product_in_scratch(&i, &w, opt(&b), (n, c, 2 * f), |src| {
+            let (mut o, i) = (as_bf16(&o, &self.dev), as_bf16(&i, &self.dev));
+            self.bf16_product_in_scratch(&i, &w, opt(&b), (n, c, 2 * f), |src| {
                 self.dev.swiglu_interleave_bf16(&mut g, &mut o, src, n, f)
             })
         })
@@ -351,6 +369,27 @@ impl Backend for CudaBackend {
             let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(b)?);
             self.dev
                 .layernorm_forward(&mut o, &mut m, &mut r, &i, &w, opt(&b), n, c)
+        })
+    }
+    fn layernorm_forward_bf16(
+        &self,
+        out: ViewMut<u16>,
+        mean: ViewMut<f32>,
+        rstd: ViewMut<f32>,
+        inp: View<f32>,
+        w: View<f32>,
+        b: Option<View<f32>>,
+        n: usize,
+        c: usize,
+    ) {
+        self.run("layernorm_forward_bf16", || {
+            let (o, mut m, mut r) = (self.w(out)?, self.w(mean)?, self.w(rstd)?);
+            let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(b)?);
+            let mut o = as_bf16(&o, &self.dev);
+            self.norm_to_bf16(&mut o, n * c, |y| {
+                self.dev
+                    .layernorm_forward(y, &mut m, &mut r, &i, &w, opt(&b), n, c)
+            })
         })
     }
     fn layernorm_backward(
@@ -516,7 +555,7 @@ impl Backend for CudaBackend {
         &self,
         grad: ViewMut<f32>,
         out: ViewMut<u16>,
-        inp: View<f32>,
+        inp: View<u16>,
         w: View<f32>,
         bias: Option<View<f32>>,
         n: usize,
@@ -526,7 +565,7 @@ impl Backend for CudaBackend {
         self.run("matmul_gelu_forward_bf16", || {
             let (mut g, o) = (self.w(grad)?, self.w(out)?);
             let (i, w, b) = (self.r(inp)?, self.r(w)?, self.ro(bias)?);
-            let mut o = as_bf16(&o, &self.dev);
+            let (mut o, i) = (as_bf16(&o, &self.dev), as_bf16(&i, &self.dev));
             self.gelu_forward_bf16_out(&mut g, &mut o, &i, &w, opt(&b), (n, c, oc))
         })
     }

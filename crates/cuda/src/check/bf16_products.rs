@@ -19,6 +19,13 @@ pub(super) fn widen(bits: &[u16]) -> Vec<f32> {
         .collect()
 }
 
+/// The bf16 bits of `x`, rounded to nearest even.
+pub(super) fn bf16_bits_of(x: &[f32]) -> Vec<u16> {
+    let mut bits = vec![0u16; x.len()];
+    cohort_engine::cpu::round_to_bf16(&mut bits, x);
+    bits
+}
+
 /// The MLP's products on `dev`: its bf16 kernels on a backend of `DType::Bf16`, else the fp32
 /// kernels they stand for.
 fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
@@ -47,7 +54,8 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         c,
         n * f,
     ];
-    let mut buf = dev.alloc(sizes.iter().sum::<usize>() + n * f)?;
+    // after the views: the bf16 activation (N, F), then the bf16 input (N, C)
+    let mut buf = dev.alloc(sizes.iter().sum::<usize>() + n * f + n * c)?;
     let mut rest = buf.view_mut();
     let mut v = Vec::new();
     for len in sizes {
@@ -55,10 +63,13 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         v.push(head);
         rest = tail;
     }
-    let mut out16 = rest.cast::<u16>();
+    let (out16, x16) = rest.split_at_mut(n * f);
+    let (mut out16, mut x16) = (out16.cast::<u16>(), x16.cast::<u16>().into_slice(..n * c));
     for (dst, src) in v.iter_mut().zip(&host) {
         dev.upload(dst.reborrow(), src)?;
     }
+    // the input as the bf16 kernels read it (a LayerNorm's output under bf16 products)
+    dev.upload(x16.reborrow(), &bf16_bits_of(&host[0]))?;
     let [x, w1, b1, w2, b2, dy, y1, grad, act, y2, dw2, db2, pre] = &mut v[..] else {
         unreachable!("thirteen views")
     };
@@ -74,7 +85,8 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     let mut out16 = out16.slice_mut(..n * f);
     if bf16 {
         let o = out16.reborrow();
-        dev.matmul_gelu_forward_bf16(grad.reborrow(), o, x, w1, Some(b1), n, c, f);
+        let x16 = x16.as_view();
+        dev.matmul_gelu_forward_bf16(grad.reborrow(), o, x16, w1, Some(b1), n, c, f);
         dev.matmul_forward_bf16_input(y2.reborrow(), out16.as_view(), w2, Some(b2), n, f, c);
         let (d, o) = (db2.reborrow(), out16.as_view());
         dev.matmul_backward_weight_bf16_input(dw2.reborrow(), Some(d), dy, o, n, f, c);

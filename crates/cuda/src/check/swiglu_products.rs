@@ -33,7 +33,8 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         n * f,
         2 * n * f,
     ];
-    let mut buf = dev.alloc(sizes.iter().sum::<usize>() + n * f)?;
+    // after the views: the bf16 activation (N, F), then the bf16 input (N, C)
+    let mut buf = dev.alloc(sizes.iter().sum::<usize>() + n * f + n * c)?;
     let mut rest = buf.view_mut();
     let mut v = Vec::new();
     for len in sizes {
@@ -41,17 +42,24 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         v.push(head);
         rest = tail;
     }
-    let mut out16 = rest.cast::<u16>();
+    let (out16, x16) = rest.split_at_mut(n * f);
+    let (mut out16, mut x16) = (out16.cast::<u16>(), x16.cast::<u16>().into_slice(..n * c));
     let mut out16 = out16.slice_mut(..n * f);
     for (dst, src) in v.iter_mut().zip(&host) {
         dev.upload(dst.reborrow(), src)?;
     }
+    // the input as the bf16 kernels read it (a normalisation's output under bf16 products)
+    dev.upload(
+        x16.reborrow(),
+        &super::bf16_products::bf16_bits_of(&host[0]),
+    )?;
     let [x, w1, w2, dy, pre, out, dact, dinp] = &mut v[..] else {
         unreachable!("eight views")
     };
     let (x, w1, w2, dy) = (x.as_view(), w1.as_view(), w2.as_view(), dy.as_view());
     if bf16 {
-        dev.matmul_swiglu_forward_bf16(pre.reborrow(), out16.reborrow(), x, w1, None, n, c, f);
+        let (o, x16) = (out16.reborrow(), x16.as_view());
+        dev.matmul_swiglu_forward_bf16(pre.reborrow(), o, x16, w1, None, n, c, f);
         let (di, da, g) = (dinp.reborrow(), dact.reborrow(), pre.as_view());
         dev.matmul_backward_input_swiglu_with_grad(di, da, dy, w2, g, n, f, c);
     } else {

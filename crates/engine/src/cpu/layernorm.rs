@@ -10,6 +10,7 @@
 
 use rayon::prelude::*;
 
+use super::bf16::bf16_bits;
 use super::math::{dot, sum};
 use super::simd_fn;
 
@@ -46,27 +47,84 @@ simd_fn! {
     fn rows_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>) {
         let c = w.len();
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
-            let m = sum(x) / c as f32;
-            for (o, &v) in o.iter_mut().zip(x) {
-                *o = v - m;
-            }
-            let var = dot(o, o) / c as f32;
-            let s = 1.0 / (var + EPS).sqrt();
-            match b {
-                Some(b) => {
-                    for ((o, &w), &b) in o.iter_mut().zip(w).zip(b) {
-                        *o = *o * s * w + b;
-                    }
-                }
-                None => {
-                    for (o, &w) in o.iter_mut().zip(w) {
-                        *o = *o * s * w;
-                    }
-                }
-            }
-            mean[i] = m;
-            rstd[i] = s;
+            (mean[i], rstd[i]) = norm_row(o, x, w, b);
         }
+    }
+}
+
+/// One row of [`layernorm_forward`] into `o`: returns its mean and rstd. Inlined into both
+/// forwards, so that the bf16 one rounds the very f32 values the f32 one writes.
+#[inline(always)]
+fn norm_row(o: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>) -> (f32, f32) {
+    let c = w.len();
+    let m = sum(x) / c as f32;
+    for (o, &v) in o.iter_mut().zip(x) {
+        *o = v - m;
+    }
+    let var = dot(o, o) / c as f32;
+    let s = 1.0 / (var + EPS).sqrt();
+    match b {
+        Some(b) => {
+            for ((o, &w), &b) in o.iter_mut().zip(w).zip(b) {
+                *o = *o * s * w + b;
+            }
+        }
+        None => {
+            for (o, &w) in o.iter_mut().zip(w) {
+                *o = *o * s * w;
+            }
+        }
+    }
+    (m, s)
+}
+
+/// [`layernorm_forward`] writing its output in bf16 (`out` holds the bits of each f32 value
+/// rounded to nearest even, as the bf16 products' packs round it): under bf16 products the
+/// output is read only by products, which would round it so anyway, so they read the same
+/// values from half the bytes. mean and rstd are the f32 forward's.
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_forward_bf16(
+    out: &mut [u16],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    b: Option<&[f32]>,
+    n: usize,
+    c: usize,
+) {
+    let (out, mean, rstd, inp) = (
+        &mut out[..n * c],
+        &mut mean[..n],
+        &mut rstd[..n],
+        &inp[..n * c],
+    );
+    let (w, b) = (&w[..c], b.map(|b| &b[..c]));
+    out.par_chunks_mut(ROWS_PER_TASK * c)
+        .zip(mean.par_chunks_mut(ROWS_PER_TASK))
+        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
+        .zip(inp.par_chunks(ROWS_PER_TASK * c))
+        .for_each(|(((o, m), r), x)| {
+            // Each row in f32 in this thread's scratch (in L1), then rounded into `o`.
+            with_group_sums(c, |row| rows_forward_bf16(o, m, r, x, w, b, row))
+        });
+}
+
+simd_fn! {
+    fn rows_forward_bf16(out: &mut [u16], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>, row: &mut [f32]) {
+        let c = w.len();
+        for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
+            (mean[i], rstd[i]) = norm_row(row, x, w, b);
+            round_row(o, row);
+        }
+    }
+}
+
+/// `o` = `x` rounded to bf16 (nearest even), inlined into a `simd_fn` so that it vectorizes.
+#[inline(always)]
+pub(super) fn round_row(o: &mut [u16], x: &[f32]) {
+    for (o, &v) in o.iter_mut().zip(x) {
+        *o = bf16_bits(v);
     }
 }
 
@@ -110,7 +168,7 @@ pub fn layernorm_backward(
 }
 
 /// Runs `f` on `len` floats of this thread's group-sum buffer (its contents undefined), grown
-/// to `len` on first use; a nested call (a thread that took another normalisation's job while
+/// to `len` on first use (the bf16 forwards' row scratch too); a nested call (a thread that took another normalisation's job while
 /// waiting for its own tasks) gets a fresh buffer instead of the one in use.
 pub(super) fn with_group_sums(len: usize, f: impl FnOnce(&mut [f32])) {
     GROUP_SUMS.with(|cell| match cell.try_borrow_mut() {
@@ -256,6 +314,36 @@ mod tests {
             check_grad("dx", &dx, 0.5, &x64, &dout, |x| f(x, &w64, &b64));
             check_grad("dw", &dw, 0.25, &w64, &dout, |w| f(&x64, w, &b64));
             check_grad("db", &db, 0.0, &b64, &dout, |b| f(&x64, &w64, b));
+        }
+    }
+
+    /// The bf16 forward writes the f32 forward's values rounded to nearest even, bit for bit,
+    /// with the same statistics: C a multiple of 16 and not (a tail), rows past one group,
+    /// with and without a bias, on 1 and 2 threads.
+    #[test]
+    fn bf16_output_is_the_f32_output_rounded() {
+        use crate::cpu::bf16::bf16_bits;
+        for (n, c) in [(3 * ROWS_PER_TASK + 5, 48), (ROWS_PER_TASK + 3, 37), (7, 5)] {
+            let x: Vec<f32> = rand_vec(n * c, 9).iter().map(|v| 4.0 * v + 1.0).collect();
+            let (w, b) = (rand_vec(c, 10), rand_vec(c, 11));
+            for (threads, bias) in [(1, true), (2, true), (2, false)] {
+                let b = bias.then_some(&b[..]);
+                let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+                let (mut out16, mut mean16, mut rstd16) =
+                    (vec![0u16; n * c], vec![0.0; n], vec![0.0; n]);
+                within_pool(threads, || {
+                    layernorm_forward(&mut out, &mut mean, &mut rstd, &x, &w, b, n, c);
+                    layernorm_forward_bf16(&mut out16, &mut mean16, &mut rstd16, &x, &w, b, n, c);
+                });
+                let what = format!("{n}x{c}, {threads} threads, bias {bias}");
+                let want: Vec<u16> = out.iter().map(|&v| bf16_bits(v)).collect();
+                assert_eq!(out16, want, "out, {what}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&mean16), bits(&mean), "mean, {what}");
+                assert_eq!(bits(&rstd16), bits(&rstd), "rstd, {what}");
+                // rounding really happened somewhere (not all values exact in bf16)
+                assert!(out.iter().any(|&v| v.to_bits() & 0xffff != 0), "{what}");
+            }
         }
     }
 

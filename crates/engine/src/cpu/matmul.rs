@@ -490,7 +490,8 @@ pub fn matmul_gelu_forward(
     unsafe { conv1d_product(dtype, pre, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
-/// [`matmul_gelu_forward`] keeping the GELU's output in bf16 (`out` holds its bits): the
+/// [`matmul_gelu_forward`] of an input kept in bf16 (its bits: a LayerNorm's output under bf16
+/// products, the same bits as its f32 values rounded), keeping the GELU's output in bf16 (`out` holds its bits): the
 /// products that read it (the next layer's forward and its weight gradient) round their left
 /// operand to bf16 anyway, so they read the same values from half the bytes, and a forward
 /// can keep them for backward at half the memory. `grad` receives GELU's derivative at the
@@ -501,7 +502,7 @@ pub fn matmul_gelu_forward_bf16(
     dtype: DType,
     grad: &mut [f32],
     out: &mut [u16],
-    inp: &[f32],
+    inp: &[u16],
     w: &[f32],
     bias: Option<&[f32]>,
     n: usize,
@@ -517,7 +518,7 @@ pub fn matmul_gelu_forward_bf16(
         out: SendPtr(out.as_mut_ptr() as *mut f32),
         rs: oc,
     };
-    let a = Mat::rm(inp.as_ptr(), c);
+    let a = Mat::rm_bf16(inp.as_ptr(), c);
     // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
     unsafe { conv1d_product(dtype, grad, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
@@ -530,15 +531,26 @@ pub fn matmul_gelu_forward_bf16(
 pub(super) unsafe fn matmul_forward_with(
     dtype: DType,
     out: &mut [f32],
-    inp: &[f32],
+    inp: Input,
     w: &[f32],
     bias: Option<&[f32]>,
     (n, c, oc): (usize, usize, usize),
     ep: Epilogue,
 ) {
-    let a = Mat::rm(inp.as_ptr(), c);
-    // SAFETY: `a` is `inp`; ep per the contract.
-    unsafe { conv1d_product(dtype, out, a, inp.len(), w, bias, (n, c, oc), ep) }
+    let (a, len) = match inp {
+        Input::F32(x) => (Mat::rm(x.as_ptr(), c), x.len()),
+        Input::Bf16(x) => (Mat::rm_bf16(x.as_ptr(), c), x.len()),
+    };
+    // SAFETY: `a` is `inp`, `len` its elements; ep per the contract.
+    unsafe { conv1d_product(dtype, out, a, len, w, bias, (n, c, oc), ep) }
+}
+
+/// The left operand of a forward product as its caller holds it: f32, or bf16 bits (on a
+/// backend of `DType::Bf16` only).
+#[derive(Clone, Copy)]
+pub(super) enum Input<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
 }
 
 /// [`matmul_forward`] of an input kept in bf16 (its bits): the same bits as [`matmul_forward`]

@@ -53,14 +53,14 @@ pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encod
 #[cfg(target_arch = "x86_64")]
 #[doc(hidden)]
 pub use gemm_bf16::rates as pack_rates;
-pub use layernorm::{layernorm_backward, layernorm_forward};
+pub use layernorm::{layernorm_backward, layernorm_forward, layernorm_forward_bf16};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
     matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
     matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
 };
 pub use peak::{product_peak, Peak};
-pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward, rmsnorm_forward_bf16};
 pub use rope::{rope_backward, rope_forward, rope_tables, RopeDims};
 pub use swiglu::{
     matmul_backward_input_swiglu, matmul_backward_input_swiglu_with_grad, matmul_swiglu_forward,

@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::layernorm::{add_to, with_group_sums, ROWS_PER_TASK};
+use super::layernorm::{add_to, round_row, with_group_sums, ROWS_PER_TASK};
 use super::math::dot;
 use super::simd_fn;
 
@@ -32,11 +32,46 @@ simd_fn! {
     fn rows_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32) {
         let c = w.len();
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
-            let s = 1.0 / (dot(x, x) / c as f32 + eps).sqrt();
-            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                *o = x * s * w;
-            }
-            rstd[i] = s;
+            rstd[i] = norm_row(o, x, w, eps);
+        }
+    }
+}
+
+/// One row of [`rmsnorm_forward`] into `o`: returns its rstd. Inlined into both forwards, so
+/// that the bf16 one rounds the very f32 values the f32 one writes.
+#[inline(always)]
+fn norm_row(o: &mut [f32], x: &[f32], w: &[f32], eps: f32) -> f32 {
+    let s = 1.0 / (dot(x, x) / w.len() as f32 + eps).sqrt();
+    for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+        *o = x * s * w;
+    }
+    s
+}
+
+/// [`rmsnorm_forward`] writing its output in bf16 (rounded to nearest even), as
+/// [`layernorm_forward_bf16`](super::layernorm_forward_bf16) does and for the same reason.
+pub fn rmsnorm_forward_bf16(
+    out: &mut [u16],
+    rstd: &mut [f32],
+    inp: &[f32],
+    w: &[f32],
+    eps: f32,
+    n: usize,
+    c: usize,
+) {
+    let (out, rstd, inp, w) = (&mut out[..n * c], &mut rstd[..n], &inp[..n * c], &w[..c]);
+    out.par_chunks_mut(ROWS_PER_TASK * c)
+        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
+        .zip(inp.par_chunks(ROWS_PER_TASK * c))
+        .for_each(|((o, r), x)| with_group_sums(c, |row| rows_forward_bf16(o, r, x, w, eps, row)));
+}
+
+simd_fn! {
+    fn rows_forward_bf16(out: &mut [u16], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32, row: &mut [f32]) {
+        let c = w.len();
+        for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
+            rstd[i] = norm_row(row, x, w, eps);
+            round_row(o, row);
         }
     }
 }
@@ -131,6 +166,32 @@ mod tests {
                 one.get_or_insert(bits.clone()) == &bits,
                 "{threads} threads"
             );
+        }
+    }
+
+    /// The bf16 forward writes the f32 forward's values rounded to nearest even, bit for bit,
+    /// with the same rstd, C with a tail past whole 16-lane chunks.
+    #[test]
+    fn bf16_output_is_the_f32_output_rounded() {
+        use crate::cpu::bf16::bf16_bits;
+        for (n, c) in [(2 * ROWS_PER_TASK + 3, 32), (ROWS_PER_TASK + 1, 37)] {
+            let (x, w) = (rand_vec(n * c, 12), rand_vec(c, 13));
+            for threads in [1, 2] {
+                let (mut out, mut rstd) = (vec![0.0; n * c], vec![0.0; n]);
+                let (mut out16, mut rstd16) = (vec![0u16; n * c], vec![0.0; n]);
+                within_pool(threads, || {
+                    rmsnorm_forward(&mut out, &mut rstd, &x, &w, 1e-6, n, c);
+                    rmsnorm_forward_bf16(&mut out16, &mut rstd16, &x, &w, 1e-6, n, c);
+                });
+                let want: Vec<u16> = out.iter().map(|&v| bf16_bits(v)).collect();
+                assert_eq!(out16, want, "out, {n}x{c}, {threads} threads");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&rstd16),
+                    bits(&rstd),
+                    "rstd, {n}x{c}, {threads} threads"
+                );
+            }
         }
     }
 }

@@ -20,7 +20,10 @@ use rayon::prelude::*;
 use super::bf16::bf16_bits;
 use super::epilogue::Epilogue;
 use super::math::{swiglu, swiglu_backward_pair as pair_backward, swiglu_grads};
-use super::matmul::{matmul_backward_input_with, matmul_forward, matmul_forward_with};
+use super::matmul::{
+    matmul_backward_input_with, matmul_forward, matmul_forward_bf16_input, matmul_forward_with,
+    Input,
+};
 use super::{simd_fn, simd_level, SendPtr, SimdLevel};
 use crate::DType;
 
@@ -196,11 +199,12 @@ pub fn matmul_swiglu_forward(
     };
     // SAFETY: ep's operand is `out`, (n, f) as checked, a distinct &mut (the epilogue writes
     // one output per pair of the product's 2·f columns).
-    unsafe { matmul_forward_with(dtype, pre, inp, w, None, (n, c, 2 * f), ep) }
+    unsafe { matmul_forward_with(dtype, pre, Input::F32(inp), w, None, (n, c, 2 * f), ep) }
 }
 
-/// [`matmul_swiglu_forward`] keeping SwiGLU's output in bf16 (`out` holds its bits, the
-/// rounding of the f32 output), as [`matmul_gelu_forward_bf16`](super::matmul_gelu_forward_bf16) does; `grad` (N, 2F),
+/// [`matmul_swiglu_forward`] of an input kept in bf16 (its bits, as
+/// [`matmul_gelu_forward_bf16`](super::matmul_gelu_forward_bf16) reads), keeping SwiGLU's
+/// output in bf16 (`out` holds its bits, the rounding of the f32 output), as [`matmul_gelu_forward_bf16`](super::matmul_gelu_forward_bf16) does; `grad` (N, 2F),
 /// interleaved, receives what SwiGLU's backward needs instead of the pre-activation (silu(gate)
 /// where gate was, up · silu'(gate) where up was), which
 /// [`swiglu_backward_with_grad`] reads. Needs a backend of
@@ -209,7 +213,7 @@ pub fn matmul_swiglu_forward_bf16(
     dtype: DType,
     grad: &mut [f32],
     out: &mut [u16],
-    inp: &[f32],
+    inp: &[u16],
     w: &[f32],
     bias: Option<&[f32]>,
     n: usize,
@@ -227,7 +231,7 @@ pub fn matmul_swiglu_forward_bf16(
         "bf16 activations need a backend of DType::Bf16"
     );
     if !swiglu_fusable(f, bias) {
-        matmul_forward(dtype, grad, inp, w, bias, n, c, 2 * f);
+        matmul_forward_bf16_input(dtype, grad, inp, w, bias, n, c, 2 * f);
         swiglu_finish_unfused(grad, SwiGluOut::Bf16(out), n, f);
         return;
     }
@@ -237,7 +241,7 @@ pub fn matmul_swiglu_forward_bf16(
         half: f,
     };
     // SAFETY: ep's operand is `out`, (n, f) u16 as checked, a distinct &mut.
-    unsafe { matmul_forward_with(dtype, grad, inp, w, None, (n, c, 2 * f), ep) }
+    unsafe { matmul_forward_with(dtype, grad, Input::Bf16(inp), w, None, (n, c, 2 * f), ep) }
 }
 
 /// `dinp` (N, 2F), gate then up, = SwiGLU's backward at the interleaved pre-activation `pre`
@@ -483,8 +487,10 @@ mod tests {
                         matmul_forward(dtype, &mut want_pre, &inp, &w, None, n, c, 2 * f);
                         swiglu_forward(&mut want, &want_pre, n, f);
                         if dtype == DType::Bf16 {
+                            // its input in bf16: the bits of the f32 one rounded
+                            let inp16: Vec<u16> = inp.iter().map(|&v| bf16_bits(v)).collect();
                             matmul_swiglu_forward_bf16(
-                                dtype, &mut grad, &mut out16, &inp, &w, None, n, c, f,
+                                dtype, &mut grad, &mut out16, &inp16, &w, None, n, c, f,
                             );
                         }
                     });

@@ -191,8 +191,10 @@ fn bf16_inputs_give_the_bits_of_their_f32_values() {
             let (mut out, mut want) = (vec![0.0; n * oc], vec![0.0; n * oc]);
             let (mut dw, mut want_dw) = (rand_vec(c * oc, 5), rand_vec(c * oc, 5));
             let (mut db, mut want_db) = (vec![1.0; oc], vec![1.0; oc]);
-            // The GELU kept in bf16 against the f32 GELU rounded.
+            // The GELU kept in bf16 against the f32 GELU rounded, its input in bf16 against
+            // the f32 values (which the product rounds).
             let x: Vec<f32> = rand_vec(n * c, 6).iter().map(|v| v * 3.0).collect();
+            let x16 = round(&x);
             let (mut pre, mut g16) = (vec![0.0; n * oc], vec![0u16; n * oc]);
             let (mut want_pre, mut g) = (vec![0.0; n * oc], vec![0.0; n * oc]);
             within_pool(threads, || {
@@ -220,7 +222,7 @@ fn bf16_inputs_give_the_bits_of_their_f32_values() {
                     c,
                     oc,
                 );
-                matmul_gelu_forward_bf16(d, &mut pre, &mut g16, &x, &w, Some(&b), n, c, oc);
+                matmul_gelu_forward_bf16(d, &mut pre, &mut g16, &x16, &w, Some(&b), n, c, oc);
                 matmul_forward(d, &mut want_pre, &x, &w, Some(&b), n, c, oc);
                 gelu_forward(&mut g, &want_pre);
             });

@@ -10,8 +10,11 @@ pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
     /// Products in bf16: unless the GELU (SwiGLU) outputs are kept in f32 (`keep`), they are
-    /// kept in bf16 (`gelu16`).
+    /// kept in bf16 (`gelu16`), and the LayerNorms write bf16 (`ln16`).
     pub(crate) bf16: bool,
+    /// The LayerNorm (RMSNorm) outputs in bf16, `s_ln` holding bf16 pairs: bf16 products and
+    /// not `keep`, as `gelu16`.
+    pub(crate) ln16: bool,
     /// Activation checkpointing: the per-layer buffers hold one layer, and backward recomputes
     /// each block's forward from its input (`res`, kept for every layer) before its backward.
     pub(crate) checkpoint: bool,
@@ -27,6 +30,9 @@ pub(crate) struct ActLayout {
 pub(super) const ACT_BUFFERS: usize = 23;
 /// Where the logits are in the carve order (read after a forward).
 pub(crate) const ACT_LOGITS: usize = 12;
+/// Where the LayerNorm outputs are in the carve order (their size tells their precision).
+#[cfg(test)]
+pub(crate) const ACT_S_LN: usize = 15;
 /// Where d(residual) is in the carve order (a stage's input gradient, read after a backward).
 pub(crate) const ACT_DRES: usize = 20;
 
@@ -47,7 +53,7 @@ pub(crate) struct Acts<'a> {
     pub(super) logits: ViewMut<'a, f32>, // (N, V'), V' = logit_cols: V, or a block of it
     pub(super) losses: ViewMut<'a, f32>, // (N)
     pub(super) ce_lse: ViewMut<'a, f32>, // (N)
-    pub(super) s_ln: ViewMut<'a, f32>, // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch
+    pub(super) s_ln: ViewMut<'a, f32>, // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch; ⌈N·C/2⌉ floats of bf16 pairs under ln16 (see [`ln_out`])
     pub(super) s_atty: ViewMut<'a, f32>, // (L, N, C) kept attention outputs, or (N, C) scratch
     pub(super) s_big: ViewMut<'a, f32>, // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU (d(product) beside the SwiGLU output or its gradient)
     pub(super) s_dl: ViewMut<'a, f32>, // (N, C) scratch: gradient of a LayerNorm output / attention out
@@ -59,6 +65,8 @@ pub(crate) struct Acts<'a> {
     pub(super) gelu16: ViewMut<'a, f32>,
     /// Whether the LayerNorm, attention and GELU outputs are kept per layer.
     pub(super) keep: bool,
+    /// Whether the LayerNorm outputs are in bf16 (see [`ActLayout::ln16`]).
+    pub(super) ln16: bool,
     /// Columns of `logits` (which backward turns into their gradient in place).
     pub(super) logit_cols: usize,
     /// Whether the per-layer buffers hold one layer (activation checkpointing).
@@ -164,6 +172,10 @@ impl ActLayout {
         let l = if checkpoint { 1 } else { layers };
         let drop = if cfg.dropout > 0.0 { n * c } else { 0 };
         let keep = !checkpoint && l * n * (f + 3 * c) * 4 <= keep_max_bytes;
+        // Under bf16 products the LayerNorm outputs are read only by products (forward's and
+        // the weight gradients'), which round them to bf16 as they pack them: written in bf16
+        // they are the same bits at half the bytes, and half the scratch.
+        let ln16 = bf16 && !keep;
         let kept = |per_layer: usize| if keep { per_layer } else { 0 };
         let sizes = [
             (layers + 1) * n * c,
@@ -181,7 +193,11 @@ impl ActLayout {
             n * logit_cols,
             n,
             n,
-            if keep { 2 * l * n * c } else { n * c },
+            match (keep, ln16) {
+                (true, _) => 2 * l * n * c,
+                (false, true) => (n * c).div_ceil(2),
+                (false, false) => n * c,
+            },
             if keep { l * n * c } else { n * c },
             n * big_f.max(3 * c),
             n * c,
@@ -193,11 +209,7 @@ impl ActLayout {
             // anyway, so this costs half of what keeping them in f32 would, changes no bit of
             // the forward, and saves an activation pass and half the bytes of the next
             // product's reads.
-            if bf16 && !keep {
-                l * (n * f).div_ceil(2)
-            } else {
-                0
-            },
+            if ln16 { l * (n * f).div_ceil(2) } else { 0 },
         ];
         let mut next = 0;
         let ranges = sizes.map(|s| {
@@ -209,6 +221,7 @@ impl ActLayout {
             n,
             keep,
             bf16,
+            ln16,
             checkpoint,
             logit_cols,
             ranges,
@@ -250,21 +263,38 @@ impl ActLayout {
             gelu,
             gelu16,
             keep: self.keep,
+            ln16: self.ln16,
             logit_cols: self.logit_cols,
             checkpoint: self.checkpoint,
         }
     }
 }
 
-/// Layer slot `l` of `gelu16` (each slot ⌈len/2⌉ floats) as `len` bf16 values (their bits).
+/// Layer slot `l` of a buffer of bf16 values (`gelu16`, `s_ln` under ln16; each slot
+/// ⌈len/2⌉ floats) as `len` bf16 values (their bits).
 pub(super) fn bf16_layer<'b>(
-    gelu16: &'b mut ViewMut<'_, f32>,
+    buf: &'b mut ViewMut<'_, f32>,
     l: usize,
     len: usize,
 ) -> ViewMut<'b, u16> {
     let per = len.div_ceil(2);
-    let slot = gelu16.slice_mut(l * per..(l + 1) * per);
+    let slot = buf.slice_mut(l * per..(l + 1) * per);
     slot.cast::<u16>().into_slice(..len)
+}
+
+/// Slot `slot` of `s_ln` (see [`Acts::ln_slot`]) as a LayerNorm output of `len` values: bf16
+/// under `ln16`, else f32.
+pub(super) fn ln_out<'b>(
+    s_ln: &'b mut ViewMut<'_, f32>,
+    slot: usize,
+    len: usize,
+    ln16: bool,
+) -> NormOut<'b> {
+    if ln16 {
+        NormOut::Bf16(bf16_layer(s_ln, slot, len))
+    } else {
+        NormOut::F32(layer_mut(s_ln, slot, len))
+    }
 }
 
 /// What the last forward saw, kept for backward (buffers reused across steps).

@@ -88,19 +88,82 @@ pub(crate) struct BlockDims {
 }
 
 /// The normalisation `norm` over `n` rows of `c`: LayerNorm (writing mean and rstd) or RMSNorm
-/// (writing rstd).
+/// (writing rstd), its output in f32 or bf16.
 pub(crate) fn norm_forward(
     dev: &dyn Backend,
     norm: Norm,
-    out: ViewMut<f32>,
+    out: NormOut,
     stats: LnStats,
     inp: View<f32>,
     (w, b): (View<f32>, Option<View<f32>>),
     (n, c): (usize, usize),
 ) {
-    match norm {
-        Norm::LayerNorm => dev.layernorm_forward(out, stats.mean, stats.rstd, inp, w, b, n, c),
-        Norm::RmsNorm { eps } => dev.rmsnorm_forward(out, stats.rstd, inp, w, eps, n, c),
+    let (mean, rstd) = (stats.mean, stats.rstd);
+    match (norm, out) {
+        (Norm::LayerNorm, NormOut::F32(o)) => dev.layernorm_forward(o, mean, rstd, inp, w, b, n, c),
+        (Norm::LayerNorm, NormOut::Bf16(o)) => {
+            dev.layernorm_forward_bf16(o, mean, rstd, inp, w, b, n, c)
+        }
+        (Norm::RmsNorm { eps }, NormOut::F32(o)) => dev.rmsnorm_forward(o, rstd, inp, w, eps, n, c),
+        (Norm::RmsNorm { eps }, NormOut::Bf16(o)) => {
+            dev.rmsnorm_forward_bf16(o, rstd, inp, w, eps, n, c)
+        }
+    }
+}
+
+/// Where a normalisation writes its (N, C) output: f32, or bf16 bits under bf16 products
+/// (see the arena: only products read it, and they round it to bf16 anyway).
+pub(crate) enum NormOut<'a> {
+    F32(ViewMut<'a, f32>),
+    Bf16(ViewMut<'a, u16>),
+}
+
+/// A normalisation's output as the products read it (see [`NormOut`]).
+#[derive(Clone, Copy)]
+pub(crate) enum NormIn<'a> {
+    F32(View<'a, f32>),
+    Bf16(View<'a, u16>),
+}
+
+impl<'a> NormOut<'a> {
+    pub(crate) fn reborrow(&mut self) -> NormOut<'_> {
+        match self {
+            NormOut::F32(v) => NormOut::F32(v.reborrow()),
+            NormOut::Bf16(v) => NormOut::Bf16(v.reborrow()),
+        }
+    }
+    pub(crate) fn as_view(&self) -> NormIn<'_> {
+        match self {
+            NormOut::F32(v) => NormIn::F32(v.as_view()),
+            NormOut::Bf16(v) => NormIn::Bf16(v.as_view()),
+        }
+    }
+    pub(crate) fn into_view(self) -> NormIn<'a> {
+        match self {
+            NormOut::F32(v) => NormIn::F32(v.into()),
+            NormOut::Bf16(v) => NormIn::Bf16(v.into()),
+        }
+    }
+}
+
+/// The backward of a product of a normalisation's output in either precision: `dinp = dout ·
+/// wᵀ` (overwritten), `dw += inpᵀ · dout`, `dbias += Σ_rows dout`; under bf16 the two halves of `matmul_backward` apart (the same
+/// bits: the weight gradient's product rounds an f32 input to the same bf16).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn norm_product_backward(
+    dev: &dyn Backend,
+    (dinp, dw, db): (ViewMut<f32>, ViewMut<f32>, Option<ViewMut<f32>>),
+    dout: View<f32>,
+    inp: NormIn,
+    w: View<f32>,
+    (n, c, oc): (usize, usize, usize),
+) {
+    match inp {
+        NormIn::F32(x) => dev.matmul_backward(Some(dinp), dw, db, dout, x, w, n, c, oc),
+        NormIn::Bf16(x) => {
+            dev.matmul_backward_input(dinp, dout, w, n, c, oc);
+            dev.matmul_backward_weight_bf16_input(dw, db, dout, x, n, c, oc);
+        }
     }
 }
 
@@ -124,22 +187,22 @@ pub(crate) fn norm_backward(
 /// for both (ln_1's output is dead once the qkv product has read it).
 pub(crate) enum LnOut<'a> {
     Each {
-        ln_1: ViewMut<'a, f32>,
-        ln_2: ViewMut<'a, f32>,
+        ln_1: NormOut<'a>,
+        ln_2: NormOut<'a>,
     },
-    Shared(ViewMut<'a, f32>),
+    Shared(NormOut<'a>),
 }
 
 impl<'a> LnOut<'a> {
     /// ln_1's output.
-    fn ln_1(&mut self) -> ViewMut<'_, f32> {
+    fn ln_1(&mut self) -> NormOut<'_> {
         match self {
             LnOut::Each { ln_1, .. } => ln_1.reborrow(),
             LnOut::Shared(ln) => ln.reborrow(),
         }
     }
     /// ln_2's output: taken once ln_1's is no longer read.
-    fn ln_2(self) -> ViewMut<'a, f32> {
+    fn ln_2(self) -> NormOut<'a> {
         match self {
             LnOut::Each { ln_2, .. } => ln_2,
             LnOut::Shared(ln) => ln,
@@ -241,15 +304,15 @@ pub(crate) fn block_forward_rows<T: Timer>(
         let out = ln_1_out.reborrow();
         norm_forward(dev, norm, out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
     });
-    prof.time(K::MatmulFwd, || {
-        let attn_w = (w.attn_w, d.map(|d| &d.attn));
-        product(
-            qkv.reborrow(),
-            ln_1_out.as_view(),
-            attn_w,
-            w.attn_b,
-            (c, qkv_w),
-        )
+    prof.time(K::MatmulFwd, || match ln_1_out.as_view() {
+        NormIn::F32(x) => {
+            let attn_w = (w.attn_w, d.map(|d| &d.attn));
+            product(qkv.reborrow(), x, attn_w, w.attn_b, (c, qkv_w))
+        }
+        NormIn::Bf16(x) => {
+            debug_assert!(d.is_none(), "a decode keeps its activations in f32");
+            dev.matmul_forward_bf16_input(qkv.reborrow(), x, w.attn_w, w.attn_b, n, c, qkv_w)
+        }
     });
     prof.time(K::AttnFwd, || attend(qkv, att.reborrow()));
     prof.time(K::MatmulFwd, || {
@@ -271,15 +334,17 @@ pub(crate) fn block_forward_rows<T: Timer>(
             (n, c),
         )
     });
-    let ln_2_out = ln_2_out.as_view();
+    let ln_2_in = ln_2_out.as_view();
     let (fc_w, fcproj_w) = (
         (w.fc_w, d.map(|d| &d.fc)),
         (w.fcproj_w, d.map(|d| &d.fcproj)),
     );
     // The GELU (SwiGLU) runs on each strip of the product's rows while the strip is in cache
     // (its time counted with the product's), rather than as a pass of its own over [n, f].
-    match gelu {
-        GeluOut::F32(mut act) if mlp == Mlp::SwiGlu && d.is_some() => {
+    // The arena keeps the normalisations' and the MLP activation's outputs in bf16 together
+    // (under bf16 products) or in f32 together.
+    match (gelu, ln_2_in) {
+        (GeluOut::F32(mut act), NormIn::F32(ln_2_out)) if mlp == Mlp::SwiGlu && d.is_some() => {
             // the decode copy's product, then the SwiGLU (nothing keeps `fch` in a decode)
             prof.time(K::MatmulFwd, || {
                 product(fch.reborrow(), ln_2_out, fc_w, w.fc_b, (c, 2 * f))
@@ -291,7 +356,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
                 product(x_next.reborrow(), act.as_view(), fcproj_w, None, (f, c))
             });
         }
-        GeluOut::F32(mut act) if mlp == Mlp::SwiGlu => {
+        (GeluOut::F32(mut act), NormIn::F32(ln_2_out)) if mlp == Mlp::SwiGlu => {
             prof.time(K::MatmulFwd, || {
                 let (pre, out) = (fch.reborrow(), act.reborrow());
                 dev.matmul_swiglu_forward(pre, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
@@ -301,7 +366,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
                 dev.matmul_forward(out, act.as_view(), w.fcproj_w, None, n, f, c)
             });
         }
-        GeluOut::F32(mut gelu) if d.is_some() => {
+        (GeluOut::F32(mut gelu), NormIn::F32(ln_2_out)) if d.is_some() => {
             // the decode copy's product, then the GELU (the same bits as the fused kernel's
             // over the same product)
             prof.time(K::MatmulFwd, || {
@@ -314,7 +379,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
                 product(x_next.reborrow(), gelu.as_view(), fcproj_w, None, (f, c))
             });
         }
-        GeluOut::F32(mut gelu) => {
+        (GeluOut::F32(mut gelu), NormIn::F32(ln_2_out)) => {
             prof.time(K::MatmulFwd, || {
                 let (pre, out) = (fch.reborrow(), gelu.reborrow());
                 dev.matmul_gelu_forward(pre, out, ln_2_out, w.fc_w, w.fc_b, n, c, f)
@@ -324,7 +389,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
                 dev.matmul_forward(out, gelu.as_view(), w.fcproj_w, None, n, f, c)
             });
         }
-        GeluOut::Bf16(mut g16) => {
+        (GeluOut::Bf16(mut g16), NormIn::Bf16(ln_2_out)) => {
             debug_assert!(d.is_none(), "a decode keeps its activations in f32");
             prof.time(K::MatmulFwd, || {
                 let (grad, out) = (fch.reborrow(), g16.reborrow());
@@ -342,6 +407,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
                 dev.matmul_forward_bf16_input(out, g16.as_view(), w.fcproj_w, None, n, f, c)
             });
         }
+        _ => unreachable!("ln_2's and the MLP activation's outputs in different precisions"),
     }
     prof.time(K::ResidualFwd, || {
         dev.residual_forward(x_next, x_mid.as_view(), w.fcproj_b, c, drop.mlp)

@@ -315,10 +315,12 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut 
     let sl = a.layer_slot(l);
     let (x, x_next) = layer_pair(&mut a.res, l, nc);
     let ln = if ln1_slot == ln2_slot {
-        LnOut::Shared(layer_mut(&mut a.s_ln, ln1_slot, nc))
+        // bf16 under bf16 products (see the arena)
+        LnOut::Shared(ln_out(&mut a.s_ln, ln1_slot, nc, a.ln16))
     } else {
-        // kept: ln_1's and ln_2's outputs are the two slots 2l and 2l + 1
+        // kept (in f32): ln_1's and ln_2's outputs are the two slots 2l and 2l + 1
         let (ln_1, ln_2) = layer_mut(&mut a.s_ln, l, 2 * nc).split_at_mut(nc);
+        let (ln_1, ln_2) = (NormOut::F32(ln_1), NormOut::F32(ln_2));
         LnOut::Each { ln_1, ln_2 }
     };
     let gelu = if !a.gelu16.is_empty() {
@@ -400,6 +402,8 @@ pub(crate) fn head_forward(
     let nc = n * c;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let x_last = layer(&a.res, lay.blocks.len(), nc);
+    // ln_f's output stays f32 under bf16 products too: the head's weight gradient (dout^T ·
+    // ln_f out) reads it as its right operand, which the bf16 product packs from f32 only.
     let mut lnf_out = a.lnf_out.slice_mut(..nc);
     let stats = LnStats {
         mean: a.lnf_mean.slice_mut(..n),
@@ -410,7 +414,7 @@ pub(crate) fn head_forward(
         norm_forward(
             dev,
             pass.dims.norm,
-            lnf_out.reborrow(),
+            NormOut::F32(lnf_out.reborrow()),
             stats,
             x_last,
             lnf,
@@ -601,7 +605,7 @@ pub(crate) fn block_backward<'g>(
     let qkv_w = dims.qkv_width();
     let fx = dims.fc_width();
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
-    let keep = a.keep;
+    let (keep, ln16) = (a.keep, a.ln16);
     // The activations backward reads, each borrowed apart from the scratch it writes.
     let Acts {
         res,
@@ -715,8 +719,8 @@ pub(crate) fn block_backward<'g>(
             }
             s_big.into()
         };
+        let mut ln_2 = ln_out(s_ln, ln2_slot, nc, ln16);
         if !keep {
-            let s_ln = layer_mut(s_ln, ln2_slot, nc);
             let stats = LnStats {
                 mean: layer_mut(ln2_mean, sl, n),
                 rstd: layer_mut(ln2_rstd, sl, n),
@@ -725,7 +729,7 @@ pub(crate) fn block_backward<'g>(
                 norm_forward(
                     dev,
                     dims.norm,
-                    s_ln,
+                    ln_2.reborrow(),
                     stats,
                     x_mid,
                     (w.ln_2_w, w.ln_2_b),
@@ -733,10 +737,10 @@ pub(crate) fn block_backward<'g>(
                 )
             });
         }
-        let s_ln = layer(s_ln, ln2_slot, nc);
         let (dw, db) = wb(&mut g_mlp, mlp_off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(Some(s_dl.reborrow()), dw, db, dfc, s_ln, w.fc_w, n, c, fx)
+            let grads = (s_dl.reborrow(), dw, db);
+            norm_product_backward(dev, grads, dfc, ln_2.into_view(), w.fc_w, (n, c, fx))
         });
     }
     {
@@ -800,14 +804,15 @@ pub(crate) fn block_backward<'g>(
         prof.time(K::MatmulBwd, || {
             dev.matmul_backward(None, dw, db, dproj, s_atty, w.proj_w, n, c, c)
         });
+        let mut ln_1 = ln_out(s_ln, ln1_slot, nc, ln16);
         if !keep {
-            let s_ln = layer_mut(s_ln, ln1_slot, nc);
             let stats = LnStats {
                 mean: layer_mut(ln1_mean, sl, n),
                 rstd: layer_mut(ln1_rstd, sl, n),
             };
+            let out = ln_1.reborrow();
             prof.time(K::LnFwd, || {
-                norm_forward(dev, dims.norm, s_ln, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
+                norm_forward(dev, dims.norm, out, stats, x, (w.ln_1_w, w.ln_1_b), (n, c))
             });
         }
         // Back through the rotation to the product's rows.
@@ -815,21 +820,10 @@ pub(crate) fn block_backward<'g>(
             let pos = pass.batch.pos();
             dev.rope_backward(dqkv.reborrow(), pos, r.cos(), r.sin(), dims.rope_dims(n));
         }
-        let s_ln = layer(s_ln, ln1_slot, nc);
         let (dw, db) = wb(&mut g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
-            let dq = dqkv.as_view();
-            dev.matmul_backward(
-                Some(s_dl.reborrow()),
-                dw,
-                db,
-                dq,
-                s_ln,
-                w.attn_w,
-                n,
-                c,
-                qkv_w,
-            )
+            let (grads, dq) = ((s_dl.reborrow(), dw, db), dqkv.as_view());
+            norm_product_backward(dev, grads, dq, ln_1.into_view(), w.attn_w, (n, c, qkv_w))
         });
     }
     let (dw, db) = wb(&mut g, off, &bl.ln_1_w, &bl.ln_1_b);

@@ -560,59 +560,69 @@ fn bf16_products_track_fp32_within_bf16_rounding() {
     assert_ne!(g32, g16, "bf16 gradients equal fp32's: bf16 not in use?");
 }
 
-/// Under bf16 products the MLP's GELU outputs are kept in bf16 instead of recomputed: the
-/// loss and every gradient are the same bits as keeping them in f32 (the products round them
-/// to bf16 either way), with and without activation checkpointing, with dropout.
+/// Under bf16 products the MLP's GELU (SwiGLU) outputs are kept in bf16 instead of recomputed,
+/// and the LayerNorms (RMSNorms) write bf16: the loss and every gradient are the same bits as
+/// with all of them kept in f32 (the products round them to bf16 either way), with and without
+/// activation checkpointing, with dropout, d_model with a tail past 16 lanes, as a Llama.
 #[test]
-fn bf16_kept_gelu_outputs_give_the_bits_of_f32_kept_ones() {
+fn bf16_kept_activations_give_the_bits_of_f32_kept_ones() {
     if !cohort_engine::cpu::bf16_supported() {
         eprintln!("skipped: this CPU has neither AMX nor AVX512_BF16");
         return;
     }
-    let cfg = GPTConfig {
+    let gpt2 = |d_model: usize, bias: bool| GPTConfig {
         vocab_size: 50,
         max_position_embeddings: 16,
         n_layers: 2,
         n_heads: 2,
-        d_model: 32,
+        d_model,
         d_ff: 72, // rows of an odd number of pairs' halves: 16 x 72 / 2 per layer
         dropout: 0.1,
-        bias: true,
+        bias,
         tie_word_embeddings: true,
         ..GPTConfig::default()
     };
+    let llama = GPTConfig {
+        n_heads: 4,
+        n_kv_heads: Some(2),
+        d_ff: 32,
+        ..GPTConfig::llama_like(gpt2(40, false))
+    };
     let ids: Vec<u32> = (0..30).map(|i| (i * 13 % 50) as u32).collect();
     let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
-    let run = |keep_max_bytes: usize, checkpointing: bool| {
-        let mut m = model(cfg.clone(), 2, 9);
-        assert_eq!(m.set_precision(DType::Bf16).unwrap(), DType::Bf16);
-        m.keep_max_bytes = keep_max_bytes;
-        m.set_activation_checkpointing(checkpointing);
-        m.set_dropout_key(3, 1, 9);
-        let loss = m
-            .forward(Forward::new(&ids, 2, 15).labels(Labels::Aligned(&labels)))
-            .unwrap()
-            .unwrap();
-        m.zero_grad();
-        m.backward(Backward::new()).unwrap();
-        let al = m.act_layout.as_ref().unwrap();
-        let kept16 = !al.keep && al.bf16;
-        (
-            loss.to_bits(),
-            m.grads().iter().map(|g| g.to_bits()).collect::<Vec<_>>(),
-            kept16,
-        )
-    };
-    let (loss, grads, kept16) = run(usize::MAX, false);
-    assert!(!kept16, "a large budget keeps the GELU outputs in f32");
-    for checkpointing in [false, true] {
-        let (l, g, kept16) = run(0, checkpointing);
-        assert!(
-            kept16,
-            "bf16 GELU outputs in use (checkpointing {checkpointing})"
-        );
-        assert_eq!(l, loss, "loss, checkpointing {checkpointing}");
-        assert_eq!(g, grads, "gradients, checkpointing {checkpointing}");
+    for cfg in [gpt2(32, true), gpt2(40, false), llama] {
+        let run = |keep_max_bytes: usize, checkpointing: bool| {
+            let mut m = model(cfg.clone(), 2, 9);
+            assert_eq!(m.set_precision(DType::Bf16).unwrap(), DType::Bf16);
+            m.keep_max_bytes = keep_max_bytes;
+            m.set_activation_checkpointing(checkpointing);
+            m.set_dropout_key(3, 1, 9);
+            let loss = m
+                .forward(Forward::new(&ids, 2, 15).labels(Labels::Aligned(&labels)))
+                .unwrap()
+                .unwrap();
+            m.zero_grad();
+            m.backward(Backward::new()).unwrap();
+            let al = m.act_layout.as_ref().unwrap();
+            // bf16 GELU outputs and LayerNorm outputs (one slot of bf16 pairs) in use
+            let kept16 = !al.keep && al.bf16 && al.ln16;
+            let ln_floats = al.ranges[ACT_S_LN].len();
+            assert!(!kept16 || ln_floats == (30 * cfg.d_model).div_ceil(2));
+            let grads = m.grads().iter().map(|g| g.to_bits()).collect::<Vec<_>>();
+            (loss.to_bits(), grads, kept16)
+        };
+        let (loss, grads, kept16) = run(usize::MAX, false);
+        assert!(!kept16, "a large budget keeps the outputs in f32");
+        for checkpointing in [false, true] {
+            let (l, g, kept16) = run(0, checkpointing);
+            let what = format!(
+                "C {}, {:?}, checkpointing {checkpointing}",
+                cfg.d_model, cfg.norm
+            );
+            assert!(kept16, "bf16 outputs in use, {what}");
+            assert_eq!(l, loss, "loss, {what}");
+            assert_eq!(g, grads, "gradients, {what}");
+        }
     }
 }
 

@@ -19,7 +19,7 @@ use super::weights::DecodeWeights;
 use crate::layout::Layout;
 use crate::model::{
     block_forward_rows, norm_forward, opt, BlockActs, BlockDims, BlockWeights, BranchDropout,
-    GeluOut, LnOut, LnStats, Untimed,
+    GeluOut, LnOut, LnStats, NormOut, Untimed,
 };
 use crate::GPT;
 
@@ -142,7 +142,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
             x: View::from(&*x),
             x_mid: ViewMut::from(&mut buf.x_mid[..n * c]),
             x_next: ViewMut::from(&mut *x_next),
-            ln: LnOut::Shared(ViewMut::from(&mut buf.ln[..n * c])),
+            ln: LnOut::Shared(NormOut::F32(ViewMut::from(&mut buf.ln[..n * c]))),
             ln_1: LnStats {
                 mean: ViewMut::from(&mut buf.mean[..n]),
                 rstd: ViewMut::from(&mut buf.rstd[..n]),
@@ -199,7 +199,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     norm_forward(
         dev,
         cfg.norm,
-        ln.reborrow(),
+        NormOut::F32(ln.reborrow()),
         stats,
         from,
         (lnf_w, lnf_b),

@@ -47,35 +47,36 @@ simd_fn! {
     fn rows_forward(out: &mut [f32], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>) {
         let c = w.len();
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
-            (mean[i], rstd[i]) = norm_row(o, x, w, b);
+            let (m, s) = centre_row(o, x);
+            match b {
+                Some(b) => {
+                    for ((o, &w), &b) in o.iter_mut().zip(w).zip(b) {
+                        *o = *o * s * w + b;
+                    }
+                }
+                None => {
+                    for (o, &w) in o.iter_mut().zip(w) {
+                        *o = *o * s * w;
+                    }
+                }
+            }
+            (mean[i], rstd[i]) = (m, s);
         }
     }
 }
 
-/// One row of [`layernorm_forward`] into `o`: returns its mean and rstd. Inlined into both
-/// forwards, so that the bf16 one rounds the very f32 values the f32 one writes.
+/// `o` = the row `x` less its mean: returns the mean and rstd. Inlined into both forwards,
+/// whose last step (`o · rstd · w + b`) is then the same expression on the same values: the
+/// bf16 forward rounds the very f32 values the f32 one writes.
 #[inline(always)]
-fn norm_row(o: &mut [f32], x: &[f32], w: &[f32], b: Option<&[f32]>) -> (f32, f32) {
-    let c = w.len();
+fn centre_row(o: &mut [f32], x: &[f32]) -> (f32, f32) {
+    let c = x.len();
     let m = sum(x) / c as f32;
     for (o, &v) in o.iter_mut().zip(x) {
         *o = v - m;
     }
     let var = dot(o, o) / c as f32;
-    let s = 1.0 / (var + EPS).sqrt();
-    match b {
-        Some(b) => {
-            for ((o, &w), &b) in o.iter_mut().zip(w).zip(b) {
-                *o = *o * s * w + b;
-            }
-        }
-        None => {
-            for (o, &w) in o.iter_mut().zip(w) {
-                *o = *o * s * w;
-            }
-        }
-    }
-    (m, s)
+    (m, 1.0 / (var + EPS).sqrt())
 }
 
 /// [`layernorm_forward`] writing its output in bf16 (`out` holds the bits of each f32 value
@@ -105,7 +106,7 @@ pub fn layernorm_forward_bf16(
         .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
         .zip(inp.par_chunks(ROWS_PER_TASK * c))
         .for_each(|(((o, m), r), x)| {
-            // Each row in f32 in this thread's scratch (in L1), then rounded into `o`.
+            // Each row centred in this thread's scratch (in L1), then written rounded into `o`.
             with_group_sums(c, |row| rows_forward_bf16(o, m, r, x, w, b, row))
         });
 }
@@ -114,17 +115,21 @@ simd_fn! {
     fn rows_forward_bf16(out: &mut [u16], mean: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], b: Option<&[f32]>, row: &mut [f32]) {
         let c = w.len();
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
-            (mean[i], rstd[i]) = norm_row(row, x, w, b);
-            round_row(o, row);
+            let (m, s) = centre_row(row, x);
+            match b {
+                Some(b) => {
+                    for (((o, &v), &w), &b) in o.iter_mut().zip(&*row).zip(w).zip(b) {
+                        *o = bf16_bits(v * s * w + b);
+                    }
+                }
+                None => {
+                    for ((o, &v), &w) in o.iter_mut().zip(&*row).zip(w) {
+                        *o = bf16_bits(v * s * w);
+                    }
+                }
+            }
+            (mean[i], rstd[i]) = (m, s);
         }
-    }
-}
-
-/// `o` = `x` rounded to bf16 (nearest even), inlined into a `simd_fn` so that it vectorizes.
-#[inline(always)]
-pub(super) fn round_row(o: &mut [u16], x: &[f32]) {
-    for (o, &v) in o.iter_mut().zip(x) {
-        *o = bf16_bits(v);
     }
 }
 
@@ -168,7 +173,7 @@ pub fn layernorm_backward(
 }
 
 /// Runs `f` on `len` floats of this thread's group-sum buffer (its contents undefined), grown
-/// to `len` on first use (the bf16 forwards' row scratch too); a nested call (a thread that took another normalisation's job while
+/// to `len` on first use (the bf16 forward's row scratch too); a nested call (a thread that took another normalisation's job while
 /// waiting for its own tasks) gets a fresh buffer instead of the one in use.
 pub(super) fn with_group_sums(len: usize, f: impl FnOnce(&mut [f32])) {
     GROUP_SUMS.with(|cell| match cell.try_borrow_mut() {

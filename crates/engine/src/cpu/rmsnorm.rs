@@ -7,7 +7,8 @@
 
 use rayon::prelude::*;
 
-use super::layernorm::{add_to, round_row, with_group_sums, ROWS_PER_TASK};
+use super::bf16::bf16_bits;
+use super::layernorm::{add_to, with_group_sums, ROWS_PER_TASK};
 use super::math::dot;
 use super::simd_fn;
 
@@ -32,20 +33,21 @@ simd_fn! {
     fn rows_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32) {
         let c = w.len();
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
-            rstd[i] = norm_row(o, x, w, eps);
+            let s = row_rstd(x, eps);
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                *o = x * s * w;
+            }
+            rstd[i] = s;
         }
     }
 }
 
-/// One row of [`rmsnorm_forward`] into `o`: returns its rstd. Inlined into both forwards, so
-/// that the bf16 one rounds the very f32 values the f32 one writes.
+/// 1/sqrt(mean(x²) + eps) of one row. Inlined into both forwards, whose output is then the same
+/// expression on the same values: the bf16 forward rounds the very f32 values the f32 one
+/// writes.
 #[inline(always)]
-fn norm_row(o: &mut [f32], x: &[f32], w: &[f32], eps: f32) -> f32 {
-    let s = 1.0 / (dot(x, x) / w.len() as f32 + eps).sqrt();
-    for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-        *o = x * s * w;
-    }
-    s
+fn row_rstd(x: &[f32], eps: f32) -> f32 {
+    1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt()
 }
 
 /// [`rmsnorm_forward`] writing its output in bf16 (rounded to nearest even), as
@@ -63,15 +65,18 @@ pub fn rmsnorm_forward_bf16(
     out.par_chunks_mut(ROWS_PER_TASK * c)
         .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
         .zip(inp.par_chunks(ROWS_PER_TASK * c))
-        .for_each(|((o, r), x)| with_group_sums(c, |row| rows_forward_bf16(o, r, x, w, eps, row)));
+        .for_each(|((o, r), x)| rows_forward_bf16(o, r, x, w, eps));
 }
 
 simd_fn! {
-    fn rows_forward_bf16(out: &mut [u16], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32, row: &mut [f32]) {
+    fn rows_forward_bf16(out: &mut [u16], rstd: &mut [f32], inp: &[f32], w: &[f32], eps: f32) {
         let c = w.len();
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
-            rstd[i] = norm_row(row, x, w, eps);
-            round_row(o, row);
+            let s = row_rstd(x, eps);
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                *o = bf16_bits(x * s * w);
+            }
+            rstd[i] = s;
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The engine's backend on the GPU with bf16 products ([`CudaBackend`] of `DType::Bf16`)
 //! against the CPU backend in fp32: an MLP's products as a bf16 model runs them (the product,
-//! the GELU kept in bf16 with its derivative, the product of that bf16 input, its weight
-//! gradient), at bf16's tolerance. It has not run on a GPU yet.
+//! the LayerNorm writing bf16, the GELU kept in bf16 with its derivative, the product of that
+//! bf16 input, its weight gradient), at bf16's tolerance. It has not run on a GPU yet.
 
 use cohort_engine::cpu::Cpu;
 use cohort_engine::{Backend, DType, EngineError};
@@ -38,6 +38,8 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         rand_vec(f * c, 53, 0.3),
         rand_vec(c, 54, 0.1),
         rand_vec(n * c, 55, 1.0),
+        rand_vec(c, 56, 1.0),
+        rand_vec(c, 57, 0.1),
     ];
     let sizes = [
         n * c,
@@ -46,6 +48,8 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         f * c,
         c,
         n * c,
+        c,
+        c,
         n * f,
         n * f,
         n * f,
@@ -53,6 +57,9 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         f * c,
         c,
         n * f,
+        n,
+        n,
+        n * c,
     ];
     // after the views: the bf16 activation (N, F), then the bf16 input (N, C)
     let mut buf = dev.alloc(sizes.iter().sum::<usize>() + n * f + n * c)?;
@@ -68,11 +75,12 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     for (dst, src) in v.iter_mut().zip(&host) {
         dev.upload(dst.reborrow(), src)?;
     }
-    // the input as the bf16 kernels read it (a LayerNorm's output under bf16 products)
-    dev.upload(x16.reborrow(), &bf16_bits_of(&host[0]))?;
-    let [x, w1, b1, w2, b2, dy, y1, grad, act, y2, dw2, db2, pre] = &mut v[..] else {
-        unreachable!("thirteen views")
+    let [x, w1, b1, w2, b2, dy, lnw, lnb, y1, grad, act, y2, dw2, db2, pre, mean, rstd, ln] =
+        &mut v[..]
+    else {
+        unreachable!("eighteen views")
     };
+    let (lnw, lnb) = (lnw.as_view(), lnb.as_view());
     let (x, w1, b1, w2, b2, dy) = (
         x.as_view(),
         w1.as_view(),
@@ -85,13 +93,19 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     let mut out16 = out16.slice_mut(..n * f);
     if bf16 {
         let o = out16.reborrow();
+        // the MLP's input as a bf16 model writes it: a LayerNorm's output in bf16
+        let (m, r) = (mean.reborrow(), rstd.reborrow());
+        dev.layernorm_forward_bf16(x16.reborrow(), m, r, x, lnw, Some(lnb), n, c);
         let x16 = x16.as_view();
         dev.matmul_gelu_forward_bf16(grad.reborrow(), o, x16, w1, Some(b1), n, c, f);
         dev.matmul_forward_bf16_input(y2.reborrow(), out16.as_view(), w2, Some(b2), n, f, c);
         let (d, o) = (db2.reborrow(), out16.as_view());
         dev.matmul_backward_weight_bf16_input(dw2.reborrow(), Some(d), dy, o, n, f, c);
     } else {
-        dev.matmul_gelu_forward(pre.reborrow(), act.reborrow(), x, w1, Some(b1), n, c, f);
+        let (m, r) = (mean.reborrow(), rstd.reborrow());
+        dev.layernorm_forward(ln.reborrow(), m, r, x, lnw, Some(lnb), n, c);
+        let ln = ln.as_view();
+        dev.matmul_gelu_forward(pre.reborrow(), act.reborrow(), ln, w1, Some(b1), n, c, f);
         dev.matmul_forward(y2.reborrow(), act.as_view(), w2, Some(b2), n, f, c);
         let (d, a) = (db2.reborrow(), act.as_view());
         dev.matmul_backward(None, dw2.reborrow(), Some(d), dy, a, w2, n, f, c);
@@ -105,6 +119,13 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         dev.download(&mut h, view)?;
         Ok(h)
     };
+    let normalised = if bf16 {
+        let mut bits = vec![0u16; n * c];
+        dev.download(&mut bits, x16.as_view())?;
+        widen(&bits)
+    } else {
+        read(ln.as_view())?
+    };
     let activation = if bf16 {
         let mut bits = vec![0u16; n * f];
         dev.download(&mut bits, out16.as_view())?;
@@ -114,6 +135,7 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
     };
     Ok(vec![
         ("bf16.matmul_forward", read(y1.as_view())?),
+        ("bf16.layernorm_forward_bf16.out", normalised),
         ("bf16.matmul_gelu_forward_bf16.grad", read(grad.as_view())?),
         ("bf16.matmul_gelu_forward_bf16.out", activation),
         ("bf16.matmul_forward_bf16_input", read(y2.as_view())?),
@@ -192,7 +214,7 @@ mod tests {
         }
         let want = sequence(&Cpu::new(2).unwrap()).unwrap();
         let rows = compare("bf16 products", 3e-2, sequence(&emu), want);
-        assert_eq!(rows.len(), 6);
+        assert_eq!(rows.len(), 7);
         for r in rows {
             assert!(r.ok, "{}: {} > {}", r.kernel, r.max_err, r.tolerance);
         }

@@ -40,7 +40,14 @@
 //!    backward (but the embeddings, whose backward reads no parameter); as
 //!    each unit's gradient becomes final, it is reduce-scattered (averaged
 //!    over ranks), this rank's shard is added to the flat shard's gradient
-//!    and the unit's range of the model's gradient buffer is released.
+//!    and the unit's range of the model's gradient buffer is released. A
+//!    tied wte's gradient, the largest tensor, which the head writes first
+//!    and the embeddings finish last, is never written whole
+//!    (`Backward::sparse_embeddings`): each block of its rows the head's
+//!    backward writes is reduced at once to the ranks that own it, and the
+//!    embeddings' share comes as rows of the batch's tokens, all-gathered
+//!    (a few MB) and added by each rank to its shard, rank by rank in a
+//!    fixed order; wpe goes alone, as the head's blocks do.
 //!    Every micro-batch does this (DeepSpeed's way: the shard accumulates
 //!    the micro-batches), so that no more than a part of the whole gradient
 //!    is ever resident, accumulation or not;

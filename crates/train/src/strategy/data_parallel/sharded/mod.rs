@@ -22,11 +22,12 @@
 //! lie one after the other in the flat shard too, so a part is gathered by
 //! one all-gather (each rank sends its shards of the part's units, and the
 //! gathered buffer, rank after rank, is copied to its places in the model:
-//! `PartShards::unpack`; a part of one unit that divides into the ranks
-//! lands in place), just before it runs. Where the ranks span nodes that
-//! hold several each, cohort-comm runs these reduce-scatters and
-//! all-gathers hierarchically by itself (inside each node, then one rank
-//! per node and local index across the link; the header says so).
+//! `PartShards::unpack`; a part whose units all divide into the ranks is
+//! gathered unit by unit, each landing in place), just before it runs.
+//! Where the ranks span nodes that hold several each, cohort-comm runs
+//! these reduce-scatters and all-gathers hierarchically by itself (inside
+//! each node, then one rank per node and local index across the link; the
+//! header says so).
 //!
 //! Each step:
 //!

@@ -164,11 +164,11 @@ impl PartShards {
         &self.units[p.units.clone()]
     }
 
-    /// Whether part `p`'s all-gather can land straight in the model's
-    /// buffer: one unit that divides into the ranks, so that the gathered
-    /// shards are the part in order.
+    /// Whether part `p`'s all-gathers can land straight in the model's
+    /// buffer: units that all divide into the ranks, so that each unit's
+    /// gathered shards are the unit in order.
     pub(super) fn direct(&self, p: &PartShard) -> bool {
-        matches!(self.units_of(p), [u] if !u.padded())
+        self.units_of(p).iter().all(|u| !u.padded())
     }
 
     /// `range` (inside part `p`) of the model, from `whole`, the part's

@@ -263,7 +263,14 @@ impl Shards {
             let own = &self.params[p.own()];
             let comm = TrainError::comm("parameter all_gather");
             if *range == p.range && self.parts.direct(&p) {
-                return pg.all_gather(own, dest).map_err(comm);
+                // Unit by unit, each rank's shards straight into place: no
+                // staging copy of a whole block held through the pass.
+                for u in self.parts.units_of(&p) {
+                    let at = u.range.start - p.range.start..u.range.end - p.range.start;
+                    pg.all_gather(&self.params[u.own()], &mut dest[at])
+                        .map_err(&comm)?;
+                }
+                return Ok(());
             }
             if *range != p.range {
                 return self.gather_slice(pg, &p, range, dest);

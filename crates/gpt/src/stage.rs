@@ -598,7 +598,7 @@ impl GptStage {
                     ln_f_w,
                     ln_f_b,
                 };
-                head_backward(pass, lay, p, grads, &mut a);
+                head_backward(pass, lay, p, grads, &mut a, None);
             }
             for (l, bl) in lay.blocks.iter().enumerate().rev() {
                 let at = BlockAt {

@@ -161,15 +161,22 @@ pub fn memory_per_rank(
             let flat = split.flat as u64;
             let largest = parts.iter().copied().max().unwrap_or(0);
             let (embeddings, others) = parts.split_first().map_or((0, &[][..]), |(e, o)| (*e, o));
+            let head = others.last().copied().unwrap_or(0);
             let others = others.iter().copied().max().unwrap_or(0);
-            // A tied head reads wte and writes its gradient, which stays
-            // until the embeddings' backward hands it out.
-            let wte = if model.tie_word_embeddings {
+            // A tied head reads wte (below), and hands its gradient over
+            // block by block of the vocabulary as it writes it (beside
+            // ln_f's), the embeddings theirs as rows: never wte's whole.
+            let tied = model.tie_word_embeddings;
+            let wte = if tied {
                 (model.vocab_size * model.d_model) as u64
             } else {
                 0
             };
-            let in_backward = embeddings.max(others + wte);
+            let in_backward = if tied {
+                others.max(m.head_block / 4 + head)
+            } else {
+                embeddings.max(others)
+            };
             gradients = 4 * (flat + in_backward);
             // A part gathered through a staging copy (several units, or
             // one that does not divide into the ranks; or wte, a slice of
@@ -260,8 +267,9 @@ mod tests {
             let w = world as usize;
             let block = 4554u64.div_ceil(world) + 4387u64.div_ceil(world);
             let flat = 1089u64.div_ceil(world) + 6 * block + 66u64.div_ceil(world);
-            // A block's gradient, with wte's that the tied head left behind.
-            let in_backward = 8941 + 561;
+            // A block's gradient: the tied head's share of wte's was
+            // handed over as it was written, not left behind beside it.
+            let in_backward = 8941;
             let two = memory_per_rank(&cfg, 64, 2, false, DType::F32, Sharding::Zero2 { world: w });
             let three =
                 memory_per_rank(&cfg, 64, 2, false, DType::F32, Sharding::Zero3 { world: w });
@@ -271,7 +279,8 @@ mod tests {
                 assert_eq!(z.activations, ddp.activations);
             }
             assert_eq!(two.parameters, ddp.parameters);
-            assert_eq!(three.parameters, 4 * (flat + in_backward), "world {world}");
+            // The tied head reads wte whole.
+            assert_eq!(three.parameters, 4 * (flat + 8941 + 561), "world {world}");
             // A block's gather goes through a staging copy (its units'
             // shards come rank by rank), beside a unit's reduce-scatter
             // shard (the attention's, the largest unit but the embeddings).

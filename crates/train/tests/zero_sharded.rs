@@ -311,6 +311,49 @@ fn sharded_passes_reusing_released_pages_give_the_same_step() {
     });
 }
 
+/// A tied wte's gradient (the largest tensor: here 16,000 floats against a
+/// block's 12,704) is handed over as the head's backward writes it, and the
+/// embeddings' share as rows: it is never held through the blocks'
+/// backward, beside a block's gradient, as it was when the head wrote it
+/// whole and the embeddings finished it last. And the step is still the
+/// mean gradient's (`check_passes`).
+#[test]
+fn a_tied_wtes_gradient_is_never_held_beside_a_blocks() {
+    let cfg = GPTConfig {
+        vocab_size: 500,
+        max_position_embeddings: 8,
+        n_layers: 2,
+        n_heads: 2,
+        d_model: 32,
+        d_ff: 128,
+        tie_word_embeddings: true,
+        ..GPTConfig::default()
+    };
+    let (wte, block, head) = (500 * 32, 12 * 32 * 32 + 13 * 32, 2 * 32);
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let peaks = spawn::threads_with(2, opts(), |pg: &ProcessGroup| {
+            let mut model = GPT::new(cfg.clone(), 3).unwrap();
+            assert_eq!(model.part_range(Part::Block(0)).len(), block);
+            let mut zero = ShardedDp::new(pg, &mut model, stage, AdamWConfig::default())?;
+            let x: Vec<u32> = (0..16)
+                .map(|i| (i * 31 + pg.rank() * 7) as u32 % 500)
+                .collect();
+            let labels: Vec<i32> = x.iter().map(|&v| v as i32).collect();
+            let labels = Some(Labels::Aligned(&labels));
+            zero.forward(pg, &mut model, &x, None, None, labels, 2, 8)?;
+            zero.backward(pg, &mut model)?;
+            Ok::<_, TrainError>(zero.peak_gradient_floats())
+        })
+        .unwrap();
+        for peak in peaks {
+            // The head's block of wte (all of it: its 16 x 500 logits are
+            // not split) beside ln_f's, then each block's alone.
+            assert_eq!(peak, wte + head, "{stage:?}: not wte + a block");
+        }
+    }
+    check_passes(cfg);
+}
+
 /// ZeRO's reduce-scatters follow backward's finer readiness, as DDP's
 /// buckets do: each block's MLP (from ln_2 up) as its own unit, launched
 /// before the block's attention, so that what is left when backward ends

@@ -339,6 +339,10 @@ impl Batch {
         self.on_device(0)
             .map_or_else(|| View::from(&self.ids[..]), View::cast)
     }
+    /// The token ids on the host.
+    pub(crate) fn host_ids(&self) -> &[u32] {
+        &self.ids
+    }
     /// Each row's position in its sequence.
     pub(crate) fn pos(&self) -> View<'_, u32> {
         self.on_device(1)

@@ -474,6 +474,7 @@ pub(crate) fn head_backward(
     p: View<f32>,
     mut grads: HeadGrads,
     a: &mut Acts,
+    mut blocks: Option<HeadBlocks>,
 ) {
     let Dims { c, v, .. } = pass.dims;
     let n = pass.dims.n();
@@ -491,6 +492,8 @@ pub(crate) fn head_backward(
     // `LOGITS_MAX_BYTES`): each block adds its part of d(ln_f out) and writes its rows of the
     // head's weight gradient.
     let cols = a.logit_cols.min(v);
+    let mut head = std::mem::take(&mut grads.head);
+    let mut rows = blocks.as_mut().map(|hb| std::mem::take(&mut hb.rows));
     for v0 in (0..v).step_by(cols) {
         let vc = cols.min(v - v0);
         let wb = w.slice(v0 * c..(v0 + vc) * c);
@@ -512,12 +515,33 @@ pub(crate) fn head_backward(
         } else {
             a.s_big.slice_mut(..nc)
         };
-        let dwb = grads.head.slice_mut(v0 * c..(v0 + vc) * c);
+        // The block's rows of the weight gradient, split off the rest (still to be written);
+        // handed over when final, when asked to.
+        let at = blocks.as_ref().map_or(0, |hb| hb.at);
+        let range = at + v0 * c..at + (v0 + vc) * c;
+        let mut handed = None;
+        let dwb = match (rows.as_mut(), blocks.as_mut()) {
+            (Some(rows), Some(hb)) => {
+                let (block, rest) = std::mem::take(rows).split_at_mut(vc * c);
+                *rows = rest;
+                let block = handed.insert(block);
+                (hb.begin)(range.clone(), block.reborrow());
+                block.reborrow()
+            }
+            _ => {
+                let (block, rest) = std::mem::take(&mut head).split_at_mut(vc * c);
+                head = rest;
+                block
+            }
+        };
         prof.time(K::HeadBwd, || {
             dev.head_backward(dinp, dwb, dlogits.as_view(), lnf_out, wb, n, c, vc)
         });
         if v0 > 0 {
             dev.add_into(a.s_dl.slice_mut(..nc), a.s_big.slice(..nc));
+        }
+        if let (Some(block), Some(hb)) = (handed, blocks.as_mut()) {
+            (hb.done)(range, block);
         }
     }
     let mut dres = a.dres.slice_mut(..nc);
@@ -548,6 +572,18 @@ pub(crate) fn embed_backward(
     dwpe: ViewMut<f32>,
     a: &mut Acts,
 ) {
+    let batch = pass.batch;
+    embed_scatter(pass, dwte, dwpe, batch.ids(), a);
+}
+
+/// The embeddings' backward with the token ids `ids` indexing `dwte`'s rows.
+pub(crate) fn embed_scatter(
+    pass: &mut Pass,
+    dwte: ViewMut<f32>,
+    dwpe: ViewMut<f32>,
+    ids: View<u32>,
+    a: &mut Acts,
+) {
     let Dims { b, t, c, .. } = pass.dims;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
     let nc = b * t * c;
@@ -562,7 +598,6 @@ pub(crate) fn embed_backward(
         }
         None => dres,
     };
-    let ids = batch.ids();
     prof.time(K::EncoderBwd, || match batch.segment_ids() {
         _ if pass.dims.rope => dev.embedding_backward(dwte, demb, ids, b * t, c),
         Some(segments) => {

@@ -36,7 +36,10 @@ mod options;
 mod passes;
 mod profile;
 #[cfg(test)]
+mod sparse_tests;
+#[cfg(test)]
 mod tests;
+mod tied_grads;
 
 pub(crate) use arena::*;
 pub(crate) use block::*;
@@ -47,6 +50,7 @@ pub(crate) use options::NoHooks;
 pub use options::{Backward, Forward, NoReadyHook, Part, PartHooks};
 use passes::{backward_pass, forward_pass};
 pub(crate) use profile::*;
+pub(crate) use tied_grads::*;
 
 /// The model: config, flat parameters and gradients, activation arena, backend. Every buffer
 /// is allocated by the backend: host memory on the CPU, where the host API (`params()`,
@@ -138,6 +142,10 @@ pub struct MemoryEstimate {
     /// The activation arena (logits included) and attention scratch for one
     /// forward of the given token count.
     pub activations: u64,
+    /// The rows of the head's weight gradient one block of logits' columns
+    /// writes: all of it, unless the logits go in blocks (what a tied wte's
+    /// gradient holds at most under [`Backward::sparse_embeddings`]).
+    pub head_block: u64,
 }
 
 impl GPT {
@@ -182,6 +190,7 @@ impl GPT {
             parameters: params,
             gradients: params,
             activations: arena + scratch,
+            head_block: (cols * config.d_model) as u64 * 4,
         }
     }
 
@@ -595,9 +604,16 @@ impl GPT {
             ready,
             parts,
             split_blocks,
+            sparse_embeddings,
         } = pass;
         self.batch.counted.ok_or(GptError::NoLoss)?;
         host_hooks(&*self.dev, parts.is_some())?;
+        if sparse_embeddings && parts.is_none() && self.layout.tied() {
+            return Err(GptError::Engine {
+                op: "sparse embeddings",
+                reason: "wte's rows go to the part hooks, and none were given".into(),
+            });
+        }
         let drop = self.drop_key();
         let GPT {
             config,
@@ -638,7 +654,7 @@ impl GPT {
                 prof: profile,
             };
             let (params, hooks) = (params.view_mut(), &mut *hooks);
-            let ready = (ready, split_blocks);
+            let ready = (ready, split_blocks, sparse_embeddings);
             backward_pass(pass, layout, params, grads, &mut acts, hooks, ready)
         };
         dev.install(&mut run);

@@ -58,6 +58,15 @@ pub trait PartHooks: Send {
     fn before_grads(&mut self, part: Part, range: Range<usize>, grads: &mut [f32]) {
         let _ = (part, range, grads);
     }
+    /// Under [`Backward::sparse_embeddings`] (a tied model), the embeddings' share of wte's
+    /// gradient, which the backward does not add into the buffer: `ids`, the batch's distinct
+    /// token ids in ascending order, and `rows` (one row of C per id, in the same order), each
+    /// id's gradient summed over the positions it holds; wte is `wte` in the flat buffer (row
+    /// `id` at `wte.start + id * C`). Never called otherwise; a strategy that asks for sparse
+    /// embeddings must implement it, or loses that share.
+    fn embedding_rows(&mut self, wte: Range<usize>, ids: &[u32], rows: &[f32]) {
+        let _ = (wte, ids, rows);
+    }
 }
 
 impl<F: FnMut(Part, Range<usize>, &mut [f32]) + Send> PartHooks for F {
@@ -153,6 +162,7 @@ pub struct Backward<'h, F = NoReadyHook> {
     pub(crate) ready: F,
     pub(crate) parts: Option<&'h mut dyn PartHooks>,
     pub(crate) split_blocks: bool,
+    pub(crate) sparse_embeddings: bool,
 }
 
 impl Backward<'static> {
@@ -162,6 +172,7 @@ impl Backward<'static> {
             ready: |_, _| {},
             parts: None,
             split_blocks: false,
+            sparse_embeddings: false,
         }
     }
 }
@@ -186,6 +197,7 @@ impl<'h, F> Backward<'h, F> {
             ready,
             parts: self.parts,
             split_blocks: self.split_blocks,
+            sparse_embeddings: self.sparse_embeddings,
         }
     }
 
@@ -198,6 +210,7 @@ impl<'h, F> Backward<'h, F> {
             ready: self.ready,
             parts: Some(hooks),
             split_blocks: self.split_blocks,
+            sparse_embeddings: self.sparse_embeddings,
         }
     }
 
@@ -210,6 +223,20 @@ impl<'h, F> Backward<'h, F> {
     /// hooks' `after` comes after its MLP half's hand-over.
     pub fn split_blocks(mut self) -> Self {
         self.split_blocks = true;
+        self
+    }
+
+    /// A tied model's wte gradient is never written whole (for a sharded strategy, which
+    /// would otherwise hold all of it, the largest tensor, through the whole backward): the
+    /// head's part of it is handed to the readiness hook block by block of the vocabulary
+    /// (ranges of wte, each just after the head's backward wrote it; a block's
+    /// [`PartHooks::before_grads`] comes just before), and the embeddings' part to
+    /// [`PartHooks::embedding_rows`] as rows of the batch's tokens, not added into the buffer;
+    /// wpe (if any) is handed over alone. Order: wte's blocks, [ln_f], the blocks as ever,
+    /// [wpe]; wte's range then holds only the head's part. Needs [`Backward::parts`] (on the
+    /// host); no effect on an untied model.
+    pub fn sparse_embeddings(mut self) -> Self {
+        self.sparse_embeddings = true;
         self
     }
 }

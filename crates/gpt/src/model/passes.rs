@@ -63,7 +63,8 @@ pub(super) fn forward_pass(
 }
 
 /// The backward of every part in reverse order, handing each finished range of `grads` to
-/// `ready` (each block in two with `split_blocks`).
+/// `ready` (each block in two with `split_blocks`; a tied wte's gradient as
+/// [`Backward::sparse_embeddings`] says with `sparse`).
 pub(super) fn backward_pass<'g>(
     pass: &mut Pass,
     lay: &Layout,
@@ -71,17 +72,27 @@ pub(super) fn backward_pass<'g>(
     grads: ViewMut<'g, f32>,
     a: &mut Acts,
     hooks: &mut dyn PartHooks,
-    (mut ready, split_blocks): (impl FnMut(Range<usize>, ViewMut<'g, f32>), bool),
+    (mut ready, split_blocks, sparse): (impl FnMut(Range<usize>, ViewMut<'g, f32>), bool, bool),
 ) {
     let p = &mut p;
     let tied = lay.tied();
+    let sparse = sparse && tied;
     // Head and ln_f. The head's weight gradient goes to wte when tied (lower part of the buffer,
-    // handed out last) or to lm_head (in the top range, after ln_f).
+    // handed out last, or block by block as it is written when sparse) or to lm_head (in the
+    // top range, after ln_f).
     let head_start = lay.ln_f_w.start;
     let (mut rest, mut top) = grads.split_at_mut(head_start);
+    // Where `rest` starts in the buffer: past wte when sparse, whose gradient is split off for
+    // the head to hand over.
+    let mut base = 0;
+    let mut wte_g = ViewMut::default();
+    if sparse {
+        let (lower, upper) = std::mem::take(&mut rest).split_at_mut(lay.wte.end);
+        (wte_g, rest, base) = (lower.into_slice(lay.wte.clone()), upper, lay.wte.end);
+    }
     enter(lay, hooks, Part::Head, p);
     {
-        if tied {
+        if tied && !sparse {
             grads_hook(
                 hooks,
                 Part::Head,
@@ -91,10 +102,11 @@ pub(super) fn backward_pass<'g>(
         }
         grads_hook(hooks, Part::Head, head_start..lay.total, top.reborrow());
         let (lnf_g, lm_head_g) = top.reborrow().split_at_mut(lay.ln_f_b.end - head_start);
-        let head = if tied {
-            rest.slice_mut(lay.wte.clone())
-        } else {
-            lm_head_g
+        let head = match (tied, sparse) {
+            // Sparse: the head writes wte's rows through `HeadBlocks`.
+            (true, true) => ViewMut::default(),
+            (true, false) => rest.slice_mut(lay.wte.clone()),
+            (false, _) => lm_head_g,
         };
         let mut lnf_g = lnf_g;
         let (ln_f_w, ln_f_b) = wb(&mut lnf_g, head_start, &lay.ln_f_w, &lay.ln_f_b);
@@ -103,13 +115,21 @@ pub(super) fn backward_pass<'g>(
             ln_f_w,
             ln_f_b,
         };
-        head_backward(pass, lay, p.as_view(), grads, a);
+        let begin: &mut dyn FnMut(Range<usize>, ViewMut<'_, f32>) =
+            &mut |range, g| grads_hook(&mut *hooks, Part::Head, range, g);
+        let blocks = sparse.then(|| HeadBlocks {
+            at: lay.wte.start,
+            rows: std::mem::take(&mut wte_g),
+            begin,
+            done: &mut ready,
+        });
+        head_backward(pass, lay, p.as_view(), grads, a, blocks);
     }
     leave(lay, hooks, Part::Head, p);
     ready(head_start..lay.total, top);
 
     for (l, bl) in lay.blocks.iter().enumerate().rev() {
-        let (lower, mut g) = std::mem::take(&mut rest).split_at_mut(bl.all.start);
+        let (lower, mut g) = std::mem::take(&mut rest).split_at_mut(bl.all.start - base);
         rest = lower;
         enter(lay, hooks, Part::Block(l), p);
         grads_hook(hooks, Part::Block(l), bl.all.clone(), g.reborrow());
@@ -133,6 +153,19 @@ pub(super) fn backward_pass<'g>(
         }
     }
 
+    if sparse {
+        // `rest` is wpe's: wte's rows go to the hooks, wpe's gradient is handed over alone.
+        if !lay.wpe.is_empty() {
+            grads_hook(hooks, Part::Embeddings, lay.wpe.clone(), rest.reborrow());
+        }
+        let wte = lay.wte.clone();
+        let rows = &mut |ids: &[u32], g: &[f32]| hooks.embedding_rows(wte.clone(), ids, g);
+        embed_backward_rows(pass, rest.reborrow(), a, rows);
+        if !lay.wpe.is_empty() {
+            ready(lay.wpe.clone(), rest);
+        }
+        return;
+    }
     if !tied {
         let wte = rest.slice_mut(lay.wte.clone());
         grads_hook(hooks, Part::Embeddings, lay.wte.clone(), wte);

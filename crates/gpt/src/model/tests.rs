@@ -15,7 +15,7 @@ fn tiny(bias: bool, tied: bool, dropout: f32) -> GPTConfig {
     }
 }
 
-fn model(cfg: GPTConfig, threads: usize, seed: u64) -> GPT {
+pub(super) fn model(cfg: GPTConfig, threads: usize, seed: u64) -> GPT {
     GPT::with_backend(cfg, seed, Box::new(Cpu::new(threads).unwrap())).unwrap()
 }
 

@@ -67,15 +67,21 @@ impl PartHooks for PartMemory<'_> {
         st.spare.release(params);
     }
 
+    fn embedding_rows(&mut self, wte: Range<usize>, ids: &[u32], rows: &[f32]) {
+        lock(self.st).add_rows(self.pg, wte, ids, rows);
+    }
+
     fn before_grads(&mut self, part: Part, _: Range<usize>, grads: &mut [f32]) {
         // Released after the last reduce-scatter, so all zeros, as the
         // backward needs them: zero again what the spare pages bring.
         let mut st = lock(self.st);
+        st.grads_live += grads.len();
+        st.grads_peak = st.grads_peak.max(st.grads_live);
         st.spare.refill(grads, true);
         if part == Part::Embeddings {
             // The backward's last part: nothing is refilled after it this
-            // step, and the step's peak (the whole gradient shard written,
-            // wte's gradient held) lies here.
+            // step, and the step's peak (the whole gradient shard written)
+            // lies here.
             st.spare.give_back();
         }
     }

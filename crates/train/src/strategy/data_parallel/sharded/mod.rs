@@ -22,11 +22,12 @@
 //! lie one after the other in the flat shard too, so a part is gathered by
 //! one all-gather (each rank sends its shards of the part's units, and the
 //! gathered buffer, rank after rank, is copied to its places in the model:
-//! `PartShards::unpack`; a part of one unit that divides into the ranks
-//! lands in place), just before it runs. Where the ranks span nodes that
-//! hold several each, cohort-comm runs these reduce-scatters and
-//! all-gathers hierarchically by itself (inside each node, then one rank
-//! per node and local index across the link; the header says so).
+//! `PartShards::unpack`; a part whose units all divide into the ranks is
+//! gathered unit by unit, each landing in place), just before it runs.
+//! Where the ranks span nodes that hold several each, cohort-comm runs
+//! these reduce-scatters and all-gathers hierarchically by itself (inside
+//! each node, then one rank per node and local index across the link; the
+//! header says so).
 //!
 //! Each step:
 //!
@@ -40,7 +41,14 @@
 //!    backward (but the embeddings, whose backward reads no parameter); as
 //!    each unit's gradient becomes final, it is reduce-scattered (averaged
 //!    over ranks), this rank's shard is added to the flat shard's gradient
-//!    and the unit's range of the model's gradient buffer is released.
+//!    and the unit's range of the model's gradient buffer is released. A
+//!    tied wte's gradient, the largest tensor, which the head writes first
+//!    and the embeddings finish last, is never written whole
+//!    (`Backward::sparse_embeddings`): each block of its rows the head's
+//!    backward writes is reduced at once to the ranks that own it, and the
+//!    embeddings' share comes as rows of the batch's tokens, all-gathered
+//!    (a few MB) and added by each rank to its shard, rank by rank in a
+//!    fixed order; wpe goes alone, as the head's blocks do.
 //!    Every micro-batch does this (DeepSpeed's way: the shard accumulates
 //!    the micro-batches), so that no more than a part of the whole gradient
 //!    is ever resident, accumulation or not;

@@ -147,11 +147,12 @@ impl PartShards {
             })
     }
 
-    /// The unit that is exactly `range` (what the backward hands over).
-    pub(super) fn unit(&self, range: &Range<usize>) -> Result<&UnitShard, TrainError> {
+    /// The unit whose range holds `range`: the range the backward hands
+    /// over, a unit or one inside it (a block of a tied wte's rows, or wpe).
+    pub(super) fn holding(&self, range: &Range<usize>) -> Result<&UnitShard, TrainError> {
         self.units
             .iter()
-            .find(|u| u.range == *range)
+            .find(|u| u.range.start <= range.start && range.end <= u.range.end)
             .ok_or(TrainError::UnknownPart {
                 start: range.start,
                 end: range.end,
@@ -163,11 +164,11 @@ impl PartShards {
         &self.units[p.units.clone()]
     }
 
-    /// Whether part `p`'s all-gather can land straight in the model's
-    /// buffer: one unit that divides into the ranks, so that the gathered
-    /// shards are the part in order.
+    /// Whether part `p`'s all-gathers can land straight in the model's
+    /// buffer: units that all divide into the ranks, so that each unit's
+    /// gathered shards are the unit in order.
     pub(super) fn direct(&self, p: &PartShard) -> bool {
-        matches!(self.units_of(p), [u] if !u.padded())
+        self.units_of(p).iter().all(|u| !u.padded())
     }
 
     /// `range` (inside part `p`) of the model, from `whole`, the part's
@@ -289,6 +290,33 @@ pub(crate) fn split_sizes(
     }
 }
 
+impl UnitShard {
+    /// For each rank that owns some of `range` (inside the unit), in rank
+    /// order: the rank, that part of `range` (in the model's buffer) and,
+    /// for this rank, where it lies in the flat shard (empty for another).
+    pub(super) fn owners(
+        &self,
+        range: &Range<usize>,
+    ) -> impl Iterator<Item = (usize, Range<usize>, Range<usize>)> + '_ {
+        let (s, start, end) = (self.shard.len, self.range.start, self.range.end);
+        let range = range.clone();
+        (0..self.shard.world).filter_map(move |root| {
+            let owned = start + root * s..(start + (root + 1) * s).min(end);
+            let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
+            if lo >= hi {
+                return None;
+            }
+            let at = self.offset + (lo - owned.start);
+            let own = if root == self.shard.rank {
+                at..at + (hi - lo)
+            } else {
+                0..0
+            };
+            Some((root, lo..hi, own))
+        })
+    }
+}
+
 /// The first `len` elements of `buf`, grown to that length if shorter.
 pub(super) fn staged(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     if buf.len() < len {
@@ -391,6 +419,7 @@ mod tests {
             }
         }
         assert_eq!(back, full);
-        assert!(s.unit(&(5..9)).is_ok() && s.unit(&(5..14)).is_err());
+        assert!(s.holding(&(5..9)).is_ok() && s.holding(&(6..8)).is_ok());
+        assert!(s.holding(&(5..14)).is_err(), "across a cut");
     }
 }

@@ -102,6 +102,7 @@ impl ShardedDp {
                 scratch: Vec::new(),
                 compression: Compression::None,
                 compression_scratch: CompressionScratch::default(),
+                bf16_scratch: Vec::new(),
                 error: None,
                 comm: Duration::ZERO,
                 flight: Box::new(InFlight {
@@ -112,6 +113,8 @@ impl ShardedDp {
                 grads_zero: true,
                 spare,
                 shard_spare,
+                grads_live: 0,
+                grads_peak: 0,
             }),
             opt,
             stale: false,
@@ -268,6 +271,7 @@ impl ShardedDp {
     pub fn backward(&mut self, pg: &ProcessGroup, model: &mut GPT) -> Result<Duration, TrainError> {
         let shards = self.shards_mut();
         shards.comm = Duration::ZERO;
+        (shards.grads_live, shards.grads_peak) = (0, 0);
         shards.begin_pass(pg, 1);
         let st = &self.st;
         let ready =
@@ -279,7 +283,11 @@ impl ShardedDp {
             gather,
             release: gather,
         };
-        let pass = Backward::new().parts(hooks).on_ready(ready);
+        // A tied wte's gradient block by block and as rows: never whole.
+        let pass = Backward::new()
+            .parts(hooks)
+            .on_ready(ready)
+            .sparse_embeddings();
         let done = model.backward(pass.split_blocks());
         let shards = self.shards_mut();
         shards.end_pass();
@@ -294,6 +302,14 @@ impl ShardedDp {
         Ok(shards.comm)
     }
 
+    /// The most elements of the model's gradient buffer the last backward
+    /// held at once (written, not yet reduce-scattered and released): a
+    /// block's, or a tied head's block of wte rows, rather than the whole
+    /// of wte's beside a block's (see `Backward::sparse_embeddings`).
+    pub fn peak_gradient_floats(&self) -> usize {
+        self.shards().grads_peak
+    }
+
     /// This rank's flat shard of the mean gradient, summed over the
     /// backwards since [`ShardedDp::clear_grads`] (padding zero): for the
     /// loop to scale, check and clip.
@@ -306,8 +322,8 @@ impl ShardedDp {
     /// Zeroes the flat shard's gradient, for the next step's backwards. Its
     /// pages go back to the system rather than being written with zeros: a
     /// part's shard is resident again only once backward adds to it, so the
-    /// head's backward, the peak of a tied model (wte and its gradient held
-    /// whole), does not also hold the gradient shards of parts not reached yet.
+    /// head's backward (a tied model's wte held whole, for its product) does
+    /// not also hold the gradient shards of parts not reached yet.
     /// (Some are kept for the next forward's first gathers: see
     /// [`Shards::spare`].)
     pub fn clear_grads(&mut self) {

@@ -15,7 +15,7 @@ use cohort_ddp::{bf16_shares, Compression, CompressionScratch};
 use cohort_gpt::GPT;
 use half::bf16;
 
-use super::parts::{staged, PartShard, PartShards};
+use super::parts::{staged, PartShard, PartShards, UnitShard};
 use crate::error::TrainError;
 use crate::pages::{release, SparePages};
 
@@ -37,6 +37,8 @@ pub(super) struct Shards {
     /// How gradients travel in the reduce-scatters (`--bf16-compress`).
     pub(super) compression: Compression,
     pub(super) compression_scratch: CompressionScratch,
+    /// A range's bf16 shares, for its reduce to the rank that owns it.
+    pub(super) bf16_scratch: Vec<bf16>,
     /// The first error inside a hook (hooks cannot return one); the
     /// collectives after it are not started.
     pub(super) error: Option<TrainError>,
@@ -65,6 +67,11 @@ pub(super) struct Shards {
     pub(super) spare: SparePages,
     /// Whether the gradient shard is large enough for the pool.
     pub(super) shard_spare: bool,
+    /// Elements of the model's gradient buffer the backward has made
+    /// resident (announced, not yet reduced) now, and the most at once
+    /// since the last backward began.
+    pub(super) grads_live: usize,
+    pub(super) grads_peak: usize,
 }
 
 /// Blocks' worth of pages [`Shards::spare`] keeps besides the largest
@@ -86,6 +93,11 @@ pub(super) type PartWork = Work<(Vec<f32>, Vec<f32>)>;
 pub(super) enum ReduceWork {
     F32(PartWork),
     Bf16(Work<(Vec<bf16>, Vec<bf16>)>),
+    /// A range inside a unit (a block of a tied wte's rows, or wpe),
+    /// reduced to the rank that owns it, which adds it to its flat shard's
+    /// gradient: as [`ReduceWork::F32`] and [`ReduceWork::Bf16`].
+    Root(Work<Vec<f32>>),
+    RootBf16(Work<Vec<bf16>>),
 }
 
 /// Overlap of the collectives with the model's computation (as DDP's
@@ -251,7 +263,14 @@ impl Shards {
             let own = &self.params[p.own()];
             let comm = TrainError::comm("parameter all_gather");
             if *range == p.range && self.parts.direct(&p) {
-                return pg.all_gather(own, dest).map_err(comm);
+                // Unit by unit, each rank's shards straight into place: no
+                // staging copy of a whole block held through the pass.
+                for u in self.parts.units_of(&p) {
+                    let at = u.range.start - p.range.start..u.range.end - p.range.start;
+                    pg.all_gather(&self.params[u.own()], &mut dest[at])
+                        .map_err(&comm)?;
+                }
+                return Ok(());
             }
             if *range != p.range {
                 return self.gather_slice(pg, &p, range, dest);
@@ -276,17 +295,10 @@ impl Shards {
         dest: &mut [f32],
     ) -> Result<(), TrainError> {
         for u in self.parts.units_of(p) {
-            let (len, start) = (u.shard.len, u.range.start);
-            for root in 0..u.shard.world {
-                let owned = start + root * len..(start + (root + 1) * len).min(u.range.end);
-                let (lo, hi) = (owned.start.max(range.start), owned.end.min(range.end));
-                if lo >= hi {
-                    continue;
-                }
-                let piece = &mut dest[lo - range.start..hi - range.start];
+            for (root, part, own) in u.owners(range) {
+                let piece = &mut dest[part.start - range.start..part.end - range.start];
                 if root == u.shard.rank {
-                    let at = u.offset + (lo - owned.start);
-                    piece.copy_from_slice(&self.params[at..at + piece.len()]);
+                    piece.copy_from_slice(&self.params[own]);
                 }
                 pg.broadcast(piece, root)
                     .map_err(TrainError::comm("parameter broadcast"))?;
@@ -359,6 +371,20 @@ impl Shards {
                     }
                     Err(e) => self.fail(comm(e)),
                 },
+                ReduceWork::Root(work) => match work.wait() {
+                    Ok(buf) => {
+                        self.add_to_shard(own, buf.iter().copied());
+                        self.flight.recycle(buf);
+                    }
+                    Err(e) => self.fail(comm(e)),
+                },
+                ReduceWork::RootBf16(work) => match work.wait() {
+                    Ok(buf) => {
+                        self.add_to_shard(own, buf.iter().map(|c| c.to_f32()));
+                        self.flight.recycle_bf16(buf);
+                    }
+                    Err(e) => self.fail(comm(e)),
+                },
             }
         }
     }
@@ -388,6 +414,24 @@ impl Shards {
         }
     }
 
+    /// `out` added to the flat shard's gradient at `own` (a range inside a
+    /// unit, which other ranges of the unit share: never written over).
+    /// While the shard is cleared, its range reads zero; the parked pages
+    /// it takes are zeroed first (the ranges the backward hands over are
+    /// disjoint, so no chunk inside `own` holds another range's sum yet).
+    fn add_to_shard(&mut self, own: Range<usize>, out: impl Iterator<Item = f32>) {
+        if self.error.is_some() || own.is_empty() {
+            return;
+        }
+        let g = &mut self.grads[own];
+        if self.grads_zero && self.shard_spare {
+            self.spare.refill(g, true);
+        }
+        for (g, x) in g.iter_mut().zip(out) {
+            *g += x;
+        }
+    }
+
     /// Keeps the first error.
     pub(super) fn fail(&mut self, e: TrainError) {
         self.error.get_or_insert(e);
@@ -397,6 +441,7 @@ impl Shards {
     /// backward) averaged over ranks; this rank's shard of it is added to
     /// the flat shard's gradient, and `grads` released. Collective.
     pub(super) fn reduce(&mut self, pg: &ProcessGroup, range: Range<usize>, grads: &mut [f32]) {
+        self.grads_live = self.grads_live.saturating_sub(range.len());
         let mut released = false;
         if self.error.is_none() {
             let t = Instant::now();
@@ -422,7 +467,10 @@ impl Shards {
         range: Range<usize>,
         grads: &mut [f32],
     ) -> Result<bool, TrainError> {
-        let u = self.parts.unit(&range)?.clone();
+        let u = self.parts.holding(&range)?.clone();
+        if u.range != range {
+            return self.reduce_inside(pg, &u, &range, grads);
+        }
         let comm = TrainError::comm("gradient reduce_scatter");
         let in_pieces = u.shard.len >= PIECEWISE_SLOT;
         // The largest part (the embeddings) is reduced piece by piece even
@@ -511,6 +559,143 @@ impl Shards {
             }
         }
         Ok(in_pieces)
+    }
+
+    /// `range`'s gradient `grads`, a range inside unit `u` (a block of a
+    /// tied wte's rows as the head's backward writes it, or wpe: see
+    /// `Backward::sparse_embeddings`), averaged over the ranks into the rank
+    /// that owns each part of it (a reduce to it, as the unit's
+    /// reduce-scatter would have sent it there), which adds it to its flat
+    /// shard's gradient; in flight with overlap. Collective. Returns false:
+    /// the caller releases `grads`.
+    fn reduce_inside(
+        &mut self,
+        pg: &ProcessGroup,
+        u: &UnitShard,
+        range: &Range<usize>,
+        grads: &mut [f32],
+    ) -> Result<bool, TrainError> {
+        let comm = TrainError::comm("gradient reduce");
+        for (root, part, own) in u.owners(range) {
+            let src = &mut grads[part.start - range.start..part.end - range.start];
+            if self.flight.on {
+                let work = match self.compression {
+                    Compression::None => {
+                        let mut buf = self.flight.buffer(src.len());
+                        buf.copy_from_slice(src);
+                        ReduceWork::Root(pg.reduce_async(buf, ReduceOp::Avg, root))
+                    }
+                    Compression::Bf16 => {
+                        let mut buf = self.flight.buffer_bf16(src.len());
+                        for (b, s) in buf.iter_mut().zip(bf16_shares(src, pg.size())) {
+                            *b = s;
+                        }
+                        ReduceWork::RootBf16(pg.reduce_async(buf, ReduceOp::Sum, root))
+                    }
+                };
+                self.flight.reduces.push_back((own, work));
+                self.finish_reduces(REDUCES_IN_FLIGHT);
+                continue;
+            }
+            match self.compression {
+                Compression::None => {
+                    pg.reduce(src, ReduceOp::Avg, root).map_err(&comm)?;
+                    self.add_to_shard(own, src.iter().copied());
+                }
+                Compression::Bf16 => {
+                    // `Compression::reduce_scatter_mean`'s wire, to one rank.
+                    let buf = &mut self.bf16_scratch;
+                    buf.clear();
+                    buf.extend(bf16_shares(src, pg.size()));
+                    pg.reduce(&mut buf[..], ReduceOp::Sum, root)
+                        .map_err(&comm)?;
+                    let buf = std::mem::take(&mut self.bf16_scratch);
+                    self.add_to_shard(own, buf.iter().map(|c| c.to_f32()));
+                    self.bf16_scratch = buf;
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// The embeddings' share of a tied wte's gradient on every rank, as
+    /// rows (`ids`, distinct and ascending, and a row of C for each: see
+    /// `PartHooks::embedding_rows`), averaged over the ranks into the flat
+    /// shard's gradient, rather than added into a whole (V, C) gradient and
+    /// reduce-scattered: every rank's rows are all-gathered (a few MB) and
+    /// each rank adds those that fall in its shard, rank after rank and
+    /// row after row, the same order every run. Sent as f32 whatever the
+    /// compression: small, and exact. Collective.
+    pub(super) fn add_rows(
+        &mut self,
+        pg: &ProcessGroup,
+        wte: Range<usize>,
+        ids: &[u32],
+        rows: &[f32],
+    ) {
+        if self.error.is_some() {
+            return;
+        }
+        let t = Instant::now();
+        if let Err(e) = self.add_rows_now(pg, wte, ids, rows) {
+            self.fail(e);
+        }
+        self.comm += t.elapsed();
+    }
+
+    fn add_rows_now(
+        &mut self,
+        pg: &ProcessGroup,
+        wte: Range<usize>,
+        ids: &[u32],
+        rows: &[f32],
+    ) -> Result<(), TrainError> {
+        let comm = TrainError::comm("embedding rows all_gather");
+        // Blocking collectives: nothing may be in flight before them (the
+        // embeddings' backward gathers nothing, so no prefetch either).
+        self.finish_reduces(0);
+        if let Some((_, work)) = self.flight.gather.take() {
+            let (own, whole) = work.wait().map_err(&comm)?;
+            self.flight.recycle(own);
+            self.flight.recycle(whole);
+        }
+        if self.error.is_some() {
+            return Ok(());
+        }
+        let u = self.parts.holding(&wte)?.clone();
+        let (world, c) = (pg.size(), rows.len() / ids.len().max(1));
+        // Ranks hold different numbers of distinct tokens: the counts first,
+        // then every rank's ids and rows padded to the most.
+        let mut counts = vec![0i64; world];
+        pg.all_gather(&[ids.len() as i64], &mut counts)
+            .map_err(&comm)?;
+        let most = counts.iter().copied().max().unwrap_or(0) as usize;
+        let mut mine = vec![0i64; most];
+        for (m, &id) in mine.iter_mut().zip(ids) {
+            *m = i64::from(id);
+        }
+        let mut all_ids = vec![0i64; world * most];
+        pg.all_gather(&mine, &mut all_ids).map_err(&comm)?;
+        let mut mine = vec![0f32; most * c];
+        mine[..rows.len()].copy_from_slice(rows);
+        let mut all_rows = vec![0f32; world * most * c];
+        pg.all_gather(&mine, &mut all_rows).map_err(&comm)?;
+        let inv = 1.0 / world as f32;
+        for (q, &count) in counts.iter().enumerate() {
+            for k in q * most..q * most + count as usize {
+                let start = wte.start + all_ids[k] as usize * c;
+                let row = &all_rows[k * c..(k + 1) * c];
+                for (_, part, own) in u.owners(&(start..start + c)) {
+                    let src = &row[part.start - start..part.end - start];
+                    if !own.is_empty() {
+                        for (g, x) in self.grads[own].iter_mut().zip(src) {
+                            *g += x * inv;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The first error a hook met, clearing it.

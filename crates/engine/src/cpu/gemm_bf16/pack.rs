@@ -44,7 +44,7 @@ pub(super) fn pair_up(x: __m512, y: __m512) -> __m512i {
     // One conversion of both rows (x's 16 bf16 then y's), then one permute of 16-bit words
     // into pairs: word 2j takes x's j, word 2j + 1 y's (word 16 + j). The same rounding as two
     // single conversions, in two instructions instead of six.
-    // Word 2j of `interleave` is j, word 2j + 1 is 16 + j (two words per u32, low first).
+    // Word 2j of `INTERLEAVE` is j, word 2j + 1 is 16 + j (two words per u32, low first).
     const INTERLEAVE: [u32; 16] = {
         let mut w = [0; 16];
         let mut j = 0;

@@ -6,7 +6,7 @@
 //! products use (FMA, VDPBF16PS or AMX tiles; [`cpu::product_peak`]) on all the threads at once,
 //! and it reports the twelve products of a block together as a fraction of it. The matrices are
 //! 64-byte aligned, as the model's buffers are (a plain `Vec` of megabytes starts 16 bytes off a
-//! line, and a weight gradient, which reads its C back, measured 5-10% slower on that alone).
+//! line, and a weight gradient, which reads its C back, measured 3-12% slower on that alone).
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example matmul_rates -- bf16 [B|G]

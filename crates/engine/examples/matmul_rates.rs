@@ -4,7 +4,9 @@
 //! or `bf16`). `THREADS=2` runs them on a pool of two (the thread split of a training step).
 //! Each figure is the median of 20 calls. It first measures the peak of the instruction the
 //! products use (FMA, VDPBF16PS or AMX tiles; [`cpu::product_peak`]) on all the threads at once,
-//! and it reports the twelve products of a block together as a fraction of it.
+//! and it reports the twelve products of a block together as a fraction of it. The matrices are
+//! 64-byte aligned, as the model's buffers are (a plain `Vec` of megabytes starts 16 bytes off a
+//! line, and a weight gradient, which reads its C back, measured 3-12% slower on that alone).
 //!
 //! ```sh
 //! cargo run --release -p cohort-engine --example matmul_rates -- bf16 [B|G]
@@ -14,7 +16,7 @@
 use std::time::Instant;
 
 use cohort_engine::cpu::{self, Cpu};
-use cohort_engine::DType;
+use cohort_engine::{AlignedFloats, DType};
 
 fn main() {
     let dtype: DType = match std::env::args()
@@ -57,9 +59,12 @@ fn main() {
         }
     };
     for (k, oc) in [(c, 3 * c), (c, c), (c, 4 * c), (4 * c, c)] {
-        let inp: Vec<f32> = (0..n * k).map(|i| (i % 17) as f32 * 0.01).collect();
-        let w: Vec<f32> = (0..k * oc).map(|i| (i % 13) as f32 * 0.01).collect();
-        let (mut out, mut dinp, mut dw) = (vec![0.0; n * oc], vec![0.0; n * k], vec![0.0; k * oc]);
+        let (inp, w) = (filled(n * k, 17), filled(k * oc, 13));
+        let (mut out, mut dinp, mut dw) = (
+            AlignedFloats::zeroed(n * oc),
+            AlignedFloats::zeroed(n * k),
+            AlignedFloats::zeroed(k * oc),
+        );
         let time = |f: &mut dyn FnMut()| seconds_per_call(20, f);
         let d = cpu.dtype();
         let fwd = cpu
@@ -96,9 +101,12 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(4096);
-    let inp: Vec<f32> = (0..n * c).map(|i| (i % 17) as f32 * 0.01).collect();
-    let w: Vec<f32> = (0..v * c).map(|i| (i % 13) as f32 * 0.01).collect();
-    let (mut out, mut dinp, mut dw) = (vec![0.0; n * v], vec![0.0; n * c], vec![0.0; v * c]);
+    let (inp, w) = (filled(n * c, 17), filled(v * c, 13));
+    let (mut out, mut dinp, mut dw) = (
+        AlignedFloats::zeroed(n * v),
+        AlignedFloats::zeroed(n * c),
+        AlignedFloats::zeroed(v * c),
+    );
     let time = |f: &mut dyn FnMut()| seconds_per_call(10, f);
     let d = cpu.dtype();
     let fwd = cpu.install(|| time(&mut || cpu::head_forward(d, &mut out, &inp, &w, n, c, v)));
@@ -113,6 +121,15 @@ fn main() {
         bwd * 1e3,
         2.0 * gflop / bwd
     );
+}
+
+/// `len` floats, 64-byte aligned, element i = (i % `period`) / 100.
+fn filled(len: usize, period: usize) -> AlignedFloats {
+    let mut v = AlignedFloats::zeroed(len);
+    for (i, x) in v.iter_mut().enumerate() {
+        *x = (i % period) as f32 * 0.01;
+    }
+    v
 }
 
 /// Median seconds of one call of `f` over `reps` calls, after one untimed call (the median

@@ -483,13 +483,17 @@ pub(crate) unsafe fn store_row(
     }
 }
 
-/// Asks for the cache lines of `bytes` bytes from `p` (a hint: no fault, no effect on results).
+/// Asks for the cache lines of `bytes` bytes from `p` (a hint: no fault, no effect on results):
+/// every line the run touches, from the one `p` is in, so a run not aligned to 64 bytes gets its
+/// last, partial line too.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn prefetch_run(p: *const u8, bytes: usize) {
-    for off in (0..bytes).step_by(64) {
+    let skew = p as usize % 64;
+    let line = p.wrapping_sub(skew);
+    for off in (0..skew + bytes).step_by(64) {
         // SAFETY: a prefetch never faults, whatever the address.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.wrapping_add(off) as *const i8) };
     }
 }
 

@@ -350,3 +350,72 @@ fn packs_of_a_hold_the_scalar_packs_bits() {
         }
     }
 }
+
+/// The packs' pairing of two rows (one two-source conversion and a word permute) gives the
+/// bits of converting each row on its own and widening them into pairs, the way it was first
+/// written, on the values where rounding is delicate: ties to even either way, the largest
+/// finite values, infinities, NaNs, signed zeros and subnormals.
+#[test]
+fn pairing_two_rows_keeps_the_single_conversions_bits() {
+    if !avx512_bf16() {
+        eprintln!("skipped: this CPU has no AVX512_BF16");
+        return;
+    }
+    let edge = [
+        0x3f80_8000u32, // a tie that rounds down to even
+        0x3f81_8000,    // a tie that rounds up to even
+        0x3f80_7fff,
+        0x3f80_8001,
+        0x7f7f_ffff, // rounds to infinity
+        0xff7f_ffff,
+        0x7f80_0000,
+        0xff80_0000,
+        0x7fc0_0001,
+        0xffa0_0000, // a signalling NaN
+        0x0000_0000,
+        0x8000_0000,
+        0x0000_8000, // subnormals
+        0x807f_ffff,
+        0x0080_0000, // the smallest normal
+        0x3eaa_aaab,
+    ];
+    let mut vals: Vec<f32> = edge.iter().map(|&u| f32::from_bits(u)).collect();
+    vals.extend(rand_vec(64, 12));
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    fn both(x: &[f32], y: &[f32]) -> ([u32; 16], [u32; 16]) {
+        // SAFETY: x and y hold 16 floats each; the transmutes reinterpret 256- and 512-bit
+        // vectors' bits.
+        unsafe {
+            let (vx, vy) = (_mm512_loadu_ps(x.as_ptr()), _mm512_loadu_ps(y.as_ptr()));
+            let (lo, hi) = (
+                std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(vx)),
+                std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(vy)),
+            );
+            let old = _mm512_or_si512(
+                _mm512_cvtepu16_epi32(lo),
+                _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)),
+            );
+            let new = pack::pair_up(vx, vy);
+            let mut out = ([0u32; 16], [0u32; 16]);
+            _mm512_storeu_si512(out.0.as_mut_ptr() as *mut __m512i, old);
+            _mm512_storeu_si512(out.1.as_mut_ptr() as *mut __m512i, new);
+            out
+        }
+    }
+    for x in vals.chunks(16) {
+        for y in vals.chunks(16) {
+            // SAFETY: AVX512_BF16 checked above.
+            let (old, new) = unsafe { both(x, y) };
+            assert_eq!(old, new, "pairs of {x:?} and {y:?}");
+            for j in 0..16 {
+                // and the bits are the scalar rounding's, where the value is not subnormal
+                // (the instructions take a subnormal as zero)
+                let normal = |v: f32| v == 0.0 || !v.is_subnormal();
+                if normal(x[j]) && normal(y[j]) {
+                    let want = bf16_bits(x[j]) as u32 | (bf16_bits(y[j]) as u32) << 16;
+                    assert_eq!(new[j], want, "pair of {} and {}", x[j], y[j]);
+                }
+            }
+        }
+    }
+}

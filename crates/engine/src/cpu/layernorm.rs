@@ -10,7 +10,7 @@
 
 use rayon::prelude::*;
 
-use super::bf16::bf16_bits;
+use super::bf16::bf16_bits_as_packed;
 use super::math::{dot, sum};
 use super::simd_fn;
 
@@ -119,12 +119,12 @@ simd_fn! {
             match b {
                 Some(b) => {
                     for (((o, &v), &w), &b) in o.iter_mut().zip(&*row).zip(w).zip(b) {
-                        *o = bf16_bits(v * s * w + b);
+                        *o = bf16_bits_as_packed(v * s * w + b);
                     }
                 }
                 None => {
                     for ((o, &v), &w) in o.iter_mut().zip(&*row).zip(w) {
-                        *o = bf16_bits(v * s * w);
+                        *o = bf16_bits_as_packed(v * s * w);
                     }
                 }
             }
@@ -327,7 +327,7 @@ mod tests {
     /// with and without a bias, on 1 and 2 threads.
     #[test]
     fn bf16_output_is_the_f32_output_rounded() {
-        use crate::cpu::bf16::bf16_bits;
+        use crate::cpu::bf16::bf16_bits_as_packed;
         for (n, c) in [(3 * ROWS_PER_TASK + 5, 48), (ROWS_PER_TASK + 3, 37), (7, 5)] {
             let x: Vec<f32> = rand_vec(n * c, 9).iter().map(|v| 4.0 * v + 1.0).collect();
             let (w, b) = (rand_vec(c, 10), rand_vec(c, 11));
@@ -341,7 +341,7 @@ mod tests {
                     layernorm_forward_bf16(&mut out16, &mut mean16, &mut rstd16, &x, &w, b, n, c);
                 });
                 let what = format!("{n}x{c}, {threads} threads, bias {bias}");
-                let want: Vec<u16> = out.iter().map(|&v| bf16_bits(v)).collect();
+                let want: Vec<u16> = out.iter().map(|&v| bf16_bits_as_packed(v)).collect();
                 assert_eq!(out16, want, "out, {what}");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&mean16), bits(&mean), "mean, {what}");

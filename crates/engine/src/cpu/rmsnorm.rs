@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::bf16::bf16_bits;
+use super::bf16::bf16_bits_as_packed;
 use super::layernorm::{add_to, with_group_sums, ROWS_PER_TASK};
 use super::math::dot;
 use super::simd_fn;
@@ -74,7 +74,7 @@ simd_fn! {
         for (i, (o, x)) in out.chunks_exact_mut(c).zip(inp.chunks_exact(c)).enumerate() {
             let s = row_rstd(x, eps);
             for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                *o = bf16_bits(x * s * w);
+                *o = bf16_bits_as_packed(x * s * w);
             }
             rstd[i] = s;
         }
@@ -178,7 +178,7 @@ mod tests {
     /// with the same rstd, C with a tail past whole 16-lane chunks.
     #[test]
     fn bf16_output_is_the_f32_output_rounded() {
-        use crate::cpu::bf16::bf16_bits;
+        use crate::cpu::bf16::bf16_bits_as_packed;
         for (n, c) in [(2 * ROWS_PER_TASK + 3, 32), (ROWS_PER_TASK + 1, 37)] {
             let (x, w) = (rand_vec(n * c, 12), rand_vec(c, 13));
             for threads in [1, 2] {
@@ -188,7 +188,7 @@ mod tests {
                     rmsnorm_forward(&mut out, &mut rstd, &x, &w, 1e-6, n, c);
                     rmsnorm_forward_bf16(&mut out16, &mut rstd16, &x, &w, 1e-6, n, c);
                 });
-                let want: Vec<u16> = out.iter().map(|&v| bf16_bits(v)).collect();
+                let want: Vec<u16> = out.iter().map(|&v| bf16_bits_as_packed(v)).collect();
                 assert_eq!(out16, want, "out, {n}x{c}, {threads} threads");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(

@@ -29,18 +29,27 @@ pub fn layernorm_forward(
     n: usize,
     c: usize,
 ) {
-    let (out, mean, rstd, inp) = (
-        &mut out[..n * c],
-        &mut mean[..n],
-        &mut rstd[..n],
-        &inp[..n * c],
-    );
     let (w, b) = (&w[..c], b.map(|b| &b[..c]));
-    out.par_chunks_mut(ROWS_PER_TASK * c)
-        .zip(mean.par_chunks_mut(ROWS_PER_TASK))
-        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
-        .zip(inp.par_chunks(ROWS_PER_TASK * c))
-        .for_each(|(((o, m), r), x)| rows_forward(o, m, r, x, w, b));
+    row_groups(out, (mean, rstd), inp, (n, c), |o, m, r, x| {
+        rows_forward(o, m, r, x, w, b)
+    });
+}
+
+/// The forwards' split of `n` rows of `c` over threads: `rows` gets each group of
+/// [`ROWS_PER_TASK`] rows' outputs (f32 or bf16), means, rstds and inputs.
+fn row_groups<O: Send>(
+    out: &mut [O],
+    (mean, rstd): (&mut [f32], &mut [f32]),
+    inp: &[f32],
+    (n, c): (usize, usize),
+    rows: impl Fn(&mut [O], &mut [f32], &mut [f32], &[f32]) + Sync,
+) {
+    out[..n * c]
+        .par_chunks_mut(ROWS_PER_TASK * c)
+        .zip(mean[..n].par_chunks_mut(ROWS_PER_TASK))
+        .zip(rstd[..n].par_chunks_mut(ROWS_PER_TASK))
+        .zip(inp[..n * c].par_chunks(ROWS_PER_TASK * c))
+        .for_each(|(((o, m), r), x)| rows(o, m, r, x));
 }
 
 simd_fn! {
@@ -94,21 +103,11 @@ pub fn layernorm_forward_bf16(
     n: usize,
     c: usize,
 ) {
-    let (out, mean, rstd, inp) = (
-        &mut out[..n * c],
-        &mut mean[..n],
-        &mut rstd[..n],
-        &inp[..n * c],
-    );
     let (w, b) = (&w[..c], b.map(|b| &b[..c]));
-    out.par_chunks_mut(ROWS_PER_TASK * c)
-        .zip(mean.par_chunks_mut(ROWS_PER_TASK))
-        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
-        .zip(inp.par_chunks(ROWS_PER_TASK * c))
-        .for_each(|(((o, m), r), x)| {
-            // Each row centred in this thread's scratch (in L1), then written rounded into `o`.
-            with_group_sums(c, |row| rows_forward_bf16(o, m, r, x, w, b, row))
-        });
+    row_groups(out, (mean, rstd), inp, (n, c), |o, m, r, x| {
+        // Each row centred in this thread's scratch (in L1), then written rounded into `o`.
+        with_group_sums(c, |row| rows_forward_bf16(o, m, r, x, w, b, row))
+    });
 }
 
 simd_fn! {

@@ -22,11 +22,26 @@ pub fn rmsnorm_forward(
     n: usize,
     c: usize,
 ) {
-    let (out, rstd, inp, w) = (&mut out[..n * c], &mut rstd[..n], &inp[..n * c], &w[..c]);
-    out.par_chunks_mut(ROWS_PER_TASK * c)
-        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
-        .zip(inp.par_chunks(ROWS_PER_TASK * c))
-        .for_each(|((o, r), x)| rows_forward(o, r, x, w, eps));
+    let w = &w[..c];
+    row_groups(out, rstd, inp, (n, c), |o, r, x| {
+        rows_forward(o, r, x, w, eps)
+    });
+}
+
+/// The forwards' split of `n` rows of `c` over threads, in LayerNorm's groups: `rows` gets each
+/// group's outputs (f32 or bf16), rstds and inputs.
+fn row_groups<O: Send>(
+    out: &mut [O],
+    rstd: &mut [f32],
+    inp: &[f32],
+    (n, c): (usize, usize),
+    rows: impl Fn(&mut [O], &mut [f32], &[f32]) + Sync,
+) {
+    out[..n * c]
+        .par_chunks_mut(ROWS_PER_TASK * c)
+        .zip(rstd[..n].par_chunks_mut(ROWS_PER_TASK))
+        .zip(inp[..n * c].par_chunks(ROWS_PER_TASK * c))
+        .for_each(|((o, r), x)| rows(o, r, x));
 }
 
 simd_fn! {
@@ -61,11 +76,10 @@ pub fn rmsnorm_forward_bf16(
     n: usize,
     c: usize,
 ) {
-    let (out, rstd, inp, w) = (&mut out[..n * c], &mut rstd[..n], &inp[..n * c], &w[..c]);
-    out.par_chunks_mut(ROWS_PER_TASK * c)
-        .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
-        .zip(inp.par_chunks(ROWS_PER_TASK * c))
-        .for_each(|((o, r), x)| rows_forward_bf16(o, r, x, w, eps));
+    let w = &w[..c];
+    row_groups(out, rstd, inp, (n, c), |o, r, x| {
+        rows_forward_bf16(o, r, x, w, eps)
+    });
 }
 
 simd_fn! {

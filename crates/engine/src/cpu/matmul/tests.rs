@@ -379,6 +379,27 @@ struct Split {
 }
 
 impl Split {
+    /// Asserts that two runs' results, epilogue outputs and column sums are the same bits,
+    /// naming the case and `how` the runs differed.
+    fn assert_same(&self, got: &[Vec<u32>], want: &[Vec<u32>], how: &str) {
+        let what = format!(
+            "{}x{}x{} (at {} bt {} a16 {} acc {} bias {} ep {} sums {}), {how}",
+            self.m,
+            self.k,
+            self.n,
+            self.at,
+            self.bt,
+            self.a16,
+            self.accumulate,
+            self.bias,
+            self.ep,
+            self.sums
+        );
+        for (x, name) in got.iter().zip(want).zip(["c", "epilogue", "sums"]) {
+            assert!(x.0 == x.1, "{name} of {what}");
+        }
+    }
+
     /// With `threads` 0 (fp32 only): `sgemm` called directly, strip by strip.
     fn run(&self, dtype: DType, threads: usize) -> Vec<Vec<u32>> {
         let (m, k, n) = (self.m, self.k, self.n);
@@ -577,14 +598,12 @@ fn split_products_have_the_bits_of_one_thread() {
     for (s, dtype) in runs {
         let one = s.run(dtype, 1);
         for threads in [2, 3] {
-            let what = format!(
-                "{dtype:?} {}x{}x{} (at {} bt {} a16 {} acc {} bias {} ep {} sums {}), {threads} threads",
-                s.m, s.k, s.n, s.at, s.bt, s.a16, s.accumulate, s.bias, s.ep, s.sums
-            );
             let got = s.run(dtype, threads);
-            for (x, name) in got.iter().zip(&one).zip(["c", "epilogue", "sums"]) {
-                assert!(x.0 == x.1, "{name} of {what}");
-            }
+            s.assert_same(
+                &got,
+                &one,
+                &format!("{dtype:?}, {threads} threads against one"),
+            );
         }
     }
 }
@@ -651,13 +670,7 @@ fn one_thread_fp32_products_have_the_bits_of_strip_by_strip() {
         },
     ];
     for s in cases {
-        let what = format!(
-            "{}x{}x{} (at {} bt {} acc {} bias {} ep {} sums {})",
-            s.m, s.k, s.n, s.at, s.bt, s.accumulate, s.bias, s.ep, s.sums
-        );
         let (want, got) = (s.run(DType::F32, 0), s.run(DType::F32, 1));
-        for (x, name) in got.iter().zip(&want).zip(["c", "epilogue", "sums"]) {
-            assert!(x.0 == x.1, "{name} of {what}");
-        }
+        s.assert_same(&got, &want, "packed once against strip by strip");
     }
 }

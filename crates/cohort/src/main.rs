@@ -1,6 +1,8 @@
 //! The `cohort` command. It only wires: parse the command line, build what the
 //! subcommand needs from the library crates, call it, map errors to exit codes.
 
+use std::io::{IsTerminal, Write};
+
 use clap::Parser;
 
 mod bench;
@@ -46,9 +48,17 @@ enum Cli {
 
 fn main() {
     if let Err(e) = run_command() {
-        eprintln!("Error: {}", one_line(&e));
+        print_error(&format!("Error: {}\n", one_line(&e)));
         std::process::exit(1);
     }
+}
+
+/// Writes an error message to stderr in one write. Stderr is unbuffered, so
+/// `eprintln!` and clap's styled printing issue a write per piece; under
+/// `cohort run` a worker stopped between two pieces (the launcher stops the
+/// others when one fails) would leave a torn line such as `error:` alone.
+pub(crate) fn print_error(text: &str) {
+    let _ = std::io::stderr().lock().write_all(text.as_bytes());
 }
 
 /// An error and its causes on one line, each cause once: a library error
@@ -85,7 +95,12 @@ fn run_command() -> anyhow::Result<()> {
     // launcher must not restart workers for it.
     let cli = Cli::try_parse().unwrap_or_else(|e| {
         let code = e.exit_code();
-        let _ = e.print();
+        if code == 0 || std::io::stderr().is_terminal() {
+            // Help and version go to stdout; a terminal gets clap's colours.
+            let _ = e.print();
+        } else {
+            print_error(&e.render().to_string());
+        }
         std::process::exit(if code == 0 {
             0
         } else {

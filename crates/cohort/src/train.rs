@@ -59,6 +59,6 @@ pub fn main(cmd: TrainCmd) -> anyhow::Result<()> {
 /// Reports an error that running again cannot fix and exits with the code
 /// that tells `cohort run` not to restart the workers for it.
 fn not_retryable(e: anyhow::Error) -> ! {
-    eprintln!("Error: {}", crate::one_line(&e));
+    crate::print_error(&format!("Error: {}\n", crate::one_line(&e)));
     std::process::exit(cohort_launcher::EXIT_NOT_RETRYABLE)
 }

@@ -11,7 +11,11 @@
 //! ```sh
 //! cargo run --release -p cohort-engine --example matmul_rates -- bf16 [B|G]
 //! COHORT_AMX=0 cargo run --release -p cohort-engine --example matmul_rates -- bf16  # zmm kernel
+//! COLD=1 cargo run --release -p cohort-engine --example matmul_rates -- bf16 G  # operands cold
 //! ```
+//!
+//! `COLD=1` writes 256 MB between calls (untimed), so each call finds its operands beyond the
+//! caches, as a training step's products do (each weight is read once per pass).
 
 use std::time::Instant;
 
@@ -135,9 +139,19 @@ fn filled(len: usize, period: usize) -> AlignedFloats {
 /// Median seconds of one call of `f` over `reps` calls, after one untimed call (the median
 /// shrugs off the calls that a busy host interrupts).
 fn seconds_per_call(reps: usize, f: &mut dyn FnMut()) -> f64 {
+    let cold = std::env::var("COLD").is_ok_and(|v| v == "1");
+    let mut evict = if cold {
+        vec![1.0f32; 64 << 20]
+    } else {
+        Vec::new()
+    };
     f();
     let mut times: Vec<f64> = (0..reps)
         .map(|_| {
+            for x in evict.iter_mut() {
+                *x += 1.0;
+            }
+            std::hint::black_box(&evict);
             let t0 = Instant::now();
             f();
             t0.elapsed().as_secs_f64()

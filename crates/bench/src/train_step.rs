@@ -287,8 +287,9 @@ pub fn run_train_bench(spec: &TrainBench) -> Result<BenchReport, GptError> {
             let (dev, params, grads) = model.params_and_grads_views();
             opt.step_on(dev, params, grads, 1e-3).map_err(opt_err)?;
         } else {
-            let (params, grads) = model.params_and_grads_mut();
-            opt.step(params, grads, 1e-3).map_err(opt_err)?;
+            model
+                .update_params(|params, grads| opt.step(params, grads, 1e-3))
+                .map_err(opt_err)?;
         }
         sync(&model)?;
         let t3 = Instant::now();

@@ -493,7 +493,7 @@ kernels! {
     /// v0..v0+v, in place (zero rows for ignored targets).
     fn crossentropy_backward(logits: ViewMut<f32>, lse: View<f32>, targets: View<i32>, scale: f32, n: usize, v: usize, v0: usize) => cpu::crossentropy_backward;
     /// x = value.
-    fn fill(x: ViewMut<f32>, value: f32) => |x: &mut [f32], value| x.fill(value);
+    fn fill(x: ViewMut<f32>, value: f32) => cpu::fill;
     /// acc += x, elementwise.
     fn add_into(acc: ViewMut<f32>, x: View<f32>) => cpu::add_into;
     /// The blocked cross-entropy's last step: `losses` holds each row's target logit and becomes

@@ -360,7 +360,8 @@ impl GptStage {
     }
     /// Sets every gradient to zero (backward accumulates).
     pub fn zero_grad(&mut self) {
-        self.dev.fill(self.grads.view_mut(), 0.0);
+        let (dev, grads) = (&*self.dev, &mut self.grads);
+        dev.install(&mut || dev.fill(grads.view_mut(), 0.0));
     }
     /// Floats of one activation tensor (B, T, C) passed between stages.
     pub fn activation_len(&self, b: usize, t: usize) -> usize {

@@ -111,6 +111,21 @@ pub fn add_into(acc: &mut [f32], x: &[f32]) {
     }
 }
 
+/// `x = value` (a gradient buffer cleared for the next step: hundreds of MB on larger models).
+/// Inside a pool of several threads they share it, as they share AdamW's pass: one thread
+/// alone does not reach the memory's bandwidth. Outside a pool (or in a pool of one), a plain
+/// fill: it must never spill onto rayon's global pool.
+pub fn fill(x: &mut [f32], value: f32) {
+    if rayon::current_thread_index().is_some() && rayon::current_num_threads() > 1 {
+        x.par_chunks_mut(FILL_CHUNK).for_each(|c| c.fill(value));
+    } else {
+        x.fill(value);
+    }
+}
+
+/// Elements per task of [`fill`]: 1 MB, a stride the memory streams at full speed.
+const FILL_CHUNK: usize = 1 << 18;
+
 /// `x = dropout(x)` in place, element `i` keyed by `offset + i`.
 pub fn dropout_forward(x: &mut [f32], d: Dropout, offset: u64) {
     x.par_chunks_mut(CHUNK).enumerate().for_each(|(k, ch)| {
@@ -133,6 +148,22 @@ pub fn dropout_backward(dx: &mut [f32], dy: &[f32], d: Dropout, offset: u64) {
 mod tests {
     use super::*;
     use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
+
+    /// Every element, across the tasks' chunk edges and a last partial chunk, on one thread,
+    /// on a pool's, and outside any pool.
+    #[test]
+    fn fill_covers_every_element_on_any_threads() {
+        let n = 2 * FILL_CHUNK + 5;
+        for threads in [0, 1, 3] {
+            let mut x = rand_vec(n, 4);
+            if threads == 0 {
+                fill(&mut x, -2.5);
+            } else {
+                within_pool(threads, || fill(&mut x, -2.5));
+            }
+            assert!(x.iter().all(|&v| v == -2.5), "{threads} threads");
+        }
+    }
 
     #[test]
     fn gelu_backward_matches_finite_differences() {

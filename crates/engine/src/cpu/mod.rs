@@ -45,7 +45,7 @@ pub use crossentropy::{
 };
 pub use decode_matmul::{decode_matmul_forward, DecodeFormat, DecodeMatrix};
 pub use elementwise::{
-    add_into, dropout_backward, dropout_forward, gelu_backward, gelu_backward_with_grad,
+    add_into, dropout_backward, dropout_forward, fill, gelu_backward, gelu_backward_with_grad,
     gelu_forward, residual_forward,
 };
 pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encoder_forward};

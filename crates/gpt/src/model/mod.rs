@@ -313,6 +313,20 @@ impl GPT {
             host(&self.grads, "grads"),
         )
     }
+    /// Runs `f` on the parameters and gradients (host slices, as
+    /// [`GPT::params_and_grads_mut`]) on the backend's threads: an optimizer step, whose passes
+    /// over memory split over them (AdamW on config G: 58 ms on one thread, ~51 on two).
+    pub fn update_params<R: Send>(&mut self, f: impl FnOnce(&mut [f32], &[f32]) -> R + Send) -> R {
+        let dev = self.dev.clone();
+        let (params, grads) = self.params_and_grads_mut();
+        let (mut f, mut out) = (Some(f), None);
+        dev.install(&mut || {
+            if let Some(f) = f.take() {
+                out = Some(f(&mut *params, grads));
+            }
+        });
+        out.expect("install runs its closure")
+    }
     /// The parameter buffer as the backend's kernels take it (host or device).
     pub fn params_view(&mut self) -> ViewMut<'_, f32> {
         self.params.view_mut()
@@ -472,9 +486,10 @@ impl GPT {
         Layout::new(config).ready_order(true)
     }
 
-    /// Sets every gradient to zero (backward accumulates).
+    /// Sets every gradient to zero (backward accumulates), on the backend's threads.
     pub fn zero_grad(&mut self) {
-        self.dev.fill(self.grads.view_mut(), 0.0);
+        let (dev, grads) = (&*self.dev, &mut self.grads);
+        dev.install(&mut || dev.fill(grads.view_mut(), 0.0));
     }
 
     /// Forward pass, as Hugging Face's `GPT2LMHeadModel`: the logits of every position of

@@ -881,3 +881,31 @@ fn parameters_and_gradients_copy_to_and_from_the_host() {
         "{err}"
     );
 }
+
+/// An optimizer step and the clearing of the gradients run on the model's threads (their
+/// passes over memory split over them), and give the same bits on one thread or two.
+#[test]
+fn the_update_and_zero_grad_run_on_the_models_threads() {
+    use cohort_engine::optim::{AdamW, AdamWConfig, DecayMask, Optimizer};
+    let mut after = Vec::new();
+    for threads in [1, 2] {
+        let mut m = model(tiny(true, true, 0.0), threads, 3);
+        let (ids, mask, labels) = batch();
+        m.zero_grad();
+        loss_at(&mut m, &ids, &mask, &labels);
+        m.backward(Backward::new()).unwrap();
+        let n = m.num_params();
+        let mut opt = AdamW::new(AdamWConfig::default(), DecayMask::all(n)).unwrap();
+        let seen = m.update_params(|p, g| {
+            opt.step(p, g, 1e-2).unwrap();
+            rayon::current_num_threads()
+        });
+        assert_eq!(seen, threads, "the step ran outside the model's pool");
+        after.push(m.params_mut().to_vec());
+        m.zero_grad();
+        let (_, grads) = m.params_and_grads_mut();
+        assert!(grads.iter().all(|&g| g.to_bits() == 0), "{threads} threads");
+    }
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&after[0]), bits(&after[1]));
+}

@@ -361,8 +361,7 @@ impl<'pg> DataParallel<'pg> {
         let (pg, model) = (self.pg, &mut self.model);
         match &mut self.sync {
             GradSync::Ddp { opt, .. } | GradSync::Diloco { opt, .. } => {
-                let (params, grads) = model.params_and_grads_mut();
-                opt.step(params, grads, lr)?;
+                model.update_params(|params, grads| opt.step(params, grads, lr))?;
                 Ok(Duration::ZERO)
             }
             GradSync::Device { opt, .. } => {

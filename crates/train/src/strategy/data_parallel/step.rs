@@ -371,7 +371,10 @@ impl<'pg> DataParallel<'pg> {
             }
             GradSync::DeviceZero1(zero) => zero.update(pg, model, lr),
             GradSync::Zero1(zero) => {
-                zero.update(lr)?;
+                // On the model's threads, as the whole model's update is.
+                let (dev, mut stepped) = (model.backend_handle(), Ok(()));
+                dev.install(&mut || stepped = zero.update(lr));
+                stepped?;
                 let t = Instant::now();
                 zero.all_gather(pg, model.params_mut())?;
                 Ok(t.elapsed())

@@ -166,10 +166,26 @@ fn elementwise(dev: &Device, rows: &mut Rows) {
         let mut dg = dev.upload(&d)?;
         dev.gelu_backward_with_grad(&mut dg, &xd)?;
         let want_g: Vec<f32> = d.iter().zip(&x).map(|(a, b)| a * b).collect();
+        let (mut pre, mut out2) = (dev.upload(&x)?, poisoned(dev, n)?);
+        dev.gelu_forward_and_grad(&mut out2, &mut pre)?;
+        let (mut want_out2, mut want_pre) = (vec![0.0; n], x.clone());
+        cpu::gelu_forward_and_grad(&mut want_out2, &mut want_pre);
         Ok(vec![
             row("gelu_forward", dev.download(&out)?, want, 1e-5),
             row("gelu_backward", dev.download(&dd)?, want_d, 1e-5),
             row("gelu_backward_with_grad", dev.download(&dg)?, want_g, 0.0),
+            row(
+                "gelu_forward_and_grad",
+                dev.download(&out2)?,
+                want_out2,
+                1e-5,
+            ),
+            row(
+                "gelu_forward_and_grad (grad)",
+                dev.download(&pre)?,
+                want_pre,
+                1e-5,
+            ),
         ])
     });
     rows.case("residual/column_sums", || {

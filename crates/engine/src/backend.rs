@@ -460,6 +460,8 @@ kernels! {
     fn gelu_forward(out: ViewMut<f32>, inp: View<f32>) => cpu::gelu_forward;
     /// dinout *= gelu'(inp).
     fn gelu_backward(dinout: ViewMut<f32>, inp: View<f32>) => cpu::gelu_backward;
+    /// out = gelu(pre), then pre = gelu'(pre), in one pass (a backward's recompute that keeps the derivative for `gelu_backward_with_grad`).
+    fn gelu_forward_and_grad(out: ViewMut<f32>, pre: ViewMut<f32>) => cpu::gelu_forward_and_grad;
     /// dinout *= grad, where the forward kept GELU's derivative `grad` (see matmul_gelu_forward_bf16).
     fn gelu_backward_with_grad(dinout: ViewMut<f32>, grad: View<f32>) => cpu::gelu_backward_with_grad;
     /// out = residual + dropout(out + bias), rows of c.

@@ -614,6 +614,12 @@ impl Backend for CudaBackend {
             self.dev.gelu_backward(&mut d, &i)
         })
     }
+    fn gelu_forward_and_grad(&self, out: ViewMut<f32>, pre: ViewMut<f32>) {
+        self.run("gelu_forward_and_grad", || {
+            let (mut o, mut p) = (self.w(out)?, self.w(pre)?);
+            self.dev.gelu_forward_and_grad(&mut o, &mut p)
+        })
+    }
     fn gelu_backward_with_grad(&self, dinout: ViewMut<f32>, grad: View<f32>) {
         self.run("gelu_backward_with_grad", || {
             let (mut d, g) = (self.w(dinout)?, self.r(grad)?);

@@ -197,6 +197,24 @@ impl Device {
         launch!(self, "gelu_backward", elementwise(dinout.len()), &d, &i, &n)
     }
 
+    /// out = gelu(pre), then pre = gelu'(pre), in one pass.
+    pub fn gelu_forward_and_grad(
+        &self,
+        out: &mut dyn Mem<f32>,
+        pre: &mut dyn Mem<f32>,
+    ) -> Result<(), CudaError> {
+        check("gelu_forward_and_grad", "pre", pre.len(), out.len())?;
+        let (o, p, n) = (out.ptr(self), pre.ptr(self), out.len() as i64);
+        launch!(
+            self,
+            "gelu_forward_and_grad",
+            elementwise(out.len()),
+            &o,
+            &p,
+            &n
+        )
+    }
+
     /// dinout *= grad (GELU's derivative, kept by the forward).
     pub fn gelu_backward_with_grad(
         &self,

@@ -41,6 +41,17 @@ extern "C" __global__ void gelu_forward(float* out, const float* inp, long long 
     FOR_EACH(i, n) out[i] = gelu_of(inp[i]);
 }
 
+// out = gelu(pre), pre = gelu'(pre): one tanh for both (a backward's recompute of GELU's
+// output that keeps the derivative for gelu_backward_with_grad).
+extern "C" __global__ void gelu_forward_and_grad(float* out, float* pre, long long n) {
+    FOR_EACH(i, n) {
+        const float x = pre[i];
+        const float th = tanhf(GELU_S * (x + GELU_C * x * x * x));
+        out[i] = 0.5f * x * (1.0f + th);
+        pre[i] = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * GELU_S * (1.0f + 3.0f * GELU_C * x * x);
+    }
+}
+
 // dinout *= gelu'(inp).
 extern "C" __global__ void gelu_backward(float* dinout, const float* inp, long long n) {
     FOR_EACH(i, n) dinout[i] *= gelu_grad_of(inp[i]);

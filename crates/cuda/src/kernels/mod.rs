@@ -33,6 +33,7 @@ pub const FAMILIES: &[Family] = &[
             "add_bias_f32",
             "gelu_forward",
             "gelu_backward",
+            "gelu_forward_and_grad",
             "gelu_backward_with_grad",
             "residual_forward",
             "dropout_forward",

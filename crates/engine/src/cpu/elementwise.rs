@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::math::{gelu, gelu_grad};
+use super::math::{gelu, gelu_and_grad, gelu_grad};
 use super::simd_fn;
 use crate::Dropout;
 
@@ -23,6 +23,30 @@ simd_fn! {
     fn gelu_block(out: &mut [f32], inp: &[f32]) {
         for (o, &x) in out.iter_mut().zip(inp) {
             *o = gelu(x);
+        }
+    }
+}
+
+/// `out = gelu(pre)` and `pre = gelu'(pre)` in one pass, one tanh for both: a backward that
+/// recomputes GELU's output (for the next product's weight gradient) keeps the derivative in
+/// place of the pre-activation, whose only other reader was [`gelu_backward`], so that
+/// [`gelu_backward_with_grad`] only multiplies. The same bits as [`gelu_forward`] and
+/// [`gelu_backward`].
+pub fn gelu_forward_and_grad(out: &mut [f32], pre: &mut [f32]) {
+    assert_eq!(
+        out.len(),
+        pre.len(),
+        "gelu forward and grad: output and pre-activation lengths"
+    );
+    out.par_chunks_mut(CHUNK)
+        .zip(pre.par_chunks_mut(CHUNK))
+        .for_each(|(o, x)| gelu_and_grad_block(o, x));
+}
+
+simd_fn! {
+    fn gelu_and_grad_block(out: &mut [f32], pre: &mut [f32]) {
+        for (o, x) in out.iter_mut().zip(pre.iter_mut()) {
+            (*o, *x) = gelu_and_grad(*x);
         }
     }
 }
@@ -148,6 +172,23 @@ pub fn dropout_backward(dx: &mut [f32], dy: &[f32], d: Dropout, offset: u64) {
 mod tests {
     use super::*;
     use crate::cpu::testing::{assert_close, check_grad, f64s, rand_vec, within_pool};
+
+    /// One tanh for both: the bits of gelu_forward, and of gelu_backward's factor.
+    #[test]
+    fn gelu_forward_and_grad_is_gelu_and_its_derivative() {
+        let n = 3 * CHUNK + 7;
+        let x: Vec<f32> = rand_vec(n, 5).iter().map(|v| v * 6.0).collect();
+        let (mut want, mut d) = (vec![0.0; n], vec![1.0; n]);
+        let (mut out, mut pre) = (vec![0.0; n], x.clone());
+        within_pool(2, || {
+            gelu_forward(&mut want, &x);
+            gelu_backward(&mut d, &x);
+            gelu_forward_and_grad(&mut out, &mut pre);
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out), bits(&want));
+        assert_eq!(bits(&pre), bits(&d));
+    }
 
     /// Every element, across the tasks' chunk edges and a last partial chunk, on one thread,
     /// on a pool's, and outside any pool.

@@ -46,7 +46,7 @@ pub use crossentropy::{
 pub use decode_matmul::{decode_matmul_forward, DecodeFormat, DecodeMatrix};
 pub use elementwise::{
     add_into, dropout_backward, dropout_forward, fill, gelu_backward, gelu_backward_with_grad,
-    gelu_forward, residual_forward,
+    gelu_forward, gelu_forward_and_grad, residual_forward,
 };
 pub use encoder::{embedding_backward, embedding_forward, encoder_backward, encoder_forward};
 /// Timing hooks for `examples/pack_rates.rs`: the bf16 product's packs alone.

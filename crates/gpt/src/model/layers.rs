@@ -665,7 +665,7 @@ pub(crate) fn block_backward<'g>(
     let x = layer(res, l, nc);
     let x_mid = layer(res_mid, sl, nc);
     let qkv = layer(qkv, sl, n * qkv_w);
-    let fch = layer(fch, sl, n * fx);
+    let mut fch = layer_mut(fch, sl, n * fx);
     let lse = layer(att_lse, sl, n * nh);
     let mut s_dl = s_dl.slice_mut(..nc);
 
@@ -690,7 +690,7 @@ pub(crate) fn block_backward<'g>(
             if gelu16.is_empty() {
                 if !keep {
                     prof.time(K::GeluFwd, || {
-                        dev.swiglu_interleaved_forward(act.reborrow(), fch, n, f)
+                        dev.swiglu_interleaved_forward(act.reborrow(), fch.as_view(), n, f)
                     });
                 }
                 let act_in: View<f32> = if keep {
@@ -714,10 +714,18 @@ pub(crate) fn block_backward<'g>(
             prof.time(K::MatmulBwd, || {
                 let (dfc, act) = (dfc.reborrow(), act.reborrow());
                 if gelu16.is_empty() {
+                    let fch = fch.as_view();
                     dev.matmul_backward_input_swiglu(dfc, act, dproj, fcproj_w, fch, n, f, c)
                 } else {
                     dev.matmul_backward_input_swiglu_with_grad(
-                        dfc, act, dproj, fcproj_w, fch, n, f, c,
+                        dfc,
+                        act,
+                        dproj,
+                        fcproj_w,
+                        fch.as_view(),
+                        n,
+                        f,
+                        c,
                     )
                 }
             });
@@ -728,7 +736,12 @@ pub(crate) fn block_backward<'g>(
                 let gelu_out: View<f32> = if keep {
                     layer(gelu, l, n * f)
                 } else {
-                    prof.time(K::GeluFwd, || dev.gelu_forward(s_big.reborrow(), fch));
+                    // GELU's output for the weight gradient, and its derivative in place
+                    // of the pre-activation, whose only other reader is the GELU backward
+                    // below: one tanh instead of two.
+                    prof.time(K::GeluFwd, || {
+                        dev.gelu_forward_and_grad(s_big.reborrow(), fch.reborrow())
+                    });
                     s_big.into()
                 };
                 prof.time(K::MatmulBwd, || {
@@ -744,12 +757,15 @@ pub(crate) fn block_backward<'g>(
             prof.time(K::MatmulBwd, || {
                 dev.matmul_backward_input(s_big.reborrow(), dproj, w.fcproj_w, n, f, c)
             });
-            if gelu16.is_empty() {
-                prof.time(K::GeluBwd, || dev.gelu_backward(s_big.reborrow(), fch));
-            } else {
-                // under bf16 the forward left GELU's derivative in `fch` (see the arena)
+            if gelu16.is_empty() && keep {
                 prof.time(K::GeluBwd, || {
-                    dev.gelu_backward_with_grad(s_big.reborrow(), fch)
+                    dev.gelu_backward(s_big.reborrow(), fch.as_view())
+                });
+            } else {
+                // the recompute above (or under bf16 the forward) left GELU's derivative in
+                // `fch` (see the arena)
+                prof.time(K::GeluBwd, || {
+                    dev.gelu_backward_with_grad(s_big.reborrow(), fch.as_view())
                 });
             }
             s_big.into()

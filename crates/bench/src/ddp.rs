@@ -689,8 +689,9 @@ impl SingleRank {
             self.model.backward(Backward::new())?;
             let backward = t0.elapsed() - forward;
             let t_opt = Instant::now();
-            let (params, grads) = self.model.params_and_grads_mut();
-            self.opt.step(params, grads, 1e-3)?;
+            let opt = &mut self.opt;
+            self.model
+                .update_params(|params, grads| opt.step(params, grads, 1e-3))?;
             if j >= warmup {
                 times.push(StepPhases {
                     step: t0.elapsed(),

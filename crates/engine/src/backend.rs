@@ -264,6 +264,19 @@ macro_rules! kernels {
 }
 
 impl dyn Backend + '_ {
+    /// Runs `f` on the backend's threads ([`Backend::install`]) and returns what it returns:
+    /// host passes the kernels do not make (an optimizer's step, the gradients' norm) split
+    /// over the same threads as the kernels.
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        let (mut f, mut out) = (Some(f), None);
+        self.install(&mut || {
+            if let Some(f) = f.take() {
+                out = Some(f());
+            }
+        });
+        out.expect("install runs its closure")
+    }
+
     /// Copies `src` into `dst` (equal lengths), in the backend's memory.
     pub fn upload<T: Elem>(&self, dst: ViewMut<'_, T>, src: &[T]) -> Result<(), EngineError> {
         assert_eq!(

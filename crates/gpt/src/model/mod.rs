@@ -319,13 +319,7 @@ impl GPT {
     pub fn update_params<R: Send>(&mut self, f: impl FnOnce(&mut [f32], &[f32]) -> R + Send) -> R {
         let dev = self.dev.clone();
         let (params, grads) = self.params_and_grads_mut();
-        let (mut f, mut out) = (Some(f), None);
-        dev.install(&mut || {
-            if let Some(f) = f.take() {
-                out = Some(f(&mut *params, grads));
-            }
-        });
-        out.expect("install runs its closure")
+        dev.run(|| f(params, grads))
     }
     /// The parameter buffer as the backend's kernels take it (host or device).
     pub fn params_view(&mut self) -> ViewMut<'_, f32> {

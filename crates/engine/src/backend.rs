@@ -265,8 +265,8 @@ macro_rules! kernels {
 
 impl dyn Backend + '_ {
     /// Runs `f` on the backend's threads ([`Backend::install`]) and returns what it returns:
-    /// host passes the kernels do not make (an optimizer's step, the gradients' norm) split
-    /// over the same threads as the kernels.
+    /// a host pass the kernels do not make (an optimizer's step) splits over the same threads
+    /// as the kernels.
     pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         let (mut f, mut out) = (Some(f), None);
         self.install(&mut || {

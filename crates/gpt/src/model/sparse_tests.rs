@@ -1,7 +1,7 @@
 //! [`Backward::sparse_embeddings`]: what a tied model's backward hands over instead of wte's
 //! whole gradient, checked against the whole-table backward.
 
-use super::tests::model;
+use super::tests::{model, wide_vocab};
 use super::*;
 
 /// Records what a sparse-embeddings backward hands over: each readiness range with its
@@ -30,18 +30,7 @@ impl PartHooks for SparseSeen {
 #[test]
 fn sparse_embeddings_hand_a_tied_wte_over_in_blocks_and_rows() {
     for tied in [true, false] {
-        let cfg = GPTConfig {
-            vocab_size: 300,
-            max_position_embeddings: 16,
-            n_layers: 2,
-            n_heads: 2,
-            d_model: 16,
-            d_ff: 32,
-            dropout: 0.0,
-            bias: true,
-            tie_word_embeddings: tied,
-            ..GPTConfig::default()
-        };
+        let cfg = wide_vocab(2, tied);
         let ids: Vec<u32> = (0..48).map(|i| (i * 37 % 300) as u32 % 97).collect();
         let labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
         let run = |sparse: bool| {

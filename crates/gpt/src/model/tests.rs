@@ -15,6 +15,23 @@ fn tiny(bias: bool, tied: bool, dropout: f32) -> GPTConfig {
     }
 }
 
+/// A vocabulary of 300 on a small model (16 wide): large enough that the head's logits come in
+/// blocks of the vocabulary.
+pub(super) fn wide_vocab(n_layers: usize, tied: bool) -> GPTConfig {
+    GPTConfig {
+        vocab_size: 300,
+        max_position_embeddings: 16,
+        n_layers,
+        n_heads: 2,
+        d_model: 16,
+        d_ff: 32,
+        dropout: 0.0,
+        bias: true,
+        tie_word_embeddings: tied,
+        ..GPTConfig::default()
+    }
+}
+
 pub(super) fn model(cfg: GPTConfig, threads: usize, seed: u64) -> GPT {
     GPT::with_backend(cfg, seed, Box::new(Cpu::new(threads).unwrap())).unwrap()
 }
@@ -633,18 +650,7 @@ fn bf16_kept_activations_give_the_bits_of_f32_kept_ones() {
 #[test]
 fn a_head_in_vocabulary_blocks_matches_the_whole_one() {
     for tied in [true, false] {
-        let cfg = GPTConfig {
-            vocab_size: 300,
-            max_position_embeddings: 16,
-            n_layers: 1,
-            n_heads: 2,
-            d_model: 16,
-            d_ff: 32,
-            dropout: 0.0,
-            bias: true,
-            tie_word_embeddings: tied,
-            ..GPTConfig::default()
-        };
+        let cfg = wide_vocab(1, tied);
         let ids: Vec<u32> = (0..48).map(|i| (i * 37 % 300) as u32).collect();
         let mut labels: Vec<i32> = ids.iter().map(|&x| x as i32).collect();
         labels[7] = -100;

@@ -467,6 +467,8 @@ kernels! {
     fn matmul_backward_input_swiglu_with_grad(dinp: ViewMut<f32>, dact: ViewMut<f32>, dout: View<f32>, w: View<f32>, grad: View<f32>, n: usize, f: usize, c: usize) => @dtype cpu::matmul_backward_input_swiglu_with_grad;
     /// `matmul_forward` of an input kept in bf16 (its bits). Only on a backend of `DType::Bf16`.
     fn matmul_forward_bf16_input(out: ViewMut<f32>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
+    /// `matmul_forward_bf16_input` with `out` kept in bf16 (its bits, rounded as the bf16 products round their operands), `sums` (N, OC) receiving the f32 product as scratch: a product whose only readers round it to bf16 (attention's qkv). Only on a backend of `DType::Bf16`; optional (a model uses it where the backend has it).
+    fn matmul_forward_bf16_out(sums: ViewMut<f32>, out: ViewMut<u16>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_out;
     /// dw += inpᵀ · dout, dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.
     fn matmul_backward_weight_bf16_input(dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<u16>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_weight_bf16_input;
     /// out = gelu(inp) (tanh form).
@@ -493,6 +495,10 @@ kernels! {
     fn attention_forward_grouped(out: ViewMut<f32>, lse: ViewMut<f32>, qkv: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_forward_grouped;
     /// Backward of `attention_forward_grouped`: dqkv (N, (NH+2·NKV)·HS) overwritten, each key/value head's gradient summed over its query group in the group's order.
     fn attention_backward_grouped(dqkv: ViewMut<f32>, recompute_out: Option<ViewMut<f32>>, dout: View<f32>, qkv: View<f32>, lse: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_backward_grouped;
+    /// `attention_forward_grouped` of a qkv buffer kept in bf16 (its bits, as `matmul_forward_bf16_out` writes them): the bits of the f32 buffer they round from. Only on a backend of `DType::Bf16`; optional (a model uses it where the backend has it).
+    fn attention_forward_bf16_qkv(out: ViewMut<f32>, lse: ViewMut<f32>, qkv: View<u16>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_forward_bf16_qkv;
+    /// `attention_backward_grouped` of a qkv buffer kept in bf16, as `attention_forward_bf16_qkv`. Optional likewise.
+    fn attention_backward_bf16_qkv(dqkv: ViewMut<f32>, recompute_out: Option<ViewMut<f32>>, dout: View<f32>, qkv: View<u16>, lse: View<f32>, mask: Option<View<u8>>, segments: Option<View<u32>>, dims: AttnDims, nkv: usize, dropout: Option<Dropout>, scratch: ViewMut<f32>) => @dtype cpu::attention_backward_bf16_qkv;
     /// One query row (C) over `ctx` cached key and value rows (stride c): a decode step's
     /// attention for one sequence; `scores` holds `nh·ctx` floats.
     fn attention_decode_row(out: &mut [f32], scores: &mut [f32], q: &[f32], k: &[f32], v: &[f32], dims: DecodeDims) => cpu::attention_decode_row;

@@ -202,7 +202,7 @@ pub fn attention_forward_grouped(
         dtype,
         out,
         lse,
-        qkv,
+        Qkv::F32(qkv),
         mask,
         segments,
         (dims, nkv),
@@ -218,7 +218,7 @@ fn forward_with(
     dtype: DType,
     out: &mut [f32],
     lse: &mut [f32],
-    qkv: &[f32],
+    qkv: Qkv,
     mask: Option<&[u8]>,
     segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
@@ -238,6 +238,7 @@ fn forward_with(
     let fused = fused_tiles().filter(|_| bf16 && fused_ok);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = fused_ok;
+    let general = qkv16::general(qkv);
     for_each_head(dims, 1, scratch, |bh, scr| {
         // safety: task bh writes only its own head's columns of out and its own lse row; the
         // fused path runs on the process's bf16 kernel only.
@@ -260,7 +261,7 @@ fn forward_with(
                 bf16,
                 out_p,
                 lse_p,
-                qkv,
+                general,
                 mask,
                 segments,
                 (dims, nkv),
@@ -275,7 +276,7 @@ fn forward_with(
 /// Whether bf16 heads run fused (`attention_fused`) on the bf16 kernel, unless
 /// `COHORT_FUSED_ATTENTION=0` (or the older `COHORT_AMX_ATTENTION=0`) asks for the general
 /// product per block: read once per process.
-fn fused_heads() -> bool {
+pub(super) fn fused_heads() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         let off = |name| std::env::var(name).is_ok_and(|v| v.trim() == "0");
@@ -285,7 +286,7 @@ fn fused_heads() -> bool {
 
 /// The tiles fused heads run on: this process's bf16 kernel's (None without one).
 #[cfg(target_arch = "x86_64")]
-fn fused_tiles() -> Option<super::attention_fused::Tiles> {
+pub(super) fn fused_tiles() -> Option<super::attention_fused::Tiles> {
     use super::attention_fused::Tiles;
     use super::gemm_bf16::{chosen_kernel, Kernel};
     chosen_kernel().map(|k| match k {
@@ -571,7 +572,7 @@ pub fn attention_backward_grouped(
         dqkv,
         recompute_out,
         dout,
-        qkv,
+        Qkv::F32(qkv),
         lse,
         mask,
         segments,
@@ -589,7 +590,7 @@ fn backward_with(
     dqkv: &mut [f32],
     recompute_out: Option<&mut [f32]>,
     dout: &[f32],
-    qkv: &[f32],
+    qkv: Qkv,
     lse: &[f32],
     mask: Option<&[u8]>,
     segments: Option<&[u32]>,
@@ -613,6 +614,7 @@ fn backward_with(
     let fused = fused_tiles().filter(|_| bf16 && fused_ok);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = fused_ok;
+    let general = qkv16::general(qkv);
     // One task per (batch, key/value head): its query group's heads in order.
     let group = nh / nkv;
     for_each_head(dims, group, scratch, |bh, scr| {
@@ -644,7 +646,7 @@ fn backward_with(
                 dqkv_p,
                 out_p,
                 dout,
-                qkv,
+                general,
                 lse,
                 mask,
                 segments,
@@ -881,6 +883,10 @@ unsafe fn head_backward(
         }
     }
 }
+
+mod qkv16;
+pub use qkv16::{attention_backward_bf16_qkv, attention_forward_bf16_qkv};
+pub(super) use qkv16::Qkv;
 
 #[cfg(test)]
 mod grouped_tests;

@@ -40,10 +40,10 @@
 
 use std::cell::RefCell;
 
-use super::attention::{head_cols, mask_row, segment_start, AttnDims};
+use super::attention::{head_cols, mask_row, segment_start, AttnDims, Qkv};
 use super::gemm::prefetch_run;
 use super::gemm_bf16::amx::{self, Scratch};
-use super::gemm_bf16::{pack_a, pack_b, zmm_product, Line, Upto, NR};
+use super::gemm_bf16::{pack_a, pack_a_bf16, pack_b, pack_b_bf16, zmm_product, Line, Upto, NR};
 use super::SendPtr;
 use crate::Dropout;
 use rows::{grad_pairs, probs_pairs, softmax_rows, SoftRow};
@@ -115,19 +115,19 @@ impl Tiles {
         }
     }
 
-    /// `c[0..rows, 0..n] (+)= a · b`: `a` packed as rows of `kp` pairs, `b` as panels of `kp`
-    /// pairs by 32 columns (panel j at `b + j * 32 * bstride`, its first `kp` pairs read). The
-    /// zmm kernel computes only what `upto` says each row needs (AMX all of it).
+    /// `c[0..rows, 0..n] (+)= a · b`: `a` as rows of `kp` pairs `rsa` u32 apart (`kp` on AMX,
+    /// whose tiles read packed rows), `b` as panels of `kp` pairs by 32 columns (panel j at
+    /// `b + j * 32 * bstride`, its first `kp` pairs read). The zmm kernel computes only what
+    /// `upto` says each row needs (AMX all of it).
     ///
     /// # Safety
-    /// [`Tiles::begin`] ran on this thread; the packed operands as described (on AMX, `a`
-    /// readable to a whole number of 32-row blocks); c rows x n writable floats at row stride
-    /// rsc.
+    /// [`Tiles::begin`] ran on this thread; the operands as described (on AMX, `a` readable to
+    /// a whole number of 32-row blocks); c rows x n writable floats at row stride rsc.
     #[allow(clippy::too_many_arguments)]
     unsafe fn product(
         self,
         kp: usize,
-        a: *const u32,
+        (a, rsa): (*const u32, usize),
         b: *const u32,
         bstride: usize,
         c: *mut f32,
@@ -140,8 +140,9 @@ impl Tiles {
     ) {
         match self {
             // SAFETY: forwarded; the zmm kernel is present (it is the chosen one).
-            Tiles::Zmm => unsafe { zmm_product(kp, a, kp, b, bstride, c, rsc, rows, n, acc, upto) },
+            Tiles::Zmm => unsafe { zmm_product(kp, a, rsa, b, bstride, c, rsc, rows, n, acc, upto) },
             Tiles::Amx => {
+                debug_assert_eq!(rsa, kp, "AMX reads packed rows");
                 for i in (0..rows).step_by(32) {
                     for j in (0..n).step_by(NR) {
                         // SAFETY: forwarded; rows i.. (32 readable) of a, panel j / 32 of b
@@ -190,10 +191,10 @@ impl Tiles {
         // SAFETY: forwarded; rows 0..old, then old..keys, of a and c.
         unsafe {
             let skip = Upto::KFrom(r0);
-            self.product(kp, a, b, kp, c, rsc, old, n, true, skip, scratch);
+            self.product(kp, (a, kp), b, kp, c, rsc, old, n, true, skip, scratch);
             let (a, c) = (a.add(old * kp), c.add(old * rsc));
             let (rows, skip) = (keys - old, Upto::KFrom(r0.saturating_sub(old)));
-            self.product(kp, a, b, kp, c, rsc, rows, n, false, skip, scratch);
+            self.product(kp, (a, kp), b, kp, c, rsc, rows, n, false, skip, scratch);
         }
     }
 }
@@ -214,11 +215,73 @@ fn carve<const N: usize>(lines: &mut Vec<Line>, sizes: [usize; N]) -> [*mut u32;
     })
 }
 
+/// Rows of a qkv buffer as it holds them: f32, or bf16 bits (see [`Qkv`]), from one element.
+#[derive(Clone, Copy)]
+enum Rows {
+    F32(*const f32),
+    Bf16(*const u16),
+}
+
+impl Rows {
+    /// The buffer's first element.
+    fn of(qkv: Qkv) -> Rows {
+        match qkv {
+            Qkv::F32(x) => Rows::F32(x.as_ptr()),
+            Qkv::Bf16(x) => Rows::Bf16(x.as_ptr()),
+        }
+    }
+
+    /// `n` elements further (a pointer computed, nothing read).
+    fn add(self, n: usize) -> Rows {
+        match self {
+            Rows::F32(p) => Rows::F32(p.wrapping_add(n)),
+            Rows::Bf16(p) => Rows::Bf16(p.wrapping_add(n)),
+        }
+    }
+
+    /// The address and the bytes of one element (for prefetches).
+    fn bytes(self) -> (*const u8, usize) {
+        match self {
+            Rows::F32(p) => (p as *const u8, 4),
+            Rows::Bf16(p) => (p as *const u8, 2),
+        }
+    }
+
+    /// `pack_a` from these rows (bf16 ones copied: the same pairs).
+    ///
+    /// # Safety
+    /// As `pack_a`, from this element.
+    unsafe fn pack_a(self, pa: *mut u32, rs: usize, cs: usize, m: usize, k: usize, st: usize) {
+        // SAFETY: the caller's contract; the bf16 kernel is present wherever a head is fused.
+        unsafe {
+            match self {
+                Rows::F32(a) => pack_a(pa, a, rs, cs, m, k, st),
+                Rows::Bf16(a) => pack_a_bf16(pa, a, rs, cs, m, k, st),
+            }
+        }
+    }
+
+    /// `pack_b` from these rows (bf16 ones moved: the same panels).
+    ///
+    /// # Safety
+    /// As `pack_b`, from this element.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pack_b(self, pb: *mut u32, rs: usize, cs: usize, k: usize, n: usize, st: usize) {
+        // SAFETY: as in `pack_a`.
+        unsafe {
+            match self {
+                Rows::F32(b) => pack_b(pb, b, rs, cs, k, n, st, None),
+                Rows::Bf16(b) => pack_b_bf16(pb, b, rs, cs, k, n, st),
+            }
+        }
+    }
+}
+
 /// The head's matrices: Q, K, V and their gradients at row stride 3C, dY and out at C.
 struct Head {
-    q: *const f32,
-    k: *const f32,
-    v: *const f32,
+    q: Rows,
+    k: Rows,
+    v: Rows,
     t: usize,
     hd: usize,
     /// Row stride of q, k, v (and of dq, dk, dv): 3C.
@@ -232,25 +295,25 @@ struct Head {
 /// stalled on memory (config B's attention, Zen 5, profiled: packing 32% of the fused heads'
 /// time without this, 22% with it).
 struct Ahead {
-    /// (row 0, row stride) of each matrix.
-    runs: [(*const f32, usize); 4],
+    /// (row 0, row stride, bytes of a head's row), in bytes, of each matrix.
+    runs: [(*const u8, usize, usize); 4],
     n: usize,
-    /// Bytes of a head's row.
-    bytes: usize,
+    hd: usize,
 }
 
 impl Ahead {
     fn new(hd: usize) -> Ahead {
         Ahead {
-            runs: [(std::ptr::null(), 0); 4],
+            runs: [(std::ptr::null(), 0, 0); 4],
             n: 0,
-            bytes: 4 * hd,
+            hd,
         }
     }
 
-    /// Adds a matrix of rows `stride` floats apart from `row0`.
-    fn push(&mut self, row0: *const f32, stride: usize) {
-        self.runs[self.n] = (row0, stride);
+    /// Adds a matrix of rows `stride` elements apart from `row0`.
+    fn push(&mut self, row0: Rows, stride: usize) {
+        let (p, elem) = row0.bytes();
+        self.runs[self.n] = (p, stride * elem, self.hd * elem);
         self.n += 1;
     }
 
@@ -259,7 +322,7 @@ impl Ahead {
     /// as much out of L2 as it brought in.)
     fn head(
         &mut self,
-        qkv: *const f32,
+        qkv: Rows,
         per_head: &[*const f32],
         (dims, nkv): (AttnDims, usize),
         bh: usize,
@@ -267,20 +330,20 @@ impl Ahead {
         let AttnDims { t, c, nh, .. } = dims;
         let (bi, h) = (bh / nh, bh % nh);
         let (rs, qo, ko, vo) = head_cols(dims, nkv, h);
-        let row0 = qkv.wrapping_add(bi * t * rs);
+        let row0 = qkv.add(bi * t * rs);
         for off in [qo, ko, vo] {
-            self.push(row0.wrapping_add(off), rs);
+            self.push(row0.add(off), rs);
         }
         for &m in per_head {
-            self.push(m.wrapping_add(bi * t * c + h * (c / nh)), c);
+            self.push(Rows::F32(m).add(bi * t * c + h * (c / nh)), c);
         }
     }
 
     /// Asks for rows r0..r1 of every matrix.
     fn rows(&self, r0: usize, r1: usize) {
-        for &(row0, stride) in &self.runs[..self.n] {
+        for &(row0, stride, bytes) in &self.runs[..self.n] {
             for r in r0..r1 {
-                prefetch_run(row0.wrapping_add(r * stride) as *const u8, self.bytes);
+                prefetch_run(row0.wrapping_add(r * stride), bytes);
             }
         }
     }
@@ -296,7 +359,7 @@ pub(super) unsafe fn head_forward(
     tiles: Tiles,
     out: SendPtr,
     lse: SendPtr,
-    qkv: &[f32],
+    qkv: Qkv,
     mask: Option<&[u8]>,
     segments: Option<&[u32]>,
     (dims, nkv): (AttnDims, usize),
@@ -313,7 +376,7 @@ pub(super) unsafe fn head_forward(
     let mut ahead = Ahead::new(hd);
     if bh + 1 < dims.b * nh {
         let outs = [out.0 as *const f32];
-        ahead.head(qkv.as_ptr(), &outs, (dims, nkv), bh + 1);
+        ahead.head(Rows::of(qkv), &outs, (dims, nkv), bh + 1);
     }
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
@@ -326,13 +389,13 @@ pub(super) unsafe fn head_forward(
         // the regions carved for them; `tiles` is the chosen kernel (the caller's contract),
         // and every product writes this task's strip buffer or head `bh`'s columns of out.
         unsafe {
-            head.pack(tiles, qa, kb, None, Some(vb), None);
+            let (qa, rsa) = head.pack(tiles, qa, kb, None, Some(vb), None);
             tiles.begin();
             for r0 in (0..t).step_by(s_rows) {
                 let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
                 ahead.rows(r0, r0 + rows);
                 // S = Q[r0..] · K[0..keys]ᵀ
-                let (qs, sp) = (qa.add(r0 * pd), s.as_mut_ptr());
+                let (qs, sp) = ((qa.add(r0 * rsa), rsa), s.as_mut_ptr());
                 let cols = Upto::Cols(r0);
                 tiles.product(pd, qs, kb, pd, sp, t, rows, keys, false, cols, &mut scratch);
                 // P (after dropout) straight into its bf16 pairs, rows of kp pairs
@@ -366,7 +429,7 @@ pub(super) unsafe fn head_forward(
                 let o = out.0.add((bi * t + r0) * c + h * hd);
                 tiles.product(
                     kp,
-                    pa,
+                    (pa, kp),
                     vb,
                     pt,
                     o,
@@ -395,7 +458,7 @@ pub(super) unsafe fn head_backward(
     dqkv: SendPtr,
     out: Option<SendPtr>,
     dout: &[f32],
-    qkv: &[f32],
+    qkv: Qkv,
     lse: &[f32],
     mask: Option<&[u8]>,
     segments: Option<&[u32]>,
@@ -423,7 +486,7 @@ pub(super) unsafe fn head_backward(
     let (tp, hp) = (tiles.strips(t), hd.div_ceil(NR) * NR);
     let mut ahead = Ahead::new(hd);
     if bh + 1 < dims.b * nh {
-        ahead.head(qkv.as_ptr(), &[dout.as_ptr()], (dims, nkv), bh + 1);
+        ahead.head(Rows::of(qkv), &[dout.as_ptr()], (dims, nkv), bh + 1);
     }
     BUFS.with(|bufs| {
         let bufs = &mut *bufs.borrow_mut();
@@ -453,21 +516,21 @@ pub(super) unsafe fn head_backward(
         // SAFETY: as in head_forward; the products write this task's strip buffers, head
         // `bh`'s columns of dq and out, or its key/value head's columns of dk and dv.
         unsafe {
-            head.pack(tiles, qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
+            let (qa, rsa) = head.pack(tiles, qa, kb, Some(vtb), out.map(|_| vb), Some(kbk));
             tiles.begin();
             for r0 in (0..t).step_by(s_rows) {
                 let (rows, keys) = (s_rows.min(t - r0), (r0 + s_rows).min(t));
                 let (kp, ps) = (tiles.pairs(keys), tiles.pairs(rows));
                 ahead.rows(r0, r0 + rows);
                 // P recomputed from S = Q·Kᵀ and the stored log-sum-exp; dPd = dY · Vᵀ
-                let (qs, pp) = (qa.add(r0 * pd), p.as_mut_ptr());
+                let (qs, pp) = ((qa.add(r0 * rsa), rsa), p.as_mut_ptr());
                 let cols = Upto::Cols(r0);
                 tiles.product(pd, qs, kb, pd, pp, t, rows, keys, false, cols, &mut scratch);
                 pack_a(dya, dy.add(r0 * c), c, 1, rows, hd, pd);
                 let dpp = dp.as_mut_ptr();
                 tiles.product(
                     pd,
-                    dya,
+                    (dya, pd),
                     vtb,
                     pd,
                     dpp,
@@ -512,14 +575,16 @@ pub(super) unsafe fn head_backward(
                 if let Some(o) = out {
                     let o = o.0.add((bi * t + r0) * c + h * hd);
                     let k = Upto::K(r0);
-                    tiles.product(kp, uwide, vb, pt, o, c, rows, hd, false, k, &mut scratch);
+                    let a = (uwide as *const u32, kp);
+                    tiles.product(kp, a, vb, pt, o, c, rows, hd, false, k, &mut scratch);
                 }
                 // dQ[r0..] = dS · K[0..keys]; dK[0..keys] (+)= dSᵀ · Q[r0..]
                 let dqs = dq.add(r0 * rs);
                 let k = Upto::K(r0);
-                tiles.product(kp, wide, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);
+                let a = (wide as *const u32, kp);
+                tiles.product(kp, a, kbk, pt, dqs, rs, rows, hd, false, k, &mut scratch);
                 pack_a(tall, dp.as_ptr(), 1, t, keys, rows, ps);
-                pack_b(qb, head.q.add(r0 * rs), rs, 1, rows, hd, ps, None);
+                head.q.add(r0 * rs).pack_b(qb, rs, 1, rows, hd, ps);
                 tiles.tall_product(
                     ps,
                     tall,
@@ -538,15 +603,16 @@ pub(super) unsafe fn head_backward(
 }
 
 impl Head {
-    fn at(qkv: &[f32], (dims, nkv): (AttnDims, usize), bh: usize) -> Head {
+    fn at(qkv: Qkv, (dims, nkv): (AttnDims, usize), bh: usize) -> Head {
         let AttnDims { t, c, nh, .. } = dims;
         let hd = c / nh;
         let (rs, qo, ko, vo) = head_cols(dims, nkv, bh % nh);
-        let row0 = qkv[(bh / nh) * t * rs..].as_ptr();
+        assert!(qkv.len() >= (bh / nh + 1) * t * rs, "qkv holds the head's rows");
+        let row0 = Rows::of(qkv).add((bh / nh) * t * rs);
         Head {
-            q: row0.wrapping_add(qo),
-            k: row0.wrapping_add(ko),
-            v: row0.wrapping_add(vo),
+            q: row0.add(qo),
+            k: row0.add(ko),
+            v: row0.add(vo),
             t,
             hd,
             rs,
@@ -556,7 +622,9 @@ impl Head {
 
     /// Packs what the products read: Q as rows of pairs along its dimensions (`qa`); Kᵀ (`kb`)
     /// and Vᵀ (`vtb`) as panels of 32 keys, pairs along the dimensions; V (`vb`) and K (`kbk`)
-    /// as panels of 32 dimensions, pairs along the keys.
+    /// as panels of 32 dimensions, pairs along the keys. Returns Q's rows as the products
+    /// read them, (row 0, stride in u32): `qa`, or on zmm the bf16 rows themselves where they
+    /// are already Q's pairs (an even head size, pairs on 4-byte boundaries), read in place.
     ///
     /// # Safety
     /// Each region as carved by the callers for this head's sizes.
@@ -568,22 +636,36 @@ impl Head {
         vtb: Option<*mut u32>,
         vb: Option<*mut u32>,
         kbk: Option<*mut u32>,
-    ) {
+    ) -> (*const u32, usize) {
         let (t, hd, rs) = (self.t, self.hd, self.rs);
         let (pd, pt) = (tiles.pairs(hd), tiles.pairs(t));
         // SAFETY: q, k and v hold t rows of hd at stride rs; the regions are the callers'.
         unsafe {
-            pack_a(qa, self.q, rs, 1, t, hd, pd);
-            pack_b(kb, self.k, 1, rs, hd, t, pd, None);
+            let q = match self.q {
+                Rows::Bf16(q)
+                    if tiles == Tiles::Zmm
+                        && hd.is_multiple_of(2)
+                        && rs.is_multiple_of(2)
+                        && (q as usize).is_multiple_of(4) =>
+                {
+                    (q as *const u32, rs / 2)
+                }
+                q => {
+                    q.pack_a(qa, rs, 1, t, hd, pd);
+                    (qa as *const u32, pd)
+                }
+            };
+            self.k.pack_b(kb, 1, rs, hd, t, pd);
             if let Some(vtb) = vtb {
-                pack_b(vtb, self.v, 1, rs, hd, t, pd, None);
+                self.v.pack_b(vtb, 1, rs, hd, t, pd);
             }
             if let Some(vb) = vb {
-                pack_b(vb, self.v, rs, 1, t, hd, pt, None);
+                self.v.pack_b(vb, rs, 1, t, hd, pt);
             }
             if let Some(kbk) = kbk {
-                pack_b(kbk, self.k, rs, 1, t, hd, pt, None);
+                self.k.pack_b(kbk, rs, 1, t, hd, pt);
             }
+            q
         }
     }
 }

@@ -48,6 +48,11 @@ pub(crate) enum Epilogue {
     /// computed once, here, instead of again in a backward pass. Only where the CPU has the
     /// bf16 product.
     GeluBf16 { out: SendPtr, rs: usize },
+    /// `out[i][j] = bf16(c[i][j])` (bits, `out` points at u16), rounded as
+    /// [`Epilogue::GeluBf16`]'s: a product whose only readers round it to bf16 as they pack it
+    /// (attention's qkv under bf16 products) kept at the very bits they would read. C is left
+    /// as it is (scratch to the caller). Only where the CPU has the bf16 product.
+    Bf16 { out: SendPtr, rs: usize },
     /// SwiGLU of C in the interleaved order (see the module doc): for each tile of C's row,
     /// `out[i][t0 + j] = swiglu(gate j, up j)`, `out` (N, F) in the natural order. `half` is
     /// F: the columns between B's gate and up halves. C is the pre-activation, kept.
@@ -86,6 +91,10 @@ impl Epilogue {
                 rs,
             },
             Epilogue::GeluBf16 { out, rs } => Epilogue::GeluBf16 {
+                out: SendPtr((out.get() as *mut u16).wrapping_add(r * rs + c) as *mut f32),
+                rs,
+            },
+            Epilogue::Bf16 { out, rs } => Epilogue::Bf16 {
                 out: SendPtr((out.get() as *mut u16).wrapping_add(r * rs + c) as *mut f32),
                 rs,
             },
@@ -152,6 +161,16 @@ impl Epilogue {
                 // has the bf16 product (AVX512_BF16, with AVX-512BW and VL).
                 unsafe {
                     gelu_rows_bf16(c, rsc, out.get() as *mut u16, rs, rows, cols)
+                };
+                #[cfg(not(target_arch = "x86_64"))]
+                unreachable!("bf16 activations without the bf16 product");
+            }
+            Epilogue::Bf16 { out, rs } => {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the block, per the contract; the variant is only made where the CPU
+                // has the bf16 product (AVX512_BF16, with AVX-512BW and VL).
+                unsafe {
+                    rows_bf16(c, rsc, out.get() as *mut u16, rs, rows, cols)
                 };
                 #[cfg(not(target_arch = "x86_64"))]
                 unreachable!("bf16 activations without the bf16 product");
@@ -293,13 +312,51 @@ unsafe fn gelu_rows_bf16(
             }
             // SAFETY: g and d are 16 floats; the masked stores write the m floats of row i's
             // columns j0..j0 + m, inside c, and their m u16, inside out, per the contract.
-            // __m256bh and __m256i are both 256 bits.
             unsafe {
                 _mm512_mask_storeu_ps(row, mask, _mm512_loadu_ps(d.as_ptr()));
-                let v = _mm512_cvtneps_pbh(_mm512_loadu_ps(g.as_ptr()));
-                let v = std::mem::transmute::<__m256bh, __m256i>(v);
-                _mm256_mask_storeu_epi16(out.add(i * rs + j0) as *mut i16, mask, v);
+                store_bf16(out.add(i * rs + j0), mask, _mm512_loadu_ps(g.as_ptr()));
             }
         }
+    }
+}
+
+/// `out[i][j] = bf16(c[i][j])` over a block (see [`Epilogue::Bf16`]).
+///
+/// # Safety
+/// AVX512_BF16, AVX-512BW and VL must be present; `c` rows x cols readable floats at row
+/// stride `rsc`; `out` rows x cols writable u16 at row stride `rs`, not overlapping c.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn rows_bf16(c: *const f32, rsc: usize, out: *mut u16, rs: usize, rows: usize, cols: usize) {
+    use std::arch::x86_64::*;
+    for i in 0..rows {
+        for j0 in (0..cols).step_by(16) {
+            let m = (cols - j0).min(16);
+            let mask: __mmask16 = if m == 16 { 0xffff } else { (1u16 << m) - 1 };
+            // SAFETY: the masked load reads, and the store writes, columns j0..j0 + m of row
+            // i, inside c and out per the contract.
+            unsafe {
+                let v = _mm512_maskz_loadu_ps(mask, c.add(i * rsc + j0));
+                store_bf16(out.add(i * rs + j0), mask, v);
+            }
+        }
+    }
+}
+
+/// Stores the lanes of `mask` of `v` rounded to bf16 (VCVTNEPS2BF16: the rounding of the bf16
+/// products' packs) at `dst`.
+///
+/// # Safety
+/// AVX512_BF16, AVX-512BW and VL must be present; the lanes of `mask` writable from `dst`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
+unsafe fn store_bf16(dst: *mut u16, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
+    use std::arch::x86_64::*;
+    // SAFETY: __m256bh and __m256i are both 256 bits; the masked store writes the lanes of
+    // mask, which the caller guarantees writable.
+    unsafe {
+        let v = std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(dst as *mut i16, mask, v);
     }
 }

@@ -35,9 +35,8 @@ mod shared;
 
 use super::epilogue::Epilogue;
 use super::gemm::{bias_row, prefetch_run, store_row, Strided};
-use pack::pack_a_bf16;
 use pack::pack_b_halves;
-pub(crate) use pack::{lanes, pack_a, pack_b, pairs_of};
+pub(crate) use pack::{lanes, pack_a, pack_a_bf16, pack_b, pack_b_bf16, pairs_of};
 pub(crate) use shared::{bgemm_parts, sgemm_parts};
 
 /// A strided operand of bf16 elements (their bits): element (r, c) at `ptr[r * rs + c * cs]`.

@@ -581,6 +581,36 @@ pub fn matmul_forward_bf16_input(
     }
 }
 
+/// [`matmul_forward_bf16_input`] with the result kept in bf16 (`out` holds its bits, rounded
+/// as the bf16 products' packs round an operand), for a product whose every reader rounds it
+/// to bf16 anyway (attention's qkv: the fused heads read the same bits from half the bytes).
+/// `sums` (N, OC) receives the f32 product as scratch: each strip is rounded while in cache.
+/// Needs a backend of `DType::Bf16`.
+pub fn matmul_forward_bf16_out(
+    dtype: DType,
+    sums: &mut [f32],
+    out: &mut [u16],
+    inp: &[u16],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    check("matmul bf16 out", out.len(), n * oc);
+    assert!(
+        dtype == DType::Bf16 && super::bf16_supported(),
+        "bf16 activations need a backend of DType::Bf16"
+    );
+    let ep = Epilogue::Bf16 {
+        out: SendPtr(out.as_mut_ptr() as *mut f32),
+        rs: oc,
+    };
+    let a = Mat::rm_bf16(inp.as_ptr(), c);
+    // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
+    unsafe { conv1d_product(dtype, sums, a, inp.len(), w, bias, (n, c, oc), ep) }
+}
+
 /// The weight half of [`matmul_backward`] for an input kept in bf16: `dw += inpᵀ · dout`,
 /// `dbias += column sums of dout`. Needs a backend of `DType::Bf16`.
 pub fn matmul_backward_weight_bf16_input(

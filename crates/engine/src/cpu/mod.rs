@@ -34,8 +34,8 @@ mod rope;
 mod swiglu;
 
 pub use attention::{
-    attention_backward, attention_backward_grouped, attention_forward, attention_forward_grouped,
-    attention_scratch_len, AttnDims,
+    attention_backward, attention_backward_bf16_qkv, attention_backward_grouped, attention_forward,
+    attention_forward_bf16_qkv, attention_forward_grouped, attention_scratch_len, AttnDims,
 };
 pub use attention_decode::{attention_decode_row, attention_decode_row_bf16, DecodeDims};
 pub use bf16::{bf16_to_f32, round_to_bf16};
@@ -56,7 +56,7 @@ pub use gemm_bf16::rates as pack_rates;
 pub use layernorm::{layernorm_backward, layernorm_forward, layernorm_forward_bf16};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
-    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
+    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input, matmul_forward_bf16_out,
     matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
 };
 pub use peak::{product_peak, Peak};

@@ -7,7 +7,7 @@
 use std::arch::x86_64::*;
 
 use super::NR;
-use crate::cpu::bf16::bf16_bits;
+use crate::cpu::bf16::{bf16_bits, bf16_to_f32};
 use crate::cpu::gemm::{prefetch_line, prefetch_run, transpose16};
 
 /// Mask of the first `n` lanes (all 16 from n = 16 on).
@@ -181,7 +181,7 @@ pub(crate) unsafe fn pack_a(
 /// # Safety
 /// As [`pack_a`], `a` holding mc x kc readable bf16 at these strides.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(super) unsafe fn pack_a_bf16(
+pub(crate) unsafe fn pack_a_bf16(
     pa: *mut u32,
     a: *const u16,
     rs: usize,
@@ -302,6 +302,132 @@ pub(crate) unsafe fn pack_b(
     unsafe { pack_b_cols(pb, b, rs, cs, kc, nc, stride, sums, None) }
 }
 
+/// [`pack_b`] of an operand already in bf16 (its bits): the same panels as [`pack_b`] makes of
+/// the f32 values these bits round from, their pairs moved, never rounded again.
+///
+/// # Safety
+/// As [`pack_b`], `b` holding kc x nc readable bf16 at these strides.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn pack_b_bf16(
+    pb: *mut u32,
+    b: *const u16,
+    rs: usize,
+    cs: usize,
+    kc: usize,
+    nc: usize,
+    stride: usize,
+) {
+    // SAFETY: the caller's contract, with B's columns in order.
+    unsafe { pack_b_cols(pb, b, rs, cs, kc, nc, stride, None, None) }
+}
+
+/// An element type B's pack reads: f32 (rounded to bf16 as it is packed) or bf16 bits (moved
+/// as they are). What [`pack_b_cols`] needs of it, so that one loop nest packs both and the
+/// panels of the same bf16 values are the same bits. Never a layout decision: that is the
+/// loop's.
+pub(crate) trait PackElem: Copy {
+    /// 16 consecutive elements from `p` (lanes past `m` zero) as f32: exact for bf16.
+    ///
+    /// # Safety
+    /// The lanes of `m` readable from `p`; AVX-512 (F, BW) and AVX512_BF16 present.
+    unsafe fn load16(p: *const Self, m: __mmask16) -> __m512;
+    /// Two K rows of 16 values [`PackElem::load16`] gave (`x` the even K index) as 16 pairs.
+    ///
+    /// # Safety
+    /// AVX-512 (F, BW) and AVX512_BF16 present.
+    unsafe fn pairs(x: __m512, y: __m512) -> __m512i;
+    /// Up to 32 consecutive elements along K from `src` (`n` read, the rest zero) as 16 pairs.
+    ///
+    /// # Safety
+    /// `n` (≤ 32) elements readable from `src`; AVX-512 (F, BW) and AVX512_BF16 present.
+    unsafe fn pairs_along(src: *const Self, n: usize) -> __m512i;
+    /// The bf16 bits of one element (the scalar fallback's).
+    ///
+    /// # Safety
+    /// `p` readable.
+    unsafe fn bits(p: *const Self) -> u32;
+    /// One element's value (B's column sums add it, unrounded).
+    ///
+    /// # Safety
+    /// `p` readable.
+    unsafe fn value(p: *const Self) -> f32;
+}
+
+impl PackElem for f32 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn load16(p: *const f32, m: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_maskz_loadu_ps(m, p) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn pairs(x: __m512, y: __m512) -> __m512i {
+        pair_up(x, y)
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn pairs_along(src: *const f32, n: usize) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe { pairs_along(src, n) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn bits(p: *const f32) -> u32 {
+        // SAFETY: the caller's contract.
+        bf16_bits(unsafe { *p }) as u32
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn value(p: *const f32) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { *p }
+    }
+}
+
+impl PackElem for u16 {
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn load16(p: *const u16, m: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract: the masked load reads the lanes of m only. A bf16's
+        // bits shifted into the top half are its f32 value, exactly.
+        unsafe {
+            let v = _mm256_maskz_loadu_epi16(m, p as *const i16);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v)))
+        }
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn pairs(x: __m512, y: __m512) -> __m512i {
+        // x's bits (a bf16 in the top half) to the low half, y's kept in the top: the pair
+        // as the bits were, no rounding (VCVTNE2PS2BF16 would flush a subnormal bf16).
+        let (x, y) = (_mm512_castps_si512(x), _mm512_castps_si512(y));
+        let hi = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_and_si512(y, hi))
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn pairs_along(src: *const u16, n: usize) -> __m512i {
+        // Consecutive bf16 along K are their pairs already, low half first.
+        let m = if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
+        // SAFETY: the masked load reads the first n elements only, per the caller.
+        unsafe { _mm512_maskz_loadu_epi16(m, src as *const i16) }
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn bits(p: *const u16) -> u32 {
+        // SAFETY: the caller's contract.
+        unsafe { *p as u32 }
+    }
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[inline]
+    unsafe fn value(p: *const u16) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { bf16_to_f32(*p) }
+    }
+}
+
 /// [`pack_b`] of a row-major B whose block columns are read in SwiGLU's interleaved order
 /// (see `Epilogue::b_halves`): column 32·t + j of the block is B's column 16·t + j for j < 16,
 /// else 16·t + j - 16 + `half`, `b` pointing at the block's first gate column.
@@ -324,15 +450,16 @@ pub(crate) unsafe fn pack_b_halves(
     unsafe { pack_b_cols(pb, b, rs, 1, kc, nc, stride, None, Some(half)) }
 }
 
-/// [`pack_b`], or [`pack_b_halves`] with `half`.
+/// [`pack_b`], or [`pack_b_halves`] with `half`, or [`pack_b_bf16`] (E = u16): one loop nest
+/// for every source, so that the same bf16 values give the same panels.
 ///
 /// # Safety
 /// As those.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn pack_b_cols(
+unsafe fn pack_b_cols<E: PackElem>(
     pb: *mut u32,
-    b: *const f32,
+    b: *const E,
     rs: usize,
     cs: usize,
     kc: usize,
@@ -377,16 +504,16 @@ unsafe fn pack_b_cols(
                 for j0 in (0..nc).step_by(16) {
                     let cols = lanes(nc - j0);
                     for row in [x_row, y_row] {
-                        prefetch_line(row.wrapping_add(ahead + col(j0)));
+                        prefetch_line(row.wrapping_add(ahead + col(j0)) as *const f32);
                     }
-                    let x = _mm512_maskz_loadu_ps(cols, x_row.add(col(j0)));
+                    let x = E::load16(x_row.add(col(j0)), cols);
                     let y = if odd {
-                        _mm512_maskz_loadu_ps(cols, y_row.add(col(j0)))
+                        E::load16(y_row.add(col(j0)), cols)
                     } else {
                         _mm512_setzero_ps()
                     };
                     let dst = panel_of(j0).add(p * NR) as *mut __m512i;
-                    _mm512_store_si512(dst, pair_up(x, y));
+                    _mm512_store_si512(dst, E::pairs(x, y));
                     if let Some(s) = sums {
                         // row 2p, then row 2p + 1 (if the block has it): the rows in order
                         let mut acc = _mm512_add_ps(_mm512_maskz_loadu_ps(cols, s.add(j0)), x);
@@ -401,7 +528,7 @@ unsafe fn pack_b_cols(
             // Only row-major Bs (a weight gradient's output gradient) are summed in practice.
             for r in 0..kc {
                 for j in 0..nc {
-                    *s.add(j) += *b.add(r * rs + j * cs);
+                    *s.add(j) += E::value(b.add(r * rs + j * cs));
                 }
             }
         }
@@ -428,12 +555,12 @@ unsafe fn pack_b_cols(
                     let pairs = (kcp - p0).min(16);
                     for q in 0..16 {
                         for e in [2 * p0, 2 * p0 + 16] {
-                            prefetch_line(b.wrapping_add((j0 + 16 + q) * cs + e));
+                            prefetch_line(b.wrapping_add((j0 + 16 + q) * cs + e) as *const f32);
                         }
                     }
                     for (q, v) in r.iter_mut().enumerate() {
                         *v = if q < cols {
-                            pairs_along(b.add((j0 + q) * cs + 2 * p0), (kc - 2 * p0).min(32))
+                            E::pairs_along(b.add((j0 + q) * cs + 2 * p0), (kc - 2 * p0).min(32))
                         } else {
                             _mm512_setzero_si512()
                         };
@@ -447,9 +574,9 @@ unsafe fn pack_b_cols(
                 for p in 0..kcp {
                     for q in 0..16 {
                         let v = if q < cols {
-                            let x = bf16_bits(*b.add(2 * p * rs + (j0 + q) * cs)) as u32;
+                            let x = E::bits(b.add(2 * p * rs + (j0 + q) * cs));
                             let y = if 2 * p + 1 < kc {
-                                bf16_bits(*b.add((2 * p + 1) * rs + (j0 + q) * cs)) as u32
+                                E::bits(b.add((2 * p + 1) * rs + (j0 + q) * cs))
                             } else {
                                 0
                             };

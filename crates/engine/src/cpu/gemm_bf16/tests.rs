@@ -226,7 +226,7 @@ fn u32s(buf: &[Line], n: usize) -> Vec<u32> {
 }
 
 /// Every pack of B (row-major with and without sums, SwiGLU's halves, transposed, general
-/// strides) holds exactly the scalar packing's bits, at odd K, edge panels and padded strides.
+/// strides; f32 and bf16) holds exactly the scalar packing's bits, at odd K, edge panels and padded strides.
 #[test]
 fn packs_of_b_hold_the_scalar_packs_bits() {
     if !avx512_bf16() {
@@ -280,6 +280,17 @@ fn packs_of_b_hold_the_scalar_packs_bits() {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             let (got, want) = (bits(&sums), bits(&want_sums));
             assert_eq!(got, want, "sums of B {kc}x{nc} strides ({rs}, {cs})");
+            // The same B kept in bf16: the same panels, its pairs moved.
+            let want = scalar_pack_b(&src, (rs, cs), (kc, nc, stride), |j| j);
+            let src16: Vec<u16> = src.iter().map(|&x| bf16_bits(x)).collect();
+            let mut buf = lines(want.len());
+            // SAFETY: as above, for src16.
+            unsafe {
+                let pb = buf.as_mut_ptr() as *mut u32;
+                pack::pack_b_bf16(pb, src16.as_ptr(), rs, cs, kc, nc, stride);
+            }
+            let what = format!("bf16 B {kc}x{nc} strides ({rs}, {cs})");
+            assert_eq!(u32s(&buf, want.len()), want, "{what}");
         }
         if nc.is_multiple_of(32) {
             let half = nc + 7;

@@ -462,7 +462,8 @@ impl GptStage {
             .is_none_or(|al| al.n < n || al.logit_cols != cols)
         {
             s.arena = Buffer::default();
-            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, false);
+            let f32_acts = (false, false);
+            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, f32_acts);
             s.arena = alloc(&*self.dev, al.total, "allocate the activations")?;
             s.act_layout = Some(al);
         }

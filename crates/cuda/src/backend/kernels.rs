@@ -13,11 +13,8 @@ use cohort_engine::{
 use cudarc::driver::CudaEvent;
 
 use super::bf16::as_bf16;
-use super::{
-    engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, PinnedStaging, MISSING,
-};
+use super::{engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, MISSING};
 use crate::device::{AdamWScalars, Mem, SwiGluLayout};
-use crate::CudaError;
 
 impl Backend for CudaBackend {
     fn name(&self) -> &'static str {
@@ -69,17 +66,7 @@ impl Backend for CudaBackend {
         }
     }
     fn record_event(&self) -> Event {
-        match self.dev.record_event() {
-            Ok(event) => Event::on_device(Box::new(event)),
-            // The contract: wait for the kernels instead, the error kept for the next sync.
-            Err(e) => {
-                self.fail(self.device_error("record an event", e));
-                if let Err(e) = self.dev.sync() {
-                    self.fail(self.device_error("sync in place of an event", e));
-                }
-                Event::done()
-            }
-        }
+        self.event()
     }
     fn copy_to_host_after(
         &self,
@@ -103,20 +90,7 @@ impl Backend for CudaBackend {
         (self.dev.copy_from_host_beside(&dst, src)).map_err(|e| self.device_error(what, e))
     }
     fn alloc_staging(&self, len: usize) -> Result<Staging, EngineError> {
-        let alloc_error = |e: CudaError| EngineError::Alloc {
-            device: self.device,
-            bytes: 4 * len,
-            reason: format!("page-locked host memory: {e}"),
-        };
-        let mut pinned = self.dev.alloc_pinned(len).map_err(alloc_error)?;
-        let ptr = pinned
-            .as_mut_ptr()
-            .map_err(|e| alloc_error(CudaError::driver("cuEventSynchronize", e)))?;
-        // SAFETY: `ptr` is the start of `len` zeroed f32s of page-locked memory (alloc_pinned)
-        // that `pinned` keeps allocated at that address until the owner is dropped; the owner's
-        // drop waits for every copy of the context before `pinned` frees them, and this
-        // backend's copies into them return only once the bytes have landed.
-        Ok(unsafe { Staging::from_raw(ptr, len, Box::new(PinnedStaging(pinned))) })
+        self.staging(len)
     }
     fn missing_kernels(&self) -> &'static [&'static str] {
         MISSING
@@ -499,6 +473,19 @@ impl Backend for CudaBackend {
     ) {
         self.missing("decode_matmul_forward")
     }
+    fn matmul_forward_bf16_out(
+        &self,
+        _: ViewMut<f32>,
+        _: ViewMut<u16>,
+        _: View<u16>,
+        _: View<f32>,
+        _: Option<View<f32>>,
+        _: usize,
+        _: usize,
+        _: usize,
+    ) {
+        self.missing("matmul_forward_bf16_out")
+    }
     fn head_forward(
         &self,
         out: ViewMut<f32>,
@@ -750,6 +737,36 @@ impl Backend for CudaBackend {
             lse,
             a,
         )
+    }
+    fn attention_forward_bf16_qkv(
+        &self,
+        _: ViewMut<f32>,
+        _: ViewMut<f32>,
+        _: View<u16>,
+        _: Option<View<u8>>,
+        _: Option<View<u32>>,
+        _: AttnDims,
+        _: usize,
+        _: Option<Dropout>,
+        _: ViewMut<f32>,
+    ) {
+        self.missing("attention_forward_bf16_qkv")
+    }
+    fn attention_backward_bf16_qkv(
+        &self,
+        _: ViewMut<f32>,
+        _: Option<ViewMut<f32>>,
+        _: View<f32>,
+        _: View<u16>,
+        _: View<f32>,
+        _: Option<View<u8>>,
+        _: Option<View<u32>>,
+        _: AttnDims,
+        _: usize,
+        _: Option<Dropout>,
+        _: ViewMut<f32>,
+    ) {
+        self.missing("attention_backward_bf16_qkv")
     }
     fn attention_decode_row(
         &self,

@@ -26,7 +26,8 @@ use std::sync::Mutex;
 
 use cohort_engine::cpu::AttnDims;
 use cohort_engine::{
-    Buffer, DType, Device as EngineDevice, Dropout, Elem, EngineError, View, ViewMut,
+    Buffer, DType, Device as EngineDevice, Dropout, Elem, EngineError, Event, Staging, View,
+    ViewMut,
 };
 use cudarc::driver::{CudaSlice, DeviceRepr};
 
@@ -39,6 +40,10 @@ pub const MISSING: &[&str] = &[
     "decode_matmul_forward",
     "attention_decode_row",
     "attention_decode_row_bf16",
+    // optional: a model keeps qkv in f32 without them
+    "matmul_forward_bf16_out",
+    "attention_forward_bf16_qkv",
+    "attention_backward_bf16_qkv",
 ];
 
 /// The engine's backend on one GPU (see the module doc).
@@ -97,6 +102,40 @@ impl CudaBackend {
     /// The device it launches on.
     pub fn device_handle(&self) -> &Device {
         &self.dev
+    }
+
+    /// [`Backend::record_event`](cohort_engine::Backend::record_event): an event, or (unable to record one) a wait for the kernels
+    /// with the error kept for the next sync.
+    fn event(&self) -> Event {
+        match self.dev.record_event() {
+            Ok(event) => Event::on_device(Box::new(event)),
+            // The contract: wait for the kernels instead, the error kept for the next sync.
+            Err(e) => {
+                self.fail(self.device_error("record an event", e));
+                if let Err(e) = self.dev.sync() {
+                    self.fail(self.device_error("sync in place of an event", e));
+                }
+                Event::done()
+            }
+        }
+    }
+
+    /// [`Backend::alloc_staging`](cohort_engine::Backend::alloc_staging): page-locked host floats.
+    fn staging(&self, len: usize) -> Result<Staging, EngineError> {
+        let alloc_error = |e: CudaError| EngineError::Alloc {
+            device: self.device,
+            bytes: 4 * len,
+            reason: format!("page-locked host memory: {e}"),
+        };
+        let mut pinned = self.dev.alloc_pinned(len).map_err(alloc_error)?;
+        let ptr = pinned
+            .as_mut_ptr()
+            .map_err(|e| alloc_error(CudaError::driver("cuEventSynchronize", e)))?;
+        // SAFETY: `ptr` is the start of `len` zeroed f32s of page-locked memory (alloc_pinned)
+        // that `pinned` keeps allocated at that address until the owner is dropped; the owner's
+        // drop waits for every copy of the context before `pinned` frees them, and this
+        // backend's copies into them return only once the bytes have landed.
+        Ok(unsafe { Staging::from_raw(ptr, len, Box::new(PinnedStaging(pinned))) })
     }
 
     /// Keeps the first error for the next sync.

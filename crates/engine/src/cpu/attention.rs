@@ -885,8 +885,8 @@ unsafe fn head_backward(
 }
 
 mod qkv16;
-pub use qkv16::{attention_backward_bf16_qkv, attention_forward_bf16_qkv};
 pub(super) use qkv16::Qkv;
+pub use qkv16::{attention_backward_bf16_qkv, attention_forward_bf16_qkv};
 
 #[cfg(test)]
 mod grouped_tests;

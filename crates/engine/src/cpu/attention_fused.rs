@@ -140,7 +140,9 @@ impl Tiles {
     ) {
         match self {
             // SAFETY: forwarded; the zmm kernel is present (it is the chosen one).
-            Tiles::Zmm => unsafe { zmm_product(kp, a, rsa, b, bstride, c, rsc, rows, n, acc, upto) },
+            Tiles::Zmm => unsafe {
+                zmm_product(kp, a, rsa, b, bstride, c, rsc, rows, n, acc, upto)
+            },
             Tiles::Amx => {
                 debug_assert_eq!(rsa, kp, "AMX reads packed rows");
                 for i in (0..rows).step_by(32) {
@@ -607,7 +609,10 @@ impl Head {
         let AttnDims { t, c, nh, .. } = dims;
         let hd = c / nh;
         let (rs, qo, ko, vo) = head_cols(dims, nkv, bh % nh);
-        assert!(qkv.len() >= (bh / nh + 1) * t * rs, "qkv holds the head's rows");
+        assert!(
+            qkv.len() >= (bh / nh + 1) * t * rs,
+            "qkv holds the head's rows"
+        );
         let row0 = Rows::of(qkv).add((bh / nh) * t * rs);
         Head {
             q: row0.add(qo),

@@ -351,7 +351,11 @@ unsafe fn rows_bf16(c: *const f32, rsc: usize, out: *mut u16, rs: usize, rows: u
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn store_bf16(dst: *mut u16, mask: std::arch::x86_64::__mmask16, v: std::arch::x86_64::__m512) {
+unsafe fn store_bf16(
+    dst: *mut u16,
+    mask: std::arch::x86_64::__mmask16,
+    v: std::arch::x86_64::__m512,
+) {
     use std::arch::x86_64::*;
     // SAFETY: __m256bh and __m256i are both 256 bits; the masked store writes the lanes of
     // mask, which the caller guarantees writable.

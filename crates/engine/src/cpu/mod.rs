@@ -56,8 +56,9 @@ pub use gemm_bf16::rates as pack_rates;
 pub use layernorm::{layernorm_backward, layernorm_forward, layernorm_forward_bf16};
 pub use matmul::{
     column_sums, head_backward, head_forward, matmul_backward, matmul_backward_input,
-    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input, matmul_forward_bf16_out,
-    matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward, PackedMatrix,
+    matmul_backward_weight_bf16_input, matmul_forward, matmul_forward_bf16_input,
+    matmul_forward_bf16_out, matmul_gelu_forward, matmul_gelu_forward_bf16, packed_matmul_forward,
+    PackedMatrix,
 };
 pub use peak::{product_peak, Peak};
 pub use rmsnorm::{rmsnorm_backward, rmsnorm_forward, rmsnorm_forward_bf16};

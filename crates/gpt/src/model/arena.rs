@@ -15,6 +15,12 @@ pub(crate) struct ActLayout {
     /// The LayerNorm (RMSNorm) outputs in bf16, `s_ln` holding bf16 pairs: bf16 products and
     /// not `keep`, as `gelu16`.
     pub(crate) ln16: bool,
+    /// The qkv rows in bf16, `qkv` holding bf16 pairs (half the floats): under `ln16`, where
+    /// attention is their only reader and rounds them to bf16 anyway (no rotary embedding,
+    /// which turns q and k in f32 in place), on a backend with the kernels (see
+    /// [`QKV16_KERNELS`]). The qkv product sums into `s_big` (free in forward under `ln16`) and
+    /// rounds each strip into `qkv`.
+    pub(crate) qkv16: bool,
     /// Activation checkpointing: the per-layer buffers hold one layer, and backward recomputes
     /// each block's forward from its input (`res`, kept for every layer) before its backward.
     pub(crate) checkpoint: bool,
@@ -40,7 +46,7 @@ pub(crate) const ACT_DRES: usize = 20;
 pub(crate) struct Acts<'a> {
     pub(crate) res: ViewMut<'a, f32>, // (L+1, N, C) block inputs; res[L] feeds ln_f
     pub(super) res_mid: ViewMut<'a, f32>, // (L, N, C) residual after attention
-    pub(super) qkv: ViewMut<'a, f32>, // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE
+    pub(super) qkv: ViewMut<'a, f32>, // (L, N, 3C), (L, N, (NH+2·NKV)·HS) with grouped key/value heads; q, k rotated under RoPE; (L, ⌈N·W/2⌉) floats of bf16 pairs under qkv16 (see [`qkv_out`])
     pub(super) fch: ViewMut<'a, f32>, // (L, N, F) MLP pre-activation ((L, N, 2F) under SwiGLU, interleaved); the activation's derivatives at it when gelu16 is kept
     pub(super) ln1_mean: ViewMut<'a, f32>, // (L, N)
     pub(super) ln1_rstd: ViewMut<'a, f32>, // (L, N)
@@ -67,6 +73,8 @@ pub(crate) struct Acts<'a> {
     pub(super) keep: bool,
     /// Whether the LayerNorm outputs are in bf16 (see [`ActLayout::ln16`]).
     pub(super) ln16: bool,
+    /// Whether the qkv rows are in bf16 (see [`ActLayout::qkv16`]).
+    pub(super) qkv16: bool,
     /// Columns of `logits` (which backward turns into their gradient in place).
     pub(super) logit_cols: usize,
     /// Whether the per-layer buffers hold one layer (activation checkpointing).
@@ -154,14 +162,15 @@ impl Acts<'_> {
 
 impl ActLayout {
     /// The layout for `n` positions; `logit_cols` from [`logit_cols`]; with `checkpoint` the
-    /// per-layer buffers hold one layer (see [`ActLayout::checkpoint`]).
+    /// per-layer buffers hold one layer (see [`ActLayout::checkpoint`]); `qkv16_kernels`: the
+    /// backend has [`QKV16_KERNELS`] (see [`ActLayout::qkv16`]).
     pub(crate) fn new(
         cfg: &GPTConfig,
         n: usize,
         keep_max_bytes: usize,
         logit_cols: usize,
         checkpoint: bool,
-        bf16: bool,
+        (bf16, qkv16_kernels): (bool, bool),
     ) -> ActLayout {
         let (layers, c, f, nh) = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads);
         let swiglu = cfg.mlp == crate::Mlp::SwiGlu;
@@ -176,11 +185,13 @@ impl ActLayout {
         // the weight gradients'), which round them to bf16 as they pack them: written in bf16
         // they are the same bits at half the bytes, and half the scratch.
         let ln16 = bf16 && !keep;
+        let qkv16 = ln16 && qkv16_kernels && cfg.positions == crate::Positions::Learned;
         let kept = |per_layer: usize| if keep { per_layer } else { 0 };
+        let qkv = n * cfg.qkv_width();
         let sizes = [
             (layers + 1) * n * c,
             l * n * c,
-            l * n * cfg.qkv_width(),
+            if qkv16 { l * qkv.div_ceil(2) } else { l * qkv },
             l * n * fx,
             l * n,
             l * n,
@@ -222,6 +233,7 @@ impl ActLayout {
             keep,
             bf16,
             ln16,
+            qkv16,
             checkpoint,
             logit_cols,
             ranges,
@@ -264,6 +276,7 @@ impl ActLayout {
             gelu16,
             keep: self.keep,
             ln16: self.ln16,
+            qkv16: self.qkv16,
             logit_cols: self.logit_cols,
             checkpoint: self.checkpoint,
         }
@@ -294,6 +307,47 @@ pub(super) fn ln_out<'b>(
         NormOut::Bf16(bf16_layer(s_ln, slot, len))
     } else {
         NormOut::F32(layer_mut(s_ln, slot, len))
+    }
+}
+
+/// The kernels a bf16 qkv buffer needs: optional (a backend without them keeps qkv in f32).
+pub(crate) const QKV16_KERNELS: [&str; 3] = [
+    "matmul_forward_bf16_out",
+    "attention_forward_bf16_qkv",
+    "attention_backward_bf16_qkv",
+];
+
+/// Slot `l` of `qkv` as the qkv product's output of `len` values: bf16 under `qkv16`, the
+/// product summing into `sums` (`s_big`, which the forward leaves free then), else f32.
+pub(super) fn qkv_out<'b>(
+    qkv: &'b mut ViewMut<'_, f32>,
+    sums: Option<ViewMut<'b, f32>>,
+    l: usize,
+    len: usize,
+    qkv16: bool,
+) -> QkvOut<'b> {
+    if qkv16 {
+        let sums = sums.expect("s_big is free in a forward that keeps qkv in bf16");
+        QkvOut::Bf16 {
+            qkv: bf16_layer(qkv, l, len),
+            sums: sums.into_slice(..len),
+        }
+    } else {
+        QkvOut::F32(layer_mut(qkv, l, len))
+    }
+}
+
+/// Slot `l` of `qkv` as attention's backward reads its `len` values (see [`qkv_out`]).
+pub(super) fn qkv_rows<'b>(
+    qkv: &'b mut ViewMut<'_, f32>,
+    l: usize,
+    len: usize,
+    qkv16: bool,
+) -> QkvIn<'b> {
+    if qkv16 {
+        QkvIn::Bf16(bf16_layer(qkv, l, len).into())
+    } else {
+        QkvIn::F32(layer(qkv, l, len))
     }
 }
 

@@ -235,7 +235,7 @@ pub(crate) struct BlockActs<'a> {
     pub(crate) ln_1: LnStats<'a>,
     pub(crate) ln_2: LnStats<'a>,
     /// (N, W): q, k, v as GPT-2 concatenates them (W = 3C), or with NKV key/value heads.
-    pub(crate) qkv: ViewMut<'a, f32>,
+    pub(crate) qkv: QkvOut<'a>,
     /// The attention output (N, C).
     pub(crate) att: ViewMut<'a, f32>,
     /// The MLP pre-activation (N, F), (N, 2F) under SwiGLU (in the fused product's interleaved
@@ -243,6 +243,116 @@ pub(crate) struct BlockActs<'a> {
     /// derivatives at it instead (see `matmul_gelu_forward_bf16`, `matmul_swiglu_forward_bf16`).
     pub(crate) fch: ViewMut<'a, f32>,
     pub(crate) gelu: GeluOut<'a>,
+}
+
+/// Where the qkv product writes its (N, W) rows: f32, or bf16 bits where attention is its
+/// only reader (see the arena's `qkv16`: attention rounds them to bf16 anyway), the product
+/// then summing into `sums` (N, W), scratch.
+pub(crate) enum QkvOut<'a> {
+    F32(ViewMut<'a, f32>),
+    Bf16 {
+        qkv: ViewMut<'a, u16>,
+        sums: ViewMut<'a, f32>,
+    },
+}
+
+/// The qkv rows as attention reads them (see [`QkvOut`]).
+#[derive(Clone, Copy)]
+pub(crate) enum QkvIn<'a> {
+    F32(View<'a, f32>),
+    Bf16(View<'a, u16>),
+}
+
+impl QkvOut<'_> {
+    /// The rows the product wrote, for attention.
+    pub(crate) fn rows(&self) -> QkvIn<'_> {
+        match self {
+            QkvOut::F32(x) => QkvIn::F32(x.as_view()),
+            QkvOut::Bf16 { qkv, .. } => QkvIn::Bf16(qkv.as_view()),
+        }
+    }
+}
+
+/// What the attention kernels take besides their buffers: the batch's mask and segment ids,
+/// the shapes, key/value heads and dropout.
+#[derive(Clone, Copy)]
+pub(crate) struct AttnCall<'a> {
+    pub(crate) mask: Option<View<'a, u8>>,
+    pub(crate) segments: Option<View<'a, u32>>,
+    pub(crate) dims: AttnDims,
+    pub(crate) nkv: usize,
+    pub(crate) dropout: Option<Dropout>,
+}
+
+impl<'a> AttnCall<'a> {
+    /// What the attention kernels of a pass of `dims` take, with the batch's mask and
+    /// segments and `dropout`.
+    pub(crate) fn of(
+        dims: Dims,
+        mask: Option<View<'a, u8>>,
+        segments: Option<View<'a, u32>>,
+        dropout: Option<Dropout>,
+    ) -> AttnCall<'a> {
+        let (nkv, dims) = (dims.nkv, dims.attn());
+        AttnCall {
+            mask,
+            segments,
+            dims,
+            nkv,
+            dropout,
+        }
+    }
+}
+
+/// Attention's forward over qkv rows in either precision (the bf16 rows' kernel gives the f32
+/// rows' bits).
+pub(crate) fn attention_forward(
+    dev: &dyn Backend,
+    (out, lse): (ViewMut<f32>, ViewMut<f32>),
+    qkv: QkvIn,
+    a: AttnCall,
+    scratch: ViewMut<f32>,
+) {
+    let AttnCall {
+        mask,
+        segments,
+        dims,
+        nkv,
+        dropout: d,
+    } = a;
+    match qkv {
+        QkvIn::F32(q) => {
+            dev.attention_forward_grouped(out, lse, q, mask, segments, dims, nkv, d, scratch)
+        }
+        QkvIn::Bf16(q) => {
+            dev.attention_forward_bf16_qkv(out, lse, q, mask, segments, dims, nkv, d, scratch)
+        }
+    }
+}
+
+/// Attention's backward over qkv rows in either precision, as [`attention_forward`].
+pub(crate) fn attention_backward(
+    dev: &dyn Backend,
+    (dqkv, recompute): (ViewMut<f32>, Option<ViewMut<f32>>),
+    (dout, qkv, lse): (View<f32>, QkvIn, View<f32>),
+    a: AttnCall,
+    scratch: ViewMut<f32>,
+) {
+    let AttnCall {
+        mask,
+        segments,
+        dims,
+        nkv,
+        dropout: d,
+    } = a;
+    let (m, s) = (mask, segments);
+    match qkv {
+        QkvIn::F32(q) => dev
+            .attention_backward_grouped(dqkv, recompute, dout, q, lse, m, s, dims, nkv, d, scratch),
+        QkvIn::Bf16(q) => dev.attention_backward_bf16_qkv(
+            dqkv, recompute, dout, q, lse, m, s, dims, nkv, d, scratch,
+        ),
+    }
 }
 
 /// The dropouts of a block's two residual branches (None: off).
@@ -265,7 +375,7 @@ pub(crate) fn block_forward_rows<T: Timer>(
     acts: BlockActs,
     dims: BlockDims,
     drop: BranchDropout,
-    attend: impl FnOnce(ViewMut<f32>, ViewMut<f32>),
+    attend: impl FnOnce(QkvOut, ViewMut<f32>),
 ) {
     let BlockDims {
         n,
@@ -304,14 +414,21 @@ pub(crate) fn block_forward_rows<T: Timer>(
         let out = ln_1_out.reborrow();
         norm_forward(dev, norm, out, ln_1, x, (w.ln_1_w, w.ln_1_b), (n, c))
     });
-    prof.time(K::MatmulFwd, || match ln_1_out.as_view() {
-        NormIn::F32(x) => {
+    prof.time(K::MatmulFwd, || match (ln_1_out.as_view(), &mut qkv) {
+        (NormIn::F32(x), QkvOut::F32(qkv)) => {
             let attn_w = (w.attn_w, d.map(|d| &d.attn));
             product(qkv.reborrow(), x, attn_w, w.attn_b, (c, qkv_w))
         }
-        NormIn::Bf16(x) => {
+        (NormIn::Bf16(x), QkvOut::F32(qkv)) => {
             debug_assert!(d.is_none(), "a decode keeps its activations in f32");
             dev.matmul_forward_bf16_input(qkv.reborrow(), x, w.attn_w, w.attn_b, n, c, qkv_w)
+        }
+        (NormIn::Bf16(x), QkvOut::Bf16 { qkv, sums }) => {
+            let (sums, out) = (sums.reborrow(), qkv.reborrow());
+            dev.matmul_forward_bf16_out(sums, out, x, w.attn_w, w.attn_b, n, c, qkv_w)
+        }
+        (NormIn::F32(_), QkvOut::Bf16 { .. }) => {
+            unreachable!("qkv kept in bf16 only beside bf16 LayerNorm outputs")
         }
     });
     prof.time(K::AttnFwd, || attend(qkv, att.reborrow()));

@@ -323,18 +323,20 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut 
         let (ln_1, ln_2) = (NormOut::F32(ln_1), NormOut::F32(ln_2));
         LnOut::Each { ln_1, ln_2 }
     };
+    // s_big: the GELU output, or (under qkv16, where that is in gelu16) the qkv product's sums
+    let mut big = Some(a.s_big.reborrow());
     let gelu = if !a.gelu16.is_empty() {
         // Under bf16 products the GELU output is kept in bf16 for backward (see the arena).
         GeluOut::Bf16(bf16_layer(&mut a.gelu16, sl, n * f))
     } else if a.keep {
         GeluOut::F32(layer_mut(&mut a.gelu, l, n * f))
     } else {
-        GeluOut::F32(a.s_big.slice_mut(..n * f))
+        GeluOut::F32(big.take().expect("s_big").into_slice(..n * f))
     };
     // The product's rows are kept (rotated) as they are, (N, (NH+2·NKV)·HS), and the attention
     // kernels read grouped key/value heads where they are.
     let qkv_w = dims.qkv_width();
-    let qkv = layer_mut(&mut a.qkv, sl, n * qkv_w);
+    let qkv = qkv_out(&mut a.qkv, big, sl, n * qkv_w, a.qkv16);
     let acts = BlockActs {
         x,
         x_mid: layer_mut(&mut a.res_mid, sl, nc),
@@ -370,21 +372,11 @@ pub(crate) fn block_forward(pass: &mut Pass, at: BlockAt, p: View<f32>, a: &mut 
         dims.block(),
         branches,
         |mut qkv, att| {
-            if let Some(r) = rope {
+            if let (Some(r), QkvOut::F32(qkv)) = (rope, &mut qkv) {
                 dev.rope_forward(qkv.reborrow(), pos, r.cos(), r.sin(), dims.rope_dims(n));
             }
-            let (attn, nkv) = (dims.attn(), dims.nkv);
-            dev.attention_forward_grouped(
-                att,
-                lse,
-                qkv.into(),
-                mask,
-                segments,
-                attn,
-                nkv,
-                drop.site(ld),
-                scratch,
-            )
+            let call = AttnCall::of(dims, mask, segments, drop.site(ld));
+            attention_forward(dev, (att, lse), qkv.rows(), call, scratch)
         },
     );
 }
@@ -640,7 +632,7 @@ pub(crate) fn block_backward<'g>(
     let qkv_w = dims.qkv_width();
     let fx = dims.fc_width();
     let (ln1_slot, ln2_slot, atty_slot) = (a.ln_slot(l, 0), a.ln_slot(l, 1), a.atty_slot(l));
-    let (keep, ln16) = (a.keep, a.ln16);
+    let (keep, ln16, qkv16) = (a.keep, a.ln16, a.qkv16);
     // The activations backward reads, each borrowed apart from the scratch it writes.
     let Acts {
         res,
@@ -664,7 +656,7 @@ pub(crate) fn block_backward<'g>(
     } = a;
     let x = layer(res, l, nc);
     let x_mid = layer(res_mid, sl, nc);
-    let qkv = layer(qkv, sl, n * qkv_w);
+    let qkv = qkv_rows(qkv, sl, n * qkv_w, qkv16);
     let mut fch = layer_mut(fch, sl, n * fx);
     let lse = layer(att_lse, sl, n * nh);
     let mut s_dl = s_dl.slice_mut(..nc);
@@ -836,17 +828,13 @@ pub(crate) fn block_backward<'g>(
         // weight gradient needs.
         let recompute = (!keep).then(|| layer_mut(s_atty, atty_slot, nc));
         prof.time(K::AttnBwd, || {
-            dev.attention_backward_grouped(
-                dqkv.reborrow(),
-                recompute,
-                s_dl.as_view(),
-                qkv,
-                lse,
-                mask,
-                segments,
-                dims.attn(),
-                dims.nkv,
-                drop.site(ld),
+            let call = AttnCall::of(dims, mask, segments, drop.site(ld));
+            let ins = (s_dl.as_view(), qkv, lse);
+            attention_backward(
+                dev,
+                (dqkv.reborrow(), recompute),
+                ins,
+                call,
                 scratch.reborrow(),
             )
         });

@@ -8,6 +8,7 @@
 
 use cohort_engine::{Backend, Buffer, DType};
 
+use super::QKV16_KERNELS;
 use crate::{GPTConfig, GptError, Mlp, Norm, Positions};
 
 /// An error unless `dev` has a body for every kernel a model of `cfg` runs in training (see
@@ -29,6 +30,8 @@ pub(crate) fn check_kernels(cfg: &GPTConfig, dev: &dyn Backend) -> Result<(), Gp
             _ if k.contains("gelu") => !swiglu,
             _ if k.starts_with("decode") || k.starts_with("attention_decode") => false,
             _ if k.starts_with("dropout") => cfg.dropout > 0.0,
+            // used only where the backend has them (see `ActLayout::qkv16`)
+            _ if QKV16_KERNELS.contains(&k) => false,
             _ => true,
         };
         let bf16_only =
@@ -48,6 +51,13 @@ pub(crate) fn check_kernels(cfg: &GPTConfig, dev: &dyn Backend) -> Result<(), Gp
         op: "build the model",
         reason: format!("not yet on {}: {}", dev.device(), missing.join(", ")),
     })
+}
+
+/// Whether `dev` has a body for each of `kernels` (optional ones: a model without them takes
+/// another path).
+pub(crate) fn has_kernels(dev: &dyn Backend, kernels: &[&str]) -> bool {
+    let missing = dev.missing_kernels();
+    kernels.iter().all(|k| !missing.contains(k))
 }
 
 /// `len` zeroed floats from `dev` for the model's `what`.

@@ -77,6 +77,9 @@ pub struct GPT {
     keep_max_bytes: usize,
     /// `LOGITS_MAX_BYTES`; tests lower it to cover the head in vocabulary blocks.
     logits_max_bytes: usize,
+    /// Keep the qkv rows in bf16 where the arena can (see [`ActLayout::qkv16`]); tests clear
+    /// it, before a first forward, to hold the bf16 rows to the f32 ones.
+    qkv16: bool,
     /// Keep only each block's input and recompute the block's forward inside backward.
     activation_checkpointing: bool,
     /// Rotary angle tables (None with learned positions).
@@ -175,7 +178,11 @@ impl GPT {
             KEEP_MAX_BYTES,
             cols,
             activation_checkpointing,
-            precision == DType::Bf16 && cohort_engine::cpu::bf16_supported(),
+            // (on the CPU, which has the kernels of a bf16 qkv)
+            (
+                precision == DType::Bf16 && cohort_engine::cpu::bf16_supported(),
+                true,
+            ),
         )
         .total as u64
             * 4;
@@ -263,6 +270,7 @@ impl GPT {
             profile: Profile::default(),
             keep_max_bytes: KEEP_MAX_BYTES,
             logits_max_bytes: LOGITS_MAX_BYTES,
+            qkv16: true,
             activation_checkpointing: false,
         })
     }
@@ -534,7 +542,7 @@ impl GPT {
                 self.keep_max_bytes,
                 cols,
                 self.activation_checkpointing,
-                bf16,
+                (bf16, self.qkv16 && has_kernels(&*self.dev, &QKV16_KERNELS)),
             );
             self.arena = alloc(&*self.dev, al.total, "allocate the activations")?;
             self.act_layout = Some(al);

@@ -19,7 +19,7 @@ use super::weights::DecodeWeights;
 use crate::layout::Layout;
 use crate::model::{
     block_forward_rows, norm_forward, opt, BlockActs, BlockDims, BlockWeights, BranchDropout,
-    GeluOut, LnOut, LnStats, NormOut, Untimed,
+    GeluOut, LnOut, LnStats, NormOut, QkvOut, Untimed,
 };
 use crate::GPT;
 
@@ -96,7 +96,10 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
     for (l, bl) in layout.blocks.iter().enumerate() {
         let layer = l * max_t * kw..(l + 1) * max_t * kw;
         let scores = &mut buf.scores[..n * nh * max_t];
-        let attend = |mut qkv: ViewMut<f32>, att: ViewMut<f32>| {
+        let attend = |qkv: QkvOut, att: ViewMut<f32>| {
+            let QkvOut::F32(mut qkv) = qkv else {
+                unreachable!("a decode keeps its activations in f32")
+            };
             if let Some(r) = rope {
                 let dims = cohort_engine::cpu::RopeDims {
                     n,
@@ -151,7 +154,7 @@ pub(super) fn forward_rows<C: Caches + ?Sized>(
                 mean: ViewMut::from(&mut buf.mean_2[..n]),
                 rstd: ViewMut::from(&mut buf.rstd_2[..n]),
             },
-            qkv: ViewMut::from(&mut buf.qkv[..n * w]),
+            qkv: QkvOut::F32(ViewMut::from(&mut buf.qkv[..n * w])),
             att: ViewMut::from(&mut buf.att[..n * c]),
             fch: ViewMut::from(&mut buf.fc[..n * cfg.fc_width()]),
             gelu: GeluOut::F32(ViewMut::from(&mut buf.gelu[..n * f])),

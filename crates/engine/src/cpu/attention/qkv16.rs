@@ -56,7 +56,9 @@ pub fn attention_forward_bf16_qkv(
     let fused_ok = fused_heads();
     with_qkv(fused_ok, dtype, qkv, |qkv| {
         let d = (dims, nkv);
-        forward_with(fused_ok, dtype, out, lse, qkv, mask, segments, d, dropout, scratch)
+        forward_with(
+            fused_ok, dtype, out, lse, qkv, mask, segments, d, dropout, scratch,
+        )
     })
 }
 
@@ -97,14 +99,22 @@ pub fn attention_backward_bf16_qkv(
 
 /// Runs `f` on `qkv` as the heads will read it: the bf16 bits where heads are fused (the
 /// decision `forward_with` and `backward_with` make), else widened to f32.
-pub(super) fn with_qkv<R>(fused_ok: bool, dtype: DType, qkv: &[u16], f: impl FnOnce(Qkv) -> R) -> R {
+pub(super) fn with_qkv<R>(
+    fused_ok: bool,
+    dtype: DType,
+    qkv: &[u16],
+    f: impl FnOnce(Qkv) -> R,
+) -> R {
     #[cfg(target_arch = "x86_64")]
     let fused = dtype == DType::Bf16
         && crate::cpu::bf16_supported()
         && fused_ok
         && super::fused_tiles().is_some();
     #[cfg(not(target_arch = "x86_64"))]
-    let fused = { let _ = (fused_ok, dtype); false };
+    let fused = {
+        let _ = (fused_ok, dtype);
+        false
+    };
     if fused {
         return f(Qkv::Bf16(qkv));
     }

@@ -247,11 +247,26 @@ fn fused_heads_give_the_general_products_results() {
         for (f, want) in [(true, &fused), (false, &general)] {
             let got = run(f, true);
             let what = if f { "fused" } else { "general" };
-            assert_eq!(bits(&got.0), bits(&want.0), "t {t} c {c}: bf16 qkv, {what} out");
-            assert_eq!(bits(&got.1), bits(&want.1), "t {t} c {c}: bf16 qkv, {what} lse");
-            assert_eq!(bits(&got.2), bits(&want.2), "t {t} c {c}: bf16 qkv, {what} dqkv");
+            assert_eq!(
+                bits(&got.0),
+                bits(&want.0),
+                "t {t} c {c}: bf16 qkv, {what} out"
+            );
+            assert_eq!(
+                bits(&got.1),
+                bits(&want.1),
+                "t {t} c {c}: bf16 qkv, {what} lse"
+            );
+            assert_eq!(
+                bits(&got.2),
+                bits(&want.2),
+                "t {t} c {c}: bf16 qkv, {what} dqkv"
+            );
             let again = (bits(&got.3), bits(&want.3));
-            assert_eq!(again.0, again.1, "t {t} c {c}: bf16 qkv, {what} recomputed out");
+            assert_eq!(
+                again.0, again.1,
+                "t {t} c {c}: bf16 qkv, {what} recomputed out"
+            );
         }
         // the same products, the same pairs in the same order: the same bits
         assert_eq!(bits(&fused.0), bits(&general.0), "t {t} c {c}: out");

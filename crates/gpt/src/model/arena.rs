@@ -36,6 +36,9 @@ pub(crate) struct ActLayout {
 pub(super) const ACT_BUFFERS: usize = 23;
 /// Where the logits are in the carve order (read after a forward).
 pub(crate) const ACT_LOGITS: usize = 12;
+/// Where qkv is in the carve order (its size tells its precision).
+#[cfg(test)]
+pub(crate) const ACT_QKV: usize = 2;
 /// Where the LayerNorm outputs are in the carve order (their size tells their precision).
 #[cfg(test)]
 pub(crate) const ACT_S_LN: usize = 15;

@@ -36,6 +36,8 @@ mod options;
 mod passes;
 mod profile;
 #[cfg(test)]
+mod qkv16_tests;
+#[cfg(test)]
 mod sparse_tests;
 #[cfg(test)]
 mod tests;

@@ -32,6 +32,13 @@
 //! probabilities and dS for dV and dK, pairs along queries) stay packs of their own from f32:
 //! a fused transpose would store two rows' pairs at strided addresses.
 //!
+//! The qkv buffer may hold f32 or, under bf16 products, bf16 bits ([`Qkv`]: the qkv product
+//! rounds its result as these packs would). From bf16, K and V go into their panels by the
+//! same loop nest as from f32 (`pack_b_bf16`), their pairs moved rather than rounded; Q's pairs
+//! are its row's, which the zmm kernel reads in place at the row's stride (AMX tiles read
+//! packed rows: there Q is copied). Both give the bits of the f32 buffer (a test holds them to
+//! it), and skip the per-head conversion that was ~15% of config B's attention (perf, Zen 5).
+//!
 //! Each output element sums its K in the same order as the general product (pairs in order, in
 //! the same K blocks), so results are the general path's bits; on AMX, dK and dV sum over
 //! strips of 32 queries rather than the general path's 64 and so differ by f32 rounding (a

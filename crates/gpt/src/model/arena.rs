@@ -10,7 +10,8 @@ pub(crate) struct ActLayout {
     pub(crate) n: usize,
     pub(super) keep: bool,
     /// Products in bf16: unless the GELU (SwiGLU) outputs are kept in f32 (`keep`), they are
-    /// kept in bf16 (`gelu16`), and the LayerNorms write bf16 (`ln16`).
+    /// kept in bf16 (`gelu16`), the LayerNorms write bf16 (`ln16`), and so may the qkv
+    /// product (`qkv16`).
     pub(crate) bf16: bool,
     /// The LayerNorm (RMSNorm) outputs in bf16, `s_ln` holding bf16 pairs: bf16 products and
     /// not `keep`, as `gelu16`.

@@ -13,6 +13,9 @@
 //! outputs are kept too when they fit in `KEEP_MAX_BYTES` (small models, where recomputing them
 //! costs a visible share of the step) and recomputed in backward otherwise; the (T, T) attention
 //! probabilities are never stored, which is what keeps config B far below PyTorch's footprint.
+//! Under bf16 products, what only products (or attention) read and round to bf16 anyway is kept
+//! in bf16 (the normalisations' and the MLP activation's outputs, and qkv without RoPE): the
+//! same bits at half the bytes (see `arena`).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -157,7 +160,7 @@ impl GPT {
     /// What a model of `config` holds training on `tokens` (batch x
     /// sequence) tokens per forward with `threads` engine threads, with or
     /// without activation checkpointing, its products in `precision` (bf16 keeps
-    /// the MLP's GELU outputs in bf16). The config must be valid
+    /// the MLP's GELU outputs, and without RoPE the qkv rows, in bf16). The config must be valid
     /// ([`GPTConfig::validate`]).
     pub fn memory_estimate(
         config: &GPTConfig,

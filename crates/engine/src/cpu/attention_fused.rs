@@ -274,7 +274,6 @@ impl Rows {
     ///
     /// # Safety
     /// As `pack_b`, from this element.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn pack_b(self, pb: *mut u32, rs: usize, cs: usize, k: usize, n: usize, st: usize) {
         // SAFETY: as in `pack_a`.
         unsafe {
@@ -660,6 +659,8 @@ impl Head {
                         && rs.is_multiple_of(2)
                         && (q as usize).is_multiple_of(4) =>
                 {
+                    // Row r's pairs are the u32s from q + r * rs: aligned (rs and q are even
+                    // in u16s), hd / 2 of them inside the row; the kernel reads no others.
                     (q as *const u32, rs / 2)
                 }
                 q => {

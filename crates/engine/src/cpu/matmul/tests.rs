@@ -1,4 +1,5 @@
 use super::*;
+use crate::cpu::bf16::bf16_bits_as_packed;
 use crate::cpu::testing::{assert_close, rand_vec, within_pool};
 
 fn naive(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
@@ -162,6 +163,8 @@ fn fused_gelu_products_are_the_unfused_bits() {
     }
 }
 
+/// Products of a bf16 input (f32 results, the GELU kept in bf16, a result kept in bf16) give
+/// the bits of the f32 products they stand for.
 #[test]
 fn bf16_inputs_give_the_bits_of_their_f32_values() {
     if !crate::cpu::bf16_supported() {
@@ -234,6 +237,17 @@ fn bf16_inputs_give_the_bits_of_their_f32_values() {
             assert_eq!(bits(&db), bits(&want_db), "bias grad, {what}");
             assert_eq!(bits(&pre), bits(&want_grad), "gelu derivative, {what}");
             assert_eq!(g16, round(&g), "bf16 gelu, {what}");
+            // The product kept in bf16 (qkv's): the f32 product rounded as the packs round
+            let (mut sums, mut out16) = (vec![0.0; n * oc], vec![0u16; n * oc]);
+            within_pool(threads, || {
+                matmul_forward_bf16_out(d, &mut sums, &mut out16, &inp16, &w, Some(&b), n, c, oc)
+            });
+            let packed = want
+                .iter()
+                .map(|&v| bf16_bits_as_packed(v))
+                .collect::<Vec<_>>();
+            assert_eq!(out16, packed, "bf16 product, {what}");
+            assert_eq!(bits(&sums), bits(&want), "bf16 product's sums, {what}");
         }
     }
 }

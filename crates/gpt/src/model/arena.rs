@@ -65,7 +65,7 @@ pub(crate) struct Acts<'a> {
     pub(super) ce_lse: ViewMut<'a, f32>, // (N)
     pub(super) s_ln: ViewMut<'a, f32>, // (2L, N, C) kept LayerNorm outputs, or (N, C) scratch; ⌈N·C/2⌉ floats of bf16 pairs under ln16 (see [`ln_out`])
     pub(super) s_atty: ViewMut<'a, f32>, // (L, N, C) kept attention outputs, or (N, C) scratch
-    pub(super) s_big: ViewMut<'a, f32>, // (N, max(F, 3C)) scratch: GELU output, dG, dqkv; (N, max(3F, 3C)) under SwiGLU (d(product) beside the SwiGLU output or its gradient)
+    pub(super) s_big: ViewMut<'a, f32>, // (N, max(F, 3C)) scratch: GELU output (or, under qkv16, the qkv product's f32 sums), dG, dqkv; (N, max(3F, 3C)) under SwiGLU (d(product) beside the SwiGLU output or its gradient)
     pub(super) s_dl: ViewMut<'a, f32>, // (N, C) scratch: gradient of a LayerNorm output / attention out
     pub(super) s_drop: ViewMut<'a, f32>, // (N, C) scratch: dropout backward (empty without dropout)
     pub(crate) dres: ViewMut<'a, f32>, // (N, C) gradient of the residual stream

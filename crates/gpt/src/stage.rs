@@ -493,6 +493,7 @@ impl GptStage {
                 drop,
                 scratch: scratch.reborrow(),
                 prof,
+                accumulate_weight_grads: true,
             };
             if part.embeddings {
                 embed_forward(pass, lay, p, &mut a);
@@ -578,6 +579,7 @@ impl GptStage {
                 drop,
                 scratch: scratch.reborrow(),
                 prof,
+                accumulate_weight_grads: true,
             };
             let (mut rest, top) = if part.head {
                 grads.split_at_mut(lay.ln_f_w.start)

@@ -583,6 +583,7 @@ impl GPT {
                 drop,
                 scratch: attn_scratch.view_mut(),
                 prof: profile,
+                accumulate_weight_grads: true,
             };
             let params = params.view_mut();
             forward_pass(pass, layout, params, &mut acts, &mut *hooks)
@@ -661,6 +662,7 @@ impl GPT {
                 drop,
                 scratch: attn_scratch.view_mut(),
                 prof: profile,
+                accumulate_weight_grads: true,
             };
             let (params, hooks) = (params.view_mut(), &mut *hooks);
             let ready = (ready, split_blocks, sparse_embeddings);

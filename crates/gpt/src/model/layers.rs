@@ -222,9 +222,8 @@ pub(crate) struct Pass<'a> {
     /// The attention kernels' scratch.
     pub(crate) scratch: ViewMut<'a, f32>,
     pub(crate) prof: &'a mut Profile,
-    /// In backward: whether the products that write a weight matrix's gradient add into it
-    /// (true) or overwrite it (false: the first backward after a lazy `zero_grad`, which
-    /// left those gradients unwritten). Forward computes no gradient and ignores it.
+    /// In backward: whether the weight matrices' products add into their gradients, or
+    /// overwrite them (after a lazy `zero_grad`, which left them unwritten). Forward: unused.
     pub(crate) accumulate_weight_grads: bool,
 }
 
@@ -879,16 +878,8 @@ pub(crate) fn block_backward<'g>(
         }
         let (dw, db) = wb(&mut g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
-            let (grads, dq) = ((s_dl.reborrow(), dw, db), dqkv.as_view());
-            norm_product_backward(
-                dev,
-                grads,
-                dq,
-                ln_1.into_view(),
-                w.attn_w,
-                (n, c, qkv_w),
-                acc,
-            )
+            let (grads, dq, x) = ((s_dl.reborrow(), dw, db), dqkv.as_view(), ln_1.into_view());
+            norm_product_backward(dev, grads, dq, x, w.attn_w, (n, c, qkv_w), acc)
         });
     }
     let (dw, db) = wb(&mut g, off, &bl.ln_1_w, &bl.ln_1_b);

@@ -85,30 +85,33 @@ impl Layout {
     /// before anything else adds to it, in buffer order: each block's four, and the head's
     /// (wte's when tied: the head's backward writes it, then the embeddings' adds their
     /// rows). A lazy `zero_grad` leaves these unwritten for the products to overwrite.
-    pub(crate) fn product_weights(&self) -> Vec<Range<usize>> {
+    /// Allocates nothing (a zero_grad per step).
+    pub(crate) fn product_weights(&self) -> impl Iterator<Item = Range<usize>> + Send + '_ {
         let blocks = self
             .blocks
             .iter()
             .flat_map(|b| [&b.attn_w, &b.proj_w, &b.fc_w, &b.fcproj_w].map(Range::clone));
-        let mut ranges: Vec<Range<usize>> = blocks.chain([self.lm_head.clone()]).collect();
-        ranges.sort_by_key(|r| r.start);
-        ranges
+        // A tied head's weight is wte, at the start of the buffer; an untied one is last.
+        let head = Some(self.lm_head.clone());
+        let (first, last) = if self.tied() {
+            (head, None)
+        } else {
+            (None, head)
+        };
+        first.into_iter().chain(blocks).chain(last)
     }
 
     /// The ranges of the buffer outside [`Layout::product_weights`], in order (biases, norms,
     /// wpe, an untied wte): the gradients every backward only adds into, which a lazy
-    /// `zero_grad` still fills. Contiguous tensors come as one range.
-    pub(crate) fn accumulated_only(&self) -> Vec<Range<usize>> {
-        let mut gaps = Vec::new();
-        let mut next = 0;
+    /// `zero_grad` still fills. Contiguous tensors come as one range; allocates nothing.
+    pub(crate) fn accumulated_only(&self) -> impl Iterator<Item = Range<usize>> + Send + '_ {
         let end = std::iter::once(self.total..self.total);
-        for r in self.product_weights().into_iter().chain(end) {
-            if r.start > next {
-                gaps.push(next..r.start);
-            }
-            next = next.max(r.end);
-        }
-        gaps
+        let gaps = self.product_weights().chain(end).scan(0, |next, r| {
+            let gap = *next..r.start;
+            *next = r.end;
+            Some(gap)
+        });
+        gaps.filter(|g| !g.is_empty())
     }
 }
 
@@ -287,7 +290,7 @@ mod tests {
             };
             for cfg in [cfg.clone(), GPTConfig::llama_like(cfg)] {
                 let layout = Layout::new(&cfg);
-                let products = layout.product_weights();
+                let products: Vec<_> = layout.product_weights().collect();
                 let mut all = products.clone();
                 all.extend(layout.accumulated_only());
                 all.sort_by_key(|r| r.start);

@@ -511,7 +511,7 @@ impl GPT {
         if self.grads.is_empty() {
             return;
         }
-        self.fill_grads(&self.layout.accumulated_only());
+        fill_grads(&*self.dev, &mut self.grads, self.layout.accumulated_only());
         self.weight_grads_zero_unwritten = true;
     }
 
@@ -519,18 +519,8 @@ impl GPT {
     /// the gradients but a backward's products does first.
     fn write_unwritten_zeros(&mut self) {
         if std::mem::take(&mut self.weight_grads_zero_unwritten) {
-            self.fill_grads(&self.layout.product_weights());
+            fill_grads(&*self.dev, &mut self.grads, self.layout.product_weights());
         }
-    }
-
-    /// Zeros `ranges` of the gradient buffer, on the backend's threads.
-    fn fill_grads(&mut self, ranges: &[Range<usize>]) {
-        let (dev, grads) = (&*self.dev, &mut self.grads);
-        dev.install(&mut || {
-            for r in ranges {
-                dev.fill(grads.view_mut().slice_mut(r.clone()), 0.0);
-            }
-        });
     }
 
     /// Forward pass, as Hugging Face's `GPT2LMHeadModel`: the logits of every position of
@@ -728,6 +718,19 @@ impl GPT {
         dev.install(&mut run);
         Ok(())
     }
+}
+
+/// Zeros `ranges` of the gradient buffer `grads`, on the backend's threads.
+fn fill_grads(
+    dev: &dyn Backend,
+    grads: &mut Buffer,
+    mut ranges: impl Iterator<Item = Range<usize>> + Send,
+) {
+    dev.install(&mut || {
+        for r in ranges.by_ref() {
+            dev.fill(grads.view_mut().slice_mut(r), 0.0);
+        }
+    });
 }
 
 /// Per-part hooks take host slices: an error for a model on a device.

@@ -24,6 +24,7 @@ mod bf16_products;
 mod engine;
 mod llama;
 mod swiglu_products;
+mod weight_overwrite;
 pub use bf16_products::engine_backend_bf16;
 pub use engine::{engine_backend, host_staging};
 
@@ -122,6 +123,7 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
     crossentropy(dev, &mut rows);
     optim(dev, &mut rows);
     casts_and_matmul(dev, &mut rows);
+    weight_overwrite::run(dev, &mut rows);
     // 4 query heads over 4 key/value heads (GPT-2's), 2 (GQA) or 1 (MQA); packed: segment ids
     for (name, mask, dropout, packed, nkv) in [
         ("attention", false, false, false, 4),
@@ -587,6 +589,7 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
             n,
             c,
             oc,
+            true,
         )?;
         let (mut w_dinp, mut w_dw, mut w_db) = (vec![0.0; n * c], g_w.clone(), g_b.clone());
         cpu::matmul_backward(
@@ -600,6 +603,7 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
             n,
             c,
             oc,
+            true,
         );
         let mut dinp2 = poisoned(dev, n * c)?;
         let dd = dev.upload(&dout)?;
@@ -669,9 +673,11 @@ fn casts_and_matmul(dev: &Device, rows: &mut Rows) {
         cpu::head_forward(DType::F32, &mut want, &x, &w, n, c, v);
         let g_w = rand_vec(v * c, 35, 1.0);
         let (mut dinp, mut dw) = (poisoned(dev, n * c)?, dev.upload(&g_w)?);
-        dev.head_backward(&mut dinp, &mut dw, &dev.upload(&dout)?, &xd, &wd, n, c, v)?;
+        let dout_d = dev.upload(&dout)?;
+        dev.head_backward(&mut dinp, &mut dw, &dout_d, &xd, &wd, n, c, v, true)?;
         let (mut w_dinp, mut w_dw) = (vec![0.0; n * c], g_w.clone());
-        cpu::head_backward(DType::F32, &mut w_dinp, &mut w_dw, &dout, &x, &w, n, c, v);
+        let (di, dw_) = (&mut w_dinp, &mut w_dw);
+        cpu::head_backward(DType::F32, di, dw_, &dout, &x, &w, n, c, v, true);
         Ok(vec![
             row("head_forward", dev.download(&logits)?, want, 1e-5),
             row("head_backward.dinp", dev.download(&dinp)?, w_dinp, 1e-5),

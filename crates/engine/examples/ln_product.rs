@@ -93,10 +93,20 @@ fn run(name: &str, n: usize, c: usize, oc: usize) {
             let f = t.elapsed().as_secs_f64() * 1e3;
             let t = Instant::now();
             if bf16 {
-                matmul_backward_weight_bf16_input(d, &mut dw, Some(&mut db), &dy, &ln16, n, c, oc);
+                matmul_backward_weight_bf16_input(
+                    d,
+                    &mut dw,
+                    Some(&mut db),
+                    &dy,
+                    &ln16,
+                    n,
+                    c,
+                    oc,
+                    true,
+                );
             } else {
                 let (dw, db) = (&mut dw, Some(&mut db[..]));
-                matmul_backward(d, None, dw, db, &dy, &ln32, &w, n, c, oc);
+                matmul_backward(d, None, dw, db, &dy, &ln32, &w, n, c, oc, true);
             }
             let g = t.elapsed().as_secs_f64() * 1e3;
             // the first two calls warm the caches and the pages

@@ -76,7 +76,9 @@ fn main() {
         let bin = cpu
             .install(|| time(&mut || cpu::matmul_backward_input(d, &mut dinp, &out, &w, n, k, oc)));
         let bw = cpu.install(|| {
-            time(&mut || cpu::matmul_backward(d, None, &mut dw, None, &out, &inp, &w, n, k, oc))
+            time(&mut || {
+                cpu::matmul_backward(d, None, &mut dw, None, &out, &inp, &w, n, k, oc, true)
+            })
         });
         let gflop = 2.0 * (n * k * oc) as f64 / 1e9;
         block_gflop += 3.0 * gflop;
@@ -115,7 +117,7 @@ fn main() {
     let d = cpu.dtype();
     let fwd = cpu.install(|| time(&mut || cpu::head_forward(d, &mut out, &inp, &w, n, c, v)));
     let bwd = cpu.install(|| {
-        time(&mut || cpu::head_backward(d, &mut dinp, &mut dw, &out, &inp, &w, n, c, v))
+        time(&mut || cpu::head_backward(d, &mut dinp, &mut dw, &out, &inp, &w, n, c, v, true))
     });
     let gflop = 2.0 * (n * c * v) as f64 / 1e9;
     println!(

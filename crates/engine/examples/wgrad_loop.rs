@@ -61,8 +61,8 @@ fn main() {
                 "f" => cpu::matmul_forward(d, out, inp, w, None, n, k, oc),
                 "fb" => cpu::matmul_forward(d, out, inp, w, Some(bias), n, k, oc),
                 "i" => cpu::matmul_backward_input(d, dinp, out, w, n, k, oc),
-                "wb" => cpu::matmul_backward(d, None, dw, Some(db), out, inp, w, n, k, oc),
-                _ => cpu::matmul_backward(d, None, dw, None, out, inp, w, n, k, oc),
+                "wb" => cpu::matmul_backward(d, None, dw, Some(db), out, inp, w, n, k, oc, true),
+                _ => cpu::matmul_backward(d, None, dw, None, out, inp, w, n, k, oc, true),
             }
             times.push(t.elapsed().as_secs_f64());
             calls += 1;

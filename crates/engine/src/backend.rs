@@ -27,7 +27,10 @@
 //!
 //! Conventions (llm.c's): outputs first, then inputs, then weights, then dims. Backward
 //! kernels accumulate (`+=`) into parameter gradients; where a backward overwrites an
-//! activation gradient instead, its doc says so.
+//! activation gradient instead, its doc says so. The products that write a weight matrix's
+//! gradient take a last `accumulate` flag: false overwrites it (the first backward after a
+//! lazy `zero_grad`, which leaves those gradients unwritten), with the bits adding into
+//! +0.0 would give; bias, norm and embedding gradients always accumulate.
 
 use crate::cpu::{self, AttnDims, Cpu, DecodeDims, DecodeMatrix, RopeDims};
 use crate::optim::{self, AdamCoeffs};
@@ -387,6 +390,7 @@ macro_rules! as_is {
 }
 as_is!(
     usize,
+    bool,
     f32,
     Option<Dropout>,
     Dropout,
@@ -443,16 +447,16 @@ kernels! {
     fn layernorm_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, db: Option<ViewMut<f32>>, dout: View<f32>, inp: View<f32>, mean: View<f32>, rstd: View<f32>, w: View<f32>, n: usize, c: usize) => cpu::layernorm_backward;
     /// out (N,OC) = inp (N,C) · w (C,OC) + bias.
     fn matmul_forward(out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward;
-    /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout, dbias += Σ_rows dout.
-    fn matmul_backward(dinp: Option<ViewMut<f32>>, dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward;
+    /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout (dw = inpᵀ · dout unless `accumulate`: the same bits as adding into +0.0), dbias += Σ_rows dout.
+    fn matmul_backward(dinp: Option<ViewMut<f32>>, dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, oc: usize, accumulate: bool) => @dtype cpu::matmul_backward;
     /// dinp = dout · wᵀ (overwritten) alone, for a dinp buffer that still holds the input.
     fn matmul_backward_input(dinp: ViewMut<f32>, dout: View<f32>, w: View<f32>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_input;
     /// out (N,OC) = inp (N,C) · wᵀ + bias for weights kept in a decode format (bf16 or 8-bit blocks, see `DecodeMatrix`): a decode step's product of a few rows.
     fn decode_matmul_forward(out: ViewMut<f32>, inp: View<f32>, w: &DecodeMatrix, bias: Option<View<f32>>, n: usize) => cpu::decode_matmul_forward;
     /// logits (N,V) = inp (N,C) · wᵀ, w (V,C).
     fn head_forward(out: ViewMut<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, v: usize) => @dtype cpu::head_forward;
-    /// dinp = dout · w (overwritten), dw += doutᵀ · inp.
-    fn head_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, v: usize) => @dtype cpu::head_backward;
+    /// dinp = dout · w (overwritten), dw += doutᵀ · inp (dw = doutᵀ · inp unless `accumulate`: the same bits as adding into +0.0).
+    fn head_backward(dinp: ViewMut<f32>, dw: ViewMut<f32>, dout: View<f32>, inp: View<f32>, w: View<f32>, n: usize, c: usize, v: usize, accumulate: bool) => @dtype cpu::head_backward;
     /// `pre (N, OC) = inp · w + bias`, `out = gelu(pre)` in one pass (same bits as `matmul_forward` then `gelu_forward`).
     fn matmul_gelu_forward(pre: ViewMut<f32>, out: ViewMut<f32>, inp: View<f32>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_gelu_forward;
     /// `matmul_gelu_forward` of an input in bf16 (its bits), with `out` kept in bf16 (its bits) and `grad` = gelu'(pre-activation) instead of the pre-activation. Only on a backend of `DType::Bf16`.
@@ -469,8 +473,8 @@ kernels! {
     fn matmul_forward_bf16_input(out: ViewMut<f32>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_input;
     /// `matmul_forward_bf16_input` with `out` kept in bf16 (its bits, rounded as the bf16 products round their operands), `sums` (N, OC) receiving the f32 product as scratch: a product whose only readers round it to bf16 (attention's qkv). Only on a backend of `DType::Bf16`; optional (a model uses it where the backend has it).
     fn matmul_forward_bf16_out(sums: ViewMut<f32>, out: ViewMut<u16>, inp: View<u16>, w: View<f32>, bias: Option<View<f32>>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_forward_bf16_out;
-    /// dw += inpᵀ · dout, dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.
-    fn matmul_backward_weight_bf16_input(dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<u16>, n: usize, c: usize, oc: usize) => @dtype cpu::matmul_backward_weight_bf16_input;
+    /// dw += inpᵀ · dout (dw = inpᵀ · dout unless `accumulate`), dbias += column sums of dout, for an input kept in bf16. Only on a backend of `DType::Bf16`.
+    fn matmul_backward_weight_bf16_input(dw: ViewMut<f32>, dbias: Option<ViewMut<f32>>, dout: View<f32>, inp: View<u16>, n: usize, c: usize, oc: usize, accumulate: bool) => @dtype cpu::matmul_backward_weight_bf16_input;
     /// out = gelu(inp) (tanh form).
     fn gelu_forward(out: ViewMut<f32>, inp: View<f32>) => cpu::gelu_forward;
     /// dinout *= gelu'(inp).

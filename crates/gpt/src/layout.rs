@@ -80,6 +80,39 @@ impl Layout {
             _ => vec![self.part_range(part)],
         }
     }
+
+    /// The weight matrices whose gradient one matrix product of a backward writes whole
+    /// before anything else adds to it, in buffer order: each block's four, and the head's
+    /// (wte's when tied: the head's backward writes it, then the embeddings' adds their
+    /// rows). A lazy `zero_grad` leaves these unwritten for the products to overwrite.
+    /// Allocates nothing (a zero_grad per step).
+    pub(crate) fn product_weights(&self) -> impl Iterator<Item = Range<usize>> + Send + '_ {
+        let blocks = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.attn_w, &b.proj_w, &b.fc_w, &b.fcproj_w].map(Range::clone));
+        // A tied head's weight is wte, at the start of the buffer; an untied one is last.
+        let head = Some(self.lm_head.clone());
+        let (first, last) = if self.tied() {
+            (head, None)
+        } else {
+            (None, head)
+        };
+        first.into_iter().chain(blocks).chain(last)
+    }
+
+    /// The ranges of the buffer outside [`Layout::product_weights`], in order (biases, norms,
+    /// wpe, an untied wte): the gradients every backward only adds into, which a lazy
+    /// `zero_grad` still fills. Contiguous tensors come as one range; allocates nothing.
+    pub(crate) fn accumulated_only(&self) -> impl Iterator<Item = Range<usize>> + Send + '_ {
+        let end = std::iter::once(self.total..self.total);
+        let gaps = self.product_weights().chain(end).scan(0, |next, r| {
+            let gap = *next..r.start;
+            *next = r.end;
+            Some(gap)
+        });
+        gaps.filter(|g| !g.is_empty())
+    }
 }
 
 struct Carver {
@@ -244,6 +277,38 @@ mod tests {
                     next = r.end;
                 }
                 assert_eq!(next, layout.total);
+            }
+        }
+    }
+
+    #[test]
+    fn product_weights_and_the_rest_partition_the_buffer() {
+        for tied in [true, false] {
+            let cfg = GPTConfig {
+                tie_word_embeddings: tied,
+                ..GPTConfig::config_a()
+            };
+            for cfg in [cfg.clone(), GPTConfig::llama_like(cfg)] {
+                let layout = Layout::new(&cfg);
+                let products: Vec<_> = layout.product_weights().collect();
+                let mut all = products.clone();
+                all.extend(layout.accumulated_only());
+                all.sort_by_key(|r| r.start);
+                let mut next = 0;
+                for r in all {
+                    assert!(!r.is_empty() && r.start == next, "{r:?} at {next}");
+                    next = r.end;
+                }
+                assert_eq!(next, layout.total);
+                // four per block and the head's; wte is a product's only when tied
+                assert_eq!(products.len(), 4 * cfg.n_layers + 1);
+                assert_eq!(products.contains(&layout.wte), tied);
+                let weight = |name: &str| {
+                    let v = layout.views.iter().find(|v| v.name == name).unwrap();
+                    v.range.clone()
+                };
+                assert!(products.contains(&weight("h.1.mlp.c_fc.weight")));
+                assert!(!products.contains(&weight("h.1.ln_2.weight")));
             }
         }
     }

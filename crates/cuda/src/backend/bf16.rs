@@ -170,7 +170,7 @@ impl CudaBackend {
     }
 
     /// The engine's `matmul_backward_weight_bf16_input`: dw += inpᵀ (bf16) · dout in a bf16
-    /// product, dbias += Σ_rows dout (in f32).
+    /// product (overwritten unless `accumulate`), dbias += Σ_rows dout (in f32).
     pub(super) fn backward_weight_bf16_input(
         &self,
         dw: &mut dyn Mem<f32>,
@@ -178,6 +178,7 @@ impl CudaBackend {
         dout: &dyn Mem<f32>,
         inp: &Raw<bf16>,
         (n, c, oc): (usize, usize, usize),
+        accumulate: bool,
     ) -> Result<(), CudaError> {
         let mut s = self.scratch();
         let d16 = self.to_bf16(&mut s, 0, dout)?;
@@ -189,7 +190,7 @@ impl CudaBackend {
             m: Operand::Bf16(&d16),
             t: false,
         };
-        self.dev.gemm(dw, a, b, (c, oc, n), true)?;
+        self.dev.gemm(dw, a, b, (c, oc, n), accumulate)?;
         match dbias {
             Some(db) => self.dev.column_sums(db, dout),
             None => Ok(()),

@@ -430,6 +430,7 @@ impl Backend for CudaBackend {
         n: usize,
         c: usize,
         oc: usize,
+        accumulate: bool,
     ) {
         self.run("matmul_backward", || {
             let (mut di, mut dw, mut db) = (self.wo(dinp)?, self.w(dw)?, self.wo(dbias)?);
@@ -444,6 +445,7 @@ impl Backend for CudaBackend {
                 n,
                 c,
                 oc,
+                accumulate,
             )
         })
     }
@@ -510,12 +512,13 @@ impl Backend for CudaBackend {
         n: usize,
         c: usize,
         v: usize,
+        accumulate: bool,
     ) {
         self.run("head_backward", || {
             let (mut di, mut dw) = (self.w(dinp)?, self.w(dw)?);
             let (d, i, w) = (self.r(dout)?, self.r(inp)?, self.r(w)?);
             self.dev
-                .head_backward(&mut di, &mut dw, &d, &i, &w, n, c, v)
+                .head_backward(&mut di, &mut dw, &d, &i, &w, n, c, v, accumulate)
         })
     }
     fn matmul_gelu_forward(
@@ -581,12 +584,14 @@ impl Backend for CudaBackend {
         n: usize,
         c: usize,
         oc: usize,
+        accumulate: bool,
     ) {
         self.run("matmul_backward_weight_bf16_input", || {
             let (mut dw, mut db) = (self.w(dw)?, self.wo(dbias)?);
             let (d, i) = (self.r(dout)?, self.r(inp)?);
             let i = as_bf16(&i, &self.dev);
-            self.backward_weight_bf16_input(&mut dw, opt_mut(&mut db), &d, &i, (n, c, oc))
+            let dims = (n, c, oc);
+            self.backward_weight_bf16_input(&mut dw, opt_mut(&mut db), &d, &i, dims, accumulate)
         })
     }
     fn gelu_forward(&self, out: ViewMut<f32>, inp: View<f32>) {

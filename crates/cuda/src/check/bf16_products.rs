@@ -100,7 +100,7 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         dev.matmul_gelu_forward_bf16(grad.reborrow(), o, x16, w1, Some(b1), n, c, f);
         dev.matmul_forward_bf16_input(y2.reborrow(), out16.as_view(), w2, Some(b2), n, f, c);
         let (d, o) = (db2.reborrow(), out16.as_view());
-        dev.matmul_backward_weight_bf16_input(dw2.reborrow(), Some(d), dy, o, n, f, c);
+        dev.matmul_backward_weight_bf16_input(dw2.reborrow(), Some(d), dy, o, n, f, c, true);
     } else {
         let (m, r) = (mean.reborrow(), rstd.reborrow());
         dev.layernorm_forward(ln.reborrow(), m, r, x, lnw, Some(lnb), n, c);
@@ -108,7 +108,7 @@ fn sequence(dev: &dyn Backend) -> Result<Outputs, EngineError> {
         dev.matmul_gelu_forward(pre.reborrow(), act.reborrow(), ln, w1, Some(b1), n, c, f);
         dev.matmul_forward(y2.reborrow(), act.as_view(), w2, Some(b2), n, f, c);
         let (d, a) = (db2.reborrow(), act.as_view());
-        dev.matmul_backward(None, dw2.reborrow(), Some(d), dy, a, w2, n, f, c);
+        dev.matmul_backward(None, dw2.reborrow(), Some(d), dy, a, w2, n, f, c, true);
         // gelu'(pre) = 1 · gelu'(pre)
         dev.fill(grad.reborrow(), 1.0);
         dev.gelu_backward(grad.reborrow(), pre.as_view());

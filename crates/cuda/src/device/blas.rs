@@ -183,8 +183,10 @@ impl Device {
         }
     }
 
-    /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout, dbias += Σ_rows dout (the engine's
-    /// `matmul_backward`), in true fp32.
+    /// dinp = dout · wᵀ (overwritten), dw += inpᵀ · dout (overwritten unless `accumulate`:
+    /// beta 0, so dw is never read), dbias += Σ_rows dout (the engine's `matmul_backward`), in
+    /// true fp32.
+    #[allow(clippy::too_many_arguments)]
     pub fn matmul_backward(
         &self,
         dinp: Option<&mut dyn Mem<f32>>,
@@ -196,6 +198,7 @@ impl Device {
         n: usize,
         c: usize,
         oc: usize,
+        accumulate: bool,
     ) -> Result<(), CudaError> {
         let f = |s, t| Op {
             m: Operand::F32(s),
@@ -204,7 +207,7 @@ impl Device {
         if let Some(dinp) = dinp {
             self.gemm(dinp, f(dout, false), f(w, true), (n, c, oc), false)?;
         }
-        self.gemm(dw, f(inp, true), f(dout, false), (c, oc, n), true)?;
+        self.gemm(dw, f(inp, true), f(dout, false), (c, oc, n), accumulate)?;
         match dbias {
             Some(db) => self.column_sums(db, dout),
             None => Ok(()),
@@ -256,8 +259,9 @@ impl Device {
         self.gemm(out, a, b, (n, v, c), false)
     }
 
-    /// dinp = dout · w (overwritten), dw += doutᵀ · inp (the engine's `head_backward`), in
-    /// true fp32.
+    /// dinp = dout · w (overwritten), dw += doutᵀ · inp (overwritten unless `accumulate`) (the
+    /// engine's `head_backward`), in true fp32.
+    #[allow(clippy::too_many_arguments)]
     pub fn head_backward(
         &self,
         dinp: &mut dyn Mem<f32>,
@@ -268,12 +272,13 @@ impl Device {
         n: usize,
         c: usize,
         v: usize,
+        accumulate: bool,
     ) -> Result<(), CudaError> {
         let f = |s, t| Op {
             m: Operand::F32(s),
             t,
         };
         self.gemm(dinp, f(dout, false), f(w, false), (n, c, v), false)?;
-        self.gemm(dw, f(dout, true), f(inp, false), (v, c, n), true)
+        self.gemm(dw, f(dout, true), f(inp, false), (v, c, n), accumulate)
     }
 }

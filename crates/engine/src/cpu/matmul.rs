@@ -7,6 +7,16 @@
 //! do not depend on the thread count. The operand every block reads (B split by rows; A split by
 //! columns, under bf16) is packed once for all threads (`gemm_bf16::shared`). Transposes are
 //! strides, never copies. Nothing here allocates per call.
+//!
+//! The weight-gradient products (`matmul_backward`, `matmul_backward_weight_bf16_input`,
+//! `head_backward`) add into `dw` or, without `accumulate`, overwrite it: the first backward
+//! after a lazy `zero_grad` then neither needs the zeros written nor reads them back. The two
+//! give the same bits where `dw` held +0.0: the AVX-512 kernels' last step writes `sum + 0.0`
+//! (a zero bias row) when overwriting and `0.0 + sum` when adding into zeros, and IEEE
+//! addition commutes (NaN, infinities and signed zeros included); `matrixmultiply` writes
+//! `1·sum` against `1·sum + 1·0.0`, equal because a sum started from +0.0 is never -0.0.
+//! Later K blocks add to what the first wrote either way. A bias gradient (column sums)
+//! always adds.
 
 use rayon::prelude::*;
 
@@ -129,10 +139,11 @@ unsafe fn gemm(
     }
 }
 
-/// [`gemm`] with `accumulate` and no bias or epilogue that also adds each column's sum over b's
-/// k rows to `b_sums` (n floats), in row order: the bits of [`column_sums`] of b. Under bf16
-/// the pass that packs b does it (see [`bgemm`]), so a weight gradient's product yields its
-/// layer's bias gradient without another read of the output gradient.
+/// [`gemm`] with no bias or epilogue that also adds each column's sum over b's k rows to
+/// `b_sums` (n floats), in row order: the bits of [`column_sums`] of b. Under bf16 the pass
+/// that packs b does it (see [`bgemm`]), so a weight gradient's product yields its layer's
+/// bias gradient without another read of the output gradient. The sums always add to
+/// `b_sums`, whether c is accumulated into or overwritten.
 ///
 /// # Safety
 /// As [`gemm`]; `b_sums` must not overlap the matrices.
@@ -142,6 +153,7 @@ unsafe fn gemm_summing_b(
     a: Mat,
     b: Mat,
     c: Mat,
+    accumulate: bool,
     b_sums: &mut [f32],
 ) {
     check("b's column sums", b_sums.len(), n);
@@ -157,7 +169,7 @@ unsafe fn gemm_summing_b(
             a,
             b,
             c,
-            true,
+            accumulate,
             None,
             Epilogue::None,
             Some(sums),
@@ -611,8 +623,10 @@ pub fn matmul_forward_bf16_out(
     unsafe { conv1d_product(dtype, sums, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
-/// The weight half of [`matmul_backward`] for an input kept in bf16: `dw += inpᵀ · dout`,
-/// `dbias += column sums of dout`. Needs a backend of `DType::Bf16`.
+/// The weight half of [`matmul_backward`] for an input kept in bf16: `dw += inpᵀ · dout`
+/// (`dw = inpᵀ · dout` unless `accumulate`), `dbias += column sums of dout`. Needs a backend
+/// of `DType::Bf16`.
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_backward_weight_bf16_input(
     dtype: DType,
     dw: &mut [f32],
@@ -622,6 +636,7 @@ pub fn matmul_backward_weight_bf16_input(
     n: usize,
     c: usize,
     oc: usize,
+    accumulate: bool,
 ) {
     check("matmul dout", dout.len(), n * oc);
     check("matmul inp", inp.len(), n * c);
@@ -636,9 +651,9 @@ pub fn matmul_backward_weight_bf16_input(
         match dbias {
             Some(db) => {
                 check("matmul dbias", db.len(), oc);
-                gemm_summing_b(dtype, (c, n, oc), a, b, dw, &mut db[..oc])
+                gemm_summing_b(dtype, (c, n, oc), a, b, dw, accumulate, &mut db[..oc])
             }
-            None => gemm(dtype, c, n, oc, a, b, dw, true, None, Epilogue::None),
+            None => gemm(dtype, c, n, oc, a, b, dw, accumulate, None, Epilogue::None),
         }
     }
 }
@@ -655,7 +670,9 @@ unsafe fn fill_rows(c: Mat, m: usize, n: usize, b: &[f32]) {
 }
 
 /// Backward of [`matmul_forward`]: `dinp = dout · wᵀ` (overwritten, skipped if None),
-/// `dw += inpᵀ · dout`, `dbias += column sums of dout`.
+/// `dw += inpᵀ · dout` (`dw = inpᵀ · dout` unless `accumulate`, the same
+/// bits as adding into zeros: see the module doc),
+/// `dbias += column sums of dout` (always added).
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_backward(
     dtype: DType,
@@ -668,6 +685,7 @@ pub fn matmul_backward(
     n: usize,
     c: usize,
     oc: usize,
+    accumulate: bool,
 ) {
     check("matmul dout", dout.len(), n * oc);
     check("matmul inp", inp.len(), n * c);
@@ -695,9 +713,20 @@ pub fn matmul_backward(
         match dbias {
             Some(db) => {
                 check("matmul dbias", db.len(), oc);
-                gemm_summing_b(dtype, (c, n, oc), a, dout_m, dw, &mut db[..oc])
+                gemm_summing_b(dtype, (c, n, oc), a, dout_m, dw, accumulate, &mut db[..oc])
             }
-            None => gemm(dtype, c, n, oc, a, dout_m, dw, true, None, Epilogue::None),
+            None => gemm(
+                dtype,
+                c,
+                n,
+                oc,
+                a,
+                dout_m,
+                dw,
+                accumulate,
+                None,
+                Epilogue::None,
+            ),
         }
     }
 }
@@ -781,7 +810,9 @@ pub fn head_forward(
     }
 }
 
-/// Backward of [`head_forward`]: `dinp = dout · w` (overwritten), `dw += doutᵀ · inp`.
+/// Backward of [`head_forward`]: `dinp = dout · w` (overwritten), `dw += doutᵀ · inp`
+/// (`dw = doutᵀ · inp` unless `accumulate`, the same
+/// bits as adding into zeros: see the module doc).
 #[allow(clippy::too_many_arguments)]
 pub fn head_backward(
     dtype: DType,
@@ -793,6 +824,7 @@ pub fn head_backward(
     n: usize,
     c: usize,
     v: usize,
+    accumulate: bool,
 ) {
     check("head dout", dout.len(), n * v);
     check("head inp", inp.len(), n * c);
@@ -822,7 +854,7 @@ pub fn head_backward(
             dout_m.t(),
             Mat::rm(inp.as_ptr(), c),
             Mat::rm(dw.as_mut_ptr(), c),
-            true,
+            accumulate,
             None,
             Epilogue::None,
         );

@@ -147,7 +147,8 @@ impl<'a> NormOut<'a> {
 }
 
 /// The backward of a product of a normalisation's output in either precision: `dinp = dout ·
-/// wᵀ` (overwritten), `dw += inpᵀ · dout`, `dbias += Σ_rows dout`; under bf16 the two halves of `matmul_backward` apart (the same
+/// wᵀ` (overwritten), `dw += inpᵀ · dout` (overwritten unless `accumulate`), `dbias += Σ_rows
+/// dout`; under bf16 the two halves of `matmul_backward` apart (the same
 /// bits: the weight gradient's product rounds an f32 input to the same bf16).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn norm_product_backward(
@@ -157,12 +158,13 @@ pub(crate) fn norm_product_backward(
     inp: NormIn,
     w: View<f32>,
     (n, c, oc): (usize, usize, usize),
+    accumulate: bool,
 ) {
     match inp {
-        NormIn::F32(x) => dev.matmul_backward(Some(dinp), dw, db, dout, x, w, n, c, oc),
+        NormIn::F32(x) => dev.matmul_backward(Some(dinp), dw, db, dout, x, w, n, c, oc, accumulate),
         NormIn::Bf16(x) => {
             dev.matmul_backward_input(dinp, dout, w, n, c, oc);
-            dev.matmul_backward_weight_bf16_input(dw, db, dout, x, n, c, oc);
+            dev.matmul_backward_weight_bf16_input(dw, db, dout, x, n, c, oc, accumulate);
         }
     }
 }

@@ -222,6 +222,9 @@ pub(crate) struct Pass<'a> {
     /// The attention kernels' scratch.
     pub(crate) scratch: ViewMut<'a, f32>,
     pub(crate) prof: &'a mut Profile,
+    /// In backward: whether the weight matrices' products add into their gradients, or
+    /// overwrite them (after a lazy `zero_grad`, which left them unwritten). Forward: unused.
+    pub(crate) accumulate_weight_grads: bool,
 }
 
 impl<'a> Pass<'a> {
@@ -472,6 +475,7 @@ pub(crate) fn head_backward(
     let n = pass.dims.n();
     let nc = n * c;
     let (dev, batch, prof) = (pass.dev, pass.batch, &mut *pass.prof);
+    let acc = pass.accumulate_weight_grads;
     let counted = batch.counted.unwrap_or(0);
     let scale = if counted == 0 {
         0.0
@@ -527,7 +531,7 @@ pub(crate) fn head_backward(
             }
         };
         prof.time(K::HeadBwd, || {
-            dev.head_backward(dinp, dwb, dlogits.as_view(), lnf_out, wb, n, c, vc)
+            dev.head_backward(dinp, dwb, dlogits.as_view(), lnf_out, wb, n, c, vc, acc)
         });
         if v0 > 0 {
             dev.add_into(a.s_dl.slice_mut(..nc), a.s_big.slice(..nc));
@@ -621,6 +625,7 @@ pub(crate) fn block_backward<'g>(
     let n = dims.n();
     let nc = n * c;
     let (dev, drop, mask, segments) = (pass.dev, pass.drop, pass.mask(), pass.segments());
+    let acc = pass.accumulate_weight_grads;
     let (mut scratch, prof) = (pass.scratch.reborrow(), &mut *pass.prof);
     let (l, bl) = (at.local, at.layout);
     let w = BlockWeights::new(p, bl);
@@ -691,12 +696,12 @@ pub(crate) fn block_backward<'g>(
                     act.as_view()
                 };
                 prof.time(K::MatmulBwd, || {
-                    dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c)
+                    dev.matmul_backward(None, dw, db, dproj, act_in, w.fcproj_w, n, f, c, acc)
                 });
             } else {
                 let g16 = bf16_layer(gelu16, sl, n * f).into();
                 prof.time(K::MatmulBwd, || {
-                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
+                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c, acc)
                 });
             }
             // d(SwiGLU output) into `act` (its value is spent), SwiGLU's backward applied to
@@ -737,12 +742,12 @@ pub(crate) fn block_backward<'g>(
                     s_big.into()
                 };
                 prof.time(K::MatmulBwd, || {
-                    dev.matmul_backward(None, dw, db, dproj, gelu_out, w.fcproj_w, n, f, c)
+                    dev.matmul_backward(None, dw, db, dproj, gelu_out, w.fcproj_w, n, f, c, acc)
                 });
             } else {
                 let g16 = bf16_layer(gelu16, sl, n * f).into();
                 prof.time(K::MatmulBwd, || {
-                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c)
+                    dev.matmul_backward_weight_bf16_input(dw, db, dproj, g16, n, f, c, acc)
                 });
             }
             let mut s_big = s_big.slice_mut(..n * f);
@@ -783,7 +788,7 @@ pub(crate) fn block_backward<'g>(
         let (dw, db) = wb(&mut g_mlp, mlp_off, &bl.fc_w, &bl.fc_b);
         prof.time(K::MatmulBwd, || {
             let grads = (s_dl.reborrow(), dw, db);
-            norm_product_backward(dev, grads, dfc, ln_2.into_view(), w.fc_w, (n, c, fx))
+            norm_product_backward(dev, grads, dfc, ln_2.into_view(), w.fc_w, (n, c, fx), acc)
         });
     }
     {
@@ -841,7 +846,7 @@ pub(crate) fn block_backward<'g>(
         let (dw, db) = wb(&mut g, off, &bl.proj_w, &bl.proj_b);
         let s_atty = layer(s_atty, atty_slot, nc);
         prof.time(K::MatmulBwd, || {
-            dev.matmul_backward(None, dw, db, dproj, s_atty, w.proj_w, n, c, c)
+            dev.matmul_backward(None, dw, db, dproj, s_atty, w.proj_w, n, c, c, acc)
         });
         let mut ln_1 = ln_out(s_ln, ln1_slot, nc, ln16);
         if !keep {
@@ -861,8 +866,8 @@ pub(crate) fn block_backward<'g>(
         }
         let (dw, db) = wb(&mut g, off, &bl.attn_w, &bl.attn_b);
         prof.time(K::MatmulBwd, || {
-            let (grads, dq) = ((s_dl.reborrow(), dw, db), dqkv.as_view());
-            norm_product_backward(dev, grads, dq, ln_1.into_view(), w.attn_w, (n, c, qkv_w))
+            let (grads, dq, x) = ((s_dl.reborrow(), dw, db), dqkv.as_view(), ln_1.into_view());
+            norm_product_backward(dev, grads, dq, x, w.attn_w, (n, c, qkv_w), acc)
         });
     }
     let (dw, db) = wb(&mut g, off, &bl.ln_1_w, &bl.ln_1_b);

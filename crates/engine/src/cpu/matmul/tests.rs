@@ -105,6 +105,7 @@ fn matmul_forward_and_backward_match_f64() {
                     n,
                     c,
                     oc,
+                    true,
                 );
             });
             let mut want = naive(&f64s(&inp), &f64s(&w), n, c, oc);
@@ -212,6 +213,7 @@ fn bf16_inputs_give_the_bits_of_their_f32_values() {
                     n,
                     c,
                     oc,
+                    true,
                 );
                 matmul_backward(
                     d,
@@ -224,6 +226,7 @@ fn bf16_inputs_give_the_bits_of_their_f32_values() {
                     n,
                     c,
                     oc,
+                    true,
                 );
                 matmul_gelu_forward_bf16(d, &mut pre, &mut g16, &x16, &w, Some(&b), n, c, oc);
                 matmul_forward(d, &mut want_pre, &x, &w, Some(&b), n, c, oc);
@@ -281,6 +284,7 @@ fn bf16_products_do_not_depend_on_the_thread_count() {
                     n,
                     c,
                     oc,
+                    true,
                 );
             });
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -301,7 +305,18 @@ fn head_forward_and_backward_match_f64() {
     let mut dw = vec![0.0; v * c];
     within_pool(2, || {
         head_forward(DType::F32, &mut out, &inp, &w, n, c, v);
-        head_backward(DType::F32, &mut dinp, &mut dw, &dout, &inp, &w, n, c, v);
+        head_backward(
+            DType::F32,
+            &mut dinp,
+            &mut dw,
+            &dout,
+            &inp,
+            &w,
+            n,
+            c,
+            v,
+            true,
+        );
     });
     let wt = transpose(&f64s(&w), v, c);
     assert_close(&out, &naive(&f64s(&inp), &wt, n, c, v), 1e-5, "logits");
@@ -313,6 +328,71 @@ fn head_forward_and_backward_match_f64() {
     );
     let dt = transpose(&f64s(&dout), n, v);
     assert_close(&dw, &naive(&dt, &f64s(&inp), v, n, c), 1e-5, "dw");
+}
+
+/// A weight gradient's product without `accumulate` (over memory holding NaN, which it must
+/// never read) writes the bits the product adds into +0.0: what lets a lazy `zero_grad` skip
+/// the weights' zeros. K = 2,500 rows is past one K block of every kernel (so later blocks
+/// add to what the first wrote), the gradient is split by rows and by columns, and one
+/// column of the output gradient is zero (sums of ±0 products).
+#[test]
+fn weight_gradients_overwritten_are_the_bits_added_into_zeros() {
+    let mut dtypes = vec![DType::F32];
+    if crate::cpu::bf16_supported() {
+        dtypes.push(DType::Bf16);
+    }
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for &(n, c, oc) in &[(2500, 70, 40), (2500, 33, 96)] {
+        let inp = rand_vec(n * c, 1);
+        let inp16: Vec<u16> = inp
+            .iter()
+            .map(|&v| crate::cpu::bf16::bf16_bits(v))
+            .collect();
+        let w = rand_vec(c * oc, 2);
+        let mut dout = rand_vec(n * oc, 3);
+        for row in dout.chunks_mut(oc) {
+            row[1] = 0.0;
+        }
+        for &dtype in &dtypes {
+            for threads in [1, 2] {
+                let at = format!("{dtype:?} {threads} threads {n}x{c}x{oc}");
+                // (accumulate, dw's start): into zeros, or over NaN
+                let run = |accumulate: bool, start: f32| {
+                    let (mut dw, mut db) = (vec![start; c * oc], vec![0.0; oc]);
+                    let mut dw_plain = vec![start; c * oc];
+                    let (mut dw16, mut db16) = (vec![start; c * oc], vec![0.0; oc]);
+                    let mut dwh = vec![start; oc * c];
+                    let mut dinp = vec![0.0; n * c];
+                    let d = &dout;
+                    within_pool(threads, || {
+                        let (dw, db) = (&mut dw, Some(&mut db[..]));
+                        matmul_backward(dtype, None, dw, db, d, &inp, &w, n, c, oc, accumulate);
+                        let dw = &mut dw_plain;
+                        matmul_backward(dtype, None, dw, None, d, &inp, &w, n, c, oc, accumulate);
+                        if dtype == DType::Bf16 {
+                            let (dw, db) = (&mut dw16, Some(&mut db16[..]));
+                            matmul_backward_weight_bf16_input(
+                                dtype, dw, db, d, &inp16, n, c, oc, accumulate,
+                            );
+                        }
+                        // the head's (V, C) gradient of logits (N, V = oc) over inputs (N, C)
+                        let (dwh, dinp) = (&mut dwh, &mut dinp);
+                        head_backward(dtype, dinp, dwh, d, &inp, &w, n, c, oc, accumulate);
+                    });
+                    [dw, db, dw_plain, dw16, db16, dwh].map(|v| bits(&v))
+                };
+                let (added, written) = (run(true, 0.0), run(false, f32::NAN));
+                let names = ["dw", "db", "dw alone", "dw bf16", "db bf16", "head dw"];
+                for (name, (a, w)) in names.iter().zip(added.iter().zip(&written)) {
+                    if !(dtype == DType::F32 && name.contains("bf16")) {
+                        assert!(a == w, "{name}, {at}");
+                    }
+                }
+                // the zero column's gradient is +0.0 both ways
+                assert_eq!(written[0][1], 0, "{at}");
+            }
+        }
+    }
 }
 
 #[test]
@@ -348,6 +428,7 @@ fn bias_gradients_are_the_bits_of_column_sums_at_any_thread_count() {
                         n,
                         c,
                         oc,
+                        true,
                     )
                 });
                 let at = format!("{dtype:?} {threads} threads c{c} oc{oc}");
@@ -364,6 +445,7 @@ fn bias_gradients_are_the_bits_of_column_sums_at_any_thread_count() {
                             n,
                             c,
                             oc,
+                            true,
                         )
                     });
                     assert_eq!(bits(&db), bits(&want), "{at}, bf16 input");

@@ -26,7 +26,7 @@ use crate::model::{
     alloc, block_backward, block_forward, cpu_from_env, cpu_with_precision, embed_backward,
     embed_forward, head_backward, head_forward, host, host_mut, init_tensors, logit_cols,
     validate_batch, wb, write_on_host, ActLayout, Batch, BlockAt, Dims, DropKey, HeadGrads, Pass,
-    Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES_CHECKPOINTED,
+    Profile, RopeTables, ACT_DRES, KEEP_MAX_BYTES, KERNELS, LOGITS_MAX_BYTES_CHECKPOINTED, NO_BF16,
 };
 use crate::{GPTConfig, GptError, Labels, ParamView};
 
@@ -462,8 +462,7 @@ impl GptStage {
             .is_none_or(|al| al.n < n || al.logit_cols != cols)
         {
             s.arena = Buffer::default();
-            let f32_acts = (false, false);
-            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, f32_acts);
+            let al = ActLayout::new(&self.arena_config, n, KEEP_MAX_BYTES, cols, false, NO_BF16);
             s.arena = alloc(&*self.dev, al.total, "allocate the activations")?;
             s.act_layout = Some(al);
         }

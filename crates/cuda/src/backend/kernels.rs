@@ -10,7 +10,6 @@ use cohort_engine::{
     Backend, Buffer, DType, Device as EngineDevice, Dropout, EngineError, Event, Staging, View,
     ViewMut,
 };
-use cudarc::driver::CudaEvent;
 
 use super::bf16::as_bf16;
 use super::{engine_buffer, host_bytes, opt, opt_mut, Attention, CudaBackend, MISSING};
@@ -74,15 +73,7 @@ impl Backend for CudaBackend {
         src: View<'_, u8>,
         after: &Event,
     ) -> Result<(), EngineError> {
-        let what = "copy to the host after an event";
-        let src = self.r(src).map_err(|e| self.device_error(what, e))?;
-        match after.device().and_then(|e| e.downcast_ref::<CudaEvent>()) {
-            Some(event) => self.dev.copy_to_host_after(dst, &src, event),
-            // Done already (recorded in place of a failed event, or by another backend):
-            // the ordinary copy, after every kernel so far, is as late as it needs to be.
-            None => self.dev.copy_to_host(dst, &src),
-        }
-        .map_err(|e| self.device_error(what, e))
+        self.copy_after(dst, src, after)
     }
     fn copy_from_host_beside(&self, dst: ViewMut<'_, u8>, src: &[u8]) -> Result<(), EngineError> {
         let what = "copy to the device beside the kernels";

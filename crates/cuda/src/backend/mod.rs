@@ -29,7 +29,7 @@ use cohort_engine::{
     Buffer, DType, Device as EngineDevice, Dropout, Elem, EngineError, Event, Staging, View,
     ViewMut,
 };
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr};
 
 use crate::device::{Device, Mem, Raw};
 use crate::libraries::Search;
@@ -118,6 +118,25 @@ impl CudaBackend {
                 Event::done()
             }
         }
+    }
+
+    /// [`Backend::copy_to_host_after`](cohort_engine::Backend::copy_to_host_after): on the
+    /// copy queue after `after` where it is this device's event, else the ordinary copy.
+    fn copy_after(
+        &self,
+        dst: &mut [u8],
+        src: View<'_, u8>,
+        after: &Event,
+    ) -> Result<(), EngineError> {
+        let what = "copy to the host after an event";
+        let src = self.r(src).map_err(|e| self.device_error(what, e))?;
+        match after.device().and_then(|e| e.downcast_ref::<CudaEvent>()) {
+            Some(event) => self.dev.copy_to_host_after(dst, &src, event),
+            // Done already (recorded in place of a failed event, or by another backend):
+            // the ordinary copy, after every kernel so far, is as late as it needs to be.
+            None => self.dev.copy_to_host(dst, &src),
+        }
+        .map_err(|e| self.device_error(what, e))
     }
 
     /// [`Backend::alloc_staging`](cohort_engine::Backend::alloc_staging): page-locked host floats.

@@ -314,6 +314,9 @@ pub(super) fn ln_out<'b>(
     }
 }
 
+/// `ActLayout::new`'s (bf16, qkv16 kernels) for f32 activations (a pipeline stage's).
+pub(crate) const NO_BF16: (bool, bool) = (false, false);
+
 /// The kernels a bf16 qkv buffer needs: optional (a backend without them keeps qkv in f32).
 pub(crate) const QKV16_KERNELS: [&str; 3] = [
     "matmul_forward_bf16_out",

@@ -38,6 +38,18 @@ impl AlignedFloats {
         AlignedFloats { buf, start, len }
     }
 
+    /// [`AlignedFloats::zeroed`] with every page written now: for state a first use reads
+    /// before it writes (an optimizer's moments). A fresh allocation's pages are mapped on
+    /// first touch, and a page first read is the kernel's shared zero page, copied again on
+    /// the write, each copy flushing the TLB of every other thread of the process; written
+    /// first, each page is faulted in once, with no flush. AdamW's first step on 124M
+    /// parameters (config G, two threads) took ~1.9 s against a steady ~50 ms.
+    pub fn zeroed_written(len: usize) -> AlignedFloats {
+        let mut v = AlignedFloats::zeroed(len);
+        v.fill(0.0);
+        v
+    }
+
     /// The whole buffer as a slice (what `Vec::as_mut_slice` is for a `Vec`).
     pub fn as_mut_slice(&mut self) -> &mut [f32] {
         self

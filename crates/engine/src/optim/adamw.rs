@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use super::kernels::{self, AdamCoeffs};
 use super::{check_len, parallel, DecayMask, OptimError, Optimizer, OptimizerState, BLOCK};
-use crate::{Backend, Buffer, View, ViewMut};
+use crate::{AlignedFloats, Backend, Buffer, View, ViewMut};
 
 /// AdamW hyperparameters; the defaults are PyTorch's, except that the learning rate is passed to
 /// every [`Optimizer::step`] (it comes from an [`LrSchedule`](super::LrSchedule)).
@@ -91,8 +91,8 @@ impl AdamW {
             cfg,
             mask,
             step: 0,
-            exp_avg: Buffer::host(n),
-            exp_avg_sq: Buffer::host(n),
+            exp_avg: AlignedFloats::zeroed_written(n).into(),
+            exp_avg_sq: AlignedFloats::zeroed_written(n).into(),
         })
     }
 

@@ -69,7 +69,7 @@ impl Sgd {
             cfg,
             mask,
             step: 0,
-            momentum_buffer: AlignedFloats::zeroed(n),
+            momentum_buffer: AlignedFloats::zeroed_written(n),
         })
     }
 

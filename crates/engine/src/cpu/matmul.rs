@@ -521,18 +521,43 @@ pub fn matmul_gelu_forward_bf16(
     c: usize,
     oc: usize,
 ) {
-    check("matmul gelu out", out.len(), n * oc);
+    let ep = |out, rs| Epilogue::GeluBf16 { out, rs };
+    bf16_out_product(
+        "matmul gelu out",
+        dtype,
+        (grad, out),
+        inp,
+        w,
+        bias,
+        (n, c, oc),
+        ep,
+    )
+}
+
+/// The forward product of a bf16 input whose epilogue (`ep(out, row stride)`) keeps an (N, OC)
+/// result in bf16 in `out` (`what` names it in the size check), C (N, OC) f32 in `c_f32`:
+/// [`matmul_gelu_forward_bf16`] and [`matmul_forward_bf16_out`]. Needs a backend of
+/// `DType::Bf16`.
+#[allow(clippy::too_many_arguments)]
+fn bf16_out_product(
+    what: &str,
+    dtype: DType,
+    (c_f32, out): (&mut [f32], &mut [u16]),
+    inp: &[u16],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    (n, c, oc): (usize, usize, usize),
+    ep: impl FnOnce(SendPtr, usize) -> Epilogue,
+) {
+    check(what, out.len(), n * oc);
     assert!(
         dtype == DType::Bf16 && super::bf16_supported(),
         "bf16 activations need a backend of DType::Bf16"
     );
-    let ep = Epilogue::GeluBf16 {
-        out: SendPtr(out.as_mut_ptr() as *mut f32),
-        rs: oc,
-    };
+    let ep = ep(SendPtr(out.as_mut_ptr() as *mut f32), oc);
     let a = Mat::rm_bf16(inp.as_ptr(), c);
     // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
-    unsafe { conv1d_product(dtype, grad, a, inp.len(), w, bias, (n, c, oc), ep) }
+    unsafe { conv1d_product(dtype, c_f32, a, inp.len(), w, bias, (n, c, oc), ep) }
 }
 
 /// [`matmul_forward`] with `ep` applied to the product as the kernels finish it: the fused
@@ -609,18 +634,17 @@ pub fn matmul_forward_bf16_out(
     c: usize,
     oc: usize,
 ) {
-    check("matmul bf16 out", out.len(), n * oc);
-    assert!(
-        dtype == DType::Bf16 && super::bf16_supported(),
-        "bf16 activations need a backend of DType::Bf16"
-    );
-    let ep = Epilogue::Bf16 {
-        out: SendPtr(out.as_mut_ptr() as *mut f32),
-        rs: oc,
-    };
-    let a = Mat::rm_bf16(inp.as_ptr(), c);
-    // SAFETY: `a` is `inp`; ep's operand is `out`, (n, oc) u16 as checked, a distinct &mut.
-    unsafe { conv1d_product(dtype, sums, a, inp.len(), w, bias, (n, c, oc), ep) }
+    let ep = |out, rs| Epilogue::Bf16 { out, rs };
+    bf16_out_product(
+        "matmul bf16 out",
+        dtype,
+        (sums, out),
+        inp,
+        w,
+        bias,
+        (n, c, oc),
+        ep,
+    )
 }
 
 /// The weight half of [`matmul_backward`] for an input kept in bf16: `dw += inpᵀ · dout`

@@ -235,7 +235,7 @@ fn forward_with(
     let out_p = SendPtr(out.as_mut_ptr());
     let lse_p = SendPtr(lse.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    let fused = fused_tiles().filter(|_| bf16 && fused_ok);
+    let fused = fused_for(dtype, fused_ok);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = fused_ok;
     let general = qkv16::general(qkv);
@@ -282,6 +282,16 @@ pub(super) fn fused_heads() -> bool {
         let off = |name| std::env::var(name).is_ok_and(|v| v.trim() == "0");
         !off("COHORT_FUSED_ATTENTION") && !off("COHORT_AMX_ATTENTION")
     })
+}
+
+/// The tiles a call's heads run fused on: this process's bf16 kernel's, for bf16 products
+/// (`dtype` on a CPU that has them) when `fused_ok` ([`fused_heads`]); None where heads run
+/// on the general path. The one decision forward, backward and the bf16 qkv buffer
+/// (`qkv16::with_qkv`) make.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn fused_for(dtype: DType, fused_ok: bool) -> Option<super::attention_fused::Tiles> {
+    let bf16 = dtype == DType::Bf16 && super::bf16_supported();
+    fused_tiles().filter(|_| bf16 && fused_ok)
 }
 
 /// The tiles fused heads run on: this process's bf16 kernel's (None without one).
@@ -611,7 +621,7 @@ fn backward_with(
         SendPtr(o.as_mut_ptr())
     });
     #[cfg(target_arch = "x86_64")]
-    let fused = fused_tiles().filter(|_| bf16 && fused_ok);
+    let fused = fused_for(dtype, fused_ok);
     #[cfg(not(target_arch = "x86_64"))]
     let _ = fused_ok;
     let general = qkv16::general(qkv);

@@ -106,10 +106,7 @@ pub(super) fn with_qkv<R>(
     f: impl FnOnce(Qkv) -> R,
 ) -> R {
     #[cfg(target_arch = "x86_64")]
-    let fused = dtype == DType::Bf16
-        && crate::cpu::bf16_supported()
-        && fused_ok
-        && super::fused_tiles().is_some();
+    let fused = super::fused_for(dtype, fused_ok).is_some();
     #[cfg(not(target_arch = "x86_64"))]
     let fused = {
         let _ = (fused_ok, dtype);

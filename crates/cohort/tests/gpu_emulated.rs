@@ -2,7 +2,8 @@
 //! (`crates/cuda/emu/README.md`) instead of a GPU: `cohort gpu info` and `cohort gpu check`
 //! (every CUDA kernel and the CUDA engine backend against the CPU's), `cohort train --device
 //! cuda` against `--device cpu`, two ranks sharing the device with their gradients staged
-//! through the host, and `cohort bench train --device cuda`. The CUDA code runs, as host code;
+//! through the host or all-reduced by (the emulator's) NCCL, `cohort gpu nccl` on one rank and
+//! two, and `cohort bench train --device cuda`. The CUDA code runs, as host code;
 //! no figure from it means anything. Needs g++: without one it skips with a message, and fails
 //! under CI (`CI` set), whose machine has it.
 
@@ -40,11 +41,18 @@ fn emulator() -> Option<PathBuf> {
 
 /// `cohort ARGS` with only the emulator's CUDA libraries to find.
 fn cohort(lib: &Path, args: &[&str]) -> Output {
+    cohort_env(lib, args, &[])
+}
+
+/// [`cohort`] with more environment variables.
+fn cohort_env(lib: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_cohort"))
         .args(args)
         .env("COHORT_CUDA_LIB_DIRS", lib)
         .env_remove("LD_LIBRARY_PATH")
+        .env_remove("NCCL_MULTI_RANK_GPU_ENABLE")
         .env("COHORT_PYTHON", "/nonexistent") // no Python environment's nvidia/*/lib
+        .envs(env.iter().copied())
         .output()
         .unwrap()
 }
@@ -125,10 +133,15 @@ fn close(cpu: &[(u64, f64)], dev: &[(u64, f64)], tol: f64, what: &str) {
 fn training_on_cuda_follows_the_cpus_loss_curve_on_the_emulator() {
     let Some(lib) = emulator() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let run = |device: &str, batch: &str, launcher: &[&str], log: &str| {
+    // `cohort [run -n 2] train ... --batch-size B --device D [--backend nccl]`
+    let run = |device: &str, batch: &str, ranks: &[&str], log: &str, env: &[(&str, &str)]| {
         let log = dir.path().join(log);
-        let mut args: Vec<&str> = launcher.to_vec();
+        let nccl = env.iter().any(|(k, _)| k.starts_with("NCCL"));
+        let mut args: Vec<&str> = ranks.to_vec();
         args.extend_from_slice(TRAIN);
+        if nccl {
+            args.extend_from_slice(&["--backend", "nccl"]);
+        }
         let log_s = log.to_str().unwrap().to_string();
         args.extend_from_slice(&[
             "--batch-size",
@@ -138,15 +151,24 @@ fn training_on_cuda_follows_the_cpus_loss_curve_on_the_emulator() {
             "--log-dir",
             &log_s,
         ]);
-        ok(&format!("{args:?}"), &cohort(&lib, &args));
+        ok(&format!("{args:?}"), &cohort_env(&lib, &args, env));
         losses(&log)
     };
-    let cpu = run("cpu", "8", &[], "cpu");
-    let cuda = run("cuda", "8", &[], "cuda");
+    let cpu = run("cpu", "8", &[], "cpu", &[]);
+    let cuda = run("cuda", "8", &[], "cuda", &[]);
     close(&cpu, &cuda, 1e-4, "one rank on cuda");
     // two ranks sharing the one device, gradients all-reduced on the host: the same global batch
-    let staged = run("cuda", "4", &["run", "-n", "2"], "cuda-x2");
+    let staged = run("cuda", "4", &["run", "-n", "2"], "cuda-x2", &[]);
     close(&cpu, &staged, 1e-4, "two host-staged ranks on cuda");
+    // the same two ranks, their gradients averaged on the device by NCCL
+    let nccl = run(
+        "cuda",
+        "4",
+        &["run", "-n", "2"],
+        "cuda-nccl",
+        &[("NCCL_MULTI_RANK_GPU_ENABLE", "1")],
+    );
+    close(&cpu, &nccl, 1e-4, "two ranks on cuda over NCCL");
 }
 
 #[test]
@@ -184,4 +206,34 @@ fn bench_train_runs_on_cuda_on_the_emulator() {
         let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
         assert!(v["final_loss"].as_f64().unwrap().is_finite(), "{v}");
     }
+}
+
+#[test]
+fn gpu_nccl_runs_every_collective_on_one_rank_and_two_on_the_emulator() {
+    let Some(lib) = emulator() else { return };
+    let one = ok(
+        "cohort gpu nccl",
+        &cohort(&lib, &["gpu", "nccl", "--elements", "10003"]),
+    );
+    assert!(
+        one.contains("NCCL 2.30.7") && one.contains("1 rank(s)"),
+        "{one}"
+    );
+    let two = ["run", "-n", "2", "gpu", "nccl", "--elements", "4099"];
+    // two ranks on one device: refused, naming the fix, unless NCCL is told it may
+    let out = cohort(&lib, &two);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("share one GPU") && stderr.contains("NCCL_MULTI_RANK_GPU_ENABLE=1"),
+        "{stderr}"
+    );
+    let out = cohort_env(&lib, &two, &[("NCCL_MULTI_RANK_GPU_ENABLE", "1")]);
+    let text = ok("cohort run -n 2 gpu nccl", &out);
+    let rows = text
+        .lines()
+        .filter(|l| l.trim_end().ends_with("yes"))
+        .count();
+    // rank 0 prints the table; every rank checks its own outputs (a miss fails the command)
+    assert_eq!(rows, 10, "10 collectives: {text}");
 }

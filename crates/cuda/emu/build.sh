@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the CUDA CPU emulator (README.md) with g++ into OUT (default: target/cuda-emu):
 #   OUT/lib/      libcuda.so.1, libnvrtc.so.13 (and an empty libnvrtc-builtins.so.13.0),
-#                 libcublas.so.13 (and an empty libcublasLt.so.13)
+#                 libcublas.so.13 (and an empty libcublasLt.so.13), libnccl.so.2
 #   OUT/include/  cuda_bf16.h, cohort_emu_runtime.h (what kernels compile against)
 #   OUT/cache/    kernel families compiled by the emulator's NVRTC, made on first use
 # Point cohort at it with COHORT_CUDA_LIB_DIRS=OUT/lib. Rebuilds only when a source changed;
@@ -30,5 +30,6 @@ lib libnvrtc.so.13 "$HERE/nvrtc.cpp"
 lib libnvrtc-builtins.so.13.0 "$EMPTY"
 lib libcublas.so.13 "$HERE/cublas.cpp"
 lib libcublasLt.so.13 "$EMPTY"
+lib libnccl.so.2 "$HERE/nccl.cpp"
 rm -f "$EMPTY"
 echo "$STAMP" >"$OUT/stamp"

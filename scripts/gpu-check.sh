@@ -30,12 +30,21 @@
 # after the eager anchors and before torch.compile. Everything printed also
 # goes to $OUT/gpu-check.log (and every part's JSON line, cohort's and PyTorch's, to
 # $OUT/bench.jsonl) when OUT is set. GPU_CHECK_SMOKE=1 checks the script itself without a GPU:
-# cohort runs on the CPU (and its emulated device) and PyTorch on a tiny model. Exit status: nonzero when the
-# kernel check or a part failed.
+# cohort runs on the CPU (and its emulated device) and PyTorch on a tiny model; with
+# GPU_CHECK_EMULATOR=DIR as well (the CUDA CPU emulator built by crates/cuda/emu/build.sh DIR),
+# every cohort part runs its CUDA path on the emulator instead (--device cuda, NCCL, small
+# models), so the script's GPU branches run before a GPU's minutes are spent on them. Exit
+# status: nonzero when the kernel check or a part failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 START=$(date +%s)
+SMOKE_ON_EMULATOR=0
+if [ "${GPU_CHECK_SMOKE:-0}" = 1 ] && [ -n "${GPU_CHECK_EMULATOR:-}" ]; then
+  # cohort finds the emulator's libcuda, NVRTC, cuBLAS and NCCL before any others.
+  export COHORT_CUDA_LIB_DIRS=$GPU_CHECK_EMULATOR/lib
+  SMOKE_ON_EMULATOR=1
+fi
 DEADLINE=$((START + 470)) # 8 minutes, less a margin for the table
 COHORT=${1:-target/release/cohort}
 PY=${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -146,7 +155,7 @@ if [ -x "$COHORT" ]; then
   section "cohort gpu check"
   run_part "cohort gpu check" 60 "$COHORT" gpu check
   section "cohort gpu nccl"
-  if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
+  if [ "${GPU_CHECK_SMOKE:-0}" = 1 ] && [ "$SMOKE_ON_EMULATOR" = 0 ]; then
     SUMMARY+=("cohort gpu nccl: skipped (smoke: no GPU)")
   else
     run_part "cohort gpu nccl (1 rank)" 30 "$COHORT" gpu nccl
@@ -164,35 +173,45 @@ EXPECT_COHORT=()
 DEV=cuda
 if [ "${GPU_CHECK_SMOKE:-0}" = 1 ]; then
   SMOKE=(--smoke)
-  # No GPU: the device path on the emulated device (host memory, the CPU's kernels).
-  DEV=emulated
+  # No GPU: the device path on the emulated device (host memory, the CPU's kernels), or the
+  # CUDA path on the CUDA CPU emulator.
+  [ "$SMOKE_ON_EMULATOR" = 1 ] || DEV=emulated
 fi
 BENCH=(docs/bench/bench_gpu.py)
+# The small model of the training comparison (and of the smoke's DDP); the emulator runs
+# kernels as host code, slowly: a smaller one there, for fewer steps.
+SHAPE=(--n-layers 2 --n-heads 4 --d-model 128 --d-ff 512 --seq-len 64)
+STEPS=20
+if [ "$SMOKE_ON_EMULATOR" = 1 ]; then
+  SHAPE=(--n-layers 2 --n-heads 4 --d-model 64 --d-ff 256 --seq-len 32)
+  STEPS=6
+fi
 
 section "cohort train --device $DEV against --device cpu (20 steps)"
 if [ -x "$COHORT" ]; then
   # A small model on the embedded corpus, one step per log line; the run log keeps each loss
   # in full (metrics.jsonl), which the comparison reads.
-  TRAIN=(train --steps 20 --log-interval 1 --n-layers 2 --n-heads 4 --d-model 128 --d-ff 512
-    --seq-len 64 --batch-size 8 --dropout 0)
+  TRAIN=(train --steps "$STEPS" --log-interval 1 "${SHAPE[@]}" --batch-size 8 --dropout 0)
   rm -rf "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV"
   run_part "cohort train --device cpu" 30 "$COHORT" "${TRAIN[@]}" --device cpu --log-dir "$OUT_DIR/train-cpu"
   run_part "cohort train --device $DEV" 45 "$COHORT" "${TRAIN[@]}" --device "$DEV" --log-dir "$OUT_DIR/train-$DEV"
   run_part "loss curves cpu vs $DEV" 15 "$PY" "${BENCH[@]}" compare "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV" --label "$DEV" --out "$RESULTS"
   # Two ranks sharing the device, their gradients host-staged (DDP's buckets all-reduced on
   # the host while backward goes on): batch 4 each, the CPU run's global batch of 8.
-  TRAIN_X2=(train --steps 20 --log-interval 1 --n-layers 2 --n-heads 4 --d-model 128 --d-ff 512
-    --seq-len 64 --batch-size 4 --dropout 0)
+  TRAIN_X2=(train --steps "$STEPS" --log-interval 1 "${SHAPE[@]}" --batch-size 4 --dropout 0)
   rm -rf "$OUT_DIR/train-$DEV-x2"
   run_part "cohort run -n 2 train --device $DEV (host-staged)" 60 "$COHORT" run -n 2 "${TRAIN_X2[@]}" --device "$DEV" --log-dir "$OUT_DIR/train-$DEV-x2"
   run_part "loss curves cpu vs 2 ranks on $DEV" 15 "$PY" "${BENCH[@]}" compare "$OUT_DIR/train-cpu" "$OUT_DIR/train-$DEV-x2" --label "$DEV x2" --out "$RESULTS"
 
   section "cohort bench train --device $DEV"
   # JSON lines into the results the table reads (and the log).
-  if [ "$DEV" = cuda ]; then
+  if [ "$DEV" = cuda ] && [ "$SMOKE_ON_EMULATOR" = 0 ]; then
     G124=(--config G --seq 1024 --steps 4 --warmup 1)
     CONFIG_G=(--config G --steps 8 --warmup 2)
     EXPECT_COHORT=(G:1024:8:fp32 G:1024:16:fp32 G:1024:8:bf16 G:1024:16:bf16 G:256:4:fp32)
+  elif [ "$SMOKE_ON_EMULATOR" = 1 ]; then
+    G124=(--config A --seq 16 --steps 1 --warmup 1)
+    CONFIG_G=(--config A --seq 16 --steps 1 --warmup 1)
   else
     G124=(--config A --steps 2 --warmup 1)
     CONFIG_G=(--config A --seq 32 --steps 2 --warmup 1)
@@ -214,14 +233,15 @@ run_part "PyTorch eager B=8" 35 "$PY" "${BENCH[@]}" train --mode eager --batch 8
 run_part "PyTorch eager B=16" 40 "$PY" "${BENCH[@]}" train --mode eager --batch 16 "${SMOKE[@]}" --budget-s 30 --out "$RESULTS"
 section "DDP: 2 ranks on one GPU ($DEV), cohort beside PyTorch's gloo DDP"
 DDP_BENCH=(docs/bench/bench_gpu_ddp.py)
-if [ "$DEV" = cuda ]; then
+if [ "$DEV" = cuda ] && [ "$SMOKE_ON_EMULATOR" = 0 ]; then
   # GPT-2 124M (config G's shape) at T=1024 on random tokens, bf16 products, batch 4 per rank.
   DDP_MODEL=(--n-layers 12 --n-heads 12 --d-model 768 --d-ff 3072 --seq-len 1024 --vocab-size 50304
     --batch-size 4 --precision bf16)
   DDP_SEQ=1024 DDP_STEPS=(--steps 8 --log-interval 4)
 else
-  DDP_MODEL=(--n-layers 2 --n-heads 4 --d-model 128 --d-ff 512 --seq-len 64 --batch-size 4)
-  DDP_SEQ=64 DDP_STEPS=(--steps 4 --log-interval 2)
+  # the smoke's shape (the emulator's smaller one there)
+  DDP_MODEL=("${SHAPE[@]}" --batch-size 4)
+  DDP_SEQ=${SHAPE[-1]} DDP_STEPS=(--steps 4 --log-interval 2)
 fi
 DDP_TRAIN=(train --data random "${DDP_MODEL[@]}" "${DDP_STEPS[@]}" --eval-interval 1000 --dropout 0 --device "$DEV")
 EXPECT_DDP=("cohort host-staged" "PyTorch DDP backend=gloo")

@@ -238,7 +238,13 @@ fn ddp_over_nccl_in_buckets_follows_the_cpu_with_accumulation_clipping_and_a_nan
         ],
     );
     // The header: buckets, averaged by NCCL while backward goes on.
-    let model = out.lines().find(|l| l.starts_with("model:")).unwrap();
+    // Rank 0's lines, as `cohort run` prefixes them.
+    let line = |start: &str| {
+        let tag = format!("[rank0]: {start}");
+        let found = out.lines().find(|l| l.starts_with(&tag));
+        found.unwrap_or_else(|| panic!("no {start:?} line: {out}"))
+    };
+    let model = line("model:");
     let buckets: usize = model
         .split("in buckets while backward goes on: ")
         .nth(1)
@@ -250,7 +256,7 @@ fn ddp_over_nccl_in_buckets_follows_the_cpu_with_accumulation_clipping_and_a_nan
         model.contains("by NCCL 2.30.7") && model.contains("overlap on"),
         "{model}"
     );
-    let grads = out.lines().find(|l| l.starts_with("gradients:")).unwrap();
+    let grads = line("gradients: averaged");
     assert!(grads.contains("communication stream"), "{grads}");
     // The step skipped on every rank, as on the CPU.
     for o in [&cpu_out, &out] {

@@ -129,9 +129,10 @@ fn gradients_go_through_the_registered_collectives_and_the_guard_still_holds() {
         );
         assert!(dev[0].params == dev[1].params, "the ranks diverged: {what}");
         assert!(dev[0].params.iter().all(|p| p.is_finite()), "{what}");
-        assert_eq!(dev[0].train_losses, dev[1].train_losses, "{what}");
+        // The skipped steps' (NaN) on both, the same loss elsewhere.
         for (c, d) in cpu[0].train_losses.iter().zip(&dev[0].train_losses) {
-            assert!((c.1 - d.1).abs() < 1e-4, "{what}: {c:?} {d:?}");
+            let same = (c.1 - d.1).abs() < 1e-4 || (c.1.is_nan() && d.1.is_nan());
+            assert!(same, "{what}: {c:?} {d:?}");
         }
     }
     let header = header(&cfg(DeviceChoice::Emulated, Overlap::On));
@@ -143,7 +144,7 @@ fn gradients_go_through_the_registered_collectives_and_the_guard_still_holds() {
     );
     let line = header
         .lines()
-        .find(|l| l.starts_with("gradients:"))
+        .find(|l| l.starts_with("gradients: averaged"))
         .unwrap();
     assert!(
         line.contains("bucket by bucket while backward goes on"),

@@ -1,10 +1,12 @@
 //! NCCL for the training crates, which never link a GPU library themselves
 //! (`cohort_train::register_device_collectives`): cohort-nccl's set-up over the process group
-//! and its all-reduce behind the training crate's trait. Wiring only: cohort-nccl finds the
-//! library, compares the ranks' GPUs, exchanges the id and runs the collectives.
+//! and its all-reduces behind the training crate's trait (a bucket's on NCCL's communication
+//! stream after backward's event, the kernels' stream then ordered after them). Wiring only:
+//! cohort-nccl finds the library, compares the ranks' GPUs, exchanges the id and runs the
+//! collectives.
 
 use cohort_cuda::libraries::Search;
-use cohort_engine::{Backend, ViewMut};
+use cohort_engine::{Backend, Event, ViewMut};
 use cohort_nccl::{join, Binding, Communicator, Joined, Policy, Reduce};
 use cohort_train::{DeviceCollectives, DeviceSync};
 
@@ -25,6 +27,21 @@ impl DeviceCollectives for Nccl {
         self.0
             .all_reduce(grads, Reduce::Avg)
             .map_err(|e| e.to_string())
+    }
+
+    fn all_reduce_avg_after(
+        &self,
+        _: &dyn Backend,
+        grads: ViewMut<'_, f32>,
+        after: &Event,
+    ) -> Result<(), String> {
+        self.0
+            .all_reduce_after(grads, Reduce::Avg, after)
+            .map_err(|e| e.to_string())
+    }
+
+    fn order_kernels_after(&self, _: &dyn Backend) -> Result<(), String> {
+        self.0.order_kernels_after().map_err(|e| e.to_string())
     }
 }
 

@@ -2,8 +2,9 @@
 //! (`crates/cuda/emu/README.md`) instead of a GPU: `cohort gpu info` and `cohort gpu check`
 //! (every CUDA kernel and the CUDA engine backend against the CPU's), `cohort train --device
 //! cuda` against `--device cpu`, two ranks sharing the device with their gradients staged
-//! through the host or all-reduced by (the emulator's) NCCL, `cohort gpu nccl` on one rank and
-//! two, and `cohort bench train --device cuda`. The CUDA code runs, as host code;
+//! through the host or all-reduced by (the emulator's) NCCL (after backward, and in buckets
+//! while backward goes on), `cohort gpu nccl` on one rank and two, and `cohort bench train
+//! --device cuda`. The CUDA code runs, as host code;
 //! no figure from it means anything. Needs g++: without one it skips with a message, and fails
 //! under CI (`CI` set), whose machine has it.
 
@@ -169,6 +170,117 @@ fn training_on_cuda_follows_the_cpus_loss_curve_on_the_emulator() {
         &[("NCCL_MULTI_RANK_GPU_ENABLE", "1")],
     );
     close(&cpu, &nccl, 1e-4, "two ranks on cuda over NCCL");
+}
+
+/// (step, train_loss, grad_norm, skipped updates) of a run log, NaN where the log has none
+/// (a skipped step's).
+fn curve(dir: &Path) -> Vec<(u64, f64, f64, u64)> {
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v.get("train_loss").is_some())
+        .filter_map(|v| {
+            let loss = v["train_loss"].as_f64().unwrap_or(f64::NAN);
+            let norm = v["grad_norm"].as_f64().unwrap_or(f64::NAN);
+            Some((v["step"].as_u64()?, loss, norm, v["skipped"].as_u64()?))
+        })
+        .collect()
+}
+
+/// Two ranks on one device, their gradients averaged by (the emulator's) NCCL in buckets
+/// while backward goes on (several: a small cap; overlap on, as a GPU host's free cores make
+/// it by default), with two micro-batches a step (the sync on the second only), clipping at
+/// a norm below every step's, and a NaN written into rank 1's averaged gradient at step 3
+/// (0-based; the log's step 4): the loss curve is the CPU's with the doubled batch (the same
+/// micro-batches, the same step skipped), so both ranks skipped it and kept the same
+/// parameters.
+#[test]
+fn ddp_over_nccl_in_buckets_follows_the_cpu_with_accumulation_clipping_and_a_nan_step() {
+    let Some(lib) = emulator() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["--grad-accum", "2", "--grad-clip", "0.05"];
+    let run = |ranks: &[&str], extra: &[&str], log: &str, env: &[(&str, &str)]| {
+        let log = dir.path().join(log);
+        let log_s = log.to_str().unwrap().to_string();
+        let mut args: Vec<&str> = ranks.to_vec();
+        args.extend_from_slice(TRAIN);
+        args.extend_from_slice(&common);
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--log-dir", &log_s]);
+        let out = ok(&format!("{args:?}"), &cohort_env(&lib, &args, env));
+        (out, curve(&log))
+    };
+    let (cpu_out, cpu) = run(
+        &[],
+        &["--batch-size", "8", "--device", "cpu"],
+        "cpu",
+        &[("COHORT_INJECT_NAN", "3")],
+    );
+    let (out, nccl) = run(
+        // A free port: other runs may hold the default one.
+        &["run", "-n", "2", "--standalone"],
+        &[
+            "--batch-size",
+            "4",
+            "--device",
+            "cuda",
+            "--backend",
+            "nccl",
+            "--overlap",
+            "on",
+            "--bucket-cap-mb",
+            "0.05",
+        ],
+        "nccl",
+        &[
+            ("NCCL_MULTI_RANK_GPU_ENABLE", "1"),
+            ("COHORT_INJECT_NAN", "3@1"),
+        ],
+    );
+    // The header: buckets, averaged by NCCL while backward goes on.
+    // Rank 0's lines, as `cohort run` prefixes them.
+    let line = |start: &str| {
+        let tag = format!("[rank0]: {start}");
+        let found = out.lines().find(|l| l.starts_with(&tag));
+        found.unwrap_or_else(|| panic!("no {start:?} line: {out}"))
+    };
+    let model = line("model:");
+    let buckets: usize = model
+        .split("in buckets while backward goes on: ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no buckets in the header: {model}"));
+    assert!(buckets >= 3, "{model}");
+    assert!(
+        model.contains("by NCCL 2.30.7") && model.contains("overlap on"),
+        "{model}"
+    );
+    let grads = line("gradients: averaged");
+    assert!(grads.contains("communication stream"), "{grads}");
+    // The step skipped on every rank, as on the CPU.
+    for o in [&cpu_out, &out] {
+        assert!(o.contains("skipped 1 update(s)"), "{o}");
+    }
+    assert_eq!(cpu.len(), 8, "{cpu:?}");
+    assert_eq!(
+        cpu.iter().map(|c| c.0).collect::<Vec<_>>(),
+        nccl.iter().map(|d| d.0).collect::<Vec<_>>()
+    );
+    for (c, d) in cpu.iter().zip(&nccl) {
+        let what = format!(
+            "step {}: cpu {c:?} nccl {d:?}\ncpu {cpu:?}\nnccl {nccl:?}",
+            c.0
+        );
+        if c.0 == 4 {
+            assert!(c.3 == 1 && d.3 == 1, "the NaN step was not skipped: {what}");
+            continue;
+        }
+        assert!(c.3 == 0 && d.3 == 0, "{what}");
+        assert!((c.1 - d.1).abs() <= 1e-4 * c.1.abs(), "{what}");
+        // The clip bites: every step's norm (before clipping) is above it.
+        assert!(c.2 > 0.05 && (c.2 - d.2).abs() <= 1e-3 * c.2, "{what}");
+    }
 }
 
 #[test]

@@ -480,6 +480,24 @@ impl<'a, T: Elem> ViewMut<'a, T> {
         (part(0, mid), part(mid, len))
     }
 
+    /// The one view over `self` and `next`, which must start where `self` ends, on the same
+    /// device: what two pieces of one buffer handed out apart (a backward's ranges of the
+    /// gradient buffer) become again to be reduced in one collective. `None` (both views
+    /// given up) where they are not adjacent.
+    ///
+    /// # Safety
+    /// Both views must have been carved (sliced or split) from one buffer or one slice:
+    /// adjacent addresses alone do not make two allocations one.
+    #[inline]
+    pub unsafe fn join(self, next: ViewMut<'a, T>) -> Option<ViewMut<'a, T>> {
+        let adjacent = self.device == next.device
+            && self.ptr.wrapping_add(self.len) as usize == next.ptr as usize;
+        adjacent.then_some(ViewMut {
+            len: self.len + next.len,
+            ..self
+        })
+    }
+
     /// The host slice it is, or None on a device.
     #[inline]
     pub fn try_host(self) -> Option<&'a mut [T]> {
@@ -505,6 +523,23 @@ impl<'a, T: Elem> ViewMut<'a, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn adjacent_pieces_of_one_buffer_join_and_others_do_not() {
+        let mut b = Buffer::host(10);
+        let (lo, hi) = b.view_mut().split_at_mut(4);
+        let (mid, top) = hi.split_at_mut(3);
+        // SAFETY: all three are pieces of `b`.
+        let joined = unsafe { lo.join(mid) }.unwrap();
+        assert_eq!(joined.len(), 7);
+        let (mut joined, top) = (joined, top);
+        joined.slice_mut(..).host().fill(1.0);
+        top.host().fill(2.0);
+        assert_eq!(b.host_slice().unwrap()[6..8], [1.0, 2.0]);
+        let (lo, hi) = b.view_mut().split_at_mut(5);
+        // SAFETY: both pieces of `b`; out of order, so not adjacent.
+        assert!(unsafe { hi.join(lo) }.is_none());
+    }
 
     #[test]
     fn host_buffers_are_aligned_zeroed_and_viewed_in_place() {

@@ -2,6 +2,16 @@
 //! the CUDA backend's stream (in order with the kernels before and after them) and waited
 //! for by polling, so that none outlives the timeout.
 //!
+//! # The communication stream
+//! [`Communicator::all_reduce_after`] queues an all-reduce on a stream of the communicator's
+//! own instead (made on first use, non-blocking: it waits for the kernels' stream only through
+//! the event it is given, `cuStreamWaitEvent`), so that a bucket of gradients is reduced while
+//! the kernels launched after its event run, as PyTorch's ProcessGroupNCCL does on its
+//! communication streams. The caller's thread waits for it as for any collective (a reducer
+//! thread beside the one that launches the kernels); [`Communicator::order_kernels_after`]
+//! then makes the kernels' stream wait, by an event, for everything queued on the
+//! communication stream before the kernels that read the result are launched.
+//!
 //! # The watchdog, inline
 //! The communicator is made nonblocking (`ncclConfig_t.blocking = 0`): its set-up and each
 //! enqueue may return `ncclInProgress`, and are polled with `ncclCommGetAsyncError`. After a
@@ -23,8 +33,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cohort_cuda::libraries::Search;
-use cohort_engine::{Backend, Device as EngineDevice, Elem, View, ViewMut};
-use cudarc::driver::{result, sys, CudaContext};
+use cohort_engine::{Backend, Device as EngineDevice, Elem, Event, View, ViewMut};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent};
 
 use crate::ffi::{self, Comm, Res};
 use crate::{Nccl, NcclError, UniqueId};
@@ -91,10 +101,21 @@ impl Binding {
     }
 }
 
+/// Where a collective is queued.
+#[derive(Clone, Copy)]
+enum Queue {
+    /// The binding's stream, the kernels'.
+    Kernels,
+    /// The communication stream, after this event of the kernels' stream (if any).
+    Side { after: Option<sys::CUevent> },
+}
+
 /// The handle and whether an earlier failure aborted it.
 struct State {
     comm: Comm,
     aborted: Option<String>,
+    /// The communication stream (null until its first use; see the module doc).
+    side: sys::CUstream,
 }
 
 /// One rank of an NCCL communicator (see the module doc).
@@ -109,12 +130,15 @@ pub struct Communicator {
     ctx: Arc<CudaContext>,
     /// Recorded behind each collective and polled.
     event: sys::CUevent,
+    /// Recorded on the communication stream for the kernels' stream to wait for.
+    fence: sys::CUevent,
     timeout: Duration,
 }
 
 // SAFETY: the NCCL handle is only touched under `state`'s mutex (NCCL allows a communicator
-// to be used from any thread, one call at a time); the event is only recorded and queried
-// under the same mutex, and the context is an Arc of a thread-safe cudarc context.
+// to be used from any thread, one call at a time); the events and the communication stream
+// are only recorded, queried and queued on under the same mutex, and the context is an Arc
+// of a thread-safe cudarc context.
 unsafe impl Send for Communicator {}
 // SAFETY: as above: every method that touches the handle or the event takes the mutex.
 unsafe impl Sync for Communicator {}
@@ -167,6 +191,14 @@ impl Communicator {
         ctx.bind_to_thread().map_err(driver)?;
         let event =
             result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(driver)?;
+        let fence = match result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING) {
+            Ok(f) => f,
+            Err(e) => {
+                // SAFETY: created just above, never used.
+                let _ = unsafe { result::event::destroy(event) };
+                return Err(driver(e));
+            }
+        };
         let mut comm: Comm = std::ptr::null_mut();
         let mut config = ffi::Config::nonblocking();
         let (nranks, r) = (world as std::ffi::c_int, rank as std::ffi::c_int);
@@ -182,12 +214,14 @@ impl Communicator {
             state: Mutex::new(State {
                 comm,
                 aborted: None,
+                side: std::ptr::null_mut(),
             }),
             rank,
             world,
             binding,
             ctx,
             event,
+            fence,
             timeout,
         };
         let mut st = c.lock();
@@ -245,6 +279,76 @@ impl Communicator {
         self.run(OP, |comm, s| unsafe {
             (self.nccl.api.all_reduce)(p, p, n, T::TYPE, op.code(), comm, s)
         })
+    }
+
+    /// [`Communicator::all_reduce`] on the communication stream (see the module doc), once the
+    /// work before `after` (an event the CUDA backend recorded on its stream; one already
+    /// complete, [`Event::done`], waits for nothing) is done; returns once it is done. The
+    /// caller promises that no kernel launched after `after` reads or writes `buf` before
+    /// [`Communicator::order_kernels_after`].
+    pub fn all_reduce_after<T: NcclElem>(
+        &self,
+        buf: ViewMut<'_, T>,
+        op: Reduce,
+        after: &Event,
+    ) -> Result<(), NcclError> {
+        const OP: &str = "all_reduce";
+        self.check_device(OP, buf.device())?;
+        let wait = match after.device() {
+            None => None,
+            Some(e) => match e.downcast_ref::<CudaEvent>() {
+                Some(e) => Some(e.cu_event()),
+                None => {
+                    return Err(NcclError::Argument {
+                        op: OP,
+                        rank: self.rank,
+                        what: "an event of another backend than CUDA's".into(),
+                    })
+                }
+            },
+        };
+        let (p, n) = (buf.addr() as usize as *mut c_void, buf.len());
+        // SAFETY: `buf` is `n` elements of device memory on this GPU, borrowed exclusively
+        // for the call, which waits for the collective to finish; the communication stream
+        // waits for `after`, after which no kernel touches `buf` (the caller's promise); in
+        // place is allowed by NCCL.
+        self.run_on(OP, Queue::Side { after: wait }, |comm, s| unsafe {
+            (self.nccl.api.all_reduce)(p, p, n, T::TYPE, op.code(), comm, s)
+        })
+    }
+
+    /// Makes the kernels' stream (the binding's) wait for every collective queued on the
+    /// communication stream so far, by an event: what the kernels that read a reduced buffer
+    /// must come after. Returns without waiting on the host; nothing to do before the first
+    /// [`Communicator::all_reduce_after`].
+    pub fn order_kernels_after(&self) -> Result<(), NcclError> {
+        const OP: &str = "order the kernels after the communication stream";
+        let mut st = self.lock();
+        if let Some(first) = &st.aborted {
+            return Err(NcclError::Aborted {
+                op: OP,
+                rank: self.rank,
+                first: first.clone(),
+            });
+        }
+        if st.side.is_null() {
+            return Ok(());
+        }
+        self.bind(&mut st, OP)?;
+        let kernels = self.binding.stream as usize as sys::CUstream;
+        // SAFETY: the fence was created in this context, which is current; the communication
+        // stream is live (destroyed only on drop) and the kernels' stream is the backend's,
+        // of the same context; recording and waiting happen under the mutex.
+        let queued = unsafe {
+            result::event::record(self.fence, st.side).and_then(|()| {
+                result::stream::wait_event(
+                    kernels,
+                    self.fence,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            })
+        };
+        queued.map_err(|e| self.fail(&mut st, self.driver(OP, e)))
     }
 
     /// Rank r's `recv` = the reduction over the ranks of block r of `send`
@@ -360,11 +464,21 @@ impl Communicator {
         })
     }
 
-    /// Queues one collective with `call` (given the handle and the stream), then waits for
-    /// it (see the module doc).
+    /// Queues one collective with `call` (given the handle and the stream) on the binding's
+    /// stream, then waits for it (see the module doc).
     fn run(
         &self,
         op: &'static str,
+        call: impl FnOnce(Comm, ffi::Stream) -> Res,
+    ) -> Result<(), NcclError> {
+        self.run_on(op, Queue::Kernels, call)
+    }
+
+    /// [`Communicator::run`] on the stream `queue` names.
+    fn run_on(
+        &self,
+        op: &'static str,
+        queue: Queue,
         call: impl FnOnce(Comm, ffi::Stream) -> Res,
     ) -> Result<(), NcclError> {
         let mut st = self.lock();
@@ -377,7 +491,27 @@ impl Communicator {
         }
         let start = Instant::now();
         self.bind(&mut st, op)?;
-        let stream = self.binding.stream as usize as ffi::Stream;
+        let stream = match queue {
+            Queue::Kernels => self.binding.stream as usize as ffi::Stream,
+            Queue::Side { after } => {
+                let side = self.side_stream(&mut st, op)?;
+                if let Some(event) = after {
+                    // SAFETY: the communication stream is live; `event` is the backend's,
+                    // alive for the call (the caller borrows it), of the same context.
+                    let waited = unsafe {
+                        result::stream::wait_event(
+                            side,
+                            event,
+                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                    };
+                    if let Err(e) = waited {
+                        return Err(self.fail(&mut st, self.driver(op, e)));
+                    }
+                }
+                side as ffi::Stream
+            }
+        };
         let rc = call(st.comm, stream);
         if rc != ffi::SUCCESS && rc != ffi::IN_PROGRESS {
             let reason = self.nccl.api.describe(rc, st.comm);
@@ -408,6 +542,18 @@ impl Communicator {
             std::thread::sleep(nap);
             nap = (nap * 2).min(Duration::from_millis(1));
         }
+    }
+
+    /// The communication stream, made on first use (non-blocking: it never waits for the
+    /// legacy default stream, only for the events it is told to).
+    fn side_stream(&self, st: &mut State, op: &'static str) -> Result<sys::CUstream, NcclError> {
+        if st.side.is_null() {
+            match result::stream::create(result::stream::StreamKind::NonBlocking) {
+                Ok(s) => st.side = s,
+                Err(e) => return Err(self.fail(st, self.driver(op, e))),
+            }
+        }
+        Ok(st.side)
     }
 
     /// Makes the device's context current on this thread.
@@ -504,7 +650,15 @@ impl Drop for Communicator {
             let _ = unsafe { (self.nccl.api.comm_abort)(st.comm) };
             st.comm = std::ptr::null_mut();
         }
-        // SAFETY: the event was created by this communicator and no call queries it any more.
-        let _ = unsafe { result::event::destroy(self.event) };
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the events and the stream were created by this communicator and no call
+        // uses them any more (the communicator is aborted: nothing is queued on the stream).
+        unsafe {
+            let _ = result::event::destroy(self.event);
+            let _ = result::event::destroy(self.fence);
+            if !st.side.is_null() {
+                let _ = result::stream::destroy(st.side);
+            }
+        }
     }
 }

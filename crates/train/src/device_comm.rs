@@ -15,7 +15,7 @@
 use std::sync::OnceLock;
 
 use cohort_comm::ProcessGroup;
-use cohort_engine::{Backend, ViewMut};
+use cohort_engine::{Backend, Event, ViewMut};
 
 use crate::error::TrainError;
 
@@ -28,6 +28,33 @@ pub trait DeviceCollectives: Send + Sync {
     /// line naming the rank and the operation, and leaves the collectives unusable (a
     /// timeout aborts them instead of hanging).
     fn all_reduce_avg(&self, backend: &dyn Backend, grads: ViewMut<'_, f32>) -> Result<(), String>;
+
+    /// [`DeviceCollectives::all_reduce_avg`] of one bucket, queued after the kernels before
+    /// `after` (an event of `backend` recorded as backward handed the bucket's last range
+    /// over) and apart from the kernels launched since, so that it runs while backward goes
+    /// on (NCCL: on its communication stream); returns when done. Called from a reducer
+    /// thread, one bucket at a time, in the same order on every rank, while the training
+    /// thread launches backward's kernels; no kernel launched after `after` touches `grads`.
+    /// The default queues it as [`DeviceCollectives::all_reduce_avg`] does (in order with
+    /// every kernel launched so far, which `after` precedes).
+    fn all_reduce_avg_after(
+        &self,
+        backend: &dyn Backend,
+        grads: ViewMut<'_, f32>,
+        after: &Event,
+    ) -> Result<(), String> {
+        let _ = after;
+        self.all_reduce_avg(backend, grads)
+    }
+
+    /// Orders `backend`'s kernels launched from now on after every
+    /// [`DeviceCollectives::all_reduce_avg_after`] so far (NCCL: the kernels' stream waits
+    /// for the communication stream by an event), before anything reads the averaged
+    /// gradients. The default has nothing to order: it queued on the kernels' stream.
+    fn order_kernels_after(&self, backend: &dyn Backend) -> Result<(), String> {
+        let _ = backend;
+        Ok(())
+    }
 }
 
 /// What the program's library settled on for a group.

@@ -16,12 +16,15 @@
 //!   model's parts; `diloco`: the outer optimizer and its checkpoint state;
 //! - `staged`: DDP and ZeRO-1 of a model in a device's memory, its gradients staged through
 //!   the host as backward finishes them;
+//! - `device_buckets`: DDP's buckets of a model in a device's memory averaged by the device
+//!   collectives (NCCL) while backward goes on;
 //! - `link`: whether gradients travel in bf16 when not told (by the link).
 //!
 //! This module never lets one rank's parameters differ from another's
 //! after a step (DiLoCo: after a sync), and never keeps sharded state beyond a rank's own shard
 //! between steps.
 
+mod device_buckets;
 mod diloco;
 mod link;
 mod sharded;

@@ -246,9 +246,25 @@ pub(crate) fn gradients_line(
         why.as_ref()
             .map_or(String::new(), |w| format!(" (host staging: {w})"))
     };
+    // NCCL sums what the device holds: f32.
+    let f32_only = match compression {
+        Compression::Bf16 => " (bf16 compression is host staging's: NCCL moves the f32 gradients)",
+        Compression::None => "",
+    };
     let line = match sync {
+        GradSync::Device { nccl: Some(c), .. } if overlap => format!(
+            "gradients: averaged on the device by {} over {world} rank(s) in f32, bucket by \
+             bucket while backward goes on: an event recorded on the kernels' stream as \
+             backward finishes each range; each bucket's all-reduce queued by a reducer thread \
+             on {}'s communication stream after the event of its last range; the kernels' \
+             stream waits for the communication stream before the gradient guard and \
+             AdamW{f32_only}",
+            c.name(),
+            c.name()
+        ),
         GradSync::Device { nccl: Some(c), .. } => format!(
-            "gradients: averaged on the device by {} over {world} rank(s) after backward",
+            "gradients: averaged on the device by {} over {world} rank(s) in f32 after backward \
+             (overlap off){f32_only}",
             c.name()
         ),
         GradSync::Device { ddp, .. } if ddp.staging.is_empty() => {

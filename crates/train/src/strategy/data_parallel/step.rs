@@ -17,6 +17,7 @@ use cohort_engine::optim::{AdamW, Optimizer};
 use cohort_engine::{Backend, ViewMut};
 use cohort_gpt::{Backward, Forward, Labels, GPT};
 
+use super::device_buckets;
 use super::diloco::Outer;
 use super::sharded::{ShardedDp, ZeroStage};
 use super::staged::{StagedDdp, StagedZero1};
@@ -57,7 +58,8 @@ pub enum GradSync<'pg> {
     /// DDP of a model in a device's memory (`--device`): forward, backward, the gradient
     /// guard and AdamW as its backend's kernels; DDP's buckets staged through the host as
     /// backward finishes them and all-reduced there while it goes on (see `staged`), or, where
-    /// NCCL moves them, the whole gradient averaged on the device after the last backward.
+    /// NCCL moves them, the same buckets averaged on the device while backward goes on (see
+    /// `device_buckets`; with overlap off, the whole gradient after the last backward).
     Device {
         /// The buckets, their host staging and their all-reduces.
         ddp: StagedDdp<'pg>,
@@ -253,6 +255,19 @@ impl<'pg> DataParallel<'pg> {
                     comm_wait: stats.comm_wait,
                     comm_busy: stats.comm_busy,
                 })
+            }
+            GradSync::Device {
+                ddp,
+                nccl: Some(nccl),
+                ..
+            } if last && ddp.ddp().options().overlap => {
+                let buckets: Vec<_> = ddp
+                    .ddp()
+                    .buckets()
+                    .iter()
+                    .map(|b| b.range.clone())
+                    .collect();
+                device_buckets::backward(model, &buckets, &**nccl)
             }
             GradSync::Device { ddp, nccl, .. } if last => {
                 let stats = ddp.backward(model)?;

@@ -379,8 +379,19 @@ fn model_line(
             "on {}: forward, backward, the gradient norm and AdamW as its kernels; {}",
             model.backend().device(),
             match nccl {
+                Some(c) if ddp.ddp().options().overlap => format!(
+                    "DDP's gradients averaged on the device by {} in buckets while backward goes \
+                     on: {} in launch order of {} (cap {} MB, the last at most {} MB where it can \
+                     be cut; overlap on)",
+                    c.name(),
+                    ddp.ddp().buckets().len(),
+                    cohort_ddp::describe_sizes(ddp.ddp().buckets()),
+                    cfg.bucket_cap_mb,
+                    ddp.ddp().options().last_bucket_mb,
+                ),
                 Some(c) => format!(
-                    "DDP's gradients averaged on the device by {} after backward (no buckets)",
+                    "DDP's gradients averaged on the device by {} after backward (one \
+                     all-reduce; overlap off)",
                     c.name()
                 ),
                 None => format!(

@@ -490,8 +490,8 @@ impl<'a, T: Elem> ViewMut<'a, T> {
     /// adjacent addresses alone do not make two allocations one.
     #[inline]
     pub unsafe fn join(self, next: ViewMut<'a, T>) -> Option<ViewMut<'a, T>> {
-        let adjacent = self.device == next.device
-            && self.ptr.wrapping_add(self.len) as usize == next.ptr as usize;
+        let adjacent =
+            self.device == next.device && std::ptr::eq(self.ptr.wrapping_add(self.len), next.ptr);
         adjacent.then_some(ViewMut {
             len: self.len + next.len,
             ..self

@@ -31,7 +31,10 @@
 // scheduling. Shared memory is static (rows padded to ATT_SROW = HS_max + 4 floats so that the 8
 // lanes reading 8 consecutive rows at one column hit distinct banks): forward and delta stage Q
 // (32 rows) and K then V (32 rows, one buffer) and the 32 x 32 probabilities, about 37 KiB; dq
-// and dkv stage four 16-row tiles (Q, dout, K, V) and their 16 x 16 products, about 35 KiB.
+// and dkv stage four 16-row tiles (Q, dout, K, V) and their 16 x 16 products, about 35 KiB
+// (static shared memory stops at 48 KiB; four 32-row fp32 tiles of head size 128 need 66 KiB,
+// hence backward's 16-row tiles). Registers stay at or below 128 per thread (ptxas, sm_80 and
+// sm_90), so registers allow 4 blocks of 128 threads per SM.
 //
 // Masking: a query sees key j when lo(query) <= j <= query (lo: its segment's start) and j is
 // not padding; a block visits only the tiles that hold such pairs (the causal triangle, cut
@@ -47,7 +50,7 @@
 
 #define ATT_NT 128   // threads per block
 #define ATT_HD 128   // the largest head size
-#define ATT_SROW 132 // floats per staged row: ATT_HD + 4 (see above)
+#define ATT_SROW (ATT_HD + 4)  // floats per staged row (see above)
 #define FWD_Q 32     // forward and delta: queries per block (16 groups x 2 rows)
 #define FWD_K 32     // forward and delta: keys per tile (8 lanes x 4)
 #define BWD_T 16     // dq and dkv: rows per tile, both sides (16 groups x 1, 8 lanes x 2)
@@ -120,6 +123,9 @@ __device__ __forceinline__ void tile_dots(float (&acc)[RI][CJ], const AttRow* A,
     for (int i = 0; i < RI; i++)
 #pragma unroll
         for (int c = 0; c < CJ; c++) acc[i][c] = 0.0f;
+    // Not unrolled: one step is already RI CJ x 4 independent FMAs, and unrolling it kept
+    // attention_forward at ~137 registers (3 blocks per SM) instead of <= 128 (4 blocks).
+#pragma unroll 1
     for (int d = 0; d < hd4; d += 4) {
         float a[RI][4], b[CJ][4];
 #pragma unroll

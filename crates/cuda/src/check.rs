@@ -124,7 +124,14 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
     optim(dev, &mut rows);
     casts_and_matmul(dev, &mut rows);
     weight_overwrite::run(dev, &mut rows);
-    // 4 query heads over 4 key/value heads (GPT-2's), 2 (GQA) or 1 (MQA); packed: segment ids
+    // 4 query heads over 4 key/value heads (GPT-2's), 2 (GQA) or 1 (MQA); packed: segment ids.
+    // B 2, T 70, head size 48: a few of the kernels' tiles (32 and 16 positions).
+    let small = AttnDims {
+        b: 2,
+        t: 70,
+        c: 192,
+        nh: 4,
+    };
     for (name, mask, dropout, packed, nkv) in [
         ("attention", false, false, false, 4),
         ("attention+mask", true, false, false, 4),
@@ -133,7 +140,47 @@ pub fn run(dev: &Device) -> Vec<CheckRow> {
         ("attention_mqa+mask", true, false, false, 1),
         ("attention_gqa+mask+packed", true, false, true, 2),
     ] {
-        rows.case(name, || attention(dev, name, (mask, dropout, packed), nkv));
+        rows.case(name, || {
+            attention(dev, name, small, (mask, dropout, packed), nkv)
+        });
+    }
+    // Many tiles along T (7 of forward's, 13 of backward's), a head size that is no multiple
+    // of 32 (40) and the largest (128).
+    let hd40 = AttnDims {
+        b: 2,
+        t: 200,
+        c: 160,
+        nh: 4,
+    };
+    let hd128 = AttnDims {
+        b: 2,
+        t: 150,
+        c: 256,
+        nh: 2,
+    };
+    for (name, dims, mask, dropout, packed, nkv) in [
+        (
+            "attention_hd40_t200_gqa+mask+dropout",
+            hd40,
+            true,
+            true,
+            false,
+            2,
+        ),
+        ("attention_hd40_t200+packed", hd40, false, false, true, 4),
+        ("attention_hd128_t150", hd128, false, false, false, 2),
+        (
+            "attention_hd128_t150_mqa+mask+packed+dropout",
+            hd128,
+            true,
+            true,
+            true,
+            1,
+        ),
+    ] {
+        rows.case(name, || {
+            attention(dev, name, dims, (mask, dropout, packed), nkv)
+        });
     }
     rows.0
 }
@@ -691,15 +738,10 @@ type Outputs = Vec<(String, Vec<f32>, Vec<f32>, f64)>;
 fn attention(
     dev: &Device,
     tag: &str,
+    dims: AttnDims,
     (masked, dropped, packed): (bool, bool, bool),
     nkv: usize,
 ) -> Result<Outputs, CudaError> {
-    let dims = AttnDims {
-        b: 2,
-        t: 70,
-        c: 192,
-        nh: 4,
-    };
     let AttnDims { b, t, c, nh } = dims;
     // rows of q's NH heads, then k's and v's NKV (GPT-2's 3C when NKV = NH)
     let rs = (nh + 2 * nkv) * (c / nh);
@@ -713,14 +755,23 @@ fn attention(
     });
     // Packed rows: row 0 holds runs of 20, 1, 24 and 25 positions, the last reusing the first's
     // id (a run, not an id, is a sequence); row 1 a run of 3 inside its padding (queries that
-    // see no key), then runs of 30 and 37.
+    // see no key), then runs of 30 and 37; then runs of 37 with ids of their own, the last
+    // cut at T.
     let segments: Option<Vec<u32>> = packed.then(|| {
         let runs: [&[(u32, usize)]; 2] = [
             &[(0, 20), (1, 1), (2, 24), (0, 25)],
             &[(5, 3), (6, 30), (7, 37)],
         ];
-        runs.iter()
-            .flat_map(|r| r.iter().flat_map(|&(id, n)| std::iter::repeat_n(id, n)))
+        (0..b)
+            .flat_map(|r| {
+                let more = (0..).map(|i| (100 + i, 37));
+                runs[r % 2]
+                    .iter()
+                    .copied()
+                    .chain(more)
+                    .flat_map(|(id, n)| std::iter::repeat_n(id, n))
+                    .take(t)
+            })
             .collect()
     });
     let (qd, md, sd) = (

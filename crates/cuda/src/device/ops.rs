@@ -62,6 +62,34 @@ fn warp_per_row(rows: usize) -> LaunchConfig {
     }
 }
 
+/// Threads per block of the attention kernels (ATT_NT in kernels/attention.cu).
+const ATT_THREADS: u32 = 128;
+/// Queries per block of attention_forward and attention_backward_delta (FWD_Q).
+const ATT_FWD_ROWS: usize = 32;
+/// Queries (keys) per block of attention_backward_dq (attention_backward_dkv) (BWD_T).
+const ATT_BWD_ROWS: usize = 16;
+
+/// An attention kernel's grid: a block per tile of `rows` positions of the `t` and per one of
+/// the `heads` (batch, head) pairs (grid y, at most 65535).
+fn attn_tiles(
+    kernel: &'static str,
+    t: usize,
+    rows: usize,
+    heads: usize,
+) -> Result<LaunchConfig, CudaError> {
+    if heads > 65535 {
+        return Err(CudaError::Unsupported {
+            kernel,
+            what: format!("{heads} (batch, head) pairs (at most 65535, the grid's y)"),
+        });
+    }
+    Ok(LaunchConfig {
+        grid_dim: (int(kernel, "T", t.div_ceil(rows))? as u32, heads as u32, 1),
+        block_dim: (ATT_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// One thread per column.
 fn thread_per_column(c: usize) -> LaunchConfig {
     LaunchConfig {
@@ -823,10 +851,13 @@ impl Device {
         let (m, sg) = self.attn_keys(K, (mask, segments), b * t)?;
         let (o, l, q) = (out.ptr(self), lse.ptr(self), qkv.ptr(self));
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
+        if b * t == 0 {
+            return Ok(()); // nothing to attend; a grid of no blocks is not a launch
+        }
         launch!(
             self,
             "attention_forward",
-            warp_per_row(b * nh * t),
+            attn_tiles(K, t, ATT_FWD_ROWS, b * nh)?,
             &o,
             &l,
             &q,
@@ -877,11 +908,14 @@ impl Device {
         );
         let (d, q, l) = (dout.ptr(self), qkv.ptr(self), lse.ptr(self));
         let (p, key) = dropout.map_or((0.0f32, 0u64), |d| (d.p, d.key));
+        if b * t == 0 {
+            return Ok(()); // nothing to attend; a grid of no blocks is not a launch
+        }
+        // delta first; dq and dk/dv read it and write disjoint columns of dqkv
         launch!(
             self,
-            "attention_backward_query",
-            warp_per_row(b * nh * t),
-            &dq,
+            "attention_backward_delta",
+            attn_tiles(K, t, ATT_FWD_ROWS, b * nh)?,
             &ro,
             &de,
             &d,
@@ -899,8 +933,27 @@ impl Device {
         )?;
         launch!(
             self,
-            "attention_backward_key",
-            warp_per_row(b * nkv * t),
+            "attention_backward_dq",
+            attn_tiles(K, t, ATT_BWD_ROWS, b * nh)?,
+            &dq,
+            &de,
+            &d,
+            &q,
+            &l,
+            &m,
+            &sg,
+            &bi,
+            &ti,
+            &ci,
+            &hi,
+            &kvi,
+            &p,
+            &key
+        )?;
+        launch!(
+            self,
+            "attention_backward_dkv",
+            attn_tiles(K, t, ATT_BWD_ROWS, b * nkv)?,
             &dq,
             &de,
             &d,

@@ -93,8 +93,9 @@ pub const FAMILIES: &[Family] = &[
         source: include_str!("attention.cu"),
         kernels: &[
             "attention_forward",
-            "attention_backward_query",
-            "attention_backward_key",
+            "attention_backward_delta",
+            "attention_backward_dq",
+            "attention_backward_dkv",
         ],
     },
 ];

@@ -46,6 +46,11 @@ struct uint3 {
 struct dim3 {
     unsigned x, y, z;
 };
+// CUDA's vector type, 16-byte aligned as on the GPU (kernels load it from shared memory).
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 namespace cohort_emu {
 

@@ -56,18 +56,10 @@
 #define BWD_T 16     // dq and dkv: rows per tile, both sides (16 groups x 1, 8 lanes x 2)
 
 // Vector loads from shared memory (16-byte aligned rows, columns a multiple of 4).
-// The emulator's g++ (no __CUDACC_RTC__) has no float4: four scalar loads there.
-#ifdef __CUDACC_RTC__
 typedef float4 att_f4;
 __device__ __forceinline__ att_f4 ld4(const float* p) {
     return *reinterpret_cast<const float4*>(p);
 }
-#else
-struct att_f4 {
-    float x, y, z, w;
-};
-__device__ __forceinline__ att_f4 ld4(const float* p) { return att_f4{p[0], p[1], p[2], p[3]}; }
-#endif
 
 typedef float AttRow[ATT_SROW];
 
